@@ -1,0 +1,1 @@
+"""pagedllm: an LLM inference and serving engine built around PagedAttention."""

@@ -1,0 +1,99 @@
+"""`pagedllm kv-calc`: the chapter's locker arithmetic, and what a memory budget holds for a real model."""
+from __future__ import annotations
+
+import argparse
+
+from pagedllm.errors import UserError
+from pagedllm.kv.sizing import (DTYPE_BYTES, kv_bytes_per_token, num_blocks_in_budget, paged_slots,
+                                parse_memory_size, requests_that_fit)
+
+CHAPTER_USED = "180,650,90,1200,300,75,420,260"  # the chapter's eight example requests
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("kv-calc", help="KV-cache slots: whole-length reservation vs paged blocks",
+                       description="Reproduces the chapter's whole-vs-paged arithmetic; with --model and --memory, "
+                                   "also how many of the requests fit in a KV budget.")
+    # Flags are read as text and checked here, so a bad value gets one line that names the flag.
+    p.add_argument("--max-len", default="4096", help="max model length reserved per request (whole allocation)")
+    p.add_argument("--block-size", default="16", help="tokens per KV block")
+    p.add_argument("--used", default=CHAPTER_USED, help="comma-separated tokens each request really uses")
+    p.add_argument("--lang", choices=["en", "ko"], default="en", help="ko prints the chapter's own three lines")
+    p.add_argument("--model", nargs="?", const="default", default=None,
+                   help="a model path (HF folder or GGUF) or 'default': adds bytes per token and block")
+    p.add_argument("--memory", default=None, help="KV-cache budget, e.g. 4GiB (needs --model)")
+    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bfloat16", help="KV-cache dtype")
+    p.set_defaults(func=run)
+
+
+def _positive_int(flag: str, text: str, allow_zero: bool = False) -> int:
+    try:
+        value = int(text.strip())
+    except ValueError:
+        raise UserError(f"{flag}: {text!r} is not a whole number") from None
+    if value < 0 or (value == 0 and not allow_zero):
+        raise UserError(f"{flag}: must be {'0 or more' if allow_zero else 'at least 1'}, got {value}")
+    return value
+
+
+def parse_used(text: str) -> list[int]:
+    items = [t for t in text.split(",") if t.strip()]
+    if not items:
+        raise UserError("--used: give at least one length, e.g. --used 180,650,90")
+    return [_positive_int("--used", t, allow_zero=True) for t in items]
+
+
+def run(args: argparse.Namespace) -> int:
+    max_len = _positive_int("--max-len", args.max_len)
+    block_size = _positive_int("--block-size", args.block_size)
+    used = parse_used(args.used)
+    budget = None
+    if args.memory is not None:
+        try:
+            budget = parse_memory_size(args.memory)
+        except ValueError as e:
+            raise UserError(f"--memory: {e}") from None
+        if args.model is None:
+            raise UserError("--memory: needs --model to know the KV bytes per token")
+
+    rows = paged_slots(used, block_size)
+    total = sum(used)
+    whole = max_len * len(used)
+    paged = sum(r.slots for r in rows)
+    if args.lang == "ko":
+        # Character for character what the chapter's code prints.
+        print("실제로 쓴 토큰:", total)
+        print(f"통째로 잡은 자리: {whole:,} (쓴 몫 {total / whole:.1%})")
+        print(f"쪽으로 잡은 자리: {paged:,} (쓴 몫 {total / paged:.1%})")
+    else:
+        print(f"{total:,} tokens used")
+        print(f"whole: {whole:,} slots ({total / whole:.1%} used)  [{max_len:,} reserved per request]")
+        print(f"paged: {paged:,} slots ({total / paged:.1%} used)  [blocks of {block_size}]")
+        print()
+        print(f"{'request':>7} {'tokens':>7} {'blocks':>7} {'slots':>7} {'empty':>7}")
+        for i, r in enumerate(rows, 1):
+            print(f"{i:>7} {r.tokens:>7,} {r.blocks:>7,} {r.slots:>7,} {r.empty:>7,}")
+    if args.model is not None:
+        _report_model(args.model, args.dtype, block_size, max_len, used, budget)
+    return 0
+
+
+def _report_model(model: str, dtype: str, block_size: int, max_len: int, used: list[int], budget: int | None) -> None:
+    from pagedllm.model.config import load_model_config
+
+    cfg = load_model_config(None if model == "default" else model)
+    per_token = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, DTYPE_BYTES[dtype])
+    per_block = per_token * block_size
+    print()
+    print(f"model: {cfg.name} ({cfg.num_layers} layers, {cfg.num_kv_heads} KV heads x {cfg.head_dim} dims, {dtype})")
+    print(f"KV bytes per token: {per_token:,}")
+    print(f"KV bytes per block of {block_size}: {per_block:,}")
+    if budget is None:
+        return
+    blocks = num_blocks_in_budget(budget, per_block)
+    print(f"budget {budget:,} bytes: {blocks:,} blocks = {blocks * block_size:,} tokens")
+    # The same requests, repeated, until the budget is full: how many run at once under each allocation.
+    workload = used * (blocks * block_size // max(1, sum(used)) + 2)
+    for allocation in ("contiguous", "paged"):
+        n = requests_that_fit(workload, blocks, block_size, allocation, max_len)
+        print(f"{allocation:>10}: {n:,} requests of these lengths fit at once")

@@ -1,0 +1,128 @@
+"""The block pool: every KV block, its ref count and hash, an LRU free queue and the prefix-cache index.
+
+A freed block keeps its hash and contents, so a later request with the same prefix can take it back
+("touch") for free; a fresh allocation takes the least recently freed block and only then drops its hash.
+All operations are O(1) per block: the free queue is a doubly linked list threaded through the blocks.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from pagedllm.kv.hashing import BlockHash
+
+
+@dataclass(eq=False)
+class KVBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: BlockHash | None = None  # set once the block is full and registered in the prefix cache
+    prev_free: KVBlock | None = field(default=None, repr=False)
+    next_free: KVBlock | None = field(default=None, repr=False)
+
+
+class FreeBlockQueue:
+    """Free blocks in eviction order: the head is the least recently freed, taken first."""
+
+    def __init__(self, blocks: Iterable[KVBlock]) -> None:
+        self._head = KVBlock(-1)  # sentinels, so no operation has to special-case an empty list
+        self._tail = KVBlock(-1)
+        self._head.next_free, self._tail.prev_free = self._tail, self._head
+        self.num_free = 0
+        for block in blocks:
+            self.append(block)
+
+    def append(self, block: KVBlock) -> None:
+        last = self._tail.prev_free
+        assert last is not None
+        last.next_free, block.prev_free = block, last
+        block.next_free, self._tail.prev_free = self._tail, block
+        self.num_free += 1
+
+    def remove(self, block: KVBlock) -> None:
+        prev, nxt = block.prev_free, block.next_free
+        assert prev is not None and nxt is not None, f"block {block.block_id} is not free"
+        prev.next_free, nxt.prev_free = nxt, prev
+        block.prev_free = block.next_free = None
+        self.num_free -= 1
+
+    def popleft(self) -> KVBlock:
+        block = self._head.next_free
+        if block is None or block is self._tail:
+            raise RuntimeError("no free KV block")
+        self.remove(block)
+        return block
+
+    def __iter__(self):
+        block = self._head.next_free
+        while block is not None and block is not self._tail:
+            yield block
+            block = block.next_free
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[BlockHash, KVBlock] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free
+
+    @property
+    def usage(self) -> float:
+        """Share of blocks held by running requests (free blocks that still cache a prefix count as free)."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVBlock | None:
+        return self.cached.get(block_hash) if self.enable_caching else None
+
+    def allocate(self, n: int) -> list[KVBlock]:
+        if n > self.num_free_blocks:
+            raise RuntimeError(f"asked for {n} KV blocks, {self.num_free_blocks} free")
+        out = []
+        for _ in range(n):
+            block = self.free_queue.popleft()
+            self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take a reference to cached blocks; a free one leaves the free queue (it is no longer evictable)."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop a reference to each block, in the given order: blocks freed first are evicted first."""
+        for block in blocks:
+            assert block.ref_cnt > 0, f"double free of block {block.block_id}"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue.append(block)
+
+    def cache_block(self, block: KVBlock, block_hash: BlockHash) -> None:
+        """Register a full block under its chained hash, unless another block already holds that prefix."""
+        if not self.enable_caching or block.block_hash is not None or block_hash in self.cached:
+            return
+        block.block_hash = block_hash
+        self.cached[block_hash] = block
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (e.g. after new weights); blocks in use keep their contents."""
+        for block in self.cached.values():
+            block.block_hash = None
+        self.cached.clear()
+
+    def _evict(self, block: KVBlock) -> None:
+        if block.block_hash is not None:
+            if self.cached.get(block.block_hash) is block:
+                del self.cached[block.block_hash]
+            block.block_hash = None

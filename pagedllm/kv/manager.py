@@ -1,0 +1,216 @@
+"""KV-cache managers: who holds which blocks, and how a request grows.
+
+Two policies share one interface so the engine can measure them side by side:
+- `PagedKVCacheManager` (PagedAttention): a request holds ceil(tokens / block_size) blocks, grows by one block
+  when its last one is full, and shares full prefix blocks with other requests through the prefix cache.
+- `ContiguousKVCacheManager` (the chapter's baseline, "one big locker each"): at admission a request reserves
+  room for max_model_len tokens, rounded up to whole blocks, and shares nothing.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from pagedllm.kv.block_pool import BlockPool, KVBlock
+from pagedllm.kv.hashing import BlockHash, hash_full_blocks
+
+
+class KVRequest(Protocol):
+    """What a manager needs to know of a request (the engine's Request satisfies it)."""
+
+    request_id: str
+    all_token_ids: list[int]  # prompt + generated so far
+    num_computed_tokens: int  # tokens whose KV is already in the cache
+    cache_salt: str | None  # extra hash key: requests with different salts never share blocks
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class PrefixCacheStats:
+    """Counted in tokens, as vLLM's prefix_cache_queries / prefix_cache_hits."""
+
+    queries: int = 0
+    hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    """The shared bookkeeping; subclasses decide how many blocks a request needs and what it may share."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+        if block_size < 1:
+            raise ValueError(f"block size must be at least 1, got {block_size}")
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.req_tokens: dict[str, int] = {}  # tokens each request has slots for (stored or about to be)
+        self.prefix_stats = PrefixCacheStats()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def enable_caching(self) -> bool:
+        return self.pool.enable_caching
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_stored_tokens(self) -> int:
+        """Tokens that running requests keep in the cache (a shared block's tokens count for each holder)."""
+        return sum(self.req_tokens.values())
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    def get_computed_blocks(self, request: KVRequest) -> tuple[list[KVBlock], int]:
+        """The longest chain of cached full blocks of a new request's tokens, and how many tokens it covers."""
+        return [], 0
+
+    def allocate_slots(
+        self, request: KVRequest, num_new_tokens: int, new_computed_blocks: Sequence[KVBlock] = ()
+    ) -> bool:
+        """Make room for `num_new_tokens` more tokens after the computed ones; all or nothing.
+
+        False means the pool is too full: nothing changed and the scheduler may preempt and retry.
+        """
+        raise NotImplementedError
+
+    def free(self, request: KVRequest) -> None:
+        """Return a finished, aborted or preempted request's blocks, the tail of its chain first.
+
+        The tail goes first because it is the least likely to be shared: when memory runs short, the eviction
+        order (least recently freed first) then drops a prompt's last blocks before its first ones.
+        """
+        blocks = self.req_blocks.pop(request.request_id, [])
+        self.req_tokens.pop(request.request_id, None)
+        self.pool.free(reversed(blocks))
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_prefix_cache()
+
+
+class PagedKVCacheManager(KVCacheManager):
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_caching: bool = True) -> None:
+        super().__init__(num_blocks, block_size, enable_caching)
+        self.req_hashes: dict[str, list[BlockHash]] = {}
+        self.req_num_cached: dict[str, int] = {}  # how many of a request's blocks are registered in the cache
+
+    def _hashes(self, request: KVRequest, num_tokens: int) -> list[BlockHash]:
+        """The chained hashes of the request's full blocks within its first `num_tokens` tokens (memoized)."""
+        known = self.req_hashes.get(request.request_id, [])
+        if len(known) < num_tokens // self.block_size:
+            known = hash_full_blocks(
+                request.all_token_ids[:num_tokens], self.block_size, getattr(request, "cache_salt", None), known
+            )
+            self.req_hashes[request.request_id] = known
+        return known
+
+    def get_computed_blocks(self, request: KVRequest) -> tuple[list[KVBlock], int]:
+        if not self.enable_caching:
+            return [], 0
+        num_tokens = len(request.all_token_ids)
+        # Never the whole prompt: its last token must be computed to produce the next token's logits.
+        max_blocks = (num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for block_hash in self._hashes(request, max_blocks * self.block_size)[:max_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        self.prefix_stats.queries += num_tokens
+        self.prefix_stats.hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(
+        self, request: KVRequest, num_new_tokens: int, new_computed_blocks: Sequence[KVBlock] = ()
+    ) -> bool:
+        rid = request.request_id
+        held = self.req_blocks.get(rid, [])
+        total = request.num_computed_tokens + len(new_computed_blocks) * self.block_size + num_new_tokens
+        num_new_blocks = cdiv(total, self.block_size) - len(held) - len(new_computed_blocks)
+        # Cached blocks that sit in the free queue leave it when touched, so they count against the free pool.
+        evictable = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks + evictable > self.pool.num_free_blocks:
+            return False
+        self.pool.touch(new_computed_blocks)
+        held = self.req_blocks.setdefault(rid, held)
+        held.extend(new_computed_blocks)
+        if num_new_blocks > 0:
+            held.extend(self.pool.allocate(num_new_blocks))
+        self.req_tokens[rid] = total
+        if self.enable_caching:
+            self._cache_full_blocks(request, held, total)
+        return True
+
+    def _cache_full_blocks(self, request: KVRequest, held: list[KVBlock], num_tokens: int) -> None:
+        """Register the blocks that this step fills, so requests scheduled after this one can share them."""
+        start = self.req_num_cached.get(request.request_id, 0)
+        num_full = num_tokens // self.block_size
+        if num_full <= start:
+            return
+        hashes = self._hashes(request, num_tokens)
+        for i in range(start, num_full):
+            self.pool.cache_block(held[i], hashes[i])
+        self.req_num_cached[request.request_id] = num_full
+
+    def free(self, request: KVRequest) -> None:
+        super().free(request)
+        self.req_hashes.pop(request.request_id, None)
+        self.req_num_cached.pop(request.request_id, None)
+
+
+class ContiguousKVCacheManager(KVCacheManager):
+    """Reserves max_model_len (in whole blocks) per request at admission, as a system without paging must."""
+
+    def __init__(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
+        super().__init__(num_blocks, block_size, enable_caching=False)
+        self.blocks_per_request = cdiv(max_model_len, block_size)
+        if self.blocks_per_request > num_blocks:
+            raise ValueError(
+                f"contiguous allocation reserves {self.blocks_per_request} blocks per request "
+                f"(max_model_len {max_model_len}), but the KV cache has only {num_blocks}"
+            )
+
+    def allocate_slots(
+        self, request: KVRequest, num_new_tokens: int, new_computed_blocks: Sequence[KVBlock] = ()
+    ) -> bool:
+        assert not new_computed_blocks, "contiguous allocation shares nothing"
+        rid = request.request_id
+        total = request.num_computed_tokens + num_new_tokens
+        if total > self.blocks_per_request * self.block_size:
+            return False
+        if rid not in self.req_blocks:
+            if self.blocks_per_request > self.pool.num_free_blocks:
+                return False
+            self.req_blocks[rid] = self.pool.allocate(self.blocks_per_request)
+        self.req_tokens[rid] = total
+        return True
+
+
+def make_kv_cache_manager(
+    allocation: str, num_blocks: int, block_size: int, max_model_len: int, enable_prefix_caching: bool
+) -> KVCacheManager:
+    if allocation == "paged":
+        return PagedKVCacheManager(num_blocks, block_size, enable_prefix_caching)
+    if allocation == "contiguous":
+        return ContiguousKVCacheManager(num_blocks, block_size, max_model_len)
+    raise ValueError(f"unknown KV allocation {allocation!r}: choose paged or contiguous")

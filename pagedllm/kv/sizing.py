@@ -1,0 +1,68 @@
+"""How much KV cache a model needs, and how many requests a memory budget holds under each allocation."""
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pagedllm.kv.manager import cdiv
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_memory_size(text: str) -> int:
+    """'4GiB', '512MB', '1.5g', '1000000' -> bytes; ValueError on anything else."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read {text!r} as a memory size (examples: 4GiB, 512MiB, 2GB, 1000000)")
+    size = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if size <= 0:
+        raise ValueError(f"memory size must be positive, got {text!r}")
+    return size
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+    """A key and a value vector per layer and KV head: 2 x layers x KV heads x head dim x dtype bytes."""
+    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
+
+
+def num_blocks_in_budget(budget_bytes: int, bytes_per_block: int) -> int:
+    return budget_bytes // bytes_per_block
+
+
+def slots_needed(num_tokens: int, block_size: int, allocation: str, max_model_len: int) -> int:
+    """Token slots one request takes: its tokens rounded up to blocks, or max_model_len rounded up."""
+    held = max_model_len if allocation == "contiguous" else num_tokens
+    return cdiv(held, block_size) * block_size
+
+
+def requests_that_fit(
+    lengths: Sequence[int], num_blocks: int, block_size: int, allocation: str, max_model_len: int
+) -> int:
+    """How many of the requests, admitted in order, are in the cache at once before it is full."""
+    free = num_blocks
+    for n, length in enumerate(lengths):
+        need = slots_needed(length, block_size, allocation, max_model_len) // block_size
+        if need > free:
+            return n
+        free -= need
+    return len(lengths)
+
+
+@dataclass
+class RequestSlots:
+    tokens: int
+    blocks: int
+    slots: int
+
+    @property
+    def empty(self) -> int:
+        return self.slots - self.tokens
+
+
+def paged_slots(lengths: Sequence[int], block_size: int) -> list[RequestSlots]:
+    """Per request, the chapter's table: blocks taken and slots left empty in the last block."""
+    return [RequestSlots(n, cdiv(n, block_size), cdiv(n, block_size) * block_size) for n in lengths]

@@ -1,0 +1,114 @@
+"""Random interleavings of admit / grow / free / prefix lookup / eviction keep the block accounting whole."""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from pagedllm.kv.manager import ContiguousKVCacheManager, PagedKVCacheManager
+
+BLOCK = 4
+NUM_BLOCKS = 24
+
+# Prompts are drawn from a few shared stems so that prefixes collide often.
+STEMS = [[1] * 12, [1] * 8 + [2] * 4, [3, 4, 5, 6] * 3]
+
+
+@dataclass
+class Req:
+    request_id: str
+    all_token_ids: list[int]
+    num_computed_tokens: int = 0
+    cache_salt: str | None = None
+
+
+class KVMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mgr = PagedKVCacheManager(NUM_BLOCKS, BLOCK, enable_caching=True)
+        self.running: dict[str, Req] = {}
+        self.counter = 0
+
+    @rule(stem=st.sampled_from(STEMS), tail=st.lists(st.integers(0, 3), max_size=9), chunk=st.integers(1, 24))
+    def admit(self, stem, tail, chunk):
+        req = Req(f"r{self.counter}", stem + tail)
+        self.counter += 1
+        blocks, cached = self.mgr.get_computed_blocks(req)
+        assert cached % BLOCK == 0 and cached < len(req.all_token_ids)
+        num_new = min(chunk, len(req.all_token_ids) - cached)  # a chunk of the rest, as chunked prefill does
+        free_before = self.mgr.num_free_blocks
+        if self.mgr.allocate_slots(req, num_new, blocks):
+            req.num_computed_tokens = cached + num_new
+            self.running[req.request_id] = req
+        else:
+            assert self.mgr.num_free_blocks == free_before and req.request_id not in self.mgr.req_blocks
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data(), n=st.integers(1, 6))
+    def grow(self, data, n):
+        req = self.running[data.draw(st.sampled_from(sorted(self.running)))]
+        todo = len(req.all_token_ids) - req.num_computed_tokens
+        if todo == 0:  # decode: one new token to compute
+            req.all_token_ids.append(data.draw(st.integers(0, 3)))
+            n, todo = 1, 1
+        n = min(n, todo)
+        if self.mgr.allocate_slots(req, n):
+            req.num_computed_tokens += n
+        else:  # out of blocks: preempt it, as the scheduler would
+            self.mgr.free(req)
+            del self.running[req.request_id]
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def free(self, data):
+        req = self.running.pop(data.draw(st.sampled_from(sorted(self.running))))
+        self.mgr.free(req)
+
+    @rule(stem=st.sampled_from(STEMS))
+    def lookup(self, stem):
+        self.mgr.get_computed_blocks(Req("probe", list(stem) + [0]))
+
+    @invariant()
+    def accounting_is_whole(self):
+        holders = Counter()
+        for rid, blocks in self.mgr.req_blocks.items():
+            assert rid in self.running
+            assert len(set(id(b) for b in blocks)) == len(blocks)
+            holders.update(b.block_id for b in blocks)
+        free_ids = {b.block_id for b in self.mgr.pool.free_queue}
+        assert len(free_ids) == self.mgr.num_free_blocks
+        for block in self.mgr.pool.blocks:
+            assert block.ref_cnt == holders[block.block_id]
+            assert (block.block_id in free_ids) == (block.ref_cnt == 0)
+            if block.ref_cnt > 1:
+                assert block.block_hash is not None
+                assert self.mgr.pool.cached[block.block_hash] is block
+        assert len(free_ids) + len(holders) == NUM_BLOCKS
+        # A shared block is a full prefix block: same position and same tokens in every holder.
+        for rid, blocks in self.mgr.req_blocks.items():
+            req = self.running[rid]
+            assert len(blocks) * BLOCK >= req.num_computed_tokens
+            for i, b in enumerate(blocks):
+                if b.ref_cnt > 1:
+                    assert (i + 1) * BLOCK <= req.num_computed_tokens
+
+    def teardown(self):
+        for req in list(self.running.values()):
+            self.mgr.free(req)
+        assert self.mgr.num_free_blocks == NUM_BLOCKS
+        assert all(b.ref_cnt == 0 for b in self.mgr.pool.blocks)
+
+
+class ContiguousMachine(KVMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mgr = ContiguousKVCacheManager(NUM_BLOCKS, BLOCK, max_model_len=24)
+
+
+TestPagedKV = KVMachine.TestCase
+TestPagedKV.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestContiguousKV = ContiguousMachine.TestCase
+TestContiguousKV.settings = settings(max_examples=50, stateful_step_count=40, deadline=None)

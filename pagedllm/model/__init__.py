@@ -1,0 +1,10 @@
+"""Model loading, Llama-family layers and paged attention. The engine uses `load_model` and `ModelRunner`."""
+
+from pagedllm.model.config import ModelConfig, load_model_config
+from pagedllm.model.default_model import default_model_path
+from pagedllm.model.loader import LoadedModel, load_model
+from pagedllm.model.runner import ModelRunner, SeqChunk
+from pagedllm.model.tokenizer import Tokenizer, load_tokenizer
+
+__all__ = ["ModelConfig", "load_model_config", "default_model_path", "LoadedModel", "load_model", "ModelRunner",
+           "SeqChunk", "Tokenizer", "load_tokenizer"]

@@ -1,0 +1,80 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2) over a flat batch of tokens with a paged KV cache.
+
+One module covers the three architectures: they differ only in q/k/v biases (Qwen2) and config values
+(GQA, tied embeddings, RoPE scaling). Q, K and V are one merged projection and gate/up another, so each layer
+is four matmuls; logits are computed only for the rows the caller asks for (usually one per sequence), which
+skips the big vocabulary matmul for every prompt token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.model.attention import AttentionMetadata, PagedAttentionBackend, TorchPagedAttention
+from pagedllm.model.config import ModelConfig
+from pagedllm.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, empty_param
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention + pre-norm gated MLP, each added to the residual stream."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.qkv_weight = empty_param(self.q_size + 2 * self.kv_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.qkv_bias = (empty_param(self.q_size + 2 * self.kv_size, dtype=dtype, device=device)
+                         if cfg.attention_bias else None)
+        self.o_weight = empty_param(cfg.hidden_size, self.q_size, dtype=dtype, device=device)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, device)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, backend: PagedAttentionBackend) -> torch.Tensor:
+        T = h.shape[0]
+        x = self.input_layernorm(h)
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(T, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(T, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.reshape(T, self.num_kv_heads, self.head_dim)
+        attn = backend.forward(q, k, v, k_cache, v_cache, meta)
+        h = h + F.linear(attn.reshape(T, self.q_size), self.o_weight)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Embeddings, N decoder layers, final norm, LM head (tied to the embeddings or not)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+                 backend: PagedAttentionBackend | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = empty_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.lm_head = (None if cfg.tie_word_embeddings
+                        else empty_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device))
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
+                                      device)
+        self.backend: PagedAttentionBackend = backend or TorchPagedAttention()
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens if self.lm_head is None else self.lm_head
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                logits_index: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids: [T]; returns float32 logits for rows `logits_index` (all rows if None)."""
+        h = F.embedding(input_ids, self.embed_tokens)
+        cos, sin = self.rotary.cos_sin(meta.positions, h.dtype)
+        for layer, (kc, vc) in zip(self.layers, kv_caches):
+            h = layer(h, cos, sin, kc, vc, meta, self.backend)
+        if logits_index is not None:
+            h = h[logits_index]
+        return F.linear(self.norm(h), self.lm_head_weight).float()

@@ -1,0 +1,98 @@
+"""`ModelRunner`: the one interface the engine calls. It owns the KV cache tensors and runs one step.
+
+A step is a list of `SeqChunk`s, each a sequence's new tokens after `start_pos` already-cached tokens (computed
+earlier or taken from the prefix cache) with the block table covering them. Prefill chunks and single decode
+tokens mix freely in one flat batch. Block allocation, scheduling and sampling belong to the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.model.attention import build_metadata
+from pagedllm.model.config import ModelConfig
+from pagedllm.model.loader import LoadedModel
+
+
+@dataclass
+class SeqChunk:
+    """New tokens of one sequence for this step."""
+
+    token_ids: list[int]  # the new tokens to compute this step
+    start_pos: int  # tokens of this sequence already in the cache (computed or prefix-cached)
+    block_table: list[int]  # block ids covering at least start_pos + len(token_ids) tokens
+
+
+def kv_cache_bytes(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of K+V cache for `num_blocks` blocks (all layers)."""
+    return num_blocks * bytes_per_block(config, block_size, dtype)
+
+
+def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """2 (K and V) x layers x kv_heads x head_dim x dtype bytes x block_size."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return config.kv_bytes_per_token(elem) * block_size
+
+
+class ModelRunner:
+    """Allocates [num_blocks, block_size, kv_heads, head_dim] K and V tensors per layer; `execute` runs a step."""
+
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.loaded = loaded
+        self.model = loaded.model
+        self.config = loaded.config
+        self.device = loaded.device
+        self.dtype = loaded.dtype
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        cfg = self.config
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(cfg.num_layers)
+        ]
+
+    @property
+    def bytes_per_block(self) -> int:
+        return bytes_per_block(self.config, self.block_size, self.dtype)
+
+    def kv_cache_bytes(self, num_blocks: int | None = None, block_size: int | None = None) -> int:
+        return kv_cache_bytes(self.config, self.num_blocks if num_blocks is None else num_blocks,
+                              block_size or self.block_size, self.dtype)
+
+    @torch.inference_mode()
+    def _forward(self, chunks: list[SeqChunk], all_positions: bool) -> torch.Tensor:
+        lens = [len(c.token_ids) for c in chunks]
+        if any(n == 0 for n in lens):
+            raise ValueError("every SeqChunk needs at least one new token")
+        ids: list[int] = []
+        for c in chunks:
+            ids.extend(c.token_ids)
+        meta = build_metadata(lens, [c.start_pos for c in chunks], [c.block_table for c in chunks],
+                              self.block_size, self.device)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        if all_positions:
+            index = None
+        else:
+            last, acc = [], 0
+            for n in lens:
+                acc += n
+                last.append(acc - 1)
+            index = torch.tensor(last, dtype=torch.long, device=self.device)
+        return self.model(input_ids, meta, self.kv_caches, index)
+
+    def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
+        """float32 logits [len(chunks), vocab] for the last new token of each chunk; writes K/V of all of them."""
+        if not chunks:
+            return torch.empty(0, self.config.vocab_size, dtype=torch.float32, device=self.device)
+        return self._forward(chunks, all_positions=False)
+
+    def execute_all(self, chunks: list[SeqChunk]) -> list[torch.Tensor]:
+        """Like execute, but float32 logits for every new token: one [len(token_ids), vocab] tensor per chunk."""
+        out = self._forward(chunks, all_positions=True)
+        return list(out.split([len(c.token_ids) for c in chunks]))

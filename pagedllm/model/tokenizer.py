@@ -1,0 +1,123 @@
+"""A thin wrapper over the Hugging Face fast tokenizer with the few calls the engine, RAG and benchmarks use.
+
+For a GGUF, transformers builds the tokenizer from the file's metadata, which takes ~10 s; the result is saved
+to the user cache (keyed by the file's path, size and mtime) so later loads take well under a second. A GGUF
+tokenizer never adds BOS by default (SmolLM2's chat template carries its own special tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from typing import Any
+
+from pagedllm.errors import ModelLoadError
+from pagedllm.model.cache import cache_dir_for
+from pagedllm.model.config import is_gguf, load_model_config, resolve_model_path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+class Tokenizer:
+    """encode / decode / chat template, plus the special ids the engine stops on."""
+
+    def __init__(self, hf_tokenizer: Any, eos_token_ids: list[int] | None = None,
+                 bos_token_id: int | None = None) -> None:
+        self.hf = hf_tokenizer
+        eos = list(eos_token_ids or [])
+        if not eos and hf_tokenizer.eos_token_id is not None:
+            eos = [int(hf_tokenizer.eos_token_id)]
+        self.eos_token_ids: list[int] = eos
+        self.bos_token_id: int | None = bos_token_id if bos_token_id is not None else hf_tokenizer.bos_token_id
+        self.vocab_size: int = len(hf_tokenizer)
+        self.pad_token_id: int | None = hf_tokenizer.pad_token_id
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    @property
+    def chat_template(self) -> str | None:
+        return getattr(self.hf, "chat_template", None)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: list[int] | int) -> list[str] | str:
+        return self.hf.convert_ids_to_tokens(ids)
+
+    def apply_chat_template_text(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The prompt text the chat template renders; UserError-free: a template error is a model problem."""
+        if not self.chat_template:
+            raise ModelLoadError("this model's tokenizer has no chat template; use plain prompts instead of chat")
+        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the rendered chat; special tokens come from the template itself, so none are added."""
+        return self.encode(self.apply_chat_template_text(messages, add_generation_prompt), add_special_tokens=False)
+
+
+def _no_bos(folder: str) -> None:
+    """Make a saved tokenizer not add BOS (GGUF metadata says so for SmolLM2; transformers may not keep it)."""
+    path = os.path.join(folder, "tokenizer_config.json")
+    with open(path, encoding="utf-8") as f:
+        cfg = json.load(f)
+    for k in ("is_local", "local_files_only"):
+        cfg.pop(k, None)
+    cfg["add_bos_token"] = False
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(cfg, f, indent=2, ensure_ascii=False)
+
+
+def gguf_tokenizer_folder(path: str) -> str:
+    """A HF tokenizer folder for the GGUF at `path`, built once and cached."""
+    from transformers import AutoTokenizer
+
+    target = cache_dir_for(path, "tokenizers")
+    if os.path.isfile(os.path.join(target, "tokenizer.json")):
+        return target
+    folder, name = os.path.split(os.path.abspath(path))
+    try:
+        tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    except Exception as e:
+        raise ModelLoadError(f"cannot build a tokenizer from GGUF file {path}: {e}") from e
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=os.path.dirname(target), prefix=".tmp-")
+    try:
+        tok.save_pretrained(tmp)
+        _no_bos(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process won the race: use theirs
+            shutil.rmtree(tmp, ignore_errors=True)
+    except Exception:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def load_tokenizer(model: str | None = None) -> Tokenizer:
+    """The tokenizer of a HF folder or GGUF file (None = the default model); usable without loading weights."""
+    from transformers import AutoTokenizer
+
+    path = resolve_model_path(model)
+    cfg = load_model_config(path)
+    if os.path.isdir(path):
+        folder = path
+        if not (os.path.isfile(os.path.join(folder, "tokenizer.json"))
+                or os.path.isfile(os.path.join(folder, "tokenizer_config.json"))):
+            raise ModelLoadError(f"no tokenizer in {folder} (expected tokenizer.json / tokenizer_config.json)")
+    elif is_gguf(path):
+        folder = gguf_tokenizer_folder(path)
+    else:
+        raise ModelLoadError(f"{path} is not a model: expected a Hugging Face model folder or a GGUF file")
+    try:
+        hf = AutoTokenizer.from_pretrained(folder)
+    except Exception as e:
+        raise ModelLoadError(f"cannot load the tokenizer in {folder}: {e}") from e
+    return Tokenizer(hf, cfg.eos_token_ids, cfg.bos_token_id)

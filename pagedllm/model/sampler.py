@@ -1,0 +1,112 @@
+"""Turn a batch of next-token logits into tokens, each row with its own sampling parameters.
+
+Order as in vLLM v1: raw logprobs are taken first (what the model said), then min_tokens masking and
+penalties, then greedy rows take the argmax and random rows go through temperature, min_p, top_k and top_p.
+A row with a seed samples with its own torch.Generator, so its tokens do not depend on the rest of the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    params: SamplingParams
+    prompt_ids: list[int]
+    output_ids: list[int]
+    generator: torch.Generator | None
+    banned_until_min_tokens: list[int]  # EOS and stop token ids, masked while output < min_tokens
+
+
+@dataclass
+class SampleResult:
+    token_id: int
+    logprobs: dict[int, float] | None  # the top-k and the sampled token, when asked for
+
+
+def apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
+    """In place on one row: repetition (prompt + output, as vLLM), presence and frequency (output only)."""
+    p = row.params
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(row.prompt_ids) | set(row.output_ids)), dtype=torch.long, device=logits.device)
+        vals = logits[seen]
+        logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and row.output_ids:
+        out = torch.tensor(row.output_ids, dtype=torch.long, device=logits.device)
+        counts = torch.bincount(out, minlength=logits.shape[-1]).to(logits.dtype)
+        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                  min_p: torch.Tensor) -> torch.Tensor:
+    """Temperature, then min_p, top_k, top_p on a batch of rows; masked entries become -inf."""
+    logits = logits / temperature.unsqueeze(1)
+    if bool((min_p > 0).any()):
+        probs = logits.softmax(-1)
+        threshold = probs.max(-1, keepdim=True).values * min_p.unsqueeze(1)
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    need_k, need_p = bool((top_k > 0).any()), bool((top_p < 1).any())
+    if need_k or need_p:
+        sorted_logits, order = logits.sort(-1, descending=True)
+        vocab = logits.shape[-1]
+        if need_k:
+            k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
+            ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+            sorted_logits = sorted_logits.masked_fill(ranks >= k.unsqueeze(1), float("-inf"))
+        if need_p:
+            probs = sorted_logits.softmax(-1)
+            mass_before = probs.cumsum(-1) - probs  # keep a token while the mass before it is below top_p
+            sorted_logits = sorted_logits.masked_fill(mass_before >= top_p.unsqueeze(1), float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return logits
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
+    """logits: float32 [len(rows), vocab]."""
+    logits = logits.float()
+    want_logprobs = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    raw_logprobs = logits[want_logprobs].log_softmax(-1) if want_logprobs else None
+    if any(r.params.repetition_penalty != 1 or r.params.presence_penalty or r.params.frequency_penalty
+           or len(r.output_ids) < r.params.min_tokens for r in rows):
+        logits = logits.clone()
+        for i, row in enumerate(rows):
+            if len(row.output_ids) < row.params.min_tokens and row.banned_until_min_tokens:
+                logits[i, row.banned_until_min_tokens] = float("-inf")
+            apply_penalties(logits[i], row)
+
+    tokens = logits.argmax(-1)
+    random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if random_rows:
+        dev = logits.device
+        ps = [rows[i].params for i in random_rows]
+        probs = filter_logits(
+            logits[random_rows],
+            torch.tensor([p.temperature for p in ps], device=dev),
+            torch.tensor([p.top_k for p in ps], device=dev),
+            torch.tensor([p.top_p for p in ps], device=dev),
+            torch.tensor([p.min_p for p in ps], device=dev),
+        ).softmax(-1)
+        unseeded = [j for j, i in enumerate(random_rows) if rows[i].generator is None]
+        if unseeded:
+            drawn = torch.multinomial(probs[unseeded], 1).squeeze(1)
+            tokens[[random_rows[j] for j in unseeded]] = drawn
+        for j, i in enumerate(random_rows):
+            gen = rows[i].generator
+            if gen is not None:  # its own generator (on CPU, so the stream is the same on every device)
+                tokens[i] = torch.multinomial(probs[j].cpu(), 1, generator=gen).item()
+
+    token_list = tokens.tolist()
+    results = [SampleResult(t, None) for t in token_list]
+    for j, i in enumerate(want_logprobs):
+        k = rows[i].params.logprobs
+        lp = raw_logprobs[j]
+        entry = {token_list[i]: float(lp[token_list[i]])}
+        if k:
+            top = lp.topk(k)
+            entry.update(zip(top.indices.tolist(), top.values.tolist()))
+        results[i].logprobs = entry
+    return results

@@ -10,6 +10,8 @@ from pagedllm.errors import UserError
 # Each module defines `add_parser(subparsers)` that registers its subcommand(s) with `func=...`.
 COMMAND_MODULES = [
     "pagedllm.entrypoints.kv_calc",
+    "pagedllm.entrypoints.serve",
+    "pagedllm.entrypoints.rag",
 ]
 
 

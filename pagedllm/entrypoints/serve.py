@@ -1,0 +1,69 @@
+"""`pagedllm serve [MODEL]`: the OpenAI-compatible server (default model, 127.0.0.1:8000)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from pagedllm.errors import UserError
+
+DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    from pagedllm.engine.config import add_engine_args
+
+    p = subparsers.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve MODEL (default: SmolLM2-135M-Instruct) over an OpenAI-compatible HTTP API: "
+                    "/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize.")
+    add_engine_args(p)
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    s.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model name(s) clients use in 'model' (default: the MODEL argument, or "
+                        f"{DEFAULT_SERVED_NAME} for the default model)")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: env PAGEDLLM_API_KEY, else none)")
+    s.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="answer 503 when this many requests already wait to be scheduled (default: no limit)")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="server log level (default: info)")
+    p.set_defaults(func=run)
+
+
+def served_names(args: argparse.Namespace) -> list[str]:
+    if args.served_model_name:
+        return list(args.served_model_name)
+    return [args.model if args.model else DEFAULT_SERVED_NAME]
+
+
+def run(args: argparse.Namespace) -> int:
+    from pagedllm.engine.config import EngineConfig
+
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port: must be in 0..65535, got {args.port}")
+    if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
+        raise UserError(f"--max-waiting-requests: must be >= 0, got {args.max_waiting_requests}")
+    api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
+    config = EngineConfig.from_args(args)
+
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(levelname)s %(name)s: %(message)s")
+    from pagedllm.engine.async_engine import AsyncLLMEngine
+    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.entrypoints.openai.api_server import Server, build_app
+
+    names = served_names(args)
+    print(f"pagedllm serve: loading {args.model or DEFAULT_SERVED_NAME} ...", file=sys.stderr, flush=True)
+    engine = AsyncLLMEngine(LLMEngine(config), max_waiting_requests=args.max_waiting_requests)
+    app = build_app(engine, served_model_names=names, api_key=api_key, model_root=args.model or names[0])
+    server = Server(app, host=args.host, port=args.port, log_level=args.log_level)
+    print(f"pagedllm serve: serving {', '.join(names)} on http://{args.host}:{args.port} "
+          f"(max_model_len {engine.max_model_len}{', API key required' if api_key else ''})",
+          file=sys.stderr, flush=True)
+    server.run()
+    if server.uvicorn.started is False and not server.uvicorn.should_exit:
+        raise UserError(f"could not start the server on {args.host}:{args.port}")
+    return 0

@@ -12,6 +12,7 @@ COMMAND_MODULES = [
     "pagedllm.entrypoints.kv_calc",
     "pagedllm.entrypoints.serve",
     "pagedllm.entrypoints.rag",
+    "pagedllm.entrypoints.bench",
 ]
 
 

@@ -1,0 +1,286 @@
+"""`pagedllm bench sweep`: the chapter's table, measured. One workload, several in-process engines, one row each.
+
+Rows (default `--rows all`):
+- allocation: contiguous vs paged KV allocation at the same KV budget (`--kv-budget-tokens`, default
+  `--contiguous-requests` x max-model-len), block size 16, prefix caching off, on the long-tail workload;
+- block: paged at block sizes 8 / 16 / 32 / 128 (same budget, prefix caching off, long-tail workload);
+- prefix: paged, block 16, prefix caching off vs on, on the prefix-repetition workload.
+
+Columns: peak requests running at once, KV slots allocated vs tokens stored (averaged over the engine steps
+that had requests running; stored / allocated is the chapter's "used share"), output tokens/s, TTFT median
+and p99, prefix-cache hit rate, preemptions.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pagedllm.bench import datasets as ds
+from pagedllm.bench.arrivals import arrival_times
+from pagedllm.errors import UserError
+
+GROUPS = ("allocation", "block", "prefix")
+
+
+@dataclass
+class Setting:
+    name: str
+    workload: str  # "long-tail" | "prefix-repetition"
+    kv_allocation: str = "paged"
+    block_size: int = 16
+    enable_prefix_caching: bool = False
+    groups: set[str] = field(default_factory=set)
+
+
+def default_settings(groups: set[str]) -> list[Setting]:
+    rows = [
+        Setting("contiguous b16", "long-tail", "contiguous", 16, False, {"allocation"}),
+        Setting("paged b16", "long-tail", "paged", 16, False, {"allocation", "block"}),
+        Setting("paged b8", "long-tail", "paged", 8, False, {"block"}),
+        Setting("paged b32", "long-tail", "paged", 32, False, {"block"}),
+        Setting("paged b128", "long-tail", "paged", 128, False, {"block"}),
+        Setting("prefix-rep, caching off", "prefix-repetition", "paged", 16, False, {"prefix"}),
+        Setting("prefix-rep, caching on", "prefix-repetition", "paged", 16, True, {"prefix"}),
+    ]
+    return [r for r in rows if r.groups & groups]
+
+
+def add_sweep_parser(bench_sub) -> argparse.ArgumentParser:
+    p = bench_sub.add_parser(
+        "sweep", help="the same workload on in-process engines with different KV settings, one row each",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="HF folder or GGUF file (default: SmolLM2-135M GGUF)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--rows", default="all", help="comma-separated groups: allocation, block, prefix (or all)")
+    p.add_argument("--max-model-len", type=int, default=4096, help="also the longest prompt of the long tail")
+    p.add_argument("--kv-budget-tokens", type=int, default=None,
+                   help="KV cache size in tokens for every row (default: --contiguous-requests x --max-model-len)")
+    p.add_argument("--contiguous-requests", type=int, default=4,
+                   help="requests the default budget holds under contiguous allocation")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    g = p.add_argument_group("long-tail workload (allocation and block rows)")
+    g.add_argument("--num-prompts", type=int, default=24)
+    g.add_argument("--median-len", type=int, default=300, help="median prompt length (log-normal, sigma 1)")
+    g.add_argument("--output-len", type=int, default=16)
+    g = p.add_argument_group("prefix-repetition workload (prefix rows)")
+    g.add_argument("--prefix-num-prompts", type=int, default=24)
+    g.add_argument("--num-prefixes", type=int, default=3)
+    g.add_argument("--prefix-len", type=int, default=512)
+    g.add_argument("--suffix-len", type=int, default=32)
+    g.add_argument("--prefix-output-len", type=int, default=8)
+    g = p.add_argument_group("load and report")
+    g.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (inf: all at the start)")
+    g.add_argument("--burstiness", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--no-reuse-weights", dest="reuse_weights", action="store_false",
+                   help="load the model afresh for every row (slower; the default loads it once)")
+    g.add_argument("--save-result", default=None, metavar="FILE.json")
+    g.add_argument("--plot", default=None, metavar="FILE.png")
+    g.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    p.set_defaults(func=run_sweep)
+    return p
+
+
+# ---- running one engine -----------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _shared_weights(enabled: bool):
+    """Load the model once for all rows (each engine still gets its own KV cache and scheduler)."""
+    if not enabled:
+        yield
+        return
+    import pagedllm.engine.llm_engine as le
+
+    orig = le.load_model
+    cache: dict = {}
+
+    def cached(*args, **kwargs):
+        key = repr((args, sorted(kwargs.items())))
+        if key not in cache:
+            cache[key] = orig(*args, **kwargs)
+        return cache[key]
+
+    le.load_model = cached
+    try:
+        yield
+    finally:
+        le.load_model = orig
+
+
+def kv_bytes_per_token(model: str | None, dtype: str) -> int:
+    from pagedllm.model.config import load_model_config
+    from pagedllm.model.loader import resolve_dtype
+
+    cfg = load_model_config(model)
+    import torch
+
+    elem = torch.empty((), dtype=resolve_dtype(dtype, cfg)).element_size()
+    return cfg.kv_bytes_per_token(elem)
+
+
+def run_engine(engine, prompts: list[list[int]], output_len: int, send_times: np.ndarray) -> dict:
+    """Feed the requests at their send times, step until done; per-request TTFT and the stats over steps."""
+    from pagedllm.sampling_params import SamplingParams
+
+    s0 = engine.stats()
+    n = len(prompts)
+    arrival = [0.0] * n
+    first = [None] * n
+    done = [None] * n
+    out_tokens = [0] * n
+    allocated, stored = [], []
+    peak_running = 0
+    nxt = 0
+    t0 = time.monotonic()
+    while nxt < n or engine.has_unfinished_requests():
+        now = time.monotonic()
+        while nxt < n and now - t0 >= send_times[nxt]:
+            engine.add_request(str(nxt), prompts[nxt], SamplingParams(max_tokens=output_len, ignore_eos=True,
+                                                                      temperature=0.0))
+            arrival[nxt] = time.monotonic()
+            nxt += 1
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, t0 + send_times[nxt] - time.monotonic()))
+            continue
+        outs = engine.step()
+        t = time.monotonic()
+        for o in outs:
+            i = int(o.request_id)
+            k = len(o.outputs[0].token_ids) if o.outputs else 0
+            if k and first[i] is None:
+                first[i] = t
+            out_tokens[i] = k
+            if o.finished:
+                done[i] = t
+        s = engine.stats()
+        peak_running = max(peak_running, s.num_running)
+        if s.num_running:
+            allocated.append(s.slots_allocated)
+            stored.append(s.num_stored_tokens)
+    duration = time.monotonic() - t0
+    s1 = engine.stats()
+    ttfts = [(f - a) for f, a in zip(first, arrival) if f is not None]
+    q = s1.prefix_cache_queries - s0.prefix_cache_queries
+    h = s1.prefix_cache_hits - s0.prefix_cache_hits
+    alloc_mean = float(np.mean(allocated)) if allocated else 0.0
+    stored_mean = float(np.mean(stored)) if stored else 0.0
+    return {
+        "completed": sum(d is not None for d in done),
+        "duration": duration,
+        "peak_running": max(peak_running, s1.peak_running),  # the engine's own peak catches in-step ones
+        "kv_slots_allocated": alloc_mean,
+        "kv_tokens_stored": stored_mean,
+        "used_share": stored_mean / alloc_mean if alloc_mean else None,
+        "peak_kv_slots_allocated": int(max(allocated)) if allocated else 0,
+        "output_tokens": sum(out_tokens),
+        "output_throughput": sum(out_tokens) / duration if duration > 0 else 0.0,
+        "median_ttft_ms": float(np.median(ttfts) * 1000) if ttfts else None,
+        "p99_ttft_ms": float(np.percentile(ttfts, 99) * 1000) if ttfts else None,
+        "prefix_cache_queries": q,
+        "prefix_cache_hits": h,
+        "prefix_cache_hit_rate": h / q if q else None,
+        "preemptions": s1.num_preemptions - s0.num_preemptions,
+        "ttfts": ttfts,
+    }
+
+
+def _build_workloads(args, tokenizer, settings: list[Setting]) -> dict[str, tuple[list, int]]:
+    out = {}
+    if any(s.workload == "long-tail" for s in settings):
+        lens = ds.long_tail_lengths(args.num_prompts, max_len=args.max_model_len - args.output_len,
+                                    median=args.median_len, seed=args.seed)
+        reqs = ds.lengths_dataset(tokenizer, lens, args.output_len, seed=args.seed)
+        out["long-tail"] = ([tokenizer.encode(r.prompt) for r in reqs], args.output_len)
+    if any(s.workload == "prefix-repetition" for s in settings):
+        reqs = ds.prefix_repetition_dataset(tokenizer, args.prefix_num_prompts, args.num_prefixes, args.prefix_len,
+                                            args.suffix_len, args.prefix_output_len, args.seed)
+        out["prefix-repetition"] = ([tokenizer.encode(r.prompt) for r in reqs], args.prefix_output_len)
+    return out
+
+
+COLUMNS = [("setting", "setting", "{}"), ("workload", "workload", "{}"), ("peak_running", "peak running", "{}"),
+           ("kv_slots_allocated", "KV slots alloc", "{:,.0f}"), ("kv_tokens_stored", "tokens stored", "{:,.0f}"),
+           ("used_share", "used share", "{:.1%}"), ("output_throughput", "out tok/s", "{:.1f}"),
+           ("median_ttft_ms", "TTFT p50 ms", "{:,.0f}"), ("p99_ttft_ms", "TTFT p99 ms", "{:,.0f}"),
+           ("prefix_cache_hit_rate", "prefix hit", "{:.1%}"), ("preemptions", "preempt", "{}")]
+
+
+def format_table(rows: list[dict], markdown: bool = False) -> str:
+    cells = [[h for _, h, _ in COLUMNS]]
+    for r in rows:
+        cells.append(["-" if r.get(k) is None else f.format(r[k]) for k, _, f in COLUMNS])
+    if markdown:
+        lines = ["| " + " | ".join(cells[0]) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
+        lines += ["| " + " | ".join(c) + " |" for c in cells[1:]]
+        return "\n".join(lines)
+    widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
+    return "\n".join("  ".join(c[i].rjust(widths[i]) if i > 1 else c[i].ljust(widths[i])
+                               for i in range(len(COLUMNS))) for c in cells)
+
+
+def run_sweep(args: argparse.Namespace) -> int:
+    groups = set(GROUPS) if args.rows == "all" else {g.strip() for g in args.rows.split(",") if g.strip()}
+    if not groups or groups - set(GROUPS):
+        raise UserError(f"--rows: expected a comma-separated subset of {', '.join(GROUPS)} (or all), got {args.rows!r}")
+    settings = default_settings(groups)
+    budget_tokens = args.kv_budget_tokens or args.contiguous_requests * args.max_model_len
+    if budget_tokens < args.max_model_len:
+        raise UserError(f"--kv-budget-tokens: {budget_tokens} is less than --max-model-len {args.max_model_len}")
+    if budget_tokens % 128:
+        budget_tokens = math.ceil(budget_tokens / 128) * 128  # a whole number of blocks at every block size
+    from pagedllm.engine import EngineConfig, LLMEngine
+
+    per_token = kv_bytes_per_token(args.model, args.dtype)
+    kv_bytes = budget_tokens * per_token
+    print(f"KV budget: {budget_tokens:,} tokens = {kv_bytes / 2**20:.1f} MiB for every row "
+          f"({per_token:,} bytes/token); max-model-len {args.max_model_len}", file=sys.stderr)
+    from pagedllm.bench.tokenizer import load_bench_tokenizer
+
+    tokenizer = load_bench_tokenizer(args.model)
+    workloads = _build_workloads(args, tokenizer, settings)
+    for name, (prompts, out_len) in workloads.items():
+        lens = sorted(len(p) for p in prompts)
+        print(f"workload {name}: {len(prompts)} prompts, lengths {lens[0]}..{lens[-1]} (median "
+              f"{lens[len(lens) // 2]}), {out_len} output tokens each", file=sys.stderr)
+    rows = []
+    with _shared_weights(args.reuse_weights):
+        for s in settings:
+            prompts, out_len = workloads[s.workload]
+            cfg = EngineConfig(model=args.model, dtype=args.dtype, block_size=s.block_size,
+                               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                               max_model_len=args.max_model_len, enable_prefix_caching=s.enable_prefix_caching,
+                               kv_allocation=s.kv_allocation, kv_cache_memory=kv_bytes, seed=args.seed,
+                               log_stats_interval=0)
+            t = time.monotonic()
+            engine = LLMEngine(cfg)
+            times = arrival_times(len(prompts), args.request_rate, args.burstiness, args.seed)
+            res = run_engine(engine, prompts, out_len, times)
+            row = {"setting": s.name, "workload": s.workload, "kv_allocation": s.kv_allocation,
+                   "block_size": s.block_size, "enable_prefix_caching": s.enable_prefix_caching,
+                   "kv_budget_tokens": budget_tokens, "num_blocks": engine.stats().num_blocks, **res}
+            rows.append(row)
+            print(f"[{len(rows)}/{len(settings)}] {s.name}: {time.monotonic() - t:.1f} s, peak running "
+                  f"{row['peak_running']}, {row['output_throughput']:.1f} out tok/s", file=sys.stderr)
+            del engine
+            gc.collect()
+    print(format_table(rows, args.markdown))
+    if args.save_result:
+        os.makedirs(os.path.dirname(os.path.abspath(args.save_result)), exist_ok=True)
+        with open(args.save_result, "w", encoding="utf-8") as f:
+            json.dump({"args": {k: v for k, v in vars(args).items() if k != "func"}, "rows": rows}, f, indent=1,
+                      default=str)
+    if args.plot:
+        from pagedllm.bench.plot import plot_sweep
+
+        plot_sweep(rows, args.plot, title=f"pagedllm bench sweep: KV budget {budget_tokens:,} tokens")
+    return 0

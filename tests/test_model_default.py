@@ -1,0 +1,140 @@
+"""The default model (SmolLM2-135M-Instruct Q4_1 GGUF) against transformers loading the same GGUF.
+
+float32: greedy continuations are token-for-token equal to transformers' `generate`.
+bfloat16: teacher-forced logits agree with transformers bf16 within a stated tolerance; the top-1 agreement
+rate is printed and must be high (bf16 rounding legitimately flips near-ties).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+
+from pagedllm.model import ModelRunner, SeqChunk, default_model_path, load_model, load_model_config, load_tokenizer
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "Write a short story about a robot who learns to paint.",
+    "Explain how photosynthesis works, step by step.",
+    "List some tips for staying productive when working from home.",
+]
+N_NEW = 64
+BF16_MAX_ABS_TOL = 1.5  # bf16 logits of a 30-layer model: max |diff| over all positions stays well under this
+BF16_MEAN_ABS_TOL = 0.15
+BF16_MIN_TOP1 = 0.9
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    from transformers import AutoModelForCausalLM, GgufConfig
+
+    path = default_model_path()
+    folder, name = os.path.split(path)
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, dtype=torch.float32,
+        quantization_config=GgufConfig(gguf_file=path, dequantize=True))
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(None)
+
+
+@pytest.fixture(scope="module")
+def prompts(tok):
+    return [tok.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(hf_model, tok, prompts):
+    outs = []
+    with torch.inference_mode():
+        for ids in prompts:
+            g = hf_model.generate(torch.tensor([ids]), max_new_tokens=N_NEW, do_sample=False,
+                                  eos_token_id=tok.eos_token_ids, pad_token_id=tok.eos_token_ids[0])
+            outs.append(g[0, len(ids):].tolist())
+    return outs
+
+
+def _greedy(runner: ModelRunner, prompts: list[list[int]], eos: list[int], block_size: int) -> list[list[int]]:
+    """All prompts batched together: one prefill step, then batched decode steps (argmax)."""
+    need = [-(-(len(p) + N_NEW) // block_size) for p in prompts]
+    free = list(range(runner.num_blocks))[::-1]  # reversed ids: non-contiguous tables
+    tables = []
+    for n in need:
+        tables.append(free[:n])
+        free = free[n:]
+    outs: list[list[int]] = [[] for _ in prompts]
+    logits = runner.execute([SeqChunk(p, 0, t) for p, t in zip(prompts, tables)])
+    live = list(range(len(prompts)))
+    nxt = {i: int(logits[k].argmax()) for k, i in enumerate(live)}
+    while live:
+        for i in live:
+            outs[i].append(nxt[i])
+        live = [i for i in live if nxt[i] not in eos and len(outs[i]) < N_NEW]
+        if not live:
+            break
+        chunks = [SeqChunk([outs[i][-1]], len(prompts[i]) + len(outs[i]) - 1, tables[i]) for i in live]
+        logits = runner.execute(chunks)
+        nxt = {i: int(logits[k].argmax()) for k, i in enumerate(live)}
+    return outs
+
+
+def test_default_config_and_tokenizer(tok):
+    cfg = load_model_config(None)
+    assert cfg.architecture == "LlamaForCausalLM" and cfg.num_layers == 30 and cfg.num_kv_heads == 3
+    assert cfg.tie_word_embeddings
+    assert tok.encode("Hello") == tok.hf.encode("Hello", add_special_tokens=False)
+    assert tok.encode("Hello", add_special_tokens=True)[0] != tok.bos_token_id  # no BOS added for SmolLM2
+    ids = tok.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert tok.decode(ids, skip_special_tokens=False).endswith("<|im_start|>assistant\n")
+    assert tok.eos_token_ids == [2]
+
+
+def test_float32_greedy_matches_transformers(hf_greedy, tok, prompts):
+    loaded = load_model(None, dtype="float32")
+    runner = ModelRunner(loaded, num_blocks=64, block_size=16)
+    ours = _greedy(runner, prompts, tok.eos_token_ids, 16)
+    for p, a, b in zip(PROMPTS, ours, hf_greedy):
+        assert a == b, f"{p!r}:\n ours {tok.decode(a)!r}\n   hf {tok.decode(b)!r}"
+    assert sum(len(o) for o in ours) >= 2 * N_NEW  # the prompts really produce long continuations
+
+
+def test_bfloat16_logits_close_to_transformers(hf_model, hf_greedy, prompts):
+    loaded = load_model(None, dtype="auto")
+    assert loaded.dtype == torch.bfloat16
+    hf16 = hf_model.to(torch.bfloat16)
+    runner = ModelRunner(loaded, num_blocks=64, block_size=16)
+    agree = total = 0
+    max_abs = 0.0
+    sum_abs = 0.0
+    free = list(range(64))[::-1]
+    for ids, cont in zip(prompts, hf_greedy):
+        seq = ids + cont
+        with torch.inference_mode():
+            ref = hf16(torch.tensor([seq])).logits[0].float()[len(ids) - 1:]
+        n = -(-len(seq) // 16)
+        table, free = free[:n], free[n:]
+        got = [runner.execute([SeqChunk(ids, 0, table)])[0]]
+        for j, t in enumerate(cont[:-1]):  # teacher-forced decode steps
+            got.append(runner.execute([SeqChunk([t], len(ids) + j, table)])[0])
+        got_t = torch.stack(got)
+        ref = ref[: len(got)]
+        diff = (got_t - ref).abs()
+        max_abs = max(max_abs, diff.max().item())
+        sum_abs += diff.mean().item() * len(got)
+        agree += int((got_t.argmax(-1) == ref.argmax(-1)).sum())
+        total += len(got)
+    rate = agree / total
+    mean_abs = sum_abs / total
+    print(f"\nbf16 vs transformers bf16: top-1 agreement {rate:.3f} over {total} positions, "
+          f"max |logit diff| {max_abs:.3f}, mean {mean_abs:.4f}")
+    assert rate >= BF16_MIN_TOP1
+    assert max_abs < BF16_MAX_ABS_TOL
+    assert mean_abs < BF16_MEAN_ABS_TOL

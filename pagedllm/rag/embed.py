@@ -30,6 +30,12 @@ class Embedder:
             from sentence_transformers import SentenceTransformer
         except ImportError:
             raise UserError("RAG needs sentence-transformers: pip install 'pagedllm[rag]'") from None
+        try:  # no "Loading weights" bar for a 90 MB model
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
+        except ImportError:
+            pass
         self.model = SentenceTransformer(embed_model_path(), device=device)
         self.batch_size = batch_size
         get_dim = getattr(self.model, "get_embedding_dimension", None) or self.model.get_sentence_embedding_dimension

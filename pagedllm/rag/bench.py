@@ -1,0 +1,224 @@
+"""`pagedllm rag bench`: what the prompt layout does to the prefix cache.
+
+One Zipf-skewed question workload; retrieval is done once per question (timed), so every setting gives the model
+the same chunks. For each layout and prefix caching on / off, a fresh engine answers the questions one at a time
+(greedy), so TTFT is the prefill of that prompt alone. Rows: prefix-cache hit rate, prompt tokens computed vs served
+from the cache, TTFT median / p99, output tokens/s, retrieval latency. Then a check that the same question with the
+same prompt got the same answer text in every setting.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+from pagedllm.rag.generate import Answer, stream_engine, stream_openai
+from pagedllm.rag.layout import LAYOUTS, Popularity, build_messages
+from pagedllm.rag.pipeline import RagPipeline
+from pagedllm.rag.workload import zipf_questions
+
+
+@dataclass
+class BenchRow:
+    setting: str
+    layout: str
+    prefix_caching: str  # "on" | "off" | "server"
+    requests: int
+    hit_rate: float  # cached prompt tokens / prompt tokens
+    prompt_tokens: int
+    computed_tokens: int
+    cached_tokens: int
+    ttft_median_ms: float
+    ttft_p99_ms: float
+    output_tokens: int
+    output_tok_s: float  # output tokens / total generation time (requests one at a time)
+    retrieval_median_ms: float
+    retrieval_p99_ms: float
+    wall_s: float
+
+
+def percentile(vals: list[float], q: float) -> float:
+    if not vals:
+        return float("nan")
+    s = sorted(vals)
+    k = (len(s) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def make_row(layout: str, caching: str, answers: list[Answer], wall: float, retrieval_s: list[float]) -> BenchRow:
+    prompt = sum(a.prompt_tokens for a in answers)
+    cached = sum(a.cached_tokens or 0 for a in answers)
+    out = sum(a.output_tokens for a in answers)
+    ttfts = [a.ttft * 1000 for a in answers if a.ttft is not None]
+    gen = sum(a.e2e or 0.0 for a in answers)
+    rms = [r * 1000 for r in retrieval_s]
+    return BenchRow(
+        setting=f"{layout}/cache-{caching}", layout=layout, prefix_caching=caching, requests=len(answers),
+        hit_rate=cached / prompt if prompt else 0.0, prompt_tokens=prompt, computed_tokens=prompt - cached,
+        cached_tokens=cached, ttft_median_ms=statistics.median(ttfts) if ttfts else float("nan"),
+        ttft_p99_ms=percentile(ttfts, 99), output_tokens=out, output_tok_s=out / gen if gen else 0.0,
+        retrieval_median_ms=statistics.median(rms) if rms else float("nan"), retrieval_p99_ms=percentile(rms, 99),
+        wall_s=wall,
+    )
+
+
+def check_answers(records: list[dict]) -> dict:
+    """Answers grouped by (question, prompt token ids): every group should hold one distinct text (greedy)."""
+    groups: dict[tuple, set] = {}
+    settings: dict[tuple, set] = {}
+    for r in records:
+        key = (r["question"], tuple(r["prompt_token_ids"]))
+        groups.setdefault(key, set()).add(r["answer"])
+        settings.setdefault(key, set()).add(r["setting"])
+    multi = {k: v for k, v in groups.items() if len(settings[k]) > 1 or len(v) > 1}
+    bad = [{"question": k[0], "settings": sorted(settings[k]), "answers": sorted(v)}
+           for k, v in multi.items() if len(v) > 1]
+    return {"groups_compared": len(multi), "groups_identical": len(multi) - len(bad), "mismatches": bad}
+
+
+def run_bench(
+    index_dir: str,
+    num_questions: int = 40,
+    seed: int = 0,
+    top_k: int = 4,
+    layouts: list[str] | None = None,
+    caching: list[bool] | None = None,
+    max_tokens: int = 32,
+    engine_kwargs: dict | None = None,
+    base_url: str | None = None,
+    server_model: str | None = None,
+    log: Callable[[str], None] = print,
+) -> dict:
+    layouts = layouts or list(LAYOUTS)
+    caching = [True, False] if caching is None else caching
+    pipe = RagPipeline(index_dir, top_k=top_k)
+    workload = zipf_questions(num_questions, seed)
+    questions = [q for q, _ in workload]
+    pipe.retrieve(questions[0])  # load the embedder before timing
+    hits, retrieval_s = [], []
+    for q in questions:
+        hits.append(pipe.retrieve(q))
+        retrieval_s.append(pipe.last_retrieval_s)
+    top3 = sum(t in {h.source for h in hs[:3]} for (_, t), hs in zip(workload, hits))
+    log(f"{num_questions} questions over {len({t for _, t in workload})} topics; "
+        f"{len({q for q in questions})} distinct; retrieval median "
+        f"{statistics.median(retrieval_s) * 1000:.1f} ms; topic in top-3 for {top3}/{num_questions}")
+
+    messages: dict[str, list[list[dict]]] = {}
+    for layout in layouts:
+        pop = Popularity()  # each layout starts from no history, and sees the questions in the same order
+        msgs = []
+        for q, hs in zip(questions, hits):
+            pop.record([h.chunk_id for h in hs])
+            msgs.append(build_messages(q, hs, layout, pop)[0])
+        messages[layout] = msgs
+
+    rows: list[BenchRow] = []
+    records: list[dict] = []
+    if base_url:
+        from pagedllm.rag.tokens import get_tokenizer
+
+        tok = get_tokenizer(None)
+        settings = [(layout, None) for layout in layouts]
+    else:
+        settings = [(layout, c) for c in caching for layout in layouts]
+    for layout, cache_on in settings:
+        label = "server" if cache_on is None else ("on" if cache_on else "off")
+        answers: list[Answer] = []
+        t0 = time.perf_counter()
+        if base_url:
+            for q, m in zip(questions, messages[layout]):
+                a = Answer()
+                for _ in stream_openai(base_url, m, a, model=server_model, max_tokens=max_tokens):
+                    pass
+                answers.append(a)
+                records.append({"setting": f"{layout}/cache-{label}", "question": q, "answer": a.text,
+                                "prompt_token_ids": tok.apply_chat_template(m)})
+        else:
+            from pagedllm.engine import EngineConfig, LLMEngine
+            from pagedllm.sampling_params import SamplingParams
+
+            engine = LLMEngine(EngineConfig(**{**(engine_kwargs or {}), "enable_prefix_caching": cache_on,
+                                               "log_stats_interval": 0}))
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+            # warm-up on an unrelated prompt, so the first timed request does not pay one-time costs
+            for _ in stream_engine(engine, engine.tokenizer.encode("Hello, warm-up."),
+                                   SamplingParams(temperature=0.0, max_tokens=2), Answer()):
+                pass
+            t0 = time.perf_counter()
+            for i, (q, m) in enumerate(zip(questions, messages[layout])):
+                ids = engine.tokenizer.apply_chat_template(m)
+                a = Answer()
+                for _ in stream_engine(engine, ids, params, a, request_id=f"{layout}-{i}"):
+                    pass
+                answers.append(a)
+                records.append({"setting": f"{layout}/cache-{label}", "question": q, "answer": a.text,
+                                "prompt_token_ids": ids})
+            del engine
+            gc.collect()
+        row = make_row(layout, label, answers, time.perf_counter() - t0, retrieval_s)
+        rows.append(row)
+        log(f"{row.setting:22s} hit rate {row.hit_rate:6.1%}  computed {row.computed_tokens:7d}  cached "
+            f"{row.cached_tokens:7d}  TTFT median {row.ttft_median_ms:8.1f} ms  p99 {row.ttft_p99_ms:8.1f} ms  "
+            f"{row.output_tok_s:6.1f} out tok/s")
+    check = check_answers(records)
+    return {
+        "config": {"index": str(index_dir), "num_questions": num_questions, "seed": seed, "top_k": top_k,
+                   "max_tokens": max_tokens, "layouts": layouts, "base_url": base_url,
+                   "engine": engine_kwargs or {}},
+        "retrieval": {"median_ms": statistics.median(retrieval_s) * 1000,
+                      "p99_ms": percentile([r * 1000 for r in retrieval_s], 99), "topic_in_top3": top3},
+        "rows": [asdict(r) for r in rows],
+        "answer_check": check,
+        "records": [{k: v for k, v in r.items() if k != "prompt_token_ids"} | {"prompt_tokens": len(r["prompt_token_ids"])}
+                    for r in records],
+    }
+
+
+def markdown_table(rows: list[dict]) -> str:
+    head = ("| layout | prefix caching | hit rate | prompt tokens computed | served from cache | TTFT median (ms) "
+            "| TTFT p99 (ms) | output tok/s | retrieval median (ms) |")
+    lines = [head, "|" + "---|" * 9]
+    for r in rows:
+        lines.append(f"| {r['layout']} | {r['prefix_caching']} | {r['hit_rate']:.1%} | {r['computed_tokens']} | "
+                     f"{r['cached_tokens']} | {r['ttft_median_ms']:.1f} | {r['ttft_p99_ms']:.1f} | "
+                     f"{r['output_tok_s']:.1f} | {r['retrieval_median_ms']:.1f} |")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: str | Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    names = [r["setting"] for r in rows]
+    colors = ["tab:green" if r["prefix_caching"] != "off" else "tab:gray" for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    for ax, key, label in ((axes[0], "hit_rate", "prefix-cache hit rate"),
+                           (axes[1], "ttft_median_ms", "TTFT median (ms)"),
+                           (axes[2], "ttft_p99_ms", "TTFT p99 (ms)")):
+        ax.bar(range(len(rows)), [r[key] for r in rows], color=colors)
+        ax.set_xticks(range(len(rows)), names, rotation=30, ha="right", fontsize=8)
+        ax.set_title(label)
+    c = result["config"]
+    fig.suptitle(f"pagedllm rag bench: {c['num_questions']} Zipf questions, top-k {c['top_k']}, seed {c['seed']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def save(result: dict, out_dir: str | Path) -> dict[str, Path]:
+    d = Path(out_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    paths = {"json": d / "rag_bench.json", "table": d / "rag_bench.md", "plot": d / "rag_bench.png"}
+    paths["json"].write_text(json.dumps(result, indent=1))
+    paths["table"].write_text(markdown_table(result["rows"]) + "\n")
+    plot(result, paths["plot"])
+    return paths

@@ -24,8 +24,8 @@ PROMPTS = [
     "List some tips for staying productive when working from home.",
 ]
 N_NEW = 64
-BF16_MAX_ABS_TOL = 1.5  # bf16 logits of a 30-layer model: max |diff| over all positions stays well under this
-BF16_MEAN_ABS_TOL = 0.15
+BF16_MAX_ABS_TOL = 1.5  # max |diff| over all positions: measured 0.81
+BF16_MEAN_ABS_TOL = 0.25  # measured 0.12
 BF16_MIN_TOP1 = 0.9
 
 

@@ -60,6 +60,7 @@ def add_parser(subparsers) -> None:
     sp.add_argument("--num-questions", type=int, default=40)
     sp.add_argument("--top-k", type=int, default=4)
     sp.add_argument("--max-tokens", type=int, default=32, help="greedy output tokens per answer")
+    sp.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of topic popularity (default 1.1)")
     sp.add_argument("--layouts", default="naive,canonical,popular", help="comma-separated")
     sp.add_argument("--caching", choices=["both", "on", "off"], default="both",
                     help="prefix-caching settings to run (overrides --enable-prefix-caching; default both)")
@@ -168,8 +169,10 @@ def cmd_bench(args) -> int:
     caching = {"both": [True, False], "on": [True], "off": [False]}[args.caching]
     cfg = EngineConfig.from_args(args)  # validates the engine flags
     engine_kwargs = {f.name: getattr(cfg, f.name) for f in fields(cfg)}
+    os.makedirs(args.out, exist_ok=True)
     result = run_bench(args.index, args.num_questions, args.seed, args.top_k, layouts, caching, args.max_tokens,
-                       engine_kwargs, args.base_url, args.server_model)
+                       engine_kwargs, args.base_url, args.server_model, zipf_s=args.zipf,
+                       partial_path=os.path.join(args.out, "rag_bench_partial.json"))
     paths = save(result, args.out)
     print()
     print(markdown_table(result["rows"]))

@@ -93,11 +93,13 @@ def run_bench(
     base_url: str | None = None,
     server_model: str | None = None,
     log: Callable[[str], None] = print,
+    zipf_s: float = 1.1,
+    partial_path: str | Path | None = None,
 ) -> dict:
     layouts = layouts or list(LAYOUTS)
     caching = [True, False] if caching is None else caching
     pipe = RagPipeline(index_dir, top_k=top_k)
-    workload = zipf_questions(num_questions, seed)
+    workload = zipf_questions(num_questions, seed, s=zipf_s)
     questions = [q for q, _ in workload]
     pipe.retrieve(questions[0])  # load the embedder before timing
     hits, retrieval_s = [], []
@@ -163,13 +165,15 @@ def run_bench(
             gc.collect()
         row = make_row(layout, label, answers, time.perf_counter() - t0, retrieval_s)
         rows.append(row)
+        if partial_path:  # a long run on a busy machine keeps what it measured so far
+            Path(partial_path).write_text(json.dumps([asdict(r) for r in rows], indent=1))
         log(f"{row.setting:22s} hit rate {row.hit_rate:6.1%}  computed {row.computed_tokens:7d}  cached "
             f"{row.cached_tokens:7d}  TTFT median {row.ttft_median_ms:8.1f} ms  p99 {row.ttft_p99_ms:8.1f} ms  "
             f"{row.output_tok_s:6.1f} out tok/s")
     check = check_answers(records)
     return {
         "config": {"index": str(index_dir), "num_questions": num_questions, "seed": seed, "top_k": top_k,
-                   "max_tokens": max_tokens, "layouts": layouts, "base_url": base_url,
+                   "max_tokens": max_tokens, "zipf_s": zipf_s, "layouts": layouts, "base_url": base_url,
                    "engine": engine_kwargs or {}},
         "retrieval": {"median_ms": statistics.median(retrieval_s) * 1000,
                       "p99_ms": percentile([r * 1000 for r in retrieval_s], 99), "topic_in_top3": top3},

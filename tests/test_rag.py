@@ -292,27 +292,29 @@ def test_zipf_workload_and_answer_check():
 
 
 @pytest.mark.slow
-def test_engine_prefix_cache_serves_canonical_prefix(rag_index):
-    """Two questions with the same retrieved chunk: the engine reports the shared prefix as cached tokens."""
+def test_engine_prefix_cache_serves_canonical_prefix(tokenizer):
+    """Two questions with the same retrieved chunks: the engine reports the shared prefix as cached tokens."""
+    import pydoc_data.topics
+
     from pagedllm.engine import EngineConfig, LLMEngine
     from pagedllm.rag.generate import Answer, stream_engine
-    from pagedllm.rag.pipeline import RagPipeline
     from pagedllm.sampling_params import SamplingParams
 
-    pipe = RagPipeline(rag_index, top_k=1, layout="canonical")
-    hits = pipe.retrieve("What does the pass statement do?")
+    count = lambda s: len(tokenizer.encode(s))  # noqa: E731
+    chunks = chunk_text("with", "with", pydoc_data.topics.topics["with"], count, chunk_size=96, chunk_overlap=0)
+    hits = [Hit(c.chunk_id, c.source, c.title, c.position, 0.5, c.text, i) for i, c in enumerate(chunks[:2])]
     engine = LLMEngine(EngineConfig(dtype="float32", enable_prefix_caching=True, log_stats_interval=0))
     ids = []
     answers = []
-    for q in ("What does the pass statement do?", "When is pass useful as a placeholder?"):
-        m, _ = pipe.build_messages(q, hits=hits)
+    for q in ("How does the with statement work?", "When is __exit__ called?"):
+        m, _ = build_messages(q, hits, "canonical")
         ids.append(engine.tokenizer.apply_chat_template(m))
         a = Answer()
         list(stream_engine(engine, ids[-1], SamplingParams(temperature=0.0, max_tokens=1), a))
         answers.append(a)
     common = _common_prefix(*ids)
     block = engine.stats().block_size
-    assert common >= 64
+    assert common >= 128
     assert answers[0].cached_tokens == 0
     # everything shared, in whole blocks, is served from the cache
     assert common - block < answers[1].cached_tokens <= common

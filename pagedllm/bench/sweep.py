@@ -228,6 +228,15 @@ def format_table(rows: list[dict], markdown: bool = False) -> str:
                                for i in range(len(COLUMNS))) for c in cells)
 
 
+def _save(args, rows: list[dict], budget_tokens: int, kv_bytes: int) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(args.save_result)), exist_ok=True)
+    tmp = args.save_result + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump({"args": {k: v for k, v in vars(args).items() if k != "func"}, "kv_budget_tokens": budget_tokens,
+                   "kv_cache_memory": kv_bytes, "rows": rows}, f, indent=1, default=str)
+    os.replace(tmp, args.save_result)
+
+
 def run_sweep(args: argparse.Namespace) -> int:
     groups = set(GROUPS) if args.rows == "all" else {g.strip() for g in args.rows.split(",") if g.strip()}
     if not groups or groups - set(GROUPS):
@@ -273,12 +282,9 @@ def run_sweep(args: argparse.Namespace) -> int:
                   f"{row['peak_running']}, {row['output_throughput']:.1f} out tok/s", file=sys.stderr)
             del engine
             gc.collect()
+            if args.save_result:  # after every row, so a long sweep that is cut short keeps what it measured
+                _save(args, rows, budget_tokens, kv_bytes)
     print(format_table(rows, args.markdown))
-    if args.save_result:
-        os.makedirs(os.path.dirname(os.path.abspath(args.save_result)), exist_ok=True)
-        with open(args.save_result, "w", encoding="utf-8") as f:
-            json.dump({"args": {k: v for k, v in vars(args).items() if k != "func"}, "rows": rows}, f, indent=1,
-                      default=str)
     if args.plot:
         from pagedllm.bench.plot import plot_sweep
 

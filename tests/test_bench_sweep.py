@@ -1,0 +1,141 @@
+"""`bench sweep` logic against a fake engine (the real one is exercised by running the command)."""
+import argparse
+import json
+
+import pytest
+
+from pagedllm.bench import sweep
+from pagedllm.engine.stats import EngineStats
+
+PER_TOKEN = 100  # bytes of KV per token in the fake model
+
+
+class _Out:
+    def __init__(self, rid, ids, finished):
+        self.request_id = rid
+        self.outputs = [type("C", (), {"token_ids": ids})()]
+        self.finished = finished
+
+
+class FakeEngine:
+    """Admits waiting requests while their blocks fit (max_model_len each if contiguous), one token per step."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.bs = cfg.block_size
+        self.num_blocks = cfg.kv_cache_memory // (PER_TOKEN * self.bs)
+        self.waiting, self.running = [], {}
+        self.peak = 0
+        self.steps = 0
+        self.queries = self.hits = 0
+
+    def _blocks(self, prompt, max_tokens):
+        n = self.cfg.max_model_len if self.cfg.kv_allocation == "contiguous" else len(prompt) + max_tokens
+        return -(-n // self.bs)
+
+    def add_request(self, rid, prompt, params):
+        self.waiting.append((rid, prompt, params.max_tokens))
+        self.queries += len(prompt)
+        if self.cfg.enable_prefix_caching:
+            self.hits += len(prompt) // 2
+
+    def has_unfinished_requests(self):
+        return bool(self.waiting or self.running)
+
+    def _used(self):
+        return sum(r["blocks"] for r in self.running.values())
+
+    def step(self):
+        self.steps += 1
+        while self.waiting:
+            rid, prompt, mt = self.waiting[0]
+            need = self._blocks(prompt, mt)
+            if self._used() + need > self.num_blocks:
+                break
+            self.waiting.pop(0)
+            self.running[rid] = {"prompt": len(prompt), "out": [], "mt": mt, "blocks": need}
+        self.peak = max(self.peak, len(self.running))
+        outs = []
+        for rid, r in list(self.running.items()):
+            r["out"].append(1)
+            done = len(r["out"]) >= r["mt"]
+            outs.append(_Out(rid, list(r["out"]), done))
+        self._last_stored = sum(r["prompt"] + len(r["out"]) for r in self.running.values())
+        self._last_used = self._used()
+        for o in outs:
+            if o.finished:
+                del self.running[o.request_id]
+        return outs
+
+    def stats(self):
+        return EngineStats(len(self.running), len(self.waiting), self.num_blocks, self.num_blocks - self._used(),
+                           self.bs, 0.0, sum(r["prompt"] + len(r["out"]) for r in self.running.values()),
+                           self.queries, self.hits, 0, 0, 0, self.peak, self.steps)
+
+
+class WordTok:
+    vocab_size = 500
+    special_ids = frozenset({0})
+
+    def encode(self, text):
+        return [int(w[1:]) for w in text.split()]
+
+    def decode(self, ids):
+        return " ".join(f"w{i}" for i in ids)
+
+
+def test_run_engine_contiguous_vs_paged():
+    from pagedllm.engine import EngineConfig
+
+    prompts = [[1] * n for n in (30, 50, 20, 200, 40, 60)]
+    res = {}
+    for alloc in ("contiguous", "paged"):
+        cfg = EngineConfig(block_size=16, max_model_len=256, kv_allocation=alloc, kv_cache_memory=2 * 256 * PER_TOKEN,
+                           enable_prefix_caching=False)
+        res[alloc] = sweep.run_engine(FakeEngine(cfg), prompts, 4, [0.0] * 6)
+    c, p = res["contiguous"], res["paged"]
+    assert c["peak_running"] == 2 and p["peak_running"] >= 4
+    assert c["completed"] == p["completed"] == 6
+    assert c["output_tokens"] == p["output_tokens"] == 24
+    assert len(c["ttfts"]) == 6 and all(t >= 0 for t in c["ttfts"])
+    assert 0 < c["used_share"] < p["used_share"] <= 1
+    assert c["kv_slots_allocated"] == pytest.approx(2 * 256, rel=0.3)
+    assert c["prefix_cache_hit_rate"] == 0 and c["preemptions"] == 0
+
+
+def test_run_sweep_with_fake_engine(monkeypatch, tmp_path):
+    import pagedllm.bench.tokenizer as bt
+    import pagedllm.engine as eng
+
+    monkeypatch.setattr(eng, "LLMEngine", FakeEngine)
+    monkeypatch.setattr(sweep, "kv_bytes_per_token", lambda model, dtype: PER_TOKEN)
+    monkeypatch.setattr(bt, "load_bench_tokenizer", lambda path=None: WordTok())
+    p = argparse.ArgumentParser()
+    sub = p.add_subparsers()
+    sweep.add_sweep_parser(sub)
+    out = tmp_path / "s.json"
+    args = p.parse_args(["sweep", "--max-model-len", "256", "--num-prompts", "8", "--median-len", "40",
+                         "--output-len", "3", "--prefix-num-prompts", "6", "--prefix-len", "32", "--suffix-len", "8",
+                         "--prefix-output-len", "2", "--save-result", str(out), "--plot", str(tmp_path / "s.png"),
+                         "--no-reuse-weights", "--markdown"])
+    assert args.func(args) == 0
+    data = json.loads(out.read_text())
+    rows = {r["setting"]: r for r in data["rows"]}
+    assert list(rows) == ["contiguous b16", "paged b16", "paged b8", "paged b32", "paged b128",
+                          "prefix-rep, caching off", "prefix-rep, caching on"]
+    assert data["kv_budget_tokens"] == 4 * 256
+    assert rows["contiguous b16"]["peak_running"] == 4 < rows["paged b16"]["peak_running"]
+    assert rows["prefix-rep, caching on"]["prefix_cache_hit_rate"] > 0
+    assert rows["prefix-rep, caching off"]["prefix_cache_hit_rate"] == 0
+    assert (tmp_path / "s.png").stat().st_size > 10_000
+    with pytest.raises(Exception, match="--rows"):
+        sweep.run_sweep(p.parse_args(["sweep", "--rows", "nope"]))
+
+
+def test_table_markdown():
+    rows = [{"setting": "paged b16", "workload": "long-tail", "peak_running": 8, "kv_slots_allocated": 1000.0,
+             "kv_tokens_stored": 900.0, "used_share": 0.9, "output_throughput": 12.5, "median_ttft_ms": 100.0,
+             "p99_ttft_ms": 900.0, "prefix_cache_hit_rate": None, "preemptions": 0}]
+    t = sweep.format_table(rows, markdown=True).splitlines()
+    assert t[0].startswith("| setting | workload | peak running")
+    assert t[2] == "| paged b16 | long-tail | 8 | 1,000 | 900 | 90.0% | 12.5 | 100 | 900 | - | 0 |"

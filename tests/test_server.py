@@ -259,7 +259,7 @@ def test_32_concurrent_streams(server):
 
         async def one(i):
             prompt = f"Request {i}: the number after {i} is"
-            stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0.7,
+            stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0.7,
                                                      seed=i, stream=True, stream_options={"include_usage": True},
                                                      extra_body={"ignore_eos": True})
             text, usage, finish = "", None, None
@@ -282,7 +282,7 @@ def test_32_concurrent_streams(server):
     def watch():
         while not stop.is_set():
             peak.append(kv(server)["num_running"])
-            time.sleep(0.02)
+            time.sleep(0.1)
 
     watcher = threading.Thread(target=watch)
     watcher.start()
@@ -293,9 +293,9 @@ def test_32_concurrent_streams(server):
         watcher.join()
     for prompt, text, usage, finish in results:
         assert finish == "length" and text
-        assert usage.completion_tokens == 4
+        assert usage.completion_tokens == 3
         assert usage.prompt_tokens == n_tokens(server, prompt)
-        assert usage.total_tokens == usage.prompt_tokens + 4
+        assert usage.total_tokens == usage.prompt_tokens + 3
     assert max(peak) > 1, "requests were not batched together"
     assert_pool_whole(server)
 
@@ -336,6 +336,19 @@ def test_client_disconnect_aborts(server):
         time.sleep(0.05)
     assert_pool_whole(server)
     assert metric(server, "vllm:generation_tokens_total") > 0
+
+
+def test_non_streaming_disconnect_aborts(server):
+    rid = f"gone-{time.monotonic_ns()}"
+    body = {"model": MODEL, "prompt": "Write a very long story about a cat.", "max_tokens": 200, "ignore_eos": True}
+    with httpx.Client(base_url=server.base, headers={**AUTH, "X-Request-Id": rid}) as c:
+        with pytest.raises(httpx.ReadTimeout):
+            c.post("/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.5))
+    deadline = time.monotonic() + 30
+    while not any(a.startswith(f"cmpl-{rid}") for a in kv(server)["recent_aborted_request_ids"]):
+        assert time.monotonic() < deadline, kv(server)
+        time.sleep(0.05)
+    assert_pool_whole(server)
 
 
 # ---------------------------------------------------------------------------------------------- bad input
@@ -460,8 +473,8 @@ def small_server():
             proc.wait()
 
 
-def _read_first_event(resp) -> dict:
-    for line in resp.iter_lines():
+def _read_first_event(lines) -> dict:
+    for line in lines:
         if line.startswith("data: "):
             return json.loads(line[6:])
     raise AssertionError("no event")
@@ -474,7 +487,7 @@ def test_too_many_waiting_requests_503(small_server):
     with httpx.Client(base_url=s.base, headers={"Authorization": f"Bearer {s.key}"}, timeout=60) as c1, \
             httpx.Client(base_url=s.base, headers={"Authorization": f"Bearer {s.key}"}, timeout=60) as c2:
         with c1.stream("POST", "/v1/completions", json=body) as running:
-            _read_first_event(running)
+            _read_first_event(running.iter_lines())
             with c2.stream("POST", "/v1/completions", json=body) as waiting:
                 assert waiting.status_code == 200
                 deadline = time.monotonic() + 30
@@ -496,9 +509,10 @@ def test_sigterm_graceful_shutdown(small_server):
     body = {"model": MODEL, "prompt": "Tell me a story.", "max_tokens": 200, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=s.base, headers={"Authorization": f"Bearer {s.key}"}, timeout=60) as c:
         with c.stream("POST", "/v1/completions", json=body) as r:
-            _read_first_event(r)
+            lines = r.iter_lines()
+            _read_first_event(lines)
             s.proc.send_signal(signal.SIGTERM)
-            rest = sse_events(r.iter_lines())
+            rest = sse_events(lines)
     assert rest[-1] == "[DONE]"  # the stream was ended, not cut
     assert s.proc.wait(timeout=60) == 0
     with pytest.raises(httpx.HTTPError):

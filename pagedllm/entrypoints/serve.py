@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 
 from pagedllm.errors import UserError
@@ -40,6 +41,16 @@ def served_names(args: argparse.Namespace) -> list[str]:
     return [args.model if args.model else DEFAULT_SERVED_NAME]
 
 
+def _check_can_listen(host: str, port: int) -> None:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise UserError(f"--host/--port: cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     from pagedllm.engine.config import EngineConfig
 
@@ -47,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--port: must be in 0..65535, got {args.port}")
     if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
         raise UserError(f"--max-waiting-requests: must be >= 0, got {args.max_waiting_requests}")
+    _check_can_listen(args.host, args.port)  # before the model load, not after it
     api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
     config = EngineConfig.from_args(args)
 

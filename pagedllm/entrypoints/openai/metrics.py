@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -74,6 +75,10 @@ class _EngineCollector:
                       stat(st, "prefix_cache_hits", "num_prefix_cache_hits"))
         yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
                       stat(st, "num_preemptions", "preemptions"))
+
+
+# As vLLM: no "<counter>_created" series (they double the page and no dashboard uses them).
+prometheus_client.disable_created_metrics()
 
 
 class ServerMetrics:

@@ -43,6 +43,10 @@ def _accepted_fields(cls: type) -> set[str]:
     return {n for n, p in inspect.signature(cls).parameters.items() if n != "self"}
 
 
+def _sse(body: dict[str, Any]) -> str:
+    return "data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+
+
 @dataclasses.dataclass
 class _Sub:
     """One engine request of an HTTP request: prompt `prompt_index`, choices base .. base + n_here - 1."""
@@ -160,7 +164,7 @@ class OpenAIServing:
             raise APIError(f"Invalid value for 'prompt': token id {bad[0]} is out of range [0, {vs})", 400,
                            param="prompt")
 
-    def sampling_params(self, req: P._SamplingFields, max_tokens: int, logprobs: int | None) -> Any:
+    def sampling_params(self, req: P._SamplingFields, max_tokens: int | None, logprobs: int | None) -> Any:
         stop = [req.stop] if isinstance(req.stop, str) else (list(req.stop) if req.stop else None)
         wanted: dict[str, Any] = {
             "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "min_p": req.min_p,
@@ -173,9 +177,9 @@ class OpenAIServing:
             wanted["n"] = req.n
         defaults = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "ignore_eos": False, "min_tokens": 0,
                     "skip_special_tokens": True}
-        kw = {}
+        kw: dict[str, Any] = {"max_tokens": max_tokens}  # None: up to max_model_len
         for k, v in wanted.items():
-            if v is None:
+            if v is None or k == "max_tokens":
                 continue
             if k not in self.sp_fields:
                 if k in defaults and v == defaults[k]:
@@ -342,7 +346,7 @@ class OpenAIServing:
             self.check_token_ids(ids)
             self.check_length(len(ids), req.max_tokens, "prompt")
         echo_texts = [t if t is not None else self.decode(ids) for t, ids in zip(texts, prompts)] if req.echo else []
-        params = self.sampling_params(req, req.max_tokens or 16, req.logprobs)
+        params = self.sampling_params(req, req.max_tokens, req.logprobs)
         return model, prompts, echo_texts, params
 
     async def completion(self, req: P.CompletionRequest, request_id: str) -> dict[str, Any]:
@@ -379,7 +383,7 @@ class OpenAIServing:
                                     "model": model, "choices": choices}
             if include_usage:
                 body["usage"] = usage
-            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+            return _sse(body)
 
         async def gen() -> AsyncIterator[str]:
             states: dict[int, _ChoiceState] = {}
@@ -476,7 +480,7 @@ class OpenAIServing:
                                     "model": model, "choices": choices}
             if include_usage:
                 body["usage"] = usage
-            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+            return _sse(body)
 
         async def gen() -> AsyncIterator[str]:
             states: dict[int, _ChoiceState] = {}

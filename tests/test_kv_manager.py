@@ -23,6 +23,7 @@ def admit(mgr, req: Req) -> int:
     """What the scheduler does for a new request: look up its prefix, allocate the rest, mark it computed."""
     blocks, cached = mgr.get_computed_blocks(req)
     assert mgr.allocate_slots(req, len(req.all_token_ids) - cached, blocks)
+    mgr.record_prefix_lookup(len(req.all_token_ids), cached)
     req.num_computed_tokens = len(req.all_token_ids)
     return cached
 
@@ -36,6 +37,7 @@ def test_second_request_with_same_100_token_prompt_reuses_six_blocks():
     assert cached == 96 and len(blocks_b) == 6
     assert [blk.block_id for blk in blocks_b] == mgr.get_block_ids("a")[:6]
     assert mgr.allocate_slots(b, 100 - cached, blocks_b)
+    mgr.record_prefix_lookup(100, cached)
     # b computes only the last 4 tokens, in one fresh block of its own; the 6 shared blocks are held twice.
     assert mgr.get_block_ids("b")[:6] == mgr.get_block_ids("a")[:6]
     assert mgr.get_block_ids("b")[6] != mgr.get_block_ids("a")[6]

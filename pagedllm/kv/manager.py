@@ -85,6 +85,11 @@ class KVCacheManager:
         """The longest chain of cached full blocks of a new request's tokens, and how many tokens it covers."""
         return [], 0
 
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count a lookup once its request is admitted (a request that waits is looked up again next step)."""
+        self.prefix_stats.queries += num_tokens
+        self.prefix_stats.hits += num_hit_tokens
+
     def allocate_slots(
         self, request: KVRequest, num_new_tokens: int, new_computed_blocks: Sequence[KVBlock] = ()
     ) -> bool:
@@ -136,8 +141,6 @@ class PagedKVCacheManager(KVCacheManager):
             if block is None:
                 break
             hits.append(block)
-        self.prefix_stats.queries += num_tokens
-        self.prefix_stats.hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
 
     def allocate_slots(

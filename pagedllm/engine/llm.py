@@ -1,0 +1,75 @@
+"""The offline API: `LLM().generate(prompts, params)` runs a whole batch through the engine and returns it."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from pagedllm.engine.config import EngineConfig
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.outputs import RequestOutput
+from pagedllm.model.loader import LoadedModel
+from pagedllm.model.tokenizer import Tokenizer
+from pagedllm.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Messages = list[dict[str, str]]
+
+
+class LLM:
+    """`LLM()` loads the default model; keyword arguments are EngineConfig fields (block_size=..., dtype=...)."""
+
+    def __init__(self, model: str | None = None, loaded: LoadedModel | None = None, **engine_args) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args), loaded)
+        self._counter = 0
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams]
+                 | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Outputs in the order of the prompts. Every prompt is checked before any is queued."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        for p in params:
+            p.validate()
+        encoded = [self.engine.encode_prompt(p) for p in prompts]
+        ids = []
+        for prompt, ids_, p in zip(prompts, encoded, params):
+            rid = f"offline-{self._counter}"
+            self._counter += 1
+            self.engine.add_request(rid, ids_, p)
+            self.engine.parents[rid].prompt = prompt if isinstance(prompt, str) else None
+            ids.append(rid)
+        return self._run(ids, use_tqdm and len(ids) > 1)
+
+    def chat(self, messages: Messages | Sequence[Messages], sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """One conversation or a list of them, rendered with the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.engine.tokenizer.apply_chat_template(m, add_generation_prompt=True) for m in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm)
+        try:
+            while len(done) < len(ids):
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            for rid in ids:  # an interrupted batch must not leave blocks behind
+                self.engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
+        return [done[rid] for rid in ids]

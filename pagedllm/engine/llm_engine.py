@@ -1,0 +1,273 @@
+"""The engine loop: add requests, then `step()` schedules, runs the model once, samples, and reports progress.
+
+Sizing happens once at start-up: the KV cache gets a fixed budget (`--kv-cache-memory`, or a share of the
+device's memory after the weights and a warm-up step of the largest batch), cut into blocks.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
+from pagedllm.engine.outputs import RequestMetrics, RequestOutput
+from pagedllm.engine.request import Request
+from pagedllm.engine.scheduler import Scheduler
+from pagedllm.engine.stats import EngineStats
+from pagedllm.errors import UserError
+from pagedllm.kv.manager import cdiv, make_kv_cache_manager
+from pagedllm.model.loader import LoadedModel, load_model
+from pagedllm.model.runner import ModelRunner, SeqChunk, bytes_per_block
+from pagedllm.model.sampler import SamplingRow, sample
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedllm")
+
+
+@dataclass
+class _Parent:
+    """One user request; its n samples are child Requests."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[Request]
+    metrics: RequestMetrics
+    holdback: int  # characters of text kept back while they could start a stop string
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(device)
+    except RuntimeError as e:
+        raise UserError(f"--device: {e}") from None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None) -> None:
+        """`loaded` reuses weights already in memory (several engines side by side in a benchmark or test)."""
+        self.config = config = config or EngineConfig()
+        device = resolve_device(config.device) if loaded is None else loaded.device
+        self.loaded = loaded or load_model(config.model, config.dtype, device)
+        self.tokenizer = self.loaded.tokenizer
+        self.model_config = cfg = self.loaded.config
+        logger.info("loaded %s (%s, %s) in %.1f s", cfg.name, self.loaded.dtype, device, self.loaded.load_seconds)
+
+        self.max_model_len = config.max_model_len or cfg.max_position_embeddings
+        if self.max_model_len > cfg.max_position_embeddings:
+            raise UserError(f"--max-model-len: {self.max_model_len} is more than the model's "
+                            f"{cfg.max_position_embeddings} positions")
+        self.block_size = config.block_size
+        per_block = bytes_per_block(cfg, self.block_size, self.loaded.dtype)
+        budget = self._kv_budget(device)
+        num_blocks = budget // per_block
+        if config.kv_allocation == "contiguous" and num_blocks < cdiv(self.max_model_len, self.block_size):
+            raise UserError(f"--kv-cache-memory: contiguous allocation reserves {self.max_model_len} tokens per "
+                            f"request ({cdiv(self.max_model_len, self.block_size) * per_block:,} bytes) but the "
+                            f"budget holds only {num_blocks} blocks; lower --max-model-len or raise the budget")
+        if num_blocks < 1:
+            raise UserError(f"--kv-cache-memory: {budget:,} bytes hold no KV block of {per_block:,} bytes")
+        if num_blocks * self.block_size < self.max_model_len:
+            logger.warning("the KV cache holds %d tokens, less than --max-model-len %d: longer requests will fail",
+                           num_blocks * self.block_size, self.max_model_len)
+        self.runner = ModelRunner(self.loaded, num_blocks, self.block_size)
+        self.kv = make_kv_cache_manager(config.kv_allocation, num_blocks, self.block_size, self.max_model_len,
+                                        config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, %s allocation, prefix caching %s)",
+                    num_blocks, self.block_size, num_blocks * self.block_size, num_blocks * per_block / 2**30,
+                    config.kv_allocation, "on" if config.enable_prefix_caching else "off")
+
+        self.parents: dict[str, _Parent] = {}
+        self.requests: dict[str, Request] = {}  # child id -> request, while unfinished
+        self._ids = itertools.count()
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.num_steps = 0
+        self._log_time = time.monotonic()
+        self._log_tokens = 0
+        torch.manual_seed(config.seed)
+
+    # ---- sizing -------------------------------------------------------------------------------------------
+    def _kv_budget(self, device: torch.device) -> int:
+        cfg = self.config
+        if cfg.kv_cache_memory is not None:
+            return cfg.kv_cache_memory
+        if cfg.gpu_memory_utilization is None and device.type == "cpu":
+            return DEFAULT_CPU_KV_CACHE_MEMORY
+        share = cfg.gpu_memory_utilization or 0.9
+        total, used = self._profile(device)
+        budget = int(share * total) - used
+        logger.info("memory: %.2f GiB x %.2f, minus %.2f GiB for weights and activations -> KV budget %.2f GiB",
+                    total / 2**30, share, used / 2**30, budget / 2**30)
+        if budget <= 0:
+            raise UserError(f"--gpu-memory-utilization: {share} of {total / 2**30:.1f} GiB leaves nothing for the KV "
+                            f"cache after {used / 2**30:.2f} GiB of weights and activations")
+        return budget
+
+    def _profile(self, device: torch.device) -> tuple[int, int]:
+        """(device memory, bytes in use after a warm-up step of the largest batch with a scratch cache)."""
+        n = min(self.config.max_num_batched_tokens, self.max_model_len)
+        scratch = ModelRunner(self.loaded, cdiv(n, self.block_size), self.block_size)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        scratch.execute([SeqChunk([0] * n, 0, list(range(cdiv(n, self.block_size))))])
+        del scratch
+        if device.type == "cuda":
+            return torch.cuda.mem_get_info(device)[1], torch.cuda.max_memory_allocated(device)
+        import psutil
+
+        return psutil.virtual_memory().total, psutil.Process().memory_info().rss
+
+    # ---- requests -----------------------------------------------------------------------------------------
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            vocab = self.model_config.vocab_size
+            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+                raise UserError(f"prompt: token ids must be integers in [0, {vocab})")
+        if not ids:
+            raise UserError("prompt: is empty")
+        if len(ids) >= self.max_model_len:
+            raise UserError(f"prompt: {len(ids)} tokens is too long: the maximum model length is "
+                            f"{self.max_model_len} tokens, prompt and output together")
+        return ids
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    cache_salt: str | None = None) -> None:
+        params = params or SamplingParams()
+        params.validate()
+        if request_id in self.parents:
+            raise UserError(f"request id {request_id!r} is already in use")
+        prompt_ids = self.encode_prompt(prompt)
+        metrics = RequestMetrics(arrival_time=time.monotonic())
+        children = []
+        for i in range(params.n):
+            child = Request(f"{request_id}#{i}", request_id, i, prompt_ids, params.for_sample(i), self.tokenizer,
+                            metrics, cache_salt)
+            children.append(child)
+            self.requests[child.request_id] = child
+            self.scheduler.add(child)
+        holdback = max((len(s) for s in params.stop), default=1) - 1
+        self.parents[request_id] = _Parent(prompt if isinstance(prompt, str) else None, prompt_ids, children,
+                                           metrics, holdback)
+
+    def abort_request(self, request_id: str) -> None:
+        parent = self.parents.pop(request_id, None)
+        if parent is None:
+            return
+        for child in parent.children:
+            if not child.finished:
+                child.finish("abort")
+                self._release(child)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.parents)
+
+    def _release(self, req: Request) -> None:
+        self.scheduler.remove(req)
+        self.requests.pop(req.request_id, None)
+
+    # ---- the step -----------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        touched: dict[str, None] = {}  # parent ids with news, in order
+        for req in sched.failed:
+            self._release(req)
+            touched[req.parent_id] = None
+        if sched.scheduled:
+            self._run(sched.scheduled, touched)
+        self.num_steps += 1
+        outputs = [self._output(pid) for pid in touched if pid in self.parents]
+        self._maybe_log()
+        return outputs
+
+    def _run(self, scheduled: list[tuple[Request, int]], touched: dict[str, None]) -> None:
+        chunks = [SeqChunk(r.all_token_ids[r.num_computed_tokens:r.num_computed_tokens + n], r.num_computed_tokens,
+                           self.kv.get_block_ids(r.request_id)) for r, n in scheduled]
+        logits = self.runner.execute(chunks)
+        now = time.monotonic()
+        rows, to_sample = [], []
+        for j, (req, n) in enumerate(scheduled):
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
+            req.num_computed_tokens += n
+            self.prompt_tokens += max(0, min(n, len(req.prompt_token_ids) - (req.num_computed_tokens - n)))
+            if req.num_computed_tokens == len(req.all_token_ids):  # the prompt is done: a token is due
+                to_sample.append((j, req))
+                rows.append(SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids, req.generator,
+                                        self.tokenizer.eos_token_ids + req.params.stop_token_ids))
+        if not to_sample:
+            return
+        results = sample(logits[[j for j, _ in to_sample]], rows)
+        for (_, req), res in zip(to_sample, results):
+            self._append_token(req, res.token_id, res.logprobs, now)
+            touched[req.parent_id] = None
+            if req.finished:
+                self._release(req)
+
+    def _append_token(self, req: Request, token: int, logprobs: dict[int, float] | None, now: float) -> None:
+        req.all_token_ids.append(token)
+        self.generation_tokens += 1
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        if req.logprobs is not None:
+            req.logprobs.append(logprobs or {})
+        before = len(req.text)
+        req.text += req.detok.add(token)
+        p = req.params
+        n_out = req.num_output_tokens
+        if n_out >= p.min_tokens:
+            if not p.ignore_eos and token in self.tokenizer.eos_token_ids:
+                return req.finish("stop")
+            if token in p.stop_token_ids:
+                return req.finish("stop", stop_reason=token)
+            for s in p.stop:
+                # A stop string ends in the new text: look from just before it.
+                pos = req.text.find(s, max(0, before - len(s) + 1))
+                if pos != -1:
+                    req.text = req.text[:pos]
+                    return req.finish("stop", stop_reason=s)
+        if p.max_tokens is not None and n_out >= p.max_tokens:
+            return req.finish("length")
+        if len(req.all_token_ids) >= self.max_model_len:
+            return req.finish("length")
+
+    def _output(self, parent_id: str) -> RequestOutput:
+        parent = self.parents[parent_id]
+        finished = all(c.finished for c in parent.children)
+        if finished:
+            del self.parents[parent_id]
+            parent.metrics.finished_time = time.monotonic()
+        return RequestOutput(parent_id, parent.prompt, parent.prompt_token_ids,
+                             [c.completion_output(parent.holdback) for c in parent.children], finished,
+                             parent.children[0].num_cached_tokens, parent.metrics)
+
+    # ---- stats --------------------------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        kv, sched = self.kv, self.scheduler
+        return EngineStats(
+            num_running=len(sched.running), num_waiting=len(sched.waiting), num_blocks=kv.num_blocks,
+            num_free_blocks=kv.num_free_blocks, block_size=kv.block_size, kv_usage=kv.usage,
+            num_stored_tokens=kv.num_stored_tokens, prefix_cache_queries=kv.prefix_stats.queries,
+            prefix_cache_hits=kv.prefix_stats.hits, num_preemptions=sched.num_preemptions,
+            prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens,
+            peak_running=sched.peak_running, num_steps=self.num_steps)
+
+    def _maybe_log(self) -> None:
+        interval = self.config.log_stats_interval
+        now = time.monotonic()
+        if interval <= 0 or now - self._log_time < interval:
+            return
+        s = self.stats()
+        tokens = s.prompt_tokens + s.generation_tokens
+        logger.info("running %d, waiting %d, KV usage %.1f%%, prefix-cache hit rate %.1f%%, preemptions %d, "
+                    "%.1f tokens/s", s.num_running, s.num_waiting, 100 * s.kv_usage, 100 * s.prefix_cache_hit_rate,
+                    s.num_preemptions, (tokens - self._log_tokens) / (now - self._log_time))
+        self._log_time, self._log_tokens = now, tokens

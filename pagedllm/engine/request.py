@@ -1,0 +1,74 @@
+"""A request's lifecycle and state: one Request per sample (n > 1 makes n of them, sharing the prompt's blocks)."""
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.outputs import CompletionOutput, RequestMetrics
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.model.tokenizer import Tokenizer
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again, its KV dropped: it will be recomputed
+    FINISHED = "finished"
+
+
+class Request:
+    def __init__(self, request_id: str, parent_id: str, index: int, prompt_token_ids: list[int],
+                 params: SamplingParams, tokenizer: Tokenizer, metrics: RequestMetrics,
+                 cache_salt: str | None = None) -> None:
+        self.request_id = request_id
+        self.parent_id = parent_id
+        self.index = index
+        self.prompt_token_ids = prompt_token_ids
+        self.all_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.cache_salt = cache_salt
+        self.metrics = metrics
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache when first scheduled
+        self.num_preemptions = 0
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.error: str | None = None
+        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
+        self.text = ""  # detokenized output, stop strings cut off
+        # A seeded request draws from its own generator, so its samples do not depend on the batch around it.
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        return len(self.all_token_ids) - self.num_computed_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def finish(self, reason: str, stop_reason: str | int | None = None, error: str | None = None) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+        self.error = error
+
+    def completion_output(self, holdback: int = 0) -> CompletionOutput:
+        """The sample so far; `holdback` characters stay unsent while they might still start a stop string."""
+        text = self.text if self.finished or holdback == 0 else self.text[:max(0, len(self.text) - holdback)]
+        return CompletionOutput(self.index, text, self.output_token_ids, self.finish_reason, self.stop_reason,
+                                self.logprobs, self.error)

@@ -1,0 +1,113 @@
+"""Continuous batching: each step spends a token budget on running requests first, then admits waiting ones.
+
+Running requests get their next token (decode) or the next chunk of their prompt (chunked prefill). When the
+KV cache cannot grow a request, the most recently admitted request is preempted: its blocks go back and it
+returns to the front of the waiting queue, to be recomputed later (its prefix may still be cached). A request
+that cannot fit even with every other request gone finishes with an error, so the engine never deadlocks.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagedllm.engine.request import Request, RequestStatus
+from pagedllm.kv.manager import KVCacheManager
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens to compute)
+    failed: list[Request] = field(default_factory=list)  # finished with an error this step
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the tail is preempted first
+        self.num_preemptions = 0
+        self.peak_running = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def remove(self, request: Request) -> None:
+        """Take a finished or aborted request out of the queues and give its blocks back."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv.free(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens_to_compute, budget)
+            while not self.kv.allocate_slots(req, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append((req, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            if not self.running:  # it gave up every other request's blocks and still does not fit
+                self.waiting.remove(req)
+                self._fail(req, out)
+            break
+
+        # Admitting new work right after preempting would only thrash the cache.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            blocks, num_cached = self.kv.get_computed_blocks(req)
+            num_new = min(len(req.all_token_ids) - num_cached, budget)
+            req.num_computed_tokens = 0
+            if not self.kv.allocate_slots(req, num_new, blocks):
+                if not self.running:  # nothing will ever free blocks for it
+                    self.waiting.popleft()
+                    self._fail(req, out)
+                    continue
+                break
+            self.kv.record_prefix_lookup(len(req.all_token_ids), num_cached)
+            self.waiting.popleft()
+            req.num_computed_tokens = num_cached
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = num_cached
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append((req, num_new))
+            budget -= num_new
+        self.peak_running = max(self.peak_running, len(self.running))
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.PREEMPTED
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _fail(self, req: Request, out: SchedulerOutput) -> None:
+        self.kv.free(req)
+        need = len(req.all_token_ids)
+        req.finish("error", error=(
+            f"request needs KV room for {need} tokens but the whole cache holds "
+            f"{self.kv.num_blocks * self.kv.block_size} (raise --kv-cache-memory or lower --max-model-len)"))
+        out.failed.append(req)

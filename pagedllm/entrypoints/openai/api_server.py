@@ -250,8 +250,9 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
 
 
 def _request_id(request: Request, req: Any, prefix: str) -> str:
+    """`<prefix>-<uuid>`, or `<prefix>-<X-Request-Id>-<8 hex>` so a reused header value cannot collide."""
     given = request.headers.get("x-request-id") or None
-    return f"{prefix}-{given or uuid.uuid4().hex}"
+    return f"{prefix}-{given}-{uuid.uuid4().hex[:8]}" if given else f"{prefix}-{uuid.uuid4().hex}"
 
 
 # -------------------------------------------------------------------- running it

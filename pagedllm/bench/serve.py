@@ -90,7 +90,7 @@ def add_serve_parser(bench_sub) -> argparse.ArgumentParser:
     g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: < 1 burstier, > 1 more even")
     g.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
     g.add_argument("--skip-initial-test", action="store_true",
-                   help="do not send the first prompt once (unmeasured) before the run to check the server")
+                   help="do not send one short unmeasured request before the run to check the server")
     g = p.add_argument_group("report")
     g.add_argument("--percentiles", default="50,90,99", help="percentiles to report, e.g. 50,90,99")
     g.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
@@ -148,7 +148,10 @@ async def _run(args, settings: RequestSettings, requests, tokenizer, percentiles
         if not settings.model:
             settings.model = await fetch_default_model(client, settings.base_url, settings.api_key)
         if not args.skip_initial_test:
-            test = await send_request(client, settings, requests[0])
+            # a short prompt of its own: checks the server, the endpoint and the flags without putting any of the
+            # workload's prompts in the server's prefix cache (vLLM sends the first prompt, which does)
+            probe = ds.SampleRequest("Hello! Who are you?", 0, min(4, requests[0].expected_output_len))
+            test = await send_request(client, settings, probe)
             if not test.success:
                 raise UserError(f"the initial test request to {settings.url} failed: {test.error}")
         before = parse_prefix_cache_counters(await fetch_metrics_text(client, settings.base_url, settings.api_key) or "")

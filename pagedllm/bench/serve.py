@@ -123,7 +123,7 @@ def format_result(res: dict, percentiles) -> str:
         row("Request goodput (req/s):", f"{res['request_goodput']:.2f}")
     row("Output token throughput (tok/s):", f"{res['output_throughput']:.2f}")
     row("Peak output token throughput (tok/s):", f"{res['max_output_tokens_per_s']:.2f}")
-    row("Peak concurrent requests:", res["max_concurrent_requests"])
+    row("Peak concurrent requests (1 s buckets):", res["max_concurrent_requests"])
     row("Total token throughput (tok/s):", f"{res['total_token_throughput']:.2f}")
     if res.get("prefix_cache_hit_rate") is not None:
         row("Server prefix-cache hit rate:", f"{res['prefix_cache_hit_rate']:.2%}")

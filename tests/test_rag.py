@@ -318,3 +318,12 @@ def test_engine_prefix_cache_serves_canonical_prefix(tokenizer):
     assert answers[0].cached_tokens == 0
     # everything shared, in whole blocks, is served from the cache
     assert common - block < answers[1].cached_tokens <= common
+
+
+def test_bench_prompts_hook(rag_index, tokenizer):
+    import pagedllm.rag as rag
+
+    prompts = rag.bench_prompts(6, seed=1, store=str(rag_index), top_k=2)
+    assert len(prompts) == 6 and all(p.rstrip().endswith("assistant") for p in prompts)
+    with pytest.raises(Exception, match="rag ingest"):
+        rag.bench_prompts(2, store=str(rag_index) + "-missing")

@@ -8,7 +8,7 @@ import sys
 
 from pagedllm.errors import UserError
 
-DEFAULT_INDEX = "rag-index"
+from pagedllm.rag import DEFAULT_INDEX
 
 
 def add_parser(subparsers) -> None:

@@ -12,6 +12,7 @@ import pytest
 from pagedllm.errors import ModelLoadError, UserError
 from pagedllm.model import load_model, load_model_config, load_tokenizer
 from pagedllm.model.config import ModelConfig
+from pagedllm.model import loader
 from pagedllm.model.loader import resolve_dtype
 
 
@@ -78,13 +79,17 @@ def test_no_weights(tmp_path):
         load_model(str(tmp_path))
 
 
-def test_bad_dtype_names_the_flag():
+def test_bad_dtype_names_the_flag(monkeypatch):
     cfg = ModelConfig("LlamaForCausalLM", 10, 8, 16, 1, 2, 1, 4)
     with pytest.raises(UserError, match="--dtype"):
         resolve_dtype("float16", cfg)
     assert str(resolve_dtype("auto", cfg)) == "torch.float32"
     cfg.checkpoint_dtype = "bfloat16"
+    # A 16-bit checkpoint runs in bfloat16 only where bf16 matmuls are native (else float32 is faster).
+    monkeypatch.setattr(loader, "fast_bf16", lambda device: True)
     assert str(resolve_dtype("auto", cfg)) == "torch.bfloat16"
+    monkeypatch.setattr(loader, "fast_bf16", lambda device: False)
+    assert str(resolve_dtype("auto", cfg)) == "torch.float32"
 
 
 def test_missing_default_package(monkeypatch):

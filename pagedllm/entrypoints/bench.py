@@ -10,6 +10,7 @@ import importlib
 BENCH_COMMANDS = [
     "pagedllm.bench.serve:add_serve_parser",
     "pagedllm.bench.sweep:add_sweep_parser",
+    "pagedllm.bench.throughput:add_throughput_parser",
 ]
 
 

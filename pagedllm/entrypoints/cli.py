@@ -10,6 +10,7 @@ from pagedllm.errors import UserError
 # Each module defines `add_parser(subparsers)` that registers its subcommand(s) with `func=...`.
 COMMAND_MODULES = [
     "pagedllm.entrypoints.kv_calc",
+    "pagedllm.entrypoints.generate",
     "pagedllm.entrypoints.serve",
     "pagedllm.entrypoints.rag",
     "pagedllm.entrypoints.bench",

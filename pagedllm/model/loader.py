@@ -38,7 +38,24 @@ class LoadedModel:
     path: str = ""
 
 
-def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig) -> torch.dtype:
+def fast_bf16(device: torch.device) -> bool:
+    """Whether bfloat16 matmuls run natively: a GPU that has it, or a CPU with AMX / AVX-512 BF16.
+
+    On a CPU without them (AVX2 only) torch emulates bf16 and a step is 2-3x slower than float32.
+    """
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type != "cpu":
+        return True
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return " amx_bf16" in flags or " avx512_bf16" in flags
+
+
+def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig, device: torch.device | None = None) -> torch.dtype:
     """'auto' | 'float32' | 'bfloat16' (or the torch dtype) -> torch dtype; UserError naming --dtype otherwise."""
     if isinstance(dtype, torch.dtype):
         if dtype in DTYPES.values():
@@ -51,7 +68,9 @@ def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig) -> torch.dtype:
         d = "float32"
     if d == "auto":
         ck = cfg.checkpoint_dtype.lower()
-        return torch.float32 if ck in ("float32", "fp32") else torch.bfloat16
+        if ck in ("float32", "fp32") or not fast_bf16(device or torch.device("cpu")):
+            return torch.float32
+        return torch.bfloat16
     if d in DTYPES:
         return DTYPES[d]
     raise UserError(f"--dtype {dtype!r} is not supported; use auto, float32 or bfloat16")
@@ -63,8 +82,8 @@ def load_model(model: str | None = None, dtype: str | torch.dtype = "auto",
     t0 = time.perf_counter()
     path = resolve_model_path(model)
     cfg = load_model_config(path)
-    torch_dtype = resolve_dtype(dtype, cfg)
     dev = torch.device(device)
+    torch_dtype = resolve_dtype(dtype, cfg, dev)
     net = LlamaForCausalLM(cfg, torch_dtype, dev)
     if os.path.isdir(path):
         from pagedllm.model.weights import assign_weights, iter_safetensors

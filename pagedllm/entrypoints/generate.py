@@ -1,0 +1,105 @@
+"""`pagedllm generate "prompt"` and `pagedllm chat`: the engine in a terminal, streaming as it goes."""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Iterator
+
+from pagedllm.errors import UserError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    from pagedllm.engine.config import add_engine_args
+
+    gen = sub.add_parser("generate", help="complete one prompt, streaming the text")
+    gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument("--chat-template", action="store_true", help="wrap the prompt as a user message")
+    chat = sub.add_parser("chat", help="an interactive chat in the terminal (empty line or Ctrl-D ends it)")
+    chat.add_argument("--system", default=None, help="a system prompt")
+    for p, func in ((gen, run_generate), (chat, run_chat)):
+        add_engine_args(p, model_positional=False)
+        s = p.add_argument_group("sampling")
+        s.add_argument("--max-tokens", type=int, default=256)
+        s.add_argument("--temperature", type=float, default=0.7 if p is chat else 0.0)
+        s.add_argument("--top-p", type=float, default=1.0)
+        s.add_argument("--top-k", type=int, default=0)
+        s.add_argument("--min-p", type=float, default=0.0)
+        s.add_argument("--repetition-penalty", type=float, default=1.0)
+        s.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+        s.add_argument("--sampling-seed", type=int, default=None, help="seed of this request's sampling")
+        p.set_defaults(func=func)
+
+
+def _params(args: argparse.Namespace):
+    from pagedllm import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                          stop=args.stop, seed=args.sampling_seed)
+
+
+def _engine(args: argparse.Namespace):
+    from pagedllm.engine import EngineConfig, LLMEngine
+
+    return LLMEngine(EngineConfig.from_args(args))
+
+
+def stream(engine, request_id: str, prompt: str | list[int], params) -> Iterator[str]:
+    """Text deltas of one request as the engine steps; the request is aborted if the consumer stops early."""
+    engine.add_request(request_id, prompt, params)
+    sent = 0
+    try:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.request_id != request_id:
+                    continue
+                text = out.outputs[0].text
+                if len(text) > sent:
+                    yield text[sent:]
+                    sent = len(text)
+                if out.finished:
+                    if out.outputs[0].error:
+                        raise UserError(out.outputs[0].error)
+                    return
+    finally:
+        engine.abort_request(request_id)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    params = _params(args)
+    engine = _engine(args)
+    prompt = (engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+              if args.chat_template else args.prompt)
+    for delta in stream(engine, "generate", prompt, params):
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    params = _params(args)
+    engine = _engine(args)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    turn = 0
+    print("pagedllm chat: type a message; an empty line or Ctrl-D ends it.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line})
+        reply = []
+        try:
+            for delta in stream(engine, f"chat-{turn}", engine.tokenizer.apply_chat_template(messages), params):
+                reply.append(delta)
+                sys.stdout.write(delta)
+                sys.stdout.flush()
+        except KeyboardInterrupt:  # Ctrl-C stops this answer, not the chat
+            pass
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": "".join(reply)})
+        turn += 1
+    return 0

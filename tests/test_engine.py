@@ -1,0 +1,165 @@
+"""The engine: batching must not change greedy answers; every block comes back; n samples share the prompt."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.engine import EngineConfig, LLMEngine
+from pagedllm.errors import UserError
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+def make_engine(model, **kw) -> LLMEngine:
+    kw.setdefault("kv_cache_memory", 64 * 2**20)
+    kw.setdefault("max_model_len", 1024)
+    kw.setdefault("log_stats_interval", 0)
+    return LLMEngine(EngineConfig(**kw), model)
+
+
+def run_all(engine: LLMEngine, prompts: list[list[int]], params=GREEDY) -> list[list[int]]:
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [done[str(i)].outputs[0].token_ids for i in range(len(prompts))]
+
+
+def assert_all_blocks_free(engine: LLMEngine) -> None:
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    assert not engine.kv.req_blocks and not engine.scheduler.running and not engine.scheduler.waiting
+
+
+@pytest.fixture(scope="module")
+def prompts(model_fp32):
+    rng = random.Random(0)
+    vocab = model_fp32.config.vocab_size
+    stem = [rng.randrange(200, vocab) for _ in range(40)]  # some prompts share a prefix: the cache gets used
+    out = []
+    for i in range(32):
+        n = rng.randrange(5, 80)
+        body = [rng.randrange(200, vocab) for _ in range(n)]
+        out.append(stem + body if i % 4 == 0 else body)
+    return out
+
+
+@pytest.fixture(scope="module")
+def alone(model_fp32, prompts):
+    engine = make_engine(model_fp32)
+    return [run_all(engine, [p])[0] for p in prompts]
+
+
+@pytest.mark.parametrize("settings", [
+    {},
+    {"enable_prefix_caching": False},
+    {"max_num_batched_tokens": 32},
+    {"kv_allocation": "contiguous", "max_model_len": 256, "kv_cache_memory": 64 * 2**20},
+    {"kv_cache_memory": 40 * 16 * 2 * 30 * 3 * 64 * 4, "max_model_len": 256},  # 40 blocks: must preempt
+], ids=["default", "no-prefix-caching", "chunked-prefill-32", "contiguous", "preemption"])
+def test_batched_greedy_equals_alone(model_fp32, prompts, alone, settings):
+    engine = make_engine(model_fp32, **settings)
+    together = run_all(engine, prompts)
+    assert together == alone
+    assert_all_blocks_free(engine)
+    stats = engine.stats()
+    if "preemption" in str(settings.get("kv_cache_memory")) or settings.get("kv_cache_memory") == 40 * 16 * 2 * 30 * 3 * 64 * 4:
+        assert engine.kv.num_blocks == 40
+        assert stats.num_preemptions > 0
+    if settings.get("max_num_batched_tokens") == 32:
+        assert stats.num_steps > sum(len(p) for p in prompts) // 32  # prompts were prefilled in chunks
+    if not settings:
+        assert stats.prefix_cache_hits > 0
+
+
+def test_abort_mid_prefill_and_mid_decode_frees_everything(model_fp32):
+    engine = make_engine(model_fp32, max_num_batched_tokens=16)
+    engine.add_request("long", list(range(300, 400)), SamplingParams(temperature=0, max_tokens=50))
+    engine.add_request("short", list(range(500, 505)), SamplingParams(temperature=0, max_tokens=50))
+    engine.add_request("queued", list(range(600, 610)), SamplingParams(temperature=0, max_tokens=50))
+    engine.step()
+    assert engine.kv.get_block_ids("long#0")  # prefill started, not finished (100 tokens, 16 per step)
+    assert engine.scheduler.running[0].num_computed_tokens < 100
+    engine.abort_request("long")
+    for _ in range(3):
+        engine.step()
+    short = engine.requests["short#0"]
+    assert short.num_output_tokens > 0  # mid-decode
+    engine.abort_request("short")
+    engine.abort_request("queued")
+    engine.abort_request("unknown")  # no-op
+    assert not engine.has_unfinished_requests()
+    assert_all_blocks_free(engine)
+
+
+def test_n_samples_hold_the_prompt_blocks_once(model_fp32):
+    engine = make_engine(model_fp32, block_size=16)
+    prompt = list(range(1000, 1064))  # 4 full blocks
+    engine.add_request("n4", prompt, SamplingParams(n=4, temperature=1.0, seed=1, max_tokens=20, ignore_eos=True))
+    engine.step()  # all four admitted in one step
+    tables = [engine.kv.get_block_ids(f"n4#{i}") for i in range(4)]
+    assert all(t[:3] == tables[0][:3] for t in tables)  # the 3 full blocks before the last prompt token: shared
+    held = {b for t in tables for b in t}
+    assert len(held) == 3 + 4  # the shared prefix once; each sample its own block with the last prompt token
+    engine.step()  # the first sampled token of each goes into a new block of its own
+    held = {b for i in range(4) for b in engine.kv.get_block_ids(f"n4#{i}")}
+    assert len(held) == 3 + 4 * 2 and engine.kv.num_used_blocks == 11
+    outs = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outs = out
+    assert outs.finished and len(outs.outputs) == 4
+    assert len({tuple(o.token_ids) for o in outs.outputs}) > 1  # different seeds, different samples
+    assert_all_blocks_free(engine)
+
+
+def test_request_too_big_for_the_whole_cache_fails_alone_and_others_finish(model_fp32):
+    engine = make_engine(model_fp32, kv_cache_memory=4 * 16 * 2 * 30 * 3 * 64 * 4, max_model_len=512)  # 4 blocks
+    engine.add_request("big", list(range(300, 400)), SamplingParams(temperature=0, max_tokens=4))
+    engine.add_request("small", list(range(300, 310)), SamplingParams(temperature=0, max_tokens=4))
+    done = {}
+    for _ in range(200):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0]
+    assert done["big"].finish_reason == "error" and "KV" in done["big"].error
+    assert done["small"].finish_reason == "length" and len(done["small"].token_ids) == 4
+    assert_all_blocks_free(engine)
+
+
+def test_bad_input_is_rejected_before_queueing(model_fp32):
+    engine = make_engine(model_fp32, max_model_len=64)
+    with pytest.raises(UserError, match="64"):
+        engine.add_request("x", list(range(100, 200)))
+    with pytest.raises(UserError, match="empty"):
+        engine.add_request("x", [])
+    with pytest.raises(UserError, match="token ids"):
+        engine.add_request("x", [10**9])
+    for bad in ({"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"max_tokens": 0}, {"n": 0}, {"top_k": -5},
+                {"logprobs": 100}, {"min_tokens": 5, "max_tokens": 2}):
+        with pytest.raises(UserError, match=next(iter(bad))):
+            SamplingParams(**bad)
+    assert not engine.has_unfinished_requests()
+    assert_all_blocks_free(engine)
+
+
+def test_llm_api_generate_and_chat_with_metrics(model_fp32):
+    llm = LLM(loaded=model_fp32, kv_cache_memory=64 * 2**20, max_model_len=1024)
+    system = "You are a helpful assistant. " * 8
+    msgs = [{"role": "system", "content": system}, {"role": "user", "content": "Say hi."}]
+    first = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=8))[0]
+    second = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=8))[0]
+    assert first.outputs[0].text == second.outputs[0].text and first.outputs[0].text
+    assert first.num_cached_tokens == 0 and second.num_cached_tokens >= 16
+    m = second.metrics
+    assert m.queue_time >= 0 and m.ttft >= m.queue_time and m.e2e >= m.ttft
+    outs = llm.generate(["Hello", "The capital of France is"], SamplingParams(temperature=0, max_tokens=4),
+                        use_tqdm=False)
+    assert [o.prompt for o in outs] == ["Hello", "The capital of France is"]
+    assert all(o.outputs[0].finish_reason in ("stop", "length") for o in outs)

@@ -131,9 +131,10 @@ def test_serve_against_fake_server(server, tmp_path, monkeypatch, endpoint):
     assert r["total_output_tokens"] == 30 and r["output_lens"] == [5] * 6
     for ttft, itls, e2e in zip(r["ttfts"], r["itls"], r["e2els"]):
         assert TTFT_S * 0.9 <= ttft < e2e
-        assert len(itls) == 4 and all(g >= ITL_S * 0.5 for g in itls)
+        # single gaps can shrink when a loaded client reads two chunks late; the whole stream cannot
+        assert len(itls) == 4 and all(g >= 0 for g in itls)
+        assert e2e >= TTFT_S + 4 * ITL_S * 0.9
         assert e2e == pytest.approx(ttft + sum(itls), abs=1e-6)
-    assert r["mean_tpot_ms"] >= ITL_S * 1000 * 0.5
     assert r["request_goodput"] == pytest.approx(r["request_throughput"])
     assert r["max_concurrent_requests"] <= 6 and r["max_output_tokens_per_s"] >= 1
     # 6 measured requests of 12 words: half of them "hit" (the initial test request is not counted)

@@ -5,6 +5,7 @@ Everything the benchmark needs is `encode(text) -> list[int]` (no special tokens
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any, Protocol
 
@@ -89,6 +90,7 @@ def _load_hf(path: str | None) -> Any:
         raise UserError(f"--tokenizer: cannot load a tokenizer from {path!r}: {e}") from e
 
 
+@functools.lru_cache(maxsize=4)
 def load_bench_tokenizer(path: str | None = None) -> BenchTokenizer:
     """`path`: a GGUF file, an HF folder or hub name; None = the default model's tokenizer."""
     try:

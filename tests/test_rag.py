@@ -327,3 +327,15 @@ def test_bench_prompts_hook(rag_index, tokenizer):
     assert len(prompts) == 6 and all(p.rstrip().endswith("assistant") for p in prompts)
     with pytest.raises(Exception, match="rag ingest"):
         rag.bench_prompts(2, store=str(rag_index) + "-missing")
+
+
+def test_damaged_index_is_rebuilt(tmp_path):
+    from pagedllm.rag.corpus import load_paths
+    from pagedllm.rag.index import RagIndex, ingest
+
+    (tmp_path / "a.txt").write_text("Blocks hold sixteen tokens of keys and values.\n")
+    idx = tmp_path / "idx"
+    ingest(load_paths([str(tmp_path / "a.txt")]), idx, progress=False)
+    (idx / "embeddings.npy").unlink()
+    rep = ingest(load_paths([str(tmp_path / "a.txt")]), idx, progress=False)
+    assert rep.embedded and rep.changed == 1 and len(RagIndex(idx)) == 1

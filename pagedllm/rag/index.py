@@ -92,6 +92,8 @@ def ingest(
     settings = {"chunk_size": chunk_size, "chunk_overlap": chunk_overlap, "tokenizer": model or "default",
                 "embed_model": EMBED_MODEL_NAME, "format": FORMAT_VERSION}
     manifest = _read_manifest(d)
+    if manifest["sources"] and not _consistent(d, manifest):
+        manifest = {"format": FORMAT_VERSION, "sources": {}}  # a damaged index: rebuild it from the documents
     sources = manifest["sources"]
     rep = IngestReport(documents=len(docs))
     todo: list[tuple[Document, str]] = []
@@ -156,6 +158,16 @@ def _read_manifest(d: Path) -> dict:
     return m
 
 
+def _consistent(d: Path, manifest: dict) -> bool:
+    try:
+        n = sum(1 for line in (d / CHUNKS).open(encoding="utf-8") if line.strip())
+        vecs = np.load(d / EMBEDDINGS, mmap_mode="r")
+    except (OSError, ValueError):
+        return False
+    expected = sum(len(s["chunk_ids"]) for s in manifest["sources"].values())
+    return n == len(vecs) == expected and (d / FAISS).exists()
+
+
 def _read_chunks(d: Path) -> list[dict]:
     p = d / CHUNKS
     if not p.exists():
@@ -182,7 +194,11 @@ def _write_all(d: Path, manifest: dict, chunks: list[dict], vecs: np.ndarray) ->
                 f.write(json.dumps(c, ensure_ascii=False) + "\n")
 
     _atomic_write(d / CHUNKS, w_chunks)
-    _atomic_write(d / EMBEDDINGS, lambda p: np.save(p.open("wb"), vecs))
+    def w_vecs(p: Path) -> None:
+        with p.open("wb") as f:
+            np.save(f, vecs)
+
+    _atomic_write(d / EMBEDDINGS, w_vecs)
     _atomic_write(d / FAISS, lambda p: faiss.write_index(index, str(p)))
     manifest["num_chunks"] = len(chunks)
     manifest["dim"] = int(vecs.shape[1])

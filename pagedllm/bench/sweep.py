@@ -69,11 +69,11 @@ def add_sweep_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     g = p.add_argument_group("long-tail workload (allocation and block rows)")
-    g.add_argument("--num-prompts", type=int, default=24)
-    g.add_argument("--median-len", type=int, default=300, help="median prompt length (log-normal, sigma 1)")
+    g.add_argument("--num-prompts", type=int, default=16)
+    g.add_argument("--median-len", type=int, default=200, help="median prompt length (log-normal, sigma 1)")
     g.add_argument("--output-len", type=int, default=16)
     g = p.add_argument_group("prefix-repetition workload (prefix rows)")
-    g.add_argument("--prefix-num-prompts", type=int, default=24)
+    g.add_argument("--prefix-num-prompts", type=int, default=16)
     g.add_argument("--num-prefixes", type=int, default=3)
     g.add_argument("--prefix-len", type=int, default=512)
     g.add_argument("--suffix-len", type=int, default=32)
@@ -245,6 +245,11 @@ def run_sweep(args: argparse.Namespace) -> int:
     budget_tokens = args.kv_budget_tokens or args.contiguous_requests * args.max_model_len
     if budget_tokens < args.max_model_len:
         raise UserError(f"--kv-budget-tokens: {budget_tokens} is less than --max-model-len {args.max_model_len}")
+    if "prefix" in groups and args.prefix_len + args.suffix_len + args.prefix_output_len > args.max_model_len:
+        raise UserError(f"--prefix-len + --suffix-len + --prefix-output-len must fit in --max-model-len "
+                        f"{args.max_model_len}")
+    if args.output_len >= args.max_model_len:
+        raise UserError(f"--output-len must be less than --max-model-len {args.max_model_len}")
     if budget_tokens % 128:
         budget_tokens = math.ceil(budget_tokens / 128) * 128  # a whole number of blocks at every block size
     from pagedllm.engine import EngineConfig, LLMEngine

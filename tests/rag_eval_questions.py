@@ -18,9 +18,9 @@ EVAL_QUESTIONS: list[tuple[str, str]] = [
     ("What does the pass statement do?", "pass"),
     ("How does the break statement terminate the nearest enclosing loop?", "break"),
     ("How does continue skip to the next iteration of a loop?", "continue"),
-    ("What are the methods of str, such as split, join and strip?", "string-methods"),
+    ("How does a dict display with key: value pairs or a dict comprehension build a dictionary?", "dict"),
     ("Which methods does a dictionary have, like get, items and setdefault?", "typesmapping"),
-    ("How does the format specification mini-language work in f-strings and str.format?", "formatstrings"),
+    ("How do the membership test operators in and not in work?", "in"),
     ("How does Python compare objects with == and is, and how do chained comparisons work?", "comparisons"),
     ("Which values are considered false in a truth value test?", "truth"),
     ("How do the bitwise operators &, | and ^ work on integers?", "bitwise"),
@@ -30,5 +30,5 @@ EVAL_QUESTIONS: list[tuple[str, str]] = [
     ("How does slicing with a start, stop and step work?", "slicings"),
     ("How does the if statement choose between elif and else branches?", "if"),
     ("How does augmented assignment like x += 1 work?", "augassign"),
-    ("How do I start the Python debugger pdb?", "debugger"),
+    ("What does the return statement do in a function and in a generator?", "return"),
 ]

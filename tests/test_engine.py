@@ -42,7 +42,7 @@ def prompts(model_fp32):
     stem = [rng.randrange(200, vocab) for _ in range(40)]  # some prompts share a prefix: the cache gets used
     out = []
     for i in range(32):
-        n = rng.randrange(5, 80)
+        n = rng.randrange(5, 60)
         body = [rng.randrange(200, vocab) for _ in range(n)]
         out.append(stem + body if i % 4 == 0 else body)
     return out
@@ -163,3 +163,69 @@ def test_llm_api_generate_and_chat_with_metrics(model_fp32):
                         use_tqdm=False)
     assert [o.prompt for o in outs] == ["Hello", "The capital of France is"]
     assert all(o.outputs[0].finish_reason in ("stop", "length") for o in outs)
+
+
+def run_one(engine: LLMEngine, rid: str, prompt, params) -> tuple[list, object]:
+    """All intermediate outputs of one request, and the final one."""
+    engine.add_request(rid, prompt, params)
+    seen = []
+    while engine.has_unfinished_requests():
+        seen += [o for o in engine.step() if o.request_id == rid]
+    return seen, seen[-1]
+
+
+def test_stop_string_ends_the_text_before_it_and_never_streams_it(model_fp32):
+    engine = make_engine(model_fp32)
+    prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Count from one to ten in words."}])
+    _, full = run_one(engine, "a", prompt, SamplingParams(temperature=0, max_tokens=40))
+    text = full.outputs[0].text
+    assert len(text) > 12
+    stop = text[8:12]
+    seen, out = run_one(engine, "b", prompt, SamplingParams(temperature=0, max_tokens=40, stop=[stop]))
+    first = text.index(stop)
+    assert out.outputs[0].text == text[:first]
+    assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("stop", stop)
+    assert all(stop not in o.outputs[0].text for o in seen)
+    sent = [o.outputs[0].text for o in seen]
+    assert all(b.startswith(a) for a, b in zip(sent, sent[1:]))  # streamed text only grows
+    assert_all_blocks_free(engine)
+
+
+def test_seeded_sampling_is_the_same_in_any_batch_mix(model_fp32):
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=12, ignore_eos=True)
+    noise = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    prompt = list(range(2000, 2030))
+    engine = make_engine(model_fp32)
+    alone = run_all(engine, [prompt], params)[0]
+    engine.add_request("x1", list(range(3000, 3050)), noise)
+    engine.add_request("x2", list(range(4000, 4007)), noise)
+    mixed = run_all(engine, [prompt], params)[0]
+    assert mixed == alone and len(alone) == 12
+
+
+def test_min_tokens_and_stop_token_ids(model_fp32):
+    engine = make_engine(model_fp32)
+    prompt = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 2 + 2? Answer with the number only."}])
+    _, out = run_one(engine, "a", prompt, SamplingParams(temperature=0, max_tokens=24))
+    natural = out.outputs[0].token_ids
+    assert out.outputs[0].finish_reason == "stop" and natural[-1] in engine.tokenizer.eos_token_ids
+    _, longer = run_one(engine, "b", prompt, SamplingParams(temperature=0, max_tokens=24,
+                                                              min_tokens=len(natural) + 3))
+    assert len(longer.outputs[0].token_ids) >= len(natural) + 3
+    stop_id = natural[1]
+    _, cut = run_one(engine, "c", prompt, SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_id]))
+    assert cut.outputs[0].token_ids == natural[:2] and cut.outputs[0].stop_reason == stop_id
+
+
+def test_incremental_detokenizer_never_emits_half_a_character(model_fp32):
+    from pagedllm.engine.detokenizer import IncrementalDetokenizer
+
+    tok = model_fp32.tokenizer
+    text = "KV 캐시를 쪽으로 나눠 잡기 🚀🙂 naïve café — ok"
+    ids = tok.encode(text)
+    assert len(ids) > len(text.split())  # byte-level pieces: characters span several tokens
+    detok = IncrementalDetokenizer(tok, tok.encode("Hello"))
+    deltas = [detok.add(t) for t in ids]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == tok.decode(ids)

@@ -60,3 +60,15 @@ def test_bad_input_is_one_line_naming_the_flag_and_exit_2(flags, flag):
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and flag in lines[0] and "Traceback" not in proc.stderr
+
+
+def test_model_and_memory_report_what_fits(capsys):
+    # SmolLM2-135M: 30 layers x 3 KV heads x 64 dims x 2 (K, V) x 2 bytes = 23,040 bytes per token.
+    assert main(ARGS + ["--model", "--memory", "4GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "KV bytes per token: 23,040" in out and "KV bytes per block of 16: 368,640" in out
+    blocks = 4 * 2**30 // 368_640
+    assert f"{blocks:,} blocks = {blocks * 16:,} tokens" in out
+    assert f"contiguous: {blocks * 16 // 4096:,} requests" in out  # one 4,096-token locker each
+    paged = int(out.split("paged: ")[-1].split()[0].replace(",", ""))
+    assert paged > 9 * (blocks * 16 // 4096)  # the chapter: about ten times as many

@@ -20,7 +20,7 @@ class _Out:
 class FakeEngine:
     """Admits waiting requests while their blocks fit (max_model_len each if contiguous), one token per step."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, loaded=None):
         self.cfg = cfg
         self.bs = cfg.block_size
         self.num_blocks = cfg.kv_cache_memory // (PER_TOKEN * self.bs)

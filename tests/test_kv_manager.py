@@ -42,6 +42,7 @@ def test_second_request_with_same_100_token_prompt_reuses_six_blocks():
     assert mgr.get_block_ids("b")[:6] == mgr.get_block_ids("a")[:6]
     assert mgr.get_block_ids("b")[6] != mgr.get_block_ids("a")[6]
     assert mgr.num_used_blocks == 7 + 1
+    assert mgr.num_stored_tokens == 100 + 4  # the 96 shared tokens count once
     assert mgr.prefix_stats.queries == 200 and mgr.prefix_stats.hits == 96
 
 

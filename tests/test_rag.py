@@ -339,3 +339,39 @@ def test_damaged_index_is_rebuilt(tmp_path):
     (idx / "embeddings.npy").unlink()
     rep = ingest(load_paths([str(tmp_path / "a.txt")]), idx, progress=False)
     assert rep.embedded and rep.changed == 1 and len(RagIndex(idx)) == 1
+
+
+def test_server_rag_chat_endpoint_names_chunks_and_hits_the_cache(rag_index, model_fp32):
+    import httpx
+
+    from pagedllm.engine import EngineConfig, LLMEngine
+    from pagedllm.engine.async_engine import AsyncLLMEngine
+    from pagedllm.entrypoints.openai.api_server import Server, build_app
+    from pagedllm.rag import RagPipeline
+
+    engine = AsyncLLMEngine(LLMEngine(EngineConfig(kv_cache_memory=64 * 2**20, max_model_len=2048,
+                                                   log_stats_interval=0), model_fp32))
+    app = build_app(engine, served_model_names=["m"], rag=RagPipeline(rag_index, top_k=2, layout="canonical"))
+    srv = Server(app, host="127.0.0.1", port=0, log_level="warning")
+    srv.start_in_thread()
+    url = f"http://127.0.0.1:{srv.uvicorn.servers[0].sockets[0].getsockname()[1]}"
+    body = {"model": "m", "max_tokens": 3, "temperature": 0,
+            "messages": [{"role": "user", "content": "How does the with statement call __enter__ and __exit__?"}]}
+    try:
+        with httpx.Client(base_url=url, timeout=600) as c:
+            first = c.post("/v1/rag/chat/completions", json=body).json()
+            assert [h["source"] for h in first["rag"]["chunks"]][:2] and "with" in {
+                h["source"] for h in first["rag"]["chunks"]}
+            assert first["usage"]["prompt_tokens"] > 100 and first["choices"][0]["message"]["content"]
+            second = c.post("/v1/rag/chat/completions", json=body).json()
+            cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert cached >= second["usage"]["prompt_tokens"] - 16  # the same retrieved prompt: all but a block
+            with c.stream("POST", "/v1/rag/chat/completions", json={**body, "stream": True}) as r:
+                assert r.status_code == 200
+                assert json.loads(r.headers["x-rag-chunks"]) == first["rag"]["chunks"]
+                assert any(line == "data: [DONE]" for line in r.iter_lines())
+            bad = c.post("/v1/rag/chat/completions", json={**body, "messages": [{"role": "user", "content": " "}]})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
+            assert c.get("/v1/kv").json()["used_blocks"] == 0
+    finally:
+        srv.stop()

@@ -13,7 +13,6 @@ and p99, prefix-cache hit rate, preemptions.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import math
@@ -92,30 +91,6 @@ def add_sweep_parser(bench_sub) -> argparse.ArgumentParser:
 
 
 # ---- running one engine -----------------------------------------------------------------------------------
-
-@contextlib.contextmanager
-def _shared_weights(enabled: bool):
-    """Load the model once for all rows (each engine still gets its own KV cache and scheduler)."""
-    if not enabled:
-        yield
-        return
-    import pagedllm.engine.llm_engine as le
-
-    orig = le.load_model
-    cache: dict = {}
-
-    def cached(*args, **kwargs):
-        key = repr((args, sorted(kwargs.items())))
-        if key not in cache:
-            cache[key] = orig(*args, **kwargs)
-        return cache[key]
-
-    le.load_model = cached
-    try:
-        yield
-    finally:
-        le.load_model = orig
-
 
 def kv_bytes_per_token(model: str | None, dtype: str) -> int:
     from pagedllm.model.config import load_model_config
@@ -267,28 +242,30 @@ def run_sweep(args: argparse.Namespace) -> int:
         print(f"workload {name}: {len(prompts)} prompts, lengths {lens[0]}..{lens[-1]} (median "
               f"{lens[len(lens) // 2]}), {out_len} output tokens each", file=sys.stderr)
     rows = []
-    with _shared_weights(args.reuse_weights):
-        for s in settings:
-            prompts, out_len = workloads[s.workload]
-            cfg = EngineConfig(model=args.model, dtype=args.dtype, block_size=s.block_size,
-                               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                               max_model_len=args.max_model_len, enable_prefix_caching=s.enable_prefix_caching,
-                               kv_allocation=s.kv_allocation, kv_cache_memory=kv_bytes, seed=args.seed,
-                               log_stats_interval=0)
-            t = time.monotonic()
-            engine = LLMEngine(cfg)
-            times = arrival_times(len(prompts), args.request_rate, args.burstiness, args.seed)
-            res = run_engine(engine, prompts, out_len, times)
-            row = {"setting": s.name, "workload": s.workload, "kv_allocation": s.kv_allocation,
-                   "block_size": s.block_size, "enable_prefix_caching": s.enable_prefix_caching,
-                   "kv_budget_tokens": budget_tokens, "num_blocks": engine.stats().num_blocks, **res}
-            rows.append(row)
-            print(f"[{len(rows)}/{len(settings)}] {s.name}: {time.monotonic() - t:.1f} s, peak running "
-                  f"{row['peak_running']}, {row['output_throughput']:.1f} out tok/s", file=sys.stderr)
-            del engine
-            gc.collect()
-            if args.save_result:  # after every row, so a long sweep that is cut short keeps what it measured
-                _save(args, rows, budget_tokens, kv_bytes)
+    from pagedllm.model.loader import load_model
+
+    loaded = load_model(args.model, args.dtype) if args.reuse_weights else None  # one copy of the weights for all rows
+    for s in settings:
+        prompts, out_len = workloads[s.workload]
+        cfg = EngineConfig(model=args.model, dtype=args.dtype, block_size=s.block_size,
+                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                           max_model_len=args.max_model_len, enable_prefix_caching=s.enable_prefix_caching,
+                           kv_allocation=s.kv_allocation, kv_cache_memory=kv_bytes, seed=args.seed,
+                           log_stats_interval=0)
+        t = time.monotonic()
+        engine = LLMEngine(cfg, loaded)
+        times = arrival_times(len(prompts), args.request_rate, args.burstiness, args.seed)
+        res = run_engine(engine, prompts, out_len, times)
+        row = {"setting": s.name, "workload": s.workload, "kv_allocation": s.kv_allocation,
+               "block_size": s.block_size, "enable_prefix_caching": s.enable_prefix_caching,
+               "kv_budget_tokens": budget_tokens, "num_blocks": engine.stats().num_blocks, **res}
+        rows.append(row)
+        print(f"[{len(rows)}/{len(settings)}] {s.name}: {time.monotonic() - t:.1f} s, peak running "
+              f"{row['peak_running']}, {row['output_throughput']:.1f} out tok/s", file=sys.stderr)
+        del engine
+        gc.collect()
+        if args.save_result:  # after every row, so a long sweep that is cut short keeps what it measured
+            _save(args, rows, budget_tokens, kv_bytes)
     print(format_table(rows, args.markdown))
     if args.plot:
         from pagedllm.bench.plot import plot_sweep

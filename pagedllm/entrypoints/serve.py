@@ -30,6 +30,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: env PAGEDLLM_API_KEY, else none)")
     s.add_argument("--max-waiting-requests", type=int, default=None,
                    help="answer 503 when this many requests already wait to be scheduled (default: no limit)")
+    s.add_argument("--rag-index", default=None,
+                   help="an index from `pagedllm rag ingest`: adds POST /v1/rag/chat/completions")
+    s.add_argument("--rag-top-k", type=int, default=4, help="chunks retrieved per RAG question")
+    s.add_argument("--rag-layout", default="canonical", choices=["naive", "canonical", "popular"],
+                   help="prompt layout of RAG requests (canonical/popular share prefixes in the cache)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="server log level (default: info)")
     p.set_defaults(func=run)
@@ -67,10 +72,16 @@ def run(args: argparse.Namespace) -> int:
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.entrypoints.openai.api_server import Server, build_app
 
+    rag = None
+    if args.rag_index:
+        from pagedllm.rag import RagPipeline
+
+        rag = RagPipeline(args.rag_index, top_k=args.rag_top_k, layout=args.rag_layout)
     names = served_names(args)
     print(f"pagedllm serve: loading {args.model or DEFAULT_SERVED_NAME} ...", file=sys.stderr, flush=True)
     engine = AsyncLLMEngine(LLMEngine(config), max_waiting_requests=args.max_waiting_requests)
-    app = build_app(engine, served_model_names=names, api_key=api_key, model_root=args.model or names[0])
+    app = build_app(engine, served_model_names=names, api_key=api_key, model_root=args.model or names[0],
+                    rag=rag)
     server = Server(app, host=args.host, port=args.port, log_level=args.log_level)
     print(f"pagedllm serve: serving {', '.join(names)} on http://{args.host}:{args.port} "
           f"(max_model_len {engine.max_model_len}{', API key required' if api_key else ''})",

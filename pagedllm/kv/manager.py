@@ -75,8 +75,12 @@ class KVCacheManager:
 
     @property
     def num_stored_tokens(self) -> int:
-        """Tokens that running requests keep in the cache (a shared block's tokens count for each holder)."""
-        return sum(self.req_tokens.values())
+        """Distinct tokens the running requests keep in the cache: a shared block's tokens count once.
+
+        Against `num_used_blocks * block_size` (slots allocated) this is the chapter's "used share".
+        """
+        shared = {id(b): b for blocks in self.req_blocks.values() for b in blocks if b.ref_cnt > 1}
+        return sum(self.req_tokens.values()) - sum((b.ref_cnt - 1) * self.block_size for b in shared.values())
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]

@@ -122,8 +122,11 @@ async def _cancel_on_disconnect(request: Request, coro: Any) -> Any:
 
 
 def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = None, api_key: str | None = None,
-              model_root: str | None = None, max_n: int | None = None) -> FastAPI:
-    """The FastAPI app over a (not necessarily started) AsyncLLMEngine; the app starts and stops the engine."""
+              model_root: str | None = None, max_n: int | None = None, rag: Any = None) -> FastAPI:
+    """The FastAPI app over a (not necessarily started) AsyncLLMEngine; the app starts and stops the engine.
+
+    `rag` (a pagedllm.rag.RagPipeline) adds POST /v1/rag/chat/completions.
+    """
     names = list(served_model_names or [])
     if not names:
         names = [getattr(engine.engine, "model_name", None) or model_root or "pagedllm"]
@@ -243,6 +246,31 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
     async def detokenize(request: Request) -> JSONResponse:
         req = await _parse(request, P.DetokenizeRequest)
         return JSONResponse(serving.detokenize(req))
+
+    if rag is not None:
+        @app.post("/v1/rag/chat/completions")
+        async def rag_chat(request: Request) -> Response:
+            """Chat completions over retrieved context: the last user message is the question; the prompt is
+            laid out by the pipeline's layout so that shared chunks hit the prefix cache. The chunks used are in
+            the body's `rag` field, or in the `X-RAG-Chunks` header (JSON) of a stream."""
+            req = await _parse(request, P.ChatCompletionRequest)
+            try:
+                question = next((m.text() for m in reversed(req.messages) if m.role == "user"), "")
+            except ValueError as e:
+                raise APIError(str(e), 400, param="messages") from None
+            if not question.strip():
+                raise APIError("messages: needs a user message with the question", 400, param="messages")
+            messages, hits = await asyncio.to_thread(rag.build_messages, question)
+            req.messages = [P.ChatMessage(role=m["role"], content=m["content"]) for m in messages]
+            chunks = [h.to_dict(with_text=False) for h in hits]
+            rid = _request_id(request, req, "ragcmpl")
+            if req.stream:
+                resp = _SSEResponse(*await serving.chat_stream(req, rid))
+                resp.headers["X-RAG-Chunks"] = json.dumps(chunks)
+                return resp
+            body = await _cancel_on_disconnect(request, serving.chat(req, rid))
+            body["rag"] = {"layout": rag.layout, "chunks": chunks}
+            return JSONResponse(body)
 
     if api_key:
         app.add_middleware(_AuthMiddleware, api_key=api_key)

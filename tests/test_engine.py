@@ -229,3 +229,17 @@ def test_incremental_detokenizer_never_emits_half_a_character(model_fp32):
     deltas = [detok.add(t) for t in ids]
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) == tok.decode(ids)
+
+
+def test_gpu_memory_utilization_sizes_the_cache_after_weights_and_warmup(model_fp32, monkeypatch):
+    import psutil
+
+    rss = psutil.Process().memory_info().rss
+    total = psutil.virtual_memory().total
+    # A share that leaves ~256 MiB above what this process already holds (weights included).
+    share = (rss + 256 * 2**20) / total
+    engine = make_engine(model_fp32, kv_cache_memory=None, gpu_memory_utilization=share, max_num_batched_tokens=64)
+    per_block = engine.runner.bytes_per_block
+    assert 0 < engine.kv.num_blocks * per_block <= 256 * 2**20
+    with pytest.raises(UserError, match="--gpu-memory-utilization"):
+        make_engine(model_fp32, kv_cache_memory=None, gpu_memory_utilization=rss / total / 2)

@@ -97,9 +97,8 @@ def test_default_config_and_tokenizer(tok):
     assert tok.eos_token_ids == [2]
 
 
-def test_float32_greedy_matches_transformers(hf_greedy, tok, prompts):
-    loaded = load_model(None, dtype="float32")
-    runner = ModelRunner(loaded, num_blocks=64, block_size=16)
+def test_float32_greedy_matches_transformers(hf_greedy, tok, prompts, model_fp32):
+    runner = ModelRunner(model_fp32, num_blocks=64, block_size=16)
     ours = _greedy(runner, prompts, tok.eos_token_ids, 16)
     for p, a, b in zip(PROMPTS, ours, hf_greedy):
         assert a == b, f"{p!r}:\n ours {tok.decode(a)!r}\n   hf {tok.decode(b)!r}"
@@ -107,7 +106,7 @@ def test_float32_greedy_matches_transformers(hf_greedy, tok, prompts):
 
 
 def test_bfloat16_logits_close_to_transformers(hf_model, hf_greedy, prompts):
-    loaded = load_model(None, dtype="auto")
+    loaded = load_model(None, dtype="bfloat16")
     assert loaded.dtype == torch.bfloat16
     hf16 = hf_model.to(torch.bfloat16)
     runner = ModelRunner(loaded, num_blocks=64, block_size=16)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.model.attention import AttentionMetadata, PagedAttentionBackend, TorchPagedAttention
+from pagedllm.model.cpu_kernels import paged_decode_kernel
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, empty_param
 
@@ -61,7 +62,10 @@ class LlamaForCausalLM(nn.Module):
                         else empty_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device))
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
                                       device)
-        self.backend: PagedAttentionBackend = backend or TorchPagedAttention()
+        if backend is None:
+            kernel = paged_decode_kernel() if torch.device(device).type == "cpu" else None
+            backend = TorchPagedAttention(decode_kernel=kernel)
+        self.backend: PagedAttentionBackend = backend
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

@@ -15,7 +15,6 @@ shared by all layers, so the per-layer Python cost is a handful of tensor ops. N
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -32,7 +31,6 @@ class AttentionGroup:
     mask: torch.Tensor  # [S, 1, q_len, max_blocks * block_size] bool, True = may attend
     valid: torch.Tensor | None  # [S * q_len] bool, which padded queries are real (None when all are)
     token_index: torch.Tensor  # [n_real] flat token index of each real query, in padded order
-    seq_lens: torch.Tensor  # [S] tokens in the cache after this step (what the last query attends to)
 
 
 @dataclass
@@ -77,7 +75,6 @@ def _make_group(seqs: list[tuple[int, int, int, list[int]]], block_size: int, de
         mask=mask[:, None].to(device),
         valid=valid,
         token_index=qidx_t[valid] if valid is not None else qidx_t,
-        seq_lens=(starts + lens).to(device),
     )
 
 
@@ -116,14 +113,10 @@ class PagedAttentionBackend:
 
 
 class TorchPagedAttention(PagedAttentionBackend):
-    """Portable implementation: batched block gather + masked SDPA, GQA by head folding.
+    """Portable implementation: batched block gather + masked SDPA, GQA by head folding."""
 
-    `decode_kernel` (see cpu_kernels.py) takes over the decode group on CPU: it reads blocks in place.
-    """
-
-    def __init__(self, scale: float | None = None, decode_kernel: Callable | None = None) -> None:
+    def __init__(self, scale: float | None = None) -> None:
         self.scale = scale
-        self.decode_kernel = decode_kernel
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -145,10 +138,6 @@ class TorchPagedAttention(PagedAttentionBackend):
         nb, bs, kvh, d = k_cache.shape
         S, mb = grp.block_tables.shape
         Q = grp.q_len
-        if Q == 1 and self.decode_kernel is not None and k_cache.device.type == "cpu":
-            qq = q[grp.query_index] if S != q.shape[0] else q
-            return self.decode_kernel(qq, k_cache, v_cache, grp.block_tables, grp.seq_lens,
-                                      self.scale if self.scale is not None else d ** -0.5)
         # [S, mb, bs, kvh, d] -> [S, kvh, L, d]
         keys = k_cache[grp.block_tables].view(S, mb * bs, kvh, d).transpose(1, 2)
         vals = v_cache[grp.block_tables].view(S, mb * bs, kvh, d).transpose(1, 2)

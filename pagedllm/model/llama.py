@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.model.attention import AttentionMetadata, PagedAttentionBackend, TorchPagedAttention
-from pagedllm.model.cpu_kernels import paged_decode_kernel
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, empty_param
 
@@ -62,10 +61,7 @@ class LlamaForCausalLM(nn.Module):
                         else empty_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device))
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
                                       device)
-        if backend is None:
-            kernel = paged_decode_kernel() if torch.device(device).type == "cpu" else None
-            backend = TorchPagedAttention(decode_kernel=kernel)
-        self.backend: PagedAttentionBackend = backend
+        self.backend: PagedAttentionBackend = backend or TorchPagedAttention()
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

@@ -68,14 +68,18 @@ def run_vllm(a, path):
     """vLLM's own `bench throughput` on the same workload shape (its random dataset, ignore_eos)."""
     anchors = os.environ["ANCHORS"]
     env_script = os.path.join(HERE, "..", "..", "shared", "anchors", "vllm-env.sh")
-    cmd = (f"export ANCHORS={anchors}; source {env_script}; "
-           f"$VLLM bench throughput --model $VLLM_MODEL --dtype {a.dtype} --input-len {a.input_len} "
-           f"--output-len {a.output_len} --num-prompts {a.num_prompts} --seed {a.seed} "
+    cmd = (f"export ANCHORS={anchors} VLLM_CPU_OMP_THREADS_BIND=${{VLLM_CPU_OMP_THREADS_BIND:-0-1}}; "
+           f"source {env_script}; "
+           f"$VLLM bench throughput --model $VLLM_MODEL --dtype {a.dtype} --dataset-name random "
+           f"--random-input-len {a.input_len} --random-output-len {a.output_len} "
+           f"--num-prompts {a.num_prompts} --seed {a.seed} "
            f"--output-json {path}")
     subprocess.run(["bash", "-c", cmd], check=True)
     with open(path) as f:
         r = json.load(f)
     n_out = a.num_prompts * a.output_len
+    if r["total_num_tokens"] != a.num_prompts * (a.input_len + a.output_len):
+        raise SystemExit(f"vLLM ran a different workload: {r['total_num_tokens']} tokens")
     r["output_tokens_per_s"] = n_out / r["elapsed_time"]
     with open(path, "w") as f:
         json.dump(r, f)

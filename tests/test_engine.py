@@ -58,7 +58,7 @@ def alone(model_fp32, prompts):
     {},
     {"enable_prefix_caching": False},
     {"max_num_batched_tokens": 32},
-    {"kv_allocation": "contiguous", "max_model_len": 256, "kv_cache_memory": 64 * 2**20},
+    {"kv_allocation": "contiguous", "max_model_len": 256, "kv_cache_memory": 256 * 2**20},
     {"kv_cache_memory": 40 * 16 * 2 * 30 * 3 * 64 * 4, "max_model_len": 256},  # 40 blocks: must preempt
 ], ids=["default", "no-prefix-caching", "chunked-prefill-32", "contiguous", "preemption"])
 def test_batched_greedy_equals_alone(model_fp32, prompts, alone, settings):

@@ -387,47 +387,54 @@ class OpenAIServing:
 
         async def gen() -> AsyncIterator[str]:
             states: dict[int, _ChoiceState] = {}
-            try:
-                if req.echo:
-                    for s in subs:
-                        for j in range(req.n if self.engine_does_n else 1):
-                            yield chunk([{"index": s.base + j, "text": echo_texts[s.prompt_index],
-                                          "logprobs": None, "finish_reason": None, "stop_reason": None}])
-                async for s, out in self.merged(subs):
-                    for c in out.outputs:
-                        self._check_error(c)
-                        idx = s.base + c.index
-                        st = states.setdefault(idx, _ChoiceState())
-                        if st.finished:
-                            continue
-                        delta = c.text[st.text_sent:]
-                        ntok = len(c.token_ids)
-                        done = c.finish_reason is not None
-                        if not delta and ntok == st.tokens_sent and not done:
-                            continue
-                        lp = (self.completion_logprobs(c, st.tokens_sent, ntok, req.logprobs, st.text_sent)
-                              if req.logprobs is not None else None)
-                        st.text_sent, st.tokens_sent, st.finished = len(c.text), ntok, done
-                        yield chunk([{"index": idx, "text": delta, "logprobs": lp,
-                                      "finish_reason": c.finish_reason if done else None,
-                                      "stop_reason": c.stop_reason if done else None}],
-                                    self._partial_usage(subs, s, out) if continuous else None)
-                if include_usage:
-                    yield chunk([], self.usage(subs))
-            except asyncio.CancelledError:
-                raise
-            except RequestAbortedError as e:
-                yield error_sse(APIError(f"The request was aborted: {e}", 503))
-            except APIError as e:
-                yield error_sse(e)
-            except Exception as e:  # noqa: BLE001
-                logger.exception("streaming failed")
-                yield error_sse(APIError(f"Internal server error: {type(e).__name__}: {e}", 500))
-            finally:
-                self.abort(subs)
-            yield "data: [DONE]\n\n"
+            if req.echo:
+                for s in subs:
+                    for j in range(req.n if self.engine_does_n else 1):
+                        yield chunk([{"index": s.base + j, "text": echo_texts[s.prompt_index],
+                                      "logprobs": None, "finish_reason": None, "stop_reason": None}])
+            async for s, out in self.merged(subs):
+                for c in out.outputs:
+                    self._check_error(c)
+                    idx = s.base + c.index
+                    st = states.setdefault(idx, _ChoiceState())
+                    if st.finished:
+                        continue
+                    delta = c.text[st.text_sent:]
+                    ntok = len(c.token_ids)
+                    done = c.finish_reason is not None
+                    if not delta and ntok == st.tokens_sent and not done:
+                        continue
+                    lp = (self.completion_logprobs(c, st.tokens_sent, ntok, req.logprobs, st.text_sent)
+                          if req.logprobs is not None else None)
+                    st.text_sent, st.tokens_sent, st.finished = len(c.text), ntok, done
+                    yield chunk([{"index": idx, "text": delta, "logprobs": lp,
+                                  "finish_reason": c.finish_reason if done else None,
+                                  "stop_reason": c.stop_reason if done else None}],
+                                self._partial_usage(subs, s, out) if continuous else None)
+            if include_usage:
+                yield chunk([], self.usage(subs))
 
-        return gen(), lambda: self.abort(subs)
+        return self._events(gen(), subs), lambda: self.abort(subs)
+
+    async def _events(self, events: AsyncIterator[str], subs: list[_Sub]) -> AsyncIterator[str]:
+        """How every stream ends, whatever ended it: an error becomes an SSE error event, the engine requests
+        are aborted (freeing their blocks), and `[DONE]` closes it unless the client is already gone."""
+        try:
+            async for event in events:
+                yield event
+        except asyncio.CancelledError:
+            raise
+        except RequestAbortedError as e:
+            yield error_sse(APIError(f"The request was aborted: {e}", 503))
+        except APIError as e:
+            yield error_sse(e)
+        except Exception as e:  # noqa: BLE001
+            logger.exception("streaming failed")
+            yield error_sse(APIError(f"Internal server error: {type(e).__name__}: {e}", 500))
+        finally:
+            await events.aclose()
+            self.abort(subs)
+        yield "data: [DONE]\n\n"
 
     def _partial_usage(self, subs: list[_Sub], s: _Sub, out: Any) -> dict[str, Any]:
         ntok = sum(len(c.token_ids) for c in out.outputs)
@@ -484,44 +491,31 @@ class OpenAIServing:
 
         async def gen() -> AsyncIterator[str]:
             states: dict[int, _ChoiceState] = {}
-            try:
-                for i in range(req.n):
-                    yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                  "finish_reason": None}])
-                async for s, out in self.merged(subs):
-                    for c in out.outputs:
-                        self._check_error(c)
-                        idx = s.base + c.index
-                        st = states.setdefault(idx, _ChoiceState())
-                        if st.finished:
-                            continue
-                        delta = c.text[st.text_sent:]
-                        ntok = len(c.token_ids)
-                        done = c.finish_reason is not None
-                        if not delta and ntok == st.tokens_sent and not done:
-                            continue
-                        lp = self.chat_logprobs(c, st.tokens_sent, ntok, k) if k is not None else None
-                        st.text_sent, st.tokens_sent, st.finished = len(c.text), ntok, done
-                        yield chunk([{"index": idx, "delta": {"content": delta} if delta or not done else {},
-                                      "logprobs": lp, "finish_reason": c.finish_reason if done else None,
-                                      "stop_reason": c.stop_reason if done else None}],
-                                    self._partial_usage(subs, s, out) if continuous else None)
-                if include_usage:
-                    yield chunk([], self.usage(subs))
-            except asyncio.CancelledError:
-                raise
-            except RequestAbortedError as e:
-                yield error_sse(APIError(f"The request was aborted: {e}", 503))
-            except APIError as e:
-                yield error_sse(e)
-            except Exception as e:  # noqa: BLE001
-                logger.exception("streaming failed")
-                yield error_sse(APIError(f"Internal server error: {type(e).__name__}: {e}", 500))
-            finally:
-                self.abort(subs)
-            yield "data: [DONE]\n\n"
+            for i in range(req.n):
+                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}])
+            async for s, out in self.merged(subs):
+                for c in out.outputs:
+                    self._check_error(c)
+                    idx = s.base + c.index
+                    st = states.setdefault(idx, _ChoiceState())
+                    if st.finished:
+                        continue
+                    delta = c.text[st.text_sent:]
+                    ntok = len(c.token_ids)
+                    done = c.finish_reason is not None
+                    if not delta and ntok == st.tokens_sent and not done:
+                        continue
+                    lp = self.chat_logprobs(c, st.tokens_sent, ntok, k) if k is not None else None
+                    st.text_sent, st.tokens_sent, st.finished = len(c.text), ntok, done
+                    yield chunk([{"index": idx, "delta": {"content": delta} if delta or not done else {},
+                                  "logprobs": lp, "finish_reason": c.finish_reason if done else None,
+                                  "stop_reason": c.stop_reason if done else None}],
+                                self._partial_usage(subs, s, out) if continuous else None)
+            if include_usage:
+                yield chunk([], self.usage(subs))
 
-        return gen(), lambda: self.abort(subs)
+        return self._events(gen(), subs), lambda: self.abort(subs)
 
     # ------------------------------------------------------------------ /tokenize, /detokenize
     def tokenize(self, req: P.TokenizeCompletionRequest | P.TokenizeChatRequest) -> dict[str, Any]:

@@ -1,22 +1,14 @@
 """The KV-cache core: block pool, prefix caching by chained hashes, paged vs contiguous managers."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 
 import pytest
 
 from pagedllm.kv.block_pool import BlockPool
 from pagedllm.kv.hashing import hash_block_tokens, hash_full_blocks
+from kv_request import Req
 from pagedllm.kv.manager import ContiguousKVCacheManager, PagedKVCacheManager
 from pagedllm.kv.sizing import kv_bytes_per_token, parse_memory_size, requests_that_fit
-
-
-@dataclass
-class Req:
-    request_id: str
-    all_token_ids: list[int]
-    num_computed_tokens: int = 0
-    cache_salt: str | None = None
 
 
 def admit(mgr, req: Req) -> int:

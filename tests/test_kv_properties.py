@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
 
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from kv_request import Req
 from pagedllm.kv.manager import ContiguousKVCacheManager, PagedKVCacheManager
 
 BLOCK = 4
@@ -15,14 +15,6 @@ NUM_BLOCKS = 24
 
 # Prompts are drawn from a few shared stems so that prefixes collide often.
 STEMS = [[1] * 12, [1] * 8 + [2] * 4, [3, 4, 5, 6] * 3]
-
-
-@dataclass
-class Req:
-    request_id: str
-    all_token_ids: list[int]
-    num_computed_tokens: int = 0
-    cache_salt: str | None = None
 
 
 class KVMachine(RuleBasedStateMachine):

@@ -1,7 +1,8 @@
 """Paged attention: the KV cache lives in fixed-size blocks, each sequence reaches its keys through a block table.
 
 The kernel sits behind one small interface, `PagedAttentionBackend.forward(q, k, v, k_cache, v_cache, meta)`,
-so a C++/OpenMP or GPU kernel can replace the portable torch one without touching the model.
+so a CPU or GPU kernel can replace the portable torch one without touching the model. On CPU, decode groups
+go through a C kernel (`cpu_kernel.py`) that reads blocks in place instead of gathering them.
 
 The torch backend, per layer:
 1. writes the step's new K/V into the cache through `slot_mapping` (block_id * block_size + offset);
@@ -17,8 +18,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import ctypes
+
 import torch
 import torch.nn.functional as F
+
+from pagedllm.model import cpu_kernel
 
 
 @dataclass
@@ -31,6 +36,7 @@ class AttentionGroup:
     mask: torch.Tensor  # [S, 1, q_len, max_blocks * block_size] bool, True = may attend
     valid: torch.Tensor | None  # [S * q_len] bool, which padded queries are real (None when all are)
     token_index: torch.Tensor  # [n_real] flat token index of each real query, in padded order
+    context_lens: torch.Tensor  # [S] long: tokens each sequence attends to after this step (cached + new)
 
 
 @dataclass
@@ -75,6 +81,7 @@ def _make_group(seqs: list[tuple[int, int, int, list[int]]], block_size: int, de
         mask=mask[:, None].to(device),
         valid=valid,
         token_index=qidx_t[valid] if valid is not None else qidx_t,
+        context_lens=(starts + lens).to(device),
     )
 
 
@@ -150,3 +157,30 @@ class TorchPagedAttention(PagedAttentionBackend):
         if grp.valid is not None:
             o = o[grp.valid]
         return o
+
+
+class CpuPagedAttention(TorchPagedAttention):
+    """Decode groups (one query per sequence) through the C kernel, which reads each block where it lies;
+    prefill groups through the torch path, where the gather is small next to the chunk's own compute."""
+
+    def __init__(self, lib: ctypes.CDLL, scale: float | None = None) -> None:
+        super().__init__(scale)
+        self.lib = lib
+
+    def _group(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, grp: AttentionGroup,
+               g: int) -> torch.Tensor:
+        if grp.q_len != 1 or not cpu_kernel.supports(q, k_cache):
+            return super()._group(q, k_cache, v_cache, grp, g)
+        qq = q if grp.block_tables.shape[0] == q.shape[0] else q[grp.query_index]
+        scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
+        return cpu_kernel.decode_attention(self.lib, qq, k_cache, v_cache, grp.block_tables, grp.context_lens,
+                                           scale)
+
+
+def make_attention_backend(device: torch.device | str, scale: float | None = None) -> PagedAttentionBackend:
+    """The fastest backend that works on `device`: the C kernel on CPU when it builds, else the torch path."""
+    if torch.device(device).type == "cpu":
+        lib = cpu_kernel.load()
+        if lib is not None:
+            return CpuPagedAttention(lib, scale)
+    return TorchPagedAttention(scale)

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.model.cpu_linear import linear
+
 
 def empty_param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
     """An uninitialised, frozen parameter: weights always come from a checkpoint, so random init is wasted time."""
@@ -100,8 +102,9 @@ class GatedMLP(nn.Module):
         self.inter = inter
         self.gate_up_weight = empty_param(2 * inter, hidden, dtype=dtype, device=device)
         self.down_weight = empty_param(hidden, inter, dtype=dtype, device=device)
+        self.packed: dict[str, torch.Tensor] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gu = F.linear(x, self.gate_up_weight)
+        gu = linear(x, self.gate_up_weight, packed=self.packed.get("gate_up_weight"))
         g, u = gu.split(self.inter, dim=-1)
-        return F.linear(F.silu(g) * u, self.down_weight)
+        return linear(F.silu(g) * u, self.down_weight, packed=self.packed.get("down_weight"))

@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.model.attention import AttentionMetadata, PagedAttentionBackend, TorchPagedAttention
+from pagedllm.model.attention import AttentionMetadata, PagedAttentionBackend, make_attention_backend
 from pagedllm.model.config import ModelConfig
+from pagedllm.model.cpu_linear import linear, pack, pack_module
 from pagedllm.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, empty_param
 
 
@@ -32,18 +33,19 @@ class DecoderLayer(nn.Module):
                          if cfg.attention_bias else None)
         self.o_weight = empty_param(cfg.hidden_size, self.q_size, dtype=dtype, device=device)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, device)
+        self.packed: dict[str, torch.Tensor] = {}
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, backend: PagedAttentionBackend) -> torch.Tensor:
         T = h.shape[0]
         x = self.input_layernorm(h)
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = linear(x, self.qkv_weight, self.qkv_bias, self.packed.get("qkv_weight"))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rotary(q.view(T, self.num_heads, self.head_dim), cos, sin)
         k = apply_rotary(k.view(T, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
         attn = backend.forward(q, k, v, k_cache, v_cache, meta)
-        h = h + F.linear(attn.reshape(T, self.q_size), self.o_weight)
+        h = h + linear(attn.reshape(T, self.q_size), self.o_weight, packed=self.packed.get("o_weight"))
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -57,11 +59,25 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = empty_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.packed: dict[str, torch.Tensor] = {}
         self.lm_head = (None if cfg.tie_word_embeddings
                         else empty_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device))
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
                                       device)
-        self.backend: PagedAttentionBackend = backend or TorchPagedAttention()
+        self.backend: PagedAttentionBackend = backend or make_attention_backend(device)
+        self.packed_lm_head: torch.Tensor | None = None
+
+    def pack_cpu_weights(self) -> None:
+        """Pack every matmul weight for oneDNN (see cpu_linear.py). The embedding table stays as it is for
+        lookups; a tied LM head gets its own packed copy."""
+        for layer in self.layers:
+            pack_module(layer, ["qkv_weight", "o_weight"])
+            pack_module(layer.mlp, ["gate_up_weight", "down_weight"])
+        if self.lm_head is None:
+            self.packed_lm_head = pack(self.embed_tokens)
+        else:
+            pack_module(self, ["lm_head"])
+            self.packed_lm_head = self.packed.get("lm_head")
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -77,4 +93,4 @@ class LlamaForCausalLM(nn.Module):
             h = layer(h, cos, sin, kc, vc, meta, self.backend)
         if logits_index is not None:
             h = h[logits_index]
-        return F.linear(self.norm(h), self.lm_head_weight).float()
+        return linear(self.norm(h), self.lm_head_weight, packed=self.packed_lm_head).float()

@@ -100,6 +100,8 @@ def load_model(model: str | None = None, dtype: str | torch.dtype = "auto",
     net.eval()
     tokenizer = load_tokenizer(path)
     weight_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
+    if dev.type == "cpu":
+        net.pack_cpu_weights()
     secs = time.perf_counter() - t0
     msg = (f"loaded {cfg.name or os.path.basename(path)} ({cfg.architecture}, {weight_bytes / 2**20:.0f} MiB "
            f"{str(torch_dtype).removeprefix('torch.')}) in {secs:.1f} s")

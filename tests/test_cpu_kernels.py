@@ -1,0 +1,113 @@
+"""The CPU fast paths against the portable ones they replace: the C decode-attention kernel against the torch
+gather + SDPA backend, and oneDNN-packed linear layers against F.linear.
+
+The model-level parity tests (vs transformers) already run through these paths on CPU; here each is checked
+alone over the shapes that take different code inside it (head_dim 64 and 128 have their own copies, other
+multiples of 8 the generic vector path, others the scalar path; GQA groups; partial last blocks; bfloat16).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedllm.model import cpu_kernel
+from pagedllm.model.attention import (CpuPagedAttention, TorchPagedAttention, build_metadata,
+                                      make_attention_backend)
+from pagedllm.model.cpu_linear import linear, pack
+
+LIB = cpu_kernel.load()
+needs_kernel = pytest.mark.skipif(LIB is None, reason="no C compiler: the kernel is not built here")
+
+
+def _case(n_seqs: int, kv_heads: int, group: int, head_dim: int, block_size: int, new_lens: list[int],
+          dtype: torch.dtype, seed: int):
+    """Random caches, shuffled block tables, and q/k/v for `new_lens[i]` new tokens after a random history."""
+    g = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    starts = [rng.randrange(0, 70) for _ in range(n_seqs)]
+    need = [-(-(s + n) // block_size) for s, n in zip(starts, new_lens)]
+    num_blocks = sum(need) + 3
+    ids = list(range(1, num_blocks))
+    rng.shuffle(ids)
+    tables, at = [], 0
+    for k in need:
+        tables.append(ids[at:at + k])
+        at += k
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=g).to(dtype)
+    v_cache = torch.randn(shape, generator=g).to(dtype)
+    T = sum(new_lens)
+    q = torch.randn(T, kv_heads * group, head_dim, generator=g).to(dtype)
+    k = torch.randn(T, kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(T, kv_heads, head_dim, generator=g).to(dtype)
+    meta = build_metadata(new_lens, starts, tables, block_size, torch.device("cpu"))
+    return q, k, v, k_cache, v_cache, meta
+
+
+@needs_kernel
+@pytest.mark.parametrize("head_dim", [64, 128, 32, 20])
+@pytest.mark.parametrize("kv_heads,group", [(1, 1), (3, 3), (2, 4)])
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_decode_kernel_matches_torch_backend(head_dim, kv_heads, group, block_size):
+    q, k, v, kc, vc, meta = _case(9, kv_heads, group, head_dim, block_size, [1] * 9, torch.float32, head_dim)
+    ref = TorchPagedAttention().forward(q, k, v, kc.clone(), vc.clone(), meta)
+    out = CpuPagedAttention(LIB).forward(q, k, v, kc, vc, meta)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+@needs_kernel
+def test_mixed_prefill_and_decode_batch():
+    """Decodes go through the kernel, prefill chunks through SDPA; the outputs land at the right rows."""
+    lens = [1, 7, 1, 1, 20, 1]
+    q, k, v, kc, vc, meta = _case(len(lens), 3, 3, 64, 16, lens, torch.float32, 1)
+    ref = TorchPagedAttention().forward(q, k, v, kc.clone(), vc.clone(), meta)
+    out = CpuPagedAttention(LIB).forward(q, k, v, kc, vc, meta)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+@needs_kernel
+def test_bfloat16_cache():
+    q, k, v, kc, vc, meta = _case(8, 3, 3, 64, 16, [1] * 8, torch.bfloat16, 2)
+    ref = TorchPagedAttention().forward(q.float(), k.float(), v.float(), kc.float(), vc.float(), meta)
+    out = CpuPagedAttention(LIB).forward(q, k, v, kc, vc, meta)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+@needs_kernel
+def test_context_beyond_block_table_is_refused():
+    q, _, _, kc, vc, meta = _case(2, 1, 1, 64, 16, [1, 1], torch.float32, 3)
+    grp = meta.groups[0]
+    too_long = grp.context_lens + grp.block_tables.shape[1] * 16
+    with pytest.raises(RuntimeError, match="paged_decode_attention failed"):
+        cpu_kernel.decode_attention(LIB, q, kc, vc, grp.block_tables, too_long, 0.125)
+
+
+def test_torch_path_when_asked(monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_ATTENTION", "torch")
+    cpu_kernel.load.cache_clear()
+    try:
+        assert cpu_kernel.load() is None
+        assert type(make_attention_backend("cpu")) is TorchPagedAttention
+    finally:
+        monkeypatch.delenv("PAGEDLLM_ATTENTION")
+        cpu_kernel.load.cache_clear()
+    if LIB is not None:
+        assert isinstance(make_attention_backend("cpu"), CpuPagedAttention)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 64, 200])
+def test_packed_linear_matches_f_linear(rows):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 40, generator=g)
+    b = torch.randn(96, generator=g)
+    x = torch.randn(rows, 40, generator=g)
+    packed = pack(w)
+    if packed is None:
+        pytest.skip("oneDNN packing is not available on this CPU / build")
+    torch.testing.assert_close(linear(x, w, b, packed), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(linear(x[:, :40], w, None, packed), F.linear(x, w), atol=1e-4, rtol=1e-5)

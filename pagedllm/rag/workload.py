@@ -1,5 +1,9 @@
-"""A question workload over the default corpus: topics drawn with Zipf-skewed popularity, questions from templates,
-so popular topics (and sometimes the very same question) repeat, as in real RAG traffic."""
+"""A question workload over the default corpus: topics drawn with Zipf-skewed popularity, each question worded by
+one of twenty templates, so popular topics come back often but the same words rarely do, as with real users.
+
+The wording count matters for what the benchmark shows: with only a few phrasings, a good share of a topic's
+repeats are word-for-word repeats, which every layout (naive included) serves from the cache; users asking about
+the same documents in their own words are the case where only the layout decides."""
 from __future__ import annotations
 
 import random
@@ -41,6 +45,22 @@ TEMPLATES = [
     "How does {p} work in Python?",
     "What are the rules for {p}?",
     "Give a short example of {p}.",
+    "What does the language reference say about {p}?",
+    "When should I use {p}?",
+    "Summarize {p} in two sentences.",
+    "What are common mistakes with {p}?",
+    "How is {p} defined in Python?",
+    "Describe the semantics of {p}.",
+    "What happens at run time with {p}?",
+    "Can you walk me through {p}?",
+    "What is the syntax of {p}?",
+    "Tell me about {p}.",
+    "Why does Python have {p}?",
+    "How do I use {p} correctly?",
+    "What should a beginner know about {p}?",
+    "I am confused by {p}. Can you help?",
+    "What are the edge cases of {p}?",
+    "Quick question about {p}: how does it behave?",
 ]
 
 

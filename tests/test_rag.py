@@ -329,6 +329,30 @@ def test_bench_prompts_hook(rag_index, tokenizer):
         rag.bench_prompts(2, store=str(rag_index) + "-missing")
 
 
+def test_count_cached_tokens_by_hand():
+    from pagedllm.rag.bench import count_cached_tokens
+
+    p1 = list(range(1, 11))  # 10 tokens = 2 full blocks of 4 + 2
+    p2 = list(range(1, 9)) + [99, 100]  # shares p1's two full blocks
+    p3 = list(p1)  # a repeat: all full blocks but never the last token, so (10 - 1) // 4 = 2 blocks
+    p4 = [1, 2, 3, 5] + list(range(5, 11))  # differs inside the first block
+    p5 = list(range(1, 5)) + [7, 7, 7, 7, 7]  # shares only the first block
+    assert count_cached_tokens([p1, p2, p3, p4, p5], block_size=4) == [0, 8, 8, 0, 4]
+
+
+def test_count_only_canonical_shares_more_than_naive(rag_index, capsys):
+    """The counting mode on a real workload: canonical shares the chunks, naive only the system prompt."""
+    from pagedllm.entrypoints.cli import main
+
+    assert main(["rag", "bench", "--index", str(rag_index), "--count-only", "--num-questions", "24",
+                 "--top-k", "2", "--zipf", "1.5"]) == 0
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()
+            if line.split() and line.split()[0] in ("naive", "canonical", "popular")}
+    hit = {k: float(v[1].rstrip("%")) for k, v in rows.items()}
+    assert set(hit) == {"naive", "canonical", "popular"}
+    assert hit["canonical"] > hit["naive"] + 10 and hit["popular"] > hit["naive"] + 10
+
+
 def test_damaged_index_is_rebuilt(tmp_path):
     from pagedllm.rag.corpus import load_paths
     from pagedllm.rag.index import RagIndex, ingest

@@ -67,6 +67,8 @@ def add_parser(subparsers) -> None:
     sp.add_argument("--base-url", default=None, help="run against an OpenAI-compatible server instead (its own cache)")
     sp.add_argument("--server-model", default=None)
     sp.add_argument("--out", default="rag-bench", help="folder for rag_bench.json / .md / .png (default ./rag-bench)")
+    sp.add_argument("--count-only", action="store_true",
+                    help="no model, no timing: count what the prefix cache would serve per layout (seconds)")
     add_engine_args(sp, model_positional=False)  # its --seed also seeds the question workload
     sp.set_defaults(func=cmd_bench)
 
@@ -168,6 +170,16 @@ def cmd_bench(args) -> int:
         raise UserError("--num-questions must be at least 1")
     caching = {"both": [True, False], "on": [True], "off": [False]}[args.caching]
     cfg = EngineConfig.from_args(args)  # validates the engine flags
+    if args.count_only:
+        from pagedllm.rag.bench import count_layouts
+
+        rows = count_layouts(args.index, args.num_questions, args.seed, args.top_k, layouts, args.zipf,
+                             cfg.block_size, cfg.model)
+        print(f"\n{'layout':<11}{'hit rate':>9}{'prompt tokens':>15}{'from cache':>12}{'median computed':>17}")
+        for r in rows:
+            print(f"{r['layout']:<11}{r['hit_rate']:>9.1%}{r['prompt_tokens']:>15}{r['cached_tokens']:>12}"
+                  f"{r['computed_median']:>17.1f}")
+        return 0
     engine_kwargs = {f.name: getattr(cfg, f.name) for f in fields(cfg)}
     os.makedirs(args.out, exist_ok=True)
     result = run_bench(args.index, args.num_questions, args.seed, args.top_k, layouts, caching, args.max_tokens,

@@ -16,9 +16,8 @@ shared by all layers, so the per-layer Python cost is a handful of tensor ops. N
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import ctypes
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -169,7 +168,7 @@ class CpuPagedAttention(TorchPagedAttention):
 
     def _group(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, grp: AttentionGroup,
                g: int) -> torch.Tensor:
-        if grp.q_len != 1 or not cpu_kernel.supports(q, k_cache):
+        if grp.q_len != 1 or not cpu_kernel.supports(q, k_cache, v_cache):
             return super()._group(q, k_cache, v_cache, grp, g)
         qq = q if grp.block_tables.shape[0] == q.shape[0] else q[grp.query_index]
         scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5

@@ -8,6 +8,9 @@ gate/up (3,072 x 576) 4.2 -> 3.0 ms; a whole decode step of the default model ab
 
 Packing is best effort: where oneDNN lacks a kernel (bfloat16 on a CPU without AVX-512 BF16 or AVX-NE-CONVERT)
 or the op is missing, the weight stays as it is and `F.linear` serves it.
+
+Packing is the last step of loading a model for CPU inference: a packed module keeps its weights outside its
+parameters (which are emptied to save the memory), so it is not meant to be moved, saved or reloaded after.
 """
 
 from __future__ import annotations
@@ -20,7 +23,10 @@ BATCH_HINT = 64  # the step size oneDNN tunes its layout for; any number of rows
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """The weight [out, in] in oneDNN's layout, or None where that is not available."""
+    """The weight [out, in] in oneDNN's layout, or None where that is not available.
+
+    The probe call matters: oneDNN may reorder a weight it then has no matmul kernel for (bfloat16 on AVX2), and
+    finding that out here beats failing in the middle of a request."""
     if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return None
     try:
@@ -34,14 +40,15 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T + bias, through the packed weight when there is one."""
+    """x @ weight.T + bias: callers pass `packed` when they have it, so one call site serves CPU and GPU."""
     if packed is None:
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def pack_module(module: nn.Module, names: list[str]) -> None:
-    """Pack `module.<name>` for each name into `module.packed[name]` and free the unpacked copy."""
+    """Pack `module.<name>` into `module.packed[name]`, emptying the parameter: two copies of every weight
+    would double the model's memory, which on CPU comes out of the KV cache's share."""
     for name in names:
         param = getattr(module, name)
         packed = pack(param)

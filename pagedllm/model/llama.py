@@ -59,7 +59,6 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = empty_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.packed: dict[str, torch.Tensor] = {}
         self.lm_head = (None if cfg.tie_word_embeddings
                         else empty_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device))
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
@@ -73,11 +72,9 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             pack_module(layer, ["qkv_weight", "o_weight"])
             pack_module(layer.mlp, ["gate_up_weight", "down_weight"])
-        if self.lm_head is None:
-            self.packed_lm_head = pack(self.embed_tokens)
-        else:
-            pack_module(self, ["lm_head"])
-            self.packed_lm_head = self.packed.get("lm_head")
+        self.packed_lm_head = pack(self.lm_head_weight)
+        if self.packed_lm_head is not None and self.lm_head is not None:
+            self.lm_head.data = torch.empty(0, dtype=self.lm_head.dtype)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

@@ -81,6 +81,90 @@ def check_answers(records: list[dict]) -> dict:
     return {"groups_compared": len(multi), "groups_identical": len(multi) - len(bad), "mismatches": bad}
 
 
+@dataclass
+class Workload:
+    questions: list[str]
+    messages: dict[str, list[list[dict]]]  # per layout, the chat messages of each question, in order
+    retrieval_s: list[float]
+    top3: int  # questions whose topic is among their top 3 hits
+
+
+def build_workload(index_dir: str, num_questions: int, seed: int, top_k: int, layouts: list[str], zipf_s: float,
+                   log: Callable[[str], None] = print) -> Workload:
+    """The questions, retrieved once each (timed), laid out by every layout. Each layout starts from no
+    popularity history and sees the questions in the same order."""
+    pipe = RagPipeline(index_dir, top_k=top_k)
+    workload = zipf_questions(num_questions, seed, s=zipf_s)
+    questions = [q for q, _ in workload]
+    pipe.retrieve(questions[0])  # load the embedder before timing
+    hits, retrieval_s = [], []
+    for q in questions:
+        hits.append(pipe.retrieve(q))
+        retrieval_s.append(pipe.last_retrieval_s)
+    top3 = sum(t in {h.source for h in hs[:3]} for (_, t), hs in zip(workload, hits))
+    log(f"{num_questions} questions over {len({t for _, t in workload})} topics; "
+        f"{len({q for q in questions})} distinct; retrieval median "
+        f"{statistics.median(retrieval_s) * 1000:.1f} ms; topic in top-3 for {top3}/{num_questions}")
+    messages: dict[str, list[list[dict]]] = {}
+    for layout in layouts:
+        pop = Popularity()
+        msgs = []
+        for q, hs in zip(questions, hits):
+            pop.record([h.chunk_id for h in hs])
+            msgs.append(build_messages(q, hs, layout, pop)[0])
+        messages[layout] = msgs
+    return Workload(questions, messages, retrieval_s, top3)
+
+
+def count_cached_tokens(prompts: list[list[int]], block_size: int = 16) -> list[int]:
+    """Prompt tokens each prompt would take from the prefix cache, sent one after another, counted by the engine's
+    own KV-cache manager with room for everything (nothing evicted) and no model at all.
+
+    Why: the hit rate of a layout is a property of the token sequences alone, so it can be known in seconds for
+    workloads (top-k, Zipf exponent, more questions) that would take an hour to time."""
+    from pagedllm.kv.manager import PagedKVCacheManager
+
+    kv = PagedKVCacheManager(sum(-(-len(p) // block_size) for p in prompts) + 1, block_size, True)
+    cached = []
+    for i, ids in enumerate(prompts):
+        req = _CountRequest(str(i), list(ids))
+        blocks, n = kv.get_computed_blocks(req)
+        if not kv.allocate_slots(req, len(ids) - n, blocks):
+            raise RuntimeError("the counting cache is sized for every prompt; allocation cannot fail")
+        kv.free(req)
+        cached.append(n)
+    return cached
+
+
+@dataclass
+class _CountRequest:
+    request_id: str
+    all_token_ids: list[int]
+    num_computed_tokens: int = 0
+    cache_salt: str | None = None
+
+
+def count_layouts(index_dir: str, num_questions: int = 40, seed: int = 0, top_k: int = 4,
+                  layouts: list[str] | None = None, zipf_s: float = 1.1, block_size: int = 16,
+                  model: str | None = None, log: Callable[[str], None] = print) -> list[dict]:
+    """`rag bench --count-only`: per layout, the share of prompt tokens the prefix cache would serve and the median
+    tokens left to compute per question (what TTFT follows), without running the model."""
+    from pagedllm.rag.tokens import get_tokenizer
+
+    layouts = layouts or list(LAYOUTS)
+    w = build_workload(index_dir, num_questions, seed, top_k, layouts, zipf_s, log)
+    tok = get_tokenizer(model)
+    rows = []
+    for layout in layouts:
+        prompts = [tok.apply_chat_template(m) for m in w.messages[layout]]
+        cached = count_cached_tokens(prompts, block_size)
+        total = sum(len(p) for p in prompts)
+        rows.append({"layout": layout, "prompt_tokens": total, "cached_tokens": sum(cached),
+                     "hit_rate": sum(cached) / total,
+                     "computed_median": statistics.median(len(p) - c for p, c in zip(prompts, cached))})
+    return rows
+
+
 def run_bench(
     index_dir: str,
     num_questions: int = 40,
@@ -98,27 +182,8 @@ def run_bench(
 ) -> dict:
     layouts = layouts or list(LAYOUTS)
     caching = [True, False] if caching is None else caching
-    pipe = RagPipeline(index_dir, top_k=top_k)
-    workload = zipf_questions(num_questions, seed, s=zipf_s)
-    questions = [q for q, _ in workload]
-    pipe.retrieve(questions[0])  # load the embedder before timing
-    hits, retrieval_s = [], []
-    for q in questions:
-        hits.append(pipe.retrieve(q))
-        retrieval_s.append(pipe.last_retrieval_s)
-    top3 = sum(t in {h.source for h in hs[:3]} for (_, t), hs in zip(workload, hits))
-    log(f"{num_questions} questions over {len({t for _, t in workload})} topics; "
-        f"{len({q for q in questions})} distinct; retrieval median "
-        f"{statistics.median(retrieval_s) * 1000:.1f} ms; topic in top-3 for {top3}/{num_questions}")
-
-    messages: dict[str, list[list[dict]]] = {}
-    for layout in layouts:
-        pop = Popularity()  # each layout starts from no history, and sees the questions in the same order
-        msgs = []
-        for q, hs in zip(questions, hits):
-            pop.record([h.chunk_id for h in hs])
-            msgs.append(build_messages(q, hs, layout, pop)[0])
-        messages[layout] = msgs
+    w = build_workload(index_dir, num_questions, seed, top_k, layouts, zipf_s, log)
+    questions, messages, retrieval_s, top3 = w.questions, w.messages, w.retrieval_s, w.top3
 
     rows: list[BenchRow] = []
     records: list[dict] = []

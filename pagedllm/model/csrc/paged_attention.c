@@ -32,16 +32,18 @@ typedef struct {
     const void *v_cache;
     const int64_t *block_tables;
     const int64_t *context_lens;
-    int S, H, KVH, D, block_size, max_blocks, cache_bf16;
+    int H, KVH, D, block_size, max_blocks, cache_bf16;
     float scale;
     int64_t max_ctx;
 } Args;
+
+typedef uint32_t u32_alias __attribute__((may_alias)); /* float bits, written as integers */
 
 /* A block's rows as float32: in place for a float32 cache, widened into `buf` for bfloat16. */
 static inline const float *load_block(float *buf, const void *cache, int64_t offset, int64_t n, int bf16) {
     if (!bf16) return (const float *)cache + offset;
     const uint16_t *src = (const uint16_t *)cache + offset;
-    uint32_t *dst = (uint32_t *)buf;
+    u32_alias *dst = (u32_alias *)buf;
     for (int64_t j = 0; j < n; j++) dst[j] = ((uint32_t)src[j]) << 16;
     return buf;
 }
@@ -176,18 +178,25 @@ static void one_seq_64(const Args *a, int s, float *sc, float *buf) { one_seq_im
 static void one_seq_128(const Args *a, int s, float *sc, float *buf) { one_seq_impl(a, s, sc, buf, 128); }
 static void one_seq_any(const Args *a, int s, float *sc, float *buf) { one_seq_impl(a, s, sc, buf, a->D); }
 
-/* Returns 0 on success, a negative code on bad arguments or when memory runs out. */
+/* Returns 0 on success; -2 bad sizes, -3 a context length outside the block table, -4 a block id outside the
+ * cache, -1 out of memory. */
 int paged_decode_attention(float *out, const float *q, const void *k_cache, const void *v_cache,
                            const int64_t *block_tables, const int64_t *context_lens, int S, int H, int KVH,
-                           int D, int block_size, int max_blocks, float scale, int cache_bf16, int num_threads) {
-    if (S <= 0 || KVH <= 0 || H % KVH != 0 || D <= 0 || block_size <= 0) return -2;
+                           int D, int block_size, int max_blocks, int64_t num_blocks, float scale, int cache_bf16,
+                           int num_threads) {
+    if (S <= 0 || H <= 0 || KVH <= 0 || H % KVH != 0 || D <= 0 || block_size <= 0) return -2;
     if (num_threads < 1) num_threads = 1;
-    Args a = {out, q, k_cache, v_cache, block_tables, context_lens, S, H, KVH, D, block_size, max_blocks,
+    Args a = {out, q, k_cache, v_cache, block_tables, context_lens, H, KVH, D, block_size, max_blocks,
               cache_bf16, scale, 0};
+    /* A bad context length or block id would read outside the cache: refuse the call instead. */
     for (int s = 0; s < S; s++) {
         int64_t c = context_lens[s];
         if (c < 1 || c > (int64_t)max_blocks * block_size) return -3;
         if (c > a.max_ctx) a.max_ctx = c;
+        for (int64_t b = 0; b < (c + block_size - 1) / block_size; b++) {
+            int64_t id = block_tables[(int64_t)s * max_blocks + b];
+            if (id < 0 || id >= num_blocks) return -4;
+        }
     }
     void (*one_seq)(const Args *, int, float *, float *) = D == 64 ? one_seq_64 : D == 128 ? one_seq_128 : one_seq_any;
     int status = 0;

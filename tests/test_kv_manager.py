@@ -1,13 +1,12 @@
 """The KV-cache core: block pool, prefix caching by chained hashes, paged vs contiguous managers."""
 from __future__ import annotations
 
-
 import pytest
 
 from pagedllm.kv.block_pool import BlockPool
 from pagedllm.kv.hashing import hash_block_tokens, hash_full_blocks
-from kv_request import Req
 from pagedllm.kv.manager import ContiguousKVCacheManager, PagedKVCacheManager
+from pagedllm.kv.manager import TokenRequest as Req
 from pagedllm.kv.sizing import kv_bytes_per_token, parse_memory_size, requests_that_fit
 
 

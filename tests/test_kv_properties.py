@@ -7,8 +7,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kv_request import Req
 from pagedllm.kv.manager import ContiguousKVCacheManager, PagedKVCacheManager
+from pagedllm.kv.manager import TokenRequest as Req
 
 BLOCK = 4
 NUM_BLOCKS = 24

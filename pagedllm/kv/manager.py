@@ -25,6 +25,17 @@ class KVRequest(Protocol):
     cache_salt: str | None  # extra hash key: requests with different salts never share blocks
 
 
+@dataclass
+class TokenRequest:
+    """The smallest KVRequest: for tools and tests that ask a manager what token sequences would hold and share,
+    without an engine (`pagedllm rag bench --count-only` counts cache hits this way)."""
+
+    request_id: str
+    all_token_ids: list[int]
+    num_computed_tokens: int = 0
+    cache_salt: str | None = None
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

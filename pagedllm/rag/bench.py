@@ -122,26 +122,18 @@ def count_cached_tokens(prompts: list[list[int]], block_size: int = 16) -> list[
 
     Why: the hit rate of a layout is a property of the token sequences alone, so it can be known in seconds for
     workloads (top-k, Zipf exponent, more questions) that would take an hour to time."""
-    from pagedllm.kv.manager import PagedKVCacheManager
+    from pagedllm.kv.manager import PagedKVCacheManager, TokenRequest
 
     kv = PagedKVCacheManager(sum(-(-len(p) // block_size) for p in prompts) + 1, block_size, True)
     cached = []
     for i, ids in enumerate(prompts):
-        req = _CountRequest(str(i), list(ids))
+        req = TokenRequest(str(i), list(ids))
         blocks, n = kv.get_computed_blocks(req)
         if not kv.allocate_slots(req, len(ids) - n, blocks):
             raise RuntimeError("the counting cache is sized for every prompt; allocation cannot fail")
         kv.free(req)
         cached.append(n)
     return cached
-
-
-@dataclass
-class _CountRequest:
-    request_id: str
-    all_token_ids: list[int]
-    num_computed_tokens: int = 0
-    cache_salt: str | None = None
 
 
 def count_layouts(index_dir: str, num_questions: int = 40, seed: int = 0, top_k: int = 4,

@@ -186,6 +186,7 @@ int paged_decode_attention(float *out, const float *q, const void *k_cache, cons
                            int num_threads) {
     if (S <= 0 || H <= 0 || KVH <= 0 || H % KVH != 0 || D <= 0 || block_size <= 0) return -2;
     if (num_threads < 1) num_threads = 1;
+    if (num_threads > S) num_threads = S; /* one sequence per thread at least: waking idle threads costs more */
     Args a = {out, q, k_cache, v_cache, block_tables, context_lens, H, KVH, D, block_size, max_blocks,
               cache_bf16, scale, 0};
     /* A bad context length or block id would read outside the cache: refuse the call instead. */
@@ -200,7 +201,7 @@ int paged_decode_attention(float *out, const float *q, const void *k_cache, cons
     }
     void (*one_seq)(const Args *, int, float *, float *) = D == 64 ? one_seq_64 : D == 128 ? one_seq_128 : one_seq_any;
     int status = 0;
-#pragma omp parallel num_threads(num_threads)
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
         float *scores = malloc((size_t)a.max_ctx * H * sizeof(float));
         float *buf = malloc((size_t)block_size * KVH * D * sizeof(float));

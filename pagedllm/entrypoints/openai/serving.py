@@ -48,6 +48,32 @@ def _sse(body: dict[str, Any]) -> str:
 
 
 @dataclasses.dataclass
+class _Chunks:
+    """Makes the SSE chunks of one streamed response, completion or chat: every chunk carries the same id, object,
+    creation time and model, and a usage field exactly when the request's stream_options ask for one."""
+
+    request_id: str
+    object: str
+    model: str
+    include_usage: bool
+    continuous: bool  # usage on every chunk, not only the last
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+    @classmethod
+    def for_request(cls, req: Any, request_id: str, obj: str, model: str) -> _Chunks:
+        opts = req.stream_options
+        return cls(request_id, obj, model, bool(opts and opts.include_usage),
+                   bool(opts and opts.continuous_usage_stats))
+
+    def __call__(self, choices: list[dict], usage: dict | None = None) -> str:
+        body: dict[str, Any] = {"id": self.request_id, "object": self.object, "created": self.created,
+                                "model": self.model, "choices": choices}
+        if self.include_usage:
+            body["usage"] = usage
+        return _sse(body)
+
+
+@dataclasses.dataclass
 class _Sub:
     """One engine request of an HTTP request: prompt `prompt_index`, choices base .. base + n_here - 1."""
 
@@ -374,16 +400,7 @@ class OpenAIServing:
     async def completion_stream(self, req: P.CompletionRequest, request_id: str) -> tuple[AsyncIterator[str], Any]:
         model, prompts, echo_texts, params = await self._prepare_completion(req)
         subs = await self.submit(prompts, params, req.n, request_id)
-        created = int(time.time())
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
-
-        def chunk(choices: list[dict], usage: dict | None = None) -> str:
-            body: dict[str, Any] = {"id": request_id, "object": "text_completion", "created": created,
-                                    "model": model, "choices": choices}
-            if include_usage:
-                body["usage"] = usage
-            return _sse(body)
+        chunk = _Chunks.for_request(req, request_id, "text_completion", model)
 
         async def gen() -> AsyncIterator[str]:
             states: dict[int, _ChoiceState] = {}
@@ -410,8 +427,8 @@ class OpenAIServing:
                     yield chunk([{"index": idx, "text": delta, "logprobs": lp,
                                   "finish_reason": c.finish_reason if done else None,
                                   "stop_reason": c.stop_reason if done else None}],
-                                self._partial_usage(subs, s, out) if continuous else None)
-            if include_usage:
+                                self._partial_usage(subs, s, out) if chunk.continuous else None)
+            if chunk.include_usage:
                 yield chunk([], self.usage(subs))
 
         return self._events(gen(), subs), lambda: self.abort(subs)
@@ -478,16 +495,7 @@ class OpenAIServing:
     async def chat_stream(self, req: P.ChatCompletionRequest, request_id: str) -> tuple[AsyncIterator[str], Any]:
         model, ids, params, k = await self._prepare_chat(req)
         subs = await self.submit([ids], params, req.n, request_id)
-        created = int(time.time())
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
-
-        def chunk(choices: list[dict], usage: dict | None = None) -> str:
-            body: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk", "created": created,
-                                    "model": model, "choices": choices}
-            if include_usage:
-                body["usage"] = usage
-            return _sse(body)
+        chunk = _Chunks.for_request(req, request_id, "chat.completion.chunk", model)
 
         async def gen() -> AsyncIterator[str]:
             states: dict[int, _ChoiceState] = {}
@@ -511,8 +519,8 @@ class OpenAIServing:
                     yield chunk([{"index": idx, "delta": {"content": delta} if delta or not done else {},
                                   "logprobs": lp, "finish_reason": c.finish_reason if done else None,
                                   "stop_reason": c.stop_reason if done else None}],
-                                self._partial_usage(subs, s, out) if continuous else None)
-            if include_usage:
+                                self._partial_usage(subs, s, out) if chunk.continuous else None)
+            if chunk.include_usage:
                 yield chunk([], self.usage(subs))
 
         return self._events(gen(), subs), lambda: self.abort(subs)

@@ -183,6 +183,20 @@ def test_completion_and_stream_agree(server):
     assert_pool_whole(server)
 
 
+def test_continuous_usage_stats_on_every_chunk(server):
+    """vLLM's stream_options.continuous_usage_stats: usage on every chunk, completion tokens counting up."""
+    chunks = list(server.client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Count to ten."}], max_tokens=5, temperature=0,
+        stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"ignore_eos": True}))
+    content = [ch for ch in chunks if ch.choices and ch.choices[0].delta.content]
+    assert content and all(ch.usage is not None for ch in content)
+    counts = [ch.usage.completion_tokens for ch in content]
+    assert counts == sorted(counts) and counts[-1] == 5
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+    assert_pool_whole(server)
+
+
 def test_raw_stream_ends_with_done(server):
     with server.http.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 3,
                                                              "stream": True}) as r:

@@ -243,3 +243,25 @@ def test_gpu_memory_utilization_sizes_the_cache_after_weights_and_warmup(model_f
     assert 0 < engine.kv.num_blocks * per_block <= 256 * 2**20
     with pytest.raises(UserError, match="--gpu-memory-utilization"):
         make_engine(model_fp32, kv_cache_memory=None, gpu_memory_utilization=rss / total / 2)
+
+
+def test_bfloat16_kv_cache_holds_twice_the_tokens_and_keeps_the_answers(model_fp32, prompts):
+    """--kv-cache-dtype bfloat16 on a float32 model: the same budget gives twice the blocks, stored in bfloat16,
+    and the next-token choices stay those of the float32 cache (K/V rounding to bf16 is small next to logit gaps)."""
+    import torch
+
+    from pagedllm.model import SeqChunk
+
+    f32 = make_engine(model_fp32)
+    b16 = make_engine(model_fp32, kv_cache_dtype="bfloat16")
+    assert b16.kv.num_blocks == 2 * f32.kv.num_blocks
+    assert all(k.dtype == v.dtype == torch.bfloat16 for k, v in b16.runner.kv_caches)
+    chunks = [SeqChunk(p, 0, list(range(1 + 8 * i, 1 + 8 * i + 8))) for i, p in enumerate(prompts[:6])]
+    ref = torch.cat(f32.runner.execute_all(chunks))
+    got = torch.cat(b16.runner.execute_all(chunks))
+    agree = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
+    assert agree >= 0.95 and (ref - got).abs().max().item() < 1.0
+    assert run_all(b16, prompts[:8]) and not b16.kv.req_blocks
+    assert_all_blocks_free(b16)
+    with pytest.raises(UserError, match="--kv-cache-dtype"):
+        EngineConfig(kv_cache_dtype="fp8")

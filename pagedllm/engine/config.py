@@ -14,6 +14,7 @@ DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 2**30  # on CPU the cache shares RAM with ever
 class EngineConfig:
     model: str | None = None  # HF folder or GGUF file; None = the default model
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # auto: the model's dtype; bfloat16 halves the cache of a float32 model
     device: str = "auto"  # auto: cuda if available, else cpu
     block_size: int = 16
     max_num_seqs: int = 64
@@ -45,6 +46,8 @@ class EngineConfig:
               "--gpu-memory-utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}")
         check(self.dtype in ("auto", "float32", "bfloat16"), "--dtype",
               f"must be auto, float32 or bfloat16, got {self.dtype!r}")
+        check(self.kv_cache_dtype in ("auto", "float32", "bfloat16"), "--kv-cache-dtype",
+              f"must be auto, float32 or bfloat16, got {self.kv_cache_dtype!r}")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineConfig:
@@ -66,6 +69,10 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
         parser.add_argument("--model", default=None, help="HF model folder or GGUF file (default: SmolLM2-135M)")
     g = parser.add_argument_group("engine")
     g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 (bfloat16 is the fast path on AMX CPUs)")
+    g.add_argument("--kv-cache-dtype", default="auto",
+                   help="auto (the model's dtype) | float32 | bfloat16: a bfloat16 cache holds twice the tokens of a "
+                        "float32 one and halves the memory each decode step reads; attention still computes in "
+                        "the model's dtype")
     g.add_argument("--device", default="auto", help="torch device: auto, cpu, cuda, cuda:1, ...")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")

@@ -19,7 +19,7 @@ from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.stats import EngineStats
 from pagedllm.errors import UserError
 from pagedllm.kv.manager import cdiv, make_kv_cache_manager
-from pagedllm.model.loader import LoadedModel, load_model
+from pagedllm.model.loader import DTYPES, LoadedModel, load_model
 from pagedllm.model.runner import ModelRunner, SeqChunk, bytes_per_block
 from pagedllm.model.sampler import SamplingRow, sample
 from pagedllm.sampling_params import SamplingParams
@@ -62,7 +62,8 @@ class LLMEngine:
             raise UserError(f"--max-model-len: {self.max_model_len} is more than the model's "
                             f"{cfg.max_position_embeddings} positions")
         self.block_size = config.block_size
-        per_block = bytes_per_block(cfg, self.block_size, self.loaded.dtype)
+        self.kv_dtype = self.loaded.dtype if config.kv_cache_dtype == "auto" else DTYPES[config.kv_cache_dtype]
+        per_block = bytes_per_block(cfg, self.block_size, self.kv_dtype)
         budget = self._kv_budget(device)
         num_blocks = budget // per_block
         if config.kv_allocation == "contiguous" and num_blocks < cdiv(self.max_model_len, self.block_size):
@@ -74,13 +75,14 @@ class LLMEngine:
         if num_blocks * self.block_size < self.max_model_len:
             logger.warning("the KV cache holds %d tokens, less than --max-model-len %d: longer requests will fail",
                            num_blocks * self.block_size, self.max_model_len)
-        self.runner = ModelRunner(self.loaded, num_blocks, self.block_size)
+        self.runner = ModelRunner(self.loaded, num_blocks, self.block_size, self.kv_dtype)
         self.kv = make_kv_cache_manager(config.kv_allocation, num_blocks, self.block_size, self.max_model_len,
                                         config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, %s allocation, prefix caching %s)",
+        logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB %s, %s allocation, prefix caching %s)",
                     num_blocks, self.block_size, num_blocks * self.block_size, num_blocks * per_block / 2**30,
-                    config.kv_allocation, "on" if config.enable_prefix_caching else "off")
+                    str(self.kv_dtype).removeprefix("torch."), config.kv_allocation,
+                    "on" if config.enable_prefix_caching else "off")
 
         self.parents: dict[str, _Parent] = {}
         self.requests: dict[str, Request] = {}  # child id -> request, while unfinished
@@ -112,7 +114,7 @@ class LLMEngine:
     def _profile(self, device: torch.device) -> tuple[int, int]:
         """(device memory, bytes in use after a warm-up step of the largest batch with a scratch cache)."""
         n = min(self.config.max_num_batched_tokens, self.max_model_len)
-        scratch = ModelRunner(self.loaded, cdiv(n, self.block_size), self.block_size)
+        scratch = ModelRunner(self.loaded, cdiv(n, self.block_size), self.block_size, self.kv_dtype)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         scratch.execute([SeqChunk([0] * n, 0, list(range(cdiv(n, self.block_size))))])

@@ -127,8 +127,8 @@ class TorchPagedAttention(PagedAttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         nb, bs, kvh, d = k_cache.shape
-        k_cache.view(nb * bs, kvh, d).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(nb * bs, kvh, d).index_copy_(0, meta.slot_mapping, v)
+        k_cache.view(nb * bs, kvh, d).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(nb * bs, kvh, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
         T, H, _ = q.shape
         g = H // kvh
         if len(meta.groups) == 1 and meta.groups[0].valid is None and meta.groups[0].q_len == 1:
@@ -145,8 +145,8 @@ class TorchPagedAttention(PagedAttentionBackend):
         S, mb = grp.block_tables.shape
         Q = grp.q_len
         # [S, mb, bs, kvh, d] -> [S, kvh, L, d]
-        keys = k_cache[grp.block_tables].view(S, mb * bs, kvh, d).transpose(1, 2)
-        vals = v_cache[grp.block_tables].view(S, mb * bs, kvh, d).transpose(1, 2)
+        keys = k_cache[grp.block_tables].view(S, mb * bs, kvh, d).transpose(1, 2).to(q.dtype)
+        vals = v_cache[grp.block_tables].view(S, mb * bs, kvh, d).transpose(1, 2).to(q.dtype)
         qq = q[grp.query_index] if not (Q == 1 and S == q.shape[0]) else q
         # [S*Q, H, d] -> [S, Q, kvh, g, d] -> [S, kvh, g*Q, d] (row = gi*Q + qi)
         qq = qq.view(S, Q, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(S, kvh, g * Q, d)

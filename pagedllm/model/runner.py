@@ -39,7 +39,8 @@ def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) ->
 class ModelRunner:
     """Allocates [num_blocks, block_size, kv_heads, head_dim] K and V tensors per layer; `execute` runs a step."""
 
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int) -> None:
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int,
+                 kv_dtype: torch.dtype | None = None) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         self.loaded = loaded
@@ -47,23 +48,24 @@ class ModelRunner:
         self.config = loaded.config
         self.device = loaded.device
         self.dtype = loaded.dtype
+        self.kv_dtype = kv_dtype or loaded.dtype  # the cache may be narrower than the model (--kv-cache-dtype)
         self.num_blocks = num_blocks
         self.block_size = block_size
         cfg = self.config
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            (torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+             torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
             for _ in range(cfg.num_layers)
         ]
 
     @property
     def bytes_per_block(self) -> int:
-        return bytes_per_block(self.config, self.block_size, self.dtype)
+        return bytes_per_block(self.config, self.block_size, self.kv_dtype)
 
     def kv_cache_bytes(self, num_blocks: int | None = None, block_size: int | None = None) -> int:
         return kv_cache_bytes(self.config, self.num_blocks if num_blocks is None else num_blocks,
-                              block_size or self.block_size, self.dtype)
+                              block_size or self.block_size, self.kv_dtype)
 
     @torch.inference_mode()
     def _forward(self, chunks: list[SeqChunk], all_positions: bool) -> torch.Tensor:

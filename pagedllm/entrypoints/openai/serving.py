@@ -90,7 +90,18 @@ class _ChoiceState:
     text_sent: int = 0
     tokens_sent: int = 0
     finished: bool = False
-    started: bool = False
+
+
+@dataclasses.dataclass
+class _Piece:
+    """What one choice produced since its last chunk: text[text_from:], tokens [tokens_from, tokens_to)."""
+
+    index: int
+    text: str
+    text_from: int
+    tokens_from: int
+    tokens_to: int
+    done: bool
 
 
 class OpenAIServing:
@@ -403,35 +414,40 @@ class OpenAIServing:
         chunk = _Chunks.for_request(req, request_id, "text_completion", model)
 
         async def gen() -> AsyncIterator[str]:
-            states: dict[int, _ChoiceState] = {}
             if req.echo:
                 for s in subs:
                     for j in range(req.n if self.engine_does_n else 1):
                         yield chunk([{"index": s.base + j, "text": echo_texts[s.prompt_index],
                                       "logprobs": None, "finish_reason": None, "stop_reason": None}])
-            async for s, out in self.merged(subs):
-                for c in out.outputs:
-                    self._check_error(c)
-                    idx = s.base + c.index
-                    st = states.setdefault(idx, _ChoiceState())
-                    if st.finished:
-                        continue
-                    delta = c.text[st.text_sent:]
-                    ntok = len(c.token_ids)
-                    done = c.finish_reason is not None
-                    if not delta and ntok == st.tokens_sent and not done:
-                        continue
-                    lp = (self.completion_logprobs(c, st.tokens_sent, ntok, req.logprobs, st.text_sent)
-                          if req.logprobs is not None else None)
-                    st.text_sent, st.tokens_sent, st.finished = len(c.text), ntok, done
-                    yield chunk([{"index": idx, "text": delta, "logprobs": lp,
-                                  "finish_reason": c.finish_reason if done else None,
-                                  "stop_reason": c.stop_reason if done else None}],
-                                self._partial_usage(subs, s, out) if chunk.continuous else None)
+            async for s, out, c, p in self._pieces(subs):
+                lp = (self.completion_logprobs(c, p.tokens_from, p.tokens_to, req.logprobs, p.text_from)
+                      if req.logprobs is not None else None)
+                yield chunk([{"index": p.index, "text": p.text, "logprobs": lp,
+                              "finish_reason": c.finish_reason if p.done else None,
+                              "stop_reason": c.stop_reason if p.done else None}],
+                            self._partial_usage(subs, s, out) if chunk.continuous else None)
             if chunk.include_usage:
                 yield chunk([], self.usage(subs))
 
         return self._events(gen(), subs), lambda: self.abort(subs)
+
+    async def _pieces(self, subs: list[_Sub]) -> AsyncIterator[tuple[_Sub, Any, Any, _Piece]]:
+        """Each choice's new text and tokens as the engine produces them, skipping outputs that add nothing and
+        anything after a choice finished: what both streaming endpoints send, each in its own wrapping."""
+        states: dict[int, _ChoiceState] = {}
+        async for s, out in self.merged(subs):
+            for c in out.outputs:
+                self._check_error(c)
+                idx = s.base + c.index
+                st = states.setdefault(idx, _ChoiceState())
+                if st.finished:
+                    continue
+                ntok, done = len(c.token_ids), c.finish_reason is not None
+                if len(c.text) == st.text_sent and ntok == st.tokens_sent and not done:
+                    continue
+                piece = _Piece(idx, c.text[st.text_sent:], st.text_sent, st.tokens_sent, ntok, done)
+                st.text_sent, st.tokens_sent, st.finished = len(c.text), ntok, done
+                yield s, out, c, piece
 
     async def _events(self, events: AsyncIterator[str], subs: list[_Sub]) -> AsyncIterator[str]:
         """How every stream ends, whatever ended it: an error becomes an SSE error event, the engine requests
@@ -498,28 +514,15 @@ class OpenAIServing:
         chunk = _Chunks.for_request(req, request_id, "chat.completion.chunk", model)
 
         async def gen() -> AsyncIterator[str]:
-            states: dict[int, _ChoiceState] = {}
             for i in range(req.n):
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None}])
-            async for s, out in self.merged(subs):
-                for c in out.outputs:
-                    self._check_error(c)
-                    idx = s.base + c.index
-                    st = states.setdefault(idx, _ChoiceState())
-                    if st.finished:
-                        continue
-                    delta = c.text[st.text_sent:]
-                    ntok = len(c.token_ids)
-                    done = c.finish_reason is not None
-                    if not delta and ntok == st.tokens_sent and not done:
-                        continue
-                    lp = self.chat_logprobs(c, st.tokens_sent, ntok, k) if k is not None else None
-                    st.text_sent, st.tokens_sent, st.finished = len(c.text), ntok, done
-                    yield chunk([{"index": idx, "delta": {"content": delta} if delta or not done else {},
-                                  "logprobs": lp, "finish_reason": c.finish_reason if done else None,
-                                  "stop_reason": c.stop_reason if done else None}],
-                                self._partial_usage(subs, s, out) if chunk.continuous else None)
+            async for s, out, c, p in self._pieces(subs):
+                lp = self.chat_logprobs(c, p.tokens_from, p.tokens_to, k) if k is not None else None
+                yield chunk([{"index": p.index, "delta": {"content": p.text} if p.text or not p.done else {},
+                              "logprobs": lp, "finish_reason": c.finish_reason if p.done else None,
+                              "stop_reason": c.stop_reason if p.done else None}],
+                            self._partial_usage(subs, s, out) if chunk.continuous else None)
             if chunk.include_usage:
                 yield chunk([], self.usage(subs))
 

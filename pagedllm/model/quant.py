@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import logging
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 import torch
@@ -162,22 +163,34 @@ def _lib() -> ctypes.CDLL:
     return lib
 
 
+AMX_MIN_ROWS = 16  # bfloat16 activations: from this many rows on, AMX beats the float32 kernel (linear_kernels.py)
+
+
+@lru_cache(maxsize=1)
+def amx_available() -> bool:
+    """Whether the bfloat16 AMX kernel can run here (built with AMX, and the OS grants the tiles)."""
+    lib = cpu_kernel.load()
+    return lib is not None and bool(lib.qmm_amx_available())
+
+
 def qlinear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
             out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
-    """x [..., K] @ w.T (+ bias), float32 inside; the result in x's dtype. `out` (float32, contiguous rows) is
-    written in place, or added to with `accumulate`."""
+    """x [..., K] @ w.T (+ bias); the result in x's dtype. float32 activations always take the float32 kernel
+    (exact weights, sums in a fixed order); bfloat16 ones take AMX from AMX_MIN_ROWS rows on where the CPU has
+    it. `out` (float32, contiguous rows) is written in place, or added to with `accumulate`."""
     lead = x.shape[:-1]
     xf = x.reshape(-1, w.k)
+    m = xf.shape[0]
+    amx = x.dtype == torch.bfloat16 and m >= AMX_MIN_ROWS and amx_available()
     if xf.dtype != torch.float32 or xf.stride(-1) != 1:
         xf = xf.float().contiguous()
-    m = xf.shape[0]
     res = out if out is not None else torch.empty(m, w.n, dtype=torch.float32)
     b = None if bias is None else bias.float().contiguous()
-    rc = _lib().qmm_f32(res.data_ptr(), xf.data_ptr(), w.tiles.data_ptr(), None if b is None else b.data_ptr(),
-                        m, w.n, w.k, xf.stride(0), res.stride(0), FORMATS[w.fmt], int(accumulate),
-                        torch.get_num_threads())
+    fn = _lib().qmm_amx if amx else _lib().qmm_f32
+    rc = fn(res.data_ptr(), xf.data_ptr(), w.tiles.data_ptr(), None if b is None else b.data_ptr(), m, w.n, w.k,
+            xf.stride(0), res.stride(0), FORMATS[w.fmt], int(accumulate), torch.get_num_threads())
     if rc != 0:
-        raise RuntimeError(f"qmm_f32 failed ({rc})")
+        raise RuntimeError(f"quantized matmul failed ({rc})")
     if out is not None:
         return out
     return res.reshape(*lead, w.n).to(x.dtype)

@@ -24,18 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-
-typedef struct {
-    float *out;
-    const float *q;
-    const void *k_cache;
-    const void *v_cache;
-    const int64_t *block_tables;
-    const int64_t *context_lens;
-    int H, KVH, D, block_size, max_blocks, cache_bf16;
-    float scale;
-    int64_t max_ctx;
-} Args;
+#include "paged_attention.h"
 
 typedef uint32_t u32_alias __attribute__((may_alias)); /* float bits, written as integers */
 
@@ -120,8 +109,8 @@ static void block_values_scalar(float *o, const float *p, const float *v, int n,
         for (int j = 0; j < D; j++) o[j] += p[t] * v[t * W + j];
 }
 
-static void softmax_rows(float *scores, int H, int64_t ctx) {
-    for (int h = 0; h < H; h++) {
+static void softmax_rows(float *scores, int h0, int h1, int64_t ctx) {
+    for (int h = h0; h < h1; h++) {
         float *sc = scores + h * ctx;
         float m = sc[0];
         for (int64_t t = 1; t < ctx; t++) m = sc[t] > m ? sc[t] : m;
@@ -135,10 +124,10 @@ static void softmax_rows(float *scores, int H, int64_t ctx) {
     }
 }
 
-/* One sequence, all heads: scores block by block, softmax, then values block by block. A token's keys (or
- * values) for all KV heads are one row of W = KVH * D, and a block is block_size rows back to back. */
-static inline __attribute__((always_inline)) void one_seq_impl(const Args *a, int s, float *scores, float *buf,
-                                                               const int D) {
+/* One sequence, query heads h0..h1-1: scores block by block, softmax, then values block by block. A token's
+ * keys (or values) for all KV heads are one row of W = KVH * D, and a block is block_size rows back to back. */
+static inline __attribute__((always_inline)) void one_seq_impl(const Args *a, int s, int h0, int h1, float *scores,
+                                                               float *buf, const int D) {
     const int H = a->H, KVH = a->KVH, G = H / KVH, bs = a->block_size, bf16 = a->cache_bf16;
     const int elem = bf16 ? 2 : 4;
     const int64_t ctx = a->context_lens[s], W = (int64_t)KVH * D;
@@ -150,15 +139,15 @@ static inline __attribute__((always_inline)) void one_seq_impl(const Args *a, in
     for (int pass = 0; pass < 2; pass++) {
         const void *cache = pass == 0 ? a->k_cache : a->v_cache;
         if (pass == 1) {
-            softmax_rows(scores, H, ctx);
-            memset(out, 0, (size_t)H * D * sizeof(float));
+            softmax_rows(scores, h0, h1, ctx);
+            memset(out + h0 * D, 0, (size_t)(h1 - h0) * D * sizeof(float));
         }
         for (int64_t b = 0; b < nblocks; b++) {
             const int64_t first = b * bs;
             const int n = (int)(ctx - first < bs ? ctx - first : bs);
             if (b + 1 < nblocks) prefetch(cache, table[b + 1] * bs * W, (int64_t)bs * W, elem);
             const float *rows = load_block(buf, cache, table[b] * bs * W, n * W, bf16);
-            for (int h = 0; h < H; h++) {
+            for (int h = h0; h < h1; h++) {
                 const float *r = rows + (h / G) * D;
                 float *sc = scores + h * ctx + first;
                 if (D % 8 != 0 && pass == 0)
@@ -174,9 +163,39 @@ static inline __attribute__((always_inline)) void one_seq_impl(const Args *a, in
     }
 }
 
-static void one_seq_64(const Args *a, int s, float *sc, float *buf) { one_seq_impl(a, s, sc, buf, 64); }
-static void one_seq_128(const Args *a, int s, float *sc, float *buf) { one_seq_impl(a, s, sc, buf, 128); }
-static void one_seq_any(const Args *a, int s, float *sc, float *buf) { one_seq_impl(a, s, sc, buf, a->D); }
+static void one_seq_64(const Args *a, int s, int h0, int h1, float *sc, float *buf) {
+    one_seq_impl(a, s, h0, h1, sc, buf, 64);
+}
+static void one_seq_128(const Args *a, int s, int h0, int h1, float *sc, float *buf) {
+    one_seq_impl(a, s, h0, h1, sc, buf, 128);
+}
+static void one_seq_any(const Args *a, int s, int h0, int h1, float *sc, float *buf) {
+    one_seq_impl(a, s, h0, h1, sc, buf, a->D);
+}
+
+void paged_attention_heads(const Args *a, int s, int h0, int h1, float *scores, float *buf) {
+    if (a->D == 64)
+        one_seq_64(a, s, h0, h1, scores, buf);
+    else if (a->D == 128)
+        one_seq_128(a, s, h0, h1, scores, buf);
+    else
+        one_seq_any(a, s, h0, h1, scores, buf);
+}
+
+/* 0, or -3 for a context length outside the block table, -4 for a block id outside the cache. */
+int paged_attention_check(const Args *a, int S, int64_t num_blocks, int64_t *max_ctx) {
+    *max_ctx = 0;
+    for (int s = 0; s < S; s++) {
+        int64_t c = a->context_lens[s];
+        if (c < 1 || c > (int64_t)a->max_blocks * a->block_size) return -3;
+        if (c > *max_ctx) *max_ctx = c;
+        for (int64_t b = 0; b < (c + a->block_size - 1) / a->block_size; b++) {
+            int64_t id = a->block_tables[(int64_t)s * a->max_blocks + b];
+            if (id < 0 || id >= num_blocks) return -4;
+        }
+    }
+    return 0;
+}
 
 /* Returns 0 on success; -2 bad sizes, -3 a context length outside the block table, -4 a block id outside the
  * cache, -1 out of memory. */
@@ -190,16 +209,8 @@ int paged_decode_attention(float *out, const float *q, const void *k_cache, cons
     Args a = {out, q, k_cache, v_cache, block_tables, context_lens, H, KVH, D, block_size, max_blocks,
               cache_bf16, scale, 0};
     /* A bad context length or block id would read outside the cache: refuse the call instead. */
-    for (int s = 0; s < S; s++) {
-        int64_t c = context_lens[s];
-        if (c < 1 || c > (int64_t)max_blocks * block_size) return -3;
-        if (c > a.max_ctx) a.max_ctx = c;
-        for (int64_t b = 0; b < (c + block_size - 1) / block_size; b++) {
-            int64_t id = block_tables[(int64_t)s * max_blocks + b];
-            if (id < 0 || id >= num_blocks) return -4;
-        }
-    }
-    void (*one_seq)(const Args *, int, float *, float *) = D == 64 ? one_seq_64 : D == 128 ? one_seq_128 : one_seq_any;
+    const int bad = paged_attention_check(&a, S, num_blocks, &a.max_ctx);
+    if (bad) return bad;
     int status = 0;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
@@ -211,7 +222,7 @@ int paged_decode_attention(float *out, const float *q, const void *k_cache, cons
         }
 #pragma omp for schedule(dynamic, 1)
         for (int s = 0; s < S; s++)
-            if (scores && buf) one_seq(&a, s, scores, buf);
+            if (scores && buf) paged_attention_heads(&a, s, 0, H, scores, buf);
         free(scores);
         free(buf);
     }

@@ -27,13 +27,13 @@
 #include <string.h>
 
 #include "quant_matmul.h"
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v16u __attribute__((vector_size(64), aligned(4)));
 typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint8_t v16b __attribute__((vector_size(16), aligned(1)));
-typedef int8_t v16sb __attribute__((vector_size(16), aligned(1)));
-typedef _Float16 v16h __attribute__((vector_size(32), aligned(2)));
 typedef double v8d __attribute__((vector_size(64)));
 
 #ifdef __AVX512F__
@@ -48,21 +48,67 @@ static inline v16 ldu(const float *p) { return *(const v16u *)p; }
 
 /* A pair of x values (k, k+1) repeated in all eight 64-bit lanes. */
 static inline v16 pair(const float *x) {
+#ifdef __AVX512F__
+    return (v16)_mm512_castpd_ps(_mm512_set1_pd(*(const double *)x));
+#else
     double d;
     memcpy(&d, x, 8);
     return (v16)((v8d){0} + d);
+#endif
 }
 
 typedef struct {
     v16 dlo, dhi, mlo, mhi; /* each column's scale / minimum, twice over: lanes of columns 0..7, 8..15 */
 } Scales;
 
+#ifdef __AVX512F__
+/* GCC turns the generic conversions below into scalar code; on AVX-512 they are one instruction each. */
+static inline v16 f16x16(const uint8_t *p) { return (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+static inline v16 u8x16(const uint8_t *p) {
+    return (v16)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+static inline v16 s8x16(const uint8_t *p) {
+    return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+static inline void nibbles(const uint8_t *p, v16 *lo, v16 *hi) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    *lo = (v16)_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+    *hi = (v16)_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+}
+#else
+static inline v16 f16x16(const uint8_t *p) {
+    v16 r;
+    for (int i = 0; i < 16; i++) {
+        _Float16 h;
+        memcpy(&h, p + 2 * i, 2);
+        r[i] = (float)h;
+    }
+    return r;
+}
+static inline v16 u8x16(const uint8_t *p) {
+    v16 r;
+    for (int i = 0; i < 16; i++) r[i] = (float)p[i];
+    return r;
+}
+static inline v16 s8x16(const uint8_t *p) {
+    v16 r;
+    for (int i = 0; i < 16; i++) r[i] = (float)(int8_t)p[i];
+    return r;
+}
+static inline void nibbles(const uint8_t *p, v16 *lo, v16 *hi) {
+    for (int i = 0; i < 16; i++) {
+        (*lo)[i] = (float)(p[i] & 15);
+        (*hi)[i] = (float)(p[i] >> 4);
+    }
+}
+#endif
+
 static inline Scales tile_scales(const uint8_t *tile, int fmt) {
-    const v16 d = __builtin_convertvector(*(const v16h *)tile, v16);
+    const v16 d = f16x16(tile);
     const v16i lo = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7}, hi = lo + 8;
     Scales s = {__builtin_shuffle(d, lo), __builtin_shuffle(d, hi), (v16){0}, (v16){0}};
     if (fmt == QFMT_Q4) {
-        const v16 m = __builtin_convertvector(*(const v16h *)(tile + 32), v16);
+        const v16 m = f16x16(tile + 32);
         s.mlo = __builtin_shuffle(m, lo);
         s.mhi = __builtin_shuffle(m, hi);
     }
@@ -73,13 +119,14 @@ static inline Scales tile_scales(const uint8_t *tile, int fmt) {
 static inline __attribute__((always_inline)) void tile_row(const uint8_t *tile, int fmt, int r, const Scales *s,
                                                            v16 *lo, v16 *hi) {
     if (fmt == QFMT_Q4) {
-        const v16i b = __builtin_convertvector(*(const v16b *)(tile + 64 + 16 * r), v16i);
-        *lo = __builtin_convertvector(b & 15, v16) * s->dlo + s->mlo;
-        *hi = __builtin_convertvector(b >> 4, v16) * s->dhi + s->mhi;
+        v16 qlo, qhi;
+        nibbles(tile + 64 + 16 * r, &qlo, &qhi);
+        *lo = qlo * s->dlo + s->mlo;
+        *hi = qhi * s->dhi + s->mhi;
     } else {
         const uint8_t *q = tile + 32 + 32 * r;
-        *lo = __builtin_convertvector(__builtin_convertvector(*(const v16sb *)q, v16i), v16) * s->dlo;
-        *hi = __builtin_convertvector(__builtin_convertvector(*(const v16sb *)(q + 16), v16i), v16) * s->dhi;
+        *lo = s8x16(q) * s->dlo;
+        *hi = s8x16(q + 16) * s->dhi;
     }
 }
 
@@ -241,4 +288,153 @@ int qrows_f32(float *out, const int64_t *ids, int T, const uint8_t *w, int N, in
         }
     }
     return 0;
+}
+
+/* ---- bfloat16 x quantized weights on AMX (Sapphire Rapids and later) ------------------------------------------
+ * For steps of many rows the matmul is bound by arithmetic, not by the weights' bytes: AMX multiplies 16 x 32
+ * bfloat16 tiles at many times the AVX-512 float32 rate. A tile of our layout is exactly an AMX B tile once
+ * each row is converted to bfloat16, so a column block is dequantized once into [G][16][32] bfloat16 (one B
+ * tile per group) and multiplied with every 16-row tile of x. The weights round to bfloat16 here, as they do
+ * in a dense bfloat16 model; this path serves only --dtype bfloat16. */
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+int qmm_amx_available(void) {
+    static int state = -1; /* asking twice is harmless, so no lock */
+    if (state < 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return state;
+}
+
+/* Tiles 0-3: float32 accumulators, 4-5: rows of x, 6-7: weights; all 16 rows of 64 bytes. A constant: GCC
+ * does not see that ldtilecfg reads its operand and drops stores to a local one. */
+static const TileConfig TILES = {1, 0, {0}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
+
+/* Configures the calling thread's tiles (per thread: call in each thread of a parallel region). */
+void qmm_amx_begin(void) { _tile_loadconfig(&TILES); }
+
+void qmm_amx_end(void) { _tile_release(); }
+
+static void dequant_bf16(const uint8_t *col, int fmt, int G, uint16_t *dst) {
+    const int tb = qtile_bytes(fmt);
+    for (int g = 0; g < G; g++) {
+        const uint8_t *tile = col + (int64_t)g * tb;
+        const Scales s = tile_scales(tile, fmt);
+        for (int r = 0; r < 16; r++) {
+            v16 lo, hi;
+            tile_row(tile, fmt, r, &s, &lo, &hi);
+            _mm512_storeu_si512(dst + ((int64_t)g * 16 + r) * 32, (__m512i)_mm512_cvtne2ps_pbh((__m512)hi, (__m512)lo));
+        }
+    }
+}
+
+static void store_tile(const QMatmulBf16 *a, int m0, int cb, float tile[16][16]) {
+    const int n_valid = a->N - 16 * cb < 16 ? a->N - 16 * cb : 16;
+    const __mmask16 mask = (__mmask16)((1u << n_valid) - 1);
+    const __m512 bias = a->bias ? _mm512_maskz_loadu_ps(mask, a->bias + 16 * cb) : _mm512_setzero_ps();
+    for (int i = 0; i < 16 && m0 + i < a->M; i++) {
+        float *o = a->out + (int64_t)(m0 + i) * a->ldo + 16 * cb;
+        __m512 v = _mm512_add_ps(_mm512_loadu_ps(tile[i]), bias);
+        if (a->accumulate) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, o));
+        _mm512_mask_storeu_ps(o, mask, v);
+    }
+}
+
+/* Column blocks 2p and 2p+1 for all rows; `bbuf` holds 2 * G * 512 bfloat16. Tiles must be configured. */
+void qmm_amx_pair(const QMatmulBf16 *a, int p, uint16_t *bbuf) {
+    const int NB = (a->N + 15) / 16, cb0 = 2 * p, has1 = cb0 + 1 < NB, G = a->G, tb = qtile_bytes(a->fmt);
+    dequant_bf16(a->w + (int64_t)cb0 * G * tb, a->fmt, G, bbuf);
+    if (has1) dequant_bf16(a->w + (int64_t)(cb0 + 1) * G * tb, a->fmt, G, bbuf + (int64_t)G * 512);
+    const int64_t stride = (int64_t)G * 64; /* bytes per row of x: K bfloat16 */
+    float tile[16][16];
+    for (int m0 = 0; m0 < a->M; m0 += 32) {
+        const int two = m0 + 16 < a->M;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int g = 0; g < G; g++) {
+            const uint16_t *xa = a->xb + (int64_t)m0 * G * 32 + 32 * g;
+            _tile_loadd(4, xa, stride);
+            _tile_loadd(6, bbuf + (int64_t)g * 512, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            if (two) {
+                _tile_loadd(5, xa + (int64_t)16 * G * 32, stride);
+                _tile_dpbf16ps(2, 5, 6);
+            }
+            if (has1) {
+                _tile_loadd(7, bbuf + (int64_t)(G + g) * 512, 64);
+                _tile_dpbf16ps(1, 4, 7);
+                if (two) _tile_dpbf16ps(3, 5, 7);
+            }
+        }
+        _tile_stored(0, tile, 64);
+        store_tile(a, m0, cb0, tile);
+        if (has1) {
+            _tile_stored(1, tile, 64);
+            store_tile(a, m0, cb0 + 1, tile);
+        }
+        if (two) {
+            _tile_stored(2, tile, 64);
+            store_tile(a, m0 + 16, cb0, tile);
+            if (has1) {
+                _tile_stored(3, tile, 64);
+                store_tile(a, m0 + 16, cb0 + 1, tile);
+            }
+        }
+    }
+}
+
+/* A row of x (float32, K a multiple of 32) as bfloat16, rounded to nearest even, into xb. */
+void qmm_amx_convert_row(uint16_t *xb, const float *x, int K) {
+    for (int k = 0; k < K; k += 32)
+        _mm512_storeu_si512(xb + k, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + k + 16), _mm512_loadu_ps(x + k)));
+}
+#else
+int qmm_amx_available(void) { return 0; }
+void qmm_amx_begin(void) {}
+void qmm_amx_end(void) {}
+void qmm_amx_pair(const QMatmulBf16 *a, int p, uint16_t *bbuf) { (void)a, (void)p, (void)bbuf; }
+void qmm_amx_convert_row(uint16_t *xb, const float *x, int K) { (void)xb, (void)x, (void)K; }
+#endif
+
+/* out[M, N] (+)= x[M, K] @ W^T on AMX with x rounded to bfloat16. Returns 0, -1 (out of memory), -2 (bad
+ * sizes) or -6 (no AMX here). */
+int qmm_amx(float *out, const float *x, const uint8_t *w, const float *bias, int M, int N, int K, int ldx, int ldo,
+            int fmt, int accumulate, int num_threads) {
+    if (M <= 0 || N <= 0 || K <= 0 || K % 32 != 0 || ldx < K || ldo < N || (fmt != QFMT_Q4 && fmt != QFMT_Q8))
+        return -2;
+    if (!qmm_amx_available()) return -6;
+    const int64_t m_pad = (M + 15) / 16 * 16; /* whole tiles of rows; the extra rows are zeros */
+    uint16_t *xb = calloc((size_t)m_pad * K, sizeof(uint16_t));
+    if (!xb) return -1;
+    for (int m = 0; m < M; m++) qmm_amx_convert_row(xb + (int64_t)m * K, x + (int64_t)m * ldx, K);
+    QMatmulBf16 a = {out, xb, w, bias, M, N, K / 32, ldo, fmt, accumulate};
+    const int pairs = ((N + 15) / 16 + 1) / 2;
+    if (num_threads > pairs) num_threads = pairs;
+    if (num_threads < 1) num_threads = 1;
+    int status = 0;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+    {
+        uint16_t *bbuf = malloc((size_t)2 * a.G * 512 * sizeof(uint16_t));
+        if (!bbuf) {
+#pragma omp atomic write
+            status = -1;
+        }
+        qmm_amx_begin();
+#pragma omp for schedule(static)
+        for (int p = 0; p < pairs; p++)
+            if (bbuf) qmm_amx_pair(&a, p, bbuf);
+        qmm_amx_end();
+        free(bbuf);
+    }
+    free(xb);
+    return status;
 }

@@ -14,7 +14,21 @@ typedef struct {
     int M, N, G, ldx, ldo, fmt, accumulate;
 } QMatmul;
 
+typedef struct { /* the same product with x as bfloat16 rows of K (padded to whole 16-row tiles) */
+    float *out;
+    const uint16_t *xb;
+    const uint8_t *w;
+    const float *bias;
+    int M, N, G, ldo, fmt, accumulate;
+} QMatmulBf16;
+
 int qtile_bytes(int fmt);
+/* AMX: 1 where this CPU and kernel allow it; begin/end configure and release the tiles of the calling thread. */
+int qmm_amx_available(void);
+void qmm_amx_begin(void);
+void qmm_amx_end(void);
+void qmm_amx_pair(const QMatmulBf16 *a, int p, uint16_t *bbuf);
+void qmm_amx_convert_row(uint16_t *xb, const float *x, int K);
 /* One block of 16 output columns for all M rows; `panel` (K * 16 floats, or NULL) serves many rows. */
 void qmm_column_block(const QMatmul *a, int cb, float *panel);
 #endif

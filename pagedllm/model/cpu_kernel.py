@@ -33,7 +33,7 @@ log = logging.getLogger("pagedllm.model")
 
 CSRC = Path(__file__).parent / "csrc"
 # (source, extra compile flags)
-SOURCES = [("paged_attention.c", ["-ffast-math"]), ("quant_matmul.c", []), ("decode_step.c", [])]
+SOURCES = [("paged_attention.c", ["-ffast-math"]), ("quant_matmul.c", []), ("model_step.c", [])]
 COMPILE = ["-O3", "-march=native", "-fno-math-errno", "-fPIC"]
 LINK = ["-shared"]
 OPENMP = ["-fopenmp"]  # without OpenMP the same source builds a single-threaded kernel
@@ -113,7 +113,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "qrows_f32": [p, p, i, p, i, i, i],
         "qmm_amx": [p] * 4 + [i] * 8,
         "qmm_amx_available": [],
-        "decode_step": [p, p, p, i],
+        "model_step": [p, p, p, i],
     }
     for name, args in signatures.items():
         fn = getattr(lib, name)

@@ -81,8 +81,9 @@ def merge(parts: list[QuantParts]) -> QuantParts | None:
                       m, "+".join(sorted({p.source for p in parts})))
 
 
-def from_gguf_blocks(raw: np.ndarray, ggml_type: int) -> QuantParts:
-    """raw: uint8 [N, K/32 * block bytes] as stored in the file -> QuantParts (no arithmetic on values)."""
+def from_gguf_blocks(raw: np.ndarray, ggml_type: int) -> QuantParts | None:
+    """raw: uint8 [N, K/32 * block bytes] as stored in the file -> QuantParts (no arithmetic on values); None
+    for a Q4_0 tensor whose -8 d would overflow float16 (it is then dequantized instead)."""
     name, nbytes = GGML_TYPES[ggml_type]
     n = raw.shape[0]
     b = np.ascontiguousarray(raw).reshape(n, -1, nbytes)
@@ -94,8 +95,10 @@ def from_gguf_blocks(raw: np.ndarray, ggml_type: int) -> QuantParts:
     codes = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(n, -1)
     if name == "q4_1":
         m = b[..., 2:4].copy().view(np.float16)[..., 0]
-    else:  # Q4_0: w = d * (q - 8) = d * q + (-8 d), and -8 d is exact in float16
+    else:  # Q4_0: w = d * (q - 8) = d * q + (-8 d), and -8 d is exact in float16 unless it overflows
         m = (d.astype(np.float32) * -8).astype(np.float16)
+        if not np.isfinite(m).all():
+            return None
     return QuantParts("q4", codes, d, m, name.upper())
 
 

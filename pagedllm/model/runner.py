@@ -13,7 +13,7 @@ import torch
 
 from pagedllm.model.attention import build_metadata
 from pagedllm.model.config import ModelConfig
-from pagedllm.model.decode_step import FusedDecoder, fusable
+from pagedllm.model.fused_step import FusedStep, fusable
 from pagedllm.model.loader import LoadedModel
 
 
@@ -41,8 +41,8 @@ class ModelRunner:
     """Allocates [num_blocks, block_size, kv_heads, head_dim] K and V tensors per layer; `execute` runs a step."""
 
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int,
-                 kv_dtype: torch.dtype | None = None, fused_decode: bool = True) -> None:
-        """`fused_decode`: run decode-only steps of a quantized model as one C call (decode_step.py) when it can."""
+                 kv_dtype: torch.dtype | None = None, fused: bool = True) -> None:
+        """`fused`: run the steps of a quantized model as one C call each (fused_step.py) where it can."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         self.loaded = loaded
@@ -60,8 +60,8 @@ class ModelRunner:
              torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
             for _ in range(cfg.num_layers)
         ]
-        self.fused = (FusedDecoder(self.model, self.kv_caches, block_size)
-                      if fused_decode and fusable(self.model, self.kv_caches) else None)
+        self.fused = FusedStep(self.model, self.kv_caches, block_size) if fused and fusable(self.model,
+                                                                                           self.kv_caches) else None
 
     @property
     def bytes_per_block(self) -> int:
@@ -76,6 +76,9 @@ class ModelRunner:
         lens = [len(c.token_ids) for c in chunks]
         if any(n == 0 for n in lens):
             raise ValueError("every SeqChunk needs at least one new token")
+        if self.fused is not None:
+            return self.fused.run([c.token_ids for c in chunks], [c.start_pos for c in chunks],
+                                  [c.block_table for c in chunks], all_positions)
         ids: list[int] = []
         for c in chunks:
             ids.extend(c.token_ids)
@@ -96,9 +99,6 @@ class ModelRunner:
         """float32 logits [len(chunks), vocab] for the last new token of each chunk; writes K/V of all of them."""
         if not chunks:
             return torch.empty(0, self.config.vocab_size, dtype=torch.float32, device=self.device)
-        if self.fused is not None and all(len(c.token_ids) == 1 for c in chunks):
-            return self.fused.run([c.token_ids[0] for c in chunks], [c.start_pos for c in chunks],
-                                  [c.block_table for c in chunks])
         return self._forward(chunks, all_positions=False)
 
     def execute_all(self, chunks: list[SeqChunk]) -> list[torch.Tensor]:

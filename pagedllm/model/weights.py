@@ -106,8 +106,9 @@ def iter_gguf(gf: "object", cfg: ModelConfig, keep_quantized: bool = False) -> I
             continue
         heads = cfg.num_heads if ".q_proj." in hf else cfg.num_kv_heads
         unpermute = permuted and (".q_proj." in hf or ".k_proj." in hf)
-        if keep_quantized and info.ggml_type in GGML_TYPES and len(info.shape) == 2:
-            parts = from_gguf_blocks(gf.load_raw(name), info.ggml_type)  # type: ignore[attr-defined]
+        parts = (from_gguf_blocks(gf.load_raw(name), info.ggml_type)  # type: ignore[attr-defined]
+                 if keep_quantized and info.ggml_type in GGML_TYPES and len(info.shape) == 2 else None)
+        if parts is not None:
             yield hf, parts.rows(unpermute_gguf(np.arange(info.shape[0]), heads)) if unpermute else parts
             continue
         arr = gf.load_array(name)  # type: ignore[attr-defined]

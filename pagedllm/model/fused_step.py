@@ -1,9 +1,12 @@
-"""A decode step of a quantized model as one C call (csrc/decode_step.c) instead of ~1,200 torch ops.
+"""A step of a quantized model as one C call (csrc/model_step.c) instead of ~1,200 torch ops.
 
-Used by `ModelRunner` for steps where every sequence brings one new token, when every matmul weight, the
-embedding table and the LM head are kept quantized (`--quantization gguf|int8|int4`) and the kernels are built.
-The structures below mirror the C ones field by field; they are filled once per runner (weights, caches) and
-the per-step part (tokens, positions, block tables) is a few small int64 arrays.
+Used by `ModelRunner` for every step (decode tokens and prefill chunks alike) when every matmul weight, the
+embedding table and the LM head are kept quantized (`--quantization gguf|int8|int4`) and the kernels are
+built. The structures below mirror the C ones field by field; they are filled once per runner (weights,
+caches), and what changes per step is a few int64 arrays built with numpy.
+
+With --dtype bfloat16 on a CPU with AMX, matmuls of AMX_MIN_ROWS rows or more run on AMX with their inputs
+rounded to bfloat16 (see quant.py); everything else computes in float32.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import torch
 
 from pagedllm.model import cpu_kernel
 from pagedllm.model.llama import LlamaForCausalLM
-from pagedllm.model.quant import FORMATS
+from pagedllm.model.quant import AMX_MIN_ROWS, FORMATS, amx_available
 
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 
@@ -28,18 +31,18 @@ class _Layer(ctypes.Structure):
 
 class _Model(ctypes.Structure):
     _fields_ = [("hidden", _I), ("inter", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I), ("layers", _I),
-                ("vocab", _I), ("block_size", _I), ("cache_bf16", _I), ("num_blocks", _I64),
+                ("vocab", _I), ("block_size", _I), ("cache_bf16", _I), ("amx_min_rows", _I), ("num_blocks", _I64),
                 ("max_positions", _I64), ("eps", _F), ("scale", _F), ("final_norm", _P), ("embed", _P),
                 ("lm_head", _P), ("embed_fmt", _I), ("lm_head_fmt", _I), ("cos", _P), ("sin", _P)]
 
 
 class _Batch(ctypes.Structure):
-    _fields_ = [("tokens", _P), ("positions", _P), ("slots", _P), ("block_tables", _P), ("context_lens", _P),
-                ("T", _I), ("max_blocks", _I), ("logits", _P)]
+    _fields_ = [("tokens", _P), ("positions", _P), ("seq", _P), ("slots", _P), ("block_tables", _P),
+                ("logit_rows", _P), ("T", _I), ("S", _I), ("max_blocks", _I), ("R", _I), ("logits", _P)]
 
 
 ERRORS = {-1: "out of memory", -2: "bad sizes", -3: "a context length outside the block table",
-          -4: "a block id outside the cache", -5: "a token id, position or cache slot out of range"}
+          -4: "a block id outside the cache", -5: "a token id, position, slot or row out of range"}
 _LAYER_WEIGHTS = (("qkv", "qkv_weight", False), ("o", "o_weight", False), ("gate_up", "gate_up_weight", True),
                   ("down", "down_weight", True))
 
@@ -51,13 +54,12 @@ def fusable(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.T
     if any(kc.device.type != "cpu" or kc.dtype not in (torch.float32, torch.bfloat16) or not kc.is_contiguous()
            for kc, _ in kv_caches):
         return False
-    cfg = model.config
-    return cfg.head_dim % 2 == 0 and all(
+    return model.config.head_dim % 2 == 0 and all(
         name in (layer.mlp if mlp else layer).quant for layer in model.layers for _, name, mlp in _LAYER_WEIGHTS)
 
 
-class FusedDecoder:
-    """Runs decode-only steps of one model over one set of KV caches."""
+class FusedStep:
+    """Runs steps of one model over one set of KV caches."""
 
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  block_size: int) -> None:
@@ -87,11 +89,12 @@ class FusedDecoder:
     def _model(self, k_cache: torch.Tensor) -> _Model:
         m, cfg = self.model, self.model.config
         embed, head = m.quant["embed_tokens"], m.lm_head_quant
+        amx = AMX_MIN_ROWS if m.embed_tokens.dtype == torch.bfloat16 and amx_available() else 0
         return _Model(hidden=cfg.hidden_size, inter=cfg.intermediate_size, heads=cfg.num_heads,
                       kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, layers=cfg.num_layers, vocab=cfg.vocab_size,
                       block_size=self.block_size, cache_bf16=int(k_cache.dtype == torch.bfloat16),
-                      num_blocks=k_cache.shape[0], eps=cfg.rms_norm_eps, scale=cfg.head_dim ** -0.5,
-                      final_norm=self._f32(m.norm.weight), embed=embed.tiles.data_ptr(),
+                      amx_min_rows=amx, num_blocks=k_cache.shape[0], eps=cfg.rms_norm_eps,
+                      scale=cfg.head_dim ** -0.5, final_norm=self._f32(m.norm.weight), embed=embed.tiles.data_ptr(),
                       lm_head=head.tiles.data_ptr(), embed_fmt=FORMATS[embed.fmt], lm_head_fmt=FORMATS[head.fmt])
 
     def _rotary(self, max_pos: int) -> None:
@@ -102,23 +105,36 @@ class FusedDecoder:
         self.dims.cos, self.dims.sin = rot.cos_cache.data_ptr(), rot.sin_cache.data_ptr()
         self.dims.max_positions = rot.cos_cache.shape[0]
 
-    def run(self, tokens: list[int], positions: list[int], block_tables: list[list[int]]) -> torch.Tensor:
-        """float32 logits [T, vocab] for T sequences, sequence i adding `tokens[i]` at `positions[i]`."""
-        T, bs = len(tokens), self.block_size
-        pos = np.array(positions, dtype=np.int64)
-        need = pos // bs + 1
-        tables = np.zeros((T, int(need.max())), dtype=np.int64)
+    def run(self, token_ids: list[list[int]], starts: list[int], block_tables: list[list[int]],
+            all_positions: bool) -> torch.Tensor:
+        """float32 logits of sequence i adding `token_ids[i]` after `starts[i]` cached tokens: the last row of
+        each sequence ([S, vocab]), or every row ([T, vocab]) with `all_positions`."""
+        S, bs = len(token_ids), self.block_size
+        lens = np.array([len(t) for t in token_ids], dtype=np.int64)
+        T = int(lens.sum())
+        seq = np.repeat(np.arange(S, dtype=np.int64), lens)
+        first = np.cumsum(lens) - lens
+        pos = np.array(starts, dtype=np.int64)[seq] + np.arange(T, dtype=np.int64) - first[seq]
+        tables = self._tables(block_tables, np.array(starts, dtype=np.int64) + lens, bs)
+        slots = tables[seq, pos // bs] * bs + pos % bs
+        toks = np.fromiter((t for ids in token_ids for t in ids), dtype=np.int64, count=T)
+        rows = np.arange(T, dtype=np.int64) if all_positions else first + lens - 1
+        logits = torch.empty(len(rows), self.model.config.vocab_size, dtype=torch.float32)
+        self._rotary(int(pos.max()))
+        batch = _Batch(toks.ctypes.data, pos.ctypes.data, seq.ctypes.data, slots.ctypes.data, tables.ctypes.data,
+                       rows.ctypes.data, T, S, tables.shape[1], len(rows), logits.data_ptr())
+        rc = self.lib.model_step(ctypes.byref(self.dims), self.layers, ctypes.byref(batch), torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"model_step failed: {ERRORS.get(rc, rc)}")
+        return logits
+
+    @staticmethod
+    def _tables(block_tables: list[list[int]], ends: np.ndarray, bs: int) -> np.ndarray:
+        """[S, most blocks needed] int64: row i the blocks sequence i needs to hold `ends[i]` tokens."""
+        need = (ends + bs - 1) // bs
+        out = np.zeros((len(block_tables), int(need.max())), dtype=np.int64)
         for i, (table, n) in enumerate(zip(block_tables, need.tolist())):
             if len(table) < n:
-                raise ValueError(f"block table of {len(table)} blocks cannot hold {positions[i] + 1} tokens")
-            tables[i, :n] = table[:n]
-        slots = tables[np.arange(T), pos // bs] * bs + pos % bs
-        toks, ctx = np.array(tokens, dtype=np.int64), pos + 1
-        logits = torch.empty(T, self.model.config.vocab_size, dtype=torch.float32)
-        self._rotary(int(pos.max()))
-        batch = _Batch(toks.ctypes.data, pos.ctypes.data, slots.ctypes.data, tables.ctypes.data, ctx.ctypes.data,
-                       T, tables.shape[1], logits.data_ptr())
-        rc = self.lib.decode_step(ctypes.byref(self.dims), self.layers, ctypes.byref(batch), torch.get_num_threads())
-        if rc != 0:
-            raise RuntimeError(f"decode_step failed: {ERRORS.get(rc, rc)}")
-        return logits
+                raise ValueError(f"block table of {len(table)} blocks cannot hold {int(ends[i])} tokens")
+            out[i, :n] = table[:n]
+        return out

@@ -1,0 +1,252 @@
+/*
+ * One whole step of a quantized Llama-family model in one call: embedding lookup, every layer (RMSNorm, QKV,
+ * RoPE, KV-cache write, paged attention, output projection, RMSNorm, gated MLP, residual adds), the final norm
+ * and the LM head for the rows asked for. Any mix of decode tokens and prefill chunks.
+ *
+ * Why: with the weights quantized, the matmuls of a one-sequence decode step take a few milliseconds, and the
+ * ~40 torch ops and Python lines around them in each of 30 layers cost more than that (dispatch, allocation,
+ * casts). Here the step is one parallel region: the threads split each matmul by column blocks and attention
+ * by (token, KV head), and meet at a barrier between phases; no tensor is allocated per op.
+ *
+ * Attention treats every token as a query of its own over its sequence's cache up to its own position (all of
+ * the step's K/V are written first), so a prefill chunk is causal attention and a decode token the usual
+ * decode attention, through the same code. Every token is therefore computed the same way whatever else is in
+ * the step and however its prompt was chunked: with the float32 kernels a sequence's result does not depend on
+ * the batch, bit for bit. Activations are float32; the KV cache float32 or bfloat16. With `amx_min_rows` > 0
+ * (--dtype bfloat16 on an AMX CPU) matmuls of at least that many rows round their inputs to bfloat16 and run
+ * on AMX: faster for many rows, and then the batch does change a sequence's numbers.
+ *
+ * Numerics follow transformers' float32 path (RMSNorm as x * rsqrt(mean(x^2) + eps) * w, rotate-half RoPE
+ * from the same float32 cos/sin tables, silu(g) * u); matmuls sum in the kernels' fixed order.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "paged_attention.h"
+#include "quant_matmul.h"
+
+typedef struct {
+    const float *attn_norm, *ffn_norm; /* [hidden] float32 */
+    const uint8_t *qkv, *o, *gate_up, *down;
+    int qkv_fmt, o_fmt, gate_up_fmt, down_fmt;
+    const float *qkv_bias; /* [(heads + 2 kv_heads) * head_dim] or NULL */
+    void *k_cache, *v_cache;
+} StepLayer;
+
+typedef struct {
+    int hidden, inter, heads, kv_heads, head_dim, layers, vocab, block_size, cache_bf16, amx_min_rows;
+    int64_t num_blocks, max_positions;
+    float eps, scale;
+    const float *final_norm;
+    const uint8_t *embed, *lm_head;
+    int embed_fmt, lm_head_fmt;
+    const float *cos, *sin; /* [max_positions, head_dim] */
+} StepModel;
+
+typedef struct {
+    const int64_t *tokens, *positions, *seq, *slots; /* [T]: id, position, sequence index, cache slot */
+    const int64_t *block_tables;                      /* [S, max_blocks] */
+    const int64_t *logit_rows;                        /* [R] rows whose logits are wanted */
+    int T, S, max_blocks, R;
+    float *logits; /* [R, vocab] */
+} StepBatch;
+
+typedef struct { /* the step's activations (float32, T rows) and scratch */
+    float *h, *x, *qkv, *attn, *gu, *act;
+    int64_t *ctx; /* [T] tokens each query attends to */
+    uint16_t *xb;  /* x as bfloat16 for AMX: [T padded to 16, widest K] */
+    int amx_rows; /* matmuls of at least this many rows run on AMX; 0: none */
+} Buffers;
+
+typedef struct { /* per thread */
+    float *panel, *scores, *block;
+    uint16_t *bbuf;
+} Scratch;
+
+int qrows_f32(float *out, const int64_t *ids, int T, const uint8_t *w, int N, int K, int fmt);
+
+static void rmsnorm(float *out, const float *h, const float *w, int n, float eps) {
+    float ss = 0.0f;
+    for (int i = 0; i < n; i++) ss += h[i] * h[i];
+    const float r = 1.0f / sqrtf(ss / (float)n + eps);
+    for (int i = 0; i < n; i++) out[i] = w[i] * (h[i] * r);
+}
+
+/* Rotate-half RoPE of one head in place: x * cos + cat(-x2, x1) * sin. */
+static void rope(float *x, const float *cos, const float *sin, int D) {
+    const int half = D / 2;
+    for (int i = 0; i < half; i++) {
+        const float a = x[i], b = x[i + half];
+        x[i] = a * cos[i] + (-b) * sin[i];
+        x[i + half] = b * cos[i + half] + a * sin[i + half];
+    }
+}
+
+static void store_row(void *cache, int64_t offset, const float *src, int n, int bf16) {
+    if (!bf16) {
+        memcpy((float *)cache + offset, src, (size_t)n * sizeof(float));
+        return;
+    }
+    uint16_t *dst = (uint16_t *)cache + offset;
+    for (int i = 0; i < n; i++) { /* round to nearest even, as torch's .to(bfloat16); NaN stays NaN */
+        uint32_t u;
+        memcpy(&u, src + i, 4);
+        dst[i] = (u & 0x7fffffff) > 0x7f800000 ? (uint16_t)((u >> 16) | 64)
+                                               : (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+    }
+}
+
+/* out[T, N] (+)= x[T, K] @ W^T, split over the threads by column blocks (call from inside the region). */
+static void matmul(float *out, const float *x, const uint8_t *w, int fmt, const float *bias, int T, int N, int K,
+                   int accumulate, const Buffers *buf, const Scratch *sc) {
+    const int NB = (N + 15) / 16;
+    if (buf->amx_rows && T >= buf->amx_rows) {
+#pragma omp for schedule(static)
+        for (int t = 0; t < T; t++) qmm_amx_convert_row(buf->xb + (int64_t)t * K, x + (int64_t)t * K, K);
+        const QMatmulBf16 a = {out, buf->xb, w, bias, T, N, K / 32, N, fmt, accumulate};
+#pragma omp for schedule(static)
+        for (int p = 0; p < (NB + 1) / 2; p++) qmm_amx_pair(&a, p, sc->bbuf);
+        return;
+    }
+    const QMatmul a = {out, x, w, bias, T, N, K / 32, K, N, fmt, accumulate};
+#pragma omp for schedule(static)
+    for (int cb = 0; cb < NB; cb++) qmm_column_block(&a, cb, sc->panel);
+}
+
+/* Normalize rows rows[0..n) of h (every row when rows is NULL) into x, row i to x row i. */
+static void norm_rows(float *x, const float *h, const float *w, const int64_t *rows, int n, int E, float eps) {
+#pragma omp for schedule(static)
+    for (int i = 0; i < n; i++) rmsnorm(x + (int64_t)i * E, h + (rows ? rows[i] : i) * E, w, E, eps);
+}
+
+/* RoPE on q and k, then k and v into the cache at each token's slot. */
+static void rope_and_store(const StepModel *m, const StepLayer *L, const StepBatch *b, float *qkv) {
+    const int D = m->head_dim, H = m->heads, KVH = m->kv_heads, width = (H + 2 * KVH) * D;
+#pragma omp for schedule(static)
+    for (int t = 0; t < b->T; t++) {
+        float *row = qkv + (int64_t)t * width;
+        const float *cos = m->cos + b->positions[t] * D, *sin = m->sin + b->positions[t] * D;
+        for (int h = 0; h < H + KVH; h++) rope(row + h * D, cos, sin, D);
+        const int64_t at = b->slots[t] * KVH * D;
+        store_row(L->k_cache, at, row + H * D, KVH * D, m->cache_bf16);
+        store_row(L->v_cache, at, row + (H + KVH) * D, KVH * D, m->cache_bf16);
+    }
+}
+
+/* Each (token, KV head): its query heads over the sequence's cache up to the token's own position. */
+static void attention(const StepModel *m, const StepLayer *L, const StepBatch *b, const Buffers *buf,
+                      const Scratch *sc) {
+    const int H = m->heads, KVH = m->kv_heads, D = m->head_dim, G = H / KVH, width = (H + 2 * KVH) * D;
+#pragma omp for schedule(dynamic, 1)
+    for (int i = 0; i < b->T * KVH; i++) {
+        const int t = i / KVH, kvh = i % KVH;
+        Args a = {buf->attn + (int64_t)t * H * D, buf->qkv + (int64_t)t * width, L->k_cache, L->v_cache,
+                  b->block_tables + b->seq[t] * b->max_blocks, buf->ctx + t, H, KVH, D, m->block_size,
+                  b->max_blocks, m->cache_bf16, m->scale, 0};
+        paged_attention_heads(&a, 0, kvh * G, kvh * G + G, sc->scores, sc->block);
+    }
+}
+
+static void mlp_act(const StepModel *m, const Buffers *buf, int T) {
+    const int I = m->inter;
+#pragma omp for schedule(static)
+    for (int i = 0; i < T * I; i++) {
+        const float g = buf->gu[(int64_t)(i / I) * 2 * I + i % I], u = buf->gu[(int64_t)(i / I) * 2 * I + I + i % I];
+        buf->act[i] = g / (1.0f + expf(-g)) * u;
+    }
+}
+
+static void layer(const StepModel *m, const StepLayer *L, const StepBatch *b, const Buffers *buf,
+                  const Scratch *sc) {
+    const int T = b->T, E = m->hidden, HD = m->heads * m->head_dim, QKV = (m->heads + 2 * m->kv_heads) * m->head_dim;
+    norm_rows(buf->x, buf->h, L->attn_norm, NULL, T, E, m->eps);
+    matmul(buf->qkv, buf->x, L->qkv, L->qkv_fmt, L->qkv_bias, T, QKV, E, 0, buf, sc);
+    rope_and_store(m, L, b, buf->qkv);
+    attention(m, L, b, buf, sc);
+    matmul(buf->h, buf->attn, L->o, L->o_fmt, NULL, T, E, HD, 1, buf, sc);
+    norm_rows(buf->x, buf->h, L->ffn_norm, NULL, T, E, m->eps);
+    matmul(buf->gu, buf->x, L->gate_up, L->gate_up_fmt, NULL, T, 2 * m->inter, E, 0, buf, sc);
+    mlp_act(m, buf, T);
+    matmul(buf->h, buf->act, L->down, L->down_fmt, NULL, T, E, m->inter, 1, buf, sc);
+}
+
+/* Every index the step will follow is checked first: 0, or -2 bad sizes, -3 a context longer than its block
+ * table, -4 a block id outside the cache, -5 a token id, position, sequence, slot or logit row out of range. */
+static int check(const StepModel *m, const StepBatch *b, int64_t *ctx, int64_t *max_ctx) {
+    if (b->T <= 0 || b->R < 0 || m->heads % m->kv_heads || m->head_dim % 2 || m->hidden % 32 || m->inter % 32)
+        return -2;
+    *max_ctx = 0;
+    for (int t = 0; t < b->T; t++) {
+        const int64_t p = b->positions[t], s = b->seq[t];
+        if (b->tokens[t] < 0 || b->tokens[t] >= m->vocab || p < 0 || p >= m->max_positions || s < 0 || s >= b->S ||
+            b->slots[t] < 0 || b->slots[t] >= m->num_blocks * m->block_size)
+            return -5;
+        ctx[t] = p + 1;
+        if (ctx[t] > (int64_t)b->max_blocks * m->block_size) return -3;
+        if (ctx[t] > *max_ctx) *max_ctx = ctx[t];
+        for (int64_t k = 0; k < (ctx[t] + m->block_size - 1) / m->block_size; k++) {
+            const int64_t id = b->block_tables[s * b->max_blocks + k];
+            if (id < 0 || id >= m->num_blocks) return -4;
+        }
+    }
+    for (int r = 0; r < b->R; r++)
+        if (b->logit_rows[r] < 0 || b->logit_rows[r] >= b->T) return -5;
+    return 0;
+}
+
+static int run(const StepModel *m, const StepLayer *layers, const StepBatch *b, Buffers *buf, int64_t max_ctx,
+               int num_threads) {
+    const int E = m->hidden, HD = m->heads * m->head_dim;
+    int K = E > m->inter ? E : m->inter, status = 0;
+    K = K > HD ? K : HD;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+    {
+        Scratch sc = {malloc((size_t)K * 16 * sizeof(float)), malloc((size_t)max_ctx * m->heads * sizeof(float)),
+                      malloc((size_t)m->block_size * m->kv_heads * m->head_dim * sizeof(float)),
+                      buf->amx_rows ? malloc((size_t)2 * (K / 32) * 512 * sizeof(uint16_t)) : NULL};
+        if (!sc.panel || !sc.scores || !sc.block || (buf->amx_rows && !sc.bbuf)) {
+#pragma omp atomic write
+            status = -1;
+        }
+#pragma omp barrier
+        if (status == 0) {
+            if (buf->amx_rows) qmm_amx_begin();
+            for (int l = 0; l < m->layers; l++) layer(m, &layers[l], b, buf, &sc);
+            if (b->R > 0) {
+                norm_rows(buf->x, buf->h, m->final_norm, b->logit_rows, b->R, E, m->eps);
+                matmul(b->logits, buf->x, m->lm_head, m->lm_head_fmt, NULL, b->R, m->vocab, E, 0, buf, &sc);
+            }
+            if (buf->amx_rows) qmm_amx_end();
+        }
+        free(sc.panel);
+        free(sc.scores);
+        free(sc.block);
+        free(sc.bbuf);
+    }
+    return status;
+}
+
+int model_step(const StepModel *m, const StepLayer *layers, const StepBatch *b, int num_threads) {
+    const int T = b->T, E = m->hidden, I = m->inter, HD = m->heads * m->head_dim;
+    const int QKV = (m->heads + 2 * m->kv_heads) * m->head_dim, K = E > I ? (E > HD ? E : HD) : (I > HD ? I : HD);
+    const int amx = m->amx_min_rows > 0 && T >= m->amx_min_rows && qmm_amx_available() ? m->amx_min_rows : 0;
+    const int64_t per_row = 2 * (int64_t)E + QKV + HD + 3 * (int64_t)I;
+    float *mem = malloc((size_t)T * per_row * sizeof(float));
+    int64_t *ctx = malloc((size_t)T * sizeof(int64_t));
+    uint16_t *xb = amx ? calloc((size_t)(T + 15) / 16 * 16 * K, sizeof(uint16_t)) : NULL;
+    int64_t max_ctx = 0;
+    int status = (!mem || !ctx || (amx && !xb)) ? -1 : check(m, b, ctx, &max_ctx);
+    if (status == 0) {
+        Buffers buf = {mem, mem + (int64_t)T * E, mem + 2 * (int64_t)T * E, mem + (int64_t)T * (2 * E + QKV),
+                       mem + (int64_t)T * (2 * E + QKV + HD), mem + (int64_t)T * (2 * E + QKV + HD + 2 * I), ctx,
+                       xb, amx};
+        status = qrows_f32(buf.h, b->tokens, T, m->embed, m->vocab, E, m->embed_fmt);
+        if (status == 0) status = run(m, layers, b, &buf, max_ctx, num_threads < 1 ? 1 : num_threads);
+    }
+    free(mem);
+    free(ctx);
+    free(xb);
+    return status;
+}

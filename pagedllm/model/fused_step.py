@@ -38,7 +38,11 @@ class _Model(ctypes.Structure):
 
 class _Batch(ctypes.Structure):
     _fields_ = [("tokens", _P), ("positions", _P), ("seq", _P), ("slots", _P), ("block_tables", _P),
-                ("logit_rows", _P), ("T", _I), ("S", _I), ("max_blocks", _I), ("R", _I), ("logits", _P)]
+                ("logit_rows", _P), ("T", _I), ("S", _I), ("max_blocks", _I), ("R", _I), ("logits", _P),
+                ("profile", _P)]
+
+
+PHASES = ("norm", "qkv", "rope+kv write", "attention", "o", "gate_up", "act", "down", "lm_head")
 
 
 ERRORS = {-1: "out of memory", -2: "bad sizes", -3: "a context length outside the block table",
@@ -69,6 +73,7 @@ class FusedStep:
         self.layers = (_Layer * len(model.layers))(*[self._layer(layer, kc, vc)
                                                      for layer, (kc, vc) in zip(model.layers, kv_caches)])
         self.dims = self._model(kv_caches[0][0])
+        self.profile: np.ndarray | None = None  # float64 [len(PHASES)]: seconds per phase, summed, when set
 
     def _f32(self, t: torch.Tensor | None) -> int | None:
         if t is None:
@@ -122,7 +127,8 @@ class FusedStep:
         logits = torch.empty(len(rows), self.model.config.vocab_size, dtype=torch.float32)
         self._rotary(int(pos.max()))
         batch = _Batch(toks.ctypes.data, pos.ctypes.data, seq.ctypes.data, slots.ctypes.data, tables.ctypes.data,
-                       rows.ctypes.data, T, S, tables.shape[1], len(rows), logits.data_ptr())
+                       rows.ctypes.data, T, S, tables.shape[1], len(rows), logits.data_ptr(),
+                       None if self.profile is None else self.profile.ctypes.data)
         rc = self.lib.model_step(ctypes.byref(self.dims), self.layers, ctypes.byref(batch), torch.get_num_threads())
         if rc != 0:
             raise RuntimeError(f"model_step failed: {ERRORS.get(rc, rc)}")

@@ -23,6 +23,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "paged_attention.h"
 #include "quant_matmul.h"
@@ -51,7 +52,10 @@ typedef struct {
     const int64_t *logit_rows;                        /* [R] rows whose logits are wanted */
     int T, S, max_blocks, R;
     float *logits; /* [R, vocab] */
+    double *profile; /* NULL, or [N_PHASES] seconds added per phase (benchmarks/step_profile.py) */
 } StepBatch;
+
+enum { P_NORM, P_QKV, P_ROPE, P_ATTN, P_O, P_GATE_UP, P_ACT, P_DOWN, P_LM_HEAD, N_PHASES };
 
 typedef struct { /* the step's activations (float32, T rows) and scratch */
     float *h, *x, *qkv, *attn, *gu, *act;
@@ -66,6 +70,28 @@ typedef struct { /* per thread */
 } Scratch;
 
 int qrows_f32(float *out, const int64_t *ids, int T, const uint8_t *w, int N, int K, int fmt);
+
+#ifdef _OPENMP
+#include <omp.h>
+static int omp_thread(void) { return omp_get_thread_num(); }
+#else
+static int omp_thread(void) { return 0; }
+#endif
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Adds the time since *t to phase `p` and restarts *t. Every phase ends at a barrier, so the first thread's
+ * clock is the step's; the others leave `t` NULL. */
+static void mark(const StepBatch *b, double *t, int p) {
+    if (!t) return;
+    const double n = now();
+    b->profile[p] += n - *t;
+    *t = n;
+}
 
 static void rmsnorm(float *out, const float *h, const float *w, int n, float eps) {
     float ss = 0.0f;
@@ -159,17 +185,26 @@ static void mlp_act(const StepModel *m, const Buffers *buf, int T) {
 }
 
 static void layer(const StepModel *m, const StepLayer *L, const StepBatch *b, const Buffers *buf,
-                  const Scratch *sc) {
+                  const Scratch *sc, double *t) {
     const int T = b->T, E = m->hidden, HD = m->heads * m->head_dim, QKV = (m->heads + 2 * m->kv_heads) * m->head_dim;
     norm_rows(buf->x, buf->h, L->attn_norm, NULL, T, E, m->eps);
+    mark(b, t, P_NORM);
     matmul(buf->qkv, buf->x, L->qkv, L->qkv_fmt, L->qkv_bias, T, QKV, E, 0, buf, sc);
+    mark(b, t, P_QKV);
     rope_and_store(m, L, b, buf->qkv);
+    mark(b, t, P_ROPE);
     attention(m, L, b, buf, sc);
+    mark(b, t, P_ATTN);
     matmul(buf->h, buf->attn, L->o, L->o_fmt, NULL, T, E, HD, 1, buf, sc);
+    mark(b, t, P_O);
     norm_rows(buf->x, buf->h, L->ffn_norm, NULL, T, E, m->eps);
+    mark(b, t, P_NORM);
     matmul(buf->gu, buf->x, L->gate_up, L->gate_up_fmt, NULL, T, 2 * m->inter, E, 0, buf, sc);
+    mark(b, t, P_GATE_UP);
     mlp_act(m, buf, T);
+    mark(b, t, P_ACT);
     matmul(buf->h, buf->act, L->down, L->down_fmt, NULL, T, E, m->inter, 1, buf, sc);
+    mark(b, t, P_DOWN);
 }
 
 /* Every index the step will follow is checked first: 0, or -2 bad sizes, -3 a context longer than its block
@@ -212,11 +247,14 @@ static int run(const StepModel *m, const StepLayer *layers, const StepBatch *b, 
         }
 #pragma omp barrier
         if (status == 0) {
+            double start = now(), *t = b->profile && omp_thread() == 0 ? &start : NULL;
             if (buf->amx_rows) qmm_amx_begin();
-            for (int l = 0; l < m->layers; l++) layer(m, &layers[l], b, buf, &sc);
+            for (int l = 0; l < m->layers; l++) layer(m, &layers[l], b, buf, &sc, t);
             if (b->R > 0) {
                 norm_rows(buf->x, buf->h, m->final_norm, b->logit_rows, b->R, E, m->eps);
+                mark(b, t, P_NORM);
                 matmul(b->logits, buf->x, m->lm_head, m->lm_head_fmt, NULL, b->R, m->vocab, E, 0, buf, &sc);
+                mark(b, t, P_LM_HEAD);
             }
             if (buf->amx_rows) qmm_amx_end();
         }

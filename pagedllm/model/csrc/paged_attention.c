@@ -28,12 +28,15 @@
 
 typedef uint32_t u32_alias __attribute__((may_alias)); /* float bits, written as integers */
 
-/* A block's rows as float32: in place for a float32 cache, widened into `buf` for bfloat16. */
-static inline const float *load_block(float *buf, const void *cache, int64_t offset, int64_t n, int bf16) {
+/* A block's n rows (of W floats) as float32: in place for a float32 cache; for bfloat16, columns [c0, c1) of
+ * each row (the KV heads the caller reads) widened into `buf`, at the same place as in the cache. */
+static inline const float *load_block(float *buf, const void *cache, int64_t offset, int n, int64_t W, int c0,
+                                      int c1, int bf16) {
     if (!bf16) return (const float *)cache + offset;
     const uint16_t *src = (const uint16_t *)cache + offset;
     u32_alias *dst = (u32_alias *)buf;
-    for (int64_t j = 0; j < n; j++) dst[j] = ((uint32_t)src[j]) << 16;
+    for (int t = 0; t < n; t++)
+        for (int64_t j = t * W + c0; j < t * W + c1; j++) dst[j] = ((uint32_t)src[j]) << 16;
     return buf;
 }
 
@@ -146,7 +149,8 @@ static inline __attribute__((always_inline)) void one_seq_impl(const Args *a, in
             const int64_t first = b * bs;
             const int n = (int)(ctx - first < bs ? ctx - first : bs);
             if (b + 1 < nblocks) prefetch(cache, table[b + 1] * bs * W, (int64_t)bs * W, elem);
-            const float *rows = load_block(buf, cache, table[b] * bs * W, n * W, bf16);
+            const float *rows = load_block(buf, cache, table[b] * bs * W, n, W, (h0 / G) * D, ((h1 - 1) / G + 1) * D,
+                                           bf16);
             for (int h = h0; h < h1; h++) {
                 const float *r = rows + (h / G) * D;
                 float *sc = scores + h * ctx + first;

@@ -130,7 +130,7 @@ static void matmul(float *out, const float *x, const uint8_t *w, int fmt, const 
     const int NB = (N + 15) / 16;
     if (buf->amx_rows && T >= buf->amx_rows) {
 #pragma omp for schedule(static)
-        for (int t = 0; t < T; t++) qmm_amx_convert_row(buf->xb + (int64_t)t * K, x + (int64_t)t * K, K);
+        for (int t = 0; t < T; t++) qmm_amx_convert_row(buf->xb, x + (int64_t)t * K, t, K / 32);
         const QMatmulBf16 a = {out, buf->xb, w, bias, T, N, K / 32, N, fmt, accumulate};
 #pragma omp for schedule(static)
         for (int p = 0; p < (NB + 1) / 2; p++) qmm_amx_pair(&a, p, sc->bbuf);

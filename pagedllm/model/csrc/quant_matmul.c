@@ -37,12 +37,13 @@ typedef int32_t v16i __attribute__((vector_size(64)));
 typedef double v8d __attribute__((vector_size(64)));
 
 #ifdef __AVX512F__
-#define MR 6 /* rows of x per register block: 2 accumulators each, 32 registers */
+#define MR 6 /* rows of x per register block: 4 accumulators each, of 32 registers */
 #else
-#define MR 2 /* 16 (AVX2) or 32 (NEON) registers of half or a quarter the width */
+#define MR 1 /* 16 (AVX2) or 32 (NEON) registers of half or a quarter the width */
 #endif
 
-int qtile_bytes(int fmt) { return fmt == QFMT_Q4 ? 64 + 256 : 32 + 512; }
+static inline int tile_bytes(int fmt) { return fmt == QFMT_Q4 ? 64 + 256 : 32 + 512; }
+int qtile_bytes(int fmt) { return tile_bytes(fmt); }
 
 static inline v16 ldu(const float *p) { return *(const v16u *)p; }
 
@@ -145,57 +146,69 @@ static inline void store_cols(float *o, v16 lo, v16 hi, const float *bias, int n
     }
 }
 
+/* Each output sums in one fixed order whatever the path: lane k-parity x row-parity partial sums over the
+ * groups (four accumulators per row, so that one row alone still has four FMA chains to overlap), added at
+ * the end as (even rows + odd rows), then the two lanes of a column. */
+static inline __attribute__((always_inline)) void finish_rows(const QMatmul *a, v16 *acc, int m0, const int nr,
+                                                              int cb) {
+    const int n_valid = a->N - 16 * cb < 16 ? a->N - 16 * cb : 16;
+#pragma GCC unroll 8
+    for (int i = 0; i < nr; i++)
+        store_cols(a->out + (int64_t)(m0 + i) * a->ldo + 16 * cb, acc[4 * i] + acc[4 * i + 2],
+                   acc[4 * i + 1] + acc[4 * i + 3], a->bias ? a->bias + 16 * cb : NULL, n_valid, a->accumulate);
+}
+
+static inline __attribute__((always_inline)) void fma_rows(const QMatmul *a, v16 *acc, int m0, const int nr, int k,
+                                                           const int odd, v16 lo, v16 hi) {
+#pragma GCC unroll 8
+    for (int i = 0; i < nr; i++) {
+        const v16 xp = pair(a->x + (int64_t)(m0 + i) * a->ldx + k);
+        acc[4 * i + 2 * odd] += lo * xp;
+        acc[4 * i + 2 * odd + 1] += hi * xp;
+    }
+}
+
 /* nr (<= MR) rows of x against one column block, dequantizing each tile row in registers. */
 static inline __attribute__((always_inline)) void block_direct(const QMatmul *a, const uint8_t *col, int m0,
-                                                               const int nr, int cb) {
-    v16 acc[2 * MR];
-    for (int i = 0; i < 2 * nr; i++) acc[i] = (v16){0};
-    const int tb = qtile_bytes(a->fmt);
+                                                               const int fmt, const int nr, int cb) {
+    v16 acc[4 * MR];
+#pragma GCC unroll 32
+    for (int i = 0; i < 4 * nr; i++) acc[i] = (v16){0};
+    const int tb = tile_bytes(fmt);
     for (int g = 0; g < a->G; g++) {
         const uint8_t *tile = col + (int64_t)g * tb;
-        const Scales s = tile_scales(tile, a->fmt);
-        for (int r = 0; r < 16; r++) {
+        const Scales s = tile_scales(tile, fmt);
+        for (int r = 0; r < 16; r += 2) {
             v16 lo, hi;
-            tile_row(tile, a->fmt, r, &s, &lo, &hi);
-            for (int i = 0; i < nr; i++) {
-                const v16 xp = pair(a->x + (int64_t)(m0 + i) * a->ldx + 32 * g + 2 * r);
-                acc[2 * i] += lo * xp;
-                acc[2 * i + 1] += hi * xp;
-            }
+            tile_row(tile, fmt, r, &s, &lo, &hi);
+            fma_rows(a, acc, m0, nr, 32 * g + 2 * r, 0, lo, hi);
+            tile_row(tile, fmt, r + 1, &s, &lo, &hi);
+            fma_rows(a, acc, m0, nr, 32 * g + 2 * r + 2, 1, lo, hi);
         }
     }
-    const int n_valid = a->N - 16 * cb < 16 ? a->N - 16 * cb : 16;
-    for (int i = 0; i < nr; i++)
-        store_cols(a->out + (int64_t)(m0 + i) * a->ldo + 16 * cb, acc[2 * i], acc[2 * i + 1],
-                   a->bias ? a->bias + 16 * cb : NULL, n_valid, a->accumulate);
+    finish_rows(a, acc, m0, nr, cb);
 }
 
 /* The same sums from a column panel dequantized once into `panel` ([G][16 rows][32 floats]). */
 static inline __attribute__((always_inline)) void block_panel(const QMatmul *a, const float *panel, int m0,
                                                               const int nr, int cb) {
-    v16 acc[2 * MR];
-    for (int i = 0; i < 2 * nr; i++) acc[i] = (v16){0};
+    v16 acc[4 * MR];
+#pragma GCC unroll 32
+    for (int i = 0; i < 4 * nr; i++) acc[i] = (v16){0};
     for (int g = 0; g < a->G; g++) {
-        for (int r = 0; r < 16; r++) {
+        for (int r = 0; r < 16; r += 2) {
             const float *w = panel + ((int64_t)g * 16 + r) * 32;
-            const v16 lo = ldu(w), hi = ldu(w + 16);
-            for (int i = 0; i < nr; i++) {
-                const v16 xp = pair(a->x + (int64_t)(m0 + i) * a->ldx + 32 * g + 2 * r);
-                acc[2 * i] += lo * xp;
-                acc[2 * i + 1] += hi * xp;
-            }
+            fma_rows(a, acc, m0, nr, 32 * g + 2 * r, 0, ldu(w), ldu(w + 16));
+            fma_rows(a, acc, m0, nr, 32 * g + 2 * r + 2, 1, ldu(w + 32), ldu(w + 48));
         }
     }
-    const int n_valid = a->N - 16 * cb < 16 ? a->N - 16 * cb : 16;
-    for (int i = 0; i < nr; i++)
-        store_cols(a->out + (int64_t)(m0 + i) * a->ldo + 16 * cb, acc[2 * i], acc[2 * i + 1],
-                   a->bias ? a->bias + 16 * cb : NULL, n_valid, a->accumulate);
+    finish_rows(a, acc, m0, nr, cb);
 }
 
 #define DISPATCH(fn, nr, ...)                                                                                  \
     switch (nr) {                                                                                              \
     case 1: fn(__VA_ARGS__, 1, cb); break;                                                                     \
-    case 2: fn(__VA_ARGS__, 2, cb); break;                                                                     \
+    case 2: fn(__VA_ARGS__, 2 < MR ? 2 : MR, cb); break;                                                       \
     case 3: fn(__VA_ARGS__, 3 < MR ? 3 : MR, cb); break;                                                       \
     case 4: fn(__VA_ARGS__, 4 < MR ? 4 : MR, cb); break;                                                       \
     case 5: fn(__VA_ARGS__, 5 < MR ? 5 : MR, cb); break;                                                       \
@@ -203,7 +216,7 @@ static inline __attribute__((always_inline)) void block_panel(const QMatmul *a, 
     }
 
 static void dequant_panel(const QMatmul *a, const uint8_t *col, float *panel) {
-    const int tb = qtile_bytes(a->fmt);
+    const int tb = tile_bytes(a->fmt);
     for (int g = 0; g < a->G; g++) {
         const uint8_t *tile = col + (int64_t)g * tb;
         const Scales s = tile_scales(tile, a->fmt);
@@ -219,11 +232,15 @@ static void dequant_panel(const QMatmul *a, const uint8_t *col, float *panel) {
 
 /* One column block for all M rows: direct for a few rows, through a dequantized panel for many. */
 void qmm_column_block(const QMatmul *a, int cb, float *panel) {
-    const uint8_t *col = a->w + (int64_t)cb * a->G * qtile_bytes(a->fmt);
+    const uint8_t *col = a->w + (int64_t)cb * a->G * tile_bytes(a->fmt);
     if (a->M <= MR || panel == NULL) {
         for (int m0 = 0; m0 < a->M; m0 += MR) {
             const int nr = a->M - m0 < MR ? a->M - m0 : MR;
-            DISPATCH(block_direct, nr, a, col, m0)
+            if (a->fmt == QFMT_Q4) {
+                DISPATCH(block_direct, nr, a, col, m0, QFMT_Q4)
+            } else {
+                DISPATCH(block_direct, nr, a, col, m0, QFMT_Q8)
+            }
         }
         return;
     }
@@ -262,7 +279,7 @@ int qmm_f32(float *out, const float *x, const uint8_t *w, const float *bias, int
 /* Rows `ids` of W (columns of the matmul) as float32: the embedding lookup of a tied, quantized table. */
 int qrows_f32(float *out, const int64_t *ids, int T, const uint8_t *w, int N, int K, int fmt) {
     if (K % 32 != 0 || (fmt != QFMT_Q4 && fmt != QFMT_Q8)) return -2;
-    const int G = K / 32, tb = qtile_bytes(fmt);
+    const int G = K / 32, tb = tile_bytes(fmt);
     for (int t = 0; t < T; t++) {
         const int64_t n = ids[t];
         if (n < 0 || n >= N) return -3;
@@ -323,7 +340,7 @@ void qmm_amx_begin(void) { _tile_loadconfig(&TILES); }
 void qmm_amx_end(void) { _tile_release(); }
 
 static void dequant_bf16(const uint8_t *col, int fmt, int G, uint16_t *dst) {
-    const int tb = qtile_bytes(fmt);
+    const int tb = tile_bytes(fmt);
     for (int g = 0; g < G; g++) {
         const uint8_t *tile = col + (int64_t)g * tb;
         const Scales s = tile_scales(tile, fmt);
@@ -349,10 +366,9 @@ static void store_tile(const QMatmulBf16 *a, int m0, int cb, float tile[16][16])
 
 /* Column blocks 2p and 2p+1 for all rows; `bbuf` holds 2 * G * 512 bfloat16. Tiles must be configured. */
 void qmm_amx_pair(const QMatmulBf16 *a, int p, uint16_t *bbuf) {
-    const int NB = (a->N + 15) / 16, cb0 = 2 * p, has1 = cb0 + 1 < NB, G = a->G, tb = qtile_bytes(a->fmt);
+    const int NB = (a->N + 15) / 16, cb0 = 2 * p, has1 = cb0 + 1 < NB, G = a->G, tb = tile_bytes(a->fmt);
     dequant_bf16(a->w + (int64_t)cb0 * G * tb, a->fmt, G, bbuf);
     if (has1) dequant_bf16(a->w + (int64_t)(cb0 + 1) * G * tb, a->fmt, G, bbuf + (int64_t)G * 512);
-    const int64_t stride = (int64_t)G * 64; /* bytes per row of x: K bfloat16 */
     float tile[16][16];
     for (int m0 = 0; m0 < a->M; m0 += 32) {
         const int two = m0 + 16 < a->M;
@@ -361,12 +377,12 @@ void qmm_amx_pair(const QMatmulBf16 *a, int p, uint16_t *bbuf) {
         _tile_zero(2);
         _tile_zero(3);
         for (int g = 0; g < G; g++) {
-            const uint16_t *xa = a->xb + (int64_t)m0 * G * 32 + 32 * g;
-            _tile_loadd(4, xa, stride);
+            const uint16_t *xa = a->xb + ((int64_t)(m0 / 16) * G + g) * 512; /* tiles of x lie back to back */
+            _tile_loadd(4, xa, 64);
             _tile_loadd(6, bbuf + (int64_t)g * 512, 64);
             _tile_dpbf16ps(0, 4, 6);
             if (two) {
-                _tile_loadd(5, xa + (int64_t)16 * G * 32, stride);
+                _tile_loadd(5, xa + (int64_t)G * 512, 64);
                 _tile_dpbf16ps(2, 5, 6);
             }
             if (has1) {
@@ -392,17 +408,20 @@ void qmm_amx_pair(const QMatmulBf16 *a, int p, uint16_t *bbuf) {
     }
 }
 
-/* A row of x (float32, K a multiple of 32) as bfloat16, rounded to nearest even, into xb. */
-void qmm_amx_convert_row(uint16_t *xb, const float *x, int K) {
-    for (int k = 0; k < K; k += 32)
-        _mm512_storeu_si512(xb + k, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + k + 16), _mm512_loadu_ps(x + k)));
+/* Row m of x (float32, K = 32 G) as bfloat16, rounded to nearest even, into xb laid out as AMX A tiles:
+ * [m / 16][G][m % 16][32], so that every tile is 1 KB in one piece. */
+void qmm_amx_convert_row(uint16_t *xb, const float *x, int m, int G) {
+    uint16_t *dst = xb + (int64_t)(m / 16) * G * 512 + (m % 16) * 32;
+    for (int g = 0; g < G; g++)
+        _mm512_storeu_si512(dst + (int64_t)g * 512, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 32 * g + 16),
+                                                                                 _mm512_loadu_ps(x + 32 * g)));
 }
 #else
 int qmm_amx_available(void) { return 0; }
 void qmm_amx_begin(void) {}
 void qmm_amx_end(void) {}
 void qmm_amx_pair(const QMatmulBf16 *a, int p, uint16_t *bbuf) { (void)a, (void)p, (void)bbuf; }
-void qmm_amx_convert_row(uint16_t *xb, const float *x, int K) { (void)xb, (void)x, (void)K; }
+void qmm_amx_convert_row(uint16_t *xb, const float *x, int m, int G) { (void)xb, (void)x, (void)m, (void)G; }
 #endif
 
 /* out[M, N] (+)= x[M, K] @ W^T on AMX with x rounded to bfloat16. Returns 0, -1 (out of memory), -2 (bad
@@ -415,7 +434,7 @@ int qmm_amx(float *out, const float *x, const uint8_t *w, const float *bias, int
     const int64_t m_pad = (M + 15) / 16 * 16; /* whole tiles of rows; the extra rows are zeros */
     uint16_t *xb = calloc((size_t)m_pad * K, sizeof(uint16_t));
     if (!xb) return -1;
-    for (int m = 0; m < M; m++) qmm_amx_convert_row(xb + (int64_t)m * K, x + (int64_t)m * ldx, K);
+    for (int m = 0; m < M; m++) qmm_amx_convert_row(xb, x + (int64_t)m * ldx, m, K / 32);
     QMatmulBf16 a = {out, xb, w, bias, M, N, K / 32, ldo, fmt, accumulate};
     const int pairs = ((N + 15) / 16 + 1) / 2;
     if (num_threads > pairs) num_threads = pairs;

@@ -14,7 +14,7 @@ typedef struct {
     int M, N, G, ldx, ldo, fmt, accumulate;
 } QMatmul;
 
-typedef struct { /* the same product with x as bfloat16 rows of K (padded to whole 16-row tiles) */
+typedef struct { /* the same product with x as bfloat16 A tiles (see qmm_amx_convert_row) */
     float *out;
     const uint16_t *xb;
     const uint8_t *w;
@@ -28,7 +28,8 @@ int qmm_amx_available(void);
 void qmm_amx_begin(void);
 void qmm_amx_end(void);
 void qmm_amx_pair(const QMatmulBf16 *a, int p, uint16_t *bbuf);
-void qmm_amx_convert_row(uint16_t *xb, const float *x, int K);
+/* Row m of x into xb, laid out as AMX A tiles ([m / 16][K / 32][16][32] bfloat16; whole tiles, zero-padded). */
+void qmm_amx_convert_row(uint16_t *xb, const float *x, int m, int G);
 /* One block of 16 output columns for all M rows; `panel` (K * 16 floats, or NULL) serves many rows. */
 void qmm_column_block(const QMatmul *a, int cb, float *panel);
 #endif

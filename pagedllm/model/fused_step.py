@@ -111,9 +111,9 @@ class FusedStep:
         self.dims.max_positions = rot.cos_cache.shape[0]
 
     def run(self, token_ids: list[list[int]], starts: list[int], block_tables: list[list[int]],
-            all_positions: bool) -> torch.Tensor:
-        """float32 logits of sequence i adding `token_ids[i]` after `starts[i]` cached tokens: the last row of
-        each sequence ([S, vocab]), or every row ([T, vocab]) with `all_positions`."""
+            num_logits: list[int]) -> torch.Tensor:
+        """float32 logits of sequence i adding `token_ids[i]` after `starts[i]` cached tokens: the last
+        `num_logits[i]` rows of each sequence, in order ([sum(num_logits), vocab])."""
         S, bs = len(token_ids), self.block_size
         lens = np.array([len(t) for t in token_ids], dtype=np.int64)
         T = int(lens.sum())
@@ -123,7 +123,9 @@ class FusedStep:
         tables = self._tables(block_tables, np.array(starts, dtype=np.int64) + lens, bs)
         slots = tables[seq, pos // bs] * bs + pos % bs
         toks = np.fromiter((t for ids in token_ids for t in ids), dtype=np.int64, count=T)
-        rows = np.arange(T, dtype=np.int64) if all_positions else first + lens - 1
+        want = np.array(num_logits, dtype=np.int64)
+        rows = np.arange(T, dtype=np.int64) if (want == lens).all() else np.concatenate(
+            [np.arange(e - k, e, dtype=np.int64) for e, k in zip((first + lens).tolist(), want.tolist())])
         logits = torch.empty(len(rows), self.model.config.vocab_size, dtype=torch.float32)
         self._rotary(int(pos.max()))
         batch = _Batch(toks.ctypes.data, pos.ctypes.data, seq.ctypes.data, slots.ctypes.data, tables.ctypes.data,

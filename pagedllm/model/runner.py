@@ -83,7 +83,8 @@ class ModelRunner:
             raise ValueError("every SeqChunk needs at least one new token")
         if self.fused is not None:
             return self.fused.run([c.token_ids for c in chunks], [c.start_pos for c in chunks],
-                                  [c.block_table for c in chunks], all_positions)
+                                  [c.block_table for c in chunks],
+                                  [n if all_positions else c.num_logits for c, n in zip(chunks, lens)])
         ids: list[int] = []
         for c in chunks:
             ids.extend(c.token_ids)

@@ -22,6 +22,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <sched.h>
 #include <string.h>
 #include <time.h>
 
@@ -124,87 +125,152 @@ static void store_row(void *cache, int64_t offset, const float *src, int n, int 
     }
 }
 
-/* out[T, N] (+)= x[T, K] @ W^T, split over the threads by column blocks (call from inside the region). */
-static void matmul(float *out, const float *x, const uint8_t *w, int fmt, const float *bias, int T, int N, int K,
-                   int accumulate, const Buffers *buf, const Scratch *sc) {
-    const int NB = (N + 15) / 16;
-    if (buf->amx_rows && T >= buf->amx_rows) {
-#pragma omp for schedule(static)
-        for (int t = 0; t < T; t++) qmm_amx_convert_row(buf->xb, x + (int64_t)t * K, t, K / 32);
-        const QMatmulBf16 a = {out, buf->xb, w, bias, T, N, K / 32, N, fmt, accumulate};
-#pragma omp for schedule(static)
-        for (int p = 0; p < (NB + 1) / 2; p++) qmm_amx_pair(&a, p, sc->bbuf);
+/* ---- the step as a list of phases ------------------------------------------------------------------------
+ * Each phase is a set of independent work items (rows, column blocks, (token, KV head) pairs); the threads
+ * take items from an atomic counter and the next phase starts once every item of this one is done. There is
+ * no barrier: a thread that the OS has put aside (this machine is shared) holds up at most the item it is
+ * working on, where a barrier would hold up every phase of the step until it came back. Items write
+ * disjoint outputs, so which thread runs an item changes nothing in the result. */
+enum { K_NORM, K_CVT, K_MATMUL, K_ROPE, K_ATTN, K_ACT };
+
+typedef struct {
+    int kind, layer, items, prof; /* prof: the profile slot the phase's time goes to */
+    float *out;                   /* norm: out row i = norm(x row i (or rows[i])); matmul: out (+)= x @ W^T */
+    const float *x, *w_norm, *bias;
+    const int64_t *rows;
+    const uint8_t *w;
+    int fmt, M, N, K, accumulate, amx, per_item;
+} Phase;
+
+static Phase norm_phase(float *x, const float *h, const float *w, const int64_t *rows, int n) {
+    return (Phase){.kind = K_NORM, .items = n, .prof = P_NORM, .out = x, .x = h, .w_norm = w, .rows = rows};
+}
+
+/* The matmul out[M, N] (+)= x[M, K] @ W^T as one phase (two with AMX: x to bfloat16 tiles first). */
+static int matmul_phases(Phase *ph, const Buffers *buf, int prof, float *out, const float *x, const uint8_t *w,
+                         int fmt, const float *bias, int M, int N, int K, int accumulate, int nthreads) {
+    const int amx = buf->amx_rows && M >= buf->amx_rows, units = amx ? (N + 31) / 32 : (N + 15) / 16;
+    const int items = 8 * nthreads < units ? 8 * nthreads : units;
+    int n = 0;
+    if (amx) ph[n++] = (Phase){.kind = K_CVT, .items = M, .prof = prof, .x = x, .K = K};
+    ph[n++] = (Phase){.kind = K_MATMUL, .items = items, .prof = prof, .out = out, .x = x, .bias = bias, .w = w,
+                      .fmt = fmt, .M = M, .N = N, .K = K, .accumulate = accumulate, .amx = amx,
+                      .per_item = (units + items - 1) / items};
+    return n;
+}
+
+/* Every phase of the step, in order; returns how many. */
+static int plan(Phase *ph, const StepModel *m, const StepLayer *layers, const StepBatch *b, const Buffers *buf,
+                int nthreads) {
+    const int T = b->T, E = m->hidden, I = m->inter, HD = m->heads * m->head_dim;
+    const int QKV = (m->heads + 2 * m->kv_heads) * m->head_dim;
+    int n = 0;
+    for (int l = 0; l < m->layers; l++) {
+        const StepLayer *L = &layers[l];
+        ph[n++] = norm_phase(buf->x, buf->h, L->attn_norm, NULL, T);
+        n += matmul_phases(ph + n, buf, P_QKV, buf->qkv, buf->x, L->qkv, L->qkv_fmt, L->qkv_bias, T, QKV, E, 0,
+                           nthreads);
+        ph[n++] = (Phase){.kind = K_ROPE, .layer = l, .items = T, .prof = P_ROPE};
+        ph[n++] = (Phase){.kind = K_ATTN, .layer = l, .items = T * m->kv_heads, .prof = P_ATTN};
+        n += matmul_phases(ph + n, buf, P_O, buf->h, buf->attn, L->o, L->o_fmt, NULL, T, E, HD, 1, nthreads);
+        ph[n++] = norm_phase(buf->x, buf->h, L->ffn_norm, NULL, T);
+        n += matmul_phases(ph + n, buf, P_GATE_UP, buf->gu, buf->x, L->gate_up, L->gate_up_fmt, NULL, T, 2 * I, E,
+                           0, nthreads);
+        ph[n++] = (Phase){.kind = K_ACT, .items = T, .prof = P_ACT};
+        n += matmul_phases(ph + n, buf, P_DOWN, buf->h, buf->act, L->down, L->down_fmt, NULL, T, E, I, 1, nthreads);
+    }
+    if (b->R > 0) {
+        ph[n++] = norm_phase(buf->x, buf->h, m->final_norm, b->logit_rows, b->R);
+        n += matmul_phases(ph + n, buf, P_LM_HEAD, b->logits, buf->x, m->lm_head, m->lm_head_fmt, NULL, b->R,
+                           m->vocab, E, 0, nthreads);
+    }
+    return n;
+}
+
+/* RoPE on token t's q and k, then its k and v into the cache at its slot. */
+static void rope_and_store(const StepModel *m, const StepLayer *L, const StepBatch *b, float *qkv, int t) {
+    const int D = m->head_dim, H = m->heads, KVH = m->kv_heads, width = (H + 2 * KVH) * D;
+    float *row = qkv + (int64_t)t * width;
+    const float *cos = m->cos + b->positions[t] * D, *sin = m->sin + b->positions[t] * D;
+    for (int h = 0; h < H + KVH; h++) rope(row + h * D, cos, sin, D);
+    const int64_t at = b->slots[t] * KVH * D;
+    store_row(L->k_cache, at, row + H * D, KVH * D, m->cache_bf16);
+    store_row(L->v_cache, at, row + (H + KVH) * D, KVH * D, m->cache_bf16);
+}
+
+/* Item i = (token, KV head): its query heads over the sequence's cache up to the token's own position. */
+static void attention(const StepModel *m, const StepLayer *L, const StepBatch *b, const Buffers *buf,
+                      const Scratch *sc, int i) {
+    const int H = m->heads, KVH = m->kv_heads, D = m->head_dim, G = H / KVH, width = (H + 2 * KVH) * D;
+    const int t = i / KVH, kvh = i % KVH;
+    Args a = {buf->attn + (int64_t)t * H * D, buf->qkv + (int64_t)t * width, L->k_cache, L->v_cache,
+              b->block_tables + b->seq[t] * b->max_blocks, buf->ctx + t, H, KVH, D, m->block_size, b->max_blocks,
+              m->cache_bf16, m->scale, 0};
+    paged_attention_heads(&a, 0, kvh * G, kvh * G + G, sc->scores, sc->block);
+}
+
+static void matmul_item(const Phase *p, const Buffers *buf, const Scratch *sc, int i) {
+    const int units = p->amx ? (p->N + 31) / 32 : (p->N + 15) / 16;
+    const int end = (i + 1) * p->per_item < units ? (i + 1) * p->per_item : units;
+    if (p->amx) {
+        const QMatmulBf16 a = {p->out, buf->xb, p->w, p->bias, p->M, p->N, p->K / 32, p->N, p->fmt, p->accumulate};
+        for (int u = i * p->per_item; u < end; u++) qmm_amx_pair(&a, u, sc->bbuf);
         return;
     }
-    const QMatmul a = {out, x, w, bias, T, N, K / 32, K, N, fmt, accumulate};
-#pragma omp for schedule(static)
-    for (int cb = 0; cb < NB; cb++) qmm_column_block(&a, cb, sc->panel);
+    const QMatmul a = {p->out, p->x, p->w, p->bias, p->M, p->N, p->K / 32, p->K, p->N, p->fmt, p->accumulate};
+    for (int u = i * p->per_item; u < end; u++) qmm_column_block(&a, u, sc->panel);
 }
 
-/* Normalize rows rows[0..n) of h (every row when rows is NULL) into x, row i to x row i. */
-static void norm_rows(float *x, const float *h, const float *w, const int64_t *rows, int n, int E, float eps) {
-#pragma omp for schedule(static)
-    for (int i = 0; i < n; i++) rmsnorm(x + (int64_t)i * E, h + (rows ? rows[i] : i) * E, w, E, eps);
-}
-
-/* RoPE on q and k, then k and v into the cache at each token's slot. */
-static void rope_and_store(const StepModel *m, const StepLayer *L, const StepBatch *b, float *qkv) {
-    const int D = m->head_dim, H = m->heads, KVH = m->kv_heads, width = (H + 2 * KVH) * D;
-#pragma omp for schedule(static)
-    for (int t = 0; t < b->T; t++) {
-        float *row = qkv + (int64_t)t * width;
-        const float *cos = m->cos + b->positions[t] * D, *sin = m->sin + b->positions[t] * D;
-        for (int h = 0; h < H + KVH; h++) rope(row + h * D, cos, sin, D);
-        const int64_t at = b->slots[t] * KVH * D;
-        store_row(L->k_cache, at, row + H * D, KVH * D, m->cache_bf16);
-        store_row(L->v_cache, at, row + (H + KVH) * D, KVH * D, m->cache_bf16);
+static void run_item(const Phase *p, const StepModel *m, const StepLayer *layers, const StepBatch *b,
+                     const Buffers *buf, const Scratch *sc, int i) {
+    const int E = m->hidden, I = m->inter;
+    switch (p->kind) {
+    case K_NORM:
+        rmsnorm(p->out + (int64_t)i * E, p->x + (p->rows ? p->rows[i] : i) * E, p->w_norm, E, m->eps);
+        break;
+    case K_CVT:
+        qmm_amx_convert_row(buf->xb, p->x + (int64_t)i * p->K, i, p->K / 32);
+        break;
+    case K_MATMUL:
+        matmul_item(p, buf, sc, i);
+        break;
+    case K_ROPE:
+        rope_and_store(m, &layers[p->layer], b, buf->qkv, i);
+        break;
+    case K_ATTN:
+        attention(m, &layers[p->layer], b, buf, sc, i);
+        break;
+    default: /* K_ACT: row i of silu(gate) * up */
+        for (int j = 0; j < I; j++) {
+            const float g = buf->gu[(int64_t)i * 2 * I + j], u = buf->gu[(int64_t)i * 2 * I + I + j];
+            buf->act[(int64_t)i * I + j] = g / (1.0f + expf(-g)) * u;
+        }
     }
 }
 
-/* Each (token, KV head): its query heads over the sequence's cache up to the token's own position. */
-static void attention(const StepModel *m, const StepLayer *L, const StepBatch *b, const Buffers *buf,
-                      const Scratch *sc) {
-    const int H = m->heads, KVH = m->kv_heads, D = m->head_dim, G = H / KVH, width = (H + 2 * KVH) * D;
-#pragma omp for schedule(dynamic, 1)
-    for (int i = 0; i < b->T * KVH; i++) {
-        const int t = i / KVH, kvh = i % KVH;
-        Args a = {buf->attn + (int64_t)t * H * D, buf->qkv + (int64_t)t * width, L->k_cache, L->v_cache,
-                  b->block_tables + b->seq[t] * b->max_blocks, buf->ctx + t, H, KVH, D, m->block_size,
-                  b->max_blocks, m->cache_bf16, m->scale, 0};
-        paged_attention_heads(&a, 0, kvh * G, kvh * G + G, sc->scores, sc->block);
+static void pause_cpu(int *spins) {
+    if (++*spins > 2000) { /* the item in flight is held by a thread that is not running: give way */
+        sched_yield();
+        *spins = 0;
     }
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
 }
 
-static void mlp_act(const StepModel *m, const Buffers *buf, int T) {
-    const int I = m->inter;
-#pragma omp for schedule(static)
-    for (int i = 0; i < T * I; i++) {
-        const float g = buf->gu[(int64_t)(i / I) * 2 * I + i % I], u = buf->gu[(int64_t)(i / I) * 2 * I + I + i % I];
-        buf->act[i] = g / (1.0f + expf(-g)) * u;
+/* What every thread runs: take items of each phase in turn, wait until the phase is done, go on. */
+static void work(const Phase *ph, int n, int *next, int *done, const StepModel *m, const StepLayer *layers,
+                 const StepBatch *b, const Buffers *buf, const Scratch *sc, double *clock) {
+    for (int p = 0; p < n; p++) {
+        int i;
+        while ((i = __atomic_fetch_add(&next[p], 1, __ATOMIC_RELAXED)) < ph[p].items) {
+            run_item(&ph[p], m, layers, b, buf, sc, i);
+            __atomic_fetch_add(&done[p], 1, __ATOMIC_RELEASE);
+        }
+        int spins = 0;
+        while (__atomic_load_n(&done[p], __ATOMIC_ACQUIRE) < ph[p].items) pause_cpu(&spins);
+        mark(b, clock, ph[p].prof);
     }
-}
-
-static void layer(const StepModel *m, const StepLayer *L, const StepBatch *b, const Buffers *buf,
-                  const Scratch *sc, double *t) {
-    const int T = b->T, E = m->hidden, HD = m->heads * m->head_dim, QKV = (m->heads + 2 * m->kv_heads) * m->head_dim;
-    norm_rows(buf->x, buf->h, L->attn_norm, NULL, T, E, m->eps);
-    mark(b, t, P_NORM);
-    matmul(buf->qkv, buf->x, L->qkv, L->qkv_fmt, L->qkv_bias, T, QKV, E, 0, buf, sc);
-    mark(b, t, P_QKV);
-    rope_and_store(m, L, b, buf->qkv);
-    mark(b, t, P_ROPE);
-    attention(m, L, b, buf, sc);
-    mark(b, t, P_ATTN);
-    matmul(buf->h, buf->attn, L->o, L->o_fmt, NULL, T, E, HD, 1, buf, sc);
-    mark(b, t, P_O);
-    norm_rows(buf->x, buf->h, L->ffn_norm, NULL, T, E, m->eps);
-    mark(b, t, P_NORM);
-    matmul(buf->gu, buf->x, L->gate_up, L->gate_up_fmt, NULL, T, 2 * m->inter, E, 0, buf, sc);
-    mark(b, t, P_GATE_UP);
-    mlp_act(m, buf, T);
-    mark(b, t, P_ACT);
-    matmul(buf->h, buf->act, L->down, L->down_fmt, NULL, T, E, m->inter, 1, buf, sc);
-    mark(b, t, P_DOWN);
 }
 
 /* Every index the step will follow is checked first: 0, or -2 bad sizes, -3 a context longer than its block
@@ -232,37 +298,39 @@ static int check(const StepModel *m, const StepBatch *b, int64_t *ctx, int64_t *
 }
 
 static int run(const StepModel *m, const StepLayer *layers, const StepBatch *b, Buffers *buf, int64_t max_ctx,
-               int num_threads) {
-    const int E = m->hidden, HD = m->heads * m->head_dim;
-    int K = E > m->inter ? E : m->inter, status = 0;
-    K = K > HD ? K : HD;
-#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
-    {
-        Scratch sc = {malloc((size_t)K * 16 * sizeof(float)), malloc((size_t)max_ctx * m->heads * sizeof(float)),
-                      malloc((size_t)m->block_size * m->kv_heads * m->head_dim * sizeof(float)),
-                      buf->amx_rows ? malloc((size_t)2 * (K / 32) * 512 * sizeof(uint16_t)) : NULL};
-        if (!sc.panel || !sc.scores || !sc.block || (buf->amx_rows && !sc.bbuf)) {
-#pragma omp atomic write
-            status = -1;
-        }
-#pragma omp barrier
-        if (status == 0) {
-            double start = now(), *t = b->profile && omp_thread() == 0 ? &start : NULL;
+               int nthreads) {
+    const int E = m->hidden, HD = m->heads * m->head_dim, max_phases = m->layers * 13 + 3;
+    const int K = E > m->inter ? (E > HD ? E : HD) : (m->inter > HD ? m->inter : HD);
+    Phase *ph = malloc((size_t)max_phases * sizeof(Phase));
+    int *counters = calloc((size_t)2 * max_phases, sizeof(int));
+    Scratch *sc = calloc((size_t)nthreads, sizeof(Scratch));
+    int status = ph && counters && sc ? 0 : -1;
+    for (int t = 0; t < nthreads && status == 0; t++) {
+        sc[t] = (Scratch){malloc((size_t)K * 16 * sizeof(float)), malloc((size_t)max_ctx * m->heads * sizeof(float)),
+                          malloc((size_t)m->block_size * m->kv_heads * m->head_dim * sizeof(float)),
+                          buf->amx_rows ? malloc((size_t)2 * (K / 32) * 512 * sizeof(uint16_t)) : NULL};
+        if (!sc[t].panel || !sc[t].scores || !sc[t].block || (buf->amx_rows && !sc[t].bbuf)) status = -1;
+    }
+    if (status == 0) {
+        const int n = plan(ph, m, layers, b, buf, nthreads);
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+        {
+            const int me = omp_thread();
+            double start = now(), *clock = b->profile && me == 0 ? &start : NULL;
             if (buf->amx_rows) qmm_amx_begin();
-            for (int l = 0; l < m->layers; l++) layer(m, &layers[l], b, buf, &sc, t);
-            if (b->R > 0) {
-                norm_rows(buf->x, buf->h, m->final_norm, b->logit_rows, b->R, E, m->eps);
-                mark(b, t, P_NORM);
-                matmul(b->logits, buf->x, m->lm_head, m->lm_head_fmt, NULL, b->R, m->vocab, E, 0, buf, &sc);
-                mark(b, t, P_LM_HEAD);
-            }
+            work(ph, n, counters, counters + max_phases, m, layers, b, buf, &sc[me], clock);
             if (buf->amx_rows) qmm_amx_end();
         }
-        free(sc.panel);
-        free(sc.scores);
-        free(sc.block);
-        free(sc.bbuf);
     }
+    for (int t = 0; sc && t < nthreads; t++) {
+        free(sc[t].panel);
+        free(sc[t].scores);
+        free(sc[t].block);
+        free(sc[t].bbuf);
+    }
+    free(sc);
+    free(ph);
+    free(counters);
     return status;
 }
 

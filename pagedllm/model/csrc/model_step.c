@@ -164,6 +164,9 @@ static int plan(Phase *ph, const StepModel *m, const StepLayer *layers, const St
                 int nthreads) {
     const int T = b->T, E = m->hidden, I = m->inter, HD = m->heads * m->head_dim;
     const int QKV = (m->heads + 2 * m->kv_heads) * m->head_dim;
+    /* attention items: (token, KV head), reading each block once for the heads that share it; with too few of
+     * those to keep the threads busy (one sequence), (token, query head) */
+    const int attn_split = T * m->kv_heads >= 4 * nthreads ? m->kv_heads : m->heads;
     int n = 0;
     for (int l = 0; l < m->layers; l++) {
         const StepLayer *L = &layers[l];
@@ -171,7 +174,7 @@ static int plan(Phase *ph, const StepModel *m, const StepLayer *layers, const St
         n += matmul_phases(ph + n, buf, P_QKV, buf->qkv, buf->x, L->qkv, L->qkv_fmt, L->qkv_bias, T, QKV, E, 0,
                            nthreads);
         ph[n++] = (Phase){.kind = K_ROPE, .layer = l, .items = T, .prof = P_ROPE};
-        ph[n++] = (Phase){.kind = K_ATTN, .layer = l, .items = T * m->kv_heads, .prof = P_ATTN};
+        ph[n++] = (Phase){.kind = K_ATTN, .layer = l, .items = T * attn_split, .prof = P_ATTN};
         n += matmul_phases(ph + n, buf, P_O, buf->h, buf->attn, L->o, L->o_fmt, NULL, T, E, HD, 1, nthreads);
         ph[n++] = norm_phase(buf->x, buf->h, L->ffn_norm, NULL, T);
         n += matmul_phases(ph + n, buf, P_GATE_UP, buf->gu, buf->x, L->gate_up, L->gate_up_fmt, NULL, T, 2 * I, E,
@@ -198,15 +201,16 @@ static void rope_and_store(const StepModel *m, const StepLayer *L, const StepBat
     store_row(L->v_cache, at, row + (H + KVH) * D, KVH * D, m->cache_bf16);
 }
 
-/* Item i = (token, KV head): its query heads over the sequence's cache up to the token's own position. */
+/* Item i of `split` per token (KV heads or query heads): those query heads of token i / split over the
+ * sequence's cache up to the token's own position. */
 static void attention(const StepModel *m, const StepLayer *L, const StepBatch *b, const Buffers *buf,
-                      const Scratch *sc, int i) {
-    const int H = m->heads, KVH = m->kv_heads, D = m->head_dim, G = H / KVH, width = (H + 2 * KVH) * D;
-    const int t = i / KVH, kvh = i % KVH;
+                      const Scratch *sc, int i, int split) {
+    const int H = m->heads, KVH = m->kv_heads, D = m->head_dim, width = (H + 2 * KVH) * D;
+    const int t = i / split, h0 = i % split * (H / split);
     Args a = {buf->attn + (int64_t)t * H * D, buf->qkv + (int64_t)t * width, L->k_cache, L->v_cache,
               b->block_tables + b->seq[t] * b->max_blocks, buf->ctx + t, H, KVH, D, m->block_size, b->max_blocks,
               m->cache_bf16, m->scale, 0};
-    paged_attention_heads(&a, 0, kvh * G, kvh * G + G, sc->scores, sc->block);
+    paged_attention_heads(&a, 0, h0, h0 + H / split, sc->scores, sc->block);
 }
 
 static void matmul_item(const Phase *p, const Buffers *buf, const Scratch *sc, int i) {
@@ -238,7 +242,7 @@ static void run_item(const Phase *p, const StepModel *m, const StepLayer *layers
         rope_and_store(m, &layers[p->layer], b, buf->qkv, i);
         break;
     case K_ATTN:
-        attention(m, &layers[p->layer], b, buf, sc, i);
+        attention(m, &layers[p->layer], b, buf, sc, i, p->items / b->T);
         break;
     default: /* K_ACT: row i of silu(gate) * up */
         for (int j = 0; j < I; j++) {

@@ -166,7 +166,7 @@ static int plan(Phase *ph, const StepModel *m, const StepLayer *layers, const St
     const int QKV = (m->heads + 2 * m->kv_heads) * m->head_dim;
     /* attention items: (token, KV head), reading each block once for the heads that share it; with too few of
      * those to keep the threads busy (one sequence), (token, query head) */
-    const int attn_split = T * m->kv_heads >= 4 * nthreads ? m->kv_heads : m->heads;
+    const int attn_split = T * m->kv_heads >= 2 * nthreads ? m->kv_heads : m->heads;
     int n = 0;
     for (int l = 0; l < m->layers; l++) {
         const StepLayer *L = &layers[l];

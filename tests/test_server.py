@@ -22,14 +22,13 @@ from types import SimpleNamespace
 import httpx
 import openai
 import pytest
+from server_helpers import AUTH, KEY, assert_error, assert_pool_whole, kv, sse_events
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 MODEL = "SmolLM2-135M-Instruct"
-KEY = "sk-test-key"
-AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_MODEL_LEN = 256
 ENGINE_ARGS = dict(max_model_len=MAX_MODEL_LEN, kv_cache_memory=64 * 2**20, log_stats_interval=0)
 
@@ -55,50 +54,6 @@ def server():
         http.close()
         srv.stop()
     assert not engine.is_running
-
-
-def kv(s) -> dict:
-    r = s.http.get("/v1/kv")
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def assert_pool_whole(s, timeout: float = 30.0) -> dict:
-    """Nothing running or waiting and every KV block free (cached-but-unused blocks count as free)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        state = kv(s)
-        if state["used_blocks"] == 0 and state["num_running"] == 0 and state["num_waiting"] == 0:
-            assert state["free_blocks"] == state["total_blocks"] > 0
-            return state
-        if time.monotonic() > deadline:
-            pytest.fail(f"the block pool is not whole: {state}")
-        time.sleep(0.05)
-
-
-def assert_error(r: httpx.Response, status: int, param: str | None = None, contains: list[str] = ()) -> dict:
-    assert r.status_code == status, r.text
-    body = r.json()
-    assert set(body) == {"error"}, body
-    err = body["error"]
-    assert set(err) == {"message", "type", "param", "code"}, err
-    assert err["code"] == status and isinstance(err["message"], str) and err["message"]
-    assert isinstance(err["type"], str) and err["type"]
-    if param is not None:
-        assert err["param"] == param, err
-    for text in contains:
-        assert text in err["message"], err
-    return err
-
-
-def sse_events(lines) -> list:
-    events = []
-    for line in lines:
-        if not line.startswith("data: "):
-            continue
-        data = line[len("data: "):]
-        events.append(data if data == "[DONE]" else json.loads(data))
-    return events
 
 
 def n_tokens(s, text: str) -> int:

@@ -85,7 +85,7 @@ def from_errors(errors: list[dict[str, Any]]) -> APIError:
         head = msg.split(":", 1)[0]
         if head.isidentifier() and ":" in msg:
             return APIError(msg, 400, param=head)
-        return APIError(f"The request body must be a JSON object: {msg}", 400)
+        return APIError(f"Invalid request body: {msg}", 400)
     field = loc[0]
     if first.get("type") == "missing":
         return APIError(f"'{'.'.join(loc)}' is a required field", 400, param=field)

@@ -19,22 +19,23 @@ TokenId = Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]  # StrictInt: `true` i
 Role = Literal["system", "user", "assistant", "tool", "developer"]
 
 
-def _surrogate_free(data: Any) -> None:
-    """Raise on a lone UTF-16 surrogate anywhere in the parsed JSON (`"\\ud800"` is valid JSON but no text:
-    the tokenizer and every UTF-8 encoder refuse it). Iterative: nesting must not cost recursion."""
-    todo = [data]
+def _lone_surrogate(value: Any) -> bool:
+    """Whether the parsed JSON holds a lone UTF-16 surrogate (`"\\ud800"` is valid JSON but no text: the tokenizer
+    and every UTF-8 encoder refuse it). Iterative: deep nesting must not cost recursion."""
+    todo = [value]
     while todo:
         item = todo.pop()
         if isinstance(item, str):
             try:
                 item.encode("utf-8")
             except UnicodeEncodeError:
-                raise ValueError("strings must be valid Unicode: a lone surrogate (\\ud800-\\udfff) was sent")
+                return True
         elif isinstance(item, dict):
             todo.extend(item.keys())
             todo.extend(item.values())
         elif isinstance(item, list):
             todo.extend(item)
+    return False
 
 
 class OpenAIModel(BaseModel):
@@ -48,7 +49,9 @@ class RequestModel(OpenAIModel):
     @model_validator(mode="before")
     @classmethod
     def _valid_unicode(cls, data: Any) -> Any:
-        _surrogate_free(data)
+        for key, value in data.items() if isinstance(data, dict) else ():
+            if _lone_surrogate(key) or _lone_surrogate(value):
+                raise ValueError(f"{key}: strings must be valid Unicode, not a lone surrogate (\\ud800-\\udfff)")
         return data
 
 

@@ -60,6 +60,12 @@ class StreamOptions(OpenAIModel):
     continuous_usage_stats: StrictBool = False
 
 
+class ResponseFormat(OpenAIModel):
+    """Only plain text: structured output (json_object, json_schema) would need guided decoding."""
+
+    type: Literal["text"]
+
+
 class SamplingRequest(RequestModel):
     """The sampling parameters shared by /v1/completions and /v1/chat/completions."""
 
@@ -76,7 +82,7 @@ class SamplingRequest(RequestModel):
     user: str | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    response_format: dict[str, Any] | None = Field(None, description='only {"type": "text"}')
+    response_format: ResponseFormat | None = None
     # vLLM extras
     top_k: StrictInt | None = Field(None, ge=-1, le=2**31 - 1)
     min_p: float | None = Field(None, ge=0, le=1)
@@ -104,8 +110,6 @@ class SamplingRequest(RequestModel):
             raise ValueError("stop: at most 16 stop strings")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of: only best_of == n is supported (got best_of {self.best_of}, n {self.n})")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise ValueError("response_format: only {\"type\": \"text\"} is supported (no structured output)")
         return self
 
     def sampling_kwargs(self) -> dict[str, Any]:
@@ -128,14 +132,12 @@ class CompletionRequest(SamplingRequest):
     max_tokens: StrictInt | None = Field(16, ge=0, description="0: score the prompt only (with echo/logprobs)")
     echo: StrictBool = False
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    suffix: str | None = None
+    suffix: Literal[""] | None = Field(None, description="not supported (no fill-in-the-middle)")
 
     @model_validator(mode="after")
     def _check(self) -> CompletionRequest:
         if isinstance(self.prompt, list) and (not self.prompt or any(p == [] for p in self.prompt)):
             raise ValueError("prompt: must not be empty")
-        if self.suffix:
-            raise ValueError("suffix: not supported")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens: ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         return self

@@ -304,3 +304,21 @@ def test_add_racing_an_engine_crash_is_answered():
     finally:
         eng.shutdown()
     assert not eng.is_healthy and len(died) == 1 and isinstance(died[0], RuntimeError)
+
+
+def test_run_on_engine_reads_between_steps_and_fails_once_closed():
+    fake = FakeEngine()
+    eng = AsyncLLMEngine(fake)
+
+    async def main():
+        assert await eng.run_on_engine(lambda e: e.max_model_len) == 64  # not started: run in place
+        eng.start()
+        seen = await eng.run_on_engine(lambda e: threading.get_ident())
+        assert seen != threading.get_ident()
+        with pytest.raises(ZeroDivisionError):
+            await eng.run_on_engine(lambda e: 1 / 0)
+        eng.shutdown()
+        with pytest.raises(EngineShuttingDownError):
+            await eng.run_on_engine(lambda e: 1)
+
+    run(main())

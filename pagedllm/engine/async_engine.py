@@ -128,7 +128,31 @@ class _Stop:
     pass
 
 
-_Op = _Add | _Abort | _AbortAll | _Stop
+@dataclass(frozen=True)
+class _Call:
+    """A read of the engine between two steps (run_on_engine)."""
+
+    fn: Callable[[EngineCore], object]
+    future: asyncio.Future[object]
+    loop: asyncio.AbstractEventLoop
+
+    def answer(self, fn: Callable[[EngineCore], object], engine: EngineCore) -> None:
+        try:
+            result, error = fn(engine), None
+        except Exception as e:  # handed to the caller, as add_request's errors are
+            result, error = None, e
+
+        def done() -> None:
+            if not self.future.done():
+                self.future.set_exception(error) if error is not None else self.future.set_result(result)
+
+        try:
+            self.loop.call_soon_threadsafe(done)
+        except RuntimeError:  # the caller's event loop is closed
+            pass
+
+
+_Op = _Add | _Abort | _AbortAll | _Stop | _Call
 
 
 def _call_on_loop(stream: RequestStream, fn: Callable[..., None], *args: object) -> None:
@@ -136,6 +160,13 @@ def _call_on_loop(stream: RequestStream, fn: Callable[..., None], *args: object)
         stream.loop.call_soon_threadsafe(fn, *args)
     except RuntimeError:  # the caller's event loop is closed: nobody is waiting any more
         pass
+
+
+def _raiser(error: BaseException) -> Callable[[EngineCore], object]:
+    """What a read queued when the loop closed runs instead of its own function."""
+    def fail(_: EngineCore) -> object:
+        raise error
+    return fail
 
 
 class AsyncLLMEngine:
@@ -274,6 +305,19 @@ class AsyncLLMEngine:
         """Thread-safe and non-blocking; the engine frees the request's blocks before its next step."""
         self._ops.put(_Abort(request_id))
 
+    async def run_on_engine(self, fn: Callable[[EngineCore], object], timeout: float = 30.0) -> object:
+        """`fn(engine)` on the engine thread between two steps, for a consistent read-only view; it rides the
+        message queue, so the loop pays nothing while nobody asks."""
+        loop = asyncio.get_running_loop()
+        call = _Call(fn, loop.create_future(), loop)
+        with self._lock:
+            if self._closed_error is not None:
+                raise self._closed_error
+            if self._thread is None:  # not started: no other thread touches the engine
+                return fn(self.engine)
+            self._ops.put(call)
+        return await asyncio.wait_for(call.future, timeout)
+
     # ------------------------------------------------------------------ the engine thread
     def _run(self) -> None:
         crash: BaseException | None = None
@@ -310,6 +354,9 @@ class AsyncLLMEngine:
                 op = self._ops.get(timeout=self._idle_poll_s) if block and not changed else self._ops.get_nowait()
             except queue.Empty:
                 break
+            if isinstance(op, _Call):  # a read: nothing changes
+                op.answer(op.fn, self.engine)
+                continue
             changed = True
             if isinstance(op, _Add):
                 self._apply_add(op)
@@ -372,6 +419,8 @@ class AsyncLLMEngine:
         for op in ops:
             if isinstance(op, _Add):
                 _call_on_loop(op.stream, op.stream.accepted, closed)
+            elif isinstance(op, _Call):
+                op.answer(_raiser(closed), self.engine)
         for rid in list(self._streams):
             self._abort_one(rid, closed if crash is not None else RequestAbortedError("the server is shutting down"))
         try:

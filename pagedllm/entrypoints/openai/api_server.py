@@ -51,6 +51,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
             engine.shutdown()
 
     app = FastAPI(title="pagedllm OpenAI-compatible server", lifespan=lifespan)
+    app.state.engine = engine
     app.state.serving = ServingContext(engine, names, root)
     app.state.metrics = metrics
     app.state.rag = rag

@@ -259,3 +259,30 @@ def test_health_body_and_detokenize_param(fault_server):
     r = httpx.get(fault_server.base + "/health")
     assert r.headers["content-type"] == "application/json" and r.json() == {"status": "ok"}
     assert_error(fault_server.http.post("/detokenize", json={"tokens": [10**9]}), 400, "tokens")
+
+
+# ------------------------------------------------------------------------------- the engine loop itself dies
+def test_engine_death_fails_streams_and_exits_non_zero(model_fp32, monkeypatch):
+    """Not a request's failure (those fail the request alone) but the loop's: every stream in flight gets an error
+    event and [DONE], and the server stops with exit status 1 so that a supervisor restarts it (as vLLM)."""
+    from pagedllm.engine import EngineConfig, LLMEngine
+    from pagedllm.engine.async_engine import AsyncLLMEngine
+
+    core = LLMEngine(EngineConfig(kv_cache_memory=tiny_kv_budget(), **FAULT_ENGINE_ARGS), loaded=model_fp32)
+    engine = AsyncLLMEngine(core)
+    with running_server(engine) as s:
+        with s.http.stream("POST", "/v1/completions", json={"prompt": "Tell me a story", "max_tokens": 200,
+                                                            "ignore_eos": True, "stream": True}) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+
+            def broken_step():
+                raise RuntimeError("the engine itself is broken")
+
+            monkeypatch.setattr(core, "step", broken_step)
+            events = sse_events(lines)
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == 503, events[-3:]
+        s.server._thread.join(30)
+        assert not s.server._thread.is_alive() and s.server.exit_code == 1
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(s.base + "/health", timeout=2)

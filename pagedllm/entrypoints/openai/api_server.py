@@ -128,7 +128,7 @@ class Server:
         return self.exit_code
 
     def start_in_thread(self, timeout: float = 120.0) -> None:
-        self._thread = threading.Thread(target=self.uvicorn.run, name="pagedllm-uvicorn", daemon=True)
+        self._thread = threading.Thread(target=self.run, name="pagedllm-uvicorn", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + timeout
         while not self.uvicorn.started:

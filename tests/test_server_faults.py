@@ -286,3 +286,63 @@ def test_engine_death_fails_streams_and_exits_non_zero(model_fp32, monkeypatch):
         assert not s.server._thread.is_alive() and s.server.exit_code == 1
         with pytest.raises(httpx.HTTPError):
             httpx.get(s.base + "/health", timeout=2)
+
+
+# ------------------------------------------------------------------------------- one request's failure
+POISON = 7777  # a token id only the failing request's prompt holds
+
+
+def _poisoned_runner(core, monkeypatch) -> None:
+    """The model step raises whenever the failing request's prompt is in the batch, as a bug would."""
+    execute = core.runner.execute
+
+    def failing(chunks, *args, **kwargs):
+        if any(POISON in c.token_ids for c in chunks):
+            raise RuntimeError("injected model-step failure")
+        return execute(chunks, *args, **kwargs)
+
+    monkeypatch.setattr(core.runner, "execute", failing)
+
+
+def _poisoned_sampler(core, monkeypatch) -> None:
+    """Sampling raises for the failing request's row, as a numerically broken row once did."""
+    from pagedllm.engine import llm_engine
+
+    sample = llm_engine.sample
+
+    def failing(logits, rows, *args, **kwargs):
+        if any(POISON in row.prompt_ids for row in rows):
+            raise RuntimeError("injected sampling failure")
+        return sample(logits, rows, *args, **kwargs)
+
+    monkeypatch.setattr(llm_engine, "sample", failing)
+
+
+@pytest.mark.parametrize("inject", [_poisoned_runner, _poisoned_sampler], ids=["model step", "sampling"])
+def test_one_failing_request_fails_alone(model_fp32, monkeypatch, inject):
+    """Three requests in one batch, one of which makes the step fail: it gets an error, the other two the very
+    tokens they get alone (float32, greedy), and the server goes on serving."""
+    from pagedllm.engine import EngineConfig, LLMEngine
+    from pagedllm.engine.async_engine import AsyncLLMEngine
+
+    core = LLMEngine(EngineConfig(kv_cache_memory=tiny_kv_budget(), **FAULT_ENGINE_ARGS), loaded=model_fp32)
+    with running_server(AsyncLLMEngine(core)) as s:
+        prompts = [[1, 504, 3821, 314, POISON, 2], "The capital of France is", "Once upon a time there"]
+        body = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        alone = [complete(s, prompt=p, **body).json()["choices"][0]["text"] for p in prompts[1:]]
+        inject(core, monkeypatch)
+
+        def send(p):
+            return complete(s, prompt=p, **body)
+
+        threads_out: list = [None] * 3
+        workers = [threading.Thread(target=lambda i=i: threads_out.__setitem__(i, send(prompts[i])))
+                   for i in range(3)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(120)
+        failed, *served = threads_out
+        assert_error(failed, 500, contains=["injected"])
+        assert [r.json()["choices"][0]["text"] for r in served] == alone
+        assert_serving(s)

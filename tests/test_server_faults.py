@@ -154,6 +154,24 @@ def test_malformed_input_is_a_400_and_keeps_the_connection(fault_server, body, p
     assert_pool_whole(fault_server)
 
 
+def test_an_unexpected_error_is_a_500_that_keeps_the_connection(fault_server, monkeypatch):
+    """A bug's 500 is logged and answered without dropping the keep-alive connection (Starlette's own error
+    middleware re-raises, and uvicorn then closes it)."""
+    from pagedllm.entrypoints.openai.serving_engine import ServingContext
+
+    def broken(self, model):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(ServingContext, "check_model", broken)
+    with socket.create_connection(("127.0.0.1", fault_server.port), timeout=30) as sock:
+        reader = sock.makefile("rb")
+        first = _exchange(sock, reader, "/v1/completions", b'{"prompt": "hi", "max_tokens": 1}')
+        monkeypatch.undo()
+        second = _exchange(sock, reader, "/v1/completions", b'{"prompt": "hi", "max_tokens": 1}')
+    assert first[0] == 500 and b"a bug" in first[1], first
+    assert second[0] == 200, second
+
+
 def _exchange(sock: socket.socket, reader, path: str, body: bytes) -> tuple[int, bytes]:
     """One HTTP/1.1 request on a kept-alive connection; (status, body)."""
     head = (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"

@@ -98,25 +98,25 @@ def from_errors(errors: list[dict[str, Any]]) -> APIError:
 
 def install_error_handlers(app: FastAPI) -> None:
     """Map every exception a request can raise to its status; anything else is logged and answered 500 (by
-    `InternalErrorMiddleware`, which keeps the connection open)."""
+    `InternalErrorMiddleware`, which keeps the connection open). Plain functions: they await nothing."""
 
     def handle(exc_type: type[BaseException], status: int, message: str = "{}",
                headers: dict[str, str] | None = None) -> None:
-        async def handler(_: Request, e: Exception) -> JSONResponse:
+        def handler(_: Request, e: Exception) -> JSONResponse:
             return error_response(message.format(e), status, getattr(e, "param", None), headers)
 
         app.add_exception_handler(exc_type, handler)
 
-    async def api_error(_: Request, e: Exception) -> JSONResponse:
+    def api_error(_: Request, e: Exception) -> JSONResponse:
         assert isinstance(e, APIError)
         return JSONResponse(e.body(), status_code=e.status)
 
-    async def validation_error(_: Request, e: Exception) -> JSONResponse:
+    def validation_error(_: Request, e: Exception) -> JSONResponse:
         assert isinstance(e, (RequestValidationError, ValidationError))
         err = from_errors(list(e.errors()))
         return JSONResponse(err.body(), status_code=err.status)
 
-    async def http_error(_: Request, e: Exception) -> JSONResponse:
+    def http_error(_: Request, e: Exception) -> JSONResponse:
         assert isinstance(e, StarletteHTTPException)
         return error_response(str(e.detail), e.status_code, headers=e.headers)
 

@@ -26,7 +26,7 @@ async def tokenize(req: TokenizeRequest, ctx: ServingContext = Depends(serving))
 
 
 @router.post("/detokenize", response_model=DetokenizeResponse, responses={**ERROR_RESPONSES})
-async def detokenize(req: DetokenizeRequest, ctx: ServingContext = Depends(serving)) -> DetokenizeResponse:
+def detokenize(req: DetokenizeRequest, ctx: ServingContext = Depends(serving)) -> DetokenizeResponse:
     """The text of `tokens`, special tokens included."""
     ctx.check_model(req.model)
     ctx.check_token_ids(req.tokens, "tokens")

@@ -70,7 +70,8 @@ valid_prompt = st.one_of(
     st.lists(st.sampled_from(WORDS), min_size=1, max_size=180).map(" ".join),  # long enough to preempt others
     st.lists(st.integers(1, 4000), min_size=1, max_size=60))
 body_field = st.fixed_dictionaries({"prompt": valid_prompt}, optional={
-    "max_tokens": st.one_of(st.integers(0, 12), st.sampled_from([-1, "x", 10**30])),  # never null: up to max_model_len
+    # never null: that is up to max_model_len per request, not what the fuzzer is after
+    "max_tokens": st.one_of(st.integers(0, 12), st.sampled_from([-1, "x", 10**30])),
     "n": st.one_of(st.integers(1, 3), st.sampled_from([0, 99, True])),
     "stop": st.one_of(st.sampled_from(WORDS), st.lists(st.sampled_from(WORDS), max_size=3)),
     "logprobs": st.one_of(st.integers(0, 3), st.just(50)),

@@ -41,7 +41,8 @@ class Chunks:
 
     @classmethod
     def for_request(cls, opts: StreamOptions | None, request_id: str, obj: str, model: str) -> Chunks:
-        return cls(request_id, obj, model, bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats))
+        return cls(request_id, obj, model, bool(opts and opts.include_usage),
+                   bool(opts and opts.continuous_usage_stats))
 
     def __call__(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
         body: dict[str, Any] = {"id": self.request_id, "object": self.object, "created": self.created,

@@ -4,7 +4,7 @@ request with a 4xx, keep its memory flat and give back every KV block?
 Usage: python benchmarks/soak.py [--minutes 10] [--concurrency 8] [--base-url URL --api-key KEY --pid PID]
 Without --base-url it starts `pagedllm serve` itself (default model, small limits so bursts hit
 --max-waiting-requests). Prints requests, outcomes by kind, p50/p99 latency of completed requests, the server's
-RSS at start and end, and the KV blocks still held once the load stopped (must be 0).
+RSS at the start and after every minute, and the KV blocks still held once the load stopped (must be 0).
 """
 from __future__ import annotations
 
@@ -92,7 +92,16 @@ async def _one(client: httpx.AsyncClient, rng: random.Random, stats: Counter, la
         stats[f"{kind}:{type(e).__name__}"] += 1
 
 
-async def _load(base: str, key: str, minutes: float, concurrency: int, seed: int) -> tuple[Counter, list[float]]:
+async def _rss_every(server: psutil.Process | None, seconds: float, deadline: float, samples: list[float]) -> None:
+    """The server's RSS (MiB) every `seconds`: a leak climbs all along, warm-up (buffers for the largest batch,
+    the allocator's arenas) levels off."""
+    while server is not None and time.monotonic() < deadline:
+        samples.append(round(server.memory_info().rss / 2**20, 1))
+        await asyncio.sleep(seconds)
+
+
+async def _load(base: str, key: str, minutes: float, concurrency: int, seed: int,
+                server: psutil.Process | None, rss: list[float]) -> tuple[Counter, list[float]]:
     stats: Counter = Counter()
     latencies: list[float] = []
     deadline = time.monotonic() + minutes * 60
@@ -110,7 +119,7 @@ async def _load(base: str, key: str, minutes: float, concurrency: int, seed: int
                 await asyncio.sleep(20)
                 await asyncio.gather(*(_one(client, rng, stats, latencies) for _ in range(24)))
 
-        await asyncio.gather(bursts(), *(worker(i) for i in range(concurrency)))
+        await asyncio.gather(bursts(), _rss_every(server, 60, deadline, rss), *(worker(i) for i in range(concurrency)))
     return stats, latencies
 
 
@@ -137,9 +146,10 @@ def main() -> None:
         proc, args.base_url = _server(args)
         args.pid = proc.pid
     server = psutil.Process(args.pid) if args.pid else None
-    rss_start = server.memory_info().rss if server else None
+    rss: list[float] = []
     t0 = time.monotonic()
-    stats, lat = asyncio.run(_load(args.base_url, args.api_key, args.minutes, args.concurrency, args.seed))
+    stats, lat = asyncio.run(_load(args.base_url, args.api_key, args.minutes, args.concurrency, args.seed, server,
+                                   rss))
     elapsed = time.monotonic() - t0
     state = _drained(args.base_url, args.api_key)
     lat.sort()
@@ -150,8 +160,7 @@ def main() -> None:
                                  if (k.split(":")[1].startswith("5") and not k.endswith(":503")) or "error" in k),
         "latency_p50_s": round(lat[len(lat) // 2], 3) if lat else None,
         "latency_p99_s": round(lat[int(len(lat) * 0.99)], 3) if lat else None,
-        "rss_start_mib": round(rss_start / 2**20, 1) if rss_start else None,
-        "rss_end_mib": round(server.memory_info().rss / 2**20, 1) if server else None,
+        "rss_mib_each_minute": rss + ([round(server.memory_info().rss / 2**20, 1)] if server else []),
         "blocks_leaked": state["used_blocks"], "running_after": state["num_running"],
         "waiting_after": state["num_waiting"], "healthy_after": httpx.get(args.base_url + "/health").status_code,
     }

@@ -30,7 +30,6 @@ class Prepared:
 async def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> Prepared:
     model = ctx.check_model(req.model)
     ctx.check_n(req.n)
-    ctx.check_request_token_ids(req)
     ids = await ctx.chat_prompt_ids(req.messages, req.add_generation_prompt)
     max_tokens = ctx.check_length(len(ids), req.effective_max_tokens, req.min_tokens, "messages")
     return Prepared(model, ids, req.to_sampling_params(max_tokens))

@@ -38,7 +38,6 @@ async def _prepare(ctx: ServingContext, req: CompletionRequest) -> _Prepared:
     raw = req.prompt
     given: list[Any] = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else list(raw)
     ctx.check_n(req.n, len(given))
-    ctx.check_request_token_ids(req)
     prompts, texts = [], []
     for p in given:
         ids = await ctx.encode(p) if isinstance(p, str) else list(p)

@@ -20,7 +20,7 @@ from fastapi import Request, Response
 from pagedllm.engine.async_engine import AsyncLLMEngine, RequestAbortedError, RequestStream
 from pagedllm.engine.outputs import CompletionOutput, RequestOutput
 from pagedllm.entrypoints.openai.errors import APIError
-from pagedllm.entrypoints.openai.protocol import ChatMessage, SamplingRequest, finite_logprob
+from pagedllm.entrypoints.openai.protocol import ChatMessage, finite_logprob
 from pagedllm.sampling_params import MAX_N, SamplingParams
 
 logger = logging.getLogger("pagedllm.server")
@@ -99,7 +99,7 @@ class ServingContext:
         limit = self.engine.max_model_len
         if n_prompt == 0:
             raise APIError(f"The {what} is empty", 400, param=what)
-        if n_prompt >= limit and not (max_tokens == 0 and n_prompt == limit):
+        if n_prompt >= limit:
             raise APIError(
                 f"This model's maximum context length is {limit} tokens. However, your {what} has {n_prompt} "
                 f"tokens. Please reduce the length of the {what}.", 400, param=what)
@@ -112,16 +112,12 @@ class ServingContext:
         return limit - n_prompt if max_tokens is None else max_tokens
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
+        """Prompt and /detokenize ids (the engine checks logit_bias and stop_token_ids itself, naming them)."""
         vocab = self.engine.engine.model_config.vocab_size
         bad = next((t for t in ids if t >= vocab), None)
         if bad is not None:
             raise APIError(f"Invalid value for '{param}': token id {bad} is out of range [0, {vocab})", 400,
                            param=param)
-
-    def check_request_token_ids(self, req: SamplingRequest) -> None:
-        """The token ids a request names besides its prompt (the model's vocabulary is the engine's to know)."""
-        self.check_token_ids([int(k) for k in req.logit_bias or {}], "logit_bias")
-        self.check_token_ids(req.stop_token_ids or [], "stop_token_ids")
 
     # ------------------------------------------------------------------ engine requests
     async def submit(self, prompts: list[list[int]], params: SamplingParams, request_id: str) -> list[Sub]:

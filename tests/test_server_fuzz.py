@@ -54,7 +54,7 @@ def test_openapi_schema_fuzz(fuzz_server):
     assert len(operations) >= 8
 
     for operation in operations:
-        @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        @settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck), database=None)
         @given(case=operation.as_strategy())
         def call(case) -> None:
             _bounded(case.body)

@@ -96,7 +96,7 @@ class FakeEngine:
                            num_blocks=self.num_blocks, num_free_blocks=self.num_blocks - used, num_cached_blocks=0, block_size=4,
                            kv_usage=used / self.num_blocks, num_stored_tokens=0, prefix_cache_queries=0,
                            prefix_cache_hits=0, num_preemptions=0, prompt_tokens=0, generation_tokens=0,
-                           peak_running=0, num_steps=self.steps, num_cached_blocks=0)
+                           peak_running=0, num_steps=self.steps)
 
 
 @dataclass

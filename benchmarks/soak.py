@@ -63,9 +63,10 @@ def _body(rng: random.Random) -> tuple[str, dict]:
     return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": prompt}]}
 
 
-async def _one(client: httpx.AsyncClient, rng: random.Random, stats: Counter, latencies: list[float]) -> None:
+async def _one(client: httpx.AsyncClient, rng: random.Random, stats: Counter, latencies: list[float],
+               bad_share: float) -> None:
     """One request of a random kind; its outcome counted as kind:status (or kind:ExceptionName)."""
-    kind = rng.choices(["normal", "cut", "bad"], weights=[6, 2, 2])[0]
+    kind = rng.choices(["normal", "cut", "bad"], weights=[0.8 * (1 - bad_share), 0.2 * (1 - bad_share), bad_share])[0]
     t0 = time.perf_counter()
     try:
         if kind == "bad":
@@ -100,7 +101,7 @@ async def _rss_every(server: psutil.Process | None, seconds: float, deadline: fl
         await asyncio.sleep(seconds)
 
 
-async def _load(base: str, key: str, minutes: float, concurrency: int, seed: int,
+async def _load(base: str, key: str, minutes: float, concurrency: int, seed: int, bad_share: float,
                 server: psutil.Process | None, rss: list[float]) -> tuple[Counter, list[float]]:
     stats: Counter = Counter()
     latencies: list[float] = []
@@ -111,13 +112,13 @@ async def _load(base: str, key: str, minutes: float, concurrency: int, seed: int
         async def worker(i: int) -> None:
             rng = random.Random(seed * 1000 + i)
             while time.monotonic() < deadline:
-                await _one(client, rng, stats, latencies)
+                await _one(client, rng, stats, latencies, bad_share)
 
         async def bursts() -> None:  # 24 at once every 20 s: over --max-waiting-requests on purpose
             rng = random.Random(seed)
             while time.monotonic() < deadline - 20:
                 await asyncio.sleep(20)
-                await asyncio.gather(*(_one(client, rng, stats, latencies) for _ in range(24)))
+                await asyncio.gather(*(_one(client, rng, stats, latencies, bad_share) for _ in range(24)))
 
         await asyncio.gather(bursts(), _rss_every(server, 60, deadline, rss), *(worker(i) for i in range(concurrency)))
     return stats, latencies
@@ -137,6 +138,8 @@ def main() -> None:
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bad-share", type=float, default=0.2,
+                   help="share of malformed requests (0: valid traffic only, to compare memory across versions)")
     p.add_argument("--base-url", default=None)
     p.add_argument("--api-key", default="sk-soak")
     p.add_argument("--pid", type=int, default=None, help="the server's pid, for RSS (with --base-url)")
@@ -148,8 +151,8 @@ def main() -> None:
     server = psutil.Process(args.pid) if args.pid else None
     rss: list[float] = []
     t0 = time.monotonic()
-    stats, lat = asyncio.run(_load(args.base_url, args.api_key, args.minutes, args.concurrency, args.seed, server,
-                                   rss))
+    stats, lat = asyncio.run(_load(args.base_url, args.api_key, args.minutes, args.concurrency, args.seed,
+                                   args.bad_share, server, rss))
     elapsed = time.monotonic() - t0
     state = _drained(args.base_url, args.api_key)
     lat.sort()

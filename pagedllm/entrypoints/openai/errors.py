@@ -118,7 +118,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     def http_error(_: Request, e: Exception) -> JSONResponse:
         assert isinstance(e, StarletteHTTPException)
-        return error_response(str(e.detail), e.status_code, headers=e.headers)
+        cause = e.__cause__  # FastAPI's "error parsing the body": too deep, an integer too long, not UTF-8
+        detail = f"Malformed JSON in the request body: {cause}" if e.status_code == 400 and cause else str(e.detail)
+        return error_response(detail, e.status_code, headers=e.headers)
 
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(RequestValidationError, validation_error)

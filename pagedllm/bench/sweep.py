@@ -93,14 +93,15 @@ def add_sweep_parser(bench_sub) -> argparse.ArgumentParser:
 # ---- running one engine -----------------------------------------------------------------------------------
 
 def kv_bytes_per_token(model: str | None, dtype: str) -> int:
-    from pagedllm.model.config import load_model_config
-    from pagedllm.model.loader import resolve_dtype
-
-    cfg = load_model_config(model)
+    """KV bytes per token of `model` at `dtype` ("auto": the dtype the engine would load it in)."""
     import torch
 
+    from pagedllm import kv
+    from pagedllm.model import load_model_config, resolve_dtype
+
+    cfg = load_model_config(model)
     elem = torch.empty((), dtype=resolve_dtype(dtype, cfg)).element_size()
-    return cfg.kv_bytes_per_token(elem)
+    return kv.kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, elem)
 
 
 def run_engine(engine, prompts: list[list[int]], output_len: int, send_times: np.ndarray) -> dict:
@@ -142,7 +143,13 @@ def run_engine(engine, prompts: list[list[int]], output_len: int, send_times: np
         if s.num_running:
             allocated.append(s.slots_allocated)
             stored.append(s.num_stored_tokens)
-    duration = time.monotonic() - t0
+    return _summary(engine, s0, time.monotonic() - t0, first, arrival, done, out_tokens, allocated, stored,
+                    peak_running)
+
+
+def _summary(engine, s0, duration: float, first: list, arrival: list[float], done: list, out_tokens: list[int],
+             allocated: list[int], stored: list[int], peak_running: int) -> dict:
+    """run_engine's result: the per-request timings and the stats' changes over the run."""
     s1 = engine.stats()
     ttfts = [(f - a) for f, a in zip(first, arrival) if f is not None]
     q = s1.prefix_cache_queries - s0.prefix_cache_queries
@@ -242,7 +249,7 @@ def run_sweep(args: argparse.Namespace) -> int:
         print(f"workload {name}: {len(prompts)} prompts, lengths {lens[0]}..{lens[-1]} (median "
               f"{lens[len(lens) // 2]}), {out_len} output tokens each", file=sys.stderr)
     rows = []
-    from pagedllm.model.loader import load_model
+    from pagedllm.model import load_model
 
     loaded = load_model(args.model, args.dtype) if args.reuse_weights else None  # one copy of the weights for all rows
     for s in settings:

@@ -17,7 +17,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +43,11 @@ class EngineShuttingDownError(EngineDeadError):
 
 
 _ids = itertools.count()
+
+
+def _shut_down(_: Any) -> Any:
+    """What a read asked for after the loop stopped gets instead of running."""
+    raise EngineShuttingDownError("the engine has shut down")
 
 
 def random_request_id(prefix: str = "req") -> str:
@@ -239,6 +244,18 @@ class AsyncLLMEngine:
         """Thread-safe and non-blocking; the engine frees the request's blocks before its next step."""
         self._ops.put(("abort", request_id))
 
+    async def run_on_engine(self, fn: Callable[[Any], Any], timeout: float = 30.0) -> Any:
+        """`fn(engine)` on the engine thread between two steps, for a consistent read-only view (the /kv page's
+        snapshot); it rides the op queue, so the loop pays nothing while nobody asks."""
+        if self._dead_error is not None:
+            raise EngineDeadError(f"the engine loop has stopped: {self._dead_error}")
+        if self._thread is None:  # not started: no other thread touches the engine
+            return fn(self.engine)
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._ops.put(("call", (fn, future, loop)))
+        return await asyncio.wait_for(future, timeout)
+
     # ------------------------------------------------------------------ engine thread
     def _deliver(self, stream: _Stream, fn: str, arg: Any) -> None:
         try:
@@ -277,6 +294,24 @@ class AsyncLLMEngine:
         if stream is not None:
             self._deliver(stream, "fail", RequestAbortedError(reason))
 
+    def _call(self, fn: Callable[[Any], Any], future: asyncio.Future, loop: asyncio.AbstractEventLoop) -> None:
+        try:
+            result, exc = fn(self.engine), None
+        except Exception as e:  # handed to the caller, as add_request's errors are
+            result, exc = None, e
+
+        def done() -> None:
+            if future.done():
+                return
+            if exc is None:
+                future.set_result(result)
+            else:
+                future.set_exception(exc)
+        try:
+            loop.call_soon_threadsafe(done)
+        except RuntimeError:  # the caller's event loop is closed
+            pass
+
     def _drain_ops(self, block: bool) -> None:
         """Apply every queued add/abort; the stats snapshot is refreshed when any changed the engine."""
         first = True
@@ -292,6 +327,9 @@ class AsyncLLMEngine:
                     self._refresh_stats()
                 return
             first = False
+            if op == "call":  # a read: the stats stay as they are
+                self._call(*arg)
+                continue
             changed = True
             if op == "add":
                 request_id, prompt, params, stream = arg
@@ -367,6 +405,8 @@ class AsyncLLMEngine:
                     with self._lock:
                         self._pending_adds -= 1
                     self._added(arg[3], EngineShuttingDownError("the server is shutting down"))
+                elif op == "call":
+                    self._call(_shut_down, *arg[1:])
             self._refresh_stats()
             if self._dead_error is None:
                 self._dead_error = EngineShuttingDownError("the engine has shut down")

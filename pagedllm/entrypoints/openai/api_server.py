@@ -31,6 +31,7 @@ from pagedllm.engine.async_engine import (
 )
 from pagedllm.entrypoints.openai import protocol as P
 from pagedllm.entrypoints.openai.errors import APIError, error_body, error_response, error_sse, from_validation_error
+from pagedllm.entrypoints.openai.kv_page import router as kv_page_router
 from pagedllm.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics, kv_usage, stat
 from pagedllm.entrypoints.openai.serving import OpenAIServing
 from pagedllm.errors import UserError
@@ -272,6 +273,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
             body["rag"] = {"layout": rag.layout, "chunks": chunks}
             return JSONResponse(body)
 
+    app.include_router(kv_page_router)  # GET /kv (the live block map) and GET /v1/kv/blocks (its data)
     if api_key:
         app.add_middleware(_AuthMiddleware, api_key=api_key)
     return app

@@ -1,0 +1,130 @@
+"""The block map: what each KV block is, laid out as cells, for every picture of the cache.
+
+One layout, several painters: the server's /v1/kv/blocks route sends `block_map(...)` as JSON and the /kv page
+paints its cells on a canvas; `pagedllm bench sweep --plot` and `pagedllm kv-calc --plot` paint the same dict with
+matplotlib (pagedllm.bench.block_map_plot). So the states, their colours and the aggregation of a large pool
+into cells are decided here once, and a painter only maps cells to rectangles.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from pagedllm.engine.kv_snapshot import KVSnapshot
+
+# Block states, in the order of the legend and of each cell's counts.
+STATES = ("free", "cached", "used", "shared", "tail", "reserved")
+FREE, CACHED, USED, SHARED, TAIL, RESERVED = range(len(STATES))
+COLORS = {"free": "#e8ecef", "cached": "#9cc3e6", "used": "#3f8f5f", "shared": "#d9622b", "tail": "#f0b429",
+          "reserved": "#b9b3c9"}
+LABELS = {"free": "free", "cached": "free, still caching a prefix (evictable)", "used": "held by one request",
+          "shared": "shared by several requests", "tail": "a request's last block, partly filled",
+          "reserved": "reserved but empty (contiguous allocation)"}
+
+
+def classify(snap: KVSnapshot) -> tuple[np.ndarray, np.ndarray]:
+    """Per block: its state (an index into STATES) and how many of its slots hold a token.
+
+    Ref counts and hashes say free / cached / used / shared; the block tables say which slots are filled, so a
+    request's partly filled last block is `tail`, and a contiguous request's blocks past its tokens `reserved`.
+    """
+    ref = np.asarray(snap.ref_cnt, dtype=np.int64)
+    state = np.full(snap.num_blocks, FREE, dtype=np.int64)
+    fill = np.zeros(snap.num_blocks, dtype=np.int64)
+    cached = np.fromiter((h is not None for h in snap.block_hash), dtype=bool, count=snap.num_blocks)
+    state[(ref == 0) & cached] = CACHED
+    fill[(ref == 0) & cached] = snap.block_size
+    state[ref == 1] = USED
+    state[ref > 1] = SHARED
+    ids, tokens = _table_fill(snap)
+    fill[ids] = tokens
+    state[ids[tokens == 0]] = RESERVED
+    state[ids[(tokens > 0) & (tokens < snap.block_size)]] = TAIL
+    return state, fill
+
+
+def _table_fill(snap: KVSnapshot) -> tuple[np.ndarray, np.ndarray]:
+    """Every held block id (with repeats for shared ones) and the tokens its holder keeps in it."""
+    bs = snap.block_size
+    ids, tokens = [], []
+    for r in snap.requests:
+        if r.block_ids:
+            ids.append(np.asarray(r.block_ids, dtype=np.int64))
+            tokens.append(np.clip(r.kv_tokens - bs * np.arange(len(r.block_ids)), 0, bs))
+    if not ids:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    return np.concatenate(ids), np.concatenate(tokens)
+
+
+def grid(num_blocks: int, max_cells: int) -> tuple[int, int, int]:
+    """(blocks per cell, cells, columns): one block per cell while they fit, else equal runs of blocks.
+
+    About twice as wide as tall, so a page and a picture show the pool as one block of cells.
+    """
+    per_cell = max(1, math.ceil(num_blocks / max(1, max_cells)))
+    cells = math.ceil(num_blocks / per_cell)
+    columns = min(128, max(8, round(math.sqrt(2 * cells))))
+    return per_cell, cells, columns
+
+
+def block_map(snap: KVSnapshot, max_cells: int = 8192) -> dict:
+    """The whole picture as a JSON-ready dict (its schema: KVBlocksResponse in entrypoints/openai/kv_page.py)."""
+    state, fill = classify(snap)
+    per_cell, cells, columns = grid(snap.num_blocks, max_cells)
+    cell_of = np.arange(snap.num_blocks) // per_cell
+    counts = np.bincount(cell_of * len(STATES) + state, minlength=cells * len(STATES)).reshape(cells, len(STATES))
+    cell_fill = np.bincount(cell_of, weights=fill, minlength=cells).astype(np.int64)
+    index = {r.request_id: i for i, r in enumerate(snap.requests)}
+    return {
+        "object": "kv.blocks", "time": snap.time, "step": snap.step, "allocation": snap.allocation,
+        "block_size": snap.block_size, "num_blocks": snap.num_blocks, "prefix_caching": snap.prefix_caching,
+        "counters": _counters(snap, state, fill),
+        "map": {"blocks_per_cell": per_cell, "columns": columns, "states": list(STATES), "colors": COLORS,
+                "labels": LABELS, "counts": counts.tolist(), "fill": cell_fill.tolist()},
+        "blocks": _blocks(snap, state, fill, index) if per_cell == 1 else None,
+        "requests": [_request(r, state, snap) for r in snap.requests],
+        "requests_omitted": snap.num_waiting - sum(r.status != "running" for r in snap.requests),
+    }
+
+
+def _counters(snap: KVSnapshot, state: np.ndarray, fill: np.ndarray) -> dict:
+    st = snap.stats
+    held = state >= USED
+    slots = int(held.sum()) * snap.block_size
+    stored = int(fill[held].sum())
+    return {"num_running": st.num_running, "num_waiting": snap.num_waiting,
+            "num_free_blocks": int((state <= CACHED).sum()), "num_evictable_blocks": int((state == CACHED).sum()),
+            "num_used_blocks": int(held.sum()), "num_shared_blocks": int((state == SHARED).sum()),
+            "kv_usage": st.kv_usage, "prefix_cache_queries": st.prefix_cache_queries,
+            "prefix_cache_hits": st.prefix_cache_hits, "prefix_cache_hit_rate": st.prefix_cache_hit_rate,
+            "num_preemptions": st.num_preemptions, "prompt_tokens": st.prompt_tokens,
+            "generation_tokens": st.generation_tokens, "slots_allocated": slots, "tokens_stored": stored,
+            "empty_slots": slots - stored}
+
+
+def _blocks(snap: KVSnapshot, state: np.ndarray, fill: np.ndarray, index: dict[str, int]) -> list[dict]:
+    """One entry per block that is not plain free: its ref count, short hash, eviction rank and holders."""
+    holders: dict[int, list[int]] = {}
+    for r in snap.requests:
+        for b in r.block_ids:
+            holders.setdefault(b, []).append(index[r.request_id])
+    rank = {b: i for i, b in enumerate(snap.evict_order)}
+    out = []
+    for b in np.flatnonzero(state != FREE).tolist():
+        h = snap.block_hash[b]
+        out.append({"block_id": b, "state": STATES[state[b]], "ref_cnt": snap.ref_cnt[b],
+                    "hash": h.hex()[:16] if h is not None else None, "evict_rank": rank.get(b),
+                    "tokens": int(fill[b]), "holders": holders.get(b, [])})
+    return out
+
+
+def _request(r, state: np.ndarray, snap: KVSnapshot) -> dict:
+    slots = len(r.block_ids) * snap.block_size
+    return {"request_id": r.request_id, "status": r.status, "prompt_tokens": r.prompt_tokens,
+            "output_tokens": r.output_tokens, "cached_tokens": r.cached_tokens,
+            "cached_blocks": r.cached_tokens // snap.block_size if r.block_ids else 0,
+            "kv_tokens": r.kv_tokens, "num_preemptions": r.num_preemptions, "block_ids": list(r.block_ids),
+            "block_states": [STATES[state[b]] for b in r.block_ids],
+            "block_refs": [snap.ref_cnt[b] for b in r.block_ids], "slots": slots,
+            "empty_slots": slots - r.kv_tokens if r.block_ids else 0}

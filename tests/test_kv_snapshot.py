@@ -174,3 +174,22 @@ def test_run_on_engine_runs_between_steps_on_the_engine_thread():
     assert lefts == sorted(lefts, reverse=True) and len(lefts) == 5
     with pytest.raises(EngineDeadError, match="shut down"):
         asyncio.run(eng.run_on_engine(look))
+
+
+def test_sweep_pictures_show_each_allocation_at_its_peak(model_fp32, tmp_path):
+    from pagedllm.bench.block_map_plot import plot_block_maps
+    from pagedllm.bench.sweep import run_engine
+
+    prompts = [list(range(500 + 90 * i, 500 + 90 * i + n)) for i, n in enumerate((20, 70, 35, 50))]
+    maps = {}
+    for alloc in ("contiguous", "paged"):
+        e = engine(model_fp32, 24, kv_allocation=alloc, max_model_len=128)  # contiguous: 8 blocks each, 3 fit
+        peaks = []
+        res = run_engine(e, prompts, 6, np.zeros(len(prompts)), lambda eng: peaks.append(block_map(take_snapshot(eng))))
+        maps[alloc] = peaks[-1]
+        assert peaks[-1]["counters"]["slots_allocated"] == res["peak_kv_slots_allocated"]
+    whole, paged = maps["contiguous"]["counters"], maps["paged"]["counters"]
+    assert whole["num_running"] == 3 and whole["slots_allocated"] == 3 * 128 and paged["num_running"] == 4
+    assert paged["empty_slots"] < 16 * 4 < whole["empty_slots"]
+    plot_block_maps(maps, str(tmp_path / "peak.png"))
+    assert (tmp_path / "peak.png").read_bytes()[:4] == b"\x89PNG"

@@ -69,6 +69,7 @@ def draw_pool(ax, m: dict) -> None:
                     color="white" if state == "shared" else "#1d2329")
     ax.add_collection(PatchCollection(rects, match_original=True))
     _frame(ax, cols, cdiv(cells, cols))
+    ax.set_aspect("equal")  # square cells, as on the page
 
 
 def draw_rows(ax, m: dict, max_rows: int = 24, max_cells: int | None = None) -> None:
@@ -113,13 +114,14 @@ def plot_block_maps(maps: dict[str, dict], path: str, title: str = "") -> None:
     plt = _mpl()[0]
     fig, axes = plt.subplots(2, len(maps), figsize=(7.5 * len(maps), 9), squeeze=False,
                              gridspec_kw={"height_ratios": [3, 2]})
+    width = max(len(r["block_ids"]) for m in maps.values() for r in m["requests"] or [{"block_ids": []}])
     for col, (name, m) in enumerate(maps.items()):
         c = m["counters"]
         draw_pool(axes[0][col], m)
         axes[0][col].set_title(f"{name}: {c['num_running']} running, {c['num_used_blocks']:,} of {m['num_blocks']:,} "
                                f"blocks held\n{c['tokens_stored']:,} tokens in {c['slots_allocated']:,} slots "
                                f"({_share(c['tokens_stored'], c['slots_allocated'])} used)", fontsize=10)
-        draw_rows(axes[1][col], m)
+        draw_rows(axes[1][col], m, max_cells=width)  # one scale for all: a short table looks short
         axes[1][col].set_title("block tables (one row per request)", fontsize=9)
     legend(fig, next(iter(maps.values())))
     fig.suptitle(title or "KV block maps")

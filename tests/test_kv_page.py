@@ -9,9 +9,6 @@ cached in the free queue, are on it too.
 """
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -26,9 +23,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 KEY = "sk-kv-page"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 SHOTS = Path(__file__).resolve().parent.parent / "out" / "kv-page"
-CHROME_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                "--window-size=1400,1000"]
 PREFIX_A = ("The library gives every visitor a locker. A whole locker for a small bag wastes the wall, so the "
             "librarian hands out small shelves one at a time, and two visitors with the same books share a shelf. ")
 PREFIX_B = ("Paged attention splits the key-value cache into blocks of sixteen tokens. A request takes a new block "
@@ -58,19 +52,12 @@ def server(model_fp32):
 @pytest.fixture(scope="module")
 def browser():
     """Chromium from the system; missing, the test fails and says how to get it (no silent skip)."""
-    chromium, driver_bin = shutil.which("chromium"), shutil.which("chromedriver")
-    if not chromium or not driver_bin:
-        pytest.fail("the /kv page test needs Debian's chromium and chromium-driver: `make test` installs them "
-                    "when run as root, or run `apt-get install -y chromium chromium-driver`")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
+    from pagedllm.bench.browser import BrowserMissing, chromium_driver
 
-    options = webdriver.ChromeOptions()
-    options.binary_location = chromium
-    for flag in CHROME_FLAGS + [f"--user-data-dir={tempfile.mkdtemp(prefix='pagedllm-chromium-')}"]:
-        options.add_argument(flag)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(service=Service(driver_bin), options=options)
+    try:
+        driver = chromium_driver()
+    except BrowserMissing as e:
+        pytest.fail(str(e))
     try:
         yield driver
     finally:

@@ -17,9 +17,8 @@ import pytest
 from pagedllm import SamplingParams
 from pagedllm.engine import EngineConfig, LLMEngine
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
-from pagedllm.engine.block_map import STATES, block_map, grid
+from pagedllm.engine.block_map import STATES, block_map, expand_row, grid
 from pagedllm.engine.kv_snapshot import BlockTokens, KVSnapshot, RequestState, block_detail, take_snapshot
-from pagedllm.engine.stats import EngineStats
 from pagedllm.entrypoints.openai.kv_page import KVBlocksResponse
 
 BLOCK_BYTES_FP32 = 16 * 2 * 30 * 3 * 64 * 4  # SmolLM2-135M: 16 tokens x K,V x 30 layers x 3 heads x 64 x fp32
@@ -40,11 +39,17 @@ def check_against_manager(e: LLMEngine, m: dict) -> None:
            [r.request_id for r in e.scheduler.running]
     assert [r["request_id"] for r in m["requests"] if r["status"] != "running"] == \
            [r.request_id for r in e.scheduler.waiting]
+    listed = {b["block_id"]: b for b in m["blocks"]}
     for r in m["requests"]:
         assert r["block_ids"] == kv.get_block_ids(r["request_id"])
         assert r["kv_tokens"] == kv.req_tokens.get(r["request_id"], 0)
-        assert r["block_refs"] == [pool.blocks[b].ref_cnt for b in r["block_ids"]]
-    listed = {b["block_id"]: b for b in m["blocks"]}
+        row = expand_row(r["row"])
+        assert [ref for _, ref in row] == [pool.blocks[b].ref_cnt for b in r["block_ids"]]
+        assert [state for state, _ in row] == [listed[b]["state"] for b in r["block_ids"]]
+        for i, (b, (state, _)) in enumerate(zip(r["block_ids"], row)):  # the states' rule, from the manager
+            t = min(bs, max(0, kv.req_tokens[r["request_id"]] - i * bs))
+            ref = pool.blocks[b].ref_cnt
+            assert state == ("reserved" if t == 0 else "tail" if t < bs else "shared" if ref > 1 else "used")
     for block in pool.blocks:
         holders = sorted(rid for rid, blocks in kv.req_blocks.items() if block in blocks)
         info = listed.get(block.block_id)
@@ -58,9 +63,12 @@ def check_against_manager(e: LLMEngine, m: dict) -> None:
         assert (info["state"] == "cached") == (block.ref_cnt == 0)
     evictable = [b.block_id for b in pool.free_queue if b.block_hash is not None]
     assert [listed[b]["evict_rank"] for b in evictable] == list(range(len(evictable)))
-    c = m["counters"]
-    assert c["num_used_blocks"] == kv.num_used_blocks and c["tokens_stored"] == kv.num_stored_tokens
-    assert c["num_free_blocks"] == kv.num_free_blocks and c["slots_allocated"] == kv.num_used_blocks * bs
+    c, st = m["counters"], e.stats()
+    assert c["num_used_blocks"] == kv.num_used_blocks and c["tokens_stored"] == st.num_stored_tokens
+    assert c["num_free_blocks"] == kv.num_free_blocks and c["slots_allocated"] == st.slots_allocated
+    assert c["kv_usage"] == pytest.approx(st.kv_usage) and c["num_running"] == st.num_running
+    assert (c["num_preemptions"], c["prefix_cache_hits"], c["prefix_cache_queries"], c["generation_tokens"]) == \
+           (st.num_preemptions, st.prefix_cache_hits, st.prefix_cache_queries, st.generation_tokens)
     assert sum(map(sum, m["map"]["counts"])) == pool.num_blocks
 
 
@@ -102,7 +110,8 @@ def test_contiguous_requests_show_their_reserved_slots(model_fp32):
         n = r["kv_tokens"]
         full, part = divmod(n, 16)
         assert r["slots"] == 128 and r["empty_slots"] == 128 - n
-        assert r["block_states"] == ["used"] * full + ["tail"] * (part > 0) + ["reserved"] * (8 - full - (part > 0))
+        assert [s for s, _ in expand_row(r["row"])] == \
+               ["used"] * full + ["tail"] * (part > 0) + ["reserved"] * (8 - full - (part > 0))
     assert m["counters"]["empty_slots"] == sum(128 - r["kv_tokens"] for r in m["requests"])
 
 
@@ -112,9 +121,7 @@ def synthetic(num_blocks: int, tables: list[list[int]], tokens: list[int]) -> KV
         for b in t:
             ref[b] += 1
     reqs = [RequestState(f"r{i}", "running", n, 0, 0, n, 0, t) for i, (t, n) in enumerate(zip(tables, tokens))]
-    stats = EngineStats(len(reqs), 0, num_blocks, num_blocks - sum(r > 0 for r in ref), 16, 0.0, 0, 0, 0, 0, 0, 0,
-                        len(reqs), 0)
-    return KVSnapshot(0.0, 0, "paged", 16, num_blocks, True, ref, [None] * num_blocks, [], reqs, 0, stats)
+    return KVSnapshot(0.0, 0, "paged", 16, num_blocks, True, ref, [], [], None, reqs, 0)
 
 
 def test_a_100k_block_pool_is_aggregated_into_cells():

@@ -11,9 +11,8 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
-from pagedllm.engine.block_map import STATES, block_map
+from pagedllm.engine.block_map import STATES, block_map, expand_row
 from pagedllm.engine.kv_snapshot import KVSnapshot, RequestState
-from pagedllm.engine.stats import EngineStats
 from pagedllm.kv.manager import cdiv
 
 LABEL_MIN_CELLS = 2048  # above this many cells a pool map has no room for numbers
@@ -80,7 +79,7 @@ def draw_rows(ax, m: dict, max_rows: int = 24, max_cells: int | None = None) -> 
     rows = [r for r in m["requests"] if r["block_ids"]][:max_rows]
     width = max([len(r["block_ids"]) for r in rows] + [max_cells or 1])
     for y, r in enumerate(rows):
-        for k, state in enumerate(r["block_states"]):
+        for k, (state, _) in enumerate(expand_row(r["row"])):
             share = min(bs, max(0, r["kv_tokens"] - k * bs)) / bs
             _cell(rects, k, y, state, share, colors, 0.12 if width <= 96 else 0.0, height=0.78)
             if k < r["cached_blocks"]:  # came from the prefix cache: underlined, as on the page
@@ -143,10 +142,8 @@ def lengths_snapshot(lengths: Sequence[int], block_size: int, allocation: str, m
         reqs.append(RequestState(f"request {i + 1}", "running", n, 0, 0, n, 0, list(range(start, start + blocks))))
         start += blocks
     total = max(1, start)
-    stats = EngineStats(len(reqs), 0, total, total - start, block_size, start / total, sum(lengths), 0, 0, 0,
-                        sum(lengths), 0, len(reqs), 0)
-    return KVSnapshot(0.0, 0, allocation, block_size, total, False, [1] * start + [0] * (total - start),
-                      [None] * total, [], reqs, 0, stats)
+    return KVSnapshot(0.0, 0, allocation, block_size, total, False, [1] * start + [0] * (total - start), [], [],
+                      [], reqs, 0)
 
 
 def plot_kv_calc(lengths: Sequence[int], block_size: int, max_len: int, path: str):

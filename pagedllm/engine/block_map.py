@@ -23,8 +23,8 @@ LABELS = {"free": "free", "cached": "free, still caching a prefix (evictable)", 
           "reserved": "reserved but empty (contiguous allocation)"}
 
 
-def classify(snap: KVSnapshot) -> tuple[np.ndarray, np.ndarray]:
-    """Per block: its state (an index into STATES) and how many of its slots hold a token.
+def classify(snap: KVSnapshot) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per block: its ref count, its state (an index into STATES) and how many of its slots hold a token.
 
     Ref counts and hashes say free / cached / used / shared; the block tables say which slots are filled, so a
     request's partly filled last block is `tail`, and a contiguous request's blocks past its tokens `reserved`.
@@ -32,7 +32,8 @@ def classify(snap: KVSnapshot) -> tuple[np.ndarray, np.ndarray]:
     ref = np.asarray(snap.ref_cnt, dtype=np.int64)
     state = np.full(snap.num_blocks, FREE, dtype=np.int64)
     fill = np.zeros(snap.num_blocks, dtype=np.int64)
-    cached = np.fromiter((h is not None for h in snap.block_hash), dtype=bool, count=snap.num_blocks)
+    cached = np.zeros(snap.num_blocks, dtype=bool)
+    cached[np.asarray(snap.hashed_ids, dtype=np.int64)] = True
     state[(ref == 0) & cached] = CACHED
     fill[(ref == 0) & cached] = snap.block_size
     state[ref == 1] = USED
@@ -41,7 +42,7 @@ def classify(snap: KVSnapshot) -> tuple[np.ndarray, np.ndarray]:
     fill[ids] = tokens
     state[ids[tokens == 0]] = RESERVED
     state[ids[(tokens > 0) & (tokens < snap.block_size)]] = TAIL
-    return state, fill
+    return ref, state, fill
 
 
 def _table_fill(snap: KVSnapshot) -> tuple[np.ndarray, np.ndarray]:
@@ -70,61 +71,80 @@ def grid(num_blocks: int, max_cells: int) -> tuple[int, int, int]:
 
 def block_map(snap: KVSnapshot, max_cells: int = 8192) -> dict:
     """The whole picture as a JSON-ready dict (its schema: KVBlocksResponse in entrypoints/openai/kv_page.py)."""
-    state, fill = classify(snap)
+    ref, state, fill = classify(snap)
     per_cell, cells, columns = grid(snap.num_blocks, max_cells)
     cell_of = np.arange(snap.num_blocks) // per_cell
     counts = np.bincount(cell_of * len(STATES) + state, minlength=cells * len(STATES)).reshape(cells, len(STATES))
     cell_fill = np.bincount(cell_of, weights=fill, minlength=cells).astype(np.int64)
-    index = {r.request_id: i for i, r in enumerate(snap.requests)}
     return {
         "object": "kv.blocks", "time": snap.time, "step": snap.step, "allocation": snap.allocation,
         "block_size": snap.block_size, "num_blocks": snap.num_blocks, "prefix_caching": snap.prefix_caching,
         "counters": _counters(snap, state, fill),
         "map": {"blocks_per_cell": per_cell, "columns": columns, "states": list(STATES), "colors": COLORS,
                 "labels": LABELS, "counts": counts.tolist(), "fill": cell_fill.tolist()},
-        "blocks": _blocks(snap, state, fill, index) if per_cell == 1 else None,
-        "requests": [_request(r, state, snap) for r in snap.requests],
+        "blocks": _blocks(snap, state, fill) if per_cell == 1 else None,
+        "requests": [_request(r, ref, state, snap.block_size) for r in snap.requests],
         "requests_omitted": snap.num_waiting - sum(r.status != "running" for r in snap.requests),
     }
 
 
 def _counters(snap: KVSnapshot, state: np.ndarray, fill: np.ndarray) -> dict:
-    st = snap.stats
+    c = snap.counters
     held = state >= USED
-    slots = int(held.sum()) * snap.block_size
+    used = int(held.sum())
     stored = int(fill[held].sum())
-    return {"num_running": st.num_running, "num_waiting": snap.num_waiting,
+    queries, hits = c.get("prefix_cache_queries", 0), c.get("prefix_cache_hits", 0)
+    return {"num_running": sum(r.status == "running" for r in snap.requests), "num_waiting": snap.num_waiting,
             "num_free_blocks": int((state <= CACHED).sum()), "num_evictable_blocks": int((state == CACHED).sum()),
-            "num_used_blocks": int(held.sum()), "num_shared_blocks": int((state == SHARED).sum()),
-            "kv_usage": st.kv_usage, "prefix_cache_queries": st.prefix_cache_queries,
-            "prefix_cache_hits": st.prefix_cache_hits, "prefix_cache_hit_rate": st.prefix_cache_hit_rate,
-            "num_preemptions": st.num_preemptions, "prompt_tokens": st.prompt_tokens,
-            "generation_tokens": st.generation_tokens, "slots_allocated": slots, "tokens_stored": stored,
-            "empty_slots": slots - stored}
+            "num_used_blocks": used, "num_shared_blocks": int((state == SHARED).sum()),
+            "kv_usage": used / snap.num_blocks, "prefix_cache_queries": queries, "prefix_cache_hits": hits,
+            "prefix_cache_hit_rate": hits / queries if queries else 0.0,
+            "num_preemptions": c.get("num_preemptions", 0), "prompt_tokens": c.get("prompt_tokens", 0),
+            "generation_tokens": c.get("generation_tokens", 0), "slots_allocated": used * snap.block_size,
+            "tokens_stored": stored, "empty_slots": used * snap.block_size - stored}
 
 
-def _blocks(snap: KVSnapshot, state: np.ndarray, fill: np.ndarray, index: dict[str, int]) -> list[dict]:
+def _blocks(snap: KVSnapshot, state: np.ndarray, fill: np.ndarray) -> list[dict]:
     """One entry per block that is not plain free: its ref count, short hash, eviction rank and holders."""
     holders: dict[int, list[int]] = {}
-    for r in snap.requests:
+    for i, r in enumerate(snap.requests):
         for b in r.block_ids:
-            holders.setdefault(b, []).append(index[r.request_id])
-    rank = {b: i for i, b in enumerate(snap.evict_order)}
+            holders.setdefault(b, []).append(i)
+    rank = {b: i for i, b in enumerate(snap.evict_order or ())}
+    hashes = dict(zip(snap.hashed_ids, snap.hashes))
     out = []
     for b in np.flatnonzero(state != FREE).tolist():
-        h = snap.block_hash[b]
+        h = hashes.get(b)
         out.append({"block_id": b, "state": STATES[state[b]], "ref_cnt": snap.ref_cnt[b],
                     "hash": h.hex()[:16] if h is not None else None, "evict_rank": rank.get(b),
                     "tokens": int(fill[b]), "holders": holders.get(b, [])})
     return out
 
 
-def _request(r, state: np.ndarray, snap: KVSnapshot) -> dict:
-    slots = len(r.block_ids) * snap.block_size
+def row_runs(block_ids: list[int], ref: np.ndarray, state: np.ndarray) -> list[list]:
+    """A block table as runs of equal (state, ref count): [state, ref_cnt, blocks], in table order.
+
+    A table of thousands of blocks is then a few runs (shared prefix, own blocks, tail), cheap to send and draw.
+    """
+    if not block_ids:
+        return []
+    ids = np.asarray(block_ids, dtype=np.int64)
+    key = state[ids] * (1 << 32) + ref[ids]
+    starts = np.concatenate(([0], np.flatnonzero(np.diff(key)) + 1))
+    lengths = np.diff(np.concatenate((starts, [len(ids)])))
+    return [[STATES[state[ids[s]]], int(ref[ids[s]]), int(n)] for s, n in zip(starts.tolist(), lengths.tolist())]
+
+
+def expand_row(row: list[list]) -> list[tuple[str, int]]:
+    """Runs back to one (state, ref count) per block of the table."""
+    return [(state, ref) for state, ref, n in row for _ in range(n)]
+
+
+def _request(r, ref: np.ndarray, state: np.ndarray, block_size: int) -> dict:
+    slots = len(r.block_ids) * block_size
     return {"request_id": r.request_id, "status": r.status, "prompt_tokens": r.prompt_tokens,
             "output_tokens": r.output_tokens, "cached_tokens": r.cached_tokens,
-            "cached_blocks": r.cached_tokens // snap.block_size if r.block_ids else 0,
+            "cached_blocks": r.cached_tokens // block_size if r.block_ids else 0,
             "kv_tokens": r.kv_tokens, "num_preemptions": r.num_preemptions, "block_ids": list(r.block_ids),
-            "block_states": [STATES[state[b]] for b in r.block_ids],
-            "block_refs": [snap.ref_cnt[b] for b in r.block_ids], "slots": slots,
+            "row": row_runs(r.block_ids, ref, state), "slots": slots,
             "empty_slots": slots - r.kv_tokens if r.block_ids else 0}

@@ -12,7 +12,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedllm.engine.stats import EngineStats
 
 
 @dataclass
@@ -35,19 +34,26 @@ class KVSnapshot:
     block_size: int
     num_blocks: int
     prefix_caching: bool
-    ref_cnt: list[int]  # per block id
-    block_hash: list[bytes | None]  # per block id: the prefix-cache key of a full, registered block
-    evict_order: list[int]  # free blocks that still cache a prefix, the next one to be evicted first
+    ref_cnt: list[int]  # per block id, as the pool has it (a block held but in no table would show)
+    hashed_ids: list[int]  # the blocks registered in the prefix cache (full ones, held or free) ...
+    hashes: list[bytes]  # ... and their keys, in the same order
+    evict_order: list[int] | None  # free blocks still caching a prefix, next evicted first (None: not copied)
     requests: list[RequestState]  # every running request, then the head of the waiting queue
     num_waiting: int  # every waiting request, also those past the listed head
-    stats: EngineStats
+    counters: dict[str, int] = field(default_factory=dict)  # the engine's cumulative counters (see COUNTERS)
 
 
-def take_snapshot(engine: Any, max_waiting: int = 64, memo: BlockTokens | None = None) -> KVSnapshot:
+COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens", "generation_tokens")
+
+
+def take_snapshot(engine: Any, max_waiting: int = 64, memo: BlockTokens | None = None,
+                  evict_order: bool = True) -> KVSnapshot:
     """Copy the pool, the block tables and the queues; call it on the engine thread, between steps.
 
-    `max_waiting` bounds the copy of the waiting queue (a benchmark may queue thousands); `memo`, when given,
-    learns the tokens of the full blocks held now (see BlockTokens).
+    Its cost is one pass over the pool's ref counts plus the cached and held blocks: `max_waiting` bounds the copy
+    of the waiting queue (a benchmark may queue thousands), `evict_order=False` skips the walk of the free queue
+    (a map that aggregates blocks into cells does not show it), and `memo`, when given, learns the tokens of the
+    full blocks that became held since the last snapshot (see BlockTokens).
     """
     kv, sched = engine.kv, engine.scheduler
     pool = kv.pool
@@ -55,12 +61,16 @@ def take_snapshot(engine: Any, max_waiting: int = 64, memo: BlockTokens | None =
         memo.record(engine)
     running = [_request_state(r, kv) for r in sched.running]
     waiting = [_request_state(r, kv) for r in itertools.islice(sched.waiting, max_waiting)]
+    order = [b.block_id for b in pool.free_queue if b.block_hash is not None] if evict_order else None
+    counters = {"prefix_cache_queries": kv.prefix_stats.queries, "prefix_cache_hits": kv.prefix_stats.hits,
+                "num_preemptions": sched.num_preemptions, "prompt_tokens": engine.prompt_tokens,
+                "generation_tokens": engine.generation_tokens}
     return KVSnapshot(
         time=time.time(), step=engine.num_steps, allocation=engine.config.kv_allocation,
         block_size=kv.block_size, num_blocks=pool.num_blocks, prefix_caching=kv.enable_caching,
-        ref_cnt=[b.ref_cnt for b in pool.blocks], block_hash=[b.block_hash for b in pool.blocks],
-        evict_order=[b.block_id for b in pool.free_queue if b.block_hash is not None],
-        requests=running + waiting, num_waiting=len(sched.waiting), stats=engine.stats())
+        ref_cnt=[b.ref_cnt for b in pool.blocks], hashed_ids=[b.block_id for b in pool.cached.values()],
+        hashes=list(pool.cached), evict_order=order, requests=running + waiting, num_waiting=len(sched.waiting),
+        counters=counters)
 
 
 def _request_state(req: Any, kv: Any) -> RequestState:
@@ -73,23 +83,27 @@ class BlockTokens:
     """The tokens of full, cached blocks, learnt from the requests that held them while someone watched.
 
     The pool keeps only a block's hash, so a block that went back to the free queue with its prefix still cached
-    could not say what it holds. Each snapshot records the held full blocks it has not seen yet; entries whose
-    hash the pool no longer caches are dropped once there are more than blocks in the pool.
+    could not say what it holds. Each snapshot records, per running request, the full blocks registered since the
+    last one (a table only grows at its end, so that is a few blocks, not the pool); entries whose hash the pool no
+    longer caches are dropped once there are more than blocks in the pool.
     """
 
     def __init__(self) -> None:
         self.by_hash: dict[bytes, list[int]] = {}
+        self.done: dict[str, int] = {}  # request id -> leading blocks of its table already recorded
 
     def record(self, engine: Any) -> None:
         kv = engine.kv
         bs = kv.block_size
+        done = {}
         for rid, blocks in kv.req_blocks.items():
             req = engine.requests.get(rid)
-            if req is None:
-                continue
-            for i, block in enumerate(blocks):
-                if block.block_hash is not None and block.block_hash not in self.by_hash:
-                    self.by_hash[block.block_hash] = req.all_token_ids[i * bs:(i + 1) * bs]
+            full = min(len(blocks), kv.req_tokens.get(rid, 0) // bs) if req is not None else 0
+            for i in range(self.done.get(rid, 0), full):
+                if blocks[i].block_hash is not None:
+                    self.by_hash.setdefault(blocks[i].block_hash, req.all_token_ids[i * bs:(i + 1) * bs])
+            done[rid] = full
+        self.done = done
         if len(self.by_hash) > kv.pool.num_blocks:
             cached = kv.pool.cached
             self.by_hash = {h: t for h, t in self.by_hash.items() if h in cached}

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 
-from pagedllm.engine.block_map import block_map
+from pagedllm.engine.block_map import block_map, grid
 from pagedllm.engine.kv_snapshot import BlockTokens, block_detail, take_snapshot
 from pagedllm.entrypoints.openai.errors import APIError
 
@@ -73,8 +73,8 @@ class KVRequestInfo(BaseModel):
     kv_tokens: int = Field(description="tokens it has KV slots for")
     num_preemptions: int
     block_ids: list[int] = Field(description="its block table")
-    block_states: list[BlockState]
-    block_refs: list[int]
+    row: list[tuple[BlockState, int, int]] = Field(
+        description="the table as runs of equal (state, ref count): [state, ref_cnt, blocks], in table order")
     slots: int
     empty_slots: int = Field(description="its slots without a token: the tail's, or a contiguous reservation's")
 
@@ -134,8 +134,9 @@ async def kv_blocks(request: Request,
                                                                          "default 64)")] = None) -> Response:
     cells = _int_param("max_cells", max_cells, 8192, 1, 1_000_000)
     waiting = _int_param("max_waiting", max_waiting, 64, 0, 10_000)
-    memo = _block_tokens(request)
-    snap = await request.app.state.engine.run_on_engine(lambda e: take_snapshot(e, waiting, memo))
+    engine, memo = request.app.state.engine, _block_tokens(request)
+    per_block = grid(engine.stats().num_blocks, cells)[0] == 1  # else no per-block list: skip the LRU walk
+    snap = await engine.run_on_engine(lambda e: take_snapshot(e, waiting, memo, evict_order=per_block))
     return JSONResponse(block_map(snap, cells))
 
 

@@ -24,9 +24,13 @@ async function getJSON(path) {
 }
 
 async function poll() {
+  let delay = POLL_MS;
   if (!document.hidden) {
+    const started = performance.now();
     try {
       const data = await getJSON("/v1/kv/blocks?max_cells=8192");
+      // A big pool makes each answer cost more: wait at least four answers' time, so watching stays cheap.
+      delay = Math.max(POLL_MS, 4 * (performance.now() - started));
       page.prev = page.data;
       page.data = data;
       render(data);
@@ -37,7 +41,7 @@ async function poll() {
       $("status").className = "error";
     }
   }
-  setTimeout(poll, POLL_MS);
+  setTimeout(poll, delay);
 }
 
 function render(d) {
@@ -143,8 +147,8 @@ function drawRun(ctx, map, counts, x, y, px) {  // many blocks in one cell: a st
   });
 }
 
-function cellSpan(d, r, k) {
-  const span = document.createElement("span"), state = r.block_states[k], ref = r.block_refs[k];
+function cellSpan(d, r, k, state, ref) {
+  const span = document.createElement("span");
   span.className = `cell ${state}` + (k < r.cached_blocks ? " hit" : "");
   span.style.background = d.map.colors[state];
   span.dataset.block = r.block_ids[k];
@@ -156,19 +160,23 @@ function cellSpan(d, r, k) {
   return span;
 }
 
-function tableRow(d, r) {
-  const row = document.createElement("div"), n = r.block_ids.length;
+function tableRow(d, r) {  // the table's runs, cell by cell; a long table shows its head and its tail
+  const row = document.createElement("div"), n = r.block_ids.length, long = n > ROW_HEAD + ROW_TAIL;
   row.className = "row";
-  const gapAt = n > ROW_HEAD + ROW_TAIL ? ROW_HEAD : -1;
-  for (let k = 0; k < n; k++) {
-    if (k === gapAt) {
-      const gap = document.createElement("span");
-      gap.className = "gap";
-      gap.textContent = `… ${n - ROW_HEAD - ROW_TAIL} more …`;
-      row.appendChild(gap);
-      k = n - ROW_TAIL;
+  let k = 0;
+  for (const [state, ref, count] of r.row) {
+    for (let j = 0; j < count; j++, k++) {
+      if (long && k >= ROW_HEAD && k < n - ROW_TAIL) {
+        if (k === ROW_HEAD) {
+          const gap = document.createElement("span");
+          gap.className = "gap";
+          gap.textContent = `… ${n - ROW_HEAD - ROW_TAIL} more …`;
+          row.appendChild(gap);
+        }
+        continue;
+      }
+      row.appendChild(cellSpan(d, r, k, state, ref));
     }
-    row.appendChild(cellSpan(d, r, k));
   }
   return row;
 }

@@ -24,9 +24,12 @@ KEY = "sk-kv-page"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 SHOTS = Path(__file__).resolve().parent.parent / "out" / "kv-page"
 PREFIX_A = ("The library gives every visitor a locker. A whole locker for a small bag wastes the wall, so the "
-            "librarian hands out small shelves one at a time, and two visitors with the same books share a shelf. ")
+            "librarian hands out small shelves one at a time, and two visitors with the same books share a shelf. "
+            "Nobody knows in advance how much a visitor will bring, so the shelves are handed out as the bags "
+            "grow, and a shelf that is half full is the only waste. ")
 PREFIX_B = ("Paged attention splits the key-value cache into blocks of sixteen tokens. A request takes a new block "
-            "only when its last one is full, so the only empty slots are in its last block. ")
+            "only when its last one is full, so the only empty slots are in its last block. Requests that begin "
+            "with the same words point at the same blocks, counted by a reference count. ")
 GROUPS = {"A": (PREFIX_A, 3), "B": (PREFIX_B, 2)}
 EARLIER = "An earlier question, answered and gone: its full blocks stay cached in the free queue until evicted. "
 
@@ -143,12 +146,12 @@ def test_page_shows_sharing_and_returns_to_free(server, browser, capsys):
         assert ("tail" in tail["cls"] and tail["text"] == r["empty"]) or r["empty"] == "0"
     for group, (_, n) in GROUPS.items():  # all but (at most) the first of a group got the prefix from the cache
         assert sum("hit" in r["cells"][0]["cls"] for r in rows if f"group{group}-" in r["id"]) >= n - 1
+    check_hover_on_shared_block(browser, rows)
     SHOTS.mkdir(parents=True, exist_ok=True)
     shot = SHOTS / "kv_page.png"
     browser.save_screenshot(str(shot))
     with capsys.disabled():
-        print(f"\nkv page screenshot (shared prefixes, partly filled tails): {shot}")
-    check_hover_on_shared_block(browser, rows)
+        print(f"\nkv page screenshot (shared prefixes, partly filled tails, a shared block's detail): {shot}")
     for t in threads:
         t.join()
     wait_for("an empty request table", lambda: browser.execute_script(ROWS_JS) == [] and

@@ -155,11 +155,10 @@ def plot_kv_calc(lengths: Sequence[int], block_size: int, max_len: int, path: st
     width = cdiv(max_len, block_size)
     fig, axes = plt.subplots(2, 1, figsize=(14, 2.2 + 0.55 * len(lengths)))
     used = sum(lengths)
+    whole_slots, paged_slots = whole["counters"]["slots_allocated"], paged["counters"]["slots_allocated"]
     lines = [f"{used:,} tokens used",
-             f"whole: {whole['counters']['slots_allocated']:,} slots ({_share(used, whole['counters']['slots_allocated'])} "
-             f"used), {max_len:,} reserved per request",
-             f"paged: {paged['counters']['slots_allocated']:,} slots ({_share(used, paged['counters']['slots_allocated'])} "
-             f"used), blocks of {block_size}"]
+             f"whole: {whole_slots:,} slots ({_share(used, whole_slots)} used), {max_len:,} reserved per request",
+             f"paged: {paged_slots:,} slots ({_share(used, paged_slots)} used), blocks of {block_size}"]
     for ax, m, line in ((axes[0], whole, lines[1]), (axes[1], paged, lines[2])):
         draw_rows(ax, m, max_rows=len(lengths), max_cells=width)
         ax.set_xlim(-0.2, width * 1.2)  # room for each row's numbers

@@ -9,6 +9,7 @@ cached in the free queue, are on it too.
 """
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from pathlib import Path
@@ -194,3 +195,86 @@ def check_map_pixels_are_free(driver, http) -> None:
       return out;""", state["num_blocks"])
     expected = [list(colors["cached" if b in cached else "free"]) for b in range(state["num_blocks"])]
     assert pixels == expected
+
+
+def test_aggregated_cells_in_the_page(server, browser):
+    """/kv?max_cells=32 draws the 128-block pool as 32 cells of 4 blocks, each a stack of its states."""
+    base, http = server
+    browser.get(f"{base}/kv?max_cells=32#key={KEY}")
+    canvas = wait_for("an aggregated map", lambda: (c := browser.find_element("id", "map")).get_attribute(
+        "data-blocks-per-cell") == "4" and c)
+    state = http.get("/v1/kv/blocks?max_cells=32", headers=AUTH).json()
+    check_stacks(browser, state, range(32))
+    hover_cell(browser, canvas, 1)
+    text = wait_for("a run's detail", lambda: browser.find_element("id", "detail").text)
+    assert text.startswith("blocks 4–7: ")
+
+
+def test_a_100k_block_pool_renders(browser, monkeypatch):
+    """A real 100,000-block manager behind the real route and page (no model): 7,693 cells of 13 blocks."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    from fastapi import FastAPI
+
+    from pagedllm.entrypoints.openai.api_server import Server
+    from pagedllm.entrypoints.openai.kv_page import router
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "kv_snapshot_cost.py"
+    spec = importlib.util.spec_from_file_location("kv_snapshot_cost", path)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)  # its dataclass looks its module up there
+    spec.loader.exec_module(bench)
+    pool = bench.busy_engine(100_000)  # the pool its cost benchmark times: 60% held, shared prefixes, cached
+
+    async def run_on_engine(fn):
+        return fn(pool)
+
+    app = FastAPI()
+    app.include_router(router)
+    app.state.engine = SimpleNamespace(run_on_engine=run_on_engine, stats=lambda: SimpleNamespace(num_blocks=100_000),
+                                       stop_accepting=lambda: None, abort_all=lambda: None)
+    srv = Server(app, host="127.0.0.1", port=0, log_level="warning")
+    srv.start_in_thread()
+    base = f"http://127.0.0.1:{srv.uvicorn.servers[0].sockets[0].getsockname()[1]}"
+    try:
+        browser.get(f"{base}/kv")
+        canvas = wait_for("the map", lambda: (c := browser.find_element("id", "map")).get_attribute(
+            "data-blocks-per-cell") == "13" and c, 60)
+        state = httpx.get(f"{base}/v1/kv/blocks", timeout=60).json()
+        assert len(state["map"]["counts"]) == 7_693 and state["blocks"] is None
+        assert browser.find_element("id", "c-used").text == f"{state['counters']['num_used_blocks']:,}"
+        check_stacks(browser, state, range(0, 7_693, 37))
+    finally:
+        srv.stop()
+
+
+def hover_cell(driver, canvas, i: int) -> None:
+    from selenium.webdriver.common.action_chains import ActionChains
+
+    px, cols = int(canvas.get_attribute("data-cell-px")), int(canvas.get_attribute("data-columns"))
+    x, y = (i % cols + 0.5) * px, (i // cols + 0.5) * px
+    ActionChains(driver).move_to_element_with_offset(canvas, round(x - canvas.size["width"] / 2),
+                                                     round(y - canvas.size["height"] / 2)).perform()
+
+
+def check_stacks(driver, state: dict, cells) -> None:
+    """A quarter of the way down each cell, the canvas has the colour of the state whose band covers that height."""
+    mp = state["map"]
+    rgb = {k: [int(v[i:i + 2], 16) for i in (1, 3, 5)] for k, v in mp["colors"].items()}
+    checked = 0
+    for i in cells:
+        counts, total = mp["counts"][i], sum(mp["counts"][i])
+        cum = [sum(counts[:k + 1]) / total for k in range(len(counts))]
+        k = next(k for k, c in enumerate(cum) if c > 0.25)
+        if abs(cum[k] - 0.25) < 0.15 or (k and abs(cum[k - 1] - 0.25) < 0.15):
+            continue  # too near a band's edge for one pixel to say
+        pixel = driver.execute_script("""
+          const c = document.getElementById('map'), px = +c.dataset.cellPx, cols = +c.dataset.columns;
+          const i = arguments[0], inner = px > 4 ? px - 1 : px, dpr = window.devicePixelRatio || 1;
+          const x = (i % cols) * px + inner / 2, y = Math.floor(i / cols) * px + inner * 0.25;
+          return [...c.getContext('2d').getImageData(Math.floor(x * dpr), Math.floor(y * dpr), 1, 1).data.slice(0, 3)];
+          """, i)
+        assert pixel == rgb[mp["states"][k]], (i, counts)
+        checked += 1
+    assert checked

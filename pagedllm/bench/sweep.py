@@ -109,8 +109,9 @@ def run_engine(engine, prompts: list[list[int]], output_len: int, send_times: np
                on_peak: Callable[[Any], None] | None = None) -> dict:
     """Feed the requests at their send times, step until done; per-request TTFT and the stats over steps.
 
-    `on_peak(engine)` is called between steps whenever the KV slots allocated reach a new high (the sweep's
-    block-map pictures take their snapshot there); None costs nothing.
+    `on_peak(engine)` is called between steps whenever (KV slots allocated, tokens stored) reaches a new high, so
+    the last call sees the fullest moment of the fullest allocation (the sweep's block-map pictures take their
+    snapshot there); None costs nothing.
     """
     from pagedllm.sampling_params import SamplingParams
 
@@ -119,6 +120,7 @@ def run_engine(engine, prompts: list[list[int]], output_len: int, send_times: np
     arrival, first, done, out_tokens = [0.0] * n, [None] * n, [None] * n, [0] * n
     allocated, stored = [], []
     peak_running = nxt = 0
+    peak = (0, 0)
     t0 = time.monotonic()
     while nxt < n or engine.has_unfinished_requests():
         now = time.monotonic()
@@ -143,7 +145,8 @@ def run_engine(engine, prompts: list[list[int]], output_len: int, send_times: np
         s = engine.stats()
         peak_running = max(peak_running, s.num_running)
         if s.num_running:
-            if on_peak is not None and s.slots_allocated > max(allocated, default=0):
+            if on_peak is not None and (s.slots_allocated, s.num_stored_tokens) > peak:
+                peak = (s.slots_allocated, s.num_stored_tokens)
                 on_peak(engine)
             allocated.append(s.slots_allocated)
             stored.append(s.num_stored_tokens)

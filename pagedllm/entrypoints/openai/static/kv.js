@@ -4,8 +4,9 @@
 "use strict";
 
 const POLL_MS = 500;
+const MAX_CELLS = new URLSearchParams(location.search).get("max_cells") || 8192;  // /kv?max_cells=N to aggregate
 const MAX_CELL_PX = 28;
-const ROW_HEAD = 48, ROW_TAIL = 16;  // a long block table shows its first and last blocks (the tail is there)
+const ROW_HEAD = 24, ROW_TAIL = 8;  // a long block table shows its first and last blocks (the tail is there)
 const $ = (id) => document.getElementById(id);
 const page = { data: null, prev: null, pinned: null, hover: null, cellPx: 0, details: new Map() };
 
@@ -28,7 +29,7 @@ async function poll() {
   if (!document.hidden) {
     const started = performance.now();
     try {
-      const data = await getJSON("/v1/kv/blocks?max_cells=8192");
+      const data = await getJSON(`/v1/kv/blocks?max_cells=${encodeURIComponent(MAX_CELLS)}`);
       // A big pool makes each answer cost more: wait at least four answers' time, so watching stays cheap.
       delay = Math.max(POLL_MS, 4 * (performance.now() - started));
       page.prev = page.data;

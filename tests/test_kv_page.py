@@ -77,12 +77,16 @@ def test_route_schema_auth_and_errors(server):
     assert "https://" not in page.text + http.get("/kv/kv.js").text  # nothing from a CDN
     body = http.get("/v1/kv/blocks", headers=AUTH).json()
     state = KVBlocksResponse.model_validate(body)
-    assert state.num_blocks == 128 and state.counters.num_free_blocks == 128 and len(state.map.counts) == 128
+    assert state.num_blocks == 128 and state.counters.num_free_blocks == 128 and len(state.map.state) == 128
+    assert state.blocks is None and state.map.counts is None  # per-block records only on request:
+    detailed = KVBlocksResponse.model_validate(http.get("/v1/kv/blocks?detail=blocks", headers=AUTH).json())
+    assert detailed.blocks == []  # nothing but plain free blocks yet
     schema = http.get("/openapi.json").json()
     ref = schema["paths"]["/v1/kv/blocks"]["get"]["responses"]["200"]["content"]["application/json"]["schema"]
     assert ref["$ref"].endswith("/KVBlocksResponse") and "KVBlockInfo" in schema["components"]["schemas"]
     for path, param, status in [("/v1/kv/blocks?max_cells=0", "max_cells", 400),
                                 ("/v1/kv/blocks?max_waiting=x", "max_waiting", 400),
+                                ("/v1/kv/blocks?detail=all", "detail", 400),
                                 ("/v1/kv/blocks/128", "block_id", 404), ("/v1/kv/blocks/-1", "block_id", 400)]:
         r = http.get(path, headers=AUTH)
         assert r.status_code == status and r.json()["error"]["param"] == param, r.text
@@ -173,7 +177,8 @@ def check_hover_on_shared_block(driver, rows) -> None:
     x, y = (block % cols + 0.5) * px, (block // cols + 0.5) * px
     ActionChains(driver).move_to_element_with_offset(canvas, round(x - canvas.size["width"] / 2),
                                                      round(y - canvas.size["height"] / 2)).click().perform()
-    text = wait_for("the block's decoded text", lambda: driver.find_element("id", "d-text").text, 30)
+    text = wait_for("the block's decoded text", lambda: driver.execute_script(
+        "const e = document.getElementById('d-text'); return e && e.textContent;"), 30)
     assert driver.find_element("id", "d-ref").text == "3"
     assert sorted(driver.find_element("id", "d-holders").text.split(", ")) == group_a
     assert PREFIX_A.startswith(text) and len(text) > 10  # its first 16 tokens, decoded
@@ -183,7 +188,7 @@ def check_map_pixels_are_free(driver, http) -> None:
     """Every cell of the canvas is painted free, or free-but-caching where the pool still caches a prefix."""
     state = http.get("/v1/kv/blocks", headers=AUTH).json()
     colors = {k: tuple(int(v[i:i + 2], 16) for i in (1, 3, 5)) for k, v in state["map"]["colors"].items()}
-    cached = {b["block_id"] for b in state["blocks"] if b["state"] == "cached"}
+    cached = {b for b, s in enumerate(state["map"]["state"]) if state["map"]["states"][s] == "cached"}
     assert cached and state["counters"]["num_used_blocks"] == 0
     pixels = driver.execute_script("""
       const c = document.getElementById('map'), px = +c.dataset.cellPx, cols = +c.dataset.columns;
@@ -242,7 +247,7 @@ def test_a_100k_block_pool_renders(browser, monkeypatch):
         canvas = wait_for("the map", lambda: (c := browser.find_element("id", "map")).get_attribute(
             "data-blocks-per-cell") == "13" and c, 60)
         state = httpx.get(f"{base}/v1/kv/blocks", timeout=60).json()
-        assert len(state["map"]["counts"]) == 7_693 and state["blocks"] is None
+        assert len(state["map"]["counts"]) == len(state["map"]["state"]) == 7_693 and state["blocks"] is None
         assert browser.find_element("id", "c-used").text == f"{state['counters']['num_used_blocks']:,}"
         check_stacks(browser, state, range(0, 7_693, 37))
     finally:

@@ -61,6 +61,11 @@ def check_against_manager(e: LLMEngine, m: dict) -> None:
         assert sorted(m["requests"][i]["request_id"] for i in info["holders"]) == holders
         assert (info["state"] == "shared") == (block.ref_cnt > 1)
         assert (info["state"] == "cached") == (block.ref_cnt == 0)
+    mp = m["map"]  # the painters' view of the same blocks
+    assert mp["counts"] is None and mp["ref"] == [b.ref_cnt for b in pool.blocks]
+    states = [listed[b]["state"] if b in listed else "free" for b in range(pool.num_blocks)]
+    assert [STATES[i] for i in mp["state"]] == states
+    assert mp["fill"] == [listed.get(b, {"tokens": 0})["tokens"] for b in range(len(pool.blocks))]
     evictable = [b.block_id for b in pool.free_queue if b.block_hash is not None]
     assert [listed[b]["evict_rank"] for b in evictable] == list(range(len(evictable)))
     c, st = m["counters"], e.stats()
@@ -69,7 +74,6 @@ def check_against_manager(e: LLMEngine, m: dict) -> None:
     assert c["kv_usage"] == pytest.approx(st.kv_usage) and c["num_running"] == st.num_running
     assert (c["num_preemptions"], c["prefix_cache_hits"], c["prefix_cache_queries"], c["generation_tokens"]) == \
            (st.num_preemptions, st.prefix_cache_hits, st.prefix_cache_queries, st.generation_tokens)
-    assert sum(map(sum, m["map"]["counts"])) == pool.num_blocks
 
 
 def test_snapshots_agree_with_the_manager_through_sharing_and_preemption(model_fp32):
@@ -82,7 +86,7 @@ def test_snapshots_agree_with_the_manager_through_sharing_and_preemption(model_f
     memo, seen = BlockTokens(), set()
     while e.has_unfinished_requests():
         e.step()
-        m = block_map(take_snapshot(e, memo=memo))
+        m = block_map(take_snapshot(e, memo=memo), detail=True)
         check_against_manager(e, m)
         seen |= {b["state"] for b in m["blocks"]} | {r["status"] for r in m["requests"]}
         shared = [b for b in m["blocks"] if b["state"] == "shared"]
@@ -92,7 +96,7 @@ def test_snapshots_agree_with_the_manager_through_sharing_and_preemption(model_f
             i = e.kv.req_blocks[d.holders[0]].index(e.kv.pool.blocks[d.block_id])
             assert d.token_ids == holder.all_token_ids[i * 16:(i + 1) * 16] and d.text
     assert {"shared", "tail", "used", "preempted"} <= seen and e.stats().num_preemptions > 0
-    m = block_map(take_snapshot(e, memo=memo))
+    m = block_map(take_snapshot(e, memo=memo), detail=True)
     assert m["counters"]["num_used_blocks"] == 0 and m["counters"]["num_evictable_blocks"] > 0
     first = e.kv.pool.cached[next(iter(e.kv.pool.cached))].block_id
     d = block_detail(e, first, memo)  # freed, but the page saw what it held
@@ -104,7 +108,7 @@ def test_contiguous_requests_show_their_reserved_slots(model_fp32):
     for i, n in enumerate((5, 20, 37)):
         e.add_request(str(i), list(range(400, 400 + n)), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     e.step()
-    m = block_map(take_snapshot(e))
+    m = block_map(take_snapshot(e), detail=True)
     check_against_manager(e, m)
     for r in m["requests"]:
         n = r["kv_tokens"]
@@ -134,6 +138,7 @@ def test_a_100k_block_pool_is_aggregated_into_cells():
     elapsed = time.perf_counter() - t
     per_cell, cells, columns = grid(100_000, 8192)
     assert m["map"]["blocks_per_cell"] == per_cell == 13 and len(m["map"]["counts"]) == cells <= 8192
+    assert len(m["map"]["state"]) == len(m["map"]["ref"]) == cells and max(m["map"]["ref"]) == 1
     totals = np.asarray(m["map"]["counts"]).sum(axis=0)
     assert dict(zip(STATES, totals.tolist())) == {"free": 70_000, "cached": 0, "used": 29_900, "shared": 0,
                                                   "tail": 100, "reserved": 0}

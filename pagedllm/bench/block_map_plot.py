@@ -45,24 +45,22 @@ def _cell(rects: list, x: float, y: float, state: str, fill_share: float, colors
 
 def draw_pool(ax, m: dict) -> None:
     """The pool as a grid of cells, as the page's canvas shows it."""
-    plt, PatchCollection, Rectangle, _ = _mpl()
+    PatchCollection, Rectangle = _mpl()[1:3]
     mp, bs = m["map"], m["block_size"]
-    cols, cells, colors = mp["columns"], len(mp["counts"]), mp["colors"]
-    blocks = {b["block_id"]: b for b in m["blocks"] or []}
+    cols, cells, colors = mp["columns"], len(mp["state"]), mp["colors"]
     rects, labels = [], cells <= LABEL_MIN_CELLS
-    for i, counts in enumerate(mp["counts"]):
+    for i in range(cells):
         x, y = i % cols, i // cols
         if mp["blocks_per_cell"] > 1:  # a stack of the run's states, top to bottom in legend order
-            top, total = y, sum(counts) or 1
-            for state, n in zip(STATES, counts):
+            top, total = y, sum(mp["counts"][i]) or 1
+            for state, n in zip(STATES, mp["counts"][i]):
                 if n:
                     rects.append(Rectangle((x, top), 0.95, 0.95 * n / total, color=colors[state]))
                     top += 0.95 * n / total
             continue
-        b = blocks.get(i)
-        state = b["state"] if b else "free"
-        _cell(rects, x, y, state, mp["fill"][i] / bs, colors, 0.08)
-        text = str(b["ref_cnt"]) if state == "shared" else str(bs - mp["fill"][i]) if state == "tail" else ""
+        state, fill = STATES[mp["state"][i]], mp["fill"][i]
+        _cell(rects, x, y, state, fill / bs, colors, 0.08)
+        text = str(mp["ref"][i]) if state == "shared" else str(bs - fill) if state == "tail" else ""
         if labels and text:
             ax.text(x + 0.46, y + 0.5, text, ha="center", va="center", fontsize=6,
                     color="white" if state == "shared" else "#1d2329")
@@ -73,7 +71,7 @@ def draw_pool(ax, m: dict) -> None:
 
 def draw_rows(ax, m: dict, max_rows: int = 24, max_cells: int | None = None) -> None:
     """Each request's block table as a row of cells (running first), as the page's request table shows it."""
-    plt, PatchCollection, Rectangle, _ = _mpl()
+    PatchCollection, Rectangle = _mpl()[1:3]
     colors, bs = m["map"]["colors"], m["block_size"]
     rects = []
     rows = [r for r in m["requests"] if r["block_ids"]][:max_rows]

@@ -7,7 +7,9 @@ into cells are decided here once, and a painter only maps cells to rectangles.
 """
 from __future__ import annotations
 
+import itertools
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -23,7 +25,27 @@ LABELS = {"free": "free", "cached": "free, still caching a prefix (evictable)", 
           "reserved": "reserved but empty (contiguous allocation)"}
 
 
-def classify(snap: KVSnapshot) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+@dataclass
+class _Tables:
+    """Every listed request's block table end to end: one numpy pass over all of them, not one per table."""
+
+    ids: np.ndarray  # held block ids, table after table
+    tokens: np.ndarray  # the tokens each of those blocks holds for its request
+    starts: np.ndarray  # where each request's table starts in `ids`, and its end (len(requests) + 1 entries)
+
+
+def _tables(snap: KVSnapshot) -> _Tables:
+    n = len(snap.requests)
+    lens = np.fromiter((len(r.block_ids) for r in snap.requests), dtype=np.int64, count=n)
+    starts = np.concatenate(([0], np.cumsum(lens))).astype(np.int64)
+    ids = np.fromiter(itertools.chain.from_iterable(r.block_ids for r in snap.requests), dtype=np.int64,
+                      count=int(starts[-1]))
+    position = np.arange(len(ids)) - np.repeat(starts[:-1], lens)
+    kv_tokens = np.repeat(np.fromiter((r.kv_tokens for r in snap.requests), dtype=np.int64, count=n), lens)
+    return _Tables(ids, np.clip(kv_tokens - snap.block_size * position, 0, snap.block_size), starts)
+
+
+def _classify(snap: KVSnapshot, tables: _Tables) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per block: its ref count, its state (an index into STATES) and how many of its slots hold a token.
 
     Ref counts and hashes say free / cached / used / shared; the block tables say which slots are filled, so a
@@ -38,24 +60,11 @@ def classify(snap: KVSnapshot) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     fill[(ref == 0) & cached] = snap.block_size
     state[ref == 1] = USED
     state[ref > 1] = SHARED
-    ids, tokens = _table_fill(snap)
+    ids, tokens = tables.ids, tables.tokens
     fill[ids] = tokens
     state[ids[tokens == 0]] = RESERVED
     state[ids[(tokens > 0) & (tokens < snap.block_size)]] = TAIL
     return ref, state, fill
-
-
-def _table_fill(snap: KVSnapshot) -> tuple[np.ndarray, np.ndarray]:
-    """Every held block id (with repeats for shared ones) and the tokens its holder keeps in it."""
-    bs = snap.block_size
-    ids, tokens = [], []
-    for r in snap.requests:
-        if r.block_ids:
-            ids.append(np.asarray(r.block_ids, dtype=np.int64))
-            tokens.append(np.clip(r.kv_tokens - bs * np.arange(len(r.block_ids)), 0, bs))
-    if not ids:
-        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    return np.concatenate(ids), np.concatenate(tokens)
 
 
 def grid(num_blocks: int, max_cells: int) -> tuple[int, int, int]:
@@ -69,23 +78,40 @@ def grid(num_blocks: int, max_cells: int) -> tuple[int, int, int]:
     return per_cell, cells, columns
 
 
-def block_map(snap: KVSnapshot, max_cells: int = 8192) -> dict:
-    """The whole picture as a JSON-ready dict (its schema: KVBlocksResponse in entrypoints/openai/kv_page.py)."""
-    ref, state, fill = classify(snap)
-    per_cell, cells, columns = grid(snap.num_blocks, max_cells)
-    cell_of = np.arange(snap.num_blocks) // per_cell
-    counts = np.bincount(cell_of * len(STATES) + state, minlength=cells * len(STATES)).reshape(cells, len(STATES))
-    cell_fill = np.bincount(cell_of, weights=fill, minlength=cells).astype(np.int64)
+def block_map(snap: KVSnapshot, max_cells: int = 8192, detail: bool = False) -> dict:
+    """The whole picture as a JSON-ready dict (its schema: KVBlocksResponse in entrypoints/openai/kv_page.py).
+
+    The map is what a painter needs per cell (state, ref count, filled slots, and the state counts of a cell that
+    aggregates blocks); `detail` adds a record per block that is not plain free (hash, eviction rank, holders),
+    which the page does not poll for: it asks /v1/kv/blocks/{id} about the one block under the mouse.
+    """
+    tables = _tables(snap)
+    ref, state, fill = _classify(snap, tables)
     return {
         "object": "kv.blocks", "time": snap.time, "step": snap.step, "allocation": snap.allocation,
         "block_size": snap.block_size, "num_blocks": snap.num_blocks, "prefix_caching": snap.prefix_caching,
         "counters": _counters(snap, state, fill),
-        "map": {"blocks_per_cell": per_cell, "columns": columns, "states": list(STATES), "colors": COLORS,
-                "labels": LABELS, "counts": counts.tolist(), "fill": cell_fill.tolist()},
-        "blocks": _blocks(snap, state, fill) if per_cell == 1 else None,
-        "requests": [_request(r, ref, state, snap.block_size) for r in snap.requests],
+        "map": _cells(snap.num_blocks, max_cells, ref, state, fill),
+        "blocks": _blocks(snap, state, fill) if detail else None,
+        "requests": [_request(r, row, snap.block_size) for r, row in zip(snap.requests, _row_runs(tables, ref, state))],
         "requests_omitted": snap.num_waiting - sum(r.status != "running" for r in snap.requests),
     }
+
+
+def _cells(num_blocks: int, max_cells: int, ref: np.ndarray, state: np.ndarray, fill: np.ndarray) -> dict:
+    """Per cell: its (most common) state, highest ref count and filled slots; state counts if it holds a run."""
+    per_cell, cells, columns = grid(num_blocks, max_cells)
+    out = {"blocks_per_cell": per_cell, "columns": columns, "states": list(STATES), "colors": COLORS,
+           "labels": LABELS, "counts": None}
+    if per_cell == 1:
+        return {**out, "state": state.tolist(), "ref": ref.tolist(), "fill": fill.tolist()}
+    cell_of = np.arange(num_blocks) // per_cell
+    counts = np.bincount(cell_of * len(STATES) + state, minlength=cells * len(STATES)).reshape(cells, len(STATES))
+    runs = np.zeros((2, cells * per_cell), dtype=np.int64)  # the last cell may be short: pad with free blocks
+    runs[0, :num_blocks], runs[1, :num_blocks] = ref, fill
+    runs = runs.reshape(2, cells, per_cell)
+    return {**out, "state": counts.argmax(axis=1).tolist(), "ref": runs[0].max(axis=1).tolist(),
+            "fill": runs[1].sum(axis=1).tolist(), "counts": counts.tolist()}
 
 
 def _counters(snap: KVSnapshot, state: np.ndarray, fill: np.ndarray) -> dict:
@@ -121,18 +147,21 @@ def _blocks(snap: KVSnapshot, state: np.ndarray, fill: np.ndarray) -> list[dict]
     return out
 
 
-def row_runs(block_ids: list[int], ref: np.ndarray, state: np.ndarray) -> list[list]:
-    """A block table as runs of equal (state, ref count): [state, ref_cnt, blocks], in table order.
+def _row_runs(tables: _Tables, ref: np.ndarray, state: np.ndarray) -> list[list[list]]:
+    """Each block table as runs of equal (state, ref count): [state, ref_cnt, blocks], in table order.
 
     A table of thousands of blocks is then a few runs (shared prefix, own blocks, tail), cheap to send and draw.
     """
-    if not block_ids:
-        return []
-    ids = np.asarray(block_ids, dtype=np.int64)
+    ids, starts = tables.ids, tables.starts
     key = state[ids] * (1 << 32) + ref[ids]
-    starts = np.concatenate(([0], np.flatnonzero(np.diff(key)) + 1))
-    lengths = np.diff(np.concatenate((starts, [len(ids)])))
-    return [[STATES[state[ids[s]]], int(ref[ids[s]]), int(n)] for s, n in zip(starts.tolist(), lengths.tolist())]
+    cut = np.ones(len(ids), dtype=bool)
+    cut[1:] = key[1:] != key[:-1]
+    cut[starts[:-1][starts[:-1] < len(ids)]] = True  # a run never spans two tables
+    run_starts = np.flatnonzero(cut)
+    runs = list(zip([STATES[k] for k in state[ids[run_starts]].tolist()], ref[ids[run_starts]].tolist(),
+                    np.diff(np.append(run_starts, len(ids))).tolist()))
+    edges = np.searchsorted(run_starts, starts).tolist()
+    return [[list(run) for run in runs[a:b]] for a, b in zip(edges[:-1], edges[1:])]
 
 
 def expand_row(row: list[list]) -> list[tuple[str, int]]:
@@ -140,11 +169,11 @@ def expand_row(row: list[list]) -> list[tuple[str, int]]:
     return [(state, ref) for state, ref, n in row for _ in range(n)]
 
 
-def _request(r, ref: np.ndarray, state: np.ndarray, block_size: int) -> dict:
+def _request(r, row: list[list], block_size: int) -> dict:
     slots = len(r.block_ids) * block_size
     return {"request_id": r.request_id, "status": r.status, "prompt_tokens": r.prompt_tokens,
             "output_tokens": r.output_tokens, "cached_tokens": r.cached_tokens,
             "cached_blocks": r.cached_tokens // block_size if r.block_ids else 0,
             "kv_tokens": r.kv_tokens, "num_preemptions": r.num_preemptions, "block_ids": list(r.block_ids),
-            "row": row_runs(r.block_ids, ref, state), "slots": slots,
+            "row": row, "slots": slots,
             "empty_slots": slots - r.kv_tokens if r.block_ids else 0}

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 
-from pagedllm.engine.block_map import block_map, grid
+from pagedllm.engine.block_map import block_map
 from pagedllm.engine.kv_snapshot import BlockTokens, block_detail, take_snapshot
 from pagedllm.entrypoints.openai.errors import APIError
 
@@ -46,11 +46,15 @@ class KVCounters(BaseModel):
 class KVMap(BaseModel):
     blocks_per_cell: int = Field(description="1 while the pool fits in max_cells; else each cell is a run")
     columns: int = Field(description="cells per row of the drawing")
-    states: list[BlockState] = Field(description="the order of each cell's counts")
+    states: list[BlockState] = Field(description="the state names that `state` and `counts` index")
     colors: dict[str, str]
     labels: dict[str, str]
-    counts: list[list[int]] = Field(description="per cell (blocks in id order), blocks of each state")
-    fill: list[int] = Field(description="per cell, token slots that hold a token")
+    state: list[int] = Field(description="per cell (blocks in id order): its block's state, or a run's most "
+                                         "common one")
+    ref: list[int] = Field(description="per cell: its block's ref count (a run's highest)")
+    fill: list[int] = Field(description="per cell: token slots that hold a token")
+    counts: list[list[int]] | None = Field(description="per cell of a run, its blocks of each state; null when "
+                                                       "each cell is one block")
 
 
 class KVBlockInfo(BaseModel):
@@ -89,8 +93,8 @@ class KVBlocksResponse(BaseModel):
     prefix_caching: bool
     counters: KVCounters
     map: KVMap
-    blocks: list[KVBlockInfo] | None = Field(description="every block that is not plain free; null when cells "
-                                                         "aggregate blocks (ask /v1/kv/blocks/{id} instead)")
+    blocks: list[KVBlockInfo] | None = Field(description="with ?detail=blocks, every block that is not plain "
+                                                         "free; else null")
     requests: list[KVRequestInfo] = Field(description="running requests, then the head of the waiting queue")
     requests_omitted: int = Field(description="waiting requests past the listed head")
 
@@ -131,13 +135,17 @@ async def kv_blocks(request: Request,
                     max_cells: Annotated[str | None, Query(description="most cells in the map (1..1000000, "
                                                                        "default 8192)")] = None,
                     max_waiting: Annotated[str | None, Query(description="waiting requests listed (0..10000, "
-                                                                         "default 64)")] = None) -> Response:
+                                                                         "default 64)")] = None,
+                    detail: Annotated[str | None, Query(description="'blocks': add a record per block that is "
+                                                                    "not plain free")] = None) -> Response:
     cells = _int_param("max_cells", max_cells, 8192, 1, 1_000_000)
     waiting = _int_param("max_waiting", max_waiting, 64, 0, 10_000)
-    engine, memo = request.app.state.engine, _block_tokens(request)
-    per_block = grid(engine.stats().num_blocks, cells)[0] == 1  # else no per-block list: skip the LRU walk
-    snap = await engine.run_on_engine(lambda e: take_snapshot(e, waiting, memo, evict_order=per_block))
-    return JSONResponse(block_map(snap, cells))
+    if detail not in (None, "blocks"):
+        raise APIError(f"detail: the only detail is 'blocks', got {detail!r}", 400, param="detail")
+    memo = _block_tokens(request)
+    snap = await request.app.state.engine.run_on_engine(
+        lambda e: take_snapshot(e, waiting, memo, evict_order=detail is not None))  # the LRU walk only if shown
+    return JSONResponse(block_map(snap, cells, detail=detail is not None))
 
 
 @router.get("/v1/kv/blocks/{block_id}", response_model=KVBlockDetail, tags=["kv"],

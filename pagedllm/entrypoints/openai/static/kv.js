@@ -91,7 +91,7 @@ function renderCounters(d) {
 }
 
 function drawMap(d) {
-  const canvas = $("map"), map = d.map, cells = map.counts.length;
+  const canvas = $("map"), map = d.map, cells = map.state.length;
   const width = canvas.clientWidth || 800;
   const px = Math.max(1, Math.min(MAX_CELL_PX, Math.floor(width / map.columns)));
   const rows = Math.ceil(cells / map.columns), dpr = window.devicePixelRatio || 1;
@@ -102,22 +102,15 @@ function drawMap(d) {
   page.cellPx = px;
   const ctx = canvas.getContext("2d");
   ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
-  const byId = blockIndex(d);
   for (let i = 0; i < cells; i++) {
     const x = (i % map.columns) * px, y = Math.floor(i / map.columns) * px;
-    if (map.blocks_per_cell === 1) drawBlock(ctx, d, byId.get(i), map.fill[i], x, y, px);
+    if (map.blocks_per_cell === 1) drawBlock(ctx, d, map.states[map.state[i]], map.ref[i], map.fill[i], x, y, px);
     else drawRun(ctx, map, map.counts[i], x, y, px);
   }
 }
 
-function blockIndex(d) {
-  const byId = new Map();
-  for (const b of d.blocks || []) byId.set(b.block_id, b);
-  return byId;
-}
-
-function drawBlock(ctx, d, b, fill, x, y, px) {
-  const colors = d.map.colors, inner = px > 4 ? px - 1 : px, state = b ? b.state : "free";
+function drawBlock(ctx, d, state, ref, fill, x, y, px) {
+  const colors = d.map.colors, inner = px > 4 ? px - 1 : px;
   ctx.fillStyle = colors[state === "tail" ? "free" : state];
   ctx.fillRect(x, y, inner, inner);
   let label = "";
@@ -126,7 +119,7 @@ function drawBlock(ctx, d, b, fill, x, y, px) {
     ctx.fillStyle = colors.tail;
     ctx.fillRect(x, y + inner - h, inner, h);
     label = String(d.block_size - fill);
-  } else if (state === "shared") label = String(b.ref_cnt);
+  } else if (state === "shared") label = String(ref);
   if (label && px >= 14) {
     ctx.fillStyle = state === "shared" ? "#fff" : "#1d2329";
     ctx.font = `${Math.floor(px * 0.55)}px system-ui, sans-serif`;
@@ -208,10 +201,10 @@ function cellAt(event) {
   const col = Math.floor((event.clientX - rect.left) / page.cellPx);
   const row = Math.floor((event.clientY - rect.top) / page.cellPx);
   const i = row * d.map.columns + col;
-  return col < d.map.columns && i >= 0 && i < d.map.counts.length ? i : null;
+  return col < d.map.columns && i >= 0 && i < d.map.state.length ? i : null;
 }
 
-function showDetail(i) {
+async function showDetail(i) {
   const d = page.data, map = d.map, box = $("detail");
   box.className = page.pinned === null ? "" : "pinned";
   if (map.blocks_per_cell > 1) {
@@ -220,29 +213,27 @@ function showDetail(i) {
       map.counts[i][k] ? `${map.counts[i][k]} ${s}` : "").filter(Boolean).join(", ");
     return;
   }
-  const b = blockIndex(d).get(i);
-  const state = b ? b.state : "free";
-  const holders = b ? b.holders.map((h) => d.requests[h].request_id) : [];
-  box.innerHTML = `<b>block ${i}</b> · <span id="d-state">${map.labels[state]}</span> · ref count ` +
-    `<span id="d-ref">${b ? b.ref_cnt : 0}</span>` + (b && b.hash ? ` · hash <code>${b.hash}</code>` : "") +
-    (b && b.evict_rank !== null ? ` · evicted after ${b.evict_rank} other blocks` : "") +
-    (b && b.tokens ? ` · ${b.tokens} of ${d.block_size} slots hold tokens` : "") +
-    `<br>held by: <span id="d-holders">${holders.map(escapeHTML).join(", ") || "nobody"}</span>` +
-    `<div class="text" id="d-text"></div>`;
-  if (b && b.tokens) fillText(i, `${i}:${b.hash}:${b.tokens}:${holders}`);
-}
-
-async function fillText(i, key) {  // the text changes only when the block's contents or holders do
+  const key = `${i}@${d.step}`;  // one question per block per update, however often the mouse moves
   if (!page.details.has(key)) {
     page.details.clear();
-    page.details.set(key, getJSON(`/v1/kv/blocks/${i}`).catch((e) => ({ text: "", error: e.message })));
+    page.details.set(key, getJSON(`/v1/kv/blocks/${i}`).catch((e) => ({ error: e.message })));
   }
-  const detail = await page.details.get(key);
-  const el = $("d-text");
-  if (el && (page.pinned ?? page.hover) === i) {
-    el.textContent = detail.error ? `(${detail.error})` : (detail.token_ids.length ? detail.text :
-      "(tokens unknown: cached before this page watched)");
-  }
+  const b = await page.details.get(key);
+  if ((page.pinned ?? page.hover) !== i || page.data !== d) return;  // the mouse or the data moved on
+  box.innerHTML = blockHTML(d, i, b);
+}
+
+function blockHTML(d, i, b) {
+  const state = d.map.states[d.map.state[i]], fill = d.map.fill[i];
+  if (b.error) return `<b>block ${i}</b> · ${d.map.labels[state]} · (${escapeHTML(b.error)})`;
+  const text = b.token_ids.length ? escapeHTML(b.text) : (fill ? "(tokens unknown: cached before this page " +
+    "watched)" : "(no tokens)");
+  return `<b>block ${i}</b> · <span id="d-state">${d.map.labels[state]}</span> · ref count ` +
+    `<span id="d-ref">${b.ref_cnt}</span>` + (b.hash ? ` · hash <code>${b.hash.slice(0, 16)}</code>` : "") +
+    (b.evict_rank !== null ? ` · evicted after ${b.evict_rank} other blocks` : "") +
+    (fill ? ` · ${fill} of ${d.block_size} slots hold tokens` : "") +
+    `<br>held by: <span id="d-holders">${b.holders.map(escapeHTML).join(", ") || "nobody"}</span>` +
+    `<div class="text" id="d-text">${text}</div>`;
 }
 
 function escapeHTML(s) {

@@ -1,13 +1,26 @@
-"""What a request asks of sampling (shared by the engine and the sampler); checked before anything is queued, so a bad value never reaches a step."""
+"""What a request asks of sampling (shared by the engine and the sampler).
+
+Checked before anything is queued, so a bad value never reaches a step: every value `validate` accepts must
+sample without inf or nan, which is why integers have ranges and floats must be finite, and why temperatures
+in (0, 1e-2) are raised to 1e-2 as vLLM does (dividing logits by 1e-300 overflows float32).
+"""
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
 from dataclasses import dataclass, field
 
 from pagedllm.errors import UserError
 
 MAX_N = 64
 MAX_LOGPROBS = 20
+MIN_TEMPERATURE = 1e-2  # vLLM's _MAX_TEMP: smaller positive temperatures are raised to it
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
+INT32_MAX = 2**31 - 1
+
+logger = logging.getLogger("pagedllm")
 
 
 class SamplingParamsError(UserError):
@@ -20,7 +33,8 @@ class SamplingParamsError(UserError):
 
 @dataclass
 class SamplingParams:
-    """vLLM's names and defaults. temperature 0 is greedy; max_tokens None means 'up to max_model_len'."""
+    """vLLM's names and defaults. temperature 0 is greedy; max_tokens None means 'up to max_model_len'; max_tokens 0
+    computes the prompt only (scoring: pair it with prompt_logprobs)."""
 
     n: int = 1
     temperature: float = 1.0
@@ -37,6 +51,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-k logprobs per generated token (0: only the sampled token's)
+    prompt_logprobs: int | None = None  # top-k logprobs per prompt token (0: only the token's own)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -47,54 +63,84 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self.validate()
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            logger.warning("temperature %g is below %g, which overflows float32 logits: using %g",
+                           self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)
+            self.temperature = MIN_TEMPERATURE
 
     def validate(self) -> None:
-        def check(ok: bool, param: str, message: str) -> None:
-            if not ok:
-                raise SamplingParamsError(param, message)
-
-        def number(name: str) -> float:
-            value = getattr(self, name)
-            check(isinstance(value, (int, float)) and not isinstance(value, bool), name,
-                  f"must be a number, got {value!r}")
-            return value
-
-        def integer(name: str) -> int:
-            value = getattr(self, name)
-            check(isinstance(value, int) and not isinstance(value, bool), name, f"must be an integer, got {value!r}")
-            return value
-
-        check(1 <= integer("n") <= MAX_N, "n", f"must be between 1 and {MAX_N}, got {self.n}")
-        check(number("temperature") >= 0, "temperature", f"must be >= 0, got {self.temperature}")
-        check(0 < number("top_p") <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
-        check(integer("top_k") >= 0, "top_k", f"must be -1 (off), 0 (off) or a positive integer, got {self.top_k}")
-        check(0 <= number("min_p") <= 1, "min_p", f"must be in [0, 1], got {self.min_p}")
-        check(number("repetition_penalty") > 0, "repetition_penalty",
-              f"must be > 0, got {self.repetition_penalty}")
-        check(-2 <= number("presence_penalty") <= 2, "presence_penalty",
-              f"must be in [-2, 2], got {self.presence_penalty}")
-        check(-2 <= number("frequency_penalty") <= 2, "frequency_penalty",
-              f"must be in [-2, 2], got {self.frequency_penalty}")
-        if self.seed is not None:
-            integer("seed")
-        if self.max_tokens is not None:
-            check(integer("max_tokens") >= 1, "max_tokens", f"must be at least 1, got {self.max_tokens}")
-        check(integer("min_tokens") >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens}")
-        if self.max_tokens is not None:
-            check(self.min_tokens <= self.max_tokens, "min_tokens",
-                  f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
-        check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
-        check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids),
-              "stop_token_ids", "must be non-negative integers")
-        if self.logprobs is not None:
-            check(0 <= integer("logprobs") <= MAX_LOGPROBS, "logprobs",
-                  f"must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
+        _check_numbers(self)
+        _check_integers(self)
+        _check_lists(self)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
     def for_sample(self, index: int) -> SamplingParams:
-        """The params of the index-th of n parallel samples: one sample each, seeds kept distinct."""
-        seed = None if self.seed is None else self.seed + index
+        """The params of the index-th of n parallel samples: one sample each, seeds kept distinct (and in range)."""
+        seed = None if self.seed is None else (self.seed + index - SEED_RANGE[0]) % 2**64 + SEED_RANGE[0]
         return dataclasses.replace(self, n=1, seed=seed)
+
+
+def _fail(param: str, message: str) -> None:
+    raise SamplingParamsError(param, message)
+
+
+def _number(p: SamplingParams, name: str, low: float, high: float | None, low_open: bool = False) -> None:
+    value = getattr(p, name)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        _fail(name, f"must be a finite number, got {value!r}")
+    if value < low or (low_open and value == low) or (high is not None and value > high):
+        bounds = f"{'>' if low_open else '>='} {low:g}" if high is None else (
+            f"in {'(' if low_open else '['}{low:g}, {high:g}]")
+        _fail(name, f"must be {bounds}, got {value}")
+
+
+def _integer(p: SamplingParams, name: str, low: int, high: int, what: str = "") -> None:
+    value = getattr(p, name)
+    if not isinstance(value, int) or isinstance(value, bool):
+        _fail(name, f"must be an integer, got {value!r}")
+    if not low <= value <= high:
+        _fail(name, what or f"must be between {low} and {high}, got {value}")
+
+
+def _check_numbers(p: SamplingParams) -> None:
+    _number(p, "temperature", 0, None)
+    _number(p, "top_p", 0, 1, low_open=True)
+    _number(p, "min_p", 0, 1)
+    _number(p, "repetition_penalty", 0, None, low_open=True)
+    _number(p, "presence_penalty", -2, 2)
+    _number(p, "frequency_penalty", -2, 2)
+
+
+def _check_integers(p: SamplingParams) -> None:
+    _integer(p, "n", 1, MAX_N)
+    _integer(p, "top_k", 0, INT32_MAX, f"must be -1 (off), 0 (off) or a positive integer below 2**31, got {p.top_k}")
+    if p.seed is not None:
+        _integer(p, "seed", *SEED_RANGE)
+    if p.max_tokens is not None:
+        _integer(p, "max_tokens", 0, INT32_MAX)
+    _integer(p, "min_tokens", 0, INT32_MAX)
+    if p.max_tokens is not None and p.min_tokens > p.max_tokens:
+        _fail("min_tokens", f"must be <= max_tokens ({p.max_tokens}), got {p.min_tokens}")
+    for name in ("logprobs", "prompt_logprobs"):
+        if getattr(p, name) is not None:
+            _integer(p, name, 0, MAX_LOGPROBS)
+
+
+def _check_lists(p: SamplingParams) -> None:
+    if not all(isinstance(s, str) and s for s in p.stop):
+        _fail("stop", "must be non-empty strings")
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT32_MAX for t in p.stop_token_ids):
+        _fail("stop_token_ids", "must be non-negative integers below 2**31")
+    if p.logit_bias is None:
+        return
+    if not isinstance(p.logit_bias, dict):
+        _fail("logit_bias", f"must map token ids to numbers, got {type(p.logit_bias).__name__}")
+    for token, bias in p.logit_bias.items():
+        if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token <= INT32_MAX:
+            _fail("logit_bias", f"keys must be token ids (non-negative integers), got {token!r}")
+        if (not isinstance(bias, (int, float)) or isinstance(bias, bool) or not math.isfinite(bias)
+                or abs(bias) > MAX_LOGIT_BIAS):
+            _fail("logit_bias", f"values must be numbers in [-100, 100], got {bias!r} for token {token}")

@@ -9,30 +9,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.engine import EngineConfig, LLMEngine
 from pagedllm.errors import UserError
 
-GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-
-
-def make_engine(model, **kw) -> LLMEngine:
-    kw.setdefault("kv_cache_memory", 64 * 2**20)
-    kw.setdefault("max_model_len", 1024)
-    kw.setdefault("log_stats_interval", 0)
-    return LLMEngine(EngineConfig(**kw), model)
-
-
-def run_all(engine: LLMEngine, prompts: list[list[int]], params=GREEDY) -> list[list[int]]:
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return [done[str(i)].outputs[0].token_ids for i in range(len(prompts))]
-
-
-def assert_all_blocks_free(engine: LLMEngine) -> None:
-    assert engine.kv.num_free_blocks == engine.kv.num_blocks
-    assert not engine.kv.req_blocks and not engine.scheduler.running and not engine.scheduler.waiting
+from engine_helpers import GREEDY, assert_all_blocks_free, make_engine, run_all
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +118,7 @@ def test_bad_input_is_rejected_before_queueing(model_fp32):
         engine.add_request("x", [])
     with pytest.raises(UserError, match="token ids"):
         engine.add_request("x", [10**9])
-    for bad in ({"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"max_tokens": 0}, {"n": 0}, {"top_k": -5},
+    for bad in ({"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"max_tokens": -1}, {"n": 0}, {"top_k": -5},
                 {"logprobs": 100}, {"min_tokens": 5, "max_tokens": 2}):
         with pytest.raises(UserError, match=next(iter(bad))):
             SamplingParams(**bad)

@@ -42,12 +42,15 @@ class LLM:
             p.validate()
         encoded = [self.engine.encode_prompt(p) for p in prompts]
         ids = []
-        for prompt, ids_, p in zip(prompts, encoded, params):
-            rid = f"offline-{self._counter}"
-            self._counter += 1
-            self.engine.add_request(rid, ids_, p)
-            self.engine.parents[rid].prompt = prompt if isinstance(prompt, str) else None
-            ids.append(rid)
+        try:
+            for prompt, prompt_ids, p in zip(prompts, encoded, params):
+                rid = f"offline-{self._counter}"
+                self._counter += 1
+                self.engine.add_request(rid, prompt, p, prompt_token_ids=prompt_ids)
+                ids.append(rid)
+        except BaseException:
+            self._abort(ids)
+            raise
         return self._run(ids, use_tqdm and len(ids) > 1)
 
     def chat(self, messages: Messages | Sequence[Messages], sampling_params: SamplingParams | None = None,
@@ -67,9 +70,12 @@ class LLM:
                         done[out.request_id] = out
                         bar.update(1)
         except BaseException:
-            for rid in ids:  # an interrupted batch must not leave blocks behind
-                self.engine.abort_request(rid)
+            self._abort(ids)  # an interrupted batch must not leave blocks behind
             raise
         finally:
             bar.close()
         return [done[rid] for rid in ids]
+
+    def _abort(self, ids: list[str]) -> None:
+        for rid in ids:
+            self.engine.abort_request(rid)

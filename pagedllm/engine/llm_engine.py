@@ -21,8 +21,8 @@ from pagedllm.errors import UserError
 from pagedllm.kv.manager import cdiv, make_kv_cache_manager
 from pagedllm.model.loader import DTYPES, LoadedModel, load_model
 from pagedllm.model.runner import ModelRunner, SeqChunk, bytes_per_block
-from pagedllm.model.sampler import SamplingRow, sample
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.model.sampler import SampleResult, SamplingRow, sample, token_logprobs
+from pagedllm.sampling_params import SamplingParams, SamplingParamsError
 
 logger = logging.getLogger("pagedllm")
 
@@ -45,6 +45,13 @@ def resolve_device(device: str) -> torch.device:
         return torch.device(device)
     except RuntimeError as e:
         raise UserError(f"--device: {e}") from None
+
+
+def _sample_one(logits: torch.Tensor, row: SamplingRow) -> SampleResult | Exception:
+    try:
+        return sample(logits, [row])[0]
+    except Exception as e:  # noqa: BLE001 - handed back to fail this row's request
+        return e
 
 
 class LLMEngine:
@@ -127,6 +134,7 @@ class LLMEngine:
 
     # ---- requests -----------------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a text or id prompt, checked against the vocabulary and max_model_len."""
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
         else:
@@ -141,19 +149,35 @@ class LLMEngine:
                             f"{self.max_model_len} tokens, prompt and output together")
         return ids
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    cache_salt: str | None = None) -> None:
-        params = params or SamplingParams()
+    def _check_params(self, params: SamplingParams, num_prompt_tokens: int) -> None:
+        """What only the engine knows how to check: token ids against the vocabulary, lengths against the model."""
         params.validate()
+        vocab = self.model_config.vocab_size
+        room = self.max_model_len - num_prompt_tokens
+        if params.min_tokens > room:
+            raise SamplingParamsError("min_tokens", f"{params.min_tokens} tokens do not fit after a prompt of "
+                                      f"{num_prompt_tokens} tokens: the maximum model length is {self.max_model_len}")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise SamplingParamsError("logit_bias", f"token id {max(params.logit_bias)} is not in [0, {vocab})")
+        if params.stop_token_ids and max(params.stop_token_ids) >= vocab:
+            raise SamplingParamsError("stop_token_ids", f"token id {max(params.stop_token_ids)} is not in "
+                                      f"[0, {vocab})")
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    cache_salt: str | None = None, *, prompt_token_ids: list[int] | None = None) -> None:
+        """Queue a request (its n samples); `prompt_token_ids` gives the ids of a text prompt already encoded.
+
+        Everything is checked and every sample built before anything is queued: a bad request leaves nothing.
+        """
+        params = params or SamplingParams()
         if request_id in self.parents:
             raise UserError(f"request id {request_id!r} is already in use")
-        prompt_ids = self.encode_prompt(prompt)
+        prompt_ids = self.encode_prompt(prompt if prompt_token_ids is None else prompt_token_ids)
+        self._check_params(params, len(prompt_ids))
         metrics = RequestMetrics(arrival_time=time.monotonic())
-        children = []
-        for i in range(params.n):
-            child = Request(f"{request_id}#{i}", request_id, i, prompt_ids, params.for_sample(i), self.tokenizer,
-                            metrics, cache_salt)
-            children.append(child)
+        children = [Request(f"{request_id}#{i}", request_id, i, prompt_ids, params.for_sample(i), self.tokenizer,
+                            metrics, cache_salt) for i in range(params.n)]
+        for child in children:
             self.requests[child.request_id] = child
             self.scheduler.add(child)
         holdback = max((len(s) for s in params.stop), default=1) - 1
@@ -176,6 +200,13 @@ class LLMEngine:
         self.scheduler.remove(req)
         self.requests.pop(req.request_id, None)
 
+    def _fail(self, req: Request, error: str, touched: dict[str, None]) -> None:
+        """One request failed (its step or its sampling raised): it alone finishes with an error."""
+        logger.warning("request %s failed: %s", req.request_id, error)
+        req.finish("error", error=error)
+        self._release(req)
+        touched[req.parent_id] = None
+
     # ---- the step -----------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
@@ -184,32 +215,112 @@ class LLMEngine:
             self._release(req)
             touched[req.parent_id] = None
         if sched.scheduled:
-            self._run(sched.scheduled, touched)
+            done = self._forward_guarded(sched.scheduled, touched)
+            self._advance(done, touched)
         self.num_steps += 1
         outputs = [self._output(pid) for pid in touched if pid in self.parents]
         self._maybe_log()
         return outputs
 
-    def _run(self, scheduled: list[tuple[Request, int]], touched: dict[str, None]) -> None:
+    def _forward(self, scheduled: list[tuple[Request, int]]) -> list[torch.Tensor]:
+        """Run the model once over the scheduled chunks; per request, its logits rows."""
         chunks = [SeqChunk(r.all_token_ids[r.num_computed_tokens:r.num_computed_tokens + n], r.num_computed_tokens,
-                           self.kv.get_block_ids(r.request_id)) for r, n in scheduled]
+                           self.kv.get_block_ids(r.request_id), r.wants_prompt_logits) for r, n in scheduled]
         logits = self.runner.execute(chunks)
+        return list(logits.split([c.num_logits for c in chunks]))
+
+    def _forward_guarded(self, scheduled: list[tuple[Request, int]],
+                         touched: dict[str, None]) -> list[tuple[Request, int, torch.Tensor]]:
+        """The step's forward pass; if it raises, the prefix-cache entries it made are taken back (their K/V may
+        never have been written) and each request runs alone, so that a failure fails only its own request."""
+        try:
+            logits = self._forward(scheduled)
+        except BaseException as e:
+            undone = self.kv.rollback_step()
+            if not isinstance(e, Exception):  # Ctrl-C: the caller aborts what runs
+                raise
+            logger.warning("a step of %d requests failed (%r): running each alone", len(scheduled), e)
+            return self._forward_each(scheduled, undone, touched)
+        self.kv.commit_step()
+        return [(req, n, rows) for (req, n), rows in zip(scheduled, logits)]
+
+    def _forward_each(self, scheduled: list[tuple[Request, int]], undone: dict[str, list],
+                      touched: dict[str, None]) -> list[tuple[Request, int, torch.Tensor]]:
+        """After a failed step: each request alone, in schedule order (a request that shares blocks another
+        registered this step runs after it). One that fails again fails; one that shares a block whose writer
+        failed is recomputed later, since that block's K/V were never written."""
+        unwritten: set[int] = set()
+        done = []
+        for req, n in scheduled:
+            if unwritten.intersection(self.kv.get_block_ids(req.request_id)):
+                self.scheduler.requeue(req)
+                continue
+            try:
+                (rows,) = self._forward([(req, n)])
+            except Exception as e:  # noqa: BLE001 - any error of this request's step fails this request
+                unwritten.update(b.block_id for b in undone.get(req.request_id, ()))
+                self._fail(req, f"the model step failed: {type(e).__name__}: {e}", touched)
+                continue
+            self.kv.cache_computed(req, req.num_computed_tokens + n)
+            self.kv.commit_step()
+            done.append((req, n, rows))
+        return done
+
+    def _advance(self, done: list[tuple[Request, int, torch.Tensor]], touched: dict[str, None]) -> None:
+        """Account for the computed chunks; requests whose prompt is done get their next token."""
         now = time.monotonic()
-        rows, to_sample = [], []
-        for j, (req, n) in enumerate(scheduled):
+        to_sample: list[tuple[Request, torch.Tensor]] = []
+        for req, n, rows in done:
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
+            start = req.num_computed_tokens
             req.num_computed_tokens += n
-            self.prompt_tokens += max(0, min(n, len(req.prompt_token_ids) - (req.num_computed_tokens - n)))
-            if req.num_computed_tokens == len(req.all_token_ids):  # the prompt is done: a token is due
-                to_sample.append((j, req))
-                rows.append(SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids, req.generator,
-                                        self.tokenizer.eos_token_ids + req.params.stop_token_ids))
-        if not to_sample:
+            self._count_prompt_tokens(req, start)
+            if req.prompt_logprobs is not None and start < req.num_prompt_tokens:
+                self._record_prompt_logprobs(req, start, rows)
+            if req.num_computed_tokens < len(req.all_token_ids):
+                continue  # a prompt chunk: no token is due yet
+            if req.params.max_tokens == 0:  # scoring: the prompt was all that was asked for
+                req.finish("length")
+                self._release(req)
+                touched[req.parent_id] = None
+                continue
+            to_sample.append((req, rows[-1]))
+        if to_sample:
+            self._sample(to_sample, now, touched)
+
+    def _count_prompt_tokens(self, req: Request, start: int) -> None:
+        """Prompt tokens computed, each once: a preempted request recomputing its prompt is not counted again."""
+        end = min(req.num_computed_tokens, req.num_prompt_tokens)
+        self.prompt_tokens += max(0, end - max(start, req.prompt_tokens_counted))
+        req.prompt_tokens_counted = max(req.prompt_tokens_counted, end)
+
+    def _record_prompt_logprobs(self, req: Request, start: int, rows: torch.Tensor) -> None:
+        """Row j (position start + j) predicts prompt token start + j + 1."""
+        count = min(len(rows), req.num_prompt_tokens - 1 - start)
+        if count <= 0:
             return
-        results = sample(logits[[j for j, _ in to_sample]], rows)
-        for (_, req), res in zip(to_sample, results):
-            self._append_token(req, res.token_id, res.logprobs, now)
+        targets = req.prompt_token_ids[start + 1:start + 1 + count]
+        entries = token_logprobs(rows[:count].float().log_softmax(-1), targets, req.params.prompt_logprobs or 0)
+        req.prompt_logprobs[start + 1:start + 1 + count] = entries
+
+    def _sample(self, to_sample: list[tuple[Request, torch.Tensor]], now: float, touched: dict[str, None]) -> None:
+        """One sampling call for the batch; if it raises, each row alone, and a row that raises fails its request."""
+        rows = [SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids, req.generator,
+                            self.tokenizer.eos_token_ids + req.params.stop_token_ids) for req, _ in to_sample]
+        logits = torch.stack([lg for _, lg in to_sample])
+        try:
+            results: list[SampleResult | Exception] = list(sample(logits, rows))
+        except Exception:  # noqa: BLE001 - find the row that raised
+            results = [_sample_one(logits[i:i + 1], row) for i, row in enumerate(rows)]
+        for (req, _), res in zip(to_sample, results):
+            try:
+                if isinstance(res, Exception):
+                    raise res
+                self._append_token(req, res.token_id, res.logprobs, now)
+            except Exception as e:  # noqa: BLE001 - this request's sampling or detokenizing failed
+                self._fail(req, f"sampling failed: {type(e).__name__}: {e}", touched)
+                continue
             touched[req.parent_id] = None
             if req.finished:
                 self._release(req)
@@ -238,8 +349,6 @@ class LLMEngine:
                     return req.finish("stop", stop_reason=s)
         if p.max_tokens is not None and n_out >= p.max_tokens:
             return req.finish("length")
-        if len(req.all_token_ids) >= self.max_model_len:
-            return req.finish("length")
 
     def _output(self, parent_id: str) -> RequestOutput:
         parent = self.parents[parent_id]
@@ -247,16 +356,18 @@ class LLMEngine:
         if finished:
             del self.parents[parent_id]
             parent.metrics.finished_time = time.monotonic()
+        first = parent.children[0]
         return RequestOutput(parent_id, parent.prompt, parent.prompt_token_ids,
                              [c.completion_output(parent.holdback) for c in parent.children], finished,
-                             parent.children[0].num_cached_tokens, parent.metrics)
+                             first.num_cached_tokens, parent.metrics,
+                             list(first.prompt_logprobs) if first.prompt_logprobs is not None else None)
 
     # ---- stats --------------------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
         kv, sched = self.kv, self.scheduler
         return EngineStats(
             num_running=len(sched.running), num_waiting=len(sched.waiting), num_blocks=kv.num_blocks,
-            num_free_blocks=kv.num_free_blocks, block_size=kv.block_size, kv_usage=kv.usage,
+            num_free_blocks=kv.num_free_blocks, num_cached_blocks=kv.num_cached_blocks, block_size=kv.block_size, kv_usage=kv.usage,
             num_stored_tokens=kv.num_stored_tokens, prefix_cache_queries=kv.prefix_stats.queries,
             prefix_cache_hits=kv.prefix_stats.hits, num_preemptions=sched.num_preemptions,
             prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens,

@@ -50,3 +50,4 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int
     metrics: RequestMetrics
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # per prompt token, when asked for (first: None)

@@ -34,10 +34,14 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache when first scheduled
         self.num_preemptions = 0
+        self.prompt_tokens_counted = 0  # prompt positions counted in the engine's prompt_tokens (recompute: once)
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.error: str | None = None
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        # Position i holds the logprobs of prompt token i given the ones before it (None for the first token).
+        self.prompt_logprobs: list[dict[int, float] | None] | None = (
+            [None] * len(prompt_token_ids) if params.prompt_logprobs is not None else None)
         self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
         self.text = ""  # detokenized output, stop strings cut off
         # A seeded request draws from its own generator, so its samples do not depend on the batch around it.
@@ -56,6 +60,15 @@ class Request:
     @property
     def num_tokens_to_compute(self) -> int:
         return len(self.all_token_ids) - self.num_computed_tokens
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def wants_prompt_logits(self) -> bool:
+        """Whether this step's chunk needs logits for every token: prompt logprobs of a prompt still computing."""
+        return self.prompt_logprobs is not None and self.num_computed_tokens < self.num_prompt_tokens
 
     @property
     def finished(self) -> bool:

@@ -45,6 +45,11 @@ class Scheduler:
             self.waiting.remove(request)
         self.kv.free(request)
 
+    def requeue(self, request: Request) -> None:
+        """Send a running request back to wait, its KV dropped, to be recomputed (as a preemption)."""
+        self.running.remove(request)
+        self._preempt(request)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -75,7 +80,8 @@ class Scheduler:
         # Admitting new work right after preempting would only thrash the cache.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            blocks, num_cached = self.kv.get_computed_blocks(req)
+            # Prompt logprobs need every prompt position computed, so such a request reads nothing from the cache.
+            blocks, num_cached = ([], 0) if req.prompt_logprobs is not None else self.kv.get_computed_blocks(req)
             num_new = min(len(req.all_token_ids) - num_cached, budget)
             req.num_computed_tokens = 0
             if not self.kv.allocate_slots(req, num_new, blocks):
@@ -84,11 +90,12 @@ class Scheduler:
                     self._fail(req, out)
                     continue
                 break
-            self.kv.record_prefix_lookup(len(req.all_token_ids), num_cached)
             self.waiting.popleft()
             req.num_computed_tokens = num_cached
-            if req.num_preemptions == 0:
+            if req.num_preemptions == 0:  # a re-admission finding its own blocks is not a cache query (vLLM)
                 req.num_cached_tokens = num_cached
+                if req.prompt_logprobs is None:
+                    self.kv.record_prefix_lookup(len(req.all_token_ids), num_cached)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append((req, num_new))

@@ -10,6 +10,7 @@ class EngineStats:
     num_waiting: int
     num_blocks: int
     num_free_blocks: int
+    num_cached_blocks: int  # free blocks that still hold a cached prefix (reused on a hit, evicted when needed)
     block_size: int
     kv_usage: float  # share of blocks held by requests
     num_stored_tokens: int  # tokens the running requests keep in the cache

@@ -69,6 +69,7 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, KVBlock] = {}
+        self.num_free_cached = 0  # free blocks that still hold a registered prefix (evictable, reusable)
 
     @property
     def num_free_blocks(self) -> int:
@@ -88,7 +89,7 @@ class BlockPool:
         out = []
         for _ in range(n):
             block = self.free_queue.popleft()
-            self._evict(block)
+            self.uncache(block)
             block.ref_cnt = 1
             out.append(block)
         return out
@@ -98,6 +99,7 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
+                self.num_free_cached -= block.block_hash is not None
             block.ref_cnt += 1
 
     def free(self, blocks: Iterable[KVBlock]) -> None:
@@ -107,22 +109,29 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
+                self.num_free_cached += block.block_hash is not None
 
-    def cache_block(self, block: KVBlock, block_hash: BlockHash) -> None:
-        """Register a full block under its chained hash, unless another block already holds that prefix."""
+    def cache_block(self, block: KVBlock, block_hash: BlockHash) -> bool:
+        """Register a block in use under its chained hash, unless another block already holds that prefix;
+        True if it was registered."""
         if not self.enable_caching or block.block_hash is not None or block_hash in self.cached:
-            return
+            return False
+        assert block.ref_cnt > 0, f"block {block.block_id} is free: only blocks in use are registered"
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        return True
+
+    def uncache(self, block: KVBlock) -> None:
+        """Drop a block's prefix: it is being reused for other tokens, or its K/V were never written."""
+        if block.block_hash is None:
+            return
+        if self.cached.get(block.block_hash) is block:
+            del self.cached[block.block_hash]
+        block.block_hash = None
+        if block.ref_cnt == 0:
+            self.num_free_cached -= 1
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (e.g. after new weights); blocks in use keep their contents."""
-        for block in self.cached.values():
-            block.block_hash = None
-        self.cached.clear()
-
-    def _evict(self, block: KVBlock) -> None:
-        if block.block_hash is not None:
-            if self.cached.get(block.block_hash) is block:
-                del self.cached[block.block_hash]
-            block.block_hash = None
+        for block in list(self.cached.values()):
+            self.uncache(block)

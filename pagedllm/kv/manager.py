@@ -81,6 +81,11 @@ class KVCacheManager:
         return self.pool.num_free_blocks
 
     @property
+    def num_cached_blocks(self) -> int:
+        """Free blocks that still hold a cached prefix."""
+        return self.pool.num_free_cached
+
+    @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
 
@@ -127,12 +132,27 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()
 
+    def commit_step(self) -> None:
+        """The step's K/V are written: the blocks it registered in the prefix cache are now really cached."""
+
+    def rollback_step(self) -> dict[str, list[KVBlock]]:
+        """The step failed before its K/V were written: unregister the blocks it registered (else a later request
+        would be served their never-written contents) and return them per request."""
+        return {}
+
+    def cache_computed(self, request: KVRequest, num_tokens: int) -> None:
+        """Register the full blocks of the request's first `num_tokens` tokens (after a rolled-back step ran)."""
+
 
 class PagedKVCacheManager(KVCacheManager):
     def __init__(self, num_blocks: int, block_size: int = 16, enable_caching: bool = True) -> None:
         super().__init__(num_blocks, block_size, enable_caching)
         self.req_hashes: dict[str, list[BlockHash]] = {}
         self.req_num_cached: dict[str, int] = {}  # how many of a request's blocks are registered in the cache
+        # Blocks registered since the last commit_step: (request id, its req_num_cached before, the blocks).
+        # Registration happens at allocation, before the model writes the blocks, so that a request scheduled
+        # later in the same step (another of n samples) can share them; a failed step must take it back.
+        self.step_journal: list[tuple[str, int, list[KVBlock]]] = []
 
     def _hashes(self, request: KVRequest, num_tokens: int) -> list[BlockHash]:
         """The chained hashes of the request's full blocks within its first `num_tokens` tokens (memoized)."""
@@ -186,9 +206,28 @@ class PagedKVCacheManager(KVCacheManager):
         if num_full <= start:
             return
         hashes = self._hashes(request, num_tokens)
-        for i in range(start, num_full):
-            self.pool.cache_block(held[i], hashes[i])
+        registered = [held[i] for i in range(start, num_full) if self.pool.cache_block(held[i], hashes[i])]
+        if registered:
+            self.step_journal.append((request.request_id, start, registered))
         self.req_num_cached[request.request_id] = num_full
+
+    def commit_step(self) -> None:
+        self.step_journal.clear()
+
+    def rollback_step(self) -> dict[str, list[KVBlock]]:
+        undone: dict[str, list[KVBlock]] = {}
+        for rid, before, blocks in reversed(self.step_journal):
+            for block in blocks:
+                self.pool.uncache(block)
+            if rid in self.req_num_cached:
+                self.req_num_cached[rid] = before
+            undone.setdefault(rid, []).extend(blocks)
+        self.step_journal.clear()
+        return undone
+
+    def cache_computed(self, request: KVRequest, num_tokens: int) -> None:
+        if self.enable_caching and request.request_id in self.req_blocks:
+            self._cache_full_blocks(request, self.req_blocks[request.request_id], num_tokens)
 
     def free(self, request: KVRequest) -> None:
         super().free(request)

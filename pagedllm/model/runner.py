@@ -23,6 +23,11 @@ class SeqChunk:
     token_ids: list[int]  # the new tokens to compute this step
     start_pos: int  # tokens of this sequence already in the cache (computed or prefix-cached)
     block_table: list[int]  # block ids covering at least start_pos + len(token_ids) tokens
+    all_logits: bool = False  # logits for every new token (prompt logprobs), not only the last
+
+    @property
+    def num_logits(self) -> int:
+        return len(self.token_ids) if self.all_logits else 1
 
 
 def kv_cache_bytes(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype) -> int:
@@ -81,15 +86,16 @@ class ModelRunner:
         if all_positions:
             index = None
         else:
-            last, acc = [], 0
-            for n in lens:
-                acc += n
-                last.append(acc - 1)
-            index = torch.tensor(last, dtype=torch.long, device=self.device)
+            rows, end = [], 0
+            for c in chunks:
+                end += len(c.token_ids)
+                rows.extend(range(end - c.num_logits, end))
+            index = torch.tensor(rows, dtype=torch.long, device=self.device)
         return self.model(input_ids, meta, self.kv_caches, index)
 
     def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
-        """float32 logits [len(chunks), vocab] for the last new token of each chunk; writes K/V of all of them."""
+        """float32 logits for the last new token of each chunk (every new token of an `all_logits` chunk), in
+        chunk order: [sum(c.num_logits), vocab]; writes K/V of all of them."""
         if not chunks:
             return torch.empty(0, self.config.vocab_size, dtype=torch.float32, device=self.device)
         return self._forward(chunks, all_positions=False)

@@ -1,7 +1,9 @@
 """Turn a batch of next-token logits into tokens, each row with its own sampling parameters.
 
-Order as in vLLM v1: raw logprobs are taken first (what the model said), then min_tokens masking and
-penalties, then greedy rows take the argmax and random rows go through temperature, min_p, top_k and top_p.
+Order as in vLLM v1: raw logprobs are taken first (what the model said), then min_tokens masking, logit_bias
+and penalties, then greedy rows take the argmax and random rows go through temperature, min_p, top_k and top_p.
+Every value validation accepts must sample: overflows are clamped to finite numbers (`finite`), and top_p
+always keeps the most likely token.
 A row with a seed samples with its own torch.Generator, so its tokens do not depend on the rest of the batch.
 """
 from __future__ import annotations
@@ -41,10 +43,16 @@ def apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
 
+def finite(logits: torch.Tensor) -> torch.Tensor:
+    """+inf -> the largest float, nan -> -inf: a penalty or temperature that overflows float32 must still leave a
+    distribution to sample from, never a nan that kills the step."""
+    return torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)
+
+
 def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                   min_p: torch.Tensor) -> torch.Tensor:
     """Temperature, then min_p, top_k, top_p on a batch of rows; masked entries become -inf."""
-    logits = logits / temperature.unsqueeze(1)
+    logits = finite(logits / temperature.unsqueeze(1))
     if bool((min_p > 0).any()):
         probs = logits.softmax(-1)
         threshold = probs.max(-1, keepdim=True).values * min_p.unsqueeze(1)
@@ -60,9 +68,63 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
         if need_p:
             probs = sorted_logits.softmax(-1)
             mass_before = probs.cumsum(-1) - probs  # keep a token while the mass before it is below top_p
-            sorted_logits = sorted_logits.masked_fill(mass_before >= top_p.unsqueeze(1), float("-inf"))
+            drop = mass_before >= top_p.unsqueeze(1)
+            drop[:, 0] = False  # the most likely token always stays (a top_p that rounds to 0 in float32)
+            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     return logits
+
+
+def _processed(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """min_tokens masking, logit_bias and penalties, on a copy and only when some row asks for them."""
+    if not any(r.params.repetition_penalty != 1 or r.params.presence_penalty or r.params.frequency_penalty
+               or r.params.logit_bias or len(r.output_ids) < r.params.min_tokens for r in rows):
+        return logits
+    logits = logits.clone()
+    for i, row in enumerate(rows):
+        if len(row.output_ids) < row.params.min_tokens and row.banned_until_min_tokens:
+            logits[i, row.banned_until_min_tokens] = float("-inf")
+        if row.params.logit_bias:
+            ids = torch.tensor(list(row.params.logit_bias), dtype=torch.long, device=logits.device)
+            bias = torch.tensor(list(row.params.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+            logits[i].index_add_(0, ids, bias)
+        apply_penalties(logits[i], row)
+    return logits
+
+
+def _draw(logits: torch.Tensor, rows: list[SamplingRow], random_rows: list[int], tokens: torch.Tensor) -> None:
+    """Sample the random rows into `tokens`, each seeded row from its own generator."""
+    dev = logits.device
+    ps = [rows[i].params for i in random_rows]
+    vocab = logits.shape[-1]
+    probs = filter_logits(
+        logits[random_rows],
+        torch.tensor([p.temperature for p in ps], device=dev),
+        torch.tensor([min(p.top_k, vocab) for p in ps], device=dev),
+        torch.tensor([p.top_p for p in ps], device=dev),
+        torch.tensor([p.min_p for p in ps], device=dev),
+    ).softmax(-1)
+    unseeded = [j for j, i in enumerate(random_rows) if rows[i].generator is None]
+    if unseeded:
+        drawn = torch.multinomial(probs[unseeded], 1).squeeze(1)
+        tokens[[random_rows[j] for j in unseeded]] = drawn
+    for j, i in enumerate(random_rows):
+        gen = rows[i].generator
+        if gen is not None:  # its own generator (on CPU, so the stream is the same on every device)
+            tokens[i] = torch.multinomial(probs[j].cpu(), 1, generator=gen).item()
+
+
+def token_logprobs(logprobs: torch.Tensor, tokens: list[int], k: int) -> list[dict[int, float]]:
+    """Per row: the given token's logprob and the top-k (k may be 0), as {token id: logprob}."""
+    out = []
+    top = logprobs.topk(k) if k else None
+    chosen = logprobs.gather(1, torch.tensor(tokens, dtype=torch.long, device=logprobs.device)[:, None])
+    for r, (tok, lp) in enumerate(zip(tokens, chosen[:, 0].tolist())):
+        entry = {tok: lp}
+        if top is not None:
+            entry.update(zip(top.indices[r].tolist(), top.values[r].tolist()))
+        out.append(entry)
+    return out
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
@@ -70,43 +132,14 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
     logits = logits.float()
     want_logprobs = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     raw_logprobs = logits[want_logprobs].log_softmax(-1) if want_logprobs else None
-    if any(r.params.repetition_penalty != 1 or r.params.presence_penalty or r.params.frequency_penalty
-           or len(r.output_ids) < r.params.min_tokens for r in rows):
-        logits = logits.clone()
-        for i, row in enumerate(rows):
-            if len(row.output_ids) < row.params.min_tokens and row.banned_until_min_tokens:
-                logits[i, row.banned_until_min_tokens] = float("-inf")
-            apply_penalties(logits[i], row)
-
+    logits = finite(_processed(logits, rows))
     tokens = logits.argmax(-1)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_rows:
-        dev = logits.device
-        ps = [rows[i].params for i in random_rows]
-        probs = filter_logits(
-            logits[random_rows],
-            torch.tensor([p.temperature for p in ps], device=dev),
-            torch.tensor([p.top_k for p in ps], device=dev),
-            torch.tensor([p.top_p for p in ps], device=dev),
-            torch.tensor([p.min_p for p in ps], device=dev),
-        ).softmax(-1)
-        unseeded = [j for j, i in enumerate(random_rows) if rows[i].generator is None]
-        if unseeded:
-            drawn = torch.multinomial(probs[unseeded], 1).squeeze(1)
-            tokens[[random_rows[j] for j in unseeded]] = drawn
-        for j, i in enumerate(random_rows):
-            gen = rows[i].generator
-            if gen is not None:  # its own generator (on CPU, so the stream is the same on every device)
-                tokens[i] = torch.multinomial(probs[j].cpu(), 1, generator=gen).item()
-
+        _draw(logits, rows, random_rows, tokens)
     token_list = tokens.tolist()
     results = [SampleResult(t, None) for t in token_list]
     for j, i in enumerate(want_logprobs):
-        k = rows[i].params.logprobs
-        lp = raw_logprobs[j]
-        entry = {token_list[i]: float(lp[token_list[i]])}
-        if k:
-            top = lp.topk(k)
-            entry.update(zip(top.indices.tolist(), top.values.tolist()))
-        results[i].logprobs = entry
+        k = rows[i].params.logprobs or 0
+        results[i].logprobs = token_logprobs(raw_logprobs[j:j + 1], [token_list[i]], k)[0]
     return results

@@ -1,0 +1,31 @@
+"""What engine tests share: a small engine over the session's float32 model, a run-to-the-end loop, the
+every-block-is-back check."""
+from __future__ import annotations
+
+from pagedllm import SamplingParams
+from pagedllm.engine import EngineConfig, LLMEngine
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+def make_engine(model, **kw) -> LLMEngine:
+    kw.setdefault("kv_cache_memory", 64 * 2**20)
+    kw.setdefault("max_model_len", 1024)
+    kw.setdefault("log_stats_interval", 0)
+    return LLMEngine(EngineConfig(**kw), model)
+
+
+def run_all(engine: LLMEngine, prompts: list[list[int]], params=GREEDY) -> list[list[int]]:
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [done[str(i)].outputs[0].token_ids for i in range(len(prompts))]
+
+
+def assert_all_blocks_free(engine: LLMEngine) -> None:
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    assert not engine.kv.req_blocks and not engine.scheduler.running and not engine.scheduler.waiting

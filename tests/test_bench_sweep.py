@@ -69,7 +69,7 @@ class FakeEngine:
         return outs
 
     def stats(self):
-        return EngineStats(len(self.running), len(self.waiting), self.num_blocks, self.num_blocks - self._used(),
+        return EngineStats(len(self.running), len(self.waiting), self.num_blocks, self.num_blocks - self._used(), 0,
                            self.bs, 0.0, sum(r["prompt"] + len(r["out"]) for r in self.running.values()),
                            self.queries, self.hits, 0, 0, 0, self.peak, self.steps)
 

@@ -250,6 +250,10 @@ def test_a_100k_block_pool_renders(browser, monkeypatch):
         assert len(state["map"]["counts"]) == len(state["map"]["state"]) == 7_693 and state["blocks"] is None
         assert browser.find_element("id", "c-used").text == f"{state['counters']['num_used_blocks']:,}"
         check_stacks(browser, state, range(0, 7_693, 37))
+        hover_cell(browser, canvas, 5)
+        detail = wait_for("a run's detail", lambda: browser.find_element("id", "detail").text)
+        counts = ", ".join(f"{n} {s}" for s, n in zip(state["map"]["states"], state["map"]["counts"][5]) if n)
+        assert detail == f"blocks 65–77: {counts}"
     finally:
         srv.stop()
 

@@ -251,12 +251,13 @@ def _run_row(args: argparse.Namespace, s: Setting, workload: tuple[list, int], k
                        kv_allocation=s.kv_allocation, kv_cache_memory=kv_bytes, seed=args.seed,
                        log_stats_interval=0)
     engine = LLMEngine(cfg, loaded)
-    on_peak = None
-    if peaks is not None and "allocation" in s.groups:
-        def on_peak(e: Any) -> None:
-            peaks[s.name] = kv_snapshot.take_snapshot(e)
+
+    def on_peak(e: Any) -> None:
+        peaks[s.name] = kv_snapshot.take_snapshot(e)
+
+    wanted = peaks is not None and "allocation" in s.groups
     times = arrival_times(len(prompts), args.request_rate, args.burstiness, args.seed)
-    res = run_engine(engine, prompts, out_len, times, on_peak)
+    res = run_engine(engine, prompts, out_len, times, on_peak if wanted else None)
     return {"setting": s.name, "workload": s.workload, "kv_allocation": s.kv_allocation,
             "block_size": s.block_size, "enable_prefix_caching": s.enable_prefix_caching,
             "num_blocks": engine.stats().num_blocks, **res}

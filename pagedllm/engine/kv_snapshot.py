@@ -40,10 +40,9 @@ class KVSnapshot:
     evict_order: list[int] | None  # free blocks still caching a prefix, next evicted first (None: not copied)
     requests: list[RequestState]  # every running request, then the head of the waiting queue
     num_waiting: int  # every waiting request, also those past the listed head
-    counters: dict[str, int] = field(default_factory=dict)  # the engine's cumulative counters (see COUNTERS)
-
-
-COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens", "generation_tokens")
+    # The engine's cumulative counters: prefix_cache_queries, prefix_cache_hits (tokens), num_preemptions,
+    # prompt_tokens, generation_tokens.
+    counters: dict[str, int] = field(default_factory=dict)
 
 
 def take_snapshot(engine: Any, max_waiting: int = 64, memo: BlockTokens | None = None,

@@ -72,6 +72,7 @@ def check_against_manager(e: LLMEngine, m: dict) -> None:
     assert c["num_used_blocks"] == kv.num_used_blocks and c["tokens_stored"] == st.num_stored_tokens
     assert c["num_free_blocks"] == kv.num_free_blocks and c["slots_allocated"] == st.slots_allocated
     assert c["kv_usage"] == pytest.approx(st.kv_usage) and c["num_running"] == st.num_running
+    assert c["num_evictable_blocks"] == st.num_cached_blocks
     assert (c["num_preemptions"], c["prefix_cache_hits"], c["prefix_cache_queries"], c["generation_tokens"]) == \
            (st.num_preemptions, st.prefix_cache_hits, st.prefix_cache_queries, st.generation_tokens)
 

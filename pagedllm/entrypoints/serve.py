@@ -18,7 +18,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve MODEL (default: SmolLM2-135M-Instruct) over an OpenAI-compatible HTTP API: "
-                    "/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize.")
+                    "/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize; "
+                    "and /kv, the KV block pool live in a browser.")
     add_engine_args(p)
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")

@@ -20,6 +20,7 @@ from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.entrypoints.openai import (serving_chat, serving_completion, serving_info, serving_rag,
                                          serving_tokenization)
 from pagedllm.entrypoints.openai.errors import install_error_handlers
+from pagedllm.entrypoints.openai.kv_page import router as kv_page_router
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.middleware import AuthMiddleware, InternalErrorMiddleware, RequestBodyMiddleware
 from pagedllm.entrypoints.openai.serving_engine import ServingContext
@@ -58,6 +59,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
     install_error_handlers(app)
     for module in (serving_info, serving_completion, serving_chat, serving_tokenization):
         app.include_router(module.router)
+    app.include_router(kv_page_router)  # GET /kv (the live block map) and GET /v1/kv/blocks (its data)
     if rag is not None:
         app.include_router(serving_rag.router)
     app.add_middleware(InternalErrorMiddleware)

@@ -11,9 +11,8 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
-from pagedllm.engine.block_map import STATES, block_map, expand_row
-from pagedllm.engine.kv_snapshot import KVSnapshot, RequestState
-from pagedllm.kv.manager import cdiv
+from pagedllm.engine import STATES, KVSnapshot, RequestState, block_map, expand_row
+from pagedllm.kv import cdiv
 
 LABEL_MIN_CELLS = 2048  # above this many cells a pool map has no room for numbers
 

@@ -242,8 +242,7 @@ def _budget_tokens(args: argparse.Namespace, groups: set[str]) -> int:
 def _run_row(args: argparse.Namespace, s: Setting, workload: tuple[list, int], kv_bytes: int, loaded: Any,
              peaks: dict[str, Any] | None) -> dict:
     """One setting on a fresh engine; with `peaks`, an allocation row leaves its snapshot at peak KV there."""
-    from pagedllm.engine import EngineConfig, LLMEngine
-    from pagedllm.engine import kv_snapshot
+    from pagedllm.engine import EngineConfig, LLMEngine, take_snapshot
 
     prompts, out_len = workload
     cfg = EngineConfig(model=args.model, dtype=args.dtype, block_size=s.block_size,
@@ -254,7 +253,7 @@ def _run_row(args: argparse.Namespace, s: Setting, workload: tuple[list, int], k
     engine = LLMEngine(cfg, loaded)
 
     def on_peak(e: Any) -> None:
-        peaks[s.name] = kv_snapshot.take_snapshot(e)
+        peaks[s.name] = take_snapshot(e)
 
     wanted = peaks is not None and "allocation" in s.groups
     times = arrival_times(len(prompts), args.request_rate, args.burstiness, args.seed)
@@ -268,7 +267,7 @@ def _plot(path: str, rows: list[dict], peaks: dict[str, Any], budget_tokens: int
     """The sweep's bars, and beside them (FILE_blocks.png) the allocation rows' block maps at their peak."""
     from pagedllm.bench.block_map_plot import plot_block_maps
     from pagedllm.bench.plot import plot_sweep
-    from pagedllm.engine.block_map import block_map
+    from pagedllm.engine import block_map
 
     plot_sweep(rows, path, title=f"pagedllm bench sweep: KV budget {budget_tokens:,} tokens")
     if peaks:

@@ -5,8 +5,9 @@
  *
  * Why: with the weights quantized, the matmuls of a one-sequence decode step take a few milliseconds, and the
  * ~40 torch ops and Python lines around them in each of 30 layers cost more than that (dispatch, allocation,
- * casts). Here the step is one parallel region: the threads split each matmul by column blocks and attention
- * by (token, KV head), and meet at a barrier between phases; no tensor is allocated per op.
+ * casts). Here the step is one parallel region: the threads take work items (column blocks of a matmul,
+ * (token, head) pairs of attention, rows) from shared counters, phase after phase (see "the step as a list of
+ * phases" below); no tensor is allocated per op.
  *
  * Attention treats every token as a query of its own over its sequence's cache up to its own position (all of
  * the step's K/V are written first), so a prefill chunk is causal attention and a decode token the usual

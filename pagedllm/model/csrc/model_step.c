@@ -59,9 +59,13 @@ typedef struct {
 
 enum { P_NORM, P_QKV, P_ROPE, P_ATTN, P_O, P_GATE_UP, P_ACT, P_DOWN, P_LM_HEAD, N_PHASES };
 
+#define TILE 16 /* consecutive tokens of a prefill chunk whose attention reads each block once */
+
 typedef struct { /* the step's activations (float32, T rows) and scratch */
     float *h, *x, *qkv, *attn, *gu, *act;
-    int64_t *ctx; /* [T] tokens each query attends to */
+    int64_t *ctx;    /* [T] tokens each query attends to */
+    int *tiles;      /* [n_tiles] first token of each attention tile (a run of <= TILE tokens of one sequence) */
+    int n_tiles;
     uint16_t *xb;  /* x as bfloat16 for AMX: [T padded to 16, widest K] */
     int amx_rows; /* matmuls of at least this many rows run on AMX; 0: none */
 } Buffers;
@@ -213,7 +217,7 @@ static int plan(Phase *ph, const StepModel *m, const StepLayer *layers, const St
     const int QKV = (m->heads + 2 * m->kv_heads) * m->head_dim;
     /* attention items: (token, KV head), reading each block once for the heads that share it; with too few of
      * those to keep the threads busy (one sequence), (token, query head) */
-    const int attn_split = T * m->kv_heads >= 2 * nthreads ? m->kv_heads : m->heads;
+    const int attn_split = buf->n_tiles * m->kv_heads >= 2 * nthreads ? m->kv_heads : m->heads;
     int n = 0;
     for (int l = 0; l < m->layers; l++) {
         const StepLayer *L = &layers[l];
@@ -221,7 +225,7 @@ static int plan(Phase *ph, const StepModel *m, const StepLayer *layers, const St
         n += matmul_phases(ph + n, buf, P_QKV, buf->qkv, buf->x, L->qkv, L->qkv_fmt, L->qkv_bias, T, QKV, E, 0,
                            nthreads);
         ph[n++] = (Phase){.kind = K_ROPE, .layer = l, .items = T, .prof = P_ROPE};
-        ph[n++] = (Phase){.kind = K_ATTN, .layer = l, .items = T * attn_split, .prof = P_ATTN};
+        ph[n++] = (Phase){.kind = K_ATTN, .layer = l, .items = buf->n_tiles * attn_split, .prof = P_ATTN};
         n += matmul_phases(ph + n, buf, P_O, buf->h, buf->attn, L->o, L->o_fmt, NULL, T, E, HD, 1, nthreads);
         ph[n++] = norm_phase(buf->x, buf->h, L->ffn_norm, NULL, T);
         n += matmul_phases(ph + n, buf, P_GATE_UP, buf->gu, buf->x, L->gate_up, L->gate_up_fmt, NULL, T, 2 * I, E,
@@ -248,16 +252,26 @@ static void rope_and_store(const StepModel *m, const StepLayer *L, const StepBat
     store_row(L->v_cache, at, row + (H + KVH) * D, KVH * D, m->cache_bf16);
 }
 
-/* Item i of `split` per token (KV heads or query heads): those query heads of token i / split over the
- * sequence's cache up to the token's own position. */
+/* Item i of `split` per tile (KV heads or query heads): those query heads of the tile's tokens over the
+ * sequence's cache, each token up to its own position. */
 static void attention(const StepModel *m, const StepLayer *L, const StepBatch *b, const Buffers *buf,
                       const Scratch *sc, int i, int split) {
     const int H = m->heads, KVH = m->kv_heads, D = m->head_dim, width = (H + 2 * KVH) * D;
-    const int t = i / split, h0 = i % split * (H / split);
+    const int tile = i / split, h0 = i % split * (H / split), t = buf->tiles[tile];
+    const int end = tile + 1 < buf->n_tiles ? buf->tiles[tile + 1] : b->T;
     Args a = {buf->attn + (int64_t)t * H * D, buf->qkv + (int64_t)t * width, L->k_cache, L->v_cache,
               b->block_tables + b->seq[t] * b->max_blocks, buf->ctx + t, H, KVH, D, m->block_size, b->max_blocks,
-              m->cache_bf16, m->scale, 0};
+              m->cache_bf16, m->scale, 0, end - t, width, H * D};
     paged_attention_heads(&a, 0, h0, h0 + H / split, sc->scores, sc->block);
+}
+
+/* Split the tokens into attention tiles: runs of consecutive positions of one sequence, at most TILE long. */
+static int make_tiles(const StepBatch *b, int *tiles) {
+    int n = 0;
+    for (int t = 0; t < b->T; t++)
+        if (t == 0 || b->seq[t] != b->seq[t - 1] || b->positions[t] != b->positions[t - 1] + 1 || t - tiles[n - 1] == TILE)
+            tiles[n++] = t;
+    return n;
 }
 
 static void matmul_item(const Phase *p, const Buffers *buf, const Scratch *sc, int i) {
@@ -289,7 +303,7 @@ static void run_item(const Phase *p, const StepModel *m, const StepLayer *layers
         rope_and_store(m, &layers[p->layer], b, buf->qkv, i);
         break;
     case K_ATTN:
-        attention(m, &layers[p->layer], b, buf, sc, i, p->items / b->T);
+        attention(m, &layers[p->layer], b, buf, sc, i, p->items / buf->n_tiles);
         break;
     default: /* K_ACT: row i of silu(gate) * up */
         silu_mul(buf->act + (int64_t)i * I, buf->gu + (int64_t)i * 2 * I, buf->gu + (int64_t)i * 2 * I + I, I);
@@ -354,7 +368,8 @@ static int run(const StepModel *m, const StepLayer *layers, const StepBatch *b, 
     Scratch *sc = calloc((size_t)nthreads, sizeof(Scratch));
     int status = ph && counters && sc ? 0 : -1;
     for (int t = 0; t < nthreads && status == 0; t++) {
-        sc[t] = (Scratch){malloc((size_t)K * 16 * sizeof(float)), malloc((size_t)max_ctx * m->heads * sizeof(float)),
+        sc[t] = (Scratch){malloc((size_t)K * 16 * sizeof(float)),
+                          malloc((size_t)TILE * (max_ctx + TILE) * m->heads * sizeof(float)),
                           malloc((size_t)m->block_size * m->kv_heads * m->head_dim * sizeof(float)),
                           buf->amx_rows ? malloc((size_t)2 * (K / 32) * 512 * sizeof(uint16_t)) : NULL};
         if (!sc[t].panel || !sc[t].scores || !sc[t].block || (buf->amx_rows && !sc[t].bbuf)) status = -1;
@@ -389,18 +404,20 @@ int model_step(const StepModel *m, const StepLayer *layers, const StepBatch *b, 
     const int64_t per_row = 2 * (int64_t)E + QKV + HD + 3 * (int64_t)I;
     float *mem = malloc((size_t)T * per_row * sizeof(float));
     int64_t *ctx = malloc((size_t)T * sizeof(int64_t));
+    int *tiles = malloc((size_t)T * sizeof(int));
     uint16_t *xb = amx ? calloc((size_t)(T + 15) / 16 * 16 * K, sizeof(uint16_t)) : NULL;
     int64_t max_ctx = 0;
-    int status = (!mem || !ctx || (amx && !xb)) ? -1 : check(m, b, ctx, &max_ctx);
+    int status = (!mem || !ctx || !tiles || (amx && !xb)) ? -1 : check(m, b, ctx, &max_ctx);
     if (status == 0) {
         Buffers buf = {mem, mem + (int64_t)T * E, mem + 2 * (int64_t)T * E, mem + (int64_t)T * (2 * E + QKV),
                        mem + (int64_t)T * (2 * E + QKV + HD), mem + (int64_t)T * (2 * E + QKV + HD + 2 * I), ctx,
-                       xb, amx};
+                       tiles, make_tiles(b, tiles), xb, amx};
         status = qrows_f32(buf.h, b->tokens, T, m->embed, m->vocab, E, m->embed_fmt);
         if (status == 0) status = run(m, layers, b, &buf, max_ctx, num_threads < 1 ? 1 : num_threads);
     }
     free(mem);
     free(ctx);
+    free(tiles);
     free(xb);
     return status;
 }

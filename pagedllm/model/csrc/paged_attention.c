@@ -118,10 +118,10 @@ static void block_values_scalar(float *o, const float *p, const float *v, int n,
 
 /* Probabilities below e^-60 of the largest are set to 0: next to it they are far below float32's resolution,
  * and left in they become subnormal numbers (after exp, or after the division by the sum), whose every
- * multiply takes a slow microcode path: 30x slower attention on real prompts. */
-static void softmax_rows(float *scores, int h0, int h1, int64_t ctx) {
+ * multiply takes a slow microcode path: 30x slower attention on real prompts. Row h is scores + h * stride. */
+static void softmax_rows(float *scores, int h0, int h1, int64_t ctx, int64_t stride) {
     for (int h = h0; h < h1; h++) {
-        float *sc = scores + h * ctx;
+        float *sc = scores + h * stride;
         float m = sc[0];
         for (int64_t t = 1; t < ctx; t++) m = sc[t] > m ? sc[t] : m;
         float sum = 0.0f;
@@ -135,41 +135,47 @@ static void softmax_rows(float *scores, int h0, int h1, int64_t ctx) {
     }
 }
 
-/* One sequence, query heads h0..h1-1: scores block by block, softmax, then values block by block. A token's
- * keys (or values) for all KV heads are one row of W = KVH * D, and a block is block_size rows back to back. */
+/* Query heads h0..h1-1 of nq consecutive tokens of sequence s (context lengths ctx, ctx + 1, ...: one decode
+ * token, or a tile of a prefill chunk): scores block by block, softmax, then values block by block, each block
+ * read (and widened from bfloat16) once for all the tile's queries. A token's keys (or values) for all KV heads
+ * are one row of W = KVH * D, and a block is block_size rows back to back. */
 static inline __attribute__((always_inline)) void one_seq_impl(const Args *a, int s, int h0, int h1, float *scores,
                                                                float *buf, const int D) {
-    const int H = a->H, KVH = a->KVH, G = H / KVH, bs = a->block_size, bf16 = a->cache_bf16;
-    const int elem = bf16 ? 2 : 4;
-    const int64_t ctx = a->context_lens[s], W = (int64_t)KVH * D;
+    const int H = a->H, KVH = a->KVH, G = H / KVH, bs = a->block_size, bf16 = a->cache_bf16, nq = a->nq;
+    const int elem = bf16 ? 2 : 4, c0 = (h0 / G) * D, c1 = ((h1 - 1) / G + 1) * D;
+    const int64_t ctx = a->context_lens[s], last = ctx + nq - 1, W = (int64_t)KVH * D;
     const int64_t *table = a->block_tables + (int64_t)s * a->max_blocks;
     const float *q = a->q + (int64_t)s * H * D; /* head h uses KV head h / G */
     float *out = a->out + (int64_t)s * H * D;
-    const int64_t nblocks = (ctx + bs - 1) / bs;
+    const int64_t nblocks = (last + bs - 1) / bs;
 
     for (int pass = 0; pass < 2; pass++) {
         const void *cache = pass == 0 ? a->k_cache : a->v_cache;
-        if (pass == 1) {
-            softmax_rows(scores, h0, h1, ctx);
-            memset(out + h0 * D, 0, (size_t)(h1 - h0) * D * sizeof(float));
+        for (int i = 0; pass == 1 && i < nq; i++) {
+            softmax_rows(scores + (int64_t)i * H * last, h0, h1, ctx + i, last);
+            memset(out + (int64_t)i * a->out_stride + h0 * D, 0, (size_t)(h1 - h0) * D * sizeof(float));
         }
         for (int64_t b = 0; b < nblocks; b++) {
             const int64_t first = b * bs;
-            const int n = (int)(ctx - first < bs ? ctx - first : bs);
-            const int c0 = (h0 / G) * D, c1 = ((h1 - 1) / G + 1) * D;
             if (b + 1 < nblocks) prefetch(cache, table[b + 1] * bs * W, bs, W, c0, c1, elem);
-            const float *rows = load_block(buf, cache, table[b] * bs * W, n, W, c0, c1, bf16);
-            for (int h = h0; h < h1; h++) {
-                const float *r = rows + (h / G) * D;
-                float *sc = scores + h * ctx + first;
-                if (D % 8 != 0 && pass == 0)
-                    block_scores_scalar(sc, q + h * D, r, n, W, D, a->scale);
-                else if (D % 8 != 0)
-                    block_values_scalar(out + h * D, sc, r, n, W, D);
-                else if (pass == 0)
-                    block_scores(sc, q + h * D, r, n, W, D, a->scale);
-                else
-                    block_values(out + h * D, sc, r, n, W, D);
+            const float *rows = load_block(buf, cache, table[b] * bs * W, (int)(last - first < bs ? last - first : bs),
+                                           W, c0, c1, bf16);
+            for (int i = 0; i < nq; i++) {
+                const int n = (int)(ctx + i - first < bs ? ctx + i - first : bs);
+                const float *qi = q + (int64_t)i * a->q_stride;
+                float *oi = out + (int64_t)i * a->out_stride, *si = scores + (int64_t)i * H * last + first;
+                for (int h = h0; h < h1 && n > 0; h++) {
+                    const float *r = rows + (h / G) * D;
+                    float *sc = si + h * last;
+                    if (D % 8 != 0 && pass == 0)
+                        block_scores_scalar(sc, qi + h * D, r, n, W, D, a->scale);
+                    else if (D % 8 != 0)
+                        block_values_scalar(oi + h * D, sc, r, n, W, D);
+                    else if (pass == 0)
+                        block_scores(sc, qi + h * D, r, n, W, D, a->scale);
+                    else
+                        block_values(oi + h * D, sc, r, n, W, D);
+                }
             }
         }
     }
@@ -219,7 +225,7 @@ int paged_decode_attention(float *out, const float *q, const void *k_cache, cons
     if (num_threads < 1) num_threads = 1;
     if (num_threads > S) num_threads = S; /* one sequence per thread at least: waking idle threads costs more */
     Args a = {out, q, k_cache, v_cache, block_tables, context_lens, H, KVH, D, block_size, max_blocks,
-              cache_bf16, scale, 0};
+              cache_bf16, scale, 0, 1, H * D, H * D};
     /* A bad context length or block id would read outside the cache: refuse the call instead. */
     const int bad = paged_attention_check(&a, S, num_blocks, &a.max_ctx);
     if (bad) return bad;

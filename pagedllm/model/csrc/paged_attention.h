@@ -13,9 +13,11 @@ typedef struct {
     int H, KVH, D, block_size, max_blocks, cache_bf16;
     float scale;
     int64_t max_ctx;
+    int nq, q_stride, out_stride; /* queries per sequence (consecutive tokens), floats between their rows */
 } Args;
 
-/* Sequence s, query heads h0..h1-1; scores: max_ctx * H floats, buf: block_size * KVH * D floats. */
+/* Sequence s, query heads h0..h1-1 of its nq queries; scores: nq * H * (context + nq - 1) floats, buf:
+ * block_size * KVH * D floats. */
 void paged_attention_heads(const Args *a, int s, int h0, int h1, float *scores, float *buf);
 /* 0, or -3 for a context length outside the block table, -4 for a block id outside the cache. */
 int paged_attention_check(const Args *a, int S, int64_t num_blocks, int64_t *max_ctx);

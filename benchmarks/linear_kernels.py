@@ -140,7 +140,7 @@ def time_steps(fns: dict, dtype: torch.dtype, rows: int, k_of: dict[str, int], r
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="GGUF file (default: the default model)")
-    p.add_argument("--rows", default="1,4,16,64,256")
+    p.add_argument("--rows", default="1,4,8,16,64,256")
     p.add_argument("--kernels", default="q-f32,dense-f32,int4pack-f32,int8pack-f32,q-amx,dense-bf16,"
                    "int4pack-bf16,int8pack-bf16")
     p.add_argument("--repeat", type=int, default=5)

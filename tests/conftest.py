@@ -10,6 +10,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 @pytest.fixture(scope="session")
 def model_fp32():
+    """The default model as users get it: GGUF weights kept quantized, float32 activations."""
     from pagedllm.model.loader import load_model
 
     return load_model(None, "float32")
+
+
+@pytest.fixture(scope="session")
+def model_fp32_dense():
+    """The default model dequantized to float32 (--quantization none): the exact path."""
+    from pagedllm.model.loader import load_model
+
+    return load_model(None, "float32", quantization="none")

@@ -47,18 +47,21 @@ def run(engine, prompts, params=GREEDY) -> dict[str, object]:
 
 
 def fail_forward(monkeypatch, engine, should_fail, exc=RuntimeError("injected model failure")) -> list[int]:
-    """Make the model's forward raise whenever should_fail(input_ids, call number) says so; returns the calls."""
-    model = engine.runner.model
-    original = model.forward
+    """Make the model's forward raise whenever should_fail(input_ids, call number) says so; returns the calls.
+    The forward pass is the fused C step for a quantized model (the default) and the torch module otherwise."""
+    fused = engine.runner.fused
+    target, name = (fused, "run") if fused is not None else (engine.runner.model, "forward")
+    original = getattr(target, name)
     calls = []
 
-    def forward(input_ids, *args, **kwargs):
+    def forward(*args, **kwargs):
         calls.append(len(calls))
-        if should_fail(input_ids, len(calls) - 1):
+        ids = torch.tensor([t for seq in args[0] for t in seq]) if fused is not None else args[0]
+        if should_fail(ids, len(calls) - 1):
             raise exc
-        return original(input_ids, *args, **kwargs)
+        return original(*args, **kwargs)
 
-    monkeypatch.setattr(model, "forward", forward)
+    monkeypatch.setattr(target, name, forward)
     return calls
 
 

@@ -1,8 +1,10 @@
-"""The default model (SmolLM2-135M-Instruct Q4_1 GGUF) against transformers loading the same GGUF.
+"""The default model (SmolLM2-135M-Instruct Q4_1 GGUF) against transformers loading the same GGUF (dequantized).
 
-float32: greedy continuations are token-for-token equal to transformers' `generate`.
-bfloat16: teacher-forced logits agree with transformers bf16 within a stated tolerance; the top-1 agreement
-rate is printed and must be high (bf16 rounding legitimately flips near-ties).
+float32, dequantized (--quantization none) and quantized as stored (the default, the fused C step): greedy
+continuations are token-for-token equal to transformers' `generate` (the quantized path: the six prompts below,
+8 of 8 in a wider run; its weights are the file's exact values, only the summation order differs).
+bfloat16: teacher-forced logits agree with transformers within a stated tolerance; the top-1 agreement rate is
+printed and must be high (bf16 rounding legitimately flips near-ties).
 """
 
 from __future__ import annotations
@@ -22,6 +24,11 @@ PROMPTS = [
     "Write a short story about a robot who learns to paint.",
     "Explain how photosynthesis works, step by step.",
     "List some tips for staying productive when working from home.",
+]
+MORE_PROMPTS = [  # for the quantized path: new prompts, two ending early on EOS
+    "What is the capital of France, and why is it famous?",
+    "Write a haiku about the ocean.",
+    "Summarize the plot of Romeo and Juliet.",
 ]
 N_NEW = 64
 BF16_MAX_ABS_TOL = 1.5  # max |diff| over all positions: measured 0.81
@@ -51,8 +58,7 @@ def prompts(tok):
     return [tok.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
 
 
-@pytest.fixture(scope="module")
-def hf_greedy(hf_model, tok, prompts):
+def _hf_greedy(hf_model, tok, prompts):
     outs = []
     with torch.inference_mode():
         for ids in prompts:
@@ -60,6 +66,11 @@ def hf_greedy(hf_model, tok, prompts):
                                   eos_token_id=tok.eos_token_ids, pad_token_id=tok.eos_token_ids[0])
             outs.append(g[0, len(ids):].tolist())
     return outs
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(hf_model, tok, prompts):
+    return _hf_greedy(hf_model, tok, prompts)
 
 
 def _greedy(runner: ModelRunner, prompts: list[list[int]], eos: list[int], block_size: int) -> list[list[int]]:
@@ -97,18 +108,42 @@ def test_default_config_and_tokenizer(tok):
     assert tok.eos_token_ids == [2]
 
 
-def test_float32_greedy_matches_transformers(hf_greedy, tok, prompts, model_fp32):
-    runner = ModelRunner(model_fp32, num_blocks=64, block_size=16)
+def test_float32_greedy_matches_transformers(hf_greedy, tok, prompts, model_fp32_dense):
+    assert model_fp32_dense.quantization == "none"
+    runner = ModelRunner(model_fp32_dense, num_blocks=64, block_size=16)
     ours = _greedy(runner, prompts, tok.eos_token_ids, 16)
     for p, a, b in zip(PROMPTS, ours, hf_greedy):
         assert a == b, f"{p!r}:\n ours {tok.decode(a)!r}\n   hf {tok.decode(b)!r}"
     assert sum(len(o) for o in ours) >= 2 * N_NEW  # the prompts really produce long continuations
 
 
-def test_bfloat16_logits_close_to_transformers(hf_model, hf_greedy, prompts):
-    loaded = load_model(None, dtype="bfloat16")
+def test_quantized_float32_greedy_matches_transformers(hf_model, hf_greedy, tok, prompts, model_fp32):
+    """Weights as stored (Q4_1 / Q8_0), float32 activations, the fused C step: the same tokens as transformers
+    on the dequantized weights, for the parity prompts (batched) and three more (one at a time)."""
+    assert model_fp32.quantization == "gguf" and model_fp32.weight_bytes <= 150 * 10**6
+    runner = ModelRunner(model_fp32, num_blocks=128, block_size=16)
+    assert runner.fused is not None
+    ours = _greedy(runner, prompts, tok.eos_token_ids, 16)
+    more = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in MORE_PROMPTS]
+    ours += [_greedy(runner, [ids], tok.eos_token_ids, 16)[0] for ids in more]
+    want = hf_greedy + _hf_greedy(hf_model, tok, more)
+    for p, a, b in zip(PROMPTS + MORE_PROMPTS, ours, want):
+        assert a == b, f"{p!r}:\n ours {tok.decode(a)!r}\n   hf {tok.decode(b)!r}"
+
+
+@pytest.fixture(scope="module")
+def hf16(hf_model):
+    import copy
+
+    return copy.deepcopy(hf_model).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("quantization", ["none", "gguf"])
+def test_bfloat16_logits_close_to_transformers(hf16, hf_greedy, prompts, quantization):
+    """Dequantized: a bfloat16 model throughout. Quantized (the default): float32 activations, with steps of
+    AMX_MIN_ROWS or more rows on AMX with bfloat16 inputs where the CPU has it: closer to float32 than hf16."""
+    loaded = load_model(None, dtype="bfloat16", quantization=quantization)
     assert loaded.dtype == torch.bfloat16
-    hf16 = hf_model.to(torch.bfloat16)
     runner = ModelRunner(loaded, num_blocks=64, block_size=16)
     agree = total = 0
     max_abs = 0.0
@@ -132,7 +167,7 @@ def test_bfloat16_logits_close_to_transformers(hf_model, hf_greedy, prompts):
         total += len(got)
     rate = agree / total
     mean_abs = sum_abs / total
-    print(f"\nbf16 vs transformers bf16: top-1 agreement {rate:.3f} over {total} positions, "
+    print(f"\nbf16 ({quantization}) vs transformers bf16: top-1 agreement {rate:.3f} over {total} positions, "
           f"max |logit diff| {max_abs:.3f}, mean {mean_abs:.4f}")
     assert rate >= BF16_MIN_TOP1
     assert max_abs < BF16_MAX_ABS_TOL

@@ -59,7 +59,7 @@ class LLMEngine:
         """`loaded` reuses weights already in memory (several engines side by side in a benchmark or test)."""
         self.config = config = config or EngineConfig()
         device = resolve_device(config.device) if loaded is None else loaded.device
-        self.loaded = loaded or load_model(config.model, config.dtype, device)
+        self.loaded = loaded or load_model(config.model, config.dtype, device, quantization=config.quantization)
         self.tokenizer = self.loaded.tokenizer
         self.model_config = cfg = self.loaded.config
         logger.info("loaded %s (%s, %s) in %.1f s", cfg.name, self.loaded.dtype, device, self.loaded.load_seconds)
@@ -107,7 +107,8 @@ class LLMEngine:
         if cfg.kv_cache_memory is not None:
             return cfg.kv_cache_memory
         if cfg.gpu_memory_utilization is None and device.type == "cpu":
-            return DEFAULT_CPU_KV_CACHE_MEMORY
+            # quantized weights give back what they no longer take dequantized: the cache gets it
+            return DEFAULT_CPU_KV_CACHE_MEMORY + max(0, self.loaded.dense_weight_bytes - self.loaded.weight_bytes)
         share = cfg.gpu_memory_utilization or 0.9
         total, used = self._profile(device)
         budget = int(share * total) - used

@@ -179,7 +179,7 @@ class CpuPagedAttention(TorchPagedAttention):
 def make_attention_backend(device: torch.device | str, scale: float | None = None) -> PagedAttentionBackend:
     """The fastest backend that works on `device`: the C kernel on CPU when it builds, else the torch path."""
     if torch.device(device).type == "cpu":
-        lib = cpu_kernel.load()
+        lib = cpu_kernel.attention_lib()
         if lib is not None:
             return CpuPagedAttention(lib, scale)
     return TorchPagedAttention(scale)

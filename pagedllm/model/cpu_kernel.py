@@ -1,14 +1,16 @@
-"""The CPU decode-attention kernel (csrc/paged_attention.c): built on first use with the system C compiler.
+"""The CPU kernels (csrc/*.c: decode attention, quantized matmuls, the fused decode step): built on first use
+with the system C compiler into one library.
 
-Why a plain C file behind ctypes rather than a torch C++ extension: it compiles in about a second (no torch
-headers), needs nothing at install time, and ctypes releases the GIL while it runs. It is built for the host
-CPU (-march=native) into ~/.cache/pagedllm/kernels, keyed by the source, the compiler and the CPU, so a machine
-builds it once. Where no compiler works, `load()` returns None and attention stays on the portable torch path;
-PAGEDLLM_ATTENTION=torch forces that path.
+Why plain C files behind ctypes rather than a torch C++ extension: they compile in seconds (no torch headers),
+need nothing at install time, and ctypes releases the GIL while they run. The library is built for the host
+CPU (-march=native) into ~/.cache/pagedllm/kernels, keyed by the sources, the compiler and the CPU, so a machine
+builds it once. Where no compiler works, `load()` returns None: attention stays on the portable torch path and
+quantized weights are dequantized to the dense path. PAGEDLLM_ATTENTION=torch forces torch attention.
 
 Compiling and linking are two steps on purpose: linking a shared library with -ffast-math makes GCC add a
 constructor that turns on flush-to-zero for the whole process when the library loads; compiled with -ffast-math
-but linked without it, only the kernel's own arithmetic is affected.
+but linked without it, only the kernel's own arithmetic is affected. Only attention gets -ffast-math: the
+matmuls must sum in a fixed order (batch invariance), so nothing there may be reassociated.
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ import torch  # before the kernel loads, so its libgomp resolves to the one torc
 
 log = logging.getLogger("pagedllm.model")
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
-COMPILE = ["-O3", "-march=native", "-ffast-math", "-fPIC"]
+CSRC = Path(__file__).parent / "csrc"
+# (source, extra compile flags)
+SOURCES = [("paged_attention.c", ["-ffast-math"]), ("quant_matmul.c", []), ("model_step.c", [])]
+COMPILE = ["-O3", "-march=native", "-fno-math-errno", "-fPIC", "-Wno-psabi"]  # psabi: 64-byte vectors on AVX2
 LINK = ["-shared"]
 OPENMP = ["-fopenmp"]  # without OpenMP the same source builds a single-threaded kernel
 
@@ -58,28 +62,30 @@ def _host_id(cc: list[str]) -> str:
 
 def _build(cc: list[str], openmp: bool) -> Path:
     extra = OPENMP if openmp else []
-    key_src = SOURCE.read_bytes() + " ".join([*cc, *COMPILE, *LINK, *extra, _host_id(cc)]).encode()
-    lib = _cache_dir() / f"paged_attention-{hashlib.sha256(key_src).hexdigest()[:16]}.so"
+    key_src = b"".join(p.read_bytes() for p in sorted(CSRC.glob("*.[ch]")))
+    key_src += " ".join([*cc, *COMPILE, *LINK, *extra, str(SOURCES), _host_id(cc)]).encode()
+    lib = _cache_dir() / f"pagedllm_kernels-{hashlib.sha256(key_src).hexdigest()[:16]}.so"
     if lib.exists():
         return lib
     lib.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
-        obj, out = Path(tmp) / "kernel.o", Path(tmp) / lib.name
-        run = dict(check=True, capture_output=True, text=True, timeout=120)
-        subprocess.run([*cc, *COMPILE, *extra, "-c", str(SOURCE), "-o", str(obj)], **run)
-        subprocess.run([*cc, *LINK, *extra, str(obj), "-o", str(out), "-lm"], **run)
+        objs, out = [], Path(tmp) / lib.name
+        run = dict(check=True, capture_output=True, text=True, timeout=300)
+        for name, flags in SOURCES:
+            objs.append(str(Path(tmp) / (name + ".o")))
+            subprocess.run([*cc, *COMPILE, *flags, *extra, "-c", str(CSRC / name), "-o", objs[-1]], **run)
+        subprocess.run([*cc, *LINK, *extra, *objs, "-o", str(out), "-lm"], **run)
         os.replace(out, lib)  # atomic: concurrent builders never see a half-written library
     return lib
 
 
 @lru_cache(maxsize=1)
 def load() -> ctypes.CDLL | None:
-    """The compiled kernel, or None (with one log line saying why) when it cannot be built here."""
-    if os.environ.get("PAGEDLLM_ATTENTION", "").lower() == "torch":
-        return None
+    """The compiled kernels, or None (with one log line saying why) when they cannot be built here."""
     cc = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc") or ""]
     if not cc[0]:
-        log.warning("no C compiler found: decode attention uses the portable torch path (slower)")
+        log.warning("no C compiler found: decode attention uses the portable torch path (slower) and quantized "
+                    "weights are dequantized")
         return None
     lib, why = None, ""
     for openmp in (True, False):
@@ -89,16 +95,37 @@ def load() -> ctypes.CDLL | None:
             why = (getattr(e, "stderr", "") or str(e)).strip()[:500]
             continue
         if not openmp:
-            log.warning("the CPU attention kernel was built without OpenMP (single-threaded): %s", why)
+            log.warning("the CPU kernels were built without OpenMP (single-threaded): %s", why)
         break
     if lib is None:
-        log.warning("could not build the CPU attention kernel, using the torch path: %s", why)
+        log.warning("could not build the CPU kernels, using the torch path: %s", why)
         return None
-    fn = lib.paged_decode_attention
-    fn.restype = ctypes.c_int
-    fn.argtypes = ([ctypes.c_void_p] * 6 + [ctypes.c_int] * 6
-                   + [ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_int])
+    _declare(lib)
     return lib
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    """Argument types of every entry point, so that ctypes converts Python ints the way C expects."""
+    p, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+    signatures = {
+        "paged_decode_attention": [p] * 6 + [i] * 6 + [i64, f, i, i],
+        "qmm_f32": [p] * 4 + [i] * 8,
+        "qrows_f32": [p, p, i, p, i, i, i],
+        "qmm_amx": [p] * 4 + [i] * 8,
+        "qmm_amx_available": [],
+        "model_step": [p, p, p, i],
+    }
+    for name, args in signatures.items():
+        fn = getattr(lib, name)
+        fn.restype = ctypes.c_int
+        fn.argtypes = args
+
+
+def attention_lib() -> ctypes.CDLL | None:
+    """The kernels for attention, unless PAGEDLLM_ATTENTION=torch asks for the portable path."""
+    if os.environ.get("PAGEDLLM_ATTENTION", "").lower() == "torch":
+        return None
+    return load()
 
 
 ERRORS = {-1: "out of memory", -2: "bad sizes", -3: "a context length outside the block table",

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.model.quant import QuantWeight, qlinear
+
 BATCH_HINT = 64  # the step size oneDNN tunes its layout for; any number of rows works
 
 
@@ -39,8 +41,11 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T + bias: callers pass `packed` when they have it, so one call site serves CPU and GPU."""
+           packed: torch.Tensor | None = None, quant: QuantWeight | None = None) -> torch.Tensor:
+    """x @ weight.T + bias: callers pass `packed` or `quant` when they have it, so one call site serves every
+    form of a weight (dense, oneDNN-packed, quantized) on CPU and GPU."""
+    if quant is not None:
+        return qlinear(x, quant, bias)
     if packed is None:
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
@@ -51,6 +56,8 @@ def pack_module(module: nn.Module, names: list[str]) -> None:
     would double the model's memory, which on CPU comes out of the KV cache's share."""
     for name in names:
         param = getattr(module, name)
+        if param.numel() == 0:  # kept quantized instead
+            continue
         packed = pack(param)
         if packed is not None:
             module.packed[name] = packed

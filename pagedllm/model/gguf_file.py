@@ -133,8 +133,8 @@ class GGUFFile:
             name: GGUFTensorInfo(name, shape, t, data_start + off) for name, shape, t, off in infos
         }
 
-    def load_array(self, name: str, keep_arrays_field: str | None = None) -> np.ndarray:
-        """Dequantize one tensor to a float32 numpy array of its logical shape (slowest dim first)."""
+    def _raw(self, name: str) -> tuple[np.ndarray, "object", list[int]]:
+        """The stored bytes of one tensor, uint8 [rows..., bytes per row], with its GGML type and logical shape."""
         import gguf
 
         info = self.tensors[name]
@@ -147,12 +147,22 @@ class GGUFFile:
         nbytes = int(np.prod(raw_shape))
         if info.offset + nbytes > len(self._mm):
             raise ModelLoadError(f"corrupt or truncated GGUF file {self.path}: tensor {name} runs past the end")
-        if qtype == gguf.GGMLQuantizationType.F32:
-            return np.frombuffer(self._mm, dtype=np.float32, count=nbytes // 4, offset=info.offset).reshape(shape)
-        if qtype == gguf.GGMLQuantizationType.F16:
-            arr = np.frombuffer(self._mm, dtype=np.float16, count=nbytes // 2, offset=info.offset)
-            return arr.reshape(shape).astype(np.float32)
         raw = np.frombuffer(self._mm, dtype=np.uint8, count=nbytes, offset=info.offset).reshape(raw_shape)
+        return raw, qtype, shape
+
+    def load_raw(self, name: str) -> np.ndarray:
+        """One tensor's stored blocks, copied out of the file (uint8 [rows..., bytes per row])."""
+        return self._raw(name)[0].copy()
+
+    def load_array(self, name: str) -> np.ndarray:
+        """Dequantize one tensor to a float32 numpy array of its logical shape (slowest dim first)."""
+        import gguf
+
+        raw, qtype, shape = self._raw(name)
+        if qtype == gguf.GGMLQuantizationType.F32:
+            return raw.view(np.float32).reshape(shape)
+        if qtype == gguf.GGMLQuantizationType.F16:
+            return raw.view(np.float16).reshape(shape).astype(np.float32)
         try:
             out = gguf.quants.dequantize(raw, qtype)
         except NotImplementedError as e:

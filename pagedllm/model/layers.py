@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.model.cpu_linear import linear
+from pagedllm.model.quant import QuantWeight
 
 
 def empty_param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
@@ -103,8 +104,11 @@ class GatedMLP(nn.Module):
         self.gate_up_weight = empty_param(2 * inter, hidden, dtype=dtype, device=device)
         self.down_weight = empty_param(hidden, inter, dtype=dtype, device=device)
         self.packed: dict[str, torch.Tensor] = {}
+        self.quant: dict[str, QuantWeight] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gu = linear(x, self.gate_up_weight, packed=self.packed.get("gate_up_weight"))
+        gu = linear(x, self.gate_up_weight, packed=self.packed.get("gate_up_weight"),
+                    quant=self.quant.get("gate_up_weight"))
         g, u = gu.split(self.inter, dim=-1)
-        return linear(F.silu(g) * u, self.down_weight, packed=self.packed.get("down_weight"))
+        return linear(F.silu(g) * u, self.down_weight, packed=self.packed.get("down_weight"),
+                      quant=self.quant.get("down_weight"))

@@ -16,6 +16,16 @@ from pagedllm.model.attention import AttentionMetadata, PagedAttentionBackend, m
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.cpu_linear import linear, pack, pack_module
 from pagedllm.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, empty_param
+from pagedllm.model.quant import QuantWeight, qrows
+
+MERGED = {"qkv_weight": 3, "gate_up_weight": 2}  # pieces of the merged weights (q/k/v, gate/up)
+
+
+def install_quant(module: nn.Module, attr: str, weight: QuantWeight) -> None:
+    """Serve `module.<attr>` from its quantized form and free the dense parameter."""
+    module.quant[attr] = weight
+    param = getattr(module, attr)
+    param.data = torch.empty(0, dtype=param.dtype, device=param.device)
 
 
 class DecoderLayer(nn.Module):
@@ -34,18 +44,20 @@ class DecoderLayer(nn.Module):
         self.o_weight = empty_param(cfg.hidden_size, self.q_size, dtype=dtype, device=device)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, device)
         self.packed: dict[str, torch.Tensor] = {}
+        self.quant: dict[str, QuantWeight] = {}
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, backend: PagedAttentionBackend) -> torch.Tensor:
         T = h.shape[0]
         x = self.input_layernorm(h)
-        qkv = linear(x, self.qkv_weight, self.qkv_bias, self.packed.get("qkv_weight"))
+        qkv = linear(x, self.qkv_weight, self.qkv_bias, self.packed.get("qkv_weight"), self.quant.get("qkv_weight"))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rotary(q.view(T, self.num_heads, self.head_dim), cos, sin)
         k = apply_rotary(k.view(T, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
         attn = backend.forward(q, k, v, k_cache, v_cache, meta)
-        h = h + linear(attn.reshape(T, self.q_size), self.o_weight, packed=self.packed.get("o_weight"))
+        h = h + linear(attn.reshape(T, self.q_size), self.o_weight, packed=self.packed.get("o_weight"),
+                       quant=self.quant.get("o_weight"))
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -65,29 +77,59 @@ class LlamaForCausalLM(nn.Module):
                                       device)
         self.backend: PagedAttentionBackend = backend or make_attention_backend(device)
         self.packed_lm_head: torch.Tensor | None = None
+        self.quant: dict[str, QuantWeight] = {}  # "embed_tokens" / "lm_head" when kept quantized
+
+    def linear_weights(self) -> list[tuple[nn.Module, str]]:
+        """(module, attribute) of every matmul weight, the embedding table and the LM head (if not tied)."""
+        out: list[tuple[nn.Module, str]] = [(self, "embed_tokens")]
+        for layer in self.layers:
+            out += [(layer, "qkv_weight"), (layer, "o_weight"), (layer.mlp, "gate_up_weight"),
+                    (layer.mlp, "down_weight")]
+        return out + ([] if self.lm_head is None else [(self, "lm_head")])
 
     def pack_cpu_weights(self) -> None:
-        """Pack every matmul weight for oneDNN (see cpu_linear.py). The embedding table stays as it is for
+        """Pack every dense matmul weight for oneDNN (see cpu_linear.py). The embedding table stays as it is for
         lookups; a tied LM head gets its own packed copy."""
         for layer in self.layers:
             pack_module(layer, ["qkv_weight", "o_weight"])
             pack_module(layer.mlp, ["gate_up_weight", "down_weight"])
+        if self.lm_head_quant is not None:
+            return
         self.packed_lm_head = pack(self.lm_head_weight)
         if self.packed_lm_head is not None and self.lm_head is not None:
             self.lm_head.data = torch.empty(0, dtype=self.lm_head.dtype)
+
+    def resident_weight_bytes(self) -> int:
+        """Bytes the weights hold in memory in every form they are kept in: parameters, packed, quantized."""
+        tensors = list(self.parameters()) + [self.packed_lm_head] + list(self.quant.values())
+        for layer in self.layers:
+            for mod in (layer, layer.mlp):
+                tensors += list(mod.packed.values()) + list(mod.quant.values())
+        return sum(t.nbytes if isinstance(t, QuantWeight) else t.numel() * t.element_size()
+                   for t in tensors if t is not None)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens if self.lm_head is None else self.lm_head
 
+    @property
+    def lm_head_quant(self) -> QuantWeight | None:
+        return self.quant.get("embed_tokens" if self.lm_head is None else "lm_head")
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        table = self.quant.get("embed_tokens")
+        if table is None:
+            return F.embedding(input_ids, self.embed_tokens)
+        return qrows(table, input_ids).to(self.embed_tokens.dtype)
+
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 logits_index: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids: [T]; returns float32 logits for rows `logits_index` (all rows if None)."""
-        h = F.embedding(input_ids, self.embed_tokens)
+        h = self.embed(input_ids)
         cos, sin = self.rotary.cos_sin(meta.positions, h.dtype)
         for layer, (kc, vc) in zip(self.layers, kv_caches):
             h = layer(h, cos, sin, kc, vc, meta, self.backend)
         if logits_index is not None:
             h = h[logits_index]
-        return linear(self.norm(h), self.lm_head_weight, packed=self.packed_lm_head).float()
+        return linear(self.norm(h), self.lm_head_weight, packed=self.packed_lm_head, quant=self.lm_head_quant).float()

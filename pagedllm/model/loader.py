@@ -3,6 +3,11 @@
 dtype "auto" picks bfloat16 for 16-bit and quantized checkpoints (bf16 matmuls are the fast path on CPUs with
 AMX and on GPUs) and float32 for float32 checkpoints (exactness). Weights are created uninitialised and filled
 straight from the checkpoint, so loading costs one read (and, for GGUF, one dequantization) per tensor.
+
+quantization (vLLM's `--quantization`): "gguf" (the default for a GGUF file) keeps its Q4_0 / Q4_1 / Q8_0
+matrices as stored and runs them through the quantized kernels (quant.py); "int8" / "int4" round a checkpoint's
+weights at load; "none" (the default for a Hugging Face folder) dequantizes to `dtype`. Where the kernels
+cannot run (a GPU, no C compiler) the model says so once and loads dense.
 """
 
 from __future__ import annotations
@@ -15,13 +20,16 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.errors import ModelLoadError, UserError
+from pagedllm.model import cpu_kernel
 from pagedllm.model.config import ModelConfig, is_gguf, load_model_config, resolve_model_path
 from pagedllm.model.llama import LlamaForCausalLM
+from pagedllm.model.quant import log_once
 from pagedllm.model.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger("pagedllm.model")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+QUANTIZATIONS = ("none", "gguf", "int8", "int4")
 
 
 @dataclass
@@ -34,8 +42,10 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     load_seconds: float
-    weight_bytes: int
+    weight_bytes: int  # resident: quantized tiles, dense and packed parameters
     path: str = ""
+    quantization: str = "none"
+    dense_weight_bytes: int = 0  # what the same weights take dequantized to `dtype`
 
 
 def fast_bf16(device: torch.device) -> bool:
@@ -76,38 +86,62 @@ def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig, device: torch.devi
     raise UserError(f"--dtype {dtype!r} is not supported; use auto, float32 or bfloat16")
 
 
+def resolve_quantization(quantization: str | None, path: str, device: torch.device) -> str:
+    """None -> "gguf" for a GGUF file, "none" otherwise; "none" (said once) where the kernels cannot run."""
+    q = (quantization or ("gguf" if is_gguf(path) else "none")).lower()
+    if q not in QUANTIZATIONS:
+        raise UserError(f"--quantization {quantization!r} is not supported; use {', '.join(QUANTIZATIONS)}")
+    if q == "gguf" and not is_gguf(path):
+        raise UserError("--quantization gguf needs a GGUF file; for a Hugging Face folder use int8 or int4")
+    if q != "none" and (device.type != "cpu" or cpu_kernel.load() is None):
+        log_once(f"--quantization {q}: no quantized kernel on {device} here; weights are dequantized (dense path)")
+        return "none"
+    return q
+
+
+def _fill(net: LlamaForCausalLM, path: str, cfg: ModelConfig, quantization: str) -> None:
+    """Weights from the checkpoint into `net`, kept or made quantized as asked."""
+    from pagedllm.model.weights import assign_weights, iter_gguf, iter_safetensors, quantize_rtn_model
+
+    if os.path.isdir(path):
+        assign_weights(net, iter_safetensors(path), path)
+    elif is_gguf(path):
+        from pagedllm.model.gguf_file import GGUFFile
+
+        with GGUFFile(path) as gf:
+            assign_weights(net, iter_gguf(gf, cfg, keep_quantized=quantization == "gguf"), path)
+    else:  # load_model_config already rejects this; kept for clarity
+        raise ModelLoadError(f"{path} is not a model")
+    if quantization in ("int8", "int4"):
+        quantize_rtn_model(net, 8 if quantization == "int8" else 4)
+
+
 def load_model(model: str | None = None, dtype: str | torch.dtype = "auto",
-               device: str | torch.device = "cpu", verbose: bool = True) -> LoadedModel:
-    """Load weights + tokenizer; raises ModelLoadError for bad paths/files/architectures, UserError for --dtype."""
+               device: str | torch.device = "cpu", verbose: bool = True,
+               quantization: str | None = None) -> LoadedModel:
+    """Load weights + tokenizer; raises ModelLoadError for bad paths/files/architectures, UserError for --dtype
+    and --quantization."""
     t0 = time.perf_counter()
     path = resolve_model_path(model)
     cfg = load_model_config(path)
     dev = torch.device(device)
     torch_dtype = resolve_dtype(dtype, cfg, dev)
+    quant = resolve_quantization(quantization, path, dev)
     net = LlamaForCausalLM(cfg, torch_dtype, dev)
-    if os.path.isdir(path):
-        from pagedllm.model.weights import assign_weights, iter_safetensors
-
-        assign_weights(net, iter_safetensors(path), path)
-    elif is_gguf(path):
-        from pagedllm.model.gguf_file import GGUFFile
-        from pagedllm.model.weights import assign_weights, iter_gguf
-
-        with GGUFFile(path) as gf:
-            assign_weights(net, iter_gguf(gf, cfg), path)
-    else:  # load_model_config already rejects this; kept for clarity
-        raise ModelLoadError(f"{path} is not a model")
+    dense_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
+    _fill(net, path, cfg, quant)
     net.eval()
     tokenizer = load_tokenizer(path)
-    weight_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
     if dev.type == "cpu":
         net.pack_cpu_weights()
+    weight_bytes = net.resident_weight_bytes()
     secs = time.perf_counter() - t0
+    kind = str(torch_dtype).removeprefix("torch.") + ("" if quant == "none" else f", {quant} quantized")
     msg = (f"loaded {cfg.name or os.path.basename(path)} ({cfg.architecture}, {weight_bytes / 2**20:.0f} MiB "
-           f"{str(torch_dtype).removeprefix('torch.')}) in {secs:.1f} s")
+           f"{kind}) in {secs:.1f} s")
     log.info(msg)
     if verbose and not log.isEnabledFor(logging.INFO):
         import sys
 
         print(msg, file=sys.stderr)
-    return LoadedModel(cfg, net, tokenizer, torch_dtype, dev, secs, weight_bytes, path)
+    return LoadedModel(cfg, net, tokenizer, torch_dtype, dev, secs, weight_bytes, path, quant, dense_bytes)

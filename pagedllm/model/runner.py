@@ -14,6 +14,7 @@ import torch
 from pagedllm.kv.sizing import kv_bytes_per_token
 from pagedllm.model.attention import build_metadata
 from pagedllm.model.config import ModelConfig
+from pagedllm.model.fused_step import FusedStep, fusable
 from pagedllm.model.loader import LoadedModel
 
 
@@ -46,7 +47,8 @@ class ModelRunner:
     """Allocates [num_blocks, block_size, kv_heads, head_dim] K and V tensors per layer; `execute` runs a step."""
 
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int,
-                 kv_dtype: torch.dtype | None = None) -> None:
+                 kv_dtype: torch.dtype | None = None, fused: bool = True) -> None:
+        """`fused`: run the steps of a quantized model as one C call each (fused_step.py) where it can."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         self.loaded = loaded
@@ -64,6 +66,8 @@ class ModelRunner:
              torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
             for _ in range(cfg.num_layers)
         ]
+        self.fused = FusedStep(self.model, self.kv_caches, block_size) if fused and fusable(self.model,
+                                                                                           self.kv_caches) else None
 
     @property
     def bytes_per_block(self) -> int:
@@ -78,6 +82,10 @@ class ModelRunner:
         lens = [len(c.token_ids) for c in chunks]
         if any(n == 0 for n in lens):
             raise ValueError("every SeqChunk needs at least one new token")
+        if self.fused is not None:
+            return self.fused.run([c.token_ids for c in chunks], [c.start_pos for c in chunks],
+                                  [c.block_table for c in chunks],
+                                  [n if all_positions else c.num_logits for c, n in zip(chunks, lens)])
         ids: list[int] = []
         for c in chunks:
             ids.extend(c.token_ids)

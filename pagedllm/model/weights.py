@@ -2,8 +2,9 @@
 
 Both sources yield (hf_name, float tensor) pairs, so one function (`assign_weights`) fills the model, merging
 q/k/v and gate/up as it goes. GGUF weights are dequantized with `gguf.quants.dequantize` (what transformers
-uses) and the Q/K rows are un-permuted: llama.cpp's converter reorders them for its interleaved RoPE, and we
-use the rotate-half layout of transformers.
+uses), or, for `--quantization gguf`, kept as stored (`QuantParts`, see quant.py); the Q/K rows are
+un-permuted: llama.cpp's converter reorders them for its interleaved RoPE, and we use the rotate-half layout of
+transformers.
 """
 
 from __future__ import annotations
@@ -12,14 +13,18 @@ import glob
 import json
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import torch
+from torch import nn
 
 from pagedllm.errors import ModelLoadError
 from pagedllm.model.config import ModelConfig
-from pagedllm.model.llama import LlamaForCausalLM
+from pagedllm.model.llama import MERGED, LlamaForCausalLM, install_quant
+from pagedllm.model.quant import GGML_TYPES, QuantParts, from_gguf_blocks, log_once, merge, pack, quantize_rtn
+
+Value = torch.Tensor | QuantParts
 
 _GGUF_LAYER_MAP = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -82,80 +87,109 @@ def unpermute_gguf(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
-def iter_gguf(gf: "object", cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Dequantized GGUF tensors renamed to HF names; Q/K un-permuted for the llama architecture."""
+def _gguf_hf_name(name: str) -> str | None:
+    if name in _GGUF_TOP_MAP:
+        return _GGUF_TOP_MAP[name]
+    m = re.match(r"blk\.(\d+)\.(.+)$", name)
+    if not m or m.group(2) not in _GGUF_LAYER_MAP:
+        return None  # e.g. rope_freqs: not needed (RoPE is recomputed from the config)
+    return f"model.layers.{m.group(1)}.{_GGUF_LAYER_MAP[m.group(2)]}"
+
+
+def iter_gguf(gf: "object", cfg: ModelConfig, keep_quantized: bool = False) -> Iterator[tuple[str, Value]]:
+    """GGUF tensors renamed to HF names, Q/K un-permuted for the llama architecture: dequantized to float32, or,
+    with `keep_quantized`, matrices in a type the kernels run (Q4_0, Q4_1, Q8_0) as QuantParts."""
     permuted = gf.metadata.get("general.architecture") in ("llama", "mistral")  # type: ignore[attr-defined]
-    for name in gf.tensors:  # type: ignore[attr-defined]
-        if name in _GGUF_TOP_MAP:
-            hf = _GGUF_TOP_MAP[name]
-        else:
-            m = re.match(r"blk\.(\d+)\.(.+)$", name)
-            if not m or m.group(2) not in _GGUF_LAYER_MAP:
-                continue  # e.g. rope_freqs: not needed (RoPE is recomputed from the config)
-            hf = f"model.layers.{m.group(1)}.{_GGUF_LAYER_MAP[m.group(2)]}"
+    for name, info in gf.tensors.items():  # type: ignore[attr-defined]
+        hf = _gguf_hf_name(name)
+        if hf is None:
+            continue
+        heads = cfg.num_heads if ".q_proj." in hf else cfg.num_kv_heads
+        unpermute = permuted and (".q_proj." in hf or ".k_proj." in hf)
+        parts = (from_gguf_blocks(gf.load_raw(name), info.ggml_type)  # type: ignore[attr-defined]
+                 if keep_quantized and info.ggml_type in GGML_TYPES and len(info.shape) == 2 else None)
+        if parts is not None:
+            yield hf, parts.rows(unpermute_gguf(np.arange(info.shape[0]), heads)) if unpermute else parts
+            continue
         arr = gf.load_array(name)  # type: ignore[attr-defined]
-        if permuted and (".q_proj." in hf or ".k_proj." in hf):
-            arr = unpermute_gguf(arr, cfg.num_heads if ".q_proj." in hf else cfg.num_kv_heads)
+        if unpermute:
+            arr = unpermute_gguf(arr, heads)
         if not arr.flags.writeable:
             arr = arr.copy()
         yield hf, torch.from_numpy(np.ascontiguousarray(arr))
 
 
-def assign_weights(model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Tensor]], where: str) -> None:
-    """Copy HF-named tensors into the model (merging q/k/v and gate/up); error on anything missing."""
+def _destination(model: LlamaForCausalLM, name: str) -> tuple[torch.Tensor, tuple[nn.Module, str], int] | None:
+    """Where an HF-named tensor goes: (the parameter or its row slice, the (module, attribute) of the whole,
+    possibly merged, weight, and the piece's index in it); None for tensors the model does not use."""
     cfg = model.config
-    pending: dict[str, torch.Tensor] = {}
-    filled: set[str] = set()
+    if name in ("embed_tokens.weight", "norm.weight"):
+        return ((model.embed_tokens, (model, "embed_tokens"), 0) if name == "embed_tokens.weight"
+                else (model.norm.weight, (model.norm, "weight"), 0))
+    if name == "lm_head.weight":
+        return None if model.lm_head is None else (model.lm_head, (model, "lm_head"), 0)
+    m = re.match(r"layers\.(\d+)\.(.+)$", name)
+    if not m or int(m.group(1)) >= cfg.num_layers:
+        return None  # rotary_emb.inv_freq and the like
+    layer = model.layers[int(m.group(1))]
+    q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    merged = {  # piece -> (module, attribute, index, first row, end row)
+        "self_attn.q_proj": (layer, "qkv", 0, 0, q), "self_attn.k_proj": (layer, "qkv", 1, q, q + kv),
+        "self_attn.v_proj": (layer, "qkv", 2, q + kv, q + 2 * kv),
+        "mlp.gate_proj": (layer.mlp, "gate_up", 0, 0, inter), "mlp.up_proj": (layer.mlp, "gate_up", 1, inter, 2 * inter),
+        "self_attn.o_proj": (layer, "o", 0, 0, None), "mlp.down_proj": (layer.mlp, "down", 0, 0, None),
+    }
+    sub, _, kind = m.group(2).rpartition(".")
+    if sub in merged:
+        mod, attr, idx, a, b = merged[sub]
+        if kind == "bias":
+            return (layer.qkv_bias[a:b], (layer, "qkv_bias"), idx) if attr == "qkv" and layer.qkv_bias is not None else None
+        param = getattr(mod, f"{attr}_weight")
+        return (param if b is None else param[a:b]), (mod, f"{attr}_weight"), idx
+    norms = {"input_layernorm": layer.input_layernorm, "post_attention_layernorm": layer.post_attention_layernorm}
+    if sub in norms and kind == "weight":
+        return norms[sub].weight, (norms[sub], "weight"), 0
+    return None
 
-    def put(param: torch.Tensor, value: torch.Tensor, key: str, shape: tuple[int, ...] | None = None) -> None:
-        if tuple(value.shape) != tuple(shape or param.shape):
-            raise ModelLoadError(f"{where}: tensor {key} has shape {tuple(value.shape)}, expected {tuple(shape or param.shape)}")
+
+def _put(param: torch.Tensor, value: torch.Tensor | QuantParts, key: str, where: str) -> None:
+    shape = value.shape if isinstance(value, QuantParts) else tuple(value.shape)
+    if tuple(shape) != tuple(param.shape):
+        raise ModelLoadError(f"{where}: tensor {key} has shape {tuple(shape)}, expected {tuple(param.shape)}")
+    if not isinstance(value, QuantParts):
         with torch.no_grad():
             param.copy_(value)
-        filled.add(key)
 
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    inter = cfg.intermediate_size
+
+def assign_weights(model: LlamaForCausalLM, tensors: Iterator[tuple[str, Value]], where: str) -> None:
+    """Copy HF-named tensors into the model (merging q/k/v and gate/up); error on anything missing. QuantParts
+    are kept quantized where every piece of their merged weight is, else dequantized into place."""
+    filled: set[str] = set()
+    pieces: dict[tuple[nn.Module, str], dict[int, tuple[QuantParts, torch.Tensor]]] = {}
     for name, t in tensors:
         name = name.removeprefix("model.") if not name.startswith("lm_head") else name
-        if name == "embed_tokens.weight":
-            put(model.embed_tokens, t, name)
-        elif name == "norm.weight":
-            put(model.norm.weight, t, name)
-        elif name == "lm_head.weight":
-            if model.lm_head is not None:
-                put(model.lm_head, t, name)
-        else:
-            m = re.match(r"layers\.(\d+)\.(.+)$", name)
-            if not m or int(m.group(1)) >= cfg.num_layers:
-                continue  # rotary_emb.inv_freq and the like
-            layer = model.layers[int(m.group(1))]
-            sub = m.group(2)
-            slices: dict[str, tuple[torch.Tensor, int, int]] = {
-                "self_attn.q_proj.weight": (layer.qkv_weight, 0, q),
-                "self_attn.k_proj.weight": (layer.qkv_weight, q, q + kv),
-                "self_attn.v_proj.weight": (layer.qkv_weight, q + kv, q + 2 * kv),
-                "mlp.gate_proj.weight": (layer.mlp.gate_up_weight, 0, inter),
-                "mlp.up_proj.weight": (layer.mlp.gate_up_weight, inter, 2 * inter),
-            }
-            if layer.qkv_bias is not None:
-                slices.update({
-                    "self_attn.q_proj.bias": (layer.qkv_bias, 0, q),
-                    "self_attn.k_proj.bias": (layer.qkv_bias, q, q + kv),
-                    "self_attn.v_proj.bias": (layer.qkv_bias, q + kv, q + 2 * kv),
-                })
-            if sub in slices:
-                p, a, b = slices[sub]
-                put(p[a:b], t, name)
-            elif sub == "self_attn.o_proj.weight":
-                put(layer.o_weight, t, name)
-            elif sub == "mlp.down_proj.weight":
-                put(layer.mlp.down_weight, t, name)
-            elif sub == "input_layernorm.weight":
-                put(layer.input_layernorm.weight, t, name)
-            elif sub == "post_attention_layernorm.weight":
-                put(layer.post_attention_layernorm.weight, t, name)
-    del pending
+        dest = _destination(model, name)
+        if dest is None:
+            continue
+        target, whole, idx = dest
+        _put(target, t, name, where)
+        if isinstance(t, QuantParts):
+            pieces.setdefault(whole, {})[idx] = (t, target)
+        filled.add(name)
+    for (module, attr), got in pieces.items():
+        parts = merge([got[i][0] for i in sorted(got)]) if len(got) == MERGED.get(attr, 1) else None
+        if parts is not None:
+            install_quant(module, attr, pack(parts))
+            continue
+        log_once(f"{where}: {attr} mixes quantized types, or quantized and dense pieces; it runs dense")
+        for p, target in got.values():
+            with torch.no_grad():
+                target.copy_(p.dequantize())
+    _check_complete(model, filled, where)
+
+
+def _check_complete(model: LlamaForCausalLM, filled: set[str], where: str) -> None:
+    cfg = model.config
     required = ["embed_tokens.weight", "norm.weight"] + (["lm_head.weight"] if model.lm_head is not None else [])
     per_layer = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                  "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
@@ -168,4 +202,12 @@ def assign_weights(model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.T
         raise ModelLoadError(f"{where}: checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
 
 
-TensorSource = Callable[[], Iterator[tuple[str, torch.Tensor]]]
+def quantize_rtn_model(model: LlamaForCausalLM, bits: int) -> None:
+    """--quantization int8|int4 on dense weights: every linear weight rounded to `bits` in groups of 32 (the
+    embedding / LM head table to 8 bits either way: it is read one row per token, and 4 bits cost accuracy)."""
+    for module, attr in model.linear_weights():
+        param = getattr(module, attr)
+        if param.shape[-1] % 32:
+            log_once(f"{attr}: input size {param.shape[-1]} is not a multiple of 32; it runs dense")
+            continue
+        install_quant(module, attr, pack(quantize_rtn(param, 8 if attr in ("embed_tokens", "lm_head") else bits)))

@@ -24,33 +24,29 @@
 #include <stdlib.h>
 #include <string.h>
 
-
-typedef struct {
-    float *out;
-    const float *q;
-    const void *k_cache;
-    const void *v_cache;
-    const int64_t *block_tables;
-    const int64_t *context_lens;
-    int H, KVH, D, block_size, max_blocks, cache_bf16;
-    float scale;
-    int64_t max_ctx;
-} Args;
+#include "paged_attention.h"
 
 typedef uint32_t u32_alias __attribute__((may_alias)); /* float bits, written as integers */
 
-/* A block's rows as float32: in place for a float32 cache, widened into `buf` for bfloat16. */
-static inline const float *load_block(float *buf, const void *cache, int64_t offset, int64_t n, int bf16) {
+/* A block's n rows (of W floats) as float32: in place for a float32 cache; for bfloat16, columns [c0, c1) of
+ * each row (the KV heads the caller reads) widened into `buf`, at the same place as in the cache. */
+static inline const float *load_block(float *buf, const void *cache, int64_t offset, int n, int64_t W, int c0,
+                                      int c1, int bf16) {
     if (!bf16) return (const float *)cache + offset;
     const uint16_t *src = (const uint16_t *)cache + offset;
     u32_alias *dst = (u32_alias *)buf;
-    for (int64_t j = 0; j < n; j++) dst[j] = ((uint32_t)src[j]) << 16;
+    for (int t = 0; t < n; t++)
+        for (int64_t j = t * W + c0; j < t * W + c1; j++) dst[j] = ((uint32_t)src[j]) << 16;
     return buf;
 }
 
-static inline void prefetch(const void *cache, int64_t offset, int64_t n, int elem) {
+/* Ask for the columns [c0, c1) of a block's n rows (the KV heads the caller reads) ahead of use: blocks lie
+ * anywhere, so the hardware prefetcher cannot guess the next one. Only those columns: a call for one head
+ * that prefetched whole blocks spent most of its time in prefetches of lines it never read. */
+static inline void prefetch(const void *cache, int64_t offset, int n, int64_t W, int c0, int c1, int elem) {
     const char *p = (const char *)cache + offset * elem;
-    for (int64_t j = 0; j < n * elem; j += 64) __builtin_prefetch(p + j, 0, 0);
+    for (int t = 0; t < n; t++)
+        for (int64_t j = (t * W + c0) * elem; j < (t * W + c1) * elem; j += 64) __builtin_prefetch(p + j, 0, 1);
 }
 
 typedef float v8 __attribute__((vector_size(32)));             /* 8 floats: one AVX register, two on NEON */
@@ -120,14 +116,18 @@ static void block_values_scalar(float *o, const float *p, const float *v, int n,
         for (int j = 0; j < D; j++) o[j] += p[t] * v[t * W + j];
 }
 
-static void softmax_rows(float *scores, int H, int64_t ctx) {
-    for (int h = 0; h < H; h++) {
-        float *sc = scores + h * ctx;
+/* Probabilities below e^-60 of the largest are set to 0: next to it they are far below float32's resolution,
+ * and left in they become subnormal numbers (after exp, or after the division by the sum), whose every
+ * multiply takes a slow microcode path: 30x slower attention on real prompts. Row h is scores + h * stride. */
+static void softmax_rows(float *scores, int h0, int h1, int64_t ctx, int64_t stride) {
+    for (int h = h0; h < h1; h++) {
+        float *sc = scores + h * stride;
         float m = sc[0];
         for (int64_t t = 1; t < ctx; t++) m = sc[t] > m ? sc[t] : m;
         float sum = 0.0f;
         for (int64_t t = 0; t < ctx; t++) {
-            sc[t] = expf(sc[t] - m);
+            const float e = sc[t] - m;
+            sc[t] = e < -60.0f ? 0.0f : expf(e);
             sum += sc[t];
         }
         const float inv = 1.0f / sum;
@@ -135,48 +135,85 @@ static void softmax_rows(float *scores, int H, int64_t ctx) {
     }
 }
 
-/* One sequence, all heads: scores block by block, softmax, then values block by block. A token's keys (or
- * values) for all KV heads are one row of W = KVH * D, and a block is block_size rows back to back. */
-static inline __attribute__((always_inline)) void one_seq_impl(const Args *a, int s, float *scores, float *buf,
-                                                               const int D) {
-    const int H = a->H, KVH = a->KVH, G = H / KVH, bs = a->block_size, bf16 = a->cache_bf16;
-    const int elem = bf16 ? 2 : 4;
-    const int64_t ctx = a->context_lens[s], W = (int64_t)KVH * D;
+/* Query heads h0..h1-1 of nq consecutive tokens of sequence s (context lengths ctx, ctx + 1, ...: one decode
+ * token, or a tile of a prefill chunk): scores block by block, softmax, then values block by block, each block
+ * read (and widened from bfloat16) once for all the tile's queries. A token's keys (or values) for all KV heads
+ * are one row of W = KVH * D, and a block is block_size rows back to back. */
+static inline __attribute__((always_inline)) void one_seq_impl(const Args *a, int s, int h0, int h1, float *scores,
+                                                               float *buf, const int D) {
+    const int H = a->H, KVH = a->KVH, G = H / KVH, bs = a->block_size, bf16 = a->cache_bf16, nq = a->nq;
+    const int elem = bf16 ? 2 : 4, c0 = (h0 / G) * D, c1 = ((h1 - 1) / G + 1) * D;
+    const int64_t ctx = a->context_lens[s], last = ctx + nq - 1, W = (int64_t)KVH * D;
     const int64_t *table = a->block_tables + (int64_t)s * a->max_blocks;
     const float *q = a->q + (int64_t)s * H * D; /* head h uses KV head h / G */
     float *out = a->out + (int64_t)s * H * D;
-    const int64_t nblocks = (ctx + bs - 1) / bs;
+    const int64_t nblocks = (last + bs - 1) / bs;
 
     for (int pass = 0; pass < 2; pass++) {
         const void *cache = pass == 0 ? a->k_cache : a->v_cache;
-        if (pass == 1) {
-            softmax_rows(scores, H, ctx);
-            memset(out, 0, (size_t)H * D * sizeof(float));
+        for (int i = 0; pass == 1 && i < nq; i++) {
+            softmax_rows(scores + (int64_t)i * H * last, h0, h1, ctx + i, last);
+            memset(out + (int64_t)i * a->out_stride + h0 * D, 0, (size_t)(h1 - h0) * D * sizeof(float));
         }
         for (int64_t b = 0; b < nblocks; b++) {
             const int64_t first = b * bs;
-            const int n = (int)(ctx - first < bs ? ctx - first : bs);
-            if (b + 1 < nblocks) prefetch(cache, table[b + 1] * bs * W, (int64_t)bs * W, elem);
-            const float *rows = load_block(buf, cache, table[b] * bs * W, n * W, bf16);
-            for (int h = 0; h < H; h++) {
-                const float *r = rows + (h / G) * D;
-                float *sc = scores + h * ctx + first;
-                if (D % 8 != 0 && pass == 0)
-                    block_scores_scalar(sc, q + h * D, r, n, W, D, a->scale);
-                else if (D % 8 != 0)
-                    block_values_scalar(out + h * D, sc, r, n, W, D);
-                else if (pass == 0)
-                    block_scores(sc, q + h * D, r, n, W, D, a->scale);
-                else
-                    block_values(out + h * D, sc, r, n, W, D);
+            if (b + 1 < nblocks) prefetch(cache, table[b + 1] * bs * W, bs, W, c0, c1, elem);
+            const float *rows = load_block(buf, cache, table[b] * bs * W, (int)(last - first < bs ? last - first : bs),
+                                           W, c0, c1, bf16);
+            for (int i = 0; i < nq; i++) {
+                const int n = (int)(ctx + i - first < bs ? ctx + i - first : bs);
+                const float *qi = q + (int64_t)i * a->q_stride;
+                float *oi = out + (int64_t)i * a->out_stride, *si = scores + (int64_t)i * H * last + first;
+                for (int h = h0; h < h1 && n > 0; h++) {
+                    const float *r = rows + (h / G) * D;
+                    float *sc = si + h * last;
+                    if (D % 8 != 0 && pass == 0)
+                        block_scores_scalar(sc, qi + h * D, r, n, W, D, a->scale);
+                    else if (D % 8 != 0)
+                        block_values_scalar(oi + h * D, sc, r, n, W, D);
+                    else if (pass == 0)
+                        block_scores(sc, qi + h * D, r, n, W, D, a->scale);
+                    else
+                        block_values(oi + h * D, sc, r, n, W, D);
+                }
             }
         }
     }
 }
 
-static void one_seq_64(const Args *a, int s, float *sc, float *buf) { one_seq_impl(a, s, sc, buf, 64); }
-static void one_seq_128(const Args *a, int s, float *sc, float *buf) { one_seq_impl(a, s, sc, buf, 128); }
-static void one_seq_any(const Args *a, int s, float *sc, float *buf) { one_seq_impl(a, s, sc, buf, a->D); }
+static void one_seq_64(const Args *a, int s, int h0, int h1, float *sc, float *buf) {
+    one_seq_impl(a, s, h0, h1, sc, buf, 64);
+}
+static void one_seq_128(const Args *a, int s, int h0, int h1, float *sc, float *buf) {
+    one_seq_impl(a, s, h0, h1, sc, buf, 128);
+}
+static void one_seq_any(const Args *a, int s, int h0, int h1, float *sc, float *buf) {
+    one_seq_impl(a, s, h0, h1, sc, buf, a->D);
+}
+
+void paged_attention_heads(const Args *a, int s, int h0, int h1, float *scores, float *buf) {
+    if (a->D == 64)
+        one_seq_64(a, s, h0, h1, scores, buf);
+    else if (a->D == 128)
+        one_seq_128(a, s, h0, h1, scores, buf);
+    else
+        one_seq_any(a, s, h0, h1, scores, buf);
+}
+
+/* 0, or -3 for a context length outside the block table, -4 for a block id outside the cache. */
+int paged_attention_check(const Args *a, int S, int64_t num_blocks, int64_t *max_ctx) {
+    *max_ctx = 0;
+    for (int s = 0; s < S; s++) {
+        int64_t c = a->context_lens[s];
+        if (c < 1 || c > (int64_t)a->max_blocks * a->block_size) return -3;
+        if (c > *max_ctx) *max_ctx = c;
+        for (int64_t b = 0; b < (c + a->block_size - 1) / a->block_size; b++) {
+            int64_t id = a->block_tables[(int64_t)s * a->max_blocks + b];
+            if (id < 0 || id >= num_blocks) return -4;
+        }
+    }
+    return 0;
+}
 
 /* Returns 0 on success; -2 bad sizes, -3 a context length outside the block table, -4 a block id outside the
  * cache, -1 out of memory. */
@@ -188,18 +225,10 @@ int paged_decode_attention(float *out, const float *q, const void *k_cache, cons
     if (num_threads < 1) num_threads = 1;
     if (num_threads > S) num_threads = S; /* one sequence per thread at least: waking idle threads costs more */
     Args a = {out, q, k_cache, v_cache, block_tables, context_lens, H, KVH, D, block_size, max_blocks,
-              cache_bf16, scale, 0};
+              cache_bf16, scale, 0, 1, H * D, H * D};
     /* A bad context length or block id would read outside the cache: refuse the call instead. */
-    for (int s = 0; s < S; s++) {
-        int64_t c = context_lens[s];
-        if (c < 1 || c > (int64_t)max_blocks * block_size) return -3;
-        if (c > a.max_ctx) a.max_ctx = c;
-        for (int64_t b = 0; b < (c + block_size - 1) / block_size; b++) {
-            int64_t id = block_tables[(int64_t)s * max_blocks + b];
-            if (id < 0 || id >= num_blocks) return -4;
-        }
-    }
-    void (*one_seq)(const Args *, int, float *, float *) = D == 64 ? one_seq_64 : D == 128 ? one_seq_128 : one_seq_any;
+    const int bad = paged_attention_check(&a, S, num_blocks, &a.max_ctx);
+    if (bad) return bad;
     int status = 0;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
@@ -211,7 +240,7 @@ int paged_decode_attention(float *out, const float *q, const void *k_cache, cons
         }
 #pragma omp for schedule(dynamic, 1)
         for (int s = 0; s < S; s++)
-            if (scores && buf) one_seq(&a, s, scores, buf);
+            if (scores && buf) paged_attention_heads(&a, s, 0, H, scores, buf);
         free(scores);
         free(buf);
     }

@@ -1,0 +1,423 @@
+/*
+ * One whole step of a quantized Llama-family model in one call: embedding lookup, every layer (RMSNorm, QKV,
+ * RoPE, KV-cache write, paged attention, output projection, RMSNorm, gated MLP, residual adds), the final norm
+ * and the LM head for the rows asked for. Any mix of decode tokens and prefill chunks.
+ *
+ * Why: with the weights quantized, the matmuls of a one-sequence decode step take a few milliseconds, and the
+ * ~40 torch ops and Python lines around them in each of 30 layers cost more than that (dispatch, allocation,
+ * casts). Here the step is one parallel region: the threads take work items (column blocks of a matmul,
+ * (token, head) pairs of attention, rows) from shared counters, phase after phase (see "the step as a list of
+ * phases" below); no tensor is allocated per op.
+ *
+ * Attention treats every token as a query of its own over its sequence's cache up to its own position (all of
+ * the step's K/V are written first), so a prefill chunk is causal attention and a decode token the usual
+ * decode attention, through the same code. Every token is therefore computed the same way whatever else is in
+ * the step and however its prompt was chunked: with the float32 kernels a sequence's result does not depend on
+ * the batch, bit for bit. Activations are float32; the KV cache float32 or bfloat16. With `amx_min_rows` > 0
+ * (--dtype bfloat16 on an AMX CPU) matmuls of at least that many rows round their inputs to bfloat16 and run
+ * on AMX: faster for many rows, and then the batch does change a sequence's numbers.
+ *
+ * Numerics follow transformers' float32 path (RMSNorm as x * rsqrt(mean(x^2) + eps) * w, rotate-half RoPE
+ * from the same float32 cos/sin tables, silu(g) * u); matmuls sum in the kernels' fixed order.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <sched.h>
+#include <string.h>
+#include <time.h>
+
+#include "paged_attention.h"
+#include "quant_matmul.h"
+
+typedef struct {
+    const float *attn_norm, *ffn_norm; /* [hidden] float32 */
+    const uint8_t *qkv, *o, *gate_up, *down;
+    int qkv_fmt, o_fmt, gate_up_fmt, down_fmt;
+    const float *qkv_bias; /* [(heads + 2 kv_heads) * head_dim] or NULL */
+    void *k_cache, *v_cache;
+} StepLayer;
+
+typedef struct {
+    int hidden, inter, heads, kv_heads, head_dim, layers, vocab, block_size, cache_bf16, amx_min_rows;
+    int64_t num_blocks, max_positions;
+    float eps, scale;
+    const float *final_norm;
+    const uint8_t *embed, *lm_head;
+    int embed_fmt, lm_head_fmt;
+    const float *cos, *sin; /* [max_positions, head_dim] */
+} StepModel;
+
+typedef struct {
+    const int64_t *tokens, *positions, *seq, *slots; /* [T]: id, position, sequence index, cache slot */
+    const int64_t *block_tables;                      /* [S, max_blocks] */
+    const int64_t *logit_rows;                        /* [R] rows whose logits are wanted */
+    int T, S, max_blocks, R;
+    float *logits; /* [R, vocab] */
+    double *profile; /* NULL, or [N_PHASES] seconds added per phase (benchmarks/step_profile.py) */
+} StepBatch;
+
+enum { P_NORM, P_QKV, P_ROPE, P_ATTN, P_O, P_GATE_UP, P_ACT, P_DOWN, P_LM_HEAD, N_PHASES };
+
+#define TILE 16 /* consecutive tokens of a prefill chunk whose attention reads each block once */
+
+typedef struct { /* the step's activations (float32, T rows) and scratch */
+    float *h, *x, *qkv, *attn, *gu, *act;
+    int64_t *ctx;    /* [T] tokens each query attends to */
+    int *tiles;      /* [n_tiles] first token of each attention tile (a run of <= TILE tokens of one sequence) */
+    int n_tiles;
+    uint16_t *xb;  /* x as bfloat16 for AMX: [T padded to 16, widest K] */
+    int amx_rows; /* matmuls of at least this many rows run on AMX; 0: none */
+} Buffers;
+
+typedef struct { /* per thread */
+    float *panel, *scores, *block;
+    uint16_t *bbuf;
+} Scratch;
+
+int qrows_f32(float *out, const int64_t *ids, int T, const uint8_t *w, int N, int K, int fmt);
+
+#ifdef _OPENMP
+#include <omp.h>
+static int omp_thread(void) { return omp_get_thread_num(); }
+#else
+static int omp_thread(void) { return 0; }
+#endif
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Adds the time since *t to phase `p` and restarts *t. Every phase ends at a barrier, so the first thread's
+ * clock is the step's; the others leave `t` NULL. */
+static void mark(const StepBatch *b, double *t, int p) {
+    if (!t) return;
+    const double n = now();
+    b->profile[p] += n - *t;
+    *t = n;
+}
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+static inline v16 ld(const float *p) { return *(const v16u *)p; }
+
+/* n a multiple of 16 (the step checks hidden % 32 == 0): four partial sums of squares, so the adds overlap. */
+static void rmsnorm(float *out, const float *h, const float *w, int n, float eps) {
+    v16 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
+    int i = 0;
+    for (; i + 64 <= n; i += 64) {
+        s0 += ld(h + i) * ld(h + i);
+        s1 += ld(h + i + 16) * ld(h + i + 16);
+        s2 += ld(h + i + 32) * ld(h + i + 32);
+        s3 += ld(h + i + 48) * ld(h + i + 48);
+    }
+    for (; i < n; i += 16) s0 += ld(h + i) * ld(h + i);
+    const v16 s = (s0 + s1) + (s2 + s3);
+    float ss = 0.0f;
+    for (int l = 0; l < 16; l++) ss += s[l];
+    const float r = 1.0f / sqrtf(ss / (float)n + eps);
+    for (i = 0; i < n; i++) out[i] = w[i] * (h[i] * r);
+}
+
+/* e^x for 16 floats (Cephes' expf: range reduction by ln 2, degree-6 polynomial; about 1 ulp), where libm's
+ * scalar expf would be 10x slower: silu takes an exp per element of every MLP row. */
+static inline v16 vexp(v16 x) {
+    const v16 hi = x * 0 + 88.3762626647949f, lo = x * 0 - 87.3365447504019f;
+    v16i over = x > hi, under = x < lo; /* lanes of -1 where true: C has no vector ?: */
+    x = (v16)(((v16i)hi & over) | ((v16i)x & ~over));
+    x = (v16)(((v16i)lo & under) | ((v16i)x & ~under));
+    const v16 t = x * 1.44269504088896341f + 12582912.0f; /* round(x / ln 2) in the low mantissa bits */
+    const v16i bits = (v16i)t;
+    const v16 n = t - 12582912.0f;
+    x = x - n * 0.693359375f + n * 2.12194440e-4f;
+    const v16 z = x * x;
+    v16 y = 1.9875691500E-4f * x + 1.3981999507E-3f;
+    y = y * x + 8.3334519073E-3f;
+    y = y * x + 4.1665795894E-2f;
+    y = y * x + 1.6666665459E-1f;
+    y = y * x + 5.0000001201E-1f;
+    y = y * z + x + 1.0f;
+    return y * (v16)((bits - 0x4B400000 + 127) << 23);
+}
+
+/* out = silu(g) * u = g / (1 + e^-g) * u, n a multiple of 16. */
+static void silu_mul(float *out, const float *g, const float *u, int n) {
+    for (int j = 0; j < n; j += 16) {
+        const v16 gv = ld(g + j);
+        *(v16u *)(out + j) = gv / (1.0f + vexp(-gv)) * ld(u + j);
+    }
+}
+
+/* Rotate-half RoPE of one head in place: x * cos + cat(-x2, x1) * sin. */
+static void rope(float *x, const float *cos, const float *sin, int D) {
+    const int half = D / 2;
+    for (int i = 0; i < half; i++) {
+        const float a = x[i], b = x[i + half];
+        x[i] = a * cos[i] + (-b) * sin[i];
+        x[i + half] = b * cos[i + half] + a * sin[i + half];
+    }
+}
+
+static void store_row(void *cache, int64_t offset, const float *src, int n, int bf16) {
+    if (!bf16) {
+        memcpy((float *)cache + offset, src, (size_t)n * sizeof(float));
+        return;
+    }
+    uint16_t *dst = (uint16_t *)cache + offset;
+    for (int i = 0; i < n; i++) { /* round to nearest even, as torch's .to(bfloat16); NaN stays NaN */
+        uint32_t u;
+        memcpy(&u, src + i, 4);
+        dst[i] = (u & 0x7fffffff) > 0x7f800000 ? (uint16_t)((u >> 16) | 64)
+                                               : (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+    }
+}
+
+/* ---- the step as a list of phases ------------------------------------------------------------------------
+ * Each phase is a set of independent work items (rows, column blocks, (token, KV head) pairs); the threads
+ * take items from an atomic counter and the next phase starts once every item of this one is done. There is
+ * no barrier: a thread that the OS has put aside (this machine is shared) holds up at most the item it is
+ * working on, where a barrier would hold up every phase of the step until it came back. Items write
+ * disjoint outputs, so which thread runs an item changes nothing in the result. */
+enum { K_NORM, K_CVT, K_MATMUL, K_ROPE, K_ATTN, K_ACT };
+
+typedef struct {
+    int kind, layer, items, prof; /* prof: the profile slot the phase's time goes to */
+    float *out;                   /* norm: out row i = norm(x row i (or rows[i])); matmul: out (+)= x @ W^T */
+    const float *x, *w_norm, *bias;
+    const int64_t *rows;
+    const uint8_t *w;
+    int fmt, M, N, K, accumulate, amx, per_item;
+} Phase;
+
+static Phase norm_phase(float *x, const float *h, const float *w, const int64_t *rows, int n) {
+    return (Phase){.kind = K_NORM, .items = n, .prof = P_NORM, .out = x, .x = h, .w_norm = w, .rows = rows};
+}
+
+/* The matmul out[M, N] (+)= x[M, K] @ W^T as one phase (two with AMX: x to bfloat16 tiles first). */
+static int matmul_phases(Phase *ph, const Buffers *buf, int prof, float *out, const float *x, const uint8_t *w,
+                         int fmt, const float *bias, int M, int N, int K, int accumulate, int nthreads) {
+    const int amx = buf->amx_rows && M >= buf->amx_rows, units = amx ? (N + 31) / 32 : (N + 15) / 16;
+    const int items = 8 * nthreads < units ? 8 * nthreads : units;
+    int n = 0;
+    if (amx) ph[n++] = (Phase){.kind = K_CVT, .items = M, .prof = prof, .x = x, .K = K};
+    ph[n++] = (Phase){.kind = K_MATMUL, .items = items, .prof = prof, .out = out, .x = x, .bias = bias, .w = w,
+                      .fmt = fmt, .M = M, .N = N, .K = K, .accumulate = accumulate, .amx = amx,
+                      .per_item = (units + items - 1) / items};
+    return n;
+}
+
+/* Every phase of the step, in order; returns how many. */
+static int plan(Phase *ph, const StepModel *m, const StepLayer *layers, const StepBatch *b, const Buffers *buf,
+                int nthreads) {
+    const int T = b->T, E = m->hidden, I = m->inter, HD = m->heads * m->head_dim;
+    const int QKV = (m->heads + 2 * m->kv_heads) * m->head_dim;
+    /* attention items: (token, KV head), reading each block once for the heads that share it; with too few of
+     * those to keep the threads busy (one sequence), (token, query head) */
+    const int attn_split = buf->n_tiles * m->kv_heads >= 2 * nthreads ? m->kv_heads : m->heads;
+    int n = 0;
+    for (int l = 0; l < m->layers; l++) {
+        const StepLayer *L = &layers[l];
+        ph[n++] = norm_phase(buf->x, buf->h, L->attn_norm, NULL, T);
+        n += matmul_phases(ph + n, buf, P_QKV, buf->qkv, buf->x, L->qkv, L->qkv_fmt, L->qkv_bias, T, QKV, E, 0,
+                           nthreads);
+        ph[n++] = (Phase){.kind = K_ROPE, .layer = l, .items = T, .prof = P_ROPE};
+        ph[n++] = (Phase){.kind = K_ATTN, .layer = l, .items = buf->n_tiles * attn_split, .prof = P_ATTN};
+        n += matmul_phases(ph + n, buf, P_O, buf->h, buf->attn, L->o, L->o_fmt, NULL, T, E, HD, 1, nthreads);
+        ph[n++] = norm_phase(buf->x, buf->h, L->ffn_norm, NULL, T);
+        n += matmul_phases(ph + n, buf, P_GATE_UP, buf->gu, buf->x, L->gate_up, L->gate_up_fmt, NULL, T, 2 * I, E,
+                           0, nthreads);
+        ph[n++] = (Phase){.kind = K_ACT, .items = T, .prof = P_ACT};
+        n += matmul_phases(ph + n, buf, P_DOWN, buf->h, buf->act, L->down, L->down_fmt, NULL, T, E, I, 1, nthreads);
+    }
+    if (b->R > 0) {
+        ph[n++] = norm_phase(buf->x, buf->h, m->final_norm, b->logit_rows, b->R);
+        n += matmul_phases(ph + n, buf, P_LM_HEAD, b->logits, buf->x, m->lm_head, m->lm_head_fmt, NULL, b->R,
+                           m->vocab, E, 0, nthreads);
+    }
+    return n;
+}
+
+/* RoPE on token t's q and k, then its k and v into the cache at its slot. */
+static void rope_and_store(const StepModel *m, const StepLayer *L, const StepBatch *b, float *qkv, int t) {
+    const int D = m->head_dim, H = m->heads, KVH = m->kv_heads, width = (H + 2 * KVH) * D;
+    float *row = qkv + (int64_t)t * width;
+    const float *cos = m->cos + b->positions[t] * D, *sin = m->sin + b->positions[t] * D;
+    for (int h = 0; h < H + KVH; h++) rope(row + h * D, cos, sin, D);
+    const int64_t at = b->slots[t] * KVH * D;
+    store_row(L->k_cache, at, row + H * D, KVH * D, m->cache_bf16);
+    store_row(L->v_cache, at, row + (H + KVH) * D, KVH * D, m->cache_bf16);
+}
+
+/* Item i of `split` per tile (KV heads or query heads): those query heads of the tile's tokens over the
+ * sequence's cache, each token up to its own position. */
+static void attention(const StepModel *m, const StepLayer *L, const StepBatch *b, const Buffers *buf,
+                      const Scratch *sc, int i, int split) {
+    const int H = m->heads, KVH = m->kv_heads, D = m->head_dim, width = (H + 2 * KVH) * D;
+    const int tile = i / split, h0 = i % split * (H / split), t = buf->tiles[tile];
+    const int end = tile + 1 < buf->n_tiles ? buf->tiles[tile + 1] : b->T;
+    Args a = {buf->attn + (int64_t)t * H * D, buf->qkv + (int64_t)t * width, L->k_cache, L->v_cache,
+              b->block_tables + b->seq[t] * b->max_blocks, buf->ctx + t, H, KVH, D, m->block_size, b->max_blocks,
+              m->cache_bf16, m->scale, 0, end - t, width, H * D};
+    paged_attention_heads(&a, 0, h0, h0 + H / split, sc->scores, sc->block);
+}
+
+/* Split the tokens into attention tiles: runs of consecutive positions of one sequence, at most TILE long. */
+static int make_tiles(const StepBatch *b, int *tiles) {
+    int n = 0;
+    for (int t = 0; t < b->T; t++)
+        if (t == 0 || b->seq[t] != b->seq[t - 1] || b->positions[t] != b->positions[t - 1] + 1 || t - tiles[n - 1] == TILE)
+            tiles[n++] = t;
+    return n;
+}
+
+static void matmul_item(const Phase *p, const Buffers *buf, const Scratch *sc, int i) {
+    const int units = p->amx ? (p->N + 31) / 32 : (p->N + 15) / 16;
+    const int end = (i + 1) * p->per_item < units ? (i + 1) * p->per_item : units;
+    if (p->amx) {
+        const QMatmulBf16 a = {p->out, buf->xb, p->w, p->bias, p->M, p->N, p->K / 32, p->N, p->fmt, p->accumulate};
+        for (int u = i * p->per_item; u < end; u++) qmm_amx_pair(&a, u, sc->bbuf);
+        return;
+    }
+    const QMatmul a = {p->out, p->x, p->w, p->bias, p->M, p->N, p->K / 32, p->K, p->N, p->fmt, p->accumulate};
+    for (int u = i * p->per_item; u < end; u++) qmm_column_block(&a, u, sc->panel);
+}
+
+static void run_item(const Phase *p, const StepModel *m, const StepLayer *layers, const StepBatch *b,
+                     const Buffers *buf, const Scratch *sc, int i) {
+    const int E = m->hidden, I = m->inter;
+    switch (p->kind) {
+    case K_NORM:
+        rmsnorm(p->out + (int64_t)i * E, p->x + (p->rows ? p->rows[i] : i) * E, p->w_norm, E, m->eps);
+        break;
+    case K_CVT:
+        qmm_amx_convert_row(buf->xb, p->x + (int64_t)i * p->K, i, p->K / 32);
+        break;
+    case K_MATMUL:
+        matmul_item(p, buf, sc, i);
+        break;
+    case K_ROPE:
+        rope_and_store(m, &layers[p->layer], b, buf->qkv, i);
+        break;
+    case K_ATTN:
+        attention(m, &layers[p->layer], b, buf, sc, i, p->items / buf->n_tiles);
+        break;
+    default: /* K_ACT: row i of silu(gate) * up */
+        silu_mul(buf->act + (int64_t)i * I, buf->gu + (int64_t)i * 2 * I, buf->gu + (int64_t)i * 2 * I + I, I);
+    }
+}
+
+static void pause_cpu(int *spins) {
+    if (++*spins > 2000) { /* the item in flight is held by a thread that is not running: give way */
+        sched_yield();
+        *spins = 0;
+    }
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+/* What every thread runs: take items of each phase in turn, wait until the phase is done, go on. */
+static void work(const Phase *ph, int n, int *next, int *done, const StepModel *m, const StepLayer *layers,
+                 const StepBatch *b, const Buffers *buf, const Scratch *sc, double *clock) {
+    for (int p = 0; p < n; p++) {
+        int i;
+        while ((i = __atomic_fetch_add(&next[p], 1, __ATOMIC_RELAXED)) < ph[p].items) {
+            run_item(&ph[p], m, layers, b, buf, sc, i);
+            __atomic_fetch_add(&done[p], 1, __ATOMIC_RELEASE);
+        }
+        int spins = 0;
+        while (__atomic_load_n(&done[p], __ATOMIC_ACQUIRE) < ph[p].items) pause_cpu(&spins);
+        mark(b, clock, ph[p].prof);
+    }
+}
+
+/* Every index the step will follow is checked first: 0, or -2 bad sizes, -3 a context longer than its block
+ * table, -4 a block id outside the cache, -5 a token id, position, sequence, slot or logit row out of range. */
+static int check(const StepModel *m, const StepBatch *b, int64_t *ctx, int64_t *max_ctx) {
+    if (b->T <= 0 || b->R < 0 || m->heads % m->kv_heads || m->head_dim % 2 || m->hidden % 32 || m->inter % 32)
+        return -2;
+    *max_ctx = 0;
+    for (int t = 0; t < b->T; t++) {
+        const int64_t p = b->positions[t], s = b->seq[t];
+        if (b->tokens[t] < 0 || b->tokens[t] >= m->vocab || p < 0 || p >= m->max_positions || s < 0 || s >= b->S ||
+            b->slots[t] < 0 || b->slots[t] >= m->num_blocks * m->block_size)
+            return -5;
+        ctx[t] = p + 1;
+        if (ctx[t] > (int64_t)b->max_blocks * m->block_size) return -3;
+        if (ctx[t] > *max_ctx) *max_ctx = ctx[t];
+        for (int64_t k = 0; k < (ctx[t] + m->block_size - 1) / m->block_size; k++) {
+            const int64_t id = b->block_tables[s * b->max_blocks + k];
+            if (id < 0 || id >= m->num_blocks) return -4;
+        }
+    }
+    for (int r = 0; r < b->R; r++)
+        if (b->logit_rows[r] < 0 || b->logit_rows[r] >= b->T) return -5;
+    return 0;
+}
+
+static int run(const StepModel *m, const StepLayer *layers, const StepBatch *b, Buffers *buf, int64_t max_ctx,
+               int nthreads) {
+    const int E = m->hidden, HD = m->heads * m->head_dim, max_phases = m->layers * 13 + 3;
+    const int K = E > m->inter ? (E > HD ? E : HD) : (m->inter > HD ? m->inter : HD);
+    Phase *ph = malloc((size_t)max_phases * sizeof(Phase));
+    int *counters = calloc((size_t)2 * max_phases, sizeof(int));
+    Scratch *sc = calloc((size_t)nthreads, sizeof(Scratch));
+    int status = ph && counters && sc ? 0 : -1;
+    for (int t = 0; t < nthreads && status == 0; t++) {
+        sc[t] = (Scratch){malloc((size_t)K * 16 * sizeof(float)),
+                          malloc((size_t)TILE * (max_ctx + TILE) * m->heads * sizeof(float)),
+                          malloc((size_t)m->block_size * m->kv_heads * m->head_dim * sizeof(float)),
+                          buf->amx_rows ? malloc((size_t)2 * (K / 32) * 512 * sizeof(uint16_t)) : NULL};
+        if (!sc[t].panel || !sc[t].scores || !sc[t].block || (buf->amx_rows && !sc[t].bbuf)) status = -1;
+    }
+    if (status == 0) {
+        const int n = plan(ph, m, layers, b, buf, nthreads);
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+        {
+            const int me = omp_thread();
+            double start = now(), *clock = b->profile && me == 0 ? &start : NULL;
+            if (buf->amx_rows) qmm_amx_begin();
+            work(ph, n, counters, counters + max_phases, m, layers, b, buf, &sc[me], clock);
+            if (buf->amx_rows) qmm_amx_end();
+        }
+    }
+    for (int t = 0; sc && t < nthreads; t++) {
+        free(sc[t].panel);
+        free(sc[t].scores);
+        free(sc[t].block);
+        free(sc[t].bbuf);
+    }
+    free(sc);
+    free(ph);
+    free(counters);
+    return status;
+}
+
+int model_step(const StepModel *m, const StepLayer *layers, const StepBatch *b, int num_threads) {
+    const int T = b->T, E = m->hidden, I = m->inter, HD = m->heads * m->head_dim;
+    const int QKV = (m->heads + 2 * m->kv_heads) * m->head_dim, K = E > I ? (E > HD ? E : HD) : (I > HD ? I : HD);
+    const int amx = m->amx_min_rows > 0 && T >= m->amx_min_rows && qmm_amx_available() ? m->amx_min_rows : 0;
+    const int64_t per_row = 2 * (int64_t)E + QKV + HD + 3 * (int64_t)I;
+    float *mem = malloc((size_t)T * per_row * sizeof(float));
+    int64_t *ctx = malloc((size_t)T * sizeof(int64_t));
+    int *tiles = malloc((size_t)T * sizeof(int));
+    uint16_t *xb = amx ? calloc((size_t)(T + 15) / 16 * 16 * K, sizeof(uint16_t)) : NULL;
+    int64_t max_ctx = 0;
+    int status = (!mem || !ctx || !tiles || (amx && !xb)) ? -1 : check(m, b, ctx, &max_ctx);
+    if (status == 0) {
+        Buffers buf = {mem, mem + (int64_t)T * E, mem + 2 * (int64_t)T * E, mem + (int64_t)T * (2 * E + QKV),
+                       mem + (int64_t)T * (2 * E + QKV + HD), mem + (int64_t)T * (2 * E + QKV + HD + 2 * I), ctx,
+                       tiles, make_tiles(b, tiles), xb, amx};
+        status = qrows_f32(buf.h, b->tokens, T, m->embed, m->vocab, E, m->embed_fmt);
+        if (status == 0) status = run(m, layers, b, &buf, max_ctx, num_threads < 1 ? 1 : num_threads);
+    }
+    free(mem);
+    free(ctx);
+    free(tiles);
+    free(xb);
+    return status;
+}

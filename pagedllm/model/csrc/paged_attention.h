@@ -1,0 +1,24 @@
+/* Shared by the decode-attention kernel (paged_attention.c) and the fused decode step (decode_step.c). */
+#ifndef PAGEDLLM_PAGED_ATTENTION_H
+#define PAGEDLLM_PAGED_ATTENTION_H
+#include <stdint.h>
+
+typedef struct {
+    float *out;                 /* [S, H, D] */
+    const float *q;             /* [S, H, D] */
+    const void *k_cache;        /* [num_blocks, block_size, KVH, D], float32 or bfloat16 */
+    const void *v_cache;
+    const int64_t *block_tables; /* [S, max_blocks] */
+    const int64_t *context_lens; /* [S] */
+    int H, KVH, D, block_size, max_blocks, cache_bf16;
+    float scale;
+    int64_t max_ctx;
+    int nq, q_stride, out_stride; /* queries per sequence (consecutive tokens), floats between their rows */
+} Args;
+
+/* Sequence s, query heads h0..h1-1 of its nq queries; scores: nq * H * (context + nq - 1) floats, buf:
+ * block_size * KVH * D floats. */
+void paged_attention_heads(const Args *a, int s, int h0, int h1, float *scores, float *buf);
+/* 0, or -3 for a context length outside the block table, -4 for a block id outside the cache. */
+int paged_attention_check(const Args *a, int S, int64_t num_blocks, int64_t *max_ctx);
+#endif

@@ -1,0 +1,238 @@
+"""Quantized weights: the formats against gguf's own dequantizer, each kernel against the dense matmul it
+replaces, the fused C step against the torch path and against transformers, and the --quantization flag.
+
+Tolerances: the float32 kernels dequantize to exactly the stored values and differ from a float64 matmul only
+by float32 summation (relative 1e-5 of the output scale); the AMX kernel rounds its inputs to bfloat16, so it is
+compared with a float64 product of the bfloat16-rounded inputs (relative 1e-3: float32 accumulation order).
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedllm.engine import EngineConfig
+from pagedllm.errors import UserError
+from pagedllm.model import ModelRunner, SeqChunk, cpu_kernel, load_model
+from pagedllm.model import quant
+from pagedllm.model.quant import QuantParts, amx_available, pack, qlinear, qrows, quantize_rtn
+
+LIB = cpu_kernel.load()
+pytestmark = pytest.mark.skipif(LIB is None, reason="no C compiler: the kernels are not built here")
+
+
+def _parts(fmt: str, n: int, k: int, seed: int) -> QuantParts:
+    rng = np.random.default_rng(seed)
+    g = k // 32
+    if fmt == "q4":
+        return QuantParts("q4", rng.integers(0, 16, (n, k)).astype(np.uint8), rng.normal(0, 0.01, (n, g)).astype(
+            np.float16), rng.normal(0, 0.05, (n, g)).astype(np.float16), "test")
+    return QuantParts("q8", rng.integers(-128, 128, (n, k)).astype(np.int8),
+                      rng.normal(0, 0.001, (n, g)).astype(np.float16), None, "test")
+
+
+def _gguf_blocks(ggml_type: int, n: int, k: int, seed: int) -> np.ndarray:
+    """Random stored blocks of a GGML type with finite float16 scales."""
+    rng = np.random.default_rng(seed)
+    _, nbytes = quant.GGML_TYPES[ggml_type]
+    raw = rng.integers(0, 256, (n, k // 32, nbytes), dtype=np.uint8)
+    n_scales = 2 if ggml_type == 3 else 1
+    scales = rng.normal(0, 0.02, (n, k // 32, n_scales)).astype(np.float16)
+    raw[..., : 2 * n_scales] = scales.view(np.uint8).reshape(n, k // 32, 2 * n_scales)
+    return raw.reshape(n, -1)
+
+
+@pytest.mark.parametrize("ggml_type", [2, 3, 8], ids=["Q4_0", "Q4_1", "Q8_0"])
+def test_stored_blocks_dequantize_to_exactly_the_files_values(ggml_type):
+    """gguf's dequantizer (what transformers uses) is the reference; the kernel's rows must equal it bit for bit."""
+    import gguf
+
+    raw = _gguf_blocks(ggml_type, 40, 96, ggml_type)
+    ref = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(ggml_type)).astype(np.float32))
+    parts = quant.from_gguf_blocks(raw, ggml_type)
+    assert torch.equal(parts.dequantize(), ref)
+    assert torch.equal(qrows(pack(parts), torch.arange(40)), ref)
+
+
+@pytest.mark.parametrize("fmt", ["q4", "q8"])
+@pytest.mark.parametrize("n,k", [(16, 32), (40, 96), (7, 64), (960, 576)])
+@pytest.mark.parametrize("rows", [1, 3, 6, 7, 64, 200])
+def test_float32_kernel_matches_dense_matmul(fmt, n, k, rows):
+    parts = _parts(fmt, n, k, n + k)
+    w, wd = pack(parts), parts.dequantize().double()
+    g = torch.Generator().manual_seed(rows)
+    x, b = torch.randn(rows, 2 * k, generator=g)[:, ::2], torch.randn(n, generator=g)  # a strided view, as after split
+    ref = F.linear(x.double(), wd, b.double())
+    scale = ref.abs().max().item()
+    torch.testing.assert_close(qlinear(x, w, b).double(), ref, atol=1e-5 * scale, rtol=0)
+    out = torch.randn(rows, n, generator=g)
+    acc = out.double() + F.linear(x.double(), wd)
+    qlinear(x, w, out=out, accumulate=True)
+    torch.testing.assert_close(out.double(), acc, atol=1e-5 * scale, rtol=0)
+
+
+@pytest.mark.parametrize("fmt", ["q4", "q8"])
+def test_float32_kernel_rows_do_not_depend_on_the_batch(fmt):
+    """Direct (few rows) and panel (many rows) paths sum every output in the same order: bit-identical rows."""
+    w = pack(_parts(fmt, 100, 192, 3))
+    x = torch.randn(64, 192, generator=torch.Generator().manual_seed(0))
+    full = qlinear(x, w)
+    for i in (0, 5, 63):
+        assert torch.equal(qlinear(x[i:i + 1], w)[0], full[i])
+        assert torch.equal(qlinear(x[i:i + 7], w)[0], full[i])
+
+
+@pytest.mark.skipif(not amx_available(), reason="no AMX on this CPU")
+@pytest.mark.parametrize("fmt", ["q4", "q8"])
+@pytest.mark.parametrize("n,k", [(16, 32), (40, 96), (7, 64), (576, 1536)])
+@pytest.mark.parametrize("rows", [16, 17, 33, 100])
+def test_amx_kernel_matches_bfloat16_matmul(fmt, n, k, rows):
+    parts = _parts(fmt, n, k, n * k)
+    g = torch.Generator().manual_seed(rows)
+    x, b = torch.randn(rows, k, generator=g).bfloat16(), torch.randn(n, generator=g)
+    ref = F.linear(x.double(), parts.dequantize().bfloat16().double(), b.double())
+    got = qlinear(x, pack(parts), b)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), ref, atol=1e-2 * ref.abs().max().item(), rtol=0)  # bf16 output
+    out, xf, w = torch.empty(rows, n), x.float(), pack(parts)  # float32 out: the kernel's own precision
+    quant._lib().qmm_amx(out.data_ptr(), xf.data_ptr(), w.tiles.data_ptr(), b.data_ptr(), rows, n, k, k, n,
+                         quant.FORMATS[fmt], 0, 2)
+    torch.testing.assert_close(out.double(), ref, atol=1e-3 * ref.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_round_to_nearest_is_within_half_a_step(bits):
+    w = torch.randn(48, 128, generator=torch.Generator().manual_seed(bits)) * 0.05
+    parts = quantize_rtn(w, bits)
+    step = torch.from_numpy(parts.d.astype(np.float32)).repeat_interleave(32, 1)
+    err = (parts.dequantize() - w).abs()
+    assert (err <= step / 2 + 1e-3 * step + 1e-7).all()  # + the float16 rounding of d and m
+    assert err.max() > 0  # it did quantize
+
+
+# ---- whole models on tiny checkpoints ---------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from test_model_parity import _make
+
+    folder = str(tmp_path_factory.mktemp("tiny_qwen2"))
+    return folder, _make("qwen2_bias", folder)  # GQA, q/k/v biases
+
+
+def _rtn_reference(hf, bits: int):
+    """transformers' model with every weight replaced by what --quantization int<bits> makes of it."""
+    import copy
+
+    ref = copy.deepcopy(hf)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if p.dim() == 2 and p.shape[1] % 32 == 0:
+                b = 8 if "embed" in name or "lm_head" in name else bits
+                p.copy_(quantize_rtn(p, b).dequantize())
+    return ref
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_rtn_quantized_model_matches_transformers_on_the_same_weights(tiny, bits):
+    """The fused C step (prefill chunks + decodes) against transformers on the dequantized weights, float32."""
+    folder, hf = tiny
+    ours = load_model(folder, "float32", verbose=False, quantization=f"int{bits}")
+    assert ours.quantization == f"int{bits}" and ours.weight_bytes < ours.dense_weight_bytes / 3
+    ref = _rtn_reference(hf, bits)
+    runner = ModelRunner(ours, num_blocks=32, block_size=8)
+    assert runner.fused is not None
+    seq = [random.Random(bits).randrange(3, 256) for _ in range(40)]
+    with torch.inference_mode():
+        want = ref(torch.tensor([seq])).logits[0]
+    got = runner.execute_all([SeqChunk(seq[:25], 0, list(range(31, 26, -1)))])[0]  # reversed block ids
+    got = torch.cat([got] + [runner.execute([SeqChunk([t], 25 + i, list(range(31, 26, -1)))])
+                             for i, t in enumerate(seq[25:])])
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_fused_step_matches_the_torch_path(tiny, kv_dtype):
+    folder, _ = tiny
+    ours = load_model(folder, "float32", verbose=False, quantization="int8")
+    fused, plain = (ModelRunner(ours, 40, 8, kv_dtype, fused=f) for f in (True, False))
+    assert fused.fused is not None and plain.fused is None
+    rng = random.Random(5)
+    seqs = [[rng.randrange(3, 256) for _ in range(n)] for n in (9, 30, 3)]
+    tables = [list(range(10 * i + 9, 10 * i, -1)) for i in range(3)]
+    for step in ([SeqChunk(seqs[0], 0, tables[0]), SeqChunk(seqs[1][:17], 0, tables[1])],
+                 [SeqChunk([5], 9, tables[0]), SeqChunk(seqs[1][17:], 17, tables[1]), SeqChunk(seqs[2], 0, tables[2])],
+                 [SeqChunk([6], 10, tables[0]), SeqChunk([7], 30, tables[1]), SeqChunk([8], 3, tables[2])]):
+        a, b = fused.execute_all(step), plain.execute_all(step)
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="cannot hold"):
+        fused.execute([SeqChunk([1] * 20, 0, [1])])
+    with pytest.raises(RuntimeError, match="out of range"):
+        fused.execute([SeqChunk([10**6], 0, [1])])
+
+
+def test_fused_float32_is_batch_invariant_bit_for_bit(tiny):
+    """A sequence's logits do not depend on its neighbours or on how its prompt was chunked."""
+    folder, _ = tiny
+    runner = ModelRunner(load_model(folder, "float32", verbose=False, quantization="int4"), 40, 8)
+    rng = random.Random(9)
+    seq, other = [rng.randrange(3, 256) for _ in range(30)], [rng.randrange(3, 256) for _ in range(50)]
+    alone = runner.execute_all([SeqChunk(seq, 0, list(range(4)))])[0]
+    first = runner.execute_all([SeqChunk(other, 0, list(range(10, 17))), SeqChunk(seq[:11], 0, list(range(20, 24)))])
+    second = runner.execute_all([SeqChunk(seq[11:], 11, list(range(20, 24))), SeqChunk([3], 50, list(range(10, 17)))])
+    assert torch.equal(torch.cat([first[1], second[0]]), alone)
+
+
+def test_quantization_flag_and_its_fallback(tiny, monkeypatch, caplog):
+    folder, _ = tiny
+    with pytest.raises(UserError, match="--quantization gguf needs a GGUF"):
+        load_model(folder, "float32", verbose=False, quantization="gguf")
+    with pytest.raises(UserError, match="--quantization"):
+        EngineConfig(quantization="fp4")
+    assert load_model(folder, "float32", verbose=False).quantization == "none"  # a HF folder: dense by default
+    monkeypatch.setattr(cpu_kernel, "load", lambda: None)  # a machine where the kernels cannot be built
+    quant._said.clear()
+    dense = load_model(folder, "float32", verbose=False, quantization="int8")
+    assert dense.quantization == "none" and not dense.model.quant
+    assert "no quantized kernel" in caplog.text
+
+
+def test_the_kv_cache_gets_what_quantized_weights_give_back(tiny):
+    """On CPU the default KV budget is a fixed space plus what the weights no longer take dequantized."""
+    from pagedllm.engine import LLMEngine
+    from pagedllm.engine.config import DEFAULT_CPU_KV_CACHE_MEMORY
+
+    folder, _ = tiny
+    sizes = {}
+    for q in ("none", "int4"):
+        engine = LLMEngine(EngineConfig(model=folder, dtype="float32", quantization=q, log_stats_interval=0))
+        sizes[q] = engine.kv.num_blocks * engine.runner.bytes_per_block
+        loaded = engine.loaded
+    per_block = engine.runner.bytes_per_block
+    gain = loaded.dense_weight_bytes - loaded.weight_bytes
+    assert gain > 0 and sizes["none"] // per_block == DEFAULT_CPU_KV_CACHE_MEMORY // per_block
+    assert sizes["int4"] // per_block == (DEFAULT_CPU_KV_CACHE_MEMORY + gain) // per_block
+
+
+@pytest.mark.skipif(not amx_available(), reason="no AMX on this CPU")
+def test_bfloat16_rows_depend_only_on_the_kernel_class(tiny):
+    """--dtype bfloat16: steps of AMX_MIN_ROWS rows or more run their matmuls on AMX with bfloat16 inputs, fewer
+    rows the float32 kernel; so a sequence's logits depend on the batch only through which side it falls on."""
+    folder, _ = tiny
+    runner = ModelRunner(load_model(folder, "bfloat16", verbose=False, quantization="int8"), 80, 8)
+    rng = random.Random(11)
+    seqs = [[rng.randrange(3, 256) for _ in range(9)] for _ in range(16)]
+    tables = [list(range(5 * i, 5 * i + 5)) for i in range(16)]
+    runner.execute([SeqChunk(s, 0, t) for s, t in zip(seqs, tables)])
+
+    def first_row(n: int) -> torch.Tensor:  # sequence 0's next-token logits in a decode step of n sequences
+        return runner.execute([SeqChunk([7], 9, tables[i]) for i in range(n)])[0]
+
+    few, many = quant.AMX_MIN_ROWS - 1, quant.AMX_MIN_ROWS
+    assert torch.equal(first_row(1), first_row(few)) and torch.equal(first_row(many), first_row(16))
+    assert not torch.equal(first_row(1), first_row(many))

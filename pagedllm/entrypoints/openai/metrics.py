@@ -75,6 +75,17 @@ class _EngineCollector:
                       stat(st, "prefix_cache_hits", "num_prefix_cache_hits"))
         yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
                       stat(st, "num_preemptions", "preemptions"))
+        yield counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.",
+                      stat(st, "spec_decode_num_drafts"))
+        yield counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.",
+                      stat(st, "spec_decode_num_draft_tokens"))
+        yield counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                      stat(st, "spec_decode_num_accepted_tokens"))
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted tokens per draft position.", labels=labels + ["position"])
+        for pos, n in enumerate(stat(st, "spec_decode_num_accepted_tokens_per_pos", default=[])):
+            per_pos.add_metric(value + [str(pos)], float(n))
+        yield per_pos
 
 
 # As vLLM: no "<counter>_created" series (they double the page and no dashboard uses them).

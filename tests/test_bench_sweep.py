@@ -68,9 +68,12 @@ class FakeEngine:
         return outs
 
     def stats(self):
-        return EngineStats(len(self.running), len(self.waiting), self.num_blocks, self.num_blocks - self._used(),
-                           self.bs, 0.0, sum(r["prompt"] + len(r["out"]) for r in self.running.values()),
-                           self.queries, self.hits, 0, 0, 0, self.peak, self.steps)
+        return EngineStats(
+            num_running=len(self.running), num_waiting=len(self.waiting), num_blocks=self.num_blocks,
+            num_free_blocks=self.num_blocks - self._used(), num_cached_blocks=0, block_size=self.bs, kv_usage=0.0,
+            num_stored_tokens=sum(r["prompt"] + len(r["out"]) for r in self.running.values()),
+            prefix_cache_queries=self.queries, prefix_cache_hits=self.hits, num_preemptions=0, prompt_tokens=0,
+            generation_tokens=0, peak_running=self.peak, num_steps=self.steps)
 
 
 class WordTok:

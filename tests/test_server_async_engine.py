@@ -84,7 +84,7 @@ class FakeEngine:
     def stats(self):
         used = sum((len(self.reqs[r].prompt) + len(self.reqs[r].tokens)) // 4 + 1 for r in self._running())
         return EngineStats(num_running=len(self._running()), num_waiting=max(0, len(self.order) - self.max_running),
-                           num_blocks=self.num_blocks, num_free_blocks=self.num_blocks - used, block_size=4,
+                           num_blocks=self.num_blocks, num_free_blocks=self.num_blocks - used, num_cached_blocks=0, block_size=4,
                            kv_usage=used / self.num_blocks, num_stored_tokens=0, prefix_cache_queries=0,
                            prefix_cache_hits=0, num_preemptions=0, prompt_tokens=0, generation_tokens=0,
                            peak_running=0, num_steps=self.steps)

@@ -40,10 +40,9 @@ def alone(model_fp32, prompts):
     {"kv_allocation": "contiguous", "max_model_len": 256, "kv_cache_memory": 256 * 2**20},
     {"kv_cache_memory": 40 * 16 * 2 * 30 * 3 * 64 * 4, "max_model_len": 256},  # 40 blocks: must preempt
     {"speculative_config": SPEC},
-    {"speculative_config": SPEC, "max_num_batched_tokens": 32, "kv_cache_memory": 40 * 16 * 2 * 30 * 3 * 64 * 4,
-     "max_model_len": 256},
+    {"speculative_config": SPEC, "kv_cache_memory": 40 * 16 * 2 * 30 * 3 * 64 * 4, "max_model_len": 256},
     {"speculative_config": SPEC, "kv_allocation": "contiguous", "max_model_len": 256, "kv_cache_memory": 256 * 2**20},
-], ids=["default", "no-prefix-caching", "chunked-prefill-32", "contiguous", "preemption", "spec", "spec-chunked-preempt",
+], ids=["default", "no-prefix-caching", "chunked-prefill-32", "contiguous", "preemption", "spec", "spec-preemption",
         "spec-contiguous"])
 def test_batched_greedy_equals_alone(model_fp32, prompts, alone, settings):
     engine = make_engine(model_fp32, **settings)

@@ -79,9 +79,12 @@ def test_acceptance_counts_and_metrics_use_vllm_names():
     stats.record(2, 0)
     assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (2, 5, 2)
     assert stats.accepted_per_pos == [1, 1, 0] and stats.acceptance_rate == 0.4
-    snapshot = EngineStats(0, 0, 1, 1, 0, 16, 0.0, 0, 0, 0, 0, 0, 0, 0, 0, spec_decode_num_drafts=2,
-                           spec_decode_num_draft_tokens=5, spec_decode_num_accepted_tokens=2,
-                           spec_decode_num_accepted_tokens_per_pos=[1, 1, 0])
+    zeros = dict.fromkeys(("num_running", "num_waiting", "num_cached_blocks", "num_stored_tokens",
+                           "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens",
+                           "generation_tokens", "peak_running", "num_steps"), 0)
+    snapshot = EngineStats(**zeros, num_blocks=1, num_free_blocks=1, block_size=16, kv_usage=0.0,
+                           spec_decode_num_drafts=2, spec_decode_num_draft_tokens=5,
+                           spec_decode_num_accepted_tokens=2, spec_decode_num_accepted_tokens_per_pos=[1, 1, 0])
     text = ServerMetrics("m", lambda: snapshot).render().decode()
     for line in ('vllm:spec_decode_num_drafts_total{model_name="m"} 2.0',
                  'vllm:spec_decode_num_draft_tokens_total{model_name="m"} 5.0',
@@ -255,8 +258,8 @@ def tiny(tmp_path_factory):
 
 
 def tiny_engine(loaded, **kw):
-    return make_engine(loaded, max_model_len=64, kv_cache_memory=4 * 2**20, max_num_seqs=512,
-                       max_num_batched_tokens=4096, **kw)
+    kw.setdefault("max_num_batched_tokens", 4096)
+    return make_engine(loaded, max_model_len=64, kv_cache_memory=4 * 2**20, max_num_seqs=512, **kw)
 
 
 def exact_joint(hf) -> torch.Tensor:
@@ -309,7 +312,8 @@ def test_seeded_requests_sample_the_same_tokens_with_and_without_drafts(tiny):
     _, loaded = tiny
     params = [SamplingParams(temperature=0.9, top_k=6, max_tokens=12, ignore_eos=True, seed=i) for i in range(200)]
     plain, _ = generate(tiny_engine(loaded), [PROMPT] * 200, params)
-    engine = tiny_engine(loaded, speculative_config=TINY_NGRAM)
+    # a budget of 64 tokens: most steps have room for few drafts, so drafts are cut short by the budget
+    engine = tiny_engine(loaded, speculative_config=TINY_NGRAM, max_num_batched_tokens=64)
     spec, _ = generate(engine, [PROMPT] * 200, params)
     assert [o[0].token_ids for o in spec] == [o[0].token_ids for o in plain]
     assert engine.stats().spec_decode_num_accepted_tokens_per_pos[1] > 0  # runs of drafts accepted

@@ -140,15 +140,27 @@ RAG_PARAMS = SamplingParams(temperature=0, max_tokens=32, logprobs=2)
 
 
 @pytest.fixture(scope="module")
-def rag_reference(model_fp32, rag_prompts):
+def plain(model_fp32):
+    """One engine without and one with speculation for the module: their prefix caches keep the prompts, so
+    each test pays for decoding, not for prefilling the same prompts again."""
+    return make_engine(model_fp32)
+
+
+@pytest.fixture(scope="module")
+def spec(model_fp32):
+    return make_engine(model_fp32, speculative_config=NGRAM)
+
+
+@pytest.fixture(scope="module")
+def rag_reference(plain, rag_prompts):
     """The answers without speculation, and the number of steps they took."""
-    plain = make_engine(model_fp32)
-    return generate(plain, rag_prompts, RAG_PARAMS)[0], plain.num_steps
+    steps = plain.num_steps
+    return generate(plain, rag_prompts, RAG_PARAMS)[0], plain.num_steps - steps
 
 
-def test_rag_greedy_answers_are_the_same_token_for_token_in_fewer_steps(model_fp32, rag_prompts, rag_reference):
+def test_rag_greedy_answers_are_the_same_token_for_token_in_fewer_steps(spec, rag_prompts, rag_reference):
     ref, plain_steps = rag_reference
-    spec = make_engine(model_fp32, speculative_config=NGRAM)
+    before, steps = spec.stats(), spec.num_steps
     got, streamed = generate(spec, rag_prompts, RAG_PARAMS)
     for r, g in zip(ref, got):
         assert (g[0].token_ids, g[0].text, g[0].finish_reason) == (r[0].token_ids, r[0].text, r[0].finish_reason)
@@ -156,76 +168,79 @@ def test_rag_greedy_answers_are_the_same_token_for_token_in_fewer_steps(model_fp
         for a, b in zip(g[0].logprobs, r[0].logprobs):
             assert all(abs(a[t] - b[t]) < 1e-3 for t in a)  # logprobs of accepted drafts are the model's
     s = spec.stats()
-    assert s.spec_decode_num_accepted_tokens > 0.15 * s.generation_tokens  # answers quote their excerpts
+    accepted = s.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
+    assert accepted > 0.15 * (s.generation_tokens - before.generation_tokens)  # answers quote their excerpts
     assert s.spec_decode_num_accepted_tokens_per_pos[0] >= s.spec_decode_num_accepted_tokens_per_pos[-1] > 0
-    assert spec.num_steps < plain_steps
+    assert spec.num_steps - steps < plain_steps
     many = [o for outs in streamed for a, o in zip(outs, outs[1:])
             if len(o.outputs[0].token_ids) - len(a.outputs[0].token_ids) > 1]
     assert many  # several tokens reached the caller in one step
     assert_all_blocks_free(spec)
 
 
-def test_stops_min_tokens_and_n_cut_where_they_would_without_drafts(model_fp32, rag_prompts, rag_reference):
+def test_stops_min_tokens_and_n_cut_where_they_would_without_drafts(plain, spec, rag_prompts, rag_reference):
     """Each variant ends at the same token and text with and without drafts, though a verified step may have
     produced tokens past the stop (they are dropped)."""
     text, ids = rag_reference[0][0][0].text, rag_reference[0][0][0].token_ids
+    short = plain.tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 2? Answer with the "
+                                                                             "number only."}])
     variants = [SamplingParams(temperature=0, max_tokens=32, stop=[text[30:36]]),
                 SamplingParams(temperature=0, max_tokens=13, stop_token_ids=[ids[20]]),
-                SamplingParams(temperature=0, max_tokens=40, min_tokens=36),
-                SamplingParams(temperature=0.8, top_p=0.9, max_tokens=24, seed=5, n=3)]
-    prompts = [rag_prompts[0]] * len(variants)
-    ref, _ = generate(make_engine(model_fp32), prompts, variants)
-    spec = make_engine(model_fp32, speculative_config=NGRAM)
+                SamplingParams(temperature=0, max_tokens=16, min_tokens=12),  # EOS masked where it would come
+                SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, seed=5, n=2),
+                SamplingParams(temperature=0, max_tokens=16)]
+    prompts = [rag_prompts[0], rag_prompts[0], short, rag_prompts[0], short]
+    ref, _ = generate(plain, prompts, variants)
+    accepted = spec.stats().spec_decode_num_accepted_tokens
     got, streamed = generate(spec, prompts, variants)
     for r, g in zip(ref, got):
         assert [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in g] == \
             [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in r]
-    assert len(ref[1][0].token_ids) == 13 and len(ref[2][0].token_ids) >= 36
+    assert len(ref[1][0].token_ids) == 13 and len(ref[4][0].token_ids) < 12 <= len(ref[2][0].token_ids)
     stop = variants[0].stop[0]
     assert all(stop not in o.outputs[0].text for o in streamed[0])  # never streamed, not even in a long chunk
-    assert spec.stats().spec_decode_num_accepted_tokens > 0
+    assert spec.stats().spec_decode_num_accepted_tokens > accepted
     assert_all_blocks_free(spec)
 
 
-def test_abort_after_drafts_and_preemption_under_drafts_leave_the_pool_whole(model_fp32, rag_prompts, rag_reference):
-    ref = rag_reference[0][:4]
-    # room for the first two prompts and one block: both are admitted, and growing they must preempt
+def test_abort_after_drafts_and_preemption_under_drafts_leave_the_pool_whole(model_fp32, spec, rag_prompts,
+                                                                              rag_reference):
+    # room for two prompts and one block: both are admitted, and growing one must preempt the other
     blocks = sum(-(-len(p) // 16) for p in rag_prompts[:2]) + 1
     per_block = bytes_per_block(model_fp32.config, 16, torch.float32)
     small = make_engine(model_fp32, speculative_config=NGRAM, kv_cache_memory=blocks * per_block,
                         enable_prefix_caching=False)
-    got, _ = generate(small, rag_prompts[:4], RAG_PARAMS)
-    assert [g[0].token_ids for g in got] == [r[0].token_ids for r in ref]
+    got, _ = generate(small, rag_prompts[:2], RAG_PARAMS)
+    assert [g[0].token_ids for g in got] == [r[0].token_ids for r in rag_reference[0][:2]]
     assert small.stats().num_preemptions > 0 and small.stats().spec_decode_num_accepted_tokens > 0
     assert_all_blocks_free(small)
-    engine = make_engine(model_fp32, speculative_config=NGRAM)
-    engine.add_request("a", rag_prompts[0], RAG_PARAMS)
-    engine.add_request("b", rag_prompts[1], RAG_PARAMS)
-    while engine.stats().spec_decode_num_accepted_tokens == 0:
-        engine.step()
-    engine.abort_request("a")
-    engine.step()
-    engine.abort_request("b")
-    assert not engine.has_unfinished_requests()
-    assert_all_blocks_free(engine)
+    accepted = spec.stats().spec_decode_num_accepted_tokens
+    spec.add_request("a", rag_prompts[0], RAG_PARAMS)
+    spec.add_request("b", rag_prompts[1], RAG_PARAMS)
+    while spec.stats().spec_decode_num_accepted_tokens == accepted and spec.has_unfinished_requests():
+        spec.step()
+    assert spec.stats().spec_decode_num_accepted_tokens > accepted and spec.requests  # mid-answer, after drafts
+    spec.abort_request("a")
+    spec.step()
+    spec.abort_request("b")
+    assert not spec.has_unfinished_requests()
+    assert_all_blocks_free(spec)
 
 
-def test_a_failed_verification_step_runs_each_request_alone(model_fp32, rag_prompts, rag_reference, monkeypatch):
-    ref = rag_reference[0][:3]
-    engine = make_engine(model_fp32, speculative_config=NGRAM)
-    original = engine.runner.model.forward
+def test_a_failed_verification_step_runs_each_request_alone(spec, rag_prompts, rag_reference, monkeypatch):
+    original = spec.runner.model.forward
     failed = []
 
     def forward(*args, **kwargs):
-        if not failed and any(r.spec_token_ids for r in engine.scheduler.running):  # the first step with drafts
+        if not failed and any(r.spec_token_ids for r in spec.scheduler.running):  # the first step with drafts
             failed.append(True)
             raise RuntimeError("injected failure")
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(engine.runner.model, "forward", forward)
-    got, _ = generate(engine, rag_prompts[:3], RAG_PARAMS)
-    assert failed and [g[0].token_ids for g in got] == [r[0].token_ids for r in ref]
-    assert_all_blocks_free(engine)
+    monkeypatch.setattr(spec.runner.model, "forward", forward)
+    got, _ = generate(spec, rag_prompts[:3], RAG_PARAMS)
+    assert failed and [g[0].token_ids for g in got] == [r[0].token_ids for r in rag_reference[0][:3]]
+    assert_all_blocks_free(spec)
 
 
 # ---------------------------------------------------------------- sampling: the model's distribution, seeds kept

@@ -3,8 +3,9 @@
 One Zipf-skewed question workload; retrieval is done once per question (timed), so every setting gives the model
 the same chunks. For each layout and prefix caching on / off, a fresh engine answers the questions one at a time
 (greedy), so TTFT is the prefill of that prompt alone. Rows: prefix-cache hit rate, prompt tokens computed vs served
-from the cache, TTFT median / p99, output tokens/s, retrieval latency. Then a check that the same question with the
-same prompt got the same answer text in every setting.
+from the cache, TTFT median / p99, output tokens/s, TPOT median, the share of draft tokens accepted (with
+--speculative-config), retrieval latency. Then a check that the same question with the same prompt got the same
+answer text in every setting.
 """
 from __future__ import annotations
 
@@ -39,6 +40,8 @@ class BenchRow:
     retrieval_median_ms: float
     retrieval_p99_ms: float
     wall_s: float
+    tpot_median_ms: float = float("nan")  # per answer (E2E - TTFT) / (output tokens - 1), as bench serve's TPOT
+    spec_acceptance: float | None = None  # draft tokens accepted / drafted (in-process, speculation on)
 
 
 def percentile(vals: list[float], q: float) -> float:
@@ -50,12 +53,15 @@ def percentile(vals: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
-def make_row(layout: str, caching: str, answers: list[Answer], wall: float, retrieval_s: list[float]) -> BenchRow:
+def make_row(layout: str, caching: str, answers: list[Answer], wall: float, retrieval_s: list[float],
+             spec_acceptance: float | None = None) -> BenchRow:
     prompt = sum(a.prompt_tokens for a in answers)
     cached = sum(a.cached_tokens or 0 for a in answers)
     out = sum(a.output_tokens for a in answers)
     ttfts = [a.ttft * 1000 for a in answers if a.ttft is not None]
     gen = sum(a.e2e or 0.0 for a in answers)
+    tpots = [(a.e2e - a.ttft) * 1000 / (a.output_tokens - 1) for a in answers
+             if a.output_tokens > 1 and a.e2e is not None and a.ttft is not None]
     rms = [r * 1000 for r in retrieval_s]
     return BenchRow(
         setting=f"{layout}/cache-{caching}", layout=layout, prefix_caching=caching, requests=len(answers),
@@ -63,7 +69,8 @@ def make_row(layout: str, caching: str, answers: list[Answer], wall: float, retr
         cached_tokens=cached, ttft_median_ms=statistics.median(ttfts) if ttfts else float("nan"),
         ttft_p99_ms=percentile(ttfts, 99), output_tokens=out, output_tok_s=out / gen if gen else 0.0,
         retrieval_median_ms=statistics.median(rms) if rms else float("nan"), retrieval_p99_ms=percentile(rms, 99),
-        wall_s=wall,
+        wall_s=wall, tpot_median_ms=statistics.median(tpots) if tpots else float("nan"),
+        spec_acceptance=spec_acceptance,
     )
 
 
@@ -157,6 +164,58 @@ def count_layouts(index_dir: str, num_questions: int = 40, seed: int = 0, top_k:
     return rows
 
 
+def _answer_with_server(base_url: str, server_model: str | None, questions: list[str], messages: list[list[dict]],
+                        max_tokens: int, setting: str, records: list[dict]) -> tuple[list[Answer], None, float]:
+    """Each question in turn against an OpenAI-compatible server (its own cache; acceptance unknown here); the
+    answers, None, and the wall time."""
+    from pagedllm.rag.tokens import get_tokenizer
+
+    tok = get_tokenizer(None)
+    answers = []
+    t0 = time.perf_counter()
+    for q, m in zip(questions, messages):
+        a = Answer()
+        for _ in stream_openai(base_url, m, a, model=server_model, max_tokens=max_tokens):
+            pass
+        answers.append(a)
+        records.append({"setting": setting, "question": q, "answer": a.text,
+                        "prompt_token_ids": tok.apply_chat_template(m)})
+    return answers, None, time.perf_counter() - t0
+
+
+def _answer_in_process(engine_kwargs: dict, cache_on: bool, layout: str, questions: list[str],
+                       messages: list[list[dict]], max_tokens: int, setting: str,
+                       records: list[dict]) -> tuple[list[Answer], float | None, float]:
+    """Each question in turn on a fresh engine (greedy), after a warm-up on an unrelated prompt so the first timed
+    request does not pay one-time costs; the answers, the share of draft tokens accepted (None: no drafts), and
+    the wall time after the warm-up."""
+    from pagedllm.engine import EngineConfig, LLMEngine
+    from pagedllm.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineConfig(**{**engine_kwargs, "enable_prefix_caching": cache_on, "log_stats_interval": 0}))
+    for _ in stream_engine(engine, engine.tokenizer.encode("Hello, warm-up."),
+                           SamplingParams(temperature=0.0, max_tokens=2), Answer()):
+        pass
+    before = engine.stats()
+    t0 = time.perf_counter()
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    answers = []
+    for i, (q, m) in enumerate(zip(questions, messages)):
+        ids = engine.tokenizer.apply_chat_template(m)
+        a = Answer()
+        for _ in stream_engine(engine, ids, params, a, request_id=f"{layout}-{i}"):
+            pass
+        answers.append(a)
+        records.append({"setting": setting, "question": q, "answer": a.text, "prompt_token_ids": ids})
+    wall = time.perf_counter() - t0
+    after = engine.stats()
+    drafted = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+    accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
+    del engine
+    gc.collect()
+    return answers, accepted / drafted if drafted else None, wall
+
+
 def run_bench(
     index_dir: str,
     num_questions: int = 40,
@@ -175,67 +234,34 @@ def run_bench(
     layouts = layouts or list(LAYOUTS)
     caching = [True, False] if caching is None else caching
     w = build_workload(index_dir, num_questions, seed, top_k, layouts, zipf_s, log)
-    questions, messages, retrieval_s, top3 = w.questions, w.messages, w.retrieval_s, w.top3
-
     rows: list[BenchRow] = []
     records: list[dict] = []
-    if base_url:
-        from pagedllm.rag.tokens import get_tokenizer
-
-        tok = get_tokenizer(None)
-        settings = [(layout, None) for layout in layouts]
-    else:
-        settings = [(layout, c) for c in caching for layout in layouts]
+    settings = [(layout, None) for layout in layouts] if base_url else [(lay, c) for c in caching for lay in layouts]
     for layout, cache_on in settings:
         label = "server" if cache_on is None else ("on" if cache_on else "off")
-        answers: list[Answer] = []
-        t0 = time.perf_counter()
+        setting = f"{layout}/cache-{label}"
         if base_url:
-            for q, m in zip(questions, messages[layout]):
-                a = Answer()
-                for _ in stream_openai(base_url, m, a, model=server_model, max_tokens=max_tokens):
-                    pass
-                answers.append(a)
-                records.append({"setting": f"{layout}/cache-{label}", "question": q, "answer": a.text,
-                                "prompt_token_ids": tok.apply_chat_template(m)})
+            answers, acceptance, wall = _answer_with_server(base_url, server_model, w.questions, w.messages[layout],
+                                                      max_tokens, setting, records)
         else:
-            from pagedllm.engine import EngineConfig, LLMEngine
-            from pagedllm.sampling_params import SamplingParams
-
-            engine = LLMEngine(EngineConfig(**{**(engine_kwargs or {}), "enable_prefix_caching": cache_on,
-                                               "log_stats_interval": 0}))
-            params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-            # warm-up on an unrelated prompt, so the first timed request does not pay one-time costs
-            for _ in stream_engine(engine, engine.tokenizer.encode("Hello, warm-up."),
-                                   SamplingParams(temperature=0.0, max_tokens=2), Answer()):
-                pass
-            t0 = time.perf_counter()
-            for i, (q, m) in enumerate(zip(questions, messages[layout])):
-                ids = engine.tokenizer.apply_chat_template(m)
-                a = Answer()
-                for _ in stream_engine(engine, ids, params, a, request_id=f"{layout}-{i}"):
-                    pass
-                answers.append(a)
-                records.append({"setting": f"{layout}/cache-{label}", "question": q, "answer": a.text,
-                                "prompt_token_ids": ids})
-            del engine
-            gc.collect()
-        row = make_row(layout, label, answers, time.perf_counter() - t0, retrieval_s)
+            answers, acceptance, wall = _answer_in_process(engine_kwargs or {}, bool(cache_on), layout, w.questions,
+                                                     w.messages[layout], max_tokens, setting, records)
+        row = make_row(layout, label, answers, wall, w.retrieval_s, acceptance)
         rows.append(row)
         if partial_path:  # a long run on a busy machine keeps what it measured so far
             Path(partial_path).write_text(json.dumps([asdict(r) for r in rows], indent=1))
         log(f"{row.setting:22s} hit rate {row.hit_rate:6.1%}  computed {row.computed_tokens:7d}  cached "
             f"{row.cached_tokens:7d}  TTFT median {row.ttft_median_ms:8.1f} ms  p99 {row.ttft_p99_ms:8.1f} ms  "
-            f"{row.output_tok_s:6.1f} out tok/s")
-    check = check_answers(records)
+            f"{row.output_tok_s:6.1f} out tok/s  TPOT median {row.tpot_median_ms:6.1f} ms"
+            + (f"  drafts accepted {row.spec_acceptance:.0%}" if row.spec_acceptance is not None else ""))
     return {
         "config": {"index": str(index_dir), "num_questions": num_questions, "seed": seed, "top_k": top_k,
                    "max_tokens": max_tokens, "zipf_s": zipf_s, "layouts": layouts, "base_url": base_url,
                    "engine": engine_kwargs or {}},
-        "retrieval": {"median_ms": statistics.median(retrieval_s) * 1000,
-                      "p99_ms": percentile([r * 1000 for r in retrieval_s], 99), "topic_in_top3": top3},
+        "retrieval": {"median_ms": statistics.median(w.retrieval_s) * 1000,
+                      "p99_ms": percentile([r * 1000 for r in w.retrieval_s], 99), "topic_in_top3": w.top3},
         "rows": [asdict(r) for r in rows],
-        "answer_check": check,
+        "answer_check": check_answers(records),
         "records": [{k: v for k, v in r.items() if k != "prompt_token_ids"} | {"prompt_tokens": len(r["prompt_token_ids"])}
                     for r in records],
     }
@@ -243,12 +269,14 @@ def run_bench(
 
 def markdown_table(rows: list[dict]) -> str:
     head = ("| layout | prefix caching | hit rate | prompt tokens computed | served from cache | TTFT median (ms) "
-            "| TTFT p99 (ms) | output tok/s | retrieval median (ms) |")
-    lines = [head, "|" + "---|" * 9]
+            "| TTFT p99 (ms) | output tok/s | TPOT median (ms) | drafts accepted | retrieval median (ms) |")
+    lines = [head, "|" + "---|" * 11]
     for r in rows:
+        accepted = "-" if r.get("spec_acceptance") is None else f"{r['spec_acceptance']:.0%}"
         lines.append(f"| {r['layout']} | {r['prefix_caching']} | {r['hit_rate']:.1%} | {r['computed_tokens']} | "
                      f"{r['cached_tokens']} | {r['ttft_median_ms']:.1f} | {r['ttft_p99_ms']:.1f} | "
-                     f"{r['output_tok_s']:.1f} | {r['retrieval_median_ms']:.1f} |")
+                     f"{r['output_tok_s']:.1f} | {r.get('tpot_median_ms', float('nan')):.1f} | {accepted} | "
+                     f"{r['retrieval_median_ms']:.1f} |")
     return "\n".join(lines)
 
 

@@ -4,8 +4,8 @@ One Zipf-skewed question workload; retrieval is done once per question (timed), 
 the same chunks. For each layout and prefix caching on / off, a fresh engine answers the questions one at a time
 (greedy), so TTFT is the prefill of that prompt alone. Rows: prefix-cache hit rate, prompt tokens computed vs served
 from the cache, TTFT median / p99, output tokens/s, TPOT median, the share of draft tokens accepted (with
---speculative-config), retrieval latency. Then a check that the same question with the same prompt got the same
-answer text in every setting.
+--speculative-config), retrieval latency. Then a check that the same question with the
+same prompt got the same answer text in every setting.
 """
 from __future__ import annotations
 
@@ -129,9 +129,9 @@ def count_cached_tokens(prompts: list[list[int]], block_size: int = 16) -> list[
 
     Why: the hit rate of a layout is a property of the token sequences alone, so it can be known in seconds for
     workloads (top-k, Zipf exponent, more questions) that would take an hour to time."""
-    from pagedllm.kv.manager import PagedKVCacheManager, TokenRequest
+    from pagedllm.kv import PagedKVCacheManager, TokenRequest, cdiv
 
-    kv = PagedKVCacheManager(sum(-(-len(p) // block_size) for p in prompts) + 1, block_size, True)
+    kv = PagedKVCacheManager(sum(cdiv(len(p), block_size) for p in prompts) + 1, block_size, True)
     cached = []
     for i, ids in enumerate(prompts):
         req = TokenRequest(str(i), list(ids))
@@ -164,42 +164,38 @@ def count_layouts(index_dir: str, num_questions: int = 40, seed: int = 0, top_k:
     return rows
 
 
-def _answer_with_server(base_url: str, server_model: str | None, questions: list[str], messages: list[list[dict]],
-                        max_tokens: int, setting: str, records: list[dict]) -> tuple[list[Answer], None, float]:
-    """Each question in turn against an OpenAI-compatible server (its own cache; acceptance unknown here); the
-    answers, None, and the wall time."""
-    from pagedllm.rag.tokens import get_tokenizer
-
-    tok = get_tokenizer(None)
-    answers = []
+def _answer_by_server(base_url: str, model: str | None, questions: list[str], messages: list, max_tokens: int,
+                      setting: str, tok, records: list[dict]) -> tuple[list[Answer], float]:
+    """Every question through an OpenAI-compatible server, one at a time; the answers and the seconds taken."""
+    answers: list[Answer] = []
     t0 = time.perf_counter()
     for q, m in zip(questions, messages):
         a = Answer()
-        for _ in stream_openai(base_url, m, a, model=server_model, max_tokens=max_tokens):
+        for _ in stream_openai(base_url, m, a, model=model, max_tokens=max_tokens):
             pass
         answers.append(a)
         records.append({"setting": setting, "question": q, "answer": a.text,
                         "prompt_token_ids": tok.apply_chat_template(m)})
-    return answers, None, time.perf_counter() - t0
+    return answers, time.perf_counter() - t0
 
 
-def _answer_in_process(engine_kwargs: dict, cache_on: bool, layout: str, questions: list[str],
-                       messages: list[list[dict]], max_tokens: int, setting: str,
-                       records: list[dict]) -> tuple[list[Answer], float | None, float]:
-    """Each question in turn on a fresh engine (greedy), after a warm-up on an unrelated prompt so the first timed
-    request does not pay one-time costs; the answers, the share of draft tokens accepted (None: no drafts), and
-    the wall time after the warm-up."""
+def _answer_in_process(engine_kwargs: dict | None, cache_on: bool, layout: str, questions: list[str],
+                       messages: list, max_tokens: int, setting: str, records: list[dict]
+                       ) -> tuple[list[Answer], float, float | None]:
+    """Every question through a fresh in-process engine (after a warm-up the clock does not see); the answers,
+    the seconds taken, and the share of draft tokens accepted (None: nothing was drafted)."""
+    from pagedllm import SamplingParams
     from pagedllm.engine import EngineConfig, LLMEngine
-    from pagedllm.sampling_params import SamplingParams
 
-    engine = LLMEngine(EngineConfig(**{**engine_kwargs, "enable_prefix_caching": cache_on, "log_stats_interval": 0}))
+    engine = LLMEngine(EngineConfig(**{**(engine_kwargs or {}), "enable_prefix_caching": cache_on,
+                                       "log_stats_interval": 0}))
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     for _ in stream_engine(engine, engine.tokenizer.encode("Hello, warm-up."),
                            SamplingParams(temperature=0.0, max_tokens=2), Answer()):
         pass
+    answers: list[Answer] = []
     before = engine.stats()
     t0 = time.perf_counter()
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    answers = []
     for i, (q, m) in enumerate(zip(questions, messages)):
         ids = engine.tokenizer.apply_chat_template(m)
         a = Answer()
@@ -207,13 +203,13 @@ def _answer_in_process(engine_kwargs: dict, cache_on: bool, layout: str, questio
             pass
         answers.append(a)
         records.append({"setting": setting, "question": q, "answer": a.text, "prompt_token_ids": ids})
-    wall = time.perf_counter() - t0
+    elapsed = time.perf_counter() - t0
     after = engine.stats()
     drafted = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
     accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
     del engine
     gc.collect()
-    return answers, accepted / drafted if drafted else None, wall
+    return answers, elapsed, accepted / drafted if drafted else None
 
 
 def run_bench(
@@ -234,19 +230,29 @@ def run_bench(
     layouts = layouts or list(LAYOUTS)
     caching = [True, False] if caching is None else caching
     w = build_workload(index_dir, num_questions, seed, top_k, layouts, zipf_s, log)
+    questions, messages, retrieval_s, top3 = w.questions, w.messages, w.retrieval_s, w.top3
+
     rows: list[BenchRow] = []
     records: list[dict] = []
-    settings = [(layout, None) for layout in layouts] if base_url else [(lay, c) for c in caching for lay in layouts]
+    tok = None
+    if base_url:
+        from pagedllm.rag.tokens import get_tokenizer
+
+        tok = get_tokenizer(None)
+        settings = [(layout, None) for layout in layouts]
+    else:
+        settings = [(layout, c) for c in caching for layout in layouts]
     for layout, cache_on in settings:
         label = "server" if cache_on is None else ("on" if cache_on else "off")
-        setting = f"{layout}/cache-{label}"
+        acceptance = None
         if base_url:
-            answers, acceptance, wall = _answer_with_server(base_url, server_model, w.questions, w.messages[layout],
-                                                      max_tokens, setting, records)
+            answers, elapsed = _answer_by_server(base_url, server_model, questions, messages[layout], max_tokens,
+                                                 f"{layout}/cache-{label}", tok, records)
         else:
-            answers, acceptance, wall = _answer_in_process(engine_kwargs or {}, bool(cache_on), layout, w.questions,
-                                                     w.messages[layout], max_tokens, setting, records)
-        row = make_row(layout, label, answers, wall, w.retrieval_s, acceptance)
+            answers, elapsed, acceptance = _answer_in_process(engine_kwargs, bool(cache_on), layout, questions,
+                                                              messages[layout], max_tokens,
+                                                              f"{layout}/cache-{label}", records)
+        row = make_row(layout, label, answers, elapsed, retrieval_s, acceptance)
         rows.append(row)
         if partial_path:  # a long run on a busy machine keeps what it measured so far
             Path(partial_path).write_text(json.dumps([asdict(r) for r in rows], indent=1))
@@ -254,14 +260,15 @@ def run_bench(
             f"{row.cached_tokens:7d}  TTFT median {row.ttft_median_ms:8.1f} ms  p99 {row.ttft_p99_ms:8.1f} ms  "
             f"{row.output_tok_s:6.1f} out tok/s  TPOT median {row.tpot_median_ms:6.1f} ms"
             + (f"  drafts accepted {row.spec_acceptance:.0%}" if row.spec_acceptance is not None else ""))
+    check = check_answers(records)
     return {
         "config": {"index": str(index_dir), "num_questions": num_questions, "seed": seed, "top_k": top_k,
                    "max_tokens": max_tokens, "zipf_s": zipf_s, "layouts": layouts, "base_url": base_url,
                    "engine": engine_kwargs or {}},
-        "retrieval": {"median_ms": statistics.median(w.retrieval_s) * 1000,
-                      "p99_ms": percentile([r * 1000 for r in w.retrieval_s], 99), "topic_in_top3": w.top3},
+        "retrieval": {"median_ms": statistics.median(retrieval_s) * 1000,
+                      "p99_ms": percentile([r * 1000 for r in retrieval_s], 99), "topic_in_top3": top3},
         "rows": [asdict(r) for r in rows],
-        "answer_check": check_answers(records),
+        "answer_check": check,
         "records": [{k: v for k, v in r.items() if k != "prompt_token_ids"} | {"prompt_tokens": len(r["prompt_token_ids"])}
                     for r in records],
     }

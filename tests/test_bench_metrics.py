@@ -188,3 +188,13 @@ def test_prefix_cache_counters():
     assert parse_prefix_cache_counters("") is None
     assert prefix_cache_delta(None, after) is None
     assert prefix_cache_delta(before, before)["prefix_cache_hit_rate"] is None
+
+
+def test_multi_token_chunks_count_as_vllm_counts_them():
+    """Speculative decoding streams several tokens per chunk. As in vLLM's bench serve, ITL is one gap per chunk
+    (so it exceeds TPOT), TPOT divides by the server's token count, and peak tokens/s counts chunks."""
+    r = RequestResult(True, "", 10, start_time=0.0, ttft=0.1, latency=0.4, itl=[0.15, 0.15], output_tokens=9)
+    m = compute_metrics([r], 1.0, percentiles=[50])
+    assert m["mean_itl_ms"] == pytest.approx(150.0)
+    assert m["mean_tpot_ms"] == pytest.approx((0.4 - 0.1) / 8 * 1000)
+    assert m["output_throughput"] == pytest.approx(9.0) and m["max_output_tokens_per_s"] == 3.0

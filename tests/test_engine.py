@@ -11,6 +11,8 @@ from pagedllm.errors import UserError
 
 from engine_helpers import GREEDY, assert_all_blocks_free, make_engine, run_all
 
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
 
 @pytest.fixture(scope="module")
 def prompts(model_fp32):
@@ -37,12 +39,18 @@ def alone(model_fp32, prompts):
     {"max_num_batched_tokens": 32},
     {"kv_allocation": "contiguous", "max_model_len": 256, "kv_cache_memory": 256 * 2**20},
     {"kv_cache_memory": 40 * 16 * 2 * 30 * 3 * 64 * 4, "max_model_len": 256},  # 40 blocks: must preempt
-], ids=["default", "no-prefix-caching", "chunked-prefill-32", "contiguous", "preemption"])
+    {"speculative_config": SPEC},
+    {"speculative_config": SPEC, "kv_cache_memory": 40 * 16 * 2 * 30 * 3 * 64 * 4, "max_model_len": 256},
+    {"speculative_config": SPEC, "kv_allocation": "contiguous", "max_model_len": 256, "kv_cache_memory": 256 * 2**20},
+], ids=["default", "no-prefix-caching", "chunked-prefill-32", "contiguous", "preemption", "spec", "spec-preemption",
+        "spec-contiguous"])
 def test_batched_greedy_equals_alone(model_fp32, prompts, alone, settings):
     engine = make_engine(model_fp32, **settings)
     together = run_all(engine, prompts)
     assert together == alone
     assert_all_blocks_free(engine)
+    if "speculative_config" in settings:  # random prompts: few drafts match, but some do
+        assert 0 < engine.stats().spec_decode_num_accepted_tokens < engine.stats().spec_decode_num_draft_tokens
     stats = engine.stats()
     if "preemption" in str(settings.get("kv_cache_memory")) or settings.get("kv_cache_memory") == 40 * 16 * 2 * 30 * 3 * 64 * 4:
         assert engine.kv.num_blocks == 40

@@ -1,4 +1,5 @@
-"""Random interleavings of admit / grow / free / prefix lookup / eviction keep the block accounting whole."""
+"""Random interleavings of admit / grow / speculate / free / prefix lookup / eviction keep the block accounting
+whole, and the prefix cache never holds a block under a hash of tokens its holder does not have (a draft's)."""
 from __future__ import annotations
 
 from collections import Counter
@@ -7,7 +8,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from pagedllm.kv.manager import ContiguousKVCacheManager, PagedKVCacheManager
+from pagedllm.kv.hashing import hash_full_blocks
+from pagedllm.kv.manager import ContiguousKVCacheManager, PagedKVCacheManager, cdiv
 from pagedllm.kv.manager import TokenRequest as Req
 
 BLOCK = 4
@@ -52,6 +54,31 @@ class KVMachine(RuleBasedStateMachine):
         else:  # out of blocks: preempt it, as the scheduler would
             self.mgr.free(req)
             del self.running[req.request_id]
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data(), drafts=st.lists(st.integers(0, 3), min_size=1, max_size=6), outcome=st.integers(-1, 6))
+    def speculate(self, data, drafts, outcome):
+        """A decode step with drafts in lookahead slots; outcome -1: the request is aborted (or preempted)
+        before verification; else that many drafts accepted (capped), the rest's slots given back."""
+        req = self.running[data.draw(st.sampled_from(sorted(self.running)))]
+        if len(req.all_token_ids) > req.num_computed_tokens:
+            return  # mid-prefill: no drafts
+        req.all_token_ids.append(data.draw(st.integers(0, 3)))  # the token sampled last step
+        if not self.mgr.allocate_slots(req, 1, num_lookahead_tokens=len(drafts)):
+            return self._drop(req)
+        if outcome < 0:
+            return self._drop(req)
+        accepted = drafts[:outcome]
+        req.all_token_ids.extend(accepted)
+        req.num_computed_tokens += 1 + len(accepted)
+        self.mgr.trim(req, req.num_computed_tokens)
+        self.mgr.cache_computed(req, req.num_computed_tokens)
+        self.mgr.commit_step()
+        req.all_token_ids.append(data.draw(st.integers(0, 3)))  # the model's token after the accepted drafts
+
+    def _drop(self, req):
+        self.mgr.free(req)
+        del self.running[req.request_id]
 
     @precondition(lambda self: self.running)
     @rule(data=st.data())
@@ -103,16 +130,23 @@ class KVMachine(RuleBasedStateMachine):
                 assert block.block_hash is not None
                 assert self.mgr.pool.cached[block.block_hash] is block
         assert len(free_ids) + len(holders) == NUM_BLOCKS
-        # A shared block is a full prefix block: same position and same tokens in every holder.
+        # A shared block is a full prefix block: same position and same tokens in every holder. A registered
+        # block's hash is that of its holder's tokens (never of drafts that were rejected).
         shared: dict[int, tuple[int, tuple[int, ...]]] = {}
         for rid, blocks in self.mgr.req_blocks.items():
             req = self.running[rid]
             assert len(blocks) * BLOCK >= req.num_computed_tokens
+            assert self.mgr.req_tokens[rid] == req.num_computed_tokens  # no slot kept for a rejected draft
+            if isinstance(self.mgr, PagedKVCacheManager):
+                assert len(blocks) == cdiv(req.num_computed_tokens, BLOCK)
+            hashes = hash_full_blocks(req.all_token_ids[:req.num_computed_tokens], BLOCK)
             for i, b in enumerate(blocks):
                 if b.ref_cnt > 1:
                     assert (i + 1) * BLOCK <= req.num_computed_tokens
                     seen = shared.setdefault(b.block_id, (i, self._block_tokens(req, i)))
                     assert seen == (i, self._block_tokens(req, i)), (b.block_id, seen, rid)
+                if b.block_hash is not None:
+                    assert b.block_hash == hashes[i]
 
     def teardown(self):
         for req in list(self.running.values()):

@@ -10,8 +10,8 @@ from pagedllm import SamplingParams
 from pagedllm.model.sampler import SamplingRow, filter_logits, sample
 
 
-def row(prompt=(), output=(), banned=(), generator=None, **params) -> SamplingRow:
-    return SamplingRow(SamplingParams(**params), list(prompt), list(output), generator, list(banned))
+def row(prompt=(), output=(), banned=(), **params) -> SamplingRow:
+    return SamplingRow(SamplingParams(**params), list(prompt), list(output), list(banned))
 
 
 def test_greedy_takes_the_argmax():
@@ -88,14 +88,24 @@ def test_seeded_rows_do_not_depend_on_the_batch():
     target = torch.randn(vocab)
 
     def draws(batch_rows: int, position: int) -> list[int]:
-        gen = torch.Generator().manual_seed(42)
         out = []
-        for _ in range(10):
+        for step in range(10):
             logits = torch.randn(batch_rows, vocab)
             logits[position] = target
             rows = [row(temperature=1.0) for _ in range(batch_rows)]
-            rows[position] = row(temperature=0.8, top_p=0.9, generator=gen)
+            rows[position] = row(output=[7] * step, temperature=0.8, top_p=0.9, seed=42)
             out.append(sample(logits, rows)[position].token_id)
         return out
 
     assert draws(1, 0) == draws(5, 3) == draws(8, 7)
+    assert len(set(draws(1, 0))) > 1  # each position its own noise
+
+
+def test_seeded_noise_depends_on_seed_and_position_only():
+    """The same (seed, position) picks the same token whatever came before it: what makes a verified draft
+    the token the step without drafts would have sampled."""
+    logits = torch.zeros(1, 1000)
+    pick = lambda seed, output: sample(logits, [row(output=output, temperature=1.0, seed=seed)])[0].token_id  # noqa: E731
+    assert pick(3, [1, 2, 3]) == pick(3, [9, 9, 9])
+    assert len({pick(3, [0] * n) for n in range(8)}) > 4
+    assert len({pick(s, [0, 0]) for s in range(8)}) > 4

@@ -249,3 +249,48 @@ def prefix_cache_delta(before: dict | None, after: dict | None) -> dict | None:
     q = after["queries"] - before["queries"]
     h = after["hits"] - before["hits"]
     return {"prefix_cache_queries": q, "prefix_cache_hits": h, "prefix_cache_hit_rate": (h / q) if q > 0 else None}
+
+
+# ---- the server's speculative-decoding counters (vLLM's bench serve reads the same) -----------------------
+
+_SPEC_KEYS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens_per_pos", "num_accepted_tokens")
+
+
+def parse_spec_decode_counters(text: str) -> dict | None:
+    """{'num_drafts', 'num_draft_tokens', 'num_accepted_tokens': sums, 'per_pos': {position: accepted}} from the
+    `vllm:spec_decode_*_total` counters; None when the server has none (speculation off, or not vLLM's names)."""
+    found: dict = {"num_drafts": 0.0, "num_draft_tokens": 0.0, "num_accepted_tokens": 0.0, "per_pos": {}}
+    seen = False
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if not m or not m.group(1).startswith("vllm:spec_decode_") or not m.group(1).endswith("_total"):
+            continue
+        key = m.group(1).removeprefix("vllm:spec_decode_").removesuffix("_total")
+        if key not in _SPEC_KEYS:
+            continue
+        seen = True
+        value = float(m.group(3))
+        if key == "num_accepted_tokens_per_pos":
+            pos = re.search(r'position="(\d+)"', m.group(2) or "")
+            if pos:
+                found["per_pos"][int(pos.group(1))] = found["per_pos"].get(int(pos.group(1)), 0.0) + value
+        else:
+            found[key] += value
+    return found if seen else None
+
+
+def spec_decode_delta(before: dict | None, after: dict | None) -> dict | None:
+    """vLLM's bench serve result keys: acceptance rate (%) of draft tokens, acceptance length (1 + accepted per
+    draft: tokens a verification step yields), and per position the share of drafts accepted that far."""
+    if before is None or after is None:
+        return None
+    drafts = after["num_drafts"] - before["num_drafts"]
+    draft_tokens = after["num_draft_tokens"] - before["num_draft_tokens"]
+    accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+    if draft_tokens <= 0:
+        return None
+    per_pos = [(after["per_pos"][p] - before["per_pos"].get(p, 0.0)) / drafts for p in sorted(after["per_pos"])]
+    return {"spec_decode_acceptance_rate": 100 * accepted / draft_tokens,
+            "spec_decode_acceptance_length": 1 + accepted / drafts if drafts else 0.0,
+            "spec_decode_num_drafts": int(drafts), "spec_decode_draft_tokens": int(draft_tokens),
+            "spec_decode_accepted_tokens": int(accepted), "spec_decode_per_position_acceptance_rates": per_pos}

@@ -15,7 +15,8 @@ from pagedllm.bench.arrivals import arrival_times
 from pagedllm.bench.client import (ENDPOINTS, RequestSettings, fetch_default_model, fetch_metrics_text, make_client,
                                    run_load, send_request)
 from pagedllm.bench.metrics import (METRICS, compute_metrics, parse_goodput, parse_percentiles,
-                                    parse_prefix_cache_counters, percentile_key, prefix_cache_delta)
+                                    parse_prefix_cache_counters, parse_spec_decode_counters, percentile_key,
+                                    prefix_cache_delta, spec_decode_delta)
 from pagedllm.errors import UserError
 
 
@@ -136,6 +137,15 @@ def format_result(res: dict, percentiles) -> str:
         row(f"Std {short} (ms):", f"{res[f'std_{key}_ms']:.2f}")
         for p in percentiles:
             row(f"P{percentile_key(p)} {short} (ms):", f"{res[f'p{percentile_key(p)}_{key}_ms']:.2f}")
+    if res.get("spec_decode_acceptance_rate") is not None:
+        lines.append("{s:{c}^60}".format(s=" Speculative Decoding ", c="-"))
+        row("Acceptance rate (%):", f"{res['spec_decode_acceptance_rate']:.2f}")
+        row("Acceptance length:", f"{res['spec_decode_acceptance_length']:.2f}")
+        row("Drafts:", res["spec_decode_num_drafts"])
+        row("Draft tokens:", res["spec_decode_draft_tokens"])
+        row("Accepted tokens:", res["spec_decode_accepted_tokens"])
+        for i, rate in enumerate(res["spec_decode_per_position_acceptance_rates"]):
+            row(f"  Position {i} acceptance (%):", f"{100 * rate:.2f}")
     lines.append("=" * 60)
     errs = [e for e in res.get("errors", []) if e]
     if errs:
@@ -154,14 +164,15 @@ async def _run(args, settings: RequestSettings, requests, tokenizer, percentiles
             test = await send_request(client, settings, probe)
             if not test.success:
                 raise UserError(f"the initial test request to {settings.url} failed: {test.error}")
-        before = parse_prefix_cache_counters(await fetch_metrics_text(client, settings.base_url, settings.api_key) or "")
+        before = await fetch_metrics_text(client, settings.base_url, settings.api_key) or ""
         times = arrival_times(len(requests), args.request_rate, args.burstiness, args.seed)
         results, duration = await run_load(client, settings, requests, times, args.max_concurrency,
                                            progress=not args.disable_tqdm)
-        after = parse_prefix_cache_counters(await fetch_metrics_text(client, settings.base_url, settings.api_key) or "")
+        after = await fetch_metrics_text(client, settings.base_url, settings.api_key) or ""
     res = compute_metrics(results, duration, lambda t: len(tokenizer.encode(t)), percentiles, goodput)
-    cache = prefix_cache_delta(before, after)
+    cache = prefix_cache_delta(parse_prefix_cache_counters(before), parse_prefix_cache_counters(after))
     res.update(cache or {"prefix_cache_queries": None, "prefix_cache_hits": None, "prefix_cache_hit_rate": None})
+    res.update(spec_decode_delta(parse_spec_decode_counters(before), parse_spec_decode_counters(after)) or {})
     res["server_prompt_tokens"] = [r.prompt_tokens for r in results]
     res["server_completion_tokens"] = [r.output_tokens for r in results]
     res["dataset_input_lens"] = [r.prompt_len for r in results]

@@ -16,6 +16,7 @@ from pagedllm.engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
 from pagedllm.engine.outputs import RequestMetrics, RequestOutput
 from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import Scheduler
+from pagedllm.engine.spec_decode import NgramDrafter, SpecDecodeStats, num_accepted
 from pagedllm.engine.stats import EngineStats
 from pagedllm.errors import UserError
 from pagedllm.kv.manager import cdiv, make_kv_cache_manager
@@ -47,10 +48,10 @@ def resolve_device(device: str) -> torch.device:
         raise UserError(f"--device: {e}") from None
 
 
-def _sample_one(logits: torch.Tensor, row: SamplingRow) -> SampleResult | Exception:
+def _sample_alone(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult] | Exception:
     try:
-        return sample(logits, [row])[0]
-    except Exception as e:  # noqa: BLE001 - handed back to fail this row's request
+        return sample(logits, rows)
+    except Exception as e:  # noqa: BLE001 - handed back to fail these rows' request
         return e
 
 
@@ -85,7 +86,10 @@ class LLMEngine:
         self.runner = ModelRunner(self.loaded, num_blocks, self.block_size, self.kv_dtype)
         self.kv = make_kv_cache_manager(config.kv_allocation, num_blocks, self.block_size, self.max_model_len,
                                         config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        spec = config.speculative_config
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   NgramDrafter(spec, self.max_model_len) if spec else None)
+        self.spec_stats = SpecDecodeStats()
         logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB %s, %s allocation, prefix caching %s)",
                     num_blocks, self.block_size, num_blocks * self.block_size, num_blocks * per_block / 2**30,
                     str(self.kv_dtype).removeprefix("torch."), config.kv_allocation,
@@ -218,15 +222,21 @@ class LLMEngine:
         if sched.scheduled:
             done = self._forward_guarded(sched.scheduled, touched)
             self._advance(done, touched)
+            self.kv.commit_step()  # what acceptance registered (blocks of accepted drafts) has its K/V written
         self.num_steps += 1
         outputs = [self._output(pid) for pid in touched if pid in self.parents]
         self._maybe_log()
         return outputs
 
+    def _chunk(self, req: Request, n: int) -> SeqChunk:
+        """The request's next n tokens, then its drafts: verifying them needs the logits at every position."""
+        start = req.num_computed_tokens
+        return SeqChunk(req.all_token_ids[start:start + n] + req.spec_token_ids, start,
+                        self.kv.get_block_ids(req.request_id), req.wants_prompt_logits or bool(req.spec_token_ids))
+
     def _forward(self, scheduled: list[tuple[Request, int]]) -> list[torch.Tensor]:
         """Run the model once over the scheduled chunks; per request, its logits rows."""
-        chunks = [SeqChunk(r.all_token_ids[r.num_computed_tokens:r.num_computed_tokens + n], r.num_computed_tokens,
-                           self.kv.get_block_ids(r.request_id), r.wants_prompt_logits) for r, n in scheduled]
+        chunks = [self._chunk(r, n) for r, n in scheduled]
         logits = self.runner.execute(chunks)
         return list(logits.split([c.num_logits for c in chunks]))
 
@@ -286,7 +296,7 @@ class LLMEngine:
                 self._release(req)
                 touched[req.parent_id] = None
                 continue
-            to_sample.append((req, rows[-1]))
+            to_sample.append((req, rows[len(rows) - 1 - len(req.spec_token_ids):]))
         if to_sample:
             self._sample(to_sample, now, touched)
 
@@ -306,25 +316,54 @@ class LLMEngine:
         req.prompt_logprobs[start + 1:start + 1 + count] = entries
 
     def _sample(self, to_sample: list[tuple[Request, torch.Tensor]], now: float, touched: dict[str, None]) -> None:
-        """One sampling call for the batch; if it raises, each row alone, and a row that raises fails its request."""
-        rows = [SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids, req.generator,
-                            self.tokenizer.eos_token_ids + req.params.stop_token_ids) for req, _ in to_sample]
-        logits = torch.stack([lg for _, lg in to_sample])
+        """One sampling call for the batch, a row per logits row (a request with drafts has one per draft and one
+        after them); if it raises, each request alone, and a request whose rows raise fails."""
+        rows = [self._sampling_rows(req) for req, _ in to_sample]
+        logits = torch.cat([lg for _, lg in to_sample])
         try:
-            results: list[SampleResult | Exception] = list(sample(logits, rows))
-        except Exception:  # noqa: BLE001 - find the row that raised
-            results = [_sample_one(logits[i:i + 1], row) for i, row in enumerate(rows)]
+            flat = iter(sample(logits, [r for group in rows for r in group]))
+            results: list[list[SampleResult] | Exception] = [[next(flat) for _ in group] for group in rows]
+        except Exception:  # noqa: BLE001 - find the request that raised
+            results, start = [], 0
+            for group in rows:
+                results.append(_sample_alone(logits[start:start + len(group)], group))
+                start += len(group)
         for (req, _), res in zip(to_sample, results):
             try:
                 if isinstance(res, Exception):
                     raise res
-                self._append_token(req, res.token_id, res.logprobs, now)
+                self._accept(req, res, now)
             except Exception as e:  # noqa: BLE001 - this request's sampling or detokenizing failed
                 self._fail(req, f"sampling failed: {type(e).__name__}: {e}", touched)
                 continue
             touched[req.parent_id] = None
             if req.finished:
                 self._release(req)
+
+    def _sampling_rows(self, req: Request) -> list[SamplingRow]:
+        """A row per position to sample: the one after the last token, and after each draft, each seeing the
+        output as it would be had the drafts before it been accepted (penalties, min_tokens, seeded noise)."""
+        out, drafts = req.output_token_ids, req.spec_token_ids
+        banned = self.tokenizer.eos_token_ids + req.params.stop_token_ids
+        return [SamplingRow(req.params, req.prompt_token_ids, out + drafts[:j], banned)
+                for j in range(len(drafts) + 1)]
+
+    def _accept(self, req: Request, results: list[SampleResult], now: float) -> None:
+        """Keep the drafts the model confirmed and the model's own token after them, so a step appends exactly
+        what steps without drafts would have, until a stop; then give back the rejected drafts' KV slots and
+        register the blocks the accepted ones filled."""
+        drafts, req.spec_token_ids = req.spec_token_ids, []
+        accepted = num_accepted(drafts, [r.token_id for r in results])
+        if drafts:
+            self.spec_stats.record(len(drafts), accepted)
+        for res in results[:accepted + 1]:
+            self._append_token(req, res.token_id, res.logprobs, now)
+            if req.finished:
+                return
+        if drafts:
+            req.num_computed_tokens += accepted
+            self.kv.trim(req, req.num_computed_tokens)
+            self.kv.cache_computed(req, req.num_computed_tokens)
 
     def _append_token(self, req: Request, token: int, logprobs: dict[int, float] | None, now: float) -> None:
         req.all_token_ids.append(token)
@@ -348,7 +387,7 @@ class LLMEngine:
                 if pos != -1:
                     req.text = req.text[:pos]
                     return req.finish("stop", stop_reason=s)
-        if p.max_tokens is not None and n_out >= p.max_tokens:
+        if (p.max_tokens is not None and n_out >= p.max_tokens) or len(req.all_token_ids) >= self.max_model_len:
             return req.finish("length")
 
     def _output(self, parent_id: str) -> RequestOutput:
@@ -372,7 +411,11 @@ class LLMEngine:
             num_stored_tokens=kv.num_stored_tokens, prefix_cache_queries=kv.prefix_stats.queries,
             prefix_cache_hits=kv.prefix_stats.hits, num_preemptions=sched.num_preemptions,
             prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens,
-            peak_running=sched.peak_running, num_steps=self.num_steps)
+            peak_running=sched.peak_running, num_steps=self.num_steps,
+            spec_decode_num_drafts=self.spec_stats.num_drafts,
+            spec_decode_num_draft_tokens=self.spec_stats.num_draft_tokens,
+            spec_decode_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=list(self.spec_stats.accepted_per_pos))
 
     def _maybe_log(self) -> None:
         interval = self.config.log_stats_interval
@@ -384,4 +427,8 @@ class LLMEngine:
         logger.info("running %d, waiting %d, KV usage %.1f%%, prefix-cache hit rate %.1f%%, preemptions %d, "
                     "%.1f tokens/s", s.num_running, s.num_waiting, 100 * s.kv_usage, 100 * s.prefix_cache_hit_rate,
                     s.num_preemptions, (tokens - self._log_tokens) / (now - self._log_time))
+        if s.spec_decode_num_drafts:
+            logger.info("speculative decoding: %d drafts, %d draft tokens, %.1f%% accepted, %.2f tokens per draft",
+                        s.spec_decode_num_drafts, s.spec_decode_num_draft_tokens, 100 * s.spec_decode_acceptance_rate,
+                        s.spec_decode_num_accepted_tokens / s.spec_decode_num_drafts)
         self._log_time, self._log_tokens = now, tokens

@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import enum
 
-import torch
-
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.outputs import CompletionOutput, RequestMetrics
 from pagedllm.sampling_params import SamplingParams
@@ -44,10 +42,8 @@ class Request:
             [None] * len(prompt_token_ids) if params.prompt_logprobs is not None else None)
         self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
         self.text = ""  # detokenized output, stop strings cut off
-        # A seeded request draws from its own generator, so its samples do not depend on the batch around it.
-        self.generator: torch.Generator | None = None
-        if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed)
+        # Speculative drafts scheduled this step after the last token (set by the scheduler, cleared once verified).
+        self.spec_token_ids: list[int] = []
 
     @property
     def output_token_ids(self) -> list[int]:

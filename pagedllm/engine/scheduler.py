@@ -4,6 +4,10 @@ Running requests get their next token (decode) or the next chunk of their prompt
 KV cache cannot grow a request, the most recently admitted request is preempted: its blocks go back and it
 returns to the front of the waiting queue, to be recomputed later (its prefix may still be cached). A request
 that cannot fit even with every other request gone finishes with an error, so the engine never deadlocks.
+
+With speculative decoding, a decoding request also gets drafts (`request.spec_token_ids`) from the drafter: they
+take budget and lookahead KV slots, and are the first thing dropped when the cache is short (before anyone is
+preempted), since they only ever save time.
 """
 from __future__ import annotations
 
@@ -11,22 +15,26 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pagedllm.engine.request import Request, RequestStatus
+from pagedllm.engine.spec_decode import NgramDrafter
 from pagedllm.kv.manager import KVCacheManager
 
 
 @dataclass
 class SchedulerOutput:
-    scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens to compute)
+    # (request, new tokens to compute); the request's spec_token_ids are computed after those n
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
     failed: list[Request] = field(default_factory=list)  # finished with an error this step
 
     @property
     def num_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
+        return sum(n + len(r.spec_token_ids) for r, n in self.scheduled)
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 drafter: NgramDrafter | None = None) -> None:
         self.kv = kv
+        self.drafter = drafter
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -57,11 +65,17 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         preempted = False
+        drafting = self.drafter is not None and self.drafter.active(len(self.running) + len(self.waiting))
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens_to_compute, budget)
-            while not self.kv.allocate_slots(req, num_new):
+            decoding = drafting and req.num_tokens_to_compute == 1
+            req.spec_token_ids = self.drafter.propose(req, budget - 1) if decoding else []
+            while not self.kv.allocate_slots(req, num_new, num_lookahead_tokens=len(req.spec_token_ids)):
+                if req.spec_token_ids:
+                    req.spec_token_ids = []
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
@@ -69,7 +83,7 @@ class Scheduler:
                     break
             else:
                 out.scheduled.append((req, num_new))
-                budget -= num_new
+                budget -= num_new + len(req.spec_token_ids)
                 i += 1
                 continue
             if not self.running:  # it gave up every other request's blocks and still does not fit
@@ -106,6 +120,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
         self.num_preemptions += 1

@@ -1,7 +1,7 @@
 """A snapshot of what the engine is doing: the numbers its log lines, /metrics and benchmarks report."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -21,6 +21,11 @@ class EngineStats:
     generation_tokens: int  # tokens generated (cumulative)
     peak_running: int  # most requests running at once so far
     num_steps: int
+    # Speculative decoding (cumulative, vLLM's spec_decode counters): a draft is one request's drafts in one step.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # [i]: i-th drafts accepted
 
     @property
     def num_used_blocks(self) -> int:
@@ -34,3 +39,8 @@ class EngineStats:
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    @property
+    def spec_decode_acceptance_rate(self) -> float:
+        return (self.spec_decode_num_accepted_tokens / self.spec_decode_num_draft_tokens
+                if self.spec_decode_num_draft_tokens else 0.0)

@@ -155,7 +155,7 @@ def cmd_ask(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from dataclasses import fields
+    from dataclasses import asdict, fields, is_dataclass
 
     from pagedllm.engine.config import EngineConfig
     from pagedllm.rag.bench import markdown_table, run_bench, save
@@ -179,7 +179,8 @@ def cmd_bench(args) -> int:
             print(f"{r['layout']:<11}{r['hit_rate']:>9.1%}{r['prompt_tokens']:>15}{r['cached_tokens']:>12}"
                   f"{r['computed_median']:>17.1f}")
         return 0
-    engine_kwargs = {f.name: getattr(cfg, f.name) for f in fields(cfg)}
+    # JSON-ready (the result records them): a speculative config as its dict, which EngineConfig takes back
+    engine_kwargs = {f.name: asdict(v) if is_dataclass(v := getattr(cfg, f.name)) else v for f in fields(cfg)}
     os.makedirs(args.out, exist_ok=True)
     result = run_bench(args.index, args.num_questions, args.seed, args.top_k, layouts, caching, args.max_tokens,
                        engine_kwargs, args.base_url, args.server_model, zipf_s=args.zipf,

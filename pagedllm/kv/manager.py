@@ -111,13 +111,21 @@ class KVCacheManager:
         self.prefix_stats.hits += num_hit_tokens
 
     def allocate_slots(
-        self, request: KVRequest, num_new_tokens: int, new_computed_blocks: Sequence[KVBlock] = ()
+        self, request: KVRequest, num_new_tokens: int, new_computed_blocks: Sequence[KVBlock] = (),
+        num_lookahead_tokens: int = 0,
     ) -> bool:
-        """Make room for `num_new_tokens` more tokens after the computed ones; all or nothing.
+        """Make room for `num_new_tokens` more tokens after the computed ones, and `num_lookahead_tokens` after
+        those (speculative drafts, not in `all_token_ids`: never registered in the prefix cache); all or nothing.
 
         False means the pool is too full: nothing changed and the scheduler may preempt and retry.
         """
         raise NotImplementedError
+
+    def trim(self, request: KVRequest, num_tokens: int) -> None:
+        """Keep slots for the request's first `num_tokens` tokens only: the rejected drafts' slots are given back
+        (so `num_stored_tokens` and later allocations see only real tokens)."""
+        if request.request_id in self.req_tokens:
+            self.req_tokens[request.request_id] = num_tokens
 
     def free(self, request: KVRequest) -> None:
         """Return a finished, aborted or preempted request's blocks, the tail of its chain first.
@@ -179,12 +187,13 @@ class PagedKVCacheManager(KVCacheManager):
         return hits, len(hits) * self.block_size
 
     def allocate_slots(
-        self, request: KVRequest, num_new_tokens: int, new_computed_blocks: Sequence[KVBlock] = ()
+        self, request: KVRequest, num_new_tokens: int, new_computed_blocks: Sequence[KVBlock] = (),
+        num_lookahead_tokens: int = 0,
     ) -> bool:
         rid = request.request_id
         held = self.req_blocks.get(rid, [])
         total = request.num_computed_tokens + len(new_computed_blocks) * self.block_size + num_new_tokens
-        num_new_blocks = cdiv(total, self.block_size) - len(held) - len(new_computed_blocks)
+        num_new_blocks = cdiv(total + num_lookahead_tokens, self.block_size) - len(held) - len(new_computed_blocks)
         # Cached blocks that sit in the free queue leave it when touched, so they count against the free pool.
         evictable = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if num_new_blocks + evictable > self.pool.num_free_blocks:
@@ -194,10 +203,19 @@ class PagedKVCacheManager(KVCacheManager):
         held.extend(new_computed_blocks)
         if num_new_blocks > 0:
             held.extend(self.pool.allocate(num_new_blocks))
-        self.req_tokens[rid] = total
-        if self.enable_caching:
+        self.req_tokens[rid] = total + num_lookahead_tokens
+        if self.enable_caching:  # only blocks full of real tokens: drafts are not known to be the sequence yet
             self._cache_full_blocks(request, held, total)
         return True
+
+    def trim(self, request: KVRequest, num_tokens: int) -> None:
+        """Also free the blocks that held rejected drafts only (never registered: past the real tokens)."""
+        super().trim(request, num_tokens)
+        blocks = self.req_blocks.get(request.request_id)
+        keep = cdiv(num_tokens, self.block_size)
+        if blocks is not None and len(blocks) > keep:
+            self.pool.free(reversed(blocks[keep:]))
+            del blocks[keep:]
 
     def _cache_full_blocks(self, request: KVRequest, held: list[KVBlock], num_tokens: int) -> None:
         """Register the blocks that this step fills, so requests scheduled after this one can share them."""
@@ -248,11 +266,12 @@ class ContiguousKVCacheManager(KVCacheManager):
             )
 
     def allocate_slots(
-        self, request: KVRequest, num_new_tokens: int, new_computed_blocks: Sequence[KVBlock] = ()
+        self, request: KVRequest, num_new_tokens: int, new_computed_blocks: Sequence[KVBlock] = (),
+        num_lookahead_tokens: int = 0,
     ) -> bool:
         assert not new_computed_blocks, "contiguous allocation shares nothing"
         rid = request.request_id
-        total = request.num_computed_tokens + num_new_tokens
+        total = request.num_computed_tokens + num_new_tokens + num_lookahead_tokens
         if total > self.blocks_per_request * self.block_size:
             return False
         if rid not in self.req_blocks:

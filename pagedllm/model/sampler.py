@@ -4,7 +4,12 @@ Order as in vLLM v1: raw logprobs are taken first (what the model said), then mi
 and penalties, then greedy rows take the argmax and random rows go through temperature, min_p, top_k and top_p.
 Every value validation accepts must sample: overflows are clamped to finite numbers (`finite`), and top_p
 always keeps the most likely token.
-A row with a seed samples with its own torch.Generator, so its tokens do not depend on the rest of the batch.
+
+Random rows sample by the exponential race: argmax(p / E) with E ~ Exp(1) per token is a draw from p (torch's
+multinomial and vLLM's sampler do the same). A seeded row's noise is a function of its seed and the position of
+the token alone, so its token at a position does not depend on the rest of the batch, nor on whether the step
+was speculative: verifying a draft is then "accept it if it is the token this noise picks", which accepts a
+draft x with probability p(x) and otherwise yields a draw from p with x removed, the rejection-sampling rule.
 """
 from __future__ import annotations
 
@@ -15,12 +20,14 @@ import torch
 from pagedllm.sampling_params import SamplingParams
 
 
+MASK64 = 2**64 - 1
+
+
 @dataclass
 class SamplingRow:
     params: SamplingParams
     prompt_ids: list[int]
-    output_ids: list[int]
-    generator: torch.Generator | None
+    output_ids: list[int]  # the output before the token sampled: its length is that token's position
     banned_until_min_tokens: list[int]  # EOS and stop token ids, masked while output < min_tokens
 
 
@@ -92,8 +99,28 @@ def _processed(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     return logits
 
 
+def position_seed(seed: int, position: int) -> int:
+    """splitmix64 of (seed, position): nearby seeds and positions get unrelated generator streams."""
+    x = (seed + (position + 1) * 0x9E3779B97F4A7C15) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
+
+
+def race_noise(rows: list[SamplingRow], random_rows: list[int], vocab: int, device: torch.device) -> torch.Tensor:
+    """Exp(1) noise, a row per random row: seeded rows from (seed, position) on CPU, so the stream is the same on
+    every device; the rest from torch's global generator. Clamped above 0: an exact 0 would make p / E = 0 / 0."""
+    noise = torch.empty(len(random_rows), vocab, device=device).exponential_()
+    for j, i in enumerate(random_rows):
+        seed = rows[i].params.seed
+        if seed is not None:
+            gen = torch.Generator().manual_seed(position_seed(seed, len(rows[i].output_ids)))
+            noise[j] = torch.empty(vocab).exponential_(generator=gen).to(device)
+    return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+
+
 def _draw(logits: torch.Tensor, rows: list[SamplingRow], random_rows: list[int], tokens: torch.Tensor) -> None:
-    """Sample the random rows into `tokens`, each seeded row from its own generator."""
+    """Sample the random rows into `tokens` by the exponential race."""
     dev = logits.device
     ps = [rows[i].params for i in random_rows]
     vocab = logits.shape[-1]
@@ -104,14 +131,7 @@ def _draw(logits: torch.Tensor, rows: list[SamplingRow], random_rows: list[int],
         torch.tensor([p.top_p for p in ps], device=dev),
         torch.tensor([p.min_p for p in ps], device=dev),
     ).softmax(-1)
-    unseeded = [j for j, i in enumerate(random_rows) if rows[i].generator is None]
-    if unseeded:
-        drawn = torch.multinomial(probs[unseeded], 1).squeeze(1)
-        tokens[[random_rows[j] for j in unseeded]] = drawn
-    for j, i in enumerate(random_rows):
-        gen = rows[i].generator
-        if gen is not None:  # its own generator (on CPU, so the stream is the same on every device)
-            tokens[i] = torch.multinomial(probs[j].cpu(), 1, generator=gen).item()
+    tokens[random_rows] = (probs / race_noise(rows, random_rows, vocab, dev)).argmax(-1)
 
 
 def token_logprobs(logprobs: torch.Tensor, tokens: list[int], k: int) -> list[dict[int, float]]:

@@ -3,7 +3,8 @@
 One Zipf-skewed question workload; retrieval is done once per question (timed), so every setting gives the model
 the same chunks. For each layout and prefix caching on / off, a fresh engine answers the questions one at a time
 (greedy), so TTFT is the prefill of that prompt alone. Rows: prefix-cache hit rate, prompt tokens computed vs served
-from the cache, TTFT median / p99, output tokens/s, retrieval latency. Then a check that the same question with the
+from the cache, TTFT median / p99, output tokens/s, TPOT median, the share of draft tokens accepted (with
+--speculative-config), retrieval latency. Then a check that the same question with the
 same prompt got the same answer text in every setting.
 """
 from __future__ import annotations
@@ -39,6 +40,8 @@ class BenchRow:
     retrieval_median_ms: float
     retrieval_p99_ms: float
     wall_s: float
+    tpot_median_ms: float = float("nan")  # per answer (E2E - TTFT) / (output tokens - 1), as bench serve's TPOT
+    spec_acceptance: float | None = None  # draft tokens accepted / drafted (in-process, speculation on)
 
 
 def percentile(vals: list[float], q: float) -> float:
@@ -50,12 +53,15 @@ def percentile(vals: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
-def make_row(layout: str, caching: str, answers: list[Answer], wall: float, retrieval_s: list[float]) -> BenchRow:
+def make_row(layout: str, caching: str, answers: list[Answer], wall: float, retrieval_s: list[float],
+             spec_acceptance: float | None = None) -> BenchRow:
     prompt = sum(a.prompt_tokens for a in answers)
     cached = sum(a.cached_tokens or 0 for a in answers)
     out = sum(a.output_tokens for a in answers)
     ttfts = [a.ttft * 1000 for a in answers if a.ttft is not None]
     gen = sum(a.e2e or 0.0 for a in answers)
+    tpots = [(a.e2e - a.ttft) * 1000 / (a.output_tokens - 1) for a in answers
+             if a.output_tokens > 1 and a.e2e is not None and a.ttft is not None]
     rms = [r * 1000 for r in retrieval_s]
     return BenchRow(
         setting=f"{layout}/cache-{caching}", layout=layout, prefix_caching=caching, requests=len(answers),
@@ -63,7 +69,8 @@ def make_row(layout: str, caching: str, answers: list[Answer], wall: float, retr
         cached_tokens=cached, ttft_median_ms=statistics.median(ttfts) if ttfts else float("nan"),
         ttft_p99_ms=percentile(ttfts, 99), output_tokens=out, output_tok_s=out / gen if gen else 0.0,
         retrieval_median_ms=statistics.median(rms) if rms else float("nan"), retrieval_p99_ms=percentile(rms, 99),
-        wall_s=wall,
+        wall_s=wall, tpot_median_ms=statistics.median(tpots) if tpots else float("nan"),
+        spec_acceptance=spec_acceptance,
     )
 
 
@@ -174,8 +181,9 @@ def _answer_by_server(base_url: str, model: str | None, questions: list[str], me
 
 def _answer_in_process(engine_kwargs: dict | None, cache_on: bool, layout: str, questions: list[str],
                        messages: list, max_tokens: int, setting: str, records: list[dict]
-                       ) -> tuple[list[Answer], float]:
-    """Every question through a fresh in-process engine (after a warm-up the clock does not see)."""
+                       ) -> tuple[list[Answer], float, float | None]:
+    """Every question through a fresh in-process engine (after a warm-up the clock does not see); the answers,
+    the seconds taken, and the share of draft tokens accepted (None: nothing was drafted)."""
     from pagedllm import SamplingParams
     from pagedllm.engine import EngineConfig, LLMEngine
 
@@ -186,6 +194,7 @@ def _answer_in_process(engine_kwargs: dict | None, cache_on: bool, layout: str, 
                            SamplingParams(temperature=0.0, max_tokens=2), Answer()):
         pass
     answers: list[Answer] = []
+    before = engine.stats()
     t0 = time.perf_counter()
     for i, (q, m) in enumerate(zip(questions, messages)):
         ids = engine.tokenizer.apply_chat_template(m)
@@ -195,9 +204,12 @@ def _answer_in_process(engine_kwargs: dict | None, cache_on: bool, layout: str, 
         answers.append(a)
         records.append({"setting": setting, "question": q, "answer": a.text, "prompt_token_ids": ids})
     elapsed = time.perf_counter() - t0
+    after = engine.stats()
+    drafted = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+    accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
     del engine
     gc.collect()
-    return answers, elapsed
+    return answers, elapsed, accepted / drafted if drafted else None
 
 
 def run_bench(
@@ -232,19 +244,22 @@ def run_bench(
         settings = [(layout, c) for c in caching for layout in layouts]
     for layout, cache_on in settings:
         label = "server" if cache_on is None else ("on" if cache_on else "off")
+        acceptance = None
         if base_url:
             answers, elapsed = _answer_by_server(base_url, server_model, questions, messages[layout], max_tokens,
                                                  f"{layout}/cache-{label}", tok, records)
         else:
-            answers, elapsed = _answer_in_process(engine_kwargs, bool(cache_on), layout, questions, messages[layout],
-                                                  max_tokens, f"{layout}/cache-{label}", records)
-        row = make_row(layout, label, answers, elapsed, retrieval_s)
+            answers, elapsed, acceptance = _answer_in_process(engine_kwargs, bool(cache_on), layout, questions,
+                                                              messages[layout], max_tokens,
+                                                              f"{layout}/cache-{label}", records)
+        row = make_row(layout, label, answers, elapsed, retrieval_s, acceptance)
         rows.append(row)
         if partial_path:  # a long run on a busy machine keeps what it measured so far
             Path(partial_path).write_text(json.dumps([asdict(r) for r in rows], indent=1))
         log(f"{row.setting:22s} hit rate {row.hit_rate:6.1%}  computed {row.computed_tokens:7d}  cached "
             f"{row.cached_tokens:7d}  TTFT median {row.ttft_median_ms:8.1f} ms  p99 {row.ttft_p99_ms:8.1f} ms  "
-            f"{row.output_tok_s:6.1f} out tok/s")
+            f"{row.output_tok_s:6.1f} out tok/s  TPOT median {row.tpot_median_ms:6.1f} ms"
+            + (f"  drafts accepted {row.spec_acceptance:.0%}" if row.spec_acceptance is not None else ""))
     check = check_answers(records)
     return {
         "config": {"index": str(index_dir), "num_questions": num_questions, "seed": seed, "top_k": top_k,
@@ -261,12 +276,14 @@ def run_bench(
 
 def markdown_table(rows: list[dict]) -> str:
     head = ("| layout | prefix caching | hit rate | prompt tokens computed | served from cache | TTFT median (ms) "
-            "| TTFT p99 (ms) | output tok/s | retrieval median (ms) |")
-    lines = [head, "|" + "---|" * 9]
+            "| TTFT p99 (ms) | output tok/s | TPOT median (ms) | drafts accepted | retrieval median (ms) |")
+    lines = [head, "|" + "---|" * 11]
     for r in rows:
+        accepted = "-" if r.get("spec_acceptance") is None else f"{r['spec_acceptance']:.0%}"
         lines.append(f"| {r['layout']} | {r['prefix_caching']} | {r['hit_rate']:.1%} | {r['computed_tokens']} | "
                      f"{r['cached_tokens']} | {r['ttft_median_ms']:.1f} | {r['ttft_p99_ms']:.1f} | "
-                     f"{r['output_tok_s']:.1f} | {r['retrieval_median_ms']:.1f} |")
+                     f"{r['output_tok_s']:.1f} | {r.get('tpot_median_ms', float('nan')):.1f} | {accepted} | "
+                     f"{r['retrieval_median_ms']:.1f} |")
     return "\n".join(lines)
 
 

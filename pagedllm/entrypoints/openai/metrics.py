@@ -53,6 +53,17 @@ class _EngineCollector:
                            st.prefix_cache_hits)
         yield self._family(c, "vllm:num_preemptions", "Cumulative number of preemption from the engine.",
                            st.num_preemptions)
+        yield self._family(c, "vllm:spec_decode_num_drafts", "Number of spec decoding drafts.",
+                           st.spec_decode_num_drafts)
+        yield self._family(c, "vllm:spec_decode_num_draft_tokens", "Number of draft tokens.",
+                           st.spec_decode_num_draft_tokens)
+        yield self._family(c, "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                           st.spec_decode_num_accepted_tokens)
+        per_pos = c("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
+                    labels=["model_name", "position"])
+        for pos, n in enumerate(st.spec_decode_num_accepted_tokens_per_pos):
+            per_pos.add_metric([self.model_name, str(pos)], float(n))
+        yield per_pos
 
 
 # As vLLM: no "<counter>_created" series (they double the page and no dashboard uses them).

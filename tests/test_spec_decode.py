@@ -228,7 +228,9 @@ def test_abort_after_drafts_and_preemption_under_drafts_leave_the_pool_whole(mod
 
 
 def test_a_failed_verification_step_runs_each_request_alone(spec, rag_prompts, rag_reference, monkeypatch):
-    original = spec.runner.model.forward
+    fused = spec.runner.fused  # the fused C step runs a quantized model's forward pass, the torch module otherwise
+    target, name = (fused, "run") if fused is not None else (spec.runner.model, "forward")
+    original = getattr(target, name)
     failed = []
 
     def forward(*args, **kwargs):
@@ -237,7 +239,7 @@ def test_a_failed_verification_step_runs_each_request_alone(spec, rag_prompts, r
             raise RuntimeError("injected failure")
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(spec.runner.model, "forward", forward)
+    monkeypatch.setattr(target, name, forward)
     got, _ = generate(spec, rag_prompts[:3], RAG_PARAMS)
     assert failed and [g[0].token_ids for g in got] == [r[0].token_ids for r in rag_reference[0][:3]]
     assert_all_blocks_free(spec)

@@ -26,6 +26,7 @@ class EngineConfig:
     gpu_memory_utilization: float | None = None  # share of device memory (on CPU: of RAM) for weights + cache
     seed: int = 0
     log_stats_interval: float = 5.0  # seconds between "busy" log lines; 0 turns them off
+    enable_kv_cache_events: bool = False  # record blocks entering / leaving the prefix cache (kv/events.py)
 
     def __post_init__(self) -> None:
         def check(ok: bool, flag: str, message: str) -> None:

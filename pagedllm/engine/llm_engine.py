@@ -18,6 +18,7 @@ from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.stats import EngineStats
 from pagedllm.errors import UserError
+from pagedllm.kv.events import KVEventLog
 from pagedllm.kv.manager import cdiv, make_kv_cache_manager
 from pagedllm.model.loader import DTYPES, LoadedModel, load_model
 from pagedllm.model.runner import ModelRunner, SeqChunk, bytes_per_block
@@ -85,6 +86,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.loaded, num_blocks, self.block_size, self.kv_dtype)
         self.kv = make_kv_cache_manager(config.kv_allocation, num_blocks, self.block_size, self.max_model_len,
                                         config.enable_prefix_caching)
+        if config.enable_kv_cache_events:
+            self.kv.pool.events = KVEventLog(self.block_size, device.type.upper())
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB %s, %s allocation, prefix caching %s)",
                     num_blocks, self.block_size, num_blocks * self.block_size, num_blocks * per_block / 2**30,

@@ -13,6 +13,7 @@ DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    from pagedllm.cluster.launch import add_cluster_args
     from pagedllm.engine.config import add_engine_args
 
     p = subparsers.add_parser(
@@ -37,6 +38,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="prompt layout of RAG requests (canonical/popular share prefixes in the cache)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="server log level (default: info)")
+    add_cluster_args(p)
     p.set_defaults(func=run)
 
 
@@ -57,8 +59,12 @@ def _check_can_listen(host: str, port: int) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pagedllm.cluster.launch import check_cluster_args, run_cluster
     from pagedllm.engine.config import EngineConfig
 
+    if args.replicas is not None:
+        return run_cluster(args)
+    check_cluster_args(args)
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port: must be in 0..65535, got {args.port}")
     if args.max_waiting_requests is not None and args.max_waiting_requests < 0:

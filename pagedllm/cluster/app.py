@@ -14,11 +14,10 @@ from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from ray import serve
 
-from pagedllm.cluster.ingress import ClusterEngine, EngineFacts, IngressSettings, wait_for_info
+from pagedllm.cluster.ingress import ClusterEngine, EngineFacts, IngressSettings, call, wait_for_info
 from pagedllm.cluster.metrics import sum_stats, with_replica_labels
 from pagedllm.cluster.replica import EngineReplica, ReplicaReport, ReplicaSettings
-from pagedllm.cluster.router import ROUTERS
-from pagedllm.cluster.routing import apply_events
+from pagedllm.cluster.routing import ROUTERS, apply_events, router_for, router_key
 from pagedllm.engine.config import EngineConfig
 from pagedllm.entrypoints.openai.metrics import CONTENT_TYPE
 
@@ -27,6 +26,7 @@ logger = logging.getLogger("pagedllm.cluster")
 ENGINE_DEPLOYMENT = "PagedLLMEngine"
 INGRESS_DEPLOYMENT = "PagedLLMIngress"
 APP_NAME = "pagedllm"
+KV_EVENTS_POLL_S = 0.1  # kv-events routing: how often the ingress reads the replicas' new events
 
 cluster_routes = APIRouter()
 
@@ -79,7 +79,7 @@ async def kv_state(request: Request) -> dict[str, Any]:
                 "kv_cache_usage": st.kv_usage, "num_running": st.num_running, "num_waiting": st.num_waiting,
                 "prefix_cache_queries": st.prefix_cache_queries, "prefix_cache_hits": st.prefix_cache_hits}
 
-    router = ROUTERS.get(_engine(request).handle.deployment_name)
+    router = ROUTERS.get(router_key(_engine(request).handle))
     return {**view(total), "routing": router.policy if router else None,
             "routing_decisions": dict(router.decisions) if router else {},
             "replicas": {rid: view(st) for rid, st in per.items()}}
@@ -87,15 +87,16 @@ async def kv_state(request: Request) -> dict[str, Any]:
 
 def build_ingress_app(engine: ClusterEngine, settings: IngressSettings) -> FastAPI:
     """The single-process server's app over the cluster engine, with the per-replica routes in place of its
-    one-engine /health, /metrics and /v1/kv."""
-    from pagedllm.entrypoints.openai.api_server import build_app
+    one-engine /health, /metrics and /v1/kv (and its own /v1/models)."""
+    from pagedllm.entrypoints.openai import serving_info
+    from pagedllm.entrypoints.openai.api_server import DEFAULT_MAX_REQUEST_BYTES, build_app
 
-    app = build_app(engine, served_model_names=settings.served_model_names, api_key=settings.api_key,  # type: ignore[arg-type]
-                    model_root=settings.model or settings.served_model_names[0])
-    paths = {getattr(r, "path", None) for r in cluster_routes.routes}
-    app.router.routes[:] = [r for r in app.router.routes if getattr(r, "path", None) not in paths]
-    app.include_router(cluster_routes)
-    return app
+    routes = APIRouter()
+    routes.include_router(cluster_routes)
+    routes.add_api_route("/v1/models", serving_info.models, methods=["GET"], response_model=serving_info.ModelList)
+    return build_app(engine, served_model_names=settings.served_model_names, api_key=settings.api_key,  # type: ignore[arg-type]
+                     model_root=settings.model or settings.served_model_names[0], info_router=routes,
+                     max_request_bytes=settings.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES)
 
 
 async def poll_kv_events(engine: ClusterEngine, every: float) -> None:
@@ -106,10 +107,9 @@ async def poll_kv_events(engine: ClusterEngine, every: float) -> None:
     seen: dict[str, int] = {}
     while True:
         await asyncio.sleep(every)
-        router = ROUTERS.get(engine.handle.deployment_name)
+        router = ROUTERS.get(router_key(engine.handle))
         ids = engine.replica_ids()
-        calls = [engine.handle.options(method_name="kv_events").remote(replica=rid, after=seen.get(rid, 0))
-                 for rid in ids]
+        calls = [call(engine.handle, "kv_events", replica=rid, after=seen.get(rid, 0)) for rid in ids]
         for rid, result in zip(ids, await asyncio.gather(*calls, return_exceptions=True)):
             if isinstance(result, BaseException) or router is None:
                 continue
@@ -120,29 +120,40 @@ async def poll_kv_events(engine: ClusterEngine, every: float) -> None:
             del seen[rid]
 
 
+@dataclass(frozen=True)
+class EngineRef:
+    """The engine deployment of another application, for a second front door over the same replicas."""
+
+    app_name: str
+    deployment_name: str = ENGINE_DEPLOYMENT
+
+
 class Ingress:
-    """The ingress deployment: tokenizer and model config loaded here, engine facts asked of a replica."""
+    """The ingress deployment: tokenizer and model config loaded here, engine facts asked of a replica, and the
+    routing policy set on this process's router (see router.py: the policy belongs to the front door)."""
 
     async def __init__(self, engines: Any, settings: IngressSettings) -> None:
         from pagedllm.model.config import load_model_config
         from pagedllm.model.tokenizer import load_tokenizer
 
-        info = await wait_for_info(engines)
+        if isinstance(engines, EngineRef):
+            engines = serve.get_deployment_handle(engines.deployment_name, app_name=engines.app_name)
+        info = await wait_for_info(engines)  # the first call: it makes Ray Serve build this process's router
+        router_for(engines).set_policy(settings.routing)
         self.engine = ClusterEngine(engines, load_tokenizer(settings.model), EngineFacts(
             load_model_config(settings.model)), info.max_model_len, settings.max_waiting_requests)
-        self.app = build_ingress_app(self.engine, settings)
+        self.fastapi = build_ingress_app(self.engine, settings)
         self._poller = None
-        if settings.kv_events_poll_s:
-            self._poller = asyncio.ensure_future(poll_kv_events(self.engine, settings.kv_events_poll_s))
+        if settings.routing == "kv-events":
+            self._poller = asyncio.ensure_future(poll_kv_events(self.engine, KV_EVENTS_POLL_S))
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return self.app
+        return self.fastapi
 
 
 @dataclass(frozen=True)
 class ClusterOptions:
     replicas: int
-    routing: str
     cpus_per_replica: float
     num_gpus_per_replica: float
     imbalance_threshold: int = 8
@@ -154,6 +165,8 @@ def build_application(config: EngineConfig, options: ClusterOptions, ingress: In
     from ray.serve.config import RequestRouterConfig
 
     waiting = ingress.max_waiting_requests if ingress.max_waiting_requests is not None else config.max_num_seqs
+    settings = ReplicaSettings(config, ingress.served_model_names[0], ingress.max_waiting_requests,
+                               max(1, int(options.cpus_per_replica)))
     engines = serve.deployment(
         EngineReplica, name=ENGINE_DEPLOYMENT, num_replicas=options.replicas,
         ray_actor_options={"num_cpus": options.cpus_per_replica, "num_gpus": options.num_gpus_per_replica},
@@ -162,15 +175,21 @@ def build_application(config: EngineConfig, options: ClusterOptions, ingress: In
         health_check_period_s=2.0, health_check_timeout_s=30.0, graceful_shutdown_timeout_s=5.0,
         request_router_config=RequestRouterConfig(
             request_router_class="pagedllm.cluster.router.PagedLLMRouter",
-            request_router_kwargs={"policy": options.routing, "block_size": config.block_size,
-                                   "max_prefix_blocks": options.max_prefix_blocks,
+            request_router_kwargs={"block_size": config.block_size, "max_prefix_blocks": options.max_prefix_blocks,
                                    "imbalance_threshold": options.imbalance_threshold},
             request_routing_stats_period_s=2.0))
-    front = serve.deployment(serve.ingress()(Ingress), name=INGRESS_DEPLOYMENT, ray_actor_options={"num_cpus": 0},
-                             max_ongoing_requests=4096)
-    settings = ReplicaSettings(config, ingress.served_model_names[0], ingress.max_waiting_requests,
-                               max(1, int(options.cpus_per_replica)))
-    return front.bind(engines.bind(settings), ingress)
+    return _front_door().bind(engines.bind(settings), ingress)
+
+
+def build_front_door(ingress: IngressSettings, engines_app: str = APP_NAME) -> Any:
+    """An application of just an ingress, over the replicas of the application `engines_app` (deploy it under
+    another name and route prefix): its own routing policy, the same engines and caches."""
+    return _front_door().bind(EngineRef(engines_app), ingress)
+
+
+def _front_door() -> Any:
+    return serve.deployment(serve.ingress()(Ingress), name=INGRESS_DEPLOYMENT, ray_actor_options={"num_cpus": 0},
+                            max_ongoing_requests=4096)
 
 
 def app_builder(args: dict[str, str]) -> Any:

@@ -11,6 +11,7 @@ router sends the next ones to the replicas that are left and Ray Serve starts a 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -18,7 +19,8 @@ from typing import Any
 
 from pagedllm.cluster.replica import ReplicaInfo, ReplicaReport
 from pagedllm.cluster.metrics import sum_stats
-from pagedllm.cluster.router import PROMPT_KW, REPLICA_KW, ROUTERS
+from pagedllm.cluster.router import PROMPT_KW, REPLICA_KW
+from pagedllm.cluster.routing import ROUTERS, router_key
 from pagedllm.engine.async_engine import (EngineDeadError, EngineShuttingDownError, RequestAbortedError,
                                           TooManyWaitingRequestsError)
 from pagedllm.engine.outputs import RequestOutput
@@ -48,6 +50,15 @@ def replica_error(error: BaseException, replica: str | None) -> BaseException:
     if isinstance(error, BackPressureError):
         return TooManyWaitingRequestsError(f"every replica is full: {error}")
     return error
+
+
+def call(handle: Any, method: str, *args: Any, stream: bool = False, **kwargs: Any) -> Any:
+    """`handle.<method>.remote(...)` as a call of its own. Ray Serve gives every call made while serving an HTTP
+    request that request's internal id, and its router indexes pending calls by that id, so two concurrent calls
+    from one request (a request's several prompts, a fan-out to every replica) are confused: one goes to the
+    replica chosen for the other, the other is never sent. A call made from an empty context gets its own id."""
+    remote = handle.options(method_name=method, stream=stream).remote
+    return contextvars.Context().run(remote, *args, **kwargs)
 
 
 @dataclass
@@ -90,7 +101,7 @@ class ClusterEngine:
         return self._accepting
 
     def replica_ids(self) -> list[str]:
-        router = ROUTERS.get(self.handle.deployment_name)
+        router = ROUTERS.get(router_key(self.handle))
         return router.replica_ids() if router is not None else []
 
     # ------------------------------------------------------------------ lifecycle
@@ -115,17 +126,16 @@ class ClusterEngine:
         if not self._accepting:
             raise EngineShuttingDownError("the server is shutting down")
         ids = prompt if isinstance(prompt, list) else await asyncio.to_thread(self.tokenizer.encode, prompt)
-        call = self.handle.options(method_name="generate", stream=True).remote(
-            request_id, **{PROMPT_KW: ids}, params=params)
+        gen = call(self.handle, "generate", request_id, stream=True, **{PROMPT_KW: ids}, params=params)
         try:
-            replica = await call.__anext__()
+            replica = await gen.__anext__()
         except asyncio.CancelledError:
-            call.cancel()
+            gen.cancel()
             raise
         except Exception as e:
-            call.cancel()
+            gen.cancel()
             raise replica_error(e, None) from None
-        stream = self._streams[request_id] = ClusterStream(request_id, replica, call)
+        stream = self._streams[request_id] = ClusterStream(request_id, replica, gen)
         return stream
 
     async def iterate(self, stream: ClusterStream) -> AsyncIterator[RequestOutput]:
@@ -167,7 +177,7 @@ class ClusterEngine:
         """`method` on every replica (the router sends each call to the replica it names); an exception stands
         for a replica that did not answer in time or failed."""
         ids = self.replica_ids()
-        calls = [self.handle.options(method_name=method).remote(**{REPLICA_KW: rid}, **kwargs) for rid in ids]
+        calls = [call(self.handle, method, **{REPLICA_KW: rid}, **kwargs) for rid in ids]
         results = await asyncio.gather(*(asyncio.wait_for(c, timeout) for c in calls), return_exceptions=True)
         return dict(zip(ids, results))
 
@@ -187,12 +197,13 @@ class IngressSettings:
 
     model: str | None
     served_model_names: list[str]
+    routing: str = "prefix"  # the policy this front door's router follows
     api_key: str | None = None
     max_waiting_requests: int | None = None
-    kv_events_poll_s: float | None = None  # kv-events routing: how often to read the replicas' events
+    max_request_bytes: int | None = None
 
 
 async def wait_for_info(handle: Any, timeout: float = 600.0) -> ReplicaInfo:
     """The engines' facts, from the first replica up (the ingress may start before any has loaded its model)."""
-    info: ReplicaInfo = await asyncio.wait_for(handle.options(method_name="info").remote(), timeout)
+    info: ReplicaInfo = await asyncio.wait_for(call(handle, "info"), timeout)
     return info

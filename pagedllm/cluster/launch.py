@@ -76,11 +76,11 @@ def settings_from_args(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     check_cluster_args(args)
     config = EngineConfig.from_args(args)
     load_model_config(args.model)
-    routing = args.routing or "prefix"
-    options = ClusterOptions(args.replicas, routing, args.cpus_per_replica or 1.0, args.num_gpus_per_replica or 0.0,
+    options = ClusterOptions(args.replicas, args.cpus_per_replica or 1.0, args.num_gpus_per_replica or 0.0,
                              8 if args.routing_imbalance_threshold is None else args.routing_imbalance_threshold)
-    ingress = IngressSettings(args.model, served_names(args), args.api_key or os.environ.get("PAGEDLLM_API_KEY"),
-                              args.max_waiting_requests, 0.1 if routing == "kv-events" else None)
+    ingress = IngressSettings(args.model, served_names(args), args.routing or "prefix",
+                              args.api_key or os.environ.get("PAGEDLLM_API_KEY"), args.max_waiting_requests,
+                              getattr(args, "max_request_bytes", None))
     return config, options, ingress
 
 
@@ -145,11 +145,11 @@ def run_cluster(args: argparse.Namespace) -> int:
         check_resources(ray.cluster_resources(), options.replicas, options.cpus_per_replica,
                         options.num_gpus_per_replica)
         serve.start(http_options={"host": args.host, "port": args.port})
-        print(f"pagedllm serve: starting {options.replicas} replicas ({options.routing} routing) ...",
+        print(f"pagedllm serve: starting {options.replicas} replicas ({ingress.routing} routing) ...",
               file=sys.stderr, flush=True)
         serve.run(build_application(config, options, ingress), name=APP_NAME, route_prefix="/")
         print(f"pagedllm serve: serving {', '.join(ingress.served_model_names)} on http://{args.host}:{args.port} "
-              f"({options.replicas} replicas, {options.routing} routing)", file=sys.stderr, flush=True)
+              f"({options.replicas} replicas, {ingress.routing} routing)", file=sys.stderr, flush=True)
         _wait_for_signal()
     finally:
         if args.ray_address:

@@ -12,6 +12,10 @@ has room (`max_ongoing_requests`), and retries with backoff when none has. This 
 
 A request that names a replica (`replica=` keyword, the ingress's per-replica calls for /metrics, /health and KV
 events) goes to that replica whatever the policy.
+
+The policy belongs to the front door, not to the replicas: Ray Serve builds this router in the ingress's process,
+and the ingress sets `policy` (until then: round-robin). So two ingress applications over the same replicas can
+route differently (an A/B of policies on live traffic, or a baseline, without reloading any model).
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from pagedllm.cluster import routing
 from pagedllm.cluster.routing import POLICIES, PrefixIndex, choose, prefix_keys
 
 logger = logging.getLogger("pagedllm.cluster")
@@ -30,19 +35,14 @@ logger = logging.getLogger("pagedllm.cluster")
 REPLICA_KW = "replica"  # the keyword a per-replica call names its replica with
 PROMPT_KW = "prompt_token_ids"  # the keyword the ingress passes a request's token ids in
 
-# The routers of this process by deployment name: the ingress reads the replica list and feeds KV events here.
-ROUTERS: dict[str, PagedLLMRouter] = {}
-
 
 class PagedLLMRouter(RequestRouter):
-    """Ranks replicas by the policy named in `request_router_kwargs` (see the module docstring)."""
+    """Ranks replicas by `policy` (see the module docstring)."""
 
-    def initialize_state(self, policy: str = "prefix", block_size: int = 16, max_prefix_blocks: int = 64,
-                         imbalance_threshold: int = 8, **_: Any) -> None:
-        """Called by Ray Serve with the deployment's `request_router_kwargs`."""
-        if policy not in POLICIES:
-            raise ValueError(f"--routing: must be one of {', '.join(POLICIES)}, got {policy!r}")
-        self.policy = policy
+    def initialize_state(self, block_size: int = 16, max_prefix_blocks: int = 64, imbalance_threshold: int = 8,
+                         **_: Any) -> None:
+        """Called by Ray Serve with the engine deployment's `request_router_kwargs`."""
+        self.policy = "round-robin"
         self.block_size = block_size
         self.max_prefix_blocks = max_prefix_blocks
         self.imbalance_threshold = imbalance_threshold
@@ -52,7 +52,14 @@ class PagedLLMRouter(RequestRouter):
         self._sent: dict[str, str] = {}  # internal request id -> replica, until it completes
         self._keys: OrderedDict[str, list[int]] = OrderedDict()  # internal request id -> prompt keys, until routed
         self.decisions: dict[str, int] = {}  # why each replica was chosen ("prefix", "balance", "new"), counted
-        ROUTERS[self._deployment_id.name] = self
+        # Ray ships this module to the handle's process by value (a copy of its globals): the registry the
+        # ingress reads lives in `routing`, which travels by reference.
+        routing.ROUTERS[self._deployment_id.app_name, self._deployment_id.name] = self
+
+    def set_policy(self, policy: str) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"--routing: must be one of {', '.join(POLICIES)}, got {policy!r}")
+        self.policy = policy
 
     def replica_ids(self) -> list[str]:
         return [r.unique_id for r in self.curr_replicas]

@@ -16,11 +16,29 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedllm.kv.events import BlockRemoved, BlockStored, KVCacheEvent
 from pagedllm.kv.hashing import BlockHash, hash_full_blocks
 
 POLICIES = ("round-robin", "prefix", "kv-events")
+
+# The request routers of this process by (application, deployment) (router.PagedLLMRouter registers itself): the
+# ingress sets its router's policy, asks it for the replica list and feeds it the replicas' KV events.
+ROUTERS: dict[tuple[str, str], Any] = {}
+
+
+def router_key(handle: Any) -> tuple[str, str]:
+    return handle.app_name, handle.deployment_name
+
+
+def router_for(handle: Any) -> Any:
+    """This process's router for the deployment behind `handle` (Ray Serve builds it at the handle's first call)."""
+    router = ROUTERS.get(router_key(handle))
+    if router is None:
+        raise RuntimeError(f"no pagedllm router for {router_key(handle)}: is the deployment's request router "
+                           "pagedllm.cluster.router.PagedLLMRouter, and has the handle made a call?")
+    return router
 
 
 def prefix_keys(token_ids: Sequence[int], block_size: int, max_blocks: int) -> list[int]:

@@ -92,6 +92,12 @@ def test_choose_balances_when_the_best_is_overloaded():
     assert choose({"a": 5, "b": 0}, {"a": 9, "b": 0}, {}, threshold=8).reason == "balance"
 
 
+def test_a_short_shared_prefix_does_not_pin_traffic_to_one_replica():
+    """Every prompt shares a 1-block system prompt with replica a: under the minimum match it counts as new."""
+    assert choose({"a": 1, "b": 0}, {"a": 2, "b": 0}, {}, threshold=8, min_match=2).ranked[0] == "b"
+    assert choose({"a": 2, "b": 0}, {"a": 2, "b": 0}, {}, threshold=8, min_match=2).ranked[0] == "a"
+
+
 def test_a_new_prefix_goes_to_the_least_loaded_then_the_emptiest_replica():
     c = choose({"a": 0, "b": 0, "c": 0}, {"a": 1, "b": 0, "c": 0}, {"a": 0, "b": 40, "c": 10}, threshold=8)
     assert (c.ranked, c.reason) == (["c", "b", "a"], "new")

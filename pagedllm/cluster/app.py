@@ -94,7 +94,7 @@ def build_ingress_app(engine: ClusterEngine, settings: IngressSettings) -> FastA
     routes = APIRouter()
     routes.include_router(cluster_routes)
     routes.add_api_route("/v1/models", serving_info.models, methods=["GET"], response_model=serving_info.ModelList)
-    return build_app(engine, served_model_names=settings.served_model_names, api_key=settings.api_key,  # type: ignore[arg-type]
+    return build_app(engine, served_model_names=settings.served_model_names, api_key=settings.api_key,
                      model_root=settings.model or settings.served_model_names[0], info_router=routes,
                      max_request_bytes=settings.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES)
 

@@ -21,8 +21,7 @@ from pagedllm.cluster.replica import ReplicaInfo, ReplicaReport
 from pagedllm.cluster.metrics import sum_stats
 from pagedllm.cluster.router import PROMPT_KW, REPLICA_KW
 from pagedllm.cluster.routing import ROUTERS, router_key
-from pagedllm.engine.async_engine import (EngineDeadError, EngineShuttingDownError, RequestAbortedError,
-                                          TooManyWaitingRequestsError)
+from pagedllm.engine.async_engine import EngineDeadError, EngineShuttingDownError, RequestAbortedError
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.stats import EngineStats
 from pagedllm.model.config import ModelConfig
@@ -39,16 +38,13 @@ class ReplicaDiedError(EngineDeadError):
 def replica_error(error: BaseException, replica: str | None) -> BaseException:
     """What a failed replica call means to the server: the replica's own exception (a refused request keeps its
     400 / 503), or ReplicaDiedError when the replica itself is gone."""
-    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
-    from ray.serve.exceptions import BackPressureError
+    from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
     if isinstance(error, RayTaskError) and isinstance(error.cause, Exception):
         return error.cause
-    if isinstance(error, (ActorDiedError, ActorUnavailableError, RayActorError)):
+    if isinstance(error, (RayActorError, ActorUnavailableError)):
         return ReplicaDiedError(f"replica {replica or '(unknown)'} died while serving this request; "
                                 "the other replicas go on and Ray Serve starts a new one")
-    if isinstance(error, BackPressureError):
-        return TooManyWaitingRequestsError(f"every replica is full: {error}")
     return error
 
 

@@ -118,8 +118,8 @@ class EngineReplica:
             raise RuntimeError(f"replica {self.replica_id}: the engine loop is not running")
 
     def record_routing_stats(self) -> dict[str, Any]:
-        st = self.engine.stats()
-        return {"num_blocks": st.num_blocks, "block_size": st.block_size, "kv_usage": st.kv_usage}
+        """Ray Serve hands this to the routers: the KV capacity the prefix router bounds its guesses by."""
+        return {"num_blocks": self.engine.stats().num_blocks}
 
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)

@@ -20,6 +20,7 @@ route differently (an A/B of policies on live traffic, or a baseline, without re
 from __future__ import annotations
 
 import logging
+import math
 import random
 import threading
 from collections import OrderedDict
@@ -40,12 +41,15 @@ class PagedLLMRouter(RequestRouter):
     """Ranks replicas by `policy` (see the module docstring)."""
 
     def initialize_state(self, block_size: int = 16, max_prefix_blocks: int = 64, imbalance_threshold: int = 8,
-                         **_: Any) -> None:
-        """Called by Ray Serve with the engine deployment's `request_router_kwargs`."""
+                         min_match_share: float = 0.5, **_: Any) -> None:
+        """Called by Ray Serve with the engine deployment's `request_router_kwargs`. `min_match_share`: the share
+        of a prompt's (first max_prefix_blocks) blocks a replica must hold to attract it (SGLang's cache
+        threshold)."""
         self.policy = "round-robin"
         self.block_size = block_size
         self.max_prefix_blocks = max_prefix_blocks
         self.imbalance_threshold = imbalance_threshold
+        self.min_match_share = min_match_share
         self.index = PrefixIndex()
         self.lock = threading.Lock()  # the index is also written by the ingress's KV-event poller
         self.in_flight: dict[str, int] = {}  # requests this router sent to each replica and not yet finished
@@ -84,7 +88,8 @@ class PagedLLMRouter(RequestRouter):
             self._set_capacity(candidate_replicas)
             matches = self.index.match(keys, by_id)
             cached = {rid: self.index.num_blocks(rid) for rid in by_id}
-        choice = choose(matches, self.in_flight, cached, self.imbalance_threshold)
+        choice = choose(matches, self.in_flight, cached, self.imbalance_threshold,
+                        math.ceil(self.min_match_share * len(keys)))
         self.decisions[choice.reason] = self.decisions.get(choice.reason, 0) + 1
         return [[by_id[rid]] for rid in choice.ranked]
 

@@ -152,16 +152,18 @@ class Choice:
     matched_blocks: int
 
 
-def choose(matches: dict[str, int], load: dict[str, int], cached: dict[str, int], threshold: int) -> Choice:
+def choose(matches: dict[str, int], load: dict[str, int], cached: dict[str, int], threshold: int,
+           min_match: int = 1) -> Choice:
     """The replica with the longest cached prefix, ties to the least loaded; the least loaded instead when the
     best is more than `threshold` requests busier than it (a hot prefix must not pile onto one replica: its
-    prefill saved is worth less than a queue). A prefix nobody holds goes to the least loaded replica, ties to the
-    one with the fewest cached blocks, so new prefix groups spread evenly instead of all landing on one replica."""
+    prefill saved is worth less than a queue). A prefix nobody holds (or holds fewer than `min_match` blocks of:
+    a short system prompt every request shares must not pin all traffic to one replica) goes to the least loaded
+    replica, ties to the one with the fewest cached blocks, so new prefix groups spread evenly."""
     if not matches:
         return Choice([], "new", 0)
     by_load = sorted(matches, key=lambda r: (load.get(r, 0), cached.get(r, 0), r))
     best = max(by_load, key=lambda r: matches[r])  # max keeps the first of equals: the least loaded
-    if matches[best] == 0:
+    if matches[best] < max(1, min_match):
         return Choice(by_load, "new", 0)
     least = by_load[0]
     if load.get(best, 0) - load.get(least, 0) > threshold:

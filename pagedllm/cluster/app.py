@@ -158,6 +158,7 @@ class ClusterOptions:
     num_gpus_per_replica: float
     imbalance_threshold: int = 8
     max_prefix_blocks: int = 64
+    log_level: str = "info"  # the replicas' and the ingress's; per-request access logs only at debug, as one server
 
 
 def build_application(config: EngineConfig, options: ClusterOptions, ingress: IngressSettings) -> Any:
@@ -167,8 +168,9 @@ def build_application(config: EngineConfig, options: ClusterOptions, ingress: In
     waiting = ingress.max_waiting_requests if ingress.max_waiting_requests is not None else config.max_num_seqs
     settings = ReplicaSettings(config, ingress.served_model_names[0], ingress.max_waiting_requests,
                                max(1, int(options.cpus_per_replica)))
+    logs = {"log_level": options.log_level.upper(), "enable_access_log": options.log_level == "debug"}
     engines = serve.deployment(
-        EngineReplica, name=ENGINE_DEPLOYMENT, num_replicas=options.replicas,
+        EngineReplica, name=ENGINE_DEPLOYMENT, num_replicas=options.replicas, logging_config=logs,
         ray_actor_options={"num_cpus": options.cpus_per_replica, "num_gpus": options.num_gpus_per_replica},
         # the engine queues and batches itself: Ray only has to keep more than that from piling onto one replica
         max_ongoing_requests=config.max_num_seqs + waiting + 8,
@@ -178,18 +180,19 @@ def build_application(config: EngineConfig, options: ClusterOptions, ingress: In
             request_router_kwargs={"block_size": config.block_size, "max_prefix_blocks": options.max_prefix_blocks,
                                    "imbalance_threshold": options.imbalance_threshold},
             request_routing_stats_period_s=2.0))
-    return _front_door().bind(engines.bind(settings), ingress)
+    return _front_door(logs).bind(engines.bind(settings), ingress)
 
 
-def build_front_door(ingress: IngressSettings, engines_app: str = APP_NAME) -> Any:
+def build_front_door(ingress: IngressSettings, engines_app: str = APP_NAME, log_level: str = "info") -> Any:
     """An application of just an ingress, over the replicas of the application `engines_app` (deploy it under
     another name and route prefix): its own routing policy, the same engines and caches."""
-    return _front_door().bind(EngineRef(engines_app), ingress)
+    logs = {"log_level": log_level.upper(), "enable_access_log": log_level == "debug"}
+    return _front_door(logs).bind(EngineRef(engines_app), ingress)
 
 
-def _front_door() -> Any:
+def _front_door(logs: dict[str, Any]) -> Any:
     return serve.deployment(serve.ingress()(Ingress), name=INGRESS_DEPLOYMENT, ray_actor_options={"num_cpus": 0},
-                            max_ongoing_requests=4096)
+                            max_ongoing_requests=4096, logging_config=logs)
 
 
 def app_builder(args: dict[str, str]) -> Any:

@@ -7,8 +7,9 @@ has room (`max_ongoing_requests`), and retries with backoff when none has. This 
 - `round-robin`: Ray's default, power of two choices (two random replicas, the less loaded wins): cache-blind.
 - `prefix`: the replica most likely to hold the prompt's longest prefix (`routing.choose`), learnt from where
   this router sent earlier prompts (`routing.PrefixIndex`, bounded by the replica's KV capacity).
-- `kv-events`: the same choice, on the blocks the replicas report they hold (their vLLM-format KV events, fed in
-  by the ingress's poller), so evictions and restarts are known instead of guessed.
+- `kv-events`: the same choice, corrected by the blocks the replicas report (their vLLM-format KV events, fed in
+  by the ingress's poller): evictions and restarts are known instead of guessed. What it routes is still recorded
+  at once, since a replica's events arrive a poll later than the next request of the same prefix may.
 
 A request that names a replica (`replica=` keyword, the ingress's per-replica calls for /metrics, /health and KV
 events) goes to that replica whatever the policy.
@@ -41,10 +42,10 @@ class PagedLLMRouter(RequestRouter):
     """Ranks replicas by `policy` (see the module docstring)."""
 
     def initialize_state(self, block_size: int = 16, max_prefix_blocks: int = 64, imbalance_threshold: int = 8,
-                         min_match_share: float = 0.5, **_: Any) -> None:
+                         min_match_share: float = 0.1, **_: Any) -> None:
         """Called by Ray Serve with the engine deployment's `request_router_kwargs`. `min_match_share`: the share
         of a prompt's (first max_prefix_blocks) blocks a replica must hold to attract it (SGLang's cache
-        threshold)."""
+        threshold, Ray Serve LLM's match_rate_threshold)."""
         self.policy = "round-robin"
         self.block_size = block_size
         self.max_prefix_blocks = max_prefix_blocks
@@ -100,9 +101,9 @@ class PagedLLMRouter(RequestRouter):
             self._keys.popitem(last=False)
 
     def _set_capacity(self, replicas: list[RunningReplica]) -> None:
-        """Bound the learnt index by the replicas' KV capacity (their routing stats), in `prefix` mode: a replica
-        evicts what it has no room for, so the router forgets in the same order."""
-        if self.policy != "prefix" or self.index.capacity is not None:
+        """Bound the learnt index by the replicas' KV capacity (their routing stats): a replica evicts what it has
+        no room for, so the router forgets in the same order."""
+        if self.index.capacity is not None:
             return
         sizes = [r.routing_stats.get("num_blocks") for r in replicas if r.routing_stats]
         if sizes and all(sizes):
@@ -114,7 +115,7 @@ class PagedLLMRouter(RequestRouter):
         self._sent[request_id] = rid
         self.in_flight[rid] = self.in_flight.get(rid, 0) + 1
         keys = self._keys.pop(request_id, None)
-        if keys and self.policy == "prefix":
+        if keys and self.policy != "round-robin":  # kv-events too: events arrive a poll later, evictions exact
             with self.lock:
                 self.index.insert(rid, keys)
 

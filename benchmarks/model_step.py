@@ -15,12 +15,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
+from pagedllm.kv import cdiv
 from pagedllm.model import ModelRunner, SeqChunk, load_model
 
 
 def bench(dtype: str, seqs: int, ctx: int, prefill: int, iters: int, block_size: int) -> None:
     loaded = load_model(None, dtype=dtype)
-    per_seq = -(-(ctx + iters + 2) // block_size)
+    per_seq = cdiv(ctx + iters + 2, block_size)
     runner = ModelRunner(loaded, num_blocks=seqs * per_seq + 64, block_size=block_size)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, loaded.config.vocab_size, (seqs, ctx), generator=g).tolist()

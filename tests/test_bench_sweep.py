@@ -5,6 +5,7 @@ import json
 import pytest
 
 from pagedllm.bench import sweep
+from pagedllm.engine import kv_snapshot
 from pagedllm.engine.stats import EngineStats
 
 PER_TOKEN = 100  # bytes of KV per token in the fake model
@@ -68,9 +69,12 @@ class FakeEngine:
         return outs
 
     def stats(self):
-        return EngineStats(len(self.running), len(self.waiting), self.num_blocks, self.num_blocks - self._used(),
-                           self.bs, 0.0, sum(r["prompt"] + len(r["out"]) for r in self.running.values()),
-                           self.queries, self.hits, 0, 0, 0, self.peak, self.steps)
+        return EngineStats(
+            num_running=len(self.running), num_waiting=len(self.waiting), num_blocks=self.num_blocks,
+            num_free_blocks=self.num_blocks - self._used(), num_cached_blocks=0, block_size=self.bs, kv_usage=0.0,
+            num_stored_tokens=sum(r["prompt"] + len(r["out"]) for r in self.running.values()),
+            prefix_cache_queries=self.queries, prefix_cache_hits=self.hits, num_preemptions=0, prompt_tokens=0,
+            generation_tokens=0, peak_running=self.peak, num_steps=self.steps)
 
 
 class WordTok:
@@ -103,11 +107,20 @@ def test_run_engine_contiguous_vs_paged():
     assert c["prefix_cache_hit_rate"] == 0 and c["preemptions"] == 0
 
 
+def fake_snapshot(engine):
+    """The fake engine's running requests laid end to end, as the block-map pictures need them."""
+    from pagedllm.bench.block_map_plot import lengths_snapshot
+
+    lengths = [r["prompt"] + len(r["out"]) for r in engine.running.values()]
+    return lengths_snapshot(lengths, engine.bs, engine.cfg.kv_allocation, engine.cfg.max_model_len)
+
+
 def test_run_sweep_with_fake_engine(monkeypatch, tmp_path):
     import pagedllm.bench.tokenizer as bt
     import pagedllm.engine as eng
 
     monkeypatch.setattr(eng, "LLMEngine", FakeEngine)
+    monkeypatch.setattr(kv_snapshot, "take_snapshot", fake_snapshot)
     monkeypatch.setattr(sweep, "kv_bytes_per_token", lambda model, dtype: PER_TOKEN)
     monkeypatch.setattr(bt, "load_bench_tokenizer", lambda path=None: WordTok())
     p = argparse.ArgumentParser()
@@ -128,6 +141,7 @@ def test_run_sweep_with_fake_engine(monkeypatch, tmp_path):
     assert rows["prefix-rep, caching on"]["prefix_cache_hit_rate"] > 0
     assert rows["prefix-rep, caching off"]["prefix_cache_hit_rate"] == 0
     assert (tmp_path / "s.png").stat().st_size > 10_000
+    assert (tmp_path / "s_blocks.png").stat().st_size > 10_000  # the allocation rows' block maps at peak
     with pytest.raises(Exception, match="--rows"):
         sweep.run_sweep(p.parse_args(["sweep", "--rows", "nope"]))
 

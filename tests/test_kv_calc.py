@@ -1,7 +1,8 @@
 """`pagedllm kv-calc` reproduces the chapter (its figures, and its Korean lines character for character)."""
 from __future__ import annotations
 
-import math
+import contextlib
+import io
 import subprocess
 import sys
 
@@ -12,22 +13,62 @@ from pagedllm.entrypoints.cli import main
 ARGS = ["kv-calc", "--max-len", "4096", "--block-size", "16", "--used", "180,650,90,1200,300,75,420,260"]
 
 
-def chapter_lines() -> list[str]:
-    """The chapter's own code, run as printed in the book."""
-    max_len, page = 4096, 16
-    used = [180, 650, 90, 1200, 300, 75, 420, 260]
-    whole = max_len * len(used)
-    paged = sum(math.ceil(u / page) * page for u in used)
-    return [f"실제로 쓴 토큰: {sum(used)}",
-            f"통째로 잡은 자리: {whole:,} (쓴 몫 {sum(used) / whole:.1%})",
-            f"쪽으로 잡은 자리: {paged:,} (쓴 몫 {sum(used) / paged:.1%})"]
+# The chapter's two programs, character for character as printed in the book (../shared/seed/).
+CHAPTER_TOTALS = """import math
+
+max_len, page = 4096, 16                       # 최대 길이와 쪽 하나의 토큰 수
+used = [180, 650, 90, 1200, 300, 75, 420, 260]  # 요청 여덟 개가 실제로 쓴 토큰 수(예시)
+
+whole = max_len * len(used)                                  # 통째로 잡으면
+paged = sum(math.ceil(u / page) * page for u in used)        # 쪽으로 잡으면(쪽 단위로 올림)
+print("실제로 쓴 토큰:", sum(used))
+print(f"통째로 잡은 자리: {whole:,} (쓴 몫 {sum(used) / whole:.1%})")
+print(f"쪽으로 잡은 자리: {paged:,} (쓴 몫 {sum(used) / paged:.1%})")
+"""
+CHAPTER_PER_REQUEST = """import math
+
+page = 16                       # 쪽 하나에 토큰 16개
+for used in [1, 16, 17, 35]:    # 요청 하나가 쓴 토큰 수(설명용 숫자)
+    pages = math.ceil(used / page)
+    print(f"{used:2d}토큰 → 쪽 {pages}개 = 자리 {pages * page}칸, 빈칸 {pages * page - used}")
+"""
+# ... and the output the book prints for the second one.
+BOOK_OUTPUT = [" 1토큰 → 쪽 1개 = 자리 16칸, 빈칸 15", "16토큰 → 쪽 1개 = 자리 16칸, 빈칸 0",
+               "17토큰 → 쪽 2개 = 자리 32칸, 빈칸 15", "35토큰 → 쪽 3개 = 자리 48칸, 빈칸 13"]
 
 
-def test_korean_lines_match_the_chapter(capsys):
-    assert main(ARGS + ["--lang", "ko"]) == 0
+def run_chapter(used: list[int], max_len: int = 4096, page: int = 16) -> list[str]:
+    """Both programs as printed, their numbers swapped for these (the code itself untouched), stdout lines."""
+    totals = (CHAPTER_TOTALS.replace("[180, 650, 90, 1200, 300, 75, 420, 260]", repr(used))
+              .replace("max_len, page = 4096, 16", f"max_len, page = {max_len}, {page}"))
+    per_request = (CHAPTER_PER_REQUEST.replace("[1, 16, 17, 35]", repr(used))
+                   .replace("page = 16 ", f"page = {page} "))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(totals, {})
+        exec(per_request, {})
+    return out.getvalue().splitlines()
+
+
+def test_the_book_prints_what_its_code_prints():
+    assert run_chapter([1, 16, 17, 35])[3:] == BOOK_OUTPUT
+
+
+@pytest.mark.parametrize("used", [[1, 16, 17, 35], [180, 650, 90, 1200, 300, 75, 420, 260], [0, 5, 100, 4096]])
+@pytest.mark.parametrize("page", [16, 32])
+def test_korean_lines_match_the_chapter(capsys, used, page):
+    flags = ["kv-calc", "--max-len", "4096", "--block-size", str(page), "--used", ",".join(map(str, used))]
+    assert main(flags + ["--lang", "ko"]) == 0
+    assert capsys.readouterr().out.splitlines() == run_chapter(used, page=page)
+
+
+def test_korean_chapter_example_exactly(capsys):
+    assert main(["kv-calc", "--max-len", "4096", "--block-size", "16", "--used", "1,16,17,35", "--lang", "ko"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out == chapter_lines()
-    assert out == ["실제로 쓴 토큰: 3175", "통째로 잡은 자리: 32,768 (쓴 몫 9.7%)", "쪽으로 잡은 자리: 3,232 (쓴 몫 98.2%)"]
+    assert out[3:] == BOOK_OUTPUT and out[0] == "실제로 쓴 토큰: 69"
+    assert main(ARGS + ["--lang", "ko"]) == 0
+    assert capsys.readouterr().out.splitlines()[:3] == [
+        "실제로 쓴 토큰: 3175", "통째로 잡은 자리: 32,768 (쓴 몫 9.7%)", "쪽으로 잡은 자리: 3,232 (쓴 몫 98.2%)"]
 
 
 def test_english_figures_and_rows(capsys):
@@ -72,3 +113,21 @@ def test_model_and_memory_report_what_fits(capsys):
     assert f"contiguous: {blocks * 16 // 4096:,} requests" in out  # one 4,096-token locker each
     paged = int(out.split("paged: ")[-1].split()[0].replace(",", ""))
     assert paged > 9 * (blocks * 16 // 4096)  # the chapter: about ten times as many
+
+
+def test_plot_draws_whole_above_paged_with_the_totals(tmp_path, monkeypatch):
+    from pagedllm.bench import block_map_plot
+
+    drawn = []
+    real = block_map_plot.draw_rows
+    monkeypatch.setattr(block_map_plot, "draw_rows", lambda ax, m, **kw: drawn.append(m) or real(ax, m, **kw))
+    assert main(ARGS + ["--plot", str(tmp_path / "kv.png")]) == 0
+    assert (tmp_path / "kv.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    whole, paged = drawn
+    assert whole["counters"]["slots_allocated"] == 32_768 and paged["counters"]["slots_allocated"] == 3_232
+    assert [r["row"][-1] for r in whole["requests"]][:2] == [["reserved", 1, 256 - 12], ["reserved", 1, 256 - 41]]
+    assert paged["requests"][0]["row"] == [["used", 1, 11], ["tail", 1, 1]]  # 180 tokens: the 12th has 12 empty
+    assert paged["requests"][3]["row"] == [["used", 1, 75]]  # 1,200 tokens fill 75 blocks exactly
+    lines = block_map_plot.plot_kv_calc([180, 650, 90, 1200, 300, 75, 420, 260], 16, 4096, str(tmp_path / "b.png"))
+    assert lines == ["3,175 tokens used", "whole: 32,768 slots (9.7% used), 4,096 reserved per request",
+                     "paged: 3,232 slots (98.2% used), blocks of 16"]

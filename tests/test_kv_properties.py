@@ -64,9 +64,33 @@ class KVMachine(RuleBasedStateMachine):
         req = self.running.pop(data.draw(st.sampled_from(sorted(self.running))))
         self.mgr.free(req)
 
-    @rule(stem=st.sampled_from(STEMS))
-    def lookup(self, stem):
-        self.mgr.get_computed_blocks(Req("probe", list(stem) + [0]))
+    def _block_tokens(self, req: Req, i: int) -> tuple[int, ...]:
+        return tuple(req.all_token_ids[i * BLOCK:(i + 1) * BLOCK])
+
+    @rule(stem=st.sampled_from(STEMS), tail=st.lists(st.integers(0, 3), max_size=9))
+    def lookup(self, stem, tail):
+        """A new request's lookup finds only blocks that hold its own tokens, and at least every full block a
+        running request registered with the same leading tokens. A fresh id per probe: the manager memoizes
+        hashes per request id, so a reused id would be answered for another prompt."""
+        probe = Req(f"probe{self.counter}", stem + tail)
+        self.counter += 1
+        hits, cached = self.mgr.get_computed_blocks(probe)
+        assert cached == len(hits) * BLOCK < len(probe.all_token_ids)
+        contents = {b.block_id: self._block_tokens(r, i) for r in self.running.values()
+                    for i, b in enumerate(self.mgr.req_blocks.get(r.request_id, []))
+                    if (i + 1) * BLOCK <= r.num_computed_tokens}
+        for i, block in enumerate(hits):
+            if block.block_id in contents:  # (a free cached block's tokens are checked when it is shared again)
+                assert contents[block.block_id] == self._block_tokens(probe, i)
+        usable = (len(probe.all_token_ids) - 1) // BLOCK
+        for r in self.running.values():
+            blocks = self.mgr.req_blocks.get(r.request_id, [])
+            k = 0
+            while (k < min(usable, len(blocks)) and (k + 1) * BLOCK <= r.num_computed_tokens
+                   and blocks[k].block_hash is not None
+                   and self._block_tokens(r, k) == self._block_tokens(probe, k)):
+                k += 1
+            assert len(hits) >= k, (r.request_id, k, len(hits))
 
     @invariant()
     def accounting_is_whole(self):
@@ -85,12 +109,15 @@ class KVMachine(RuleBasedStateMachine):
                 assert self.mgr.pool.cached[block.block_hash] is block
         assert len(free_ids) + len(holders) == NUM_BLOCKS
         # A shared block is a full prefix block: same position and same tokens in every holder.
+        shared: dict[int, tuple[int, tuple[int, ...]]] = {}
         for rid, blocks in self.mgr.req_blocks.items():
             req = self.running[rid]
             assert len(blocks) * BLOCK >= req.num_computed_tokens
             for i, b in enumerate(blocks):
                 if b.ref_cnt > 1:
                     assert (i + 1) * BLOCK <= req.num_computed_tokens
+                    seen = shared.setdefault(b.block_id, (i, self._block_tokens(req, i)))
+                    assert seen == (i, self._block_tokens(req, i)), (b.block_id, seen, rid)
 
     @invariant()
     def events_rebuild_the_prefix_cache(self):

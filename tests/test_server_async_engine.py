@@ -11,13 +11,16 @@ import pytest
 
 from pagedllm.engine.async_engine import (
     AsyncLLMEngine,
+    EngineDeadError,
     EngineShuttingDownError,
     RequestAbortedError,
     TooManyWaitingRequestsError,
 )
 from pagedllm.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedllm.engine.protocol import EngineCore
 from pagedllm.engine.stats import EngineStats
 from pagedllm.errors import UserError
+from pagedllm.model.config import ModelConfig
 
 
 @dataclass
@@ -33,6 +36,9 @@ class FakeEngine:
     """One token per running request per step; each running request holds one block per 4 tokens."""
 
     max_model_len = 64
+    tokenizer = None  # prompts here are token ids: nothing is ever tokenized
+    model_config = ModelConfig(architecture="LlamaForCausalLM", vocab_size=1000, hidden_size=8, intermediate_size=8,
+                               num_layers=1, num_heads=1, num_kv_heads=1, head_dim=8)
 
     def __init__(self, max_running: int = 4, step_s: float = 0.005, num_blocks: int = 64) -> None:
         self.max_running = max_running
@@ -43,8 +49,9 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.thread_ids: set[int] = set()
         self.steps = 0
+        self.explode = False  # the next step raises, as an engine bug would
 
-    def add_request(self, request_id, prompt, params):
+    def add_request(self, request_id, prompt, params, cache_salt=None, *, prompt_token_ids=None):
         self.thread_ids.add(threading.get_ident())
         ids = list(prompt) if not isinstance(prompt, str) else [1] * len(prompt.split())
         if len(ids) >= self.max_model_len:
@@ -67,6 +74,8 @@ class FakeEngine:
     def step(self):
         self.thread_ids.add(threading.get_ident())
         time.sleep(self.step_s)
+        if self.explode:
+            raise RuntimeError("boom")
         self.steps += 1
         outs = []
         for rid in list(self._running()):
@@ -84,7 +93,7 @@ class FakeEngine:
     def stats(self):
         used = sum((len(self.reqs[r].prompt) + len(self.reqs[r].tokens)) // 4 + 1 for r in self._running())
         return EngineStats(num_running=len(self._running()), num_waiting=max(0, len(self.order) - self.max_running),
-                           num_blocks=self.num_blocks, num_free_blocks=self.num_blocks - used, block_size=4,
+                           num_blocks=self.num_blocks, num_free_blocks=self.num_blocks - used, num_cached_blocks=0, block_size=4,
                            kv_usage=used / self.num_blocks, num_stored_tokens=0, prefix_cache_queries=0,
                            prefix_cache_hits=0, num_preemptions=0, prompt_tokens=0, generation_tokens=0,
                            peak_running=0, num_steps=self.steps)
@@ -93,6 +102,7 @@ class FakeEngine:
 @dataclass
 class P:
     max_tokens: int = 5
+    n: int = 1
 
 
 def run(coro):
@@ -191,15 +201,15 @@ def test_max_waiting_requests():
     eng = AsyncLLMEngine(fake, max_waiting_requests=1)
 
     async def main():
-        s1 = await eng.add_request([1], P(max_tokens=100), "a")
+        s1 = await eng.add_request("a", [1], P(max_tokens=100))
         async for _ in eng.iterate(s1):
             break  # "a" runs ... and is aborted by leaving; start again with a held iterator
         it1 = eng.generate([1], P(max_tokens=100), "b")
         await it1.__anext__()  # b running
-        s2 = await eng.add_request([1], P(max_tokens=100), "c")  # c waits
+        s2 = await eng.add_request("c", [1], P(max_tokens=100))  # c waits
         await asyncio.sleep(0.05)
         with pytest.raises(TooManyWaitingRequestsError):
-            await eng.add_request([1], P(max_tokens=100), "d")
+            await eng.add_request("d", [1], P(max_tokens=100))
         await it1.aclose()
         eng.abort(s2.request_id)
 
@@ -223,10 +233,92 @@ def test_shutdown_aborts_in_flight_and_refuses_new():
             async for _ in it:
                 pass
         with pytest.raises(EngineShuttingDownError):
-            await eng.add_request([1], P(), "late")
+            await eng.add_request("late", [1], P())
 
     try:
         run(main())
     finally:
         eng.shutdown()
     assert fake.aborted == ["long"] and not eng.is_running
+
+
+def test_fake_fits_the_engine_protocol():
+    """The server layer is typed against EngineCore: the fake (and LLMEngine, checked in test_server.py) fit it."""
+    assert isinstance(FakeEngine(), EngineCore)
+
+
+def test_n_counts_against_max_waiting_requests():
+    """Each of a request's n samples waits in the engine: n=64 must not slip past a limit of 8 (issue 11, item 6)."""
+    fake = FakeEngine(max_running=1)
+    eng = AsyncLLMEngine(fake, max_waiting_requests=8)
+
+    async def main():
+        with pytest.raises(TooManyWaitingRequestsError):
+            await eng.add_request("big", [1], P(max_tokens=1, n=9))
+        outs = [o async for o in eng.iterate(await eng.add_request("fits", [1], P(max_tokens=1, n=8)))]
+        return outs
+
+    try:
+        assert run(main())[-1].finished
+    finally:
+        eng.shutdown()
+    assert "big" not in fake.order
+
+
+class _CrashWhilePutting:
+    """A queue whose put() first makes the engine crash and gives its thread time to die: the window between
+    add_request's liveness check and its put, held open (issue 11, item 7)."""
+
+    def __init__(self, inner, fake, eng):
+        self.inner, self.fake, self.eng = inner, fake, eng
+
+    def put(self, op):
+        if type(op).__name__ in ("_Add", "tuple") and not self.fake.explode:
+            self.fake.explode = True
+            self.eng._thread.join(1.0)  # the fixed engine cannot finish dying: its clean-up waits on the lock
+        self.inner.put(op)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_add_racing_an_engine_crash_is_answered():
+    fake = FakeEngine(step_s=0.01)
+    died = []
+    eng = AsyncLLMEngine(fake, on_dead=died.append)
+
+    async def main():
+        it = eng.generate([1], P(max_tokens=10_000), "running")
+        await it.__anext__()
+        eng._ops = _CrashWhilePutting(eng._ops, fake, eng)
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(eng.add_request("late", [1], P()), 5)
+        with pytest.raises(EngineDeadError):  # the stream in flight is failed too
+            async for _ in it:
+                pass
+        with pytest.raises(EngineDeadError):  # and every later add is refused at once
+            await eng.add_request("later", [1], P())
+
+    try:
+        run(main())
+    finally:
+        eng.shutdown()
+    assert not eng.is_healthy and len(died) == 1 and isinstance(died[0], RuntimeError)
+
+
+def test_run_on_engine_reads_between_steps_and_fails_once_closed():
+    fake = FakeEngine()
+    eng = AsyncLLMEngine(fake)
+
+    async def main():
+        assert await eng.run_on_engine(lambda e: e.max_model_len) == 64  # not started: run in place
+        eng.start()
+        seen = await eng.run_on_engine(lambda e: threading.get_ident())
+        assert seen != threading.get_ident()
+        with pytest.raises(ZeroDivisionError):
+            await eng.run_on_engine(lambda e: 1 / 0)
+        eng.shutdown()
+        with pytest.raises(EngineShuttingDownError):
+            await eng.run_on_engine(lambda e: 1)
+
+    run(main())

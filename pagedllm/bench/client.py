@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -13,6 +12,7 @@ import numpy as np
 from pagedllm.bench.datasets import SampleRequest
 from pagedllm.bench.metrics import RequestResult
 from pagedllm.errors import UserError
+from pagedllm.sse import SSEError, aiter_events
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 
@@ -60,6 +60,26 @@ def _chunk_text(choice: dict) -> str:
     return choice.get("text") or ""
 
 
+def _take_chunk(r: RequestResult, obj: dict, start: float, last: float | None, text_parts: list[str]) -> float | None:
+    """Record one chunk's text (its arrival is a token time) and usage; the time of the last text chunk."""
+    now = time.perf_counter()
+    text = "".join(_chunk_text(c) for c in obj.get("choices") or [] if isinstance(c, dict))
+    if text:
+        if last is None:
+            r.ttft = now - start
+        else:
+            r.itl.append(now - last)
+        last = now
+        text_parts.append(text)
+    usage = obj.get("usage")
+    if isinstance(usage, dict):
+        if usage.get("completion_tokens") is not None:
+            r.output_tokens = int(usage["completion_tokens"])
+        if usage.get("prompt_tokens") is not None:
+            r.prompt_tokens = int(usage["prompt_tokens"])
+    return last
+
+
 async def send_request(client: httpx.AsyncClient, s: RequestSettings, req: SampleRequest) -> RequestResult:
     """One streamed request. A chunk counts as a token when it carries text (vLLM also counts a chat reply's
     role-only first chunk, which makes its TTFT too small)."""
@@ -74,38 +94,12 @@ async def send_request(client: httpx.AsyncClient, s: RequestSettings, req: Sampl
                 body = (await resp.aread()).decode("utf-8", "replace")
                 r.error = f"HTTP {resp.status_code}: {body[:500]}"
                 return r
-            async for line in resp.aiter_lines():
-                line = line.strip()
-                if not line or line.startswith(":") or not line.startswith("data:"):
-                    continue
-                data = line[len("data:"):].strip()
-                if data == "[DONE]":
-                    break
-                now = time.perf_counter()
-                try:
-                    obj = json.loads(data)
-                except json.JSONDecodeError:
-                    r.error = f"bad SSE data: {data[:200]}"
-                    return r
-                if isinstance(obj, dict) and obj.get("error"):
-                    err = obj["error"]
-                    r.error = str(err.get("message", err) if isinstance(err, dict) else err)
-                    return r
-                choices = obj.get("choices") or []
-                text = "".join(_chunk_text(c) for c in choices if isinstance(c, dict))
-                if text:
-                    if last is None:
-                        r.ttft = now - st
-                    else:
-                        r.itl.append(now - last)
-                    last = now
-                    text_parts.append(text)
-                usage = obj.get("usage")
-                if isinstance(usage, dict):
-                    if usage.get("completion_tokens") is not None:
-                        r.output_tokens = int(usage["completion_tokens"])
-                    if usage.get("prompt_tokens") is not None:
-                        r.prompt_tokens = int(usage["prompt_tokens"])
+            try:
+                async for obj in aiter_events(resp.aiter_lines()):
+                    last = _take_chunk(r, obj, st, last, text_parts)
+            except SSEError as e:
+                r.error = str(e)
+                return r
         end = time.perf_counter()
         r.generated_text = "".join(text_parts)
         if last is None:  # nothing visible came back: first token = end

@@ -118,6 +118,46 @@ def _stats(name: str, values_s: Sequence[float], percentiles: Sequence[float], o
         out[f"p{percentile_key(p)}_{name}_ms"] = float(np.percentile(arr, p))
 
 
+@dataclass
+class _Samples:
+    """The per-request figures compute_metrics summarizes (failed requests count 0 output tokens only)."""
+
+    completed: int = 0
+    total_input: int = 0
+    input_lens: list[int] = field(default_factory=list)
+    output_lens: list[int] = field(default_factory=list)
+    ttfts: list[float] = field(default_factory=list)
+    tpots: list[float] = field(default_factory=list)  # requests with more than one output token
+    all_tpots: list[float] = field(default_factory=list)  # every completed request (0 for one token)
+    itls: list[float] = field(default_factory=list)
+    e2els: list[float] = field(default_factory=list)
+
+
+def _samples(results: Sequence[RequestResult], count_tokens: Callable[[str], int] | None) -> _Samples:
+    s = _Samples()
+    for r in results:
+        in_len = int(r.prompt_tokens if r.prompt_tokens is not None else r.prompt_len)
+        s.input_lens.append(in_len)
+        if not r.success:
+            s.output_lens.append(0)
+            continue
+        out_len = r.output_tokens
+        if out_len is None:
+            out_len = count_tokens(r.generated_text) if count_tokens else 0
+        out_len = int(out_len)
+        s.output_lens.append(out_len)
+        s.total_input += in_len
+        tpot = (r.latency - r.ttft) / (out_len - 1) if out_len > 1 else 0.0
+        if out_len > 1:
+            s.tpots.append(tpot)
+        s.all_tpots.append(tpot)
+        s.itls.extend(r.itl)
+        s.ttfts.append(r.ttft)
+        s.e2els.append(r.latency)
+        s.completed += 1
+    return s
+
+
 def compute_metrics(
     results: Sequence[RequestResult],
     duration: float,
@@ -126,45 +166,14 @@ def compute_metrics(
     goodput: dict[str, float] | None = None,
 ) -> dict:
     """vLLM-style result dict (see the module docstring for each definition)."""
-    completed = 0
-    total_input = 0
-    output_lens: list[int] = []
-    input_lens: list[int] = []
-    ttfts: list[float] = []
-    tpots: list[float] = []
-    all_tpots: list[float] = []
-    itls: list[float] = []
-    e2els: list[float] = []
-    for r in results:
-        in_len = r.prompt_tokens if r.prompt_tokens is not None else r.prompt_len
-        input_lens.append(int(in_len))
-        if not r.success:
-            output_lens.append(0)
-            continue
-        out_len = r.output_tokens
-        if out_len is None:
-            out_len = count_tokens(r.generated_text) if count_tokens else 0
-        out_len = int(out_len)
-        output_lens.append(out_len)
-        total_input += int(in_len)
-        tpot = 0.0
-        if out_len > 1:
-            tpot = (r.latency - r.ttft) / (out_len - 1)
-            tpots.append(tpot)
-        all_tpots.append(tpot)
-        itls.extend(r.itl)
-        ttfts.append(r.ttft)
-        e2els.append(r.latency)
-        completed += 1
+    s = _samples(results, count_tokens)
+    completed, total_input, output_lens, input_lens = s.completed, s.total_input, s.output_lens, s.input_lens
+    ttfts, tpots, itls, e2els = s.ttfts, s.tpots, s.itls, s.e2els
     total_output = sum(output_lens)
     dur = duration if duration > 0 else float("nan")
-    good = 0
     slos = goodput or {}
-    if slos:
-        for ttft, tpot, e2el in zip(ttfts, all_tpots, e2els):
-            measured = {"ttft": ttft, "tpot": tpot, "e2el": e2el}
-            if all(measured[k] * 1000.0 <= v for k, v in slos.items()):
-                good += 1
+    good = sum(all(m[k] * 1000.0 <= v for k, v in slos.items())
+               for m in ({"ttft": a, "tpot": b, "e2el": c} for a, b, c in zip(ttfts, s.all_tpots, e2els)))
     tokens_per_s, running = per_second(results)
     out: dict = {
         "duration": duration,

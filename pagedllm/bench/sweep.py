@@ -19,7 +19,9 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -93,29 +95,33 @@ def add_sweep_parser(bench_sub) -> argparse.ArgumentParser:
 # ---- running one engine -----------------------------------------------------------------------------------
 
 def kv_bytes_per_token(model: str | None, dtype: str) -> int:
-    from pagedllm.model.config import load_model_config
-    from pagedllm.model.loader import resolve_dtype
-
-    cfg = load_model_config(model)
+    """KV bytes per token of `model` at `dtype` ("auto": the dtype the engine would load it in)."""
     import torch
 
+    from pagedllm import kv
+    from pagedllm.model import load_model_config, resolve_dtype
+
+    cfg = load_model_config(model)
     elem = torch.empty((), dtype=resolve_dtype(dtype, cfg)).element_size()
-    return cfg.kv_bytes_per_token(elem)
+    return kv.kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, elem)
 
 
-def run_engine(engine, prompts: list[list[int]], output_len: int, send_times: np.ndarray) -> dict:
-    """Feed the requests at their send times, step until done; per-request TTFT and the stats over steps."""
+def run_engine(engine, prompts: list[list[int]], output_len: int, send_times: np.ndarray,
+               on_peak: Callable[[Any], None] | None = None) -> dict:
+    """Feed the requests at their send times, step until done; per-request TTFT and the stats over steps.
+
+    `on_peak(engine)` is called between steps whenever (KV slots allocated, tokens stored) reaches a new high, so
+    the last call sees the fullest moment of the fullest allocation (the sweep's block-map pictures take their
+    snapshot there); None costs nothing.
+    """
     from pagedllm.sampling_params import SamplingParams
 
     s0 = engine.stats()
     n = len(prompts)
-    arrival = [0.0] * n
-    first = [None] * n
-    done = [None] * n
-    out_tokens = [0] * n
+    arrival, first, done, out_tokens = [0.0] * n, [None] * n, [None] * n, [0] * n
     allocated, stored = [], []
-    peak_running = 0
-    nxt = 0
+    peak_running = nxt = 0
+    peak = (0, 0)
     t0 = time.monotonic()
     while nxt < n or engine.has_unfinished_requests():
         now = time.monotonic()
@@ -140,11 +146,19 @@ def run_engine(engine, prompts: list[list[int]], output_len: int, send_times: np
         s = engine.stats()
         peak_running = max(peak_running, s.num_running)
         if s.num_running:
+            if on_peak is not None and (s.slots_allocated, s.num_stored_tokens) > peak:
+                peak = (s.slots_allocated, s.num_stored_tokens)
+                on_peak(engine)
             allocated.append(s.slots_allocated)
             stored.append(s.num_stored_tokens)
-    duration = time.monotonic() - t0
-    s1 = engine.stats()
     ttfts = [(f - a) for f, a in zip(first, arrival) if f is not None]
+    return _summary(engine, s0, time.monotonic() - t0, done, out_tokens, ttfts, allocated, stored, peak_running)
+
+
+def _summary(engine, s0, duration: float, done: list, out_tokens: list[int], ttfts: list[float],
+             allocated: list[int], stored: list[int], peak_running: int) -> dict:
+    """A row's figures from what run_engine saw (stats over running steps; counters as differences)."""
+    s1 = engine.stats()
     q = s1.prefix_cache_queries - s0.prefix_cache_queries
     h = s1.prefix_cache_hits - s0.prefix_cache_hits
     alloc_mean = float(np.mean(allocated)) if allocated else 0.0
@@ -212,11 +226,8 @@ def _save(args, rows: list[dict], budget_tokens: int, kv_bytes: int) -> None:
     os.replace(tmp, args.save_result)
 
 
-def run_sweep(args: argparse.Namespace) -> int:
-    groups = set(GROUPS) if args.rows == "all" else {g.strip() for g in args.rows.split(",") if g.strip()}
-    if not groups or groups - set(GROUPS):
-        raise UserError(f"--rows: expected a comma-separated subset of {', '.join(GROUPS)} (or all), got {args.rows!r}")
-    settings = default_settings(groups)
+def _budget_tokens(args: argparse.Namespace, groups: set[str]) -> int:
+    """The KV budget every row gets, after checking the flags that must fit in it."""
     budget_tokens = args.kv_budget_tokens or args.contiguous_requests * args.max_model_len
     if budget_tokens < args.max_model_len:
         raise UserError(f"--kv-budget-tokens: {budget_tokens} is less than --max-model-len {args.max_model_len}")
@@ -225,10 +236,54 @@ def run_sweep(args: argparse.Namespace) -> int:
                         f"{args.max_model_len}")
     if args.output_len >= args.max_model_len:
         raise UserError(f"--output-len must be less than --max-model-len {args.max_model_len}")
-    if budget_tokens % 128:
-        budget_tokens = math.ceil(budget_tokens / 128) * 128  # a whole number of blocks at every block size
-    from pagedllm.engine import EngineConfig, LLMEngine
+    return math.ceil(budget_tokens / 128) * 128  # a whole number of blocks at every block size
 
+
+def _run_row(args: argparse.Namespace, s: Setting, workload: tuple[list, int], kv_bytes: int, loaded: Any,
+             peaks: dict[str, Any] | None) -> dict:
+    """One setting on a fresh engine; with `peaks`, an allocation row leaves its snapshot at peak KV there."""
+    from pagedllm.engine import EngineConfig, LLMEngine, take_snapshot
+
+    prompts, out_len = workload
+    cfg = EngineConfig(model=args.model, dtype=args.dtype, block_size=s.block_size,
+                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                       max_model_len=args.max_model_len, enable_prefix_caching=s.enable_prefix_caching,
+                       kv_allocation=s.kv_allocation, kv_cache_memory=kv_bytes, seed=args.seed,
+                       log_stats_interval=0)
+    engine = LLMEngine(cfg, loaded)
+
+    def on_peak(e: Any) -> None:
+        peaks[s.name] = take_snapshot(e)
+
+    wanted = peaks is not None and "allocation" in s.groups
+    times = arrival_times(len(prompts), args.request_rate, args.burstiness, args.seed)
+    res = run_engine(engine, prompts, out_len, times, on_peak if wanted else None)
+    return {"setting": s.name, "workload": s.workload, "kv_allocation": s.kv_allocation,
+            "block_size": s.block_size, "enable_prefix_caching": s.enable_prefix_caching,
+            "num_blocks": engine.stats().num_blocks, **res}
+
+
+def _plot(path: str, rows: list[dict], peaks: dict[str, Any], budget_tokens: int) -> None:
+    """The sweep's bars, and beside them (FILE_blocks.png) the allocation rows' block maps at their peak."""
+    from pagedllm.bench.block_map_plot import plot_block_maps
+    from pagedllm.bench.plot import plot_sweep
+    from pagedllm.engine import block_map
+
+    plot_sweep(rows, path, title=f"pagedllm bench sweep: KV budget {budget_tokens:,} tokens")
+    if peaks:
+        root, ext = os.path.splitext(path)
+        maps = {name: block_map(snap) for name, snap in peaks.items()}
+        plot_block_maps(maps, f"{root}_blocks{ext or '.png'}",
+                        title=f"the same KV budget ({budget_tokens:,} tokens) at peak use: contiguous vs paged")
+        print(f"block maps at peak: {root}_blocks{ext or '.png'}", file=sys.stderr)
+
+
+def run_sweep(args: argparse.Namespace) -> int:
+    groups = set(GROUPS) if args.rows == "all" else {g.strip() for g in args.rows.split(",") if g.strip()}
+    if not groups or groups - set(GROUPS):
+        raise UserError(f"--rows: expected a comma-separated subset of {', '.join(GROUPS)} (or all), got {args.rows!r}")
+    settings = default_settings(groups)
+    budget_tokens = _budget_tokens(args, groups)
     per_token = kv_bytes_per_token(args.model, args.dtype)
     kv_bytes = budget_tokens * per_token
     print(f"KV budget: {budget_tokens:,} tokens = {kv_bytes / 2**20:.1f} MiB for every row "
@@ -242,33 +297,20 @@ def run_sweep(args: argparse.Namespace) -> int:
         print(f"workload {name}: {len(prompts)} prompts, lengths {lens[0]}..{lens[-1]} (median "
               f"{lens[len(lens) // 2]}), {out_len} output tokens each", file=sys.stderr)
     rows = []
-    from pagedllm.model.loader import load_model
+    from pagedllm.model import load_model
 
     loaded = load_model(args.model, args.dtype) if args.reuse_weights else None  # one copy of the weights for all rows
+    rows, peaks = [], {} if args.plot else None
     for s in settings:
-        prompts, out_len = workloads[s.workload]
-        cfg = EngineConfig(model=args.model, dtype=args.dtype, block_size=s.block_size,
-                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                           max_model_len=args.max_model_len, enable_prefix_caching=s.enable_prefix_caching,
-                           kv_allocation=s.kv_allocation, kv_cache_memory=kv_bytes, seed=args.seed,
-                           log_stats_interval=0)
         t = time.monotonic()
-        engine = LLMEngine(cfg, loaded)
-        times = arrival_times(len(prompts), args.request_rate, args.burstiness, args.seed)
-        res = run_engine(engine, prompts, out_len, times)
-        row = {"setting": s.name, "workload": s.workload, "kv_allocation": s.kv_allocation,
-               "block_size": s.block_size, "enable_prefix_caching": s.enable_prefix_caching,
-               "kv_budget_tokens": budget_tokens, "num_blocks": engine.stats().num_blocks, **res}
-        rows.append(row)
+        row = _run_row(args, s, workloads[s.workload], kv_bytes, loaded, peaks)
+        rows.append({**row, "kv_budget_tokens": budget_tokens})
         print(f"[{len(rows)}/{len(settings)}] {s.name}: {time.monotonic() - t:.1f} s, peak running "
               f"{row['peak_running']}, {row['output_throughput']:.1f} out tok/s", file=sys.stderr)
-        del engine
         gc.collect()
         if args.save_result:  # after every row, so a long sweep that is cut short keeps what it measured
             _save(args, rows, budget_tokens, kv_bytes)
     print(format_table(rows, args.markdown))
     if args.plot:
-        from pagedllm.bench.plot import plot_sweep
-
-        plot_sweep(rows, args.plot, title=f"pagedllm bench sweep: KV budget {budget_tokens:,} tokens")
+        _plot(args.plot, rows, peaks, budget_tokens)
     return 0

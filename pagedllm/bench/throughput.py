@@ -27,7 +27,7 @@ def random_requests(num_prompts: int, input_len: int, output_len: int, range_rat
 
 
 def add_throughput_parser(sub: argparse._SubParsersAction) -> None:
-    from pagedllm.engine.config import add_engine_args
+    from pagedllm.engine import add_engine_args
 
     p = sub.add_parser("throughput", help="offline throughput on the in-process engine",
                        description="Offline throughput: N random prompts at once through the in-process engine.")
@@ -42,7 +42,7 @@ def add_throughput_parser(sub: argparse._SubParsersAction) -> None:
 
 def run_throughput(args: argparse.Namespace) -> int:
     from pagedllm import LLM, SamplingParams
-    from pagedllm.engine.config import EngineConfig
+    from pagedllm.engine import EngineConfig
 
     for flag in ("num_prompts", "input_len", "output_len"):
         if getattr(args, flag) < 1:

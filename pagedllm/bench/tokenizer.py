@@ -79,7 +79,7 @@ def _load_hf(path: str | None) -> Any:
     except ImportError as e:  # pragma: no cover
         raise UserError("counting tokens needs transformers (pip install transformers)") from e
     if path is None:
-        from pagedllm.model.default_model import default_model_path
+        from pagedllm.model import default_model_path
 
         path = default_model_path()
     try:
@@ -94,7 +94,7 @@ def _load_hf(path: str | None) -> Any:
 def load_bench_tokenizer(path: str | None = None) -> BenchTokenizer:
     """`path`: a GGUF file, an HF folder or hub name; None = the default model's tokenizer."""
     try:
-        from pagedllm.model.tokenizer import load_tokenizer  # the project's own (fast) tokenizer
+        from pagedllm.model import load_tokenizer  # the project's own (fast) tokenizer
     except ImportError:
         load_tokenizer = None
     if load_tokenizer is not None:

@@ -86,17 +86,17 @@ async def kv_state(request: Request) -> dict[str, Any]:
 
 
 def build_ingress_app(engine: ClusterEngine, settings: IngressSettings) -> FastAPI:
-    """The single-process server's app over the cluster engine, with the per-replica routes in place of its
-    one-engine /health, /metrics and /v1/kv (and its own /v1/models)."""
+    """The single-process server's app over the cluster engine, with per-replica routes in place of its one-engine
+    state routes (/health, /metrics, /v1/kv; the /kv block map stays a single server's)."""
     from pagedllm.entrypoints.openai import serving_info
     from pagedllm.entrypoints.openai.api_server import DEFAULT_MAX_REQUEST_BYTES, build_app
 
-    routes = APIRouter()
-    routes.include_router(cluster_routes)
-    routes.add_api_route("/v1/models", serving_info.models, methods=["GET"], response_model=serving_info.ModelList)
+    models = APIRouter()
+    models.add_api_route("/v1/models", serving_info.models, methods=["GET"], response_model=serving_info.ModelList)
     return build_app(engine, served_model_names=settings.served_model_names, api_key=settings.api_key,
-                     model_root=settings.model or settings.served_model_names[0], info_router=routes,
-                     max_request_bytes=settings.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES)
+                     model_root=settings.model or settings.served_model_names[0],
+                     max_request_bytes=settings.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES,
+                     state_routers=[cluster_routes, models])
 
 
 async def poll_kv_events(engine: ClusterEngine, every: float) -> None:

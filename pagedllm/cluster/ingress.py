@@ -76,7 +76,7 @@ class EngineFacts:
 
 @dataclass
 class ClusterEngine:
-    """The async engine interface over a deployment of `EngineReplica`s (see the module docstring)."""
+    """An `AsyncEngine` (engine/protocol.py) over a deployment of `EngineReplica`s (see the module docstring)."""
 
     handle: Any  # ray.serve.handle.DeploymentHandle of the replicas
     tokenizer: Tokenizer
@@ -84,7 +84,6 @@ class ClusterEngine:
     max_model_len: int
     max_waiting_requests: int | None = None  # each replica's limit: a request over it is never admissible
     stat_logger: Any = None  # the app's metrics hook; unused, each replica keeps its own metrics
-    on_dead: Any = None
     num_aborted: int = 0
     aborted_ids: list[str] = field(default_factory=list)
     _streams: dict[str, ClusterStream] = field(default_factory=dict)
@@ -151,12 +150,6 @@ class ClusterEngine:
             self._streams.pop(stream.request_id, None)
             if not done:
                 stream.call.cancel()
-
-    async def generate(self, prompt: str | list[int], params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
-        stream = await self.add_request(request_id, prompt, params)
-        async for out in self.iterate(stream):
-            yield out
 
     def abort(self, request_id: str) -> None:
         """Cancel the call: Ray Serve cancels it on the replica, whose engine frees the request's blocks."""

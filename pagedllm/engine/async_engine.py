@@ -1,13 +1,18 @@
-"""AsyncLLMEngine: one background thread runs `LLMEngine.step()` for every caller (continuous batching).
+"""AsyncLLMEngine: one background thread runs `EngineCore.step()` for every caller (continuous batching).
 
-The asyncio side never touches the engine directly. `generate()` puts an *add* on a thread-safe queue; the engine
-thread drains that queue (adds and aborts) before every step, runs the step, and hands each request's latest
-cumulative `RequestOutput` back to the event loop with `call_soon_threadsafe`. So an HTTP handler awaits, but never
-blocks on, a model step, and a request's errors from `add_request` (bad params, a prompt that is too long) come
-back to the caller before its first output, as the exception `add_request` raised.
+The asyncio side never touches the engine directly. `add_request()` puts an `_Add` on a thread-safe queue; the
+engine thread applies the queued adds and aborts before every step, runs the step, and hands each request's
+latest cumulative `RequestOutput` back to the caller's event loop with `call_soon_threadsafe`. So an HTTP handler
+awaits, but never blocks on, a model step, and an error from `EngineCore.add_request` (bad params, a prompt that
+is too long) reaches its caller as the exception it raised.
 
-Leaving `generate()` early (a client disconnect, a cancelled task, `break`) aborts the request; the engine thread
+Leaving `iterate()` early (a client disconnect, a cancelled task, `break`) aborts the request; the engine thread
 sees the abort before its next step, so the request's blocks are freed within one step.
+
+However the loop ends (shutdown or a crash), one path, `_close`, fails every queued add and every stream in
+flight; admission checks and that path hold the same lock, so an add either reaches the queue before the loop
+closes (and is failed by `_close`) or sees the loop closed: no caller waits forever. A crash also calls
+`on_dead`, with which the server exits non-zero so that a supervisor restarts it (vLLM's behaviour).
 """
 from __future__ import annotations
 
@@ -17,11 +22,16 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol
 
+from pagedllm.engine.outputs import RequestOutput
+from pagedllm.engine.protocol import EngineCore
+from pagedllm.engine.stats import EngineStats
 from pagedllm.errors import UserError
+from pagedllm.model.tokenizer import Tokenizer
+from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +52,14 @@ class EngineShuttingDownError(EngineDeadError):
     """The server is shutting down and takes no new requests."""
 
 
+class StatLogger(Protocol):
+    """The server's metrics hook, called on the engine thread after every step and every abort."""
+
+    def record_step(self, outputs: list[RequestOutput], now: float) -> None: ...
+
+    def record_abort(self, request_id: str) -> None: ...
+
+
 _ids = itertools.count()
 
 
@@ -50,79 +68,141 @@ def random_request_id(prefix: str = "req") -> str:
 
 
 @dataclass
-class _Stream:
-    """The asyncio side of one request: the latest cumulative output, or the error that ended it."""
+class RequestStream:
+    """The asyncio side of one request: the latest cumulative output, or the error that ended it. Its methods run
+    on the caller's event loop only (the engine thread reaches them through `call_soon_threadsafe`)."""
 
     request_id: str
     loop: asyncio.AbstractEventLoop
+    added: asyncio.Future[None]  # resolved once the engine took the request (or refused it)
     event: asyncio.Event = field(default_factory=asyncio.Event)
-    added: asyncio.Future | None = None  # set by the engine thread once add_request returned (or raised)
-    latest: Any = None
+    latest: RequestOutput | None = None
     error: BaseException | None = None
     finished: bool = False
     taken: bool = False  # the consumer has seen `latest`
 
-    def put(self, out: Any) -> None:  # event-loop thread
+    def accepted(self, exc: BaseException | None) -> None:
+        if self.added.done():
+            return
+        if exc is None:
+            self.added.set_result(None)
+        else:
+            self.added.set_exception(exc)
+
+    def put(self, out: RequestOutput) -> None:
         if self.finished:
             return
-        self.latest = out
-        self.taken = False
-        if getattr(out, "finished", False):
-            self.finished = True
+        self.latest, self.taken = out, False
+        self.finished = out.finished
         self.event.set()
 
-    def fail(self, exc: BaseException) -> None:  # event-loop thread
+    def fail(self, exc: BaseException) -> None:
         if self.finished:
             return
-        self.error = exc
-        self.finished = True
-        if self.added is not None and not self.added.done():
-            self.added.set_exception(exc)
+        self.error, self.finished = exc, True
+        self.accepted(exc)
         self.event.set()
+
+
+# The messages from callers to the engine thread.
+@dataclass(frozen=True)
+class _Add:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    stream: RequestStream
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class _AbortAll:
+    pass
+
+
+@dataclass(frozen=True)
+class _Stop:
+    pass
+
+
+@dataclass(frozen=True)
+class _Call:
+    """A read of the engine between two steps (run_on_engine)."""
+
+    fn: Callable[[EngineCore], object]
+    future: asyncio.Future[object]
+    loop: asyncio.AbstractEventLoop
+
+    def answer(self, fn: Callable[[EngineCore], object], engine: EngineCore) -> None:
+        try:
+            result, error = fn(engine), None
+        except Exception as e:  # handed to the caller, as add_request's errors are
+            result, error = None, e
+
+        def done() -> None:
+            if not self.future.done():
+                self.future.set_exception(error) if error is not None else self.future.set_result(result)
+
+        try:
+            self.loop.call_soon_threadsafe(done)
+        except RuntimeError:  # the caller's event loop is closed
+            pass
+
+
+_Op = _Add | _Abort | _AbortAll | _Stop | _Call
+
+
+def _call_on_loop(stream: RequestStream, fn: Callable[..., None], *args: object) -> None:
+    try:
+        stream.loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the caller's event loop is closed: nobody is waiting any more
+        pass
+
+
+def _raiser(error: BaseException) -> Callable[[EngineCore], object]:
+    """What a read queued when the loop closed runs instead of its own function."""
+    def fail(_: EngineCore) -> object:
+        raise error
+    return fail
 
 
 class AsyncLLMEngine:
-    """Wraps an `LLMEngine` so many asyncio callers share one engine loop.
+    """Wraps an `EngineCore` so many asyncio callers share one engine loop.
 
-    `max_waiting_requests`: when that many requests already wait to be scheduled, `generate()` raises
-    `TooManyWaitingRequestsError` instead of queueing another (None: no limit).
-    `stat_logger`: an object with `record_step(outputs, now)` and `record_abort(request_id)`, called on the
-    engine thread after every step and every abort (the server's metrics hook); None for none.
+    `max_waiting_requests`: refuse (TooManyWaitingRequestsError) a request whose samples would bring the waiting
+    ones over this (None: no limit); each of a request's `n` samples counts.
+    `stat_logger`: the server's metrics hook (None for none). `on_dead`: called on the engine thread, once, if the
+    loop crashes.
     """
 
-    def __init__(self, engine: Any, *, max_waiting_requests: int | None = None, stat_logger: Any = None,
-                 idle_poll_s: float = 0.5) -> None:
+    def __init__(self, engine: EngineCore, *, max_waiting_requests: int | None = None,
+                 stat_logger: StatLogger | None = None, idle_poll_s: float = 0.5,
+                 on_dead: Callable[[BaseException], None] | None = None) -> None:
         if max_waiting_requests is not None and max_waiting_requests < 0:
             raise UserError(f"--max-waiting-requests must be >= 0, got {max_waiting_requests}")
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
         self.stat_logger = stat_logger
+        self.on_dead = on_dead
         self._idle_poll_s = idle_poll_s
-        self._ops: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, _Stream] = {}  # engine-thread view: requests it has added and not finished
-        self._lock = threading.Lock()
-        self._pending_adds = 0  # adds queued but not yet handed to the engine
-        self._in_engine: set[str] = set()  # request ids the engine holds (engine thread only)
-        self._stats: Any = None
-        self._stats_lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._stopping = False
+        self._ops: queue.SimpleQueue[_Op] = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}  # engine thread only: added and not finished
+        self._lock = threading.Lock()  # admission (_closed_error, _accepting, _pending) and _close
+        self._pending = 0  # samples of adds queued but not yet handed to the engine
         self._accepting = True
-        self._dead_error: BaseException | None = None
+        self._closed_error: EngineDeadError | None = None  # set once, by _close
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._stats = engine.stats()
         self.num_aborted = 0  # requests aborted (disconnects, cancellations, shutdown)
         self.aborted_ids: list[str] = []  # the most recent aborted request ids (bounded)
-        self.num_steps = 0
-        self._refresh_stats()
 
-    # ------------------------------------------------------------------ construction / lifecycle
-    @classmethod
-    def from_config(cls, config: Any, **kwargs: Any) -> "AsyncLLMEngine":
-        from pagedllm.engine.llm_engine import LLMEngine
-
-        return cls(LLMEngine(config), **kwargs)
-
+    # ------------------------------------------------------------------ lifecycle
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
     @property
@@ -135,68 +215,56 @@ class AsyncLLMEngine:
 
     @property
     def is_healthy(self) -> bool:
-        return self._dead_error is None and (self._thread is None or self._thread.is_alive())
+        return self._closed_error is None
 
     def start(self) -> None:
-        if self._thread is not None:
-            return
-        self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
-        self._thread.start()
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
+                self._thread.start()
 
     def stop_accepting(self) -> None:
-        """New generate() calls fail with EngineShuttingDownError; what runs goes on (see abort_all)."""
-        self._accepting = False
+        """New add_request() calls fail with EngineShuttingDownError; what runs goes on (see abort_all)."""
+        with self._lock:
+            self._accepting = False
 
     def abort_all(self) -> None:
-        self._ops.put(("abort_all", None))
+        self._ops.put(_AbortAll())
 
     def shutdown(self, timeout: float | None = 10.0) -> None:
         """Stop accepting, abort everything in flight, stop the loop and join its thread."""
-        self._accepting = False
-        self._stopping = True
-        self._ops.put(("stop", None))
-        if self._thread is not None:
+        self.stop_accepting()
+        self._ops.put(_Stop())
+        if self._thread is None:
+            self._close(None)
+        else:
             self._thread.join(timeout)
 
-    # ------------------------------------------------------------------ stats
-    def _refresh_stats(self) -> None:
-        try:
-            st = self.engine.stats()
-        except Exception:  # pragma: no cover - stats are best effort
-            logger.exception("engine.stats() failed")
-            return
-        with self._stats_lock:
-            self._stats = st
-
-    def stats(self) -> Any:
+    def stats(self) -> EngineStats:
         """The engine's stats as of the end of the last step (never waits for a step)."""
-        with self._stats_lock:
-            return self._stats
+        return self._stats
 
-    def num_waiting(self) -> int:
-        st = self.stats()
-        waiting = int(getattr(st, "num_waiting", 0) or 0) if st is not None else 0
-        with self._lock:
-            return waiting + self._pending_adds
-
-    # ------------------------------------------------------------------ public async API
-    async def add_request(self, prompt: Any, params: Any, request_id: str) -> _Stream:
-        """Hand a request to the engine; returns once the engine accepted it (raises what add_request raised)."""
-        if self._dead_error is not None:
-            raise EngineDeadError(f"the engine loop has stopped: {self._dead_error}")
+    # ------------------------------------------------------------------ the asyncio side
+    def _admit(self, n: int) -> None:
+        """Raise why a request of `n` samples cannot be queued now; called under the lock."""
+        if self._closed_error is not None:
+            raise self._closed_error
         if not self._accepting:
             raise EngineShuttingDownError("the server is shutting down")
-        if self._thread is None:
-            self.start()
-        loop = asyncio.get_running_loop()
-        if self.max_waiting_requests is not None and self.num_waiting() >= self.max_waiting_requests:
+        limit = self.max_waiting_requests
+        if limit is not None and self._stats.num_waiting + self._pending + n > limit:
             raise TooManyWaitingRequestsError(
-                f"too many waiting requests (the limit is {self.max_waiting_requests}); try again later")
-        stream = _Stream(request_id=request_id, loop=loop)
-        stream.added = loop.create_future()
+                f"too many waiting requests (the limit is {limit} samples); try again later")
+
+    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> RequestStream:
+        """Hand a request to the engine; returns once the engine took it (raises what the engine raised)."""
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(request_id, loop, loop.create_future())
         with self._lock:
-            self._pending_adds += 1
-        self._ops.put(("add", (request_id, prompt, params, stream)))
+            self._admit(params.n)
+            self._pending += params.n
+            self._ops.put(_Add(request_id, prompt, params, stream))
+        self.start()
         try:
             await stream.added
         except asyncio.CancelledError:
@@ -204,169 +272,160 @@ class AsyncLLMEngine:
             raise
         return stream
 
-    async def iterate(self, stream: _Stream) -> AsyncIterator[Any]:
+    async def iterate(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
         """Yield the stream's cumulative outputs until it finishes; leaving early aborts the request."""
-        finished = False
+        done = False
         try:
             while True:
                 # put()/fail() run on this event loop too, so nothing changes between these checks and the wait.
                 if stream.latest is not None and not stream.taken:
                     stream.taken = True
-                    out = stream.latest
-                    if stream.error is None and getattr(out, "finished", False):
-                        finished = True
-                    yield out
-                    if finished:
+                    done = stream.error is None and stream.latest.finished
+                    yield stream.latest
+                    if done:
                         return
                 elif stream.error is not None:
-                    finished = True
+                    done = True
                     raise stream.error
                 else:
                     stream.event.clear()
                     await stream.event.wait()
         finally:
-            if not finished:
+            if not done:
                 self.abort(stream.request_id)
 
-    async def generate(self, prompt: Any, params: Any, request_id: str | None = None) -> AsyncIterator[Any]:
+    async def generate(self, prompt: str | list[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its cumulative RequestOutputs; the last one has finished=True."""
-        request_id = request_id or random_request_id()
-        stream = await self.add_request(prompt, params, request_id)
+        stream = await self.add_request(request_id or random_request_id(), prompt, params)
         async for out in self.iterate(stream):
             yield out
 
     def abort(self, request_id: str) -> None:
         """Thread-safe and non-blocking; the engine frees the request's blocks before its next step."""
-        self._ops.put(("abort", request_id))
+        self._ops.put(_Abort(request_id))
 
-    # ------------------------------------------------------------------ engine thread
-    def _deliver(self, stream: _Stream, fn: str, arg: Any) -> None:
+    async def run_on_engine(self, fn: Callable[[EngineCore], object], timeout: float = 30.0) -> object:
+        """`fn(engine)` on the engine thread between two steps, for a consistent read-only view; it rides the
+        message queue, so the loop pays nothing while nobody asks."""
+        loop = asyncio.get_running_loop()
+        call = _Call(fn, loop.create_future(), loop)
+        with self._lock:
+            if self._closed_error is not None:
+                raise self._closed_error
+            if self._thread is None:  # not started: no other thread touches the engine
+                return fn(self.engine)
+            self._ops.put(call)
+        return await asyncio.wait_for(call.future, timeout)
+
+    # ------------------------------------------------------------------ the engine thread
+    def _run(self) -> None:
+        crash: BaseException | None = None
         try:
-            stream.loop.call_soon_threadsafe(getattr(stream, fn), arg)
-        except RuntimeError:  # the caller's event loop is closed
-            pass
+            while not self._stopping:
+                self._apply_ops(block=not self.engine.has_unfinished_requests())
+                if not self._stopping and self.engine.has_unfinished_requests():
+                    self._step()
+        except BaseException as e:  # a bug in the engine itself (a request's own failure never gets here)
+            logger.exception("engine loop crashed")
+            crash = e
+        finally:
+            self._close(crash)
 
-    def _added(self, stream: _Stream, exc: BaseException | None) -> None:
-        def done() -> None:
-            if stream.added is not None and not stream.added.done():
-                if exc is None:
-                    stream.added.set_result(None)
-                else:
-                    stream.added.set_exception(exc)
-        try:
-            stream.loop.call_soon_threadsafe(done)
-        except RuntimeError:
-            pass
-
-    def _abort_one(self, request_id: str, reason: str = "aborted") -> None:
-        stream = self._streams.pop(request_id, None)
-        if request_id in self._in_engine:
-            self._in_engine.discard(request_id)
+    def _step(self) -> None:
+        outputs = self.engine.step()
+        now = time.monotonic()
+        self._stats = self.engine.stats()
+        if self.stat_logger is not None:
             try:
-                self.engine.abort_request(request_id)
-            except Exception:  # pragma: no cover
-                logger.exception("abort_request(%s) failed", request_id)
-            self.num_aborted += 1
-            self.aborted_ids.append(request_id)
-            del self.aborted_ids[:-256]
-            if self.stat_logger is not None:
-                try:
-                    self.stat_logger.record_abort(request_id)
-                except Exception:  # pragma: no cover
-                    logger.exception("stat_logger.record_abort failed")
-        if stream is not None:
-            self._deliver(stream, "fail", RequestAbortedError(reason))
+                self.stat_logger.record_step(outputs, now)
+            except Exception:  # metrics must never kill the loop
+                logger.exception("stat_logger.record_step failed")
+        for out in outputs:
+            stream = self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)
+            if stream is not None:
+                _call_on_loop(stream, stream.put, out)
 
-    def _drain_ops(self, block: bool) -> None:
-        """Apply every queued add/abort; the stats snapshot is refreshed when any changed the engine."""
-        first = True
+    def _apply_ops(self, block: bool) -> None:
+        """Apply every queued message; waits up to idle_poll_s for the first when `block` (nothing to step)."""
         changed = False
         while True:
             try:
-                if block and first:
-                    op, arg = self._ops.get(timeout=self._idle_poll_s)
-                else:
-                    op, arg = self._ops.get_nowait()
+                op = self._ops.get(timeout=self._idle_poll_s) if block and not changed else self._ops.get_nowait()
             except queue.Empty:
-                if changed:
-                    self._refresh_stats()
-                return
-            first = False
+                break
+            if isinstance(op, _Call):  # a read: nothing changes
+                op.answer(op.fn, self.engine)
+                continue
             changed = True
-            if op == "add":
-                request_id, prompt, params, stream = arg
-                with self._lock:
-                    self._pending_adds -= 1
-                if self._stopping:
-                    self._added(stream, EngineShuttingDownError("the server is shutting down"))
-                    continue
-                if request_id in self._streams or request_id in self._in_engine:
-                    self._added(stream, UserError(f"request id {request_id!r} is already in use"))
-                    continue
-                try:
-                    self.engine.add_request(request_id, prompt, params)
-                except Exception as e:  # UserError for bad input; anything else is passed on as it is
-                    self._added(stream, e)
-                    continue
-                self._in_engine.add(request_id)
-                self._streams[request_id] = stream
-                self._added(stream, None)
-            elif op == "abort":
-                self._abort_one(arg)
-            elif op == "abort_all":
+            if isinstance(op, _Add):
+                self._apply_add(op)
+            elif isinstance(op, _Abort):
+                self._abort_one(op.request_id, RequestAbortedError("aborted"))
+            elif isinstance(op, _AbortAll):
                 for rid in list(self._streams):
-                    self._abort_one(rid, "the server is shutting down")
-            elif op == "stop":
+                    self._abort_one(rid, RequestAbortedError("the server is shutting down"))
+            else:
                 self._stopping = True
+        if changed:
+            self._stats = self.engine.stats()
 
-    def _run(self) -> None:
+    def _apply_add(self, op: _Add) -> None:
+        error: BaseException | None = None
+        if self._stopping:
+            error = EngineShuttingDownError("the server is shutting down")
+        elif op.request_id in self._streams:
+            error = UserError(f"request id {op.request_id!r} is already in use")
+        else:
+            try:
+                self.engine.add_request(op.request_id, op.prompt, op.params)
+            except Exception as e:  # UserError for bad input; anything else is the caller's to see as well
+                error = e
+        if error is None:
+            self._streams[op.request_id] = op.stream
+            self._stats = self.engine.stats()  # its samples now wait in the engine: count them there ...
+        with self._lock:
+            self._pending -= op.params.n  # ... before they stop counting as pending
+        _call_on_loop(op.stream, op.stream.accepted, error)
+
+    def _abort_one(self, request_id: str, error: BaseException) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return
         try:
-            while True:
-                busy = self.engine.has_unfinished_requests()
-                self._drain_ops(block=not busy)
-                if self._stopping:
-                    break
-                if not self.engine.has_unfinished_requests():
-                    continue
-                outputs = self.engine.step()
-                self.num_steps += 1
-                now = time.monotonic()
-                self._refresh_stats()
-                if self.stat_logger is not None:
-                    try:
-                        self.stat_logger.record_step(outputs, now)
-                    except Exception:  # pragma: no cover - metrics must never kill the loop
-                        logger.exception("stat_logger.record_step failed")
-                for out in outputs:
-                    stream = self._streams.get(out.request_id)
-                    if getattr(out, "finished", False):
-                        self._streams.pop(out.request_id, None)
-                        self._in_engine.discard(out.request_id)
-                    if stream is not None:
-                        self._deliver(stream, "put", out)
-        except BaseException as e:  # a bug in the engine: fail every caller instead of hanging them
-            logger.exception("engine loop crashed")
-            self._dead_error = e
-            for rid, stream in list(self._streams.items()):
-                self._deliver(stream, "fail", EngineDeadError(f"the engine loop crashed: {e!r}"))
-                try:
-                    self.engine.abort_request(rid)
-                except Exception:
-                    pass
-            self._streams.clear()
-        finally:
-            # Shut down: abort what is left, fail queued adds, so no caller waits forever.
-            for rid in list(self._streams):
-                self._abort_one(rid, "the server is shutting down")
-            while True:
-                try:
-                    op, arg = self._ops.get_nowait()
-                except queue.Empty:
-                    break
-                if op == "add":
-                    with self._lock:
-                        self._pending_adds -= 1
-                    self._added(arg[3], EngineShuttingDownError("the server is shutting down"))
-            self._refresh_stats()
-            if self._dead_error is None:
-                self._dead_error = EngineShuttingDownError("the engine has shut down")
+            self.engine.abort_request(request_id)
+        except Exception:  # a crashed engine may fail here too; the caller is told all the same
+            logger.exception("abort_request(%s) failed", request_id)
+        self.num_aborted += 1
+        self.aborted_ids.append(request_id)
+        del self.aborted_ids[:-256]
+        if self.stat_logger is not None:
+            try:
+                self.stat_logger.record_abort(request_id)
+            except Exception:
+                logger.exception("stat_logger.record_abort failed")
+        _call_on_loop(stream, stream.fail, error)
+
+    def _close(self, crash: BaseException | None) -> None:
+        """The one way the loop ends: refuse new adds, fail the queued ones and every stream in flight."""
+        closed = (EngineDeadError(f"the engine loop crashed: {crash!r}") if crash is not None
+                  else EngineShuttingDownError("the engine has shut down"))
+        with self._lock:
+            self._closed_error = closed
+            ops: list[_Op] = []
+            while not self._ops.empty():
+                ops.append(self._ops.get_nowait())
+            self._pending = 0
+        for op in ops:
+            if isinstance(op, _Add):
+                _call_on_loop(op.stream, op.stream.accepted, closed)
+            elif isinstance(op, _Call):
+                op.answer(_raiser(closed), self.engine)
+        for rid in list(self._streams):
+            self._abort_one(rid, closed if crash is not None else RequestAbortedError("the server is shutting down"))
+        try:
+            self._stats = self.engine.stats()
+        except Exception:
+            logger.exception("engine.stats() failed while closing")
+        if crash is not None and self.on_dead is not None:
+            self.on_dead(crash)

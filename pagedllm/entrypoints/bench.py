@@ -1,23 +1,17 @@
-"""`pagedllm bench ...`: the benchmark subcommand group.
-
-Each entry of BENCH_COMMANDS names a function `add_X_parser(bench_subparsers)` that registers one
-sub-subcommand (with `func=...`); to add one (e.g. `throughput`), append its "module:function" here.
-"""
+"""`pagedllm bench ...`: the benchmark subcommand group; each module in BENCH_COMMANDS registers one
+sub-subcommand (with `func=...`) through its add_*_parser function."""
 from __future__ import annotations
 
-import importlib
+import argparse
 
-BENCH_COMMANDS = [
-    "pagedllm.bench.serve:add_serve_parser",
-    "pagedllm.bench.sweep:add_sweep_parser",
-    "pagedllm.bench.throughput:add_throughput_parser",
-]
+from pagedllm.bench import serve, sweep, throughput
+
+BENCH_COMMANDS = [serve.add_serve_parser, sweep.add_sweep_parser, throughput.add_throughput_parser]
 
 
-def add_parser(subparsers) -> None:
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("bench", help="benchmarks: serve (any OpenAI-compatible server), sweep (KV settings)",
                               description="Benchmarks. `pagedllm bench <command> -h` for each.")
     bench_sub = p.add_subparsers(dest="bench_command", required=True)
-    for spec in BENCH_COMMANDS:
-        module, func = spec.split(":")
-        getattr(importlib.import_module(module), func)(bench_sub)
+    for add in BENCH_COMMANDS:
+        add(bench_sub)

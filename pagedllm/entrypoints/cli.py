@@ -2,26 +2,21 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 
+from pagedllm.entrypoints import bench, generate, kv_calc, rag, serve
 from pagedllm.errors import UserError
 
-# Each module defines `add_parser(subparsers)` that registers its subcommand(s) with `func=...`.
-COMMAND_MODULES = [
-    "pagedllm.entrypoints.kv_calc",
-    "pagedllm.entrypoints.generate",
-    "pagedllm.entrypoints.serve",
-    "pagedllm.entrypoints.rag",
-    "pagedllm.entrypoints.bench",
-]
+# Each module defines `add_parser(subparsers)` that registers its subcommand(s) with `func=...`; their heavy
+# imports (torch, the server) happen inside the commands, so `pagedllm -h` stays fast.
+COMMAND_MODULES = [kv_calc, generate, serve, rag, bench]
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description="LLM inference and serving with PagedAttention")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in COMMAND_MODULES:
-        importlib.import_module(name).add_parser(sub)
+    for module in COMMAND_MODULES:
+        module.add_parser(sub)
     return parser
 
 

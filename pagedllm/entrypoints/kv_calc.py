@@ -18,7 +18,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-len", default="4096", help="max model length reserved per request (whole allocation)")
     p.add_argument("--block-size", default="16", help="tokens per KV block")
     p.add_argument("--used", default=CHAPTER_USED, help="comma-separated tokens each request really uses")
-    p.add_argument("--lang", choices=["en", "ko"], default="en", help="ko prints the chapter's own three lines")
+    p.add_argument("--lang", choices=["en", "ko"], default="en",
+                   help="ko prints the chapter's own lines: its three totals, then one line per request")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="draw the requests as rows: whole allocation (lockers) above paged (blocks), with the totals")
     p.add_argument("--model", nargs="?", const="default", default=None,
                    help="a model path (HF folder or GGUF) or 'default': adds bytes per token and block")
     p.add_argument("--memory", default=None, help="KV-cache budget, e.g. 4GiB (needs --model)")
@@ -65,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
         print("실제로 쓴 토큰:", total)
         print(f"통째로 잡은 자리: {whole:,} (쓴 몫 {total / whole:.1%})")
         print(f"쪽으로 잡은 자리: {paged:,} (쓴 몫 {total / paged:.1%})")
+        for r in rows:
+            print(f"{r.tokens:2d}토큰 → 쪽 {r.blocks}개 = 자리 {r.slots}칸, 빈칸 {r.empty}")
     else:
         print(f"{total:,} tokens used")
         print(f"whole: {whole:,} slots ({total / whole:.1%} used)  [{max_len:,} reserved per request]")
@@ -75,6 +80,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"{i:>7} {r.tokens:>7,} {r.blocks:>7,} {r.slots:>7,} {r.empty:>7,}")
     if args.model is not None:
         _report_model(args.model, args.dtype, block_size, max_len, used, budget)
+    if args.plot:
+        from pagedllm.bench.block_map_plot import plot_kv_calc
+
+        plot_kv_calc(used, block_size, max_len, args.plot)
+        print(f"wrote {args.plot}")
     return 0
 
 

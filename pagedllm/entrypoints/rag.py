@@ -1,7 +1,6 @@
 """`pagedllm rag ingest|search|ask|bench`: retrieval-augmented generation with a prefix-cache-aware prompt layout."""
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys

@@ -19,7 +19,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve MODEL (default: SmolLM2-135M-Instruct) over an OpenAI-compatible HTTP API: "
-                    "/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize.")
+                    "/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize; "
+                    "and /kv, the KV block pool live in a browser.")
     add_engine_args(p)
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
@@ -31,6 +32,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: env PAGEDLLM_API_KEY, else none)")
     s.add_argument("--max-waiting-requests", type=int, default=None,
                    help="answer 503 when this many requests already wait to be scheduled (default: no limit)")
+    s.add_argument("--max-request-bytes", type=int, default=None,
+                   help="answer 413 to a request body larger than this, before reading it "
+                        "(default: 4 MiB, ~100x the longest prompt of a 32k-token context)")
     s.add_argument("--rag-index", default=None,
                    help="an index from `pagedllm rag ingest`: adds POST /v1/rag/chat/completions")
     s.add_argument("--rag-top-k", type=int, default=4, help="chunks retrieved per RAG question")
@@ -62,13 +66,15 @@ def run(args: argparse.Namespace) -> int:
     from pagedllm.cluster.launch import check_cluster_args, run_cluster
     from pagedllm.engine.config import EngineConfig
 
-    if args.replicas is not None:
-        return run_cluster(args)
-    check_cluster_args(args)
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port: must be in 0..65535, got {args.port}")
     if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
         raise UserError(f"--max-waiting-requests: must be >= 0, got {args.max_waiting_requests}")
+    if args.max_request_bytes is not None and args.max_request_bytes < 1:
+        raise UserError(f"--max-request-bytes: must be >= 1, got {args.max_request_bytes}")
+    if args.replicas is not None:
+        return run_cluster(args)
+    check_cluster_args(args)
     _check_can_listen(args.host, args.port)  # before the model load, not after it
     api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
     config = EngineConfig.from_args(args)
@@ -76,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(levelname)s %(name)s: %(message)s")
     from pagedllm.engine.async_engine import AsyncLLMEngine
     from pagedllm.engine.llm_engine import LLMEngine
-    from pagedllm.entrypoints.openai.api_server import Server, build_app
+    from pagedllm.entrypoints.openai.api_server import DEFAULT_MAX_REQUEST_BYTES, Server, build_app
 
     rag = None
     if args.rag_index:
@@ -87,12 +93,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"pagedllm serve: loading {args.model or DEFAULT_SERVED_NAME} ...", file=sys.stderr, flush=True)
     engine = AsyncLLMEngine(LLMEngine(config), max_waiting_requests=args.max_waiting_requests)
     app = build_app(engine, served_model_names=names, api_key=api_key, model_root=args.model or names[0],
-                    rag=rag)
+                    rag=rag, max_request_bytes=args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES)
     server = Server(app, host=args.host, port=args.port, log_level=args.log_level)
     print(f"pagedllm serve: serving {', '.join(names)} on http://{args.host}:{args.port} "
           f"(max_model_len {engine.max_model_len}{', API key required' if api_key else ''})",
           file=sys.stderr, flush=True)
-    server.run()
+    status = server.run()
     if server.uvicorn.started is False and not server.uvicorn.should_exit:
         raise UserError(f"could not start the server on {args.host}:{args.port}")
-    return 0
+    return status

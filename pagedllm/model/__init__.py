@@ -2,9 +2,9 @@
 
 from pagedllm.model.config import ModelConfig, load_model_config
 from pagedllm.model.default_model import default_model_path
-from pagedllm.model.loader import LoadedModel, load_model
+from pagedllm.model.loader import LoadedModel, load_model, resolve_dtype
 from pagedllm.model.runner import ModelRunner, SeqChunk
 from pagedllm.model.tokenizer import Tokenizer, load_tokenizer
 
-__all__ = ["ModelConfig", "load_model_config", "default_model_path", "LoadedModel", "load_model", "ModelRunner",
+__all__ = ["ModelConfig", "load_model_config", "default_model_path", "LoadedModel", "load_model", "resolve_dtype", "ModelRunner",
            "SeqChunk", "Tokenizer", "load_tokenizer"]

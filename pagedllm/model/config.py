@@ -41,10 +41,6 @@ class ModelConfig:
     name: str = ""
     checkpoint_dtype: str = "float32"  # dtype the weights are stored in ("quantized" for GGUF quants)
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """K and V, every layer: 2 x layers x kv_heads x head_dim x dtype bytes."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
-
 
 def _unsupported(arch: str, where: str) -> ModelLoadError:
     return ModelLoadError(

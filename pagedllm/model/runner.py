@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm.kv.sizing import kv_bytes_per_token
 from pagedllm.model.attention import build_metadata
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.loader import LoadedModel
@@ -36,9 +37,9 @@ def kv_cache_bytes(config: ModelConfig, num_blocks: int, block_size: int, dtype:
 
 
 def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """2 (K and V) x layers x kv_heads x head_dim x dtype bytes x block_size."""
+    """The cache's own tensors in bytes per block: kv/sizing's per-token figure (the one formula) x block_size."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return config.kv_bytes_per_token(elem) * block_size
+    return kv_bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, elem) * block_size
 
 
 class ModelRunner:

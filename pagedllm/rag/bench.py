@@ -122,9 +122,9 @@ def count_cached_tokens(prompts: list[list[int]], block_size: int = 16) -> list[
 
     Why: the hit rate of a layout is a property of the token sequences alone, so it can be known in seconds for
     workloads (top-k, Zipf exponent, more questions) that would take an hour to time."""
-    from pagedllm.kv.manager import PagedKVCacheManager, TokenRequest
+    from pagedllm.kv import PagedKVCacheManager, TokenRequest, cdiv
 
-    kv = PagedKVCacheManager(sum(-(-len(p) // block_size) for p in prompts) + 1, block_size, True)
+    kv = PagedKVCacheManager(sum(cdiv(len(p), block_size) for p in prompts) + 1, block_size, True)
     cached = []
     for i, ids in enumerate(prompts):
         req = TokenRequest(str(i), list(ids))
@@ -157,6 +157,49 @@ def count_layouts(index_dir: str, num_questions: int = 40, seed: int = 0, top_k:
     return rows
 
 
+def _answer_by_server(base_url: str, model: str | None, questions: list[str], messages: list, max_tokens: int,
+                      setting: str, tok, records: list[dict]) -> tuple[list[Answer], float]:
+    """Every question through an OpenAI-compatible server, one at a time; the answers and the seconds taken."""
+    answers: list[Answer] = []
+    t0 = time.perf_counter()
+    for q, m in zip(questions, messages):
+        a = Answer()
+        for _ in stream_openai(base_url, m, a, model=model, max_tokens=max_tokens):
+            pass
+        answers.append(a)
+        records.append({"setting": setting, "question": q, "answer": a.text,
+                        "prompt_token_ids": tok.apply_chat_template(m)})
+    return answers, time.perf_counter() - t0
+
+
+def _answer_in_process(engine_kwargs: dict | None, cache_on: bool, layout: str, questions: list[str],
+                       messages: list, max_tokens: int, setting: str, records: list[dict]
+                       ) -> tuple[list[Answer], float]:
+    """Every question through a fresh in-process engine (after a warm-up the clock does not see)."""
+    from pagedllm import SamplingParams
+    from pagedllm.engine import EngineConfig, LLMEngine
+
+    engine = LLMEngine(EngineConfig(**{**(engine_kwargs or {}), "enable_prefix_caching": cache_on,
+                                       "log_stats_interval": 0}))
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    for _ in stream_engine(engine, engine.tokenizer.encode("Hello, warm-up."),
+                           SamplingParams(temperature=0.0, max_tokens=2), Answer()):
+        pass
+    answers: list[Answer] = []
+    t0 = time.perf_counter()
+    for i, (q, m) in enumerate(zip(questions, messages)):
+        ids = engine.tokenizer.apply_chat_template(m)
+        a = Answer()
+        for _ in stream_engine(engine, ids, params, a, request_id=f"{layout}-{i}"):
+            pass
+        answers.append(a)
+        records.append({"setting": setting, "question": q, "answer": a.text, "prompt_token_ids": ids})
+    elapsed = time.perf_counter() - t0
+    del engine
+    gc.collect()
+    return answers, elapsed
+
+
 def run_bench(
     index_dir: str,
     num_questions: int = 40,
@@ -179,6 +222,7 @@ def run_bench(
 
     rows: list[BenchRow] = []
     records: list[dict] = []
+    tok = None
     if base_url:
         from pagedllm.rag.tokens import get_tokenizer
 
@@ -188,39 +232,13 @@ def run_bench(
         settings = [(layout, c) for c in caching for layout in layouts]
     for layout, cache_on in settings:
         label = "server" if cache_on is None else ("on" if cache_on else "off")
-        answers: list[Answer] = []
-        t0 = time.perf_counter()
         if base_url:
-            for q, m in zip(questions, messages[layout]):
-                a = Answer()
-                for _ in stream_openai(base_url, m, a, model=server_model, max_tokens=max_tokens):
-                    pass
-                answers.append(a)
-                records.append({"setting": f"{layout}/cache-{label}", "question": q, "answer": a.text,
-                                "prompt_token_ids": tok.apply_chat_template(m)})
+            answers, elapsed = _answer_by_server(base_url, server_model, questions, messages[layout], max_tokens,
+                                                 f"{layout}/cache-{label}", tok, records)
         else:
-            from pagedllm.engine import EngineConfig, LLMEngine
-            from pagedllm.sampling_params import SamplingParams
-
-            engine = LLMEngine(EngineConfig(**{**(engine_kwargs or {}), "enable_prefix_caching": cache_on,
-                                               "log_stats_interval": 0}))
-            params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-            # warm-up on an unrelated prompt, so the first timed request does not pay one-time costs
-            for _ in stream_engine(engine, engine.tokenizer.encode("Hello, warm-up."),
-                                   SamplingParams(temperature=0.0, max_tokens=2), Answer()):
-                pass
-            t0 = time.perf_counter()
-            for i, (q, m) in enumerate(zip(questions, messages[layout])):
-                ids = engine.tokenizer.apply_chat_template(m)
-                a = Answer()
-                for _ in stream_engine(engine, ids, params, a, request_id=f"{layout}-{i}"):
-                    pass
-                answers.append(a)
-                records.append({"setting": f"{layout}/cache-{label}", "question": q, "answer": a.text,
-                                "prompt_token_ids": ids})
-            del engine
-            gc.collect()
-        row = make_row(layout, label, answers, time.perf_counter() - t0, retrieval_s)
+            answers, elapsed = _answer_in_process(engine_kwargs, bool(cache_on), layout, questions, messages[layout],
+                                                  max_tokens, f"{layout}/cache-{label}", records)
+        row = make_row(layout, label, answers, elapsed, retrieval_s)
         rows.append(row)
         if partial_path:  # a long run on a busy machine keeps what it measured so far
             Path(partial_path).write_text(json.dumps([asdict(r) for r in rows], indent=1))

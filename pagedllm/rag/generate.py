@@ -1,13 +1,13 @@
 """Answering a RAG prompt: with an in-process engine, or against any OpenAI-compatible server (streaming)."""
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Iterator
 
 from pagedllm.errors import UserError
+from pagedllm.sse import SSEError, iter_events
 
 
 @dataclass
@@ -81,6 +81,25 @@ def default_server_model(client, base_url: str) -> str:
     return "default"
 
 
+def _take_chunk(answer: Answer, chunk: dict) -> list[str]:
+    """Record one chunk's usage and finish reason in `answer`; its content deltas."""
+    usage = chunk.get("usage")
+    if usage:
+        answer.prompt_tokens = usage.get("prompt_tokens", 0)
+        answer.output_tokens = usage.get("completion_tokens", 0)
+        details = usage.get("prompt_tokens_details") or {}
+        if details.get("cached_tokens") is not None:
+            answer.cached_tokens = details["cached_tokens"]
+    deltas = []
+    for choice in chunk.get("choices") or []:
+        delta = (choice.get("delta") or {}).get("content")
+        if delta:
+            deltas.append(delta)
+        if choice.get("finish_reason"):
+            answer.finish_reason = choice["finish_reason"]
+    return deltas
+
+
 def stream_openai(base_url: str, messages: list[dict], answer: Answer, model: str | None = None,
                   max_tokens: int = 256, temperature: float = 0.0, timeout: float = 600.0,
                   api_key: str | None = None, client=None) -> Iterator[str]:
@@ -106,29 +125,14 @@ def stream_openai(base_url: str, messages: list[dict], answer: Answer, model: st
                 if r.status_code >= 400:
                     r.read()
                     raise UserError(f"--base-url: the server answered {r.status_code}: {r.text[:300]}")
-                for line in r.iter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        break
-                    chunk = json.loads(data)
-                    usage = chunk.get("usage")
-                    if usage:
-                        answer.prompt_tokens = usage.get("prompt_tokens", 0)
-                        answer.output_tokens = usage.get("completion_tokens", 0)
-                        details = usage.get("prompt_tokens_details") or {}
-                        if details.get("cached_tokens") is not None:
-                            answer.cached_tokens = details["cached_tokens"]
-                    for choice in chunk.get("choices") or []:
-                        delta = (choice.get("delta") or {}).get("content")
-                        if delta:
-                            if answer.ttft is None:
-                                answer.ttft = time.monotonic() - t0
-                            parts.append(delta)
-                            yield delta
-                        if choice.get("finish_reason"):
-                            answer.finish_reason = choice["finish_reason"]
+                for chunk in iter_events(r.iter_lines()):
+                    for delta in _take_chunk(answer, chunk):
+                        if answer.ttft is None:
+                            answer.ttft = time.monotonic() - t0
+                        parts.append(delta)
+                        yield delta
+        except SSEError as e:
+            raise UserError(f"--base-url {base_url}: the stream failed: {e}") from None
         except httpx.HTTPError as e:
             raise UserError(f"--base-url {base_url}: {e}") from None
         answer.text = "".join(parts)

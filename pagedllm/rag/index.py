@@ -75,6 +75,21 @@ def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
     os.replace(tmp, path)
 
 
+def _embed(emb, chunks: list[Chunk], progress: bool) -> np.ndarray:
+    """The chunks' embeddings, in batches of 64 (a progress bar counts chunks)."""
+    from tqdm import tqdm
+
+    if not chunks:
+        return np.zeros((0, emb.dim), dtype=np.float32)
+    texts = [_embed_text(c) for c in chunks]
+    batches = []
+    with tqdm(total=len(texts), desc="embedding", unit="chunk", disable=not progress) as bar:
+        for i in range(0, len(texts), 64):
+            batches.append(emb.encode(texts[i:i + 64]))
+            bar.update(len(texts[i:i + 64]))
+    return np.concatenate(batches)
+
+
 def ingest(
     docs: list[Document],
     index_dir: str | os.PathLike,
@@ -96,14 +111,9 @@ def ingest(
         manifest = {"format": FORMAT_VERSION, "sources": {}}  # a damaged index: rebuild it from the documents
     sources = manifest["sources"]
     rep = IngestReport(documents=len(docs))
-    todo: list[tuple[Document, str]] = []
-    for doc in docs:
-        h = content_hash(doc, settings)
-        if sources.get(doc.source, {}).get("hash") == h:
-            rep.unchanged += 1
-        else:
-            todo.append((doc, h))
-    rep.changed = len(todo)
+    hashed = [(doc, content_hash(doc, settings)) for doc in docs]
+    todo = [(doc, h) for doc, h in hashed if sources.get(doc.source, {}).get("hash") != h]
+    rep.changed, rep.unchanged = len(todo), len(docs) - len(todo)
     if not todo:  # nothing to do: no tokenizer, no model, no write
         rep.total_chunks = sum(len(s["chunk_ids"]) for s in sources.values())
         rep.seconds = time.perf_counter() - t0
@@ -127,16 +137,7 @@ def ingest(
         new_chunks.extend(cs)
         sources[doc.source] = {"hash": h, "title": doc.title, "chunk_ids": [c.chunk_id for c in cs]}
     emb = get_embedder()
-    vecs = np.zeros((0, emb.dim), dtype=np.float32)
-    if new_chunks:
-        texts = [_embed_text(c) for c in new_chunks]
-        batches = []
-        bs = 64
-        with tqdm(total=len(texts), desc="embedding", unit="chunk", disable=not progress) as bar:
-            for i in range(0, len(texts), bs):
-                batches.append(emb.encode(texts[i : i + bs]))
-                bar.update(len(texts[i : i + bs]))
-        vecs = np.concatenate(batches)
+    vecs = _embed(emb, new_chunks, progress)
     all_chunks = [old_chunks[i] for i in keep] + [c.to_dict() for c in new_chunks]
     kept_vecs = old_vecs[keep] if old_vecs is not None and len(keep) else np.zeros((0, emb.dim), np.float32)
     all_vecs = np.ascontiguousarray(np.concatenate([kept_vecs, vecs]), dtype=np.float32)

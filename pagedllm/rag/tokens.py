@@ -6,6 +6,6 @@ import functools
 
 @functools.lru_cache(maxsize=4)
 def get_tokenizer(model: str | None = None):
-    from pagedllm.model.tokenizer import load_tokenizer
+    from pagedllm.model import load_tokenizer
 
     return load_tokenizer(model)

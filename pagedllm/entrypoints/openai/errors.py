@@ -1,45 +1,62 @@
-"""OpenAI-style error bodies: `{"error": {"message", "type", "param", "code"}}`, with vLLM's type names."""
+"""OpenAI-style error bodies, `{"error": {"message", "type", "param", "code"}}` with vLLM's type names, and the
+app's exception handlers: every failure a client can cause is a 4xx naming the field, and the body is always
+valid UTF-8 JSON (messages quote what was sent, which may hold a lone surrogate)."""
 from __future__ import annotations
 
 import json
+import logging
 from http import HTTPStatus
 from typing import Any
 
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-_TYPES = {
-    400: "BadRequestError",
-    401: "AuthenticationError",
-    404: "NotFoundError",
-    405: "MethodNotAllowedError",
-    413: "BadRequestError",
-    422: "BadRequestError",
-    500: "InternalServerError",
-    503: "ServiceUnavailableError",
-}
+from pagedllm.engine.async_engine import (
+    EngineDeadError,
+    RequestAbortedError,
+    TooManyWaitingRequestsError,
+)
+from pagedllm.entrypoints.openai.protocol import ErrorResponse
+from pagedllm.errors import UserError
+
+logger = logging.getLogger("pagedllm.server")
+
+_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
+          413: "BadRequestError", 422: "BadRequestError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+# What /openapi.json lists as each route's error answers.
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": HTTPStatus(status).phrase}
+    for status in (400, 401, 404, 413, 500, 503)}
 
 
 class APIError(Exception):
     """An error the server answers with `status` and an OpenAI error body."""
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None, type: str | None = None):
+    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
         self.param = param
-        self.type = type or _TYPES.get(status, HTTPStatus(status).phrase.replace(" ", "") + "Error")
 
     def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.status, self.param, self.type)
+        return error_body(self.message, self.status, self.param)
 
 
-def error_body(message: str, status: int, param: str | None = None, type: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type or _TYPES.get(status, "Error"), "param": param,
-                      "code": status}}
+def _utf8(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def error_response(message: str, status: int, param: str | None = None, headers: dict | None = None) -> JSONResponse:
+def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": _utf8(message), "type": _TYPES.get(status, "Error"),
+                      "param": _utf8(param) if param else None, "code": status}}
+
+
+def error_response(message: str, status: int, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, status, param), status_code=status, headers=headers)
 
 
@@ -47,30 +64,69 @@ def error_sse(err: APIError) -> str:
     return f"data: {json.dumps(err.body())}\n\n"
 
 
-def from_validation_error(e: ValidationError) -> APIError:
-    """One 400 naming the first bad field (dotted path), what is wrong with it and the value sent."""
-    errs = e.errors(include_url=False)
-    if not errs:
-        return APIError(str(e), 400)
-    # A union (prompt) fails once per member; report the member that got furthest, but name the field.
-    first = errs[0]
+def _shown(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, (int, float, str, bool, type(None))) else type(value).__name__
+
+
+def from_errors(errors: list[dict[str, Any]]) -> APIError:
+    """One 400 naming the first bad field (dotted path), what is wrong with it and the value sent. FastAPI puts
+    "body" first in every location; a union (prompt) fails once per member, reported as one error."""
+    if not errors:
+        return APIError("Invalid request body", 400)
+    first = errors[0]
     loc = [str(p) for p in first.get("loc", ())]
-    field = loc[0] if loc else None
-    path = ".".join(loc)
-    msg = first.get("msg", "invalid value")
-    if msg.startswith("Value error, "):
-        msg = msg[len("Value error, "):]
-    if first.get("type") == "missing":
-        return APIError(f"'{field}' is a required field", 400, param=field)
+    loc = loc[1:] if loc[:1] == ["body"] else loc
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    if first.get("type") == "json_invalid":
+        error = (first.get("ctx") or {}).get("error", "")
+        return APIError(f"Malformed JSON in the request body: {error}", 400)
     if not loc:
-        # A model-level check ("field: reason") names its field first.
-        head = msg.split(":", 1)[0].split(" ", 1)[0]
-        return APIError(msg, 400, param=head if head.isidentifier() else None)
-    value = first.get("input")
-    shown = json.dumps(value) if isinstance(value, (int, float, str, bool, type(None))) else type(value).__name__
-    if len(errs) > 1 and all(str(x.get("loc", ("",))[0]) == field for x in errs):
-        # union mismatch: several member errors for one field
-        if field == "prompt":
-            msg = "must be a string, a list of strings, a list of token ids or a list of lists of token ids"
-        return APIError(f"Invalid value for '{field}': {msg} (got {shown})", 400, param=field)
-    return APIError(f"Invalid value for '{path}': {msg} (got {shown})", 400, param=field)
+        # A model-level check ("field: reason") names its field first; a body of the wrong type has no field.
+        head = msg.split(":", 1)[0]
+        if head.isidentifier() and ":" in msg:
+            return APIError(msg, 400, param=head)
+        return APIError(f"Invalid request body: {msg}", 400)
+    field = loc[0]
+    if first.get("type") == "missing":
+        return APIError(f"'{'.'.join(loc)}' is a required field", 400, param=field)
+    if len(errors) > 1 and field == "prompt" and all(str(e["loc"][1:2]) == str(first["loc"][1:2]) for e in errors):
+        msg = "must be a string, a list of strings, a list of token ids or a list of lists of token ids"
+        return APIError(f"Invalid value for 'prompt': {msg}", 400, param=field)
+    return APIError(f"Invalid value for '{'.'.join(loc)}': {msg} (got {_shown(first.get('input'))})", 400,
+                    param=field)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Map every exception a request can raise to its status; anything else is logged and answered 500 (by
+    `InternalErrorMiddleware`, which keeps the connection open). Plain functions: they await nothing."""
+
+    def handle(exc_type: type[BaseException], status: int, message: str = "{}",
+               headers: dict[str, str] | None = None) -> None:
+        def handler(_: Request, e: Exception) -> JSONResponse:
+            return error_response(message.format(e), status, getattr(e, "param", None), headers)
+
+        app.add_exception_handler(exc_type, handler)
+
+    def api_error(_: Request, e: Exception) -> JSONResponse:
+        assert isinstance(e, APIError)
+        return JSONResponse(e.body(), status_code=e.status)
+
+    def validation_error(_: Request, e: Exception) -> JSONResponse:
+        assert isinstance(e, (RequestValidationError, ValidationError))
+        err = from_errors(list(e.errors()))
+        return JSONResponse(err.body(), status_code=err.status)
+
+    def http_error(_: Request, e: Exception) -> JSONResponse:
+        assert isinstance(e, StarletteHTTPException)
+        cause = e.__cause__  # FastAPI's "error parsing the body": too deep, an integer too long, not UTF-8
+        detail = f"Malformed JSON in the request body: {cause}" if e.status_code == 400 and cause else str(e.detail)
+        return error_response(detail, e.status_code, headers=e.headers)
+
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(ValidationError, validation_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    handle(TooManyWaitingRequestsError, 503, headers={"Retry-After": "1"})
+    handle(EngineDeadError, 503)
+    handle(RequestAbortedError, 503, "The request was aborted: {}")
+    handle(UserError, 400)

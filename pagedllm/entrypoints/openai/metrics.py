@@ -7,11 +7,15 @@ engine's latest stats at scrape time; token counters and latency histograms are 
 from __future__ import annotations
 
 import threading
-from typing import Any
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from pagedllm.engine.outputs import RequestOutput
+from pagedllm.engine.stats import EngineStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -23,68 +27,48 @@ E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                480.0, 960.0, 1920.0, 7680.0]
 
 
-def stat(stats: Any, *names: str, default: float = 0.0) -> float:
-    """The first of `names` that the stats object (a dataclass or a dict) has."""
-    if stats is None:
-        return default
-    for name in names:
-        value = stats.get(name) if isinstance(stats, dict) else getattr(stats, name, None)
-        if value is not None:
-            return value
-    return default
-
-
-def kv_usage(stats: Any) -> float:
-    usage = stat(stats, "kv_usage", "kv_cache_usage", "kv_cache_usage_perc", default=-1.0)
-    if usage >= 0:
-        return float(usage)
-    total = stat(stats, "num_total_blocks", "total_blocks", "num_blocks")
-    free = stat(stats, "num_free_blocks", "free_blocks")
-    return float((total - free) / total) if total else 0.0
-
-
 class _EngineCollector:
-    def __init__(self, get_stats: Any, model_name: str) -> None:
+    """Reads the engine's gauges and its own cumulative counters at scrape time."""
+
+    def __init__(self, get_stats: Callable[[], EngineStats], model_name: str) -> None:
         self.get_stats = get_stats
         self.model_name = model_name
 
-    def collect(self):  # noqa: ANN201 - prometheus_client's protocol
+    def _family(self, kind: type, name: str, doc: str, value: float) -> GaugeMetricFamily | CounterMetricFamily:
+        family = kind(name, doc, labels=["model_name"])
+        family.add_metric([self.model_name], float(value))
+        return family
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         st = self.get_stats()
-        labels = ["model_name"]
-        value = [self.model_name]
-
-        def gauge(name: str, doc: str, v: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(name, doc, labels=labels)
-            g.add_metric(value, float(v))
-            return g
-
-        def counter(name: str, doc: str, v: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(name, doc, labels=labels)
-            c.add_metric(value, float(v))
-            return c
-
-        yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
-                    stat(st, "num_running", "num_requests_running"))
-        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-                    stat(st, "num_waiting", "num_requests_waiting"))
-        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", kv_usage(st))
-        yield counter("vllm:prefix_cache_queries",
-                      "Prefix cache queries, in terms of number of queried tokens.",
-                      stat(st, "prefix_cache_queries", "num_prefix_cache_queries"))
-        yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
-                      stat(st, "prefix_cache_hits", "num_prefix_cache_hits"))
-        yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
-                      stat(st, "num_preemptions", "preemptions"))
+        g, c = GaugeMetricFamily, CounterMetricFamily
+        yield self._family(g, "vllm:num_requests_running", "Number of requests in model execution batches.",
+                           st.num_running)
+        yield self._family(g, "vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+                           st.num_waiting)
+        yield self._family(g, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", st.kv_usage)
+        yield self._family(c, "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried "
+                           "tokens.", st.prefix_cache_queries)
+        yield self._family(c, "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                           st.prefix_cache_hits)
+        yield self._family(c, "vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+                           st.num_preemptions)
 
 
 # As vLLM: no "<counter>_created" series (they double the page and no dashboard uses them).
 prometheus_client.disable_created_metrics()
 
 
+@dataclass
+class _Progress:
+    tokens: int = 0  # generated tokens seen so far, all samples
+    last_token_time: float | None = None
+
+
 class ServerMetrics:
     """The app's registry and the AsyncLLMEngine stat logger that feeds it (called on the engine thread)."""
 
-    def __init__(self, model_name: str, get_stats: Any) -> None:
+    def __init__(self, model_name: str, get_stats: Callable[[], EngineStats]) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         labels = ["model_name"]
@@ -110,43 +94,37 @@ class ServerMetrics:
                                                          10000], registry=r).labels(model_name)
         r.register(_EngineCollector(get_stats, model_name))
         self._lock = threading.Lock()
-        # request_id -> [tokens seen, time of last new token, prompt counted]
-        self._seen: dict[str, list] = {}
+        self._seen: dict[str, _Progress] = {}  # requests in flight
 
-    # ---- AsyncLLMEngine stat-logger protocol (engine thread)
-    def record_step(self, outputs: list[Any], now: float) -> None:
+    # ---- the AsyncLLMEngine's StatLogger (engine thread)
+    def record_step(self, outputs: list[RequestOutput], now: float) -> None:
+        """Each request's prompt counts once, at its first output (a preempted request's recompute and a
+        max_tokens 0 scoring request alike); tokens count as they first appear."""
         with self._lock:
             for out in outputs:
-                rid = out.request_id
-                state = self._seen.get(rid)
-                ntok = sum(len(c.token_ids) for c in out.outputs)
-                if state is None:
-                    state = self._seen[rid] = [0, None, False]
-                new = ntok - state[0]
-                metrics = getattr(out, "metrics", None)
-                arrival = getattr(metrics, "arrival_time", None)
-                if new > 0:
-                    self.generation_tokens.inc(new)
-                    if not state[2]:
-                        state[2] = True
-                        n_prompt = len(out.prompt_token_ids or [])
-                        self.prompt_tokens.inc(n_prompt)
-                        self.prompt_tokens_hist.observe(n_prompt)
-                        first = getattr(metrics, "first_token_time", None) or now
-                        if arrival is not None:
-                            self.ttft.observe(max(0.0, first - arrival))
-                    elif state[1] is not None:
-                        self.itl.observe(max(0.0, now - state[1]))
-                    state[0] = ntok
-                    state[1] = now
-                if out.finished:
-                    self._seen.pop(rid, None)
-                    finished = getattr(metrics, "finished_time", None) or now
-                    if arrival is not None:
-                        self.e2e.observe(max(0.0, finished - arrival))
-                    self.generation_tokens_hist.observe(ntok)
-                    reason = next((c.finish_reason for c in out.outputs if c.finish_reason), None) or "stop"
-                    self.request_success.labels(self.model_name, reason).inc()
+                self._record(out, now)
+
+    def _record(self, out: RequestOutput, now: float) -> None:
+        arrival = out.metrics.arrival_time
+        state = self._seen.get(out.request_id)
+        if state is None:
+            state = self._seen[out.request_id] = _Progress()
+            self.prompt_tokens.inc(len(out.prompt_token_ids))
+            self.prompt_tokens_hist.observe(len(out.prompt_token_ids))
+        ntok = sum(len(c.token_ids) for c in out.outputs)
+        if ntok > state.tokens:
+            self.generation_tokens.inc(ntok - state.tokens)
+            if state.last_token_time is None:
+                self.ttft.observe(max(0.0, (out.metrics.first_token_time or now) - arrival))
+            else:
+                self.itl.observe(max(0.0, now - state.last_token_time))
+            state.tokens, state.last_token_time = ntok, now
+        if out.finished:
+            del self._seen[out.request_id]
+            self.e2e.observe(max(0.0, (out.metrics.finished_time or now) - arrival))
+            self.generation_tokens_hist.observe(ntok)
+            reason = next((c.finish_reason for c in out.outputs if c.finish_reason), None) or "stop"
+            self.request_success.labels(self.model_name, reason).inc()
 
     def record_abort(self, request_id: str) -> None:
         with self._lock:

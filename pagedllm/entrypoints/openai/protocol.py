@@ -1,88 +1,164 @@
-"""Request bodies of the OpenAI-compatible API (pydantic 2), with OpenAI's and vLLM's parameter names and limits.
+"""Request and response bodies of the OpenAI-compatible API (pydantic 2), with OpenAI's and vLLM's names.
 
-Range checks live here so every bad value is a 400 that names its field; checks that need the engine (the
-prompt's length against max_model_len, n against max_num_seqs, the model name) are done by the server.
-Unknown fields are accepted and ignored, as OpenAI's and vLLM's servers do.
+Each request model checks what it can alone (types, ranges: a 400 that names the field) and turns itself into
+`SamplingParams` with `to_sampling_params()`; checks that need the engine (the prompt's length against
+max_model_len, token ids against the vocabulary, the model name) are the serving functions'. A field the engine
+does not honour is refused with a 400 naming it, never accepted and ignored; unknown fields are ignored, as
+OpenAI's and vLLM's servers do. The response models are what the server sends, and what /openapi.json says.
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+import math
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
-MAX_LOGPROBS = 20
+from pagedllm.sampling_params import MAX_LOGPROBS, SamplingParams
+
+TokenId = Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]  # StrictInt: `true` is not token 1
+Role = Literal["system", "user", "assistant", "tool", "developer"]
 
 
-class _Base(BaseModel):
-    model_config = ConfigDict(extra="allow", protected_namespaces=())
+def _lone_surrogate(value: Any) -> bool:
+    """Whether the parsed JSON holds a lone UTF-16 surrogate (`"\\ud800"` is valid JSON but no text: the tokenizer
+    and every UTF-8 encoder refuse it). Iterative: deep nesting must not cost recursion."""
+    todo = [value]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, dict):
+            todo.extend(item.keys())
+            todo.extend(item.values())
+        elif isinstance(item, list):
+            todo.extend(item)
+    return False
 
 
-class StreamOptions(_Base):
+class OpenAIModel(BaseModel):
+    # Infinity, NaN (and 1e400, which JSON parsing makes infinite) are 400s, never sampling parameters.
+    model_config = ConfigDict(extra="allow", protected_namespaces=(), allow_inf_nan=False)
+
+
+class RequestModel(OpenAIModel):
+    """A top-level request body."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        for key, value in data.items() if isinstance(data, dict) else ():
+            if _lone_surrogate(key) or _lone_surrogate(value):
+                raise ValueError(f"{key}: strings must be valid Unicode, not a lone surrogate (\\ud800-\\udfff)")
+        return data
+
+
+class StreamOptions(OpenAIModel):
     include_usage: StrictBool = False
     continuous_usage_stats: StrictBool = False
 
 
-class _SamplingFields(_Base):
+class ResponseFormat(OpenAIModel):
+    """Only plain text: structured output (json_object, json_schema) would need guided decoding."""
+
+    type: Literal["text"]
+
+
+class SamplingRequest(RequestModel):
     """The sampling parameters shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
-    n: int = Field(1, ge=1)
+    n: StrictInt = Field(1, ge=1)
+    best_of: StrictInt | None = Field(None, description="only n (or null): one sample is one choice")
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     stop: Union[str, list[str], None] = None
-    seed: int | None = None
+    seed: StrictInt | None = Field(None, ge=-(2**63), le=2**64 - 1)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = Field(None, description="token id (as a string) -> bias in [-100, 100]")
     user: str | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
     # vLLM extras
-    top_k: int | None = Field(None, ge=-1)
+    top_k: StrictInt | None = Field(None, ge=-1, le=2**31 - 1)
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)
     ignore_eos: StrictBool = False
-    min_tokens: int = Field(0, ge=0)
-    stop_token_ids: list[int] | None = None
+    min_tokens: StrictInt = Field(0, ge=0)
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: StrictBool = True
+    prompt_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     request_id: str | None = None
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key in bias or {}:
+            if not key.isdigit() or len(key) > 10:
+                raise ValueError(f"keys must be token ids (non-negative integers as strings), got {key!r}")
+        return bias
+
     @model_validator(mode="after")
-    def _check_stream_options(self) -> "_SamplingFields":
+    def _check_common(self) -> SamplingRequest:
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options can only be set when stream is true")
+            raise ValueError("stream_options: can only be set when stream is true")
         if isinstance(self.stop, list) and len(self.stop) > 16:
             raise ValueError("stop: at most 16 stop strings")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of: only best_of == n is supported (got best_of {self.best_of}, n {self.n})")
         return self
 
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """The fields that map one to one onto SamplingParams; None means the engine's default."""
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        bias = {int(k): min(100.0, max(-100.0, v)) for k, v in self.logit_bias.items()} if self.logit_bias else None
+        given = {"n": self.n, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+                 "min_p": self.min_p, "repetition_penalty": self.repetition_penalty, "seed": self.seed,
+                 "stop": stop, "stop_token_ids": self.stop_token_ids, "logit_bias": bias,
+                 "prompt_logprobs": self.prompt_logprobs}
+        kw = {k: v for k, v in given.items() if v is not None}
+        kw.update(presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                  ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
+                  skip_special_tokens=self.skip_special_tokens)
+        return kw
 
-class CompletionRequest(_SamplingFields):
-    prompt: Union[list[int], list[list[int]], str, list[str]]
-    max_tokens: int | None = Field(16, ge=1)
+
+class CompletionRequest(SamplingRequest):
+    prompt: Union[list[TokenId], list[list[TokenId]], str, list[str]]
+    max_tokens: StrictInt | None = Field(16, ge=0, description="0: score the prompt only (with echo/logprobs)")
     echo: StrictBool = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    suffix: str | None = None
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    suffix: Literal[""] | None = Field(None, description="not supported (no fill-in-the-middle)")
 
     @model_validator(mode="after")
-    def _check(self) -> "CompletionRequest":
-        if isinstance(self.prompt, list) and len(self.prompt) == 0:
+    def _check(self) -> CompletionRequest:
+        if isinstance(self.prompt, list) and (not self.prompt or any(p == [] for p in self.prompt)):
             raise ValueError("prompt: must not be empty")
-        if self.suffix:
-            raise ValueError("suffix: not supported")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+            raise ValueError(f"min_tokens: ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         return self
 
+    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        """`max_tokens`: the request's, or (when it gave none) what is left of the context."""
+        kw = self.sampling_kwargs()
+        if self.echo and self.logprobs is not None:  # echo + logprobs: the prompt's tokens get logprobs too
+            kw["prompt_logprobs"] = max(self.logprobs, kw.get("prompt_logprobs", 0))
+        return SamplingParams(max_tokens=max_tokens, logprobs=self.logprobs, **kw)
 
-class ChatMessage(_Base):
-    role: str
+
+class ChatMessage(OpenAIModel):
+    role: Role
     content: Union[str, list[dict[str, Any]], None] = None
     name: str | None = None
 
     def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
+        """The content as one string; only text parts (images, audio, files need a model that reads them)."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
         parts = []
         for part in self.content:
             if part.get("type", "text") != "text" or not isinstance(part.get("text"), str):
@@ -91,50 +167,193 @@ class ChatMessage(_Base):
         return "".join(parts)
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: StrictInt | None = Field(None, ge=0)
+    max_completion_tokens: StrictInt | None = Field(None, ge=0)
     logprobs: StrictBool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    functions: list[dict[str, Any]] | None = None
     echo: StrictBool = False
 
     @model_validator(mode="after")
-    def _check(self) -> "ChatCompletionRequest":
+    def _check(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs: logprobs must be true when top_logprobs is set")
         limit = self.effective_max_tokens
         if limit is not None and self.min_tokens > limit:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({limit})")
+            raise ValueError(f"min_tokens: ({self.min_tokens}) must be <= max_tokens ({limit})")
+        if self.functions:
+            raise ValueError("functions: function calling is not supported")
+        if self.tools and self.tool_choice != "none":
+            raise ValueError("tool_choice: tool calling is not supported; send tool_choice \"none\" or no tools")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise ValueError(f"tool_choice: tool calling is not supported (got {self.tool_choice!r})")
+        if self.continue_final_message:
+            raise ValueError("continue_final_message: not supported")
+        if self.echo:
+            raise ValueError("echo: not supported for chat completions")
         return self
 
     @property
     def effective_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    @property
+    def top_k_logprobs(self) -> int | None:
+        """Logprobs per generated token: None when not asked for, else how many alternatives."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
-class TokenizeCompletionRequest(_Base):
+    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        return SamplingParams(max_tokens=max_tokens, logprobs=self.top_k_logprobs, **self.sampling_kwargs())
+
+
+class TokenizeRequest(RequestModel):
+    """vLLM's two forms in one body: a `prompt`, or chat `messages` rendered with the chat template."""
+
     model: str | None = None
-    prompt: str
-    add_special_tokens: StrictBool = True
-    return_token_strs: StrictBool = False
-
-
-class TokenizeChatRequest(_Base):
-    model: str | None = None
-    messages: list[ChatMessage] = Field(..., min_length=1)
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_generation_prompt: StrictBool = True
-    continue_final_message: StrictBool = False
-    add_special_tokens: StrictBool = False
+    add_special_tokens: StrictBool | None = Field(None, description="default: true for a prompt, false for chat")
     return_token_strs: StrictBool = False
 
+    @model_validator(mode="after")
+    def _one_form(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("prompt: send either 'prompt' or 'messages'")
+        return self
 
-class DetokenizeRequest(_Base):
+
+class DetokenizeRequest(RequestModel):
     model: str | None = None
+    tokens: list[TokenId]
+
+
+# ------------------------------------------------------------------------------------------------ responses
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: dict[str, int] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    text_offset: list[int]
+    token_logprobs: list[float | None]
+    tokens: list[str]
+    top_logprobs: list[dict[str, float] | None]
+
+
+class PromptLogprob(BaseModel):
+    logprob: float
+    decoded_token: str
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    system_fingerprint: str | None
+
+
+class ChatLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[dict[str, Any]]
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: dict[str, Any]
+    logprobs: dict[str, list[ChatLogprob]] | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: str | None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | None
 
 
-ErrorType = Literal["BadRequestError", "NotFoundError", "AuthenticationError", "ServiceUnavailableError",
-                    "InternalServerError"]
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok"]
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str
+    parent: str | None
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class KVState(BaseModel):
+    model_name: str
+    block_size: int
+    total_blocks: int
+    free_blocks: int
+    used_blocks: int
+    cached_blocks: int
+    kv_cache_usage: float
+    num_running: int
+    num_waiting: int
+    num_aborted: int
+    recent_aborted_request_ids: list[str]
+
+
+def finite_logprob(value: float) -> float:
+    """-inf (a token the model rules out) as vLLM sends it: JSON has no infinity."""
+    return value if math.isfinite(value) else -9999.0

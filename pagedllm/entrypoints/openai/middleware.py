@@ -1,0 +1,110 @@
+"""Pure ASGI middleware (so streaming and disconnects pass through untouched): the API key, the request size
+limit, and the last-resort 500 that does not drop the connection."""
+from __future__ import annotations
+
+import logging
+import secrets
+
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pagedllm.entrypoints.openai.errors import error_body, error_response
+
+logger = logging.getLogger("pagedllm.server")
+
+# Routes that need the key: everything but /health, /metrics and the docs (as vLLM).
+PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize")
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    return next((v for k, v in scope.get("headers", []) if k == name), None)
+
+
+class AuthMiddleware:
+    """/v1/*, /tokenize and /detokenize need `Authorization: Bearer <key>`."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.api_key = api_key.encode()
+
+    def _protected(self, scope: Scope) -> bool:
+        if scope["type"] != "http" or scope.get("method") == "OPTIONS":
+            return False
+        path = scope["path"]
+        return any(path == p or path.startswith(p + "/") for p in PROTECTED_PREFIXES)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self._protected(scope):
+            auth = _header(scope, b"authorization") or b""
+            scheme, _, token = auth.partition(b" ")
+            if scheme.lower() != b"bearer" or not secrets.compare_digest(token.strip(), self.api_key):
+                msg = ("Missing API key: send 'Authorization: Bearer <key>'" if not auth
+                       else "Incorrect API key provided")
+                resp = JSONResponse(error_body(msg, 401), status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                await resp(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class RequestBodyMiddleware:
+    """Bodies over `max_bytes` are answered 413 before anything parses them: at once from Content-Length, or as
+    soon as a chunked body's running count passes the limit. Every POST body of this API is JSON, whatever the
+    client labelled it (`curl -d` says form-urlencoded), so it is parsed as JSON."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _too_large(self) -> str:
+        return f"The request body is larger than --max-request-bytes ({self.max_bytes:,} bytes)"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("method") != "POST":
+            await self.app(scope, receive, send)
+            return
+        length = _header(scope, b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            await error_response(self._too_large(), 413, headers={"Connection": "close"})(scope, receive, send)
+            return
+        headers = [(k, v) for k, v in scope.get("headers", []) if k != b"content-type"]
+        scope = {**scope, "headers": headers + [(b"content-type", b"application/json")]}
+        seen = 0
+
+        async def counting_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise HTTPException(413, self._too_large(), headers={"Connection": "close"})
+            return message
+
+        await self.app(scope, counting_receive, send)
+
+
+class InternalErrorMiddleware:
+    """An exception no handler knows becomes a logged 500 here, inside Starlette's ServerErrorMiddleware, which
+    would re-raise it and so make uvicorn close the connection (a keep-alive client's next request fails)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as e:
+            logger.exception("unhandled error")
+            if started:
+                raise
+            await error_response(f"Internal server error: {type(e).__name__}: {e}", 500)(scope, receive, send)

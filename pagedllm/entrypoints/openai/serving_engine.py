@@ -1,0 +1,275 @@
+"""What every endpoint shares: the checks that need the engine, tokenization off the event loop, submitting one
+engine request per prompt and collecting their outputs, usage and logprob formatting (vLLM's serving_engine).
+
+Everything that can be checked before generation starts (model name, prompt length, n, token ids, the waiting
+limit) is checked before the HTTP response begins, so a streaming request gets a proper status code too.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Coroutine
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import Request, Response
+
+from pagedllm.engine.async_engine import RequestAbortedError
+from pagedllm.engine.outputs import CompletionOutput, RequestOutput
+from pagedllm.engine.protocol import AsyncEngine
+from pagedllm.entrypoints.openai.errors import APIError
+from pagedllm.entrypoints.openai.protocol import ChatMessage, finite_logprob
+from pagedllm.sampling_params import MAX_N, SamplingParams
+
+logger = logging.getLogger("pagedllm.server")
+T = TypeVar("T")
+
+
+@dataclass
+class Sub:
+    """One engine request of an HTTP request: prompt `prompt_index`, choices base .. base + n - 1."""
+
+    prompt_index: int
+    base: int
+    request_id: str
+    prompt_ids: list[int]
+    stream: object | None = None  # what the engine's add_request returned
+    final: RequestOutput | None = None
+
+
+@dataclass
+class ServingContext:
+    """The engine and the served names, shared by every router (`request.app.state.serving`)."""
+
+    engine: AsyncEngine
+    model_names: list[str]
+    model_root: str
+    max_n: int = MAX_N
+    created: int = field(default_factory=lambda: int(time.time()))
+    _token_strs: dict[int, str] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ tokenizer (CPU work off the event loop)
+    async def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids as the engine makes them from a text prompt; in a worker thread, since a long text takes
+        seconds and the event loop must keep serving every other request meanwhile."""
+        return await asyncio.to_thread(self.engine.tokenizer.encode, text, add_special_tokens)
+
+    async def chat_prompt_ids(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+        try:
+            msgs = [{"role": m.role, "content": m.text()} for m in messages]
+        except ValueError as e:
+            raise APIError(str(e), 400, param="messages") from None
+        try:
+            return await asyncio.to_thread(self.engine.tokenizer.apply_chat_template, msgs, add_generation_prompt)
+        except Exception as e:  # a template that refuses the conversation (roles out of order, ...)
+            raise APIError(f"Cannot apply the chat template to these messages: {e}", 400, param="messages") from None
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.engine.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_str(self, tid: int) -> str:
+        s = self._token_strs.get(tid)
+        if s is None:
+            s = self._token_strs[tid] = self.decode([tid], skip_special_tokens=False)
+        return s
+
+    # ------------------------------------------------------------------ checks that need the engine
+    def check_model(self, model: str | None) -> str:
+        if model is None:
+            return self.model_names[0]
+        if model not in self.model_names:
+            raise APIError(f"The model `{model}` does not exist. Available models: {', '.join(self.model_names)}",
+                           404, param="model")
+        return model
+
+    def check_n(self, n: int, prompts: int = 1) -> None:
+        """n against the engine's limit, and all the request's samples against --max-waiting-requests (a request
+        that could never be admitted is a 400, not a 503 to retry forever)."""
+        if n > self.max_n:
+            raise APIError(f"Invalid value for 'n': must be at most {self.max_n} (got {n})", 400, param="n")
+        limit = self.engine.max_waiting_requests
+        if limit and n * prompts > limit:
+            raise APIError(f"Invalid value for 'n': {prompts} prompt(s) x n={n} samples is more than the server's "
+                           f"--max-waiting-requests ({limit})", 400, param="n")
+
+    def check_length(self, n_prompt: int, max_tokens: int | None, min_tokens: int, what: str) -> int:
+        """The request's max_tokens, or what is left of the context when it gave none."""
+        limit = self.engine.max_model_len
+        if n_prompt == 0:
+            raise APIError(f"The {what} is empty", 400, param=what)
+        if n_prompt >= limit:
+            raise APIError(
+                f"This model's maximum context length is {limit} tokens. However, your {what} has {n_prompt} "
+                f"tokens. Please reduce the length of the {what}.", 400, param=what)
+        for name, value in (("max_tokens", max_tokens), ("min_tokens", min_tokens)):
+            if value is not None and n_prompt + value > limit:
+                raise APIError(
+                    f"This model's maximum context length is {limit} tokens. However, you requested "
+                    f"{n_prompt + value} tokens ({n_prompt} in the {what}, {value} in the completion). "
+                    f"Please reduce the length of the {what} or completion.", 400, param=name)
+        return limit - n_prompt if max_tokens is None else max_tokens
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        """Prompt and /detokenize ids (the engine checks logit_bias and stop_token_ids itself, naming them)."""
+        vocab = self.engine.engine.model_config.vocab_size
+        bad = next((t for t in ids if t >= vocab), None)
+        if bad is not None:
+            raise APIError(f"Invalid value for '{param}': token id {bad} is out of range [0, {vocab})", 400,
+                           param=param)
+
+    # ------------------------------------------------------------------ engine requests
+    async def submit(self, prompts: list[list[int]], params: SamplingParams, request_id: str) -> list[Sub]:
+        """One engine request per prompt (n samples each); if any is refused, the others are aborted."""
+        subs = [Sub(i, i * params.n, f"{request_id}-{i}", ids) for i, ids in enumerate(prompts)]
+        results = await asyncio.gather(*(self.engine.add_request(s.request_id, s.prompt_ids, params) for s in subs),
+                                       return_exceptions=True)
+        for s, r in zip(subs, results):
+            if not isinstance(r, BaseException):
+                s.stream = r
+        error = next((r for r in results if isinstance(r, BaseException)), None)
+        if error is not None:
+            self.abort(subs)
+            raise error
+        return subs
+
+    def abort(self, subs: list[Sub]) -> None:
+        for s in subs:
+            if s.stream is not None and s.final is None:
+                self.engine.abort(s.request_id)
+
+    async def run_to_end(self, subs: list[Sub]) -> None:
+        """Wait for every sub's final output; a server-side abort is a 503."""
+        async def last(s: Sub) -> None:
+            assert s.stream is not None
+            async for out in self.engine.iterate(s.stream):
+                s.final = out
+
+        tasks = [asyncio.ensure_future(last(s)) for s in subs]
+        try:
+            await asyncio.gather(*tasks)
+        except RequestAbortedError as e:
+            raise APIError(f"The request was aborted: {e}", 503) from None
+        finally:
+            for t in tasks:
+                t.cancel()
+            self.abort(subs)
+
+    async def merged(self, subs: list[Sub]) -> AsyncIterator[tuple[Sub, RequestOutput]]:
+        """(sub, cumulative output) as they come, from all subs; leaving early aborts them all."""
+        q: asyncio.Queue[tuple[Sub, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+        async def pump(s: Sub) -> None:
+            assert s.stream is not None
+            try:
+                async for out in self.engine.iterate(s.stream):
+                    if out.finished:
+                        s.final = out
+                    q.put_nowait((s, out))
+                q.put_nowait((s, None))
+            except Exception as e:  # handed to the consumer
+                q.put_nowait((s, e))
+
+        tasks = [asyncio.ensure_future(pump(s)) for s in subs]
+        try:
+            remaining = len(subs)
+            while remaining:
+                s, item = await q.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield s, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            self.abort(subs)
+
+    # ------------------------------------------------------------------ output formatting
+    @staticmethod
+    def usage(subs: list[Sub]) -> dict[str, object]:
+        prompt = sum(len(s.prompt_ids) for s in subs)
+        cached = sum(s.final.num_cached_tokens for s in subs if s.final is not None)
+        completion = sum(len(c.token_ids) for s in subs if s.final is not None for c in s.final.outputs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    @staticmethod
+    def partial_usage(s: Sub, out: RequestOutput) -> dict[str, int]:
+        ntok = sum(len(c.token_ids) for c in out.outputs)
+        return {"prompt_tokens": len(s.prompt_ids), "completion_tokens": ntok,
+                "total_tokens": len(s.prompt_ids) + ntok}
+
+    def prompt_logprobs(self, out: RequestOutput) -> list[dict[str, dict[str, object]] | None]:
+        """vLLM's per-prompt-token form: None for the first token, else {token id: {logprob, decoded_token}}."""
+        return [None if d is None else {str(t): {"logprob": finite_logprob(v), "decoded_token": self.token_str(t)}
+                                        for t, v in d.items()}
+                for d in out.prompt_logprobs or []]
+
+    def completion_logprobs(self, ids: list[int], lps: list[dict[int, float] | None], k: int,
+                            offset: int) -> dict[str, list]:
+        """The completions API's parallel lists over tokens `ids` (whose logprob dicts are `lps`)."""
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for tid, d in zip(ids, lps):
+            s = self.token_str(tid)
+            tokens.append(s)
+            token_lps.append(None if d is None or tid not in d else finite_logprob(d[tid]))
+            top = sorted((d or {}).items(), key=lambda kv: kv[1], reverse=True)[:k]
+            tops.append(None if d is None else {self.token_str(t): finite_logprob(v) for t, v in top})
+            offsets.append(offset)
+            offset += len(s)
+        return {"text_offset": offsets, "token_logprobs": token_lps, "tokens": tokens, "top_logprobs": tops}
+
+    def chat_logprobs(self, c: CompletionOutput, start: int, end: int, k: int) -> dict[str, list]:
+        content = []
+        for tid, d in zip(c.token_ids[start:end], (c.logprobs or [])[start:end]):
+            top = sorted(d.items(), key=lambda kv: kv[1], reverse=True)[:k]
+            content.append({"token": self.token_str(tid), "logprob": finite_logprob(d.get(tid, -9999.0)),
+                            "bytes": list(self.token_str(tid).encode("utf-8")),
+                            "top_logprobs": [{"token": self.token_str(t), "logprob": finite_logprob(v),
+                                              "bytes": list(self.token_str(t).encode("utf-8"))} for t, v in top]})
+        return {"content": content}
+
+    @staticmethod
+    def check_error(c: CompletionOutput) -> None:
+        if c.finish_reason == "error":
+            raise APIError(f"Generation failed: {c.error or 'engine error'}", 500)
+
+
+def serving(request: Request) -> ServingContext:
+    """The FastAPI dependency that hands a route its ServingContext."""
+    ctx: ServingContext = request.app.state.serving
+    return ctx
+
+
+def request_id(request: Request, given: str | None, prefix: str) -> str:
+    """`<prefix>-<uuid>`, or `<prefix>-<X-Request-Id or body request_id>-<8 hex>` so a reused one cannot
+    collide."""
+    given = given or request.headers.get("x-request-id") or None
+    return f"{prefix}-{given}-{uuid.uuid4().hex[:8]}" if given else f"{prefix}-{uuid.uuid4().hex}"
+
+
+async def cancel_on_disconnect(request: Request, coro: Coroutine[Any, Any, T]) -> T | Response:
+    """Run `coro` (a non-streaming answer); if the client goes away first, cancel it, which aborts its engine
+    requests and frees their blocks at once instead of after a whole generation nobody will read."""
+    task = asyncio.ensure_future(coro)
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        return Response(status_code=499)  # nobody reads it
+    finally:
+        watcher.cancel()
+        task.cancel()

@@ -1,0 +1,133 @@
+"""Server-sent events for both streaming endpoints: the chunk maker, the per-choice pieces, how every stream ends
+(an error event, the abort of its engine requests, `[DONE]`) and the response that aborts them on disconnect."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from pagedllm.engine.async_engine import EngineDeadError, RequestAbortedError
+from pagedllm.engine.outputs import CompletionOutput, RequestOutput
+from pagedllm.entrypoints.openai.errors import APIError, error_sse
+from pagedllm.entrypoints.openai.protocol import StreamOptions
+from pagedllm.entrypoints.openai.serving_engine import ServingContext, Sub
+
+logger = logging.getLogger("pagedllm.server")
+
+
+def sse(body: dict[str, Any]) -> str:
+    return "data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+
+
+@dataclass
+class Chunks:
+    """Makes the SSE chunks of one streamed response, completion or chat: every chunk carries the same id, object,
+    creation time and model, and a usage field exactly when the request's stream_options ask for one."""
+
+    request_id: str
+    object: str
+    model: str
+    include_usage: bool
+    continuous: bool  # usage on every chunk, not only the last
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @classmethod
+    def for_request(cls, opts: StreamOptions | None, request_id: str, obj: str, model: str) -> Chunks:
+        return cls(request_id, obj, model, bool(opts and opts.include_usage),
+                   bool(opts and opts.continuous_usage_stats))
+
+    def __call__(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
+        body: dict[str, Any] = {"id": self.request_id, "object": self.object, "created": self.created,
+                                "model": self.model, "choices": choices}
+        if self.include_usage:
+            body["usage"] = usage
+        return sse(body)
+
+
+@dataclass
+class Piece:
+    """What one choice produced since its last chunk: text[text_from:], tokens [tokens_from, tokens_to)."""
+
+    index: int
+    text: str
+    text_from: int
+    tokens_from: int
+    tokens_to: int
+    done: bool
+    first: bool  # the choice's first piece
+
+
+@dataclass
+class _ChoiceState:
+    text_sent: int = 0
+    tokens_sent: int = 0
+    started: bool = False
+    finished: bool = False
+
+
+async def pieces(ctx: ServingContext, subs: list[Sub]
+                 ) -> AsyncIterator[tuple[Sub, RequestOutput, CompletionOutput, Piece]]:
+    """Each choice's new text and tokens as the engine produces them, skipping outputs that add nothing and
+    anything after a choice finished: what both streaming endpoints send, each in its own wrapping."""
+    states: dict[int, _ChoiceState] = {}
+    async for s, out in ctx.merged(subs):
+        for c in out.outputs:
+            ctx.check_error(c)
+            idx = s.base + c.index
+            st = states.setdefault(idx, _ChoiceState())
+            if st.finished:
+                continue
+            ntok, done = len(c.token_ids), c.finish_reason is not None
+            if len(c.text) == st.text_sent and ntok == st.tokens_sent and not done:
+                continue
+            piece = Piece(idx, c.text[st.text_sent:], st.text_sent, st.tokens_sent, ntok, done, not st.started)
+            st.text_sent, st.tokens_sent, st.finished, st.started = len(c.text), ntok, done, True
+            yield s, out, c, piece
+
+
+async def events(ctx: ServingContext, chunks: AsyncIterator[str], subs: list[Sub]) -> AsyncIterator[str]:
+    """How every stream ends, whatever ended it: an error becomes an SSE error event, the engine requests are
+    aborted (freeing their blocks), and `[DONE]` closes it unless the client is already gone."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except asyncio.CancelledError:
+        raise
+    except (RequestAbortedError, EngineDeadError) as e:
+        yield error_sse(APIError(f"The request was aborted: {e}", 503))
+    except APIError as e:
+        yield error_sse(e)
+    except Exception as e:
+        logger.exception("streaming failed")
+        yield error_sse(APIError(f"Internal server error: {type(e).__name__}: {e}", 500))
+    finally:
+        await chunks.aclose()
+        ctx.abort(subs)
+    yield "data: [DONE]\n\n"
+
+
+class SSEResponse(StreamingResponse):
+    """Server-sent events; however the response ends (done, disconnect, error), its engine requests are aborted."""
+
+    def __init__(self, ctx: ServingContext, chunks: AsyncIterator[str], subs: list[Sub],
+                 headers: dict[str, str] | None = None) -> None:
+        self._gen = events(ctx, chunks, subs)
+        self._on_close: Callable[[], None] = lambda: ctx.abort(subs)
+        super().__init__(self._gen, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with contextlib.suppress(BaseException):
+                await self._gen.aclose()
+            self._on_close()

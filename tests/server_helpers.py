@@ -1,0 +1,77 @@
+"""What the server test files share: an in-process server on a loopback port, the block-pool check through
+GET /v1/kv, the OpenAI error-body check and an SSE reader."""
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+KEY = "sk-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@contextlib.contextmanager
+def running_server(engine, **app_args) -> Iterator[SimpleNamespace]:
+    """uvicorn in a thread on a free port over `engine` (an AsyncLLMEngine), API key KEY; stopped on exit."""
+    from pagedllm.entrypoints.openai.api_server import Server, build_app
+
+    app = build_app(engine, api_key=KEY, **app_args)
+    srv = Server(app, host="127.0.0.1", port=0, log_level="warning")
+    srv.start_in_thread()
+    port = srv.uvicorn.servers[0].sockets[0].getsockname()[1]
+    base = f"http://127.0.0.1:{port}"
+    http = httpx.Client(base_url=base, headers=AUTH, timeout=60)
+    try:
+        yield SimpleNamespace(base=base, http=http, engine=engine, port=port, server=srv)
+    finally:
+        http.close()
+        srv.stop()
+
+
+def kv(s) -> dict:
+    r = s.http.get("/v1/kv")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def assert_pool_whole(s, timeout: float = 30.0) -> dict:
+    """Nothing running or waiting and every KV block free (cached-but-unused blocks count as free)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state = kv(s)
+        if state["used_blocks"] == 0 and state["num_running"] == 0 and state["num_waiting"] == 0:
+            assert state["free_blocks"] == state["total_blocks"] > 0
+            return state
+        if time.monotonic() > deadline:
+            pytest.fail(f"the block pool is not whole: {state}")
+        time.sleep(0.05)
+
+
+def assert_error(r: httpx.Response, status: int, param: str | None = None, contains: list[str] = ()) -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert err["code"] == status and isinstance(err["message"], str) and err["message"]
+    assert isinstance(err["type"], str) and err["type"]
+    if param is not None:
+        assert err["param"] == param, err
+    for text in contains:
+        assert text in err["message"], err
+    return err
+
+
+def sse_events(lines) -> list:
+    events = []
+    for line in lines:
+        if not line.startswith("data: "):
+            continue
+        data = line[len("data: "):]
+        events.append(data if data == "[DONE]" else json.loads(data))
+    return events

@@ -1,0 +1,369 @@
+"""Issue 11's triggers, each against a real server: what one bad request used to do (kill the engine, leak a
+block, freeze the event loop, answer 500, get silently ignored) and must not do again.
+
+One in-process server in float32 with a tiny KV budget (24 blocks: long prompts preempt each other) and a
+2 MiB body limit serves every test; each ends with the block pool whole and the server still answering.
+"""
+from __future__ import annotations
+
+import json
+import math
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+from server_helpers import AUTH, assert_error, assert_pool_whole, running_server, sse_events
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+MAX_MODEL_LEN = 256
+MAX_REQUEST_BYTES = 2 * 2**20
+FAULT_ENGINE_ARGS = dict(dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=8, max_num_batched_tokens=256,
+                         log_stats_interval=0)
+
+
+def tiny_kv_budget(blocks: int = 24) -> int:
+    """Bytes of `blocks` KV blocks of 16 tokens of the default model in float32 (30 layers, 3 KV heads x 64)."""
+    return blocks * 16 * 2 * 30 * 3 * 64 * 4
+
+
+@pytest.fixture(scope="module")
+def fault_server(model_fp32):
+    from pagedllm.engine import EngineConfig, LLMEngine
+    from pagedllm.engine.async_engine import AsyncLLMEngine
+
+    engine = AsyncLLMEngine(LLMEngine(EngineConfig(kv_cache_memory=tiny_kv_budget(), **FAULT_ENGINE_ARGS),
+                                      loaded=model_fp32), max_waiting_requests=16)
+    with running_server(engine, served_model_names=["m"], max_request_bytes=MAX_REQUEST_BYTES) as s:
+        yield s
+
+
+def complete(s, **body) -> httpx.Response:
+    return s.http.post("/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 4, **body})
+
+
+def assert_serving(s) -> None:
+    """The server answers, generates, and every block came back."""
+    assert s.http.get("/health").json() == {"status": "ok"}
+    r = complete(s, temperature=0)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+    assert_pool_whole(s)
+
+
+# ------------------------------------------------------------------------------- item 1: sampling that killed it
+NUMERIC_EDGES = [dict(temperature=1e-300), dict(temperature=1e-45), dict(temperature=5e-324),
+                 dict(repetition_penalty=1e-300, temperature=1), dict(top_p=1e-300, temperature=1),
+                 dict(temperature=1e-300, stream=True)]
+
+
+@pytest.mark.parametrize("params", NUMERIC_EDGES, ids=["-".join(f"{k}={v}" for k, v in p.items())
+                                                       for p in NUMERIC_EDGES])
+def test_numerically_extreme_sampling_is_served(fault_server, params):
+    """Each once killed the engine loop for good (every later request a 503)."""
+    params = dict(params)
+    stream = params.pop("stream", False)
+    r = complete(fault_server, stream=stream, **params)
+    assert r.status_code == 200, r.text
+    if stream:
+        events = sse_events(r.text.splitlines())
+        assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1]), events
+        assert events[-2]["choices"][0]["finish_reason"] == "length"
+    else:
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+    assert_serving(fault_server)
+
+
+def test_top_k_beyond_int32_is_a_400(fault_server):
+    assert_error(complete(fault_server, top_k=2**70), 400, "top_k")
+    assert_serving(fault_server)
+
+
+# ------------------------------------------------------------------------------- item 3: a 400 that leaked
+def test_largest_seed_with_n_2_leaves_nothing_behind(fault_server):
+    r = complete(fault_server, seed=2**64 - 1, n=2, temperature=1, ignore_eos=True)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 2
+    assert_error(complete(fault_server, seed=2**64, n=2), 400, "seed")
+    assert_pool_whole(fault_server)
+
+
+# ------------------------------------------------------------------------------- item 4: size, loop, key
+def test_oversized_body_is_a_413_before_parsing(fault_server):
+    big = b'{"prompt": "' + b"a" * MAX_REQUEST_BYTES + b'"}'
+    t0 = time.monotonic()
+    assert_error(fault_server.http.post("/v1/completions", content=big), 413)
+
+    def chunked():  # no Content-Length: the running count must stop it
+        for i in range(0, len(big), 65536):
+            yield big[i:i + 65536]
+
+    assert_error(fault_server.http.post("/tokenize", content=chunked()), 413)
+    assert time.monotonic() - t0 < 10
+    assert_serving(fault_server)
+
+
+def test_tokenizing_a_long_text_does_not_block_the_event_loop(fault_server):
+    text = "the quick brown fox jumps over the lazy dog. " * (MAX_REQUEST_BYTES // 60)
+    result = {}
+
+    def tokenize():
+        result["r"] = fault_server.http.post("/tokenize", json={"prompt": text})
+
+    worker = threading.Thread(target=tokenize)
+    worker.start()
+    worst = 0.0
+    while worker.is_alive():
+        t0 = time.monotonic()
+        assert fault_server.http.get("/health").status_code == 200
+        worst = max(worst, time.monotonic() - t0)
+        time.sleep(0.05)
+    worker.join()
+    assert result["r"].status_code == 200 and result["r"].json()["count"] > 100_000
+    assert worst < 1.0, f"/health waited {worst:.2f} s behind a tokenization"
+
+
+def test_tokenize_and_detokenize_need_the_key(fault_server):
+    for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]})):
+        assert_error(httpx.post(fault_server.base + path, json=body), 401)
+        assert fault_server.http.post(path, json=body).status_code == 200
+    assert httpx.get(fault_server.base + "/health").status_code == 200  # open, as vLLM's
+
+
+# ------------------------------------------------------------------------------- item 5: 500s on malformed input
+MALFORMED = [
+    ("lone surrogate", '{"prompt": "a\\ud800b", "max_tokens": 1}', "prompt"),
+    ("lone surrogate in a chat message", '{"messages": [{"role": "user", "content": "\\udfff"}]}', "messages"),
+    ("100,000 nested brackets", '{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}", None),
+    ("5,000-digit max_tokens", '{"prompt": "hi", "max_tokens": ' + "9" * 5000 + "}", None),
+    ("4,000-digit max_tokens", '{"prompt": "hi", "max_tokens": ' + "9" * 4000 + "}", "max_tokens"),
+]
+
+
+@pytest.mark.parametrize("body,param", [m[1:] for m in MALFORMED], ids=[m[0] for m in MALFORMED])
+def test_malformed_input_is_a_400_and_keeps_the_connection(fault_server, body, param):
+    """Each used to be a 500 that also reset the next request on the same keep-alive connection."""
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    good = json.dumps({"prompt": "hi", "max_tokens": 1}).encode()
+    with socket.create_connection(("127.0.0.1", fault_server.port), timeout=30) as sock:
+        reader = sock.makefile("rb")
+        first = _exchange(sock, reader, path, body.encode())
+        second = _exchange(sock, reader, "/v1/completions", good)
+    assert first[0] == 400, first
+    err = json.loads(first[1])["error"]
+    assert param is None or err["param"] == param, err
+    assert second[0] == 200, second
+    assert_pool_whole(fault_server)
+
+
+def test_an_unexpected_error_is_a_500_that_keeps_the_connection(fault_server, monkeypatch):
+    """A bug's 500 is logged and answered without dropping the keep-alive connection (Starlette's own error
+    middleware re-raises, and uvicorn then closes it)."""
+    from pagedllm.entrypoints.openai.serving_engine import ServingContext
+
+    def broken(self, model):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(ServingContext, "check_model", broken)
+    with socket.create_connection(("127.0.0.1", fault_server.port), timeout=30) as sock:
+        reader = sock.makefile("rb")
+        first = _exchange(sock, reader, "/v1/completions", b'{"prompt": "hi", "max_tokens": 1}')
+        monkeypatch.undo()
+        second = _exchange(sock, reader, "/v1/completions", b'{"prompt": "hi", "max_tokens": 1}')
+    assert first[0] == 500 and b"a bug" in first[1], first
+    assert second[0] == 200, second
+
+
+def _exchange(sock: socket.socket, reader, path: str, body: bytes) -> tuple[int, bytes]:
+    """One HTTP/1.1 request on a kept-alive connection; (status, body)."""
+    head = (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Authorization: {AUTH['Authorization']}\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    sock.sendall(head + body)
+    status = int(reader.readline().split()[1])
+    length = 0
+    while (line := reader.readline()) not in (b"\r\n", b""):
+        name, _, value = line.decode().partition(":")
+        if name.lower() == "content-length":
+            length = int(value)
+    return status, reader.read(length)
+
+
+# ------------------------------------------------------------------------------- item 6: honoured or refused
+REFUSED = [
+    ("best_of 5", {"best_of": 5}, "best_of"),
+    ("best_of -1", {"best_of": -1}, "best_of"),
+    ("logit_bias key not an id", {"logit_bias": {"abc": 5}}, "logit_bias"),
+    ("logit_bias id past the vocabulary", {"logit_bias": {"999999": 5}}, "logit_bias"),
+    ("response_format json", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("booleans as token ids", {"prompt": [True, False]}, "prompt"),
+    ("temperature Infinity", "Infinity", "temperature"),
+    ("temperature 1e400", "1e400", "temperature"),
+    ("min_tokens 2**70", {"min_tokens": 2**70, "max_tokens": None}, "min_tokens"),
+    ("n over --max-waiting-requests", {"n": 17}, "n"),
+]
+
+
+@pytest.mark.parametrize("extra,param", [r[1:] for r in REFUSED], ids=[r[0] for r in REFUSED])
+def test_fields_not_honoured_are_refused_by_name(fault_server, extra, param):
+    if isinstance(extra, str):  # a JSON number Python's json.dumps cannot write
+        r = fault_server.http.post("/v1/completions", content='{"prompt": "hi", "temperature": %s}' % extra)
+    else:
+        r = complete(fault_server, **extra)
+    assert_error(r, 400, param)
+    assert_pool_whole(fault_server)
+
+
+CHAT_REFUSED = [
+    ("role wizard", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+    ("tools with tool_choice required", {"tools": [{"type": "function", "function": {"name": "f"}}],
+                                         "tool_choice": "required"}, "tool_choice"),
+    ("named tool_choice", {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    ("echo", {"echo": True}, "echo"),
+]
+
+
+@pytest.mark.parametrize("extra,param", [r[1:] for r in CHAT_REFUSED], ids=[r[0] for r in CHAT_REFUSED])
+def test_chat_fields_not_honoured_are_refused_by_name(fault_server, extra, param):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}
+    assert_error(fault_server.http.post("/v1/chat/completions", json=body), 400, param)
+
+
+def test_logit_bias_is_honoured(fault_server):
+    """+100 on one token makes greedy decoding pick it every time; 1e9 is clamped to 100, as OpenAI does."""
+    token = fault_server.http.post("/tokenize", json={"prompt": " banana"}).json()["tokens"][-1]
+    for bias in (100, 1e9):
+        r = complete(fault_server, temperature=0, logit_bias={str(token): bias}, logprobs=0)
+        assert r.status_code == 200, r.text
+        tokens = r.json()["choices"][0]["logprobs"]["tokens"]
+        assert tokens == [" banana"] * 4, tokens
+
+
+def test_scoring_echo_logprobs_max_tokens_0(fault_server):
+    """lm-evaluation-harness's loglikelihood request: the prompt's tokens with their logprobs, first None."""
+    prompt = "The capital of France is Paris"
+    ids = fault_server.http.post("/tokenize", json={"prompt": prompt}).json()["tokens"]
+    r = complete(fault_server, prompt=prompt, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    lp = choice["logprobs"]
+    assert choice["text"] == prompt and choice["finish_reason"] == "length"
+    assert len(lp["tokens"]) == len(ids) and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(v < 0 and math.isfinite(v) for v in lp["token_logprobs"][1:])
+    assert all(len(top) >= 1 for top in lp["top_logprobs"][1:])
+    # The same numbers as prompt_logprobs, vLLM's own field.
+    r2 = complete(fault_server, prompt=prompt, max_tokens=1, prompt_logprobs=0, temperature=0)
+    plp = r2.json()["choices"][0]["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(ids)
+    assert [plp[i][str(t)]["logprob"] for i, t in enumerate(ids) if i] == pytest.approx(lp["token_logprobs"][1:],
+                                                                                        abs=1e-4)
+    # echo + logprobs with generation: the prompt's part comes first, then the generated tokens'.
+    r3 = complete(fault_server, prompt=prompt, max_tokens=2, echo=True, logprobs=1, temperature=0)
+    lp3 = r3.json()["choices"][0]["logprobs"]
+    assert len(lp3["tokens"]) == len(ids) + 2 and lp3["token_logprobs"][0] is None
+    assert_pool_whole(fault_server)
+
+
+# ------------------------------------------------------------------------------- item 10: schema, health, names
+def test_openapi_schema_has_bodies_and_errors(fault_server):
+    spec = fault_server.http.get("/openapi.json").json()
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+        op = spec["paths"][path]["post"]
+        assert "requestBody" in op and op["requestBody"]["required"], path
+        assert {"200", "400", "401", "413", "503"} <= set(op["responses"]), (path, op["responses"].keys())
+    schemas = spec["components"]["schemas"]
+    assert {"temperature", "logit_bias", "prompt_logprobs", "best_of"} <= set(schemas["CompletionRequest"]
+                                                                             ["properties"])
+
+
+def test_health_body_and_detokenize_param(fault_server):
+    r = httpx.get(fault_server.base + "/health")
+    assert r.headers["content-type"] == "application/json" and r.json() == {"status": "ok"}
+    assert_error(fault_server.http.post("/detokenize", json={"tokens": [10**9]}), 400, "tokens")
+
+
+# ------------------------------------------------------------------------------- the engine loop itself dies
+def test_engine_death_fails_streams_and_exits_non_zero(model_fp32, monkeypatch):
+    """Not a request's failure (those fail the request alone) but the loop's: every stream in flight gets an error
+    event and [DONE], and the server stops with exit status 1 so that a supervisor restarts it (as vLLM)."""
+    from pagedllm.engine import EngineConfig, LLMEngine
+    from pagedllm.engine.async_engine import AsyncLLMEngine
+
+    core = LLMEngine(EngineConfig(kv_cache_memory=tiny_kv_budget(), **FAULT_ENGINE_ARGS), loaded=model_fp32)
+    engine = AsyncLLMEngine(core)
+    with running_server(engine) as s:
+        with s.http.stream("POST", "/v1/completions", json={"prompt": "Tell me a story", "max_tokens": 200,
+                                                            "ignore_eos": True, "stream": True}) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+
+            def broken_step():
+                raise RuntimeError("the engine itself is broken")
+
+            monkeypatch.setattr(core, "step", broken_step)
+            events = sse_events(lines)
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == 503, events[-3:]
+        s.server._thread.join(30)
+        assert not s.server._thread.is_alive() and s.server.exit_code == 1
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(s.base + "/health", timeout=2)
+
+
+# ------------------------------------------------------------------------------- one request's failure
+POISON = 7777  # a token id only the failing request's prompt holds
+
+
+def _poisoned_runner(core, monkeypatch) -> None:
+    """The model step raises whenever the failing request's prompt is in the batch, as a bug would."""
+    execute = core.runner.execute
+
+    def failing(chunks, *args, **kwargs):
+        if any(POISON in c.token_ids for c in chunks):
+            raise RuntimeError("injected model-step failure")
+        return execute(chunks, *args, **kwargs)
+
+    monkeypatch.setattr(core.runner, "execute", failing)
+
+
+def _poisoned_sampler(core, monkeypatch) -> None:
+    """Sampling raises for the failing request's row, as a numerically broken row once did."""
+    from pagedllm.engine import llm_engine
+
+    sample = llm_engine.sample
+
+    def failing(logits, rows, *args, **kwargs):
+        if any(POISON in row.prompt_ids for row in rows):
+            raise RuntimeError("injected sampling failure")
+        return sample(logits, rows, *args, **kwargs)
+
+    monkeypatch.setattr(llm_engine, "sample", failing)
+
+
+@pytest.mark.parametrize("inject", [_poisoned_runner, _poisoned_sampler], ids=["model step", "sampling"])
+def test_one_failing_request_fails_alone(model_fp32, monkeypatch, inject):
+    """Three requests in one batch, one of which makes the step fail: it gets an error, the other two the very
+    tokens they get alone (float32, greedy), and the server goes on serving."""
+    from pagedllm.engine import EngineConfig, LLMEngine
+    from pagedllm.engine.async_engine import AsyncLLMEngine
+
+    core = LLMEngine(EngineConfig(kv_cache_memory=tiny_kv_budget(), **FAULT_ENGINE_ARGS), loaded=model_fp32)
+    with running_server(AsyncLLMEngine(core)) as s:
+        prompts = [[1, 504, 3821, 314, POISON, 2], "The capital of France is", "Once upon a time there"]
+        body = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        alone = [complete(s, prompt=p, **body).json()["choices"][0]["text"] for p in prompts[1:]]
+        inject(core, monkeypatch)
+
+        def send(p):
+            return complete(s, prompt=p, **body)
+
+        threads_out: list = [None] * 3
+        workers = [threading.Thread(target=lambda i=i: threads_out.__setitem__(i, send(prompts[i])))
+                   for i in range(3)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(120)
+        failed, *served = threads_out
+        assert_error(failed, 500, contains=["injected"])
+        assert [r.json()["choices"][0]["text"] for r in served] == alone
+        assert_serving(s)

@@ -1,0 +1,138 @@
+"""Fuzzing a real server: schemathesis against its own /openapi.json (no 5xx, every answer as the schema says),
+and a hypothesis-driven client mixing valid and invalid bodies, n, stop strings, logprobs, long prompts and
+streams cut at random points, in concurrent bursts over a KV cache small enough to preempt. After all of it:
+the server answers, every block is free, nothing runs or waits. Bounded: well under a minute each."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import (content_type_conformance, response_schema_conformance,
+                                               status_code_conformance)
+from server_helpers import AUTH, assert_pool_whole, running_server
+from test_server_faults import FAULT_ENGINE_ARGS, tiny_kv_budget
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+@pytest.fixture(scope="module")
+def fuzz_server(model_fp32):
+    from pagedllm.engine import EngineConfig, LLMEngine
+    from pagedllm.engine.async_engine import AsyncLLMEngine
+
+    engine = AsyncLLMEngine(LLMEngine(EngineConfig(kv_cache_memory=tiny_kv_budget(), **FAULT_ENGINE_ARGS),
+                                      loaded=model_fp32), max_waiting_requests=16)
+    with running_server(engine, served_model_names=["m"], max_request_bytes=256 * 1024) as s:
+        yield s
+
+
+def _bounded(body: object) -> None:
+    """Small generations only: the fuzzer is after crashes and schema breaks, not long outputs."""
+    if not isinstance(body, dict):
+        return
+    for key, cap in (("max_tokens", 4), ("max_completion_tokens", 4), ("n", 2), ("min_tokens", 4)):
+        if isinstance(body.get(key), int) and not isinstance(body.get(key), bool) and body[key] > cap:
+            body[key] = cap
+    if "messages" in body and "max_tokens" not in body and "max_completion_tokens" not in body:
+        body["max_tokens"] = 4
+
+
+CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
+
+
+def test_openapi_schema_fuzz(fuzz_server):
+    """Every operation of /openapi.json, with generated valid and invalid inputs: no 5xx, and every answer's
+    status, content type and body as the schema says."""
+    schema = schemathesis.openapi.from_url(fuzz_server.base + "/openapi.json")
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert len(operations) >= 8
+
+    for operation in operations:
+        @settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        @given(case=operation.as_strategy())
+        def call(case) -> None:
+            _bounded(case.body)
+            case.call_and_validate(base_url=fuzz_server.base, headers=AUTH, timeout=60, checks=CHECKS)
+
+        call()
+
+
+# ---------------------------------------------------------------------------------- the hypothesis client
+WORDS = ["the", "cat", "sat", "on", "a", "mat", "Paris", "is", "of", "and", "\u00e9t\u00e9", "\u4f60\u597d", "!"]
+
+valid_prompt = st.one_of(
+    st.lists(st.sampled_from(WORDS), min_size=1, max_size=180).map(" ".join),  # long enough to preempt others
+    st.lists(st.integers(1, 4000), min_size=1, max_size=60))
+body_field = st.fixed_dictionaries({"prompt": valid_prompt}, optional={
+    # never null: that is up to max_model_len per request, not what the fuzzer is after
+    "max_tokens": st.one_of(st.integers(0, 12), st.sampled_from([-1, "x", 10**30])),
+    "n": st.one_of(st.integers(1, 3), st.sampled_from([0, 99, True])),
+    "stop": st.one_of(st.sampled_from(WORDS), st.lists(st.sampled_from(WORDS), max_size=3)),
+    "logprobs": st.one_of(st.integers(0, 3), st.just(50)),
+    "echo": st.booleans(),
+    "temperature": st.one_of(st.floats(0, 2), st.sampled_from([-1.0, 1e-300, "hot"])),
+    "seed": st.integers(-(2**63), 2**64 + 5),
+    "ignore_eos": st.booleans(),
+    "stream": st.booleans(),
+    "top_k": st.integers(-2, 50),
+    "logit_bias": st.dictionaries(st.sampled_from(["1", "42", "x", "-3"]), st.floats(-200, 200), max_size=2),
+})
+request_spec = st.tuples(st.sampled_from(["/v1/completions", "/v1/chat/completions"]), body_field,
+                         st.one_of(st.none(), st.integers(0, 4)))  # cut a stream after this many events
+
+
+def _as_chat(body: dict) -> dict:
+    body = dict(body)
+    prompt = body.pop("prompt")
+    body.pop("echo", None)
+    logprobs = body.pop("logprobs", None)
+    if isinstance(logprobs, int):
+        body.update(logprobs=True, top_logprobs=logprobs)
+    body["messages"] = [{"role": "user", "content": prompt if isinstance(prompt, str) else str(prompt)}]
+    body.setdefault("max_tokens", 8)  # chat's default is the rest of the context
+    return body
+
+
+async def _send(client: httpx.AsyncClient, path: str, body: dict, cut: int | None) -> list[str]:
+    """One request; returns the problems seen (a 5xx, an error event of a 5xx)."""
+    body = _as_chat(body) if path.endswith("chat/completions") else body
+    async with client.stream("POST", path, json=body) as r:
+        if r.status_code >= 500:
+            return [f"{path} {json.dumps(body)[:300]} -> {r.status_code} {(await r.aread())[:300]!r}"]
+        if r.status_code != 200 or not r.headers["content-type"].startswith("text/event-stream"):
+            await r.aread()
+            return []
+        seen, problems = 0, []
+        async for line in r.aiter_lines():
+            if line.startswith("data: {") and '"error"' in line and '"code":5' in line.replace(" ", ""):
+                problems.append(f"{path} {json.dumps(body)[:300]} -> stream error {line[:300]}")
+            seen += line.startswith("data: ")
+            if cut is not None and seen >= cut:
+                break  # leaving the block closes the connection mid-stream
+        return problems
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck), phases=[Phase.generate],
+          database=None)  # no shrinking: the failing burst is printed as it was, in bounded time
+@given(burst=st.lists(request_spec, min_size=1, max_size=5))
+def test_random_client_bursts(fuzz_server, burst):
+    async def main() -> list[str]:
+        async with httpx.AsyncClient(base_url=fuzz_server.base, headers=AUTH, timeout=120) as client:
+            results = await asyncio.gather(*(_send(client, *spec) for spec in burst))
+        return [p for ps in results for p in ps]
+
+    assert asyncio.run(main()) == []
+
+
+def test_after_the_fuzzing_everything_drained(fuzz_server):
+    """Runs after the fuzz tests (file order): the server answers and holds no block, nothing runs or waits."""
+    assert fuzz_server.http.get("/health").json() == {"status": "ok"}
+    r = fuzz_server.http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert_pool_whole(fuzz_server)

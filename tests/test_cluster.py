@@ -73,8 +73,12 @@ def test_the_openai_client_works_unchanged(cluster):
     with pytest.raises(openai.BadRequestError) as bad:  # the single server's validation and error body
         client.completions.create(model=MODEL, prompt="x", max_tokens=4, temperature=-1)
     assert bad.value.body["param"] == "temperature"
+    several = client.completions.create(model=MODEL, prompt=["One", "Two", "Three"], max_tokens=2)
+    assert sorted(c.index for c in several.choices) == [0, 1, 2]  # concurrent calls of one HTTP request
     health = httpx.get(f"{cluster}/health", timeout=60).json()
     assert health["status"] == "ok" and list(health["replicas"].values()) == ["ok", "ok"]
+    page = httpx.get(f"{cluster}/metrics", timeout=60).text
+    assert all(f'vllm:num_requests_running{{replica="{rid}",' in page for rid in health["replicas"])
 
 
 def _prefix_workload(base: str, seed: int) -> list[tuple[int, bool, int]]:

@@ -17,8 +17,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedllm.cluster.replica import ReplicaInfo, ReplicaReport
 from pagedllm.cluster.metrics import sum_stats
+from pagedllm.cluster.replica import ReplicaInfo, ReplicaReport
 from pagedllm.cluster.router import PROMPT_KW, REPLICA_KW
 from pagedllm.cluster.routing import ROUTERS, router_key
 from pagedllm.engine.async_engine import EngineDeadError, EngineShuttingDownError, RequestAbortedError

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from pagedllm.bench import sweep
-from pagedllm.engine import kv_snapshot
+import pagedllm.engine as engine_api
 from pagedllm.engine.stats import EngineStats
 
 PER_TOKEN = 100  # bytes of KV per token in the fake model
@@ -120,7 +120,7 @@ def test_run_sweep_with_fake_engine(monkeypatch, tmp_path):
     import pagedllm.engine as eng
 
     monkeypatch.setattr(eng, "LLMEngine", FakeEngine)
-    monkeypatch.setattr(kv_snapshot, "take_snapshot", fake_snapshot)
+    monkeypatch.setattr(engine_api, "take_snapshot", fake_snapshot)
     monkeypatch.setattr(sweep, "kv_bytes_per_token", lambda model, dtype: PER_TOKEN)
     monkeypatch.setattr(bt, "load_bench_tokenizer", lambda path=None: WordTok())
     p = argparse.ArgumentParser()

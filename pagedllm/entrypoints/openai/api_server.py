@@ -86,7 +86,7 @@ class Server:
         import uvicorn
 
         self.app = app
-        self.engine: AsyncLLMEngine = app.state.serving.engine
+        self.engine: AsyncLLMEngine = app.state.engine
         self.engine.on_dead = self._engine_died
         self.exit_code = 0
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",

@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field
 
 from pagedllm.engine.block_map import block_map
 from pagedllm.engine.kv_snapshot import BlockTokens, block_detail, take_snapshot
-from pagedllm.entrypoints.openai.errors import APIError
+from pagedllm.entrypoints.openai.errors import ERROR_RESPONSES, APIError
 
 router = APIRouter()
 
@@ -130,6 +130,7 @@ def _block_tokens(request: Request) -> BlockTokens:
 
 
 @router.get("/v1/kv/blocks", response_model=KVBlocksResponse, tags=["kv"],
+            responses={c: ERROR_RESPONSES[c] for c in (400, 401, 503)},
             summary="The KV block pool, block tables and queues, from one snapshot between engine steps")
 async def kv_blocks(request: Request,
                     max_cells: Annotated[str | None, Query(description="most cells in the map (1..1000000, "
@@ -149,6 +150,7 @@ async def kv_blocks(request: Request,
 
 
 @router.get("/v1/kv/blocks/{block_id}", response_model=KVBlockDetail, tags=["kv"],
+            responses={c: ERROR_RESPONSES[c] for c in (400, 401, 404, 503)},
             summary="One block: ref count, full hash, holders and the tokens it holds, decoded")
 async def kv_block(request: Request, block_id: str) -> Response:
     engine = request.app.state.engine

@@ -80,9 +80,11 @@ async def kv_state(request: Request) -> dict[str, Any]:
                 "prefix_cache_queries": st.prefix_cache_queries, "prefix_cache_hits": st.prefix_cache_hits}
 
     router = ROUTERS.get(router_key(_engine(request).handle))
+    replicas = {rid: view(st) for rid, st in per.items()}
+    for rid, v in replicas.items():  # what the router believes each replica holds, next to what it holds
+        v["router_index_blocks"] = router.index.num_blocks(rid) if router else None
     return {**view(total), "routing": router.policy if router else None,
-            "routing_decisions": dict(router.decisions) if router else {},
-            "replicas": {rid: view(st) for rid, st in per.items()}}
+            "routing_decisions": dict(router.decisions) if router else {}, "replicas": replicas}
 
 
 def build_ingress_app(engine: ClusterEngine, settings: IngressSettings) -> FastAPI:
@@ -112,6 +114,7 @@ async def poll_kv_events(engine: ClusterEngine, every: float) -> None:
         calls = [call(engine.handle, "kv_events", replica=rid, after=seen.get(rid, 0)) for rid in ids]
         for rid, result in zip(ids, await asyncio.gather(*calls, return_exceptions=True)):
             if isinstance(result, BaseException) or router is None:
+                logger.warning("no KV events from replica %s: %r", rid, result)
                 continue
             seen[rid], data = result
             with router.lock:

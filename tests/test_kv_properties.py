@@ -8,7 +8,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from pagedllm.kv.hashing import hash_full_blocks
+from pagedllm.kv.events import AllBlocksCleared, BlockStored, KVEventLog, decode_batch, encode_batch
+from pagedllm.kv.hashing import hash_block_tokens, hash_full_blocks
 from pagedllm.kv.manager import ContiguousKVCacheManager, PagedKVCacheManager, cdiv
 from pagedllm.kv.manager import TokenRequest as Req
 
@@ -25,6 +26,9 @@ class KVMachine(RuleBasedStateMachine):
         self.mgr = PagedKVCacheManager(NUM_BLOCKS, BLOCK, enable_caching=True)
         self.running: dict[str, Req] = {}
         self.counter = 0
+        self.mgr.pool.events = KVEventLog(BLOCK)
+        self.events_seen = 0
+        self.replayed: set[bytes] = set()  # the prefix cache as a KV-event consumer rebuilds it
 
     @rule(stem=st.sampled_from(STEMS), tail=st.lists(st.integers(0, 3), max_size=9), chunk=st.integers(1, 24))
     def admit(self, stem, tail, chunk):
@@ -148,6 +152,25 @@ class KVMachine(RuleBasedStateMachine):
                 if b.block_hash is not None:
                     assert b.block_hash == hashes[i]
 
+    @invariant()
+    def events_rebuild_the_prefix_cache(self):
+        """A router replaying the published events (through vLLM's wire format) knows exactly which prefixes the
+        cache holds, and every stored block's hash is its tokens chained on its parent."""
+        self.events_seen, events, lost = self.mgr.pool.events.since(self.events_seen)
+        assert not lost
+        for event in decode_batch(encode_batch(events))[1]:
+            if isinstance(event, BlockStored):
+                parent = event.parent_block_hash
+                for i, h in enumerate(event.block_hashes):
+                    assert hash_block_tokens(parent, event.token_ids[i * BLOCK:(i + 1) * BLOCK]) == h
+                    parent = h
+                self.replayed.update(event.block_hashes)
+            elif isinstance(event, AllBlocksCleared):
+                self.replayed.clear()
+            else:
+                self.replayed.difference_update(event.block_hashes)
+        assert self.replayed == set(self.mgr.pool.cached)
+
     def teardown(self):
         for req in list(self.running.values()):
             self.mgr.free(req)
@@ -159,6 +182,7 @@ class ContiguousMachine(KVMachine):
     def __init__(self) -> None:
         super().__init__()
         self.mgr = ContiguousKVCacheManager(NUM_BLOCKS, BLOCK, max_model_len=24)
+        self.mgr.pool.events = KVEventLog(BLOCK)  # it caches nothing, so it publishes nothing
 
 
 TestPagedKV = KVMachine.TestCase

@@ -30,6 +30,7 @@ class EngineConfig:
     log_stats_interval: float = 5.0  # seconds between "busy" log lines; 0 turns them off
     # --speculative-config: JSON text, a dict or a SpeculativeConfig; None: no speculative decoding
     speculative_config: SpeculativeConfig | None = None
+    enable_kv_cache_events: bool = False  # record blocks entering / leaving the prefix cache (kv/events.py)
 
     def __post_init__(self) -> None:
         def check(ok: bool, flag: str, message: str) -> None:

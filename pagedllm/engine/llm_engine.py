@@ -19,6 +19,7 @@ from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.spec_decode import NgramDrafter, SpecDecodeStats, num_accepted
 from pagedllm.engine.stats import EngineStats
 from pagedllm.errors import UserError
+from pagedllm.kv.events import KVEventLog
 from pagedllm.kv.manager import cdiv, make_kv_cache_manager
 from pagedllm.model.loader import DTYPES, LoadedModel, load_model
 from pagedllm.model.runner import ModelRunner, SeqChunk, bytes_per_block
@@ -86,6 +87,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.loaded, num_blocks, self.block_size, self.kv_dtype)
         self.kv = make_kv_cache_manager(config.kv_allocation, num_blocks, self.block_size, self.max_model_len,
                                         config.enable_prefix_caching)
+        if config.enable_kv_cache_events:
+            self.kv.pool.events = KVEventLog(self.block_size, device.type.upper())
         spec = config.speculative_config
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    NgramDrafter(spec, self.max_model_len) if spec else None)

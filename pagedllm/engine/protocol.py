@@ -1,8 +1,10 @@
-"""What the async engine and the server need of an engine, as a type: `LLMEngine` fits it, and so does the
-tests' fake engine, so the server layer is written (and checked) against this and never against `Any`."""
+"""What the async engine and the server need of an engine, as types: `LLMEngine` fits `EngineCore`, and so does the
+tests' fake engine; `AsyncLLMEngine` and the cluster's `ClusterEngine` fit `AsyncEngine`, so the server layer is
+written (and checked) against these and never against `Any`."""
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from collections.abc import AsyncIterator
+from typing import Any, Protocol, runtime_checkable
 
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.stats import EngineStats
@@ -34,3 +36,49 @@ class EngineCore(Protocol):
 
     def stats(self) -> EngineStats:
         """A snapshot of the queues, the block pool and the cumulative counters."""
+
+
+class ModelFacts(Protocol):
+    """What the server reads of the engine core behind an async engine: the model's config (vocabulary, name)."""
+
+    model_config: ModelConfig
+
+
+class AsyncEngine(Protocol):
+    """What the OpenAI server needs of an async engine. `AsyncLLMEngine` (one engine thread in this process) fits
+    it, and so does the cluster's `ClusterEngine` (requests run on engine replicas on Ray Serve), so both serve the
+    same routes, validation, streaming and error bodies."""
+
+    tokenizer: Tokenizer
+    max_model_len: int
+    max_waiting_requests: int | None  # samples waiting at once; a request over it is a 400, the limit a 503
+    stat_logger: Any  # the app's metrics hook (AsyncLLMEngine calls it after each step), or None
+    num_aborted: int
+    aborted_ids: list[str]
+
+    @property
+    def engine(self) -> ModelFacts:
+        """The engine core (or what stands for it): its model config."""
+
+    @property
+    def is_healthy(self) -> bool:
+        """False once the engine can serve nothing more (/health answers 503)."""
+
+    def start(self) -> None: ...
+
+    def stop_accepting(self) -> None: ...
+
+    def abort_all(self) -> None: ...
+
+    def shutdown(self, timeout: float | None = 10.0) -> None: ...
+
+    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Any:
+        """Queue a request; returns its stream once the engine took it, or raises what the engine raised."""
+
+    def iterate(self, stream: Any) -> AsyncIterator[RequestOutput]:
+        """The cumulative outputs of the request `add_request` returned `stream` for; leaving early aborts it."""
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its blocks (non-blocking)."""
+
+    def stats(self) -> EngineStats: ...

@@ -13,6 +13,7 @@ DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    from pagedllm.cluster.launch import add_cluster_args
     from pagedllm.engine.config import add_engine_args
 
     p = subparsers.add_parser(
@@ -41,6 +42,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="prompt layout of RAG requests (canonical/popular share prefixes in the cache)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="server log level (default: info)")
+    add_cluster_args(p)
     p.set_defaults(func=run)
 
 
@@ -61,6 +63,7 @@ def _check_can_listen(host: str, port: int) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pagedllm.cluster.launch import check_cluster_args, run_cluster
     from pagedllm.engine.config import EngineConfig
 
     if not 0 <= args.port <= 65535:
@@ -69,6 +72,9 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--max-waiting-requests: must be >= 0, got {args.max_waiting_requests}")
     if args.max_request_bytes is not None and args.max_request_bytes < 1:
         raise UserError(f"--max-request-bytes: must be >= 1, got {args.max_request_bytes}")
+    if args.replicas is not None:
+        return run_cluster(args)
+    check_cluster_args(args)
     _check_can_listen(args.host, args.port)  # before the model load, not after it
     api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
     config = EngineConfig.from_args(args)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from pagedllm.kv.events import AllBlocksCleared, KVEventLog
 from pagedllm.kv.hashing import BlockHash
 
 
@@ -70,6 +71,7 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, KVBlock] = {}
         self.num_free_cached = 0  # free blocks that still hold a registered prefix (evictable, reusable)
+        self.events: KVEventLog | None = None  # set to publish what enters and leaves the prefix cache
 
     @property
     def num_free_blocks(self) -> int:
@@ -127,11 +129,20 @@ class BlockPool:
             return
         if self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
+            if self.events is not None:
+                self.events.removed([block.block_hash])
         block.block_hash = None
         if block.ref_cnt == 0:
             self.num_free_cached -= 1
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix (e.g. after new weights); blocks in use keep their contents."""
-        for block in list(self.cached.values()):
-            self.uncache(block)
+        """Forget every cached prefix (e.g. after new weights); blocks in use keep their contents. Published as one
+        AllBlocksCleared, not a BlockRemoved per block."""
+        events, self.events = self.events, None
+        try:
+            for block in list(self.cached.values()):
+                self.uncache(block)
+        finally:
+            self.events = events
+        if events is not None:
+            events.record(AllBlocksCleared())

@@ -224,10 +224,27 @@ class PagedKVCacheManager(KVCacheManager):
         if num_full <= start:
             return
         hashes = self._hashes(request, num_tokens)
-        registered = [held[i] for i in range(start, num_full) if self.pool.cache_block(held[i], hashes[i])]
+        registered = [i for i in range(start, num_full) if self.pool.cache_block(held[i], hashes[i])]
         if registered:
-            self.step_journal.append((request.request_id, start, registered))
+            self.step_journal.append((request.request_id, start, [held[i] for i in registered]))
+            if self.pool.events is not None:
+                self._publish_stored(request, hashes, registered)
         self.req_num_cached[request.request_id] = num_full
+
+    def _publish_stored(self, request: KVRequest, hashes: list[BlockHash], registered: list[int]) -> None:
+        """One BlockStored per run of consecutive registered blocks (a block whose prefix another block already
+        holds is not registered, and breaks the run), with its parent hash and tokens as vLLM publishes them."""
+        assert self.pool.events is not None
+        runs: list[list[int]] = []
+        for i in registered:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        bs = self.block_size
+        for run in runs:
+            a, b = run[0], run[-1] + 1
+            self.pool.events.stored(hashes[a:b], hashes[a - 1] if a else None, request.all_token_ids[a * bs:b * bs])
 
     def commit_step(self) -> None:
         self.step_journal.clear()

@@ -11,12 +11,13 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI
 
 from pagedllm.engine.async_engine import AsyncLLMEngine
+from pagedllm.engine.protocol import AsyncEngine
 from pagedllm.entrypoints.openai import (serving_chat, serving_completion, serving_info, serving_rag,
                                          serving_tokenization)
 from pagedllm.entrypoints.openai.errors import install_error_handlers
@@ -33,11 +34,14 @@ logger = logging.getLogger("pagedllm.server")
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
 
 
-def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = None, api_key: str | None = None,
+def build_app(engine: AsyncEngine, *, served_model_names: list[str] | None = None, api_key: str | None = None,
               model_root: str | None = None, rag: RagPipeline | None = None,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
-    """The FastAPI app over a (not necessarily started) AsyncLLMEngine; the app starts and stops the engine.
-    `rag` adds POST /v1/rag/chat/completions."""
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              state_routers: Sequence[APIRouter] | None = None) -> FastAPI:
+    """The FastAPI app over a (not necessarily started) async engine; the app starts and stops the engine.
+    `rag` adds POST /v1/rag/chat/completions. `state_routers`: the routes that show the engine's state (default:
+    /health, /metrics, /v1/models, /v1/kv and the /kv block map, of one engine); a cluster answers them per
+    replica instead."""
     root = model_root or engine.engine.model_config.name or "pagedllm"
     names = list(served_model_names or [root])
     metrics = ServerMetrics(names[0], engine.stats)
@@ -57,9 +61,10 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
     app.state.metrics = metrics
     app.state.rag = rag
     install_error_handlers(app)
-    for module in (serving_info, serving_completion, serving_chat, serving_tokenization):
+    for router in state_routers if state_routers is not None else (serving_info.router, kv_page_router):
+        app.include_router(router)  # kv_page_router: GET /kv (the live block map), GET /v1/kv/blocks (its data)
+    for module in (serving_completion, serving_chat, serving_tokenization):
         app.include_router(module.router)
-    app.include_router(kv_page_router)  # GET /kv (the live block map) and GET /v1/kv/blocks (its data)
     if rag is not None:
         app.include_router(serving_rag.router)
     app.add_middleware(InternalErrorMiddleware)

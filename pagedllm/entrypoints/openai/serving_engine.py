@@ -17,8 +17,9 @@ from typing import Any, TypeVar
 
 from fastapi import Request, Response
 
-from pagedllm.engine.async_engine import AsyncLLMEngine, RequestAbortedError, RequestStream
+from pagedllm.engine.async_engine import RequestAbortedError
 from pagedllm.engine.outputs import CompletionOutput, RequestOutput
+from pagedllm.engine.protocol import AsyncEngine
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.protocol import ChatMessage, finite_logprob
 from pagedllm.sampling_params import MAX_N, SamplingParams
@@ -35,7 +36,7 @@ class Sub:
     base: int
     request_id: str
     prompt_ids: list[int]
-    stream: RequestStream | None = None
+    stream: object | None = None  # what the engine's add_request returned
     final: RequestOutput | None = None
 
 
@@ -43,7 +44,7 @@ class Sub:
 class ServingContext:
     """The engine and the served names, shared by every router (`request.app.state.serving`)."""
 
-    engine: AsyncLLMEngine
+    engine: AsyncEngine
     model_names: list[str]
     model_root: str
     max_n: int = MAX_N
@@ -126,7 +127,7 @@ class ServingContext:
         results = await asyncio.gather(*(self.engine.add_request(s.request_id, s.prompt_ids, params) for s in subs),
                                        return_exceptions=True)
         for s, r in zip(subs, results):
-            if isinstance(r, RequestStream):
+            if not isinstance(r, BaseException):
                 s.stream = r
         error = next((r for r in results if isinstance(r, BaseException)), None)
         if error is not None:

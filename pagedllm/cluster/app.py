@@ -1,0 +1,208 @@
+"""The Ray Serve application: N `EngineReplica`s routed by `PagedLLMRouter`, behind an ingress that serves the
+OpenAI app, plus the per-replica routes a cluster needs. `pagedllm serve --replicas N` runs it (`launch.py`);
+`serve run pagedllm.cluster.app:app_builder replicas=2 routing=prefix` deploys the same application on a Ray
+cluster a team already runs (the builder takes `pagedllm serve`'s flags as key=value).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+from ray import serve
+
+from pagedllm.cluster.ingress import ClusterEngine, EngineFacts, IngressSettings, call, wait_for_info
+from pagedllm.cluster.metrics import sum_stats, with_replica_labels
+from pagedllm.cluster.replica import EngineReplica, ReplicaReport, ReplicaSettings
+from pagedllm.cluster.routing import ROUTERS, apply_events, router_for, router_key
+from pagedllm.engine.config import EngineConfig
+from pagedllm.entrypoints.openai.metrics import CONTENT_TYPE
+
+logger = logging.getLogger("pagedllm.cluster")
+
+ENGINE_DEPLOYMENT = "PagedLLMEngine"
+INGRESS_DEPLOYMENT = "PagedLLMIngress"
+APP_NAME = "pagedllm"
+KV_EVENTS_POLL_S = 0.1  # kv-events routing: how often the ingress reads the replicas' new events
+
+cluster_routes = APIRouter()
+
+
+def _engine(request: Request) -> ClusterEngine:
+    engine: ClusterEngine = request.app.state.engine
+    return engine
+
+
+def _status(report: ReplicaReport | BaseException) -> str:
+    if isinstance(report, ReplicaReport):
+        return "ok" if report.healthy else "the engine loop is not running"
+    return f"unreachable: {type(report).__name__}: {report}"
+
+
+@cluster_routes.get("/health")
+async def health(request: Request) -> Response:
+    """200 with each replica's state while any replica is healthy; 503 when none is."""
+    reports = await _engine(request).reports()
+    replicas = {rid: _status(r) for rid, r in reports.items()}
+    ok = [rid for rid, s in replicas.items() if s == "ok"]
+    if not ok:
+        return JSONResponse({"error": {"message": f"no replica is healthy: {replicas}", "type":
+                                       "ServiceUnavailableError", "param": None, "code": 503}}, status_code=503)
+    return JSONResponse({"status": "ok", "replicas": replicas})
+
+
+@cluster_routes.get("/metrics")
+async def metrics(request: Request) -> Response:
+    """Every replica's metrics (vLLM's names) with a `replica` label, and `pagedllm:replica_up` per replica:
+    PromQL's sum() over the label gives the cluster's figures."""
+    reports = await _engine(request).reports()
+    pages = {rid: r.metrics_text for rid, r in reports.items() if isinstance(r, ReplicaReport)}
+    up = ["# HELP pagedllm:replica_up Whether the replica answered this scrape with a healthy engine.",
+          "# TYPE pagedllm:replica_up gauge"]
+    up += [f'pagedllm:replica_up{{replica="{rid}"}} {float(_status(r) == "ok")}' for rid, r in reports.items()]
+    return Response(with_replica_labels(pages) + "\n".join(up) + "\n", media_type=CONTENT_TYPE)
+
+
+@cluster_routes.get("/v1/kv")
+async def kv_state(request: Request) -> dict[str, Any]:
+    """The block pools: the cluster's totals and each replica's."""
+    reports = await _engine(request).reports()
+    per = {rid: r.stats for rid, r in reports.items() if isinstance(r, ReplicaReport)}
+    total = sum_stats(list(per.values()))
+
+    def view(st: Any) -> dict[str, Any]:
+        return {"block_size": st.block_size, "total_blocks": st.num_blocks, "free_blocks": st.num_free_blocks,
+                "used_blocks": st.num_used_blocks, "cached_blocks": st.num_cached_blocks,
+                "kv_cache_usage": st.kv_usage, "num_running": st.num_running, "num_waiting": st.num_waiting,
+                "prefix_cache_queries": st.prefix_cache_queries, "prefix_cache_hits": st.prefix_cache_hits}
+
+    router = ROUTERS.get(router_key(_engine(request).handle))
+    replicas = {rid: view(st) for rid, st in per.items()}
+    for rid, v in replicas.items():  # what the router believes each replica holds, next to what it holds
+        v["router_index_blocks"] = router.index.num_blocks(rid) if router else None
+    return {**view(total), "routing": router.policy if router else None,
+            "routing_decisions": dict(router.decisions) if router else {}, "replicas": replicas}
+
+
+def build_ingress_app(engine: ClusterEngine, settings: IngressSettings) -> FastAPI:
+    """The single-process server's app over the cluster engine, with per-replica routes in place of its one-engine
+    state routes (/health, /metrics, /v1/kv; the /kv block map stays a single server's)."""
+    from pagedllm.entrypoints.openai import serving_info
+    from pagedllm.entrypoints.openai.api_server import DEFAULT_MAX_REQUEST_BYTES, build_app
+
+    models = APIRouter()
+    models.add_api_route("/v1/models", serving_info.models, methods=["GET"], response_model=serving_info.ModelList)
+    return build_app(engine, served_model_names=settings.served_model_names, api_key=settings.api_key,
+                     model_root=settings.model or settings.served_model_names[0],
+                     max_request_bytes=settings.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES,
+                     state_routers=[cluster_routes, models])
+
+
+async def poll_kv_events(engine: ClusterEngine, every: float) -> None:
+    """kv-events routing: read each replica's new KV events (vLLM's format) and apply them to the router's index,
+    so it knows exactly which prefixes each replica holds, evictions included."""
+    from pagedllm.kv.events import decode_batch
+
+    seen: dict[str, int] = {}
+    while True:
+        await asyncio.sleep(every)
+        router = ROUTERS.get(router_key(engine.handle))
+        ids = engine.replica_ids()
+        calls = [call(engine.handle, "kv_events", replica=rid, after=seen.get(rid, 0)) for rid in ids]
+        for rid, result in zip(ids, await asyncio.gather(*calls, return_exceptions=True)):
+            if isinstance(result, BaseException) or router is None:
+                logger.warning("no KV events from replica %s: %r", rid, result)
+                continue
+            seen[rid], data = result
+            with router.lock:
+                apply_events(router.index, rid, decode_batch(data)[1])
+        for rid in set(seen) - set(ids):
+            del seen[rid]
+
+
+@dataclass(frozen=True)
+class EngineRef:
+    """The engine deployment of another application, for a second front door over the same replicas."""
+
+    app_name: str
+    deployment_name: str = ENGINE_DEPLOYMENT
+
+
+class Ingress:
+    """The ingress deployment: tokenizer and model config loaded here, engine facts asked of a replica, and the
+    routing policy set on this process's router (see router.py: the policy belongs to the front door)."""
+
+    async def __init__(self, engines: Any, settings: IngressSettings) -> None:
+        from pagedllm.model.config import load_model_config
+        from pagedllm.model.tokenizer import load_tokenizer
+
+        if isinstance(engines, EngineRef):
+            engines = serve.get_deployment_handle(engines.deployment_name, app_name=engines.app_name)
+        info = await wait_for_info(engines)  # the first call: it makes Ray Serve build this process's router
+        router_for(engines).set_policy(settings.routing)
+        self.engine = ClusterEngine(engines, load_tokenizer(settings.model), EngineFacts(
+            load_model_config(settings.model)), info.max_model_len, settings.max_waiting_requests)
+        self.fastapi = build_ingress_app(self.engine, settings)
+        self._poller = None
+        if settings.routing == "kv-events":
+            self._poller = asyncio.ensure_future(poll_kv_events(self.engine, KV_EVENTS_POLL_S))
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return self.fastapi
+
+
+@dataclass(frozen=True)
+class ClusterOptions:
+    replicas: int
+    cpus_per_replica: float
+    num_gpus_per_replica: float
+    imbalance_threshold: int = 8
+    max_prefix_blocks: int = 64
+    log_level: str = "info"  # the replicas' and the ingress's; per-request access logs only at debug, as one server
+
+
+def build_application(config: EngineConfig, options: ClusterOptions, ingress: IngressSettings) -> Any:
+    """The Serve application (a bound ingress over a bound engine deployment)."""
+    from ray.serve.config import RequestRouterConfig
+
+    waiting = ingress.max_waiting_requests if ingress.max_waiting_requests is not None else config.max_num_seqs
+    settings = ReplicaSettings(config, ingress.served_model_names[0], ingress.max_waiting_requests,
+                               max(1, int(options.cpus_per_replica)))
+    logs = {"log_level": options.log_level.upper(), "enable_access_log": options.log_level == "debug"}
+    engines = serve.deployment(
+        EngineReplica, name=ENGINE_DEPLOYMENT, num_replicas=options.replicas, logging_config=logs,
+        ray_actor_options={"num_cpus": options.cpus_per_replica, "num_gpus": options.num_gpus_per_replica},
+        # the engine queues and batches itself: Ray only has to keep more than that from piling onto one replica
+        max_ongoing_requests=config.max_num_seqs + waiting + 8,
+        health_check_period_s=2.0, health_check_timeout_s=30.0, graceful_shutdown_timeout_s=5.0,
+        request_router_config=RequestRouterConfig(
+            request_router_class="pagedllm.cluster.router.PagedLLMRouter",
+            request_router_kwargs={"block_size": config.block_size, "max_prefix_blocks": options.max_prefix_blocks,
+                                   "imbalance_threshold": options.imbalance_threshold},
+            request_routing_stats_period_s=2.0))
+    return _front_door(logs).bind(engines.bind(settings), ingress)
+
+
+def build_front_door(ingress: IngressSettings, engines_app: str = APP_NAME, log_level: str = "info") -> Any:
+    """An application of just an ingress, over the replicas of the application `engines_app` (deploy it under
+    another name and route prefix): its own routing policy, the same engines and caches."""
+    logs = {"log_level": log_level.upper(), "enable_access_log": log_level == "debug"}
+    return _front_door(logs).bind(EngineRef(engines_app), ingress)
+
+
+def _front_door(logs: dict[str, Any]) -> Any:
+    return serve.deployment(serve.ingress()(Ingress), name=INGRESS_DEPLOYMENT, ray_actor_options={"num_cpus": 0},
+                            max_ongoing_requests=4096, logging_config=logs)
+
+
+def app_builder(args: dict[str, str]) -> Any:
+    """For `serve run pagedllm.cluster.app:app_builder key=value ...`: `pagedllm serve`'s flags, checked the same
+    way (replicas=2 is --replicas 2; a flag without a value is key=true)."""
+    from pagedllm.cluster.launch import parse_builder_args, settings_from_args
+
+    config, options, ingress = settings_from_args(parse_builder_args(args))
+    return build_application(config, options, ingress)
+

@@ -1,0 +1,173 @@
+"""Two engine replicas on a local Ray Serve (1 CPU each), behind the prefix-aware router, through its HTTP port:
+the official openai client works unchanged, prefix routing keeps every request of a prefix group on one replica
+(and beats round-robin's cluster-wide hit rate, measured by a second front door over the same replicas), and a
+replica killed mid-stream fails its own request with a clear error while the other serves and Ray starts a new one.
+
+One cluster for the module (Ray and two model loads are most of the time); `-m "not cluster"` skips it.
+"""
+from __future__ import annotations
+
+import random
+import socket
+import threading
+import time
+from dataclasses import replace
+
+import httpx
+import pytest
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(420)]
+ray = pytest.importorskip("ray")
+openai = pytest.importorskip("openai")
+
+MODEL = "SmolLM2-135M-Instruct"
+PREFIX = 64  # tokens each group shares: 4 blocks of 16
+GROUPS, PER_GROUP = 4, 5
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """The application `pagedllm serve --replicas 2` runs, at /, and a round-robin front door at /rr."""
+    from ray import serve
+
+    from pagedllm.cluster.app import APP_NAME, build_application, build_front_door
+    from pagedllm.cluster.launch import OBJECT_STORE_BYTES, parse_builder_args, settings_from_args
+
+    port = _free_port()
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=OBJECT_STORE_BYTES, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        config, options, ingress = settings_from_args(parse_builder_args(
+            {"replicas": "2", "cpus_per_replica": "1", "routing": "prefix", "kv_cache_memory": "32MiB",
+             "max_model_len": "512", "max_num_seqs": "8"}))
+        serve.run(build_application(config, options, ingress), name=APP_NAME, route_prefix="/")
+        serve.run(build_front_door(replace(ingress, routing="round-robin")), name="rr", route_prefix="/rr")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _client(base: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_the_openai_client_works_unchanged(cluster):
+    client = _client(cluster)
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    whole = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0)
+    assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 6
+    streamed = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6,
+                                         temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == whole.choices[0].text  # greedy: same text either way
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi"}],
+                                          max_tokens=5, stream=True, stream_options={"include_usage": True})
+    chunks = list(chat)
+    assert chunks[-1].usage.completion_tokens == len([c for c in chunks if c.choices and c.choices[0].delta.content])
+    with pytest.raises(openai.BadRequestError) as bad:  # the single server's validation and error body
+        client.completions.create(model=MODEL, prompt="x", max_tokens=4, temperature=-1)
+    assert bad.value.body["param"] == "temperature"
+    several = client.completions.create(model=MODEL, prompt=["One", "Two", "Three"], max_tokens=2)
+    assert sorted(c.index for c in several.choices) == [0, 1, 2]  # concurrent calls of one HTTP request
+    health = httpx.get(f"{cluster}/health", timeout=60).json()
+    assert health["status"] == "ok" and list(health["replicas"].values()) == ["ok", "ok"]
+    page = httpx.get(f"{cluster}/metrics", timeout=60).text
+    assert all(f'vllm:num_requests_running{{replica="{rid}",' in page for rid in health["replicas"])
+
+
+def _prefix_workload(base: str, seed: int) -> list[tuple[int, bool, int]]:
+    """GROUPS prefixes of PREFIX tokens, PER_GROUP prompts each (a distinct tail), shuffled and sent one at a
+    time: (group, whether an earlier prompt of the group was sent, the tokens the cache served)."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(1000, 40000) for _ in range(PREFIX)] for _ in range(GROUPS)]
+    order = [g for g in range(GROUPS) for _ in range(PER_GROUP)]
+    rng.shuffle(order)
+    client, seen, out = _client(base), set(), []
+    for g in order:
+        tail = [rng.randrange(1000, 40000) for _ in range(8)]
+        r = client.completions.create(model=MODEL, prompt=prefixes[g] + tail, max_tokens=1)
+        out.append((g, g in seen, r.usage.prompt_tokens_details.cached_tokens))
+        seen.add(g)
+    return out
+
+
+def _cluster_hits(base: str) -> dict[str, float]:
+    from pagedllm.bench.metrics import parse_prefix_cache_counters
+
+    counters = parse_prefix_cache_counters(httpx.get(f"{base}/metrics", timeout=60).text)
+    assert counters is not None
+    return counters
+
+
+def _decisions(base: str) -> dict[str, int]:
+    return httpx.get(f"{base}/v1/kv", timeout=60).json()["routing_decisions"]
+
+
+def test_prefix_routing_keeps_each_group_on_one_replica_and_beats_round_robin(cluster):
+    before, decided = _cluster_hits(cluster), _decisions(cluster)
+    prefix = _prefix_workload(cluster, seed=1)
+    middle = _cluster_hits(cluster)
+    # Every repeat found its whole prefix cached: it went where the group's first prompt went, since no other
+    # replica held that prefix (so every request of a group went to one replica).
+    assert all(cached == PREFIX for _, repeat, cached in prefix if repeat)
+    assert all(cached == 0 for _, repeat, cached in prefix if not repeat)
+    now = _decisions(cluster)
+    assert {k: now[k] - decided.get(k, 0) for k in now} == {"new": GROUPS, "prefix": GROUPS * (PER_GROUP - 1)}
+
+    baseline = _prefix_workload(f"{cluster}/rr", seed=2)  # new prefixes, the same replicas, cache-blind routing
+    after = _cluster_hits(cluster)
+    rate = (middle["hits"] - before["hits"]) / (middle["queries"] - before["queries"])
+    rr_rate = (after["hits"] - middle["hits"]) / (after["queries"] - middle["queries"])
+    assert rate == pytest.approx(GROUPS * (PER_GROUP - 1) * PREFIX / (GROUPS * PER_GROUP * (PREFIX + 8)))
+    assert rr_rate < rate, (rr_rate, rate, baseline)
+    assert any(repeat and cached == 0 for _, repeat, cached in baseline)  # a repeat sent where its prefix was not
+
+
+def _serving_replica(base: str, timeout: float = 60.0) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        replicas = httpx.get(f"{base}/v1/kv", timeout=60).json()["replicas"]
+        busy = [rid for rid, kv in replicas.items() if kv["num_running"] > 0]
+        if busy:
+            return busy[0]
+        time.sleep(0.05)
+    raise AssertionError("the long request never ran")
+
+
+def test_a_killed_replica_fails_its_request_and_the_other_goes_on(cluster):
+    from pagedllm.cluster.app import APP_NAME, ENGINE_DEPLOYMENT
+
+    failure: list[BaseException] = []
+
+    def long_stream() -> None:
+        stream = _client(cluster).completions.create(model=MODEL, prompt="Once upon a time", max_tokens=400,
+                                                     stream=True, extra_body={"ignore_eos": True})
+        try:
+            for _ in stream:
+                pass
+        except openai.APIError as e:
+            failure.append(e)
+
+    thread = threading.Thread(target=long_stream)
+    thread.start()
+    victim = _serving_replica(cluster)
+    ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP_NAME}#{ENGINE_DEPLOYMENT}#{victim}", namespace="serve"))
+    thread.join(120)
+    assert failure and f"replica {victim} died" in str(failure[0])  # its own request: a clear error, not a hang
+    client = _client(cluster)
+    for _ in range(3):  # the other replica serves meanwhile
+        assert client.completions.create(model=MODEL, prompt="Hello", max_tokens=2).usage.completion_tokens == 2
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:  # Ray Serve starts a replacement
+        replicas = httpx.get(f"{cluster}/health", timeout=60).json()["replicas"]
+        if len(replicas) == 2 and victim not in replicas and set(replicas.values()) == {"ok"}:
+            break
+        time.sleep(1)
+    else:
+        raise AssertionError(f"no replacement replica: {replicas}")

@@ -213,8 +213,10 @@ def test_replica_pages_merge_into_one_valid_page_with_a_replica_label():
     from pagedllm.cluster.metrics import sum_stats, with_replica_labels
     from pagedllm.entrypoints.openai.metrics import ServerMetrics
 
-    a = _stats(prefix_cache_queries=100, prefix_cache_hits=60, num_running=2, num_free_blocks=4)
-    b = _stats(prefix_cache_queries=50, prefix_cache_hits=5, num_waiting=1)
+    a = _stats(prefix_cache_queries=100, prefix_cache_hits=60, num_running=2, num_free_blocks=4,
+               spec_decode_num_accepted_tokens_per_pos=[5, 3, 1])
+    b = _stats(prefix_cache_queries=50, prefix_cache_hits=5, num_waiting=1,
+               spec_decode_num_accepted_tokens_per_pos=[2])
     pages = {"ra": ServerMetrics("m", lambda: a).render().decode(), "rb": ServerMetrics("m", lambda: b).render().decode()}
     merged = with_replica_labels(pages)
     families = {f.name: f for f in text_string_to_metric_families(merged)}  # parses: one HELP/TYPE per family
@@ -226,6 +228,7 @@ def test_replica_pages_merge_into_one_valid_page_with_a_replica_label():
     total = sum_stats([a, b])
     assert (total.num_blocks, total.num_free_blocks, total.kv_usage) == (20, 14, pytest.approx(0.3))
     assert (total.prefix_cache_hit_rate, total.block_size) == (pytest.approx(65 / 150), 16)
+    assert total.spec_decode_num_accepted_tokens_per_pos == [7, 3, 1]  # position by position
 
 
 def _serve_args(*argv: str):

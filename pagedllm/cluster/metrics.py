@@ -8,16 +8,24 @@ counters over label sets) is the cluster's.
 from __future__ import annotations
 
 from dataclasses import fields
+from itertools import zip_longest
 
 from pagedllm.engine.stats import EngineStats
 
 
 def sum_stats(stats: list[EngineStats]) -> EngineStats:
-    """Counters and gauges added up across replicas; kv_usage is the share of all their blocks in use."""
-    total = {f.name: sum(getattr(s, f.name) for s in stats) for f in fields(EngineStats)}
+    """Counters and gauges added up across replicas (per-position lists position by position); kv_usage is the
+    share of all their blocks in use."""
+    total = {f.name: _add([getattr(s, f.name) for s in stats]) for f in fields(EngineStats)}
     total["block_size"] = stats[0].block_size if stats else 0
     total["kv_usage"] = 1 - total["num_free_blocks"] / total["num_blocks"] if total["num_blocks"] else 0.0
     return EngineStats(**total)
+
+
+def _add(values: list) -> int | float | list[int]:
+    if values and isinstance(values[0], list):
+        return [sum(column) for column in zip_longest(*values, fillvalue=0)]
+    return sum(values)
 
 
 def with_replica_labels(pages: dict[str, str]) -> str:

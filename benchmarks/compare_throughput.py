@@ -192,7 +192,7 @@ def serve(system: str, a, path: str) -> None:
     else:
         proc = subprocess.Popen(vllm_env(
             f"exec $VLLM serve $VLLM_MODEL --host 127.0.0.1 --port {port} --dtype {a.dtype} --max-model-len 2048 "
-            "--served-model-name smollm2 --disable-log-requests"))
+            "--served-model-name smollm2"))  # vLLM 0.32 logs no requests by default
         extra = ["--model", "smollm2", "--tokenizer", os.path.join(os.environ["ANCHORS"], "smollm2-135m-instruct")]
     results = {}
     try:

@@ -27,6 +27,10 @@ import textwrap
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# The model step is what these workloads compare (the anchors run without speculation too); prompt lookup, on by
+# default in the CLI, has its own benchmark (spec_decode.py): greedy random prompts repeat themselves, and drafts
+# would then measure that rather than the engine.
+NO_SPEC = ["--speculative-config", "none"]
 ANCHOR_SCRIPTS = os.path.join(HERE, "..", "..", "shared", "anchors")
 sys.path.insert(0, HERE)
 from linear_kernels import cpu_line  # noqa: E402
@@ -110,7 +114,7 @@ def default_gguf() -> str:
 def run_pagedllm(a, path: str) -> None:
     cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", "throughput", "--dtype", a.dtype,
            "--num-prompts", str(a.num_prompts), "--input-len", str(a.input_len), "--output-len", str(a.output_len),
-           "--max-num-seqs", str(a.num_prompts), "--seed", str(a.seed), "--output-json", path]
+           "--max-num-seqs", str(a.num_prompts), "--seed", str(a.seed), "--output-json", path, *NO_SPEC]
     subprocess.run(cmd, check=True)
 
 
@@ -187,7 +191,7 @@ def serve(system: str, a, path: str) -> None:
     url = f"http://127.0.0.1:{port}"
     if system == "pagedllm":
         proc = subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(port),
-                                 "--dtype", a.dtype, "--log-level", "warning"])
+                                 "--dtype", a.dtype, "--log-level", "warning", *NO_SPEC])
         extra = []
     else:
         proc = subprocess.Popen(vllm_env(

@@ -33,7 +33,7 @@ WORKLOADS = {"rag": ["--dataset-name", "rag", "--no-ignore-eos"],
 
 def server_command(system: str, port: int, spec: str | None, a: argparse.Namespace) -> list[str]:
     """pagedllm serve, or vLLM's CPU build (both cores, bfloat16 as pagedllm picks on this CPU)."""
-    extra = ["--speculative-config", spec] if spec else []
+    extra = ["--speculative-config", spec or "none"] if system == "pagedllm" or spec else []
     if system == "pagedllm":
         return [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(port),
                 "--max-model-len", "2048", "--log-level", "warning", *a.pagedllm_args.split(), *extra]

@@ -60,6 +60,21 @@ def test_speculative_config_follows_vllm_and_names_the_flag():
         assert words in str(e.value)
 
 
+def test_the_cli_default_is_prompt_lookup_on_a_cpu_and_none_turns_it_off():
+    from pagedllm.engine.spec_decode import CPU_DEFAULT
+    from pagedllm.entrypoints.cli import build_parser
+
+    for command in (["serve"], ["generate", "hi"], ["bench", "throughput"]):
+        config = EngineConfig.from_args(build_parser().parse_args(command))
+        assert config.speculative_config == SpeculativeConfig(**CPU_DEFAULT), command
+    for off in ("none", "off", "", "None"):
+        assert EngineConfig.from_args(build_parser().parse_args(["serve", "--speculative-config", off])) \
+            .speculative_config is None
+    assert EngineConfig().speculative_config is None  # the Python API is opt-in, as vLLM's LLM(...)
+    assert EngineConfig(speculative_config="auto", device="cpu").speculative_config == SpeculativeConfig(**CPU_DEFAULT)
+    assert SpeculativeConfig.parse("auto", on_cpu=False) is None  # measured on CPUs only
+
+
 def test_cli_bad_speculative_config_is_one_line(capsys):
     from pagedllm.entrypoints.cli import main
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
+import torch
+
 from pagedllm.engine.spec_decode import SpeculativeConfig
 from pagedllm.errors import UserError
 from pagedllm.kv.sizing import parse_memory_size
@@ -28,8 +30,10 @@ class EngineConfig:
     gpu_memory_utilization: float | None = None  # share of device memory (on CPU: of RAM) for weights + cache
     seed: int = 0
     log_stats_interval: float = 5.0  # seconds between "busy" log lines; 0 turns them off
-    # --speculative-config: JSON text, a dict or a SpeculativeConfig; None: no speculative decoding
-    speculative_config: SpeculativeConfig | None = None
+    # --speculative-config: JSON text, a dict or a SpeculativeConfig; None / "none": no speculative decoding; "auto"
+    # (the CLI's default): prompt lookup on a CPU, where it was measured to pay (spec_decode.CPU_DEFAULT). The Python
+    # API is opt-in, as vLLM's LLM(...) is.
+    speculative_config: SpeculativeConfig | str | dict | None = None
     enable_kv_cache_events: bool = False  # record blocks entering / leaving the prefix cache (kv/events.py)
 
     def __post_init__(self) -> None:
@@ -55,7 +59,8 @@ class EngineConfig:
               f"must be none, gguf, int8 or int4, got {self.quantization!r}")
         check(self.kv_cache_dtype in ("auto", "float32", "bfloat16"), "--kv-cache-dtype",
               f"must be auto, float32 or bfloat16, got {self.kv_cache_dtype!r}")
-        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        on_cpu = self.device == "cpu" or (self.device == "auto" and not torch.cuda.is_available())
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config, on_cpu)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineConfig:
@@ -100,7 +105,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
                    help="share of device memory (on CPU: of RAM) for weights, activations and KV cache; "
                         f"default on CPU: a {DEFAULT_CPU_KV_CACHE_MEMORY // 2**30} GiB KV cache, on GPU: 0.9")
     g.add_argument("--seed", type=int, default=0, help="seed for unseeded random sampling")
-    g.add_argument("--speculative-config", default=None, metavar="JSON",
+    g.add_argument("--speculative-config", default="auto", metavar="JSON",
                    help='speculative decoding by prompt lookup, e.g. \'{"method": "ngram", "num_speculative_tokens": '
-                        '4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}\'; "disable_by_batch_size": N turns it '
-                        'off while N or more requests run or wait (default: off)')
+                        '4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\'; "disable_by_batch_size": N turns it '
+                        'off while N or more requests run or wait; none: off; auto (default): that example on a '
+                        'CPU, where it was measured to pay, off elsewhere')

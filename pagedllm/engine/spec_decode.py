@@ -23,6 +23,12 @@ from pagedllm.errors import UserError
 MAX_SPECULATIVE_TOKENS = 128  # vLLM's rejection sampler's MAX_SPEC_LEN
 
 
+# What `--speculative-config auto` (the default of every command) turns on on a CPU. Measured there (docs/benchmarks.md,
+# "Speculative decoding"): prompt lookup paid at every concurrency tried, 1 to 64 requests, on RAG answers and on
+# the random workload; off elsewhere (nothing measured on a GPU).
+CPU_DEFAULT = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+
 def _bad(message: str) -> UserError:
     return UserError(f"--speculative-config: {message}")
 
@@ -60,13 +66,16 @@ class SpeculativeConfig:
                        f"({self.prompt_lookup_max})")
 
     @classmethod
-    def parse(cls, value: Any) -> SpeculativeConfig | None:
-        """From the flag's JSON text, a dict (`LLM(speculative_config={...})`) or a config; None/"" means off."""
+    def parse(cls, value: Any, on_cpu: bool = True) -> SpeculativeConfig | None:
+        """From the flag's JSON text, a dict (`LLM(speculative_config={...})`) or a config; None, "", "none" or
+        "off" mean off; "auto" (the CLI's default) means CPU_DEFAULT on a CPU and off elsewhere."""
         if value is None or isinstance(value, cls):
             return value
         if isinstance(value, str):
-            if not value.strip():
+            if value.strip().lower() in ("", "none", "off", "null"):
                 return None
+            if value.strip().lower() == "auto":
+                return cls(**CPU_DEFAULT) if on_cpu else None
             try:
                 value = json.loads(value)
             except json.JSONDecodeError as e:

@@ -23,9 +23,9 @@ from pagedllm.errors import UserError
 MAX_SPECULATIVE_TOKENS = 128  # vLLM's rejection sampler's MAX_SPEC_LEN
 
 
-# What `--speculative-config auto` (the default of every command) turns on on a CPU. Measured there (docs/benchmarks.md,
-# "Speculative decoding"): prompt lookup paid at every concurrency tried, 1 to 64 requests, on RAG answers and on
-# the random workload; off elsewhere (nothing measured on a GPU).
+# What `--speculative-config auto` (the default of every command) turns on on a CPU. Measured there
+# (docs/benchmarks.md, "Speculative decoding"): prompt lookup paid (1.15-2.4x) or broke even (64 requests) at every
+# concurrency tried, on RAG answers and on the random workload; off elsewhere (nothing measured on a GPU).
 CPU_DEFAULT = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 
 

@@ -169,7 +169,7 @@ def one_request_vllm(a, path: str) -> None:
                    "output_tok_s": a.output_len / lat[a.output_len]}, f)
 
 
-def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
     import httpx
 
     end = time.monotonic() + timeout
@@ -200,7 +200,7 @@ def serve(system: str, a, path: str) -> None:
         extra = ["--model", "smollm2", "--tokenizer", os.path.join(os.environ["ANCHORS"], "smollm2-135m-instruct")]
     results = {}
     try:
-        _wait_ready(url, proc)
+        wait_ready(url, proc)
         for c in a.concurrency:
             out = f"{path}.{c}.json"
             subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", "serve", "--base-url", url,

@@ -22,10 +22,10 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from compare_throughput import vllm_env, wait_ready  # noqa: E402  (the same anchor set-up and readiness check)
 SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
 WORKLOADS = {"rag": ["--dataset-name", "rag", "--no-ignore-eos"],
              "random": ["--dataset-name", "random", "--input-len", "256", "--output-len", "128"]}
@@ -37,24 +37,9 @@ def server_command(system: str, port: int, spec: str | None, a: argparse.Namespa
     if system == "pagedllm":
         return [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(port),
                 "--max-model-len", "2048", "--log-level", "warning", *a.pagedllm_args.split(), *extra]
-    env_script = os.path.join(HERE, "..", "..", "shared", "anchors", "vllm-env.sh")
     quoted = " ".join(f"'{x}'" for x in extra)
-    return ["bash", "-c", f"export ANCHORS={os.environ['ANCHORS']} VLLM_CPU_OMP_THREADS_BIND=0-1; "
-            f"source {env_script}; exec $VLLM serve $VLLM_MODEL --host 127.0.0.1 --port {port} --dtype bfloat16 "
-            f"--max-model-len 2048 --served-model-name smollm2 {quoted}"]
-
-
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/v1/models", timeout=5):
-                return
-        except OSError:
-            time.sleep(2)
-    raise SystemExit(f"no server at {url} after {timeout} s")
+    return vllm_env(f"exec $VLLM serve $VLLM_MODEL --host 127.0.0.1 --port {port} --dtype bfloat16 "
+                    f"--max-model-len 2048 --served-model-name smollm2 {quoted}")
 
 
 def bench(url: str, workload: str, concurrency: int, a: argparse.Namespace, tmp: str) -> dict:

@@ -348,8 +348,8 @@ class LLMEngine:
         output as it would be had the drafts before it been accepted (penalties, min_tokens, seeded noise)."""
         out, drafts = req.output_token_ids, req.spec_token_ids
         banned = self.tokenizer.eos_token_ids + req.params.stop_token_ids
-        return [SamplingRow(req.params, req.prompt_token_ids, out + drafts[:j], banned)
-                for j in range(len(drafts) + 1)]
+        return [SamplingRow(req.params, req.prompt_token_ids, out + drafts[:j] if j else out, banned)
+                for j in range(len(drafts) + 1)]  # the first row reads the output as it is: no copy per step
 
     def _accept(self, req: Request, results: list[SampleResult], now: float) -> None:
         """Keep the drafts the model confirmed and the model's own token after them, so a step appends exactly

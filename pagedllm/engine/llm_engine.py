@@ -410,7 +410,8 @@ class LLMEngine:
         kv, sched = self.kv, self.scheduler
         return EngineStats(
             num_running=len(sched.running), num_waiting=len(sched.waiting), num_blocks=kv.num_blocks,
-            num_free_blocks=kv.num_free_blocks, num_cached_blocks=kv.num_cached_blocks, block_size=kv.block_size, kv_usage=kv.usage,
+            num_free_blocks=kv.num_free_blocks, num_cached_blocks=kv.num_cached_blocks, block_size=kv.block_size,
+            kv_usage=kv.usage,
             num_stored_tokens=kv.num_stored_tokens, prefix_cache_queries=kv.prefix_stats.queries,
             prefix_cache_hits=kv.prefix_stats.hits, num_preemptions=sched.num_preemptions,
             prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens,

@@ -37,7 +37,8 @@ def cluster():
     from ray import serve
 
     from pagedllm.cluster.app import APP_NAME, build_application, build_front_door
-    from pagedllm.cluster.launch import OBJECT_STORE_BYTES, parse_builder_args, settings_from_args
+    from pagedllm.cluster.launch import OBJECT_STORE_BYTES
+    from pagedllm.entrypoints.serve_cluster import parse_builder_args, settings_from_args
 
     port = _free_port()
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=OBJECT_STORE_BYTES, log_to_driver=False)

@@ -28,7 +28,7 @@ LAYERS = [
     ("pagedllm.engine",),
     ("pagedllm.model",),
     ("pagedllm.kv",),
-    ("pagedllm.sampling_params", "pagedllm.sse"),
+    ("pagedllm.sampling_params", "pagedllm.settings", "pagedllm.sse"),
     ("pagedllm.errors",),
 ]
 

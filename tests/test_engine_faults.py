@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.engine import llm_engine
+from pagedllm.engine import fault_isolation, llm_engine
 from pagedllm.sampling_params import SamplingParamsError
 
 from engine_helpers import assert_all_blocks_free, make_engine
@@ -78,14 +78,14 @@ def test_a_request_failing_in_the_model_fails_alone(model_fp32, prompts, alone, 
 
 def test_a_request_failing_in_sampling_fails_alone(model_fp32, prompts, alone, monkeypatch):
     engine = make_engine(model_fp32)
-    real_sample = llm_engine.sample
+    real_sample = fault_isolation.sample
 
     def sample(logits, rows):
         if any(r.params.seed == 666 for r in rows):
             raise RuntimeError("injected sampling failure")
         return real_sample(logits, rows)
 
-    monkeypatch.setattr(llm_engine, "sample", sample)
+    monkeypatch.setattr(fault_isolation, "sample", sample)
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, GREEDY)
     engine.add_request("seeded", prompts[0], SamplingParams(seed=666, max_tokens=8))

@@ -327,16 +327,16 @@ def _poisoned_runner(core, monkeypatch) -> None:
 
 def _poisoned_sampler(core, monkeypatch) -> None:
     """Sampling raises for the failing request's row, as a numerically broken row once did."""
-    from pagedllm.engine import llm_engine
+    from pagedllm.engine import fault_isolation
 
-    sample = llm_engine.sample
+    sample = fault_isolation.sample
 
     def failing(logits, rows, *args, **kwargs):
         if any(POISON in row.prompt_ids for row in rows):
             raise RuntimeError("injected sampling failure")
         return sample(logits, rows, *args, **kwargs)
 
-    monkeypatch.setattr(llm_engine, "sample", failing)
+    monkeypatch.setattr(fault_isolation, "sample", failing)
 
 
 @pytest.mark.parametrize("inject", [_poisoned_runner, _poisoned_sampler], ids=["model step", "sampling"])

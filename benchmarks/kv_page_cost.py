@@ -16,6 +16,7 @@ import os
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 import tempfile
 import threading
 import time
@@ -74,7 +75,8 @@ class Page:
         self.base = base
 
     def __enter__(self) -> Page:
-        from pagedllm.bench.browser import chromium_driver
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # selenium: a test dependency
+        from browser import chromium_driver
 
         self.driver = chromium_driver()
         self.driver.get(f"{self.base}/kv")

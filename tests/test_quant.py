@@ -118,10 +118,10 @@ def test_round_to_nearest_is_within_half_a_step(bits):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from test_model_parity import _make
+    from model_helpers import make_tiny_hf
 
     folder = str(tmp_path_factory.mktemp("tiny_qwen2"))
-    return folder, _make("qwen2_bias", folder)  # GQA, q/k/v biases
+    return folder, make_tiny_hf("qwen2_bias", folder)  # GQA, q/k/v biases
 
 
 def _rtn_reference(hf, bits: int):

@@ -14,20 +14,12 @@ import time
 
 import httpx
 import pytest
-from server_helpers import AUTH, assert_error, assert_pool_whole, running_server, sse_events
+from server_helpers import (AUTH, FAULT_ENGINE_ARGS, MAX_MODEL_LEN, assert_error, assert_pool_whole, running_server,
+                            sse_events, tiny_kv_budget)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-MAX_MODEL_LEN = 256
 MAX_REQUEST_BYTES = 2 * 2**20
-FAULT_ENGINE_ARGS = dict(dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=8, max_num_batched_tokens=256,
-                         log_stats_interval=0)
-
-
-def tiny_kv_budget(blocks: int = 24) -> int:
-    """Bytes of `blocks` KV blocks of 16 tokens of the default model in float32 (30 layers, 3 KV heads x 64)."""
-    return blocks * 16 * 2 * 30 * 3 * 64 * 4
-
 
 @pytest.fixture(scope="module")
 def fault_server(model_fp32):

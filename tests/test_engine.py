@@ -52,7 +52,7 @@ def test_batched_greedy_equals_alone(model_fp32, prompts, alone, settings):
     if "speculative_config" in settings:  # random prompts: few drafts match, but some do
         assert 0 < engine.stats().spec_decode_num_accepted_tokens < engine.stats().spec_decode_num_draft_tokens
     stats = engine.stats()
-    if "preemption" in str(settings.get("kv_cache_memory")) or settings.get("kv_cache_memory") == kv_budget(40):
+    if settings.get("kv_cache_memory") == kv_budget(40):  # the preemption cases
         assert engine.kv.num_blocks == 40
         assert stats.num_preemptions > 0
     if settings.get("max_num_batched_tokens") == 32:

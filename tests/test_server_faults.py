@@ -21,6 +21,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 MAX_REQUEST_BYTES = 2 * 2**20
 
+
 @pytest.fixture(scope="module")
 def fault_server(model_fp32):
     from pagedllm.engine import EngineConfig, LLMEngine
@@ -204,6 +205,43 @@ def test_fields_not_honoured_are_refused_by_name(fault_server, extra, param):
         r = complete(fault_server, **extra)
     assert_error(r, 400, param)
     assert_pool_whole(fault_server)
+
+
+@pytest.mark.parametrize("key", ["\u00b2", "\u2460", "\u0661\u0662", "\uff11\uff12"],
+                         ids=["superscript two", "circled one", "arabic-indic 12", "fullwidth 12"])
+def test_logit_bias_keys_of_non_ascii_digits_are_refused_by_name(fault_server, key):
+    """str.isdigit() holds for each: int() then failed outside the validator on the first two (a 500) and silently
+    read the others as token 12."""
+    assert_error(complete(fault_server, logit_bias={key: 5}), 400, "logit_bias")
+    assert_pool_whole(fault_server)
+
+
+def test_a_kv_snapshot_that_waits_past_a_slow_step_is_a_503(fault_server, monkeypatch):
+    """/v1/kv/blocks waits for the engine thread between two steps; when a step outlasts the wait, the answer is
+    the 503 its OpenAPI entry promises (it was a 500 with an empty message), and the server goes on."""
+    from pagedllm.entrypoints.openai import kv_page
+
+    core = fault_server.engine.engine
+    real_step, entered, release = core.step, threading.Event(), threading.Event()
+
+    def slow_step():
+        entered.set()
+        release.wait(60)
+        return real_step()
+
+    monkeypatch.setattr(core, "step", slow_step)
+    monkeypatch.setattr(kv_page, "ENGINE_WAIT_S", 0.2, raising=False)
+    worker = threading.Thread(target=complete, args=(fault_server,))
+    worker.start()
+    try:
+        assert entered.wait(60)
+        err = assert_error(fault_server.http.get("/v1/kv/blocks"), 503)
+        assert "step" in err["message"], err
+    finally:
+        release.set()
+        worker.join(60)
+    assert fault_server.http.get("/v1/kv/blocks").status_code == 200
+    assert_serving(fault_server)
 
 
 CHAT_REFUSED = [

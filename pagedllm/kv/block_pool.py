@@ -94,7 +94,8 @@ class BlockPool:
         out = []
         for _ in range(n):
             block = self.free_queue.popleft()
-            if self.on_evict is not None and block.block_hash is not None and self.cached.get(block.block_hash) is block:
+            if self.on_evict is not None and block.block_hash is not None and \
+                    self.cached.get(block.block_hash) is block:
                 self.on_evict(block)
             self.uncache(block)
             block.ref_cnt = 1

@@ -120,8 +120,9 @@ def test_killing_the_writer_loses_nothing_acknowledged(tmp_path):
     try:
         assert proc.stdout.readline().strip() == b"acked"
         proc.stdout.close()
-        while len(os.listdir(tmp_path / FP_A.hex()[:16])) < 60:  # killed while it writes
-            time.sleep(0.001)
+        deadline = time.monotonic() + 60
+        while len(os.listdir(tmp_path / FP_A.hex()[:16])) < 60 and time.monotonic() < deadline:
+            time.sleep(0.001)  # then killed while it writes
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()

@@ -197,6 +197,8 @@ class DiskKVTier:
                 if item is None:
                     return
                 self._write(*item)
+            except Exception as e:  # noqa: BLE001 - a bug here must stop the writing, not leave flush() waiting
+                self._stop_writing(f"the writer failed ({e!r})")
             finally:
                 self._queue.task_done()
 

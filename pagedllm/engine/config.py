@@ -9,9 +9,11 @@ import torch
 from pydantic import ByteSize, Field, SkipValidation
 
 from pagedllm.engine.spec_decode import SpeculativeConfig
+from pagedllm.errors import UserError
 from pagedllm.settings import Flag, add_flags, from_args, settings
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 2**30  # on CPU the cache shares RAM with everything else: a fixed space, as vLLM-CPU
+DEFAULT_KV_OFFLOAD_SIZE = 16 * 2**30
 
 
 @settings
@@ -46,6 +48,11 @@ class EngineConfig:
     gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] | None = None
     """share of device memory (on CPU: of RAM) for weights, activations and KV cache; default on CPU: a 2 GiB KV
     cache, on GPU: 0.9"""
+    kv_offload_dir: Annotated[str | None, Flag(metavar="DIR")] = None
+    """a disk tier for the prefix cache: full blocks evicted from RAM are written to DIR and read back on a later
+    hit, also after a restart (only by an engine with the same weights, dtypes, block size and layer shape)"""
+    kv_offload_size: Annotated[ByteSize, Field(gt=0)] = ByteSize(DEFAULT_KV_OFFLOAD_SIZE)
+    """most bytes the disk tier holds, e.g. 16GiB (default 16 GiB); least recently used blocks go first"""
     seed: int = 0
     """seed for unseeded random sampling"""
     log_stats_interval: float = 5.0
@@ -62,6 +69,8 @@ class EngineConfig:
     """record blocks entering / leaving the prefix cache (kv/events.py)"""
 
     def __post_init__(self) -> None:
+        if self.kv_offload_dir is not None and not (self.kv_allocation == "paged" and self.enable_prefix_caching):
+            raise UserError("--kv-offload-dir: needs paged allocation with prefix caching on")
         on_cpu = self.device == "cpu" or (self.device == "auto" and not torch.cuda.is_available())
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config, on_cpu)
 

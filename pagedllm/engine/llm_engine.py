@@ -14,6 +14,7 @@ import torch
 
 from pagedllm.engine.acceptance import accept, sampling_rows
 from pagedllm.engine.config import EngineConfig
+from pagedllm.engine.disk_tier import open_disk_tier
 from pagedllm.engine.fault_isolation import Computed, Scheduled, forward_guarded, sample_guarded
 from pagedllm.engine.input_checks import check_params, encode_prompt
 from pagedllm.engine.memory import num_kv_blocks, resolve_device
@@ -25,7 +26,7 @@ from pagedllm.engine.stats import EngineStats, StatsLogger, collect_stats
 from pagedllm.engine.stop_checker import check_stop
 from pagedllm.errors import UserError
 from pagedllm.kv.events import KVEventLog
-from pagedllm.kv.manager import make_kv_cache_manager
+from pagedllm.kv.manager import PagedKVCacheManager, make_kv_cache_manager
 from pagedllm.model.loader import DTYPES, LoadedModel, load_model
 from pagedllm.model.runner import ModelRunner, SeqChunk, bytes_per_block
 from pagedllm.model.sampler import token_logprobs
@@ -67,6 +68,10 @@ class LLMEngine:
                                         config.enable_prefix_caching)
         if config.enable_kv_cache_events:
             self.kv.pool.events = KVEventLog(self.block_size, device.type.upper())
+        self.disk_tier = None
+        if config.kv_offload_dir is not None and isinstance(self.kv, PagedKVCacheManager):
+            self.disk_tier = open_disk_tier(config.kv_offload_dir, config.kv_offload_size, self.runner, self.block_size)
+            self.kv.attach_disk_tier(self.disk_tier, self.runner)
         spec = config.speculative_config
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    NgramDrafter(spec, self.max_model_len) if spec else None)
@@ -148,6 +153,8 @@ class LLMEngine:
             self.kv.commit_step()  # what acceptance registered (blocks of accepted drafts) has its K/V written
         self.num_steps += 1
         outputs = [self._output(pid) for pid in updated if pid in self.parents]
+        if self.disk_tier is not None and not self.parents:  # idle now: the disk tier gets the hot prefixes too
+            self.kv.offload_cached()
         self._stats_logger.maybe_log(self.stats)
         return outputs
 

@@ -30,6 +30,7 @@ class EngineStats:
     generation_tokens: int  # tokens generated (cumulative)
     peak_running: int  # most requests running at once so far
     num_steps: int
+    prefix_cache_disk_hits: int = 0  # of those, tokens read back from the disk tier (--kv-offload-dir)
     # Speculative decoding (cumulative, vLLM's spec_decode counters): a draft is one request's drafts in one step.
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0
@@ -62,7 +63,8 @@ def collect_stats(kv: KVCacheManager, scheduler: Scheduler, spec: SpecDecodeStat
         num_running=len(scheduler.running), num_waiting=len(scheduler.waiting), num_blocks=kv.num_blocks,
         num_free_blocks=kv.num_free_blocks, num_cached_blocks=kv.num_cached_blocks, block_size=kv.block_size,
         kv_usage=kv.usage, num_stored_tokens=kv.num_stored_tokens, prefix_cache_queries=kv.prefix_stats.queries,
-        prefix_cache_hits=kv.prefix_stats.hits, num_preemptions=scheduler.num_preemptions,
+        prefix_cache_hits=kv.prefix_stats.hits, prefix_cache_disk_hits=kv.prefix_stats.disk_hits,
+        num_preemptions=scheduler.num_preemptions,
         prompt_tokens=prompt_tokens, generation_tokens=generation_tokens,
         peak_running=scheduler.peak_running, num_steps=num_steps,
         spec_decode_num_drafts=spec.num_drafts, spec_decode_num_draft_tokens=spec.num_draft_tokens,

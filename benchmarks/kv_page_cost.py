@@ -16,31 +16,20 @@ import os
 import statistics
 import subprocess
 import sys
-from pathlib import Path
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 import httpx
+
+from pagedllm.bench.server_process import serve
 
 MODES = ("none", "poll", "browser")
 
 
 def start_server(port: int, extra: list[str]) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(port),
-                             "--log-level", "warning", *extra], env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise SystemExit("the server exited while starting")
-        time.sleep(1)
-    proc.kill()
-    raise SystemExit("the server did not start in 300 s")
+    return serve(port, "--log-level", "warning", *extra)
 
 
 class Poller:

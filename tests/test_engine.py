@@ -9,7 +9,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.engine import EngineConfig, LLMEngine
 from pagedllm.errors import UserError
 
-from engine_helpers import GREEDY, assert_all_blocks_free, kv_budget, make_engine, run_all
+from engine_helpers import assert_all_blocks_free, kv_budget, make_engine, run_all
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 

@@ -14,15 +14,15 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_helpers import needs_kernel
 
 from pagedllm.engine import EngineConfig
 from pagedllm.errors import UserError
-from pagedllm.model import ModelRunner, SeqChunk, cpu_kernel, load_model
-from pagedllm.model import quant
+from pagedllm.model import ModelRunner, SeqChunk, cpu_kernel, load_model, quant
 from pagedllm.model.quant import QuantParts, amx_available, pack, qlinear, qrows, quantize_rtn
 
 LIB = cpu_kernel.load()
-pytestmark = pytest.mark.skipif(LIB is None, reason="no C compiler: the kernels are not built here")
+pytestmark = needs_kernel  # where a compiler exists, a kernel that fails to build fails these tests
 
 
 def _parts(fmt: str, n: int, k: int, seed: int) -> QuantParts:

@@ -1,4 +1,4 @@
-"""Issue 11's triggers, each against a real server: what one bad request used to do (kill the engine, leak a
+"""Hostile and broken clients, each against a real server: what one bad request used to do (kill the engine, leak a
 block, freeze the event loop, answer 500, get silently ignored) and must not do again.
 
 One in-process server in float32 with a tiny KV budget (24 blocks: long prompts preempt each other) and a
@@ -10,11 +10,10 @@ import json
 import math
 import socket
 import threading
-import time
 
 import httpx
 import pytest
-from server_helpers import (AUTH, FAULT_ENGINE_ARGS, MAX_MODEL_LEN, assert_error, assert_pool_whole, running_server,
+from server_helpers import (AUTH, FAULT_ENGINE_ARGS, assert_error, assert_pool_whole, running_server,
                             sse_events, tiny_kv_budget)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -45,7 +44,7 @@ def assert_serving(s) -> None:
     assert_pool_whole(s)
 
 
-# ------------------------------------------------------------------------------- item 1: sampling that killed it
+# ------------------------------------------------------------------------------- numerically extreme sampling
 NUMERIC_EDGES = [dict(temperature=1e-300), dict(temperature=1e-45), dict(temperature=5e-324),
                  dict(repetition_penalty=1e-300, temperature=1), dict(top_p=1e-300, temperature=1),
                  dict(temperature=1e-300, stream=True)]
@@ -73,7 +72,7 @@ def test_top_k_beyond_int32_is_a_400(fault_server):
     assert_serving(fault_server)
 
 
-# ------------------------------------------------------------------------------- item 3: a 400 that leaked
+# ------------------------------------------------------------------------------- a refused request leaks nothing
 def test_largest_seed_with_n_2_leaves_nothing_behind(fault_server):
     r = complete(fault_server, seed=2**64 - 1, n=2, temperature=1, ignore_eos=True)
     assert r.status_code == 200, r.text
@@ -82,10 +81,9 @@ def test_largest_seed_with_n_2_leaves_nothing_behind(fault_server):
     assert_pool_whole(fault_server)
 
 
-# ------------------------------------------------------------------------------- item 4: size, loop, key
+# ------------------------------------------------------------------------------- body size, the event loop, the key
 def test_oversized_body_is_a_413_before_parsing(fault_server):
     big = b'{"prompt": "' + b"a" * MAX_REQUEST_BYTES + b'"}'
-    t0 = time.monotonic()
     assert_error(fault_server.http.post("/v1/completions", content=big), 413)
 
     def chunked():  # no Content-Length: the running count must stop it
@@ -93,28 +91,32 @@ def test_oversized_body_is_a_413_before_parsing(fault_server):
             yield big[i:i + 65536]
 
     assert_error(fault_server.http.post("/tokenize", content=chunked()), 413)
-    assert time.monotonic() - t0 < 10
     assert_serving(fault_server)
 
 
-def test_tokenizing_a_long_text_does_not_block_the_event_loop(fault_server):
+def test_tokenizing_a_long_text_does_not_block_the_event_loop(fault_server, monkeypatch):
+    """While a long text is being tokenized, /health is answered: the tokenizer holds until it is, so a server that
+    tokenized on its event loop would never answer it during the tokenization (events, not a time bound)."""
     text = "the quick brown fox jumps over the lazy dog. " * (MAX_REQUEST_BYTES // 60)
+    tokenizer = fault_server.engine.tokenizer
+    real_encode, tokenizing, health_answered, overlapped = tokenizer.encode, threading.Event(), threading.Event(), []
+
+    def encode(prompt, *args, **kwargs):
+        if prompt == text:
+            tokenizing.set()
+            overlapped.append(health_answered.wait(60))  # False: /health waited for this tokenization
+        return real_encode(prompt, *args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "encode", encode)
     result = {}
-
-    def tokenize():
-        result["r"] = fault_server.http.post("/tokenize", json={"prompt": text})
-
-    worker = threading.Thread(target=tokenize)
+    worker = threading.Thread(target=lambda: result.update(r=fault_server.http.post("/tokenize", json={"prompt": text})))
     worker.start()
-    worst = 0.0
-    while worker.is_alive():
-        t0 = time.monotonic()
-        assert fault_server.http.get("/health").status_code == 200
-        worst = max(worst, time.monotonic() - t0)
-        time.sleep(0.05)
+    assert tokenizing.wait(60)
+    assert fault_server.http.get("/health").status_code == 200
+    health_answered.set()
     worker.join()
+    assert overlapped == [True], "/health was answered only after the tokenization"
     assert result["r"].status_code == 200 and result["r"].json()["count"] > 100_000
-    assert worst < 1.0, f"/health waited {worst:.2f} s behind a tokenization"
 
 
 def test_tokenize_and_detokenize_need_the_key(fault_server):
@@ -124,7 +126,7 @@ def test_tokenize_and_detokenize_need_the_key(fault_server):
     assert httpx.get(fault_server.base + "/health").status_code == 200  # open, as vLLM's
 
 
-# ------------------------------------------------------------------------------- item 5: 500s on malformed input
+# ------------------------------------------------------------------------------- malformed input is a 4xx
 MALFORMED = [
     ("lone surrogate", '{"prompt": "a\\ud800b", "max_tokens": 1}', "prompt"),
     ("lone surrogate in a chat message", '{"messages": [{"role": "user", "content": "\\udfff"}]}', "messages"),
@@ -182,7 +184,7 @@ def _exchange(sock: socket.socket, reader, path: str, body: bytes) -> tuple[int,
     return status, reader.read(length)
 
 
-# ------------------------------------------------------------------------------- item 6: honoured or refused
+# ------------------------------------------------------------------------------- a field is honoured or refused by name
 REFUSED = [
     ("best_of 5", {"best_of": 5}, "best_of"),
     ("best_of -1", {"best_of": -1}, "best_of"),
@@ -294,7 +296,7 @@ def test_scoring_echo_logprobs_max_tokens_0(fault_server):
     assert_pool_whole(fault_server)
 
 
-# ------------------------------------------------------------------------------- item 10: schema, health, names
+# ------------------------------------------------------------------------------- the schema, /health, names
 def test_openapi_schema_has_bodies_and_errors(fault_server):
     spec = fault_server.http.get("/openapi.json").json()
     for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):

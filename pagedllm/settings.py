@@ -10,15 +10,29 @@ import functools
 import types
 import typing
 from collections.abc import Callable
-from typing import Any, Literal, TypeVar, dataclass_transform
+from typing import Annotated, Any, Literal, TypeVar, cast, dataclass_transform
 
-from pydantic import ByteSize, ConfigDict, Field, ValidationError
+from pydantic import BeforeValidator, ByteSize, ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from pagedllm.errors import UserError
 
 T = TypeVar("T")
 _SAME = object()  # Flag.cli_default: the field's own default
+
+
+def _byte_size(value: Any) -> Any:
+    """'2GiB', '512MB', '1000' -> bytes (pydantic's ByteSize); ints pass as they are."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return int(_BYTE_SIZE.validate_python(value))
+    except ValidationError as e:
+        raise ValueError(e.errors()[0]["msg"]) from None
+
+
+_BYTE_SIZE = TypeAdapter(ByteSize)
+Bytes = Annotated[int, BeforeValidator(_byte_size)]  # a memory size: an int of bytes, or text such as 2GiB
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,8 +72,8 @@ def settings(cls: type[T]) -> type[T]:
         except ValidationError as e:
             raise user_error(e) from None
 
-    validated.__init__ = __init__  # type: ignore[misc]  # pydantic's checks, with errors that name the flag
-    return validated
+    setattr(validated, "__init__", __init__)  # noqa: B010 - mypy refuses assigning a method; errors name the flag
+    return cast(type[T], validated)
 
 
 def _flag(metadata: list[Any]) -> Flag:
@@ -72,14 +86,15 @@ def _argparse_kind(annotation: Any) -> dict[str, Any]:
     if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 1:
         return _argparse_kind(args[0])
     if typing.get_origin(annotation) is typing.Annotated:
-        return _argparse_kind(args[0])
+        parsed = any(isinstance(m, BeforeValidator) for m in annotation.__metadata__)
+        return {} if parsed else _argparse_kind(args[0])  # text pydantic reads (Bytes: 2GiB) stays text
     if typing.get_origin(annotation) is Literal:
         return {"choices": list(args)}
     if annotation is bool:
         return {"action": argparse.BooleanOptionalAction}
     if annotation in (int, float):
         return {"type": annotation}
-    return {}  # str, ByteSize ('2GiB') and anything pydantic parses from text
+    return {}  # str, and anything pydantic parses from text
 
 
 def add_flags(group: Any, cls: type, skip: tuple[str, ...] = ()) -> None:
@@ -90,8 +105,9 @@ def add_flags(group: Any, cls: type, skip: tuple[str, ...] = ()) -> None:
         flag = _flag(info.metadata)
         default = info.default if flag.cli_default is _SAME else flag.cli_default
         names = [flag_name(name)] + ([flag.short] if flag.short else [])
+        parsed = any(isinstance(m, BeforeValidator) for m in info.metadata)  # text pydantic reads: stays text
         group.add_argument(*names, default=default, help=info.description, metavar=flag.metavar,
-                           **_argparse_kind(info.annotation))
+                           **({} if parsed else _argparse_kind(info.annotation)))
 
 
 def from_args(cls: Callable[..., T], args: argparse.Namespace) -> T:
@@ -100,4 +116,4 @@ def from_args(cls: Callable[..., T], args: argparse.Namespace) -> T:
     return cls(**{name: getattr(args, name) for name in names if hasattr(args, name)})
 
 
-__all__ = ["ByteSize", "Field", "Flag", "add_flags", "flag_name", "from_args", "settings", "user_error"]
+__all__ = ["Bytes", "Field", "Flag", "add_flags", "flag_name", "from_args", "settings", "user_error"]

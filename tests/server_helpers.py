@@ -10,7 +10,6 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-
 from engine_helpers import kv_budget
 
 KEY = "sk-test-key"

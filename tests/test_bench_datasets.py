@@ -70,12 +70,11 @@ def test_sharegpt(tok, tmp_path):
         ds.sharegpt_dataset(tok, None, 1)
 
 
-def test_rag_hook(tok, monkeypatch):
+def test_rag_hook(tok, monkeypatch, tmp_path):
     import pagedllm.rag as rag
 
-    monkeypatch.delattr(rag, "bench_prompts", raising=False)
-    with pytest.raises(UserError, match="rag ingest"):
-        ds.rag_dataset(tok, 2, 8)
-    monkeypatch.setattr(rag, "bench_prompts", lambda n, seed=0: ["Context: cats.\nQuestion: what?"] * n, raising=False)
+    with pytest.raises(UserError, match="rag ingest"):  # nothing ingested there
+        ds.rag_dataset(tok, 2, 8, store=str(tmp_path))
+    monkeypatch.setattr(rag, "bench_prompts", lambda n, seed=0: ["Context: cats.\nQuestion: what?"] * n)
     reqs = ds.rag_dataset(tok, 2, 8)
     assert len(reqs) == 2 and _exact(tok, reqs) and reqs[0].expected_output_len == 8

@@ -5,8 +5,15 @@ import numpy as np
 import pytest
 
 from pagedllm.bench.arrivals import arrival_times
-from pagedllm.bench.metrics import (RequestResult, compute_metrics, parse_goodput, parse_percentiles,
-                                    parse_prefix_cache_counters, per_second, prefix_cache_delta)
+from pagedllm.bench.metrics import (
+    RequestResult,
+    compute_metrics,
+    parse_goodput,
+    parse_percentiles,
+    parse_prefix_cache_counters,
+    per_second,
+    prefix_cache_delta,
+)
 from pagedllm.errors import UserError
 
 

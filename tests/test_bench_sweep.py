@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from pagedllm.bench import sweep
 import pagedllm.engine as engine_api
+from pagedllm.bench import sweep
 from pagedllm.engine.stats import EngineStats
 
 PER_TOKEN = 100  # bytes of KV per token in the fake model

@@ -7,8 +7,7 @@ import random
 import pytest
 
 from pagedllm.cluster.routing import PrefixIndex, apply_events, choose, key, prefix_keys
-from pagedllm.kv.events import (AllBlocksCleared, BlockRemoved, BlockStored, KVEventLog, decode_batch,
-                                encode_batch)
+from pagedllm.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventLog, decode_batch, encode_batch
 from pagedllm.kv.hashing import hash_full_blocks
 from pagedllm.kv.manager import PagedKVCacheManager, TokenRequest
 
@@ -111,7 +110,7 @@ def test_prefix_groups_stick_to_one_replica_and_spread_across_replicas():
     index, load = PrefixIndex(), {"r0": 0, "r1": 0}
     groups = [[rng.randrange(1000) for _ in range(32)] for _ in range(6)]
     where: dict[int, set[str]] = {}
-    for i in range(60):
+    for _ in range(60):
         g = rng.randrange(len(groups))
         keys = prefix_keys(groups[g] + [rng.randrange(1000) for _ in range(9)], BS, 64)
         cached = {r: index.num_blocks(r) for r in load}

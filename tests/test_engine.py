@@ -4,12 +4,11 @@ from __future__ import annotations
 import random
 
 import pytest
+from engine_helpers import assert_all_blocks_free, kv_budget, make_engine, run_all
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine import EngineConfig, LLMEngine
 from pagedllm.errors import UserError
-
-from engine_helpers import assert_all_blocks_free, kv_budget, make_engine, run_all
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 

@@ -10,12 +10,11 @@ import random
 
 import pytest
 import torch
+from engine_helpers import assert_all_blocks_free, kv_budget, make_engine
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine import fault_isolation, llm_engine
 from pagedllm.sampling_params import SamplingParamsError
-
-from engine_helpers import assert_all_blocks_free, kv_budget, make_engine
 
 POISON = 4242  # a token id that makes the injected model failure fire
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

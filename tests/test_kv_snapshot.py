@@ -23,7 +23,6 @@ from pagedllm.engine.kv_snapshot import BlockTokens, KVSnapshot, RequestState, b
 from pagedllm.entrypoints.openai.kv_page import KVBlocksResponse
 
 
-
 def engine(model, num_blocks: int, **kw) -> LLMEngine:
     kw.setdefault("max_model_len", 256)
     cfg = EngineConfig(kv_cache_memory=kv_budget(num_blocks), log_stats_interval=0, **kw)
@@ -197,8 +196,9 @@ def test_sweep_pictures_show_each_allocation_at_its_peak(model_fp32, tmp_path):
     maps = {}
     for alloc in ("contiguous", "paged"):
         e = engine(model_fp32, 24, kv_allocation=alloc, max_model_len=128)  # contiguous: 8 blocks each, 3 fit
-        peaks = []
-        res = run_engine(e, prompts, 6, np.zeros(len(prompts)), lambda eng: peaks.append(block_map(take_snapshot(eng))))
+        peaks: list[dict] = []
+        res = run_engine(e, prompts, 6, np.zeros(len(prompts)), lambda eng, peaks=peaks: peaks.append(
+            block_map(take_snapshot(eng))))
         maps[alloc] = peaks[-1]
         assert peaks[-1]["counters"]["slots_allocated"] == res["peak_kv_slots_allocated"]
     whole, paged = maps["contiguous"]["counters"], maps["paged"]["counters"]

@@ -10,9 +10,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 
 from pagedllm.errors import ModelLoadError, UserError
-from pagedllm.model import load_model, load_model_config, load_tokenizer
+from pagedllm.model import load_model, load_model_config, load_tokenizer, loader
 from pagedllm.model.config import ModelConfig
-from pagedllm.model import loader
 from pagedllm.model.loader import resolve_dtype
 
 

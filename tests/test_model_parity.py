@@ -13,7 +13,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
-
 from model_helpers import VOCAB, make_tiny_hf
 
 from pagedllm.model import ModelRunner, SeqChunk, load_model, load_model_config

@@ -105,7 +105,8 @@ def test_seeded_noise_depends_on_seed_and_position_only():
     """The same (seed, position) picks the same token whatever came before it: what makes a verified draft
     the token the step without drafts would have sampled."""
     logits = torch.zeros(1, 1000)
-    pick = lambda seed, output: sample(logits, [row(output=output, temperature=1.0, seed=seed)])[0].token_id  # noqa: E731
+    def pick(seed, output):
+        return sample(logits, [row(output=output, temperature=1.0, seed=seed)])[0].token_id
     assert pick(3, [1, 2, 3]) == pick(3, [9, 9, 9])
     assert len({pick(3, [0] * n) for n in range(8)}) > 4
     assert len({pick(s, [0, 0]) for s in range(8)}) > 4

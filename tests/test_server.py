@@ -343,7 +343,7 @@ def test_non_streaming_disconnect_aborts(server):
 LONG_PROMPT = "hello " * (MAX_MODEL_LEN + 20)
 
 BAD_COMPLETIONS = [
-    ("malformed json", '{"model": "%s", "prompt": "hi",' % MODEL, 400, None),
+    ("malformed json", f'{{"model": "{MODEL}", "prompt": "hi",', 400, None),
     ("not an object", "[1, 2, 3]", 400, None),
     ("missing prompt", {"model": MODEL}, 400, "prompt"),
     ("prompt wrong type", {"model": MODEL, "prompt": 123}, 400, "prompt"),

@@ -13,8 +13,15 @@ import threading
 
 import httpx
 import pytest
-from server_helpers import (AUTH, FAULT_ENGINE_ARGS, assert_error, assert_pool_whole, running_server,
-                            sse_events, tiny_kv_budget)
+from server_helpers import (
+    AUTH,
+    FAULT_ENGINE_ARGS,
+    assert_error,
+    assert_pool_whole,
+    running_server,
+    sse_events,
+    tiny_kv_budget,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -202,7 +209,7 @@ REFUSED = [
 @pytest.mark.parametrize("extra,param", [r[1:] for r in REFUSED], ids=[r[0] for r in REFUSED])
 def test_fields_not_honoured_are_refused_by_name(fault_server, extra, param):
     if isinstance(extra, str):  # a JSON number Python's json.dumps cannot write
-        r = fault_server.http.post("/v1/completions", content='{"prompt": "hi", "temperature": %s}' % extra)
+        r = fault_server.http.post("/v1/completions", content=f'{{"prompt": "hi", "temperature": {extra}}}')
     else:
         r = complete(fault_server, **extra)
     assert_error(r, 400, param)

@@ -13,8 +13,11 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
-from schemathesis.specs.openapi.checks import (content_type_conformance, response_schema_conformance,
-                                               status_code_conformance)
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
 from server_helpers import AUTH, FAULT_ENGINE_ARGS, assert_pool_whole, running_server, tiny_kv_budget
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

@@ -7,25 +7,16 @@ the KV pool must be whole after every request, through preemption, aborts and fa
 """
 from __future__ import annotations
 
-import os
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from engine_helpers import assert_all_blocks_free, make_engine
+from rag_eval_questions import EVAL_QUESTIONS
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).parent))
-
-from rag_eval_questions import EVAL_QUESTIONS  # noqa: E402
-
-from pagedllm import SamplingParams  # noqa: E402
-from pagedllm.engine.config import EngineConfig  # noqa: E402
-from pagedllm.engine.spec_decode import SpecDecodeStats, SpeculativeConfig, ngram_draft, num_accepted  # noqa: E402
-from pagedllm.errors import UserError  # noqa: E402
-from pagedllm.model.runner import bytes_per_block  # noqa: E402
-
-from engine_helpers import assert_all_blocks_free, make_engine  # noqa: E402
+from pagedllm import SamplingParams
+from pagedllm.engine.config import EngineConfig
+from pagedllm.engine.spec_decode import SpecDecodeStats, SpeculativeConfig, ngram_draft, num_accepted
+from pagedllm.errors import UserError
+from pagedllm.model.runner import bytes_per_block
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
 
@@ -270,10 +261,10 @@ TINY_NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max
 def tiny(tmp_path_factory):
     """A random 2-layer Llama with an 8-token vocabulary and weights large enough that its next-token
     distributions are peaked and depend on the context (so that drafts are sometimes right, sometimes not)."""
+    from model_helpers import save_tiny_tokenizer
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from pagedllm.model import load_model
-    from model_helpers import save_tiny_tokenizer
 
     folder = str(tmp_path_factory.mktemp("tiny-spec"))
     cfg = LlamaConfig(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

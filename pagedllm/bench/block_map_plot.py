@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import Any
 
 from pagedllm.engine import STATES, KVSnapshot, RequestState, block_map, expand_row
 from pagedllm.kv import cdiv
@@ -72,7 +73,7 @@ def draw_rows(ax, m: dict, max_rows: int = 24, max_cells: int | None = None) -> 
     """Each request's block table as a row of cells (running first), as the page's request table shows it."""
     PatchCollection, Rectangle = _mpl()[1:3]
     colors, bs = m["map"]["colors"], m["block_size"]
-    rects = []
+    rects: list[Any] = []
     rows = [r for r in m["requests"] if r["block_ids"]][:max_rows]
     width = max([len(r["block_ids"]) for r in rows] + [max_cells or 1])
     for y, r in enumerate(rows):

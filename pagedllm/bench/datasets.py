@@ -10,6 +10,7 @@ import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -201,7 +202,6 @@ def sharegpt_dataset(
     return out
 
 
-RAG_HOOK = "pagedllm.rag.bench_prompts"
 
 
 def rag_dataset(
@@ -209,17 +209,10 @@ def rag_dataset(
 ) -> list[SampleRequest]:
     """Prompts built by the RAG pipeline: `pagedllm.rag.bench_prompts(num_prompts, seed=..., store=...)` returns
     a list of prompt strings (retrieved context + question), or raises UserError when nothing was ingested."""
-    try:
-        import pagedllm.rag as rag
-    except ImportError:
-        rag = None
-    fn: Callable | None = getattr(rag, "bench_prompts", None) if rag is not None else None
-    if fn is None:
-        raise UserError(
-            "the rag dataset needs `pagedllm rag ingest` first (and a pagedllm build with "
-            f"{RAG_HOOK}); use --dataset-name random, prefix-repetition or sharegpt meanwhile"
-        )
-    kwargs = {"seed": seed}
+    import pagedllm.rag as rag  # looked up at the call: tests stand in their own bench_prompts
+
+    fn: Callable = rag.bench_prompts
+    kwargs: dict[str, Any] = {"seed": seed}
     if store is not None:
         kwargs["store"] = store
     prompts = list(fn(num_prompts, **kwargs))

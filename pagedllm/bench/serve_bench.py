@@ -7,16 +7,30 @@ import json
 import math
 import os
 import sys
-
 from datetime import datetime
 
 from pagedllm.bench import datasets as ds
 from pagedllm.bench.arrivals import arrival_times
-from pagedllm.bench.client import (ENDPOINTS, RequestSettings, fetch_default_model, fetch_metrics_text, make_client,
-                                   run_load, send_request)
-from pagedllm.bench.metrics import (METRICS, compute_metrics, parse_goodput, parse_percentiles,
-                                    parse_prefix_cache_counters, parse_spec_decode_counters, percentile_key,
-                                    prefix_cache_delta, spec_decode_delta)
+from pagedllm.bench.client import (
+    ENDPOINTS,
+    RequestSettings,
+    fetch_default_model,
+    fetch_metrics_text,
+    make_client,
+    run_load,
+    send_request,
+)
+from pagedllm.bench.metrics import (
+    METRICS,
+    compute_metrics,
+    parse_goodput,
+    parse_percentiles,
+    parse_prefix_cache_counters,
+    parse_spec_decode_counters,
+    percentile_key,
+    prefix_cache_delta,
+    spec_decode_delta,
+)
 from pagedllm.errors import UserError
 
 

@@ -25,7 +25,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -40,7 +40,7 @@ GROUPS = ("allocation", "block", "prefix", "disk")
 class Setting:
     name: str
     workload: str  # "long-tail" | "prefix-repetition"
-    kv_allocation: str = "paged"
+    kv_allocation: Literal["paged", "contiguous"] = "paged"
     block_size: int = 16
     enable_prefix_caching: bool = False
     groups: set[str] = field(default_factory=set)
@@ -128,8 +128,11 @@ def run_engine(engine, prompts: list[list[int]], output_len: int, send_times: np
 
     s0 = engine.stats()
     n = len(prompts)
-    arrival, first, done, out_tokens = [0.0] * n, [None] * n, [None] * n, [0] * n
-    allocated, stored = [], []
+    arrival, out_tokens = [0.0] * n, [0] * n
+    first: list[float | None] = [None] * n
+    done: list[float | None] = [None] * n
+    allocated: list[int] = []
+    stored: list[int] = []
     peak_running = nxt = 0
     peak = (0, 0)
     t0 = time.monotonic()
@@ -266,7 +269,8 @@ def _run_row(args: argparse.Namespace, s: Setting, workload: tuple[list, int], k
     engine = LLMEngine(cfg, loaded)
 
     def on_peak(e: Any) -> None:
-        peaks[s.name] = take_snapshot(e)
+        if peaks is not None:
+            peaks[s.name] = take_snapshot(e)
 
     wanted = peaks is not None and "allocation" in s.groups
     times = arrival_times(len(prompts), args.request_rate, args.burstiness, args.seed)
@@ -313,11 +317,11 @@ def run_sweep(args: argparse.Namespace) -> int:
         lens = sorted(len(p) for p in prompts)
         print(f"workload {name}: {len(prompts)} prompts, lengths {lens[0]}..{lens[-1]} (median "
               f"{lens[len(lens) // 2]}), {out_len} output tokens each", file=sys.stderr)
-    rows = []
     from pagedllm.model import load_model
 
     loaded = load_model(args.model, args.dtype) if args.reuse_weights else None  # one copy of the weights for all rows
-    rows, peaks = [], {} if args.plot else None
+    rows: list[dict[str, Any]] = []
+    peaks: dict[str, Any] | None = {} if args.plot else None
     for s in settings:
         t = time.monotonic()
         memory = args.disk_pool_tokens * per_token if s.small_pool else kv_bytes
@@ -329,6 +333,6 @@ def run_sweep(args: argparse.Namespace) -> int:
         if args.save_result:  # after every row, so a long sweep that is cut short keeps what it measured
             _save(args, rows, budget_tokens, kv_bytes)
     print(format_table(rows, args.markdown))
-    if args.plot:
+    if args.plot and peaks is not None:
         _plot(args.plot, rows, peaks, budget_tokens)
     return 0

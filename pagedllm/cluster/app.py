@@ -136,7 +136,7 @@ class Ingress:
     """The ingress deployment: tokenizer and model config loaded here, engine facts asked of a replica, and the
     routing policy set on this process's router (see router.py: the policy belongs to the front door)."""
 
-    async def __init__(self, engines: Any, settings: IngressSettings) -> None:
+    async def __init__(self, engines: Any, settings: IngressSettings) -> None:  # type: ignore[misc]  # Ray Serve awaits an async __init__
         from pagedllm.model.config import load_model_config
         from pagedllm.model.tokenizer import load_tokenizer
 
@@ -173,17 +173,18 @@ def build_application(config: EngineConfig, options: ClusterOptions, ingress: In
     settings = ReplicaSettings(config, ingress.served_model_names[0], ingress.max_waiting_requests,
                                max(1, int(options.cpus_per_replica)))
     logs = {"log_level": options.log_level.upper(), "enable_access_log": options.log_level == "debug"}
-    engines = serve.deployment(
+    router: dict[str, Any] = dict(  # a dict: Ray 2.60 annotates these fields with the wrong types
+        request_router_class="pagedllm.cluster.router.PagedLLMRouter",
+        request_router_kwargs={"block_size": config.block_size, "max_prefix_blocks": options.max_prefix_blocks,
+                               "imbalance_threshold": options.imbalance_threshold},
+        request_routing_stats_period_s=2.0)
+    engines: Any = serve.deployment(
         EngineReplica, name=ENGINE_DEPLOYMENT, num_replicas=options.replicas, logging_config=logs,
         ray_actor_options={"num_cpus": options.cpus_per_replica, "num_gpus": options.num_gpus_per_replica},
         # the engine queues and batches itself: Ray only has to keep more than that from piling onto one replica
         max_ongoing_requests=config.max_num_seqs + waiting + 8,
         health_check_period_s=2.0, health_check_timeout_s=30.0, graceful_shutdown_timeout_s=5.0,
-        request_router_config=RequestRouterConfig(
-            request_router_class="pagedllm.cluster.router.PagedLLMRouter",
-            request_router_kwargs={"block_size": config.block_size, "max_prefix_blocks": options.max_prefix_blocks,
-                                   "imbalance_threshold": options.imbalance_threshold},
-            request_routing_stats_period_s=2.0))
+        request_router_config=RequestRouterConfig(**router))
     return _front_door(logs).bind(engines.bind(settings), ingress)
 
 

@@ -127,7 +127,7 @@ class ClusterEngine:
         except asyncio.CancelledError:
             gen.cancel()
             raise
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - every failure becomes what it means to the server (replica_error)
             gen.cancel()
             raise replica_error(e, None) from None
         stream = self._streams[request_id] = ClusterStream(request_id, replica, gen)
@@ -143,7 +143,7 @@ class ClusterEngine:
                 if done:
                     return
             raise RequestAbortedError(f"replica {stream.replica} ended the request before it finished")
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - every failure becomes what it means to the server (replica_error)
             done = True
             raise replica_error(e, stream.replica) from None
         finally:
@@ -166,7 +166,7 @@ class ClusterEngine:
         """`method` on every replica (the router sends each call to the replica it names); an exception stands
         for a replica that did not answer in time or failed."""
         ids = self.replica_ids()
-        calls = [call(self.handle, method, **{REPLICA_KW: rid}, **kwargs) for rid in ids]
+        calls = [call(self.handle, method, **{REPLICA_KW: rid, **kwargs}) for rid in ids]
         results = await asyncio.gather(*(asyncio.wait_for(c, timeout) for c in calls), return_exceptions=True)
         return dict(zip(ids, results))
 

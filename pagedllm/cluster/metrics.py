@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 from itertools import zip_longest
+from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
@@ -21,7 +22,7 @@ from pagedllm.engine.stats import EngineStats
 def sum_stats(stats: list[EngineStats]) -> EngineStats:
     """Counters and gauges added up across replicas (per-position lists position by position); kv_usage is the
     share of all their blocks in use."""
-    total = {f.name: _add([getattr(s, f.name) for s in stats]) for f in fields(EngineStats)}
+    total: dict[str, Any] = {f.name: _add([getattr(s, f.name) for s in stats]) for f in fields(EngineStats)}
     total["block_size"] = stats[0].block_size if stats else 0
     total["kv_usage"] = 1 - total["num_free_blocks"] / total["num_blocks"] if total["num_blocks"] else 0.0
     return EngineStats(**total)

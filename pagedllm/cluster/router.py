@@ -114,8 +114,8 @@ class PagedLLMRouter(RequestRouter):
         if self.index.capacity is not None:
             return
         sizes = [r.routing_stats.get("num_blocks") for r in replicas if r.routing_stats]
-        if sizes and all(sizes):
-            self.index.capacity = min(sizes)
+        if sizes and all(s is not None for s in sizes):
+            self.index.capacity = min(s for s in sizes if s is not None)
 
     # ------------------------------------------------------------------ what happened
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:

@@ -143,7 +143,7 @@ class _Call:
     def answer(self, fn: Callable[[EngineCore], object], engine: EngineCore) -> None:
         try:
             result, error = fn(engine), None
-        except Exception as e:  # handed to the caller, as add_request's errors are
+        except Exception as e:  # noqa: BLE001 - handed to the caller, as add_request's errors are
             result, error = None, e
 
         def done() -> None:
@@ -387,7 +387,7 @@ class AsyncLLMEngine:
         else:
             try:
                 self.engine.add_request(op.request_id, op.prompt, op.params)
-            except Exception as e:  # UserError for bad input; anything else is the caller's to see as well
+            except Exception as e:  # noqa: BLE001 - UserError for bad input; anything else is the caller's to see too
                 error = e
         if error is None:
             self._streams[op.request_id] = op.stream

@@ -109,9 +109,9 @@ def _cells(num_blocks: int, max_cells: int, ref: np.ndarray, state: np.ndarray, 
     counts = np.bincount(cell_of * len(STATES) + state, minlength=cells * len(STATES)).reshape(cells, len(STATES))
     runs = np.zeros((2, cells * per_cell), dtype=np.int64)  # the last cell may be short: pad with free blocks
     runs[0, :num_blocks], runs[1, :num_blocks] = ref, fill
-    runs = runs.reshape(2, cells, per_cell)
-    return {**out, "state": counts.argmax(axis=1).tolist(), "ref": runs[0].max(axis=1).tolist(),
-            "fill": runs[1].sum(axis=1).tolist(), "counts": counts.tolist()}
+    by_cell = runs.reshape(2, cells, per_cell)
+    return {**out, "state": counts.argmax(axis=1).tolist(), "ref": by_cell[0].max(axis=1).tolist(),
+            "fill": by_cell[1].sum(axis=1).tolist(), "counts": counts.tolist()}
 
 
 def _counters(snap: KVSnapshot, state: np.ndarray, fill: np.ndarray) -> dict:

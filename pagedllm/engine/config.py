@@ -6,11 +6,11 @@ import argparse
 from typing import Annotated, Any, Literal
 
 import torch
-from pydantic import ByteSize, Field, SkipValidation
+from pydantic import Field, SkipValidation
 
 from pagedllm.engine.spec_decode import SpeculativeConfig
 from pagedllm.errors import UserError
-from pagedllm.settings import Flag, add_flags, from_args, settings
+from pagedllm.settings import Bytes, Flag, add_flags, from_args, settings
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 2**30  # on CPU the cache shares RAM with everything else: a fixed space, as vLLM-CPU
 DEFAULT_KV_OFFLOAD_SIZE = 16 * 2**30
@@ -31,11 +31,11 @@ class EngineConfig:
     halves the memory each decode step reads; attention still computes in the model's dtype"""
     device: str = "auto"
     """torch device: auto (cuda if available, else cpu), cpu, cuda, cuda:1, ..."""
-    block_size: int = Field(16, ge=1)
+    block_size: int = Field(default=16, ge=1)
     """tokens per KV block"""
-    max_num_seqs: int = Field(64, ge=1)
+    max_num_seqs: int = Field(default=64, ge=1)
     """most requests running at once"""
-    max_num_batched_tokens: int = Field(512, ge=1)
+    max_num_batched_tokens: int = Field(default=512, ge=1)
     """token budget of one step; longer prompts are prefilled in chunks"""
     max_model_len: Annotated[int, Field(ge=1)] | None = None
     """longest prompt + output (default: the model's)"""
@@ -43,7 +43,7 @@ class EngineConfig:
     """share the KV blocks of common prompt prefixes"""
     kv_allocation: Literal["paged", "contiguous"] = "paged"
     """paged blocks on demand, or reserve max-model-len per request (the chapter's baseline)"""
-    kv_cache_memory: Annotated[ByteSize, Field(gt=0)] | None = None
+    kv_cache_memory: Annotated[Bytes, Field(gt=0)] | None = None
     """KV cache size in bytes, e.g. 2GiB (wins over --gpu-memory-utilization)"""
     gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] | None = None
     """share of device memory (on CPU: of RAM) for weights, activations and KV cache; default on CPU: a 2 GiB KV
@@ -51,7 +51,7 @@ class EngineConfig:
     kv_offload_dir: Annotated[str | None, Flag(metavar="DIR")] = None
     """a disk tier for the prefix cache: full blocks evicted from RAM are written to DIR and read back on a later
     hit, also after a restart (only by an engine with the same weights, dtypes, block size and layer shape)"""
-    kv_offload_size: Annotated[ByteSize, Field(gt=0)] = ByteSize(DEFAULT_KV_OFFLOAD_SIZE)
+    kv_offload_size: Annotated[Bytes, Field(gt=0)] = DEFAULT_KV_OFFLOAD_SIZE
     """most bytes the disk tier holds, e.g. 16GiB (default 16 GiB); least recently used blocks go first"""
     seed: int = 0
     """seed for unseeded random sampling"""

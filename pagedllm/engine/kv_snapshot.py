@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-
 @dataclass
 class RequestState:
     request_id: str
@@ -124,7 +123,8 @@ def block_detail(engine: Any, block_id: int, memo: BlockTokens | None = None) ->
     kv = engine.kv
     bs = kv.block_size
     block = kv.pool.blocks[block_id]
-    holders, tokens = [], []
+    holders: list[str] = []
+    tokens: list[int] = []
     for rid, blocks in kv.req_blocks.items():
         for i, b in enumerate(blocks):
             if b is block:

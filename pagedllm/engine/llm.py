@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 from tqdm import tqdm
 
@@ -29,9 +30,8 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams]
                  | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
         """Outputs in the order of the prompts. Every prompt is checked before any is queued."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        single = isinstance(prompts, str) or (isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int))
+        prompts = cast(list[Prompt], [prompts] if single else list(prompts))
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
         else:
@@ -56,7 +56,7 @@ class LLM:
     def chat(self, messages: Messages | Sequence[Messages], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True) -> list[RequestOutput]:
         """One conversation or a list of them, rendered with the model's chat template."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        conversations = cast(list[Messages], [messages] if messages and isinstance(messages[0], dict) else list(messages))
         prompts = [self.engine.tokenizer.apply_chat_template(m, add_generation_prompt=True) for m in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 

@@ -21,12 +21,13 @@ from pagedllm.engine.memory import num_kv_blocks, resolve_device
 from pagedllm.engine.outputs import RequestMetrics, RequestOutput
 from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import Scheduler
-from pagedllm.engine.spec_decode import NgramDrafter, SpecDecodeStats
+from pagedllm.engine.spec_decode import NgramDrafter, SpecDecodeStats, SpeculativeConfig
 from pagedllm.engine.stats import EngineStats, StatsLogger, collect_stats
 from pagedllm.engine.stop_checker import check_stop
 from pagedllm.errors import UserError
 from pagedllm.kv.events import KVEventLog
 from pagedllm.kv.manager import PagedKVCacheManager, make_kv_cache_manager
+from pagedllm.kv.offload import DiskKVTier
 from pagedllm.model.loader import DTYPES, LoadedModel, load_model
 from pagedllm.model.runner import ModelRunner, SeqChunk, bytes_per_block
 from pagedllm.model.sampler import token_logprobs
@@ -68,13 +69,13 @@ class LLMEngine:
                                         config.enable_prefix_caching)
         if config.enable_kv_cache_events:
             self.kv.pool.events = KVEventLog(self.block_size, device.type.upper())
-        self.disk_tier = None
+        self.disk_tier: DiskKVTier | None = None
         if config.kv_offload_dir is not None and isinstance(self.kv, PagedKVCacheManager):
             self.disk_tier = open_disk_tier(config.kv_offload_dir, config.kv_offload_size, self.runner, self.block_size)
             self.kv.attach_disk_tier(self.disk_tier, self.runner)
         spec = config.speculative_config
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   NgramDrafter(spec, self.max_model_len) if spec else None)
+                                   NgramDrafter(spec, self.max_model_len) if isinstance(spec, SpeculativeConfig) else None)
         self.spec_stats = SpecDecodeStats()
         per_block = bytes_per_block(cfg, self.block_size, self.kv_dtype)
         logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB %s, %s allocation, prefix caching %s)",
@@ -153,7 +154,8 @@ class LLMEngine:
             self.kv.commit_step()  # what acceptance registered (blocks of accepted drafts) has its K/V written
         self.num_steps += 1
         outputs = [self._output(pid) for pid in updated if pid in self.parents]
-        if self.disk_tier is not None and not self.parents:  # idle now: the disk tier gets the hot prefixes too
+        if self.disk_tier is not None and isinstance(self.kv, PagedKVCacheManager) and not self.parents:
+            # idle now: the disk tier gets the hot prefixes too
             self.kv.offload_cached()
         self._stats_logger.maybe_log(self.stats)
         return outputs

@@ -49,8 +49,12 @@ class AsyncEngine(Protocol):
     it, and so does the cluster's `ClusterEngine` (requests run on engine replicas on Ray Serve), so both serve the
     same routes, validation, streaming and error bodies."""
 
-    tokenizer: Tokenizer
-    max_model_len: int
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
     max_waiting_requests: int | None  # samples waiting at once; a request over it is a 400, the limit a 503
     stat_logger: Any  # the app's metrics hook (AsyncLLMEngine calls it after each step), or None
     num_aborted: int

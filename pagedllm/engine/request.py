@@ -5,8 +5,8 @@ import enum
 
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.outputs import CompletionOutput, RequestMetrics
-from pagedllm.sampling_params import SamplingParams
 from pagedllm.model.tokenizer import Tokenizer
+from pagedllm.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

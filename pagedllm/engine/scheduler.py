@@ -71,7 +71,7 @@ class Scheduler:
             req = self.running[i]
             num_new = min(req.num_tokens_to_compute, budget)
             decoding = drafting and req.num_tokens_to_compute == 1
-            req.spec_token_ids = self.drafter.propose(req, budget - 1) if decoding else []
+            req.spec_token_ids = self.drafter.propose(req, budget - 1) if decoding and self.drafter else []
             while not self.kv.allocate_slots(req, num_new, num_lookahead_tokens=len(req.spec_token_ids)):
                 if req.spec_token_ids:
                     req.spec_token_ids = []

@@ -26,7 +26,7 @@ MAX_SPECULATIVE_TOKENS = 128  # vLLM's rejection sampler's MAX_SPEC_LEN
 # What `--speculative-config auto` (the default of every command) turns on on a CPU. Measured there
 # (docs/benchmarks.md, "Speculative decoding"): prompt lookup paid (1.15-2.4x) or broke even (64 requests) at every
 # concurrency tried, on RAG answers and on the random workload; off elsewhere (nothing measured on a GPU).
-CPU_DEFAULT = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+CPU_DEFAULT: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 
 
 def _bad(message: str) -> UserError:
@@ -132,10 +132,10 @@ class NgramDrafter:
         """Drafts to verify after the request's last token (every token but that one is computed); at most
         `room`."""
         cfg = self.config
-        k = min(cfg.num_speculative_tokens, room, self.max_model_len - len(request.all_token_ids))
+        k = min(cfg.num_speculative_tokens or 0, room, self.max_model_len - len(request.all_token_ids))
         if request.params.max_tokens is not None:
             k = min(k, request.params.max_tokens - request.num_output_tokens - 1)
-        return ngram_draft(request.all_token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        return ngram_draft(request.all_token_ids, k, cfg.prompt_lookup_min or 1, cfg.prompt_lookup_max or 1)
 
 
 def num_accepted(drafts: list[int], targets: list[int]) -> int:

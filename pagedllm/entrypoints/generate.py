@@ -6,7 +6,6 @@ import sys
 from collections.abc import Iterator
 
 
-
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from pagedllm.engine.config import add_engine_args
 

@@ -6,7 +6,6 @@ import os
 import sys
 
 from pagedllm.errors import UserError
-
 from pagedllm.rag import DEFAULT_INDEX
 
 
@@ -180,7 +179,8 @@ def cmd_bench(args) -> int:
                   f"{r['computed_median']:>17.1f}")
         return 0
     # JSON-ready (the result records them): a speculative config as its dict, which EngineConfig takes back
-    engine_kwargs = {f.name: asdict(v) if is_dataclass(v := getattr(cfg, f.name)) else v for f in fields(cfg)}
+    engine_kwargs = {f.name: asdict(v) if is_dataclass(v := getattr(cfg, f.name)) and not isinstance(v, type) else v
+                     for f in fields(cfg)}
     os.makedirs(args.out, exist_ok=True)
     result = run_bench(args.index, args.num_questions, args.seed, args.top_k, layouts, caching, args.max_tokens,
                        engine_kwargs, args.base_url, args.server_model, zipf_s=args.zipf,

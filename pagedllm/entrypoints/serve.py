@@ -7,8 +7,14 @@ import logging
 import os
 import sys
 
-from pagedllm.entrypoints.serve_args import (DEFAULT_SERVED_NAME, add_serve_args, check_can_listen,
-                                             check_cluster_args, check_server_args, served_names)
+from pagedllm.entrypoints.serve_args import (
+    DEFAULT_SERVED_NAME,
+    add_serve_args,
+    check_can_listen,
+    check_cluster_args,
+    check_server_args,
+    served_names,
+)
 from pagedllm.errors import UserError
 
 

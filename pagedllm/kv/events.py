@@ -16,6 +16,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedllm.kv.hashing import BlockHash
 
@@ -63,7 +64,7 @@ def event_to_wire(event: KVCacheEvent) -> dict[str, object]:
     return {"type": "AllBlocksCleared"}
 
 
-def event_from_wire(obj: dict[str, object]) -> KVCacheEvent:
+def event_from_wire(obj: dict[str, Any]) -> KVCacheEvent:
     """An event from its wire map; fields pagedllm does not model (vLLM's optional extras) are ignored."""
     kind = _TYPES.get(str(obj.get("type")))
     if kind is None:

@@ -50,7 +50,6 @@ class AttentionMetadata:
 
 def _make_group(seqs: list[tuple[int, int, int, list[int]]], block_size: int, device: torch.device) -> AttentionGroup:
     """seqs: (first flat token index, number of new tokens, start_pos, block_table) for each sequence."""
-    S = len(seqs)
     q_len = max(n for _, n, _, _ in seqs)
     n_blocks = [-(-(start + n) // block_size) for _, n, start, _ in seqs]
     max_blocks = max(n_blocks)

@@ -44,7 +44,8 @@ class ModelConfig:
 
 def _unsupported(arch: str, where: str) -> ModelLoadError:
     return ModelLoadError(
-        f"{where}: architecture {arch!r} is not supported; supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        f"{where}: architecture {arch!r} is not supported; supported architectures: "
+        f"{', '.join(SUPPORTED_ARCHITECTURES)}"
     )
 
 

@@ -26,6 +26,7 @@ import subprocess
 import tempfile
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import torch  # before the kernel loads, so its libgomp resolves to the one torch has already loaded
 
@@ -70,7 +71,7 @@ def _build(cc: list[str], openmp: bool) -> Path:
     lib.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
         objs, out = [], Path(tmp) / lib.name
-        run = dict(check=True, capture_output=True, text=True, timeout=300)
+        run: dict[str, Any] = dict(check=True, capture_output=True, text=True, timeout=300)
         for name, flags in SOURCES:
             objs.append(str(Path(tmp) / (name + ".o")))
             subprocess.run([*cc, *COMPILE, *flags, *extra, "-c", str(CSRC / name), "-o", objs[-1]], **run)

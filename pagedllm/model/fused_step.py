@@ -67,7 +67,9 @@ class FusedStep:
 
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  block_size: int) -> None:
-        self.lib = cpu_kernel.load()
+        lib = cpu_kernel.load()
+        assert lib is not None, "built only where supported() found the kernels"
+        self.lib = lib
         self.model, self.block_size = model, block_size
         self._keep: list[torch.Tensor] = []  # float32 copies the C structures point into
         self.layers = (_Layer * len(model.layers))(*[self._layer(layer, kc, vc)
@@ -94,6 +96,7 @@ class FusedStep:
     def _model(self, k_cache: torch.Tensor) -> _Model:
         m, cfg = self.model, self.model.config
         embed, head = m.quant["embed_tokens"], m.lm_head_quant
+        assert head is not None, "fused_step.supported() checked the LM head is quantized"
         amx = AMX_MIN_ROWS if m.embed_tokens.dtype == torch.bfloat16 and amx_available() else 0
         return _Model(hidden=cfg.hidden_size, inter=cfg.intermediate_size, heads=cfg.num_heads,
                       kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, layers=cfg.num_layers, vocab=cfg.vocab_size,

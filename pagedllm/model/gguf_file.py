@@ -133,7 +133,7 @@ class GGUFFile:
             name: GGUFTensorInfo(name, shape, t, data_start + off) for name, shape, t, off in infos
         }
 
-    def _raw(self, name: str) -> tuple[np.ndarray, "object", list[int]]:
+    def _raw(self, name: str) -> tuple[np.ndarray, Any, list[int]]:  # Any: gguf.GGMLQuantizationType, imported late
         """The stored bytes of one tensor, uint8 [rows..., bytes per row], with its GGML type and logical shape."""
         import gguf
 
@@ -175,7 +175,7 @@ class GGUFFile:
         finally:
             self._fh.close()
 
-    def __enter__(self) -> "GGUFFile":
+    def __enter__(self) -> GGUFFile:
         return self
 
     def __exit__(self, *exc: object) -> None:

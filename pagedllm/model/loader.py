@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.errors import ModelLoadError, UserError
 import pagedllm.model.cpu_kernel as cpu_kernel
+from pagedllm.errors import ModelLoadError, UserError
 from pagedllm.model.config import ModelConfig, is_gguf, load_model_config, resolve_model_path
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.quant import log_once

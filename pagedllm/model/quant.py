@@ -128,10 +128,10 @@ def _tiles(parts: QuantParts) -> np.ndarray:
     d = np.pad(parts.d, ((0, pad), (0, 0))).reshape(nb, 16, g).transpose(0, 2, 1)
     head = [d.copy().view(np.uint8)]  # [nb, g, 32]
     if parts.fmt == "q4":
-        m = np.pad(parts.m, ((0, pad), (0, 0))).reshape(nb, 16, g).transpose(0, 2, 1)
+        m = np.pad(np.asarray(parts.m), ((0, pad), (0, 0))).reshape(nb, 16, g).transpose(0, 2, 1)
         head.append(m.copy().view(np.uint8))
         c = codes.astype(np.uint8)  # [nb, g, 16 rows, 16 cols, 2]
-        body = (c[:, :, :, :8] | (c[:, :, :, 8:] << 4)).reshape(nb, g, 256)
+        body: np.ndarray = (c[:, :, :, :8] | (c[:, :, :, 8:] << 4)).reshape(nb, g, 256)
     else:
         body = codes.view(np.uint8).reshape(nb, g, 512)
     return np.concatenate(head + [body], axis=-1)

@@ -112,7 +112,8 @@ class ModelRunner:
         if all_positions:
             index = None
         else:
-            rows, end = [], 0
+            rows: list[int] = []
+            end = 0
             for c in chunks:
                 end += len(c.token_ids)
                 rows.extend(range(end - c.num_logits, end))

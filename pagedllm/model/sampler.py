@@ -19,7 +19,6 @@ import torch
 
 from pagedllm.sampling_params import SamplingParams
 
-
 MASK64 = 2**64 - 1
 
 
@@ -159,6 +158,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
         _draw(logits, rows, random_rows, tokens)
     token_list = tokens.tolist()
     results = [SampleResult(t, None) for t in token_list]
+    if raw_logprobs is None:
+        return results
     for j, i in enumerate(want_logprobs):
         k = rows[i].params.logprobs or 0
         results[i].logprobs = token_logprobs(raw_logprobs[j:j + 1], [token_list[i]], k)[0]

@@ -61,9 +61,9 @@ def safetensors_files(folder: str) -> list[str]:
         files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
     if not files:
         raise ModelLoadError(f"no *.safetensors weights in {folder} (only safetensors checkpoints are supported)")
-    for f in files:
-        if not os.path.isfile(f):
-            raise ModelLoadError(f"weight shard missing: {f}")
+    for shard in files:
+        if not os.path.isfile(shard):
+            raise ModelLoadError(f"weight shard missing: {shard}")
     return files
 
 
@@ -96,7 +96,7 @@ def _gguf_hf_name(name: str) -> str | None:
     return f"model.layers.{m.group(1)}.{_GGUF_LAYER_MAP[m.group(2)]}"
 
 
-def iter_gguf(gf: "object", cfg: ModelConfig, keep_quantized: bool = False) -> Iterator[tuple[str, Value]]:
+def iter_gguf(gf: object, cfg: ModelConfig, keep_quantized: bool = False) -> Iterator[tuple[str, Value]]:
     """GGUF tensors renamed to HF names, Q/K un-permuted for the llama architecture: dequantized to float32, or,
     with `keep_quantized`, matrices in a type the kernels run (Q4_0, Q4_1, Q8_0) as QuantParts."""
     permuted = gf.metadata.get("general.architecture") in ("llama", "mistral")  # type: ignore[attr-defined]

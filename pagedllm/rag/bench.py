@@ -13,9 +13,9 @@ import gc
 import json
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -237,7 +237,7 @@ def run_bench(
         from pagedllm.rag.tokens import get_tokenizer
 
         tok = get_tokenizer(None)
-        settings = [(layout, None) for layout in layouts]
+        settings: list[tuple[str, bool | None]] = [(layout, None) for layout in layouts]
     else:
         settings = [(layout, c) for c in caching for layout in layouts]
     for layout, cache_on in settings:

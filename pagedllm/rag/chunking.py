@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable
 
 _PARA = re.compile(r"\n\s*\n")
 _SENT = re.compile(r"(?<=[.!?:;])\s+(?=\S)")

@@ -39,7 +39,7 @@ class Embedder:
         self.model = SentenceTransformer(embed_model_path(), device=device)
         self.batch_size = batch_size
         get_dim = getattr(self.model, "get_embedding_dimension", None) or self.model.get_sentence_embedding_dimension
-        self.dim = int(get_dim())
+        self.dim = int(get_dim() or 0)
 
     def encode(self, texts: list[str], progress: bool = False) -> np.ndarray:
         if not texts:

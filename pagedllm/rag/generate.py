@@ -1,12 +1,13 @@
-"""Answering a RAG prompt: with an in-process engine, or against any OpenAI-compatible server (streaming, through\nthe `openai` SDK)."""
+"""Answering a RAG prompt: with an in-process engine, or against any OpenAI-compatible server (streaming, through
+the `openai` SDK)."""
 from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field
 from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, cast
 
-import httpx
 import openai
 from openai.types.chat import ChatCompletionChunk
 
@@ -78,7 +79,7 @@ def _take_chunk(answer: Answer, chunk: ChatCompletionChunk) -> list[str]:
 
 def stream_openai(base_url: str, messages: list[dict], answer: Answer, model: str | None = None,
                   max_tokens: int = 256, temperature: float = 0.0, timeout: float = 600.0,
-                  api_key: str | None = None, client: httpx.Client | None = None) -> Iterator[str]:
+                  api_key: str | None = None, client: Any = None) -> Iterator[str]:
     """Chat completion streamed from any OpenAI-compatible server (the `openai` SDK); yields content deltas and
     fills `answer`. `client`: the httpx client the SDK sends through."""
     sdk = openai.OpenAI(base_url=openai_base_url(base_url), api_key=api_key or "none", timeout=timeout,
@@ -87,7 +88,7 @@ def stream_openai(base_url: str, messages: list[dict], answer: Answer, model: st
     parts: list[str] = []
     try:
         stream = sdk.chat.completions.create(
-            model=model or first_served_model(sdk), messages=messages,  # type: ignore[arg-type]  # OpenAI's dicts
+            model=model or first_served_model(sdk), messages=cast(Any, messages),  # OpenAI's message dicts
             max_tokens=max_tokens, temperature=temperature, stream=True, stream_options={"include_usage": True})
         for chunk in stream:
             for delta in _take_chunk(answer, chunk):

@@ -8,9 +8,9 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -124,7 +124,8 @@ def ingest(
     from pagedllm.rag.tokens import get_tokenizer
 
     tok = get_tokenizer(model)
-    count = lambda s: len(tok.encode(s))  # noqa: E731
+    def count(s: str):
+        return len(tok.encode(s))
     old_chunks, old_vecs = _read_chunks(d), _read_embeddings(d)
     replaced = {doc.source for doc, _ in todo}
     keep = [i for i, c in enumerate(old_chunks) if c["source"] not in replaced]
@@ -203,7 +204,7 @@ def _write_all(d: Path, manifest: dict, chunks: list[dict], vecs: np.ndarray) ->
     _atomic_write(d / FAISS, lambda p: faiss.write_index(index, str(p)))
     manifest["num_chunks"] = len(chunks)
     manifest["dim"] = int(vecs.shape[1])
-    _atomic_write(d / MANIFEST, lambda p: p.write_text(json.dumps(manifest, indent=1)))
+    _atomic_write(d / MANIFEST, lambda p: None if p.write_text(json.dumps(manifest, indent=1)) else None)
 
 
 class RagIndex:

@@ -19,8 +19,8 @@ import json
 import os
 import threading
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from pagedllm.errors import UserError
 from pagedllm.rag.index import Hit

@@ -18,8 +18,13 @@ from fastapi import APIRouter, FastAPI
 
 from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.engine.protocol import AsyncEngine
-from pagedllm.entrypoints.openai import (serving_chat, serving_completion, serving_info, serving_rag,
-                                         serving_tokenization)
+from pagedllm.entrypoints.openai import (
+    serving_chat,
+    serving_completion,
+    serving_info,
+    serving_rag,
+    serving_tokenization,
+)
 from pagedllm.entrypoints.openai.errors import install_error_handlers
 from pagedllm.entrypoints.openai.kv_page import router as kv_page_router
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
@@ -90,11 +95,11 @@ class Server:
         self.engine.on_dead = self._engine_died
         self.exit_code = 0
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                                timeout_graceful_shutdown=graceful_timeout, access_log=log_level == "debug")
+                                timeout_graceful_shutdown=int(graceful_timeout), access_log=log_level == "debug")
         outer = self
 
         class _Uvicorn(uvicorn.Server):
-            def handle_exit(self, sig: int, frame: Any) -> None:  # noqa: ARG002
+            def handle_exit(self, sig: int, frame: Any) -> None:
                 outer.begin_shutdown()
                 if self.should_exit and sig == signal.SIGINT:
                     self.force_exit = True

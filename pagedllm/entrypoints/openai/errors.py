@@ -101,7 +101,7 @@ def install_error_handlers(app: FastAPI) -> None:
     """Map every exception a request can raise to its status; anything else is logged and answered 500 (by
     `InternalErrorMiddleware`, which keeps the connection open). Plain functions: they await nothing."""
 
-    def handle(exc_type: type[BaseException], status: int, message: str = "{}",
+    def handle(exc_type: type[Exception], status: int, message: str = "{}",
                headers: dict[str, str] | None = None) -> None:
         def handler(_: Request, e: Exception) -> JSONResponse:
             return error_response(message.format(e), status, getattr(e, "param", None), headers)
@@ -114,14 +114,14 @@ def install_error_handlers(app: FastAPI) -> None:
 
     def validation_error(_: Request, e: Exception) -> JSONResponse:
         assert isinstance(e, (RequestValidationError, ValidationError))
-        err = from_errors(list(e.errors()))
+        err = from_errors([dict(d) for d in e.errors()])
         return JSONResponse(err.body(), status_code=err.status)
 
     def http_error(_: Request, e: Exception) -> JSONResponse:
         assert isinstance(e, StarletteHTTPException)
         cause = e.__cause__  # FastAPI's "error parsing the body": too deep, an integer too long, not UTF-8
         detail = f"Malformed JSON in the request body: {cause}" if e.status_code == 400 and cause else str(e.detail)
-        return error_response(detail, e.status_code, headers=e.headers)
+        return error_response(detail, e.status_code, headers=dict(e.headers) if e.headers else None)
 
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(RequestValidationError, validation_error)

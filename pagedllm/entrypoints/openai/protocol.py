@@ -9,7 +9,7 @@ OpenAI's and vLLM's servers do. The response models are what the server sends, a
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
@@ -74,7 +74,7 @@ class SamplingRequest(RequestModel):
     best_of: StrictInt | None = Field(None, description="only n (or null): one sample is one choice")
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
-    stop: Union[str, list[str], None] = None
+    stop: str | list[str] | None = None
     seed: StrictInt | None = Field(None, ge=-(2**63), le=2**64 - 1)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
@@ -128,7 +128,7 @@ class SamplingRequest(RequestModel):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: Union[list[TokenId], list[list[TokenId]], str, list[str]]
+    prompt: list[TokenId] | list[list[TokenId]] | str | list[str]
     max_tokens: StrictInt | None = Field(16, ge=0, description="0: score the prompt only (with echo/logprobs)")
     echo: StrictBool = False
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -152,7 +152,7 @@ class CompletionRequest(SamplingRequest):
 
 class ChatMessage(OpenAIModel):
     role: Role
-    content: Union[str, list[dict[str, Any]], None] = None
+    content: str | list[dict[str, Any]] | None = None
     name: str | None = None
 
     def text(self) -> str:
@@ -176,7 +176,7 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Union[str, dict[str, Any], None] = None
+    tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
     echo: StrictBool = False
 

@@ -3,7 +3,7 @@ with n samples, answered whole or streamed. The RAG route reuses `prepare`, `ful
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,8 +12,13 @@ from fastapi import APIRouter, Depends, Request, Response
 from pagedllm.engine.outputs import CompletionOutput, RequestOutput
 from pagedllm.entrypoints.openai.errors import ERROR_RESPONSES
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatCompletionResponse
-from pagedllm.entrypoints.openai.serving_engine import (ServingContext, EngineRequest, cancel_on_disconnect, request_id,
-                                                        serving)
+from pagedllm.entrypoints.openai.serving_engine import (
+    EngineRequest,
+    ServingContext,
+    cancel_on_disconnect,
+    request_id,
+    serving,
+)
 from pagedllm.entrypoints.openai.streaming import Chunks, SSEResponse, pieces
 from pagedllm.sampling_params import SamplingParams
 
@@ -56,7 +61,7 @@ async def full(ctx: ServingContext, req: ChatCompletionRequest, prep: Prepared, 
 
 
 async def _chunks(ctx: ServingContext, req: ChatCompletionRequest, subs: list[EngineRequest],
-                  chunk: Chunks) -> AsyncIterator[str]:
+                  chunk: Chunks) -> AsyncGenerator[str]:
     for i in range(req.n):
         yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None}])

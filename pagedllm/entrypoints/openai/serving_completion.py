@@ -7,7 +7,7 @@ lm-evaluation-harness's loglikelihood requests are answered from one prefill.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,8 +17,13 @@ from fastapi.responses import JSONResponse
 from pagedllm.engine.outputs import CompletionOutput, RequestOutput
 from pagedllm.entrypoints.openai.errors import ERROR_RESPONSES
 from pagedllm.entrypoints.openai.protocol import CompletionRequest, CompletionResponse
-from pagedllm.entrypoints.openai.serving_engine import (ServingContext, EngineRequest, cancel_on_disconnect, request_id,
-                                                        serving)
+from pagedllm.entrypoints.openai.serving_engine import (
+    EngineRequest,
+    ServingContext,
+    cancel_on_disconnect,
+    request_id,
+    serving,
+)
 from pagedllm.entrypoints.openai.streaming import Chunks, SSEResponse, pieces
 from pagedllm.sampling_params import SamplingParams
 
@@ -83,7 +88,7 @@ async def _full(ctx: ServingContext, req: CompletionRequest, prep: _Prepared, su
 
 
 async def _chunks(ctx: ServingContext, req: CompletionRequest, prep: _Prepared, subs: list[EngineRequest],
-                  chunk: Chunks) -> AsyncIterator[str]:
+                  chunk: Chunks) -> AsyncGenerator[str]:
     async for s, out, c, p in pieces(ctx, subs):
         echo = prep.echo_texts[s.prompt_index] if p.first else ""
         choice: dict[str, Any] = {

@@ -64,7 +64,7 @@ class ServingContext:
             raise APIError(str(e), 400, param="messages") from None
         try:
             return await asyncio.to_thread(self.engine.tokenizer.apply_chat_template, msgs, add_generation_prompt)
-        except Exception as e:  # a template that refuses the conversation (roles out of order, ...)
+        except Exception as e:  # noqa: BLE001 - a template that refuses the conversation (roles out of order, ...)
             raise APIError(f"Cannot apply the chat template to these messages: {e}", 400, param="messages") from None
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -169,7 +169,7 @@ class ServingContext:
                         s.final = out
                     q.put_nowait((s, out))
                 q.put_nowait((s, None))
-            except Exception as e:  # handed to the consumer
+            except Exception as e:  # noqa: BLE001 - handed to the consumer
                 q.put_nowait((s, e))
 
         tasks = [asyncio.ensure_future(pump(s)) for s in subs]

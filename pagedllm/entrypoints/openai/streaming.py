@@ -7,7 +7,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +18,7 @@ from pagedllm.engine.async_engine import EngineDeadError, RequestAbortedError
 from pagedllm.engine.outputs import CompletionOutput, RequestOutput
 from pagedllm.entrypoints.openai.errors import APIError, error_sse
 from pagedllm.entrypoints.openai.protocol import StreamOptions
-from pagedllm.entrypoints.openai.serving_engine import ServingContext, EngineRequest
+from pagedllm.entrypoints.openai.serving_engine import EngineRequest, ServingContext
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -93,7 +93,7 @@ async def pieces(ctx: ServingContext, subs: list[EngineRequest]
             yield s, out, c, piece
 
 
-async def events(ctx: ServingContext, chunks: AsyncIterator[str], subs: list[EngineRequest]) -> AsyncIterator[str]:
+async def events(ctx: ServingContext, chunks: AsyncGenerator[str], subs: list[EngineRequest]) -> AsyncGenerator[str]:
     """How every stream ends, whatever ended it: an error becomes an SSE error event, the engine requests are
     aborted (freeing their blocks), and `[DONE]` closes it unless the client is already gone."""
     try:
@@ -117,7 +117,7 @@ async def events(ctx: ServingContext, chunks: AsyncIterator[str], subs: list[Eng
 class SSEResponse(StreamingResponse):
     """Server-sent events; however the response ends (done, disconnect, error), its engine requests are aborted."""
 
-    def __init__(self, ctx: ServingContext, chunks: AsyncIterator[str], subs: list[EngineRequest],
+    def __init__(self, ctx: ServingContext, chunks: AsyncGenerator[str], subs: list[EngineRequest],
                  headers: dict[str, str] | None = None) -> None:
         self._gen = events(ctx, chunks, subs)
         self._on_close: Callable[[], None] = lambda: ctx.abort(subs)

@@ -18,6 +18,7 @@ from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.spec_decode import NgramDrafter, SpecDecodeStats, num_accepted
 from pagedllm.engine.stats import EngineStats
+from pagedllm.engine.structured_output import GrammarCompiler, RequestGrammar, apply_bitmask
 from pagedllm.errors import UserError
 from pagedllm.kv.events import KVEventLog
 from pagedllm.kv.manager import cdiv, make_kv_cache_manager
@@ -93,6 +94,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    NgramDrafter(spec, self.max_model_len) if spec else None)
         self.spec_stats = SpecDecodeStats()
+        self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size)
         logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB %s, %s allocation, prefix caching %s)",
                     num_blocks, self.block_size, num_blocks * self.block_size, num_blocks * per_block / 2**30,
                     str(self.kv_dtype).removeprefix("torch."), config.kv_allocation,
@@ -185,7 +187,10 @@ class LLMEngine:
         metrics = RequestMetrics(arrival_time=time.monotonic())
         children = [Request(f"{request_id}#{i}", request_id, i, prompt_ids, params.for_sample(i), self.tokenizer,
                             metrics, cache_salt) for i in range(params.n)]
+        so = params.structured_outputs
+        compiled = self.grammars.compile(so.grammar_text) if so is not None else None
         for child in children:
+            child.grammar = RequestGrammar(compiled) if compiled is not None else None
             self.requests[child.request_id] = child
             self.scheduler.add(child)
         holdback = max((len(s) for s in params.stop), default=1) - 1
@@ -226,10 +231,18 @@ class LLMEngine:
             done = self._forward_guarded(sched.scheduled, touched)
             self._advance(done, touched)
             self.kv.commit_step()  # what acceptance registered (blocks of accepted drafts) has its K/V written
+        elif not sched.failed:
+            self._wait_for_grammars()
         self.num_steps += 1
         outputs = [self._output(pid) for pid in touched if pid in self.parents]
         self._maybe_log()
         return outputs
+
+    def _wait_for_grammars(self) -> None:
+        """Nothing ran: if requests wait for their grammar, block a little for one instead of spinning."""
+        compiling = [r.grammar for r in self.scheduler.waiting if not r.grammar_ready]
+        if compiling:
+            self.grammars.wait_any(compiling, 0.05)
 
     def _chunk(self, req: Request, n: int) -> SeqChunk:
         """The request's next n tokens, then its drafts: verifying them needs the logits at every position."""
@@ -323,6 +336,7 @@ class LLMEngine:
         after them); if it raises, each request alone, and a request whose rows raise fails."""
         rows = [self._sampling_rows(req) for req, _ in to_sample]
         logits = torch.cat([lg for _, lg in to_sample])
+        failed = self._constrain(to_sample, logits)
         try:
             flat = iter(sample(logits, [r for group in rows for r in group]))
             results: list[list[SampleResult] | Exception] = [[next(flat) for _ in group] for group in rows]
@@ -333,6 +347,7 @@ class LLMEngine:
                 start += len(group)
         for (req, _), res in zip(to_sample, results):
             try:
+                res = failed.get(req.request_id, res)
                 if isinstance(res, Exception):
                     raise res
                 self._accept(req, res, now)
@@ -342,6 +357,35 @@ class LLMEngine:
             touched[req.parent_id] = None
             if req.finished:
                 self._release(req)
+
+    def _constrain(self, to_sample: list[tuple[Request, torch.Tensor]], logits: torch.Tensor) -> dict[str, Exception]:
+        """Structured outputs: every constrained row's logits masked to what its grammar allows (the sampled
+        token, and the logprobs reported, come from that distribution). Per request, the error of a grammar
+        that failed (its request fails; the others sample)."""
+        spans, start = [], 0
+        for req, lg in to_sample:
+            if req.grammar is not None:
+                spans.append((req, start, len(lg)))
+            start += len(lg)
+        if not spans:
+            return {}
+        began = time.perf_counter()
+        width = (logits.shape[-1] + 31) // 32
+        bitmask = torch.full((sum(n for _, _, n in spans), width), -1, dtype=torch.int32)
+        rows, mask_rows, failed, at = [], [], {}, 0
+        for req, first, n in spans:
+            try:
+                req.grammar.fill_masks(bitmask, at, req.spec_token_ids)
+                rows.extend(range(first, first + n))
+                mask_rows.extend(range(at, at + n))
+            except Exception as e:  # noqa: BLE001 - a grammar that failed to compile or refused a token
+                failed[req.request_id] = e
+            at += n
+        if rows:
+            apply_bitmask(logits, rows, bitmask[mask_rows])
+        self.grammars.mask_seconds += time.perf_counter() - began
+        self.grammars.mask_rows += len(rows)
+        return failed
 
     def _sampling_rows(self, req: Request) -> list[SamplingRow]:
         """A row per position to sample: the one after the last token, and after each draft, each seeing the
@@ -361,6 +405,8 @@ class LLMEngine:
             self.spec_stats.record(len(drafts), accepted)
         for res in results[:accepted + 1]:
             self._append_token(req, res.token_id, res.logprobs, now)
+            if req.grammar is not None and not req.finished and req.grammar.accept(res.token_id):
+                req.finish("stop")  # the grammar is complete: only EOS could follow
             if req.finished:
                 return
         if drafts:

@@ -44,6 +44,8 @@ async def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> Prepared:
     tools = req.tools if mode is not None else None
     ids = await ctx.chat_prompt_ids(req.messages, req.add_generation_prompt, tools)
     max_tokens = ctx.check_length(len(ids), req.effective_max_tokens, req.min_tokens, "messages")
+    if mode is None and req.constraint() is None:
+        return Prepared(model, ids, req.to_sampling_params(max_tokens))
     # compiling a schema's grammar to check it takes milliseconds: off the event loop
     return Prepared(model, ids, await asyncio.to_thread(req.to_sampling_params, max_tokens))
 

@@ -11,6 +11,7 @@ from pagedllm.errors import UserError
 from pagedllm.kv.sizing import parse_memory_size
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 2**30  # on CPU the cache shares RAM with everything else: a fixed space, as vLLM-CPU
+DEFAULT_KV_OFFLOAD_SIZE = 16 * 2**30
 
 
 @dataclass
@@ -35,6 +36,8 @@ class EngineConfig:
     # API is opt-in, as vLLM's LLM(...) is.
     speculative_config: SpeculativeConfig | str | dict | None = None
     enable_kv_cache_events: bool = False  # record blocks entering / leaving the prefix cache (kv/events.py)
+    kv_offload_dir: str | None = None  # a disk tier for the prefix cache (kv/offload.py); None: none
+    kv_offload_size: int = DEFAULT_KV_OFFLOAD_SIZE  # bytes the disk tier may hold
 
     def __post_init__(self) -> None:
         def check(ok: bool, flag: str, message: str) -> None:
@@ -59,17 +62,21 @@ class EngineConfig:
               f"must be none, gguf, int8 or int4, got {self.quantization!r}")
         check(self.kv_cache_dtype in ("auto", "float32", "bfloat16"), "--kv-cache-dtype",
               f"must be auto, float32 or bfloat16, got {self.kv_cache_dtype!r}")
+        check(self.kv_offload_size > 0, "--kv-offload-size", f"must be positive, got {self.kv_offload_size}")
+        check(self.kv_offload_dir is None or self.kv_allocation == "paged" and self.enable_prefix_caching,
+              "--kv-offload-dir", "needs paged allocation with prefix caching on")
         on_cpu = self.device == "cpu" or (self.device == "auto" and not torch.cuda.is_available())
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config, on_cpu)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineConfig:
         values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
-        if isinstance(values.get("kv_cache_memory"), str):
-            try:
-                values["kv_cache_memory"] = parse_memory_size(values["kv_cache_memory"])
-            except ValueError as e:
-                raise UserError(f"--kv-cache-memory: {e}") from None
+        for name in ("kv_cache_memory", "kv_offload_size"):
+            if isinstance(values.get(name), str):
+                try:
+                    values[name] = parse_memory_size(values[name])
+                except ValueError as e:
+                    raise UserError(f"--{name.replace('_', '-')}: {e}") from None
         return cls(**values)
 
 
@@ -104,6 +111,13 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
     g.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="share of device memory (on CPU: of RAM) for weights, activations and KV cache; "
                         f"default on CPU: a {DEFAULT_CPU_KV_CACHE_MEMORY // 2**30} GiB KV cache, on GPU: 0.9")
+    g.add_argument("--kv-offload-dir", default=None, metavar="DIR",
+                   help="a disk tier for the prefix cache: full blocks evicted from RAM are written to DIR and read "
+                        "back on a later hit, also after a restart (only by an engine with the same weights, "
+                        "dtypes, block size and layer shape)")
+    g.add_argument("--kv-offload-size", default=DEFAULT_KV_OFFLOAD_SIZE,
+                   help=f"most bytes the disk tier holds, e.g. 16GiB (default {DEFAULT_KV_OFFLOAD_SIZE // 2**30} GiB); "
+                        "least recently used blocks go first")
     g.add_argument("--seed", type=int, default=0, help="seed for unseeded random sampling")
     g.add_argument("--speculative-config", default="auto", metavar="JSON",
                    help='speculative decoding by prompt lookup, e.g. \'{"method": "ngram", "num_speculative_tokens": '

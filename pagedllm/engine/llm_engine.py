@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
+from pagedllm.engine.disk_tier import open_disk_tier
 from pagedllm.engine.outputs import RequestMetrics, RequestOutput
 from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import Scheduler
@@ -21,7 +22,7 @@ from pagedllm.engine.stats import EngineStats
 from pagedllm.engine.structured_output import GrammarCompiler, RequestGrammar, apply_bitmask
 from pagedllm.errors import UserError
 from pagedllm.kv.events import KVEventLog
-from pagedllm.kv.manager import cdiv, make_kv_cache_manager
+from pagedllm.kv.manager import PagedKVCacheManager, cdiv, make_kv_cache_manager
 from pagedllm.model.loader import DTYPES, LoadedModel, load_model
 from pagedllm.model.runner import ModelRunner, SeqChunk, bytes_per_block
 from pagedllm.model.sampler import SampleResult, SamplingRow, sample, token_logprobs
@@ -90,6 +91,10 @@ class LLMEngine:
                                         config.enable_prefix_caching)
         if config.enable_kv_cache_events:
             self.kv.pool.events = KVEventLog(self.block_size, device.type.upper())
+        self.disk_tier = None
+        if config.kv_offload_dir is not None and isinstance(self.kv, PagedKVCacheManager):
+            self.disk_tier = open_disk_tier(config.kv_offload_dir, config.kv_offload_size, self.runner, self.block_size)
+            self.kv.attach_disk_tier(self.disk_tier, self.runner)
         spec = config.speculative_config
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    NgramDrafter(spec, self.max_model_len) if spec else None)
@@ -235,6 +240,8 @@ class LLMEngine:
             self._wait_for_grammars()
         self.num_steps += 1
         outputs = [self._output(pid) for pid in touched if pid in self.parents]
+        if self.disk_tier is not None and not self.parents:  # idle now: the disk tier gets the hot prefixes too
+            self.kv.offload_cached()
         self._maybe_log()
         return outputs
 
@@ -459,7 +466,8 @@ class LLMEngine:
             num_free_blocks=kv.num_free_blocks, num_cached_blocks=kv.num_cached_blocks, block_size=kv.block_size,
             kv_usage=kv.usage,
             num_stored_tokens=kv.num_stored_tokens, prefix_cache_queries=kv.prefix_stats.queries,
-            prefix_cache_hits=kv.prefix_stats.hits, num_preemptions=sched.num_preemptions,
+            prefix_cache_hits=kv.prefix_stats.hits, prefix_cache_disk_hits=kv.prefix_stats.disk_hits,
+            num_preemptions=sched.num_preemptions,
             prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens,
             peak_running=sched.peak_running, num_steps=self.num_steps,
             spec_decode_num_drafts=self.spec_stats.num_drafts,

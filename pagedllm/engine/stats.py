@@ -21,6 +21,7 @@ class EngineStats:
     generation_tokens: int  # tokens generated (cumulative)
     peak_running: int  # most requests running at once so far
     num_steps: int
+    prefix_cache_disk_hits: int = 0  # of those, tokens read back from the disk tier (--kv-offload-dir)
     # Speculative decoding (cumulative, vLLM's spec_decode counters): a draft is one request's drafts in one step.
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0

@@ -77,6 +77,23 @@ class ModelRunner:
         return kv_cache_bytes(self.config, self.num_blocks if num_blocks is None else num_blocks,
                               block_size or self.block_size, self.kv_dtype)
 
+    def read_block(self, block_id: int) -> bytes:
+        """A copy of one block's K and V in every layer, as bytes (what the disk tier stores)."""
+        parts = [t[block_id].reshape(-1).view(torch.uint8) for pair in self.kv_caches for t in pair]
+        return torch.cat(parts).cpu().numpy().tobytes()
+
+    def write_block(self, block_id: int, data: bytes) -> None:
+        """Fill one block from `read_block`'s bytes (a block read back from the disk tier)."""
+        if len(data) != self.bytes_per_block:
+            raise ValueError(f"a block holds {self.bytes_per_block} bytes, got {len(data)}")
+        src = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+        offset = 0
+        for pair in self.kv_caches:
+            for t in pair:
+                dst = t[block_id].view(-1).view(torch.uint8)
+                dst.copy_(src[offset:offset + dst.numel()])
+                offset += dst.numel()
+
     @torch.inference_mode()
     def _forward(self, chunks: list[SeqChunk], all_positions: bool) -> torch.Tensor:
         lens = [len(c.token_ids) for c in chunks]

@@ -61,8 +61,9 @@ TOOLS = [
                                           "required": ["a", "b"], "additionalProperties": False}}},
 ]
 PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-OPEN_SCHEMA = {"type": "object", "properties": {"notes": {"type": "array", "items": {"type": "string"}}},
-               "required": ["notes"]}  # never ends by itself: every request runs to max_tokens, as without it
+OPEN_SCHEMA = {"type": "object", "properties": {"notes": {"type": "array", "items": {"type": "string"},
+                                                    "minItems": 100}},
+               "required": ["notes"]}  # cannot end within the budget: every request runs to max_tokens, as without
 
 
 def person_prompts() -> list[str]:
@@ -104,11 +105,15 @@ def validity(client: openai.OpenAI, max_tokens: int) -> dict:
             {"role": "user", "content": f"{p} Answer only with a JSON object with the keys {fields}."}])
         return _person_ok(r.choices[0].message.content)
 
-    def tools_required(p: str) -> bool:
+    def tools_required(p: str, parallel: bool = True) -> bool:
         r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": p}], tools=TOOLS,
-                                           tool_choice="required", max_tokens=max_tokens, temperature=0.7, seed=1)
+                                           tool_choice="required", max_tokens=max_tokens, temperature=0.7, seed=1,
+                                           parallel_tool_calls=parallel)
         calls = r.choices[0].message.tool_calls or []
-        return _calls_ok([{"name": c.function.name, "arguments": c.function.arguments} for c in calls])
+        ok = _calls_ok([{"name": c.function.name, "arguments": c.function.arguments} for c in calls])
+        if not ok:
+            print(f"  tool calls failed ({r.choices[0].finish_reason}): {(r.choices[0].message.content or '')[:200]}")
+        return ok
 
     def tools_free(p: str) -> bool:
         desc = json.dumps([t["function"] for t in TOOLS])
@@ -127,6 +132,7 @@ def validity(client: openai.OpenAI, max_tokens: int) -> dict:
         for name, fn, prompts in (("json_constrained", constrained, person_prompts()),
                                   ("json_unconstrained", free, person_prompts()),
                                   ("tools_required", tools_required, tool_prompts()),
+                                  ("tools_required_one_call", lambda p: tools_required(p, False), tool_prompts()),
                                   ("tools_unconstrained", tools_free, tool_prompts())):
             results = list(pool.map(fn, prompts))
             out[name] = sum(results) / len(results)

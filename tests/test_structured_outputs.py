@@ -129,6 +129,9 @@ def test_tool_choice_required_with_two_functions(server):
         for call in msg["tool_calls"]:
             assert call["type"] == "function" and call["id"].startswith("call_")
             jsonschema.validate(json.loads(call["function"]["arguments"]), TOOL_PARAMS[call["function"]["name"]])
+    one = chat(server, "Add 1 and 2, then add 3 and 4.", tools=TOOLS, tool_choice="required", temperature=0,
+               parallel_tool_calls=False)["choices"][0]
+    assert one["finish_reason"] == "tool_calls" and len(one["message"]["tool_calls"]) == 1, one
 
 
 def test_named_tool_choice_returns_that_function(server):

@@ -19,7 +19,7 @@ from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.spec_decode import NgramDrafter, SpecDecodeStats, num_accepted
 from pagedllm.engine.stats import EngineStats
-from pagedllm.engine.structured_output import GrammarCompiler, RequestGrammar, apply_bitmask
+from pagedllm.engine.structured_output import GrammarCompiler, RequestGrammar, apply_bitmask, new_bitmask
 from pagedllm.errors import UserError
 from pagedllm.kv.events import KVEventLog
 from pagedllm.kv.manager import PagedKVCacheManager, cdiv, make_kv_cache_manager
@@ -343,7 +343,7 @@ class LLMEngine:
         after them); if it raises, each request alone, and a request whose rows raise fails."""
         rows = [self._sampling_rows(req) for req, _ in to_sample]
         logits = torch.cat([lg for _, lg in to_sample])
-        failed = self._constrain(to_sample, logits)
+        logits, failed = self._constrain(to_sample, logits)
         try:
             flat = iter(sample(logits, [r for group in rows for r in group]))
             results: list[list[SampleResult] | Exception] = [[next(flat) for _ in group] for group in rows]
@@ -365,20 +365,21 @@ class LLMEngine:
             if req.finished:
                 self._release(req)
 
-    def _constrain(self, to_sample: list[tuple[Request, torch.Tensor]], logits: torch.Tensor) -> dict[str, Exception]:
+    def _constrain(self, to_sample: list[tuple[Request, torch.Tensor]],
+                   logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, Exception]]:
         """Structured outputs: every constrained row's logits masked to what its grammar allows (the sampled
-        token, and the logprobs reported, come from that distribution). Per request, the error of a grammar
-        that failed (its request fails; the others sample)."""
+        token, and the logprobs reported, come from that distribution), in float32 as the sampler takes them.
+        Per request, the error of a grammar that failed (its request fails; the others sample)."""
         spans, start = [], 0
         for req, lg in to_sample:
             if req.grammar is not None:
                 spans.append((req, start, len(lg)))
             start += len(lg)
         if not spans:
-            return {}
+            return logits, {}
         began = time.perf_counter()
-        width = (logits.shape[-1] + 31) // 32
-        bitmask = torch.full((sum(n for _, _, n in spans), width), -1, dtype=torch.int32)
+        logits = logits.float()
+        bitmask = new_bitmask(sum(n for _, _, n in spans), logits.shape[-1])
         rows, mask_rows, failed, at = [], [], {}, 0
         for req, first, n in spans:
             try:
@@ -392,7 +393,7 @@ class LLMEngine:
             apply_bitmask(logits, rows, bitmask[mask_rows])
         self.grammars.mask_seconds += time.perf_counter() - began
         self.grammars.mask_rows += len(rows)
-        return failed
+        return logits, failed
 
     def _sampling_rows(self, req: Request) -> list[SamplingRow]:
         """A row per position to sample: the one after the last token, and after each draft, each seeing the

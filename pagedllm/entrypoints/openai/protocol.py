@@ -256,6 +256,7 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: StrictBool = False
     tools: list[dict[str, Any]] | None = None
     tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: StrictBool = True
     functions: list[dict[str, Any]] | None = None
     echo: StrictBool = False
 
@@ -293,7 +294,8 @@ class ChatCompletionRequest(SamplingRequest):
     def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
         mode, constraint = self.tool_mode, self.constraint()
         if mode is not None and mode.kind != "auto":
-            constraint = ("tools", StructuredOutputsParams(json=tool_schema(self.tools or [], mode)))
+            schema = tool_schema(self.tools or [], mode, self.parallel_tool_calls)
+            constraint = ("tools", StructuredOutputsParams(json=schema))
         return self.make_params(constraint, max_tokens=max_tokens, logprobs=self.top_k_logprobs,
                                 **self.sampling_kwargs())
 

@@ -103,14 +103,14 @@ def parse_hermes(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     return content or None, calls
 
 
-def tool_schema(tools: list[dict[str, Any]], mode: ToolMode) -> dict[str, Any]:
-    """The JSON schema the output is held to."""
+def tool_schema(tools: list[dict[str, Any]], mode: ToolMode, parallel: bool = True) -> dict[str, Any]:
+    """The JSON schema the output is held to; `parallel` False (OpenAI's parallel_tool_calls) allows one call."""
     params = check_tools(tools)
     if mode.name:
         return params[mode.name]
     items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [n]}, "parameters": p},
               "required": ["name", "parameters"], "additionalProperties": False} for n, p in params.items()]
-    return {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+    return {"type": "array", "minItems": 1, "items": {"anyOf": items}, **({} if parallel else {"maxItems": 1})}
 
 
 def call_id() -> str:

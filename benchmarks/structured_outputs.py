@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -158,16 +159,35 @@ async def _throughput(base: str, concurrency: int, num: int, max_tokens: int, sc
     return tokens / (time.perf_counter() - start)
 
 
+def _accepted_drafts(base: str) -> tuple[float, float]:
+    """(accepted, proposed) draft tokens so far, from the server's vLLM-named counters (0, 0 without drafts)."""
+    import httpx
+
+    text = httpx.get(base + "/metrics", timeout=30).text
+    def total(name: str) -> float:
+        found = re.search(rf"^{name}(?:_total)?(?:{{[^}}]*}})? ([0-9.e+]+)$", text, re.M)
+        return float(found.group(1)) if found else 0.0
+    return total("vllm:spec_decode_num_accepted_tokens"), total("vllm:spec_decode_num_draft_tokens")
+
+
 def cost(base: str, a: argparse.Namespace) -> dict:
-    """Output tok/s with and without the schema, interleaved (without, with) per concurrency."""
+    """Output tok/s with and without the schema, per concurrency, each `--repeats` times interleaved; also the
+    share of drafted tokens accepted in each run (prompt lookup pays on the looping text of EOS-ignored answers)."""
     out = {}
     for conc in a.concurrency:
-        num = max(4, 2 * conc)
-        plain = asyncio.run(_throughput(base, conc, num, a.cost_tokens, None))
-        constrained = asyncio.run(_throughput(base, conc, num, a.cost_tokens, OPEN_SCHEMA))
-        out[f"c{conc}"] = {"plain_tok_s": plain, "schema_tok_s": constrained, "ratio": constrained / plain}
+        num = max(8, 2 * conc)
+        runs: dict[str, list[float]] = {"plain": [], "schema": [], "plain_accept": [], "schema_accept": []}
+        for _ in range(a.repeats):
+            for name, schema in (("plain", None), ("schema", OPEN_SCHEMA)):
+                acc0, drafts0 = _accepted_drafts(base)
+                runs[name].append(asyncio.run(_throughput(base, conc, num, a.cost_tokens, schema)))
+                acc1, drafts1 = _accepted_drafts(base)
+                runs[f"{name}_accept"].append((acc1 - acc0) / max(1.0, drafts1 - drafts0))
+        plain, constrained = (sum(runs[k]) / len(runs[k]) for k in ("plain", "schema"))
+        out[f"c{conc}"] = {"plain_tok_s": plain, "schema_tok_s": constrained, "ratio": constrained / plain, **runs}
         print(f"concurrency {conc}: {plain:.1f} tok/s without, {constrained:.1f} with the schema: "
-              f"{constrained / plain:.2f}x", flush=True)
+              f"{constrained / plain:.2f}x (drafts accepted: {runs['plain_accept']} without, "
+              f"{runs['schema_accept']} with)", flush=True)
     return out
 
 
@@ -212,6 +232,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=160, help="validity requests")
     ap.add_argument("--cost-tokens", type=int, default=48, help="tokens per request in the cost runs")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--repeats", type=int, default=2, help="cost runs per setting, interleaved")
     ap.add_argument("--skip", nargs="*", default=[], choices=["validity", "cost", "in-process"])
     ap.add_argument("--out", help="write the figures as JSON here")
     a = ap.parse_args()

@@ -150,3 +150,4 @@ def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: np.ndarray) ->
     sub = values[rows]
     np.copyto(sub, np.float32(-np.inf), where=forbidden)
     values[rows] = sub
+

@@ -16,7 +16,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from pagedllm.engine.outputs import CompletionOutput, RequestOutput
 from pagedllm.entrypoints.openai.errors import ERROR_RESPONSES, APIError
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatCompletionResponse
-from pagedllm.entrypoints.openai.serving_engine import (ServingContext, Sub, cancel_on_disconnect, request_id,
+from pagedllm.entrypoints.openai.serving_engine import (ServingContext, EngineRequest, cancel_on_disconnect, request_id,
                                                         serving)
 from pagedllm.entrypoints.openai.streaming import Chunks, SSEResponse, pieces
 from pagedllm.entrypoints.openai.tool_calls import (HERMES_OPEN, ToolCallStream, ToolMode, auto_tools_supported,
@@ -64,7 +64,7 @@ def _message(mode: ToolMode | None, c: CompletionOutput) -> tuple[dict[str, Any]
             "tool_calls" if mode.kind == "required" else "stop")
 
 
-def _choice(ctx: ServingContext, req: ChatCompletionRequest, s: Sub, c: CompletionOutput) -> dict[str, Any]:
+def _choice(ctx: ServingContext, req: ChatCompletionRequest, s: EngineRequest, c: CompletionOutput) -> dict[str, Any]:
     ctx.check_error(c)
     k = req.top_k_logprobs
     message, finish_reason = _message(req.tool_mode, c)
@@ -73,7 +73,7 @@ def _choice(ctx: ServingContext, req: ChatCompletionRequest, s: Sub, c: Completi
             "finish_reason": finish_reason, "stop_reason": c.stop_reason}
 
 
-async def full(ctx: ServingContext, req: ChatCompletionRequest, prep: Prepared, subs: list[Sub],
+async def full(ctx: ServingContext, req: ChatCompletionRequest, prep: Prepared, subs: list[EngineRequest],
                rid: str) -> dict[str, Any]:
     """The whole answer, as a JSON-ready dict (the RAG route adds its chunks to it)."""
     await ctx.run_to_end(subs)
@@ -85,7 +85,7 @@ async def full(ctx: ServingContext, req: ChatCompletionRequest, prep: Prepared, 
             "prompt_logprobs": ctx.prompt_logprobs(final) if req.prompt_logprobs is not None else None}
 
 
-async def _chunks(ctx: ServingContext, req: ChatCompletionRequest, subs: list[Sub],
+async def _chunks(ctx: ServingContext, req: ChatCompletionRequest, subs: list[EngineRequest],
                   chunk: Chunks) -> AsyncIterator[str]:
     for i in range(req.n):
         yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -129,7 +129,7 @@ def _auto_delta(c: CompletionOutput, sent: int, done: bool) -> dict[str, Any]:
     return delta
 
 
-def stream(ctx: ServingContext, req: ChatCompletionRequest, prep: Prepared, subs: list[Sub], rid: str,
+def stream(ctx: ServingContext, req: ChatCompletionRequest, prep: Prepared, subs: list[EngineRequest], rid: str,
            headers: dict[str, str] | None = None) -> SSEResponse:
     chunk = Chunks.for_request(req.stream_options, rid, "chat.completion.chunk", prep.model)
     return SSEResponse(ctx, _chunks(ctx, req, subs, chunk), subs, headers)

@@ -12,7 +12,7 @@ import json as jsonlib
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from pagedllm.errors import UserError
 
@@ -41,7 +41,7 @@ class StructuredOutputsParams:
     a Lark or GBNF grammar, `json_object` any JSON object. JSON is compact unless `whitespace_pattern` says which
     whitespace may go between tokens (a small model given free whitespace can spend its whole budget on it)."""
 
-    json: str | dict[str, Any] | None = None
+    json: str | dict[str, Any] | bool | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
@@ -85,9 +85,9 @@ class StructuredOutputsParams:
                 _fail("structured_outputs.json", f"not valid JSON: {e}")
         if not isinstance(schema, (dict, bool)):
             _fail(f"structured_outputs.{kind}", f"a JSON schema must be an object, got {type(schema).__name__}")
-        options = {"whitespace_flexible": False, "whitespace_pattern": self.whitespace_pattern}
+        options: Any = {"whitespace_flexible": False, "whitespace_pattern": self.whitespace_pattern}
         try:
-            return LLMatcher.grammar_from_json_schema(schema, overrides=options)
+            return LLMatcher.grammar_from_json_schema(schema, overrides=options)  # type: ignore[arg-type]
         except ValueError as e:
             _fail(f"structured_outputs.{kind}", str(e))
 
@@ -149,7 +149,7 @@ class SamplingParams:
         return dataclasses.replace(self, n=1, seed=seed)
 
 
-def _fail(param: str, message: str) -> None:
+def _fail(param: str, message: str) -> NoReturn:
     raise SamplingParamsError(param, message)
 
 

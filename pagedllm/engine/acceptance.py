@@ -54,17 +54,20 @@ def constrain(to_sample: list[tuple[Request, torch.Tensor]], logits: torch.Tenso
     spans, start = [], 0
     for req, lg in to_sample:
         if req.grammar is not None:
-            spans.append((req, start, len(lg)))
+            spans.append((req, start, len(lg), req.grammar))
         start += len(lg)
     if not spans:
         return logits, {}
     began = time.perf_counter()
     logits = logits.float()
-    bitmask = new_bitmask(sum(n for _, _, n in spans), logits.shape[-1])
-    rows, mask_rows, failed, at = [], [], {}, 0
-    for req, first, n in spans:
+    bitmask = new_bitmask(sum(span[2] for span in spans), logits.shape[-1])
+    rows: list[int] = []
+    mask_rows: list[int] = []
+    failed: dict[str, Exception] = {}
+    at = 0
+    for req, first, n, grammar in spans:
         try:
-            req.grammar.fill_masks(bitmask, at, req.spec_token_ids)
+            grammar.fill_masks(bitmask, at, req.spec_token_ids)
             rows.extend(range(first, first + n))
             mask_rows.extend(range(at, at + n))
         except Exception as e:  # noqa: BLE001 - a grammar that failed to compile or refused a token

@@ -167,7 +167,7 @@ class LLMEngine:
 
     def _wait_for_grammars(self) -> None:
         """Nothing ran: if requests wait for their grammar, block a little for one instead of spinning."""
-        compiling = [r.grammar for r in self.scheduler.waiting if not r.grammar_ready]
+        compiling = [r.grammar for r in self.scheduler.waiting if r.grammar is not None and not r.grammar.ready]
         if compiling:
             self.grammars.wait_any(compiling, 0.05)
 

@@ -93,9 +93,10 @@ class Scheduler:
 
         # Admitting new work right after preempting would only thrash the cache.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = next((r for r in self.waiting if r.grammar_ready), None)  # skip those whose grammar compiles
-            if req is None:
+            ready = next((r for r in self.waiting if r.grammar_ready), None)  # skip those whose grammar compiles
+            if ready is None:
                 break
+            req = ready
             # Prompt logprobs need every prompt position computed, so such a request reads nothing from the cache.
             blocks, num_cached = ([], 0) if req.prompt_logprobs is not None else self.kv.get_computed_blocks(req)
             num_new = min(len(req.all_token_ids) - num_cached, budget)

@@ -64,7 +64,7 @@ class StreamOptions(OpenAIModel):
 class JsonSchemaFormat(OpenAIModel):
     name: str = "response"
     description: str | None = None
-    json_schema: Union[dict[str, Any], bool] = Field({}, alias="schema")  # `schema` would shadow pydantic's
+    json_schema: dict[str, Any] | bool = Field({}, alias="schema")  # `schema` would shadow pydantic's
     strict: StrictBool | None = None
 
 
@@ -84,7 +84,7 @@ class ResponseFormat(OpenAIModel):
 class StructuredOutputsBody(OpenAIModel):
     """vLLM's `structured_outputs` field (its StructuredOutputsParams): exactly one constraint."""
 
-    json_: Union[str, dict[str, Any], None] = Field(None, alias="json")
+    json_: str | dict[str, Any] | None = Field(None, alias="json")
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
@@ -107,7 +107,7 @@ class SamplingRequest(RequestModel):
     best_of: StrictInt | None = Field(None, description="only n (or null): one sample is one choice")
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
-    stop: Union[str, list[str], None] = None
+    stop: str | list[str] | None = None
     seed: StrictInt | None = Field(None, ge=-(2**63), le=2**64 - 1)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
@@ -117,7 +117,7 @@ class SamplingRequest(RequestModel):
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None
-    guided_json: Union[str, dict[str, Any], None] = None  # vLLM's older names for structured_outputs
+    guided_json: str | dict[str, Any] | None = None  # vLLM's older names for structured_outputs
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
@@ -167,8 +167,9 @@ class SamplingRequest(RequestModel):
                   "grammar": self.guided_grammar}
         for kind, value in guided.items():
             if value is not None:
-                found.append((f"guided_{kind}", StructuredOutputsParams(
-                    **{kind: value}, whitespace_pattern=self.guided_whitespace_pattern)))
+                so = StructuredOutputsParams(whitespace_pattern=self.guided_whitespace_pattern)
+                setattr(so, kind, value)
+                found.append((f"guided_{kind}", so))
         if len(found) > 1:
             raise ValueError(f"{found[1][0]}: only one structured-output constraint per request, got "
                              f"{' and '.join(name for name, _ in found)}")
@@ -207,7 +208,7 @@ _FIELD_WHAT = {"response_format": "the JSON schema", "structured_outputs": "the 
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: Union[list[TokenId], list[list[TokenId]], str, list[str]]
+    prompt: list[TokenId] | list[list[TokenId]] | str | list[str]
     max_tokens: StrictInt | None = Field(16, ge=0, description="0: score the prompt only (with echo/logprobs)")
     echo: StrictBool = False
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -231,7 +232,7 @@ class CompletionRequest(SamplingRequest):
 
 class ChatMessage(OpenAIModel):
     role: Role
-    content: Union[str, list[dict[str, Any]], None] = None
+    content: str | list[dict[str, Any]] | None = None
     name: str | None = None
 
     def text(self) -> str:
@@ -255,7 +256,7 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Union[str, dict[str, Any], None] = None
+    tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool = True
     functions: list[dict[str, Any]] | None = None
     echo: StrictBool = False
@@ -269,9 +270,9 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError(f"min_tokens: ({self.min_tokens}) must be <= max_tokens ({limit})")
         if self.functions:
             raise ValueError("functions: the deprecated functions field is not supported; send tools")
-        mode = self.tool_mode
-        if mode is not None and mode.kind != "auto" and self.constraint() is not None:
-            raise ValueError(f"tool_choice: a tool choice and {self.constraint()[0]} cannot be combined")
+        mode, constraint = self.tool_mode, self.constraint()
+        if mode is not None and mode.kind != "auto" and constraint is not None:
+            raise ValueError(f"tool_choice: a tool choice and {constraint[0]} cannot be combined")
         if self.continue_final_message:
             raise ValueError("continue_final_message: not supported")
         if self.echo:

@@ -16,11 +16,22 @@ from fastapi import APIRouter, Depends, Request, Response
 from pagedllm.engine.outputs import CompletionOutput, RequestOutput
 from pagedllm.entrypoints.openai.errors import ERROR_RESPONSES, APIError
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatCompletionResponse
-from pagedllm.entrypoints.openai.serving_engine import (ServingContext, EngineRequest, cancel_on_disconnect, request_id,
-                                                        serving)
+from pagedllm.entrypoints.openai.serving_engine import (
+    EngineRequest,
+    ServingContext,
+    cancel_on_disconnect,
+    request_id,
+    serving,
+)
 from pagedllm.entrypoints.openai.streaming import Chunks, SSEResponse, pieces
-from pagedllm.entrypoints.openai.tool_calls import (HERMES_OPEN, ToolCallStream, ToolMode, auto_tools_supported,
-                                                     parse_hermes, parse_tool_calls)
+from pagedllm.entrypoints.openai.tool_calls import (
+    HERMES_OPEN,
+    ToolCallStream,
+    ToolMode,
+    auto_tools_supported,
+    parse_hermes,
+    parse_tool_calls,
+)
 from pagedllm.sampling_params import SamplingParams
 
 router = APIRouter()
@@ -57,10 +68,10 @@ def _message(mode: ToolMode | None, c: CompletionOutput) -> tuple[dict[str, Any]
         content, calls = parse_hermes(c.text)
         return ({"role": "assistant", "content": content, "tool_calls": calls},
                 "tool_calls" if calls else c.finish_reason)
-    calls = parse_tool_calls(c.text, mode) if mode is not None and c.finish_reason == "stop" else None
-    if calls is None:
+    parsed = parse_tool_calls(c.text, mode) if mode is not None and c.finish_reason == "stop" else None
+    if mode is None or parsed is None:
         return {"role": "assistant", "content": c.text, "tool_calls": []}, c.finish_reason
-    return ({"role": "assistant", "content": None, "tool_calls": calls},
+    return ({"role": "assistant", "content": None, "tool_calls": parsed},
             "tool_calls" if mode.kind == "required" else "stop")
 
 
@@ -95,6 +106,7 @@ async def _chunks(ctx: ServingContext, req: ChatCompletionRequest, subs: list[En
     sent: dict[int, int] = {}  # "auto": content characters sent per choice
     async for s, out, c, p in pieces(ctx, subs):
         finish = c.finish_reason if p.done else None
+        delta: dict[str, Any] = {}
         if mode is None:
             delta = {"content": p.text} if p.text or not p.done else {}
         elif mode.kind == "auto":

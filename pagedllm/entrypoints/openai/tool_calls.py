@@ -81,8 +81,9 @@ HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 def auto_tools_supported(chat_template: str | None) -> bool:
     """Whether "auto" can be served: the template shows the model its tools (HF templates read a `tools`
     variable) and asks for calls in the Hermes format, the one format parsed here."""
-    return (bool(chat_template) and re.search(r"\btools\b", chat_template) is not None
-            and HERMES_OPEN in chat_template)
+    if not chat_template:
+        return False
+    return re.search(r"\btools\b", chat_template) is not None and HERMES_OPEN in chat_template
 
 
 def parse_hermes(text: str) -> tuple[str | None, list[dict[str, Any]]]:
@@ -124,8 +125,9 @@ def parse_tool_calls(text: str, mode: ToolMode) -> list[dict[str, Any]] | None:
     except ValueError:
         return None
     calls = [(mode.name, value)] if mode.name else [(c["name"], c["parameters"]) for c in value]
+    compact = (",", ":")
     return [{"id": call_id(), "type": "function", "function": {
-        "name": name, "arguments": json.dumps(args, ensure_ascii=False, separators=(",", ":"))}} for name, args in calls]
+        "name": name, "arguments": json.dumps(args, ensure_ascii=False, separators=compact)}} for name, args in calls]
 
 
 def scan_calls(text: str) -> list[tuple[str | None, str, bool]]:

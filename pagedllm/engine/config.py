@@ -8,10 +8,11 @@ import torch
 
 from pagedllm.engine.spec_decode import SpeculativeConfig
 from pagedllm.errors import UserError
-from pagedllm.kv.sizing import parse_memory_size
+from pagedllm.kv.sizing import QUANTIZED_KV, parse_memory_size
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 2**30  # on CPU the cache shares RAM with everything else: a fixed space, as vLLM-CPU
 DEFAULT_KV_OFFLOAD_SIZE = 16 * 2**30
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", *QUANTIZED_KV)
 
 
 @dataclass
@@ -60,8 +61,8 @@ class EngineConfig:
               f"must be auto, float32 or bfloat16, got {self.dtype!r}")
         check(self.quantization in (None, "none", "gguf", "int8", "int4"), "--quantization",
               f"must be none, gguf, int8 or int4, got {self.quantization!r}")
-        check(self.kv_cache_dtype in ("auto", "float32", "bfloat16"), "--kv-cache-dtype",
-              f"must be auto, float32 or bfloat16, got {self.kv_cache_dtype!r}")
+        check(self.kv_cache_dtype in KV_CACHE_DTYPES, "--kv-cache-dtype",
+              f"must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         check(self.kv_offload_size > 0, "--kv-offload-size", f"must be positive, got {self.kv_offload_size}")
         check(self.kv_offload_dir is None or self.kv_allocation == "paged" and self.enable_prefix_caching,
               "--kv-offload-dir", "needs paged allocation with prefix caching on")
@@ -94,9 +95,10 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
                         "GGUF file); int8/int4 round a checkpoint's weights at load (weight-only, groups of 32); "
                         "none dequantizes to --dtype (the default for a Hugging Face folder)")
     g.add_argument("--kv-cache-dtype", default="auto",
-                   help="auto (the model's dtype) | float32 | bfloat16: a bfloat16 cache holds twice the tokens of a "
-                        "float32 one and halves the memory each decode step reads; attention still computes in "
-                        "the model's dtype")
+                   help="auto (the model's dtype) | float32 | bfloat16 | int8 | fp8 (= fp8_e4m3) | fp8_e5m2: a "
+                        "bfloat16 cache holds twice the tokens of a float32 one; the quantized ones keep one byte "
+                        "per value and a scale per token and KV head, 3.9x the tokens of float32 (1.9x bfloat16); "
+                        "attention still computes in the model's dtype")
     g.add_argument("--device", default="auto", help="torch device: auto, cpu, cuda, cuda:1, ...")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")

@@ -22,6 +22,8 @@ from pagedllm.engine.stats import EngineStats
 from pagedllm.errors import UserError
 from pagedllm.kv.events import KVEventLog
 from pagedllm.kv.manager import PagedKVCacheManager, cdiv, make_kv_cache_manager
+from pagedllm.kv.sizing import kv_dtype_bytes_per_token
+from pagedllm.model.kv_quant import QUANT_KV_DTYPES
 from pagedllm.model.loader import DTYPES, LoadedModel, load_model
 from pagedllm.model.runner import ModelRunner, SeqChunk, bytes_per_block
 from pagedllm.model.sampler import SampleResult, SamplingRow, sample, token_logprobs
@@ -72,7 +74,8 @@ class LLMEngine:
             raise UserError(f"--max-model-len: {self.max_model_len} is more than the model's "
                             f"{cfg.max_position_embeddings} positions")
         self.block_size = config.block_size
-        self.kv_dtype = self.loaded.dtype if config.kv_cache_dtype == "auto" else DTYPES[config.kv_cache_dtype]
+        self.kv_dtype = (self.loaded.dtype if config.kv_cache_dtype == "auto"
+                         else {**DTYPES, **QUANT_KV_DTYPES}[config.kv_cache_dtype])
         per_block = bytes_per_block(cfg, self.block_size, self.kv_dtype)
         budget = self._kv_budget(device)
         num_blocks = budget // per_block
@@ -98,10 +101,13 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    NgramDrafter(spec, self.max_model_len) if spec else None)
         self.spec_stats = SpecDecodeStats()
-        logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB %s, %s allocation, prefix caching %s)",
-                    num_blocks, self.block_size, num_blocks * self.block_size, num_blocks * per_block / 2**30,
-                    str(self.kv_dtype).removeprefix("torch."), config.kv_allocation,
-                    "on" if config.enable_prefix_caching else "off")
+        logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB %s, %d bytes/token, %s allocation, "
+                    "prefix caching %s)", num_blocks, self.block_size, num_blocks * self.block_size,
+                    num_blocks * per_block / 2**30, str(self.kv_dtype).removeprefix("torch."),
+                    per_block // self.block_size, config.kv_allocation, "on" if config.enable_prefix_caching else "off")
+        logger.info("KV bytes/token by --kv-cache-dtype: %s", ", ".join(
+            f"{name} {kv_dtype_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, name):,}"
+            for name in ("float32", "bfloat16", "int8", "fp8")))
 
         self.parents: dict[str, _Parent] = {}
         self.requests: dict[str, Request] = {}  # child id -> request, while unfinished

@@ -7,7 +7,10 @@ from dataclasses import dataclass
 
 from pagedllm.kv.manager import cdiv
 
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+# KV-cache dtypes (--kv-cache-dtype) -> bytes per value; the quantized ones add a bfloat16 scale per (token, KV head)
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
+QUANTIZED_KV = ("int8", "fp8", "fp8_e4m3", "fp8_e5m2")
+KV_SCALE_BYTES = 2
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -24,9 +27,17 @@ def parse_memory_size(text: str) -> int:
     return size
 
 
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
-    """A key and a value vector per layer and KV head: 2 x layers x KV heads x head dim x dtype bytes."""
-    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int,
+                       scale_bytes: int = 0) -> int:
+    """A key and a value vector per layer and KV head: 2 x layers x KV heads x (head dim x dtype bytes + the
+    scale a quantized cache keeps per vector)."""
+    return 2 * num_layers * num_kv_heads * (head_dim * dtype_bytes + scale_bytes)
+
+
+def kv_dtype_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: str) -> int:
+    """kv_bytes_per_token for a --kv-cache-dtype name (float32, bfloat16, int8, fp8, ...)."""
+    scale = KV_SCALE_BYTES if kv_dtype in QUANTIZED_KV else 0
+    return kv_bytes_per_token(num_layers, num_kv_heads, head_dim, DTYPE_BYTES[kv_dtype], scale)
 
 
 def num_blocks_in_budget(budget_bytes: int, bytes_per_block: int) -> int:

@@ -3,14 +3,17 @@
 #define PAGEDLLM_PAGED_ATTENTION_H
 #include <stdint.h>
 
+/* What a KV cache holds: float32, bfloat16, or one-byte codes with a bfloat16 scale per (token, KV head). */
+enum { KV_F32, KV_BF16, KV_INT8, KV_FP8_E4M3, KV_FP8_E5M2 };
+
 typedef struct {
     float *out;                 /* [S, H, D] */
     const float *q;             /* [S, H, D] */
-    const void *k_cache;        /* [num_blocks, block_size, KVH, D], float32 or bfloat16 */
+    const void *k_cache;        /* [num_blocks, block_size, KVH, D] float32 / bfloat16, or [..., D + 2] bytes */
     const void *v_cache;
     const int64_t *block_tables; /* [S, max_blocks] */
     const int64_t *context_lens; /* [S] */
-    int H, KVH, D, block_size, max_blocks, cache_bf16;
+    int H, KVH, D, block_size, max_blocks, cache_kind; /* cache_kind: KV_F32 ... */
     float scale;
     int64_t max_ctx;
     int nq, q_stride, out_stride; /* queries per sequence (consecutive tokens), floats between their rows */

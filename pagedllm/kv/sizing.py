@@ -10,7 +10,12 @@ from pagedllm.kv.manager import cdiv
 # KV-cache dtypes (--kv-cache-dtype) -> bytes per value; the quantized ones add a bfloat16 scale per (token, KV head)
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
 QUANTIZED_KV = ("int8", "fp8", "fp8_e4m3", "fp8_e5m2")
-KV_SCALE_BYTES = 2
+KV_GROUP = 32  # values per scale in a quantized cache (llama.cpp's q8_0 block); a head_dim it does not divide: one
+
+
+def kv_scale_bytes(head_dim: int) -> int:
+    """Bytes of bfloat16 scales per key (or value) vector of one KV head in a quantized cache."""
+    return 2 * (head_dim // KV_GROUP if head_dim % KV_GROUP == 0 else 1)
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -36,7 +41,7 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_
 
 def kv_dtype_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: str) -> int:
     """kv_bytes_per_token for a --kv-cache-dtype name (float32, bfloat16, int8, fp8, ...)."""
-    scale = KV_SCALE_BYTES if kv_dtype in QUANTIZED_KV else 0
+    scale = kv_scale_bytes(head_dim) if kv_dtype in QUANTIZED_KV else 0
     return kv_bytes_per_token(num_layers, num_kv_heads, head_dim, DTYPE_BYTES[kv_dtype], scale)
 
 

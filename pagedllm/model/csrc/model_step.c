@@ -187,26 +187,27 @@ static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch's .
                                          : (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
 }
 
-/* One (token, KV head) row of a quantized cache: D codes and the bfloat16 scale, as kv_quant.quantize writes
- * them: the scale is amax / the format's largest value, rounded up to a bfloat16 so no code overflows. */
-static void store_quantized(uint8_t *dst, const float *src, int D, int kind) {
+/* One group of a quantized cache row: n codes at `codes` and their bfloat16 scale at `scale_at`, as
+ * kv_quant.quantize writes them: the scale is amax / the format's largest value, rounded up to a bfloat16 so no
+ * code overflows. */
+static void store_group(uint8_t *codes, uint8_t *scale_at, const float *src, int n, int kind) {
     const float top = kind == KV_INT8 ? 127.0f : kind == KV_FP8_E4M3 ? 448.0f : 57344.0f;
     float amax = 0.0f;
-    for (int j = 0; j < D; j++) amax = fabsf(src[j]) > amax ? fabsf(src[j]) : amax;
+    for (int j = 0; j < n; j++) amax = fabsf(src[j]) > amax ? fabsf(src[j]) : amax;
     float scale = amax / top;
     scale = scale < 0x1p-100f ? 0x1p-100f : scale;
     uint32_t bits;
     memcpy(&bits, &scale, 4);
     bits = (bits + 0xffff) & 0xffff0000u;
     memcpy(&scale, &bits, 4);
-    for (int j = 0; j < D; j++) {
+    for (int j = 0; j < n; j++) {
         float q = src[j] / scale;
         q = q > top ? top : q < -top ? -top : q;
-        dst[j] = kind == KV_INT8 ? (uint8_t)(int8_t)rintf(q) : to_fp8(q, kind == KV_FP8_E4M3 ? 3 : 2,
+        codes[j] = kind == KV_INT8 ? (uint8_t)(int8_t)rintf(q) : to_fp8(q, kind == KV_FP8_E4M3 ? 3 : 2,
                                                                            kind == KV_FP8_E4M3 ? 7 : 15);
     }
-    dst[D] = (uint8_t)(bits >> 16);
-    dst[D + 1] = (uint8_t)(bits >> 24);
+    scale_at[0] = (uint8_t)(bits >> 16);
+    scale_at[1] = (uint8_t)(bits >> 24);
 }
 
 /* Token `slot`'s keys (or values) for all KVH heads into the cache. */
@@ -218,8 +219,12 @@ static void store_row(void *cache, int64_t slot, const float *src, int KVH, int 
         uint16_t *dst = (uint16_t *)cache + slot * n;
         for (int64_t i = 0; i < n; i++) dst[i] = to_bf16(src[i]);
     } else {
-        for (int h = 0; h < KVH; h++)
-            store_quantized((uint8_t *)cache + (slot * KVH + h) * (D + 2), src + (int64_t)h * D, D, kind);
+        const int G = kv_group(D);
+        for (int h = 0; h < KVH; h++) {
+            uint8_t *row = (uint8_t *)cache + (slot * KVH + h) * kv_row_bytes(D);
+            for (int g = 0; g < D / G; g++)
+                store_group(row + g * G, row + D + 2 * g, src + (int64_t)h * D + g * G, G, kind);
+        }
     }
 }
 

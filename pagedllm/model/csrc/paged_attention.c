@@ -9,8 +9,8 @@
  * Layouts (row-major, contiguous):
  *   q, out        [S, H, D] float32
  *   k/v caches    [num_blocks, block_size, KVH, D], float32 or bfloat16 (cache_kind KV_F32 / KV_BF16), or
- *                 quantized (KV_INT8, KV_FP8_E4M3, KV_FP8_E5M2): [num_blocks, block_size, KVH, D + 2] bytes, each
- *                 (token, KV head) row D one-byte codes and its bfloat16 scale (value = code x scale)
+ *                 quantized (KV_INT8, KV_FP8_E4M3, KV_FP8_E5M2): [num_blocks, block_size, KVH, kv_row_bytes(D)]
+ *                 bytes, each (token, KV head) row D one-byte codes and a bfloat16 scale per kv_group(D) of them
  *   block_tables  [S, max_blocks] int64, context_lens [S] int64 (tokens to attend, including the new one)
  *
  * Where the speed comes from: four keys are dotted with a query at once, so the FMA chains run side by side;
@@ -47,22 +47,27 @@ __attribute__((constructor)) static void fill_fp8_values(void) {
 
 /* Columns [c0, c1) (the KV heads the caller reads, c0 and c1 multiples of D) of a quantized block's n rows,
  * widened to float32 into `buf` at the same place as a float32 cache holds them: one (token, head) row of D
- * codes and a bfloat16 scale at a time. */
+ * codes and their bfloat16 scales at a time. */
 static inline void widen_quantized(float *buf, const uint8_t *block, int n, int KVH, int D, int c0, int c1,
                                    int kind) {
-    const int64_t W = (int64_t)KVH * D, R = D + 2;
+    const int64_t W = (int64_t)KVH * D, R = kv_row_bytes(D);
+    const int G = kv_group(D);
     const float *lut = kind == KV_FP8_E5M2 ? fp8_values[1] : fp8_values[0];
     for (int t = 0; t < n; t++)
         for (int h = c0 / D; h < c1 / D; h++) {
-            const uint8_t *row = block + ((int64_t)t * KVH + h) * R;
-            const uint32_t bits = (uint32_t)(row[D] | row[D + 1] << 8) << 16;
-            float scale;
-            memcpy(&scale, &bits, 4);
+            const uint8_t *row = block + ((int64_t)t * KVH + h) * R, *scales = row + D;
             float *dst = buf + t * W + (int64_t)h * D;
-            if (kind == KV_INT8)
-                for (int j = 0; j < D; j++) dst[j] = scale * (float)(int8_t)row[j];
-            else
-                for (int j = 0; j < D; j++) dst[j] = scale * lut[row[j]];
+            for (int g = 0; g < D / G; g++) {
+                const uint32_t bits = (uint32_t)(scales[2 * g] | scales[2 * g + 1] << 8) << 16;
+                float scale;
+                memcpy(&scale, &bits, 4);
+                const uint8_t *codes = row + g * G;
+                float *out = dst + g * G;
+                if (kind == KV_INT8)
+                    for (int j = 0; j < G; j++) out[j] = scale * (float)(int8_t)codes[j];
+                else
+                    for (int j = 0; j < G; j++) out[j] = scale * lut[codes[j]];
+            }
         }
 }
 
@@ -74,7 +79,8 @@ static inline const float *load_block(float *buf, const void *cache, int64_t blo
     const int64_t W = (int64_t)KVH * D;
     if (kind == KV_F32) return (const float *)cache + block * bs * W;
     if (kind != KV_BF16) {
-        widen_quantized(buf, (const uint8_t *)cache + block * bs * KVH * (int64_t)(D + 2), n, KVH, D, c0, c1, kind);
+        widen_quantized(buf, (const uint8_t *)cache + block * bs * KVH * (int64_t)kv_row_bytes(D), n, KVH, D, c0, c1,
+                        kind);
         return buf;
     }
     const uint16_t *src = (const uint16_t *)cache + block * bs * W;
@@ -90,9 +96,9 @@ static inline const float *load_block(float *buf, const void *cache, int64_t blo
 static inline void prefetch(const void *cache, int64_t block, int n, int bs, int KVH, int D, int c0, int c1,
                             int kind) {
     const int64_t row = kind == KV_F32 ? 4 * (int64_t)KVH * D : kind == KV_BF16 ? 2 * (int64_t)KVH * D
-                                                                                : (int64_t)KVH * (D + 2);
-    const int64_t b0 = kind == KV_F32 ? 4 * c0 : kind == KV_BF16 ? 2 * c0 : c0 / D * (D + 2);
-    const int64_t b1 = kind == KV_F32 ? 4 * c1 : kind == KV_BF16 ? 2 * c1 : c1 / D * (D + 2);
+                                                                                : (int64_t)KVH * kv_row_bytes(D);
+    const int64_t b0 = kind == KV_F32 ? 4 * c0 : kind == KV_BF16 ? 2 * c0 : c0 / D * kv_row_bytes(D);
+    const int64_t b1 = kind == KV_F32 ? 4 * c1 : kind == KV_BF16 ? 2 * c1 : c1 / D * kv_row_bytes(D);
     const char *p = (const char *)cache + block * bs * row;
     for (int t = 0; t < n; t++)
         for (int64_t j = t * row + b0; j < t * row + b1; j += 64) __builtin_prefetch(p + j, 0, 1);

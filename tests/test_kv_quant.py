@@ -5,8 +5,10 @@ around (prefix caching, preemption, speculative drafts' rollback, the disk tier)
 from __future__ import annotations
 
 import pydoc_data.topics
+
 import pytest
 import torch
+from engine_helpers import assert_all_blocks_free, make_engine, run_all
 
 from pagedllm import SamplingParams
 from pagedllm.engine import EngineConfig
@@ -14,8 +16,6 @@ from pagedllm.errors import UserError
 from pagedllm.model import SeqChunk, kv_quant
 from pagedllm.model.attention import TorchPagedAttention
 from pagedllm.model.runner import ModelRunner
-
-from engine_helpers import assert_all_blocks_free, make_engine, run_all
 
 QUANTIZED = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

@@ -282,8 +282,8 @@ def _run_row(args: argparse.Namespace, s: Setting, workload: tuple[list, int], k
         if tier is not None:
             shutil.rmtree(tier, ignore_errors=True)
     return {"setting": s.name, "workload": s.workload, "kv_allocation": s.kv_allocation,
-            "kv_cache_dtype": s.kv_cache_dtype, "block_size": s.block_size, "enable_prefix_caching": s.enable_prefix_caching,
-            "num_blocks": engine.stats().num_blocks, **res}
+            "kv_cache_dtype": s.kv_cache_dtype, "block_size": s.block_size,
+            "enable_prefix_caching": s.enable_prefix_caching, "num_blocks": engine.stats().num_blocks, **res}
 
 
 def _plot(path: str, rows: list[dict], peaks: dict[str, Any], budget_tokens: int) -> None:

@@ -4,8 +4,14 @@ from __future__ import annotations
 import argparse
 
 from pagedllm.errors import UserError
-from pagedllm.kv.sizing import (DTYPE_BYTES, kv_dtype_bytes_per_token, num_blocks_in_budget, paged_slots,
-                                parse_memory_size, requests_that_fit)
+from pagedllm.kv.sizing import (
+    DTYPE_BYTES,
+    kv_dtype_bytes_per_token,
+    num_blocks_in_budget,
+    paged_slots,
+    parse_memory_size,
+    requests_that_fit,
+)
 
 CHAPTER_USED = "180,650,90,1200,300,75,420,260"  # the chapter's eight example requests
 

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from pagedllm.model import cpu_kernel, kv_quant
+import pagedllm.model.cpu_kernel as cpu_kernel
+import pagedllm.model.kv_quant as kv_quant
 
 
 @dataclass

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch  # before the kernel loads, so its libgomp resolves to the one torch has already loaded
 
-from pagedllm.model import kv_quant
+import pagedllm.model.kv_quant as kv_quant
 
 log = logging.getLogger("pagedllm.model")
 
@@ -136,11 +136,12 @@ ERRORS = {-1: "out of memory", -2: "bad sizes", -3: "a context length outside th
 
 def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query per sequence. q: [S, H, D]; caches [blocks, block_size, KVH, D] (D + 2 bytes quantized); returns
+    """One query per sequence. q: [S, H, D]; caches [blocks, block_size, KVH, D] (D + D / 16 bytes quantized); returns
     [S, H, D] in q's dtype."""
     S, H, D = q.shape
     num_blocks, bs, kvh, _ = k_cache.shape
-    if not (supports(q, k_cache, v_cache) and kv_quant.head_dim(k_cache) == D and block_tables.dim() == 2 and block_tables.shape[0] == S
+    if not (supports(q, k_cache, v_cache) and kv_quant.head_dim(k_cache) == D and block_tables.dim() == 2
+            and block_tables.shape[0] == S
             and context_lens.shape == (S,) and block_tables.dtype == context_lens.dtype == torch.int64
             and block_tables.is_contiguous() and context_lens.is_contiguous()):
         raise ValueError("decode_attention: tensors do not match the kernel's layout")

@@ -16,7 +16,8 @@ import ctypes
 import numpy as np
 import torch
 
-from pagedllm.model import cpu_kernel, kv_quant
+import pagedllm.model.cpu_kernel as cpu_kernel
+import pagedllm.model.kv_quant as kv_quant
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.quant import AMX_MIN_ROWS, FORMATS, amx_available
 

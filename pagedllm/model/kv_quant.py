@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.kv.sizing import kv_scale_bytes
+
 # The codes' dtype -> their largest finite value.
 CODE_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 # --kv-cache-dtype names (vLLM's: fp8 is e4m3).

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.errors import ModelLoadError, UserError
-from pagedllm.model import cpu_kernel
+import pagedllm.model.cpu_kernel as cpu_kernel
 from pagedllm.model.config import ModelConfig, is_gguf, load_model_config, resolve_model_path
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.quant import log_once

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+import pagedllm.model.kv_quant as kv_quant
 from pagedllm.kv.sizing import kv_bytes_per_token
-from pagedllm.model import kv_quant
 from pagedllm.model.attention import build_metadata
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.fused_step import FusedStep, fusable
@@ -26,7 +26,7 @@ class SeqChunk:
     token_ids: list[int]  # the new tokens to compute this step
     start_pos: int  # tokens of this sequence already in the cache (computed or prefix-cached)
     block_table: list[int]  # block ids covering at least start_pos + len(token_ids) tokens
-    all_logits: bool = False  # logits for every new token (prompt logprobs), not only the last
+    all_logits: bool = False  # logits for every new token, not only the last: prompt logprobs, and drafts to verify
 
     @property
     def num_logits(self) -> int:

@@ -111,6 +111,17 @@ def test_json_object_and_stop_strings(server):
     assert cut["message"]["content"].startswith("{") and '"city"' not in cut["message"]["content"]
 
 
+def test_eos_is_allowed_only_where_the_grammar_may_end(server):
+    """EOS pushed to +100 would end any answer at once; under the schema it can only close a complete object."""
+    eos = server.engine.tokenizer.eos_token_id
+    body = chat(server, "A person as JSON.", temperature=0, logit_bias={str(eos): 100}, guided_json=PERSON)
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "stop", choice
+    jsonschema.validate(json.loads(choice["message"]["content"]), PERSON)
+    free = chat(server, "A person as JSON.", temperature=0, logit_bias={str(eos): 100})["choices"][0]
+    assert free["message"]["content"] == "" and free["finish_reason"] == "stop"  # the bias works without it
+
+
 def test_a_grammar_that_cannot_end_within_max_tokens_finishes_with_length(server):
     r = server.http.post("/v1/completions", json={"prompt": "a", "max_tokens": 5,
                                                   "structured_outputs": {"regex": "x{40}"}})

@@ -111,6 +111,17 @@ def test_json_object_and_stop_strings(server):
     assert cut["message"]["content"].startswith("{") and '"city"' not in cut["message"]["content"]
 
 
+def test_eos_is_allowed_only_where_the_grammar_may_end(server):
+    """EOS pushed to +100 would end any answer at once; under the schema it can only close a complete object."""
+    eos = server.engine.tokenizer.eos_token_id
+    body = chat(server, "A person as JSON.", temperature=0, logit_bias={str(eos): 100}, guided_json=PERSON)
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "stop", choice
+    jsonschema.validate(json.loads(choice["message"]["content"]), PERSON)
+    free = chat(server, "A person as JSON.", temperature=0, logit_bias={str(eos): 100})["choices"][0]
+    assert free["message"]["content"] == "" and free["finish_reason"] == "stop"  # the bias works without it
+
+
 def test_a_grammar_that_cannot_end_within_max_tokens_finishes_with_length(server):
     r = server.http.post("/v1/completions", json={"prompt": "a", "max_tokens": 5,
                                                   "structured_outputs": {"regex": "x{40}"}})
@@ -148,6 +159,26 @@ def test_tool_choice_auto_is_refused_for_a_template_without_tools(server):
         r = server.http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], **body})
         assert_error(r, 400, "tool_choice", ["chat template"])
     assert_pool_whole(server)
+
+
+HERMES_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nYou may call these tools: {{ tools | tojson }}. Answer with "
+    "<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>.<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_tool_choice_auto_is_served_for_a_template_that_shows_hermes_tools(server, monkeypatch):
+    """With a template that renders the tools and asks for <tool_call> blocks, "auto" is taken: the model sees
+    the tools (the prompt grows by their text) and its answer is parsed, unconstrained, for calls."""
+    monkeypatch.setattr(server.engine.tokenizer.hf, "chat_template", HERMES_TEMPLATE)
+    msgs = [{"role": "user", "content": "Weather in Oslo?"}]
+    plain = chat(server, "Weather in Oslo?", max_tokens=4, temperature=0)
+    auto = server.http.post("/v1/chat/completions", json={"messages": msgs, "tools": TOOLS, "max_tokens": 4,
+                                                          "temperature": 0})
+    assert auto.status_code == 200, auto.text
+    assert auto.json()["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"] + 50  # the tools are in it
+    assert auto.json()["choices"][0]["message"]["tool_calls"] == []  # 4 tokens: no call, content as is
 
 
 def _accumulate(events) -> tuple[dict[int, dict], str | None]:

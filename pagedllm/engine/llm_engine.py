@@ -17,7 +17,7 @@ from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.disk_tier import open_disk_tier
 from pagedllm.engine.fault_isolation import Computed, Scheduled, forward_guarded, sample_guarded
 from pagedllm.engine.input_checks import check_params, encode_prompt
-from pagedllm.engine.memory import num_kv_blocks, resolve_device
+from pagedllm.engine.memory import log_kv_cache, num_kv_blocks, resolve_device
 from pagedllm.engine.outputs import RequestMetrics, RequestOutput
 from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import Scheduler
@@ -29,8 +29,9 @@ from pagedllm.errors import UserError
 from pagedllm.kv.events import KVEventLog
 from pagedllm.kv.manager import PagedKVCacheManager, make_kv_cache_manager
 from pagedllm.kv.offload import DiskKVTier
+from pagedllm.model.kv_quant import QUANT_KV_DTYPES
 from pagedllm.model.loader import DTYPES, LoadedModel, load_model
-from pagedllm.model.runner import ModelRunner, SeqChunk, bytes_per_block
+from pagedllm.model.runner import ModelRunner, SeqChunk
 from pagedllm.model.sampler import token_logprobs
 from pagedllm.sampling_params import SamplingParams
 
@@ -63,7 +64,8 @@ class LLMEngine:
             raise UserError(f"--max-model-len: {self.max_model_len} is more than the model's "
                             f"{cfg.max_position_embeddings} positions")
         self.block_size = config.block_size
-        self.kv_dtype = self.loaded.dtype if config.kv_cache_dtype == "auto" else DTYPES[config.kv_cache_dtype]
+        self.kv_dtype = (self.loaded.dtype if config.kv_cache_dtype == "auto"
+                         else {**DTYPES, **QUANT_KV_DTYPES}[config.kv_cache_dtype])
         num_blocks = num_kv_blocks(config, self.loaded, self.max_model_len, self.kv_dtype)
         self.runner = ModelRunner(self.loaded, num_blocks, self.block_size, self.kv_dtype)
         self.kv = make_kv_cache_manager(config.kv_allocation, num_blocks, self.block_size, self.max_model_len,
@@ -79,11 +81,7 @@ class LLMEngine:
                                    NgramDrafter(spec, self.max_model_len) if isinstance(spec, SpeculativeConfig) else None)
         self.spec_stats = SpecDecodeStats()
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size)
-        per_block = bytes_per_block(cfg, self.block_size, self.kv_dtype)
-        logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB %s, %s allocation, prefix caching %s)",
-                    num_blocks, self.block_size, num_blocks * self.block_size, num_blocks * per_block / 2**30,
-                    str(self.kv_dtype).removeprefix("torch."), config.kv_allocation,
-                    "on" if config.enable_prefix_caching else "off")
+        log_kv_cache(cfg, config, num_blocks, self.kv_dtype)
 
         self.parents: dict[str, _Parent] = {}
         self.requests: dict[str, Request] = {}  # child id -> request, while unfinished

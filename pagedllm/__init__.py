@@ -1,4 +1,5 @@
 """pagedllm: an LLM inference and serving engine built around PagedAttention."""
+
 from pagedllm.engine.llm import LLM
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 

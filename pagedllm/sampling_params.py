@@ -4,6 +4,7 @@ Checked before anything is queued, so a bad value never reaches a step: every va
 sample without inf or nan, which is why integers have ranges and floats must be finite, and why temperatures
 in (0, 1e-2) are raised to 1e-2 as vLLM does (dividing logits by 1e-300 overflows float32).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -50,11 +51,15 @@ class StructuredOutputsParams:
 
     def kind(self) -> str:
         """The one constraint set (its field name); SamplingParamsError if none or several are."""
-        given = [k for k in ("json", "regex", "choice", "grammar", "json_object")
-                 if getattr(self, k) not in (None, False)]
+        given = [
+            k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k) not in (None, False)
+        ]
         if len(given) != 1:
-            _fail("structured_outputs", f"exactly one of json, regex, choice, grammar, json_object must be set, "
-                  f"got {', '.join(given) or 'none'}")
+            _fail(
+                "structured_outputs",
+                f"exactly one of json, regex, choice, grammar, json_object must be set, "
+                f"got {', '.join(given) or 'none'}",
+            )
         return given[0]
 
     @functools.cached_property
@@ -128,8 +133,12 @@ class SamplingParams:
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self.validate()
         if 0 < self.temperature < MIN_TEMPERATURE:
-            logger.warning("temperature %g is below %g, which overflows float32 logits: using %g",
-                           self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)
+            logger.warning(
+                "temperature %g is below %g, which overflows float32 logits: using %g",
+                self.temperature,
+                MIN_TEMPERATURE,
+                MIN_TEMPERATURE,
+            )
             self.temperature = MIN_TEMPERATURE
 
     def validate(self) -> None:
@@ -158,8 +167,11 @@ def _number(p: SamplingParams, name: str, low: float, high: float | None, low_op
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
         _fail(name, f"must be a finite number, got {value!r}")
     if value < low or (low_open and value == low) or (high is not None and value > high):
-        bounds = f"{'>' if low_open else '>='} {low:g}" if high is None else (
-            f"in {'(' if low_open else '['}{low:g}, {high:g}]")
+        bounds = (
+            f"{'>' if low_open else '>='} {low:g}"
+            if high is None
+            else (f"in {'(' if low_open else '['}{low:g}, {high:g}]")
+        )
         _fail(name, f"must be {bounds}, got {value}")
 
 
@@ -207,8 +219,12 @@ def _check_lists(p: SamplingParams) -> None:
     for token, bias in p.logit_bias.items():
         if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token <= INT32_MAX:
             _fail("logit_bias", f"keys must be token ids (non-negative integers), got {token!r}")
-        if (not isinstance(bias, (int, float)) or isinstance(bias, bool) or not math.isfinite(bias)
-                or abs(bias) > MAX_LOGIT_BIAS):
+        if (
+            not isinstance(bias, (int, float))
+            or isinstance(bias, bool)
+            or not math.isfinite(bias)
+            or abs(bias) > MAX_LOGIT_BIAS
+        ):
             _fail("logit_bias", f"values must be numbers in [-100, 100], got {bias!r} for token {token}")
 
 

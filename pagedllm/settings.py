@@ -2,6 +2,7 @@
 help (the attribute's docstring); the command-line flags, their help and their checks are generated from it,
 and a value that fails its check is a UserError naming the flag (`--block-size: ...`), from the CLI and from
 Python alike."""
+
 from __future__ import annotations
 
 import argparse
@@ -106,8 +107,13 @@ def add_flags(group: Any, cls: type, skip: tuple[str, ...] = ()) -> None:
         default = info.default if flag.cli_default is _SAME else flag.cli_default
         names = [flag_name(name)] + ([flag.short] if flag.short else [])
         parsed = any(isinstance(m, BeforeValidator) for m in info.metadata)  # text pydantic reads: stays text
-        group.add_argument(*names, default=default, help=info.description, metavar=flag.metavar,
-                           **({} if parsed else _argparse_kind(info.annotation)))
+        group.add_argument(
+            *names,
+            default=default,
+            help=info.description,
+            metavar=flag.metavar,
+            **({} if parsed else _argparse_kind(info.annotation)),
+        )
 
 
 def from_args(cls: Callable[..., T], args: argparse.Namespace) -> T:

@@ -1,6 +1,7 @@
 """Reading an OpenAI-compatible server's streamed answer (server-sent events), for every client in pagedllm:
 `pagedllm bench serve` and the RAG generator share this one parser, so they agree on where a stream ends and
 on what an error event is."""
+
 from __future__ import annotations
 
 import json
@@ -15,7 +16,7 @@ class SSEError(Exception):
 def _data(line: str) -> str | None:
     """What a `data:` line carries; None for lines that carry none (blank, comments, other fields)."""
     line = line.strip()
-    return line[len("data:"):].strip() if line.startswith("data:") else None
+    return line[len("data:") :].strip() if line.startswith("data:") else None
 
 
 def _chunk(data: str) -> dict[str, Any]:

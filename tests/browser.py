@@ -2,6 +2,7 @@
 driven by Selenium (test extra). No browser download is reachable here, so nothing is fetched: the system's
 browser is used, or a clear error says how to install it.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -9,10 +10,20 @@ import tempfile
 
 # Without the background-networking flags Chromium keeps dialling Google's services, which this closed network
 # refuses; a fresh profile per run keeps runs independent.
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-INSTALL_HINT = ("needs Debian's chromium and chromium-driver: `make test` installs them when run as root, "
-                "or run `apt-get install -y chromium chromium-driver`")
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+INSTALL_HINT = (
+    "needs Debian's chromium and chromium-driver: `make test` installs them when run as root, "
+    "or run `apt-get install -y chromium chromium-driver`"
+)
 
 
 class BrowserMissing(RuntimeError):

@@ -1,4 +1,5 @@
 """Shared fixtures: the default model is loaded once per session and shared by every engine a test builds."""
+
 from __future__ import annotations
 
 import os

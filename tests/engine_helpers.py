@@ -1,5 +1,6 @@
 """What engine tests share: a small engine over the session's float32 model, a run-to-the-end loop, the
 every-block-is-back check."""
+
 from __future__ import annotations
 
 from pagedllm import SamplingParams

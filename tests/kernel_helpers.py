@@ -1,5 +1,6 @@
 """Where the C kernels are meant to exist: skipped only without a C compiler (or with the torch path forced);
 where a compiler exists, a kernel that fails to build fails the tests that need it instead of skipping them."""
+
 from __future__ import annotations
 
 import os

@@ -1,5 +1,6 @@
 """A busy engine's KV pool without a model: what the /kv page's 100,000-block test renders and what
 benchmarks/kv_snapshot_cost.py times (one definition for both)."""
+
 from __future__ import annotations
 
 from collections import deque
@@ -32,7 +33,7 @@ def busy_engine(num_blocks: int, blocks_per_request: int = 300, held: float = 0.
     running, n = [], 0
     while kv.num_used_blocks + blocks_per_request < held * num_blocks:
         body = [1000 + (n * 7919 + k) % 40000 for k in range(blocks_per_request * 16 - 5)]
-        req = _Req(f"r{n}", (prefix + body)[:len(body)] if n % 2 else body)
+        req = _Req(f"r{n}", (prefix + body)[: len(body)] if n % 2 else body)
         hits, num_cached = kv.get_computed_blocks(req)
         req.num_computed_tokens = 0
         assert kv.allocate_slots(req, len(req.all_token_ids) - num_cached, hits)
@@ -42,6 +43,13 @@ def busy_engine(num_blocks: int, blocks_per_request: int = 300, held: float = 0.
     for req in running[::5]:  # finished: their blocks stay cached in the free queue
         kv.free(req)
     running = [r for i, r in enumerate(running) if i % 5]
-    return SimpleNamespace(kv=kv, scheduler=SimpleNamespace(running=running, waiting=deque(), num_preemptions=0),
-                           config=SimpleNamespace(kv_allocation="paged"), kv_dtype="bfloat16", num_steps=0, prompt_tokens=0,
-                           generation_tokens=0, requests={r.request_id: r for r in running})
+    return SimpleNamespace(
+        kv=kv,
+        scheduler=SimpleNamespace(running=running, waiting=deque(), num_preemptions=0),
+        config=SimpleNamespace(kv_allocation="paged"),
+        kv_dtype="bfloat16",
+        num_steps=0,
+        prompt_tokens=0,
+        generation_tokens=0,
+        requests={r.request_id: r for r in running},
+    )

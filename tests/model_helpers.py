@@ -1,5 +1,6 @@
 """What model tests share: tiny random Hugging Face checkpoints of each supported architecture, saved with a
 word-level tokenizer so that load_model reads them as it reads a real folder."""
+
 from __future__ import annotations
 
 import torch
@@ -25,16 +26,34 @@ def save_tiny_tokenizer(folder: str, vocab_size: int) -> None:
 def make_tiny_hf(kind: str, folder: str):
     from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     if kind == "llama_gqa_tied":
         cfg = LlamaConfig(**common, tie_word_embeddings=True, max_position_embeddings=256)
     elif kind == "qwen2_bias":
         cfg = Qwen2Config(**common, max_position_embeddings=256, rope_theta=1e6)
     elif kind == "llama3_rope":
-        cfg = LlamaConfig(**common, max_position_embeddings=512, rope_theta=500000.0,
-                          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+        cfg = LlamaConfig(
+            **common,
+            max_position_embeddings=512,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        )
     elif kind == "llama_linear_rope":
         cfg = LlamaConfig(**common, max_position_embeddings=256, rope_scaling={"rope_type": "linear", "factor": 2.0})
     elif kind == "mistral":

@@ -1,5 +1,6 @@
 """What the server test files share: an in-process server on a loopback port, the block-pool check through
 GET /v1/kv, the OpenAI error-body check and an SSE reader."""
+
 from __future__ import annotations
 
 import contextlib
@@ -16,8 +17,9 @@ KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 # The fault and fuzz servers: float32 (exact answers to compare), a short context, a tiny KV budget.
 MAX_MODEL_LEN = 256
-FAULT_ENGINE_ARGS = dict(dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=8, max_num_batched_tokens=256,
-                         log_stats_interval=0)
+FAULT_ENGINE_ARGS = dict(
+    dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=8, max_num_batched_tokens=256, log_stats_interval=0
+)
 
 
 def tiny_kv_budget(blocks: int = 24) -> int:
@@ -82,6 +84,6 @@ def sse_events(lines) -> list:
     for line in lines:
         if not line.startswith("data: "):
             continue
-        data = line[len("data: "):]
+        data = line[len("data: ") :]
         events.append(data if data == "[DONE]" else json.loads(data))
     return events

@@ -1,6 +1,7 @@
 """The shape docs/architecture.md describes, kept true: the module graph has no cycle and every import goes down
 the layer order; bench/ and rag/ use only the public surface of the engine, model and KV packages (never a
 private module); no function in pagedllm/ is over 60 lines."""
+
 from __future__ import annotations
 
 import ast
@@ -67,7 +68,7 @@ def _module_graph() -> dict[str, set[str]]:
                 base = node.module
                 if node.level:  # relative: from the importing module's package
                     package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
-                    base = ".".join(package[:len(package) - node.level + 1] + [node.module])
+                    base = ".".join(package[: len(package) - node.level + 1] + [node.module])
                 targets.update(t for t in [base] + [f"{base}.{a.name}" for a in node.names] if t in modules)
         graph[name] = targets - {name}
     return graph
@@ -83,7 +84,7 @@ def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state and (cycle := visit(nxt)):
                 return cycle
         path.pop()
@@ -99,14 +100,16 @@ def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def _layer(module: str) -> int:
     """Index in LAYERS of the longest prefix that names the module's layer."""
     name = "pagedllm.__init__" if module == "pagedllm" else module
-    best = max((prefix for layer in LAYERS for prefix in layer if name == prefix or name.startswith(prefix + ".")),
-               key=len)
+    best = max(
+        (prefix for layer in LAYERS for prefix in layer if name == prefix or name.startswith(prefix + ".")), key=len
+    )
     return next(i for i, layer in enumerate(LAYERS) if best in layer)
 
 
 def _upward_imports(graph: dict[str, set[str]]) -> list[str]:
-    return [f"{a} imports {b}, a layer above it" for a in sorted(graph) for b in sorted(graph[a])
-            if _layer(b) < _layer(a)]
+    return [
+        f"{a} imports {b}, a layer above it" for a in sorted(graph) for b in sorted(graph[a]) if _layer(b) < _layer(a)
+    ]
 
 
 def test_the_module_graph_has_no_cycle():
@@ -120,13 +123,19 @@ def test_imports_go_down_the_layers():
 
 
 def test_the_graph_rules_catch_a_cycle_and_an_upward_import():
-    graph = {"pagedllm.model": {"pagedllm.model.loader"}, "pagedllm.model.loader": {"pagedllm.model"},
-             "pagedllm.cluster.launch": {"pagedllm.entrypoints.cli"}}
+    graph = {
+        "pagedllm.model": {"pagedllm.model.loader"},
+        "pagedllm.model.loader": {"pagedllm.model"},
+        "pagedllm.cluster.launch": {"pagedllm.entrypoints.cli"},
+    }
     assert _find_cycle(graph) == ["pagedllm.model", "pagedllm.model.loader", "pagedllm.model"]
     assert _find_cycle({"a": {"b"}, "b": set()}) is None
     assert _upward_imports(graph) == ["pagedllm.cluster.launch imports pagedllm.entrypoints.cli, a layer above it"]
-    assert _layer("pagedllm.entrypoints.openai.protocol") > _layer("pagedllm.cluster.app") > _layer(
-        "pagedllm.entrypoints.serve")
+    assert (
+        _layer("pagedllm.entrypoints.openai.protocol")
+        > _layer("pagedllm.cluster.app")
+        > _layer("pagedllm.entrypoints.serve")
+    )
 
 
 def _violation(module: str, names: list[str]) -> str | None:

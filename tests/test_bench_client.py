@@ -1,4 +1,5 @@
 """`bench serve` end to end against a tiny fake OpenAI SSE server (stdlib http.server on a free loopback port)."""
+
 import json
 import socket
 import threading
@@ -33,8 +34,10 @@ class FakeOpenAI(BaseHTTPRequestHandler):
             self._send(200, json.dumps({"object": "list", "data": [{"id": "fake-model", "object": "model"}]}).encode())
         elif self.path == "/metrics":
             s = self.state
-            text = (f'vllm:prefix_cache_queries_total{{engine="0"}} {s["queries"]}\n'
-                    f'vllm:prefix_cache_hits_total{{engine="0"}} {s["hits"]}\n')
+            text = (
+                f'vllm:prefix_cache_queries_total{{engine="0"}} {s["queries"]}\n'
+                f'vllm:prefix_cache_hits_total{{engine="0"}} {s["hits"]}\n'
+            )
             self._send(200, text.encode(), "text/plain")
         else:
             self._send(404, b"{}")
@@ -79,8 +82,9 @@ class FakeOpenAI(BaseHTTPRequestHandler):
             piece = f" t{i}"
             choice = {"index": 0, "delta": {"content": piece}} if chat else {"index": 0, "text": piece}
             send({"choices": [choice]})
-        send({"choices": [], "usage": {"prompt_tokens": n_prompt, "completion_tokens": n,
-                                        "total_tokens": n_prompt + n}})
+        send(
+            {"choices": [], "usage": {"prompt_tokens": n_prompt, "completion_tokens": n, "total_tokens": n_prompt + n}}
+        )
         with self.lock:  # before [DONE]: the client cannot start its next request before this
             self.state["streaming"] -= 1
         self.wfile.write(b"data: [DONE]\n\n")
@@ -102,6 +106,7 @@ def server():
 
 class WordTokenizer:
     """Tokens are space-separated words: matches the fake server's counting."""
+
     vocab_size = 1000
     special_ids = frozenset()
 
@@ -127,10 +132,34 @@ def _run(argv, monkeypatch):
 @pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
 def test_serve_against_fake_server(server, tmp_path, monkeypatch, endpoint):
     out = tmp_path / "r.json"
-    rc = _run(["--base-url", server, "--endpoint", endpoint, "--api-key", "sk-test", "--num-prompts", "6",
-               "--input-len", "12", "--output-len", "5", "--max-concurrency", "3", "--disable-tqdm", "--quiet",
-               "--goodput", "ttft:5000", "tpot:1000", "--save-result", str(out), "--plot", str(tmp_path / "p.png")],
-              monkeypatch)
+    rc = _run(
+        [
+            "--base-url",
+            server,
+            "--endpoint",
+            endpoint,
+            "--api-key",
+            "sk-test",
+            "--num-prompts",
+            "6",
+            "--input-len",
+            "12",
+            "--output-len",
+            "5",
+            "--max-concurrency",
+            "3",
+            "--disable-tqdm",
+            "--quiet",
+            "--goodput",
+            "ttft:5000",
+            "tpot:1000",
+            "--save-result",
+            str(out),
+            "--plot",
+            str(tmp_path / "p.png"),
+        ],
+        monkeypatch,
+    )
     assert rc == 0
     r = json.loads(out.read_text())
     assert r["completed"] == 6 and r["failed"] == 0 and r["model_id"] == "fake-model"
@@ -171,9 +200,31 @@ def test_serve_counts_failures(server, tmp_path, monkeypatch):
         return orig(self)
 
     monkeypatch.setattr(FakeOpenAI, "do_POST", flaky)
-    rc = _run(["--base-url", server, "--api-key", "sk-test", "--model", "m", "--num-prompts", "4", "--input-len", "3",
-               "--output-len", "2", "--max-concurrency", "1", "--request-rate", "50", "--disable-tqdm", "--quiet",
-               "--save-result", str(out)], monkeypatch)
+    rc = _run(
+        [
+            "--base-url",
+            server,
+            "--api-key",
+            "sk-test",
+            "--model",
+            "m",
+            "--num-prompts",
+            "4",
+            "--input-len",
+            "3",
+            "--output-len",
+            "2",
+            "--max-concurrency",
+            "1",
+            "--request-rate",
+            "50",
+            "--disable-tqdm",
+            "--quiet",
+            "--save-result",
+            str(out),
+        ],
+        monkeypatch,
+    )
     assert rc == 0
     r = json.loads(out.read_text())
     assert r["completed"] == 2 and r["failed"] == 2
@@ -185,8 +236,23 @@ def test_serve_bad_key_is_a_user_error(server, monkeypatch):
     from pagedllm.errors import UserError
 
     with pytest.raises(UserError, match="401"):
-        _run(["--base-url", server, "--api-key", "wrong", "--num-prompts", "1", "--input-len", "3",
-              "--output-len", "2", "--disable-tqdm", "--quiet"], monkeypatch)
+        _run(
+            [
+                "--base-url",
+                server,
+                "--api-key",
+                "wrong",
+                "--num-prompts",
+                "1",
+                "--input-len",
+                "3",
+                "--output-len",
+                "2",
+                "--disable-tqdm",
+                "--quiet",
+            ],
+            monkeypatch,
+        )
 
 
 def test_serve_unreachable_server(monkeypatch):
@@ -197,5 +263,7 @@ def test_serve_unreachable_server(monkeypatch):
     port = s.getsockname()[1]
     s.close()
     with pytest.raises(UserError, match="cannot reach"):
-        _run(["--base-url", f"http://127.0.0.1:{port}", "--num-prompts", "1", "--input-len", "3", "--disable-tqdm"],
-             monkeypatch)
+        _run(
+            ["--base-url", f"http://127.0.0.1:{port}", "--num-prompts", "1", "--input-len", "3", "--disable-tqdm"],
+            monkeypatch,
+        )

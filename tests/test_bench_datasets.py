@@ -1,4 +1,5 @@
 """Bench workloads: prompt lengths exact in the default model's tokens."""
+
 import json
 
 import pytest
@@ -52,8 +53,12 @@ def test_long_tail(tok):
 
 def test_sharegpt(tok, tmp_path):
     data = [
-        {"conversations": [{"from": "human", "value": "What is the capital of France? Answer briefly."},
-                           {"from": "gpt", "value": "The capital of France is Paris, a city on the Seine."}]},
+        {
+            "conversations": [
+                {"from": "human", "value": "What is the capital of France? Answer briefly."},
+                {"from": "gpt", "value": "The capital of France is Paris, a city on the Seine."},
+            ]
+        },
         {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello there friend"}]},
         {"conversations": [{"from": "human", "value": "only one turn"}]},
         {"id": "x"},

@@ -1,4 +1,5 @@
 """`bench serve` against the real pagedllm server on the default model (a few short requests)."""
+
 import json
 
 import pytest
@@ -12,8 +13,19 @@ pytestmark = pytest.mark.slow
 def server(tmp_path_factory):
     port = free_port()
     with open(tmp_path_factory.mktemp("srv") / "server.log", "w") as log:
-        proc = serve(port, "--host", "127.0.0.1", "--max-model-len", "512", "--kv-cache-memory", "32MiB",
-                     "--log-level", "warning", timeout=240, log=log)
+        proc = serve(
+            port,
+            "--host",
+            "127.0.0.1",
+            "--max-model-len",
+            "512",
+            "--kv-cache-memory",
+            "32MiB",
+            "--log-level",
+            "warning",
+            timeout=240,
+            log=log,
+        )
         yield f"http://127.0.0.1:{port}"
         stop(proc, timeout=20)
 
@@ -23,10 +35,34 @@ def test_bench_serve_real_server(server, tmp_path, endpoint):
     from pagedllm.entrypoints.cli import main
 
     out = tmp_path / "r.json"
-    rc = main(["bench", "serve", "--base-url", server, "--endpoint", endpoint, "--dataset-name", "prefix-repetition",
-               "--num-prompts", "4", "--num-prefixes", "1", "--prefix-len", "48", "--suffix-len", "16",
-               "--output-len", "6", "--max-concurrency", "2", "--disable-tqdm", "--quiet",
-               "--save-result", str(out)])
+    rc = main(
+        [
+            "bench",
+            "serve",
+            "--base-url",
+            server,
+            "--endpoint",
+            endpoint,
+            "--dataset-name",
+            "prefix-repetition",
+            "--num-prompts",
+            "4",
+            "--num-prefixes",
+            "1",
+            "--prefix-len",
+            "48",
+            "--suffix-len",
+            "16",
+            "--output-len",
+            "6",
+            "--max-concurrency",
+            "2",
+            "--disable-tqdm",
+            "--quiet",
+            "--save-result",
+            str(out),
+        ]
+    )
     assert rc == 0
     r = json.loads(out.read_text())
     assert r["completed"] == 4 and r["failed"] == 0, r["errors"]

@@ -1,4 +1,5 @@
 """Every bench metric against hand-computed values on synthetic timings (no server, no model)."""
+
 import math
 
 import numpy as np
@@ -20,11 +21,11 @@ from pagedllm.errors import UserError
 def _results():
     return [
         # 4 tokens: TTFT 100 ms, gaps 20/30/50 ms, E2E 200 ms -> TPOT (200-100)/3 ms
-        RequestResult(True, "", 10, start_time=0.0, ttft=0.1, latency=0.2, itl=[0.02, 0.03, 0.05],
-                      output_tokens=4),
+        RequestResult(True, "", 10, start_time=0.0, ttft=0.1, latency=0.2, itl=[0.02, 0.03, 0.05], output_tokens=4),
         # no usage: counted from the text (2 tokens); the server's prompt count (21) wins over the dataset's (20)
-        RequestResult(True, "", 20, start_time=0.5, ttft=0.3, latency=0.4, itl=[0.1], generated_text="a b",
-                      prompt_tokens=21),
+        RequestResult(
+            True, "", 20, start_time=0.5, ttft=0.3, latency=0.4, itl=[0.1], generated_text="a b", prompt_tokens=21
+        ),
         RequestResult(False, "HTTP 500: boom", 30, start_time=0.6),
         # one token: no TPOT sample, TPOT 0 for goodput
         RequestResult(True, "", 40, start_time=1.0, ttft=0.2, latency=0.2, itl=[], output_tokens=1),
@@ -122,8 +123,7 @@ def test_peak_output_throughput():
 
 
 def test_peak_spread_over_seconds():
-    rs = [RequestResult(True, "", 1, start_time=10.0, ttft=0.5, latency=3.4, itl=[0.7, 0.7, 0.7, 0.8],
-                        output_tokens=5)]
+    rs = [RequestResult(True, "", 1, start_time=10.0, ttft=0.5, latency=3.4, itl=[0.7, 0.7, 0.7, 0.8], output_tokens=5)]
     tokens, running = per_second(rs)  # chunks at 0.5, 1.2, 1.9, 2.6, 3.4
     assert tokens.tolist() == [1, 2, 1, 1, 0]
     assert running.tolist() == [1, 1, 1, 1, 0]
@@ -190,7 +190,9 @@ def test_prefix_cache_counters():
     assert d == {"prefix_cache_queries": 2000.0, "prefix_cache_hits": 1200.0, "prefix_cache_hit_rate": 0.6}
     # no _total suffix, another namespace
     assert parse_prefix_cache_counters("pagedllm:prefix_cache_queries 10\npagedllm:prefix_cache_hits 4\n") == {
-        "queries": 10.0, "hits": 4.0}
+        "queries": 10.0,
+        "hits": 4.0,
+    }
     assert parse_prefix_cache_counters("vllm:num_requests_running 1\n") is None
     assert parse_prefix_cache_counters("") is None
     assert prefix_cache_delta(None, after) is None

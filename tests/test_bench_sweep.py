@@ -1,4 +1,5 @@
 """`bench sweep` logic against a fake engine (the real one is exercised by running the command)."""
+
 import argparse
 import json
 
@@ -70,11 +71,22 @@ class FakeEngine:
 
     def stats(self):
         return EngineStats(
-            num_running=len(self.running), num_waiting=len(self.waiting), num_blocks=self.num_blocks,
-            num_free_blocks=self.num_blocks - self._used(), num_cached_blocks=0, block_size=self.bs, kv_usage=0.0,
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_blocks=self.num_blocks,
+            num_free_blocks=self.num_blocks - self._used(),
+            num_cached_blocks=0,
+            block_size=self.bs,
+            kv_usage=0.0,
             num_stored_tokens=sum(r["prompt"] + len(r["out"]) for r in self.running.values()),
-            prefix_cache_queries=self.queries, prefix_cache_hits=self.hits, num_preemptions=0, prompt_tokens=0,
-            generation_tokens=0, peak_running=self.peak, num_steps=self.steps)
+            prefix_cache_queries=self.queries,
+            prefix_cache_hits=self.hits,
+            num_preemptions=0,
+            prompt_tokens=0,
+            generation_tokens=0,
+            peak_running=self.peak,
+            num_steps=self.steps,
+        )
 
 
 class WordTok:
@@ -94,8 +106,13 @@ def test_run_engine_contiguous_vs_paged():
     prompts = [[1] * n for n in (30, 50, 20, 200, 40, 60)]
     res = {}
     for alloc in ("contiguous", "paged"):
-        cfg = EngineConfig(block_size=16, max_model_len=256, kv_allocation=alloc, kv_cache_memory=2 * 256 * PER_TOKEN,
-                           enable_prefix_caching=False)
+        cfg = EngineConfig(
+            block_size=16,
+            max_model_len=256,
+            kv_allocation=alloc,
+            kv_cache_memory=2 * 256 * PER_TOKEN,
+            enable_prefix_caching=False,
+        )
         res[alloc] = sweep.run_engine(FakeEngine(cfg), prompts, 4, [0.0] * 6)
     c, p = res["contiguous"], res["paged"]
     assert c["peak_running"] == 2 and p["peak_running"] >= 4
@@ -127,17 +144,51 @@ def test_run_sweep_with_fake_engine(monkeypatch, tmp_path):
     sub = p.add_subparsers()
     sweep.add_sweep_parser(sub)
     out = tmp_path / "s.json"
-    args = p.parse_args(["sweep", "--max-model-len", "256", "--num-prompts", "8", "--median-len", "40",
-                         "--output-len", "3", "--prefix-num-prompts", "6", "--prefix-len", "32", "--suffix-len", "8",
-                         "--prefix-output-len", "2", "--save-result", str(out), "--plot", str(tmp_path / "s.png"),
-                         "--no-reuse-weights", "--markdown"])
+    args = p.parse_args(
+        [
+            "sweep",
+            "--max-model-len",
+            "256",
+            "--num-prompts",
+            "8",
+            "--median-len",
+            "40",
+            "--output-len",
+            "3",
+            "--prefix-num-prompts",
+            "6",
+            "--prefix-len",
+            "32",
+            "--suffix-len",
+            "8",
+            "--prefix-output-len",
+            "2",
+            "--save-result",
+            str(out),
+            "--plot",
+            str(tmp_path / "s.png"),
+            "--no-reuse-weights",
+            "--markdown",
+        ]
+    )
     assert args.func(args) == 0
     data = json.loads(out.read_text())
     rows = {r["setting"]: r for r in data["rows"]}
-    assert list(rows) == ["contiguous b16", "paged b16", "paged b8", "paged b32", "paged b128",
-                          "prefix-rep, caching off", "prefix-rep, caching on", "paged b16, KV float32",
-                          "paged b16, KV bfloat16", "paged b16, KV int8", "paged b16, KV fp8", "prefix-rep, small pool",
-                          "prefix-rep, small pool + disk tier"]
+    assert list(rows) == [
+        "contiguous b16",
+        "paged b16",
+        "paged b8",
+        "paged b32",
+        "paged b128",
+        "prefix-rep, caching off",
+        "prefix-rep, caching on",
+        "paged b16, KV float32",
+        "paged b16, KV bfloat16",
+        "paged b16, KV int8",
+        "paged b16, KV fp8",
+        "prefix-rep, small pool",
+        "prefix-rep, small pool + disk tier",
+    ]
     assert data["kv_budget_tokens"] == 4 * 256
     assert rows["contiguous b16"]["peak_running"] == 4 < rows["paged b16"]["peak_running"]
     assert rows["prefix-rep, caching on"]["prefix_cache_hit_rate"] > 0
@@ -149,9 +200,21 @@ def test_run_sweep_with_fake_engine(monkeypatch, tmp_path):
 
 
 def test_table_markdown():
-    rows = [{"setting": "paged b16", "workload": "long-tail", "peak_running": 8, "kv_slots_allocated": 1000.0,
-             "kv_tokens_stored": 900.0, "used_share": 0.9, "output_throughput": 12.5, "median_ttft_ms": 100.0,
-             "p99_ttft_ms": 900.0, "prefix_cache_hit_rate": None, "preemptions": 0}]
+    rows = [
+        {
+            "setting": "paged b16",
+            "workload": "long-tail",
+            "peak_running": 8,
+            "kv_slots_allocated": 1000.0,
+            "kv_tokens_stored": 900.0,
+            "used_share": 0.9,
+            "output_throughput": 12.5,
+            "median_ttft_ms": 100.0,
+            "p99_ttft_ms": 900.0,
+            "prefix_cache_hit_rate": None,
+            "preemptions": 0,
+        }
+    ]
     t = sweep.format_table(rows, markdown=True).splitlines()
     assert t[0].startswith("| setting | workload | peak running")
     assert t[2] == "| paged b16 | long-tail | 8 | 1,000 | 900 | 90.0% | 12.5 | 100 | 900 | - | 0 |"

@@ -5,6 +5,7 @@ replica killed mid-stream fails its own request with a clear error while the oth
 
 One cluster for the module (Ray and two model loads are most of the time); `-m "not cluster"` skips it.
 """
+
 from __future__ import annotations
 
 import random
@@ -39,9 +40,18 @@ def cluster():
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=OBJECT_STORE_BYTES, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        config, options, ingress = settings_from_args(parse_builder_args(
-            {"replicas": "2", "cpus_per_replica": "1", "routing": "prefix", "kv_cache_memory": "32MiB",
-             "max_model_len": "512", "max_num_seqs": "8"}))
+        config, options, ingress = settings_from_args(
+            parse_builder_args(
+                {
+                    "replicas": "2",
+                    "cpus_per_replica": "1",
+                    "routing": "prefix",
+                    "kv_cache_memory": "32MiB",
+                    "max_model_len": "512",
+                    "max_num_seqs": "8",
+                }
+            )
+        )
         serve.run(build_application(config, options, ingress), name=APP_NAME, route_prefix="/")
         serve.run(build_front_door(replace(ingress, routing="round-robin")), name="rr", route_prefix="/rr")
         yield f"http://127.0.0.1:{port}"
@@ -59,11 +69,17 @@ def test_the_openai_client_works_unchanged(cluster):
     assert [m.id for m in client.models.list().data] == [MODEL]
     whole = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0)
     assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 6
-    streamed = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6,
-                                         temperature=0, stream=True)
+    streamed = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0, stream=True
+    )
     assert "".join(c.choices[0].text for c in streamed) == whole.choices[0].text  # greedy: same text either way
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi"}],
-                                          max_tokens=5, stream=True, stream_options={"include_usage": True})
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Say hi"}],
+        max_tokens=5,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(chat)
     assert chunks[-1].usage.completion_tokens == len([c for c in chunks if c.choices and c.choices[0].delta.content])
     with pytest.raises(openai.BadRequestError) as bad:  # the single server's validation and error body
@@ -142,8 +158,9 @@ def test_a_killed_replica_fails_its_request_and_the_other_goes_on(cluster):
     failure: list[BaseException] = []
 
     def long_stream() -> None:
-        stream = _client(cluster).completions.create(model=MODEL, prompt="Once upon a time", max_tokens=400,
-                                                     stream=True, extra_body={"ignore_eos": True})
+        stream = _client(cluster).completions.create(
+            model=MODEL, prompt="Once upon a time", max_tokens=400, stream=True, extra_body={"ignore_eos": True}
+        )
         try:
             for _ in stream:
                 pass

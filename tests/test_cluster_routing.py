@@ -1,5 +1,6 @@
 """The cluster's routing policy and its pure parts, without Ray (fast): the prefix index against a brute-force
 reference, the choice rules, KV events in vLLM's wire format, per-replica metrics and the cluster's flags."""
+
 from __future__ import annotations
 
 import random
@@ -42,7 +43,7 @@ def test_match_agrees_with_a_brute_force_reference():
     replicas = [f"r{i}" for i in range(5)]
     for _ in range(400):
         r, chain = rng.choice(replicas), rng.choice(chains)
-        part = chain[:rng.randrange(len(chain) + 1)]
+        part = chain[: rng.randrange(len(chain) + 1)]
         if rng.random() < 0.7:
             index.insert(r, part)
             held.setdefault(r, set()).update(part)
@@ -163,11 +164,23 @@ def test_the_wire_format_is_vllms_kv_event_batch():
     h1, h2 = b"\x01" * 32, b"\x02" * 32
     events = [BlockStored([h1, h2], None, list(range(8)), 4, "CPU"), BlockRemoved([h1], "CPU"), AllBlocksCleared()]
     raw = msgpack.unpackb(encode_batch(events, ts=12.5), raw=False)
-    assert raw == [12.5, [
-        {"type": "BlockStored", "block_hashes": [h1, h2], "parent_block_hash": None, "token_ids": list(range(8)),
-         "block_size": 4, "lora_id": None, "medium": "CPU", "lora_name": None},
-        {"type": "BlockRemoved", "block_hashes": [h1], "medium": "CPU"},
-        {"type": "AllBlocksCleared"}]]
+    assert raw == [
+        12.5,
+        [
+            {
+                "type": "BlockStored",
+                "block_hashes": [h1, h2],
+                "parent_block_hash": None,
+                "token_ids": list(range(8)),
+                "block_size": 4,
+                "lora_id": None,
+                "medium": "CPU",
+                "lora_name": None,
+            },
+            {"type": "BlockRemoved", "block_hashes": [h1], "medium": "CPU"},
+            {"type": "AllBlocksCleared"},
+        ],
+    ]
     assert decode_batch(encode_batch(events, ts=1.0)) == (1.0, events)
     with pytest.raises(ValueError, match="not a KV cache event"):
         decode_batch(msgpack.packb([0.0, [{"type": "Nope"}]]))
@@ -199,9 +212,23 @@ def test_events_replayed_into_the_index_route_exactly():
 def _stats(**kw):
     from pagedllm.engine.stats import EngineStats
 
-    base = dict(num_running=0, num_waiting=0, num_blocks=10, num_free_blocks=10, num_cached_blocks=0, block_size=16,
-                kv_usage=0.0, num_stored_tokens=0, prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0,
-                prompt_tokens=0, generation_tokens=0, peak_running=0, num_steps=0)
+    base = dict(
+        num_running=0,
+        num_waiting=0,
+        num_blocks=10,
+        num_free_blocks=10,
+        num_cached_blocks=0,
+        block_size=16,
+        kv_usage=0.0,
+        num_stored_tokens=0,
+        prefix_cache_queries=0,
+        prefix_cache_hits=0,
+        num_preemptions=0,
+        prompt_tokens=0,
+        generation_tokens=0,
+        peak_running=0,
+        num_steps=0,
+    )
     return EngineStats(**{**base, **kw})
 
 
@@ -212,11 +239,18 @@ def test_replica_pages_merge_into_one_valid_page_with_a_replica_label():
     from pagedllm.cluster.metrics import sum_stats, with_replica_labels
     from pagedllm.entrypoints.openai.metrics import ServerMetrics
 
-    a = _stats(prefix_cache_queries=100, prefix_cache_hits=60, num_running=2, num_free_blocks=4,
-               spec_decode_num_accepted_tokens_per_pos=[5, 3, 1])
-    b = _stats(prefix_cache_queries=50, prefix_cache_hits=5, num_waiting=1,
-               spec_decode_num_accepted_tokens_per_pos=[2])
-    pages = {"ra": ServerMetrics("m", lambda: a).render().decode(), "rb": ServerMetrics("m", lambda: b).render().decode()}
+    a = _stats(
+        prefix_cache_queries=100,
+        prefix_cache_hits=60,
+        num_running=2,
+        num_free_blocks=4,
+        spec_decode_num_accepted_tokens_per_pos=[5, 3, 1],
+    )
+    b = _stats(prefix_cache_queries=50, prefix_cache_hits=5, num_waiting=1, spec_decode_num_accepted_tokens_per_pos=[2])
+    pages = {
+        "ra": ServerMetrics("m", lambda: a).render().decode(),
+        "rb": ServerMetrics("m", lambda: b).render().decode(),
+    }
     merged = with_replica_labels(pages)
     families = {f.name: f for f in text_string_to_metric_families(merged)}  # parses: one HELP/TYPE per family
     running = {s.labels["replica"]: s.value for s in families["vllm:num_requests_running"].samples}
@@ -236,16 +270,19 @@ def _serve_args(*argv: str):
     return build_parser().parse_args(["serve", *argv])
 
 
-@pytest.mark.parametrize("argv, flag", [
-    (["--routing", "prefix"], "--routing"),
-    (["--ray-address", "auto"], "--ray-address"),
-    (["--cpus-per-replica", "2"], "--cpus-per-replica"),
-    (["--replicas", "0"], "--replicas"),
-    (["--replicas", "2", "--cpus-per-replica", "0"], "--cpus-per-replica"),
-    (["--replicas", "2", "--num-gpus-per-replica", "-1"], "--num-gpus-per-replica"),
-    (["--replicas", "2", "--routing-imbalance-threshold", "-1"], "--routing-imbalance-threshold"),
-    (["--replicas", "2", "--rag-index", "idx"], "--rag-index"),
-])
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--routing", "prefix"], "--routing"),
+        (["--ray-address", "auto"], "--ray-address"),
+        (["--cpus-per-replica", "2"], "--cpus-per-replica"),
+        (["--replicas", "0"], "--replicas"),
+        (["--replicas", "2", "--cpus-per-replica", "0"], "--cpus-per-replica"),
+        (["--replicas", "2", "--num-gpus-per-replica", "-1"], "--num-gpus-per-replica"),
+        (["--replicas", "2", "--routing-imbalance-threshold", "-1"], "--routing-imbalance-threshold"),
+        (["--replicas", "2", "--rag-index", "idx"], "--rag-index"),
+    ],
+)
 def test_bad_cluster_flags_are_one_line_naming_the_flag(argv, flag):
     from pagedllm.entrypoints.serve_args import check_cluster_args
     from pagedllm.errors import UserError
@@ -268,8 +305,9 @@ def test_replicas_that_do_not_fit_are_refused_before_ray_starts():
 def test_serve_run_builder_args_are_serve_flags():
     from pagedllm.entrypoints.serve_cluster import parse_builder_args
 
-    args = parse_builder_args({"replicas": "3", "routing": "kv-events", "block_size": "32",
-                               "enable_prefix_caching": "true"})
+    args = parse_builder_args(
+        {"replicas": "3", "routing": "kv-events", "block_size": "32", "enable_prefix_caching": "true"}
+    )
     assert (args.replicas, args.routing, args.block_size, args.model) == (3, "kv-events", 32, None)
     assert parse_builder_args({"model": "m.gguf"}).replicas == 1
     assert parse_builder_args({"model": "m.gguf"}).model == "m.gguf"

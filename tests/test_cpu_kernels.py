@@ -27,8 +27,16 @@ def test_kernel_builds_where_a_compiler_exists():
     assert LIB is not None, f"{CC[0]} exists but the CPU attention kernel did not build (see the warning logged)"
 
 
-def _case(n_seqs: int, kv_heads: int, group: int, head_dim: int, block_size: int, new_lens: list[int],
-          dtype: torch.dtype, seed: int):
+def _case(
+    n_seqs: int,
+    kv_heads: int,
+    group: int,
+    head_dim: int,
+    block_size: int,
+    new_lens: list[int],
+    dtype: torch.dtype,
+    seed: int,
+):
     """Random caches, shuffled block tables, and q/k/v for `new_lens[i]` new tokens after a random history."""
     g = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
@@ -39,7 +47,7 @@ def _case(n_seqs: int, kv_heads: int, group: int, head_dim: int, block_size: int
     rng.shuffle(ids)
     tables, at = [], 0
     for k in need:
-        tables.append(ids[at:at + k])
+        tables.append(ids[at : at + k])
         at += k
     shape = (num_blocks, block_size, kv_heads, head_dim)
     k_cache = torch.randn(shape, generator=g).to(dtype)
@@ -121,8 +129,10 @@ def test_loading_the_kernel_leaves_float_flags_alone():
     import subprocess
     import sys
 
-    code = ("import torch; from pagedllm.model import cpu_kernel; assert cpu_kernel.load() is not None; "
-            "print(torch.tensor([1e-40]).mul(1.0).item() != 0.0)")
+    code = (
+        "import torch; from pagedllm.model import cpu_kernel; assert cpu_kernel.load() is not None; "
+        "print(torch.tensor([1e-40]).mul(1.0).item() != 0.0)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "True"
 

@@ -1,4 +1,5 @@
 """The engine: batching must not change greedy answers; every block comes back; n samples share the prompt."""
+
 from __future__ import annotations
 
 import random
@@ -32,17 +33,34 @@ def alone(model_fp32, prompts):
     return [run_all(engine, [p])[0] for p in prompts]
 
 
-@pytest.mark.parametrize("settings", [
-    {},
-    {"enable_prefix_caching": False},
-    {"max_num_batched_tokens": 32},
-    {"kv_allocation": "contiguous", "max_model_len": 256, "kv_cache_memory": 256 * 2**20},
-    {"kv_cache_memory": kv_budget(40), "max_model_len": 256},  # 40 blocks: must preempt
-    {"speculative_config": SPEC},
-    {"speculative_config": SPEC, "kv_cache_memory": kv_budget(40), "max_model_len": 256},
-    {"speculative_config": SPEC, "kv_allocation": "contiguous", "max_model_len": 256, "kv_cache_memory": 256 * 2**20},
-], ids=["default", "no-prefix-caching", "chunked-prefill-32", "contiguous", "preemption", "spec", "spec-preemption",
-        "spec-contiguous"])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {},
+        {"enable_prefix_caching": False},
+        {"max_num_batched_tokens": 32},
+        {"kv_allocation": "contiguous", "max_model_len": 256, "kv_cache_memory": 256 * 2**20},
+        {"kv_cache_memory": kv_budget(40), "max_model_len": 256},  # 40 blocks: must preempt
+        {"speculative_config": SPEC},
+        {"speculative_config": SPEC, "kv_cache_memory": kv_budget(40), "max_model_len": 256},
+        {
+            "speculative_config": SPEC,
+            "kv_allocation": "contiguous",
+            "max_model_len": 256,
+            "kv_cache_memory": 256 * 2**20,
+        },
+    ],
+    ids=[
+        "default",
+        "no-prefix-caching",
+        "chunked-prefill-32",
+        "contiguous",
+        "preemption",
+        "spec",
+        "spec-preemption",
+        "spec-contiguous",
+    ],
+)
 def test_batched_greedy_equals_alone(model_fp32, prompts, alone, settings):
     engine = make_engine(model_fp32, **settings)
     together = run_all(engine, prompts)
@@ -125,8 +143,16 @@ def test_bad_input_is_rejected_before_queueing(model_fp32):
         engine.add_request("x", [])
     with pytest.raises(UserError, match="token ids"):
         engine.add_request("x", [10**9])
-    for bad in ({"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"max_tokens": -1}, {"n": 0}, {"top_k": -5},
-                {"logprobs": 100}, {"min_tokens": 5, "max_tokens": 2}):
+    for bad in (
+        {"temperature": -1},
+        {"top_p": 0},
+        {"top_p": 1.5},
+        {"max_tokens": -1},
+        {"n": 0},
+        {"top_k": -5},
+        {"logprobs": 100},
+        {"min_tokens": 5, "max_tokens": 2},
+    ):
         with pytest.raises(UserError, match=next(iter(bad))):
             SamplingParams(**bad)
     assert not engine.has_unfinished_requests()
@@ -143,8 +169,9 @@ def test_llm_api_generate_and_chat_with_metrics(model_fp32):
     assert first.num_cached_tokens == 0 and second.num_cached_tokens >= 16
     m = second.metrics
     assert m.queue_time >= 0 and m.ttft >= m.queue_time and m.e2e >= m.ttft
-    outs = llm.generate(["Hello", "The capital of France is"], SamplingParams(temperature=0, max_tokens=4),
-                        use_tqdm=False)
+    outs = llm.generate(
+        ["Hello", "The capital of France is"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False
+    )
     assert [o.prompt for o in outs] == ["Hello", "The capital of France is"]
     assert all(o.outputs[0].finish_reason in ("stop", "length") for o in outs)
 
@@ -190,12 +217,12 @@ def test_seeded_sampling_is_the_same_in_any_batch_mix(model_fp32):
 def test_min_tokens_and_stop_token_ids(model_fp32):
     engine = make_engine(model_fp32)
     prompt = engine.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "What is 2 + 2? Answer with the number only."}])
+        [{"role": "user", "content": "What is 2 + 2? Answer with the number only."}]
+    )
     _, out = run_one(engine, "a", prompt, SamplingParams(temperature=0, max_tokens=24))
     natural = out.outputs[0].token_ids
     assert out.outputs[0].finish_reason == "stop" and natural[-1] in engine.tokenizer.eos_token_ids
-    _, longer = run_one(engine, "b", prompt, SamplingParams(temperature=0, max_tokens=24,
-                                                              min_tokens=len(natural) + 3))
+    _, longer = run_one(engine, "b", prompt, SamplingParams(temperature=0, max_tokens=24, min_tokens=len(natural) + 3))
     assert len(longer.outputs[0].token_ids) >= len(natural) + 3
     stop_id = natural[1]
     _, cut = run_one(engine, "c", prompt, SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_id]))

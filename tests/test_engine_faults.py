@@ -4,6 +4,7 @@ Faults are injected where they happen in real life: the model's forward pass (a 
 Ctrl-C) and sampling. Every value that validation accepts must sample; every request that is refused must
 leave nothing queued.
 """
+
 from __future__ import annotations
 
 import random
@@ -155,12 +156,22 @@ def test_a_sharer_of_a_block_whose_writer_failed_is_recomputed(model_fp32, promp
     assert_all_blocks_free(engine)
 
 
-@pytest.mark.parametrize("params", [
-    dict(temperature=1e-300), dict(temperature=1e-45), dict(temperature=5e-324),
-    dict(repetition_penalty=1e-300), dict(repetition_penalty=1e-300, temperature=0),
-    dict(top_p=1e-300, temperature=1.0), dict(top_k=2**31 - 1), dict(seed=2**64 - 1, n=2),
-    dict(min_p=1.0, temperature=3.0), dict(logit_bias={5: 100.0, 6: -100.0}),
-], ids=str)
+@pytest.mark.parametrize(
+    "params",
+    [
+        dict(temperature=1e-300),
+        dict(temperature=1e-45),
+        dict(temperature=5e-324),
+        dict(repetition_penalty=1e-300),
+        dict(repetition_penalty=1e-300, temperature=0),
+        dict(top_p=1e-300, temperature=1.0),
+        dict(top_k=2**31 - 1),
+        dict(seed=2**64 - 1, n=2),
+        dict(min_p=1.0, temperature=3.0),
+        dict(logit_bias={5: 100.0, 6: -100.0}),
+    ],
+    ids=str,
+)
 def test_every_value_validation_accepts_samples(model_fp32, prompts, params):
     engine = make_engine(model_fp32)
     engine.add_request("r", prompts[0], SamplingParams(max_tokens=4, ignore_eos=True, **params))
@@ -171,22 +182,34 @@ def test_every_value_validation_accepts_samples(model_fp32, prompts, params):
     assert_all_blocks_free(engine)
 
 
-@pytest.mark.parametrize("params, param", [
-    (dict(top_k=2**70), "top_k"), (dict(seed=2**64), "seed"), (dict(temperature=float("inf")), "temperature"),
-    (dict(temperature=float("nan")), "temperature"), (dict(top_p=0), "top_p"), (dict(logit_bias={1: 1e9}),
-    "logit_bias"), (dict(max_tokens=-1), "max_tokens"), (dict(prompt_logprobs=21), "prompt_logprobs"),
-    (dict(max_tokens=None, min_tokens=2**70), "min_tokens"),
-])
+@pytest.mark.parametrize(
+    "params, param",
+    [
+        (dict(top_k=2**70), "top_k"),
+        (dict(seed=2**64), "seed"),
+        (dict(temperature=float("inf")), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_p=0), "top_p"),
+        (dict(logit_bias={1: 1e9}), "logit_bias"),
+        (dict(max_tokens=-1), "max_tokens"),
+        (dict(prompt_logprobs=21), "prompt_logprobs"),
+        (dict(max_tokens=None, min_tokens=2**70), "min_tokens"),
+    ],
+)
 def test_values_that_cannot_sample_are_refused_naming_the_field(params, param):
     with pytest.raises(SamplingParamsError) as e:
         SamplingParams(**params)
     assert e.value.param == param
 
 
-@pytest.mark.parametrize("params, param", [
-    (dict(max_tokens=None, min_tokens=2000), "min_tokens"), (dict(logit_bias={10**6: 1.0}), "logit_bias"),
-    (dict(stop_token_ids=[10**6]), "stop_token_ids"),
-])
+@pytest.mark.parametrize(
+    "params, param",
+    [
+        (dict(max_tokens=None, min_tokens=2000), "min_tokens"),
+        (dict(logit_bias={10**6: 1.0}), "logit_bias"),
+        (dict(stop_token_ids=[10**6]), "stop_token_ids"),
+    ],
+)
 def test_the_engine_refuses_what_the_model_cannot_do_and_queues_nothing(model_fp32, prompts, params, param):
     engine = make_engine(model_fp32)
     with pytest.raises(SamplingParamsError) as e:
@@ -225,19 +248,24 @@ def test_preemption_counts_each_prompt_token_and_each_lookup_once(model_fp32, pr
 
 def test_logit_bias_moves_the_greedy_choice(model_fp32, prompts):
     plain = run(make_engine(model_fp32), [prompts[0]])[0].token_ids
-    forced = run(make_engine(model_fp32), [prompts[0]], SamplingParams(temperature=0, max_tokens=4,
-                                                                        logit_bias={77: 100.0}))[0].token_ids
+    forced = run(
+        make_engine(model_fp32), [prompts[0]], SamplingParams(temperature=0, max_tokens=4, logit_bias={77: 100.0})
+    )[0].token_ids
     assert forced == [77] * 4
-    banned = run(make_engine(model_fp32), [prompts[0]], SamplingParams(temperature=0, max_tokens=8,
-                                                                        logit_bias={plain[0]: -100.0}))[0].token_ids
+    banned = run(
+        make_engine(model_fp32),
+        [prompts[0]],
+        SamplingParams(temperature=0, max_tokens=8, logit_bias={plain[0]: -100.0}),
+    )[0].token_ids
     assert banned[0] != plain[0]
 
 
 def test_max_tokens_zero_scores_the_prompt_and_prompt_logprobs_agree_with_decoding(model_fp32, prompts):
     """The logprob of a generated token, and the same token's prompt logprob when the text is scored again,
     come from two paths (a decode step and a chunked prefill of every position): they must agree."""
-    gen = run(make_engine(model_fp32), [prompts[0]], SamplingParams(temperature=0, max_tokens=8, logprobs=0,
-                                                                     ignore_eos=True))[0]
+    gen = run(
+        make_engine(model_fp32), [prompts[0]], SamplingParams(temperature=0, max_tokens=8, logprobs=0, ignore_eos=True)
+    )[0]
     text = prompts[0] + gen.token_ids
     engine = make_engine(model_fp32, max_num_batched_tokens=16)  # the scored prompt is prefilled in chunks
     engine.add_request("warm", text, GREEDY)  # its blocks are in the cache: scoring must not read them

@@ -1,4 +1,5 @@
 """`pagedllm kv-calc` reproduces the chapter (its figures, and its Korean lines character for character)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -33,16 +34,20 @@ for used in [1, 16, 17, 35]:    # 요청 하나가 쓴 토큰 수(설명용 숫�
     print(f"{used:2d}토큰 → 쪽 {pages}개 = 자리 {pages * page}칸, 빈칸 {pages * page - used}")
 """
 # ... and the output the book prints for the second one.
-BOOK_OUTPUT = [" 1토큰 → 쪽 1개 = 자리 16칸, 빈칸 15", "16토큰 → 쪽 1개 = 자리 16칸, 빈칸 0",
-               "17토큰 → 쪽 2개 = 자리 32칸, 빈칸 15", "35토큰 → 쪽 3개 = 자리 48칸, 빈칸 13"]
+BOOK_OUTPUT = [
+    " 1토큰 → 쪽 1개 = 자리 16칸, 빈칸 15",
+    "16토큰 → 쪽 1개 = 자리 16칸, 빈칸 0",
+    "17토큰 → 쪽 2개 = 자리 32칸, 빈칸 15",
+    "35토큰 → 쪽 3개 = 자리 48칸, 빈칸 13",
+]
 
 
 def run_chapter(used: list[int], max_len: int = 4096, page: int = 16) -> list[str]:
     """Both programs as printed, their numbers swapped for these (the code itself untouched), stdout lines."""
-    totals = (CHAPTER_TOTALS.replace("[180, 650, 90, 1200, 300, 75, 420, 260]", repr(used))
-              .replace("max_len, page = 4096, 16", f"max_len, page = {max_len}, {page}"))
-    per_request = (CHAPTER_PER_REQUEST.replace("[1, 16, 17, 35]", repr(used))
-                   .replace("page = 16 ", f"page = {page} "))
+    totals = CHAPTER_TOTALS.replace("[180, 650, 90, 1200, 300, 75, 420, 260]", repr(used)).replace(
+        "max_len, page = 4096, 16", f"max_len, page = {max_len}, {page}"
+    )
+    per_request = CHAPTER_PER_REQUEST.replace("[1, 16, 17, 35]", repr(used)).replace("page = 16 ", f"page = {page} ")
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         exec(totals, {})
@@ -68,7 +73,10 @@ def test_korean_chapter_example_exactly(capsys):
     assert out[3:] == BOOK_OUTPUT and out[0] == "실제로 쓴 토큰: 69"
     assert main(ARGS + ["--lang", "ko"]) == 0
     assert capsys.readouterr().out.splitlines()[:3] == [
-        "실제로 쓴 토큰: 3175", "통째로 잡은 자리: 32,768 (쓴 몫 9.7%)", "쪽으로 잡은 자리: 3,232 (쓴 몫 98.2%)"]
+        "실제로 쓴 토큰: 3175",
+        "통째로 잡은 자리: 32,768 (쓴 몫 9.7%)",
+        "쪽으로 잡은 자리: 3,232 (쓴 몫 98.2%)",
+    ]
 
 
 def test_english_figures_and_rows(capsys):
@@ -86,18 +94,32 @@ def test_english_figures_and_rows(capsys):
 def test_chapter_small_example(capsys):
     assert main(["kv-calc", "--used", "1,16,17,35"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip()[:1].isdigit()]
-    assert [r[1:] for r in rows if len(r) == 5] == [["1", "1", "16", "15"], ["16", "1", "16", "0"],
-                                                   ["17", "2", "32", "15"], ["35", "3", "48", "13"]]
+    assert [r[1:] for r in rows if len(r) == 5] == [
+        ["1", "1", "16", "15"],
+        ["16", "1", "16", "0"],
+        ["17", "2", "32", "15"],
+        ["35", "3", "48", "13"],
+    ]
 
 
-@pytest.mark.parametrize("flags, flag", [
-    (["--used", ""], "--used"), (["--used", "1,-5"], "--used"), (["--used", "1,abc"], "--used"),
-    (["--block-size", "0"], "--block-size"), (["--max-len", "x"], "--max-len"),
-    (["--model", "--memory", "lots"], "--memory"),
-])
+@pytest.mark.parametrize(
+    "flags, flag",
+    [
+        (["--used", ""], "--used"),
+        (["--used", "1,-5"], "--used"),
+        (["--used", "1,abc"], "--used"),
+        (["--block-size", "0"], "--block-size"),
+        (["--max-len", "x"], "--max-len"),
+        (["--model", "--memory", "lots"], "--memory"),
+    ],
+)
 def test_bad_input_is_one_line_naming_the_flag_and_exit_2(flags, flag):
-    proc = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "kv-calc", *flags],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pagedllm.entrypoints.cli", "kv-calc", *flags],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and flag in lines[0] and "Traceback" not in proc.stderr
@@ -114,8 +136,11 @@ def test_model_and_memory_report_what_fits(capsys):
     paged = int(out.split("paged: ")[-1].split()[0].replace(",", ""))
     assert paged > 9 * (blocks * 16 // 4096)  # the chapter: about ten times as many
     # each --kv-cache-dtype: int8 and fp8 keep 64 one-byte values and two bfloat16 scales per head: 68 bytes, not 128
-    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.strip().startswith(("float32",
-                                                                                                      "int8", "fp8"))}
+    rows = {
+        line.split()[0]: line.split()[1:]
+        for line in out.splitlines()
+        if line.strip().startswith(("float32", "int8", "fp8"))
+    }
     assert rows["float32"][:2] == ["46,080", "1.00x"] and rows["int8"][:2] == rows["fp8"][:2] == ["12,240", "3.76x"]
     assert int(rows["int8"][2].replace(",", "")) == 4 * 2**30 // (12_240 * 16) * 16
 
@@ -134,5 +159,8 @@ def test_plot_draws_whole_above_paged_with_the_totals(tmp_path, monkeypatch):
     assert paged["requests"][0]["row"] == [["used", 1, 11], ["tail", 1, 1]]  # 180 tokens: the 12th has 12 empty
     assert paged["requests"][3]["row"] == [["used", 1, 75]]  # 1,200 tokens fill 75 blocks exactly
     lines = block_map_plot.plot_kv_calc([180, 650, 90, 1200, 300, 75, 420, 260], 16, 4096, str(tmp_path / "b.png"))
-    assert lines == ["3,175 tokens used", "whole: 32,768 slots (9.7% used), 4,096 reserved per request",
-                     "paged: 3,232 slots (98.2% used), blocks of 16"]
+    assert lines == [
+        "3,175 tokens used",
+        "whole: 32,768 slots (9.7% used), 4,096 reserved per request",
+        "paged: 3,232 slots (98.2% used), blocks of 16",
+    ]

@@ -1,4 +1,5 @@
 """The KV-cache core: block pool, prefix caching by chained hashes, paged vs contiguous managers."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,6 +1,7 @@
 """The prefix cache's disk tier (--kv-offload-dir): it serves what it holds, also to a restarted engine, and never a
 block that is torn, truncated, corrupted or from another engine; a disk that refuses writes never fails a request.
 """
+
 from __future__ import annotations
 
 import argparse

@@ -7,6 +7,7 @@ to free (plain or still caching a prefix), checked on the canvas' pixels. The sc
 are shared is kept under out/kv-page/ (docs/img/kv_page.png is a copy of one); an earlier request's blocks, still
 cached in the free queue, are on it too.
 """
+
 from __future__ import annotations
 
 import threading
@@ -25,13 +26,17 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 KEY = "sk-kv-page"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 SHOTS = Path(__file__).resolve().parent.parent / "out" / "kv-page"
-PREFIX_A = ("The library gives every visitor a locker. A whole locker for a small bag wastes the wall, so the "
-            "librarian hands out small shelves one at a time, and two visitors with the same books share a shelf. "
-            "Nobody knows in advance how much a visitor will bring, so the shelves are handed out as the bags "
-            "grow, and a shelf that is half full is the only waste. ")
-PREFIX_B = ("Paged attention splits the key-value cache into blocks of sixteen tokens. A request takes a new block "
-            "only when its last one is full, so the only empty slots are in its last block. Requests that begin "
-            "with the same words point at the same blocks, counted by a reference count. ")
+PREFIX_A = (
+    "The library gives every visitor a locker. A whole locker for a small bag wastes the wall, so the "
+    "librarian hands out small shelves one at a time, and two visitors with the same books share a shelf. "
+    "Nobody knows in advance how much a visitor will bring, so the shelves are handed out as the bags "
+    "grow, and a shelf that is half full is the only waste. "
+)
+PREFIX_B = (
+    "Paged attention splits the key-value cache into blocks of sixteen tokens. A request takes a new block "
+    "only when its last one is full, so the only empty slots are in its last block. Requests that begin "
+    "with the same words point at the same blocks, counted by a reference count. "
+)
 GROUPS = {"A": (PREFIX_A, 3), "B": (PREFIX_B, 2)}
 EARLIER = "An earlier question, answered and gone: its full blocks stay cached in the free queue until evicted. "
 
@@ -85,10 +90,13 @@ def test_route_schema_auth_and_errors(server):
     schema = http.get("/openapi.json").json()
     ref = schema["paths"]["/v1/kv/blocks"]["get"]["responses"]["200"]["content"]["application/json"]["schema"]
     assert ref["$ref"].endswith("/KVBlocksResponse") and "KVBlockInfo" in schema["components"]["schemas"]
-    for path, param, status in [("/v1/kv/blocks?max_cells=0", "max_cells", 400),
-                                ("/v1/kv/blocks?max_waiting=x", "max_waiting", 400),
-                                ("/v1/kv/blocks?detail=all", "detail", 400),
-                                ("/v1/kv/blocks/128", "block_id", 404), ("/v1/kv/blocks/-1", "block_id", 400)]:
+    for path, param, status in [
+        ("/v1/kv/blocks?max_cells=0", "max_cells", 400),
+        ("/v1/kv/blocks?max_waiting=x", "max_waiting", 400),
+        ("/v1/kv/blocks?detail=all", "detail", 400),
+        ("/v1/kv/blocks/128", "block_id", 404),
+        ("/v1/kv/blocks/-1", "block_id", 400),
+    ]:
         r = http.get(path, headers=AUTH)
         assert r.status_code == status and r.json()["error"]["param"] == param, r.text
     KVBlockDetail.model_validate(http.get("/v1/kv/blocks/0", headers=AUTH).json())
@@ -97,10 +105,15 @@ def test_route_schema_auth_and_errors(server):
 def send_groups(base: str, max_tokens: int) -> list[threading.Thread]:
     def one(group: str, i: int) -> None:
         prefix, _ = GROUPS[group]
-        body = {"prompt": prefix + f"Question {i}: " + "why? " * (i + 1), "max_tokens": max_tokens,
-                "ignore_eos": True, "temperature": 0}
-        r = httpx.post(f"{base}/v1/completions", json=body, timeout=240,
-                       headers={**AUTH, "X-Request-Id": f"group{group}-{i}"})
+        body = {
+            "prompt": prefix + f"Question {i}: " + "why? " * (i + 1),
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "temperature": 0,
+        }
+        r = httpx.post(
+            f"{base}/v1/completions", json=body, timeout=240, headers={**AUTH, "X-Request-Id": f"group{group}-{i}"}
+        )
         assert r.status_code == 200, r.text
 
     threads = [threading.Thread(target=one, args=(g, i)) for g, (_, n) in GROUPS.items() for i in range(n)]
@@ -160,8 +173,10 @@ def test_page_shows_sharing_and_returns_to_free(server, browser, capsys):
         print(f"\nkv page screenshot (shared prefixes, partly filled tails, a shared block's detail): {shot}")
     for t in threads:
         t.join()
-    wait_for("an empty request table", lambda: browser.execute_script(ROWS_JS) == [] and
-             browser.find_element("id", "c-used").text == "0")
+    wait_for(
+        "an empty request table",
+        lambda: browser.execute_script(ROWS_JS) == [] and browser.find_element("id", "c-used").text == "0",
+    )
     check_map_pixels_are_free(browser, http)
     errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
     assert not errors, errors
@@ -176,10 +191,14 @@ def check_hover_on_shared_block(driver, rows) -> None:
     canvas = driver.find_element("id", "map")
     px, cols = int(canvas.get_attribute("data-cell-px")), int(canvas.get_attribute("data-columns"))
     x, y = (block % cols + 0.5) * px, (block // cols + 0.5) * px
-    ActionChains(driver).move_to_element_with_offset(canvas, round(x - canvas.size["width"] / 2),
-                                                     round(y - canvas.size["height"] / 2)).click().perform()
-    text = wait_for("the block's decoded text", lambda: driver.execute_script(
-        "const e = document.getElementById('d-text'); return e && e.textContent;"), 30)
+    ActionChains(driver).move_to_element_with_offset(
+        canvas, round(x - canvas.size["width"] / 2), round(y - canvas.size["height"] / 2)
+    ).click().perform()
+    text = wait_for(
+        "the block's decoded text",
+        lambda: driver.execute_script("const e = document.getElementById('d-text'); return e && e.textContent;"),
+        30,
+    )
     assert driver.find_element("id", "d-ref").text == "3"
     assert sorted(driver.find_element("id", "d-holders").text.split(", ")) == group_a
     assert PREFIX_A.startswith(text) and len(text) > 10  # its first 16 tokens, decoded
@@ -188,17 +207,20 @@ def check_hover_on_shared_block(driver, rows) -> None:
 def check_map_pixels_are_free(driver, http) -> None:
     """Every cell of the canvas is painted free, or free-but-caching where the pool still caches a prefix."""
     state = http.get("/v1/kv/blocks", headers=AUTH).json()
-    colors = {k: tuple(int(v[i:i + 2], 16) for i in (1, 3, 5)) for k, v in state["map"]["colors"].items()}
+    colors = {k: tuple(int(v[i : i + 2], 16) for i in (1, 3, 5)) for k, v in state["map"]["colors"].items()}
     cached = {b for b, s in enumerate(state["map"]["state"]) if state["map"]["states"][s] == "cached"}
     assert cached and state["counters"]["num_used_blocks"] == 0
-    pixels = driver.execute_script("""
+    pixels = driver.execute_script(
+        """
       const c = document.getElementById('map'), px = +c.dataset.cellPx, cols = +c.dataset.columns;
       const ctx = c.getContext('2d'), dpr = window.devicePixelRatio || 1, out = [];
       for (let i = 0; i < arguments[0]; i++) {
         const x = ((i % cols) + 0.3) * px * dpr, y = (Math.floor(i / cols) + 0.3) * px * dpr;
         out.push([...ctx.getImageData(Math.floor(x), Math.floor(y), 1, 1).data.slice(0, 3)]);
       }
-      return out;""", state["num_blocks"])
+      return out;""",
+        state["num_blocks"],
+    )
     expected = [list(colors["cached" if b in cached else "free"]) for b in range(state["num_blocks"])]
     assert pixels == expected
 
@@ -207,8 +229,10 @@ def test_aggregated_cells_in_the_page(server, browser):
     """/kv?max_cells=32 draws the 128-block pool as 32 cells of 4 blocks, each a stack of its states."""
     base, http = server
     browser.get(f"{base}/kv?max_cells=32#key={KEY}")
-    canvas = wait_for("an aggregated map", lambda: (c := browser.find_element("id", "map")).get_attribute(
-        "data-blocks-per-cell") == "4" and c)
+    canvas = wait_for(
+        "an aggregated map",
+        lambda: (c := browser.find_element("id", "map")).get_attribute("data-blocks-per-cell") == "4" and c,
+    )
     state = http.get("/v1/kv/blocks?max_cells=32", headers=AUTH).json()
     check_stacks(browser, state, range(32))
     hover_cell(browser, canvas, 1)
@@ -232,15 +256,22 @@ def test_a_100k_block_pool_renders(browser):
 
     app = FastAPI()
     app.include_router(router)
-    app.state.engine = SimpleNamespace(run_on_engine=run_on_engine, stats=lambda: SimpleNamespace(num_blocks=100_000),
-                                       stop_accepting=lambda: None, abort_all=lambda: None)
+    app.state.engine = SimpleNamespace(
+        run_on_engine=run_on_engine,
+        stats=lambda: SimpleNamespace(num_blocks=100_000),
+        stop_accepting=lambda: None,
+        abort_all=lambda: None,
+    )
     srv = Server(app, host="127.0.0.1", port=0, log_level="warning")
     srv.start_in_thread()
     base = f"http://127.0.0.1:{srv.uvicorn.servers[0].sockets[0].getsockname()[1]}"
     try:
         browser.get(f"{base}/kv")
-        canvas = wait_for("the map", lambda: (c := browser.find_element("id", "map")).get_attribute(
-            "data-blocks-per-cell") == "13" and c, 60)
+        canvas = wait_for(
+            "the map",
+            lambda: (c := browser.find_element("id", "map")).get_attribute("data-blocks-per-cell") == "13" and c,
+            60,
+        )
         state = httpx.get(f"{base}/v1/kv/blocks", timeout=60).json()
         assert len(state["map"]["counts"]) == len(state["map"]["state"]) == 7_693 and state["blocks"] is None
         assert browser.find_element("id", "c-used").text == f"{state['counters']['num_used_blocks']:,}"
@@ -258,27 +289,31 @@ def hover_cell(driver, canvas, i: int) -> None:
 
     px, cols = int(canvas.get_attribute("data-cell-px")), int(canvas.get_attribute("data-columns"))
     x, y = (i % cols + 0.5) * px, (i // cols + 0.5) * px
-    ActionChains(driver).move_to_element_with_offset(canvas, round(x - canvas.size["width"] / 2),
-                                                     round(y - canvas.size["height"] / 2)).perform()
+    ActionChains(driver).move_to_element_with_offset(
+        canvas, round(x - canvas.size["width"] / 2), round(y - canvas.size["height"] / 2)
+    ).perform()
 
 
 def check_stacks(driver, state: dict, cells) -> None:
     """A quarter of the way down each cell, the canvas has the colour of the state whose band covers that height."""
     mp = state["map"]
-    rgb = {k: [int(v[i:i + 2], 16) for i in (1, 3, 5)] for k, v in mp["colors"].items()}
+    rgb = {k: [int(v[i : i + 2], 16) for i in (1, 3, 5)] for k, v in mp["colors"].items()}
     checked = 0
     for i in cells:
         counts, total = mp["counts"][i], sum(mp["counts"][i])
-        cum = [sum(counts[:k + 1]) / total for k in range(len(counts))]
+        cum = [sum(counts[: k + 1]) / total for k in range(len(counts))]
         k = next(k for k, c in enumerate(cum) if c > 0.25)
         if abs(cum[k] - 0.25) < 0.15 or (k and abs(cum[k - 1] - 0.25) < 0.15):
             continue  # too near a band's edge for one pixel to say
-        pixel = driver.execute_script("""
+        pixel = driver.execute_script(
+            """
           const c = document.getElementById('map'), px = +c.dataset.cellPx, cols = +c.dataset.columns;
           const i = arguments[0], inner = px > 4 ? px - 1 : px, dpr = window.devicePixelRatio || 1;
           const x = (i % cols) * px + inner / 2, y = Math.floor(i / cols) * px + inner * 0.25;
           return [...c.getContext('2d').getImageData(Math.floor(x * dpr), Math.floor(y * dpr), 1, 1).data.slice(0, 3)];
-          """, i)
+          """,
+            i,
+        )
         assert pixel == rgb[mp["states"][k]], (i, counts)
         checked += 1
     assert checked

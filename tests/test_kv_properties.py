@@ -1,5 +1,6 @@
 """Random interleavings of admit / grow / speculate / free / prefix lookup / eviction keep the block accounting
 whole, and the prefix cache never holds a block under a hash of tokens its holder does not have (a draft's)."""
+
 from __future__ import annotations
 
 from collections import Counter
@@ -91,7 +92,7 @@ class KVMachine(RuleBasedStateMachine):
         self.mgr.free(req)
 
     def _block_tokens(self, req: Req, i: int) -> tuple[int, ...]:
-        return tuple(req.all_token_ids[i * BLOCK:(i + 1) * BLOCK])
+        return tuple(req.all_token_ids[i * BLOCK : (i + 1) * BLOCK])
 
     @rule(stem=st.sampled_from(STEMS), tail=st.lists(st.integers(0, 3), max_size=9))
     def lookup(self, stem, tail):
@@ -102,9 +103,12 @@ class KVMachine(RuleBasedStateMachine):
         self.counter += 1
         hits, cached = self.mgr.get_computed_blocks(probe)
         assert cached == len(hits) * BLOCK < len(probe.all_token_ids)
-        contents = {b.block_id: self._block_tokens(r, i) for r in self.running.values()
-                    for i, b in enumerate(self.mgr.req_blocks.get(r.request_id, []))
-                    if (i + 1) * BLOCK <= r.num_computed_tokens}
+        contents = {
+            b.block_id: self._block_tokens(r, i)
+            for r in self.running.values()
+            for i, b in enumerate(self.mgr.req_blocks.get(r.request_id, []))
+            if (i + 1) * BLOCK <= r.num_computed_tokens
+        }
         for i, block in enumerate(hits):
             if block.block_id in contents:  # (a free cached block's tokens are checked when it is shared again)
                 assert contents[block.block_id] == self._block_tokens(probe, i)
@@ -112,9 +116,12 @@ class KVMachine(RuleBasedStateMachine):
         for r in self.running.values():
             blocks = self.mgr.req_blocks.get(r.request_id, [])
             k = 0
-            while (k < min(usable, len(blocks)) and (k + 1) * BLOCK <= r.num_computed_tokens
-                   and blocks[k].block_hash is not None
-                   and self._block_tokens(r, k) == self._block_tokens(probe, k)):
+            while (
+                k < min(usable, len(blocks))
+                and (k + 1) * BLOCK <= r.num_computed_tokens
+                and blocks[k].block_hash is not None
+                and self._block_tokens(r, k) == self._block_tokens(probe, k)
+            ):
                 k += 1
             assert len(hits) >= k, (r.request_id, k, len(hits))
 
@@ -143,7 +150,7 @@ class KVMachine(RuleBasedStateMachine):
             assert self.mgr.req_tokens[rid] == req.num_computed_tokens  # no slot kept for a rejected draft
             if isinstance(self.mgr, PagedKVCacheManager):
                 assert len(blocks) == cdiv(req.num_computed_tokens, BLOCK)
-            hashes = hash_full_blocks(req.all_token_ids[:req.num_computed_tokens], BLOCK)
+            hashes = hash_full_blocks(req.all_token_ids[: req.num_computed_tokens], BLOCK)
             for i, b in enumerate(blocks):
                 if b.ref_cnt > 1:
                     assert (i + 1) * BLOCK <= req.num_computed_tokens
@@ -162,7 +169,7 @@ class KVMachine(RuleBasedStateMachine):
             if isinstance(event, BlockStored):
                 parent = event.parent_block_hash
                 for i, h in enumerate(event.block_hashes):
-                    assert hash_block_tokens(parent, event.token_ids[i * BLOCK:(i + 1) * BLOCK]) == h
+                    assert hash_block_tokens(parent, event.token_ids[i * BLOCK : (i + 1) * BLOCK]) == h
                     parent = h
                 self.replayed.update(event.block_hashes)
             elif isinstance(event, AllBlocksCleared):

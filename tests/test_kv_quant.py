@@ -2,6 +2,7 @@
 that read them, their logits against a float32 cache on real text, and the engine features that move blocks
 around (prefix caching, preemption, speculative drafts' rollback, the disk tier) with an int8 cache.
 """
+
 from __future__ import annotations
 
 import pydoc_data.topics
@@ -45,7 +46,7 @@ def test_rows_round_trip_within_half_a_step_and_never_overflow():
             assert ((back - x).abs() <= scale / 2 * 1.0001).all()
         else:  # relative to the value, at the format's mantissa
             step = 2.0 ** -(3 if dtype == torch.float8_e4m3fn else 2)
-            assert ((back - x).abs() <= (x.abs() * step / 2).clamp_min(scale * 2.0 ** -6)).all()
+            assert ((back - x).abs() <= (x.abs() * step / 2).clamp_min(scale * 2.0**-6)).all()
 
 
 def runner_for(model, kv_dtype, path: str) -> ModelRunner:
@@ -80,12 +81,17 @@ def float32_logits(model_fp32, texts):
     return logits_of(runner_for(model_fp32, torch.float32, "fused"), texts[0])
 
 
-@pytest.mark.parametrize("dtype, max_kl, min_agree, paths", [
-    (torch.int8, 1e-3, 0.98, ("fused", "modules", "torch")),
-    (torch.float8_e4m3fn, 1.5e-2, 0.88, ("fused", "torch")),  # the decode kernel's fp8 reads: the test below
-    (torch.float8_e5m2, 6e-2, 0.8, ("fused", "torch"))])
-def test_each_attention_path_stays_close_to_a_float32_cache(model_fp32, texts, float32_logits, dtype, max_kl,
-                                                            min_agree, paths):
+@pytest.mark.parametrize(
+    "dtype, max_kl, min_agree, paths",
+    [
+        (torch.int8, 1e-3, 0.98, ("fused", "modules", "torch")),
+        (torch.float8_e4m3fn, 1.5e-2, 0.88, ("fused", "torch")),  # the decode kernel's fp8 reads: the test below
+        (torch.float8_e5m2, 6e-2, 0.8, ("fused", "torch")),
+    ],
+)
+def test_each_attention_path_stays_close_to_a_float32_cache(
+    model_fp32, texts, float32_logits, dtype, max_kl, min_agree, paths
+):
     """The fused C step (decode and prefill tiles), the decode kernel and the torch path each write and read the
     quantized bytes, within the format's accuracy of a float32 cache. (Paths differ from each other by as much as
     from float32: a float-level difference flips a code, and the flips compound over the layers.)"""
@@ -140,11 +146,24 @@ def test_int8_prefix_caching_preemption_and_draft_rollback_give_the_same_tokens(
     hits = big.stats().prefix_cache_hits
     assert run_all(big, shared) == first and big.stats().prefix_cache_hits - hits >= 3 * 160
     per_block = big.runner.bytes_per_block
-    small = make_engine(model_fp32, kv_cache_dtype="int8", kv_cache_memory=23 * per_block, speculative_config=None,
-                        enable_prefix_caching=False)
+    small = make_engine(
+        model_fp32,
+        kv_cache_dtype="int8",
+        kv_cache_memory=23 * per_block,
+        speculative_config=None,
+        enable_prefix_caching=False,
+    )
     assert run_all(small, texts) == alone and small.stats().num_preemptions > 0
-    spec = make_engine(model_fp32, kv_cache_dtype="int8", speculative_config={
-        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1})
+    spec = make_engine(
+        model_fp32,
+        kv_cache_dtype="int8",
+        speculative_config={
+            "method": "ngram",
+            "num_speculative_tokens": 4,
+            "prompt_lookup_max": 4,
+            "prompt_lookup_min": 1,
+        },
+    )
     assert run_all(spec, texts) == alone
     assert spec.stats().spec_decode_num_draft_tokens > spec.stats().spec_decode_num_accepted_tokens  # some rolled back
     for engine in (big, small, spec):

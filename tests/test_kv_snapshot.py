@@ -5,6 +5,7 @@ there are shared blocks, partly filled tails, a preemption and, at the end, free
 After every step the laid-out snapshot must validate against the route's pydantic schema and agree with the
 pool's ref counts and hashes, the manager's block tables and the scheduler's queues.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -34,10 +35,12 @@ def check_against_manager(e: LLMEngine, m: dict) -> None:
     KVBlocksResponse.model_validate(m)
     kv, pool, bs = e.kv, e.kv.pool, e.kv.block_size
     assert m["num_blocks"] == pool.num_blocks and m["map"]["blocks_per_cell"] == 1
-    assert [r["request_id"] for r in m["requests"] if r["status"] == "running"] == \
-           [r.request_id for r in e.scheduler.running]
-    assert [r["request_id"] for r in m["requests"] if r["status"] != "running"] == \
-           [r.request_id for r in e.scheduler.waiting]
+    assert [r["request_id"] for r in m["requests"] if r["status"] == "running"] == [
+        r.request_id for r in e.scheduler.running
+    ]
+    assert [r["request_id"] for r in m["requests"] if r["status"] != "running"] == [
+        r.request_id for r in e.scheduler.waiting
+    ]
     listed = {b["block_id"]: b for b in m["blocks"]}
     for r in m["requests"]:
         assert r["block_ids"] == kv.get_block_ids(r["request_id"])
@@ -72,8 +75,12 @@ def check_against_manager(e: LLMEngine, m: dict) -> None:
     assert c["num_free_blocks"] == kv.num_free_blocks and c["slots_allocated"] == st.slots_allocated
     assert c["kv_usage"] == pytest.approx(st.kv_usage) and c["num_running"] == st.num_running
     assert c["num_evictable_blocks"] == st.num_cached_blocks
-    assert (c["num_preemptions"], c["prefix_cache_hits"], c["prefix_cache_queries"], c["generation_tokens"]) == \
-           (st.num_preemptions, st.prefix_cache_hits, st.prefix_cache_queries, st.generation_tokens)
+    assert (c["num_preemptions"], c["prefix_cache_hits"], c["prefix_cache_queries"], c["generation_tokens"]) == (
+        st.num_preemptions,
+        st.prefix_cache_hits,
+        st.prefix_cache_queries,
+        st.generation_tokens,
+    )
 
 
 def test_snapshots_agree_with_the_manager_through_sharing_and_preemption(model_fp32):
@@ -94,7 +101,7 @@ def test_snapshots_agree_with_the_manager_through_sharing_and_preemption(model_f
             d = block_detail(e, shared[0]["block_id"], memo)
             holder = e.requests[d.holders[0]]
             i = e.kv.req_blocks[d.holders[0]].index(e.kv.pool.blocks[d.block_id])
-            assert d.token_ids == holder.all_token_ids[i * 16:(i + 1) * 16] and d.text
+            assert d.token_ids == holder.all_token_ids[i * 16 : (i + 1) * 16] and d.text
     assert {"shared", "tail", "used", "preempted"} <= seen and e.stats().num_preemptions > 0
     m = block_map(take_snapshot(e, memo=memo), detail=True)
     assert m["counters"]["num_used_blocks"] == 0 and m["counters"]["num_evictable_blocks"] > 0
@@ -119,8 +126,9 @@ def test_contiguous_requests_show_their_reserved_slots(model_fp32):
         n = r["kv_tokens"]
         full, part = divmod(n, 16)
         assert r["slots"] == 128 and r["empty_slots"] == 128 - n
-        assert [s for s, _ in expand_row(r["row"])] == \
-               ["used"] * full + ["tail"] * (part > 0) + ["reserved"] * (8 - full - (part > 0))
+        assert [s for s, _ in expand_row(r["row"])] == ["used"] * full + ["tail"] * (part > 0) + ["reserved"] * (
+            8 - full - (part > 0)
+        )
     assert m["counters"]["empty_slots"] == sum(128 - r["kv_tokens"] for r in m["requests"])
 
 
@@ -136,7 +144,7 @@ def synthetic(num_blocks: int, tables: list[list[int]], tokens: list[int]) -> KV
 def test_a_100k_block_pool_is_aggregated_into_cells():
     rng = np.random.default_rng(0)
     ids = rng.permutation(100_000)[:30_000].tolist()
-    tables = [ids[i:i + 300] for i in range(0, 30_000, 300)]
+    tables = [ids[i : i + 300] for i in range(0, 30_000, 300)]
     snap = synthetic(100_000, tables, [300 * 16 - 5] * len(tables))  # each request's last block has 5 empty slots
     t = time.perf_counter()
     m = block_map(snap, max_cells=8192)
@@ -145,8 +153,14 @@ def test_a_100k_block_pool_is_aggregated_into_cells():
     assert m["map"]["blocks_per_cell"] == per_cell == 13 and len(m["map"]["counts"]) == cells <= 8192
     assert len(m["map"]["state"]) == len(m["map"]["ref"]) == cells and max(m["map"]["ref"]) == 1
     totals = np.asarray(m["map"]["counts"]).sum(axis=0)
-    assert dict(zip(STATES, totals.tolist())) == {"free": 70_000, "cached": 0, "used": 29_900, "shared": 0,
-                                                  "tail": 100, "reserved": 0}
+    assert dict(zip(STATES, totals.tolist())) == {
+        "free": 70_000,
+        "cached": 0,
+        "used": 29_900,
+        "shared": 0,
+        "tail": 100,
+        "reserved": 0,
+    }
     assert m["blocks"] is None and sum(m["map"]["fill"]) == m["counters"]["tokens_stored"] == 100 * (300 * 16 - 5)
     assert elapsed < 5  # a generous bound: the layout is vectorised (about 0.1 s here); a per-block loop is not
 
@@ -202,8 +216,9 @@ def test_sweep_pictures_show_each_allocation_at_its_peak(model_fp32, tmp_path):
     for alloc in ("contiguous", "paged"):
         e = engine(model_fp32, 24, kv_allocation=alloc, max_model_len=128)  # contiguous: 8 blocks each, 3 fit
         peaks: list[dict] = []
-        res = run_engine(e, prompts, 6, np.zeros(len(prompts)), lambda eng, peaks=peaks: peaks.append(
-            block_map(take_snapshot(eng))))
+        res = run_engine(
+            e, prompts, 6, np.zeros(len(prompts)), lambda eng, peaks=peaks: peaks.append(block_map(take_snapshot(eng)))
+        )
         maps[alloc] = peaks[-1]
         assert peaks[-1]["counters"]["slots_allocated"] == res["peak_kv_slots_allocated"]
     whole, paged = maps["contiguous"]["counters"], maps["paged"]["counters"]

@@ -43,8 +43,8 @@ def hf_model():
     path = default_model_path()
     folder, name = os.path.split(path)
     model = AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=name, dtype=torch.float32,
-        quantization_config=GgufConfig(gguf_file=path, dequantize=True))
+        folder, gguf_file=name, dtype=torch.float32, quantization_config=GgufConfig(gguf_file=path, dequantize=True)
+    )
     return model.eval()
 
 
@@ -62,9 +62,14 @@ def _hf_greedy(hf_model, tok, prompts):
     outs = []
     with torch.inference_mode():
         for ids in prompts:
-            g = hf_model.generate(torch.tensor([ids]), max_new_tokens=N_NEW, do_sample=False,
-                                  eos_token_id=tok.eos_token_ids, pad_token_id=tok.eos_token_ids[0])
-            outs.append(g[0, len(ids):].tolist())
+            g = hf_model.generate(
+                torch.tensor([ids]),
+                max_new_tokens=N_NEW,
+                do_sample=False,
+                eos_token_id=tok.eos_token_ids,
+                pad_token_id=tok.eos_token_ids[0],
+            )
+            outs.append(g[0, len(ids) :].tolist())
     return outs
 
 
@@ -152,7 +157,7 @@ def test_bfloat16_logits_close_to_transformers(hf16, hf_greedy, prompts, quantiz
     for ids, cont in zip(prompts, hf_greedy):
         seq = ids + cont
         with torch.inference_mode():
-            ref = hf16(torch.tensor([seq])).logits[0].float()[len(ids) - 1:]
+            ref = hf16(torch.tensor([seq])).logits[0].float()[len(ids) - 1 :]
         n = -(-len(seq) // 16)
         table, free = free[:n], free[n:]
         got = [runner.execute([SeqChunk(ids, 0, table)])[0]]
@@ -167,8 +172,10 @@ def test_bfloat16_logits_close_to_transformers(hf16, hf_greedy, prompts, quantiz
         total += len(got)
     rate = agree / total
     mean_abs = sum_abs / total
-    print(f"\nbf16 ({quantization}) vs transformers bf16: top-1 agreement {rate:.3f} over {total} positions, "
-          f"max |logit diff| {max_abs:.3f}, mean {mean_abs:.4f}")
+    print(
+        f"\nbf16 ({quantization}) vs transformers bf16: top-1 agreement {rate:.3f} over {total} positions, "
+        f"max |logit diff| {max_abs:.3f}, mean {mean_abs:.4f}"
+    )
     assert rate >= BF16_MIN_TOP1
     assert max_abs < BF16_MAX_ABS_TOL
     assert mean_abs < BF16_MEAN_ABS_TOL

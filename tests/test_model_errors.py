@@ -37,8 +37,9 @@ def test_folder_without_config(tmp_path):
 
 
 def test_unsupported_architecture(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": 10, "n_embd": 8}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": 10, "n_embd": 8})
+    )
     with pytest.raises(ModelLoadError) as e:
         load_model(str(tmp_path))
     msg = str(e.value)
@@ -61,9 +62,19 @@ def test_corrupt_gguf(tmp_path):
 
 
 def test_corrupt_safetensors(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 16, "hidden_size": 8, "intermediate_size": 16,
-        "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "vocab_size": 16,
+                "hidden_size": 8,
+                "intermediate_size": 16,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 1,
+            }
+        )
+    )
     (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00garbage!")
     with pytest.raises(ModelLoadError) as e:
         load_model(str(tmp_path))
@@ -71,9 +82,18 @@ def test_corrupt_safetensors(tmp_path):
 
 
 def test_no_weights(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 16, "hidden_size": 8, "intermediate_size": 16,
-        "num_hidden_layers": 1, "num_attention_heads": 2}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "vocab_size": 16,
+                "hidden_size": 8,
+                "intermediate_size": 16,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+            }
+        )
+    )
     with pytest.raises(ModelLoadError, match="safetensors"):
         load_model(str(tmp_path))
 
@@ -115,8 +135,12 @@ def test_cli_bad_model_is_one_clear_line_without_traceback(tmp_path, kind):
     else:
         model = str(tmp_path)
         (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
-    proc = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "generate", "hi", "--model", model],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pagedllm.entrypoints.cli", "generate", "hi", "--model", model],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and model.split("/")[-1] in lines[0]

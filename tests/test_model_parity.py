@@ -106,8 +106,8 @@ def test_prefix_cached_blocks(pair, block_size):
     ta = alloc.take(_blocks_for(len(a), block_size))
     runner.execute([SeqChunk(a, 0, ta)])
     tb = ta[:2] + alloc.take(_blocks_for(len(b), block_size) - 2)
-    got = runner.execute_all([SeqChunk(b[2 * block_size:], 2 * block_size, tb)])[0]
-    ref = _hf_logits(hf, b)[2 * block_size:]
+    got = runner.execute_all([SeqChunk(b[2 * block_size :], 2 * block_size, tb)])[0]
+    ref = _hf_logits(hf, b)[2 * block_size :]
     assert (got - ref).abs().max().item() < TOL
     # and decode continues correctly on top of the shared blocks
     b2 = b + [5]

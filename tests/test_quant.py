@@ -29,10 +29,20 @@ def _parts(fmt: str, n: int, k: int, seed: int) -> QuantParts:
     rng = np.random.default_rng(seed)
     g = k // 32
     if fmt == "q4":
-        return QuantParts("q4", rng.integers(0, 16, (n, k)).astype(np.uint8), rng.normal(0, 0.01, (n, g)).astype(
-            np.float16), rng.normal(0, 0.05, (n, g)).astype(np.float16), "test")
-    return QuantParts("q8", rng.integers(-128, 128, (n, k)).astype(np.int8),
-                      rng.normal(0, 0.001, (n, g)).astype(np.float16), None, "test")
+        return QuantParts(
+            "q4",
+            rng.integers(0, 16, (n, k)).astype(np.uint8),
+            rng.normal(0, 0.01, (n, g)).astype(np.float16),
+            rng.normal(0, 0.05, (n, g)).astype(np.float16),
+            "test",
+        )
+    return QuantParts(
+        "q8",
+        rng.integers(-128, 128, (n, k)).astype(np.int8),
+        rng.normal(0, 0.001, (n, g)).astype(np.float16),
+        None,
+        "test",
+    )
 
 
 def _gguf_blocks(ggml_type: int, n: int, k: int, seed: int) -> np.ndarray:
@@ -82,8 +92,8 @@ def test_float32_kernel_rows_do_not_depend_on_the_batch(fmt):
     x = torch.randn(64, 192, generator=torch.Generator().manual_seed(0))
     full = qlinear(x, w)
     for i in (0, 5, 63):
-        assert torch.equal(qlinear(x[i:i + 1], w)[0], full[i])
-        assert torch.equal(qlinear(x[i:i + 7], w)[0], full[i])
+        assert torch.equal(qlinear(x[i : i + 1], w)[0], full[i])
+        assert torch.equal(qlinear(x[i : i + 7], w)[0], full[i])
 
 
 @pytest.mark.skipif(not amx_available(), reason="no AMX on this CPU")
@@ -99,8 +109,9 @@ def test_amx_kernel_matches_bfloat16_matmul(fmt, n, k, rows):
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.double(), ref, atol=1e-2 * ref.abs().max().item(), rtol=0)  # bf16 output
     out, xf, w = torch.empty(rows, n), x.float(), pack(parts)  # float32 out: the kernel's own precision
-    quant._lib().qmm_amx(out.data_ptr(), xf.data_ptr(), w.tiles.data_ptr(), b.data_ptr(), rows, n, k, k, n,
-                         quant.FORMATS[fmt], 0, 2)
+    quant._lib().qmm_amx(
+        out.data_ptr(), xf.data_ptr(), w.tiles.data_ptr(), b.data_ptr(), rows, n, k, k, n, quant.FORMATS[fmt], 0, 2
+    )
     torch.testing.assert_close(out.double(), ref, atol=1e-3 * ref.abs().max().item(), rtol=0)
 
 
@@ -115,6 +126,7 @@ def test_round_to_nearest_is_within_half_a_step(bits):
 
 
 # ---- whole models on tiny checkpoints ---------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
@@ -150,8 +162,9 @@ def test_rtn_quantized_model_matches_transformers_on_the_same_weights(tiny, bits
     with torch.inference_mode():
         want = ref(torch.tensor([seq])).logits[0]
     got = runner.execute_all([SeqChunk(seq[:25], 0, list(range(31, 26, -1)))])[0]  # reversed block ids
-    got = torch.cat([got] + [runner.execute([SeqChunk([t], 25 + i, list(range(31, 26, -1)))])
-                             for i, t in enumerate(seq[25:])])
+    got = torch.cat(
+        [got] + [runner.execute([SeqChunk([t], 25 + i, list(range(31, 26, -1)))]) for i, t in enumerate(seq[25:])]
+    )
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
@@ -164,9 +177,11 @@ def test_fused_step_matches_the_torch_path(tiny, kv_dtype):
     rng = random.Random(5)
     seqs = [[rng.randrange(3, 256) for _ in range(n)] for n in (9, 30, 3)]
     tables = [list(range(10 * i + 9, 10 * i, -1)) for i in range(3)]
-    for step in ([SeqChunk(seqs[0], 0, tables[0]), SeqChunk(seqs[1][:17], 0, tables[1])],
-                 [SeqChunk([5], 9, tables[0]), SeqChunk(seqs[1][17:], 17, tables[1]), SeqChunk(seqs[2], 0, tables[2])],
-                 [SeqChunk([6], 10, tables[0]), SeqChunk([7], 30, tables[1]), SeqChunk([8], 3, tables[2])]):
+    for step in (
+        [SeqChunk(seqs[0], 0, tables[0]), SeqChunk(seqs[1][:17], 0, tables[1])],
+        [SeqChunk([5], 9, tables[0]), SeqChunk(seqs[1][17:], 17, tables[1]), SeqChunk(seqs[2], 0, tables[2])],
+        [SeqChunk([6], 10, tables[0]), SeqChunk([7], 30, tables[1]), SeqChunk([8], 3, tables[2])],
+    ):
         a, b = fused.execute_all(step), plain.execute_all(step)
         for x, y in zip(a, b):
             torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)

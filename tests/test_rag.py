@@ -1,5 +1,6 @@
 """RAG: chunking, ingest (and re-ingest doing no work), retrieval quality, prompt layouts on token ids, the CLI, and
 the engine's prefix cache confirming the canonical layout's shared prefix."""
+
 from __future__ import annotations
 
 import json
@@ -16,10 +17,32 @@ from pagedllm.rag.layout import LAYOUTS, Popularity, build_messages
 # overlap ('context-managers', 'naming', 'execmodel'), and every small topic.
 HARD_DISTRACTORS = ["compound", "context-managers", "naming", "execmodel", "exceptions", "return", "booleans"]
 SMALL_TOPICS = [
-    "atom-identifiers", "atom-literals", "attribute-references", "bltin-code-objects", "bltin-ellipsis-object",
-    "bltin-null-object", "bltin-type-objects", "callable-types", "conversions", "dict", "dynamic-features", "else",
-    "exprlists", "floating", "id-classes", "imaginary", "in", "integers", "lists", "numbers", "power",
-    "specialattrs", "typesfunctions", "typesmethods", "typesmodules", "unary",
+    "atom-identifiers",
+    "atom-literals",
+    "attribute-references",
+    "bltin-code-objects",
+    "bltin-ellipsis-object",
+    "bltin-null-object",
+    "bltin-type-objects",
+    "callable-types",
+    "conversions",
+    "dict",
+    "dynamic-features",
+    "else",
+    "exprlists",
+    "floating",
+    "id-classes",
+    "imaginary",
+    "in",
+    "integers",
+    "lists",
+    "numbers",
+    "power",
+    "specialattrs",
+    "typesfunctions",
+    "typesmethods",
+    "typesmodules",
+    "unary",
 ]
 
 
@@ -59,8 +82,10 @@ def test_chunks_fit_token_budget_and_split_on_paragraphs(tokenizer):
     import pydoc_data.topics
 
     text = pydoc_data.topics.topics["try"]
+
     def count(s):
         return len(tokenizer.encode(s))
+
     chunks = chunk_text("try", "try", text, count, chunk_size=128, chunk_overlap=16)
     assert len(chunks) > 3
     for c in chunks:
@@ -80,6 +105,7 @@ def test_chunks_fit_token_budget_and_split_on_paragraphs(tokenizer):
 def test_long_sentence_is_cut(tokenizer):
     def count(s):
         return len(tokenizer.encode(s))
+
     text = "word " * 2000
     chunks = chunk_text("x", "x", text, count, chunk_size=64, chunk_overlap=0)
     assert len(chunks) > 10 and all(count(c.text) <= 72 for c in chunks)
@@ -129,8 +155,11 @@ def test_retrieval_source_in_top3(rag_index):
     assert len(EVAL_QUESTIONS) >= 20
     ix = RagIndex(rag_index)
     results = ix.search_many([q for q, _ in EVAL_QUESTIONS], top_k=3)
-    misses = [(q, t, [h.source for h in hits]) for (q, t), hits in zip(EVAL_QUESTIONS, results)
-              if t not in {h.source for h in hits}]
+    misses = [
+        (q, t, [h.source for h in hits])
+        for (q, t), hits in zip(EVAL_QUESTIONS, results)
+        if t not in {h.source for h in hits}
+    ]
     rate = 1 - len(misses) / len(EVAL_QUESTIONS)
     print(f"\n[rag] source in top 3: {rate:.0%}; misses: {misses}")
     assert rate >= 0.85, misses
@@ -142,8 +171,10 @@ def test_retrieval_source_in_top3(rag_index):
 def test_cli_search_json(rag_index, capsys):
     from pagedllm.entrypoints.cli import main
 
-    assert main(["rag", "search", "What does the pass statement do?", "--index", str(rag_index), "--top-k", "3",
-                 "--json"]) == 0
+    assert (
+        main(["rag", "search", "What does the pass statement do?", "--index", str(rag_index), "--top-k", "3", "--json"])
+        == 0
+    )
     hits = json.loads(capsys.readouterr().out)
     assert len(hits) == 3 and hits[0]["source"] == "pass"
     assert {"source", "position", "score", "chunk_id", "text"} <= set(hits[0])
@@ -246,8 +277,10 @@ def test_stream_openai_parses_sse():
             {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
             {"choices": [{"index": 0, "delta": {"content": "Hel"}}]},
             {"choices": [{"index": 0, "delta": {"content": "lo"}, "finish_reason": "stop"}]},
-            {"choices": [], "usage": {"prompt_tokens": 50, "completion_tokens": 2,
-                                      "prompt_tokens_details": {"cached_tokens": 32}}},
+            {
+                "choices": [],
+                "usage": {"prompt_tokens": 50, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 32}},
+            },
         ]
         body = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
         return httpx.Response(200, text=body, headers={"content-type": "text/event-stream"})
@@ -271,10 +304,12 @@ def test_zipf_workload_and_answer_check():
     assert w == zipf_questions(200, seed=3) and w != zipf_questions(200, seed=4)
     counts = Counter(t for _, t in w).most_common()
     assert counts[0][1] >= 5 * counts[len(counts) // 2][1]  # skewed: the top topic repeats far more
-    recs = [{"setting": "a", "question": "q", "prompt_token_ids": [1, 2], "answer": "x"},
-            {"setting": "b", "question": "q", "prompt_token_ids": [1, 2], "answer": "x"},
-            {"setting": "c", "question": "q", "prompt_token_ids": [2, 1], "answer": "y"},
-            {"setting": "d", "question": "q", "prompt_token_ids": [2, 1], "answer": "z"}]
+    recs = [
+        {"setting": "a", "question": "q", "prompt_token_ids": [1, 2], "answer": "x"},
+        {"setting": "b", "question": "q", "prompt_token_ids": [1, 2], "answer": "x"},
+        {"setting": "c", "question": "q", "prompt_token_ids": [2, 1], "answer": "y"},
+        {"setting": "d", "question": "q", "prompt_token_ids": [2, 1], "answer": "z"},
+    ]
     chk = check_answers(recs)
     assert chk["groups_compared"] == 2 and chk["groups_identical"] == 1
     assert chk["mismatches"][0]["settings"] == ["c", "d"]
@@ -294,6 +329,7 @@ def test_engine_prefix_cache_serves_canonical_prefix(tokenizer):
 
     def count(s):
         return len(tokenizer.encode(s))
+
     chunks = chunk_text("with", "with", pydoc_data.topics.topics["with"], count, chunk_size=96, chunk_overlap=0)
     hits = [Hit(c.chunk_id, c.source, c.title, c.position, 0.5, c.text, i) for i, c in enumerate(chunks[:2])]
     engine = LLMEngine(EngineConfig(dtype="float32", enable_prefix_caching=True, log_stats_interval=0))
@@ -337,10 +373,29 @@ def test_count_only_canonical_shares_more_than_naive(rag_index, capsys):
     """The counting mode on a real workload: canonical shares the chunks, naive only the system prompt."""
     from pagedllm.entrypoints.cli import main
 
-    assert main(["rag", "bench", "--index", str(rag_index), "--count-only", "--num-questions", "24",
-                 "--top-k", "2", "--zipf", "1.5"]) == 0
-    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()
-            if line.split() and line.split()[0] in ("naive", "canonical", "popular")}
+    assert (
+        main(
+            [
+                "rag",
+                "bench",
+                "--index",
+                str(rag_index),
+                "--count-only",
+                "--num-questions",
+                "24",
+                "--top-k",
+                "2",
+                "--zipf",
+                "1.5",
+            ]
+        )
+        == 0
+    )
+    rows = {
+        line.split()[0]: line.split()
+        for line in capsys.readouterr().out.splitlines()
+        if line.split() and line.split()[0] in ("naive", "canonical", "popular")
+    }
     hit = {k: float(v[1].rstrip("%")) for k, v in rows.items()}
     assert set(hit) == {"naive", "canonical", "popular"}
     assert hit["canonical"] > hit["naive"] + 10 and hit["popular"] > hit["naive"] + 10
@@ -366,19 +421,25 @@ def test_server_rag_chat_endpoint_names_chunks_and_hits_the_cache(rag_index, mod
     from pagedllm.entrypoints.openai.api_server import Server, build_app
     from pagedllm.rag import RagPipeline
 
-    engine = AsyncLLMEngine(LLMEngine(EngineConfig(kv_cache_memory=64 * 2**20, max_model_len=2048,
-                                                   log_stats_interval=0), model_fp32))
+    engine = AsyncLLMEngine(
+        LLMEngine(EngineConfig(kv_cache_memory=64 * 2**20, max_model_len=2048, log_stats_interval=0), model_fp32)
+    )
     app = build_app(engine, served_model_names=["m"], rag=RagPipeline(rag_index, top_k=2, layout="canonical"))
     srv = Server(app, host="127.0.0.1", port=0, log_level="warning")
     srv.start_in_thread()
     url = f"http://127.0.0.1:{srv.uvicorn.servers[0].sockets[0].getsockname()[1]}"
-    body = {"model": "m", "max_tokens": 3, "temperature": 0,
-            "messages": [{"role": "user", "content": "How does the with statement call __enter__ and __exit__?"}]}
+    body = {
+        "model": "m",
+        "max_tokens": 3,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": "How does the with statement call __enter__ and __exit__?"}],
+    }
     try:
         with httpx.Client(base_url=url, timeout=600) as c:
             first = c.post("/v1/rag/chat/completions", json=body).json()
             assert [h["source"] for h in first["rag"]["chunks"]][:2] and "with" in {
-                h["source"] for h in first["rag"]["chunks"]}
+                h["source"] for h in first["rag"]["chunks"]
+            }
             assert first["usage"]["prompt_tokens"] > 100 and first["choices"][0]["message"]["content"]
             second = c.post("/v1/rag/chat/completions", json=body).json()
             cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]

@@ -1,4 +1,5 @@
 """The sampler against hand-computed values, and seeded sampling independent of the batch around it."""
+
 from __future__ import annotations
 
 import math
@@ -31,8 +32,10 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
 def test_presence_and_frequency_penalties_use_output_counts():
     # Output has token 0 three times: 5.0 - 3 * 0.5 (frequency) - 1.0 (presence) = 2.5 < 3.0 of token 1.
     logits = torch.tensor([[5.0, 3.0, 0.0]])
-    assert sample(logits, [row(output=[0, 0, 0], temperature=0, frequency_penalty=0.5,
-                               presence_penalty=1.0)])[0].token_id == 1
+    assert (
+        sample(logits, [row(output=[0, 0, 0], temperature=0, frequency_penalty=0.5, presence_penalty=1.0)])[0].token_id
+        == 1
+    )
     # 5.0 - 3 * 0.5 = 3.5 > 3.0: without the presence penalty token 0 still wins.
     assert sample(logits, [row(output=[0, 0, 0], temperature=0, frequency_penalty=0.5)])[0].token_id == 0
     # The prompt does not count for these two.
@@ -105,8 +108,10 @@ def test_seeded_noise_depends_on_seed_and_position_only():
     """The same (seed, position) picks the same token whatever came before it: what makes a verified draft
     the token the step without drafts would have sampled."""
     logits = torch.zeros(1, 1000)
+
     def pick(seed, output):
         return sample(logits, [row(output=output, temperature=1.0, seed=seed)])[0].token_id
+
     assert pick(3, [1, 2, 3]) == pick(3, [9, 9, 9])
     assert len({pick(3, [0] * n) for n in range(8)}) > 4
     assert len({pick(s, [0, 0]) for s in range(8)}) > 4

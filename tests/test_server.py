@@ -5,6 +5,7 @@ One in-process server (uvicorn in a thread, real socket, API key set) serves mos
 `openai` client drives completions and chat; raw httpx does the rest. Every bad input must leave the block pool
 whole, checked through the debug route GET /v1/kv.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -78,11 +79,19 @@ def test_health_models_metrics(server):
     models = server.client.models.list()
     assert [m.id for m in models.data] == [MODEL]
     text = httpx.get(server.base + "/metrics").text  # open, like /health
-    for name in ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
-                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
-                 "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
-                 "vllm:e2e_request_latency_seconds_bucket"]:
+    for name in [
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:num_preemptions_total",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:inter_token_latency_seconds_bucket",
+        "vllm:e2e_request_latency_seconds_bucket",
+    ]:
         assert re.search(rf"^{re.escape(name)}[{{ ]", text, re.M), name
     state = kv(server)
     assert state["total_blocks"] > 0 and state["block_size"] == 16
@@ -115,17 +124,26 @@ PROMPT = "The capital of France is"
 
 
 def test_completion_and_stream_agree(server):
-    c = server.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0,
-                                         extra_body={"ignore_eos": True})
+    c = server.client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert c.object == "text_completion" and c.model == MODEL and len(c.choices) == 1
     assert c.choices[0].finish_reason == "length" and c.choices[0].text
     n_prompt = n_tokens(server, PROMPT)
     assert (c.usage.prompt_tokens, c.usage.completion_tokens, c.usage.total_tokens) == (n_prompt, 6, n_prompt + 6)
     assert n_prompt < 16 and c.usage.prompt_tokens_details.cached_tokens == 0  # no full block to share
 
-    chunks = list(server.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0,
-                                                   stream=True, stream_options={"include_usage": True},
-                                                   extra_body={"ignore_eos": True}))
+    chunks = list(
+        server.client.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
     assert text == c.choices[0].text
     finals = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
@@ -138,10 +156,17 @@ def test_completion_and_stream_agree(server):
 
 def test_continuous_usage_stats_on_every_chunk(server):
     """vLLM's stream_options.continuous_usage_stats: usage on every chunk, completion tokens counting up."""
-    chunks = list(server.client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Count to ten."}], max_tokens=5, temperature=0,
-        stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True},
-        extra_body={"ignore_eos": True}))
+    chunks = list(
+        server.client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Count to ten."}],
+            max_tokens=5,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     content = [ch for ch in chunks if ch.choices and ch.choices[0].delta.content]
     assert content and all(ch.usage is not None for ch in content)
     counts = [ch.usage.completion_tokens for ch in content]
@@ -151,8 +176,9 @@ def test_continuous_usage_stats_on_every_chunk(server):
 
 
 def test_raw_stream_ends_with_done(server):
-    with server.http.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 3,
-                                                             "stream": True}) as r:
+    with server.http.stream(
+        "POST", "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "stream": True}
+    ) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         events = sse_events(r.iter_lines())
     assert events[-1] == "[DONE]" and all(isinstance(e, dict) for e in events[:-1])
@@ -161,8 +187,9 @@ def test_raw_stream_ends_with_done(server):
 
 def test_completion_prompt_forms_n_logprobs(server):
     ids = server.http.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
-    c = server.client.completions.create(model=MODEL, prompt=[PROMPT, "Once upon a time"], max_tokens=2, n=2,
-                                         temperature=0.8, seed=1, logprobs=2)
+    c = server.client.completions.create(
+        model=MODEL, prompt=[PROMPT, "Once upon a time"], max_tokens=2, n=2, temperature=0.8, seed=1, logprobs=2
+    )
     assert sorted(ch.index for ch in c.choices) == [0, 1, 2, 3]
     for ch in c.choices:
         assert len(ch.logprobs.tokens) == len(ch.logprobs.token_logprobs) == 2
@@ -179,11 +206,18 @@ def test_completion_prompt_forms_n_logprobs(server):
     assert word, greedy
     stop = server.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, stop=[word])
     assert (stop.choices[0].finish_reason, stop.choices[0].model_extra["stop_reason"]) == ("stop", word)
-    assert stop.choices[0].text == greedy[:greedy.index(word)]
-    extras = server.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0.7, seed=3,
-                                              extra_body={"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.1,
-                                                          "min_tokens": 3, "ignore_eos": True},
-                                              presence_penalty=0.1, frequency_penalty=0.1, user="u1")
+    assert stop.choices[0].text == greedy[: greedy.index(word)]
+    extras = server.client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=3,
+        temperature=0.7,
+        seed=3,
+        extra_body={"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.1, "min_tokens": 3, "ignore_eos": True},
+        presence_penalty=0.1,
+        frequency_penalty=0.1,
+        user="u1",
+    )
     assert extras.choices[0].finish_reason == "length" and extras.usage.completion_tokens == 3
     assert_pool_whole(server)
 
@@ -193,17 +227,23 @@ def test_chat(server):
     # Both requests below then take the same prefix from the cache: a cold prefill and a cached one may round
     # differently in bfloat16, and this test is about the server's streaming, not about that.
     server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, temperature=0)
-    c = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0,
-                                              logprobs=True, top_logprobs=2)
+    c = server.client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2
+    )
     msg = c.choices[0].message
     assert c.object == "chat.completion" and msg.role == "assistant" and msg.content
     assert len(c.choices[0].logprobs.content) == c.usage.completion_tokens <= 5
     n_prompt = server.http.post("/tokenize", json={"messages": messages}).json()["count"]
     assert c.usage.prompt_tokens == n_prompt
 
-    stream = server.client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=5,
-                                                   temperature=0, stream=True,
-                                                   stream_options={"include_usage": True})
+    stream = server.client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_completion_tokens=5,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert all(ch.object == "chat.completion.chunk" for ch in chunks)
@@ -234,9 +274,16 @@ def test_32_concurrent_streams(server):
 
         async def one(i):
             prompt = f"Request {i}: the number after {i} is"
-            stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0.7,
-                                                     seed=i, stream=True, stream_options={"include_usage": True},
-                                                     extra_body={"ignore_eos": True})
+            stream = await client.completions.create(
+                model=MODEL,
+                prompt=prompt,
+                max_tokens=3,
+                temperature=0.7,
+                seed=i,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+            )
             text, usage, finish = "", None, None
             async for ch in stream:
                 if ch.choices:
@@ -265,14 +312,16 @@ def test_32_concurrent_streams(server):
 
 
 def test_prefix_cache_hits(server):
-    prefix = ("You are a careful assistant. Answer briefly and precisely. " * 8)
+    prefix = "You are a careful assistant. Answer briefly and precisely. " * 8
     assert n_tokens(server, prefix) >= 64
     hits_before = metric(server, "vllm:prefix_cache_hits_total")
-    first = server.client.completions.create(model=MODEL, prompt=prefix + "Question one: what is 2+2?",
-                                             max_tokens=1, temperature=0)
+    first = server.client.completions.create(
+        model=MODEL, prompt=prefix + "Question one: what is 2+2?", max_tokens=1, temperature=0
+    )
     assert first.usage.prompt_tokens_details.cached_tokens == 0
-    second = server.client.completions.create(model=MODEL, prompt=prefix + "Question two: name a fruit.",
-                                              max_tokens=1, temperature=0)
+    second = server.client.completions.create(
+        model=MODEL, prompt=prefix + "Question two: name a fruit.", max_tokens=1, temperature=0
+    )
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert 0 < cached < second.usage.prompt_tokens
     assert metric(server, "vllm:prefix_cache_hits_total") >= hits_before + cached
@@ -284,8 +333,13 @@ def test_prefix_cache_hits(server):
 
 def test_client_disconnect_aborts(server):
     rid = f"disconnect-{time.monotonic_ns()}"
-    body = {"model": MODEL, "prompt": "Write a very long story about a dragon.", "max_tokens": 200,
-            "stream": True, "ignore_eos": True}
+    body = {
+        "model": MODEL,
+        "prompt": "Write a very long story about a dragon.",
+        "max_tokens": 200,
+        "stream": True,
+        "ignore_eos": True,
+    }
     with httpx.Client(base_url=server.base, headers={**AUTH, "X-Request-Id": rid}, timeout=60) as c:
         with c.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200
@@ -308,8 +362,13 @@ def test_client_disconnect_aborts(server):
 def test_40_streams_cut_at_once_free_every_block(server):
     """The hostile client's case that held before issue 11 and must keep holding: 40 streams cut after their
     first event all free their blocks (within seconds)."""
-    body = {"model": MODEL, "prompt": "Write a long story about the sea.", "max_tokens": 100, "ignore_eos": True,
-            "stream": True}
+    body = {
+        "model": MODEL,
+        "prompt": "Write a long story about the sea.",
+        "max_tokens": 100,
+        "ignore_eos": True,
+        "stream": True,
+    }
 
     async def cut(client):
         async with client.stream("POST", "/v1/completions", json=body) as r:
@@ -378,8 +437,9 @@ def test_bad_completion_input(server, name, body, status, param):
 def test_prompt_longer_than_max_model_len(server, stream):
     n_prompt = n_tokens(server, LONG_PROMPT)
     assert n_prompt > MAX_MODEL_LEN
-    r = server.http.post("/v1/completions", json={"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 4,
-                                                  "stream": stream})
+    r = server.http.post(
+        "/v1/completions", json={"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 4, "stream": stream}
+    )
     assert_error(r, 400, "prompt", contains=[str(MAX_MODEL_LEN), str(n_prompt)])
     # Fits alone, but not with the completion asked for.
     short = "hello " * (MAX_MODEL_LEN - 20)
@@ -395,13 +455,25 @@ BAD_CHAT = [
     ("missing messages", {"model": MODEL}, 400, "messages"),
     ("messages wrong type", {"model": MODEL, "messages": "hello"}, 400, "messages"),
     ("message without role", {"model": MODEL, "messages": [{"content": "hi"}]}, 400, "messages"),
-    ("temperature < 0", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": -1},
-     400, "temperature"),
-    ("max_completion_tokens < 0", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                                   "max_completion_tokens": -1}, 400, "max_completion_tokens"),
+    (
+        "temperature < 0",
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": -1},
+        400,
+        "temperature",
+    ),
+    (
+        "max_completion_tokens < 0",
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -1},
+        400,
+        "max_completion_tokens",
+    ),
     ("unknown model", {"model": "gpt-17", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
-    ("too long", {"model": MODEL, "messages": [{"role": "user", "content": LONG_PROMPT}], "stream": True},
-     400, "messages"),
+    (
+        "too long",
+        {"model": MODEL, "messages": [{"role": "user", "content": LONG_PROMPT}], "stream": True},
+        400,
+        "messages",
+    ),
 ]
 
 
@@ -429,9 +501,22 @@ def small_server(tmp_path_factory):
     port = free_port()
     key = "sk-env-key"
     log = open(tmp_path_factory.mktemp("small") / "server.log", "w")
-    proc = serve(port, "--max-num-seqs", "1", "--max-waiting-requests", "1", "--max-model-len", str(MAX_MODEL_LEN),
-                 "--kv-cache-memory", "32MiB", "--log-level", "warning", timeout=180, log=log,
-                 env={"PAGEDLLM_API_KEY": key})
+    proc = serve(
+        port,
+        "--max-num-seqs",
+        "1",
+        "--max-waiting-requests",
+        "1",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--kv-cache-memory",
+        "32MiB",
+        "--log-level",
+        "warning",
+        timeout=180,
+        log=log,
+        env={"PAGEDLLM_API_KEY": key},
+    )
     base = f"http://127.0.0.1:{port}"
     http = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=60)
     try:
@@ -455,8 +540,10 @@ def test_too_many_waiting_requests_503(small_server):
     s = small_server
     assert_error(httpx.get(s.base + "/v1/models"), 401)  # the key from PAGEDLLM_API_KEY is enforced
     body = {"model": MODEL, "prompt": "Tell me a story.", "max_tokens": 100, "ignore_eos": True, "stream": True}
-    with httpx.Client(base_url=s.base, headers={"Authorization": f"Bearer {s.key}"}, timeout=60) as c1, \
-            httpx.Client(base_url=s.base, headers={"Authorization": f"Bearer {s.key}"}, timeout=60) as c2:
+    with (
+        httpx.Client(base_url=s.base, headers={"Authorization": f"Bearer {s.key}"}, timeout=60) as c1,
+        httpx.Client(base_url=s.base, headers={"Authorization": f"Bearer {s.key}"}, timeout=60) as c2,
+    ):
         with c1.stream("POST", "/v1/completions", json=body) as running:
             _read_first_event(running.iter_lines())
             with c2.stream("POST", "/v1/completions", json=body) as waiting:
@@ -467,8 +554,10 @@ def test_too_many_waiting_requests_503(small_server):
                     time.sleep(0.05)
                 r = s.http.post("/v1/completions", json={**body, "stream": False})
                 assert_error(r, 503)
-                r = s.http.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 1,
-                                                              "messages": [{"role": "user", "content": "hi"}]})
+                r = s.http.post(
+                    "/v1/chat/completions",
+                    json={"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]},
+                )
                 assert_error(r, 503)
     assert_pool_whole(s)
     r = s.http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1})

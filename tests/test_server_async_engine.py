@@ -1,5 +1,6 @@
 """AsyncLLMEngine over a fake LLMEngine (no model): one loop for all callers, aborts on early exit, add errors
 reach the caller, the waiting limit, shutdown. Fast; the real-model server tests are in test_server.py."""
+
 from __future__ import annotations
 
 import asyncio
@@ -36,8 +37,16 @@ class FakeEngine:
 
     max_model_len = 64
     tokenizer = None  # prompts here are token ids: nothing is ever tokenized
-    model_config = ModelConfig(architecture="LlamaForCausalLM", vocab_size=1000, hidden_size=8, intermediate_size=8,
-                               num_layers=1, num_heads=1, num_kv_heads=1, head_dim=8)
+    model_config = ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=1000,
+        hidden_size=8,
+        intermediate_size=8,
+        num_layers=1,
+        num_heads=1,
+        num_kv_heads=1,
+        head_dim=8,
+    )
 
     def __init__(self, max_running: int = 4, step_s: float = 0.005, num_blocks: int = 64) -> None:
         self.max_running = max_running
@@ -83,8 +92,7 @@ class FakeEngine:
             r = self.reqs[rid]
             r.tokens.append(100 + len(r.tokens))
             done = len(r.tokens) >= r.max_tokens
-            c = CompletionOutput(0, " ".join(f"t{t}" for t in r.tokens), list(r.tokens),
-                                 "length" if done else None)
+            c = CompletionOutput(0, " ".join(f"t{t}" for t in r.tokens), list(r.tokens), "length" if done else None)
             outs.append(RequestOutput(rid, None, r.prompt, [c], done, 0, RequestMetrics(r.arrival)))
             if done:
                 del self.reqs[rid]
@@ -93,11 +101,23 @@ class FakeEngine:
 
     def stats(self):
         used = sum((len(self.reqs[r].prompt) + len(self.reqs[r].tokens)) // 4 + 1 for r in self._running())
-        return EngineStats(num_running=len(self._running()), num_waiting=max(0, len(self.order) - self.max_running),
-                           num_blocks=self.num_blocks, num_free_blocks=self.num_blocks - used, num_cached_blocks=0, block_size=4,
-                           kv_usage=used / self.num_blocks, num_stored_tokens=0, prefix_cache_queries=0,
-                           prefix_cache_hits=0, num_preemptions=0, prompt_tokens=0, generation_tokens=0,
-                           peak_running=0, num_steps=self.steps)
+        return EngineStats(
+            num_running=len(self._running()),
+            num_waiting=max(0, len(self.order) - self.max_running),
+            num_blocks=self.num_blocks,
+            num_free_blocks=self.num_blocks - used,
+            num_cached_blocks=0,
+            block_size=4,
+            kv_usage=used / self.num_blocks,
+            num_stored_tokens=0,
+            prefix_cache_queries=0,
+            prefix_cache_hits=0,
+            num_preemptions=0,
+            prompt_tokens=0,
+            generation_tokens=0,
+            peak_running=0,
+            num_steps=self.steps,
+        )
 
 
 @dataclass

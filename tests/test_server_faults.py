@@ -4,6 +4,7 @@ block, freeze the event loop, answer 500, get silently ignored) and must not do 
 One in-process server in float32 with a tiny KV budget (24 blocks: long prompts preempt each other) and a
 2 MiB body limit serves every test; each ends with the block pool whole and the server still answering.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,8 +34,10 @@ def fault_server(model_fp32):
     from pagedllm.engine import EngineConfig, LLMEngine
     from pagedllm.engine.async_engine import AsyncLLMEngine
 
-    engine = AsyncLLMEngine(LLMEngine(EngineConfig(kv_cache_memory=tiny_kv_budget(), **FAULT_ENGINE_ARGS),
-                                      loaded=model_fp32), max_waiting_requests=16)
+    engine = AsyncLLMEngine(
+        LLMEngine(EngineConfig(kv_cache_memory=tiny_kv_budget(), **FAULT_ENGINE_ARGS), loaded=model_fp32),
+        max_waiting_requests=16,
+    )
     with running_server(engine, served_model_names=["m"], max_request_bytes=MAX_REQUEST_BYTES) as s:
         yield s
 
@@ -52,13 +55,19 @@ def assert_serving(s) -> None:
 
 
 # ------------------------------------------------------------------------------- numerically extreme sampling
-NUMERIC_EDGES = [dict(temperature=1e-300), dict(temperature=1e-45), dict(temperature=5e-324),
-                 dict(repetition_penalty=1e-300, temperature=1), dict(top_p=1e-300, temperature=1),
-                 dict(temperature=1e-300, stream=True)]
+NUMERIC_EDGES = [
+    dict(temperature=1e-300),
+    dict(temperature=1e-45),
+    dict(temperature=5e-324),
+    dict(repetition_penalty=1e-300, temperature=1),
+    dict(top_p=1e-300, temperature=1),
+    dict(temperature=1e-300, stream=True),
+]
 
 
-@pytest.mark.parametrize("params", NUMERIC_EDGES, ids=["-".join(f"{k}={v}" for k, v in p.items())
-                                                       for p in NUMERIC_EDGES])
+@pytest.mark.parametrize(
+    "params", NUMERIC_EDGES, ids=["-".join(f"{k}={v}" for k, v in p.items()) for p in NUMERIC_EDGES]
+)
 def test_numerically_extreme_sampling_is_served(fault_server, params):
     """Each once killed the engine loop for good (every later request a 503)."""
     params = dict(params)
@@ -95,7 +104,7 @@ def test_oversized_body_is_a_413_before_parsing(fault_server):
 
     def chunked():  # no Content-Length: the running count must stop it
         for i in range(0, len(big), 65536):
-            yield big[i:i + 65536]
+            yield big[i : i + 65536]
 
     assert_error(fault_server.http.post("/tokenize", content=chunked()), 413)
     assert_serving(fault_server)
@@ -116,7 +125,9 @@ def test_tokenizing_a_long_text_does_not_block_the_event_loop(fault_server, monk
 
     monkeypatch.setattr(tokenizer, "encode", encode)
     result = {}
-    worker = threading.Thread(target=lambda: result.update(r=fault_server.http.post("/tokenize", json={"prompt": text})))
+    worker = threading.Thread(
+        target=lambda: result.update(r=fault_server.http.post("/tokenize", json={"prompt": text}))
+    )
     worker.start()
     assert tokenizing.wait(60)
     assert fault_server.http.get("/health").status_code == 200
@@ -179,8 +190,10 @@ def test_an_unexpected_error_is_a_500_that_keeps_the_connection(fault_server, mo
 
 def _exchange(sock: socket.socket, reader, path: str, body: bytes) -> tuple[int, bytes]:
     """One HTTP/1.1 request on a kept-alive connection; (status, body)."""
-    head = (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            f"Authorization: {AUTH['Authorization']}\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Authorization: {AUTH['Authorization']}\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
     sock.sendall(head + body)
     status = int(reader.readline().split()[1])
     length = 0
@@ -197,8 +210,11 @@ REFUSED = [
     ("best_of -1", {"best_of": -1}, "best_of"),
     ("logit_bias key not an id", {"logit_bias": {"abc": 5}}, "logit_bias"),
     ("logit_bias id past the vocabulary", {"logit_bias": {"999999": 5}}, "logit_bias"),
-    ("response_format json_schema that does not compile", {"response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "objekt"}}}}, "response_format"),
+    (
+        "response_format json_schema that does not compile",
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
+        "response_format",
+    ),
     ("response_format of an unknown type", {"response_format": {"type": "yaml"}}, "response_format"),
     ("booleans as token ids", {"prompt": [True, False]}, "prompt"),
     ("temperature Infinity", "Infinity", "temperature"),
@@ -218,8 +234,11 @@ def test_fields_not_honoured_are_refused_by_name(fault_server, extra, param):
     assert_pool_whole(fault_server)
 
 
-@pytest.mark.parametrize("key", ["\u00b2", "\u2460", "\u0661\u0662", "\uff11\uff12"],
-                         ids=["superscript two", "circled one", "arabic-indic 12", "fullwidth 12"])
+@pytest.mark.parametrize(
+    "key",
+    ["\u00b2", "\u2460", "\u0661\u0662", "\uff11\uff12"],
+    ids=["superscript two", "circled one", "arabic-indic 12", "fullwidth 12"],
+)
 def test_logit_bias_keys_of_non_ascii_digits_are_refused_by_name(fault_server, key):
     """str.isdigit() holds for each: int() then failed outside the validator on the first two (a 500) and silently
     read the others as token 12."""
@@ -257,10 +276,16 @@ def test_a_kv_snapshot_that_waits_past_a_slow_step_is_a_503(fault_server, monkey
 
 CHAT_REFUSED = [
     ("role wizard", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
-    ("tools with tool_choice auto, a template without tools", {"tools": [{"type": "function", "function": {
-        "name": "f"}}], "tool_choice": "auto"}, "tool_choice"),
-    ("named tool_choice without tools", {"tool_choice": {"type": "function", "function": {"name": "f"}}},
-     "tool_choice"),
+    (
+        "tools with tool_choice auto, a template without tools",
+        {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"},
+        "tool_choice",
+    ),
+    (
+        "named tool_choice without tools",
+        {"tool_choice": {"type": "function", "function": {"name": "f"}}},
+        "tool_choice",
+    ),
     ("echo", {"echo": True}, "echo"),
 ]
 
@@ -297,8 +322,9 @@ def test_scoring_echo_logprobs_max_tokens_0(fault_server):
     r2 = complete(fault_server, prompt=prompt, max_tokens=1, prompt_logprobs=0, temperature=0)
     plp = r2.json()["choices"][0]["prompt_logprobs"]
     assert plp[0] is None and len(plp) == len(ids)
-    assert [plp[i][str(t)]["logprob"] for i, t in enumerate(ids) if i] == pytest.approx(lp["token_logprobs"][1:],
-                                                                                        abs=1e-4)
+    assert [plp[i][str(t)]["logprob"] for i, t in enumerate(ids) if i] == pytest.approx(
+        lp["token_logprobs"][1:], abs=1e-4
+    )
     # echo + logprobs with generation: the prompt's part comes first, then the generated tokens'.
     r3 = complete(fault_server, prompt=prompt, max_tokens=2, echo=True, logprobs=1, temperature=0)
     lp3 = r3.json()["choices"][0]["logprobs"]
@@ -314,8 +340,9 @@ def test_openapi_schema_has_bodies_and_errors(fault_server):
         assert "requestBody" in op and op["requestBody"]["required"], path
         assert {"200", "400", "401", "413", "503"} <= set(op["responses"]), (path, op["responses"].keys())
     schemas = spec["components"]["schemas"]
-    assert {"temperature", "logit_bias", "prompt_logprobs", "best_of"} <= set(schemas["CompletionRequest"]
-                                                                             ["properties"])
+    assert {"temperature", "logit_bias", "prompt_logprobs", "best_of"} <= set(
+        schemas["CompletionRequest"]["properties"]
+    )
 
 
 def test_health_body_and_detokenize_param(fault_server):
@@ -334,8 +361,11 @@ def test_engine_death_fails_streams_and_exits_non_zero(model_fp32, monkeypatch):
     core = LLMEngine(EngineConfig(kv_cache_memory=tiny_kv_budget(), **FAULT_ENGINE_ARGS), loaded=model_fp32)
     engine = AsyncLLMEngine(core)
     with running_server(engine) as s:
-        with s.http.stream("POST", "/v1/completions", json={"prompt": "Tell me a story", "max_tokens": 200,
-                                                            "ignore_eos": True, "stream": True}) as r:
+        with s.http.stream(
+            "POST",
+            "/v1/completions",
+            json={"prompt": "Tell me a story", "max_tokens": 200, "ignore_eos": True, "stream": True},
+        ) as r:
             lines = r.iter_lines()
             assert next(line for line in lines if line.startswith("data: "))
 
@@ -399,8 +429,7 @@ def test_one_failing_request_fails_alone(model_fp32, monkeypatch, inject):
             return complete(s, prompt=p, **body)
 
         threads_out: list = [None] * 3
-        workers = [threading.Thread(target=lambda i=i: threads_out.__setitem__(i, send(prompts[i])))
-                   for i in range(3)]
+        workers = [threading.Thread(target=lambda i=i: threads_out.__setitem__(i, send(prompts[i]))) for i in range(3)]
         for w in workers:
             w.start()
         for w in workers:

@@ -2,6 +2,7 @@
 and a hypothesis-driven client mixing valid and invalid bodies, n, stop strings, logprobs, long prompts and
 streams cut at random points, in concurrent bursts over a KV cache small enough to preempt. After all of it:
 the server answers, every block is free, nothing runs or waits. Bounded: well under a minute each."""
+
 from __future__ import annotations
 
 import asyncio
@@ -28,8 +29,10 @@ def fuzz_server(model_fp32):
     from pagedllm.engine import EngineConfig, LLMEngine
     from pagedllm.engine.async_engine import AsyncLLMEngine
 
-    engine = AsyncLLMEngine(LLMEngine(EngineConfig(kv_cache_memory=tiny_kv_budget(), **FAULT_ENGINE_ARGS),
-                                      loaded=model_fp32), max_waiting_requests=16)
+    engine = AsyncLLMEngine(
+        LLMEngine(EngineConfig(kv_cache_memory=tiny_kv_budget(), **FAULT_ENGINE_ARGS), loaded=model_fp32),
+        max_waiting_requests=16,
+    )
     with running_server(engine, served_model_names=["m"], max_request_bytes=256 * 1024) as s:
         yield s
 
@@ -56,6 +59,7 @@ def test_openapi_schema_fuzz(fuzz_server):
     assert len(operations) >= 8
 
     for operation in operations:
+
         @settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck), database=None)
         @given(case=operation.as_strategy())
         def call(case) -> None:
@@ -71,23 +75,28 @@ WORDS = ["the", "cat", "sat", "on", "a", "mat", "Paris", "is", "of", "and", "\u0
 
 valid_prompt = st.one_of(
     st.lists(st.sampled_from(WORDS), min_size=1, max_size=180).map(" ".join),  # long enough to preempt others
-    st.lists(st.integers(1, 4000), min_size=1, max_size=60))
-body_field = st.fixed_dictionaries({"prompt": valid_prompt}, optional={
-    # never null: that is up to max_model_len per request, not what the fuzzer is after
-    "max_tokens": st.one_of(st.integers(0, 12), st.sampled_from([-1, "x", 10**30])),
-    "n": st.one_of(st.integers(1, 3), st.sampled_from([0, 99, True])),
-    "stop": st.one_of(st.sampled_from(WORDS), st.lists(st.sampled_from(WORDS), max_size=3)),
-    "logprobs": st.one_of(st.integers(0, 3), st.just(50)),
-    "echo": st.booleans(),
-    "temperature": st.one_of(st.floats(0, 2), st.sampled_from([-1.0, 1e-300, "hot"])),
-    "seed": st.integers(-(2**63), 2**64 + 5),
-    "ignore_eos": st.booleans(),
-    "stream": st.booleans(),
-    "top_k": st.integers(-2, 50),
-    "logit_bias": st.dictionaries(st.sampled_from(["1", "42", "x", "-3"]), st.floats(-200, 200), max_size=2),
-})
-request_spec = st.tuples(st.sampled_from(["/v1/completions", "/v1/chat/completions"]), body_field,
-                         st.one_of(st.none(), st.integers(0, 4)))  # cut a stream after this many events
+    st.lists(st.integers(1, 4000), min_size=1, max_size=60),
+)
+body_field = st.fixed_dictionaries(
+    {"prompt": valid_prompt},
+    optional={
+        # never null: that is up to max_model_len per request, not what the fuzzer is after
+        "max_tokens": st.one_of(st.integers(0, 12), st.sampled_from([-1, "x", 10**30])),
+        "n": st.one_of(st.integers(1, 3), st.sampled_from([0, 99, True])),
+        "stop": st.one_of(st.sampled_from(WORDS), st.lists(st.sampled_from(WORDS), max_size=3)),
+        "logprobs": st.one_of(st.integers(0, 3), st.just(50)),
+        "echo": st.booleans(),
+        "temperature": st.one_of(st.floats(0, 2), st.sampled_from([-1.0, 1e-300, "hot"])),
+        "seed": st.integers(-(2**63), 2**64 + 5),
+        "ignore_eos": st.booleans(),
+        "stream": st.booleans(),
+        "top_k": st.integers(-2, 50),
+        "logit_bias": st.dictionaries(st.sampled_from(["1", "42", "x", "-3"]), st.floats(-200, 200), max_size=2),
+    },
+)
+request_spec = st.tuples(
+    st.sampled_from(["/v1/completions", "/v1/chat/completions"]), body_field, st.one_of(st.none(), st.integers(0, 4))
+)  # cut a stream after this many events
 
 
 def _as_chat(body: dict) -> dict:
@@ -123,8 +132,10 @@ async def _send(client: httpx.AsyncClient, path: str, body: dict, cut: int | Non
 
 def test_random_client_bursts(fuzz_server):
     """Bursts of valid and invalid requests, some cut mid-stream: no 5xx, and afterwards nothing left behind."""
-    @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck), phases=[Phase.generate],
-              database=None)  # no shrinking: the failing burst is printed as it was, in bounded time
+
+    @settings(
+        max_examples=12, deadline=None, suppress_health_check=list(HealthCheck), phases=[Phase.generate], database=None
+    )  # no shrinking: the failing burst is printed as it was, in bounded time
     @given(burst=st.lists(request_spec, min_size=1, max_size=5))
     def send_burst(burst) -> None:
         async def main() -> list[str]:

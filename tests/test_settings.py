@@ -1,5 +1,6 @@
 """Engine settings are declared once (EngineConfig: type, default, constraint, docstring) and every command's
 flags, help and checks come from that declaration."""
+
 from __future__ import annotations
 
 import argparse
@@ -36,14 +37,17 @@ def test_every_engine_setting_is_a_flag_with_its_docstring_as_help(command):
     assert actions["dtype"].choices == ["auto", "float32", "bfloat16"]  # once written by hand without choices
 
 
-@pytest.mark.parametrize("flag, value, words", [
-    ("--block-size", "0", "greater than or equal to 1"),
-    ("--max-num-seqs", "0", "greater than or equal to 1"),
-    ("--max-model-len", "0", "greater than or equal to 1"),
-    ("--kv-cache-memory", "0", "greater than 0"),
-    ("--kv-cache-memory", "lots", "could not parse"),
-    ("--gpu-memory-utilization", "1.5", "less than or equal to 1"),
-])
+@pytest.mark.parametrize(
+    "flag, value, words",
+    [
+        ("--block-size", "0", "greater than or equal to 1"),
+        ("--max-num-seqs", "0", "greater than or equal to 1"),
+        ("--max-model-len", "0", "greater than or equal to 1"),
+        ("--kv-cache-memory", "0", "greater than 0"),
+        ("--kv-cache-memory", "lots", "could not parse"),
+        ("--gpu-memory-utilization", "1.5", "less than or equal to 1"),
+    ],
+)
 def test_a_bad_value_is_one_error_naming_the_flag_from_the_cli_and_from_python(flag, value, words, capsys):
     from pagedllm.entrypoints.cli import main
 

@@ -5,6 +5,7 @@ drafts are accepted often); random sampling must keep the model's distribution (
 8-token vocabulary, exact probabilities from transformers, chi-square) and seeded requests their exact tokens;
 the KV pool must be whole after every request, through preemption, aborts and failed steps.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -42,10 +43,15 @@ def test_speculative_config_follows_vllm_and_names_the_flag():
     assert (cfg.num_speculative_tokens, cfg.prompt_lookup_max, cfg.prompt_lookup_min) == (3, 4, 4)
     assert SpeculativeConfig.parse({"num_speculative_tokens": 2}).prompt_lookup_min == 5
     assert EngineConfig(speculative_config=None).speculative_config is None
-    for bad, words in [("{oops", "JSON"), ("[4]", "JSON object"), ('{"method": "eagle", "num_speculative_tokens": 2}',
-                       "eagle"), ('{"method": "ngram"}', "num_speculative_tokens"), ('{"num_speculative_tokens": 0}',
-                       "positive"), ('{"num_speculative_tokens": 2, "k": 1}', "unknown"),
-                       ('{"num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}', "<=")]:
+    for bad, words in [
+        ("{oops", "JSON"),
+        ("[4]", "JSON object"),
+        ('{"method": "eagle", "num_speculative_tokens": 2}', "eagle"),
+        ('{"method": "ngram"}', "num_speculative_tokens"),
+        ('{"num_speculative_tokens": 0}', "positive"),
+        ('{"num_speculative_tokens": 2, "k": 1}', "unknown"),
+        ('{"num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}', "<="),
+    ]:
         with pytest.raises(UserError, match="--speculative-config") as e:
             EngineConfig(speculative_config=bad)
         assert words in str(e.value)
@@ -59,8 +65,10 @@ def test_the_cli_default_is_prompt_lookup_on_a_cpu_and_none_turns_it_off():
         config = EngineConfig.from_args(build_parser().parse_args(command))
         assert config.speculative_config == SpeculativeConfig(**CPU_DEFAULT), command
     for off in ("none", "off", "", "None"):
-        assert EngineConfig.from_args(build_parser().parse_args(["serve", "--speculative-config", off])) \
-            .speculative_config is None
+        assert (
+            EngineConfig.from_args(build_parser().parse_args(["serve", "--speculative-config", off])).speculative_config
+            is None
+        )
     assert EngineConfig().speculative_config is None  # the Python API is opt-in, as vLLM's LLM(...)
     assert EngineConfig(speculative_config="auto", device="cpu").speculative_config == SpeculativeConfig(**CPU_DEFAULT)
     assert SpeculativeConfig.parse("auto", on_cpu=False) is None  # measured on CPUs only
@@ -85,17 +93,40 @@ def test_acceptance_counts_and_metrics_use_vllm_names():
     stats.record(2, 0)
     assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (2, 5, 2)
     assert stats.accepted_per_pos == [1, 1, 0] and stats.acceptance_rate == 0.4
-    zeros = dict.fromkeys(("num_running", "num_waiting", "num_cached_blocks", "num_stored_tokens",
-                           "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens",
-                           "generation_tokens", "peak_running", "num_steps"), 0)
-    snapshot = EngineStats(**zeros, num_blocks=1, num_free_blocks=1, block_size=16, kv_usage=0.0,
-                           spec_decode_num_drafts=2, spec_decode_num_draft_tokens=5,
-                           spec_decode_num_accepted_tokens=2, spec_decode_num_accepted_tokens_per_pos=[1, 1, 0])
+    zeros = dict.fromkeys(
+        (
+            "num_running",
+            "num_waiting",
+            "num_cached_blocks",
+            "num_stored_tokens",
+            "prefix_cache_queries",
+            "prefix_cache_hits",
+            "num_preemptions",
+            "prompt_tokens",
+            "generation_tokens",
+            "peak_running",
+            "num_steps",
+        ),
+        0,
+    )
+    snapshot = EngineStats(
+        **zeros,
+        num_blocks=1,
+        num_free_blocks=1,
+        block_size=16,
+        kv_usage=0.0,
+        spec_decode_num_drafts=2,
+        spec_decode_num_draft_tokens=5,
+        spec_decode_num_accepted_tokens=2,
+        spec_decode_num_accepted_tokens_per_pos=[1, 1, 0],
+    )
     text = ServerMetrics("m", lambda: snapshot).render().decode()
-    for line in ('vllm:spec_decode_num_drafts_total{model_name="m"} 2.0',
-                 'vllm:spec_decode_num_draft_tokens_total{model_name="m"} 5.0',
-                 'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 2.0',
-                 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 1.0'):
+    for line in (
+        'vllm:spec_decode_num_drafts_total{model_name="m"} 2.0',
+        'vllm:spec_decode_num_draft_tokens_total{model_name="m"} 5.0',
+        'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 2.0',
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 1.0',
+    ):
         assert line in text
     # bench serve reads them back as vLLM's bench serve does: the difference over the run
     before = parse_spec_decode_counters(text)
@@ -178,8 +209,12 @@ def test_rag_greedy_answers_are_the_same_token_for_token_in_fewer_steps(spec, ra
     assert accepted > 0.15 * (s.generation_tokens - before.generation_tokens)  # answers quote their excerpts
     assert s.spec_decode_num_accepted_tokens_per_pos[0] >= s.spec_decode_num_accepted_tokens_per_pos[-1] > 0
     assert spec.num_steps - steps < plain_steps
-    many = [o for outs in streamed for a, o in zip(outs, outs[1:])
-            if len(o.outputs[0].token_ids) - len(a.outputs[0].token_ids) > 1]
+    many = [
+        o
+        for outs in streamed
+        for a, o in zip(outs, outs[1:])
+        if len(o.outputs[0].token_ids) - len(a.outputs[0].token_ids) > 1
+    ]
     assert many  # several tokens reached the caller in one step
     assert_all_blocks_free(spec)
 
@@ -188,20 +223,24 @@ def test_stops_min_tokens_and_n_cut_where_they_would_without_drafts(plain, spec,
     """Each variant ends at the same token and text with and without drafts, though a verified step may have
     produced tokens past the stop (they are dropped)."""
     text, ids = rag_reference[0][0][0].text, rag_reference[0][0][0].token_ids
-    short = plain.tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 2? Answer with the "
-                                                                             "number only."}])
-    variants = [SamplingParams(temperature=0, max_tokens=32, stop=[text[30:36]]),
-                SamplingParams(temperature=0, max_tokens=13, stop_token_ids=[ids[20]]),
-                SamplingParams(temperature=0, max_tokens=16, min_tokens=12),  # EOS masked where it would come
-                SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, seed=5, n=2),
-                SamplingParams(temperature=0, max_tokens=16)]
+    short = plain.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 2 + 2? Answer with the number only."}]
+    )
+    variants = [
+        SamplingParams(temperature=0, max_tokens=32, stop=[text[30:36]]),
+        SamplingParams(temperature=0, max_tokens=13, stop_token_ids=[ids[20]]),
+        SamplingParams(temperature=0, max_tokens=16, min_tokens=12),  # EOS masked where it would come
+        SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, seed=5, n=2),
+        SamplingParams(temperature=0, max_tokens=16),
+    ]
     prompts = [rag_prompts[0], rag_prompts[0], short, rag_prompts[0], short]
     ref, _ = generate(plain, prompts, variants)
     accepted = spec.stats().spec_decode_num_accepted_tokens
     got, streamed = generate(spec, prompts, variants)
     for r, g in zip(ref, got):
-        assert [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in g] == \
-            [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in r]
+        assert [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in g] == [
+            (c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in r
+        ]
     assert len(ref[1][0].token_ids) == 13 and len(ref[4][0].token_ids) < 12 <= len(ref[2][0].token_ids)
     stop = variants[0].stop[0]
     assert all(stop not in o.outputs[0].text for o in streamed[0])  # never streamed, not even in a long chunk
@@ -209,13 +248,15 @@ def test_stops_min_tokens_and_n_cut_where_they_would_without_drafts(plain, spec,
     assert_all_blocks_free(spec)
 
 
-def test_abort_after_drafts_and_preemption_under_drafts_leave_the_pool_whole(model_fp32, spec, rag_prompts,
-                                                                              rag_reference):
+def test_abort_after_drafts_and_preemption_under_drafts_leave_the_pool_whole(
+    model_fp32, spec, rag_prompts, rag_reference
+):
     # room for two prompts and one block: both are admitted, and growing one must preempt the other
     blocks = sum(-(-len(p) // 16) for p in rag_prompts[:2]) + 1
     per_block = bytes_per_block(model_fp32.config, 16, torch.float32)
-    small = make_engine(model_fp32, speculative_config=NGRAM, kv_cache_memory=blocks * per_block,
-                        enable_prefix_caching=False)
+    small = make_engine(
+        model_fp32, speculative_config=NGRAM, kv_cache_memory=blocks * per_block, enable_prefix_caching=False
+    )
     got, _ = generate(small, rag_prompts[:2], RAG_PARAMS)
     assert [g[0].token_ids for g in got] == [r[0].token_ids for r in rag_reference[0][:2]]
     assert small.stats().num_preemptions > 0 and small.stats().spec_decode_num_accepted_tokens > 0
@@ -267,8 +308,17 @@ def tiny(tmp_path_factory):
     from pagedllm.model import load_model
 
     folder = str(tmp_path_factory.mktemp("tiny-spec"))
-    cfg = LlamaConfig(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2)
+    cfg = LlamaConfig(
+        vocab_size=8,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -288,6 +338,7 @@ def tiny_engine(loaded, **kw):
 def exact_joint(hf) -> torch.Tensor:
     """P(t1, t2, t3) after PROMPT at temperature 1, from transformers: [8, 8, 8]."""
     with torch.no_grad():
+
         def next_probs(prefixes):
             return hf(torch.tensor([PROMPT + p for p in prefixes])).logits[:, -1].softmax(-1)
 
@@ -321,8 +372,9 @@ def joint_counts(outputs) -> torch.Tensor:
 def test_speculative_sampling_keeps_the_model_distribution(tiny, seeded):
     hf, loaded = tiny
     n = 3000
-    params = [SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=i if seeded else None)
-              for i in range(n)]
+    params = [
+        SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=i if seeded else None) for i in range(n)
+    ]
     engine = tiny_engine(loaded, speculative_config=TINY_NGRAM)
     outputs, _ = generate(engine, [PROMPT] * n, params)
     s = engine.stats()

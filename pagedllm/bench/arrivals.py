@@ -4,6 +4,7 @@ Same process as vLLM's benchmark: the gaps between requests are Gamma(shape=burs
 scale=1 / (rate * burstiness)), so their mean is 1 / rate whatever the burstiness, and their coefficient of
 variation is 1 / sqrt(burstiness) (< 1: more even than Poisson, > 1: burstier). The first request goes at 0.
 """
+
 from __future__ import annotations
 
 import math

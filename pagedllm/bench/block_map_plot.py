@@ -6,6 +6,7 @@ empty slots; a shared block is labelled with its ref count; a cell that aggregat
 states. `bench sweep --plot` draws the contiguous and paged runs at their peak with it, `kv-calc --plot` the
 chapter's requests.
 """
+
 from __future__ import annotations
 
 import functools
@@ -31,8 +32,16 @@ def _mpl():
     return plt, PatchCollection, Rectangle, Patch
 
 
-def _cell(rects: list, x: float, y: float, state: str, fill_share: float, colors: dict, gap: float,
-          height: float | None = None) -> None:
+def _cell(
+    rects: list,
+    x: float,
+    y: float,
+    state: str,
+    fill_share: float,
+    colors: dict,
+    gap: float,
+    height: float | None = None,
+) -> None:
     """One block at (x, y), top-left origin, one unit wide; a tail shows its filled share from the bottom."""
     Rectangle = _mpl()[2]
     w, h = 1 - gap, height or 1 - gap
@@ -62,8 +71,15 @@ def draw_pool(ax, m: dict) -> None:
         _cell(rects, x, y, state, fill / bs, colors, 0.08)
         text = str(mp["ref"][i]) if state == "shared" else str(bs - fill) if state == "tail" else ""
         if labels and text:
-            ax.text(x + 0.46, y + 0.5, text, ha="center", va="center", fontsize=6,
-                    color="white" if state == "shared" else "#1d2329")
+            ax.text(
+                x + 0.46,
+                y + 0.5,
+                text,
+                ha="center",
+                va="center",
+                fontsize=6,
+                color="white" if state == "shared" else "#1d2329",
+            )
     ax.add_collection(PatchCollection(rects, match_original=True))
     _frame(ax, cols, cdiv(cells, cols))
     ax.set_aspect("equal")  # square cells, as on the page
@@ -109,15 +125,19 @@ def legend(fig, m: dict, states: Sequence[str] = STATES) -> None:
 def plot_block_maps(maps: dict[str, dict], path: str, title: str = "") -> None:
     """Side by side, one column per map (e.g. contiguous and paged at their peak): the pool, then the tables."""
     plt = _mpl()[0]
-    fig, axes = plt.subplots(2, len(maps), figsize=(7.5 * len(maps), 9), squeeze=False,
-                             gridspec_kw={"height_ratios": [3, 2]})
+    fig, axes = plt.subplots(
+        2, len(maps), figsize=(7.5 * len(maps), 9), squeeze=False, gridspec_kw={"height_ratios": [3, 2]}
+    )
     width = max(len(r["block_ids"]) for m in maps.values() for r in m["requests"] or [{"block_ids": []}])
     for col, (name, m) in enumerate(maps.items()):
         c = m["counters"]
         draw_pool(axes[0][col], m)
-        axes[0][col].set_title(f"{name}: {c['num_running']} running, {c['num_used_blocks']:,} of {m['num_blocks']:,} "
-                               f"blocks held\n{c['tokens_stored']:,} tokens in {c['slots_allocated']:,} slots "
-                               f"({_share(c['tokens_stored'], c['slots_allocated'])} used)", fontsize=10)
+        axes[0][col].set_title(
+            f"{name}: {c['num_running']} running, {c['num_used_blocks']:,} of {m['num_blocks']:,} "
+            f"blocks held\n{c['tokens_stored']:,} tokens in {c['slots_allocated']:,} slots "
+            f"({_share(c['tokens_stored'], c['slots_allocated'])} used)",
+            fontsize=10,
+        )
         draw_rows(axes[1][col], m, max_cells=width)  # one scale for all: a short table looks short
         axes[1][col].set_title("block tables (one row per request)", fontsize=9)
     legend(fig, next(iter(maps.values())))
@@ -140,8 +160,9 @@ def lengths_snapshot(lengths: Sequence[int], block_size: int, allocation: str, m
         reqs.append(RequestState(f"request {i + 1}", "running", n, 0, 0, n, 0, list(range(start, start + blocks))))
         start += blocks
     total = max(1, start)
-    return KVSnapshot(0.0, 0, allocation, block_size, total, False, [1] * start + [0] * (total - start), [], [],
-                      [], reqs, 0)
+    return KVSnapshot(
+        0.0, 0, allocation, block_size, total, False, [1] * start + [0] * (total - start), [], [], [], reqs, 0
+    )
 
 
 def plot_kv_calc(lengths: Sequence[int], block_size: int, max_len: int, path: str):
@@ -154,16 +175,23 @@ def plot_kv_calc(lengths: Sequence[int], block_size: int, max_len: int, path: st
     fig, axes = plt.subplots(2, 1, figsize=(14, 2.2 + 0.55 * len(lengths)))
     used = sum(lengths)
     whole_slots, paged_slots = whole["counters"]["slots_allocated"], paged["counters"]["slots_allocated"]
-    lines = [f"{used:,} tokens used",
-             f"whole: {whole_slots:,} slots ({_share(used, whole_slots)} used), {max_len:,} reserved per request",
-             f"paged: {paged_slots:,} slots ({_share(used, paged_slots)} used), blocks of {block_size}"]
+    lines = [
+        f"{used:,} tokens used",
+        f"whole: {whole_slots:,} slots ({_share(used, whole_slots)} used), {max_len:,} reserved per request",
+        f"paged: {paged_slots:,} slots ({_share(used, paged_slots)} used), blocks of {block_size}",
+    ]
     for ax, m, line in ((axes[0], whole, lines[1]), (axes[1], paged, lines[2])):
         draw_rows(ax, m, max_rows=len(lengths), max_cells=width)
         ax.set_xlim(-0.2, width * 1.2)  # room for each row's numbers
         ax.set_title(line, fontsize=10, loc="left")
         for y, r in enumerate(x for x in m["requests"] if x["block_ids"]):
-            ax.text(len(r["block_ids"]) + 1, y + 0.39, f"{r['kv_tokens']:,} tokens in {r['slots']:,} slots, "
-                    f"{r['empty_slots']:,} empty", va="center", fontsize=7)
+            ax.text(
+                len(r["block_ids"]) + 1,
+                y + 0.39,
+                f"{r['kv_tokens']:,} tokens in {r['slots']:,} slots, {r['empty_slots']:,} empty",
+                va="center",
+                fontsize=7,
+            )
     legend(fig, whole, ("used", "tail", "reserved"))
     fig.suptitle(f"KV slots, whole vs paged: {lines[0]}", fontsize=11)
     fig.tight_layout(rect=(0, 0.08, 1, 1))

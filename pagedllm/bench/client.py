@@ -1,4 +1,5 @@
 """Async streaming client for any OpenAI-compatible server (pagedllm, vLLM, llama.cpp), and the load loop."""
+
 from __future__ import annotations
 
 import asyncio
@@ -39,8 +40,12 @@ class RequestSettings:
         return h
 
     def body(self, req: SampleRequest) -> dict:
-        body: dict = {"model": self.model, "stream": True, "max_tokens": req.expected_output_len,
-                      "temperature": self.temperature}
+        body: dict = {
+            "model": self.model,
+            "stream": True,
+            "max_tokens": req.expected_output_len,
+            "temperature": self.temperature,
+        }
         if self.endpoint.endswith("/chat/completions"):
             body["messages"] = [{"role": "user", "content": req.prompt}]
         else:
@@ -171,5 +176,7 @@ async def run_load(
 
 
 def make_client(max_connections: int | None = None) -> httpx.AsyncClient:
-    limits = httpx.Limits(max_connections=max_connections or 10_000, max_keepalive_connections=max_connections or 10_000)
+    limits = httpx.Limits(
+        max_connections=max_connections or 10_000, max_keepalive_connections=max_connections or 10_000
+    )
     return httpx.AsyncClient(timeout=httpx.Timeout(6 * 3600.0, connect=30.0), limits=limits, trust_env=False)

@@ -4,6 +4,7 @@ Random prompts are built as vLLM builds them: random token ids are decoded to te
 (BPE merges change the count) and the ids are truncated or extended until decode -> encode is stable at the
 target length.
 """
+
 from __future__ import annotations
 
 import json
@@ -67,9 +68,7 @@ def exact_length_prompt(
             ids = re_ids[:target_len]
         else:
             ids = re_ids + sampler.sample(target_len - len(re_ids))
-    raise UserError(
-        f"could not build a prompt of exactly {target_len} tokens with this tokenizer in {max_tries} tries"
-    )
+    raise UserError(f"could not build a prompt of exactly {target_len} tokens with this tokenizer in {max_tries} tries")
 
 
 def _lens(rng: np.random.Generator, mean: int, range_ratio: float, n: int, name: str) -> np.ndarray:
@@ -200,8 +199,6 @@ def sharegpt_dataset(
     while len(out) < num_prompts:  # fewer conversations than prompts: reuse them
         out.append(out[len(out) % max(1, len(out))])
     return out
-
-
 
 
 def rag_dataset(

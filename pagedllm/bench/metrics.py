@@ -12,6 +12,7 @@
   output token has TPOT 0 for this purpose.
 - Mean / median / std (population, numpy's default) and percentiles (numpy's linear interpolation), in ms.
 """
+
 from __future__ import annotations
 
 import math
@@ -23,8 +24,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pagedllm.errors import UserError
 
-METRICS = (("ttft", "TTFT", "Time to First Token"), ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
-           ("itl", "ITL", "Inter-token Latency"), ("e2el", "E2EL", "End-to-end Latency"))
+METRICS = (
+    ("ttft", "TTFT", "Time to First Token"),
+    ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
+    ("itl", "ITL", "Inter-token Latency"),
+    ("e2el", "E2EL", "End-to-end Latency"),
+)
 GOODPUT_KEYS = ("ttft", "tpot", "e2el")
 
 
@@ -172,8 +177,10 @@ def compute_metrics(
     total_output = sum(output_lens)
     dur = duration if duration > 0 else float("nan")
     slos = goodput or {}
-    good = sum(all(m[k] * 1000.0 <= v for k, v in slos.items())
-               for m in ({"ttft": a, "tpot": b, "e2el": c} for a, b, c in zip(ttfts, s.all_tpots, e2els)))
+    good = sum(
+        all(m[k] * 1000.0 <= v for k, v in slos.items())
+        for m in ({"ttft": a, "tpot": b, "e2el": c} for a, b, c in zip(ttfts, s.all_tpots, e2els))
+    )
     tokens_per_s, running = per_second(results)
     out: dict = {
         "duration": duration,
@@ -208,6 +215,7 @@ def compute_metrics(
 
 
 # ---- the server's prefix-cache counters, from its Prometheus /metrics -------------------------------------
+
 
 def _prometheus_samples(text: str) -> Iterator[tuple[str, dict[str, str], float]]:
     """(name, labels, value) of every sample of a Prometheus text page (prometheus_client's parser); a page it
@@ -277,7 +285,11 @@ def spec_decode_delta(before: dict | None, after: dict | None) -> dict | None:
     if draft_tokens <= 0:
         return None
     per_pos = [(after["per_pos"][p] - before["per_pos"].get(p, 0.0)) / drafts for p in sorted(after["per_pos"])]
-    return {"spec_decode_acceptance_rate": 100 * accepted / draft_tokens,
-            "spec_decode_acceptance_length": 1 + accepted / drafts if drafts else 0.0,
-            "spec_decode_num_drafts": int(drafts), "spec_decode_draft_tokens": int(draft_tokens),
-            "spec_decode_accepted_tokens": int(accepted), "spec_decode_per_position_acceptance_rates": per_pos}
+    return {
+        "spec_decode_acceptance_rate": 100 * accepted / draft_tokens,
+        "spec_decode_acceptance_length": 1 + accepted / drafts if drafts else 0.0,
+        "spec_decode_num_drafts": int(drafts),
+        "spec_decode_draft_tokens": int(draft_tokens),
+        "spec_decode_accepted_tokens": int(accepted),
+        "spec_decode_per_position_acceptance_rates": per_pos,
+    }

@@ -1,4 +1,5 @@
 """`--plot FILE.png`: latency distributions and throughput over time (matplotlib, Agg backend)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -64,9 +65,14 @@ def plot_serve_result(result: dict, path: str, title: str = "") -> None:
 def plot_sweep(rows: list[dict], path: str, title: str = "") -> None:
     plt = _mpl()
     names = [r["setting"] for r in rows]
-    cols = [("peak_running", "peak requests running"), ("used_share", "KV used share (tokens / slots)"),
-            ("output_throughput", "output tokens/s"), ("median_ttft_ms", "TTFT median (ms)"),
-            ("p99_ttft_ms", "TTFT p99 (ms)"), ("prefix_cache_hit_rate", "prefix-cache hit rate")]
+    cols = [
+        ("peak_running", "peak requests running"),
+        ("used_share", "KV used share (tokens / slots)"),
+        ("output_throughput", "output tokens/s"),
+        ("median_ttft_ms", "TTFT median (ms)"),
+        ("p99_ttft_ms", "TTFT p99 (ms)"),
+        ("prefix_cache_hit_rate", "prefix-cache hit rate"),
+    ]
     fig, axes = plt.subplots(2, 3, figsize=(16, 8))
     y = np.arange(len(names))
     for ax, (key, label) in zip(axes.flat, cols):

@@ -1,4 +1,5 @@
 """`pagedllm bench serve`: measure any OpenAI-compatible server with a streamed workload (like `vllm bench serve`)."""
+
 from __future__ import annotations
 
 import argparse
@@ -40,19 +41,30 @@ def add_dataset_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dataset-path", default=None, help="sharegpt: a local JSON file in the ShareGPT format")
     g.add_argument("--num-prompts", type=int, default=100)
     g.add_argument("--input-len", type=int, default=1024, help="random: prompt tokens (after the shared prefix)")
-    g.add_argument("--output-len", type=int, default=None,
-                   help="max_tokens per request (random / prefix-repetition / rag: default 128; sharegpt: the "
-                        "dataset reply's length)")
-    g.add_argument("--range-ratio", type=float, default=0.0,
-                   help="random: lengths uniform in [len*(1-r), len*(1+r)]")
-    g.add_argument("--prefix-len", type=int, default=None,
-                   help="random: tokens shared by all prompts (default 0); prefix-repetition: each prefix's "
-                        "length (default 256)")
+    g.add_argument(
+        "--output-len",
+        type=int,
+        default=None,
+        help="max_tokens per request (random / prefix-repetition / rag: default 128; sharegpt: the "
+        "dataset reply's length)",
+    )
+    g.add_argument("--range-ratio", type=float, default=0.0, help="random: lengths uniform in [len*(1-r), len*(1+r)]")
+    g.add_argument(
+        "--prefix-len",
+        type=int,
+        default=None,
+        help="random: tokens shared by all prompts (default 0); prefix-repetition: each prefix's length (default 256)",
+    )
     g.add_argument("--num-prefixes", type=int, default=10, help="prefix-repetition: distinct prefixes")
     g.add_argument("--suffix-len", type=int, default=256, help="prefix-repetition: tokens after the prefix")
-    g.add_argument("--rag-store", default=None, help="rag: the store `pagedllm rag ingest` wrote (its default if unset)")
-    g.add_argument("--tokenizer", default=None,
-                   help="tokenizer for exact token counts (GGUF file, HF folder); default: the default model's")
+    g.add_argument(
+        "--rag-store", default=None, help="rag: the store `pagedllm rag ingest` wrote (its default if unset)"
+    )
+    g.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer for exact token counts (GGUF file, HF folder); default: the default model's",
+    )
     g.add_argument("--seed", type=int, default=0)
 
 
@@ -67,14 +79,16 @@ def build_dataset(args: argparse.Namespace, tokenizer) -> list[ds.SampleRequest]
         prefix = args.prefix_len or 0
         if args.input_len < 0 or prefix < 0 or args.input_len + prefix < 1:
             raise UserError("--input-len (+ --prefix-len) must be at least 1 token")
-        return ds.random_dataset(tokenizer, args.num_prompts, args.input_len, out_len or 128, args.range_ratio,
-                                 prefix, args.seed)
+        return ds.random_dataset(
+            tokenizer, args.num_prompts, args.input_len, out_len or 128, args.range_ratio, prefix, args.seed
+        )
     if name == "prefix-repetition":
         prefix = 256 if args.prefix_len is None else args.prefix_len
         if prefix < 0 or args.suffix_len < 0 or prefix + args.suffix_len < 1:
             raise UserError("--prefix-len + --suffix-len must be at least 1 token")
-        return ds.prefix_repetition_dataset(tokenizer, args.num_prompts, args.num_prefixes, prefix, args.suffix_len,
-                                            out_len or 128, args.seed)
+        return ds.prefix_repetition_dataset(
+            tokenizer, args.num_prompts, args.num_prefixes, prefix, args.suffix_len, out_len or 128, args.seed
+        )
     if name == "sharegpt":
         return ds.sharegpt_dataset(tokenizer, args.dataset_path, args.num_prompts, out_len, args.seed)
     if name == "rag":
@@ -84,32 +98,54 @@ def build_dataset(args: argparse.Namespace, tokenizer) -> list[ds.SampleRequest]
 
 def add_serve_parser(bench_sub) -> argparse.ArgumentParser:
     p = bench_sub.add_parser(
-        "serve", help="measure an OpenAI-compatible server (pagedllm, vLLM, llama.cpp) with a streamed workload",
+        "serve",
+        help="measure an OpenAI-compatible server (pagedllm, vLLM, llama.cpp) with a streamed workload",
         description="Send a workload to any OpenAI-compatible server and report TTFT, TPOT, ITL, E2E latency, "
-                    "throughput, goodput and the server's prefix-cache hit rate (vLLM's definitions).")
+        "throughput, goodput and the server's prefix-cache hit rate (vLLM's definitions).",
+    )
     g = p.add_argument_group("server")
     g.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root, e.g. http://127.0.0.1:8000")
     g.add_argument("--endpoint", choices=ENDPOINTS, default="/v1/completions")
     g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="sent as a Bearer token")
     g.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
-    g.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
-                   help="do not send ignore_eos (for servers that reject it; output lengths then vary)")
+    g.add_argument(
+        "--no-ignore-eos",
+        dest="ignore_eos",
+        action="store_false",
+        help="do not send ignore_eos (for servers that reject it; output lengths then vary)",
+    )
     g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--no-usage", dest="include_usage", action="store_false",
-                   help="do not ask for stream_options.include_usage (output tokens are then counted locally)")
+    g.add_argument(
+        "--no-usage",
+        dest="include_usage",
+        action="store_false",
+        help="do not ask for stream_options.include_usage (output tokens are then counted locally)",
+    )
     g.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
     add_dataset_args(p)
     g = p.add_argument_group("load")
-    g.add_argument("--request-rate", type=float, default=float("inf"),
-                   help="requests per second (inf: all at once); gaps are gamma-distributed, Poisson at burstiness 1")
+    g.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="requests per second (inf: all at once); gaps are gamma-distributed, Poisson at burstiness 1",
+    )
     g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: < 1 burstier, > 1 more even")
     g.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
-    g.add_argument("--skip-initial-test", action="store_true",
-                   help="do not send one short unmeasured request before the run to check the server")
+    g.add_argument(
+        "--skip-initial-test",
+        action="store_true",
+        help="do not send one short unmeasured request before the run to check the server",
+    )
     g = p.add_argument_group("report")
     g.add_argument("--percentiles", default="50,90,99", help="percentiles to report, e.g. 50,90,99")
-    g.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
-                   help="SLOs for goodput, e.g. --goodput ttft:500 tpot:50 e2el:5000")
+    g.add_argument(
+        "--goodput",
+        nargs="+",
+        default=None,
+        metavar="KEY:MS",
+        help="SLOs for goodput, e.g. --goodput ttft:500 tpot:50 e2el:5000",
+    )
     g.add_argument("--save-result", default=None, metavar="FILE.json", help="write the result as JSON (vLLM keys)")
     g.add_argument("--plot", default=None, metavar="FILE.png", help="latency histograms and throughput over time")
     g.add_argument("--disable-tqdm", action="store_true")
@@ -180,8 +216,9 @@ async def _run(args, settings: RequestSettings, requests, tokenizer, percentiles
                 raise UserError(f"the initial test request to {settings.url} failed: {test.error}")
         before = await fetch_metrics_text(client, settings.base_url, settings.api_key) or ""
         times = arrival_times(len(requests), args.request_rate, args.burstiness, args.seed)
-        results, duration = await run_load(client, settings, requests, times, args.max_concurrency,
-                                           progress=not args.disable_tqdm)
+        results, duration = await run_load(
+            client, settings, requests, times, args.max_concurrency, progress=not args.disable_tqdm
+        )
         after = await fetch_metrics_text(client, settings.base_url, settings.api_key) or ""
     res = compute_metrics(results, duration, lambda t: len(tokenizer.encode(t)), percentiles, goodput)
     cache = prefix_cache_delta(parse_prefix_cache_counters(before), parse_prefix_cache_counters(after))
@@ -211,17 +248,35 @@ def run_serve(args: argparse.Namespace) -> int:
 
     tokenizer = load_bench_tokenizer(args.tokenizer)
     requests = build_dataset(args, tokenizer)
-    settings = RequestSettings(base_url=args.base_url, endpoint=args.endpoint, model=args.model or "",
-                               api_key=args.api_key, ignore_eos=args.ignore_eos, temperature=args.temperature,
-                               include_usage=args.include_usage, extra_body=extra)
+    settings = RequestSettings(
+        base_url=args.base_url,
+        endpoint=args.endpoint,
+        model=args.model or "",
+        api_key=args.api_key,
+        ignore_eos=args.ignore_eos,
+        temperature=args.temperature,
+        include_usage=args.include_usage,
+        extra_body=extra,
+    )
     started = datetime.now().strftime("%Y%m%d-%H%M%S")
     res = asyncio.run(_run(args, settings, requests, tokenizer, percentiles, goodput))
-    meta = {"date": started, "backend": "openai-chat" if "chat" in settings.endpoint else "openai",
-            "base_url": settings.base_url, "endpoint": settings.endpoint, "model_id": settings.model,
-            "tokenizer_id": args.tokenizer, "dataset_name": args.dataset_name, "num_prompts": args.num_prompts,
-            "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf", "burstiness": args.burstiness,
-            "max_concurrency": args.max_concurrency, "seed": args.seed, "percentiles": percentiles,
-            "goodput_slos_ms": goodput or None, "ignore_eos": settings.ignore_eos}
+    meta = {
+        "date": started,
+        "backend": "openai-chat" if "chat" in settings.endpoint else "openai",
+        "base_url": settings.base_url,
+        "endpoint": settings.endpoint,
+        "model_id": settings.model,
+        "tokenizer_id": args.tokenizer,
+        "dataset_name": args.dataset_name,
+        "num_prompts": args.num_prompts,
+        "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
+        "burstiness": args.burstiness,
+        "max_concurrency": args.max_concurrency,
+        "seed": args.seed,
+        "percentiles": percentiles,
+        "goodput_slos_ms": goodput or None,
+        "ignore_eos": settings.ignore_eos,
+    }
     res = {**meta, **res}
     if not args.quiet:
         print(format_result(res, percentiles))
@@ -237,5 +292,3 @@ def run_serve(args: argparse.Namespace) -> int:
         plot_serve_result(res, args.plot, title=f"{settings.model} @ {settings.base_url}{settings.endpoint}")
         print(f"saved {args.plot}", file=sys.stderr)
     return 0 if res["completed"] > 0 else 1
-
-

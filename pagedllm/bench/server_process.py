@@ -1,5 +1,6 @@
 """A server in a child process for a benchmark (or a test) to measure: a free port, `pagedllm serve` started and
 waited for until /health answers, stopped as a user's Ctrl-C would. One copy for every script that does it."""
+
 from __future__ import annotations
 
 import os
@@ -23,12 +24,22 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(cmd: list[str], base_url: str, timeout: float = 300.0, log: IO[Any] | None = None,
-                 env: dict[str, str] | None = None, ready: Callable[[Any], bool] | None = None) -> subprocess.Popen:
+def start_server(
+    cmd: list[str],
+    base_url: str,
+    timeout: float = 300.0,
+    log: IO[Any] | None = None,
+    env: dict[str, str] | None = None,
+    ready: Callable[[Any], bool] | None = None,
+) -> subprocess.Popen:
     """Start `cmd` and return once GET {base_url}/health answers 200 with a body `ready` accepts; if the process
     exits first or `timeout` passes, it is stopped and RuntimeError says so (with the tail of `log`, a file)."""
-    proc = subprocess.Popen(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}, stdout=log,
-                            stderr=subprocess.STDOUT if log is not None else None)
+    proc = subprocess.Popen(
+        cmd,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
+        stdout=log,
+        stderr=subprocess.STDOUT if log is not None else None,
+    )
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -44,11 +55,13 @@ def start_server(cmd: list[str], base_url: str, timeout: float = 300.0, log: IO[
     raise RuntimeError(f"{cmd[3:5]} did not answer /health within {timeout:g} s{_tail(log)}")
 
 
-def serve(port: int, *flags: str, timeout: float = 300.0, log: IO[Any] | None = None,
-          env: dict[str, str] | None = None) -> subprocess.Popen:
+def serve(
+    port: int, *flags: str, timeout: float = 300.0, log: IO[Any] | None = None, env: dict[str, str] | None = None
+) -> subprocess.Popen:
     """`pagedllm serve --port PORT FLAGS...`, ready."""
-    return start_server(PAGEDLLM + ["serve", "--port", str(port), *flags], f"http://127.0.0.1:{port}", timeout,
-                        log, env)
+    return start_server(
+        PAGEDLLM + ["serve", "--port", str(port), *flags], f"http://127.0.0.1:{port}", timeout, log, env
+    )
 
 
 def stop(proc: subprocess.Popen, timeout: float = 120.0) -> None:

@@ -14,6 +14,7 @@ Columns: peak requests running at once, KV slots allocated vs tokens stored (ave
 that had requests running; stored / allocated is the chapter's "used share"), output tokens/s, TTFT median
 and p99, prefix-cache hit rate, preemptions.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,13 +28,16 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
 from pagedllm.bench import datasets as ds
 from pagedllm.bench.arrivals import arrival_times
 from pagedllm.errors import UserError
+
+if TYPE_CHECKING:  # the engine (torch) loads only when a sweep runs
+    from pagedllm.engine import KVCacheDType
 
 GROUPS = ("allocation", "block", "prefix", "dtype", "disk")
 
@@ -48,7 +52,7 @@ class Setting:
     groups: set[str] = field(default_factory=set)
     small_pool: bool = False  # a RAM pool of --disk-pool-tokens instead of the common budget
     kv_offload: bool = False  # with a disk tier under the prefix cache
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: KVCacheDType = "auto"
 
 
 def default_settings(groups: set[str]) -> list[Setting]:
@@ -60,28 +64,50 @@ def default_settings(groups: set[str]) -> list[Setting]:
         Setting("paged b128", "long-tail", "paged", 128, False, {"block"}),
         Setting("prefix-rep, caching off", "prefix-repetition", "paged", 16, False, {"prefix"}),
         Setting("prefix-rep, caching on", "prefix-repetition", "paged", 16, True, {"prefix"}),
-        *[Setting(f"paged b16, KV {d}", "long-tail", "paged", 16, False, {"dtype"}, kv_cache_dtype=d)
-          for d in ("float32", "bfloat16", "int8", "fp8")],
+        *[
+            Setting(f"paged b16, KV {d}", "long-tail", "paged", 16, False, {"dtype"}, kv_cache_dtype=d)
+            for d in ("float32", "bfloat16", "int8", "fp8")
+        ],
         Setting("prefix-rep, small pool", "prefix-repetition", "paged", 16, True, {"disk"}, small_pool=True),
-        Setting("prefix-rep, small pool + disk tier", "prefix-repetition", "paged", 16, True, {"disk"},
-                small_pool=True, kv_offload=True),
+        Setting(
+            "prefix-rep, small pool + disk tier",
+            "prefix-repetition",
+            "paged",
+            16,
+            True,
+            {"disk"},
+            small_pool=True,
+            kv_offload=True,
+        ),
     ]
     return [r for r in rows if r.groups & groups]
 
 
 def add_sweep_parser(bench_sub) -> argparse.ArgumentParser:
     p = bench_sub.add_parser(
-        "sweep", help="the same workload on in-process engines with different KV settings, one row each",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        "sweep",
+        help="the same workload on in-process engines with different KV settings, one row each",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--model", default=None, help="HF folder or GGUF file (default: SmolLM2-135M GGUF)")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--rows", default="all",
-                   help="comma-separated groups: allocation, block, prefix, dtype, disk (or all)")
+    p.add_argument(
+        "--rows", default="all", help="comma-separated groups: allocation, block, prefix, dtype, disk (or all)"
+    )
     p.add_argument("--max-model-len", type=int, default=4096, help="also the longest prompt of the long tail")
-    p.add_argument("--kv-budget-tokens", type=int, default=None,
-                   help="KV cache size in tokens for every row (default: --contiguous-requests x --max-model-len)")
-    p.add_argument("--contiguous-requests", type=int, default=4,
-                   help="requests the default budget holds under contiguous allocation")
+    p.add_argument(
+        "--kv-budget-tokens",
+        type=int,
+        default=None,
+        help="KV cache size in tokens for every row (default: --contiguous-requests x --max-model-len)",
+    )
+    p.add_argument(
+        "--contiguous-requests",
+        type=int,
+        default=4,
+        help="requests the default budget holds under contiguous allocation",
+    )
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     g = p.add_argument_group("long-tail workload (allocation and block rows)")
@@ -99,8 +125,12 @@ def add_sweep_parser(bench_sub) -> argparse.ArgumentParser:
     g.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (inf: all at the start)")
     g.add_argument("--burstiness", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--no-reuse-weights", dest="reuse_weights", action="store_false",
-                   help="load the model afresh for every row (slower; the default loads it once)")
+    g.add_argument(
+        "--no-reuse-weights",
+        dest="reuse_weights",
+        action="store_false",
+        help="load the model afresh for every row (slower; the default loads it once)",
+    )
     g.add_argument("--save-result", default=None, metavar="FILE.json")
     g.add_argument("--plot", default=None, metavar="FILE.png")
     g.add_argument("--markdown", action="store_true", help="print the table as Markdown")
@@ -109,6 +139,7 @@ def add_sweep_parser(bench_sub) -> argparse.ArgumentParser:
 
 
 # ---- running one engine -----------------------------------------------------------------------------------
+
 
 def kv_bytes_per_token(model: str | None, dtype: str) -> int:
     """KV bytes per token of `model` at `dtype` ("auto": the dtype the engine would load it in)."""
@@ -122,8 +153,13 @@ def kv_bytes_per_token(model: str | None, dtype: str) -> int:
     return kv.kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, elem)
 
 
-def run_engine(engine, prompts: list[list[int]], output_len: int, send_times: np.ndarray,
-               on_peak: Callable[[Any], None] | None = None) -> dict:
+def run_engine(
+    engine,
+    prompts: list[list[int]],
+    output_len: int,
+    send_times: np.ndarray,
+    on_peak: Callable[[Any], None] | None = None,
+) -> dict:
     """Feed the requests at their send times, step until done; per-request TTFT and the stats over steps.
 
     `on_peak(engine)` is called between steps whenever (KV slots allocated, tokens stored) reaches a new high, so
@@ -145,8 +181,9 @@ def run_engine(engine, prompts: list[list[int]], output_len: int, send_times: np
     while nxt < n or engine.has_unfinished_requests():
         now = time.monotonic()
         while nxt < n and now - t0 >= send_times[nxt]:
-            engine.add_request(str(nxt), prompts[nxt], SamplingParams(max_tokens=output_len, ignore_eos=True,
-                                                                      temperature=0.0))
+            engine.add_request(
+                str(nxt), prompts[nxt], SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
+            )
             arrival[nxt] = time.monotonic()
             nxt += 1
         if not engine.has_unfinished_requests():
@@ -174,8 +211,17 @@ def run_engine(engine, prompts: list[list[int]], output_len: int, send_times: np
     return _summary(engine, s0, time.monotonic() - t0, done, out_tokens, ttfts, allocated, stored, peak_running)
 
 
-def _summary(engine, s0, duration: float, done: list, out_tokens: list[int], ttfts: list[float],
-             allocated: list[int], stored: list[int], peak_running: int) -> dict:
+def _summary(
+    engine,
+    s0,
+    duration: float,
+    done: list,
+    out_tokens: list[int],
+    ttfts: list[float],
+    allocated: list[int],
+    stored: list[int],
+    peak_running: int,
+) -> dict:
     """A row's figures from what run_engine saw (stats over running steps; counters as differences)."""
     s1 = engine.stats()
     q = s1.prefix_cache_queries - s0.prefix_cache_queries
@@ -205,22 +251,38 @@ def _summary(engine, s0, duration: float, done: list, out_tokens: list[int], ttf
 def _build_workloads(args, tokenizer, settings: list[Setting]) -> dict[str, tuple[list, int]]:
     out = {}
     if any(s.workload == "long-tail" for s in settings):
-        lens = ds.long_tail_lengths(args.num_prompts, max_len=args.max_model_len - args.output_len,
-                                    median=args.median_len, seed=args.seed)
+        lens = ds.long_tail_lengths(
+            args.num_prompts, max_len=args.max_model_len - args.output_len, median=args.median_len, seed=args.seed
+        )
         reqs = ds.lengths_dataset(tokenizer, lens, args.output_len, seed=args.seed)
         out["long-tail"] = ([tokenizer.encode(r.prompt) for r in reqs], args.output_len)
     if any(s.workload == "prefix-repetition" for s in settings):
-        reqs = ds.prefix_repetition_dataset(tokenizer, args.prefix_num_prompts, args.num_prefixes, args.prefix_len,
-                                            args.suffix_len, args.prefix_output_len, args.seed)
+        reqs = ds.prefix_repetition_dataset(
+            tokenizer,
+            args.prefix_num_prompts,
+            args.num_prefixes,
+            args.prefix_len,
+            args.suffix_len,
+            args.prefix_output_len,
+            args.seed,
+        )
         out["prefix-repetition"] = ([tokenizer.encode(r.prompt) for r in reqs], args.prefix_output_len)
     return out
 
 
-COLUMNS = [("setting", "setting", "{}"), ("workload", "workload", "{}"), ("peak_running", "peak running", "{}"),
-           ("kv_slots_allocated", "KV slots alloc", "{:,.0f}"), ("kv_tokens_stored", "tokens stored", "{:,.0f}"),
-           ("used_share", "used share", "{:.1%}"), ("output_throughput", "out tok/s", "{:.1f}"),
-           ("median_ttft_ms", "TTFT p50 ms", "{:,.0f}"), ("p99_ttft_ms", "TTFT p99 ms", "{:,.0f}"),
-           ("prefix_cache_hit_rate", "prefix hit", "{:.1%}"), ("preemptions", "preempt", "{}")]
+COLUMNS = [
+    ("setting", "setting", "{}"),
+    ("workload", "workload", "{}"),
+    ("peak_running", "peak running", "{}"),
+    ("kv_slots_allocated", "KV slots alloc", "{:,.0f}"),
+    ("kv_tokens_stored", "tokens stored", "{:,.0f}"),
+    ("used_share", "used share", "{:.1%}"),
+    ("output_throughput", "out tok/s", "{:.1f}"),
+    ("median_ttft_ms", "TTFT p50 ms", "{:,.0f}"),
+    ("p99_ttft_ms", "TTFT p99 ms", "{:,.0f}"),
+    ("prefix_cache_hit_rate", "prefix hit", "{:.1%}"),
+    ("preemptions", "preempt", "{}"),
+]
 
 
 def format_table(rows: list[dict], markdown: bool = False) -> str:
@@ -232,16 +294,26 @@ def format_table(rows: list[dict], markdown: bool = False) -> str:
         lines += ["| " + " | ".join(c) + " |" for c in cells[1:]]
         return "\n".join(lines)
     widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
-    return "\n".join("  ".join(c[i].rjust(widths[i]) if i > 1 else c[i].ljust(widths[i])
-                               for i in range(len(COLUMNS))) for c in cells)
+    return "\n".join(
+        "  ".join(c[i].rjust(widths[i]) if i > 1 else c[i].ljust(widths[i]) for i in range(len(COLUMNS))) for c in cells
+    )
 
 
 def _save(args, rows: list[dict], budget_tokens: int, kv_bytes: int) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(args.save_result)), exist_ok=True)
     tmp = args.save_result + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({"args": {k: v for k, v in vars(args).items() if k != "func"}, "kv_budget_tokens": budget_tokens,
-                   "kv_cache_memory": kv_bytes, "rows": rows}, f, indent=1, default=str)
+        json.dump(
+            {
+                "args": {k: v for k, v in vars(args).items() if k != "func"},
+                "kv_budget_tokens": budget_tokens,
+                "kv_cache_memory": kv_bytes,
+                "rows": rows,
+            },
+            f,
+            indent=1,
+            default=str,
+        )
     os.replace(tmp, args.save_result)
 
 
@@ -251,8 +323,9 @@ def _budget_tokens(args: argparse.Namespace, groups: set[str]) -> int:
     if budget_tokens < args.max_model_len:
         raise UserError(f"--kv-budget-tokens: {budget_tokens} is less than --max-model-len {args.max_model_len}")
     if "prefix" in groups and args.prefix_len + args.suffix_len + args.prefix_output_len > args.max_model_len:
-        raise UserError(f"--prefix-len + --suffix-len + --prefix-output-len must fit in --max-model-len "
-                        f"{args.max_model_len}")
+        raise UserError(
+            f"--prefix-len + --suffix-len + --prefix-output-len must fit in --max-model-len {args.max_model_len}"
+        )
     if "disk" in groups and args.prefix_len + args.suffix_len + args.prefix_output_len > args.disk_pool_tokens:
         raise UserError(f"--disk-pool-tokens: {args.disk_pool_tokens} cannot hold one prefix-repetition request")
     if args.output_len >= args.max_model_len:
@@ -260,18 +333,34 @@ def _budget_tokens(args: argparse.Namespace, groups: set[str]) -> int:
     return math.ceil(budget_tokens / 128) * 128  # a whole number of blocks at every block size
 
 
-def _run_row(args: argparse.Namespace, s: Setting, workload: tuple[list, int], kv_bytes: int, loaded: Any,
-             peaks: dict[str, Any] | None) -> dict:
+def _run_row(
+    args: argparse.Namespace,
+    s: Setting,
+    workload: tuple[list, int],
+    kv_bytes: int,
+    loaded: Any,
+    peaks: dict[str, Any] | None,
+) -> dict:
     """One setting on a fresh engine; with `peaks`, an allocation row leaves its snapshot at peak KV there."""
     from pagedllm.engine import EngineConfig, LLMEngine, take_snapshot
 
     prompts, out_len = workload
     tier = tempfile.mkdtemp(prefix="pagedllm-sweep-kv-") if s.kv_offload else None
-    cfg = EngineConfig(model=args.model, dtype=args.dtype, block_size=s.block_size,
-                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                       max_model_len=args.max_model_len, enable_prefix_caching=s.enable_prefix_caching,
-                       kv_allocation=s.kv_allocation, kv_cache_memory=kv_bytes, seed=args.seed,
-                       log_stats_interval=0, kv_offload_dir=tier, kv_cache_dtype=s.kv_cache_dtype)
+    cfg = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        block_size=s.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=s.enable_prefix_caching,
+        kv_allocation=s.kv_allocation,
+        kv_cache_memory=kv_bytes,
+        seed=args.seed,
+        log_stats_interval=0,
+        kv_offload_dir=tier,
+        kv_cache_dtype=s.kv_cache_dtype,
+    )
     engine = LLMEngine(cfg, loaded)
 
     def on_peak(e: Any) -> None:
@@ -285,9 +374,16 @@ def _run_row(args: argparse.Namespace, s: Setting, workload: tuple[list, int], k
     finally:
         if tier is not None:
             shutil.rmtree(tier, ignore_errors=True)
-    return {"setting": s.name, "workload": s.workload, "kv_allocation": s.kv_allocation,
-            "kv_cache_dtype": s.kv_cache_dtype, "block_size": s.block_size,
-            "enable_prefix_caching": s.enable_prefix_caching, "num_blocks": engine.stats().num_blocks, **res}
+    return {
+        "setting": s.name,
+        "workload": s.workload,
+        "kv_allocation": s.kv_allocation,
+        "kv_cache_dtype": s.kv_cache_dtype,
+        "block_size": s.block_size,
+        "enable_prefix_caching": s.enable_prefix_caching,
+        "num_blocks": engine.stats().num_blocks,
+        **res,
+    }
 
 
 def _plot(path: str, rows: list[dict], peaks: dict[str, Any], budget_tokens: int) -> None:
@@ -300,8 +396,11 @@ def _plot(path: str, rows: list[dict], peaks: dict[str, Any], budget_tokens: int
     if peaks:
         root, ext = os.path.splitext(path)
         maps = {name: block_map(snap) for name, snap in peaks.items()}
-        plot_block_maps(maps, f"{root}_blocks{ext or '.png'}",
-                        title=f"the same KV budget ({budget_tokens:,} tokens) at peak use: contiguous vs paged")
+        plot_block_maps(
+            maps,
+            f"{root}_blocks{ext or '.png'}",
+            title=f"the same KV budget ({budget_tokens:,} tokens) at peak use: contiguous vs paged",
+        )
         print(f"block maps at peak: {root}_blocks{ext or '.png'}", file=sys.stderr)
 
 
@@ -313,16 +412,22 @@ def run_sweep(args: argparse.Namespace) -> int:
     budget_tokens = _budget_tokens(args, groups)
     per_token = kv_bytes_per_token(args.model, args.dtype)
     kv_bytes = budget_tokens * per_token
-    print(f"KV budget: {budget_tokens:,} tokens = {kv_bytes / 2**20:.1f} MiB for every row "
-          f"({per_token:,} bytes/token); max-model-len {args.max_model_len}", file=sys.stderr)
+    print(
+        f"KV budget: {budget_tokens:,} tokens = {kv_bytes / 2**20:.1f} MiB for every row "
+        f"({per_token:,} bytes/token); max-model-len {args.max_model_len}",
+        file=sys.stderr,
+    )
     from pagedllm.bench.tokenizer import load_bench_tokenizer
 
     tokenizer = load_bench_tokenizer(args.model)
     workloads = _build_workloads(args, tokenizer, settings)
     for name, (prompts, out_len) in workloads.items():
         lens = sorted(len(p) for p in prompts)
-        print(f"workload {name}: {len(prompts)} prompts, lengths {lens[0]}..{lens[-1]} (median "
-              f"{lens[len(lens) // 2]}), {out_len} output tokens each", file=sys.stderr)
+        print(
+            f"workload {name}: {len(prompts)} prompts, lengths {lens[0]}..{lens[-1]} (median "
+            f"{lens[len(lens) // 2]}), {out_len} output tokens each",
+            file=sys.stderr,
+        )
     from pagedllm.model import load_model
 
     loaded = load_model(args.model, args.dtype) if args.reuse_weights else None  # one copy of the weights for all rows
@@ -333,8 +438,11 @@ def run_sweep(args: argparse.Namespace) -> int:
         memory = args.disk_pool_tokens * per_token if s.small_pool else kv_bytes
         row = _run_row(args, s, workloads[s.workload], memory, loaded, peaks)
         rows.append({**row, "kv_budget_tokens": budget_tokens})
-        print(f"[{len(rows)}/{len(settings)}] {s.name}: {time.monotonic() - t:.1f} s, peak running "
-              f"{row['peak_running']}, {row['output_throughput']:.1f} out tok/s", file=sys.stderr)
+        print(
+            f"[{len(rows)}/{len(settings)}] {s.name}: {time.monotonic() - t:.1f} s, peak running "
+            f"{row['peak_running']}, {row['output_throughput']:.1f} out tok/s",
+            file=sys.stderr,
+        )
         gc.collect()
         if args.save_result:  # after every row, so a long sweep that is cut short keeps what it measured
             _save(args, rows, budget_tokens, kv_bytes)

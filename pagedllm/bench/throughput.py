@@ -3,6 +3,7 @@
 N prompts of random token ids with random input / output lengths, all submitted at once, ignore_eos so every
 request generates exactly its output length.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -13,8 +14,9 @@ import time
 from pagedllm.errors import UserError
 
 
-def random_requests(num_prompts: int, input_len: int, output_len: int, range_ratio: float, vocab_size: int,
-                    seed: int) -> list[tuple[list[int], int]]:
+def random_requests(
+    num_prompts: int, input_len: int, output_len: int, range_ratio: float, vocab_size: int, seed: int
+) -> list[tuple[list[int], int]]:
     """(prompt token ids, output length) pairs; lengths uniform in [len * (1 - r), len * (1 + r)]."""
     rng = random.Random(seed)
 
@@ -29,8 +31,11 @@ def random_requests(num_prompts: int, input_len: int, output_len: int, range_rat
 def add_throughput_parser(sub: argparse._SubParsersAction) -> None:
     from pagedllm.engine import add_engine_args
 
-    p = sub.add_parser("throughput", help="offline throughput on the in-process engine",
-                       description="Offline throughput: N random prompts at once through the in-process engine.")
+    p = sub.add_parser(
+        "throughput",
+        help="offline throughput on the in-process engine",
+        description="Offline throughput: N random prompts at once through the in-process engine.",
+    )
     add_engine_args(p, model_positional=False)
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=256)
@@ -51,21 +56,36 @@ def run_throughput(args: argparse.Namespace) -> int:
         raise UserError(f"--range-ratio: must be in [0, 1), got {args.range_ratio}")
     config = EngineConfig.from_args(args)
     llm = LLM(**{k: v for k, v in vars(config).items()})
-    reqs = random_requests(args.num_prompts, args.input_len, args.output_len, args.range_ratio,
-                           llm.engine.model_config.vocab_size, args.seed)
+    reqs = random_requests(
+        args.num_prompts,
+        args.input_len,
+        args.output_len,
+        args.range_ratio,
+        llm.engine.model_config.vocab_size,
+        args.seed,
+    )
     params = [SamplingParams(temperature=0, max_tokens=out, ignore_eos=True) for _, out in reqs]
     start = time.perf_counter()
     outs = llm.generate([p for p, _ in reqs], params)
     elapsed = time.perf_counter() - start
     n_in = sum(len(p) for p, _ in reqs)
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    result = {"num_prompts": len(reqs), "elapsed_s": elapsed, "requests_per_s": len(reqs) / elapsed,
-              "output_tokens_per_s": n_out / elapsed, "total_tokens_per_s": (n_in + n_out) / elapsed,
-              "input_tokens": n_in, "output_tokens": n_out, "dtype": str(llm.engine.loaded.dtype).split(".")[-1],
-              "num_preemptions": llm.engine.stats().num_preemptions}
-    print(f"Throughput: {result['requests_per_s']:.2f} requests/s, {result['total_tokens_per_s']:.1f} total "
-          f"tokens/s, {result['output_tokens_per_s']:.1f} output tokens/s  ({len(reqs)} prompts, {n_in} in, "
-          f"{n_out} out, {elapsed:.1f} s, {result['dtype']})")
+    result = {
+        "num_prompts": len(reqs),
+        "elapsed_s": elapsed,
+        "requests_per_s": len(reqs) / elapsed,
+        "output_tokens_per_s": n_out / elapsed,
+        "total_tokens_per_s": (n_in + n_out) / elapsed,
+        "input_tokens": n_in,
+        "output_tokens": n_out,
+        "dtype": str(llm.engine.loaded.dtype).split(".")[-1],
+        "num_preemptions": llm.engine.stats().num_preemptions,
+    }
+    print(
+        f"Throughput: {result['requests_per_s']:.2f} requests/s, {result['total_tokens_per_s']:.1f} total "
+        f"tokens/s, {result['output_tokens_per_s']:.1f} output tokens/s  ({len(reqs)} prompts, {n_in} in, "
+        f"{n_out} out, {elapsed:.1f} s, {result['dtype']})"
+    )
     if args.output_json:
         with open(args.output_json, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=2)

@@ -3,6 +3,7 @@
 Everything the benchmark needs is `encode(text) -> list[int]` (no special tokens added), `decode(ids) -> str`,
 `vocab_size` and `special_ids` (ids never sampled when building random prompts).
 """
+
 from __future__ import annotations
 
 import functools
@@ -70,13 +71,16 @@ class _Adapter:
 def _load_hf(path: str | None) -> Any:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
+
     if path is None:
         from pagedllm.model import default_model_path
 
         path = default_model_path()
     try:
         if os.path.isfile(path) and path.endswith(".gguf"):
-            return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
+            return AutoTokenizer.from_pretrained(
+                os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path)
+            )
         return AutoTokenizer.from_pretrained(path)
     except Exception as e:  # noqa: BLE001 - any load failure is a bad --tokenizer
         raise UserError(f"--tokenizer: cannot load a tokenizer from {path!r}: {e}") from e

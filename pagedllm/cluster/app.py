@@ -4,6 +4,7 @@ OpenAI app, plus the per-replica routes a cluster needs, built from typed settin
 replicas=2 routing=prefix` deploys the same application on a Ray cluster a team already runs (the builder takes
 `pagedllm serve`'s flags as key=value).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -50,8 +51,17 @@ async def health(request: Request) -> Response:
     replicas = {rid: _status(r) for rid, r in reports.items()}
     ok = [rid for rid, s in replicas.items() if s == "ok"]
     if not ok:
-        return JSONResponse({"error": {"message": f"no replica is healthy: {replicas}", "type":
-                                       "ServiceUnavailableError", "param": None, "code": 503}}, status_code=503)
+        return JSONResponse(
+            {
+                "error": {
+                    "message": f"no replica is healthy: {replicas}",
+                    "type": "ServiceUnavailableError",
+                    "param": None,
+                    "code": 503,
+                }
+            },
+            status_code=503,
+        )
     return JSONResponse({"status": "ok", "replicas": replicas})
 
 
@@ -61,8 +71,10 @@ async def metrics(request: Request) -> Response:
     PromQL's sum() over the label gives the cluster's figures."""
     reports = await _engine(request).reports()
     pages = {rid: r.metrics_text for rid, r in reports.items() if isinstance(r, ReplicaReport)}
-    up = ["# HELP pagedllm:replica_up Whether the replica answered this scrape with a healthy engine.",
-          "# TYPE pagedllm:replica_up gauge"]
+    up = [
+        "# HELP pagedllm:replica_up Whether the replica answered this scrape with a healthy engine.",
+        "# TYPE pagedllm:replica_up gauge",
+    ]
     up += [f'pagedllm:replica_up{{replica="{rid}"}} {float(_status(r) == "ok")}' for rid, r in reports.items()]
     return Response(with_replica_labels(pages) + "\n".join(up) + "\n", media_type=CONTENT_TYPE)
 
@@ -75,17 +87,29 @@ async def kv_state(request: Request) -> dict[str, Any]:
     total = sum_stats(list(per.values()))
 
     def view(st: Any) -> dict[str, Any]:
-        return {"block_size": st.block_size, "total_blocks": st.num_blocks, "free_blocks": st.num_free_blocks,
-                "used_blocks": st.num_used_blocks, "cached_blocks": st.num_cached_blocks,
-                "kv_cache_usage": st.kv_usage, "num_running": st.num_running, "num_waiting": st.num_waiting,
-                "prefix_cache_queries": st.prefix_cache_queries, "prefix_cache_hits": st.prefix_cache_hits}
+        return {
+            "block_size": st.block_size,
+            "total_blocks": st.num_blocks,
+            "free_blocks": st.num_free_blocks,
+            "used_blocks": st.num_used_blocks,
+            "cached_blocks": st.num_cached_blocks,
+            "kv_cache_usage": st.kv_usage,
+            "num_running": st.num_running,
+            "num_waiting": st.num_waiting,
+            "prefix_cache_queries": st.prefix_cache_queries,
+            "prefix_cache_hits": st.prefix_cache_hits,
+        }
 
     router = ROUTERS.get(router_key(_engine(request).handle))
     replicas = {rid: view(st) for rid, st in per.items()}
     for rid, v in replicas.items():  # what the router believes each replica holds, next to what it holds
         v["router_index_blocks"] = router.index.num_blocks(rid) if router else None
-    return {**view(total), "routing": router.policy if router else None,
-            "routing_decisions": dict(router.decisions) if router else {}, "replicas": replicas}
+    return {
+        **view(total),
+        "routing": router.policy if router else None,
+        "routing_decisions": dict(router.decisions) if router else {},
+        "replicas": replicas,
+    }
 
 
 def build_ingress_app(engine: ClusterEngine, settings: IngressSettings) -> FastAPI:
@@ -96,10 +120,14 @@ def build_ingress_app(engine: ClusterEngine, settings: IngressSettings) -> FastA
 
     models = APIRouter()
     models.add_api_route("/v1/models", serving_info.models, methods=["GET"], response_model=serving_info.ModelList)
-    return build_app(engine, served_model_names=settings.served_model_names, api_key=settings.api_key,
-                     model_root=settings.model or settings.served_model_names[0],
-                     max_request_bytes=settings.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES,
-                     state_routers=[cluster_routes, models])
+    return build_app(
+        engine,
+        served_model_names=settings.served_model_names,
+        api_key=settings.api_key,
+        model_root=settings.model or settings.served_model_names[0],
+        max_request_bytes=settings.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES,
+        state_routers=[cluster_routes, models],
+    )
 
 
 async def poll_kv_events(engine: ClusterEngine, every: float) -> None:
@@ -144,8 +172,13 @@ class Ingress:
             engines = serve.get_deployment_handle(engines.deployment_name, app_name=engines.app_name)
         info = await wait_for_info(engines)  # the first call: it makes Ray Serve build this process's router
         router_for(engines).set_policy(settings.routing)
-        self.engine = ClusterEngine(engines, load_tokenizer(settings.model), EngineFacts(
-            load_model_config(settings.model)), info.max_model_len, settings.max_waiting_requests)
+        self.engine = ClusterEngine(
+            engines,
+            load_tokenizer(settings.model),
+            EngineFacts(load_model_config(settings.model)),
+            info.max_model_len,
+            settings.max_waiting_requests,
+        )
         self.fastapi = build_ingress_app(self.engine, settings)
         self._poller = None
         if settings.routing == "kv-events":
@@ -170,21 +203,32 @@ def build_application(config: EngineConfig, options: ClusterOptions, ingress: In
     from ray.serve.config import RequestRouterConfig
 
     waiting = ingress.max_waiting_requests if ingress.max_waiting_requests is not None else config.max_num_seqs
-    settings = ReplicaSettings(config, ingress.served_model_names[0], ingress.max_waiting_requests,
-                               max(1, int(options.cpus_per_replica)))
+    settings = ReplicaSettings(
+        config, ingress.served_model_names[0], ingress.max_waiting_requests, max(1, int(options.cpus_per_replica))
+    )
     logs = {"log_level": options.log_level.upper(), "enable_access_log": options.log_level == "debug"}
     router: dict[str, Any] = dict(  # a dict: Ray 2.60 annotates these fields with the wrong types
         request_router_class="pagedllm.cluster.router.PagedLLMRouter",
-        request_router_kwargs={"block_size": config.block_size, "max_prefix_blocks": options.max_prefix_blocks,
-                               "imbalance_threshold": options.imbalance_threshold},
-        request_routing_stats_period_s=2.0)
+        request_router_kwargs={
+            "block_size": config.block_size,
+            "max_prefix_blocks": options.max_prefix_blocks,
+            "imbalance_threshold": options.imbalance_threshold,
+        },
+        request_routing_stats_period_s=2.0,
+    )
     engines: Any = serve.deployment(
-        EngineReplica, name=ENGINE_DEPLOYMENT, num_replicas=options.replicas, logging_config=logs,
+        EngineReplica,
+        name=ENGINE_DEPLOYMENT,
+        num_replicas=options.replicas,
+        logging_config=logs,
         ray_actor_options={"num_cpus": options.cpus_per_replica, "num_gpus": options.num_gpus_per_replica},
         # the engine queues and batches itself: Ray only has to keep more than that from piling onto one replica
         max_ongoing_requests=config.max_num_seqs + waiting + 8,
-        health_check_period_s=2.0, health_check_timeout_s=30.0, graceful_shutdown_timeout_s=5.0,
-        request_router_config=RequestRouterConfig(**router))
+        health_check_period_s=2.0,
+        health_check_timeout_s=30.0,
+        graceful_shutdown_timeout_s=5.0,
+        request_router_config=RequestRouterConfig(**router),
+    )
     return _front_door(logs).bind(engines.bind(settings), ingress)
 
 
@@ -196,5 +240,10 @@ def build_front_door(ingress: IngressSettings, engines_app: str = APP_NAME, log_
 
 
 def _front_door(logs: dict[str, Any]) -> Any:
-    return serve.deployment(serve.ingress()(Ingress), name=INGRESS_DEPLOYMENT, ray_actor_options={"num_cpus": 0},
-                            max_ongoing_requests=4096, logging_config=logs)
+    return serve.deployment(
+        serve.ingress()(Ingress),
+        name=INGRESS_DEPLOYMENT,
+        ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=4096,
+        logging_config=logs,
+    )

@@ -8,6 +8,7 @@ differs is what a cluster is: /health, /metrics and /v1/kv answer per replica (`
 that dies fails the requests it was serving with `ReplicaDiedError` (503 with a message naming it) while the
 router sends the next ones to the replicas that are left and Ray Serve starts a new one.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -43,8 +44,10 @@ def replica_error(error: BaseException, replica: str | None) -> BaseException:
     if isinstance(error, RayTaskError) and isinstance(error.cause, Exception):
         return error.cause
     if isinstance(error, (RayActorError, ActorUnavailableError)):
-        return ReplicaDiedError(f"replica {replica or '(unknown)'} died while serving this request; "
-                                "the other replicas go on and Ray Serve starts a new one")
+        return ReplicaDiedError(
+            f"replica {replica or '(unknown)'} died while serving this request; "
+            "the other replicas go on and Ray Serve starts a new one"
+        )
     return error
 
 

@@ -2,6 +2,7 @@
 SIGTERM, then take it down. `pagedllm serve --replicas N` (entrypoints/serve_cluster.py) parses the flags and
 calls `serve_cluster`; nothing here imports Ray until the cluster runs.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,11 +27,15 @@ def _ray_init(ray: Any, address: str | None) -> None:
 def check_resources(total: dict[str, float], replicas: int, cpus: float, gpus: float) -> None:
     """Replicas that could never be placed would leave Ray waiting for ever: refuse them up front."""
     if replicas * cpus > total.get("CPU", 0):
-        raise UserError(f"--cpus-per-replica: {replicas} replicas x {cpus:g} CPUs need {replicas * cpus:g}; the "
-                        f"Ray cluster has {total.get('CPU', 0):g}")
+        raise UserError(
+            f"--cpus-per-replica: {replicas} replicas x {cpus:g} CPUs need {replicas * cpus:g}; the "
+            f"Ray cluster has {total.get('CPU', 0):g}"
+        )
     if replicas * gpus > total.get("GPU", 0):
-        raise UserError(f"--num-gpus-per-replica: {replicas} replicas x {gpus:g} GPUs need {replicas * gpus:g}; "
-                        f"the Ray cluster has {total.get('GPU', 0):g}")
+        raise UserError(
+            f"--num-gpus-per-replica: {replicas} replicas x {gpus:g} GPUs need {replicas * gpus:g}; "
+            f"the Ray cluster has {total.get('GPU', 0):g}"
+        )
 
 
 def _local_resources(gpus: float) -> dict[str, float]:
@@ -49,21 +54,33 @@ def serve_cluster(config: Any, options: Any, ingress: Any, host: str, port: int,
     from pagedllm.cluster.app import APP_NAME, build_application
 
     if not ray_address:  # before a local Ray takes its seconds to start
-        check_resources(_local_resources(options.num_gpus_per_replica), options.replicas, options.cpus_per_replica,
-                        options.num_gpus_per_replica)
+        check_resources(
+            _local_resources(options.num_gpus_per_replica),
+            options.replicas,
+            options.cpus_per_replica,
+            options.num_gpus_per_replica,
+        )
     import ray
     from ray import serve
 
     _ray_init(ray, ray_address)
     try:
-        check_resources(ray.cluster_resources(), options.replicas, options.cpus_per_replica,
-                        options.num_gpus_per_replica)
+        check_resources(
+            ray.cluster_resources(), options.replicas, options.cpus_per_replica, options.num_gpus_per_replica
+        )
         serve.start(http_options={"host": host, "port": port})
-        print(f"pagedllm serve: starting {options.replicas} replicas ({ingress.routing} routing) ...",
-              file=sys.stderr, flush=True)
+        print(
+            f"pagedllm serve: starting {options.replicas} replicas ({ingress.routing} routing) ...",
+            file=sys.stderr,
+            flush=True,
+        )
         serve.run(build_application(config, options, ingress), name=APP_NAME, route_prefix="/")
-        print(f"pagedllm serve: serving {', '.join(ingress.served_model_names)} on http://{host}:{port} "
-              f"({options.replicas} replicas, {ingress.routing} routing)", file=sys.stderr, flush=True)
+        print(
+            f"pagedllm serve: serving {', '.join(ingress.served_model_names)} on http://{host}:{port} "
+            f"({options.replicas} replicas, {ingress.routing} routing)",
+            file=sys.stderr,
+            flush=True,
+        )
         _wait_for_signal()
     finally:
         if ray_address:

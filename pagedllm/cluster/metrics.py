@@ -5,6 +5,7 @@ does); the cluster's /metrics is their pages with a `replica` label on every sam
 the label for the cluster and splits by it per replica, and bench serve's prefix-cache hit rate (which sums the
 counters over label sets) is the cluster's.
 """
+
 from __future__ import annotations
 
 from dataclasses import fields

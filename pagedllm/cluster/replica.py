@@ -6,6 +6,7 @@ Prometheus metrics for the cluster's /metrics, its health, and its KV events. Ra
 (a replica whose engine loop died is replaced) and `record_routing_stats` (the KV capacity the router bounds
 its prefix index with).
 """
+
 from __future__ import annotations
 
 import logging
@@ -74,11 +75,17 @@ class EngineReplica:
 
     def info(self) -> ReplicaInfo:
         core = self.core
-        return ReplicaInfo(self.replica_id, core.max_model_len, core.model_config.vocab_size,
-                           core.model_config.name or "", core.block_size)
+        return ReplicaInfo(
+            self.replica_id,
+            core.max_model_len,
+            core.model_config.vocab_size,
+            core.model_config.name or "",
+            core.block_size,
+        )
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[str | RequestOutput]:
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[str | RequestOutput]:
         """First this replica's id, once the engine took the request (a refusal raises before it, so the ingress
         can still answer 400 / 503), then the request's cumulative outputs. Cancelling the call (the client went
         away) aborts the request, which frees its blocks within a step."""
@@ -89,8 +96,9 @@ class EngineReplica:
 
     def report(self, replica: str) -> ReplicaReport:
         self._check_addressed(replica)
-        return ReplicaReport(self.replica_id, self.engine.is_healthy, self.engine.stats(),
-                             self.metrics.render().decode())
+        return ReplicaReport(
+            self.replica_id, self.engine.is_healthy, self.engine.stats(), self.metrics.render().decode()
+        )
 
     def kv_events(self, replica: str, after: int) -> tuple[int, bytes]:
         """(number of the last event, the events after `after` as one vLLM KVEventBatch in msgpack).

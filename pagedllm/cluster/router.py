@@ -21,6 +21,7 @@ The policy belongs to the front door, not to the replicas: Ray Serve builds this
 and the ingress sets `policy` (until then: round-robin). So two ingress applications over the same replicas can
 route differently (an A/B of policies on live traffic, or a baseline, without reloading any model).
 """
+
 from __future__ import annotations
 
 import logging
@@ -44,8 +45,14 @@ PROMPT_KW = "prompt_token_ids"  # the keyword the ingress passes a request's tok
 class PagedLLMRouter(RequestRouter):
     """Ranks replicas by `policy` (see the module docstring)."""
 
-    def initialize_state(self, block_size: int = 16, max_prefix_blocks: int = 64, imbalance_threshold: int = 8,
-                         min_match_share: float = 0.1, **_: Any) -> None:
+    def initialize_state(
+        self,
+        block_size: int = 16,
+        max_prefix_blocks: int = 64,
+        imbalance_threshold: int = 8,
+        min_match_share: float = 0.1,
+        **_: Any,
+    ) -> None:
         """Called by Ray Serve with the engine deployment's `request_router_kwargs`. `min_match_share`: the share
         of a prompt's (first max_prefix_blocks) blocks a replica must hold to attract it (SGLang's cache
         threshold, Ray Serve LLM's match_rate_threshold)."""
@@ -73,8 +80,9 @@ class PagedLLMRouter(RequestRouter):
         return [r.unique_id for r in self.curr_replicas]
 
     # ------------------------------------------------------------------ choosing
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
         if pending_request is None or not candidate_replicas:
             return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
         # Every candidate is ranked below: if none has room, Ray must back off rather than ask again at once.
@@ -91,8 +99,9 @@ class PagedLLMRouter(RequestRouter):
             self._set_capacity(candidate_replicas)
             matches = self.index.match(keys, by_id)
             cached = {rid: self.index.num_blocks(rid) for rid in by_id}
-            choice = choose(matches, self.in_flight, cached, self.imbalance_threshold,
-                            math.ceil(self.min_match_share * len(keys)))
+            choice = choose(
+                matches, self.in_flight, cached, self.imbalance_threshold, math.ceil(self.min_match_share * len(keys))
+            )
             if choice.ranked:
                 # Recorded now, not once Ray has sent it: the next request of the same prefix may be chosen for
                 # before that (a burst of one group), and must find it here.

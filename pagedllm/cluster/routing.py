@@ -11,6 +11,7 @@ hashes under the replica it sent it to, and forgets them in LRU order beyond the
 replica evicts too. `kv-events` (exact, as llm-d): the replicas' own BlockStored / BlockRemoved / AllBlocksCleared
 events add and remove hashes.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -36,8 +37,10 @@ def router_for(handle: Any) -> Any:
     """This process's router for the deployment behind `handle` (Ray Serve builds it at the handle's first call)."""
     router = ROUTERS.get(router_key(handle))
     if router is None:
-        raise RuntimeError(f"no pagedllm router for {router_key(handle)}: is the deployment's request router "
-                           "pagedllm.cluster.router.PagedLLMRouter, and has the handle made a call?")
+        raise RuntimeError(
+            f"no pagedllm router for {router_key(handle)}: is the deployment's request router "
+            "pagedllm.cluster.router.PagedLLMRouter, and has the handle made a call?"
+        )
     return router
 
 
@@ -46,7 +49,7 @@ def prefix_keys(token_ids: Sequence[int], block_size: int, max_blocks: int) -> l
 
     The prompt's last token never counts (the engine always computes it), as in the engine's own lookup."""
     n = min(max_blocks, (len(token_ids) - 1) // block_size) if token_ids else 0
-    return [key(h) for h in hash_full_blocks(token_ids[:n * block_size], block_size)]
+    return [key(h) for h in hash_full_blocks(token_ids[: n * block_size], block_size)]
 
 
 def key(block_hash: BlockHash) -> int:
@@ -152,8 +155,9 @@ class Choice:
     matched_blocks: int
 
 
-def choose(matches: dict[str, int], load: dict[str, int], cached: dict[str, int], threshold: int,
-           min_match: int = 1) -> Choice:
+def choose(
+    matches: dict[str, int], load: dict[str, int], cached: dict[str, int], threshold: int, min_match: int = 1
+) -> Choice:
     """The replica with the longest cached prefix, ties to the least loaded; the least loaded instead when the
     best is more than `threshold` requests busier than it (a hot prefix must not pile onto one replica: its
     prefill saved is worth less than a queue). A prefix nobody holds (or holds fewer than `min_match` blocks of:

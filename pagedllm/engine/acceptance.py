@@ -1,6 +1,7 @@
 """Sampling rows and draft acceptance: what to sample for a request (a row after its last token and after each
 draft, each seeing the output as if the drafts before it were accepted), the rows' logits held to the request's
 grammar (structured outputs), and which of its drafts to keep."""
+
 from __future__ import annotations
 
 import time
@@ -22,12 +23,15 @@ def sampling_rows(req: Request, eos_token_ids: list[int]) -> list[SamplingRow]:
     output as it would be had the drafts before it been accepted (penalties, min_tokens, seeded noise)."""
     out, drafts = req.output_token_ids, req.spec_token_ids
     banned = eos_token_ids + req.params.stop_token_ids
-    return [SamplingRow(req.params, req.prompt_token_ids, out + drafts[:j] if j else out, banned)
-            for j in range(len(drafts) + 1)]  # the first row reads the output as it is: no copy per step
+    return [
+        SamplingRow(req.params, req.prompt_token_ids, out + drafts[:j] if j else out, banned)
+        for j in range(len(drafts) + 1)
+    ]  # the first row reads the output as it is: no copy per step
 
 
-def accept(req: Request, results: list[SampleResult], append: AppendToken, kv: KVCacheManager,
-           spec_stats: SpecDecodeStats) -> None:
+def accept(
+    req: Request, results: list[SampleResult], append: AppendToken, kv: KVCacheManager, spec_stats: SpecDecodeStats
+) -> None:
     """Keep the drafts the model confirmed and the model's own token after them, so a step appends exactly
     what steps without drafts would have, until a stop; then give back the rejected drafts' KV slots and
     register the blocks the accepted ones filled."""
@@ -35,7 +39,7 @@ def accept(req: Request, results: list[SampleResult], append: AppendToken, kv: K
     accepted = num_accepted(drafts, [r.token_id for r in results])
     if drafts:
         spec_stats.record(len(drafts), accepted)
-    for res in results[:accepted + 1]:
+    for res in results[: accepted + 1]:
         append(req, res.token_id, res.logprobs)
         if req.grammar is not None and not req.finished and req.grammar.accept(res.token_id):
             req.finish("stop")  # structured outputs: the grammar is complete, only EOS could follow
@@ -46,8 +50,10 @@ def accept(req: Request, results: list[SampleResult], append: AppendToken, kv: K
         kv.trim(req, req.num_computed_tokens)
         kv.cache_computed(req, req.num_computed_tokens)
 
-def constrain(to_sample: list[tuple[Request, torch.Tensor]], logits: torch.Tensor,
-              compiler: GrammarCompiler) -> tuple[torch.Tensor, dict[str, Exception]]:
+
+def constrain(
+    to_sample: list[tuple[Request, torch.Tensor]], logits: torch.Tensor, compiler: GrammarCompiler
+) -> tuple[torch.Tensor, dict[str, Exception]]:
     """Structured outputs: every constrained row's logits masked to what its grammar allows (the sampled
     token, and the logprobs reported, come from that distribution), in float32 as the sampler takes them.
     Per request, the error of a grammar that failed (its request fails; the others sample)."""

@@ -14,6 +14,7 @@ flight; admission checks and that path hold the same lock, so an add either reac
 closes (and is failed by `_close`) or sees the loop closed: no caller waits forever. A crash also calls
 `on_dead`, with which the server exits non-zero so that a supervisor restarts it (vLLM's behaviour).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -168,8 +169,10 @@ def _call_on_loop(stream: RequestStream, fn: Callable[..., None], *args: object)
 
 def _raiser(error: BaseException) -> Callable[[EngineCore], object]:
     """What a read queued when the loop closed runs instead of its own function."""
+
     def fail(_: EngineCore) -> object:
         raise error
+
     return fail
 
 
@@ -182,9 +185,15 @@ class AsyncLLMEngine:
     loop crashes.
     """
 
-    def __init__(self, engine: EngineCore, *, max_waiting_requests: int | None = None,
-                 stat_logger: StatLogger | None = None, idle_poll_s: float = 0.5,
-                 on_dead: Callable[[BaseException], None] | None = None) -> None:
+    def __init__(
+        self,
+        engine: EngineCore,
+        *,
+        max_waiting_requests: int | None = None,
+        stat_logger: StatLogger | None = None,
+        idle_poll_s: float = 0.5,
+        on_dead: Callable[[BaseException], None] | None = None,
+    ) -> None:
         if max_waiting_requests is not None and max_waiting_requests < 0:
             raise UserError(f"--max-waiting-requests must be >= 0, got {max_waiting_requests}")
         self.engine = engine
@@ -258,7 +267,8 @@ class AsyncLLMEngine:
         limit = self.max_waiting_requests
         if limit is not None and self._stats.num_waiting + self._pending + n > limit:
             raise TooManyWaitingRequestsError(
-                f"too many waiting requests (the limit is {limit} samples); try again later")
+                f"too many waiting requests (the limit is {limit} samples); try again later"
+            )
 
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> RequestStream:
         """Hand a request to the engine; returns once the engine took it (raises what the engine raised)."""
@@ -298,8 +308,9 @@ class AsyncLLMEngine:
             if not done:
                 self.abort(stream.request_id)
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its cumulative RequestOutputs; the last one has finished=True."""
         stream = await self.add_request(request_id or random_request_id(), prompt, params)
         async for out in self.iterate(stream):
@@ -323,8 +334,9 @@ class AsyncLLMEngine:
         try:
             return await asyncio.wait_for(call.future, timeout)
         except TimeoutError:  # the call stays queued; answering a future that gave up is a no-op
-            raise EngineBusyError(f"the engine did not get between two steps within {timeout:g} s (a step is "
-                                  "taking longer); try again") from None
+            raise EngineBusyError(
+                f"the engine did not get between two steps within {timeout:g} s (a step is taking longer); try again"
+            ) from None
 
     # ------------------------------------------------------------------ the engine thread
     def _run(self) -> None:
@@ -416,8 +428,11 @@ class AsyncLLMEngine:
 
     def _close(self, crash: BaseException | None) -> None:
         """The one way the loop ends: refuse new adds, fail the queued ones and every stream in flight."""
-        closed = (EngineDeadError(f"the engine loop crashed: {crash!r}") if crash is not None
-                  else EngineShuttingDownError("the engine has shut down"))
+        closed = (
+            EngineDeadError(f"the engine loop crashed: {crash!r}")
+            if crash is not None
+            else EngineShuttingDownError("the engine has shut down")
+        )
         with self._lock:
             self._closed_error = closed
             ops: list[_Op] = []

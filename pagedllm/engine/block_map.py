@@ -5,6 +5,7 @@ paints its cells on a canvas; `pagedllm bench sweep --plot` and `pagedllm kv-cal
 matplotlib (pagedllm.bench.block_map_plot). So the states, their colours and the aggregation of a large pool
 into cells are decided here once, and a painter only maps cells to rectangles.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -18,11 +19,22 @@ from pagedllm.engine.kv_snapshot import KVSnapshot
 # Block states, in the order of the legend and of each cell's counts.
 STATES = ("free", "cached", "used", "shared", "tail", "reserved")
 FREE, CACHED, USED, SHARED, TAIL, RESERVED = range(len(STATES))
-COLORS = {"free": "#e8ecef", "cached": "#9cc3e6", "used": "#3f8f5f", "shared": "#d9622b", "tail": "#f0b429",
-          "reserved": "#b9b3c9"}
-LABELS = {"free": "free", "cached": "free, still caching a prefix (evictable)", "used": "held by one request",
-          "shared": "shared by several requests", "tail": "a request's last block, partly filled",
-          "reserved": "reserved but empty (contiguous allocation)"}
+COLORS = {
+    "free": "#e8ecef",
+    "cached": "#9cc3e6",
+    "used": "#3f8f5f",
+    "shared": "#d9622b",
+    "tail": "#f0b429",
+    "reserved": "#b9b3c9",
+}
+LABELS = {
+    "free": "free",
+    "cached": "free, still caching a prefix (evictable)",
+    "used": "held by one request",
+    "shared": "shared by several requests",
+    "tail": "a request's last block, partly filled",
+    "reserved": "reserved but empty (contiguous allocation)",
+}
 
 
 @dataclass
@@ -38,8 +50,9 @@ def _tables(snap: KVSnapshot) -> _Tables:
     n = len(snap.requests)
     lens = np.fromiter((len(r.block_ids) for r in snap.requests), dtype=np.int64, count=n)
     starts = np.concatenate(([0], np.cumsum(lens))).astype(np.int64)
-    ids = np.fromiter(itertools.chain.from_iterable(r.block_ids for r in snap.requests), dtype=np.int64,
-                      count=int(starts[-1]))
+    ids = np.fromiter(
+        itertools.chain.from_iterable(r.block_ids for r in snap.requests), dtype=np.int64, count=int(starts[-1])
+    )
     position = np.arange(len(ids)) - np.repeat(starts[:-1], lens)
     kv_tokens = np.repeat(np.fromiter((r.kv_tokens for r in snap.requests), dtype=np.int64, count=n), lens)
     return _Tables(ids, np.clip(kv_tokens - snap.block_size * position, 0, snap.block_size), starts)
@@ -88,8 +101,13 @@ def block_map(snap: KVSnapshot, max_cells: int = 8192, detail: bool = False) -> 
     tables = _tables(snap)
     ref, state, fill = _classify(snap, tables)
     return {
-        "object": "kv.blocks", "time": snap.time, "step": snap.step, "allocation": snap.allocation,
-        "block_size": snap.block_size, "num_blocks": snap.num_blocks, "prefix_caching": snap.prefix_caching,
+        "object": "kv.blocks",
+        "time": snap.time,
+        "step": snap.step,
+        "allocation": snap.allocation,
+        "block_size": snap.block_size,
+        "num_blocks": snap.num_blocks,
+        "prefix_caching": snap.prefix_caching,
         "kv_cache_dtype": snap.kv_cache_dtype,
         "counters": _counters(snap, state, fill),
         "map": _cells(snap.num_blocks, max_cells, ref, state, fill),
@@ -102,8 +120,14 @@ def block_map(snap: KVSnapshot, max_cells: int = 8192, detail: bool = False) -> 
 def _cells(num_blocks: int, max_cells: int, ref: np.ndarray, state: np.ndarray, fill: np.ndarray) -> dict:
     """Per cell: its (most common) state, highest ref count and filled slots; state counts if it holds a run."""
     per_cell, cells, columns = grid(num_blocks, max_cells)
-    out = {"blocks_per_cell": per_cell, "columns": columns, "states": list(STATES), "colors": COLORS,
-           "labels": LABELS, "counts": None}
+    out = {
+        "blocks_per_cell": per_cell,
+        "columns": columns,
+        "states": list(STATES),
+        "colors": COLORS,
+        "labels": LABELS,
+        "counts": None,
+    }
     if per_cell == 1:
         return {**out, "state": state.tolist(), "ref": ref.tolist(), "fill": fill.tolist()}
     cell_of = np.arange(num_blocks) // per_cell
@@ -111,8 +135,13 @@ def _cells(num_blocks: int, max_cells: int, ref: np.ndarray, state: np.ndarray, 
     runs = np.zeros((2, cells * per_cell), dtype=np.int64)  # the last cell may be short: pad with free blocks
     runs[0, :num_blocks], runs[1, :num_blocks] = ref, fill
     by_cell = runs.reshape(2, cells, per_cell)
-    return {**out, "state": counts.argmax(axis=1).tolist(), "ref": by_cell[0].max(axis=1).tolist(),
-            "fill": by_cell[1].sum(axis=1).tolist(), "counts": counts.tolist()}
+    return {
+        **out,
+        "state": counts.argmax(axis=1).tolist(),
+        "ref": by_cell[0].max(axis=1).tolist(),
+        "fill": by_cell[1].sum(axis=1).tolist(),
+        "counts": counts.tolist(),
+    }
 
 
 def _counters(snap: KVSnapshot, state: np.ndarray, fill: np.ndarray) -> dict:
@@ -121,14 +150,24 @@ def _counters(snap: KVSnapshot, state: np.ndarray, fill: np.ndarray) -> dict:
     used = int(held.sum())
     stored = int(fill[held].sum())
     queries, hits = c.get("prefix_cache_queries", 0), c.get("prefix_cache_hits", 0)
-    return {"num_running": sum(r.status == "running" for r in snap.requests), "num_waiting": snap.num_waiting,
-            "num_free_blocks": int((state <= CACHED).sum()), "num_evictable_blocks": int((state == CACHED).sum()),
-            "num_used_blocks": used, "num_shared_blocks": int((state == SHARED).sum()),
-            "kv_usage": used / snap.num_blocks, "prefix_cache_queries": queries, "prefix_cache_hits": hits,
-            "prefix_cache_hit_rate": hits / queries if queries else 0.0,
-            "num_preemptions": c.get("num_preemptions", 0), "prompt_tokens": c.get("prompt_tokens", 0),
-            "generation_tokens": c.get("generation_tokens", 0), "slots_allocated": used * snap.block_size,
-            "tokens_stored": stored, "empty_slots": used * snap.block_size - stored}
+    return {
+        "num_running": sum(r.status == "running" for r in snap.requests),
+        "num_waiting": snap.num_waiting,
+        "num_free_blocks": int((state <= CACHED).sum()),
+        "num_evictable_blocks": int((state == CACHED).sum()),
+        "num_used_blocks": used,
+        "num_shared_blocks": int((state == SHARED).sum()),
+        "kv_usage": used / snap.num_blocks,
+        "prefix_cache_queries": queries,
+        "prefix_cache_hits": hits,
+        "prefix_cache_hit_rate": hits / queries if queries else 0.0,
+        "num_preemptions": c.get("num_preemptions", 0),
+        "prompt_tokens": c.get("prompt_tokens", 0),
+        "generation_tokens": c.get("generation_tokens", 0),
+        "slots_allocated": used * snap.block_size,
+        "tokens_stored": stored,
+        "empty_slots": used * snap.block_size - stored,
+    }
 
 
 def _blocks(snap: KVSnapshot, state: np.ndarray, fill: np.ndarray) -> list[dict]:
@@ -142,9 +181,17 @@ def _blocks(snap: KVSnapshot, state: np.ndarray, fill: np.ndarray) -> list[dict]
     out = []
     for b in np.flatnonzero(state != FREE).tolist():
         h = hashes.get(b)
-        out.append({"block_id": b, "state": STATES[state[b]], "ref_cnt": snap.ref_cnt[b],
-                    "hash": h.hex()[:16] if h is not None else None, "evict_rank": rank.get(b),
-                    "tokens": int(fill[b]), "holders": holders.get(b, [])})
+        out.append(
+            {
+                "block_id": b,
+                "state": STATES[state[b]],
+                "ref_cnt": snap.ref_cnt[b],
+                "hash": h.hex()[:16] if h is not None else None,
+                "evict_rank": rank.get(b),
+                "tokens": int(fill[b]),
+                "holders": holders.get(b, []),
+            }
+        )
     return out
 
 
@@ -159,8 +206,13 @@ def _row_runs(tables: _Tables, ref: np.ndarray, state: np.ndarray) -> list[list[
     cut[1:] = key[1:] != key[:-1]
     cut[starts[:-1][starts[:-1] < len(ids)]] = True  # a run never spans two tables
     run_starts = np.flatnonzero(cut)
-    runs = list(zip([STATES[k] for k in state[ids[run_starts]].tolist()], ref[ids[run_starts]].tolist(),
-                    np.diff(np.append(run_starts, len(ids))).tolist()))
+    runs = list(
+        zip(
+            [STATES[k] for k in state[ids[run_starts]].tolist()],
+            ref[ids[run_starts]].tolist(),
+            np.diff(np.append(run_starts, len(ids))).tolist(),
+        )
+    )
     edges = np.searchsorted(run_starts, starts).tolist()
     return [[list(run) for run in runs[a:b]] for a, b in zip(edges[:-1], edges[1:])]
 
@@ -172,9 +224,17 @@ def expand_row(row: list[list]) -> list[tuple[str, int]]:
 
 def _request(r, row: list[list], block_size: int) -> dict:
     slots = len(r.block_ids) * block_size
-    return {"request_id": r.request_id, "status": r.status, "prompt_tokens": r.prompt_tokens,
-            "output_tokens": r.output_tokens, "cached_tokens": r.cached_tokens,
-            "prefix_hit_blocks": r.cached_tokens // block_size if r.block_ids else 0,
-            "kv_tokens": r.kv_tokens, "num_preemptions": r.num_preemptions, "block_ids": list(r.block_ids),
-            "row": row, "slots": slots,
-            "empty_slots": slots - r.kv_tokens if r.block_ids else 0}
+    return {
+        "request_id": r.request_id,
+        "status": r.status,
+        "prompt_tokens": r.prompt_tokens,
+        "output_tokens": r.output_tokens,
+        "cached_tokens": r.cached_tokens,
+        "prefix_hit_blocks": r.cached_tokens // block_size if r.block_ids else 0,
+        "kv_tokens": r.kv_tokens,
+        "num_preemptions": r.num_preemptions,
+        "block_ids": list(r.block_ids),
+        "row": row,
+        "slots": slots,
+        "empty_slots": slots - r.kv_tokens if r.block_ids else 0,
+    }

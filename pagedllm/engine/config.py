@@ -1,5 +1,6 @@
 """Engine settings, declared once: each field's type, default, constraint and help (its docstring) make the flag
 that every command building an engine has (vLLM's names), its help and its check."""
+
 from __future__ import annotations
 
 import argparse
@@ -15,6 +16,8 @@ from pagedllm.settings import Bytes, Flag, add_flags, from_args, settings
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 2**30  # on CPU the cache shares RAM with everything else: a fixed space, as vLLM-CPU
 DEFAULT_KV_OFFLOAD_SIZE = 16 * 2**30
 
+KVCacheDType = Literal["auto", "float32", "bfloat16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"]
+
 
 @settings
 class EngineConfig:
@@ -26,7 +29,7 @@ class EngineConfig:
     """weights in memory: gguf keeps a GGUF's Q4_0/Q4_1/Q8_0 tensors as stored (the default for a GGUF file);
     int8/int4 round a checkpoint's weights at load (weight-only, groups of 32); none dequantizes to --dtype (the
     default for a Hugging Face folder)"""
-    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
+    kv_cache_dtype: KVCacheDType = "auto"
     """auto (the model's dtype) | float32 | bfloat16 | int8 | fp8 (= fp8_e4m3) | fp8_e5m2: a bfloat16 cache holds
     twice the tokens of a float32 one; the quantized ones (model/kv_quant.py) keep one byte per value and a bfloat16
     scale per 32, 3.8x the tokens of float32 (1.9x bfloat16); attention still computes in the model's dtype"""
@@ -60,8 +63,9 @@ class EngineConfig:
     """seconds between "busy" log lines; 0 turns them off"""
     # JSON text, a dict or a SpeculativeConfig, parsed by SpeculativeConfig.parse after the other checks. The
     # Python API is opt-in, as vLLM's LLM(...) is; the commands default to auto.
-    speculative_config: Annotated[SkipValidation[SpeculativeConfig | str | dict[str, Any] | None],
-                                  Flag(metavar="JSON", cli_default="auto")] = None
+    speculative_config: Annotated[
+        SkipValidation[SpeculativeConfig | str | dict[str, Any] | None], Flag(metavar="JSON", cli_default="auto")
+    ] = None
     """speculative decoding by prompt lookup, e.g. '{"method": "ngram", "num_speculative_tokens": 4,
     "prompt_lookup_max": 4, "prompt_lookup_min": 2}'; "disable_by_batch_size": N turns it off while N or more
     requests run or wait; none: off; auto (default): that example on a CPU, where it was measured to pay, off
@@ -86,8 +90,12 @@ CLI_ONLY_IN_PYTHON = ("log_stats_interval", "enable_kv_cache_events")  # setting
 def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = True) -> None:
     """The engine flags, vLLM's names, from EngineConfig; `model` is positional (serve MODEL) or --model."""
     if model_positional:
-        parser.add_argument("model", nargs="?", default=None,
-                            help="HF model folder or GGUF file (default: SmolLM2-135M-Instruct Q4_1 GGUF)")
+        parser.add_argument(
+            "model",
+            nargs="?",
+            default=None,
+            help="HF model folder or GGUF file (default: SmolLM2-135M-Instruct Q4_1 GGUF)",
+        )
     else:
         parser.add_argument("--model", default=None, help="HF model folder or GGUF file (default: SmolLM2-135M)")
     add_flags(parser.add_argument_group("engine"), EngineConfig, skip=("model",) + CLI_ONLY_IN_PYTHON)

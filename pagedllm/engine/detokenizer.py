@@ -5,6 +5,7 @@ the whole output every step is quadratic. As in TGI and vLLM, decode a small win
 tokens[prefix:read] and of tokens[prefix:]; the difference is the new text, held back while it ends in the
 replacement character of an incomplete byte sequence.
 """
+
 from __future__ import annotations
 
 from pagedllm.model.tokenizer import Tokenizer
@@ -25,11 +26,11 @@ class IncrementalDetokenizer:
         """Append one token; return the text it completed (possibly empty while a character is unfinished)."""
         self.ids.append(token_id)
         decode = self.tokenizer.decode
-        prefix_text = decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=self.skip)
-        new_text = decode(self.ids[self.prefix_offset:], skip_special_tokens=self.skip)
+        prefix_text = decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=self.skip)
+        new_text = decode(self.ids[self.prefix_offset :], skip_special_tokens=self.skip)
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
             return ""
-        delta = new_text[len(prefix_text):]
+        delta = new_text[len(prefix_text) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         if self.prefix_offset > 4 * WINDOW:  # keep the window small
             drop = self.prefix_offset

@@ -3,6 +3,7 @@
 K/V are a function of the weights, the dtypes, the block size and the layer shape: blocks written by an engine
 that differs in any of them must never be served, so all of them go into the fingerprint the tier checks.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -49,8 +50,13 @@ def _weights_digest(loaded: LoadedModel) -> bytes:
     is read from its parameters."""
     h = hashlib.sha256()
     path = loaded.path
-    files = ([os.path.join(path, n) for n in sorted(os.listdir(path)) if n.endswith(_WEIGHT_FILES)]
-             if path and os.path.isdir(path) else [path] if path and os.path.isfile(path) else [])
+    files = (
+        [os.path.join(path, n) for n in sorted(os.listdir(path)) if n.endswith(_WEIGHT_FILES)]
+        if path and os.path.isdir(path)
+        else [path]
+        if path and os.path.isfile(path)
+        else []
+    )
     for file in files:
         h.update(os.path.basename(file).encode() + _file_digest(file))
     if not files:
@@ -63,8 +69,15 @@ def engine_fingerprint(loaded: LoadedModel, kv_dtype: torch.dtype, block_size: i
     cfg = loaded.config
     h = hashlib.sha256(FORMAT)
     h.update(_weights_digest(loaded))
-    settings = (loaded.quantization, str(loaded.dtype), str(kv_dtype), block_size, cfg.num_layers, cfg.num_kv_heads,
-                cfg.head_dim)
+    settings = (
+        loaded.quantization,
+        str(loaded.dtype),
+        str(kv_dtype),
+        block_size,
+        cfg.num_layers,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+    )
     h.update(repr(settings).encode())
     return h.digest()
 

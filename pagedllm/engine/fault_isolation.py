@@ -1,6 +1,7 @@
 """A failure fails only its own request. If a step's forward pass raises, the prefix-cache entries it made are
 taken back (their K/V may never have been written) and each request runs alone; if batched sampling raises, each
 request's rows are sampled alone. A BaseException that is not an Exception (Ctrl-C) rolls back and propagates."""
+
 from __future__ import annotations
 
 import logging
@@ -21,8 +22,9 @@ Forward = Callable[[Scheduled], list[torch.Tensor]]  # one model call; per reque
 Fail = Callable[[Request, str], None]  # finish one request with an error
 
 
-def forward_guarded(forward: Forward, scheduled: Scheduled, kv: KVCacheManager, scheduler: Scheduler,
-                    fail: Fail) -> Computed:
+def forward_guarded(
+    forward: Forward, scheduled: Scheduled, kv: KVCacheManager, scheduler: Scheduler, fail: Fail
+) -> Computed:
     """The step's forward pass; on failure, each request alone (`forward_each`)."""
     try:
         logits = forward(scheduled)
@@ -36,8 +38,14 @@ def forward_guarded(forward: Forward, scheduled: Scheduled, kv: KVCacheManager, 
     return [(req, n, rows) for (req, n), rows in zip(scheduled, logits)]
 
 
-def forward_each(forward: Forward, scheduled: Scheduled, undone: dict[str, list], kv: KVCacheManager,
-                 scheduler: Scheduler, fail: Fail) -> Computed:
+def forward_each(
+    forward: Forward,
+    scheduled: Scheduled,
+    undone: dict[str, list],
+    kv: KVCacheManager,
+    scheduler: Scheduler,
+    fail: Fail,
+) -> Computed:
     """After a failed step: each request alone, in schedule order (a request that shares blocks another
     registered this step runs after it). One that fails again fails; one that shares a block whose writer
     failed is recomputed later, since that block's K/V were never written."""
@@ -69,7 +77,7 @@ def sample_guarded(logits: torch.Tensor, rows: list[list[SamplingRow]]) -> list[
         results: list[list[SampleResult] | Exception] = []
         start = 0
         for group in rows:
-            results.append(_sample_alone(logits[start:start + len(group)], group))
+            results.append(_sample_alone(logits[start : start + len(group)], group))
             start += len(group)
         return results
 

@@ -5,6 +5,7 @@ in-process caller such as `bench sweep`): it copies plain lists out of the live 
 it out, serialise and draw it while the engine goes on. Nothing here runs unless someone asks for a picture, so
 the engine pays nothing while nobody watches.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -45,8 +46,9 @@ class KVSnapshot:
     kv_cache_dtype: str = "float32"  # what a cached value is stored as (--kv-cache-dtype, resolved)
 
 
-def take_snapshot(engine: Any, max_waiting: int = 64, memo: BlockTokens | None = None,
-                  evict_order: bool = True) -> KVSnapshot:
+def take_snapshot(
+    engine: Any, max_waiting: int = 64, memo: BlockTokens | None = None, evict_order: bool = True
+) -> KVSnapshot:
     """Copy the pool, the block tables and the queues; call it on the engine thread, between steps.
 
     Its cost is one pass over the pool's ref counts plus the cached and held blocks: `max_waiting` bounds the copy
@@ -61,21 +63,42 @@ def take_snapshot(engine: Any, max_waiting: int = 64, memo: BlockTokens | None =
     running = [_request_state(r, kv) for r in sched.running]
     waiting = [_request_state(r, kv) for r in itertools.islice(sched.waiting, max_waiting)]
     order = [b.block_id for b in pool.free_queue if b.block_hash is not None] if evict_order else None
-    counters = {"prefix_cache_queries": kv.prefix_stats.queries, "prefix_cache_hits": kv.prefix_stats.hits,
-                "num_preemptions": sched.num_preemptions, "prompt_tokens": engine.prompt_tokens,
-                "generation_tokens": engine.generation_tokens}
+    counters = {
+        "prefix_cache_queries": kv.prefix_stats.queries,
+        "prefix_cache_hits": kv.prefix_stats.hits,
+        "num_preemptions": sched.num_preemptions,
+        "prompt_tokens": engine.prompt_tokens,
+        "generation_tokens": engine.generation_tokens,
+    }
     return KVSnapshot(
-        time=time.time(), step=engine.num_steps, allocation=engine.config.kv_allocation,
-        block_size=kv.block_size, num_blocks=pool.num_blocks, prefix_caching=kv.enable_caching,
-        ref_cnt=[b.ref_cnt for b in pool.blocks], hashed_ids=[b.block_id for b in pool.cached.values()],
-        hashes=list(pool.cached), evict_order=order, requests=running + waiting, num_waiting=len(sched.waiting),
-        counters=counters, kv_cache_dtype=str(engine.kv_dtype).removeprefix("torch."))
+        time=time.time(),
+        step=engine.num_steps,
+        allocation=engine.config.kv_allocation,
+        block_size=kv.block_size,
+        num_blocks=pool.num_blocks,
+        prefix_caching=kv.enable_caching,
+        ref_cnt=[b.ref_cnt for b in pool.blocks],
+        hashed_ids=[b.block_id for b in pool.cached.values()],
+        hashes=list(pool.cached),
+        evict_order=order,
+        requests=running + waiting,
+        num_waiting=len(sched.waiting),
+        counters=counters,
+        kv_cache_dtype=str(engine.kv_dtype).removeprefix("torch."),
+    )
 
 
 def _request_state(req: Any, kv: Any) -> RequestState:
-    return RequestState(req.request_id, req.status.value, len(req.prompt_token_ids), req.num_output_tokens,
-                        req.num_cached_tokens, kv.req_tokens.get(req.request_id, 0), req.num_preemptions,
-                        kv.get_block_ids(req.request_id))
+    return RequestState(
+        req.request_id,
+        req.status.value,
+        len(req.prompt_token_ids),
+        req.num_output_tokens,
+        req.num_cached_tokens,
+        kv.req_tokens.get(req.request_id, 0),
+        req.num_preemptions,
+        kv.get_block_ids(req.request_id),
+    )
 
 
 class BlockTokens:
@@ -100,7 +123,7 @@ class BlockTokens:
             full = min(len(blocks), kv.req_tokens.get(rid, 0) // bs) if req is not None else 0
             for i in range(self.done.get(rid, 0), full):
                 if blocks[i].block_hash is not None:
-                    self.by_hash.setdefault(blocks[i].block_hash, req.all_token_ids[i * bs:(i + 1) * bs])
+                    self.by_hash.setdefault(blocks[i].block_hash, req.all_token_ids[i * bs : (i + 1) * bs])
             done[rid] = full
         self.done = done
         if len(self.by_hash) > kv.pool.num_blocks:
@@ -132,7 +155,7 @@ def block_detail(engine: Any, block_id: int, memo: BlockTokens | None = None) ->
                 holders.append(rid)
                 req = engine.requests.get(rid)
                 if not tokens and req is not None:
-                    tokens = req.all_token_ids[i * bs:min((i + 1) * bs, kv.req_tokens.get(rid, 0))]
+                    tokens = req.all_token_ids[i * bs : min((i + 1) * bs, kv.req_tokens.get(rid, 0))]
     if not tokens and block.block_hash is not None and memo is not None:
         tokens = memo.by_hash.get(block.block_hash, [])
     rank = None
@@ -140,5 +163,6 @@ def block_detail(engine: Any, block_id: int, memo: BlockTokens | None = None) ->
         order = (b.block_id for b in kv.pool.free_queue if b.block_hash is not None)
         rank = next((i for i, bid in enumerate(order) if bid == block_id), None)
     text = engine.tokenizer.decode(tokens, skip_special_tokens=False) if tokens else ""
-    return BlockDetail(block_id, block.ref_cnt, block.block_hash.hex() if block.block_hash else None, rank,
-                       holders, list(tokens), text)
+    return BlockDetail(
+        block_id, block.ref_cnt, block.block_hash.hex() if block.block_hash else None, rank, holders, list(tokens), text
+    )

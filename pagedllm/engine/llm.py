@@ -1,4 +1,5 @@
 """The offline API: `LLM().generate(prompts, params)` runs a whole batch through the engine and returns it."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -27,10 +28,16 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
-    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams]
-                 | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         """Outputs in the order of the prompts. Every prompt is checked before any is queued."""
-        single = isinstance(prompts, str) or (isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int))
+        single = isinstance(prompts, str) or (
+            isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int)
+        )
         prompts = cast(list[Prompt], [prompts] if single else list(prompts))
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
@@ -53,10 +60,16 @@ class LLM:
             raise
         return self._run(ids, use_tqdm and len(ids) > 1)
 
-    def chat(self, messages: Messages | Sequence[Messages], sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: Messages | Sequence[Messages],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         """One conversation or a list of them, rendered with the model's chat template."""
-        conversations = cast(list[Messages], [messages] if messages and isinstance(messages[0], dict) else list(messages))
+        conversations = cast(
+            list[Messages], [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        )
         prompts = [self.engine.tokenizer.apply_chat_template(m, add_generation_prompt=True) for m in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 

@@ -4,6 +4,7 @@ The loop's parts have their own modules: sizing the KV cache (`memory.py`), chec
 (`input_checks.py`), keeping a failure to its own request (`fault_isolation.py`), sampling rows and draft
 acceptance (`acceptance.py`), the stop rules (`stop_checker.py`) and the statistics (`stats.py`).
 """
+
 from __future__ import annotations
 
 import logging
@@ -61,15 +62,21 @@ class LLMEngine:
 
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
         if self.max_model_len > cfg.max_position_embeddings:
-            raise UserError(f"--max-model-len: {self.max_model_len} is more than the model's "
-                            f"{cfg.max_position_embeddings} positions")
+            raise UserError(
+                f"--max-model-len: {self.max_model_len} is more than the model's "
+                f"{cfg.max_position_embeddings} positions"
+            )
         self.block_size = config.block_size
-        self.kv_dtype = (self.loaded.dtype if config.kv_cache_dtype == "auto"
-                         else {**DTYPES, **QUANT_KV_DTYPES}[config.kv_cache_dtype])
+        self.kv_dtype = (
+            self.loaded.dtype
+            if config.kv_cache_dtype == "auto"
+            else {**DTYPES, **QUANT_KV_DTYPES}[config.kv_cache_dtype]
+        )
         num_blocks = num_kv_blocks(config, self.loaded, self.max_model_len, self.kv_dtype)
         self.runner = ModelRunner(self.loaded, num_blocks, self.block_size, self.kv_dtype)
-        self.kv = make_kv_cache_manager(config.kv_allocation, num_blocks, self.block_size, self.max_model_len,
-                                        config.enable_prefix_caching)
+        self.kv = make_kv_cache_manager(
+            config.kv_allocation, num_blocks, self.block_size, self.max_model_len, config.enable_prefix_caching
+        )
         if config.enable_kv_cache_events:
             self.kv.pool.events = KVEventLog(self.block_size, device.type.upper())
         self.disk_tier: DiskKVTier | None = None
@@ -77,8 +84,12 @@ class LLMEngine:
             self.disk_tier = open_disk_tier(config.kv_offload_dir, config.kv_offload_size, self.runner, self.block_size)
             self.kv.attach_disk_tier(self.disk_tier, self.runner)
         spec = config.speculative_config
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   NgramDrafter(spec, self.max_model_len) if isinstance(spec, SpeculativeConfig) else None)
+        self.scheduler = Scheduler(
+            self.kv,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            NgramDrafter(spec, self.max_model_len) if isinstance(spec, SpeculativeConfig) else None,
+        )
         self.spec_stats = SpecDecodeStats()
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size)
         log_kv_cache(cfg, config, num_blocks, self.kv_dtype)
@@ -96,8 +107,15 @@ class LLMEngine:
         """Token ids of a text or id prompt, checked against the vocabulary and max_model_len."""
         return encode_prompt(prompt, self.tokenizer, self.model_config.vocab_size, self.max_model_len)
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    cache_salt: str | None = None, *, prompt_token_ids: list[int] | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+        *,
+        prompt_token_ids: list[int] | None = None,
+    ) -> None:
         """Queue a request (its n samples); `prompt_token_ids` gives the ids of a text prompt already encoded.
 
         Everything is checked and every sample built before anything is queued: a bad request leaves nothing.
@@ -108,8 +126,19 @@ class LLMEngine:
         prompt_ids = self.encode_prompt(prompt if prompt_token_ids is None else prompt_token_ids)
         check_params(params, len(prompt_ids), self.model_config.vocab_size, self.max_model_len)
         metrics = RequestMetrics(arrival_time=time.monotonic())
-        children = [Request(f"{request_id}#{i}", request_id, i, prompt_ids, params.for_sample(i), self.tokenizer,
-                            metrics, cache_salt) for i in range(params.n)]
+        children = [
+            Request(
+                f"{request_id}#{i}",
+                request_id,
+                i,
+                prompt_ids,
+                params.for_sample(i),
+                self.tokenizer,
+                metrics,
+                cache_salt,
+            )
+            for i in range(params.n)
+        ]
         so = params.structured_outputs
         compiled = self.grammars.compile(so.grammar_text) if so is not None else None
         for child in children:
@@ -117,8 +146,9 @@ class LLMEngine:
             self.requests[child.request_id] = child
             self.scheduler.add(child)
         holdback = max((len(s) for s in params.stop), default=1) - 1
-        self.parents[request_id] = _Parent(prompt if isinstance(prompt, str) else None, prompt_ids, children,
-                                           metrics, holdback)
+        self.parents[request_id] = _Parent(
+            prompt if isinstance(prompt, str) else None, prompt_ids, children, metrics, holdback
+        )
 
     def abort_request(self, request_id: str) -> None:
         parent = self.parents.pop(request_id, None)
@@ -151,8 +181,13 @@ class LLMEngine:
             self._release(req)
             updated[req.parent_id] = None
         if sched.scheduled:
-            done = forward_guarded(self._forward, sched.scheduled, self.kv, self.scheduler,
-                                   lambda req, error: self._fail(req, error, updated))
+            done = forward_guarded(
+                self._forward,
+                sched.scheduled,
+                self.kv,
+                self.scheduler,
+                lambda req, error: self._fail(req, error, updated),
+            )
             self._advance(done, updated)
             self.kv.commit_step()  # what acceptance registered (blocks of accepted drafts) has its K/V written
         elif not sched.failed:
@@ -174,8 +209,12 @@ class LLMEngine:
     def _chunk(self, req: Request, n: int) -> SeqChunk:
         """The request's next n tokens, then its drafts: verifying them needs the logits at every position."""
         start = req.num_computed_tokens
-        return SeqChunk(req.all_token_ids[start:start + n] + req.spec_token_ids, start,
-                        self.kv.get_block_ids(req.request_id), req.wants_prompt_logits or bool(req.spec_token_ids))
+        return SeqChunk(
+            req.all_token_ids[start : start + n] + req.spec_token_ids,
+            start,
+            self.kv.get_block_ids(req.request_id),
+            req.wants_prompt_logits or bool(req.spec_token_ids),
+        )
 
     def _forward(self, scheduled: Scheduled) -> list[torch.Tensor]:
         """Run the model once over the scheduled chunks; per request, its logits rows."""
@@ -202,7 +241,7 @@ class LLMEngine:
                 self._release(req)
                 updated[req.parent_id] = None
                 continue
-            to_sample.append((req, rows[len(rows) - 1 - len(req.spec_token_ids):]))
+            to_sample.append((req, rows[len(rows) - 1 - len(req.spec_token_ids) :]))
         if to_sample:
             self._sample(to_sample, now, updated)
 
@@ -217,9 +256,9 @@ class LLMEngine:
         count = min(len(rows), req.num_prompt_tokens - 1 - start)
         if count <= 0 or req.prompt_logprobs is None:
             return
-        targets = req.prompt_token_ids[start + 1:start + 1 + count]
+        targets = req.prompt_token_ids[start + 1 : start + 1 + count]
         entries = token_logprobs(rows[:count].float().log_softmax(-1), targets, req.params.prompt_logprobs or 0)
-        req.prompt_logprobs[start + 1:start + 1 + count] = entries
+        req.prompt_logprobs[start + 1 : start + 1 + count] = entries
 
     def _sample(self, to_sample: list[tuple[Request, torch.Tensor]], now: float, updated: dict[str, None]) -> None:
         """One sampling call for the batch, a row per logits row (a request with drafts has one per draft and one
@@ -232,8 +271,13 @@ class LLMEngine:
                 res = failed.get(req.request_id, res)
                 if isinstance(res, Exception):
                     raise res
-                accept(req, res, lambda r, token, logprobs: self._append_token(r, token, logprobs, now), self.kv,
-                       self.spec_stats)
+                accept(
+                    req,
+                    res,
+                    lambda r, token, logprobs: self._append_token(r, token, logprobs, now),
+                    self.kv,
+                    self.spec_stats,
+                )
             except Exception as e:  # noqa: BLE001 - this request's sampling or detokenizing failed
                 self._fail(req, f"sampling failed: {type(e).__name__}: {e}", updated)
                 continue
@@ -259,11 +303,18 @@ class LLMEngine:
             del self.parents[parent_id]
             parent.metrics.finished_time = time.monotonic()
         first = parent.children[0]
-        return RequestOutput(parent_id, parent.prompt, parent.prompt_token_ids,
-                             [c.completion_output(parent.holdback) for c in parent.children], finished,
-                             first.num_cached_tokens, parent.metrics,
-                             list(first.prompt_logprobs) if first.prompt_logprobs is not None else None)
+        return RequestOutput(
+            parent_id,
+            parent.prompt,
+            parent.prompt_token_ids,
+            [c.completion_output(parent.holdback) for c in parent.children],
+            finished,
+            first.num_cached_tokens,
+            parent.metrics,
+            list(first.prompt_logprobs) if first.prompt_logprobs is not None else None,
+        )
 
     def stats(self) -> EngineStats:
-        return collect_stats(self.kv, self.scheduler, self.spec_stats, self.prompt_tokens, self.generation_tokens,
-                             self.num_steps)
+        return collect_stats(
+            self.kv, self.scheduler, self.spec_stats, self.prompt_tokens, self.generation_tokens, self.num_steps
+        )

@@ -1,5 +1,6 @@
 """Sizing the KV cache at start-up: a fixed budget (`--kv-cache-memory`), the CPU default, or a share of the
 device's memory after the weights and a warm-up step of the largest batch, cut into blocks."""
+
 from __future__ import annotations
 
 import logging
@@ -34,14 +35,19 @@ def num_kv_blocks(config: EngineConfig, loaded: LoadedModel, max_model_len: int,
     budget = kv_budget(config, loaded, max_model_len, kv_dtype)
     num_blocks = budget // per_block
     if config.kv_allocation == "contiguous" and num_blocks < cdiv(max_model_len, block_size):
-        raise UserError(f"--kv-cache-memory: contiguous allocation reserves {max_model_len} tokens per "
-                        f"request ({cdiv(max_model_len, block_size) * per_block:,} bytes) but the "
-                        f"budget holds only {num_blocks} blocks; lower --max-model-len or raise the budget")
+        raise UserError(
+            f"--kv-cache-memory: contiguous allocation reserves {max_model_len} tokens per "
+            f"request ({cdiv(max_model_len, block_size) * per_block:,} bytes) but the "
+            f"budget holds only {num_blocks} blocks; lower --max-model-len or raise the budget"
+        )
     if num_blocks < 1:
         raise UserError(f"--kv-cache-memory: {budget:,} bytes hold no KV block of {per_block:,} bytes")
     if num_blocks * block_size < max_model_len:
-        logger.warning("the KV cache holds %d tokens, less than --max-model-len %d: longer requests will fail",
-                       num_blocks * block_size, max_model_len)
+        logger.warning(
+            "the KV cache holds %d tokens, less than --max-model-len %d: longer requests will fail",
+            num_blocks * block_size,
+            max_model_len,
+        )
     return num_blocks
 
 
@@ -54,14 +60,20 @@ def kv_budget(config: EngineConfig, loaded: LoadedModel, max_model_len: int, kv_
         # quantized weights give back what they no longer take dequantized: the cache gets it
         return DEFAULT_CPU_KV_CACHE_MEMORY + max(0, loaded.dense_weight_bytes - loaded.weight_bytes)
     share = config.gpu_memory_utilization or 0.9
-    total, used = profile_memory(loaded, min(config.max_num_batched_tokens, max_model_len), config.block_size,
-                                 kv_dtype)
+    total, used = profile_memory(loaded, min(config.max_num_batched_tokens, max_model_len), config.block_size, kv_dtype)
     budget = int(share * total) - used
-    logger.info("memory: %.2f GiB x %.2f, minus %.2f GiB for weights and activations -> KV budget %.2f GiB",
-                total / 2**30, share, used / 2**30, budget / 2**30)
+    logger.info(
+        "memory: %.2f GiB x %.2f, minus %.2f GiB for weights and activations -> KV budget %.2f GiB",
+        total / 2**30,
+        share,
+        used / 2**30,
+        budget / 2**30,
+    )
     if budget <= 0:
-        raise UserError(f"--gpu-memory-utilization: {share} of {total / 2**30:.1f} GiB leaves nothing for the KV "
-                        f"cache after {used / 2**30:.2f} GiB of weights and activations")
+        raise UserError(
+            f"--gpu-memory-utilization: {share} of {total / 2**30:.1f} GiB leaves nothing for the KV "
+            f"cache after {used / 2**30:.2f} GiB of weights and activations"
+        )
     return budget
 
 
@@ -83,10 +95,21 @@ def profile_memory(loaded: LoadedModel, num_tokens: int, block_size: int, kv_dty
 def log_kv_cache(cfg: ModelConfig, config: EngineConfig, num_blocks: int, kv_dtype: torch.dtype) -> None:
     """The start-up lines on the cache: its size, and what a token costs in each --kv-cache-dtype."""
     per_block = bytes_per_block(cfg, config.block_size, kv_dtype)
-    logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB %s, %d bytes/token, %s allocation, prefix "
-                "caching %s)", num_blocks, config.block_size, num_blocks * config.block_size,
-                num_blocks * per_block / 2**30, str(kv_dtype).removeprefix("torch."), per_block // config.block_size,
-                config.kv_allocation, "on" if config.enable_prefix_caching else "off")
-    logger.info("KV bytes/token by --kv-cache-dtype: %s", ", ".join(
-        f"{name} {kv_dtype_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, name):,}"
-        for name in ("float32", "bfloat16", "int8", "fp8")))
+    logger.info(
+        "KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB %s, %d bytes/token, %s allocation, prefix caching %s)",
+        num_blocks,
+        config.block_size,
+        num_blocks * config.block_size,
+        num_blocks * per_block / 2**30,
+        str(kv_dtype).removeprefix("torch."),
+        per_block // config.block_size,
+        config.kv_allocation,
+        "on" if config.enable_prefix_caching else "off",
+    )
+    logger.info(
+        "KV bytes/token by --kv-cache-dtype: %s",
+        ", ".join(
+            f"{name} {kv_dtype_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, name):,}"
+            for name in ("float32", "bfloat16", "int8", "fp8")
+        ),
+    )

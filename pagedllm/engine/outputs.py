@@ -1,4 +1,5 @@
 """What the engine hands back each step: cumulative text and tokens per sample, plus per-request timings."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

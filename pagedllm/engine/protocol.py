@@ -2,6 +2,7 @@
 tests' fake engine; `AsyncLLMEngine` and the cluster's `ClusterEngine` fit `AsyncEngine`, so the server layer is
 written against these, and the type checker (`make test` runs mypy) checks that the real engines fit them where
 they are passed (`AsyncLLMEngine(LLMEngine(...))`, `build_app(engine, ...)`)."""
+
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
@@ -21,8 +22,15 @@ class EngineCore(Protocol):
     model_config: ModelConfig
     max_model_len: int
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    cache_salt: str | None = None, *, prompt_token_ids: list[int] | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        *,
+        prompt_token_ids: list[int] | None = None,
+    ) -> None:
         """Queue a request (all its `params.n` samples) or raise `UserError` leaving nothing behind."""
 
     def abort_request(self, request_id: str) -> None:

@@ -1,4 +1,5 @@
 """A request's lifecycle and state: one Request per sample (n > 1 makes n of them, sharing the prompt's blocks)."""
+
 from __future__ import annotations
 
 import enum
@@ -21,9 +22,17 @@ class RequestStatus(enum.Enum):
 
 
 class Request:
-    def __init__(self, request_id: str, parent_id: str, index: int, prompt_token_ids: list[int],
-                 params: SamplingParams, tokenizer: Tokenizer, metrics: RequestMetrics,
-                 cache_salt: str | None = None) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        parent_id: str,
+        index: int,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        tokenizer: Tokenizer,
+        metrics: RequestMetrics,
+        cache_salt: str | None = None,
+    ) -> None:
         self.request_id = request_id
         self.parent_id = parent_id
         self.index = index
@@ -43,7 +52,8 @@ class Request:
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         # Position i holds the logprobs of prompt token i given the ones before it (None for the first token).
         self.prompt_logprobs: list[dict[int, float] | None] | None = (
-            [None] * len(prompt_token_ids) if params.prompt_logprobs is not None else None)
+            [None] * len(prompt_token_ids) if params.prompt_logprobs is not None else None
+        )
         self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
         self.text = ""  # detokenized output, stop strings cut off
         # Speculative drafts scheduled this step after the last token (set by the scheduler, cleared once verified).
@@ -52,7 +62,7 @@ class Request:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[len(self.prompt_token_ids):]
+        return self.all_token_ids[len(self.prompt_token_ids) :]
 
     @property
     def num_output_tokens(self) -> int:
@@ -88,6 +98,7 @@ class Request:
 
     def completion_output(self, holdback: int = 0) -> CompletionOutput:
         """The sample so far; `holdback` characters stay unsent while they might still start a stop string."""
-        text = self.text if self.finished or holdback == 0 else self.text[:max(0, len(self.text) - holdback)]
-        return CompletionOutput(self.index, text, self.output_token_ids, self.finish_reason, self.stop_reason,
-                                self.logprobs, self.error)
+        text = self.text if self.finished or holdback == 0 else self.text[: max(0, len(self.text) - holdback)]
+        return CompletionOutput(
+            self.index, text, self.output_token_ids, self.finish_reason, self.stop_reason, self.logprobs, self.error
+        )

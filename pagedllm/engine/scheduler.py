@@ -9,6 +9,7 @@ With speculative decoding, a decoding request also gets drafts (`request.spec_to
 take budget and lookahead KV slots, and are the first thing dropped when the cache is short (before anyone is
 preempted), since they only ever save time.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -31,8 +32,9 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 drafter: NgramDrafter | None = None) -> None:
+    def __init__(
+        self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, drafter: NgramDrafter | None = None
+    ) -> None:
         self.kv = kv
         self.drafter = drafter
         self.max_num_seqs = max_num_seqs
@@ -132,7 +134,11 @@ class Scheduler:
     def _fail(self, req: Request, out: SchedulerOutput) -> None:
         self.kv.free(req)
         need = len(req.all_token_ids)
-        req.finish("error", error=(
-            f"request needs KV room for {need} tokens but the whole cache holds "
-            f"{self.kv.num_blocks * self.kv.block_size} (raise --kv-cache-memory or lower --max-model-len)"))
+        req.finish(
+            "error",
+            error=(
+                f"request needs KV room for {need} tokens but the whole cache holds "
+                f"{self.kv.num_blocks * self.kv.block_size} (raise --kv-cache-memory or lower --max-model-len)"
+            ),
+        )
         out.failed.append(req)

@@ -9,6 +9,7 @@ step yields 1 to k + 1 tokens, and the output is the one without speculation (se
 The drafts' K/V slots are allocated as lookahead slots that the prefix cache never registers; the slots of
 rejected drafts are given back after the step (`KVCacheManager.trim`).
 """
+
 from __future__ import annotations
 
 import json
@@ -26,7 +27,12 @@ MAX_SPECULATIVE_TOKENS = 128  # vLLM's rejection sampler's MAX_SPEC_LEN
 # What `--speculative-config auto` (the default of every command) turns on on a CPU. Measured there
 # (docs/benchmarks.md, "Speculative decoding"): prompt lookup paid (1.15-2.4x) or broke even (64 requests) at every
 # concurrency tried, on RAG answers and on the random workload; off elsewhere (nothing measured on a GPU).
-CPU_DEFAULT: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+CPU_DEFAULT: dict[str, Any] = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_max": 4,
+    "prompt_lookup_min": 2,
+}
 
 
 def _bad(message: str) -> UserError:
@@ -47,7 +53,7 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         if self.method != "ngram":
-            raise _bad(f"method {self.method!r} is not supported: only \"ngram\" (prompt lookup)")
+            raise _bad(f'method {self.method!r} is not supported: only "ngram" (prompt lookup)')
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
@@ -55,15 +61,17 @@ class SpeculativeConfig:
         if self.num_speculative_tokens is None:
             raise _bad("num_speculative_tokens is required for the ngram method")
         if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
-            raise _bad(f"num_speculative_tokens must be at most {MAX_SPECULATIVE_TOKENS}, "
-                       f"got {self.num_speculative_tokens}")
+            raise _bad(
+                f"num_speculative_tokens must be at most {MAX_SPECULATIVE_TOKENS}, got {self.num_speculative_tokens}"
+            )
         if self.prompt_lookup_max is None:
             self.prompt_lookup_max = self.prompt_lookup_min or 5
         if self.prompt_lookup_min is None:
             self.prompt_lookup_min = self.prompt_lookup_max
         if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise _bad(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
-                       f"({self.prompt_lookup_max})")
+            raise _bad(
+                f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max ({self.prompt_lookup_max})"
+            )
 
     @classmethod
     def parse(cls, value: Any, on_cpu: bool = True) -> SpeculativeConfig | None:
@@ -81,8 +89,7 @@ class SpeculativeConfig:
             except json.JSONDecodeError as e:
                 raise _bad(f"not valid JSON ({e.msg} at character {e.pos}): {value!r}") from None
         if not isinstance(value, dict):
-            raise _bad(f"must be a JSON object like {{\"method\": \"ngram\", \"num_speculative_tokens\": 4}}, "
-                       f"got {value!r}")
+            raise _bad(f'must be a JSON object like {{"method": "ngram", "num_speculative_tokens": 4}}, got {value!r}')
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:
@@ -113,7 +120,7 @@ def ngram_draft(tokens: list[int], num_drafts: int, min_n: int, max_n: int) -> l
     if best < min_n:
         return []
     end = int(ends[np.flatnonzero(matched == best)[-1]])
-    return arr[end + 1:end + 1 + num_drafts].tolist()
+    return arr[end + 1 : end + 1 + num_drafts].tolist()
 
 
 class NgramDrafter:
@@ -137,7 +144,7 @@ class NgramDrafter:
             k = min(k, request.params.max_tokens - request.num_output_tokens - 1)
         drafts = ngram_draft(request.all_token_ids, k, cfg.prompt_lookup_min or 1, cfg.prompt_lookup_max or 1)
         if request.grammar is not None:  # drafts the grammar refuses could never be accepted: not worth verifying
-            drafts = drafts[:request.grammar.valid_prefix(drafts)]
+            drafts = drafts[: request.grammar.valid_prefix(drafts)]
         return drafts
 
 

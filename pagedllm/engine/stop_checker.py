@@ -1,5 +1,6 @@
 """When a request is done after a new token: EOS, a stop token, a stop string (the text is cut before it),
 max_tokens or max_model_len. Checked token by token, so tokens past a stop (accepted drafts too) are dropped."""
+
 from __future__ import annotations
 
 from pagedllm.engine.request import Request

@@ -1,5 +1,6 @@
 """One request streamed from an in-process engine (`pagedllm generate`, `pagedllm chat`, `rag ask` without a
 server): the text each step added, with the output it came from."""
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -10,8 +11,9 @@ from pagedllm.errors import UserError
 from pagedllm.sampling_params import SamplingParams
 
 
-def stream_request(engine: LLMEngine, request_id: str, prompt: str | list[int],
-                   params: SamplingParams) -> Iterator[tuple[str, RequestOutput]]:
+def stream_request(
+    engine: LLMEngine, request_id: str, prompt: str | list[int], params: SamplingParams
+) -> Iterator[tuple[str, RequestOutput]]:
     """(new text, output) for each step that advanced the request, until it finishes; a request that fails raises
     UserError with its error, and one the consumer stops reading early is aborted (its blocks freed). Other
     requests in the engine keep running, their outputs dropped here: use an engine of its own."""

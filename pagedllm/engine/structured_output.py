@@ -8,6 +8,7 @@ cached by their text: a matcher fresh from the cache is copied (`deep_copy`) for
 microseconds. The matcher only ever holds the tokens the request really has: drafts are consumed to compute the
 masks after them and rolled back at once; preemption keeps a request's tokens, so its matcher stays right.
 """
+
 from __future__ import annotations
 
 import logging
@@ -62,8 +63,9 @@ class GrammarCompiler:
         if self._ll_tokenizer is None:
             import llguidance.hf
 
-            self._ll_tokenizer = llguidance.hf.from_tokenizer(self._tokenizer.hf, n_vocab=self._vocab_size,
-                                                              eos_token=self._tokenizer.eos_token_ids or None)
+            self._ll_tokenizer = llguidance.hf.from_tokenizer(
+                self._tokenizer.hf, n_vocab=self._vocab_size, eos_token=self._tokenizer.eos_token_ids or None
+            )
             start = time.perf_counter()
         matcher = LLMatcher(self._ll_tokenizer, grammar, log_level=0)
         if matcher.is_error():
@@ -150,4 +152,3 @@ def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: np.ndarray) ->
     sub = values[rows]
     np.copyto(sub, np.float32(-np.inf), where=forbidden)
     values[rows] = sub
-

@@ -1,5 +1,6 @@
 """`pagedllm bench ...`: the benchmark subcommand group; each module in BENCH_COMMANDS registers one
 sub-subcommand (with `func=...`) through its add_*_parser function."""
+
 from __future__ import annotations
 
 import argparse
@@ -10,8 +11,11 @@ BENCH_COMMANDS = [serve_bench.add_serve_parser, sweep.add_sweep_parser, throughp
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("bench", help="benchmarks: serve (any OpenAI-compatible server), sweep (KV settings)",
-                              description="Benchmarks. `pagedllm bench <command> -h` for each.")
+    p = subparsers.add_parser(
+        "bench",
+        help="benchmarks: serve (any OpenAI-compatible server), sweep (KV settings)",
+        description="Benchmarks. `pagedllm bench <command> -h` for each.",
+    )
     bench_sub = p.add_subparsers(dest="bench_command", required=True)
     for add in BENCH_COMMANDS:
         add(bench_sub)

@@ -1,4 +1,5 @@
 """The `pagedllm` command: one subcommand per module, so each feature owns its own parser."""
+
 from __future__ import annotations
 
 import argparse

@@ -1,4 +1,5 @@
 """`pagedllm generate "prompt"` and `pagedllm chat`: the engine in a terminal, streaming as it goes."""
+
 from __future__ import annotations
 
 import argparse
@@ -31,9 +32,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def _params(args: argparse.Namespace):
     from pagedllm import SamplingParams
 
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                          stop=args.stop, seed=args.sampling_seed)
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        stop=args.stop,
+        seed=args.sampling_seed,
+    )
 
 
 def _engine(args: argparse.Namespace):
@@ -54,8 +62,11 @@ def stream(engine, request_id: str, prompt: str | list[int], params) -> Iterator
 def run_generate(args: argparse.Namespace) -> int:
     params = _params(args)
     engine = _engine(args)
-    prompt = (engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
-              if args.chat_template else args.prompt)
+    prompt = (
+        engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+        if args.chat_template
+        else args.prompt
+    )
     for delta in stream(engine, "generate", prompt, params):
         sys.stdout.write(delta)
         sys.stdout.flush()

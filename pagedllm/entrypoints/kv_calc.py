@@ -1,4 +1,5 @@
 """`pagedllm kv-calc`: the chapter's locker arithmetic, and what a memory budget holds for a real model."""
+
 from __future__ import annotations
 
 import argparse
@@ -17,19 +18,35 @@ CHAPTER_USED = "180,650,90,1200,300,75,420,260"  # the chapter's eight example r
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("kv-calc", help="KV-cache slots: whole-length reservation vs paged blocks",
-                       description="Reproduces the chapter's whole-vs-paged arithmetic; with --model and --memory, "
-                                   "also how many of the requests fit in a KV budget.")
+    p = sub.add_parser(
+        "kv-calc",
+        help="KV-cache slots: whole-length reservation vs paged blocks",
+        description="Reproduces the chapter's whole-vs-paged arithmetic; with --model and --memory, "
+        "also how many of the requests fit in a KV budget.",
+    )
     # Flags are read as text and checked here, so a bad value gets one line that names the flag.
     p.add_argument("--max-len", default="4096", help="max model length reserved per request (whole allocation)")
     p.add_argument("--block-size", default="16", help="tokens per KV block")
     p.add_argument("--used", default=CHAPTER_USED, help="comma-separated tokens each request really uses")
-    p.add_argument("--lang", choices=["en", "ko"], default="en",
-                   help="ko prints the chapter's own lines: its three totals, then one line per request")
-    p.add_argument("--plot", default=None, metavar="FILE.png",
-                   help="draw the requests as rows: whole allocation (lockers) above paged (blocks), with the totals")
-    p.add_argument("--model", nargs="?", const="default", default=None,
-                   help="a model path (HF folder or GGUF) or 'default': adds bytes per token and block")
+    p.add_argument(
+        "--lang",
+        choices=["en", "ko"],
+        default="en",
+        help="ko prints the chapter's own lines: its three totals, then one line per request",
+    )
+    p.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE.png",
+        help="draw the requests as rows: whole allocation (lockers) above paged (blocks), with the totals",
+    )
+    p.add_argument(
+        "--model",
+        nargs="?",
+        const="default",
+        default=None,
+        help="a model path (HF folder or GGUF) or 'default': adds bytes per token and block",
+    )
     p.add_argument("--memory", default=None, help="KV-cache budget, e.g. 4GiB (needs --model)")
     p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bfloat16", help="KV-cache dtype")
     p.set_defaults(func=run)
@@ -98,6 +115,7 @@ def _report_model(model: str, dtype: str, block_size: int, max_len: int, used: l
     from pagedllm.model.config import load_model_config
 
     cfg = load_model_config(None if model == "default" else model)
+
     def per_token_of(name: str) -> int:
         return kv_dtype_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, name)
 

@@ -1,4 +1,5 @@
 """`pagedllm rag ingest|search|ask|bench`: retrieval-augmented generation with a prefix-cache-aware prompt layout."""
+
 from __future__ import annotations
 
 import json
@@ -10,17 +11,25 @@ from pagedllm.rag import DEFAULT_INDEX
 
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("rag", help="RAG: ingest documents, search, answer with retrieved context, benchmark",
-                              description="Retrieval-augmented generation over a local faiss index.")
+    p = subparsers.add_parser(
+        "rag",
+        help="RAG: ingest documents, search, answer with retrieved context, benchmark",
+        description="Retrieval-augmented generation over a local faiss index.",
+    )
     sub = p.add_subparsers(dest="rag_command", required=True)
 
     def index_arg(sp):
         sp.add_argument("--index", default=DEFAULT_INDEX, help=f"index folder (default: ./{DEFAULT_INDEX})")
 
-    sp = sub.add_parser("ingest", help="chunk, embed and index text/Markdown files or folders",
-                        description="With no PATH, ingests the default corpus: the Python language reference "
-                                    "(pydoc_data.topics, one document per topic).")
-    sp.add_argument("paths", nargs="*", metavar="PATH", help="files or folders (.txt, .md, .rst); none = default corpus")
+    sp = sub.add_parser(
+        "ingest",
+        help="chunk, embed and index text/Markdown files or folders",
+        description="With no PATH, ingests the default corpus: the Python language reference "
+        "(pydoc_data.topics, one document per topic).",
+    )
+    sp.add_argument(
+        "paths", nargs="*", metavar="PATH", help="files or folders (.txt, .md, .rst); none = default corpus"
+    )
     index_arg(sp)
     sp.add_argument("--chunk-size", type=int, default=256, help="chunk length in the LLM's tokens (default 256)")
     sp.add_argument("--chunk-overlap", type=int, default=32, help="tokens repeated between chunks (default 32)")
@@ -45,9 +54,14 @@ def add_parser(subparsers) -> None:
     sp.add_argument("--layout", choices=["naive", "canonical", "popular"], default="canonical")
     sp.add_argument("--max-tokens", type=int, default=256)
     sp.add_argument("--temperature", type=float, default=0.0)
-    sp.add_argument("--base-url", default=None,
-                    help="answer with an OpenAI-compatible server (e.g. http://localhost:8000/v1) instead of in-process")
-    sp.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="for --base-url (default: $OPENAI_API_KEY)")
+    sp.add_argument(
+        "--base-url",
+        default=None,
+        help="answer with an OpenAI-compatible server (e.g. http://localhost:8000/v1) instead of in-process",
+    )
+    sp.add_argument(
+        "--api-key", default=os.environ.get("OPENAI_API_KEY"), help="for --base-url (default: $OPENAI_API_KEY)"
+    )
     sp.add_argument("--server-model", default=None, help="model name sent to --base-url (default: its first model)")
     sp.add_argument("--show-prompt", action="store_true", help="print the chat messages before answering")
     add_engine_args(sp, model_positional=False)
@@ -60,13 +74,20 @@ def add_parser(subparsers) -> None:
     sp.add_argument("--max-tokens", type=int, default=32, help="greedy output tokens per answer")
     sp.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of topic popularity (default 1.1)")
     sp.add_argument("--layouts", default="naive,canonical,popular", help="comma-separated")
-    sp.add_argument("--caching", choices=["both", "on", "off"], default="both",
-                    help="prefix-caching settings to run (overrides --enable-prefix-caching; default both)")
+    sp.add_argument(
+        "--caching",
+        choices=["both", "on", "off"],
+        default="both",
+        help="prefix-caching settings to run (overrides --enable-prefix-caching; default both)",
+    )
     sp.add_argument("--base-url", default=None, help="run against an OpenAI-compatible server instead (its own cache)")
     sp.add_argument("--server-model", default=None)
     sp.add_argument("--out", default="rag-bench", help="folder for rag_bench.json / .md / .png (default ./rag-bench)")
-    sp.add_argument("--count-only", action="store_true",
-                    help="no model, no timing: count what the prefix cache would serve per layout (seconds)")
+    sp.add_argument(
+        "--count-only",
+        action="store_true",
+        help="no model, no timing: count what the prefix cache would serve per layout (seconds)",
+    )
     add_engine_args(sp, model_positional=False)  # its --seed also seeds the question workload
     sp.set_defaults(func=cmd_bench)
 
@@ -90,8 +111,10 @@ def cmd_ingest(args) -> int:
         raise UserError("no text or Markdown files found in the given paths")
     rep = ingest(docs, args.index, args.chunk_size, args.chunk_overlap, args.model, progress=not args.no_progress)
     if rep.embedded:
-        print(f"{rep.documents} documents: {rep.changed} new or changed ({rep.new_chunks} chunks embedded), "
-              f"{rep.unchanged} unchanged; index {args.index} has {rep.total_chunks} chunks ({rep.seconds:.1f} s)")
+        print(
+            f"{rep.documents} documents: {rep.changed} new or changed ({rep.new_chunks} chunks embedded), "
+            f"{rep.unchanged} unchanged; index {args.index} has {rep.total_chunks} chunks ({rep.seconds:.1f} s)"
+        )
     else:
         print(f"{rep.documents} documents unchanged; nothing to do (index {args.index} has {rep.total_chunks} chunks)")
     return 0
@@ -129,8 +152,15 @@ def cmd_ask(args) -> int:
         print("--- answer ---")
     answer = Answer()
     if args.base_url:
-        stream = stream_openai(args.base_url, messages, answer, model=args.server_model, max_tokens=args.max_tokens,
-                               temperature=args.temperature, api_key=args.api_key)
+        stream = stream_openai(
+            args.base_url,
+            messages,
+            answer,
+            model=args.server_model,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            api_key=args.api_key,
+        )
     else:
         from pagedllm.engine import EngineConfig, LLMEngine
         from pagedllm.sampling_params import SamplingParams
@@ -148,8 +178,10 @@ def cmd_ask(args) -> int:
     if answer.prompt_tokens:
         cached = "" if answer.cached_tokens is None else f", {answer.cached_tokens} from the prefix cache"
         ttft = "" if answer.ttft is None else f", TTFT {answer.ttft * 1000:.0f} ms"
-        print(f"({answer.prompt_tokens} prompt tokens{cached}, {answer.output_tokens} output tokens{ttft})",
-              file=sys.stderr)
+        print(
+            f"({answer.prompt_tokens} prompt tokens{cached}, {answer.output_tokens} output tokens{ttft})",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -171,26 +203,44 @@ def cmd_bench(args) -> int:
     if args.count_only:
         from pagedllm.rag.bench import count_layouts
 
-        rows = count_layouts(args.index, args.num_questions, args.seed, args.top_k, layouts, args.zipf,
-                             cfg.block_size, cfg.model)
+        rows = count_layouts(
+            args.index, args.num_questions, args.seed, args.top_k, layouts, args.zipf, cfg.block_size, cfg.model
+        )
         print(f"\n{'layout':<11}{'hit rate':>9}{'prompt tokens':>15}{'from cache':>12}{'median computed':>17}")
         for r in rows:
-            print(f"{r['layout']:<11}{r['hit_rate']:>9.1%}{r['prompt_tokens']:>15}{r['cached_tokens']:>12}"
-                  f"{r['computed_median']:>17.1f}")
+            print(
+                f"{r['layout']:<11}{r['hit_rate']:>9.1%}{r['prompt_tokens']:>15}{r['cached_tokens']:>12}"
+                f"{r['computed_median']:>17.1f}"
+            )
         return 0
     # JSON-ready (the result records them): a speculative config as its dict, which EngineConfig takes back
-    engine_kwargs = {f.name: asdict(v) if is_dataclass(v := getattr(cfg, f.name)) and not isinstance(v, type) else v
-                     for f in fields(cfg)}
+    engine_kwargs = {
+        f.name: asdict(v) if is_dataclass(v := getattr(cfg, f.name)) and not isinstance(v, type) else v
+        for f in fields(cfg)
+    }
     os.makedirs(args.out, exist_ok=True)
-    result = run_bench(args.index, args.num_questions, args.seed, args.top_k, layouts, caching, args.max_tokens,
-                       engine_kwargs, args.base_url, args.server_model, zipf_s=args.zipf,
-                       partial_path=os.path.join(args.out, "rag_bench_partial.json"))
+    result = run_bench(
+        args.index,
+        args.num_questions,
+        args.seed,
+        args.top_k,
+        layouts,
+        caching,
+        args.max_tokens,
+        engine_kwargs,
+        args.base_url,
+        args.server_model,
+        zipf_s=args.zipf,
+        partial_path=os.path.join(args.out, "rag_bench_partial.json"),
+    )
     paths = save(result, args.out)
     print()
     print(markdown_table(result["rows"]))
     chk = result["answer_check"]
-    print(f"\nanswers for the same question and prompt identical across settings: "
-          f"{chk['groups_identical']}/{chk['groups_compared']}")
+    print(
+        f"\nanswers for the same question and prompt identical across settings: "
+        f"{chk['groups_identical']}/{chk['groups_compared']}"
+    )
     for m in chk["mismatches"][:5]:
         print(f"  differs: {m['question']!r} in {', '.join(m['settings'])}")
     print(f"wrote {paths['json']}, {paths['table']}, {paths['plot']}")

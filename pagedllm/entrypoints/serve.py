@@ -1,5 +1,6 @@
 """`pagedllm serve [MODEL]`: the OpenAI-compatible server (default model, 127.0.0.1:8000); with --replicas N,
 the cluster (`serve_cluster.py`)."""
+
 from __future__ import annotations
 
 import argparse
@@ -20,10 +21,12 @@ from pagedllm.errors import UserError
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve MODEL (default: SmolLM2-135M-Instruct) over an OpenAI-compatible HTTP API: "
-                    "/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize; "
-                    "and /kv, the KV block pool live in a browser.")
+        "/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize; "
+        "and /kv, the KV block pool live in a browser.",
+    )
     add_serve_args(p)
     p.set_defaults(func=run)
 
@@ -53,12 +56,21 @@ def run(args: argparse.Namespace) -> int:
     names = served_names(args)
     print(f"pagedllm serve: loading {args.model or DEFAULT_SERVED_NAME} ...", file=sys.stderr, flush=True)
     engine = AsyncLLMEngine(LLMEngine(config), max_waiting_requests=args.max_waiting_requests)
-    app = build_app(engine, served_model_names=names, api_key=api_key, model_root=args.model or names[0],
-                    rag=rag, max_request_bytes=args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES)
+    app = build_app(
+        engine,
+        served_model_names=names,
+        api_key=api_key,
+        model_root=args.model or names[0],
+        rag=rag,
+        max_request_bytes=args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES,
+    )
     server = Server(app, host=args.host, port=args.port, log_level=args.log_level)
-    print(f"pagedllm serve: serving {', '.join(names)} on http://{args.host}:{args.port} "
-          f"(max_model_len {engine.max_model_len}{', API key required' if api_key else ''})",
-          file=sys.stderr, flush=True)
+    print(
+        f"pagedllm serve: serving {', '.join(names)} on http://{args.host}:{args.port} "
+        f"(max_model_len {engine.max_model_len}{', API key required' if api_key else ''})",
+        file=sys.stderr,
+        flush=True,
+    )
     status = server.run()
     if server.uvicorn.started is False and not server.uvicorn.should_exit:
         raise UserError(f"could not start the server on {args.host}:{args.port}")

@@ -1,5 +1,6 @@
 """`pagedllm serve`'s flags (engine, server, cluster) and their checks, in one place: the single server
 (`serve.py`) and the cluster (`serve_cluster.py`, also behind Ray Serve's `serve run`) parse the same flags."""
+
 from __future__ import annotations
 
 import argparse
@@ -9,8 +10,7 @@ from pagedllm.cluster.routing import POLICIES
 from pagedllm.errors import UserError
 
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
-CLUSTER_FLAGS = ("ray_address", "routing", "cpus_per_replica", "num_gpus_per_replica",
-                 "routing_imbalance_threshold")
+CLUSTER_FLAGS = ("ray_address", "routing", "cpus_per_replica", "num_gpus_per_replica", "routing_imbalance_threshold")
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -20,43 +20,80 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     s = parser.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
-    s.add_argument("--served-model-name", nargs="+", default=None,
-                   help="model name(s) clients use in 'model' (default: the MODEL argument, or "
-                        f"{DEFAULT_SERVED_NAME} for the default model)")
-    s.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: env PAGEDLLM_API_KEY, else none)")
-    s.add_argument("--max-waiting-requests", type=int, default=None,
-                   help="answer 503 when this many requests already wait to be scheduled (default: no limit)")
-    s.add_argument("--max-request-bytes", type=int, default=None,
-                   help="answer 413 to a request body larger than this, before reading it "
-                        "(default: 4 MiB, ~100x the longest prompt of a 32k-token context)")
-    s.add_argument("--rag-index", default=None,
-                   help="an index from `pagedllm rag ingest`: adds POST /v1/rag/chat/completions")
+    s.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="model name(s) clients use in 'model' (default: the MODEL argument, or "
+        f"{DEFAULT_SERVED_NAME} for the default model)",
+    )
+    s.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: env PAGEDLLM_API_KEY, else none)",
+    )
+    s.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=None,
+        help="answer 503 when this many requests already wait to be scheduled (default: no limit)",
+    )
+    s.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=None,
+        help="answer 413 to a request body larger than this, before reading it "
+        "(default: 4 MiB, ~100x the longest prompt of a 32k-token context)",
+    )
+    s.add_argument(
+        "--rag-index", default=None, help="an index from `pagedllm rag ingest`: adds POST /v1/rag/chat/completions"
+    )
     s.add_argument("--rag-top-k", type=int, default=4, help="chunks retrieved per RAG question")
-    s.add_argument("--rag-layout", default="canonical", choices=["naive", "canonical", "popular"],
-                   help="prompt layout of RAG requests (canonical/popular share prefixes in the cache)")
-    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
-                   help="server log level (default: info)")
+    s.add_argument(
+        "--rag-layout",
+        default="canonical",
+        choices=["naive", "canonical", "popular"],
+        help="prompt layout of RAG requests (canonical/popular share prefixes in the cache)",
+    )
+    s.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="server log level (default: info)",
+    )
     add_cluster_args(parser)
 
 
 def add_cluster_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("cluster (needs pip install 'pagedllm[cluster]')")
-    g.add_argument("--replicas", type=int, default=None,
-                   help="serve N engine replicas on Ray Serve behind one OpenAI endpoint (default: one process, "
-                        "no Ray)")
-    g.add_argument("--ray-address", default=None,
-                   help="join this Ray cluster (e.g. ray://head:10001 or auto) instead of starting a local one")
-    g.add_argument("--routing", default=None, choices=POLICIES,
-                   help="how requests pick a replica: prefix (default: where the prompt's prefix most likely is "
-                        "cached), kv-events (where the replicas' KV events say it is), round-robin (Ray's "
-                        "power of two choices, cache-blind)")
-    g.add_argument("--routing-imbalance-threshold", type=int, default=None,
-                   help="prefix / kv-events: go to the least loaded replica instead when the one holding the "
-                        "prefix has more than this many requests in flight over it (default: 8)")
+    g.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="serve N engine replicas on Ray Serve behind one OpenAI endpoint (default: one process, no Ray)",
+    )
+    g.add_argument(
+        "--ray-address",
+        default=None,
+        help="join this Ray cluster (e.g. ray://head:10001 or auto) instead of starting a local one",
+    )
+    g.add_argument(
+        "--routing",
+        default=None,
+        choices=POLICIES,
+        help="how requests pick a replica: prefix (default: where the prompt's prefix most likely is "
+        "cached), kv-events (where the replicas' KV events say it is), round-robin (Ray's "
+        "power of two choices, cache-blind)",
+    )
+    g.add_argument(
+        "--routing-imbalance-threshold",
+        type=int,
+        default=None,
+        help="prefix / kv-events: go to the least loaded replica instead when the one holding the "
+        "prefix has more than this many requests in flight over it (default: 8)",
+    )
     g.add_argument("--cpus-per-replica", type=float, default=None, help="CPUs Ray reserves per replica (default 1)")
-    g.add_argument("--num-gpus-per-replica", type=float, default=None,
-                   help="GPUs Ray reserves per replica (default 0)")
+    g.add_argument("--num-gpus-per-replica", type=float, default=None, help="GPUs Ray reserves per replica (default 0)")
 
 
 def check_server_args(args: argparse.Namespace) -> None:

@@ -5,6 +5,7 @@ The flags live on `pagedllm serve` because that is where a vLLM user looks (`vll
 and the single-process server's flags all still apply. Nothing here imports Ray until the cluster runs, so
 `pagedllm serve` works without the `cluster` extra.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,12 +26,21 @@ def settings_from_args(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     check_cluster_args(args)
     config = EngineConfig.from_args(args)
     load_model_config(args.model)
-    options = ClusterOptions(args.replicas, args.cpus_per_replica or 1.0, args.num_gpus_per_replica or 0.0,
-                             8 if args.routing_imbalance_threshold is None else args.routing_imbalance_threshold,
-                             log_level=args.log_level)
-    ingress = IngressSettings(args.model, served_names(args), args.routing or "prefix",
-                              args.api_key or os.environ.get("PAGEDLLM_API_KEY"), args.max_waiting_requests,
-                              getattr(args, "max_request_bytes", None))
+    options = ClusterOptions(
+        args.replicas,
+        args.cpus_per_replica or 1.0,
+        args.num_gpus_per_replica or 0.0,
+        8 if args.routing_imbalance_threshold is None else args.routing_imbalance_threshold,
+        log_level=args.log_level,
+    )
+    ingress = IngressSettings(
+        args.model,
+        served_names(args),
+        args.routing or "prefix",
+        args.api_key or os.environ.get("PAGEDLLM_API_KEY"),
+        args.max_waiting_requests,
+        getattr(args, "max_request_bytes", None),
+    )
     return config, options, ingress
 
 

@@ -1,5 +1,6 @@
 """KV-cache blocks: the pool, the managers (paged and contiguous) and the sizing arithmetic. These names are the
 package's public surface (what bench/ and rag/ may use: counting prefix hits and sizing without an engine)."""
+
 from pagedllm.kv.manager import ContiguousKVCacheManager, PagedKVCacheManager, TokenRequest, cdiv
 from pagedllm.kv.sizing import kv_bytes_per_token
 

@@ -4,6 +4,7 @@ A freed block keeps its hash and contents, so a later request with the same pref
 ("touch") for free; a fresh allocation takes the least recently freed block and only then drops its hash.
 All operations are O(1) per block: the free queue is a doubly linked list threaded through the blocks.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
@@ -94,8 +95,11 @@ class BlockPool:
         out = []
         for _ in range(n):
             block = self.free_queue.popleft()
-            if self.on_evict is not None and block.block_hash is not None and \
-                    self.cached.get(block.block_hash) is block:
+            if (
+                self.on_evict is not None
+                and block.block_hash is not None
+                and self.cached.get(block.block_hash) is block
+            ):
                 self.on_evict(block)
             self.uncache(block)
             block.ref_cnt = 1

@@ -9,6 +9,7 @@ vLLM's field names (what msgspec writes for vLLM's structs). Block hashes are pa
 
 Recording is off unless a `KVEventLog` is attached to the block pool; then each event costs one append.
 """
+
 from __future__ import annotations
 
 import threading
@@ -55,10 +56,16 @@ def event_to_wire(event: KVCacheEvent) -> dict[str, object]:
     """The msgpack map msgspec writes for vLLM's tagged struct: the tag first, then every field without a
     default in vLLM (None included) in vLLM's order."""
     if isinstance(event, BlockStored):
-        return {"type": "BlockStored", "block_hashes": list(event.block_hashes),
-                "parent_block_hash": event.parent_block_hash, "token_ids": list(event.token_ids),
-                "block_size": event.block_size, "lora_id": event.lora_id, "medium": event.medium,
-                "lora_name": event.lora_name}
+        return {
+            "type": "BlockStored",
+            "block_hashes": list(event.block_hashes),
+            "parent_block_hash": event.parent_block_hash,
+            "token_ids": list(event.token_ids),
+            "block_size": event.block_size,
+            "lora_id": event.lora_id,
+            "medium": event.medium,
+            "lora_name": event.lora_name,
+        }
     if isinstance(event, BlockRemoved):
         return {"type": "BlockRemoved", "block_hashes": list(event.block_hashes), "medium": event.medium}
     return {"type": "AllBlocksCleared"}

@@ -3,6 +3,7 @@
 A block's hash covers its parent's hash, so equal hashes mean equal *prefixes*, not just equal blocks: the
 same 16 tokens after a different history have different keys and values and must not be shared.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -31,5 +32,5 @@ def hash_full_blocks(
     hashes = list(prefix)
     for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
         parent = hashes[-1] if hashes else None
-        hashes.append(hash_block_tokens(parent, token_ids[start:start + block_size], extra_key))
+        hashes.append(hash_block_tokens(parent, token_ids[start : start + block_size], extra_key))
     return hashes

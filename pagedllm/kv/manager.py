@@ -6,6 +6,7 @@ Two policies share one interface so the engine can measure them side by side:
 - `ContiguousKVCacheManager` (the chapter's baseline, "one big locker each"): at admission a request reserves
   room for max_model_len tokens, rounded up to whole blocks, and shares nothing.
 """
+
 from __future__ import annotations
 
 import logging
@@ -124,7 +125,10 @@ class KVCacheManager:
         self.prefix_stats.hits += num_hit_tokens
 
     def allocate_slots(
-        self, request: KVRequest, num_new_tokens: int, new_computed_blocks: Sequence[KVBlock] = (),
+        self,
+        request: KVRequest,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVBlock] = (),
         num_lookahead_tokens: int = 0,
     ) -> bool:
         """Make room for `num_new_tokens` more tokens after the computed ones, and `num_lookahead_tokens` after
@@ -270,7 +274,10 @@ class PagedKVCacheManager(KVCacheManager):
         return block
 
     def allocate_slots(
-        self, request: KVRequest, num_new_tokens: int, new_computed_blocks: Sequence[KVBlock] = (),
+        self,
+        request: KVRequest,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVBlock] = (),
         num_lookahead_tokens: int = 0,
     ) -> bool:
         rid = request.request_id
@@ -327,7 +334,7 @@ class PagedKVCacheManager(KVCacheManager):
         bs = self.block_size
         for run in runs:
             a, b = run[0], run[-1] + 1
-            self.pool.events.stored(hashes[a:b], hashes[a - 1] if a else None, request.all_token_ids[a * bs:b * bs])
+            self.pool.events.stored(hashes[a:b], hashes[a - 1] if a else None, request.all_token_ids[a * bs : b * bs])
 
     def commit_step(self) -> None:
         self.step_journal.clear()
@@ -366,7 +373,10 @@ class ContiguousKVCacheManager(KVCacheManager):
             )
 
     def allocate_slots(
-        self, request: KVRequest, num_new_tokens: int, new_computed_blocks: Sequence[KVBlock] = (),
+        self,
+        request: KVRequest,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVBlock] = (),
         num_lookahead_tokens: int = 0,
     ) -> bool:
         assert not new_computed_blocks, "contiguous allocation shares nothing"

@@ -9,6 +9,7 @@ check is a miss: the file is deleted and the fact logged. A disk that refuses a 
 writing, never the serving. The engine only copies an evicted block and queues it; one thread does the writing,
 so a step never waits on the disk.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -82,7 +83,7 @@ class DiskKVTier:
                     os.unlink(path)  # a temporary file: a write that never finished
                     continue
                 st = os.stat(path)
-                found.append((st.st_mtime_ns, bytes.fromhex(name[:-len(SUFFIX)]), st.st_size))
+                found.append((st.st_mtime_ns, bytes.fromhex(name[: -len(SUFFIX)]), st.st_size))
             except (OSError, ValueError):
                 continue
         for _, block_hash, size in sorted(found):
@@ -90,9 +91,14 @@ class DiskKVTier:
             self.stats.bytes += size
         self.stats.blocks = len(self._index)
         self._evict_to(self.max_bytes)
-        logger.info("KV disk tier %s: %d blocks (%.1f MiB) reopened, limit %.1f GiB%s", self.dir, self.stats.blocks,
-                    self.stats.bytes / 2**20, self.max_bytes / 2**30,
-                    f"; ignoring {len(others)} folder(s) of other models or settings" if others else "")
+        logger.info(
+            "KV disk tier %s: %d blocks (%.1f MiB) reopened, limit %.1f GiB%s",
+            self.dir,
+            self.stats.blocks,
+            self.stats.bytes / 2**20,
+            self.max_bytes / 2**30,
+            f"; ignoring {len(others)} folder(s) of other models or settings" if others else "",
+        )
 
     def _path(self, block_hash: BlockHash) -> str:
         return os.path.join(self.dir, block_hash.hex() + SUFFIX)
@@ -158,7 +164,7 @@ class DiskKVTier:
             os.utime(path)  # the recency a restart orders by
         except OSError:
             pass
-        return raw[HEADER.size:]
+        return raw[HEADER.size :]
 
     def _check(self, raw: bytes, block_hash: BlockHash) -> str | None:
         if len(raw) < HEADER.size:
@@ -172,7 +178,7 @@ class DiskKVTier:
             return "holds another block than its name says"
         if length != self.payload_bytes or len(raw) - HEADER.size != length:
             return f"has {len(raw) - HEADER.size} payload bytes, expected {self.payload_bytes} (truncated?)"
-        if zlib.crc32(memoryview(raw)[HEADER.size:]) != crc:
+        if zlib.crc32(memoryview(raw)[HEADER.size :]) != crc:
             return "fails its checksum (corrupted)"
         return None
 

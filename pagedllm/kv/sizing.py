@@ -1,4 +1,5 @@
 """How much KV cache a model needs, and how many requests a memory budget holds under each allocation."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -18,6 +19,7 @@ def kv_scale_bytes(head_dim: int) -> int:
     """Bytes of bfloat16 scales per key (or value) vector of one KV head in a quantized cache."""
     return 2 * (head_dim // KV_GROUP if head_dim % KV_GROUP == 0 else 1)
 
+
 _BYTE_SIZE = TypeAdapter(ByteSize)
 
 
@@ -33,8 +35,9 @@ def parse_memory_size(text: str) -> int:
     return size
 
 
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int,
-                       scale_bytes: int = 0) -> int:
+def kv_bytes_per_token(
+    num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int, scale_bytes: int = 0
+) -> int:
     """A key and a value vector per layer and KV head: 2 x layers x KV heads x (head dim x dtype bytes + the
     scale a quantized cache keeps per vector)."""
     return 2 * num_layers * num_kv_heads * (head_dim * dtype_bytes + scale_bytes)

@@ -6,5 +6,15 @@ from pagedllm.model.loader import LoadedModel, load_model, resolve_dtype
 from pagedllm.model.runner import ModelRunner, SeqChunk
 from pagedllm.model.tokenizer import Tokenizer, load_tokenizer
 
-__all__ = ["ModelConfig", "load_model_config", "default_model_path", "LoadedModel", "load_model", "resolve_dtype", "ModelRunner",
-           "SeqChunk", "Tokenizer", "load_tokenizer"]
+__all__ = [
+    "ModelConfig",
+    "load_model_config",
+    "default_model_path",
+    "LoadedModel",
+    "load_model",
+    "resolve_dtype",
+    "ModelRunner",
+    "SeqChunk",
+    "Tokenizer",
+    "load_tokenizer",
+]

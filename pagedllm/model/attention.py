@@ -84,8 +84,13 @@ def _make_group(seqs: list[tuple[int, int, int, list[int]]], block_size: int, de
     )
 
 
-def build_metadata(new_lens: list[int], start_positions: list[int], block_tables: list[list[int]],
-                   block_size: int, device: torch.device) -> AttentionMetadata:
+def build_metadata(
+    new_lens: list[int],
+    start_positions: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device,
+) -> AttentionMetadata:
     """Flat-batch metadata for sequences contributing `new_lens[i]` tokens after `start_positions[i]` cached ones."""
     slots: list[int] = []
     positions: list[int] = []
@@ -112,8 +117,15 @@ def build_metadata(new_lens: list[int], start_positions: list[int], block_tables
 class PagedAttentionBackend:
     """The one interface a kernel implements. q: [T, H, D], k/v: [T, KVH, D], caches: [blocks, bs, KVH, D]."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         """Write k/v into the cache at meta.slot_mapping, return attention output [T, H, D]."""
         raise NotImplementedError
 
@@ -124,13 +136,21 @@ class TorchPagedAttention(PagedAttentionBackend):
     def __init__(self, scale: float | None = None) -> None:
         self.scale = scale
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         nb, bs, kvh, w = k_cache.shape
         if kv_quant.is_quantized(k_cache.dtype):  # written as bytes: codes and a scale per (token, head)
             for cache, x in ((k_cache, k), (v_cache, v)):
-                cache.view(torch.uint8).view(nb * bs, kvh, w).index_copy_(0, meta.slot_mapping,
-                                                                           kv_quant.quantize(x, cache.dtype))
+                cache.view(torch.uint8).view(nb * bs, kvh, w).index_copy_(
+                    0, meta.slot_mapping, kv_quant.quantize(x, cache.dtype)
+                )
         else:
             k_cache.view(nb * bs, kvh, w).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
             v_cache.view(nb * bs, kvh, w).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
@@ -144,8 +164,9 @@ class TorchPagedAttention(PagedAttentionBackend):
             out[grp.token_index] = res
         return out
 
-    def _group(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, grp: AttentionGroup,
-               g: int) -> torch.Tensor:
+    def _group(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, grp: AttentionGroup, g: int
+    ) -> torch.Tensor:
         nb, bs, kvh, _ = k_cache.shape
         d = q.shape[-1]
         S, mb = grp.block_tables.shape
@@ -179,14 +200,14 @@ class CpuPagedAttention(TorchPagedAttention):
         super().__init__(scale)
         self.lib = lib
 
-    def _group(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, grp: AttentionGroup,
-               g: int) -> torch.Tensor:
+    def _group(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, grp: AttentionGroup, g: int
+    ) -> torch.Tensor:
         if grp.q_len != 1 or not cpu_kernel.supports(q, k_cache, v_cache):
             return super()._group(q, k_cache, v_cache, grp, g)
         qq = q if grp.block_tables.shape[0] == q.shape[0] else q[grp.query_index]
         scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
-        return cpu_kernel.decode_attention(self.lib, qq, k_cache, v_cache, grp.block_tables, grp.context_lens,
-                                           scale)
+        return cpu_kernel.decode_attention(self.lib, qq, k_cache, v_cache, grp.block_tables, grp.context_lens, scale)
 
 
 def make_attention_backend(device: torch.device | str, scale: float | None = None) -> PagedAttentionBackend:

@@ -203,4 +203,6 @@ def load_model_config(model: str | None = None) -> ModelConfig:
             return cfg
     if os.path.basename(path) == "config.json":
         return load_model_config(os.path.dirname(path) or ".")
-    raise ModelLoadError(f"{path} is not a model: expected a Hugging Face model folder (with config.json) or a GGUF file")
+    raise ModelLoadError(
+        f"{path} is not a model: expected a Hugging Face model folder (with config.json) or a GGUF file"
+    )

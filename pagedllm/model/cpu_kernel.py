@@ -87,8 +87,10 @@ def load() -> ctypes.CDLL | None:
     """The compiled kernels, or None (with one log line saying why) when they cannot be built here."""
     cc = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc") or ""]
     if not cc[0]:
-        log.warning("no C compiler found: decode attention uses the portable torch path (slower) and quantized "
-                    "weights are dequantized")
+        log.warning(
+            "no C compiler found: decode attention uses the portable torch path (slower) and quantized "
+            "weights are dequantized"
+        )
         return None
     lib, why = None, ""
     for openmp in (True, False):
@@ -131,27 +133,58 @@ def attention_lib() -> ctypes.CDLL | None:
     return load()
 
 
-ERRORS = {-1: "out of memory", -2: "bad sizes", -3: "a context length outside the block table",
-          -4: "a block id outside the cache"}
+ERRORS = {
+    -1: "out of memory",
+    -2: "bad sizes",
+    -3: "a context length outside the block table",
+    -4: "a block id outside the cache",
+}
 
 
-def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+def decode_attention(
+    lib: ctypes.CDLL,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """One query per sequence. q: [S, H, D]; caches [blocks, block_size, KVH, D] (D + D / 16 bytes quantized); returns
     [S, H, D] in q's dtype."""
     S, H, D = q.shape
     num_blocks, bs, kvh, _ = k_cache.shape
-    if not (supports(q, k_cache, v_cache) and kv_quant.head_dim(k_cache) == D and block_tables.dim() == 2
-            and block_tables.shape[0] == S
-            and context_lens.shape == (S,) and block_tables.dtype == context_lens.dtype == torch.int64
-            and block_tables.is_contiguous() and context_lens.is_contiguous()):
+    if not (
+        supports(q, k_cache, v_cache)
+        and kv_quant.head_dim(k_cache) == D
+        and block_tables.dim() == 2
+        and block_tables.shape[0] == S
+        and context_lens.shape == (S,)
+        and block_tables.dtype == context_lens.dtype == torch.int64
+        and block_tables.is_contiguous()
+        and context_lens.is_contiguous()
+    ):
         raise ValueError("decode_attention: tensors do not match the kernel's layout")
     qf = q.float().contiguous()
     out = torch.empty_like(qf)
     rc = lib.paged_decode_attention(
-        out.data_ptr(), qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-        context_lens.data_ptr(), S, H, kvh, D, bs, block_tables.shape[1], num_blocks, scale,
-        kv_quant.KINDS[k_cache.dtype], torch.get_num_threads())
+        out.data_ptr(),
+        qf.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_tables.data_ptr(),
+        context_lens.data_ptr(),
+        S,
+        H,
+        kvh,
+        D,
+        bs,
+        block_tables.shape[1],
+        num_blocks,
+        scale,
+        kv_quant.KINDS[k_cache.dtype],
+        torch.get_num_threads(),
+    )
     if rc != 0:
         raise RuntimeError(f"paged_decode_attention failed: {ERRORS.get(rc, rc)}")
     return out.to(q.dtype)
@@ -160,6 +193,11 @@ def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v
 def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether the kernel can take these tensors: on CPU, K and V caches alike, contiguous, of a kind it reads
     (float32, bfloat16, or quantized: kv_quant.py)."""
-    return (q.device.type == "cpu" and k_cache.dtype in kv_quant.KINDS
-            and v_cache.shape == k_cache.shape and v_cache.dtype == k_cache.dtype
-            and k_cache.is_contiguous() and v_cache.is_contiguous())
+    return (
+        q.device.type == "cpu"
+        and k_cache.dtype in kv_quant.KINDS
+        and v_cache.shape == k_cache.shape
+        and v_cache.dtype == k_cache.dtype
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+    )

@@ -40,8 +40,13 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
     return packed
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: torch.Tensor | None = None, quant: QuantWeight | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    packed: torch.Tensor | None = None,
+    quant: QuantWeight | None = None,
+) -> torch.Tensor:
     """x @ weight.T + bias: callers pass `packed` or `quant` when they have it, so one call site serves every
     form of a weight (dense, oneDNN-packed, quantized) on CPU and GPU."""
     if quant is not None:

@@ -25,56 +25,109 @@ _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("attn_norm", _P), ("ffn_norm", _P), ("qkv", _P), ("o", _P), ("gate_up", _P), ("down", _P),
-                ("qkv_fmt", _I), ("o_fmt", _I), ("gate_up_fmt", _I), ("down_fmt", _I), ("qkv_bias", _P),
-                ("k_cache", _P), ("v_cache", _P)]
+    _fields_ = [
+        ("attn_norm", _P),
+        ("ffn_norm", _P),
+        ("qkv", _P),
+        ("o", _P),
+        ("gate_up", _P),
+        ("down", _P),
+        ("qkv_fmt", _I),
+        ("o_fmt", _I),
+        ("gate_up_fmt", _I),
+        ("down_fmt", _I),
+        ("qkv_bias", _P),
+        ("k_cache", _P),
+        ("v_cache", _P),
+    ]
 
 
 class _Model(ctypes.Structure):
-    _fields_ = [("hidden", _I), ("inter", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I), ("layers", _I),
-                ("vocab", _I), ("block_size", _I), ("cache_kind", _I), ("amx_min_rows", _I), ("num_blocks", _I64),
-                ("max_positions", _I64), ("eps", _F), ("scale", _F), ("final_norm", _P), ("embed", _P),
-                ("lm_head", _P), ("embed_fmt", _I), ("lm_head_fmt", _I), ("cos", _P), ("sin", _P)]
+    _fields_ = [
+        ("hidden", _I),
+        ("inter", _I),
+        ("heads", _I),
+        ("kv_heads", _I),
+        ("head_dim", _I),
+        ("layers", _I),
+        ("vocab", _I),
+        ("block_size", _I),
+        ("cache_kind", _I),
+        ("amx_min_rows", _I),
+        ("num_blocks", _I64),
+        ("max_positions", _I64),
+        ("eps", _F),
+        ("scale", _F),
+        ("final_norm", _P),
+        ("embed", _P),
+        ("lm_head", _P),
+        ("embed_fmt", _I),
+        ("lm_head_fmt", _I),
+        ("cos", _P),
+        ("sin", _P),
+    ]
 
 
 class _Batch(ctypes.Structure):
-    _fields_ = [("tokens", _P), ("positions", _P), ("seq", _P), ("slots", _P), ("block_tables", _P),
-                ("logit_rows", _P), ("T", _I), ("S", _I), ("max_blocks", _I), ("R", _I), ("logits", _P),
-                ("profile", _P)]
+    _fields_ = [
+        ("tokens", _P),
+        ("positions", _P),
+        ("seq", _P),
+        ("slots", _P),
+        ("block_tables", _P),
+        ("logit_rows", _P),
+        ("T", _I),
+        ("S", _I),
+        ("max_blocks", _I),
+        ("R", _I),
+        ("logits", _P),
+        ("profile", _P),
+    ]
 
 
 PHASES = ("norm", "qkv", "rope+kv write", "attention", "o", "gate_up", "act", "down", "lm_head")
 
 
-ERRORS = {-1: "out of memory", -2: "bad sizes", -3: "a context length outside the block table",
-          -4: "a block id outside the cache", -5: "a token id, position, slot or row out of range"}
-_LAYER_WEIGHTS = (("qkv", "qkv_weight", False), ("o", "o_weight", False), ("gate_up", "gate_up_weight", True),
-                  ("down", "down_weight", True))
+ERRORS = {
+    -1: "out of memory",
+    -2: "bad sizes",
+    -3: "a context length outside the block table",
+    -4: "a block id outside the cache",
+    -5: "a token id, position, slot or row out of range",
+}
+_LAYER_WEIGHTS = (
+    ("qkv", "qkv_weight", False),
+    ("o", "o_weight", False),
+    ("gate_up", "gate_up_weight", True),
+    ("down", "down_weight", True),
+)
 
 
 def fusable(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
     """Whether the C step can run this model: every weight quantized, CPU caches the kernel reads, kernels built."""
     if cpu_kernel.load() is None or model.quant.get("embed_tokens") is None or model.lm_head_quant is None:
         return False
-    if any(kc.device.type != "cpu" or kc.dtype not in kv_quant.KINDS or not kc.is_contiguous()
-           for kc, _ in kv_caches):
+    if any(kc.device.type != "cpu" or kc.dtype not in kv_quant.KINDS or not kc.is_contiguous() for kc, _ in kv_caches):
         return False
     return model.config.head_dim % 2 == 0 and all(
-        name in (layer.mlp if mlp else layer).quant for layer in model.layers for _, name, mlp in _LAYER_WEIGHTS)
+        name in (layer.mlp if mlp else layer).quant for layer in model.layers for _, name, mlp in _LAYER_WEIGHTS
+    )
 
 
 class FusedStep:
     """Runs steps of one model over one set of KV caches."""
 
-    def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 block_size: int) -> None:
+    def __init__(
+        self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int
+    ) -> None:
         lib = cpu_kernel.load()
         assert lib is not None, "built only where supported() found the kernels"
         self.lib = lib
         self.model, self.block_size = model, block_size
         self._keep: list[torch.Tensor] = []  # float32 copies the C structures point into
-        self.layers = (_Layer * len(model.layers))(*[self._layer(layer, kc, vc)
-                                                     for layer, (kc, vc) in zip(model.layers, kv_caches)])
+        self.layers = (_Layer * len(model.layers))(
+            *[self._layer(layer, kc, vc) for layer, (kc, vc) in zip(model.layers, kv_caches)]
+        )
         self.dims = self._model(kv_caches[0][0])
         self.profile: np.ndarray | None = None  # float64 [len(PHASES)]: seconds per phase, summed, when set
 
@@ -86,9 +139,13 @@ class FusedStep:
         return t.data_ptr()
 
     def _layer(self, layer, k_cache: torch.Tensor, v_cache: torch.Tensor) -> _Layer:
-        fields = {"attn_norm": self._f32(layer.input_layernorm.weight),
-                  "ffn_norm": self._f32(layer.post_attention_layernorm.weight),
-                  "qkv_bias": self._f32(layer.qkv_bias), "k_cache": k_cache.data_ptr(), "v_cache": v_cache.data_ptr()}
+        fields = {
+            "attn_norm": self._f32(layer.input_layernorm.weight),
+            "ffn_norm": self._f32(layer.post_attention_layernorm.weight),
+            "qkv_bias": self._f32(layer.qkv_bias),
+            "k_cache": k_cache.data_ptr(),
+            "v_cache": v_cache.data_ptr(),
+        }
         for field, name, mlp in _LAYER_WEIGHTS:
             w = (layer.mlp if mlp else layer).quant[name]
             fields[field], fields[f"{field}_fmt"] = w.tiles.data_ptr(), FORMATS[w.fmt]
@@ -99,12 +156,26 @@ class FusedStep:
         embed, head = m.quant["embed_tokens"], m.lm_head_quant
         assert head is not None, "fused_step.supported() checked the LM head is quantized"
         amx = AMX_MIN_ROWS if m.embed_tokens.dtype == torch.bfloat16 and amx_available() else 0
-        return _Model(hidden=cfg.hidden_size, inter=cfg.intermediate_size, heads=cfg.num_heads,
-                      kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, layers=cfg.num_layers, vocab=cfg.vocab_size,
-                      block_size=self.block_size, cache_kind=kv_quant.KINDS[k_cache.dtype],
-                      amx_min_rows=amx, num_blocks=k_cache.shape[0], eps=cfg.rms_norm_eps,
-                      scale=cfg.head_dim ** -0.5, final_norm=self._f32(m.norm.weight), embed=embed.tiles.data_ptr(),
-                      lm_head=head.tiles.data_ptr(), embed_fmt=FORMATS[embed.fmt], lm_head_fmt=FORMATS[head.fmt])
+        return _Model(
+            hidden=cfg.hidden_size,
+            inter=cfg.intermediate_size,
+            heads=cfg.num_heads,
+            kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            layers=cfg.num_layers,
+            vocab=cfg.vocab_size,
+            block_size=self.block_size,
+            cache_kind=kv_quant.KINDS[k_cache.dtype],
+            amx_min_rows=amx,
+            num_blocks=k_cache.shape[0],
+            eps=cfg.rms_norm_eps,
+            scale=cfg.head_dim**-0.5,
+            final_norm=self._f32(m.norm.weight),
+            embed=embed.tiles.data_ptr(),
+            lm_head=head.tiles.data_ptr(),
+            embed_fmt=FORMATS[embed.fmt],
+            lm_head_fmt=FORMATS[head.fmt],
+        )
 
     def _rotary(self, max_pos: int) -> None:
         """Point at the cos/sin tables, growing them first if a position is past their end."""
@@ -114,8 +185,9 @@ class FusedStep:
         self.dims.cos, self.dims.sin = rot.cos_cache.data_ptr(), rot.sin_cache.data_ptr()
         self.dims.max_positions = rot.cos_cache.shape[0]
 
-    def run(self, token_ids: list[list[int]], starts: list[int], block_tables: list[list[int]],
-            num_logits: list[int]) -> torch.Tensor:
+    def run(
+        self, token_ids: list[list[int]], starts: list[int], block_tables: list[list[int]], num_logits: list[int]
+    ) -> torch.Tensor:
         """float32 logits of sequence i adding `token_ids[i]` after `starts[i]` cached tokens: the last
         `num_logits[i]` rows of each sequence, in order ([sum(num_logits), vocab])."""
         S, bs = len(token_ids), self.block_size
@@ -128,13 +200,29 @@ class FusedStep:
         slots = tables[seq, pos // bs] * bs + pos % bs
         toks = np.fromiter((t for ids in token_ids for t in ids), dtype=np.int64, count=T)
         want = np.array(num_logits, dtype=np.int64)
-        rows = np.arange(T, dtype=np.int64) if (want == lens).all() else np.concatenate(
-            [np.arange(e - k, e, dtype=np.int64) for e, k in zip((first + lens).tolist(), want.tolist())])
+        rows = (
+            np.arange(T, dtype=np.int64)
+            if (want == lens).all()
+            else np.concatenate(
+                [np.arange(e - k, e, dtype=np.int64) for e, k in zip((first + lens).tolist(), want.tolist())]
+            )
+        )
         logits = torch.empty(len(rows), self.model.config.vocab_size, dtype=torch.float32)
         self._rotary(int(pos.max()))
-        batch = _Batch(toks.ctypes.data, pos.ctypes.data, seq.ctypes.data, slots.ctypes.data, tables.ctypes.data,
-                       rows.ctypes.data, T, S, tables.shape[1], len(rows), logits.data_ptr(),
-                       None if self.profile is None else self.profile.ctypes.data)
+        batch = _Batch(
+            toks.ctypes.data,
+            pos.ctypes.data,
+            seq.ctypes.data,
+            slots.ctypes.data,
+            tables.ctypes.data,
+            rows.ctypes.data,
+            T,
+            S,
+            tables.shape[1],
+            len(rows),
+            logits.data_ptr(),
+            None if self.profile is None else self.profile.ctypes.data,
+        )
         rc = self.lib.model_step(ctypes.byref(self.dims), self.layers, ctypes.byref(batch), torch.get_num_threads())
         if rc != 0:
             raise RuntimeError(f"model_step failed: {ERRORS.get(rc, rc)}")

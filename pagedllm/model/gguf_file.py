@@ -166,7 +166,9 @@ class GGUFFile:
         try:
             out = gguf.quants.dequantize(raw, qtype)
         except NotImplementedError as e:
-            raise ModelLoadError(f"{self.path}: tensor {name} uses GGML type {qtype.name}, which cannot be dequantized") from e
+            raise ModelLoadError(
+                f"{self.path}: tensor {name} uses GGML type {qtype.name}, which cannot be dequantized"
+            ) from e
         return np.asarray(out, dtype=np.float32).reshape(shape)
 
     def close(self) -> None:

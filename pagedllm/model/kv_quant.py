@@ -12,6 +12,7 @@ divergence against a float32 cache (docs/benchmarks.md).
 The C kernels (csrc/paged_attention.c, csrc/model_step.c) write and read the same bytes: each block is widened
 to float32 only for the KV heads a thread reads, into a block-sized scratch buffer, never the whole context.
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,8 +22,12 @@ from pagedllm.kv.sizing import kv_scale_bytes
 # The codes' dtype -> their largest finite value.
 CODE_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 # --kv-cache-dtype names (vLLM's: fp8 is e4m3).
-QUANT_KV_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
-                   "fp8_e5m2": torch.float8_e5m2}
+QUANT_KV_DTYPES = {
+    "int8": torch.int8,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
 # The kernels' cache kinds (csrc/paged_attention.h).
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
 
@@ -38,8 +43,9 @@ def row_bytes(head_dim: int, dtype: torch.dtype) -> int:
     return head_dim * torch.empty((), dtype=dtype).element_size()
 
 
-def cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                dtype: torch.dtype) -> tuple[int, int, int, int]:
+def cache_shape(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> tuple[int, int, int, int]:
     return num_blocks, block_size, num_kv_heads, head_dim + (kv_scale_bytes(head_dim) if is_quantized(dtype) else 0)
 
 
@@ -57,7 +63,7 @@ def quantize(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     groups = kv_scale_bytes(d) // 2
     x = x.float().reshape(*x.shape[:-1], groups, d // groups)
     top = CODE_MAX[dtype]
-    scale = (x.abs().amax(-1, keepdim=True) / top).clamp_min(2.0 ** -100)
+    scale = (x.abs().amax(-1, keepdim=True) / top).clamp_min(2.0**-100)
     bits = (scale.view(torch.int32) + 0xFFFF) & -65536  # rounded up to a bfloat16
     q = (x / bits.view(torch.float32)).clamp(-top, top)
     codes = q.round().to(torch.int8) if dtype == torch.int8 else q.to(dtype)

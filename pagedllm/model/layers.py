@@ -64,8 +64,14 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
 class RotaryEmbedding(nn.Module):
     """Precomputed cos/sin tables (float32) for every position; `cos_sin(positions)` is one index per step."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None,
-                 device: torch.device | str) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        scaling: dict[str, Any] | None,
+        device: torch.device | str,
+    ) -> None:
         super().__init__()
         inv_freq, attn_scale = rope_inv_freq(head_dim, theta, scaling)
         self.max_positions = max_positions
@@ -107,8 +113,10 @@ class GatedMLP(nn.Module):
         self.quant: dict[str, QuantWeight] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gu = linear(x, self.gate_up_weight, packed=self.packed.get("gate_up_weight"),
-                    quant=self.quant.get("gate_up_weight"))
+        gu = linear(
+            x, self.gate_up_weight, packed=self.packed.get("gate_up_weight"), quant=self.quant.get("gate_up_weight")
+        )
         g, u = gu.split(self.inter, dim=-1)
-        return linear(F.silu(g) * u, self.down_weight, packed=self.packed.get("down_weight"),
-                      quant=self.quant.get("down_weight"))
+        return linear(
+            F.silu(g) * u, self.down_weight, packed=self.packed.get("down_weight"), quant=self.quant.get("down_weight")
+        )

@@ -39,15 +39,24 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.qkv_weight = empty_param(self.q_size + 2 * self.kv_size, cfg.hidden_size, dtype=dtype, device=device)
-        self.qkv_bias = (empty_param(self.q_size + 2 * self.kv_size, dtype=dtype, device=device)
-                         if cfg.attention_bias else None)
+        self.qkv_bias = (
+            empty_param(self.q_size + 2 * self.kv_size, dtype=dtype, device=device) if cfg.attention_bias else None
+        )
         self.o_weight = empty_param(cfg.hidden_size, self.q_size, dtype=dtype, device=device)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, device)
         self.packed: dict[str, torch.Tensor] = {}
         self.quant: dict[str, QuantWeight] = {}
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, backend: PagedAttentionBackend) -> torch.Tensor:
+    def forward(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: PagedAttentionBackend,
+    ) -> torch.Tensor:
         T = h.shape[0]
         x = self.input_layernorm(h)
         qkv = linear(x, self.qkv_weight, self.qkv_bias, self.packed.get("qkv_weight"), self.quant.get("qkv_weight"))
@@ -56,25 +65,38 @@ class DecoderLayer(nn.Module):
         k = apply_rotary(k.view(T, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
         attn = backend.forward(q, k, v, k_cache, v_cache, meta)
-        h = h + linear(attn.reshape(T, self.q_size), self.o_weight, packed=self.packed.get("o_weight"),
-                       quant=self.quant.get("o_weight"))
+        h = h + linear(
+            attn.reshape(T, self.q_size),
+            self.o_weight,
+            packed=self.packed.get("o_weight"),
+            quant=self.quant.get("o_weight"),
+        )
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class LlamaForCausalLM(nn.Module):
     """Embeddings, N decoder layers, final norm, LM head (tied to the embeddings or not)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str,
-                 backend: PagedAttentionBackend | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        backend: PagedAttentionBackend | None = None,
+    ) -> None:
         super().__init__()
         self.config = cfg
         self.embed_tokens = empty_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.lm_head = (None if cfg.tie_word_embeddings
-                        else empty_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device))
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
-                                      device)
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else empty_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        )
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, device
+        )
         self.backend: PagedAttentionBackend = backend or make_attention_backend(device)
         self.packed_lm_head: torch.Tensor | None = None
         self.quant: dict[str, QuantWeight] = {}  # "embed_tokens" / "lm_head" when kept quantized
@@ -83,8 +105,12 @@ class LlamaForCausalLM(nn.Module):
         """(module, attribute) of every matmul weight, the embedding table and the LM head (if not tied)."""
         out: list[tuple[nn.Module, str]] = [(self, "embed_tokens")]
         for layer in self.layers:
-            out += [(layer, "qkv_weight"), (layer, "o_weight"), (layer.mlp, "gate_up_weight"),
-                    (layer.mlp, "down_weight")]
+            out += [
+                (layer, "qkv_weight"),
+                (layer, "o_weight"),
+                (layer.mlp, "gate_up_weight"),
+                (layer.mlp, "down_weight"),
+            ]
         return out + ([] if self.lm_head is None else [(self, "lm_head")])
 
     def pack_cpu_weights(self) -> None:
@@ -105,8 +131,9 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             for mod in (layer, layer.mlp):
                 tensors += list(mod.packed.values()) + list(mod.quant.values())
-        return sum(t.nbytes if isinstance(t, QuantWeight) else t.numel() * t.element_size()
-                   for t in tensors if t is not None)
+        return sum(
+            t.nbytes if isinstance(t, QuantWeight) else t.numel() * t.element_size() for t in tensors if t is not None
+        )
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -122,9 +149,13 @@ class LlamaForCausalLM(nn.Module):
             return F.embedding(input_ids, self.embed_tokens)
         return qrows(table, input_ids).to(self.embed_tokens.dtype)
 
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                logits_index: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        logits_index: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """input_ids: [T]; returns float32 logits for rows `logits_index` (all rows if None)."""
         h = self.embed(input_ids)
         cos, sin = self.rotary.cos_sin(meta.positions, h.dtype)

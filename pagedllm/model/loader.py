@@ -116,9 +116,13 @@ def _fill(net: LlamaForCausalLM, path: str, cfg: ModelConfig, quantization: str)
         quantize_rtn_model(net, 8 if quantization == "int8" else 4)
 
 
-def load_model(model: str | None = None, dtype: str | torch.dtype = "auto",
-               device: str | torch.device = "cpu", verbose: bool = True,
-               quantization: str | None = None) -> LoadedModel:
+def load_model(
+    model: str | None = None,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    verbose: bool = True,
+    quantization: str | None = None,
+) -> LoadedModel:
     """Load weights + tokenizer; raises ModelLoadError for bad paths/files/architectures, UserError for --dtype
     and --quantization."""
     t0 = time.perf_counter()
@@ -137,8 +141,10 @@ def load_model(model: str | None = None, dtype: str | torch.dtype = "auto",
     weight_bytes = net.resident_weight_bytes()
     secs = time.perf_counter() - t0
     kind = str(torch_dtype).removeprefix("torch.") + ("" if quant == "none" else f", {quant} quantized")
-    msg = (f"loaded {cfg.name or os.path.basename(path)} ({cfg.architecture}, {weight_bytes / 2**20:.0f} MiB "
-           f"{kind}) in {secs:.1f} s")
+    msg = (
+        f"loaded {cfg.name or os.path.basename(path)} ({cfg.architecture}, {weight_bytes / 2**20:.0f} MiB "
+        f"{kind}) in {secs:.1f} s"
+    )
     log.info(msg)
     if verbose and not log.isEnabledFor(logging.INFO):
         import sys

@@ -59,8 +59,9 @@ class QuantParts:
 
     def rows(self, index: np.ndarray) -> QuantParts:
         """The same weight with its rows (output features) reordered, e.g. GGUF's Q/K un-permutation."""
-        return QuantParts(self.fmt, self.codes[index], self.d[index], None if self.m is None else self.m[index],
-                          self.source)
+        return QuantParts(
+            self.fmt, self.codes[index], self.d[index], None if self.m is None else self.m[index], self.source
+        )
 
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K], computed as the GGUF reference does (d * q + m in float32)."""
@@ -77,8 +78,13 @@ def merge(parts: list[QuantParts]) -> QuantParts | None:
     if len({p.fmt for p in parts}) != 1:
         return None
     m = None if parts[0].m is None else np.concatenate([p.m for p in parts])
-    return QuantParts(parts[0].fmt, np.concatenate([p.codes for p in parts]), np.concatenate([p.d for p in parts]),
-                      m, "+".join(sorted({p.source for p in parts})))
+    return QuantParts(
+        parts[0].fmt,
+        np.concatenate([p.codes for p in parts]),
+        np.concatenate([p.d for p in parts]),
+        m,
+        "+".join(sorted({p.source for p in parts})),
+    )
 
 
 def from_gguf_blocks(raw: np.ndarray, ggml_type: int) -> QuantParts | None:
@@ -176,8 +182,13 @@ def amx_available() -> bool:
     return lib is not None and bool(lib.qmm_amx_available())
 
 
-def qlinear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
-            out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
+def qlinear(
+    x: torch.Tensor,
+    w: QuantWeight,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    accumulate: bool = False,
+) -> torch.Tensor:
     """x [..., K] @ w.T (+ bias); the result in x's dtype. float32 activations always take the float32 kernel
     (exact weights, sums in a fixed order); bfloat16 ones take AMX from AMX_MIN_ROWS rows on where the CPU has
     it. `out` (float32, contiguous rows) is written in place, or added to with `accumulate`."""
@@ -190,8 +201,20 @@ def qlinear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
     res = out if out is not None else torch.empty(m, w.n, dtype=torch.float32)
     b = None if bias is None else bias.float().contiguous()
     fn = _lib().qmm_amx if amx else _lib().qmm_f32
-    rc = fn(res.data_ptr(), xf.data_ptr(), w.tiles.data_ptr(), None if b is None else b.data_ptr(), m, w.n, w.k,
-            xf.stride(0), res.stride(0), FORMATS[w.fmt], int(accumulate), torch.get_num_threads())
+    rc = fn(
+        res.data_ptr(),
+        xf.data_ptr(),
+        w.tiles.data_ptr(),
+        None if b is None else b.data_ptr(),
+        m,
+        w.n,
+        w.k,
+        xf.stride(0),
+        res.stride(0),
+        FORMATS[w.fmt],
+        int(accumulate),
+        torch.get_num_threads(),
+    )
     if rc != 0:
         raise RuntimeError(f"quantized matmul failed ({rc})")
     if out is not None:
@@ -203,8 +226,7 @@ def qrows(w: QuantWeight, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` of the weight as float32 [len(ids), K]: the embedding lookup of a quantized table."""
     ids = ids.to(torch.int64).contiguous()
     out = torch.empty(ids.numel(), w.k, dtype=torch.float32)
-    rc = _lib().qrows_f32(out.data_ptr(), ids.data_ptr(), ids.numel(), w.tiles.data_ptr(), w.n, w.k,
-                          FORMATS[w.fmt])
+    rc = _lib().qrows_f32(out.data_ptr(), ids.data_ptr(), ids.numel(), w.tiles.data_ptr(), w.n, w.k, FORMATS[w.fmt])
     if rc != 0:
         raise RuntimeError("qrows_f32: a token id outside the table" if rc == -3 else f"qrows_f32 failed ({rc})")
     return out

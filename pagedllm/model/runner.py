@@ -48,8 +48,14 @@ class ModelRunner:
     """Allocates [num_blocks, block_size, kv_heads, head_dim] K and V tensors per layer (head_dim + 2 bytes for a
     quantized cache: kv_quant.py); `execute` runs a step."""
 
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int,
-                 kv_dtype: torch.dtype | None = None, fused: bool = True) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        num_blocks: int,
+        block_size: int,
+        kv_dtype: torch.dtype | None = None,
+        fused: bool = True,
+    ) -> None:
         """`fused`: run the steps of a quantized model as one C call each (fused_step.py) where it can."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
@@ -64,20 +70,27 @@ class ModelRunner:
         cfg = self.config
         shape = kv_quant.cache_shape(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
-             torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
+            (
+                torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+            )
             for _ in range(cfg.num_layers)
         ]
-        self.fused = FusedStep(self.model, self.kv_caches, block_size) if fused and fusable(self.model,
-                                                                                           self.kv_caches) else None
+        self.fused = (
+            FusedStep(self.model, self.kv_caches, block_size) if fused and fusable(self.model, self.kv_caches) else None
+        )
 
     @property
     def bytes_per_block(self) -> int:
         return bytes_per_block(self.config, self.block_size, self.kv_dtype)
 
     def kv_cache_bytes(self, num_blocks: int | None = None, block_size: int | None = None) -> int:
-        return kv_cache_bytes(self.config, self.num_blocks if num_blocks is None else num_blocks,
-                              block_size or self.block_size, self.kv_dtype)
+        return kv_cache_bytes(
+            self.config,
+            self.num_blocks if num_blocks is None else num_blocks,
+            block_size or self.block_size,
+            self.kv_dtype,
+        )
 
     def read_block(self, block_id: int) -> bytes:
         """A copy of one block's K and V in every layer, as bytes (what the disk tier stores)."""
@@ -93,7 +106,7 @@ class ModelRunner:
         for pair in self.kv_caches:
             for t in pair:
                 dst = t[block_id].view(-1).view(torch.uint8)
-                dst.copy_(src[offset:offset + dst.numel()])
+                dst.copy_(src[offset : offset + dst.numel()])
                 offset += dst.numel()
 
     @torch.inference_mode()
@@ -102,14 +115,18 @@ class ModelRunner:
         if any(n == 0 for n in lens):
             raise ValueError("every SeqChunk needs at least one new token")
         if self.fused is not None:
-            return self.fused.run([c.token_ids for c in chunks], [c.start_pos for c in chunks],
-                                  [c.block_table for c in chunks],
-                                  [n if all_positions else c.num_logits for c, n in zip(chunks, lens)])
+            return self.fused.run(
+                [c.token_ids for c in chunks],
+                [c.start_pos for c in chunks],
+                [c.block_table for c in chunks],
+                [n if all_positions else c.num_logits for c, n in zip(chunks, lens)],
+            )
         ids: list[int] = []
         for c in chunks:
             ids.extend(c.token_ids)
-        meta = build_metadata(lens, [c.start_pos for c in chunks], [c.block_table for c in chunks],
-                              self.block_size, self.device)
+        meta = build_metadata(
+            lens, [c.start_pos for c in chunks], [c.block_table for c in chunks], self.block_size, self.device
+        )
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         if all_positions:
             index = None

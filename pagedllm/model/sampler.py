@@ -11,6 +11,7 @@ the token alone, so its token at a position does not depend on the rest of the b
 was speculative: verifying a draft is then "accept it if it is the token this noise picks", which accepts a
 draft x with probability p(x) and otherwise yields a draw from p with x removed, the rejection-sampling rule.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -55,8 +56,9 @@ def finite(logits: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)
 
 
-def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                  min_p: torch.Tensor) -> torch.Tensor:
+def filter_logits(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
     """Temperature, then min_p, top_k, top_p on a batch of rows; masked entries become -inf."""
     logits = finite(logits / temperature.unsqueeze(1))
     if bool((min_p > 0).any()):
@@ -83,8 +85,14 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
 
 def _processed(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """min_tokens masking, logit_bias and penalties, on a copy and only when some row asks for them."""
-    if not any(r.params.repetition_penalty != 1 or r.params.presence_penalty or r.params.frequency_penalty
-               or r.params.logit_bias or len(r.output_ids) < r.params.min_tokens for r in rows):
+    if not any(
+        r.params.repetition_penalty != 1
+        or r.params.presence_penalty
+        or r.params.frequency_penalty
+        or r.params.logit_bias
+        or len(r.output_ids) < r.params.min_tokens
+        for r in rows
+    ):
         return logits
     logits = logits.clone()
     for i, row in enumerate(rows):
@@ -162,5 +170,5 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
         return results
     for j, i in enumerate(want_logprobs):
         k = rows[i].params.logprobs or 0
-        results[i].logprobs = token_logprobs(raw_logprobs[j:j + 1], [token_list[i]], k)[0]
+        results[i].logprobs = token_logprobs(raw_logprobs[j : j + 1], [token_list[i]], k)[0]
     return results

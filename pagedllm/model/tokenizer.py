@@ -23,8 +23,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 class Tokenizer:
     """encode / decode / chat template, plus the special ids the engine stops on."""
 
-    def __init__(self, hf_tokenizer: Any, eos_token_ids: list[int] | None = None,
-                 bos_token_id: int | None = None) -> None:
+    def __init__(
+        self, hf_tokenizer: Any, eos_token_ids: list[int] | None = None, bos_token_id: int | None = None
+    ) -> None:
         self.hf = hf_tokenizer
         eos = list(eos_token_ids or [])
         if not eos and hf_tokenizer.eos_token_id is not None:
@@ -51,21 +52,31 @@ class Tokenizer:
     def convert_ids_to_tokens(self, ids: list[int] | int) -> list[str] | str:
         return self.hf.convert_ids_to_tokens(ids)
 
-    def apply_chat_template_text(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-                                 tools: list[dict[str, Any]] | None = None) -> str:
+    def apply_chat_template_text(
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
         """The prompt text the chat template renders (with the tools, for a template that shows them);
         UserError-free: a template error is a model problem."""
         if not self.chat_template:
             raise ModelLoadError("this model's tokenizer has no chat template; use plain prompts instead of chat")
         extra = {"tools": tools} if tools else {}
-        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                           **extra)
+        return self.hf.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
+        )
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
         """Token ids of the rendered chat; special tokens come from the template itself, so none are added."""
-        return self.encode(self.apply_chat_template_text(messages, add_generation_prompt, tools),
-                           add_special_tokens=False)
+        return self.encode(
+            self.apply_chat_template_text(messages, add_generation_prompt, tools), add_special_tokens=False
+        )
 
 
 def _no_bos(folder: str) -> None:
@@ -115,8 +126,10 @@ def load_tokenizer(model: str | None = None) -> Tokenizer:
     cfg = load_model_config(path)
     if os.path.isdir(path):
         folder = path
-        if not (os.path.isfile(os.path.join(folder, "tokenizer.json"))
-                or os.path.isfile(os.path.join(folder, "tokenizer_config.json"))):
+        if not (
+            os.path.isfile(os.path.join(folder, "tokenizer.json"))
+            or os.path.isfile(os.path.join(folder, "tokenizer_config.json"))
+        ):
             raise ModelLoadError(f"no tokenizer in {folder} (expected tokenizer.json / tokenizer_config.json)")
     elif is_gguf(path):
         folder = gguf_tokenizer_folder(path)

@@ -106,8 +106,11 @@ def iter_gguf(gf: object, cfg: ModelConfig, keep_quantized: bool = False) -> Ite
             continue
         heads = cfg.num_heads if ".q_proj." in hf else cfg.num_kv_heads
         unpermute = permuted and (".q_proj." in hf or ".k_proj." in hf)
-        parts = (from_gguf_blocks(gf.load_raw(name), info.ggml_type)  # type: ignore[attr-defined]
-                 if keep_quantized and info.ggml_type in GGML_TYPES and len(info.shape) == 2 else None)
+        parts = (
+            from_gguf_blocks(gf.load_raw(name), info.ggml_type)  # type: ignore[attr-defined]
+            if keep_quantized and info.ggml_type in GGML_TYPES and len(info.shape) == 2
+            else None
+        )
         if parts is not None:
             yield hf, parts.rows(unpermute_gguf(np.arange(info.shape[0]), heads)) if unpermute else parts
             continue
@@ -124,8 +127,11 @@ def _destination(model: LlamaForCausalLM, name: str) -> tuple[torch.Tensor, tupl
     possibly merged, weight, and the piece's index in it); None for tensors the model does not use."""
     cfg = model.config
     if name in ("embed_tokens.weight", "norm.weight"):
-        return ((model.embed_tokens, (model, "embed_tokens"), 0) if name == "embed_tokens.weight"
-                else (model.norm.weight, (model.norm, "weight"), 0))
+        return (
+            (model.embed_tokens, (model, "embed_tokens"), 0)
+            if name == "embed_tokens.weight"
+            else (model.norm.weight, (model.norm, "weight"), 0)
+        )
     if name == "lm_head.weight":
         return None if model.lm_head is None else (model.lm_head, (model, "lm_head"), 0)
     m = re.match(r"layers\.(\d+)\.(.+)$", name)
@@ -134,16 +140,23 @@ def _destination(model: LlamaForCausalLM, name: str) -> tuple[torch.Tensor, tupl
     layer = model.layers[int(m.group(1))]
     q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
     merged = {  # piece -> (module, attribute, index, first row, end row)
-        "self_attn.q_proj": (layer, "qkv", 0, 0, q), "self_attn.k_proj": (layer, "qkv", 1, q, q + kv),
+        "self_attn.q_proj": (layer, "qkv", 0, 0, q),
+        "self_attn.k_proj": (layer, "qkv", 1, q, q + kv),
         "self_attn.v_proj": (layer, "qkv", 2, q + kv, q + 2 * kv),
-        "mlp.gate_proj": (layer.mlp, "gate_up", 0, 0, inter), "mlp.up_proj": (layer.mlp, "gate_up", 1, inter, 2 * inter),
-        "self_attn.o_proj": (layer, "o", 0, 0, None), "mlp.down_proj": (layer.mlp, "down", 0, 0, None),
+        "mlp.gate_proj": (layer.mlp, "gate_up", 0, 0, inter),
+        "mlp.up_proj": (layer.mlp, "gate_up", 1, inter, 2 * inter),
+        "self_attn.o_proj": (layer, "o", 0, 0, None),
+        "mlp.down_proj": (layer.mlp, "down", 0, 0, None),
     }
     sub, _, kind = m.group(2).rpartition(".")
     if sub in merged:
         mod, attr, idx, a, b = merged[sub]
         if kind == "bias":
-            return (layer.qkv_bias[a:b], (layer, "qkv_bias"), idx) if attr == "qkv" and layer.qkv_bias is not None else None
+            return (
+                (layer.qkv_bias[a:b], (layer, "qkv_bias"), idx)
+                if attr == "qkv" and layer.qkv_bias is not None
+                else None
+            )
         param = getattr(mod, f"{attr}_weight")
         return (param if b is None else param[a:b]), (mod, f"{attr}_weight"), idx
     norms = {"input_layernorm": layer.input_layernorm, "post_attention_layernorm": layer.post_attention_layernorm}
@@ -191,9 +204,17 @@ def assign_weights(model: LlamaForCausalLM, tensors: Iterator[tuple[str, Value]]
 def _check_complete(model: LlamaForCausalLM, filled: set[str], where: str) -> None:
     cfg = model.config
     required = ["embed_tokens.weight", "norm.weight"] + (["lm_head.weight"] if model.lm_head is not None else [])
-    per_layer = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                 "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
-                 "input_layernorm.weight", "post_attention_layernorm.weight"]
+    per_layer = [
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+        "self_attn.o_proj.weight",
+        "mlp.gate_proj.weight",
+        "mlp.up_proj.weight",
+        "mlp.down_proj.weight",
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+    ]
     if cfg.attention_bias:
         per_layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
     required += [f"layers.{i}.{s}" for i in range(cfg.num_layers) for s in per_layer]

@@ -5,6 +5,7 @@
 
 Heavy imports (faiss, sentence-transformers, torch) happen on first use, not on `import pagedllm.rag`.
 """
+
 from __future__ import annotations
 
 DEFAULT_INDEX = "rag-index"
@@ -26,8 +27,14 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-def bench_prompts(num_prompts: int, seed: int = 0, store: str | None = None, layout: str = "canonical",
-                  top_k: int = 4, model: str | None = None) -> list[str]:
+def bench_prompts(
+    num_prompts: int,
+    seed: int = 0,
+    store: str | None = None,
+    layout: str = "canonical",
+    top_k: int = 4,
+    model: str | None = None,
+) -> list[str]:
     """Prompts for `pagedllm bench serve --dataset-name rag`: the Zipf question workload of `pagedllm rag bench`,
     retrieved from the index at `store` (default ./rag-index), laid out, and rendered with the model's chat template
     to plain text (for /v1/completions). Raises UserError when there is no index."""

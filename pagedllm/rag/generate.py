@@ -1,5 +1,6 @@
 """Answering a RAG prompt: with an in-process engine, or against any OpenAI-compatible server (streaming, through
 the `openai` SDK)."""
+
 from __future__ import annotations
 
 import time
@@ -29,8 +30,9 @@ class Answer:
     extra: dict = field(default_factory=dict)
 
 
-def stream_engine(engine, prompt_ids: list[int], params, answer: Answer, request_id: str | None = None
-                  ) -> Iterator[str]:
+def stream_engine(
+    engine, prompt_ids: list[int], params, answer: Answer, request_id: str | None = None
+) -> Iterator[str]:
     """Run one request on an in-process `LLMEngine` to completion, yielding text deltas and filling `answer`.
     Other requests already in the engine keep running (their outputs are dropped here): use a dedicated engine."""
     for delta, out in stream_request(engine, request_id or f"rag-{uuid.uuid4().hex[:12]}", prompt_ids, params):
@@ -77,19 +79,37 @@ def _take_chunk(answer: Answer, chunk: ChatCompletionChunk) -> list[str]:
     return deltas
 
 
-def stream_openai(base_url: str, messages: list[dict], answer: Answer, model: str | None = None,
-                  max_tokens: int = 256, temperature: float = 0.0, timeout: float = 600.0,
-                  api_key: str | None = None, client: Any = None) -> Iterator[str]:
+def stream_openai(
+    base_url: str,
+    messages: list[dict],
+    answer: Answer,
+    model: str | None = None,
+    max_tokens: int = 256,
+    temperature: float = 0.0,
+    timeout: float = 600.0,
+    api_key: str | None = None,
+    client: Any = None,
+) -> Iterator[str]:
     """Chat completion streamed from any OpenAI-compatible server (the `openai` SDK); yields content deltas and
     fills `answer`. `client`: the httpx client the SDK sends through."""
-    sdk = openai.OpenAI(base_url=openai_base_url(base_url), api_key=api_key or "none", timeout=timeout,
-                        max_retries=0, http_client=client)
+    sdk = openai.OpenAI(
+        base_url=openai_base_url(base_url),
+        api_key=api_key or "none",
+        timeout=timeout,
+        max_retries=0,
+        http_client=client,
+    )
     t0 = time.monotonic()
     parts: list[str] = []
     try:
         stream = sdk.chat.completions.create(
-            model=model or first_served_model(sdk), messages=cast(Any, messages),  # OpenAI's message dicts
-            max_tokens=max_tokens, temperature=temperature, stream=True, stream_options={"include_usage": True})
+            model=model or first_served_model(sdk),
+            messages=cast(Any, messages),  # OpenAI's message dicts
+            max_tokens=max_tokens,
+            temperature=temperature,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         for chunk in stream:
             for delta in _take_chunk(answer, chunk):
                 if answer.ttft is None:

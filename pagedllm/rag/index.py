@@ -2,6 +2,7 @@
 text and metadata (chunks.jsonl, one row per vector, in index order), the embeddings (embeddings.npy, so the index
 can be rebuilt without re-embedding), and a manifest of each source's content hash (re-ingesting an unchanged
 source does no work)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -37,8 +38,14 @@ class Hit:
     rank: int  # 0 = best score
 
     def to_dict(self, with_text: bool = True) -> dict:
-        d = {"chunk_id": self.chunk_id, "source": self.source, "position": self.position,
-             "score": round(self.score, 4), "rank": self.rank, "title": self.title}
+        d = {
+            "chunk_id": self.chunk_id,
+            "source": self.source,
+            "position": self.position,
+            "score": round(self.score, 4),
+            "rank": self.rank,
+            "title": self.title,
+        }
         if with_text:
             d["text"] = self.text
         return d
@@ -85,8 +92,8 @@ def _embed(emb, chunks: list[Chunk], progress: bool) -> np.ndarray:
     batches = []
     with tqdm(total=len(texts), desc="embedding", unit="chunk", disable=not progress) as bar:
         for i in range(0, len(texts), 64):
-            batches.append(emb.encode(texts[i:i + 64]))
-            bar.update(len(texts[i:i + 64]))
+            batches.append(emb.encode(texts[i : i + 64]))
+            bar.update(len(texts[i : i + 64]))
     return np.concatenate(batches)
 
 
@@ -104,8 +111,13 @@ def ingest(
     t0 = time.perf_counter()
     d = Path(index_dir)
     d.mkdir(parents=True, exist_ok=True)
-    settings = {"chunk_size": chunk_size, "chunk_overlap": chunk_overlap, "tokenizer": model or "default",
-                "embed_model": EMBED_MODEL_NAME, "format": FORMAT_VERSION}
+    settings = {
+        "chunk_size": chunk_size,
+        "chunk_overlap": chunk_overlap,
+        "tokenizer": model or "default",
+        "embed_model": EMBED_MODEL_NAME,
+        "format": FORMAT_VERSION,
+    }
     manifest = _read_manifest(d)
     if manifest["sources"] and not _consistent(d, manifest):
         manifest = {"format": FORMAT_VERSION, "sources": {}}  # a damaged index: rebuild it from the documents
@@ -124,8 +136,10 @@ def ingest(
     from pagedllm.rag.tokens import get_tokenizer
 
     tok = get_tokenizer(model)
+
     def count(s: str):
         return len(tok.encode(s))
+
     old_chunks, old_vecs = _read_chunks(d), _read_embeddings(d)
     replaced = {doc.source for doc, _ in todo}
     keep = [i for i, c in enumerate(old_chunks) if c["source"] not in replaced]
@@ -196,6 +210,7 @@ def _write_all(d: Path, manifest: dict, chunks: list[dict], vecs: np.ndarray) ->
                 f.write(json.dumps(c, ensure_ascii=False) + "\n")
 
     _atomic_write(d / CHUNKS, w_chunks)
+
     def w_vecs(p: Path) -> None:
         with p.open("wb") as f:
             np.save(f, vecs)
@@ -251,7 +266,8 @@ class RagIndex:
             hits = []
             for rank, (s, i) in enumerate(zip(srow, irow)):  # k <= ntotal: faiss fills every slot (no -1)
                 c = self.chunks[i]
-                hits.append(Hit(c["chunk_id"], c["source"], c.get("title", ""), c["position"], float(s),
-                                c["text"], rank))
+                hits.append(
+                    Hit(c["chunk_id"], c["source"], c.get("title", ""), c["position"], float(s), c["text"], rank)
+                )
             out.append(hits)
         return out

@@ -13,6 +13,7 @@ of the question change:
   first, ties by chunk id), so that different questions whose retrieved sets overlap in the popular chunks share
   the longest possible prefix (the knowledge-tree idea of RAGCache).
 """
+
 from __future__ import annotations
 
 import json
@@ -82,8 +83,9 @@ def order_hits(hits: Sequence[Hit], layout: str, popularity: Popularity | None =
     raise UserError(f"--layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
 
 
-def build_messages(question: str, hits: Sequence[Hit], layout: str = "canonical",
-                   popularity: Popularity | None = None) -> tuple[list[dict], list[Hit]]:
+def build_messages(
+    question: str, hits: Sequence[Hit], layout: str = "canonical", popularity: Popularity | None = None
+) -> tuple[list[dict], list[Hit]]:
     """Chat messages for `question` with the retrieved `hits`; returns them with the hits in prompt order."""
     question = question.strip()
     if not question:

@@ -1,4 +1,5 @@
 """Retrieval + prompt layout in one object, for the CLI, the bench and the server's /v1/rag/chat/completions."""
+
 from __future__ import annotations
 
 import os
@@ -22,8 +23,13 @@ class RagPipeline:
     index folder) or a Popularity instance.
     """
 
-    def __init__(self, index_dir: str | os.PathLike, top_k: int = 4, layout: str = "canonical",
-                 popularity: str | Popularity = "memory"):
+    def __init__(
+        self,
+        index_dir: str | os.PathLike,
+        top_k: int = 4,
+        layout: str = "canonical",
+        popularity: str | Popularity = "memory",
+    ):
         if layout not in LAYOUTS:
             from pagedllm.errors import UserError
 
@@ -45,8 +51,14 @@ class RagPipeline:
         self.last_retrieval_s = time.perf_counter() - t0
         return hits
 
-    def build_messages(self, question: str, top_k: int | None = None, layout: str | None = None,
-                       hits: list[Hit] | None = None, record: bool = True) -> tuple[list[dict], list[Hit]]:
+    def build_messages(
+        self,
+        question: str,
+        top_k: int | None = None,
+        layout: str | None = None,
+        hits: list[Hit] | None = None,
+        record: bool = True,
+    ) -> tuple[list[dict], list[Hit]]:
         """Retrieve (unless `hits` is given), lay out, and count the retrieval for the popular layout."""
         if hits is None:
             hits = self.retrieve(question, top_k)

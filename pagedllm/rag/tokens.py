@@ -1,4 +1,5 @@
 """The LLM tokenizer RAG measures chunks in and builds prompts with (cached per model)."""
+
 from __future__ import annotations
 
 import functools

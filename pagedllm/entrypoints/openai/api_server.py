@@ -4,6 +4,7 @@ Routes come from one router per endpoint family (serving_completion, serving_cha
 serving_info, serving_rag), each over the `ServingContext` in `app.state.serving`; another feature adds its own
 router with one `include_router` line here.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -39,10 +40,16 @@ logger = logging.getLogger("pagedllm.server")
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
 
 
-def build_app(engine: AsyncEngine, *, served_model_names: list[str] | None = None, api_key: str | None = None,
-              model_root: str | None = None, rag: RagPipeline | None = None,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-              state_routers: Sequence[APIRouter] | None = None) -> FastAPI:
+def build_app(
+    engine: AsyncEngine,
+    *,
+    served_model_names: list[str] | None = None,
+    api_key: str | None = None,
+    model_root: str | None = None,
+    rag: RagPipeline | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    state_routers: Sequence[APIRouter] | None = None,
+) -> FastAPI:
     """The FastAPI app over a (not necessarily started) async engine; the app starts and stops the engine.
     `rag` adds POST /v1/rag/chat/completions. `state_routers`: the routes that show the engine's state (default:
     /health, /metrics, /v1/models, /v1/kv and the /kv block map, of one engine); a cluster answers them per
@@ -86,16 +93,29 @@ class Server:
     `run()` blocks (installs signal handlers when on the main thread); `start_in_thread()` is for tests.
     """
 
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
-                 graceful_timeout: float = 5.0) -> None:
+    def __init__(
+        self,
+        app: FastAPI,
+        host: str = "127.0.0.1",
+        port: int = 8000,
+        log_level: str = "info",
+        graceful_timeout: float = 5.0,
+    ) -> None:
         import uvicorn
 
         self.app = app
         self.engine: AsyncLLMEngine = app.state.engine
         self.engine.on_dead = self._engine_died
         self.exit_code = 0
-        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                                timeout_graceful_shutdown=int(graceful_timeout), access_log=log_level == "debug")
+        config = uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level=log_level,
+            lifespan="on",
+            timeout_graceful_shutdown=int(graceful_timeout),
+            access_log=log_level == "debug",
+        )
         outer = self
 
         class _Uvicorn(uvicorn.Server):

@@ -1,6 +1,7 @@
 """OpenAI-style error bodies, `{"error": {"message", "type", "param", "code"}}` with vLLM's type names, and the
 app's exception handlers: every failure a client can cause is a 4xx naming the field, and the body is always
 valid UTF-8 JSON (messages quote what was sent, which may hold a lone surrogate)."""
+
 from __future__ import annotations
 
 import json
@@ -25,13 +26,22 @@ from pagedllm.errors import UserError
 
 logger = logging.getLogger("pagedllm.server")
 
-_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
-          413: "BadRequestError", 422: "BadRequestError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    413: "BadRequestError",
+    422: "BadRequestError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
 
 # What /openapi.json lists as each route's error answers.
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": HTTPStatus(status).phrase}
-    for status in (400, 401, 404, 413, 500, 503)}
+    for status in (400, 401, 404, 413, 500, 503)
+}
 
 
 class APIError(Exception):
@@ -52,12 +62,19 @@ def _utf8(text: str) -> str:
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": _utf8(message), "type": _TYPES.get(status, "Error"),
-                      "param": _utf8(param) if param else None, "code": status}}
+    return {
+        "error": {
+            "message": _utf8(message),
+            "type": _TYPES.get(status, "Error"),
+            "param": _utf8(param) if param else None,
+            "code": status,
+        }
+    }
 
 
-def error_response(message: str, status: int, param: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(
+    message: str, status: int, param: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
     return JSONResponse(error_body(message, status, param), status_code=status, headers=headers)
 
 
@@ -93,16 +110,16 @@ def from_errors(errors: list[dict[str, Any]]) -> APIError:
     if len(errors) > 1 and field == "prompt" and all(str(e["loc"][1:2]) == str(first["loc"][1:2]) for e in errors):
         msg = "must be a string, a list of strings, a list of token ids or a list of lists of token ids"
         return APIError(f"Invalid value for 'prompt': {msg}", 400, param=field)
-    return APIError(f"Invalid value for '{'.'.join(loc)}': {msg} (got {_shown(first.get('input'))})", 400,
-                    param=field)
+    return APIError(f"Invalid value for '{'.'.join(loc)}': {msg} (got {_shown(first.get('input'))})", 400, param=field)
 
 
 def install_error_handlers(app: FastAPI) -> None:
     """Map every exception a request can raise to its status; anything else is logged and answered 500 (by
     `InternalErrorMiddleware`, which keeps the connection open). Plain functions: they await nothing."""
 
-    def handle(exc_type: type[Exception], status: int, message: str = "{}",
-               headers: dict[str, str] | None = None) -> None:
+    def handle(
+        exc_type: type[Exception], status: int, message: str = "{}", headers: dict[str, str] | None = None
+    ) -> None:
         def handler(_: Request, e: Exception) -> JSONResponse:
             return error_response(message.format(e), status, getattr(e, "param", None), headers)
 

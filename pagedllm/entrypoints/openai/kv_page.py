@@ -6,6 +6,7 @@ nothing. The data routes live under /v1/, so `--api-key` guards them like every 
 (HTML, JS, CSS, shipped as package data: no CDN, no build step) holds no data and is served without the key; it
 reads the key from the address's fragment (`/kv#key=...`, which browsers never send to a server) or asks for it.
 """
+
 from __future__ import annotations
 
 from importlib import resources
@@ -50,12 +51,12 @@ class KVMap(BaseModel):
     states: list[BlockState] = Field(description="the state names that `state` and `counts` index")
     colors: dict[str, str]
     labels: dict[str, str]
-    state: list[int] = Field(description="per cell (blocks in id order): its block's state, or a run's most "
-                                         "common one")
+    state: list[int] = Field(description="per cell (blocks in id order): its block's state, or a run's most common one")
     ref: list[int] = Field(description="per cell: its block's ref count (a run's highest)")
     fill: list[int] = Field(description="per cell: token slots that hold a token")
-    counts: list[list[int]] | None = Field(description="per cell of a run, its blocks of each state; null when "
-                                                       "each cell is one block")
+    counts: list[list[int]] | None = Field(
+        description="per cell of a run, its blocks of each state; null when each cell is one block"
+    )
 
 
 class KVBlockInfo(BaseModel):
@@ -74,13 +75,16 @@ class KVRequestInfo(BaseModel):
     prompt_tokens: int
     output_tokens: int
     cached_tokens: int = Field(description="prompt tokens served by the prefix cache at first admission")
-    prefix_hit_blocks: int = Field(description="leading blocks of the table that came from the prefix cache (not "
-                                               "the pool's cached_blocks: free blocks that still hold a prefix)")
+    prefix_hit_blocks: int = Field(
+        description="leading blocks of the table that came from the prefix cache (not "
+        "the pool's cached_blocks: free blocks that still hold a prefix)"
+    )
     kv_tokens: int = Field(description="tokens it has KV slots for")
     num_preemptions: int
     block_ids: list[int] = Field(description="its block table")
     row: list[tuple[BlockState, int, int]] = Field(
-        description="the table as runs of equal (state, ref count): [state, ref_cnt, blocks], in table order")
+        description="the table as runs of equal (state, ref count): [state, ref_cnt, blocks], in table order"
+    )
     slots: int
     empty_slots: int = Field(description="its slots without a token: the tail's, or a contiguous reservation's")
 
@@ -93,12 +97,15 @@ class KVBlocksResponse(BaseModel):
     block_size: int
     num_blocks: int
     prefix_caching: bool
-    kv_cache_dtype: str = Field(description="what the cache stores a value as: float32, bfloat16, int8, "
-                                            "float8_e4m3fn or float8_e5m2 (--kv-cache-dtype)")
+    kv_cache_dtype: str = Field(
+        description="what the cache stores a value as: float32, bfloat16, int8, "
+        "float8_e4m3fn or float8_e5m2 (--kv-cache-dtype)"
+    )
     counters: KVCounters
     map: KVMap
-    blocks: list[KVBlockInfo] | None = Field(description="with ?detail=blocks, every block that is not plain "
-                                                         "free; else null")
+    blocks: list[KVBlockInfo] | None = Field(
+        description="with ?detail=blocks, every block that is not plain free; else null"
+    )
     requests: list[KVRequestInfo] = Field(description="running requests, then the head of the waiting queue")
     requests_omitted: int = Field(description="waiting requests past the listed head")
 
@@ -133,16 +140,19 @@ def _block_tokens(request: Request) -> BlockTokens:
     return state.kv_block_tokens
 
 
-@router.get("/v1/kv/blocks", response_model=KVBlocksResponse, tags=["kv"],
-            responses={c: ERROR_RESPONSES[c] for c in (400, 401, 503)},
-            summary="The KV block pool, block tables and queues, from one snapshot between engine steps")
-async def kv_blocks(request: Request,
-                    max_cells: Annotated[str | None, Query(description="most cells in the map (1..1000000, "
-                                                                       "default 8192)")] = None,
-                    max_waiting: Annotated[str | None, Query(description="waiting requests listed (0..10000, "
-                                                                         "default 64)")] = None,
-                    detail: Annotated[str | None, Query(description="'blocks': add a record per block that is "
-                                                                    "not plain free")] = None) -> Response:
+@router.get(
+    "/v1/kv/blocks",
+    response_model=KVBlocksResponse,
+    tags=["kv"],
+    responses={c: ERROR_RESPONSES[c] for c in (400, 401, 503)},
+    summary="The KV block pool, block tables and queues, from one snapshot between engine steps",
+)
+async def kv_blocks(
+    request: Request,
+    max_cells: Annotated[str | None, Query(description="most cells in the map (1..1000000, default 8192)")] = None,
+    max_waiting: Annotated[str | None, Query(description="waiting requests listed (0..10000, default 64)")] = None,
+    detail: Annotated[str | None, Query(description="'blocks': add a record per block that is not plain free")] = None,
+) -> Response:
     cells = _int_param("max_cells", max_cells, 8192, 1, 1_000_000)
     waiting = _int_param("max_waiting", max_waiting, 64, 0, 10_000)
     if detail not in (None, "blocks"):
@@ -150,13 +160,18 @@ async def kv_blocks(request: Request,
     memo = _block_tokens(request)
     snap = await request.app.state.engine.run_on_engine(
         lambda e: take_snapshot(e, waiting, memo, evict_order=detail is not None),  # the LRU walk only if shown
-        timeout=ENGINE_WAIT_S)
+        timeout=ENGINE_WAIT_S,
+    )
     return JSONResponse(block_map(snap, cells, detail=detail is not None))
 
 
-@router.get("/v1/kv/blocks/{block_id}", response_model=KVBlockDetail, tags=["kv"],
-            responses={c: ERROR_RESPONSES[c] for c in (400, 401, 404, 503)},
-            summary="One block: ref count, full hash, holders and the tokens it holds, decoded")
+@router.get(
+    "/v1/kv/blocks/{block_id}",
+    response_model=KVBlockDetail,
+    tags=["kv"],
+    responses={c: ERROR_RESPONSES[c] for c in (400, 401, 404, 503)},
+    summary="One block: ref count, full hash, holders and the tokens it holds, decoded",
+)
 async def kv_block(request: Request, block_id: str) -> Response:
     engine = request.app.state.engine
     bid = _int_param("block_id", block_id, 0, 0, 2**62)
@@ -165,13 +180,24 @@ async def kv_block(request: Request, block_id: str) -> Response:
         raise APIError(f"block_id: {bid} is not a block of this pool (0..{total - 1})", 404, param="block_id")
     memo = _block_tokens(request)
     d = await engine.run_on_engine(lambda e: block_detail(e, bid, memo), timeout=ENGINE_WAIT_S)
-    return JSONResponse({"block_id": d.block_id, "ref_cnt": d.ref_cnt, "hash": d.block_hash,
-                         "evict_rank": d.evict_rank, "holders": d.holders, "token_ids": d.token_ids,
-                         "text": d.text})
+    return JSONResponse(
+        {
+            "block_id": d.block_id,
+            "ref_cnt": d.ref_cnt,
+            "hash": d.block_hash,
+            "evict_rank": d.evict_rank,
+            "holders": d.holders,
+            "token_ids": d.token_ids,
+            "text": d.text,
+        }
+    )
 
 
-_STATIC = {"": ("kv.html", "text/html; charset=utf-8"), "kv.js": ("kv.js", "text/javascript; charset=utf-8"),
-           "kv.css": ("kv.css", "text/css; charset=utf-8")}
+_STATIC = {
+    "": ("kv.html", "text/html; charset=utf-8"),
+    "kv.js": ("kv.js", "text/javascript; charset=utf-8"),
+    "kv.css": ("kv.css", "text/css; charset=utf-8"),
+}
 
 
 @router.get("/kv", include_in_schema=False)

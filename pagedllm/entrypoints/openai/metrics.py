@@ -4,6 +4,7 @@ Gauges and the engine's own cumulative counters (prefix-cache queries / hits, pr
 engine's latest stats at scrape time; token counters and latency histograms are fed from the engine thread by
 `ServerMetrics.record_step` (the AsyncLLMEngine's stat logger).
 """
+
 from __future__ import annotations
 
 import threading
@@ -19,12 +20,74 @@ from pagedllm.engine.stats import EngineStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
-ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-               40.0, 80.0]
-E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-               480.0, 960.0, 1920.0, 7680.0]
+TTFT_BUCKETS = [
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+]
+ITL_BUCKETS = [
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+]
+E2E_BUCKETS = [
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+]
 
 
 class _EngineCollector:
@@ -42,27 +105,46 @@ class _EngineCollector:
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         st = self.get_stats()
         g, c = GaugeMetricFamily, CounterMetricFamily
-        yield self._family(g, "vllm:num_requests_running", "Number of requests in model execution batches.",
-                           st.num_running)
-        yield self._family(g, "vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-                           st.num_waiting)
+        yield self._family(
+            g, "vllm:num_requests_running", "Number of requests in model execution batches.", st.num_running
+        )
+        yield self._family(
+            g, "vllm:num_requests_waiting", "Number of requests waiting to be processed.", st.num_waiting
+        )
         yield self._family(g, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", st.kv_usage)
-        yield self._family(c, "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried "
-                           "tokens.", st.prefix_cache_queries)
-        yield self._family(c, "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
-                           st.prefix_cache_hits)
-        yield self._family(c, "pagedllm:prefix_cache_disk_hits", "Prefix cache hits read back from the disk tier "
-                           "(--kv-offload-dir), in tokens; part of vllm:prefix_cache_hits.", st.prefix_cache_disk_hits)
-        yield self._family(c, "vllm:num_preemptions", "Cumulative number of preemption from the engine.",
-                           st.num_preemptions)
-        yield self._family(c, "vllm:spec_decode_num_drafts", "Number of spec decoding drafts.",
-                           st.spec_decode_num_drafts)
-        yield self._family(c, "vllm:spec_decode_num_draft_tokens", "Number of draft tokens.",
-                           st.spec_decode_num_draft_tokens)
-        yield self._family(c, "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
-                           st.spec_decode_num_accepted_tokens)
-        per_pos = c("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
-                    labels=["model_name", "position"])
+        yield self._family(
+            c,
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            st.prefix_cache_queries,
+        )
+        yield self._family(
+            c, "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", st.prefix_cache_hits
+        )
+        yield self._family(
+            c,
+            "pagedllm:prefix_cache_disk_hits",
+            "Prefix cache hits read back from the disk tier "
+            "(--kv-offload-dir), in tokens; part of vllm:prefix_cache_hits.",
+            st.prefix_cache_disk_hits,
+        )
+        yield self._family(
+            c, "vllm:num_preemptions", "Cumulative number of preemption from the engine.", st.num_preemptions
+        )
+        yield self._family(
+            c, "vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", st.spec_decode_num_drafts
+        )
+        yield self._family(
+            c, "vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", st.spec_decode_num_draft_tokens
+        )
+        yield self._family(
+            c, "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", st.spec_decode_num_accepted_tokens
+        )
+        per_pos = c(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            labels=["model_name", "position"],
+        )
         for pos, n in enumerate(st.spec_decode_num_accepted_tokens_per_pos):
             per_pos.add_metric([self.model_name, str(pos)], float(n))
         yield per_pos
@@ -86,25 +168,53 @@ class ServerMetrics:
         self.model_name = model_name
         labels = ["model_name"]
         r = self.registry
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", labels,
-                                     registry=r).labels(model_name)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.",
-                                         labels, registry=r).labels(model_name)
-        self.request_success = Counter("vllm:request_success", "Count of successfully processed requests.",
-                                       labels + ["finished_reason"], registry=r)
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                              labels, buckets=TTFT_BUCKETS, registry=r).labels(model_name)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-                             labels, buckets=ITL_BUCKETS, registry=r).labels(model_name)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-                             labels, buckets=E2E_BUCKETS, registry=r).labels(model_name)
-        self.prompt_tokens_hist = Histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
-                                            labels, buckets=[1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000,
-                                                             10000], registry=r).labels(model_name)
-        self.generation_tokens_hist = Histogram("vllm:request_generation_tokens",
-                                                "Number of generation tokens processed.", labels,
-                                                buckets=[1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000,
-                                                         10000], registry=r).labels(model_name)
+        self.prompt_tokens = Counter(
+            "vllm:prompt_tokens", "Number of prefill tokens processed.", labels, registry=r
+        ).labels(model_name)
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens", "Number of generation tokens processed.", labels, registry=r
+        ).labels(model_name)
+        self.request_success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            labels + ["finished_reason"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            labels,
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        ).labels(model_name)
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            labels,
+            buckets=ITL_BUCKETS,
+            registry=r,
+        ).labels(model_name)
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            labels,
+            buckets=E2E_BUCKETS,
+            registry=r,
+        ).labels(model_name)
+        self.prompt_tokens_hist = Histogram(
+            "vllm:request_prompt_tokens",
+            "Number of prefill tokens processed.",
+            labels,
+            buckets=[1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000],
+            registry=r,
+        ).labels(model_name)
+        self.generation_tokens_hist = Histogram(
+            "vllm:request_generation_tokens",
+            "Number of generation tokens processed.",
+            labels,
+            buckets=[1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000],
+            registry=r,
+        ).labels(model_name)
         r.register(_EngineCollector(get_stats, model_name))
         self._lock = threading.Lock()
         self._seen: dict[str, _Progress] = {}  # requests in flight

@@ -1,5 +1,6 @@
 """Pure ASGI middleware (so streaming and disconnects pass through untouched): the API key, the request size
 limit, and the last-resort 500 that does not drop the connection."""
+
 from __future__ import annotations
 
 import logging
@@ -39,8 +40,9 @@ class AuthMiddleware:
             auth = _header(scope, b"authorization") or b""
             scheme, _, token = auth.partition(b" ")
             if scheme.lower() != b"bearer" or not secrets.compare_digest(token.strip(), self.api_key):
-                msg = ("Missing API key: send 'Authorization: Bearer <key>'" if not auth
-                       else "Incorrect API key provided")
+                msg = (
+                    "Missing API key: send 'Authorization: Bearer <key>'" if not auth else "Incorrect API key provided"
+                )
                 resp = JSONResponse(error_body(msg, 401), status_code=401, headers={"WWW-Authenticate": "Bearer"})
                 await resp(scope, receive, send)
                 return

@@ -6,6 +6,7 @@ max_model_len, token ids against the vocabulary, the model name) are the serving
 does not honour is refused with a 400 naming it, never accepted and ignored; unknown fields are ignored, as
 OpenAI's and vLLM's servers do. The response models are what the server sends, and what /openapi.json says.
 """
+
 from __future__ import annotations
 
 import math
@@ -77,7 +78,7 @@ class ResponseFormat(OpenAIModel):
     @model_validator(mode="after")
     def _schema_given(self) -> ResponseFormat:
         if self.type == "json_schema" and self.json_schema is None:
-            raise ValueError("response_format: type json_schema needs a json_schema {\"name\", \"schema\"}")
+            raise ValueError('response_format: type json_schema needs a json_schema {"name", "schema"}')
         return self
 
 
@@ -95,8 +96,14 @@ class StructuredOutputsBody(OpenAIModel):
     def params(self) -> StructuredOutputsParams:
         if self.structural_tag is not None:
             raise ValueError("structured_outputs: structural_tag is not supported")
-        return StructuredOutputsParams(json=self.json_, regex=self.regex, choice=self.choice, grammar=self.grammar,
-                                       json_object=self.json_object, whitespace_pattern=self.whitespace_pattern)
+        return StructuredOutputsParams(
+            json=self.json_,
+            regex=self.regex,
+            choice=self.choice,
+            grammar=self.grammar,
+            json_object=self.json_object,
+            whitespace_pattern=self.whitespace_pattern,
+        )
 
 
 class SamplingRequest(RequestModel):
@@ -163,30 +170,49 @@ class SamplingRequest(RequestModel):
             found.append(("response_format", StructuredOutputsParams(json=fmt.json_schema.json_schema)))
         if self.structured_outputs is not None:
             found.append(("structured_outputs", self.structured_outputs.params()))
-        guided = {"json": self.guided_json, "regex": self.guided_regex, "choice": self.guided_choice,
-                  "grammar": self.guided_grammar}
+        guided = {
+            "json": self.guided_json,
+            "regex": self.guided_regex,
+            "choice": self.guided_choice,
+            "grammar": self.guided_grammar,
+        }
         for kind, value in guided.items():
             if value is not None:
                 so = StructuredOutputsParams(whitespace_pattern=self.guided_whitespace_pattern)
                 setattr(so, kind, value)
                 found.append((f"guided_{kind}", so))
         if len(found) > 1:
-            raise ValueError(f"{found[1][0]}: only one structured-output constraint per request, got "
-                             f"{' and '.join(name for name, _ in found)}")
+            raise ValueError(
+                f"{found[1][0]}: only one structured-output constraint per request, got "
+                f"{' and '.join(name for name, _ in found)}"
+            )
         return found[0] if found else None
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """The fields that map one to one onto SamplingParams; None means the engine's default."""
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         bias = {int(k): min(100.0, max(-100.0, v)) for k, v in self.logit_bias.items()} if self.logit_bias else None
-        given = {"n": self.n, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
-                 "min_p": self.min_p, "repetition_penalty": self.repetition_penalty, "seed": self.seed,
-                 "stop": stop, "stop_token_ids": self.stop_token_ids, "logit_bias": bias,
-                 "prompt_logprobs": self.prompt_logprobs}
+        given = {
+            "n": self.n,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+            "seed": self.seed,
+            "stop": stop,
+            "stop_token_ids": self.stop_token_ids,
+            "logit_bias": bias,
+            "prompt_logprobs": self.prompt_logprobs,
+        }
         kw = {k: v for k, v in given.items() if v is not None}
-        kw.update(presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                  ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
-                  skip_special_tokens=self.skip_special_tokens)
+        kw.update(
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            skip_special_tokens=self.skip_special_tokens,
+        )
         return kw
 
     def make_params(self, constraint: tuple[str, StructuredOutputsParams] | None, **kw: Any) -> SamplingParams:
@@ -202,9 +228,15 @@ class SamplingRequest(RequestModel):
             raise SamplingParamsError(field_name, f"{_FIELD_WHAT[field_name]} is not usable: {reason}") from None
 
 
-_FIELD_WHAT = {"response_format": "the JSON schema", "structured_outputs": "the constraint", "tools": "the tools' "
-               "parameters schema", "guided_json": "the JSON schema", "guided_regex": "the regex",
-               "guided_choice": "the choices", "guided_grammar": "the grammar"}
+_FIELD_WHAT = {
+    "response_format": "the JSON schema",
+    "structured_outputs": "the constraint",
+    "tools": "the tools' parameters schema",
+    "guided_json": "the JSON schema",
+    "guided_regex": "the regex",
+    "guided_choice": "the choices",
+    "guided_grammar": "the grammar",
+}
 
 
 class CompletionRequest(SamplingRequest):
@@ -297,8 +329,9 @@ class ChatCompletionRequest(SamplingRequest):
         if mode is not None and mode.kind != "auto":
             schema = tool_schema(self.tools or [], mode, self.parallel_tool_calls)
             constraint = ("tools", StructuredOutputsParams(json=schema))
-        return self.make_params(constraint, max_tokens=max_tokens, logprobs=self.top_k_logprobs,
-                                **self.sampling_kwargs())
+        return self.make_params(
+            constraint, max_tokens=max_tokens, logprobs=self.top_k_logprobs, **self.sampling_kwargs()
+        )
 
 
 class TokenizeRequest(RequestModel):

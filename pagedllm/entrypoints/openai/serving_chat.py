@@ -3,6 +3,7 @@ with n samples, answered whole or streamed. The RAG route reuses `prepare`, `ful
 
 With tools and tool_choice "required" or a named function, the answer is decoded under the tools' schema and
 returned as `tool_calls` (tool_calls.py); "auto" needs a chat template that shows the model its tools."""
+
 from __future__ import annotations
 
 import asyncio
@@ -49,9 +50,13 @@ async def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> Prepared:
     ctx.check_n(req.n)
     mode = req.tool_mode
     if mode is not None and mode.kind == "auto" and not auto_tools_supported(ctx.engine.tokenizer.chat_template):
-        raise APIError("tool_choice \"auto\" needs a chat template that shows the model its tools and a parser "
-                       "for its tool-call format; this model's template has no tools: send tool_choice "
-                       "\"required\", a named function or \"none\"", 400, param="tool_choice")
+        raise APIError(
+            'tool_choice "auto" needs a chat template that shows the model its tools and a parser '
+            "for its tool-call format; this model's template has no tools: send tool_choice "
+            '"required", a named function or "none"',
+            400,
+            param="tool_choice",
+        )
     tools = req.tools if mode is not None else None
     ids = await ctx.chat_prompt_ids(req.messages, req.add_generation_prompt, tools)
     max_tokens = ctx.check_length(len(ids), req.effective_max_tokens, req.min_tokens, "messages")
@@ -66,41 +71,58 @@ def _message(mode: ToolMode | None, c: CompletionOutput) -> tuple[dict[str, Any]
     "required" answer with "tool_calls" and a named one with "stop"), else the text as it is."""
     if mode is not None and mode.kind == "auto":
         content, calls = parse_hermes(c.text)
-        return ({"role": "assistant", "content": content, "tool_calls": calls},
-                "tool_calls" if calls else c.finish_reason)
+        return (
+            {"role": "assistant", "content": content, "tool_calls": calls},
+            "tool_calls" if calls else c.finish_reason,
+        )
     parsed = parse_tool_calls(c.text, mode) if mode is not None and c.finish_reason == "stop" else None
     if mode is None or parsed is None:
         return {"role": "assistant", "content": c.text, "tool_calls": []}, c.finish_reason
-    return ({"role": "assistant", "content": None, "tool_calls": parsed},
-            "tool_calls" if mode.kind == "required" else "stop")
+    return (
+        {"role": "assistant", "content": None, "tool_calls": parsed},
+        "tool_calls" if mode.kind == "required" else "stop",
+    )
 
 
 def _choice(ctx: ServingContext, req: ChatCompletionRequest, s: EngineRequest, c: CompletionOutput) -> dict[str, Any]:
     ctx.check_error(c)
     k = req.top_k_logprobs
     message, finish_reason = _message(req.tool_mode, c)
-    return {"index": s.base + c.index, "message": message,
-            "logprobs": ctx.chat_logprobs(c, 0, len(c.token_ids), k) if k is not None else None,
-            "finish_reason": finish_reason, "stop_reason": c.stop_reason}
+    return {
+        "index": s.base + c.index,
+        "message": message,
+        "logprobs": ctx.chat_logprobs(c, 0, len(c.token_ids), k) if k is not None else None,
+        "finish_reason": finish_reason,
+        "stop_reason": c.stop_reason,
+    }
 
 
-async def full(ctx: ServingContext, req: ChatCompletionRequest, prep: Prepared, subs: list[EngineRequest],
-               rid: str) -> dict[str, Any]:
+async def full(
+    ctx: ServingContext, req: ChatCompletionRequest, prep: Prepared, subs: list[EngineRequest], rid: str
+) -> dict[str, Any]:
     """The whole answer, as a JSON-ready dict (the RAG route adds its chunks to it)."""
     await ctx.run_to_end(subs)
     final: RequestOutput | None = subs[0].final
     assert final is not None
-    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": prep.model,
-            "choices": [_choice(ctx, req, subs[0], c) for c in final.outputs], "usage": ctx.usage(subs),
-            "system_fingerprint": None,
-            "prompt_logprobs": ctx.prompt_logprobs(final) if req.prompt_logprobs is not None else None}
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": prep.model,
+        "choices": [_choice(ctx, req, subs[0], c) for c in final.outputs],
+        "usage": ctx.usage(subs),
+        "system_fingerprint": None,
+        "prompt_logprobs": ctx.prompt_logprobs(final) if req.prompt_logprobs is not None else None,
+    }
 
 
-async def _chunks(ctx: ServingContext, req: ChatCompletionRequest, subs: list[EngineRequest],
-                  chunk: Chunks) -> AsyncGenerator[str]:
+async def _chunks(
+    ctx: ServingContext, req: ChatCompletionRequest, subs: list[EngineRequest], chunk: Chunks
+) -> AsyncGenerator[str]:
     for i in range(req.n):
-        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                      "finish_reason": None}])
+        yield chunk(
+            [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
+        )
     k, mode = req.top_k_logprobs, req.tool_mode
     calls: dict[int, ToolCallStream] = {}
     sent: dict[int, int] = {}  # "auto": content characters sent per choice
@@ -117,21 +139,35 @@ async def _chunks(ctx: ServingContext, req: ChatCompletionRequest, subs: list[En
             deltas = calls.setdefault(p.index, ToolCallStream(mode)).deltas(c.text)
             delta = {"tool_calls": deltas} if deltas else {}
             finish = _message(mode, c)[1] if p.done else None
-        yield chunk([{"index": p.index, "delta": delta,
-                      "logprobs": ctx.chat_logprobs(c, p.tokens_from, p.tokens_to, k) if k is not None else None,
-                      "finish_reason": finish, "stop_reason": c.stop_reason if p.done else None}],
-                    ctx.partial_usage(s, out) if chunk.continuous else None)
+        yield chunk(
+            [
+                {
+                    "index": p.index,
+                    "delta": delta,
+                    "logprobs": ctx.chat_logprobs(c, p.tokens_from, p.tokens_to, k) if k is not None else None,
+                    "finish_reason": finish,
+                    "stop_reason": c.stop_reason if p.done else None,
+                }
+            ],
+            ctx.partial_usage(s, out) if chunk.continuous else None,
+        )
     if chunk.include_usage:
         yield chunk([], ctx.usage(subs))
 
 
 def _auto_delta(c: CompletionOutput, sent: int, done: bool) -> dict[str, Any]:
-    """"auto", streamed: the text before any `<tool_call>` as content (a partial tag held back), the calls
+    """ "auto", streamed: the text before any `<tool_call>` as content (a partial tag held back), the calls
     whole once the answer is done."""
     cut = c.text.find(HERMES_OPEN)
     if cut < 0 and not done:
-        cut = next((i for i in range(max(0, len(c.text) - len(HERMES_OPEN)), len(c.text))
-                    if HERMES_OPEN.startswith(c.text[i:])), len(c.text))
+        cut = next(
+            (
+                i
+                for i in range(max(0, len(c.text) - len(HERMES_OPEN)), len(c.text))
+                if HERMES_OPEN.startswith(c.text[i:])
+            ),
+            len(c.text),
+        )
     text = c.text if cut < 0 else c.text[:cut]
     delta: dict[str, Any] = {"content": text[sent:]} if len(text) > sent else {}
     if done:
@@ -141,18 +177,33 @@ def _auto_delta(c: CompletionOutput, sent: int, done: bool) -> dict[str, Any]:
     return delta
 
 
-def stream(ctx: ServingContext, req: ChatCompletionRequest, prep: Prepared, subs: list[EngineRequest], rid: str,
-           headers: dict[str, str] | None = None) -> SSEResponse:
+def stream(
+    ctx: ServingContext,
+    req: ChatCompletionRequest,
+    prep: Prepared,
+    subs: list[EngineRequest],
+    rid: str,
+    headers: dict[str, str] | None = None,
+) -> SSEResponse:
     chunk = Chunks.for_request(req.stream_options, rid, "chat.completion.chunk", prep.model)
     return SSEResponse(ctx, _chunks(ctx, req, subs, chunk), subs, headers)
 
 
-@router.post("/v1/chat/completions", response_model=None, responses={
-    200: {"model": ChatCompletionResponse, "content": {"text/event-stream": {}},
-          "description": "the answer, or with stream: true server-sent events of chunks"},
-    **ERROR_RESPONSES})
-async def create_chat_completion(req: ChatCompletionRequest, request: Request,
-                                 ctx: ServingContext = Depends(serving)) -> Response | dict[str, Any]:
+@router.post(
+    "/v1/chat/completions",
+    response_model=None,
+    responses={
+        200: {
+            "model": ChatCompletionResponse,
+            "content": {"text/event-stream": {}},
+            "description": "the answer, or with stream: true server-sent events of chunks",
+        },
+        **ERROR_RESPONSES,
+    },
+)
+async def create_chat_completion(
+    req: ChatCompletionRequest, request: Request, ctx: ServingContext = Depends(serving)
+) -> Response | dict[str, Any]:
     """OpenAI's chat completions (text only), with structured outputs, tool calls and vLLM's extra sampling
     parameters."""
     rid = request_id(request, req.request_id, "chatcmpl")

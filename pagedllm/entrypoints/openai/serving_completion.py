@@ -4,6 +4,7 @@ Scoring, as evaluation tools use it: `echo` + `logprobs` returns the prompt's ow
 (first None, as OpenAI and vLLM) ahead of the generated ones, and `max_tokens: 0` generates nothing, so
 lm-evaluation-harness's loglikelihood requests are answered from one prefill.
 """
+
 from __future__ import annotations
 
 import time
@@ -53,8 +54,17 @@ async def _prepare(ctx: ServingContext, req: CompletionRequest) -> _Prepared:
     return _Prepared(model, prompts, texts, req.to_sampling_params(req.max_tokens))
 
 
-def _logprobs(ctx: ServingContext, req: CompletionRequest, s: EngineRequest, out: RequestOutput, c: CompletionOutput,
-              start: int, end: int, text_from: int, echo: str) -> dict[str, list] | None:
+def _logprobs(
+    ctx: ServingContext,
+    req: CompletionRequest,
+    s: EngineRequest,
+    out: RequestOutput,
+    c: CompletionOutput,
+    start: int,
+    end: int,
+    text_from: int,
+    echo: str,
+) -> dict[str, list] | None:
     """Logprobs of generated tokens start..end-1 (whose text starts at text_from), after the prompt's own
     tokens when this part carries the echo."""
     if req.logprobs is None:
@@ -63,39 +73,65 @@ def _logprobs(ctx: ServingContext, req: CompletionRequest, s: EngineRequest, out
     generated = ctx.completion_logprobs(c.token_ids[start:end], lps, req.logprobs, len(echo) + text_from)
     if not echo:
         return generated
-    prompt = ctx.completion_logprobs(s.prompt_ids, list(out.prompt_logprobs or [None] * len(s.prompt_ids)),
-                                     req.logprobs, 0)
+    prompt = ctx.completion_logprobs(
+        s.prompt_ids, list(out.prompt_logprobs or [None] * len(s.prompt_ids)), req.logprobs, 0
+    )
     return {k: prompt[k] + generated[k] for k in generated}
 
 
-def _choice(ctx: ServingContext, req: CompletionRequest, prep: _Prepared, s: EngineRequest, out: RequestOutput,
-            c: CompletionOutput) -> dict[str, Any]:
+def _choice(
+    ctx: ServingContext,
+    req: CompletionRequest,
+    prep: _Prepared,
+    s: EngineRequest,
+    out: RequestOutput,
+    c: CompletionOutput,
+) -> dict[str, Any]:
     ctx.check_error(c)
     echo = prep.echo_texts[s.prompt_index]
-    return {"index": s.base + c.index, "text": echo + c.text,
-            "logprobs": _logprobs(ctx, req, s, out, c, 0, len(c.token_ids), 0, echo),
-            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-            "prompt_logprobs": ctx.prompt_logprobs(out) if req.prompt_logprobs is not None else None}
+    return {
+        "index": s.base + c.index,
+        "text": echo + c.text,
+        "logprobs": _logprobs(ctx, req, s, out, c, 0, len(c.token_ids), 0, echo),
+        "finish_reason": c.finish_reason,
+        "stop_reason": c.stop_reason,
+        "prompt_logprobs": ctx.prompt_logprobs(out) if req.prompt_logprobs is not None else None,
+    }
 
 
-async def _full(ctx: ServingContext, req: CompletionRequest, prep: _Prepared, subs: list[EngineRequest],
-                rid: str) -> JSONResponse:
+async def _full(
+    ctx: ServingContext, req: CompletionRequest, prep: _Prepared, subs: list[EngineRequest], rid: str
+) -> JSONResponse:
     await ctx.run_to_end(subs)
-    choices = sorted((_choice(ctx, req, prep, s, s.final, c) for s in subs if s.final is not None
-                      for c in s.final.outputs), key=lambda ch: ch["index"])
-    return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()), "model": prep.model,
-                         "choices": choices, "usage": ctx.usage(subs), "system_fingerprint": None})
+    choices = sorted(
+        (_choice(ctx, req, prep, s, s.final, c) for s in subs if s.final is not None for c in s.final.outputs),
+        key=lambda ch: ch["index"],
+    )
+    return JSONResponse(
+        {
+            "id": rid,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": prep.model,
+            "choices": choices,
+            "usage": ctx.usage(subs),
+            "system_fingerprint": None,
+        }
+    )
 
 
-async def _chunks(ctx: ServingContext, req: CompletionRequest, prep: _Prepared, subs: list[EngineRequest],
-                  chunk: Chunks) -> AsyncGenerator[str]:
+async def _chunks(
+    ctx: ServingContext, req: CompletionRequest, prep: _Prepared, subs: list[EngineRequest], chunk: Chunks
+) -> AsyncGenerator[str]:
     async for s, out, c, p in pieces(ctx, subs):
         echo = prep.echo_texts[s.prompt_index] if p.first else ""
         choice: dict[str, Any] = {
-            "index": p.index, "text": echo + p.text,
+            "index": p.index,
+            "text": echo + p.text,
             "logprobs": _logprobs(ctx, req, s, out, c, p.tokens_from, p.tokens_to, p.text_from, echo),
             "finish_reason": c.finish_reason if p.done else None,
-            "stop_reason": c.stop_reason if p.done else None}
+            "stop_reason": c.stop_reason if p.done else None,
+        }
         if p.first and req.prompt_logprobs is not None:
             choice["prompt_logprobs"] = ctx.prompt_logprobs(out)
         yield chunk([choice], ctx.partial_usage(s, out) if chunk.continuous else None)
@@ -103,12 +139,21 @@ async def _chunks(ctx: ServingContext, req: CompletionRequest, prep: _Prepared, 
         yield chunk([], ctx.usage(subs))
 
 
-@router.post("/v1/completions", response_model=None, responses={
-    200: {"model": CompletionResponse, "content": {"text/event-stream": {}},
-          "description": "the completion, or with stream: true server-sent events of chunks"},
-    **ERROR_RESPONSES})
-async def create_completion(req: CompletionRequest, request: Request,
-                            ctx: ServingContext = Depends(serving)) -> Response:
+@router.post(
+    "/v1/completions",
+    response_model=None,
+    responses={
+        200: {
+            "model": CompletionResponse,
+            "content": {"text/event-stream": {}},
+            "description": "the completion, or with stream: true server-sent events of chunks",
+        },
+        **ERROR_RESPONSES,
+    },
+)
+async def create_completion(
+    req: CompletionRequest, request: Request, ctx: ServingContext = Depends(serving)
+) -> Response:
     """OpenAI's legacy completions, with vLLM's extra sampling parameters."""
     rid = request_id(request, req.request_id, "cmpl")
     prep = await _prepare(ctx, req)

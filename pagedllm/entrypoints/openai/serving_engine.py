@@ -4,6 +4,7 @@ engine request per prompt and collecting their outputs, usage and logprob format
 Everything that can be checked before generation starts (model name, prompt length, n, token ids, the waiting
 limit) is checked before the HTTP response begins, so a streaming request gets a proper status code too.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -57,15 +58,17 @@ class ServingContext:
         seconds and the event loop must keep serving every other request meanwhile."""
         return await asyncio.to_thread(self.engine.tokenizer.encode, text, add_special_tokens)
 
-    async def chat_prompt_ids(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                              tools: list[dict[str, Any]] | None = None) -> list[int]:
+    async def chat_prompt_ids(
+        self, messages: list[ChatMessage], add_generation_prompt: bool, tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         try:
             msgs = [{"role": m.role, "content": m.text()} for m in messages]
         except ValueError as e:
             raise APIError(str(e), 400, param="messages") from None
         try:
-            return await asyncio.to_thread(self.engine.tokenizer.apply_chat_template, msgs, add_generation_prompt,
-                                           tools)
+            return await asyncio.to_thread(
+                self.engine.tokenizer.apply_chat_template, msgs, add_generation_prompt, tools
+            )
         except Exception as e:  # noqa: BLE001 - a template that refuses the conversation (roles out of order, ...)
             raise APIError(f"Cannot apply the chat template to these messages: {e}", 400, param="messages") from None
 
@@ -83,8 +86,11 @@ class ServingContext:
         if model is None:
             return self.model_names[0]
         if model not in self.model_names:
-            raise APIError(f"The model `{model}` does not exist. Available models: {', '.join(self.model_names)}",
-                           404, param="model")
+            raise APIError(
+                f"The model `{model}` does not exist. Available models: {', '.join(self.model_names)}",
+                404,
+                param="model",
+            )
         return model
 
     def check_n(self, n: int, prompts: int = 1) -> None:
@@ -94,8 +100,12 @@ class ServingContext:
             raise APIError(f"Invalid value for 'n': must be at most {self.max_n} (got {n})", 400, param="n")
         limit = self.engine.max_waiting_requests
         if limit and n * prompts > limit:
-            raise APIError(f"Invalid value for 'n': {prompts} prompt(s) x n={n} samples is more than the server's "
-                           f"--max-waiting-requests ({limit})", 400, param="n")
+            raise APIError(
+                f"Invalid value for 'n': {prompts} prompt(s) x n={n} samples is more than the server's "
+                f"--max-waiting-requests ({limit})",
+                400,
+                param="n",
+            )
 
     def check_length(self, n_prompt: int, max_tokens: int | None, min_tokens: int, what: str) -> int:
         """The request's max_tokens, or what is left of the context when it gave none."""
@@ -105,13 +115,19 @@ class ServingContext:
         if n_prompt >= limit:
             raise APIError(
                 f"This model's maximum context length is {limit} tokens. However, your {what} has {n_prompt} "
-                f"tokens. Please reduce the length of the {what}.", 400, param=what)
+                f"tokens. Please reduce the length of the {what}.",
+                400,
+                param=what,
+            )
         for name, value in (("max_tokens", max_tokens), ("min_tokens", min_tokens)):
             if value is not None and n_prompt + value > limit:
                 raise APIError(
                     f"This model's maximum context length is {limit} tokens. However, you requested "
                     f"{n_prompt + value} tokens ({n_prompt} in the {what}, {value} in the completion). "
-                    f"Please reduce the length of the {what} or completion.", 400, param=name)
+                    f"Please reduce the length of the {what} or completion.",
+                    400,
+                    param=name,
+                )
         return limit - n_prompt if max_tokens is None else max_tokens
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
@@ -119,15 +135,17 @@ class ServingContext:
         vocab = self.engine.engine.model_config.vocab_size
         bad = next((t for t in ids if t >= vocab), None)
         if bad is not None:
-            raise APIError(f"Invalid value for '{param}': token id {bad} is out of range [0, {vocab})", 400,
-                           param=param)
+            raise APIError(
+                f"Invalid value for '{param}': token id {bad} is out of range [0, {vocab})", 400, param=param
+            )
 
     # ------------------------------------------------------------------ engine requests
     async def submit(self, prompts: list[list[int]], params: SamplingParams, request_id: str) -> list[EngineRequest]:
         """One engine request per prompt (n samples each); if any is refused, the others are aborted."""
         subs = [EngineRequest(i, i * params.n, f"{request_id}-{i}", ids) for i, ids in enumerate(prompts)]
-        results = await asyncio.gather(*(self.engine.add_request(s.request_id, s.prompt_ids, params) for s in subs),
-                                       return_exceptions=True)
+        results = await asyncio.gather(
+            *(self.engine.add_request(s.request_id, s.prompt_ids, params) for s in subs), return_exceptions=True
+        )
         for s, r in zip(subs, results):
             if not isinstance(r, BaseException):
                 s.stream = r
@@ -144,6 +162,7 @@ class ServingContext:
 
     async def run_to_end(self, subs: list[EngineRequest]) -> None:
         """Wait for every sub's final output; a server-side abort is a 503."""
+
         async def last(s: EngineRequest) -> None:
             assert s.stream is not None
             async for out in self.engine.iterate(s.stream):
@@ -196,23 +215,30 @@ class ServingContext:
         prompt = sum(len(s.prompt_ids) for s in subs)
         cached = sum(s.final.num_cached_tokens for s in subs if s.final is not None)
         completion = sum(len(c.token_ids) for s in subs if s.final is not None for c in s.final.outputs)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
 
     @staticmethod
     def partial_usage(s: EngineRequest, out: RequestOutput) -> dict[str, int]:
         ntok = sum(len(c.token_ids) for c in out.outputs)
-        return {"prompt_tokens": len(s.prompt_ids), "completion_tokens": ntok,
-                "total_tokens": len(s.prompt_ids) + ntok}
+        return {"prompt_tokens": len(s.prompt_ids), "completion_tokens": ntok, "total_tokens": len(s.prompt_ids) + ntok}
 
     def prompt_logprobs(self, out: RequestOutput) -> list[dict[str, dict[str, object]] | None]:
         """vLLM's per-prompt-token form: None for the first token, else {token id: {logprob, decoded_token}}."""
-        return [None if d is None else {str(t): {"logprob": finite_logprob(v), "decoded_token": self.token_str(t)}
-                                        for t, v in d.items()}
-                for d in out.prompt_logprobs or []]
+        return [
+            None
+            if d is None
+            else {str(t): {"logprob": finite_logprob(v), "decoded_token": self.token_str(t)} for t, v in d.items()}
+            for d in out.prompt_logprobs or []
+        ]
 
-    def completion_logprobs(self, ids: list[int], lps: list[dict[int, float] | None], k: int,
-                            offset: int) -> dict[str, list]:
+    def completion_logprobs(
+        self, ids: list[int], lps: list[dict[int, float] | None], k: int, offset: int
+    ) -> dict[str, list]:
         """The completions API's parallel lists over tokens `ids` (whose logprob dicts are `lps`)."""
         tokens, token_lps, tops, offsets = [], [], [], []
         for tid, d in zip(ids, lps):
@@ -229,10 +255,21 @@ class ServingContext:
         content = []
         for tid, d in zip(c.token_ids[start:end], (c.logprobs or [])[start:end]):
             top = sorted(d.items(), key=lambda kv: kv[1], reverse=True)[:k]
-            content.append({"token": self.token_str(tid), "logprob": finite_logprob(d.get(tid, -9999.0)),
-                            "bytes": list(self.token_str(tid).encode("utf-8")),
-                            "top_logprobs": [{"token": self.token_str(t), "logprob": finite_logprob(v),
-                                              "bytes": list(self.token_str(t).encode("utf-8"))} for t, v in top]})
+            content.append(
+                {
+                    "token": self.token_str(tid),
+                    "logprob": finite_logprob(d.get(tid, -9999.0)),
+                    "bytes": list(self.token_str(tid).encode("utf-8")),
+                    "top_logprobs": [
+                        {
+                            "token": self.token_str(t),
+                            "logprob": finite_logprob(v),
+                            "bytes": list(self.token_str(t).encode("utf-8")),
+                        }
+                        for t, v in top
+                    ],
+                }
+            )
         return {"content": content}
 
     @staticmethod

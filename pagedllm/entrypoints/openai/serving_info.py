@@ -1,5 +1,6 @@
 """GET /health, /metrics, /v1/models and /v1/kv: what the server is and how it is doing. /v1/kv is pagedllm's
 debug route (the block pool and the engine's queues), so tests and the soak check that every block came back."""
+
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request, Response
@@ -29,16 +30,36 @@ def metrics(request: Request) -> Response:
 
 @router.get("/v1/models", response_model=ModelList, responses={401: ERROR_RESPONSES[401]})
 def models(ctx: ServingContext = Depends(serving)) -> ModelList:
-    return ModelList(object="list", data=[
-        ModelCard(id=n, object="model", created=ctx.created, owned_by="pagedllm", root=ctx.model_root,
-                  parent=None, max_model_len=ctx.engine.max_model_len) for n in ctx.model_names])
+    return ModelList(
+        object="list",
+        data=[
+            ModelCard(
+                id=n,
+                object="model",
+                created=ctx.created,
+                owned_by="pagedllm",
+                root=ctx.model_root,
+                parent=None,
+                max_model_len=ctx.engine.max_model_len,
+            )
+            for n in ctx.model_names
+        ],
+    )
 
 
 @router.get("/v1/kv", response_model=KVState, responses={401: ERROR_RESPONSES[401]})
 def kv_state(ctx: ServingContext = Depends(serving)) -> KVState:
     st = ctx.engine.stats()
-    return KVState(model_name=ctx.engine.engine.model_config.name or ctx.model_root, block_size=st.block_size,
-                   total_blocks=st.num_blocks, free_blocks=st.num_free_blocks, used_blocks=st.num_used_blocks,
-                   cached_blocks=st.num_cached_blocks, kv_cache_usage=st.kv_usage, num_running=st.num_running,
-                   num_waiting=st.num_waiting, num_aborted=ctx.engine.num_aborted,
-                   recent_aborted_request_ids=ctx.engine.aborted_ids[-32:])
+    return KVState(
+        model_name=ctx.engine.engine.model_config.name or ctx.model_root,
+        block_size=st.block_size,
+        total_blocks=st.num_blocks,
+        free_blocks=st.num_free_blocks,
+        used_blocks=st.num_used_blocks,
+        cached_blocks=st.num_cached_blocks,
+        kv_cache_usage=st.kv_usage,
+        num_running=st.num_running,
+        num_waiting=st.num_waiting,
+        num_aborted=ctx.engine.num_aborted,
+        recent_aborted_request_ids=ctx.engine.aborted_ids[-32:],
+    )

@@ -1,6 +1,7 @@
 """POST /v1/rag/chat/completions (with `pagedllm serve --rag-index`): chat completions over retrieved context.
 The last user message is the question; the prompt is laid out by the pipeline's layout so that shared chunks hit
 the prefix cache. The chunks used are in the body's `rag` field, or in a stream's `X-RAG-Chunks` header (JSON)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -28,8 +29,9 @@ def _question(req: ChatCompletionRequest) -> str:
 
 
 @router.post("/v1/rag/chat/completions", response_model=None, responses={**ERROR_RESPONSES})
-async def rag_chat(req: ChatCompletionRequest, request: Request,
-                   ctx: ServingContext = Depends(serving)) -> Response | dict[str, Any]:
+async def rag_chat(
+    req: ChatCompletionRequest, request: Request, ctx: ServingContext = Depends(serving)
+) -> Response | dict[str, Any]:
     rag = request.app.state.rag
     messages, hits = await asyncio.to_thread(rag.build_messages, _question(req))
     req.messages = [ChatMessage(role=m["role"], content=m["content"]) for m in messages]

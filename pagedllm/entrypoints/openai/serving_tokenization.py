@@ -1,5 +1,6 @@
 """POST /tokenize and POST /detokenize (vLLM's routes): what the server's own tokenizer makes of a text or a
 conversation, and back. Behind the API key like /v1/*: a tokenizer is CPU work anyone could make us do."""
+
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends
@@ -25,8 +26,12 @@ async def tokenize(req: TokenizeRequest, ctx: ServingContext = Depends(serving))
     else:
         assert req.prompt is not None
         ids = await ctx.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
-    return TokenizeResponse(count=len(ids), max_model_len=ctx.engine.max_model_len, tokens=ids,
-                            token_strs=[ctx.token_str(t) for t in ids] if req.return_token_strs else None)
+    return TokenizeResponse(
+        count=len(ids),
+        max_model_len=ctx.engine.max_model_len,
+        tokens=ids,
+        token_strs=[ctx.token_str(t) for t in ids] if req.return_token_strs else None,
+    )
 
 
 @router.post("/detokenize", response_model=DetokenizeResponse, responses={**ERROR_RESPONSES})

@@ -1,5 +1,6 @@
 """Server-sent events for both streaming endpoints: the chunk maker, the per-choice pieces, how every stream ends
 (an error event, the abort of its engine requests, `[DONE]`) and the response that aborts them on disconnect."""
+
 from __future__ import annotations
 
 import asyncio
@@ -41,12 +42,18 @@ class Chunks:
 
     @classmethod
     def for_request(cls, opts: StreamOptions | None, request_id: str, obj: str, model: str) -> Chunks:
-        return cls(request_id, obj, model, bool(opts and opts.include_usage),
-                   bool(opts and opts.continuous_usage_stats))
+        return cls(
+            request_id, obj, model, bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats)
+        )
 
     def __call__(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
-        body: dict[str, Any] = {"id": self.request_id, "object": self.object, "created": self.created,
-                                "model": self.model, "choices": choices}
+        body: dict[str, Any] = {
+            "id": self.request_id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
         if self.include_usage:
             body["usage"] = usage
         return sse(body)
@@ -73,8 +80,9 @@ class _ChoiceState:
     finished: bool = False
 
 
-async def pieces(ctx: ServingContext, subs: list[EngineRequest]
-                 ) -> AsyncIterator[tuple[EngineRequest, RequestOutput, CompletionOutput, Piece]]:
+async def pieces(
+    ctx: ServingContext, subs: list[EngineRequest]
+) -> AsyncIterator[tuple[EngineRequest, RequestOutput, CompletionOutput, Piece]]:
     """Each choice's new text and tokens as the engine produces them, skipping outputs that add nothing and
     anything after a choice finished: what both streaming endpoints send, each in its own wrapping."""
     states: dict[int, _ChoiceState] = {}
@@ -88,7 +96,7 @@ async def pieces(ctx: ServingContext, subs: list[EngineRequest]
             ntok, done = len(c.token_ids), c.finish_reason is not None
             if len(c.text) == st.text_sent and ntok == st.tokens_sent and not done:
                 continue
-            piece = Piece(idx, c.text[st.text_sent:], st.text_sent, st.tokens_sent, ntok, done, not st.started)
+            piece = Piece(idx, c.text[st.text_sent :], st.text_sent, st.tokens_sent, ntok, done, not st.started)
             st.text_sent, st.tokens_sent, st.finished, st.started = len(c.text), ntok, done, True
             yield s, out, c, piece
 
@@ -117,12 +125,20 @@ async def events(ctx: ServingContext, chunks: AsyncGenerator[str], subs: list[En
 class SSEResponse(StreamingResponse):
     """Server-sent events; however the response ends (done, disconnect, error), its engine requests are aborted."""
 
-    def __init__(self, ctx: ServingContext, chunks: AsyncGenerator[str], subs: list[EngineRequest],
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        ctx: ServingContext,
+        chunks: AsyncGenerator[str],
+        subs: list[EngineRequest],
+        headers: dict[str, str] | None = None,
+    ) -> None:
         self._gen = events(ctx, chunks, subs)
         self._on_close: Callable[[], None] = lambda: ctx.abort(subs)
-        super().__init__(self._gen, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
+        super().__init__(
+            self._gen,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})},
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:

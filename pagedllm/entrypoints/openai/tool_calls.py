@@ -12,6 +12,7 @@ Streaming follows OpenAI: a call's first delta carries its index, id, type and n
 deltas carry pieces of the arguments text. The array form is scanned as it grows (the constrained JSON is compact,
 keys in schema order), so arguments stream as they are generated.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,7 +39,7 @@ def check_tools(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict):
-            raise ValueError(f"tools: tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}")
+            raise ValueError(f'tools: tools[{i}] must be {{"type": "function", "function": {{...}}}}')
         name = fn.get("name")
         if not isinstance(name, str) or not NAME.match(name):
             raise ValueError(f"tools: tools[{i}].function.name must be 1-64 letters, digits, _ or -, got {name!r}")
@@ -59,16 +60,15 @@ def tool_mode(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, A
         fn = tool_choice.get("function")
         name = fn.get("name") if isinstance(fn, dict) else None
         if tool_choice.get("type") != "function" or not isinstance(name, str):
-            raise ValueError("tool_choice: a named choice is {\"type\": \"function\", \"function\": {\"name\": ...}}")
+            raise ValueError('tool_choice: a named choice is {"type": "function", "function": {"name": ...}}')
         if name not in check_tools(tools or []):
             raise ValueError(f"tool_choice: function {name!r} is not one of the request's tools")
         return ToolMode("named", name)
     if tool_choice not in (None, "none", "auto", "required"):
-        raise ValueError(f"tool_choice: must be \"none\", \"auto\", \"required\" or a named function, "
-                         f"got {tool_choice!r}")
+        raise ValueError(f'tool_choice: must be "none", "auto", "required" or a named function, got {tool_choice!r}')
     if not tools or tool_choice == "none":
         if tool_choice == "required":
-            raise ValueError("tool_choice: \"required\" needs tools")
+            raise ValueError('tool_choice: "required" needs tools')
         return None
     check_tools(tools)
     return ToolMode("required" if tool_choice == "required" else "auto")
@@ -96,11 +96,19 @@ def parse_hermes(text: str) -> tuple[str | None, list[dict[str, Any]]]:
             name, args = call["name"], call.get("arguments", {})
         except (ValueError, KeyError, TypeError):
             return text, []
-        calls.append({"id": call_id(), "type": "function", "function": {
-            "name": name, "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}})
+        calls.append(
+            {
+                "id": call_id(),
+                "type": "function",
+                "function": {
+                    "name": name,
+                    "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False),
+                },
+            }
+        )
     if not calls:
         return text, []
-    content = text[:text.index(HERMES_OPEN)].strip()
+    content = text[: text.index(HERMES_OPEN)].strip()
     return content or None, calls
 
 
@@ -109,8 +117,15 @@ def tool_schema(tools: list[dict[str, Any]], mode: ToolMode, parallel: bool = Tr
     params = check_tools(tools)
     if mode.name:
         return params[mode.name]
-    items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [n]}, "parameters": p},
-              "required": ["name", "parameters"], "additionalProperties": False} for n, p in params.items()]
+    items = [
+        {
+            "type": "object",
+            "properties": {"name": {"type": "string", "enum": [n]}, "parameters": p},
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for n, p in params.items()
+    ]
     return {"type": "array", "minItems": 1, "items": {"anyOf": items}, **({} if parallel else {"maxItems": 1})}
 
 
@@ -126,8 +141,14 @@ def parse_tool_calls(text: str, mode: ToolMode) -> list[dict[str, Any]] | None:
         return None
     calls = [(mode.name, value)] if mode.name else [(c["name"], c["parameters"]) for c in value]
     compact = (",", ":")
-    return [{"id": call_id(), "type": "function", "function": {
-        "name": name, "arguments": json.dumps(args, ensure_ascii=False, separators=compact)}} for name, args in calls]
+    return [
+        {
+            "id": call_id(),
+            "type": "function",
+            "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False, separators=compact)},
+        }
+        for name, args in calls
+    ]
 
 
 def scan_calls(text: str) -> list[tuple[str | None, str, bool]]:
@@ -150,10 +171,10 @@ def scan_calls(text: str) -> list[tuple[str | None, str, bool]]:
         elif ch in "}]":
             depth -= 1
             if depth == 2 and args_at >= 0:
-                calls.append((_item_name(text[item_at:args_at]), text[args_at:i + 1], True))
+                calls.append((_item_name(text[item_at:args_at]), text[args_at : i + 1], True))
                 args_at = -1
         elif ch == ":" and depth == 2:
-            key = json.loads(text[text.rfind('"', 0, i - 1):i])
+            key = json.loads(text[text.rfind('"', 0, i - 1) : i])
     if args_at >= 0 and depth >= 3:
         calls.append((_item_name(text[item_at:args_at]), text[args_at:], False))
     elif depth == 2 and item_at >= 0 and key != "parameters":
@@ -183,9 +204,10 @@ class ToolCallStream:
             if i == len(self.ids):
                 self.ids.append(call_id())
                 self.sent.append(0)
-                out.append({"index": i, "id": self.ids[i], "type": "function",
-                            "function": {"name": name, "arguments": ""}})
+                out.append(
+                    {"index": i, "id": self.ids[i], "type": "function", "function": {"name": name, "arguments": ""}}
+                )
             if len(args) > self.sent[i]:
-                out.append({"index": i, "function": {"arguments": args[self.sent[i]:]}})
+                out.append({"index": i, "function": {"arguments": args[self.sent[i] :]}})
                 self.sent[i] = len(args)
         return out

@@ -9,6 +9,7 @@ import math
 import os
 import sys
 from datetime import datetime
+from typing import Any
 
 from pagedllm.bench import datasets as ds
 from pagedllm.bench.arrivals import arrival_times
@@ -230,19 +231,32 @@ async def _run(args, settings: RequestSettings, requests, tokenizer, percentiles
     return res
 
 
+def _extra_body(text: str | None) -> dict[str, Any]:
+    """--extra-body: a JSON object merged into every request body."""
+    if not text:
+        return {}
+    try:
+        extra = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(f"--extra-body: not JSON: {e}") from e
+    if not isinstance(extra, dict):
+        raise UserError("--extra-body must be a JSON object")
+    return extra
+
+
+def _save(res: dict[str, Any], path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(res, f, indent=1, default=lambda o: None)
+    print(f"saved {path}", file=sys.stderr)
+
+
 def run_serve(args: argparse.Namespace) -> int:
     percentiles = parse_percentiles(args.percentiles)
     goodput = parse_goodput(args.goodput)
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise UserError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
-    extra = {}
-    if args.extra_body:
-        try:
-            extra = json.loads(args.extra_body)
-        except json.JSONDecodeError as e:
-            raise UserError(f"--extra-body: not JSON: {e}") from e
-        if not isinstance(extra, dict):
-            raise UserError("--extra-body must be a JSON object")
+    extra = _extra_body(args.extra_body)
     arrival_times(1, args.request_rate, args.burstiness)  # validates rate and burstiness up front
     from pagedllm.bench.tokenizer import load_bench_tokenizer
 
@@ -281,11 +295,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if not args.quiet:
         print(format_result(res, percentiles))
     if args.save_result:
-        d = os.path.dirname(os.path.abspath(args.save_result))
-        os.makedirs(d, exist_ok=True)
-        with open(args.save_result, "w", encoding="utf-8") as f:
-            json.dump(res, f, indent=1, default=lambda o: None)
-        print(f"saved {args.save_result}", file=sys.stderr)
+        _save(res, args.save_result)
     if args.plot:
         from pagedllm.bench.plot import plot_serve_result
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -17,10 +18,15 @@ def add_parser(subparsers) -> None:
         description="Retrieval-augmented generation over a local faiss index.",
     )
     sub = p.add_subparsers(dest="rag_command", required=True)
+    for add in (_add_ingest, _add_search, _add_ask, _add_bench):
+        add(sub)
 
-    def index_arg(sp):
-        sp.add_argument("--index", default=DEFAULT_INDEX, help=f"index folder (default: ./{DEFAULT_INDEX})")
 
+def _index_arg(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--index", default=DEFAULT_INDEX, help=f"index folder (default: ./{DEFAULT_INDEX})")
+
+
+def _add_ingest(sub: argparse._SubParsersAction) -> None:
     sp = sub.add_parser(
         "ingest",
         help="chunk, embed and index text/Markdown files or folders",
@@ -30,7 +36,7 @@ def add_parser(subparsers) -> None:
     sp.add_argument(
         "paths", nargs="*", metavar="PATH", help="files or folders (.txt, .md, .rst); none = default corpus"
     )
-    index_arg(sp)
+    _index_arg(sp)
     sp.add_argument("--chunk-size", type=int, default=256, help="chunk length in the LLM's tokens (default 256)")
     sp.add_argument("--chunk-overlap", type=int, default=32, help="tokens repeated between chunks (default 32)")
     sp.add_argument("--model", default=None, help="model whose tokenizer measures chunks (default: SmolLM2-135M)")
@@ -38,18 +44,22 @@ def add_parser(subparsers) -> None:
     sp.add_argument("--no-progress", action="store_true", help="no progress bars")
     sp.set_defaults(func=cmd_ingest)
 
+
+def _add_search(sub: argparse._SubParsersAction) -> None:
     sp = sub.add_parser("search", help="retrieval only: the top-k chunks with source, position and score")
     sp.add_argument("question")
-    index_arg(sp)
+    _index_arg(sp)
     sp.add_argument("--top-k", type=int, default=4)
     sp.add_argument("--json", action="store_true", help="print JSON (with chunk texts)")
     sp.set_defaults(func=cmd_search)
 
+
+def _add_ask(sub: argparse._SubParsersAction) -> None:
     from pagedllm.engine.config import add_engine_args
 
     sp = sub.add_parser("ask", help="retrieve, build the prompt, stream the answer and list its sources")
     sp.add_argument("question")
-    index_arg(sp)
+    _index_arg(sp)
     sp.add_argument("--top-k", type=int, default=4)
     sp.add_argument("--layout", choices=["naive", "canonical", "popular"], default="canonical")
     sp.add_argument("--max-tokens", type=int, default=256)
@@ -67,8 +77,12 @@ def add_parser(subparsers) -> None:
     add_engine_args(sp, model_positional=False)
     sp.set_defaults(func=cmd_ask)
 
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    from pagedllm.engine.config import add_engine_args
+
     sp = sub.add_parser("bench", help="prefix-cache hit rate and TTFT per layout, prefix caching on and off")
-    index_arg(sp)
+    _index_arg(sp)
     sp.add_argument("--num-questions", type=int, default=40)
     sp.add_argument("--top-k", type=int, default=4)
     sp.add_argument("--max-tokens", type=int, default=32, help="greedy output tokens per answer")

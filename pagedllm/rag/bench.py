@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -274,6 +275,57 @@ def _answer_in_process(
     return answers, elapsed, accepted / drafted if drafted else None
 
 
+def _answer_setting(
+    w: Any,
+    layout: str,
+    cache_on: bool | None,
+    label: str,
+    base_url: str | None,
+    server_model: str | None,
+    engine_kwargs: dict | None,
+    max_tokens: int,
+    tok: Any,
+    records: list[dict],
+) -> tuple[list[Answer], float, float | None]:
+    """Every question in one layout, by the server at `base_url` or in process with caching `cache_on`."""
+    setting = f"{layout}/cache-{label}"
+    if base_url:
+        answers, elapsed = _answer_by_server(
+            base_url, server_model, w.questions, w.messages[layout], max_tokens, setting, tok, records
+        )
+        return answers, elapsed, None
+    return _answer_in_process(
+        engine_kwargs, bool(cache_on), layout, w.questions, w.messages[layout], max_tokens, setting, records
+    )
+
+
+def _result(config: dict, retrieval_s: list[float], top3: Any, rows: list[BenchRow], records: list[dict]) -> dict:
+    """What run_bench returns (and rag bench saves): settings, retrieval, rows, the answer check, the records."""
+    return {
+        "config": config,
+        "retrieval": {
+            "median_ms": statistics.median(retrieval_s) * 1000,
+            "p99_ms": percentile([r * 1000 for r in retrieval_s], 99),
+            "topic_in_top3": top3,
+        },
+        "rows": [asdict(r) for r in rows],
+        "answer_check": check_answers(records),
+        "records": [
+            {k: v for k, v in r.items() if k != "prompt_token_ids"} | {"prompt_tokens": len(r["prompt_token_ids"])}
+            for r in records
+        ],
+    }
+
+
+def _row_line(row: BenchRow) -> str:
+    return (
+        f"{row.setting:22s} hit rate {row.hit_rate:6.1%}  computed {row.computed_tokens:7d}  cached "
+        f"{row.cached_tokens:7d}  TTFT median {row.ttft_median_ms:8.1f} ms  p99 {row.ttft_p99_ms:8.1f} ms  "
+        f"{row.output_tok_s:6.1f} out tok/s  TPOT median {row.tpot_median_ms:6.1f} ms"
+        + (f"  drafts accepted {row.spec_acceptance:.0%}" if row.spec_acceptance is not None else "")
+    )
+
+
 def run_bench(
     index_dir: str,
     num_questions: int = 40,
@@ -292,7 +344,7 @@ def run_bench(
     layouts = layouts or list(LAYOUTS)
     caching = [True, False] if caching is None else caching
     w = build_workload(index_dir, num_questions, seed, top_k, layouts, zipf_s, log)
-    questions, messages, retrieval_s, top3 = w.questions, w.messages, w.retrieval_s, w.top3
+    retrieval_s, top3 = w.retrieval_s, w.top3
 
     rows: list[BenchRow] = []
     records: list[dict] = []
@@ -306,57 +358,25 @@ def run_bench(
         settings = [(layout, c) for c in caching for layout in layouts]
     for layout, cache_on in settings:
         label = "server" if cache_on is None else ("on" if cache_on else "off")
-        acceptance = None
-        if base_url:
-            answers, elapsed = _answer_by_server(
-                base_url, server_model, questions, messages[layout], max_tokens, f"{layout}/cache-{label}", tok, records
-            )
-        else:
-            answers, elapsed, acceptance = _answer_in_process(
-                engine_kwargs,
-                bool(cache_on),
-                layout,
-                questions,
-                messages[layout],
-                max_tokens,
-                f"{layout}/cache-{label}",
-                records,
-            )
-        row = make_row(layout, label, answers, elapsed, retrieval_s, acceptance)
-        rows.append(row)
+        answers, elapsed, acceptance = _answer_setting(
+            w, layout, cache_on, label, base_url, server_model, engine_kwargs, max_tokens, tok, records
+        )
+        rows.append(make_row(layout, label, answers, elapsed, retrieval_s, acceptance))
         if partial_path:  # a long run on a busy machine keeps what it measured so far
             Path(partial_path).write_text(json.dumps([asdict(r) for r in rows], indent=1))
-        log(
-            f"{row.setting:22s} hit rate {row.hit_rate:6.1%}  computed {row.computed_tokens:7d}  cached "
-            f"{row.cached_tokens:7d}  TTFT median {row.ttft_median_ms:8.1f} ms  p99 {row.ttft_p99_ms:8.1f} ms  "
-            f"{row.output_tok_s:6.1f} out tok/s  TPOT median {row.tpot_median_ms:6.1f} ms"
-            + (f"  drafts accepted {row.spec_acceptance:.0%}" if row.spec_acceptance is not None else "")
-        )
-    check = check_answers(records)
-    return {
-        "config": {
-            "index": str(index_dir),
-            "num_questions": num_questions,
-            "seed": seed,
-            "top_k": top_k,
-            "max_tokens": max_tokens,
-            "zipf_s": zipf_s,
-            "layouts": layouts,
-            "base_url": base_url,
-            "engine": engine_kwargs or {},
-        },
-        "retrieval": {
-            "median_ms": statistics.median(retrieval_s) * 1000,
-            "p99_ms": percentile([r * 1000 for r in retrieval_s], 99),
-            "topic_in_top3": top3,
-        },
-        "rows": [asdict(r) for r in rows],
-        "answer_check": check,
-        "records": [
-            {k: v for k, v in r.items() if k != "prompt_token_ids"} | {"prompt_tokens": len(r["prompt_token_ids"])}
-            for r in records
-        ],
+        log(_row_line(rows[-1]))
+    config = {
+        "index": str(index_dir),
+        "num_questions": num_questions,
+        "seed": seed,
+        "top_k": top_k,
+        "max_tokens": max_tokens,
+        "zipf_s": zipf_s,
+        "layouts": layouts,
+        "base_url": base_url,
+        "engine": engine_kwargs or {},
     }
+    return _result(config, retrieval_s, top3, rows, records)
 
 
 def markdown_table(rows: list[dict]) -> str:

@@ -131,26 +131,10 @@ def ingest(
         rep.seconds = time.perf_counter() - t0
         return rep
 
-    from tqdm import tqdm
-
-    from pagedllm.rag.tokens import get_tokenizer
-
-    tok = get_tokenizer(model)
-
-    def count(s: str):
-        return len(tok.encode(s))
-
     old_chunks, old_vecs = _read_chunks(d), _read_embeddings(d)
     replaced = {doc.source for doc, _ in todo}
     keep = [i for i, c in enumerate(old_chunks) if c["source"] not in replaced]
-    new_chunks: list[Chunk] = []
-    for doc, h in tqdm(todo, desc="chunking", unit="doc", disable=not progress):
-        try:
-            cs = chunk_text(doc.source, doc.title, doc.text, count, chunk_size, chunk_overlap)
-        except ValueError as e:
-            raise UserError(f"--chunk-size / --chunk-overlap: {e}") from None
-        new_chunks.extend(cs)
-        sources[doc.source] = {"hash": h, "title": doc.title, "chunk_ids": [c.chunk_id for c in cs]}
+    new_chunks = _chunk_all(todo, sources, model, chunk_size, chunk_overlap, progress)
     emb = get_embedder()
     vecs = _embed(emb, new_chunks, progress)
     all_chunks = [old_chunks[i] for i in keep] + [c.to_dict() for c in new_chunks]
@@ -162,6 +146,35 @@ def ingest(
     rep.embedded = True
     rep.seconds = time.perf_counter() - t0
     return rep
+
+
+def _chunk_all(
+    todo: list[tuple[Document, str]],
+    sources: dict,
+    model: str | None,
+    chunk_size: int,
+    chunk_overlap: int,
+    progress: bool,
+) -> list[Chunk]:
+    """The changed documents' chunks, measured in the LLM's tokens; `sources` records each document's."""
+    from tqdm import tqdm
+
+    from pagedllm.rag.tokens import get_tokenizer
+
+    tok = get_tokenizer(model)
+
+    def count(s: str) -> int:
+        return len(tok.encode(s))
+
+    new_chunks: list[Chunk] = []
+    for doc, h in tqdm(todo, desc="chunking", unit="doc", disable=not progress):
+        try:
+            cs = chunk_text(doc.source, doc.title, doc.text, count, chunk_size, chunk_overlap)
+        except ValueError as e:
+            raise UserError(f"--chunk-size / --chunk-overlap: {e}") from None
+        new_chunks.extend(cs)
+        sources[doc.source] = {"hash": h, "title": doc.title, "chunk_ids": [c.chunk_id for c in cs]}
+    return new_chunks
 
 
 def _read_manifest(d: Path) -> dict:

@@ -1,13 +1,13 @@
 """`bench serve` end to end against a tiny fake OpenAI SSE server (stdlib http.server on a free loopback port)."""
 
 import json
-import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from pagedllm.bench.server_process import free_port
 from pagedllm.entrypoints.bench import add_parser
 
 TTFT_S = 0.08
@@ -258,10 +258,7 @@ def test_serve_bad_key_is_a_user_error(server, monkeypatch):
 def test_serve_unreachable_server(monkeypatch):
     from pagedllm.errors import UserError
 
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
+    port = free_port()  # nobody listens there
     with pytest.raises(UserError, match="cannot reach"):
         _run(
             ["--base-url", f"http://127.0.0.1:{port}", "--num-prompts", "1", "--input-len", "3", "--disable-tqdm"],

@@ -16,6 +16,7 @@ from dataclasses import replace
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from pagedllm.bench.server_process import free_port
 
@@ -90,7 +91,8 @@ def test_the_openai_client_works_unchanged(cluster):
     health = httpx.get(f"{cluster}/health", timeout=60).json()
     assert health["status"] == "ok" and list(health["replicas"].values()) == ["ok", "ok"]
     page = httpx.get(f"{cluster}/metrics", timeout=60).text
-    assert all(f'vllm:num_requests_running{{replica="{rid}",' in page for rid in health["replicas"])
+    running = next(f for f in text_string_to_metric_families(page) if f.name == "vllm:num_requests_running")
+    assert {sample.labels["replica"] for sample in running.samples} == set(health["replicas"])
 
 
 def _prefix_workload(base: str, seed: int) -> list[tuple[int, bool, int]]:

@@ -15,6 +15,7 @@ import jsonschema
 import openai
 import pydantic
 import pytest
+from engine_helpers import kv_budget
 from server_helpers import KEY, assert_error, assert_pool_whole, running_server, sse_events
 
 from pagedllm.entrypoints.openai.tool_calls import ToolCallStream, ToolMode, parse_hermes, scan_calls
@@ -70,10 +71,6 @@ TOOLS = [
 TOOL_PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 
-def tiny_kv_budget(blocks: int) -> int:
-    return blocks * 16 * 2 * 30 * 3 * 64 * 4  # float32 K and V, 30 layers, 3 KV heads x 64
-
-
 @pytest.fixture(scope="module")
 def server(model_fp32):
     from pagedllm.engine import EngineConfig, LLMEngine
@@ -81,7 +78,7 @@ def server(model_fp32):
 
     engine = AsyncLLMEngine(
         LLMEngine(
-            EngineConfig(kv_cache_memory=tiny_kv_budget(24), speculative_config=SPEC, **ENGINE_ARGS), loaded=model_fp32
+            EngineConfig(kv_cache_memory=kv_budget(24), speculative_config=SPEC, **ENGINE_ARGS), loaded=model_fp32
         )
     )
     with running_server(engine, served_model_names=["m"]) as s:

@@ -17,7 +17,7 @@ DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 2**30  # on CPU the cache shares RAM with ever
 class EngineConfig:
     model: str | None = None  # HF folder or GGUF file; None = the default model
     dtype: str = "auto"
-    quantization: str | None = None  # None: gguf for a GGUF file (kept as stored), none for a HF folder
+    quantization: str | None = None  # None: auto (a GGUF: the fastest measured path), none (a HF folder)
     kv_cache_dtype: str = "auto"  # auto: the model's dtype; bfloat16 halves the cache of a float32 model
     device: str = "auto"  # auto: cuda if available, else cpu
     block_size: int = 16
@@ -55,8 +55,8 @@ class EngineConfig:
               "--gpu-memory-utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}")
         check(self.dtype in ("auto", "float32", "bfloat16"), "--dtype",
               f"must be auto, float32 or bfloat16, got {self.dtype!r}")
-        check(self.quantization in (None, "none", "gguf", "int8", "int4"), "--quantization",
-              f"must be none, gguf, int8 or int4, got {self.quantization!r}")
+        check(self.quantization in (None, "auto", "none", "gguf", "int8", "int4"), "--quantization",
+              f"must be auto, none, gguf, int8 or int4, got {self.quantization!r}")
         check(self.kv_cache_dtype in ("auto", "float32", "bfloat16"), "--kv-cache-dtype",
               f"must be auto, float32 or bfloat16, got {self.kv_cache_dtype!r}")
         on_cpu = self.device == "cpu" or (self.device == "auto" and not torch.cuda.is_available())
@@ -82,10 +82,11 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
         parser.add_argument("--model", default=None, help="HF model folder or GGUF file (default: SmolLM2-135M)")
     g = parser.add_argument_group("engine")
     g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 (bfloat16 is the fast path on AMX CPUs)")
-    g.add_argument("--quantization", "-q", default=None, choices=["none", "gguf", "int8", "int4"],
-                   help="weights in memory: gguf keeps a GGUF's Q4_0/Q4_1/Q8_0 tensors as stored (the default for a "
-                        "GGUF file); int8/int4 round a checkpoint's weights at load (weight-only, groups of 32); "
-                        "none dequantizes to --dtype (the default for a Hugging Face folder)")
+    g.add_argument("--quantization", "-q", default=None, choices=["auto", "none", "gguf", "int8", "int4"],
+                   help="weights in memory: auto (the default) keeps a GGUF's Q4_0/Q4_1/Q8_0 tensors as stored unless "
+                        "this CPU's quantized kernel is measured slower than dense; gguf always keeps them; int8/int4 "
+                        "round a checkpoint's weights at load (weight-only, groups of 32); none dequantizes to --dtype "
+                        "(what auto means for a Hugging Face folder)")
     g.add_argument("--kv-cache-dtype", default="auto",
                    help="auto (the model's dtype) | float32 | bfloat16: a bfloat16 cache holds twice the tokens of a "
                         "float32 one and halves the memory each decode step reads; attention still computes in "

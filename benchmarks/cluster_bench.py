@@ -14,50 +14,18 @@ import argparse
 import json
 import os
 import shlex
-import signal
-import socket
 import subprocess
 import sys
-import time
 
-import httpx
-
-CLI = [sys.executable, "-m", "pagedllm.entrypoints.cli"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from pagedllm.bench.server_process import PAGEDLLM, free_port, start_server, stop
 
 
 def start_cluster(replicas: int, routing: str, port: int, serve_args: list[str], log: str) -> subprocess.Popen:
-    cmd = CLI + ["serve", "--replicas", str(replicas), "--routing", routing, "--port", str(port), *serve_args]
+    cmd = PAGEDLLM + ["serve", "--replicas", str(replicas), "--routing", routing, "--port", str(port), *serve_args]
     print("$", shlex.join(cmd[1:]), file=sys.stderr, flush=True)
-    server = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"the cluster exited ({server.returncode}); see {log}")
-        try:
-            health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).json()
-            if len(health.get("replicas", {})) == replicas:
-                return server
-        except (httpx.HTTPError, ValueError):
-            pass
-        time.sleep(2)
-    stop(server)
-    raise RuntimeError(f"the cluster did not come up in 15 minutes; see {log}")
-
-
-def stop(server: subprocess.Popen) -> None:
-    """SIGINT, as a user's Ctrl-C: the command takes Serve and its local Ray down with it."""
-    server.send_signal(signal.SIGINT)
-    try:
-        server.wait(120)
-    except subprocess.TimeoutExpired:
-        server.kill()
-        server.wait()
+    with open(log, "w") as out:
+        return start_server(cmd, f"http://127.0.0.1:{port}", timeout=900, log=out,
+                            ready=lambda health: len(health.get("replicas", {})) == replicas)
 
 
 def run_one(replicas: int, routing: str, args: argparse.Namespace) -> dict:
@@ -67,7 +35,7 @@ def run_one(replicas: int, routing: str, args: argparse.Namespace) -> dict:
     try:
         load = os.getloadavg()[0]
         result = os.path.join(args.out, name + ".json")
-        cmd = CLI + ["bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--save-result", result,
+        cmd = PAGEDLLM + ["bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--save-result", result,
                      "--disable-tqdm", *shlex.split(args.bench_args)]
         print("$", shlex.join(cmd[1:]), file=sys.stderr, flush=True)
         subprocess.run(cmd, check=True)

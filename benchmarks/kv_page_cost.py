@@ -19,27 +19,17 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 import httpx
+
+from pagedllm.bench.server_process import serve
 
 MODES = ("none", "poll", "browser")
 
 
 def start_server(port: int, extra: list[str]) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(port),
-                             "--log-level", "warning", *extra], env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise SystemExit("the server exited while starting")
-        time.sleep(1)
-    proc.kill()
-    raise SystemExit("the server did not start in 300 s")
+    return serve(port, "--log-level", "warning", *extra)
 
 
 class Poller:
@@ -74,7 +64,8 @@ class Page:
         self.base = base
 
     def __enter__(self) -> Page:
-        from pagedllm.bench.browser import chromium_driver
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # selenium: a test dependency
+        from browser import chromium_driver
 
         self.driver = chromium_driver()
         self.driver.get(f"{self.base}/kv")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 import threading
 import time
 
@@ -45,7 +46,8 @@ def main() -> None:
     p.add_argument("--port", type=int, default=8632)
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    from pagedllm.bench.browser import chromium_driver
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # selenium: a test dependency
+    from browser import chromium_driver
 
     server = start_server(args.port, args.serve_args.split())
     base = f"http://127.0.0.1:{args.port}"

@@ -11,9 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +19,8 @@ from collections import Counter
 
 import httpx
 import psutil
+
+from pagedllm.bench.server_process import free_port, serve
 
 WORDS = "the a cat dog sat ran on under mat tree Paris river is was of and but quickly slowly".split()
 BAD_BODIES = [
@@ -33,23 +33,10 @@ BAD_BODIES = [
 
 
 def _server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(port), "--api-key", args.api_key,
-           "--max-num-seqs", "8", "--max-waiting-requests", "8", "--max-model-len", "1024",
-           "--kv-cache-memory", "64MiB", "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    proc.kill()
-    raise SystemExit("the server did not start")
+    port = free_port()
+    proc = serve(port, "--api-key", args.api_key, "--max-num-seqs", "8", "--max-waiting-requests", "8",
+                 "--max-model-len", "1024", "--kv-cache-memory", "64MiB", "--log-level", "warning")
+    return proc, f"http://127.0.0.1:{port}"
 
 
 def _body(rng: random.Random) -> tuple[str, dict]:

@@ -12,15 +12,14 @@ class SSEError(Exception):
     """The server sent an error event, or data that is not JSON."""
 
 
-def parse_line(line: str) -> dict[str, Any] | None:
-    """The JSON object one `data:` line carries; None for lines that carry none (blank, comments, other fields).
-    Raises StopIteration at `data: [DONE]`, SSEError for an error event or undecodable data."""
+def _data(line: str) -> str | None:
+    """What a `data:` line carries; None for lines that carry none (blank, comments, other fields)."""
     line = line.strip()
-    if not line.startswith("data:"):
-        return None
-    data = line[len("data:"):].strip()
-    if data == "[DONE]":
-        raise StopIteration
+    return line[len("data:"):].strip() if line.startswith("data:") else None
+
+
+def _chunk(data: str) -> dict[str, Any]:
+    """One event's JSON object; SSEError for an error event or data that is not a JSON object."""
     try:
         obj = json.loads(data)
     except json.JSONDecodeError:
@@ -34,22 +33,20 @@ def parse_line(line: str) -> dict[str, Any] | None:
 
 
 def iter_events(lines: Iterable[str]) -> Iterator[dict[str, Any]]:
-    """The stream's chunks, up to `[DONE]` (or the end of the lines)."""
+    """The stream's chunks, up to `data: [DONE]` (or the end of the lines)."""
     for line in lines:
-        try:
-            obj = parse_line(line)
-        except StopIteration:
+        data = _data(line)
+        if data == "[DONE]":
             return
-        if obj is not None:
-            yield obj
+        if data is not None:
+            yield _chunk(data)
 
 
 async def aiter_events(lines: AsyncIterable[str]) -> AsyncIterator[dict[str, Any]]:
     """`iter_events` over an async line source (httpx's `aiter_lines()`)."""
     async for line in lines:
-        try:
-            obj = parse_line(line)
-        except StopIteration:
+        data = _data(line)
+        if data == "[DONE]":
             return
-        if obj is not None:
-            yield obj
+        if data is not None:
+            yield _chunk(data)

@@ -4,8 +4,16 @@ from __future__ import annotations
 
 from pagedllm import SamplingParams
 from pagedllm.engine import EngineConfig, LLMEngine
+from pagedllm.kv import kv_bytes_per_token
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+# A KV block of the default model (SmolLM2-135M: 30 layers, 3 KV heads of 64) in float32, 16 tokens.
+BLOCK_BYTES_FP32 = 16 * kv_bytes_per_token(30, 3, 64, 4)
+
+
+def kv_budget(blocks: int) -> int:
+    """--kv-cache-memory for exactly `blocks` blocks of the default model in float32 (tests that must preempt)."""
+    return blocks * BLOCK_BYTES_FP32
 
 
 def make_engine(model, **kw) -> LLMEngine:

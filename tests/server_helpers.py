@@ -11,8 +11,19 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
+from engine_helpers import kv_budget
+
 KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+# The fault and fuzz servers: float32 (exact answers to compare), a short context, a tiny KV budget.
+MAX_MODEL_LEN = 256
+FAULT_ENGINE_ARGS = dict(dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=8, max_num_batched_tokens=256,
+                         log_stats_interval=0)
+
+
+def tiny_kv_budget(blocks: int = 24) -> int:
+    """24 blocks: long prompts preempt each other."""
+    return kv_budget(blocks)
 
 
 @contextlib.contextmanager

@@ -1,5 +1,6 @@
-"""The shape docs/architecture.md describes, kept true: bench/ and rag/ use only the public surface of the
-engine, model and KV packages (never a private module), and no function in pagedllm/ is over 60 lines."""
+"""The shape docs/architecture.md describes, kept true: the module graph has no cycle and every import goes down
+the layer order; bench/ and rag/ use only the public surface of the engine, model and KV packages (never a
+private module); no function in pagedllm/ is over 60 lines."""
 from __future__ import annotations
 
 import ast
@@ -14,6 +15,22 @@ MAX_FUNCTION_LINES = 60
 TOP_LEVEL = {"pagedllm", "pagedllm.errors", "pagedllm.sampling_params", "pagedllm.sse"}
 PACKAGES = {"pagedllm.engine", "pagedllm.model", "pagedllm.kv"}  # their __all__ only
 OWN = ("pagedllm.bench", "pagedllm.rag")
+# Top to bottom: a module may import its own layer's modules and those below, never one above
+# (docs/architecture.md, "What may import what"). The CLI commands parse flags and call the cluster or the server;
+# the cluster builds on the server's OpenAI app; the server may serve RAG; bench and rag use the public API.
+LAYERS = [
+    ("pagedllm.entrypoints",),  # the CLI commands (the OpenAI server has its own layer below)
+    ("pagedllm.cluster",),
+    ("pagedllm.entrypoints.openai",),
+    ("pagedllm.bench",),
+    ("pagedllm.rag",),
+    ("pagedllm.__init__",),  # `from pagedllm import LLM, SamplingParams`
+    ("pagedllm.engine",),
+    ("pagedllm.model",),
+    ("pagedllm.kv",),
+    ("pagedllm.sampling_params", "pagedllm.settings", "pagedllm.sse"),
+    ("pagedllm.errors",),
+]
 
 
 def _imports(path: Path) -> list[tuple[int, str, list[str]]]:
@@ -25,6 +42,91 @@ def _imports(path: Path) -> list[tuple[int, str, list[str]]]:
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             found.append((node.lineno, node.module, [a.name for a in node.names]))
     return found
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the package by dotted name (a package by its own name: its __init__)."""
+    found = {}
+    for path in ROOT.rglob("*.py"):
+        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """module -> the package modules it imports, lazy imports included. `from package import name` imports the
+    package (its __init__ runs), and the submodule `name` if there is one; `import a.b.c` imports a.b.c."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets.update(a.name for a in node.names if a.name in modules)
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                base = node.module
+                if node.level:  # relative: from the importing module's package
+                    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+                    base = ".".join(package[:len(package) - node.level + 1] + [node.module])
+                targets.update(t for t in [base] + [f"{base}.{a.name}" for a in node.names] if t in modules)
+        graph[name] = targets - {name}
+    return graph
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle (its modules in order, the first repeated at the end), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (cycle := visit(start)):
+            return cycle
+    return None
+
+
+def _layer(module: str) -> int:
+    """Index in LAYERS of the longest prefix that names the module's layer."""
+    name = "pagedllm.__init__" if module == "pagedllm" else module
+    best = max((prefix for layer in LAYERS for prefix in layer if name == prefix or name.startswith(prefix + ".")),
+               key=len)
+    return next(i for i, layer in enumerate(LAYERS) if best in layer)
+
+
+def _upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return [f"{a} imports {b}, a layer above it" for a in sorted(graph) for b in sorted(graph[a])
+            if _layer(b) < _layer(a)]
+
+
+def test_the_module_graph_has_no_cycle():
+    cycle = _find_cycle(_module_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_imports_go_down_the_layers():
+    bad = _upward_imports(_module_graph())
+    assert not bad, "imports against the layer order (docs/architecture.md):\n" + "\n".join(bad)
+
+
+def test_the_graph_rules_catch_a_cycle_and_an_upward_import():
+    graph = {"pagedllm.model": {"pagedllm.model.loader"}, "pagedllm.model.loader": {"pagedllm.model"},
+             "pagedllm.cluster.launch": {"pagedllm.entrypoints.cli"}}
+    assert _find_cycle(graph) == ["pagedllm.model", "pagedllm.model.loader", "pagedllm.model"]
+    assert _find_cycle({"a": {"b"}, "b": set()}) is None
+    assert _upward_imports(graph) == ["pagedllm.cluster.launch imports pagedllm.entrypoints.cli, a layer above it"]
+    assert _layer("pagedllm.entrypoints.openai.protocol") > _layer("pagedllm.cluster.app") > _layer(
+        "pagedllm.entrypoints.serve")
 
 
 def _violation(module: str, names: list[str]) -> str | None:

@@ -8,38 +8,34 @@ One cluster for the module (Ray and two model loads are most of the time); `-m "
 from __future__ import annotations
 
 import random
-import socket
 import threading
 import time
 from dataclasses import replace
 
 import httpx
+import openai
 import pytest
 
+from pagedllm.bench.server_process import free_port
+
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(420)]
-ray = pytest.importorskip("ray")
-openai = pytest.importorskip("openai")
 
 MODEL = "SmolLM2-135M-Instruct"
 PREFIX = 64  # tokens each group shares: 4 blocks of 16
 GROUPS, PER_GROUP = 4, 5
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def cluster():
     """The application `pagedllm serve --replicas 2` runs, at /, and a round-robin front door at /rr."""
+    import ray  # the cluster extra, which `make test` installs; imported here so that -m "not cluster" needs none
     from ray import serve
 
     from pagedllm.cluster.app import APP_NAME, build_application, build_front_door
-    from pagedllm.cluster.launch import OBJECT_STORE_BYTES, parse_builder_args, settings_from_args
+    from pagedllm.cluster.launch import OBJECT_STORE_BYTES
+    from pagedllm.entrypoints.serve_cluster import parse_builder_args, settings_from_args
 
-    port = _free_port()
+    port = free_port()
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=OBJECT_STORE_BYTES, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -157,6 +153,8 @@ def test_a_killed_replica_fails_its_request_and_the_other_goes_on(cluster):
     thread = threading.Thread(target=long_stream)
     thread.start()
     victim = _serving_replica(cluster)
+    import ray
+
     ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP_NAME}#{ENGINE_DEPLOYMENT}#{victim}", namespace="serve"))
     thread.join(120)
     assert failure and f"replica {victim} died" in str(failure[0])  # its own request: a clear error, not a hang

@@ -248,7 +248,7 @@ def _serve_args(*argv: str):
     (["--replicas", "2", "--rag-index", "idx"], "--rag-index"),
 ])
 def test_bad_cluster_flags_are_one_line_naming_the_flag(argv, flag):
-    from pagedllm.cluster.launch import check_cluster_args
+    from pagedllm.entrypoints.serve_args import check_cluster_args
     from pagedllm.errors import UserError
 
     with pytest.raises(UserError, match=f"^{flag}:"):
@@ -267,7 +267,7 @@ def test_replicas_that_do_not_fit_are_refused_before_ray_starts():
 
 
 def test_serve_run_builder_args_are_serve_flags():
-    from pagedllm.cluster.launch import parse_builder_args
+    from pagedllm.entrypoints.serve_cluster import parse_builder_args
 
     args = parse_builder_args({"replicas": "3", "routing": "kv-events", "block_size": "32",
                                "enable_prefix_caching": "true"})

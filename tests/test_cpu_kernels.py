@@ -8,31 +8,23 @@ multiples of 8 the generic vector path, others the scalar path; GQA groups; part
 
 from __future__ import annotations
 
-import os
 import random
-import shlex
-import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_helpers import CC, needs_kernel
 
 from pagedllm.model import cpu_kernel
-from pagedllm.model.attention import (CpuPagedAttention, TorchPagedAttention, build_metadata,
-                                      make_attention_backend)
+from pagedllm.model.attention import CpuPagedAttention, TorchPagedAttention, build_metadata, make_attention_backend
 from pagedllm.model.cpu_linear import linear, pack
 
 LIB = cpu_kernel.load()
-# Skipped only where the kernel is not meant to exist (no C compiler, or the torch path forced); where a compiler
-# exists, a kernel that fails to build fails these tests instead of skipping them in silence.
-_CC = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc") or ""]
-KERNEL_EXPECTED = bool(_CC[0]) and os.environ.get("PAGEDLLM_ATTENTION", "").lower() != "torch"
-needs_kernel = pytest.mark.skipif(not KERNEL_EXPECTED, reason="no C compiler: the kernel is not built here")
 
 
 @needs_kernel
 def test_kernel_builds_where_a_compiler_exists():
-    assert LIB is not None, f"{_CC[0]} exists but the CPU attention kernel did not build (see the warning logged)"
+    assert LIB is not None, f"{CC[0]} exists but the CPU attention kernel did not build (see the warning logged)"
 
 
 def _case(n_seqs: int, kv_heads: int, group: int, head_dim: int, block_size: int, new_lens: list[int],

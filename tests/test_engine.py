@@ -9,7 +9,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.engine import EngineConfig, LLMEngine
 from pagedllm.errors import UserError
 
-from engine_helpers import GREEDY, assert_all_blocks_free, make_engine, run_all
+from engine_helpers import assert_all_blocks_free, kv_budget, make_engine, run_all
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
@@ -38,9 +38,9 @@ def alone(model_fp32, prompts):
     {"enable_prefix_caching": False},
     {"max_num_batched_tokens": 32},
     {"kv_allocation": "contiguous", "max_model_len": 256, "kv_cache_memory": 256 * 2**20},
-    {"kv_cache_memory": 40 * 16 * 2 * 30 * 3 * 64 * 4, "max_model_len": 256},  # 40 blocks: must preempt
+    {"kv_cache_memory": kv_budget(40), "max_model_len": 256},  # 40 blocks: must preempt
     {"speculative_config": SPEC},
-    {"speculative_config": SPEC, "kv_cache_memory": 40 * 16 * 2 * 30 * 3 * 64 * 4, "max_model_len": 256},
+    {"speculative_config": SPEC, "kv_cache_memory": kv_budget(40), "max_model_len": 256},
     {"speculative_config": SPEC, "kv_allocation": "contiguous", "max_model_len": 256, "kv_cache_memory": 256 * 2**20},
 ], ids=["default", "no-prefix-caching", "chunked-prefill-32", "contiguous", "preemption", "spec", "spec-preemption",
         "spec-contiguous"])
@@ -52,7 +52,7 @@ def test_batched_greedy_equals_alone(model_fp32, prompts, alone, settings):
     if "speculative_config" in settings:  # random prompts: few drafts match, but some do
         assert 0 < engine.stats().spec_decode_num_accepted_tokens < engine.stats().spec_decode_num_draft_tokens
     stats = engine.stats()
-    if "preemption" in str(settings.get("kv_cache_memory")) or settings.get("kv_cache_memory") == 40 * 16 * 2 * 30 * 3 * 64 * 4:
+    if settings.get("kv_cache_memory") == kv_budget(40):  # the preemption cases
         assert engine.kv.num_blocks == 40
         assert stats.num_preemptions > 0
     if settings.get("max_num_batched_tokens") == 32:
@@ -103,7 +103,7 @@ def test_n_samples_hold_the_prompt_blocks_once(model_fp32):
 
 
 def test_request_too_big_for_the_whole_cache_fails_alone_and_others_finish(model_fp32):
-    engine = make_engine(model_fp32, kv_cache_memory=4 * 16 * 2 * 30 * 3 * 64 * 4, max_model_len=512)  # 4 blocks
+    engine = make_engine(model_fp32, kv_cache_memory=kv_budget(4), max_model_len=512)  # 4 blocks
     engine.add_request("big", list(range(300, 400)), SamplingParams(temperature=0, max_tokens=4))
     engine.add_request("small", list(range(300, 310)), SamplingParams(temperature=0, max_tokens=4))
     done = {}

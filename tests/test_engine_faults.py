@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.engine import llm_engine
+from pagedllm.engine import fault_isolation, llm_engine
 from pagedllm.sampling_params import SamplingParamsError
 
-from engine_helpers import assert_all_blocks_free, make_engine
+from engine_helpers import assert_all_blocks_free, kv_budget, make_engine
 
 POISON = 4242  # a token id that makes the injected model failure fire
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -78,14 +78,14 @@ def test_a_request_failing_in_the_model_fails_alone(model_fp32, prompts, alone, 
 
 def test_a_request_failing_in_sampling_fails_alone(model_fp32, prompts, alone, monkeypatch):
     engine = make_engine(model_fp32)
-    real_sample = llm_engine.sample
+    real_sample = fault_isolation.sample
 
     def sample(logits, rows):
         if any(r.params.seed == 666 for r in rows):
             raise RuntimeError("injected sampling failure")
         return real_sample(logits, rows)
 
-    monkeypatch.setattr(llm_engine, "sample", sample)
+    monkeypatch.setattr(fault_isolation, "sample", sample)
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, GREEDY)
     engine.add_request("seeded", prompts[0], SamplingParams(seed=666, max_tokens=8))
@@ -215,7 +215,7 @@ def test_a_failed_add_leaves_nothing_behind(model_fp32, prompts, monkeypatch):
 
 
 def test_preemption_counts_each_prompt_token_and_each_lookup_once(model_fp32, prompts):
-    budget = 12 * 16 * 2 * 30 * 3 * 64 * 4  # 12 blocks of 16: four requests of ~4 blocks must preempt
+    budget = kv_budget(12)  # 12 blocks of 16: four requests of ~4 blocks must preempt
     engine = make_engine(model_fp32, kv_cache_memory=budget, max_model_len=256)
     outs = run(engine, prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     stats = engine.stats()

@@ -9,13 +9,14 @@ cached in the free queue, are on it too.
 """
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
+from engine_helpers import kv_budget
+from kv_pool import busy_engine
 
 from pagedllm.entrypoints.openai.kv_page import KVBlockDetail, KVBlocksResponse
 
@@ -41,7 +42,7 @@ def server(model_fp32):
     from pagedllm.engine.async_engine import AsyncLLMEngine
     from pagedllm.entrypoints.openai.api_server import Server, build_app
 
-    cfg = EngineConfig(max_model_len=512, kv_cache_memory=128 * 16 * 2 * 30 * 3 * 64 * 4, log_stats_interval=0)
+    cfg = EngineConfig(max_model_len=512, kv_cache_memory=kv_budget(128), log_stats_interval=0)
     engine = AsyncLLMEngine(LLMEngine(cfg, model_fp32))
     srv = Server(build_app(engine, api_key=KEY), host="127.0.0.1", port=0, log_level="warning")
     srv.start_in_thread()
@@ -56,7 +57,7 @@ def server(model_fp32):
 @pytest.fixture(scope="module")
 def browser():
     """Chromium from the system; missing, the test fails and says how to get it (no silent skip)."""
-    from pagedllm.bench.browser import BrowserMissing, chromium_driver
+    from browser import BrowserMissing, chromium_driver
 
     try:
         driver = chromium_driver()
@@ -215,9 +216,8 @@ def test_aggregated_cells_in_the_page(server, browser):
     assert text.startswith("blocks 4–7: ")
 
 
-def test_a_100k_block_pool_renders(browser, monkeypatch):
+def test_a_100k_block_pool_renders(browser):
     """A real 100,000-block manager behind the real route and page (no model): 7,693 cells of 13 blocks."""
-    import importlib.util
     from types import SimpleNamespace
 
     from fastapi import FastAPI
@@ -225,12 +225,7 @@ def test_a_100k_block_pool_renders(browser, monkeypatch):
     from pagedllm.entrypoints.openai.api_server import Server
     from pagedllm.entrypoints.openai.kv_page import router
 
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "kv_snapshot_cost.py"
-    spec = importlib.util.spec_from_file_location("kv_snapshot_cost", path)
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, bench)  # its dataclass looks its module up there
-    spec.loader.exec_module(bench)
-    pool = bench.busy_engine(100_000)  # the pool its cost benchmark times: 60% held, shared prefixes, cached
+    pool = busy_engine(100_000)  # the pool its cost benchmark times: 60% held, shared prefixes, cached
 
     async def run_on_engine(fn):
         return fn(pool)

@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 import pytest
+from engine_helpers import kv_budget
 
 from pagedllm import SamplingParams
 from pagedllm.engine import EngineConfig, LLMEngine
@@ -21,12 +22,11 @@ from pagedllm.engine.block_map import STATES, block_map, expand_row, grid
 from pagedllm.engine.kv_snapshot import BlockTokens, KVSnapshot, RequestState, block_detail, take_snapshot
 from pagedllm.entrypoints.openai.kv_page import KVBlocksResponse
 
-BLOCK_BYTES_FP32 = 16 * 2 * 30 * 3 * 64 * 4  # SmolLM2-135M: 16 tokens x K,V x 30 layers x 3 heads x 64 x fp32
 
 
 def engine(model, num_blocks: int, **kw) -> LLMEngine:
     kw.setdefault("max_model_len", 256)
-    cfg = EngineConfig(kv_cache_memory=num_blocks * BLOCK_BYTES_FP32, log_stats_interval=0, **kw)
+    cfg = EngineConfig(kv_cache_memory=kv_budget(num_blocks), log_stats_interval=0, **kw)
     return LLMEngine(cfg, model)
 
 

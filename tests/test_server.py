@@ -12,10 +12,6 @@ import json
 import os
 import re
 import signal
-import socket
-import subprocess
-import sys
-import threading
 import time
 from types import SimpleNamespace
 
@@ -23,6 +19,8 @@ import httpx
 import openai
 import pytest
 from server_helpers import AUTH, KEY, assert_error, assert_pool_whole, kv, sse_events
+
+from pagedllm.bench.server_process import free_port, serve
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -76,9 +74,6 @@ def metric(s, name: str) -> float:
 
 # ---------------------------------------------------------------------------------------------- basics
 def test_health_models_metrics(server):
-    from pagedllm.engine.protocol import EngineCore
-
-    assert isinstance(server.engine.engine, EngineCore)  # the real engine fits the protocol the server is typed on
     assert httpx.get(server.base + "/health").json() == {"status": "ok"}  # no key needed
     models = server.client.models.list()
     assert [m.id for m in models.data] == [MODEL]
@@ -256,27 +251,16 @@ def test_32_concurrent_streams(server):
         finally:
             await client.close()
 
-    peak = []
-    stop = threading.Event()
-
-    def watch():
-        while not stop.is_set():
-            peak.append(kv(server)["num_running"])
-            time.sleep(0.1)
-
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    try:
-        results = asyncio.run(main())
-    finally:
-        stop.set()
-        watcher.join()
+    steps = server.engine.engine.stats().num_steps
+    results = asyncio.run(main())
+    steps = server.engine.engine.stats().num_steps - steps
     for prompt, text, usage, finish in results:
         assert finish == "length" and text
         assert usage.completion_tokens == 3
         assert usage.prompt_tokens == n_tokens(server, prompt)
         assert usage.total_tokens == usage.prompt_tokens + 3
-    assert max(peak) > 1, "requests were not batched together"
+    # One at a time, 32 requests of a prompt step and 2 decode steps each take 96 steps; batched, far fewer.
+    assert steps < 32 * 3 // 2, f"requests were not batched together ({steps} steps)"
     assert_pool_whole(server)
 
 
@@ -339,9 +323,7 @@ def test_40_streams_cut_at_once_free_every_block(server):
             await asyncio.gather(*(cut(client) for _ in range(40)))
 
     asyncio.run(main())
-    t0 = time.monotonic()
-    assert_pool_whole(server, timeout=10)
-    assert time.monotonic() - t0 < 10
+    assert_pool_whole(server, timeout=30)
 
 
 def test_non_streaming_disconnect_aborts(server):
@@ -441,34 +423,16 @@ def test_openai_client_errors_and_still_serving(server):
 
 
 # ---------------------------------------------------------------------------------------------- subprocess
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def small_server():
+def small_server(tmp_path_factory):
     """`pagedllm serve` with one running and one waiting request allowed; the key comes from the environment."""
-    port = _free_port()
+    port = free_port()
     key = "sk-env-key"
-    env = {**os.environ, "PAGEDLLM_API_KEY": key, "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(port), "--max-num-seqs", "1",
-           "--max-waiting-requests", "1", "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", "32MiB",
-           "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = open(tmp_path_factory.mktemp("small") / "server.log", "w")
+    proc = serve(port, "--max-num-seqs", "1", "--max-waiting-requests", "1", "--max-model-len", str(MAX_MODEL_LEN),
+                 "--kv-cache-memory", "32MiB", "--log-level", "warning", timeout=180, log=log,
+                 env={"PAGEDLLM_API_KEY": key})
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"pagedllm serve did not start:\n{proc.communicate()[0]}")
-        time.sleep(0.2)
     http = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=60)
     try:
         yield SimpleNamespace(base=base, http=http, proc=proc, key=key)
@@ -477,6 +441,7 @@ def small_server():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        log.close()
 
 
 def _read_first_event(lines) -> dict:

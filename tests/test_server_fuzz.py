@@ -15,8 +15,7 @@ from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (content_type_conformance, response_schema_conformance,
                                                status_code_conformance)
-from server_helpers import AUTH, assert_pool_whole, running_server
-from test_server_faults import FAULT_ENGINE_ARGS, tiny_kv_budget
+from server_helpers import AUTH, FAULT_ENGINE_ARGS, assert_pool_whole, running_server, tiny_kv_budget
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -61,6 +60,7 @@ def test_openapi_schema_fuzz(fuzz_server):
             case.call_and_validate(base_url=fuzz_server.base, headers=AUTH, timeout=60, checks=CHECKS)
 
         call()
+    _assert_drained(fuzz_server)
 
 
 # ---------------------------------------------------------------------------------- the hypothesis client
@@ -118,21 +118,26 @@ async def _send(client: httpx.AsyncClient, path: str, body: dict, cut: int | Non
         return problems
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck), phases=[Phase.generate],
-          database=None)  # no shrinking: the failing burst is printed as it was, in bounded time
-@given(burst=st.lists(request_spec, min_size=1, max_size=5))
-def test_random_client_bursts(fuzz_server, burst):
-    async def main() -> list[str]:
-        async with httpx.AsyncClient(base_url=fuzz_server.base, headers=AUTH, timeout=120) as client:
-            results = await asyncio.gather(*(_send(client, *spec) for spec in burst))
-        return [p for ps in results for p in ps]
+def test_random_client_bursts(fuzz_server):
+    """Bursts of valid and invalid requests, some cut mid-stream: no 5xx, and afterwards nothing left behind."""
+    @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck), phases=[Phase.generate],
+              database=None)  # no shrinking: the failing burst is printed as it was, in bounded time
+    @given(burst=st.lists(request_spec, min_size=1, max_size=5))
+    def send_burst(burst) -> None:
+        async def main() -> list[str]:
+            async with httpx.AsyncClient(base_url=fuzz_server.base, headers=AUTH, timeout=120) as client:
+                results = await asyncio.gather(*(_send(client, *spec) for spec in burst))
+            return [p for ps in results for p in ps]
 
-    assert asyncio.run(main()) == []
+        assert asyncio.run(main()) == []
+
+    send_burst()
+    _assert_drained(fuzz_server)
 
 
-def test_after_the_fuzzing_everything_drained(fuzz_server):
-    """Runs after the fuzz tests (file order): the server answers and holds no block, nothing runs or waits."""
-    assert fuzz_server.http.get("/health").json() == {"status": "ok"}
-    r = fuzz_server.http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+def _assert_drained(server) -> None:
+    """The server answers and holds no block, nothing runs or waits."""
+    assert server.http.get("/health").json() == {"status": "ok"}
+    r = server.http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
     assert r.status_code == 200, r.text
-    assert_pool_whole(fuzz_server)
+    assert_pool_whole(server)

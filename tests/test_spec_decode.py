@@ -273,7 +273,7 @@ def tiny(tmp_path_factory):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from pagedllm.model import load_model
-    from test_model_parity import _save_tiny_tokenizer
+    from model_helpers import save_tiny_tokenizer
 
     folder = str(tmp_path_factory.mktemp("tiny-spec"))
     cfg = LlamaConfig(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -285,7 +285,7 @@ def tiny(tmp_path_factory):
             if p.dim() == 2:
                 p.normal_(0, 1.0)
     hf.save_pretrained(folder, safe_serialization=True)
-    _save_tiny_tokenizer(folder, 8)
+    save_tiny_tokenizer(folder, 8)
     return hf, load_model(folder, dtype="float32", verbose=False)
 
 

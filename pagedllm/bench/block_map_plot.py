@@ -79,7 +79,7 @@ def draw_rows(ax, m: dict, max_rows: int = 24, max_cells: int | None = None) -> 
         for k, (state, _) in enumerate(expand_row(r["row"])):
             share = min(bs, max(0, r["kv_tokens"] - k * bs)) / bs
             _cell(rects, k, y, state, share, colors, 0.12 if width <= 96 else 0.0, height=0.78)
-            if k < r["cached_blocks"]:  # came from the prefix cache: underlined, as on the page
+            if k < r["prefix_hit_blocks"]:  # came from the prefix cache: underlined, as on the page
                 rects.append(Rectangle((k, y + 0.8), 0.88, 0.08, color="#1f4e79"))
     ax.add_collection(PatchCollection(rects, match_original=True))
     _frame(ax, width, len(rows))

@@ -15,11 +15,11 @@
 from __future__ import annotations
 
 import math
-import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 from pagedllm.errors import UserError
 
@@ -209,35 +209,27 @@ def compute_metrics(
 
 # ---- the server's prefix-cache counters, from its Prometheus /metrics -------------------------------------
 
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([^\s]+)")
+def _prometheus_samples(text: str) -> Iterator[tuple[str, dict[str, str], float]]:
+    """(name, labels, value) of every sample of a Prometheus text page (prometheus_client's parser); a page it
+    cannot read has none (a server without Prometheus metrics)."""
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                yield sample.name, sample.labels, sample.value
+    except ValueError:
+        return
 
 
 def parse_prefix_cache_counters(text: str) -> dict[str, float] | None:
     """{'queries': q, 'hits': h} summed over label sets, from vLLM's `vllm:prefix_cache_queries` /
     `vllm:prefix_cache_hits` counters (with or without `_total`, any namespace: `pagedllm:` too; the
     `gpu_`/`cpu_` forms of older vLLM are accepted); None when the server has no such counters."""
-    found: dict[str, dict[str, float]] = {"queries": {}, "hits": {}}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = _SAMPLE.match(line)
-        if not m:
-            continue
-        name, labels, value = m.group(1), m.group(2) or "", m.group(3)
-        base = name.split(":")[-1]
-        base = re.sub(r"^(gpu_|cpu_)", "", base)
-        if base.endswith("_total"):
-            base = base[: -len("_total")]
-        if base not in ("prefix_cache_queries", "prefix_cache_hits"):
-            continue
-        kind = base.rsplit("_", 1)[-1]
-        try:
-            v = float(value)
-        except ValueError:
-            continue
-        # a counter may appear as both `x` and `x_total`; keep one value per (name-without-total, labels)
-        key = name.removesuffix("_total") + labels
-        found[kind][key] = v
+    found: dict[str, dict[tuple, float]] = {"queries": {}, "hits": {}}
+    for name, labels, value in _prometheus_samples(text):
+        base = name.split(":")[-1].removeprefix("gpu_").removeprefix("cpu_").removesuffix("_total")
+        if base in ("prefix_cache_queries", "prefix_cache_hits"):
+            # a counter may appear as both `x` and `x_total`: one value per (name without _total, labels)
+            found[base.rsplit("_", 1)[-1]][(name.removesuffix("_total"), *sorted(labels.items()))] = value
     if not found["queries"]:
         return None
     return {"queries": sum(found["queries"].values()), "hits": sum(found["hits"].values())}
@@ -261,21 +253,16 @@ def parse_spec_decode_counters(text: str) -> dict | None:
     `vllm:spec_decode_*_total` counters; None when the server has none (speculation off, or not vLLM's names)."""
     found: dict = {"num_drafts": 0.0, "num_draft_tokens": 0.0, "num_accepted_tokens": 0.0, "per_pos": {}}
     seen = False
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if not m or not m.group(1).startswith("vllm:spec_decode_") or not m.group(1).endswith("_total"):
-            continue
-        key = m.group(1).removeprefix("vllm:spec_decode_").removesuffix("_total")
-        if key not in _SPEC_KEYS:
+    for name, labels, value in _prometheus_samples(text):
+        key = name.removeprefix("vllm:spec_decode_").removesuffix("_total")
+        if not name.startswith("vllm:spec_decode_") or not name.endswith("_total") or key not in _SPEC_KEYS:
             continue
         seen = True
-        value = float(m.group(3))
-        if key == "num_accepted_tokens_per_pos":
-            pos = re.search(r'position="(\d+)"', m.group(2) or "")
-            if pos:
-                found["per_pos"][int(pos.group(1))] = found["per_pos"].get(int(pos.group(1)), 0.0) + value
-        else:
+        if key != "num_accepted_tokens_per_pos":
             found[key] += value
+        elif labels.get("position", "").isdigit():
+            pos = int(labels["position"])
+            found["per_pos"][pos] = found["per_pos"].get(pos, 0.0) + value
     return found if seen else None
 
 

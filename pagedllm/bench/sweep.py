@@ -4,7 +4,9 @@ Rows (default `--rows all`):
 - allocation: contiguous vs paged KV allocation at the same KV budget (`--kv-budget-tokens`, default
   `--contiguous-requests` x max-model-len), block size 16, prefix caching off, on the long-tail workload;
 - block: paged at block sizes 8 / 16 / 32 / 128 (same budget, prefix caching off, long-tail workload);
-- prefix: paged, block 16, prefix caching off vs on, on the prefix-repetition workload.
+- prefix: paged, block 16, prefix caching off vs on, on the prefix-repetition workload;
+- disk: the prefix rows' workload with caching on in a RAM pool of `--disk-pool-tokens` only (too small for its
+  prefixes), without and with the prefix cache's disk tier (--kv-offload-dir, a fresh temporary folder).
 
 Columns: peak requests running at once, KV slots allocated vs tokens stored (averaged over the engine steps
 that had requests running; stored / allocated is the chapter's "used share"), output tokens/s, TTFT median
@@ -17,7 +19,9 @@ import gc
 import json
 import math
 import os
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,7 +33,7 @@ from pagedllm.bench import datasets as ds
 from pagedllm.bench.arrivals import arrival_times
 from pagedllm.errors import UserError
 
-GROUPS = ("allocation", "block", "prefix")
+GROUPS = ("allocation", "block", "prefix", "disk")
 
 
 @dataclass
@@ -40,6 +44,8 @@ class Setting:
     block_size: int = 16
     enable_prefix_caching: bool = False
     groups: set[str] = field(default_factory=set)
+    small_pool: bool = False  # a RAM pool of --disk-pool-tokens instead of the common budget
+    kv_offload: bool = False  # with a disk tier under the prefix cache
 
 
 def default_settings(groups: set[str]) -> list[Setting]:
@@ -51,6 +57,9 @@ def default_settings(groups: set[str]) -> list[Setting]:
         Setting("paged b128", "long-tail", "paged", 128, False, {"block"}),
         Setting("prefix-rep, caching off", "prefix-repetition", "paged", 16, False, {"prefix"}),
         Setting("prefix-rep, caching on", "prefix-repetition", "paged", 16, True, {"prefix"}),
+        Setting("prefix-rep, small pool", "prefix-repetition", "paged", 16, True, {"disk"}, small_pool=True),
+        Setting("prefix-rep, small pool + disk tier", "prefix-repetition", "paged", 16, True, {"disk"},
+                small_pool=True, kv_offload=True),
     ]
     return [r for r in rows if r.groups & groups]
 
@@ -61,7 +70,7 @@ def add_sweep_parser(bench_sub) -> argparse.ArgumentParser:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="HF folder or GGUF file (default: SmolLM2-135M GGUF)")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--rows", default="all", help="comma-separated groups: allocation, block, prefix (or all)")
+    p.add_argument("--rows", default="all", help="comma-separated groups: allocation, block, prefix, disk (or all)")
     p.add_argument("--max-model-len", type=int, default=4096, help="also the longest prompt of the long tail")
     p.add_argument("--kv-budget-tokens", type=int, default=None,
                    help="KV cache size in tokens for every row (default: --contiguous-requests x --max-model-len)")
@@ -79,6 +88,7 @@ def add_sweep_parser(bench_sub) -> argparse.ArgumentParser:
     g.add_argument("--prefix-len", type=int, default=512)
     g.add_argument("--suffix-len", type=int, default=32)
     g.add_argument("--prefix-output-len", type=int, default=8)
+    g.add_argument("--disk-pool-tokens", type=int, default=1024, help="the RAM pool of the disk rows, in tokens")
     g = p.add_argument_group("load and report")
     g.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (inf: all at the start)")
     g.add_argument("--burstiness", type=float, default=1.0)
@@ -234,6 +244,8 @@ def _budget_tokens(args: argparse.Namespace, groups: set[str]) -> int:
     if "prefix" in groups and args.prefix_len + args.suffix_len + args.prefix_output_len > args.max_model_len:
         raise UserError(f"--prefix-len + --suffix-len + --prefix-output-len must fit in --max-model-len "
                         f"{args.max_model_len}")
+    if "disk" in groups and args.prefix_len + args.suffix_len + args.prefix_output_len > args.disk_pool_tokens:
+        raise UserError(f"--disk-pool-tokens: {args.disk_pool_tokens} cannot hold one prefix-repetition request")
     if args.output_len >= args.max_model_len:
         raise UserError(f"--output-len must be less than --max-model-len {args.max_model_len}")
     return math.ceil(budget_tokens / 128) * 128  # a whole number of blocks at every block size
@@ -245,11 +257,12 @@ def _run_row(args: argparse.Namespace, s: Setting, workload: tuple[list, int], k
     from pagedllm.engine import EngineConfig, LLMEngine, take_snapshot
 
     prompts, out_len = workload
+    tier = tempfile.mkdtemp(prefix="pagedllm-sweep-kv-") if s.kv_offload else None
     cfg = EngineConfig(model=args.model, dtype=args.dtype, block_size=s.block_size,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        max_model_len=args.max_model_len, enable_prefix_caching=s.enable_prefix_caching,
                        kv_allocation=s.kv_allocation, kv_cache_memory=kv_bytes, seed=args.seed,
-                       log_stats_interval=0)
+                       log_stats_interval=0, kv_offload_dir=tier)
     engine = LLMEngine(cfg, loaded)
 
     def on_peak(e: Any) -> None:
@@ -257,7 +270,11 @@ def _run_row(args: argparse.Namespace, s: Setting, workload: tuple[list, int], k
 
     wanted = peaks is not None and "allocation" in s.groups
     times = arrival_times(len(prompts), args.request_rate, args.burstiness, args.seed)
-    res = run_engine(engine, prompts, out_len, times, on_peak if wanted else None)
+    try:
+        res = run_engine(engine, prompts, out_len, times, on_peak if wanted else None)
+    finally:
+        if tier is not None:
+            shutil.rmtree(tier, ignore_errors=True)
     return {"setting": s.name, "workload": s.workload, "kv_allocation": s.kv_allocation,
             "block_size": s.block_size, "enable_prefix_caching": s.enable_prefix_caching,
             "num_blocks": engine.stats().num_blocks, **res}
@@ -303,7 +320,8 @@ def run_sweep(args: argparse.Namespace) -> int:
     rows, peaks = [], {} if args.plot else None
     for s in settings:
         t = time.monotonic()
-        row = _run_row(args, s, workloads[s.workload], kv_bytes, loaded, peaks)
+        memory = args.disk_pool_tokens * per_token if s.small_pool else kv_bytes
+        row = _run_row(args, s, workloads[s.workload], memory, loaded, peaks)
         rows.append({**row, "kv_budget_tokens": budget_tokens})
         print(f"[{len(rows)}/{len(settings)}] {s.name}: {time.monotonic() - t:.1f} s, peak running "
               f"{row['peak_running']}, {row['output_throughput']:.1f} out tok/s", file=sys.stderr)

@@ -59,12 +59,7 @@ class _Adapter:
         self.special_ids = frozenset(specials)
 
     def encode(self, text: str) -> list[int]:
-        if self._hf:
-            return list(self._tok.encode(text, add_special_tokens=False))
-        try:
-            return list(self._tok.encode(text, add_special_tokens=False))
-        except TypeError:
-            return list(self._tok.encode(text))
+        return list(self._tok.encode(text, add_special_tokens=False))  # both tokenizers take the flag
 
     def decode(self, ids: list[int]) -> str:
         if self._hf:
@@ -74,10 +69,7 @@ class _Adapter:
 
 def _load_hf(path: str | None) -> Any:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    try:
-        from transformers import AutoTokenizer
-    except ImportError as e:  # pragma: no cover
-        raise UserError("counting tokens needs transformers (pip install transformers)") from e
+    from transformers import AutoTokenizer
     if path is None:
         from pagedllm.model import default_model_path
 
@@ -93,13 +85,9 @@ def _load_hf(path: str | None) -> Any:
 @functools.lru_cache(maxsize=4)
 def load_bench_tokenizer(path: str | None = None) -> BenchTokenizer:
     """`path`: a GGUF file, an HF folder or hub name; None = the default model's tokenizer."""
+    from pagedllm.model import load_tokenizer  # the project's own (fast) tokenizer
+
     try:
-        from pagedllm.model import load_tokenizer  # the project's own (fast) tokenizer
-    except ImportError:
-        load_tokenizer = None
-    if load_tokenizer is not None:
-        try:
-            return _Adapter(load_tokenizer(path), hf=False)
-        except Exception:  # noqa: BLE001 - e.g. an HF folder it does not read: try transformers below
-            pass
-    return _Adapter(_load_hf(path), hf=True)
+        return _Adapter(load_tokenizer(path), hf=False)
+    except UserError:  # a path it does not read (a hub name, a folder without tokenizer.json): transformers'
+        return _Adapter(_load_hf(path), hf=True)

@@ -1,7 +1,8 @@
 """The Ray Serve application: N `EngineReplica`s routed by `PagedLLMRouter`, behind an ingress that serves the
-OpenAI app, plus the per-replica routes a cluster needs. `pagedllm serve --replicas N` runs it (`launch.py`);
-`serve run pagedllm.cluster.app:app_builder replicas=2 routing=prefix` deploys the same application on a Ray
-cluster a team already runs (the builder takes `pagedllm serve`'s flags as key=value).
+OpenAI app, plus the per-replica routes a cluster needs, built from typed settings (`build_application`).
+`pagedllm serve --replicas N` runs it (`launch.py`); `serve run pagedllm.entrypoints.serve_cluster:app_builder
+replicas=2 routing=prefix` deploys the same application on a Ray cluster a team already runs (the builder takes
+`pagedllm serve`'s flags as key=value).
 """
 from __future__ import annotations
 
@@ -196,13 +197,3 @@ def build_front_door(ingress: IngressSettings, engines_app: str = APP_NAME, log_
 def _front_door(logs: dict[str, Any]) -> Any:
     return serve.deployment(serve.ingress()(Ingress), name=INGRESS_DEPLOYMENT, ray_actor_options={"num_cpus": 0},
                             max_ongoing_requests=4096, logging_config=logs)
-
-
-def app_builder(args: dict[str, str]) -> Any:
-    """For `serve run pagedllm.cluster.app:app_builder key=value ...`: `pagedllm serve`'s flags, checked the same
-    way (replicas=2 is --replicas 2; a flag without a value is key=true)."""
-    from pagedllm.cluster.launch import parse_builder_args, settings_from_args
-
-    config, options, ingress = settings_from_args(parse_builder_args(args))
-    return build_application(config, options, ingress)
-

@@ -10,6 +10,11 @@ from __future__ import annotations
 from dataclasses import fields
 from itertools import zip_longest
 
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
+
 from pagedllm.engine.stats import EngineStats
 
 
@@ -29,29 +34,23 @@ def _add(values: list) -> int | float | list[int]:
 
 
 def with_replica_labels(pages: dict[str, str]) -> str:
-    """One Prometheus page from each replica's: every sample gets a `replica` label, every family its HELP and
-    TYPE once, followed by the samples of all replicas (the text format wants a family's samples together)."""
-    heads: dict[str, list[str]] = {}
-    samples: dict[str, list[str]] = {}
+    """One Prometheus page from each replica's (prometheus_client parses and writes them): every sample gets a
+    `replica` label, every family its HELP and TYPE once, with the samples of all replicas together."""
+    merged: dict[str, Metric] = {}
     for replica, page in pages.items():
-        family = ""
-        for line in page.splitlines():
-            if line.startswith(("# HELP ", "# TYPE ")):
-                family = line.split()[2]
-                head = heads.setdefault(family, [])
-                if line not in head:
-                    head.append(line)
-                samples.setdefault(family, [])
-            elif line and not line.startswith("#"):
-                samples.setdefault(family, []).append(_labelled(line, replica))
-                heads.setdefault(family, [])
-    return "".join("\n".join(heads[f] + samples[f]) + "\n" for f in heads)
+        for family in text_string_to_metric_families(page):
+            into = merged.setdefault(family.name, Metric(family.name, family.documentation, family.type, family.unit))
+            into.samples += [s._replace(labels={"replica": replica, **s.labels}) for s in family.samples]
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(list(merged.values())))
+    return generate_latest(registry).decode()
 
 
-def _labelled(sample: str, replica: str) -> str:
-    label = f'replica="{replica}"'
-    name, brace, rest = sample.partition("{")
-    if not brace:
-        name, _, value = sample.partition(" ")
-        return f"{name}{{{label}}} {value}"
-    return f"{name}{{{label}{'' if rest.startswith('}') else ','}{rest}"
+class _Families(Collector):
+    """Already collected families, for prometheus_client's writer."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> list[Metric]:
+        return self.families

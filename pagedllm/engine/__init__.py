@@ -6,6 +6,7 @@ from pagedllm.engine.kv_snapshot import KVSnapshot, RequestState, take_snapshot
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedllm.engine.stats import EngineStats
+from pagedllm.engine.stream import stream_request
 
 __all__ = ["EngineConfig", "add_engine_args", "LLMEngine", "RequestOutput", "CompletionOutput", "RequestMetrics",
-           "EngineStats", "KVSnapshot", "RequestState", "take_snapshot", "STATES", "block_map", "expand_row"]
+           "EngineStats", "KVSnapshot", "RequestState", "take_snapshot", "STATES", "block_map", "expand_row", "stream_request"]

@@ -44,6 +44,10 @@ class RequestAbortedError(Exception):
     """The request was aborted by the server (shutdown), not by its caller."""
 
 
+class EngineBusyError(Exception):
+    """The engine thread did not reach a read between two steps in time: a step is taking longer (a 503)."""
+
+
 class EngineDeadError(RuntimeError):
     """The engine loop has stopped (shut down or crashed); no request can be served."""
 
@@ -316,7 +320,11 @@ class AsyncLLMEngine:
             if self._thread is None:  # not started: no other thread touches the engine
                 return fn(self.engine)
             self._ops.put(call)
-        return await asyncio.wait_for(call.future, timeout)
+        try:
+            return await asyncio.wait_for(call.future, timeout)
+        except TimeoutError:  # the call stays queued; answering a future that gave up is a no-op
+            raise EngineBusyError(f"the engine did not get between two steps within {timeout:g} s (a step is "
+                                  "taking longer); try again") from None
 
     # ------------------------------------------------------------------ the engine thread
     def _run(self) -> None:

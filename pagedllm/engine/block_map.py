@@ -173,7 +173,7 @@ def _request(r, row: list[list], block_size: int) -> dict:
     slots = len(r.block_ids) * block_size
     return {"request_id": r.request_id, "status": r.status, "prompt_tokens": r.prompt_tokens,
             "output_tokens": r.output_tokens, "cached_tokens": r.cached_tokens,
-            "cached_blocks": r.cached_tokens // block_size if r.block_ids else 0,
+            "prefix_hit_blocks": r.cached_tokens // block_size if r.block_ids else 0,
             "kv_tokens": r.kv_tokens, "num_preemptions": r.num_preemptions, "block_ids": list(r.block_ids),
             "row": row, "slots": slots,
             "empty_slots": slots - r.kv_tokens if r.block_ids else 0}

@@ -1,10 +1,11 @@
 """What the async engine and the server need of an engine, as types: `LLMEngine` fits `EngineCore`, and so does the
 tests' fake engine; `AsyncLLMEngine` and the cluster's `ClusterEngine` fit `AsyncEngine`, so the server layer is
-written (and checked) against these and never against `Any`."""
+written against these, and the type checker (`make test` runs mypy) checks that the real engines fit them where
+they are passed (`AsyncLLMEngine(LLMEngine(...))`, `build_app(engine, ...)`)."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.stats import EngineStats
@@ -13,7 +14,6 @@ from pagedllm.model.tokenizer import Tokenizer
 from pagedllm.sampling_params import SamplingParams
 
 
-@runtime_checkable
 class EngineCore(Protocol):
     """A synchronous engine: requests go in with `add_request`, `step()` advances every one of them by a step."""
 

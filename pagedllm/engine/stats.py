@@ -1,7 +1,16 @@
 """A snapshot of what the engine is doing: the numbers its log lines, /metrics and benchmarks report."""
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from pagedllm.engine.scheduler import Scheduler
+from pagedllm.engine.spec_decode import SpecDecodeStats
+from pagedllm.kv.manager import KVCacheManager
+
+logger = logging.getLogger("pagedllm")
 
 
 @dataclass
@@ -21,6 +30,7 @@ class EngineStats:
     generation_tokens: int  # tokens generated (cumulative)
     peak_running: int  # most requests running at once so far
     num_steps: int
+    prefix_cache_disk_hits: int = 0  # of those, tokens read back from the disk tier (--kv-offload-dir)
     # Speculative decoding (cumulative, vLLM's spec_decode counters): a draft is one request's drafts in one step.
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0
@@ -44,3 +54,43 @@ class EngineStats:
     def spec_decode_acceptance_rate(self) -> float:
         return (self.spec_decode_num_accepted_tokens / self.spec_decode_num_draft_tokens
                 if self.spec_decode_num_draft_tokens else 0.0)
+
+
+def collect_stats(kv: KVCacheManager, scheduler: Scheduler, spec: SpecDecodeStats, prompt_tokens: int,
+                  generation_tokens: int, num_steps: int) -> EngineStats:
+    """The engine's figures: the scheduler's and the KV manager's, the spec-decode counters and the engine's own."""
+    return EngineStats(
+        num_running=len(scheduler.running), num_waiting=len(scheduler.waiting), num_blocks=kv.num_blocks,
+        num_free_blocks=kv.num_free_blocks, num_cached_blocks=kv.num_cached_blocks, block_size=kv.block_size,
+        kv_usage=kv.usage, num_stored_tokens=kv.num_stored_tokens, prefix_cache_queries=kv.prefix_stats.queries,
+        prefix_cache_hits=kv.prefix_stats.hits, prefix_cache_disk_hits=kv.prefix_stats.disk_hits,
+        num_preemptions=scheduler.num_preemptions,
+        prompt_tokens=prompt_tokens, generation_tokens=generation_tokens,
+        peak_running=scheduler.peak_running, num_steps=num_steps,
+        spec_decode_num_drafts=spec.num_drafts, spec_decode_num_draft_tokens=spec.num_draft_tokens,
+        spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
+        spec_decode_num_accepted_tokens_per_pos=list(spec.accepted_per_pos))
+
+
+class StatsLogger:
+    """A "busy" log line every `interval` seconds (0: never), with the tokens/s since the last one."""
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self._time = time.monotonic()
+        self._tokens = 0
+
+    def maybe_log(self, stats: Callable[[], EngineStats]) -> None:
+        now = time.monotonic()
+        if self.interval <= 0 or now - self._time < self.interval:
+            return
+        s = stats()
+        tokens = s.prompt_tokens + s.generation_tokens
+        logger.info("running %d, waiting %d, KV usage %.1f%%, prefix-cache hit rate %.1f%%, preemptions %d, "
+                    "%.1f tokens/s", s.num_running, s.num_waiting, 100 * s.kv_usage, 100 * s.prefix_cache_hit_rate,
+                    s.num_preemptions, (tokens - self._tokens) / (now - self._time))
+        if s.spec_decode_num_drafts:
+            logger.info("speculative decoding: %d drafts, %d draft tokens, %.1f%% accepted, %.2f tokens per draft",
+                        s.spec_decode_num_drafts, s.spec_decode_num_draft_tokens, 100 * s.spec_decode_acceptance_rate,
+                        s.spec_decode_num_accepted_tokens / s.spec_decode_num_drafts)
+        self._time, self._tokens = now, tokens

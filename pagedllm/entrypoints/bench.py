@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from pagedllm.bench import serve, sweep, throughput
+from pagedllm.bench import serve_bench, sweep, throughput
 
-BENCH_COMMANDS = [serve.add_serve_parser, sweep.add_sweep_parser, throughput.add_throughput_parser]
+BENCH_COMMANDS = [serve_bench.add_serve_parser, sweep.add_sweep_parser, throughput.add_throughput_parser]
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

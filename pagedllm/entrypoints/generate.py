@@ -5,7 +5,6 @@ import argparse
 import sys
 from collections.abc import Iterator
 
-from pagedllm.errors import UserError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -46,23 +45,11 @@ def _engine(args: argparse.Namespace):
 
 def stream(engine, request_id: str, prompt: str | list[int], params) -> Iterator[str]:
     """Text deltas of one request as the engine steps; the request is aborted if the consumer stops early."""
-    engine.add_request(request_id, prompt, params)
-    sent = 0
-    try:
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.request_id != request_id:
-                    continue
-                text = out.outputs[0].text
-                if len(text) > sent:
-                    yield text[sent:]
-                    sent = len(text)
-                if out.finished:
-                    if out.outputs[0].error:
-                        raise UserError(out.outputs[0].error)
-                    return
-    finally:
-        engine.abort_request(request_id)
+    from pagedllm.engine import stream_request
+
+    for delta, _ in stream_request(engine, request_id, prompt, params):
+        if delta:
+            yield delta
 
 
 def run_generate(args: argparse.Namespace) -> int:

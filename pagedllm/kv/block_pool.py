@@ -6,7 +6,7 @@ All operations are O(1) per block: the free queue is a doubly linked list thread
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from pagedllm.kv.events import AllBlocksCleared, KVEventLog
@@ -72,6 +72,9 @@ class BlockPool:
         self.cached: dict[BlockHash, KVBlock] = {}
         self.num_free_cached = 0  # free blocks that still hold a registered prefix (evictable, reusable)
         self.events: KVEventLog | None = None  # set to publish what enters and leaves the prefix cache
+        # Called with a free block that still caches a prefix just before it is reused for other tokens (its K/V
+        # are intact): the disk tier's chance to keep it.
+        self.on_evict: Callable[[KVBlock], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -91,6 +94,9 @@ class BlockPool:
         out = []
         for _ in range(n):
             block = self.free_queue.popleft()
+            if self.on_evict is not None and block.block_hash is not None and \
+                    self.cached.get(block.block_hash) is block:
+                self.on_evict(block)
             self.uncache(block)
             block.ref_cnt = 1
             out.append(block)

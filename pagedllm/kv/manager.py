@@ -8,12 +8,24 @@ Two policies share one interface so the engine can measure them side by side:
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from pagedllm.kv.block_pool import BlockPool, KVBlock
 from pagedllm.kv.hashing import BlockHash, hash_full_blocks
+from pagedllm.kv.offload import DiskKVTier
+
+logger = logging.getLogger("pagedllm")
+
+
+class BlockIO(Protocol):
+    """The KV contents of one block as bytes (the model runner's cache tensors): what the disk tier stores."""
+
+    def read_block(self, block_id: int) -> bytes: ...
+
+    def write_block(self, block_id: int, data: bytes) -> None: ...
 
 
 class KVRequest(Protocol):
@@ -46,6 +58,7 @@ class PrefixCacheStats:
 
     queries: int = 0
     hits: int = 0
+    disk_hits: int = 0  # tokens of `hits` read back from the disk tier (counted when read)
 
     @property
     def hit_rate(self) -> float:
@@ -161,6 +174,30 @@ class PagedKVCacheManager(KVCacheManager):
         # Registration happens at allocation, before the model writes the blocks, so that a request scheduled
         # later in the same step (another of n samples) can share them; a failed step must take it back.
         self.step_journal: list[tuple[str, int, list[KVBlock]]] = []
+        self.disk: DiskKVTier | None = None
+        self.block_io: BlockIO | None = None
+
+    def attach_disk_tier(self, disk: DiskKVTier, block_io: BlockIO) -> None:
+        """Blocks evicted from the RAM pool go to `disk`; lookups that miss in RAM continue there."""
+        self.disk, self.block_io = disk, block_io
+        self.pool.on_evict = self._offload
+
+    def _offload(self, block: KVBlock) -> None:
+        assert self.disk is not None and self.block_io is not None and block.block_hash is not None
+        io = self.block_io
+        self.disk.put(block.block_hash, lambda: io.read_block(block.block_id))
+
+    def offload_cached(self) -> None:
+        """Queue the registered blocks the disk tier lacks, as many as its queue takes. Eviction alone would never
+        write the hottest prefixes (a shared system prompt is never evicted), and a restart would miss them first;
+        the engine calls this when it goes idle, between steps, so every registered block's K/V are written."""
+        if self.disk is None:
+            return
+        for block in list(self.pool.cached.values()):
+            if not self.disk.accepting:
+                break
+            if block.block_hash is not None and not self.disk.contains(block.block_hash):
+                self._offload(block)
 
     def _hashes(self, request: KVRequest, num_tokens: int) -> list[BlockHash]:
         """The chained hashes of the request's full blocks within its first `num_tokens` tokens (memoized)."""
@@ -178,13 +215,59 @@ class PagedKVCacheManager(KVCacheManager):
         num_tokens = len(request.all_token_ids)
         # Never the whole prompt: its last token must be computed to produce the next token's logits.
         max_blocks = (num_tokens - 1) // self.block_size
+        hashes = self._hashes(request, max_blocks * self.block_size)[:max_blocks]
         hits: list[KVBlock] = []
-        for block_hash in self._hashes(request, max_blocks * self.block_size)[:max_blocks]:
+        for block_hash in hashes:
             block = self.pool.get_cached_block(block_hash)
             if block is None:
                 break
             hits.append(block)
+        if self.disk is not None and len(hits) < max_blocks and self.disk.contains(hashes[len(hits)]):
+            hits += self._load_from_disk(request, hashes, hits)
         return hits, len(hits) * self.block_size
+
+    def _load_from_disk(self, request: KVRequest, hashes: list[BlockHash], hits: list[KVBlock]) -> list[KVBlock]:
+        """Continue the prefix chain past the RAM hits: a block on disk is read into a free block and registered
+        as if it had never left (one still in RAM is taken as it is). The chain is held meanwhile, so that the
+        allocations cannot evict a block of it; it ends at the first block found nowhere or failing a check."""
+        assert self.disk is not None and self.block_io is not None
+        found: list[KVBlock] = []
+        loaded: list[int] = []
+        self.pool.touch(hits)
+        try:
+            for i in range(len(hits), len(hashes)):
+                block = self.pool.get_cached_block(hashes[i])
+                if block is None:
+                    data = self.disk.load(hashes[i]) if self.pool.num_free_blocks else None
+                    if data is None:
+                        break
+                    block = self._fill_free_block(hashes[i], data)
+                    if block is None:
+                        break
+                    loaded.append(i)
+                else:
+                    self.pool.touch([block])
+                found.append(block)
+        finally:
+            self.pool.free(reversed(found))
+            self.pool.free(reversed(hits))
+        self.prefix_stats.disk_hits += len(loaded) * self.block_size
+        if loaded and self.pool.events is not None:
+            self._publish_stored(request, hashes, loaded)
+        return found
+
+    def _fill_free_block(self, block_hash: BlockHash, data: bytes) -> KVBlock | None:
+        """A fresh block holding `data`, registered under `block_hash` (held once: the caller frees it)."""
+        assert self.block_io is not None
+        (block,) = self.pool.allocate(1)
+        try:
+            self.block_io.write_block(block.block_id, data)
+        except Exception as e:  # noqa: BLE001 - a block that does not fit the cache is a miss, not a failed request
+            logger.warning("KV disk tier: block does not fit the cache (%s): not served", e)
+            self.pool.free([block])
+            return None
+        self.pool.cache_block(block, block_hash)
+        return block
 
     def allocate_slots(
         self, request: KVRequest, num_new_tokens: int, new_computed_blocks: Sequence[KVBlock] = (),

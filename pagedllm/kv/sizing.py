@@ -1,24 +1,25 @@
 """How much KV cache a model needs, and how many requests a memory budget holds under each allocation."""
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from pydantic import ByteSize, TypeAdapter, ValidationError
 
 from pagedllm.kv.manager import cdiv
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_BYTE_SIZE = TypeAdapter(ByteSize)
 
 
 def parse_memory_size(text: str) -> int:
-    """'4GiB', '512MB', '1.5g', '1000000' -> bytes; ValueError on anything else."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"cannot read {text!r} as a memory size (examples: 4GiB, 512MiB, 2GB, 1000000)")
-    size = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    """'4GiB', '512MB', '1.5g', '1000000' -> bytes (pydantic's ByteSize, as EngineConfig.kv_cache_memory);
+    ValueError on anything else."""
+    try:
+        size = int(_BYTE_SIZE.validate_python(text))
+    except ValidationError:
+        raise ValueError(f"cannot read {text!r} as a memory size (examples: 4GiB, 512MiB, 2GB, 1000000)") from None
     if size <= 0:
         raise ValueError(f"memory size must be positive, got {text!r}")
     return size

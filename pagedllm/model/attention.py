@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from pagedllm.model import cpu_kernel
+import pagedllm.model.cpu_kernel as cpu_kernel
 
 
 @dataclass

@@ -16,7 +16,7 @@ import ctypes
 import numpy as np
 import torch
 
-from pagedllm.model import cpu_kernel
+import pagedllm.model.cpu_kernel as cpu_kernel
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.quant import FORMATS, amx_available
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from pagedllm.model import cpu_kernel
+import pagedllm.model.cpu_kernel as cpu_kernel
 from pagedllm.model.cpu_linear import linear, pack
 from pagedllm.model.quant import QuantWeight, amx_available, qlinear, qrows
 

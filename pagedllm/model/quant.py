@@ -24,7 +24,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from pagedllm.model import cpu_kernel
+import pagedllm.model.cpu_kernel as cpu_kernel
 
 log = logging.getLogger("pagedllm.model")
 _said: set[str] = set()

@@ -25,7 +25,7 @@ class SeqChunk:
     token_ids: list[int]  # the new tokens to compute this step
     start_pos: int  # tokens of this sequence already in the cache (computed or prefix-cached)
     block_table: list[int]  # block ids covering at least start_pos + len(token_ids) tokens
-    all_logits: bool = False  # logits for every new token (prompt logprobs), not only the last
+    all_logits: bool = False  # logits for every new token, not only the last: prompt logprobs, and drafts to verify
 
     @property
     def num_logits(self) -> int:
@@ -76,6 +76,23 @@ class ModelRunner:
     def kv_cache_bytes(self, num_blocks: int | None = None, block_size: int | None = None) -> int:
         return kv_cache_bytes(self.config, self.num_blocks if num_blocks is None else num_blocks,
                               block_size or self.block_size, self.kv_dtype)
+
+    def read_block(self, block_id: int) -> bytes:
+        """A copy of one block's K and V in every layer, as bytes (what the disk tier stores)."""
+        parts = [t[block_id].reshape(-1).view(torch.uint8) for pair in self.kv_caches for t in pair]
+        return torch.cat(parts).cpu().numpy().tobytes()
+
+    def write_block(self, block_id: int, data: bytes) -> None:
+        """Fill one block from `read_block`'s bytes (a block read back from the disk tier)."""
+        if len(data) != self.bytes_per_block:
+            raise ValueError(f"a block holds {self.bytes_per_block} bytes, got {len(data)}")
+        src = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+        offset = 0
+        for pair in self.kv_caches:
+            for t in pair:
+                dst = t[block_id].view(-1).view(torch.uint8)
+                dst.copy_(src[offset:offset + dst.numel()])
+                offset += dst.numel()
 
     @torch.inference_mode()
     def _forward(self, chunks: list[SeqChunk], all_positions: bool) -> torch.Tensor:

@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
+
 from pagedllm.rag.generate import Answer, stream_engine, stream_openai
 from pagedllm.rag.layout import LAYOUTS, Popularity, build_messages
 from pagedllm.rag.pipeline import RagPipeline
@@ -45,12 +47,8 @@ class BenchRow:
 
 
 def percentile(vals: list[float], q: float) -> float:
-    if not vals:
-        return float("nan")
-    s = sorted(vals)
-    k = (len(s) - 1) * q / 100
-    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+    """numpy's (linear interpolation); NaN for no values."""
+    return float(np.percentile(vals, q)) if vals else float("nan")
 
 
 def make_row(layout: str, caching: str, answers: list[Answer], wall: float, retrieval_s: list[float],

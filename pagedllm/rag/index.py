@@ -248,9 +248,7 @@ class RagIndex:
         out = []
         for srow, irow in zip(scores, ids):
             hits = []
-            for rank, (s, i) in enumerate(zip(srow, irow)):
-                if i < 0:
-                    continue
+            for rank, (s, i) in enumerate(zip(srow, irow)):  # k <= ntotal: faiss fills every slot (no -1)
                 c = self.chunks[i]
                 hits.append(Hit(c["chunk_id"], c["source"], c.get("title", ""), c["position"], float(s),
                                 c["text"], rank))

@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedllm.engine.async_engine import (
+    EngineBusyError,
     EngineDeadError,
     RequestAbortedError,
     TooManyWaitingRequestsError,
@@ -128,5 +129,6 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, http_error)
     handle(TooManyWaitingRequestsError, 503, headers={"Retry-After": "1"})
     handle(EngineDeadError, 503)
+    handle(EngineBusyError, 503, headers={"Retry-After": "1"})
     handle(RequestAbortedError, 503, "The request was aborted: {}")
     handle(UserError, 400)

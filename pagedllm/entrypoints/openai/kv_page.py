@@ -20,6 +20,7 @@ from pagedllm.engine.kv_snapshot import BlockTokens, block_detail, take_snapshot
 from pagedllm.entrypoints.openai.errors import ERROR_RESPONSES, APIError
 
 router = APIRouter()
+ENGINE_WAIT_S = 30.0  # how long a read waits for the engine thread to get between two steps, then a 503
 
 BlockState = Literal["free", "cached", "used", "shared", "tail", "reserved"]
 
@@ -73,7 +74,8 @@ class KVRequestInfo(BaseModel):
     prompt_tokens: int
     output_tokens: int
     cached_tokens: int = Field(description="prompt tokens served by the prefix cache at first admission")
-    cached_blocks: int = Field(description="leading blocks of the table that came from the prefix cache")
+    prefix_hit_blocks: int = Field(description="leading blocks of the table that came from the prefix cache (not "
+                                               "the pool's cached_blocks: free blocks that still hold a prefix)")
     kv_tokens: int = Field(description="tokens it has KV slots for")
     num_preemptions: int
     block_ids: list[int] = Field(description="its block table")
@@ -145,7 +147,8 @@ async def kv_blocks(request: Request,
         raise APIError(f"detail: the only detail is 'blocks', got {detail!r}", 400, param="detail")
     memo = _block_tokens(request)
     snap = await request.app.state.engine.run_on_engine(
-        lambda e: take_snapshot(e, waiting, memo, evict_order=detail is not None))  # the LRU walk only if shown
+        lambda e: take_snapshot(e, waiting, memo, evict_order=detail is not None),  # the LRU walk only if shown
+        timeout=ENGINE_WAIT_S)
     return JSONResponse(block_map(snap, cells, detail=detail is not None))
 
 
@@ -159,7 +162,7 @@ async def kv_block(request: Request, block_id: str) -> Response:
     if bid >= total:
         raise APIError(f"block_id: {bid} is not a block of this pool (0..{total - 1})", 404, param="block_id")
     memo = _block_tokens(request)
-    d = await engine.run_on_engine(lambda e: block_detail(e, bid, memo))
+    d = await engine.run_on_engine(lambda e: block_detail(e, bid, memo), timeout=ENGINE_WAIT_S)
     return JSONResponse({"block_id": d.block_id, "ref_cnt": d.ref_cnt, "hash": d.block_hash,
                          "evict_rank": d.evict_rank, "holders": d.holders, "token_ids": d.token_ids,
                          "text": d.text})

@@ -51,6 +51,8 @@ class _EngineCollector:
                            "tokens.", st.prefix_cache_queries)
         yield self._family(c, "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
                            st.prefix_cache_hits)
+        yield self._family(c, "pagedllm:prefix_cache_disk_hits", "Prefix cache hits read back from the disk tier "
+                           "(--kv-offload-dir), in tokens; part of vllm:prefix_cache_hits.", st.prefix_cache_disk_hits)
         yield self._family(c, "vllm:num_preemptions", "Cumulative number of preemption from the engine.",
                            st.num_preemptions)
         yield self._family(c, "vllm:spec_decode_num_drafts", "Number of spec decoding drafts.",

@@ -98,7 +98,7 @@ class SamplingRequest(RequestModel):
     @classmethod
     def _token_id_keys(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
         for key in bias or {}:
-            if not key.isdigit() or len(key) > 10:
+            if not (key.isascii() and key.isdigit()) or len(key) > 10:  # isdigit() alone takes '²' and '١٢'
                 raise ValueError(f"keys must be token ids (non-negative integers as strings), got {key!r}")
         return bias
 

@@ -12,7 +12,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from pagedllm.engine.outputs import CompletionOutput, RequestOutput
 from pagedllm.entrypoints.openai.errors import ERROR_RESPONSES
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatCompletionResponse
-from pagedllm.entrypoints.openai.serving_engine import (ServingContext, Sub, cancel_on_disconnect, request_id,
+from pagedllm.entrypoints.openai.serving_engine import (ServingContext, EngineRequest, cancel_on_disconnect, request_id,
                                                         serving)
 from pagedllm.entrypoints.openai.streaming import Chunks, SSEResponse, pieces
 from pagedllm.sampling_params import SamplingParams
@@ -35,7 +35,7 @@ async def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> Prepared:
     return Prepared(model, ids, req.to_sampling_params(max_tokens))
 
 
-def _choice(ctx: ServingContext, req: ChatCompletionRequest, s: Sub, c: CompletionOutput) -> dict[str, Any]:
+def _choice(ctx: ServingContext, req: ChatCompletionRequest, s: EngineRequest, c: CompletionOutput) -> dict[str, Any]:
     ctx.check_error(c)
     k = req.top_k_logprobs
     return {"index": s.base + c.index, "message": {"role": "assistant", "content": c.text, "tool_calls": []},
@@ -43,7 +43,7 @@ def _choice(ctx: ServingContext, req: ChatCompletionRequest, s: Sub, c: Completi
             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
 
 
-async def full(ctx: ServingContext, req: ChatCompletionRequest, prep: Prepared, subs: list[Sub],
+async def full(ctx: ServingContext, req: ChatCompletionRequest, prep: Prepared, subs: list[EngineRequest],
                rid: str) -> dict[str, Any]:
     """The whole answer, as a JSON-ready dict (the RAG route adds its chunks to it)."""
     await ctx.run_to_end(subs)
@@ -55,7 +55,7 @@ async def full(ctx: ServingContext, req: ChatCompletionRequest, prep: Prepared, 
             "prompt_logprobs": ctx.prompt_logprobs(final) if req.prompt_logprobs is not None else None}
 
 
-async def _chunks(ctx: ServingContext, req: ChatCompletionRequest, subs: list[Sub],
+async def _chunks(ctx: ServingContext, req: ChatCompletionRequest, subs: list[EngineRequest],
                   chunk: Chunks) -> AsyncIterator[str]:
     for i in range(req.n):
         yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -71,7 +71,7 @@ async def _chunks(ctx: ServingContext, req: ChatCompletionRequest, subs: list[Su
         yield chunk([], ctx.usage(subs))
 
 
-def stream(ctx: ServingContext, req: ChatCompletionRequest, prep: Prepared, subs: list[Sub], rid: str,
+def stream(ctx: ServingContext, req: ChatCompletionRequest, prep: Prepared, subs: list[EngineRequest], rid: str,
            headers: dict[str, str] | None = None) -> SSEResponse:
     chunk = Chunks.for_request(req.stream_options, rid, "chat.completion.chunk", prep.model)
     return SSEResponse(ctx, _chunks(ctx, req, subs, chunk), subs, headers)

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from pagedllm.engine.outputs import CompletionOutput, RequestOutput
 from pagedllm.entrypoints.openai.errors import ERROR_RESPONSES
 from pagedllm.entrypoints.openai.protocol import CompletionRequest, CompletionResponse
-from pagedllm.entrypoints.openai.serving_engine import (ServingContext, Sub, cancel_on_disconnect, request_id,
+from pagedllm.entrypoints.openai.serving_engine import (ServingContext, EngineRequest, cancel_on_disconnect, request_id,
                                                         serving)
 from pagedllm.entrypoints.openai.streaming import Chunks, SSEResponse, pieces
 from pagedllm.sampling_params import SamplingParams
@@ -48,7 +48,7 @@ async def _prepare(ctx: ServingContext, req: CompletionRequest) -> _Prepared:
     return _Prepared(model, prompts, texts, req.to_sampling_params(req.max_tokens))
 
 
-def _logprobs(ctx: ServingContext, req: CompletionRequest, s: Sub, out: RequestOutput, c: CompletionOutput,
+def _logprobs(ctx: ServingContext, req: CompletionRequest, s: EngineRequest, out: RequestOutput, c: CompletionOutput,
               start: int, end: int, text_from: int, echo: str) -> dict[str, list] | None:
     """Logprobs of generated tokens start..end-1 (whose text starts at text_from), after the prompt's own
     tokens when this part carries the echo."""
@@ -63,7 +63,7 @@ def _logprobs(ctx: ServingContext, req: CompletionRequest, s: Sub, out: RequestO
     return {k: prompt[k] + generated[k] for k in generated}
 
 
-def _choice(ctx: ServingContext, req: CompletionRequest, prep: _Prepared, s: Sub, out: RequestOutput,
+def _choice(ctx: ServingContext, req: CompletionRequest, prep: _Prepared, s: EngineRequest, out: RequestOutput,
             c: CompletionOutput) -> dict[str, Any]:
     ctx.check_error(c)
     echo = prep.echo_texts[s.prompt_index]
@@ -73,7 +73,7 @@ def _choice(ctx: ServingContext, req: CompletionRequest, prep: _Prepared, s: Sub
             "prompt_logprobs": ctx.prompt_logprobs(out) if req.prompt_logprobs is not None else None}
 
 
-async def _full(ctx: ServingContext, req: CompletionRequest, prep: _Prepared, subs: list[Sub],
+async def _full(ctx: ServingContext, req: CompletionRequest, prep: _Prepared, subs: list[EngineRequest],
                 rid: str) -> JSONResponse:
     await ctx.run_to_end(subs)
     choices = sorted((_choice(ctx, req, prep, s, s.final, c) for s in subs if s.final is not None
@@ -82,7 +82,7 @@ async def _full(ctx: ServingContext, req: CompletionRequest, prep: _Prepared, su
                          "choices": choices, "usage": ctx.usage(subs), "system_fingerprint": None})
 
 
-async def _chunks(ctx: ServingContext, req: CompletionRequest, prep: _Prepared, subs: list[Sub],
+async def _chunks(ctx: ServingContext, req: CompletionRequest, prep: _Prepared, subs: list[EngineRequest],
                   chunk: Chunks) -> AsyncIterator[str]:
     async for s, out, c, p in pieces(ctx, subs):
         echo = prep.echo_texts[s.prompt_index] if p.first else ""

@@ -29,7 +29,7 @@ T = TypeVar("T")
 
 
 @dataclass
-class Sub:
+class EngineRequest:
     """One engine request of an HTTP request: prompt `prompt_index`, choices base .. base + n - 1."""
 
     prompt_index: int
@@ -121,9 +121,9 @@ class ServingContext:
                            param=param)
 
     # ------------------------------------------------------------------ engine requests
-    async def submit(self, prompts: list[list[int]], params: SamplingParams, request_id: str) -> list[Sub]:
+    async def submit(self, prompts: list[list[int]], params: SamplingParams, request_id: str) -> list[EngineRequest]:
         """One engine request per prompt (n samples each); if any is refused, the others are aborted."""
-        subs = [Sub(i, i * params.n, f"{request_id}-{i}", ids) for i, ids in enumerate(prompts)]
+        subs = [EngineRequest(i, i * params.n, f"{request_id}-{i}", ids) for i, ids in enumerate(prompts)]
         results = await asyncio.gather(*(self.engine.add_request(s.request_id, s.prompt_ids, params) for s in subs),
                                        return_exceptions=True)
         for s, r in zip(subs, results):
@@ -135,14 +135,14 @@ class ServingContext:
             raise error
         return subs
 
-    def abort(self, subs: list[Sub]) -> None:
+    def abort(self, subs: list[EngineRequest]) -> None:
         for s in subs:
             if s.stream is not None and s.final is None:
                 self.engine.abort(s.request_id)
 
-    async def run_to_end(self, subs: list[Sub]) -> None:
+    async def run_to_end(self, subs: list[EngineRequest]) -> None:
         """Wait for every sub's final output; a server-side abort is a 503."""
-        async def last(s: Sub) -> None:
+        async def last(s: EngineRequest) -> None:
             assert s.stream is not None
             async for out in self.engine.iterate(s.stream):
                 s.final = out
@@ -157,11 +157,11 @@ class ServingContext:
                 t.cancel()
             self.abort(subs)
 
-    async def merged(self, subs: list[Sub]) -> AsyncIterator[tuple[Sub, RequestOutput]]:
+    async def merged(self, subs: list[EngineRequest]) -> AsyncIterator[tuple[EngineRequest, RequestOutput]]:
         """(sub, cumulative output) as they come, from all subs; leaving early aborts them all."""
-        q: asyncio.Queue[tuple[Sub, RequestOutput | BaseException | None]] = asyncio.Queue()
+        q: asyncio.Queue[tuple[EngineRequest, RequestOutput | BaseException | None]] = asyncio.Queue()
 
-        async def pump(s: Sub) -> None:
+        async def pump(s: EngineRequest) -> None:
             assert s.stream is not None
             try:
                 async for out in self.engine.iterate(s.stream):
@@ -190,7 +190,7 @@ class ServingContext:
 
     # ------------------------------------------------------------------ output formatting
     @staticmethod
-    def usage(subs: list[Sub]) -> dict[str, object]:
+    def usage(subs: list[EngineRequest]) -> dict[str, object]:
         prompt = sum(len(s.prompt_ids) for s in subs)
         cached = sum(s.final.num_cached_tokens for s in subs if s.final is not None)
         completion = sum(len(c.token_ids) for s in subs if s.final is not None for c in s.final.outputs)
@@ -198,7 +198,7 @@ class ServingContext:
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
     @staticmethod
-    def partial_usage(s: Sub, out: RequestOutput) -> dict[str, int]:
+    def partial_usage(s: EngineRequest, out: RequestOutput) -> dict[str, int]:
         ntok = sum(len(c.token_ids) for c in out.outputs)
         return {"prompt_tokens": len(s.prompt_ids), "completion_tokens": ntok,
                 "total_tokens": len(s.prompt_ids) + ntok}

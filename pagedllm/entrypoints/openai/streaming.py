@@ -18,7 +18,7 @@ from pagedllm.engine.async_engine import EngineDeadError, RequestAbortedError
 from pagedllm.engine.outputs import CompletionOutput, RequestOutput
 from pagedllm.entrypoints.openai.errors import APIError, error_sse
 from pagedllm.entrypoints.openai.protocol import StreamOptions
-from pagedllm.entrypoints.openai.serving_engine import ServingContext, Sub
+from pagedllm.entrypoints.openai.serving_engine import ServingContext, EngineRequest
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -73,8 +73,8 @@ class _ChoiceState:
     finished: bool = False
 
 
-async def pieces(ctx: ServingContext, subs: list[Sub]
-                 ) -> AsyncIterator[tuple[Sub, RequestOutput, CompletionOutput, Piece]]:
+async def pieces(ctx: ServingContext, subs: list[EngineRequest]
+                 ) -> AsyncIterator[tuple[EngineRequest, RequestOutput, CompletionOutput, Piece]]:
     """Each choice's new text and tokens as the engine produces them, skipping outputs that add nothing and
     anything after a choice finished: what both streaming endpoints send, each in its own wrapping."""
     states: dict[int, _ChoiceState] = {}
@@ -93,7 +93,7 @@ async def pieces(ctx: ServingContext, subs: list[Sub]
             yield s, out, c, piece
 
 
-async def events(ctx: ServingContext, chunks: AsyncIterator[str], subs: list[Sub]) -> AsyncIterator[str]:
+async def events(ctx: ServingContext, chunks: AsyncIterator[str], subs: list[EngineRequest]) -> AsyncIterator[str]:
     """How every stream ends, whatever ended it: an error becomes an SSE error event, the engine requests are
     aborted (freeing their blocks), and `[DONE]` closes it unless the client is already gone."""
     try:
@@ -117,7 +117,7 @@ async def events(ctx: ServingContext, chunks: AsyncIterator[str], subs: list[Sub
 class SSEResponse(StreamingResponse):
     """Server-sent events; however the response ends (done, disconnect, error), its engine requests are aborted."""
 
-    def __init__(self, ctx: ServingContext, chunks: AsyncIterator[str], subs: list[Sub],
+    def __init__(self, ctx: ServingContext, chunks: AsyncIterator[str], subs: list[EngineRequest],
                  headers: dict[str, str] | None = None) -> None:
         self._gen = events(ctx, chunks, subs)
         self._on_close: Callable[[], None] = lambda: ctx.abort(subs)

@@ -143,14 +143,14 @@ function drawRun(ctx, map, counts, x, y, px) {  // many blocks in one cell: a st
 
 function cellSpan(d, r, k, state, ref) {
   const span = document.createElement("span");
-  span.className = `cell ${state}` + (k < r.cached_blocks ? " hit" : "");
+  span.className = `cell ${state}` + (k < r.prefix_hit_blocks ? " hit" : "");
   span.style.background = d.map.colors[state];
   span.dataset.block = r.block_ids[k];
   span.dataset.ref = ref;
   if (state === "shared") span.textContent = ref;
   if (state === "tail") span.textContent = Math.min(d.block_size, (k + 1) * d.block_size - r.kv_tokens);
   span.title = `block ${r.block_ids[k]}: ${d.map.labels[state]}, ref count ${ref}` +
-    (k < r.cached_blocks ? ", from the prefix cache" : "");
+    (k < r.prefix_hit_blocks ? ", from the prefix cache" : "");
   return span;
 }
 

@@ -1,0 +1,78 @@
+"""Sizing the KV cache at start-up: a fixed budget (`--kv-cache-memory`), the CPU default, or a share of the
+device's memory after the weights and a warm-up step of the largest batch, cut into blocks."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pagedllm.engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
+from pagedllm.errors import UserError
+from pagedllm.kv.manager import cdiv
+from pagedllm.model.loader import LoadedModel
+from pagedllm.model.runner import ModelRunner, SeqChunk, bytes_per_block
+
+logger = logging.getLogger("pagedllm")
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(device)
+    except RuntimeError as e:
+        raise UserError(f"--device: {e}") from None
+
+
+def num_kv_blocks(config: EngineConfig, loaded: LoadedModel, max_model_len: int, kv_dtype: torch.dtype) -> int:
+    """Blocks of `config.block_size` tokens the budget holds; a budget that cannot serve is a UserError naming
+    the flag to change."""
+    block_size = config.block_size
+    per_block = bytes_per_block(loaded.config, block_size, kv_dtype)
+    budget = kv_budget(config, loaded, max_model_len, kv_dtype)
+    num_blocks = budget // per_block
+    if config.kv_allocation == "contiguous" and num_blocks < cdiv(max_model_len, block_size):
+        raise UserError(f"--kv-cache-memory: contiguous allocation reserves {max_model_len} tokens per "
+                        f"request ({cdiv(max_model_len, block_size) * per_block:,} bytes) but the "
+                        f"budget holds only {num_blocks} blocks; lower --max-model-len or raise the budget")
+    if num_blocks < 1:
+        raise UserError(f"--kv-cache-memory: {budget:,} bytes hold no KV block of {per_block:,} bytes")
+    if num_blocks * block_size < max_model_len:
+        logger.warning("the KV cache holds %d tokens, less than --max-model-len %d: longer requests will fail",
+                       num_blocks * block_size, max_model_len)
+    return num_blocks
+
+
+def kv_budget(config: EngineConfig, loaded: LoadedModel, max_model_len: int, kv_dtype: torch.dtype) -> int:
+    """Bytes for the KV cache."""
+    if config.kv_cache_memory is not None:
+        return config.kv_cache_memory
+    device = loaded.device
+    if config.gpu_memory_utilization is None and device.type == "cpu":
+        # quantized weights give back what they no longer take dequantized: the cache gets it
+        return DEFAULT_CPU_KV_CACHE_MEMORY + max(0, loaded.dense_weight_bytes - loaded.weight_bytes)
+    share = config.gpu_memory_utilization or 0.9
+    total, used = profile_memory(loaded, min(config.max_num_batched_tokens, max_model_len), config.block_size,
+                                 kv_dtype)
+    budget = int(share * total) - used
+    logger.info("memory: %.2f GiB x %.2f, minus %.2f GiB for weights and activations -> KV budget %.2f GiB",
+                total / 2**30, share, used / 2**30, budget / 2**30)
+    if budget <= 0:
+        raise UserError(f"--gpu-memory-utilization: {share} of {total / 2**30:.1f} GiB leaves nothing for the KV "
+                        f"cache after {used / 2**30:.2f} GiB of weights and activations")
+    return budget
+
+
+def profile_memory(loaded: LoadedModel, num_tokens: int, block_size: int, kv_dtype: torch.dtype) -> tuple[int, int]:
+    """(device memory, bytes in use after a warm-up step of `num_tokens` tokens with a scratch cache)."""
+    device = loaded.device
+    scratch = ModelRunner(loaded, cdiv(num_tokens, block_size), block_size, kv_dtype)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    scratch.execute([SeqChunk([0] * num_tokens, 0, list(range(cdiv(num_tokens, block_size))))])
+    del scratch
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1], torch.cuda.max_memory_allocated(device)
+    import psutil
+
+    return psutil.virtual_memory().total, psutil.Process().memory_info().rss

@@ -1,0 +1,25 @@
+"""When a request is done after a new token: EOS, a stop token, a stop string (the text is cut before it),
+max_tokens or max_model_len. Checked token by token, so tokens past a stop (accepted drafts too) are dropped."""
+from __future__ import annotations
+
+from pagedllm.engine.request import Request
+
+
+def check_stop(req: Request, token: int, text_before: int, eos_token_ids: list[int], max_model_len: int) -> None:
+    """Finish `req` if `token` (just appended; the text was `text_before` characters before it) ends it."""
+    p = req.params
+    n_out = req.num_output_tokens
+    if n_out >= p.min_tokens:
+        if not p.ignore_eos and token in eos_token_ids:
+            return req.finish("stop")
+        if token in p.stop_token_ids:
+            return req.finish("stop", stop_reason=token)
+        for s in p.stop:
+            # A stop string ends in the new text: look from just before it.
+            pos = req.text.find(s, max(0, text_before - len(s) + 1))
+            if pos != -1:
+                req.text = req.text[:pos]
+                return req.finish("stop", stop_reason=s)
+    if (p.max_tokens is not None and n_out >= p.max_tokens) or len(req.all_token_ids) >= max_model_len:
+        return req.finish("length")
+    return None

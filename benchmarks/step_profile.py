@@ -43,9 +43,10 @@ def run(a) -> dict[str, float]:
     if a.no_fused:
         runner.fused = None
     rng = random.Random(0)
-    prompt = [rng.randrange(200, engine.model_config.vocab_size) for _ in range(a.input_len)]
-    engine.add_request("0", prompt, SamplingParams(temperature=0, max_tokens=a.steps + 8, ignore_eos=True))
-    while engine.requests["0#0"].num_output_tokens < 4:  # prefill and a few warm-up decodes
+    for i in range(a.batch):
+        prompt = [rng.randrange(200, engine.model_config.vocab_size) for _ in range(a.input_len)]
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=a.steps + 8, ignore_eos=True))
+    while min(r.num_output_tokens for r in engine.requests.values()) < 4:  # prefills and a few warm-up decodes
         engine.step()
     inner = [0.0]
     execute = runner.execute
@@ -77,14 +78,15 @@ def main() -> int:
     p.add_argument("--quantization", default=None)
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--steps", type=int, default=128)
+    p.add_argument("--batch", type=int, default=1, help="sequences decoding together (rows per step)")
     p.add_argument("--no-fused", action="store_true", help="the torch path (ModelRunner without the C step)")
     cpu_target.add_argument(p)
     a = p.parse_args()
     ms = run(a)
     print(f"CPU: {cpu_line()}")
     step = ms["step"]
-    print(f"one-sequence decode step, {a.input_len} prompt tokens, mean of {a.steps} steps: {step:.3f} ms "
-          f"({1e3 / step:.1f} tok/s); runner.execute {ms['runner']:.3f} ms, engine outside it "
+    print(f"decode step of {a.batch} sequence(s), {a.input_len} prompt tokens each, mean of {a.steps} steps: "
+          f"{step:.3f} ms ({a.batch * 1e3 / step:.1f} tok/s); runner.execute {ms['runner']:.3f} ms, engine outside it "
           f"{step - ms['runner']:.3f} ms")
     if "qkv" not in ms:
         return 0

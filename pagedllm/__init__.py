@@ -1,5 +1,5 @@
 """pagedllm: an LLM inference and serving engine built around PagedAttention."""
 from pagedllm.engine.llm import LLM
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams"]

@@ -7,9 +7,12 @@ in (0, 1e-2) are raised to 1e-2 as vLLM does (dividing logits by 1e-300 overflow
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json as jsonlib
 import logging
 import math
 from dataclasses import dataclass, field
+from typing import Any, NoReturn
 
 from pagedllm.errors import UserError
 
@@ -29,6 +32,64 @@ class SamplingParamsError(UserError):
     def __init__(self, param: str, message: str) -> None:
         super().__init__(f"{param}: {message}")
         self.param = param
+
+
+@dataclass
+class StructuredOutputsParams:
+    """vLLM's `StructuredOutputsParams`: exactly one constraint on what the output may be. `json` is a JSON schema
+    (dict or text), `regex` a regular expression the whole output matches, `choice` the allowed outputs, `grammar`
+    a Lark or GBNF grammar, `json_object` any JSON object. JSON is compact unless `whitespace_pattern` says which
+    whitespace may go between tokens (a small model given free whitespace can spend its whole budget on it)."""
+
+    json: str | dict[str, Any] | bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    whitespace_pattern: str | None = None
+
+    def kind(self) -> str:
+        """The one constraint set (its field name); SamplingParamsError if none or several are."""
+        given = [k for k in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            _fail("structured_outputs", f"exactly one of json, regex, choice, grammar, json_object must be set, "
+                  f"got {', '.join(given) or 'none'}")
+        return given[0]
+
+    @functools.cached_property
+    def grammar_text(self) -> str:
+        """The constraint as llguidance's grammar text: the key of the compiled-grammar cache (computed once)."""
+        from llguidance import LLMatcher  # the grammar engine loads on first use
+        from llguidance.gbnf_to_lark import gbnf_to_lark
+
+        kind = self.kind()
+        if kind == "regex":
+            return LLMatcher.grammar_from_regex(_typed(self.regex, str, "regex"))
+        if kind == "choice":
+            choices = _typed(self.choice, list, "choice")
+            if not choices or not all(isinstance(c, str) and c for c in choices):
+                _fail("structured_outputs.choice", "must be a non-empty list of non-empty strings")
+            return LLMatcher.grammar_from_lark("start: " + " | ".join(jsonlib.dumps(c) for c in choices))
+        if kind == "grammar":
+            text = _typed(self.grammar, str, "grammar")
+            try:
+                return LLMatcher.grammar_from_lark(gbnf_to_lark(text) if "::=" in text else text)
+            except Exception as e:  # noqa: BLE001 - the GBNF converter's parse errors
+                _fail("structured_outputs.grammar", f"not a valid GBNF grammar: {e}")
+        schema = {"type": "object"} if kind == "json_object" else self.json
+        if isinstance(schema, str):
+            try:
+                schema = jsonlib.loads(schema)
+            except ValueError as e:
+                _fail("structured_outputs.json", f"not valid JSON: {e}")
+        if not isinstance(schema, (dict, bool)):
+            _fail(f"structured_outputs.{kind}", f"a JSON schema must be an object, got {type(schema).__name__}")
+        options: Any = {"whitespace_flexible": False, "whitespace_pattern": self.whitespace_pattern}
+        try:
+            return LLMatcher.grammar_from_json_schema(schema, overrides=options)  # type: ignore[arg-type]
+        except ValueError as e:
+            _fail(f"structured_outputs.{kind}", str(e))
 
 
 @dataclass
@@ -54,6 +115,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top-k logprobs per prompt token (0: only the token's own)
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # constrain the output (a grammar, in the sampler)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -62,6 +124,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self.validate()
         if 0 < self.temperature < MIN_TEMPERATURE:
             logger.warning("temperature %g is below %g, which overflows float32 logits: using %g",
@@ -72,6 +136,8 @@ class SamplingParams:
         _check_numbers(self)
         _check_integers(self)
         _check_lists(self)
+        if self.structured_outputs is not None:
+            _check_structured(self.structured_outputs)
 
     @property
     def greedy(self) -> bool:
@@ -83,7 +149,7 @@ class SamplingParams:
         return dataclasses.replace(self, n=1, seed=seed)
 
 
-def _fail(param: str, message: str) -> None:
+def _fail(param: str, message: str) -> NoReturn:
     raise SamplingParamsError(param, message)
 
 
@@ -144,3 +210,27 @@ def _check_lists(p: SamplingParams) -> None:
         if (not isinstance(bias, (int, float)) or isinstance(bias, bool) or not math.isfinite(bias)
                 or abs(bias) > MAX_LOGIT_BIAS):
             _fail("logit_bias", f"values must be numbers in [-100, 100], got {bias!r} for token {token}")
+
+
+def _typed(value: Any, kind: type, name: str) -> Any:
+    if not isinstance(value, kind):
+        _fail(f"structured_outputs.{name}", f"must be a {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+@functools.lru_cache(maxsize=256)
+def grammar_error(grammar: str) -> str:
+    """llguidance's reason a grammar does not compile ("" when it does); cached, so that the engine's second
+    look at a request's params, and the same schema sent again, cost a lookup."""
+    from llguidance import LLMatcher
+
+    return LLMatcher.validate_grammar(grammar)
+
+
+def _check_structured(so: StructuredOutputsParams) -> None:
+    """The grammar compiles: a bad schema, regex or grammar is refused before anything is queued."""
+    if not isinstance(so, StructuredOutputsParams):
+        _fail("structured_outputs", f"must be a StructuredOutputsParams or a dict, got {type(so).__name__}")
+    error = grammar_error(so.grammar_text)
+    if error:
+        _fail(f"structured_outputs.{so.kind()}", error.removeprefix("WARNING: "))

@@ -43,5 +43,5 @@ def busy_engine(num_blocks: int, blocks_per_request: int = 300, held: float = 0.
         kv.free(req)
     running = [r for i, r in enumerate(running) if i % 5]
     return SimpleNamespace(kv=kv, scheduler=SimpleNamespace(running=running, waiting=deque(), num_preemptions=0),
-                           config=SimpleNamespace(kv_allocation="paged"), num_steps=0, prompt_tokens=0,
+                           config=SimpleNamespace(kv_allocation="paged"), kv_dtype="bfloat16", num_steps=0, prompt_tokens=0,
                            generation_tokens=0, requests={r.request_id: r for r in running})

@@ -135,7 +135,8 @@ def test_run_sweep_with_fake_engine(monkeypatch, tmp_path):
     data = json.loads(out.read_text())
     rows = {r["setting"]: r for r in data["rows"]}
     assert list(rows) == ["contiguous b16", "paged b16", "paged b8", "paged b32", "paged b128",
-                          "prefix-rep, caching off", "prefix-rep, caching on", "prefix-rep, small pool",
+                          "prefix-rep, caching off", "prefix-rep, caching on", "paged b16, KV float32",
+                          "paged b16, KV bfloat16", "paged b16, KV int8", "paged b16, KV fp8", "prefix-rep, small pool",
                           "prefix-rep, small pool + disk tier"]
     assert data["kv_budget_tokens"] == 4 * 256
     assert rows["contiguous b16"]["peak_running"] == 4 < rows["paged b16"]["peak_running"]

@@ -249,4 +249,4 @@ def test_bfloat16_kv_cache_holds_twice_the_tokens_and_keeps_the_answers(model_fp
     assert run_all(b16, prompts[:8]) and not b16.kv.req_blocks
     assert_all_blocks_free(b16)
     with pytest.raises(UserError, match="--kv-cache-dtype"):
-        EngineConfig(kv_cache_dtype="fp8")
+        EngineConfig(kv_cache_dtype="fp4")

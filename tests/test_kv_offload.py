@@ -14,14 +14,13 @@ import time
 import zlib
 
 import pytest
+from engine_helpers import assert_all_blocks_free
 
 from pagedllm import SamplingParams
 from pagedllm.engine import EngineConfig, LLMEngine
 from pagedllm.engine.config import add_engine_args
 from pagedllm.errors import UserError
 from pagedllm.kv.offload import HEADER, DiskKVTier
-
-from engine_helpers import assert_all_blocks_free
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 FP_A, FP_B = bytes(32), bytes([1] * 32)

@@ -104,6 +104,11 @@ def test_snapshots_agree_with_the_manager_through_sharing_and_preemption(model_f
     assert d.holders == [] and len(d.token_ids) == 16 and d.evict_rank is not None
 
 
+def test_the_map_names_the_cache_dtype(model_fp32):
+    assert block_map(take_snapshot(engine(model_fp32, 8)))["kv_cache_dtype"] == "float32"
+    assert block_map(take_snapshot(engine(model_fp32, 8, kv_cache_dtype="int8")))["kv_cache_dtype"] == "int8"
+
+
 def test_contiguous_requests_show_their_reserved_slots(model_fp32):
     e = engine(model_fp32, 40, kv_allocation="contiguous", max_model_len=128)  # 8 blocks reserved per request
     for i, n in enumerate((5, 20, 37)):

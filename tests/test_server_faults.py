@@ -190,7 +190,9 @@ REFUSED = [
     ("best_of -1", {"best_of": -1}, "best_of"),
     ("logit_bias key not an id", {"logit_bias": {"abc": 5}}, "logit_bias"),
     ("logit_bias id past the vocabulary", {"logit_bias": {"999999": 5}}, "logit_bias"),
-    ("response_format json", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("response_format json_schema that does not compile", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "objekt"}}}}, "response_format"),
+    ("response_format of an unknown type", {"response_format": {"type": "yaml"}}, "response_format"),
     ("booleans as token ids", {"prompt": [True, False]}, "prompt"),
     ("temperature Infinity", "Infinity", "temperature"),
     ("temperature 1e400", "1e400", "temperature"),
@@ -248,9 +250,10 @@ def test_a_kv_snapshot_that_waits_past_a_slow_step_is_a_503(fault_server, monkey
 
 CHAT_REFUSED = [
     ("role wizard", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
-    ("tools with tool_choice required", {"tools": [{"type": "function", "function": {"name": "f"}}],
-                                         "tool_choice": "required"}, "tool_choice"),
-    ("named tool_choice", {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    ("tools with tool_choice auto, a template without tools", {"tools": [{"type": "function", "function": {
+        "name": "f"}}], "tool_choice": "auto"}, "tool_choice"),
+    ("named tool_choice without tools", {"tool_choice": {"type": "function", "function": {"name": "f"}}},
+     "tool_choice"),
     ("echo", {"echo": True}, "echo"),
 ]
 

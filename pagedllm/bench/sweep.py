@@ -5,6 +5,8 @@ Rows (default `--rows all`):
   `--contiguous-requests` x max-model-len), block size 16, prefix caching off, on the long-tail workload;
 - block: paged at block sizes 8 / 16 / 32 / 128 (same budget, prefix caching off, long-tail workload);
 - prefix: paged, block 16, prefix caching off vs on, on the prefix-repetition workload;
+- dtype: paged b16 on the long-tail workload with each --kv-cache-dtype (float32, bfloat16, int8, fp8) in the same
+  budget of bytes: a narrower cache holds more tokens, so more requests run at once;
 - disk: the prefix rows' workload with caching on in a RAM pool of `--disk-pool-tokens` only (too small for its
   prefixes), without and with the prefix cache's disk tier (--kv-offload-dir, a fresh temporary folder).
 
@@ -33,7 +35,7 @@ from pagedllm.bench import datasets as ds
 from pagedllm.bench.arrivals import arrival_times
 from pagedllm.errors import UserError
 
-GROUPS = ("allocation", "block", "prefix", "disk")
+GROUPS = ("allocation", "block", "prefix", "dtype", "disk")
 
 
 @dataclass
@@ -46,6 +48,7 @@ class Setting:
     groups: set[str] = field(default_factory=set)
     small_pool: bool = False  # a RAM pool of --disk-pool-tokens instead of the common budget
     kv_offload: bool = False  # with a disk tier under the prefix cache
+    kv_cache_dtype: str = "auto"
 
 
 def default_settings(groups: set[str]) -> list[Setting]:
@@ -57,6 +60,8 @@ def default_settings(groups: set[str]) -> list[Setting]:
         Setting("paged b128", "long-tail", "paged", 128, False, {"block"}),
         Setting("prefix-rep, caching off", "prefix-repetition", "paged", 16, False, {"prefix"}),
         Setting("prefix-rep, caching on", "prefix-repetition", "paged", 16, True, {"prefix"}),
+        *[Setting(f"paged b16, KV {d}", "long-tail", "paged", 16, False, {"dtype"}, kv_cache_dtype=d)
+          for d in ("float32", "bfloat16", "int8", "fp8")],
         Setting("prefix-rep, small pool", "prefix-repetition", "paged", 16, True, {"disk"}, small_pool=True),
         Setting("prefix-rep, small pool + disk tier", "prefix-repetition", "paged", 16, True, {"disk"},
                 small_pool=True, kv_offload=True),
@@ -70,7 +75,8 @@ def add_sweep_parser(bench_sub) -> argparse.ArgumentParser:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="HF folder or GGUF file (default: SmolLM2-135M GGUF)")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--rows", default="all", help="comma-separated groups: allocation, block, prefix, disk (or all)")
+    p.add_argument("--rows", default="all",
+                   help="comma-separated groups: allocation, block, prefix, dtype, disk (or all)")
     p.add_argument("--max-model-len", type=int, default=4096, help="also the longest prompt of the long tail")
     p.add_argument("--kv-budget-tokens", type=int, default=None,
                    help="KV cache size in tokens for every row (default: --contiguous-requests x --max-model-len)")
@@ -262,7 +268,7 @@ def _run_row(args: argparse.Namespace, s: Setting, workload: tuple[list, int], k
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        max_model_len=args.max_model_len, enable_prefix_caching=s.enable_prefix_caching,
                        kv_allocation=s.kv_allocation, kv_cache_memory=kv_bytes, seed=args.seed,
-                       log_stats_interval=0, kv_offload_dir=tier)
+                       log_stats_interval=0, kv_offload_dir=tier, kv_cache_dtype=s.kv_cache_dtype)
     engine = LLMEngine(cfg, loaded)
 
     def on_peak(e: Any) -> None:
@@ -276,8 +282,8 @@ def _run_row(args: argparse.Namespace, s: Setting, workload: tuple[list, int], k
         if tier is not None:
             shutil.rmtree(tier, ignore_errors=True)
     return {"setting": s.name, "workload": s.workload, "kv_allocation": s.kv_allocation,
-            "block_size": s.block_size, "enable_prefix_caching": s.enable_prefix_caching,
-            "num_blocks": engine.stats().num_blocks, **res}
+            "kv_cache_dtype": s.kv_cache_dtype, "block_size": s.block_size,
+            "enable_prefix_caching": s.enable_prefix_caching, "num_blocks": engine.stats().num_blocks, **res}
 
 
 def _plot(path: str, rows: list[dict], peaks: dict[str, Any], budget_tokens: int) -> None:

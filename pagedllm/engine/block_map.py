@@ -90,6 +90,7 @@ def block_map(snap: KVSnapshot, max_cells: int = 8192, detail: bool = False) -> 
     return {
         "object": "kv.blocks", "time": snap.time, "step": snap.step, "allocation": snap.allocation,
         "block_size": snap.block_size, "num_blocks": snap.num_blocks, "prefix_caching": snap.prefix_caching,
+        "kv_cache_dtype": snap.kv_cache_dtype,
         "counters": _counters(snap, state, fill),
         "map": _cells(snap.num_blocks, max_cells, ref, state, fill),
         "blocks": _blocks(snap, state, fill) if detail else None,

@@ -27,9 +27,10 @@ class EngineConfig:
     quantized kernel is measured slower than dense (kernel_choice.py); gguf always keeps them; int8/int4 round a
     checkpoint's weights at load (weight-only, groups of 32); none dequantizes to --dtype (what auto means for a
     Hugging Face folder)"""
-    kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """auto (the model's dtype) | float32 | bfloat16: a bfloat16 cache holds twice the tokens of a float32 one and
-    halves the memory each decode step reads; attention still computes in the model's dtype"""
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
+    """auto (the model's dtype) | float32 | bfloat16 | int8 | fp8 (= fp8_e4m3) | fp8_e5m2: a bfloat16 cache holds
+    twice the tokens of a float32 one; the quantized ones (model/kv_quant.py) keep one byte per value and a bfloat16
+    scale per 32, 3.8x the tokens of float32 (1.9x bfloat16); attention still computes in the model's dtype"""
     device: str = "auto"
     """torch device: auto (cuda if available, else cpu), cpu, cuda, cuda:1, ..."""
     block_size: int = Field(16, ge=1)

@@ -43,6 +43,7 @@ class KVSnapshot:
     # The engine's cumulative counters: prefix_cache_queries, prefix_cache_hits (tokens), num_preemptions,
     # prompt_tokens, generation_tokens.
     counters: dict[str, int] = field(default_factory=dict)
+    kv_cache_dtype: str = "float32"  # what a cached value is stored as (--kv-cache-dtype, resolved)
 
 
 def take_snapshot(engine: Any, max_waiting: int = 64, memo: BlockTokens | None = None,
@@ -69,7 +70,7 @@ def take_snapshot(engine: Any, max_waiting: int = 64, memo: BlockTokens | None =
         block_size=kv.block_size, num_blocks=pool.num_blocks, prefix_caching=kv.enable_caching,
         ref_cnt=[b.ref_cnt for b in pool.blocks], hashed_ids=[b.block_id for b in pool.cached.values()],
         hashes=list(pool.cached), evict_order=order, requests=running + waiting, num_waiting=len(sched.waiting),
-        counters=counters)
+        counters=counters, kv_cache_dtype=str(engine.kv_dtype).removeprefix("torch."))
 
 
 def _request_state(req: Any, kv: Any) -> RequestState:

@@ -12,23 +12,25 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.engine.acceptance import accept, sampling_rows
+from pagedllm.engine.acceptance import accept, constrain, sampling_rows
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.disk_tier import open_disk_tier
 from pagedllm.engine.fault_isolation import Computed, Scheduled, forward_guarded, sample_guarded
 from pagedllm.engine.input_checks import check_params, encode_prompt
-from pagedllm.engine.memory import num_kv_blocks, resolve_device
+from pagedllm.engine.memory import log_kv_cache, num_kv_blocks, resolve_device
 from pagedllm.engine.outputs import RequestMetrics, RequestOutput
 from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.spec_decode import NgramDrafter, SpecDecodeStats
 from pagedllm.engine.stats import EngineStats, StatsLogger, collect_stats
 from pagedllm.engine.stop_checker import check_stop
+from pagedllm.engine.structured_output import GrammarCompiler, RequestGrammar
 from pagedllm.errors import UserError
 from pagedllm.kv.events import KVEventLog
 from pagedllm.kv.manager import PagedKVCacheManager, make_kv_cache_manager
+from pagedllm.model.kv_quant import QUANT_KV_DTYPES
 from pagedllm.model.loader import DTYPES, LoadedModel, load_model
-from pagedllm.model.runner import ModelRunner, SeqChunk, bytes_per_block
+from pagedllm.model.runner import ModelRunner, SeqChunk
 from pagedllm.model.sampler import token_logprobs
 from pagedllm.sampling_params import SamplingParams
 
@@ -61,7 +63,8 @@ class LLMEngine:
             raise UserError(f"--max-model-len: {self.max_model_len} is more than the model's "
                             f"{cfg.max_position_embeddings} positions")
         self.block_size = config.block_size
-        self.kv_dtype = self.loaded.dtype if config.kv_cache_dtype == "auto" else DTYPES[config.kv_cache_dtype]
+        self.kv_dtype = (self.loaded.dtype if config.kv_cache_dtype == "auto"
+                         else {**DTYPES, **QUANT_KV_DTYPES}[config.kv_cache_dtype])
         num_blocks = num_kv_blocks(config, self.loaded, self.max_model_len, self.kv_dtype)
         self.runner = ModelRunner(self.loaded, num_blocks, self.block_size, self.kv_dtype)
         self.kv = make_kv_cache_manager(config.kv_allocation, num_blocks, self.block_size, self.max_model_len,
@@ -76,11 +79,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    NgramDrafter(spec, self.max_model_len) if spec else None)
         self.spec_stats = SpecDecodeStats()
-        per_block = bytes_per_block(cfg, self.block_size, self.kv_dtype)
-        logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB %s, %s allocation, prefix caching %s)",
-                    num_blocks, self.block_size, num_blocks * self.block_size, num_blocks * per_block / 2**30,
-                    str(self.kv_dtype).removeprefix("torch."), config.kv_allocation,
-                    "on" if config.enable_prefix_caching else "off")
+        self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size)
+        log_kv_cache(cfg, config, num_blocks, self.kv_dtype)
 
         self.parents: dict[str, _Parent] = {}
         self.requests: dict[str, Request] = {}  # child id -> request, while unfinished
@@ -109,7 +109,10 @@ class LLMEngine:
         metrics = RequestMetrics(arrival_time=time.monotonic())
         children = [Request(f"{request_id}#{i}", request_id, i, prompt_ids, params.for_sample(i), self.tokenizer,
                             metrics, cache_salt) for i in range(params.n)]
+        so = params.structured_outputs
+        compiled = self.grammars.compile(so.grammar_text) if so is not None else None
         for child in children:
+            child.grammar = RequestGrammar(compiled) if compiled is not None else None
             self.requests[child.request_id] = child
             self.scheduler.add(child)
         holdback = max((len(s) for s in params.stop), default=1) - 1
@@ -151,12 +154,20 @@ class LLMEngine:
                                    lambda req, error: self._fail(req, error, updated))
             self._advance(done, updated)
             self.kv.commit_step()  # what acceptance registered (blocks of accepted drafts) has its K/V written
+        elif not sched.failed:
+            self._wait_for_grammars()
         self.num_steps += 1
         outputs = [self._output(pid) for pid in updated if pid in self.parents]
         if self.disk_tier is not None and not self.parents:  # idle now: the disk tier gets the hot prefixes too
             self.kv.offload_cached()
         self._stats_logger.maybe_log(self.stats)
         return outputs
+
+    def _wait_for_grammars(self) -> None:
+        """Nothing ran: if requests wait for their grammar, block a little for one instead of spinning."""
+        compiling = [r.grammar for r in self.scheduler.waiting if r.grammar is not None and not r.grammar.ready]
+        if compiling:
+            self.grammars.wait_any(compiling, 0.05)
 
     def _chunk(self, req: Request, n: int) -> SeqChunk:
         """The request's next n tokens, then its drafts: verifying them needs the logits at every position."""
@@ -210,11 +221,13 @@ class LLMEngine:
 
     def _sample(self, to_sample: list[tuple[Request, torch.Tensor]], now: float, updated: dict[str, None]) -> None:
         """One sampling call for the batch, a row per logits row (a request with drafts has one per draft and one
-        after them); a request whose rows raise, or whose detokenizing raises, fails alone."""
+        after them); a request whose rows raise, whose grammar fails, or whose detokenizing raises, fails alone."""
         rows = [sampling_rows(req, self.tokenizer.eos_token_ids) for req, _ in to_sample]
-        results = sample_guarded(torch.cat([lg for _, lg in to_sample]), rows)
+        logits, failed = constrain(to_sample, torch.cat([lg for _, lg in to_sample]), self.grammars)
+        results = sample_guarded(logits, rows)
         for (req, _), res in zip(to_sample, results):
             try:
+                res = failed.get(req.request_id, res)
                 if isinstance(res, Exception):
                     raise res
                 accept(req, res, lambda r, token, logprobs: self._append_token(r, token, logprobs, now), self.kv,

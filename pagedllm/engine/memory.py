@@ -9,6 +9,8 @@ import torch
 from pagedllm.engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
 from pagedllm.errors import UserError
 from pagedllm.kv.manager import cdiv
+from pagedllm.kv.sizing import kv_dtype_bytes_per_token
+from pagedllm.model.config import ModelConfig
 from pagedllm.model.loader import LoadedModel
 from pagedllm.model.runner import ModelRunner, SeqChunk, bytes_per_block
 
@@ -76,3 +78,15 @@ def profile_memory(loaded: LoadedModel, num_tokens: int, block_size: int, kv_dty
     import psutil
 
     return psutil.virtual_memory().total, psutil.Process().memory_info().rss
+
+
+def log_kv_cache(cfg: ModelConfig, config: EngineConfig, num_blocks: int, kv_dtype: torch.dtype) -> None:
+    """The start-up lines on the cache: its size, and what a token costs in each --kv-cache-dtype."""
+    per_block = bytes_per_block(cfg, config.block_size, kv_dtype)
+    logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB %s, %d bytes/token, %s allocation, prefix "
+                "caching %s)", num_blocks, config.block_size, num_blocks * config.block_size,
+                num_blocks * per_block / 2**30, str(kv_dtype).removeprefix("torch."), per_block // config.block_size,
+                config.kv_allocation, "on" if config.enable_prefix_caching else "off")
+    logger.info("KV bytes/token by --kv-cache-dtype: %s", ", ".join(
+        f"{name} {kv_dtype_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, name):,}"
+        for name in ("float32", "bfloat16", "int8", "fp8")))

@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.outputs import CompletionOutput, RequestMetrics
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.model.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from pagedllm.engine.structured_output import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -44,6 +48,7 @@ class Request:
         self.text = ""  # detokenized output, stop strings cut off
         # Speculative drafts scheduled this step after the last token (set by the scheduler, cleared once verified).
         self.spec_token_ids: list[int] = []
+        self.grammar: RequestGrammar | None = None  # structured outputs: its matcher (set by the engine)
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -65,6 +70,11 @@ class Request:
     def wants_prompt_logits(self) -> bool:
         """Whether this step's chunk needs logits for every token: prompt logprobs of a prompt still computing."""
         return self.prompt_logprobs is not None and self.num_computed_tokens < self.num_prompt_tokens
+
+    @property
+    def grammar_ready(self) -> bool:
+        """Whether the scheduler may admit it: unconstrained, or its grammar compiled."""
+        return self.grammar is None or self.grammar.ready
 
     @property
     def finished(self) -> bool:

@@ -93,18 +93,21 @@ class Scheduler:
 
         # Admitting new work right after preempting would only thrash the cache.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
+            ready = next((r for r in self.waiting if r.grammar_ready), None)  # skip those whose grammar compiles
+            if ready is None:
+                break
+            req = ready
             # Prompt logprobs need every prompt position computed, so such a request reads nothing from the cache.
             blocks, num_cached = ([], 0) if req.prompt_logprobs is not None else self.kv.get_computed_blocks(req)
             num_new = min(len(req.all_token_ids) - num_cached, budget)
             req.num_computed_tokens = 0
             if not self.kv.allocate_slots(req, num_new, blocks):
                 if not self.running:  # nothing will ever free blocks for it
-                    self.waiting.popleft()
+                    self.waiting.remove(req)
                     self._fail(req, out)
                     continue
                 break
-            self.waiting.popleft()
+            self.waiting.remove(req)
             req.num_computed_tokens = num_cached
             if req.num_preemptions == 0:  # a re-admission finding its own blocks is not a cache query (vLLM)
                 req.num_cached_tokens = num_cached

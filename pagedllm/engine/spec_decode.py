@@ -135,7 +135,10 @@ class NgramDrafter:
         k = min(cfg.num_speculative_tokens, room, self.max_model_len - len(request.all_token_ids))
         if request.params.max_tokens is not None:
             k = min(k, request.params.max_tokens - request.num_output_tokens - 1)
-        return ngram_draft(request.all_token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        drafts = ngram_draft(request.all_token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        if request.grammar is not None:  # drafts the grammar refuses could never be accepted: not worth verifying
+            drafts = drafts[:request.grammar.valid_prefix(drafts)]
+        return drafts
 
 
 def num_accepted(drafts: list[int], targets: list[int]) -> int:

@@ -4,8 +4,14 @@ from __future__ import annotations
 import argparse
 
 from pagedllm.errors import UserError
-from pagedllm.kv.sizing import (DTYPE_BYTES, kv_bytes_per_token, num_blocks_in_budget, paged_slots,
-                                parse_memory_size, requests_that_fit)
+from pagedllm.kv.sizing import (
+    DTYPE_BYTES,
+    kv_dtype_bytes_per_token,
+    num_blocks_in_budget,
+    paged_slots,
+    parse_memory_size,
+    requests_that_fit,
+)
 
 CHAPTER_USED = "180,650,90,1200,300,75,420,260"  # the chapter's eight example requests
 
@@ -92,12 +98,21 @@ def _report_model(model: str, dtype: str, block_size: int, max_len: int, used: l
     from pagedllm.model.config import load_model_config
 
     cfg = load_model_config(None if model == "default" else model)
-    per_token = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, DTYPE_BYTES[dtype])
+    def per_token_of(name: str) -> int:
+        return kv_dtype_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, name)
+
+    per_token = per_token_of(dtype)
     per_block = per_token * block_size
     print()
     print(f"model: {cfg.name} ({cfg.num_layers} layers, {cfg.num_kv_heads} KV heads x {cfg.head_dim} dims, {dtype})")
     print(f"KV bytes per token: {per_token:,}")
     print(f"KV bytes per block of {block_size}: {per_block:,}")
+    head = f"{'--kv-cache-dtype':>16} {'bytes/token':>12} {'vs float32':>10}"
+    print(head + (f" {'tokens in budget':>17}" if budget else ""))
+    for name in ("float32", "bfloat16", "int8", "fp8"):
+        n = per_token_of(name)
+        fit = f" {budget // (n * block_size) * block_size:>17,}" if budget else ""
+        print(f"{name:>16} {n:>12,} {per_token_of('float32') / n:>9.2f}x{fit}")
     if budget is None:
         return
     blocks = num_blocks_in_budget(budget, per_block)

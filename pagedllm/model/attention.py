@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import pagedllm.model.cpu_kernel as cpu_kernel
+import pagedllm.model.kv_quant as kv_quant
 
 
 @dataclass
@@ -126,9 +127,14 @@ class TorchPagedAttention(PagedAttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        nb, bs, kvh, d = k_cache.shape
-        k_cache.view(nb * bs, kvh, d).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(nb * bs, kvh, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        nb, bs, kvh, w = k_cache.shape
+        if kv_quant.is_quantized(k_cache.dtype):  # written as bytes: codes and a scale per (token, head)
+            for cache, x in ((k_cache, k), (v_cache, v)):
+                cache.view(torch.uint8).view(nb * bs, kvh, w).index_copy_(0, meta.slot_mapping,
+                                                                           kv_quant.quantize(x, cache.dtype))
+        else:
+            k_cache.view(nb * bs, kvh, w).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+            v_cache.view(nb * bs, kvh, w).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
         T, H, _ = q.shape
         g = H // kvh
         if len(meta.groups) == 1 and meta.groups[0].valid is None and meta.groups[0].q_len == 1:
@@ -141,12 +147,13 @@ class TorchPagedAttention(PagedAttentionBackend):
 
     def _group(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, grp: AttentionGroup,
                g: int) -> torch.Tensor:
-        nb, bs, kvh, d = k_cache.shape
+        nb, bs, kvh, _ = k_cache.shape
+        d = q.shape[-1]
         S, mb = grp.block_tables.shape
         Q = grp.q_len
         # [S, mb, bs, kvh, d] -> [S, kvh, L, d]
-        keys = k_cache[grp.block_tables].view(S, mb * bs, kvh, d).transpose(1, 2).to(q.dtype)
-        vals = v_cache[grp.block_tables].view(S, mb * bs, kvh, d).transpose(1, 2).to(q.dtype)
+        keys = _gather(k_cache, grp.block_tables, q.dtype).view(S, mb * bs, kvh, d).transpose(1, 2)
+        vals = _gather(v_cache, grp.block_tables, q.dtype).view(S, mb * bs, kvh, d).transpose(1, 2)
         qq = q[grp.query_index] if not (Q == 1 and S == q.shape[0]) else q
         # [S*Q, H, d] -> [S, Q, kvh, g, d] -> [S, kvh, g*Q, d] (row = gi*Q + qi)
         qq = qq.view(S, Q, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(S, kvh, g * Q, d)
@@ -156,6 +163,13 @@ class TorchPagedAttention(PagedAttentionBackend):
         if grp.valid is not None:
             o = o[grp.valid]
         return o
+
+
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The blocks of `block_tables` ([S, mb]) as `dtype` values: [S, mb, bs, kvh, d] (the portable path)."""
+    if kv_quant.is_quantized(cache.dtype):
+        return kv_quant.dequantize(cache.view(torch.uint8)[block_tables], cache.dtype, dtype)
+    return cache[block_tables].to(dtype)
 
 
 class CpuPagedAttention(TorchPagedAttention):

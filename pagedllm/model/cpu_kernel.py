@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch  # before the kernel loads, so its libgomp resolves to the one torch has already loaded
 
+import pagedllm.model.kv_quant as kv_quant
+
 log = logging.getLogger("pagedllm.model")
 
 CSRC = Path(__file__).parent / "csrc"
@@ -192,10 +194,12 @@ ERRORS = {-1: "out of memory", -2: "bad sizes", -3: "a context length outside th
 
 def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query per sequence. q: [S, H, D]; caches [blocks, block_size, KVH, D]; returns [S, H, D] in q's dtype."""
+    """One query per sequence. q: [S, H, D]; caches [blocks, block_size, KVH, D] (D + D / 16 bytes quantized); returns
+    [S, H, D] in q's dtype."""
     S, H, D = q.shape
-    num_blocks, bs, kvh, d = k_cache.shape
-    if not (supports(q, k_cache, v_cache) and d == D and block_tables.dim() == 2 and block_tables.shape[0] == S
+    num_blocks, bs, kvh, _ = k_cache.shape
+    if not (supports(q, k_cache, v_cache) and kv_quant.head_dim(k_cache) == D and block_tables.dim() == 2
+            and block_tables.shape[0] == S
             and context_lens.shape == (S,) and block_tables.dtype == context_lens.dtype == torch.int64
             and block_tables.is_contiguous() and context_lens.is_contiguous()):
         raise ValueError("decode_attention: tensors do not match the kernel's layout")
@@ -204,14 +208,15 @@ def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v
     rc = lib.paged_decode_attention(
         out.data_ptr(), qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         context_lens.data_ptr(), S, H, kvh, D, bs, block_tables.shape[1], num_blocks, scale,
-        int(k_cache.dtype == torch.bfloat16), torch.get_num_threads())
+        kv_quant.KINDS[k_cache.dtype], torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"paged_decode_attention failed: {ERRORS.get(rc, rc)}")
     return out.to(q.dtype)
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether the kernel can take these tensors: on CPU, K and V caches alike, contiguous, float32 or bfloat16."""
-    return (q.device.type == "cpu" and k_cache.dtype in (torch.float32, torch.bfloat16)
+    """Whether the kernel can take these tensors: on CPU, K and V caches alike, contiguous, of a kind it reads
+    (float32, bfloat16, or quantized: kv_quant.py)."""
+    return (q.device.type == "cpu" and k_cache.dtype in kv_quant.KINDS
             and v_cache.shape == k_cache.shape and v_cache.dtype == k_cache.dtype
             and k_cache.is_contiguous() and v_cache.is_contiguous())

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 import pagedllm.model.cpu_kernel as cpu_kernel
+import pagedllm.model.kv_quant as kv_quant
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.quant import FORMATS, amx_available
 
@@ -31,7 +32,7 @@ class _Layer(ctypes.Structure):
 
 class _Model(ctypes.Structure):
     _fields_ = [("hidden", _I), ("inter", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I), ("layers", _I),
-                ("vocab", _I), ("block_size", _I), ("cache_bf16", _I), ("amx_min_rows", _I), ("num_blocks", _I64),
+                ("vocab", _I), ("block_size", _I), ("cache_kind", _I), ("amx_min_rows", _I), ("num_blocks", _I64),
                 ("max_positions", _I64), ("eps", _F), ("scale", _F), ("final_norm", _P), ("embed", _P),
                 ("lm_head", _P), ("embed_fmt", _I), ("lm_head_fmt", _I), ("cos", _P), ("sin", _P)]
 
@@ -55,7 +56,7 @@ def fusable(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.T
     """Whether the C step can run this model: every weight quantized, CPU caches the kernel reads, kernels built."""
     if cpu_kernel.load() is None or model.quant.get("embed_tokens") is None or model.lm_head_quant is None:
         return False
-    if any(kc.device.type != "cpu" or kc.dtype not in (torch.float32, torch.bfloat16) or not kc.is_contiguous()
+    if any(kc.device.type != "cpu" or kc.dtype not in kv_quant.KINDS or not kc.is_contiguous()
            for kc, _ in kv_caches):
         return False
     return model.config.head_dim % 2 == 0 and all(
@@ -97,7 +98,7 @@ class FusedStep:
         amx = head.amx_min_rows if m.embed_tokens.dtype == torch.bfloat16 and amx_available() else 0
         return _Model(hidden=cfg.hidden_size, inter=cfg.intermediate_size, heads=cfg.num_heads,
                       kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, layers=cfg.num_layers, vocab=cfg.vocab_size,
-                      block_size=self.block_size, cache_bf16=int(k_cache.dtype == torch.bfloat16),
+                      block_size=self.block_size, cache_kind=kv_quant.KINDS[k_cache.dtype],
                       amx_min_rows=amx, num_blocks=k_cache.shape[0], eps=cfg.rms_norm_eps,
                       scale=cfg.head_dim ** -0.5, final_norm=self._f32(m.norm.weight), embed=embed.tiles.data_ptr(),
                       lm_head=head.tiles.data_ptr(), embed_fmt=FORMATS[embed.fmt], lm_head_fmt=FORMATS[head.fmt])

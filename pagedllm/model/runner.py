@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+import pagedllm.model.kv_quant as kv_quant
 from pagedllm.kv.sizing import kv_bytes_per_token
 from pagedllm.model.attention import build_metadata
 from pagedllm.model.config import ModelConfig
@@ -39,12 +40,13 @@ def kv_cache_bytes(config: ModelConfig, num_blocks: int, block_size: int, dtype:
 
 def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """The cache's own tensors in bytes per block: kv/sizing's per-token figure (the one formula) x block_size."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    return kv_bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, elem) * block_size
+    per_row = kv_quant.row_bytes(config.head_dim, dtype)  # a key (or value) vector of one KV head, with any scale
+    return kv_bytes_per_token(config.num_layers, config.num_kv_heads, per_row, 1) * block_size
 
 
 class ModelRunner:
-    """Allocates [num_blocks, block_size, kv_heads, head_dim] K and V tensors per layer; `execute` runs a step."""
+    """Allocates [num_blocks, block_size, kv_heads, head_dim] K and V tensors per layer (head_dim + 2 bytes for a
+    quantized cache: kv_quant.py); `execute` runs a step."""
 
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int,
                  kv_dtype: torch.dtype | None = None, fused: bool = True) -> None:
@@ -60,7 +62,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.block_size = block_size
         cfg = self.config
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = kv_quant.cache_shape(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
             (torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
              torch.zeros(shape, dtype=self.kv_dtype, device=self.device))

@@ -51,15 +51,21 @@ class Tokenizer:
     def convert_ids_to_tokens(self, ids: list[int] | int) -> list[str] | str:
         return self.hf.convert_ids_to_tokens(ids)
 
-    def apply_chat_template_text(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """The prompt text the chat template renders; UserError-free: a template error is a model problem."""
+    def apply_chat_template_text(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                                 tools: list[dict[str, Any]] | None = None) -> str:
+        """The prompt text the chat template renders (with the tools, for a template that shows them);
+        UserError-free: a template error is a model problem."""
         if not self.chat_template:
             raise ModelLoadError("this model's tokenizer has no chat template; use plain prompts instead of chat")
-        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        extra = {"tools": tools} if tools else {}
+        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                           **extra)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of the rendered chat; special tokens come from the template itself, so none are added."""
-        return self.encode(self.apply_chat_template_text(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(self.apply_chat_template_text(messages, add_generation_prompt, tools),
+                           add_special_tokens=False)
 
 
 def _no_bos(folder: str) -> None:

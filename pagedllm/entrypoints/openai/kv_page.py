@@ -93,6 +93,8 @@ class KVBlocksResponse(BaseModel):
     block_size: int
     num_blocks: int
     prefix_caching: bool
+    kv_cache_dtype: str = Field(description="what the cache stores a value as: float32, bfloat16, int8, "
+                                            "float8_e4m3fn or float8_e5m2 (--kv-cache-dtype)")
     counters: KVCounters
     map: KVMap
     blocks: list[KVBlockInfo] | None = Field(description="with ?detail=blocks, every block that is not plain "

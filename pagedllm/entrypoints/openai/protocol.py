@@ -13,7 +13,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
-from pagedllm.sampling_params import MAX_LOGPROBS, SamplingParams
+from pagedllm.entrypoints.openai.tool_calls import ToolMode, tool_mode, tool_schema
+from pagedllm.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError, StructuredOutputsParams
 
 TokenId = Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]  # StrictInt: `true` is not token 1
 Role = Literal["system", "user", "assistant", "tool", "developer"]
@@ -60,10 +61,42 @@ class StreamOptions(OpenAIModel):
     continuous_usage_stats: StrictBool = False
 
 
-class ResponseFormat(OpenAIModel):
-    """Only plain text: structured output (json_object, json_schema) would need guided decoding."""
+class JsonSchemaFormat(OpenAIModel):
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] | bool = Field({}, alias="schema")  # `schema` would shadow pydantic's
+    strict: StrictBool | None = None
 
-    type: Literal["text"]
+
+class ResponseFormat(OpenAIModel):
+    """OpenAI's: plain text, any JSON object, or JSON that follows a schema (held to it while decoding)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format: type json_schema needs a json_schema {\"name\", \"schema\"}")
+        return self
+
+
+class StructuredOutputsBody(OpenAIModel):
+    """vLLM's `structured_outputs` field (its StructuredOutputsParams): exactly one constraint."""
+
+    json_: str | dict[str, Any] | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: StrictBool | None = None
+    whitespace_pattern: str | None = None
+    structural_tag: Any = Field(None, description="not supported")
+
+    def params(self) -> StructuredOutputsParams:
+        if self.structural_tag is not None:
+            raise ValueError("structured_outputs: structural_tag is not supported")
+        return StructuredOutputsParams(json=self.json_, regex=self.regex, choice=self.choice, grammar=self.grammar,
+                                       json_object=self.json_object, whitespace_pattern=self.whitespace_pattern)
 
 
 class SamplingRequest(RequestModel):
@@ -74,7 +107,7 @@ class SamplingRequest(RequestModel):
     best_of: StrictInt | None = Field(None, description="only n (or null): one sample is one choice")
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
-    stop: Union[str, list[str], None] = None
+    stop: str | list[str] | None = None
     seed: StrictInt | None = Field(None, ge=-(2**63), le=2**64 - 1)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
@@ -83,6 +116,13 @@ class SamplingRequest(RequestModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+    guided_json: str | dict[str, Any] | None = None  # vLLM's older names for structured_outputs
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = Field(None, description="accepted and ignored: llguidance serves all")
     # vLLM extras
     top_k: StrictInt | None = Field(None, ge=-1, le=2**31 - 1)
     min_p: float | None = Field(None, ge=0, le=1)
@@ -110,7 +150,30 @@ class SamplingRequest(RequestModel):
             raise ValueError("stop: at most 16 stop strings")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of: only best_of == n is supported (got best_of {self.best_of}, n {self.n})")
+        self.constraint()  # one constraint at most, each well-formed
         return self
+
+    def constraint(self) -> tuple[str, StructuredOutputsParams] | None:
+        """The structured-output constraint asked for, and the field that asked (errors name it)."""
+        found = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            found.append(("response_format", StructuredOutputsParams(json_object=True)))
+        elif fmt is not None and fmt.type == "json_schema" and fmt.json_schema is not None:
+            found.append(("response_format", StructuredOutputsParams(json=fmt.json_schema.json_schema)))
+        if self.structured_outputs is not None:
+            found.append(("structured_outputs", self.structured_outputs.params()))
+        guided = {"json": self.guided_json, "regex": self.guided_regex, "choice": self.guided_choice,
+                  "grammar": self.guided_grammar}
+        for kind, value in guided.items():
+            if value is not None:
+                so = StructuredOutputsParams(whitespace_pattern=self.guided_whitespace_pattern)
+                setattr(so, kind, value)
+                found.append((f"guided_{kind}", so))
+        if len(found) > 1:
+            raise ValueError(f"{found[1][0]}: only one structured-output constraint per request, got "
+                             f"{' and '.join(name for name, _ in found)}")
+        return found[0] if found else None
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """The fields that map one to one onto SamplingParams; None means the engine's default."""
@@ -126,9 +189,26 @@ class SamplingRequest(RequestModel):
                   skip_special_tokens=self.skip_special_tokens)
         return kw
 
+    def make_params(self, constraint: tuple[str, StructuredOutputsParams] | None, **kw: Any) -> SamplingParams:
+        """SamplingParams with the constraint; a schema, regex or grammar that does not compile is a 400 naming
+        the field the client sent (response_format, structured_outputs, guided_json, tools)."""
+        field_name, so = constraint or (None, None)
+        try:
+            return SamplingParams(structured_outputs=so, **kw)
+        except SamplingParamsError as e:
+            if field_name is None or not e.param.startswith("structured_outputs"):
+                raise
+            reason = str(e).split(": ", 1)[1]
+            raise SamplingParamsError(field_name, f"{_FIELD_WHAT[field_name]} is not usable: {reason}") from None
+
+
+_FIELD_WHAT = {"response_format": "the JSON schema", "structured_outputs": "the constraint", "tools": "the tools' "
+               "parameters schema", "guided_json": "the JSON schema", "guided_regex": "the regex",
+               "guided_choice": "the choices", "guided_grammar": "the grammar"}
+
 
 class CompletionRequest(SamplingRequest):
-    prompt: Union[list[TokenId], list[list[TokenId]], str, list[str]]
+    prompt: list[TokenId] | list[list[TokenId]] | str | list[str]
     max_tokens: StrictInt | None = Field(16, ge=0, description="0: score the prompt only (with echo/logprobs)")
     echo: StrictBool = False
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -147,12 +227,12 @@ class CompletionRequest(SamplingRequest):
         kw = self.sampling_kwargs()
         if self.echo and self.logprobs is not None:  # echo + logprobs: the prompt's tokens get logprobs too
             kw["prompt_logprobs"] = max(self.logprobs, kw.get("prompt_logprobs", 0))
-        return SamplingParams(max_tokens=max_tokens, logprobs=self.logprobs, **kw)
+        return self.make_params(self.constraint(), max_tokens=max_tokens, logprobs=self.logprobs, **kw)
 
 
 class ChatMessage(OpenAIModel):
     role: Role
-    content: Union[str, list[dict[str, Any]], None] = None
+    content: str | list[dict[str, Any]] | None = None
     name: str | None = None
 
     def text(self) -> str:
@@ -176,7 +256,8 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Union[str, dict[str, Any], None] = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool = True
     functions: list[dict[str, Any]] | None = None
     echo: StrictBool = False
 
@@ -188,11 +269,10 @@ class ChatCompletionRequest(SamplingRequest):
         if limit is not None and self.min_tokens > limit:
             raise ValueError(f"min_tokens: ({self.min_tokens}) must be <= max_tokens ({limit})")
         if self.functions:
-            raise ValueError("functions: function calling is not supported")
-        if self.tools and self.tool_choice != "none":
-            raise ValueError("tool_choice: tool calling is not supported; send tool_choice \"none\" or no tools")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise ValueError(f"tool_choice: tool calling is not supported (got {self.tool_choice!r})")
+            raise ValueError("functions: the deprecated functions field is not supported; send tools")
+        mode, constraint = self.tool_mode, self.constraint()
+        if mode is not None and mode.kind != "auto" and constraint is not None:
+            raise ValueError(f"tool_choice: a tool choice and {constraint[0]} cannot be combined")
         if self.continue_final_message:
             raise ValueError("continue_final_message: not supported")
         if self.echo:
@@ -204,12 +284,21 @@ class ChatCompletionRequest(SamplingRequest):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     @property
+    def tool_mode(self) -> ToolMode | None:
+        return tool_mode(self.tools, self.tool_choice)
+
+    @property
     def top_k_logprobs(self) -> int | None:
         """Logprobs per generated token: None when not asked for, else how many alternatives."""
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
-        return SamplingParams(max_tokens=max_tokens, logprobs=self.top_k_logprobs, **self.sampling_kwargs())
+        mode, constraint = self.tool_mode, self.constraint()
+        if mode is not None and mode.kind != "auto":
+            schema = tool_schema(self.tools or [], mode, self.parallel_tool_calls)
+            constraint = ("tools", StructuredOutputsParams(json=schema))
+        return self.make_params(constraint, max_tokens=max_tokens, logprobs=self.top_k_logprobs,
+                                **self.sampling_kwargs())
 
 
 class TokenizeRequest(RequestModel):

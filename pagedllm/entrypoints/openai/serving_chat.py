@@ -1,7 +1,11 @@
 """POST /v1/chat/completions: the messages rendered with the model's chat template, then one engine request
-with n samples, answered whole or streamed. The RAG route reuses `prepare`, `full` and `stream`."""
+with n samples, answered whole or streamed. The RAG route reuses `prepare`, `full` and `stream`.
+
+With tools and tool_choice "required" or a named function, the answer is decoded under the tools' schema and
+returned as `tool_calls` (tool_calls.py); "auto" needs a chat template that shows the model its tools."""
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -10,11 +14,24 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request, Response
 
 from pagedllm.engine.outputs import CompletionOutput, RequestOutput
-from pagedllm.entrypoints.openai.errors import ERROR_RESPONSES
+from pagedllm.entrypoints.openai.errors import ERROR_RESPONSES, APIError
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatCompletionResponse
-from pagedllm.entrypoints.openai.serving_engine import (ServingContext, EngineRequest, cancel_on_disconnect, request_id,
-                                                        serving)
+from pagedllm.entrypoints.openai.serving_engine import (
+    EngineRequest,
+    ServingContext,
+    cancel_on_disconnect,
+    request_id,
+    serving,
+)
 from pagedllm.entrypoints.openai.streaming import Chunks, SSEResponse, pieces
+from pagedllm.entrypoints.openai.tool_calls import (
+    HERMES_OPEN,
+    ToolCallStream,
+    ToolMode,
+    auto_tools_supported,
+    parse_hermes,
+    parse_tool_calls,
+)
 from pagedllm.sampling_params import SamplingParams
 
 router = APIRouter()
@@ -30,17 +47,41 @@ class Prepared:
 async def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> Prepared:
     model = ctx.check_model(req.model)
     ctx.check_n(req.n)
-    ids = await ctx.chat_prompt_ids(req.messages, req.add_generation_prompt)
+    mode = req.tool_mode
+    if mode is not None and mode.kind == "auto" and not auto_tools_supported(ctx.engine.tokenizer.chat_template):
+        raise APIError("tool_choice \"auto\" needs a chat template that shows the model its tools and a parser "
+                       "for its tool-call format; this model's template has no tools: send tool_choice "
+                       "\"required\", a named function or \"none\"", 400, param="tool_choice")
+    tools = req.tools if mode is not None else None
+    ids = await ctx.chat_prompt_ids(req.messages, req.add_generation_prompt, tools)
     max_tokens = ctx.check_length(len(ids), req.effective_max_tokens, req.min_tokens, "messages")
-    return Prepared(model, ids, req.to_sampling_params(max_tokens))
+    if mode is None and req.constraint() is None:
+        return Prepared(model, ids, req.to_sampling_params(max_tokens))
+    # compiling a schema's grammar to check it takes milliseconds: off the event loop
+    return Prepared(model, ids, await asyncio.to_thread(req.to_sampling_params, max_tokens))
+
+
+def _message(mode: ToolMode | None, c: CompletionOutput) -> tuple[dict[str, Any], str | None]:
+    """The assistant message and finish reason: tool calls when the answer parses as them (OpenAI finishes a
+    "required" answer with "tool_calls" and a named one with "stop"), else the text as it is."""
+    if mode is not None and mode.kind == "auto":
+        content, calls = parse_hermes(c.text)
+        return ({"role": "assistant", "content": content, "tool_calls": calls},
+                "tool_calls" if calls else c.finish_reason)
+    parsed = parse_tool_calls(c.text, mode) if mode is not None and c.finish_reason == "stop" else None
+    if mode is None or parsed is None:
+        return {"role": "assistant", "content": c.text, "tool_calls": []}, c.finish_reason
+    return ({"role": "assistant", "content": None, "tool_calls": parsed},
+            "tool_calls" if mode.kind == "required" else "stop")
 
 
 def _choice(ctx: ServingContext, req: ChatCompletionRequest, s: EngineRequest, c: CompletionOutput) -> dict[str, Any]:
     ctx.check_error(c)
     k = req.top_k_logprobs
-    return {"index": s.base + c.index, "message": {"role": "assistant", "content": c.text, "tool_calls": []},
+    message, finish_reason = _message(req.tool_mode, c)
+    return {"index": s.base + c.index, "message": message,
             "logprobs": ctx.chat_logprobs(c, 0, len(c.token_ids), k) if k is not None else None,
-            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            "finish_reason": finish_reason, "stop_reason": c.stop_reason}
 
 
 async def full(ctx: ServingContext, req: ChatCompletionRequest, prep: Prepared, subs: list[EngineRequest],
@@ -60,15 +101,44 @@ async def _chunks(ctx: ServingContext, req: ChatCompletionRequest, subs: list[En
     for i in range(req.n):
         yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None}])
-    k = req.top_k_logprobs
+    k, mode = req.top_k_logprobs, req.tool_mode
+    calls: dict[int, ToolCallStream] = {}
+    sent: dict[int, int] = {}  # "auto": content characters sent per choice
     async for s, out, c, p in pieces(ctx, subs):
-        yield chunk([{"index": p.index, "delta": {"content": p.text} if p.text or not p.done else {},
+        finish = c.finish_reason if p.done else None
+        delta: dict[str, Any] = {}
+        if mode is None:
+            delta = {"content": p.text} if p.text or not p.done else {}
+        elif mode.kind == "auto":
+            delta = _auto_delta(c, sent.get(p.index, 0), p.done)
+            sent[p.index] = sent.get(p.index, 0) + len(delta.get("content", ""))
+            finish = _message(mode, c)[1] if p.done else None
+        else:  # the arguments stream as they grow; the finish reason is the one the whole answer would get
+            deltas = calls.setdefault(p.index, ToolCallStream(mode)).deltas(c.text)
+            delta = {"tool_calls": deltas} if deltas else {}
+            finish = _message(mode, c)[1] if p.done else None
+        yield chunk([{"index": p.index, "delta": delta,
                       "logprobs": ctx.chat_logprobs(c, p.tokens_from, p.tokens_to, k) if k is not None else None,
-                      "finish_reason": c.finish_reason if p.done else None,
-                      "stop_reason": c.stop_reason if p.done else None}],
+                      "finish_reason": finish, "stop_reason": c.stop_reason if p.done else None}],
                     ctx.partial_usage(s, out) if chunk.continuous else None)
     if chunk.include_usage:
         yield chunk([], ctx.usage(subs))
+
+
+def _auto_delta(c: CompletionOutput, sent: int, done: bool) -> dict[str, Any]:
+    """"auto", streamed: the text before any `<tool_call>` as content (a partial tag held back), the calls
+    whole once the answer is done."""
+    cut = c.text.find(HERMES_OPEN)
+    if cut < 0 and not done:
+        cut = next((i for i in range(max(0, len(c.text) - len(HERMES_OPEN)), len(c.text))
+                    if HERMES_OPEN.startswith(c.text[i:])), len(c.text))
+    text = c.text if cut < 0 else c.text[:cut]
+    delta: dict[str, Any] = {"content": text[sent:]} if len(text) > sent else {}
+    if done:
+        _, calls = parse_hermes(c.text)
+        if calls:
+            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
+    return delta
 
 
 def stream(ctx: ServingContext, req: ChatCompletionRequest, prep: Prepared, subs: list[EngineRequest], rid: str,
@@ -83,7 +153,8 @@ def stream(ctx: ServingContext, req: ChatCompletionRequest, prep: Prepared, subs
     **ERROR_RESPONSES})
 async def create_chat_completion(req: ChatCompletionRequest, request: Request,
                                  ctx: ServingContext = Depends(serving)) -> Response | dict[str, Any]:
-    """OpenAI's chat completions (text only, no tool calling), with vLLM's extra sampling parameters."""
+    """OpenAI's chat completions (text only), with structured outputs, tool calls and vLLM's extra sampling
+    parameters."""
     rid = request_id(request, req.request_id, "chatcmpl")
     prep = await prepare(ctx, req)
     subs = await ctx.submit([prep.prompt_ids], prep.params, rid)

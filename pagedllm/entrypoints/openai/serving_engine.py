@@ -57,13 +57,15 @@ class ServingContext:
         seconds and the event loop must keep serving every other request meanwhile."""
         return await asyncio.to_thread(self.engine.tokenizer.encode, text, add_special_tokens)
 
-    async def chat_prompt_ids(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    async def chat_prompt_ids(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                              tools: list[dict[str, Any]] | None = None) -> list[int]:
         try:
             msgs = [{"role": m.role, "content": m.text()} for m in messages]
         except ValueError as e:
             raise APIError(str(e), 400, param="messages") from None
         try:
-            return await asyncio.to_thread(self.engine.tokenizer.apply_chat_template, msgs, add_generation_prompt)
+            return await asyncio.to_thread(self.engine.tokenizer.apply_chat_template, msgs, add_generation_prompt,
+                                           tools)
         except Exception as e:  # a template that refuses the conversation (roles out of order, ...)
             raise APIError(f"Cannot apply the chat template to these messages: {e}", 400, param="messages") from None
 

@@ -39,7 +39,7 @@ typedef struct {
 } StepLayer;
 
 typedef struct {
-    int hidden, inter, heads, kv_heads, head_dim, layers, vocab, block_size, cache_bf16, amx_min_rows;
+    int hidden, inter, heads, kv_heads, head_dim, layers, vocab, block_size, cache_kind, amx_min_rows;
     int64_t num_blocks, max_positions;
     float eps, scale;
     const float *final_norm;
@@ -169,17 +169,69 @@ static void rope(float *x, const float *cos, const float *sin, int D) {
     }
 }
 
-static void store_row(void *cache, int64_t offset, const float *src, int n, int bf16) {
-    if (!bf16) {
-        memcpy((float *)cache + offset, src, (size_t)n * sizeof(float));
-        return;
+/* float -> float8 (e4m3fn: m = 3, bias = 7; e5m2: m = 2, bias = 15), round to nearest even, as torch's
+ * .to(float8_*); |x| is within the format's range (the caller scales it there). */
+static uint8_t to_fp8(float x, int m, int bias) {
+    const uint8_t sign = signbit(x) ? 0x80 : 0;
+    const float a = fabsf(x);
+    if (!(a > 0.0f)) return sign;
+    int e;
+    frexpf(a, &e); /* a = f 2^e, f in [0.5, 1): the exponent is e - 1 */
+    int E = e - 1 < 1 - bias ? 1 - bias : e - 1;
+    float r = rintf(ldexpf(a, m - E)); /* mantissa with its leading bit, in units of the last place */
+    if (r >= (float)(2 << m)) {        /* rounded up into the next binade */
+        r = (float)(1 << m);
+        E++;
     }
-    uint16_t *dst = (uint16_t *)cache + offset;
-    for (int i = 0; i < n; i++) { /* round to nearest even, as torch's .to(bfloat16); NaN stays NaN */
-        uint32_t u;
-        memcpy(&u, src + i, 4);
-        dst[i] = (u & 0x7fffffff) > 0x7f800000 ? (uint16_t)((u >> 16) | 64)
-                                               : (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+    if (r < (float)(1 << m)) return sign | (uint8_t)r; /* subnormal */
+    return sign | (uint8_t)((E + bias) << m) | (uint8_t)((int)r - (1 << m));
+}
+
+static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch's .to(bfloat16); NaN stays NaN */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return (u & 0x7fffffff) > 0x7f800000 ? (uint16_t)((u >> 16) | 64)
+                                         : (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+}
+
+/* One group of a quantized cache row: n codes at `codes` and their bfloat16 scale at `scale_at`, as
+ * kv_quant.quantize writes them: the scale is amax / the format's largest value, rounded up to a bfloat16 so no
+ * code overflows. */
+static void store_group(uint8_t *codes, uint8_t *scale_at, const float *src, int n, int kind) {
+    const float top = kind == KV_INT8 ? 127.0f : kind == KV_FP8_E4M3 ? 448.0f : 57344.0f;
+    float amax = 0.0f;
+    for (int j = 0; j < n; j++) amax = fabsf(src[j]) > amax ? fabsf(src[j]) : amax;
+    float scale = amax / top;
+    scale = scale < 0x1p-100f ? 0x1p-100f : scale;
+    uint32_t bits;
+    memcpy(&bits, &scale, 4);
+    bits = (bits + 0xffff) & 0xffff0000u;
+    memcpy(&scale, &bits, 4);
+    for (int j = 0; j < n; j++) {
+        float q = src[j] / scale;
+        q = q > top ? top : q < -top ? -top : q;
+        codes[j] = kind == KV_INT8 ? (uint8_t)(int8_t)rintf(q) : to_fp8(q, kind == KV_FP8_E4M3 ? 3 : 2,
+                                                                           kind == KV_FP8_E4M3 ? 7 : 15);
+    }
+    scale_at[0] = (uint8_t)(bits >> 16);
+    scale_at[1] = (uint8_t)(bits >> 24);
+}
+
+/* Token `slot`'s keys (or values) for all KVH heads into the cache. */
+static void store_row(void *cache, int64_t slot, const float *src, int KVH, int D, int kind) {
+    const int64_t n = (int64_t)KVH * D;
+    if (kind == KV_F32) {
+        memcpy((float *)cache + slot * n, src, (size_t)n * sizeof(float));
+    } else if (kind == KV_BF16) {
+        uint16_t *dst = (uint16_t *)cache + slot * n;
+        for (int64_t i = 0; i < n; i++) dst[i] = to_bf16(src[i]);
+    } else {
+        const int G = kv_group(D);
+        for (int h = 0; h < KVH; h++) {
+            uint8_t *row = (uint8_t *)cache + (slot * KVH + h) * kv_row_bytes(D);
+            for (int g = 0; g < D / G; g++)
+                store_group(row + g * G, row + D + 2 * g, src + (int64_t)h * D + g * G, G, kind);
+        }
     }
 }
 
@@ -254,9 +306,8 @@ static void rope_and_store(const StepModel *m, const StepLayer *L, const StepBat
     float *row = qkv + (int64_t)t * width;
     const float *cos = m->cos + b->positions[t] * D, *sin = m->sin + b->positions[t] * D;
     for (int h = 0; h < H + KVH; h++) rope(row + h * D, cos, sin, D);
-    const int64_t at = b->slots[t] * KVH * D;
-    store_row(L->k_cache, at, row + H * D, KVH * D, m->cache_bf16);
-    store_row(L->v_cache, at, row + (H + KVH) * D, KVH * D, m->cache_bf16);
+    store_row(L->k_cache, b->slots[t], row + H * D, KVH, D, m->cache_kind);
+    store_row(L->v_cache, b->slots[t], row + (H + KVH) * D, KVH, D, m->cache_kind);
 }
 
 /* Item i of `split` per tile (KV heads or query heads): those query heads of the tile's tokens over the
@@ -268,7 +319,7 @@ static void attention(const StepModel *m, const StepLayer *L, const StepBatch *b
     const int end = tile + 1 < buf->n_tiles ? buf->tiles[tile + 1] : b->T;
     Args a = {buf->attn + (int64_t)t * H * D, buf->qkv + (int64_t)t * width, L->k_cache, L->v_cache,
               b->block_tables + b->seq[t] * b->max_blocks, buf->ctx + t, H, KVH, D, m->block_size, b->max_blocks,
-              m->cache_bf16, m->scale, 0, end - t, width, H * D};
+              m->cache_kind, m->scale, 0, end - t, width, H * D};
     paged_attention_heads(&a, 0, h0, h0 + H / split, sc->scores, sc->block);
 }
 
@@ -345,7 +396,8 @@ static void work(const Phase *ph, int n, int *next, int *done, const StepModel *
 /* Every index the step will follow is checked first: 0, or -2 bad sizes, -3 a context longer than its block
  * table, -4 a block id outside the cache, -5 a token id, position, sequence, slot or logit row out of range. */
 static int check(const StepModel *m, const StepBatch *b, int64_t *ctx, int64_t *max_ctx) {
-    if (b->T <= 0 || b->R < 0 || m->heads % m->kv_heads || m->head_dim % 2 || m->hidden % 32 || m->inter % 32)
+    if (b->T <= 0 || b->R < 0 || m->heads % m->kv_heads || m->head_dim % 2 || m->hidden % 32 || m->inter % 32 ||
+        m->cache_kind < KV_F32 || m->cache_kind > KV_FP8_E5M2)
         return -2;
     *max_ctx = 0;
     for (int t = 0; t < b->T; t++) {

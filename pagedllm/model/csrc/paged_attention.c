@@ -8,7 +8,9 @@
  *
  * Layouts (row-major, contiguous):
  *   q, out        [S, H, D] float32
- *   k/v caches    [num_blocks, block_size, KVH, D], float32 or bfloat16 (cache_bf16 = 1)
+ *   k/v caches    [num_blocks, block_size, KVH, D], float32 or bfloat16 (cache_kind KV_F32 / KV_BF16), or
+ *                 quantized (KV_INT8, KV_FP8_E4M3, KV_FP8_E5M2): [num_blocks, block_size, KVH, kv_row_bytes(D)]
+ *                 bytes, each (token, KV head) row D one-byte codes and a bfloat16 scale per kv_group(D) of them
  *   block_tables  [S, max_blocks] int64, context_lens [S] int64 (tokens to attend, including the new one)
  *
  * Where the speed comes from: four keys are dotted with a query at once, so the FMA chains run side by side;
@@ -28,25 +30,78 @@
 
 typedef uint32_t u32_alias __attribute__((may_alias)); /* float bits, written as integers */
 
-/* A block's n rows (of W floats) as float32: in place for a float32 cache; for bfloat16, columns [c0, c1) of
- * each row (the KV heads the caller reads) widened into `buf`, at the same place as in the cache. */
-static inline const float *load_block(float *buf, const void *cache, int64_t offset, int n, int64_t W, int c0,
-                                      int c1, int bf16) {
-    if (!bf16) return (const float *)cache + offset;
-    const uint16_t *src = (const uint16_t *)cache + offset;
+static float fp8_values[2][256]; /* code -> value of float8 e4m3fn ([0]) and e5m2 ([1]); filled at load */
+
+__attribute__((constructor)) static void fill_fp8_values(void) {
+    for (int f = 0; f < 2; f++) {
+        const int m = f == 0 ? 3 : 2, bias = f == 0 ? 7 : 15;
+        for (int c = 0; c < 256; c++) {
+            const int e = (c & 0x7f) >> m, mant = c & ((1 << m) - 1);
+            float v = e ? ldexpf(1.0f + (float)mant / (1 << m), e - bias) : ldexpf((float)mant / (1 << m), 1 - bias);
+            if (f == 0 && (c & 0x7f) == 0x7f) v = NAN;             /* e4m3fn: no infinities, one NaN */
+            if (f == 1 && e == 31) v = mant ? NAN : INFINITY;
+            fp8_values[f][c] = c & 0x80 ? -v : v;
+        }
+    }
+}
+
+/* Columns [c0, c1) (the KV heads the caller reads, c0 and c1 multiples of D) of a quantized block's n rows,
+ * widened to float32 into `buf` at the same place as a float32 cache holds them: one (token, head) row of D
+ * codes and their bfloat16 scales at a time. */
+static inline void widen_quantized(float *buf, const uint8_t *block, int n, int KVH, int D, int c0, int c1,
+                                   int kind) {
+    const int64_t W = (int64_t)KVH * D, R = kv_row_bytes(D);
+    const int G = kv_group(D);
+    const float *lut = kind == KV_FP8_E5M2 ? fp8_values[1] : fp8_values[0];
+    for (int t = 0; t < n; t++)
+        for (int h = c0 / D; h < c1 / D; h++) {
+            const uint8_t *row = block + ((int64_t)t * KVH + h) * R, *scales = row + D;
+            float *dst = buf + t * W + (int64_t)h * D;
+            for (int g = 0; g < D / G; g++) {
+                const uint32_t bits = (uint32_t)(scales[2 * g] | scales[2 * g + 1] << 8) << 16;
+                float scale;
+                memcpy(&scale, &bits, 4);
+                const uint8_t *codes = row + g * G;
+                float *out = dst + g * G;
+                if (kind == KV_INT8)
+                    for (int j = 0; j < G; j++) out[j] = scale * (float)(int8_t)codes[j];
+                else
+                    for (int j = 0; j < G; j++) out[j] = scale * lut[codes[j]];
+            }
+        }
+}
+
+/* Block `block`'s first n rows (of W = KVH * D floats) as float32: in place for a float32 cache; otherwise
+ * columns [c0, c1) of each row (the KV heads the caller reads) widened into `buf`, at the same place as in a
+ * float32 cache. */
+static inline const float *load_block(float *buf, const void *cache, int64_t block, int n, int bs, int KVH, int D,
+                                      int c0, int c1, int kind) {
+    const int64_t W = (int64_t)KVH * D;
+    if (kind == KV_F32) return (const float *)cache + block * bs * W;
+    if (kind != KV_BF16) {
+        widen_quantized(buf, (const uint8_t *)cache + block * bs * KVH * (int64_t)kv_row_bytes(D), n, KVH, D, c0, c1,
+                        kind);
+        return buf;
+    }
+    const uint16_t *src = (const uint16_t *)cache + block * bs * W;
     u32_alias *dst = (u32_alias *)buf;
     for (int t = 0; t < n; t++)
         for (int64_t j = t * W + c0; j < t * W + c1; j++) dst[j] = ((uint32_t)src[j]) << 16;
     return buf;
 }
 
-/* Ask for the columns [c0, c1) of a block's n rows (the KV heads the caller reads) ahead of use: blocks lie
- * anywhere, so the hardware prefetcher cannot guess the next one. Only those columns: a call for one head
- * that prefetched whole blocks spent most of its time in prefetches of lines it never read. */
-static inline void prefetch(const void *cache, int64_t offset, int n, int64_t W, int c0, int c1, int elem) {
-    const char *p = (const char *)cache + offset * elem;
+/* Ask for the bytes of columns [c0, c1) of a block's n rows (the KV heads the caller reads) ahead of use:
+ * blocks lie anywhere, so the hardware prefetcher cannot guess the next one. Only those columns: a call for
+ * one head that prefetched whole blocks spent most of its time in prefetches of lines it never read. */
+static inline void prefetch(const void *cache, int64_t block, int n, int bs, int KVH, int D, int c0, int c1,
+                            int kind) {
+    const int64_t row = kind == KV_F32 ? 4 * (int64_t)KVH * D : kind == KV_BF16 ? 2 * (int64_t)KVH * D
+                                                                                : (int64_t)KVH * kv_row_bytes(D);
+    const int64_t b0 = kind == KV_F32 ? 4 * c0 : kind == KV_BF16 ? 2 * c0 : c0 / D * kv_row_bytes(D);
+    const int64_t b1 = kind == KV_F32 ? 4 * c1 : kind == KV_BF16 ? 2 * c1 : c1 / D * kv_row_bytes(D);
+    const char *p = (const char *)cache + block * bs * row;
     for (int t = 0; t < n; t++)
-        for (int64_t j = (t * W + c0) * elem; j < (t * W + c1) * elem; j += 64) __builtin_prefetch(p + j, 0, 1);
+        for (int64_t j = t * row + b0; j < t * row + b1; j += 64) __builtin_prefetch(p + j, 0, 1);
 }
 
 typedef float v8 __attribute__((vector_size(32)));             /* 8 floats: one AVX register, two on NEON */
@@ -141,8 +196,8 @@ static void softmax_rows(float *scores, int h0, int h1, int64_t ctx, int64_t str
  * are one row of W = KVH * D, and a block is block_size rows back to back. */
 static inline __attribute__((always_inline)) void one_seq_impl(const Args *a, int s, int h0, int h1, float *scores,
                                                                float *buf, const int D) {
-    const int H = a->H, KVH = a->KVH, G = H / KVH, bs = a->block_size, bf16 = a->cache_bf16, nq = a->nq;
-    const int elem = bf16 ? 2 : 4, c0 = (h0 / G) * D, c1 = ((h1 - 1) / G + 1) * D;
+    const int H = a->H, KVH = a->KVH, G = H / KVH, bs = a->block_size, kind = a->cache_kind, nq = a->nq;
+    const int c0 = (h0 / G) * D, c1 = ((h1 - 1) / G + 1) * D;
     const int64_t ctx = a->context_lens[s], last = ctx + nq - 1, W = (int64_t)KVH * D;
     const int64_t *table = a->block_tables + (int64_t)s * a->max_blocks;
     const float *q = a->q + (int64_t)s * H * D; /* head h uses KV head h / G */
@@ -157,9 +212,9 @@ static inline __attribute__((always_inline)) void one_seq_impl(const Args *a, in
         }
         for (int64_t b = 0; b < nblocks; b++) {
             const int64_t first = b * bs;
-            if (b + 1 < nblocks) prefetch(cache, table[b + 1] * bs * W, bs, W, c0, c1, elem);
-            const float *rows = load_block(buf, cache, table[b] * bs * W, (int)(last - first < bs ? last - first : bs),
-                                           W, c0, c1, bf16);
+            if (b + 1 < nblocks) prefetch(cache, table[b + 1], bs, bs, KVH, D, c0, c1, kind);
+            const float *rows = load_block(buf, cache, table[b], (int)(last - first < bs ? last - first : bs), bs,
+                                           KVH, D, c0, c1, kind);
             for (int i = 0; i < nq; i++) {
                 const int n = (int)(ctx + i - first < bs ? ctx + i - first : bs);
                 const float *qi = q + (int64_t)i * a->q_stride;
@@ -219,13 +274,15 @@ int paged_attention_check(const Args *a, int S, int64_t num_blocks, int64_t *max
  * cache, -1 out of memory. */
 int paged_decode_attention(float *out, const float *q, const void *k_cache, const void *v_cache,
                            const int64_t *block_tables, const int64_t *context_lens, int S, int H, int KVH,
-                           int D, int block_size, int max_blocks, int64_t num_blocks, float scale, int cache_bf16,
+                           int D, int block_size, int max_blocks, int64_t num_blocks, float scale, int cache_kind,
                            int num_threads) {
-    if (S <= 0 || H <= 0 || KVH <= 0 || H % KVH != 0 || D <= 0 || block_size <= 0) return -2;
+    if (S <= 0 || H <= 0 || KVH <= 0 || H % KVH != 0 || D <= 0 || block_size <= 0 || cache_kind < KV_F32 ||
+        cache_kind > KV_FP8_E5M2)
+        return -2;
     if (num_threads < 1) num_threads = 1;
     if (num_threads > S) num_threads = S; /* one sequence per thread at least: waking idle threads costs more */
     Args a = {out, q, k_cache, v_cache, block_tables, context_lens, H, KVH, D, block_size, max_blocks,
-              cache_bf16, scale, 0, 1, H * D, H * D};
+              cache_kind, scale, 0, 1, H * D, H * D};
     /* A bad context length or block id would read outside the cache: refuse the call instead. */
     const int bad = paged_attention_check(&a, S, num_blocks, &a.max_ctx);
     if (bad) return bad;

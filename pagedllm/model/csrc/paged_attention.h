@@ -3,14 +3,21 @@
 #define PAGEDLLM_PAGED_ATTENTION_H
 #include <stdint.h>
 
+/* What a KV cache holds: float32, bfloat16, or one-byte codes with a bfloat16 scale per group of 32 (llama.cpp's
+ * q8_0 groups; one group per row when 32 does not divide D): a (token, KV head) row is D codes then the scales
+ * (model/kv_quant.py). */
+enum { KV_F32, KV_BF16, KV_INT8, KV_FP8_E4M3, KV_FP8_E5M2 };
+static inline int kv_group(int D) { return D % 32 == 0 ? 32 : D; }
+static inline int kv_row_bytes(int D) { return D + 2 * (D / kv_group(D)); }
+
 typedef struct {
     float *out;                 /* [S, H, D] */
     const float *q;             /* [S, H, D] */
-    const void *k_cache;        /* [num_blocks, block_size, KVH, D], float32 or bfloat16 */
+    const void *k_cache; /* [num_blocks, block_size, KVH, D] float32 / bfloat16, or [..., kv_row_bytes(D)] bytes */
     const void *v_cache;
     const int64_t *block_tables; /* [S, max_blocks] */
     const int64_t *context_lens; /* [S] */
-    int H, KVH, D, block_size, max_blocks, cache_bf16;
+    int H, KVH, D, block_size, max_blocks, cache_kind; /* cache_kind: KV_F32 ... */
     float scale;
     int64_t max_ctx;
     int nq, q_stride, out_stride; /* queries per sequence (consecutive tokens), floats between their rows */

@@ -47,7 +47,7 @@ async function poll() {
 
 function render(d) {
   $("pool").textContent = `${d.num_blocks.toLocaleString()} blocks of ${d.block_size} tokens · ${d.allocation}` +
-    ` allocation · prefix caching ${d.prefix_caching ? "on" : "off"}` +
+    ` allocation · KV ${d.kv_cache_dtype} · prefix caching ${d.prefix_caching ? "on" : "off"}` +
     (d.map.blocks_per_cell > 1 ? ` · ${d.map.blocks_per_cell} blocks per cell` : "");
   renderLegend(d.map);
   renderCounters(d);

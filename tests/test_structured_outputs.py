@@ -1,0 +1,360 @@
+"""Structured outputs and tool calls (issue 21): every constraint the API takes holds the answer to it, on a real
+server over the default model with prompt-lookup speculation on and a tiny KV budget (so requests preempt), and
+every bad schema, regex or grammar is a 400 naming its field, with no block left behind.
+
+One server for the module (float32, 24 KV blocks); few tokens per request.
+"""
+from __future__ import annotations
+
+import json
+import re
+from concurrent.futures import Future
+
+import jsonschema
+import openai
+import pydantic
+import pytest
+from server_helpers import KEY, assert_error, assert_pool_whole, running_server, sse_events
+
+from pagedllm.entrypoints.openai.tool_calls import ToolCallStream, ToolMode, parse_hermes, scan_calls
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+ENGINE_ARGS = dict(dtype="float32", max_model_len=512, max_num_seqs=8, max_num_batched_tokens=256,
+                   log_stats_interval=0)
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12},
+    "city": {"type": "string", "enum": ["Paris", "Seoul", "Lima"]},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+    "required": ["name", "city", "age"], "additionalProperties": False}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                         "unit": {"type": "string", "enum": ["c", "f"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "add", "description": "Add two numbers", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999},
+                                         "b": {"type": "integer", "minimum": 0, "maximum": 999}},
+        "required": ["a", "b"], "additionalProperties": False}}},
+]
+TOOL_PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+def tiny_kv_budget(blocks: int) -> int:
+    return blocks * 16 * 2 * 30 * 3 * 64 * 4  # float32 K and V, 30 layers, 3 KV heads x 64
+
+
+@pytest.fixture(scope="module")
+def server(model_fp32):
+    from pagedllm.engine import EngineConfig, LLMEngine
+    from pagedllm.engine.async_engine import AsyncLLMEngine
+
+    engine = AsyncLLMEngine(LLMEngine(EngineConfig(kv_cache_memory=tiny_kv_budget(24), speculative_config=SPEC,
+                                                   **ENGINE_ARGS), loaded=model_fp32))
+    with running_server(engine, served_model_names=["m"]) as s:
+        yield s
+
+
+def chat(s, content: str, **body):
+    r = s.http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": content}],
+                                                  "max_tokens": 48, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_json_schema_holds_every_sample_and_logprobs_come_from_the_constrained_distribution(server):
+    body = chat(server, "Describe a person who lives in Seoul as JSON.", n=3, temperature=1.0, seed=7,
+                logprobs=True, top_logprobs=5,
+                response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+    assert len(body["choices"]) == 3
+    for choice in body["choices"]:
+        assert choice["finish_reason"] == "stop", choice
+        jsonschema.validate(json.loads(choice["message"]["content"]), PERSON)
+        first = choice["logprobs"]["content"][0]
+        # the grammar allows only '{' first: every alternative the model could have taken starts the object
+        assert first["token"].startswith("{")
+        assert all(t["token"].startswith("{") for t in first["top_logprobs"] if t["logprob"] > -9999)
+    assert_pool_whole(server)
+
+
+def test_regex_choice_and_grammar_on_both_endpoints_and_all_names(server):
+    cases = [
+        ({"structured_outputs": {"regex": r"[0-9]{3}-[0-9]{4}"}}, lambda t: re.fullmatch(r"[0-9]{3}-[0-9]{4}", t)),
+        ({"guided_regex": r"(yes|no), [a-z]{2,8}\."}, lambda t: re.fullmatch(r"(yes|no), [a-z]{2,8}\.", t)),
+        ({"structured_outputs": {"choice": ["positive", "negative"]}}, lambda t: t in ("positive", "negative")),
+        ({"guided_choice": ["red", "green", "blue"]}, lambda t: t in ("red", "green", "blue")),
+        ({"structured_outputs": {"grammar": 'start: "The answer is " NUM "."\nNUM: /[0-9]{1,3}/'}},
+         lambda t: re.fullmatch(r"The answer is [0-9]{1,3}\.", t)),
+        ({"guided_grammar": 'root ::= "A" | "B" | "C"'}, lambda t: t in ("A", "B", "C")),  # GBNF, as llama.cpp
+    ]
+    for extra, holds in cases:
+        for path, body in (("/v1/completions", {"prompt": "The phone number of the office is", "max_tokens": 24}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Answer briefly."}],
+                                                     "max_tokens": 24})):
+            r = server.http.post(path, json={**body, **extra, "temperature": 0.8, "seed": 3})
+            assert r.status_code == 200, (extra, r.text)
+            choice = r.json()["choices"][0]
+            text = choice["text"] if "text" in choice else choice["message"]["content"]
+            assert choice["finish_reason"] == "stop" and holds(text), (extra, path, text)
+    assert_pool_whole(server)
+
+
+def test_json_object_and_stop_strings(server):
+    body = chat(server, "Give me a tiny JSON object.", response_format={"type": "json_object"}, n=4, seed=2)
+    done = [c["message"]["content"] for c in body["choices"] if c["finish_reason"] == "stop"]
+    assert done and all(isinstance(json.loads(text), dict) for text in done), body
+    assert all(c["message"]["content"].startswith("{") for c in body["choices"])
+    cut = chat(server, "Describe a person in Lima as JSON.", stop=['"city"'], temperature=0,
+               structured_outputs={"json": PERSON})["choices"][0]
+    assert cut["finish_reason"] == "stop" and cut["stop_reason"] == '"city"'
+    assert cut["message"]["content"].startswith("{") and '"city"' not in cut["message"]["content"]
+
+
+def test_eos_is_allowed_only_where_the_grammar_may_end(server):
+    """EOS pushed to +100 would end any answer at once; under the schema it can only close a complete object."""
+    eos = server.engine.tokenizer.eos_token_id
+    body = chat(server, "A person as JSON.", temperature=0, logit_bias={str(eos): 100}, guided_json=PERSON)
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "stop", choice
+    jsonschema.validate(json.loads(choice["message"]["content"]), PERSON)
+    free = chat(server, "A person as JSON.", temperature=0, logit_bias={str(eos): 100})["choices"][0]
+    assert free["message"]["content"] == "" and free["finish_reason"] == "stop"  # the bias works without it
+
+
+def test_a_grammar_that_cannot_end_within_max_tokens_finishes_with_length(server):
+    r = server.http.post("/v1/completions", json={"prompt": "a", "max_tokens": 5,
+                                                  "structured_outputs": {"regex": "x{40}"}})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "length" and re.fullmatch("x+", choice["text"]), choice
+    assert_pool_whole(server)
+
+
+def test_tool_choice_required_with_two_functions(server):
+    body = chat(server, "What is the weather in Paris in celsius?", tools=TOOLS, tool_choice="required", n=2,
+                temperature=0.7, seed=1)
+    for choice in body["choices"]:
+        msg = choice["message"]
+        assert choice["finish_reason"] == "tool_calls" and msg["content"] is None and msg["tool_calls"], choice
+        for call in msg["tool_calls"]:
+            assert call["type"] == "function" and call["id"].startswith("call_")
+            jsonschema.validate(json.loads(call["function"]["arguments"]), TOOL_PARAMS[call["function"]["name"]])
+    one = chat(server, "Add 1 and 2, then add 3 and 4.", tools=TOOLS, tool_choice="required", temperature=0,
+               parallel_tool_calls=False)["choices"][0]
+    assert one["finish_reason"] == "tool_calls" and len(one["message"]["tool_calls"]) == 1, one
+
+
+def test_named_tool_choice_returns_that_function(server):
+    body = chat(server, "Add 2 and 3.", tools=TOOLS, temperature=0,
+                tool_choice={"type": "function", "function": {"name": "add"}})
+    choice = body["choices"][0]
+    (call,) = choice["message"]["tool_calls"]
+    assert choice["finish_reason"] == "stop" and call["function"]["name"] == "add"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), TOOL_PARAMS["add"])
+
+
+def test_tool_choice_auto_is_refused_for_a_template_without_tools(server):
+    for body in ({"tools": TOOLS, "tool_choice": "auto"}, {"tools": TOOLS}):
+        r = server.http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], **body})
+        assert_error(r, 400, "tool_choice", ["chat template"])
+    assert_pool_whole(server)
+
+
+HERMES_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nYou may call these tools: {{ tools | tojson }}. Answer with "
+    "<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>.<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_tool_choice_auto_is_served_for_a_template_that_shows_hermes_tools(server, monkeypatch):
+    """With a template that renders the tools and asks for <tool_call> blocks, "auto" is taken: the model sees
+    the tools (the prompt grows by their text) and its answer is parsed, unconstrained, for calls."""
+    monkeypatch.setattr(server.engine.tokenizer.hf, "chat_template", HERMES_TEMPLATE)
+    msgs = [{"role": "user", "content": "Weather in Oslo?"}]
+    plain = chat(server, "Weather in Oslo?", max_tokens=4, temperature=0)
+    auto = server.http.post("/v1/chat/completions", json={"messages": msgs, "tools": TOOLS, "max_tokens": 4,
+                                                          "temperature": 0})
+    assert auto.status_code == 200, auto.text
+    assert auto.json()["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"] + 50  # the tools are in it
+    assert auto.json()["choices"][0]["message"]["tool_calls"] == []  # 4 tokens: no call, content as is
+
+
+def _accumulate(events) -> tuple[dict[int, dict], str | None]:
+    calls: dict[int, dict] = {}
+    finish = None
+    for ev in events:
+        if ev == "[DONE]":
+            continue
+        for choice in ev["choices"]:
+            finish = choice.get("finish_reason") or finish
+            for d in choice["delta"].get("tool_calls", []):
+                if "id" in d:  # a call's first delta: OpenAI's shape
+                    assert d["index"] not in calls and d["type"] == "function" and d["function"]["arguments"] == ""
+                    calls[d["index"]] = {"name": d["function"]["name"], "arguments": ""}
+                calls[d["index"]]["arguments"] += d["function"]["arguments"]
+    return calls, finish
+
+
+def test_streamed_tool_calls_have_openai_shape_and_match_the_schema(server):
+    for choice, finish in (("required", "tool_calls"), ({"type": "function", "function": {"name": "get_weather"}},
+                                                         "stop")):
+        with server.http.stream("POST", "/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "Weather in Seoul?"}], "tools": TOOLS,
+                "tool_choice": choice, "max_tokens": 48, "temperature": 0, "stream": True}) as r:
+            assert r.status_code == 200
+            events = sse_events(r.iter_lines())
+        calls, got_finish = _accumulate(events)
+        argument_deltas = sum(1 for ev in events if ev != "[DONE]" for c in ev["choices"]
+                              for d in c["delta"].get("tool_calls", []) if d["function"]["arguments"])
+        assert got_finish == finish and calls and argument_deltas > 1, events  # the arguments came in pieces
+        for call in calls.values():
+            jsonschema.validate(json.loads(call["arguments"]), TOOL_PARAMS[call["name"]])
+    assert_pool_whole(server)
+
+
+def test_preemption_under_a_tiny_kv_budget_keeps_every_answer_valid(server):
+    before = server.engine.engine.stats().num_preemptions
+    prompts = [f"Person number {i} lives in {c}. Write their record as JSON with a short name. " * 3
+               for i, c in enumerate(["Paris", "Seoul", "Lima", "Paris", "Seoul", "Lima"])]
+    r = server.http.post("/v1/completions", json={"prompt": prompts, "max_tokens": 40, "temperature": 0.9,
+                                                  "seed": 5, "guided_json": PERSON})
+    assert r.status_code == 200, r.text
+    for choice in r.json()["choices"]:
+        assert choice["finish_reason"] == "stop", choice
+        jsonschema.validate(json.loads(choice["text"]), PERSON)
+    assert server.engine.engine.stats().num_preemptions > before
+    assert_pool_whole(server)
+
+
+BAD = [
+    ("json schema of a bad type", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "objekt"}}}}, "response_format", "objekt"),
+    ("unclosed regex", {"guided_regex": "[a-"}, "guided_regex", "regex"),
+    ("lark rule undefined", {"structured_outputs": {"grammar": "start: foo"}}, "structured_outputs", "foo"),
+    ("look-behind in a schema pattern", {"guided_json": {"type": "string", "pattern": "(?<=a)b"}}, "guided_json",
+     "look-around"),
+    ("schema that is not JSON", {"guided_json": "{not json"}, "guided_json", "JSON"),
+    ("empty choice", {"guided_choice": []}, "guided_choice", "non-empty"),
+    ("two constraints", {"guided_regex": "a", "structured_outputs": {"regex": "b"}}, "guided_regex", "only one"),
+    ("two kinds in structured_outputs", {"structured_outputs": {"regex": "a", "choice": ["b"]}},
+     "structured_outputs", "exactly one"),
+    ("tool parameters that do not compile", {"tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "nope"}}}}}],
+        "tool_choice": "required"}, "tools", "nope"),
+    ("named function not in tools", {"tools": TOOLS, "tool_choice": {"type": "function", "function": {
+        "name": "nope"}}}, "tool_choice", "nope"),
+    ("required without tools", {"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ("structural tag", {"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs", "structural_tag"),
+]
+
+
+@pytest.mark.parametrize("extra,param,word", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_constraints_are_400s_naming_the_field_and_leak_nothing(server, extra, param, word):
+    for stream in (False, True):
+        r = server.http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                           "max_tokens": 4, "stream": stream, **extra})
+        assert_error(r, 400, param, [word])
+    assert_pool_whole(server)
+
+
+def test_aborted_constrained_stream_gives_its_blocks_back(server):
+    with server.http.stream("POST", "/v1/completions", json={
+            "prompt": "JSON:", "max_tokens": 200, "stream": True, "guided_json": {"type": "array"}}) as r:
+        assert r.status_code == 200
+        next(r.iter_lines())
+    assert_pool_whole(server)
+
+
+class Person(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=12)
+    age: int = pydantic.Field(ge=0, le=120)
+
+
+def test_openai_client_parse_with_a_pydantic_model(server):
+    client = openai.OpenAI(base_url=server.base + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    completion = client.chat.completions.parse(
+        model="m", messages=[{"role": "user", "content": "Invent a person and give their name and age."}],
+        response_format=Person, max_tokens=40, temperature=0)
+    person = completion.choices[0].message.parsed
+    assert isinstance(person, Person) and 0 <= person.age <= 120
+
+
+# ------------------------------------------------------------------------------------------ in the engine
+@pytest.fixture(scope="module")
+def engines(model_fp32):
+    from pagedllm.engine import EngineConfig, LLMEngine
+
+    return {spec: LLMEngine(EngineConfig(speculative_config=SPEC if spec else None, **ENGINE_ARGS),
+                            loaded=model_fp32) for spec in (False, True)}
+
+
+def _run(engine, rid: str, prompt: str, params) -> list:
+    engine.add_request(rid, prompt, params)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                return out.outputs
+    raise AssertionError("no output")
+
+
+def test_speculation_cuts_drafts_to_the_grammar_and_changes_no_token(engines):
+    """A prompt that shows the answer's JSON makes prompt lookup draft it: drafts are verified, and the greedy
+    constrained answer is token for token the one without speculation."""
+    from pagedllm import SamplingParams, StructuredOutputsParams
+
+    prompt = ('Copy this JSON exactly: {"name":"Ann","city":"Lima","age":31} and again: '
+              '{"name":"Ann","city":"Lima","age":31}. Now the JSON:')
+    params = SamplingParams(temperature=0, max_tokens=32, structured_outputs=StructuredOutputsParams(json=PERSON))
+    plain = _run(engines[False], "a", prompt, params)[0]
+    spec_engine = engines[True]
+    spec = _run(spec_engine, "b", prompt, params)[0]
+    assert spec.token_ids == plain.token_ids
+    jsonschema.validate(json.loads(spec.text), PERSON)
+    assert spec_engine.spec_stats.num_accepted_tokens > 0
+
+
+def test_a_request_waits_until_its_grammar_is_compiled(engines, monkeypatch):
+    from pagedllm import SamplingParams, StructuredOutputsParams
+
+    engine = engines[False]
+    compiled = engine.grammars.compile(StructuredOutputsParams(choice=["yes", "no"]).grammar_text).result()
+    pending: Future = Future()
+    monkeypatch.setattr(engine.grammars, "compile", lambda _: pending)
+    engine.add_request("w", "Yes or no?", SamplingParams(temperature=0, max_tokens=4, structured_outputs={
+        "choice": ["yes", "no"]}))
+    engine.step()
+    (req,) = [r for r in engine.requests.values() if r.parent_id == "w"]
+    assert req.num_computed_tokens == 0 and req in engine.scheduler.waiting
+    pending.set_result(compiled)
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+    assert outs[0].outputs[0].text in ("yes", "no")
+
+
+def test_python_api_refuses_a_bad_schema_before_queueing(engines):
+    from pagedllm import SamplingParams
+    from pagedllm.sampling_params import SamplingParamsError
+
+    with pytest.raises(SamplingParamsError) as e:
+        SamplingParams(structured_outputs={"json": {"type": "objekt"}})
+    assert e.value.param == "structured_outputs.json"
+
+
+# ------------------------------------------------------------------------------------------ parsers, no model
+def test_streamed_array_of_calls_is_scanned_as_it_grows():
+    full = '[{"name":"get_weather","parameters":{"city":"Pa}r\\"is","unit":"c"}},{"name":"add","parameters":{"a":1}}]'
+    stream, got = ToolCallStream(ToolMode("required")), {}
+    for end in range(1, len(full) + 1):
+        for d in stream.deltas(full[:end]):
+            got.setdefault(d["index"], [d["function"].get("name"), ""])[1] += d["function"]["arguments"]
+    assert got == {0: ["get_weather", '{"city":"Pa}r\\"is","unit":"c"}'], 1: ["add", '{"a":1}']}
+    assert scan_calls('[{"name":"ad') == [(None, "", False)]  # no header until the name is whole
+    assert ToolCallStream(ToolMode("required")).deltas('[{"name":"ad') == []
+
+
+def test_hermes_tool_calls_parse_for_auto():
+    content, calls = parse_hermes('Let me check.\n<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>')
+    assert content == "Let me check." and calls[0]["function"] == {"name": "add", "arguments": '{"a": 1}'}
+    assert parse_hermes("no calls here") == ("no calls here", [])

@@ -26,12 +26,12 @@ if __name__ == "__main__":  # before torch loads: the class to build and measure
     cpu_target.select()
 
 import numpy as np
+from linear_kernels import cpu_line
+from roofline import read_bandwidth_gbs
 
 from pagedllm import SamplingParams
 from pagedllm.engine import EngineConfig, LLMEngine
 from pagedllm.model.fused_step import PHASES
-from linear_kernels import cpu_line
-from roofline import read_bandwidth_gbs
 
 MATMULS = ("qkv", "o", "gate_up", "down", "lm_head")
 

@@ -16,8 +16,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
-from pagedllm.model import (ModelRunner, SeqChunk, cpu_kernel, default_model_path, load_model, load_model_config,
-                            load_tokenizer)
+from pagedllm.model import (
+    ModelRunner,
+    SeqChunk,
+    cpu_kernel,
+    default_model_path,
+    load_model,
+    load_model_config,
+    load_tokenizer,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -140,7 +147,8 @@ def test_every_cpu_class_gives_transformers_greedy_tokens(hf_greedy, tok, prompt
     cpu_kernel.load.cache_clear()
     try:
         runner = ModelRunner(model_fp32, num_blocks=64, block_size=16)
-        assert runner.fused is not None and cpu_kernel.isa(runner.fused.lib)["matmul"] == cpu_kernel.EXPECTED_ISA[target]
+        assert runner.fused is not None
+        assert cpu_kernel.isa(runner.fused.lib)["matmul"] == cpu_kernel.EXPECTED_ISA[target]
         ours = _greedy(runner, prompts, tok.eos_token_ids, 16)
     finally:
         monkeypatch.delenv("PAGEDLLM_CPU_TARGET")

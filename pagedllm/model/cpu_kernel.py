@@ -29,7 +29,7 @@ import shlex
 import shutil
 import subprocess
 import tempfile
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import torch  # before the kernel loads, so its libgomp resolves to the one torch has already loaded
@@ -123,7 +123,7 @@ def _build(cc: list[str], openmp: bool, target: str) -> Path:
     return lib
 
 
-@lru_cache(maxsize=None)
+@cache
 def load(target: str | None = None) -> ctypes.CDLL | None:
     """The compiled kernels for `target` (default: `cpu_target()`), or None (with one log line saying why) when
     they cannot be built here."""

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.errors import ModelLoadError, UserError
 import pagedllm.model.cpu_kernel as cpu_kernel
 import pagedllm.model.kernel_choice as kernel_choice
+from pagedllm.errors import ModelLoadError, UserError
 from pagedllm.model.config import ModelConfig, is_gguf, load_model_config, resolve_model_path
 from pagedllm.model.kernel_choice import KernelChoice
 from pagedllm.model.llama import LlamaForCausalLM

@@ -34,8 +34,7 @@ def target(request, monkeypatch):
 
 def _native_isa() -> dict[str, str]:
     flags = cpu_kernel.cpu_flags()
-    matmul = ("avx512" if "avx512f" in flags else
-              "avx2" if {"avx2", "fma", "f16c"} <= flags else "portable")
+    matmul = "avx512" if "avx512f" in flags else "avx2" if {"avx2", "fma", "f16c"} <= flags else "portable"
     return {"matmul": matmul, "amx": "yes" if {"amx_bf16", "avx512_bf16"} <= flags else "no"}
 
 
@@ -57,11 +56,20 @@ def _parts(fmt: str, n: int, k: int, seed: int) -> QuantParts:
     rng = np.random.default_rng(seed)
     g = k // 32
     if fmt == "q4":
-        return QuantParts("q4", rng.integers(0, 16, (n, k)).astype(np.uint8),
-                          rng.normal(0, 0.01, (n, g)).astype(np.float16),
-                          rng.normal(0, 0.05, (n, g)).astype(np.float16), "test")
-    return QuantParts("q8", rng.integers(-128, 128, (n, k)).astype(np.int8),
-                      rng.normal(0, 0.001, (n, g)).astype(np.float16), None, "test")
+        return QuantParts(
+            "q4",
+            rng.integers(0, 16, (n, k)).astype(np.uint8),
+            rng.normal(0, 0.01, (n, g)).astype(np.float16),
+            rng.normal(0, 0.05, (n, g)).astype(np.float16),
+            "test",
+        )
+    return QuantParts(
+        "q8",
+        rng.integers(-128, 128, (n, k)).astype(np.int8),
+        rng.normal(0, 0.001, (n, g)).astype(np.float16),
+        None,
+        "test",
+    )
 
 
 @pytest.mark.parametrize("fmt", ["q4", "q8"])

@@ -48,10 +48,11 @@ OPENMP = ["-fopenmp"]  # without OpenMP the same source builds a single-threaded
 # CPU classes: the -march of each, and the /proc/cpuinfo flags a CPU needs to run that build (x86-64-v3 is
 # Haswell / Zen 1 and later: AVX2, FMA, F16C; x86-64-v4 adds AVX-512 F/BW/CD/DQ/VL; x86-64 is the portable C).
 TARGETS = {"native": "native", "x86-64-v4": "x86-64-v4", "x86-64-v3": "x86-64-v3", "x86-64": "x86-64"}
-_NEEDS = {"x86-64-v3": {"avx2", "fma", "f16c", "bmi2", "movbe"},
-          "x86-64-v4": {"avx2", "fma", "f16c", "bmi2", "movbe", "avx512f", "avx512bw", "avx512cd", "avx512dq",
-                        "avx512vl"},
-          "x86-64": set()}
+_NEEDS = {
+    "x86-64-v3": {"avx2", "fma", "f16c", "bmi2", "movbe"},
+    "x86-64-v4": {"avx2", "fma", "f16c", "bmi2", "movbe", "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"},
+    "x86-64": set(),
+}
 # What a build of each class must report (`isa()["matmul"]`); a native build reports what the CPU has.
 EXPECTED_ISA = {"x86-64-v4": "avx512", "x86-64-v3": "avx2", "x86-64": "portable"}
 

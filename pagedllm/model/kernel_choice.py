@@ -57,8 +57,11 @@ class KernelChoice:
         for r in ROWS:
             times = ", ".join(f"{k} {v[r]:.2f}" for k, v in self.ms.items() if r in v)
             parts.append(f"{r} rows -> {self.kernel_for(r)} ({times} ms)")
-        why = ("weights kept quantized: not slower than dense for one row" if self.quantized else
-               "weights dequantized: dense is faster than this build's quantized kernel for one row")
+        why = (
+            "weights kept quantized: not slower than dense for one row"
+            if self.quantized
+            else "weights dequantized: dense is faster than this build's quantized kernel for one row"
+        )
         return f"matmul kernels, {self.build}, measured on the first layer's shapes: {'; '.join(parts)}; {why}"
 
 
@@ -112,8 +115,9 @@ def measure(layer: list[QuantWeight], dtype: torch.dtype, build: str) -> KernelC
             xs = [torch.randn(r, w.k) for w in layer]
             xd = [x.to(dtype) for x in xs]
             ms["q-f32"][r] = _best_ms([lambda x=x, w=w: qlinear(x, w) for x, w in zip(xs, layer)], tries)
-            ms["dense"][r] = _best_ms([lambda x=x, d=d, p=p: linear(x, d, packed=p) for x, (d, p) in zip(xd, dense)],
-                                      tries)
+            ms["dense"][r] = _best_ms(
+                [lambda x=x, d=d, p=p: linear(x, d, packed=p) for x, (d, p) in zip(xd, dense)], tries
+            )
             if "q-amx" in ms:
                 ms["q-amx"][r] = _best_ms([lambda x=x, w=w: qlinear(x, w) for x, w in zip(xd, amx)], tries)
     finally:

@@ -135,8 +135,12 @@ class LlamaForCausalLM(nn.Module):
     def first_layer_quant(self) -> list[QuantWeight] | None:
         """The first layer's four matmul weights if all are quantized (what kernel_choice.py times), else None."""
         layer = self.layers[0]
-        ws = [layer.quant.get("qkv_weight"), layer.quant.get("o_weight"), layer.mlp.quant.get("gate_up_weight"),
-              layer.mlp.quant.get("down_weight")]
+        ws = [
+            layer.quant.get("qkv_weight"),
+            layer.quant.get("o_weight"),
+            layer.mlp.quant.get("gate_up_weight"),
+            layer.mlp.quant.get("down_weight"),
+        ]
         return None if any(w is None for w in ws) else ws
 
     def resident_weight_bytes(self) -> int:

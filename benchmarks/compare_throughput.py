@@ -14,6 +14,10 @@ the one `--dtype auto` picks on this CPU unless --dtype says otherwise; llama.cp
     .venv/bin/python benchmarks/compare_throughput.py --mode one                          # W2
     ANCHORS=$PWD/../anchors-work .venv/bin/python benchmarks/compare_throughput.py --dtype float32 --out r.json
     ANCHORS=$PWD/../anchors-work .venv/bin/python benchmarks/compare_throughput.py --mode serve
+    ANCHORS=$PWD/../anchors-work .venv/bin/python benchmarks/compare_throughput.py --mode one --cpu-target x86-64-v3
+--cpu-target x86-64-v3 measures the AVX2 class on any newer x86: pagedllm's kernels built for it, torch, oneDNN
+and MKL capped to AVX2 in every process (pagedllm's dense paths, transformers, vLLM's torch ops; vLLM's own
+compiled CPU ops cannot be capped), and llama.cpp's x86-64-v3 build (LLAMACPP_TARGET=x86-64-v3 setup-llamacpp.sh).
 """
 from __future__ import annotations
 
@@ -33,6 +37,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 NO_SPEC = ["--speculative-config", "none"]
 ANCHOR_SCRIPTS = os.path.join(HERE, "..", "..", "shared", "anchors")
 sys.path.insert(0, HERE)
+if __name__ == "__main__":  # before torch loads: the class every system runs as (cpu_target.py)
+    import cpu_target
+
+    cpu_target.select()
 from linear_kernels import cpu_line  # noqa: E402
 
 TRANSFORMERS = textwrap.dedent('''
@@ -147,8 +155,8 @@ def one_request(system: str, a, path: str) -> None:
     prompts_file = path + ".prompts.json"
     with open(prompts_file, "w") as f:
         json.dump(prompts, f)
-    python = (sys.executable if system == "pagedllm"
-              else os.path.join(os.environ["ANCHORS"], "llamacpp-venv", "bin", "python"))
+    venv = "llamacpp-x86-64-v3-venv" if os.environ.get("PAGEDLLM_CPU_TARGET") == "x86-64-v3" else "llamacpp-venv"
+    python = sys.executable if system == "pagedllm" else os.path.join(os.environ["ANCHORS"], venv, "bin", "python")
     subprocess.run([python, "-c", ONE_REQUEST, system, prompts_file, str(a.output_len), a.dtype, path,
                     default_gguf()], check=True)
 
@@ -283,6 +291,7 @@ def main() -> int:
     p.add_argument("--hf-batch", type=int, default=64, help="transformers' generate batch size")
     p.add_argument("--skip", default="", help="comma-separated systems to skip: transformers,vllm,llamacpp")
     p.add_argument("--out", default=None, help="write all results to this JSON file")
+    cpu_target.add_argument(p)
     a = p.parse_args()
     a.concurrency = [int(c) for c in a.concurrency.split(",")]
     if a.dtype == "auto":  # the dtype pagedllm picks here, for every system

@@ -16,14 +16,21 @@ count comes from.
 
     .venv/bin/python benchmarks/linear_kernels.py                       # default model, rows 1,4,16,64,256
     .venv/bin/python benchmarks/linear_kernels.py --rows 1,64 --kernels q-f32,dense-f32 --repeat 5
+    .venv/bin/python benchmarks/linear_kernels.py --cpu-target x86-64-v3   # the AVX2 class, on any newer x86
 """
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import sys
 import time
+
+if __name__ == "__main__":  # before torch loads: the class to build and measure (cpu_target.py)
+    import cpu_target
+
+    cpu_target.select()
 
 import torch
 
@@ -47,7 +54,13 @@ def cpu_line() -> str:
     except OSError:
         pass
     keys = ["avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_int8"]
-    return f"{name}; {' '.join(k for k in keys if k in flags)}; {torch.get_num_threads()} threads"
+    from pagedllm.model import cpu_kernel
+
+    lib, target = cpu_kernel.load(), cpu_kernel.cpu_target()
+    build = f"kernels: {target} build ({cpu_kernel.isa(lib)['matmul'] if lib else 'none'})"
+    capped = f", torch capped to {os.environ['ATEN_CPU_CAPABILITY']}" if "ATEN_CPU_CAPABILITY" in os.environ else ""
+    return (f"{name}; {' '.join(k for k in keys if k in flags)}; {torch.get_num_threads()} threads; "
+            f"{build}{capped}")
 
 
 def quant_weights(loaded) -> dict[str, list[QuantWeight]]:
@@ -144,6 +157,7 @@ def main() -> int:
     p.add_argument("--kernels", default="q-f32,dense-f32,int4pack-f32,int8pack-f32,q-amx,dense-bf16,"
                    "int4pack-bf16,int8pack-bf16")
     p.add_argument("--repeat", type=int, default=5)
+    cpu_target.add_argument(p)
     a = p.parse_args()
     loaded = load_model(a.model, "float32", quantization="gguf")
     weights = quant_weights(loaded)
@@ -162,8 +176,9 @@ def main() -> int:
         for r in rows:
             ms = time_steps(fns, dtype, r, k_of, a.repeat)
             totals[(name, r)] = sum(ms.values())
+            gbs = f"{nbytes / totals[(name, r)] / 1e6:>7.1f} GB/s" if r == 1 else ""
             print(f"{name:<15}{nbytes / 1e6:>6.0f}{r:>5}" + "".join(f"{ms[s]:>9.2f}" for s in SHAPES)
-                  + f"{totals[(name, r)]:>9.2f}", flush=True)
+                  + f"{totals[(name, r)]:>9.2f}{gbs}", flush=True)
         del fns
     print("\nfastest per activation dtype and rows (ms per step):")
     for dt in ("f32", "bf16"):

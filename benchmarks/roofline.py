@@ -1,4 +1,5 @@
-"""The compute floor of the throughput workload on this machine: how fast an engine on torch's matmuls could go.
+"""The compute floor of the throughput workload on this machine, and the memory read bandwidth that bounds one
+sequence's decode step.
 
 Counts the floating-point work the workload cannot avoid (every prompt and output token through every matmul
 of the model, the LM head once per output token, attention over the real context) and divides it by the best
@@ -8,6 +9,11 @@ Printing the floor next to measured figures says how much headroom is left and w
 
     .venv/bin/python benchmarks/roofline.py                       # 64 x 256 in / 128 out, float32
     .venv/bin/python benchmarks/roofline.py --compare results.json  # also: measured tok/s from compare_throughput.py --out
+    .venv/bin/python benchmarks/roofline.py --bandwidth               # only the read bandwidth (GB/s, all threads)
+
+A one-sequence decode step reads every weight once, so its matmuls cannot beat (weight bytes) / (read bandwidth);
+`read_bandwidth_gbs` measures that bandwidth as a sum over a buffer far larger than the caches (the fastest of
+several passes, every thread), and step_profile.py / linear_kernels.py report the matmuls' GB/s against it.
 """
 from __future__ import annotations
 
@@ -59,6 +65,19 @@ def best_gflops(cfg, dtype: torch.dtype, rows: int, tries: int = 5) -> float:
     return best
 
 
+def read_bandwidth_gbs(mib: int = 1024, tries: int = 5) -> float:
+    """GB/s of reading a buffer of `mib` MiB (well past the last-level cache) with torch's vectorised sum on all
+    threads: the rate a decode step's weight reads can reach at best."""
+    buf = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
+    buf.sum()  # first touch
+    best = float("inf")
+    for _ in range(tries):
+        t = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t)
+    return buf.numel() * 4 / best / 1e9
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="model folder or GGUF (default: the default model)")
@@ -67,7 +86,11 @@ def main() -> int:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--compare", default=None, help="JSON written by compare_throughput.py --out")
+    p.add_argument("--bandwidth", action="store_true", help="only measure the read bandwidth")
     a = p.parse_args()
+    if a.bandwidth:
+        print(f"read bandwidth: {read_bandwidth_gbs():.1f} GB/s ({torch.get_num_threads()} threads)")
+        return 0
     cfg = load_model_config(a.model)
     dtype = getattr(torch, a.dtype)
     flops = workload_flops(cfg, a.num_prompts, a.input_len, a.output_len)

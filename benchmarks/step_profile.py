@@ -8,6 +8,10 @@ is "outside matmuls + attention" at most 20% of the step.
 
     .venv/bin/python benchmarks/step_profile.py                     # --dtype auto, 128 decode steps
     .venv/bin/python benchmarks/step_profile.py --dtype float32 --no-fused   # the torch path, step time only
+    .venv/bin/python benchmarks/step_profile.py --cpu-target x86-64-v3      # the AVX2 build of the kernels
+
+It also measures the machine's read bandwidth (roofline.py) and reports the matmuls' effective GB/s against it:
+the weights' bytes over the matmul phases' time, since one sequence's step reads every weight once.
 """
 from __future__ import annotations
 
@@ -16,7 +20,14 @@ import random
 import sys
 import time
 
+if __name__ == "__main__":  # before torch loads: the class to build and measure (cpu_target.py)
+    import cpu_target
+
+    cpu_target.select()
+
 import numpy as np
+from linear_kernels import cpu_line
+from roofline import read_bandwidth_gbs
 
 from pagedllm import SamplingParams
 from pagedllm.engine import EngineConfig, LLMEngine
@@ -32,9 +43,10 @@ def run(a) -> dict[str, float]:
     if a.no_fused:
         runner.fused = None
     rng = random.Random(0)
-    prompt = [rng.randrange(200, engine.model_config.vocab_size) for _ in range(a.input_len)]
-    engine.add_request("0", prompt, SamplingParams(temperature=0, max_tokens=a.steps + 8, ignore_eos=True))
-    while engine.requests["0#0"].num_output_tokens < 4:  # prefill and a few warm-up decodes
+    for i in range(a.batch):
+        prompt = [rng.randrange(200, engine.model_config.vocab_size) for _ in range(a.input_len)]
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=a.steps + 8, ignore_eos=True))
+    while min(r.num_output_tokens for r in engine.requests.values()) < 4:  # prefills and a few warm-up decodes
         engine.step()
     inner = [0.0]
     execute = runner.execute
@@ -55,7 +67,9 @@ def run(a) -> dict[str, float]:
     out = {"step": total, "runner": inner[0]}
     if runner.fused is not None:
         out.update(dict(zip(PHASES, runner.fused.profile.tolist())))
-    return {k: 1e3 * v / a.steps for k, v in out.items()}
+    ms = {k: 1e3 * v / a.steps for k, v in out.items()}
+    ms["weight_bytes"] = sum(w.nbytes for w in runner.model.quant_weights()) if runner.fused is not None else 0
+    return ms
 
 
 def main() -> int:
@@ -64,12 +78,15 @@ def main() -> int:
     p.add_argument("--quantization", default=None)
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--steps", type=int, default=128)
+    p.add_argument("--batch", type=int, default=1, help="sequences decoding together (rows per step)")
     p.add_argument("--no-fused", action="store_true", help="the torch path (ModelRunner without the C step)")
+    cpu_target.add_argument(p)
     a = p.parse_args()
     ms = run(a)
+    print(f"CPU: {cpu_line()}")
     step = ms["step"]
-    print(f"one-sequence decode step, {a.input_len} prompt tokens, mean of {a.steps} steps: {step:.3f} ms "
-          f"({1e3 / step:.1f} tok/s); runner.execute {ms['runner']:.3f} ms, engine outside it "
+    print(f"decode step of {a.batch} sequence(s), {a.input_len} prompt tokens each, mean of {a.steps} steps: "
+          f"{step:.3f} ms ({a.batch * 1e3 / step:.1f} tok/s); runner.execute {ms['runner']:.3f} ms, engine outside it "
           f"{step - ms['runner']:.3f} ms")
     if "qkv" not in ms:
         return 0
@@ -83,6 +100,9 @@ def main() -> int:
     print(f"  {'engine':<16}{step - ms['runner']:8.3f} ms  {(step - ms['runner']) / step:6.1%}")
     print(f"matmuls {matmul:.3f} ms + attention {ms['attention']:.3f} ms = {(matmul + ms['attention']) / step:.1%}; "
           f"everything else {rest:.3f} ms = {rest / step:.1%} of the step (target <= 20%)")
+    gbs, bw = ms["weight_bytes"] / matmul / 1e6, read_bandwidth_gbs()
+    print(f"matmuls read {ms['weight_bytes'] / 2**20:.1f} MiB of weights in {matmul:.3f} ms: {gbs:.1f} GB/s = "
+          f"{gbs / bw:.0%} of the measured read bandwidth ({bw:.1f} GB/s, roofline.py)")
     return 0
 
 

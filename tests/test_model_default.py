@@ -16,7 +16,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
-from pagedllm.model import ModelRunner, SeqChunk, default_model_path, load_model, load_model_config, load_tokenizer
+from pagedllm.model import (
+    ModelRunner,
+    SeqChunk,
+    cpu_kernel,
+    default_model_path,
+    load_model,
+    load_model_config,
+    load_tokenizer,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -131,6 +139,24 @@ def test_quantized_float32_greedy_matches_transformers(hf_model, hf_greedy, tok,
         assert a == b, f"{p!r}:\n ours {tok.decode(a)!r}\n   hf {tok.decode(b)!r}"
 
 
+@pytest.mark.parametrize("target", [t for t in cpu_kernel.runnable_targets() if t != "native"])
+def test_every_cpu_class_gives_transformers_greedy_tokens(hf_greedy, tok, prompts, model_fp32, target, monkeypatch):
+    """The same weights through the kernels built for another CPU class (x86-64-v3 = AVX2, x86-64-v4 = AVX-512,
+    x86-64 = the portable C path): the same greedy tokens as transformers."""
+    monkeypatch.setenv("PAGEDLLM_CPU_TARGET", target)
+    cpu_kernel.load.cache_clear()
+    try:
+        runner = ModelRunner(model_fp32, num_blocks=64, block_size=16)
+        assert runner.fused is not None
+        assert cpu_kernel.isa(runner.fused.lib)["matmul"] == cpu_kernel.EXPECTED_ISA[target]
+        ours = _greedy(runner, prompts, tok.eos_token_ids, 16)
+    finally:
+        monkeypatch.delenv("PAGEDLLM_CPU_TARGET")
+        cpu_kernel.load.cache_clear()
+    for p, a, b in zip(PROMPTS, ours, hf_greedy):
+        assert a == b, f"{target}, {p!r}:\n ours {tok.decode(a)!r}\n   hf {tok.decode(b)!r}"
+
+
 @pytest.fixture(scope="module")
 def hf16(hf_model):
     import copy
@@ -141,7 +167,8 @@ def hf16(hf_model):
 @pytest.mark.parametrize("quantization", ["none", "gguf"])
 def test_bfloat16_logits_close_to_transformers(hf16, hf_greedy, prompts, quantization):
     """Dequantized: a bfloat16 model throughout. Quantized (the default): float32 activations, with steps of
-    AMX_MIN_ROWS or more rows on AMX with bfloat16 inputs where the CPU has it: closer to float32 than hf16."""
+    the measured number of rows or more on AMX with bfloat16 inputs where the CPU has it: closer to float32 than
+    hf16."""
     loaded = load_model(None, dtype="bfloat16", quantization=quantization)
     assert loaded.dtype == torch.bfloat16
     runner = ModelRunner(loaded, num_blocks=64, block_size=16)

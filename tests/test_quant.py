@@ -95,7 +95,9 @@ def test_amx_kernel_matches_bfloat16_matmul(fmt, n, k, rows):
     g = torch.Generator().manual_seed(rows)
     x, b = torch.randn(rows, k, generator=g).bfloat16(), torch.randn(n, generator=g)
     ref = F.linear(x.double(), parts.dequantize().bfloat16().double(), b.double())
-    got = qlinear(x, pack(parts), b)
+    w = pack(parts)
+    w.amx_min_rows = 1
+    got = qlinear(x, w, b)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.double(), ref, atol=1e-2 * ref.abs().max().item(), rtol=0)  # bf16 output
     out, xf, w = torch.empty(rows, n), x.float(), pack(parts)  # float32 out: the kernel's own precision
@@ -221,10 +223,15 @@ def test_the_kv_cache_gets_what_quantized_weights_give_back(tiny):
 
 @pytest.mark.skipif(not amx_available(), reason="no AMX on this CPU")
 def test_bfloat16_rows_depend_only_on_the_kernel_class(tiny):
-    """--dtype bfloat16: steps of AMX_MIN_ROWS rows or more run their matmuls on AMX with bfloat16 inputs, fewer
-    rows the float32 kernel; so a sequence's logits depend on the batch only through which side it falls on."""
+    """--dtype bfloat16: steps of the chosen number of rows or more run their matmuls on AMX with bfloat16 inputs,
+    fewer rows the float32 kernel; so a sequence's logits depend on the batch only through which side it falls
+    on. (The tiny model's own measured choice may never pick AMX: the threshold is set here.)"""
     folder, _ = tiny
-    runner = ModelRunner(load_model(folder, "bfloat16", verbose=False, quantization="int8"), 80, 8)
+    loaded = load_model(folder, "bfloat16", verbose=False, quantization="int8")
+    many = 8
+    for w in loaded.model.quant_weights():
+        w.amx_min_rows = many
+    runner = ModelRunner(loaded, 80, 8)
     rng = random.Random(11)
     seqs = [[rng.randrange(3, 256) for _ in range(9)] for _ in range(16)]
     tables = [list(range(5 * i, 5 * i + 5)) for i in range(16)]
@@ -233,6 +240,59 @@ def test_bfloat16_rows_depend_only_on_the_kernel_class(tiny):
     def first_row(n: int) -> torch.Tensor:  # sequence 0's next-token logits in a decode step of n sequences
         return runner.execute([SeqChunk([7], 9, tables[i]) for i in range(n)])[0]
 
-    few, many = quant.AMX_MIN_ROWS - 1, quant.AMX_MIN_ROWS
+    few = many - 1
     assert torch.equal(first_row(1), first_row(few)) and torch.equal(first_row(many), first_row(16))
     assert not torch.equal(first_row(1), first_row(many))
+
+
+def test_kernel_choice_from_measured_times():
+    """Dense only where it is faster for one row; AMX from the smallest row count it wins at and every larger."""
+    from pagedllm.model.kernel_choice import decide
+
+    q = {1: 0.2, 8: 0.6, 64: 3.0, 256: 12.0}
+    assert decide({"q-f32": q, "dense": {1: 0.5, 8: 0.7, 64: 2.0, 256: 8.0}}, "b").quantized
+    slow = decide({"q-f32": q, "dense": {1: 0.1, 8: 0.7, 64: 2.0, 256: 8.0}}, "b")
+    assert not slow.quantized and slow.kernel_for(1) == slow.kernel_for(256) == "dense"
+    amx = {1: 0.4, 8: 0.5, 64: 1.0, 256: 3.0}
+    assert decide({"q-f32": q, "q-amx": amx}, "b").amx_min_rows == 8
+    assert decide({"q-f32": q, "q-amx": {**amx, 8: 0.7}}, "b").amx_min_rows == 64
+    assert decide({"q-f32": q, "q-amx": {**amx, 64: 4.0}}, "b").amx_min_rows == 256  # must win at every larger
+    assert decide({"q-f32": q, "q-amx": {r: 99.0 for r in q}}, "b").amx_min_rows == 0
+    choice = decide({"q-f32": q, "q-amx": amx}, "native build (avx512)")
+    assert [choice.kernel_for(r) for r in (1, 7, 8, 300)] == ["q-f32", "q-f32", "q-amx", "q-amx"]
+    assert "8 rows -> q-amx" in choice.describe() and "native build (avx512)" in choice.describe()
+
+
+def test_kernel_choice_is_kept_and_measured_again_when_unreadable(tmp_path, monkeypatch):
+    from pagedllm.model import kernel_choice
+
+    monkeypatch.setenv("PAGEDLLM_CACHE", str(tmp_path))
+    cpu_kernel.load.cache_clear()
+    try:
+        layer = [pack(_parts("q4", 32, 64, 5))]
+        calls = []
+        real = kernel_choice.measure
+        monkeypatch.setattr(kernel_choice, "measure", lambda *a: calls.append(1) or real(*a))
+        first = kernel_choice.choose(layer, torch.float32)
+        assert kernel_choice.choose(layer, torch.float32) == first and len(calls) == 1  # read back, not re-timed
+        kept = next(tmp_path.glob("kernels/*.choice-*.json"))
+        kept.write_text("{not json")
+        assert kernel_choice.choose(layer, torch.float32).ms.keys() == first.ms.keys() and len(calls) == 2
+        kernel_choice.choose(layer, torch.bfloat16)  # another dtype is another choice
+        assert len(calls) == 3
+    finally:
+        cpu_kernel.load.cache_clear()
+
+
+@pytest.mark.slow
+def test_auto_quantization_follows_the_measured_choice(monkeypatch):
+    """--quantization auto (the default for a GGUF): quantized where measured faster, dense where not."""
+    from pagedllm.model import kernel_choice
+
+    fast = {1: 0.2, 8: 0.6, 64: 3.0, 256: 12.0}
+    for dense_1, want in ((0.5, "gguf"), (0.1, "none")):
+        ms = {"q-f32": fast, "dense": {**fast, 1: dense_1}}
+        monkeypatch.setattr(kernel_choice, "choose", lambda layer, dtype, ms=ms: kernel_choice.decide(ms, "test"))
+        loaded = load_model(None, "float32", verbose=False)
+        assert loaded.quantization == want and bool(loaded.model.quant_weights()) == (want == "gguf")
+        assert loaded.kernel_choice.quantized == (want == "gguf")

@@ -7,6 +7,11 @@ CPU (-march=native) into ~/.cache/pagedllm/kernels, keyed by the sources, the co
 builds it once. Where no compiler works, `load()` returns None: attention stays on the portable torch path and
 quantized weights are dequantized to the dense path. PAGEDLLM_ATTENTION=torch forces torch attention.
 
+PAGEDLLM_CPU_TARGET (native, x86-64-v4, x86-64-v3, x86-64) builds for a CPU class instead of this CPU, so that
+one machine can run, test and time the code another class gets (an AVX-512 machine runs the AVX2 build too).
+The library says which vector path each of its kernels was compiled with (`isa()`): a build of a vector class
+that silently fell back to the portable C path is caught by the tests instead of being shipped as slow.
+
 Compiling and linking are two steps on purpose: linking a shared library with -ffast-math makes GCC add a
 constructor that turns on flush-to-zero for the whole process when the library loads; compiled with -ffast-math
 but linked without it, only the kernel's own arithmetic is affected. Only attention gets -ffast-math: the
@@ -24,7 +29,7 @@ import shlex
 import shutil
 import subprocess
 import tempfile
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import torch  # before the kernel loads, so its libgomp resolves to the one torch has already loaded
@@ -36,9 +41,45 @@ log = logging.getLogger("pagedllm.model")
 CSRC = Path(__file__).parent / "csrc"
 # (source, extra compile flags)
 SOURCES = [("paged_attention.c", ["-ffast-math"]), ("quant_matmul.c", []), ("model_step.c", [])]
-COMPILE = ["-O3", "-march=native", "-fno-math-errno", "-fPIC", "-Wno-psabi"]  # psabi: 64-byte vectors on AVX2
+COMPILE = ["-O3", "-fno-math-errno", "-fPIC", "-Wno-psabi"]  # psabi: 64-byte vectors on AVX2
 LINK = ["-shared"]
 OPENMP = ["-fopenmp"]  # without OpenMP the same source builds a single-threaded kernel
+# CPU classes: the -march of each, and the /proc/cpuinfo flags a CPU needs to run that build (x86-64-v3 is
+# Haswell / Zen 1 and later: AVX2, FMA, F16C; x86-64-v4 adds AVX-512 F/BW/CD/DQ/VL; x86-64 is the portable C).
+TARGETS = {"native": "native", "x86-64-v4": "x86-64-v4", "x86-64-v3": "x86-64-v3", "x86-64": "x86-64"}
+_NEEDS = {"x86-64-v3": {"avx2", "fma", "f16c", "bmi2", "movbe"},
+          "x86-64-v4": {"avx2", "fma", "f16c", "bmi2", "movbe", "avx512f", "avx512bw", "avx512cd", "avx512dq",
+                        "avx512vl"},
+          "x86-64": set()}
+# What a build of each class must report (`isa()["matmul"]`); a native build reports what the CPU has.
+EXPECTED_ISA = {"x86-64-v4": "avx512", "x86-64-v3": "avx2", "x86-64": "portable"}
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_target() -> str:
+    """The class to build for: PAGEDLLM_CPU_TARGET, default native."""
+    target = os.environ.get("PAGEDLLM_CPU_TARGET", "").strip() or "native"
+    if target not in TARGETS:
+        raise ValueError(f"PAGEDLLM_CPU_TARGET={target!r}: use one of {', '.join(TARGETS)}")
+    return target
+
+
+def runnable_targets() -> list[str]:
+    """The classes this machine can execute (always native; the x86-64 levels on an x86 CPU that has them)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return ["native"]
+    flags = cpu_flags()
+    return ["native"] + [t for t, need in _NEEDS.items() if need <= flags]
 
 
 def _cache_dir() -> Path:
@@ -62,11 +103,12 @@ def _host_id(cc: list[str]) -> str:
     return "\n".join(parts)
 
 
-def _build(cc: list[str], openmp: bool) -> Path:
+def _build(cc: list[str], openmp: bool, target: str) -> Path:
     extra = OPENMP if openmp else []
+    compile_flags = [*COMPILE, f"-march={TARGETS[target]}"]
     key_src = b"".join(p.read_bytes() for p in sorted(CSRC.glob("*.[ch]")))
-    key_src += " ".join([*cc, *COMPILE, *LINK, *extra, str(SOURCES), _host_id(cc)]).encode()
-    lib = _cache_dir() / f"pagedllm_kernels-{hashlib.sha256(key_src).hexdigest()[:16]}.so"
+    key_src += " ".join([*cc, *compile_flags, *LINK, *extra, str(SOURCES), _host_id(cc)]).encode()
+    lib = _cache_dir() / f"pagedllm_kernels-{target}-{hashlib.sha256(key_src).hexdigest()[:16]}.so"
     if lib.exists():
         return lib
     lib.parent.mkdir(parents=True, exist_ok=True)
@@ -75,15 +117,17 @@ def _build(cc: list[str], openmp: bool) -> Path:
         run = dict(check=True, capture_output=True, text=True, timeout=300)
         for name, flags in SOURCES:
             objs.append(str(Path(tmp) / (name + ".o")))
-            subprocess.run([*cc, *COMPILE, *flags, *extra, "-c", str(CSRC / name), "-o", objs[-1]], **run)
+            subprocess.run([*cc, *compile_flags, *flags, *extra, "-c", str(CSRC / name), "-o", objs[-1]], **run)
         subprocess.run([*cc, *LINK, *extra, *objs, "-o", str(out), "-lm"], **run)
         os.replace(out, lib)  # atomic: concurrent builders never see a half-written library
     return lib
 
 
-@lru_cache(maxsize=1)
-def load() -> ctypes.CDLL | None:
-    """The compiled kernels, or None (with one log line saying why) when they cannot be built here."""
+@cache
+def load(target: str | None = None) -> ctypes.CDLL | None:
+    """The compiled kernels for `target` (default: `cpu_target()`), or None (with one log line saying why) when
+    they cannot be built here."""
+    target = target or cpu_target()
     cc = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc") or ""]
     if not cc[0]:
         log.warning("no C compiler found: decode attention uses the portable torch path (slower) and quantized "
@@ -92,7 +136,7 @@ def load() -> ctypes.CDLL | None:
     lib, why = None, ""
     for openmp in (True, False):
         try:
-            lib = ctypes.CDLL(str(_build(cc, openmp)))
+            lib = ctypes.CDLL(str(_build(cc, openmp, target)))
         except (OSError, subprocess.SubprocessError) as e:
             why = (getattr(e, "stderr", "") or str(e)).strip()[:500]
             continue
@@ -104,6 +148,12 @@ def load() -> ctypes.CDLL | None:
         return None
     _declare(lib)
     return lib
+
+
+def library_path() -> Path | None:
+    """The file of the library `load()` gives (its name names the build), or None where none is built."""
+    lib = load()
+    return None if lib is None else Path(lib._name)
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -121,6 +171,14 @@ def _declare(lib: ctypes.CDLL) -> None:
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int
         fn.argtypes = args
+    lib.kernel_isa.restype = ctypes.c_char_p
+    lib.kernel_isa.argtypes = []
+
+
+def isa(lib: ctypes.CDLL) -> dict[str, str]:
+    """Which vector path each kernel of a built library was compiled with, e.g. {"matmul": "avx2", "step":
+    "avx2", "attention": "avx2", "amx": "no"}: what the compiler saw, not what the CPU has."""
+    return dict(kv.split("=", 1) for kv in lib.kernel_isa().decode().split())
 
 
 def attention_lib() -> ctypes.CDLL | None:

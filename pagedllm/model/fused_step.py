@@ -5,8 +5,8 @@ embedding table and the LM head are kept quantized (`--quantization gguf|int8|in
 built. The structures below mirror the C ones field by field; they are filled once per runner (weights,
 caches), and what changes per step is a few int64 arrays built with numpy.
 
-With --dtype bfloat16 on a CPU with AMX, matmuls of AMX_MIN_ROWS rows or more run on AMX with their inputs
-rounded to bfloat16 (see quant.py); everything else computes in float32.
+With --dtype bfloat16 on a CPU with AMX, matmuls of at least the measured number of rows (kernel_choice.py)
+run on AMX with their inputs rounded to bfloat16; everything else computes in float32.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 import pagedllm.model.cpu_kernel as cpu_kernel
 import pagedllm.model.kv_quant as kv_quant
 from pagedllm.model.llama import LlamaForCausalLM
-from pagedllm.model.quant import AMX_MIN_ROWS, FORMATS, amx_available
+from pagedllm.model.quant import FORMATS, amx_available
 
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 
@@ -95,7 +95,7 @@ class FusedStep:
     def _model(self, k_cache: torch.Tensor) -> _Model:
         m, cfg = self.model, self.model.config
         embed, head = m.quant["embed_tokens"], m.lm_head_quant
-        amx = AMX_MIN_ROWS if m.embed_tokens.dtype == torch.bfloat16 and amx_available() else 0
+        amx = head.amx_min_rows if m.embed_tokens.dtype == torch.bfloat16 and amx_available() else 0
         return _Model(hidden=cfg.hidden_size, inter=cfg.intermediate_size, heads=cfg.num_heads,
                       kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, layers=cfg.num_layers, vocab=cfg.vocab_size,
                       block_size=self.block_size, cache_kind=kv_quant.KINDS[k_cache.dtype],

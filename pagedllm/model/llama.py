@@ -99,6 +99,20 @@ class LlamaForCausalLM(nn.Module):
         if self.packed_lm_head is not None and self.lm_head is not None:
             self.lm_head.data = torch.empty(0, dtype=self.lm_head.dtype)
 
+    def quant_weights(self) -> list[QuantWeight]:
+        """Every weight kept quantized: the embedding table and LM head, then each layer's."""
+        out = list(self.quant.values())
+        for layer in self.layers:
+            out += list(layer.quant.values()) + list(layer.mlp.quant.values())
+        return out
+
+    def first_layer_quant(self) -> list[QuantWeight] | None:
+        """The first layer's four matmul weights if all are quantized (what kernel_choice.py times), else None."""
+        layer = self.layers[0]
+        ws = [layer.quant.get("qkv_weight"), layer.quant.get("o_weight"), layer.mlp.quant.get("gate_up_weight"),
+              layer.mlp.quant.get("down_weight")]
+        return None if any(w is None for w in ws) else ws
+
     def resident_weight_bytes(self) -> int:
         """Bytes the weights hold in memory in every form they are kept in: parameters, packed, quantized."""
         tensors = list(self.parameters()) + [self.packed_lm_head] + list(self.quant.values())

@@ -4,10 +4,12 @@ dtype "auto" picks bfloat16 for 16-bit and quantized checkpoints (bf16 matmuls a
 AMX and on GPUs) and float32 for float32 checkpoints (exactness). Weights are created uninitialised and filled
 straight from the checkpoint, so loading costs one read (and, for GGUF, one dequantization) per tensor.
 
-quantization (vLLM's `--quantization`): "gguf" (the default for a GGUF file) keeps its Q4_0 / Q4_1 / Q8_0
-matrices as stored and runs them through the quantized kernels (quant.py); "int8" / "int4" round a checkpoint's
-weights at load; "none" (the default for a Hugging Face folder) dequantizes to `dtype`. Where the kernels
-cannot run (a GPU, no C compiler) the model says so once and loads dense.
+quantization (vLLM's `--quantization`): "gguf" keeps a GGUF's Q4_0 / Q4_1 / Q8_0 matrices as stored and runs
+them through the quantized kernels (quant.py); "int8" / "int4" round a checkpoint's weights at load; "none"
+(the default for a Hugging Face folder) dequantizes to `dtype`; "auto" (the default for a GGUF file) is the
+fastest path with the file's exact values, measured on this machine (kernel_choice.py): "gguf" unless this
+build's quantized kernel is slower than dense for one row. Where the kernels cannot run (a GPU, no C compiler)
+the model says so once and loads dense.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.errors import ModelLoadError, UserError
 import pagedllm.model.cpu_kernel as cpu_kernel
+import pagedllm.model.kernel_choice as kernel_choice
+from pagedllm.errors import ModelLoadError, UserError
 from pagedllm.model.config import ModelConfig, is_gguf, load_model_config, resolve_model_path
+from pagedllm.model.kernel_choice import KernelChoice
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.quant import log_once
 from pagedllm.model.tokenizer import Tokenizer, load_tokenizer
@@ -29,7 +33,7 @@ from pagedllm.model.tokenizer import Tokenizer, load_tokenizer
 log = logging.getLogger("pagedllm.model")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-QUANTIZATIONS = ("none", "gguf", "int8", "int4")
+QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4")
 
 
 @dataclass
@@ -46,6 +50,7 @@ class LoadedModel:
     path: str = ""
     quantization: str = "none"
     dense_weight_bytes: int = 0  # what the same weights take dequantized to `dtype`
+    kernel_choice: KernelChoice | None = None  # the measured matmul kernels, when weights are quantized
 
 
 def fast_bf16(device: torch.device) -> bool:
@@ -87,12 +92,15 @@ def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig, device: torch.devi
 
 
 def resolve_quantization(quantization: str | None, path: str, device: torch.device) -> str:
-    """None -> "gguf" for a GGUF file, "none" otherwise; "none" (said once) where the kernels cannot run."""
-    q = (quantization or ("gguf" if is_gguf(path) else "none")).lower()
+    """None -> "auto" for a GGUF file, "none" otherwise (auto too: a folder has no quantized weights to keep);
+    "none" (said once) where the kernels cannot run."""
+    q = (quantization or "auto").lower()
     if q not in QUANTIZATIONS:
         raise UserError(f"--quantization {quantization!r} is not supported; use {', '.join(QUANTIZATIONS)}")
     if q == "gguf" and not is_gguf(path):
         raise UserError("--quantization gguf needs a GGUF file; for a Hugging Face folder use int8 or int4")
+    if q == "auto" and not is_gguf(path):
+        return "none"
     if q != "none" and (device.type != "cpu" or cpu_kernel.load() is None):
         log_once(f"--quantization {q}: no quantized kernel on {device} here; weights are dequantized (dense path)")
         return "none"
@@ -109,7 +117,7 @@ def _fill(net: LlamaForCausalLM, path: str, cfg: ModelConfig, quantization: str)
         from pagedllm.model.gguf_file import GGUFFile
 
         with GGUFFile(path) as gf:
-            assign_weights(net, iter_gguf(gf, cfg, keep_quantized=quantization == "gguf"), path)
+            assign_weights(net, iter_gguf(gf, cfg, keep_quantized=quantization in ("gguf", "auto")), path)
     else:  # load_model_config already rejects this; kept for clarity
         raise ModelLoadError(f"{path} is not a model")
     if quantization in ("int8", "int4"):
@@ -127,10 +135,12 @@ def load_model(model: str | None = None, dtype: str | torch.dtype = "auto",
     dev = torch.device(device)
     torch_dtype = resolve_dtype(dtype, cfg, dev)
     quant = resolve_quantization(quantization, path, dev)
-    net = LlamaForCausalLM(cfg, torch_dtype, dev)
-    dense_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
-    _fill(net, path, cfg, quant)
-    net.eval()
+    net, dense_bytes, choice = _build(path, cfg, torch_dtype, dev, quant)
+    if quant == "auto" and choice is not None and not choice.quantized:
+        quant = "none"
+        net, dense_bytes, _ = _build(path, cfg, torch_dtype, dev, quant)
+    elif quant == "auto":
+        quant = "gguf"
     tokenizer = load_tokenizer(path)
     if dev.type == "cpu":
         net.pack_cpu_weights()
@@ -144,4 +154,20 @@ def load_model(model: str | None = None, dtype: str | torch.dtype = "auto",
         import sys
 
         print(msg, file=sys.stderr)
-    return LoadedModel(cfg, net, tokenizer, torch_dtype, dev, secs, weight_bytes, path, quant, dense_bytes)
+    return LoadedModel(cfg, net, tokenizer, torch_dtype, dev, secs, weight_bytes, path, quant, dense_bytes, choice)
+
+
+def _build(path: str, cfg: ModelConfig, dtype: torch.dtype, dev: torch.device,
+           quantization: str) -> tuple[LlamaForCausalLM, int, KernelChoice | None]:
+    """The model with its weights, their dense size, and the kernel choice for its quantized weights (applied:
+    each weight knows from how many rows it runs on AMX)."""
+    net = LlamaForCausalLM(cfg, dtype, dev)
+    dense_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
+    _fill(net, path, cfg, quantization)
+    net.eval()
+    layer = net.first_layer_quant() if dev.type == "cpu" else None
+    choice = kernel_choice.choose(layer, dtype) if layer is not None else None
+    if choice is not None:
+        for w in net.quant_weights():
+            w.amx_min_rows = choice.amx_min_rows
+    return net, dense_bytes, choice

@@ -146,6 +146,7 @@ class QuantWeight:
     k: int
     tiles: torch.Tensor  # uint8 [ceil(n/16), k/32, tile bytes]
     source: str
+    amx_min_rows: int = 0  # bfloat16 inputs of at least this many rows run on AMX (kernel_choice.py); 0: never
 
     @property
     def nbytes(self) -> int:
@@ -166,9 +167,6 @@ def _lib() -> ctypes.CDLL:
     return lib
 
 
-AMX_MIN_ROWS = 8  # bfloat16 activations: from this many rows on, AMX beats the float32 kernel (linear_kernels.py)
-
-
 @lru_cache(maxsize=1)
 def amx_available() -> bool:
     """Whether the bfloat16 AMX kernel can run here (built with AMX, and the OS grants the tiles)."""
@@ -179,12 +177,12 @@ def amx_available() -> bool:
 def qlinear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
             out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
     """x [..., K] @ w.T (+ bias); the result in x's dtype. float32 activations always take the float32 kernel
-    (exact weights, sums in a fixed order); bfloat16 ones take AMX from AMX_MIN_ROWS rows on where the CPU has
-    it. `out` (float32, contiguous rows) is written in place, or added to with `accumulate`."""
+    (exact weights, sums in a fixed order); bfloat16 ones take AMX from `w.amx_min_rows` rows on where the CPU
+    has it. `out` (float32, contiguous rows) is written in place, or added to with `accumulate`."""
     lead = x.shape[:-1]
     xf = x.reshape(-1, w.k)
     m = xf.shape[0]
-    amx = x.dtype == torch.bfloat16 and m >= AMX_MIN_ROWS and amx_available()
+    amx = x.dtype == torch.bfloat16 and 0 < w.amx_min_rows <= m and amx_available()
     if xf.dtype != torch.float32 or xf.stride(-1) != 1:
         xf = xf.float().contiguous()
     res = out if out is not None else torch.empty(m, w.n, dtype=torch.float32)

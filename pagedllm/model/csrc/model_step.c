@@ -99,56 +99,63 @@ static void mark(const StepBatch *b, double *t, int p) {
     *t = n;
 }
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4)));
-typedef int32_t v16i __attribute__((vector_size(64)));
+/* One vector of the widest float registers the build has: GCC splits wider generic vectors into scalar code
+ * where the target lacks them (a 16-wide exp on AVX2 became a per-lane loop with branches). */
+#ifdef __AVX512F__
+#define VW 16
+#else
+#define VW 8
+#endif
+typedef float vf __attribute__((vector_size(4 * VW)));
+typedef float vfu __attribute__((vector_size(4 * VW), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(4 * VW)));
 
-static inline v16 ld(const float *p) { return *(const v16u *)p; }
+static inline vf ld(const float *p) { return *(const vfu *)p; }
 
-/* n a multiple of 16 (the step checks hidden % 32 == 0): four partial sums of squares, so the adds overlap. */
+/* n a multiple of VW (the step checks hidden % 32 == 0): four partial sums of squares, so the adds overlap. */
 static void rmsnorm(float *out, const float *h, const float *w, int n, float eps) {
-    v16 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
+    vf s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
     int i = 0;
-    for (; i + 64 <= n; i += 64) {
+    for (; i + 4 * VW <= n; i += 4 * VW) {
         s0 += ld(h + i) * ld(h + i);
-        s1 += ld(h + i + 16) * ld(h + i + 16);
-        s2 += ld(h + i + 32) * ld(h + i + 32);
-        s3 += ld(h + i + 48) * ld(h + i + 48);
+        s1 += ld(h + i + VW) * ld(h + i + VW);
+        s2 += ld(h + i + 2 * VW) * ld(h + i + 2 * VW);
+        s3 += ld(h + i + 3 * VW) * ld(h + i + 3 * VW);
     }
-    for (; i < n; i += 16) s0 += ld(h + i) * ld(h + i);
-    const v16 s = (s0 + s1) + (s2 + s3);
+    for (; i < n; i += VW) s0 += ld(h + i) * ld(h + i);
+    const vf s = (s0 + s1) + (s2 + s3);
     float ss = 0.0f;
-    for (int l = 0; l < 16; l++) ss += s[l];
+    for (int l = 0; l < VW; l++) ss += s[l];
     const float r = 1.0f / sqrtf(ss / (float)n + eps);
     for (i = 0; i < n; i++) out[i] = w[i] * (h[i] * r);
 }
 
-/* e^x for 16 floats (Cephes' expf: range reduction by ln 2, degree-6 polynomial; about 1 ulp), where libm's
+/* e^x for VW floats (Cephes' expf: range reduction by ln 2, degree-6 polynomial; about 1 ulp), where libm's
  * scalar expf would be 10x slower: silu takes an exp per element of every MLP row. */
-static inline v16 vexp(v16 x) {
-    const v16 hi = x * 0 + 88.3762626647949f, lo = x * 0 - 87.3365447504019f;
-    v16i over = x > hi, under = x < lo; /* lanes of -1 where true: C has no vector ?: */
-    x = (v16)(((v16i)hi & over) | ((v16i)x & ~over));
-    x = (v16)(((v16i)lo & under) | ((v16i)x & ~under));
-    const v16 t = x * 1.44269504088896341f + 12582912.0f; /* round(x / ln 2) in the low mantissa bits */
-    const v16i bits = (v16i)t;
-    const v16 n = t - 12582912.0f;
+static inline vf vexp(vf x) {
+    const vf hi = x * 0 + 88.3762626647949f, lo = x * 0 - 87.3365447504019f;
+    vi over = x > hi, under = x < lo; /* lanes of -1 where true: C has no vector ?: */
+    x = (vf)(((vi)hi & over) | ((vi)x & ~over));
+    x = (vf)(((vi)lo & under) | ((vi)x & ~under));
+    const vf t = x * 1.44269504088896341f + 12582912.0f; /* round(x / ln 2) in the low mantissa bits */
+    const vi bits = (vi)t;
+    const vf n = t - 12582912.0f;
     x = x - n * 0.693359375f + n * 2.12194440e-4f;
-    const v16 z = x * x;
-    v16 y = 1.9875691500E-4f * x + 1.3981999507E-3f;
+    const vf z = x * x;
+    vf y = 1.9875691500E-4f * x + 1.3981999507E-3f;
     y = y * x + 8.3334519073E-3f;
     y = y * x + 4.1665795894E-2f;
     y = y * x + 1.6666665459E-1f;
     y = y * x + 5.0000001201E-1f;
     y = y * z + x + 1.0f;
-    return y * (v16)((bits - 0x4B400000 + 127) << 23);
+    return y * (vf)((bits - 0x4B400000 + 127) << 23);
 }
 
-/* out = silu(g) * u = g / (1 + e^-g) * u, n a multiple of 16. */
+/* out = silu(g) * u = g / (1 + e^-g) * u, n a multiple of VW. */
 static void silu_mul(float *out, const float *g, const float *u, int n) {
-    for (int j = 0; j < n; j += 16) {
-        const v16 gv = ld(g + j);
-        *(v16u *)(out + j) = gv / (1.0f + vexp(-gv)) * ld(u + j);
+    for (int j = 0; j < n; j += VW) {
+        const vf gv = ld(g + j);
+        *(vfu *)(out + j) = gv / (1.0f + vexp(-gv)) * ld(u + j);
     }
 }
 

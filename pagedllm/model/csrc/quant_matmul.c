@@ -6,7 +6,8 @@
  * memory bandwidth. A GGUF's Q4_1 weights are 0.625 bytes each against 2 (bfloat16) or 4 (float32) dense.
  * torch's int4 CPU kernel is fast only with bfloat16 activations and rounds the scales to bfloat16; this one
  * takes float32 activations and dequantizes to exactly the file's values (w = d * q + m, d and m the file's
- * float16 numbers), so the only difference from a dense float32 matmul is the order of the sums.
+ * float16 numbers; d * q is exact in float32), so the only difference from a dense float32 matmul is the
+ * order of the sums.
  *
  * Layout ("tiles"): columns (output features) in blocks of 16, K in groups of 32. One (column block, group)
  * tile holds the 16 columns' scales as float16, then their 512 weights in 16 rows r = 0..15, row r holding
@@ -14,60 +15,65 @@
  *   q4: d[16] f16, m[16] f16, then 16 rows of 16 bytes: byte j: low nibble = column j/2, high nibble = column
  *       8 + j/2, both at k = 2r + j%2 (320 bytes per tile = 0.625 bytes a weight, as the GGUF)
  *   q8: d[16] f16, then 16 rows of 32 signed bytes: byte e = column e/2 at k = 2r + e%2 (m = 0)
- * A row dequantizes into two float vectors (columns 0..7 and 8..15, each k pair side by side); a lane
- * accumulates w * x over the even or the odd k of its column, and the two lanes are added at the end.
+ * A dequantized row is 32 floats, each k pair of a column side by side; a lane accumulates w * x over the
+ * even or the odd k of its column, and the two lanes are added at the end.
  *
- * Every output element is summed in the same order whatever M is and whichever path serves it (dequantize
- * per row block, or a whole column panel dequantized into a buffer once for many rows), so a sequence's
- * result does not depend on what else is in the batch. The SIMD is GCC/Clang vector types: 16 floats are one
- * AVX-512 register, two AVX2 ones, four on NEON. Compiled without -ffast-math so that nothing reassociates.
+ * Two implementations of the same kernel, chosen at compile time: 16 floats a vector for AVX-512 (6 rows of
+ * x per register block, 32 registers), and 8 floats a vector for AVX2 (x86-64-v3: Haswell, Zen 1-3) and the
+ * portable C path of every other CPU (16 registers: fewer accumulators per row, so more rows fit). Both take
+ * two routes: a few rows dequantize each tile row in registers once for all of them ("direct"); many rows
+ * dequantize a column block once into a float32 panel that stays in the cache and run a register-blocked
+ * micro-kernel over it ("panel": prefill as a blocked GEMM, without a second copy of the weights). Within one
+ * build, every output element is summed in the same order whichever route serves it, so a sequence's result
+ * does not depend on what else is in the batch. The conversions (float16, bytes, nibbles) are intrinsics: GCC
+ * makes scalar code of their generic forms. Compiled without -ffast-math so that nothing reassociates.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "quant_matmul.h"
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__F16C__))
 #include <immintrin.h>
 #endif
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef double v8d __attribute__((vector_size(64)));
-
-#ifdef __AVX512F__
-#define MR 6 /* rows of x per register block: 4 accumulators each, of 32 registers */
+/* Which vector path this build took (cpu_kernel.isa()): a vector class that fell back to the portable loops is
+ * a regression the tests must see. */
+const char *kernel_isa(void) {
+#if defined(__AVX512F__)
+#define MATMUL_ISA "avx512"
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#define MATMUL_ISA "avx2"
 #else
-#define MR 1 /* 16 (AVX2) or 32 (NEON) registers of half or a quarter the width */
+#define MATMUL_ISA "portable"
 #endif
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
+    return "matmul=" MATMUL_ISA " amx=yes";
+#else
+    return "matmul=" MATMUL_ISA " amx=no";
+#endif
+}
 
 static inline int tile_bytes(int fmt) { return fmt == QFMT_Q4 ? 64 + 256 : 32 + 512; }
 int qtile_bytes(int fmt) { return tile_bytes(fmt); }
 
+#ifdef __AVX512F__ /* ---- 16 floats a vector -------------------------------------------------------------- */
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+#define MR 6 /* rows of x per register block: 4 accumulators each, of 32 registers */
+
 static inline v16 ldu(const float *p) { return *(const v16u *)p; }
 
 /* A pair of x values (k, k+1) repeated in all eight 64-bit lanes. */
-static inline v16 pair(const float *x) {
-#ifdef __AVX512F__
-    return (v16)_mm512_castpd_ps(_mm512_set1_pd(*(const double *)x));
-#else
-    double d;
-    memcpy(&d, x, 8);
-    return (v16)((v8d){0} + d);
-#endif
-}
+static inline v16 pair(const float *x) { return (v16)_mm512_castpd_ps(_mm512_set1_pd(*(const double *)x)); }
 
 typedef struct {
     v16 dlo, dhi, mlo, mhi; /* each column's scale / minimum, twice over: lanes of columns 0..7, 8..15 */
 } Scales;
 
-#ifdef __AVX512F__
-/* GCC turns the generic conversions below into scalar code; on AVX-512 they are one instruction each. */
 static inline v16 f16x16(const uint8_t *p) { return (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
-static inline v16 u8x16(const uint8_t *p) {
-    return (v16)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
-}
 static inline v16 s8x16(const uint8_t *p) {
     return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
@@ -76,33 +82,6 @@ static inline void nibbles(const uint8_t *p, v16 *lo, v16 *hi) {
     *lo = (v16)_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
     *hi = (v16)_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
 }
-#else
-static inline v16 f16x16(const uint8_t *p) {
-    v16 r;
-    for (int i = 0; i < 16; i++) {
-        _Float16 h;
-        memcpy(&h, p + 2 * i, 2);
-        r[i] = (float)h;
-    }
-    return r;
-}
-static inline v16 u8x16(const uint8_t *p) {
-    v16 r;
-    for (int i = 0; i < 16; i++) r[i] = (float)p[i];
-    return r;
-}
-static inline v16 s8x16(const uint8_t *p) {
-    v16 r;
-    for (int i = 0; i < 16; i++) r[i] = (float)(int8_t)p[i];
-    return r;
-}
-static inline void nibbles(const uint8_t *p, v16 *lo, v16 *hi) {
-    for (int i = 0; i < 16; i++) {
-        (*lo)[i] = (float)(p[i] & 15);
-        (*hi)[i] = (float)(p[i] >> 4);
-    }
-}
-#endif
 
 static inline Scales tile_scales(const uint8_t *tile, int fmt) {
     const v16 d = f16x16(tile);
@@ -250,6 +229,205 @@ void qmm_column_block(const QMatmul *a, int cb, float *panel) {
         DISPATCH(block_panel, nr, a, panel, m0)
     }
 }
+#else /* ---- 8 floats a vector: AVX2, and the portable C path ---------------------------------------------- */
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef double v4d __attribute__((vector_size(32)));
+
+/* A dequantized tile row is four vectors ("quads"): quad q holds columns 4q..4q+3, each k pair side by side.
+ * A direct block keeps 4 accumulators a row (MR rows); a panel block takes half the columns (2 quads), so that
+ * PR rows of 2 accumulators, 2 weight vectors and x fit in 16 registers. */
+#define MR 2
+#define PR 6
+
+static inline v8 ld8(const float *p) { return *(const v8u *)p; }
+static inline v8 tof(v8i x) { return __builtin_convertvector(x, v8); }
+
+#if defined(__AVX2__) && defined(__F16C__)
+static inline v8 pair8(const float *x) { return (v8)_mm256_castpd_ps(_mm256_broadcast_sd((const double *)x)); }
+static inline v8 f16x8(const uint8_t *p) { return (v8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+static inline v8i u8x8(const uint8_t *p) { return (v8i)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+static inline v8i s8x8(const uint8_t *p) { return (v8i)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+#else
+static inline v8 pair8(const float *x) {
+    double d;
+    memcpy(&d, x, 8);
+    return (v8)((v4d){0} + d);
+}
+static inline v8 f16x8(const uint8_t *p) {
+    v8 r;
+    for (int i = 0; i < 8; i++) {
+        _Float16 h;
+        memcpy(&h, p + 2 * i, 2);
+        r[i] = (float)h;
+    }
+    return r;
+}
+static inline v8i u8x8(const uint8_t *p) {
+    v8i r;
+    for (int i = 0; i < 8; i++) r[i] = p[i];
+    return r;
+}
+static inline v8i s8x8(const uint8_t *p) {
+    v8i r;
+    for (int i = 0; i < 8; i++) r[i] = (int8_t)p[i];
+    return r;
+}
+#endif
+
+typedef struct {
+    v8 d[4], m[4]; /* per quad: its four columns' scale / minimum, each twice (k even, k odd) */
+} Scales8;
+
+static inline Scales8 tile_scales8(const uint8_t *tile, int fmt) {
+    const v8i a = {0, 0, 1, 1, 2, 2, 3, 3}, b = a + 4;
+    const v8 d0 = f16x8(tile), d1 = f16x8(tile + 16);
+    Scales8 s = {{__builtin_shuffle(d0, a), __builtin_shuffle(d0, b), __builtin_shuffle(d1, a),
+                  __builtin_shuffle(d1, b)},
+                 {{0}, {0}, {0}, {0}}};
+    if (fmt == QFMT_Q4) {
+        const v8 m0 = f16x8(tile + 32), m1 = f16x8(tile + 48);
+        s.m[0] = __builtin_shuffle(m0, a);
+        s.m[1] = __builtin_shuffle(m0, b);
+        s.m[2] = __builtin_shuffle(m1, a);
+        s.m[3] = __builtin_shuffle(m1, b);
+    }
+    return s;
+}
+
+/* Row r of a tile as its four quads. q4 bytes 0-7 hold columns 0-3 (low nibbles) and 8-11 (high), bytes
+ * 8-15 columns 4-7 and 12-15; q8 bytes 8q..8q+7 hold quad q. */
+static inline __attribute__((always_inline)) void tile_row8(const uint8_t *tile, int fmt, int r, const Scales8 *s,
+                                                            v8 w[4]) {
+    if (fmt == QFMT_Q4) {
+        const uint8_t *q = tile + 64 + 16 * r;
+        const v8i b0 = u8x8(q), b1 = u8x8(q + 8);
+        w[0] = tof(b0 & 15) * s->d[0] + s->m[0];
+        w[1] = tof(b1 & 15) * s->d[1] + s->m[1];
+        w[2] = tof(b0 >> 4) * s->d[2] + s->m[2];
+        w[3] = tof(b1 >> 4) * s->d[3] + s->m[3];
+    } else {
+        const uint8_t *q = tile + 32 + 32 * r;
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) w[i] = tof(s8x8(q + 8 * i)) * s->d[i];
+    }
+}
+
+/* Sum each lane pair of one quad and write its (up to) 4 columns of one output row. */
+static inline void store_quad(float *o, v8 acc, const float *bias, int n_valid, int accumulate) {
+    const v8i swap = {1, 0, 3, 2, 5, 4, 7, 6};
+    acc += __builtin_shuffle(acc, swap);
+    for (int c = 0; c < 4 && c < n_valid; c++) {
+        const float v = acc[2 * c] + (bias ? bias[c] : 0.0f);
+        o[c] = accumulate ? o[c] + v : v;
+    }
+}
+
+/* Quads q0..q0+nq-1 of rows m0..m0+nr-1 from their accumulators (acc[i * stride + q]). */
+static inline __attribute__((always_inline)) void store_quads(const QMatmul *a, const v8 *acc, int m0, const int nr,
+                                                              int cb, int q0, const int nq, const int stride) {
+#pragma GCC unroll 6
+    for (int i = 0; i < nr; i++)
+#pragma GCC unroll 4
+        for (int q = 0; q < nq; q++) {
+            const int col = 16 * cb + 4 * (q0 + q);
+            if (col < a->N)
+                store_quad(a->out + (int64_t)(m0 + i) * a->ldo + col, acc[i * stride + q],
+                           a->bias ? a->bias + col : NULL, a->N - col, a->accumulate);
+        }
+}
+
+/* nr (<= MR) rows of x against one column block, dequantizing each tile row in registers; k pair j = 16 g + r. */
+static inline __attribute__((always_inline)) void block_direct(const QMatmul *a, const uint8_t *col, int m0,
+                                                               const int fmt, const int nr, int cb) {
+    v8 acc[4 * MR];
+#pragma GCC unroll 8
+    for (int i = 0; i < 4 * nr; i++) acc[i] = (v8){0};
+    const int tb = tile_bytes(fmt);
+    const float *x = a->x + (int64_t)m0 * a->ldx;
+    for (int g = 0; g < a->G; g++) {
+        const uint8_t *tile = col + (int64_t)g * tb;
+        const Scales8 s = tile_scales8(tile, fmt);
+        for (int r = 0; r < 16; r++) {
+            v8 w[4];
+            tile_row8(tile, fmt, r, &s, w);
+#pragma GCC unroll 4
+            for (int i = 0; i < nr; i++) {
+                const v8 xp = pair8(x + (int64_t)i * a->ldx + 32 * g + 2 * r);
+#pragma GCC unroll 4
+                for (int q = 0; q < 4; q++) acc[4 * i + q] += w[q] * xp;
+            }
+        }
+    }
+    store_quads(a, acc, m0, nr, cb, 0, 4, 4);
+}
+
+/* The same sums for columns 8 h .. 8 h + 7 of the block, from the panel ([16 G][32 floats]). */
+static inline __attribute__((always_inline)) void block_panel(const QMatmul *a, const float *panel, int m0,
+                                                              const int nr, int cb, int h) {
+    v8 acc[2 * PR];
+#pragma GCC unroll 12
+    for (int i = 0; i < 2 * nr; i++) acc[i] = (v8){0};
+    const float *x = a->x + (int64_t)m0 * a->ldx;
+    for (int j = 0; j < 16 * a->G; j++) {
+        const v8 w0 = ld8(panel + 32 * j + 16 * h), w1 = ld8(panel + 32 * j + 16 * h + 8);
+#pragma GCC unroll 6
+        for (int i = 0; i < nr; i++) {
+            const v8 xp = pair8(x + (int64_t)i * a->ldx + 2 * j);
+            acc[2 * i] += w0 * xp;
+            acc[2 * i + 1] += w1 * xp;
+        }
+    }
+    store_quads(a, acc, m0, nr, cb, 2 * h, 2, 2);
+}
+
+static void dequant_panel(const QMatmul *a, const uint8_t *col, float *panel) {
+    const int tb = tile_bytes(a->fmt);
+    for (int g = 0; g < a->G; g++) {
+        const uint8_t *tile = col + (int64_t)g * tb;
+        const Scales8 s = tile_scales8(tile, a->fmt);
+        for (int r = 0; r < 16; r++) {
+            v8 w[4];
+            tile_row8(tile, a->fmt, r, &s, w);
+            for (int q = 0; q < 4; q++) *(v8u *)(panel + ((int64_t)g * 16 + r) * 32 + 8 * q) = w[q];
+        }
+    }
+}
+
+/* One column block for all M rows: direct for a few rows, through a dequantized panel for many. */
+void qmm_column_block(const QMatmul *a, int cb, float *panel) {
+    const uint8_t *col = a->w + (int64_t)cb * a->G * tile_bytes(a->fmt);
+    if (a->M <= MR || panel == NULL) {
+        for (int m0 = 0; m0 < a->M; m0 += MR) {
+            const int one = a->M - m0 < 2;
+            if (a->fmt == QFMT_Q4) {
+                if (one) block_direct(a, col, m0, QFMT_Q4, 1, cb);
+                else block_direct(a, col, m0, QFMT_Q4, MR, cb);
+            } else {
+                if (one) block_direct(a, col, m0, QFMT_Q8, 1, cb);
+                else block_direct(a, col, m0, QFMT_Q8, MR, cb);
+            }
+        }
+        return;
+    }
+    dequant_panel(a, col, panel);
+    const int halves = a->N - 16 * cb > 8 ? 2 : 1;
+    for (int m0 = 0; m0 < a->M; m0 += PR) {
+        const int nr = a->M - m0 < PR ? a->M - m0 : PR;
+        for (int h = 0; h < halves; h++) {
+            switch (nr) {
+            case 1: block_panel(a, panel, m0, 1, cb, h); break;
+            case 2: block_panel(a, panel, m0, 2, cb, h); break;
+            case 3: block_panel(a, panel, m0, 3, cb, h); break;
+            case 4: block_panel(a, panel, m0, 4, cb, h); break;
+            case 5: block_panel(a, panel, m0, 5, cb, h); break;
+            default: block_panel(a, panel, m0, PR, cb, h); break;
+            }
+        }
+    }
+}
+#endif
 
 /* Returns 0, or -1 (out of memory) / -2 (bad sizes). */
 int qmm_f32(float *out, const float *x, const uint8_t *w, const float *bias, int M, int N, int K, int ldx, int ldo,

@@ -1,0 +1,159 @@
+"""Which matmul kernel serves which step sizes on this machine: measured once, not assumed.
+
+Why: the fastest kernel depends on the CPU class, the build and the shapes. The quantized kernels beat oneDNN's
+dense float32 on AVX-512 at every row count, but their portable C build (a CPU with no vector path here) can be
+slower than dense; AMX (bfloat16 inputs) beats the float32 kernel only past a row count that differs per CPU.
+So on the first load of a model on a machine, each candidate runs the model's own first-layer matmuls (its
+real weights and formats) at a few row counts:
+- q-f32: the quantized kernel with float32 inputs (the file's exact weight values);
+- dense: oneDNN over the same weights dequantized to the model's dtype (what `--quantization none` runs);
+- q-amx: the quantized weights on AMX with bfloat16 inputs, where the CPU has it and the dtype is bfloat16.
+and the choice is kept beside the compiled kernels (their file name already names the CPU, compiler, build
+class and sources), keyed by the shapes, formats and dtype, so later loads read it.
+
+What is chosen: the weights stay quantized unless dense is faster for one row (decode of one sequence, where
+the bytes read decide and which the quantized path exists for); bfloat16 steps run on AMX from the smallest
+row count from which AMX is measured faster at every larger one. Dense is never kept beside the quantized
+weights: a second copy of the weights would come out of the KV cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+import pagedllm.model.cpu_kernel as cpu_kernel
+from pagedllm.model.cpu_linear import linear, pack
+from pagedllm.model.quant import QuantWeight, amx_available, qlinear, qrows
+
+log = logging.getLogger("pagedllm.model")
+
+ROWS = (1, 8, 64, 256)
+_told: set[Path | None] = set()  # choices already logged by this process (a sweep loads a model many times)
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    quantized: bool  # keep the weights quantized (False: dequantize to the dense path)
+    amx_min_rows: int  # bfloat16 steps of at least this many rows run on AMX; 0: never
+    ms: dict[str, dict[int, float]]  # candidate -> rows -> ms for one layer's matmuls
+    build: str  # the kernels' class and vector path, e.g. "x86-64-v3 (avx2)"
+
+    def kernel_for(self, rows: int) -> str:
+        if not self.quantized:
+            return "dense"
+        return "q-amx" if self.amx_min_rows and rows >= self.amx_min_rows else "q-f32"
+
+    def describe(self) -> str:
+        """One log line: which kernel serves which step sizes, and the times that decided it."""
+        parts = []
+        for r in ROWS:
+            times = ", ".join(f"{k} {v[r]:.2f}" for k, v in self.ms.items() if r in v)
+            parts.append(f"{r} rows -> {self.kernel_for(r)} ({times} ms)")
+        why = ("weights kept quantized: not slower than dense for one row" if self.quantized else
+               "weights dequantized: dense is faster than this build's quantized kernel for one row")
+        return f"matmul kernels, {self.build}, measured on the first layer's shapes: {'; '.join(parts)}; {why}"
+
+
+def decide(ms: dict[str, dict[int, float]], build: str) -> KernelChoice:
+    """The choice that the measured times `ms` (candidate -> rows -> ms) call for."""
+    quantized = "dense" not in ms or ms["q-f32"][1] <= ms["dense"][1]
+    amx_min_rows = 0
+    if quantized and "q-amx" in ms:
+        for r in sorted(ms["q-amx"], reverse=True):
+            if ms["q-amx"][r] >= ms["q-f32"][r]:
+                break
+            amx_min_rows = r
+    return KernelChoice(quantized, amx_min_rows, ms, build)
+
+
+def _best_ms(fns: list, tries: int) -> float:
+    """The sum over `fns` (one layer's matmuls) of each one's fastest of `tries` runs: a run that another process
+    interrupted (this machine may be shared) is left out instead of deciding the choice."""
+    total = 0.0
+    for fn in fns:
+        fn()  # warm-up: first-touch pages, oneDNN primitive creation
+        best = float("inf")
+        for _ in range(tries):
+            t = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t)
+        total += best
+    return total * 1e3
+
+
+def _dense(w: QuantWeight, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weight dequantized (every row of it), in `dtype`, with its oneDNN packing."""
+    dense = qrows(w, torch.arange(w.n)).to(dtype)
+    return dense, pack(dense)
+
+
+def measure(layer: list[QuantWeight], dtype: torch.dtype, build: str) -> KernelChoice:
+    """Time each candidate on `layer` (one decoder layer's matmul weights) at ROWS and decide. On one thread:
+    the kernels split a matmul the same way whatever the thread count, and one thread cannot be held up by
+    another that the OS has put aside."""
+    dense = [_dense(w, dtype) for w in layer]
+    amx = [QuantWeight(w.fmt, w.n, w.k, w.tiles, w.source, amx_min_rows=1) for w in layer]
+    ms: dict[str, dict[int, float]] = {"q-f32": {}, "dense": {}}
+    if dtype == torch.bfloat16 and amx_available():
+        ms["q-amx"] = {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for r in ROWS:
+            tries = 5 if r < 64 else 2  # the big steps take milliseconds each: fewer tries keep this well under 1 s
+            xs = [torch.randn(r, w.k) for w in layer]
+            xd = [x.to(dtype) for x in xs]
+            ms["q-f32"][r] = _best_ms([lambda x=x, w=w: qlinear(x, w) for x, w in zip(xs, layer)], tries)
+            ms["dense"][r] = _best_ms([lambda x=x, d=d, p=p: linear(x, d, packed=p) for x, (d, p) in zip(xd, dense)],
+                                      tries)
+            if "q-amx" in ms:
+                ms["q-amx"][r] = _best_ms([lambda x=x, w=w: qlinear(x, w) for x, w in zip(xd, amx)], tries)
+    finally:
+        torch.set_num_threads(threads)
+    return decide(ms, build)
+
+
+def _cache_file(layer: list[QuantWeight], dtype: torch.dtype) -> Path | None:
+    lib_path = cpu_kernel.library_path()
+    if lib_path is None:
+        return None
+    key = json.dumps([[w.fmt, w.n, w.k] for w in layer] + [str(dtype), ROWS])
+    return lib_path.with_name(f"{lib_path.stem}.choice-{hashlib.sha256(key.encode()).hexdigest()[:12]}.json")
+
+
+def _read(path: Path) -> KernelChoice | None:
+    try:
+        raw = json.loads(path.read_text())
+        ms = {k: {int(r): float(t) for r, t in v.items()} for k, v in raw["ms"].items()}
+        return KernelChoice(bool(raw["quantized"]), int(raw["amx_min_rows"]), ms, str(raw["build"]))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None  # missing or unreadable: measure again
+
+
+def choose(layer: list[QuantWeight], dtype: torch.dtype) -> KernelChoice:
+    """The kept choice for these shapes on this machine, or a new measurement (then kept)."""
+    path = _cache_file(layer, dtype)
+    choice = _read(path) if path is not None else None
+    if choice is None:
+        lib = cpu_kernel.load()
+        build = f"{cpu_kernel.cpu_target()} build ({cpu_kernel.isa(lib)['matmul']})" if lib is not None else "none"
+        choice = measure(layer, dtype, build)
+        if path is not None:
+            try:
+                tmp = path.with_suffix(f".{os.getpid()}.tmp")  # concurrent first loads: each its own file
+                tmp.write_text(json.dumps(asdict(choice)))
+                tmp.replace(path)
+            except OSError as e:
+                log.warning("could not keep the kernel choice in %s: %s", path, e)
+    if path not in _told:
+        _told.add(path)
+        log.info(choice.describe())
+    return choice

@@ -227,7 +227,7 @@ def test_a_100k_block_pool_renders(browser):
 
     pool = busy_engine(100_000)  # the pool its cost benchmark times: 60% held, shared prefixes, cached
 
-    async def run_on_engine(fn):
+    async def run_on_engine(fn, timeout: float = 30.0):  # AsyncLLMEngine.run_on_engine's signature
         return fn(pool)
 
     app = FastAPI()

@@ -97,10 +97,11 @@ def test_each_build_matches_the_dense_matmul(target, fmt, n, k):
 def test_kernel_choice_is_measured_for_each_build(target, tmp_path, monkeypatch):
     """The choice names the build that was timed and is kept per build (the library's file name)."""
     name, lib = target
-    monkeypatch.setenv("PAGEDLLM_CACHE", str(tmp_path))
-    cpu_kernel.load.cache_clear()
+    built = cpu_kernel.library_path()
+    assert built is not None and f"-{name}-" in built.name  # the build's file name names its class
+    monkeypatch.setattr(cpu_kernel, "library_path", lambda: tmp_path / built.name)  # keep the choice here
     layer = [pack(_parts("q4", 48, 64, 1)), pack(_parts("q4", 32, 96, 2))]
     choice = kernel_choice.choose(layer, torch.float32)
     assert choice.build == f"{name} build ({cpu_kernel.isa(lib)['matmul']})"
     assert set(choice.ms["q-f32"]) == set(kernel_choice.ROWS)
-    assert list(tmp_path.glob("kernels/*.choice-*.json"))
+    assert [f.name.split(".choice-")[0] for f in tmp_path.glob("*.choice-*.json")] == [built.stem]

@@ -147,17 +147,21 @@ def test_quantized_float32_greedy_matches_transformers(hf_model, hf_greedy, tok,
 @pytest.mark.parametrize("target", [t for t in cpu_kernel.runnable_targets() if t != "native"])
 def test_every_cpu_class_gives_transformers_greedy_tokens(hf_greedy, tok, prompts, model_fp32, target, monkeypatch):
     """The same weights through the kernels built for another CPU class (x86-64-v3 = AVX2, x86-64-v4 = AVX-512,
-    x86-64 = the portable C path): the same greedy tokens as transformers."""
+    x86-64 = the portable C path): the same greedy tokens as transformers. The portable build is an order of
+    magnitude slower (scalar conversions; `--quantization auto` dequantizes where it loses to dense), so it
+    continues one prompt, the vector builds all three."""
+    n = 1 if target == "x86-64" else len(prompts)
     monkeypatch.setenv("PAGEDLLM_CPU_TARGET", target)
     cpu_kernel.load.cache_clear()
     try:
         runner = ModelRunner(model_fp32, num_blocks=64, block_size=16)
         assert runner.fused is not None
         assert cpu_kernel.isa(runner.fused.lib)["matmul"] == cpu_kernel.EXPECTED_ISA[target]
-        ours = _greedy(runner, prompts, tok.eos_token_ids, 16)
+        ours = _greedy(runner, prompts[:n], tok.eos_token_ids, 16)
     finally:
         monkeypatch.delenv("PAGEDLLM_CPU_TARGET")
         cpu_kernel.load.cache_clear()
+    assert len(ours) == n
     for p, a, b in zip(PROMPTS, ours, hf_greedy):
         assert a == b, f"{target}, {p!r}:\n ours {tok.decode(a)!r}\n   hf {tok.decode(b)!r}"
 

@@ -281,22 +281,18 @@ def test_kernel_choice_from_measured_times():
 def test_kernel_choice_is_kept_and_measured_again_when_unreadable(tmp_path, monkeypatch):
     from pagedllm.model import kernel_choice
 
-    monkeypatch.setenv("PAGEDLLM_CACHE", str(tmp_path))
-    cpu_kernel.load.cache_clear()
-    try:
-        layer = [pack(_parts("q4", 32, 64, 5))]
-        calls = []
-        real = kernel_choice.measure
-        monkeypatch.setattr(kernel_choice, "measure", lambda *a: calls.append(1) or real(*a))
-        first = kernel_choice.choose(layer, torch.float32)
-        assert kernel_choice.choose(layer, torch.float32) == first and len(calls) == 1  # read back, not re-timed
-        kept = next(tmp_path.glob("kernels/*.choice-*.json"))
-        kept.write_text("{not json")
-        assert kernel_choice.choose(layer, torch.float32).ms.keys() == first.ms.keys() and len(calls) == 2
-        kernel_choice.choose(layer, torch.bfloat16)  # another dtype is another choice
-        assert len(calls) == 3
-    finally:
-        cpu_kernel.load.cache_clear()
+    monkeypatch.setattr(cpu_kernel, "library_path", lambda: tmp_path / "pagedllm_kernels-test.so")
+    layer = [pack(_parts("q4", 32, 64, 5))]
+    calls = []
+    real = kernel_choice.measure
+    monkeypatch.setattr(kernel_choice, "measure", lambda *a: calls.append(1) or real(*a))
+    first = kernel_choice.choose(layer, torch.float32)
+    assert kernel_choice.choose(layer, torch.float32) == first and len(calls) == 1  # read back, not re-timed
+    kept = next(tmp_path.glob("*.choice-*.json"))
+    kept.write_text("{not json")
+    assert kernel_choice.choose(layer, torch.float32).ms.keys() == first.ms.keys() and len(calls) == 2
+    kernel_choice.choose(layer, torch.bfloat16)  # another dtype is another choice
+    assert len(calls) == 3
 
 
 @pytest.mark.slow

@@ -18,9 +18,8 @@ import argparse
 import json
 import os
 import shlex
-import subprocess
 import sys
-from enum import Enum
+from enum import StrEnum
 
 import httpx
 import jsonschema
@@ -33,7 +32,7 @@ SENTIMENT = [{"role": "user", "content": "Classify this sentiment: vLLM is wonde
 CHOICES = ["positive", "negative"]
 
 
-class CarType(str, Enum):
+class CarType(StrEnum):
     sedan = "sedan"
     suv = "SUV"
     truck = "Truck"

@@ -9,13 +9,13 @@ test_model_default.py) greedy tokens equal to transformers'.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_helpers import random_parts
 
 from pagedllm.model import cpu_kernel, kernel_choice
-from pagedllm.model.quant import QuantParts, pack, qlinear
+from pagedllm.model.quant import pack, qlinear
 
 TARGETS = cpu_kernel.runnable_targets()
 
@@ -52,31 +52,11 @@ def test_each_build_says_which_vector_path_it_compiled(target):
     assert cpu_kernel.isa(lib) == want
 
 
-def _parts(fmt: str, n: int, k: int, seed: int) -> QuantParts:
-    rng = np.random.default_rng(seed)
-    g = k // 32
-    if fmt == "q4":
-        return QuantParts(
-            "q4",
-            rng.integers(0, 16, (n, k)).astype(np.uint8),
-            rng.normal(0, 0.01, (n, g)).astype(np.float16),
-            rng.normal(0, 0.05, (n, g)).astype(np.float16),
-            "test",
-        )
-    return QuantParts(
-        "q8",
-        rng.integers(-128, 128, (n, k)).astype(np.int8),
-        rng.normal(0, 0.001, (n, g)).astype(np.float16),
-        None,
-        "test",
-    )
-
-
 @pytest.mark.parametrize("fmt", ["q4", "q8"])
 @pytest.mark.parametrize("n,k", [(40, 96), (7, 64), (200, 1536)])
 def test_each_build_matches_the_dense_matmul(target, fmt, n, k):
     """Rows 1-3 take the direct path, 7 and 64 the panel (blocked) path; odd column counts clip the stores."""
-    parts = _parts(fmt, n, k, n + k)
+    parts = random_parts(fmt, n, k, n + k)
     w, wd = pack(parts), parts.dequantize().double()
     g = torch.Generator().manual_seed(n)
     x, b = torch.randn(64, 2 * k, generator=g)[:, ::2], torch.randn(n, generator=g)  # strided rows, as after a split
@@ -100,7 +80,7 @@ def test_kernel_choice_is_measured_for_each_build(target, tmp_path, monkeypatch)
     built = cpu_kernel.library_path()
     assert built is not None and f"-{name}-" in built.name  # the build's file name names its class
     monkeypatch.setattr(cpu_kernel, "library_path", lambda: tmp_path / built.name)  # keep the choice here
-    layer = [pack(_parts("q4", 48, 64, 1)), pack(_parts("q4", 32, 96, 2))]
+    layer = [pack(random_parts("q4", 48, 64, 1)), pack(random_parts("q4", 32, 96, 2))]
     choice = kernel_choice.choose(layer, torch.float32)
     assert choice.build == f"{name} build ({cpu_kernel.isa(lib)['matmul']})"
     assert set(choice.ms["q-f32"]) == set(kernel_choice.ROWS)

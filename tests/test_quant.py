@@ -14,35 +14,15 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_helpers import needs_kernel
+from kernel_helpers import needs_kernel, random_parts
 
 from pagedllm.engine import EngineConfig
 from pagedllm.errors import UserError
 from pagedllm.model import ModelRunner, SeqChunk, cpu_kernel, load_model, quant
-from pagedllm.model.quant import QuantParts, amx_available, pack, qlinear, qrows, quantize_rtn
+from pagedllm.model.quant import amx_available, pack, qlinear, qrows, quantize_rtn
 
 LIB = cpu_kernel.load()
 pytestmark = needs_kernel  # where a compiler exists, a kernel that fails to build fails these tests
-
-
-def _parts(fmt: str, n: int, k: int, seed: int) -> QuantParts:
-    rng = np.random.default_rng(seed)
-    g = k // 32
-    if fmt == "q4":
-        return QuantParts(
-            "q4",
-            rng.integers(0, 16, (n, k)).astype(np.uint8),
-            rng.normal(0, 0.01, (n, g)).astype(np.float16),
-            rng.normal(0, 0.05, (n, g)).astype(np.float16),
-            "test",
-        )
-    return QuantParts(
-        "q8",
-        rng.integers(-128, 128, (n, k)).astype(np.int8),
-        rng.normal(0, 0.001, (n, g)).astype(np.float16),
-        None,
-        "test",
-    )
 
 
 def _gguf_blocks(ggml_type: int, n: int, k: int, seed: int) -> np.ndarray:
@@ -72,7 +52,7 @@ def test_stored_blocks_dequantize_to_exactly_the_files_values(ggml_type):
 @pytest.mark.parametrize("n,k", [(16, 32), (40, 96), (7, 64), (960, 576)])
 @pytest.mark.parametrize("rows", [1, 3, 6, 7, 64, 200])
 def test_float32_kernel_matches_dense_matmul(fmt, n, k, rows):
-    parts = _parts(fmt, n, k, n + k)
+    parts = random_parts(fmt, n, k, n + k)
     w, wd = pack(parts), parts.dequantize().double()
     g = torch.Generator().manual_seed(rows)
     x, b = torch.randn(rows, 2 * k, generator=g)[:, ::2], torch.randn(n, generator=g)  # a strided view, as after split
@@ -88,7 +68,7 @@ def test_float32_kernel_matches_dense_matmul(fmt, n, k, rows):
 @pytest.mark.parametrize("fmt", ["q4", "q8"])
 def test_float32_kernel_rows_do_not_depend_on_the_batch(fmt):
     """Direct (few rows) and panel (many rows) paths sum every output in the same order: bit-identical rows."""
-    w = pack(_parts(fmt, 100, 192, 3))
+    w = pack(random_parts(fmt, 100, 192, 3))
     x = torch.randn(64, 192, generator=torch.Generator().manual_seed(0))
     full = qlinear(x, w)
     for i in (0, 5, 63):
@@ -101,7 +81,7 @@ def test_float32_kernel_rows_do_not_depend_on_the_batch(fmt):
 @pytest.mark.parametrize("n,k", [(16, 32), (40, 96), (7, 64), (576, 1536)])
 @pytest.mark.parametrize("rows", [16, 17, 33, 100])
 def test_amx_kernel_matches_bfloat16_matmul(fmt, n, k, rows):
-    parts = _parts(fmt, n, k, n * k)
+    parts = random_parts(fmt, n, k, n * k)
     g = torch.Generator().manual_seed(rows)
     x, b = torch.randn(rows, k, generator=g).bfloat16(), torch.randn(n, generator=g)
     ref = F.linear(x.double(), parts.dequantize().bfloat16().double(), b.double())
@@ -282,7 +262,7 @@ def test_kernel_choice_is_kept_and_measured_again_when_unreadable(tmp_path, monk
     from pagedllm.model import kernel_choice
 
     monkeypatch.setattr(cpu_kernel, "library_path", lambda: tmp_path / "pagedllm_kernels-test.so")
-    layer = [pack(_parts("q4", 32, 64, 5))]
+    layer = [pack(random_parts("q4", 32, 64, 5))]
     calls = []
     real = kernel_choice.measure
     monkeypatch.setattr(kernel_choice, "measure", lambda *a: calls.append(1) or real(*a))

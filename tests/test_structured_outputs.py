@@ -375,6 +375,22 @@ def test_bad_constraints_are_400s_naming_the_field_and_leak_nothing(server, extr
     assert_pool_whole(server)
 
 
+UNWRITABLE = "\u00fb\U0009cd72"  # SmolLM2's byte-level vocabulary has no token for byte 0xF2, this one's first
+
+
+def test_a_grammar_the_vocabulary_cannot_write_is_a_400_not_a_500(server):
+    """Found by schemathesis: llguidance's mask allows a token its matcher then refuses when the grammar forces
+    a byte no token holds; the request asked for output the model cannot write, so it is the client's error."""
+    body = {"prompt": "x", "max_tokens": 8, "guided_regex": UNWRITABLE}
+    assert_error(server.http.post("/v1/completions", json=body), 400, None, ["vocabulary"])
+    with server.http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        events = sse_events(r.iter_lines())
+    errors = [e["error"] for e in events if isinstance(e, dict) and "error" in e]
+    assert len(errors) == 1 and errors[0]["code"] == 400 and "vocabulary" in errors[0]["message"], events
+    assert_pool_whole(server)
+
+
 def test_aborted_constrained_stream_gives_its_blocks_back(server):
     with server.http.stream(
         "POST",

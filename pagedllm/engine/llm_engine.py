@@ -166,10 +166,11 @@ class LLMEngine:
         self.scheduler.remove(req)
         self.requests.pop(req.request_id, None)
 
-    def _fail(self, req: Request, error: str, updated: dict[str, None]) -> None:
-        """One request failed (its step or its sampling raised): it alone finishes with an error."""
+    def _fail(self, req: Request, error: str, updated: dict[str, None], bad_request: bool = False) -> None:
+        """One request failed (its step or its sampling raised): it alone finishes with an error, which is the
+        request's own fault (`bad_request`: it asked for what the model cannot do) or the engine's."""
         logger.warning("request %s failed: %s", req.request_id, error)
-        req.finish("error", error=error)
+        req.finish("error", error=error, bad_request=bad_request)
         self._release(req)
         updated[req.parent_id] = None
 
@@ -278,6 +279,9 @@ class LLMEngine:
                     self.kv,
                     self.spec_stats,
                 )
+            except UserError as e:  # e.g. its grammar needs bytes no token can produce
+                self._fail(req, str(e), updated, bad_request=True)
+                continue
             except Exception as e:  # noqa: BLE001 - this request's sampling or detokenizing failed
                 self._fail(req, f"sampling failed: {type(e).__name__}: {e}", updated)
                 continue

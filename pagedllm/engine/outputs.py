@@ -36,6 +36,7 @@ class CompletionOutput:
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
     logprobs: list[dict[int, float]] | None = None  # per token: {token id: logprob}, sampled token included
     error: str | None = None
+    bad_request: bool = False  # the error is the request's fault (e.g. a grammar the vocabulary cannot write)
 
     @property
     def finished(self) -> bool:

@@ -49,6 +49,7 @@ class Request:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.error: str | None = None
+        self.bad_request = False  # the error is the request's own (it asked for what the model cannot do)
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         # Position i holds the logprobs of prompt token i given the ones before it (None for the first token).
         self.prompt_logprobs: list[dict[int, float] | None] | None = (
@@ -90,15 +91,25 @@ class Request:
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    def finish(self, reason: str, stop_reason: str | int | None = None, error: str | None = None) -> None:
+    def finish(
+        self, reason: str, stop_reason: str | int | None = None, error: str | None = None, bad_request: bool = False
+    ) -> None:
         self.status = RequestStatus.FINISHED
         self.finish_reason = reason
         self.stop_reason = stop_reason
         self.error = error
+        self.bad_request = bad_request
 
     def completion_output(self, holdback: int = 0) -> CompletionOutput:
         """The sample so far; `holdback` characters stay unsent while they might still start a stop string."""
         text = self.text if self.finished or holdback == 0 else self.text[: max(0, len(self.text) - holdback)]
         return CompletionOutput(
-            self.index, text, self.output_token_ids, self.finish_reason, self.stop_reason, self.logprobs, self.error
+            self.index,
+            text,
+            self.output_token_ids,
+            self.finish_reason,
+            self.stop_reason,
+            self.logprobs,
+            self.error,
+            self.bad_request,
         )

@@ -21,11 +21,24 @@ from typing import Any
 import numpy as np
 import torch
 
+from pagedllm.errors import UserError
 from pagedllm.model.tokenizer import Tokenizer
 
 logger = logging.getLogger("pagedllm")
 
 CACHE_SIZE = 256  # compiled grammars kept (a compiled JSON schema takes tens to hundreds of KiB)
+
+
+class GrammarDeadEnd(UserError):
+    """The grammar needs what no token of this model's vocabulary can produce (e.g. a byte that SmolLM2's
+    byte-level vocabulary lacks, such as 0xF2): the request asked for output the model cannot write."""
+
+
+def dead_end(matcher: Any, what: str) -> GrammarDeadEnd:
+    reason = (matcher.get_error() or "no token is allowed").splitlines()[0]
+    return GrammarDeadEnd(
+        f"the structured output cannot be written with this model's vocabulary: {what} ({reason.strip()})"
+    )
 
 
 class GrammarCompiler:
@@ -113,6 +126,8 @@ class RequestGrammar:
         consumed = 0
         for j in range(len(drafts) + 1):
             m.unsafe_compute_mask_ptr(bitmask[first_row + j].ctypes.data, row_bytes)
+            if not bitmask[first_row + j].any():
+                raise dead_end(m, "the grammar allows no token here")
             if j < len(drafts):
                 if not m.consume_token(drafts[j]):
                     raise RuntimeError(f"the grammar refused draft token {drafts[j]}: {m.get_error()}")
@@ -123,8 +138,8 @@ class RequestGrammar:
     def accept(self, token: int) -> bool:
         """Advance by a sampled token; True once the grammar is complete (nothing but EOS may follow)."""
         m = self.matcher
-        if not m.consume_token(token):
-            raise RuntimeError(f"the grammar refused token {token}: {m.get_error()}")
+        if not m.consume_token(token):  # a token its own mask allowed: llguidance's mask cannot be followed
+            raise dead_end(m, f"the grammar refused token {token}, which its mask allowed")
         return m.is_stopped()
 
 

@@ -275,6 +275,8 @@ class ServingContext:
     @staticmethod
     def check_error(c: CompletionOutput) -> None:
         if c.finish_reason == "error":
+            if c.bad_request:
+                raise APIError(c.error or "the request cannot be served", 400)
             raise APIError(f"Generation failed: {c.error or 'engine error'}", 500)
 
 

@@ -135,14 +135,14 @@ def test_model_and_memory_report_what_fits(capsys):
     assert f"contiguous: {blocks * 16 // 4096:,} requests" in out  # one 4,096-token locker each
     paged = int(out.split("paged: ")[-1].split()[0].replace(",", ""))
     assert paged > 9 * (blocks * 16 // 4096)  # the chapter: about ten times as many
-    # each --kv-cache-dtype: int8 and fp8 keep 64 one-byte values and two bfloat16 scales per head: 68 bytes, not 128
+    # each --kv-cache-dtype: int8 and fp8 keep 64 one-byte values and one bfloat16 scale per head: 66 bytes, not 128
     rows = {
         line.split()[0]: line.split()[1:]
         for line in out.splitlines()
         if line.strip().startswith(("float32", "int8", "fp8"))
     }
-    assert rows["float32"][:2] == ["46,080", "1.00x"] and rows["int8"][:2] == rows["fp8"][:2] == ["12,240", "3.76x"]
-    assert int(rows["int8"][2].replace(",", "")) == 4 * 2**30 // (12_240 * 16) * 16
+    assert rows["float32"][:2] == ["46,080", "1.00x"] and rows["int8"][:2] == rows["fp8"][:2] == ["11,880", "3.88x"]
+    assert int(rows["int8"][2].replace(",", "")) == 4 * 2**30 // (11_880 * 16) * 16
 
 
 def test_plot_draws_whole_above_paged_with_the_totals(tmp_path, monkeypatch):

@@ -33,7 +33,7 @@ class EngineConfig:
     kv_cache_dtype: KVCacheDType = "auto"
     """auto (the model's dtype) | float32 | bfloat16 | int8 | fp8 (= fp8_e4m3) | fp8_e5m2: a bfloat16 cache holds
     twice the tokens of a float32 one; the quantized ones (model/kv_quant.py) keep one byte per value and a bfloat16
-    scale per 32, 3.8x the tokens of float32 (1.9x bfloat16); attention still computes in the model's dtype"""
+    scale per (token, KV head), 3.9x the tokens of float32 (1.9x bfloat16); attention computes in the model's dtype"""
     device: str = "auto"
     """torch device: auto (cuda if available, else cpu), cpu, cuda, cuda:1, ..."""
     block_size: int = Field(default=16, ge=1)

@@ -16,7 +16,7 @@ from pagedllm.model.cache import cache_dir_for
 from pagedllm.model.loader import LoadedModel
 from pagedllm.model.runner import ModelRunner
 
-FORMAT = b"pagedllm-kv-block-v1"  # bump when the bytes of a block change meaning
+FORMAT = b"pagedllm-kv-block-v2"  # bump when the bytes of a block change meaning (v2: quantized rows rotated)
 _WEIGHT_FILES = (".gguf", ".safetensors", ".bin", ".json", ".model", ".pt")
 
 

@@ -209,7 +209,7 @@ def decode_attention(
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """One query per sequence. q: [S, H, D]; caches [blocks, block_size, KVH, D] (D + D / 16 bytes quantized); returns
+    """One query per sequence. q: [S, H, D]; caches [blocks, block_size, KVH, D] (D + 2 bytes quantized); returns
     [S, H, D] in q's dtype."""
     S, H, D = q.shape
     num_blocks, bs, kvh, _ = k_cache.shape

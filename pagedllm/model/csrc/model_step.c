@@ -194,30 +194,30 @@ static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch's .
                                          : (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
 }
 
-/* One group of a quantized cache row: n codes at `codes` and their bfloat16 scale at `scale_at`, as
- * kv_quant.quantize writes them: the scale is amax / the format's largest value, rounded up to a bfloat16 so no
- * code overflows. */
-static void store_group(uint8_t *codes, uint8_t *scale_at, const float *src, int n, int kind) {
+/* One (token, KV head) row of a quantized cache: D codes, then their bfloat16 scale, as kv_quant.quantize writes
+ * them from the row already rotated (kv_rotate): the scale is amax / the format's largest value, rounded up to a
+ * bfloat16 so no code overflows. */
+static void store_quantized(uint8_t *row, const float *src, int D, int kind) {
     const float top = kind == KV_INT8 ? 127.0f : kind == KV_FP8_E4M3 ? 448.0f : 57344.0f;
     float amax = 0.0f;
-    for (int j = 0; j < n; j++) amax = fabsf(src[j]) > amax ? fabsf(src[j]) : amax;
+    for (int j = 0; j < D; j++) amax = fabsf(src[j]) > amax ? fabsf(src[j]) : amax;
     float scale = amax / top;
     scale = scale < 0x1p-100f ? 0x1p-100f : scale;
     uint32_t bits;
     memcpy(&bits, &scale, 4);
     bits = (bits + 0xffff) & 0xffff0000u;
     memcpy(&scale, &bits, 4);
-    for (int j = 0; j < n; j++) {
+    for (int j = 0; j < D; j++) {
         float q = src[j] / scale;
         q = q > top ? top : q < -top ? -top : q;
-        codes[j] = kind == KV_INT8 ? (uint8_t)(int8_t)rintf(q) : to_fp8(q, kind == KV_FP8_E4M3 ? 3 : 2,
-                                                                           kind == KV_FP8_E4M3 ? 7 : 15);
+        row[j] = kind == KV_INT8 ? (uint8_t)(int8_t)rintf(q) : to_fp8(q, kind == KV_FP8_E4M3 ? 3 : 2,
+                                                                        kind == KV_FP8_E4M3 ? 7 : 15);
     }
-    scale_at[0] = (uint8_t)(bits >> 16);
-    scale_at[1] = (uint8_t)(bits >> 24);
+    row[D] = (uint8_t)(bits >> 16);
+    row[D + 1] = (uint8_t)(bits >> 24);
 }
 
-/* Token `slot`'s keys (or values) for all KVH heads into the cache. */
+/* Token `slot`'s keys (or values) for all KVH heads into the cache (rotated already for a quantized one). */
 static void store_row(void *cache, int64_t slot, const float *src, int KVH, int D, int kind) {
     const int64_t n = (int64_t)KVH * D;
     if (kind == KV_F32) {
@@ -226,12 +226,8 @@ static void store_row(void *cache, int64_t slot, const float *src, int KVH, int 
         uint16_t *dst = (uint16_t *)cache + slot * n;
         for (int64_t i = 0; i < n; i++) dst[i] = to_bf16(src[i]);
     } else {
-        const int G = kv_group(D);
-        for (int h = 0; h < KVH; h++) {
-            uint8_t *row = (uint8_t *)cache + (slot * KVH + h) * kv_row_bytes(D);
-            for (int g = 0; g < D / G; g++)
-                store_group(row + g * G, row + D + 2 * g, src + (int64_t)h * D + g * G, G, kind);
-        }
+        for (int h = 0; h < KVH; h++)
+            store_quantized((uint8_t *)cache + (slot * KVH + h) * kv_row_bytes(D), src + (int64_t)h * D, D, kind);
     }
 }
 
@@ -300,12 +296,14 @@ static int plan(Phase *ph, const StepModel *m, const StepLayer *layers, const St
     return n;
 }
 
-/* RoPE on token t's q and k, then its k and v into the cache at its slot. */
+/* RoPE on token t's q and k, then its k and v into the cache at its slot. A quantized cache holds rotated rows
+ * (kv_rotate): q, k and v are all rotated here, and attention() rotates the outputs back. */
 static void rope_and_store(const StepModel *m, const StepLayer *L, const StepBatch *b, float *qkv, int t) {
     const int D = m->head_dim, H = m->heads, KVH = m->kv_heads, width = (H + 2 * KVH) * D;
     float *row = qkv + (int64_t)t * width;
     const float *cos = m->cos + b->positions[t] * D, *sin = m->sin + b->positions[t] * D;
     for (int h = 0; h < H + KVH; h++) rope(row + h * D, cos, sin, D);
+    for (int h = 0; m->cache_kind >= KV_INT8 && h < H + 2 * KVH; h++) kv_rotate(row + h * D, D);
     store_row(L->k_cache, b->slots[t], row + H * D, KVH, D, m->cache_kind);
     store_row(L->v_cache, b->slots[t], row + (H + KVH) * D, KVH, D, m->cache_kind);
 }
@@ -321,6 +319,8 @@ static void attention(const StepModel *m, const StepLayer *L, const StepBatch *b
               b->block_tables + b->seq[t] * b->max_blocks, buf->ctx + t, H, KVH, D, m->block_size, b->max_blocks,
               m->cache_kind, m->scale, 0, end - t, width, H * D};
     paged_attention_heads(&a, 0, h0, h0 + H / split, sc->scores, sc->block);
+    for (int u = t; m->cache_kind >= KV_INT8 && u < end; u++)
+        for (int h = h0; h < h0 + H / split; h++) kv_rotate(buf->attn + ((int64_t)u * H + h) * D, D);
 }
 
 /* Split the tokens into attention tiles: runs of consecutive positions of one sequence, at most TILE long. */

@@ -10,7 +10,7 @@
  *   q, out        [S, H, D] float32
  *   k/v caches    [num_blocks, block_size, KVH, D], float32 or bfloat16 (cache_kind KV_F32 / KV_BF16), or
  *                 quantized (KV_INT8, KV_FP8_E4M3, KV_FP8_E5M2): [num_blocks, block_size, KVH, kv_row_bytes(D)]
- *                 bytes, each (token, KV head) row D one-byte codes and a bfloat16 scale per kv_group(D) of them
+ *                 bytes, each (token, KV head) row D one-byte codes and one bfloat16 scale, rotated (kv_rotate)
  *   block_tables  [S, max_blocks] int64, context_lens [S] int64 (tokens to attend, including the new one)
  *
  * Where the speed comes from: four keys are dotted with a query at once, so the FMA chains run side by side;
@@ -47,27 +47,22 @@ __attribute__((constructor)) static void fill_fp8_values(void) {
 
 /* Columns [c0, c1) (the KV heads the caller reads, c0 and c1 multiples of D) of a quantized block's n rows,
  * widened to float32 into `buf` at the same place as a float32 cache holds them: one (token, head) row of D
- * codes and their bfloat16 scales at a time. */
+ * codes and its bfloat16 scale at a time. */
 static inline void widen_quantized(float *buf, const uint8_t *block, int n, int KVH, int D, int c0, int c1,
                                    int kind) {
     const int64_t W = (int64_t)KVH * D, R = kv_row_bytes(D);
-    const int G = kv_group(D);
     const float *lut = kind == KV_FP8_E5M2 ? fp8_values[1] : fp8_values[0];
     for (int t = 0; t < n; t++)
         for (int h = c0 / D; h < c1 / D; h++) {
-            const uint8_t *row = block + ((int64_t)t * KVH + h) * R, *scales = row + D;
-            float *dst = buf + t * W + (int64_t)h * D;
-            for (int g = 0; g < D / G; g++) {
-                const uint32_t bits = (uint32_t)(scales[2 * g] | scales[2 * g + 1] << 8) << 16;
-                float scale;
-                memcpy(&scale, &bits, 4);
-                const uint8_t *codes = row + g * G;
-                float *out = dst + g * G;
-                if (kind == KV_INT8)
-                    for (int j = 0; j < G; j++) out[j] = scale * (float)(int8_t)codes[j];
-                else
-                    for (int j = 0; j < G; j++) out[j] = scale * lut[codes[j]];
-            }
+            const uint8_t *codes = block + ((int64_t)t * KVH + h) * R;
+            const uint32_t bits = (uint32_t)(codes[D] | codes[D + 1] << 8) << 16;
+            float scale;
+            memcpy(&scale, &bits, 4);
+            float *out = buf + t * W + (int64_t)h * D;
+            if (kind == KV_INT8)
+                for (int j = 0; j < D; j++) out[j] = scale * (float)(int8_t)codes[j];
+            else
+                for (int j = 0; j < D; j++) out[j] = scale * lut[codes[j]];
         }
 }
 
@@ -255,6 +250,21 @@ void paged_attention_heads(const Args *a, int s, int h0, int h1, float *scores, 
         one_seq_any(a, s, h0, h1, scores, buf);
 }
 
+void kv_rotate(float *x, int D) {
+    const int P = D & -D;
+    const float norm = 1.0f / sqrtf((float)P);
+    for (float *b = x; b < x + D; b += P) {
+        for (int len = 1; len < P; len *= 2)
+            for (int i = 0; i < P; i += 2 * len)
+                for (int j = i; j < i + len; j++) {
+                    const float u = b[j], v = b[j + len];
+                    b[j] = u + v;
+                    b[j + len] = u - v;
+                }
+        for (int j = 0; j < P; j++) b[j] *= norm;
+    }
+}
+
 /* 0, or -3 for a context length outside the block table, -4 for a block id outside the cache. */
 int paged_attention_check(const Args *a, int S, int64_t num_blocks, int64_t *max_ctx) {
     *max_ctx = 0;
@@ -286,6 +296,14 @@ int paged_decode_attention(float *out, const float *q, const void *k_cache, cons
     /* A bad context length or block id would read outside the cache: refuse the call instead. */
     const int bad = paged_attention_check(&a, S, num_blocks, &a.max_ctx);
     if (bad) return bad;
+    float *rotated = NULL; /* a quantized cache holds rotated rows: the queries are rotated to match */
+    if (cache_kind >= KV_INT8) {
+        rotated = malloc((size_t)S * H * D * sizeof(float));
+        if (!rotated) return -1;
+        memcpy(rotated, q, (size_t)S * H * D * sizeof(float));
+        for (int64_t r = 0; r < (int64_t)S * H; r++) kv_rotate(rotated + r * D, D);
+        a.q = rotated;
+    }
     int status = 0;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
@@ -297,9 +315,13 @@ int paged_decode_attention(float *out, const float *q, const void *k_cache, cons
         }
 #pragma omp for schedule(dynamic, 1)
         for (int s = 0; s < S; s++)
-            if (scores && buf) paged_attention_heads(&a, s, 0, H, scores, buf);
+            if (scores && buf) {
+                paged_attention_heads(&a, s, 0, H, scores, buf);
+                for (int h = 0; rotated && h < H; h++) kv_rotate(out + ((int64_t)s * H + h) * D, D); /* back */
+            }
         free(scores);
         free(buf);
     }
+    free(rotated);
     return status;
 }

@@ -3,12 +3,11 @@
 #define PAGEDLLM_PAGED_ATTENTION_H
 #include <stdint.h>
 
-/* What a KV cache holds: float32, bfloat16, or one-byte codes with a bfloat16 scale per group of 32 (llama.cpp's
- * q8_0 groups; one group per row when 32 does not divide D): a (token, KV head) row is D codes then the scales
- * (model/kv_quant.py). */
+/* What a KV cache holds: float32, bfloat16, or one-byte codes with one bfloat16 scale per (token, KV head) row
+ * (llama.cpp's q8_0 cache, ik_llama's Q8_KV): D codes then the scale, the row rotated by kv_rotate before it was
+ * quantized (model/kv_quant.py). */
 enum { KV_F32, KV_BF16, KV_INT8, KV_FP8_E4M3, KV_FP8_E5M2 };
-static inline int kv_group(int D) { return D % 32 == 0 ? 32 : D; }
-static inline int kv_row_bytes(int D) { return D + 2 * (D / kv_group(D)); }
+static inline int kv_row_bytes(int D) { return D + 2; }
 
 typedef struct {
     float *out;                 /* [S, H, D] */
@@ -26,6 +25,10 @@ typedef struct {
 /* Sequence s, query heads h0..h1-1 of its nq queries; scores: nq * H * (context + nq - 1) floats, buf:
  * block_size * KVH * D floats. */
 void paged_attention_heads(const Args *a, int s, int h0, int h1, float *scores, float *buf);
+/* x (D floats) rotated in place by the normalized Walsh-Hadamard transform over each block of P values, P the
+ * largest power of two dividing D: its own inverse. A quantized cache stores keys and values rotated, so the
+ * caller rotates the queries before attention and the outputs after it. */
+void kv_rotate(float *x, int D);
 /* 0, or -3 for a context length outside the block table, -4 for a block id outside the cache. */
 int paged_attention_check(const Args *a, int S, int64_t num_blocks, int64_t *max_ctx);
 #endif

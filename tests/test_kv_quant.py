@@ -14,7 +14,7 @@ from engine_helpers import assert_all_blocks_free, make_engine, run_all
 from pagedllm import SamplingParams
 from pagedllm.engine import EngineConfig
 from pagedllm.errors import UserError
-from pagedllm.model import SeqChunk, kv_quant
+from pagedllm.model import SeqChunk, cpu_kernel, kv_quant
 from pagedllm.model.attention import TorchPagedAttention
 from pagedllm.model.runner import ModelRunner
 
@@ -61,6 +61,46 @@ def test_rotation_spreads_an_outlier_channel_over_the_row():
     plain_step = 20.0 / 127  # what one scale for the unrotated row would give
     err = (back - x)[..., [c for c in range(64) if c != 5]]
     assert err.abs().max() < plain_step / 4 and err.pow(2).mean().sqrt() < plain_step / 12**0.5 / 4
+
+
+def c_rows(fn: str, src: torch.Tensor, out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    lib = cpu_kernel.load()
+    assert lib is not None
+    rc = getattr(lib, fn)(out.data_ptr(), src.data_ptr(), src.shape[0], 64, kv_quant.KINDS[dtype])
+    assert rc == 0
+    return out
+
+
+def ties_and_neighbours(dtype: torch.dtype) -> torch.Tensor:
+    """Every finite value of the format, the midpoints between neighbours (where round-to-nearest-even decides)
+    and the floats just either side of each, both signs, in rows of 64 led by the format's largest value so the
+    row's scale is exactly 1 and the codes are the format's rounding of these floats."""
+    top = kv_quant.CODE_MAX[dtype]
+    if dtype == torch.int8:
+        grid = torch.arange(0, 128, dtype=torch.float32)
+    else:
+        grid = torch.arange(0, 256, dtype=torch.uint8).view(dtype).float()
+        grid = grid[grid.isfinite() & (grid >= 0)].unique()
+    mid = (grid[1:] + grid[:-1]) / 2  # exact in float32: one more mantissa bit
+    x = torch.cat([grid, mid, torch.nextafter(mid, grid[1:]), torch.nextafter(mid, grid[:-1]), grid[:1] + 1e-30])
+    x = torch.cat([x, -x])
+    x = torch.cat([x, x[: -len(x) % 63]])  # whole rows
+    return torch.cat([torch.full((len(x) // 63, 1), top), x.view(-1, 63)], dim=1)
+
+
+@pytest.mark.parametrize("dtype", QUANTIZED)
+def test_the_c_kernels_write_and_read_the_codes_exactly_as_torch(dtype):
+    """The C write (store_quantized: branch-free bit operations) rounds every value, tie and neighbour of a tie as
+    torch does; the C read (widen_quantized) gives every one of the 256 codes the value torch gives it."""
+    rows = ties_and_neighbours(dtype)
+    written = c_rows("kv_quantize_rows", rows, torch.empty(len(rows), 66, dtype=torch.uint8), dtype)
+    assert torch.equal(written, kv_quant.encode(rows, dtype))
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(4, 64)
+    one = torch.tensor([1.0], dtype=torch.bfloat16).view(torch.uint8).expand(4, 2)  # scale 1
+    read = c_rows("kv_dequantize_rows", torch.cat([codes, one], 1).contiguous(), torch.empty(4, 64), dtype)
+    want = codes.view(dtype).float()
+    assert torch.equal(read.isnan(), want.isnan()) and torch.equal(read.signbit(), want.signbit())
+    assert torch.equal(read.nan_to_num(), want.nan_to_num())
 
 
 def runner_for(model, kv_dtype, path: str) -> ModelRunner:

@@ -170,6 +170,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "qmm_amx": [p] * 4 + [i] * 8,
         "qmm_amx_available": [],
         "model_step": [p, p, p, i],
+        "kv_quantize_rows": [p, p, i64, i, i],
+        "kv_dequantize_rows": [p, p, i64, i, i],
     }
     for name, args in signatures.items():
         fn = getattr(lib, name)

@@ -80,7 +80,11 @@ def rotate(x: torch.Tensor) -> torch.Tensor:
 
 def quantize(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[..., D] float -> [..., D + 2] uint8: the `dtype` codes of the rotated row, then its bfloat16 scale."""
-    x = rotate(x.float())
+    return encode(rotate(x.float()), dtype)
+
+
+def encode(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[..., D] float32 rows as they are (rotated already) -> [..., D + 2] uint8 codes and scale."""
     top = CODE_MAX[dtype]
     scale = (x.abs().amax(-1, keepdim=True) / top).clamp_min(2.0**-100)
     bits = (scale.view(torch.int32) + 0xFFFF) & -65536  # rounded up to a bfloat16

@@ -169,22 +169,29 @@ static void rope(float *x, const float *cos, const float *sin, int D) {
     }
 }
 
-/* float -> float8 (e4m3fn: m = 3, bias = 7; e5m2: m = 2, bias = 15), round to nearest even, as torch's
- * .to(float8_*); |x| is within the format's range (the caller scales it there). */
-static uint8_t to_fp8(float x, int m, int bias) {
-    const uint8_t sign = signbit(x) ? 0x80 : 0;
-    const float a = fabsf(x);
-    if (!(a > 0.0f)) return sign;
-    int e;
-    frexpf(a, &e); /* a = f 2^e, f in [0.5, 1): the exponent is e - 1 */
-    int E = e - 1 < 1 - bias ? 1 - bias : e - 1;
-    float r = rintf(ldexpf(a, m - E)); /* mantissa with its leading bit, in units of the last place */
-    if (r >= (float)(2 << m)) {        /* rounded up into the next binade */
-        r = (float)(1 << m);
-        E++;
-    }
-    if (r < (float)(1 << m)) return sign | (uint8_t)r; /* subnormal */
-    return sign | (uint8_t)((E + bias) << m) | (uint8_t)((int)r - (1 << m));
+/* float -> float8 (e4m3fn: m = 3, bias = 7; e5m2: m = 2, bias = 15), round to nearest even as torch's
+ * .to(float8_*), for |x| within the format's range (the caller scales and clamps it there); a NaN gives a signed
+ * zero. Branch-free on the bits so a row's loop vectorizes (frexp / ldexp per value made fp8 writes slow): a
+ * normal value rounds its mantissa in place, a carry moving it to the next binade; one below the smallest
+ * normal is rounded by adding a float whose last place is the format's subnormal step, whose bits then count
+ * steps. Compiled without -ffast-math, so that add rounds as IEEE says. */
+static inline uint8_t to_fp8(float x, const int m, const int bias) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    const uint32_t sign = (u >> 24) & 0x80, mag = u & 0x7fffffff, shift = 23 - m;
+    const uint32_t normal = ((mag + (1u << (shift - 1)) - 1 + ((mag >> shift) & 1)) >> shift) -
+                            ((uint32_t)(127 - bias) << m);
+    const float magic = m == 3 ? 0x1p14f : 0x1p7f; /* last place 2^(1-bias-m): the subnormal step */
+    float a;
+    memcpy(&a, &mag, 4);
+    const float sum = a + magic;
+    uint32_t sub, magic_bits;
+    memcpy(&sub, &sum, 4);
+    memcpy(&magic_bits, &magic, 4);
+    sub -= magic_bits;
+    const uint32_t min_normal = (uint32_t)(128 - bias) << 23; /* 2^(1-bias) */
+    const uint32_t code = mag > 0x7f800000u ? 0 : mag < min_normal ? sub : normal;
+    return (uint8_t)(sign | code);
 }
 
 static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch's .to(bfloat16); NaN stays NaN */
@@ -207,14 +214,28 @@ static void store_quantized(uint8_t *row, const float *src, int D, int kind) {
     memcpy(&bits, &scale, 4);
     bits = (bits + 0xffff) & 0xffff0000u;
     memcpy(&scale, &bits, 4);
-    for (int j = 0; j < D; j++) {
-        float q = src[j] / scale;
-        q = q > top ? top : q < -top ? -top : q;
-        row[j] = kind == KV_INT8 ? (uint8_t)(int8_t)rintf(q) : to_fp8(q, kind == KV_FP8_E4M3 ? 3 : 2,
-                                                                        kind == KV_FP8_E4M3 ? 7 : 15);
+    for (int j = 0; kind == KV_INT8 && j < D; j++) { /* a loop per kind: each vectorizes */
+        const float q = src[j] / scale;
+        row[j] = (uint8_t)(int8_t)rintf(q > top ? top : q < -top ? -top : q);
+    }
+    for (int j = 0; kind == KV_FP8_E4M3 && j < D; j++) {
+        const float q = src[j] / scale;
+        row[j] = to_fp8(q > top ? top : q < -top ? -top : q, 3, 7);
+    }
+    for (int j = 0; kind == KV_FP8_E5M2 && j < D; j++) {
+        const float q = src[j] / scale;
+        row[j] = to_fp8(q > top ? top : q < -top ? -top : q, 2, 15);
     }
     row[D] = (uint8_t)(bits >> 16);
     row[D + 1] = (uint8_t)(bits >> 24);
+}
+
+/* n rows of D floats (rotated already) -> n quantized cache rows, as the step writes them: the tests compare the
+ * bytes with kv_quant.encode's. 0, or -2 for bad sizes. */
+int kv_quantize_rows(uint8_t *dst, const float *src, int64_t n, int D, int kind) {
+    if (n < 0 || D <= 0 || kind < KV_INT8 || kind > KV_FP8_E5M2) return -2;
+    for (int64_t r = 0; r < n; r++) store_quantized(dst + r * kv_row_bytes(D), src + r * D, D, kind);
+    return 0;
 }
 
 /* Token `slot`'s keys (or values) for all KVH heads into the cache (rotated already for a quantized one). */

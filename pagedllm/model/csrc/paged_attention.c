@@ -30,19 +30,24 @@
 
 typedef uint32_t u32_alias __attribute__((may_alias)); /* float bits, written as integers */
 
-static float fp8_values[2][256]; /* code -> value of float8 e4m3fn ([0]) and e5m2 ([1]); filled at load */
-
-__attribute__((constructor)) static void fill_fp8_values(void) {
-    for (int f = 0; f < 2; f++) {
-        const int m = f == 0 ? 3 : 2, bias = f == 0 ? 7 : 15;
-        for (int c = 0; c < 256; c++) {
-            const int e = (c & 0x7f) >> m, mant = c & ((1 << m) - 1);
-            float v = e ? ldexpf(1.0f + (float)mant / (1 << m), e - bias) : ldexpf((float)mant / (1 << m), 1 - bias);
-            if (f == 0 && (c & 0x7f) == 0x7f) v = NAN;             /* e4m3fn: no infinities, one NaN */
-            if (f == 1 && e == 31) v = mant ? NAN : INFINITY;
-            fp8_values[f][c] = c & 0x80 ? -v : v;
-        }
-    }
+/* A float8 code -> its float32 value, as torch's .to(float32) gives it: e4m3fn (m = 3, bias = 7; 0x7f is NaN, no
+ * infinities) or e5m2 (m = 2, bias = 15; IEEE-like). Integer operations, one int -> float conversion for the
+ * subnormal codes and selects, no table, so a row's loop vectorizes (AVX-512: 16 codes at a time); the table
+ * lookup per value this replaced made fp8 decode 0.70x float32's speed at a 4k context. */
+static inline float fp8_value(uint8_t c, const int m, const int bias) {
+    const uint32_t mag = c & 0x7f, sign = (uint32_t)(c & 0x80) << 24;
+    const float tiny = (float)(int32_t)mag * (m == 3 ? 0x1p-9f : 0x1p-16f); /* exponent 0: mag x 2^(1-bias-m) */
+    uint32_t bits;
+    memcpy(&bits, &tiny, 4);
+    bits = mag < (1u << m) ? bits : (mag << (23 - m)) + ((uint32_t)(127 - bias) << 23);
+    if (m == 3)
+        bits = mag == 0x7f ? 0x7fc00000u : bits;
+    else
+        bits = mag >= 0x7c ? (mag == 0x7c ? 0x7f800000u : 0x7fc00000u) : bits;
+    bits |= sign;
+    float v;
+    memcpy(&v, &bits, 4);
+    return v;
 }
 
 /* Columns [c0, c1) (the KV heads the caller reads, c0 and c1 multiples of D) of a quantized block's n rows,
@@ -51,7 +56,6 @@ __attribute__((constructor)) static void fill_fp8_values(void) {
 static inline void widen_quantized(float *buf, const uint8_t *block, int n, int KVH, int D, int c0, int c1,
                                    int kind) {
     const int64_t W = (int64_t)KVH * D, R = kv_row_bytes(D);
-    const float *lut = kind == KV_FP8_E5M2 ? fp8_values[1] : fp8_values[0];
     for (int t = 0; t < n; t++)
         for (int h = c0 / D; h < c1 / D; h++) {
             const uint8_t *codes = block + ((int64_t)t * KVH + h) * R;
@@ -61,8 +65,10 @@ static inline void widen_quantized(float *buf, const uint8_t *block, int n, int 
             float *out = buf + t * W + (int64_t)h * D;
             if (kind == KV_INT8)
                 for (int j = 0; j < D; j++) out[j] = scale * (float)(int8_t)codes[j];
+            else if (kind == KV_FP8_E4M3)
+                for (int j = 0; j < D; j++) out[j] = scale * fp8_value(codes[j], 3, 7);
             else
-                for (int j = 0; j < D; j++) out[j] = scale * lut[codes[j]];
+                for (int j = 0; j < D; j++) out[j] = scale * fp8_value(codes[j], 2, 15);
         }
 }
 
@@ -248,6 +254,14 @@ void paged_attention_heads(const Args *a, int s, int h0, int h1, float *scores, 
         one_seq_128(a, s, h0, h1, scores, buf);
     else
         one_seq_any(a, s, h0, h1, scores, buf);
+}
+
+/* n quantized cache rows -> n rows of D floats (still rotated), as attention widens them: the tests compare the
+ * values with torch's conversion of the same codes. 0, or -2 for bad sizes. */
+int kv_dequantize_rows(float *dst, const uint8_t *src, int64_t n, int D, int kind) {
+    if (n < 0 || D <= 0 || n > INT32_MAX || kind < KV_INT8 || kind > KV_FP8_E5M2) return -2;
+    widen_quantized(dst, src, (int)n, 1, D, 0, D, kind);
+    return 0;
 }
 
 void kv_rotate(float *x, int D) {

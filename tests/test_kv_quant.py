@@ -123,7 +123,10 @@ def test_the_readers_agree_on_the_same_bytes(model_fp32, texts, dtype):
             outs.append(runner.execute([SeqChunk(ids[96:97], 96, table)]))
         finally:
             model_fp32.model.backend = backend
-    assert max((o - outs[0]).abs().max().item() for o in outs[1:]) < 1e-2
+    # the new token's row may round to a neighbouring code in one path: a step of the format (2^-3 of the value
+    # for e4m3, 2^-2 for e5m2) moves the logits by a few hundredths; a wrong reader moves them by units
+    bound = {torch.int8: 1e-2, torch.float8_e4m3fn: 5e-2, torch.float8_e5m2: 1e-1}[dtype]
+    assert max((o - outs[0]).abs().max().item() for o in outs[1:]) < bound
 
 
 def test_int8_cache_holds_3_8x_the_tokens_and_keeps_greedy_answers(model_fp32, texts):

@@ -131,7 +131,7 @@ def scan_hermes(text: str, done: bool) -> tuple[str, list[tuple[str | None, str]
 
 def _sendable(text: str) -> str:
     """The content that can go out before any `<tool_call>`: all but a trailing start of the tag and the
-    whitespace before it (both dropped if the tag comes)."""
+    whitespace before it (dropped if the tag comes)."""
     tail = range(max(0, len(text) - len(HERMES_OPEN) + 1), len(text))
     cut = next((i for i in tail if HERMES_OPEN.startswith(text[i:])), len(text))
     return text[:cut].rstrip()

@@ -539,7 +539,9 @@ def _read_first_event(lines) -> dict:
 def test_too_many_waiting_requests_503(small_server):
     s = small_server
     assert_error(httpx.get(s.base + "/v1/models"), 401)  # the key from PAGEDLLM_API_KEY is enforced
-    body = {"model": MODEL, "prompt": "Tell me a story.", "max_tokens": 100, "ignore_eos": True, "stream": True}
+    # as long as the context allows: the running request must outlast both refused ones (100 tokens did not, once)
+    body = {"model": MODEL, "prompt": "Tell me a story.", "max_tokens": MAX_MODEL_LEN - 16, "ignore_eos": True}
+    body["stream"] = True
     with (
         httpx.Client(base_url=s.base, headers={"Authorization": f"Bearer {s.key}"}, timeout=60) as c1,
         httpx.Client(base_url=s.base, headers={"Authorization": f"Bearer {s.key}"}, timeout=60) as c2,

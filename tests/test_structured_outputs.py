@@ -18,7 +18,7 @@ import pytest
 from engine_helpers import kv_budget
 from server_helpers import KEY, assert_error, assert_pool_whole, running_server, sse_events
 
-from pagedllm.entrypoints.openai.tool_calls import ToolCallStream, ToolMode, parse_hermes, scan_calls
+from pagedllm.entrypoints.openai.tool_calls import ToolCallStream, ToolMode, parse_hermes, scan_calls, scan_hermes
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -245,6 +245,41 @@ def test_tool_choice_auto_is_served_for_a_template_that_shows_hermes_tools(serve
     assert auto.status_code == 200, auto.text
     assert auto.json()["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"] + 50  # the tools are in it
     assert auto.json()["choices"][0]["message"]["tool_calls"] == []  # 4 tokens: no call, content as is
+
+
+HERMES_ANSWER = (  # forces a Hermes answer from the 135M model, which never writes one unasked
+    r'I will add them\.\n<tool_call>\n\{"name": "add", "arguments": '
+    r'\{"a": [0-9]{1,2}, "b": [0-9]{1,2}\}\}\n</tool_call>'
+)
+
+
+def test_tool_choice_auto_streams_content_then_calls_in_pieces_and_adds_up_to_the_whole_answer(server, monkeypatch):
+    """Streamed "auto": the text before <tool_call> as content first, then the call's header and its
+    arguments in pieces as they are generated; joined, exactly the non-streamed answer."""
+    monkeypatch.setattr(server.engine.tokenizer.hf, "chat_template", HERMES_TEMPLATE)
+    body = {
+        "messages": [{"role": "user", "content": "Add 12 and 34."}],
+        "tools": TOOLS,
+        "max_tokens": 64,
+        "temperature": 0,
+        "structured_outputs": {"regex": HERMES_ANSWER},
+    }
+    whole = server.http.post("/v1/chat/completions", json=body).json()["choices"][0]
+    with server.http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        events = [e for e in sse_events(r.iter_lines()) if e != "[DONE]"]
+    deltas = [c["delta"] for e in events for c in e["choices"]]
+    kinds = [k for d in deltas for k in ("content", "tool_calls") if d.get(k)]
+    assert kinds.index("tool_calls") > 0 and "content" not in kinds[kinds.index("tool_calls") :], kinds
+    calls, finish = _accumulate(events)
+    pieces = [t for d in deltas for t in d.get("tool_calls", []) if t["function"]["arguments"]]
+    assert len(pieces) > 1, deltas  # the arguments came as they grew, not at the end
+    assert whole["finish_reason"] == finish == "tool_calls", (whole, events)
+    assert "".join(d.get("content") or "" for d in deltas) == whole["message"]["content"] == "I will add them."
+    (call,) = whole["message"]["tool_calls"]
+    assert calls == {0: {"name": "add", "arguments": call["function"]["arguments"]}}
+    jsonschema.validate(json.loads(call["function"]["arguments"]), TOOL_PARAMS["add"])
+    assert_pool_whole(server)
 
 
 def _accumulate(events) -> tuple[dict[int, dict], str | None]:
@@ -491,14 +526,105 @@ def test_streamed_array_of_calls_is_scanned_as_it_grows():
     full = '[{"name":"get_weather","parameters":{"city":"Pa}r\\"is","unit":"c"}},{"name":"add","parameters":{"a":1}}]'
     stream, got = ToolCallStream(ToolMode("required")), {}
     for end in range(1, len(full) + 1):
-        for d in stream.deltas(full[:end]):
+        for d in stream.delta(full[:end], end == len(full)).get("tool_calls", []):
             got.setdefault(d["index"], [d["function"].get("name"), ""])[1] += d["function"]["arguments"]
     assert got == {0: ["get_weather", '{"city":"Pa}r\\"is","unit":"c"}'], 1: ["add", '{"a":1}']}
     assert scan_calls('[{"name":"ad') == [(None, "", False)]  # no header until the name is whole
-    assert ToolCallStream(ToolMode("required")).deltas('[{"name":"ad') == []
+    assert ToolCallStream(ToolMode("required")).delta('[{"name":"ad', False) == {}
 
 
 def test_hermes_tool_calls_parse_for_auto():
     content, calls = parse_hermes('Let me check.\n<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>')
     assert content == "Let me check." and calls[0]["function"] == {"name": "add", "arguments": '{"a": 1}'}
     assert parse_hermes("no calls here") == ("no calls here", [])
+
+
+def _stream_auto(text: str, ends: list[int]) -> tuple[list[dict], str, dict[int, list[str]]]:
+    """Feeds `text` to an "auto" streamer cut at `ends`: the deltas, the content and the calls they add up to."""
+    stream, deltas, content, calls = ToolCallStream(ToolMode("auto")), [], "", {}
+    for end in [*ends, len(text)]:
+        delta = stream.delta(text[:end], end == len(text))
+        deltas.append(delta)
+        content += delta.get("content", "")
+        for d in delta.get("tool_calls", []):
+            if "id" in d:
+                assert d["type"] == "function" and d["index"] == len(calls) and d["function"]["arguments"] == ""
+                calls[d["index"]] = [d["function"]["name"], ""]
+            calls[d["index"]][1] += d["function"]["arguments"]
+    return deltas, content, calls
+
+
+def _parsed(text: str) -> tuple[str, dict[int, list[str]]]:
+    content, calls = parse_hermes(text)
+    return content or "", {i: [c["function"]["name"], c["function"]["arguments"]] for i, c in enumerate(calls)}
+
+
+TWO_CALLS = (
+    'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa\\"ris</tool_call>", "unit": "c"}}\n'
+    '</tool_call><tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+)
+NOT_A_CALL = 'Sure <tool_call>get_weather(city="Oslo")</tool_call>'
+NO_NAME = '<tool_call>{"arguments": {"a": 1}}</tool_call>'
+
+
+@pytest.mark.parametrize(
+    "text, content, calls",
+    [
+        (
+            TWO_CALLS,
+            "Let me check.",
+            {0: ["get_weather", '{"city": "Pa\\"ris</tool_call>", "unit": "c"}'], 1: ["add", '{"a": 1, "b": 2}']},
+        ),
+        ("Hi <to you, <tool> is not <tool_call", "Hi <to you, <tool> is not <tool_call", {}),
+        # not JSON, or no string name: no call, the text is content (as vLLM)
+        (NOT_A_CALL, NOT_A_CALL, {}),
+        (NO_NAME, NO_NAME, {}),
+        (
+            '<tool_call>{"name": "a"} </tool_call><tool_call>{"name": 7}</tool_call>',
+            '<tool_call>{"name": 7}</tool_call>',
+            {0: ["a", "{}"]},
+        ),
+        # broken after its name was streamed: the call stands with the arguments as written
+        (
+            '<tool_call>{"name": "add", "arguments": {"a": 1,, "b": 2}}</tool_call>',
+            "",
+            {0: ["add", '{"a": 1,, "b": 2}']},
+        ),
+        ('<tool_call>{"name": "add", "arguments": {"a": 1</tool_call>', "", {0: ["add", '{"a": 1']}),
+        ('<tool_call>{"name": "add", "arguments": {"a": 1, "b"', "", {0: ["add", '{"a": 1, "b"']}),  # cut off
+        ('<tool_call>{"na', '<tool_call>{"na', {}),
+    ],
+)
+def test_auto_stream_adds_up_to_the_whole_answer_wherever_the_text_is_cut(text, content, calls):
+    assert _parsed(text) == (content, calls)
+    cuts = [
+        list(range(len(text))),  # a character at a time
+        [text.index("<") + 3, text.index("<") + 8],  # inside the tag
+        [i for i, ch in enumerate(text) if ch in '"\\'],  # at every quote and escape
+        [len(text) // 3, len(text) // 2],
+    ]
+    for ends in cuts:
+        _, got_content, got_calls = _stream_auto(text, ends)
+        assert (got_content, got_calls) == (content, calls), ends
+
+
+def test_auto_stream_sends_content_first_and_arguments_as_they_grow():
+    deltas, _, _ = _stream_auto(TWO_CALLS, list(range(len(TWO_CALLS))))
+    kinds = [k for d in deltas for k in d]
+    assert kinds[0] == "content" and "content" not in kinds[kinds.index("tool_calls") :]
+    pieces = [t["function"]["arguments"] for d in deltas for t in d.get("tool_calls", [])]
+    assert sum(1 for p in pieces if p) > 20  # about one per character, not the whole arguments at the end
+    # a call's header goes out as soon as its name is whole
+    head = TWO_CALLS[: TWO_CALLS.index('", "arguments"') + 1]
+    assert scan_hermes(head, False) == ("Let me check.", [("get_weather", "")])
+
+
+def test_auto_stream_holds_back_only_what_could_still_be_the_tag():
+    stream = ToolCallStream(ToolMode("auto"))
+    assert stream.delta("Hi", False) == {"content": "Hi"}
+    assert stream.delta("Hi <to", False) == {}  # could be <tool_call>
+    assert stream.delta("Hi <too", False) == {}
+    assert stream.delta("Hi <tooth", False) == {"content": " <tooth"}  # it was not
+    assert stream.delta("Hi <tooth \n", False) == {}  # whitespace waits: dropped if a call follows
+    assert stream.delta("Hi <tooth \n<tool_call>", False) == {}
+    assert ToolCallStream(ToolMode("auto")).delta("Hi <tool_c", True) == {"content": "Hi <tool_c"}  # the end

@@ -126,7 +126,7 @@ class RequestGrammar:
         consumed = 0
         for j in range(len(drafts) + 1):
             m.unsafe_compute_mask_ptr(bitmask[first_row + j].ctypes.data, row_bytes)
-            if not bitmask[first_row + j].any():
+            if m.is_error() or not bitmask[first_row + j].any():  # e.g. past llguidance's parser limits
                 raise dead_end(m, "the grammar allows no token here")
             if j < len(drafts):
                 if not m.consume_token(drafts[j]):

@@ -26,7 +26,6 @@ from pagedllm.entrypoints.openai.serving_engine import (
 )
 from pagedllm.entrypoints.openai.streaming import Chunks, SSEResponse, pieces
 from pagedllm.entrypoints.openai.tool_calls import (
-    HERMES_OPEN,
     ToolCallStream,
     ToolMode,
     auto_tools_supported,
@@ -73,7 +72,7 @@ def _message(mode: ToolMode | None, c: CompletionOutput) -> tuple[dict[str, Any]
         content, calls = parse_hermes(c.text)
         return (
             {"role": "assistant", "content": content, "tool_calls": calls},
-            "tool_calls" if calls else c.finish_reason,
+            "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason,
         )
     parsed = parse_tool_calls(c.text, mode) if mode is not None and c.finish_reason == "stop" else None
     if mode is None or parsed is None:
@@ -125,19 +124,13 @@ async def _chunks(
         )
     k, mode = req.top_k_logprobs, req.tool_mode
     calls: dict[int, ToolCallStream] = {}
-    sent: dict[int, int] = {}  # "auto": content characters sent per choice
     async for s, out, c, p in pieces(ctx, subs):
         finish = c.finish_reason if p.done else None
-        delta: dict[str, Any] = {}
+        delta: dict[str, Any]
         if mode is None:
             delta = {"content": p.text} if p.text or not p.done else {}
-        elif mode.kind == "auto":
-            delta = _auto_delta(c, sent.get(p.index, 0), p.done)
-            sent[p.index] = sent.get(p.index, 0) + len(delta.get("content", ""))
-            finish = _message(mode, c)[1] if p.done else None
-        else:  # the arguments stream as they grow; the finish reason is the one the whole answer would get
-            deltas = calls.setdefault(p.index, ToolCallStream(mode)).deltas(c.text)
-            delta = {"tool_calls": deltas} if deltas else {}
+        else:  # content and calls stream as they grow; the finish reason is the one the whole answer gets
+            delta = calls.setdefault(p.index, ToolCallStream(mode)).delta(c.text, p.done)
             finish = _message(mode, c)[1] if p.done else None
         yield chunk(
             [
@@ -153,28 +146,6 @@ async def _chunks(
         )
     if chunk.include_usage:
         yield chunk([], ctx.usage(subs))
-
-
-def _auto_delta(c: CompletionOutput, sent: int, done: bool) -> dict[str, Any]:
-    """ "auto", streamed: the text before any `<tool_call>` as content (a partial tag held back), the calls
-    whole once the answer is done."""
-    cut = c.text.find(HERMES_OPEN)
-    if cut < 0 and not done:
-        cut = next(
-            (
-                i
-                for i in range(max(0, len(c.text) - len(HERMES_OPEN)), len(c.text))
-                if HERMES_OPEN.startswith(c.text[i:])
-            ),
-            len(c.text),
-        )
-    text = c.text if cut < 0 else c.text[:cut]
-    delta: dict[str, Any] = {"content": text[sent:]} if len(text) > sent else {}
-    if done:
-        _, calls = parse_hermes(c.text)
-        if calls:
-            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
-    return delta
 
 
 def stream(

@@ -10,7 +10,9 @@ named function): the output is held to a JSON schema made from the tools, then p
 
 Streaming follows OpenAI: a call's first delta carries its index, id, type and name with empty arguments, later
 deltas carry pieces of the arguments text. The array form is scanned as it grows (the constrained JSON is compact,
-keys in schema order), so arguments stream as they are generated.
+keys in schema order), and so are "auto"'s Hermes blocks (`scan_hermes`), so arguments stream as they are
+generated; one streamer (`ToolCallStream`) serves every mode, and a whole answer parses to what its stream adds
+up to.
 """
 
 from __future__ import annotations
@@ -75,7 +77,6 @@ def tool_mode(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, A
 
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
-HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
 def auto_tools_supported(chat_template: str | None) -> bool:
@@ -87,29 +88,193 @@ def auto_tools_supported(chat_template: str | None) -> bool:
 
 
 def parse_hermes(text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """(the content before the calls, or None if empty; the calls) of an "auto" answer; a block that is not
-    a JSON call stays in the content."""
-    calls = []
-    for block in HERMES_CALL.finditer(text):
-        try:
-            call = json.loads(block.group(1))
-            name, args = call["name"], call.get("arguments", {})
-        except (ValueError, KeyError, TypeError):
-            return text, []
-        calls.append(
-            {
-                "id": call_id(),
-                "type": "function",
-                "function": {
-                    "name": name,
-                    "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False),
-                },
-            }
-        )
+    """(content, calls) of a finished "auto" answer: what its stream adds up to (`scan_hermes`); without calls
+    the content is the whole text."""
+    content, calls = scan_hermes(text, done=True)
     if not calls:
-        return text, []
-    content = text[: text.index(HERMES_OPEN)].strip()
-    return content or None, calls
+        return content, []
+    return content or None, [
+        {"id": call_id(), "type": "function", "function": {"name": name, "arguments": args}}
+        for name, args in calls
+        if name is not None  # always, once done
+    ]
+
+
+def scan_hermes(text: str, done: bool) -> tuple[str, list[tuple[str | None, str]]]:
+    """The content and the calls (name, None until read; arguments so far) of a growing "auto" answer. Each
+    only grows as the text does, so a stream never takes back what it sent, and the whole answer parses to
+    what its stream added up to.
+
+    The content is the text before the first `<tool_call>` (the whitespace before the tag dropped); while the
+    answer grows, a trailing part of the tag is held back. Each block's body is read as a JSON object: once its
+    string "name" is read it is a call, its arguments the raw text of its "arguments" value as written (`{}`
+    when it has none), streamed as it grows; if the JSON breaks after that, the call stands with what was read
+    (a stream cannot take it back: clients check arguments, as OpenAI tells them to). A block that breaks
+    before its name (not JSON, no name, cut off by the end of the answer) is no call: it and everything after
+    it are content (the whole answer when it is the first, as vLLM). Text between and after calls is dropped
+    (vLLM's rule)."""
+    at = text.find(HERMES_OPEN)
+    if at < 0:
+        return (text if done else _sendable(text)), []
+    content = text[:at].rstrip()
+    calls: list[tuple[str | None, str]] = []
+    while at >= 0:
+        block = _hermes_block(text, at + len(HERMES_OPEN), done)
+        if block is None:
+            return (content + text[at:] if calls else text), calls
+        calls.append((block.name, block.args or ""))
+        if block.end is None:
+            break
+        at = text.find(HERMES_OPEN, block.end)
+    return content, calls
+
+
+def _sendable(text: str) -> str:
+    """The content that can go out before any `<tool_call>`: all but a trailing start of the tag and the
+    whitespace before it (dropped if the tag comes)."""
+    tail = range(max(0, len(text) - len(HERMES_OPEN) + 1), len(text))
+    cut = next((i for i in tail if HERMES_OPEN.startswith(text[i:])), len(text))
+    return text[:cut].rstrip()
+
+
+@dataclass
+class _Block:
+    name: str | None = None
+    args: str | None = None  # None until the "arguments" member starts
+    end: int | None = None  # just after its `</tool_call>`; None while open
+
+
+class _Incomplete(Exception):
+    """The text ends inside what is being read."""
+
+
+class _NotJSON(Exception):
+    """The block's JSON breaks at `at`."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__(at)
+        self.at = at
+
+
+def _hermes_block(text: str, at: int, done: bool) -> _Block | None:
+    """The call in the block whose body starts at `at`, as far as the text goes; None when it is no call."""
+    block = _Block()
+    after: int | None = None
+    try:
+        after = _read_call(text, _skip(text, at), block)
+        if block.args is None:
+            block.args = "{}"
+    except _Incomplete:
+        pass
+    except _NotJSON as e:
+        after = e.at
+    if block.name is None and (after is not None or done):
+        return None
+    if after is not None:
+        close = text.find(HERMES_CLOSE, after)
+        block.end = None if close < 0 else close + len(HERMES_CLOSE)
+    return block
+
+
+def _read_call(text: str, p: int, block: _Block) -> int:
+    """Reads the object at p into `block`; the position after it. The first "name" and "arguments" count."""
+    _expect(text, p, "{")
+    p = _skip(text, p + 1)
+    if _expect(text, p, '"}') == "}":
+        return p + 1
+    while True:
+        _expect(text, p, '"')
+        key_end = _value_end(text, p)
+        key = json.loads(text[p:key_end])
+        p = _skip(text, key_end)
+        _expect(text, p, ":")
+        v = _skip(text, p + 1)
+        if key == "arguments" and block.args is None:
+            end = _read_arguments(text, v, block)
+        else:
+            end = _value_end(text, v)
+            value = json.loads(text[v:end])
+            if key == "name" and block.name is None:
+                if not isinstance(value, str):
+                    raise _NotJSON(v)
+                block.name = value
+        p = _skip(text, end)
+        if _expect(text, p, ",}") == "}":
+            return p + 1
+        p = _skip(text, p + 1)
+
+
+def _read_arguments(text: str, v: int, block: _Block) -> int:
+    """The arguments value at v: its raw text so far (a string value, decoded, once whole); where it ends."""
+    if v >= len(text):
+        raise _Incomplete
+    try:
+        end = _value_end(text, v)
+    except _Incomplete:
+        block.args = "" if text[v] == '"' else text[v:]
+        raise
+    except _NotJSON as e:
+        block.args = text[v : e.at]
+        raise
+    block.args = json.loads(text[v:end]) if text[v] == '"' else text[v:end]
+    return end
+
+
+_BARE = re.compile(r"[-+.\w]+")  # a number, true, false or null (json.loads judges it whole)
+
+
+def _value_end(text: str, p: int) -> int:
+    """Where the JSON value at p ends: _Incomplete while the text ends inside it, _NotJSON where it breaks (a
+    character JSON never has outside a string at once, the rest when the value is whole)."""
+    if p >= len(text):
+        raise _Incomplete
+    if text[p] in '{["':
+        end = _bracketed_end(text, p)
+    else:
+        bare = _BARE.match(text, p)
+        if bare is None:
+            raise _NotJSON(p)
+        if bare.end() == len(text):
+            raise _Incomplete
+        end = bare.end()
+    try:
+        json.loads(text[p:end])
+    except ValueError:
+        raise _NotJSON(end) from None
+    return end
+
+
+def _bracketed_end(text: str, p: int) -> int:
+    depth, in_str, esc = 0, False, False
+    for i in range(p, len(text)):
+        ch = text[i]
+        if in_str:
+            esc, in_str = (False, True) if esc else (ch == "\\", ch != '"')
+        elif ch == '"':
+            in_str = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+        elif not (ch.isalnum() or ch in " \t\n\r,:-+."):
+            raise _NotJSON(i)
+        if depth == 0 and not in_str:
+            return i + 1
+    raise _Incomplete
+
+
+def _expect(text: str, p: int, chars: str) -> str:
+    if p >= len(text):
+        raise _Incomplete
+    if text[p] not in chars:
+        raise _NotJSON(p)
+    return text[p]
+
+
+def _skip(text: str, p: int) -> int:
+    while p < len(text) and text[p] in " \t\n\r":
+        p += 1
+    return p
 
 
 def tool_schema(tools: list[dict[str, Any]], mode: ToolMode, parallel: bool = True) -> dict[str, Any]:
@@ -189,25 +354,35 @@ def _item_name(head: str) -> str | None:
 
 @dataclass
 class ToolCallStream:
-    """Per streamed choice: turns the cumulative answer text into OpenAI's tool_calls deltas."""
+    """Per streamed choice: turns the cumulative answer text into OpenAI's deltas (content, tool_calls)."""
 
     mode: ToolMode
     ids: list[str] = field(default_factory=list)  # per call whose header was sent
     sent: list[int] = field(default_factory=list)  # per call, arguments characters sent
+    content_sent: int = 0
 
-    def deltas(self, text: str) -> list[dict[str, Any]]:
-        calls = [(self.mode.name, text, False)] if self.mode.name else scan_calls(text)
-        out = []
-        for i, (name, args, _) in enumerate(calls):
+    def delta(self, text: str, done: bool) -> dict[str, Any]:
+        """What the answer grown to `text` adds: new content, new calls' headers, pieces of arguments."""
+        if self.mode.kind == "auto":
+            content, calls = scan_hermes(text, done)
+        else:
+            content, calls = "", [(self.mode.name, text)] if self.mode.name else [c[:2] for c in scan_calls(text)]
+        out: dict[str, Any] = {}
+        if len(content) > self.content_sent:
+            out["content"], self.content_sent = content[self.content_sent :], len(content)
+        tool_calls = []
+        for i, (name, args) in enumerate(calls):
             if name is None:
                 break
             if i == len(self.ids):
                 self.ids.append(call_id())
                 self.sent.append(0)
-                out.append(
+                tool_calls.append(
                     {"index": i, "id": self.ids[i], "type": "function", "function": {"name": name, "arguments": ""}}
                 )
             if len(args) > self.sent[i]:
-                out.append({"index": i, "function": {"arguments": args[self.sent[i] :]}})
+                tool_calls.append({"index": i, "function": {"arguments": args[self.sent[i] :]}})
                 self.sent[i] = len(args)
+        if tool_calls:
+            out["tool_calls"] = tool_calls
         return out

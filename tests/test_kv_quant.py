@@ -63,8 +63,8 @@ def test_rotation_spreads_an_outlier_channel_over_the_row():
     assert err.abs().max() < plain_step / 4 and err.pow(2).mean().sqrt() < plain_step / 12**0.5 / 4
 
 
-def c_rows(fn: str, src: torch.Tensor, out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    lib = cpu_kernel.load()
+def c_rows(target: str, fn: str, src: torch.Tensor, out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    lib = cpu_kernel.load(target)
     assert lib is not None
     rc = getattr(lib, fn)(out.data_ptr(), src.data_ptr(), src.shape[0], 64, kv_quant.KINDS[dtype])
     assert rc == 0
@@ -88,16 +88,18 @@ def ties_and_neighbours(dtype: torch.dtype) -> torch.Tensor:
     return torch.cat([torch.full((len(x) // 63, 1), top), x.view(-1, 63)], dim=1)
 
 
+@pytest.mark.parametrize("target", cpu_kernel.runnable_targets())
 @pytest.mark.parametrize("dtype", QUANTIZED)
-def test_the_c_kernels_write_and_read_the_codes_exactly_as_torch(dtype):
+def test_the_c_kernels_write_and_read_the_codes_exactly_as_torch(dtype, target):
     """The C write (store_quantized: branch-free bit operations) rounds every value, tie and neighbour of a tie as
-    torch does; the C read (widen_quantized) gives every one of the 256 codes the value torch gives it."""
+    torch does; the C read (widen_quantized: F16C where the build has it, else bit operations) gives every one of
+    the 256 codes the value torch gives it. Each CPU class's build: they compile different paths."""
     rows = ties_and_neighbours(dtype)
-    written = c_rows("kv_quantize_rows", rows, torch.empty(len(rows), 66, dtype=torch.uint8), dtype)
+    written = c_rows(target, "kv_quantize_rows", rows, torch.empty(len(rows), 66, dtype=torch.uint8), dtype)
     assert torch.equal(written, kv_quant.encode(rows, dtype))
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(4, 64)
     one = torch.tensor([1.0], dtype=torch.bfloat16).view(torch.uint8).expand(4, 2)  # scale 1
-    read = c_rows("kv_dequantize_rows", torch.cat([codes, one], 1).contiguous(), torch.empty(4, 64), dtype)
+    read = c_rows(target, "kv_dequantize_rows", torch.cat([codes, one], 1).contiguous(), torch.empty(4, 64), dtype)
     want = codes.view(dtype).float()
     assert torch.equal(read.isnan(), want.isnan()) and torch.equal(read.signbit(), want.signbit())
     assert torch.equal(read.nan_to_num(), want.nan_to_num())

@@ -35,8 +35,8 @@ typedef uint32_t u32_alias __attribute__((may_alias)); /* float bits, written as
 
 /* A float8 code -> its float32 value, as torch's .to(float32) gives it: e4m3fn (m = 3, bias = 7; 0x7f is NaN, no
  * infinities) or e5m2 (m = 2, bias = 15; IEEE-like). Integer operations, one int -> float conversion for the
- * subnormal codes and selects, no table, so a row's loop vectorizes (AVX-512: 16 codes at a time); the table
- * lookup per value this replaced made fp8 decode 0.70x float32's speed at a 4k context. */
+ * subnormal codes and selects, no table, so a row's loop vectorizes on any CPU; the path of builds without F16C
+ * (widen_fp8_f16c below is faster) and of a row's last D % 16 codes. */
 static inline float fp8_value(uint8_t c, const int m, const int bias) {
     const uint32_t mag = c & 0x7f, sign = (uint32_t)(c & 0x80) << 24;
     const float tiny = (float)(int32_t)mag * (m == 3 ? 0x1p-9f : 0x1p-16f); /* exponent 0: mag x 2^(1-bias-m) */

@@ -8,6 +8,7 @@ cluster-wide prefix-cache hit rate (from the replicas' /metrics, summed over the
         --bench-args "--dataset-name prefix-repetition --num-prompts 64 --num-prefixes 8 --prefix-len 256 \\
                       --suffix-len 32 --output-len 16 --max-concurrency 4"
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,13 @@ def start_cluster(replicas: int, routing: str, port: int, serve_args: list[str],
     cmd = PAGEDLLM + ["serve", "--replicas", str(replicas), "--routing", routing, "--port", str(port), *serve_args]
     print("$", shlex.join(cmd[1:]), file=sys.stderr, flush=True)
     with open(log, "w") as out:
-        return start_server(cmd, f"http://127.0.0.1:{port}", timeout=900, log=out,
-                            ready=lambda health: len(health.get("replicas", {})) == replicas)
+        return start_server(
+            cmd,
+            f"http://127.0.0.1:{port}",
+            timeout=900,
+            log=out,
+            ready=lambda health: len(health.get("replicas", {})) == replicas,
+        )
 
 
 def run_one(replicas: int, routing: str, args: argparse.Namespace) -> dict:
@@ -35,32 +41,64 @@ def run_one(replicas: int, routing: str, args: argparse.Namespace) -> dict:
     try:
         load = os.getloadavg()[0]
         result = os.path.join(args.out, name + ".json")
-        cmd = PAGEDLLM + ["bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--save-result", result,
-                     "--disable-tqdm", *shlex.split(args.bench_args)]
+        cmd = PAGEDLLM + [
+            "bench",
+            "serve",
+            "--base-url",
+            f"http://127.0.0.1:{port}",
+            "--save-result",
+            result,
+            "--disable-tqdm",
+            *shlex.split(args.bench_args),
+        ]
         print("$", shlex.join(cmd[1:]), file=sys.stderr, flush=True)
         subprocess.run(cmd, check=True)
     finally:
         stop(server)
     with open(result, encoding="utf-8") as f:
         res = json.load(f)
-    return {"config": name, "load": load, **{k: res.get(k) for k in (
-        "completed", "failed", "duration", "request_throughput", "output_throughput", "mean_ttft_ms",
-        "median_ttft_ms", "p99_ttft_ms", "prefix_cache_hit_rate")}}
+    return {
+        "config": name,
+        "load": load,
+        **{
+            k: res.get(k)
+            for k in (
+                "completed",
+                "failed",
+                "duration",
+                "request_throughput",
+                "output_throughput",
+                "mean_ttft_ms",
+                "median_ttft_ms",
+                "p99_ttft_ms",
+                "prefix_cache_hit_rate",
+            )
+        },
+    }
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| config | load (1 min) | done | req/s | output tok/s | mean TTFT ms | median TTFT ms | p99 TTFT ms "
-            "| cluster hit rate |\n|---|---|---|---|---|---|---|---|---|")
-    lines = [f"| {r['config']} | {r['load']:.1f} | {r['completed']} | {r['request_throughput']:.2f} | "
-             f"{r['output_throughput']:.1f} | {r['mean_ttft_ms']:.0f} | {r['median_ttft_ms']:.0f} | "
-             f"{r['p99_ttft_ms']:.0f} | {r['prefix_cache_hit_rate']:.1%} |" for r in rows]
+    head = (
+        "| config | load (1 min) | done | req/s | output tok/s | mean TTFT ms | median TTFT ms | p99 TTFT ms "
+        "| cluster hit rate |\n|---|---|---|---|---|---|---|---|---|"
+    )
+    lines = [
+        f"| {r['config']} | {r['load']:.1f} | {r['completed']} | {r['request_throughput']:.2f} | "
+        f"{r['output_throughput']:.1f} | {r['mean_ttft_ms']:.0f} | {r['median_ttft_ms']:.0f} | "
+        f"{r['p99_ttft_ms']:.0f} | {r['prefix_cache_hit_rate']:.1%} |"
+        for r in rows
+    ]
     return "\n".join([head, *lines])
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--configs", nargs="+", default=["1:prefix", "2:round-robin", "2:prefix"],
-                   help="REPLICAS:ROUTING, each measured on a fresh cluster")
+    p.add_argument(
+        "--configs",
+        nargs="+",
+        default=["1:prefix", "2:round-robin", "2:prefix"],
+        help="REPLICAS:ROUTING, each measured on a fresh cluster",
+    )
     p.add_argument("--serve-args", default="", help="more `pagedllm serve` flags (engine and server)")
     p.add_argument("--bench-args", default="--dataset-name prefix-repetition", help="`pagedllm bench serve` flags")
     p.add_argument("--out", default="out/cluster-bench")

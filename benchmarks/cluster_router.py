@@ -6,6 +6,7 @@ cached blocks (one index entry per block a replica holds).
 
     python benchmarks/cluster_router.py [--replicas 100] [--blocks 1000000]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,10 @@ def hashing(block_size: int) -> None:
         ids = [rng.randrange(49152) for _ in range(tokens)]
         us = per_call_us(lambda: prefix_keys(ids, block_size, cap), 300)
         n = min(cap, (tokens - 1) // block_size)
-        print(f"hash {tokens:5d}-token prompt, first {cap:3d} blocks max: {n:3d} blocks, {us:8.1f} us "
-              f"({us / n:.2f} us/block)")
+        print(
+            f"hash {tokens:5d}-token prompt, first {cap:3d} blocks max: {n:3d} blocks, {us:8.1f} us "
+            f"({us / n:.2f} us/block)"
+        )
 
 
 def build_index(replicas: int, blocks: int, block_size: int, capacity: int | None) -> tuple[PrefixIndex, list]:
@@ -67,10 +70,11 @@ def memory(replicas: int, blocks: int, block_size: int) -> None:
         matches = index.match(keys, ids)
         choose_us = per_call_us(lambda: choose(matches, load, cached, 8), 300)
         mode = "exact (kv-events)" if capacity is None else f"LRU-bounded (prefix, {capacity} blocks/replica)"
-        print(f"index {mode}: {blocks:,} cached blocks on {replicas} replicas, {len(index._holders):,} distinct: "
-              f"{held / 2**20:.0f} MiB = {held / blocks:.0f} bytes per cached block; match {match_us:.0f} us, "
-              f"choose {choose_us:.0f} us per request")
-        del index, chains
+        print(
+            f"index {mode}: {blocks:,} cached blocks on {replicas} replicas, {len(index._holders):,} distinct: "
+            f"{held / 2**20:.0f} MiB = {held / blocks:.0f} bytes per cached block; match {match_us:.0f} us, "
+            f"choose {choose_us:.0f} us per request"
+        )
 
 
 def main() -> None:

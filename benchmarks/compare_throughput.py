@@ -19,6 +19,7 @@ the one `--dtype auto` picks on this CPU unless --dtype says otherwise; llama.cp
 and MKL capped to AVX2 in every process (pagedllm's dense paths, transformers, vLLM's torch ops; vLLM's own
 compiled CPU ops cannot be capped), and llama.cpp's x86-64-v3 build (LLAMACPP_TARGET=x86-64-v3 setup-llamacpp.sh).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,7 +44,7 @@ if __name__ == "__main__":  # before torch loads: the class every system runs as
     cpu_target.select()
 from linear_kernels import cpu_line  # noqa: E402
 
-TRANSFORMERS = textwrap.dedent('''
+TRANSFORMERS = textwrap.dedent("""
     import glob, importlib.util, json, os, sys, time
     os.environ["HF_HUB_OFFLINE"] = "1"
     import torch
@@ -67,10 +68,10 @@ TRANSFORMERS = textwrap.dedent('''
         n_out += (gen.shape[1] - ids.shape[1]) * len(group)
     elapsed = time.perf_counter() - start
     json.dump({"output_tokens_per_s": n_out / elapsed, "elapsed_s": elapsed}, open(path, "w"))
-''')
+""")
 
 # One request at a time, timing each token as it comes: pagedllm's engine, or llama.cpp's generator.
-ONE_REQUEST = textwrap.dedent('''
+ONE_REQUEST = textwrap.dedent("""
     import json, statistics, sys, time
     system, prompts_file, out, dtype, path, gguf = sys.argv[1:7]
     out, prompts = int(out), json.load(open(prompts_file))
@@ -103,14 +104,18 @@ ONE_REQUEST = textwrap.dedent('''
                      "output_tok_s": out / (end - t0)})
     runs = runs[1:]  # the first request warms up
     json.dump({k: statistics.median(r[k] for r in runs) for k in runs[0]}, open(path, "w"))
-''')
+""")
 
 
 def vllm_env(cmd: str) -> list[str]:
     """A bash command line with vLLM's environment (both cores bound, as the anchors README does)."""
-    return ["bash", "-c", f"export ANCHORS={os.environ['ANCHORS']} "
-            f"VLLM_CPU_OMP_THREADS_BIND=${{VLLM_CPU_OMP_THREADS_BIND:-0-1}}; "
-            f"source {ANCHOR_SCRIPTS}/vllm-env.sh; {cmd}"]
+    return [
+        "bash",
+        "-c",
+        f"export ANCHORS={os.environ['ANCHORS']} "
+        f"VLLM_CPU_OMP_THREADS_BIND=${{VLLM_CPU_OMP_THREADS_BIND:-0-1}}; "
+        f"source {ANCHOR_SCRIPTS}/vllm-env.sh; {cmd}",
+    ]
 
 
 def default_gguf() -> str:
@@ -120,24 +125,57 @@ def default_gguf() -> str:
 
 
 def run_pagedllm(a, path: str) -> None:
-    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", "throughput", "--dtype", a.dtype,
-           "--num-prompts", str(a.num_prompts), "--input-len", str(a.input_len), "--output-len", str(a.output_len),
-           "--max-num-seqs", str(a.num_prompts), "--seed", str(a.seed), "--output-json", path, *NO_SPEC]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pagedllm.entrypoints.cli",
+        "bench",
+        "throughput",
+        "--dtype",
+        a.dtype,
+        "--num-prompts",
+        str(a.num_prompts),
+        "--input-len",
+        str(a.input_len),
+        "--output-len",
+        str(a.output_len),
+        "--max-num-seqs",
+        str(a.num_prompts),
+        "--seed",
+        str(a.seed),
+        "--output-json",
+        path,
+        *NO_SPEC,
+    ]
     subprocess.run(cmd, check=True)
 
 
 def run_transformers(a, path: str) -> None:
-    cmd = [sys.executable, "-c", TRANSFORMERS, str(a.num_prompts), str(a.input_len), str(a.output_len), a.dtype,
-           str(a.seed), str(a.hf_batch), path]
+    cmd = [
+        sys.executable,
+        "-c",
+        TRANSFORMERS,
+        str(a.num_prompts),
+        str(a.input_len),
+        str(a.output_len),
+        a.dtype,
+        str(a.seed),
+        str(a.hf_batch),
+        path,
+    ]
     subprocess.run(cmd, check=True)
 
 
 def run_vllm(a, path: str) -> None:
     """vLLM's own `bench throughput` on the same workload shape (its random dataset, ignore_eos)."""
-    subprocess.run(vllm_env(
-        f"$VLLM bench throughput --model $VLLM_MODEL --dtype {a.dtype} --dataset-name random "
-        f"--random-input-len {a.input_len} --random-output-len {a.output_len} --num-prompts {a.num_prompts} "
-        f"--seed {a.seed} --output-json {path}"), check=True)
+    subprocess.run(
+        vllm_env(
+            f"$VLLM bench throughput --model $VLLM_MODEL --dtype {a.dtype} --dataset-name random "
+            f"--random-input-len {a.input_len} --random-output-len {a.output_len} --num-prompts {a.num_prompts} "
+            f"--seed {a.seed} --output-json {path}"
+        ),
+        check=True,
+    )
     with open(path) as f:
         r = json.load(f)
     if r["total_num_tokens"] != a.num_prompts * (a.input_len + a.output_len):
@@ -157,8 +195,9 @@ def one_request(system: str, a, path: str) -> None:
         json.dump(prompts, f)
     venv = "llamacpp-x86-64-v3-venv" if os.environ.get("PAGEDLLM_CPU_TARGET") == "x86-64-v3" else "llamacpp-venv"
     python = sys.executable if system == "pagedllm" else os.path.join(os.environ["ANCHORS"], venv, "bin", "python")
-    subprocess.run([python, "-c", ONE_REQUEST, system, prompts_file, str(a.output_len), a.dtype, path,
-                    default_gguf()], check=True)
+    subprocess.run(
+        [python, "-c", ONE_REQUEST, system, prompts_file, str(a.output_len), a.dtype, path, default_gguf()], check=True
+    )
 
 
 def one_request_vllm(a, path: str) -> None:
@@ -166,15 +205,25 @@ def one_request_vllm(a, path: str) -> None:
     lat = {}
     for out in (1, a.output_len):
         j = path + f".{out}.json"
-        subprocess.run(vllm_env(
-            f"$VLLM bench latency --model $VLLM_MODEL --dtype {a.dtype} --input-len {a.input_len} "
-            f"--output-len {out} --batch-size 1 --num-iters-warmup 2 --num-iters {a.repeat} "
-            f"--output-json {j}"), check=True)
+        subprocess.run(
+            vllm_env(
+                f"$VLLM bench latency --model $VLLM_MODEL --dtype {a.dtype} --input-len {a.input_len} "
+                f"--output-len {out} --batch-size 1 --num-iters-warmup 2 --num-iters {a.repeat} "
+                f"--output-json {j}"
+            ),
+            check=True,
+        )
         with open(j) as f:
             lat[out] = json.load(f)["avg_latency"]
     with open(path, "w") as f:
-        json.dump({"ttft_ms": 1e3 * lat[1], "decode_tok_s": (a.output_len - 1) / (lat[a.output_len] - lat[1]),
-                   "output_tok_s": a.output_len / lat[a.output_len]}, f)
+        json.dump(
+            {
+                "ttft_ms": 1e3 * lat[1],
+                "decode_tok_s": (a.output_len - 1) / (lat[a.output_len] - lat[1]),
+                "output_tok_s": a.output_len / lat[a.output_len],
+            },
+            f,
+        )
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
@@ -198,23 +247,63 @@ def serve(system: str, a, path: str) -> None:
     port = 8700 + (system == "vllm")
     url = f"http://127.0.0.1:{port}"
     if system == "pagedllm":
-        proc = subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(port),
-                                 "--dtype", a.dtype, "--log-level", "warning", *NO_SPEC])
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "pagedllm.entrypoints.cli",
+                "serve",
+                "--port",
+                str(port),
+                "--dtype",
+                a.dtype,
+                "--log-level",
+                "warning",
+                *NO_SPEC,
+            ]
+        )
         extra = []
     else:
-        proc = subprocess.Popen(vllm_env(
-            f"exec $VLLM serve $VLLM_MODEL --host 127.0.0.1 --port {port} --dtype {a.dtype} --max-model-len 2048 "
-            "--served-model-name smollm2"))  # vLLM 0.32 logs no requests by default
+        proc = subprocess.Popen(
+            vllm_env(
+                f"exec $VLLM serve $VLLM_MODEL --host 127.0.0.1 --port {port} --dtype {a.dtype} --max-model-len 2048 "
+                "--served-model-name smollm2"
+            )
+        )  # vLLM 0.32 logs no requests by default
         extra = ["--model", "smollm2", "--tokenizer", os.path.join(os.environ["ANCHORS"], "smollm2-135m-instruct")]
     results = {}
     try:
         wait_ready(url, proc)
         for c in a.concurrency:
             out = f"{path}.{c}.json"
-            subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", "serve", "--base-url", url,
-                            "--dataset-name", "random", "--input-len", str(a.input_len), "--output-len",
-                            str(a.output_len), "--num-prompts", str(max(8, 4 * c)), "--max-concurrency", str(c),
-                            "--seed", str(a.seed), "--save-result", out, "--disable-tqdm", *extra], check=True)
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "pagedllm.entrypoints.cli",
+                    "bench",
+                    "serve",
+                    "--base-url",
+                    url,
+                    "--dataset-name",
+                    "random",
+                    "--input-len",
+                    str(a.input_len),
+                    "--output-len",
+                    str(a.output_len),
+                    "--num-prompts",
+                    str(max(8, 4 * c)),
+                    "--max-concurrency",
+                    str(c),
+                    "--seed",
+                    str(a.seed),
+                    "--save-result",
+                    out,
+                    "--disable-tqdm",
+                    *extra,
+                ],
+                check=True,
+            )
             with open(out) as f:
                 r = json.load(f)
             results[c] = {k: r[k] for k in ("output_throughput", "median_ttft_ms", "median_tpot_ms")}
@@ -244,17 +333,21 @@ def report_one(a, results: dict) -> None:
     ours = results.get("pagedllm")
     for name, r in results.items():
         if ours and name != "pagedllm":
-            print(f"  pagedllm / {name}: TTFT {ours['ttft_ms'] / r['ttft_ms']:.2f}x (lower is better), decode "
-                  f"{ours['decode_tok_s'] / r['decode_tok_s']:.2f}x, output "
-                  f"{ours['output_tok_s'] / r['output_tok_s']:.2f}x")
+            print(
+                f"  pagedllm / {name}: TTFT {ours['ttft_ms'] / r['ttft_ms']:.2f}x (lower is better), decode "
+                f"{ours['decode_tok_s'] / r['decode_tok_s']:.2f}x, output "
+                f"{ours['output_tok_s'] / r['output_tok_s']:.2f}x"
+            )
 
 
 def report_serve(a, results: dict) -> None:
     print(f"served: {a.input_len} in / {a.output_len} out, {a.dtype}")
     for name, r in results.items():
         for c, v in r.items():
-            print(f"  {name:<10} concurrency {c:>3}: {v['output_throughput']:8.1f} output tok/s, TTFT median "
-                  f"{v['median_ttft_ms']:8.1f} ms, TPOT median {v['median_tpot_ms']:6.1f} ms")
+            print(
+                f"  {name:<10} concurrency {c:>3}: {v['output_throughput']:8.1f} output tok/s, TTFT median "
+                f"{v['median_ttft_ms']:8.1f} ms, TPOT median {v['median_tpot_ms']:6.1f} ms"
+            )
     if "pagedllm" in results and "vllm" in results:
         for c in results["pagedllm"]:
             ratio = results["pagedllm"][c]["output_throughput"] / results["vllm"][c]["output_throughput"]

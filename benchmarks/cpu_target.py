@@ -7,6 +7,7 @@ pagedllm's dense paths and for the torch-based anchors (transformers, vLLM) alik
 per class (`LLAMACPP_TARGET=x86-64-v3 setup-llamacpp.sh`). These variables are read when torch loads, so
 `select()` runs before anything imports it.
 """
+
 from __future__ import annotations
 
 import os
@@ -15,16 +16,23 @@ import sys
 TARGETS = ("native", "x86-64-v4", "x86-64-v3", "x86-64")
 CAPS = {
     "x86-64-v3": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
-    "x86-64-v4": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE",
-                  "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
+    "x86-64-v4": {
+        "ATEN_CPU_CAPABILITY": "avx512",
+        "ONEDNN_MAX_CPU_ISA": "AVX512_CORE",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX512",
+    },
     "x86-64": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
 }
 
 
 def add_argument(parser) -> None:
-    parser.add_argument("--cpu-target", default="native", choices=TARGETS,
-                        help="the CPU class to build pagedllm's kernels for and to cap torch/oneDNN/MKL to "
-                             "(x86-64-v3: AVX2 + FMA + F16C, Haswell / Zen 1-3)")
+    parser.add_argument(
+        "--cpu-target",
+        default="native",
+        choices=TARGETS,
+        help="the CPU class to build pagedllm's kernels for and to cap torch/oneDNN/MKL to "
+        "(x86-64-v3: AVX2 + FMA + F16C, Haswell / Zen 1-3)",
+    )
 
 
 def select(argv: list[str] | None = None) -> str:

@@ -10,6 +10,7 @@ time per token to get the allowed-token set as a bitmask (llguidance) or as a bo
 Also what each can express: outlines-core compiles JSON schemas and regexes only (no context-free grammar, so
 no Lark/GBNF `grammar`, and recursive schemas are unrolled to a fixed depth); llguidance takes all of them.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,10 +20,17 @@ import time
 
 import torch
 
-SCHEMA = {"type": "object", "properties": {
-    "name": {"type": "string"}, "age": {"type": "integer"}, "tags": {"type": "array", "items": {"type": "string"}},
-    "city": {"type": "string", "enum": ["Paris", "Seoul", "Lima"]}},
-    "required": ["name", "age", "tags", "city"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "city": {"type": "string", "enum": ["Paris", "Seoul", "Lima"]},
+    },
+    "required": ["name", "age", "tags", "city"],
+    "additionalProperties": False,
+}
 ANSWER = json.dumps({"name": "Ann Lee", "age": 31, "tags": ["a", "bcd"], "city": "Seoul"}, separators=(",", ":"))
 
 
@@ -85,8 +93,10 @@ def main() -> None:
         sys.path.insert(0, a.outlines_site)
         rows["outlines-core"] = outlines_figures(tok)
     for name, r in rows.items():
-        print(f"{name:14s} set-up {r['setup_s']:.2f} s, compile {r['compile_ms']:.1f} ms, "
-              f"mask {r['mask_us']:.0f} us per token")
+        print(
+            f"{name:14s} set-up {r['setup_s']:.2f} s, compile {r['compile_ms']:.1f} ms, "
+            f"mask {r['mask_us']:.0f} us per token"
+        )
 
 
 if __name__ == "__main__":

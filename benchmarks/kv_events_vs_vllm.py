@@ -6,6 +6,7 @@ reads that with pagedllm's decoder.
 
     ANCHORS=$PWD/../anchors-work .venv/bin/python benchmarks/kv_events_vs_vllm.py
 """
+
 from __future__ import annotations
 
 import os
@@ -16,7 +17,7 @@ import textwrap
 
 from pagedllm.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch, encode_batch
 
-VLLM_SIDE = textwrap.dedent('''
+VLLM_SIDE = textwrap.dedent("""
     import sys, msgspec
     from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
     ours, theirs = sys.argv[1:3]
@@ -28,7 +29,7 @@ VLLM_SIDE = textwrap.dedent('''
                     block_size=16, lora_id=None, medium="GPU", lora_name=None),
         BlockRemoved(block_hashes=[b"\\x03" * 32], medium="GPU"), AllBlocksCleared()])
     open(theirs, "wb").write(msgspec.msgpack.Encoder().encode(out))
-''')
+""")
 
 
 def main() -> int:
@@ -36,14 +37,16 @@ def main() -> int:
     if not anchors:
         print("set ANCHORS to the folder with vllm-venv (../shared/anchors/README.md)", file=sys.stderr)
         return 2
-    events = [BlockStored([b"\x01" * 32, b"\x02" * 32], None, list(range(32)), 16, "CPU"),
-              BlockRemoved([b"\x01" * 32], "CPU"), AllBlocksCleared()]
+    events = [
+        BlockStored([b"\x01" * 32, b"\x02" * 32], None, list(range(32)), 16, "CPU"),
+        BlockRemoved([b"\x01" * 32], "CPU"),
+        AllBlocksCleared(),
+    ]
     with tempfile.TemporaryDirectory() as tmp:
         ours, theirs = os.path.join(tmp, "ours.bin"), os.path.join(tmp, "theirs.bin")
         with open(ours, "wb") as f:
             f.write(encode_batch(events, ts=1.5))
-        subprocess.run([os.path.join(anchors, "vllm-venv", "bin", "python"), "-c", VLLM_SIDE, ours, theirs],
-                       check=True)
+        subprocess.run([os.path.join(anchors, "vllm-venv", "bin", "python"), "-c", VLLM_SIDE, ours, theirs], check=True)
         with open(theirs, "rb") as f:
             ts, back = decode_batch(f.read())
     print("pagedllm read:", ts, back)

@@ -14,6 +14,7 @@ output tokens: TTFT is that prompt's prefill (or its cache hit). Rows, each on a
 Figures: prefix-cache hit rate (tokens served from the cache / prompt tokens), disk hits, mean TTFT; and the
 ratios the issue's targets name. Every row's answers must equal the RAM-only row's.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,10 @@ from pagedllm.engine import EngineConfig, LLMEngine
 from pagedllm.model.loader import load_model
 from pagedllm.rag.corpus import default_corpus
 
-INSTRUCTION = ("You answer questions about the Python language reference. Use only the passage below; if it does "
-               "not hold the answer, say so.\n\n")
+INSTRUCTION = (
+    "You answer questions about the Python language reference. Use only the passage below; if it does "
+    "not hold the answer, say so.\n\n"
+)
 QUESTIONS = ["What is this passage about?", "Give one example from the passage.", "What should a beginner note?"]
 
 
@@ -36,8 +39,11 @@ def workload(tokenizer, docs: int, doc_tokens: int, questions: int) -> list[list
     """One pass: every passage asked `questions` questions, passages round-robin."""
     corpus = sorted(default_corpus(), key=lambda d: -len(d.text))[:docs]
     passages = [tokenizer.decode(tokenizer.encode(d.text)[:doc_tokens]) for d in corpus]
-    return [tokenizer.encode(f"{INSTRUCTION}Passage:\n{p}\n\nQuestion: {QUESTIONS[q % len(QUESTIONS)]}\nAnswer:")
-            for q in range(questions) for p in passages]
+    return [
+        tokenizer.encode(f"{INSTRUCTION}Passage:\n{p}\n\nQuestion: {QUESTIONS[q % len(QUESTIONS)]}\nAnswer:")
+        for q in range(questions)
+        for p in passages
+    ]
 
 
 def run_pass(engine: LLMEngine, prompts: list[list[int]]) -> dict:
@@ -58,16 +64,26 @@ def run_pass(engine: LLMEngine, prompts: list[list[int]]) -> dict:
                     answers.append(out.outputs[0].token_ids)
         ttfts.append(first)
     s1 = engine.stats()
-    return {"ttfts": ttfts, "answers": answers, "queries": s1.prefix_cache_queries - s0.prefix_cache_queries,
-            "hits": s1.prefix_cache_hits - s0.prefix_cache_hits,
-            "disk_hits": s1.prefix_cache_disk_hits - s0.prefix_cache_disk_hits}
+    return {
+        "ttfts": ttfts,
+        "answers": answers,
+        "queries": s1.prefix_cache_queries - s0.prefix_cache_queries,
+        "hits": s1.prefix_cache_hits - s0.prefix_cache_hits,
+        "disk_hits": s1.prefix_cache_disk_hits - s0.prefix_cache_disk_hits,
+    }
 
 
 def summary(name: str, passes: list[dict]) -> dict:
     q, h, d = (sum(p[k] for p in passes) for k in ("queries", "hits", "disk_hits"))
     ttfts = [t for p in passes for t in p["ttfts"]]
-    return {"row": name, "requests": len(ttfts), "hit_rate": h / q, "disk_hit_rate": d / q,
-            "mean_ttft_ms": 1000 * statistics.mean(ttfts), "answers": [a for p in passes for a in p["answers"]]}
+    return {
+        "row": name,
+        "requests": len(ttfts),
+        "hit_rate": h / q,
+        "disk_hit_rate": d / q,
+        "mean_ttft_ms": 1000 * statistics.mean(ttfts),
+        "answers": [a for p in passes for a in p["answers"]],
+    }
 
 
 def main() -> None:
@@ -86,11 +102,21 @@ def main() -> None:
     del probe
 
     def engine(tier: str | None) -> LLMEngine:
-        return LLMEngine(EngineConfig(kv_cache_memory=pool, max_model_len=2048, log_stats_interval=0,
-                                      speculative_config=None, kv_offload_dir=tier), loaded)
+        return LLMEngine(
+            EngineConfig(
+                kv_cache_memory=pool,
+                max_model_len=2048,
+                log_stats_interval=0,
+                speculative_config=None,
+                kv_offload_dir=tier,
+            ),
+            loaded,
+        )
 
-    print(f"{len(prompts)} requests a pass, prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
-          f"RAM pool {args.pool_tokens} tokens ({pool / 2**20:.1f} MiB), {args.passes} passes")
+    print(
+        f"{len(prompts)} requests a pass, prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
+        f"RAM pool {args.pool_tokens} tokens ({pool / 2**20:.1f} MiB), {args.passes} passes"
+    )
     tier = tempfile.mkdtemp(prefix="pagedllm-kv-offload-")
     try:
         ram_engine = engine(None)
@@ -101,15 +127,23 @@ def main() -> None:
         restart = [run_pass(engine(tier), prompts)]
     finally:
         shutil.rmtree(tier, ignore_errors=True)
-    rows = [summary("RAM only", ram), summary("disk tier", disk), summary("cold server, pass 1", ram[:1]),
-            summary("restart on the tier, pass 1", restart)]
+    rows = [
+        summary("RAM only", ram),
+        summary("disk tier", disk),
+        summary("cold server, pass 1", ram[:1]),
+        summary("restart on the tier, pass 1", restart),
+    ]
     print("| row | requests | prefix hit rate | of it from disk | mean TTFT ms |\n|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['row']} | {r['requests']} | {r['hit_rate']:.1%} | {r['disk_hit_rate']:.1%} | "
-              f"{r['mean_ttft_ms']:.1f} |")
-    print(f"disk tier vs RAM only: hit rate x{rows[1]['hit_rate'] / rows[0]['hit_rate']:.2f}, mean TTFT "
-          f"x{rows[1]['mean_ttft_ms'] / rows[0]['mean_ttft_ms']:.2f}; restart vs cold, first pass: mean TTFT "
-          f"x{rows[3]['mean_ttft_ms'] / rows[2]['mean_ttft_ms']:.2f}")
+        print(
+            f"| {r['row']} | {r['requests']} | {r['hit_rate']:.1%} | {r['disk_hit_rate']:.1%} | "
+            f"{r['mean_ttft_ms']:.1f} |"
+        )
+    print(
+        f"disk tier vs RAM only: hit rate x{rows[1]['hit_rate'] / rows[0]['hit_rate']:.2f}, mean TTFT "
+        f"x{rows[1]['mean_ttft_ms'] / rows[0]['mean_ttft_ms']:.2f}; restart vs cold, first pass: mean TTFT "
+        f"x{rows[3]['mean_ttft_ms'] / rows[2]['mean_ttft_ms']:.2f}"
+    )
     same = rows[1]["answers"] == rows[0]["answers"] and rows[3]["answers"] == rows[2]["answers"]
     print("answers equal the RAM-only engine's:", "yes" if same else "NO")
 

@@ -8,6 +8,7 @@ One `pagedllm serve` (engine defaults) serves every run; the modes alternate wit
 order, so a drift of this shared machine spreads over all of them. Prints each run's output tokens/s, the median
 per mode and its ratio to nobody watching, and the data route's latency and size as the poller saw them.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -84,11 +85,35 @@ def bench(base: str, args: argparse.Namespace) -> float:
     """One `pagedllm bench serve` run; its output tokens/s."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "r.json")
-        subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", "serve", "--base-url", base,
-                        "--dataset-name", "random", "--input-len", str(args.input_len), "--output-len",
-                        str(args.output_len), "--num-prompts", str(args.num_prompts), "--max-concurrency",
-                        str(args.max_concurrency), "--seed", "0", "--disable-tqdm", "--save-result", out],
-                       check=True, stdout=subprocess.DEVNULL, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pagedllm.entrypoints.cli",
+                "bench",
+                "serve",
+                "--base-url",
+                base,
+                "--dataset-name",
+                "random",
+                "--input-len",
+                str(args.input_len),
+                "--output-len",
+                str(args.output_len),
+                "--num-prompts",
+                str(args.num_prompts),
+                "--max-concurrency",
+                str(args.max_concurrency),
+                "--seed",
+                "0",
+                "--disable-tqdm",
+                "--save-result",
+                out,
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        )
         with open(out) as f:
             return json.load(f)["output_throughput"]
 
@@ -97,7 +122,7 @@ def run_rounds(base: str, args: argparse.Namespace) -> tuple[dict[str, list[floa
     results: dict[str, list[float]] = {m: [] for m in args.modes}
     last_poller = None
     for r in range(args.rounds):
-        order = args.modes[r % len(args.modes):] + args.modes[:r % len(args.modes)]
+        order = args.modes[r % len(args.modes) :] + args.modes[: r % len(args.modes)]
         for mode in order:
             if mode == "none":
                 tps = bench(base, args)
@@ -144,8 +169,10 @@ def main() -> None:
         print(f"{mode:>7}: median {med:6.1f} output tok/s over {values}{ratio}")
     if poller is not None and poller.latencies:
         lat = sorted(poller.latencies)
-        print(f"GET /v1/kv/blocks: {len(lat)} calls, p50 {1000 * lat[len(lat) // 2]:.1f} ms, max "
-              f"{1000 * lat[-1]:.1f} ms, {statistics.median(poller.sizes) / 1024:.0f} KiB")
+        print(
+            f"GET /v1/kv/blocks: {len(lat)} calls, p50 {1000 * lat[len(lat) // 2]:.1f} ms, max "
+            f"{1000 * lat[-1]:.1f} ms, {statistics.median(poller.sizes) / 1024:.0f} KiB"
+        )
     print(f"load average after: {os.getloadavg()}")
 
 

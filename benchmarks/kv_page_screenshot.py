@@ -7,29 +7,39 @@ Starts `pagedllm serve` with the given flags, sends `--requests` completions who
 paged server shows shared blocks; a contiguous one shares nothing and shows its reserved lockers), opens the page
 in headless Chromium, waits until they all run, lets them generate for `--settle` seconds and saves the screenshot.
 """
+
 from __future__ import annotations
 
 import argparse
 import os
 import sys
-from pathlib import Path
 import threading
 import time
+from pathlib import Path
 
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kv_page_cost import start_server  # noqa: E402
 
-PREFIX = ("The library gives every visitor a locker. A whole locker for a small bag wastes the wall, so the "
-          "librarian hands out small shelves one at a time. ")
+PREFIX = (
+    "The library gives every visitor a locker. A whole locker for a small bag wastes the wall, so the "
+    "librarian hands out small shelves one at a time. "
+)
 
 
 def send(base: str, n: int, max_tokens: int) -> list[threading.Thread]:
     def one(i: int) -> None:
-        httpx.post(f"{base}/v1/completions", timeout=600, json={
-            "prompt": PREFIX + f"Visitor {i} asks: " + "why? " * (3 * i + 1), "max_tokens": max_tokens,
-            "ignore_eos": True, "temperature": 0})
+        httpx.post(
+            f"{base}/v1/completions",
+            timeout=600,
+            json={
+                "prompt": PREFIX + f"Visitor {i} asks: " + "why? " * (3 * i + 1),
+                "max_tokens": max_tokens,
+                "ignore_eos": True,
+                "temperature": 0,
+            },
+        )
 
     threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n)]
     for t in threads:

@@ -16,6 +16,7 @@ q8_0 caches (type_k / type_v; a q8_0 V cache needs flash attention, so both runs
 Then decode speed at a long context: one sequence with `--decode-context` cached tokens, `--decode-steps` decode
 steps timed per dtype, interleaved, best of three rounds.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,12 @@ DTYPES = {"float32": torch.float32, **{k: v for k, v in QUANT_KV_DTYPES.items() 
 
 def passages(tokenizer, count: int, tokens: int) -> list[list[int]]:
     docs = [tokenizer.encode(d.text) for d in sorted(default_corpus(), key=lambda d: -len(d.text))]
-    windows = [ids[k * tokens:(k + 1) * tokens] for k in range(max(map(len, docs)) // tokens) for ids in docs
-               if len(ids) >= (k + 1) * tokens]
+    windows = [
+        ids[k * tokens : (k + 1) * tokens]
+        for k in range(max(map(len, docs)) // tokens)
+        for ids in docs
+        if len(ids) >= (k + 1) * tokens
+    ]
     return windows[:count]
 
 
@@ -48,8 +53,9 @@ def all_logits(loaded, kv_dtype: torch.dtype, ids: list[int], chunk: int = 512) 
     blocks = -(-len(ids) // 16)
     runner = ModelRunner(loaded, blocks, 16, kv_dtype)
     table = list(range(blocks))
-    return torch.cat([runner.execute_all([SeqChunk(ids[s:s + chunk], s, table)])[0]
-                      for s in range(0, len(ids), chunk)])
+    return torch.cat(
+        [runner.execute_all([SeqChunk(ids[s : s + chunk], s, table)])[0] for s in range(0, len(ids), chunk)]
+    )
 
 
 NEAR_TIE = 0.05  # nats between the reference's top two next tokens
@@ -75,9 +81,15 @@ class Tally:
 
     def row(self, name: str, ref_ppl: float) -> dict:
         ppl = float(torch.tensor(self.nll / self.n).exp())
-        return {"cache": name, "mean_kl": self.kl / self.n, "ppl": ppl, "ppl_change": ppl / ref_ppl - 1,
-                "top1_agreement": self.agree / self.n, "positions": self.n,
-                "near_tie_share": self.near_ties / max(1, self.n - self.agree)}
+        return {
+            "cache": name,
+            "mean_kl": self.kl / self.n,
+            "ppl": ppl,
+            "ppl_change": ppl / ref_ppl - 1,
+            "top1_agreement": self.agree / self.n,
+            "positions": self.n,
+            "near_tie_share": self.near_ties / max(1, self.n - self.agree),
+        }
 
 
 def accuracy(loaded, texts: list[list[int]]) -> list[dict]:
@@ -127,8 +139,9 @@ def llamacpp(gguf: str, texts: list[list[int]]) -> dict | None:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(texts, f)
     try:
-        out = subprocess.run([LLAMACPP_PY, "-c", LLAMACPP_SCRIPT, gguf, f.name], capture_output=True, text=True,
-                             timeout=3600)
+        out = subprocess.run(
+            [LLAMACPP_PY, "-c", LLAMACPP_SCRIPT, gguf, f.name], capture_output=True, text=True, timeout=3600
+        )
     finally:
         os.unlink(f.name)
     if out.returncode != 0:
@@ -141,18 +154,21 @@ def decode_speed(loaded, context: int, steps: int) -> dict[str, float]:
     """Seconds per decode step at `context` cached tokens, per dtype, best of three interleaved rounds."""
     blocks = -(-(context + steps + 1) // 16)
     ids = [(i * 7919) % 20000 + 300 for i in range(context + steps)]
-    runners = {name: ModelRunner(loaded, blocks, 16, dtype) for name, dtype in DTYPES.items()
-               if name in ("float32", "int8", "fp8_e4m3")}
+    runners = {
+        name: ModelRunner(loaded, blocks, 16, dtype)
+        for name, dtype in DTYPES.items()
+        if name in ("float32", "int8", "fp8_e4m3")
+    }
     table = list(range(blocks))
     for runner in runners.values():
         for s in range(0, context, 512):
-            runner.execute([SeqChunk(ids[s:min(s + 512, context)], s, table)])
+            runner.execute([SeqChunk(ids[s : min(s + 512, context)], s, table)])
     best = {name: float("inf") for name in runners}
     for _ in range(3):
         for name, runner in runners.items():
             t0 = time.perf_counter()
             for k in range(steps):
-                runner.execute([SeqChunk(ids[context + k:context + k + 1], context + k, table)])
+                runner.execute([SeqChunk(ids[context + k : context + k + 1], context + k, table)])
             best[name] = min(best[name], (time.perf_counter() - t0) / steps)
     return best
 
@@ -168,19 +184,27 @@ def main() -> None:
     loaded = load_model(None, "float32")
     texts = passages(loaded.tokenizer, args.passages, args.tokens)
     print(f"{len(texts)} passages x {args.tokens} tokens, float32 activations, {torch.get_num_threads()} threads")
-    print(f"| KV cache | mean KL (nats) | perplexity | change | greedy top-1 agreement | disagreements at a "
-          f"near-tie (< {NEAR_TIE} nats) |\n|---|---|---|---|---|---|")
+    print(
+        f"| KV cache | mean KL (nats) | perplexity | change | greedy top-1 agreement | disagreements at a "
+        f"near-tie (< {NEAR_TIE} nats) |\n|---|---|---|---|---|---|"
+    )
     for r in accuracy(loaded, texts):
-        print(f"| pagedllm {r['cache']} | {r['mean_kl']:.2e} | {r['ppl']:.3f} | {r['ppl_change']:+.2%} | "
-              f"{r['top1_agreement']:.2%} | {r['near_tie_share']:.0%} |")
+        print(
+            f"| pagedllm {r['cache']} | {r['mean_kl']:.2e} | {r['ppl']:.3f} | {r['ppl_change']:+.2%} | "
+            f"{r['top1_agreement']:.2%} | {r['near_tie_share']:.0%} |"
+        )
     q8 = None if args.no_llamacpp else llamacpp(loaded.path, texts)
     if q8 is not None:
         print(f"| llama.cpp f32 | 0 | {q8['ppl_f32']:.3f} | | |")
-        print(f"| llama.cpp q8_0 | {q8['mean_kl']:.2e} | {q8['ppl_q8_0']:.3f} | "
-              f"{q8['ppl_q8_0'] / q8['ppl_f32'] - 1:+.2%} | {q8['top1_agreement']:.2%} |")
+        print(
+            f"| llama.cpp q8_0 | {q8['mean_kl']:.2e} | {q8['ppl_q8_0']:.3f} | "
+            f"{q8['ppl_q8_0'] / q8['ppl_f32'] - 1:+.2%} | {q8['top1_agreement']:.2%} |"
+        )
     speed = decode_speed(loaded, args.decode_context, args.decode_steps)
-    print(f"\ndecode at a {args.decode_context}-token context, one sequence, ms per step (best of 3): " + ", ".join(
-        f"{name} {1000 * s:.2f} ({speed['float32'] / s:.2f}x float32's speed)" for name, s in speed.items()))
+    print(
+        f"\ndecode at a {args.decode_context}-token context, one sequence, ms per step (best of 3): "
+        + ", ".join(f"{name} {1000 * s:.2f} ({speed['float32'] / s:.2f}x float32's speed)" for name, s in speed.items())
+    )
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ benchmark's. Variant names: kv / k / v (what is quantized), g32 / g64 (values pe
 first, as model/kv_quant.py does), rhad (random signs, then Hadamard), clip90 (scale 0.9 x amax / 127),
 f32scale (an exact scale instead of one rounded up to a bfloat16).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,14 @@ def hadamard(d: int) -> torch.Tensor:
     return h / math.sqrt(d)
 
 
-def fake(x: torch.Tensor, group: int, dtype: torch.dtype = torch.int8, rot: torch.Tensor | None = None,
-         clip: float = 1.0, bf16_scale: bool = True) -> torch.Tensor:
+def fake(
+    x: torch.Tensor,
+    group: int,
+    dtype: torch.dtype = torch.int8,
+    rot: torch.Tensor | None = None,
+    clip: float = 1.0,
+    bf16_scale: bool = True,
+) -> torch.Tensor:
     """x quantized to `dtype` codes with a scale per `group` values (amax x clip / the format's top, rounded up
     to a bfloat16 unless not bf16_scale), then dequantized; rotated by `rot` first and back after."""
     top = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}[dtype]
@@ -95,8 +102,9 @@ def logits(loaded, ids: list[int], chunk: int = 512) -> torch.Tensor:
     blocks = -(-len(ids) // 16)
     runner = ModelRunner(loaded, blocks, 16, torch.float32, fused=False)
     table = list(range(blocks))
-    return torch.cat([runner.execute_all([SeqChunk(ids[s:s + chunk], s, table)])[0]
-                      for s in range(0, len(ids), chunk)])
+    return torch.cat(
+        [runner.execute_all([SeqChunk(ids[s : s + chunk], s, table)])[0] for s in range(0, len(ids), chunk)]
+    )
 
 
 def main() -> None:
@@ -126,12 +134,17 @@ def main() -> None:
             s["n"] += len(ref)
             s["margins"] += margin[differ].tolist()
         print(f"passage {i + 1}/{len(texts)}", file=sys.stderr, flush=True)
-    print(f"{len(texts)} passages x {args.tokens} tokens\n| variant | mean KL | top-1 agreement | disagreements | "
-          "margin < 0.01 | < 0.05 | < 0.1 nats |\n|---|---|---|---|---|---|---|")
+    print(
+        f"{len(texts)} passages x {args.tokens} tokens\n| variant | mean KL | top-1 agreement | disagreements | "
+        "margin < 0.01 | < 0.05 | < 0.1 nats |\n|---|---|---|---|---|---|---|"
+    )
     for name, s in stats.items():
         m = torch.tensor(s["margins"] or [1.0])
-        print(f"| {name} | {s['kl'] / s['n']:.2e} | {s['agree'] / s['n']:.2%} | {len(s['margins'])} | "
-              + " | ".join(f"{(m < t).float().mean():.0%}" for t in (0.01, 0.05, 0.1)) + " |")
+        print(
+            f"| {name} | {s['kl'] / s['n']:.2e} | {s['agree'] / s['n']:.2%} | {len(s['margins'])} | "
+            + " | ".join(f"{(m < t).float().mean():.0%}" for t in (0.01, 0.05, 0.1))
+            + " |"
+        )
 
 
 if __name__ == "__main__":

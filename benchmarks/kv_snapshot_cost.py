@@ -9,13 +9,14 @@ a 1,000-token prefix, some finished so that their blocks stay cached in the free
   thread is the time x 2;
 - `block_map` + `json.dumps`: the part that runs on the server's event loop.
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
-import time
 import sys
+import time
 from pathlib import Path
 
 from pagedllm.engine.block_map import block_map
@@ -38,9 +39,11 @@ def timed(fn, repeat: int) -> tuple[float, float, object]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--pools", default="2912,5825,100000",
-                   help="pool sizes in blocks (2,912 / 5,825: the default 2 GiB cache of SmolLM2-135M in float32 / "
-                        "bfloat16)")
+    p.add_argument(
+        "--pools",
+        default="2912,5825,100000",
+        help="pool sizes in blocks (2,912 / 5,825: the default 2 GiB cache of SmolLM2-135M in float32 / bfloat16)",
+    )
     p.add_argument("--repeat", type=int, default=10)
     args = p.parse_args()
     for num_blocks in (int(x) for x in args.pools.split(",")):
@@ -51,11 +54,13 @@ def main() -> None:
         map_best, map_med, m = timed(lambda: block_map(snap), args.repeat)
         json_best, json_med, body = timed(lambda: json.dumps(m, separators=(",", ":")), args.repeat)
         c = m["counters"]
-        print(f"{num_blocks:>7,} blocks ({c['num_used_blocks']:,} held, {c['num_shared_blocks']:,} shared, "
-              f"{c['num_evictable_blocks']:,} cached-free; {m['map']['blocks_per_cell']} per cell), best / median "
-              f"ms: snapshot {1000 * snap_best:.1f} / {1000 * snap_med:.1f} on the engine thread "
-              f"({200 * snap_best:.1f}% of it at 2 polls/s); layout {1000 * map_best:.1f} / {1000 * map_med:.1f} + "
-              f"JSON {1000 * json_best:.1f} / {1000 * json_med:.1f} on the event loop; {len(body) / 1024:.0f} KiB")
+        print(
+            f"{num_blocks:>7,} blocks ({c['num_used_blocks']:,} held, {c['num_shared_blocks']:,} shared, "
+            f"{c['num_evictable_blocks']:,} cached-free; {m['map']['blocks_per_cell']} per cell), best / median "
+            f"ms: snapshot {1000 * snap_best:.1f} / {1000 * snap_med:.1f} on the engine thread "
+            f"({200 * snap_best:.1f}% of it at 2 polls/s); layout {1000 * map_best:.1f} / {1000 * map_med:.1f} + "
+            f"JSON {1000 * json_best:.1f} / {1000 * json_med:.1f} on the event loop; {len(body) / 1024:.0f} KiB"
+        )
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ count comes from.
     .venv/bin/python benchmarks/linear_kernels.py --rows 1,64 --kernels q-f32,dense-f32 --repeat 5
     .venv/bin/python benchmarks/linear_kernels.py --cpu-target x86-64-v3   # the AVX2 class, on any newer x86
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,8 +61,7 @@ def cpu_line() -> str:
     lib, target = cpu_kernel.load(), cpu_kernel.cpu_target()
     build = f"kernels: {target} build ({cpu_kernel.isa(lib)['matmul'] if lib else 'none'})"
     capped = f", torch capped to {os.environ['ATEN_CPU_CAPABILITY']}" if "ATEN_CPU_CAPABILITY" in os.environ else ""
-    return (f"{name}; {' '.join(k for k in keys if k in flags)}; {torch.get_num_threads()} threads; "
-            f"{build}{capped}")
+    return f"{name}; {' '.join(k for k in keys if k in flags)}; {torch.get_num_threads()} threads; {build}{capped}"
 
 
 def quant_weights(loaded) -> dict[str, list[QuantWeight]]:
@@ -156,8 +156,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="GGUF file (default: the default model)")
     p.add_argument("--rows", default="1,4,8,16,64,256")
-    p.add_argument("--kernels", default="q-f32,dense-f32,int4pack-f32,int8pack-f32,q-amx,dense-bf16,"
-                   "int4pack-bf16,int8pack-bf16")
+    p.add_argument(
+        "--kernels", default="q-f32,dense-f32,int4pack-f32,int8pack-f32,q-amx,dense-bf16,int4pack-bf16,int8pack-bf16"
+    )
     p.add_argument("--repeat", type=int, default=5)
     cpu_target.add_argument(p)
     a = p.parse_args()
@@ -179,17 +180,26 @@ def main() -> int:
             ms = time_steps(fns, dtype, r, k_of, a.repeat)
             totals[(name, r)] = sum(ms.values())
             gbs = f"{nbytes / totals[(name, r)] / 1e6:>7.1f} GB/s" if r == 1 else ""
-            print(f"{name:<15}{nbytes / 1e6:>6.0f}{r:>5}" + "".join(f"{ms[s]:>9.2f}" for s in SHAPES)
-                  + f"{totals[(name, r)]:>9.2f}{gbs}", flush=True)
+            print(
+                f"{name:<15}{nbytes / 1e6:>6.0f}{r:>5}"
+                + "".join(f"{ms[s]:>9.2f}" for s in SHAPES)
+                + f"{totals[(name, r)]:>9.2f}{gbs}",
+                flush=True,
+            )
         del fns
     print("\nfastest per activation dtype and rows (ms per step):")
     for dt in ("f32", "bf16"):
         for r in rows:
-            cands = {k: v for (k, rr), v in totals.items() if rr == r and (k.endswith(dt) or (dt == "bf16" and k == "q-amx"))}
+            cands = {
+                k: v for (k, rr), v in totals.items() if rr == r and (k.endswith(dt) or (dt == "bf16" and k == "q-amx"))
+            }
             if cands:
                 best = min(cands, key=cands.get)
-                print(f"  {dt:<5}{r:>5} rows: {best} {cands[best]:.2f}  (" +
-                      ", ".join(f"{k} {v:.2f}" for k, v in sorted(cands.items(), key=lambda kv: kv[1])) + ")")
+                print(
+                    f"  {dt:<5}{r:>5} rows: {best} {cands[best]:.2f}  ("
+                    + ", ".join(f"{k} {v:.2f}" for k, v in sorted(cands.items(), key=lambda kv: kv[1]))
+                    + ")"
+                )
     return 0
 
 

@@ -26,7 +26,7 @@ def bench(dtype: str, seqs: int, ctx: int, prefill: int, iters: int, block_size:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, loaded.config.vocab_size, (seqs, ctx), generator=g).tolist()
     order = torch.randperm(runner.num_blocks, generator=g).tolist()
-    tables = [order[i * per_seq:(i + 1) * per_seq] for i in range(seqs)]
+    tables = [order[i * per_seq : (i + 1) * per_seq] for i in range(seqs)]
     # fill the contexts (prefill in groups of 8 sequences)
     for i in range(0, seqs, 8):
         runner.execute([SeqChunk(ids[j], 0, tables[j]) for j in range(i, min(seqs, i + 8))])
@@ -38,15 +38,18 @@ def bench(dtype: str, seqs: int, ctx: int, prefill: int, iters: int, block_size:
         times.append(time.perf_counter() - t)
     dec = statistics.median(times[1:] if len(times) > 2 else times)
     ptimes = []
-    table = order[seqs * per_seq:seqs * per_seq + -(-prefill // block_size)]
+    table = order[seqs * per_seq : seqs * per_seq + -(-prefill // block_size)]
     p_ids = torch.randint(3, loaded.config.vocab_size, (prefill,), generator=g).tolist()
     for _ in range(max(3, iters // 3)):
         t = time.perf_counter()
         runner.execute([SeqChunk(p_ids, 0, table)])
         ptimes.append(time.perf_counter() - t)
     pre = statistics.median(ptimes[1:])
-    print(f"{dtype:9s} decode {seqs} seqs @ ~{ctx} ctx: {dec * 1e3:7.1f} ms/step = {seqs / dec:7.0f} tok/s | "
-          f"prefill {prefill} tokens: {pre * 1e3:7.1f} ms = {prefill / pre:7.0f} tok/s", flush=True)
+    print(
+        f"{dtype:9s} decode {seqs} seqs @ ~{ctx} ctx: {dec * 1e3:7.1f} ms/step = {seqs / dec:7.0f} tok/s | "
+        f"prefill {prefill} tokens: {pre * 1e3:7.1f} ms = {prefill / pre:7.0f} tok/s",
+        flush=True,
+    )
 
 
 def main() -> None:

@@ -8,13 +8,14 @@ tries). Whatever an engine does about memory, batching or scheduling, it cannot 
 Printing the floor next to measured figures says how much headroom is left and whether a target is physical.
 
     .venv/bin/python benchmarks/roofline.py                       # 64 x 256 in / 128 out, float32
-    .venv/bin/python benchmarks/roofline.py --compare results.json  # also: measured tok/s from compare_throughput.py --out
+    .venv/bin/python benchmarks/roofline.py --compare results.json  # with compare_throughput.py --out tok/s
     .venv/bin/python benchmarks/roofline.py --bandwidth               # only the read bandwidth (GB/s, all threads)
 
 A one-sequence decode step reads every weight once, so its matmuls cannot beat (weight bytes) / (read bandwidth);
 `read_bandwidth_gbs` measures that bandwidth as a sum over a buffer far larger than the caches (the fastest of
 several passes, every thread), and step_profile.py / linear_kernels.py report the matmuls' GB/s against it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,12 @@ from pagedllm.model.cpu_linear import linear, pack
 def matmul_shapes(cfg) -> list[tuple[int, int]]:
     """(out, in) of each matmul in one decoder layer: merged qkv, o, merged gate/up, down."""
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    return [(q + 2 * kv, cfg.hidden_size), (cfg.hidden_size, q), (2 * cfg.intermediate_size, cfg.hidden_size),
-            (cfg.hidden_size, cfg.intermediate_size)]
+    return [
+        (q + 2 * kv, cfg.hidden_size),
+        (cfg.hidden_size, q),
+        (2 * cfg.intermediate_size, cfg.hidden_size),
+        (cfg.hidden_size, cfg.intermediate_size),
+    ]
 
 
 def workload_flops(cfg, n: int, inp: int, out: int) -> dict[str, float]:
@@ -99,8 +104,10 @@ def main() -> int:
     floor_s = total / (gflops * 1e9)
     n_out = a.num_prompts * a.output_len
     ceiling = n_out / floor_s
-    print(f"workload: {a.num_prompts} x {a.input_len} in / {a.output_len} out, {a.dtype}, "
-          f"{torch.get_num_threads()} threads")
+    print(
+        f"workload: {a.num_prompts} x {a.input_len} in / {a.output_len} out, {a.dtype}, "
+        f"{torch.get_num_threads()} threads"
+    )
     for k, v in flops.items():
         print(f"  {k:<10}{v / 1e12:8.2f} TFLOP")
     print(f"  {'total':<10}{total / 1e12:8.2f} TFLOP")

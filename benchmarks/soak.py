@@ -6,6 +6,7 @@ Without --base-url it starts `pagedllm serve` itself (default model, small limit
 --max-waiting-requests). Prints requests, outcomes by kind, p50/p99 latency of completed requests, the server's
 RSS at the start and after every minute, and the KV blocks still held once the load stopped (must be 0).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,25 +25,50 @@ from pagedllm.bench.server_process import free_port, serve
 
 WORDS = "the a cat dog sat ran on under mat tree Paris river is was of and but quickly slowly".split()
 BAD_BODIES = [
-    b'{"prompt": "a\\ud800b", "max_tokens": 2}', b'{"prompt": ' + b"[" * 50_000 + b"]" * 50_000 + b"}",
-    b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}", b'{"prompt": "hi", "temperature": Infinity}',
-    b'{"prompt": [true, false]}', b'{"prompt": "hi", "best_of": 5}', b'{"prompt": "hi", "logit_bias": {"abc": 5}}',
-    b'{"prompt": "hi", "top_k": 1180591620717411303424}', b'{"prompt": "hi", "n": 1000}', b'{"prompt": "hi",',
-    b'{"messages": [{"role": "wizard", "content": "hi"}]}', b"[1, 2, 3]",
+    b'{"prompt": "a\\ud800b", "max_tokens": 2}',
+    b'{"prompt": ' + b"[" * 50_000 + b"]" * 50_000 + b"}",
+    b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}",
+    b'{"prompt": "hi", "temperature": Infinity}',
+    b'{"prompt": [true, false]}',
+    b'{"prompt": "hi", "best_of": 5}',
+    b'{"prompt": "hi", "logit_bias": {"abc": 5}}',
+    b'{"prompt": "hi", "top_k": 1180591620717411303424}',
+    b'{"prompt": "hi", "n": 1000}',
+    b'{"prompt": "hi",',
+    b'{"messages": [{"role": "wizard", "content": "hi"}]}',
+    b"[1, 2, 3]",
 ]
 
 
 def _server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    proc = serve(port, "--api-key", args.api_key, "--max-num-seqs", "8", "--max-waiting-requests", "8",
-                 "--max-model-len", "1024", "--kv-cache-memory", "64MiB", "--log-level", "warning")
+    proc = serve(
+        port,
+        "--api-key",
+        args.api_key,
+        "--max-num-seqs",
+        "8",
+        "--max-waiting-requests",
+        "8",
+        "--max-model-len",
+        "1024",
+        "--kv-cache-memory",
+        "64MiB",
+        "--log-level",
+        "warning",
+    )
     return proc, f"http://127.0.0.1:{port}"
 
 
 def _body(rng: random.Random) -> tuple[str, dict]:
     prompt = " ".join(rng.choices(WORDS, k=rng.randint(3, 200)))
-    body = {"max_tokens": rng.randint(1, 32), "temperature": rng.choice([0, 0.7, 1.0]), "seed": rng.randint(0, 99),
-            "n": rng.choice([1, 1, 1, 2]), "stream": rng.random() < 0.5}
+    body = {
+        "max_tokens": rng.randint(1, 32),
+        "temperature": rng.choice([0, 0.7, 1.0]),
+        "seed": rng.randint(0, 99),
+        "n": rng.choice([1, 1, 1, 2]),
+        "stream": rng.random() < 0.5,
+    }
     if rng.random() < 0.3:
         body["stop"] = rng.sample(WORDS, 2)
     if rng.random() < 0.5:
@@ -50,8 +76,9 @@ def _body(rng: random.Random) -> tuple[str, dict]:
     return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": prompt}]}
 
 
-async def _one(client: httpx.AsyncClient, rng: random.Random, stats: Counter, latencies: list[float],
-               bad_share: float) -> None:
+async def _one(
+    client: httpx.AsyncClient, rng: random.Random, stats: Counter, latencies: list[float], bad_share: float
+) -> None:
     """One request of a random kind; its outcome counted as kind:status (or kind:ExceptionName)."""
     kind = rng.choices(["normal", "cut", "bad"], weights=[0.8 * (1 - bad_share), 0.2 * (1 - bad_share), bad_share])[0]
     t0 = time.perf_counter()
@@ -88,14 +115,23 @@ async def _rss_every(server: psutil.Process | None, seconds: float, deadline: fl
         await asyncio.sleep(seconds)
 
 
-async def _load(base: str, key: str, minutes: float, concurrency: int, seed: int, bad_share: float,
-                server: psutil.Process | None, rss: list[float]) -> tuple[Counter, list[float]]:
+async def _load(
+    base: str,
+    key: str,
+    minutes: float,
+    concurrency: int,
+    seed: int,
+    bad_share: float,
+    server: psutil.Process | None,
+    rss: list[float],
+) -> tuple[Counter, list[float]]:
     stats: Counter = Counter()
     latencies: list[float] = []
     deadline = time.monotonic() + minutes * 60
     headers = {"Authorization": f"Bearer {key}"}
     limits = httpx.Limits(max_connections=concurrency + 32)
     async with httpx.AsyncClient(base_url=base, headers=headers, timeout=300, limits=limits) as client:
+
         async def worker(i: int) -> None:
             rng = random.Random(seed * 1000 + i)
             while time.monotonic() < deadline:
@@ -125,8 +161,12 @@ def main() -> None:
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--bad-share", type=float, default=0.2,
-                   help="share of malformed requests (0: valid traffic only, to compare memory across versions)")
+    p.add_argument(
+        "--bad-share",
+        type=float,
+        default=0.2,
+        help="share of malformed requests (0: valid traffic only, to compare memory across versions)",
+    )
     p.add_argument("--base-url", default=None)
     p.add_argument("--api-key", default="sk-soak")
     p.add_argument("--pid", type=int, default=None, help="the server's pid, for RSS (with --base-url)")
@@ -138,21 +178,27 @@ def main() -> None:
     server = psutil.Process(args.pid) if args.pid else None
     rss: list[float] = []
     t0 = time.monotonic()
-    stats, lat = asyncio.run(_load(args.base_url, args.api_key, args.minutes, args.concurrency, args.seed,
-                                   args.bad_share, server, rss))
+    stats, lat = asyncio.run(
+        _load(args.base_url, args.api_key, args.minutes, args.concurrency, args.seed, args.bad_share, server, rss)
+    )
     elapsed = time.monotonic() - t0
     state = _drained(args.base_url, args.api_key)
     lat.sort()
     report = {
-        "minutes": round(elapsed / 60, 2), "requests": sum(stats.values()), "outcomes": dict(sorted(stats.items())),
+        "minutes": round(elapsed / 60, 2),
+        "requests": sum(stats.values()),
+        "outcomes": dict(sorted(stats.items())),
         # 503 + Retry-After is the designed answer to overload; anything else 5xx is a failure
-        "server_errors_5xx": sum(v for k, v in stats.items()
-                                 if (k.split(":")[1].startswith("5") and not k.endswith(":503")) or "error" in k),
+        "server_errors_5xx": sum(
+            v for k, v in stats.items() if (k.split(":")[1].startswith("5") and not k.endswith(":503")) or "error" in k
+        ),
         "latency_p50_s": round(lat[len(lat) // 2], 3) if lat else None,
         "latency_p99_s": round(lat[int(len(lat) * 0.99)], 3) if lat else None,
         "rss_mib_each_minute": rss + ([round(server.memory_info().rss / 2**20, 1)] if server else []),
-        "blocks_leaked": state["used_blocks"], "running_after": state["num_running"],
-        "waiting_after": state["num_waiting"], "healthy_after": httpx.get(args.base_url + "/health").status_code,
+        "blocks_leaked": state["used_blocks"],
+        "running_after": state["num_running"],
+        "waiting_after": state["num_waiting"],
+        "healthy_after": httpx.get(args.base_url + "/health").status_code,
     }
     print(json.dumps(report, indent=1))
     if proc is not None:

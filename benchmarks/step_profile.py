@@ -13,6 +13,7 @@ is "outside matmuls + attention" at most 20% of the step.
 It also measures the machine's read bandwidth (roofline.py) and reports the matmuls' effective GB/s against it:
 the weights' bytes over the matmul phases' time, since one sequence's step reads every weight once.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,8 +38,9 @@ MATMULS = ("qkv", "o", "gate_up", "down", "lm_head")
 
 
 def run(a) -> dict[str, float]:
-    engine = LLMEngine(EngineConfig(dtype=a.dtype, quantization=a.quantization, log_stats_interval=0,
-                                    max_model_len=2048))
+    engine = LLMEngine(
+        EngineConfig(dtype=a.dtype, quantization=a.quantization, log_stats_interval=0, max_model_len=2048)
+    )
     runner = engine.runner
     if a.no_fused:
         runner.fused = None
@@ -85,9 +87,11 @@ def main() -> int:
     ms = run(a)
     print(f"CPU: {cpu_line()}")
     step = ms["step"]
-    print(f"decode step of {a.batch} sequence(s), {a.input_len} prompt tokens each, mean of {a.steps} steps: "
-          f"{step:.3f} ms ({a.batch * 1e3 / step:.1f} tok/s); runner.execute {ms['runner']:.3f} ms, engine outside it "
-          f"{step - ms['runner']:.3f} ms")
+    print(
+        f"decode step of {a.batch} sequence(s), {a.input_len} prompt tokens each, mean of {a.steps} steps: "
+        f"{step:.3f} ms ({a.batch * 1e3 / step:.1f} tok/s); runner.execute {ms['runner']:.3f} ms, engine outside it "
+        f"{step - ms['runner']:.3f} ms"
+    )
     if "qkv" not in ms:
         return 0
     c_total = sum(ms[k] for k in PHASES)
@@ -95,14 +99,20 @@ def main() -> int:
     for k in PHASES:
         print(f"  {k:<16}{ms[k]:8.3f} ms  {ms[k] / step:6.1%}")
     rest = step - matmul - ms["attention"]
-    print(f"  {'runner Python':<16}{ms['runner'] - c_total:8.3f} ms  {(ms['runner'] - c_total) / step:6.1%}  "
-          "(arrays, ctypes, embedding lookup)")
+    print(
+        f"  {'runner Python':<16}{ms['runner'] - c_total:8.3f} ms  {(ms['runner'] - c_total) / step:6.1%}  "
+        "(arrays, ctypes, embedding lookup)"
+    )
     print(f"  {'engine':<16}{step - ms['runner']:8.3f} ms  {(step - ms['runner']) / step:6.1%}")
-    print(f"matmuls {matmul:.3f} ms + attention {ms['attention']:.3f} ms = {(matmul + ms['attention']) / step:.1%}; "
-          f"everything else {rest:.3f} ms = {rest / step:.1%} of the step (target <= 20%)")
+    print(
+        f"matmuls {matmul:.3f} ms + attention {ms['attention']:.3f} ms = {(matmul + ms['attention']) / step:.1%}; "
+        f"everything else {rest:.3f} ms = {rest / step:.1%} of the step (target <= 20%)"
+    )
     gbs, bw = ms["weight_bytes"] / matmul / 1e6, read_bandwidth_gbs()
-    print(f"matmuls read {ms['weight_bytes'] / 2**20:.1f} MiB of weights in {matmul:.3f} ms: {gbs:.1f} GB/s = "
-          f"{gbs / bw:.0%} of the measured read bandwidth ({bw:.1f} GB/s, roofline.py)")
+    print(
+        f"matmuls read {ms['weight_bytes'] / 2**20:.1f} MiB of weights in {matmul:.3f} ms: {gbs:.1f} GB/s = "
+        f"{gbs / bw:.0%} of the measured read bandwidth ({bw:.1f} GB/s, roofline.py)"
+    )
     return 0
 
 

@@ -12,6 +12,7 @@ and what does it cost? One run, one `pagedllm serve` started here, the official 
 
     .venv/bin/python benchmarks/structured_outputs.py [--out so.json] [--serve-args "--max-num-seqs 16"]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,12 +34,32 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from compare_throughput import wait_ready  # noqa: E402
 
-SUBJECTS = ["a retired sailor", "a young chemist", "a baker in Lyon", "a jazz drummer", "a school teacher",
-            "a chess champion", "a farmer in Kenya", "a software engineer", "a marathon runner", "a museum guard"]
-FRAMINGS = ["Invent {s} and describe them.", "Write a short profile of {s}.", "Who is {s}? Make one up.",
-            "Create a character: {s}.", "Give me the details of {s} for a novel."]
-TOOL_ASKS = ["What is the weather in {c}?", "Add {a} and {b}.", "Is it cold in {c} today, in fahrenheit?",
-             "What is {a} plus {b}?", "I'm going to {c}; what's the temperature there?"]
+SUBJECTS = [
+    "a retired sailor",
+    "a young chemist",
+    "a baker in Lyon",
+    "a jazz drummer",
+    "a school teacher",
+    "a chess champion",
+    "a farmer in Kenya",
+    "a software engineer",
+    "a marathon runner",
+    "a museum guard",
+]
+FRAMINGS = [
+    "Invent {s} and describe them.",
+    "Write a short profile of {s}.",
+    "Who is {s}? Make one up.",
+    "Create a character: {s}.",
+    "Give me the details of {s} for a novel.",
+]
+TOOL_ASKS = [
+    "What is the weather in {c}?",
+    "Add {a} and {b}.",
+    "Is it cold in {c} today, in fahrenheit?",
+    "What is {a} plus {b}?",
+    "I'm going to {c}; what's the temperature there?",
+]
 CITIES = ["Paris", "Seoul", "Lima", "Oslo", "Cairo", "Quito", "Hanoi", "Perth", "Dakar", "Riga"]
 
 
@@ -50,21 +71,45 @@ class Person(pydantic.BaseModel):
 
 
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
-                                      "parameters": {"type": "object", "properties": {
-                                          "city": {"type": "string", "maxLength": 20},
-                                          "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-                                          "required": ["city", "unit"], "additionalProperties": False}}},
-    {"type": "function", "function": {"name": "add", "description": "Add two integers",
-                                      "parameters": {"type": "object", "properties": {
-                                          "a": {"type": "integer", "minimum": -9999, "maximum": 9999},
-                                          "b": {"type": "integer", "minimum": -9999, "maximum": 9999}},
-                                          "required": ["a", "b"], "additionalProperties": False}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "maxLength": 20},
+                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                },
+                "required": ["city", "unit"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two integers",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "a": {"type": "integer", "minimum": -9999, "maximum": 9999},
+                    "b": {"type": "integer", "minimum": -9999, "maximum": 9999},
+                },
+                "required": ["a", "b"],
+                "additionalProperties": False,
+            },
+        },
+    },
 ]
 PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-OPEN_SCHEMA = {"type": "object", "properties": {"notes": {"type": "array", "items": {"type": "string"},
-                                                    "minItems": 100}},
-               "required": ["notes"]}  # cannot end within the budget: every request runs to max_tokens, as without
+OPEN_SCHEMA = {
+    "type": "object",
+    "properties": {"notes": {"type": "array", "items": {"type": "string"}, "minItems": 100}},
+    "required": ["notes"],
+}  # cannot end within the budget: every request runs to max_tokens, as without
 
 
 def person_prompts() -> list[str]:
@@ -97,19 +142,37 @@ def validity(client: openai.OpenAI, max_tokens: int) -> dict:
     fields = "name (string), age (integer 0-120), job (string), mood (happy, sad or calm)"
 
     def constrained(p: str) -> bool:
-        r = client.chat.completions.parse(model="m", messages=[{"role": "user", "content": p}],
-                                          response_format=Person, max_tokens=max_tokens, temperature=0.7, seed=1)
+        r = client.chat.completions.parse(
+            model="m",
+            messages=[{"role": "user", "content": p}],
+            response_format=Person,
+            max_tokens=max_tokens,
+            temperature=0.7,
+            seed=1,
+        )
         return isinstance(r.choices[0].message.parsed, Person)
 
     def free(p: str) -> bool:
-        r = client.chat.completions.create(model="m", max_tokens=max_tokens, temperature=0.7, seed=1, messages=[
-            {"role": "user", "content": f"{p} Answer only with a JSON object with the keys {fields}."}])
+        r = client.chat.completions.create(
+            model="m",
+            max_tokens=max_tokens,
+            temperature=0.7,
+            seed=1,
+            messages=[{"role": "user", "content": f"{p} Answer only with a JSON object with the keys {fields}."}],
+        )
         return _person_ok(r.choices[0].message.content)
 
     def tools_required(p: str, parallel: bool = True) -> bool:
-        r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": p}], tools=TOOLS,
-                                           tool_choice="required", max_tokens=max_tokens, temperature=0.7, seed=1,
-                                           parallel_tool_calls=parallel)
+        r = client.chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": p}],
+            tools=TOOLS,
+            tool_choice="required",
+            max_tokens=max_tokens,
+            temperature=0.7,
+            seed=1,
+            parallel_tool_calls=parallel,
+        )
         calls = r.choices[0].message.tool_calls or []
         ok = _calls_ok([{"name": c.function.name, "arguments": c.function.arguments} for c in calls])
         if not ok:
@@ -118,10 +181,20 @@ def validity(client: openai.OpenAI, max_tokens: int) -> dict:
 
     def tools_free(p: str) -> bool:
         desc = json.dumps([t["function"] for t in TOOLS])
-        r = client.chat.completions.create(model="m", max_tokens=max_tokens, temperature=0.7, seed=1, messages=[
-            {"role": "system", "content": f"You can call these functions: {desc}. Answer only with a JSON array "
-                                          'of calls: [{"name": ..., "parameters": {...}}].'},
-            {"role": "user", "content": p}])
+        r = client.chat.completions.create(
+            model="m",
+            max_tokens=max_tokens,
+            temperature=0.7,
+            seed=1,
+            messages=[
+                {
+                    "role": "system",
+                    "content": f"You can call these functions: {desc}. Answer only with a JSON array "
+                    'of calls: [{"name": ..., "parameters": {...}}].',
+                },
+                {"role": "user", "content": p},
+            ],
+        )
         try:
             calls = json.loads(r.choices[0].message.content or "")
             return _calls_ok([{"name": c["name"], "arguments": json.dumps(c["parameters"])} for c in calls])
@@ -130,11 +203,13 @@ def validity(client: openai.OpenAI, max_tokens: int) -> dict:
 
     out = {}
     with ThreadPoolExecutor(8) as pool:
-        for name, fn, prompts in (("json_constrained", constrained, person_prompts()),
-                                  ("json_unconstrained", free, person_prompts()),
-                                  ("tools_required", tools_required, tool_prompts()),
-                                  ("tools_required_one_call", lambda p: tools_required(p, False), tool_prompts()),
-                                  ("tools_unconstrained", tools_free, tool_prompts())):
+        for name, fn, prompts in (
+            ("json_constrained", constrained, person_prompts()),
+            ("json_unconstrained", free, person_prompts()),
+            ("tools_required", tools_required, tool_prompts()),
+            ("tools_required_one_call", lambda p: tools_required(p, False), tool_prompts()),
+            ("tools_unconstrained", tools_free, tool_prompts()),
+        ):
             results = list(pool.map(fn, prompts))
             out[name] = sum(results) / len(results)
             print(f"{name}: {sum(results)}/{len(results)} parse and validate", flush=True)
@@ -149,8 +224,13 @@ async def _throughput(base: str, concurrency: int, num: int, max_tokens: int, sc
     async def one(i: int) -> int:
         async with sem:
             r = await client.chat.completions.create(
-                model="m", messages=[{"role": "user", "content": f"Take notes on topic {i} as JSON."}],
-                max_tokens=max_tokens, temperature=0.8, seed=i, extra_body=extra)
+                model="m",
+                messages=[{"role": "user", "content": f"Take notes on topic {i} as JSON."}],
+                max_tokens=max_tokens,
+                temperature=0.8,
+                seed=i,
+                extra_body=extra,
+            )
             return r.usage.completion_tokens
 
     start = time.perf_counter()
@@ -164,9 +244,11 @@ def _accepted_drafts(base: str) -> tuple[float, float]:
     import httpx
 
     text = httpx.get(base + "/metrics", timeout=30).text
+
     def total(name: str) -> float:
         found = re.search(rf"^{name}(?:_total)?(?:{{[^}}]*}})? ([0-9.e+]+)$", text, re.M)
         return float(found.group(1)) if found else 0.0
+
     return total("vllm:spec_decode_num_accepted_tokens"), total("vllm:spec_decode_num_draft_tokens")
 
 
@@ -185,9 +267,12 @@ def cost(base: str, a: argparse.Namespace) -> dict:
                 runs[f"{name}_accept"].append((acc1 - acc0) / max(1.0, drafts1 - drafts0))
         plain, constrained = (sum(runs[k]) / len(runs[k]) for k in ("plain", "schema"))
         out[f"c{conc}"] = {"plain_tok_s": plain, "schema_tok_s": constrained, "ratio": constrained / plain, **runs}
-        print(f"concurrency {conc}: {plain:.1f} tok/s without, {constrained:.1f} with the schema: "
-              f"{constrained / plain:.2f}x (drafts accepted: {runs['plain_accept']} without, "
-              f"{runs['schema_accept']} with)", flush=True)
+        print(
+            f"concurrency {conc}: {plain:.1f} tok/s without, {constrained:.1f} with the schema: "
+            f"{constrained / plain:.2f}x (drafts accepted: {runs['plain_accept']} without, "
+            f"{runs['schema_accept']} with)",
+            flush=True,
+        )
     return out
 
 
@@ -210,18 +295,27 @@ def in_process(a: argparse.Namespace) -> dict:
     engine.grammars.compile(so.grammar_text).result().deep_copy()
     cached = time.perf_counter() - t0
     engine.grammars.mask_seconds, engine.grammars.mask_rows = 0.0, 0
-    params = SamplingParams(temperature=0.7, seed=3, max_tokens=a.cost_tokens,
-                            structured_outputs=StructuredOutputsParams(json=OPEN_SCHEMA))
+    params = SamplingParams(
+        temperature=0.7, seed=3, max_tokens=a.cost_tokens, structured_outputs=StructuredOutputsParams(json=OPEN_SCHEMA)
+    )
     for i, p in enumerate(person_prompts()[:8]):
         engine.add_request(str(i), p, params)
     while engine.has_unfinished_requests():
         engine.step()
     per_token = engine.grammars.mask_seconds / max(1, engine.grammars.mask_rows)
-    r = {"validate_ms": 1e3 * validate_s, "compile_first_ms": 1e3 * first, "compile_cached_ms": 1e3 * cached,
-         "mask_us_per_token": 1e6 * per_token, "masked_rows": engine.grammars.mask_rows}
-    print(f"schema to grammar + validation {r['validate_ms']:.2f} ms; compile {r['compile_first_ms']:.2f} ms first, "
-          f"{r['compile_cached_ms']:.3f} ms cached; mask {r['mask_us_per_token']:.0f} us per constrained token "
-          f"({r['masked_rows']} rows)", flush=True)
+    r = {
+        "validate_ms": 1e3 * validate_s,
+        "compile_first_ms": 1e3 * first,
+        "compile_cached_ms": 1e3 * cached,
+        "mask_us_per_token": 1e6 * per_token,
+        "masked_rows": engine.grammars.mask_rows,
+    }
+    print(
+        f"schema to grammar + validation {r['validate_ms']:.2f} ms; compile {r['compile_first_ms']:.2f} ms first, "
+        f"{r['compile_cached_ms']:.3f} ms cached; mask {r['mask_us_per_token']:.0f} us per constrained token "
+        f"({r['masked_rows']} rows)",
+        flush=True,
+    )
     return r
 
 
@@ -238,8 +332,21 @@ def main() -> None:
     a = ap.parse_args()
     base = f"http://127.0.0.1:{a.port}"
     result: dict = {}
-    proc = subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(a.port),
-                             "--served-model-name", "m", "--log-level", "warning", *a.serve_args.split()])
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pagedllm.entrypoints.cli",
+            "serve",
+            "--port",
+            str(a.port),
+            "--served-model-name",
+            "m",
+            "--log-level",
+            "warning",
+            *a.serve_args.split(),
+        ]
+    )
     try:
         wait_ready(base, proc)
         client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=600)

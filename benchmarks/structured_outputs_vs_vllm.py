@@ -12,6 +12,7 @@ json_schema of vLLM's CarDescription example. For each server: the HTTP status, 
 satisfies the constraint (one of the choices; JSON that validates against the schema). A server that ignores a
 field it does not know answers 200 with free text: only the constraint check tells that apart.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,8 +46,12 @@ class CarDescription(pydantic.BaseModel):
     car_type: CarType
 
 
-CAR = [{"role": "user", "content": "Generate a JSON with the brand, model and car_type of the most iconic car from "
-                                   "the 90's"}]
+CAR = [
+    {
+        "role": "user",
+        "content": "Generate a JSON with the brand, model and car_type of the most iconic car from the 90's",
+    }
+]
 SCHEMA = CarDescription.model_json_schema()
 
 
@@ -63,14 +68,24 @@ def fits_schema(text: str) -> bool:
 
 
 REQUESTS = [  # (label, keyword arguments for chat.completions.create, the check)
-    ('extra_body={"guided_choice": ["positive", "negative"]}',
-     {"messages": SENTIMENT, "extra_body": {"guided_choice": CHOICES}}, in_choices),
-    ('extra_body={"structured_outputs": {"choice": ["positive", "negative"]}}',
-     {"messages": SENTIMENT, "extra_body": {"structured_outputs": {"choice": CHOICES}}}, in_choices),
-    ('response_format={"type": "json_schema", "json_schema": {"name": "car-description", "schema": CarDescription}}',
-     {"messages": CAR, "response_format": {"type": "json_schema",
-                                           "json_schema": {"name": "car-description", "schema": SCHEMA}}},
-     fits_schema),
+    (
+        'extra_body={"guided_choice": ["positive", "negative"]}',
+        {"messages": SENTIMENT, "extra_body": {"guided_choice": CHOICES}},
+        in_choices,
+    ),
+    (
+        'extra_body={"structured_outputs": {"choice": ["positive", "negative"]}}',
+        {"messages": SENTIMENT, "extra_body": {"structured_outputs": {"choice": CHOICES}}},
+        in_choices,
+    ),
+    (
+        'response_format={"type": "json_schema", "json_schema": {"name": "car-description", "schema": CarDescription}}',
+        {
+            "messages": CAR,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "car-description", "schema": SCHEMA}},
+        },
+        fits_schema,
+    ),
 ]
 
 
@@ -81,8 +96,15 @@ def ask(base_url: str, model: str) -> list[dict]:
         try:
             out = client.chat.completions.create(model=model, temperature=0, max_tokens=200, **kw)
             text = out.choices[0].message.content or ""
-            rows.append({"request": label, "status": 200, "answer": text, "ok": check(text),
-                         "finish_reason": out.choices[0].finish_reason})
+            rows.append(
+                {
+                    "request": label,
+                    "status": 200,
+                    "answer": text,
+                    "ok": check(text),
+                    "finish_reason": out.choices[0].finish_reason,
+                }
+            )
         except openai.APIStatusError as e:
             rows.append({"request": label, "status": e.status_code, "answer": str(e.body)[:300], "ok": False})
     return rows
@@ -90,8 +112,10 @@ def ask(base_url: str, model: str) -> list[dict]:
 
 def vllm_cmd(anchors: str, port: int) -> list[str]:
     env_sh = os.environ.get("VLLM_ENV_SH", "/work/shared/anchors/vllm-env.sh")
-    line = (f"ANCHORS={shlex.quote(anchors)}; source {shlex.quote(env_sh)}; exec $VLLM serve $VLLM_MODEL "
-            f"--host 127.0.0.1 --port {port} --dtype bfloat16 --max-model-len 2048 --served-model-name smollm2")
+    line = (
+        f"ANCHORS={shlex.quote(anchors)}; source {shlex.quote(env_sh)}; exec $VLLM serve $VLLM_MODEL "
+        f"--host 127.0.0.1 --port {port} --dtype bfloat16 --max-model-len 2048 --served-model-name smollm2"
+    )
     return ["bash", "-c", line]
 
 
@@ -117,10 +141,12 @@ def main() -> int:
         return 2
     vllm_url = f"http://127.0.0.1:{args.vllm_port}"
     results = {
-        "vllm": run_server("vllm", lambda log: start_server(vllm_cmd(anchors, args.vllm_port), vllm_url, 600, log),
-                           vllm_url, "smollm2"),
-        "pagedllm": run_server("pagedllm", lambda log: serve(args.port, log=log), f"http://127.0.0.1:{args.port}",
-                               None),
+        "vllm": run_server(
+            "vllm", lambda log: start_server(vllm_cmd(anchors, args.vllm_port), vllm_url, 600, log), vllm_url, "smollm2"
+        ),
+        "pagedllm": run_server(
+            "pagedllm", lambda log: serve(args.port, log=log), f"http://127.0.0.1:{args.port}", None
+        ),
     }
     print("| request (chat completions, temperature 0) | server | status | answer | satisfies the constraint |")
     print("|---|---|---|---|---|")

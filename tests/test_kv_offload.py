@@ -169,6 +169,10 @@ def test_a_link_under_a_blocks_name_is_never_read_through(tmp_path):
     tier.flush()
     assert tier.load(key(0)) == payload(key(0)) and not os.path.islink(tier._path(key(0)))
     assert open(elsewhere._path(key(0)), "rb").read() == before
+    os.unlink(tier._path(key(0)))
+    os.link(elsewhere._path(key(0)), tier._path(key(0)))  # a hard link to the file outside: not read either
+    again = DiskKVTier(str(tmp_path / "kv"), 2**20, FP_A, PAYLOAD)
+    assert again.load(key(0)) is None and open(elsewhere._path(key(0)), "rb").read() == before
 
 
 def test_a_symlinked_folder_is_refused_and_whatever_it_points_to_survives(tmp_path, caplog):

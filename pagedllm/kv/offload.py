@@ -100,12 +100,14 @@ def write_new_file(dir_fd: int, name: str, chunks: tuple[bytes, ...]) -> OSError
 
 
 def read_regular_file(dir_fd: int, name: str, limit: int) -> bytes:
-    """Up to `limit` bytes of the regular file `name` in `dir_fd`. A link is refused (O_NOFOLLOW), and so is a
-    folder, a FIFO or a device (O_NONBLOCK: opening a FIFO never waits); raises OSError for all of them."""
+    """Up to `limit` bytes of the regular file `name` in `dir_fd`. A symlink is refused (O_NOFOLLOW), and so is a
+    folder, a FIFO or a device (O_NONBLOCK: opening a FIFO never waits), and a file with another hard link (it
+    may be a file outside the folder, linked in); raises OSError for all of them."""
     fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW, dir_fd=dir_fd)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", name)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            raise OSError(errno.EINVAL, "not a regular file of one link", name)
         f = os.fdopen(fd, "rb")
     except BaseException:
         os.close(fd)
@@ -148,6 +150,9 @@ class DiskKVTier:
             others = [d for d in os.listdir(root_fd) if d != os.path.basename(self.dir)]
             found = self._scan(self._fd)
         except OSError as e:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
             link = next((p for p in (self.root, self.dir) if os.path.islink(p)), None)
             why = f"{link} is a symlink; give the real folder" if link else str(e)
             self._stop_writing(f"cannot use {self.root} ({why})")

@@ -83,6 +83,9 @@ def _read_memo(memo_dir: str, st: os.stat_result) -> bytes | None:
 
 
 def _memo_problem(raw: bytes, st: os.stat_result) -> str | None:
+    """What makes `raw` not a memo of the file `st` describes, or None. Anyone who can write the user cache can
+    put any bytes there (an older pagedllm wrote bare bytes), so nothing about them is assumed: length first,
+    then JSON that cannot overflow or recurse past its 4 KiB, then each field's type and value."""
     if len(raw) > MEMO_LIMIT:
         return "is too long"
     try:

@@ -230,6 +230,7 @@ def test_a_corrupted_checkpoint_hash_memo_is_hashed_again(tmp_path, monkeypatch,
         bytes(32),  # a wrong digest as the bare bytes memos used to be
         b"",
         b"[1, 2]",
+        b"[" * 4000,  # deeper than Python's recursion limit, within the memo's 4 KiB
         b"[" * 200_000,
         b" " * 2**20 + json.dumps(fields).encode(),
         json.dumps({**fields, "sha256": "zz" * 32}).encode(),

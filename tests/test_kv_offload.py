@@ -5,6 +5,9 @@ block that is torn, truncated, corrupted or from another engine; a disk that ref
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
+import logging
 import os
 import random
 import signal
@@ -20,8 +23,10 @@ from engine_helpers import assert_all_blocks_free
 from pagedllm import SamplingParams
 from pagedllm.engine import EngineConfig, LLMEngine
 from pagedllm.engine.config import add_engine_args
+from pagedllm.engine.disk_tier import _file_digest
 from pagedllm.errors import UserError
 from pagedllm.kv.offload import HEADER, DiskKVTier
+from pagedllm.model.cache import cache_dir_for
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 FP_A, FP_B = bytes(32), bytes([1] * 32)
@@ -132,6 +137,128 @@ def test_killing_the_writer_loses_nothing_acknowledged(tmp_path):
     assert all(name.endswith(".kv") for name in os.listdir(tier.dir))  # torn writes' temporary files are gone
 
 
+# ---- a folder someone else can write in: nothing outside DIR is touched, one odd entry stops nothing --------
+def warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "pagedllm" and r.levelno >= logging.WARNING]
+
+
+def test_a_planted_temporary_link_is_never_written_through(tmp_path):
+    outside = tmp_path / "outside.txt"
+    outside.write_bytes(b"precious")
+    tier = DiskKVTier(str(tmp_path / "kv"), 2**20, FP_A, PAYLOAD)
+    os.symlink(outside, f"{tier._path(key(0))}.{os.getpid()}.tmp")  # the temporary name the hash and PID predict
+    assert tier.put(key(0), lambda: payload(key(0)))
+    tier.flush()
+    assert outside.read_bytes() == b"precious"
+    assert tier.load(key(0)) == payload(key(0)) and not os.path.islink(tier._path(key(0)))
+    reopened = DiskKVTier(str(tmp_path / "kv"), 2**20, FP_A, PAYLOAD)  # a restart's clean-up follows no link either
+    assert reopened.load(key(0)) == payload(key(0)) and outside.read_bytes() == b"precious"
+
+
+def test_a_link_under_a_blocks_name_is_never_read_through(tmp_path):
+    elsewhere = DiskKVTier(str(tmp_path / "elsewhere"), 2**20, FP_A, PAYLOAD)  # a valid block, outside DIR
+    elsewhere.put(key(0), lambda: payload(key(0)))
+    elsewhere.flush()
+    before = open(elsewhere._path(key(0)), "rb").read()
+    folder = tmp_path / "kv" / FP_A.hex()[:16]
+    folder.mkdir(parents=True)
+    os.symlink(elsewhere._path(key(0)), folder / (key(0).hex() + ".kv"))
+    tier = DiskKVTier(str(tmp_path / "kv"), 2**20, FP_A, PAYLOAD)
+    assert not tier.contains(key(0)) and tier.load(key(0)) is None and tier.stats.skipped == 1
+    assert tier.put(key(0), lambda: payload(key(0)))  # written over the link, not through it
+    tier.flush()
+    assert tier.load(key(0)) == payload(key(0)) and not os.path.islink(tier._path(key(0)))
+    assert open(elsewhere._path(key(0)), "rb").read() == before
+    os.unlink(tier._path(key(0)))
+    os.link(elsewhere._path(key(0)), tier._path(key(0)))  # a hard link to the file outside: not read either
+    again = DiskKVTier(str(tmp_path / "kv"), 2**20, FP_A, PAYLOAD)
+    assert again.load(key(0)) is None and open(elsewhere._path(key(0)), "rb").read() == before
+
+
+def test_a_symlinked_folder_is_refused_and_whatever_it_points_to_survives(tmp_path, caplog):
+    for link in ("dir", "fingerprint folder"):
+        victim = tmp_path / link / "victim"
+        victim.mkdir(parents=True)
+        (victim / "notes.txt").write_text("mine")
+        root = tmp_path / link / "kv"
+        if link == "dir":
+            os.symlink(victim, root)
+        else:
+            root.mkdir()
+            os.symlink(victim, root / FP_A.hex()[:16])
+        caplog.clear()
+        tier = DiskKVTier(str(root), 2**20, FP_A, PAYLOAD)
+        assert not tier.writable and not tier.put(key(0), lambda: payload(key(0))) and tier.load(key(0)) is None
+        tier.flush()
+        assert os.listdir(victim) == ["notes.txt"] and (victim / "notes.txt").read_text() == "mine"
+        assert len(warnings(caplog)) == 1 and "is a symlink" in warnings(caplog)[0]
+
+
+def test_one_odd_entry_is_skipped_and_writing_goes_on(tmp_path, caplog):
+    folder = tmp_path / FP_A.hex()[:16]
+    folder.mkdir()
+    (folder / (key(0).hex() + ".kv")).mkdir()  # a folder under a block's name: that block cannot be written
+    os.mkfifo(folder / (key(1).hex() + ".kv"))  # a FIFO: opening it to read would wait forever
+    (folder / "notes.txt").write_text("mine")  # a stranger's file: not ours to delete
+    tier = DiskKVTier(str(tmp_path), 2**20, FP_A, PAYLOAD)
+    assert not tier.contains(key(0)) and not tier.contains(key(1)) and tier.stats.skipped == 3
+    caplog.clear()
+    for i in range(4):
+        assert tier.put(key(i), lambda i=i: payload(key(i)))
+    tier.flush()
+    assert tier.writable and [tier.load(key(i)) for i in range(4)] == [None] + [payload(key(i)) for i in (1, 2, 3)]
+    assert not tier.put(key(0), lambda: payload(key(0)))  # skipped from now on, not rewritten at every eviction
+    assert len(warnings(caplog)) == 1 and key(0).hex() in warnings(caplog)[0]
+    names = sorted(os.listdir(folder))  # no temporary file left behind, the stranger's file and the folder kept
+    assert names == sorted([key(i).hex() + ".kv" for i in range(4)] + ["notes.txt"])
+    assert (folder / (key(0).hex() + ".kv")).is_dir() and (folder / "notes.txt").read_text() == "mine"
+
+
+def test_a_corrupted_checkpoint_hash_memo_is_hashed_again(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("PAGEDLLM_CACHE", str(tmp_path / "cache"))
+    weights = tmp_path / "model.gguf"
+    weights.write_bytes(bytes(range(256)) * 1000)
+    true = hashlib.sha256(weights.read_bytes()).digest()
+    assert _file_digest(str(weights)) == true
+    memo_dir = cache_dir_for(str(weights), "digest")
+    memo = os.path.join(memo_dir, "sha256")
+    st = os.stat(weights)
+    fields = {"sha256": true.hex(), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    outside = tmp_path / "outside"
+    outside.write_bytes(bytes(32))
+    bad: list[bytes | str] = [
+        bytes(32),  # a wrong digest as the bare bytes memos used to be
+        b"",
+        b"[1, 2]",
+        b"[" * 4000,  # deeper than Python's recursion limit, within the memo's 4 KiB
+        b"[" * 200_000,
+        b" " * 2**20 + json.dumps(fields).encode(),
+        json.dumps({**fields, "sha256": "zz" * 32}).encode(),
+        json.dumps({**fields, "sha256": "00" * 32, "size": str(st.st_size)}).encode(),
+        json.dumps({**fields, "sha256": "00" * 32, "size": float("inf")}).encode(),  # Infinity
+        json.dumps({**fields, "sha256": "00" * 32, "mtime_ns": st.st_mtime_ns + 1}).encode(),
+        json.dumps({**fields, "sha256": "00" * 32, "extra": 1}).encode(),
+        "a folder",
+        "a link",
+    ]
+    for content in bad:
+        os.rmdir(memo) if os.path.isdir(memo) and not os.path.islink(memo) else os.unlink(memo)
+        if content == "a folder":
+            os.mkdir(memo)
+        elif content == "a link":
+            os.symlink(outside, memo)
+        else:
+            with open(memo, "wb") as f:
+                f.write(content)
+        caplog.clear()
+        assert _file_digest(str(weights)) == true, content
+        assert len(warnings(caplog)) == 1 and "hashing the file again" in warnings(caplog)[0], content
+        assert os.listdir(memo_dir) == ["sha256"] and outside.read_bytes() == bytes(32), content
+    assert not os.path.islink(memo) and json.loads(open(memo, "rb").read()) == fields  # the link replaced, not followed
+    caplog.clear()
+    assert _file_digest(str(weights)) == true and warnings(caplog) == []  # a good memo is taken silently
+
+
 # ---- in the engine -------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def prompts(model_fp32):
@@ -217,6 +344,20 @@ def test_an_unwritable_or_tiny_tier_leaves_serving_unaffected(model_fp32, prompt
     assert run(broken, prompts)[0] == cold
     broken.disk_tier.flush()
     assert broken.disk_tier.stats.write_errors == 1 and not broken.disk_tier.writable
+
+
+def test_a_symlinked_fingerprint_folder_is_refused_and_serving_goes_on(model_fp32, prompts, cold, tmp_path):
+    first = small_engine(model_fp32, kv_offload_dir=str(tmp_path / "kv"))
+    assert first.disk_tier is not None and os.listdir(first.disk_tier.dir) == []
+    os.rmdir(first.disk_tier.dir)
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "notes.txt").write_text("mine")
+    os.symlink(victim, first.disk_tier.dir)
+    engine = small_engine(model_fp32, kv_offload_dir=str(tmp_path / "kv"))
+    assert run(engine, prompts)[0] == cold and not engine.disk_tier.writable
+    engine.disk_tier.flush()
+    assert os.listdir(victim) == ["notes.txt"] and (victim / "notes.txt").read_text() == "mine"
 
 
 def test_offload_flags_are_read_and_checked():

@@ -87,19 +87,6 @@ def auto_tools_supported(chat_template: str | None) -> bool:
     return re.search(r"\btools\b", chat_template) is not None and HERMES_OPEN in chat_template
 
 
-def parse_hermes(text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """(content, calls) of a finished "auto" answer: what its stream adds up to (`scan_hermes`); without calls
-    the content is the whole text."""
-    content, calls = scan_hermes(text, done=True)
-    if not calls:
-        return content, []
-    return content or None, [
-        {"id": call_id(), "type": "function", "function": {"name": name, "arguments": args}}
-        for name, args in calls
-        if name is not None  # always, once done
-    ]
-
-
 def scan_hermes(text: str, done: bool) -> tuple[str, list[tuple[str | None, str]]]:
     """The content and the calls (name, None until read; arguments so far) of a growing "auto" answer. Each
     only grows as the text does, so a stream never takes back what it sent, and the whole answer parses to
@@ -298,22 +285,28 @@ def call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def parse_tool_calls(text: str, mode: ToolMode) -> list[dict[str, Any]] | None:
-    """OpenAI's `tool_calls` from a finished answer; None when it does not parse (cut off by max_tokens)."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return None
-    calls = [(mode.name, value)] if mode.name else [(c["name"], c["parameters"]) for c in value]
-    compact = (",", ":")
-    return [
-        {
-            "id": call_id(),
-            "type": "function",
-            "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False, separators=compact)},
-        }
-        for name, args in calls
-    ]
+def scan_answer(mode: ToolMode, text: str, done: bool) -> tuple[str, list[tuple[str | None, str]]]:
+    """The content and the calls (name, arguments text so far) of a growing answer in any mode: what a stream
+    sends and what the whole answer is made of, so both are the same. A named function's answer is its
+    arguments; "required"'s is the array of calls (`scan_calls`); "auto"'s is Hermes blocks (`scan_hermes`)."""
+    if mode.kind == "auto":
+        return scan_hermes(text, done)
+    if mode.name:
+        return "", [(mode.name, text)]
+    return "", [call[:2] for call in scan_calls(text)]
+
+
+def parse_calls(text: str, mode: ToolMode) -> tuple[str | None, list[dict[str, Any]]]:
+    """(content, OpenAI's `tool_calls`) of a finished answer: exactly what its stream adds up to. A call cut
+    off (by max_tokens) stands with its arguments as far as they were generated, as OpenAI returns it; a call
+    whose name was not yet whole is none. Without calls, an "auto" answer's content is its whole text."""
+    content, calls = scan_answer(mode, text, done=True)
+    named = []
+    for name, args in calls:
+        if name is None:
+            break
+        named.append({"id": call_id(), "type": "function", "function": {"name": name, "arguments": args}})
+    return content or None, named
 
 
 def scan_calls(text: str) -> list[tuple[str | None, str, bool]]:
@@ -363,10 +356,7 @@ class ToolCallStream:
 
     def delta(self, text: str, done: bool) -> dict[str, Any]:
         """What the answer grown to `text` adds: new content, new calls' headers, pieces of arguments."""
-        if self.mode.kind == "auto":
-            content, calls = scan_hermes(text, done)
-        else:
-            content, calls = "", [(self.mode.name, text)] if self.mode.name else [c[:2] for c in scan_calls(text)]
+        content, calls = scan_answer(self.mode, text, done)
         out: dict[str, Any] = {}
         if len(content) > self.content_sent:
             out["content"], self.content_sent = content[self.content_sent :], len(content)

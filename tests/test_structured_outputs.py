@@ -18,7 +18,14 @@ import pytest
 from engine_helpers import kv_budget
 from server_helpers import KEY, assert_error, assert_pool_whole, running_server, sse_events
 
-from pagedllm.entrypoints.openai.tool_calls import ToolCallStream, ToolMode, parse_calls, scan_calls, scan_hermes
+from pagedllm.entrypoints.openai.tool_calls import (
+    ToolCallStream,
+    ToolMode,
+    parse_calls,
+    scan_calls,
+    scan_hermes,
+    tool_schema,
+)
 
 AUTO = ToolMode("auto")
 
@@ -478,12 +485,58 @@ def test_a_grammar_the_vocabulary_cannot_write_is_a_400_not_a_500(server):
     """Found by schemathesis: llguidance's mask allows a token its matcher then refuses when the grammar forces
     a byte no token holds; the request asked for output the model cannot write, so it is the client's error."""
     body = {"prompt": "x", "max_tokens": 8, "guided_regex": UNWRITABLE}
-    assert_error(server.http.post("/v1/completions", json=body), 400, None, ["vocabulary"])
+    assert_error(server.http.post("/v1/completions", json=body), 400, "guided_regex", ["vocabulary"])
     with server.http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
         assert r.status_code == 200
         events = sse_events(r.iter_lines())
     errors = [e["error"] for e in events if isinstance(e, dict) and "error" in e]
     assert len(errors) == 1 and errors[0]["code"] == 400 and "vocabulary" in errors[0]["message"], events
+    assert_pool_whole(server)
+
+
+NODE = {  # every node needs a child: llguidance takes it, then gives up mid-way (its parser's item limit)
+    "$ref": "#/$defs/node",
+    "$defs": {
+        "node": {
+            "type": "object",
+            "properties": {"child": {"$ref": "#/$defs/node"}},
+            "required": ["child"],
+            "additionalProperties": False,
+        }
+    },
+}
+NODE_TOOL = [{"type": "function", "function": {"name": "walk", "parameters": NODE}}]
+CHOICES = [f"option number {i}" for i in range(10_000)]
+REFUSED_MID_WAY = [  # (fields sent, the field the error names, the endpoints that take them)
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": NODE}}}, "response_format"),
+    ({"structured_outputs": {"json": NODE}}, "structured_outputs"),
+    ({"guided_json": NODE}, "guided_json"),
+    ({"guided_regex": "a{1000000}"}, "guided_regex"),
+    ({"structured_outputs": {"regex": "a{1000000}"}}, "structured_outputs"),
+    ({"structured_outputs": {"choice": CHOICES}}, "structured_outputs"),
+    ({"guided_choice": CHOICES}, "guided_choice"),
+    ({"tools": NODE_TOOL, "tool_choice": "required"}, "tools"),
+    ({"tools": NODE_TOOL, "tool_choice": {"type": "function", "function": {"name": "walk"}}}, "tools"),
+]
+
+
+@pytest.mark.parametrize("extra, param", REFUSED_MID_WAY, ids=[p for _, p in REFUSED_MID_WAY])
+def test_a_grammar_refused_while_decoding_is_a_400_naming_the_field_it_came_from(server, extra, param):
+    """A constraint that compiles but that llguidance cannot follow past some token fails after the request was
+    admitted: the 400 (and a stream's error event) names the field the client sent, as a compile error does."""
+    paths = [("/v1/chat/completions", {"messages": [{"role": "user", "content": "Go."}]})]
+    if "tools" not in extra:
+        paths.append(("/v1/completions", {"prompt": "Go."}))
+    for path, body in paths:
+        body = {**body, "max_tokens": 200, "temperature": 0, **extra}
+        assert_error(server.http.post(path, json=body), 400, param, ["cannot be written"])
+        with server.http.stream("POST", path, json={**body, "stream": True}) as r:
+            assert r.status_code == 200
+            events = sse_events(r.iter_lines())
+        errors = [e["error"] for e in events if isinstance(e, dict) and "error" in e]
+        assert len(errors) == 1 and errors[0]["code"] == 400 and errors[0]["param"] == param, events
+        assert "cannot be written" in errors[0]["message"], errors
+        assert events[-1] == "[DONE]"
     assert_pool_whole(server)
 
 
@@ -690,3 +743,29 @@ def test_auto_stream_holds_back_only_what_could_still_be_the_tag():
     assert stream.delta("Hi <tooth \n", False) == {}  # whitespace waits: dropped if a call follows
     assert stream.delta("Hi <tooth \n<tool_call>", False) == {}
     assert ToolCallStream(ToolMode("auto")).delta("Hi <tool_c", True) == {"content": "Hi <tool_c"}  # the end
+
+
+def test_required_tool_schema_moves_the_tools_defs_to_its_root():
+    """pydantic puts nested models in `$defs`, referenced from the root (`#/$defs/City`): inside the "required"
+    array schema they must sit at its root to resolve; two tools that define one name differently are a 400."""
+
+    class City(pydantic.BaseModel):
+        name: str
+
+    class Trip(pydantic.BaseModel):
+        to: City
+
+    params = Trip.model_json_schema()
+    tool = {"type": "function", "function": {"name": "go", "parameters": params}}
+    schema = tool_schema([tool], ToolMode("required"))
+    assert schema["$defs"] == params["$defs"] and all("$defs" not in p for p in _item_parameters(schema))
+    jsonschema.validate([{"name": "go", "parameters": {"to": {"name": "Oslo"}}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "go", "parameters": {"to": {"nom": 1}}}], schema)
+    other = {"type": "function", "function": {"name": "back", "parameters": {**params, "$defs": {"City": {}}}}}
+    with pytest.raises(ValueError, match="tools: \\$defs 'City' differs"):
+        tool_schema([tool, other], ToolMode("required"))
+
+
+def _item_parameters(schema: dict) -> list[dict]:
+    return [item["properties"]["parameters"] for item in schema["items"]["anyOf"]]

@@ -265,20 +265,31 @@ def _skip(text: str, p: int) -> int:
 
 
 def tool_schema(tools: list[dict[str, Any]], mode: ToolMode, parallel: bool = True) -> dict[str, Any]:
-    """The JSON schema the output is held to; `parallel` False (OpenAI's parallel_tool_calls) allows one call."""
+    """The JSON schema the output is held to; `parallel` False (OpenAI's parallel_tool_calls) allows one call.
+    For "required" each tool's parameters sit inside the array's schema, so their `$defs` (where pydantic puts
+    nested models) move to its root, where their `#/$defs/...` references point (vLLM's way)."""
     params = check_tools(tools)
     if mode.name:
         return params[mode.name]
-    items = [
-        {
-            "type": "object",
-            "properties": {"name": {"type": "string", "enum": [n]}, "parameters": p},
-            "required": ["name", "parameters"],
-            "additionalProperties": False,
-        }
-        for n, p in params.items()
-    ]
-    return {"type": "array", "minItems": 1, "items": {"anyOf": items}, **({} if parallel else {"maxItems": 1})}
+    defs: dict[str, Any] = {}
+    items = []
+    for n, p in params.items():
+        own = p.get("$defs")
+        if isinstance(own, dict):
+            for key, value in own.items():
+                if defs.setdefault(key, value) != value:
+                    raise ValueError(f"tools: $defs {key!r} differs between two tools' parameters")
+            p = {k: v for k, v in p.items() if k != "$defs"}
+        items.append(
+            {
+                "type": "object",
+                "properties": {"name": {"type": "string", "enum": [n]}, "parameters": p},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+        )
+    schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}, **({} if parallel else {"maxItems": 1})}
+    return {**schema, "$defs": defs} if defs else schema
 
 
 def call_id() -> str:

@@ -346,9 +346,10 @@ def _streamed_message(events) -> tuple[dict, str | None, str | int | None]:
     asserting OpenAI's shape on the way: every chunk but the last says something, only the last finishes."""
     chunks = [c for ev in events if ev != "[DONE]" for c in ev["choices"]]
     assert events[-1] == "[DONE]" and chunks, events
-    message: dict = {"role": None, "content": None, "tool_calls": []}
+    message: dict = {"role": None, "content": None, "tool_calls": [], "logprobs": []}
     for i, choice in enumerate(chunks):
         last, delta = i == len(chunks) - 1, choice["delta"]
+        message["logprobs"] += [t["token"] for t in (choice["logprobs"] or {}).get("content", [])]
         assert (choice["finish_reason"] is not None) == last, chunks
         assert delta or last, f"an empty delta mid-stream: {chunks}"
         message["role"] = delta.get("role", message["role"])
@@ -375,10 +376,15 @@ SAME_EITHER_WAY = [  # (tools and constraint, max_tokens): cut before a call's n
 @pytest.mark.parametrize("extra, max_tokens", SAME_EITHER_WAY)
 def test_tool_calls_and_structured_outputs_end_the_same_way_streamed_or_not(server, monkeypatch, extra, max_tokens):
     """One greedy answer, streamed and not, cut by max_tokens anywhere: the same message (content, calls with
-    their arguments as generated), the same finish reason; a call cut by `length` is a call in both, finishing
-    with "length" (OpenAI's way); no empty delta but the last chunk's."""
+    their arguments as generated), the same finish reason and logprobs; a call cut by `length` is a call in
+    both, finishing with "length" (OpenAI's way); no empty delta but the last chunk's."""
     monkeypatch.setattr(server.engine.tokenizer.hf, "chat_template", HERMES_TEMPLATE)  # "auto" is served
-    body = {"messages": [{"role": "user", "content": "Add 12 and 34."}], "max_tokens": max_tokens, "temperature": 0}
+    body = {
+        "messages": [{"role": "user", "content": "Add 12 and 34."}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "logprobs": True,
+    }
     whole = server.http.post("/v1/chat/completions", json={**body, **extra})
     assert whole.status_code == 200, whole.text
     choice = whole.json()["choices"][0]
@@ -387,6 +393,8 @@ def test_tool_calls_and_structured_outputs_end_the_same_way_streamed_or_not(serv
         streamed, finish, stop_reason = _streamed_message(sse_events(r.iter_lines()))
     msg = choice["message"]
     calls = [c["function"] for c in msg["tool_calls"]]
+    tokens = [t["token"] for t in choice["logprobs"]["content"]]
+    assert streamed.pop("logprobs") == tokens  # a held-back piece's logprobs go with the next chunk
     assert streamed == {"role": "assistant", "content": msg["content"], "tool_calls": calls}, (streamed, msg)
     assert (finish, stop_reason) == (choice["finish_reason"], choice["stop_reason"])
     tool_mode = extra.get("tool_choice")

@@ -11,8 +11,9 @@ named function): the output is held to a JSON schema made from the tools, then p
 Streaming follows OpenAI: a call's first delta carries its index, id, type and name with empty arguments, later
 deltas carry pieces of the arguments text. The array form is scanned as it grows (the constrained JSON is compact,
 keys in schema order), and so are "auto"'s Hermes blocks (`scan_hermes`), so arguments stream as they are
-generated; one streamer (`ToolCallStream`) serves every mode, and a whole answer parses to what its stream adds
-up to.
+generated; one streamer (`ToolCallStream`) serves every mode, and a whole answer (`parse_calls`) is made by the
+same scan, so it is what its stream adds up to: a call cut by max_tokens is a call in both, its arguments as far
+as they went (OpenAI's way; the finish reason, "length", tells the client).
 """
 
 from __future__ import annotations

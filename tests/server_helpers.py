@@ -28,11 +28,12 @@ def tiny_kv_budget(blocks: int = 24) -> int:
 
 
 @contextlib.contextmanager
-def running_server(engine, **app_args) -> Iterator[SimpleNamespace]:
-    """uvicorn in a thread on a free port over `engine` (an AsyncLLMEngine), API key KEY; stopped on exit."""
+def running_server(engine, api_key: str | None = KEY, **app_args) -> Iterator[SimpleNamespace]:
+    """uvicorn in a thread on a free port over `engine` (an AsyncLLMEngine), API key KEY (None: no key, as
+    `pagedllm serve` without --api-key); stopped on exit."""
     from pagedllm.entrypoints.openai.api_server import Server, build_app
 
-    app = build_app(engine, api_key=KEY, **app_args)
+    app = build_app(engine, api_key=api_key, **app_args)
     srv = Server(app, host="127.0.0.1", port=0, log_level="warning")
     srv.start_in_thread()
     port = srv.uvicorn.servers[0].sockets[0].getsockname()[1]

@@ -37,7 +37,8 @@ class GrammarDeadEnd(UserError):
 def dead_end(matcher: Any, what: str) -> GrammarDeadEnd:
     reason = (matcher.get_error() or "no token is allowed").splitlines()[0]
     return GrammarDeadEnd(
-        f"the structured output cannot be written with this model's vocabulary: {what} ({reason.strip()})"
+        "the structured output cannot be written with this model's vocabulary within llguidance's limits: "
+        f"{what} ({reason.strip()})"
     )
 
 

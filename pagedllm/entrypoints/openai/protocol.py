@@ -188,6 +188,13 @@ class SamplingRequest(RequestModel):
             )
         return found[0] if found else None
 
+    @property
+    def constraint_field(self) -> str | None:
+        """The request field the constraint came from: an error met while decoding under it names that field,
+        as one met while compiling it does."""
+        found = self.constraint()
+        return found[0] if found else None
+
     def sampling_kwargs(self) -> dict[str, Any]:
         """The fields that map one to one onto SamplingParams; None means the engine's default."""
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
@@ -318,6 +325,14 @@ class ChatCompletionRequest(SamplingRequest):
     @property
     def tool_mode(self) -> ToolMode | None:
         return tool_mode(self.tools, self.tool_choice)
+
+    @property
+    def constraint_field(self) -> str | None:
+        """ "tools" when the tools' schema is the constraint (tool_choice "required" or a named function)."""
+        mode = self.tool_mode
+        if mode is not None and mode.kind != "auto":
+            return "tools"
+        return super().constraint_field
 
     @property
     def top_k_logprobs(self) -> int | None:

@@ -29,8 +29,7 @@ from pagedllm.entrypoints.openai.tool_calls import (
     ToolCallStream,
     ToolMode,
     auto_tools_supported,
-    parse_hermes,
-    parse_tool_calls,
+    parse_calls,
 )
 from pagedllm.sampling_params import SamplingParams
 
@@ -66,25 +65,21 @@ async def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> Prepared:
 
 
 def _message(mode: ToolMode | None, c: CompletionOutput) -> tuple[dict[str, Any], str | None]:
-    """The assistant message and finish reason: tool calls when the answer parses as them (OpenAI finishes a
-    "required" answer with "tool_calls" and a named one with "stop"), else the text as it is."""
-    if mode is not None and mode.kind == "auto":
-        content, calls = parse_hermes(c.text)
-        return (
-            {"role": "assistant", "content": content, "tool_calls": calls},
-            "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason,
-        )
-    parsed = parse_tool_calls(c.text, mode) if mode is not None and c.finish_reason == "stop" else None
-    if mode is None or parsed is None:
+    """The assistant message and finish reason, the same whole or streamed (`_chunks` sends the pieces of
+    this): with tools, the calls as far as they were generated (`parse_calls`). OpenAI finishes a "required" or
+    "auto" answer that made calls with "tool_calls" and a named one with "stop"; one cut by max_tokens keeps
+    "length", whatever it holds, so a client can tell a call cut off from a finished one."""
+    if mode is None:
         return {"role": "assistant", "content": c.text, "tool_calls": []}, c.finish_reason
-    return (
-        {"role": "assistant", "content": None, "tool_calls": parsed},
-        "tool_calls" if mode.kind == "required" else "stop",
-    )
+    content, calls = parse_calls(c.text, mode)
+    finish = c.finish_reason
+    if calls and finish == "stop" and mode.kind != "named":
+        finish = "tool_calls"
+    return {"role": "assistant", "content": content, "tool_calls": calls}, finish
 
 
 def _choice(ctx: ServingContext, req: ChatCompletionRequest, s: EngineRequest, c: CompletionOutput) -> dict[str, Any]:
-    ctx.check_error(c)
+    ctx.check_error(c, req.constraint_field)
     k = req.top_k_logprobs
     message, finish_reason = _message(req.tool_mode, c)
     return {
@@ -118,27 +113,31 @@ async def full(
 async def _chunks(
     ctx: ServingContext, req: ChatCompletionRequest, subs: list[EngineRequest], chunk: Chunks
 ) -> AsyncGenerator[str]:
-    for i in range(req.n):
-        yield chunk(
-            [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
-        )
+    """OpenAI's chunks: the role first (content "" for text, null for an answer that is tool calls), then only
+    deltas that say something (a piece that adds nothing, e.g. a token that is half a character or the start of
+    a call's name, waits: its logprobs go with the next chunk), the finish reason on the last one; they add up
+    to `_message`'s message."""
     k, mode = req.top_k_logprobs, req.tool_mode
+    for i in range(req.n):
+        role = {"role": "assistant", "content": "" if mode is None else None}
+        yield chunk([{"index": i, "delta": role, "logprobs": None, "finish_reason": None}])
     calls: dict[int, ToolCallStream] = {}
-    async for s, out, c, p in pieces(ctx, subs):
-        finish = c.finish_reason if p.done else None
-        delta: dict[str, Any]
+    logged: dict[int, int] = {}  # per choice, the tokens whose logprobs were sent
+    async for s, out, c, p in pieces(ctx, subs, req.constraint_field):
         if mode is None:
-            delta = {"content": p.text} if p.text or not p.done else {}
-        else:  # content and calls stream as they grow; the finish reason is the one the whole answer gets
+            delta: dict[str, Any] = {"content": p.text} if p.text else {}
+        else:
             delta = calls.setdefault(p.index, ToolCallStream(mode)).delta(c.text, p.done)
-            finish = _message(mode, c)[1] if p.done else None
+        if not delta and not p.done:
+            continue
+        start, logged[p.index] = logged.get(p.index, 0), p.tokens_to
         yield chunk(
             [
                 {
                     "index": p.index,
                     "delta": delta,
-                    "logprobs": ctx.chat_logprobs(c, p.tokens_from, p.tokens_to, k) if k is not None else None,
-                    "finish_reason": finish,
+                    "logprobs": ctx.chat_logprobs(c, start, p.tokens_to, k) if k is not None else None,
+                    "finish_reason": _message(mode, c)[1] if p.done else None,
                     "stop_reason": c.stop_reason if p.done else None,
                 }
             ],

@@ -87,7 +87,7 @@ def _choice(
     out: RequestOutput,
     c: CompletionOutput,
 ) -> dict[str, Any]:
-    ctx.check_error(c)
+    ctx.check_error(c, req.constraint_field)
     echo = prep.echo_texts[s.prompt_index]
     return {
         "index": s.base + c.index,
@@ -123,7 +123,7 @@ async def _full(
 async def _chunks(
     ctx: ServingContext, req: CompletionRequest, prep: _Prepared, subs: list[EngineRequest], chunk: Chunks
 ) -> AsyncGenerator[str]:
-    async for s, out, c, p in pieces(ctx, subs):
+    async for s, out, c, p in pieces(ctx, subs, req.constraint_field):
         echo = prep.echo_texts[s.prompt_index] if p.first else ""
         choice: dict[str, Any] = {
             "index": p.index,

@@ -273,10 +273,12 @@ class ServingContext:
         return {"content": content}
 
     @staticmethod
-    def check_error(c: CompletionOutput) -> None:
+    def check_error(c: CompletionOutput, param: str | None = None) -> None:
+        """A failed choice as an error: the request's own fault (its grammar, which llguidance took but then
+        cannot follow) is a 400 naming `param`, the field the constraint came from; anything else a 500."""
         if c.finish_reason == "error":
             if c.bad_request:
-                raise APIError(c.error or "the request cannot be served", 400)
+                raise APIError(c.error or "the request cannot be served", 400, param=param)
             raise APIError(f"Generation failed: {c.error or 'engine error'}", 500)
 
 

@@ -81,14 +81,15 @@ class _ChoiceState:
 
 
 async def pieces(
-    ctx: ServingContext, subs: list[EngineRequest]
+    ctx: ServingContext, subs: list[EngineRequest], param: str | None = None
 ) -> AsyncIterator[tuple[EngineRequest, RequestOutput, CompletionOutput, Piece]]:
     """Each choice's new text and tokens as the engine produces them, skipping outputs that add nothing and
-    anything after a choice finished: what both streaming endpoints send, each in its own wrapping."""
+    anything after a choice finished: what both streaming endpoints send, each in its own wrapping. A request
+    that fails for its own fault raises a 400 naming `param`, the field of its constraint."""
     states: dict[int, _ChoiceState] = {}
     async for s, out in ctx.merged(subs):
         for c in out.outputs:
-            ctx.check_error(c)
+            ctx.check_error(c, param)
             idx = s.base + c.index
             st = states.setdefault(idx, _ChoiceState())
             if st.finished:

@@ -11,8 +11,9 @@ named function): the output is held to a JSON schema made from the tools, then p
 Streaming follows OpenAI: a call's first delta carries its index, id, type and name with empty arguments, later
 deltas carry pieces of the arguments text. The array form is scanned as it grows (the constrained JSON is compact,
 keys in schema order), and so are "auto"'s Hermes blocks (`scan_hermes`), so arguments stream as they are
-generated; one streamer (`ToolCallStream`) serves every mode, and a whole answer parses to what its stream adds
-up to.
+generated; one streamer (`ToolCallStream`) serves every mode, and a whole answer (`parse_calls`) is made by the
+same scan, so it is what its stream adds up to: a call cut by max_tokens is a call in both, its arguments as far
+as they went (OpenAI's way; the finish reason, "length", tells the client).
 """
 
 from __future__ import annotations
@@ -85,19 +86,6 @@ def auto_tools_supported(chat_template: str | None) -> bool:
     if not chat_template:
         return False
     return re.search(r"\btools\b", chat_template) is not None and HERMES_OPEN in chat_template
-
-
-def parse_hermes(text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """(content, calls) of a finished "auto" answer: what its stream adds up to (`scan_hermes`); without calls
-    the content is the whole text."""
-    content, calls = scan_hermes(text, done=True)
-    if not calls:
-        return content, []
-    return content or None, [
-        {"id": call_id(), "type": "function", "function": {"name": name, "arguments": args}}
-        for name, args in calls
-        if name is not None  # always, once done
-    ]
 
 
 def scan_hermes(text: str, done: bool) -> tuple[str, list[tuple[str | None, str]]]:
@@ -278,42 +266,59 @@ def _skip(text: str, p: int) -> int:
 
 
 def tool_schema(tools: list[dict[str, Any]], mode: ToolMode, parallel: bool = True) -> dict[str, Any]:
-    """The JSON schema the output is held to; `parallel` False (OpenAI's parallel_tool_calls) allows one call."""
+    """The JSON schema the output is held to; `parallel` False (OpenAI's parallel_tool_calls) allows one call.
+    For "required" each tool's parameters sit inside the array's schema, so their `$defs` (where pydantic puts
+    nested models) move to its root, where their `#/$defs/...` references point (vLLM's way)."""
     params = check_tools(tools)
     if mode.name:
         return params[mode.name]
-    items = [
-        {
-            "type": "object",
-            "properties": {"name": {"type": "string", "enum": [n]}, "parameters": p},
-            "required": ["name", "parameters"],
-            "additionalProperties": False,
-        }
-        for n, p in params.items()
-    ]
-    return {"type": "array", "minItems": 1, "items": {"anyOf": items}, **({} if parallel else {"maxItems": 1})}
+    defs: dict[str, Any] = {}
+    items = []
+    for n, p in params.items():
+        own = p.get("$defs")
+        if isinstance(own, dict):
+            for key, value in own.items():
+                if defs.setdefault(key, value) != value:
+                    raise ValueError(f"tools: $defs {key!r} differs between two tools' parameters")
+            p = {k: v for k, v in p.items() if k != "$defs"}
+        items.append(
+            {
+                "type": "object",
+                "properties": {"name": {"type": "string", "enum": [n]}, "parameters": p},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+        )
+    schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}, **({} if parallel else {"maxItems": 1})}
+    return {**schema, "$defs": defs} if defs else schema
 
 
 def call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def parse_tool_calls(text: str, mode: ToolMode) -> list[dict[str, Any]] | None:
-    """OpenAI's `tool_calls` from a finished answer; None when it does not parse (cut off by max_tokens)."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return None
-    calls = [(mode.name, value)] if mode.name else [(c["name"], c["parameters"]) for c in value]
-    compact = (",", ":")
-    return [
-        {
-            "id": call_id(),
-            "type": "function",
-            "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False, separators=compact)},
-        }
-        for name, args in calls
-    ]
+def scan_answer(mode: ToolMode, text: str, done: bool) -> tuple[str, list[tuple[str | None, str]]]:
+    """The content and the calls (name, arguments text so far) of a growing answer in any mode: what a stream
+    sends and what the whole answer is made of, so both are the same. A named function's answer is its
+    arguments; "required"'s is the array of calls (`scan_calls`); "auto"'s is Hermes blocks (`scan_hermes`)."""
+    if mode.kind == "auto":
+        return scan_hermes(text, done)
+    if mode.name:
+        return "", [(mode.name, text)]
+    return "", [call[:2] for call in scan_calls(text)]
+
+
+def parse_calls(text: str, mode: ToolMode) -> tuple[str | None, list[dict[str, Any]]]:
+    """(content, OpenAI's `tool_calls`) of a finished answer: exactly what its stream adds up to. A call cut
+    off (by max_tokens) stands with its arguments as far as they were generated, as OpenAI returns it; a call
+    whose name was not yet whole is none. Without calls, an "auto" answer's content is its whole text."""
+    content, calls = scan_answer(mode, text, done=True)
+    named = []
+    for name, args in calls:
+        if name is None:
+            break
+        named.append({"id": call_id(), "type": "function", "function": {"name": name, "arguments": args}})
+    return content or None, named
 
 
 def scan_calls(text: str) -> list[tuple[str | None, str, bool]]:
@@ -363,10 +368,7 @@ class ToolCallStream:
 
     def delta(self, text: str, done: bool) -> dict[str, Any]:
         """What the answer grown to `text` adds: new content, new calls' headers, pieces of arguments."""
-        if self.mode.kind == "auto":
-            content, calls = scan_hermes(text, done)
-        else:
-            content, calls = "", [(self.mode.name, text)] if self.mode.name else [c[:2] for c in scan_calls(text)]
+        content, calls = scan_answer(self.mode, text, done)
         out: dict[str, Any] = {}
         if len(content) > self.content_sent:
             out["content"], self.content_sent = content[self.content_sent :], len(content)

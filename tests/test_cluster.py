@@ -76,12 +76,12 @@ def _start_cli(port: int, stderr_path: Path) -> subprocess.Popen:
 
 
 def _gcs_address(process: subprocess.Popen) -> str:
-    """The GCS the command started: its own child's port (`auto` could find another user's Ray)."""
+    """The GCS the command started, as its raylet was told it (`auto` could find another user's Ray)."""
     for child in psutil.Process(process.pid).children(recursive=True):
-        flags = [a for a in child.cmdline() if a.startswith("--gcs_server_port=")]
-        if child.name() == "gcs_server" and flags:
-            return f"127.0.0.1:{flags[0].split('=', 1)[1]}"
-    raise AssertionError("no gcs_server under pagedllm serve")
+        flags = [a for a in child.cmdline() if a.startswith("--gcs-address=")]
+        if child.name() == "raylet" and flags:
+            return flags[0].split("=", 1)[1]
+    raise AssertionError("no raylet under pagedllm serve")
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +89,10 @@ def cluster(tmp_path_factory):
     """The real `pagedllm serve --replicas 2` at /, and a round-robin front door at /rr over its replicas."""
     import ray  # the cluster extra, which `make test` installs; imported here so that -m "not cluster" needs none
     from ray import serve
+    from ray._private.authentication.authentication_token_setup import maybe_enable_token_auth_if_token_available
 
     from pagedllm.cluster.app import build_front_door
+    from pagedllm.cluster.loopback import loopback_only
     from pagedllm.entrypoints.serve_cluster import parse_builder_args, settings_from_args
 
     port = free_port()
@@ -98,6 +100,8 @@ def cluster(tmp_path_factory):
     process = _start_cli(port, stderr_path)
     running = Cluster(f"http://127.0.0.1:{port}", process, stderr_path)
     try:
+        loopback_only()  # or Ray takes 127.0.0.1 for this machine's address, where nothing listens
+        maybe_enable_token_auth_if_token_available(warn_if_disabled=False)  # the token the command's Ray made
         ray.init(address=_gcs_address(process), log_to_driver=False)
         _, _, ingress = settings_from_args(parse_builder_args({"routing": "round-robin"}))
         serve.run(build_front_door(ingress), name="rr", route_prefix="/rr")

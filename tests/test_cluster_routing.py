@@ -332,3 +332,15 @@ def test_a_ray_address_with_no_cluster_is_one_line_naming_the_flag(monkeypatch, 
     assert rc != 0
     assert len(err.strip().splitlines()) == 1 and "--ray-address auto" in err, err
     assert "Traceback" not in err and "`--address`" not in err
+
+
+@pytest.mark.timeout(120)  # a hang guard: Ray itself would retry such an address for minutes
+def test_a_ray_address_where_nothing_listens_is_one_line_naming_the_flag(capsys):
+    pytest.importorskip("ray")
+    from pagedllm.bench.server_process import free_port
+    from pagedllm.entrypoints.cli import main
+
+    address = f"127.0.0.1:{free_port()}"
+    assert main(["serve", "--replicas", "2", "--ray-address", address, "--port", str(free_port())]) != 0
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [err.strip()] and f"--ray-address {address}: no Ray cluster" in err, err

@@ -9,10 +9,10 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from pagedllm.cluster.loopback import loopback_only
@@ -27,6 +27,7 @@ def _ray_init(ray: Any, address: str | None) -> None:
     every port on loopback (loopback.py). A cluster that cannot be reached is one line naming the flag,
     not Ray's traceback ending in advice about an `--address` flag pagedllm does not have."""
     if address:
+        _check_answers(address)
         try:
             ray.init(address=address)
         except (ConnectionError, TimeoutError) as e:
@@ -39,6 +40,18 @@ def _ray_init(ray: Any, address: str | None) -> None:
         loopback_only()
         with _drop_logs(TOKEN_AUTH_LOGGER, "Token authentication is enabled"):
             ray.init(num_cpus=os.cpu_count(), include_dashboard=False, object_store_memory=OBJECT_STORE_BYTES)
+
+
+def _check_answers(address: str) -> None:
+    """A host:port where nothing listens is refused at once: Ray would retry it for minutes, then print a
+    traceback. `auto` (Ray's own search) and anything that is not host:port are left to Ray."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=10).close()
+    except OSError as e:
+        raise UserError(f"--ray-address {address}: no Ray cluster answers there ({e.strerror or e})") from None
 
 
 def check_resources(total: dict[str, float], replicas: int, cpus: float, gpus: float) -> None:
@@ -109,23 +122,17 @@ def serve_cluster(config: Any, options: Any, ingress: Any, host: str, port: int,
     return 0
 
 
-@dataclass(frozen=True)
-class _Drop(logging.Filter):
-    """Drops one logger's records that contain `text` (see `_drop_logs`)."""
-
-    text: str
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return self.text not in record.getMessage()
-
-
 @contextlib.contextmanager
 def _drop_logs(logger_name: str, text: str) -> Iterator[None]:
-    """Ray logs two alarming lines that are not true of what pagedllm does: that token authentication, which a
-    new local Ray turns on, can be opted out of (it is on, and stays on; README), and, when `serve.run` starts
-    Serve once more without options, that "New http_options ... will not be applied" to the Serve that
-    `serve.start` just started with this command's options. Only those records go; any other is shown."""
-    target, drop = logging.getLogger(logger_name), _Drop(text)
+    """Ray logs two alarming lines that are not true of what pagedllm does: advice to opt out of the token
+    authentication a new local Ray turns on (it stays on: README), and, as `serve.run` starts Serve once more
+    without options, that "New http_options ... will not be applied" to the Serve that `serve.start` just
+    started with this command's options. Only records of `logger_name` containing `text` go."""
+    target = logging.getLogger(logger_name)
+
+    def drop(record: logging.LogRecord) -> bool:
+        return text not in record.getMessage()
+
     target.addFilter(drop)
     try:
         yield

@@ -3,7 +3,9 @@ the official openai client works unchanged, prefix routing keeps every request o
 (and beats round-robin's cluster-wide hit rate, measured by a second front door over the same replicas), and a
 replica killed mid-stream fails its own request with a clear error while the other serves and Ray starts a new one.
 
-One cluster for the module (Ray and two model loads are most of the time); `-m "not cluster"` skips it.
+One cluster for the module, started the way a user starts it (`pagedllm serve --replicas 2`, a subprocess; Ray
+and two model loads are most of the time): its Ray listens on loopback only, and what it prints from start to
+Ctrl-C is nothing alarming (the last test stops it). `-m "not cluster"` skips the module.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from ray import serve
 
 from pagedllm.cluster.ingress import ClusterEngine, EngineFacts, IngressSettings, call, wait_for_info
+from pagedllm.cluster.loopback import replica_grpc_on_loopback
 from pagedllm.cluster.metrics import sum_stats, with_replica_labels
 from pagedllm.cluster.replica import EngineReplica, ReplicaReport, ReplicaSettings
 from pagedllm.cluster.routing import ROUTERS, apply_events, router_for, router_key
@@ -168,6 +169,7 @@ class Ingress:
         from pagedllm.model.config import load_model_config
         from pagedllm.model.tokenizer import load_tokenizer
 
+        replica_grpc_on_loopback()
         if isinstance(engines, EngineRef):
             engines = serve.get_deployment_handle(engines.deployment_name, app_name=engines.app_name)
         info = await wait_for_info(engines)  # the first call: it makes Ray Serve build this process's router

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import Any
 
+from pagedllm.cluster.loopback import replica_grpc_on_loopback
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.stats import EngineStats
@@ -62,6 +63,7 @@ class EngineReplica:
         from pagedllm.engine.llm_engine import LLMEngine
         from pagedllm.entrypoints.openai.metrics import ServerMetrics
 
+        replica_grpc_on_loopback()
         torch.set_num_threads(settings.num_threads)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.core = LLMEngine(replace(settings.engine, enable_kv_cache_events=True))

@@ -75,7 +75,9 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--ray-address",
         default=None,
-        help="join this Ray cluster (e.g. ray://head:10001 or auto) instead of starting a local one",
+        help="join this Ray cluster (e.g. ray://head:10001, or auto: the one `ray start --head` started here) "
+        "instead of starting a local one, which listens on 127.0.0.1 only (replicas on other machines: start "
+        "the cluster yourself and pass its address)",
     )
     g.add_argument(
         "--routing",

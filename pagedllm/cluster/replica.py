@@ -60,7 +60,7 @@ class EngineReplica:
 
         from pagedllm.engine.async_engine import AsyncLLMEngine
         from pagedllm.engine.llm_engine import LLMEngine
-        from pagedllm.entrypoints.openai.metrics import ServerMetrics
+        from pagedllm.engine.metrics import ServerMetrics
 
         torch.set_num_threads(settings.num_threads)
         self.replica_id = serve.get_replica_context().replica_id.unique_id

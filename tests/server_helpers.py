@@ -31,7 +31,7 @@ def tiny_kv_budget(blocks: int = 24) -> int:
 def running_server(engine, api_key: str | None = KEY, **app_args) -> Iterator[SimpleNamespace]:
     """uvicorn in a thread on a free port over `engine` (an AsyncLLMEngine), API key KEY (None: no key, as
     `pagedllm serve` without --api-key); stopped on exit."""
-    from pagedllm.entrypoints.openai.api_server import Server, build_app
+    from pagedllm.server.api_server import Server, build_app
 
     app = build_app(engine, api_key=api_key, **app_args)
     srv = Server(app, host="127.0.0.1", port=0, log_level="warning")

@@ -22,7 +22,7 @@ OWN = ("pagedllm.bench", "pagedllm.rag")
 LAYERS = [
     ("pagedllm.entrypoints",),  # the CLI commands (the OpenAI server has its own layer below)
     ("pagedllm.cluster",),
-    ("pagedllm.entrypoints.openai",),
+    ("pagedllm.server",),
     ("pagedllm.bench",),
     ("pagedllm.rag",),
     ("pagedllm.__init__",),  # `from pagedllm import LLM, SamplingParams`
@@ -131,11 +131,7 @@ def test_the_graph_rules_catch_a_cycle_and_an_upward_import():
     assert _find_cycle(graph) == ["pagedllm.model", "pagedllm.model.loader", "pagedllm.model"]
     assert _find_cycle({"a": {"b"}, "b": set()}) is None
     assert _upward_imports(graph) == ["pagedllm.cluster.launch imports pagedllm.entrypoints.cli, a layer above it"]
-    assert (
-        _layer("pagedllm.entrypoints.openai.protocol")
-        > _layer("pagedllm.cluster.app")
-        > _layer("pagedllm.entrypoints.serve")
-    )
+    assert _layer("pagedllm.server.protocol") > _layer("pagedllm.cluster.app") > _layer("pagedllm.entrypoints.serve")
 
 
 def _violation(module: str, names: list[str]) -> str | None:
@@ -166,7 +162,7 @@ def test_bench_and_rag_import_only_public_surfaces():
 def test_the_rule_catches_a_private_import():
     assert _violation("pagedllm.kv.manager", ["PagedKVCacheManager"]) == "pagedllm.kv.manager"
     assert _violation("pagedllm.model", ["cpu_kernel"]) is not None
-    assert _violation("pagedllm.entrypoints.openai.protocol", ["CompletionRequest"]) is not None
+    assert _violation("pagedllm.server.protocol", ["CompletionRequest"]) is not None
     assert _violation("pagedllm.kv", ["PagedKVCacheManager"]) is None
     assert _violation("pagedllm", ["LLM", "kv"]) is None
 

@@ -237,7 +237,7 @@ def test_replica_pages_merge_into_one_valid_page_with_a_replica_label():
 
     from pagedllm.bench.metrics import parse_prefix_cache_counters
     from pagedllm.cluster.metrics import sum_stats, with_replica_labels
-    from pagedllm.entrypoints.openai.metrics import ServerMetrics
+    from pagedllm.engine.metrics import ServerMetrics
 
     a = _stats(
         prefix_cache_queries=100,

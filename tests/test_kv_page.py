@@ -19,7 +19,7 @@ import pytest
 from engine_helpers import kv_budget
 from kv_pool import busy_engine
 
-from pagedllm.entrypoints.openai.kv_page import KVBlockDetail, KVBlocksResponse
+from pagedllm.server.kv_page import KVBlockDetail, KVBlocksResponse
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -45,7 +45,7 @@ EARLIER = "An earlier question, answered and gone: its full blocks stay cached i
 def server(model_fp32):
     from pagedllm.engine import EngineConfig, LLMEngine
     from pagedllm.engine.async_engine import AsyncLLMEngine
-    from pagedllm.entrypoints.openai.api_server import Server, build_app
+    from pagedllm.server.api_server import Server, build_app
 
     cfg = EngineConfig(max_model_len=512, kv_cache_memory=kv_budget(128), log_stats_interval=0)
     engine = AsyncLLMEngine(LLMEngine(cfg, model_fp32))
@@ -246,8 +246,8 @@ def test_a_100k_block_pool_renders(browser):
 
     from fastapi import FastAPI
 
-    from pagedllm.entrypoints.openai.api_server import Server
-    from pagedllm.entrypoints.openai.kv_page import router
+    from pagedllm.server.api_server import Server
+    from pagedllm.server.kv_page import router
 
     pool = busy_engine(100_000)  # the pool its cost benchmark times: 60% held, shared prefixes, cached
 

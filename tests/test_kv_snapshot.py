@@ -21,7 +21,7 @@ from pagedllm.engine import EngineConfig, LLMEngine
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pagedllm.engine.block_map import STATES, block_map, expand_row, grid
 from pagedllm.engine.kv_snapshot import BlockTokens, KVSnapshot, RequestState, block_detail, take_snapshot
-from pagedllm.entrypoints.openai.kv_page import KVBlocksResponse
+from pagedllm.server.kv_page import KVBlocksResponse
 
 
 def engine(model, num_blocks: int, **kw) -> LLMEngine:

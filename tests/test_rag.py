@@ -418,8 +418,8 @@ def test_server_rag_chat_endpoint_names_chunks_and_hits_the_cache(rag_index, mod
 
     from pagedllm.engine import EngineConfig, LLMEngine
     from pagedllm.engine.async_engine import AsyncLLMEngine
-    from pagedllm.entrypoints.openai.api_server import Server, build_app
     from pagedllm.rag import RagPipeline
+    from pagedllm.server.api_server import Server, build_app
 
     engine = AsyncLLMEngine(
         LLMEngine(EngineConfig(kv_cache_memory=64 * 2**20, max_model_len=2048, log_stats_interval=0), model_fp32)

@@ -37,7 +37,7 @@ ENGINE_ARGS = dict(max_model_len=MAX_MODEL_LEN, kv_cache_memory=64 * 2**20, log_
 def server():
     from pagedllm.engine import EngineConfig, LLMEngine
     from pagedllm.engine.async_engine import AsyncLLMEngine
-    from pagedllm.entrypoints.openai.api_server import Server, build_app
+    from pagedllm.server.api_server import Server, build_app
 
     engine = AsyncLLMEngine(LLMEngine(EngineConfig(**ENGINE_ARGS)), max_waiting_requests=256)
     app = build_app(engine, served_model_names=[MODEL], api_key=KEY)

@@ -173,7 +173,7 @@ def test_malformed_input_is_a_400_and_keeps_the_connection(fault_server, body, p
 def test_an_unexpected_error_is_a_500_that_keeps_the_connection(fault_server, monkeypatch):
     """A bug's 500 is logged and answered without dropping the keep-alive connection (Starlette's own error
     middleware re-raises, and uvicorn then closes it)."""
-    from pagedllm.entrypoints.openai.serving_engine import ServingContext
+    from pagedllm.server.serving_engine import ServingContext
 
     def broken(self, model):
         raise RuntimeError("a bug")
@@ -249,7 +249,7 @@ def test_logit_bias_keys_of_non_ascii_digits_are_refused_by_name(fault_server, k
 def test_a_kv_snapshot_that_waits_past_a_slow_step_is_a_503(fault_server, monkeypatch):
     """/v1/kv/blocks waits for the engine thread between two steps; when a step outlasts the wait, the answer is
     the 503 its OpenAPI entry promises (it was a 500 with an empty message), and the server goes on."""
-    from pagedllm.entrypoints.openai import kv_page
+    from pagedllm.server import kv_page
 
     core = fault_server.engine.engine
     real_step, entered, release = core.step, threading.Event(), threading.Event()

@@ -84,8 +84,8 @@ def test_cli_bad_speculative_config_is_one_line(capsys):
 
 def test_acceptance_counts_and_metrics_use_vllm_names():
     from pagedllm.bench.metrics import parse_spec_decode_counters, spec_decode_delta
+    from pagedllm.engine.metrics import ServerMetrics
     from pagedllm.engine.stats import EngineStats
-    from pagedllm.entrypoints.openai.metrics import ServerMetrics
 
     assert num_accepted([5, 6, 7], [5, 6, 8, 1]) == 2 and num_accepted([5], [4, 5]) == 0
     stats = SpecDecodeStats()

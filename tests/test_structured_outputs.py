@@ -18,7 +18,7 @@ import pytest
 from engine_helpers import kv_budget
 from server_helpers import KEY, assert_error, assert_pool_whole, running_server, sse_events
 
-from pagedllm.entrypoints.openai.tool_calls import (
+from pagedllm.server.tool_calls import (
     ToolCallStream,
     ToolMode,
     parse_calls,

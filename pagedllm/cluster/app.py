@@ -22,7 +22,7 @@ from pagedllm.cluster.metrics import sum_stats, with_replica_labels
 from pagedllm.cluster.replica import EngineReplica, ReplicaReport, ReplicaSettings
 from pagedllm.cluster.routing import ROUTERS, apply_events, router_for, router_key
 from pagedllm.engine.config import EngineConfig
-from pagedllm.entrypoints.openai.metrics import CONTENT_TYPE
+from pagedllm.engine.metrics import CONTENT_TYPE
 
 logger = logging.getLogger("pagedllm.cluster")
 
@@ -116,8 +116,8 @@ async def kv_state(request: Request) -> dict[str, Any]:
 def build_ingress_app(engine: ClusterEngine, settings: IngressSettings) -> FastAPI:
     """The single-process server's app over the cluster engine, with per-replica routes in place of its one-engine
     state routes (/health, /metrics, /v1/kv; the /kv block map stays a single server's)."""
-    from pagedllm.entrypoints.openai import serving_info
-    from pagedllm.entrypoints.openai.api_server import DEFAULT_MAX_REQUEST_BYTES, build_app
+    from pagedllm.server import serving_info
+    from pagedllm.server.api_server import DEFAULT_MAX_REQUEST_BYTES, build_app
 
     models = APIRouter()
     models.add_api_route("/v1/models", serving_info.models, methods=["GET"], response_model=serving_info.ModelList)

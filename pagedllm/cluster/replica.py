@@ -61,7 +61,7 @@ class EngineReplica:
 
         from pagedllm.engine.async_engine import AsyncLLMEngine
         from pagedllm.engine.llm_engine import LLMEngine
-        from pagedllm.entrypoints.openai.metrics import ServerMetrics
+        from pagedllm.engine.metrics import ServerMetrics
 
         replica_grpc_on_loopback()
         torch.set_num_threads(settings.num_threads)

@@ -18,19 +18,19 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, FastAPI
 
 from pagedllm.engine.async_engine import AsyncLLMEngine
+from pagedllm.engine.metrics import ServerMetrics
 from pagedllm.engine.protocol import AsyncEngine
-from pagedllm.entrypoints.openai import (
+from pagedllm.server import (
     serving_chat,
     serving_completion,
     serving_info,
     serving_rag,
     serving_tokenization,
 )
-from pagedllm.entrypoints.openai.errors import install_error_handlers
-from pagedllm.entrypoints.openai.kv_page import router as kv_page_router
-from pagedllm.entrypoints.openai.metrics import ServerMetrics
-from pagedllm.entrypoints.openai.middleware import AuthMiddleware, InternalErrorMiddleware, RequestBodyMiddleware
-from pagedllm.entrypoints.openai.serving_engine import ServingContext
+from pagedllm.server.errors import install_error_handlers
+from pagedllm.server.kv_page import router as kv_page_router
+from pagedllm.server.middleware import AuthMiddleware, InternalErrorMiddleware, RequestBodyMiddleware
+from pagedllm.server.serving_engine import ServingContext
 
 if TYPE_CHECKING:
     from pagedllm.rag import RagPipeline

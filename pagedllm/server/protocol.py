@@ -14,8 +14,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
-from pagedllm.entrypoints.openai.tool_calls import ToolMode, tool_mode, tool_schema
 from pagedllm.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError, StructuredOutputsParams
+from pagedllm.server.tool_calls import ToolMode, tool_mode, tool_schema
 
 TokenId = Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]  # StrictInt: `true` is not token 1
 Role = Literal["system", "user", "assistant", "tool", "developer"]

@@ -15,23 +15,23 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request, Response
 
 from pagedllm.engine.outputs import CompletionOutput, RequestOutput
-from pagedllm.entrypoints.openai.errors import ERROR_RESPONSES, APIError
-from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatCompletionResponse
-from pagedllm.entrypoints.openai.serving_engine import (
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.server.errors import ERROR_RESPONSES, APIError
+from pagedllm.server.protocol import ChatCompletionRequest, ChatCompletionResponse
+from pagedllm.server.serving_engine import (
     EngineRequest,
     ServingContext,
     cancel_on_disconnect,
     request_id,
     serving,
 )
-from pagedllm.entrypoints.openai.streaming import Chunks, SSEResponse, pieces
-from pagedllm.entrypoints.openai.tool_calls import (
+from pagedllm.server.streaming import Chunks, SSEResponse, pieces
+from pagedllm.server.tool_calls import (
     ToolCallStream,
     ToolMode,
     auto_tools_supported,
     parse_calls,
 )
-from pagedllm.sampling_params import SamplingParams
 
 router = APIRouter()
 

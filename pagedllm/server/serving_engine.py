@@ -21,9 +21,9 @@ from fastapi import Request, Response
 from pagedllm.engine.async_engine import RequestAbortedError
 from pagedllm.engine.outputs import CompletionOutput, RequestOutput
 from pagedllm.engine.protocol import AsyncEngine
-from pagedllm.entrypoints.openai.errors import APIError
-from pagedllm.entrypoints.openai.protocol import ChatMessage, finite_logprob
 from pagedllm.sampling_params import MAX_N, SamplingParams
+from pagedllm.server.errors import APIError
+from pagedllm.server.protocol import ChatMessage, finite_logprob
 
 logger = logging.getLogger("pagedllm.server")
 T = TypeVar("T")

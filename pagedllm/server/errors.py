@@ -21,8 +21,8 @@ from pagedllm.engine.async_engine import (
     RequestAbortedError,
     TooManyWaitingRequestsError,
 )
-from pagedllm.entrypoints.openai.protocol import ErrorResponse
 from pagedllm.errors import UserError
+from pagedllm.server.protocol import ErrorResponse
 
 logger = logging.getLogger("pagedllm.server")
 

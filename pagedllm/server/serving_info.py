@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request, Response
 
-from pagedllm.entrypoints.openai.errors import ERROR_RESPONSES, error_response
-from pagedllm.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
-from pagedllm.entrypoints.openai.protocol import HealthResponse, KVState, ModelCard, ModelList
-from pagedllm.entrypoints.openai.serving_engine import ServingContext, serving
+from pagedllm.engine.metrics import CONTENT_TYPE, ServerMetrics
+from pagedllm.server.errors import ERROR_RESPONSES, error_response
+from pagedllm.server.protocol import HealthResponse, KVState, ModelCard, ModelList
+from pagedllm.server.serving_engine import ServingContext, serving
 
 router = APIRouter()
 

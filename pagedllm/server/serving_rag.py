@@ -10,10 +10,10 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
 
-from pagedllm.entrypoints.openai import serving_chat
-from pagedllm.entrypoints.openai.errors import ERROR_RESPONSES, APIError
-from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
-from pagedllm.entrypoints.openai.serving_engine import ServingContext, cancel_on_disconnect, request_id, serving
+from pagedllm.server import serving_chat
+from pagedllm.server.errors import ERROR_RESPONSES, APIError
+from pagedllm.server.protocol import ChatCompletionRequest, ChatMessage
+from pagedllm.server.serving_engine import ServingContext, cancel_on_disconnect, request_id, serving
 
 router = APIRouter()
 

@@ -16,17 +16,17 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 
 from pagedllm.engine.outputs import CompletionOutput, RequestOutput
-from pagedllm.entrypoints.openai.errors import ERROR_RESPONSES
-from pagedllm.entrypoints.openai.protocol import CompletionRequest, CompletionResponse
-from pagedllm.entrypoints.openai.serving_engine import (
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.server.errors import ERROR_RESPONSES
+from pagedllm.server.protocol import CompletionRequest, CompletionResponse
+from pagedllm.server.serving_engine import (
     EngineRequest,
     ServingContext,
     cancel_on_disconnect,
     request_id,
     serving,
 )
-from pagedllm.entrypoints.openai.streaming import Chunks, SSEResponse, pieces
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.server.streaming import Chunks, SSEResponse, pieces
 
 router = APIRouter()
 

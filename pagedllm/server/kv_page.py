@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field
 
 from pagedllm.engine.block_map import block_map
 from pagedllm.engine.kv_snapshot import BlockTokens, block_detail, take_snapshot
-from pagedllm.entrypoints.openai.errors import ERROR_RESPONSES, APIError
+from pagedllm.server.errors import ERROR_RESPONSES, APIError
 
 router = APIRouter()
 ENGINE_WAIT_S = 30.0  # how long a read waits for the engine thread to get between two steps, then a 503
@@ -206,5 +206,5 @@ async def kv_page(name: str = "") -> Response:
     if name not in _STATIC:
         raise APIError(f"/kv/{name}: no such file (the page is at /kv)", 404)
     file, media = _STATIC[name]
-    body = resources.files("pagedllm.entrypoints.openai").joinpath("static", file).read_bytes()
+    body = resources.files("pagedllm.server").joinpath("static", file).read_bytes()
     return Response(body, media_type=media, headers={"Cache-Control": "no-cache"})

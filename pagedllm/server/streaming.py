@@ -17,9 +17,9 @@ from starlette.types import Receive, Scope, Send
 
 from pagedllm.engine.async_engine import EngineDeadError, RequestAbortedError
 from pagedllm.engine.outputs import CompletionOutput, RequestOutput
-from pagedllm.entrypoints.openai.errors import APIError, error_sse
-from pagedllm.entrypoints.openai.protocol import StreamOptions
-from pagedllm.entrypoints.openai.serving_engine import EngineRequest, ServingContext
+from pagedllm.server.errors import APIError, error_sse
+from pagedllm.server.protocol import StreamOptions
+from pagedllm.server.serving_engine import EngineRequest, ServingContext
 
 logger = logging.getLogger("pagedllm.server")
 

@@ -165,9 +165,10 @@ def _load_bytes(path: Path) -> bytes:
     """The file's bytes, opened without following a link and only when it is a regular file of a kept choice's
     size: a link, a directory or a FIFO planted in its place is refused rather than read (or waited on)."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ValueError("not a regular file")
     with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ValueError("not a regular file")
         data = f.read(MAX_FILE_BYTES + 1)
     if len(data) > MAX_FILE_BYTES:
         raise ValueError(f"larger than {MAX_FILE_BYTES} bytes")

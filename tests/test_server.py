@@ -13,13 +13,14 @@ import json
 import os
 import re
 import signal
+import socket
 import time
 from types import SimpleNamespace
 
 import httpx
 import openai
 import pytest
-from server_helpers import AUTH, KEY, assert_error, assert_pool_whole, kv, sse_events
+from server_helpers import AUTH, HANG_S, KEY, StepHold, assert_error, assert_pool_whole, kv, sse_events
 
 from pagedllm.bench.server_process import free_port, serve
 
@@ -332,6 +333,8 @@ def test_prefix_cache_hits(server):
 
 
 def test_client_disconnect_aborts(server):
+    """A stream cut while its request runs aborts the request and frees its blocks. The engine makes three
+    tokens and then holds its steps, so the request is still running when the client leaves on any CPU."""
     rid = f"disconnect-{time.monotonic_ns()}"
     body = {
         "model": MODEL,
@@ -340,23 +343,30 @@ def test_client_disconnect_aborts(server):
         "stream": True,
         "ignore_eos": True,
     }
-    with httpx.Client(base_url=server.base, headers={**AUTH, "X-Request-Id": rid}, timeout=60) as c:
-        with c.stream("POST", "/v1/completions", json=body) as r:
-            assert r.status_code == 200
-            got = 0
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    got += 1
-                    if got == 2:
-                        break
-            assert kv(server)["num_running"] == 1
-    # The connection is closed: the request is aborted (not finished: it had ~198 tokens to go) and freed.
-    deadline = time.monotonic() + 30
-    while not any(a.startswith(f"cmpl-{rid}") for a in kv(server)["recent_aborted_request_ids"]):
-        assert time.monotonic() < deadline, kv(server)
-        time.sleep(0.05)
+    with StepHold(server.engine) as hold:
+        hold.allow(3)  # the prompt's step and two decode steps: 3 tokens of 200
+        with httpx.Client(base_url=server.base, headers={**AUTH, "X-Request-Id": rid}, timeout=60) as c:
+            with c.stream("POST", "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                got = 0
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        got += 1
+                        if got == 2:
+                            assert kv(server)["num_running"] == 1
+                            break  # leaving the iterator closes the response: the client is gone
+        hold.wait_abort(f"cmpl-{rid}")  # the server aborts, with at least 197 tokens to go
+    wait_aborted(server, rid)
     assert_pool_whole(server)
     assert metric(server, "vllm:generation_tokens_total") > 0
+
+
+def wait_aborted(s, rid: str) -> None:
+    """Until the engine lists the request among those it aborted (not finished)."""
+    deadline = time.monotonic() + HANG_S  # a hang guard: the abort is already asked for
+    while not any(a.startswith(f"cmpl-{rid}") for a in kv(s)["recent_aborted_request_ids"]):
+        assert time.monotonic() < deadline, kv(s)
+        time.sleep(0.05)
 
 
 def test_40_streams_cut_at_once_free_every_block(server):
@@ -386,15 +396,23 @@ def test_40_streams_cut_at_once_free_every_block(server):
 
 
 def test_non_streaming_disconnect_aborts(server):
+    """A client that leaves a non-streaming request aborts it. No step runs until the server asked for the
+    abort, so the request cannot finish first however fast the CPU (before: 200 tokens had to outlast a 1.5 s
+    read timeout, which they do not on a Zen 5); the client leaves by closing its socket."""
     rid = f"gone-{time.monotonic_ns()}"
     body = {"model": MODEL, "prompt": "Write a very long story about a cat.", "max_tokens": 200, "ignore_eos": True}
-    with httpx.Client(base_url=server.base, headers={**AUTH, "X-Request-Id": rid}) as c:
-        with pytest.raises(httpx.ReadTimeout):
-            c.post("/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.5))
-    deadline = time.monotonic() + 30
-    while not any(a.startswith(f"cmpl-{rid}") for a in kv(server)["recent_aborted_request_ids"]):
-        assert time.monotonic() < deadline, kv(server)
-        time.sleep(0.05)
+    with StepHold(server.engine) as hold:
+        with socket.create_connection(("127.0.0.1", int(server.base.rsplit(":", 1)[1])), timeout=60) as sock:
+            data = json.dumps(body).encode()
+            head = (
+                f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                f"X-Request-Id: {rid}\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+            )
+            sock.sendall(head.encode() + data)
+            hold.wait_held()  # the request is in the engine, and no token of it is made
+            assert kv(server)["num_waiting"] + kv(server)["num_running"] == 1
+        hold.wait_abort(f"cmpl-{rid}")
+    wait_aborted(server, rid)
     assert_pool_whole(server)
 
 

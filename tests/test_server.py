@@ -1,7 +1,9 @@
 """The OpenAI-compatible server, end to end: a real server on a loopback port with the default model.
 
-One in-process server (uvicorn in a thread, real socket, API key set) serves most tests; a second one, a
-`pagedllm serve` subprocess with one running and one waiting request allowed, covers 503 and SIGTERM. The official
+One in-process server (uvicorn in a thread, real socket, API key set) serves most tests; a second one in
+process, with one running and one waiting request allowed, covers 503; a `pagedllm serve` subprocess covers
+the key from the environment and SIGTERM. A test that needs a request still running holds the engine's steps
+(server_helpers.StepHold), never a token count against a timeout: no test rests on the CPU's speed. The official
 `openai` client drives completions and chat; raw httpx does the rest. Every bad input must leave the block pool
 whole, checked through the debug route GET /v1/kv.
 """
@@ -20,7 +22,17 @@ from types import SimpleNamespace
 import httpx
 import openai
 import pytest
-from server_helpers import AUTH, HANG_S, KEY, StepHold, assert_error, assert_pool_whole, kv, sse_events
+from server_helpers import (
+    AUTH,
+    HANG_S,
+    KEY,
+    StepHold,
+    assert_error,
+    assert_pool_whole,
+    kv,
+    running_server,
+    sse_events,
+)
 
 from pagedllm.bench.server_process import free_port, serve
 
@@ -554,31 +566,41 @@ def _read_first_event(lines) -> dict:
     raise AssertionError("no event")
 
 
-def test_too_many_waiting_requests_503(small_server):
-    s = small_server
-    assert_error(httpx.get(s.base + "/v1/models"), 401)  # the key from PAGEDLLM_API_KEY is enforced
-    # as long as the context allows: the running request must outlast both refused ones (100 tokens did not, once)
-    body = {"model": MODEL, "prompt": "Tell me a story.", "max_tokens": MAX_MODEL_LEN - 16, "ignore_eos": True}
-    body["stream"] = True
-    with (
-        httpx.Client(base_url=s.base, headers={"Authorization": f"Bearer {s.key}"}, timeout=60) as c1,
-        httpx.Client(base_url=s.base, headers={"Authorization": f"Bearer {s.key}"}, timeout=60) as c2,
-    ):
-        with c1.stream("POST", "/v1/completions", json=body) as running:
-            _read_first_event(running.iter_lines())
-            with c2.stream("POST", "/v1/completions", json=body) as waiting:
-                assert waiting.status_code == 200
-                deadline = time.monotonic() + 30
-                while kv(s)["num_waiting"] < 1:
-                    assert time.monotonic() < deadline, kv(s)
-                    time.sleep(0.05)
-                r = s.http.post("/v1/completions", json={**body, "stream": False})
-                assert_error(r, 503)
-                r = s.http.post(
-                    "/v1/chat/completions",
-                    json={"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]},
-                )
-                assert_error(r, 503)
+@pytest.fixture
+def one_slot_server():
+    """One running and one waiting request allowed (as `--max-num-seqs 1 --max-waiting-requests 1`), in this
+    process so that a test can hold its engine's steps."""
+    from pagedllm.engine import EngineConfig, LLMEngine
+    from pagedllm.engine.async_engine import AsyncLLMEngine
+
+    config = EngineConfig(**{**ENGINE_ARGS, "max_num_seqs": 1, "kv_cache_memory": 32 * 2**20})
+    engine = AsyncLLMEngine(LLMEngine(config), max_waiting_requests=1)
+    with running_server(engine, served_model_names=[MODEL]) as s:
+        yield s
+
+
+def test_too_many_waiting_requests_503(one_slot_server):
+    """With one request running and one waiting, a third is refused with a 503. The engine makes the running
+    request's first token and then holds its steps, so the running one cannot finish while the others are
+    refused (before, it had to outlast them by its token count, which 100 tokens once did not)."""
+    s = one_slot_server
+    body = {"model": MODEL, "prompt": "Tell me a story.", "max_tokens": 100, "ignore_eos": True, "stream": True}
+    with StepHold(s.engine) as hold, httpx.Client(base_url=s.base, headers=AUTH, timeout=60) as c:
+        hold.allow(1)
+        with c.stream("POST", "/v1/completions", json=body) as running:
+            lines = running.iter_lines()  # kept: a dropped line iterator closes the response
+            _read_first_event(lines)
+            with httpx.Client(base_url=s.base, headers=AUTH, timeout=60) as c2:
+                with c2.stream("POST", "/v1/completions", json=body) as waiting:
+                    assert waiting.status_code == 200
+                    deadline = time.monotonic() + HANG_S  # a hang guard: the add is applied while steps wait
+                    while kv(s)["num_waiting"] < 1:
+                        assert time.monotonic() < deadline, kv(s)
+                        time.sleep(0.05)
+                    assert kv(s)["num_running"] == 1
+                    assert_error(s.http.post("/v1/completions", json={**body, "stream": False}), 503)
+                    chat = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+                    assert_error(s.http.post("/v1/chat/completions", json=chat), 503)
     assert_pool_whole(s)
     r = s.http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1})
     assert r.status_code == 200, r.text
@@ -586,6 +608,7 @@ def test_too_many_waiting_requests_503(small_server):
 
 def test_sigterm_graceful_shutdown(small_server):
     s = small_server
+    assert_error(httpx.get(s.base + "/v1/models"), 401)  # the key from PAGEDLLM_API_KEY is enforced
     body = {"model": MODEL, "prompt": "Tell me a story.", "max_tokens": 200, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=s.base, headers={"Authorization": f"Bearer {s.key}"}, timeout=60) as c:
         with c.stream("POST", "/v1/completions", json=body) as r:

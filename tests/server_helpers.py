@@ -7,7 +7,7 @@ import contextlib
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 
 import httpx
@@ -107,6 +107,8 @@ class StepHold:
         self.engine = engine  # an AsyncLLMEngine
         self.core = engine.engine
         self.held = threading.Event()  # set once a step waits
+        self.inner = lambda: type(self.core).step(self.core)  # what a step runs once let through
+        self.run_while: Callable[[], bool] = lambda: False  # steps also run while this holds (engine thread)
         self._permits = 0
         self._released = False
         self._cond = threading.Condition()
@@ -115,7 +117,7 @@ class StepHold:
 
     def _step(self):
         with self._cond:
-            while not self._released and self._permits == 0:
+            while not self._released and self._permits == 0 and not self.run_while():
                 self.held.set()
                 self._cond.release()
                 try:
@@ -126,7 +128,7 @@ class StepHold:
             self._permits = max(0, self._permits - 1)
         if not self.core.has_unfinished_requests():  # what it held was aborted meanwhile
             return []
-        return type(self.core).step(self.core)
+        return self.inner()
 
     def _abort(self, request_id: str) -> None:
         type(self.engine).abort(self.engine, request_id)

@@ -120,6 +120,9 @@ class FakeEngine:
         )
 
 
+NEVER = 10**9  # tokens: at step_s or more per step, a request that finishes only when the test ends it
+
+
 @dataclass
 class P:
     max_tokens: int = 5
@@ -179,7 +182,7 @@ def test_cancelled_task_aborts():
         running = asyncio.Event()
 
         async def consume():
-            async for _ in eng.generate([1], P(max_tokens=1000), "c"):
+            async for _ in eng.generate([1], P(max_tokens=NEVER), "c"):
                 running.set()
 
         t = asyncio.ensure_future(consume())
@@ -218,13 +221,14 @@ def test_max_waiting_requests():
     eng = AsyncLLMEngine(fake, max_waiting_requests=1)
 
     async def main():
-        s1 = await eng.add_request("a", [1], P(max_tokens=100))
+        s1 = await eng.add_request("a", [1], P(max_tokens=NEVER))
         async for _ in eng.iterate(s1):
             break  # "a" runs ... and is aborted by leaving; start again with a held iterator
-        it1 = eng.generate([1], P(max_tokens=100), "b")
+        it1 = eng.generate([1], P(max_tokens=NEVER), "b")
         await it1.__anext__()  # b running
-        s2 = await eng.add_request("c", [1], P(max_tokens=100))  # c waits
-        await asyncio.sleep(0.05)
+        s2 = await eng.add_request("c", [1], P(max_tokens=NEVER))  # c waits
+        while eng.stats().num_waiting < 1:  # the stats the limit reads are the engine thread's, set after the add
+            await asyncio.sleep(0.001)  # (run() fails it as hung after 30 s)
         with pytest.raises(TooManyWaitingRequestsError):
             await eng.add_request("d", [1], P(max_tokens=100))
         await it1.aclose()
@@ -242,7 +246,7 @@ def test_shutdown_aborts_in_flight_and_refuses_new():
     eng = AsyncLLMEngine(fake)
 
     async def main():
-        it = eng.generate([1], P(max_tokens=10_000), "long")
+        it = eng.generate([1], P(max_tokens=NEVER), "long")
         await it.__anext__()
         eng.stop_accepting()
         eng.abort_all()
@@ -300,7 +304,7 @@ def test_add_racing_an_engine_crash_is_answered():
     eng = AsyncLLMEngine(fake, on_dead=died.append)
 
     async def main():
-        it = eng.generate([1], P(max_tokens=10_000), "running")
+        it = eng.generate([1], P(max_tokens=NEVER), "running")
         await it.__anext__()
         eng._ops = _CrashWhilePutting(eng._ops, fake, eng)
         with pytest.raises(EngineDeadError):

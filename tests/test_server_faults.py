@@ -17,6 +17,7 @@ import pytest
 from server_helpers import (
     AUTH,
     FAULT_ENGINE_ARGS,
+    StepHold,
     assert_error,
     assert_pool_whole,
     running_server,
@@ -352,15 +353,21 @@ def test_health_body_and_detokenize_param(fault_server):
 
 
 # ------------------------------------------------------------------------------- the engine loop itself dies
-def test_engine_death_fails_streams_and_exits_non_zero(model_fp32, monkeypatch):
+def test_engine_death_fails_streams_and_exits_non_zero(model_fp32):
     """Not a request's failure (those fail the request alone) but the loop's: every stream in flight gets an error
-    event and [DONE], and the server stops with exit status 1 so that a supervisor restarts it (as vLLM)."""
+    event and [DONE], and the server stops with exit status 1 so that a supervisor restarts it (as vLLM). The
+    steps are held after the first token, so the stream is still in flight when the engine breaks on any CPU."""
     from pagedllm.engine import EngineConfig, LLMEngine
     from pagedllm.engine.async_engine import AsyncLLMEngine
 
     core = LLMEngine(EngineConfig(kv_cache_memory=tiny_kv_budget(), **FAULT_ENGINE_ARGS), loaded=model_fp32)
     engine = AsyncLLMEngine(core)
-    with running_server(engine) as s:
+
+    def broken_step():
+        raise RuntimeError("the engine itself is broken")
+
+    with running_server(engine) as s, StepHold(engine) as hold:
+        hold.allow(1)  # the first token; then the stream waits, in flight, until the engine breaks
         with s.http.stream(
             "POST",
             "/v1/completions",
@@ -368,11 +375,8 @@ def test_engine_death_fails_streams_and_exits_non_zero(model_fp32, monkeypatch):
         ) as r:
             lines = r.iter_lines()
             assert next(line for line in lines if line.startswith("data: "))
-
-            def broken_step():
-                raise RuntimeError("the engine itself is broken")
-
-            monkeypatch.setattr(core, "step", broken_step)
+            hold.inner = broken_step
+            hold.release()
             events = sse_events(lines)
         assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == 503, events[-3:]
         s.server._thread.join(30)

@@ -109,6 +109,7 @@ class StepHold:
         self.held = threading.Event()  # set once a step waits
         self.inner = lambda: type(self.core).step(self.core)  # what a step runs once let through
         self.run_while: Callable[[], bool] = lambda: False  # steps also run while this holds (engine thread)
+        self.started: set[str] = set()  # the requests that have made a token
         self._permits = 0
         self._released = False
         self._cond = threading.Condition()
@@ -128,7 +129,9 @@ class StepHold:
             self._permits = max(0, self._permits - 1)
         if not self.core.has_unfinished_requests():  # what it held was aborted meanwhile
             return []
-        return self.inner()
+        outputs = self.inner()
+        self.started.update(out.request_id for out in outputs)
+        return outputs
 
     def _abort(self, request_id: str) -> None:
         type(self.engine).abort(self.engine, request_id)

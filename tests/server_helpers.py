@@ -14,6 +14,7 @@ import httpx
 import pytest
 from engine_helpers import kv_budget
 
+HANG_S = 120.0  # what a wait allows before the test fails as hung: never reached unless something is broken
 KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 # The fault and fuzz servers: float32 (exact answers to compare), a short context, a tiny KV budget.
@@ -52,9 +53,10 @@ def kv(s) -> dict:
     return r.json()
 
 
-def assert_pool_whole(s, timeout: float = 30.0) -> dict:
-    """Nothing running or waiting and every KV block free (cached-but-unused blocks count as free)."""
-    deadline = time.monotonic() + timeout
+def assert_pool_whole(s) -> dict:
+    """Nothing running or waiting and every KV block free (cached-but-unused blocks count as free), waited for
+    (aborts are applied between steps) up to a hang guard."""
+    deadline = time.monotonic() + HANG_S
     while True:
         state = kv(s)
         if state["used_blocks"] == 0 and state["num_running"] == 0 and state["num_waiting"] == 0:
@@ -88,9 +90,6 @@ def sse_events(lines) -> list:
         data = line[len("data: ") :]
         events.append(data if data == "[DONE]" else json.loads(data))
     return events
-
-
-HANG_S = 120.0  # what a wait allows before the test fails as hung: never reached unless something is broken
 
 
 class StepHold:

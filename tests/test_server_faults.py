@@ -17,6 +17,7 @@ import pytest
 from server_helpers import (
     AUTH,
     FAULT_ENGINE_ARGS,
+    HANG_S,
     StepHold,
     assert_error,
     assert_pool_whole,
@@ -160,7 +161,7 @@ def test_malformed_input_is_a_400_and_keeps_the_connection(fault_server, body, p
     """Each used to be a 500 that also reset the next request on the same keep-alive connection."""
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     good = json.dumps({"prompt": "hi", "max_tokens": 1}).encode()
-    with socket.create_connection(("127.0.0.1", fault_server.port), timeout=30) as sock:
+    with socket.create_connection(("127.0.0.1", fault_server.port), timeout=HANG_S) as sock:
         reader = sock.makefile("rb")
         first = _exchange(sock, reader, path, body.encode())
         second = _exchange(sock, reader, "/v1/completions", good)
@@ -180,7 +181,7 @@ def test_an_unexpected_error_is_a_500_that_keeps_the_connection(fault_server, mo
         raise RuntimeError("a bug")
 
     monkeypatch.setattr(ServingContext, "check_model", broken)
-    with socket.create_connection(("127.0.0.1", fault_server.port), timeout=30) as sock:
+    with socket.create_connection(("127.0.0.1", fault_server.port), timeout=HANG_S) as sock:
         reader = sock.makefile("rb")
         first = _exchange(sock, reader, "/v1/completions", b'{"prompt": "hi", "max_tokens": 1}')
         monkeypatch.undo()
@@ -415,6 +416,12 @@ def _poisoned_sampler(core, monkeypatch) -> None:
     monkeypatch.setattr(fault_isolation, "sample", failing)
 
 
+def _once(cond):
+    """True from the first time `cond()` is: a gate that stays open once opened."""
+    opened = []
+    return lambda: bool(opened) or (cond() and not opened.append(True))
+
+
 @pytest.mark.parametrize("inject", [_poisoned_runner, _poisoned_sampler], ids=["model step", "sampling"])
 def test_one_failing_request_fails_alone(model_fp32, monkeypatch, inject):
     """Three requests in one batch, one of which makes the step fail: it gets an error, the other two the very
@@ -434,10 +441,12 @@ def test_one_failing_request_fails_alone(model_fp32, monkeypatch, inject):
 
         threads_out: list = [None] * 3
         workers = [threading.Thread(target=lambda i=i: threads_out.__setitem__(i, send(prompts[i]))) for i in range(3)]
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join(120)
+        with StepHold(s.engine) as hold:  # no step until all three are in: one batch, whatever the CPU's speed
+            hold.run_while = _once(lambda: len(core.parents) == 3)
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join(HANG_S)
         failed, *served = threads_out
         assert_error(failed, 500, contains=["injected"])
         assert [r.json()["choices"][0]["text"] for r in served] == alone

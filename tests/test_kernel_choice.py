@@ -50,6 +50,7 @@ def _good(path) -> dict:
 CORRUPT = {
     "infinite row count": lambda good: json.dumps({**good, "amx_min_rows": 1e999}),  # dumps writes Infinity
     "deep nesting": lambda good: "[" * 200_000,
+    "deep nesting, a small file": lambda good: "[" * 60_000,  # RecursionError, not a size refusal
     "shallow nonsense": lambda good: json.dumps({**good, "quantized": False, "ms": {}}),
     "no build": lambda good: json.dumps({k: v for k, v in good.items() if k != "build"}),
     "another build": lambda good: json.dumps({**good, "build": "x86-64 build (portable)"}),

@@ -16,7 +16,7 @@ from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from ray import serve
 
-from pagedllm.cluster.ingress import ClusterEngine, EngineFacts, IngressSettings, call, wait_for_info
+from pagedllm.cluster.ingress import ClusterEngine, IngressSettings, call, wait_for_info
 from pagedllm.cluster.metrics import sum_stats, with_replica_labels
 from pagedllm.cluster.replica import EngineReplica, ReplicaReport, ReplicaSettings
 from pagedllm.cluster.routing import ROUTERS, apply_events, router_for, router_key
@@ -175,7 +175,7 @@ class Ingress:
         self.engine = ClusterEngine(
             engines,
             load_tokenizer(settings.model),
-            EngineFacts(load_model_config(settings.model)),
+            load_model_config(settings.model),
             info.max_model_len,
             settings.max_waiting_requests,
         )

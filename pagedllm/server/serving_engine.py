@@ -132,7 +132,7 @@ class ServingContext:
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         """Prompt and /detokenize ids (the engine checks logit_bias and stop_token_ids itself, naming them)."""
-        vocab = self.engine.engine.model_config.vocab_size
+        vocab = self.engine.model_config.vocab_size
         bad = next((t for t in ids if t >= vocab), None)
         if bad is not None:
             raise APIError(

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, FastAPI
+from fastapi.openapi.utils import get_openapi
 
 from pagedllm.engine.protocol import AsyncEngine
 from pagedllm.server import (
@@ -29,6 +30,7 @@ from pagedllm.server.errors import install_error_handlers
 from pagedllm.server.kv_page import router as kv_page_router
 from pagedllm.server.middleware import AuthMiddleware, InternalErrorMiddleware, RequestBodyMiddleware
 from pagedllm.server.serving_engine import ServingContext
+from pagedllm.server.streaming import STREAM_RESPONSES
 
 if TYPE_CHECKING:
     from pagedllm.rag import RagPipeline
@@ -67,6 +69,7 @@ def build_app(
     app.state.engine = engine
     app.state.serving = ServingContext(engine, names, root)
     app.state.rag = rag
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]  # FastAPI's documented way to extend it
     install_error_handlers(app)
     for router in state_routers if state_routers is not None else (serving_info.router, kv_page_router):
         app.include_router(router)  # kv_page_router: GET /kv (the live block map), GET /v1/kv/blocks (its data)
@@ -79,6 +82,20 @@ def build_app(
     if api_key:
         app.add_middleware(AuthMiddleware, api_key=api_key)
     return app
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema, plus the chunk models the streams send (their routes' text/event-stream answers point to
+    them: FastAPI only collects the JSON ones)."""
+    if app.openapi_schema is None:
+        spec = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        schemas = spec.setdefault("components", {}).setdefault("schemas", {})
+        for model in STREAM_RESPONSES.values():
+            own = model.model_json_schema(ref_template="#/components/schemas/{model}", mode="serialization")
+            for name, schema in {**own.pop("$defs", {}), model.__name__: own}.items():
+                schemas.setdefault(name, schema)
+        app.openapi_schema = spec
+    return app.openapi_schema
 
 
 # -------------------------------------------------------------------- running it

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.engine.metrics import CONTENT_TYPE
 from pagedllm.server.errors import ERROR_RESPONSES, error_response
-from pagedllm.server.protocol import HealthResponse, KVState, ModelCard, ModelList
+from pagedllm.server.protocol import HealthResponse, KVPool, KVState, ModelCard, ModelList
 from pagedllm.server.serving_engine import ServingContext, serving
 
 router = APIRouter()
@@ -52,15 +52,8 @@ def models(ctx: ServingContext = Depends(serving)) -> ModelList:
 def kv_state(ctx: ServingContext = Depends(serving)) -> KVState:
     st = ctx.engine.stats()
     return KVState(
+        **KVPool.fields_of(st),
         model_name=ctx.engine.model_config.name or ctx.model_root,
-        block_size=st.block_size,
-        total_blocks=st.num_blocks,
-        free_blocks=st.num_free_blocks,
-        used_blocks=st.num_used_blocks,
-        cached_blocks=st.num_cached_blocks,
-        kv_cache_usage=st.kv_usage,
-        num_running=st.num_running,
-        num_waiting=st.num_waiting,
         num_aborted=ctx.engine.aborts.total,
         recent_aborted_request_ids=list(ctx.engine.aborts.recent)[-32:],
     )

@@ -40,9 +40,6 @@ from pagedllm.server.tool_parsers import ToolParser, auto_tools_supported, tool_
 router = APIRouter()
 
 
-ChatChoiceParts = tuple[ChatCompletionMessage, str | None]
-
-
 @dataclass
 class Prepared:
     model: str
@@ -80,7 +77,9 @@ def _finish_reason(mode: ToolMode | None, reason: str | None, called: bool) -> s
     return reason
 
 
-def _message(ctx: ServingContext, mode: ToolMode | None, c: CompletionOutput) -> ChatChoiceParts:
+def _message(
+    ctx: ServingContext, mode: ToolMode | None, c: CompletionOutput
+) -> tuple[ChatCompletionMessage, str | None]:
     """The assistant message and finish reason (`_chunks` sends the pieces of this): with tools, the calls as far
     as they were generated, by the parser a stream uses too."""
     if mode is None:

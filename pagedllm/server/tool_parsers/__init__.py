@@ -9,10 +9,12 @@ the model its tools (the default SmolLM2 model's) cannot serve "auto": a 400.
 
 from __future__ import annotations
 
+import re
+
 from pagedllm.server.protocol import ToolMode
 from pagedllm.server.tool_parsers.abstract_tool_parser import ExtractedToolCalls, Scan, ScannedCall, ToolParser
 from pagedllm.server.tool_parsers.constrained import NamedToolParser, RequiredToolParser
-from pagedllm.server.tool_parsers.hermes_tool_parser import HermesToolParser, renders_tools
+from pagedllm.server.tool_parsers.hermes_tool_parser import HermesToolParser
 
 AUTO_PARSERS: list[type[ToolParser]] = [HermesToolParser]  # the "auto" formats, asked of the template
 
@@ -30,12 +32,15 @@ __all__ = [
 
 
 def auto_tools_supported(chat_template: str | None) -> bool:
-    """Whether "auto" can be served: the template shows the model its tools and asks for calls in a format a
-    parser here reads."""
-    return bool(chat_template) and renders_tools(chat_template or "") and _auto_parser(chat_template) is not None
+    """Whether "auto" can be served: the template shows the model its tools (HF templates read a `tools`
+    variable) and asks for calls in a format a parser here reads."""
+    if not chat_template or re.search(r"\btools\b", chat_template) is None:
+        return False
+    return _auto_parser(chat_template) is not None
 
 
 def _auto_parser(chat_template: str | None) -> type[ToolParser] | None:
+    """The "auto" format the template asks for, if a parser here reads it."""
     return next((p for p in AUTO_PARSERS if chat_template and p.supports(chat_template)), None)
 
 

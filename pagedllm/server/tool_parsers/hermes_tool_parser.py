@@ -3,8 +3,6 @@ blocks after the content, parsed unconstrained for tool_choice "auto" (vLLM's he
 
 from __future__ import annotations
 
-import re
-
 from pagedllm.server.tool_parsers.abstract_tool_parser import Scan, ScannedCall, ToolParser
 from pagedllm.server.tool_parsers.json_scan import CallRead, Incomplete, NotJSON, read_call, skip
 
@@ -71,8 +69,3 @@ def _block(text: str, at: int, done: bool) -> tuple[CallRead, int | None] | None
         return call, None
     close = text.find(CLOSE, after)
     return call, None if close < 0 else close + len(CLOSE)
-
-
-def renders_tools(chat_template: str) -> bool:
-    """Whether a chat template shows the model its tools (HF templates read a `tools` variable)."""
-    return re.search(r"\btools\b", chat_template) is not None

@@ -168,3 +168,31 @@ class StepHold:
     def __exit__(self, *exc) -> None:
         self.release()
         del self.core.step, self.engine.abort
+
+
+def _closed(node):
+    """A copy of an OpenAPI schema where every object schema refuses properties it does not declare: a field
+    the server sends and does not document fails the check instead of passing unseen."""
+    if isinstance(node, list):
+        return [_closed(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _closed(v) for k, v in node.items()}
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def assert_as_declared(spec: dict, path: str, method: str, r: httpx.Response, events: list | None = None) -> int:
+    """The response's JSON (or every event of a stream: `events`, as sse_events reads them) validates against the
+    schema /openapi.json (`spec`) declares for this route, status and content type; how many bodies it checked."""
+    import jsonschema
+
+    media = r.headers["content-type"].split(";")[0]
+    declared = spec["paths"][path][method]["responses"][str(r.status_code)]["content"][media]["schema"]
+    validator = jsonschema.Draft202012Validator({**declared, "components": _closed(spec["components"])})
+    bodies = [e for e in events if e != "[DONE]"] if events is not None else [r.json()]
+    for body in bodies:
+        errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(body)]
+        assert not errors, f"{method.upper()} {path} {r.status_code} {media}: {errors} in {body}"
+    return len(bodies)

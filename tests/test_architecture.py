@@ -16,11 +16,12 @@ MAX_FUNCTION_LINES = 60
 TOP_LEVEL = {"pagedllm", "pagedllm.errors", "pagedllm.sampling_params", "pagedllm.sse"}
 PACKAGES = {"pagedllm.engine", "pagedllm.model", "pagedllm.kv"}  # their __all__ only
 OWN = ("pagedllm.bench", "pagedllm.rag")
-# Top to bottom: a module may import its own layer's modules and those below, never one above
-# (docs/architecture.md, "What may import what"). The CLI commands parse flags and call the cluster or the server;
-# the cluster builds on the server's OpenAI app; the server may serve RAG; bench and rag use the public API.
+# Top to bottom, one package per layer (no layer is a part of a package): a module may import its own layer's
+# modules and those below, never one above (docs/architecture.md, "What may import what"). The CLI commands parse
+# flags and call the cluster or the server; the cluster builds on the server's OpenAI app; the server may serve
+# RAG; bench and rag use the public API.
 LAYERS = [
-    ("pagedllm.entrypoints",),  # the CLI commands (the OpenAI server has its own layer below)
+    ("pagedllm.entrypoints",),  # the CLI commands only
     ("pagedllm.cluster",),
     ("pagedllm.server",),
     ("pagedllm.bench",),
@@ -120,6 +121,16 @@ def test_the_module_graph_has_no_cycle():
 def test_imports_go_down_the_layers():
     bad = _upward_imports(_module_graph())
     assert not bad, "imports against the layer order (docs/architecture.md):\n" + "\n".join(bad)
+
+
+def test_each_layer_is_whole_top_level_packages():
+    """No layer is a part of a package (the server is `pagedllm.server`, not a corner of `entrypoints`), and
+    every module of the package is in one."""
+    prefixes = [prefix for layer in LAYERS for prefix in layer]
+    assert all(p.count(".") == 1 for p in prefixes), prefixes
+    assert len(prefixes) == len(set(prefixes))
+    top = {".".join(m.split(".")[:2]) for m in _modules() if m != "pagedllm"}
+    assert top <= set(prefixes) | {"pagedllm.__init__"}, top - set(prefixes)
 
 
 def test_the_graph_rules_catch_a_cycle_and_an_upward_import():

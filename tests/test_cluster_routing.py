@@ -237,7 +237,7 @@ def test_replica_pages_merge_into_one_valid_page_with_a_replica_label():
 
     from pagedllm.bench.metrics import parse_prefix_cache_counters
     from pagedllm.cluster.metrics import sum_stats, with_replica_labels
-    from pagedllm.engine.metrics import ServerMetrics
+    from pagedllm.engine.metrics import PrometheusStatLogger
 
     a = _stats(
         prefix_cache_queries=100,
@@ -248,8 +248,8 @@ def test_replica_pages_merge_into_one_valid_page_with_a_replica_label():
     )
     b = _stats(prefix_cache_queries=50, prefix_cache_hits=5, num_waiting=1, spec_decode_num_accepted_tokens_per_pos=[2])
     pages = {
-        "ra": ServerMetrics("m", lambda: a).render().decode(),
-        "rb": ServerMetrics("m", lambda: b).render().decode(),
+        "ra": PrometheusStatLogger().render(a, "m").decode(),
+        "rb": PrometheusStatLogger().render(b, "m").decode(),
     }
     merged = with_replica_labels(pages)
     families = {f.name: f for f in text_string_to_metric_families(merged)}  # parses: one HELP/TYPE per family

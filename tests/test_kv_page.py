@@ -273,6 +273,7 @@ def test_a_100k_block_pool_renders(browser):
         stats=lambda: SimpleNamespace(num_blocks=100_000),
         stop_accepting=lambda: None,
         abort_all=lambda: None,
+        is_healthy=True,
     )
     srv = Server(app, host="127.0.0.1", port=0, log_level="warning")
     srv.start_in_thread()

@@ -8,6 +8,7 @@ import time
 
 import pytest
 from rag_eval_questions import EVAL_QUESTIONS
+from server_helpers import assert_as_declared, sse_events
 
 from pagedllm.rag.chunking import chunk_text
 from pagedllm.rag.index import Hit
@@ -436,7 +437,10 @@ def test_server_rag_chat_endpoint_names_chunks_and_hits_the_cache(rag_index, mod
     }
     try:
         with httpx.Client(base_url=url, timeout=600) as c:
-            first = c.post("/v1/rag/chat/completions", json=body).json()
+            spec = c.get("/openapi.json").json()
+            r = c.post("/v1/rag/chat/completions", json=body)
+            assert_as_declared(spec, "/v1/rag/chat/completions", "post", r)  # the answer is its declared model
+            first = r.json()
             assert [h["source"] for h in first["rag"]["chunks"]][:2] and "with" in {
                 h["source"] for h in first["rag"]["chunks"]
             }
@@ -447,7 +451,9 @@ def test_server_rag_chat_endpoint_names_chunks_and_hits_the_cache(rag_index, mod
             with c.stream("POST", "/v1/rag/chat/completions", json={**body, "stream": True}) as r:
                 assert r.status_code == 200
                 assert json.loads(r.headers["x-rag-chunks"]) == first["rag"]["chunks"]
-                assert any(line == "data: [DONE]" for line in r.iter_lines())
+                events = sse_events(r.iter_lines())
+                assert "[DONE]" in events
+            assert assert_as_declared(spec, "/v1/rag/chat/completions", "post", r, events) > 2
             bad = c.post("/v1/rag/chat/completions", json={**body, "messages": [{"role": "user", "content": " "}]})
             assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
             assert c.get("/v1/kv").json()["used_blocks"] == 0

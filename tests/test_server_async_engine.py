@@ -170,7 +170,7 @@ def test_leaving_early_aborts_and_frees():
 
     try:
         run(main())
-        assert fake.aborted == ["early"] and not fake.reqs and eng.num_aborted == 1
+        assert fake.aborted == ["early"] and not fake.reqs and eng.aborts.total == 1
     finally:
         eng.shutdown()
 

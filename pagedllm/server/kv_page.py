@@ -181,15 +181,15 @@ async def kv_block(request: Request, block_id: str) -> Response:
     memo = _block_tokens(request)
     d = await engine.run_on_engine(lambda e: block_detail(e, bid, memo), timeout=ENGINE_WAIT_S)
     return JSONResponse(
-        {
-            "block_id": d.block_id,
-            "ref_cnt": d.ref_cnt,
-            "hash": d.block_hash,
-            "evict_rank": d.evict_rank,
-            "holders": d.holders,
-            "token_ids": d.token_ids,
-            "text": d.text,
-        }
+        KVBlockDetail(
+            block_id=d.block_id,
+            ref_cnt=d.ref_cnt,
+            hash=d.block_hash,
+            evict_rank=d.evict_rank,
+            holders=d.holders,
+            token_ids=d.token_ids,
+            text=d.text,
+        ).model_dump(mode="json")
     )
 
 

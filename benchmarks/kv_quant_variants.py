@@ -103,7 +103,7 @@ def logits(loaded, ids: list[int], chunk: int = 512) -> torch.Tensor:
     runner = ModelRunner(loaded, blocks, 16, torch.float32, fused=False)
     table = list(range(blocks))
     return torch.cat(
-        [runner.execute_all([SeqChunk(ids[s : s + chunk], s, table)])[0] for s in range(0, len(ids), chunk)]
+        [runner.execute([SeqChunk(ids[s : s + chunk], s, table, all_logits=True)]) for s in range(0, len(ids), chunk)]
     )
 
 

@@ -165,6 +165,13 @@ class KVCacheManager:
         would be served their never-written contents) and return them per request."""
         return {}
 
+    def attach_disk_tier(self, disk: DiskKVTier, block_io: BlockIO) -> None:
+        """Only the paged manager keeps blocks a disk tier could hold (the config refuses any other)."""
+        raise ValueError(f"{type(self).__name__} has no prefix cache for a disk tier")
+
+    def offload_cached(self) -> None:
+        """The engine went idle: a manager with a disk tier writes its hot blocks there; this one has none."""
+
     def cache_computed(self, request: KVRequest, num_tokens: int) -> None:
         """Register the full blocks of the request's first `num_tokens` tokens (after a rolled-back step ran)."""
 

@@ -110,7 +110,7 @@ class ModelRunner:
                 offset += dst.numel()
 
     @torch.inference_mode()
-    def _forward(self, chunks: list[SeqChunk], all_positions: bool) -> torch.Tensor:
+    def _forward(self, chunks: list[SeqChunk]) -> torch.Tensor:
         lens = [len(c.token_ids) for c in chunks]
         if any(n == 0 for n in lens):
             raise ValueError("every SeqChunk needs at least one new token")
@@ -119,7 +119,7 @@ class ModelRunner:
                 [c.token_ids for c in chunks],
                 [c.start_pos for c in chunks],
                 [c.block_table for c in chunks],
-                [n if all_positions else c.num_logits for c, n in zip(chunks, lens)],
+                [c.num_logits for c in chunks],
             )
         ids: list[int] = []
         for c in chunks:
@@ -128,15 +128,12 @@ class ModelRunner:
             lens, [c.start_pos for c in chunks], [c.block_table for c in chunks], self.block_size, self.device
         )
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        if all_positions:
-            index = None
-        else:
-            rows: list[int] = []
-            end = 0
-            for c in chunks:
-                end += len(c.token_ids)
-                rows.extend(range(end - c.num_logits, end))
-            index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        rows: list[int] = []
+        end = 0
+        for c in chunks:
+            end += len(c.token_ids)
+            rows.extend(range(end - c.num_logits, end))
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
         return self.model(input_ids, meta, self.kv_caches, index)
 
     def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
@@ -144,9 +141,4 @@ class ModelRunner:
         chunk order: [sum(c.num_logits), vocab]; writes K/V of all of them."""
         if not chunks:
             return torch.empty(0, self.config.vocab_size, dtype=torch.float32, device=self.device)
-        return self._forward(chunks, all_positions=False)
-
-    def execute_all(self, chunks: list[SeqChunk]) -> list[torch.Tensor]:
-        """Like execute, but float32 logits for every new token: one [len(token_ids), vocab] tensor per chunk."""
-        out = self._forward(chunks, all_positions=True)
-        return list(out.split([len(c.token_ids) for c in chunks]))
+        return self._forward(chunks)

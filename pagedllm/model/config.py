@@ -258,6 +258,11 @@ def _gguf_rope(h: GGUFHeader, where: str) -> dict[str, Any]:
     return {"rope_scaling": out, "max_position_embeddings": ctx}
 
 
+def _gguf_stops(md: dict[str, Any]) -> list[int]:
+    """The end-of-turn / end-of-message ids a GGUF names besides its EOS."""
+    return [int(md[k]) for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in md]
+
+
 def config_from_gguf(h: GGUFHeader, where: str) -> ModelConfig:
     """Build a ModelConfig from a GGUF header (llama.cpp key names, and its RoPE factor tensors)."""
     arch_key = str(h.metadata.get("general.architecture"))
@@ -288,7 +293,7 @@ def config_from_gguf(h: GGUFHeader, where: str) -> ModelConfig:
             attention_bias="blk.0.attn_q.bias" in t or "blk.0.attn_qkv.bias" in t,
             o_proj_bias="blk.0.attn_output.bias" in t,
             bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=_as_list(md.get("tokenizer.ggml.eos_token_id")),
+            eos_token_ids=list(dict.fromkeys(_as_list(md.get("tokenizer.ggml.eos_token_id")) + _gguf_stops(md))),
             family=fam.name,
             partial_rotary_factor=int(h.get("rope.dimension_count") or head_dim) / head_dim,
             name=str(md.get("general.name", "")),

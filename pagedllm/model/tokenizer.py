@@ -147,7 +147,7 @@ def load_tokenizer(model: str | None = None) -> Tokenizer:
         raise ModelLoadError(f"cannot load the tokenizer in {folder}: {e}") from e
     eos = list(cfg.eos_token_ids)
     if is_gguf(path):
-        eos += [i for i in end_of_generation_ids(hf) if i not in eos]
+        eos += [i for i in end_of_generation_ids(hf) if i not in eos and i < cfg.vocab_size]
     return Tokenizer(hf, eos, cfg.bos_token_id)
 
 

@@ -104,7 +104,14 @@ SPECS: dict[str, tuple[str, dict[str, Any], str]] = {
         "granite",
     ),
 }
-FAMILIES = list(SPECS)
+# Dynamic NTK: transformers rescales with the sequence length, so it runs only from an HF folder, and llama.cpp
+# has no such type (a GGUF cannot say it).
+SPECS["llama-dynamic"] = (
+    "LlamaConfig",
+    {"max_position_embeddings": ORIG_CTX, "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}},
+    "llama",
+)
+FAMILIES = [f for f in SPECS if f != "llama-dynamic"]
 SCALED = {"llama3", "qwen2-yarn", "phi3", "gemma3"}  # RoPE types whose tests must reach past ORIG_CTX
 PERMUTED = {"llama", "granite", "smollm3"}  # GGUF archs whose Q/K rows the converter permutes
 GEMMA = {"gemma2", "gemma3"}

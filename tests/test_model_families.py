@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import json
 import os
 import random
 
@@ -175,3 +176,87 @@ def test_gguf_config_describes_the_same_model(ckpt):
     assert {k: getattr(a, k) for k in keys} == {k: getattr(b, k) for k in keys}
     if SPECS[ckpt.family][2] != "llama":  # llama.cpp's converter drops Mistral's window
         assert [a.layer_window(i) for i in range(a.num_layers)] == [b.layer_window(i) for i in range(b.num_layers)]
+
+
+def test_dynamic_rope_matches_transformers_generation_past_the_context(tmp_path):
+    """Dynamic NTK scaling changes with the sequence length in transformers; a cached key keeps its rotation, so
+    each position rotates with the base transformers' cached generation uses for it: the same greedy tokens
+    from a prompt inside the original context to well past it."""
+    hf = make_family("llama-dynamic", str(tmp_path))
+    loaded = load_model(str(tmp_path), dtype="float32", verbose=False)
+    assert (
+        loaded.config.rope_scaling["rope_type"] == "dynamic" and loaded.config.max_position_embeddings == 4 * ORIG_CTX
+    )
+    prompt, n = _tokens(40, 7), 60
+    with torch.inference_mode():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    want = out[0, len(prompt) :].tolist()
+    runner = ModelRunner(loaded, num_blocks=16, block_size=8)
+    table, got = list(range(16)), []
+    logits = runner.execute([SeqChunk(prompt, 0, table)])
+    for _ in range(n):
+        got.append(int(logits[0].argmax()))
+        logits = runner.execute([SeqChunk([got[-1]], len(prompt) + len(got) - 1, table)])
+    assert got == want
+
+
+def _config_dir(tmp_path, **over) -> str:
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 16,
+        "hidden_size": 8,
+        "intermediate_size": 16,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+    } | over
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "over, named",
+    [
+        ({"rope_scaling": {"rope_type": "mrope", "factor": 2.0}}, "'mrope'"),
+        ({"hidden_act": "relu"}, "'relu'"),
+        ({"mlp_bias": True}, "mlp_bias"),
+        ({"architectures": ["Gemma3ForConditionalGeneration"]}, "Gemma3ForConditionalGeneration"),
+        ({"layer_types": ["chunked_attention"], "sliding_window": 8}, "chunked_attention"),
+    ],
+)
+def test_what_pagedllm_cannot_compute_is_refused_by_name(tmp_path, over, named):
+    with pytest.raises(ModelLoadError, match=named):
+        load_model_config(_config_dir(tmp_path, **over))
+
+
+def test_a_tensor_the_model_would_not_use_is_an_error(tmp_path):
+    """A checkpoint with a weight the config does not describe (an o_proj bias here) would run as a different
+    model if the tensor were skipped."""
+    from safetensors.torch import load_file, save_file
+
+    make_family("llama", str(tmp_path))
+    path = str(tmp_path / "model.safetensors")
+    tensors = load_file(path)
+    tensors["model.layers.0.self_attn.o_proj.bias"] = torch.zeros(64)
+    save_file(tensors, path)
+    with pytest.raises(ModelLoadError, match="o_proj.bias"):
+        load_model(str(tmp_path), dtype="float32", verbose=False)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_transformers_reads_our_gguf_as_we_do(family, tmp_path):
+    """transformers' own GGUF loader as a second reference, where it reads the file completely: the same logits
+    from the Q8_0 file. (It ignores llama.cpp's rope_freqs and yarn keys, and refuses Qwen3 / Phi-3 files, so
+    the scaled types are checked against the HF folder above and against llama.cpp by
+    benchmarks/family_parity_llamacpp.py.)"""
+    from transformers import AutoModelForCausalLM
+
+    make_family(family, str(tmp_path / "hf"))
+    os.makedirs(tmp_path / "gguf")
+    path = str(tmp_path / "gguf" / "m.gguf")
+    write_gguf(str(tmp_path / "hf"), family, "q8_0", path)
+    theirs = AutoModelForCausalLM.from_pretrained(str(tmp_path / "gguf"), gguf_file="m.gguf", dtype=torch.float32)
+    ids = _tokens(80, 8)
+    want = _hf_logits(theirs, ids)
+    loaded = load_model(path, dtype="float32", verbose=False)
+    got = ModelRunner(loaded, num_blocks=8, block_size=16).execute_all([SeqChunk(ids, 0, list(range(8)))])[0]
+    assert (got - want).abs().max().item() / want.abs().max().item() < TOL

@@ -152,17 +152,9 @@ def load_tokenizer(model: str | None = None) -> Tokenizer:
 
 
 # Tokens that end a turn in the chat formats people run, which llama.cpp stops on when a GGUF's vocabulary has
-# them (a GGUF names one EOS; Llama 3 ends turns with <|eot_id|>, Gemma with <end_of_turn>, ChatML with <|im_end|>).
-END_OF_GENERATION = (
-    "<|eot_id|>",
-    "<|eom_id|>",
-    "<|im_end|>",
-    "<|end|>",
-    "<end_of_turn>",
-    "<|endoftext|>",
-    "<|end_of_text|>",
-    "<EOT>",
-)
+# them (a GGUF names one EOS; Llama 3 ends turns with <|eot_id|>, Gemma with <end_of_turn>, ChatML with <|im_end|>,
+# Phi-3 with <|end|>). A base model's end of text is the file's EOS already.
+END_OF_GENERATION = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<EOT>")
 
 
 def end_of_generation_ids(hf_tokenizer: Any) -> list[int]:

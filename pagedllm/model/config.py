@@ -138,8 +138,8 @@ def _scaled_context(scaling: dict[str, Any] | None, max_pos: int, where: str) ->
     if scaling is None or kind == "default":
         return None, max_pos
     scaling = {**scaling, "rope_type": kind}
-    if kind in _ORIGINAL_CONTEXT_TYPES and "original_max_position_embeddings" not in scaling:
-        scaling["original_max_position_embeddings"] = max_pos
+    if kind == "dynamic" or (kind in _ORIGINAL_CONTEXT_TYPES and "original_max_position_embeddings" not in scaling):
+        scaling["original_max_position_embeddings"] = max_pos  # dynamic: always the config's own (transformers)
     if kind in ("yarn", "dynamic") and scaling.get("factor"):
         max_pos = max(max_pos, int(scaling["original_max_position_embeddings"] * float(scaling["factor"])))
     return scaling, max_pos

@@ -42,7 +42,7 @@ import sys, json, numpy as np
 from llama_cpp import Llama
 path, out, ids = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 llm = Llama(model_path=path, n_ctx=int(sys.argv[4]), logits_all=True, n_threads=2, n_threads_batch=2,
-            n_batch=512, verbose=False)
+            n_batch=512, type_k=0, type_v=0, flash_attn=False, verbose=False)  # an F32 KV cache, as ours
 llm.eval(ids)
 np.save(out, np.array(llm.scores[: len(ids)], dtype=np.float32))
 """
@@ -104,25 +104,30 @@ def family_rows(family: str, work: str, llamacpp_python: str | None) -> list[dic
         size = os.path.getsize(path) if fmt != "hf" else os.path.getsize(os.path.join(folder, "model.safetensors"))
         row["file_kib"] = size / 1024
         if fmt != "hf" and llamacpp_python:
-            theirs = llamacpp(llamacpp_python, path, ids, n_ctx, work)
+            twin = os.path.join(work, "llamacpp.gguf")  # the same tensors, with the BPE merge llama.cpp insists on
+            write_gguf(folder, family, fmt, twin, merges=["t 1"])
+            theirs = llamacpp(llamacpp_python, twin, ids, n_ctx, work)
             if theirs is not None:
                 row["vs_llamacpp"] = rel(got, theirs)
                 row["llamacpp_vs_transformers"] = rel(theirs, want)
+                row["llamacpp_argmax_agrees"] = float((theirs.argmax(-1) == want.argmax(-1)).mean())
         rows.append(row)
     return rows
 
 
 def markdown(rows: list[dict]) -> str:
     cols = ["family", "format", "vs transformers", "argmax", "vs llama.cpp", "llama.cpp vs transformers"]
+    cols += ["llama.cpp argmax"]
     cols += ["weights KiB", "file KiB"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         cpp = f"{r['vs_llamacpp']:.1e}" if "vs_llamacpp" in r else "-"
         cpp_ref = f"{r['llamacpp_vs_transformers']:.1e}" if "llamacpp_vs_transformers" in r else "-"
         argmax = "same" if r["argmax_agrees"] else "DIFFERS"
+        cpp_top = f"{100 * r['llamacpp_argmax_agrees']:.0f}%" if "llamacpp_argmax_agrees" in r else "-"
         lines.append(
             f"| {r['family']} | {r['format']} | {r['vs_transformers']:.1e} | {argmax} "
-            f"| {cpp} | {cpp_ref} | {r['weights_kib']:.0f} | {r['file_kib']:.0f} |"
+            f"| {cpp} | {cpp_ref} | {cpp_top} | {r['weights_kib']:.0f} | {r['file_kib']:.0f} |"
         )
     return "\n".join(lines)
 

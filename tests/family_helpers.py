@@ -238,13 +238,13 @@ def _metadata(w: Any, family: str, cfg: dict[str, Any]) -> None:
         w.add_attention_scale(cfg["attention_multiplier"])
 
 
-def _tokenizer_metadata(w: Any) -> None:
+def _tokenizer_metadata(w: Any, merges: list[str]) -> None:
     tokens = [SPECIAL.get(i, f"t{i}") for i in range(VOCAB)]
     w.add_tokenizer_model("gpt2")
     w.add_token_list(tokens)
     w.add_token_types([3 if i in SPECIAL else 1 for i in range(VOCAB)])
     w.add_token_scores([0.0] * VOCAB)
-    w.add_token_merges([])
+    w.add_token_merges(merges)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_add_bos_token(False)
@@ -281,9 +281,13 @@ def _gguf_tensor(name: str, t: np.ndarray, family: str, cfg: dict[str, Any]) -> 
     return t, heads
 
 
-def write_gguf(folder: str, family: str, fmt: str, path: str) -> dict[str, torch.Tensor]:
+def write_gguf(
+    folder: str, family: str, fmt: str, path: str, merges: list[str] | None = None
+) -> dict[str, torch.Tensor]:
     """The HF checkpoint in `folder` as a GGUF at `path` (fmt: f32, f16, q8_0, q4_0; norms and 1-D tensors in F32,
-    as the converter keeps them); returns the HF-named state dict the file's values stand for."""
+    as the converter keeps them); returns the HF-named state dict the file's values stand for. `merges`: BPE
+    merges for the file's tokenizer (llama.cpp refuses a BPE vocabulary without any; transformers refuses merges
+    of tokens this word-level vocabulary lacks, so the tests write none)."""
     import gguf
     from safetensors import safe_open
 
@@ -296,7 +300,7 @@ def write_gguf(folder: str, family: str, fmt: str, path: str) -> dict[str, torch
     w = gguf.GGUFWriter(path, arch)
     w.add_name(f"tiny-{family}")
     _metadata(w, family, cfg)
-    _tokenizer_metadata(w)
+    _tokenizer_metadata(w, merges or [])
     ref: dict[str, torch.Tensor] = {}
     with safe_open(os.path.join(folder, "model.safetensors"), framework="pt") as st:
         for name in st.keys():

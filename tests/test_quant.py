@@ -196,7 +196,7 @@ def test_quantization_flag_and_its_fallback(tiny, monkeypatch, caplog):
     monkeypatch.setattr(cpu_kernel, "load", lambda: None)  # a machine where the kernels cannot be built
     quant._said.clear()
     dense = load_model(folder, "float32", verbose=False, quantization="int8")
-    assert dense.quantization == "none" and not dense.model.quant
+    assert dense.quantization == "none" and not dense.model.quant_weights()
     assert "no quantized kernel" in caplog.text
 
 

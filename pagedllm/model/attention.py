@@ -26,6 +26,16 @@ import pagedllm.model.cpu_kernel as cpu_kernel
 import pagedllm.model.kv_quant as kv_quant
 
 
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What one layer's attention needs beyond q, k and v (ModelConfig's attn_scale, attn_logit_softcapping and
+    layer_window): scale None = head_dim ** -0.5, softcap None = no cap, window None = full attention."""
+
+    scale: float | None = None
+    softcap: float | None = None
+    window: int | None = None
+
+
 @dataclass
 class AttentionGroup:
     """Sequences attended together: S sequences, queries padded to q_len, keys padded to blocks*block_size."""
@@ -125,6 +135,7 @@ class PagedAttentionBackend:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        spec: AttentionSpec | None = None,
     ) -> torch.Tensor:
         """Write k/v into the cache at meta.slot_mapping, return attention output [T, H, D]."""
         raise NotImplementedError
@@ -144,7 +155,9 @@ class TorchPagedAttention(PagedAttentionBackend):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        spec: AttentionSpec | None = None,
     ) -> torch.Tensor:
+        spec = spec or AttentionSpec(scale=self.scale)
         nb, bs, kvh, w = k_cache.shape
         if kv_quant.is_quantized(k_cache.dtype):  # written as bytes: codes and a scale per (token, head)
             for cache, x in ((k_cache, k), (v_cache, v)):
@@ -157,15 +170,21 @@ class TorchPagedAttention(PagedAttentionBackend):
         T, H, _ = q.shape
         g = H // kvh
         if len(meta.groups) == 1 and meta.groups[0].valid is None and meta.groups[0].q_len == 1:
-            return self._group(q, k_cache, v_cache, meta.groups[0], g)  # pure decode: order is already flat
+            return self._group(q, k_cache, v_cache, meta.groups[0], g, spec)  # pure decode: order is already flat
         out = torch.empty_like(q)
         for grp in meta.groups:
-            res = self._group(q, k_cache, v_cache, grp, g)
+            res = self._group(q, k_cache, v_cache, grp, g, spec)
             out[grp.token_index] = res
         return out
 
     def _group(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, grp: AttentionGroup, g: int
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        grp: AttentionGroup,
+        g: int,
+        spec: AttentionSpec,
     ) -> torch.Tensor:
         nb, bs, kvh, _ = k_cache.shape
         d = q.shape[-1]
@@ -178,11 +197,24 @@ class TorchPagedAttention(PagedAttentionBackend):
         # [S*Q, H, d] -> [S, Q, kvh, g, d] -> [S, kvh, g*Q, d] (row = gi*Q + qi)
         qq = qq.view(S, Q, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(S, kvh, g * Q, d)
         mask = grp.mask if g == 1 or Q == 1 else grp.mask.repeat(1, 1, g, 1)
-        o = F.scaled_dot_product_attention(qq, keys, vals, attn_mask=mask, scale=self.scale)
+        if spec.softcap is None:
+            o = F.scaled_dot_product_attention(qq, keys, vals, attn_mask=mask, scale=spec.scale)
+        else:
+            o = _capped_attention(qq, keys, vals, mask, spec.scale or d**-0.5, spec.softcap)
         o = o.view(S, kvh, g, Q, d).permute(0, 3, 1, 2, 4).reshape(S * Q, kvh * g, d)
         if grp.valid is not None:
             o = o[grp.valid]
         return o
+
+
+def _capped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, cap: float
+) -> torch.Tensor:
+    """Attention with tanh soft-capped scores (Gemma 2), as transformers' eager path computes it."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / cap) * cap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -201,12 +233,18 @@ class CpuPagedAttention(TorchPagedAttention):
         self.lib = lib
 
     def _group(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, grp: AttentionGroup, g: int
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        grp: AttentionGroup,
+        g: int,
+        spec: AttentionSpec,
     ) -> torch.Tensor:
-        if grp.q_len != 1 or not cpu_kernel.supports(q, k_cache, v_cache):
-            return super()._group(q, k_cache, v_cache, grp, g)
+        if grp.q_len != 1 or spec.softcap is not None or not cpu_kernel.supports(q, k_cache, v_cache):
+            return super()._group(q, k_cache, v_cache, grp, g, spec)
         qq = q if grp.block_tables.shape[0] == q.shape[0] else q[grp.query_index]
-        scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
+        scale = spec.scale if spec.scale is not None else q.shape[-1] ** -0.5
         return cpu_kernel.decode_attention(self.lib, qq, k_cache, v_cache, grp.block_tables, grp.context_lens, scale)
 
 

@@ -129,7 +129,7 @@ def prefix_repetition_dataset(
 def long_tail_lengths(
     num_prompts: int, max_len: int = 4096, median: int = 300, sigma: float = 1.0, min_len: int = 16, seed: int = 0
 ) -> list[int]:
-    """Prompt lengths with a long tail like the chapter's (180, 650, 90, 1200, 300, 75, 420, 260 of 4096):
+    """Prompt lengths with a long tail like the kv-calc example's (180, 650, 90, 1200, 300, 75, 420, 260 of 4096):
     log-normal around `median`, clipped to [min_len, max_len]; the longest is stretched to max_len so that the
     tail is always there."""
     rng = np.random.default_rng(seed)

@@ -1,4 +1,5 @@
-"""`pagedllm bench sweep`: the chapter's table, measured. One workload, several in-process engines, one row each.
+"""`pagedllm bench sweep`: whole vs paged KV allocation, block size, prefix caching and KV dtype, measured.
+One workload, several in-process engines, one row each.
 
 Rows (default `--rows all`):
 - allocation: contiguous vs paged KV allocation at the same KV budget (`--kv-budget-tokens`, default
@@ -11,7 +12,7 @@ Rows (default `--rows all`):
   prefixes), without and with the prefix cache's disk tier (--kv-offload-dir, a fresh temporary folder).
 
 Columns: peak requests running at once, KV slots allocated vs tokens stored (averaged over the engine steps
-that had requests running; stored / allocated is the chapter's "used share"), output tokens/s, TTFT median
+that had requests running; stored / allocated is the "used share"), output tokens/s, TTFT median
 and p99, prefix-cache hit rate, preemptions.
 """
 

@@ -47,7 +47,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     """share the KV blocks of common prompt prefixes"""
     kv_allocation: Literal["paged", "contiguous"] = "paged"
-    """paged blocks on demand, or reserve max-model-len per request (the chapter's baseline)"""
+    """paged (the default): blocks handed out as a request grows; contiguous: each request reserves
+    max-model-len tokens at admission, the baseline paging is measured against"""
     kv_cache_memory: Annotated[Bytes, Field(gt=0)] | None = None
     """KV cache size in bytes, e.g. 2GiB (wins over --gpu-memory-utilization)"""
     gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] | None = None

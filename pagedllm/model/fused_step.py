@@ -121,7 +121,7 @@ class FusedStep:
         self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int
     ) -> None:
         lib = cpu_kernel.load()
-        assert lib is not None, "built only where supported() found the kernels"
+        assert lib is not None, "built only where fusable() found the kernels"
         self.lib = lib
         self.model, self.block_size = model, block_size
         self._keep: list[torch.Tensor] = []  # float32 copies the C structures point into
@@ -154,7 +154,7 @@ class FusedStep:
     def _model(self, k_cache: torch.Tensor) -> _Model:
         m, cfg = self.model, self.model.config
         embed, head = m.quant["embed_tokens"], m.lm_head_quant
-        assert head is not None, "fused_step.supported() checked the LM head is quantized"
+        assert head is not None, "fused_step.fusable() checked the LM head is quantized"
         amx = head.amx_min_rows if m.embed_tokens.dtype == torch.bfloat16 and amx_available() else 0
         return _Model(
             hidden=cfg.hidden_size,

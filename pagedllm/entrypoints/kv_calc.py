@@ -50,7 +50,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--plot",
         default=None,
         metavar="FILE.png",
-        help="draw the requests as rows: whole allocation (lockers) above paged (blocks), with the totals",
+        help="draw the requests as rows, whole allocation (lockers) above paged (blocks), with the totals, into this "
+        "PNG file (default: no picture)",
     )
     p.add_argument(
         "--model",
@@ -61,7 +62,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "per token and per block (default: no model report)",
     )
     p.add_argument(
-        "--memory", default=None, help="a KV-cache budget such as 4GiB: how many requests fit (needs --model)"
+        "--memory",
+        default=None,
+        help="a KV-cache budget such as 4GiB: how many requests fit in it (needs --model; default: none)",
     )
     p.add_argument(
         "--kv-cache-dtype",

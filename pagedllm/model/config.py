@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +69,18 @@ def _read_json(path: str) -> dict[str, Any]:
     return data
 
 
+def model_name(path: str) -> str:
+    """The one name a model goes by (served as, logged, on /v1/kv and in kv-calc): its file or folder's base name,
+    without a .gguf extension and llama.cpp's quantization tag: SmolLM2-135M-Instruct.Q4_1.gguf ->
+    SmolLM2-135M-Instruct. The checkpoint's own name (GGUF general.name, config.json's _name_or_path) is often a
+    training run's, so it is not used."""
+    path = os.path.normpath(os.path.expanduser(str(path)))
+    if os.path.basename(path) == "config.json":
+        path = os.path.dirname(path) or os.getcwd()
+    stem = re.sub(r"\.gguf$", "", os.path.basename(path) or path, flags=re.IGNORECASE)
+    return re.sub(r"[.-](I?Q\d\w*|F16|F32|BF16)$", "", stem, flags=re.IGNORECASE) or stem
+
+
 def config_from_hf_dict(cfg: dict[str, Any], where: str, gen_cfg: dict[str, Any] | None = None) -> ModelConfig:
     """Build a ModelConfig from a transformers config.json dict (and optional generation_config.json)."""
     archs = cfg.get("architectures") or []
@@ -111,7 +124,7 @@ def config_from_hf_dict(cfg: dict[str, Any], where: str, gen_cfg: dict[str, Any]
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
             bos_token_id=cfg.get("bos_token_id", (gen_cfg or {}).get("bos_token_id")),
             eos_token_ids=eos,
-            name=str(cfg.get("_name_or_path") or ""),
+            name=model_name(where),
             checkpoint_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
         )
     except (KeyError, TypeError, ValueError) as e:
@@ -154,7 +167,7 @@ def config_from_gguf_metadata(md: dict[str, Any], where: str) -> ModelConfig:
             attention_bias=arch_key == "qwen2",
             bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=_as_list(eos),
-            name=str(md.get("general.name", "")),
+            name=model_name(where),
             checkpoint_dtype="quantized",
         )
     except KeyError as e:

@@ -6,9 +6,10 @@ Rows (default `--rows all`):
   `--contiguous-requests` x max-model-len), block size 16, prefix caching off, on the long-tail workload;
 - block: paged at block sizes 8 / 16 / 32 / 128 (same budget, prefix caching off, long-tail workload);
 - prefix: paged, block 16, prefix caching off vs on, on the prefix-repetition workload;
-- dtype: paged b16 with each --kv-cache-dtype (float32, bfloat16, int8, fp8) in one budget of bytes (half the
-  workload's tokens at bfloat16, unless --kv-budget-tokens), on the long-tail workload without its longest
-  request: a narrower cache holds more tokens, so more requests run at once;
+- dtype: paged b16 with each --kv-cache-dtype (float32, bfloat16, int8, fp8) in one budget of bytes: a narrower
+  cache holds more tokens, so more requests run at once. By default the budget is half the tokens of the long-tail
+  workload without its longest request, at bfloat16, and that workload runs; with --kv-budget-tokens, that budget
+  and the whole long tail;
 - disk: the prefix rows' workload with caching on in a RAM pool of `--disk-pool-tokens` only (too small for its
   prefixes), without and with the prefix cache's disk tier (--kv-offload-dir, a fresh temporary folder).
 
@@ -61,7 +62,9 @@ class Setting:
     kv_cache_dtype: KVCacheDType = "auto"
 
 
-def default_settings(groups: set[str]) -> list[Setting]:
+def default_settings(groups: set[str], dtype_workload: str = "long-tail-body") -> list[Setting]:
+    """The rows of `groups`; the dtype rows run `dtype_workload` (the whole long tail when the user sets the
+    budget, its body in the default budget: see dtype_rows_bytes)."""
     rows = [
         Setting("contiguous b16", "long-tail", "contiguous", 16, False, {"allocation"}),
         Setting("paged b16", "long-tail", "paged", 16, False, {"allocation", "block"}),
@@ -71,7 +74,7 @@ def default_settings(groups: set[str]) -> list[Setting]:
         Setting("prefix-rep, caching off", "prefix-repetition", "paged", 16, False, {"prefix"}),
         Setting("prefix-rep, caching on", "prefix-repetition", "paged", 16, True, {"prefix"}),
         *[
-            Setting(f"paged b16, KV {d}", "long-tail-body", "paged", 16, False, {"dtype"}, kv_cache_dtype=d)
+            Setting(f"paged b16, KV {d}", dtype_workload, "paged", 16, False, {"dtype"}, kv_cache_dtype=d)
             for d in ("float32", "bfloat16", "int8", "fp8")
         ],
         Setting("prefix-rep, small pool", "prefix-repetition", "paged", 16, True, {"disk"}, small_pool=True),
@@ -400,7 +403,7 @@ def _row_memory(plan: Plan, s: Setting, workload: Workload) -> tuple[int, int]:
     their max-model-len is their longest request, so no engine warns about a --max-model-len nobody set."""
     if s.small_pool:
         return plan.sweep.disk_pool_tokens * plan.per_token, workload.longest
-    if "dtype" in s.groups:
+    if "dtype" in s.groups and plan.sweep.kv_budget_tokens is None:
         return plan.dtype_bytes, workload.longest
     return plan.budget_tokens * plan.per_token, plan.max_model_len
 
@@ -513,10 +516,11 @@ def run_sweep(args: argparse.Namespace) -> int:
     from pagedllm.model import load_model
 
     plan = _plan(args)
-    settings = default_settings(plan.sweep.groups)
+    settings = default_settings(plan.sweep.groups, "long-tail" if plan.sweep.kv_budget_tokens else "long-tail-body")
     workloads = _build_workloads(plan, load_bench_tokenizer(plan.engine.model), settings)
     if "dtype" in plan.sweep.groups:
-        plan.dtype_bytes = dtype_rows_bytes(plan, workloads["long-tail-body"])
+        dtype_row = next(s for s in settings if "dtype" in s.groups)
+        plan.dtype_bytes = dtype_rows_bytes(plan, workloads[dtype_row.workload])
     _announce(plan, workloads)
     # one copy of the weights for all rows
     loaded = load_model(plan.engine.model, plan.engine.dtype) if plan.sweep.reuse_weights else None

@@ -83,7 +83,17 @@ def _command_parsers() -> dict[str, argparse.ArgumentParser]:
 
 
 # the commands whose every flag says what it does and its default; --kv-cache-memory's help is being rewritten
-DOCUMENTED = ["generate", "chat", "serve", "kv-calc", "bench throughput", "bench sweep", "rag ask", "rag bench"]
+DOCUMENTED = [
+    "generate",
+    "chat",
+    "serve",
+    "kv-calc",
+    "bench serve",
+    "bench throughput",
+    "bench sweep",
+    "rag ask",
+    "rag bench",
+]
 
 
 @pytest.mark.parametrize("command", DOCUMENTED)
@@ -99,14 +109,21 @@ def test_every_flag_says_its_default_in_a_users_words_without_naming_a_source_fi
 
 @pytest.mark.parametrize(
     "command, classes",
-    [("serve", ["ServerConfig", "ClusterConfig"]), ("rag ask", ["RagAskConfig"]), ("rag bench", ["RagBenchConfig"])],
+    [
+        ("serve", ["ServerConfig", "ClusterConfig"]),
+        ("rag ask", ["RagAskConfig"]),
+        ("rag bench", ["RagBenchConfig"]),
+        ("bench serve", ["ServeBenchConfig"]),
+    ],
 )
 def test_command_flags_are_generated_from_their_settings_classes(command, classes):
+    from pagedllm.bench import serve_bench
     from pagedllm.entrypoints import rag, serve_args
     from pagedllm.rag import bench
 
     actions = {a.dest: a for a in _command_parsers()[command]._actions}
-    for cls in (getattr(m, c) for c in classes for m in (serve_args, rag, bench) if hasattr(m, c)):
+    modules = (serve_args, rag, bench, serve_bench)
+    for cls in (getattr(m, c) for c in classes for m in modules if hasattr(m, c)):
         for name, info in cls.__pydantic_fields__.items():
             action = actions[name]
             assert flag_name(name) in action.option_strings and action.default == info.default, name
@@ -136,6 +153,8 @@ def test_one_list_of_layouts_and_of_routing_policies_behind_every_choice():
         (["rag", "bench", "--num-questions", "0"], "--num-questions"),
         (["rag", "bench", "--layouts", "naive,nope"], "--layouts"),
         (["rag", "ask", "q", "--top-k", "0"], "--top-k"),
+        (["bench", "serve", "--max-concurrency", "0"], "--max-concurrency"),
+        (["bench", "serve", "--range-ratio", "1.5"], "--range-ratio"),
     ],
 )
 def test_a_bad_command_value_is_one_line_naming_the_flag(argv, flag, capsys):

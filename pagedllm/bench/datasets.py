@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import json
 import os
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
 from pagedllm.bench.tokenizer import BenchTokenizer
 from pagedllm.errors import UserError
 
-DATASETS = ("random", "prefix-repetition", "sharegpt", "rag")
+DatasetName = Literal["random", "prefix-repetition", "sharegpt", "rag"]
+DATASETS: tuple[str, ...] = typing.get_args(DatasetName)
 
 
 @dataclass
@@ -153,7 +155,7 @@ def lengths_dataset(
 
 def sharegpt_dataset(
     tokenizer: BenchTokenizer,
-    path: str,
+    path: str | None,
     num_prompts: int,
     output_len: int | None = None,
     seed: int = 0,

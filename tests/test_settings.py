@@ -91,6 +91,8 @@ DOCUMENTED = [
     "bench serve",
     "bench throughput",
     "bench sweep",
+    "rag ingest",
+    "rag search",
     "rag ask",
     "rag bench",
 ]

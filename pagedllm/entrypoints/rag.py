@@ -43,18 +43,26 @@ def _add_ingest(sub: argparse._SubParsersAction) -> None:
     _index_arg(sp)
     sp.add_argument("--chunk-size", type=int, default=256, help="chunk length in the LLM's tokens (default 256)")
     sp.add_argument("--chunk-overlap", type=int, default=32, help="tokens repeated between chunks (default 32)")
-    sp.add_argument("--model", default=None, help="model whose tokenizer measures chunks (default: SmolLM2-135M)")
-    sp.add_argument("--topics", default=None, help="default corpus only: comma-separated topic names to ingest")
-    sp.add_argument("--no-progress", action="store_true", help="no progress bars")
+    sp.add_argument(
+        "--model",
+        default=None,
+        help="model whose tokenizer measures chunks (default: SmolLM2-135M-Instruct)",
+    )
+    sp.add_argument(
+        "--topics",
+        default=None,
+        help="default corpus only: comma-separated topic names to ingest (default: every topic)",
+    )
+    sp.add_argument("--no-progress", action="store_true", help="no progress bars (default: show them)")
     sp.set_defaults(func=cmd_ingest)
 
 
 def _add_search(sub: argparse._SubParsersAction) -> None:
     sp = sub.add_parser("search", help="retrieval only: the top-k chunks with source, position and score")
-    sp.add_argument("question")
+    sp.add_argument("question", help="the text to search the index for")
     _index_arg(sp)
-    sp.add_argument("--top-k", type=int, default=4)
-    sp.add_argument("--json", action="store_true", help="print JSON (with chunk texts)")
+    sp.add_argument("--top-k", type=int, default=4, help="chunks to return (default: 4)")
+    sp.add_argument("--json", action="store_true", help="print JSON, with the chunks' texts (default: a list)")
     sp.set_defaults(func=cmd_search)
 
 

@@ -18,16 +18,30 @@ import pytest
 from engine_helpers import kv_budget
 from server_helpers import KEY, assert_error, assert_pool_whole, running_server, sse_events
 
-from pagedllm.entrypoints.openai.tool_calls import (
-    ToolCallStream,
-    ToolMode,
-    parse_calls,
-    scan_calls,
-    scan_hermes,
-    tool_schema,
-)
+from pagedllm.server.protocol import ToolMode, tool_schema
+from pagedllm.server.tool_parsers import HermesToolParser, RequiredToolParser, ToolParser, tool_parser
 
 AUTO = ToolMode("auto")
+
+
+class ToolCallStream:
+    """A streamed choice's parser, its deltas as the JSON the chunks carry."""
+
+    def __init__(self, mode: ToolMode) -> None:
+        self.parser: ToolParser = tool_parser(mode)
+
+    def delta(self, text: str, done: bool) -> dict:
+        return self.parser.extract_streaming(text, done).body()
+
+
+def parse_calls(text: str, mode: ToolMode) -> tuple[str | None, list[dict]]:
+    got = tool_parser(mode).extract(text)
+    return got.content, [c.body() for c in got.tool_calls]
+
+
+def scan_hermes(text: str, done: bool):
+    return HermesToolParser(AUTO).scan(text, done)
+
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -651,7 +665,8 @@ def test_streamed_array_of_calls_is_scanned_as_it_grows():
         for d in stream.delta(full[:end], end == len(full)).get("tool_calls", []):
             got.setdefault(d["index"], [d["function"].get("name"), ""])[1] += d["function"]["arguments"]
     assert got == {0: ["get_weather", '{"city":"Pa}r\\"is","unit":"c"}'], 1: ["add", '{"a":1}']}
-    assert scan_calls('[{"name":"ad') == [(None, "", False)]  # no header until the name is whole
+    assert RequiredToolParser(ToolMode("required")).scan('[{"name":"ad', False).calls == [(None, "")]  # no header
+    # until the name is whole
     assert ToolCallStream(ToolMode("required")).delta('[{"name":"ad', False) == {}
 
 

@@ -92,7 +92,7 @@ def grid(num_blocks: int, max_cells: int) -> tuple[int, int, int]:
 
 
 def block_map(snap: KVSnapshot, max_cells: int = 8192, detail: bool = False) -> dict:
-    """The whole picture as a JSON-ready dict (its schema: KVBlocksResponse in entrypoints/openai/kv_page.py).
+    """The whole picture as a JSON-ready dict (its schema: KVBlocksResponse in server/kv_page.py).
 
     The map is what a painter needs per cell (state, ref count, filled slots, and the state counts of a cell that
     aggregates blocks); `detail` adds a record per block that is not plain free (hash, eviction rank, holders),

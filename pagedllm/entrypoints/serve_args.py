@@ -54,8 +54,9 @@ class ClusterConfig:
     replicas: Annotated[int, Field(ge=1)] | None = None
     """serve N engine replicas on Ray Serve behind one OpenAI endpoint (default: one process, no Ray)"""
     ray_address: str | None = None
-    """join this Ray cluster (e.g. ray://head:10001 or auto) instead of starting a local one (default: a local
-    one)"""
+    """join this Ray cluster (e.g. ray://head:10001, or auto: the one `ray start --head` started here) instead of
+    starting a local one (default: a local one, which listens on 127.0.0.1 only; replicas on other machines: start
+    the cluster yourself and pass its address)"""
     routing: Routing | None = None
     """how a request picks its replica: prefix (the default: where its prompt's prefix is most likely cached),
     kv-events (where the replicas' KV events say it is cached), round-robin (by load alone, blind to the cache:

@@ -8,16 +8,18 @@ tokenizer never adds BOS by default (SmolLM2's chat template carries its own spe
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
 from typing import Any
 
 from pagedllm.errors import ModelLoadError
-from pagedllm.model.cache import cache_dir_for
+from pagedllm.model.cache import cache_dir_for, remove_cached, seal_folder, sealed_folder_problem
 from pagedllm.model.config import is_gguf, load_model_config, resolve_model_path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+logger = logging.getLogger(__name__)
 
 
 class Tokenizer:
@@ -92,12 +94,17 @@ def _no_bos(folder: str) -> None:
 
 
 def gguf_tokenizer_folder(path: str) -> str:
-    """A HF tokenizer folder for the GGUF at `path`, built once and cached."""
+    """A HF tokenizer folder for the GGUF at `path`, built once and cached; a cached folder that fails its
+    manifest check is rebuilt (one log line), never loaded."""
     from transformers import AutoTokenizer
 
     target = cache_dir_for(path, "tokenizers")
-    if os.path.isfile(os.path.join(target, "tokenizer.json")):
-        return target
+    if os.path.lexists(target):
+        problem = sealed_folder_problem(target, ("tokenizer.json", "tokenizer_config.json"))
+        if problem is None:
+            return target
+        logger.warning("cached tokenizer %s %s: building it again", target, problem)
+        remove_cached(target)
     folder, name = os.path.split(os.path.abspath(path))
     try:
         tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
@@ -108,6 +115,7 @@ def gguf_tokenizer_folder(path: str) -> str:
     try:
         tok.save_pretrained(tmp)
         _no_bos(tmp)
+        seal_folder(tmp)
         try:
             os.rename(tmp, target)
         except OSError:  # another process won the race: use theirs

@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field
 
 from pagedllm.engine.block_map import block_map
 from pagedllm.engine.kv_snapshot import BlockTokens, block_detail, take_snapshot
-from pagedllm.entrypoints.openai.errors import ERROR_RESPONSES, APIError
+from pagedllm.server.errors import ERROR_RESPONSES, APIError
 
 router = APIRouter()
 ENGINE_WAIT_S = 30.0  # how long a read waits for the engine thread to get between two steps, then a 503
@@ -181,15 +181,15 @@ async def kv_block(request: Request, block_id: str) -> Response:
     memo = _block_tokens(request)
     d = await engine.run_on_engine(lambda e: block_detail(e, bid, memo), timeout=ENGINE_WAIT_S)
     return JSONResponse(
-        {
-            "block_id": d.block_id,
-            "ref_cnt": d.ref_cnt,
-            "hash": d.block_hash,
-            "evict_rank": d.evict_rank,
-            "holders": d.holders,
-            "token_ids": d.token_ids,
-            "text": d.text,
-        }
+        KVBlockDetail(
+            block_id=d.block_id,
+            ref_cnt=d.ref_cnt,
+            hash=d.block_hash,
+            evict_rank=d.evict_rank,
+            holders=d.holders,
+            token_ids=d.token_ids,
+            text=d.text,
+        ).model_dump(mode="json")
     )
 
 
@@ -206,5 +206,5 @@ async def kv_page(name: str = "") -> Response:
     if name not in _STATIC:
         raise APIError(f"/kv/{name}: no such file (the page is at /kv)", 404)
     file, media = _STATIC[name]
-    body = resources.files("pagedllm.entrypoints.openai").joinpath("static", file).read_bytes()
+    body = resources.files("pagedllm.server").joinpath("static", file).read_bytes()
     return Response(body, media_type=media, headers={"Cache-Control": "no-cache"})

@@ -2,7 +2,7 @@
 with n samples, answered whole or streamed. The RAG route reuses `prepare`, `full` and `stream`.
 
 With tools and tool_choice "required" or a named function, the answer is decoded under the tools' schema and
-returned as `tool_calls` (tool_calls.py); "auto" needs a chat template that shows the model its tools."""
+returned as `tool_calls` (tool_parsers/); "auto" needs a chat template that shows the model its tools."""
 
 from __future__ import annotations
 
@@ -10,28 +10,32 @@ import asyncio
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
-from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
 
 from pagedllm.engine.outputs import CompletionOutput, RequestOutput
-from pagedllm.entrypoints.openai.errors import ERROR_RESPONSES, APIError
-from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatCompletionResponse
-from pagedllm.entrypoints.openai.serving_engine import (
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.server.errors import ERROR_RESPONSES, APIError
+from pagedllm.server.protocol import (
+    ChatChoice,
+    ChatCompletionMessage,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+    ChatStreamChoice,
+    DeltaMessage,
+    ToolMode,
+)
+from pagedllm.server.serving_engine import (
     EngineRequest,
     ServingContext,
     cancel_on_disconnect,
+    json_response,
     request_id,
     serving,
 )
-from pagedllm.entrypoints.openai.streaming import Chunks, SSEResponse, pieces
-from pagedllm.entrypoints.openai.tool_calls import (
-    ToolCallStream,
-    ToolMode,
-    auto_tools_supported,
-    parse_calls,
-)
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.server.streaming import Chunks, SSEResponse, pieces, stream_schema
+from pagedllm.server.tool_parsers import ToolParser, auto_tools_supported, tool_parser
 
 router = APIRouter()
 
@@ -64,50 +68,57 @@ async def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> Prepared:
     return Prepared(model, ids, await asyncio.to_thread(req.to_sampling_params, max_tokens))
 
 
-def _message(mode: ToolMode | None, c: CompletionOutput) -> tuple[dict[str, Any], str | None]:
-    """The assistant message and finish reason, the same whole or streamed (`_chunks` sends the pieces of
-    this): with tools, the calls as far as they were generated (`parse_calls`). OpenAI finishes a "required" or
-    "auto" answer that made calls with "tool_calls" and a named one with "stop"; one cut by max_tokens keeps
-    "length", whatever it holds, so a client can tell a call cut off from a finished one."""
+def _finish_reason(mode: ToolMode | None, reason: str | None, called: bool) -> str | None:
+    """OpenAI finishes a "required" or "auto" answer that made calls with "tool_calls" and a named one with
+    "stop"; one cut by max_tokens keeps "length", whatever it holds, so a client can tell a call cut off from a
+    finished one. The same whole or streamed."""
+    if mode is not None and called and reason == "stop" and mode.kind != "named":
+        return "tool_calls"
+    return reason
+
+
+def _message(
+    ctx: ServingContext, mode: ToolMode | None, c: CompletionOutput
+) -> tuple[ChatCompletionMessage, str | None]:
+    """The assistant message and finish reason (`_chunks` sends the pieces of this): with tools, the calls as far
+    as they were generated, by the parser a stream uses too."""
     if mode is None:
-        return {"role": "assistant", "content": c.text, "tool_calls": []}, c.finish_reason
-    content, calls = parse_calls(c.text, mode)
-    finish = c.finish_reason
-    if calls and finish == "stop" and mode.kind != "named":
-        finish = "tool_calls"
-    return {"role": "assistant", "content": content, "tool_calls": calls}, finish
+        return ChatCompletionMessage(role="assistant", content=c.text, tool_calls=[]), c.finish_reason
+    got = tool_parser(mode, ctx.engine.tokenizer.chat_template).extract(c.text)
+    message = ChatCompletionMessage(role="assistant", content=got.content, tool_calls=got.tool_calls)
+    return message, _finish_reason(mode, c.finish_reason, bool(got.tool_calls))
 
 
-def _choice(ctx: ServingContext, req: ChatCompletionRequest, s: EngineRequest, c: CompletionOutput) -> dict[str, Any]:
+def _choice(ctx: ServingContext, req: ChatCompletionRequest, s: EngineRequest, c: CompletionOutput) -> ChatChoice:
     ctx.check_error(c, req.constraint_field)
     k = req.top_k_logprobs
-    message, finish_reason = _message(req.tool_mode, c)
-    return {
-        "index": s.base + c.index,
-        "message": message,
-        "logprobs": ctx.chat_logprobs(c, 0, len(c.token_ids), k) if k is not None else None,
-        "finish_reason": finish_reason,
-        "stop_reason": c.stop_reason,
-    }
+    message, finish_reason = _message(ctx, req.tool_mode, c)
+    return ChatChoice(
+        index=s.base + c.index,
+        message=message,
+        logprobs=ctx.chat_logprobs(c, 0, len(c.token_ids), k) if k is not None else None,
+        finish_reason=finish_reason,
+        stop_reason=c.stop_reason,
+    )
 
 
 async def full(
     ctx: ServingContext, req: ChatCompletionRequest, prep: Prepared, subs: list[EngineRequest], rid: str
-) -> dict[str, Any]:
-    """The whole answer, as a JSON-ready dict (the RAG route adds its chunks to it)."""
+) -> ChatCompletionResponse:
+    """The whole answer (the RAG route adds its chunks to it)."""
     await ctx.run_to_end(subs)
     final: RequestOutput | None = subs[0].final
     assert final is not None
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": prep.model,
-        "choices": [_choice(ctx, req, subs[0], c) for c in final.outputs],
-        "usage": ctx.usage(subs),
-        "system_fingerprint": None,
-        "prompt_logprobs": ctx.prompt_logprobs(final) if req.prompt_logprobs is not None else None,
-    }
+    return ChatCompletionResponse(
+        id=rid,
+        object="chat.completion",
+        created=int(time.time()),
+        model=prep.model,
+        choices=[_choice(ctx, req, subs[0], c) for c in final.outputs],
+        usage=ctx.usage(subs),
+        system_fingerprint=None,
+        prompt_logprobs=ctx.prompt_logprobs(final) if req.prompt_logprobs is not None else None,
+    )
 
 
 async def _chunks(
@@ -119,30 +130,28 @@ async def _chunks(
     to `_message`'s message."""
     k, mode = req.top_k_logprobs, req.tool_mode
     for i in range(req.n):
-        role = {"role": "assistant", "content": "" if mode is None else None}
-        yield chunk([{"index": i, "delta": role, "logprobs": None, "finish_reason": None}])
-    calls: dict[int, ToolCallStream] = {}
+        role = DeltaMessage(role="assistant", content="" if mode is None else None)
+        yield chunk([ChatStreamChoice(index=i, delta=role, logprobs=None, finish_reason=None)])
+    parsers: dict[int, ToolParser] = {}
     logged: dict[int, int] = {}  # per choice, the tokens whose logprobs were sent
+    template = ctx.engine.tokenizer.chat_template
     async for s, out, c, p in pieces(ctx, subs, req.constraint_field):
         if mode is None:
-            delta: dict[str, Any] = {"content": p.text} if p.text else {}
+            delta = DeltaMessage(content=p.text) if p.text else DeltaMessage()
         else:
-            delta = calls.setdefault(p.index, ToolCallStream(mode)).delta(c.text, p.done)
-        if not delta and not p.done:
+            delta = parsers.setdefault(p.index, tool_parser(mode, template)).extract_streaming(c.text, p.done)
+        if not delta.model_fields_set and not p.done:
             continue
         start, logged[p.index] = logged.get(p.index, 0), p.tokens_to
-        yield chunk(
-            [
-                {
-                    "index": p.index,
-                    "delta": delta,
-                    "logprobs": ctx.chat_logprobs(c, start, p.tokens_to, k) if k is not None else None,
-                    "finish_reason": _message(mode, c)[1] if p.done else None,
-                    "stop_reason": c.stop_reason if p.done else None,
-                }
-            ],
-            ctx.partial_usage(s, out) if chunk.continuous else None,
+        called = p.index in parsers and bool(parsers[p.index].ids)
+        choice = ChatStreamChoice(
+            index=p.index,
+            delta=delta,
+            logprobs=ctx.chat_logprobs(c, start, p.tokens_to, k) if k is not None else None,
+            finish_reason=_finish_reason(mode, c.finish_reason, called) if p.done else None,
+            stop_reason=c.stop_reason if p.done else None,
         )
+        yield chunk([choice], ctx.partial_usage(s, out) if chunk.continuous else None)
     if chunk.include_usage:
         yield chunk([], ctx.usage(subs))
 
@@ -165,7 +174,7 @@ def stream(
     responses={
         200: {
             "model": ChatCompletionResponse,
-            "content": {"text/event-stream": {}},
+            "content": {"text/event-stream": stream_schema(ChatCompletionStreamResponse)},
             "description": "the answer, or with stream: true server-sent events of chunks",
         },
         **ERROR_RESPONSES,
@@ -173,7 +182,7 @@ def stream(
 )
 async def create_chat_completion(
     req: ChatCompletionRequest, request: Request, ctx: ServingContext = Depends(serving)
-) -> Response | dict[str, Any]:
+) -> Response:
     """OpenAI's chat completions (text only), with structured outputs, tool calls and vLLM's extra sampling
     parameters."""
     rid = request_id(request, req.request_id, "chatcmpl")
@@ -181,4 +190,4 @@ async def create_chat_completion(
     subs = await ctx.submit([prep.prompt_ids], prep.params, rid)
     if req.stream:
         return stream(ctx, req, prep, subs, rid)
-    return await cancel_on_disconnect(request, full(ctx, req, prep, subs, rid))
+    return json_response(await cancel_on_disconnect(request, full(ctx, req, prep, subs, rid)))

@@ -434,7 +434,7 @@ def plot(result: dict, path: str | Path) -> None:
         (axes[1], "ttft_median_ms", "TTFT median (ms)"),
         (axes[2], "ttft_p99_ms", "TTFT p99 (ms)"),
     ):
-        ax.bar(range(len(rows)), [r[key] for r in rows], color=colors)
+        ax.bar(range(len(rows)), [float("nan") if r[key] is None else r[key] for r in rows], color=colors)
         ax.set_xticks(range(len(rows)), names, rotation=30, ha="right", fontsize=8)
         ax.set_title(label)
     c = result["config"]

@@ -483,7 +483,8 @@ def dtype_rows_bytes(plan: Plan, workload: Workload) -> int:
     if plan.sweep.kv_budget_tokens is not None:
         return plan.budget_tokens * plan.per_token
     tokens = sum(len(p) + workload.output_len for p in workload.prompts)
-    return max(tokens // 2, 2 * workload.longest) * kv_bytes_per_token(plan.engine.model, "bfloat16")
+    tokens = math.ceil(max(tokens // 2, 2 * workload.longest) / 256) * 256  # float32 holds whole 128-token blocks
+    return tokens * kv_bytes_per_token(plan.engine.model, "bfloat16")
 
 
 def _plan(args: argparse.Namespace) -> Plan:

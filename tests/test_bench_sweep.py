@@ -260,7 +260,7 @@ class DtypeFakeEngine(FakeEngine):
         super().__init__(cfg, loaded)
         scale = {"auto": 1, "float32": 2, "bfloat16": 1, "int8": 0.5, "fp8": 0.5}[cfg.kv_cache_dtype]
         self.num_blocks = int(cfg.kv_cache_memory // (PER_TOKEN * scale * self.bs))
-        DtypeFakeEngine.configs.append(cfg)
+        DtypeFakeEngine.configs.append(self)
 
 
 def _run_fake_sweep(monkeypatch, flags):
@@ -278,11 +278,12 @@ def _run_fake_sweep(monkeypatch, flags):
 
 
 def test_sweep_rows_never_make_the_engine_warn_about_a_max_model_len_nobody_set(monkeypatch, capsys):
-    flags = ["--rows", "allocation,disk", "--prefix-len", "32", "--suffix-len", "8", "--prefix-output-len", "2"]
-    configs = _run_fake_sweep(monkeypatch, flags)
-    assert [c.max_model_len for c in configs if c.kv_allocation == "contiguous"] == [1024]  # the model's
-    for c in configs:  # the engine warns when its cache holds fewer tokens than max-model-len
-        assert c.kv_cache_memory // PER_TOKEN >= c.max_model_len, c
+    flags = ["--rows", "allocation,disk,dtype", "--prefix-len", "32", "--suffix-len", "8", "--prefix-output-len", "2"]
+    engines = _run_fake_sweep(monkeypatch, flags)
+    assert [e.cfg.max_model_len for e in engines if e.cfg.kv_allocation == "contiguous"] == [1024]  # the model's
+    assert {e.cfg.kv_cache_dtype for e in engines} >= {"float32", "int8"}
+    for e in engines:  # the engine warns when its cache holds fewer tokens than max-model-len
+        assert e.num_blocks * e.bs >= e.cfg.max_model_len, e.cfg
     assert "max-model-len 1024" in capsys.readouterr().err
 
 

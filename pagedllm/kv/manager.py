@@ -3,8 +3,8 @@
 Two policies share one interface so the engine can measure them side by side:
 - `PagedKVCacheManager` (PagedAttention): a request holds ceil(tokens / block_size) blocks, grows by one block
   when its last one is full, and shares full prefix blocks with other requests through the prefix cache.
-- `ContiguousKVCacheManager` (the chapter's baseline, "one big locker each"): at admission a request reserves
-  room for max_model_len tokens, rounded up to whole blocks, and shares nothing.
+- `ContiguousKVCacheManager` (the baseline paging is measured against, "one big locker each"): at admission a
+  request reserves room for max_model_len tokens, rounded up to whole blocks, and shares nothing.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ class KVCacheManager:
     def num_stored_tokens(self) -> int:
         """Distinct tokens the running requests keep in the cache: a shared block's tokens count once.
 
-        Against `num_used_blocks * block_size` (slots allocated) this is the chapter's "used share".
+        Against `num_used_blocks * block_size` (slots allocated) this is the share of slots in use.
         """
         shared = {id(b): b for blocks in self.req_blocks.values() for b in blocks if b.ref_cnt > 1}
         return sum(self.req_tokens.values()) - sum((b.ref_cnt - 1) * self.block_size for b in shared.values())

@@ -79,5 +79,5 @@ class RequestSlots:
 
 
 def paged_slots(lengths: Sequence[int], block_size: int) -> list[RequestSlots]:
-    """Per request, the chapter's table: blocks taken and slots left empty in the last block."""
+    """Per request, blocks taken and slots left empty in the last block."""
     return [RequestSlots(n, cdiv(n, block_size), cdiv(n, block_size) * block_size) for n in lengths]

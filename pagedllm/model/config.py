@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -192,6 +193,18 @@ def _family_of(cfg: dict[str, Any], where: str) -> tuple[str, Family]:
     return arch or fam.architectures[0], fam
 
 
+def model_name(path: str) -> str:
+    """The one name a model goes by (served as, logged, on /v1/kv and in kv-calc): its file or folder's base name,
+    without a .gguf extension and llama.cpp's quantization tag: SmolLM2-135M-Instruct.Q4_1.gguf ->
+    SmolLM2-135M-Instruct. The checkpoint's own name (GGUF general.name, config.json's _name_or_path) is often a
+    training run's, so it is not used."""
+    path = os.path.normpath(os.path.expanduser(str(path)))
+    if os.path.basename(path) == "config.json":
+        path = os.path.dirname(path) or os.getcwd()
+    stem = re.sub(r"\.gguf$", "", os.path.basename(path) or path, flags=re.IGNORECASE)
+    return re.sub(r"[.-](I?Q\d\w*|F16|F32|BF16)$", "", stem, flags=re.IGNORECASE) or stem
+
+
 def config_from_hf_dict(cfg: dict[str, Any], where: str, gen_cfg: dict[str, Any] | None = None) -> ModelConfig:
     """Build a ModelConfig from a transformers config.json dict (and optional generation_config.json)."""
     arch, fam = _family_of(cfg, where)
@@ -218,7 +231,7 @@ def config_from_hf_dict(cfg: dict[str, Any], where: str, gen_cfg: dict[str, Any]
             eos_token_ids=_as_list((gen_cfg or {}).get("eos_token_id")) or _as_list(cfg.get("eos_token_id")),
             family=fam.name,
             hidden_act=str(cfg.get("hidden_act") or "silu"),
-            name=str(cfg.get("_name_or_path") or ""),
+            name=model_name(where),
             checkpoint_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
         )
         for key, value in (_hf_rope(cfg, where) | _hf_window(cfg) | fam.hf_fields(cfg)).items():
@@ -296,7 +309,7 @@ def config_from_gguf(h: GGUFHeader, where: str) -> ModelConfig:
             eos_token_ids=list(dict.fromkeys(_as_list(md.get("tokenizer.ggml.eos_token_id")) + _gguf_stops(md))),
             family=fam.name,
             partial_rotary_factor=int(h.get("rope.dimension_count") or head_dim) / head_dim,
-            name=str(md.get("general.name", "")),
+            name=model_name(where),
             checkpoint_dtype="quantized",
             sliding_window=None if not window else int(window),
         )

@@ -151,7 +151,7 @@ class FusedStep:
 
     def __init__(self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int) -> None:
         lib = cpu_kernel.load()
-        assert lib is not None, "built only where supported() found the kernels"
+        assert lib is not None, "built only where fusable() found the kernels"
         self.lib = lib
         self.model, self.block_size = model, block_size
         self._keep: list[torch.Tensor] = []  # float32 copies the C structures point into

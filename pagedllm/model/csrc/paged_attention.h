@@ -1,4 +1,4 @@
-/* Shared by the decode-attention kernel (paged_attention.c) and the fused decode step (decode_step.c). */
+/* Shared by the decode-attention kernel (paged_attention.c) and the fused decode step (model_step.c). */
 #ifndef PAGEDLLM_PAGED_ATTENTION_H
 #define PAGEDLLM_PAGED_ATTENTION_H
 #include <stdint.h>

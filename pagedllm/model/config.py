@@ -40,6 +40,22 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     name: str = ""
     checkpoint_dtype: str = "float32"  # dtype the weights are stored in ("quantized" for GGUF quants)
+    # Tokens a query of a sliding layer sees, itself included (transformers: kv_idx > q_idx - sliding_window);
+    # None: full attention.
+    sliding_window: int | None = None
+    # Per layer "sliding_attention" / "full_attention" (transformers 5's names); None: every layer uses
+    # sliding_window when it is set.
+    layer_types: list[str] | None = None
+    attn_scale: float | None = None  # softmax scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
+    attn_logit_softcapping: float | None = None  # Gemma 2: cap * tanh(score / cap) before the softmax
+
+    def layer_window(self, layer: int) -> int | None:
+        """The window of layer `layer`'s attention (None: it sees its whole context)."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None:
+            return self.sliding_window
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
 
 
 def _unsupported(arch: str, where: str) -> ModelLoadError:
@@ -68,6 +84,26 @@ def _read_json(path: str) -> dict[str, Any]:
     return data
 
 
+def _hf_sliding(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[int | None, list[str] | None]:
+    """Mistral's `sliding_window` (every layer) and Qwen2's `use_sliding_window` + `max_window_layers` (the layers
+    from that index on slide), or an explicit `layer_types`, as transformers' configs read them."""
+    window = cfg.get("sliding_window")
+    if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
+        window = None
+    if window is None:
+        return None, None
+    window = int(window)
+    if window < 1:
+        raise ValueError(f"sliding_window must be at least 1, got {window}")
+    types = cfg.get("layer_types")
+    if types is None and arch == "Qwen2ForCausalLM":
+        first = int(cfg.get("max_window_layers", 28))
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    if types is not None and (len(types) != num_layers or set(types) - {"sliding_attention", "full_attention"}):
+        raise ValueError(f"layer_types must name sliding_attention / full_attention for each of {num_layers} layers")
+    return window, None if types is None else [str(t) for t in types]
+
+
 def config_from_hf_dict(cfg: dict[str, Any], where: str, gen_cfg: dict[str, Any] | None = None) -> ModelConfig:
     """Build a ModelConfig from a transformers config.json dict (and optional generation_config.json)."""
     archs = cfg.get("architectures") or []
@@ -84,6 +120,7 @@ def config_from_hf_dict(cfg: dict[str, Any], where: str, gen_cfg: dict[str, Any]
         heads = int(cfg["num_attention_heads"])
         head_dim = cfg.get("head_dim") or hidden // heads
         eos = _as_list((gen_cfg or {}).get("eos_token_id")) or _as_list(cfg.get("eos_token_id"))
+        window, layer_types = _hf_sliding(cfg, arch, int(cfg["num_hidden_layers"]))
         rope_scaling = cfg.get("rope_scaling")
         rope_theta = cfg.get("rope_theta")
         rp = cfg.get("rope_parameters")  # transformers 5 folds theta + scaling into rope_parameters
@@ -113,6 +150,8 @@ def config_from_hf_dict(cfg: dict[str, Any], where: str, gen_cfg: dict[str, Any]
             eos_token_ids=eos,
             name=str(cfg.get("_name_or_path") or ""),
             checkpoint_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            sliding_window=window,
+            layer_types=layer_types,
         )
     except (KeyError, TypeError, ValueError) as e:
         raise ModelLoadError(f"{where}: incomplete or invalid model config ({e})") from e
@@ -137,6 +176,7 @@ def config_from_gguf_metadata(md: dict[str, Any], where: str) -> ModelConfig:
         if stype == "linear":
             rope_scaling = {"rope_type": "linear", "factor": float(md[p + "rope.scaling.factor"])}
         eos = md.get("tokenizer.ggml.eos_token_id")
+        window = md.get(p + "attention.sliding_window")
         return ModelConfig(
             architecture=GGUF_ARCHITECTURES[arch_key],
             vocab_size=int(vocab),
@@ -156,6 +196,7 @@ def config_from_gguf_metadata(md: dict[str, Any], where: str) -> ModelConfig:
             eos_token_ids=_as_list(eos),
             name=str(md.get("general.name", "")),
             checkpoint_dtype="quantized",
+            sliding_window=int(window) if window else None,
         )
     except KeyError as e:
         raise ModelLoadError(f"{where}: GGUF metadata lacks {e}") from e

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.model.attention import AttentionMetadata, PagedAttentionBackend, make_attention_backend
+from pagedllm.model.attention import AttentionMetadata, AttentionSpec, PagedAttentionBackend, make_attention_backend
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.cpu_linear import linear, pack, pack_module
 from pagedllm.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, empty_param
@@ -31,8 +31,9 @@ def install_quant(module: nn.Module, attr: str, weight: QuantWeight) -> None:
 class DecoderLayer(nn.Module):
     """Pre-norm attention + pre-norm gated MLP, each added to the residual stream."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, index: int = 0) -> None:
         super().__init__()
+        self.attn_spec = AttentionSpec.for_layer(cfg, index)  # read by the torch path and the fused C step
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
@@ -64,7 +65,7 @@ class DecoderLayer(nn.Module):
         q = apply_rotary(q.view(T, self.num_heads, self.head_dim), cos, sin)
         k = apply_rotary(k.view(T, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
-        attn = backend.forward(q, k, v, k_cache, v_cache, meta)
+        attn = backend.forward(q, k, v, k_cache, v_cache, meta, self.attn_spec)
         h = h + linear(
             attn.reshape(T, self.q_size),
             self.o_weight,
@@ -87,7 +88,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = empty_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.lm_head = (
             None

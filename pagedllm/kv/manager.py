@@ -267,8 +267,9 @@ class PagedKVCacheManager(KVCacheManager):
         return [b for b in found[:run] if b is not None]
 
     def _remove_skipped_blocks(self, held: list[KVBlock], num_computed_tokens: int) -> None:
-        """Give back the blocks that fell out of the window of the next token (last block first, as `free`); they
-        keep their prefix, so they stay evictable and a later hit can take them back."""
+        """Give back the blocks that fell out of the window of the next token; they keep their prefix, so they stay
+        evictable and a later hit can take them back. Oldest first, so they are evicted first: a later request
+        that continues this one hits on the blocks of its last window (vLLM gives them back newest first)."""
         if self.sliding_window is None:
             return
         removed: list[KVBlock] = []
@@ -277,7 +278,7 @@ class PagedKVCacheManager(KVCacheManager):
                 break  # the blocks before it went back earlier
             removed.append(held[i])
             held[i] = self.null_block
-        self.pool.free(removed)
+        self.pool.free(reversed(removed))
 
     @property
     def num_stored_tokens(self) -> int:

@@ -56,7 +56,7 @@ def _mistral(folder: str, window: int | None):
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     with torch.no_grad():
-        for name, p in hf.named_parameters():
+        for p in hf.parameters():
             if p.dim() == 2:
                 _snap_to_int8_grid(p.data)
     hf.save_pretrained(folder, safe_serialization=True)

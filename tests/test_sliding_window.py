@@ -172,3 +172,29 @@ def test_fused_step_scale_softcap_and_window_match_the_torch_path(sliding):
         rows += [runner.execute([SeqChunk([prompt[i]], i, table)]) for i in range(60, 90)]  # decodes over it
         logits[fused] = torch.cat(rows)
     torch.testing.assert_close(logits[True], logits[False], atol=2e-4, rtol=1e-4)
+
+
+def test_kv_page_shows_the_groups_and_no_skipped_block(sliding):
+    """The /kv data of a request whose old blocks went back: one sliding group that frees, the request's table
+    without the null entries (block 0 is not shown held by it), its stored tokens those of the blocks it holds."""
+    from pagedllm.engine.block_map import block_map
+    from pagedllm.engine.kv_snapshot import take_snapshot
+    from pagedllm.entrypoints.openai.kv_page import KVBlocksResponse
+
+    engine = _engine(sliding[0], max_num_batched_tokens=32, kv_cache_memory=64 * BLOCK_BYTES)
+    engine.add_request("r", sliding[1][0], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    for _ in range(5):  # 160 of its 200 prompt tokens computed: all but the last window's blocks given back
+        engine.step()
+    data = KVBlocksResponse.model_validate(block_map(take_snapshot(engine))).model_dump()
+    assert data["kv_groups"] == [{"window": WINDOW, "layers": [0, 1], "frees_blocks": True}]
+    (req,) = data["requests"]
+    held = engine.kv.num_used_blocks
+    assert req["skipped_blocks"] == len(engine.kv.get_block_ids(req["request_id"])) - held > 0
+    # block 0 was its first block: now free, still caching its prefix, and not drawn as held by it
+    assert len(req["block_ids"]) == held and 0 not in req["block_ids"]
+    assert data["map"]["states"][data["map"]["state"][0]] == "cached"
+    assert data["counters"]["num_used_blocks"] == held
+    assert data["counters"]["tokens_stored"] == engine.kv.num_stored_tokens
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_all_blocks_free(engine)

@@ -120,6 +120,10 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
 
+    def num_skipped_blocks(self, request_id: str) -> int:
+        """Leading entries of the request's table that went back to the pool (out of a sliding window)."""
+        return 0
+
     def get_computed_blocks(self, request: KVRequest) -> tuple[list[KVBlock], int]:
         """The longest chain of cached full blocks of a new request's tokens, and how many tokens it covers."""
         return [], 0
@@ -279,6 +283,10 @@ class PagedKVCacheManager(KVCacheManager):
             removed.append(held[i])
             held[i] = self.null_block
         self.pool.free(reversed(removed))
+
+    def num_skipped_blocks(self, request_id: str) -> int:
+        blocks = self.req_blocks.get(request_id, [])
+        return next((i for i, b in enumerate(blocks) if b is not self.null_block), len(blocks))
 
     @property
     def num_stored_tokens(self) -> int:

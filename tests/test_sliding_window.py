@@ -198,3 +198,25 @@ def test_kv_page_shows_the_groups_and_no_skipped_block(sliding):
     while engine.has_unfinished_requests():
         engine.step()
     assert_all_blocks_free(engine)
+
+
+def test_bench_sweep_window_rows(full_folder, tmp_path):
+    """`bench sweep --rows window` on a full-attention model: the row with a window over the same shape allocates
+    fewer KV slots on the same long-tail workload, in the same budget."""
+    import argparse
+    import json
+
+    from pagedllm.bench import sweep
+
+    p = argparse.ArgumentParser()
+    sweep.add_sweep_parser(p.add_subparsers())
+    out = tmp_path / "w.json"
+    flags = "--rows window --max-model-len 512 --num-prompts 4 --median-len 300 --output-len 4 --sliding-window 32"
+    args = p.parse_args(["sweep", "--model", full_folder[0], "--dtype", "float32", *flags.split()])
+    args.save_result = str(out)
+    assert args.func(args) == 0
+    rows = {r["setting"]: r for r in json.loads(out.read_text())["rows"]}
+    full, slid = rows["paged b16, full attention"], rows["paged b16, sliding window 32"]
+    assert full["completed"] == slid["completed"] == 4
+    assert slid["kv_slots_allocated"] < full["kv_slots_allocated"] / 2
+    assert slid["peak_kv_slots_allocated"] < full["peak_kv_slots_allocated"]

@@ -8,7 +8,11 @@ Rows (default `--rows all`):
 - dtype: paged b16 on the long-tail workload with each --kv-cache-dtype (float32, bfloat16, int8, fp8) in the same
   budget of bytes: a narrower cache holds more tokens, so more requests run at once;
 - disk: the prefix rows' workload with caching on in a RAM pool of `--disk-pool-tokens` only (too small for its
-  prefixes), without and with the prefix cache's disk tier (--kv-offload-dir, a fresh temporary folder).
+  prefixes), without and with the prefix cache's disk tier (--kv-offload-dir, a fresh temporary folder);
+- window: paged b16 on the long-tail workload, the model with full attention vs the same shape with every layer
+  sliding by `--sliding-window` tokens (load_model's hf_overrides, as vLLM's --hf-overrides): the pool gives back
+  the blocks out of each request's window, so the same budget runs more requests. A memory row: the window changes
+  the model, so its tokens are not the full model's.
 
 Columns: peak requests running at once, KV slots allocated vs tokens stored (averaged over the engine steps
 that had requests running; stored / allocated is the chapter's "used share"), output tokens/s, TTFT median
@@ -39,7 +43,7 @@ from pagedllm.errors import UserError
 if TYPE_CHECKING:  # the engine (torch) loads only when a sweep runs
     from pagedllm.engine import KVCacheDType
 
-GROUPS = ("allocation", "block", "prefix", "dtype", "disk")
+GROUPS = ("allocation", "block", "prefix", "dtype", "disk", "window")
 
 
 @dataclass
@@ -53,9 +57,11 @@ class Setting:
     small_pool: bool = False  # a RAM pool of --disk-pool-tokens instead of the common budget
     kv_offload: bool = False  # with a disk tier under the prefix cache
     kv_cache_dtype: KVCacheDType = "auto"
+    window: int | None = None  # hf_overrides' sliding_window: None keeps the model's attention
+    full_attention: bool = False  # hf_overrides: no window on any layer
 
 
-def default_settings(groups: set[str]) -> list[Setting]:
+def default_settings(groups: set[str], sliding_window: int = 256) -> list[Setting]:
     rows = [
         Setting("contiguous b16", "long-tail", "contiguous", 16, False, {"allocation"}),
         Setting("paged b16", "long-tail", "paged", 16, False, {"allocation", "block"}),
@@ -79,6 +85,16 @@ def default_settings(groups: set[str]) -> list[Setting]:
             small_pool=True,
             kv_offload=True,
         ),
+        Setting("paged b16, full attention", "long-tail", "paged", 16, False, {"window"}, full_attention=True),
+        Setting(
+            f"paged b16, sliding window {sliding_window}",
+            "long-tail",
+            "paged",
+            16,
+            False,
+            {"window"},
+            window=sliding_window,
+        ),
     ]
     return [r for r in rows if r.groups & groups]
 
@@ -93,8 +109,11 @@ def add_sweep_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="HF folder or GGUF file (default: SmolLM2-135M GGUF)")
     p.add_argument("--dtype", default="auto")
     p.add_argument(
-        "--rows", default="all", help="comma-separated groups: allocation, block, prefix, dtype, disk (or all)"
+        "--rows",
+        default="all",
+        help="comma-separated groups: allocation, block, prefix, dtype, disk, window (or all)",
     )
+    p.add_argument("--sliding-window", type=int, default=256, help="the window of the window rows, in tokens")
     p.add_argument("--max-model-len", type=int, default=4096, help="also the longest prompt of the long tail")
     p.add_argument(
         "--kv-budget-tokens",
@@ -361,7 +380,7 @@ def _run_row(
         kv_offload_dir=tier,
         kv_cache_dtype=s.kv_cache_dtype,
     )
-    engine = LLMEngine(cfg, loaded)
+    engine = LLMEngine(cfg, _row_model(args, s) or loaded)
 
     def on_peak(e: Any) -> None:
         if peaks is not None:
@@ -386,6 +405,16 @@ def _run_row(
     }
 
 
+def _row_model(args: argparse.Namespace, s: Setting) -> Any:
+    """The window rows' own copy of the model, its attention overridden; None: the row takes the shared one."""
+    from pagedllm.model import load_model
+
+    if s.window is None and not s.full_attention:
+        return None
+    overrides = {"sliding_window": s.window, "layer_types": None}
+    return load_model(args.model, args.dtype, verbose=False, hf_overrides=overrides)
+
+
 def _plot(path: str, rows: list[dict], peaks: dict[str, Any], budget_tokens: int) -> None:
     """The sweep's bars, and beside them (FILE_blocks.png) the allocation rows' block maps at their peak."""
     from pagedllm.bench.block_map_plot import plot_block_maps
@@ -408,7 +437,9 @@ def run_sweep(args: argparse.Namespace) -> int:
     groups = set(GROUPS) if args.rows == "all" else {g.strip() for g in args.rows.split(",") if g.strip()}
     if not groups or groups - set(GROUPS):
         raise UserError(f"--rows: expected a comma-separated subset of {', '.join(GROUPS)} (or all), got {args.rows!r}")
-    settings = default_settings(groups)
+    if args.sliding_window < 1:
+        raise UserError(f"--sliding-window: must be at least 1 token, got {args.sliding_window}")
+    settings = default_settings(groups, args.sliding_window)
     budget_tokens = _budget_tokens(args, groups)
     per_token = kv_bytes_per_token(args.model, args.dtype)
     kv_bytes = budget_tokens * per_token

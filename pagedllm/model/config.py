@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedllm.errors import ModelLoadError
+from pagedllm.errors import ModelLoadError, UserError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 # GGUF `general.architecture` -> HF architecture. Mistral GGUFs use "llama".
@@ -200,6 +200,24 @@ def config_from_gguf_metadata(md: dict[str, Any], where: str) -> ModelConfig:
         )
     except KeyError as e:
         raise ModelLoadError(f"{where}: GGUF metadata lacks {e}") from e
+
+
+def with_overrides(cfg: ModelConfig, overrides: dict[str, Any]) -> ModelConfig:
+    """`cfg` with some fields replaced, as vLLM's --hf-overrides replaces config.json keys (e.g. {"sliding_window":
+    256} to measure what a window saves on a model that has none); an unknown or ill-typed key is a UserError."""
+    from dataclasses import fields, replace
+
+    known = {f.name for f in fields(ModelConfig)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise UserError(f"hf_overrides: unknown model config keys {unknown}; known: {', '.join(sorted(known))}")
+    out = replace(cfg, **overrides)
+    window, types = out.sliding_window, out.layer_types
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise UserError(f"hf_overrides: sliding_window must be a whole number of tokens >= 1, got {window!r}")
+    if types is not None and len(types) != out.num_layers:
+        raise UserError(f"hf_overrides: layer_types must name each of the {out.num_layers} layers")
+    return out
 
 
 def resolve_model_path(model: str | None) -> str:

@@ -147,3 +147,59 @@ def test_layer_specs_from_the_config():
         AttentionSpec(None, 0.25, 30.0),
         AttentionSpec(4, 0.25, 30.0),
     ]
+
+
+@needs_kernel
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_decode_kernel_window_on_quantized_caches(kv_dtype):
+    """int8 / fp8 caches (codes, a scale per row, rotated rows): the kernel and the torch path read the same codes,
+    and both keep to the window. The history is written by a prefill through the torch path."""
+    from pagedllm.model import kv_quant
+
+    spec = AttentionSpec(window=9, scale=0.3, softcap=3.0)
+    bs, kvh, d, hist = 4, 2, 32, [23, 40, 9]
+    g = torch.Generator().manual_seed(5)
+    tables = [list(range(i * 12, i * 12 + 12)) for i in range(3)]
+    shape = kv_quant.cache_shape(36, bs, kvh, d, kv_dtype)
+    kc, vc = torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype)
+    T = sum(hist)
+    meta = build_metadata(hist, [0, 0, 0], tables, bs, torch.device("cpu"))
+    x = [torch.randn(T, kvh * h, d, generator=g) for h in (2, 1, 1)]
+    TorchPagedAttention().forward(x[0], x[1], x[2], kc, vc, meta, spec)
+    q, k, v = (
+        torch.randn(3, 4, d, generator=g),
+        torch.randn(3, kvh, d, generator=g),
+        torch.randn(3, kvh, d, generator=g),
+    )
+    meta = build_metadata([1, 1, 1], hist, tables, bs, torch.device("cpu"))
+    ref = TorchPagedAttention().forward(q, k, v, kc.clone(), vc.clone(), meta, spec)
+    out = CpuPagedAttention(LIB).forward(q, k, v, kc, vc, meta, spec)
+    torch.testing.assert_close(out, ref, atol=2e-4, rtol=1e-3)
+    far = TorchPagedAttention().forward(q, k, v, kc.clone(), vc.clone(), meta, AttentionSpec(None, 0.3, 3.0))
+    assert not torch.allclose(far, ref, atol=1e-2)  # the window mattered
+
+
+def test_sliding_window_read_from_configs():
+    """Qwen2's layer types (use_sliding_window, max_window_layers) as transformers derives them; Mistral's window on
+    every layer; GGUF's {arch}.attention.sliding_window."""
+    from transformers import Qwen2Config
+
+    from pagedllm.model.config import config_from_gguf_metadata, config_from_hf_dict
+
+    hf = Qwen2Config(num_hidden_layers=6, use_sliding_window=True, sliding_window=64, max_window_layers=4)
+    d = {**hf.to_dict(), "architectures": ["Qwen2ForCausalLM"]}
+    d.pop("layer_types")  # older config.json files have none: derived as transformers does
+    cfg = config_from_hf_dict(d, "test")
+    assert cfg.sliding_window == 64 and cfg.layer_types == hf.layer_types
+    assert [cfg.layer_window(i) for i in range(6)] == [None] * 4 + [64, 64]
+    off = config_from_hf_dict({**d, "use_sliding_window": False}, "test")
+    assert off.sliding_window is None and off.layer_window(5) is None
+    mistral = config_from_hf_dict(
+        {"architectures": ["MistralForCausalLM"], "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
+         "num_hidden_layers": 2, "num_attention_heads": 1, "sliding_window": 4096}, "test"
+    )  # fmt: skip
+    assert [mistral.layer_window(i) for i in range(2)] == [4096, 4096]
+    md = {"general.architecture": "llama", "llama.embedding_length": 8, "llama.attention.head_count": 1,
+          "llama.vocab_size": 8, "llama.feed_forward_length": 8, "llama.block_count": 2,
+          "llama.attention.sliding_window": 32}  # fmt: skip
+    assert config_from_gguf_metadata(md, "test").layer_window(1) == 32

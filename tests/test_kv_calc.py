@@ -164,3 +164,21 @@ def test_plot_draws_whole_above_paged_with_the_totals(tmp_path, monkeypatch):
         "whole: 32,768 slots (9.7% used), 4,096 reserved per request",
         "paged: 3,232 slots (98.2% used), blocks of 16",
     ]
+
+
+def test_model_groups_and_window_blocks(tmp_path):
+    """kv-calc --model reports bytes per token per KV-cache group, and what a window frees."""
+    import json
+
+    folder = tmp_path / "m"
+    folder.mkdir()
+    cfg = {"architectures": ["MistralForCausalLM"], "vocab_size": 8, "hidden_size": 64, "intermediate_size": 64,
+           "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "sliding_window": 256}  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(cfg))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main([*ARGS, "--model", str(folder), "--dtype", "float32"]) == 0
+    text = out.getvalue()
+    assert "sliding window 256: 4 layers, 1,024 bytes per token" in text  # (K, V) x 4 layers x 2 heads x 16 x 4 B
+    # 4096 tokens: 256 blocks, of which (4096 - 256 + 1) // 16 = 240 went back
+    assert "a request of 4,096 tokens holds 16 blocks (not 256)" in text

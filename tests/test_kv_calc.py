@@ -172,8 +172,8 @@ def test_model_groups_and_window_blocks(tmp_path):
 
     folder = tmp_path / "m"
     folder.mkdir()
-    cfg = {"architectures": ["MistralForCausalLM"], "vocab_size": 8, "hidden_size": 64, "intermediate_size": 64,
-           "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "sliding_window": 256}  # fmt: skip
+    cfg = dict(architectures=["MistralForCausalLM"], vocab_size=8, hidden_size=64, intermediate_size=64)
+    cfg.update(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, sliding_window=256)
     (folder / "config.json").write_text(json.dumps(cfg))
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

@@ -220,3 +220,18 @@ def test_bench_sweep_window_rows(full_folder, tmp_path):
     assert full["completed"] == slid["completed"] == 4
     assert slid["kv_slots_allocated"] < full["kv_slots_allocated"] / 2
     assert slid["peak_kv_slots_allocated"] < full["peak_kv_slots_allocated"]
+
+
+def test_disk_tier_serves_a_sliding_model(sliding, tmp_path):
+    """--kv-offload-dir under a sliding model: A's blocks evicted from RAM by B come back from disk for A again
+    (the chain from the start, then the blocks out of the window null), and the tokens stay transformers'."""
+    folder, prompts, want = sliding
+    engine = _engine(folder, kv_cache_memory=20 * BLOCK_BYTES, kv_offload_dir=str(tmp_path / "kv"))
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    assert run_all(engine, [prompts[0]], params) == [want[0]]
+    assert run_all(engine, [prompts[1]], params) == [want[1]]
+    engine.disk_tier.flush()
+    assert run_all(engine, [prompts[0]], params) == [want[0]]
+    assert engine.kv.prefix_stats.disk_hits > 0
+    assert engine.kv.prefix_stats.hits == (PROMPT - 1) // BLOCK * BLOCK
+    assert_all_blocks_free(engine)

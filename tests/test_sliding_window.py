@@ -235,3 +235,32 @@ def test_disk_tier_serves_a_sliding_model(sliding, tmp_path):
     assert engine.kv.prefix_stats.disk_hits > 0
     assert engine.kv.prefix_stats.hits == (PROMPT - 1) // BLOCK * BLOCK
     assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("attention", [pytest.param("torch"), pytest.param("", marks=needs_kernel)])
+def test_mixed_sliding_and_full_layers(tmp_path, attention, monkeypatch):
+    """Qwen2 with layer 0 full and layer 1 sliding (max_window_layers 1): each layer masks by its own window,
+    equal to transformers; the pool frees nothing early (a full layer still reads every block)."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    cfg = Qwen2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, use_sliding_window=True, sliding_window=WINDOW,
+        max_window_layers=1, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    hf.save_pretrained(str(tmp_path), safe_serialization=True)
+    save_tiny_tokenizer(str(tmp_path), VOCAB)
+    prompt = _prompts()[2]
+    want = _hf_greedy(hf, prompt, 32)
+    monkeypatch.setenv("PAGEDLLM_ATTENTION", attention)
+    engine = _engine(str(tmp_path), max_num_batched_tokens=48, kv_cache_memory=64 * BLOCK_BYTES)
+    assert engine.kv.sliding_window is None and [g.window for g in engine.kv_groups] == [None, WINDOW]
+    assert run_all(engine, [prompt], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)) == [want]
+    assert_all_blocks_free(engine)
+    cfg.use_sliding_window, cfg.layer_types = False, None
+    full = AutoModelForCausalLM.from_config(Qwen2Config(**cfg.to_dict()), dtype=torch.float32).eval()
+    full.load_state_dict(hf.state_dict())
+    assert full.config.layer_types == ["full_attention"] * 2
+    assert _hf_greedy(full, prompt, 32) != want  # the window mattered

@@ -86,16 +86,23 @@ class AttentionGroup:
     token_index: torch.Tensor  # [n_real] flat token index of each real query, in padded order
     context_lens: torch.Tensor  # [S] long: tokens each sequence attends to after this step (cached + new)
     query_pos: torch.Tensor  # [S, 1, q_len, 1] long: each query's position (0 for padding)
-    masks: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> causal mask within that window
+    first_pos: int = 0  # the lowest position of a real query in the group
+    # window -> (the blocks from the first one any query's window reaches, the causal mask within the window)
+    windowed: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
-    def window_mask(self, window: int | None) -> torch.Tensor:
-        """The causal mask restricted to the last `window` positions of each query (made once per step)."""
+    def window_view(self, window: int | None, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block tables and mask for a layer with `window` (made once per step and window): the blocks before the
+        first one a window reaches are left out, so a long context gathers only its windows' blocks (those
+        entries may be the null block: the pool handed them on)."""
         if window is None:
-            return self.mask
-        if window not in self.masks:
-            keys = torch.arange(self.mask.shape[-1], device=self.mask.device)
-            self.masks[window] = self.mask & (keys > self.query_pos - window)
-        return self.masks[window]
+            return self.block_tables, self.mask
+        if window not in self.windowed:
+            skip = max(0, self.first_pos - window + 1) // block_size
+            keys = torch.arange(skip * block_size, self.mask.shape[-1], device=self.mask.device)
+            mask = self.mask[..., skip * block_size :] & (keys > self.query_pos - window)
+            mask[..., 0] |= ~mask.any(-1)  # padded queries keep one key, so softmax stays finite; dropped later
+            self.windowed[window] = (self.block_tables[:, skip:], mask)
+        return self.windowed[window]
 
 
 def _make_group(ix: StepIndex, sel: np.ndarray, block_size: int, device: torch.device) -> AttentionGroup:
@@ -124,6 +131,7 @@ def _make_group(ix: StepIndex, sel: np.ndarray, block_size: int, device: torch.d
         token_index=qidx_t[valid] if valid is not None else qidx_t,
         context_lens=torch.from_numpy(starts + lens).to(device),
         query_pos=qpos[:, None, :, None].to(device),
+        first_pos=int(starts.min()),
     )
 
 
@@ -218,15 +226,15 @@ class TorchPagedAttention(PagedAttentionBackend):
     ) -> torch.Tensor:
         nb, bs, kvh, _ = k_cache.shape
         d = q.shape[-1]
-        S, mb = grp.block_tables.shape
+        tables, mask = grp.window_view(spec.window, bs)
+        S, mb = tables.shape
         Q = grp.q_len
         # [S, mb, bs, kvh, d] -> [S, kvh, L, d]
-        keys = _gather(k_cache, grp.block_tables, q.dtype).view(S, mb * bs, kvh, d).transpose(1, 2)
-        vals = _gather(v_cache, grp.block_tables, q.dtype).view(S, mb * bs, kvh, d).transpose(1, 2)
+        keys = _gather(k_cache, tables, q.dtype).view(S, mb * bs, kvh, d).transpose(1, 2)
+        vals = _gather(v_cache, tables, q.dtype).view(S, mb * bs, kvh, d).transpose(1, 2)
         qq = q[grp.query_index] if not (Q == 1 and S == q.shape[0]) else q
         # [S*Q, H, d] -> [S, Q, kvh, g, d] -> [S, kvh, g*Q, d] (row = gi*Q + qi)
         qq = qq.view(S, Q, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(S, kvh, g * Q, d)
-        mask = grp.window_mask(spec.window)
         mask = mask if g == 1 or Q == 1 else mask.repeat(1, 1, g, 1)
         o = _attend(qq, keys, vals, mask, spec)
         o = o.view(S, kvh, g, Q, d).permute(0, 3, 1, 2, 4).reshape(S * Q, kvh * g, d)

@@ -461,7 +461,8 @@ def run_sweep(args: argparse.Namespace) -> int:
         )
     from pagedllm.model import load_model
 
-    loaded = load_model(args.model, args.dtype) if args.reuse_weights else None  # one copy of the weights for all rows
+    shared = args.reuse_weights and any(s.window is None and not s.full_attention for s in settings)
+    loaded = load_model(args.model, args.dtype) if shared else None  # one copy of the weights for all rows
     rows: list[dict[str, Any]] = []
     peaks: dict[str, Any] | None = {} if args.plot else None
     for s in settings:

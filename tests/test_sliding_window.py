@@ -20,6 +20,7 @@ from model_helpers import VOCAB, save_tiny_tokenizer
 
 from pagedllm import SamplingParams
 from pagedllm.engine import EngineConfig, LLMEngine
+from pagedllm.kv.hashing import hash_full_blocks
 from pagedllm.kv.sizing import window_blocks
 from pagedllm.model import ModelRunner, SeqChunk, load_model
 from pagedllm.model.attention import AttentionSpec
@@ -223,14 +224,15 @@ def test_bench_sweep_window_rows(full_folder, tmp_path):
 
 
 def test_disk_tier_serves_a_sliding_model(sliding, tmp_path):
-    """--kv-offload-dir under a sliding model: A's blocks evicted from RAM by B come back from disk for A again
-    (the chain from the start, then the blocks out of the window null), and the tokens stay transformers'."""
+    """--kv-offload-dir under a sliding model: A's blocks evicted from RAM by B and C come back from disk for A
+    again (the chain from the start, then the blocks out of the window null), and the tokens stay transformers'."""
     folder, prompts, want = sliding
     engine = _engine(folder, kv_cache_memory=20 * BLOCK_BYTES, kv_offload_dir=str(tmp_path / "kv"))
     params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
-    assert run_all(engine, [prompts[0]], params) == [want[0]]
-    assert run_all(engine, [prompts[1]], params) == [want[1]]
+    for i in range(3):
+        assert run_all(engine, [prompts[i]], params) == [want[i]]
     engine.disk_tier.flush()
+    assert engine.kv.pool.get_cached_block(hash_full_blocks(prompts[0][:192], BLOCK, None, [])[11]) is None
     assert run_all(engine, [prompts[0]], params) == [want[0]]
     assert engine.kv.prefix_stats.disk_hits > 0
     assert engine.kv.prefix_stats.hits == (PROMPT - 1) // BLOCK * BLOCK

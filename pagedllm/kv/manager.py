@@ -243,10 +243,13 @@ class PagedKVCacheManager(KVCacheManager):
             if block is None:
                 break
             hits.append(block)
-        if self.disk is not None and len(hits) < max_blocks and self.disk.contains(hashes[len(hits)]):
-            hits += self._load_from_disk(request, hashes, hits)
+        sliding = self.sliding_window is not None and len(hits) < max_blocks
+        windowed = self._window_hit(hashes) if sliding else []
+        if len(windowed) < max_blocks and self.disk is not None and len(hits) < max_blocks:
+            if self.disk.contains(hashes[len(hits)]):  # (a whole window in RAM needs no disk read)
+                hits += self._load_from_disk(request, hashes, hits)
+                windowed = self._window_hit(hashes) if sliding else []  # the reads may have evicted some
         if self.sliding_window is not None:
-            windowed = self._window_hit(hashes) if len(hits) < max_blocks else []
             hits = windowed if len(windowed) > len(hits) else hits
             skipped = self._first_useful_block(len(hits) * self.block_size)
             hits[:skipped] = [self.null_block] * min(skipped, len(hits))

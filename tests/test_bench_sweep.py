@@ -140,6 +140,7 @@ def test_run_sweep_with_fake_engine(monkeypatch, tmp_path):
     monkeypatch.setattr(engine_api, "take_snapshot", fake_snapshot)
     monkeypatch.setattr(sweep, "kv_bytes_per_token", lambda model, dtype: PER_TOKEN)
     monkeypatch.setattr(bt, "load_bench_tokenizer", lambda path=None: WordTok())
+    monkeypatch.setattr(sweep, "_row_model", lambda args, s: None)  # the window rows' own model: the fake's
     p = argparse.ArgumentParser()
     sub = p.add_subparsers()
     sweep.add_sweep_parser(sub)
@@ -188,6 +189,8 @@ def test_run_sweep_with_fake_engine(monkeypatch, tmp_path):
         "paged b16, KV fp8",
         "prefix-rep, small pool",
         "prefix-rep, small pool + disk tier",
+        "paged b16, full attention",
+        "paged b16, sliding window 256",
     ]
     assert data["kv_budget_tokens"] == 4 * 256
     assert rows["contiguous b16"]["peak_running"] == 4 < rows["paged b16"]["peak_running"]

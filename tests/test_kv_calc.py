@@ -189,3 +189,21 @@ def test_dtype_is_the_models_so_a_cache_only_dtype_names_the_flag():
         timeout=60,
     )
     assert proc.returncode == 2 and "--dtype" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_model_groups_and_window_blocks(tmp_path):
+    """kv-calc --model reports bytes per token per KV-cache group, and what a window frees."""
+    import json
+
+    folder = tmp_path / "m"
+    folder.mkdir()
+    cfg = dict(architectures=["MistralForCausalLM"], vocab_size=8, hidden_size=64, intermediate_size=64)
+    cfg.update(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, sliding_window=256)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main([*ARGS, "--model", str(folder), "--kv-cache-dtype", "float32"]) == 0
+    text = out.getvalue()
+    assert "sliding window 256: 4 layers, 1,024 bytes per token" in text  # (K, V) x 4 layers x 2 heads x 16 x 4 B
+    # 4096 tokens: 256 blocks, of which (4096 - 256 + 1) // 16 = 240 went back
+    assert "a request of 4,096 tokens holds 16 blocks (not 256)" in text

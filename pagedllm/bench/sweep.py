@@ -11,7 +11,11 @@ Rows (default `--rows all`):
   workload without its longest request, at bfloat16, and that workload runs; with --kv-budget-tokens, that budget
   and the whole long tail;
 - disk: the prefix rows' workload with caching on in a RAM pool of `--disk-pool-tokens` only (too small for its
-  prefixes), without and with the prefix cache's disk tier (--kv-offload-dir, a fresh temporary folder).
+  prefixes), without and with the prefix cache's disk tier (--kv-offload-dir, a fresh temporary folder);
+- window: paged b16 on the long-tail workload, the model with full attention vs the same shape with every layer
+  sliding by `--sliding-window` tokens (load_model's hf_overrides, as vLLM's --hf-overrides): the pool gives back
+  the blocks out of each request's window, so the same budget runs more requests. A memory row: the window changes
+  the model, so its tokens are not the full model's.
 
 Columns: peak requests running at once, KV slots allocated vs tokens stored (averaged over the engine steps
 that had requests running; stored / allocated is the "used share"), output tokens/s, TTFT median
@@ -46,7 +50,7 @@ from pagedllm.settings import Field, Flag, add_flags, from_args, settings
 if TYPE_CHECKING:  # the engine (torch) loads only when a sweep runs
     from pagedllm.engine import EngineConfig, KVCacheDType
 
-GROUPS = ("allocation", "block", "prefix", "dtype", "disk")
+GROUPS = ("allocation", "block", "prefix", "dtype", "disk", "window")
 
 
 @dataclass
@@ -60,11 +64,15 @@ class Setting:
     small_pool: bool = False  # a RAM pool of --disk-pool-tokens instead of the common budget
     kv_offload: bool = False  # with a disk tier under the prefix cache
     kv_cache_dtype: KVCacheDType = "auto"
+    window: int | None = None  # hf_overrides' sliding_window: None keeps the model's attention
+    full_attention: bool = False  # hf_overrides: no window on any layer
 
 
-def default_settings(groups: set[str], dtype_workload: str = "long-tail-body") -> list[Setting]:
+def default_settings(
+    groups: set[str], dtype_workload: str = "long-tail-body", sliding_window: int = 256
+) -> list[Setting]:
     """The rows of `groups`; the dtype rows run `dtype_workload` (the whole long tail when the user sets the
-    budget, its body in the default budget: see dtype_rows_bytes)."""
+    budget, its body in the default budget: see dtype_rows_bytes); the window rows slide by `sliding_window`."""
     rows = [
         Setting("contiguous b16", "long-tail", "contiguous", 16, False, {"allocation"}),
         Setting("paged b16", "long-tail", "paged", 16, False, {"allocation", "block"}),
@@ -88,6 +96,16 @@ def default_settings(groups: set[str], dtype_workload: str = "long-tail-body") -
             small_pool=True,
             kv_offload=True,
         ),
+        Setting("paged b16, full attention", "long-tail", "paged", 16, False, {"window"}, full_attention=True),
+        Setting(
+            f"paged b16, sliding window {sliding_window}",
+            "long-tail",
+            "paged",
+            16,
+            False,
+            {"window"},
+            window=sliding_window,
+        ),
     ]
     return [r for r in rows if r.groups & groups]
 
@@ -97,7 +115,10 @@ class SweepConfig:
     """`bench sweep`'s own settings; the engine's (--model, --dtype, --max-model-len, ...) are EngineConfig's."""
 
     rows: str = "all"
-    """comma-separated row groups to run: allocation, block, prefix, dtype, disk, or all (default: all)"""
+    """comma-separated row groups to run: allocation, block, prefix, dtype, disk, window, or all (default: all)"""
+    sliding_window: int = Field(default=256, ge=1)
+    """the window rows' sliding window, in tokens: the model's shape with every layer sliding by it, next to the
+    same shape with full attention (default: 256)"""
     kv_budget_tokens: Annotated[int, Field(ge=1)] | None = None
     """KV cache size in tokens for the allocation, block, prefix and dtype rows (default: --contiguous-requests x
     --max-model-len, and for the dtype rows half the long-tail workload's tokens at bfloat16, so that the cache's
@@ -149,7 +170,7 @@ class SweepConfig:
 
 ENGINE_FLAGS = ("model", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "seed")
 FLAG_GROUPS = {
-    "rows and KV budget": ("rows", "kv_budget_tokens", "contiguous_requests"),
+    "rows and KV budget": ("rows", "kv_budget_tokens", "contiguous_requests", "sliding_window"),
     "long-tail workload (allocation, block and dtype rows)": ("num_prompts", "median_len", "output_len"),
     "prefix-repetition workload (prefix and disk rows)": (
         "prefix_num_prompts",
@@ -425,7 +446,7 @@ def _run_row(plan: Plan, s: Setting, workload: Workload, loaded: Any, peaks: dic
         kv_offload_dir=tier,
         kv_cache_dtype=s.kv_cache_dtype,
     )
-    engine = LLMEngine(cfg, loaded)
+    engine = LLMEngine(cfg, _row_model(plan, s) or loaded)
 
     def on_peak(e: Any) -> None:
         if peaks is not None:
@@ -448,6 +469,16 @@ def _run_row(plan: Plan, s: Setting, workload: Workload, loaded: Any, peaks: dic
         "num_blocks": engine.stats().num_blocks,
         **res,
     }
+
+
+def _row_model(plan: Plan, s: Setting) -> Any:
+    """The window rows' own copy of the model, its attention overridden; None: the row takes the shared one."""
+    from pagedllm.model import load_model
+
+    if s.window is None and not s.full_attention:
+        return None
+    overrides = {"sliding_window": s.window, "layer_types": None}
+    return load_model(plan.engine.model, plan.engine.dtype, verbose=False, hf_overrides=overrides)
 
 
 def _plot(path: str, rows: list[dict], peaks: dict[str, Any], budget_tokens: int) -> None:
@@ -517,14 +548,16 @@ def run_sweep(args: argparse.Namespace) -> int:
     from pagedllm.model import load_model
 
     plan = _plan(args)
-    settings = default_settings(plan.sweep.groups, "long-tail" if plan.sweep.kv_budget_tokens else "long-tail-body")
+    dtype_workload = "long-tail" if plan.sweep.kv_budget_tokens else "long-tail-body"
+    settings = default_settings(plan.sweep.groups, dtype_workload, plan.sweep.sliding_window)
     workloads = _build_workloads(plan, load_bench_tokenizer(plan.engine.model), settings)
     if "dtype" in plan.sweep.groups:
         dtype_row = next(s for s in settings if "dtype" in s.groups)
         plan.dtype_bytes = dtype_rows_bytes(plan, workloads[dtype_row.workload])
     _announce(plan, workloads)
     # one copy of the weights for all rows
-    loaded = load_model(plan.engine.model, plan.engine.dtype) if plan.sweep.reuse_weights else None
+    shared = plan.sweep.reuse_weights and any(s.window is None and not s.full_attention for s in settings)
+    loaded = load_model(plan.engine.model, plan.engine.dtype) if shared else None
     rows: list[dict[str, Any]] = []
     peaks: dict[str, Any] | None = {} if plan.sweep.plot else None
     for s in settings:

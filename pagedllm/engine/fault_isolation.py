@@ -54,7 +54,8 @@ def forward_each(
     unwritten: set[int] = set()
     out = Forwarded()
     for req, n in scheduled:
-        if unwritten.intersection(kv.get_block_ids(req.request_id)):
+        held = kv.get_block_ids(req.request_id)[kv.num_skipped_blocks(req.request_id) :]  # not the null entries
+        if unwritten.intersection(held):
             scheduler.requeue(req)
             continue
         try:

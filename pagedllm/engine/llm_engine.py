@@ -30,6 +30,7 @@ from pagedllm.errors import UserError
 from pagedllm.kv.events import KVEventLog
 from pagedllm.kv.manager import make_kv_cache_manager
 from pagedllm.kv.offload import DiskKVTier
+from pagedllm.kv.sizing import freeing_window, kv_cache_groups
 from pagedllm.model.kv_quant import QUANT_KV_DTYPES
 from pagedllm.model.loader import DTYPES, LoadedModel, load_model
 from pagedllm.model.runner import ModelRunner, SeqChunk
@@ -74,8 +75,14 @@ class LLMEngine:
         )
         num_blocks = num_kv_blocks(config, self.loaded, self.max_model_len, self.kv_dtype)
         self.runner = ModelRunner(self.loaded, num_blocks, self.block_size, self.kv_dtype)
+        self.kv_groups = kv_cache_groups([cfg.layer_window(i) for i in range(cfg.num_layers)])
         self.kv = make_kv_cache_manager(
-            config.kv_allocation, num_blocks, self.block_size, self.max_model_len, config.enable_prefix_caching
+            config.kv_allocation,
+            num_blocks,
+            self.block_size,
+            self.max_model_len,
+            config.enable_prefix_caching,
+            freeing_window(self.kv_groups),
         )
         if config.enable_kv_cache_events:
             self.kv.pool.events = KVEventLog(self.block_size, device.type.upper())

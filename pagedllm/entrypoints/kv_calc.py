@@ -6,13 +6,17 @@ from __future__ import annotations
 import argparse
 
 from pagedllm.errors import UserError
+from pagedllm.kv.manager import cdiv
 from pagedllm.kv.sizing import (
     DTYPE_BYTES,
+    freeing_window,
+    kv_cache_groups,
     kv_dtype_bytes_per_token,
     num_blocks_in_budget,
     paged_slots,
     parse_memory_size,
     requests_that_fit,
+    window_blocks,
 )
 
 SOURCE = (
@@ -151,6 +155,25 @@ def _kv_dtype(args: argparse.Namespace) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _report_groups(cfg, dtype: str, block_size: int, max_len: int) -> None:
+    """Bytes per token of each KV-cache group (layers with the same window), and the blocks a request of --max-len
+    tokens holds where the pool frees what fell out of the window (every layer sliding alike)."""
+    groups = kv_cache_groups([cfg.layer_window(i) for i in range(cfg.num_layers)])
+    print("KV-cache groups (layers that attend alike):")
+    for g in groups:
+        per = kv_dtype_bytes_per_token(len(g.layers), cfg.num_kv_heads, cfg.head_dim, dtype)
+        print(f"  {g.name}: {len(g.layers)} layers, {per:,} bytes per token")
+    window = freeing_window(groups)
+    held = window_blocks(max_len, window, block_size)
+    if window is not None:
+        print(
+            f"a request of {max_len:,} tokens holds {held:,} blocks (not {cdiv(max_len, block_size):,}): "
+            f"blocks out of the {window:,}-token window go back to the pool"
+        )
+    elif len(groups) > 1:
+        print("mixed sliding and full layers share one block table: no block is freed before the request ends")
+
+
 def _report_model(model: str, dtype: str, block_size: int, max_len: int, used: list[int], budget: int | None) -> None:
     from pagedllm.model.config import load_model_config
 
@@ -165,6 +188,7 @@ def _report_model(model: str, dtype: str, block_size: int, max_len: int, used: l
     print(f"model: {cfg.name} ({cfg.num_layers} layers, {cfg.num_kv_heads} KV heads x {cfg.head_dim} dims, {dtype})")
     print(f"KV bytes per token: {per_token:,}")
     print(f"KV bytes per block of {block_size}: {per_block:,}")
+    _report_groups(cfg, dtype, block_size, max_len)
     head = f"{'--kv-cache-dtype':>16} {'bytes/token':>12} {'vs float32':>10}"
     print(head + (f" {'tokens in budget':>17}" if budget else ""))
     for name in ("float32", "bfloat16", "int8", "fp8"):

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedllm.errors import ModelLoadError
+from pagedllm.errors import ModelLoadError, UserError
 from pagedllm.model.families import (
     GGUF_ARCHITECTURES,
     SUPPORTED_ARCHITECTURES,
@@ -64,15 +64,17 @@ class ModelConfig:
     no_rope_layers: list[int] | None = None  # SmolLM3: per layer 1 = RoPE, 0 = none (NoPE)
     name: str = ""
     checkpoint_dtype: str = "float32"  # dtype the weights are stored in ("quantized" for GGUF quants)
-    sliding_window: int | None = None  # HF meaning (tokens a query sees, itself included); None = full attention
-    # per layer "sliding_attention" / "full_attention" (transformers 5's names); None = every layer uses
-    # sliding_window if set
+    # Tokens a query of a sliding layer sees, itself included (transformers: kv_idx > q_idx - sliding_window);
+    # None: full attention.
+    sliding_window: int | None = None
+    # Per layer "sliding_attention" / "full_attention" (transformers 5's names); None: every layer uses
+    # sliding_window when it is set.
     layer_types: list[str] | None = None
-    attn_scale: float | None = None  # softmax scale; None = head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
-    attn_logit_softcapping: float | None = None  # Gemma 2: tanh soft-cap of attention scores
+    attn_scale: float | None = None  # softmax scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
+    attn_logit_softcapping: float | None = None  # Gemma 2: cap * tanh(score / cap) before the softmax
 
     def layer_window(self, layer: int) -> int | None:
-        """The sliding window of one layer (None = full attention)."""
+        """The window of layer `layer`'s attention (None: it sees its whole context)."""
         if self.sliding_window is None:
             return None
         if self.layer_types is None:
@@ -171,15 +173,19 @@ def _hf_rope(cfg: dict[str, Any], where: str) -> dict[str, Any]:
     return out
 
 
-def _hf_window(cfg: dict[str, Any]) -> dict[str, Any]:
-    """sliding_window and layer_types: none when use_sliding_window is false (Qwen); Qwen's max_window_layers
-    when an older config.json has no layer_types."""
+def _hf_window(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """sliding_window and layer_types as transformers' configs read them: Mistral's window on every layer; Qwen's
+    only with use_sliding_window (off by default there), from max_window_layers on when an older config.json has
+    no layer_types."""
     window = cfg.get("sliding_window")
-    if cfg.get("use_sliding_window") is False or not window:
+    qwen = arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+    if not window or cfg.get("use_sliding_window") is False or (qwen and not cfg.get("use_sliding_window")):
         return {"sliding_window": None, "layer_types": None}
+    if int(window) < 1:
+        raise ValueError(f"sliding_window must be at least 1, got {window}")
     types = cfg.get("layer_types")
-    if types is None and cfg.get("use_sliding_window") and "max_window_layers" in cfg:
-        first = int(cfg["max_window_layers"])
+    if types is None and qwen:
+        first = int(cfg.get("max_window_layers", 28))
         types = ["sliding_attention" if i >= first else "full_attention" for i in range(int(cfg["num_hidden_layers"]))]
     return {"sliding_window": int(window), "layer_types": None if types is None else [str(t) for t in types]}
 
@@ -234,7 +240,7 @@ def config_from_hf_dict(cfg: dict[str, Any], where: str, gen_cfg: dict[str, Any]
             name=model_name(where),
             checkpoint_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
         )
-        for key, value in (_hf_rope(cfg, where) | _hf_window(cfg) | fam.hf_fields(cfg)).items():
+        for key, value in (_hf_rope(cfg, where) | _hf_window(cfg, arch) | fam.hf_fields(cfg)).items():
             setattr(c, key, value)
     except (KeyError, TypeError, ValueError) as e:
         raise ModelLoadError(f"{where}: incomplete or invalid model config ({e})") from e
@@ -318,6 +324,24 @@ def config_from_gguf(h: GGUFHeader, where: str) -> ModelConfig:
     except (KeyError, TypeError) as e:
         raise ModelLoadError(f"{where}: GGUF metadata lacks or mistypes {e}") from e
     return _checked(c, where)
+
+
+def with_overrides(cfg: ModelConfig, overrides: dict[str, Any]) -> ModelConfig:
+    """`cfg` with some fields replaced, as vLLM's --hf-overrides replaces config.json keys (e.g. {"sliding_window":
+    256} to measure what a window saves on a model that has none); an unknown or ill-typed key is a UserError."""
+    from dataclasses import fields, replace
+
+    known = {f.name for f in fields(ModelConfig)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise UserError(f"hf_overrides: unknown model config keys {unknown}; known: {', '.join(sorted(known))}")
+    out = replace(cfg, **overrides)
+    window, types = out.sliding_window, out.layer_types
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise UserError(f"hf_overrides: sliding_window must be a whole number of tokens >= 1, got {window!r}")
+    if types is not None and len(types) != out.num_layers:
+        raise UserError(f"hf_overrides: layer_types must name each of the {out.num_layers} layers")
+    return out
 
 
 def resolve_model_path(model: str | None) -> str:

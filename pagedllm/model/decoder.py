@@ -47,7 +47,7 @@ class DecoderLayer(nn.Module):
         self.o = Linear(hidden, self.q_size, cfg.o_proj_bias, dtype, device)
         self.mlp = GatedMLP(hidden, cfg.intermediate_size, cfg.hidden_act, dtype, device)
         self.rope = cfg.layer_rope(index)
-        self.spec = AttentionSpec(cfg.attn_scale, cfg.attn_logit_softcapping, cfg.layer_window(index))
+        self.attn_spec = AttentionSpec.for_layer(cfg, index)  # read by the torch path and the fused C step
         self.residual_multiplier = cfg.residual_multiplier
 
     def slots(self) -> dict[str, nn.Module]:
@@ -89,7 +89,7 @@ class DecoderLayer(nn.Module):
         backend: PagedAttentionBackend,
     ) -> torch.Tensor:
         q, k, v = self._qkv(h if self.attn_norm is None else self.attn_norm(h), rope)
-        a = self.o(backend.forward(q, k, v, k_cache, v_cache, meta, self.spec).reshape(h.shape[0], self.q_size))
+        a = self.o(backend.forward(q, k, v, k_cache, v_cache, meta, self.attn_spec).reshape(h.shape[0], self.q_size))
         if self.attn_out_norm is not None:
             a = self.attn_out_norm(a)
         h = h + (a if self.residual_multiplier == 1.0 else a * self.residual_multiplier)

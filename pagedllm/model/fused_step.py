@@ -3,7 +3,8 @@
 Used by `ModelRunner` for every step (decode tokens and prefill chunks alike) when every matmul weight, the
 embedding table and the LM head are kept quantized (`--quantization gguf|int8|int4`) and the kernels are
 built. The structures below mirror the C ones field by field; they are filled once per runner (weights,
-caches), and what changes per step is a few int64 arrays built with numpy.
+caches), and what changes per step is a few int64 arrays: `attention.step_index`, the builder the torch path
+uses too. Each layer's attention (window, scale, soft-cap) comes from its `attn_spec`.
 
 With --dtype bfloat16 on a CPU with AMX, matmuls of at least the measured number of rows (kernel_choice.py)
 run on AMX with their inputs rounded to bfloat16; everything else computes in float32.
@@ -18,6 +19,7 @@ import torch
 
 import pagedllm.model.cpu_kernel as cpu_kernel
 import pagedllm.model.kv_quant as kv_quant
+from pagedllm.model.attention import StepIndex, step_index
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.decoder import CausalLM, DecoderLayer
 from pagedllm.model.linear import Linear
@@ -41,6 +43,9 @@ class _Layer(ctypes.Structure):
         ("qkv_bias", _P),
         ("k_cache", _P),
         ("v_cache", _P),
+        ("window", _I64),
+        ("scale", _F),
+        ("softcap", _F),
     ]
 
 
@@ -59,7 +64,6 @@ class _Model(ctypes.Structure):
         ("num_blocks", _I64),
         ("max_positions", _I64),
         ("eps", _F),
-        ("scale", _F),
         ("final_norm", _P),
         ("embed", _P),
         ("lm_head", _P),
@@ -109,11 +113,9 @@ def _model_blockers(cfg: ModelConfig) -> list[str]:
         (cfg.o_proj_bias, "an attention output bias"),
         (cfg.embedding_multiplier != 1.0 or cfg.residual_multiplier != 1.0, "embedding / residual multipliers"),
         (cfg.logits_divisor != 1.0 or cfg.final_logit_softcapping is not None, "logit scaling / soft-capping"),
-        (cfg.attn_logit_softcapping is not None, "attention soft-capping"),
         (cfg.rotary_dim != cfg.head_dim, "partial rotary"),
         (cfg.no_rope_layers is not None and not all(cfg.no_rope_layers), "NoPE layers"),
         (cfg.rope_local_theta is not None, "a second RoPE base"),
-        (any(cfg.layer_window(i) is not None for i in range(cfg.num_layers)), "sliding-window attention"),
         (cfg.head_dim % 2 != 0, "an odd head size"),
     ]
     return [why for hit, why in checks if hit]
@@ -170,7 +172,11 @@ class FusedStep:
 
     def _layer(self, layer: DecoderLayer, k_cache: torch.Tensor, v_cache: torch.Tensor) -> _Layer:
         assert layer.attn_norm is not None and layer.mlp_norm is not None, "fusable() checked the norms"
-        fields: dict[str, int | None] = {
+        spec = layer.attn_spec
+        fields: dict[str, float | int | None] = {
+            "window": spec.window or 0,
+            "scale": spec.scale if spec.scale is not None else layer.head_dim**-0.5,
+            "softcap": spec.softcap or 0.0,
             "attn_norm": self._f32(layer.attn_norm.weight),
             "ffn_norm": self._f32(layer.mlp_norm.weight),
             "qkv_bias": self._f32(layer.qkv.bias),
@@ -200,7 +206,6 @@ class FusedStep:
             amx_min_rows=amx,
             num_blocks=k_cache.shape[0],
             eps=cfg.rms_norm_eps,
-            scale=cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim**-0.5,
             final_norm=self._f32(m.norm.weight),
             embed=embed.tiles.data_ptr(),
             lm_head=head.tiles.data_ptr(),
@@ -216,18 +221,18 @@ class FusedStep:
         self.dims.max_positions = rot.cos_cache.shape[0]
 
     def run(
-        self, token_ids: list[list[int]], starts: list[int], block_tables: list[list[int]], num_logits: list[int]
+        self,
+        token_ids: list[list[int]],
+        starts: list[int],
+        block_tables: list[list[int]],
+        num_logits: list[int],
+        index: StepIndex | None = None,
     ) -> torch.Tensor:
         """float32 logits of sequence i adding `token_ids[i]` after `starts[i]` cached tokens: the last
-        `num_logits[i]` rows of each sequence, in order ([sum(num_logits), vocab])."""
-        S, bs = len(token_ids), self.block_size
-        lens = np.array([len(t) for t in token_ids], dtype=np.int64)
-        T = int(lens.sum())
-        seq = np.repeat(np.arange(S, dtype=np.int64), lens)
-        first = np.cumsum(lens) - lens
-        pos = np.array(starts, dtype=np.int64)[seq] + np.arange(T, dtype=np.int64) - first[seq]
-        tables = self._tables(block_tables, np.array(starts, dtype=np.int64) + lens, bs)
-        slots = tables[seq, pos // bs] * bs + pos % bs
+        `num_logits[i]` rows of each sequence, in order ([sum(num_logits), vocab]). `index`: the step's indices,
+        when the caller has built them already."""
+        ix = index or step_index([len(t) for t in token_ids], starts, block_tables, self.block_size)
+        T, lens, first = len(ix.seq), ix.lens, ix.first
         toks = np.fromiter((t for ids in token_ids for t in ids), dtype=np.int64, count=T)
         want = np.array(num_logits, dtype=np.int64)
         rows = (
@@ -238,17 +243,17 @@ class FusedStep:
             )
         )
         logits = torch.empty(len(rows), self.model.config.vocab_size, dtype=torch.float32)
-        self._rotary(int(pos.max()))
+        self._rotary(int(ix.positions.max()))
         batch = _Batch(
             toks.ctypes.data,
-            pos.ctypes.data,
-            seq.ctypes.data,
-            slots.ctypes.data,
-            tables.ctypes.data,
+            ix.positions.ctypes.data,
+            ix.seq.ctypes.data,
+            ix.slots.ctypes.data,
+            ix.tables.ctypes.data,
             rows.ctypes.data,
             T,
-            S,
-            tables.shape[1],
+            len(lens),
+            ix.tables.shape[1],
             len(rows),
             logits.data_ptr(),
             None if self.profile is None else self.profile.ctypes.data,
@@ -257,14 +262,3 @@ class FusedStep:
         if rc != 0:
             raise RuntimeError(f"model_step failed: {ERRORS.get(rc, rc)}")
         return logits
-
-    @staticmethod
-    def _tables(block_tables: list[list[int]], ends: np.ndarray, bs: int) -> np.ndarray:
-        """[S, most blocks needed] int64: row i the blocks sequence i needs to hold `ends[i]` tokens."""
-        need = (ends + bs - 1) // bs
-        out = np.zeros((len(block_tables), int(need.max())), dtype=np.int64)
-        for i, (table, n) in enumerate(zip(block_tables, need.tolist())):
-            if len(table) < n:
-                raise ValueError(f"block table of {len(table)} blocks cannot hold {int(ends[i])} tokens")
-            out[i, :n] = table[:n]
-        return out

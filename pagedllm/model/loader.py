@@ -18,13 +18,14 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 import pagedllm.model.cpu_kernel as cpu_kernel
 import pagedllm.model.kernel_choice as kernel_choice
 from pagedllm.errors import ModelLoadError, UserError
-from pagedllm.model.config import ModelConfig, is_gguf, load_model_config, resolve_model_path
+from pagedllm.model.config import ModelConfig, is_gguf, load_model_config, resolve_model_path, with_overrides
 from pagedllm.model.decoder import CausalLM
 from pagedllm.model.kernel_choice import KernelChoice
 from pagedllm.model.quant import log_once
@@ -130,12 +131,15 @@ def load_model(
     device: str | torch.device = "cpu",
     verbose: bool = True,
     quantization: str | None = None,
+    hf_overrides: dict[str, Any] | None = None,
 ) -> LoadedModel:
     """Load weights + tokenizer; raises ModelLoadError for bad paths/files/architectures, UserError for --dtype
-    and --quantization."""
+    and --quantization. `hf_overrides` replaces fields of the model's config first (config.with_overrides)."""
     t0 = time.perf_counter()
     path = resolve_model_path(model)
     cfg = load_model_config(path)
+    if hf_overrides:
+        cfg = with_overrides(cfg, hf_overrides)
     dev = torch.device(device)
     torch_dtype = resolve_dtype(dtype, cfg, dev)
     quant = resolve_quantization(quantization, path, dev)

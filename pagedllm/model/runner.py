@@ -13,7 +13,7 @@ import torch
 
 import pagedllm.model.kv_quant as kv_quant
 from pagedllm.kv.sizing import kv_bytes_per_token
-from pagedllm.model.attention import build_metadata
+from pagedllm.model.attention import build_metadata, step_index
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.fused_step import FusedStep, fusable
 from pagedllm.model.loader import LoadedModel
@@ -114,19 +114,20 @@ class ModelRunner:
         lens = [len(c.token_ids) for c in chunks]
         if any(n == 0 for n in lens):
             raise ValueError("every SeqChunk needs at least one new token")
+        starts, tables = [c.start_pos for c in chunks], [c.block_table for c in chunks]
+        ix = step_index(lens, starts, tables, self.block_size)  # one builder for the fused and the torch path
         if self.fused is not None:
             return self.fused.run(
                 [c.token_ids for c in chunks],
-                [c.start_pos for c in chunks],
-                [c.block_table for c in chunks],
+                starts,
+                tables,
                 [c.num_logits for c in chunks],
+                ix,
             )
         ids: list[int] = []
         for c in chunks:
             ids.extend(c.token_ids)
-        meta = build_metadata(
-            lens, [c.start_pos for c in chunks], [c.block_table for c in chunks], self.block_size, self.device
-        )
+        meta = build_metadata(lens, starts, tables, self.block_size, self.device, ix)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         rows: list[int] = []
         end = 0

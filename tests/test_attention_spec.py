@@ -184,7 +184,8 @@ def test_sliding_window_read_from_configs():
     every layer; GGUF's {arch}.attention.sliding_window."""
     from transformers import Qwen2Config
 
-    from pagedllm.model.config import config_from_gguf_metadata, config_from_hf_dict
+    from pagedllm.model.config import config_from_gguf, config_from_hf_dict
+    from pagedllm.model.families.base import GGUFHeader
 
     hf = Qwen2Config(num_hidden_layers=6, use_sliding_window=True, sliding_window=64, max_window_layers=4)
     d = {**hf.to_dict(), "architectures": ["Qwen2ForCausalLM"]}
@@ -202,4 +203,5 @@ def test_sliding_window_read_from_configs():
     md = {"general.architecture": "llama", "llama.embedding_length": 8, "llama.attention.head_count": 1,
           "llama.vocab_size": 8, "llama.feed_forward_length": 8, "llama.block_count": 2,
           "llama.attention.sliding_window": 32}  # fmt: skip
-    assert config_from_gguf_metadata(md, "test").layer_window(1) == 32
+    header = GGUFHeader(md, "llama.", {"token_embd.weight": (8, 8), "output.weight": (8, 8)}, lambda name: [])
+    assert config_from_gguf(header, "test").layer_window(1) == 32

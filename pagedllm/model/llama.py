@@ -175,10 +175,18 @@ class LlamaForCausalLM(nn.Module):
         logits_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids: [T]; returns float32 logits for rows `logits_index` (all rows if None)."""
+        h = self.hidden_states(input_ids, meta, kv_caches)
+        if logits_index is not None:
+            h = h[logits_index]
+        return linear(self.norm(h), self.lm_head_weight, packed=self.packed_lm_head, quant=self.lm_head_quant).float()
+
+    def hidden_states(
+        self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> torch.Tensor:
+        """The last layer's output for every row, before the final norm (writes K/V as `forward` does); an
+        embedding request pools `self.norm` of it, which is Hugging Face's `last_hidden_state`."""
         h = self.embed(input_ids)
         cos, sin = self.rotary.cos_sin(meta.positions, h.dtype)
         for layer, (kc, vc) in zip(self.layers, kv_caches):
             h = layer(h, cos, sin, kc, vc, meta, self.backend)
-        if logits_index is not None:
-            h = h[logits_index]
-        return linear(self.norm(h), self.lm_head_weight, packed=self.packed_lm_head, quant=self.lm_head_quant).float()
+        return h

@@ -180,3 +180,17 @@ def test_a_client_gone_mid_pooling_frees_its_blocks(server):
         sock.close()
         hold.wait_abort("embd-gone")
     assert_pool_whole(server)
+
+
+def test_truncate_prompt_tokens_keeps_what_the_model_takes(server, reference, tiny):
+    """vLLM's field: -1 cuts a text as sentence-transformers does (so equal to its vectors); N keeps the last N."""
+    long = " ".join(["word"] * 400)
+    got = _embed(server, model=MINILM, input=[long], truncate_prompt_tokens=-1)
+    np.testing.assert_allclose(_vectors(got), reference.encode([long]), atol=1e-5, rtol=0)
+    assert got["usage"]["prompt_tokens"] == reference.max_seq_length
+    _, hf = tiny
+    ids = list(range(3, 3 + MAX_MODEL_LEN + 20))
+    got = _embed(server, model=DECODER, input=[ids], truncate_prompt_tokens=10)
+    np.testing.assert_allclose(_vectors(got)[0], _mean_normalized(hf, ids[-10:]), atol=1e-5, rtol=0)
+    body = {"model": DECODER, "input": "a", "truncate_prompt_tokens": 0}
+    assert_error(server.http.post("/v1/embeddings", json=body), 400, "truncate_prompt_tokens")

@@ -24,6 +24,12 @@ def add_parser(subparsers) -> None:
 
 def _index_arg(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--index", default=DEFAULT_INDEX, help=f"index folder (default: ./{DEFAULT_INDEX})")
+    sp.add_argument(
+        "--embedding-url",
+        default=None,
+        help="embed with this server's /v1/embeddings (e.g. http://127.0.0.1:8000/v1 of `pagedllm serve "
+        "--embedding-model default`) instead of loading the model here; key: $PAGEDLLM_API_KEY or $OPENAI_API_KEY",
+    )
 
 
 def _add_ingest(sub: argparse._SubParsersAction) -> None:
@@ -123,7 +129,15 @@ def cmd_ingest(args) -> int:
     docs = _ingest_docs(args)
     if not docs:
         raise UserError("no text or Markdown files found in the given paths")
-    rep = ingest(docs, args.index, args.chunk_size, args.chunk_overlap, args.model, progress=not args.no_progress)
+    rep = ingest(
+        docs,
+        args.index,
+        args.chunk_size,
+        args.chunk_overlap,
+        args.model,
+        progress=not args.no_progress,
+        embedding_url=args.embedding_url,
+    )
     if rep.embedded:
         print(
             f"{rep.documents} documents: {rep.changed} new or changed ({rep.new_chunks} chunks embedded), "
@@ -137,7 +151,7 @@ def cmd_ingest(args) -> int:
 def cmd_search(args) -> int:
     from pagedllm.rag.index import RagIndex
 
-    hits = RagIndex(args.index).search(args.question, args.top_k)
+    hits = RagIndex(args.index, args.embedding_url).search(args.question, args.top_k)
     if args.json:
         print(json.dumps([h.to_dict() for h in hits], indent=1, ensure_ascii=False))
         return 0
@@ -157,7 +171,9 @@ def cmd_ask(args) -> int:
     from pagedllm.rag.generate import Answer, stream_engine, stream_openai
     from pagedllm.rag.pipeline import RagPipeline
 
-    pipe = RagPipeline(args.index, top_k=args.top_k, layout=args.layout, popularity="persist")
+    pipe = RagPipeline(
+        args.index, top_k=args.top_k, layout=args.layout, popularity="persist", embedding_url=args.embedding_url
+    )
     messages, hits = pipe.build_messages(args.question)
     pipe.save()
     if args.show_prompt:
@@ -218,7 +234,15 @@ def cmd_bench(args) -> int:
         from pagedllm.rag.bench import count_layouts
 
         rows = count_layouts(
-            args.index, args.num_questions, args.seed, args.top_k, layouts, args.zipf, cfg.block_size, cfg.model
+            args.index,
+            args.num_questions,
+            args.seed,
+            args.top_k,
+            layouts,
+            args.zipf,
+            cfg.block_size,
+            cfg.model,
+            embedding_url=args.embedding_url,
         )
         print(f"\n{'layout':<11}{'hit rate':>9}{'prompt tokens':>15}{'from cache':>12}{'median computed':>17}")
         for r in rows:
@@ -246,6 +270,7 @@ def cmd_bench(args) -> int:
         args.server_model,
         zipf_s=args.zipf,
         partial_path=os.path.join(args.out, "rag_bench_partial.json"),
+        embedding_url=args.embedding_url,
     )
     paths = save(result, args.out)
     print()

@@ -56,6 +56,21 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="prompt layout of RAG requests (canonical/popular share prefixes in the cache)",
     )
     s.add_argument(
+        "--runner",
+        default="auto",
+        choices=["auto", "generate", "pooling"],
+        help="pooling: MODEL is an embedding model (e.g. a Qwen3-Embedding checkpoint): the engine serves "
+        "/v1/embeddings, pooled as its sentence-transformers files say (default: last token, normalized), and no "
+        "completions; auto (default): generate (vLLM's flag)",
+    )
+    s.add_argument(
+        "--embedding-model",
+        default=None,
+        metavar="PATH",
+        help="also serve this sentence-transformers model on /v1/embeddings, named by its folder "
+        "('default': the bundled all-MiniLM-L6-v2, what `pagedllm rag` embeds with)",
+    )
+    s.add_argument(
         "--log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug"],
@@ -124,6 +139,8 @@ def check_cluster_args(args: argparse.Namespace) -> None:
         raise UserError(f"--routing-imbalance-threshold: must be >= 0, got {args.routing_imbalance_threshold}")
     if getattr(args, "rag_index", None):
         raise UserError("--rag-index: the cluster does not serve RAG yet; run it without --replicas")
+    if getattr(args, "embedding_model", None) or getattr(args, "runner", "auto") == "pooling":
+        raise UserError("--embedding-model / --runner pooling: the cluster does not serve embeddings yet")
     try:
         import ray.serve  # noqa: F401 - only whether the cluster extra is installed
     except ImportError:

@@ -126,10 +126,11 @@ def build_workload(
     layouts: list[str],
     zipf_s: float,
     log: Callable[[str], None] = print,
+    embedding_url: str | None = None,
 ) -> Workload:
     """The questions, retrieved once each (timed), laid out by every layout. Each layout starts from no
     popularity history and sees the questions in the same order."""
-    pipe = RagPipeline(index_dir, top_k=top_k)
+    pipe = RagPipeline(index_dir, top_k=top_k, embedding_url=embedding_url)
     workload = zipf_questions(num_questions, seed, s=zipf_s)
     questions = [q for q, _ in workload]
     pipe.retrieve(questions[0])  # load the embedder before timing
@@ -184,13 +185,14 @@ def count_layouts(
     block_size: int = 16,
     model: str | None = None,
     log: Callable[[str], None] = print,
+    embedding_url: str | None = None,
 ) -> list[dict]:
     """`rag bench --count-only`: per layout, the share of prompt tokens the prefix cache would serve and the median
     tokens left to compute per question (what TTFT follows), without running the model."""
     from pagedllm.rag.tokens import get_tokenizer
 
     layouts = layouts or list(LAYOUTS)
-    w = build_workload(index_dir, num_questions, seed, top_k, layouts, zipf_s, log)
+    w = build_workload(index_dir, num_questions, seed, top_k, layouts, zipf_s, log, embedding_url)
     tok = get_tokenizer(model)
     rows = []
     for layout in layouts:
@@ -340,10 +342,11 @@ def run_bench(
     log: Callable[[str], None] = print,
     zipf_s: float = 1.1,
     partial_path: str | Path | None = None,
+    embedding_url: str | None = None,
 ) -> dict:
     layouts = layouts or list(LAYOUTS)
     caching = [True, False] if caching is None else caching
-    w = build_workload(index_dir, num_questions, seed, top_k, layouts, zipf_s, log)
+    w = build_workload(index_dir, num_questions, seed, top_k, layouts, zipf_s, log, embedding_url)
     retrieval_s, top3 = w.retrieval_s, w.top3
 
     rows: list[BenchRow] = []

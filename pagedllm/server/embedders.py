@@ -23,8 +23,12 @@ class Embedder(Protocol):
 
     names: list[str]
 
-    async def embed(self, inputs: Inputs, dimensions: int | None, request_id: str) -> tuple[list[list[float]], int]:
-        """The vectors of `inputs`, in order, and the tokens counted; APIError for a bad input or dimensions."""
+    async def embed(
+        self, inputs: Inputs, dimensions: int | None, request_id: str, truncate: int | None = None
+    ) -> tuple[list[list[float]], int]:
+        """The vectors of `inputs`, in order, and the tokens counted; APIError for a bad input or dimensions.
+        `truncate`: keep each input's last that many tokens (-1: as many as the model takes), vLLM's
+        truncate_prompt_tokens; without it an input over the model's limit is a 400."""
 
 
 def check_dimensions(pooler: PoolerConfig, dimensions: int | None, size: int) -> None:
@@ -55,12 +59,17 @@ class EngineEmbedder:
         self.pooler = pooler
         self.names = list(ctx.model_names)
 
-    async def embed(self, inputs: Inputs, dimensions: int | None, request_id: str) -> tuple[list[list[float]], int]:
+    async def embed(
+        self, inputs: Inputs, dimensions: int | None, request_id: str, truncate: int | None = None
+    ) -> tuple[list[list[float]], int]:
         ctx = self.ctx
         check_dimensions(self.pooler, dimensions, ctx.engine.model_config.hidden_size)
         prompts = [await ctx.encode(x, add_special_tokens=True) if isinstance(x, str) else x for x in inputs]
-        # the engine takes prompts shorter than max_model_len (a generation needs room for one token)
-        check_lengths([len(p) for p in prompts], ctx.engine.max_model_len - 1, "this model")
+        limit = ctx.engine.max_model_len - 1  # the engine takes prompts shorter than max_model_len
+        if truncate is not None:
+            keep = limit if truncate == -1 else min(truncate, limit)
+            prompts = [p[-keep:] for p in prompts]
+        check_lengths([len(p) for p in prompts], limit, "this model")
         for p in prompts:
             ctx.check_token_ids(p, "input")
         ctx.check_n(1, len(prompts))
@@ -102,10 +111,17 @@ class SentenceTransformerEmbedder:
         self.dim = int(get_dim() or 0)
         self._lock = threading.Lock()  # one encode at a time: the model is not made for concurrent calls
 
-    async def embed(self, inputs: Inputs, dimensions: int | None, request_id: str) -> tuple[list[list[float]], int]:
+    async def embed(
+        self, inputs: Inputs, dimensions: int | None, request_id: str, truncate: int | None = None
+    ) -> tuple[list[list[float]], int]:
         check_dimensions(self.pooler, dimensions, self.dim)
         texts = [x for x in inputs if isinstance(x, str)]
         ids = await asyncio.to_thread(self._token_ids, texts) if texts else [x for x in inputs if isinstance(x, list)]
+        if truncate is not None and not (texts and truncate in (-1, self.max_len)):
+            keep = self.max_len if truncate == -1 else min(truncate, self.max_len)
+            ids, texts = [i[-keep:] for i in ids], []
+        elif truncate is not None:  # the model's own limit: sentence-transformers cuts texts to it itself
+            ids = [i[: self.max_len - 1] + i[-1:] if len(i) > self.max_len else i for i in ids]
         check_lengths([len(i) for i in ids], self.max_len, "this model")
         vecs = await asyncio.to_thread(self._encode, texts if texts else ids)
         if dimensions is not None:

@@ -19,6 +19,9 @@ class EmbeddingRequest(RequestModel):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: StrictInt | None = Field(None, ge=1, description="Matryoshka models only: keep the first N")
     user: str | None = None  # accepted and ignored, as OpenAI's
+    truncate_prompt_tokens: StrictInt | None = Field(
+        None, ge=-1, description="vLLM's: keep only the last N tokens of each input (-1: as many as the model takes)"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> EmbeddingRequest:
@@ -27,6 +30,8 @@ class EmbeddingRequest(RequestModel):
             raise ValueError("input: must not be empty, nor hold an empty text or token list")
         if len(items) > MAX_INPUTS and not all(isinstance(x, int) for x in items):
             raise ValueError(f"input: at most {MAX_INPUTS} inputs per request, got {len(items)}")
+        if self.truncate_prompt_tokens == 0:
+            raise ValueError("truncate_prompt_tokens: must be -1 (the model's limit) or at least 1")
         return self
 
     def inputs(self) -> list[str] | list[list[int]]:

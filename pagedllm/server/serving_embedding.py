@@ -37,7 +37,7 @@ def _encoded(vec: list[float], encoding_format: str) -> list[float] | str:
 
 
 async def _answer(req: EmbeddingRequest, embedder: Embedder, name: str, rid: str) -> EmbeddingResponse:
-    vectors, tokens = await embedder.embed(req.inputs(), req.dimensions, rid)
+    vectors, tokens = await embedder.embed(req.inputs(), req.dimensions, rid, req.truncate_prompt_tokens)
     data = [
         EmbeddingData(object="embedding", index=i, embedding=_encoded(v, req.encoding_format))
         for i, v in enumerate(vectors)

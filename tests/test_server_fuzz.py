@@ -28,12 +28,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 def fuzz_server(model_fp32):
     from pagedllm.engine import EngineConfig, LLMEngine
     from pagedllm.engine.async_engine import AsyncLLMEngine
+    from pagedllm.engine.pooling import PoolerConfig
 
     engine = AsyncLLMEngine(
         LLMEngine(EngineConfig(kv_cache_memory=tiny_kv_budget(), **FAULT_ENGINE_ARGS), loaded=model_fp32),
         max_waiting_requests=16,
     )
-    with running_server(engine, served_model_names=["m"], max_request_bytes=256 * 1024) as s:
+    # the model also pools (POST /v1/embeddings), its requests batched with the generations
+    app_args = dict(served_model_names=["m"], max_request_bytes=256 * 1024, pooler=PoolerConfig())
+    with running_server(engine, **app_args) as s:
         yield s
 
 

@@ -160,6 +160,8 @@ def test_minilm_limits_and_unknown_models(server):
     # --runner pooling: the model embeds, it does not generate
     assert server.http.post("/v1/completions", json={"prompt": "a"}).status_code == 404
     assert "/v1/embeddings" in server.http.get("/openapi.json").json()["paths"]
+    cards = {m["id"]: m["max_model_len"] for m in server.http.get("/v1/models").json()["data"]}
+    assert cards == {DECODER: MAX_MODEL_LEN, MINILM: 256}
 
 
 def test_a_client_gone_mid_pooling_frees_its_blocks(server):
@@ -194,3 +196,27 @@ def test_truncate_prompt_tokens_keeps_what_the_model_takes(server, reference, ti
     np.testing.assert_allclose(_vectors(got)[0], _mean_normalized(hf, ids[-10:]), atol=1e-5, rtol=0)
     body = {"model": DECODER, "input": "a", "truncate_prompt_tokens": 0}
     assert_error(server.http.post("/v1/embeddings", json=body), 400, "truncate_prompt_tokens")
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["--replicas", "2", "--embedding-model", "default"], "--embedding-model"),
+        (["--replicas", "2", "--runner", "pooling"], "--runner"),
+    ],
+)
+def test_the_cluster_refuses_embedding_flags_naming_them(argv, flag):
+    from pagedllm.entrypoints.cli import build_parser
+    from pagedllm.entrypoints.serve_args import check_cluster_args
+    from pagedllm.errors import UserError
+
+    with pytest.raises(UserError, match=f"^{flag}:"):
+        check_cluster_args(build_parser().parse_args(["serve", *argv]))
+
+
+def test_a_missing_embedding_model_folder_is_a_user_error(tmp_path):
+    from pagedllm.errors import UserError
+    from pagedllm.server.embedders import SentenceTransformerEmbedder
+
+    with pytest.raises(UserError, match="^--embedding-model:"):
+        SentenceTransformerEmbedder(str(tmp_path / "nope"))

@@ -139,8 +139,10 @@ def check_cluster_args(args: argparse.Namespace) -> None:
         raise UserError(f"--routing-imbalance-threshold: must be >= 0, got {args.routing_imbalance_threshold}")
     if getattr(args, "rag_index", None):
         raise UserError("--rag-index: the cluster does not serve RAG yet; run it without --replicas")
-    if getattr(args, "embedding_model", None) or getattr(args, "runner", "auto") == "pooling":
-        raise UserError("--embedding-model / --runner pooling: the cluster does not serve embeddings yet")
+    if getattr(args, "embedding_model", None):
+        raise UserError("--embedding-model: the cluster does not serve embeddings yet; run it without --replicas")
+    if getattr(args, "runner", "auto") == "pooling":
+        raise UserError("--runner: the cluster does not serve pooling models yet; run it without --replicas")
     try:
         import ray.serve  # noqa: F401 - only whether the cluster extra is installed
     except ImportError:

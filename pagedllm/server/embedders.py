@@ -22,6 +22,7 @@ class Embedder(Protocol):
     """One embedding model: the names requests pick it by, and its vectors (with the tokens they took)."""
 
     names: list[str]
+    max_len: int  # tokens an input may have
 
     async def embed(
         self, inputs: Inputs, dimensions: int | None, request_id: str, truncate: int | None = None
@@ -58,6 +59,7 @@ class EngineEmbedder:
         self.ctx = ctx
         self.pooler = pooler
         self.names = list(ctx.model_names)
+        self.max_len = ctx.engine.max_model_len - 1
 
     async def embed(
         self, inputs: Inputs, dimensions: int | None, request_id: str, truncate: int | None = None

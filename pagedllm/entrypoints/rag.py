@@ -215,6 +215,30 @@ def cmd_ask(args) -> int:
     return 0
 
 
+def _count_only(args, layouts: list[str], block_size: int, model: str | None) -> int:
+    """`rag bench --count-only`: what the prefix cache would serve per layout, printed as a table."""
+    from pagedllm.rag.bench import count_layouts
+
+    rows = count_layouts(
+        args.index,
+        args.num_questions,
+        args.seed,
+        args.top_k,
+        layouts,
+        args.zipf,
+        block_size,
+        model,
+        embedding_url=args.embedding_url,
+    )
+    print(f"\n{'layout':<11}{'hit rate':>9}{'prompt tokens':>15}{'from cache':>12}{'median computed':>17}")
+    for r in rows:
+        print(
+            f"{r['layout']:<11}{r['hit_rate']:>9.1%}{r['prompt_tokens']:>15}{r['cached_tokens']:>12}"
+            f"{r['computed_median']:>17.1f}"
+        )
+    return 0
+
+
 def cmd_bench(args) -> int:
     from dataclasses import asdict, fields, is_dataclass
 
@@ -231,26 +255,7 @@ def cmd_bench(args) -> int:
     caching = {"both": [True, False], "on": [True], "off": [False]}[args.caching]
     cfg = EngineConfig.from_args(args)  # validates the engine flags
     if args.count_only:
-        from pagedllm.rag.bench import count_layouts
-
-        rows = count_layouts(
-            args.index,
-            args.num_questions,
-            args.seed,
-            args.top_k,
-            layouts,
-            args.zipf,
-            cfg.block_size,
-            cfg.model,
-            embedding_url=args.embedding_url,
-        )
-        print(f"\n{'layout':<11}{'hit rate':>9}{'prompt tokens':>15}{'from cache':>12}{'median computed':>17}")
-        for r in rows:
-            print(
-                f"{r['layout']:<11}{r['hit_rate']:>9.1%}{r['prompt_tokens']:>15}{r['cached_tokens']:>12}"
-                f"{r['computed_median']:>17.1f}"
-            )
-        return 0
+        return _count_only(args, layouts, cfg.block_size, cfg.model)
     # JSON-ready (the result records them): a speculative config as its dict, which EngineConfig takes back
     engine_kwargs = {
         f.name: asdict(v) if is_dataclass(v := getattr(cfg, f.name)) and not isinstance(v, type) else v

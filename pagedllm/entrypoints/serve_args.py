@@ -55,6 +55,18 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         choices=["naive", "canonical", "popular"],
         help="prompt layout of RAG requests (canonical/popular share prefixes in the cache)",
     )
+    add_embedding_args(s)
+    s.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="server log level (default: info)",
+    )
+    add_cluster_args(parser)
+
+
+def add_embedding_args(s: argparse._ArgumentGroup) -> None:
+    """/v1/embeddings: the engine's own model pooled (--runner pooling), or a sentence-transformers one beside it."""
     s.add_argument(
         "--runner",
         default="auto",
@@ -70,13 +82,6 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="also serve this sentence-transformers model on /v1/embeddings, named by its folder "
         "('default': the bundled all-MiniLM-L6-v2, what `pagedllm rag` embeds with)",
     )
-    s.add_argument(
-        "--log-level",
-        default="info",
-        choices=["critical", "error", "warning", "info", "debug"],
-        help="server log level (default: info)",
-    )
-    add_cluster_args(parser)
 
 
 def add_cluster_args(parser: argparse.ArgumentParser) -> None:

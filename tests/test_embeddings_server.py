@@ -142,6 +142,7 @@ def test_decoder_pooled_by_the_engine_equals_transformers(server, tiny):
         ({"input": [-1]}, "input"),
         ({"input": [[3] * (MAX_MODEL_LEN + 1)]}, "input"),
         ({"input": [[300]]}, "input"),  # beyond the tiny vocabulary
+        ({"input": [[3]] * 65}, "input"),  # more than --max-waiting-requests 64 at once
         ({"input": "a", "dimensions": 8}, "dimensions"),
         ({"input": "a", "encoding_format": "int8"}, "encoding_format"),
     ],

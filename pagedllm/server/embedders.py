@@ -74,7 +74,13 @@ class EngineEmbedder:
         check_lengths([len(p) for p in prompts], limit, "this model")
         for p in prompts:
             ctx.check_token_ids(p, "input")
-        ctx.check_n(1, len(prompts))
+        waiting = ctx.engine.max_waiting_requests
+        if waiting and len(prompts) > waiting:  # it could never be admitted whole: a 400, not a 503 to retry
+            raise APIError(
+                f"input: {len(prompts)} inputs are more than the server's --max-waiting-requests ({waiting})",
+                400,
+                param="input",
+            )
         subs = await ctx.submit(prompts, self.pooler.params(dimensions), request_id)
         await ctx.run_to_end(subs)
         vectors = []

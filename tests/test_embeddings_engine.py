@@ -126,3 +126,17 @@ def test_pooler_config_follows_sentence_transformers_files(tmp_path):
         cfg.check_dimensions(48, 64)
     with pytest.raises(UserError, match="dimensions"):
         PoolerConfig().check_dimensions(8, 64)
+
+
+def test_offline_llm_embed_pools_by_the_checkpoint_rule(tiny):
+    """`LLM.embed` (vLLM's): a folder without sentence-transformers files is pooled LAST + normalize."""
+    from pagedllm import LLM
+
+    _, hf, loaded = tiny
+    llm = LLM(loaded=loaded, kv_cache_memory=2**20, max_model_len=256, log_stats_interval=0)
+    outs = llm.embed(PROMPTS[:2], use_tqdm=False)
+    for out, ids in zip(outs, PROMPTS):
+        torch.testing.assert_close(torch.tensor(out.embedding), _reference(hf, ids, "LAST", True), atol=1e-5, rtol=0)
+    mean = llm.embed(PROMPTS[0], PoolingParams("MEAN", False), use_tqdm=False)[0]
+    torch.testing.assert_close(torch.tensor(mean.embedding), _reference(hf, PROMPTS[0], "MEAN", False))
+    assert_all_blocks_free(llm.engine)

@@ -147,7 +147,8 @@ class SentenceTransformerEmbedder:
 
         with self._lock, torch.inference_mode():
             if inputs and isinstance(inputs[0], str):
-                return self.model.encode(inputs, batch_size=32, convert_to_tensor=True).float().cpu()
+                vecs = self.model.encode(inputs, batch_size=32, convert_to_tensor=True, show_progress_bar=False)
+                return vecs.float().cpu()
             out = []
             for ids in inputs:
                 t = torch.tensor([ids], device=self.model.device)

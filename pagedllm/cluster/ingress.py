@@ -27,7 +27,7 @@ from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.stats import AbortLog, EngineStats
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.tokenizer import Tokenizer
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import PoolingParams, SamplingParams
 
 logger = logging.getLogger("pagedllm.cluster")
 
@@ -108,7 +108,9 @@ class ClusterEngine:
         self.abort_all()
 
     # ------------------------------------------------------------------ requests
-    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> ClusterStream:
+    async def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | PoolingParams
+    ) -> ClusterStream:
         """Send the request to the replica the router picks; returns once that replica's engine took it, or
         raises what it raised (a refusal) or ReplicaDiedError."""
         if not self._accepting:

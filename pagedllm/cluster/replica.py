@@ -18,7 +18,7 @@ from pagedllm.cluster.loopback import replica_grpc_on_loopback
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.stats import EngineStats
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import PoolingParams, SamplingParams
 
 logger = logging.getLogger("pagedllm.cluster")
 
@@ -84,7 +84,7 @@ class EngineReplica:
         )
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | PoolingParams
     ) -> AsyncIterator[str | RequestOutput]:
         """First this replica's id, once the engine took the request (a refusal raises before it, so the ingress
         can still answer 400 / 503), then the request's cumulative outputs. Cancelling the call (the client went

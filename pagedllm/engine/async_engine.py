@@ -37,7 +37,7 @@ from pagedllm.engine.stats import AbortLog, EngineStats
 from pagedllm.errors import UserError
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.tokenizer import Tokenizer
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import PoolingParams, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class RequestStream:
 class _Add:
     request_id: str
     prompt: str | list[int]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     stream: RequestStream
 
 
@@ -268,7 +268,9 @@ class AsyncLLMEngine:
                 f"too many waiting requests (the limit is {limit} samples); try again later"
             )
 
-    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> RequestStream:
+    async def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | PoolingParams
+    ) -> RequestStream:
         """Hand a request to the engine; returns once the engine took it (raises what the engine raised)."""
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, loop, loop.create_future())

@@ -20,6 +20,7 @@ from pagedllm.engine.fault_isolation import Computed, Scheduled, forward_guarded
 from pagedllm.engine.input_checks import check_params, encode_prompt
 from pagedllm.engine.memory import log_kv_cache, num_kv_blocks, resolve_device
 from pagedllm.engine.outputs import RequestMetrics, RequestOutput
+from pagedllm.engine.pooling import PoolingState
 from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.spec_decode import NgramDrafter, SpecDecodeStats, SpeculativeConfig
@@ -35,7 +36,7 @@ from pagedllm.model.kv_quant import QUANT_KV_DTYPES
 from pagedllm.model.loader import DTYPES, LoadedModel, load_model
 from pagedllm.model.runner import ModelRunner, SeqChunk
 from pagedllm.model.sampler import SampleResult, token_logprobs
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import PoolingParams, SamplingParams
 
 logger = logging.getLogger("pagedllm")
 
@@ -118,16 +119,19 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: str | list[int],
-        params: SamplingParams | None = None,
+        params: SamplingParams | PoolingParams | None = None,
         cache_salt: str | None = None,
         *,
         prompt_token_ids: list[int] | None = None,
     ) -> None:
         """Queue a request (its n samples); `prompt_token_ids` gives the ids of a text prompt already encoded.
+        PoolingParams make it an embedding request: its prompt computed, no token sampled, one vector out.
 
         Everything is checked and every sample built before anything is queued: a bad request leaves nothing.
         """
-        params = params or SamplingParams()
+        pooling = params if isinstance(params, PoolingParams) else None
+        params = SamplingParams(max_tokens=0) if pooling is not None else params or SamplingParams()
+        assert isinstance(params, SamplingParams)
         if request_id in self.parents:
             raise UserError(f"request id {request_id!r} is already in use")
         prompt_ids = self.encode_prompt(prompt if prompt_token_ids is None else prompt_token_ids)
@@ -150,6 +154,7 @@ class LLMEngine:
         compiled = self.grammars.compile(so.grammar_text) if so is not None else None
         for child in children:
             child.grammar = RequestGrammar(compiled) if compiled is not None else None
+            child.pooling = PoolingState(pooling) if pooling is not None else None
             self.requests[child.request_id] = child
             self.scheduler.add(child)
         holdback = max((len(s) for s in params.stop), default=1) - 1
@@ -220,10 +225,14 @@ class LLMEngine:
         )
 
     def _forward(self, scheduled: Scheduled) -> list[torch.Tensor]:
-        """Run the model once over the scheduled chunks; per request, its logits rows."""
+        """Run the model over the scheduled chunks; per request, its logits rows (a pooling request: its final
+        hidden states, from a second call over the pooling chunks alone, so generation runs as without them)."""
         chunks = [self._chunk(r, n) for r, n in scheduled]
-        logits = self.runner.execute(chunks)
-        return list(logits.split([c.num_logits for c in chunks]))
+        pooled = [r.pooling is not None for r, _ in scheduled]
+        gen = [c for c, p in zip(chunks, pooled) if not p]
+        logits = iter(self.runner.execute(gen).split([c.num_logits for c in gen]) if gen else [])
+        hidden = iter(self.runner.execute_hidden([c for c, p in zip(chunks, pooled) if p]) if any(pooled) else [])
+        return [next(hidden) if p else next(logits) for p in pooled]
 
     def _advance(self, done: Computed) -> list[Request]:
         """Account for the computed chunks; requests whose prompt is done get their next token. Returns the
@@ -237,12 +246,16 @@ class LLMEngine:
             start = req.num_computed_tokens
             req.num_computed_tokens += n
             self._count_prompt_tokens(req, start)
+            if req.pooling is not None:
+                req.pooling.add(rows, start)
             if req.prompt_logprobs is not None and start < req.num_prompt_tokens:
                 self._record_prompt_logprobs(req, start, rows)
             if req.num_computed_tokens < len(req.all_token_ids):
                 continue  # a prompt chunk: no token is due yet
-            if req.params.max_tokens == 0:  # scoring: the prompt was all that was asked for
-                req.finish("length")
+            if req.params.max_tokens == 0:  # scoring or pooling: the prompt was all that was asked for
+                if req.pooling is not None:
+                    req.pooling.finish(req.num_prompt_tokens)
+                req.finish("stop" if req.pooling is not None else "length")
                 self._release(req)
                 news.append(req)
                 continue
@@ -330,6 +343,7 @@ class LLMEngine:
             first.num_cached_tokens,
             parent.metrics,
             list(first.prompt_logprobs) if first.prompt_logprobs is not None else None,
+            first.pooling.embedding if first.pooling is not None else None,
         )
 
     def stats(self) -> EngineStats:

@@ -12,7 +12,7 @@ from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.stats import AbortLog, EngineStats
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.tokenizer import Tokenizer
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import PoolingParams, SamplingParams
 
 
 class EngineCore(Protocol):
@@ -26,7 +26,7 @@ class EngineCore(Protocol):
         self,
         request_id: str,
         prompt: str | list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         cache_salt: str | None = None,
         *,
         prompt_token_ids: list[int] | None = None,
@@ -77,7 +77,9 @@ class AsyncEngine(Protocol):
 
     def shutdown(self, timeout: float | None = 10.0) -> None: ...
 
-    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Any:
+    async def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | PoolingParams
+    ) -> Any:
         """Queue a request; returns its stream once the engine took it, or raises what the engine raised."""
 
     def iterate(self, stream: Any) -> AsyncIterator[RequestOutput]:

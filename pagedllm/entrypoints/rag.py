@@ -28,6 +28,12 @@ def add_parser(subparsers) -> None:
 
 def _index_arg(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--index", default=DEFAULT_INDEX, help=f"index folder (default: ./{DEFAULT_INDEX})")
+    sp.add_argument(
+        "--embedding-url",
+        default=None,
+        help="embed with this server's /v1/embeddings (e.g. http://127.0.0.1:8000/v1 of `pagedllm serve "
+        "--embedding-model default`) instead of loading the model here; key: $PAGEDLLM_API_KEY or $OPENAI_API_KEY",
+    )
 
 
 def _add_ingest(sub: argparse._SubParsersAction) -> None:
@@ -72,6 +78,10 @@ class RagAskConfig:
 
     index: str = DEFAULT_INDEX
     """the index folder `pagedllm rag ingest` wrote (default: ./rag-index)"""
+    embedding_url: str | None = None
+    """embed the questions with this server's /v1/embeddings (e.g. http://127.0.0.1:8000/v1 of `pagedllm serve
+    --embedding-model default`) instead of loading the model here; key: $PAGEDLLM_API_KEY or $OPENAI_API_KEY
+    (default: the model is loaded here)"""
     top_k: int = Field(default=4, ge=1)
     """chunks retrieved for the question (default: 4)"""
     layout: Layout = Field(default="canonical", description=LAYOUT_HELP + " (default: canonical)")
@@ -127,7 +137,15 @@ def cmd_ingest(args) -> int:
     docs = _ingest_docs(args)
     if not docs:
         raise UserError("no text or Markdown files found in the given paths")
-    rep = ingest(docs, args.index, args.chunk_size, args.chunk_overlap, args.model, progress=not args.no_progress)
+    rep = ingest(
+        docs,
+        args.index,
+        args.chunk_size,
+        args.chunk_overlap,
+        args.model,
+        progress=not args.no_progress,
+        embedding_url=args.embedding_url,
+    )
     if rep.embedded:
         print(
             f"{rep.documents} documents: {rep.changed} new or changed ({rep.new_chunks} chunks embedded), "
@@ -141,7 +159,7 @@ def cmd_ingest(args) -> int:
 def cmd_search(args) -> int:
     from pagedllm.rag.index import RagIndex
 
-    hits = RagIndex(args.index).search(args.question, args.top_k)
+    hits = RagIndex(args.index, args.embedding_url).search(args.question, args.top_k)
     if args.json:
         print(json.dumps([h.to_dict() for h in hits], indent=1, ensure_ascii=False))
         return 0
@@ -162,7 +180,9 @@ def cmd_ask(args) -> int:
     from pagedllm.rag.pipeline import RagPipeline
 
     ask = from_args(RagAskConfig, args)
-    pipe = RagPipeline(ask.index, top_k=ask.top_k, layout=ask.layout, popularity="persist")
+    pipe = RagPipeline(
+        ask.index, top_k=ask.top_k, layout=ask.layout, popularity="persist", embedding_url=ask.embedding_url
+    )
     messages, hits = pipe.build_messages(args.question)
     pipe.save()
     if ask.show_prompt:

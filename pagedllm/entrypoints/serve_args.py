@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 from pagedllm.errors import UserError
 from pagedllm.rag.layout import LAYOUT_HELP, Layout
-from pagedllm.settings import Field, add_flags, flag_name, from_args, settings
+from pagedllm.settings import Field, Flag, add_flags, flag_name, from_args, settings
 
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"  # model_name() of the default model's file
 Routing = Literal["round-robin", "prefix", "kv-events"]  # cluster/routing.py's POLICIES
@@ -43,6 +43,13 @@ class ServerConfig:
         default="canonical",
         description=f"RAG requests' layout, as `rag ask --layout`: {LAYOUT_HELP} (default: canonical)",
     )
+    runner: Literal["auto", "generate", "pooling"] = "auto"
+    """pooling: MODEL is an embedding model (e.g. a Qwen3-Embedding checkpoint): the engine serves /v1/embeddings,
+    pooled as its sentence-transformers files say (else the last token, normalized), and no completions; generate:
+    completions and chat (default: auto, which is generate; vLLM's flag)"""
+    embedding_model: Annotated[str | None, Flag(metavar="PATH")] = None
+    """also serve this sentence-transformers model on /v1/embeddings, named by its folder ('default': the bundled
+    all-MiniLM-L6-v2, what `pagedllm rag` embeds with) (default: none)"""
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     """server log level (default: info)"""
 
@@ -99,6 +106,10 @@ def check_cluster_args(args: argparse.Namespace) -> ClusterConfig | None:
     cluster = from_args(ClusterConfig, args)
     if getattr(args, "rag_index", None):
         raise UserError("--rag-index: the cluster does not serve RAG yet; run it without --replicas")
+    if getattr(args, "embedding_model", None):
+        raise UserError("--embedding-model: the cluster does not serve embeddings yet; run it without --replicas")
+    if getattr(args, "runner", "auto") == "pooling":
+        raise UserError("--runner: the cluster does not serve pooling models yet; run it without --replicas")
     try:
         import ray.serve  # noqa: F401 - only whether the cluster extra is installed
     except ImportError:

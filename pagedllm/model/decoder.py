@@ -186,12 +186,20 @@ class CausalLM(nn.Module):
         logits_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids: [T]; returns float32 logits for rows `logits_index` (all rows if None)."""
+        h = self.hidden_states(input_ids, meta, kv_caches)
+        if logits_index is not None:
+            h = h[logits_index]
+        return self._logits(h)
+
+    def hidden_states(
+        self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> torch.Tensor:
+        """The last layer's output for every row, before the final norm (writes K/V as `forward` does); an
+        embedding request pools `self.norm` of it, which is Hugging Face's `last_hidden_state`."""
         h = self.embed(input_ids)
         if self.config.embedding_multiplier != 1.0:
             h = h * torch.tensor(self.config.embedding_multiplier, dtype=h.dtype)
         tables = {name: rope.cos_sin(meta.positions, h.dtype) for name, rope in self.ropes.items()}
         for layer, (kc, vc) in zip(self.decoder_layers, kv_caches):
             h = layer(h, tables.get(layer.rope), kc, vc, meta, self.backend)
-        if logits_index is not None:
-            h = h[logits_index]
-        return self._logits(h)
+        return h

@@ -143,3 +143,19 @@ class ModelRunner:
         if not chunks:
             return torch.empty(0, self.config.vocab_size, dtype=torch.float32, device=self.device)
         return self._forward(chunks)
+
+    @torch.inference_mode()
+    def execute_hidden(self, chunks: list[SeqChunk]) -> list[torch.Tensor]:
+        """Final (normed) hidden states, float32, of every new token: one [len(token_ids), hidden] tensor per
+        chunk, for pooling requests (embeddings); writes their K/V as `execute` does. Always the torch path: the
+        fused C step returns logits only."""
+        lens = [len(c.token_ids) for c in chunks]
+        if not chunks or any(n == 0 for n in lens):
+            raise ValueError("execute_hidden needs chunks of at least one new token")
+        ids = [t for c in chunks for t in c.token_ids]
+        meta = build_metadata(
+            lens, [c.start_pos for c in chunks], [c.block_table for c in chunks], self.block_size, self.device
+        )
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        h = self.model.norm(self.model.hidden_states(input_ids, meta, self.kv_caches)).float()
+        return list(h.split(lens))

@@ -39,6 +39,10 @@ class RagBenchConfig:
 
     index: str = DEFAULT_INDEX
     """the index folder `pagedllm rag ingest` wrote (default: ./rag-index)"""
+    embedding_url: str | None = None
+    """embed the questions with this server's /v1/embeddings (e.g. http://127.0.0.1:8000/v1 of `pagedllm serve
+    --embedding-model default`) instead of loading the model here; key: $PAGEDLLM_API_KEY or $OPENAI_API_KEY
+    (default: the model is loaded here)"""
     num_questions: int = Field(default=40, ge=1)
     """questions in the workload, drawn by Zipf-skewed topic popularity (default: 40)"""
     top_k: int = Field(default=4, ge=1)
@@ -169,10 +173,11 @@ def build_workload(
     layouts: list[str],
     zipf_s: float,
     log: Callable[[str], None] = print,
+    embedding_url: str | None = None,
 ) -> Workload:
     """The questions, retrieved once each (timed), laid out by every layout. Each layout starts from no
     popularity history and sees the questions in the same order."""
-    pipe = RagPipeline(index_dir, top_k=top_k)
+    pipe = RagPipeline(index_dir, top_k=top_k, embedding_url=embedding_url)
     workload = zipf_questions(num_questions, seed, s=zipf_s)
     questions = [q for q, _ in workload]
     pipe.retrieve(questions[0])  # load the embedder before timing
@@ -224,7 +229,7 @@ def count_layouts(
     tokens left to compute per question (what TTFT follows), without running the model."""
     from pagedllm.rag.tokens import get_tokenizer
 
-    w = build_workload(cfg.index, cfg.num_questions, seed, cfg.top_k, cfg.layout_list, cfg.zipf, log)
+    w = build_workload(cfg.index, cfg.num_questions, seed, cfg.top_k, cfg.layout_list, cfg.zipf, log, cfg.embedding_url)
     tok = get_tokenizer(model)
     rows = []
     for layout in cfg.layout_list:
@@ -382,7 +387,7 @@ def run_bench(
     """Every layout (in process: with each caching setting of cfg.caching) over one workload; `engine` is the
     in-process engine's settings (None: the defaults), and its seed also seeds the questions."""
     seed = engine.seed if engine is not None else 0
-    w = build_workload(cfg.index, cfg.num_questions, seed, cfg.top_k, cfg.layout_list, cfg.zipf, log)
+    w = build_workload(cfg.index, cfg.num_questions, seed, cfg.top_k, cfg.layout_list, cfg.zipf, log, cfg.embedding_url)
     run = _Run(cfg, engine, w, seed)
     if cfg.base_url:
         from pagedllm.rag.tokens import get_tokenizer

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse
 from pagedllm.engine.async_engine import RequestAbortedError
 from pagedllm.engine.outputs import CompletionOutput, RequestOutput
 from pagedllm.engine.protocol import AsyncEngine
-from pagedllm.sampling_params import MAX_N, SamplingParams
+from pagedllm.sampling_params import MAX_N, PoolingParams, SamplingParams
 from pagedllm.server.errors import APIError
 from pagedllm.server.protocol import (
     ChatChoiceLogprobs,
@@ -153,7 +153,9 @@ class ServingContext:
             )
 
     # ------------------------------------------------------------------ engine requests
-    async def submit(self, prompts: list[list[int]], params: SamplingParams, request_id: str) -> list[EngineRequest]:
+    async def submit(
+        self, prompts: list[list[int]], params: SamplingParams | PoolingParams, request_id: str
+    ) -> list[EngineRequest]:
         """One engine request per prompt (n samples each); if any is refused, the others are aborted."""
         subs = [EngineRequest(i, i * params.n, f"{request_id}-{i}", ids) for i, ids in enumerate(prompts)]
         results = await asyncio.gather(

@@ -16,7 +16,7 @@ import pytest
 import torch
 from engine_helpers import assert_all_blocks_free, run_all
 from kernel_helpers import needs_kernel
-from model_helpers import VOCAB, save_tiny_tokenizer
+from model_helpers import VOCAB, all_logits, save_tiny_tokenizer
 
 from pagedllm import SamplingParams
 from pagedllm.engine import EngineConfig, LLMEngine
@@ -169,7 +169,7 @@ def test_fused_step_scale_softcap_and_window_match_the_torch_path(sliding):
         runner = ModelRunner(loaded, 16, BLOCK, fused=fused)
         assert (runner.fused is not None) == fused
         table = list(range(15, -1, -1))
-        rows = [runner.execute_all([SeqChunk(prompt[s : s + 37], s, table)])[0] for s in range(0, 90, 37)]
+        rows = [all_logits(runner, [SeqChunk(prompt[s : s + 37], s, table)])[0] for s in range(0, 90, 37)]
         rows += [runner.execute([SeqChunk([prompt[i]], i, table)]) for i in range(60, 90)]  # decodes over it
         logits[fused] = torch.cat(rows)
     torch.testing.assert_close(logits[True], logits[False], atol=2e-4, rtol=1e-4)
@@ -180,7 +180,7 @@ def test_kv_page_shows_the_groups_and_no_skipped_block(sliding):
     without the null entries (block 0 is not shown held by it), its stored tokens those of the blocks it holds."""
     from pagedllm.engine.block_map import block_map
     from pagedllm.engine.kv_snapshot import take_snapshot
-    from pagedllm.entrypoints.openai.kv_page import KVBlocksResponse
+    from pagedllm.server.kv_page import KVBlocksResponse
 
     engine = _engine(sliding[0], max_num_batched_tokens=32, kv_cache_memory=64 * BLOCK_BYTES)
     engine.add_request("r", sliding[1][0], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))

@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 import threading
 import time
+from pathlib import Path
 
 import httpx
 

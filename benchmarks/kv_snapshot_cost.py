@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 import sys
+import time
 from pathlib import Path
 
 from pagedllm.engine.block_map import block_map

@@ -26,6 +26,7 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from compare_throughput import vllm_env, wait_ready  # noqa: E402  (the same anchor set-up and readiness check)
+
 SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
 WORKLOADS = {"rag": ["--dataset-name", "rag", "--no-ignore-eos"],
              "random": ["--dataset-name", "random", "--input-len", "256", "--output-len", "128"]}

@@ -179,6 +179,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         fn.argtypes = args
     lib.kernel_isa.restype = ctypes.c_char_p
     lib.kernel_isa.argtypes = []
+    lib.qcol_bytes.restype = i64
+    lib.qcol_bytes.argtypes = [i, i]
 
 
 def isa(lib: ctypes.CDLL) -> dict[str, str]:

@@ -21,8 +21,9 @@ from torch import nn
 
 from pagedllm.errors import ModelLoadError
 from pagedllm.model.config import ModelConfig
+from pagedllm.model.gguf_quants import GGML_TYPES, from_gguf_blocks
 from pagedllm.model.llama import MERGED, LlamaForCausalLM, install_quant
-from pagedllm.model.quant import GGML_TYPES, QuantParts, from_gguf_blocks, log_once, merge, pack, quantize_rtn
+from pagedllm.model.quant import QuantParts, log_once, pack, pack_merged, quantize_rtn
 
 Value = torch.Tensor | QuantParts
 
@@ -98,7 +99,7 @@ def _gguf_hf_name(name: str) -> str | None:
 
 def iter_gguf(gf: object, cfg: ModelConfig, keep_quantized: bool = False) -> Iterator[tuple[str, Value]]:
     """GGUF tensors renamed to HF names, Q/K un-permuted for the llama architecture: dequantized to float32, or,
-    with `keep_quantized`, matrices in a type the kernels run (Q4_0, Q4_1, Q8_0) as QuantParts."""
+    with `keep_quantized`, matrices in a type the kernels run (gguf_quants.GGML_TYPES) as QuantParts."""
     permuted = gf.metadata.get("general.architecture") in ("llama", "mistral")  # type: ignore[attr-defined]
     for name, info in gf.tensors.items():  # type: ignore[attr-defined]
         hf = _gguf_hf_name(name)
@@ -108,7 +109,7 @@ def iter_gguf(gf: object, cfg: ModelConfig, keep_quantized: bool = False) -> Ite
         unpermute = permuted and (".q_proj." in hf or ".k_proj." in hf)
         parts = (
             from_gguf_blocks(gf.load_raw(name), info.ggml_type)  # type: ignore[attr-defined]
-            if keep_quantized and info.ggml_type in GGML_TYPES and len(info.shape) == 2
+            if keep_quantized and info.ggml_type in GGML_TYPES and len(info.shape) == 2 and info.shape[1] % 32 == 0
             else None
         )
         if parts is not None:
@@ -190,11 +191,13 @@ def assign_weights(model: LlamaForCausalLM, tensors: Iterator[tuple[str, Value]]
             pieces.setdefault(whole, {})[idx] = (t, target)
         filled.add(name)
     for (module, attr), got in pieces.items():
-        parts = merge([got[i][0] for i in sorted(got)]) if len(got) == MERGED.get(attr, 1) else None
-        if parts is not None:
-            install_quant(module, attr, pack(parts))
+        weight = pack_merged([got[i][0] for i in sorted(got)]) if len(got) == MERGED.get(attr, 1) else None
+        if weight is not None:
+            install_quant(module, attr, weight)
             continue
-        log_once(f"{where}: {attr} mixes quantized types, or quantized and dense pieces; it runs dense")
+        log_once(
+            f"{where}: {attr} mixes quantized and dense pieces, or types split inside a block of 16 rows; it runs dense"
+        )
         for p, target in got.values():
             with torch.no_grad():
                 target.copy_(p.dequantize())

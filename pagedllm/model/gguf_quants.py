@@ -7,10 +7,10 @@ integer codes, the integer sub-block scales and the float16 block scales, and th
 `QuantParts.dequantize`) then computes every weight exactly as gguf does, bit for bit.
 
 Which kernel format each type becomes, and what it costs against the file (bits a weight, resident / file):
-Q4_0 q4 (5 / 4.5), Q4_1 q4 (5 / 5), Q8_0 q8 (8.5 / 8.5), Q5_0 q8 (8.5 / 5.5), Q5_1 q8m (9 / 6), Q4_K k4m
-(4.63 / 4.5), Q5_K k8m (9.1 / 5.5), Q6_K k8 (8.6 / 6.6), Q2_K k8m (9.1 / 2.6), Q3_K k8 (8.6 / 3.4), IQ4_NL q8
-(8.5 / 4.5), IQ4_XS k8 (8.6 / 4.25), F16 / BF16 as stored (16 / 16). The 5- and 6-bit types are held as bytes
-(a denser packing is a later step); a type held at more than 1.1x its file's bits says so once in the log.
+Q4_0 q4 (5 / 4.5), Q4_1 q4 (5 / 5), Q5_0 q5 (5.5 / 5.5), Q5_1 q5m (6 / 6), Q8_0 q8 (8.5 / 8.5), Q4_K k4m
+(4.63 / 4.5), Q5_K k5m (5.63 / 5.5), Q6_K k6 (6.56 / 6.56), F16 / BF16 as stored (16 / 16); the rarer ones
+wider, as bytes: Q2_K k8m (9.1 / 2.6), Q3_K k8 (8.6 / 3.4), IQ4_NL q8 (8.5 / 4.5), IQ4_XS k8 (8.6 / 4.25). A
+type held at more than 1.1x its file's bits says so once in the log, with the factor.
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ _BLOCK = {  # name -> (weights, bytes) per block
     "IQ4_XS": (256, 136),
 }
 IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
-_TILE_BITS = {"q4": 5.0, "q8": 8.5, "q8m": 9.0, "f16": 16.0, "bf16": 16.0, "k4m": 4.625, "k8m": 9.125, "k8": 8.5625}
+_TILE_BITS = {"q4": 5.0, "q5": 5.5, "q5m": 6.0, "q8": 8.5, "q8m": 9.0, "f16": 16.0, "bf16": 16.0}
+_TILE_BITS |= {"k4m": 4.625, "k5m": 5.625, "k6": 6.5625, "k8m": 9.125, "k8": 8.5625}
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -99,8 +100,8 @@ def _legacy(name: str, b: np.ndarray, n: int) -> QuantParts:
     high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
     q = (_nibbles(b[..., off + 4 : off + 20]).reshape(n, -1, 32) | (high << 4)).reshape(n, -1)
     if name == "Q5_1":
-        return QuantParts("q8m", q.astype(np.int8), d, _f16(b[..., 2:4]), name)
-    return QuantParts("q8", (q.astype(np.int16) - 16).astype(np.int8), d, None, name)
+        return QuantParts("q5m", q.astype(np.int8), d, _f16(b[..., 2:4]), name)
+    return QuantParts("q5", (q.astype(np.int16) - 16).astype(np.int8), d, None, name)
 
 
 def _k_small(name: str, b: np.ndarray, n: int) -> QuantParts:
@@ -135,7 +136,7 @@ def _k_large(name: str, b: np.ndarray, n: int) -> QuantParts:
         low = _nibbles(ql.reshape(*ql.shape[:-1], 2, 64))  # [.., 2, 2, 64] -> 8 rows of 32
         high = _bits(qh.reshape(*qh.shape[:-1], 2, 32), [0, 2, 4, 6], 3)
         q = (low.reshape(*ql.shape[:-1], 256) | (high.reshape(*ql.shape[:-1], 256) << 4)).astype(np.int8) - 32
-        return QuantParts("k8", q.reshape(n, -1), d, None, name, scales.copy().view(np.int8).reshape(n, -1))
+        return QuantParts("k6", q.reshape(n, -1), d, None, name, scales.copy().view(np.int8).reshape(n, -1))
     if name == "IQ4_XS":
         d, sh = _f16(b[..., 0:2]), np.ascontiguousarray(b[..., 2:4]).view("<u2")  # [n, blocks, 1]
         low = _nibbles(b[..., 4:8]).swapaxes(-1, -2).reshape(*b.shape[:-1], 8)  # byte j: sub-blocks 2j, 2j + 1
@@ -150,8 +151,7 @@ def _k_large(name: str, b: np.ndarray, n: int) -> QuantParts:
         return QuantParts("k4m", low.reshape(n, -1), d, dmin, name, sc.reshape(n, -1).view(np.int8), mn.reshape(n, -1))
     high = _bits(b[..., 16:48], list(range(8)), 1).reshape(*b.shape[:-1], 256)
     q = (low | (high << 4)).astype(np.int8).reshape(n, -1)
-    s, mi = (np.repeat(a.reshape(n, -1), 2, axis=1) for a in (sc, mn))  # per 16, as k8m keeps them
-    return QuantParts("k8m", q, d, dmin, name, s.view(np.int8), mi)
+    return QuantParts("k5m", q, d, dmin, name, sc.reshape(n, -1).view(np.int8), mn.reshape(n, -1))
 
 
 def from_gguf_blocks(raw: np.ndarray, ggml_type: int) -> QuantParts:

@@ -32,10 +32,13 @@ _said: set[str] = set()
 GROUP = 32
 SUPER = 256  # a K format's super-block (GGUF's QK_K)
 # the kernel's format numbers (csrc/quant_matmul.h)
-FORMATS = {"q4": 0, "q8": 1, "q8m": 2, "f16": 3, "bf16": 4, "k4m": 5, "k8m": 6, "k8": 7, "mixed": 8}
-K_FORMATS = {"k4m", "k8m", "k8"}
-_NIBBLES = {"q4", "k4m"}
-_SUB = {"k4m": 32, "k8m": 16, "k8": 16}  # inputs per integer scale s (and mi)
+FORMATS = {"q4": 0, "q8": 1, "q8m": 2, "f16": 3, "bf16": 4, "k4m": 5, "k8m": 6, "k8": 7}
+FORMATS |= {"q5": 8, "q5m": 9, "k5m": 10, "k6": 11, "mixed": 15}
+K_FORMATS = {"k4m", "k8m", "k8", "k5m", "k6"}
+_NIBBLES = {"q4", "k4m", "q5", "q5m", "k5m", "k6"}
+_PLANE = {"q5": 1, "q5m": 1, "k5m": 1, "k6": 2}  # bits of a code above its nibble
+_OFFSET = {"q5": 16, "k6": 32}  # stored as code + offset (unsigned); the kernel takes it off
+_SUB = {"k4m": 32, "k8m": 16, "k8": 16, "k5m": 32, "k6": 16}  # inputs per integer scale s (and mi)
 
 
 def log_once(message: str) -> None:
@@ -48,9 +51,11 @@ def log_once(message: str) -> None:
 @dataclass
 class QuantParts:
     """A quantized weight [N, K] in plain form, rows = output features:
-    - q4 / q8 / q8m: w = d * q (+ m), d and m float16 [N, K/32]; codes uint8 0..15 (q4) or int8;
-    - k4m / k8m / k8: w = (D * s) * q - (M * mi), D and M float16 [N, K/256] (in `d` and `m`), s int8 and mi
-      uint8 [N, K/32] (k4m) or [N, K/16]; codes uint8 0..15 (k4m) or int8;
+    - q4 / q5 / q5m / q8 / q8m: w = d * q (+ m), d and m float16 [N, K/32]; codes uint8 0..15 (q4) or int8
+      (q5 -16..15, q5m 0..31);
+    - k4m / k5m / k6 / k8m / k8: w = (D * s) * q - (M * mi), D and M float16 [N, K/256] (in `d` and `m`), s
+      int8 and mi uint8 [N, K/32] (k4m, k5m) or [N, K/16]; codes uint8 0..15 (k4m) or int8 (k5m 0..31, k6
+      -32..31);
     - f16 / bf16: codes are the uint16 values themselves [N, K]."""
 
     fmt: str
@@ -143,10 +148,17 @@ def _body(parts: QuantParts, nb: int) -> np.ndarray:
     """The codes as tile bodies: uint8 [nb, K/32, body bytes] (the C file's header gives the order)."""
     n, k = parts.shape
     c = np.pad(parts.codes, ((0, nb * 16 - n), (0, 0))).reshape(nb, 16, k // GROUP, 16, 2).transpose(0, 2, 3, 1, 4)
-    if parts.fmt in _NIBBLES:
-        c = c.astype(np.uint8)  # [nb, g, 16 rows, 16 cols, 2]
-        return (c[:, :, :, :8] | (c[:, :, :, 8:] << 4)).reshape(nb, k // GROUP, 256)
-    return np.ascontiguousarray(c).view(np.uint8).reshape(nb, k // GROUP, -1)
+    if parts.fmt not in _NIBBLES:
+        return np.ascontiguousarray(c).view(np.uint8).reshape(nb, k // GROUP, -1)
+    u = (c.astype(np.int16) + _OFFSET.get(parts.fmt, 0)).astype(np.uint8)  # [nb, g, 16 rows, 16 cols, 2]
+    low = u & 15
+    body = [(low[:, :, :, :8] | (low[:, :, :, 8:] << 4)).reshape(nb, k // GROUP, 256)]
+    bits = _PLANE.get(parts.fmt, 0)
+    if bits:  # per row, value e (its order in the row) at bit bits * e of a little-endian word
+        high = (u >> 4).reshape(nb, k // GROUP, 16, 32).astype(np.uint64) << (bits * np.arange(32, dtype=np.uint64))
+        words = np.bitwise_or.reduce(high, axis=-1).astype("<u4" if bits == 1 else "<u8")
+        body.append(words.view(np.uint8).reshape(nb, k // GROUP, -1))
+    return np.concatenate(body, axis=-1)
 
 
 def _tiles(parts: QuantParts) -> np.ndarray:

@@ -13,13 +13,16 @@
  * tile holds the 16 columns' scales, then their 512 weights in 16 rows r = 0..15, row r holding k = 2r and
  * 2r + 1 of every column, i.e. the VNNI order of an AMX bfloat16 B tile. Bodies:
  *   nibbles (Q4, K4M): 16 bytes a row; byte j: low nibble = column j/2, high nibble = column 8 + j/2, both
- *       at k = 2r + j%2;
+ *       at k = 2r + j%2; the 5- and 6-bit formats (Q5, Q5M, K5M, K6) add a plane of the bits above the nibble
+ *       after the nibbles: per row a 32-bit (or 64-bit) word, bit e (bits 2e, 2e + 1) for the row's value e in
+ *       the order of bytes below; their codes are stored with an offset that makes them unsigned (Q5: 16,
+ *       K6: 32), taken off again in registers;
  *   bytes (Q8, Q8M, K8M, K8): 32 bytes a row; byte e = column e/2 at k = 2r + e%2;
  *   halves (F16, BF16): 32 16-bit values a row in the order of bytes.
- * Scales before the body: Q4 / Q8M d[16], m[16] float16; Q8 d[16]; F16 / BF16 none. The K formats group 8
+ * Scales before the body: Q4 / Q8M / Q5M d[16], m[16] float16; Q8 / Q5 d[16]; F16 / BF16 none. The K formats group 8
  * tiles (K = 256, a GGUF super-block) behind a head of D[16] (and M[16]) float16 per column, and each tile
- * holds its integer scales s (int8) and, with a minimum, mi (uint8): per half tile (16 k) for K8M / K8
- * ([2][16] each), per tile for K4M ([16]). A weight is a = D s, b = -M mi, w = a q + b. QFMT_MIXED: a weight
+ * holds its integer scales s (int8) and, with a minimum, mi (uint8): per half tile (16 k) for K8M / K8 / K6
+ * ([2][16] each), per tile for K4M / K5M ([16]). A weight is a = D s, b = -M mi, w = a q + b. QFMT_MIXED: a weight
  * whose column blocks differ in format (merged q/k/v of a Q4_K_M file): a table of int64 (byte offset << 4 |
  * format) per column block, then the blocks.
  *
@@ -132,22 +135,29 @@ static inline vf spread(vf cols, int v) {
 }
 
 /* ---- formats ----------------------------------------------------------------------------------------------- */
-static inline int kfmt(int fmt) { return fmt >= QFMT_K4M && fmt <= QFMT_K8; }
-static inline int has_min(int fmt) { return fmt == QFMT_Q4 || fmt == QFMT_Q8M || fmt == QFMT_K4M || fmt == QFMT_K8M; }
-static inline int nibbles(int fmt) { return fmt == QFMT_Q4 || fmt == QFMT_K4M; }
-static inline int halves(int fmt) { return fmt == QFMT_K8M || fmt == QFMT_K8 ? 2 : 1; } /* scale sets per tile */
+static inline int kfmt(int fmt) { return (fmt >= QFMT_K4M && fmt <= QFMT_K8) || fmt == QFMT_K5M || fmt == QFMT_K6; }
+static inline int has_min(int fmt) {
+    return fmt == QFMT_Q4 || fmt == QFMT_Q8M || fmt == QFMT_K4M || fmt == QFMT_K8M || fmt == QFMT_Q5M || fmt == QFMT_K5M;
+}
+static inline int plane(int fmt) { /* high bits a code above its nibble: 1 (5-bit formats), 2 (6-bit), 0 */
+    return fmt == QFMT_K6 ? 2 : fmt == QFMT_Q5 || fmt == QFMT_Q5M || fmt == QFMT_K5M ? 1 : 0;
+}
+static inline int nibbles(int fmt) { return fmt == QFMT_Q4 || fmt == QFMT_K4M || plane(fmt); }
+static inline int offset(int fmt) { return fmt == QFMT_Q5 ? 16 : fmt == QFMT_K6 ? 32 : 0; } /* stored q + offset */
+static inline int halves(int fmt) { return fmt == QFMT_K8M || fmt == QFMT_K8 || fmt == QFMT_K6 ? 2 : 1; }
+static inline int dense16(int fmt) { return fmt == QFMT_F16 || fmt == QFMT_BF16; }
 
 /* Bytes before a tile's body (its scales), of a body, of a K format's super-block head. */
 static inline int scale_bytes(int fmt) {
     if (kfmt(fmt)) return halves(fmt) * 16 * (has_min(fmt) ? 2 : 1);
-    return fmt == QFMT_F16 || fmt == QFMT_BF16 ? 0 : 32 * (has_min(fmt) ? 2 : 1);
+    return dense16(fmt) ? 0 : 32 * (has_min(fmt) ? 2 : 1);
 }
-static inline int body_bytes(int fmt) { return nibbles(fmt) ? 256 : fmt == QFMT_F16 || fmt == QFMT_BF16 ? 1024 : 512; }
+static inline int body_bytes(int fmt) { return nibbles(fmt) ? 256 + 64 * plane(fmt) : dense16(fmt) ? 1024 : 512; }
 static inline int tile_bytes(int fmt) { return scale_bytes(fmt) + body_bytes(fmt); }
 static inline int head_bytes(int fmt) { return kfmt(fmt) ? 32 * (has_min(fmt) ? 2 : 1) : 0; }
 
 int64_t qcol_bytes(int fmt, int G) {
-    if (fmt < 0 || fmt >= QFMT_MIXED || G <= 0) return 0;
+    if (fmt < 0 || fmt > QFMT_K6 || G <= 0) return 0;
     if (!kfmt(fmt)) return (int64_t)G * tile_bytes(fmt);
     return G % 8 ? 0 : (int64_t)(G / 8) * (head_bytes(fmt) + 8 * tile_bytes(fmt));
 }
@@ -188,16 +198,34 @@ static inline __attribute__((always_inline)) Scales tile_scales(const uint8_t *c
             a[c] = f16v(head + 2 * VW * c) * tof(s8v(tile + 16 * h + VW * c));
             b[c] = has_min(fmt) ? -(f16v(head + 32 + 2 * VW * c) * tof(u8v(tile + 16 * halves(fmt) + 16 * h + VW * c)))
                                 : (vf){0};
-        } else if (fmt != QFMT_F16 && fmt != QFMT_BF16) {
+        } else if (!dense16(fmt)) {
             a[c] = f16v(tile + 2 * VW * c);
             b[c] = has_min(fmt) ? f16v(tile + 32 + 2 * VW * c) : (vf){0};
         }
     }
     for (int v = 0; v < NV; v++) {
-        s.a[v] = fmt == QFMT_F16 || fmt == QFMT_BF16 ? (vf){0} : spread(a[v * VW / 2 / VW], v);
-        s.b[v] = fmt == QFMT_F16 || fmt == QFMT_BF16 ? (vf){0} : spread(b[v * VW / 2 / VW], v);
+        s.a[v] = dense16(fmt) ? (vf){0} : spread(a[v * VW / 2 / VW], v);
+        s.b[v] = dense16(fmt) ? (vf){0} : spread(b[v * VW / 2 / VW], v);
     }
     return s;
+}
+
+/* The bits above the nibbles of vector v's codes in row r, minus the format's offset: row r's plane holds bit
+ * (1-bit) or bits 2e, 2e + 1 (2-bit) for the row's value e = VW v + lane, in a 32- or 64-bit word. */
+static inline vi high_bits(const uint8_t *body, const int fmt, int r, int v) {
+    vi iota;
+    for (int l = 0; l < VW; l++) iota[l] = l;
+    if (plane(fmt) == 1) {
+        uint32_t word;
+        memcpy(&word, body + 256 + 4 * r, 4);
+        return ((((vi){0} + (int32_t)(word >> (VW * v))) >> iota & 1) << 4) - offset(fmt);
+    }
+    if (plane(fmt) == 2) {
+        uint64_t word;
+        memcpy(&word, body + 256 + 8 * r, 8);
+        return ((((vi){0} + (int32_t)(uint32_t)(word >> (2 * VW * v))) >> (2 * iota) & 3) << 4) - offset(fmt);
+    }
+    return (vi){0};
 }
 
 /* Row r of a tile as NV vectors of floats. */
@@ -209,7 +237,7 @@ static inline __attribute__((always_inline)) void tile_row(const uint8_t *tile, 
         vf q;
         if (nibbles(fmt)) {
             const vi bytes = u8v(body + 16 * r + VW * (v % (NV / 2)));
-            q = tof(v < NV / 2 ? bytes & 15 : bytes >> 4);
+            q = tof(high_bits(body, fmt, r, v) + (v < NV / 2 ? bytes & 15 : bytes >> 4));
         } else if (fmt == QFMT_F16) {
             w[v] = f16v(body + 64 * r + 2 * VW * v);
             continue;
@@ -319,7 +347,11 @@ static inline __attribute__((always_inline)) void dequant_group(const uint8_t *c
     case QFMT_BF16: fn(QFMT_BF16, __VA_ARGS__); break;                                                         \
     case QFMT_K4M: fn(QFMT_K4M, __VA_ARGS__); break;                                                           \
     case QFMT_K8M: fn(QFMT_K8M, __VA_ARGS__); break;                                                           \
-    default: fn(QFMT_K8, __VA_ARGS__); break;                                                                  \
+    case QFMT_K8: fn(QFMT_K8, __VA_ARGS__); break;                                                             \
+    case QFMT_Q5: fn(QFMT_Q5, __VA_ARGS__); break;                                                             \
+    case QFMT_Q5M: fn(QFMT_Q5M, __VA_ARGS__); break;                                                           \
+    case QFMT_K5M: fn(QFMT_K5M, __VA_ARGS__); break;                                                           \
+    default: fn(QFMT_K6, __VA_ARGS__); break;                                                                  \
     }
 
 #define DEQUANT_GROUP(fmt, col, g, dst) dequant_group(col, fmt, g, dst)
@@ -366,7 +398,7 @@ void qmm_column_block(const QMatmul *a, int cb, float *panel) {
 /* Whether a weight of these sizes can be run: a known format, K formats with K % 256 == 0; a mixed weight's
  * table is checked when it is packed (quant.py). */
 static int bad_sizes(int M, int N, int K, int ldx, int ldo, int fmt) {
-    return M <= 0 || N <= 0 || K <= 0 || K % 32 != 0 || ldx < K || ldo < N || fmt < 0 || fmt >= QFMT_COUNT ||
+    return M <= 0 || N <= 0 || K <= 0 || K % 32 != 0 || ldx < K || ldo < N || fmt < 0 ||
            (fmt != QFMT_MIXED && qcol_bytes(fmt, K / 32) == 0);
 }
 

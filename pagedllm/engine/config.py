@@ -26,10 +26,10 @@ class EngineConfig:
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """auto | float32 | bfloat16 (bfloat16 is the fast path on AMX CPUs)"""
     quantization: Annotated[Literal["auto", "none", "gguf", "int8", "int4"] | None, Flag(short="-q")] = None
-    """weights in memory: auto (the default) keeps a GGUF's Q4_0/Q4_1/Q8_0 tensors as stored unless this CPU's
-    quantized kernel is measured slower than dense (kernel_choice.py); gguf always keeps them; int8/int4 round a
-    checkpoint's weights at load (weight-only, groups of 32); none dequantizes to --dtype (what auto means for a
-    Hugging Face folder)"""
+    """weights in memory: auto (the default) keeps a GGUF's quantized tensors (Q4_0 .. Q8_0, Q2_K .. Q6_K, IQ4)
+    as stored unless this CPU's quantized kernel is measured slower than dense (kernel_choice.py); gguf always
+    keeps them; int8/int4 round a checkpoint's weights at load (weight-only, groups of 32); none dequantizes to
+    --dtype (what auto means for a Hugging Face folder)"""
     kv_cache_dtype: KVCacheDType = "auto"
     """auto (the model's dtype) | float32 | bfloat16 | int8 | fp8 (= fp8_e4m3) | fp8_e5m2: a bfloat16 cache holds
     twice the tokens of a float32 one; the quantized ones (model/kv_quant.py) keep one byte per value and a bfloat16

@@ -1,17 +1,21 @@
-"""Weight-only quantized linear layers: GGUF Q4_0 / Q4_1 / Q8_0 tensors kept as stored, or Hugging Face weights
-rounded to int8 / int4 at load (`--quantization int8|int4`), run by the C kernels in csrc/quant_matmul.c.
+"""Weight-only quantized linear layers: a GGUF's tensors kept as stored (every common GGML type, see
+gguf_quants.py), or Hugging Face weights rounded to int8 / int4 at load (`--quantization int8|int4`), run by the
+C kernels in csrc/quant_matmul.c.
 
 Why keep them quantized: a decode step reads every weight once, so with few sequences per step its time is
 the weights' bytes over the memory bandwidth. The default model is 96 MB as stored and 269 MB (bfloat16) or
 540 MB (float32) dequantized.
 
-Two formats cover the four sources, both in groups of 32 along the input dimension:
-- "q4": w = d * q + m, q in 0..15 (Q4_1 as stored; Q4_0 is m = -8 d; int4 is round-to-nearest between the
-  group's minimum and maximum);
-- "q8": w = d * q, q in -128..127 (Q8_0 as stored; int8 is symmetric round-to-nearest).
-d and m are float16, the file's own numbers, so the dequantized weights equal the file's values exactly.
-`QuantParts` is the plain form (codes [N, K], scales [N, K/32]) in which rows are un-permuted and q/k/v or
-gate/up merged; `pack` then lays it out in the kernel's tiles (see the C file's header).
+Formats ("shapes" of a format, shared by the GGML types that have them; all in groups of 32 along K):
+- q4 / q5 / q5m / q8 / q8m: w = d * q (+ m) with float16 d (and m) per group (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+  IQ4_NL as its table's values; int4 / int8);
+- k4m / k5m / k6 / k8m / k8: GGUF's K types, super-blocks of 256 with float16 D (and M) and integer sub-block
+  scales s (and minimums mi) per 32 or 16: w = (D * s) * q - (M * mi) (Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, IQ4_XS);
+- f16 / bf16: the values themselves.
+Every product of those factors is exact in float32 and the one rounding (the final add) is gguf's, so the
+dequantized weights equal the file's values exactly. `QuantParts` is the plain form (codes [N, K] and the
+scales per row) in which rows are un-permuted and q/k/v or gate/up merged; `pack` then lays it out in the
+kernel's tiles (see the C file's header), and `pack_merged` keeps pieces of different types side by side.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ layer as in the real model, so the caches see its real working set) plus the LM 
 activations. Kernels (a kernel that cannot run here is left out and said so):
 - dense-f32 / dense-bf16: oneDNN with the weight packed once (pagedllm's dense path; AMX for bf16 where the CPU
   has it); the weights dequantized from the model;
-- q-f32: pagedllm's C kernel, float32 activations, weights as stored (Q4_1 / Q8_0 for the default GGUF);
+- q-f32: pagedllm's C kernel, float32 activations, weights as stored (Q4_1 / Q8_0 for the default GGUF; every
+  GGML type: gguf_types.py);
 - q-amx: pagedllm's AMX kernel, bfloat16 activations, the same stored weights;
 - int4pack-bf16 / int4pack-f32: torch's `_weight_int4pack_mm_for_cpu` (groups of 32, scale and zero per group;
   the LM head too), activations in that dtype;

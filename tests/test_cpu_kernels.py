@@ -246,3 +246,20 @@ def test_packed_linear_matches_f_linear(rows):
     torch.testing.assert_close(linear(x, w, b, packed), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
     strided = torch.randn(rows, 80, generator=g)[:, ::2]  # a view, as the model passes after a split
     torch.testing.assert_close(linear(strided, w, None, packed), F.linear(strided, w), atol=1e-4, rtol=1e-5)
+
+
+def test_the_step_structures_come_from_the_header_and_their_sizes_are_checked(monkeypatch):
+    """fused_step.py's ctypes structures are read from csrc/model_step.h; a copy that disagrees with the C build
+    (a field added on one side only) is a clear error at load, not a step reading the wrong bytes."""
+    import ctypes
+
+    lib = cpu_kernel.load()
+    structs = cpu_kernel.c_structs("model_step.h")
+    assert [f for f, _ in structs["StepLayer"]._fields_][:2] == ["attn_norm", "ffn_norm"]
+    cpu_kernel.check_structs(lib)  # the real header agrees with the build
+    fields = structs["StepModel"]._fields_[:-1]  # one field short
+    short = type("StepModel", (ctypes.Structure,), {"_fields_": fields})
+    monkeypatch.setattr(cpu_kernel, "c_structs", lambda header: {"StepModel": short})
+    want = f"StepModel is {ctypes.sizeof(structs['StepModel'])} bytes in the C build and {ctypes.sizeof(short)}"
+    with pytest.raises(RuntimeError, match=want):
+        cpu_kernel.check_structs(lib)

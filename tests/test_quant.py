@@ -20,31 +20,23 @@ from model_helpers import all_logits
 from pagedllm.engine import EngineConfig
 from pagedllm.errors import UserError
 from pagedllm.model import ModelRunner, SeqChunk, cpu_kernel, load_model, quant
+from pagedllm.model.gguf_quants import from_gguf_blocks
 from pagedllm.model.quant import amx_available, pack, qlinear, qrows, quantize_rtn
 
 LIB = cpu_kernel.load()
 pytestmark = needs_kernel  # where a compiler exists, a kernel that fails to build fails these tests
 
 
-def _gguf_blocks(ggml_type: int, n: int, k: int, seed: int) -> np.ndarray:
-    """Random stored blocks of a GGML type with finite float16 scales."""
-    rng = np.random.default_rng(seed)
-    _, nbytes = quant.GGML_TYPES[ggml_type]
-    raw = rng.integers(0, 256, (n, k // 32, nbytes), dtype=np.uint8)
-    n_scales = 2 if ggml_type == 3 else 1
-    scales = rng.normal(0, 0.02, (n, k // 32, n_scales)).astype(np.float16)
-    raw[..., : 2 * n_scales] = scales.view(np.uint8).reshape(n, k // 32, 2 * n_scales)
-    return raw.reshape(n, -1)
-
-
 @pytest.mark.parametrize("ggml_type", [2, 3, 8], ids=["Q4_0", "Q4_1", "Q8_0"])
 def test_stored_blocks_dequantize_to_exactly_the_files_values(ggml_type):
-    """gguf's dequantizer (what transformers uses) is the reference; the kernel's rows must equal it bit for bit."""
+    """gguf's dequantizer (what transformers uses) is the reference; the kernel's rows must equal it bit for bit
+    (every other type: test_gguf_types.py)."""
     import gguf
+    from test_gguf_types import random_blocks
 
-    raw = _gguf_blocks(ggml_type, 40, 96, ggml_type)
+    raw = random_blocks(ggml_type, 40, 96, ggml_type, scale=0.02)
     ref = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(ggml_type)).astype(np.float32))
-    parts = quant.from_gguf_blocks(raw, ggml_type)
+    parts = from_gguf_blocks(raw, ggml_type)
     assert torch.equal(parts.dequantize(), ref)
     assert torch.equal(qrows(pack(parts), torch.arange(40)), ref)
 

@@ -28,10 +28,10 @@ class EngineConfig:
     """the model's dtype in memory: auto (the default: bfloat16 where this CPU or GPU computes it natively, as
     AMX and AVX-512 BF16 CPUs do, else float32), float32 or bfloat16"""
     quantization: Annotated[Literal["auto", "none", "gguf", "int8", "int4"] | None, Flag(short="-q")] = None
-    """weights in memory: auto (the default) keeps a GGUF's Q4_0/Q4_1/Q8_0 tensors as stored unless this CPU's
-    quantized kernel is measured slower than dense (measured once per CPU and remembered); gguf always keeps
-    them; int8/int4 round a checkpoint's weights at load (weight-only, groups of 32); none dequantizes to --dtype
-    (what auto means for a Hugging Face folder)"""
+    """weights in memory: auto (the default) keeps a GGUF's quantized tensors (Q4_0 .. Q8_0, Q2_K .. Q6_K, IQ4)
+    as stored unless this CPU's quantized kernel is measured slower than dense (measured once per CPU and
+    remembered); gguf always keeps them; int8/int4 round a checkpoint's weights at load (weight-only, groups of
+    32); none dequantizes to --dtype (what auto means for a Hugging Face folder)"""
     kv_cache_dtype: KVCacheDType = "auto"
     """the KV cache's dtype: auto (the default: the model's --dtype), float32, bfloat16, int8, fp8 (= fp8_e4m3)
     or fp8_e5m2. A bfloat16 cache holds twice the tokens of a float32 one; int8 and fp8 keep one byte per value

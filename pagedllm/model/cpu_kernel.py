@@ -25,6 +25,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shlex
 import shutil
 import stat
@@ -224,6 +225,8 @@ def load(target: str | None = None) -> ctypes.CDLL | None:
         break
     if lib is None:
         log.warning("could not build the CPU kernels, using the torch path: %s", why)
+        return None
+    check_structs(lib)
     return lib
 
 
@@ -252,6 +255,48 @@ def _declare(lib: ctypes.CDLL) -> None:
         fn.argtypes = args
     lib.kernel_isa.restype = ctypes.c_char_p
     lib.kernel_isa.argtypes = []
+    lib.qcol_bytes.restype = i64
+    lib.qcol_bytes.argtypes = [i, i]
+
+
+_CTYPES: dict[str, Any] = {
+    "int": ctypes.c_int,
+    "int64_t": ctypes.c_int64,
+    "float": ctypes.c_float,
+    "double": ctypes.c_double,
+}
+
+
+@cache
+def c_structs(header: str) -> dict[str, type[ctypes.Structure]]:
+    """The `typedef struct { ... } Name;` of csrc/<header> as ctypes structures, field by field: one definition
+    of each structure, read by both sides. Knows pointers (any type) and int / int64_t / float / double."""
+    text = re.sub(r"/\*.*?\*/", "", (CSRC / header).read_text(), flags=re.S)
+    out: dict[str, type[ctypes.Structure]] = {}
+    for body, name in re.findall(r"typedef struct \{(.*?)\} (\w+);", text, flags=re.S):
+        fields: list[tuple[str, Any]] = []
+        for decl in filter(None, (d.strip() for d in body.split(";"))):
+            base, *rest = re.match(r"(?:const\s+)?(\w+)\s+(.*)", decl, flags=re.S).groups()  # type: ignore[union-attr]
+            for var in rest[0].split(","):
+                ptr, field = var.strip().startswith("*"), var.strip().lstrip("*").strip()
+                if not ptr and base not in _CTYPES:
+                    raise TypeError(f"{header}: {name}.{field} has a type the reader does not know: {base}")
+                fields.append((field, ctypes.c_void_p if ptr else _CTYPES[base]))
+        out[name] = type(name, (ctypes.Structure,), {"_fields_": fields})
+    return out
+
+
+def check_structs(lib: ctypes.CDLL) -> None:
+    """The size check at load: each structure of model_step.h as ctypes lays it out against C's sizeof."""
+    lib.step_struct_size.restype = ctypes.c_int64
+    lib.step_struct_size.argtypes = [ctypes.c_char_p]
+    for name, struct in c_structs("model_step.h").items():
+        c_size = lib.step_struct_size(name.encode())
+        if c_size != ctypes.sizeof(struct):
+            raise RuntimeError(
+                f"model_step.h: {name} is {c_size} bytes in the C build and {ctypes.sizeof(struct)} as read by "
+                "cpu_kernel.c_structs; the reader and the header disagree"
+            )
 
 
 def isa(lib: ctypes.CDLL) -> dict[str, str]:

@@ -2,7 +2,7 @@
 
 Used by `ModelRunner` for every step (decode tokens and prefill chunks alike) when every matmul weight, the
 embedding table and the LM head are kept quantized (`--quantization gguf|int8|int4`) and the kernels are
-built. The structures below mirror the C ones field by field; they are filled once per runner (weights,
+built. The structures are the C ones, read from csrc/model_step.h; they are filled once per runner (weights,
 caches), and what changes per step is a few int64 arrays: `attention.step_index`, the builder the torch path
 uses too. Each layer's attention (window, scale, soft-cap) comes from its `attn_spec`.
 
@@ -13,6 +13,7 @@ run on AMX with their inputs rounded to bfloat16; everything else computes in fl
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,70 +26,9 @@ from pagedllm.model.decoder import CausalLM, DecoderLayer
 from pagedllm.model.linear import Linear
 from pagedllm.model.quant import FORMATS, QuantWeight, amx_available, log_once
 
-_P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [
-        ("attn_norm", _P),
-        ("ffn_norm", _P),
-        ("qkv", _P),
-        ("o", _P),
-        ("gate_up", _P),
-        ("down", _P),
-        ("qkv_fmt", _I),
-        ("o_fmt", _I),
-        ("gate_up_fmt", _I),
-        ("down_fmt", _I),
-        ("qkv_bias", _P),
-        ("k_cache", _P),
-        ("v_cache", _P),
-        ("window", _I64),
-        ("scale", _F),
-        ("softcap", _F),
-    ]
-
-
-class _Model(ctypes.Structure):
-    _fields_ = [
-        ("hidden", _I),
-        ("inter", _I),
-        ("heads", _I),
-        ("kv_heads", _I),
-        ("head_dim", _I),
-        ("layers", _I),
-        ("vocab", _I),
-        ("block_size", _I),
-        ("cache_kind", _I),
-        ("amx_min_rows", _I),
-        ("num_blocks", _I64),
-        ("max_positions", _I64),
-        ("eps", _F),
-        ("final_norm", _P),
-        ("embed", _P),
-        ("lm_head", _P),
-        ("embed_fmt", _I),
-        ("lm_head_fmt", _I),
-        ("cos", _P),
-        ("sin", _P),
-    ]
-
-
-class _Batch(ctypes.Structure):
-    _fields_ = [
-        ("tokens", _P),
-        ("positions", _P),
-        ("seq", _P),
-        ("slots", _P),
-        ("block_tables", _P),
-        ("logit_rows", _P),
-        ("T", _I),
-        ("S", _I),
-        ("max_blocks", _I),
-        ("R", _I),
-        ("logits", _P),
-        ("profile", _P),
-    ]
+# the C structures (csrc/model_step.h), read from the header itself; cpu_kernel.load() checks their sizes
+_STRUCTS = cpu_kernel.c_structs("model_step.h")
+_Layer, _Model, _Batch = _STRUCTS["StepLayer"], _STRUCTS["StepModel"], _STRUCTS["StepBatch"]
 
 
 PHASES = ("norm", "qkv", "rope+kv write", "attention", "o", "gate_up", "act", "down", "lm_head")
@@ -170,7 +110,7 @@ class FusedStep:
         self._keep.append(t)
         return t.data_ptr()
 
-    def _layer(self, layer: DecoderLayer, k_cache: torch.Tensor, v_cache: torch.Tensor) -> _Layer:
+    def _layer(self, layer: DecoderLayer, k_cache: torch.Tensor, v_cache: torch.Tensor) -> ctypes.Structure:
         assert layer.attn_norm is not None and layer.mlp_norm is not None, "fusable() checked the norms"
         spec = layer.attn_spec
         fields: dict[str, float | int | None] = {
@@ -188,7 +128,7 @@ class FusedStep:
             fields[name], fields[f"{name}_fmt"] = w.tiles.data_ptr(), FORMATS[w.fmt]
         return _Layer(**fields)
 
-    def _model(self, k_cache: torch.Tensor) -> _Model:
+    def _model(self, k_cache: torch.Tensor) -> Any:
         m, cfg = self.model, self.model.config
         embed, head = m.embed.quant, _quant(m.lm_head)
         assert embed is not None, "fusable() checked the embedding table is quantized"

@@ -4,7 +4,8 @@ dtype "auto" picks bfloat16 for 16-bit and quantized checkpoints (bf16 matmuls a
 AMX and on GPUs) and float32 for float32 checkpoints (exactness). Weights are created uninitialised and filled
 straight from the checkpoint, so loading costs one read (and, for GGUF, one dequantization) per tensor.
 
-quantization (vLLM's `--quantization`): "gguf" keeps a GGUF's Q4_0 / Q4_1 / Q8_0 matrices as stored and runs
+quantization (vLLM's `--quantization`): "gguf" keeps a GGUF's quantized and F16 / BF16 matrices as stored (every type of
+gguf_quants.GGML_TYPES: Q4_0 .. Q8_0, the K types, IQ4_NL / IQ4_XS) and runs
 them through the quantized kernels (quant.py); "int8" / "int4" round a checkpoint's weights at load; "none"
 (the default for a Hugging Face folder) dequantizes to `dtype`; "auto" (the default for a GGUF file) is the
 fastest path with the file's exact values, measured on this machine (kernel_choice.py): "gguf" unless this

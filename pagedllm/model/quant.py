@@ -1,17 +1,21 @@
-"""Weight-only quantized linear layers: GGUF Q4_0 / Q4_1 / Q8_0 tensors kept as stored, or Hugging Face weights
-rounded to int8 / int4 at load (`--quantization int8|int4`), run by the C kernels in csrc/quant_matmul.c.
+"""Weight-only quantized linear layers: a GGUF's tensors kept as stored (every common GGML type, see
+gguf_quants.py), or Hugging Face weights rounded to int8 / int4 at load (`--quantization int8|int4`), run by the
+C kernels in csrc/quant_matmul.c.
 
 Why keep them quantized: a decode step reads every weight once, so with few sequences per step its time is
 the weights' bytes over the memory bandwidth. The default model is 96 MB as stored and 269 MB (bfloat16) or
 540 MB (float32) dequantized.
 
-Two formats cover the four sources, both in groups of 32 along the input dimension:
-- "q4": w = d * q + m, q in 0..15 (Q4_1 as stored; Q4_0 is m = -8 d; int4 is round-to-nearest between the
-  group's minimum and maximum);
-- "q8": w = d * q, q in -128..127 (Q8_0 as stored; int8 is symmetric round-to-nearest).
-d and m are float16, the file's own numbers, so the dequantized weights equal the file's values exactly.
-`QuantParts` is the plain form (codes [N, K], scales [N, K/32]) in which rows are un-permuted and q/k/v or
-gate/up merged; `pack` then lays it out in the kernel's tiles (see the C file's header).
+Formats ("shapes" of a format, shared by the GGML types that have them; all in groups of 32 along K):
+- q4 / q5 / q5m / q8 / q8m: w = d * q (+ m) with float16 d (and m) per group (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+  IQ4_NL as its table's values; int4 / int8);
+- k4m / k5m / k6 / k8m / k8: GGUF's K types, super-blocks of 256 with float16 D (and M) and integer sub-block
+  scales s (and minimums mi) per 32 or 16: w = (D * s) * q - (M * mi) (Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, IQ4_XS);
+- f16 / bf16: the values themselves.
+Every product of those factors is exact in float32 and the one rounding (the final add) is gguf's, so the
+dequantized weights equal the file's values exactly. `QuantParts` is the plain form (codes [N, K] and the
+scales per row) in which rows are un-permuted and q/k/v or gate/up merged; `pack` then lays it out in the
+kernel's tiles (see the C file's header), and `pack_merged` keeps pieces of different types side by side.
 """
 
 from __future__ import annotations
@@ -30,10 +34,15 @@ log = logging.getLogger("pagedllm.model")
 _said: set[str] = set()
 
 GROUP = 32
-FORMATS = {"q4": 0, "q8": 1}
-TILE_BYTES = {"q4": 64 + 256, "q8": 32 + 512}
-# GGML type number -> (format, bytes per block of 32)
-GGML_TYPES = {2: ("q4_0", 18), 3: ("q4_1", 20), 8: ("q8_0", 34)}
+SUPER = 256  # a K format's super-block (GGUF's QK_K)
+# the kernel's format numbers (csrc/quant_matmul.h)
+FORMATS = {"q4": 0, "q8": 1, "q8m": 2, "f16": 3, "bf16": 4, "k4m": 5, "k8m": 6, "k8": 7}
+FORMATS |= {"q5": 8, "q5m": 9, "k5m": 10, "k6": 11, "mixed": 15}
+K_FORMATS = {"k4m", "k8m", "k8", "k5m", "k6"}
+_NIBBLES = {"q4", "k4m", "q5", "q5m", "k5m", "k6"}
+_PLANE = {"q5": 1, "q5m": 1, "k5m": 1, "k6": 2}  # bits of a code above its nibble
+_OFFSET = {"q5": 16, "k6": 32}  # stored as code + offset (unsigned); the kernel takes it off
+_SUB = {"k4m": 32, "k8m": 16, "k8": 16, "k5m": 32, "k6": 16}  # inputs per integer scale s (and mi)
 
 
 def log_once(message: str) -> None:
@@ -45,13 +54,21 @@ def log_once(message: str) -> None:
 
 @dataclass
 class QuantParts:
-    """A quantized weight [N, K] in plain form: codes (uint8 0..15 for q4, int8 for q8), float16 scales."""
+    """A quantized weight [N, K] in plain form, rows = output features:
+    - q4 / q5 / q5m / q8 / q8m: w = d * q (+ m), d and m float16 [N, K/32]; codes uint8 0..15 (q4) or int8
+      (q5 -16..15, q5m 0..31);
+    - k4m / k5m / k6 / k8m / k8: w = (D * s) * q - (M * mi), D and M float16 [N, K/256] (in `d` and `m`), s
+      int8 and mi uint8 [N, K/32] (k4m, k5m) or [N, K/16]; codes uint8 0..15 (k4m) or int8 (k5m 0..31, k6
+      -32..31);
+    - f16 / bf16: codes are the uint16 values themselves [N, K]."""
 
-    fmt: str  # "q4" | "q8"
-    codes: np.ndarray  # [N, K]
-    d: np.ndarray  # [N, K/32] float16
-    m: np.ndarray | None  # [N, K/32] float16 (q4 only)
-    source: str  # "Q4_1", "Q8_0", "int4", ... for messages
+    fmt: str
+    codes: np.ndarray
+    d: np.ndarray | None
+    m: np.ndarray | None
+    source: str  # "Q4_K", "Q8_0", "int4", ... for messages
+    s: np.ndarray | None = None
+    mi: np.ndarray | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -59,53 +76,54 @@ class QuantParts:
 
     def rows(self, index: np.ndarray) -> QuantParts:
         """The same weight with its rows (output features) reordered, e.g. GGUF's Q/K un-permutation."""
-        return QuantParts(
-            self.fmt, self.codes[index], self.d[index], None if self.m is None else self.m[index], self.source
-        )
+        pick = [None if a is None else a[index] for a in (self.d, self.m, self.s, self.mi)]
+        return QuantParts(self.fmt, self.codes[index], pick[0], pick[1], self.source, pick[2], pick[3])
 
     def dequantize(self) -> torch.Tensor:
-        """float32 [N, K], computed as the GGUF reference does (d * q + m in float32)."""
+        """float32 [N, K], computed as gguf's reference does (every product exact in float32, one rounding)."""
         n, k = self.shape
-        q = self.codes.astype(np.float32).reshape(n, k // GROUP, GROUP)
-        w = q * self.d.astype(np.float32)[..., None]
-        if self.m is not None:
-            w = w + self.m.astype(np.float32)[..., None]
-        return torch.from_numpy(w.reshape(n, k))
+        if self.fmt in ("f16", "bf16"):
+            c = np.ascontiguousarray(self.codes)
+            w = (
+                c.view(np.float16).astype(np.float32)
+                if self.fmt == "f16"
+                else (c.astype(np.uint32) << 16).view(np.float32)
+            )
+            return torch.from_numpy(np.ascontiguousarray(w))
+        assert self.d is not None
+        sub = _SUB.get(self.fmt, GROUP)
+        q = self.codes.astype(np.float32).reshape(n, k // sub, sub)
+        if self.fmt in K_FORMATS:
+            assert self.s is not None
+            a = np.repeat(self.d.astype(np.float32), SUPER // sub, axis=1) * self.s.astype(np.float32)
+            w = q * a[..., None]
+            if self.m is not None and self.mi is not None:
+                b = np.repeat(self.m.astype(np.float32), SUPER // sub, axis=1) * self.mi.astype(np.float32)
+                w = w - b[..., None]
+        else:
+            w = q * self.d.astype(np.float32)[..., None]
+            if self.m is not None:
+                w = w + self.m.astype(np.float32)[..., None]
+        return torch.from_numpy(np.ascontiguousarray(w.reshape(n, k), dtype=np.float32))
+
+
+def _cat(arrays: list[np.ndarray | None]) -> np.ndarray | None:
+    return None if arrays[0] is None else np.concatenate(arrays)  # type: ignore[arg-type]
 
 
 def merge(parts: list[QuantParts]) -> QuantParts | None:
     """Stack weights along N (q/k/v, gate/up) into one; None when their formats differ."""
     if len({p.fmt for p in parts}) != 1:
         return None
-    m = None if parts[0].m is None else np.concatenate([p.m for p in parts])
     return QuantParts(
         parts[0].fmt,
         np.concatenate([p.codes for p in parts]),
-        np.concatenate([p.d for p in parts]),
-        m,
+        _cat([p.d for p in parts]),
+        _cat([p.m for p in parts]),
         "+".join(sorted({p.source for p in parts})),
+        _cat([p.s for p in parts]),
+        _cat([p.mi for p in parts]),
     )
-
-
-def from_gguf_blocks(raw: np.ndarray, ggml_type: int) -> QuantParts | None:
-    """raw: uint8 [N, K/32 * block bytes] as stored in the file -> QuantParts (no arithmetic on values); None
-    for a Q4_0 tensor whose -8 d would overflow float16 (it is then dequantized instead)."""
-    name, nbytes = GGML_TYPES[ggml_type]
-    n = raw.shape[0]
-    b = np.ascontiguousarray(raw).reshape(n, -1, nbytes)
-    d = b[..., 0:2].copy().view(np.float16)[..., 0]
-    if name == "q8_0":
-        codes = b[..., 2:34].copy().view(np.int8).reshape(n, -1)
-        return QuantParts("q8", codes, d, None, "Q8_0")
-    qs = b[..., 4:20] if name == "q4_1" else b[..., 2:18]
-    codes = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(n, -1)
-    if name == "q4_1":
-        m = b[..., 2:4].copy().view(np.float16)[..., 0]
-    else:  # Q4_0: w = d * (q - 8) = d * q + (-8 d), and -8 d is exact in float16 unless it overflows
-        m = (d.astype(np.float32) * -8).astype(np.float16)
-        if not np.isfinite(m).all():
-            return None
-    return QuantParts("q4", codes, d, m, name.upper())
 
 
 def quantize_rtn(w: torch.Tensor, bits: int) -> QuantParts:
@@ -125,22 +143,50 @@ def quantize_rtn(w: torch.Tensor, bits: int) -> QuantParts:
     return QuantParts("q4", q.reshape(n, k).numpy(), d.numpy(), m.numpy(), "int4")
 
 
+def _per_column(a: np.ndarray, nb: int) -> np.ndarray:
+    """[N, X] per-row values -> [nb, X, 16]: each tile's 16 columns side by side (rows padded to nb * 16)."""
+    return np.ascontiguousarray(np.pad(a, ((0, nb * 16 - a.shape[0]), (0, 0))).reshape(nb, 16, -1).transpose(0, 2, 1))
+
+
+def _body(parts: QuantParts, nb: int) -> np.ndarray:
+    """The codes as tile bodies: uint8 [nb, K/32, body bytes] (the C file's header gives the order)."""
+    n, k = parts.shape
+    c = np.pad(parts.codes, ((0, nb * 16 - n), (0, 0))).reshape(nb, 16, k // GROUP, 16, 2).transpose(0, 2, 3, 1, 4)
+    if parts.fmt not in _NIBBLES:
+        return np.ascontiguousarray(c).view(np.uint8).reshape(nb, k // GROUP, -1)
+    u = (c.astype(np.int16) + _OFFSET.get(parts.fmt, 0)).astype(np.uint8)  # [nb, g, 16 rows, 16 cols, 2]
+    low = u & 15
+    body = [(low[:, :, :, :8] | (low[:, :, :, 8:] << 4)).reshape(nb, k // GROUP, 256)]
+    bits = _PLANE.get(parts.fmt, 0)
+    if bits:  # per row, value e (its order in the row) at bit bits * e of a little-endian word
+        high = (u >> 4).reshape(nb, k // GROUP, 16, 32).astype(np.uint64) << (bits * np.arange(32, dtype=np.uint64))
+        words = np.bitwise_or.reduce(high, axis=-1).astype("<u4" if bits == 1 else "<u8")
+        body.append(words.view(np.uint8).reshape(nb, k // GROUP, -1))
+    return np.concatenate(body, axis=-1)
+
+
 def _tiles(parts: QuantParts) -> np.ndarray:
-    """QuantParts -> uint8 [ceil(N/16), K/32, tile bytes] in the kernel's order."""
+    """QuantParts -> uint8 [ceil(N/16), bytes of a column block] in the kernel's order."""
     n, k = parts.shape
     nb, g = -(-n // 16), k // GROUP
-    pad = nb * 16 - n
-    codes = np.pad(parts.codes, ((0, pad), (0, 0))).reshape(nb, 16, g, 16, 2).transpose(0, 2, 3, 1, 4)
-    d = np.pad(parts.d, ((0, pad), (0, 0))).reshape(nb, 16, g).transpose(0, 2, 1)
-    head = [d.copy().view(np.uint8)]  # [nb, g, 32]
-    if parts.fmt == "q4":
-        m = np.pad(np.asarray(parts.m), ((0, pad), (0, 0))).reshape(nb, 16, g).transpose(0, 2, 1)
-        head.append(m.copy().view(np.uint8))
-        c = codes.astype(np.uint8)  # [nb, g, 16 rows, 16 cols, 2]
-        body: np.ndarray = (c[:, :, :, :8] | (c[:, :, :, 8:] << 4)).reshape(nb, g, 256)
-    else:
-        body = codes.view(np.uint8).reshape(nb, g, 512)
-    return np.concatenate(head + [body], axis=-1)
+    f16 = (
+        [] if parts.d is None else [_per_column(a, nb).astype(np.float16) for a in (parts.d, parts.m) if a is not None]
+    )
+    if parts.fmt not in K_FORMATS:
+        head = [a.view(np.uint8).reshape(nb, g, -1) for a in f16]
+        return np.concatenate(head + [_body(parts, nb)], axis=-1).reshape(nb, -1)
+    assert parts.s is not None
+    per = GROUP // _SUB[parts.fmt]  # scale sets per tile
+    ints = [_per_column(parts.s.view(np.uint8), nb)] + ([] if parts.mi is None else [_per_column(parts.mi, nb)])
+    scales = [a.reshape(nb, g, per * 16) for a in ints]  # [nb, g, per, 16]: per half tile, 16 columns
+    tiles = np.concatenate(scales + [_body(parts, nb)], axis=-1).reshape(nb, g // 8, -1)
+    head = [a.view(np.uint8).reshape(nb, g // 8, 32) for a in f16]
+    return np.concatenate(head + [tiles], axis=-1).reshape(nb, -1)
+
+
+def col_bytes(fmt: str, k: int) -> int:
+    """Bytes of one column block (16 output features) in the kernel's layout, as the C library counts them."""
+    return int(_lib().qcol_bytes(FORMATS[fmt], k // GROUP))
 
 
 @dataclass
@@ -150,7 +196,7 @@ class QuantWeight:
     fmt: str
     n: int
     k: int
-    tiles: torch.Tensor  # uint8 [ceil(n/16), k/32, tile bytes]
+    tiles: torch.Tensor  # uint8: [ceil(n/16), column block bytes], or a mixed weight's table and blocks
     source: str
     amx_min_rows: int = 0  # bfloat16 inputs of at least this many rows run on AMX (kernel_choice.py); 0: never
 
@@ -161,9 +207,30 @@ class QuantWeight:
 
 def pack(parts: QuantParts) -> QuantWeight:
     n, k = parts.shape
-    if k % GROUP:
-        raise ValueError(f"input size {k} is not a multiple of {GROUP}")
+    if k % (SUPER if parts.fmt in K_FORMATS else GROUP):
+        raise ValueError(f"input size {k} is not a multiple of {SUPER if parts.fmt in K_FORMATS else GROUP}")
     return QuantWeight(parts.fmt, n, k, torch.from_numpy(_tiles(parts)), parts.source)
+
+
+def pack_merged(parts: list[QuantParts]) -> QuantWeight | None:
+    """Pieces stacked along N (q/k/v, gate/up) as one weight. Pieces of different formats (a Q4_K_M file's
+    Q4_K q/k and Q6_K v) stay as they are, each in its own column blocks, behind a table of where each block
+    starts and its format; that needs every piece but the last to fill whole blocks (else None)."""
+    one = merge(parts)
+    if one is not None:
+        return pack(one)
+    if any(p.shape[0] % 16 for p in parts[:-1]) or len({p.shape[1] for p in parts}) != 1:
+        return None
+    packed = [_tiles(p) for p in parts]
+    nb = sum(t.shape[0] for t in packed)
+    table, offset = [], 8 * nb
+    for p, t in zip(parts, packed):
+        for _ in range(t.shape[0]):
+            table.append(offset << 4 | FORMATS[p.fmt])
+            offset += t.shape[1]
+    flat = [np.asarray(table, dtype="<i8").view(np.uint8)] + [t.reshape(-1) for t in packed]
+    n, source = sum(p.shape[0] for p in parts), "+".join(sorted({p.source for p in parts}))
+    return QuantWeight("mixed", n, parts[0].shape[1], torch.from_numpy(np.concatenate(flat)), source)
 
 
 def _lib() -> ctypes.CDLL:

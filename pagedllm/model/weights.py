@@ -26,8 +26,9 @@ from pagedllm.errors import ModelLoadError
 from pagedllm.model.decoder import CausalLM
 from pagedllm.model.families import Family, by_architecture
 from pagedllm.model.gguf_file import GGUFFile
+from pagedllm.model.gguf_quants import GGML_TYPES, from_gguf_blocks
 from pagedllm.model.linear import Embedding, Linear
-from pagedllm.model.quant import GGML_TYPES, QuantParts, from_gguf_blocks, log_once, merge, pack, quantize_rtn
+from pagedllm.model.quant import QuantParts, log_once, pack, pack_merged, quantize_rtn
 
 Value = torch.Tensor | QuantParts
 # GGUF tensors read into the config instead (RoPE factors), and HF buffers recomputed from it.
@@ -153,7 +154,7 @@ def iter_gguf(gf: GGUFFile, model: CausalLM, keep_quantized: bool = False) -> It
         unpermute = permuted and (".q_proj." in hf or ".k_proj." in hf)
         parts = (
             from_gguf_blocks(gf.load_raw(name), info.ggml_type)
-            if keep_quantized and info.ggml_type in GGML_TYPES and len(info.shape) == 2
+            if keep_quantized and info.ggml_type in GGML_TYPES and len(info.shape) == 2 and info.shape[1] % 32 == 0
             else None
         )
         if parts is not None:
@@ -213,11 +214,13 @@ def _install(got: dict[int, tuple[QuantParts, Slot]], where: str) -> None:
     """The quantized pieces of one weight: merged and kept as stored, or dequantized where they cannot be."""
     owner = next(iter(got.values()))[1].owner
     whole = len(got) == next(iter(got.values()))[1].pieces
-    parts = merge([got[i][0] for i in sorted(got)]) if whole else None
-    if parts is not None and isinstance(owner, (Linear, Embedding)):
-        owner.set_quantized(pack(parts))
+    weight = pack_merged([got[i][0] for i in sorted(got)]) if whole else None  # mixed types stay as stored
+    if weight is not None and isinstance(owner, (Linear, Embedding)):
+        owner.set_quantized(weight)
         return
-    log_once(f"{where}: a weight mixes quantized types, or quantized and dense pieces; it runs dense")
+    log_once(
+        f"{where}: a weight mixes quantized and dense pieces, or types split inside a block of 16 rows; it runs dense"
+    )
     for p, slot in got.values():
         with torch.no_grad():
             slot.target.copy_(p.dequantize())

@@ -27,37 +27,9 @@
 #include <string.h>
 #include <time.h>
 
+#include "model_step.h"
 #include "paged_attention.h"
 #include "quant_matmul.h"
-
-typedef struct {
-    const float *attn_norm, *ffn_norm; /* [hidden] float32 */
-    const uint8_t *qkv, *o, *gate_up, *down;
-    int qkv_fmt, o_fmt, gate_up_fmt, down_fmt;
-    const float *qkv_bias; /* [(heads + 2 kv_heads) * head_dim] or NULL */
-    void *k_cache, *v_cache;
-    int64_t window;       /* > 0: the layer's sliding window (tokens a query sees, itself included) */
-    float scale, softcap; /* softmax scale; softcap > 0: scores capped as softcap * tanh(score / softcap) */
-} StepLayer;
-
-typedef struct {
-    int hidden, inter, heads, kv_heads, head_dim, layers, vocab, block_size, cache_kind, amx_min_rows;
-    int64_t num_blocks, max_positions;
-    float eps;
-    const float *final_norm;
-    const uint8_t *embed, *lm_head;
-    int embed_fmt, lm_head_fmt;
-    const float *cos, *sin; /* [max_positions, head_dim] */
-} StepModel;
-
-typedef struct {
-    const int64_t *tokens, *positions, *seq, *slots; /* [T]: id, position, sequence index, cache slot */
-    const int64_t *block_tables;                      /* [S, max_blocks] */
-    const int64_t *logit_rows;                        /* [R] rows whose logits are wanted */
-    int T, S, max_blocks, R;
-    float *logits; /* [R, vocab] */
-    double *profile; /* NULL, or [N_PHASES] seconds added per phase (benchmarks/step_profile.py) */
-} StepBatch;
 
 enum { P_NORM, P_QKV, P_ROPE, P_ATTN, P_O, P_GATE_UP, P_ACT, P_DOWN, P_LM_HEAD, N_PHASES };
 
@@ -78,6 +50,14 @@ typedef struct { /* per thread */
 } Scratch;
 
 int qrows_f32(float *out, const int64_t *ids, int T, const uint8_t *w, int N, int K, int fmt);
+
+/* sizeof a structure of model_step.h by name, or -1: fused_step.py checks its ctypes copies against these. */
+int64_t step_struct_size(const char *name) {
+    if (!strcmp(name, "StepLayer")) return sizeof(StepLayer);
+    if (!strcmp(name, "StepModel")) return sizeof(StepModel);
+    if (!strcmp(name, "StepBatch")) return sizeof(StepBatch);
+    return -1;
+}
 
 #ifdef _OPENMP
 #include <omp.h>

@@ -1,32 +1,41 @@
 /*
- * Weight-only quantized matmuls on CPU: out[M, N] (+)= x[M, K] @ W[N, K]^T with W stored as 4-bit or 8-bit
- * integers in groups of 32 along K, dequantized in registers.
+ * Weight-only quantized matmuls on CPU: out[M, N] (+)= x[M, K] @ W[N, K]^T with W kept in (a repacking of) the
+ * file's own format, dequantized in registers to exactly the file's values.
  *
- * Why: one decode step of a small model reads every weight once, so its speed is the weights' bytes over the
- * memory bandwidth. A GGUF's Q4_1 weights are 0.625 bytes each against 2 (bfloat16) or 4 (float32) dense.
- * torch's int4 CPU kernel is fast only with bfloat16 activations and rounds the scales to bfloat16; this one
- * takes float32 activations and dequantizes to exactly the file's values (w = d * q + m, d and m the file's
- * float16 numbers; d * q is exact in float32), so the only difference from a dense float32 matmul is the
- * order of the sums.
+ * Why: one decode step reads every weight once, so its speed is the weights' bytes over the memory bandwidth.
+ * A GGUF's Q4_K weights are 0.56 bytes each against 2 (bfloat16) or 4 (float32) dense. torch's int4 CPU
+ * kernel is fast only with bfloat16 activations and rounds the scales to bfloat16; these take float32
+ * activations and compute each weight as gguf's reference dequantizer does (every product of a float16
+ * scale and the small integers of a format is exact in float32, and the one rounding, of the final add, is
+ * the reference's too), so the only difference from a dense float32 matmul is the order of the sums.
  *
  * Layout ("tiles"): columns (output features) in blocks of 16, K in groups of 32. One (column block, group)
- * tile holds the 16 columns' scales as float16, then their 512 weights in 16 rows r = 0..15, row r holding
- * k = 2r and 2r + 1 of every column, i.e. the VNNI order of an AMX bfloat16 B tile:
- *   q4: d[16] f16, m[16] f16, then 16 rows of 16 bytes: byte j: low nibble = column j/2, high nibble = column
- *       8 + j/2, both at k = 2r + j%2 (320 bytes per tile = 0.625 bytes a weight, as the GGUF)
- *   q8: d[16] f16, then 16 rows of 32 signed bytes: byte e = column e/2 at k = 2r + e%2 (m = 0)
- * A dequantized row is 32 floats, each k pair of a column side by side; a lane accumulates w * x over the
- * even or the odd k of its column, and the two lanes are added at the end.
+ * tile holds the 16 columns' scales, then their 512 weights in 16 rows r = 0..15, row r holding k = 2r and
+ * 2r + 1 of every column, i.e. the VNNI order of an AMX bfloat16 B tile. Bodies:
+ *   nibbles (Q4, K4M): 16 bytes a row; byte j: low nibble = column j/2, high nibble = column 8 + j/2, both
+ *       at k = 2r + j%2; the 5- and 6-bit formats (Q5, Q5M, K5M, K6) add a plane of the bits above the nibble
+ *       after the nibbles: per row a 32-bit (or 64-bit) word, bit e (bits 2e, 2e + 1) for the row's value e in
+ *       the order of bytes below; their codes are stored with an offset that makes them unsigned (Q5: 16,
+ *       K6: 32), taken off again in registers;
+ *   bytes (Q8, Q8M, K8M, K8): 32 bytes a row; byte e = column e/2 at k = 2r + e%2;
+ *   halves (F16, BF16): 32 16-bit values a row in the order of bytes.
+ * Scales before the body: Q4 / Q8M / Q5M d[16], m[16] float16; Q8 / Q5 d[16]; F16 / BF16 none. The K formats group 8
+ * tiles (K = 256, a GGUF super-block) behind a head of D[16] (and M[16]) float16 per column, and each tile
+ * holds its integer scales s (int8) and, with a minimum, mi (uint8): per half tile (16 k) for K8M / K8 / K6
+ * ([2][16] each), per tile for K4M / K5M ([16]). A weight is a = D s, b = -M mi, w = a q + b. QFMT_MIXED: a weight
+ * whose column blocks differ in format (merged q/k/v of a Q4_K_M file): a table of int64 (byte offset << 4 |
+ * format) per column block, then the blocks.
  *
- * Two implementations of the same kernel, chosen at compile time: 16 floats a vector for AVX-512 (6 rows of
- * x per register block, 32 registers), and 8 floats a vector for AVX2 (x86-64-v3: Haswell, Zen 1-3) and the
- * portable C path of every other CPU (16 registers: fewer accumulators per row, so more rows fit). Both take
- * two routes: a few rows dequantize each tile row in registers once for all of them ("direct"); many rows
+ * One source for every width: `vf` is the widest float vector the build has (VW = 16 lanes with AVX-512, 8
+ * with AVX2 and for the portable C path), and the few conversions that GCC would turn into scalar code in
+ * their generic form (float16, bytes, nibbles) are the intrinsics of each class, below. A dequantized tile
+ * row is NV = 32 / VW vectors; vector v holds columns VW/2 v .. VW/2 (v + 1) - 1, each k pair side by side,
+ * and a lane accumulates w * x over the even or the odd k of its column (the two lanes are added at the end).
+ * Two routes: a few rows dequantize each tile row in registers once for all of them ("direct"); many rows
  * dequantize a column block once into a float32 panel that stays in the cache and run a register-blocked
  * micro-kernel over it ("panel": prefill as a blocked GEMM, without a second copy of the weights). Within one
  * build, every output element is summed in the same order whichever route serves it, so a sequence's result
- * does not depend on what else is in the batch. The conversions (float16, bytes, nibbles) are intrinsics: GCC
- * makes scalar code of their generic forms. Compiled without -ffast-math so that nothing reassociates.
+ * does not depend on what else is in the batch. Compiled without -ffast-math so that nothing reassociates.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -54,386 +63,349 @@ const char *kernel_isa(void) {
 #endif
 }
 
-static inline int tile_bytes(int fmt) { return fmt == QFMT_Q4 ? 64 + 256 : 32 + 512; }
-int qtile_bytes(int fmt) { return tile_bytes(fmt); }
-
-#ifdef __AVX512F__ /* ---- 16 floats a vector -------------------------------------------------------------- */
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-
-#define MR 6 /* rows of x per register block: 4 accumulators each, of 32 registers */
-
-static inline v16 ldu(const float *p) { return *(const v16u *)p; }
-
-/* A pair of x values (k, k+1) repeated in all eight 64-bit lanes. */
-static inline v16 pair(const float *x) { return (v16)_mm512_castpd_ps(_mm512_set1_pd(*(const double *)x)); }
-
-typedef struct {
-    v16 dlo, dhi, mlo, mhi; /* each column's scale / minimum, twice over: lanes of columns 0..7, 8..15 */
-} Scales;
-
-static inline v16 f16x16(const uint8_t *p) { return (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
-static inline v16 s8x16(const uint8_t *p) {
-    return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-}
-static inline void nibbles(const uint8_t *p, v16 *lo, v16 *hi) {
-    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-    *lo = (v16)_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
-    *hi = (v16)_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
-}
-
-static inline Scales tile_scales(const uint8_t *tile, int fmt) {
-    const v16 d = f16x16(tile);
-    const v16i lo = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7}, hi = lo + 8;
-    Scales s = {__builtin_shuffle(d, lo), __builtin_shuffle(d, hi), (v16){0}, (v16){0}};
-    if (fmt == QFMT_Q4) {
-        const v16 m = f16x16(tile + 32);
-        s.mlo = __builtin_shuffle(m, lo);
-        s.mhi = __builtin_shuffle(m, hi);
-    }
-    return s;
-}
-
-/* Row r of a tile as floats: *lo = columns 0..7, *hi = columns 8..15, k pairs side by side. */
-static inline __attribute__((always_inline)) void tile_row(const uint8_t *tile, int fmt, int r, const Scales *s,
-                                                           v16 *lo, v16 *hi) {
-    if (fmt == QFMT_Q4) {
-        v16 qlo, qhi;
-        nibbles(tile + 64 + 16 * r, &qlo, &qhi);
-        *lo = qlo * s->dlo + s->mlo;
-        *hi = qhi * s->dhi + s->mhi;
-    } else {
-        const uint8_t *q = tile + 32 + 32 * r;
-        *lo = s8x16(q) * s->dlo;
-        *hi = s8x16(q + 16) * s->dhi;
-    }
-}
-
-/* Sum each lane pair and write the 16 columns (only the first n_valid) of one output row. */
-static inline void store_cols(float *o, v16 lo, v16 hi, const float *bias, int n_valid, int accumulate) {
-    const v16i swap = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
-    const v16i even = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-    lo += __builtin_shuffle(lo, swap);
-    hi += __builtin_shuffle(hi, swap);
-    v16 r = __builtin_shuffle(lo, hi, even);
-    float tmp[16];
-    memcpy(tmp, &r, sizeof tmp);
-    for (int c = 0; c < n_valid; c++) {
-        float v = tmp[c] + (bias ? bias[c] : 0.0f);
-        o[c] = accumulate ? o[c] + v : v;
-    }
-}
-
-/* Each output sums in one fixed order whatever the path: lane k-parity x row-parity partial sums over the
- * groups (four accumulators per row, so that one row alone still has four FMA chains to overlap), added at
- * the end as (even rows + odd rows), then the two lanes of a column. */
-static inline __attribute__((always_inline)) void finish_rows(const QMatmul *a, v16 *acc, int m0, const int nr,
-                                                              int cb) {
-    const int n_valid = a->N - 16 * cb < 16 ? a->N - 16 * cb : 16;
-#pragma GCC unroll 8
-    for (int i = 0; i < nr; i++)
-        store_cols(a->out + (int64_t)(m0 + i) * a->ldo + 16 * cb, acc[4 * i] + acc[4 * i + 2],
-                   acc[4 * i + 1] + acc[4 * i + 3], a->bias ? a->bias + 16 * cb : NULL, n_valid, a->accumulate);
-}
-
-static inline __attribute__((always_inline)) void fma_rows(const QMatmul *a, v16 *acc, int m0, const int nr, int k,
-                                                           const int odd, v16 lo, v16 hi) {
-#pragma GCC unroll 8
-    for (int i = 0; i < nr; i++) {
-        const v16 xp = pair(a->x + (int64_t)(m0 + i) * a->ldx + k);
-        acc[4 * i + 2 * odd] += lo * xp;
-        acc[4 * i + 2 * odd + 1] += hi * xp;
-    }
-}
-
-/* nr (<= MR) rows of x against one column block, dequantizing each tile row in registers. */
-static inline __attribute__((always_inline)) void block_direct(const QMatmul *a, const uint8_t *col, int m0,
-                                                               const int fmt, const int nr, int cb) {
-    v16 acc[4 * MR];
-#pragma GCC unroll 32
-    for (int i = 0; i < 4 * nr; i++) acc[i] = (v16){0};
-    const int tb = tile_bytes(fmt);
-    for (int g = 0; g < a->G; g++) {
-        const uint8_t *tile = col + (int64_t)g * tb;
-        const Scales s = tile_scales(tile, fmt);
-        for (int r = 0; r < 16; r += 2) {
-            v16 lo, hi;
-            tile_row(tile, fmt, r, &s, &lo, &hi);
-            fma_rows(a, acc, m0, nr, 32 * g + 2 * r, 0, lo, hi);
-            tile_row(tile, fmt, r + 1, &s, &lo, &hi);
-            fma_rows(a, acc, m0, nr, 32 * g + 2 * r + 2, 1, lo, hi);
-        }
-    }
-    finish_rows(a, acc, m0, nr, cb);
-}
-
-/* The same sums from a column panel dequantized once into `panel` ([G][16 rows][32 floats]). */
-static inline __attribute__((always_inline)) void block_panel(const QMatmul *a, const float *panel, int m0,
-                                                              const int nr, int cb) {
-    v16 acc[4 * MR];
-#pragma GCC unroll 32
-    for (int i = 0; i < 4 * nr; i++) acc[i] = (v16){0};
-    for (int g = 0; g < a->G; g++) {
-        for (int r = 0; r < 16; r += 2) {
-            const float *w = panel + ((int64_t)g * 16 + r) * 32;
-            fma_rows(a, acc, m0, nr, 32 * g + 2 * r, 0, ldu(w), ldu(w + 16));
-            fma_rows(a, acc, m0, nr, 32 * g + 2 * r + 2, 1, ldu(w + 32), ldu(w + 48));
-        }
-    }
-    finish_rows(a, acc, m0, nr, cb);
-}
-
-#define DISPATCH(fn, nr, ...)                                                                                  \
-    switch (nr) {                                                                                              \
-    case 1: fn(__VA_ARGS__, 1, cb); break;                                                                     \
-    case 2: fn(__VA_ARGS__, 2 < MR ? 2 : MR, cb); break;                                                       \
-    case 3: fn(__VA_ARGS__, 3 < MR ? 3 : MR, cb); break;                                                       \
-    case 4: fn(__VA_ARGS__, 4 < MR ? 4 : MR, cb); break;                                                       \
-    case 5: fn(__VA_ARGS__, 5 < MR ? 5 : MR, cb); break;                                                       \
-    default: fn(__VA_ARGS__, MR, cb); break;                                                                   \
-    }
-
-static void dequant_panel(const QMatmul *a, const uint8_t *col, float *panel) {
-    const int tb = tile_bytes(a->fmt);
-    for (int g = 0; g < a->G; g++) {
-        const uint8_t *tile = col + (int64_t)g * tb;
-        const Scales s = tile_scales(tile, a->fmt);
-        for (int r = 0; r < 16; r++) {
-            v16 lo, hi;
-            tile_row(tile, a->fmt, r, &s, &lo, &hi);
-            float *w = panel + ((int64_t)g * 16 + r) * 32;
-            *(v16u *)w = lo;
-            *(v16u *)(w + 16) = hi;
-        }
-    }
-}
-
-/* One column block for all M rows: direct for a few rows, through a dequantized panel for many. */
-void qmm_column_block(const QMatmul *a, int cb, float *panel) {
-    const uint8_t *col = a->w + (int64_t)cb * a->G * tile_bytes(a->fmt);
-    if (a->M <= MR || panel == NULL) {
-        for (int m0 = 0; m0 < a->M; m0 += MR) {
-            const int nr = a->M - m0 < MR ? a->M - m0 : MR;
-            if (a->fmt == QFMT_Q4) {
-                DISPATCH(block_direct, nr, a, col, m0, QFMT_Q4)
-            } else {
-                DISPATCH(block_direct, nr, a, col, m0, QFMT_Q8)
-            }
-        }
-        return;
-    }
-    dequant_panel(a, col, panel);
-    for (int m0 = 0; m0 < a->M; m0 += MR) {
-        const int nr = a->M - m0 < MR ? a->M - m0 : MR;
-        DISPATCH(block_panel, nr, a, panel, m0)
-    }
-}
-#else /* ---- 8 floats a vector: AVX2, and the portable C path ---------------------------------------------- */
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v8u __attribute__((vector_size(32), aligned(4)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-typedef double v4d __attribute__((vector_size(32)));
-
-/* A dequantized tile row is four vectors ("quads"): quad q holds columns 4q..4q+3, each k pair side by side.
- * A direct block keeps 4 accumulators a row (MR rows); a panel block takes half the columns (2 quads), so that
- * PR rows of 2 accumulators, 2 weight vectors and x fit in 16 registers. */
-#define MR 2
-#define PR 6
-
-static inline v8 ld8(const float *p) { return *(const v8u *)p; }
-static inline v8 tof(v8i x) { return __builtin_convertvector(x, v8); }
-
-#if defined(__AVX2__) && defined(__F16C__)
-static inline v8 pair8(const float *x) { return (v8)_mm256_castpd_ps(_mm256_broadcast_sd((const double *)x)); }
-static inline v8 f16x8(const uint8_t *p) { return (v8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
-static inline v8i u8x8(const uint8_t *p) { return (v8i)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
-static inline v8i s8x8(const uint8_t *p) { return (v8i)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+/* ---- the vector type and its conversions, per class ------------------------------------------------------ */
+#ifdef __AVX512F__
+#define VW 16
 #else
-static inline v8 pair8(const float *x) {
-    double d;
-    memcpy(&d, x, 8);
-    return (v8)((v4d){0} + d);
+#define VW 8
+#endif
+typedef float vf __attribute__((vector_size(4 * VW)));
+typedef float vfu __attribute__((vector_size(4 * VW), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(4 * VW)));
+
+#define NV (32 / VW)         /* vectors per dequantized tile row */
+#define P (VW == 16 ? 2 : 1) /* accumulators per vector and row: one per tile-row parity on AVX-512 */
+#define MR (VW == 16 ? 6 : 2) /* rows per direct block: MR * NV * P accumulators (24 of 32, 8 of 16 registers) */
+#define PR 6                  /* rows per panel block, over VW columns: PR * 2 * P accumulators */
+
+static inline vf ldu(const float *p) { return *(const vfu *)p; }
+static inline void stu(float *p, vf v) { *(vfu *)p = v; }
+static inline vf tof(vi x) { return __builtin_convertvector(x, vf); }
+
+#if defined(__AVX512F__)
+static inline vf pairx(const float *x) { return (vf)_mm512_castpd_ps(_mm512_set1_pd(*(const double *)x)); }
+static inline vf f16v(const uint8_t *p) { return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+static inline vi u8v(const uint8_t *p) { return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+static inline vi s8v(const uint8_t *p) { return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+static inline vi u16v(const uint8_t *p) { return (vi)_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)); }
+#elif defined(__AVX2__) && defined(__F16C__)
+static inline vf pairx(const float *x) { return (vf)_mm256_castpd_ps(_mm256_broadcast_sd((const double *)x)); }
+static inline vf f16v(const uint8_t *p) { return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+static inline vi u8v(const uint8_t *p) { return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+static inline vi s8v(const uint8_t *p) { return (vi)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+static inline vi u16v(const uint8_t *p) { return (vi)_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)); }
+#else
+static inline vf pairx(const float *x) {
+    vf r;
+    for (int i = 0; i < VW; i++) r[i] = x[i % 2];
+    return r;
 }
-static inline v8 f16x8(const uint8_t *p) {
-    v8 r;
-    for (int i = 0; i < 8; i++) {
+static inline vf f16v(const uint8_t *p) {
+    vf r;
+    for (int i = 0; i < VW; i++) {
         _Float16 h;
         memcpy(&h, p + 2 * i, 2);
         r[i] = (float)h;
     }
     return r;
 }
-static inline v8i u8x8(const uint8_t *p) {
-    v8i r;
-    for (int i = 0; i < 8; i++) r[i] = p[i];
+static inline vi u8v(const uint8_t *p) {
+    vi r;
+    for (int i = 0; i < VW; i++) r[i] = p[i];
     return r;
 }
-static inline v8i s8x8(const uint8_t *p) {
-    v8i r;
-    for (int i = 0; i < 8; i++) r[i] = (int8_t)p[i];
+static inline vi s8v(const uint8_t *p) {
+    vi r;
+    for (int i = 0; i < VW; i++) r[i] = (int8_t)p[i];
+    return r;
+}
+static inline vi u16v(const uint8_t *p) {
+    vi r;
+    for (int i = 0; i < VW; i++) r[i] = p[2 * i] | p[2 * i + 1] << 8;
     return r;
 }
 #endif
 
-typedef struct {
-    v8 d[4], m[4]; /* per quad: its four columns' scale / minimum, each twice (k even, k odd) */
-} Scales8;
+/* Lane l of vector v of a row belongs to column VW/2 v + l/2: `cols` holds VW consecutive columns' values
+ * starting at column VW (v / 2) when VW = 8, at 0 when VW = 16; this spreads them to vector v's lanes. */
+static inline vf spread(vf cols, int v) {
+    vi idx;
+    for (int l = 0; l < VW; l++) idx[l] = (VW / 2 * v) % VW + l / 2;
+    return __builtin_shuffle(cols, idx);
+}
 
-static inline Scales8 tile_scales8(const uint8_t *tile, int fmt) {
-    const v8i a = {0, 0, 1, 1, 2, 2, 3, 3}, b = a + 4;
-    const v8 d0 = f16x8(tile), d1 = f16x8(tile + 16);
-    Scales8 s = {{__builtin_shuffle(d0, a), __builtin_shuffle(d0, b), __builtin_shuffle(d1, a),
-                  __builtin_shuffle(d1, b)},
-                 {{0}, {0}, {0}, {0}}};
-    if (fmt == QFMT_Q4) {
-        const v8 m0 = f16x8(tile + 32), m1 = f16x8(tile + 48);
-        s.m[0] = __builtin_shuffle(m0, a);
-        s.m[1] = __builtin_shuffle(m0, b);
-        s.m[2] = __builtin_shuffle(m1, a);
-        s.m[3] = __builtin_shuffle(m1, b);
+/* ---- formats ----------------------------------------------------------------------------------------------- */
+static inline int kfmt(int fmt) { return (fmt >= QFMT_K4M && fmt <= QFMT_K8) || fmt == QFMT_K5M || fmt == QFMT_K6; }
+static inline int has_min(int fmt) {
+    return fmt == QFMT_Q4 || fmt == QFMT_Q8M || fmt == QFMT_K4M || fmt == QFMT_K8M || fmt == QFMT_Q5M || fmt == QFMT_K5M;
+}
+static inline int plane(int fmt) { /* high bits a code above its nibble: 1 (5-bit formats), 2 (6-bit), 0 */
+    return fmt == QFMT_K6 ? 2 : fmt == QFMT_Q5 || fmt == QFMT_Q5M || fmt == QFMT_K5M ? 1 : 0;
+}
+static inline int nibbles(int fmt) { return fmt == QFMT_Q4 || fmt == QFMT_K4M || plane(fmt); }
+static inline int offset(int fmt) { return fmt == QFMT_Q5 ? 16 : fmt == QFMT_K6 ? 32 : 0; } /* stored q + offset */
+static inline int halves(int fmt) { return fmt == QFMT_K8M || fmt == QFMT_K8 || fmt == QFMT_K6 ? 2 : 1; }
+static inline int dense16(int fmt) { return fmt == QFMT_F16 || fmt == QFMT_BF16; }
+
+/* Bytes before a tile's body (its scales), of a body, of a K format's super-block head. */
+static inline int scale_bytes(int fmt) {
+    if (kfmt(fmt)) return halves(fmt) * 16 * (has_min(fmt) ? 2 : 1);
+    return dense16(fmt) ? 0 : 32 * (has_min(fmt) ? 2 : 1);
+}
+static inline int body_bytes(int fmt) { return nibbles(fmt) ? 256 + 64 * plane(fmt) : dense16(fmt) ? 1024 : 512; }
+static inline int tile_bytes(int fmt) { return scale_bytes(fmt) + body_bytes(fmt); }
+static inline int head_bytes(int fmt) { return kfmt(fmt) ? 32 * (has_min(fmt) ? 2 : 1) : 0; }
+
+int64_t qcol_bytes(int fmt, int G) {
+    if (fmt < 0 || fmt > QFMT_K6 || G <= 0) return 0;
+    if (!kfmt(fmt)) return (int64_t)G * tile_bytes(fmt);
+    return G % 8 ? 0 : (int64_t)(G / 8) * (head_bytes(fmt) + 8 * tile_bytes(fmt));
+}
+
+/* Tile g of a column block, and the head of its super-block (K formats). */
+static inline const uint8_t *tile_at(const uint8_t *col, int fmt, int g) {
+    if (!kfmt(fmt)) return col + (int64_t)g * tile_bytes(fmt);
+    return col + (int64_t)(g / 8) * (head_bytes(fmt) + 8 * tile_bytes(fmt)) + head_bytes(fmt) + g % 8 * tile_bytes(fmt);
+}
+static inline const uint8_t *head_at(const uint8_t *col, int fmt, int g) {
+    return col + (int64_t)(g / 8) * (head_bytes(fmt) + 8 * tile_bytes(fmt));
+}
+
+/* Column block cb of a weight, and its format. */
+static inline const uint8_t *column(const uint8_t *w, int wfmt, int G, int cb, int *fmt) {
+    if (wfmt != QFMT_MIXED) {
+        *fmt = wfmt;
+        return w + cb * qcol_bytes(wfmt, G);
+    }
+    int64_t e;
+    memcpy(&e, w + 8 * (int64_t)cb, 8);
+    *fmt = (int)(e & 15);
+    return w + (e >> 4);
+}
+
+typedef struct {
+    vf a[NV], b[NV]; /* w = a q + b, per lane (its column) */
+} Scales;
+
+/* The scales of half h (rows 8h..8h+7; h = 0 covers all 16 rows for a format of one scale set a tile). */
+static inline __attribute__((always_inline)) Scales tile_scales(const uint8_t *col, const uint8_t *tile, int g,
+                                                                const int fmt, int h) {
+    Scales s;
+    vf a[16 / VW], b[16 / VW];
+    for (int c = 0; c < 16 / VW; c++) {
+        if (kfmt(fmt)) {
+            const uint8_t *head = head_at(col, fmt, g);
+            a[c] = f16v(head + 2 * VW * c) * tof(s8v(tile + 16 * h + VW * c));
+            b[c] = has_min(fmt) ? -(f16v(head + 32 + 2 * VW * c) * tof(u8v(tile + 16 * halves(fmt) + 16 * h + VW * c)))
+                                : (vf){0};
+        } else if (!dense16(fmt)) {
+            a[c] = f16v(tile + 2 * VW * c);
+            b[c] = has_min(fmt) ? f16v(tile + 32 + 2 * VW * c) : (vf){0};
+        }
+    }
+    for (int v = 0; v < NV; v++) {
+        s.a[v] = dense16(fmt) ? (vf){0} : spread(a[v * VW / 2 / VW], v);
+        s.b[v] = dense16(fmt) ? (vf){0} : spread(b[v * VW / 2 / VW], v);
     }
     return s;
 }
 
-/* Row r of a tile as its four quads. q4 bytes 0-7 hold columns 0-3 (low nibbles) and 8-11 (high), bytes
- * 8-15 columns 4-7 and 12-15; q8 bytes 8q..8q+7 hold quad q. */
-static inline __attribute__((always_inline)) void tile_row8(const uint8_t *tile, int fmt, int r, const Scales8 *s,
-                                                            v8 w[4]) {
-    if (fmt == QFMT_Q4) {
-        const uint8_t *q = tile + 64 + 16 * r;
-        const v8i b0 = u8x8(q), b1 = u8x8(q + 8);
-        w[0] = tof(b0 & 15) * s->d[0] + s->m[0];
-        w[1] = tof(b1 & 15) * s->d[1] + s->m[1];
-        w[2] = tof(b0 >> 4) * s->d[2] + s->m[2];
-        w[3] = tof(b1 >> 4) * s->d[3] + s->m[3];
-    } else {
-        const uint8_t *q = tile + 32 + 32 * r;
-#pragma GCC unroll 4
-        for (int i = 0; i < 4; i++) w[i] = tof(s8x8(q + 8 * i)) * s->d[i];
+/* The bits above the nibbles of vector v's codes in row r, minus the format's offset: row r's plane holds bit
+ * (1-bit) or bits 2e, 2e + 1 (2-bit) for the row's value e = VW v + lane, in a 32- or 64-bit word. */
+static inline vi high_bits(const uint8_t *body, const int fmt, int r, int v) {
+    vi iota;
+    for (int l = 0; l < VW; l++) iota[l] = l;
+    if (plane(fmt) == 1) {
+        uint32_t word;
+        memcpy(&word, body + 256 + 4 * r, 4);
+        return ((((vi){0} + (int32_t)(word >> (VW * v))) >> iota & 1) << 4) - offset(fmt);
     }
+    if (plane(fmt) == 2) {
+        uint64_t word;
+        memcpy(&word, body + 256 + 8 * r, 8);
+        return ((((vi){0} + (int32_t)(uint32_t)(word >> (2 * VW * v))) >> (2 * iota) & 3) << 4) - offset(fmt);
+    }
+    return (vi){0};
 }
 
-/* Sum each lane pair of one quad and write its (up to) 4 columns of one output row. */
-static inline void store_quad(float *o, v8 acc, const float *bias, int n_valid, int accumulate) {
-    const v8i swap = {1, 0, 3, 2, 5, 4, 7, 6};
-    acc += __builtin_shuffle(acc, swap);
-    for (int c = 0; c < 4 && c < n_valid; c++) {
-        const float v = acc[2 * c] + (bias ? bias[c] : 0.0f);
-        o[c] = accumulate ? o[c] + v : v;
-    }
-}
-
-/* Quads q0..q0+nq-1 of rows m0..m0+nr-1 from their accumulators (acc[i * stride + q]). */
-static inline __attribute__((always_inline)) void store_quads(const QMatmul *a, const v8 *acc, int m0, const int nr,
-                                                              int cb, int q0, const int nq, const int stride) {
-#pragma GCC unroll 6
-    for (int i = 0; i < nr; i++)
+/* Row r of a tile as NV vectors of floats. */
+static inline __attribute__((always_inline)) void tile_row(const uint8_t *tile, const int fmt, int r,
+                                                           const Scales *s, vf w[NV]) {
+    const uint8_t *body = tile + scale_bytes(fmt);
 #pragma GCC unroll 4
-        for (int q = 0; q < nq; q++) {
-            const int col = 16 * cb + 4 * (q0 + q);
-            if (col < a->N)
-                store_quad(a->out + (int64_t)(m0 + i) * a->ldo + col, acc[i * stride + q],
-                           a->bias ? a->bias + col : NULL, a->N - col, a->accumulate);
+    for (int v = 0; v < NV; v++) {
+        vf q;
+        if (nibbles(fmt)) {
+            const vi bytes = u8v(body + 16 * r + VW * (v % (NV / 2)));
+            q = tof(high_bits(body, fmt, r, v) + (v < NV / 2 ? bytes & 15 : bytes >> 4));
+        } else if (fmt == QFMT_F16) {
+            w[v] = f16v(body + 64 * r + 2 * VW * v);
+            continue;
+        } else if (fmt == QFMT_BF16) {
+            w[v] = (vf)(u16v(body + 64 * r + 2 * VW * v) << 16);
+            continue;
+        } else {
+            q = tof(s8v(body + 32 * r + VW * v));
         }
+        w[v] = has_min(fmt) ? q * s->a[v] + s->b[v] : q * s->a[v];
+    }
 }
 
-/* nr (<= MR) rows of x against one column block, dequantizing each tile row in registers; k pair j = 16 g + r. */
+/* Sum the parities of each lane and each lane pair, and write the (valid) columns of one output row. */
+static inline void store_row(const QMatmul *a, const vf *acc, int m, int col0, const int nv) {
+    float *o = a->out + (int64_t)m * a->ldo;
+    vi swap;
+    for (int l = 0; l < VW; l++) swap[l] = l ^ 1;
+    for (int v = 0; v < nv; v++) {
+        vf t = acc[v];
+        if (P == 2) t += acc[nv + v];
+        t += __builtin_shuffle(t, swap);
+        float tmp[VW];
+        memcpy(tmp, &t, sizeof tmp);
+        for (int c = 0; c < VW / 2; c++) {
+            const int n = col0 + VW / 2 * v + c;
+            if (n >= a->N) return;
+            const float x = tmp[2 * c] + (a->bias ? a->bias[n] : 0.0f);
+            o[n] = a->accumulate ? o[n] + x : x;
+        }
+    }
+}
+
+/* acc[(i * P + p) * nv + v] += w[v] * x(row m0 + i, k pair at k) for tile-row parity p. */
+static inline __attribute__((always_inline)) void fma_rows(const QMatmul *a, vf *acc, int m0, const int nr, int k,
+                                                           const int p, const vf *w, const int nv) {
+#pragma GCC unroll 8
+    for (int i = 0; i < nr; i++) {
+        const vf xp = pairx(a->x + (int64_t)(m0 + i) * a->ldx + k);
+#pragma GCC unroll 4
+        for (int v = 0; v < nv; v++) acc[(i * P + p) * nv + v] += w[v] * xp;
+    }
+}
+
+/* nr (<= MR) rows of x against one column block, dequantizing each tile row in registers. */
 static inline __attribute__((always_inline)) void block_direct(const QMatmul *a, const uint8_t *col, int m0,
                                                                const int fmt, const int nr, int cb) {
-    v8 acc[4 * MR];
-#pragma GCC unroll 8
-    for (int i = 0; i < 4 * nr; i++) acc[i] = (v8){0};
-    const int tb = tile_bytes(fmt);
-    const float *x = a->x + (int64_t)m0 * a->ldx;
+    vf acc[MR * P * NV];
+#pragma GCC unroll 32
+    for (int i = 0; i < nr * P * NV; i++) acc[i] = (vf){0};
     for (int g = 0; g < a->G; g++) {
-        const uint8_t *tile = col + (int64_t)g * tb;
-        const Scales8 s = tile_scales8(tile, fmt);
-        for (int r = 0; r < 16; r++) {
-            v8 w[4];
-            tile_row8(tile, fmt, r, &s, w);
-#pragma GCC unroll 4
-            for (int i = 0; i < nr; i++) {
-                const v8 xp = pair8(x + (int64_t)i * a->ldx + 32 * g + 2 * r);
-#pragma GCC unroll 4
-                for (int q = 0; q < 4; q++) acc[4 * i + q] += w[q] * xp;
+        const uint8_t *tile = tile_at(col, fmt, g);
+        for (int h = 0; h < halves(fmt); h++) {
+            const Scales s = tile_scales(col, tile, g, fmt, h);
+            for (int r = 16 / halves(fmt) * h; r < 16 / halves(fmt) * (h + 1); r += P) {
+                vf w[NV];
+#pragma GCC unroll 2
+                for (int p = 0; p < P; p++) {
+                    tile_row(tile, fmt, r + p, &s, w);
+                    fma_rows(a, acc, m0, nr, 32 * g + 2 * (r + p), p, w, NV);
+                }
             }
         }
     }
-    store_quads(a, acc, m0, nr, cb, 0, 4, 4);
+#pragma GCC unroll 8
+    for (int i = 0; i < nr; i++) store_row(a, acc + i * P * NV, m0 + i, 16 * cb, NV);
 }
 
-/* The same sums for columns 8 h .. 8 h + 7 of the block, from the panel ([16 G][32 floats]). */
+/* The same sums for the VW columns 16 cb + VW hv.. from the panel ([G][16 rows][32 floats]). */
 static inline __attribute__((always_inline)) void block_panel(const QMatmul *a, const float *panel, int m0,
-                                                              const int nr, int cb, int h) {
-    v8 acc[2 * PR];
-#pragma GCC unroll 12
-    for (int i = 0; i < 2 * nr; i++) acc[i] = (v8){0};
-    const float *x = a->x + (int64_t)m0 * a->ldx;
-    for (int j = 0; j < 16 * a->G; j++) {
-        const v8 w0 = ld8(panel + 32 * j + 16 * h), w1 = ld8(panel + 32 * j + 16 * h + 8);
-#pragma GCC unroll 6
-        for (int i = 0; i < nr; i++) {
-            const v8 xp = pair8(x + (int64_t)i * a->ldx + 2 * j);
-            acc[2 * i] += w0 * xp;
-            acc[2 * i + 1] += w1 * xp;
+                                                              const int nr, int cb, int hv) {
+    vf acc[PR * P * 2];
+#pragma GCC unroll 24
+    for (int i = 0; i < nr * P * 2; i++) acc[i] = (vf){0};
+    for (int j = 0; j < 16 * a->G; j += P) {
+#pragma GCC unroll 2
+        for (int p = 0; p < P; p++) {
+            const vf w[2] = {ldu(panel + 32 * (j + p) + 2 * VW * hv), ldu(panel + 32 * (j + p) + 2 * VW * hv + VW)};
+            fma_rows(a, acc, m0, nr, 2 * (j + p), p, w, 2);
         }
     }
-    store_quads(a, acc, m0, nr, cb, 2 * h, 2, 2);
+#pragma GCC unroll 6
+    for (int i = 0; i < nr; i++) store_row(a, acc + i * P * 2, m0 + i, 16 * cb + VW * hv, 2);
 }
 
-static void dequant_panel(const QMatmul *a, const uint8_t *col, float *panel) {
-    const int tb = tile_bytes(a->fmt);
-    for (int g = 0; g < a->G; g++) {
-        const uint8_t *tile = col + (int64_t)g * tb;
-        const Scales8 s = tile_scales8(tile, a->fmt);
-        for (int r = 0; r < 16; r++) {
-            v8 w[4];
-            tile_row8(tile, a->fmt, r, &s, w);
-            for (int q = 0; q < 4; q++) *(v8u *)(panel + ((int64_t)g * 16 + r) * 32 + 8 * q) = w[q];
+/* Group g of a column block as floats: [16 rows][32] (the panel's layout). */
+static inline __attribute__((always_inline)) void dequant_group(const uint8_t *col, const int fmt, int g,
+                                                                float *dst) {
+    const uint8_t *tile = tile_at(col, fmt, g);
+    for (int h = 0; h < halves(fmt); h++) {
+        const Scales s = tile_scales(col, tile, g, fmt, h);
+        for (int r = 16 / halves(fmt) * h; r < 16 / halves(fmt) * (h + 1); r++) {
+            vf w[NV];
+            tile_row(tile, fmt, r, &s, w);
+            for (int v = 0; v < NV; v++) stu(dst + 32 * r + VW * v, w[v]);
         }
     }
+}
+
+/* Every format's instance of `fn(..., fmt, ...)`: the format is a constant inside, so its branches fold. */
+#define EACH_FORMAT(fmt, fn, ...)                                                                              \
+    switch (fmt) {                                                                                             \
+    case QFMT_Q4: fn(QFMT_Q4, __VA_ARGS__); break;                                                             \
+    case QFMT_Q8: fn(QFMT_Q8, __VA_ARGS__); break;                                                             \
+    case QFMT_Q8M: fn(QFMT_Q8M, __VA_ARGS__); break;                                                           \
+    case QFMT_F16: fn(QFMT_F16, __VA_ARGS__); break;                                                           \
+    case QFMT_BF16: fn(QFMT_BF16, __VA_ARGS__); break;                                                         \
+    case QFMT_K4M: fn(QFMT_K4M, __VA_ARGS__); break;                                                           \
+    case QFMT_K8M: fn(QFMT_K8M, __VA_ARGS__); break;                                                           \
+    case QFMT_K8: fn(QFMT_K8, __VA_ARGS__); break;                                                             \
+    case QFMT_Q5: fn(QFMT_Q5, __VA_ARGS__); break;                                                             \
+    case QFMT_Q5M: fn(QFMT_Q5M, __VA_ARGS__); break;                                                           \
+    case QFMT_K5M: fn(QFMT_K5M, __VA_ARGS__); break;                                                           \
+    default: fn(QFMT_K6, __VA_ARGS__); break;                                                                  \
+    }
+
+#define DEQUANT_GROUP(fmt, col, g, dst) dequant_group(col, fmt, g, dst)
+#define DEQUANT_PANEL(fmt, col, G, panel)                                                                       \
+    for (int g = 0; g < (G); g++) dequant_group(col, fmt, g, (panel) + (int64_t)g * 512)
+
+/* Rows m0.. of x in direct blocks of at most MR rows (the row count a constant in each instance). */
+#define DIRECT_ROWS(fmt, a, col, cb)                                                                            \
+    for (int m0 = 0; m0 < (a)->M; m0 += MR) {                                                                  \
+        switch ((a)->M - m0 < MR ? (a)->M - m0 : MR) {                                                         \
+        case 1: block_direct(a, col, m0, fmt, 1, cb); break;                                                   \
+        case 2: block_direct(a, col, m0, fmt, 2 < MR ? 2 : MR, cb); break;                                     \
+        case 3: block_direct(a, col, m0, fmt, 3 < MR ? 3 : MR, cb); break;                                     \
+        case 4: block_direct(a, col, m0, fmt, 4 < MR ? 4 : MR, cb); break;                                     \
+        case 5: block_direct(a, col, m0, fmt, 5 < MR ? 5 : MR, cb); break;                                     \
+        default: block_direct(a, col, m0, fmt, MR, cb); break;                                                 \
+        }                                                                                                      \
+    }
+
+static void panel_rows(const QMatmul *a, const float *panel, int cb) {
+    for (int m0 = 0; m0 < a->M; m0 += PR)
+        for (int hv = 0; hv < NV / 2 && 16 * cb + VW * hv < a->N; hv++) switch (a->M - m0 < PR ? a->M - m0 : PR) {
+            case 1: block_panel(a, panel, m0, 1, cb, hv); break;
+            case 2: block_panel(a, panel, m0, 2, cb, hv); break;
+            case 3: block_panel(a, panel, m0, 3, cb, hv); break;
+            case 4: block_panel(a, panel, m0, 4, cb, hv); break;
+            case 5: block_panel(a, panel, m0, 5, cb, hv); break;
+            default: block_panel(a, panel, m0, PR, cb, hv); break;
+            }
 }
 
 /* One column block for all M rows: direct for a few rows, through a dequantized panel for many. */
 void qmm_column_block(const QMatmul *a, int cb, float *panel) {
-    const uint8_t *col = a->w + (int64_t)cb * a->G * tile_bytes(a->fmt);
+    int fmt;
+    const uint8_t *col = column(a->w, a->fmt, a->G, cb, &fmt);
     if (a->M <= MR || panel == NULL) {
-        for (int m0 = 0; m0 < a->M; m0 += MR) {
-            const int one = a->M - m0 < 2;
-            if (a->fmt == QFMT_Q4) {
-                if (one) block_direct(a, col, m0, QFMT_Q4, 1, cb);
-                else block_direct(a, col, m0, QFMT_Q4, MR, cb);
-            } else {
-                if (one) block_direct(a, col, m0, QFMT_Q8, 1, cb);
-                else block_direct(a, col, m0, QFMT_Q8, MR, cb);
-            }
-        }
+        EACH_FORMAT(fmt, DIRECT_ROWS, a, col, cb)
         return;
     }
-    dequant_panel(a, col, panel);
-    const int halves = a->N - 16 * cb > 8 ? 2 : 1;
-    for (int m0 = 0; m0 < a->M; m0 += PR) {
-        const int nr = a->M - m0 < PR ? a->M - m0 : PR;
-        for (int h = 0; h < halves; h++) {
-            switch (nr) {
-            case 1: block_panel(a, panel, m0, 1, cb, h); break;
-            case 2: block_panel(a, panel, m0, 2, cb, h); break;
-            case 3: block_panel(a, panel, m0, 3, cb, h); break;
-            case 4: block_panel(a, panel, m0, 4, cb, h); break;
-            case 5: block_panel(a, panel, m0, 5, cb, h); break;
-            default: block_panel(a, panel, m0, PR, cb, h); break;
-            }
-        }
-    }
+    EACH_FORMAT(fmt, DEQUANT_PANEL, col, a->G, panel)
+    panel_rows(a, panel, cb);
 }
-#endif
+
+/* Whether a weight of these sizes can be run: a known format, K formats with K % 256 == 0; a mixed weight's
+ * table is checked when it is packed (quant.py). */
+static int bad_sizes(int M, int N, int K, int ldx, int ldo, int fmt) {
+    return M <= 0 || N <= 0 || K <= 0 || K % 32 != 0 || ldx < K || ldo < N || fmt < 0 ||
+           (fmt != QFMT_MIXED && qcol_bytes(fmt, K / 32) == 0);
+}
 
 /* Returns 0, or -1 (out of memory) / -2 (bad sizes). */
 int qmm_f32(float *out, const float *x, const uint8_t *w, const float *bias, int M, int N, int K, int ldx, int ldo,
             int fmt, int accumulate, int num_threads) {
-    if (M <= 0 || N <= 0 || K <= 0 || K % 32 != 0 || ldx < K || ldo < N || (fmt != QFMT_Q4 && fmt != QFMT_Q8))
-        return -2;
+    if (bad_sizes(M, N, K, ldx, ldo, fmt)) return -2;
     QMatmul a = {out, x, w, bias, M, N, K / 32, ldx, ldo, fmt, accumulate};
     const int NB = (N + 15) / 16;
     if (num_threads > NB) num_threads = NB;
@@ -454,32 +426,21 @@ int qmm_f32(float *out, const float *x, const uint8_t *w, const float *bias, int
     return status;
 }
 
-/* Rows `ids` of W (columns of the matmul) as float32: the embedding lookup of a tied, quantized table. */
+/* Rows `ids` of W (columns of the matmul) as float32: the embedding lookup of a quantized table, with the
+ * weights' values exactly as the matmul sees them. */
 int qrows_f32(float *out, const int64_t *ids, int T, const uint8_t *w, int N, int K, int fmt) {
-    if (K % 32 != 0 || (fmt != QFMT_Q4 && fmt != QFMT_Q8)) return -2;
-    const int G = K / 32, tb = tile_bytes(fmt);
+    if (bad_sizes(1, N, K, K, N, fmt)) return -2;
+    const int G = K / 32;
+    float group[512];
     for (int t = 0; t < T; t++) {
         const int64_t n = ids[t];
         if (n < 0 || n >= N) return -3;
+        int f;
+        const uint8_t *col = column(w, fmt, G, (int)(n / 16), &f);
         const int c = (int)(n % 16);
-        const uint8_t *col = w + (n / 16) * G * tb;
         for (int g = 0; g < G; g++) {
-            const uint8_t *tile = col + (int64_t)g * tb;
-            _Float16 d16, m16 = 0;
-            memcpy(&d16, tile + 2 * c, 2);
-            if (fmt == QFMT_Q4) memcpy(&m16, tile + 32 + 2 * c, 2);
-            const float d = (float)d16, m = (float)m16;
-            for (int k = 0; k < 32; k++) {
-                const int r = k / 2, e = 2 * (c % 8) + k % 2;
-                float q;
-                if (fmt == QFMT_Q4) {
-                    const uint8_t byte = tile[64 + 16 * r + e];
-                    q = (float)(c < 8 ? byte & 15 : byte >> 4);
-                } else {
-                    q = (float)(int8_t)tile[32 + 32 * r + 2 * c + k % 2];
-                }
-                out[(int64_t)t * K + 32 * g + k] = q * d + m;
-            }
+            EACH_FORMAT(f, DEQUANT_GROUP, col, g, group)
+            for (int k = 0; k < 32; k++) out[(int64_t)t * K + 32 * g + k] = group[32 * (k / 2) + 2 * c + k % 2];
         }
     }
     return 0;
@@ -517,16 +478,15 @@ void qmm_amx_begin(void) { _tile_loadconfig(&TILES); }
 
 void qmm_amx_end(void) { _tile_release(); }
 
-static void dequant_bf16(const uint8_t *col, int fmt, int G, uint16_t *dst) {
-    const int tb = tile_bytes(fmt);
+static void dequant_bf16(const uint8_t *w, int wfmt, int G, int cb, uint16_t *dst) {
+    int fmt;
+    const uint8_t *col = column(w, wfmt, G, cb, &fmt);
+    float group[512];
     for (int g = 0; g < G; g++) {
-        const uint8_t *tile = col + (int64_t)g * tb;
-        const Scales s = tile_scales(tile, fmt);
-        for (int r = 0; r < 16; r++) {
-            v16 lo, hi;
-            tile_row(tile, fmt, r, &s, &lo, &hi);
-            _mm512_storeu_si512(dst + ((int64_t)g * 16 + r) * 32, (__m512i)_mm512_cvtne2ps_pbh((__m512)hi, (__m512)lo));
-        }
+        EACH_FORMAT(fmt, DEQUANT_GROUP, col, g, group)
+        for (int r = 0; r < 16; r++)
+            _mm512_storeu_si512(dst + ((int64_t)g * 16 + r) * 32, (__m512i)_mm512_cvtne2ps_pbh(
+                                    _mm512_loadu_ps(group + 32 * r + 16), _mm512_loadu_ps(group + 32 * r)));
     }
 }
 
@@ -544,9 +504,9 @@ static void store_tile(const QMatmulBf16 *a, int m0, int cb, float tile[16][16])
 
 /* Column blocks 2p and 2p+1 for all rows; `bbuf` holds 2 * G * 512 bfloat16. Tiles must be configured. */
 void qmm_amx_pair(const QMatmulBf16 *a, int p, uint16_t *bbuf) {
-    const int NB = (a->N + 15) / 16, cb0 = 2 * p, has1 = cb0 + 1 < NB, G = a->G, tb = tile_bytes(a->fmt);
-    dequant_bf16(a->w + (int64_t)cb0 * G * tb, a->fmt, G, bbuf);
-    if (has1) dequant_bf16(a->w + (int64_t)(cb0 + 1) * G * tb, a->fmt, G, bbuf + (int64_t)G * 512);
+    const int NB = (a->N + 15) / 16, cb0 = 2 * p, has1 = cb0 + 1 < NB, G = a->G;
+    dequant_bf16(a->w, a->fmt, G, cb0, bbuf);
+    if (has1) dequant_bf16(a->w, a->fmt, G, cb0 + 1, bbuf + (int64_t)G * 512);
     float tile[16][16];
     for (int m0 = 0; m0 < a->M; m0 += 32) {
         const int two = m0 + 16 < a->M;
@@ -606,8 +566,7 @@ void qmm_amx_convert_row(uint16_t *xb, const float *x, int m, int G) { (void)xb,
  * sizes) or -6 (no AMX here). */
 int qmm_amx(float *out, const float *x, const uint8_t *w, const float *bias, int M, int N, int K, int ldx, int ldo,
             int fmt, int accumulate, int num_threads) {
-    if (M <= 0 || N <= 0 || K <= 0 || K % 32 != 0 || ldx < K || ldo < N || (fmt != QFMT_Q4 && fmt != QFMT_Q8))
-        return -2;
+    if (bad_sizes(M, N, K, ldx, ldo, fmt)) return -2;
     if (!qmm_amx_available()) return -6;
     const int64_t m_pad = (M + 15) / 16 * 16; /* whole tiles of rows; the extra rows are zeros */
     uint16_t *xb = calloc((size_t)m_pad * K, sizeof(uint16_t));

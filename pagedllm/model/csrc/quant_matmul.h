@@ -3,8 +3,20 @@
 #define PAGEDLLM_QUANT_MATMUL_H
 #include <stdint.h>
 
-#define QFMT_Q4 0 /* 4-bit, w = d * q + m, q in 0..15 (Q4_0, Q4_1, int4) */
-#define QFMT_Q8 1 /* 8-bit, w = d * q, q in -128..127 (Q8_0, int8) */
+/* Weight formats (quant.py's FORMATS; the tile layouts are in quant_matmul.c's header comment). */
+#define QFMT_Q4 0    /* 4-bit, w = d * q + m per group of 32 (Q4_0, Q4_1, int4) */
+#define QFMT_Q8 1    /* 8-bit, w = d * q, q signed (Q8_0, int8, IQ4_NL as its table's values) */
+#define QFMT_Q8M 2   /* 8-bit, w = d * q + m */
+#define QFMT_F16 3   /* float16 values */
+#define QFMT_BF16 4  /* bfloat16 values */
+#define QFMT_K4M 5   /* super-blocks of 256: w = D * s * q - M * mi, s / mi per 32, q 4-bit (Q4_K) */
+#define QFMT_K8M 6   /* the same with 8-bit q and s / mi per 16 (Q2_K) */
+#define QFMT_K8 7    /* w = D * s * q, s per 16, q signed 8-bit (Q3_K, IQ4_XS) */
+#define QFMT_Q5 8    /* 5-bit, w = d * (q - 16) (Q5_0) */
+#define QFMT_Q5M 9   /* 5-bit, w = d * q + m (Q5_1) */
+#define QFMT_K5M 10  /* as K4M with 5-bit q (Q5_K) */
+#define QFMT_K6 11   /* as K8 with 6-bit q - 32 (Q6_K) */
+#define QFMT_MIXED 15 /* column blocks of different formats: a table of (offset << 4 | format) per block first */
 
 typedef struct {
     float *out;
@@ -22,7 +34,9 @@ typedef struct { /* the same product with x as bfloat16 A tiles (see qmm_amx_con
     int M, N, G, ldo, fmt, accumulate;
 } QMatmulBf16;
 
-int qtile_bytes(int fmt);
+/* Bytes of one column block (16 output features) of a weight with K = 32 G inputs; 0 for a format without a
+ * fixed size (mixed) or a G it cannot take (the K formats need G % 8 == 0). */
+int64_t qcol_bytes(int fmt, int G);
 /* AMX: 1 where this CPU and kernel allow it; begin/end configure and release the tiles of the calling thread. */
 int qmm_amx_available(void);
 void qmm_amx_begin(void);

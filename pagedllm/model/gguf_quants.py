@@ -1,0 +1,187 @@
+"""GGML's block formats, unpacked into the kernels' plain form (quant.QuantParts) without arithmetic on values.
+
+Why a module of its own: each GGML type packs its integers differently (nibbles, high-bit planes, 6-bit scales
+split over three bytes), and the kernels want one layout per "shape" of format. Each reader here follows
+gguf-py's `gguf/quants.py` dequantizer step by step, stopping before the float arithmetic: it returns the
+integer codes, the integer sub-block scales and the float16 block scales, and the kernel (or
+`QuantParts.dequantize`) then computes every weight exactly as gguf does, bit for bit.
+
+Which kernel format each type becomes, and what it costs against the file (bits a weight, resident / file):
+Q4_0 q4 (5 / 4.5), Q4_1 q4 (5 / 5), Q5_0 q5 (5.5 / 5.5), Q5_1 q5m (6 / 6), Q8_0 q8 (8.5 / 8.5), Q4_K k4m
+(4.63 / 4.5), Q5_K k5m (5.63 / 5.5), Q6_K k6 (6.56 / 6.56), F16 / BF16 as stored (16 / 16); the rarer ones
+wider, as bytes: Q2_K k8m (9.1 / 2.6), Q3_K k8 (8.6 / 3.4), IQ4_NL q8 (8.5 / 4.5), IQ4_XS k8 (8.6 / 4.25). A
+type held at more than 1.1x its file's bits says so once in the log, with the factor.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pagedllm.model.quant import K_FORMATS, SUPER, QuantParts, log_once
+
+# GGML type number -> name; the types kept quantized (`iter_gguf`)
+GGML_TYPES = {
+    1: "F16",
+    2: "Q4_0",
+    3: "Q4_1",
+    6: "Q5_0",
+    7: "Q5_1",
+    8: "Q8_0",
+    10: "Q2_K",
+    11: "Q3_K",
+    12: "Q4_K",
+    13: "Q5_K",
+    14: "Q6_K",
+    20: "IQ4_NL",
+    23: "IQ4_XS",
+    30: "BF16",
+}
+_BLOCK = {  # name -> (weights, bytes) per block
+    "F16": (1, 2),
+    "BF16": (1, 2),
+    "Q4_0": (32, 18),
+    "Q4_1": (32, 20),
+    "Q5_0": (32, 22),
+    "Q5_1": (32, 24),
+    "Q8_0": (32, 34),
+    "Q2_K": (256, 84),
+    "Q3_K": (256, 110),
+    "Q4_K": (256, 144),
+    "Q5_K": (256, 176),
+    "Q6_K": (256, 210),
+    "IQ4_NL": (32, 18),
+    "IQ4_XS": (256, 136),
+}
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
+_TILE_BITS = {"q4": 5.0, "q5": 5.5, "q5m": 6.0, "q8": 8.5, "q8m": 9.0, "f16": 16.0, "bf16": 16.0}
+_TILE_BITS |= {"k4m": 4.625, "k5m": 5.625, "k6": 6.5625, "k8m": 9.125, "k8": 8.5625}
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """[..., 2] bytes -> float16 [...]."""
+    return np.ascontiguousarray(b).view(np.float16)[..., 0]
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[..., 2 n] bytes -> [..., 2, 2 n] low nibbles then high nibbles (gguf's `>> [0, 4]`)."""
+    return np.stack([qs & 15, qs >> 4], axis=-2)
+
+
+def _bits(b: np.ndarray, shifts: list[int], mask: int) -> np.ndarray:
+    """[..., n] -> [..., len(shifts), n]: (b >> s) & mask for each shift s."""
+    return np.stack([(b >> s) & mask for s in shifts], axis=-2)
+
+
+def _scale_min_k4(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K's 12 bytes of 6-bit scales and minimums -> ([..., 8], [..., 8]) (gguf's get_scale_min)."""
+    d, m, m_d = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
+    sc = np.concatenate([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc, mn
+
+
+def _legacy(name: str, b: np.ndarray, n: int) -> QuantParts:
+    """The types of 32-weight blocks with float16 scales: [n, blocks, bytes] -> q4 / q8 / q8m."""
+    d = _f16(b[..., 0:2])
+    if name == "Q8_0":
+        return QuantParts("q8", b[..., 2:34].copy().view(np.int8).reshape(n, -1), d, None, name)
+    if name == "IQ4_NL":
+        return QuantParts("q8", IQ4_VALUES[_nibbles(b[..., 2:18])].reshape(n, -1), d, None, name)
+    if name in ("Q4_0", "Q4_1"):
+        codes = _nibbles(b[..., 4:20] if name == "Q4_1" else b[..., 2:18]).reshape(n, -1)
+        if name == "Q4_1":
+            return QuantParts("q4", codes, d, _f16(b[..., 2:4]), name)
+        m = (d.astype(np.float32) * -8).astype(np.float16)  # w = d (q - 8) = d q + (-8 d), exact unless it overflows
+        if np.isfinite(m).all():
+            return QuantParts("q4", codes, d, m, name)
+        return QuantParts("q8", (codes.astype(np.int16) - 8).astype(np.int8), d, None, name)
+    off = 4 if name == "Q5_1" else 2
+    qh = np.ascontiguousarray(b[..., off : off + 4]).view("<u4")  # [n, blocks, 1]: bit i is weight i's fifth
+    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+    q = (_nibbles(b[..., off + 4 : off + 20]).reshape(n, -1, 32) | (high << 4)).reshape(n, -1)
+    if name == "Q5_1":
+        return QuantParts("q5m", q.astype(np.int8), d, _f16(b[..., 2:4]), name)
+    return QuantParts("q5", (q.astype(np.int16) - 16).astype(np.int8), d, None, name)
+
+
+def _k_small(name: str, b: np.ndarray, n: int) -> QuantParts:
+    """Q2_K and Q3_K: 16 sub-blocks of 16 with 4-bit (Q2_K: scale and minimum) or 6-bit signed scales."""
+    if name == "Q2_K":
+        scales, qs = b[..., 0:16], b[..., 16:80]
+        q = _bits(qs.reshape(*qs.shape[:-1], 2, 32), [0, 2, 4, 6], 3).reshape(n, -1)
+        d, dmin = _f16(b[..., 80:82]), _f16(b[..., 82:84])
+        return QuantParts(
+            "k8m",
+            q.astype(np.int8),
+            d,
+            dmin,
+            name,
+            (scales & 15).reshape(n, -1).view(np.int8),
+            (scales >> 4).reshape(n, -1),
+        )
+    hmask, qs, scales, d = b[..., 0:32], b[..., 32:96], b[..., 96:108], _f16(b[..., 108:110])
+    low = _nibbles(scales[..., 0:8]).reshape(*scales.shape[:-1], 16)
+    high = _bits(scales[..., 8:12], [0, 2, 4, 6], 3).reshape(*scales.shape[:-1], 16)
+    s = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8)
+    ql = _bits(qs.reshape(*qs.shape[:-1], 2, 32), [0, 2, 4, 6], 3).reshape(*qs.shape[:-1], 256)
+    qh = _bits(hmask, list(range(8)), 1).reshape(*hmask.shape[:-1], 256) ^ 1  # a set bit means no -4
+    q = (ql.astype(np.int8) - (qh << 2).astype(np.int8)).reshape(n, -1)
+    return QuantParts("k8", q, d, None, name, s.reshape(n, -1))
+
+
+def _k_large(name: str, b: np.ndarray, n: int) -> QuantParts:
+    """Q4_K, Q5_K (8 sub-blocks of 32, 6-bit scales and minimums), Q6_K (16 of 16, int8 scales), IQ4_XS."""
+    if name == "Q6_K":
+        ql, qh, scales, d = b[..., 0:128], b[..., 128:192], b[..., 192:208], _f16(b[..., 208:210])
+        low = _nibbles(ql.reshape(*ql.shape[:-1], 2, 64))  # [.., 2, 2, 64] -> 8 rows of 32
+        high = _bits(qh.reshape(*qh.shape[:-1], 2, 32), [0, 2, 4, 6], 3)
+        q = (low.reshape(*ql.shape[:-1], 256) | (high.reshape(*ql.shape[:-1], 256) << 4)).astype(np.int8) - 32
+        return QuantParts("k6", q.reshape(n, -1), d, None, name, scales.copy().view(np.int8).reshape(n, -1))
+    if name == "IQ4_XS":
+        d, sh = _f16(b[..., 0:2]), np.ascontiguousarray(b[..., 2:4]).view("<u2")  # [n, blocks, 1]
+        low = _nibbles(b[..., 4:8]).swapaxes(-1, -2).reshape(*b.shape[:-1], 8)  # byte j: sub-blocks 2j, 2j + 1
+        high = ((sh >> (2 * np.arange(8, dtype=np.uint16))) & 3).astype(np.uint8)
+        s = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8)
+        q = IQ4_VALUES[_nibbles(b[..., 8:136].reshape(*b.shape[:-1], 8, 16))].reshape(n, -1)
+        return QuantParts("k8", q, d, None, name, np.repeat(s.reshape(n, -1), 2, axis=1))
+    d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+    sc, mn = _scale_min_k4(b[..., 4:16])
+    low = _nibbles(b[..., -128:].reshape(*b.shape[:-1], 4, 32)).reshape(*b.shape[:-1], 256)
+    if name == "Q4_K":
+        return QuantParts("k4m", low.reshape(n, -1), d, dmin, name, sc.reshape(n, -1).view(np.int8), mn.reshape(n, -1))
+    high = _bits(b[..., 16:48], list(range(8)), 1).reshape(*b.shape[:-1], 256)
+    q = (low | (high << 4)).astype(np.int8).reshape(n, -1)
+    return QuantParts("k5m", q, d, dmin, name, sc.reshape(n, -1).view(np.int8), mn.reshape(n, -1))
+
+
+def from_gguf_blocks(raw: np.ndarray, ggml_type: int) -> QuantParts:
+    """raw: uint8 [N, row bytes] as stored in the file -> QuantParts (no arithmetic on values)."""
+    name = GGML_TYPES[ggml_type]
+    n = raw.shape[0]
+    if name in ("F16", "BF16"):
+        parts = QuantParts(name.lower(), np.ascontiguousarray(raw).view(np.uint16).reshape(n, -1), None, None, name)
+    else:
+        b = np.ascontiguousarray(raw).reshape(n, -1, _BLOCK[name][1])
+        read = _legacy if _BLOCK[name][0] == 32 else _k_small if name in ("Q2_K", "Q3_K") else _k_large
+        parts = read(name, b, n)
+    _note_width(name, parts.fmt)
+    return parts
+
+
+def block_shape(ggml_type: int) -> tuple[int, int]:
+    """(weights, bytes) of one block of a type kept quantized."""
+    return _BLOCK[GGML_TYPES[ggml_type]]
+
+
+def _note_width(name: str, fmt: str) -> None:
+    """One line per type held wider than the file stores it: what it costs in memory."""
+    weights, nbytes = _BLOCK[name]
+    file_bits, bits = 8 * nbytes / weights, _TILE_BITS[fmt]
+    if bits > 1.1 * file_bits:
+        log_once(
+            f"{name} tensors are held as {bits:.2f} bits a weight ({fmt}), {bits / file_bits:.2f}x the file's "
+            f"{file_bits:.2f}: exact values, more memory than the file (still far below dense)"
+        )
+
+
+__all__ = ["GGML_TYPES", "K_FORMATS", "SUPER", "block_shape", "from_gguf_blocks"]

@@ -63,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
         model_root=args.model or names[0],
         rag=rag,
         max_request_bytes=args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES,
+        tool_call_parser=args.tool_call_parser,
     )
     server = Server(app, host=args.host, port=args.port, log_level=args.log_level)
     print(

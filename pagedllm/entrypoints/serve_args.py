@@ -10,6 +10,7 @@ from pagedllm.cluster.routing import POLICIES
 from pagedllm.errors import UserError
 
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
+TOOL_PARSER_NAMES = ("hermes", "llama3_json", "mistral", "pythonic")  # pagedllm.server.tool_parsers.TOOL_PARSERS
 CLUSTER_FLAGS = ("ray_address", "routing", "cpus_per_replica", "num_gpus_per_replica", "routing_imbalance_threshold")
 
 
@@ -54,6 +55,18 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         default="canonical",
         choices=["naive", "canonical", "popular"],
         help="prompt layout of RAG requests (canonical/popular share prefixes in the cache)",
+    )
+    s.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='serve tool_choice "auto" in the format --tool-call-parser names (vLLM\'s flags; without them the '
+        "format is the one the chat template asks for, when it names one)",
+    )
+    s.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=TOOL_PARSER_NAMES,
+        help='the model\'s tool-call format, parsed for tool_choice "auto" (with --enable-auto-tool-choice)',
     )
     s.add_argument(
         "--log-level",
@@ -105,6 +118,9 @@ def check_server_args(args: argparse.Namespace) -> None:
         raise UserError(f"--max-waiting-requests: must be >= 0, got {args.max_waiting_requests}")
     if args.max_request_bytes is not None and args.max_request_bytes < 1:
         raise UserError(f"--max-request-bytes: must be >= 1, got {args.max_request_bytes}")
+    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
+        given = "--enable-auto-tool-choice" if args.enable_auto_tool_choice else "--tool-call-parser"
+        raise UserError(f"{given}: needs --enable-auto-tool-choice and --tool-call-parser NAME together (as vLLM)")
 
 
 def check_cluster_args(args: argparse.Namespace) -> None:
@@ -124,6 +140,8 @@ def check_cluster_args(args: argparse.Namespace) -> None:
         raise UserError(f"--routing-imbalance-threshold: must be >= 0, got {args.routing_imbalance_threshold}")
     if getattr(args, "rag_index", None):
         raise UserError("--rag-index: the cluster does not serve RAG yet; run it without --replicas")
+    if getattr(args, "tool_call_parser", None):
+        raise UserError("--tool-call-parser: the cluster does not take it yet; run it without --replicas")
     try:
         import ray.serve  # noqa: F401 - only whether the cluster extra is installed
     except ImportError:

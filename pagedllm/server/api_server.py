@@ -19,6 +19,7 @@ from fastapi import APIRouter, FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from pagedllm.engine.protocol import AsyncEngine
+from pagedllm.errors import UserError
 from pagedllm.server import (
     serving_chat,
     serving_completion,
@@ -31,6 +32,7 @@ from pagedllm.server.kv_page import router as kv_page_router
 from pagedllm.server.middleware import AuthMiddleware, InternalErrorMiddleware, RequestBodyMiddleware
 from pagedllm.server.serving_engine import ServingContext
 from pagedllm.server.streaming import STREAM_RESPONSES
+from pagedllm.server.tool_parsers import TOOL_PARSERS
 
 if TYPE_CHECKING:
     from pagedllm.rag import RagPipeline
@@ -49,11 +51,15 @@ def build_app(
     rag: RagPipeline | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     state_routers: Sequence[APIRouter] | None = None,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """The FastAPI app over a (not necessarily started) async engine; the app starts and stops the engine.
     `rag` adds POST /v1/rag/chat/completions. `state_routers`: the routes that show the engine's state (default:
     /health, /metrics, /v1/models, /v1/kv and the /kv block map, of one engine); a cluster answers them per
-    replica instead."""
+    replica instead. `tool_call_parser`: the format of tool_choice "auto" (`tool_parsers.TOOL_PARSERS`; default:
+    the one the chat template asks for)."""
+    if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
+        raise UserError(f"--tool-call-parser: unknown {tool_call_parser!r}; one of {', '.join(TOOL_PARSERS)}")
     root = model_root or engine.model_config.name or "pagedllm"
     names = list(served_model_names or [root])
 
@@ -67,7 +73,7 @@ def build_app(
 
     app = FastAPI(title="pagedllm OpenAI-compatible server", lifespan=lifespan)
     app.state.engine = engine
-    app.state.serving = ServingContext(engine, names, root)
+    app.state.serving = ServingContext(engine, names, root, tool_call_parser=tool_call_parser)
     app.state.rag = rag
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]  # FastAPI's documented way to extend it
     install_error_handlers(app)

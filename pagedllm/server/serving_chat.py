@@ -35,7 +35,7 @@ from pagedllm.server.serving_engine import (
     serving,
 )
 from pagedllm.server.streaming import Chunks, SSEResponse, pieces, stream_schema
-from pagedllm.server.tool_parsers import ToolParser, auto_tools_supported, tool_parser
+from pagedllm.server.tool_parsers import ToolParser, auto_parser, tool_parser
 
 router = APIRouter()
 
@@ -51,14 +51,8 @@ async def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> Prepared:
     model = ctx.check_model(req.model)
     ctx.check_n(req.n)
     mode = req.tool_mode
-    if mode is not None and mode.kind == "auto" and not auto_tools_supported(ctx.engine.tokenizer.chat_template):
-        raise APIError(
-            'tool_choice "auto" needs a chat template that shows the model its tools and a parser '
-            "for its tool-call format; this model's template has no tools: send tool_choice "
-            '"required", a named function or "none"',
-            400,
-            param="tool_choice",
-        )
+    if mode is not None:
+        parser(ctx, mode)  # "auto" without a format to parse is a 400 before anything runs
     tools = req.tools if mode is not None else None
     ids = await ctx.chat_prompt_ids(req.messages, req.add_generation_prompt, tools)
     max_tokens = ctx.check_length(len(ids), req.effective_max_tokens, req.min_tokens, "messages")
@@ -66,6 +60,16 @@ async def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> Prepared:
         return Prepared(model, ids, req.to_sampling_params(max_tokens))
     # compiling a schema's grammar to check it takes milliseconds: off the event loop
     return Prepared(model, ids, await asyncio.to_thread(req.to_sampling_params, max_tokens))
+
+
+def parser(ctx: ServingContext, mode: ToolMode) -> ToolParser:
+    """A fresh parser of one choice's tool calls: for "auto", the server's --tool-call-parser or the one the
+    chat template asks for (a 400 naming tool_choice when neither says)."""
+    try:
+        auto = auto_parser(ctx.engine.tokenizer.chat_template, ctx.tool_call_parser) if mode.kind == "auto" else None
+    except ValueError as e:
+        raise APIError(str(e), 400, param="tool_choice") from None
+    return tool_parser(mode, auto) if auto is not None else tool_parser(mode)
 
 
 def _finish_reason(mode: ToolMode | None, reason: str | None, called: bool) -> str | None:
@@ -84,7 +88,7 @@ def _message(
     as they were generated, by the parser a stream uses too."""
     if mode is None:
         return ChatCompletionMessage(role="assistant", content=c.text, tool_calls=[]), c.finish_reason
-    got = tool_parser(mode, ctx.engine.tokenizer.chat_template).extract(c.text)
+    got = parser(ctx, mode).extract(c.text)
     message = ChatCompletionMessage(role="assistant", content=got.content, tool_calls=got.tool_calls)
     return message, _finish_reason(mode, c.finish_reason, bool(got.tool_calls))
 
@@ -134,12 +138,11 @@ async def _chunks(
         yield chunk([ChatStreamChoice(index=i, delta=role, logprobs=None, finish_reason=None)])
     parsers: dict[int, ToolParser] = {}
     logged: dict[int, int] = {}  # per choice, the tokens whose logprobs were sent
-    template = ctx.engine.tokenizer.chat_template
     async for s, out, c, p in pieces(ctx, subs, req.constraint_field):
         if mode is None:
             delta = DeltaMessage(content=p.text) if p.text else DeltaMessage()
         else:
-            delta = parsers.setdefault(p.index, tool_parser(mode, template)).extract_streaming(c.text, p.done)
+            delta = parsers.setdefault(p.index, parser(ctx, mode)).extract_streaming(c.text, p.done)
         if not delta.model_fields_set and not p.done:
             continue
         start, logged[p.index] = logged.get(p.index, 0), p.tokens_to

@@ -478,6 +478,18 @@ class ErrorResponse(ResponseModel):
     error: ErrorInfo
 
 
+class AnthropicError(ResponseModel):
+    type: str = Field(description="invalid_request_error, authentication_error, not_found_error, api_error, ...")
+    message: str
+
+
+class AnthropicErrorResponse(ResponseModel):
+    """Anthropic's error body, on /v1/messages."""
+
+    type: Literal["error"]
+    error: AnthropicError
+
+
 class PromptTokensDetails(ResponseModel):
     cached_tokens: int
 

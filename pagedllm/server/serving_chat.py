@@ -34,7 +34,7 @@ from pagedllm.server.serving_engine import (
     request_id,
     serving,
 )
-from pagedllm.server.streaming import Chunks, SSEResponse, pieces, stream_schema
+from pagedllm.server.streaming import Chunks, Piece, SSEResponse, pieces, stream_schema
 from pagedllm.server.tool_parsers import ToolParser, auto_parser, tool_parser
 
 router = APIRouter()
@@ -125,6 +125,39 @@ async def full(
     )
 
 
+@dataclass
+class ChoiceDelta:
+    """What one choice's answer adds as it grows (`deltas`), with what it grew from."""
+
+    sub: EngineRequest
+    out: RequestOutput
+    choice: CompletionOutput
+    piece: Piece
+    delta: DeltaMessage
+    parser: ToolParser | None  # the choice's tool-call parser (its ids: the calls streamed so far)
+    finish_reason: str | None  # on the choice's last delta
+
+
+async def deltas(
+    ctx: ServingContext, req: ChatCompletionRequest, subs: list[EngineRequest]
+) -> AsyncGenerator[ChoiceDelta]:
+    """Each choice's deltas as the engine produces them: content, tool calls in pieces (the parser `_message`
+    uses, so they add up to its message), the finish reason on the last; a delta that adds nothing is left out
+    but the last. What every streaming API over chat (chat chunks, Responses, Messages events) wraps."""
+    mode = req.tool_mode
+    parsers: dict[int, ToolParser] = {}
+    async for s, out, c, p in pieces(ctx, subs, req.constraint_field):
+        if mode is None:
+            delta = DeltaMessage(content=p.text) if p.text else DeltaMessage()
+        else:
+            delta = parsers.setdefault(p.index, parser(ctx, mode)).extract_streaming(c.text, p.done)
+        if not delta.model_fields_set and not p.done:
+            continue
+        found = parsers.get(p.index)
+        finish = _finish_reason(mode, c.finish_reason, found is not None and bool(found.ids)) if p.done else None
+        yield ChoiceDelta(s, out, c, p, delta, found, finish)
+
+
 async def _chunks(
     ctx: ServingContext, req: ChatCompletionRequest, subs: list[EngineRequest], chunk: Chunks
 ) -> AsyncGenerator[str]:
@@ -136,25 +169,18 @@ async def _chunks(
     for i in range(req.n):
         role = DeltaMessage(role="assistant", content="" if mode is None else None)
         yield chunk([ChatStreamChoice(index=i, delta=role, logprobs=None, finish_reason=None)])
-    parsers: dict[int, ToolParser] = {}
     logged: dict[int, int] = {}  # per choice, the tokens whose logprobs were sent
-    async for s, out, c, p in pieces(ctx, subs, req.constraint_field):
-        if mode is None:
-            delta = DeltaMessage(content=p.text) if p.text else DeltaMessage()
-        else:
-            delta = parsers.setdefault(p.index, parser(ctx, mode)).extract_streaming(c.text, p.done)
-        if not delta.model_fields_set and not p.done:
-            continue
+    async for d in deltas(ctx, req, subs):
+        p, c = d.piece, d.choice
         start, logged[p.index] = logged.get(p.index, 0), p.tokens_to
-        called = p.index in parsers and bool(parsers[p.index].ids)
         choice = ChatStreamChoice(
             index=p.index,
-            delta=delta,
+            delta=d.delta,
             logprobs=ctx.chat_logprobs(c, start, p.tokens_to, k) if k is not None else None,
-            finish_reason=_finish_reason(mode, c.finish_reason, called) if p.done else None,
+            finish_reason=d.finish_reason,
             stop_reason=c.stop_reason if p.done else None,
         )
-        yield chunk([choice], ctx.partial_usage(s, out) if chunk.continuous else None)
+        yield chunk([choice], ctx.partial_usage(d.sub, d.out) if chunk.continuous else None)
     if chunk.include_usage:
         yield chunk([], ctx.usage(subs))
 

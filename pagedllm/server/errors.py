@@ -5,8 +5,8 @@ valid UTF-8 JSON (messages quote what was sent, which may hold a lone surrogate)
 from __future__ import annotations
 
 import json
-import re
 import logging
+import re
 from http import HTTPStatus
 from typing import Any
 

@@ -131,8 +131,12 @@ def test_function_tools_make_function_call_items_streamed_and_not(server):
     assert [a.name for a in added] == ["add"] and final.output[0].call_id == added[0].call_id
     assert final.output[0].arguments == call.arguments and final.status == whole.status == "completed"
     named = server.client.responses.create(
-        model="m", input="Add 1 and 2.", tools=[ADD], tool_choice={"type": "function", "name": "add"},
-        max_output_tokens=40, temperature=0,
+        model="m",
+        input="Add 1 and 2.",
+        tools=[ADD],
+        tool_choice={"type": "function", "name": "add"},
+        max_output_tokens=40,
+        temperature=0,
     )
     assert [i.name for i in named.output if i.type == "function_call"] == ["add"]
     assert_pool_whole(server)

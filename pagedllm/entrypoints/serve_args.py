@@ -56,6 +56,18 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         choices=["naive", "canonical", "popular"],
         help="prompt layout of RAG requests (canonical/popular share prefixes in the cache)",
     )
+    add_tool_args(s)
+    s.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="server log level (default: info)",
+    )
+    add_cluster_args(parser)
+
+
+def add_tool_args(s: argparse._ArgumentGroup) -> None:
+    """vLLM's flags for the "auto" tool-call format."""
     s.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
@@ -68,13 +80,6 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         choices=TOOL_PARSER_NAMES,
         help='the model\'s tool-call format, parsed for tool_choice "auto" (with --enable-auto-tool-choice)',
     )
-    s.add_argument(
-        "--log-level",
-        default="info",
-        choices=["critical", "error", "warning", "info", "debug"],
-        help="server log level (default: info)",
-    )
-    add_cluster_args(parser)
 
 
 def add_cluster_args(parser: argparse.ArgumentParser) -> None:

@@ -24,6 +24,7 @@ from pagedllm.server import (
     serving_chat,
     serving_completion,
     serving_info,
+    serving_messages,
     serving_rag,
     serving_responses,
     serving_tokenization,
@@ -31,6 +32,7 @@ from pagedllm.server import (
 from pagedllm.server.errors import install_error_handlers
 from pagedllm.server.kv_page import router as kv_page_router
 from pagedllm.server.middleware import AuthMiddleware, InternalErrorMiddleware, RequestBodyMiddleware
+from pagedllm.server.protocol_messages import MessageStreamEvent
 from pagedllm.server.protocol_responses import ResponseStreamEvent
 from pagedllm.server.serving_engine import ServingContext
 from pagedllm.server.streaming import STREAM_RESPONSES
@@ -81,7 +83,7 @@ def build_app(
     install_error_handlers(app)
     for router in state_routers if state_routers is not None else (serving_info.router, kv_page_router):
         app.include_router(router)  # kv_page_router: GET /kv (the live block map), GET /v1/kv/blocks (its data)
-    for module in (serving_completion, serving_chat, serving_responses, serving_tokenization):
+    for module in (serving_completion, serving_chat, serving_responses, serving_messages, serving_tokenization):
         app.include_router(module.router)
     if rag is not None:
         app.include_router(serving_rag.router)
@@ -98,7 +100,7 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     if app.openapi_schema is None:
         spec = get_openapi(title=app.title, version=app.version, routes=app.routes)
         schemas = spec.setdefault("components", {}).setdefault("schemas", {})
-        for model in [*STREAM_RESPONSES.values(), ResponseStreamEvent]:
+        for model in [*STREAM_RESPONSES.values(), ResponseStreamEvent, MessageStreamEvent]:
             own = model.model_json_schema(ref_template="#/components/schemas/{model}", mode="serialization")
             for name, schema in {**own.pop("$defs", {}), model.__name__: own}.items():
                 schemas.setdefault(name, schema)

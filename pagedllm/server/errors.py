@@ -71,6 +71,8 @@ def error_body(message: str, status: int, param: str | None = None, path: str = 
     clients read only that shape (the field goes in the message: Anthropic's body has no `param`)."""
     if path in ANTHROPIC_PATHS:
         kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+        if param and param not in message:
+            message = f"{param}: {message}"
         return AnthropicErrorResponse(type="error", error=AnthropicError(type=kind, message=_utf8(message))).body()
     info = ErrorInfo(
         message=_utf8(message), type=_TYPES.get(status, "Error"), param=_utf8(param) if param else None, code=status

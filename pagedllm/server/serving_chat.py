@@ -1,8 +1,10 @@
 """POST /v1/chat/completions: the messages rendered with the model's chat template, then one engine request
-with n samples, answered whole or streamed. The RAG route reuses `prepare`, `full` and `stream`.
+with n samples, answered whole or streamed. The RAG route reuses `prepare`, `full` and `stream`; the Responses
+and Messages APIs are chat requests too (`prepare_chat`, `full`, `deltas`).
 
 With tools and tool_choice "required" or a named function, the answer is decoded under the tools' schema and
-returned as `tool_calls` (tool_parsers/); "auto" needs a chat template that shows the model its tools."""
+returned as `tool_calls` (tool_parsers/); "auto" is parsed in the format --tool-call-parser names, or the one
+the chat template asks for."""
 
 from __future__ import annotations
 
@@ -10,12 +12,15 @@ import asyncio
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
+from pydantic import ValidationError
 
 from pagedllm.engine.outputs import CompletionOutput, RequestOutput
+from pagedllm.errors import UserError
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.server.errors import ERROR_RESPONSES, APIError
+from pagedllm.server.errors import ERROR_RESPONSES, APIError, from_errors
 from pagedllm.server.protocol import (
     ChatChoice,
     ChatCompletionMessage,
@@ -60,6 +65,31 @@ async def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> Prepared:
         return Prepared(model, ids, req.to_sampling_params(max_tokens))
     # compiling a schema's grammar to check it takes milliseconds: off the event loop
     return Prepared(model, ids, await asyncio.to_thread(req.to_sampling_params, max_tokens))
+
+
+def renamed(e: APIError | UserError, fields: dict[str, str]) -> APIError:
+    """An error of the chat request as one of this API's: the field it names is the one the client sent."""
+    param = getattr(e, "param", None)
+    head = (param or "").split(".")[0]
+    message = str(e.message if isinstance(e, APIError) else e)
+    for chat_name, own in fields.items():
+        message = message.replace(f"'{chat_name}", f"'{own}").replace(f"{chat_name}:", f"{own}:")
+    status = e.status if isinstance(e, APIError) else 400
+    return APIError(message, status, param=fields.get(head, param) if param else None)
+
+
+async def prepare_chat(
+    ctx: ServingContext, body: dict[str, Any], fields: dict[str, str]
+) -> tuple[ChatCompletionRequest, Prepared]:
+    """The chat request a Responses or Messages request is, prepared (everything checked before it runs);
+    errors name the request's own fields (`fields`: chat field -> its own)."""
+    try:
+        chat = ChatCompletionRequest.model_validate(body)
+        return chat, await prepare(ctx, chat)
+    except ValidationError as e:
+        raise renamed(from_errors([dict(d) for d in e.errors()]), fields) from None
+    except (APIError, UserError) as e:
+        raise renamed(e, fields) from None
 
 
 def parser(ctx: ServingContext, mode: ToolMode) -> ToolParser:

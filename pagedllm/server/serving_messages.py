@@ -33,7 +33,6 @@ from pagedllm.server.serving_engine import (
     request_id,
     serving,
 )
-from pagedllm.server.serving_responses import prepare_chat
 from pagedllm.server.streaming import SSEResponse, stream_schema, typed_sse
 
 router = APIRouter()
@@ -192,7 +191,7 @@ async def create_message(req: MessagesRequest, request: Request, ctx: ServingCon
         body = req.to_chat()
     except ValueError as e:
         raise APIError(str(e), 400, param="messages") from None
-    chat, prep = await prepare_chat(ctx, body, CHAT_FIELDS)
+    chat, prep = await serving_chat.prepare_chat(ctx, body, CHAT_FIELDS)
     subs = await ctx.submit([prep.prompt_ids], prep.params, rid)
     if req.stream:
         return SSEResponse(ctx, _stream(ctx, chat, prep, subs, rid), subs, error_event=anthropic_error_sse, done=None)

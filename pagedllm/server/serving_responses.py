@@ -12,11 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
-from pydantic import ValidationError
 
-from pagedllm.errors import UserError
 from pagedllm.server import serving_chat
-from pagedllm.server.errors import ERROR_RESPONSES, APIError, from_errors
+from pagedllm.server.errors import ERROR_RESPONSES, APIError
 from pagedllm.server.protocol import ChatCompletionRequest, DeltaMessage, Usage
 from pagedllm.server.protocol_responses import (
     CHAT_FIELDS,
@@ -43,31 +41,6 @@ from pagedllm.server.serving_engine import (
 from pagedllm.server.streaming import SSEResponse, stream_schema, typed_sse
 
 router = APIRouter()
-
-
-def renamed(e: APIError | UserError, fields: dict[str, str]) -> APIError:
-    """An error of the chat request as one of this API's: the field it names is the one the client sent."""
-    param = getattr(e, "param", None)
-    head = (param or "").split(".")[0]
-    message = str(e.message if isinstance(e, APIError) else e)
-    for chat_name, own in fields.items():
-        message = message.replace(f"'{chat_name}", f"'{own}").replace(f"{chat_name}:", f"{own}:")
-    status = e.status if isinstance(e, APIError) else 400
-    return APIError(message, status, param=fields.get(head, param) if param else None)
-
-
-async def prepare_chat(
-    ctx: ServingContext, body: dict[str, Any], fields: dict[str, str]
-) -> tuple[ChatCompletionRequest, serving_chat.Prepared]:
-    """The chat request a Responses or Messages request is, prepared (everything checked before it runs);
-    errors name the request's own fields (`fields`: chat field -> its own)."""
-    try:
-        chat = ChatCompletionRequest.model_validate(body)
-        return chat, await serving_chat.prepare(ctx, chat)
-    except ValidationError as e:
-        raise renamed(from_errors([dict(d) for d in e.errors()]), fields) from None
-    except (APIError, UserError) as e:
-        raise renamed(e, fields) from None
 
 
 def _item_id(prefix: str) -> str:
@@ -278,7 +251,7 @@ async def create_response(req: ResponsesRequest, request: Request, ctx: ServingC
         body = req.to_chat()
     except ValueError as e:
         raise APIError(str(e), 400, param="input") from None
-    chat, prep = await prepare_chat(ctx, body, CHAT_FIELDS)
+    chat, prep = await serving_chat.prepare_chat(ctx, body, CHAT_FIELDS)
     subs = await ctx.submit([prep.prompt_ids], prep.params, rid)
     if req.stream:
         return SSEResponse(ctx, _stream(ctx, req, chat, prep, subs, rid), subs, done=None)

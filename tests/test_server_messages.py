@@ -5,11 +5,13 @@ input a 400 in Anthropic's error shape naming the field, and no block left behin
 
 from __future__ import annotations
 
+import uuid
+
 import anthropic
 import jsonschema
 import pytest
 from engine_helpers import kv_budget
-from server_helpers import KEY, assert_as_declared, assert_pool_whole, running_server, sse_events
+from server_helpers import KEY, StepHold, assert_as_declared, assert_pool_whole, running_server, sse_events
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -165,4 +167,27 @@ def test_bad_input_is_a_400_in_anthropics_shape_naming_the_field(server, extra, 
         assert field in e.value.message
     missing = server.http.post("/v1/messages", json={**body, "model": "nope"}, headers={"x-api-key": KEY})
     assert missing.status_code in (400, 404) and missing.json()["type"] == "error"
+    assert_pool_whole(server)
+
+
+@pytest.mark.parametrize(
+    "path, prefix, body",
+    [
+        ("/v1/messages", "msg_", {"model": "m", "max_tokens": 200, "messages": HI, "stream": True}),
+        ("/v1/responses", "resp_", {"input": HI[0]["content"], "max_output_tokens": 200, "stream": True}),
+    ],
+)
+def test_a_client_that_leaves_a_stream_gets_its_request_aborted(server, path, prefix, body):
+    """The first event goes out before any token; the client leaves after it, with ~200 tokens to go (the
+    engine's steps held, so it cannot finish first): the server aborts the request and its blocks come back."""
+    rid = f"leave-{uuid.uuid4().hex[:8]}"
+    with StepHold(server.engine) as hold:
+        hold.allow(2)
+        headers = {"x-api-key": KEY, "X-Request-Id": rid, "Authorization": f"Bearer {KEY}"}
+        with server.http.stream("POST", path, json=body, headers=headers) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    break  # leaving closes the response: the client is gone
+        hold.wait_abort(f"{prefix}{rid}")
     assert_pool_whole(server)

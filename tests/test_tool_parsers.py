@@ -13,7 +13,7 @@ import pytest
 from engine_helpers import kv_budget
 from server_helpers import assert_error, assert_pool_whole, running_server, sse_events
 
-from pagedllm.entrypoints.serve_args import TOOL_PARSER_NAMES, add_serve_args, check_server_args
+from pagedllm.entrypoints.serve_args import TOOL_PARSER_NAMES, add_serve_args, check_cluster_args, check_server_args
 from pagedllm.errors import UserError
 from pagedllm.server.protocol import ToolMode
 from pagedllm.server.tool_parsers import (
@@ -216,6 +216,9 @@ def test_the_flags_are_vllms_and_come_together():
             check_server_args(parser.parse_args(argv))
     with pytest.raises(SystemExit):
         parser.parse_args(["--enable-auto-tool-choice", "--tool-call-parser", "nope"])
+    cluster = parser.parse_args(["--replicas", "2", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+    with pytest.raises(UserError, match="^--tool-call-parser: the cluster"):
+        check_cluster_args(cluster)  # not passed to the replicas yet: refused, not dropped
 
 
 # ------------------------------------------------------------------------------------------ a real server

@@ -24,7 +24,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "serve",
         help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve MODEL (default: SmolLM2-135M-Instruct) over an OpenAI-compatible HTTP API: "
-        "/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize; "
+        "/v1/completions, /v1/chat/completions, /v1/responses, /v1/messages (Anthropic's), /v1/models, /health, "
+        "/metrics, /tokenize, /detokenize; "
         "and /kv, the KV block pool live in a browser.",
     )
     add_serve_args(p)

@@ -172,6 +172,7 @@ BAD = [
         "text.format",
         "schema",
     ),
+    ({"input": "Hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text", "needs a schema"),
     ({"input": "Hi " * 600}, "input", "maximum context length"),
     ({"input": "Hi", "max_output_tokens": 600}, "max_output_tokens", "maximum context length"),
     ({"input": "Hi", "model": "nope"}, "model", "does not exist"),

@@ -66,6 +66,12 @@ class TextFormat(OpenAIModel):
     description: str | None = None
     strict: StrictBool | None = None
 
+    @model_validator(mode="after")
+    def _schema_given(self) -> TextFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("text.format: type json_schema needs a schema")
+        return self
+
 
 class TextConfig(OpenAIModel):
     format: TextFormat | None = None
@@ -132,7 +138,7 @@ class ResponsesRequest(RequestModel):
             body["tool_choice"] = self.tool_choice
         fmt = self.text.format if self.text is not None else None
         if fmt is not None and fmt.type != "text":
-            schema = {"name": fmt.name, "schema": fmt.json_schema or {}, "strict": fmt.strict}
+            schema = {"name": fmt.name, "schema": fmt.json_schema, "strict": fmt.strict}
             body["response_format"] = {
                 "type": fmt.type,
                 **({"json_schema": schema} if fmt.type == "json_schema" else {}),

@@ -10,6 +10,7 @@ resident bits a weight against the file's.
     .venv/bin/python benchmarks/gguf_types.py                          # every type, rows 1 and 64
     .venv/bin/python benchmarks/gguf_types.py --types Q4_K,Q6_K --rows 1 --cpu-target x86-64-v3
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,8 +57,10 @@ def main() -> None:
     lib = cpu_kernel.load()
     isa, threads = cpu_kernel.isa(lib)["matmul"], torch.get_num_threads()
     print(f"kernels: {cpu_kernel.cpu_target()} build ({isa}); {threads} threads; weight {n} x {k}")
-    print(f"{'type':7s} {'format':6s} {'file b/w':>8s} {'held b/w':>8s} {'MB':>7s}" + "".join(
-        f" {f'{r} rows ms':>11s} {'GB/s':>6s}" for r in rows))
+    print(
+        f"{'type':7s} {'format':6s} {'file b/w':>8s} {'held b/w':>8s} {'MB':>7s}"
+        + "".join(f" {f'{r} rows ms':>11s} {'GB/s':>6s}" for r in rows)
+    )
     by_name = {v: t for t, v in GGML_TYPES.items()}
     for name in args.types.split(","):
         t = by_name[name]

@@ -137,6 +137,18 @@ def check_offline_python(names: dict[str, Any]) -> None:
     assert len(names["printed"]) >= 2 and names["printed"][-1].strip(), names["printed"]
 
 
+def check_responses_python(names: dict[str, Any]) -> None:
+    resp, printed = names["resp"], names["printed"]
+    assert resp.status == "completed" and resp.output_text and resp.output[0].type == "message", resp
+    assert printed[0] == f"completed {resp.output_text}".splitlines()[0] and printed[-1].strip(), printed
+
+
+def check_messages_python(names: dict[str, Any]) -> None:
+    msg, printed = names["msg"], names["printed"]
+    assert msg.stop_reason == "end_turn" and msg.content[0].type == "text" and msg.content[0].text, msg
+    assert printed[0] == f"end_turn {msg.content[0].text}".splitlines()[0] and printed[-1].strip(), printed
+
+
 CHECKS: dict[str, Callable[[Any], None]] = {
     "tour-curl": check_tour_curl,
     "tour-python": check_tour_python,
@@ -145,6 +157,8 @@ CHECKS: dict[str, Callable[[Any], None]] = {
     "tools-python": check_tools_python,
     "embeddings-python": check_embeddings_python,
     "offline-python": check_offline_python,
+    "responses-python": check_responses_python,
+    "messages-python": check_messages_python,
 }
 
 
@@ -154,7 +168,7 @@ def test_every_readme_example_is_marked_and_checked():
     assert set(examples) == set(CHECKS)
     blocks = re.findall(r"^```\w*\n(.*?)^```$", README.read_text(encoding="utf-8"), re.S | re.M)
     for code in blocks:
-        if "curl http" in code or "OpenAI(" in code or "LLM(" in code:
+        if "curl http" in code or "OpenAI(" in code or "Anthropic(" in code or "LLM(" in code:
             assert any(code == marked for _, marked in examples.values()), f"an unmarked README example:\n{code}"
 
 

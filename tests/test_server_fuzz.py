@@ -60,6 +60,7 @@ def test_openapi_schema_fuzz(fuzz_server):
     schema = schemathesis.openapi.from_url(fuzz_server.base + "/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
     assert len(operations) >= 8
+    assert {"/v1/responses", "/v1/messages"} <= {op.path for op in operations}  # issue 28's routes
 
     for operation in operations:
 

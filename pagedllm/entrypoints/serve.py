@@ -28,8 +28,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "serve",
         help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve MODEL (default: SmolLM2-135M-Instruct) over an OpenAI-compatible HTTP API: "
-        "/v1/completions, /v1/chat/completions, /v1/embeddings, /v1/models, /health, /metrics, /tokenize, "
-        "/detokenize; "
+        "/v1/completions, /v1/chat/completions, /v1/responses, /v1/messages (Anthropic's), /v1/embeddings, "
+        "/v1/models, /health, /metrics, /tokenize, /detokenize; "
         "and /kv, the KV block pool live in a browser.",
     )
     add_serve_args(p)
@@ -74,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
         pooler=read_pooler_config(core.loaded.path) if args.runner == "pooling" else None,
         embedders=embedders,
         generate=args.runner != "pooling",
+        tool_call_parser=args.tool_call_parser,
     )
     server = Server(app, host=args.host, port=args.port, log_level=args.log_level)
     print(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import socket
+import typing
 from typing import Annotated, Literal
 
 from pagedllm.errors import UserError
@@ -15,6 +16,8 @@ from pagedllm.settings import Field, Flag, add_flags, flag_name, from_args, sett
 
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"  # model_name() of the default model's file
 Routing = Literal["round-robin", "prefix", "kv-events"]  # cluster/routing.py's POLICIES
+ToolCallParser = Literal["hermes", "llama3_json", "mistral", "pythonic"]  # server/tool_parsers' TOOL_PARSERS
+TOOL_PARSER_NAMES = typing.get_args(ToolCallParser)
 
 
 @settings
@@ -50,6 +53,12 @@ class ServerConfig:
     embedding_model: Annotated[str | None, Flag(metavar="PATH")] = None
     """also serve this sentence-transformers model on /v1/embeddings, named by its folder ('default': the bundled
     all-MiniLM-L6-v2, what `pagedllm rag` embeds with) (default: none)"""
+    enable_auto_tool_choice: bool = False
+    """serve tool_choice "auto" in the format --tool-call-parser names (vLLM's flags; default: off, "auto" is
+    parsed in the format the chat template asks for, when it names exactly one)"""
+    tool_call_parser: ToolCallParser | None = None
+    """the model's tool-call format, parsed for tool_choice "auto" (with --enable-auto-tool-choice; default: the
+    chat template's)"""
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     """server log level (default: info)"""
 
@@ -93,7 +102,11 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
 
 
 def check_server_args(args: argparse.Namespace) -> ServerConfig:
-    return from_args(ServerConfig, args)
+    config = from_args(ServerConfig, args)
+    if config.enable_auto_tool_choice != (config.tool_call_parser is not None):
+        given = "--enable-auto-tool-choice" if config.enable_auto_tool_choice else "--tool-call-parser"
+        raise UserError(f"{given}: needs --enable-auto-tool-choice and --tool-call-parser NAME together (as vLLM)")
+    return config
 
 
 def check_cluster_args(args: argparse.Namespace) -> ClusterConfig | None:
@@ -110,6 +123,8 @@ def check_cluster_args(args: argparse.Namespace) -> ClusterConfig | None:
         raise UserError("--embedding-model: the cluster does not serve embeddings yet; run it without --replicas")
     if getattr(args, "runner", "auto") == "pooling":
         raise UserError("--runner: the cluster does not serve pooling models yet; run it without --replicas")
+    if getattr(args, "tool_call_parser", None):
+        raise UserError("--tool-call-parser: the cluster does not take it yet; run it without --replicas")
     try:
         import ray.serve  # noqa: F401 - only whether the cluster extra is installed
     except ImportError:

@@ -20,20 +20,26 @@ from fastapi.openapi.utils import get_openapi
 
 from pagedllm.engine.pooling import PoolerConfig
 from pagedllm.engine.protocol import AsyncEngine
+from pagedllm.errors import UserError
 from pagedllm.server import (
     serving_chat,
     serving_completion,
     serving_embedding,
     serving_info,
+    serving_messages,
     serving_rag,
+    serving_responses,
     serving_tokenization,
 )
 from pagedllm.server.embedders import Embedder, EngineEmbedder
 from pagedllm.server.errors import install_error_handlers
 from pagedllm.server.kv_page import router as kv_page_router
 from pagedllm.server.middleware import AuthMiddleware, InternalErrorMiddleware, RequestBodyMiddleware
+from pagedllm.server.protocol_messages import MessageStreamEvent
+from pagedllm.server.protocol_responses import ResponseStreamEvent
 from pagedllm.server.serving_engine import ServingContext
 from pagedllm.server.streaming import STREAM_RESPONSES
+from pagedllm.server.tool_parsers import TOOL_PARSERS
 
 if TYPE_CHECKING:
     from pagedllm.rag import RagPipeline
@@ -55,13 +61,17 @@ def build_app(
     pooler: PoolerConfig | None = None,
     embedders: Sequence[Embedder] = (),
     generate: bool = True,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """The FastAPI app over a (not necessarily started) async engine; the app starts and stops the engine.
     `rag` adds POST /v1/rag/chat/completions. `state_routers`: the routes that show the engine's state (default:
     /health, /metrics, /v1/models, /v1/kv and the /kv block map, of one engine); a cluster answers them per
     replica instead. `pooler`: the engine's model also serves /v1/embeddings under its names, pooled that way
     (`--runner pooling`, where `generate` is False: no completion routes); `embedders`: other embedding models
-    (`--embedding-model`)."""
+    (`--embedding-model`). `tool_call_parser`: the format of tool_choice "auto"
+    (`tool_parsers.TOOL_PARSERS`; default: the one the chat template asks for)."""
+    if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
+        raise UserError(f"--tool-call-parser: unknown {tool_call_parser!r}; one of {', '.join(TOOL_PARSERS)}")
     root = model_root or engine.model_config.name or "pagedllm"
     names = list(served_model_names or [root])
 
@@ -75,7 +85,7 @@ def build_app(
 
     app = FastAPI(title="pagedllm OpenAI-compatible server", lifespan=lifespan)
     app.state.engine = engine
-    app.state.serving = ServingContext(engine, names, root)
+    app.state.serving = ServingContext(engine, names, root, tool_call_parser=tool_call_parser)
     app.state.rag = rag
     own = [EngineEmbedder(app.state.serving, pooler)] if pooler is not None else []
     app.state.embedders = [*own, *embedders]
@@ -83,9 +93,8 @@ def build_app(
     install_error_handlers(app)
     for router in state_routers if state_routers is not None else (serving_info.router, kv_page_router):
         app.include_router(router)  # kv_page_router: GET /kv (the live block map), GET /v1/kv/blocks (its data)
-    for module in (serving_completion, serving_chat) if generate else ():
-        app.include_router(module.router)
-    for module in (serving_tokenization, serving_embedding):
+    generation = (serving_completion, serving_chat, serving_responses, serving_messages) if generate else ()
+    for module in (*generation, serving_tokenization, serving_embedding):
         app.include_router(module.router)
     if rag is not None:
         app.include_router(serving_rag.router)
@@ -102,7 +111,7 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     if app.openapi_schema is None:
         spec = get_openapi(title=app.title, version=app.version, routes=app.routes)
         schemas = spec.setdefault("components", {}).setdefault("schemas", {})
-        for model in STREAM_RESPONSES.values():
+        for model in [*STREAM_RESPONSES.values(), ResponseStreamEvent, MessageStreamEvent]:
             own = model.model_json_schema(ref_template="#/components/schemas/{model}", mode="serialization")
             for name, schema in {**own.pop("$defs", {}), model.__name__: own}.items():
                 schemas.setdefault(name, schema)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from http import HTTPStatus
 from typing import Any
 
@@ -22,7 +23,7 @@ from pagedllm.engine.async_engine import (
     TooManyWaitingRequestsError,
 )
 from pagedllm.errors import UserError
-from pagedllm.server.protocol import ErrorInfo, ErrorResponse
+from pagedllm.server.protocol import AnthropicError, AnthropicErrorResponse, ErrorInfo, ErrorResponse
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -37,9 +38,13 @@ _TYPES = {
     503: "ServiceUnavailableError",
 }
 
-# What /openapi.json lists as each route's error answers.
+# What /openapi.json lists as each route's error answers (Anthropic's shape on its routes).
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": HTTPStatus(status).phrase}
+    for status in (400, 401, 404, 413, 500, 503)
+}
+ANTHROPIC_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": AnthropicErrorResponse, "description": HTTPStatus(status).phrase}
     for status in (400, 401, 404, 413, 500, 503)
 }
 
@@ -61,26 +66,51 @@ def _utf8(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
-    """OpenAI's error body, `ErrorResponse` as JSON."""
+def error_body(message: str, status: int, param: str | None = None, path: str = "") -> dict[str, Any]:
+    """OpenAI's error body, `ErrorResponse` as JSON; Anthropic's (`AnthropicErrorResponse`) on its routes, whose
+    clients read only that shape (the field goes in the message: Anthropic's body has no `param`)."""
+    if path in ANTHROPIC_PATHS:
+        kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+        if param and param not in message:
+            message = f"{param}: {message}"
+        return AnthropicErrorResponse(type="error", error=AnthropicError(type=kind, message=_utf8(message))).body()
     info = ErrorInfo(
         message=_utf8(message), type=_TYPES.get(status, "Error"), param=_utf8(param) if param else None, code=status
     )
     return ErrorResponse(error=info).body()
 
 
+ANTHROPIC_PATHS = ("/v1/messages",)
+_ANTHROPIC_TYPES = {
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    500: "api_error",
+    503: "overloaded_error",
+}
+
+
 def error_response(
-    message: str, status: int, param: str | None = None, headers: dict[str, str] | None = None
+    message: str, status: int, param: str | None = None, headers: dict[str, str] | None = None, path: str = ""
 ) -> JSONResponse:
-    return JSONResponse(error_body(message, status, param), status_code=status, headers=headers)
+    return JSONResponse(error_body(message, status, param, path), status_code=status, headers=headers)
 
 
 def error_sse(err: APIError) -> str:
     return f"data: {json.dumps(err.body())}\n\n"
 
 
+def anthropic_error_sse(err: APIError) -> str:
+    """A Messages stream's error: Anthropic's `error` event."""
+    body = error_body(err.message, err.status, err.param, ANTHROPIC_PATHS[0])
+    return f"event: error\ndata: {json.dumps(body)}\n\n"
+
+
 def _shown(value: Any) -> str:
     return json.dumps(value) if isinstance(value, (int, float, str, bool, type(None))) else type(value).__name__
+
+
+_UNION_TAG = re.compile(r"str|int|float|bool|\w+\[.*\]")  # pydantic's name of a union member in a location
 
 
 def from_errors(errors: list[dict[str, Any]]) -> APIError:
@@ -89,7 +119,10 @@ def from_errors(errors: list[dict[str, Any]]) -> APIError:
     if not errors:
         return APIError("Invalid request body", 400)
     first = errors[0]
-    loc = [str(p) for p in first.get("loc", ())]
+    if len(errors) > 1:  # a union fails once per member: the one whose type the value has says what is wrong
+        same = [e for e in errors if tuple(e.get("loc", ()))[:2] == tuple(first.get("loc", ()))[:2]]
+        first = next((e for e in same if not str(e.get("type", "")).endswith("_type")), first)
+    loc = [str(p) for p in first.get("loc", ()) if not _UNION_TAG.fullmatch(str(p))]
     loc = loc[1:] if loc[:1] == ["body"] else loc
     msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     if first.get("type") == "json_invalid":
@@ -121,25 +154,26 @@ def install_error_handlers(app: FastAPI) -> None:
     def handle(
         exc_type: type[Exception], status: int, message: str = "{}", headers: dict[str, str] | None = None
     ) -> None:
-        def handler(_: Request, e: Exception) -> JSONResponse:
-            return error_response(message.format(e), status, getattr(e, "param", None), headers)
+        def handler(request: Request, e: Exception) -> JSONResponse:
+            return error_response(message.format(e), status, getattr(e, "param", None), headers, request.url.path)
 
         app.add_exception_handler(exc_type, handler)
 
-    def api_error(_: Request, e: Exception) -> JSONResponse:
+    def api_error(request: Request, e: Exception) -> JSONResponse:
         assert isinstance(e, APIError)
-        return JSONResponse(e.body(), status_code=e.status)
+        return error_response(e.message, e.status, e.param, path=request.url.path)
 
-    def validation_error(_: Request, e: Exception) -> JSONResponse:
+    def validation_error(request: Request, e: Exception) -> JSONResponse:
         assert isinstance(e, (RequestValidationError, ValidationError))
         err = from_errors([dict(d) for d in e.errors()])
-        return JSONResponse(err.body(), status_code=err.status)
+        return error_response(err.message, err.status, err.param, path=request.url.path)
 
-    def http_error(_: Request, e: Exception) -> JSONResponse:
+    def http_error(request: Request, e: Exception) -> JSONResponse:
         assert isinstance(e, StarletteHTTPException)
         cause = e.__cause__  # FastAPI's "error parsing the body": too deep, an integer too long, not UTF-8
         detail = f"Malformed JSON in the request body: {cause}" if e.status_code == 400 and cause else str(e.detail)
-        return error_response(detail, e.status_code, headers=dict(e.headers) if e.headers else None)
+        headers = dict(e.headers) if e.headers else None
+        return error_response(detail, e.status_code, headers=headers, path=request.url.path)
 
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(RequestValidationError, validation_error)

@@ -23,7 +23,8 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
 
 
 class AuthMiddleware:
-    """/v1/*, /tokenize and /detokenize need `Authorization: Bearer <key>`."""
+    """/v1/*, /tokenize and /detokenize need `Authorization: Bearer <key>` (or Anthropic's `x-api-key: <key>`,
+    which its SDK sends)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
@@ -39,11 +40,17 @@ class AuthMiddleware:
         if self._protected(scope):
             auth = _header(scope, b"authorization") or b""
             scheme, _, token = auth.partition(b" ")
+            key = _header(scope, b"x-api-key")
+            if key is not None and not auth:
+                scheme, token = b"bearer", key
             if scheme.lower() != b"bearer" or not secrets.compare_digest(token.strip(), self.api_key):
                 msg = (
-                    "Missing API key: send 'Authorization: Bearer <key>'" if not auth else "Incorrect API key provided"
+                    "Missing API key: send 'Authorization: Bearer <key>'"
+                    if not auth and key is None
+                    else "Incorrect API key provided"
                 )
-                resp = JSONResponse(error_body(msg, 401), status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                body = error_body(msg, 401, path=scope["path"])
+                resp = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
                 await resp(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -67,7 +74,8 @@ class RequestBodyMiddleware:
             return
         length = _header(scope, b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
-            await error_response(self._too_large(), 413, headers={"Connection": "close"})(scope, receive, send)
+            too_large = error_response(self._too_large(), 413, headers={"Connection": "close"}, path=scope["path"])
+            await too_large(scope, receive, send)
             return
         headers = [(k, v) for k, v in scope.get("headers", []) if k != b"content-type"]
         scope = {**scope, "headers": headers + [(b"content-type", b"application/json")]}
@@ -109,4 +117,5 @@ class InternalErrorMiddleware:
             logger.exception("unhandled error")
             if started:
                 raise
-            await error_response(f"Internal server error: {type(e).__name__}: {e}", 500)(scope, receive, send)
+            message = f"Internal server error: {type(e).__name__}: {e}"
+            await error_response(message, 500, path=scope["path"])(scope, receive, send)

@@ -77,7 +77,7 @@ def check_tools(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 def tool_mode(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None) -> ToolMode | None:
     """The constrained mode a request asks for, or None (no tools, or tool_choice "none"); ValueError naming the
     field for what cannot be served. "auto" (also tool_choice left out with tools) needs a template that renders
-    tools: the caller checks that (`tool_parsers.auto_tools_supported`)."""
+    tools or a --tool-call-parser: the caller checks that (`tool_parsers.auto_parser`)."""
     if isinstance(tool_choice, dict):
         fn = tool_choice.get("function")
         name = fn.get("name") if isinstance(fn, dict) else None
@@ -476,6 +476,18 @@ class ErrorInfo(ResponseModel):
 
 class ErrorResponse(ResponseModel):
     error: ErrorInfo
+
+
+class AnthropicError(ResponseModel):
+    type: str = Field(description="invalid_request_error, authentication_error, not_found_error, api_error, ...")
+    message: str
+
+
+class AnthropicErrorResponse(ResponseModel):
+    """Anthropic's error body, on /v1/messages."""
+
+    type: Literal["error"]
+    error: AnthropicError
 
 
 class PromptTokensDetails(ResponseModel):

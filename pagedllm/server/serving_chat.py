@@ -1,8 +1,10 @@
 """POST /v1/chat/completions: the messages rendered with the model's chat template, then one engine request
-with n samples, answered whole or streamed. The RAG route reuses `prepare`, `full` and `stream`.
+with n samples, answered whole or streamed. The RAG route reuses `prepare`, `full` and `stream`; the Responses
+and Messages APIs are chat requests too (`prepare_chat`, `full`, `deltas`).
 
 With tools and tool_choice "required" or a named function, the answer is decoded under the tools' schema and
-returned as `tool_calls` (tool_parsers/); "auto" needs a chat template that shows the model its tools."""
+returned as `tool_calls` (tool_parsers/); "auto" is parsed in the format --tool-call-parser names, or the one
+the chat template asks for."""
 
 from __future__ import annotations
 
@@ -10,12 +12,15 @@ import asyncio
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
+from pydantic import ValidationError
 
 from pagedllm.engine.outputs import CompletionOutput, RequestOutput
+from pagedllm.errors import UserError
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.server.errors import ERROR_RESPONSES, APIError
+from pagedllm.server.errors import ERROR_RESPONSES, APIError, from_errors
 from pagedllm.server.protocol import (
     ChatChoice,
     ChatCompletionMessage,
@@ -34,8 +39,8 @@ from pagedllm.server.serving_engine import (
     request_id,
     serving,
 )
-from pagedllm.server.streaming import Chunks, SSEResponse, pieces, stream_schema
-from pagedllm.server.tool_parsers import ToolParser, auto_tools_supported, tool_parser
+from pagedllm.server.streaming import Chunks, Piece, SSEResponse, pieces, stream_schema
+from pagedllm.server.tool_parsers import ToolParser, auto_parser, tool_parser
 
 router = APIRouter()
 
@@ -51,14 +56,8 @@ async def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> Prepared:
     model = ctx.check_model(req.model)
     ctx.check_n(req.n)
     mode = req.tool_mode
-    if mode is not None and mode.kind == "auto" and not auto_tools_supported(ctx.engine.tokenizer.chat_template):
-        raise APIError(
-            'tool_choice "auto" needs a chat template that shows the model its tools and a parser '
-            "for its tool-call format; this model's template has no tools: send tool_choice "
-            '"required", a named function or "none"',
-            400,
-            param="tool_choice",
-        )
+    if mode is not None:
+        parser(ctx, mode)  # "auto" without a format to parse is a 400 before anything runs
     tools = req.tools if mode is not None else None
     ids = await ctx.chat_prompt_ids(req.messages, req.add_generation_prompt, tools)
     max_tokens = ctx.check_length(len(ids), req.effective_max_tokens, req.min_tokens, "messages")
@@ -66,6 +65,41 @@ async def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> Prepared:
         return Prepared(model, ids, req.to_sampling_params(max_tokens))
     # compiling a schema's grammar to check it takes milliseconds: off the event loop
     return Prepared(model, ids, await asyncio.to_thread(req.to_sampling_params, max_tokens))
+
+
+def renamed(e: APIError | UserError, fields: dict[str, str]) -> APIError:
+    """An error of the chat request as one of this API's: the field it names is the one the client sent."""
+    param = getattr(e, "param", None)
+    head = (param or "").split(".")[0]
+    message = str(e.message if isinstance(e, APIError) else e)
+    for chat_name, own in fields.items():
+        message = message.replace(f"'{chat_name}", f"'{own}").replace(f"{chat_name}:", f"{own}:")
+    status = e.status if isinstance(e, APIError) else 400
+    return APIError(message, status, param=fields.get(head, param) if param else None)
+
+
+async def prepare_chat(
+    ctx: ServingContext, body: dict[str, Any], fields: dict[str, str]
+) -> tuple[ChatCompletionRequest, Prepared]:
+    """The chat request a Responses or Messages request is, prepared (everything checked before it runs);
+    errors name the request's own fields (`fields`: chat field -> its own)."""
+    try:
+        chat = ChatCompletionRequest.model_validate(body)
+        return chat, await prepare(ctx, chat)
+    except ValidationError as e:
+        raise renamed(from_errors([dict(d) for d in e.errors()]), fields) from None
+    except (APIError, UserError) as e:
+        raise renamed(e, fields) from None
+
+
+def parser(ctx: ServingContext, mode: ToolMode) -> ToolParser:
+    """A fresh parser of one choice's tool calls: for "auto", the server's --tool-call-parser or the one the
+    chat template asks for (a 400 naming tool_choice when neither says)."""
+    try:
+        auto = auto_parser(ctx.engine.tokenizer.chat_template, ctx.tool_call_parser) if mode.kind == "auto" else None
+    except ValueError as e:
+        raise APIError(str(e), 400, param="tool_choice") from None
+    return tool_parser(mode, auto) if auto is not None else tool_parser(mode)
 
 
 def _finish_reason(mode: ToolMode | None, reason: str | None, called: bool) -> str | None:
@@ -84,7 +118,7 @@ def _message(
     as they were generated, by the parser a stream uses too."""
     if mode is None:
         return ChatCompletionMessage(role="assistant", content=c.text, tool_calls=[]), c.finish_reason
-    got = tool_parser(mode, ctx.engine.tokenizer.chat_template).extract(c.text)
+    got = parser(ctx, mode).extract(c.text)
     message = ChatCompletionMessage(role="assistant", content=got.content, tool_calls=got.tool_calls)
     return message, _finish_reason(mode, c.finish_reason, bool(got.tool_calls))
 
@@ -121,6 +155,39 @@ async def full(
     )
 
 
+@dataclass
+class ChoiceDelta:
+    """What one choice's answer adds as it grows (`deltas`), with what it grew from."""
+
+    sub: EngineRequest
+    out: RequestOutput
+    choice: CompletionOutput
+    piece: Piece
+    delta: DeltaMessage
+    parser: ToolParser | None  # the choice's tool-call parser (its ids: the calls streamed so far)
+    finish_reason: str | None  # on the choice's last delta
+
+
+async def deltas(
+    ctx: ServingContext, req: ChatCompletionRequest, subs: list[EngineRequest]
+) -> AsyncGenerator[ChoiceDelta]:
+    """Each choice's deltas as the engine produces them: content, tool calls in pieces (the parser `_message`
+    uses, so they add up to its message), the finish reason on the last; a delta that adds nothing is left out
+    but the last. What every streaming API over chat (chat chunks, Responses, Messages events) wraps."""
+    mode = req.tool_mode
+    parsers: dict[int, ToolParser] = {}
+    async for s, out, c, p in pieces(ctx, subs, req.constraint_field):
+        if mode is None:
+            delta = DeltaMessage(content=p.text) if p.text else DeltaMessage()
+        else:
+            delta = parsers.setdefault(p.index, parser(ctx, mode)).extract_streaming(c.text, p.done)
+        if not delta.model_fields_set and not p.done:
+            continue
+        found = parsers.get(p.index)
+        finish = _finish_reason(mode, c.finish_reason, found is not None and bool(found.ids)) if p.done else None
+        yield ChoiceDelta(s, out, c, p, delta, found, finish)
+
+
 async def _chunks(
     ctx: ServingContext, req: ChatCompletionRequest, subs: list[EngineRequest], chunk: Chunks
 ) -> AsyncGenerator[str]:
@@ -132,26 +199,18 @@ async def _chunks(
     for i in range(req.n):
         role = DeltaMessage(role="assistant", content="" if mode is None else None)
         yield chunk([ChatStreamChoice(index=i, delta=role, logprobs=None, finish_reason=None)])
-    parsers: dict[int, ToolParser] = {}
     logged: dict[int, int] = {}  # per choice, the tokens whose logprobs were sent
-    template = ctx.engine.tokenizer.chat_template
-    async for s, out, c, p in pieces(ctx, subs, req.constraint_field):
-        if mode is None:
-            delta = DeltaMessage(content=p.text) if p.text else DeltaMessage()
-        else:
-            delta = parsers.setdefault(p.index, tool_parser(mode, template)).extract_streaming(c.text, p.done)
-        if not delta.model_fields_set and not p.done:
-            continue
+    async for d in deltas(ctx, req, subs):
+        p, c = d.piece, d.choice
         start, logged[p.index] = logged.get(p.index, 0), p.tokens_to
-        called = p.index in parsers and bool(parsers[p.index].ids)
         choice = ChatStreamChoice(
             index=p.index,
-            delta=delta,
+            delta=d.delta,
             logprobs=ctx.chat_logprobs(c, start, p.tokens_to, k) if k is not None else None,
-            finish_reason=_finish_reason(mode, c.finish_reason, called) if p.done else None,
+            finish_reason=d.finish_reason,
             stop_reason=c.stop_reason if p.done else None,
         )
-        yield chunk([choice], ctx.partial_usage(s, out) if chunk.continuous else None)
+        yield chunk([choice], ctx.partial_usage(d.sub, d.out) if chunk.continuous else None)
     if chunk.include_usage:
         yield chunk([], ctx.usage(subs))
 

@@ -62,6 +62,7 @@ class ServingContext:
     model_names: list[str]
     model_root: str
     max_n: int = MAX_N
+    tool_call_parser: str | None = None  # --tool-call-parser: the "auto" tool-call format (else the template's)
     created: int = field(default_factory=lambda: int(time.time()))
     _token_strs: dict[int, str] = field(default_factory=dict)
 

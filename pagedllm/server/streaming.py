@@ -36,6 +36,11 @@ def sse(body: dict[str, Any]) -> str:
     return "data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")) + "\n\n"
 
 
+def typed_sse(body: dict[str, Any]) -> str:
+    """An event of the APIs that name each one (Responses, Messages): `event: <its type>` before its data."""
+    return f"event: {body['type']}\n" + sse(body)
+
+
 # The chunk model of each streamed object.
 STREAM_RESPONSES: dict[str, type[CompletionStreamResponse] | type[ChatCompletionStreamResponse]] = {
     "text_completion": CompletionStreamResponse,
@@ -126,25 +131,36 @@ async def pieces(
             yield s, out, c, piece
 
 
-async def events(ctx: ServingContext, chunks: AsyncGenerator[str], subs: list[EngineRequest]) -> AsyncGenerator[str]:
-    """How every stream ends, whatever ended it: an error becomes an SSE error event, the engine requests are
-    aborted (freeing their blocks), and `[DONE]` closes it unless the client is already gone."""
+ErrorEvent = Callable[[APIError], str]
+
+
+async def events(
+    ctx: ServingContext,
+    chunks: AsyncGenerator[str],
+    subs: list[EngineRequest],
+    error_event: ErrorEvent = error_sse,
+    done: str | None = "data: [DONE]\n\n",
+) -> AsyncGenerator[str]:
+    """How every stream ends, whatever ended it: an error becomes an SSE error event (`error_event`: in the
+    API's own shape), the engine requests are aborted (freeing their blocks), and `done` (OpenAI's `[DONE]`;
+    None for the APIs whose last event says it) closes it unless the client is already gone."""
     try:
         async for chunk in chunks:
             yield chunk
     except asyncio.CancelledError:
         raise
     except (RequestAbortedError, EngineDeadError) as e:
-        yield error_sse(APIError(f"The request was aborted: {e}", 503))
+        yield error_event(APIError(f"The request was aborted: {e}", 503))
     except APIError as e:
-        yield error_sse(e)
+        yield error_event(e)
     except Exception as e:
         logger.exception("streaming failed")
-        yield error_sse(APIError(f"Internal server error: {type(e).__name__}: {e}", 500))
+        yield error_event(APIError(f"Internal server error: {type(e).__name__}: {e}", 500))
     finally:
         await chunks.aclose()
         ctx.abort(subs)
-    yield "data: [DONE]\n\n"
+    if done is not None:
+        yield done
 
 
 class SSEResponse(StreamingResponse):
@@ -156,8 +172,10 @@ class SSEResponse(StreamingResponse):
         chunks: AsyncGenerator[str],
         subs: list[EngineRequest],
         headers: dict[str, str] | None = None,
+        error_event: ErrorEvent = error_sse,
+        done: str | None = "data: [DONE]\n\n",
     ) -> None:
-        self._gen = events(ctx, chunks, subs)
+        self._gen = events(ctx, chunks, subs, error_event, done)
         self._on_close: Callable[[], None] = lambda: ctx.abort(subs)
         super().__init__(
             self._gen,

@@ -55,8 +55,19 @@ def _named(calls: list[ScannedCall]) -> list[ScannedCall]:
     return out
 
 
+def sendable(text: str, tag: str) -> str:
+    """The content that can go out before a format's opening `tag`: all but a trailing start of the tag and the
+    whitespace before it (dropped if the tag comes)."""
+    tail = range(max(0, len(text) - len(tag) + 1), len(text))
+    cut = next((i for i in tail if tag.startswith(text[i:])), len(text))
+    return text[:cut].rstrip()
+
+
 class ToolParser(ABC):
-    """One tool-call format: `scan` is the format's; the rest is shared."""
+    """One tool-call format: `scan` is the format's; the rest is shared. `name`: vLLM's --tool-call-parser name
+    of an "auto" format."""
+
+    name = ""
 
     def __init__(self, mode: ToolMode) -> None:
         self.mode = mode

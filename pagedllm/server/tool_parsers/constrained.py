@@ -33,7 +33,7 @@ class RequiredToolParser(ToolParser):
                 call = CallRead()
                 started = p < len(text)
                 try:
-                    p = skip(text, read_call(text, p, call, "parameters"))
+                    p = skip(text, read_call(text, p, call, ("parameters",)))
                 finally:  # a call read in part is still a call (its arguments as far as they went)
                     if started:
                         calls.append(ScannedCall(call.name, call.args or ""))

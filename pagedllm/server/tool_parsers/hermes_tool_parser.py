@@ -3,7 +3,7 @@ blocks after the content, parsed unconstrained for tool_choice "auto" (vLLM's he
 
 from __future__ import annotations
 
-from pagedllm.server.tool_parsers.abstract_tool_parser import Scan, ScannedCall, ToolParser
+from pagedllm.server.tool_parsers.abstract_tool_parser import Scan, ScannedCall, ToolParser, sendable
 from pagedllm.server.tool_parsers.json_scan import CallRead, Incomplete, NotJSON, read_call, skip
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -19,6 +19,8 @@ class HermesToolParser(ToolParser):
     it are content (the whole answer when it is the first, as vLLM). Text between and after calls is dropped
     (vLLM's rule)."""
 
+    name = "hermes"
+
     @staticmethod
     def supports(chat_template: str) -> bool:
         """Whether a chat template asks for calls in this format."""
@@ -27,7 +29,7 @@ class HermesToolParser(ToolParser):
     def scan(self, text: str, done: bool) -> Scan:
         at = text.find(OPEN)
         if at < 0:
-            return Scan(text if done else _sendable(text), [])
+            return Scan(text if done else sendable(text, OPEN), [])
         content = text[:at].rstrip()
         calls: list[ScannedCall] = []
         while at >= 0:
@@ -42,21 +44,13 @@ class HermesToolParser(ToolParser):
         return Scan(content, calls)
 
 
-def _sendable(text: str) -> str:
-    """The content that can go out before any `<tool_call>`: all but a trailing start of the tag and the
-    whitespace before it (dropped if the tag comes)."""
-    tail = range(max(0, len(text) - len(OPEN) + 1), len(text))
-    cut = next((i for i in tail if OPEN.startswith(text[i:])), len(text))
-    return text[:cut].rstrip()
-
-
 def _block(text: str, at: int, done: bool) -> tuple[CallRead, int | None] | None:
     """The call in the block whose body starts at `at`, as far as the text goes, and where the block ends (just
     after its `</tool_call>`; None while open); None when it is no call."""
     call = CallRead()
     after: int | None = None
     try:
-        after = read_call(text, skip(text, at), call, "arguments")
+        after = read_call(text, skip(text, at), call, ("arguments",))
         if call.args is None:
             call.args = "{}"
     except Incomplete:

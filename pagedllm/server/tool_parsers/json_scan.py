@@ -1,7 +1,8 @@
 """The one JSON scanner every tool-call format reads its calls with: a call is a JSON object with a string "name"
-and an arguments member (`"arguments"` in the Hermes format, `"parameters"` in the array constrained decoding
-writes), read as far as a growing text goes. The arguments are kept as the raw text written (`{}` when the
-object has none), so a stream sends them as they grow and never takes back what it sent."""
+and an arguments member (`"arguments"` in the Hermes and Mistral formats, `"parameters"` in the array constrained
+decoding writes, either in Llama 3's), read as far as a growing text goes; `read_calls` reads a run of them. The
+arguments are kept as the raw text written (`{}` when the object has none), so a stream sends them as they grow
+and never takes back what it sent."""
 
 from __future__ import annotations
 
@@ -31,9 +32,10 @@ class NotJSON(Exception):
         self.at = at
 
 
-def read_call(text: str, p: int, call: CallRead, args_key: str) -> int:
-    """Reads the object at p into `call`; the position after it. The first "name" and `args_key` count; a name
-    that is not a string breaks the JSON there. Raises Incomplete or NotJSON with what was read in `call`."""
+def read_call(text: str, p: int, call: CallRead, args_keys: tuple[str, ...]) -> int:
+    """Reads the object at p into `call`; the position after it. The first "name" and the first of `args_keys`
+    count; a name that is not a string breaks the JSON there. Raises Incomplete or NotJSON with what was read in
+    `call`."""
     expect(text, p, "{")
     p = skip(text, p + 1)
     if expect(text, p, '"}') == "}":
@@ -45,8 +47,8 @@ def read_call(text: str, p: int, call: CallRead, args_key: str) -> int:
         p = skip(text, key_end)
         expect(text, p, ":")
         v = skip(text, p + 1)
-        if key == args_key and call.args is None:
-            end = _read_arguments(text, v, call)
+        if key in args_keys and call.args is None:
+            end = read_arguments(text, v, call)
         else:
             end = value_end(text, v)
             value = json.loads(text[v:end])
@@ -60,7 +62,7 @@ def read_call(text: str, p: int, call: CallRead, args_key: str) -> int:
         p = skip(text, p + 1)
 
 
-def _read_arguments(text: str, v: int, call: CallRead) -> int:
+def read_arguments(text: str, v: int, call: CallRead) -> int:
     """The arguments value at v: its raw text so far (a string value, decoded, once whole); where it ends."""
     if v >= len(text):
         raise Incomplete
@@ -131,3 +133,27 @@ def skip(text: str, p: int) -> int:
     while p < len(text) and text[p] in " \t\n\r":
         p += 1
     return p
+
+
+def read_calls(text: str, p: int, args_keys: tuple[str, ...], sep: str, done: bool) -> tuple[list[CallRead], bool]:
+    """The call objects from p on, `sep` between two (Llama 3's `;`, an array's `,`), each as far as the text
+    goes (a whole one without arguments has `{}`), and whether the first is no call: it broke, or ended (`done`),
+    before a string name. Reading stops after a call that broke, and at anything but `sep` after a whole one:
+    the last call read has no name while the text may still give it one."""
+    calls: list[CallRead] = []
+    while True:
+        call = CallRead()
+        calls.append(call)
+        try:
+            p = skip(text, read_call(text, skip(text, p), call, args_keys))
+        except Incomplete:
+            return calls, call.name is None and done and len(calls) == 1
+        except NotJSON:
+            return calls, call.name is None and len(calls) == 1
+        if call.name is None:
+            return calls, len(calls) == 1
+        if call.args is None:
+            call.args = "{}"
+        if p >= len(text) or text[p] != sep:
+            return calls, False
+        p += 1

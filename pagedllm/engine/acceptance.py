@@ -41,8 +41,12 @@ def accept(
         spec_stats.record(len(drafts), accepted)
     for res in results[: accepted + 1]:
         append(req, res.token_id, res.logprobs)
-        if req.grammar is not None and not req.finished and req.grammar.accept(res.token_id):
-            req.finish("stop")  # structured outputs: the grammar is complete, only EOS could follow
+        grammar = req.grammar
+        if grammar is not None and not req.finished:
+            if not grammar.active:  # the reasoning before the constraint: free, until its end is written
+                grammar.watch(req.text)
+            elif grammar.accept(res.token_id):
+                req.finish("stop")  # structured outputs: the grammar is complete, only EOS could follow
         if req.finished:
             return
     if drafts:
@@ -59,7 +63,7 @@ def constrain(
     Per request, the error of a grammar that failed (its request fails; the others sample)."""
     spans, start = [], 0
     for req, lg in to_sample:
-        if req.grammar is not None:
+        if req.grammar is not None and req.grammar.active:
             spans.append((req, start, len(lg), req.grammar))
         start += len(lg)
     if not spans:

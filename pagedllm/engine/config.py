@@ -71,6 +71,9 @@ class EngineConfig:
     "prompt_lookup_max": 4, "prompt_lookup_min": 2}'; "disable_by_batch_size": N turns it off while N or more
     requests run or wait; none: off; auto (default): that example on a CPU, where it was measured to pay, off
     elsewhere"""
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    """fcfs: requests are admitted in arrival order; priority: by each request's `priority` (lower first, then
+    arrival), and when the cache is short the lowest priority running request is preempted first (vLLM's)"""
     enable_kv_cache_events: bool = False
     """record blocks entering / leaving the prefix cache (kv/events.py)"""
 

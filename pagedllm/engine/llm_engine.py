@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -17,7 +17,7 @@ from pagedllm.engine.acceptance import accept, constrain, sampling_rows
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.disk_tier import open_disk_tier
 from pagedllm.engine.fault_isolation import Computed, Scheduled, forward_guarded, sample_guarded
-from pagedllm.engine.input_checks import check_params, encode_prompt
+from pagedllm.engine.input_checks import bad_words_token_ids, check_params, encode_prompt
 from pagedllm.engine.memory import log_kv_cache, num_kv_blocks, resolve_device
 from pagedllm.engine.outputs import RequestMetrics, RequestOutput
 from pagedllm.engine.request import Request
@@ -34,7 +34,7 @@ from pagedllm.model.kv_quant import QUANT_KV_DTYPES
 from pagedllm.model.loader import DTYPES, LoadedModel, load_model
 from pagedllm.model.runner import ModelRunner, SeqChunk
 from pagedllm.model.sampler import token_logprobs
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, SamplingParamsError
 
 logger = logging.getLogger("pagedllm")
 
@@ -89,6 +89,7 @@ class LLMEngine:
             config.max_num_seqs,
             config.max_num_batched_tokens,
             NgramDrafter(spec, self.max_model_len) if isinstance(spec, SpeculativeConfig) else None,
+            config.scheduling_policy,
         )
         self.spec_stats = SpecDecodeStats()
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size)
@@ -115,16 +116,23 @@ class LLMEngine:
         cache_salt: str | None = None,
         *,
         prompt_token_ids: list[int] | None = None,
+        priority: int = 0,
     ) -> None:
         """Queue a request (its n samples); `prompt_token_ids` gives the ids of a text prompt already encoded.
+        `cache_salt`: its blocks are shared only with requests of the same salt (a tenant's); `priority`: with
+        --scheduling-policy priority, lower values are admitted first (vLLM's).
 
         Everything is checked and every sample built before anything is queued: a bad request leaves nothing.
         """
         params = params or SamplingParams()
         if request_id in self.parents:
             raise UserError(f"request id {request_id!r} is already in use")
+        if priority != 0 and self.scheduler.policy != "priority":
+            raise SamplingParamsError("priority", "needs a server started with --scheduling-policy priority")
         prompt_ids = self.encode_prompt(prompt if prompt_token_ids is None else prompt_token_ids)
         check_params(params, len(prompt_ids), self.model_config.vocab_size, self.max_model_len)
+        if params.bad_words:
+            params = replace(params, bad_words_token_ids=bad_words_token_ids(params.bad_words, self.tokenizer))
         metrics = RequestMetrics(arrival_time=time.monotonic())
         children = [
             Request(
@@ -136,13 +144,14 @@ class LLMEngine:
                 self.tokenizer,
                 metrics,
                 cache_salt,
+                priority,
             )
             for i in range(params.n)
         ]
         so = params.structured_outputs
         compiled = self.grammars.compile(so.grammar_text) if so is not None else None
         for child in children:
-            child.grammar = RequestGrammar(compiled) if compiled is not None else None
+            child.grammar = RequestGrammar(compiled, so.reasoning_end) if compiled and so else None
             self.requests[child.request_id] = child
             self.scheduler.add(child)
         holdback = max((len(s) for s in params.stop), default=1) - 1

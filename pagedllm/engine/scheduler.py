@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Literal
 
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.spec_decode import NgramDrafter
@@ -33,9 +34,15 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(
-        self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, drafter: NgramDrafter | None = None
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        drafter: NgramDrafter | None = None,
+        policy: Literal["fcfs", "priority"] = "fcfs",
     ) -> None:
         self.kv = kv
+        self.policy = policy
         self.drafter = drafter
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -43,9 +50,29 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order: the tail is preempted first
         self.num_preemptions = 0
         self.peak_running = 0
+        self._arrivals = 0
 
     def add(self, request: Request) -> None:
+        self._arrivals += 1
+        request.arrival = self._arrivals
         self.waiting.append(request)
+
+    def _next_ready(self) -> Request | None:
+        """The waiting request to admit next, skipping those whose grammar still compiles: the first in the queue
+        (fcfs: arrival order, preempted ones in front), or the lowest (priority, arrival) under priority."""
+        ready = (r for r in self.waiting if r.grammar_ready)
+        if self.policy == "priority":
+            return min(ready, key=lambda r: (r.priority, r.arrival), default=None)
+        return next(ready, None)
+
+    def _victim(self, first: int) -> Request:
+        """The running request to preempt: the last admitted (fcfs), or the lowest priority, latest arrival of
+        those not scheduled yet this step (running[first:], which holds the one that needs room)."""
+        if self.policy == "priority":
+            victim = max(self.running[first:], key=lambda r: (r.priority, r.arrival))
+            self.running.remove(victim)
+            return victim
+        return self.running.pop()
 
     def remove(self, request: Request) -> None:
         """Take a finished or aborted request out of the queues and give its blocks back."""
@@ -78,7 +105,7 @@ class Scheduler:
                 if req.spec_token_ids:
                     req.spec_token_ids = []
                     continue
-                victim = self.running.pop()
+                victim = self._victim(i)
                 self._preempt(victim)
                 preempted = True
                 if victim is req:
@@ -95,7 +122,7 @@ class Scheduler:
 
         # Admitting new work right after preempting would only thrash the cache.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            ready = next((r for r in self.waiting if r.grammar_ready), None)  # skip those whose grammar compiles
+            ready = self._next_ready()
             if ready is None:
                 break
             req = ready

@@ -63,6 +63,8 @@ def run(args: argparse.Namespace) -> int:
         model_root=args.model or names[0],
         rag=rag,
         max_request_bytes=args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES,
+        reasoning_parser=args.reasoning_parser,
+        trust_request_chat_template=args.trust_request_chat_template,
     )
     server = Server(app, host=args.host, port=args.port, log_level=args.log_level)
     print(

@@ -45,6 +45,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="answer 413 to a request body larger than this, before reading it "
         "(default: 4 MiB, ~100x the longest prompt of a 32k-token context)",
     )
+    add_chat_args(s)
     s.add_argument(
         "--rag-index", default=None, help="an index from `pagedllm rag ingest`: adds POST /v1/rag/chat/completions"
     )
@@ -62,6 +63,23 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="server log level (default: info)",
     )
     add_cluster_args(parser)
+
+
+def add_chat_args(s: argparse._ArgumentGroup) -> None:
+    """The flags of how chats are rendered and answered (issue 28: reasoning models, request templates)."""
+    s.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=["qwen3", "deepseek_r1"],
+        help="return a reasoning model's <think> section apart, as reasoning_content; a request's structured "
+        "output or tool choice then holds the answer after it (default: none, the thinking is content)",
+    )
+    s.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let requests send their own chat_template (rendered in Jinja's sandbox; a template can still "
+        "loop for long, so only for trusted clients; default: refused with a 400)",
+    )
 
 
 def add_cluster_args(parser: argparse.ArgumentParser) -> None:

@@ -29,6 +29,7 @@ from pagedllm.server import (
 from pagedllm.server.errors import install_error_handlers
 from pagedllm.server.kv_page import router as kv_page_router
 from pagedllm.server.middleware import AuthMiddleware, InternalErrorMiddleware, RequestBodyMiddleware
+from pagedllm.server.reasoning import REASONING_PARSERS
 from pagedllm.server.serving_engine import ServingContext
 from pagedllm.server.streaming import STREAM_RESPONSES
 
@@ -49,11 +50,14 @@ def build_app(
     rag: RagPipeline | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     state_routers: Sequence[APIRouter] | None = None,
+    reasoning_parser: str | None = None,
+    trust_request_chat_template: bool = False,
 ) -> FastAPI:
     """The FastAPI app over a (not necessarily started) async engine; the app starts and stops the engine.
     `rag` adds POST /v1/rag/chat/completions. `state_routers`: the routes that show the engine's state (default:
     /health, /metrics, /v1/models, /v1/kv and the /kv block map, of one engine); a cluster answers them per
-    replica instead."""
+    replica instead. `reasoning_parser` (qwen3, deepseek_r1: reasoning.py) returns the thinking apart;
+    `trust_request_chat_template` lets requests bring their own chat template."""
     root = model_root or engine.model_config.name or "pagedllm"
     names = list(served_model_names or [root])
 
@@ -67,7 +71,10 @@ def build_app(
 
     app = FastAPI(title="pagedllm OpenAI-compatible server", lifespan=lifespan)
     app.state.engine = engine
-    app.state.serving = ServingContext(engine, names, root)
+    reasoning = REASONING_PARSERS[reasoning_parser] if reasoning_parser is not None else None
+    app.state.serving = ServingContext(
+        engine, names, root, reasoning=reasoning, trust_request_chat_template=trust_request_chat_template
+    )
     app.state.rag = rag
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]  # FastAPI's documented way to extend it
     install_error_handlers(app)

@@ -65,14 +65,23 @@ class Scheduler:
             return min(ready, key=lambda r: (r.priority, r.arrival), default=None)
         return next(ready, None)
 
-    def _victim(self, first: int) -> Request:
-        """The running request to preempt: the last admitted (fcfs), or the lowest priority, latest arrival of
-        those not scheduled yet this step (running[first:], which holds the one that needs room)."""
+    def _preempt_one(self, out: SchedulerOutput, i: int) -> tuple[Request, int, int]:
+        """Preempt a running request for room: the last admitted (fcfs), or the lowest priority, latest arrival
+        one (priority: vLLM's choice), which may be one scheduled earlier this step; that one is taken out of
+        this step again. The victim, the token budget it gives back, and where the loop over running goes on."""
         if self.policy == "priority":
-            victim = max(self.running[first:], key=lambda r: (r.priority, r.arrival))
-            self.running.remove(victim)
-            return victim
-        return self.running.pop()
+            victim = max(self.running, key=lambda r: (r.priority, r.arrival))
+        else:
+            victim = self.running[-1]
+        at = self.running.index(victim)
+        self.running.pop(at)
+        freed = 0
+        if at < i:  # scheduled already this step
+            freed = sum(n + len(r.spec_token_ids) for r, n in out.scheduled if r is victim)
+            out.scheduled = [(r, n) for r, n in out.scheduled if r is not victim]
+            i -= 1
+        self._preempt(victim)
+        return victim, freed, i
 
     def remove(self, request: Request) -> None:
         """Take a finished or aborted request out of the queues and give its blocks back."""
@@ -105,8 +114,8 @@ class Scheduler:
                 if req.spec_token_ids:
                     req.spec_token_ids = []
                     continue
-                victim = self._victim(i)
-                self._preempt(victim)
+                victim, freed, i = self._preempt_one(out, i)
+                budget += freed
                 preempted = True
                 if victim is req:
                     break

@@ -17,7 +17,7 @@ import json
 import jsonschema
 import pytest
 from engine_helpers import kv_budget
-from server_helpers import assert_error, assert_pool_whole, running_server, sse_events
+from server_helpers import assert_as_declared, assert_error, assert_pool_whole, running_server, sse_events
 
 from pagedllm.server.reasoning import REASONING_PARSERS, ReasoningParser
 
@@ -221,3 +221,18 @@ def test_reasoning_parsers_split_an_answer_and_its_stream_adds_up_to_it(name, st
 def test_where_an_answer_starts_is_read_from_the_prompt(prompt, state):
     assert REASONING_PARSERS["qwen3"].initial_state(prompt) == state
     assert REASONING_PARSERS["deepseek_r1"].initial_state(prompt) == ("inside" if state == "before" else state)
+
+
+def test_reasoning_answers_are_what_openapi_declares(server, template):
+    """reasoning_content and completion_tokens_details are declared fields, whole and in every stream chunk."""
+    spec = server.http.get("/openapi.json").json()
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 16, "temperature": 0}
+    with forced(server):
+        r = server.http.post("/v1/chat/completions", json=body)
+        assert "reasoning_tokens" in r.text
+        assert_as_declared(spec, "/v1/chat/completions", "post", r)
+        stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        with server.http.stream("POST", "/v1/chat/completions", json=stream) as sr:
+            events = sse_events(sr.iter_lines())
+        assert any("reasoning_content" in c["delta"] for e in events[:-1] for c in e["choices"])
+        assert_as_declared(spec, "/v1/chat/completions", "post", sr, events)

@@ -38,6 +38,7 @@ PERSON = {
     "required": ["name", "age"],
     "additionalProperties": False,
 }
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
 SCHEMA = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
 
 
@@ -46,8 +47,13 @@ def server(model_fp32):
     from pagedllm.engine import EngineConfig, LLMEngine
     from pagedllm.engine.async_engine import AsyncLLMEngine
 
-    config = EngineConfig(
-        dtype="float32", max_model_len=512, kv_cache_memory=kv_budget(64), max_num_seqs=8, log_stats_interval=0
+    config = EngineConfig(  # prompt-lookup drafts on: none while the grammar waits, checked by it after
+        dtype="float32",
+        max_model_len=512,
+        kv_cache_memory=kv_budget(64),
+        max_num_seqs=8,
+        log_stats_interval=0,
+        speculative_config=SPEC,
     )
     engine = AsyncLLMEngine(LLMEngine(config, loaded=model_fp32))
     with running_server(engine, served_model_names=["m"], reasoning_parser="qwen3") as s:

@@ -242,3 +242,32 @@ def test_reasoning_answers_are_what_openapi_declares(server, template):
             events = sse_events(sr.iter_lines())
         assert any("reasoning_content" in c["delta"] for e in events[:-1] for c in e["choices"])
         assert_as_declared(spec, "/v1/chat/completions", "post", sr, events)
+
+
+@pytest.mark.parametrize("parser,state", [("qwen3", "before"), ("deepseek_r1", "inside")])
+def test_auto_tool_calls_are_parsed_from_the_content_after_the_thinking(parser, state):
+    """With a reasoning parser and tool_choice "auto", the tool parser reads only the content: a <tool_call> in
+    the thinking is thinking, the one after it a call; streamed a character at a time, the deltas add up to the
+    whole message."""
+    from types import SimpleNamespace
+
+    from pagedllm.engine.outputs import CompletionOutput
+    from pagedllm.server.protocol import ToolMode
+    from pagedllm.server.serving_chat import _message, _StreamedChoice
+
+    ctx = SimpleNamespace(engine=SimpleNamespace(tokenizer=SimpleNamespace(chat_template=None)))
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
+    text = ("<think>" if state == "before" else "") + f"maybe {call}?</think>Adding.{call}"
+    fmt, mode = REASONING_PARSERS[parser], ToolMode("auto")
+    message, finish = _message(ctx, mode, CompletionOutput(0, text, [1], "stop"), ReasoningParser(fmt, state))
+    assert message.reasoning_content == f"maybe {call}?" and message.content == "Adding.", message
+    ((got),) = message.tool_calls
+    assert (got.function.name, got.function.arguments, finish) == ("add", '{"a": 1}', "tool_calls")
+    streamed = _StreamedChoice(ctx, mode, ReasoningParser(fmt, state))
+    reasoning, content, args = "", "", ""
+    for end in range(1, len(text) + 1):
+        delta = streamed.delta(text[:end], end == len(text))
+        reasoning += delta.reasoning_content or ""
+        content += delta.content or ""
+        args += "".join(t.function.arguments for t in delta.tool_calls or [])
+    assert (reasoning, content, args) == (message.reasoning_content, message.content, got.function.arguments)

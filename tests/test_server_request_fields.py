@@ -224,3 +224,15 @@ def test_a_field_nobody_defines_is_ignored_with_one_log_line(server, caplog):
     assert body["choices"][0]["finish_reason"] in ("length", "stop")
     lines = [r.getMessage() for r in caplog.records if "nobody defines" in r.getMessage()]
     assert len(lines) == 1 and "frobnicate, zz_top" in lines[0], lines
+
+
+def test_tokenize_renders_chats_with_the_same_template_arguments(server):
+    """/tokenize's chat form takes continue_final_message and chat_template_kwargs as chat completions do, and
+    counts the same prompt."""
+    messages = [{"role": "user", "content": "Say it."}, {"role": "assistant", "content": "The capital of France"}]
+    args = {"add_generation_prompt": False, "continue_final_message": True, "chat_template_kwargs": {"x": 1}}
+    counted = server.http.post("/tokenize", json={"messages": messages, **args}).json()["count"]
+    assert counted == chat(server, messages, **args)["usage"]["prompt_tokens"]
+    for bad in ({"chat_template_kwargs": {"messages": 1}}, {"chat_template": "{{ 1 }}"}):
+        param = next(iter(bad))
+        assert_error(server.http.post("/tokenize", json={"messages": messages, **bad}), 400, param)

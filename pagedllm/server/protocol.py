@@ -484,9 +484,7 @@ class ChatCompletionRequest(SamplingRequest):
             )
         if self.continue_final_message and self.messages[-1].role != "assistant":
             raise ValueError("continue_final_message: the last message must be the assistant's, to continue")
-        for key in self.chat_template_kwargs or {}:
-            if not key.isidentifier() or key in RESERVED_TEMPLATE_NAMES:
-                raise ValueError(f"chat_template_kwargs: {key!r} cannot be set (not a template variable name)")
+        check_template_kwargs(self.chat_template_kwargs)
         if self.echo:
             raise ValueError("echo: not supported for chat completions")
         return self
@@ -545,6 +543,13 @@ RESERVED_TEMPLATE_NAMES = frozenset(
 )
 
 
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
+    """chat_template_kwargs: template variables, never what the server sets itself (ValueError naming it)."""
+    for key in kwargs or {}:
+        if not key.isidentifier() or key in RESERVED_TEMPLATE_NAMES:
+            raise ValueError(f"chat_template_kwargs: {key!r} cannot be set (not a template variable name)")
+
+
 class TokenizeRequest(RequestModel):
     """vLLM's two forms in one body: a `prompt`, or chat `messages` rendered with the chat template."""
 
@@ -554,11 +559,15 @@ class TokenizeRequest(RequestModel):
     add_generation_prompt: StrictBool = True
     add_special_tokens: StrictBool | None = Field(None, description="default: true for a prompt, false for chat")
     return_token_strs: StrictBool = False
+    continue_final_message: StrictBool = False
+    chat_template: str | None = Field(None, description="as in chat completions (--trust-request-chat-template)")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="as in chat completions")
 
     @model_validator(mode="after")
     def _one_form(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("prompt: send either 'prompt' or 'messages'")
+        check_template_kwargs(self.chat_template_kwargs)
         return self
 
 

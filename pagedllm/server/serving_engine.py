@@ -87,11 +87,6 @@ class ServingContext:
         seconds and the event loop must keep serving every other request meanwhile."""
         return await asyncio.to_thread(self.engine.tokenizer.encode, text, add_special_tokens)
 
-    async def chat_prompt_ids(
-        self, messages: list[ChatMessage], add_generation_prompt: bool, tools: list[dict[str, Any]] | None = None
-    ) -> list[int]:
-        return (await self.chat_prompt(messages, ChatTemplateArgs(add_generation_prompt), tools))[1]
-
     async def chat_prompt(
         self, messages: list[ChatMessage], args: ChatTemplateArgs, tools: list[dict[str, Any]] | None = None
     ) -> tuple[str, list[int]]:

@@ -183,7 +183,7 @@ def _number(p: SamplingParams, name: str, low: float, high: float | None, low_op
         _fail(name, f"must be {bounds}, got {value}")
 
 
-def _integer(p: SamplingParams, name: str, low: int, high: int, what: str = "") -> None:
+def _integer(p: object, name: str, low: int, high: int, what: str = "") -> None:
     value = getattr(p, name)
     if not isinstance(value, int) or isinstance(value, bool):
         _fail(name, f"must be an integer, got {value!r}")
@@ -270,3 +270,30 @@ def _check_structured(so: StructuredOutputsParams) -> None:
     error = grammar_error(so.grammar_text)
     if error:
         _fail(f"structured_outputs.{so.kind()}", error.removeprefix("WARNING: "))
+
+
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
+
+
+@dataclass
+class PoolingParams:
+    """vLLM's `PoolingParams` for an embedding request: the engine computes the prompt only (no sampling) and
+    hands back one vector, the final hidden states pooled by `pooling_type` (LAST token, MEAN of all, or the
+    first: CLS), cut to its first `dimensions` (Matryoshka) and then L2-normalized when `normalize`. Passed to
+    `add_request` where a generation passes SamplingParams; the model's own rule is what the caller fills in
+    (`engine/pooling.py` reads it from the checkpoint)."""
+
+    pooling_type: str = "LAST"
+    normalize: bool = True
+    dimensions: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.pooling_type not in POOLING_TYPES:
+            _fail("pooling_type", f"must be one of {', '.join(POOLING_TYPES)}, got {self.pooling_type!r}")
+        if self.dimensions is not None:
+            _integer(self, "dimensions", 1, INT32_MAX)
+
+    @property
+    def n(self) -> int:
+        """One output per request, as a SamplingParams of n=1 (what the async engine counts)."""
+        return 1

@@ -47,10 +47,12 @@ def server(model_fp32):
     from pagedllm.engine import EngineConfig, LLMEngine
     from pagedllm.engine.async_engine import AsyncLLMEngine
     from pagedllm.entrypoints.serve_args import DEFAULT_SERVED_NAME
+    from pagedllm.server.embedders import SentenceTransformerEmbedder
 
     config = EngineConfig(dtype="float32", max_model_len=2048, kv_cache_memory=kv_budget(256), log_stats_interval=0)
     engine = AsyncLLMEngine(LLMEngine(config, loaded=model_fp32))
-    with running_server(engine, api_key=None, served_model_names=[DEFAULT_SERVED_NAME]) as s:
+    embedders = [SentenceTransformerEmbedder("default")]  # --embedding-model default
+    with running_server(engine, api_key=None, served_model_names=[DEFAULT_SERVED_NAME], embedders=embedders) as s:
         yield s
 
 
@@ -129,6 +131,15 @@ def check_fields_curl(sent: list[tuple[dict, dict]]) -> None:
     assert continued["choices"][0]["message"]["content"], continued
 
 
+def check_embeddings_python(names: dict[str, Any]) -> None:
+    """Two unit vectors of MiniLM's 384 numbers; two sentences about paging a KV cache are close."""
+    res = names["res"]
+    assert res.model == "all-MiniLM-L6-v2" and [d.index for d in res.data] == [0, 1]
+    for d in res.data:
+        assert len(d.embedding) == 384 and abs(sum(x * x for x in d.embedding) - 1) < 1e-4
+    assert sum(x * y for x, y in zip(names["a"], names["b"])) > 0.5
+
+
 def check_offline_python(names: dict[str, Any]) -> None:
     (out,) = names["outs"]
     assert out.outputs[0].text and len(out.outputs[0].token_ids) <= 16, out
@@ -142,6 +153,7 @@ CHECKS: dict[str, Callable[[Any], None]] = {
     "structured-python": check_structured_python,
     "tools-python": check_tools_python,
     "fields-curl": check_fields_curl,
+    "embeddings-python": check_embeddings_python,
     "offline-python": check_offline_python,
 }
 
@@ -170,7 +182,8 @@ def test_examples_not_run_say_why_and_compile():
 def test_every_readme_example_is_greedy():
     """The README says so: each answer is the same every time, so one run checks it."""
     for name, (_, code) in readme_examples().items():
-        calls = len(re.findall(r"\.(?:create|parse)\(|SamplingParams\(", code)) or code.count("curl ")
+        # an embedding samples nothing: only generations need temperature 0
+        calls = len(re.findall(r"(?<!embeddings)\.(?:create|parse)\(|SamplingParams\(", code)) or code.count("curl ")
         assert code.count("temperature=0") + code.count('"temperature": 0') == calls, name
 
 

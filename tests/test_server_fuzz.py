@@ -28,12 +28,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 def fuzz_server(model_fp32):
     from pagedllm.engine import EngineConfig, LLMEngine
     from pagedllm.engine.async_engine import AsyncLLMEngine
+    from pagedllm.engine.pooling import PoolerConfig
 
     engine = AsyncLLMEngine(
         LLMEngine(EngineConfig(kv_cache_memory=tiny_kv_budget(), **FAULT_ENGINE_ARGS), loaded=model_fp32),
         max_waiting_requests=16,
     )
-    with running_server(engine, served_model_names=["m"], max_request_bytes=256 * 1024) as s:
+    # the model also pools (POST /v1/embeddings), its requests batched with the generations
+    app_args = dict(served_model_names=["m"], max_request_bytes=256 * 1024, pooler=PoolerConfig())
+    with running_server(engine, **app_args) as s:
         yield s
 
 
@@ -110,7 +113,9 @@ body_field = st.fixed_dictionaries(
     },
 )
 request_spec = st.tuples(
-    st.sampled_from(["/v1/completions", "/v1/chat/completions"]), body_field, st.one_of(st.none(), st.integers(0, 4))
+    st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/embeddings"]),
+    body_field,
+    st.one_of(st.none(), st.integers(0, 4)),
 )  # cut a stream after this many events
 
 
@@ -126,9 +131,15 @@ def _as_chat(body: dict) -> dict:
     return body
 
 
+def _as_embedding(body: dict) -> dict:
+    """The prompt as the input of a pooling request (scheduled with the generations, preempted as they are)."""
+    return {"input": body["prompt"], "encoding_format": "base64" if body.get("echo") else "float"}
+
+
 async def _send(client: httpx.AsyncClient, path: str, body: dict, cut: int | None) -> list[str]:
     """One request; returns the problems seen (a 5xx, an error event of a 5xx)."""
     body = _as_chat(body) if path.endswith("chat/completions") else body
+    body = _as_embedding(body) if path.endswith("embeddings") else body
     async with client.stream("POST", path, json=body) as r:
         if r.status_code >= 500:
             return [f"{path} {json.dumps(body)[:300]} -> {r.status_code} {(await r.aread())[:300]!r}"]

@@ -63,12 +63,11 @@ def server(model_fp32):
 @contextlib.contextmanager
 def forced(s, script: str = SCRIPT):
     """Every request's first tokens are the script's, unless its constraint's mask forbids them."""
-    import pagedllm.engine.llm_engine as llm_engine
-
     ids = s.engine.tokenizer.encode(script)
-    real = llm_engine.constrain
+    grammars = s.engine.engine.grammars
+    real = grammars.constrain
 
-    def constrain(to_sample, logits, compiler):
+    def constrain(to_sample, logits):
         row = 0
         for req, lg in to_sample:
             for j in range(len(lg)):  # a row per position (the drafts' too)
@@ -76,13 +75,13 @@ def forced(s, script: str = SCRIPT):
                 if pos < len(ids):
                     logits[row + j, ids[pos]] += 1e4
             row += len(lg)
-        return real(to_sample, logits, compiler)
+        return real(to_sample, logits)
 
-    llm_engine.constrain = constrain
+    grammars.constrain = constrain
     try:
         yield len(ids)
     finally:
-        llm_engine.constrain = real
+        del grammars.constrain
 
 
 @pytest.fixture

@@ -27,7 +27,7 @@ from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.stats import AbortLog, EngineStats
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.tokenizer import Tokenizer
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import PoolingParams, SamplingParams
 
 logger = logging.getLogger("pagedllm.cluster")
 
@@ -112,7 +112,7 @@ class ClusterEngine:
         self,
         request_id: str,
         prompt: str | list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         *,
         cache_salt: str | None = None,
         priority: int = 0,

@@ -18,7 +18,7 @@ from pagedllm.cluster.loopback import replica_grpc_on_loopback
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.stats import EngineStats
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import PoolingParams, SamplingParams
 
 logger = logging.getLogger("pagedllm.cluster")
 
@@ -87,7 +87,7 @@ class EngineReplica:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         cache_salt: str | None = None,
         priority: int = 0,
     ) -> AsyncIterator[str | RequestOutput]:

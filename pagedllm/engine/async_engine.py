@@ -37,7 +37,7 @@ from pagedllm.engine.stats import AbortLog, EngineStats
 from pagedllm.errors import UserError
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.tokenizer import Tokenizer
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import PoolingParams, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class RequestStream:
 class _Add:
     request_id: str
     prompt: str | list[int]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     stream: RequestStream
     cache_salt: str | None = None
     priority: int = 0
@@ -274,7 +274,7 @@ class AsyncLLMEngine:
         self,
         request_id: str,
         prompt: str | list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         *,
         cache_salt: str | None = None,
         priority: int = 0,

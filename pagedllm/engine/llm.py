@@ -10,9 +10,10 @@ from tqdm import tqdm
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.outputs import RequestOutput
+from pagedllm.engine.pooling import read_pooler_config
 from pagedllm.model.loader import LoadedModel
 from pagedllm.model.tokenizer import Tokenizer
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import PoolingParams, SamplingParams
 
 Prompt = str | list[int]
 Messages = list[dict[str, str]]
@@ -47,6 +48,24 @@ class LLM:
                 raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         for p in params:
             p.validate()
+        return self._submit(prompts, params, use_tqdm)
+
+    def embed(
+        self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | None = None, use_tqdm: bool = True
+    ) -> list[RequestOutput]:
+        """vLLM's `LLM.embed`: one vector per prompt (`out.embedding`), pooled by the checkpoint's own rule
+        (engine/pooling.py: last token + normalize unless its sentence-transformers files say otherwise)."""
+        single = isinstance(prompts, str) or (
+            isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int)
+        )
+        prompts = cast(list[Prompt], [prompts] if single else list(prompts))
+        params = pooling_params or read_pooler_config(self.engine.loaded.path).params()
+        return self._submit(prompts, [params] * len(prompts), use_tqdm)
+
+    def _submit(
+        self, prompts: list[Prompt], params: Sequence[SamplingParams | PoolingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
+        """Every prompt checked before any is queued; then the batch run to its end."""
         encoded = [self.engine.encode_prompt(p) for p in prompts]
         ids = []
         try:

@@ -53,3 +53,4 @@ class RequestOutput:
     num_cached_tokens: int
     metrics: RequestMetrics
     prompt_logprobs: list[dict[int, float] | None] | None = None  # per prompt token, when asked for (first: None)
+    embedding: list[float] | None = None  # a pooling request's vector, once finished

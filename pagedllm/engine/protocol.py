@@ -12,7 +12,7 @@ from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.stats import AbortLog, EngineStats
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.tokenizer import Tokenizer
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import PoolingParams, SamplingParams
 
 
 class EngineCore(Protocol):
@@ -26,7 +26,7 @@ class EngineCore(Protocol):
         self,
         request_id: str,
         prompt: str | list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         cache_salt: str | None = None,
         *,
         prompt_token_ids: list[int] | None = None,
@@ -82,7 +82,7 @@ class AsyncEngine(Protocol):
         self,
         request_id: str,
         prompt: str | list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         *,
         cache_salt: str | None = None,
         priority: int = 0,

@@ -11,6 +11,7 @@ from pagedllm.model.tokenizer import Tokenizer
 from pagedllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from pagedllm.engine.pooling import PoolingState
     from pagedllm.engine.structured_output import RequestGrammar
 
 
@@ -63,6 +64,7 @@ class Request:
         # Speculative drafts scheduled this step after the last token (set by the scheduler, cleared once verified).
         self.spec_token_ids: list[int] = []
         self.grammar: RequestGrammar | None = None  # structured outputs: its matcher (set by the engine)
+        self.pooling: PoolingState | None = None  # an embedding request: its pool (set by the engine)
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -84,6 +86,12 @@ class Request:
     def wants_prompt_logits(self) -> bool:
         """Whether this step's chunk needs logits for every token: prompt logprobs of a prompt still computing."""
         return self.prompt_logprobs is not None and self.num_computed_tokens < self.num_prompt_tokens
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """Whether admission may skip cached prompt blocks: not when every prompt position must be computed
+        (prompt logprobs, or pooling, which needs the hidden states of the positions it pools)."""
+        return self.prompt_logprobs is None and self.pooling is None
 
     @property
     def grammar_ready(self) -> bool:

@@ -96,9 +96,6 @@ class Scheduler:
         self.running.remove(request)
         self._preempt(request)
 
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
@@ -108,7 +105,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens_to_compute, budget)
-            decoding = drafting and req.num_tokens_to_compute == 1
+            decoding = drafting and req.num_tokens_to_compute == 1 and req.pooling is None
             req.spec_token_ids = self.drafter.propose(req, budget - 1) if decoding and self.drafter else []
             while not self.kv.allocate_slots(req, num_new, num_lookahead_tokens=len(req.spec_token_ids)):
                 if req.spec_token_ids:
@@ -135,8 +132,8 @@ class Scheduler:
             if ready is None:
                 break
             req = ready
-            # Prompt logprobs need every prompt position computed, so such a request reads nothing from the cache.
-            blocks, num_cached = ([], 0) if req.prompt_logprobs is not None else self.kv.get_computed_blocks(req)
+            # Prompt logprobs and pooling need every prompt position computed: such a request reads no cache.
+            blocks, num_cached = self.kv.get_computed_blocks(req) if req.reads_prefix_cache else ([], 0)
             num_new = min(len(req.all_token_ids) - num_cached, budget)
             req.num_computed_tokens = 0
             if not self.kv.allocate_slots(req, num_new, blocks):
@@ -149,7 +146,7 @@ class Scheduler:
             req.num_computed_tokens = num_cached
             if req.num_preemptions == 0:  # a re-admission finding its own blocks is not a cache query (vLLM)
                 req.num_cached_tokens = num_cached
-                if req.prompt_logprobs is None:
+                if req.reads_prefix_cache:
                     self.kv.record_prefix_lookup(len(req.all_token_ids), num_cached)
             req.status = RequestStatus.RUNNING
             self.running.append(req)

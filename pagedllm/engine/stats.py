@@ -58,7 +58,7 @@ class EngineStats:
 
     @property
     def slots_allocated(self) -> int:
-        """Token slots in held blocks: the chapter's 'allocated' (stored / allocated is its 'used share')."""
+        """Token slots in held blocks, used or not (stored / allocated is the share of them in use)."""
         return self.num_used_blocks * self.block_size
 
     @property

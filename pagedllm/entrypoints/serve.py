@@ -7,6 +7,7 @@ import argparse
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from pagedllm.entrypoints.serve_args import (
     DEFAULT_SERVED_NAME,
@@ -18,13 +19,17 @@ from pagedllm.entrypoints.serve_args import (
 )
 from pagedllm.errors import UserError
 
+if TYPE_CHECKING:
+    from pagedllm.server.embedders import Embedder
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "serve",
         help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve MODEL (default: SmolLM2-135M-Instruct) over an OpenAI-compatible HTTP API: "
-        "/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize; "
+        "/v1/completions, /v1/chat/completions, /v1/embeddings, /v1/models, /health, /metrics, /tokenize, "
+        "/detokenize; "
         "and /kv, the KV block pool live in a browser.",
     )
     add_serve_args(p)
@@ -46,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(levelname)s %(name)s: %(message)s")
     from pagedllm.engine.async_engine import AsyncLLMEngine
     from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.engine.pooling import read_pooler_config
     from pagedllm.server.api_server import DEFAULT_MAX_REQUEST_BYTES, Server, build_app
 
     rag = None
@@ -55,7 +61,9 @@ def run(args: argparse.Namespace) -> int:
         rag = RagPipeline(args.rag_index, top_k=args.rag_top_k, layout=args.rag_layout)
     names = served_names(args)
     print(f"pagedllm serve: loading {args.model or DEFAULT_SERVED_NAME} ...", file=sys.stderr, flush=True)
-    engine = AsyncLLMEngine(LLMEngine(config), max_waiting_requests=args.max_waiting_requests)
+    embedders = load_embedders(args)  # before the generator: a bad path fails in seconds, not after its load
+    core = LLMEngine(config)
+    engine = AsyncLLMEngine(core, max_waiting_requests=args.max_waiting_requests)
     app = build_app(
         engine,
         served_model_names=names,
@@ -63,6 +71,9 @@ def run(args: argparse.Namespace) -> int:
         model_root=args.model or names[0],
         rag=rag,
         max_request_bytes=args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES,
+        pooler=read_pooler_config(core.loaded.path) if args.runner == "pooling" else None,
+        embedders=embedders,
+        generate=args.runner != "pooling",
         reasoning_parser=args.reasoning_parser,
         trust_request_chat_template=args.trust_request_chat_template,
     )
@@ -77,3 +88,11 @@ def run(args: argparse.Namespace) -> int:
     if server.uvicorn.started is False and not server.uvicorn.should_exit:
         raise UserError(f"could not start the server on {args.host}:{args.port}")
     return status
+
+
+def load_embedders(args: argparse.Namespace) -> list[Embedder]:
+    """--embedding-model: a sentence-transformers model served next to the generator (`--runner pooling` makes
+    the generator's own model the embedder instead: build_app's `pooler`)."""
+    from pagedllm.server.embedders import SentenceTransformerEmbedder
+
+    return [SentenceTransformerEmbedder(args.embedding_model)] if args.embedding_model else []

@@ -237,7 +237,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     """Argument types of every entry point, so that ctypes converts Python ints the way C expects."""
     p, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     signatures = {
-        "paged_decode_attention": [p] * 6 + [i] * 6 + [i64, f, i, i],
+        "paged_decode_attention": [p] * 6 + [i] * 6 + [i64, f, i, i64, f, i],
         "qmm_f32": [p] * 4 + [i] * 8,
         "qrows_f32": [p, p, i, p, i, i, i],
         "qmm_amx": [p] * 4 + [i] * 8,
@@ -283,9 +283,12 @@ def decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One query per sequence. q: [S, H, D]; caches [blocks, block_size, KVH, D] (D + 2 bytes quantized); returns
-    [S, H, D] in q's dtype."""
+    [S, H, D] in q's dtype. `window`: each query sees only its last `window` positions (itself included);
+    `softcap`: scores become softcap * tanh(score / softcap) before the softmax."""
     S, H, D = q.shape
     num_blocks, bs, kvh, _ = k_cache.shape
     if not (
@@ -317,6 +320,8 @@ def decode_attention(
         num_blocks,
         scale,
         kv_quant.KINDS[k_cache.dtype],
+        window or 0,
+        softcap or 0.0,
         torch.get_num_threads(),
     )
     if rc != 0:

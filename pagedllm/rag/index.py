@@ -104,10 +104,11 @@ def ingest(
     chunk_overlap: int = 32,
     model: str | None = None,
     progress: bool = True,
+    embedding_url: str | None = None,
 ) -> IngestReport:
     """Add or update documents in the index at `index_dir` (created if missing). Sources already in the index with
     the same content and settings are skipped; changed sources are re-chunked and re-embedded; other sources in the
-    index are kept."""
+    index are kept. `embedding_url`: embed with that server's /v1/embeddings (rag/embed.py)."""
     t0 = time.perf_counter()
     d = Path(index_dir)
     d.mkdir(parents=True, exist_ok=True)
@@ -121,6 +122,7 @@ def ingest(
     manifest = _read_manifest(d)
     if manifest["sources"] and not _consistent(d, manifest):
         manifest = {"format": FORMAT_VERSION, "sources": {}}  # a damaged index: rebuild it from the documents
+    check_embedder(manifest, EMBED_MODEL_NAME, str(d))
     sources = manifest["sources"]
     rep = IngestReport(documents=len(docs))
     hashed = [(doc, content_hash(doc, settings)) for doc in docs]
@@ -135,8 +137,9 @@ def ingest(
     replaced = {doc.source for doc, _ in todo}
     keep = [i for i, c in enumerate(old_chunks) if c["source"] not in replaced]
     new_chunks = _chunk_all(todo, sources, model, chunk_size, chunk_overlap, progress)
-    emb = get_embedder()
+    emb = get_embedder(embedding_url)
     vecs = _embed(emb, new_chunks, progress)
+    manifest["embed_model"] = emb.name
     all_chunks = [old_chunks[i] for i in keep] + [c.to_dict() for c in new_chunks]
     kept_vecs = old_vecs[keep] if old_vecs is not None and len(keep) else np.zeros((0, emb.dim), np.float32)
     all_vecs = np.ascontiguousarray(np.concatenate([kept_vecs, vecs]), dtype=np.float32)
@@ -175,6 +178,13 @@ def _chunk_all(
         new_chunks.extend(cs)
         sources[doc.source] = {"hash": h, "title": doc.title, "chunk_ids": [c.chunk_id for c in cs]}
     return new_chunks
+
+
+def check_embedder(manifest: dict, name: str, where: str) -> None:
+    """An index is searched only with the embedder that made it (an index from before the field: MiniLM's)."""
+    made_by = manifest.get("embed_model", EMBED_MODEL_NAME)
+    if made_by != name:
+        raise UserError(f"--index {where}: embedded by {made_by!r}, not {name!r}; re-ingest it into a new --index")
 
 
 def _read_manifest(d: Path) -> dict:
@@ -238,7 +248,8 @@ def _write_all(d: Path, manifest: dict, chunks: list[dict], vecs: np.ndarray) ->
 class RagIndex:
     """A loaded index: `search(question, top_k) -> list[Hit]`."""
 
-    def __init__(self, index_dir: str | os.PathLike):
+    def __init__(self, index_dir: str | os.PathLike, embedding_url: str | None = None):
+        """`embedding_url`: questions are embedded by that server's /v1/embeddings (rag/embed.py)."""
         import faiss
 
         d = Path(index_dir)
@@ -250,6 +261,8 @@ class RagIndex:
         if self.index.ntotal != len(self.chunks):
             raise UserError(f"--index {index_dir}: index and chunks.jsonl disagree; re-run ingest")
         self.by_id = {c["chunk_id"]: c for c in self.chunks}
+        self.embedding_url = embedding_url
+        self.embed_model = _read_manifest(d).get("embed_model", EMBED_MODEL_NAME)
         self._embedder = None
 
     def __len__(self) -> int:
@@ -258,7 +271,11 @@ class RagIndex:
     @property
     def embedder(self):
         if self._embedder is None:
-            self._embedder = get_embedder()
+            emb = get_embedder(self.embedding_url)
+            check_embedder({"embed_model": self.embed_model}, emb.name, str(self.dir))
+            if emb.dim != self.index.d:
+                raise UserError(f"--index {self.dir}: its vectors have {self.index.d} numbers, the embedder {emb.dim}")
+            self._embedder = emb
         return self._embedder
 
     def search(self, question: str, top_k: int = 4) -> list[Hit]:

@@ -29,12 +29,13 @@ class RagPipeline:
         top_k: int = 4,
         layout: str = "canonical",
         popularity: str | Popularity = "memory",
+        embedding_url: str | None = None,
     ):
         if layout not in LAYOUTS:
             from pagedllm.errors import UserError
 
             raise UserError(f"--layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
-        self.index = RagIndex(index_dir)
+        self.index = RagIndex(index_dir, embedding_url)
         self.top_k = top_k
         self.layout = layout
         if isinstance(popularity, Popularity):

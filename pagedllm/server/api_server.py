@@ -18,14 +18,17 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from pagedllm.engine.pooling import PoolerConfig
 from pagedllm.engine.protocol import AsyncEngine
 from pagedllm.server import (
     serving_chat,
     serving_completion,
+    serving_embedding,
     serving_info,
     serving_rag,
     serving_tokenization,
 )
+from pagedllm.server.embedders import Embedder, EngineEmbedder
 from pagedllm.server.errors import install_error_handlers
 from pagedllm.server.kv_page import router as kv_page_router
 from pagedllm.server.middleware import AuthMiddleware, InternalErrorMiddleware, RequestBodyMiddleware
@@ -50,13 +53,18 @@ def build_app(
     rag: RagPipeline | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     state_routers: Sequence[APIRouter] | None = None,
+    pooler: PoolerConfig | None = None,
+    embedders: Sequence[Embedder] = (),
+    generate: bool = True,
     reasoning_parser: str | None = None,
     trust_request_chat_template: bool = False,
 ) -> FastAPI:
     """The FastAPI app over a (not necessarily started) async engine; the app starts and stops the engine.
     `rag` adds POST /v1/rag/chat/completions. `state_routers`: the routes that show the engine's state (default:
     /health, /metrics, /v1/models, /v1/kv and the /kv block map, of one engine); a cluster answers them per
-    replica instead. `reasoning_parser` (qwen3, deepseek_r1: reasoning.py) returns the thinking apart;
+    replica instead. `pooler`: the engine's model also serves /v1/embeddings under its names, pooled that way
+    (`--runner pooling`, where `generate` is False: no completion routes); `embedders`: other embedding models
+    (`--embedding-model`). `reasoning_parser` (qwen3, deepseek_r1: reasoning.py) returns the thinking apart;
     `trust_request_chat_template` lets requests bring their own chat template."""
     root = model_root or engine.model_config.name or "pagedllm"
     names = list(served_model_names or [root])
@@ -76,11 +84,15 @@ def build_app(
         engine, names, root, reasoning=reasoning, trust_request_chat_template=trust_request_chat_template
     )
     app.state.rag = rag
+    own = [EngineEmbedder(app.state.serving, pooler)] if pooler is not None else []
+    app.state.embedders = [*own, *embedders]
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]  # FastAPI's documented way to extend it
     install_error_handlers(app)
     for router in state_routers if state_routers is not None else (serving_info.router, kv_page_router):
         app.include_router(router)  # kv_page_router: GET /kv (the live block map), GET /v1/kv/blocks (its data)
-    for module in (serving_completion, serving_chat, serving_tokenization):
+    for module in (serving_completion, serving_chat) if generate else ():
+        app.include_router(module.router)
+    for module in (serving_tokenization, serving_embedding):
         app.include_router(module.router)
     if rag is not None:
         app.include_router(serving_rag.router)

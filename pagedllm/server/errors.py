@@ -104,9 +104,13 @@ def from_errors(errors: list[dict[str, Any]]) -> APIError:
     field = loc[0]
     if first.get("type") == "missing":
         return APIError(f"'{'.'.join(loc)}' is a required field", 400, param=field)
-    if len(errors) > 1 and field == "prompt" and all(str(e["loc"][1:2]) == str(first["loc"][1:2]) for e in errors):
+    if (
+        len(errors) > 1
+        and field in ("prompt", "input")
+        and all(str(e["loc"][1:2]) == str(first["loc"][1:2]) for e in errors)
+    ):
         msg = "must be a string, a list of strings, a list of token ids or a list of lists of token ids"
-        return APIError(f"Invalid value for 'prompt': {msg}", 400, param=field)
+        return APIError(f"Invalid value for '{field}': {msg}", 400, param=field)
     return APIError(f"Invalid value for '{'.'.join(loc)}': {msg} (got {_shown(first.get('input'))})", 400, param=field)
 
 

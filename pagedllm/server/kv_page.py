@@ -81,12 +81,21 @@ class KVRequestInfo(BaseModel):
     )
     kv_tokens: int = Field(description="tokens it has KV slots for")
     num_preemptions: int
-    block_ids: list[int] = Field(description="its block table")
+    block_ids: list[int] = Field(description="its block table, without the skipped entries")
+    skipped_blocks: int = Field(
+        description="leading table entries given back to the pool: out of every layer's sliding window"
+    )
     row: list[tuple[BlockState, int, int]] = Field(
         description="the table as runs of equal (state, ref count): [state, ref_cnt, blocks], in table order"
     )
     slots: int
     empty_slots: int = Field(description="its slots without a token: the tail's, or a contiguous reservation's")
+
+
+class KVGroupInfo(BaseModel):
+    window: int | None = Field(description="tokens a query of these layers sees, itself included; null: all")
+    layers: list[int]
+    frees_blocks: bool = Field(description="whether the pool gives back blocks out of the window before the end")
 
 
 class KVBlocksResponse(BaseModel):
@@ -101,6 +110,7 @@ class KVBlocksResponse(BaseModel):
         description="what the cache stores a value as: float32, bfloat16, int8, "
         "float8_e4m3fn or float8_e5m2 (--kv-cache-dtype)"
     )
+    kv_groups: list[KVGroupInfo] = Field(description="the KV-cache groups: layers that attend alike")
     counters: KVCounters
     map: KVMap
     blocks: list[KVBlockInfo] | None = Field(

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse
 from pagedllm.engine.async_engine import RequestAbortedError
 from pagedllm.engine.outputs import CompletionOutput, RequestOutput
 from pagedllm.engine.protocol import AsyncEngine
-from pagedllm.sampling_params import MAX_N, SamplingParams
+from pagedllm.sampling_params import MAX_N, PoolingParams, SamplingParams
 from pagedllm.server.errors import APIError
 from pagedllm.server.protocol import (
     ChatChoiceLogprobs,
@@ -206,7 +206,7 @@ class ServingContext:
     async def submit(
         self,
         prompts: list[list[int]],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         request_id: str,
         *,
         cache_salt: str | None = None,

@@ -30,7 +30,11 @@ def metrics(request: Request, ctx: ServingContext = Depends(serving)) -> Respons
 
 
 @router.get("/v1/models", response_model=ModelList, responses={401: ERROR_RESPONSES[401]})
-def models(ctx: ServingContext = Depends(serving)) -> ModelList:
+def models(request: Request, ctx: ServingContext = Depends(serving)) -> ModelList:
+    """The served names, then those of the embedding models served beside them (--embedding-model)."""
+    embedders = getattr(request.app.state, "embedders", [])
+    extra = [(n, e.max_len) for e in embedders for n in e.names if n not in ctx.model_names]
+    cards = [(n, ctx.model_root, ctx.engine.max_model_len) for n in ctx.model_names] + [(n, n, m) for n, m in extra]
     return ModelList(
         object="list",
         data=[
@@ -39,11 +43,11 @@ def models(ctx: ServingContext = Depends(serving)) -> ModelList:
                 object="model",
                 created=ctx.created,
                 owned_by="pagedllm",
-                root=ctx.model_root,
+                root=root,
                 parent=None,
-                max_model_len=ctx.engine.max_model_len,
+                max_model_len=max_len,
             )
-            for n in ctx.model_names
+            for n, root, max_len in cards
         ],
     )
 

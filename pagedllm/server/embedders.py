@@ -1,0 +1,157 @@
+"""What serves /v1/embeddings: the engine itself pooling a decoder's hidden states (`EngineEmbedder`, through
+the engine's own batching, next to generation requests), or an encoder model such as all-MiniLM-L6-v2 run by
+sentence-transformers (`SentenceTransformerEmbedder`), so its vectors are exactly the library's. Both check
+every input before any work starts: a bad request is a 400 naming the field, and leaves nothing queued."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from typing import Any, Protocol
+
+from pagedllm.engine.pooling import PoolerConfig, read_pooler_config
+from pagedllm.errors import UserError
+from pagedllm.server.errors import APIError
+from pagedllm.server.serving_engine import ServingContext
+
+Inputs = list[str] | list[list[int]]
+
+
+class Embedder(Protocol):
+    """One embedding model: the names requests pick it by, and its vectors (with the tokens they took)."""
+
+    names: list[str]
+    max_len: int  # tokens an input may have
+
+    async def embed(
+        self, inputs: Inputs, dimensions: int | None, request_id: str, truncate: int | None = None
+    ) -> tuple[list[list[float]], int]:
+        """The vectors of `inputs`, in order, and the tokens counted; APIError for a bad input or dimensions.
+        `truncate`: keep each input's last that many tokens (-1: as many as the model takes), vLLM's
+        truncate_prompt_tokens; without it an input over the model's limit is a 400."""
+
+
+def check_dimensions(pooler: PoolerConfig, dimensions: int | None, size: int) -> None:
+    try:
+        pooler.check_dimensions(dimensions, size)
+    except UserError as e:
+        raise APIError(str(e), 400, param="dimensions") from None
+
+
+def check_lengths(lengths: list[int], limit: int, what: str) -> None:
+    """Every input fits the model (`limit` tokens at most), or a 400 naming `input`."""
+    for i, n in enumerate(lengths):
+        if n == 0:
+            raise APIError(f"input[{i}] has no tokens", 400, param="input")
+        if n > limit:
+            raise APIError(
+                f"input[{i}] has {n} tokens, more than the {limit} tokens {what} takes; shorten it", 400, param="input"
+            )
+
+
+class EngineEmbedder:
+    """The engine's model as an embedding model (`pagedllm serve --runner pooling`): one pooling request per
+    input, batched by the scheduler with whatever else runs; a request that ends early (client gone, error)
+    aborts its pooling requests, so their blocks come back."""
+
+    def __init__(self, ctx: ServingContext, pooler: PoolerConfig) -> None:
+        self.ctx = ctx
+        self.pooler = pooler
+        self.names = list(ctx.model_names)
+        self.max_len = ctx.engine.max_model_len - 1
+
+    async def embed(
+        self, inputs: Inputs, dimensions: int | None, request_id: str, truncate: int | None = None
+    ) -> tuple[list[list[float]], int]:
+        ctx = self.ctx
+        check_dimensions(self.pooler, dimensions, ctx.engine.model_config.hidden_size)
+        prompts = [await ctx.encode(x, add_special_tokens=True) if isinstance(x, str) else x for x in inputs]
+        limit = ctx.engine.max_model_len - 1  # the engine takes prompts shorter than max_model_len
+        if truncate is not None:
+            keep = limit if truncate == -1 else min(truncate, limit)
+            prompts = [p[-keep:] for p in prompts]
+        check_lengths([len(p) for p in prompts], limit, "this model")
+        for p in prompts:
+            ctx.check_token_ids(p, "input")
+        waiting = ctx.engine.max_waiting_requests
+        if waiting and len(prompts) > waiting:  # it could never be admitted whole: a 400, not a 503 to retry
+            raise APIError(
+                f"input: {len(prompts)} inputs are more than the server's --max-waiting-requests ({waiting})",
+                400,
+                param="input",
+            )
+        subs = await ctx.submit(prompts, self.pooler.params(dimensions), request_id)
+        await ctx.run_to_end(subs)
+        vectors = []
+        for s in subs:
+            assert s.final is not None
+            ctx.check_error(s.final.outputs[0], "input")
+            if s.final.embedding is None:
+                raise APIError("the engine returned no embedding", 500)
+            vectors.append(s.final.embedding)
+        return vectors, sum(len(p) for p in prompts)
+
+
+class SentenceTransformerEmbedder:
+    """An encoder model run by sentence-transformers (its own modules: pooling, Normalize), served by the name
+    of its folder; `default` is the bundled all-MiniLM-L6-v2 (the one `pagedllm rag` embeds with)."""
+
+    def __init__(self, path: str, device: str = "cpu") -> None:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        try:
+            from sentence_transformers import SentenceTransformer
+        except ImportError:
+            raise UserError("--embedding-model: needs sentence-transformers: pip install 'pagedllm[rag]'") from None
+        if path == "default":
+            from pagedllm.rag.embed import EMBED_MODEL_NAME, embed_model_path
+
+            path, name = embed_model_path(), EMBED_MODEL_NAME
+        else:
+            name = os.path.basename(os.path.normpath(path))
+        if not os.path.isdir(path):
+            raise UserError(f"--embedding-model: {path} is not a folder")
+        self.model = SentenceTransformer(path, device=device)
+        self.names = [name]
+        self.pooler = read_pooler_config(path)
+        self.max_len = int(self.model.max_seq_length or 512)
+        get_dim = getattr(self.model, "get_embedding_dimension", None) or self.model.get_sentence_embedding_dimension
+        self.dim = int(get_dim() or 0)
+        self._lock = threading.Lock()  # one encode at a time: the model is not made for concurrent calls
+
+    async def embed(
+        self, inputs: Inputs, dimensions: int | None, request_id: str, truncate: int | None = None
+    ) -> tuple[list[list[float]], int]:
+        check_dimensions(self.pooler, dimensions, self.dim)
+        texts = [x for x in inputs if isinstance(x, str)]
+        ids = await asyncio.to_thread(self._token_ids, texts) if texts else [x for x in inputs if isinstance(x, list)]
+        if truncate is not None and not (texts and truncate in (-1, self.max_len)):
+            keep = self.max_len if truncate == -1 else min(truncate, self.max_len)
+            ids, texts = [i[-keep:] for i in ids], []
+        elif truncate is not None:  # the model's own limit: sentence-transformers cuts texts to it itself
+            ids = [i[: self.max_len - 1] + i[-1:] if len(i) > self.max_len else i for i in ids]
+        check_lengths([len(i) for i in ids], self.max_len, "this model")
+        vecs = await asyncio.to_thread(self._encode, texts if texts else ids)
+        if dimensions is not None:
+            vecs = vecs[:, :dimensions]
+            if self.pooler.normalize:
+                vecs = vecs / vecs.norm(dim=1, keepdim=True).clamp_min(1e-12)
+        return vecs.tolist(), sum(len(i) for i in ids)
+
+    def _token_ids(self, texts: list[str]) -> list[list[int]]:
+        return [list(x) for x in self.model.tokenizer(texts, add_special_tokens=True)["input_ids"]]
+
+    def _encode(self, inputs: Inputs) -> Any:
+        """float32 vectors [len(inputs), dim]: texts through `encode`, token ids through the modules directly."""
+        import torch
+
+        with self._lock, torch.inference_mode():
+            if inputs and isinstance(inputs[0], str):
+                vecs = self.model.encode(inputs, batch_size=32, convert_to_tensor=True, show_progress_bar=False)
+                return vecs.float().cpu()
+            out = []
+            for ids in inputs:
+                t = torch.tensor([ids], device=self.model.device)
+                features = {"input_ids": t, "attention_mask": torch.ones_like(t), "token_type_ids": torch.zeros_like(t)}
+                out.append(self.model(features)["sentence_embedding"][0].float().cpu())
+            return torch.stack(out)

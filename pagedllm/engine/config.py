@@ -78,7 +78,8 @@ class EngineConfig:
     elsewhere"""
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     """fcfs: requests are admitted in arrival order; priority: by each request's `priority` (lower first, then
-    arrival), and when the cache is short the lowest priority running request is preempted first (vLLM's)"""
+    arrival), and when the cache is short the lowest priority running request is preempted first (default: fcfs;
+    vLLM's flag)"""
     enable_kv_cache_events: bool = False
     """record blocks entering and leaving the prefix cache, for a router that follows them (default: off)"""
 

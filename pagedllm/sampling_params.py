@@ -48,6 +48,9 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     whitespace_pattern: str | None = None
+    # The constraint starts once this text is in the output (the end of a reasoning section, "</think>": the
+    # thinking before it is free, as vLLM's reasoning parsers have it); None: from the first token.
+    reasoning_end: str | None = None
 
     def kind(self) -> str:
         """The one constraint set (its field name); SamplingParamsError if none or several are."""
@@ -121,12 +124,17 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None  # constrain the output (a grammar, in the sampler)
+    bad_words: list[str] = field(default_factory=list)  # words never generated (vLLM's: each as its tokens)
+    allowed_token_ids: list[int] | None = None  # only these tokens may be sampled
+    # bad_words as token sequences, both with and without a leading space (the engine fills it from its tokenizer)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.bad_words = list(self.bad_words or [])
         if self.top_k == -1:
             self.top_k = 0
         if isinstance(self.structured_outputs, dict):
@@ -210,8 +218,16 @@ def _check_integers(p: SamplingParams) -> None:
 def _check_lists(p: SamplingParams) -> None:
     if not all(isinstance(s, str) and s for s in p.stop):
         _fail("stop", "must be non-empty strings")
-    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT32_MAX for t in p.stop_token_ids):
+    if not all(_token_id(t) for t in p.stop_token_ids):
         _fail("stop_token_ids", "must be non-negative integers below 2**31")
+    if not all(isinstance(w, str) and w.strip() for w in p.bad_words):
+        _fail("bad_words", "must be strings with something other than whitespace")
+    if p.allowed_token_ids is not None and (
+        not isinstance(p.allowed_token_ids, list)
+        or not p.allowed_token_ids
+        or not all(map(_token_id, p.allowed_token_ids))
+    ):
+        _fail("allowed_token_ids", "must be a non-empty list of non-negative integers below 2**31")
     if p.logit_bias is None:
         return
     if not isinstance(p.logit_bias, dict):
@@ -226,6 +242,10 @@ def _check_lists(p: SamplingParams) -> None:
             or abs(bias) > MAX_LOGIT_BIAS
         ):
             _fail("logit_bias", f"values must be numbers in [-100, 100], got {bias!r} for token {token}")
+
+
+def _token_id(t: Any) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT32_MAX
 
 
 def _typed(value: Any, kind: type, name: str) -> Any:

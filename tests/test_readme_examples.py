@@ -28,6 +28,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 EXAMPLE = re.compile(r"^<!-- example: (\S+) -->\n```(\w+)\n(.*?)^```$", re.S | re.M)
+# An example that needs another model than the default (a reasoning model): shown, compiled, not run.
+NOT_RUN = re.compile(r"^<!-- example-not-run: (\S+) \((.+?)\) -->\n```(\w+)\n(.*?)^```$", re.S | re.M)
 BASE = "http://127.0.0.1:8000"  # where the README's server listens
 
 
@@ -122,6 +124,13 @@ def check_tools_python(names: dict[str, Any]) -> None:
     jsonschema.validate(json.loads(call.function.arguments), schema)
 
 
+def check_fields_curl(sent: list[tuple[dict, dict]]) -> None:
+    """As the README says: no "Paris" under bad_words, and the assistant's text continued."""
+    (_, banned), (_, continued) = sent
+    assert "Paris" not in banned["choices"][0]["text"] and banned["choices"][0]["text"], banned
+    assert continued["choices"][0]["message"]["content"], continued
+
+
 def check_embeddings_python(names: dict[str, Any]) -> None:
     """Two unit vectors of MiniLM's 384 numbers; two sentences about paging a KV cache are close."""
     res = names["res"]
@@ -155,6 +164,7 @@ CHECKS: dict[str, Callable[[Any], None]] = {
     "structured-curl": check_structured_curl,
     "structured-python": check_structured_python,
     "tools-python": check_tools_python,
+    "fields-curl": check_fields_curl,
     "embeddings-python": check_embeddings_python,
     "offline-python": check_offline_python,
     "responses-python": check_responses_python,
@@ -169,7 +179,18 @@ def test_every_readme_example_is_marked_and_checked():
     blocks = re.findall(r"^```\w*\n(.*?)^```$", README.read_text(encoding="utf-8"), re.S | re.M)
     for code in blocks:
         if "curl http" in code or "OpenAI(" in code or "Anthropic(" in code or "LLM(" in code:
-            assert any(code == marked for _, marked in examples.values()), f"an unmarked README example:\n{code}"
+            marked = [c for _, c in examples.values()] + [m[3] for m in NOT_RUN.findall(README.read_text("utf-8"))]
+            assert code in marked, f"an unmarked README example:\n{code}"
+
+
+def test_examples_not_run_say_why_and_compile():
+    """An example for another model is not run here, but it says why and is valid Python."""
+    found = NOT_RUN.findall(README.read_text(encoding="utf-8"))
+    assert found
+    for name, why, lang, code in found:
+        assert why.startswith("needs "), (name, why)
+        if lang == "python":
+            compile(code, name, "exec")
 
 
 def test_every_readme_example_is_greedy():

@@ -60,7 +60,7 @@ class FakeEngine:
         self.steps = 0
         self.explode = False  # the next step raises, as an engine bug would
 
-    def add_request(self, request_id, prompt, params, cache_salt=None, *, prompt_token_ids=None):
+    def add_request(self, request_id, prompt, params, cache_salt=None, *, prompt_token_ids=None, priority=0):
         self.thread_ids.add(threading.get_ident())
         ids = list(prompt) if not isinstance(prompt, str) else [1] * len(prompt.split())
         if len(ids) >= self.max_model_len:

@@ -223,6 +223,18 @@ REFUSED = [
     ("temperature 1e400", "1e400", "temperature"),
     ("min_tokens 2**70", {"min_tokens": 2**70, "max_tokens": None}, "min_tokens"),
     ("n over --max-waiting-requests", {"n": 17}, "n"),
+    # issue 28: vLLM's request fields, each checked before anything is queued
+    ("priority without --scheduling-policy priority", {"priority": 3}, "priority"),
+    ("priority not an integer", {"priority": 1.5}, "priority"),
+    ("allowed_token_ids past the vocabulary", {"allowed_token_ids": [999999]}, "allowed_token_ids"),
+    ("allowed_token_ids empty", {"allowed_token_ids": []}, "allowed_token_ids"),
+    ("bad_words of whitespace", {"bad_words": ["  "]}, "bad_words"),
+    ("bad_words not strings", {"bad_words": [3]}, "bad_words"),
+    ("truncate_prompt_tokens over max_model_len", {"truncate_prompt_tokens": 10**6}, "truncate_prompt_tokens"),
+    ("truncate_prompt_tokens 0", {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ("cache_salt empty", {"cache_salt": ""}, "cache_salt"),
+    ("use_beam_search", {"use_beam_search": True}, "use_beam_search"),
+    ("prompt_embeds", {"prompt_embeds": "AAAA"}, "prompt_embeds"),
 ]
 
 
@@ -289,6 +301,14 @@ CHAT_REFUSED = [
         "tool_choice",
     ),
     ("echo", {"echo": True}, "echo"),
+    ("a request chat_template on a server that does not trust them", {"chat_template": "{{ 1 }}"}, "chat_template"),
+    (
+        "chat_template_kwargs the server sets",
+        {"chat_template_kwargs": {"add_generation_prompt": False}},
+        "chat_template_kwargs",
+    ),
+    ("continue_final_message with add_generation_prompt", {"continue_final_message": True}, "continue_final_message"),
+    ("reasoning_effort", {"reasoning_effort": "high"}, "reasoning_effort"),
 ]
 
 
@@ -296,6 +316,7 @@ CHAT_REFUSED = [
 def test_chat_fields_not_honoured_are_refused_by_name(fault_server, extra, param):
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}
     assert_error(fault_server.http.post("/v1/chat/completions", json=body), 400, param)
+    assert_pool_whole(fault_server)
 
 
 def test_logit_bias_is_honoured(fault_server):

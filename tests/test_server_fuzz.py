@@ -96,6 +96,21 @@ body_field = st.fixed_dictionaries(
         "stream": st.booleans(),
         "top_k": st.integers(-2, 50),
         "logit_bias": st.dictionaries(st.sampled_from(["1", "42", "x", "-3"]), st.floats(-200, 200), max_size=2),
+        # issue 28's fields, valid and not (a field nobody defines is ignored; one vLLM defines and pagedllm does
+        # not serve is a 400)
+        "priority": st.sampled_from([0, 0, 1, -1, "x", 2**40]),
+        "cache_salt": st.one_of(st.text(max_size=6), st.sampled_from(["tenant-a", "tenant-b"])),
+        "bad_words": st.lists(st.sampled_from(WORDS + ["", " "]), max_size=2),
+        "allowed_token_ids": st.lists(st.integers(-1, 60000), max_size=3),
+        "truncate_prompt_tokens": st.sampled_from([-2, -1, 0, 3, 40, 10**6]),
+        "use_beam_search": st.booleans(),
+        "frobnicate": st.integers(),
+        "chat_template_kwargs": st.dictionaries(
+            st.sampled_from(["enable_thinking", "tokenize", "messages", "not a name"]), st.booleans(), max_size=2
+        ),
+        "continue_final_message": st.booleans(),
+        "add_generation_prompt": st.booleans(),
+        "chat_template": st.sampled_from(["{{ messages[0].content }}", "{% for %}"]),
     },
 )
 request_spec = st.tuples(

@@ -106,6 +106,8 @@ def build_ingress_app(engine: ClusterEngine, settings: IngressSettings) -> FastA
         model_root=settings.model or settings.served_model_names[0],
         max_request_bytes=settings.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES,
         state_routers=[cluster_routes, models],
+        reasoning_parser=settings.reasoning_parser,
+        trust_request_chat_template=settings.trust_request_chat_template,
     )
 
 

@@ -109,14 +109,21 @@ class ClusterEngine:
 
     # ------------------------------------------------------------------ requests
     async def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams | PoolingParams
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | PoolingParams,
+        *,
+        cache_salt: str | None = None,
+        priority: int = 0,
     ) -> ClusterStream:
         """Send the request to the replica the router picks; returns once that replica's engine took it, or
         raises what it raised (a refusal) or ReplicaDiedError."""
         if not self._accepting:
             raise EngineShuttingDownError("the server is shutting down")
         ids = prompt if isinstance(prompt, list) else await asyncio.to_thread(self.tokenizer.encode, prompt)
-        gen = call(self.handle, "generate", request_id, stream=True, **{PROMPT_KW: ids}, params=params)
+        extra = {"cache_salt": cache_salt, "priority": priority}
+        gen = call(self.handle, "generate", request_id, stream=True, **{PROMPT_KW: ids}, params=params, **extra)
         try:
             replica = await gen.__anext__()
         except asyncio.CancelledError:
@@ -183,6 +190,8 @@ class IngressSettings:
     api_key: str | None = None
     max_waiting_requests: int | None = None
     max_request_bytes: int | None = None
+    reasoning_parser: str | None = None
+    trust_request_chat_template: bool = False
 
 
 async def wait_for_info(handle: Any, timeout: float = 600.0) -> ReplicaInfo:

@@ -84,12 +84,19 @@ class EngineReplica:
         )
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | PoolingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams | PoolingParams,
+        cache_salt: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[str | RequestOutput]:
         """First this replica's id, once the engine took the request (a refusal raises before it, so the ingress
         can still answer 400 / 503), then the request's cumulative outputs. Cancelling the call (the client went
         away) aborts the request, which frees its blocks within a step."""
-        stream = await self.engine.add_request(request_id, prompt_token_ids, params)
+        stream = await self.engine.add_request(
+            request_id, prompt_token_ids, params, cache_salt=cache_salt, priority=priority
+        )
         yield self.replica_id
         async for out in self.engine.iterate(stream):
             yield out

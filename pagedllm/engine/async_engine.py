@@ -113,6 +113,8 @@ class _Add:
     prompt: str | list[int]
     params: SamplingParams | PoolingParams
     stream: RequestStream
+    cache_salt: str | None = None
+    priority: int = 0
 
 
 @dataclass(frozen=True)
@@ -269,7 +271,13 @@ class AsyncLLMEngine:
             )
 
     async def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams | PoolingParams
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | PoolingParams,
+        *,
+        cache_salt: str | None = None,
+        priority: int = 0,
     ) -> RequestStream:
         """Hand a request to the engine; returns once the engine took it (raises what the engine raised)."""
         loop = asyncio.get_running_loop()
@@ -277,7 +285,7 @@ class AsyncLLMEngine:
         with self._lock:
             self._admit(params.n)
             self._pending += params.n
-            self._ops.put(_Add(request_id, prompt, params, stream))
+            self._ops.put(_Add(request_id, prompt, params, stream, cache_salt, priority))
         self.start()
         try:
             await stream.added
@@ -397,7 +405,7 @@ class AsyncLLMEngine:
             error = UserError(f"request id {op.request_id!r} is already in use")
         else:
             try:
-                self.engine.add_request(op.request_id, op.prompt, op.params)
+                self.engine.add_request(op.request_id, op.prompt, op.params, op.cache_salt, priority=op.priority)
             except Exception as e:  # noqa: BLE001 - UserError for bad input; anything else is the caller's to see too
                 error = e
         if error is None:

@@ -76,6 +76,10 @@ class EngineConfig:
     "prompt_lookup_max": 4, "prompt_lookup_min": 2}'; "disable_by_batch_size": N turns it off while N or more
     requests run or wait; none: off; auto (default): that example on a CPU, where it was measured to pay, off
     elsewhere"""
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    """fcfs: requests are admitted in arrival order; priority: by each request's `priority` (lower first, then
+    arrival), and when the cache is short the lowest priority running request is preempted first (default: fcfs;
+    vLLM's flag)"""
     enable_kv_cache_events: bool = False
     """record blocks entering and leaving the prefix cache, for a router that follows them (default: off)"""
 

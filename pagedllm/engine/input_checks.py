@@ -38,7 +38,24 @@ def check_params(params: SamplingParams, num_prompt_tokens: int, vocab_size: int
         )
     if params.logit_bias and max(params.logit_bias) >= vocab_size:
         raise SamplingParamsError("logit_bias", f"token id {max(params.logit_bias)} is not in [0, {vocab_size})")
+    if params.allowed_token_ids and max(params.allowed_token_ids) >= vocab_size:
+        raise SamplingParamsError(
+            "allowed_token_ids", f"token id {max(params.allowed_token_ids)} is not in [0, {vocab_size})"
+        )
     if params.stop_token_ids and max(params.stop_token_ids) >= vocab_size:
         raise SamplingParamsError(
             "stop_token_ids", f"token id {max(params.stop_token_ids)} is not in [0, {vocab_size})"
         )
+
+
+def bad_words_token_ids(bad_words: list[str], tokenizer: Tokenizer) -> list[list[int]]:
+    """Each bad word as the token sequences that write it, at the start of a text and after a space (vLLM's
+    rule: the spaced form counts when it is a different first token and as many tokens)."""
+    found: list[list[int]] = []
+    for word in bad_words:
+        plain = tokenizer.encode(word.lstrip())
+        found.append(plain)
+        spaced = tokenizer.encode(" " + word.lstrip())
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            found.append(spaced)
+    return found

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -17,7 +17,7 @@ from pagedllm.engine.acceptance import accept, sampling_rows
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.disk_tier import open_disk_tier
 from pagedllm.engine.fault_isolation import Computed, Scheduled, forward_guarded, sample_guarded
-from pagedllm.engine.input_checks import check_params, encode_prompt
+from pagedllm.engine.input_checks import bad_words_token_ids, check_params, encode_prompt
 from pagedllm.engine.memory import log_kv_cache, num_kv_blocks, resolve_device
 from pagedllm.engine.outputs import RequestMetrics, RequestOutput
 from pagedllm.engine.pooling import PoolingState
@@ -36,7 +36,7 @@ from pagedllm.model.kv_quant import QUANT_KV_DTYPES
 from pagedllm.model.loader import DTYPES, LoadedModel, load_model
 from pagedllm.model.runner import ModelRunner, SeqChunk
 from pagedllm.model.sampler import SampleResult, token_logprobs
-from pagedllm.sampling_params import PoolingParams, SamplingParams
+from pagedllm.sampling_params import PoolingParams, SamplingParams, SamplingParamsError
 
 logger = logging.getLogger("pagedllm")
 
@@ -97,6 +97,7 @@ class LLMEngine:
             config.max_num_seqs,
             config.max_num_batched_tokens,
             NgramDrafter(spec, self.max_model_len) if isinstance(spec, SpeculativeConfig) else None,
+            config.scheduling_policy,
         )
         self.spec_stats = SpecDecodeStats()
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size)
@@ -123,9 +124,12 @@ class LLMEngine:
         cache_salt: str | None = None,
         *,
         prompt_token_ids: list[int] | None = None,
+        priority: int = 0,
     ) -> None:
         """Queue a request (its n samples); `prompt_token_ids` gives the ids of a text prompt already encoded.
         PoolingParams make it an embedding request: its prompt computed, no token sampled, one vector out.
+        `cache_salt`: its blocks are shared only with requests of the same salt (a tenant's); `priority`: with
+        --scheduling-policy priority, lower values are admitted first (vLLM's).
 
         Everything is checked and every sample built before anything is queued: a bad request leaves nothing.
         """
@@ -134,8 +138,12 @@ class LLMEngine:
         assert isinstance(params, SamplingParams)
         if request_id in self.parents:
             raise UserError(f"request id {request_id!r} is already in use")
+        if priority != 0 and self.scheduler.policy != "priority":
+            raise SamplingParamsError("priority", "needs a server started with --scheduling-policy priority")
         prompt_ids = self.encode_prompt(prompt if prompt_token_ids is None else prompt_token_ids)
         check_params(params, len(prompt_ids), self.model_config.vocab_size, self.max_model_len)
+        if params.bad_words:
+            params = replace(params, bad_words_token_ids=bad_words_token_ids(params.bad_words, self.tokenizer))
         metrics = RequestMetrics(arrival_time=time.monotonic())
         children = [
             Request(
@@ -147,13 +155,14 @@ class LLMEngine:
                 self.tokenizer,
                 metrics,
                 cache_salt,
+                priority,
             )
             for i in range(params.n)
         ]
         so = params.structured_outputs
         compiled = self.grammars.compile(so.grammar_text) if so is not None else None
         for child in children:
-            child.grammar = RequestGrammar(compiled) if compiled is not None else None
+            child.grammar = RequestGrammar(compiled, so.reasoning_end) if compiled is not None and so else None
             child.pooling = PoolingState(pooling) if pooling is not None else None
             self.requests[child.request_id] = child
             self.scheduler.add(child)
@@ -307,8 +316,12 @@ class LLMEngine:
         keep, accepted = accept(req, results, self.spec_stats)
         for res in keep:
             self._append_token(req, res.token_id, res.logprobs, now)
-            if req.grammar is not None and not req.finished and req.grammar.accept(res.token_id):
-                req.finish("stop")  # structured outputs: the grammar is complete, only EOS could follow
+            grammar = req.grammar
+            if grammar is not None and not req.finished:
+                if not grammar.active:  # the reasoning before the constraint: free, until its end is written
+                    grammar.watch(req.text)
+                elif grammar.accept(res.token_id):
+                    req.finish("stop")  # structured outputs: the grammar is complete, only EOS could follow
             if req.finished:
                 return
         if had_drafts:

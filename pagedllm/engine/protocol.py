@@ -30,6 +30,7 @@ class EngineCore(Protocol):
         cache_salt: str | None = None,
         *,
         prompt_token_ids: list[int] | None = None,
+        priority: int = 0,
     ) -> None:
         """Queue a request (all its `params.n` samples) or raise `UserError` leaving nothing behind."""
 
@@ -78,9 +79,16 @@ class AsyncEngine(Protocol):
     def shutdown(self, timeout: float | None = 10.0) -> None: ...
 
     async def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams | PoolingParams
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | PoolingParams,
+        *,
+        cache_salt: str | None = None,
+        priority: int = 0,
     ) -> Any:
-        """Queue a request; returns its stream once the engine took it, or raises what the engine raised."""
+        """Queue a request; returns its stream once the engine took it, or raises what the engine raised.
+        `cache_salt` keeps its prefix blocks to requests of the same salt; `priority` orders admission."""
 
     def iterate(self, stream: Any) -> AsyncIterator[RequestOutput]:
         """The cumulative outputs of the request `add_request` returned `stream` for; leaving early aborts it."""

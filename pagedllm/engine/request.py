@@ -33,6 +33,7 @@ class Request:
         tokenizer: Tokenizer,
         metrics: RequestMetrics,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
         self.parent_id = parent_id
@@ -41,6 +42,8 @@ class Request:
         self.all_token_ids = list(prompt_token_ids)
         self.params = params
         self.cache_salt = cache_salt
+        self.priority = priority  # lower first, under the priority scheduling policy
+        self.arrival = 0  # the scheduler's count of requests added before it: ties of priority go in arrival order
         self.metrics = metrics
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Literal
 
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.spec_decode import NgramDrafter
@@ -33,9 +34,15 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(
-        self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, drafter: NgramDrafter | None = None
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        drafter: NgramDrafter | None = None,
+        policy: Literal["fcfs", "priority"] = "fcfs",
     ) -> None:
         self.kv = kv
+        self.policy = policy
         self.drafter = drafter
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -43,9 +50,38 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order: the tail is preempted first
         self.num_preemptions = 0
         self.peak_running = 0
+        self._arrivals = 0
 
     def add(self, request: Request) -> None:
+        self._arrivals += 1
+        request.arrival = self._arrivals
         self.waiting.append(request)
+
+    def _next_ready(self) -> Request | None:
+        """The waiting request to admit next, skipping those whose grammar still compiles: the first in the queue
+        (fcfs: arrival order, preempted ones in front), or the lowest (priority, arrival) under priority."""
+        ready = (r for r in self.waiting if r.grammar_ready)
+        if self.policy == "priority":
+            return min(ready, key=lambda r: (r.priority, r.arrival), default=None)
+        return next(ready, None)
+
+    def _preempt_one(self, out: SchedulerOutput, i: int) -> tuple[Request, int, int]:
+        """Preempt a running request for room: the last admitted (fcfs), or the lowest priority, latest arrival
+        one (priority: vLLM's choice), which may be one scheduled earlier this step; that one is taken out of
+        this step again. The victim, the token budget it gives back, and where the loop over running goes on."""
+        if self.policy == "priority":
+            victim = max(self.running, key=lambda r: (r.priority, r.arrival))
+        else:
+            victim = self.running[-1]
+        at = self.running.index(victim)
+        self.running.pop(at)
+        freed = 0
+        if at < i:  # scheduled already this step
+            freed = sum(n + len(r.spec_token_ids) for r, n in out.scheduled if r is victim)
+            out.scheduled = [(r, n) for r, n in out.scheduled if r is not victim]
+            i -= 1
+        self._preempt(victim)
+        return victim, freed, i
 
     def remove(self, request: Request) -> None:
         """Take a finished or aborted request out of the queues and give its blocks back."""
@@ -75,8 +111,8 @@ class Scheduler:
                 if req.spec_token_ids:
                     req.spec_token_ids = []
                     continue
-                victim = self.running.pop()
-                self._preempt(victim)
+                victim, freed, i = self._preempt_one(out, i)
+                budget += freed
                 preempted = True
                 if victim is req:
                     break
@@ -92,7 +128,7 @@ class Scheduler:
 
         # Admitting new work right after preempting would only thrash the cache.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            ready = next((r for r in self.waiting if r.grammar_ready), None)  # skip those whose grammar compiles
+            ready = self._next_ready()
             if ready is None:
                 break
             req = ready

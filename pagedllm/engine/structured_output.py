@@ -105,7 +105,7 @@ class GrammarCompiler:
         Per request, the error of a grammar that failed (its request fails; the others sample)."""
         spans, start = [], 0
         for req, lg in to_sample:
-            if req.grammar is not None:
+            if req.grammar is not None and req.grammar.active:  # a grammar that waits for the reasoning's end: free
                 spans.append((req, start, len(lg), req.grammar))
             start += len(lg)
         if not spans:
@@ -140,11 +140,33 @@ class GrammarCompiler:
 
 
 class RequestGrammar:
-    """One sample's matcher, made from the compiled grammar once it is ready and advanced by its tokens."""
+    """One sample's matcher, made from the compiled grammar once it is ready and advanced by its tokens.
 
-    def __init__(self, future: Future[Any]) -> None:
+    With `reasoning_end` (a reasoning model's "</think>") the grammar waits: the tokens up to the one that
+    completes that text in the output are free (the thinking), and the matcher follows only the tokens after it
+    (vLLM's reasoning-aware structured outputs). Until then the request gets no drafts, which the grammar could
+    not check."""
+
+    def __init__(self, future: Future[Any], reasoning_end: str | None = None) -> None:
         self.future = future
         self._matcher: Any = None
+        self.reasoning_end = reasoning_end
+        self._searched = 0  # output characters already searched for reasoning_end
+
+    @property
+    def active(self) -> bool:
+        """Whether the constraint holds the next token (it waits for the end of the reasoning otherwise)."""
+        return self.reasoning_end is None
+
+    def watch(self, text: str) -> None:
+        """After a token joined the output (`text`, all of it so far): the constraint starts once the end of
+        the reasoning is in it."""
+        end = self.reasoning_end
+        if end is None:
+            return
+        if text.find(end, max(0, self._searched - len(end) + 1)) != -1:
+            self.reasoning_end = None
+        self._searched = len(text)
 
     @property
     def ready(self) -> bool:
@@ -159,7 +181,7 @@ class RequestGrammar:
 
     def valid_prefix(self, drafts: list[int]) -> int:
         """How many of the drafts the grammar allows, in order: the rest are cut before they are verified."""
-        if not drafts or self.future.exception() is not None:
+        if not drafts or not self.active or self.future.exception() is not None:
             return 0
         return self.matcher.validate_tokens(drafts)
 

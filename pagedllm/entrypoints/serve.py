@@ -75,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
         embedders=embedders,
         generate=args.runner != "pooling",
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+        trust_request_chat_template=args.trust_request_chat_template,
     )
     server = Server(app, host=args.host, port=args.port, log_level=args.log_level)
     print(

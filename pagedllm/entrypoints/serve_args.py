@@ -59,6 +59,12 @@ class ServerConfig:
     tool_call_parser: ToolCallParser | None = None
     """the model's tool-call format, parsed for tool_choice "auto" (with --enable-auto-tool-choice; default: the
     chat template's)"""
+    reasoning_parser: Literal["qwen3", "deepseek_r1"] | None = None
+    """return a reasoning model's <think> section apart, as reasoning_content; a request's structured output or
+    tool choice then holds the answer after it (default: none, the thinking is content; vLLM's flag)"""
+    trust_request_chat_template: bool = False
+    """let requests send their own chat_template (rendered in Jinja's sandbox; a template can still loop for long,
+    so only for trusted clients) (default: refused with a 400, as vLLM)"""
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     """server log level (default: info)"""
 

@@ -40,6 +40,8 @@ def settings_from_args(args: argparse.Namespace) -> tuple[Any, Any, Any]:
         args.api_key or os.environ.get("PAGEDLLM_API_KEY"),
         args.max_waiting_requests,
         getattr(args, "max_request_bytes", None),
+        getattr(args, "reasoning_parser", None),
+        bool(getattr(args, "trust_request_chat_template", False)),
     )
     return config, options, ingress
 

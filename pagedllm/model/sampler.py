@@ -50,6 +50,21 @@ def apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
 
+def restrict(logits: torch.Tensor, row: SamplingRow) -> None:
+    """In place on one row: only `allowed_token_ids`, and never the token that would finish a bad word (its last
+    token, when the output ends with the ones before it: vLLM's rule)."""
+    p = row.params
+    if p.allowed_token_ids:
+        keep = torch.tensor(p.allowed_token_ids, dtype=torch.long, device=logits.device)
+        kept = logits[keep]
+        logits.fill_(float("-inf"))
+        logits[keep] = kept
+    for seq in p.bad_words_token_ids:
+        head = seq[:-1]
+        if not head or row.output_ids[len(row.output_ids) - len(head) :] == head:
+            logits[seq[-1]] = float("-inf")
+
+
 def finite(logits: torch.Tensor) -> torch.Tensor:
     """+inf -> the largest float, nan -> -inf: a penalty or temperature that overflows float32 must still leave a
     distribution to sample from, never a nan that kills the step."""
@@ -91,6 +106,8 @@ def _processed(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         or r.params.frequency_penalty
         or r.params.logit_bias
         or len(r.output_ids) < r.params.min_tokens
+        or r.params.allowed_token_ids
+        or r.params.bad_words_token_ids
         for r in rows
     ):
         return logits
@@ -98,6 +115,7 @@ def _processed(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     for i, row in enumerate(rows):
         if len(row.output_ids) < row.params.min_tokens and row.banned_until_min_tokens:
             logits[i, row.banned_until_min_tokens] = float("-inf")
+        restrict(logits[i], row)
         if row.params.logit_bias:
             ids = torch.tensor(list(row.params.logit_bias), dtype=torch.long, device=logits.device)
             bias = torch.tensor(list(row.params.logit_bias.values()), dtype=logits.dtype, device=logits.device)

@@ -60,12 +60,22 @@ class Tokenizer:
         messages: list[dict[str, str]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        *,
+        chat_template: str | None = None,
+        continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
-        """The prompt text the chat template renders (with the tools, for a template that shows them);
-        UserError-free: a template error is a model problem."""
-        if not self.chat_template:
+        """The prompt text the chat template renders (with the tools, for a template that shows them), or
+        `chat_template` instead of the model's; `template_kwargs` are more variables for it (Qwen3's
+        `enable_thinking`). transformers renders in Jinja's ImmutableSandboxedEnvironment. UserError-free: a
+        template error is a model problem."""
+        if not (chat_template or self.chat_template):
             raise ModelLoadError("this model's tokenizer has no chat template; use plain prompts instead of chat")
-        extra = {"tools": tools} if tools else {}
+        extra: dict[str, Any] = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
+        if chat_template:
+            extra["chat_template"] = chat_template
+        if continue_final_message:
+            extra["continue_final_message"] = True
         return self.hf.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
         )

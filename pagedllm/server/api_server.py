@@ -37,6 +37,7 @@ from pagedllm.server.kv_page import router as kv_page_router
 from pagedllm.server.middleware import AuthMiddleware, InternalErrorMiddleware, RequestBodyMiddleware
 from pagedllm.server.protocol_messages import MessageStreamEvent
 from pagedllm.server.protocol_responses import ResponseStreamEvent
+from pagedllm.server.reasoning import REASONING_PARSERS
 from pagedllm.server.serving_engine import ServingContext
 from pagedllm.server.streaming import STREAM_RESPONSES
 from pagedllm.server.tool_parsers import TOOL_PARSERS
@@ -62,14 +63,17 @@ def build_app(
     embedders: Sequence[Embedder] = (),
     generate: bool = True,
     tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
+    trust_request_chat_template: bool = False,
 ) -> FastAPI:
     """The FastAPI app over a (not necessarily started) async engine; the app starts and stops the engine.
     `rag` adds POST /v1/rag/chat/completions. `state_routers`: the routes that show the engine's state (default:
     /health, /metrics, /v1/models, /v1/kv and the /kv block map, of one engine); a cluster answers them per
     replica instead. `pooler`: the engine's model also serves /v1/embeddings under its names, pooled that way
     (`--runner pooling`, where `generate` is False: no completion routes); `embedders`: other embedding models
-    (`--embedding-model`). `tool_call_parser`: the format of tool_choice "auto"
-    (`tool_parsers.TOOL_PARSERS`; default: the one the chat template asks for)."""
+    (`--embedding-model`). `tool_call_parser`: the format of tool_choice "auto" (`tool_parsers.TOOL_PARSERS`;
+    default: the one the chat template asks for). `reasoning_parser` (qwen3, deepseek_r1: reasoning.py) returns
+    the thinking apart; `trust_request_chat_template` lets requests bring their own chat template."""
     if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
         raise UserError(f"--tool-call-parser: unknown {tool_call_parser!r}; one of {', '.join(TOOL_PARSERS)}")
     root = model_root or engine.model_config.name or "pagedllm"
@@ -85,7 +89,15 @@ def build_app(
 
     app = FastAPI(title="pagedllm OpenAI-compatible server", lifespan=lifespan)
     app.state.engine = engine
-    app.state.serving = ServingContext(engine, names, root, tool_call_parser=tool_call_parser)
+    reasoning = REASONING_PARSERS[reasoning_parser] if reasoning_parser is not None else None
+    app.state.serving = ServingContext(
+        engine,
+        names,
+        root,
+        tool_call_parser=tool_call_parser,
+        reasoning=reasoning,
+        trust_request_chat_template=trust_request_chat_template,
+    )
     app.state.rag = rag
     own = [EngineEmbedder(app.state.serving, pooler)] if pooler is not None else []
     app.state.embedders = [*own, *embedders]

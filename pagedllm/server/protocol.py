@@ -3,12 +3,15 @@
 Each request model checks what it can alone (types, ranges: a 400 that names the field) and turns itself into
 `SamplingParams` with `to_sampling_params()`; checks that need the engine (the prompt's length against
 max_model_len, token ids against the vocabulary, the model name) are the serving functions'. A field the engine
-does not honour is refused with a 400 naming it, never accepted and ignored; unknown fields are ignored, as
-OpenAI's and vLLM's servers do. The response models are what the server sends, and what /openapi.json says.
+does not honour is refused with a 400 naming it, never accepted and ignored (`UNHONOURED`: vLLM's and OpenAI's
+fields this server does not serve, unless sent with the value that asks for nothing); a field nobody defines is
+ignored with one log line, as vLLM's server does. The response models are what the server sends, and what
+/openapi.json says.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from dataclasses import dataclass
@@ -18,6 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_
 
 from pagedllm.engine.stats import EngineStats
 from pagedllm.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError, StructuredOutputsParams
+
+logger = logging.getLogger("pagedllm.server")
 
 TokenId = Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]  # StrictInt: `true` is not token 1
 Role = Literal["system", "user", "assistant", "tool", "developer"]
@@ -40,6 +45,12 @@ def _lone_surrogate(value: Any) -> bool:
         elif isinstance(item, list):
             todo.extend(item)
     return False
+
+
+def json_preview(value: Any) -> str:
+    """A sent value, short, for an error message."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 # ------------------------------------------------------------------------------------------------ tools
@@ -129,8 +140,55 @@ class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="allow", protected_namespaces=(), allow_inf_nan=False)
 
 
+# vLLM's and OpenAI's request fields that pagedllm does not serve -> the values that ask for nothing (the
+# defaults a client may send all the same); any other value is a 400 naming the field.
+UNHONOURED: dict[str, tuple[Any, ...]] = {
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1, 1.0),
+    "include_stop_str_in_output": (None, False),
+    "spaces_between_special_tokens": (None, True),
+    "return_tokens_as_token_ids": (None, False),
+    "return_token_ids": (None, False),
+    "add_special_tokens": (None, False),
+    "logits_processors": (None, []),
+    "documents": (None, []),
+    "mm_processor_kwargs": (None, {}),
+    "kv_transfer_params": (None, {}),
+    "vllm_xargs": (None, {}),
+    "prompt_embeds": (None,),
+    "structural_tag": (None,),
+    "thinking_token_budget": (None,),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "web_search_options": (None,),
+    "verbosity": (None,),
+    "function_call": (None,),
+    "service_tier": (None, "auto", "default"),
+    "store": (None, False),
+    "metadata": (None, {}),
+    "prompt_cache_key": (None,),
+}
+
+
 class RequestModel(OpenAIModel):
     """A top-level request body."""
+
+    @model_validator(mode="after")
+    def _extra_fields(self) -> RequestModel:
+        """A field of vLLM's or OpenAI's this server does not serve is a 400 naming it; one nobody defines is
+        ignored with one log line (vLLM's way: a client's typo is seen in the log, not answered)."""
+        unknown = []
+        for key, value in (self.model_extra or {}).items():
+            allowed = UNHONOURED.get(key)
+            if allowed is None:
+                unknown.append(key)
+            elif not any(type(value) is type(a) and value == a for a in allowed if a is not None) and value is not None:
+                raise ValueError(f"{key}: not supported by this server (got {json_preview(value)})")
+        if unknown:
+            logger.info("%s: ignoring fields nobody defines: %s", type(self).__name__, ", ".join(sorted(unknown)))
+        return self
 
     @model_validator(mode="before")
     @classmethod
@@ -224,6 +282,18 @@ class SamplingRequest(RequestModel):
     skip_special_tokens: StrictBool = True
     prompt_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     request_id: str | None = None
+    bad_words: list[str] | None = Field(None, description="words never generated", max_length=256)
+    allowed_token_ids: list[TokenId] | None = Field(None, description="only these tokens may be sampled")
+    truncate_prompt_tokens: StrictInt | None = Field(
+        None, ge=-1, description="keep only the prompt's last k tokens (-1: as many as max_model_len allows)"
+    )
+    priority: StrictInt = Field(
+        0, ge=-(2**31), le=2**31 - 1, description="lower first, with --scheduling-policy priority"
+    )
+    cache_salt: str | None = Field(
+        None, min_length=1, description="prefix-cache blocks are shared only between requests of the same salt"
+    )
+    safety_identifier: str | None = Field(None, description="accepted, as user: nothing is done with it")
 
     @field_validator("logit_bias")
     @classmethod
@@ -241,6 +311,10 @@ class SamplingRequest(RequestModel):
             raise ValueError("stop: at most 16 stop strings")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of: only best_of == n is supported (got best_of {self.best_of}, n {self.n})")
+        if self.allowed_token_ids == []:
+            raise ValueError("allowed_token_ids: must not be empty")
+        if self.truncate_prompt_tokens == 0:
+            raise ValueError("truncate_prompt_tokens: must be -1 or at least 1")
         self.constraint()  # one constraint at most, each well-formed
         return self
 
@@ -295,6 +369,8 @@ class SamplingRequest(RequestModel):
             "stop_token_ids": self.stop_token_ids,
             "logit_bias": bias,
             "prompt_logprobs": self.prompt_logprobs,
+            "bad_words": self.bad_words,
+            "allowed_token_ids": self.allowed_token_ids,
         }
         kw = {k: v for k, v in given.items() if v is not None}
         kw.update(
@@ -383,6 +459,12 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: StrictBool = True
     functions: list[dict[str, Any]] | None = None
     echo: StrictBool = False
+    chat_template: str | None = Field(
+        None, description="a Jinja chat template for this request (needs --trust-request-chat-template)"
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description='more variables for the chat template, e.g. {"enable_thinking": false}'
+    )
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
@@ -396,8 +478,13 @@ class ChatCompletionRequest(SamplingRequest):
         mode, constraint = self.tool_mode, self.constraint()
         if mode is not None and mode.kind != "auto" and constraint is not None:
             raise ValueError(f"tool_choice: a tool choice and {constraint[0]} cannot be combined")
-        if self.continue_final_message:
-            raise ValueError("continue_final_message: not supported")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError(
+                "continue_final_message: cannot be combined with add_generation_prompt true (set it to false)"
+            )
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message: the last message must be the assistant's, to continue")
+        check_template_kwargs(self.chat_template_kwargs)
         if self.echo:
             raise ValueError("echo: not supported for chat completions")
         return self
@@ -433,6 +520,36 @@ class ChatCompletionRequest(SamplingRequest):
         )
 
 
+# What the server sets itself when it renders a chat (and transformers' own keywords): not a request's to set.
+RESERVED_TEMPLATE_NAMES = frozenset(
+    {
+        "messages",
+        "conversation",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "processor_kwargs",
+    }
+)
+
+
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
+    """chat_template_kwargs: template variables, never what the server sets itself (ValueError naming it)."""
+    for key in kwargs or {}:
+        if not key.isidentifier() or key in RESERVED_TEMPLATE_NAMES:
+            raise ValueError(f"chat_template_kwargs: {key!r} cannot be set (not a template variable name)")
+
+
 class TokenizeRequest(RequestModel):
     """vLLM's two forms in one body: a `prompt`, or chat `messages` rendered with the chat template."""
 
@@ -442,11 +559,15 @@ class TokenizeRequest(RequestModel):
     add_generation_prompt: StrictBool = True
     add_special_tokens: StrictBool | None = Field(None, description="default: true for a prompt, false for chat")
     return_token_strs: StrictBool = False
+    continue_final_message: StrictBool = False
+    chat_template: str | None = Field(None, description="as in chat completions (--trust-request-chat-template)")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="as in chat completions")
 
     @model_validator(mode="after")
     def _one_form(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("prompt: send either 'prompt' or 'messages'")
+        check_template_kwargs(self.chat_template_kwargs)
         return self
 
 
@@ -494,11 +615,18 @@ class PromptTokensDetails(ResponseModel):
     cached_tokens: int
 
 
+class CompletionTokensDetails(ResponseModel):
+    reasoning_tokens: int
+
+
 class Usage(ResponseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = Field(None, description="not on a stream's running usage")
+    completion_tokens_details: CompletionTokensDetails | None = Field(
+        None, description="with --reasoning-parser: how many completion tokens were the thinking"
+    )
 
 
 class CompletionLogprobs(ResponseModel):
@@ -587,6 +715,7 @@ class ChatCompletionMessage(ResponseModel):
     role: Literal["assistant"]
     content: str | None
     tool_calls: list[ToolCall]
+    reasoning_content: str | None = Field(None, description="with --reasoning-parser: the thinking (vLLM's)")
 
 
 class ChatChoice(ResponseModel):
@@ -625,6 +754,7 @@ class DeltaToolCall(ResponseModel):
 class DeltaMessage(ResponseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

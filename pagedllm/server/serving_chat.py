@@ -2,6 +2,10 @@
 with n samples, answered whole or streamed. The RAG route reuses `prepare`, `full` and `stream`; the Responses
 and Messages APIs are chat requests too (`prepare_chat`, `full`, `deltas`).
 
+With --reasoning-parser, each answer is split into `reasoning_content` and `content` (reasoning.py), and a
+constraint (structured outputs, a tool choice) holds only the content: the engine's grammar starts after the
+thinking ends.
+
 With tools and tool_choice "required" or a named function, the answer is decoded under the tools' schema and
 returned as `tool_calls` (tool_parsers/); "auto" is parsed in the format --tool-call-parser names, or the one
 the chat template asks for."""
@@ -30,8 +34,11 @@ from pagedllm.server.protocol import (
     ChatStreamChoice,
     DeltaMessage,
     ToolMode,
+    Usage,
 )
+from pagedllm.server.reasoning import ReasoningParser, State, reasoning_tokens
 from pagedllm.server.serving_engine import (
+    ChatTemplateArgs,
     EngineRequest,
     ServingContext,
     cancel_on_disconnect,
@@ -50,6 +57,14 @@ class Prepared:
     model: str
     prompt_ids: list[int]
     params: SamplingParams
+    reasoning: State | None = None  # with a reasoning parser: where the answers start
+
+
+def _reasoning_parser(ctx: ServingContext, prep: Prepared) -> ReasoningParser | None:
+    """A fresh parser for one choice (it keeps the choice's streaming state), or None without --reasoning-parser."""
+    if ctx.reasoning is None or prep.reasoning is None:
+        return None
+    return ReasoningParser(ctx.reasoning, prep.reasoning)
 
 
 async def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> Prepared:
@@ -59,12 +74,20 @@ async def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> Prepared:
     if mode is not None:
         parser(ctx, mode)  # "auto" without a format to parse is a 400 before anything runs
     tools = req.tools if mode is not None else None
-    ids = await ctx.chat_prompt_ids(req.messages, req.add_generation_prompt, tools)
+    args = ChatTemplateArgs(
+        req.add_generation_prompt, req.continue_final_message, req.chat_template, req.chat_template_kwargs
+    )
+    text, ids = await ctx.chat_prompt(req.messages, args, tools)
+    ids = ctx.truncate(ids, req.truncate_prompt_tokens)
     max_tokens = ctx.check_length(len(ids), req.effective_max_tokens, req.min_tokens, "messages")
+    state = ctx.reasoning.initial_state(text) if ctx.reasoning is not None else None
     if mode is None and req.constraint() is None:
-        return Prepared(model, ids, req.to_sampling_params(max_tokens))
+        return Prepared(model, ids, req.to_sampling_params(max_tokens), state)
     # compiling a schema's grammar to check it takes milliseconds: off the event loop
-    return Prepared(model, ids, await asyncio.to_thread(req.to_sampling_params, max_tokens))
+    params = await asyncio.to_thread(req.to_sampling_params, max_tokens)
+    if ctx.reasoning is not None and state != "after" and params.structured_outputs is not None:
+        params.structured_outputs.reasoning_end = ctx.reasoning.end  # the thinking is free, the answer held
+    return Prepared(model, ids, params, state)
 
 
 def renamed(e: APIError | UserError, fields: dict[str, str]) -> APIError:
@@ -112,21 +135,44 @@ def _finish_reason(mode: ToolMode | None, reason: str | None, called: bool) -> s
 
 
 def _message(
-    ctx: ServingContext, mode: ToolMode | None, c: CompletionOutput
+    ctx: ServingContext, mode: ToolMode | None, c: CompletionOutput, reasoner: ReasoningParser | None
 ) -> tuple[ChatCompletionMessage, str | None]:
-    """The assistant message and finish reason (`_chunks` sends the pieces of this): with tools, the calls as far
-    as they were generated, by the parser a stream uses too."""
+    """The assistant message and finish reason (`_chunks` sends the pieces of this): the reasoning apart (with a
+    reasoning parser), and with tools, the calls as far as they were generated, by the parser a stream uses too."""
+    reasoning, text = reasoner.extract(c.text) if reasoner is not None else (None, c.text)
     if mode is None:
-        return ChatCompletionMessage(role="assistant", content=c.text, tool_calls=[]), c.finish_reason
-    got = parser(ctx, mode).extract(c.text)
-    message = ChatCompletionMessage(role="assistant", content=got.content, tool_calls=got.tool_calls)
-    return message, _finish_reason(mode, c.finish_reason, bool(got.tool_calls))
+        content = text if reasoner is None else text or None
+        message = ChatCompletionMessage(role="assistant", content=content, tool_calls=[])
+        finish_reason = c.finish_reason
+    else:
+        got = parser(ctx, mode).extract(text)
+        message = ChatCompletionMessage(role="assistant", content=got.content, tool_calls=got.tool_calls)
+        finish_reason = _finish_reason(mode, c.finish_reason, bool(got.tool_calls))
+    if reasoner is not None:
+        message.reasoning_content = reasoning
+    return message, finish_reason
 
 
-def _choice(ctx: ServingContext, req: ChatCompletionRequest, s: EngineRequest, c: CompletionOutput) -> ChatChoice:
+def _usage(ctx: ServingContext, prep: Prepared, subs: list[EngineRequest]) -> Usage:
+    """The usage, with the thinking's share of the completion tokens when a reasoning parser splits it."""
+    fmt, state = ctx.reasoning, prep.reasoning
+    if fmt is None or state is None:
+        return ctx.usage(subs)
+    skip = prep.params.skip_special_tokens
+
+    def decode(ids: list[int]) -> str:
+        return ctx.decode(ids, skip_special_tokens=skip)
+
+    finals = [c for s in subs if s.final is not None for c in s.final.outputs]
+    return ctx.usage(subs, sum(reasoning_tokens(fmt, state, c.token_ids, decode) for c in finals))
+
+
+def _choice(
+    ctx: ServingContext, req: ChatCompletionRequest, prep: Prepared, s: EngineRequest, c: CompletionOutput
+) -> ChatChoice:
     ctx.check_error(c, req.constraint_field)
     k = req.top_k_logprobs
-    message, finish_reason = _message(ctx, req.tool_mode, c)
+    message, finish_reason = _message(ctx, req.tool_mode, c, _reasoning_parser(ctx, prep))
     return ChatChoice(
         index=s.base + c.index,
         message=message,
@@ -148,8 +194,8 @@ async def full(
         object="chat.completion",
         created=int(time.time()),
         model=prep.model,
-        choices=[_choice(ctx, req, subs[0], c) for c in final.outputs],
-        usage=ctx.usage(subs),
+        choices=[_choice(ctx, req, prep, subs[0], c) for c in final.outputs],
+        usage=_usage(ctx, prep, subs),
         system_fingerprint=None,
         prompt_logprobs=ctx.prompt_logprobs(final) if req.prompt_logprobs is not None else None,
     )
@@ -169,38 +215,40 @@ class ChoiceDelta:
 
 
 async def deltas(
-    ctx: ServingContext, req: ChatCompletionRequest, subs: list[EngineRequest]
+    ctx: ServingContext,
+    req: ChatCompletionRequest,
+    subs: list[EngineRequest],
+    reasoner: ReasoningParser | None = None,
 ) -> AsyncGenerator[ChoiceDelta]:
-    """Each choice's deltas as the engine produces them: content, tool calls in pieces (the parser `_message`
-    uses, so they add up to its message), the finish reason on the last; a delta that adds nothing is left out
-    but the last. What every streaming API over chat (chat chunks, Responses, Messages events) wraps."""
+    """Each choice's deltas as the engine produces them: the reasoning apart (with a reasoning parser), content,
+    tool calls in pieces (the parsers `_message` uses, so they add up to its message), the finish reason on the
+    last; a delta that adds nothing is left out but the last. What every streaming API over chat (chat chunks,
+    Responses, Messages events) wraps."""
     mode = req.tool_mode
-    parsers: dict[int, ToolParser] = {}
+    choices: dict[int, _StreamedChoice] = {}
     async for s, out, c, p in pieces(ctx, subs, req.constraint_field):
-        if mode is None:
-            delta = DeltaMessage(content=p.text) if p.text else DeltaMessage()
-        else:
-            delta = parsers.setdefault(p.index, parser(ctx, mode)).extract_streaming(c.text, p.done)
+        state = choices.setdefault(p.index, _StreamedChoice(ctx, mode, reasoner))
+        delta = state.delta(c.text, p.done)
         if not delta.model_fields_set and not p.done:
             continue
-        found = parsers.get(p.index)
+        found = state.tools
         finish = _finish_reason(mode, c.finish_reason, found is not None and bool(found.ids)) if p.done else None
         yield ChoiceDelta(s, out, c, p, delta, found, finish)
 
 
 async def _chunks(
-    ctx: ServingContext, req: ChatCompletionRequest, subs: list[EngineRequest], chunk: Chunks
+    ctx: ServingContext, req: ChatCompletionRequest, prep: Prepared, subs: list[EngineRequest], chunk: Chunks
 ) -> AsyncGenerator[str]:
     """OpenAI's chunks: the role first (content "" for text, null for an answer that is tool calls), then only
     deltas that say something (a piece that adds nothing, e.g. a token that is half a character or the start of
     a call's name, waits: its logprobs go with the next chunk), the finish reason on the last one; they add up
-    to `_message`'s message."""
+    to `_message`'s message, the reasoning in `reasoning_content` deltas."""
     k, mode = req.top_k_logprobs, req.tool_mode
     for i in range(req.n):
         role = DeltaMessage(role="assistant", content="" if mode is None else None)
         yield chunk([ChatStreamChoice(index=i, delta=role, logprobs=None, finish_reason=None)])
     logged: dict[int, int] = {}  # per choice, the tokens whose logprobs were sent
-    async for d in deltas(ctx, req, subs):
+    async for d in deltas(ctx, req, subs, _reasoning_parser(ctx, prep)):
         p, c = d.piece, d.choice
         start, logged[p.index] = logged.get(p.index, 0), p.tokens_to
         choice = ChatStreamChoice(
@@ -212,7 +260,28 @@ async def _chunks(
         )
         yield chunk([choice], ctx.partial_usage(d.sub, d.out) if chunk.continuous else None)
     if chunk.include_usage:
-        yield chunk([], ctx.usage(subs))
+        yield chunk([], _usage(ctx, prep, subs))
+
+
+class _StreamedChoice:
+    """One streamed choice's parsers: the reasoning's (if any) first, then the tools' (if any) on the content."""
+
+    def __init__(self, ctx: ServingContext, mode: ToolMode | None, reasoner: ReasoningParser | None) -> None:
+        self.reasoner = reasoner
+        self.tools: ToolParser | None = None if mode is None else parser(ctx, mode)
+        self.content_sent = 0
+
+    def delta(self, text: str, done: bool) -> DeltaMessage:
+        """What the answer grown to `text` adds (empty: nothing to send yet)."""
+        reasoning, content = self.reasoner.extract_streaming(text, done) if self.reasoner else ("", text)
+        if self.tools is not None:
+            delta = self.tools.extract_streaming(content, done)
+        else:
+            new, self.content_sent = content[self.content_sent :], max(self.content_sent, len(content))
+            delta = DeltaMessage(content=new) if new else DeltaMessage()
+        if reasoning:
+            delta.reasoning_content = reasoning
+        return delta
 
 
 def stream(
@@ -224,7 +293,7 @@ def stream(
     headers: dict[str, str] | None = None,
 ) -> SSEResponse:
     chunk = Chunks.for_request(req.stream_options, rid, "chat.completion.chunk", prep.model)
-    return SSEResponse(ctx, _chunks(ctx, req, subs, chunk), subs, headers)
+    return SSEResponse(ctx, _chunks(ctx, req, prep, subs, chunk), subs, headers)
 
 
 @router.post(
@@ -246,7 +315,7 @@ async def create_chat_completion(
     parameters."""
     rid = request_id(request, req.request_id, "chatcmpl")
     prep = await prepare(ctx, req)
-    subs = await ctx.submit([prep.prompt_ids], prep.params, rid)
+    subs = await ctx.submit([prep.prompt_ids], prep.params, rid, cache_salt=req.cache_salt, priority=req.priority)
     if req.stream:
         return stream(ctx, req, prep, subs, rid)
     return json_response(await cancel_on_disconnect(request, full(ctx, req, prep, subs, rid)))

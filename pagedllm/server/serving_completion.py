@@ -53,11 +53,12 @@ async def _prepare(ctx: ServingContext, req: CompletionRequest) -> _Prepared:
     ctx.check_n(req.n, len(given))
     prompts, texts = [], []
     for p in given:
-        ids = await ctx.encode(p) if isinstance(p, str) else list(p)
+        ids = ctx.truncate(await ctx.encode(p) if isinstance(p, str) else list(p), req.truncate_prompt_tokens)
         ctx.check_token_ids(ids, "prompt")
         ctx.check_length(len(ids), req.max_tokens, req.min_tokens, "prompt")
         prompts.append(ids)
-        texts.append("" if not req.echo else p if isinstance(p, str) else ctx.decode(ids))
+        whole_text = isinstance(p, str) and req.truncate_prompt_tokens is None
+        texts.append("" if not req.echo else p if whole_text else ctx.decode(ids))
     return _Prepared(model, prompts, texts, req.to_sampling_params(req.max_tokens))
 
 
@@ -171,7 +172,7 @@ async def create_completion(
     """OpenAI's legacy completions, with vLLM's extra sampling parameters."""
     rid = request_id(request, req.request_id, "cmpl")
     prep = await _prepare(ctx, req)
-    subs = await ctx.submit(prep.prompts, prep.params, rid)
+    subs = await ctx.submit(prep.prompts, prep.params, rid, cache_salt=req.cache_salt, priority=req.priority)
     if req.stream:
         chunk = Chunks.for_request(req.stream_options, rid, "text_completion", prep.model)
         return SSEResponse(ctx, _chunks(ctx, req, prep, subs, chunk), subs)

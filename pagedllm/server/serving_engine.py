@@ -29,6 +29,7 @@ from pagedllm.server.protocol import (
     ChatLogprob,
     ChatMessage,
     CompletionLogprobs,
+    CompletionTokensDetails,
     PromptLogprob,
     PromptLogprobs,
     PromptTokensDetails,
@@ -37,6 +38,7 @@ from pagedllm.server.protocol import (
     Usage,
     finite_logprob,
 )
+from pagedllm.server.reasoning import ReasoningFormat
 
 logger = logging.getLogger("pagedllm.server")
 T = TypeVar("T")
@@ -55,14 +57,28 @@ class EngineRequest:
 
 
 @dataclass
+class ChatTemplateArgs:
+    """How a request asks its chat to be rendered, beyond the messages and tools."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None  # the request's own (checked against --trust-request-chat-template)
+    kwargs: dict[str, Any] | None = None  # chat_template_kwargs
+
+
+@dataclass
 class ServingContext:
-    """The engine and the served names, shared by every router (`request.app.state.serving`)."""
+    """The engine and the served names, shared by every router (`request.app.state.serving`), and the server's
+    choices about chats: the reasoning format (--reasoning-parser) and whether a request may bring its own chat
+    template (--trust-request-chat-template)."""
 
     engine: AsyncEngine
     model_names: list[str]
     model_root: str
     max_n: int = MAX_N
     tool_call_parser: str | None = None  # --tool-call-parser: the "auto" tool-call format (else the template's)
+    reasoning: ReasoningFormat | None = None
+    trust_request_chat_template: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     _token_strs: dict[int, str] = field(default_factory=dict)
 
@@ -72,19 +88,40 @@ class ServingContext:
         seconds and the event loop must keep serving every other request meanwhile."""
         return await asyncio.to_thread(self.engine.tokenizer.encode, text, add_special_tokens)
 
-    async def chat_prompt_ids(
-        self, messages: list[ChatMessage], add_generation_prompt: bool, tools: list[dict[str, Any]] | None = None
-    ) -> list[int]:
+    async def chat_prompt(
+        self, messages: list[ChatMessage], args: ChatTemplateArgs, tools: list[dict[str, Any]] | None = None
+    ) -> tuple[str, list[int]]:
+        """The rendered prompt's text and token ids. A request's own template is refused (400 naming
+        chat_template) unless the server trusts them: it runs in Jinja's sandbox, but a loop in it can still
+        take a worker thread for as long as it likes."""
+        if args.chat_template is not None and not self.trust_request_chat_template:
+            raise APIError(
+                "chat_template: this server does not take chat templates from requests "
+                "(start it with --trust-request-chat-template)",
+                400,
+                param="chat_template",
+            )
         try:
             msgs = [{"role": m.role, "content": m.text()} for m in messages]
         except ValueError as e:
             raise APIError(str(e), 400, param="messages") from None
+        tok = self.engine.tokenizer
+        param = "chat_template" if args.chat_template is not None else "messages"
         try:
-            return await asyncio.to_thread(
-                self.engine.tokenizer.apply_chat_template, msgs, add_generation_prompt, tools
+            text = await asyncio.to_thread(
+                tok.apply_chat_template_text,
+                msgs,
+                args.add_generation_prompt,
+                tools,
+                chat_template=args.chat_template,
+                continue_final_message=args.continue_final_message,
+                template_kwargs=args.kwargs,
             )
         except Exception as e:  # noqa: BLE001 - a template that refuses the conversation (roles out of order, ...)
-            raise APIError(f"Cannot apply the chat template to these messages: {e}", 400, param="messages") from None
+            raise APIError(f"Cannot apply the chat template to these messages: {e}", 400, param=param) from None
+        if not isinstance(text, str):
+            raise APIError("the chat template did not render text", 400, param=param)
+        return text, await self.encode(text)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.engine.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -144,6 +181,19 @@ class ServingContext:
                 )
         return limit - n_prompt if max_tokens is None else max_tokens
 
+    def truncate(self, ids: list[int], keep: int | None) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: as many as max_model_len)."""
+        if keep is None:
+            return ids
+        limit = self.engine.max_model_len
+        if keep > limit:
+            raise APIError(
+                f"truncate_prompt_tokens: {keep} is more than the model's maximum context length ({limit})",
+                400,
+                param="truncate_prompt_tokens",
+            )
+        return ids[-(limit if keep == -1 else keep) :]
+
     def check_token_ids(self, ids: list[int], param: str) -> None:
         """Prompt and /detokenize ids (the engine checks logit_bias and stop_token_ids itself, naming them)."""
         vocab = self.engine.model_config.vocab_size
@@ -155,12 +205,23 @@ class ServingContext:
 
     # ------------------------------------------------------------------ engine requests
     async def submit(
-        self, prompts: list[list[int]], params: SamplingParams | PoolingParams, request_id: str
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | PoolingParams,
+        request_id: str,
+        *,
+        cache_salt: str | None = None,
+        priority: int = 0,
     ) -> list[EngineRequest]:
-        """One engine request per prompt (n samples each); if any is refused, the others are aborted."""
+        """One engine request per prompt (n samples each); if any is refused, the others are aborted.
+        `cache_salt` keeps the request's prefix blocks to requests of the same salt (a tenant's)."""
         subs = [EngineRequest(i, i * params.n, f"{request_id}-{i}", ids) for i, ids in enumerate(prompts)]
         results = await asyncio.gather(
-            *(self.engine.add_request(s.request_id, s.prompt_ids, params) for s in subs), return_exceptions=True
+            *(
+                self.engine.add_request(s.request_id, s.prompt_ids, params, cache_salt=cache_salt, priority=priority)
+                for s in subs
+            ),
+            return_exceptions=True,
         )
         for s, r in zip(subs, results):
             if not isinstance(r, BaseException):
@@ -227,16 +288,20 @@ class ServingContext:
 
     # ------------------------------------------------------------------ output formatting
     @staticmethod
-    def usage(subs: list[EngineRequest]) -> Usage:
+    def usage(subs: list[EngineRequest], reasoning_tokens: int | None = None) -> Usage:
+        """The request's usage; `reasoning_tokens` (with a reasoning parser) goes in completion_tokens_details."""
         prompt = sum(len(s.prompt_ids) for s in subs)
         cached = sum(s.final.num_cached_tokens for s in subs if s.final is not None)
         completion = sum(len(c.token_ids) for s in subs if s.final is not None for c in s.final.outputs)
-        return Usage(
+        usage = Usage(
             prompt_tokens=prompt,
             completion_tokens=completion,
             total_tokens=prompt + completion,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
         )
+        if reasoning_tokens is not None:
+            usage.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=reasoning_tokens)
+        return usage
 
     @staticmethod
     def partial_usage(s: EngineRequest, out: RequestOutput) -> Usage:

@@ -54,7 +54,7 @@ async def rag_chat(req: ChatCompletionRequest, request: Request, ctx: ServingCon
     chunks = [RagChunk(**h.to_dict(with_text=False)) for h in hits]
     rid = request_id(request, req.request_id, "ragcmpl")
     prep = await serving_chat.prepare(ctx, req)
-    subs = await ctx.submit([prep.prompt_ids], prep.params, rid)
+    subs = await ctx.submit([prep.prompt_ids], prep.params, rid, cache_salt=req.cache_salt, priority=req.priority)
     if req.stream:
         header = json.dumps([c.body() for c in chunks])
         return serving_chat.stream(ctx, req, prep, subs, rid, headers={"X-RAG-Chunks": header})

@@ -12,7 +12,7 @@ from pagedllm.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from pagedllm.server.serving_engine import ServingContext, serving
+from pagedllm.server.serving_engine import ChatTemplateArgs, ServingContext, serving
 
 router = APIRouter()
 
@@ -22,7 +22,10 @@ async def tokenize(req: TokenizeRequest, ctx: ServingContext = Depends(serving))
     """Token ids of `prompt` (special tokens added by default), or of `messages` through the chat template."""
     ctx.check_model(req.model)
     if req.messages is not None:
-        ids = await ctx.chat_prompt_ids(req.messages, req.add_generation_prompt)
+        args = ChatTemplateArgs(
+            req.add_generation_prompt, req.continue_final_message, req.chat_template, req.chat_template_kwargs
+        )
+        ids = (await ctx.chat_prompt(req.messages, args))[1]
     else:
         assert req.prompt is not None
         ids = await ctx.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)

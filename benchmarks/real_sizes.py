@@ -102,7 +102,6 @@ def add_metadata(w, name: str, s: Shape) -> None:
     w.add_float32(p + "attention.layer_norm_rms_epsilon", s.eps)
     w.add_uint32(p + "rope.dimension_count", s.hidden // s.heads)
     w.add_uint32(p + "vocab_size", s.vocab)
-    w.add_uint32("general.file_type", 1)  # MOSTLY_F16
     with GGUFFile(default_model_path(), keep_arrays=True) as src:
         md = src.metadata
     tokens = list(md["tokenizer.ggml.tokens"])
@@ -120,30 +119,42 @@ def add_metadata(w, name: str, s: Shape) -> None:
     w.add_string("tokenizer.chat_template", md["tokenizer.chat_template"])
 
 
-def write_f16(name: str, path: str, seed: int = 0) -> None:
-    """The shape's random F16 GGUF (norms 1, everything else N(0, 0.02)), one tensor in memory at a time."""
+def write_random(name: str, path: str, kind: str = "F16", seed: int = 0) -> None:
+    """The shape's random GGUF (norms 1, biases 0, matrices N(0, 0.02)) with its matrices in `kind`: F16, or a
+    type the `gguf` package quantizes (Q4_0, Q8_0, ...; every matrix in it, the head and embeddings too). The
+    matrices are cut from one pool of random blocks, one tensor in memory at a time."""
     import gguf
     import numpy as np
 
     s = SHAPES[name]
     shapes = tensor_shapes(s)
+    qtype = gguf.GGMLQuantizationType[kind]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    pool = (
+        gguf.quants.quantize(rng.standard_normal((1 << 19, 32), dtype=np.float32) * 0.02, qtype)
+        .view(np.uint8)
+        .reshape(-1)
+    )
     w = gguf.GGUFWriter(path + ".part", s.arch)
     add_metadata(w, name, s)
+    w.add_uint32("general.file_type", {"F16": 1, "Q4_0": 2, "Q8_0": 7}.get(kind, 1))
     for tname, shape in shapes:
-        dtype = np.float32 if len(shape) == 1 else np.float16
-        w.add_tensor_info(tname, shape, np.dtype(dtype), int(np.prod(shape)) * np.dtype(dtype).itemsize)
+        if len(shape) == 1:
+            w.add_tensor_info(tname, shape, np.dtype(np.float32), shape[0] * 4)
+        else:
+            nbytes = shape[0] * shape[1] // block * size
+            w.add_tensor_info(tname, (shape[0], nbytes // shape[0]), np.dtype(np.uint8), nbytes, raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
-    rng = np.random.default_rng(seed)
-    pool = (rng.standard_normal(1 << 24, dtype=np.float32) * 0.02).astype(np.float16)
     for tname, shape in shapes:
-        n = int(np.prod(shape))
         if len(shape) == 1:
             w.write_tensor_data((np.ones if tname.endswith("norm.weight") else np.zeros)(shape, np.float32))
             continue
-        start = int(rng.integers(0, pool.size))
-        w.write_tensor_data(np.resize(np.roll(pool, -start), n).reshape(shape))
+        nbytes = shape[0] * shape[1] // block * size
+        start = int(rng.integers(0, pool.size // size)) * size
+        w.write_tensor_data(np.resize(np.roll(pool, -start), nbytes))
     w.close()
     os.replace(path + ".part", path)
 
@@ -163,9 +174,9 @@ def model_file(folder: str, name: str, kind: str) -> str:
     path = os.path.join(folder, f"{name}-random.{kind}.gguf")
     if os.path.isfile(path):
         return path
-    if kind == "F16":
+    if kind == "F16" or kind.endswith("-gguf"):
         print(f"writing {path}", flush=True)
-        write_f16(name, path)
+        write_random(name, path, kind.removesuffix("-gguf"))
         return path
     src = model_file(folder, name, "F16")
     print(f"quantizing {src} -> {kind}", flush=True)
@@ -339,7 +350,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("command", choices=["write", "run", "memory"])
     p.add_argument("--shape", default="llama-3.2-1b", choices=sorted(SHAPES))
-    p.add_argument("--types", default="Q4_0", help=f"comma-separated, of F16,{','.join(TYPES)}")
+    p.add_argument(
+        "--types",
+        default="Q4_0",
+        help=f"comma-separated, of F16,{','.join(TYPES)} (llama.cpp's quantizer) or Q4_0-gguf, Q8_0-gguf (the "
+        "gguf package's: every matrix in that type)",
+    )
     p.add_argument("--dir", default=DEFAULT_DIR, help="where the files are written (and found)")
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)

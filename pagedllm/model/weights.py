@@ -5,6 +5,11 @@ q/k/v and gate/up as it goes. GGUF weights are dequantized with `gguf.quants.deq
 uses), or, for `--quantization gguf`, kept as stored (`QuantParts`, see quant.py); the Q/K rows are
 un-permuted: llama.cpp's converter reorders them for its interleaved RoPE, and we use the rotate-half layout of
 transformers.
+
+Memory while loading: the weights end up resident once, so whatever loading needs besides them is bounded by
+one tensor, never the model: a quantized weight is packed for the kernels as soon as its pieces (q/k/v,
+gate/up) are in, and a matrix loaded dense is dequantized a chunk of rows at a time straight into its
+parameter (`DenseRows`; a 128k x 4096 head is 2 GiB in float32).
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import json
 import os
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,7 +31,28 @@ from pagedllm.model.config import ModelConfig
 from pagedllm.model.llama import MERGED, LlamaForCausalLM, install_quant
 from pagedllm.model.quant import GGML_TYPES, QuantParts, from_gguf_blocks, log_once, merge, pack, quantize_rtn
 
-Value = torch.Tensor | QuantParts
+CHUNK_BYTES = 64 << 20  # float32 bytes of a dense GGUF matrix dequantized at a time
+
+
+@dataclass
+class DenseRows:
+    """A GGUF matrix to load dense, read from the open file a chunk of rows at a time by `copy_to`."""
+
+    gf: Any  # GGUFFile
+    name: str
+    shape: tuple[int, int]
+
+    def copy_to(self, param: torch.Tensor) -> None:
+        step = max(1, CHUNK_BYTES // (4 * self.shape[1]))
+        for a in range(0, self.shape[0], step):
+            rows = self.gf.load_array(self.name, slice(a, a + step))
+            if not rows.flags.writeable:
+                rows = rows.copy()
+            with torch.no_grad():
+                param[a : a + rows.shape[0]].copy_(torch.from_numpy(rows))
+
+
+Value = torch.Tensor | QuantParts | DenseRows
 
 _GGUF_LAYER_MAP = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -114,6 +142,9 @@ def iter_gguf(gf: object, cfg: ModelConfig, keep_quantized: bool = False) -> Ite
         if parts is not None:
             yield hf, parts.rows(unpermute_gguf(np.arange(info.shape[0]), heads)) if unpermute else parts
             continue
+        if len(info.shape) == 2 and not unpermute:
+            yield hf, DenseRows(gf, name, (info.shape[0], info.shape[1]))
+            continue
         arr = gf.load_array(name)  # type: ignore[attr-defined]
         if unpermute:
             arr = unpermute_gguf(arr, heads)
@@ -165,18 +196,21 @@ def _destination(model: LlamaForCausalLM, name: str) -> tuple[torch.Tensor, tupl
     return None
 
 
-def _put(param: torch.Tensor, value: torch.Tensor | QuantParts, key: str, where: str) -> None:
-    shape = value.shape if isinstance(value, QuantParts) else tuple(value.shape)
-    if tuple(shape) != tuple(param.shape):
-        raise ModelLoadError(f"{where}: tensor {key} has shape {tuple(shape)}, expected {tuple(param.shape)}")
-    if not isinstance(value, QuantParts):
+def _put(param: torch.Tensor, value: Value, key: str, where: str) -> None:
+    shape = tuple(value.shape)
+    if shape != tuple(param.shape):
+        raise ModelLoadError(f"{where}: tensor {key} has shape {shape}, expected {tuple(param.shape)}")
+    if isinstance(value, DenseRows):
+        value.copy_to(param)
+    elif not isinstance(value, QuantParts):
         with torch.no_grad():
             param.copy_(value)
 
 
 def assign_weights(model: LlamaForCausalLM, tensors: Iterator[tuple[str, Value]], where: str) -> None:
     """Copy HF-named tensors into the model (merging q/k/v and gate/up); error on anything missing. QuantParts
-    are kept quantized where every piece of their merged weight is, else dequantized into place."""
+    are kept quantized where every piece of their merged weight is, and packed as soon as the last piece is in
+    (so loading holds one weight's plain form at a time, not the model's); else dequantized into place."""
     filled: set[str] = set()
     pieces: dict[tuple[nn.Module, str], dict[int, tuple[QuantParts, torch.Tensor]]] = {}
     for name, t in tensors:
@@ -186,14 +220,16 @@ def assign_weights(model: LlamaForCausalLM, tensors: Iterator[tuple[str, Value]]
             continue
         target, whole, idx = dest
         _put(target, t, name, where)
-        if isinstance(t, QuantParts):
-            pieces.setdefault(whole, {})[idx] = (t, target)
         filled.add(name)
-    for (module, attr), got in pieces.items():
-        parts = merge([got[i][0] for i in sorted(got)]) if len(got) == MERGED.get(attr, 1) else None
-        if parts is not None:
-            install_quant(module, attr, pack(parts))
+        if not isinstance(t, QuantParts):
             continue
+        got = pieces.setdefault(whole, {})
+        got[idx] = (t, target)
+        parts = merge([got[i][0] for i in sorted(got)]) if len(got) == MERGED.get(whole[1], 1) else None
+        if parts is not None:
+            install_quant(*whole, pack(parts))
+            del pieces[whole]
+    for (_, attr), got in pieces.items():
         log_once(f"{where}: {attr} mixes quantized types, or quantized and dense pieces; it runs dense")
         for p, target in got.values():
             with torch.no_grad():

@@ -39,7 +39,15 @@ if __name__ == "__main__":  # before torch loads: the class every system runs as
 
     cpu_target.select()
 
-QUANTIZE = os.path.join(HERE, "..", "..", "shared", "anchors", "quantize_gguf.py")
+# ../shared/anchors beside the checkout (/work/main), or two levels up from a worktree (/work/wt/NAME)
+QUANTIZE = next(
+    (
+        q
+        for up in (2, 3)
+        if os.path.isfile(q := os.path.join(HERE, *[".."] * up, "shared", "anchors", "quantize_gguf.py"))
+    ),
+    os.path.join(HERE, "..", "..", "shared", "anchors", "quantize_gguf.py"),
+)
 DEFAULT_DIR = os.path.join(os.path.expanduser("~"), ".cache", "pagedllm", "real-sizes")
 TYPES = ("Q4_0", "Q8_0", "Q4_K_M", "Q6_K")
 
@@ -160,7 +168,10 @@ def write_random(name: str, path: str, kind: str = "F16", seed: int = 0) -> None
 
 
 def llamacpp_python() -> str:
-    """The llama.cpp anchor venv's python for this run's CPU class."""
+    """The llama.cpp anchor venv's python for this run's CPU class (LLAMACPP_PYTHON: another python with
+    llama-cpp-python)."""
+    if os.environ.get("LLAMACPP_PYTHON"):
+        return os.environ["LLAMACPP_PYTHON"]
     anchors = os.environ.get("ANCHORS")
     if not anchors:
         raise SystemExit("set ANCHORS to the folder of ../shared/anchors/setup-llamacpp.sh")
@@ -225,7 +236,8 @@ ONE_REQUEST = textwrap.dedent("""
         end = time.perf_counter()
         runs.append({"ttft_ms": 1e3 * (first - t0), "decode_tok_s": (out - 1) / (end - first)})
     res = {k: statistics.median(r[k] for r in runs[1:]) for k in runs[0]}
-    res.update(ready_at=ready, base=base, loaded=loaded, end=mem())
+    quant = engine.loaded.quantization if system == "pagedllm" else "as stored"
+    res.update(ready_at=ready, base=base, loaded=loaded, end=mem(), quantization=quant)
     json.dump(res, open(path, "w"))
 """)
 
@@ -305,7 +317,8 @@ def row(a, kind: str, gguf: str, res: dict) -> str:
             f"{up['VmRSS']:,.0f} (anon {up['RssAnon']:,.0f}, file {up['RssFile']:,.0f}; peak {r['end']['VmHWM']:,.0f})"
         )
 
-    cells = [f"{a.shape} {kind} ({mib:,.0f} MiB)", os.environ.get("PAGEDLLM_CPU_TARGET", "native")]
+    cells = [f"{a.shape} {kind} ({mib:,.0f} MiB; pagedllm: {p['quantization']})"]
+    cells += [os.environ.get("PAGEDLLM_CPU_TARGET", "native")]
     cells += [f"{p['decode_tok_s']:.1f}", f"{ll['decode_tok_s']:.1f}" if ll else "-"]
     cells += [f"**{p['decode_tok_s'] / ll['decode_tok_s']:.2f}x**" if ll else "-"]
     cells += [f"{p['ttft_ms']:,.0f} / {ll['ttft_ms']:,.0f}" if ll else f"{p['ttft_ms']:,.0f}"]

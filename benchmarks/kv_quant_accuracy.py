@@ -54,7 +54,7 @@ def all_logits(loaded, kv_dtype: torch.dtype, ids: list[int], chunk: int = 512) 
     runner = ModelRunner(loaded, blocks, 16, kv_dtype)
     table = list(range(blocks))
     return torch.cat(
-        [runner.execute_all([SeqChunk(ids[s : s + chunk], s, table)])[0] for s in range(0, len(ids), chunk)]
+        [runner.execute([SeqChunk(ids[s : s + chunk], s, table, all_logits=True)]) for s in range(0, len(ids), chunk)]
     )
 
 

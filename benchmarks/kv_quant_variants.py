@@ -92,10 +92,10 @@ VARIANT: dict = {}
 _write = attention.TorchPagedAttention.forward
 
 
-def _forward(self, q, k, v, k_cache, v_cache, meta):  # K and V as the variant would store them
+def _forward(self, q, k, v, k_cache, v_cache, meta, *spec):  # K and V as the variant would store them
     k = VARIANT["k"](k).to(k.dtype) if "k" in VARIANT else k
     v = VARIANT["v"](v).to(v.dtype) if "v" in VARIANT else v
-    return _write(self, q, k, v, k_cache, v_cache, meta)
+    return _write(self, q, k, v, k_cache, v_cache, meta, *spec)
 
 
 def logits(loaded, ids: list[int], chunk: int = 512) -> torch.Tensor:
@@ -103,7 +103,7 @@ def logits(loaded, ids: list[int], chunk: int = 512) -> torch.Tensor:
     runner = ModelRunner(loaded, blocks, 16, torch.float32, fused=False)
     table = list(range(blocks))
     return torch.cat(
-        [runner.execute_all([SeqChunk(ids[s : s + chunk], s, table)])[0] for s in range(0, len(ids), chunk)]
+        [runner.execute([SeqChunk(ids[s : s + chunk], s, table, all_logits=True)]) for s in range(0, len(ids), chunk)]
     )
 
 

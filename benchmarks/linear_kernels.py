@@ -67,12 +67,12 @@ def cpu_line() -> str:
 def quant_weights(loaded) -> dict[str, list[QuantWeight]]:
     """The model's quantized weights by shape name (one per layer; the LM head once)."""
     m = loaded.model
-    out = {"qkv": [], "o": [], "gate_up": [], "down": [], "lm_head": [m.lm_head_quant]}
-    for layer in m.layers:
-        out["qkv"].append(layer.quant["qkv_weight"])
-        out["o"].append(layer.quant["o_weight"])
-        out["gate_up"].append(layer.mlp.quant["gate_up_weight"])
-        out["down"].append(layer.mlp.quant["down_weight"])
+    out = {"qkv": [], "o": [], "gate_up": [], "down": [], "lm_head": [m.lm_head.quant]}
+    for layer in m.decoder_layers:
+        out["qkv"].append(layer.qkv.quant)
+        out["o"].append(layer.o.quant)
+        out["gate_up"].append(layer.mlp.gate_up.quant)
+        out["down"].append(layer.mlp.down.quant)
     return out
 
 

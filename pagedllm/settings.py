@@ -91,6 +91,8 @@ def _argparse_kind(annotation: Any) -> dict[str, Any]:
         return {} if parsed else _argparse_kind(args[0])  # text pydantic reads (Bytes: 2GiB) stays text
     if typing.get_origin(annotation) is Literal:
         return {"choices": list(args)}
+    if typing.get_origin(annotation) is list:
+        return {"nargs": "+", **_argparse_kind(args[0])}
     if annotation is bool:
         return {"action": argparse.BooleanOptionalAction}
     if annotation in (int, float):
@@ -98,10 +100,11 @@ def _argparse_kind(annotation: Any) -> dict[str, Any]:
     return {}  # str, and anything pydantic parses from text
 
 
-def add_flags(group: Any, cls: type, skip: tuple[str, ...] = ()) -> None:
-    """One flag per field of the settings class `cls`: --field-name, its help the field's docstring."""
+def add_flags(group: Any, cls: type, skip: tuple[str, ...] = (), only: tuple[str, ...] | None = None) -> None:
+    """One flag per field of the settings class `cls` (those in `only`, if given, but not in `skip`): --field-name,
+    its help the field's docstring."""
     for name, info in cls.__pydantic_fields__.items():  # type: ignore[attr-defined]
-        if name in skip:
+        if name in skip or (only is not None and name not in only):
             continue
         flag = _flag(info.metadata)
         default = info.default if flag.cli_default is _SAME else flag.cli_default

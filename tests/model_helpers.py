@@ -70,3 +70,11 @@ def make_tiny_hf(kind: str, folder: str):
     hf.save_pretrained(folder, safe_serialization=True)
     save_tiny_tokenizer(folder, VOCAB)
     return hf
+
+
+def all_logits(runner, chunks):
+    """float32 logits for every new token of each chunk: one [len(token_ids), vocab] tensor per chunk."""
+    from dataclasses import replace
+
+    out = runner.execute([replace(c, all_logits=True) for c in chunks])
+    return list(out.split([len(c.token_ids) for c in chunks]))

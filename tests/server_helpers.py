@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 
 import httpx
 import pytest
 from engine_helpers import kv_budget
 
+HANG_S = 120.0  # what a wait allows before the test fails as hung: never reached unless something is broken
 KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 # The fault and fuzz servers: float32 (exact answers to compare), a short context, a tiny KV budget.
@@ -28,11 +30,12 @@ def tiny_kv_budget(blocks: int = 24) -> int:
 
 
 @contextlib.contextmanager
-def running_server(engine, **app_args) -> Iterator[SimpleNamespace]:
-    """uvicorn in a thread on a free port over `engine` (an AsyncLLMEngine), API key KEY; stopped on exit."""
-    from pagedllm.entrypoints.openai.api_server import Server, build_app
+def running_server(engine, api_key: str | None = KEY, **app_args) -> Iterator[SimpleNamespace]:
+    """uvicorn in a thread on a free port over `engine` (an AsyncLLMEngine), API key KEY (None: no key, as
+    `pagedllm serve` without --api-key); stopped on exit."""
+    from pagedllm.server.api_server import Server, build_app
 
-    app = build_app(engine, api_key=KEY, **app_args)
+    app = build_app(engine, api_key=api_key, **app_args)
     srv = Server(app, host="127.0.0.1", port=0, log_level="warning")
     srv.start_in_thread()
     port = srv.uvicorn.servers[0].sockets[0].getsockname()[1]
@@ -51,9 +54,10 @@ def kv(s) -> dict:
     return r.json()
 
 
-def assert_pool_whole(s, timeout: float = 30.0) -> dict:
-    """Nothing running or waiting and every KV block free (cached-but-unused blocks count as free)."""
-    deadline = time.monotonic() + timeout
+def assert_pool_whole(s) -> dict:
+    """Nothing running or waiting and every KV block free (cached-but-unused blocks count as free), waited for
+    (aborts are applied between steps) up to a hang guard."""
+    deadline = time.monotonic() + HANG_S
     while True:
         state = kv(s)
         if state["used_blocks"] == 0 and state["num_running"] == 0 and state["num_waiting"] == 0:
@@ -87,3 +91,108 @@ def sse_events(lines) -> list:
         data = line[len("data: ") :]
         events.append(data if data == "[DONE]" else json.loads(data))
     return events
+
+
+class StepHold:
+    """Holds the steps of a server's engine until the test lets them run: `allow(n)` lets n more steps run,
+    `release()` all of them. A held step waits on the engine thread before it runs, and meanwhile applies the
+    engine's queue as the loop does between two steps (adds, aborts, the reads of GET /v1/kv), so the server
+    answers as usual while no token is made.
+
+    Why: a test that needs a request still running when its client leaves (or still holding its slot while
+    others are refused) must not bet on a token count outlasting a timeout; that bet fails on a fast CPU.
+    Used as a context manager: on exit every step runs again and the engine's own `step` is back."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine  # an AsyncLLMEngine
+        self.core = engine.engine
+        self.held = threading.Event()  # set once a step waits
+        self.inner = lambda: type(self.core).step(self.core)  # what a step runs once let through
+        self.run_while: Callable[[], bool] = lambda: False  # steps also run while this holds (engine thread)
+        self.started: set[str] = set()  # the requests that have made a token
+        self._permits = 0
+        self._released = False
+        self._cond = threading.Condition()
+        self._aborts: list[str] = []
+        self._abort_seen = threading.Condition()
+
+    def _step(self):
+        with self._cond:
+            while not self._released and self._permits == 0 and not self.run_while():
+                self.held.set()
+                self._cond.release()
+                try:
+                    self.engine._apply_ops(block=False)  # on the engine thread, as between two steps
+                finally:
+                    self._cond.acquire()
+                self._cond.wait(0.005)  # woken at once by allow / release; the period only paces the queue reads
+            self._permits = max(0, self._permits - 1)
+        if not self.core.has_unfinished_requests():  # what it held was aborted meanwhile
+            return []
+        outputs = self.inner()
+        self.started.update(out.request_id for out in outputs)
+        return outputs
+
+    def _abort(self, request_id: str) -> None:
+        type(self.engine).abort(self.engine, request_id)
+        with self._abort_seen:
+            self._aborts.append(request_id)
+            self._abort_seen.notify_all()
+
+    def wait_abort(self, prefix: str) -> None:
+        """Until the server has asked the engine to abort a request whose id starts with `prefix`."""
+        with self._abort_seen:
+            ok = self._abort_seen.wait_for(lambda: any(a.startswith(prefix) for a in self._aborts), HANG_S)
+        assert ok, f"no abort of {prefix}* was asked for: {self._aborts}"
+
+    def wait_held(self) -> None:
+        """Until a step waits: the engine has something to run and runs nothing."""
+        assert self.held.wait(HANG_S), "no step of the engine was held"
+
+    def allow(self, n: int) -> None:
+        with self._cond:
+            self.held.clear()
+            self._permits += n
+            self._cond.notify_all()
+
+    def release(self) -> None:
+        with self._cond:
+            self._released = True
+            self._cond.notify_all()
+
+    def __enter__(self) -> StepHold:
+        self.core.step = self._step
+        self.engine.abort = self._abort
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+        del self.core.step, self.engine.abort
+
+
+def _closed(node):
+    """A copy of an OpenAPI schema where every object schema refuses properties it does not declare: a field
+    the server sends and does not document fails the check instead of passing unseen."""
+    if isinstance(node, list):
+        return [_closed(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _closed(v) for k, v in node.items()}
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def assert_as_declared(spec: dict, path: str, method: str, r: httpx.Response, events: list | None = None) -> int:
+    """The response's JSON (or every event of a stream: `events`, as sse_events reads them) validates against the
+    schema /openapi.json (`spec`) declares for this route, status and content type; how many bodies it checked."""
+    import jsonschema
+
+    media = r.headers["content-type"].split(";")[0]
+    declared = spec["paths"][path][method]["responses"][str(r.status_code)]["content"][media]["schema"]
+    validator = jsonschema.Draft202012Validator({**declared, "components": _closed(spec["components"])})
+    bodies = [e for e in events if e != "[DONE]"] if events is not None else [r.json()]
+    for body in bodies:
+        errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(body)]
+        assert not errors, f"{method.upper()} {path} {r.status_code} {media}: {errors} in {body}"
+    return len(bodies)

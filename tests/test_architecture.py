@@ -13,23 +13,31 @@ import pagedllm
 ROOT = Path(pagedllm.__file__).parent
 MAX_FUNCTION_LINES = 60
 # Modules bench/ and rag/ may import besides their own packages (docs/architecture.md, "What may import what").
-TOP_LEVEL = {"pagedllm", "pagedllm.errors", "pagedllm.sampling_params", "pagedllm.sse"}
+TOP_LEVEL = {
+    "pagedllm",
+    "pagedllm.errors",
+    "pagedllm.sampling_params",
+    "pagedllm.sse",
+    "pagedllm.settings",
+    "pagedllm.report",
+}
 PACKAGES = {"pagedllm.engine", "pagedllm.model", "pagedllm.kv"}  # their __all__ only
 OWN = ("pagedllm.bench", "pagedllm.rag")
-# Top to bottom: a module may import its own layer's modules and those below, never one above
-# (docs/architecture.md, "What may import what"). The CLI commands parse flags and call the cluster or the server;
-# the cluster builds on the server's OpenAI app; the server may serve RAG; bench and rag use the public API.
+# Top to bottom, one package per layer (no layer is a part of a package): a module may import its own layer's
+# modules and those below, never one above (docs/architecture.md, "What may import what"). The CLI commands parse
+# flags and call the cluster or the server; the cluster builds on the server's OpenAI app; the server may serve
+# RAG; bench and rag use the public API.
 LAYERS = [
-    ("pagedllm.entrypoints",),  # the CLI commands (the OpenAI server has its own layer below)
+    ("pagedllm.entrypoints",),  # the CLI commands only
     ("pagedllm.cluster",),
-    ("pagedllm.entrypoints.openai",),
+    ("pagedllm.server",),
     ("pagedllm.bench",),
     ("pagedllm.rag",),
     ("pagedllm.__init__",),  # `from pagedllm import LLM, SamplingParams`
     ("pagedllm.engine",),
     ("pagedllm.model",),
     ("pagedllm.kv",),
-    ("pagedllm.sampling_params", "pagedllm.settings", "pagedllm.sse"),
+    ("pagedllm.sampling_params", "pagedllm.settings", "pagedllm.sse", "pagedllm.report"),
     ("pagedllm.errors",),
 ]
 
@@ -122,6 +130,16 @@ def test_imports_go_down_the_layers():
     assert not bad, "imports against the layer order (docs/architecture.md):\n" + "\n".join(bad)
 
 
+def test_each_layer_is_whole_top_level_packages():
+    """No layer is a part of a package (the server is `pagedllm.server`, not a corner of `entrypoints`), and
+    every module of the package is in one."""
+    prefixes = [prefix for layer in LAYERS for prefix in layer]
+    assert all(p.count(".") == 1 for p in prefixes), prefixes
+    assert len(prefixes) == len(set(prefixes))
+    top = {".".join(m.split(".")[:2]) for m in _modules() if m != "pagedllm"}
+    assert top <= set(prefixes) | {"pagedllm.__init__"}, top - set(prefixes)
+
+
 def test_the_graph_rules_catch_a_cycle_and_an_upward_import():
     graph = {
         "pagedllm.model": {"pagedllm.model.loader"},
@@ -131,11 +149,7 @@ def test_the_graph_rules_catch_a_cycle_and_an_upward_import():
     assert _find_cycle(graph) == ["pagedllm.model", "pagedllm.model.loader", "pagedllm.model"]
     assert _find_cycle({"a": {"b"}, "b": set()}) is None
     assert _upward_imports(graph) == ["pagedllm.cluster.launch imports pagedllm.entrypoints.cli, a layer above it"]
-    assert (
-        _layer("pagedllm.entrypoints.openai.protocol")
-        > _layer("pagedllm.cluster.app")
-        > _layer("pagedllm.entrypoints.serve")
-    )
+    assert _layer("pagedllm.server.protocol") > _layer("pagedllm.cluster.app") > _layer("pagedllm.entrypoints.serve")
 
 
 def _violation(module: str, names: list[str]) -> str | None:
@@ -166,7 +180,7 @@ def test_bench_and_rag_import_only_public_surfaces():
 def test_the_rule_catches_a_private_import():
     assert _violation("pagedllm.kv.manager", ["PagedKVCacheManager"]) == "pagedllm.kv.manager"
     assert _violation("pagedllm.model", ["cpu_kernel"]) is not None
-    assert _violation("pagedllm.entrypoints.openai.protocol", ["CompletionRequest"]) is not None
+    assert _violation("pagedllm.server.protocol", ["CompletionRequest"]) is not None
     assert _violation("pagedllm.kv", ["PagedKVCacheManager"]) is None
     assert _violation("pagedllm", ["LLM", "kv"]) is None
 

@@ -151,8 +151,7 @@ def test_serve_against_fake_server(server, tmp_path, monkeypatch, endpoint):
             "--disable-tqdm",
             "--quiet",
             "--goodput",
-            "ttft:5000",
-            "tpot:1000",
+            f"ttft:{TTFT_S * 1000 / 2:g}",  # missed by every request, whatever the speed: the server waits TTFT_S
             "--save-result",
             str(out),
             "--plot",
@@ -171,7 +170,7 @@ def test_serve_against_fake_server(server, tmp_path, monkeypatch, endpoint):
         assert len(itls) == 4
         assert e2e >= TTFT_S + 4 * ITL_S * 0.9
         assert e2e == pytest.approx(ttft + sum(itls), abs=1e-6)
-    assert r["request_goodput"] == pytest.approx(r["request_throughput"])
+    assert r["request_goodput"] == 0 < r["request_throughput"]  # no bound a slow machine could miss by chance
     assert FakeOpenAI.state["peak_streaming"] <= 3  # --max-concurrency 3 is honoured
     assert r["max_concurrent_requests"] >= 1 and r["max_output_tokens_per_s"] >= 1
     # 6 measured requests of 12 words: half of them "hit" (the initial test request is not counted)

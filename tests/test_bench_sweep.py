@@ -140,6 +140,7 @@ def test_run_sweep_with_fake_engine(monkeypatch, tmp_path):
     monkeypatch.setattr(engine_api, "take_snapshot", fake_snapshot)
     monkeypatch.setattr(sweep, "kv_bytes_per_token", lambda model, dtype: PER_TOKEN)
     monkeypatch.setattr(bt, "load_bench_tokenizer", lambda path=None: WordTok())
+    monkeypatch.setattr(sweep, "_row_model", lambda args, s: None)  # the window rows' own model: the fake's
     p = argparse.ArgumentParser()
     sub = p.add_subparsers()
     sweep.add_sweep_parser(sub)
@@ -188,6 +189,8 @@ def test_run_sweep_with_fake_engine(monkeypatch, tmp_path):
         "paged b16, KV fp8",
         "prefix-rep, small pool",
         "prefix-rep, small pool + disk tier",
+        "paged b16, full attention",
+        "paged b16, sliding window 256",
     ]
     assert data["kv_budget_tokens"] == 4 * 256
     assert rows["contiguous b16"]["peak_running"] == 4 < rows["paged b16"]["peak_running"]
@@ -218,3 +221,77 @@ def test_table_markdown():
     t = sweep.format_table(rows, markdown=True).splitlines()
     assert t[0].startswith("| setting | workload | peak running")
     assert t[2] == "| paged b16 | long-tail | 8 | 1,000 | 900 | 90.0% | 12.5 | 100 | 900 | - | 0 |"
+
+
+def _sweep_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser()
+    sweep.add_sweep_parser(p.add_subparsers())
+    return p
+
+
+def test_sweep_flags_are_generated_from_the_engine_and_sweep_settings():
+    from pagedllm.engine import EngineConfig
+
+    sub = next(a for a in _sweep_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    actions = {a.dest: a for a in sub.choices["sweep"]._actions}
+    engine = EngineConfig.__pydantic_fields__
+    for name in sweep.ENGINE_FLAGS:  # the engine's own declaration: its help, default and choices
+        assert actions[name].help == engine[name].description and actions[name].default == engine[name].default
+    assert actions["dtype"].choices == ["auto", "float32", "bfloat16"]  # once a bare --dtype without choices
+    assert actions["max_model_len"].default is None  # the model's, as everywhere (once 4096 here alone)
+    for name, info in sweep.SweepConfig.__pydantic_fields__.items():
+        assert actions[name].help == info.description and info.description, name
+        assert actions[name].default == info.default, name
+
+
+@pytest.mark.parametrize(
+    "flags, flag", [(["--num-prompts", "0"], "--num-prompts"), (["--burstiness", "-1"], "--burstiness")]
+)
+def test_a_bad_sweep_value_is_a_user_error_naming_the_flag(flags, flag):
+    from pagedllm.errors import UserError
+
+    with pytest.raises(UserError, match=f"^{flag}: "):
+        sweep.run_sweep(_sweep_parser().parse_args(["sweep", *flags]))
+
+
+class DtypeFakeEngine(FakeEngine):
+    """The fake engine whose blocks cost what the cache's dtype costs (float32 twice bfloat16, int8 half)."""
+
+    configs: list = []
+
+    def __init__(self, cfg, loaded=None):
+        super().__init__(cfg, loaded)
+        scale = {"auto": 1, "float32": 2, "bfloat16": 1, "int8": 0.5, "fp8": 0.5}[cfg.kv_cache_dtype]
+        self.num_blocks = int(cfg.kv_cache_memory // (PER_TOKEN * scale * self.bs))
+        DtypeFakeEngine.configs.append(self)
+
+
+def _run_fake_sweep(monkeypatch, flags):
+    import pagedllm.bench.tokenizer as bt
+    import pagedllm.engine as eng
+
+    DtypeFakeEngine.configs = []
+    monkeypatch.setattr(eng, "LLMEngine", DtypeFakeEngine)
+    monkeypatch.setattr(sweep, "kv_bytes_per_token", lambda model, dtype: PER_TOKEN)
+    monkeypatch.setattr(sweep, "model_max_len", lambda model: 1024)  # the model's context, --max-model-len unset
+    monkeypatch.setattr(bt, "load_bench_tokenizer", lambda path=None: WordTok())
+    args = _sweep_parser().parse_args(["sweep", "--no-reuse-weights", "--median-len", "40", *flags])
+    assert args.func(args) == 0
+    return DtypeFakeEngine.configs
+
+
+def test_sweep_rows_never_make_the_engine_warn_about_a_max_model_len_nobody_set(monkeypatch, capsys):
+    flags = ["--rows", "allocation,disk,dtype", "--prefix-len", "32", "--suffix-len", "8", "--prefix-output-len", "2"]
+    engines = _run_fake_sweep(monkeypatch, flags)
+    assert [e.cfg.max_model_len for e in engines if e.cfg.kv_allocation == "contiguous"] == [1024]  # the model's
+    assert {e.cfg.kv_cache_dtype for e in engines} >= {"float32", "int8"}
+    for e in engines:  # the engine warns when its cache holds fewer tokens than max-model-len
+        assert e.num_blocks * e.bs >= e.cfg.max_model_len, e.cfg
+    assert "max-model-len 1024" in capsys.readouterr().err
+
+
+def test_sweep_dtype_rows_run_more_requests_at_once_with_a_narrower_cache(monkeypatch, tmp_path):
+    _run_fake_sweep(monkeypatch, ["--rows", "dtype", "--save-result", str(tmp_path / "s.json")])
+    rows = json.loads((tmp_path / "s.json").read_text())["rows"]
+    peak = {r["kv_cache_dtype"]: r["peak_running"] for r in rows}
+    assert peak["float32"] < peak["bfloat16"] < peak["int8"] == peak["fp8"]

@@ -3,18 +3,26 @@ the official openai client works unchanged, prefix routing keeps every request o
 (and beats round-robin's cluster-wide hit rate, measured by a second front door over the same replicas), and a
 replica killed mid-stream fails its own request with a clear error while the other serves and Ray starts a new one.
 
-One cluster for the module (Ray and two model loads are most of the time); `-m "not cluster"` skips it.
+One cluster for the module, started the way a user starts it (`pagedllm serve --replicas 2`, a subprocess; Ray
+and two model loads are most of the time): its Ray listens on loopback only, and what it prints from start to
+Ctrl-C is nothing alarming (the last test stops it). `-m "not cluster"` skips the module.
 """
 
 from __future__ import annotations
 
+import os
 import random
+import signal
+import subprocess
+import sys
 import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import openai
+import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -27,38 +35,101 @@ PREFIX = 64  # tokens each group shares: 4 blocks of 16
 GROUPS, PER_GROUP = 4, 5
 
 
+@dataclass
+class Cluster:
+    """`pagedllm serve --replicas 2` as a user runs it (its own session, as from a terminal), and this process
+    joined to its Ray as a second driver (for the round-robin front door and `ray.kill`)."""
+
+    url: str
+    process: subprocess.Popen
+    stderr_path: Path
+    joined: bool = True
+
+    def stderr(self) -> str:
+        return self.stderr_path.read_text()
+
+    def stop(self) -> tuple[int, str]:
+        """Leave its Ray, then Ctrl-C it (SIGINT to its process group): its exit code and whole stderr."""
+        import ray
+
+        if self.joined:
+            ray.shutdown()  # a joined driver only disconnects
+            self.joined = False
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGINT)
+        return self.process.wait(timeout=180), self.stderr()
+
+
+def _start_cli(port: int, stderr_path: Path) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(port), "--replicas", "2"]
+    argv += ["--cpus-per-replica", "1", "--routing", "prefix", "--kv-cache-memory", "32MiB"]
+    argv += ["--max-model-len", "512", "--max-num-seqs", "8"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}  # Ray's defaults, as a user has
+    with stderr_path.open("w") as err:
+        process = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    deadline = time.monotonic() + 300  # a hang guard, not a speed bound
+    while "pagedllm serve: serving" not in stderr_path.read_text():
+        if process.poll() is not None or time.monotonic() > deadline:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+            raise AssertionError(f"pagedllm serve did not start:\n{stderr_path.read_text()}")
+        time.sleep(0.5)
+    return process
+
+
+def _gcs_address(process: subprocess.Popen) -> str:
+    """The GCS the command started, as its raylet was told it (`auto` could find another user's Ray)."""
+    for child in psutil.Process(process.pid).children(recursive=True):
+        flags = [a for a in child.cmdline() if a.startswith("--gcs-address=")]
+        if child.name() == "raylet" and flags:
+            return flags[0].split("=", 1)[1]
+    raise AssertionError("no raylet under pagedllm serve")
+
+
 @pytest.fixture(scope="module")
-def cluster():
-    """The application `pagedllm serve --replicas 2` runs, at /, and a round-robin front door at /rr."""
+def cluster(tmp_path_factory):
+    """The real `pagedllm serve --replicas 2` at /, and a round-robin front door at /rr over its replicas."""
     import ray  # the cluster extra, which `make test` installs; imported here so that -m "not cluster" needs none
     from ray import serve
+    from ray._private.authentication.authentication_token_setup import maybe_enable_token_auth_if_token_available
 
-    from pagedllm.cluster.app import APP_NAME, build_application, build_front_door
-    from pagedllm.cluster.launch import OBJECT_STORE_BYTES
+    from pagedllm.cluster.app import build_front_door
+    from pagedllm.cluster.loopback import loopback_only
     from pagedllm.entrypoints.serve_cluster import parse_builder_args, settings_from_args
 
     port = free_port()
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=OBJECT_STORE_BYTES, log_to_driver=False)
+    stderr_path = tmp_path_factory.mktemp("cluster") / "stderr.txt"
+    process = _start_cli(port, stderr_path)
+    running = Cluster(f"http://127.0.0.1:{port}", process, stderr_path)
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        config, options, ingress = settings_from_args(
-            parse_builder_args(
-                {
-                    "replicas": "2",
-                    "cpus_per_replica": "1",
-                    "routing": "prefix",
-                    "kv_cache_memory": "32MiB",
-                    "max_model_len": "512",
-                    "max_num_seqs": "8",
-                }
-            )
-        )
-        serve.run(build_application(config, options, ingress), name=APP_NAME, route_prefix="/")
-        serve.run(build_front_door(replace(ingress, routing="round-robin")), name="rr", route_prefix="/rr")
-        yield f"http://127.0.0.1:{port}"
+        loopback_only()  # or Ray takes 127.0.0.1 for this machine's address, where nothing listens
+        maybe_enable_token_auth_if_token_available(warn_if_disabled=False)  # the token the command's Ray made
+        ray.init(address=_gcs_address(process), log_to_driver=False)
+        _, _, ingress = settings_from_args(parse_builder_args({"routing": "round-robin"}))
+        serve.run(build_front_door(ingress), name="rr", route_prefix="/rr")
+        yield running
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        running.stop()
+
+
+LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
+
+
+def test_the_local_ray_listens_on_loopback_only(cluster):
+    """Every port of every process the command started (GCS, raylet, agents, workers, Serve's proxy and
+    replicas, itself) is on loopback: nobody on the network can reach the Ray it started."""
+    command = psutil.Process(cluster.process.pid)
+    listening = {}
+    for process in [command, *command.children(recursive=True)]:
+        try:
+            for conn in process.net_connections(kind="inet"):
+                if conn.status == psutil.CONN_LISTEN:
+                    listening[(conn.laddr.ip, conn.laddr.port)] = process.name()
+        except psutil.NoSuchProcess:  # a worker that exited meanwhile
+            continue
+    assert ("127.0.0.1", int(cluster.url.rsplit(":", 1)[1])) in listening  # the HTTP port: the scan sees them
+    assert len(set(listening.values())) >= 4  # gcs_server, raylet, workers, agents at least
+    assert {addr: name for addr, name in listening.items() if addr[0] not in LOOPBACK} == {}
 
 
 def _client(base: str) -> openai.OpenAI:
@@ -66,7 +137,7 @@ def _client(base: str) -> openai.OpenAI:
 
 
 def test_the_openai_client_works_unchanged(cluster):
-    client = _client(cluster)
+    client = _client(cluster.url)
     assert [m.id for m in client.models.list().data] == [MODEL]
     whole = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0)
     assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 6
@@ -88,9 +159,9 @@ def test_the_openai_client_works_unchanged(cluster):
     assert bad.value.body["param"] == "temperature"
     several = client.completions.create(model=MODEL, prompt=["One", "Two", "Three"], max_tokens=2)
     assert sorted(c.index for c in several.choices) == [0, 1, 2]  # concurrent calls of one HTTP request
-    health = httpx.get(f"{cluster}/health", timeout=60).json()
+    health = httpx.get(f"{cluster.url}/health", timeout=60).json()
     assert health["status"] == "ok" and list(health["replicas"].values()) == ["ok", "ok"]
-    page = httpx.get(f"{cluster}/metrics", timeout=60).text
+    page = httpx.get(f"{cluster.url}/metrics", timeout=60).text
     running = next(f for f in text_string_to_metric_families(page) if f.name == "vllm:num_requests_running")
     assert {sample.labels["replica"] for sample in running.samples} == set(health["replicas"])
 
@@ -124,18 +195,18 @@ def _decisions(base: str) -> dict[str, int]:
 
 
 def test_prefix_routing_keeps_each_group_on_one_replica_and_beats_round_robin(cluster):
-    before, decided = _cluster_hits(cluster), _decisions(cluster)
-    prefix = _prefix_workload(cluster, seed=1)
-    middle = _cluster_hits(cluster)
+    before, decided = _cluster_hits(cluster.url), _decisions(cluster.url)
+    prefix = _prefix_workload(cluster.url, seed=1)
+    middle = _cluster_hits(cluster.url)
     # Every repeat found its whole prefix cached: it went where the group's first prompt went, since no other
     # replica held that prefix (so every request of a group went to one replica).
     assert all(cached == PREFIX for _, repeat, cached in prefix if repeat)
     assert all(cached == 0 for _, repeat, cached in prefix if not repeat)
-    now = _decisions(cluster)
+    now = _decisions(cluster.url)
     assert {k: now[k] - decided.get(k, 0) for k in now} == {"new": GROUPS, "prefix": GROUPS * (PER_GROUP - 1)}
 
-    baseline = _prefix_workload(f"{cluster}/rr", seed=2)  # new prefixes, the same replicas, cache-blind routing
-    after = _cluster_hits(cluster)
+    baseline = _prefix_workload(f"{cluster.url}/rr", seed=2)  # new prefixes, the same replicas, cache-blind routing
+    after = _cluster_hits(cluster.url)
     rate = (middle["hits"] - before["hits"]) / (middle["queries"] - before["queries"])
     rr_rate = (after["hits"] - middle["hits"]) / (after["queries"] - middle["queries"])
     assert rate == pytest.approx(GROUPS * (PER_GROUP - 1) * PREFIX / (GROUPS * PER_GROUP * (PREFIX + 8)))
@@ -160,7 +231,7 @@ def test_a_killed_replica_fails_its_request_and_the_other_goes_on(cluster):
     failure: list[BaseException] = []
 
     def long_stream() -> None:
-        stream = _client(cluster).completions.create(
+        stream = _client(cluster.url).completions.create(
             model=MODEL, prompt="Once upon a time", max_tokens=400, stream=True, extra_body={"ignore_eos": True}
         )
         try:
@@ -171,20 +242,37 @@ def test_a_killed_replica_fails_its_request_and_the_other_goes_on(cluster):
 
     thread = threading.Thread(target=long_stream)
     thread.start()
-    victim = _serving_replica(cluster)
+    victim = _serving_replica(cluster.url)
     import ray
 
     ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP_NAME}#{ENGINE_DEPLOYMENT}#{victim}", namespace="serve"))
     thread.join(120)
     assert failure and f"replica {victim} died" in str(failure[0])  # its own request: a clear error, not a hang
-    client = _client(cluster)
+    client = _client(cluster.url)
     for _ in range(3):  # the other replica serves meanwhile
         assert client.completions.create(model=MODEL, prompt="Hello", max_tokens=2).usage.completion_tokens == 2
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:  # Ray Serve starts a replacement
-        replicas = httpx.get(f"{cluster}/health", timeout=60).json()["replicas"]
+        replicas = httpx.get(f"{cluster.url}/health", timeout=60).json()["replicas"]
         if len(replicas) == 2 and victim not in replicas and set(replicas.values()) == {"ok"}:
             break
         time.sleep(1)
     else:
         raise AssertionError(f"no replacement replica: {replicas}")
+
+
+def test_start_and_stop_print_nothing_alarming(cluster):
+    """Last in the module: it stops the cluster. What a user reads from start to Ctrl-C is true and calm: no
+    advice to turn off the token authentication Ray turned on, no "New http_options ... will not be applied"
+    about the options it was started with, no failed shutdown task, no traceback."""
+    rc, stderr = cluster.stop()
+    assert rc == 0, stderr
+    for alarming in (
+        "Token authentication",
+        "will not be applied",
+        "graceful_shutdown",
+        "failed to shut down",
+        "Traceback",
+    ):
+        assert alarming not in stderr, stderr
+    assert "pagedllm serve: serving SmolLM2-135M-Instruct on http://127.0.0.1:" in stderr

@@ -237,7 +237,7 @@ def test_replica_pages_merge_into_one_valid_page_with_a_replica_label():
 
     from pagedllm.bench.metrics import parse_prefix_cache_counters
     from pagedllm.cluster.metrics import sum_stats, with_replica_labels
-    from pagedllm.entrypoints.openai.metrics import ServerMetrics
+    from pagedllm.engine.metrics import PrometheusStatLogger
 
     a = _stats(
         prefix_cache_queries=100,
@@ -248,8 +248,8 @@ def test_replica_pages_merge_into_one_valid_page_with_a_replica_label():
     )
     b = _stats(prefix_cache_queries=50, prefix_cache_hits=5, num_waiting=1, spec_decode_num_accepted_tokens_per_pos=[2])
     pages = {
-        "ra": ServerMetrics("m", lambda: a).render().decode(),
-        "rb": ServerMetrics("m", lambda: b).render().decode(),
+        "ra": PrometheusStatLogger().render(a, "m").decode(),
+        "rb": PrometheusStatLogger().render(b, "m").decode(),
     }
     merged = with_replica_labels(pages)
     families = {f.name: f for f in text_string_to_metric_families(merged)}  # parses: one HELP/TYPE per family
@@ -311,3 +311,36 @@ def test_serve_run_builder_args_are_serve_flags():
     assert (args.replicas, args.routing, args.block_size, args.model) == (3, "kv-events", 32, None)
     assert parse_builder_args({"model": "m.gguf"}).replicas == 1
     assert parse_builder_args({"model": "m.gguf"}).model == "m.gguf"
+
+
+def test_a_ray_address_with_no_cluster_is_one_line_naming_the_flag(monkeypatch, capsys):
+    """`--ray-address auto` with no Ray running: one line naming --ray-address and a nonzero exit, not Ray's
+    traceback ending in advice about an `--address` flag pagedllm does not have. No Ray is started; the search
+    for a running one is made to find none, whatever else runs on this machine."""
+    pytest.importorskip("ray")
+    from ray._private import services
+
+    from pagedllm.bench.server_process import free_port
+    from pagedllm.entrypoints.cli import main
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(services, "_find_address_from_flag", lambda flag: set())  # no GCS process found
+    services.find_gcs_addresses.cache_clear()
+    monkeypatch.setattr(services, "find_bootstrap_address", lambda temp_dir: None)
+    rc = main(["serve", "--replicas", "8", "--ray-address", "auto", "--port", str(free_port())])
+    err = capsys.readouterr().err
+    assert rc != 0
+    assert len(err.strip().splitlines()) == 1 and "--ray-address auto" in err, err
+    assert "Traceback" not in err and "`--address`" not in err
+
+
+@pytest.mark.timeout(120)  # a hang guard: Ray itself would retry such an address for minutes
+def test_a_ray_address_where_nothing_listens_is_one_line_naming_the_flag(capsys):
+    pytest.importorskip("ray")
+    from pagedllm.bench.server_process import free_port
+    from pagedllm.entrypoints.cli import main
+
+    address = f"127.0.0.1:{free_port()}"
+    assert main(["serve", "--replicas", "2", "--ray-address", address, "--port", str(free_port())]) != 0
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [err.strip()] and f"--ray-address {address}: no Ray cluster" in err, err

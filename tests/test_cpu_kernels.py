@@ -8,7 +8,11 @@ multiples of 8 the generic vector path, others the scalar path; GQA groups; part
 
 from __future__ import annotations
 
+import hashlib
+import logging
+import os
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -145,6 +149,74 @@ def test_falls_back_without_a_compiler(monkeypatch, tmp_path, caplog):
         assert cpu_kernel.load() is None
         assert "could not build" in caplog.text
         assert type(make_attention_backend("cpu")) is TorchPagedAttention
+    finally:
+        cpu_kernel.load.cache_clear()
+
+
+def _damage(case: str, path: Path, elsewhere: Path) -> None:
+    """Put in place of the kept library what a full disk, a cut copy, another version or a hand finds there."""
+    data = path.read_bytes()
+    if case == "a directory":
+        path.unlink()
+        path.mkdir()
+        return
+    if case == "a link to a good copy":
+        elsewhere.write_bytes(data)
+        path.unlink()
+        path.symlink_to(elsewhere)
+        return
+    body = {
+        "truncated": data[: len(data) // 2],
+        "empty": b"",
+        "a flipped byte": data[:1000] + bytes([data[1000] ^ 1]) + data[1001:],
+        "no seal": data[: -len(cpu_kernel.SEAL) - 32],  # what the builds before the seal kept
+        "sealed garbage": b"\x7fELF" + bytes(4000),
+    }[case]
+    if case == "sealed garbage":
+        body += hashlib.sha256(body).digest() + cpu_kernel.SEAL
+    path.write_bytes(body)
+
+
+DAMAGE = ["truncated", "empty", "a flipped byte", "no seal", "sealed garbage", "a directory", "a link to a good copy"]
+
+
+@needs_kernel
+@pytest.mark.parametrize("case", DAMAGE)
+def test_a_damaged_kept_library_is_built_again(case, monkeypatch, tmp_path, caplog):
+    """Whatever is found under the library's name, it is checked before it is loaded (a truncated library can
+    crash dlopen), built again with one log line, and only that name is replaced: nothing is left behind, a
+    link is replaced rather than followed, a directory (not ours) is left alone. The "compiler" here copies
+    this machine's build, so no test compiles the kernels again."""
+    body = cpu_kernel.library_path().read_bytes()[: -len(cpu_kernel.SEAL) - 32]
+    builds: list[Path] = []
+
+    def copy_build(cc, flags, extra, out: Path) -> None:
+        builds.append(out)
+        out.write_bytes(body)
+
+    monkeypatch.setattr(cpu_kernel, "_compile", copy_build)
+    monkeypatch.setenv("PAGEDLLM_CACHE", str(tmp_path / "cache"))
+    cpu_kernel.load.cache_clear()
+    try:
+        assert cpu_kernel.load() is not None and len(builds) == 1
+        kept = cpu_kernel.library_path()
+        assert kept.parent == tmp_path / "cache" / "kernels" and not cpu_kernel._sealed(kept)
+        _damage(case, kept, tmp_path / "elsewhere.so")
+        cpu_kernel.load.cache_clear()
+        caplog.clear()
+        lib = cpu_kernel.load()
+        assert lib is not None and cpu_kernel.isa(lib) == cpu_kernel.isa(LIB) and len(builds) == 2
+        (line,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert "not usable" in line and str(kept) in line
+        assert os.listdir(kept.parent) == [kept.name] and cpu_kernel.library_path() == kept  # no build folder
+        if case == "a directory":
+            assert kept.is_dir() and "could not keep" in line
+        else:
+            assert not cpu_kernel._sealed(kept)
+            cpu_kernel.load.cache_clear()
+            assert cpu_kernel.load() is not None and len(builds) == 2  # the new one is used as kept
+        if case == "a link to a good copy":
+            assert (tmp_path / "elsewhere.so").read_bytes() == body + hashlib.sha256(body).digest() + cpu_kernel.SEAL
     finally:
         cpu_kernel.load.cache_clear()
 

@@ -6,6 +6,7 @@ import random
 
 import pytest
 from engine_helpers import assert_all_blocks_free, kv_budget, make_engine, run_all
+from model_helpers import all_logits
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine import EngineConfig, LLMEngine
@@ -268,8 +269,8 @@ def test_bfloat16_kv_cache_holds_twice_the_tokens_and_keeps_the_answers(model_fp
     assert b16.kv.num_blocks == 2 * f32.kv.num_blocks
     assert all(k.dtype == v.dtype == torch.bfloat16 for k, v in b16.runner.kv_caches)
     chunks = [SeqChunk(p, 0, list(range(1 + 8 * i, 1 + 8 * i + 8))) for i, p in enumerate(prompts[:6])]
-    ref = torch.cat(f32.runner.execute_all(chunks))
-    got = torch.cat(b16.runner.execute_all(chunks))
+    ref = torch.cat(all_logits(f32.runner, chunks))
+    got = torch.cat(all_logits(b16.runner, chunks))
     agree = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
     assert agree >= 0.95 and (ref - got).abs().max().item() < 1.0
     assert run_all(b16, prompts[:8]) and not b16.kv.req_blocks

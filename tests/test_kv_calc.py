@@ -1,4 +1,4 @@
-"""`pagedllm kv-calc` reproduces the chapter (its figures, and its Korean lines character for character)."""
+"""`pagedllm kv-calc` reproduces the book it follows (its figures, and its Korean lines character for character)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from pagedllm.entrypoints.cli import main
 ARGS = ["kv-calc", "--max-len", "4096", "--block-size", "16", "--used", "180,650,90,1200,300,75,420,260"]
 
 
-# The chapter's two programs, character for character as printed in the book (../shared/seed/).
-CHAPTER_TOTALS = """import math
+# The book's two programs, character for character as printed in the book (../shared/seed/).
+BOOK_TOTALS = """import math
 
 max_len, page = 4096, 16                       # 최대 길이와 쪽 하나의 토큰 수
 used = [180, 650, 90, 1200, 300, 75, 420, 260]  # 요청 여덟 개가 실제로 쓴 토큰 수(예시)
@@ -26,7 +26,7 @@ print("실제로 쓴 토큰:", sum(used))
 print(f"통째로 잡은 자리: {whole:,} (쓴 몫 {sum(used) / whole:.1%})")
 print(f"쪽으로 잡은 자리: {paged:,} (쓴 몫 {sum(used) / paged:.1%})")
 """
-CHAPTER_PER_REQUEST = """import math
+BOOK_PER_REQUEST = """import math
 
 page = 16                       # 쪽 하나에 토큰 16개
 for used in [1, 16, 17, 35]:    # 요청 하나가 쓴 토큰 수(설명용 숫자)
@@ -42,12 +42,12 @@ BOOK_OUTPUT = [
 ]
 
 
-def run_chapter(used: list[int], max_len: int = 4096, page: int = 16) -> list[str]:
+def run_book(used: list[int], max_len: int = 4096, page: int = 16) -> list[str]:
     """Both programs as printed, their numbers swapped for these (the code itself untouched), stdout lines."""
-    totals = CHAPTER_TOTALS.replace("[180, 650, 90, 1200, 300, 75, 420, 260]", repr(used)).replace(
+    totals = BOOK_TOTALS.replace("[180, 650, 90, 1200, 300, 75, 420, 260]", repr(used)).replace(
         "max_len, page = 4096, 16", f"max_len, page = {max_len}, {page}"
     )
-    per_request = CHAPTER_PER_REQUEST.replace("[1, 16, 17, 35]", repr(used)).replace("page = 16 ", f"page = {page} ")
+    per_request = BOOK_PER_REQUEST.replace("[1, 16, 17, 35]", repr(used)).replace("page = 16 ", f"page = {page} ")
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         exec(totals, {})
@@ -56,18 +56,18 @@ def run_chapter(used: list[int], max_len: int = 4096, page: int = 16) -> list[st
 
 
 def test_the_book_prints_what_its_code_prints():
-    assert run_chapter([1, 16, 17, 35])[3:] == BOOK_OUTPUT
+    assert run_book([1, 16, 17, 35])[3:] == BOOK_OUTPUT
 
 
 @pytest.mark.parametrize("used", [[1, 16, 17, 35], [180, 650, 90, 1200, 300, 75, 420, 260], [0, 5, 100, 4096]])
 @pytest.mark.parametrize("page", [16, 32])
-def test_korean_lines_match_the_chapter(capsys, used, page):
+def test_korean_lines_match_the_book(capsys, used, page):
     flags = ["kv-calc", "--max-len", "4096", "--block-size", str(page), "--used", ",".join(map(str, used))]
     assert main(flags + ["--lang", "ko"]) == 0
-    assert capsys.readouterr().out.splitlines() == run_chapter(used, page=page)
+    assert capsys.readouterr().out.splitlines() == run_book(used, page=page)
 
 
-def test_korean_chapter_example_exactly(capsys):
+def test_korean_book_example_exactly(capsys):
     assert main(["kv-calc", "--max-len", "4096", "--block-size", "16", "--used", "1,16,17,35", "--lang", "ko"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[3:] == BOOK_OUTPUT and out[0] == "실제로 쓴 토큰: 69"
@@ -91,7 +91,7 @@ def test_english_figures_and_rows(capsys):
     assert rows[3] == ["4", "1,200", "75", "1,200", "0"]
 
 
-def test_chapter_small_example(capsys):
+def test_book_small_example(capsys):
     assert main(["kv-calc", "--used", "1,16,17,35"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip()[:1].isdigit()]
     assert [r[1:] for r in rows if len(r) == 5] == [
@@ -134,7 +134,7 @@ def test_model_and_memory_report_what_fits(capsys):
     assert f"{blocks:,} blocks = {blocks * 16:,} tokens" in out
     assert f"contiguous: {blocks * 16 // 4096:,} requests" in out  # one 4,096-token locker each
     paged = int(out.split("paged: ")[-1].split()[0].replace(",", ""))
-    assert paged > 9 * (blocks * 16 // 4096)  # the chapter: about ten times as many
+    assert paged > 9 * (blocks * 16 // 4096)  # the book: about ten times as many
     # each --kv-cache-dtype: int8 and fp8 keep 64 one-byte values and one bfloat16 scale per head: 66 bytes, not 128
     rows = {
         line.split()[0]: line.split()[1:]
@@ -164,3 +164,46 @@ def test_plot_draws_whole_above_paged_with_the_totals(tmp_path, monkeypatch):
         "whole: 32,768 slots (9.7% used), 4,096 reserved per request",
         "paged: 3,232 slots (98.2% used), blocks of 16",
     ]
+
+
+def _bytes_per_token(out: str) -> int:
+    return int(out.split("KV bytes per token: ")[1].split()[0].replace(",", ""))
+
+
+def test_kv_cache_dtype_sets_the_cache_and_dtype_the_model(capsys):
+    # --kv-cache-dtype is the cache's dtype, as in `pagedllm serve`: int8 keeps 64 bytes + a 2-byte scale per head
+    assert main(ARGS + ["--model", "--kv-cache-dtype", "int8"]) == 0
+    assert _bytes_per_token(capsys.readouterr().out) == 30 * 3 * 2 * 66
+    # --dtype is the model's: the cache follows it only with --kv-cache-dtype auto
+    assert main(ARGS + ["--model", "--kv-cache-dtype", "auto", "--dtype", "float32"]) == 0
+    assert _bytes_per_token(capsys.readouterr().out) == 46_080
+    assert main(ARGS + ["--model", "--dtype", "float32"]) == 0
+    assert _bytes_per_token(capsys.readouterr().out) == 23_040  # the cache's default stays bfloat16
+
+
+def test_dtype_is_the_models_so_a_cache_only_dtype_names_the_flag():
+    proc = subprocess.run(
+        [sys.executable, "-m", "pagedllm.entrypoints.cli", "kv-calc", "--model", "--dtype", "int8"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and "--dtype" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_model_groups_and_window_blocks(tmp_path):
+    """kv-calc --model reports bytes per token per KV-cache group, and what a window frees."""
+    import json
+
+    folder = tmp_path / "m"
+    folder.mkdir()
+    cfg = dict(architectures=["MistralForCausalLM"], vocab_size=8, hidden_size=64, intermediate_size=64)
+    cfg.update(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, sliding_window=256)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main([*ARGS, "--model", str(folder), "--kv-cache-dtype", "float32"]) == 0
+    text = out.getvalue()
+    assert "sliding window 256: 4 layers, 1,024 bytes per token" in text  # (K, V) x 4 layers x 2 heads x 16 x 4 B
+    # 4096 tokens: 256 blocks, of which (4096 - 256 + 1) // 16 = 240 went back
+    assert "a request of 4,096 tokens holds 16 blocks (not 256)" in text

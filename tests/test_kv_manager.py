@@ -144,7 +144,7 @@ def test_prefix_caching_off_shares_nothing():
     assert mgr.get_computed_blocks(Req("b", list(range(9))))[1] == 0
 
 
-def test_contiguous_reserves_max_len_and_admits_fewer_of_the_chapters_requests():
+def test_contiguous_reserves_max_len_and_admits_fewer_of_the_example_requests():
     used = [180, 650, 90, 1200, 300, 75, 420, 260]
     budget_blocks, bs, max_len = 1024, 16, 4096  # 16,384 token slots
     paged, contiguous = PagedKVCacheManager(budget_blocks, bs), ContiguousKVCacheManager(budget_blocks, bs, max_len)

@@ -18,8 +18,9 @@ import httpx
 import pytest
 from engine_helpers import kv_budget
 from kv_pool import busy_engine
+from server_helpers import StepHold
 
-from pagedllm.entrypoints.openai.kv_page import KVBlockDetail, KVBlocksResponse
+from pagedllm.server.kv_page import KVBlockDetail, KVBlocksResponse
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -45,7 +46,7 @@ EARLIER = "An earlier question, answered and gone: its full blocks stay cached i
 def server(model_fp32):
     from pagedllm.engine import EngineConfig, LLMEngine
     from pagedllm.engine.async_engine import AsyncLLMEngine
-    from pagedllm.entrypoints.openai.api_server import Server, build_app
+    from pagedllm.server.api_server import Server, build_app
 
     cfg = EngineConfig(max_model_len=512, kv_cache_memory=kv_budget(128), log_stats_interval=0)
     engine = AsyncLLMEngine(LLMEngine(cfg, model_fp32))
@@ -54,7 +55,7 @@ def server(model_fp32):
     base = f"http://127.0.0.1:{srv.uvicorn.servers[0].sockets[0].getsockname()[1]}"
     try:
         with httpx.Client(base_url=base, timeout=60) as http:
-            yield base, http
+            yield base, http, engine
     finally:
         srv.stop()
 
@@ -75,7 +76,7 @@ def browser():
 
 
 def test_route_schema_auth_and_errors(server):
-    base, http = server
+    base, http, _ = server
     assert http.get("/v1/kv/blocks").status_code == 401  # the data needs the key ...
     page = http.get("/kv")  # ... the page (no data in it) does not
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
@@ -153,13 +154,34 @@ def all_groups_shared(driver):
 
 
 def test_page_shows_sharing_and_returns_to_free(server, browser, capsys):
-    base, http = server
+    """The page shows the five requests running with their shared prefix blocks, then the pool free again.
+    The engine's steps wait until all five have arrived, run until each has made a token and then wait while
+    the page is read: the requests are running when the page looks, on any CPU (held, not outrun)."""
+    base, http, engine = server
     browser.get(f"{base}/kv#key={KEY}")
-    wait_for("its first update", lambda: "live" in browser.find_element("id", "status").text, 30)
+    wait_for("its first update", lambda: "live" in browser.find_element("id", "status").text)
     r = http.post("/v1/completions", headers=AUTH, json={"prompt": EARLIER * 2, "max_tokens": 1})
     assert r.status_code == 200, r.text
-    threads = send_groups(base, max_tokens=120)
-    rows = wait_for("the two groups' shared blocks", lambda: all_groups_shared(browser))
+    n = sum(n for _, n in GROUPS.values())
+    with StepHold(engine) as hold:
+        core = hold.core
+        hold.run_while = lambda: len(core.parents) == n and len(hold.started) < n
+        threads = send_groups(base, max_tokens=120)
+        rows = wait_for("the two groups' shared blocks", lambda: all_groups_shared(browser))
+        page_while_held(browser, rows, capsys)
+    for t in threads:
+        t.join()
+    wait_for(
+        "an empty request table",
+        lambda: browser.execute_script(ROWS_JS) == [] and browser.find_element("id", "c-used").text == "0",
+    )
+    check_map_pixels_are_free(browser, http)
+    errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+    assert not errors, errors
+
+
+def page_while_held(browser, rows, capsys) -> None:
+    """What the page shows of the five running requests: tails, prefix hits, a shared block's detail."""
     for r in rows:  # a partly filled last block shows its empty slots, as the table's "empty" column
         tail = r["cells"][-1]
         assert ("tail" in tail["cls"] and tail["text"] == r["empty"]) or r["empty"] == "0"
@@ -171,15 +193,6 @@ def test_page_shows_sharing_and_returns_to_free(server, browser, capsys):
     browser.save_screenshot(str(shot))
     with capsys.disabled():
         print(f"\nkv page screenshot (shared prefixes, partly filled tails, a shared block's detail): {shot}")
-    for t in threads:
-        t.join()
-    wait_for(
-        "an empty request table",
-        lambda: browser.execute_script(ROWS_JS) == [] and browser.find_element("id", "c-used").text == "0",
-    )
-    check_map_pixels_are_free(browser, http)
-    errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
-    assert not errors, errors
 
 
 def check_hover_on_shared_block(driver, rows) -> None:
@@ -197,7 +210,6 @@ def check_hover_on_shared_block(driver, rows) -> None:
     text = wait_for(
         "the block's decoded text",
         lambda: driver.execute_script("const e = document.getElementById('d-text'); return e && e.textContent;"),
-        30,
     )
     assert driver.find_element("id", "d-ref").text == "3"
     assert sorted(driver.find_element("id", "d-holders").text.split(", ")) == group_a
@@ -227,7 +239,7 @@ def check_map_pixels_are_free(driver, http) -> None:
 
 def test_aggregated_cells_in_the_page(server, browser):
     """/kv?max_cells=32 draws the 128-block pool as 32 cells of 4 blocks, each a stack of its states."""
-    base, http = server
+    base, http, _ = server
     browser.get(f"{base}/kv?max_cells=32#key={KEY}")
     canvas = wait_for(
         "an aggregated map",
@@ -246,8 +258,8 @@ def test_a_100k_block_pool_renders(browser):
 
     from fastapi import FastAPI
 
-    from pagedllm.entrypoints.openai.api_server import Server
-    from pagedllm.entrypoints.openai.kv_page import router
+    from pagedllm.server.api_server import Server
+    from pagedllm.server.kv_page import router
 
     pool = busy_engine(100_000)  # the pool its cost benchmark times: 60% held, shared prefixes, cached
 
@@ -261,6 +273,7 @@ def test_a_100k_block_pool_renders(browser):
         stats=lambda: SimpleNamespace(num_blocks=100_000),
         stop_accepting=lambda: None,
         abort_all=lambda: None,
+        is_healthy=True,
     )
     srv = Server(app, host="127.0.0.1", port=0, log_level="warning")
     srv.start_in_thread()
@@ -270,7 +283,6 @@ def test_a_100k_block_pool_renders(browser):
         canvas = wait_for(
             "the map",
             lambda: (c := browser.find_element("id", "map")).get_attribute("data-blocks-per-cell") == "13" and c,
-            60,
         )
         state = httpx.get(f"{base}/v1/kv/blocks", timeout=60).json()
         assert len(state["map"]["counts"]) == len(state["map"]["state"]) == 7_693 and state["blocks"] is None

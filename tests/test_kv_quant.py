@@ -10,6 +10,7 @@ import pydoc_data.topics
 import pytest
 import torch
 from engine_helpers import assert_all_blocks_free, make_engine, run_all
+from model_helpers import all_logits
 
 from pagedllm import SamplingParams
 from pagedllm.engine import EngineConfig
@@ -122,7 +123,7 @@ def logits_of(runner: ModelRunner, ids: list[int], torch_attention: bool = False
         table = list(range(16))
         runner.execute([SeqChunk(ids[:96], 0, table)])
         decode = runner.execute([SeqChunk(ids[96:97], 96, table)])
-        return torch.cat([decode, runner.execute_all([SeqChunk(ids[97:], 97, table)])[0]])
+        return torch.cat([decode, all_logits(runner, [SeqChunk(ids[97:], 97, table)])[0]])
     finally:
         model.backend = backend
 

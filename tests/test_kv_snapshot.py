@@ -21,7 +21,7 @@ from pagedllm.engine import EngineConfig, LLMEngine
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pagedllm.engine.block_map import STATES, block_map, expand_row, grid
 from pagedllm.engine.kv_snapshot import BlockTokens, KVSnapshot, RequestState, block_detail, take_snapshot
-from pagedllm.entrypoints.openai.kv_page import KVBlocksResponse
+from pagedllm.server.kv_page import KVBlocksResponse
 
 
 def engine(model, num_blocks: int, **kw) -> LLMEngine:
@@ -146,9 +146,7 @@ def test_a_100k_block_pool_is_aggregated_into_cells():
     ids = rng.permutation(100_000)[:30_000].tolist()
     tables = [ids[i : i + 300] for i in range(0, 30_000, 300)]
     snap = synthetic(100_000, tables, [300 * 16 - 5] * len(tables))  # each request's last block has 5 empty slots
-    t = time.perf_counter()
-    m = block_map(snap, max_cells=8192)
-    elapsed = time.perf_counter() - t
+    m = block_map(snap, max_cells=8192)  # its cost is benchmarks/kv_snapshot_cost.py's, never a bound here
     per_cell, cells, columns = grid(100_000, 8192)
     assert m["map"]["blocks_per_cell"] == per_cell == 13 and len(m["map"]["counts"]) == cells <= 8192
     assert len(m["map"]["state"]) == len(m["map"]["ref"]) == cells and max(m["map"]["ref"]) == 1
@@ -162,7 +160,6 @@ def test_a_100k_block_pool_is_aggregated_into_cells():
         "reserved": 0,
     }
     assert m["blocks"] is None and sum(m["map"]["fill"]) == m["counters"]["tokens_stored"] == 100 * (300 * 16 - 5)
-    assert elapsed < 5  # a generous bound: the layout is vectorised (about 0.1 s here); a per-block loop is not
 
 
 def test_run_on_engine_runs_between_steps_on_the_engine_thread():
@@ -171,6 +168,7 @@ def test_run_on_engine_runs_between_steps_on_the_engine_thread():
 
         def __init__(self):
             self.in_step, self.left, self.threads = False, 30, set()
+            self.stepped = threading.Event()  # the first step ran: the engine thread is known
 
         def has_unfinished_requests(self):
             return self.left > 0
@@ -181,6 +179,7 @@ def test_run_on_engine_runs_between_steps_on_the_engine_thread():
             time.sleep(0.005)
             self.left -= 1
             self.in_step = False
+            self.stepped.set()
             return []
 
         def stats(self):
@@ -195,7 +194,7 @@ def test_run_on_engine_runs_between_steps_on_the_engine_thread():
 
     async def main():
         eng.start()
-        await asyncio.sleep(0.02)
+        assert await asyncio.to_thread(fake.stepped.wait, 60)  # not a sleep: a loaded machine starts it late
         return [await eng.run_on_engine(look) for _ in range(5)]
 
     try:

@@ -13,8 +13,8 @@ import torch
 
 import pagedllm.model.weights as weights
 from pagedllm.model.config import load_model_config
+from pagedllm.model.decoder import CausalLM
 from pagedllm.model.gguf_file import GGUFFile
-from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.weights import DenseRows, assign_weights, iter_gguf
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, FFN, VOCAB = 64, 3, 4, 2, 128, 16001
@@ -64,12 +64,12 @@ def test_each_weight_is_packed_as_soon_as_its_pieces_are_in(tiny_gguf):
     tensor every quantized weight but the one it belongs to is in. Packing them all at the end held the whole
     model's plain form (2x a Q4 file) at once."""
     cfg = load_model_config(tiny_gguf)
-    net = LlamaForCausalLM(cfg, torch.float32, "cpu")
+    net = CausalLM(cfg, torch.float32, "cpu")
     installed = []
     with GGUFFile(tiny_gguf) as gf:
 
         def spy():
-            for item in iter_gguf(gf, cfg, keep_quantized=True):
+            for item in iter_gguf(gf, net, keep_quantized=True):
                 installed.append(len(net.quant_weights()))
                 yield item
 
@@ -102,13 +102,13 @@ def test_a_bf16_model_loads_the_table_through_the_chunks(tiny_gguf, monkeypatch)
     dtype, row for row."""
     monkeypatch.setattr(weights, "CHUNK_BYTES", 100 * HIDDEN * 4)
     cfg = load_model_config(tiny_gguf)
-    net = LlamaForCausalLM(cfg, torch.bfloat16, "cpu")
+    net = CausalLM(cfg, torch.bfloat16, "cpu")
     with GGUFFile(tiny_gguf) as gf:
-        kinds = {name: type(v).__name__ for name, v in iter_gguf(gf, cfg, keep_quantized=True)}
-        assign_weights(net, iter_gguf(gf, cfg, keep_quantized=True), tiny_gguf)
+        kinds = {name: type(v).__name__ for name, v in iter_gguf(gf, net, keep_quantized=True)}
+        assign_weights(net, iter_gguf(gf, net, keep_quantized=True), tiny_gguf)
         want = torch.from_numpy(gf.load_array("token_embd.weight").copy()).to(torch.bfloat16)
     assert kinds["model.embed_tokens.weight"] == "DenseRows"
-    assert torch.equal(net.embed_tokens, want)
+    assert torch.equal(net.embed.weight, want)
 
 
 def mapped_kib(path: str) -> int:

@@ -106,7 +106,7 @@ def test_prefix_cached_blocks(pair, block_size):
     ta = alloc.take(_blocks_for(len(a), block_size))
     runner.execute([SeqChunk(a, 0, ta)])
     tb = ta[:2] + alloc.take(_blocks_for(len(b), block_size) - 2)
-    got = runner.execute_all([SeqChunk(b[2 * block_size :], 2 * block_size, tb)])[0]
+    got = runner.execute([SeqChunk(b[2 * block_size :], 2 * block_size, tb, all_logits=True)])
     ref = _hf_logits(hf, b)[2 * block_size :]
     assert (got - ref).abs().max().item() < TOL
     # and decode continues correctly on top of the shared blocks
@@ -127,8 +127,8 @@ def test_chunked_prefill_mixed_with_decode(pair):
     tl = alloc.take(_blocks_for(len(long), bs))
     to = alloc.take(_blocks_for(len(other), bs))
     runner.execute([SeqChunk(other[:10], 0, to)])
-    step1 = runner.execute_all([SeqChunk(long[:19], 0, tl), SeqChunk([other[10]], 10, to)])
-    step2 = runner.execute_all([SeqChunk([other[11]], 11, to), SeqChunk(long[19:], 19, tl)])
+    step1 = runner.execute([SeqChunk(long[:19], 0, tl, True), SeqChunk([other[10]], 10, to, True)]).split([19, 1])
+    step2 = runner.execute([SeqChunk([other[11]], 11, to, True), SeqChunk(long[19:], 19, tl, True)]).split([1, 26])
     ref_l, ref_o = _hf_logits(hf, long), _hf_logits(hf, other)
     assert (torch.cat([step1[0], step2[1]]) - ref_l).abs().max().item() < TOL
     assert (step1[1][0] - ref_o[10]).abs().max().item() < TOL

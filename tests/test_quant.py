@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from kernel_helpers import needs_kernel, random_parts
+from model_helpers import all_logits
 
 from pagedllm.engine import EngineConfig
 from pagedllm.errors import UserError
@@ -143,7 +144,7 @@ def test_rtn_quantized_model_matches_transformers_on_the_same_weights(tiny, bits
     seq = [random.Random(bits).randrange(3, 256) for _ in range(40)]
     with torch.inference_mode():
         want = ref(torch.tensor([seq])).logits[0]
-    got = runner.execute_all([SeqChunk(seq[:25], 0, list(range(31, 26, -1)))])[0]  # reversed block ids
+    got = all_logits(runner, [SeqChunk(seq[:25], 0, list(range(31, 26, -1)))])[0]  # reversed block ids
     got = torch.cat(
         [got] + [runner.execute([SeqChunk([t], 25 + i, list(range(31, 26, -1)))]) for i, t in enumerate(seq[25:])]
     )
@@ -164,7 +165,7 @@ def test_fused_step_matches_the_torch_path(tiny, kv_dtype):
         [SeqChunk([5], 9, tables[0]), SeqChunk(seqs[1][17:], 17, tables[1]), SeqChunk(seqs[2], 0, tables[2])],
         [SeqChunk([6], 10, tables[0]), SeqChunk([7], 30, tables[1]), SeqChunk([8], 3, tables[2])],
     ):
-        a, b = fused.execute_all(step), plain.execute_all(step)
+        a, b = all_logits(fused, step), all_logits(plain, step)
         for x, y in zip(a, b):
             torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="cannot hold"):
@@ -179,9 +180,9 @@ def test_fused_float32_is_batch_invariant_bit_for_bit(tiny):
     runner = ModelRunner(load_model(folder, "float32", verbose=False, quantization="int4"), 40, 8)
     rng = random.Random(9)
     seq, other = [rng.randrange(3, 256) for _ in range(30)], [rng.randrange(3, 256) for _ in range(50)]
-    alone = runner.execute_all([SeqChunk(seq, 0, list(range(4)))])[0]
-    first = runner.execute_all([SeqChunk(other, 0, list(range(10, 17))), SeqChunk(seq[:11], 0, list(range(20, 24)))])
-    second = runner.execute_all([SeqChunk(seq[11:], 11, list(range(20, 24))), SeqChunk([3], 50, list(range(10, 17)))])
+    alone = all_logits(runner, [SeqChunk(seq, 0, list(range(4)))])[0]
+    first = all_logits(runner, [SeqChunk(other, 0, list(range(10, 17))), SeqChunk(seq[:11], 0, list(range(20, 24)))])
+    second = all_logits(runner, [SeqChunk(seq[11:], 11, list(range(20, 24))), SeqChunk([3], 50, list(range(10, 17)))])
     assert torch.equal(torch.cat([first[1], second[0]]), alone)
 
 
@@ -195,7 +196,7 @@ def test_quantization_flag_and_its_fallback(tiny, monkeypatch, caplog):
     monkeypatch.setattr(cpu_kernel, "load", lambda: None)  # a machine where the kernels cannot be built
     quant._said.clear()
     dense = load_model(folder, "float32", verbose=False, quantization="int8")
-    assert dense.quantization == "none" and not dense.model.quant
+    assert dense.quantization == "none" and not dense.model.quant_weights()
     assert "no quantized kernel" in caplog.text
 
 

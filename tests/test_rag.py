@@ -8,6 +8,7 @@ import time
 
 import pytest
 from rag_eval_questions import EVAL_QUESTIONS
+from server_helpers import assert_as_declared, sse_events
 
 from pagedllm.rag.chunking import chunk_text
 from pagedllm.rag.index import Hit
@@ -418,8 +419,8 @@ def test_server_rag_chat_endpoint_names_chunks_and_hits_the_cache(rag_index, mod
 
     from pagedllm.engine import EngineConfig, LLMEngine
     from pagedllm.engine.async_engine import AsyncLLMEngine
-    from pagedllm.entrypoints.openai.api_server import Server, build_app
     from pagedllm.rag import RagPipeline
+    from pagedllm.server.api_server import Server, build_app
 
     engine = AsyncLLMEngine(
         LLMEngine(EngineConfig(kv_cache_memory=64 * 2**20, max_model_len=2048, log_stats_interval=0), model_fp32)
@@ -436,7 +437,10 @@ def test_server_rag_chat_endpoint_names_chunks_and_hits_the_cache(rag_index, mod
     }
     try:
         with httpx.Client(base_url=url, timeout=600) as c:
-            first = c.post("/v1/rag/chat/completions", json=body).json()
+            spec = c.get("/openapi.json").json()
+            r = c.post("/v1/rag/chat/completions", json=body)
+            assert_as_declared(spec, "/v1/rag/chat/completions", "post", r)  # the answer is its declared model
+            first = r.json()
             assert [h["source"] for h in first["rag"]["chunks"]][:2] and "with" in {
                 h["source"] for h in first["rag"]["chunks"]
             }
@@ -447,7 +451,9 @@ def test_server_rag_chat_endpoint_names_chunks_and_hits_the_cache(rag_index, mod
             with c.stream("POST", "/v1/rag/chat/completions", json={**body, "stream": True}) as r:
                 assert r.status_code == 200
                 assert json.loads(r.headers["x-rag-chunks"]) == first["rag"]["chunks"]
-                assert any(line == "data: [DONE]" for line in r.iter_lines())
+                events = sse_events(r.iter_lines())
+                assert "[DONE]" in events
+            assert assert_as_declared(spec, "/v1/rag/chat/completions", "post", r, events) > 2
             bad = c.post("/v1/rag/chat/completions", json={**body, "messages": [{"role": "user", "content": " "}]})
             assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
             assert c.get("/v1/kv").json()["used_blocks"] == 0

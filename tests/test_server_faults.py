@@ -17,6 +17,8 @@ import pytest
 from server_helpers import (
     AUTH,
     FAULT_ENGINE_ARGS,
+    HANG_S,
+    StepHold,
     assert_error,
     assert_pool_whole,
     running_server,
@@ -159,7 +161,7 @@ def test_malformed_input_is_a_400_and_keeps_the_connection(fault_server, body, p
     """Each used to be a 500 that also reset the next request on the same keep-alive connection."""
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     good = json.dumps({"prompt": "hi", "max_tokens": 1}).encode()
-    with socket.create_connection(("127.0.0.1", fault_server.port), timeout=30) as sock:
+    with socket.create_connection(("127.0.0.1", fault_server.port), timeout=HANG_S) as sock:
         reader = sock.makefile("rb")
         first = _exchange(sock, reader, path, body.encode())
         second = _exchange(sock, reader, "/v1/completions", good)
@@ -173,13 +175,13 @@ def test_malformed_input_is_a_400_and_keeps_the_connection(fault_server, body, p
 def test_an_unexpected_error_is_a_500_that_keeps_the_connection(fault_server, monkeypatch):
     """A bug's 500 is logged and answered without dropping the keep-alive connection (Starlette's own error
     middleware re-raises, and uvicorn then closes it)."""
-    from pagedllm.entrypoints.openai.serving_engine import ServingContext
+    from pagedllm.server.serving_engine import ServingContext
 
     def broken(self, model):
         raise RuntimeError("a bug")
 
     monkeypatch.setattr(ServingContext, "check_model", broken)
-    with socket.create_connection(("127.0.0.1", fault_server.port), timeout=30) as sock:
+    with socket.create_connection(("127.0.0.1", fault_server.port), timeout=HANG_S) as sock:
         reader = sock.makefile("rb")
         first = _exchange(sock, reader, "/v1/completions", b'{"prompt": "hi", "max_tokens": 1}')
         monkeypatch.undo()
@@ -249,7 +251,7 @@ def test_logit_bias_keys_of_non_ascii_digits_are_refused_by_name(fault_server, k
 def test_a_kv_snapshot_that_waits_past_a_slow_step_is_a_503(fault_server, monkeypatch):
     """/v1/kv/blocks waits for the engine thread between two steps; when a step outlasts the wait, the answer is
     the 503 its OpenAPI entry promises (it was a 500 with an empty message), and the server goes on."""
-    from pagedllm.entrypoints.openai import kv_page
+    from pagedllm.server import kv_page
 
     core = fault_server.engine.engine
     real_step, entered, release = core.step, threading.Event(), threading.Event()
@@ -352,15 +354,21 @@ def test_health_body_and_detokenize_param(fault_server):
 
 
 # ------------------------------------------------------------------------------- the engine loop itself dies
-def test_engine_death_fails_streams_and_exits_non_zero(model_fp32, monkeypatch):
+def test_engine_death_fails_streams_and_exits_non_zero(model_fp32):
     """Not a request's failure (those fail the request alone) but the loop's: every stream in flight gets an error
-    event and [DONE], and the server stops with exit status 1 so that a supervisor restarts it (as vLLM)."""
+    event and [DONE], and the server stops with exit status 1 so that a supervisor restarts it (as vLLM). The
+    steps are held after the first token, so the stream is still in flight when the engine breaks on any CPU."""
     from pagedllm.engine import EngineConfig, LLMEngine
     from pagedllm.engine.async_engine import AsyncLLMEngine
 
     core = LLMEngine(EngineConfig(kv_cache_memory=tiny_kv_budget(), **FAULT_ENGINE_ARGS), loaded=model_fp32)
     engine = AsyncLLMEngine(core)
-    with running_server(engine) as s:
+
+    def broken_step():
+        raise RuntimeError("the engine itself is broken")
+
+    with running_server(engine) as s, StepHold(engine) as hold:
+        hold.allow(1)  # the first token; then the stream waits, in flight, until the engine breaks
         with s.http.stream(
             "POST",
             "/v1/completions",
@@ -368,11 +376,8 @@ def test_engine_death_fails_streams_and_exits_non_zero(model_fp32, monkeypatch):
         ) as r:
             lines = r.iter_lines()
             assert next(line for line in lines if line.startswith("data: "))
-
-            def broken_step():
-                raise RuntimeError("the engine itself is broken")
-
-            monkeypatch.setattr(core, "step", broken_step)
+            hold.inner = broken_step
+            hold.release()
             events = sse_events(lines)
         assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == 503, events[-3:]
         s.server._thread.join(30)
@@ -411,6 +416,12 @@ def _poisoned_sampler(core, monkeypatch) -> None:
     monkeypatch.setattr(fault_isolation, "sample", failing)
 
 
+def _once(cond):
+    """True from the first time `cond()` is: a gate that stays open once opened."""
+    opened = []
+    return lambda: bool(opened) or (cond() and not opened.append(True))
+
+
 @pytest.mark.parametrize("inject", [_poisoned_runner, _poisoned_sampler], ids=["model step", "sampling"])
 def test_one_failing_request_fails_alone(model_fp32, monkeypatch, inject):
     """Three requests in one batch, one of which makes the step fail: it gets an error, the other two the very
@@ -430,10 +441,12 @@ def test_one_failing_request_fails_alone(model_fp32, monkeypatch, inject):
 
         threads_out: list = [None] * 3
         workers = [threading.Thread(target=lambda i=i: threads_out.__setitem__(i, send(prompts[i]))) for i in range(3)]
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join(120)
+        with StepHold(s.engine) as hold:  # no step until all three are in: one batch, whatever the CPU's speed
+            hold.run_while = _once(lambda: len(core.parents) == 3)
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join(HANG_S)
         failed, *served = threads_out
         assert_error(failed, 500, contains=["injected"])
         assert [r.json()["choices"][0]["text"] for r in served] == alone

@@ -84,8 +84,8 @@ def test_cli_bad_speculative_config_is_one_line(capsys):
 
 def test_acceptance_counts_and_metrics_use_vllm_names():
     from pagedllm.bench.metrics import parse_spec_decode_counters, spec_decode_delta
+    from pagedllm.engine.metrics import PrometheusStatLogger
     from pagedllm.engine.stats import EngineStats
-    from pagedllm.entrypoints.openai.metrics import ServerMetrics
 
     assert num_accepted([5, 6, 7], [5, 6, 8, 1]) == 2 and num_accepted([5], [4, 5]) == 0
     stats = SpecDecodeStats()
@@ -120,7 +120,7 @@ def test_acceptance_counts_and_metrics_use_vllm_names():
         spec_decode_num_accepted_tokens=2,
         spec_decode_num_accepted_tokens_per_pos=[1, 1, 0],
     )
-    text = ServerMetrics("m", lambda: snapshot).render().decode()
+    text = PrometheusStatLogger().render(snapshot, "m").decode()
     for line in (
         'vllm:spec_decode_num_drafts_total{model_name="m"} 2.0',
         'vllm:spec_decode_num_draft_tokens_total{model_name="m"} 5.0',
@@ -132,7 +132,7 @@ def test_acceptance_counts_and_metrics_use_vllm_names():
     before = parse_spec_decode_counters(text)
     snapshot.spec_decode_num_drafts, snapshot.spec_decode_num_draft_tokens = 6, 17
     snapshot.spec_decode_num_accepted_tokens, snapshot.spec_decode_num_accepted_tokens_per_pos = 8, [4, 3, 1]
-    d = spec_decode_delta(before, parse_spec_decode_counters(ServerMetrics("m", lambda: snapshot).render().decode()))
+    d = spec_decode_delta(before, parse_spec_decode_counters(PrometheusStatLogger().render(snapshot, "m").decode()))
     assert d["spec_decode_acceptance_rate"] == 50.0 and d["spec_decode_acceptance_length"] == 2.5
     assert d["spec_decode_per_position_acceptance_rates"] == [0.75, 0.5, 0.25]
     assert parse_spec_decode_counters('vllm:prefix_cache_hits_total{model_name="m"} 3.0') is None

@@ -18,7 +18,30 @@ import pytest
 from engine_helpers import kv_budget
 from server_helpers import KEY, assert_error, assert_pool_whole, running_server, sse_events
 
-from pagedllm.entrypoints.openai.tool_calls import ToolCallStream, ToolMode, parse_hermes, scan_calls, scan_hermes
+from pagedllm.server.protocol import ToolMode, tool_schema
+from pagedllm.server.tool_parsers import HermesToolParser, RequiredToolParser, ToolParser, tool_parser
+
+AUTO = ToolMode("auto")
+
+
+class ToolCallStream:
+    """A streamed choice's parser, its deltas as the JSON the chunks carry."""
+
+    def __init__(self, mode: ToolMode) -> None:
+        self.parser: ToolParser = tool_parser(mode)
+
+    def delta(self, text: str, done: bool) -> dict:
+        return self.parser.extract_streaming(text, done).body()
+
+
+def parse_calls(text: str, mode: ToolMode) -> tuple[str | None, list[dict]]:
+    got = tool_parser(mode).extract(text)
+    return got.content, [c.body() for c in got.tool_calls]
+
+
+def scan_hermes(text: str, done: bool):
+    return HermesToolParser(AUTO).scan(text, done)
+
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -332,6 +355,73 @@ def test_streamed_tool_calls_have_openai_shape_and_match_the_schema(server):
     assert_pool_whole(server)
 
 
+def _streamed_message(events) -> tuple[dict, str | None, str | int | None]:
+    """What a client adds the chunks of one choice up to (role, content, calls), its finish and stop reasons;
+    asserting OpenAI's shape on the way: every chunk but the last says something, only the last finishes."""
+    chunks = [c for ev in events if ev != "[DONE]" for c in ev["choices"]]
+    assert events[-1] == "[DONE]" and chunks, events
+    message: dict = {"role": None, "content": None, "tool_calls": [], "logprobs": []}
+    for i, choice in enumerate(chunks):
+        last, delta = i == len(chunks) - 1, choice["delta"]
+        message["logprobs"] += [t["token"] for t in (choice["logprobs"] or {}).get("content", [])]
+        assert (choice["finish_reason"] is not None) == last, chunks
+        assert delta or last, f"an empty delta mid-stream: {chunks}"
+        message["role"] = delta.get("role", message["role"])
+        if delta.get("content") is not None:
+            message["content"] = (message["content"] or "") + delta["content"]
+        for d in delta.get("tool_calls", []):
+            if "id" in d:
+                assert d["index"] == len(message["tool_calls"]) and d["type"] == "function", chunks
+                message["tool_calls"].append({"name": d["function"]["name"], "arguments": ""})
+            message["tool_calls"][d["index"]]["arguments"] += d["function"]["arguments"]
+    return message, chunks[-1]["finish_reason"], chunks[-1]["stop_reason"]
+
+
+NAMED_WEATHER = {"type": "function", "function": {"name": "get_weather"}}
+SAME_EITHER_WAY = [  # (tools and constraint, max_tokens): cut before a call's name, inside it, in its arguments, whole
+    *[({"tools": TOOLS, "tool_choice": "required"}, n) for n in (3, 6, 12, 48)],
+    *[({"tools": TOOLS, "tool_choice": NAMED_WEATHER}, n) for n in (2, 5, 48)],
+    *[({"tools": TOOLS, "structured_outputs": {"regex": HERMES_ANSWER}}, n) for n in (3, 12, 18, 24, 64)],
+    ({"guided_json": PERSON}, 4),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}}, 40),
+]
+
+
+@pytest.mark.parametrize("extra, max_tokens", SAME_EITHER_WAY)
+def test_tool_calls_and_structured_outputs_end_the_same_way_streamed_or_not(server, monkeypatch, extra, max_tokens):
+    """One greedy answer, streamed and not, cut by max_tokens anywhere: the same message (content, calls with
+    their arguments as generated), the same finish reason and logprobs; a call cut by `length` is a call in
+    both, finishing with "length" (OpenAI's way); no empty delta but the last chunk's."""
+    monkeypatch.setattr(server.engine.tokenizer.hf, "chat_template", HERMES_TEMPLATE)  # "auto" is served
+    body = {
+        "messages": [{"role": "user", "content": "Add 12 and 34."}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "logprobs": True,
+    }
+    whole = server.http.post("/v1/chat/completions", json={**body, **extra})
+    assert whole.status_code == 200, whole.text
+    choice = whole.json()["choices"][0]
+    with server.http.stream("POST", "/v1/chat/completions", json={**body, **extra, "stream": True}) as r:
+        assert r.status_code == 200
+        streamed, finish, stop_reason = _streamed_message(sse_events(r.iter_lines()))
+    msg = choice["message"]
+    calls = [c["function"] for c in msg["tool_calls"]]
+    tokens = [t["token"] for t in choice["logprobs"]["content"]]
+    assert streamed.pop("logprobs") == tokens  # a held-back piece's logprobs go with the next chunk
+    assert streamed == {"role": "assistant", "content": msg["content"], "tool_calls": calls}, (streamed, msg)
+    assert (finish, stop_reason) == (choice["finish_reason"], choice["stop_reason"])
+    tool_mode = extra.get("tool_choice")
+    if tool_mode is not None:  # the answer is calls only
+        assert msg["content"] is None, msg
+    if choice["finish_reason"] == "length" and tool_mode is not None and max_tokens > 5:
+        assert calls, msg  # cut in its arguments: the call as far as it went
+    if choice["finish_reason"] != "length" and tool_mode is not None:
+        for call in calls:
+            jsonschema.validate(json.loads(call["arguments"]), TOOL_PARAMS[call["name"]])
+    assert_pool_whole(server)
+
+
 def test_preemption_under_a_tiny_kv_budget_keeps_every_answer_valid(server):
     before = server.engine.engine.stats().num_preemptions
     prompts = [
@@ -417,12 +507,58 @@ def test_a_grammar_the_vocabulary_cannot_write_is_a_400_not_a_500(server):
     """Found by schemathesis: llguidance's mask allows a token its matcher then refuses when the grammar forces
     a byte no token holds; the request asked for output the model cannot write, so it is the client's error."""
     body = {"prompt": "x", "max_tokens": 8, "guided_regex": UNWRITABLE}
-    assert_error(server.http.post("/v1/completions", json=body), 400, None, ["vocabulary"])
+    assert_error(server.http.post("/v1/completions", json=body), 400, "guided_regex", ["vocabulary"])
     with server.http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
         assert r.status_code == 200
         events = sse_events(r.iter_lines())
     errors = [e["error"] for e in events if isinstance(e, dict) and "error" in e]
     assert len(errors) == 1 and errors[0]["code"] == 400 and "vocabulary" in errors[0]["message"], events
+    assert_pool_whole(server)
+
+
+NODE = {  # every node needs a child: llguidance takes it, then gives up mid-way (its parser's item limit)
+    "$ref": "#/$defs/node",
+    "$defs": {
+        "node": {
+            "type": "object",
+            "properties": {"child": {"$ref": "#/$defs/node"}},
+            "required": ["child"],
+            "additionalProperties": False,
+        }
+    },
+}
+NODE_TOOL = [{"type": "function", "function": {"name": "walk", "parameters": NODE}}]
+CHOICES = [f"option number {i}" for i in range(10_000)]
+REFUSED_MID_WAY = [  # (fields sent, the field the error names, the endpoints that take them)
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": NODE}}}, "response_format"),
+    ({"structured_outputs": {"json": NODE}}, "structured_outputs"),
+    ({"guided_json": NODE}, "guided_json"),
+    ({"guided_regex": "a{1000000}"}, "guided_regex"),
+    ({"structured_outputs": {"regex": "a{1000000}"}}, "structured_outputs"),
+    ({"structured_outputs": {"choice": CHOICES}}, "structured_outputs"),
+    ({"guided_choice": CHOICES}, "guided_choice"),
+    ({"tools": NODE_TOOL, "tool_choice": "required"}, "tools"),
+    ({"tools": NODE_TOOL, "tool_choice": {"type": "function", "function": {"name": "walk"}}}, "tools"),
+]
+
+
+@pytest.mark.parametrize("extra, param", REFUSED_MID_WAY, ids=[p for _, p in REFUSED_MID_WAY])
+def test_a_grammar_refused_while_decoding_is_a_400_naming_the_field_it_came_from(server, extra, param):
+    """A constraint that compiles but that llguidance cannot follow past some token fails after the request was
+    admitted: the 400 (and a stream's error event) names the field the client sent, as a compile error does."""
+    paths = [("/v1/chat/completions", {"messages": [{"role": "user", "content": "Go."}]})]
+    if "tools" not in extra:
+        paths.append(("/v1/completions", {"prompt": "Go."}))
+    for path, body in paths:
+        body = {**body, "max_tokens": 200, "temperature": 0, **extra}
+        assert_error(server.http.post(path, json=body), 400, param, ["cannot be written"])
+        with server.http.stream("POST", path, json={**body, "stream": True}) as r:
+            assert r.status_code == 200
+            events = sse_events(r.iter_lines())
+        errors = [e["error"] for e in events if isinstance(e, dict) and "error" in e]
+        assert len(errors) == 1 and errors[0]["code"] == 400 and errors[0]["param"] == param, events
+        assert "cannot be written" in errors[0]["message"], errors
+        assert events[-1] == "[DONE]"
     assert_pool_whole(server)
 
 
@@ -529,14 +665,16 @@ def test_streamed_array_of_calls_is_scanned_as_it_grows():
         for d in stream.delta(full[:end], end == len(full)).get("tool_calls", []):
             got.setdefault(d["index"], [d["function"].get("name"), ""])[1] += d["function"]["arguments"]
     assert got == {0: ["get_weather", '{"city":"Pa}r\\"is","unit":"c"}'], 1: ["add", '{"a":1}']}
-    assert scan_calls('[{"name":"ad') == [(None, "", False)]  # no header until the name is whole
+    assert RequiredToolParser(ToolMode("required")).scan('[{"name":"ad', False).calls == [(None, "")]  # no header
+    # until the name is whole
     assert ToolCallStream(ToolMode("required")).delta('[{"name":"ad', False) == {}
 
 
 def test_hermes_tool_calls_parse_for_auto():
-    content, calls = parse_hermes('Let me check.\n<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>')
+    text = 'Let me check.\n<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
+    content, calls = parse_calls(text, AUTO)
     assert content == "Let me check." and calls[0]["function"] == {"name": "add", "arguments": '{"a": 1}'}
-    assert parse_hermes("no calls here") == ("no calls here", [])
+    assert parse_calls("no calls here", AUTO) == ("no calls here", [])
 
 
 def _stream_auto(text: str, ends: list[int]) -> tuple[list[dict], str, dict[int, list[str]]]:
@@ -555,7 +693,7 @@ def _stream_auto(text: str, ends: list[int]) -> tuple[list[dict], str, dict[int,
 
 
 def _parsed(text: str) -> tuple[str, dict[int, list[str]]]:
-    content, calls = parse_hermes(text)
+    content, calls = parse_calls(text, AUTO)
     return content or "", {i: [c["function"]["name"], c["function"]["arguments"]] for i, c in enumerate(calls)}
 
 
@@ -628,3 +766,29 @@ def test_auto_stream_holds_back_only_what_could_still_be_the_tag():
     assert stream.delta("Hi <tooth \n", False) == {}  # whitespace waits: dropped if a call follows
     assert stream.delta("Hi <tooth \n<tool_call>", False) == {}
     assert ToolCallStream(ToolMode("auto")).delta("Hi <tool_c", True) == {"content": "Hi <tool_c"}  # the end
+
+
+def test_required_tool_schema_moves_the_tools_defs_to_its_root():
+    """pydantic puts nested models in `$defs`, referenced from the root (`#/$defs/City`): inside the "required"
+    array schema they must sit at its root to resolve; two tools that define one name differently are a 400."""
+
+    class City(pydantic.BaseModel):
+        name: str
+
+    class Trip(pydantic.BaseModel):
+        to: City
+
+    params = Trip.model_json_schema()
+    tool = {"type": "function", "function": {"name": "go", "parameters": params}}
+    schema = tool_schema([tool], ToolMode("required"))
+    assert schema["$defs"] == params["$defs"] and all("$defs" not in p for p in _item_parameters(schema))
+    jsonschema.validate([{"name": "go", "parameters": {"to": {"name": "Oslo"}}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "go", "parameters": {"to": {"nom": 1}}}], schema)
+    other = {"type": "function", "function": {"name": "back", "parameters": {**params, "$defs": {"City": {}}}}}
+    with pytest.raises(ValueError, match="tools: \\$defs 'City' differs"):
+        tool_schema([tool, other], ToolMode("required"))
+
+
+def _item_parameters(schema: dict) -> list[dict]:
+    return [item["properties"]["parameters"] for item in schema["items"]["anyOf"]]

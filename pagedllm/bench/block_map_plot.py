@@ -3,8 +3,8 @@
 The page's kv.js and this module paint the dict `block_map()` returns with one rule: a cell has its state's colour;
 a request's last, partly filled block is filled from the bottom up to its share of tokens and labelled with its
 empty slots; a shared block is labelled with its ref count; a cell that aggregates many blocks is a stack of its
-states. `bench sweep --plot` draws the contiguous and paged runs at their peak with it, `kv-calc --plot` the
-chapter's requests.
+states. `bench sweep --plot` draws the contiguous and paged runs at their peak with it, `kv-calc --plot` its
+example requests.
 """
 
 from __future__ import annotations
@@ -152,8 +152,8 @@ def _share(part: int, whole: int) -> str:
 
 
 def lengths_snapshot(lengths: Sequence[int], block_size: int, allocation: str, max_len: int) -> KVSnapshot:
-    """Requests that hold `lengths` tokens, laid end to end in a pool just big enough: the chapter's arithmetic
-    as a snapshot, so kv-calc draws it with the same code as a live engine's."""
+    """Requests that hold `lengths` tokens, laid end to end in a pool just big enough: kv-calc's whole-vs-paged
+    arithmetic as a snapshot, so kv-calc draws it with the same code as a live engine's."""
     per_request = [cdiv(max_len if allocation == "contiguous" else n, block_size) for n in lengths]
     reqs, start = [], 0
     for i, (n, blocks) in enumerate(zip(lengths, per_request)):

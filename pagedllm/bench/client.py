@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import httpx
 import numpy as np
@@ -15,7 +17,8 @@ from pagedllm.bench.metrics import RequestResult
 from pagedllm.errors import UserError
 from pagedllm.sse import SSEError, aiter_events
 
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+Endpoint = Literal["/v1/completions", "/v1/chat/completions"]
+ENDPOINTS: tuple[str, ...] = typing.get_args(Endpoint)
 
 
 @dataclass

@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import json
 import os
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
 from pagedllm.bench.tokenizer import BenchTokenizer
 from pagedllm.errors import UserError
 
-DATASETS = ("random", "prefix-repetition", "sharegpt", "rag")
+DatasetName = Literal["random", "prefix-repetition", "sharegpt", "rag"]
+DATASETS: tuple[str, ...] = typing.get_args(DatasetName)
 
 
 @dataclass
@@ -129,7 +131,7 @@ def prefix_repetition_dataset(
 def long_tail_lengths(
     num_prompts: int, max_len: int = 4096, median: int = 300, sigma: float = 1.0, min_len: int = 16, seed: int = 0
 ) -> list[int]:
-    """Prompt lengths with a long tail like the chapter's (180, 650, 90, 1200, 300, 75, 420, 260 of 4096):
+    """Prompt lengths with a long tail like the kv-calc example's (180, 650, 90, 1200, 300, 75, 420, 260 of 4096):
     log-normal around `median`, clipped to [min_len, max_len]; the longest is stretched to max_len so that the
     tail is always there."""
     rng = np.random.default_rng(seed)
@@ -153,7 +155,7 @@ def lengths_dataset(
 
 def sharegpt_dataset(
     tokenizer: BenchTokenizer,
-    path: str,
+    path: str | None,
     num_prompts: int,
     output_len: int | None = None,
     seed: int = 0,

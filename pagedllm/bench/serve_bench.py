@@ -9,12 +9,12 @@ import math
 import os
 import sys
 from datetime import datetime
-from typing import Any
+from typing import Annotated, Any
 
 from pagedllm.bench import datasets as ds
 from pagedllm.bench.arrivals import arrival_times
 from pagedllm.bench.client import (
-    ENDPOINTS,
+    Endpoint,
     RequestSettings,
     fetch_default_model,
     fetch_metrics_text,
@@ -34,42 +34,101 @@ from pagedllm.bench.metrics import (
     spec_decode_delta,
 )
 from pagedllm.errors import UserError
+from pagedllm.settings import Field, Flag, add_flags, from_args, settings
 
 
-def add_dataset_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("workload")
-    g.add_argument("--dataset-name", choices=ds.DATASETS, default="random")
-    g.add_argument("--dataset-path", default=None, help="sharegpt: a local JSON file in the ShareGPT format")
-    g.add_argument("--num-prompts", type=int, default=100)
-    g.add_argument("--input-len", type=int, default=1024, help="random: prompt tokens (after the shared prefix)")
-    g.add_argument(
-        "--output-len",
-        type=int,
-        default=None,
-        help="max_tokens per request (random / prefix-repetition / rag: default 128; sharegpt: the "
-        "dataset reply's length)",
-    )
-    g.add_argument("--range-ratio", type=float, default=0.0, help="random: lengths uniform in [len*(1-r), len*(1+r)]")
-    g.add_argument(
-        "--prefix-len",
-        type=int,
-        default=None,
-        help="random: tokens shared by all prompts (default 0); prefix-repetition: each prefix's length (default 256)",
-    )
-    g.add_argument("--num-prefixes", type=int, default=10, help="prefix-repetition: distinct prefixes")
-    g.add_argument("--suffix-len", type=int, default=256, help="prefix-repetition: tokens after the prefix")
-    g.add_argument(
-        "--rag-store", default=None, help="rag: the store `pagedllm rag ingest` wrote (its default if unset)"
-    )
-    g.add_argument(
-        "--tokenizer",
-        default=None,
-        help="tokenizer for exact token counts (GGUF file, HF folder); default: the default model's",
-    )
-    g.add_argument("--seed", type=int, default=0)
+@settings
+class ServeBenchConfig:
+    """`bench serve`'s settings: the server, the workload, the load and the report, as `vllm bench serve`."""
+
+    base_url: str = "http://127.0.0.1:8000"
+    """the server's root URL (default: http://127.0.0.1:8000)"""
+    endpoint: Endpoint = "/v1/completions"
+    """the API the requests go to (default: /v1/completions)"""
+    api_key: str | None = None
+    """sent as a Bearer token (default: $OPENAI_API_KEY, else none)"""
+    model: str | None = None
+    """the model name to send (default: the first of the server's /v1/models)"""
+    ignore_eos: bool = True
+    """send ignore_eos so that every request generates its full output length (default: on; --no-ignore-eos for
+    servers that reject it, output lengths then vary)"""
+    temperature: float = Field(default=0.0, ge=0)
+    """sampling temperature of every request (default: 0, greedy)"""
+    usage: bool = True
+    """ask for stream_options.include_usage, so the server counts the output tokens (default: on; --no-usage
+    counts them here)"""
+    extra_body: str | None = None
+    """a JSON object merged into every request body (default: none)"""
+    dataset_name: ds.DatasetName = "random"
+    """the workload: random token prompts, prefix-repetition (shared prefixes), sharegpt (a conversation file) or
+    rag (the questions of `pagedllm rag bench`) (default: random)"""
+    dataset_path: str | None = None
+    """sharegpt: a local JSON file in the ShareGPT format (default: none)"""
+    num_prompts: int = Field(default=100, ge=1)
+    """requests to send (default: 100)"""
+    input_len: int = Field(default=1024, ge=0)
+    """random: prompt tokens after the shared prefix (default: 1024)"""
+    output_len: Annotated[int, Field(ge=1)] | None = None
+    """max_tokens per request (default: 128 for random / prefix-repetition / rag; sharegpt: the dataset reply's
+    length)"""
+    range_ratio: float = Field(default=0.0, ge=0, lt=1)
+    """random: lengths uniform in [len x (1 - r), len x (1 + r)] (default: 0, all equal)"""
+    prefix_len: Annotated[int, Field(ge=0)] | None = None
+    """random: tokens shared by all prompts (default: 0); prefix-repetition: each prefix's length (default: 256)"""
+    num_prefixes: int = Field(default=10, ge=1)
+    """prefix-repetition: distinct prefixes (default: 10)"""
+    suffix_len: int = Field(default=256, ge=0)
+    """prefix-repetition: tokens after the prefix (default: 256)"""
+    rag_store: str | None = None
+    """rag: the index `pagedllm rag ingest` wrote (default: ./rag-index)"""
+    tokenizer: str | None = None
+    """tokenizer for exact token counts, a GGUF file or Hugging Face folder (default: the default model's)"""
+    seed: int = 0
+    """seed of the workload and of the arrival times (default: 0)"""
+    request_rate: float = Field(default=float("inf"), gt=0)
+    """requests per second, gaps gamma-distributed, Poisson at burstiness 1 (default: inf, all at once)"""
+    burstiness: float = Field(default=1.0, gt=0)
+    """gamma shape of the gaps: below 1 burstier, above 1 more even (default: 1)"""
+    max_concurrency: Annotated[int, Field(ge=1)] | None = None
+    """at most this many requests in flight (default: no limit)"""
+    skip_initial_test: bool = False
+    """do not send one short unmeasured request first to check the server (default: send it)"""
+    percentiles: str = "50,90,99"
+    """percentiles to report, comma-separated (default: 50,90,99)"""
+    goodput: Annotated[list[str] | None, Flag(metavar="KEY:MS")] = None
+    """SLOs for goodput, e.g. --goodput ttft:500 tpot:50 e2el:5000 (default: none, no goodput)"""
+    save_result: Annotated[str | None, Flag(metavar="FILE.json")] = None
+    """write the result as JSON with vLLM's keys (default: not written)"""
+    plot: Annotated[str | None, Flag(metavar="FILE.png")] = None
+    """latency histograms and throughput over time (default: no picture)"""
+    disable_tqdm: bool = False
+    """no progress bar (default: a progress bar)"""
+    quiet: bool = False
+    """do not print the result table (default: print it)"""
 
 
-def build_dataset(args: argparse.Namespace, tokenizer) -> list[ds.SampleRequest]:
+FLAG_GROUPS = {
+    "server": ("base_url", "endpoint", "api_key", "model", "ignore_eos", "temperature", "usage", "extra_body"),
+    "workload": (
+        "dataset_name",
+        "dataset_path",
+        "num_prompts",
+        "input_len",
+        "output_len",
+        "range_ratio",
+        "prefix_len",
+        "num_prefixes",
+        "suffix_len",
+        "rag_store",
+        "tokenizer",
+        "seed",
+    ),
+    "load": ("request_rate", "burstiness", "max_concurrency", "skip_initial_test"),
+    "report": ("percentiles", "goodput", "save_result", "plot", "disable_tqdm", "quiet"),
+}
+
+
+def build_dataset(args: ServeBenchConfig | argparse.Namespace, tokenizer) -> list[ds.SampleRequest]:
     if args.num_prompts < 1:
         raise UserError(f"--num-prompts must be >= 1, got {args.num_prompts}")
     out_len = args.output_len
@@ -104,53 +163,8 @@ def add_serve_parser(bench_sub) -> argparse.ArgumentParser:
         description="Send a workload to any OpenAI-compatible server and report TTFT, TPOT, ITL, E2E latency, "
         "throughput, goodput and the server's prefix-cache hit rate (vLLM's definitions).",
     )
-    g = p.add_argument_group("server")
-    g.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root, e.g. http://127.0.0.1:8000")
-    g.add_argument("--endpoint", choices=ENDPOINTS, default="/v1/completions")
-    g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="sent as a Bearer token")
-    g.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
-    g.add_argument(
-        "--no-ignore-eos",
-        dest="ignore_eos",
-        action="store_false",
-        help="do not send ignore_eos (for servers that reject it; output lengths then vary)",
-    )
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument(
-        "--no-usage",
-        dest="include_usage",
-        action="store_false",
-        help="do not ask for stream_options.include_usage (output tokens are then counted locally)",
-    )
-    g.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
-    add_dataset_args(p)
-    g = p.add_argument_group("load")
-    g.add_argument(
-        "--request-rate",
-        type=float,
-        default=float("inf"),
-        help="requests per second (inf: all at once); gaps are gamma-distributed, Poisson at burstiness 1",
-    )
-    g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: < 1 burstier, > 1 more even")
-    g.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
-    g.add_argument(
-        "--skip-initial-test",
-        action="store_true",
-        help="do not send one short unmeasured request before the run to check the server",
-    )
-    g = p.add_argument_group("report")
-    g.add_argument("--percentiles", default="50,90,99", help="percentiles to report, e.g. 50,90,99")
-    g.add_argument(
-        "--goodput",
-        nargs="+",
-        default=None,
-        metavar="KEY:MS",
-        help="SLOs for goodput, e.g. --goodput ttft:500 tpot:50 e2el:5000",
-    )
-    g.add_argument("--save-result", default=None, metavar="FILE.json", help="write the result as JSON (vLLM keys)")
-    g.add_argument("--plot", default=None, metavar="FILE.png", help="latency histograms and throughput over time")
-    g.add_argument("--disable-tqdm", action="store_true")
-    g.add_argument("--quiet", action="store_true", help="do not print the result table")
+    for title, names in FLAG_GROUPS.items():
+        add_flags(p.add_argument_group(title), ServeBenchConfig, only=names)
     p.set_defaults(func=run_serve)
     return p
 
@@ -204,7 +218,7 @@ def format_result(res: dict, percentiles) -> str:
     return "\n".join(lines)
 
 
-async def _run(args, settings: RequestSettings, requests, tokenizer, percentiles, goodput) -> dict:
+async def _run(args: ServeBenchConfig, settings: RequestSettings, requests, tokenizer, percentiles, goodput) -> dict:
     async with make_client() as client:
         if not settings.model:
             settings.model = await fetch_default_model(client, settings.base_url, settings.api_key)
@@ -251,11 +265,10 @@ def _save(res: dict[str, Any], path: str) -> None:
     print(f"saved {path}", file=sys.stderr)
 
 
-def run_serve(args: argparse.Namespace) -> int:
+def run_serve(namespace: argparse.Namespace) -> int:
+    args = from_args(ServeBenchConfig, namespace)
     percentiles = parse_percentiles(args.percentiles)
     goodput = parse_goodput(args.goodput)
-    if args.max_concurrency is not None and args.max_concurrency < 1:
-        raise UserError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     extra = _extra_body(args.extra_body)
     arrival_times(1, args.request_rate, args.burstiness)  # validates rate and burstiness up front
     from pagedllm.bench.tokenizer import load_bench_tokenizer
@@ -266,10 +279,10 @@ def run_serve(args: argparse.Namespace) -> int:
         base_url=args.base_url,
         endpoint=args.endpoint,
         model=args.model or "",
-        api_key=args.api_key,
+        api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
         ignore_eos=args.ignore_eos,
         temperature=args.temperature,
-        include_usage=args.include_usage,
+        include_usage=args.usage,
         extra_body=extra,
     )
     started = datetime.now().strftime("%Y%m%d-%H%M%S")

@@ -37,11 +37,19 @@ def add_throughput_parser(sub: argparse._SubParsersAction) -> None:
         description="Offline throughput: N random prompts at once through the in-process engine.",
     )
     add_engine_args(p, model_positional=False)
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--input-len", type=int, default=256)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--range-ratio", type=float, default=0.0, help="lengths vary by this share around the mean")
-    p.add_argument("--output-json", default=None, help="write the figures to this JSON file")
+    w = p.add_argument_group("workload")
+    w.add_argument("--num-prompts", type=int, default=64, help="prompts, all submitted at once (default: 64)")
+    w.add_argument("--input-len", type=int, default=256, help="tokens per prompt, random ids (default: 256)")
+    w.add_argument(
+        "--output-len", type=int, default=128, help="tokens generated per prompt, end of text ignored (default: 128)"
+    )
+    w.add_argument(
+        "--range-ratio",
+        type=float,
+        default=0.0,
+        help="lengths vary uniformly by this share around --input-len and --output-len (default: 0, all equal)",
+    )
+    w.add_argument("--output-json", default=None, help="also write the figures to this JSON file (default: none)")
     p.set_defaults(func=run_throughput)
 
 

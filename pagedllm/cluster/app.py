@@ -13,15 +13,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request, Response
-from fastapi.responses import JSONResponse
 from ray import serve
 
-from pagedllm.cluster.ingress import ClusterEngine, EngineFacts, IngressSettings, call, wait_for_info
+from pagedllm.cluster.ingress import ClusterEngine, IngressSettings, call, wait_for_info
+from pagedllm.cluster.loopback import replica_grpc_on_loopback
 from pagedllm.cluster.metrics import sum_stats, with_replica_labels
 from pagedllm.cluster.replica import EngineReplica, ReplicaReport, ReplicaSettings
 from pagedllm.cluster.routing import ROUTERS, apply_events, router_for, router_key
 from pagedllm.engine.config import EngineConfig
-from pagedllm.entrypoints.openai.metrics import CONTENT_TYPE
+from pagedllm.engine.metrics import CONTENT_TYPE
+from pagedllm.server.errors import ERROR_RESPONSES, error_response
+from pagedllm.server.protocol import ClusterHealthResponse, ClusterKVState, KVPool, ReplicaKV
+from pagedllm.server.serving_engine import json_response
 
 logger = logging.getLogger("pagedllm.cluster")
 
@@ -44,25 +47,14 @@ def _status(report: ReplicaReport | BaseException) -> str:
     return f"unreachable: {type(report).__name__}: {report}"
 
 
-@cluster_routes.get("/health")
+@cluster_routes.get("/health", response_model=ClusterHealthResponse, responses={503: ERROR_RESPONSES[503]})
 async def health(request: Request) -> Response:
     """200 with each replica's state while any replica is healthy; 503 when none is."""
     reports = await _engine(request).reports()
     replicas = {rid: _status(r) for rid, r in reports.items()}
-    ok = [rid for rid, s in replicas.items() if s == "ok"]
-    if not ok:
-        return JSONResponse(
-            {
-                "error": {
-                    "message": f"no replica is healthy: {replicas}",
-                    "type": "ServiceUnavailableError",
-                    "param": None,
-                    "code": 503,
-                }
-            },
-            status_code=503,
-        )
-    return JSONResponse({"status": "ok", "replicas": replicas})
+    if not any(s == "ok" for s in replicas.values()):
+        return error_response(f"no replica is healthy: {replicas}", 503)
+    return json_response(ClusterHealthResponse(status="ok", replicas=replicas))
 
 
 @cluster_routes.get("/metrics")
@@ -79,44 +71,31 @@ async def metrics(request: Request) -> Response:
     return Response(with_replica_labels(pages) + "\n".join(up) + "\n", media_type=CONTENT_TYPE)
 
 
-@cluster_routes.get("/v1/kv")
-async def kv_state(request: Request) -> dict[str, Any]:
-    """The block pools: the cluster's totals and each replica's."""
-    reports = await _engine(request).reports()
+@cluster_routes.get("/v1/kv", response_model=ClusterKVState, responses={401: ERROR_RESPONSES[401]})
+async def kv_state(request: Request) -> Response:
+    """The block pools: the cluster's totals and each replica's, with what the router believes each one holds."""
+    engine = _engine(request)
+    reports = await engine.reports()
     per = {rid: r.stats for rid, r in reports.items() if isinstance(r, ReplicaReport)}
-    total = sum_stats(list(per.values()))
-
-    def view(st: Any) -> dict[str, Any]:
-        return {
-            "block_size": st.block_size,
-            "total_blocks": st.num_blocks,
-            "free_blocks": st.num_free_blocks,
-            "used_blocks": st.num_used_blocks,
-            "cached_blocks": st.num_cached_blocks,
-            "kv_cache_usage": st.kv_usage,
-            "num_running": st.num_running,
-            "num_waiting": st.num_waiting,
-            "prefix_cache_queries": st.prefix_cache_queries,
-            "prefix_cache_hits": st.prefix_cache_hits,
-        }
-
-    router = ROUTERS.get(router_key(_engine(request).handle))
-    replicas = {rid: view(st) for rid, st in per.items()}
-    for rid, v in replicas.items():  # what the router believes each replica holds, next to what it holds
-        v["router_index_blocks"] = router.index.num_blocks(rid) if router else None
-    return {
-        **view(total),
-        "routing": router.policy if router else None,
-        "routing_decisions": dict(router.decisions) if router else {},
-        "replicas": replicas,
+    router = ROUTERS.get(router_key(engine.handle))
+    replicas = {
+        rid: ReplicaKV(**KVPool.fields_of(st), router_index_blocks=router.index.num_blocks(rid) if router else None)
+        for rid, st in per.items()
     }
+    state = ClusterKVState(
+        **KVPool.fields_of(sum_stats(list(per.values()))),
+        routing=router.policy if router else None,
+        routing_decisions=dict(router.decisions) if router else {},
+        replicas=replicas,
+    )
+    return json_response(state)
 
 
 def build_ingress_app(engine: ClusterEngine, settings: IngressSettings) -> FastAPI:
     """The single-process server's app over the cluster engine, with per-replica routes in place of its one-engine
     state routes (/health, /metrics, /v1/kv; the /kv block map stays a single server's)."""
-    from pagedllm.entrypoints.openai import serving_info
-    from pagedllm.entrypoints.openai.api_server import DEFAULT_MAX_REQUEST_BYTES, build_app
+    from pagedllm.server import serving_info
+    from pagedllm.server.api_server import DEFAULT_MAX_REQUEST_BYTES, build_app
 
     models = APIRouter()
     models.add_api_route("/v1/models", serving_info.models, methods=["GET"], response_model=serving_info.ModelList)
@@ -168,6 +147,7 @@ class Ingress:
         from pagedllm.model.config import load_model_config
         from pagedllm.model.tokenizer import load_tokenizer
 
+        replica_grpc_on_loopback()
         if isinstance(engines, EngineRef):
             engines = serve.get_deployment_handle(engines.deployment_name, app_name=engines.app_name)
         info = await wait_for_info(engines)  # the first call: it makes Ray Serve build this process's router
@@ -175,7 +155,7 @@ class Ingress:
         self.engine = ClusterEngine(
             engines,
             load_tokenizer(settings.model),
-            EngineFacts(load_model_config(settings.model)),
+            load_model_config(settings.model),
             info.max_model_len,
             settings.max_waiting_requests,
         )

@@ -24,7 +24,7 @@ from pagedllm.cluster.router import PROMPT_KW, REPLICA_KW
 from pagedllm.cluster.routing import ROUTERS, router_key
 from pagedllm.engine.async_engine import EngineDeadError, EngineShuttingDownError, RequestAbortedError
 from pagedllm.engine.outputs import RequestOutput
-from pagedllm.engine.stats import EngineStats
+from pagedllm.engine.stats import AbortLog, EngineStats
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.tokenizer import Tokenizer
 from pagedllm.sampling_params import SamplingParams
@@ -70,25 +70,15 @@ class ClusterStream:
 
 
 @dataclass
-class EngineFacts:
-    """What the server reads of the engine core (`engine.engine`): the model's config, for vocabulary checks and
-    names. The ingress has no engine core; it loads the same config the replicas do."""
-
-    model_config: ModelConfig
-
-
-@dataclass
 class ClusterEngine:
     """An `AsyncEngine` (engine/protocol.py) over a deployment of `EngineReplica`s (see the module docstring)."""
 
     handle: Any  # ray.serve.handle.DeploymentHandle of the replicas
     tokenizer: Tokenizer
-    engine: EngineFacts
+    model_config: ModelConfig  # the ingress loads the config the replicas do
     max_model_len: int
     max_waiting_requests: int | None = None  # each replica's limit: a request over it is never admissible
-    stat_logger: Any = None  # the app's metrics hook; unused, each replica keeps its own metrics
-    num_aborted: int = 0
-    aborted_ids: list[str] = field(default_factory=list)
+    aborts: AbortLog = field(default_factory=AbortLog)
     _streams: dict[str, ClusterStream] = field(default_factory=dict)
     _accepting: bool = True
     _stats: EngineStats | None = None
@@ -160,9 +150,7 @@ class ClusterEngine:
         if stream is None:
             return
         stream.call.cancel()
-        self.num_aborted += 1
-        self.aborted_ids.append(request_id)
-        del self.aborted_ids[:-256]
+        self.aborts.record(request_id)
 
     # ------------------------------------------------------------------ per replica
     async def per_replica(self, method: str, timeout: float = 10.0, **kwargs: Any) -> dict[str, Any]:

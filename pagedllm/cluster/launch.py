@@ -5,23 +5,53 @@ calls `serve_cluster`; nothing here imports Ray until the cluster runs.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import signal
+import socket
 import sys
 import threading
+from collections.abc import Iterator
 from typing import Any
 
+from pagedllm.cluster.loopback import loopback_only
 from pagedllm.errors import UserError
 
 OBJECT_STORE_BYTES = 100 * 2**20  # a local Ray's object store: requests and outputs are small, RAM is shared
+TOKEN_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
 
 
 def _ray_init(ray: Any, address: str | None) -> None:
-    """Join `address`, or start a small local Ray: no dashboard, a small object store (the machine is shared)."""
+    """Join `address`, or start a small local Ray: no dashboard, a small object store (the machine is shared),
+    every port on loopback (loopback.py). A cluster that cannot be reached is one line naming the flag,
+    not Ray's traceback ending in advice about an `--address` flag pagedllm does not have."""
     if address:
-        ray.init(address=address)
+        _check_answers(address)
+        try:
+            ray.init(address=address)
+        except (ConnectionError, TimeoutError) as e:
+            message = str(e).split(". Please specify")[0].rstrip(".")
+            raise UserError(
+                f"--ray-address {address}: cannot join a Ray cluster there ({message}); start one "
+                "(`ray start --head`) or leave --ray-address out to start a local one"
+            ) from None
     else:
-        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, object_store_memory=OBJECT_STORE_BYTES)
+        loopback_only()
+        with _drop_logs(TOKEN_AUTH_LOGGER, "Token authentication is enabled"):
+            ray.init(num_cpus=os.cpu_count(), include_dashboard=False, object_store_memory=OBJECT_STORE_BYTES)
+
+
+def _check_answers(address: str) -> None:
+    """A host:port where nothing listens is refused at once: Ray would retry it for minutes, then print a
+    traceback. `auto` (Ray's own search) and anything that is not host:port are left to Ray."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=10).close()
+    except OSError as e:
+        raise UserError(f"--ray-address {address}: no Ray cluster answers there ({e.strerror or e})") from None
 
 
 def check_resources(total: dict[str, float], replicas: int, cpus: float, gpus: float) -> None:
@@ -74,7 +104,8 @@ def serve_cluster(config: Any, options: Any, ingress: Any, host: str, port: int,
             file=sys.stderr,
             flush=True,
         )
-        serve.run(build_application(config, options, ingress), name=APP_NAME, route_prefix="/")
+        with _drop_logs("ray.serve", "will not be applied"):
+            serve.run(build_application(config, options, ingress), name=APP_NAME, route_prefix="/")
         print(
             f"pagedllm serve: serving {', '.join(ingress.served_model_names)} on http://{host}:{port} "
             f"({options.replicas} replicas, {ingress.routing} routing)",
@@ -89,6 +120,24 @@ def serve_cluster(config: Any, options: Any, ingress: Any, host: str, port: int,
             serve.shutdown()
         ray.shutdown()
     return 0
+
+
+@contextlib.contextmanager
+def _drop_logs(logger_name: str, text: str) -> Iterator[None]:
+    """Ray logs two alarming lines that are not true of what pagedllm does: advice to opt out of the token
+    authentication a new local Ray turns on (it stays on: README), and, as `serve.run` starts Serve once more
+    without options, that "New http_options ... will not be applied" to the Serve that `serve.start` just
+    started with this command's options. Only records of `logger_name` containing `text` go."""
+    target = logging.getLogger(logger_name)
+
+    def drop(record: logging.LogRecord) -> bool:
+        return text not in record.getMessage()
+
+    target.addFilter(drop)
+    try:
+        yield
+    finally:
+        target.removeFilter(drop)
 
 
 def _wait_for_signal() -> None:

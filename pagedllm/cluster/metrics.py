@@ -12,11 +12,10 @@ from dataclasses import fields
 from itertools import zip_longest
 from typing import Any
 
-from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
-from prometheus_client.registry import Collector
 
+from pagedllm.engine.metrics import write_page
 from pagedllm.engine.stats import EngineStats
 
 
@@ -43,16 +42,4 @@ def with_replica_labels(pages: dict[str, str]) -> str:
         for family in text_string_to_metric_families(page):
             into = merged.setdefault(family.name, Metric(family.name, family.documentation, family.type, family.unit))
             into.samples += [s._replace(labels={"replica": replica, **s.labels}) for s in family.samples]
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Families(list(merged.values())))
-    return generate_latest(registry).decode()
-
-
-class _Families(Collector):
-    """Already collected families, for prometheus_client's writer."""
-
-    def __init__(self, families: list[Metric]) -> None:
-        self.families = families
-
-    def collect(self) -> list[Metric]:
-        return self.families
+    return write_page(list(merged.values())).decode()

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import Any
 
+from pagedllm.cluster.loopback import replica_grpc_on_loopback
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.stats import EngineStats
@@ -60,14 +61,13 @@ class EngineReplica:
 
         from pagedllm.engine.async_engine import AsyncLLMEngine
         from pagedllm.engine.llm_engine import LLMEngine
-        from pagedllm.entrypoints.openai.metrics import ServerMetrics
 
+        replica_grpc_on_loopback()
         torch.set_num_threads(settings.num_threads)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.core = LLMEngine(replace(settings.engine, enable_kv_cache_events=True))
         self.engine = AsyncLLMEngine(self.core, max_waiting_requests=settings.max_waiting_requests)
-        self.metrics = ServerMetrics(settings.served_model_name, self.engine.stats)
-        self.engine.stat_logger = self.metrics
+        self.served_model_name = settings.served_model_name  # its metrics' model_name label
         self.engine.start()
         assert self.core.kv.pool.events is not None
         self.events = self.core.kv.pool.events
@@ -96,9 +96,9 @@ class EngineReplica:
 
     def report(self, replica: str) -> ReplicaReport:
         self._check_addressed(replica)
-        return ReplicaReport(
-            self.replica_id, self.engine.is_healthy, self.engine.stats(), self.metrics.render().decode()
-        )
+        stats = self.engine.stats()
+        page = self.engine.metrics.render(stats, self.served_model_name).decode()
+        return ReplicaReport(self.replica_id, self.engine.is_healthy, stats, page)
 
     def kv_events(self, replica: str, after: int) -> tuple[int, bytes]:
         """(number of the last event, the events after `after` as one vLLM KVEventBatch in msgpack).

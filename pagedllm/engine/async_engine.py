@@ -11,8 +11,12 @@ sees the abort before its next step, so the request's blocks are freed within on
 
 However the loop ends (shutdown or a crash), one path, `_close`, fails every queued add and every stream in
 flight; admission checks and that path hold the same lock, so an add either reaches the queue before the loop
-closes (and is failed by `_close`) or sees the loop closed: no caller waits forever. A crash also calls
-`on_dead`, with which the server exits non-zero so that a supervisor restarts it (vLLM's behaviour).
+closes (and is failed by `_close`) or sees the loop closed: no caller waits forever. A crash also calls the
+`on_dead` hook given at construction, if any (the server itself watches `is_healthy` and exits non-zero, so that
+a supervisor restarts it: vLLM's behaviour).
+
+Every step's outputs and every abort go to the engine's stat logger (`metrics`, engine/metrics.py), whose
+Prometheus page the server's /metrics sends.
 """
 
 from __future__ import annotations
@@ -25,12 +29,13 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
+from pagedllm.engine.metrics import PrometheusStatLogger
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.protocol import EngineCore
-from pagedllm.engine.stats import EngineStats
+from pagedllm.engine.stats import AbortLog, EngineStats
 from pagedllm.errors import UserError
+from pagedllm.model.config import ModelConfig
 from pagedllm.model.tokenizer import Tokenizer
 from pagedllm.sampling_params import SamplingParams
 
@@ -55,14 +60,6 @@ class EngineDeadError(RuntimeError):
 
 class EngineShuttingDownError(EngineDeadError):
     """The server is shutting down and takes no new requests."""
-
-
-class StatLogger(Protocol):
-    """The server's metrics hook, called on the engine thread after every step and every abort."""
-
-    def record_step(self, outputs: list[RequestOutput], now: float) -> None: ...
-
-    def record_abort(self, request_id: str) -> None: ...
 
 
 _ids = itertools.count()
@@ -181,8 +178,7 @@ class AsyncLLMEngine:
 
     `max_waiting_requests`: refuse (TooManyWaitingRequestsError) a request whose samples would bring the waiting
     ones over this (None: no limit); each of a request's `n` samples counts.
-    `stat_logger`: the server's metrics hook (None for none). `on_dead`: called on the engine thread, once, if the
-    loop crashes.
+    `on_dead`: called on the engine thread, once, if the loop crashes.
     """
 
     def __init__(
@@ -190,7 +186,6 @@ class AsyncLLMEngine:
         engine: EngineCore,
         *,
         max_waiting_requests: int | None = None,
-        stat_logger: StatLogger | None = None,
         idle_poll_s: float = 0.5,
         on_dead: Callable[[BaseException], None] | None = None,
     ) -> None:
@@ -198,7 +193,7 @@ class AsyncLLMEngine:
             raise UserError(f"--max-waiting-requests must be >= 0, got {max_waiting_requests}")
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
-        self.stat_logger = stat_logger
+        self.metrics = PrometheusStatLogger()  # fed on the engine thread; the server renders its page
         self.on_dead = on_dead
         self._idle_poll_s = idle_poll_s
         self._ops: queue.SimpleQueue[_Op] = queue.SimpleQueue()
@@ -210,8 +205,7 @@ class AsyncLLMEngine:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._stats = engine.stats()
-        self.num_aborted = 0  # requests aborted (disconnects, cancellations, shutdown)
-        self.aborted_ids: list[str] = []  # the most recent aborted request ids (bounded)
+        self.aborts = AbortLog()
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -221,6 +215,10 @@ class AsyncLLMEngine:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.engine.model_config
 
     @property
     def is_running(self) -> bool:
@@ -356,11 +354,10 @@ class AsyncLLMEngine:
         outputs = self.engine.step()
         now = time.monotonic()
         self._stats = self.engine.stats()
-        if self.stat_logger is not None:
-            try:
-                self.stat_logger.record_step(outputs, now)
-            except Exception:  # metrics must never kill the loop
-                logger.exception("stat_logger.record_step failed")
+        try:
+            self.metrics.record_step(outputs, now)
+        except Exception:  # metrics must never kill the loop
+            logger.exception("metrics.record_step failed")
         for out in outputs:
             stream = self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)
             if stream is not None:
@@ -416,14 +413,11 @@ class AsyncLLMEngine:
             self.engine.abort_request(request_id)
         except Exception:  # a crashed engine may fail here too; the caller is told all the same
             logger.exception("abort_request(%s) failed", request_id)
-        self.num_aborted += 1
-        self.aborted_ids.append(request_id)
-        del self.aborted_ids[:-256]
-        if self.stat_logger is not None:
-            try:
-                self.stat_logger.record_abort(request_id)
-            except Exception:
-                logger.exception("stat_logger.record_abort failed")
+        self.aborts.record(request_id)
+        try:
+            self.metrics.record_abort(request_id)
+        except Exception:
+            logger.exception("metrics.record_abort failed")
         _call_on_loop(stream, stream.fail, error)
 
     def _close(self, crash: BaseException | None) -> None:

@@ -53,7 +53,8 @@ def _tables(snap: KVSnapshot) -> _Tables:
     ids = np.fromiter(
         itertools.chain.from_iterable(r.block_ids for r in snap.requests), dtype=np.int64, count=int(starts[-1])
     )
-    position = np.arange(len(ids)) - np.repeat(starts[:-1], lens)
+    skipped = np.fromiter((r.skipped_blocks for r in snap.requests), dtype=np.int64, count=n)
+    position = np.arange(len(ids)) - np.repeat(starts[:-1], lens) + np.repeat(skipped, lens)
     kv_tokens = np.repeat(np.fromiter((r.kv_tokens for r in snap.requests), dtype=np.int64, count=n), lens)
     return _Tables(ids, np.clip(kv_tokens - snap.block_size * position, 0, snap.block_size), starts)
 
@@ -92,7 +93,7 @@ def grid(num_blocks: int, max_cells: int) -> tuple[int, int, int]:
 
 
 def block_map(snap: KVSnapshot, max_cells: int = 8192, detail: bool = False) -> dict:
-    """The whole picture as a JSON-ready dict (its schema: KVBlocksResponse in entrypoints/openai/kv_page.py).
+    """The whole picture as a JSON-ready dict (its schema: KVBlocksResponse in server/kv_page.py).
 
     The map is what a painter needs per cell (state, ref count, filled slots, and the state counts of a cell that
     aggregates blocks); `detail` adds a record per block that is not plain free (hash, eviction rank, holders),
@@ -109,6 +110,7 @@ def block_map(snap: KVSnapshot, max_cells: int = 8192, detail: bool = False) -> 
         "num_blocks": snap.num_blocks,
         "prefix_caching": snap.prefix_caching,
         "kv_cache_dtype": snap.kv_cache_dtype,
+        "kv_groups": snap.kv_groups,
         "counters": _counters(snap, state, fill),
         "map": _cells(snap.num_blocks, max_cells, ref, state, fill),
         "blocks": _blocks(snap, state, fill) if detail else None,
@@ -224,6 +226,7 @@ def expand_row(row: list[list]) -> list[tuple[str, int]]:
 
 def _request(r, row: list[list], block_size: int) -> dict:
     slots = len(r.block_ids) * block_size
+    stored = r.kv_tokens - r.skipped_blocks * block_size  # the skipped blocks' tokens went back with them
     return {
         "request_id": r.request_id,
         "status": r.status,
@@ -234,7 +237,8 @@ def _request(r, row: list[list], block_size: int) -> dict:
         "kv_tokens": r.kv_tokens,
         "num_preemptions": r.num_preemptions,
         "block_ids": list(r.block_ids),
+        "skipped_blocks": r.skipped_blocks,
         "row": row,
         "slots": slots,
-        "empty_slots": slots - r.kv_tokens if r.block_ids else 0,
+        "empty_slots": slots - stored if r.block_ids else 0,
     }

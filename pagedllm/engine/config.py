@@ -24,47 +24,52 @@ KVCacheDType = Literal["auto", "float32", "bfloat16", "int8", "fp8", "fp8_e4m3",
 @settings
 class EngineConfig:
     model: str | None = None
-    """HF model folder or GGUF file (default: SmolLM2-135M-Instruct Q4_1 GGUF)"""
+    """a Hugging Face model folder or GGUF file, served and logged under its base name (default:
+    SmolLM2-135M-Instruct, a 4-bit GGUF that comes with pagedllm)"""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """auto | float32 | bfloat16 (bfloat16 is the fast path on AMX CPUs)"""
+    """the model's dtype in memory: auto (the default: bfloat16 where this CPU or GPU computes it natively, as
+    AMX and AVX-512 BF16 CPUs do, else float32), float32 or bfloat16"""
     quantization: Annotated[Literal["auto", "none", "gguf", "int8", "int4"] | None, Flag(short="-q")] = None
     """weights in memory: auto (the default) keeps a GGUF's Q4_0/Q4_1/Q8_0 tensors as stored unless this CPU's
-    quantized kernel is measured slower than dense (kernel_choice.py); gguf always keeps them; int8/int4 round a
-    checkpoint's weights at load (weight-only, groups of 32); none dequantizes to --dtype (what auto means for a
-    Hugging Face folder)"""
+    quantized kernel is measured slower than dense (measured once per CPU and remembered); gguf always keeps
+    them; int8/int4 round a checkpoint's weights at load (weight-only, groups of 32); none dequantizes to --dtype
+    (what auto means for a Hugging Face folder)"""
     kv_cache_dtype: KVCacheDType = "auto"
-    """auto (the model's dtype) | float32 | bfloat16 | int8 | fp8 (= fp8_e4m3) | fp8_e5m2: a bfloat16 cache holds
-    twice the tokens of a float32 one; the quantized ones (model/kv_quant.py) keep one byte per value and a bfloat16
-    scale per (token, KV head), 3.9x the tokens of float32 (1.9x bfloat16); attention computes in the model's dtype"""
+    """the KV cache's dtype: auto (the default: the model's --dtype), float32, bfloat16, int8, fp8 (= fp8_e4m3)
+    or fp8_e5m2. A bfloat16 cache holds twice the tokens of a float32 one; int8 and fp8 keep one byte per value
+    and a bfloat16 scale per (token, KV head), 3.9x the tokens of float32 (1.9x bfloat16); attention computes in
+    the model's dtype"""
     device: str = "auto"
-    """torch device: auto (cuda if available, else cpu), cpu, cuda, cuda:1, ..."""
+    """where the model runs: auto (the default: a CUDA GPU if there is one, else the CPU), cpu, cuda, cuda:1, ..."""
     block_size: int = Field(default=16, ge=1)
-    """tokens per KV block"""
+    """tokens per KV block: the unit the cache hands out and shares (default: 16)"""
     max_num_seqs: int = Field(default=64, ge=1)
-    """most requests running at once"""
+    """most requests running at once (default: 64)"""
     max_num_batched_tokens: int = Field(default=512, ge=1)
-    """token budget of one step; longer prompts are prefilled in chunks"""
+    """most tokens one step computes; longer prompts are prefilled in chunks of it (default: 512)"""
     max_model_len: Annotated[int, Field(ge=1)] | None = None
-    """longest prompt + output (default: the model's)"""
+    """longest prompt + output of one request (default: the model's context length)"""
     enable_prefix_caching: bool = True
-    """share the KV blocks of common prompt prefixes"""
+    """share the KV blocks of common prompt prefixes between requests (default: on)"""
     kv_allocation: Literal["paged", "contiguous"] = "paged"
-    """paged blocks on demand, or reserve max-model-len per request (the chapter's baseline)"""
+    """paged (the default): blocks handed out as a request grows; contiguous: each request reserves
+    max-model-len tokens at admission, the baseline paging is measured against"""
     kv_cache_memory: Annotated[Bytes, Field(gt=0)] | None = None
     """KV cache size in bytes, e.g. 2GiB (wins over --gpu-memory-utilization); default on CPU: half the memory
     free after loading the weights, at most 2 GiB; on GPU: see --gpu-memory-utilization"""
     gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] | None = None
-    """share of device memory (on CPU: of RAM) for weights, activations and KV cache; default on GPU: 0.9, on CPU:
-    unset (see --kv-cache-memory)"""
+    """share of device memory (on CPU: of RAM) for weights, activations and KV cache (default: on GPU 0.9; on CPU
+    unset, the KV cache sized as --kv-cache-memory says instead)"""
     kv_offload_dir: Annotated[str | None, Flag(metavar="DIR")] = None
     """a disk tier for the prefix cache: full blocks evicted from RAM are written to DIR and read back on a later
-    hit, also after a restart (only by an engine with the same weights, dtypes, block size and layer shape)"""
+    hit, also after a restart (only by an engine with the same weights, dtypes, block size and layer shape;
+    default: no disk tier)"""
     kv_offload_size: Annotated[Bytes, Field(gt=0)] = DEFAULT_KV_OFFLOAD_SIZE
     """most bytes the disk tier holds, e.g. 16GiB (default 16 GiB); least recently used blocks go first"""
     seed: int = 0
-    """seed for unseeded random sampling"""
+    """seed of random sampling for requests that bring no seed of their own (default: 0)"""
     log_stats_interval: float = 5.0
-    """seconds between "busy" log lines; 0 turns them off"""
+    """seconds between "busy" log lines; 0 turns them off (default: 5)"""
     # JSON text, a dict or a SpeculativeConfig, parsed by SpeculativeConfig.parse after the other checks. The
     # Python API is opt-in, as vLLM's LLM(...) is; the commands default to auto.
     speculative_config: Annotated[
@@ -75,7 +80,7 @@ class EngineConfig:
     requests run or wait; none: off; auto (default): that example on a CPU, where it was measured to pay, off
     elsewhere"""
     enable_kv_cache_events: bool = False
-    """record blocks entering / leaving the prefix cache (kv/events.py)"""
+    """record blocks entering and leaving the prefix cache, for a router that follows them (default: off)"""
 
     def __post_init__(self) -> None:
         if self.kv_offload_dir is not None and not (self.kv_allocation == "paged" and self.enable_prefix_caching):
@@ -94,12 +99,8 @@ CLI_ONLY_IN_PYTHON = ("log_stats_interval", "enable_kv_cache_events")  # setting
 def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = True) -> None:
     """The engine flags, vLLM's names, from EngineConfig; `model` is positional (serve MODEL) or --model."""
     if model_positional:
-        parser.add_argument(
-            "model",
-            nargs="?",
-            default=None,
-            help="HF model folder or GGUF file (default: SmolLM2-135M-Instruct Q4_1 GGUF)",
-        )
+        help = EngineConfig.__pydantic_fields__["model"].description  # type: ignore[attr-defined]
+        parser.add_argument("model", nargs="?", default=None, help=help)
     else:
-        parser.add_argument("--model", default=None, help="HF model folder or GGUF file (default: SmolLM2-135M)")
+        add_flags(parser, EngineConfig, only=("model",))
     add_flags(parser.add_argument_group("engine"), EngineConfig, skip=("model",) + CLI_ONLY_IN_PYTHON)

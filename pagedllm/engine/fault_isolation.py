@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,12 +20,18 @@ logger = logging.getLogger("pagedllm")
 Scheduled = list[tuple[Request, int]]  # (request, tokens to compute this step)
 Computed = list[tuple[Request, int, torch.Tensor]]  # ... and its logits rows
 Forward = Callable[[Scheduled], list[torch.Tensor]]  # one model call; per request, its logits rows
-Fail = Callable[[Request, str], None]  # finish one request with an error
 
 
-def forward_guarded(
-    forward: Forward, scheduled: Scheduled, kv: KVCacheManager, scheduler: Scheduler, fail: Fail
-) -> Computed:
+@dataclass
+class Forwarded:
+    """What a step's forward pass gave: the chunks computed, with their logits rows, and the requests whose
+    own step failed (with why), for the engine to finish."""
+
+    done: Computed = field(default_factory=list)
+    failed: list[tuple[Request, str]] = field(default_factory=list)
+
+
+def forward_guarded(forward: Forward, scheduled: Scheduled, kv: KVCacheManager, scheduler: Scheduler) -> Forwarded:
     """The step's forward pass; on failure, each request alone (`forward_each`)."""
     try:
         logits = forward(scheduled)
@@ -33,38 +40,34 @@ def forward_guarded(
         if not isinstance(e, Exception):  # Ctrl-C: the caller aborts what runs
             raise
         logger.warning("a step of %d requests failed (%r): running each alone", len(scheduled), e)
-        return forward_each(forward, scheduled, undone, kv, scheduler, fail)
+        return forward_each(forward, scheduled, undone, kv, scheduler)
     kv.commit_step()
-    return [(req, n, rows) for (req, n), rows in zip(scheduled, logits)]
+    return Forwarded([(req, n, rows) for (req, n), rows in zip(scheduled, logits)])
 
 
 def forward_each(
-    forward: Forward,
-    scheduled: Scheduled,
-    undone: dict[str, list],
-    kv: KVCacheManager,
-    scheduler: Scheduler,
-    fail: Fail,
-) -> Computed:
+    forward: Forward, scheduled: Scheduled, undone: dict[str, list], kv: KVCacheManager, scheduler: Scheduler
+) -> Forwarded:
     """After a failed step: each request alone, in schedule order (a request that shares blocks another
     registered this step runs after it). One that fails again fails; one that shares a block whose writer
     failed is recomputed later, since that block's K/V were never written."""
     unwritten: set[int] = set()
-    done = []
+    out = Forwarded()
     for req, n in scheduled:
-        if unwritten.intersection(kv.get_block_ids(req.request_id)):
+        held = kv.get_block_ids(req.request_id)[kv.num_skipped_blocks(req.request_id) :]  # not the null entries
+        if unwritten.intersection(held):
             scheduler.requeue(req)
             continue
         try:
             (rows,) = forward([(req, n)])
         except Exception as e:  # noqa: BLE001 - any error of this request's step fails this request
             unwritten.update(b.block_id for b in undone.get(req.request_id, ()))
-            fail(req, f"the model step failed: {type(e).__name__}: {e}")
+            out.failed.append((req, f"the model step failed: {type(e).__name__}: {e}"))
             continue
         kv.cache_computed(req, req.num_computed_tokens + n)
         kv.commit_step()
-        done.append((req, n, rows))
-    return done
+        out.done.append((req, n, rows))
+    return out
 
 
 def sample_guarded(logits: torch.Tensor, rows: list[list[SamplingRow]]) -> list[list[SampleResult] | Exception]:

@@ -23,7 +23,8 @@ class RequestState:
     cached_tokens: int  # prompt tokens the prefix cache served when the request was first admitted
     kv_tokens: int  # tokens it has KV slots for (0 while waiting)
     num_preemptions: int
-    block_ids: list[int] = field(default_factory=list)  # its block table
+    block_ids: list[int] = field(default_factory=list)  # its block table, without the skipped entries
+    skipped_blocks: int = 0  # leading table entries given back to the pool: out of the sliding window
 
 
 @dataclass
@@ -44,6 +45,8 @@ class KVSnapshot:
     # prompt_tokens, generation_tokens.
     counters: dict[str, int] = field(default_factory=dict)
     kv_cache_dtype: str = "float32"  # what a cached value is stored as (--kv-cache-dtype, resolved)
+    # The KV-cache groups (layers that attend alike): {"window": int | None, "layers": [...], "frees_blocks": bool}
+    kv_groups: list[dict] = field(default_factory=list)
 
 
 def take_snapshot(
@@ -85,10 +88,19 @@ def take_snapshot(
         num_waiting=len(sched.waiting),
         counters=counters,
         kv_cache_dtype=str(engine.kv_dtype).removeprefix("torch."),
+        kv_groups=[
+            {
+                "window": g.window,
+                "layers": list(g.layers),
+                "frees_blocks": getattr(kv, "sliding_window", None) is not None,
+            }
+            for g in getattr(engine, "kv_groups", ())
+        ],
     )
 
 
 def _request_state(req: Any, kv: Any) -> RequestState:
+    skipped = kv.num_skipped_blocks(req.request_id)
     return RequestState(
         req.request_id,
         req.status.value,
@@ -97,7 +109,8 @@ def _request_state(req: Any, kv: Any) -> RequestState:
         req.num_cached_tokens,
         kv.req_tokens.get(req.request_id, 0),
         req.num_preemptions,
-        kv.get_block_ids(req.request_id),
+        kv.get_block_ids(req.request_id)[skipped:],
+        skipped,
     )
 
 

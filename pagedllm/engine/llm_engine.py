@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.engine.acceptance import accept, constrain, sampling_rows
+from pagedllm.engine.acceptance import accept, sampling_rows
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.disk_tier import open_disk_tier
 from pagedllm.engine.fault_isolation import Computed, Scheduled, forward_guarded, sample_guarded
@@ -28,12 +28,13 @@ from pagedllm.engine.stop_checker import check_stop
 from pagedllm.engine.structured_output import GrammarCompiler, RequestGrammar
 from pagedllm.errors import UserError
 from pagedllm.kv.events import KVEventLog
-from pagedllm.kv.manager import PagedKVCacheManager, make_kv_cache_manager
+from pagedllm.kv.manager import make_kv_cache_manager
 from pagedllm.kv.offload import DiskKVTier
+from pagedllm.kv.sizing import freeing_window, kv_cache_groups
 from pagedllm.model.kv_quant import QUANT_KV_DTYPES
 from pagedllm.model.loader import DTYPES, LoadedModel, load_model
 from pagedllm.model.runner import ModelRunner, SeqChunk
-from pagedllm.model.sampler import token_logprobs
+from pagedllm.model.sampler import SampleResult, token_logprobs
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm")
@@ -74,13 +75,19 @@ class LLMEngine:
         )
         num_blocks = num_kv_blocks(config, self.loaded, self.max_model_len, self.kv_dtype)
         self.runner = ModelRunner(self.loaded, num_blocks, self.block_size, self.kv_dtype)
+        self.kv_groups = kv_cache_groups([cfg.layer_window(i) for i in range(cfg.num_layers)])
         self.kv = make_kv_cache_manager(
-            config.kv_allocation, num_blocks, self.block_size, self.max_model_len, config.enable_prefix_caching
+            config.kv_allocation,
+            num_blocks,
+            self.block_size,
+            self.max_model_len,
+            config.enable_prefix_caching,
+            freeing_window(self.kv_groups),
         )
         if config.enable_kv_cache_events:
             self.kv.pool.events = KVEventLog(self.block_size, device.type.upper())
         self.disk_tier: DiskKVTier | None = None
-        if config.kv_offload_dir is not None and isinstance(self.kv, PagedKVCacheManager):
+        if config.kv_offload_dir is not None:  # the config allows it with the paged manager only
             self.disk_tier = open_disk_tier(config.kv_offload_dir, config.kv_offload_size, self.runner, self.block_size)
             self.kv.attach_disk_tier(self.disk_tier, self.runner)
         spec = config.speculative_config
@@ -166,38 +173,33 @@ class LLMEngine:
         self.scheduler.remove(req)
         self.requests.pop(req.request_id, None)
 
-    def _fail(self, req: Request, error: str, updated: dict[str, None], bad_request: bool = False) -> None:
+    def _fail(self, req: Request, error: str, bad_request: bool = False) -> None:
         """One request failed (its step or its sampling raised): it alone finishes with an error, which is the
         request's own fault (`bad_request`: it asked for what the model cannot do) or the engine's."""
         logger.warning("request %s failed: %s", req.request_id, error)
         req.finish("error", error=error, bad_request=bad_request)
         self._release(req)
-        updated[req.parent_id] = None
 
     # ---- the step -----------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, update the requests it ran; the outputs of those with news."""
         sched = self.scheduler.schedule()
-        updated: dict[str, None] = {}  # ids of the parents with news, in order
+        news = list(sched.failed)  # requests with something to report, in order
         for req in sched.failed:
             self._release(req)
-            updated[req.parent_id] = None
         if sched.scheduled:
-            done = forward_guarded(
-                self._forward,
-                sched.scheduled,
-                self.kv,
-                self.scheduler,
-                lambda req, error: self._fail(req, error, updated),
-            )
-            self._advance(done, updated)
+            ran = forward_guarded(self._forward, sched.scheduled, self.kv, self.scheduler)
+            for req, error in ran.failed:
+                self._fail(req, error)
+                news.append(req)
+            news += self._advance(ran.done)
             self.kv.commit_step()  # what acceptance registered (blocks of accepted drafts) has its K/V written
         elif not sched.failed:
             self._wait_for_grammars()
         self.num_steps += 1
-        outputs = [self._output(pid) for pid in updated if pid in self.parents]
-        if self.disk_tier is not None and isinstance(self.kv, PagedKVCacheManager) and not self.parents:
-            # idle now: the disk tier gets the hot prefixes too
-            self.kv.offload_cached()
+        outputs = [self._output(pid) for pid in dict.fromkeys(r.parent_id for r in news) if pid in self.parents]
+        if not self.parents:
+            self.kv.offload_cached()  # idle now: the disk tier (if any) gets the hot prefixes too
         self._stats_logger.maybe_log(self.stats)
         return outputs
 
@@ -223,9 +225,11 @@ class LLMEngine:
         logits = self.runner.execute(chunks)
         return list(logits.split([c.num_logits for c in chunks]))
 
-    def _advance(self, done: Computed, updated: dict[str, None]) -> None:
-        """Account for the computed chunks; requests whose prompt is done get their next token."""
+    def _advance(self, done: Computed) -> list[Request]:
+        """Account for the computed chunks; requests whose prompt is done get their next token. Returns the
+        requests with news (a token, or the end)."""
         now = time.monotonic()
+        news: list[Request] = []
         to_sample: list[tuple[Request, torch.Tensor]] = []
         for req, n, rows in done:
             if req.metrics.first_scheduled_time is None:
@@ -240,11 +244,10 @@ class LLMEngine:
             if req.params.max_tokens == 0:  # scoring: the prompt was all that was asked for
                 req.finish("length")
                 self._release(req)
-                updated[req.parent_id] = None
+                news.append(req)
                 continue
             to_sample.append((req, rows[len(rows) - 1 - len(req.spec_token_ids) :]))
-        if to_sample:
-            self._sample(to_sample, now, updated)
+        return news + self._sample(to_sample, now) if to_sample else news
 
     def _count_prompt_tokens(self, req: Request, start: int) -> None:
         """Prompt tokens computed, each once: a preempted request recomputing its prompt is not counted again."""
@@ -261,33 +264,44 @@ class LLMEngine:
         entries = token_logprobs(rows[:count].float().log_softmax(-1), targets, req.params.prompt_logprobs or 0)
         req.prompt_logprobs[start + 1 : start + 1 + count] = entries
 
-    def _sample(self, to_sample: list[tuple[Request, torch.Tensor]], now: float, updated: dict[str, None]) -> None:
+    def _sample(self, to_sample: list[tuple[Request, torch.Tensor]], now: float) -> list[Request]:
         """One sampling call for the batch, a row per logits row (a request with drafts has one per draft and one
-        after them); a request whose rows raise, whose grammar fails, or whose detokenizing raises, fails alone."""
+        after them); a request whose rows raise, whose grammar fails, or whose detokenizing raises, fails alone.
+        Returns the sampled requests (every one has news: a token, or its end)."""
         rows = [sampling_rows(req, self.tokenizer.eos_token_ids) for req, _ in to_sample]
-        logits, failed = constrain(to_sample, torch.cat([lg for _, lg in to_sample]), self.grammars)
+        logits, failed = self.grammars.constrain(to_sample, torch.cat([lg for _, lg in to_sample]))
         results = sample_guarded(logits, rows)
         for (req, _), res in zip(to_sample, results):
             try:
                 res = failed.get(req.request_id, res)
                 if isinstance(res, Exception):
                     raise res
-                accept(
-                    req,
-                    res,
-                    lambda r, token, logprobs: self._append_token(r, token, logprobs, now),
-                    self.kv,
-                    self.spec_stats,
-                )
+                self._accept(req, res, now)
             except UserError as e:  # e.g. its grammar needs bytes no token can produce
-                self._fail(req, str(e), updated, bad_request=True)
+                self._fail(req, str(e), bad_request=True)
                 continue
             except Exception as e:  # noqa: BLE001 - this request's sampling or detokenizing failed
-                self._fail(req, f"sampling failed: {type(e).__name__}: {e}", updated)
+                self._fail(req, f"sampling failed: {type(e).__name__}: {e}")
                 continue
-            updated[req.parent_id] = None
             if req.finished:
                 self._release(req)
+        return [req for req, _ in to_sample]
+
+    def _accept(self, req: Request, results: list[SampleResult], now: float) -> None:
+        """Append the tokens acceptance keeps, each checked against the stop rules and the grammar; then give
+        back the rejected drafts' KV slots and register the blocks the accepted ones filled."""
+        had_drafts = bool(req.spec_token_ids)
+        keep, accepted = accept(req, results, self.spec_stats)
+        for res in keep:
+            self._append_token(req, res.token_id, res.logprobs, now)
+            if req.grammar is not None and not req.finished and req.grammar.accept(res.token_id):
+                req.finish("stop")  # structured outputs: the grammar is complete, only EOS could follow
+            if req.finished:
+                return
+        if had_drafts:
+            req.num_computed_tokens += accepted
+            self.kv.trim(req, req.num_computed_tokens)
+            self.kv.cache_computed(req, req.num_computed_tokens)
 
     def _append_token(self, req: Request, token: int, logprobs: dict[int, float] | None, now: float) -> None:
         req.all_token_ids.append(token)

@@ -17,7 +17,7 @@ import torch
 from pagedllm.engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
 from pagedllm.errors import UserError
 from pagedllm.kv.manager import cdiv
-from pagedllm.kv.sizing import kv_dtype_bytes_per_token
+from pagedllm.kv.sizing import freeing_window, kv_cache_groups, kv_dtype_bytes_per_token
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.loader import LoadedModel
 from pagedllm.model.runner import ModelRunner, SeqChunk, bytes_per_block
@@ -168,3 +168,13 @@ def log_kv_cache(cfg: ModelConfig, config: EngineConfig, num_blocks: int, kv_dty
             for name in ("float32", "bfloat16", "int8", "fp8")
         ),
     )
+    groups = kv_cache_groups([cfg.layer_window(i) for i in range(cfg.num_layers)])
+    if any(g.window is not None for g in groups):
+        window = freeing_window(groups)
+        logger.info(
+            "KV-cache groups: %s; %s",
+            ", ".join(f"{g.name} ({len(g.layers)} layers)" for g in groups),
+            f"blocks out of the {window}-token window go back to the pool"
+            if window is not None
+            else "sliding and full layers share one block table: no block is freed before its request ends",
+        )

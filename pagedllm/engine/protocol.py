@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from pagedllm.engine.outputs import RequestOutput
-from pagedllm.engine.stats import EngineStats
+from pagedllm.engine.stats import AbortLog, EngineStats
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.tokenizer import Tokenizer
 from pagedllm.sampling_params import SamplingParams
@@ -46,16 +46,11 @@ class EngineCore(Protocol):
         """A snapshot of the queues, the block pool and the cumulative counters."""
 
 
-class ModelFacts(Protocol):
-    """What the server reads of the engine core behind an async engine: the model's config (vocabulary, name)."""
-
-    model_config: ModelConfig
-
-
 class AsyncEngine(Protocol):
     """What the OpenAI server needs of an async engine. `AsyncLLMEngine` (one engine thread in this process) fits
     it, and so does the cluster's `ClusterEngine` (requests run on engine replicas on Ray Serve), so both serve the
-    same routes, validation, streaming and error bodies."""
+    same routes, validation, streaming and error bodies. What only one engine in this process can answer (its
+    Prometheus page, the /kv block map) is the single server's state routes' business, not this protocol's."""
 
     @property
     def tokenizer(self) -> Tokenizer: ...
@@ -63,14 +58,12 @@ class AsyncEngine(Protocol):
     @property
     def max_model_len(self) -> int: ...
 
-    max_waiting_requests: int | None  # samples waiting at once; a request over it is a 400, the limit a 503
-    stat_logger: Any  # the app's metrics hook (AsyncLLMEngine calls it after each step), or None
-    num_aborted: int
-    aborted_ids: list[str]
-
     @property
-    def engine(self) -> ModelFacts:
-        """The engine core (or what stands for it): its model config."""
+    def model_config(self) -> ModelConfig:
+        """The model's config: its vocabulary (token ids are checked against it) and name."""
+
+    max_waiting_requests: int | None  # samples waiting at once; a request over it is a 400, the limit a 503
+    aborts: AbortLog  # the requests aborted so far (/v1/kv)
 
     @property
     def is_healthy(self) -> bool:

@@ -60,9 +60,6 @@ class Scheduler:
         self.running.remove(request)
         self._preempt(request)
 
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -12,6 +13,19 @@ from pagedllm.engine.spec_decode import SpecDecodeStats
 from pagedllm.kv.manager import KVCacheManager
 
 logger = logging.getLogger("pagedllm")
+
+
+@dataclass
+class AbortLog:
+    """The requests an async engine aborted (disconnects, cancellations, shutdown): how many, and the latest ids,
+    bounded by the deque (a server that runs for months keeps the last `maxlen`). /v1/kv shows them."""
+
+    total: int = 0
+    recent: deque[str] = field(default_factory=lambda: deque(maxlen=256))
+
+    def record(self, request_id: str) -> None:
+        self.total += 1
+        self.recent.append(request_id)
 
 
 @dataclass
@@ -44,7 +58,7 @@ class EngineStats:
 
     @property
     def slots_allocated(self) -> int:
-        """Token slots in held blocks: the chapter's 'allocated' (stored / allocated is its 'used share')."""
+        """Token slots in held blocks, used or not (stored / allocated is the share of them in use)."""
         return self.num_used_blocks * self.block_size
 
     @property

@@ -15,8 +15,9 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -25,6 +26,15 @@ from pagedllm.errors import UserError
 from pagedllm.model.tokenizer import Tokenizer
 
 logger = logging.getLogger("pagedllm")
+
+
+class Constrained(Protocol):
+    """What masking reads of a request (engine.Request fits): its grammar and the drafts to mask after."""
+
+    request_id: str
+    grammar: RequestGrammar | None
+    spec_token_ids: list[int]
+
 
 CACHE_SIZE = 256  # compiled grammars kept (a compiled JSON schema takes tens to hundreds of KiB)
 
@@ -37,7 +47,8 @@ class GrammarDeadEnd(UserError):
 def dead_end(matcher: Any, what: str) -> GrammarDeadEnd:
     reason = (matcher.get_error() or "no token is allowed").splitlines()[0]
     return GrammarDeadEnd(
-        f"the structured output cannot be written with this model's vocabulary: {what} ({reason.strip()})"
+        "the structured output cannot be written with this model's vocabulary within llguidance's limits: "
+        f"{what} ({reason.strip()})"
     )
 
 
@@ -85,6 +96,40 @@ class GrammarCompiler:
             raise ValueError(f"the grammar does not compile: {matcher.get_error()}")
         self.compile_seconds.append(time.perf_counter() - start)
         return matcher
+
+    def constrain(
+        self, to_sample: Sequence[tuple[Constrained, torch.Tensor]], logits: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, Exception]]:
+        """Structured outputs: every constrained row's logits masked to what its grammar allows (the sampled
+        token, and the logprobs reported, come from that distribution), in float32 as the sampler takes them.
+        Per request, the error of a grammar that failed (its request fails; the others sample)."""
+        spans, start = [], 0
+        for req, lg in to_sample:
+            if req.grammar is not None:
+                spans.append((req, start, len(lg), req.grammar))
+            start += len(lg)
+        if not spans:
+            return logits, {}
+        began = time.perf_counter()
+        logits = logits.float()
+        bitmask = new_bitmask(sum(span[2] for span in spans), logits.shape[-1])
+        rows: list[int] = []
+        mask_rows: list[int] = []
+        failed: dict[str, Exception] = {}
+        at = 0
+        for req, first, n, grammar in spans:
+            try:
+                grammar.fill_masks(bitmask, at, req.spec_token_ids)
+                rows.extend(range(first, first + n))
+                mask_rows.extend(range(at, at + n))
+            except Exception as e:  # noqa: BLE001 - a grammar that failed to compile or refused a token
+                failed[req.request_id] = e
+            at += n
+        if rows:
+            apply_bitmask(logits, rows, bitmask[mask_rows])
+        self.mask_seconds += time.perf_counter() - began
+        self.mask_rows += len(rows)
+        return logits, failed
 
     def wait_any(self, grammars: list[RequestGrammar], timeout: float) -> None:
         """Block until one of these grammars is compiled (or `timeout`): the step loop has nothing else to do."""

@@ -12,20 +12,54 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     gen = sub.add_parser("generate", help="complete one prompt, streaming the text")
     gen.add_argument("prompt", help="the prompt text")
-    gen.add_argument("--chat-template", action="store_true", help="wrap the prompt as a user message")
+    gen.add_argument(
+        "--chat-template",
+        action="store_true",
+        help="wrap the prompt as a user message in the model's chat template (default: the plain text)",
+    )
     chat = sub.add_parser("chat", help="an interactive chat in the terminal (empty line or Ctrl-D ends it)")
-    chat.add_argument("--system", default=None, help="a system prompt")
+    chat.add_argument("--system", default=None, help="a system prompt that starts the chat (default: none)")
     for p, func in ((gen, run_generate), (chat, run_chat)):
         add_engine_args(p, model_positional=False)
+        temperature = 0.7 if p is chat else 0.0
         s = p.add_argument_group("sampling")
-        s.add_argument("--max-tokens", type=int, default=256)
-        s.add_argument("--temperature", type=float, default=0.7 if p is chat else 0.0)
-        s.add_argument("--top-p", type=float, default=1.0)
-        s.add_argument("--top-k", type=int, default=0)
-        s.add_argument("--min-p", type=float, default=0.0)
-        s.add_argument("--repetition-penalty", type=float, default=1.0)
-        s.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
-        s.add_argument("--sampling-seed", type=int, default=None, help="seed of this request's sampling")
+        s.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (default: 256)")
+        s.add_argument(
+            "--temperature",
+            type=float,
+            default=temperature,
+            help=f"randomness of sampling; 0 is greedy, the same answer every time (default: {temperature:g})",
+        )
+        s.add_argument(
+            "--top-p",
+            type=float,
+            default=1.0,
+            help="sample only from the most likely tokens whose probabilities add up to this (default: 1, all)",
+        )
+        s.add_argument(
+            "--top-k", type=int, default=0, help="sample only from this many most likely tokens (default: 0, all)"
+        )
+        s.add_argument(
+            "--min-p",
+            type=float,
+            default=0.0,
+            help="drop tokens less likely than this share of the most likely one's probability (default: 0, none)",
+        )
+        s.add_argument(
+            "--repetition-penalty",
+            type=float,
+            default=1.0,
+            help="above 1, tokens already in the prompt or answer become less likely (default: 1, no penalty)",
+        )
+        s.add_argument(
+            "--stop", action="append", default=[], help="stop before this text; repeat for several (default: none)"
+        )
+        s.add_argument(
+            "--sampling-seed",
+            type=int,
+            default=None,
+            help="seed of this request's sampling, for a repeatable random answer (default: the engine's --seed)",
+        )
         p.set_defaults(func=func)
 
 

@@ -1,54 +1,88 @@
-"""`pagedllm kv-calc`: the chapter's locker arithmetic, and what a memory budget holds for a real model."""
+"""`pagedllm kv-calc`: the locker arithmetic of whole-length vs paged KV allocation (SOURCE below), and what a
+memory budget holds for a real model."""
 
 from __future__ import annotations
 
 import argparse
 
 from pagedllm.errors import UserError
+from pagedllm.kv.manager import cdiv
 from pagedllm.kv.sizing import (
     DTYPE_BYTES,
+    freeing_window,
+    kv_cache_groups,
     kv_dtype_bytes_per_token,
     num_blocks_in_budget,
     paged_slots,
     parse_memory_size,
     requests_that_fit,
+    window_blocks,
 )
 
-CHAPTER_USED = "180,650,90,1200,300,75,420,260"  # the chapter's eight example requests
+SOURCE = (
+    'chapter 16 of a Korean textbook, "vLLM 서빙 벤치마킹과 RAG 최적화" (serving benchmarks and RAG optimization '
+    "with vLLM): its section on the KV cache and PagedAttention compares reserving each request's maximum length "
+    '("one big locker each") with handing out 16-token blocks as a request grows'
+)
+EXAMPLE_USED = "180,650,90,1200,300,75,420,260"  # the book's eight example requests, tokens each really uses
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "kv-calc",
         help="KV-cache slots: whole-length reservation vs paged blocks",
-        description="Reproduces the chapter's whole-vs-paged arithmetic; with --model and --memory, "
-        "also how many of the requests fit in a KV budget.",
+        description=f"Reproduces the whole-vs-paged arithmetic of {SOURCE}; with --model, the KV bytes per token "
+        "and block of a real model for each --kv-cache-dtype, and with --memory, how many of the requests fit in "
+        "that KV budget under each allocation.",
     )
     # Flags are read as text and checked here, so a bad value gets one line that names the flag.
-    p.add_argument("--max-len", default="4096", help="max model length reserved per request (whole allocation)")
-    p.add_argument("--block-size", default="16", help="tokens per KV block")
-    p.add_argument("--used", default=CHAPTER_USED, help="comma-separated tokens each request really uses")
+    p.add_argument("--max-len", default="4096", help="tokens reserved per request by whole allocation (default: 4096)")
+    p.add_argument("--block-size", default="16", help="tokens per KV block of paged allocation (default: 16)")
+    p.add_argument(
+        "--used",
+        default=EXAMPLE_USED,
+        help=f"comma-separated tokens each request really uses (default: the book's eight, {EXAMPLE_USED})",
+    )
     p.add_argument(
         "--lang",
         choices=["en", "ko"],
         default="en",
-        help="ko prints the chapter's own lines: its three totals, then one line per request",
+        help="en (default): totals and a table; ko: the book's own Korean lines, character for character: its "
+        "three totals, then one line per request",
     )
     p.add_argument(
         "--plot",
         default=None,
         metavar="FILE.png",
-        help="draw the requests as rows: whole allocation (lockers) above paged (blocks), with the totals",
+        help="draw the requests as rows, whole allocation (lockers) above paged (blocks), with the totals, into this "
+        "PNG file (default: no picture)",
     )
     p.add_argument(
         "--model",
         nargs="?",
         const="default",
         default=None,
-        help="a model path (HF folder or GGUF) or 'default': adds bytes per token and block",
+        help="a model (Hugging Face folder or GGUF file), or no value for the default model: adds its KV bytes "
+        "per token and per block (default: no model report)",
     )
-    p.add_argument("--memory", default=None, help="KV-cache budget, e.g. 4GiB (needs --model)")
-    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bfloat16", help="KV-cache dtype")
+    p.add_argument(
+        "--memory",
+        default=None,
+        help="a KV-cache budget such as 4GiB: how many requests fit in it (needs --model; default: none)",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", *sorted(DTYPE_BYTES)],
+        default="bfloat16",
+        help="the KV cache's dtype for --model's bytes per token (default: bfloat16; auto: the model's --dtype)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default="auto",
+        help="the model's dtype, as for `pagedllm serve`; the cache's with --kv-cache-dtype auto (default: auto, "
+        "what the engine would load the model in on this machine)",
+    )
     p.set_defaults(func=run)
 
 
@@ -87,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     whole = max_len * len(used)
     paged = sum(r.slots for r in rows)
     if args.lang == "ko":
-        # Character for character what the chapter's code prints.
+        # Character for character what the book's code prints.
         print("실제로 쓴 토큰:", total)
         print(f"통째로 잡은 자리: {whole:,} (쓴 몫 {total / whole:.1%})")
         print(f"쪽으로 잡은 자리: {paged:,} (쓴 몫 {total / paged:.1%})")
@@ -102,13 +136,42 @@ def run(args: argparse.Namespace) -> int:
         for i, r in enumerate(rows, 1):
             print(f"{i:>7} {r.tokens:>7,} {r.blocks:>7,} {r.slots:>7,} {r.empty:>7,}")
     if args.model is not None:
-        _report_model(args.model, args.dtype, block_size, max_len, used, budget)
+        _report_model(args.model, _kv_dtype(args), block_size, max_len, used, budget)
     if args.plot:
         from pagedllm.bench.block_map_plot import plot_kv_calc
 
         plot_kv_calc(used, block_size, max_len, args.plot)
         print(f"wrote {args.plot}")
     return 0
+
+
+def _kv_dtype(args: argparse.Namespace) -> str:
+    """--kv-cache-dtype, where auto is the model's --dtype (auto: as the engine loads the model here)."""
+    if args.kv_cache_dtype != "auto":
+        return str(args.kv_cache_dtype)
+    from pagedllm.model import load_model_config, resolve_dtype
+
+    dtype = resolve_dtype(args.dtype, load_model_config(None if args.model == "default" else args.model))
+    return str(dtype).removeprefix("torch.")
+
+
+def _report_groups(cfg, dtype: str, block_size: int, max_len: int) -> None:
+    """Bytes per token of each KV-cache group (layers with the same window), and the blocks a request of --max-len
+    tokens holds where the pool frees what fell out of the window (every layer sliding alike)."""
+    groups = kv_cache_groups([cfg.layer_window(i) for i in range(cfg.num_layers)])
+    print("KV-cache groups (layers that attend alike):")
+    for g in groups:
+        per = kv_dtype_bytes_per_token(len(g.layers), cfg.num_kv_heads, cfg.head_dim, dtype)
+        print(f"  {g.name}: {len(g.layers)} layers, {per:,} bytes per token")
+    window = freeing_window(groups)
+    held = window_blocks(max_len, window, block_size)
+    if window is not None:
+        print(
+            f"a request of {max_len:,} tokens holds {held:,} blocks (not {cdiv(max_len, block_size):,}): "
+            f"blocks out of the {window:,}-token window go back to the pool"
+        )
+    elif len(groups) > 1:
+        print("mixed sliding and full layers share one block table: no block is freed before the request ends")
 
 
 def _report_model(model: str, dtype: str, block_size: int, max_len: int, used: list[int], budget: int | None) -> None:
@@ -125,6 +188,7 @@ def _report_model(model: str, dtype: str, block_size: int, max_len: int, used: l
     print(f"model: {cfg.name} ({cfg.num_layers} layers, {cfg.num_kv_heads} KV heads x {cfg.head_dim} dims, {dtype})")
     print(f"KV bytes per token: {per_token:,}")
     print(f"KV bytes per block of {block_size}: {per_block:,}")
+    _report_groups(cfg, dtype, block_size, max_len)
     head = f"{'--kv-cache-dtype':>16} {'bytes/token':>12} {'vs float32':>10}"
     print(head + (f" {'tokens in budget':>17}" if budget else ""))
     for name in ("float32", "bfloat16", "int8", "fp8"):

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 
 from pagedllm.errors import UserError
 from pagedllm.rag import DEFAULT_INDEX
+from pagedllm.rag.layout import LAYOUT_HELP, Layout
+from pagedllm.report import format_table
+from pagedllm.settings import Field, add_flags, from_args, settings
 
 
 def add_parser(subparsers) -> None:
@@ -39,69 +43,69 @@ def _add_ingest(sub: argparse._SubParsersAction) -> None:
     _index_arg(sp)
     sp.add_argument("--chunk-size", type=int, default=256, help="chunk length in the LLM's tokens (default 256)")
     sp.add_argument("--chunk-overlap", type=int, default=32, help="tokens repeated between chunks (default 32)")
-    sp.add_argument("--model", default=None, help="model whose tokenizer measures chunks (default: SmolLM2-135M)")
-    sp.add_argument("--topics", default=None, help="default corpus only: comma-separated topic names to ingest")
-    sp.add_argument("--no-progress", action="store_true", help="no progress bars")
+    sp.add_argument(
+        "--model",
+        default=None,
+        help="model whose tokenizer measures chunks (default: SmolLM2-135M-Instruct)",
+    )
+    sp.add_argument(
+        "--topics",
+        default=None,
+        help="default corpus only: comma-separated topic names to ingest (default: every topic)",
+    )
+    sp.add_argument("--no-progress", action="store_true", help="no progress bars (default: show them)")
     sp.set_defaults(func=cmd_ingest)
 
 
 def _add_search(sub: argparse._SubParsersAction) -> None:
     sp = sub.add_parser("search", help="retrieval only: the top-k chunks with source, position and score")
-    sp.add_argument("question")
+    sp.add_argument("question", help="the text to search the index for")
     _index_arg(sp)
-    sp.add_argument("--top-k", type=int, default=4)
-    sp.add_argument("--json", action="store_true", help="print JSON (with chunk texts)")
+    sp.add_argument("--top-k", type=int, default=4, help="chunks to return (default: 4)")
+    sp.add_argument("--json", action="store_true", help="print JSON, with the chunks' texts (default: a list)")
     sp.set_defaults(func=cmd_search)
+
+
+@settings
+class RagAskConfig:
+    """`rag ask`'s settings; answering in process takes the engine's from EngineConfig."""
+
+    index: str = DEFAULT_INDEX
+    """the index folder `pagedllm rag ingest` wrote (default: ./rag-index)"""
+    top_k: int = Field(default=4, ge=1)
+    """chunks retrieved for the question (default: 4)"""
+    layout: Layout = Field(default="canonical", description=LAYOUT_HELP + " (default: canonical)")
+    max_tokens: int = Field(default=256, ge=1)
+    """most tokens in the answer (default: 256)"""
+    temperature: float = Field(default=0.0, ge=0)
+    """sampling temperature; 0 is greedy, the same answer every time (default: 0)"""
+    base_url: str | None = None
+    """answer with an OpenAI-compatible server (e.g. http://localhost:8000/v1) instead of in process (default: in
+    process)"""
+    api_key: str | None = None
+    """for --base-url (default: $OPENAI_API_KEY)"""
+    server_model: str | None = None
+    """the model name sent to --base-url (default: the server's first)"""
+    show_prompt: bool = False
+    """print the chat messages before answering (default: off)"""
 
 
 def _add_ask(sub: argparse._SubParsersAction) -> None:
     from pagedllm.engine.config import add_engine_args
 
     sp = sub.add_parser("ask", help="retrieve, build the prompt, stream the answer and list its sources")
-    sp.add_argument("question")
-    _index_arg(sp)
-    sp.add_argument("--top-k", type=int, default=4)
-    sp.add_argument("--layout", choices=["naive", "canonical", "popular"], default="canonical")
-    sp.add_argument("--max-tokens", type=int, default=256)
-    sp.add_argument("--temperature", type=float, default=0.0)
-    sp.add_argument(
-        "--base-url",
-        default=None,
-        help="answer with an OpenAI-compatible server (e.g. http://localhost:8000/v1) instead of in-process",
-    )
-    sp.add_argument(
-        "--api-key", default=os.environ.get("OPENAI_API_KEY"), help="for --base-url (default: $OPENAI_API_KEY)"
-    )
-    sp.add_argument("--server-model", default=None, help="model name sent to --base-url (default: its first model)")
-    sp.add_argument("--show-prompt", action="store_true", help="print the chat messages before answering")
+    sp.add_argument("question", help="the question to answer from the index")
+    add_flags(sp.add_argument_group("retrieval and answer"), RagAskConfig)
     add_engine_args(sp, model_positional=False)
     sp.set_defaults(func=cmd_ask)
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     from pagedllm.engine.config import add_engine_args
+    from pagedllm.rag.bench import RagBenchConfig
 
     sp = sub.add_parser("bench", help="prefix-cache hit rate and TTFT per layout, prefix caching on and off")
-    _index_arg(sp)
-    sp.add_argument("--num-questions", type=int, default=40)
-    sp.add_argument("--top-k", type=int, default=4)
-    sp.add_argument("--max-tokens", type=int, default=32, help="greedy output tokens per answer")
-    sp.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of topic popularity (default 1.1)")
-    sp.add_argument("--layouts", default="naive,canonical,popular", help="comma-separated")
-    sp.add_argument(
-        "--caching",
-        choices=["both", "on", "off"],
-        default="both",
-        help="prefix-caching settings to run (overrides --enable-prefix-caching; default both)",
-    )
-    sp.add_argument("--base-url", default=None, help="run against an OpenAI-compatible server instead (its own cache)")
-    sp.add_argument("--server-model", default=None)
-    sp.add_argument("--out", default="rag-bench", help="folder for rag_bench.json / .md / .png (default ./rag-bench)")
-    sp.add_argument(
-        "--count-only",
-        action="store_true",
-        help="no model, no timing: count what the prefix cache would serve per layout (seconds)",
-    )
+    add_flags(sp.add_argument_group("workload and report"), RagBenchConfig)
     add_engine_args(sp, model_positional=False)  # its --seed also seeds the question workload
     sp.set_defaults(func=cmd_bench)
 
@@ -157,32 +161,31 @@ def cmd_ask(args) -> int:
     from pagedllm.rag.generate import Answer, stream_engine, stream_openai
     from pagedllm.rag.pipeline import RagPipeline
 
-    pipe = RagPipeline(args.index, top_k=args.top_k, layout=args.layout, popularity="persist")
+    ask = from_args(RagAskConfig, args)
+    pipe = RagPipeline(ask.index, top_k=ask.top_k, layout=ask.layout, popularity="persist")
     messages, hits = pipe.build_messages(args.question)
     pipe.save()
-    if args.show_prompt:
+    if ask.show_prompt:
         for m in messages:
             print(f"--- {m['role']} ---\n{m['content']}")
         print("--- answer ---")
     answer = Answer()
-    if args.base_url:
+    if ask.base_url:
         stream = stream_openai(
-            args.base_url,
+            ask.base_url,
             messages,
             answer,
-            model=args.server_model,
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            api_key=args.api_key,
+            model=ask.server_model,
+            max_tokens=ask.max_tokens,
+            temperature=ask.temperature,
+            api_key=ask.api_key or os.environ.get("OPENAI_API_KEY"),
         )
     else:
         from pagedllm.engine import EngineConfig, LLMEngine
         from pagedllm.sampling_params import SamplingParams
 
-        cfg = EngineConfig.from_args(args)
-        cfg.log_stats_interval = 0
-        engine = LLMEngine(cfg)
-        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+        engine = LLMEngine(dataclasses.replace(EngineConfig.from_args(args), log_stats_interval=0))
+        params = SamplingParams(temperature=ask.temperature, max_tokens=ask.max_tokens)
         stream = stream_engine(engine, engine.tokenizer.apply_chat_template(messages), params, answer)
     for delta in stream:
         sys.stdout.write(delta)
@@ -200,54 +203,19 @@ def cmd_ask(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from dataclasses import asdict, fields, is_dataclass
-
     from pagedllm.engine.config import EngineConfig
-    from pagedllm.rag.bench import markdown_table, run_bench, save
-    from pagedllm.rag.layout import LAYOUTS
+    from pagedllm.rag.bench import COUNT_COLUMNS, RagBenchConfig, count_layouts, markdown_table, run_bench, save
 
-    layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
-    for lay in layouts:
-        if lay not in LAYOUTS:
-            raise UserError(f"--layouts: unknown layout {lay!r} (choose from {', '.join(LAYOUTS)})")
-    if args.num_questions < 1:
-        raise UserError("--num-questions must be at least 1")
-    caching = {"both": [True, False], "on": [True], "off": [False]}[args.caching]
-    cfg = EngineConfig.from_args(args)  # validates the engine flags
-    if args.count_only:
-        from pagedllm.rag.bench import count_layouts
-
-        rows = count_layouts(
-            args.index, args.num_questions, args.seed, args.top_k, layouts, args.zipf, cfg.block_size, cfg.model
-        )
-        print(f"\n{'layout':<11}{'hit rate':>9}{'prompt tokens':>15}{'from cache':>12}{'median computed':>17}")
-        for r in rows:
-            print(
-                f"{r['layout']:<11}{r['hit_rate']:>9.1%}{r['prompt_tokens']:>15}{r['cached_tokens']:>12}"
-                f"{r['computed_median']:>17.1f}"
-            )
+    cfg = from_args(RagBenchConfig, args)
+    engine = EngineConfig.from_args(args)  # validates the engine flags
+    if cfg.count_only:
+        rows = count_layouts(cfg, engine.seed, engine.block_size, engine.model)
+        print()
+        print(format_table(rows, COUNT_COLUMNS))
         return 0
-    # JSON-ready (the result records them): a speculative config as its dict, which EngineConfig takes back
-    engine_kwargs = {
-        f.name: asdict(v) if is_dataclass(v := getattr(cfg, f.name)) and not isinstance(v, type) else v
-        for f in fields(cfg)
-    }
-    os.makedirs(args.out, exist_ok=True)
-    result = run_bench(
-        args.index,
-        args.num_questions,
-        args.seed,
-        args.top_k,
-        layouts,
-        caching,
-        args.max_tokens,
-        engine_kwargs,
-        args.base_url,
-        args.server_model,
-        zipf_s=args.zipf,
-        partial_path=os.path.join(args.out, "rag_bench_partial.json"),
-    )
-    paths = save(result, args.out)
+    os.makedirs(cfg.out, exist_ok=True)
+    result = run_bench(cfg, engine, partial_path=os.path.join(cfg.out, "rag_bench_partial.json"))
+    paths = save(result, cfg.out)
     print()
     print(markdown_table(result["rows"]))
     chk = result["answer_check"]

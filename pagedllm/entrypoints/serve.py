@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(levelname)s %(name)s: %(message)s")
     from pagedllm.engine.async_engine import AsyncLLMEngine
     from pagedllm.engine.llm_engine import LLMEngine
-    from pagedllm.entrypoints.openai.api_server import DEFAULT_MAX_REQUEST_BYTES, Server, build_app
+    from pagedllm.server.api_server import DEFAULT_MAX_REQUEST_BYTES, Server, build_app
 
     rag = None
     if args.rag_index:

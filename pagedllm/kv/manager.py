@@ -3,8 +3,13 @@
 Two policies share one interface so the engine can measure them side by side:
 - `PagedKVCacheManager` (PagedAttention): a request holds ceil(tokens / block_size) blocks, grows by one block
   when its last one is full, and shares full prefix blocks with other requests through the prefix cache.
-- `ContiguousKVCacheManager` (the chapter's baseline, "one big locker each"): at admission a request reserves
-  room for max_model_len tokens, rounded up to whole blocks, and shares nothing.
+- `ContiguousKVCacheManager` (the baseline paging is measured against, "one big locker each"): at admission a
+  request reserves room for max_model_len tokens, rounded up to whole blocks, and shares nothing.
+
+With a sliding window (every layer of the model attends to its last `sliding_window` tokens only: Mistral
+v0.1), the paged manager works as vLLM's SlidingWindowManager: once a block has fallen out of the window of the
+request's next token it goes back to the pool (still cached, so evictable and reusable by a prefix hit) and the
+table holds the null block in its place; a prefix hit needs only the blocks inside the window.
 """
 
 from __future__ import annotations
@@ -107,13 +112,17 @@ class KVCacheManager:
     def num_stored_tokens(self) -> int:
         """Distinct tokens the running requests keep in the cache: a shared block's tokens count once.
 
-        Against `num_used_blocks * block_size` (slots allocated) this is the chapter's "used share".
+        Against `num_used_blocks * block_size` (slots allocated) this is the share of slots in use.
         """
         shared = {id(b): b for blocks in self.req_blocks.values() for b in blocks if b.ref_cnt > 1}
         return sum(self.req_tokens.values()) - sum((b.ref_cnt - 1) * self.block_size for b in shared.values())
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    def num_skipped_blocks(self, request_id: str) -> int:
+        """Leading entries of the request's table that went back to the pool (out of a sliding window)."""
+        return 0
 
     def get_computed_blocks(self, request: KVRequest) -> tuple[list[KVBlock], int]:
         """The longest chain of cached full blocks of a new request's tokens, and how many tokens it covers."""
@@ -165,13 +174,28 @@ class KVCacheManager:
         would be served their never-written contents) and return them per request."""
         return {}
 
+    def attach_disk_tier(self, disk: DiskKVTier, block_io: BlockIO) -> None:
+        """Only the paged manager keeps blocks a disk tier could hold (the config refuses any other)."""
+        raise ValueError(f"{type(self).__name__} has no prefix cache for a disk tier")
+
+    def offload_cached(self) -> None:
+        """The engine went idle: a manager with a disk tier writes its hot blocks there; this one has none."""
+
     def cache_computed(self, request: KVRequest, num_tokens: int) -> None:
         """Register the full blocks of the request's first `num_tokens` tokens (after a rolled-back step ran)."""
 
 
 class PagedKVCacheManager(KVCacheManager):
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int = 16, enable_caching: bool = True, sliding_window: int | None = None
+    ) -> None:
         super().__init__(num_blocks, block_size, enable_caching)
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding window must be at least 1 token, got {sliding_window}")
+        self.sliding_window = sliding_window
+        # What a table holds for a block that fell out of the window: not in the pool, never counted or cached.
+        # Its id (0) is any valid block for the kernels, which never read it (the torch path masks it out).
+        self.null_block = KVBlock(0)
         self.req_hashes: dict[str, list[BlockHash]] = {}
         self.req_num_cached: dict[str, int] = {}  # how many of a request's blocks are registered in the cache
         # Blocks registered since the last commit_step: (request id, its req_num_cached before, the blocks).
@@ -226,9 +250,59 @@ class PagedKVCacheManager(KVCacheManager):
             if block is None:
                 break
             hits.append(block)
-        if self.disk is not None and len(hits) < max_blocks and self.disk.contains(hashes[len(hits)]):
-            hits += self._load_from_disk(request, hashes, hits)
+        sliding = self.sliding_window is not None and len(hits) < max_blocks
+        windowed = self._window_hit(hashes) if sliding else []
+        if len(windowed) < max_blocks and self.disk is not None and len(hits) < max_blocks:
+            if self.disk.contains(hashes[len(hits)]):  # (a whole window in RAM needs no disk read)
+                hits += self._load_from_disk(request, hashes, hits)
+                windowed = self._window_hit(hashes) if sliding else []  # the reads may have evicted some
+        if self.sliding_window is not None:
+            hits = windowed if len(windowed) > len(hits) else hits
+            skipped = self._first_useful_block(len(hits) * self.block_size)
+            hits[:skipped] = [self.null_block] * min(skipped, len(hits))
         return hits, len(hits) * self.block_size
+
+    def _first_useful_block(self, num_computed_tokens: int) -> int:
+        """The first block the token after `num_computed_tokens` computed ones still sees (its window's start)."""
+        assert self.sliding_window is not None
+        return max(0, (num_computed_tokens - self.sliding_window + 1) // self.block_size)
+
+    def _window_hit(self, hashes: list[BlockHash]) -> list[KVBlock]:
+        """vLLM's sliding-window hit: the rightmost run of cached blocks long enough to cover a window (the blocks
+        before it are null: nothing will read them), else the run of cached blocks at the start, however short."""
+        assert self.sliding_window is not None
+        need = cdiv(self.sliding_window - 1, self.block_size)
+        found = [self.pool.get_cached_block(h) for h in hashes]
+        run = 0
+        for i in range(len(found) - 1, -1, -1):
+            run = run + 1 if found[i] is not None else 0
+            if run >= max(need, 1):
+                return [self.null_block] * i + [b for b in found[i : i + run] if b is not None]
+        return [b for b in found[:run] if b is not None]
+
+    def _remove_skipped_blocks(self, held: list[KVBlock], num_computed_tokens: int) -> None:
+        """Give back the blocks that fell out of the window of the next token; they keep their prefix, so they stay
+        evictable and a later hit can take them back. Oldest first, so they are evicted first: a later request
+        that continues this one hits on the blocks of its last window (vLLM gives them back newest first)."""
+        if self.sliding_window is None:
+            return
+        removed: list[KVBlock] = []
+        for i in range(min(self._first_useful_block(num_computed_tokens), len(held)) - 1, -1, -1):
+            if held[i] is self.null_block:
+                break  # the blocks before it went back earlier
+            removed.append(held[i])
+            held[i] = self.null_block
+        self.pool.free(reversed(removed))
+
+    def num_skipped_blocks(self, request_id: str) -> int:
+        blocks = self.req_blocks.get(request_id, [])
+        return next((i for i, b in enumerate(blocks) if b is not self.null_block), len(blocks))
+
+    @property
+    def num_stored_tokens(self) -> int:
+        """Also without the tokens of the blocks that fell out of a window (their slots went back)."""
+        skipped = sum(1 for blocks in self.req_blocks.values() for b in blocks if b is self.null_block)
+        return super().num_stored_tokens - skipped * self.block_size
 
     def _load_from_disk(self, request: KVRequest, hashes: list[BlockHash], hits: list[KVBlock]) -> list[KVBlock]:
         """Continue the prefix chain past the RAM hits: a block on disk is read into a free block and registered
@@ -282,13 +356,15 @@ class PagedKVCacheManager(KVCacheManager):
     ) -> bool:
         rid = request.request_id
         held = self.req_blocks.get(rid, [])
+        self._remove_skipped_blocks(held, request.num_computed_tokens)
         total = request.num_computed_tokens + len(new_computed_blocks) * self.block_size + num_new_tokens
         num_new_blocks = cdiv(total + num_lookahead_tokens, self.block_size) - len(held) - len(new_computed_blocks)
+        real = [b for b in new_computed_blocks if b is not self.null_block]
         # Cached blocks that sit in the free queue leave it when touched, so they count against the free pool.
-        evictable = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        evictable = sum(1 for b in real if b.ref_cnt == 0)
         if num_new_blocks + evictable > self.pool.num_free_blocks:
             return False
-        self.pool.touch(new_computed_blocks)
+        self.pool.touch(real)
         held = self.req_blocks.setdefault(rid, held)
         held.extend(new_computed_blocks)
         if num_new_blocks > 0:
@@ -314,7 +390,11 @@ class PagedKVCacheManager(KVCacheManager):
         if num_full <= start:
             return
         hashes = self._hashes(request, num_tokens)
-        registered = [i for i in range(start, num_full) if self.pool.cache_block(held[i], hashes[i])]
+        registered = [
+            i
+            for i in range(start, num_full)
+            if held[i] is not self.null_block and self.pool.cache_block(held[i], hashes[i])
+        ]
         if registered:
             self.step_journal.append((request.request_id, start, [held[i] for i in registered]))
             if self.pool.events is not None:
@@ -355,7 +435,9 @@ class PagedKVCacheManager(KVCacheManager):
             self._cache_full_blocks(request, self.req_blocks[request.request_id], num_tokens)
 
     def free(self, request: KVRequest) -> None:
-        super().free(request)
+        blocks = self.req_blocks.pop(request.request_id, [])
+        self.req_tokens.pop(request.request_id, None)
+        self.pool.free([b for b in reversed(blocks) if b is not self.null_block])
         self.req_hashes.pop(request.request_id, None)
         self.req_num_cached.pop(request.request_id, None)
 
@@ -393,10 +475,16 @@ class ContiguousKVCacheManager(KVCacheManager):
 
 
 def make_kv_cache_manager(
-    allocation: str, num_blocks: int, block_size: int, max_model_len: int, enable_prefix_caching: bool
+    allocation: str,
+    num_blocks: int,
+    block_size: int,
+    max_model_len: int,
+    enable_prefix_caching: bool,
+    sliding_window: int | None = None,
 ) -> KVCacheManager:
+    """`sliding_window`: the window of every layer, when they share one (kv.sizing.freeing_window)."""
     if allocation == "paged":
-        return PagedKVCacheManager(num_blocks, block_size, enable_prefix_caching)
+        return PagedKVCacheManager(num_blocks, block_size, enable_prefix_caching, sliding_window)
     if allocation == "contiguous":
         return ContiguousKVCacheManager(num_blocks, block_size, max_model_len)
     raise ValueError(f"unknown KV allocation {allocation!r}: choose paged or contiguous")

@@ -44,6 +44,39 @@ def kv_dtype_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, 
     return kv_bytes_per_token(num_layers, num_kv_heads, head_dim, DTYPE_BYTES[kv_dtype], scale)
 
 
+@dataclass(frozen=True)
+class KVCacheGroup:
+    """Layers that attend alike (vLLM's KV-cache groups): full attention (window None), or one sliding window."""
+
+    window: int | None
+    layers: tuple[int, ...]
+
+    @property
+    def name(self) -> str:
+        return "full attention" if self.window is None else f"sliding window {self.window}"
+
+
+def kv_cache_groups(windows: Sequence[int | None]) -> list[KVCacheGroup]:
+    """Layer i's window is windows[i] (None: full); the groups, full attention first, then by window."""
+    keys = sorted(set(windows), key=lambda w: -1 if w is None else w)
+    return [KVCacheGroup(w, tuple(i for i, x in enumerate(windows) if x == w)) for w in keys]
+
+
+def freeing_window(groups: Sequence[KVCacheGroup]) -> int | None:
+    """The window by which the block pool frees a request's old blocks: only when every layer slides by the same
+    one (one block table serves every layer, so a block one full-attention layer still reads must stay)."""
+    return groups[0].window if len(groups) == 1 else None
+
+
+def window_blocks(num_tokens: int, window: int | None, block_size: int) -> int:
+    """Blocks a request of `num_tokens` tokens holds once the pool freed those out of its next token's window
+    (the paged manager's rule); all of them without a window."""
+    held = cdiv(num_tokens, block_size)
+    if window is None:
+        return held
+    return held - max(0, (num_tokens - window + 1) // block_size)
+
+
 def num_blocks_in_budget(budget_bytes: int, bytes_per_block: int) -> int:
     return budget_bytes // bytes_per_block
 
@@ -79,5 +112,5 @@ class RequestSlots:
 
 
 def paged_slots(lengths: Sequence[int], block_size: int) -> list[RequestSlots]:
-    """Per request, the chapter's table: blocks taken and slots left empty in the last block."""
+    """Per request, blocks taken and slots left empty in the last block."""
     return [RequestSlots(n, cdiv(n, block_size), cdiv(n, block_size) * block_size) for n in lengths]

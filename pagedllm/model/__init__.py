@@ -1,4 +1,4 @@
-"""Model loading, Llama-family layers and paged attention. The engine uses `load_model` and `ModelRunner`."""
+"""Model loading, the decoder and its families, paged attention. The engine uses `load_model` and `ModelRunner`."""
 
 from pagedllm.model.config import ModelConfig, load_model_config
 from pagedllm.model.default_model import default_model_path

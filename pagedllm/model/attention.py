@@ -19,11 +19,59 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 import pagedllm.model.cpu_kernel as cpu_kernel
 import pagedllm.model.kv_quant as kv_quant
+from pagedllm.model.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """How one layer attends, beyond causal: what a family module fills per layer and every path (torch, the C
+    decode kernel, the fused C step) reads. Sliding and full layers interleave (Gemma 3: five sliding per global
+    one), so each layer carries its own."""
+
+    window: int | None = None  # tokens a query sees, itself included (transformers' sliding_window); None: all
+    scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+    softcap: float | None = None  # Gemma 2: scores become softcap * tanh(score / softcap) before the softmax
+
+    @staticmethod
+    def for_layer(cfg: ModelConfig, layer: int) -> AttentionSpec:
+        return AttentionSpec(cfg.layer_window(layer), cfg.attn_scale, cfg.attn_logit_softcapping)
+
+
+@dataclass
+class StepIndex:
+    """A step's flat-batch indices (int64 numpy), built once per step for the fused C step and the torch path."""
+
+    lens: np.ndarray  # [S] new tokens of each sequence
+    starts: np.ndarray  # [S] tokens of each sequence already cached
+    first: np.ndarray  # [S] flat index of each sequence's first new token
+    seq: np.ndarray  # [T] sequence of each token
+    positions: np.ndarray  # [T] absolute position of each token
+    slots: np.ndarray  # [T] cache slot of each token (block_id * block_size + offset)
+    tables: np.ndarray  # [S, most blocks needed]: the blocks each sequence needs, padded with 0
+
+
+def step_index(new_lens: list[int], starts: list[int], block_tables: list[list[int]], block_size: int) -> StepIndex:
+    """The indices of a step where sequence i adds `new_lens[i]` tokens after `starts[i]` cached ones."""
+    lens = np.array(new_lens, dtype=np.int64)
+    start = np.array(starts, dtype=np.int64)
+    T = int(lens.sum())
+    seq = np.repeat(np.arange(len(lens), dtype=np.int64), lens)
+    first = np.cumsum(lens) - lens
+    pos = start[seq] + np.arange(T, dtype=np.int64) - first[seq]
+    need = (start + lens + block_size - 1) // block_size
+    tables = np.zeros((len(lens), int(need.max()) if len(lens) else 0), dtype=np.int64)
+    for i, (table, n) in enumerate(zip(block_tables, need.tolist())):
+        if len(table) < n:
+            raise ValueError(f"block table of {len(table)} blocks cannot hold {int(start[i] + lens[i])} tokens")
+        tables[i, :n] = table[:n]
+    slots = tables[seq, pos // block_size] * block_size + pos % block_size
+    return StepIndex(lens, start, first, seq, pos, slots, tables)
 
 
 @dataclass
@@ -33,10 +81,58 @@ class AttentionGroup:
     q_len: int
     query_index: torch.Tensor  # [S * q_len] flat token index of each padded query (padding -> any valid token)
     block_tables: torch.Tensor  # [S, max_blocks] block ids (padding -> block 0, masked out)
-    mask: torch.Tensor  # [S, 1, q_len, max_blocks * block_size] bool, True = may attend
+    mask: torch.Tensor  # [S, 1, q_len, max_blocks * block_size] bool, True = may attend (causal)
     valid: torch.Tensor | None  # [S * q_len] bool, which padded queries are real (None when all are)
     token_index: torch.Tensor  # [n_real] flat token index of each real query, in padded order
     context_lens: torch.Tensor  # [S] long: tokens each sequence attends to after this step (cached + new)
+    query_pos: torch.Tensor  # [S, 1, q_len, 1] long: each query's position (0 for padding)
+    first_pos: int = 0  # the lowest position of a real query in the group
+    # window -> (the blocks from the first one any query's window reaches, the causal mask within the window)
+    windowed: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def window_view(self, window: int | None, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block tables and mask for a layer with `window` (made once per step and window): the blocks before the
+        first one a window reaches are left out, so a long context gathers only its windows' blocks (those
+        entries may be the null block: the pool handed them on)."""
+        if window is None:
+            return self.block_tables, self.mask
+        if window not in self.windowed:
+            skip = max(0, self.first_pos - window + 1) // block_size
+            keys = torch.arange(skip * block_size, self.mask.shape[-1], device=self.mask.device)
+            mask = self.mask[..., skip * block_size :] & (keys > self.query_pos - window)
+            mask[..., 0] |= ~mask.any(-1)  # padded queries keep one key, so softmax stays finite; dropped later
+            self.windowed[window] = (self.block_tables[:, skip:], mask)
+        return self.windowed[window]
+
+
+def _make_group(ix: StepIndex, sel: np.ndarray, block_size: int, device: torch.device) -> AttentionGroup:
+    """The group of sequences `sel` (indices into the step)."""
+    lens, starts, first = ix.lens[sel], ix.starts[sel], ix.first[sel]
+    q_len = int(lens.max())
+    max_blocks = int(((starts + lens + block_size - 1) // block_size).max())
+    qi = np.arange(q_len, dtype=np.int64)
+    real = qi[None, :] < lens[:, None]  # [S, q_len]
+    qidx = np.where(real, first[:, None] + qi[None, :], first[:, None]).reshape(-1)
+    qpos = torch.from_numpy(np.where(real, starts[:, None] + qi[None, :], 0))
+    kj = torch.arange(max_blocks * block_size)
+    mask = kj[None, None, :] <= qpos[:, :, None]  # causal over cached + new tokens
+    pad_q = torch.from_numpy(~real)
+    if bool(pad_q.any()):
+        mask[pad_q] = False
+        mask[pad_q, 0] = True  # padded queries attend to one key so softmax stays finite; results are dropped
+    valid = None if real.all() else torch.from_numpy(real.reshape(-1)).to(device)
+    qidx_t = torch.from_numpy(qidx).to(device)
+    return AttentionGroup(
+        q_len=q_len,
+        query_index=qidx_t,
+        block_tables=torch.from_numpy(np.ascontiguousarray(ix.tables[sel, :max_blocks])).to(device),
+        mask=mask[:, None].to(device),
+        valid=valid,
+        token_index=qidx_t[valid] if valid is not None else qidx_t,
+        context_lens=torch.from_numpy(starts + lens).to(device),
+        query_pos=qpos[:, None, :, None].to(device),
+        first_pos=int(starts.min()),
+    )
 
 
 @dataclass
@@ -49,68 +145,24 @@ class AttentionMetadata:
     num_tokens: int = 0
 
 
-def _make_group(seqs: list[tuple[int, int, int, list[int]]], block_size: int, device: torch.device) -> AttentionGroup:
-    """seqs: (first flat token index, number of new tokens, start_pos, block_table) for each sequence."""
-    q_len = max(n for _, n, _, _ in seqs)
-    n_blocks = [-(-(start + n) // block_size) for _, n, start, _ in seqs]
-    max_blocks = max(n_blocks)
-    bt = [list(table[:nb]) + [0] * (max_blocks - nb) for (_, _, _, table), nb in zip(seqs, n_blocks)]
-    qidx: list[int] = []
-    real: list[bool] = []
-    for first, n, _, _ in seqs:
-        qidx.extend(range(first, first + n))
-        qidx.extend([first] * (q_len - n))
-        real.extend([True] * n + [False] * (q_len - n))
-    starts = torch.tensor([s for _, _, s, _ in seqs], dtype=torch.long)
-    lens = torch.tensor([n for _, n, _, _ in seqs], dtype=torch.long)
-    qi = torch.arange(q_len)
-    kj = torch.arange(max_blocks * block_size)
-    qpos = starts[:, None] + qi[None, :]  # [S, q_len] absolute position of each query
-    mask = kj[None, None, :] <= qpos[:, :, None]  # causal over cached + new tokens
-    pad_q = qi[None, :] >= lens[:, None]  # [S, q_len]
-    if bool(pad_q.any()):
-        mask[pad_q] = False
-        mask[pad_q, 0] = True  # padded queries attend to one key so softmax stays finite; results are dropped
-    valid = torch.tensor(real, dtype=torch.bool, device=device) if not all(real) else None
-    qidx_t = torch.tensor(qidx, dtype=torch.long, device=device)
-    return AttentionGroup(
-        q_len=q_len,
-        query_index=qidx_t,
-        block_tables=torch.tensor(bt, dtype=torch.long, device=device),
-        mask=mask[:, None].to(device),
-        valid=valid,
-        token_index=qidx_t[valid] if valid is not None else qidx_t,
-        context_lens=(starts + lens).to(device),
-    )
-
-
 def build_metadata(
     new_lens: list[int],
     start_positions: list[int],
     block_tables: list[list[int]],
     block_size: int,
     device: torch.device,
+    index: StepIndex | None = None,
 ) -> AttentionMetadata:
-    """Flat-batch metadata for sequences contributing `new_lens[i]` tokens after `start_positions[i]` cached ones."""
-    slots: list[int] = []
-    positions: list[int] = []
-    decode: list[tuple[int, int, int, list[int]]] = []
-    prefill: list[tuple[int, int, int, list[int]]] = []
-    first = 0
-    for n, start, table in zip(new_lens, start_positions, block_tables):
-        if len(table) * block_size < start + n:
-            raise ValueError(f"block table of {len(table)} blocks cannot hold {start + n} tokens")
-        for p in range(start, start + n):
-            slots.append(table[p // block_size] * block_size + p % block_size)
-        positions.extend(range(start, start + n))
-        (decode if n == 1 else prefill).append((first, n, start, table))
-        first += n
-    groups = [_make_group(g, block_size, device) for g in (decode, prefill) if g]
+    """Flat-batch metadata for sequences contributing `new_lens[i]` tokens after `start_positions[i]` cached ones
+    (from `index` when the caller has built it already)."""
+    ix = index or step_index(new_lens, start_positions, block_tables, block_size)
+    decode, prefill = np.flatnonzero(ix.lens == 1), np.flatnonzero(ix.lens != 1)
+    groups = [_make_group(ix, sel, block_size, device) for sel in (decode, prefill) if len(sel)]
     return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        slot_mapping=torch.from_numpy(ix.slots).to(device),
+        positions=torch.from_numpy(ix.positions).to(device),
         groups=groups,
-        num_tokens=first,
+        num_tokens=int(ix.lens.sum()),
     )
 
 
@@ -125,16 +177,14 @@ class PagedAttentionBackend:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        spec: AttentionSpec = AttentionSpec(),
     ) -> torch.Tensor:
-        """Write k/v into the cache at meta.slot_mapping, return attention output [T, H, D]."""
+        """Write k/v into the cache at meta.slot_mapping, return attention output [T, H, D] as `spec` says."""
         raise NotImplementedError
 
 
 class TorchPagedAttention(PagedAttentionBackend):
     """Portable implementation: batched block gather + masked SDPA, GQA by head folding."""
-
-    def __init__(self, scale: float | None = None) -> None:
-        self.scale = scale
 
     def forward(
         self,
@@ -144,6 +194,7 @@ class TorchPagedAttention(PagedAttentionBackend):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        spec: AttentionSpec = AttentionSpec(),
     ) -> torch.Tensor:
         nb, bs, kvh, w = k_cache.shape
         if kv_quant.is_quantized(k_cache.dtype):  # written as bytes: codes and a scale per (token, head)
@@ -157,32 +208,51 @@ class TorchPagedAttention(PagedAttentionBackend):
         T, H, _ = q.shape
         g = H // kvh
         if len(meta.groups) == 1 and meta.groups[0].valid is None and meta.groups[0].q_len == 1:
-            return self._group(q, k_cache, v_cache, meta.groups[0], g)  # pure decode: order is already flat
+            return self._group(q, k_cache, v_cache, meta.groups[0], g, spec)  # pure decode: order is already flat
         out = torch.empty_like(q)
         for grp in meta.groups:
-            res = self._group(q, k_cache, v_cache, grp, g)
+            res = self._group(q, k_cache, v_cache, grp, g, spec)
             out[grp.token_index] = res
         return out
 
     def _group(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, grp: AttentionGroup, g: int
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        grp: AttentionGroup,
+        g: int,
+        spec: AttentionSpec,
     ) -> torch.Tensor:
         nb, bs, kvh, _ = k_cache.shape
         d = q.shape[-1]
-        S, mb = grp.block_tables.shape
+        tables, mask = grp.window_view(spec.window, bs)
+        S, mb = tables.shape
         Q = grp.q_len
         # [S, mb, bs, kvh, d] -> [S, kvh, L, d]
-        keys = _gather(k_cache, grp.block_tables, q.dtype).view(S, mb * bs, kvh, d).transpose(1, 2)
-        vals = _gather(v_cache, grp.block_tables, q.dtype).view(S, mb * bs, kvh, d).transpose(1, 2)
+        keys = _gather(k_cache, tables, q.dtype).view(S, mb * bs, kvh, d).transpose(1, 2)
+        vals = _gather(v_cache, tables, q.dtype).view(S, mb * bs, kvh, d).transpose(1, 2)
         qq = q[grp.query_index] if not (Q == 1 and S == q.shape[0]) else q
         # [S*Q, H, d] -> [S, Q, kvh, g, d] -> [S, kvh, g*Q, d] (row = gi*Q + qi)
         qq = qq.view(S, Q, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(S, kvh, g * Q, d)
-        mask = grp.mask if g == 1 or Q == 1 else grp.mask.repeat(1, 1, g, 1)
-        o = F.scaled_dot_product_attention(qq, keys, vals, attn_mask=mask, scale=self.scale)
+        mask = mask if g == 1 or Q == 1 else mask.repeat(1, 1, g, 1)
+        o = _attend(qq, keys, vals, mask, spec)
         o = o.view(S, kvh, g, Q, d).permute(0, 3, 1, 2, 4).reshape(S * Q, kvh * g, d)
         if grp.valid is not None:
             o = o[grp.valid]
         return o
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
+    """softmax(scale q k^T, capped, masked) v: SDPA where no soft-cap is asked for, else written out (SDPA has no
+    cap; transformers' eager Gemma 2 attention does the same three steps)."""
+    if spec.softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=spec.scale)
+    scale = spec.scale if spec.scale is not None else q.shape[-1] ** -0.5
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / spec.softcap) * spec.softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores.float(), dim=-1).to(v.dtype), v)
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -196,24 +266,31 @@ class CpuPagedAttention(TorchPagedAttention):
     """Decode groups (one query per sequence) through the C kernel, which reads each block where it lies;
     prefill groups through the torch path, where the gather is small next to the chunk's own compute."""
 
-    def __init__(self, lib: ctypes.CDLL, scale: float | None = None) -> None:
-        super().__init__(scale)
+    def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
 
     def _group(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, grp: AttentionGroup, g: int
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        grp: AttentionGroup,
+        g: int,
+        spec: AttentionSpec,
     ) -> torch.Tensor:
         if grp.q_len != 1 or not cpu_kernel.supports(q, k_cache, v_cache):
-            return super()._group(q, k_cache, v_cache, grp, g)
+            return super()._group(q, k_cache, v_cache, grp, g, spec)
         qq = q if grp.block_tables.shape[0] == q.shape[0] else q[grp.query_index]
-        scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
-        return cpu_kernel.decode_attention(self.lib, qq, k_cache, v_cache, grp.block_tables, grp.context_lens, scale)
+        scale = spec.scale if spec.scale is not None else q.shape[-1] ** -0.5
+        return cpu_kernel.decode_attention(
+            self.lib, qq, k_cache, v_cache, grp.block_tables, grp.context_lens, scale, spec.window, spec.softcap
+        )
 
 
-def make_attention_backend(device: torch.device | str, scale: float | None = None) -> PagedAttentionBackend:
+def make_attention_backend(device: torch.device | str) -> PagedAttentionBackend:
     """The fastest backend that works on `device`: the C kernel on CPU when it builds, else the torch path."""
     if torch.device(device).type == "cpu":
         lib = cpu_kernel.attention_lib()
         if lib is not None:
-            return CpuPagedAttention(lib, scale)
-    return TorchPagedAttention(scale)
+            return CpuPagedAttention(lib)
+    return TorchPagedAttention()

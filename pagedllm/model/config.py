@@ -8,14 +8,23 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedllm.errors import ModelLoadError
+from pagedllm.errors import ModelLoadError, UserError
+from pagedllm.model.families import (
+    GGUF_ARCHITECTURES,
+    SUPPORTED_ARCHITECTURES,
+    Family,
+    GGUFHeader,
+    by_architecture,
+    by_gguf_arch,
+)
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-# GGUF `general.architecture` -> HF architecture. Mistral GGUFs use "llama".
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic", "factors")  # rope.py computes each
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # layers.py
+_ORIGINAL_CONTEXT_TYPES = ("llama3", "yarn", "longrope", "dynamic")  # scalings relative to an original context
 
 
 @dataclass
@@ -38,14 +47,58 @@ class ModelConfig:
     attention_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # What the shared decoder does beyond the plain Llama layer (model/families/ reads these per family).
+    family: str = "llama"
+    o_proj_bias: bool = False  # a bias on the attention output too (Llama-style attention_bias; not Qwen2)
+    hidden_act: str = "silu"  # the gate's activation: "silu" (SwiGLU) | "gelu_pytorch_tanh" (GeGLU)
+    norm_offset: float = 0.0  # RMSNorm weight offset: Gemma's (1 + w) in HF checkpoints
+    qk_norm: str | None = None  # RMSNorm of queries / keys: "head" (Qwen3, Gemma 3) | "full" (OLMo2)
+    pre_norms: bool = True  # a norm before attention and before the MLP (OLMo2: none)
+    post_norms: bool = False  # a norm on the attention and MLP outputs (Gemma 2/3, OLMo2)
+    embedding_multiplier: float = 1.0  # Gemma: sqrt(hidden); Granite: embedding_multiplier
+    residual_multiplier: float = 1.0  # Granite: each branch scaled before the residual add
+    logits_divisor: float = 1.0  # Granite: logits_scaling
+    final_logit_softcapping: float | None = None  # Gemma 2: tanh soft-cap of the logits
+    partial_rotary_factor: float = 1.0  # the share of each head RoPE rotates (Phi-4-mini: 0.75)
+    rope_local_theta: float | None = None  # Gemma 3: the sliding layers' own RoPE base (unscaled)
+    no_rope_layers: list[int] | None = None  # SmolLM3: per layer 1 = RoPE, 0 = none (NoPE)
     name: str = ""
     checkpoint_dtype: str = "float32"  # dtype the weights are stored in ("quantized" for GGUF quants)
+    # Tokens a query of a sliding layer sees, itself included (transformers: kv_idx > q_idx - sliding_window);
+    # None: full attention.
+    sliding_window: int | None = None
+    # Per layer "sliding_attention" / "full_attention" (transformers 5's names); None: every layer uses
+    # sliding_window when it is set.
+    layer_types: list[str] | None = None
+    attn_scale: float | None = None  # softmax scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
+    attn_logit_softcapping: float | None = None  # Gemma 2: cap * tanh(score / cap) before the softmax
+
+    def layer_window(self, layer: int) -> int | None:
+        """The window of layer `layer`'s attention (None: it sees its whole context)."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None:
+            return self.sliding_window
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many of each head's dims RoPE rotates (all unless partial rotary)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def layer_rope(self, layer: int) -> str:
+        """Which rotation layer `layer` uses: "global", "local" (Gemma 3's sliding layers) or "none" (NoPE)."""
+        if self.no_rope_layers is not None and not self.no_rope_layers[layer]:
+            return "none"
+        if self.rope_local_theta is not None and self.layer_window(layer) is not None:
+            return "local"
+        return "global"
 
 
 def _unsupported(arch: str, where: str) -> ModelLoadError:
     return ModelLoadError(
         f"{where}: architecture {arch!r} is not supported; supported architectures: "
-        f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        f"{', '.join(SUPPORTED_ARCHITECTURES)} (GGUF: {', '.join(GGUF_ARCHITECTURES)})"
     )
 
 
@@ -68,33 +121,106 @@ def _read_json(path: str) -> dict[str, Any]:
     return data
 
 
+def rope_type(scaling: dict[str, Any] | None, where: str = "") -> str:
+    """The scaling's type ("default" for none); ModelLoadError naming a type pagedllm does not compute."""
+    if not scaling:
+        return "default"
+    name = str(scaling.get("rope_type") or scaling.get("type") or "default")
+    name = {"su": "longrope"}.get(name, name)  # Phi-3's first configs
+    if name not in ROPE_TYPES:
+        raise ModelLoadError(
+            f"{where}: RoPE scaling type {name!r} is not supported; supported: {', '.join(ROPE_TYPES)}"
+        )
+    return name
+
+
+def _scaled_context(scaling: dict[str, Any] | None, max_pos: int, where: str) -> tuple[dict[str, Any] | None, int]:
+    """The scaling with its type named, and the model's context: dynamic and yarn stretch the original context
+    by their factor (as vLLM derives it); the others keep max_position_embeddings."""
+    kind = rope_type(scaling, where)
+    if scaling is None or kind == "default":
+        return None, max_pos
+    scaling = {**scaling, "rope_type": kind}
+    if kind == "dynamic" or (kind in _ORIGINAL_CONTEXT_TYPES and "original_max_position_embeddings" not in scaling):
+        scaling["original_max_position_embeddings"] = max_pos  # dynamic: always the config's own (transformers)
+    if kind in ("yarn", "dynamic") and scaling.get("factor"):
+        max_pos = max(max_pos, int(scaling["original_max_position_embeddings"] * float(scaling["factor"])))
+    return scaling, max_pos
+
+
+def _hf_rope(cfg: dict[str, Any], where: str) -> dict[str, Any]:
+    """RoPE fields from config.json in transformers 4's form (rope_theta, rope_scaling, rope_local_base_freq) or
+    5's (rope_parameters, nested per layer type for Gemma 3); a top-level original_max_position_embeddings wins
+    over the scaling's own, as transformers reads it."""
+    rp = cfg.get("rope_parameters")
+    out: dict[str, Any] = {}
+    if isinstance(rp, dict) and isinstance(rp.get("full_attention"), dict):
+        local = rp.get("sliding_attention") or {}
+        if rope_type(local, where) != "default":
+            raise ModelLoadError(f"{where}: RoPE scaling on sliding-window layers is not supported")
+        if local.get("rope_theta") is not None:
+            out["rope_local_theta"] = float(local["rope_theta"])
+        rp = rp["full_attention"]
+    rp = rp if isinstance(rp, dict) else {}
+    scaling = cfg.get("rope_scaling") or (rp if rope_type(rp, where) != "default" else None)
+    if scaling is not None and rope_type(scaling, where) in _ORIGINAL_CONTEXT_TYPES[:3]:
+        top = cfg.get("original_max_position_embeddings")
+        scaling = {**scaling, **({"original_max_position_embeddings": int(top)} if top else {})}
+    max_pos = int(cfg.get("max_position_embeddings", 2048))
+    out["rope_scaling"], out["max_position_embeddings"] = _scaled_context(scaling, max_pos, where)
+    out["rope_theta"] = float(cfg.get("rope_theta") or rp.get("rope_theta") or 10000.0)
+    out["partial_rotary_factor"] = float(cfg.get("partial_rotary_factor") or rp.get("partial_rotary_factor") or 1.0)
+    return out
+
+
+def _hf_window(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """sliding_window and layer_types as transformers' configs read them: Mistral's window on every layer; Qwen's
+    only with use_sliding_window (off by default there), from max_window_layers on when an older config.json has
+    no layer_types."""
+    window = cfg.get("sliding_window")
+    qwen = arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+    if not window or cfg.get("use_sliding_window") is False or (qwen and not cfg.get("use_sliding_window")):
+        return {"sliding_window": None, "layer_types": None}
+    if int(window) < 1:
+        raise ValueError(f"sliding_window must be at least 1, got {window}")
+    types = cfg.get("layer_types")
+    if types is None and qwen:
+        first = int(cfg.get("max_window_layers", 28))
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(int(cfg["num_hidden_layers"]))]
+    return {"sliding_window": int(window), "layer_types": None if types is None else [str(t) for t in types]}
+
+
+def _family_of(cfg: dict[str, Any], where: str) -> tuple[str, Family]:
+    archs = cfg.get("architectures") or []
+    arch = str(archs[0]) if archs else ""
+    fam = by_architecture(arch) if arch else by_architecture(str(cfg.get("model_type")))
+    if fam is None:
+        raise _unsupported(arch or str(cfg.get("model_type")), where)
+    return arch or fam.architectures[0], fam
+
+
+def model_name(path: str) -> str:
+    """The one name a model goes by (served as, logged, on /v1/kv and in kv-calc): its file or folder's base name,
+    without a .gguf extension and llama.cpp's quantization tag: SmolLM2-135M-Instruct.Q4_1.gguf ->
+    SmolLM2-135M-Instruct. The checkpoint's own name (GGUF general.name, config.json's _name_or_path) is often a
+    training run's, so it is not used."""
+    path = os.path.normpath(os.path.expanduser(str(path)))
+    if os.path.basename(path) == "config.json":
+        path = os.path.dirname(path) or os.getcwd()
+    stem = re.sub(r"\.gguf$", "", os.path.basename(path) or path, flags=re.IGNORECASE)
+    return re.sub(r"[.-](I?Q\d\w*|F16|F32|BF16)$", "", stem, flags=re.IGNORECASE) or stem
+
+
 def config_from_hf_dict(cfg: dict[str, Any], where: str, gen_cfg: dict[str, Any] | None = None) -> ModelConfig:
     """Build a ModelConfig from a transformers config.json dict (and optional generation_config.json)."""
-    archs = cfg.get("architectures") or []
-    arch = archs[0] if archs else ""
-    if arch not in SUPPORTED_ARCHITECTURES:
-        model_type = cfg.get("model_type")
-        guess = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-        if not arch and model_type in guess:
-            arch = guess[model_type]
-        else:
-            raise _unsupported(arch or str(model_type), where)
+    arch, fam = _family_of(cfg, where)
     try:
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
-        head_dim = cfg.get("head_dim") or hidden // heads
-        eos = _as_list((gen_cfg or {}).get("eos_token_id")) or _as_list(cfg.get("eos_token_id"))
-        rope_scaling = cfg.get("rope_scaling")
-        rope_theta = cfg.get("rope_theta")
-        rp = cfg.get("rope_parameters")  # transformers 5 folds theta + scaling into rope_parameters
-        if isinstance(rp, dict):
-            rope_theta = rope_theta or rp.get("rope_theta")
-            if rope_scaling is None and rp.get("rope_type", "default") != "default":
-                rope_scaling = dict(rp)
-        if isinstance(rope_scaling, dict):
-            rtype = rope_scaling.get("rope_type") or rope_scaling.get("type") or "default"
-            rope_scaling = None if rtype == "default" else {**rope_scaling, "rope_type": rtype}
-        return ModelConfig(
+        bias = bool(cfg.get("attention_bias", fam.bias_default))
+        if cfg.get("mlp_bias"):
+            raise ModelLoadError(f"{where}: mlp_bias is not supported")
+        c = ModelConfig(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
@@ -102,63 +228,120 @@ def config_from_hf_dict(cfg: dict[str, Any], where: str, gen_cfg: dict[str, Any]
             num_layers=int(cfg["num_hidden_layers"]),
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(head_dim),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta or 10000.0),
-            rope_scaling=rope_scaling,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", fam.tie_default)),
+            attention_bias=bias,
+            o_proj_bias=bias and not fam.bias_default,
             bos_token_id=cfg.get("bos_token_id", (gen_cfg or {}).get("bos_token_id")),
-            eos_token_ids=eos,
-            name=str(cfg.get("_name_or_path") or ""),
+            eos_token_ids=_as_list((gen_cfg or {}).get("eos_token_id")) or _as_list(cfg.get("eos_token_id")),
+            family=fam.name,
+            hidden_act=str(cfg.get("hidden_act") or "silu"),
+            name=model_name(where),
             checkpoint_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
         )
+        for key, value in (_hf_rope(cfg, where) | _hf_window(cfg, arch) | fam.hf_fields(cfg)).items():
+            setattr(c, key, value)
     except (KeyError, TypeError, ValueError) as e:
         raise ModelLoadError(f"{where}: incomplete or invalid model config ({e})") from e
+    return _checked(c, where)
 
 
-def config_from_gguf_metadata(md: dict[str, Any], where: str) -> ModelConfig:
-    """Build a ModelConfig from GGUF metadata (llama.cpp key names)."""
-    arch_key = md.get("general.architecture")
-    if arch_key not in GGUF_ARCHITECTURES:
-        raise _unsupported(str(arch_key), where)
-    p = arch_key + "."
+def _checked(c: ModelConfig, where: str) -> ModelConfig:
+    """A config the decoder computes as its checkpoint means, or a ModelLoadError naming what it cannot."""
+    if c.hidden_act not in ACTIVATIONS:
+        raise ModelLoadError(f"{where}: activation {c.hidden_act!r} is not supported ({', '.join(ACTIVATIONS)})")
+    rope_type(c.rope_scaling, where)
+    if c.rotary_dim % 2 or c.rotary_dim > c.head_dim:
+        raise ModelLoadError(f"{where}: a rotary width of {c.rotary_dim} does not fit heads of {c.head_dim}")
+    for name, per_layer in (("layer_types", c.layer_types), ("no_rope_layers", c.no_rope_layers)):
+        if per_layer is not None and len(per_layer) != c.num_layers:
+            raise ModelLoadError(f"{where}: {name} has {len(per_layer)} entries for {c.num_layers} layers")
+    bad = sorted({t for t in c.layer_types or [] if t not in ("sliding_attention", "full_attention")})
+    if bad:
+        raise ModelLoadError(f"{where}: layer type {bad[0]!r} is not supported (sliding_attention, full_attention)")
+    return c
+
+
+def _gguf_rope(h: GGUFHeader, where: str) -> dict[str, Any]:
+    stype = h.get("rope.scaling.type")
+    ctx = int(h.get("context_length", 2048))
+    if stype in (None, "none"):
+        return {"rope_scaling": None, "max_position_embeddings": ctx}
+    if stype not in ("linear", "yarn"):
+        raise ModelLoadError(f"{where}: GGUF RoPE scaling type {stype!r} is not supported (linear, yarn)")
+    scaling: dict[str, Any] = {"rope_type": stype, "factor": float(h.get("rope.scaling.factor"))}
+    if stype == "yarn":
+        scaling["original_max_position_embeddings"] = int(h.get("rope.scaling.original_context_length", ctx))
+    out, ctx = _scaled_context(scaling, ctx, where)
+    return {"rope_scaling": out, "max_position_embeddings": ctx}
+
+
+def _gguf_stops(md: dict[str, Any]) -> list[int]:
+    """The end-of-turn / end-of-message ids a GGUF names besides its EOS."""
+    return [int(md[k]) for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in md]
+
+
+def config_from_gguf(h: GGUFHeader, where: str) -> ModelConfig:
+    """Build a ModelConfig from a GGUF header (llama.cpp key names, and its RoPE factor tensors)."""
+    arch_key = str(h.metadata.get("general.architecture"))
+    fam = by_gguf_arch(arch_key)
+    if fam is None:
+        raise _unsupported(arch_key, where)
     try:
-        hidden = int(md[p + "embedding_length"])
-        heads = int(md[p + "attention.head_count"])
-        kv_heads = md.get(p + "attention.head_count_kv", heads)
-        head_dim = int(md.get(p + "attention.key_length") or md.get(p + "rope.dimension_count") or hidden // heads)
-        vocab = md.get(p + "vocab_size")
+        hidden = int(h.get("embedding_length"))
+        heads = int(h.get("attention.head_count"))
+        head_dim = int(h.get("attention.key_length") or hidden // heads)
+        vocab = h.get("vocab_size") or h.tensors.get("token_embd.weight", (None,))[0]
         if vocab is None:
-            raise ModelLoadError(f"{where}: GGUF metadata lacks {p}vocab_size")
-        rope_scaling = None
-        stype = md.get(p + "rope.scaling.type")
-        if stype == "linear":
-            rope_scaling = {"rope_type": "linear", "factor": float(md[p + "rope.scaling.factor"])}
-        eos = md.get("tokenizer.ggml.eos_token_id")
-        return ModelConfig(
-            architecture=GGUF_ARCHITECTURES[arch_key],
+            raise ModelLoadError(f"{where}: GGUF metadata lacks {h.prefix}vocab_size")
+        md, t = h.metadata, h.tensors
+        window = h.get("attention.sliding_window")
+        c = ModelConfig(
+            architecture=fam.architectures[0],
             vocab_size=int(vocab),
             hidden_size=hidden,
-            intermediate_size=int(md[p + "feed_forward_length"]),
-            num_layers=int(md[p + "block_count"]),
+            intermediate_size=int(h.get("feed_forward_length")),
+            num_layers=int(h.get("block_count")),
             num_heads=heads,
-            num_kv_heads=int(kv_heads),
+            num_kv_heads=int(h.get("attention.head_count_kv", heads)),
             head_dim=head_dim,
-            rms_norm_eps=float(md.get(p + "attention.layer_norm_rms_epsilon", 1e-6)),
-            rope_theta=float(md.get(p + "rope.freq_base", 10000.0)),
-            rope_scaling=rope_scaling,
-            max_position_embeddings=int(md.get(p + "context_length", 2048)),
-            tie_word_embeddings=True,  # corrected by the loader when an `output.weight` tensor exists
-            attention_bias=arch_key == "qwen2",
+            rms_norm_eps=float(h.get("attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(h.get("rope.freq_base", 10000.0)),
+            tie_word_embeddings="output.weight" not in t,
+            attention_bias="blk.0.attn_q.bias" in t or "blk.0.attn_qkv.bias" in t,
+            o_proj_bias="blk.0.attn_output.bias" in t,
             bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=_as_list(eos),
-            name=str(md.get("general.name", "")),
+            eos_token_ids=list(dict.fromkeys(_as_list(md.get("tokenizer.ggml.eos_token_id")) + _gguf_stops(md))),
+            family=fam.name,
+            partial_rotary_factor=int(h.get("rope.dimension_count") or head_dim) / head_dim,
+            name=model_name(where),
             checkpoint_dtype="quantized",
+            sliding_window=None if not window else int(window),
         )
-    except KeyError as e:
-        raise ModelLoadError(f"{where}: GGUF metadata lacks {e}") from e
+        for key, value in (_gguf_rope(h, where) | fam.gguf_fields(h)).items():
+            setattr(c, key, value)
+    except (KeyError, TypeError) as e:
+        raise ModelLoadError(f"{where}: GGUF metadata lacks or mistypes {e}") from e
+    return _checked(c, where)
+
+
+def with_overrides(cfg: ModelConfig, overrides: dict[str, Any]) -> ModelConfig:
+    """`cfg` with some fields replaced, as vLLM's --hf-overrides replaces config.json keys (e.g. {"sliding_window":
+    256} to measure what a window saves on a model that has none); an unknown or ill-typed key is a UserError."""
+    from dataclasses import fields, replace
+
+    known = {f.name for f in fields(ModelConfig)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise UserError(f"hf_overrides: unknown model config keys {unknown}; known: {', '.join(sorted(known))}")
+    out = replace(cfg, **overrides)
+    window, types = out.sliding_window, out.layer_types
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise UserError(f"hf_overrides: sliding_window must be a whole number of tokens >= 1, got {window!r}")
+    if types is not None and len(types) != out.num_layers:
+        raise UserError(f"hf_overrides: layer_types must name each of the {out.num_layers} layers")
+    return out
 
 
 def resolve_model_path(model: str | None) -> str:
@@ -198,9 +381,7 @@ def load_model_config(model: str | None = None) -> ModelConfig:
         from pagedllm.model.gguf_file import GGUFFile
 
         with GGUFFile(path) as f:
-            cfg = config_from_gguf_metadata(f.metadata, path)
-            cfg.tie_word_embeddings = "output.weight" not in f.tensors
-            return cfg
+            return config_from_gguf(f.header(), path)
     if os.path.basename(path) == "config.json":
         return load_model_config(os.path.dirname(path) or ".")
     raise ModelLoadError(

@@ -27,6 +27,7 @@ import os
 import platform
 import shlex
 import shutil
+import stat
 import subprocess
 import tempfile
 from functools import cache
@@ -105,24 +106,98 @@ def _host_id(cc: list[str]) -> str:
     return "\n".join(parts)
 
 
-def _build(cc: list[str], openmp: bool, target: str) -> Path:
+SEAL = b"PLKSUM01"  # after the library: the sha256 of every byte before it, then these 8 bytes
+MISSING = "missing"
+MAX_LIBRARY_BYTES = 1 << 26  # a build is a few hundred KiB; a file past 64 MiB is not one
+
+
+def _sealed(path: Path) -> str:
+    """ "" when `path` is a regular file (not a link) that ends in the digest of all its bytes before the seal,
+    else why not (MISSING when nothing is there). Why a digest: a library is loaded into the process, and one
+    that was truncated (a full disk, a copy cut short) can crash it with SIGBUS inside dlopen instead of
+    failing; the digest is checked before the file is ever mapped. The loader ignores bytes past the ELF's end."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return MISSING
+    except OSError as e:
+        return f"{type(e).__name__}: {e.strerror}"
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return "not a regular file"
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(MAX_LIBRARY_BYTES + 1)
+    n = len(SEAL) + 32
+    if len(data) > MAX_LIBRARY_BYTES or len(data) <= n or data[-len(SEAL) :] != SEAL:
+        return f"{len(data)} bytes without a seal"
+    if hashlib.sha256(data[:-n]).digest() != data[-n : -len(SEAL)]:
+        return "its bytes do not match their digest"
+    return ""
+
+
+def _seal(path: Path) -> None:
+    """Append the seal that `_sealed` checks to a library just built."""
+    with open(path, "r+b") as f:
+        digest = hashlib.sha256(f.read()).digest()
+        f.write(digest + SEAL)
+
+
+def _compile(cc: list[str], compile_flags: list[str], extra: list[str], out: Path) -> None:
+    """Compile and link SOURCES into the library `out` (in a folder of this build's own)."""
+    objs = []
+    run: dict[str, Any] = dict(check=True, capture_output=True, text=True, timeout=300)
+    for name, flags in SOURCES:
+        objs.append(str(out.parent / (name + ".o")))
+        subprocess.run([*cc, *compile_flags, *flags, *extra, "-c", str(CSRC / name), "-o", objs[-1]], **run)
+    subprocess.run([*cc, *LINK, *extra, *objs, "-o", str(out), "-lm"], **run)
+
+
+def _open(path: Path) -> ctypes.CDLL:
+    """The library at `path` with every entry point declared; OSError when it lacks one or its `kernel_isa`
+    cannot be read (a file of other sources under this name): never a half-usable library."""
+    lib = ctypes.CDLL(str(path))
+    try:
+        _declare(lib)
+        isa(lib)
+    except (AttributeError, ValueError) as e:  # UnicodeDecodeError is a ValueError
+        raise OSError(f"{path.name} is not a build of these kernels: {e}") from e
+    return lib
+
+
+def _build(cc: list[str], openmp: bool, target: str) -> tuple[ctypes.CDLL, Path]:
+    """The kernels kept for these sources, compiler, CPU and flags, loaded, and their file; built (and kept)
+    when none is kept or the kept one is not usable (one log line, whatever is found there). The name is only
+    ever replaced (atomically, a link included), never written through; where it cannot be (a directory in its
+    place), this process loads its own build and says so."""
     extra = OPENMP if openmp else []
     compile_flags = [*COMPILE, f"-march={TARGETS[target]}"]
     key_src = b"".join(p.read_bytes() for p in sorted(CSRC.glob("*.[ch]")))
     key_src += " ".join([*cc, *compile_flags, *LINK, *extra, str(SOURCES), _host_id(cc)]).encode()
     lib = _cache_dir() / f"pagedllm_kernels-{target}-{hashlib.sha256(key_src).hexdigest()[:16]}.so"
-    if lib.exists():
-        return lib
+    why = _sealed(lib)
+    if not why:
+        try:
+            return _open(lib), lib
+        except OSError as e:
+            why = str(e)
     lib.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
-        objs, out = [], Path(tmp) / lib.name
-        run: dict[str, Any] = dict(check=True, capture_output=True, text=True, timeout=300)
-        for name, flags in SOURCES:
-            objs.append(str(Path(tmp) / (name + ".o")))
-            subprocess.run([*cc, *compile_flags, *flags, *extra, "-c", str(CSRC / name), "-o", objs[-1]], **run)
-        subprocess.run([*cc, *LINK, *extra, *objs, "-o", str(out), "-lm"], **run)
-        os.replace(out, lib)  # atomic: concurrent builders never see a half-written library
-    return lib
+        out = Path(tmp) / lib.name
+        _compile(cc, compile_flags, extra, out)
+        _seal(out)
+        built = _open(out)  # mapped before the rename: the library loaded is the one just built
+        why = "" if why == MISSING else f"the kept one was not usable ({why})"
+        try:
+            os.replace(out, lib)  # atomic: concurrent builders never see a half-written library
+        except OSError as e:
+            log.warning("could not keep the CPU kernels in %s (%s)%s: this process uses its own build", lib, e, why)
+            return built, lib
+    if why:
+        log.warning("the CPU kernels in %s were built again: %s", lib, why)
+    return built, lib
+
+
+_paths: dict[str, Path] = {}  # target -> the file `load(target)` names its kernels by
 
 
 @cache
@@ -140,7 +215,7 @@ def load(target: str | None = None) -> ctypes.CDLL | None:
     lib, why = None, ""
     for openmp in (True, False):
         try:
-            lib = ctypes.CDLL(str(_build(cc, openmp, target)))
+            lib, _paths[target] = _build(cc, openmp, target)
         except (OSError, subprocess.SubprocessError) as e:
             why = (getattr(e, "stderr", "") or str(e)).strip()[:500]
             continue
@@ -149,22 +224,20 @@ def load(target: str | None = None) -> ctypes.CDLL | None:
         break
     if lib is None:
         log.warning("could not build the CPU kernels, using the torch path: %s", why)
-        return None
-    _declare(lib)
     return lib
 
 
 def library_path() -> Path | None:
-    """The file of the library `load()` gives (its name names the build), or None where none is built."""
-    lib = load()
-    return None if lib is None else Path(lib._name)
+    """The file of the library `load()` gives (its name names the build), or None where none is built. Where the
+    build could not be kept there, the name still keys what is kept beside it (the kernel choice)."""
+    return None if load() is None else _paths[cpu_target()]
 
 
 def _declare(lib: ctypes.CDLL) -> None:
     """Argument types of every entry point, so that ctypes converts Python ints the way C expects."""
     p, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     signatures = {
-        "paged_decode_attention": [p] * 6 + [i] * 6 + [i64, f, i, i],
+        "paged_decode_attention": [p] * 6 + [i] * 6 + [i64, f, i, i64, f, i],
         "qmm_f32": [p] * 4 + [i] * 8,
         "qrows_f32": [p, p, i, p, i, i, i],
         "qmm_amx": [p] * 4 + [i] * 8,
@@ -210,9 +283,12 @@ def decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One query per sequence. q: [S, H, D]; caches [blocks, block_size, KVH, D] (D + 2 bytes quantized); returns
-    [S, H, D] in q's dtype."""
+    [S, H, D] in q's dtype. `window`: each query sees only its last `window` positions (itself included);
+    `softcap`: scores become softcap * tanh(score / softcap) before the softmax."""
     S, H, D = q.shape
     num_blocks, bs, kvh, _ = k_cache.shape
     if not (
@@ -244,6 +320,8 @@ def decode_attention(
         num_blocks,
         scale,
         kv_quant.KINDS[k_cache.dtype],
+        window or 0,
+        softcap or 0.0,
         torch.get_num_threads(),
     )
     if rc != 0:

@@ -9,15 +9,15 @@ gate/up (3,072 x 576) 4.2 -> 3.0 ms; a whole decode step of the default model ab
 Packing is best effort: where oneDNN lacks a kernel (bfloat16 on a CPU without AVX-512 BF16 or AVX-NE-CONVERT)
 or the op is missing, the weight stays as it is and `F.linear` serves it.
 
-Packing is the last step of loading a model for CPU inference: a packed module keeps its weights outside its
-parameters (which are emptied to save the memory), so it is not meant to be moved, saved or reloaded after.
+Packing is the last step of loading a model for CPU inference: a packed layer keeps its weight outside its
+parameters (which are emptied to save the memory), so it is not meant to be moved, saved or reloaded after
+(linear.py's PackedMethod).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from pagedllm.model.quant import QuantWeight, qlinear
 
@@ -54,16 +54,3 @@ def linear(
     if packed is None:
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
-def pack_module(module: nn.Module, names: list[str]) -> None:
-    """Pack `module.<name>` into `module.packed[name]`, emptying the parameter: two copies of every weight
-    would double the model's memory, which on CPU comes out of the KV cache's share."""
-    for name in names:
-        param = getattr(module, name)
-        if param.numel() == 0:  # kept quantized instead
-            continue
-        packed = pack(param)
-        if packed is not None:
-            module.packed[name] = packed
-            param.data = torch.empty(0, dtype=param.dtype, device=param.device)

@@ -3,7 +3,8 @@
 Used by `ModelRunner` for every step (decode tokens and prefill chunks alike) when every matmul weight, the
 embedding table and the LM head are kept quantized (`--quantization gguf|int8|int4`) and the kernels are
 built. The structures below mirror the C ones field by field; they are filled once per runner (weights,
-caches), and what changes per step is a few int64 arrays built with numpy.
+caches), and what changes per step is a few int64 arrays: `attention.step_index`, the builder the torch path
+uses too. Each layer's attention (window, scale, soft-cap) comes from its `attn_spec`.
 
 With --dtype bfloat16 on a CPU with AMX, matmuls of at least the measured number of rows (kernel_choice.py)
 run on AMX with their inputs rounded to bfloat16; everything else computes in float32.
@@ -18,8 +19,11 @@ import torch
 
 import pagedllm.model.cpu_kernel as cpu_kernel
 import pagedllm.model.kv_quant as kv_quant
-from pagedllm.model.llama import LlamaForCausalLM
-from pagedllm.model.quant import FORMATS, amx_available
+from pagedllm.model.attention import StepIndex, step_index
+from pagedllm.model.config import ModelConfig
+from pagedllm.model.decoder import CausalLM, DecoderLayer
+from pagedllm.model.linear import Linear
+from pagedllm.model.quant import FORMATS, QuantWeight, amx_available, log_once
 
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 
@@ -39,6 +43,9 @@ class _Layer(ctypes.Structure):
         ("qkv_bias", _P),
         ("k_cache", _P),
         ("v_cache", _P),
+        ("window", _I64),
+        ("scale", _F),
+        ("softcap", _F),
     ]
 
 
@@ -57,7 +64,6 @@ class _Model(ctypes.Structure):
         ("num_blocks", _I64),
         ("max_positions", _I64),
         ("eps", _F),
-        ("scale", _F),
         ("final_norm", _P),
         ("embed", _P),
         ("lm_head", _P),
@@ -95,38 +101,64 @@ ERRORS = {
     -4: "a block id outside the cache",
     -5: "a token id, position, slot or row out of range",
 }
-_LAYER_WEIGHTS = (
-    ("qkv", "qkv_weight", False),
-    ("o", "o_weight", False),
-    ("gate_up", "gate_up_weight", True),
-    ("down", "down_weight", True),
-)
 
 
-def fusable(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
-    """Whether the C step can run this model: every weight quantized, CPU caches the kernel reads, kernels built."""
-    if cpu_kernel.load() is None or model.quant.get("embed_tokens") is None or model.lm_head_quant is None:
-        return False
+def _model_blockers(cfg: ModelConfig) -> list[str]:
+    """What of a model's config the C step does not compute (it runs the plain Llama layer)."""
+    checks = [
+        (cfg.hidden_act != "silu", f"activation {cfg.hidden_act}"),
+        (cfg.norm_offset != 0.0, "(1 + w) norms"),
+        (cfg.qk_norm is not None, "q/k norms"),
+        (not cfg.pre_norms or cfg.post_norms, "norms after attention / MLP"),
+        (cfg.o_proj_bias, "an attention output bias"),
+        (cfg.embedding_multiplier != 1.0 or cfg.residual_multiplier != 1.0, "embedding / residual multipliers"),
+        (cfg.logits_divisor != 1.0 or cfg.final_logit_softcapping is not None, "logit scaling / soft-capping"),
+        (cfg.rotary_dim != cfg.head_dim, "partial rotary"),
+        (cfg.no_rope_layers is not None and not all(cfg.no_rope_layers), "NoPE layers"),
+        (cfg.rope_local_theta is not None, "a second RoPE base"),
+        (cfg.head_dim % 2 != 0, "an odd head size"),
+    ]
+    return [why for hit, why in checks if hit]
+
+
+def unfused_reason(model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> str | None:
+    """Why the C step cannot run this model over these caches (None: it can). It needs the kernels, every
+    weight quantized, CPU caches it reads, and a model it computes (see _model_blockers)."""
+    if cpu_kernel.load() is None:
+        return "the C kernels are not built"
+    if model.embed.quant is None or any(lin.quant is None for lin in model.linears()):
+        return "not every weight is quantized"
     if any(kc.device.type != "cpu" or kc.dtype not in kv_quant.KINDS or not kc.is_contiguous() for kc, _ in kv_caches):
-        return False
-    return model.config.head_dim % 2 == 0 and all(
-        name in (layer.mlp if mlp else layer).quant for layer in model.layers for _, name, mlp in _LAYER_WEIGHTS
-    )
+        return "a KV cache the C step does not read"
+    blockers = _model_blockers(model.config)
+    return None if not blockers else f"{model.config.family} uses " + ", ".join(blockers)
+
+
+def fusable(model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+    """Whether the C step can run this model (the reason it cannot is logged once)."""
+    why = unfused_reason(model, kv_caches)
+    if why is not None and model.embed.quant is not None:
+        log_once(f"steps run on the torch path, not the fused C step: {why}")
+    return why is None
+
+
+def _quant(lin: Linear) -> QuantWeight:
+    w = lin.quant
+    assert w is not None, "fusable() checked every weight is quantized"
+    return w
 
 
 class FusedStep:
     """Runs steps of one model over one set of KV caches."""
 
-    def __init__(
-        self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int
-    ) -> None:
+    def __init__(self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int) -> None:
         lib = cpu_kernel.load()
-        assert lib is not None, "built only where supported() found the kernels"
+        assert lib is not None, "built only where fusable() found the kernels"
         self.lib = lib
         self.model, self.block_size = model, block_size
         self._keep: list[torch.Tensor] = []  # float32 copies the C structures point into
         self.layers = (_Layer * len(model.layers))(
-            *[self._layer(layer, kc, vc) for layer, (kc, vc) in zip(model.layers, kv_caches)]
+            *[self._layer(layer, kc, vc) for layer, (kc, vc) in zip(model.decoder_layers, kv_caches)]
         )
         self.dims = self._model(kv_caches[0][0])
         self.profile: np.ndarray | None = None  # float64 [len(PHASES)]: seconds per phase, summed, when set
@@ -138,24 +170,29 @@ class FusedStep:
         self._keep.append(t)
         return t.data_ptr()
 
-    def _layer(self, layer, k_cache: torch.Tensor, v_cache: torch.Tensor) -> _Layer:
-        fields = {
-            "attn_norm": self._f32(layer.input_layernorm.weight),
-            "ffn_norm": self._f32(layer.post_attention_layernorm.weight),
-            "qkv_bias": self._f32(layer.qkv_bias),
+    def _layer(self, layer: DecoderLayer, k_cache: torch.Tensor, v_cache: torch.Tensor) -> _Layer:
+        assert layer.attn_norm is not None and layer.mlp_norm is not None, "fusable() checked the norms"
+        spec = layer.attn_spec
+        fields: dict[str, float | int | None] = {
+            "window": spec.window or 0,
+            "scale": spec.scale if spec.scale is not None else layer.head_dim**-0.5,
+            "softcap": spec.softcap or 0.0,
+            "attn_norm": self._f32(layer.attn_norm.weight),
+            "ffn_norm": self._f32(layer.mlp_norm.weight),
+            "qkv_bias": self._f32(layer.qkv.bias),
             "k_cache": k_cache.data_ptr(),
             "v_cache": v_cache.data_ptr(),
         }
-        for field, name, mlp in _LAYER_WEIGHTS:
-            w = (layer.mlp if mlp else layer).quant[name]
-            fields[field], fields[f"{field}_fmt"] = w.tiles.data_ptr(), FORMATS[w.fmt]
+        for name, lin in (("qkv", layer.qkv), ("o", layer.o), ("gate_up", layer.mlp.gate_up), ("down", layer.mlp.down)):
+            w = _quant(lin)
+            fields[name], fields[f"{name}_fmt"] = w.tiles.data_ptr(), FORMATS[w.fmt]
         return _Layer(**fields)
 
     def _model(self, k_cache: torch.Tensor) -> _Model:
         m, cfg = self.model, self.model.config
-        embed, head = m.quant["embed_tokens"], m.lm_head_quant
-        assert head is not None, "fused_step.supported() checked the LM head is quantized"
-        amx = head.amx_min_rows if m.embed_tokens.dtype == torch.bfloat16 and amx_available() else 0
+        embed, head = m.embed.quant, _quant(m.lm_head)
+        assert embed is not None, "fusable() checked the embedding table is quantized"
+        amx = head.amx_min_rows if m.dtype == torch.bfloat16 and amx_available() else 0
         return _Model(
             hidden=cfg.hidden_size,
             inter=cfg.intermediate_size,
@@ -169,7 +206,6 @@ class FusedStep:
             amx_min_rows=amx,
             num_blocks=k_cache.shape[0],
             eps=cfg.rms_norm_eps,
-            scale=cfg.head_dim**-0.5,
             final_norm=self._f32(m.norm.weight),
             embed=embed.tiles.data_ptr(),
             lm_head=head.tiles.data_ptr(),
@@ -180,24 +216,23 @@ class FusedStep:
     def _rotary(self, max_pos: int) -> None:
         """Point at the cos/sin tables, growing them first if a position is past their end."""
         rot = self.model.rotary
-        if max_pos >= rot.cos_cache.shape[0]:
-            rot.cos_sin(torch.tensor([max_pos]), torch.float32)
+        rot.ensure(max_pos)
         self.dims.cos, self.dims.sin = rot.cos_cache.data_ptr(), rot.sin_cache.data_ptr()
         self.dims.max_positions = rot.cos_cache.shape[0]
 
     def run(
-        self, token_ids: list[list[int]], starts: list[int], block_tables: list[list[int]], num_logits: list[int]
+        self,
+        token_ids: list[list[int]],
+        starts: list[int],
+        block_tables: list[list[int]],
+        num_logits: list[int],
+        index: StepIndex | None = None,
     ) -> torch.Tensor:
         """float32 logits of sequence i adding `token_ids[i]` after `starts[i]` cached tokens: the last
-        `num_logits[i]` rows of each sequence, in order ([sum(num_logits), vocab])."""
-        S, bs = len(token_ids), self.block_size
-        lens = np.array([len(t) for t in token_ids], dtype=np.int64)
-        T = int(lens.sum())
-        seq = np.repeat(np.arange(S, dtype=np.int64), lens)
-        first = np.cumsum(lens) - lens
-        pos = np.array(starts, dtype=np.int64)[seq] + np.arange(T, dtype=np.int64) - first[seq]
-        tables = self._tables(block_tables, np.array(starts, dtype=np.int64) + lens, bs)
-        slots = tables[seq, pos // bs] * bs + pos % bs
+        `num_logits[i]` rows of each sequence, in order ([sum(num_logits), vocab]). `index`: the step's indices,
+        when the caller has built them already."""
+        ix = index or step_index([len(t) for t in token_ids], starts, block_tables, self.block_size)
+        T, lens, first = len(ix.seq), ix.lens, ix.first
         toks = np.fromiter((t for ids in token_ids for t in ids), dtype=np.int64, count=T)
         want = np.array(num_logits, dtype=np.int64)
         rows = (
@@ -208,17 +243,17 @@ class FusedStep:
             )
         )
         logits = torch.empty(len(rows), self.model.config.vocab_size, dtype=torch.float32)
-        self._rotary(int(pos.max()))
+        self._rotary(int(ix.positions.max()))
         batch = _Batch(
             toks.ctypes.data,
-            pos.ctypes.data,
-            seq.ctypes.data,
-            slots.ctypes.data,
-            tables.ctypes.data,
+            ix.positions.ctypes.data,
+            ix.seq.ctypes.data,
+            ix.slots.ctypes.data,
+            ix.tables.ctypes.data,
             rows.ctypes.data,
             T,
-            S,
-            tables.shape[1],
+            len(lens),
+            ix.tables.shape[1],
             len(rows),
             logits.data_ptr(),
             None if self.profile is None else self.profile.ctypes.data,
@@ -227,14 +262,3 @@ class FusedStep:
         if rc != 0:
             raise RuntimeError(f"model_step failed: {ERRORS.get(rc, rc)}")
         return logits
-
-    @staticmethod
-    def _tables(block_tables: list[list[int]], ends: np.ndarray, bs: int) -> np.ndarray:
-        """[S, most blocks needed] int64: row i the blocks sequence i needs to hold `ends[i]` tokens."""
-        need = (ends + bs - 1) // bs
-        out = np.zeros((len(block_tables), int(need.max())), dtype=np.int64)
-        for i, (table, n) in enumerate(zip(block_tables, need.tolist())):
-            if len(table) < n:
-                raise ValueError(f"block table of {len(table)} blocks cannot hold {int(ends[i])} tokens")
-            out[i, :n] = table[:n]
-        return out

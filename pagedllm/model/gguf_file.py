@@ -16,6 +16,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from pagedllm.errors import ModelLoadError
+from pagedllm.model.families.base import GGUFHeader
 
 GGUF_MAGIC = b"GGUF"
 
@@ -191,6 +192,12 @@ class GGUFFile:
                 ) from e
         self._done_with(start, raw.nbytes)
         return out
+
+    def header(self) -> GGUFHeader:
+        """What a model family reads to build its config: metadata, tensor shapes, small float tensors."""
+        arch = str(self.metadata.get("general.architecture"))
+        shapes = {name: info.shape for name, info in self.tensors.items()}
+        return GGUFHeader(self.metadata, arch + ".", shapes, lambda name: self.load_array(name).reshape(-1).tolist())
 
     def close(self) -> None:
         try:

@@ -22,10 +22,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
+import stat
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -133,30 +137,121 @@ def _cache_file(layer: list[QuantWeight], dtype: torch.dtype) -> Path | None:
     return lib_path.with_name(f"{lib_path.stem}.choice-{hashlib.sha256(key.encode()).hexdigest()[:12]}.json")
 
 
-def _read(path: Path) -> KernelChoice | None:
+CANDIDATES = ("q-f32", "dense", "q-amx")
+MAX_FILE_BYTES = 1 << 16  # a kept choice is a few hundred bytes; more is not one of ours
+MAX_MS = 3.6e6  # an hour for one layer's matmuls: a time beyond it was not measured
+
+
+def _build_name() -> str:
+    """The build a choice is measured on: its class and the vector path its matmuls compiled with."""
+    lib = cpu_kernel.load()
+    return f"{cpu_kernel.cpu_target()} build ({cpu_kernel.isa(lib)['matmul']})" if lib is not None else "none"
+
+
+def _candidates(dtype: torch.dtype) -> set[str]:
+    """The kernels `measure` times for `dtype` on this CPU: a kept choice must have timed exactly these."""
+    return {"q-f32", "dense"} | ({"q-amx"} if dtype == torch.bfloat16 and amx_available() else set())
+
+
+def _finite(text: str) -> float:
+    """JSON's numbers as floats, but none that is not finite (`NaN`, `Infinity`, `1e400`): no time is."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is not a measured time")
+    return value
+
+
+def _load_bytes(path: Path) -> bytes:
+    """The file's bytes, opened without following a link and only when it is a regular file of a kept choice's
+    size: a link, a directory or a FIFO planted in its place is refused rather than read (or waited on)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ValueError("not a regular file")
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(MAX_FILE_BYTES + 1)
+    if len(data) > MAX_FILE_BYTES:
+        raise ValueError(f"larger than {MAX_FILE_BYTES} bytes")
+    return data
+
+
+def _times(raw: Any) -> dict[int, float]:
+    """One candidate's times: a time (finite, from 0 to MAX_MS) for every row count of ROWS, nothing else."""
+    if not isinstance(raw, dict) or set(raw) != {str(r) for r in ROWS}:
+        raise ValueError(f"times for rows {sorted(raw) if isinstance(raw, dict) else raw!r}, not {ROWS}")
+    out = {}
+    for r in ROWS:
+        t = raw[str(r)]
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t <= MAX_MS:
+            raise ValueError(f"time {t!r} for {r} rows")
+        out[r] = float(t)
+    return out
+
+
+def _parse(data: bytes, dtype: torch.dtype, build: str) -> KernelChoice:
+    """The choice the bytes keep, checked in full: the keys `asdict` writes, the candidates and rows `measure`
+    times here, times in range, this build, and the decision that `decide` takes from those times (a file of
+    the right shape with another decision in it is not a measurement). Raises ValueError otherwise."""
+    raw = json.loads(data.decode("utf-8"), parse_float=_finite, parse_constant=_finite)
+    if not isinstance(raw, dict) or set(raw) != {"quantized", "amx_min_rows", "ms", "build"}:
+        raise ValueError("not the fields of a kernel choice")
+    if not isinstance(raw["ms"], dict) or set(raw["ms"]) != _candidates(dtype):
+        raise ValueError(f"candidates {raw['ms'] if not isinstance(raw['ms'], dict) else sorted(raw['ms'])!r}")
+    if raw["build"] != build:
+        raise ValueError(f"measured on {raw['build']!r}, not {build!r}")
+    choice = decide({k: _times(raw["ms"][k]) for k in CANDIDATES if k in raw["ms"]}, build)
+    if raw["quantized"] is not choice.quantized or type(raw["amx_min_rows"]) is not int:
+        raise ValueError("quantized or amx_min_rows is not of its type")
+    if raw["amx_min_rows"] != choice.amx_min_rows:
+        raise ValueError("its decision is not the one its times call for")
+    return choice
+
+
+def _read(path: Path, dtype: torch.dtype, build: str) -> tuple[KernelChoice | None, str]:
+    """The kept choice, or None and why not ("" when there is none yet: the first load on this machine).
+    Whatever the file holds, nothing but a valid choice comes back: the caller measures again."""
     try:
-        raw = json.loads(path.read_text())
-        ms = {k: {int(r): float(t) for r, t in v.items()} for k, v in raw["ms"].items()}
-        return KernelChoice(bool(raw["quantized"]), int(raw["amx_min_rows"]), ms, str(raw["build"]))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None  # missing or unreadable: measure again
+        return _parse(_load_bytes(path), dtype, build), ""
+    except FileNotFoundError:
+        return None, ""
+    except (OSError, ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        return None, f"{type(e).__name__}: {e}"[:200]
+
+
+def _keep(path: Path, choice: KernelChoice) -> None:
+    """Write the choice to `path` through a temporary file of this process's own making (mkstemp: a new name,
+    O_EXCL, never through a link or a file someone else put there), renamed in place so that a concurrent first
+    load reads all of it or none; the temporary file never stays behind. Raises OSError."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    kept = False
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(json.dumps(asdict(choice), allow_nan=False).encode())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)  # replaces a link in its place, never writes through it
+        kept = True
+    finally:
+        if not kept:
+            os.unlink(tmp)
 
 
 def choose(layer: list[QuantWeight], dtype: torch.dtype) -> KernelChoice:
-    """The kept choice for these shapes on this machine, or a new measurement (then kept)."""
+    """The kept choice for these shapes on this machine, or a new measurement (then kept). A kept file that is
+    not a valid choice (any bytes, a link, a directory) is measured again with one log line: a cache never
+    stops the server from starting."""
     path = _cache_file(layer, dtype)
-    choice = _read(path) if path is not None else None
+    build = _build_name()
+    choice, why = _read(path, dtype, build) if path is not None else (None, "")
     if choice is None:
-        lib = cpu_kernel.load()
-        build = f"{cpu_kernel.cpu_target()} build ({cpu_kernel.isa(lib)['matmul']})" if lib is not None else "none"
         choice = measure(layer, dtype, build)
         if path is not None:
             try:
-                tmp = path.with_suffix(f".{os.getpid()}.tmp")  # concurrent first loads: each its own file
-                tmp.write_text(json.dumps(asdict(choice)))
-                tmp.replace(path)
+                _keep(path, choice)
+                if why:
+                    log.warning("the kernel choice in %s was not usable (%s): measured again", path, why)
             except OSError as e:
-                log.warning("could not keep the kernel choice in %s: %s", path, e)
+                why = f"; it was not usable ({why})" if why else ""
+                log.warning("could not keep the kernel choice in %s: %s%s", path, e, why)
     if path not in _told:
         _told.add(path)
         log.info(choice.describe())

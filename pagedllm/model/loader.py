@@ -19,15 +19,16 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 import pagedllm.model.cpu_kernel as cpu_kernel
 import pagedllm.model.kernel_choice as kernel_choice
 from pagedllm.errors import ModelLoadError, UserError
-from pagedllm.model.config import ModelConfig, is_gguf, load_model_config, resolve_model_path
+from pagedllm.model.config import ModelConfig, is_gguf, load_model_config, resolve_model_path, with_overrides
+from pagedllm.model.decoder import CausalLM
 from pagedllm.model.kernel_choice import KernelChoice
-from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.quant import log_once
 from pagedllm.model.tokenizer import Tokenizer, load_tokenizer
 
@@ -42,7 +43,7 @@ class LoadedModel:
     """What the engine gets: the module, its tokenizer and config, and facts for sizing the KV cache."""
 
     config: ModelConfig
-    model: LlamaForCausalLM
+    model: CausalLM
     tokenizer: Tokenizer
     dtype: torch.dtype
     device: torch.device
@@ -108,7 +109,7 @@ def resolve_quantization(quantization: str | None, path: str, device: torch.devi
     return q
 
 
-def _fill(net: LlamaForCausalLM, path: str, cfg: ModelConfig, quantization: str) -> None:
+def _fill(net: CausalLM, path: str, cfg: ModelConfig, quantization: str) -> None:
     """Weights from the checkpoint into `net`, kept or made quantized as asked."""
     from pagedllm.model.weights import assign_weights, iter_gguf, iter_safetensors, quantize_rtn_model
 
@@ -118,7 +119,7 @@ def _fill(net: LlamaForCausalLM, path: str, cfg: ModelConfig, quantization: str)
         from pagedllm.model.gguf_file import GGUFFile
 
         with GGUFFile(path) as gf:
-            assign_weights(net, iter_gguf(gf, cfg, keep_quantized=quantization in ("gguf", "auto")), path)
+            assign_weights(net, iter_gguf(gf, net, keep_quantized=quantization in ("gguf", "auto")), path)
     else:  # load_model_config already rejects this; kept for clarity
         raise ModelLoadError(f"{path} is not a model")
     if quantization in ("int8", "int4"):
@@ -131,12 +132,15 @@ def load_model(
     device: str | torch.device = "cpu",
     verbose: bool = True,
     quantization: str | None = None,
+    hf_overrides: dict[str, Any] | None = None,
 ) -> LoadedModel:
     """Load weights + tokenizer; raises ModelLoadError for bad paths/files/architectures, UserError for --dtype
-    and --quantization."""
+    and --quantization. `hf_overrides` replaces fields of the model's config first (config.with_overrides)."""
     t0 = time.perf_counter()
     path = resolve_model_path(model)
     cfg = load_model_config(path)
+    if hf_overrides:
+        cfg = with_overrides(cfg, hf_overrides)
     dev = torch.device(device)
     torch_dtype = resolve_dtype(dtype, cfg, dev)
     quant = resolve_quantization(quantization, path, dev)
@@ -169,7 +173,7 @@ def load_model(
 def trim_heap() -> None:
     """Hand the heap that loading freed back to the system. Loading allocates and frees a transient per tensor
     (its blocks, codes, chunks); glibc keeps freed heap for reuse, and that memory stays resident: with the
-    default Llama-3.2-1B-shaped Q4_0 file, 1.1 GiB besides 0.7 GiB of weights. Elsewhere (no glibc) a no-op."""
+    a Llama-3.2-1B-shaped Q4_0 file, 1.1 GiB besides 0.7 GiB of weights. Elsewhere (no glibc) a no-op."""
     try:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):
@@ -178,10 +182,10 @@ def trim_heap() -> None:
 
 def _build(
     path: str, cfg: ModelConfig, dtype: torch.dtype, dev: torch.device, quantization: str
-) -> tuple[LlamaForCausalLM, int, KernelChoice | None]:
+) -> tuple[CausalLM, int, KernelChoice | None]:
     """The model with its weights, their dense size, and the kernel choice for its quantized weights (applied:
     each weight knows from how many rows it runs on AMX)."""
-    net = LlamaForCausalLM(cfg, dtype, dev)
+    net = CausalLM(cfg, dtype, dev)
     dense_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
     _fill(net, path, cfg, quantization)
     net.eval()

@@ -13,7 +13,7 @@ import torch
 
 import pagedllm.model.kv_quant as kv_quant
 from pagedllm.kv.sizing import kv_bytes_per_token
-from pagedllm.model.attention import build_metadata
+from pagedllm.model.attention import build_metadata, step_index
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.fused_step import FusedStep, fusable
 from pagedllm.model.loader import LoadedModel
@@ -110,33 +110,31 @@ class ModelRunner:
                 offset += dst.numel()
 
     @torch.inference_mode()
-    def _forward(self, chunks: list[SeqChunk], all_positions: bool) -> torch.Tensor:
+    def _forward(self, chunks: list[SeqChunk]) -> torch.Tensor:
         lens = [len(c.token_ids) for c in chunks]
         if any(n == 0 for n in lens):
             raise ValueError("every SeqChunk needs at least one new token")
+        starts, tables = [c.start_pos for c in chunks], [c.block_table for c in chunks]
+        ix = step_index(lens, starts, tables, self.block_size)  # one builder for the fused and the torch path
         if self.fused is not None:
             return self.fused.run(
                 [c.token_ids for c in chunks],
-                [c.start_pos for c in chunks],
-                [c.block_table for c in chunks],
-                [n if all_positions else c.num_logits for c, n in zip(chunks, lens)],
+                starts,
+                tables,
+                [c.num_logits for c in chunks],
+                ix,
             )
         ids: list[int] = []
         for c in chunks:
             ids.extend(c.token_ids)
-        meta = build_metadata(
-            lens, [c.start_pos for c in chunks], [c.block_table for c in chunks], self.block_size, self.device
-        )
+        meta = build_metadata(lens, starts, tables, self.block_size, self.device, ix)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        if all_positions:
-            index = None
-        else:
-            rows: list[int] = []
-            end = 0
-            for c in chunks:
-                end += len(c.token_ids)
-                rows.extend(range(end - c.num_logits, end))
-            index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        rows: list[int] = []
+        end = 0
+        for c in chunks:
+            end += len(c.token_ids)
+            rows.extend(range(end - c.num_logits, end))
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
         return self.model(input_ids, meta, self.kv_caches, index)
 
     def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
@@ -144,9 +142,4 @@ class ModelRunner:
         chunk order: [sum(c.num_logits), vocab]; writes K/V of all of them."""
         if not chunks:
             return torch.empty(0, self.config.vocab_size, dtype=torch.float32, device=self.device)
-        return self._forward(chunks, all_positions=False)
-
-    def execute_all(self, chunks: list[SeqChunk]) -> list[torch.Tensor]:
-        """Like execute, but float32 logits for every new token: one [len(token_ids), vocab] tensor per chunk."""
-        out = self._forward(chunks, all_positions=True)
-        return list(out.split([len(c.token_ids) for c in chunks]))
+        return self._forward(chunks)

@@ -2,22 +2,25 @@
 
 For a GGUF, transformers builds the tokenizer from the file's metadata, which takes ~10 s; the result is saved
 to the user cache (keyed by the file's path, size and mtime) so later loads take well under a second. A GGUF
-tokenizer never adds BOS by default (SmolLM2's chat template carries its own special tokens).
+tokenizer never adds BOS by default (SmolLM2's chat template carries its own special tokens). Its stop tokens
+are the file's EOS / EOT / EOM ids and the end-of-turn tokens its vocabulary has, as llama.cpp stops on them.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
 from typing import Any
 
 from pagedllm.errors import ModelLoadError
-from pagedllm.model.cache import cache_dir_for
+from pagedllm.model.cache import cache_dir_for, remove_cached, seal_folder, sealed_folder_problem
 from pagedllm.model.config import is_gguf, load_model_config, resolve_model_path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+logger = logging.getLogger(__name__)
 
 
 class Tokenizer:
@@ -92,15 +95,25 @@ def _no_bos(folder: str) -> None:
 
 
 def gguf_tokenizer_folder(path: str) -> str:
-    """A HF tokenizer folder for the GGUF at `path`, built once and cached."""
-    from transformers import AutoTokenizer
+    """A HF tokenizer folder for the GGUF at `path`, built once and cached; a cached folder that fails its
+    manifest check is rebuilt (one log line), never loaded."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     target = cache_dir_for(path, "tokenizers")
-    if os.path.isfile(os.path.join(target, "tokenizer.json")):
-        return target
+    if os.path.lexists(target):
+        problem = sealed_folder_problem(target, ("tokenizer.json", "tokenizer_config.json"))
+        if problem is None:
+            return target
+        logger.warning("cached tokenizer %s %s: building it again", target, problem)
+        remove_cached(target)
     folder, name = os.path.split(os.path.abspath(path))
     try:
         tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    except ValueError as e:  # an architecture transformers' GGUF loader lacks: its tokenizer needs no model class
+        try:
+            tok = PreTrainedTokenizerFast.from_pretrained(folder, gguf_file=name)
+        except Exception as e2:
+            raise ModelLoadError(f"cannot build a tokenizer from GGUF file {path}: {e2} (after {e})") from e2
     except Exception as e:
         raise ModelLoadError(f"cannot build a tokenizer from GGUF file {path}: {e}") from e
     os.makedirs(os.path.dirname(target), exist_ok=True)
@@ -108,6 +121,7 @@ def gguf_tokenizer_folder(path: str) -> str:
     try:
         tok.save_pretrained(tmp)
         _no_bos(tmp)
+        seal_folder(tmp)
         try:
             os.rename(tmp, target)
         except OSError:  # another process won the race: use theirs
@@ -139,4 +153,19 @@ def load_tokenizer(model: str | None = None) -> Tokenizer:
         hf = AutoTokenizer.from_pretrained(folder)
     except Exception as e:
         raise ModelLoadError(f"cannot load the tokenizer in {folder}: {e}") from e
-    return Tokenizer(hf, cfg.eos_token_ids, cfg.bos_token_id)
+    eos = list(cfg.eos_token_ids)
+    if is_gguf(path):
+        eos += [i for i in end_of_generation_ids(hf) if i not in eos and i < cfg.vocab_size]
+    return Tokenizer(hf, eos, cfg.bos_token_id)
+
+
+# Tokens that end a turn in the chat formats people run, which llama.cpp stops on when a GGUF's vocabulary has
+# them (a GGUF names one EOS; Llama 3 ends turns with <|eot_id|>, Gemma with <end_of_turn>, ChatML with <|im_end|>,
+# Phi-3 with <|end|>). A base model's end of text is the file's EOS already.
+END_OF_GENERATION = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<EOT>")
+
+
+def end_of_generation_ids(hf_tokenizer: Any) -> list[int]:
+    """Ids of the END_OF_GENERATION tokens this tokenizer's vocabulary has."""
+    vocab = hf_tokenizer.get_vocab()
+    return [int(vocab[t]) for t in END_OF_GENERATION if t in vocab]

@@ -1,10 +1,13 @@
-"""Reading checkpoint tensors under their Hugging Face names, from safetensors shards or a GGUF file.
+"""Reading checkpoint tensors into the decoder, from safetensors shards or a GGUF file, by each family's table.
 
-Both sources yield (hf_name, float tensor) pairs, so one function (`assign_weights`) fills the model, merging
-q/k/v and gate/up as it goes. GGUF weights are dequantized with `gguf.quants.dequantize` (what transformers
-uses), or, for `--quantization gguf`, kept as stored (`QuantParts`, see quant.py); the Q/K rows are
-un-permuted: llama.cpp's converter reorders them for its interleaved RoPE, and we use the rotate-half layout of
-transformers.
+A family names where its tensors sit in a Hugging Face checkpoint (families/base.py); the GGUF names follow
+from llama.cpp's own table (`gguf.get_tensor_name_map`, the map its converter writes with), so one table
+serves both sources. q/k/v and gate/up pieces are merged into one weight as they arrive; a checkpoint that
+stores them fused (Phi-3) fills the merged weight at once. GGUF weights are dequantized with
+`gguf.quants.dequantize` (what transformers uses), or, for `--quantization gguf`, kept as stored
+(`QuantParts`, see quant.py); the Q/K rows are un-permuted where llama.cpp's converter reordered them for its
+interleaved RoPE (we use the rotate-half layout of transformers). A tensor the model would not use is an
+error, not a silently different model.
 
 Memory while loading: the weights end up resident once, so whatever loading needs besides them is bounded by
 one tensor, never the model: a quantized weight is packed for the kernels as soon as its pieces (q/k/v,
@@ -17,18 +20,18 @@ from __future__ import annotations
 import glob
 import json
 import os
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
 from pagedllm.errors import ModelLoadError
-from pagedllm.model.config import ModelConfig
-from pagedllm.model.llama import MERGED, LlamaForCausalLM, install_quant
+from pagedllm.model.decoder import CausalLM
+from pagedllm.model.families import Family, by_architecture
+from pagedllm.model.gguf_file import GGUFFile
+from pagedllm.model.linear import Embedding, Linear
 from pagedllm.model.quant import GGML_TYPES, QuantParts, from_gguf_blocks, log_once, merge, pack, quantize_rtn
 
 CHUNK_BYTES = 64 << 20  # float32 bytes of a dense GGUF matrix dequantized at a time
@@ -38,7 +41,7 @@ CHUNK_BYTES = 64 << 20  # float32 bytes of a dense GGUF matrix dequantized at a 
 class DenseRows:
     """A GGUF matrix to load dense, read from the open file a chunk of rows at a time by `copy_to`."""
 
-    gf: Any  # GGUFFile
+    gf: GGUFFile
     name: str
     shape: tuple[int, int]
 
@@ -53,26 +56,72 @@ class DenseRows:
 
 
 Value = torch.Tensor | QuantParts | DenseRows
+# GGUF tensors read into the config instead (RoPE factors), and HF buffers recomputed from it.
+_CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
-_GGUF_LAYER_MAP = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_GGUF_TOP_MAP = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
+
+@dataclass
+class Slot:
+    """Where one checkpoint tensor goes: `target` (a parameter or its row slice) of `owner`, piece `index` of
+    `pieces` (the q/k/v or gate/up pieces merged into one weight)."""
+
+    owner: nn.Module
+    target: torch.Tensor
+    index: int
+    pieces: int
+    kind: str  # "weight" | "bias"
+
+
+def family_of(model: CausalLM) -> Family:
+    fam = by_architecture(model.config.architecture)
+    assert fam is not None, "config.py only builds configs of known families"
+    return fam
+
+
+def _row_splits(n_pieces: int, rows: int, model: CausalLM) -> list[tuple[int, int]]:
+    """Row ranges of the pieces of a merged weight: q, k, v or gate, up (one piece: all rows)."""
+    if n_pieces == 1:
+        return [(0, rows)]
+    layer = model.decoder_layers[0]
+    sizes = [layer.q_size, layer.kv_size, layer.kv_size] if n_pieces == 3 else [rows // 2, rows // 2]
+    ends = np.cumsum(sizes).tolist()
+    return [(e - s, e) for s, e in zip(sizes, ends)]
+
+
+def tensor_table(model: CausalLM) -> dict[str, Slot]:
+    """Every tensor the model needs, by its Hugging Face name."""
+    fam = family_of(model)
+    table = {
+        "model.embed_tokens.weight": Slot(model.embed, model.embed.weight, 0, 1, "weight"),
+        "model.norm.weight": Slot(model.norm, model.norm.weight, 0, 1, "weight"),
+    }
+    if not model.lm_head.tied:
+        table["lm_head.weight"] = Slot(model.lm_head, model.lm_head.weight, 0, 1, "weight")
+    for i, layer in enumerate(model.decoder_layers):
+        for slot, module in layer.slots().items():
+            names = fam.layer_tensors[slot]
+            for kind in ("weight", "bias"):
+                param = getattr(module, kind, None)
+                if not isinstance(param, torch.Tensor):
+                    continue
+                for j, (name, (a, b)) in enumerate(zip(names, _row_splits(len(names), param.shape[0], model))):
+                    table[f"model.layers.{i}.{name}.{kind}"] = Slot(module, param[a:b], j, len(names), kind)
+    return table
+
+
+def gguf_names(model: CausalLM, arch: str, hf_names: list[str]) -> dict[str, str]:
+    """GGUF tensor name -> HF name for the model's tensors, by llama.cpp's name map of `arch`."""
+    import gguf
+
+    archs = {name: key for key, name in gguf.MODEL_ARCH_NAMES.items()}
+    tmap = gguf.get_tensor_name_map(archs.get(arch, gguf.MODEL_ARCH.LLAMA), model.config.num_layers)
+    out = {}
+    for hf in hf_names:
+        name = tmap.get_name(hf, try_suffixes=(".weight", ".bias"))
+        if name is None:
+            raise ModelLoadError(f"llama.cpp's {arch} tensor table has no name for {hf}")
+        out[name] = hf
+    return out
 
 
 def safetensors_files(folder: str) -> list[str]:
@@ -95,7 +144,7 @@ def safetensors_files(folder: str) -> list[str]:
     return files
 
 
-def iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(folder: str) -> Iterator[tuple[str, Value]]:
     from safetensors import safe_open
 
     for path in safetensors_files(folder):
@@ -115,27 +164,21 @@ def unpermute_gguf(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
-def _gguf_hf_name(name: str) -> str | None:
-    if name in _GGUF_TOP_MAP:
-        return _GGUF_TOP_MAP[name]
-    m = re.match(r"blk\.(\d+)\.(.+)$", name)
-    if not m or m.group(2) not in _GGUF_LAYER_MAP:
-        return None  # e.g. rope_freqs: not needed (RoPE is recomputed from the config)
-    return f"model.layers.{m.group(1)}.{_GGUF_LAYER_MAP[m.group(2)]}"
-
-
-def iter_gguf(gf: object, cfg: ModelConfig, keep_quantized: bool = False) -> Iterator[tuple[str, Value]]:
-    """GGUF tensors renamed to HF names, Q/K un-permuted for the llama architecture: dequantized to float32, or,
-    with `keep_quantized`, matrices in a type the kernels run (Q4_0, Q4_1, Q8_0) as QuantParts."""
-    permuted = gf.metadata.get("general.architecture") in ("llama", "mistral")  # type: ignore[attr-defined]
-    for name, info in gf.tensors.items():  # type: ignore[attr-defined]
-        hf = _gguf_hf_name(name)
-        if hf is None:
+def iter_gguf(gf: GGUFFile, model: CausalLM, keep_quantized: bool = False) -> Iterator[tuple[str, Value]]:
+    """GGUF tensors renamed to HF names, Q/K un-permuted where the converter permuted them: dequantized to
+    float32, or, with `keep_quantized`, matrices in a type the kernels run (Q4_0, Q4_1, Q8_0) as QuantParts.
+    A tensor name the model has no place for is passed on under its GGUF name (assign_weights rejects it)."""
+    cfg = model.config
+    names = gguf_names(model, str(gf.metadata.get("general.architecture")), list(tensor_table(model)))
+    permuted = family_of(model).gguf_permute_qk
+    for name, info in gf.tensors.items():
+        if name in _CONFIG_TENSORS:
             continue
+        hf = names.get(name, name)
         heads = cfg.num_heads if ".q_proj." in hf else cfg.num_kv_heads
         unpermute = permuted and (".q_proj." in hf or ".k_proj." in hf)
         parts = (
-            from_gguf_blocks(gf.load_raw(name), info.ggml_type)  # type: ignore[attr-defined]
+            from_gguf_blocks(gf.load_raw(name), info.ggml_type)
             if keep_quantized and info.ggml_type in GGML_TYPES and len(info.shape) == 2
             else None
         )
@@ -145,7 +188,7 @@ def iter_gguf(gf: object, cfg: ModelConfig, keep_quantized: bool = False) -> Ite
         if len(info.shape) == 2 and not unpermute:
             yield hf, DenseRows(gf, name, (info.shape[0], info.shape[1]))
             continue
-        arr = gf.load_array(name)  # type: ignore[attr-defined]
+        arr = gf.load_array(name)
         if unpermute:
             arr = unpermute_gguf(arr, heads)
         if not arr.flags.writeable:
@@ -153,118 +196,79 @@ def iter_gguf(gf: object, cfg: ModelConfig, keep_quantized: bool = False) -> Ite
         yield hf, torch.from_numpy(np.ascontiguousarray(arr))
 
 
-def _destination(model: LlamaForCausalLM, name: str) -> tuple[torch.Tensor, tuple[nn.Module, str], int] | None:
-    """Where an HF-named tensor goes: (the parameter or its row slice, the (module, attribute) of the whole,
-    possibly merged, weight, and the piece's index in it); None for tensors the model does not use."""
-    cfg = model.config
-    if name in ("embed_tokens.weight", "norm.weight"):
-        return (
-            (model.embed_tokens, (model, "embed_tokens"), 0)
-            if name == "embed_tokens.weight"
-            else (model.norm.weight, (model.norm, "weight"), 0)
-        )
-    if name == "lm_head.weight":
-        return None if model.lm_head is None else (model.lm_head, (model, "lm_head"), 0)
-    m = re.match(r"layers\.(\d+)\.(.+)$", name)
-    if not m or int(m.group(1)) >= cfg.num_layers:
-        return None  # rotary_emb.inv_freq and the like
-    layer = model.layers[int(m.group(1))]
-    q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
-    merged = {  # piece -> (module, attribute, index, first row, end row)
-        "self_attn.q_proj": (layer, "qkv", 0, 0, q),
-        "self_attn.k_proj": (layer, "qkv", 1, q, q + kv),
-        "self_attn.v_proj": (layer, "qkv", 2, q + kv, q + 2 * kv),
-        "mlp.gate_proj": (layer.mlp, "gate_up", 0, 0, inter),
-        "mlp.up_proj": (layer.mlp, "gate_up", 1, inter, 2 * inter),
-        "self_attn.o_proj": (layer, "o", 0, 0, None),
-        "mlp.down_proj": (layer.mlp, "down", 0, 0, None),
-    }
-    sub, _, kind = m.group(2).rpartition(".")
-    if sub in merged:
-        mod, attr, idx, a, b = merged[sub]
-        if kind == "bias":
-            return (
-                (layer.qkv_bias[a:b], (layer, "qkv_bias"), idx)
-                if attr == "qkv" and layer.qkv_bias is not None
-                else None
-            )
-        param = getattr(mod, f"{attr}_weight")
-        return (param if b is None else param[a:b]), (mod, f"{attr}_weight"), idx
-    norms = {"input_layernorm": layer.input_layernorm, "post_attention_layernorm": layer.post_attention_layernorm}
-    if sub in norms and kind == "weight":
-        return norms[sub].weight, (norms[sub], "weight"), 0
-    return None
-
-
-def _put(param: torch.Tensor, value: Value, key: str, where: str) -> None:
+def _put(slot: Slot, value: Value, key: str, where: str) -> None:
     shape = tuple(value.shape)
-    if shape != tuple(param.shape):
-        raise ModelLoadError(f"{where}: tensor {key} has shape {shape}, expected {tuple(param.shape)}")
+    if shape != tuple(slot.target.shape):
+        raise ModelLoadError(f"{where}: tensor {key} has shape {shape}, expected {tuple(slot.target.shape)}")
     if isinstance(value, DenseRows):
-        value.copy_to(param)
+        value.copy_to(slot.target)
     elif not isinstance(value, QuantParts):
         with torch.no_grad():
-            param.copy_(value)
+            slot.target.copy_(value)
 
 
-def assign_weights(model: LlamaForCausalLM, tensors: Iterator[tuple[str, Value]], where: str) -> None:
-    """Copy HF-named tensors into the model (merging q/k/v and gate/up); error on anything missing. QuantParts
-    are kept quantized where every piece of their merged weight is, and packed as soon as the last piece is in
-    (so loading holds one weight's plain form at a time, not the model's); else dequantized into place."""
+def _unused(name: str) -> bool:
+    """Checkpoint tensors the model may skip: RoPE buffers, which it computes from the config."""
+    return name.endswith("rotary_emb.inv_freq")
+
+
+def assign_weights(model: CausalLM, tensors: Iterator[tuple[str, Value]], where: str) -> None:
+    """Copy HF-named tensors into the model (merging q/k/v and gate/up); error on anything missing or left over.
+    QuantParts are kept quantized where every piece of their merged weight is, and packed as soon as the last
+    piece is in (so loading holds one weight's plain form at a time, not the model's); else dequantized into
+    place."""
+    table = tensor_table(model)
     filled: set[str] = set()
-    pieces: dict[tuple[nn.Module, str], dict[int, tuple[QuantParts, torch.Tensor]]] = {}
+    extra: list[str] = []
+    pieces: dict[int, dict[int, tuple[QuantParts, Slot]]] = {}
     for name, t in tensors:
-        name = name.removeprefix("model.") if not name.startswith("lm_head") else name
-        dest = _destination(model, name)
-        if dest is None:
+        slot = table.get(name)
+        if slot is None:
+            extra += [] if _unused(name) else [name]
             continue
-        target, whole, idx = dest
-        _put(target, t, name, where)
+        _put(slot, t, name, where)
         filled.add(name)
-        if not isinstance(t, QuantParts):
-            continue
-        got = pieces.setdefault(whole, {})
-        got[idx] = (t, target)
-        parts = merge([got[i][0] for i in sorted(got)]) if len(got) == MERGED.get(whole[1], 1) else None
-        if parts is not None:
-            install_quant(*whole, pack(parts))
-            del pieces[whole]
-    for (_, attr), got in pieces.items():
-        log_once(f"{where}: {attr} mixes quantized types, or quantized and dense pieces; it runs dense")
-        for p, target in got.values():
-            with torch.no_grad():
-                target.copy_(p.dequantize())
-    _check_complete(model, filled, where)
-
-
-def _check_complete(model: LlamaForCausalLM, filled: set[str], where: str) -> None:
-    cfg = model.config
-    required = ["embed_tokens.weight", "norm.weight"] + (["lm_head.weight"] if model.lm_head is not None else [])
-    per_layer = [
-        "self_attn.q_proj.weight",
-        "self_attn.k_proj.weight",
-        "self_attn.v_proj.weight",
-        "self_attn.o_proj.weight",
-        "mlp.gate_proj.weight",
-        "mlp.up_proj.weight",
-        "mlp.down_proj.weight",
-        "input_layernorm.weight",
-        "post_attention_layernorm.weight",
-    ]
-    if cfg.attention_bias:
-        per_layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
-    required += [f"layers.{i}.{s}" for i in range(cfg.num_layers) for s in per_layer]
-    missing = [r for r in required if r not in filled]
+        if isinstance(t, QuantParts):
+            got = pieces.setdefault(id(slot.owner), {})
+            got[slot.index] = (t, slot)
+            if len(got) == slot.pieces:
+                _install(pieces.pop(id(slot.owner)), where)
+    if extra:
+        raise ModelLoadError(
+            f"{where}: {len(extra)} tensors this {model.config.family} model does not use, e.g. {extra[:3]}"
+        )
+    missing = [name for name in table if name not in filled]
     if missing:
         raise ModelLoadError(f"{where}: checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+    for got in pieces.values():
+        _install(got, where)
+    model.finish_load()
 
 
-def quantize_rtn_model(model: LlamaForCausalLM, bits: int) -> None:
+def _install(got: dict[int, tuple[QuantParts, Slot]], where: str) -> None:
+    """The quantized pieces of one weight: merged and kept as stored, or dequantized where they cannot be."""
+    owner = next(iter(got.values()))[1].owner
+    whole = len(got) == next(iter(got.values()))[1].pieces
+    parts = merge([got[i][0] for i in sorted(got)]) if whole else None
+    if parts is not None and isinstance(owner, (Linear, Embedding)):
+        owner.set_quantized(pack(parts))
+        return
+    log_once(f"{where}: a weight mixes quantized types, or quantized and dense pieces; it runs dense")
+    for p, slot in got.values():
+        with torch.no_grad():
+            slot.target.copy_(p.dequantize())
+
+
+def quantize_rtn_model(model: CausalLM, bits: int) -> None:
     """--quantization int8|int4 on dense weights: every linear weight rounded to `bits` in groups of 32 (the
     embedding / LM head table to 8 bits either way: it is read one row per token, and 4 bits cost accuracy)."""
-    for module, attr in model.linear_weights():
-        param = getattr(module, attr)
-        if param.shape[-1] % 32:
-            log_once(f"{attr}: input size {param.shape[-1]} is not a multiple of 32; it runs dense")
+    if model.embed.weight.shape[-1] % 32 == 0:
+        model.embed.set_quantized(pack(quantize_rtn(model.embed.weight, 8)))
+    for lin in model.linears():
+        if lin.tied or lin.quant is not None:
             continue
-        install_quant(module, attr, pack(quantize_rtn(param, 8 if attr in ("embed_tokens", "lm_head") else bits)))
+        if lin.weight.shape[-1] % 32:
+            log_once(f"input size {lin.weight.shape[-1]} is not a multiple of 32; it runs dense")
+            continue
+        lin.set_quantized(pack(quantize_rtn(lin.weight, 8 if lin is model.lm_head else bits)))
+    model.finish_load()

@@ -12,18 +12,16 @@ DEFAULT_INDEX = "rag-index"
 
 __all__ = ["RagPipeline", "build_messages", "bench_prompts", "DEFAULT_INDEX", "LAYOUTS"]
 
-LAYOUTS = ("naive", "canonical", "popular")
-
 
 def __getattr__(name):
     if name == "RagPipeline":
         from pagedllm.rag.pipeline import RagPipeline
 
         return RagPipeline
-    if name == "build_messages":
-        from pagedllm.rag.layout import build_messages
+    if name in ("build_messages", "LAYOUTS"):
+        from pagedllm.rag import layout
 
-        return build_messages
+        return getattr(layout, name)
     raise AttributeError(name)
 
 

@@ -10,21 +10,69 @@ same prompt got the same answer text in every setting.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
-import numpy as np
-
+from pagedllm.errors import UserError
+from pagedllm.rag import DEFAULT_INDEX
 from pagedllm.rag.generate import Answer, stream_engine, stream_openai
 from pagedllm.rag.layout import LAYOUTS, Popularity, build_messages
 from pagedllm.rag.pipeline import RagPipeline
 from pagedllm.rag.workload import zipf_questions
+from pagedllm.report import Column, Latency, format_table, percentile
+from pagedllm.settings import Field, settings
+
+if TYPE_CHECKING:  # the engine (torch) loads only when a setting runs in process
+    from pagedllm.engine import EngineConfig
+
+
+@settings
+class RagBenchConfig:
+    """`rag bench`'s settings; an in-process run's engine settings are EngineConfig's."""
+
+    index: str = DEFAULT_INDEX
+    """the index folder `pagedllm rag ingest` wrote (default: ./rag-index)"""
+    num_questions: int = Field(default=40, ge=1)
+    """questions in the workload, drawn by Zipf-skewed topic popularity (default: 40)"""
+    top_k: int = Field(default=4, ge=1)
+    """chunks retrieved per question (default: 4)"""
+    max_tokens: int = Field(default=32, ge=1)
+    """greedy output tokens per answer (default: 32)"""
+    zipf: float = Field(default=1.1, gt=0)
+    """Zipf exponent of topic popularity: higher, fewer topics asked more often (default: 1.1)"""
+    layouts: str = ",".join(LAYOUTS)
+    """comma-separated prompt layouts to compare: naive, canonical, popular (default: all three)"""
+    caching: Literal["both", "on", "off"] = "both"
+    """prefix caching in the in-process runs: both (each layout with it on, then off; the default), on or off
+    (wins over --enable-prefix-caching)"""
+    base_url: str | None = None
+    """measure an OpenAI-compatible server at this URL instead, with its own cache (default: in process)"""
+    server_model: str | None = None
+    """the model name sent to --base-url (default: the server's first)"""
+    out: str = "rag-bench"
+    """folder for rag_bench.json, .md and .png (default: ./rag-bench)"""
+    count_only: bool = False
+    """no model, no timing: count in seconds what the prefix cache would serve per layout (default: off)"""
+
+    def __post_init__(self) -> None:
+        unknown = [x for x in self.layout_list if x not in LAYOUTS]
+        if unknown or not self.layout_list:
+            raise UserError(f"--layouts: unknown layout {(unknown or [''])[0]!r} (choose from {', '.join(LAYOUTS)})")
+
+    @property
+    def layout_list(self) -> list[str]:
+        return [x.strip() for x in self.layouts.split(",") if x.strip()]
+
+    @property
+    def caching_list(self) -> list[bool]:
+        return {"both": [True, False], "on": [True], "off": [False]}[self.caching]
 
 
 @dataclass
@@ -37,20 +85,15 @@ class BenchRow:
     prompt_tokens: int
     computed_tokens: int
     cached_tokens: int
-    ttft_median_ms: float
-    ttft_p99_ms: float
+    ttft_median_ms: float | None  # None: nothing measured
+    ttft_p99_ms: float | None
     output_tokens: int
     output_tok_s: float  # output tokens / total generation time (requests one at a time)
-    retrieval_median_ms: float
-    retrieval_p99_ms: float
+    retrieval_median_ms: float | None
+    retrieval_p99_ms: float | None
     wall_s: float
-    tpot_median_ms: float = float("nan")  # per answer (E2E - TTFT) / (output tokens - 1), as bench serve's TPOT
+    tpot_median_ms: float | None = None  # per answer (E2E - TTFT) / (output tokens - 1), as bench serve's TPOT
     spec_acceptance: float | None = None  # draft tokens accepted / drafted (in-process, speculation on)
-
-
-def percentile(vals: list[float], q: float) -> float:
-    """numpy's (linear interpolation); NaN for no values."""
-    return float(np.percentile(vals, q)) if vals else float("nan")
 
 
 def make_row(
@@ -71,7 +114,7 @@ def make_row(
         for a in answers
         if a.output_tokens > 1 and a.e2e is not None and a.ttft is not None
     ]
-    rms = [r * 1000 for r in retrieval_s]
+    ttft, retrieval = Latency.of(ttfts), Latency.of([r * 1000 for r in retrieval_s])
     return BenchRow(
         setting=f"{layout}/cache-{caching}",
         layout=layout,
@@ -81,14 +124,14 @@ def make_row(
         prompt_tokens=prompt,
         computed_tokens=prompt - cached,
         cached_tokens=cached,
-        ttft_median_ms=statistics.median(ttfts) if ttfts else float("nan"),
-        ttft_p99_ms=percentile(ttfts, 99),
+        ttft_median_ms=ttft.median,
+        ttft_p99_ms=ttft.p99,
         output_tokens=out,
         output_tok_s=out / gen if gen else 0.0,
-        retrieval_median_ms=statistics.median(rms) if rms else float("nan"),
-        retrieval_p99_ms=percentile(rms, 99),
+        retrieval_median_ms=retrieval.median,
+        retrieval_p99_ms=retrieval.p99,
         wall_s=wall,
-        tpot_median_ms=statistics.median(tpots) if tpots else float("nan"),
+        tpot_median_ms=Latency.of(tpots).median,
         spec_acceptance=spec_acceptance,
     )
 
@@ -175,25 +218,16 @@ def count_cached_tokens(prompts: list[list[int]], block_size: int = 16) -> list[
 
 
 def count_layouts(
-    index_dir: str,
-    num_questions: int = 40,
-    seed: int = 0,
-    top_k: int = 4,
-    layouts: list[str] | None = None,
-    zipf_s: float = 1.1,
-    block_size: int = 16,
-    model: str | None = None,
-    log: Callable[[str], None] = print,
+    cfg: RagBenchConfig, seed: int = 0, block_size: int = 16, model: str | None = None, log: Callable = print
 ) -> list[dict]:
     """`rag bench --count-only`: per layout, the share of prompt tokens the prefix cache would serve and the median
     tokens left to compute per question (what TTFT follows), without running the model."""
     from pagedllm.rag.tokens import get_tokenizer
 
-    layouts = layouts or list(LAYOUTS)
-    w = build_workload(index_dir, num_questions, seed, top_k, layouts, zipf_s, log)
+    w = build_workload(cfg.index, cfg.num_questions, seed, cfg.top_k, cfg.layout_list, cfg.zipf, log)
     tok = get_tokenizer(model)
     rows = []
-    for layout in layouts:
+    for layout in cfg.layout_list:
         prompts = [tok.apply_chat_template(m) for m in w.messages[layout]]
         cached = count_cached_tokens(prompts, block_size)
         total = sum(len(p) for p in prompts)
@@ -209,49 +243,53 @@ def count_layouts(
     return rows
 
 
-def _answer_by_server(
-    base_url: str,
-    model: str | None,
-    questions: list[str],
-    messages: list,
-    max_tokens: int,
-    setting: str,
-    tok,
-    records: list[dict],
-) -> tuple[list[Answer], float]:
+COUNT_COLUMNS = [
+    Column("layout", "layout", align="<"),
+    Column("hit_rate", "hit rate", "{:.1%}"),
+    Column("prompt_tokens", "prompt tokens"),
+    Column("cached_tokens", "from cache"),
+    Column("computed_median", "median computed", "{:.1f}"),
+]
+
+
+@dataclass
+class _Run:
+    """One `rag bench` run: its settings, the workload every setting answers, and the answers recorded so far."""
+
+    cfg: RagBenchConfig
+    engine: EngineConfig | None
+    w: Workload
+    seed: int
+    tok: Any = None  # the server runs' tokenizer, for the answer check's prompt ids
+    records: list[dict] = field(default_factory=list)
+
+
+def _answer_by_server(run: _Run, layout: str, setting: str) -> tuple[list[Answer], float]:
     """Every question through an OpenAI-compatible server, one at a time; the answers and the seconds taken."""
     answers: list[Answer] = []
     t0 = time.perf_counter()
-    for q, m in zip(questions, messages):
+    for q, m in zip(run.w.questions, run.w.messages[layout]):
         a = Answer()
-        for _ in stream_openai(base_url, m, a, model=model, max_tokens=max_tokens):
+        for _ in stream_openai(str(run.cfg.base_url), m, a, model=run.cfg.server_model, max_tokens=run.cfg.max_tokens):
             pass
         answers.append(a)
-        records.append(
-            {"setting": setting, "question": q, "answer": a.text, "prompt_token_ids": tok.apply_chat_template(m)}
+        run.records.append(
+            {"setting": setting, "question": q, "answer": a.text, "prompt_token_ids": run.tok.apply_chat_template(m)}
         )
     return answers, time.perf_counter() - t0
 
 
 def _answer_in_process(
-    engine_kwargs: dict | None,
-    cache_on: bool,
-    layout: str,
-    questions: list[str],
-    messages: list,
-    max_tokens: int,
-    setting: str,
-    records: list[dict],
+    run: _Run, layout: str, cache_on: bool, setting: str
 ) -> tuple[list[Answer], float, float | None]:
     """Every question through a fresh in-process engine (after a warm-up the clock does not see); the answers,
     the seconds taken, and the share of draft tokens accepted (None: nothing was drafted)."""
     from pagedllm import SamplingParams
     from pagedllm.engine import EngineConfig, LLMEngine
 
-    engine = LLMEngine(
-        EngineConfig(**{**(engine_kwargs or {}), "enable_prefix_caching": cache_on, "log_stats_interval": 0})
-    )
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    base = run.engine or EngineConfig()
+    engine = LLMEngine(dataclasses.replace(base, enable_prefix_caching=cache_on, log_stats_interval=0))
+    params = SamplingParams(temperature=0.0, max_tokens=run.cfg.max_tokens)
     for _ in stream_engine(
         engine, engine.tokenizer.encode("Hello, warm-up."), SamplingParams(temperature=0.0, max_tokens=2), Answer()
     ):
@@ -259,13 +297,13 @@ def _answer_in_process(
     answers: list[Answer] = []
     before = engine.stats()
     t0 = time.perf_counter()
-    for i, (q, m) in enumerate(zip(questions, messages)):
+    for i, (q, m) in enumerate(zip(run.w.questions, run.w.messages[layout])):
         ids = engine.tokenizer.apply_chat_template(m)
         a = Answer()
         for _ in stream_engine(engine, ids, params, a, request_id=f"{layout}-{i}"):
             pass
         answers.append(a)
-        records.append({"setting": setting, "question": q, "answer": a.text, "prompt_token_ids": ids})
+        run.records.append({"setting": setting, "question": q, "answer": a.text, "prompt_token_ids": ids})
     elapsed = time.perf_counter() - t0
     after = engine.stats()
     drafted = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
@@ -275,125 +313,110 @@ def _answer_in_process(
     return answers, elapsed, accepted / drafted if drafted else None
 
 
-def _answer_setting(
-    w: Any,
-    layout: str,
-    cache_on: bool | None,
-    label: str,
-    base_url: str | None,
-    server_model: str | None,
-    engine_kwargs: dict | None,
-    max_tokens: int,
-    tok: Any,
-    records: list[dict],
-) -> tuple[list[Answer], float, float | None]:
-    """Every question in one layout, by the server at `base_url` or in process with caching `cache_on`."""
+def _answer_setting(run: _Run, layout: str, cache_on: bool | None) -> BenchRow:
+    """Every question in one layout, by the server at --base-url (cache_on None) or in process with caching
+    `cache_on`, as a row."""
+    label = "server" if cache_on is None else ("on" if cache_on else "off")
     setting = f"{layout}/cache-{label}"
-    if base_url:
-        answers, elapsed = _answer_by_server(
-            base_url, server_model, w.questions, w.messages[layout], max_tokens, setting, tok, records
-        )
-        return answers, elapsed, None
-    return _answer_in_process(
-        engine_kwargs, bool(cache_on), layout, w.questions, w.messages[layout], max_tokens, setting, records
-    )
+    acceptance = None
+    if cache_on is None:
+        answers, elapsed = _answer_by_server(run, layout, setting)
+    else:
+        answers, elapsed, acceptance = _answer_in_process(run, layout, cache_on, setting)
+    return make_row(layout, label, answers, elapsed, run.w.retrieval_s, acceptance)
 
 
-def _result(config: dict, retrieval_s: list[float], top3: Any, rows: list[BenchRow], records: list[dict]) -> dict:
+def _json_ready(config: Any) -> dict[str, Any]:
+    """Settings as the result records them: a speculative config as its dict."""
+    return json.loads(json.dumps(asdict(config), default=str)) if config is not None else {}
+
+
+def _result(run: _Run, rows: list[BenchRow]) -> dict:
     """What run_bench returns (and rag bench saves): settings, retrieval, rows, the answer check, the records."""
+    cfg, retrieval_s = run.cfg, run.w.retrieval_s
+    config = {
+        "index": str(cfg.index),
+        "num_questions": cfg.num_questions,
+        "seed": run.seed,
+        "top_k": cfg.top_k,
+        "max_tokens": cfg.max_tokens,
+        "zipf_s": cfg.zipf,
+        "layouts": cfg.layout_list,
+        "base_url": cfg.base_url,
+        "engine": _json_ready(run.engine),
+    }
     return {
         "config": config,
         "retrieval": {
             "median_ms": statistics.median(retrieval_s) * 1000,
             "p99_ms": percentile([r * 1000 for r in retrieval_s], 99),
-            "topic_in_top3": top3,
+            "topic_in_top3": run.w.top3,
         },
         "rows": [asdict(r) for r in rows],
-        "answer_check": check_answers(records),
+        "answer_check": check_answers(run.records),
         "records": [
             {k: v for k, v in r.items() if k != "prompt_token_ids"} | {"prompt_tokens": len(r["prompt_token_ids"])}
-            for r in records
+            for r in run.records
         ],
     }
 
 
 def _row_line(row: BenchRow) -> str:
+    def ms(v: float | None, width: int) -> str:
+        return f"{'-':>{width}}" if v is None else f"{v:{width}.1f}"
+
     return (
         f"{row.setting:22s} hit rate {row.hit_rate:6.1%}  computed {row.computed_tokens:7d}  cached "
-        f"{row.cached_tokens:7d}  TTFT median {row.ttft_median_ms:8.1f} ms  p99 {row.ttft_p99_ms:8.1f} ms  "
-        f"{row.output_tok_s:6.1f} out tok/s  TPOT median {row.tpot_median_ms:6.1f} ms"
+        f"{row.cached_tokens:7d}  TTFT median {ms(row.ttft_median_ms, 8)} ms  p99 {ms(row.ttft_p99_ms, 8)} ms  "
+        f"{row.output_tok_s:6.1f} out tok/s  TPOT median {ms(row.tpot_median_ms, 6)} ms"
         + (f"  drafts accepted {row.spec_acceptance:.0%}" if row.spec_acceptance is not None else "")
     )
 
 
 def run_bench(
-    index_dir: str,
-    num_questions: int = 40,
-    seed: int = 0,
-    top_k: int = 4,
-    layouts: list[str] | None = None,
-    caching: list[bool] | None = None,
-    max_tokens: int = 32,
-    engine_kwargs: dict | None = None,
-    base_url: str | None = None,
-    server_model: str | None = None,
+    cfg: RagBenchConfig,
+    engine: EngineConfig | None = None,
     log: Callable[[str], None] = print,
-    zipf_s: float = 1.1,
     partial_path: str | Path | None = None,
 ) -> dict:
-    layouts = layouts or list(LAYOUTS)
-    caching = [True, False] if caching is None else caching
-    w = build_workload(index_dir, num_questions, seed, top_k, layouts, zipf_s, log)
-    retrieval_s, top3 = w.retrieval_s, w.top3
-
-    rows: list[BenchRow] = []
-    records: list[dict] = []
-    tok = None
-    if base_url:
+    """Every layout (in process: with each caching setting of cfg.caching) over one workload; `engine` is the
+    in-process engine's settings (None: the defaults), and its seed also seeds the questions."""
+    seed = engine.seed if engine is not None else 0
+    w = build_workload(cfg.index, cfg.num_questions, seed, cfg.top_k, cfg.layout_list, cfg.zipf, log)
+    run = _Run(cfg, engine, w, seed)
+    if cfg.base_url:
         from pagedllm.rag.tokens import get_tokenizer
 
-        tok = get_tokenizer(None)
-        settings: list[tuple[str, bool | None]] = [(layout, None) for layout in layouts]
+        run.tok = get_tokenizer(None)
+        settings: list[tuple[str, bool | None]] = [(layout, None) for layout in cfg.layout_list]
     else:
-        settings = [(layout, c) for c in caching for layout in layouts]
+        settings = [(layout, c) for c in cfg.caching_list for layout in cfg.layout_list]
+    rows: list[BenchRow] = []
     for layout, cache_on in settings:
-        label = "server" if cache_on is None else ("on" if cache_on else "off")
-        answers, elapsed, acceptance = _answer_setting(
-            w, layout, cache_on, label, base_url, server_model, engine_kwargs, max_tokens, tok, records
-        )
-        rows.append(make_row(layout, label, answers, elapsed, retrieval_s, acceptance))
+        rows.append(_answer_setting(run, layout, cache_on))
         if partial_path:  # a long run on a busy machine keeps what it measured so far
             Path(partial_path).write_text(json.dumps([asdict(r) for r in rows], indent=1))
         log(_row_line(rows[-1]))
-    config = {
-        "index": str(index_dir),
-        "num_questions": num_questions,
-        "seed": seed,
-        "top_k": top_k,
-        "max_tokens": max_tokens,
-        "zipf_s": zipf_s,
-        "layouts": layouts,
-        "base_url": base_url,
-        "engine": engine_kwargs or {},
-    }
-    return _result(config, retrieval_s, top3, rows, records)
+    return _result(run, rows)
+
+
+TABLE_COLUMNS = [
+    Column("layout", "layout"),
+    Column("prefix_caching", "prefix caching"),
+    Column("hit_rate", "hit rate", "{:.1%}"),
+    Column("computed_tokens", "prompt tokens computed"),
+    Column("cached_tokens", "served from cache"),
+    Column("ttft_median_ms", "TTFT median (ms)", "{:.1f}"),
+    Column("ttft_p99_ms", "TTFT p99 (ms)", "{:.1f}"),
+    Column("output_tok_s", "output tok/s", "{:.1f}"),
+    Column("tpot_median_ms", "TPOT median (ms)", "{:.1f}"),
+    Column("spec_acceptance", "drafts accepted", "{:.0%}"),
+    Column("retrieval_median_ms", "retrieval median (ms)", "{:.1f}"),
+]
 
 
 def markdown_table(rows: list[dict]) -> str:
-    head = (
-        "| layout | prefix caching | hit rate | prompt tokens computed | served from cache | TTFT median (ms) "
-        "| TTFT p99 (ms) | output tok/s | TPOT median (ms) | drafts accepted | retrieval median (ms) |"
-    )
-    lines = [head, "|" + "---|" * 11]
-    for r in rows:
-        accepted = "-" if r.get("spec_acceptance") is None else f"{r['spec_acceptance']:.0%}"
-        lines.append(
-            f"| {r['layout']} | {r['prefix_caching']} | {r['hit_rate']:.1%} | {r['computed_tokens']} | "
-            f"{r['cached_tokens']} | {r['ttft_median_ms']:.1f} | {r['ttft_p99_ms']:.1f} | "
-            f"{r['output_tok_s']:.1f} | {r.get('tpot_median_ms', float('nan')):.1f} | {accepted} | "
-            f"{r['retrieval_median_ms']:.1f} |"
-        )
-    return "\n".join(lines)
+    return format_table(rows, TABLE_COLUMNS, markdown=True)
 
 
 def plot(result: dict, path: str | Path) -> None:
@@ -411,7 +434,7 @@ def plot(result: dict, path: str | Path) -> None:
         (axes[1], "ttft_median_ms", "TTFT median (ms)"),
         (axes[2], "ttft_p99_ms", "TTFT p99 (ms)"),
     ):
-        ax.bar(range(len(rows)), [r[key] for r in rows], color=colors)
+        ax.bar(range(len(rows)), [float("nan") if r[key] is None else r[key] for r in rows], color=colors)
         ax.set_xticks(range(len(rows)), names, rotation=30, ha="right", fontsize=8)
         ax.set_title(label)
     c = result["config"]

@@ -19,14 +19,23 @@ from __future__ import annotations
 import json
 import os
 import threading
+import typing
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Literal
 
 from pagedllm.errors import UserError
 from pagedllm.rag.index import Hit
 
-LAYOUTS = ("naive", "canonical", "popular")
+Layout = Literal["naive", "canonical", "popular"]
+LAYOUTS: tuple[str, ...] = typing.get_args(Layout)
+LAYOUT_HELP = (
+    "the prompt's layout: naive (the question, then the chunks by score: prompts share only the system prompt), "
+    "canonical (the chunks by id, then the question last: questions that retrieve the same chunks share all but "
+    "the question in the prefix cache) or popular (the most retrieved chunks first: overlapping retrievals share "
+    "longer prefixes)"
+)
 
 SYSTEM_PROMPT = (
     "You are a helpful assistant that answers questions about the Python programming language. "

@@ -36,12 +36,14 @@ typedef struct {
     int qkv_fmt, o_fmt, gate_up_fmt, down_fmt;
     const float *qkv_bias; /* [(heads + 2 kv_heads) * head_dim] or NULL */
     void *k_cache, *v_cache;
+    int64_t window;       /* > 0: the layer's sliding window (tokens a query sees, itself included) */
+    float scale, softcap; /* softmax scale; softcap > 0: scores capped as softcap * tanh(score / softcap) */
 } StepLayer;
 
 typedef struct {
     int hidden, inter, heads, kv_heads, head_dim, layers, vocab, block_size, cache_kind, amx_min_rows;
     int64_t num_blocks, max_positions;
-    float eps, scale;
+    float eps;
     const float *final_norm;
     const uint8_t *embed, *lm_head;
     int embed_fmt, lm_head_fmt;
@@ -330,7 +332,7 @@ static void rope_and_store(const StepModel *m, const StepLayer *L, const StepBat
 }
 
 /* Item i of `split` per tile (KV heads or query heads): those query heads of the tile's tokens over the
- * sequence's cache, each token up to its own position. */
+ * sequence's cache, each token up to its own position (and back no further than the layer's window). */
 static void attention(const StepModel *m, const StepLayer *L, const StepBatch *b, const Buffers *buf,
                       const Scratch *sc, int i, int split) {
     const int H = m->heads, KVH = m->kv_heads, D = m->head_dim, width = (H + 2 * KVH) * D;
@@ -338,7 +340,7 @@ static void attention(const StepModel *m, const StepLayer *L, const StepBatch *b
     const int end = tile + 1 < buf->n_tiles ? buf->tiles[tile + 1] : b->T;
     Args a = {buf->attn + (int64_t)t * H * D, buf->qkv + (int64_t)t * width, L->k_cache, L->v_cache,
               b->block_tables + b->seq[t] * b->max_blocks, buf->ctx + t, H, KVH, D, m->block_size, b->max_blocks,
-              m->cache_kind, m->scale, 0, end - t, width, H * D};
+              m->cache_kind, L->scale, 0, end - t, width, H * D, L->window, L->softcap};
     paged_attention_heads(&a, 0, h0, h0 + H / split, sc->scores, sc->block);
     for (int u = t; m->cache_kind >= KV_INT8 && u < end; u++)
         for (int h = h0; h < h0 + H / split; h++) kv_rotate(buf->attn + ((int64_t)u * H + h) * D, D);

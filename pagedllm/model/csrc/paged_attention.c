@@ -207,27 +207,31 @@ static void block_values_scalar(float *o, const float *p, const float *v, int n,
 
 /* Probabilities below e^-60 of the largest are set to 0: next to it they are far below float32's resolution,
  * and left in they become subnormal numbers (after exp, or after the division by the sum), whose every
- * multiply takes a slow microcode path: 30x slower attention on real prompts. Row h is scores + h * stride. */
-static void softmax_rows(float *scores, int h0, int h1, int64_t ctx, int64_t stride) {
+ * multiply takes a slow microcode path: 30x slower attention on real prompts. Row h is scores + h * stride,
+ * its entries [lo, ctx) the scores of the positions in the window; with a soft-cap they are capped first. */
+static void softmax_rows(float *scores, int h0, int h1, int64_t lo, int64_t ctx, int64_t stride, float softcap) {
     for (int h = h0; h < h1; h++) {
         float *sc = scores + h * stride;
-        float m = sc[0];
-        for (int64_t t = 1; t < ctx; t++) m = sc[t] > m ? sc[t] : m;
+        for (int64_t t = lo; softcap > 0.0f && t < ctx; t++) sc[t] = softcap * tanhf(sc[t] / softcap);
+        float m = sc[lo];
+        for (int64_t t = lo + 1; t < ctx; t++) m = sc[t] > m ? sc[t] : m;
         float sum = 0.0f;
-        for (int64_t t = 0; t < ctx; t++) {
+        for (int64_t t = lo; t < ctx; t++) {
             const float e = sc[t] - m;
             sc[t] = e < -60.0f ? 0.0f : expf(e);
             sum += sc[t];
         }
         const float inv = 1.0f / sum;
-        for (int64_t t = 0; t < ctx; t++) sc[t] *= inv;
+        for (int64_t t = lo; t < ctx; t++) sc[t] *= inv;
     }
 }
 
 /* Query heads h0..h1-1 of nq consecutive tokens of sequence s (context lengths ctx, ctx + 1, ...: one decode
  * token, or a tile of a prefill chunk): scores block by block, softmax, then values block by block, each block
  * read (and widened from bfloat16) once for all the tile's queries. A token's keys (or values) for all KV heads
- * are one row of W = KVH * D, and a block is block_size rows back to back. */
+ * are one row of W = KVH * D, and a block is block_size rows back to back. With a window, query i reads only
+ * positions [window_start(ctx + i), ctx + i): the blocks before the first query's window are never touched
+ * (the pool may have handed them to another request). */
 static inline __attribute__((always_inline)) void one_seq_impl(const Args *a, int s, int h0, int h1, float *scores,
                                                                float *buf, const int D) {
     const int H = a->H, KVH = a->KVH, G = H / KVH, bs = a->block_size, kind = a->cache_kind, nq = a->nq;
@@ -236,25 +240,26 @@ static inline __attribute__((always_inline)) void one_seq_impl(const Args *a, in
     const int64_t *table = a->block_tables + (int64_t)s * a->max_blocks;
     const float *q = a->q + (int64_t)s * H * D; /* head h uses KV head h / G */
     float *out = a->out + (int64_t)s * H * D;
-    const int64_t nblocks = (last + bs - 1) / bs;
+    const int64_t nblocks = (last + bs - 1) / bs, b0 = window_start(a, ctx) / bs;
 
     for (int pass = 0; pass < 2; pass++) {
         const void *cache = pass == 0 ? a->k_cache : a->v_cache;
         for (int i = 0; pass == 1 && i < nq; i++) {
-            softmax_rows(scores + (int64_t)i * H * last, h0, h1, ctx + i, last);
+            softmax_rows(scores + (int64_t)i * H * last, h0, h1, window_start(a, ctx + i), ctx + i, last, a->softcap);
             memset(out + (int64_t)i * a->out_stride + h0 * D, 0, (size_t)(h1 - h0) * D * sizeof(float));
         }
-        for (int64_t b = 0; b < nblocks; b++) {
+        for (int64_t b = b0; b < nblocks; b++) {
             const int64_t first = b * bs;
             if (b + 1 < nblocks) prefetch(cache, table[b + 1], bs, bs, KVH, D, c0, c1, kind);
             const float *rows = load_block(buf, cache, table[b], (int)(last - first < bs ? last - first : bs), bs,
                                            KVH, D, c0, c1, kind);
             for (int i = 0; i < nq; i++) {
-                const int n = (int)(ctx + i - first < bs ? ctx + i - first : bs);
+                const int64_t lo = window_start(a, ctx + i) > first ? window_start(a, ctx + i) : first;
+                const int n = (int)(ctx + i - lo < first + bs - lo ? ctx + i - lo : first + bs - lo);
                 const float *qi = q + (int64_t)i * a->q_stride;
-                float *oi = out + (int64_t)i * a->out_stride, *si = scores + (int64_t)i * H * last + first;
+                float *oi = out + (int64_t)i * a->out_stride, *si = scores + (int64_t)i * H * last + lo;
                 for (int h = h0; h < h1 && n > 0; h++) {
-                    const float *r = rows + (h / G) * D;
+                    const float *r = rows + (lo - first) * W + (h / G) * D;
                     float *sc = si + h * last;
                     if (D % 8 != 0 && pass == 0)
                         block_scores_scalar(sc, qi + h * D, r, n, W, D, a->scale);
@@ -319,7 +324,7 @@ int paged_attention_check(const Args *a, int S, int64_t num_blocks, int64_t *max
         int64_t c = a->context_lens[s];
         if (c < 1 || c > (int64_t)a->max_blocks * a->block_size) return -3;
         if (c > *max_ctx) *max_ctx = c;
-        for (int64_t b = 0; b < (c + a->block_size - 1) / a->block_size; b++) {
+        for (int64_t b = window_start(a, c) / a->block_size; b < (c + a->block_size - 1) / a->block_size; b++) {
             int64_t id = a->block_tables[(int64_t)s * a->max_blocks + b];
             if (id < 0 || id >= num_blocks) return -4;
         }
@@ -332,14 +337,14 @@ int paged_attention_check(const Args *a, int S, int64_t num_blocks, int64_t *max
 int paged_decode_attention(float *out, const float *q, const void *k_cache, const void *v_cache,
                            const int64_t *block_tables, const int64_t *context_lens, int S, int H, int KVH,
                            int D, int block_size, int max_blocks, int64_t num_blocks, float scale, int cache_kind,
-                           int num_threads) {
+                           int64_t window, float softcap, int num_threads) {
     if (S <= 0 || H <= 0 || KVH <= 0 || H % KVH != 0 || D <= 0 || block_size <= 0 || cache_kind < KV_F32 ||
         cache_kind > KV_FP8_E5M2)
         return -2;
     if (num_threads < 1) num_threads = 1;
     if (num_threads > S) num_threads = S; /* one sequence per thread at least: waking idle threads costs more */
     Args a = {out, q, k_cache, v_cache, block_tables, context_lens, H, KVH, D, block_size, max_blocks,
-              cache_kind, scale, 0, 1, H * D, H * D};
+              cache_kind, scale, 0, 1, H * D, H * D, window, softcap};
     /* A bad context length or block id would read outside the cache: refuse the call instead. */
     const int bad = paged_attention_check(&a, S, num_blocks, &a.max_ctx);
     if (bad) return bad;

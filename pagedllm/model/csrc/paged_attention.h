@@ -1,4 +1,4 @@
-/* Shared by the decode-attention kernel (paged_attention.c) and the fused decode step (decode_step.c). */
+/* Shared by the decode-attention kernel (paged_attention.c) and the fused decode step (model_step.c). */
 #ifndef PAGEDLLM_PAGED_ATTENTION_H
 #define PAGEDLLM_PAGED_ATTENTION_H
 #include <stdint.h>
@@ -20,7 +20,14 @@ typedef struct {
     float scale;
     int64_t max_ctx;
     int nq, q_stride, out_stride; /* queries per sequence (consecutive tokens), floats between their rows */
+    int64_t window;               /* > 0: a query sees only its last `window` positions, itself included */
+    float softcap;                /* > 0: scores become softcap * tanh(score / softcap) before the softmax */
 } Args;
+
+/* The first position a query whose context is ctx tokens attends to (0 without a window). */
+static inline int64_t window_start(const Args *a, int64_t ctx) {
+    return a->window > 0 && ctx > a->window ? ctx - a->window : 0;
+}
 
 /* Sequence s, query heads h0..h1-1 of its nq queries; scores: nq * H * (context + nq - 1) floats, buf:
  * block_size * KVH * D floats. */
@@ -29,6 +36,7 @@ void paged_attention_heads(const Args *a, int s, int h0, int h1, float *scores, 
  * largest power of two dividing D: its own inverse. A quantized cache stores keys and values rotated, so the
  * caller rotates the queries before attention and the outputs after it. */
 void kv_rotate(float *x, int D);
-/* 0, or -3 for a context length outside the block table, -4 for a block id outside the cache. */
+/* 0, or -3 for a context length outside the block table, -4 for a block id outside the cache (only the blocks
+ * inside the window are read, so only those are checked). */
 int paged_attention_check(const Args *a, int S, int64_t num_blocks, int64_t *max_ctx);
 #endif

@@ -1,4 +1,4 @@
-/* Shared by the quantized matmul (quant_matmul.c) and the fused decode step (decode_step.c). */
+/* Shared by the quantized matmul (quant_matmul.c) and the fused decode step (model_step.c). */
 #ifndef PAGEDLLM_QUANT_MATMUL_H
 #define PAGEDLLM_QUANT_MATMUL_H
 #include <stdint.h>

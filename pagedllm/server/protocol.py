@@ -10,11 +10,13 @@ OpenAI's and vLLM's servers do. The response models are what the server sends, a
 from __future__ import annotations
 
 import math
+import re
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
-from pagedllm.entrypoints.openai.tool_calls import ToolMode, tool_mode, tool_schema
+from pagedllm.engine.stats import EngineStats
 from pagedllm.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError, StructuredOutputsParams
 
 TokenId = Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]  # StrictInt: `true` is not token 1
@@ -38,6 +40,88 @@ def _lone_surrogate(value: Any) -> bool:
         elif isinstance(item, list):
             todo.extend(item)
     return False
+
+
+# ------------------------------------------------------------------------------------------------ tools
+NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
+EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+
+
+@dataclass(frozen=True)
+class ToolMode:
+    """How the answer is made into tool calls: "named" (`name`), "required" or "auto" (tool_parsers/)."""
+
+    kind: Literal["named", "required", "auto"]
+    name: str | None = None
+
+
+def check_tools(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Function name -> its parameters schema; ValueError ("tools: ...") for a tool OpenAI would refuse."""
+    found: dict[str, dict[str, Any]] = {}
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise ValueError(f'tools: tools[{i}] must be {{"type": "function", "function": {{...}}}}')
+        name = fn.get("name")
+        if not isinstance(name, str) or not NAME.match(name):
+            raise ValueError(f"tools: tools[{i}].function.name must be 1-64 letters, digits, _ or -, got {name!r}")
+        if name in found:
+            raise ValueError(f"tools: function {name!r} is defined twice")
+        params = fn.get("parameters", EMPTY_PARAMETERS)
+        if not isinstance(params, dict):
+            raise ValueError(f"tools: tools[{i}].function.parameters must be a JSON schema object")
+        found[name] = params
+    return found
+
+
+def tool_mode(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None) -> ToolMode | None:
+    """The constrained mode a request asks for, or None (no tools, or tool_choice "none"); ValueError naming the
+    field for what cannot be served. "auto" (also tool_choice left out with tools) needs a template that renders
+    tools: the caller checks that (`tool_parsers.auto_tools_supported`)."""
+    if isinstance(tool_choice, dict):
+        fn = tool_choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if tool_choice.get("type") != "function" or not isinstance(name, str):
+            raise ValueError('tool_choice: a named choice is {"type": "function", "function": {"name": ...}}')
+        if name not in check_tools(tools or []):
+            raise ValueError(f"tool_choice: function {name!r} is not one of the request's tools")
+        return ToolMode("named", name)
+    if tool_choice not in (None, "none", "auto", "required"):
+        raise ValueError(f'tool_choice: must be "none", "auto", "required" or a named function, got {tool_choice!r}')
+    if not tools or tool_choice == "none":
+        if tool_choice == "required":
+            raise ValueError('tool_choice: "required" needs tools')
+        return None
+    check_tools(tools)
+    return ToolMode("required" if tool_choice == "required" else "auto")
+
+
+def tool_schema(tools: list[dict[str, Any]], mode: ToolMode, parallel: bool = True) -> dict[str, Any]:
+    """The JSON schema the output is held to; `parallel` False (OpenAI's parallel_tool_calls) allows one call.
+    For "required" each tool's parameters sit inside the array's schema, so their `$defs` (where pydantic puts
+    nested models) move to its root, where their `#/$defs/...` references point (vLLM's way)."""
+    params = check_tools(tools)
+    if mode.name:
+        return params[mode.name]
+    defs: dict[str, Any] = {}
+    items = []
+    for n, p in params.items():
+        own = p.get("$defs")
+        if isinstance(own, dict):
+            for key, value in own.items():
+                if defs.setdefault(key, value) != value:
+                    raise ValueError(f"tools: $defs {key!r} differs between two tools' parameters")
+            p = {k: v for k, v in p.items() if k != "$defs"}
+        items.append(
+            {
+                "type": "object",
+                "properties": {"name": {"type": "string", "enum": [n]}, "parameters": p},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+        )
+    schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}, **({} if parallel else {"maxItems": 1})}
+    return {**schema, "$defs": defs} if defs else schema
 
 
 class OpenAIModel(BaseModel):
@@ -188,6 +272,13 @@ class SamplingRequest(RequestModel):
             )
         return found[0] if found else None
 
+    @property
+    def constraint_field(self) -> str | None:
+        """The request field the constraint came from: an error met while decoding under it names that field,
+        as one met while compiling it does."""
+        found = self.constraint()
+        return found[0] if found else None
+
     def sampling_kwargs(self) -> dict[str, Any]:
         """The fields that map one to one onto SamplingParams; None means the engine's default."""
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
@@ -320,6 +411,14 @@ class ChatCompletionRequest(SamplingRequest):
         return tool_mode(self.tools, self.tool_choice)
 
     @property
+    def constraint_field(self) -> str | None:
+        """ "tools" when the tools' schema is the constraint (tool_choice "required" or a named function)."""
+        mode = self.tool_mode
+        if mode is not None and mode.kind != "auto":
+            return "tools"
+        return super().constraint_field
+
+    @property
     def top_k_logprobs(self) -> int | None:
         """Logprobs per generated token: None when not asked for, else how many alternatives."""
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -357,46 +456,64 @@ class DetokenizeRequest(RequestModel):
 
 
 # ------------------------------------------------------------------------------------------------ responses
-class ErrorInfo(BaseModel):
+class ResponseModel(BaseModel):
+    """A body the server sends. Every answer is built from these, so /openapi.json is what goes out; a field
+    they do not declare is a bug, refused when the answer is built."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    def body(self) -> dict[str, Any]:
+        """The JSON-ready body: the fields given (an optional field left out stays out, as OpenAI's)."""
+        return self.model_dump(mode="json", exclude_unset=True)
+
+
+class ErrorInfo(ResponseModel):
     message: str
     type: str
     param: str | None
     code: int
 
 
-class ErrorResponse(BaseModel):
+class ErrorResponse(ResponseModel):
     error: ErrorInfo
 
 
-class Usage(BaseModel):
+class PromptTokensDetails(ResponseModel):
+    cached_tokens: int
+
+
+class Usage(ResponseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    prompt_tokens_details: dict[str, int] | None = None
+    prompt_tokens_details: PromptTokensDetails | None = Field(None, description="not on a stream's running usage")
 
 
-class CompletionLogprobs(BaseModel):
+class CompletionLogprobs(ResponseModel):
     text_offset: list[int]
     token_logprobs: list[float | None]
     tokens: list[str]
     top_logprobs: list[dict[str, float] | None]
 
 
-class PromptLogprob(BaseModel):
+class PromptLogprob(ResponseModel):
     logprob: float
     decoded_token: str
 
 
-class CompletionChoice(BaseModel):
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
+class CompletionChoice(ResponseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
     stop_reason: int | str | None
-    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None
+    prompt_logprobs: PromptLogprobs | None
 
 
-class CompletionResponse(BaseModel):
+class CompletionResponse(ResponseModel):
     id: str
     object: Literal["text_completion"]
     created: int
@@ -406,22 +523,69 @@ class CompletionResponse(BaseModel):
     system_fingerprint: str | None
 
 
-class ChatLogprob(BaseModel):
+class CompletionStreamChoice(ResponseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+    prompt_logprobs: PromptLogprobs | None = Field(None, description="on a choice's first chunk, when asked for")
+
+
+class CompletionStreamResponse(ResponseModel):
+    """One server-sent event of a streamed completion."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionStreamChoice]
+    usage: Usage | None = Field(None, description="with stream_options.include_usage: null but on the last chunk")
+
+
+class TopLogprob(ResponseModel):
     token: str
     logprob: float
     bytes: list[int]
-    top_logprobs: list[dict[str, Any]]
 
 
-class ChatChoice(BaseModel):
+class ChatLogprob(ResponseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatChoiceLogprobs(ResponseModel):
+    content: list[ChatLogprob]
+
+
+class FunctionCall(ResponseModel):
+    name: str
+    arguments: str = Field(description="the arguments as the model wrote them (JSON text; check it)")
+
+
+class ToolCall(ResponseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class ChatCompletionMessage(ResponseModel):
+    role: Literal["assistant"]
+    content: str | None
+    tool_calls: list[ToolCall]
+
+
+class ChatChoice(ResponseModel):
     index: int
-    message: dict[str, Any]
-    logprobs: dict[str, list[ChatLogprob]] | None
+    message: ChatCompletionMessage
+    logprobs: ChatChoiceLogprobs | None
     finish_reason: str | None
     stop_reason: int | str | None
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(ResponseModel):
     id: str
     object: Literal["chat.completion"]
     created: int
@@ -429,25 +593,86 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     system_fingerprint: str | None
-    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None
+    prompt_logprobs: PromptLogprobs | None
 
 
-class TokenizeResponse(BaseModel):
+class DeltaFunctionCall(ResponseModel):
+    name: str | None = Field(None, description="on a call's first delta")
+    arguments: str
+
+
+class DeltaToolCall(ResponseModel):
+    """A call's first delta has its id, type and name (arguments ""); later ones pieces of its arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
+class DeltaMessage(ResponseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
+
+
+class ChatStreamChoice(ResponseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatChoiceLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None = Field(None, description="not on the role's chunk")
+
+
+class ChatCompletionStreamResponse(ResponseModel):
+    """One server-sent event of a streamed chat completion."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Usage | None = Field(None, description="with stream_options.include_usage: null but on the last chunk")
+
+
+class RagChunk(ResponseModel):
+    chunk_id: str
+    source: str
+    position: int
+    score: float
+    rank: int
+    title: str
+
+
+class RagInfo(ResponseModel):
+    layout: str
+    chunks: list[RagChunk]
+
+
+class RagChatCompletionResponse(ChatCompletionResponse):
+    rag: RagInfo = Field(description="the retrieved chunks the answer used, in the prompt's layout")
+
+
+class TokenizeResponse(ResponseModel):
     count: int
     max_model_len: int
     tokens: list[int]
     token_strs: list[str] | None
 
 
-class DetokenizeResponse(BaseModel):
+class DetokenizeResponse(ResponseModel):
     prompt: str
 
 
-class HealthResponse(BaseModel):
+class HealthResponse(ResponseModel):
     status: Literal["ok"]
 
 
-class ModelCard(BaseModel):
+class ClusterHealthResponse(HealthResponse):
+    replicas: dict[str, str] = Field(description='each replica\'s state: "ok", or why not')
+
+
+class ModelCard(ResponseModel):
     id: str
     object: Literal["model"]
     created: int
@@ -457,13 +682,15 @@ class ModelCard(BaseModel):
     max_model_len: int
 
 
-class ModelList(BaseModel):
+class ModelList(ResponseModel):
     object: Literal["list"]
     data: list[ModelCard]
 
 
-class KVState(BaseModel):
-    model_name: str
+class KVPool(ResponseModel):
+    """A block pool and its queues: one mapping of the engine's stats, for the server's /v1/kv and the cluster's
+    (its totals and each replica's)."""
+
     block_size: int
     total_blocks: int
     free_blocks: int
@@ -472,8 +699,39 @@ class KVState(BaseModel):
     kv_cache_usage: float
     num_running: int
     num_waiting: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+    @staticmethod
+    def fields_of(st: EngineStats) -> dict[str, Any]:
+        return {
+            "block_size": st.block_size,
+            "total_blocks": st.num_blocks,
+            "free_blocks": st.num_free_blocks,
+            "used_blocks": st.num_used_blocks,
+            "cached_blocks": st.num_cached_blocks,
+            "kv_cache_usage": st.kv_usage,
+            "num_running": st.num_running,
+            "num_waiting": st.num_waiting,
+            "prefix_cache_queries": st.prefix_cache_queries,
+            "prefix_cache_hits": st.prefix_cache_hits,
+        }
+
+
+class KVState(KVPool):
+    model_name: str
     num_aborted: int
     recent_aborted_request_ids: list[str]
+
+
+class ReplicaKV(KVPool):
+    router_index_blocks: int | None = Field(description="what the router believes the replica caches")
+
+
+class ClusterKVState(KVPool):
+    routing: str | None
+    routing_decisions: dict[str, int]
+    replicas: dict[str, ReplicaKV]
 
 
 def finite_logprob(value: float) -> float:

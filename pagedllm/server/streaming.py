@@ -13,13 +13,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from pagedllm.engine.async_engine import EngineDeadError, RequestAbortedError
 from pagedllm.engine.outputs import CompletionOutput, RequestOutput
-from pagedllm.entrypoints.openai.errors import APIError, error_sse
-from pagedllm.entrypoints.openai.protocol import StreamOptions
-from pagedllm.entrypoints.openai.serving_engine import EngineRequest, ServingContext
+from pagedllm.server.errors import APIError, error_sse
+from pagedllm.server.protocol import (
+    ChatCompletionStreamResponse,
+    ChatStreamChoice,
+    CompletionStreamChoice,
+    CompletionStreamResponse,
+    StreamOptions,
+    Usage,
+)
+from pagedllm.server.serving_engine import EngineRequest, ServingContext
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -28,10 +36,24 @@ def sse(body: dict[str, Any]) -> str:
     return "data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")) + "\n\n"
 
 
+# The chunk model of each streamed object.
+STREAM_RESPONSES: dict[str, type[CompletionStreamResponse] | type[ChatCompletionStreamResponse]] = {
+    "text_completion": CompletionStreamResponse,
+    "chat.completion.chunk": ChatCompletionStreamResponse,
+}
+
+
+def stream_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """A stream's entry in a route's responses: each event's data is `model` (build_app puts its schema in
+    /openapi.json's components)."""
+    return {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}
+
+
 @dataclass
 class Chunks:
-    """Makes the SSE chunks of one streamed response, completion or chat: every chunk carries the same id, object,
-    creation time and model, and a usage field exactly when the request's stream_options ask for one."""
+    """Makes the SSE chunks of one streamed response, completion or chat, each one its object's chunk model
+    (STREAM_RESPONSES): every chunk carries the same id, object, creation time and model, and a usage field
+    exactly when the request's stream_options ask for one."""
 
     request_id: str
     object: str
@@ -46,7 +68,9 @@ class Chunks:
             request_id, obj, model, bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats)
         )
 
-    def __call__(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
+    def __call__(
+        self, choices: list[CompletionStreamChoice] | list[ChatStreamChoice], usage: Usage | None = None
+    ) -> str:
         body: dict[str, Any] = {
             "id": self.request_id,
             "object": self.object,
@@ -56,7 +80,7 @@ class Chunks:
         }
         if self.include_usage:
             body["usage"] = usage
-        return sse(body)
+        return sse(STREAM_RESPONSES[self.object].model_validate(body).body())
 
 
 @dataclass
@@ -81,14 +105,15 @@ class _ChoiceState:
 
 
 async def pieces(
-    ctx: ServingContext, subs: list[EngineRequest]
+    ctx: ServingContext, subs: list[EngineRequest], param: str | None = None
 ) -> AsyncIterator[tuple[EngineRequest, RequestOutput, CompletionOutput, Piece]]:
     """Each choice's new text and tokens as the engine produces them, skipping outputs that add nothing and
-    anything after a choice finished: what both streaming endpoints send, each in its own wrapping."""
+    anything after a choice finished: what both streaming endpoints send, each in its own wrapping. A request
+    that fails for its own fault raises a 400 naming `param`, the field of its constraint."""
     states: dict[int, _ChoiceState] = {}
     async for s, out in ctx.merged(subs):
         for c in out.outputs:
-            ctx.check_error(c)
+            ctx.check_error(c, param)
             idx = s.base + c.index
             st = states.setdefault(idx, _ChoiceState())
             if st.finished:

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends
 
-from pagedllm.entrypoints.openai.errors import ERROR_RESPONSES
-from pagedllm.entrypoints.openai.protocol import (
+from pagedllm.server.errors import ERROR_RESPONSES
+from pagedllm.server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     TokenizeRequest,
     TokenizeResponse,
 )
-from pagedllm.entrypoints.openai.serving_engine import ServingContext, serving
+from pagedllm.server.serving_engine import ServingContext, serving
 
 router = APIRouter()
 

@@ -6,14 +6,21 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
 
-from pagedllm.entrypoints.openai import serving_chat
-from pagedllm.entrypoints.openai.errors import ERROR_RESPONSES, APIError
-from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
-from pagedllm.entrypoints.openai.serving_engine import ServingContext, cancel_on_disconnect, request_id, serving
+from pagedllm.server import serving_chat
+from pagedllm.server.errors import ERROR_RESPONSES, APIError
+from pagedllm.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionStreamResponse,
+    ChatMessage,
+    RagChatCompletionResponse,
+    RagChunk,
+    RagInfo,
+)
+from pagedllm.server.serving_engine import ServingContext, cancel_on_disconnect, json_response, request_id, serving
+from pagedllm.server.streaming import stream_schema
 
 router = APIRouter()
 
@@ -28,20 +35,30 @@ def _question(req: ChatCompletionRequest) -> str:
     return question
 
 
-@router.post("/v1/rag/chat/completions", response_model=None, responses={**ERROR_RESPONSES})
-async def rag_chat(
-    req: ChatCompletionRequest, request: Request, ctx: ServingContext = Depends(serving)
-) -> Response | dict[str, Any]:
+@router.post(
+    "/v1/rag/chat/completions",
+    response_model=None,
+    responses={
+        200: {
+            "model": RagChatCompletionResponse,
+            "content": {"text/event-stream": stream_schema(ChatCompletionStreamResponse)},
+            "description": "the answer and its chunks, or with stream: true server-sent events of chunks",
+        },
+        **ERROR_RESPONSES,
+    },
+)
+async def rag_chat(req: ChatCompletionRequest, request: Request, ctx: ServingContext = Depends(serving)) -> Response:
     rag = request.app.state.rag
     messages, hits = await asyncio.to_thread(rag.build_messages, _question(req))
     req.messages = [ChatMessage(role=m["role"], content=m["content"]) for m in messages]
-    chunks = [h.to_dict(with_text=False) for h in hits]
+    chunks = [RagChunk(**h.to_dict(with_text=False)) for h in hits]
     rid = request_id(request, req.request_id, "ragcmpl")
     prep = await serving_chat.prepare(ctx, req)
     subs = await ctx.submit([prep.prompt_ids], prep.params, rid)
     if req.stream:
-        return serving_chat.stream(ctx, req, prep, subs, rid, headers={"X-RAG-Chunks": json.dumps(chunks)})
+        header = json.dumps([c.body() for c in chunks])
+        return serving_chat.stream(ctx, req, prep, subs, rid, headers={"X-RAG-Chunks": header})
     body = await cancel_on_disconnect(request, serving_chat.full(ctx, req, prep, subs, rid))
-    if isinstance(body, dict):
-        body["rag"] = {"layout": rag.layout, "chunks": chunks}
-    return body
+    if isinstance(body, Response):
+        return body
+    return json_response(RagChatCompletionResponse(**dict(body), rag=RagInfo(layout=rag.layout, chunks=chunks)))

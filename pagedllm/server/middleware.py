@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pagedllm.entrypoints.openai.errors import error_body, error_response
+from pagedllm.server.errors import error_body, error_response
 
 logger = logging.getLogger("pagedllm.server")
 

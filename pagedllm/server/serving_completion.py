@@ -13,20 +13,27 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
-from fastapi.responses import JSONResponse
 
 from pagedllm.engine.outputs import CompletionOutput, RequestOutput
-from pagedllm.entrypoints.openai.errors import ERROR_RESPONSES
-from pagedllm.entrypoints.openai.protocol import CompletionRequest, CompletionResponse
-from pagedllm.entrypoints.openai.serving_engine import (
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.server.errors import ERROR_RESPONSES
+from pagedllm.server.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamChoice,
+    CompletionStreamResponse,
+)
+from pagedllm.server.serving_engine import (
     EngineRequest,
     ServingContext,
     cancel_on_disconnect,
+    json_response,
     request_id,
     serving,
 )
-from pagedllm.entrypoints.openai.streaming import Chunks, SSEResponse, pieces
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.server.streaming import Chunks, SSEResponse, pieces, stream_schema
 
 router = APIRouter()
 
@@ -54,29 +61,37 @@ async def _prepare(ctx: ServingContext, req: CompletionRequest) -> _Prepared:
     return _Prepared(model, prompts, texts, req.to_sampling_params(req.max_tokens))
 
 
-def _logprobs(
-    ctx: ServingContext,
-    req: CompletionRequest,
-    s: EngineRequest,
-    out: RequestOutput,
-    c: CompletionOutput,
-    start: int,
-    end: int,
-    text_from: int,
-    echo: str,
-) -> dict[str, list] | None:
-    """Logprobs of generated tokens start..end-1 (whose text starts at text_from), after the prompt's own
-    tokens when this part carries the echo."""
-    if req.logprobs is None:
+@dataclass(frozen=True)
+class _Part:
+    """What one answer or chunk of a choice covers: generated tokens start..end-1 of `c` (whose text starts at
+    `text_from`), and the echoed prompt text it carries ("" if none)."""
+
+    s: EngineRequest
+    out: RequestOutput
+    c: CompletionOutput
+    start: int
+    end: int
+    text_from: int
+    echo: str
+
+
+def _logprobs(ctx: ServingContext, k: int | None, part: _Part) -> CompletionLogprobs | None:
+    """Logprobs (top `k`) of the part's generated tokens, after the prompt's own tokens when it carries the echo."""
+    if k is None:
         return None
-    lps: list[dict[int, float] | None] = list((c.logprobs or [])[start:end])
-    generated = ctx.completion_logprobs(c.token_ids[start:end], lps, req.logprobs, len(echo) + text_from)
-    if not echo:
+    c, s = part.c, part.s
+    lps: list[dict[int, float] | None] = list((c.logprobs or [])[part.start : part.end])
+    generated = ctx.completion_logprobs(c.token_ids[part.start : part.end], lps, k, len(part.echo) + part.text_from)
+    if not part.echo:
         return generated
-    prompt = ctx.completion_logprobs(
-        s.prompt_ids, list(out.prompt_logprobs or [None] * len(s.prompt_ids)), req.logprobs, 0
+    prompt_lps = list(part.out.prompt_logprobs or [None] * len(s.prompt_ids))
+    prompt = ctx.completion_logprobs(s.prompt_ids, prompt_lps, k, 0)
+    return CompletionLogprobs(
+        text_offset=prompt.text_offset + generated.text_offset,
+        token_logprobs=prompt.token_logprobs + generated.token_logprobs,
+        tokens=prompt.tokens + generated.tokens,
+        top_logprobs=prompt.top_logprobs + generated.top_logprobs,
     )
-    return {k: prompt[k] + generated[k] for k in generated}
 
 
 def _choice(
@@ -86,54 +101,53 @@ def _choice(
     s: EngineRequest,
     out: RequestOutput,
     c: CompletionOutput,
-) -> dict[str, Any]:
-    ctx.check_error(c)
+) -> CompletionChoice:
+    ctx.check_error(c, req.constraint_field)
     echo = prep.echo_texts[s.prompt_index]
-    return {
-        "index": s.base + c.index,
-        "text": echo + c.text,
-        "logprobs": _logprobs(ctx, req, s, out, c, 0, len(c.token_ids), 0, echo),
-        "finish_reason": c.finish_reason,
-        "stop_reason": c.stop_reason,
-        "prompt_logprobs": ctx.prompt_logprobs(out) if req.prompt_logprobs is not None else None,
-    }
+    return CompletionChoice(
+        index=s.base + c.index,
+        text=echo + c.text,
+        logprobs=_logprobs(ctx, req.logprobs, _Part(s, out, c, 0, len(c.token_ids), 0, echo)),
+        finish_reason=c.finish_reason,
+        stop_reason=c.stop_reason,
+        prompt_logprobs=ctx.prompt_logprobs(out) if req.prompt_logprobs is not None else None,
+    )
 
 
 async def _full(
     ctx: ServingContext, req: CompletionRequest, prep: _Prepared, subs: list[EngineRequest], rid: str
-) -> JSONResponse:
+) -> CompletionResponse:
     await ctx.run_to_end(subs)
     choices = sorted(
         (_choice(ctx, req, prep, s, s.final, c) for s in subs if s.final is not None for c in s.final.outputs),
-        key=lambda ch: ch["index"],
+        key=lambda ch: ch.index,
     )
-    return JSONResponse(
-        {
-            "id": rid,
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": prep.model,
-            "choices": choices,
-            "usage": ctx.usage(subs),
-            "system_fingerprint": None,
-        }
+    return CompletionResponse(
+        id=rid,
+        object="text_completion",
+        created=int(time.time()),
+        model=prep.model,
+        choices=choices,
+        usage=ctx.usage(subs),
+        system_fingerprint=None,
     )
 
 
 async def _chunks(
     ctx: ServingContext, req: CompletionRequest, prep: _Prepared, subs: list[EngineRequest], chunk: Chunks
 ) -> AsyncGenerator[str]:
-    async for s, out, c, p in pieces(ctx, subs):
+    async for s, out, c, p in pieces(ctx, subs, req.constraint_field):
         echo = prep.echo_texts[s.prompt_index] if p.first else ""
-        choice: dict[str, Any] = {
-            "index": p.index,
-            "text": echo + p.text,
-            "logprobs": _logprobs(ctx, req, s, out, c, p.tokens_from, p.tokens_to, p.text_from, echo),
-            "finish_reason": c.finish_reason if p.done else None,
-            "stop_reason": c.stop_reason if p.done else None,
-        }
+        part = _Part(s, out, c, p.tokens_from, p.tokens_to, p.text_from, echo)
+        choice = CompletionStreamChoice(
+            index=p.index,
+            text=echo + p.text,
+            logprobs=_logprobs(ctx, req.logprobs, part),
+            finish_reason=c.finish_reason if p.done else None,
+            stop_reason=c.stop_reason if p.done else None,
+        )
         if p.first and req.prompt_logprobs is not None:
-            choice["prompt_logprobs"] = ctx.prompt_logprobs(out)
+            choice.prompt_logprobs = ctx.prompt_logprobs(out)
         yield chunk([choice], ctx.partial_usage(s, out) if chunk.continuous else None)
     if chunk.include_usage:
         yield chunk([], ctx.usage(subs))
@@ -145,7 +159,7 @@ async def _chunks(
     responses={
         200: {
             "model": CompletionResponse,
-            "content": {"text/event-stream": {}},
+            "content": {"text/event-stream": stream_schema(CompletionStreamResponse)},
             "description": "the completion, or with stream: true server-sent events of chunks",
         },
         **ERROR_RESPONSES,
@@ -161,4 +175,4 @@ async def create_completion(
     if req.stream:
         chunk = Chunks.for_request(req.stream_options, rid, "text_completion", prep.model)
         return SSEResponse(ctx, _chunks(ctx, req, prep, subs, chunk), subs)
-    return await cancel_on_disconnect(request, _full(ctx, req, prep, subs, rid))
+    return json_response(await cancel_on_disconnect(request, _full(ctx, req, prep, subs, rid)))

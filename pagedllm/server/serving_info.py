@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request, Response
 
-from pagedllm.entrypoints.openai.errors import ERROR_RESPONSES, error_response
-from pagedllm.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
-from pagedllm.entrypoints.openai.protocol import HealthResponse, KVState, ModelCard, ModelList
-from pagedllm.entrypoints.openai.serving_engine import ServingContext, serving
+from pagedllm.engine.async_engine import AsyncLLMEngine
+from pagedllm.engine.metrics import CONTENT_TYPE
+from pagedllm.server.errors import ERROR_RESPONSES, error_response
+from pagedllm.server.protocol import HealthResponse, KVPool, KVState, ModelCard, ModelList
+from pagedllm.server.serving_engine import ServingContext, serving
 
 router = APIRouter()
 
@@ -22,10 +23,10 @@ def health(ctx: ServingContext = Depends(serving)) -> HealthResponse | Response:
 
 
 @router.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE: {}}}})
-def metrics(request: Request) -> Response:
-    """Prometheus metrics with vLLM's names."""
-    m: ServerMetrics = request.app.state.metrics
-    return Response(m.render(), media_type=CONTENT_TYPE)
+def metrics(request: Request, ctx: ServingContext = Depends(serving)) -> Response:
+    """Prometheus metrics with vLLM's names: the engine's stat logger, labelled with the first served name."""
+    engine: AsyncLLMEngine = request.app.state.engine  # one engine in this process (a cluster has its own page)
+    return Response(engine.metrics.render(engine.stats(), ctx.model_names[0]), media_type=CONTENT_TYPE)
 
 
 @router.get("/v1/models", response_model=ModelList, responses={401: ERROR_RESPONSES[401]})
@@ -51,15 +52,8 @@ def models(ctx: ServingContext = Depends(serving)) -> ModelList:
 def kv_state(ctx: ServingContext = Depends(serving)) -> KVState:
     st = ctx.engine.stats()
     return KVState(
-        model_name=ctx.engine.engine.model_config.name or ctx.model_root,
-        block_size=st.block_size,
-        total_blocks=st.num_blocks,
-        free_blocks=st.num_free_blocks,
-        used_blocks=st.num_used_blocks,
-        cached_blocks=st.num_cached_blocks,
-        kv_cache_usage=st.kv_usage,
-        num_running=st.num_running,
-        num_waiting=st.num_waiting,
-        num_aborted=ctx.engine.num_aborted,
-        recent_aborted_request_ids=ctx.engine.aborted_ids[-32:],
+        **KVPool.fields_of(st),
+        model_name=ctx.engine.model_config.name or ctx.model_root,
+        num_aborted=ctx.engine.aborts.total,
+        recent_aborted_request_ids=list(ctx.engine.aborts.recent)[-32:],
     )

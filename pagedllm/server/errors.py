@@ -21,8 +21,8 @@ from pagedllm.engine.async_engine import (
     RequestAbortedError,
     TooManyWaitingRequestsError,
 )
-from pagedllm.entrypoints.openai.protocol import ErrorResponse
 from pagedllm.errors import UserError
+from pagedllm.server.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -62,14 +62,11 @@ def _utf8(text: str) -> str:
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
-    return {
-        "error": {
-            "message": _utf8(message),
-            "type": _TYPES.get(status, "Error"),
-            "param": _utf8(param) if param else None,
-            "code": status,
-        }
-    }
+    """OpenAI's error body, `ErrorResponse` as JSON."""
+    info = ErrorInfo(
+        message=_utf8(message), type=_TYPES.get(status, "Error"), param=_utf8(param) if param else None, code=status
+    )
+    return ErrorResponse(error=info).body()
 
 
 def error_response(

@@ -1,19 +1,21 @@
-"""Prometheus metrics with vLLM's names, in a private registry per app (so tests can build several apps).
+"""Prometheus metrics with vLLM's names: the async engine's stat logger (as vLLM's v1/metrics/loggers.py) and the
+page the server's /metrics sends.
 
 Gauges and the engine's own cumulative counters (prefix-cache queries / hits, preemptions) are read from the
 engine's latest stats at scrape time; token counters and latency histograms are fed from the engine thread by
-`ServerMetrics.record_step` (the AsyncLLMEngine's stat logger).
+`PrometheusStatLogger.record_step`, which every `AsyncLLMEngine` has.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.stats import EngineStats
@@ -65,6 +67,7 @@ ITL_BUCKETS = [
     40.0,
     80.0,
 ]
+TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000]
 E2E_BUCKETS = [
     0.3,
     0.5,
@@ -90,64 +93,53 @@ E2E_BUCKETS = [
 ]
 
 
-class _EngineCollector:
-    """Reads the engine's gauges and its own cumulative counters at scrape time."""
-
-    def __init__(self, get_stats: Callable[[], EngineStats], model_name: str) -> None:
-        self.get_stats = get_stats
-        self.model_name = model_name
-
-    def _family(self, kind: type, name: str, doc: str, value: float) -> GaugeMetricFamily | CounterMetricFamily:
-        family = kind(name, doc, labels=["model_name"])
-        family.add_metric([self.model_name], float(value))
-        return family
-
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        st = self.get_stats()
-        g, c = GaugeMetricFamily, CounterMetricFamily
-        yield self._family(
-            g, "vllm:num_requests_running", "Number of requests in model execution batches.", st.num_running
-        )
-        yield self._family(
-            g, "vllm:num_requests_waiting", "Number of requests waiting to be processed.", st.num_waiting
-        )
-        yield self._family(g, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", st.kv_usage)
-        yield self._family(
-            c,
+def _engine_families(st: EngineStats) -> list[Metric]:
+    """The engine's gauges and its own cumulative counters, from one stats snapshot (read at scrape time)."""
+    g, c = GaugeMetricFamily, CounterMetricFamily
+    per_pos = c(
+        "vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.", labels=["position"]
+    )
+    for pos, n in enumerate(st.spec_decode_num_accepted_tokens_per_pos):
+        per_pos.add_metric([str(pos)], float(n))
+    return [
+        g("vllm:num_requests_running", "Number of requests in model execution batches.", st.num_running),
+        g("vllm:num_requests_waiting", "Number of requests waiting to be processed.", st.num_waiting),
+        g("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", st.kv_usage),
+        c(
             "vllm:prefix_cache_queries",
             "Prefix cache queries, in terms of number of queried tokens.",
             st.prefix_cache_queries,
-        )
-        yield self._family(
-            c, "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", st.prefix_cache_hits
-        )
-        yield self._family(
-            c,
+        ),
+        c("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", st.prefix_cache_hits),
+        c(
             "pagedllm:prefix_cache_disk_hits",
             "Prefix cache hits read back from the disk tier "
             "(--kv-offload-dir), in tokens; part of vllm:prefix_cache_hits.",
             st.prefix_cache_disk_hits,
-        )
-        yield self._family(
-            c, "vllm:num_preemptions", "Cumulative number of preemption from the engine.", st.num_preemptions
-        )
-        yield self._family(
-            c, "vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", st.spec_decode_num_drafts
-        )
-        yield self._family(
-            c, "vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", st.spec_decode_num_draft_tokens
-        )
-        yield self._family(
-            c, "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", st.spec_decode_num_accepted_tokens
-        )
-        per_pos = c(
-            "vllm:spec_decode_num_accepted_tokens_per_pos",
-            "Accepted tokens per draft position.",
-            labels=["model_name", "position"],
-        )
-        for pos, n in enumerate(st.spec_decode_num_accepted_tokens_per_pos):
-            per_pos.add_metric([self.model_name, str(pos)], float(n))
-        yield per_pos
+        ),
+        c("vllm:num_preemptions", "Cumulative number of preemption from the engine.", st.num_preemptions),
+        c("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", st.spec_decode_num_drafts),
+        c("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", st.spec_decode_num_draft_tokens),
+        c("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", st.spec_decode_num_accepted_tokens),
+        per_pos,
+    ]
+
+
+class Families(Collector):
+    """Already collected families, for prometheus_client's writer (this page, and the cluster's merged one)."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> list[Metric]:
+        return self.families
+
+
+def write_page(families: list[Metric]) -> bytes:
+    """One Prometheus text page of these families."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(Families(families))
+    return generate_latest(registry)
 
 
 # As vLLM: no "<counter>_created" series (they double the page and no dashboard uses them).
@@ -160,62 +152,46 @@ class _Progress:
     last_token_time: float | None = None
 
 
-class ServerMetrics:
-    """The app's registry and the AsyncLLMEngine stat logger that feeds it (called on the engine thread)."""
+class PrometheusStatLogger:
+    """The async engine's stat logger (vLLM's v1/metrics/loggers.py), called on the engine thread after every step
+    and abort: token counters and latency histograms in a registry of its own (so tests can build several
+    engines). `render` writes the Prometheus page with the engine's gauges read from a stats snapshot; the
+    `model_name` label is the served name, which the server knows and the engine does not."""
 
-    def __init__(self, model_name: str, get_stats: Callable[[], EngineStats]) -> None:
-        self.registry = CollectorRegistry()
-        self.model_name = model_name
-        labels = ["model_name"]
-        r = self.registry
-        self.prompt_tokens = Counter(
-            "vllm:prompt_tokens", "Number of prefill tokens processed.", labels, registry=r
-        ).labels(model_name)
-        self.generation_tokens = Counter(
-            "vllm:generation_tokens", "Number of generation tokens processed.", labels, registry=r
-        ).labels(model_name)
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.", registry=r)
         self.request_success = Counter(
-            "vllm:request_success",
-            "Count of successfully processed requests.",
-            labels + ["finished_reason"],
-            registry=r,
+            "vllm:request_success", "Count of successfully processed requests.", ["finished_reason"], registry=r
         )
         self.ttft = Histogram(
             "vllm:time_to_first_token_seconds",
             "Histogram of time to first token in seconds.",
-            labels,
             buckets=TTFT_BUCKETS,
             registry=r,
-        ).labels(model_name)
+        )
         self.itl = Histogram(
             "vllm:inter_token_latency_seconds",
             "Histogram of inter-token latency in seconds.",
-            labels,
             buckets=ITL_BUCKETS,
             registry=r,
-        ).labels(model_name)
+        )
         self.e2e = Histogram(
             "vllm:e2e_request_latency_seconds",
             "Histogram of e2e request latency in seconds.",
-            labels,
             buckets=E2E_BUCKETS,
             registry=r,
-        ).labels(model_name)
+        )
         self.prompt_tokens_hist = Histogram(
-            "vllm:request_prompt_tokens",
-            "Number of prefill tokens processed.",
-            labels,
-            buckets=[1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000],
-            registry=r,
-        ).labels(model_name)
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", buckets=TOKEN_BUCKETS, registry=r
+        )
         self.generation_tokens_hist = Histogram(
             "vllm:request_generation_tokens",
             "Number of generation tokens processed.",
-            labels,
-            buckets=[1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000],
+            buckets=TOKEN_BUCKETS,
             registry=r,
-        ).labels(model_name)
-        r.register(_EngineCollector(get_stats, model_name))
+        )
         self._lock = threading.Lock()
         self._seen: dict[str, _Progress] = {}  # requests in flight
 
@@ -247,12 +223,16 @@ class ServerMetrics:
             self.e2e.observe(max(0.0, (out.metrics.finished_time or now) - arrival))
             self.generation_tokens_hist.observe(ntok)
             reason = next((c.finish_reason for c in out.outputs if c.finish_reason), None) or "stop"
-            self.request_success.labels(self.model_name, reason).inc()
+            self.request_success.labels(reason).inc()
 
     def record_abort(self, request_id: str) -> None:
         with self._lock:
             self._seen.pop(request_id, None)
-        self.request_success.labels(self.model_name, "abort").inc()
+        self.request_success.labels("abort").inc()
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, stats: EngineStats, model_name: str) -> bytes:
+        """The page: every sample labelled `model_name`, the engine's gauges and counters from `stats` last."""
+        families = [*self.registry.collect(), *_engine_families(stats)]
+        for family in families:
+            family.samples = [s._replace(labels={"model_name": model_name, **s.labels}) for s in family.samples]
+        return write_page(families)

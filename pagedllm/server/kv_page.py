@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field
 
 from pagedllm.engine.block_map import block_map
 from pagedllm.engine.kv_snapshot import BlockTokens, block_detail, take_snapshot
-from pagedllm.entrypoints.openai.errors import ERROR_RESPONSES, APIError
+from pagedllm.server.errors import ERROR_RESPONSES, APIError
 
 router = APIRouter()
 ENGINE_WAIT_S = 30.0  # how long a read waits for the engine thread to get between two steps, then a 503
@@ -81,12 +81,21 @@ class KVRequestInfo(BaseModel):
     )
     kv_tokens: int = Field(description="tokens it has KV slots for")
     num_preemptions: int
-    block_ids: list[int] = Field(description="its block table")
+    block_ids: list[int] = Field(description="its block table, without the skipped entries")
+    skipped_blocks: int = Field(
+        description="leading table entries given back to the pool: out of every layer's sliding window"
+    )
     row: list[tuple[BlockState, int, int]] = Field(
         description="the table as runs of equal (state, ref count): [state, ref_cnt, blocks], in table order"
     )
     slots: int
     empty_slots: int = Field(description="its slots without a token: the tail's, or a contiguous reservation's")
+
+
+class KVGroupInfo(BaseModel):
+    window: int | None = Field(description="tokens a query of these layers sees, itself included; null: all")
+    layers: list[int]
+    frees_blocks: bool = Field(description="whether the pool gives back blocks out of the window before the end")
 
 
 class KVBlocksResponse(BaseModel):
@@ -101,6 +110,7 @@ class KVBlocksResponse(BaseModel):
         description="what the cache stores a value as: float32, bfloat16, int8, "
         "float8_e4m3fn or float8_e5m2 (--kv-cache-dtype)"
     )
+    kv_groups: list[KVGroupInfo] = Field(description="the KV-cache groups: layers that attend alike")
     counters: KVCounters
     map: KVMap
     blocks: list[KVBlockInfo] | None = Field(
@@ -181,15 +191,15 @@ async def kv_block(request: Request, block_id: str) -> Response:
     memo = _block_tokens(request)
     d = await engine.run_on_engine(lambda e: block_detail(e, bid, memo), timeout=ENGINE_WAIT_S)
     return JSONResponse(
-        {
-            "block_id": d.block_id,
-            "ref_cnt": d.ref_cnt,
-            "hash": d.block_hash,
-            "evict_rank": d.evict_rank,
-            "holders": d.holders,
-            "token_ids": d.token_ids,
-            "text": d.text,
-        }
+        KVBlockDetail(
+            block_id=d.block_id,
+            ref_cnt=d.ref_cnt,
+            hash=d.block_hash,
+            evict_rank=d.evict_rank,
+            holders=d.holders,
+            token_ids=d.token_ids,
+            text=d.text,
+        ).model_dump(mode="json")
     )
 
 
@@ -206,5 +216,5 @@ async def kv_page(name: str = "") -> Response:
     if name not in _STATIC:
         raise APIError(f"/kv/{name}: no such file (the page is at /kv)", 404)
     file, media = _STATIC[name]
-    body = resources.files("pagedllm.entrypoints.openai").joinpath("static", file).read_bytes()
+    body = resources.files("pagedllm.server").joinpath("static", file).read_bytes()
     return Response(body, media_type=media, headers={"Cache-Control": "no-cache"})

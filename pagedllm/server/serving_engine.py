@@ -17,13 +17,26 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request, Response
+from fastapi.responses import JSONResponse
 
 from pagedllm.engine.async_engine import RequestAbortedError
 from pagedllm.engine.outputs import CompletionOutput, RequestOutput
 from pagedllm.engine.protocol import AsyncEngine
-from pagedllm.entrypoints.openai.errors import APIError
-from pagedllm.entrypoints.openai.protocol import ChatMessage, finite_logprob
 from pagedllm.sampling_params import MAX_N, SamplingParams
+from pagedllm.server.errors import APIError
+from pagedllm.server.protocol import (
+    ChatChoiceLogprobs,
+    ChatLogprob,
+    ChatMessage,
+    CompletionLogprobs,
+    PromptLogprob,
+    PromptLogprobs,
+    PromptTokensDetails,
+    ResponseModel,
+    TopLogprob,
+    Usage,
+    finite_logprob,
+)
 
 logger = logging.getLogger("pagedllm.server")
 T = TypeVar("T")
@@ -132,7 +145,7 @@ class ServingContext:
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         """Prompt and /detokenize ids (the engine checks logit_bias and stop_token_ids itself, naming them)."""
-        vocab = self.engine.engine.model_config.vocab_size
+        vocab = self.engine.model_config.vocab_size
         bad = next((t for t in ids if t >= vocab), None)
         if bad is not None:
             raise APIError(
@@ -211,36 +224,41 @@ class ServingContext:
 
     # ------------------------------------------------------------------ output formatting
     @staticmethod
-    def usage(subs: list[EngineRequest]) -> dict[str, object]:
+    def usage(subs: list[EngineRequest]) -> Usage:
         prompt = sum(len(s.prompt_ids) for s in subs)
         cached = sum(s.final.num_cached_tokens for s in subs if s.final is not None)
         completion = sum(len(c.token_ids) for s in subs if s.final is not None for c in s.final.outputs)
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached},
-        }
+        return Usage(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        )
 
     @staticmethod
-    def partial_usage(s: EngineRequest, out: RequestOutput) -> dict[str, int]:
+    def partial_usage(s: EngineRequest, out: RequestOutput) -> Usage:
         ntok = sum(len(c.token_ids) for c in out.outputs)
-        return {"prompt_tokens": len(s.prompt_ids), "completion_tokens": ntok, "total_tokens": len(s.prompt_ids) + ntok}
+        return Usage(prompt_tokens=len(s.prompt_ids), completion_tokens=ntok, total_tokens=len(s.prompt_ids) + ntok)
 
-    def prompt_logprobs(self, out: RequestOutput) -> list[dict[str, dict[str, object]] | None]:
+    def prompt_logprobs(self, out: RequestOutput) -> PromptLogprobs:
         """vLLM's per-prompt-token form: None for the first token, else {token id: {logprob, decoded_token}}."""
         return [
             None
             if d is None
-            else {str(t): {"logprob": finite_logprob(v), "decoded_token": self.token_str(t)} for t, v in d.items()}
+            else {
+                str(t): PromptLogprob(logprob=finite_logprob(v), decoded_token=self.token_str(t)) for t, v in d.items()
+            }
             for d in out.prompt_logprobs or []
         ]
 
     def completion_logprobs(
         self, ids: list[int], lps: list[dict[int, float] | None], k: int, offset: int
-    ) -> dict[str, list]:
+    ) -> CompletionLogprobs:
         """The completions API's parallel lists over tokens `ids` (whose logprob dicts are `lps`)."""
-        tokens, token_lps, tops, offsets = [], [], [], []
+        tokens: list[str] = []
+        token_lps: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        offsets: list[int] = []
         for tid, d in zip(ids, lps):
             s = self.token_str(tid)
             tokens.append(s)
@@ -249,35 +267,42 @@ class ServingContext:
             tops.append(None if d is None else {self.token_str(t): finite_logprob(v) for t, v in top})
             offsets.append(offset)
             offset += len(s)
-        return {"text_offset": offsets, "token_logprobs": token_lps, "tokens": tokens, "top_logprobs": tops}
+        return CompletionLogprobs(text_offset=offsets, token_logprobs=token_lps, tokens=tokens, top_logprobs=tops)
 
-    def chat_logprobs(self, c: CompletionOutput, start: int, end: int, k: int) -> dict[str, list]:
+    def chat_logprobs(self, c: CompletionOutput, start: int, end: int, k: int) -> ChatChoiceLogprobs:
         content = []
         for tid, d in zip(c.token_ids[start:end], (c.logprobs or [])[start:end]):
             top = sorted(d.items(), key=lambda kv: kv[1], reverse=True)[:k]
             content.append(
-                {
-                    "token": self.token_str(tid),
-                    "logprob": finite_logprob(d.get(tid, -9999.0)),
-                    "bytes": list(self.token_str(tid).encode("utf-8")),
-                    "top_logprobs": [
-                        {
-                            "token": self.token_str(t),
-                            "logprob": finite_logprob(v),
-                            "bytes": list(self.token_str(t).encode("utf-8")),
-                        }
+                ChatLogprob(
+                    token=self.token_str(tid),
+                    logprob=finite_logprob(d.get(tid, -9999.0)),
+                    bytes=list(self.token_str(tid).encode("utf-8")),
+                    top_logprobs=[
+                        TopLogprob(
+                            token=self.token_str(t),
+                            logprob=finite_logprob(v),
+                            bytes=list(self.token_str(t).encode("utf-8")),
+                        )
                         for t, v in top
                     ],
-                }
+                )
             )
-        return {"content": content}
+        return ChatChoiceLogprobs(content=content)
 
     @staticmethod
-    def check_error(c: CompletionOutput) -> None:
+    def check_error(c: CompletionOutput, param: str | None = None) -> None:
+        """A failed choice as an error: the request's own fault (its grammar, which llguidance took but then
+        cannot follow) is a 400 naming `param`, the field the constraint came from; anything else a 500."""
         if c.finish_reason == "error":
             if c.bad_request:
-                raise APIError(c.error or "the request cannot be served", 400)
+                raise APIError(c.error or "the request cannot be served", 400, param=param)
             raise APIError(f"Generation failed: {c.error or 'engine error'}", 500)
+
+
+def json_response(body: ResponseModel | Response) -> Response:
+    """A built answer as JSON (a Response is one already: the client went away, see cancel_on_disconnect)."""
+    return body if isinstance(body, Response) else JSONResponse(body.body())
 
 
 def serving(request: Request) -> ServingContext:

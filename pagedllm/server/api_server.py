@@ -16,21 +16,21 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, FastAPI
+from fastapi.openapi.utils import get_openapi
 
-from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.engine.protocol import AsyncEngine
-from pagedllm.entrypoints.openai import (
+from pagedllm.server import (
     serving_chat,
     serving_completion,
     serving_info,
     serving_rag,
     serving_tokenization,
 )
-from pagedllm.entrypoints.openai.errors import install_error_handlers
-from pagedllm.entrypoints.openai.kv_page import router as kv_page_router
-from pagedllm.entrypoints.openai.metrics import ServerMetrics
-from pagedllm.entrypoints.openai.middleware import AuthMiddleware, InternalErrorMiddleware, RequestBodyMiddleware
-from pagedllm.entrypoints.openai.serving_engine import ServingContext
+from pagedllm.server.errors import install_error_handlers
+from pagedllm.server.kv_page import router as kv_page_router
+from pagedllm.server.middleware import AuthMiddleware, InternalErrorMiddleware, RequestBodyMiddleware
+from pagedllm.server.serving_engine import ServingContext
+from pagedllm.server.streaming import STREAM_RESPONSES
 
 if TYPE_CHECKING:
     from pagedllm.rag import RagPipeline
@@ -54,10 +54,8 @@ def build_app(
     `rag` adds POST /v1/rag/chat/completions. `state_routers`: the routes that show the engine's state (default:
     /health, /metrics, /v1/models, /v1/kv and the /kv block map, of one engine); a cluster answers them per
     replica instead."""
-    root = model_root or engine.engine.model_config.name or "pagedllm"
+    root = model_root or engine.model_config.name or "pagedllm"
     names = list(served_model_names or [root])
-    metrics = ServerMetrics(names[0], engine.stats)
-    engine.stat_logger = metrics
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -70,8 +68,8 @@ def build_app(
     app = FastAPI(title="pagedllm OpenAI-compatible server", lifespan=lifespan)
     app.state.engine = engine
     app.state.serving = ServingContext(engine, names, root)
-    app.state.metrics = metrics
     app.state.rag = rag
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]  # FastAPI's documented way to extend it
     install_error_handlers(app)
     for router in state_routers if state_routers is not None else (serving_info.router, kv_page_router):
         app.include_router(router)  # kv_page_router: GET /kv (the live block map), GET /v1/kv/blocks (its data)
@@ -86,9 +84,24 @@ def build_app(
     return app
 
 
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema, plus the chunk models the streams send (their routes' text/event-stream answers point to
+    them: FastAPI only collects the JSON ones)."""
+    if app.openapi_schema is None:
+        spec = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        schemas = spec.setdefault("components", {}).setdefault("schemas", {})
+        for model in STREAM_RESPONSES.values():
+            own = model.model_json_schema(ref_template="#/components/schemas/{model}", mode="serialization")
+            for name, schema in {**own.pop("$defs", {}), model.__name__: own}.items():
+                schemas.setdefault(name, schema)
+        app.openapi_schema = spec
+    return app.openapi_schema
+
+
 # -------------------------------------------------------------------- running it
 class Server:
-    """uvicorn on a socket, with pagedllm's shutdown: on SIGINT/SIGTERM stop accepting, abort what runs, exit 0.
+    """uvicorn on a socket, with pagedllm's shutdown: on SIGINT/SIGTERM stop accepting, abort what runs, exit 0;
+    if the engine loop dies (it stops being healthy while serving), exit 1, as vLLM does.
 
     `run()` blocks (installs signal handlers when on the main thread); `start_in_thread()` is for tests.
     """
@@ -104,9 +117,9 @@ class Server:
         import uvicorn
 
         self.app = app
-        self.engine: AsyncLLMEngine = app.state.engine
-        self.engine.on_dead = self._engine_died
+        self.engine: AsyncEngine = app.state.engine
         self.exit_code = 0
+        self._shutting_down = False
         config = uvicorn.Config(
             app,
             host=host,
@@ -119,6 +132,11 @@ class Server:
         outer = self
 
         class _Uvicorn(uvicorn.Server):
+            async def on_tick(self, counter: int) -> bool:  # every 0.1 s while serving
+                if not outer._shutting_down and not outer.engine.is_healthy:
+                    outer.engine_died()
+                return await super().on_tick(counter)
+
             def handle_exit(self, sig: int, frame: Any) -> None:
                 outer.begin_shutdown()
                 if self.should_exit and sig == signal.SIGINT:
@@ -141,16 +159,18 @@ class Server:
         self.uvicorn = _Uvicorn(config)
         self._thread: threading.Thread | None = None
 
-    def _engine_died(self, error: BaseException) -> None:
+    def engine_died(self) -> None:
         """The engine loop crashed (its streams are failed already): stop serving and exit non-zero, so that a
         supervisor restarts the server instead of it answering 503 for ever."""
-        logger.error("the engine loop died (%r): shutting the server down", error)
+        logger.error("the engine loop died: shutting the server down")
+        self._shutting_down = True
         self.exit_code = 1
         self.uvicorn.should_exit = True
 
     def begin_shutdown(self) -> None:
         """Stop taking requests and abort those in flight, so open streams end at once."""
         logger.info("shutting down: aborting requests in flight")
+        self._shutting_down = True
         self.engine.stop_accepting()
         self.engine.abort_all()
 

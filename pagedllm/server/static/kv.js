@@ -48,7 +48,10 @@ async function poll() {
 function render(d) {
   $("pool").textContent = `${d.num_blocks.toLocaleString()} blocks of ${d.block_size} tokens · ${d.allocation}` +
     ` allocation · KV ${d.kv_cache_dtype} · prefix caching ${d.prefix_caching ? "on" : "off"}` +
-    (d.map.blocks_per_cell > 1 ? ` · ${d.map.blocks_per_cell} blocks per cell` : "");
+    (d.map.blocks_per_cell > 1 ? ` · ${d.map.blocks_per_cell} blocks per cell` : "") +
+    (d.kv_groups.length > 1 || d.kv_groups.some((g) => g.window !== null) ? " · KV groups: " +
+      d.kv_groups.map((g) => `${g.layers.length} layers ${g.window === null ? "full attention" : `window ${g.window}` +
+        (g.frees_blocks ? " (blocks out of it freed)" : "")}`).join(", ") : "");
   renderLegend(d.map);
   renderCounters(d);
   drawMap(d);

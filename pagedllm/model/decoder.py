@@ -1,0 +1,197 @@
+"""The one decoder every family runs on, over a flat batch of tokens with a paged KV cache.
+
+A family (model/families/) is data in `ModelConfig`: which norms a layer has (before and / or after attention
+and the MLP, Gemma's (1 + w)), q/k norms per head (Qwen3, Gemma 3) or over the whole projection (OLMo2), the
+activation (SwiGLU, GeGLU), multipliers (Gemma's embedding scale, Granite's four), per-layer RoPE (Gemma 3's
+two bases, SmolLM3's NoPE layers, Phi's partial rotary) and the attention's scale / soft-cap / window.
+
+Q, K and V are one merged projection and gate/up another, so each layer is four matmuls whatever the
+checkpoint stores (split or fused, as Phi-3); logits are computed only for the rows the caller asks for
+(usually one per sequence), which skips the big vocabulary matmul for every prompt token.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedllm.model.attention import AttentionMetadata, AttentionSpec, PagedAttentionBackend, make_attention_backend
+from pagedllm.model.config import ModelConfig
+from pagedllm.model.layers import GatedMLP, RMSNorm
+from pagedllm.model.linear import Embedding, Linear
+from pagedllm.model.quant import QuantWeight
+from pagedllm.model.rope import RotaryEmbedding, apply_rotary
+
+CosSin = tuple[torch.Tensor, torch.Tensor]
+
+
+class DecoderLayer(nn.Module):
+    """Attention then a gated MLP, each added to the residual stream, with the norms its family has."""
+
+    def __init__(self, cfg: ModelConfig, index: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+
+        def norm(size: int, present: bool) -> RMSNorm | None:
+            return RMSNorm(size, cfg.rms_norm_eps, dtype, device, cfg.norm_offset) if present else None
+
+        hidden = cfg.hidden_size
+        self.attn_norm, self.mlp_norm = norm(hidden, cfg.pre_norms), norm(hidden, cfg.pre_norms)
+        self.attn_out_norm, self.mlp_out_norm = norm(hidden, cfg.post_norms), norm(hidden, cfg.post_norms)
+        self.qk_norm = cfg.qk_norm
+        per_head = cfg.qk_norm == "head"
+        self.q_norm = norm(cfg.head_dim if per_head else self.q_size, cfg.qk_norm is not None)
+        self.k_norm = norm(cfg.head_dim if per_head else self.kv_size, cfg.qk_norm is not None)
+        self.qkv = Linear(self.q_size + 2 * self.kv_size, hidden, cfg.attention_bias, dtype, device)
+        self.o = Linear(hidden, self.q_size, cfg.o_proj_bias, dtype, device)
+        self.mlp = GatedMLP(hidden, cfg.intermediate_size, cfg.hidden_act, dtype, device)
+        self.rope = cfg.layer_rope(index)
+        self.attn_spec = AttentionSpec.for_layer(cfg, index)  # read by the torch path and the fused C step
+        self.residual_multiplier = cfg.residual_multiplier
+
+    def slots(self) -> dict[str, nn.Module]:
+        """This layer's weights by the slot names of the families' tensor tables (families/base.py)."""
+        mods: dict[str, nn.Module | None] = {
+            "qkv": self.qkv,
+            "o": self.o,
+            "gate_up": self.mlp.gate_up,
+            "down": self.mlp.down,
+            "attn_norm": self.attn_norm,
+            "mlp_norm": self.mlp_norm,
+            "attn_out_norm": self.attn_out_norm,
+            "mlp_out_norm": self.mlp_out_norm,
+            "q_norm": self.q_norm,
+            "k_norm": self.k_norm,
+        }
+        return {k: m for k, m in mods.items() if m is not None}
+
+    def _qkv(self, x: torch.Tensor, rope: CosSin | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        T = x.shape[0]
+        q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None and self.k_norm is not None and self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.reshape(T, self.num_heads, self.head_dim)
+        k = k.reshape(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None and self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        return q, k, v.reshape(T, self.num_kv_heads, self.head_dim)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        rope: CosSin | None,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: PagedAttentionBackend,
+    ) -> torch.Tensor:
+        q, k, v = self._qkv(h if self.attn_norm is None else self.attn_norm(h), rope)
+        a = self.o(backend.forward(q, k, v, k_cache, v_cache, meta, self.attn_spec).reshape(h.shape[0], self.q_size))
+        if self.attn_out_norm is not None:
+            a = self.attn_out_norm(a)
+        h = h + (a if self.residual_multiplier == 1.0 else a * self.residual_multiplier)
+        m = self.mlp(h if self.mlp_norm is None else self.mlp_norm(h))
+        if self.mlp_out_norm is not None:
+            m = self.mlp_out_norm(m)
+        return h + (m if self.residual_multiplier == 1.0 else m * self.residual_multiplier)
+
+
+class CausalLM(nn.Module):
+    """Embeddings, N decoder layers, final norm, LM head (tied to the embeddings or not)."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        backend: PagedAttentionBackend | None = None,
+    ) -> None:
+        super().__init__()
+        self.config, self.dtype = cfg, dtype
+        self.embed = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
+        self.decoder_layers = [DecoderLayer(cfg, i, dtype, device) for i in range(cfg.num_layers)]
+        self.layers = nn.ModuleList(self.decoder_layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, cfg.norm_offset)
+        tied = self.embed.weight if cfg.tie_word_embeddings else None
+        self.lm_head = Linear(cfg.vocab_size, cfg.hidden_size, False, dtype, device, tied_to=tied)
+        dev = torch.device(device)
+        self.ropes: dict[str, RotaryEmbedding] = {
+            "global": RotaryEmbedding(
+                cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings, dev
+            )
+        }
+        if any(layer.rope == "local" for layer in self.decoder_layers) and cfg.rope_local_theta is not None:
+            self.ropes["local"] = RotaryEmbedding(
+                cfg.rotary_dim, cfg.rope_local_theta, None, cfg.max_position_embeddings, dev
+            )
+        self.backend: PagedAttentionBackend = backend or make_attention_backend(device)
+
+    @property
+    def rotary(self) -> RotaryEmbedding:
+        """The rotation of the global layers (the only one of a model the fused C step runs)."""
+        return self.ropes["global"]
+
+    def linears(self) -> list[Linear]:
+        """Every matmul layer: each decoder layer's four, then the LM head."""
+        out: list[Linear] = []
+        for layer in self.decoder_layers:
+            out += [layer.qkv, layer.o, layer.mlp.gate_up, layer.mlp.down]
+        return out + [self.lm_head]
+
+    def finish_load(self) -> None:
+        """A tied LM head serves the quantized table the embedding was given."""
+        if self.lm_head.tied and self.embed.quant is not None:
+            self.lm_head.set_quantized(self.embed.quant)
+
+    def pack_cpu_weights(self) -> None:
+        """Pack every dense matmul weight for oneDNN (see cpu_linear.py); the embedding table stays as it is for
+        lookups, and a tied LM head gets its own packed copy."""
+        for lin in self.linears():
+            lin.pack_for_cpu()
+
+    def quant_weights(self) -> list[QuantWeight]:
+        """Every weight kept quantized, each once: the embedding table, each layer's, the LM head."""
+        found = [self.embed.quant] + [lin.quant for lin in self.linears()]
+        out: dict[int, QuantWeight] = {id(w): w for w in found if w is not None}
+        return list(out.values())
+
+    def first_layer_quant(self) -> list[QuantWeight] | None:
+        """The first layer's four matmul weights if all are quantized (what kernel_choice.py times), else None."""
+        ws = [lin.quant for lin in self.linears()[:4]]
+        return None if any(w is None for w in ws) else [w for w in ws if w is not None]
+
+    def resident_weight_bytes(self) -> int:
+        """Bytes the weights hold in memory in every form they are kept in: parameters, packed, quantized."""
+        params = sum(p.numel() * p.element_size() for p in self.parameters())
+        packed = sum(lin.method.nbytes for lin in self.linears() if lin.quant is None)
+        return params + packed + sum(w.nbytes for w in self.quant_weights())
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(self.norm(h)).float()
+        cfg = self.config
+        if cfg.logits_divisor != 1.0:
+            logits = logits / cfg.logits_divisor
+        if cfg.final_logit_softcapping is not None:
+            logits = torch.tanh(logits / cfg.final_logit_softcapping) * cfg.final_logit_softcapping
+        return logits
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        logits_index: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids: [T]; returns float32 logits for rows `logits_index` (all rows if None)."""
+        h = self.embed(input_ids)
+        if self.config.embedding_multiplier != 1.0:
+            h = h * torch.tensor(self.config.embedding_multiplier, dtype=h.dtype)
+        tables = {name: rope.cos_sin(meta.positions, h.dtype) for name, rope in self.ropes.items()}
+        for layer, (kc, vc) in zip(self.decoder_layers, kv_caches):
+            h = layer(h, tables.get(layer.rope), kc, vc, meta, self.backend)
+        if logits_index is not None:
+            h = h[logits_index]
+        return self._logits(h)

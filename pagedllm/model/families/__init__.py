@@ -1,0 +1,30 @@
+"""The model families pagedllm runs, one small module each over the shared decoder (decoder.py)."""
+
+from pagedllm.model.families.base import Family, GGUFHeader
+from pagedllm.model.families.gemma2 import GEMMA2
+from pagedllm.model.families.gemma3 import GEMMA3
+from pagedllm.model.families.granite import GRANITE
+from pagedllm.model.families.llama import LLAMA, MISTRAL
+from pagedllm.model.families.olmo2 import OLMO2
+from pagedllm.model.families.phi3 import PHI3
+from pagedllm.model.families.qwen2 import QWEN2
+from pagedllm.model.families.qwen3 import QWEN3
+from pagedllm.model.families.smollm3 import SMOLLM3
+
+FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, PHI3, SMOLLM3, OLMO2, GRANITE)
+SUPPORTED_ARCHITECTURES = tuple(a for f in FAMILIES for a in f.architectures)
+GGUF_ARCHITECTURES = tuple(a for f in FAMILIES for a in f.gguf_archs)
+
+
+def by_architecture(name: str) -> Family | None:
+    """The family of an HF `architectures` entry or `model_type`, or None."""
+    return next((f for f in FAMILIES if name in f.architectures or name in f.model_types), None)
+
+
+def by_gguf_arch(name: str) -> Family | None:
+    """The family of a GGUF `general.architecture`, or None."""
+    return next((f for f in FAMILIES if name in f.gguf_archs), None)
+
+
+__all__ = ["FAMILIES", "Family", "GGUFHeader", "SUPPORTED_ARCHITECTURES", "GGUF_ARCHITECTURES"]
+__all__ += ["by_architecture", "by_gguf_arch"]

@@ -1,0 +1,67 @@
+"""What a model family is to pagedllm: its names, the config keys it reads beyond the common ones, and where its
+tensors sit in a Hugging Face checkpoint (GGUF names follow from llama.cpp's own table, `gguf.TENSOR_NAMES`).
+
+Every family runs on the one shared decoder (decoder.py); what differs between them is data: which norms a
+layer has, q/k norms, the activation, multipliers, RoPE per layer. A family module fills a `Family` with that,
+reading config.json or GGUF metadata into `ModelConfig` fields. Nothing here imports torch: the KV-cache
+calculator reads configs without it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+# Our per-layer tensor slots -> the HF names of their pieces (in row order), under "model.layers.N.".
+# qkv / gate_up pieces are merged into one matmul at load; a family with fused checkpoints names one piece.
+LLAMA_LAYER: dict[str, tuple[str, ...]] = {
+    "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "o": ("self_attn.o_proj",),
+    "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+    "down": ("mlp.down_proj",),
+    "attn_norm": ("input_layernorm",),
+    "mlp_norm": ("post_attention_layernorm",),
+    "q_norm": ("self_attn.q_norm",),
+    "k_norm": ("self_attn.k_norm",),
+}
+
+
+@dataclass
+class GGUFHeader:
+    """What a family reads from a GGUF file: its metadata (llama.cpp key names, `prefix` = "<arch>."), tensor
+    names and shapes, and `read` for a small float tensor (RoPE factors) without loading the weights."""
+
+    metadata: dict[str, Any]
+    prefix: str
+    tensors: dict[str, tuple[int, ...]]
+    read: Callable[[str], list[float]]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.metadata.get(self.prefix + key, default)
+
+
+def no_fields(_source: Any) -> dict[str, Any]:
+    return {}
+
+
+@dataclass(frozen=True)
+class Family:
+    """One architecture family: HF `architectures` / `model_type` names, its GGUF `general.architecture`,
+    functions from config.json (dict) and from a GGUF header to extra ModelConfig fields, its tensor table."""
+
+    name: str
+    architectures: tuple[str, ...]
+    model_types: tuple[str, ...]
+    gguf_archs: tuple[str, ...]
+    hf_fields: Callable[[dict[str, Any]], dict[str, Any]] = no_fields
+    gguf_fields: Callable[[GGUFHeader], dict[str, Any]] = no_fields
+    layer_tensors: dict[str, tuple[str, ...]] = field(default_factory=lambda: dict(LLAMA_LAYER))
+    tie_default: bool = False  # tie_word_embeddings when config.json omits it (the config class's default)
+    bias_default: bool = False  # attention_bias when config.json omits it (Qwen2 always has q/k/v biases)
+    gguf_permute_qk: bool = False  # llama.cpp's converter permuted Q/K rows for its interleaved RoPE
+
+
+def every_nth(num_layers: int, n: int, hit: str, other: str) -> list[str]:
+    """Layer i gets `hit` when (i + 1) % n == 0, else `other` (Gemma's global layers, SmolLM3's NoPE layers)."""
+    return [hit if (i + 1) % n == 0 else other for i in range(num_layers)]

@@ -1,0 +1,263 @@
+"""Every supported family, from its HF folder and from GGUF files written as llama.cpp's converter writes them (F32,
+F16, Q8_0, Q4_0), against transformers in float32 on tiny random checkpoints (tests/family_helpers.py).
+
+The reference of a GGUF is the same transformers model holding the file's (dequantized) values, so each format
+is held to float32 accuracy. Sequences run past the original context of the scaled RoPE types (64 tokens
+here); the sliding windows (256) are longer than every sequence until the paged cache masks windows.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import random
+
+import pytest
+import torch
+from family_helpers import CHAT_TEMPLATE, FAMILIES, ORIG_CTX, SPECS, make_family, write_gguf
+from model_helpers import all_logits
+
+import pagedllm.model.tokenizer as tokenizer_module
+from pagedllm import SamplingParams
+from pagedllm.engine import EngineConfig, LLMEngine
+from pagedllm.errors import ModelLoadError
+from pagedllm.kv import kv_bytes_per_token
+from pagedllm.model import ModelRunner, SeqChunk, load_model, load_model_config, load_tokenizer
+
+FORMATS = ["hf", "f32", "f16", "q8_0", "q4_0"]
+TOL = 1e-4  # of the largest logit
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """These matrices are a few KB: a second thread only adds spin-waits (10x slower on a busy machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def private_tokenizer_cache(tmp_path_factory):
+    """GGUF tokenizers are cached by file path: keep these temporary files' out of the user's cache."""
+    root = tmp_path_factory.mktemp("tokenizers")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(
+            tokenizer_module,
+            "cache_dir_for",
+            lambda path, kind: str(root / hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:12]),
+        )
+        yield
+
+
+class Checkpoints:
+    """One family's HF folder and, made on first use, its GGUF files, each with its reference and pagedllm model."""
+
+    def __init__(self, family: str, folder: str) -> None:
+        self.family, self.folder = family, folder
+        self.hf = make_family(family, folder)
+        self._made: dict[str, tuple[str, torch.nn.Module]] = {}
+        self._loaded: dict[str, object] = {}
+
+    def get(self, fmt: str) -> tuple[str, torch.nn.Module]:
+        """(path, transformers reference) of `fmt`."""
+        if fmt == "hf":
+            return self.folder, self.hf
+        if fmt not in self._made:
+            os.makedirs(self.folder + "-gguf", exist_ok=True)  # apart: transformers reads a tokenizer_config beside it
+            path = os.path.join(self.folder + "-gguf", f"tiny-{self.family}.{fmt}.gguf")
+            ref = copy.deepcopy(self.hf)
+            ref.load_state_dict(write_gguf(self.folder, self.family, fmt, path), strict=False)
+            self._made[fmt] = (path, ref.eval())
+        return self._made[fmt]
+
+    def loaded(self, fmt: str):
+        if fmt not in self._loaded:
+            self._loaded[fmt] = load_model(self.get(fmt)[0], dtype="float32", verbose=False)
+        return self._loaded[fmt]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def ckpt(request, tmp_path_factory) -> Checkpoints:
+    return Checkpoints(request.param, str(tmp_path_factory.mktemp(request.param)))
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(6, 256) for _ in range(n)]
+
+
+@torch.inference_mode()
+def _hf_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    return model(torch.tensor([ids])).logits[0].float()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_logits_match_transformers(ckpt, fmt):
+    """A prompt past the original context, prefilled in two chunks over shuffled blocks, then decoded: every
+    position's logits within float32 accuracy of transformers on the same values."""
+    path, ref = ckpt.get(fmt)
+    loaded = ckpt.loaded(fmt)
+    family = {"llama3": "llama", "qwen2-yarn": "qwen2"}.get(ckpt.family, ckpt.family)
+    assert loaded.config.family == ("llama" if family == "mistral" and fmt != "hf" else family)  # GGUF says llama
+    ids = _tokens(ORIG_CTX + 40, 1)
+    want = _hf_logits(ref, ids)
+    runner = ModelRunner(loaded, num_blocks=32, block_size=8)
+    table = random.Random(2).sample(range(32), 16)
+    first = all_logits(runner, [SeqChunk(ids[:37], 0, table)])[0]
+    rest = all_logits(runner, [SeqChunk(ids[37:-1], 37, table)])[0]
+    last = runner.execute([SeqChunk(ids[-1:], len(ids) - 1, table)])
+    got = torch.cat([first, rest, last])
+    err = (got - want).abs().max().item() / want.abs().max().item()
+    assert err < TOL, f"{ckpt.family} {fmt}: {err:.2e}"
+    if fmt in ("q8_0", "q4_0") and ckpt.family in ("llama", "llama3", "qwen2", "qwen2-yarn", "mistral"):
+        assert runner.fused is not None  # the C step runs the plain Llama layer, from rope_freqs too
+
+
+def _hf_greedy_agrees(model: torch.nn.Module, prompt: list[int], generated: list[int]) -> bool:
+    """Whether transformers' greedy decoding of `prompt` gives `generated`: each token is the argmax of its
+    logits given the ones before (one forward pass over the whole sequence instead of one per token)."""
+    logits = _hf_logits(model, prompt + generated)[len(prompt) - 1 : -1]
+    return logits.argmax(-1).tolist() == generated
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_greedy_tokens_match_transformers(ckpt, fmt):
+    """32 greedy tokens for three prompts in one engine with prefix caching (two prompts share 24 tokens),
+    chunked prefill (16 tokens a step) and a KV cache small enough to preempt: transformers' tokens."""
+    _, ref = ckpt.get(fmt)
+    loaded = ckpt.loaded(fmt)
+    cfg = loaded.config
+    shared = _tokens(24, 3)
+    prompts = [shared + _tokens(46, 4), shared + _tokens(50, 5), _tokens(66, 6)]  # past the original context
+    block = 8
+    per_block = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 4) * block
+    engine = LLMEngine(
+        EngineConfig(
+            block_size=block,
+            max_num_batched_tokens=16,
+            kv_cache_memory=24 * per_block,
+            max_model_len=128,
+            log_stats_interval=0,
+        ),
+        loaded,
+    )
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    stats = engine.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    for i, p in enumerate(prompts):
+        tokens = list(done[str(i)].outputs[0].token_ids)
+        assert len(tokens) == 32 and _hf_greedy_agrees(ref, p, tokens), f"{ckpt.family} {fmt} prompt {i}"
+
+
+def test_stop_tokens_and_chat_template_come_from_each_file(ckpt):
+    """HF folder: generation_config.json's EOS list; GGUF: its EOS and the end-of-turn tokens of its vocabulary
+    (as llama.cpp stops on <|eot_id|>, <end_of_turn>, <|im_end|>); both: the file's own chat template."""
+    hf_tok = load_tokenizer(ckpt.folder)
+    assert hf_tok.eos_token_ids == [2, 3] and hf_tok.chat_template == CHAT_TEMPLATE
+    gguf_tok = load_tokenizer(ckpt.get("f32")[0])
+    stops = [gguf_tok.convert_ids_to_tokens(i) for i in gguf_tok.eos_token_ids]
+    assert sorted(stops) == sorted(["</s>", "<|eot_id|>", "<end_of_turn>", "<|im_end|>"])
+    assert gguf_tok.chat_template == CHAT_TEMPLATE
+
+
+def test_gguf_config_describes_the_same_model(ckpt):
+    """The GGUF header gives the shape the HF config.json gives (what kv-calc and the engine size from)."""
+    a, b = load_model_config(ckpt.folder), load_model_config(ckpt.get("f32")[0])
+    keys = ["vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "rotary_dim"]
+    keys += ["tie_word_embeddings", "attention_bias", "qk_norm", "post_norms", "no_rope_layers", "rope_local_theta"]
+    assert {k: getattr(a, k) for k in keys} == {k: getattr(b, k) for k in keys}
+    if SPECS[ckpt.family][2] != "llama":  # llama.cpp's converter drops Mistral's window
+        assert [a.layer_window(i) for i in range(a.num_layers)] == [b.layer_window(i) for i in range(b.num_layers)]
+
+
+def test_dynamic_rope_matches_transformers_generation_past_the_context(tmp_path):
+    """Dynamic NTK scaling changes with the sequence length in transformers; a cached key keeps its rotation, so
+    each position rotates with the base transformers' cached generation uses for it: the same greedy tokens
+    from a prompt inside the original context to well past it."""
+    hf = make_family("llama-dynamic", str(tmp_path))
+    loaded = load_model(str(tmp_path), dtype="float32", verbose=False)
+    assert (
+        loaded.config.rope_scaling["rope_type"] == "dynamic" and loaded.config.max_position_embeddings == 4 * ORIG_CTX
+    )
+    prompt, n = _tokens(40, 7), 60
+    with torch.inference_mode():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    want = out[0, len(prompt) :].tolist()
+    runner = ModelRunner(loaded, num_blocks=16, block_size=8)
+    table, got = list(range(16)), []
+    logits = runner.execute([SeqChunk(prompt, 0, table)])
+    for _ in range(n):
+        got.append(int(logits[0].argmax()))
+        logits = runner.execute([SeqChunk([got[-1]], len(prompt) + len(got) - 1, table)])
+    assert got == want
+
+
+def _config_dir(tmp_path, **over) -> str:
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 16,
+        "hidden_size": 8,
+        "intermediate_size": 16,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+    } | over
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "over, named",
+    [
+        ({"rope_scaling": {"rope_type": "mrope", "factor": 2.0}}, "'mrope'"),
+        ({"hidden_act": "relu"}, "'relu'"),
+        ({"mlp_bias": True}, "mlp_bias"),
+        ({"architectures": ["Gemma3ForConditionalGeneration"]}, "Gemma3ForConditionalGeneration"),
+        ({"layer_types": ["chunked_attention"], "sliding_window": 8}, "chunked_attention"),
+    ],
+)
+def test_what_pagedllm_cannot_compute_is_refused_by_name(tmp_path, over, named):
+    with pytest.raises(ModelLoadError, match=named):
+        load_model_config(_config_dir(tmp_path, **over))
+
+
+def test_a_tensor_the_model_would_not_use_is_an_error(tmp_path):
+    """A checkpoint with a weight the config does not describe (an o_proj bias here) would run as a different
+    model if the tensor were skipped."""
+    from safetensors.torch import load_file, save_file
+
+    make_family("llama", str(tmp_path))
+    path = str(tmp_path / "model.safetensors")
+    tensors = load_file(path)
+    tensors["model.layers.0.self_attn.o_proj.bias"] = torch.zeros(64)
+    save_file(tensors, path)
+    with pytest.raises(ModelLoadError, match="o_proj.bias"):
+        load_model(str(tmp_path), dtype="float32", verbose=False)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_transformers_reads_our_gguf_as_we_do(family, tmp_path):
+    """transformers' own GGUF loader as a second reference, where it reads the file completely: the same logits
+    from the Q8_0 file. (It ignores llama.cpp's rope_freqs and yarn keys, and refuses Qwen3 / Phi-3 files, so
+    the scaled types are checked against the HF folder above and against llama.cpp by
+    benchmarks/family_parity_llamacpp.py.)"""
+    from transformers import AutoModelForCausalLM
+
+    make_family(family, str(tmp_path / "hf"))
+    os.makedirs(tmp_path / "gguf")
+    path = str(tmp_path / "gguf" / "m.gguf")
+    write_gguf(str(tmp_path / "hf"), family, "q8_0", path)
+    theirs = AutoModelForCausalLM.from_pretrained(str(tmp_path / "gguf"), gguf_file="m.gguf", dtype=torch.float32)
+    ids = _tokens(80, 8)
+    want = _hf_logits(theirs, ids)
+    loaded = load_model(path, dtype="float32", verbose=False)
+    got = all_logits(ModelRunner(loaded, num_blocks=8, block_size=16), [SeqChunk(ids, 0, list(range(8)))])[0]
+    assert (got - want).abs().max().item() / want.abs().max().item() < TOL

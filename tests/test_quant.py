@@ -192,23 +192,6 @@ def test_quantization_flag_and_its_fallback(tiny, monkeypatch, caplog):
     assert "no quantized kernel" in caplog.text
 
 
-def test_the_kv_cache_gets_what_quantized_weights_give_back(tiny):
-    """On CPU the default KV budget is a fixed space plus what the weights no longer take dequantized."""
-    from pagedllm.engine import LLMEngine
-    from pagedllm.engine.config import DEFAULT_CPU_KV_CACHE_MEMORY
-
-    folder, _ = tiny
-    sizes = {}
-    for q in ("none", "int4"):
-        engine = LLMEngine(EngineConfig(model=folder, dtype="float32", quantization=q, log_stats_interval=0))
-        sizes[q] = engine.kv.num_blocks * engine.runner.bytes_per_block
-        loaded = engine.loaded
-    per_block = engine.runner.bytes_per_block
-    gain = loaded.dense_weight_bytes - loaded.weight_bytes
-    assert gain > 0 and sizes["none"] // per_block == DEFAULT_CPU_KV_CACHE_MEMORY // per_block
-    assert sizes["int4"] // per_block == (DEFAULT_CPU_KV_CACHE_MEMORY + gain) // per_block
-
-
 @pytest.mark.skipif(not amx_available(), reason="no AMX on this CPU")
 def test_bfloat16_rows_depend_only_on_the_kernel_class(tiny):
     """--dtype bfloat16: steps of the chosen number of rows or more run their matmuls on AMX with bfloat16 inputs,

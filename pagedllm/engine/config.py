@@ -13,7 +13,9 @@ from pagedllm.engine.spec_decode import SpeculativeConfig
 from pagedllm.errors import UserError
 from pagedllm.settings import Bytes, Flag, add_flags, from_args, settings
 
-DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 2**30  # on CPU the cache shares RAM with everything else: a fixed space, as vLLM-CPU
+# on CPU the cache shares RAM with everything else: by default half of what is free after the weights, at most
+# this (engine/memory.py)
+DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 2**30
 DEFAULT_KV_OFFLOAD_SIZE = 16 * 2**30
 
 KVCacheDType = Literal["auto", "float32", "bfloat16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"]
@@ -53,10 +55,11 @@ class EngineConfig:
     """paged (the default): blocks handed out as a request grows; contiguous: each request reserves
     max-model-len tokens at admission, the baseline paging is measured against"""
     kv_cache_memory: Annotated[Bytes, Field(gt=0)] | None = None
-    """KV cache size in bytes, e.g. 2GiB (wins over --gpu-memory-utilization)"""
+    """KV cache size in bytes, e.g. 2GiB (wins over --gpu-memory-utilization); default on CPU: half the memory
+    free after loading the weights, at most 2 GiB; on GPU: see --gpu-memory-utilization"""
     gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] | None = None
-    """share of device memory (on CPU: of RAM) for weights, activations and KV cache (default: on CPU a 2 GiB KV
-    cache instead, on GPU 0.9)"""
+    """share of device memory (on CPU: of RAM) for weights, activations and KV cache (default: on GPU 0.9; on CPU
+    unset, the KV cache sized as --kv-cache-memory says instead)"""
     kv_offload_dir: Annotated[str | None, Flag(metavar="DIR")] = None
     """a disk tier for the prefix cache: full blocks evicted from RAM are written to DIR and read back on a later
     hit, also after a restart (only by an engine with the same weights, dtypes, block size and layer shape;

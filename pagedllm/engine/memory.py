@@ -1,9 +1,16 @@
 """Sizing the KV cache at start-up: a fixed budget (`--kv-cache-memory`), the CPU default, or a share of the
-device's memory after the weights and a warm-up step of the largest batch, cut into blocks."""
+device's memory after the weights and a warm-up step of the largest batch, cut into blocks.
+
+The CPU default is sized from the memory the machine has free once the weights are in (`CPU_KV_SHARE` of it,
+at most `DEFAULT_CPU_KV_CACHE_MEMORY`), never from what the weights would have taken dense: the cache is
+allocated (and zeroed) at start-up, so a budget the machine cannot hold fails or swaps before the first request,
+and the other processes on a CPU machine share the same RAM."""
 
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Callable
 
 import torch
 
@@ -17,6 +24,39 @@ from pagedllm.model.runner import ModelRunner, SeqChunk, bytes_per_block
 
 logger = logging.getLogger("pagedllm")
 
+CPU_KV_SHARE = 0.5  # of the memory free after loading: the rest is left to activations and the machine
+CGROUP = "/sys/fs/cgroup"
+
+
+def available_memory(cgroup: str = CGROUP) -> int:
+    """Bytes the process can still take: MemAvailable, or less where its cgroup (v2, e.g. a container's
+    `--memory`) sets a lower limit than the machine has."""
+    import psutil
+
+    free = int(psutil.virtual_memory().available)
+    try:
+        with open(os.path.join(cgroup, "memory.max"), encoding="ascii") as f:
+            limit = f.read().strip()
+        with open(os.path.join(cgroup, "memory.current"), encoding="ascii") as f:
+            used = int(f.read().strip())
+        if limit != "max":
+            free = min(free, int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return max(0, free)
+
+
+def cpu_kv_budget(available: int) -> tuple[int, str]:
+    """The default KV budget on a CPU for `available` free bytes after the weights, and the reason in words."""
+    share = int(CPU_KV_SHARE * available)
+    budget = min(DEFAULT_CPU_KV_CACHE_MEMORY, share)
+    why = (
+        f"{CPU_KV_SHARE:g} x {available / 2**30:.2f} GiB free after loading the weights"
+        + (f", capped at {DEFAULT_CPU_KV_CACHE_MEMORY / 2**30:g} GiB" if share > budget else "")
+        + "; --kv-cache-memory sets it"
+    )
+    return budget, why
+
 
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
@@ -27,12 +67,18 @@ def resolve_device(device: str) -> torch.device:
         raise UserError(f"--device: {e}") from None
 
 
-def num_kv_blocks(config: EngineConfig, loaded: LoadedModel, max_model_len: int, kv_dtype: torch.dtype) -> int:
+def num_kv_blocks(
+    config: EngineConfig,
+    loaded: LoadedModel,
+    max_model_len: int,
+    kv_dtype: torch.dtype,
+    available: Callable[[], int] | None = None,
+) -> int:
     """Blocks of `config.block_size` tokens the budget holds; a budget that cannot serve is a UserError naming
     the flag to change."""
     block_size = config.block_size
     per_block = bytes_per_block(loaded.config, block_size, kv_dtype)
-    budget = kv_budget(config, loaded, max_model_len, kv_dtype)
+    budget = kv_budget(config, loaded, max_model_len, kv_dtype, available)
     num_blocks = budget // per_block
     if config.kv_allocation == "contiguous" and num_blocks < cdiv(max_model_len, block_size):
         raise UserError(
@@ -51,14 +97,23 @@ def num_kv_blocks(config: EngineConfig, loaded: LoadedModel, max_model_len: int,
     return num_blocks
 
 
-def kv_budget(config: EngineConfig, loaded: LoadedModel, max_model_len: int, kv_dtype: torch.dtype) -> int:
-    """Bytes for the KV cache."""
+def kv_budget(
+    config: EngineConfig,
+    loaded: LoadedModel,
+    max_model_len: int,
+    kv_dtype: torch.dtype,
+    available: Callable[[], int] | None = None,
+) -> int:
+    """Bytes for the KV cache; the start-up log says how many and why. `available`: the free memory now (after
+    the weights), for the CPU default (`available_memory` unless given)."""
     if config.kv_cache_memory is not None:
+        logger.info("KV budget %.2f GiB: --kv-cache-memory", config.kv_cache_memory / 2**30)
         return config.kv_cache_memory
     device = loaded.device
     if config.gpu_memory_utilization is None and device.type == "cpu":
-        # quantized weights give back what they no longer take dequantized: the cache gets it
-        return DEFAULT_CPU_KV_CACHE_MEMORY + max(0, loaded.dense_weight_bytes - loaded.weight_bytes)
+        budget, why = cpu_kv_budget((available or available_memory)())
+        logger.info("KV budget %.2f GiB: %s", budget / 2**30, why)
+        return budget
     share = config.gpu_memory_utilization or 0.9
     total, used = profile_memory(loaded, min(config.max_num_batched_tokens, max_model_len), config.block_size, kv_dtype)
     budget = int(share * total) - used

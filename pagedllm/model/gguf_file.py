@@ -133,6 +133,7 @@ class GGUFFile:
         self.tensors: dict[str, GGUFTensorInfo] = {
             name: GGUFTensorInfo(name, shape, t, data_start + off) for name, shape, t, off in infos
         }
+        self._done_with(0, min(data_start, len(self._mm)))  # the header: a real tokenizer's arrays are MBs
 
     def _raw(self, name: str) -> tuple[np.ndarray, Any, list[int]]:  # Any: gguf.GGMLQuantizationType, imported late
         """The stored bytes of one tensor, uint8 [rows..., bytes per row], with its GGML type and logical shape."""
@@ -151,26 +152,46 @@ class GGUFFile:
         raw = np.frombuffer(self._mm, dtype=np.uint8, count=nbytes, offset=info.offset).reshape(raw_shape)
         return raw, qtype, shape
 
+    def _done_with(self, start: int, nbytes: int) -> None:
+        """Drop the mapping's pages over [start, start + nbytes) from this process (they stay in the page cache,
+        and a later read maps them again): the loader copies each tensor out once, and the pages it touched
+        would otherwise count as resident until the file is closed, as if the file were a second copy."""
+        if hasattr(mmap, "MADV_DONTNEED") and nbytes > 0:
+            first = start // mmap.PAGESIZE * mmap.PAGESIZE
+            self._mm.madvise(mmap.MADV_DONTNEED, first, start + nbytes - first)
+
     def load_raw(self, name: str) -> np.ndarray:
         """One tensor's stored blocks, copied out of the file (uint8 [rows..., bytes per row])."""
-        return self._raw(name)[0].copy()
+        raw = self._raw(name)[0]
+        out = raw.copy()
+        self._done_with(self.tensors[name].offset, raw.nbytes)
+        return out
 
-    def load_array(self, name: str) -> np.ndarray:
-        """Dequantize one tensor to a float32 numpy array of its logical shape (slowest dim first)."""
+    def load_array(self, name: str, rows: slice | None = None) -> np.ndarray:
+        """Dequantize one tensor (or the rows `rows`, a slice with step 1, of a matrix: each row is whole blocks)
+        to a new float32 numpy array of its logical shape (slowest dim first)."""
         import gguf
 
         raw, qtype, shape = self._raw(name)
+        start = self.tensors[name].offset
+        if rows is not None:
+            first, stop, _ = rows.indices(raw.shape[0])
+            start += first * raw.strides[0]
+            raw = raw[first:stop]
+            shape = [raw.shape[0], *shape[1:]]
         if qtype == gguf.GGMLQuantizationType.F32:
-            return raw.view(np.float32).reshape(shape)
-        if qtype == gguf.GGMLQuantizationType.F16:
-            return raw.view(np.float16).reshape(shape).astype(np.float32)
-        try:
-            out = gguf.quants.dequantize(raw, qtype)
-        except NotImplementedError as e:
-            raise ModelLoadError(
-                f"{self.path}: tensor {name} uses GGML type {qtype.name}, which cannot be dequantized"
-            ) from e
-        return np.asarray(out, dtype=np.float32).reshape(shape)
+            out = raw.view(np.float32).reshape(shape).copy()
+        elif qtype == gguf.GGMLQuantizationType.F16:
+            out = raw.view(np.float16).reshape(shape).astype(np.float32)
+        else:
+            try:
+                out = np.asarray(gguf.quants.dequantize(raw, qtype), dtype=np.float32).reshape(shape)
+            except NotImplementedError as e:
+                raise ModelLoadError(
+                    f"{self.path}: tensor {name} uses GGML type {qtype.name}, which cannot be dequantized"
+                ) from e
+        self._done_with(start, raw.nbytes)
+        return out
 
     def header(self) -> GGUFHeader:
         """What a model family reads to build its config: metadata, tensor shapes, small float tensors."""

@@ -15,6 +15,7 @@ the model says so once and loads dense.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import time
@@ -147,12 +148,14 @@ def load_model(
     net, dense_bytes, choice = _build(path, cfg, torch_dtype, dev, quant)
     if quant == "auto" and choice is not None and not choice.quantized:
         quant = "none"
+        del net  # not two models at once
         net, dense_bytes, _ = _build(path, cfg, torch_dtype, dev, quant)
     elif quant == "auto":
         quant = "gguf"
     tokenizer = load_tokenizer(path)
     if dev.type == "cpu":
         net.pack_cpu_weights()
+    trim_heap()
     weight_bytes = net.resident_weight_bytes()
     secs = time.perf_counter() - t0
     kind = str(torch_dtype).removeprefix("torch.") + ("" if quant == "none" else f", {quant} quantized")
@@ -166,6 +169,16 @@ def load_model(
 
         print(msg, file=sys.stderr)
     return LoadedModel(cfg, net, tokenizer, torch_dtype, dev, secs, weight_bytes, path, quant, dense_bytes, choice)
+
+
+def trim_heap() -> None:
+    """Hand the heap that loading freed back to the system. Loading allocates and frees a transient per tensor
+    (its blocks, codes, chunks); glibc keeps freed heap for reuse, and that memory stays resident: with the
+    a Llama-3.2-1B-shaped Q4_0 file, 1.1 GiB besides 0.7 GiB of weights. Elsewhere (no glibc) a no-op."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _build(

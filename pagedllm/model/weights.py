@@ -8,6 +8,11 @@ stores them fused (Phi-3) fills the merged weight at once. GGUF weights are dequ
 (`QuantParts`, see quant.py); the Q/K rows are un-permuted where llama.cpp's converter reordered them for its
 interleaved RoPE (we use the rotate-half layout of transformers). A tensor the model would not use is an
 error, not a silently different model.
+
+Memory while loading: the weights end up resident once, so whatever loading needs besides them is bounded by
+one tensor, never the model: a quantized weight is packed for the kernels as soon as its pieces (q/k/v,
+gate/up) are in, and a matrix loaded dense is dequantized a chunk of rows at a time straight into its
+parameter (`DenseRows`; a 128k x 4096 head is 2 GiB in float32).
 """
 
 from __future__ import annotations
@@ -30,7 +35,28 @@ from pagedllm.model.gguf_quants import GGML_TYPES, from_gguf_blocks
 from pagedllm.model.linear import Embedding, Linear
 from pagedllm.model.quant import QuantParts, log_once, pack, pack_merged, quantize_rtn
 
-Value = torch.Tensor | QuantParts
+CHUNK_BYTES = 64 << 20  # float32 bytes of a dense GGUF matrix dequantized at a time
+
+
+@dataclass
+class DenseRows:
+    """A GGUF matrix to load dense, read from the open file a chunk of rows at a time by `copy_to`."""
+
+    gf: GGUFFile
+    name: str
+    shape: tuple[int, int]
+
+    def copy_to(self, param: torch.Tensor) -> None:
+        step = max(1, CHUNK_BYTES // (4 * self.shape[1]))
+        for a in range(0, self.shape[0], step):
+            rows = self.gf.load_array(self.name, slice(a, a + step))
+            if not rows.flags.writeable:
+                rows = rows.copy()
+            with torch.no_grad():
+                param[a : a + rows.shape[0]].copy_(torch.from_numpy(rows))
+
+
+Value = torch.Tensor | QuantParts | DenseRows
 # GGUF tensors read into the config instead (RoPE factors), and HF buffers recomputed from it.
 _CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
@@ -160,6 +186,9 @@ def iter_gguf(gf: GGUFFile, model: CausalLM, keep_quantized: bool = False) -> It
         if parts is not None:
             yield hf, parts.rows(unpermute_gguf(np.arange(info.shape[0]), heads)) if unpermute else parts
             continue
+        if len(info.shape) == 2 and not unpermute:
+            yield hf, DenseRows(gf, name, (info.shape[0], info.shape[1]))
+            continue
         arr = gf.load_array(name)
         if unpermute:
             arr = unpermute_gguf(arr, heads)
@@ -172,7 +201,9 @@ def _put(slot: Slot, value: Value, key: str, where: str) -> None:
     shape = tuple(value.shape)
     if shape != tuple(slot.target.shape):
         raise ModelLoadError(f"{where}: tensor {key} has shape {shape}, expected {tuple(slot.target.shape)}")
-    if not isinstance(value, QuantParts):
+    if isinstance(value, DenseRows):
+        value.copy_to(slot.target)
+    elif not isinstance(value, QuantParts):
         with torch.no_grad():
             slot.target.copy_(value)
 
@@ -184,7 +215,9 @@ def _unused(name: str) -> bool:
 
 def assign_weights(model: CausalLM, tensors: Iterator[tuple[str, Value]], where: str) -> None:
     """Copy HF-named tensors into the model (merging q/k/v and gate/up); error on anything missing or left over.
-    QuantParts are kept quantized where every piece of their merged weight is, else dequantized into place."""
+    QuantParts are kept quantized where every piece of their merged weight is, and packed as soon as the last
+    piece is in (so loading holds one weight's plain form at a time, not the model's); else dequantized into
+    place."""
     table = tensor_table(model)
     filled: set[str] = set()
     extra: list[str] = []
@@ -195,9 +228,12 @@ def assign_weights(model: CausalLM, tensors: Iterator[tuple[str, Value]], where:
             extra += [] if _unused(name) else [name]
             continue
         _put(slot, t, name, where)
-        if isinstance(t, QuantParts):
-            pieces.setdefault(id(slot.owner), {})[slot.index] = (t, slot)
         filled.add(name)
+        if isinstance(t, QuantParts):
+            got = pieces.setdefault(id(slot.owner), {})
+            got[slot.index] = (t, slot)
+            if len(got) == slot.pieces:
+                _install(pieces.pop(id(slot.owner)), where)
     if extra:
         raise ModelLoadError(
             f"{where}: {len(extra)} tensors this {model.config.family} model does not use, e.g. {extra[:3]}"

@@ -1,0 +1,72 @@
+"""The default KV budget on a CPU (engine/memory.py): a share of the memory free after the weights, with a cap,
+never what the weights would have taken dense. The free memory is a fake here, never the machine's."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import pagedllm.engine.memory as memory
+from pagedllm.engine import EngineConfig, LLMEngine
+from pagedllm.engine.config import DEFAULT_CPU_KV_CACHE_MEMORY
+from pagedllm.engine.memory import CPU_KV_SHARE, available_memory, kv_budget, num_kv_blocks
+from pagedllm.errors import UserError
+
+GiB = 2**30
+
+
+def budget(loaded, available: int, **kw) -> int:
+    cfg = EngineConfig(log_stats_interval=0, **kw)
+    return kv_budget(cfg, loaded, 2048, torch.float32, lambda: available)
+
+
+@pytest.mark.parametrize("free", [GiB // 3, 2 * GiB, 3 * GiB + 12345])
+def test_a_share_of_the_free_memory_below_the_cap(model_fp32, free):
+    assert budget(model_fp32, free) == int(CPU_KV_SHARE * free) < DEFAULT_CPU_KV_CACHE_MEMORY
+
+
+@pytest.mark.parametrize("free", [64 * GiB, 1024 * GiB])
+def test_never_more_than_the_cap(model_fp32, free):
+    assert budget(model_fp32, free) == DEFAULT_CPU_KV_CACHE_MEMORY
+
+
+def test_not_what_the_weights_would_take_dense(model_fp32, model_fp32_dense):
+    """Quantized weights leave the machine more free memory; they add nothing to the budget by themselves (the
+    old rule gave the cache the difference to dense on top of a fixed 2 GiB)."""
+    assert model_fp32.weight_bytes < model_fp32.dense_weight_bytes
+    for free in (GiB, 100 * GiB):
+        assert budget(model_fp32, free) == budget(model_fp32_dense, free)
+
+
+def test_the_flag_wins_over_the_free_memory(model_fp32):
+    assert budget(model_fp32, 10**6, kv_cache_memory=123 * 2**20) == 123 * 2**20
+
+
+def test_the_log_says_the_budget_and_why(model_fp32, caplog):
+    with caplog.at_level(logging.INFO, logger="pagedllm"):
+        budget(model_fp32, 100 * GiB)
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("KV budget"))
+    assert "2.00 GiB" in line and "100.00 GiB free after loading" in line and "capped at 2 GiB" in line
+    assert "--kv-cache-memory" in line
+
+
+def test_no_memory_free_is_a_clear_error_naming_the_flag(model_fp32):
+    with pytest.raises(UserError, match="--kv-cache-memory"):
+        num_kv_blocks(EngineConfig(log_stats_interval=0), model_fp32, 2048, torch.float32, lambda: 0)
+
+
+def test_the_engine_sizes_its_cache_from_the_free_memory(model_fp32, monkeypatch):
+    """The engine asks after loading; its cache holds the budget's blocks."""
+    monkeypatch.setattr(memory, "available_memory", lambda: 64 * 2**20)
+    engine = LLMEngine(EngineConfig(log_stats_interval=0, max_model_len=1024), model_fp32)
+    assert engine.kv.num_blocks == int(CPU_KV_SHARE * 64 * 2**20) // engine.runner.bytes_per_block
+
+
+def test_a_cgroup_limit_below_the_machine_counts(tmp_path):
+    (tmp_path / "memory.max").write_text(f"{3 * 2**20}\n")
+    (tmp_path / "memory.current").write_text(f"{2**20}\n")
+    assert available_memory(str(tmp_path)) == 2 * 2**20
+    (tmp_path / "memory.max").write_text("max\n")
+    assert available_memory(str(tmp_path)) > 2 * 2**20  # the machine's MemAvailable

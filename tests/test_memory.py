@@ -1,5 +1,6 @@
-"""The default KV budget on a CPU (engine/memory.py): a share of the memory free after the weights, with a cap,
-never what the weights would have taken dense. The free memory is a fake here, never the machine's."""
+"""The default KV budget on a CPU (kv/sizing.py's rule, the free memory read by engine/memory.py): a share of
+the memory free after the weights, with a cap, never what the weights would have taken dense. The free memory
+is a fake here, never the machine's."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ import torch
 
 import pagedllm.engine.memory as memory
 from pagedllm.engine import EngineConfig, LLMEngine
-from pagedllm.engine.config import DEFAULT_CPU_KV_CACHE_MEMORY
-from pagedllm.engine.memory import CPU_KV_SHARE, available_memory, kv_budget, num_kv_blocks
+from pagedllm.engine.memory import available_memory, kv_budget, num_kv_blocks
 from pagedllm.errors import UserError
+from pagedllm.kv.sizing import CPU_KV_SHARE, DEFAULT_CPU_KV_CACHE_MEMORY
 
 GiB = 2**30
 

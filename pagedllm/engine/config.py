@@ -13,9 +13,6 @@ from pagedllm.engine.spec_decode import SpeculativeConfig
 from pagedllm.errors import UserError
 from pagedllm.settings import Bytes, Flag, add_flags, from_args, settings
 
-# on CPU the cache shares RAM with everything else: by default half of what is free after the weights, at most
-# this (engine/memory.py)
-DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 2**30
 DEFAULT_KV_OFFLOAD_SIZE = 16 * 2**30
 
 KVCacheDType = Literal["auto", "float32", "bfloat16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"]

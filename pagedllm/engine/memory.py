@@ -1,10 +1,7 @@
-"""Sizing the KV cache at start-up: a fixed budget (`--kv-cache-memory`), the CPU default, or a share of the
-device's memory after the weights and a warm-up step of the largest batch, cut into blocks.
-
-The CPU default is sized from the memory the machine has free once the weights are in (`CPU_KV_SHARE` of it,
-at most `DEFAULT_CPU_KV_CACHE_MEMORY`), never from what the weights would have taken dense: the cache is
-allocated (and zeroed) at start-up, so a budget the machine cannot hold fails or swaps before the first request,
-and the other processes on a CPU machine share the same RAM."""
+"""Measuring what the KV cache can have at start-up, and asking kv/sizing how many blocks that is: which budget
+applies (`--kv-cache-memory`, the CPU default from the memory free after the weights, or a share of the device's
+memory after a warm-up step of the largest batch). What a block costs, the CPU default's rule and the blocks a
+budget holds are kv/sizing's; this module only measures the device."""
 
 from __future__ import annotations
 
@@ -14,17 +11,22 @@ from collections.abc import Callable
 
 import torch
 
-from pagedllm.engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
+from pagedllm.engine.config import EngineConfig
 from pagedllm.errors import UserError
 from pagedllm.kv.manager import cdiv
-from pagedllm.kv.sizing import freeing_window, kv_cache_groups, kv_dtype_bytes_per_token
+from pagedllm.kv.sizing import (
+    blocks_for_budget,
+    cpu_kv_budget,
+    freeing_window,
+    kv_cache_groups,
+    kv_dtype_bytes_per_token,
+)
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.loader import LoadedModel
 from pagedllm.model.runner import ModelRunner, SeqChunk, bytes_per_block
 
 logger = logging.getLogger("pagedllm")
 
-CPU_KV_SHARE = 0.5  # of the memory free after loading: the rest is left to activations and the machine
 CGROUP = "/sys/fs/cgroup"
 
 
@@ -46,18 +48,6 @@ def available_memory(cgroup: str = CGROUP) -> int:
     return max(0, free)
 
 
-def cpu_kv_budget(available: int) -> tuple[int, str]:
-    """The default KV budget on a CPU for `available` free bytes after the weights, and the reason in words."""
-    share = int(CPU_KV_SHARE * available)
-    budget = min(DEFAULT_CPU_KV_CACHE_MEMORY, share)
-    why = (
-        f"{CPU_KV_SHARE:g} x {available / 2**30:.2f} GiB free after loading the weights"
-        + (f", capped at {DEFAULT_CPU_KV_CACHE_MEMORY / 2**30:g} GiB" if share > budget else "")
-        + "; --kv-cache-memory sets it"
-    )
-    return budget, why
-
-
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -76,25 +66,9 @@ def num_kv_blocks(
 ) -> int:
     """Blocks of `config.block_size` tokens the budget holds; a budget that cannot serve is a UserError naming
     the flag to change."""
-    block_size = config.block_size
-    per_block = bytes_per_block(loaded.config, block_size, kv_dtype)
+    per_block = bytes_per_block(loaded.config, config.block_size, kv_dtype)
     budget = kv_budget(config, loaded, max_model_len, kv_dtype, available)
-    num_blocks = budget // per_block
-    if config.kv_allocation == "contiguous" and num_blocks < cdiv(max_model_len, block_size):
-        raise UserError(
-            f"--kv-cache-memory: contiguous allocation reserves {max_model_len} tokens per "
-            f"request ({cdiv(max_model_len, block_size) * per_block:,} bytes) but the "
-            f"budget holds only {num_blocks} blocks; lower --max-model-len or raise the budget"
-        )
-    if num_blocks < 1:
-        raise UserError(f"--kv-cache-memory: {budget:,} bytes hold no KV block of {per_block:,} bytes")
-    if num_blocks * block_size < max_model_len:
-        logger.warning(
-            "the KV cache holds %d tokens, less than --max-model-len %d: longer requests will fail",
-            num_blocks * block_size,
-            max_model_len,
-        )
-    return num_blocks
+    return blocks_for_budget(budget, per_block, config.block_size, max_model_len, config.kv_allocation)
 
 
 def kv_budget(

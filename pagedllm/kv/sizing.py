@@ -1,13 +1,25 @@
-"""How much KV cache a model needs, and how many requests a memory budget holds under each allocation."""
+"""How much KV cache a model needs, and how many requests a memory budget holds under each allocation: what a
+token and a block cost per --kv-cache-dtype and layer group, how many blocks a budget holds, and the CPU's default
+budget. The one place these are answered: the engine (at start-up) and `pagedllm kv-calc` ask here."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
+from pagedllm.errors import UserError
 from pagedllm.kv.manager import cdiv
+
+logger = logging.getLogger("pagedllm")
+
+# On a CPU the cache shares RAM with everything else: by default CPU_KV_SHARE of what is free after loading the
+# weights, at most DEFAULT_CPU_KV_CACHE_MEMORY (the cache is allocated and zeroed at start-up, so a budget the
+# machine cannot hold fails or swaps before the first request).
+DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 2**30
+CPU_KV_SHARE = 0.5
 
 # KV-cache dtypes (--kv-cache-dtype) -> bytes per value; the quantized ones add a bfloat16 scale per (token, KV head)
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
@@ -77,8 +89,47 @@ def window_blocks(num_tokens: int, window: int | None, block_size: int) -> int:
     return held - max(0, (num_tokens - window + 1) // block_size)
 
 
+def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: str, block_size: int) -> int:
+    """What one block of `block_size` tokens costs in a cache of that --kv-cache-dtype name."""
+    return kv_dtype_bytes_per_token(num_layers, num_kv_heads, head_dim, kv_dtype) * block_size
+
+
 def num_blocks_in_budget(budget_bytes: int, bytes_per_block: int) -> int:
     return budget_bytes // bytes_per_block
+
+
+def cpu_kv_budget(available: int) -> tuple[int, str]:
+    """The default KV budget on a CPU for `available` free bytes after the weights, and the reason in words."""
+    share = int(CPU_KV_SHARE * available)
+    budget = min(DEFAULT_CPU_KV_CACHE_MEMORY, share)
+    why = (
+        f"{CPU_KV_SHARE:g} x {available / 2**30:.2f} GiB free after loading the weights"
+        + (f", capped at {DEFAULT_CPU_KV_CACHE_MEMORY / 2**30:g} GiB" if share > budget else "")
+        + "; --kv-cache-memory sets it"
+    )
+    return budget, why
+
+
+def blocks_for_budget(budget: int, per_block: int, block_size: int, max_model_len: int, allocation: str) -> int:
+    """Blocks a budget of `budget` bytes holds; a budget that cannot serve is a UserError naming the flag to
+    change (a contiguous cache must hold one whole max_model_len request), one too small for a max_model_len
+    request a warning."""
+    num_blocks = num_blocks_in_budget(budget, per_block)
+    if allocation == "contiguous" and num_blocks < cdiv(max_model_len, block_size):
+        raise UserError(
+            f"--kv-cache-memory: contiguous allocation reserves {max_model_len} tokens per "
+            f"request ({cdiv(max_model_len, block_size) * per_block:,} bytes) but the "
+            f"budget holds only {num_blocks} blocks; lower --max-model-len or raise the budget"
+        )
+    if num_blocks < 1:
+        raise UserError(f"--kv-cache-memory: {budget:,} bytes hold no KV block of {per_block:,} bytes")
+    if num_blocks * block_size < max_model_len:
+        logger.warning(
+            "the KV cache holds %d tokens, less than --max-model-len %d: longer requests will fail",
+            num_blocks * block_size,
+            max_model_len,
+        )
+    return num_blocks
 
 
 def slots_needed(num_tokens: int, block_size: int, allocation: str, max_model_len: int) -> int:

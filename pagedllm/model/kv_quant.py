@@ -44,13 +44,6 @@ def is_quantized(dtype: torch.dtype) -> bool:
     return dtype in CODE_MAX
 
 
-def row_bytes(head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes of one (token, KV head) row of keys (or values)."""
-    if is_quantized(dtype):
-        return head_dim + KV_SCALE_BYTES
-    return head_dim * torch.empty((), dtype=dtype).element_size()
-
-
 def cache_shape(
     num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
 ) -> tuple[int, int, int, int]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 import pagedllm.model.kv_quant as kv_quant
-from pagedllm.kv.sizing import kv_bytes_per_token
+from pagedllm.kv.sizing import kv_bytes_per_block
 from pagedllm.model.attention import build_metadata, step_index
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.fused_step import FusedStep, fusable
@@ -39,9 +39,13 @@ def kv_cache_bytes(config: ModelConfig, num_blocks: int, block_size: int, dtype:
 
 
 def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """The cache's own tensors in bytes per block: kv/sizing's per-token figure (the one formula) x block_size."""
-    per_row = kv_quant.row_bytes(config.head_dim, dtype)  # a key (or value) vector of one KV head, with any scale
-    return kv_bytes_per_token(config.num_layers, config.num_kv_heads, per_row, 1) * block_size
+    """The cache's own tensors in bytes per block, as kv/sizing counts them for this dtype."""
+    return kv_bytes_per_block(config.num_layers, config.num_kv_heads, config.head_dim, _KV_NAMES[dtype], block_size)
+
+
+_KV_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"} | {
+    dtype: name for name, dtype in kv_quant.QUANT_KV_DTYPES.items()
+}  # a cache's torch dtype -> its --kv-cache-dtype name
 
 
 class ModelRunner:

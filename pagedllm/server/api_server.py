@@ -103,18 +103,24 @@ def build_app(
     app.state.embedders = [*own, *embedders]
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]  # FastAPI's documented way to extend it
     install_error_handlers(app)
-    for router in state_routers if state_routers is not None else (serving_info.router, kv_page_router):
-        app.include_router(router)  # kv_page_router: GET /kv (the live block map), GET /v1/kv/blocks (its data)
-    generation = (serving_completion, serving_chat, serving_responses, serving_messages) if generate else ()
-    for module in (*generation, serving_tokenization, serving_embedding):
-        app.include_router(module.router)
-    if rag is not None:
-        app.include_router(serving_rag.router)
+    _include_routes(app, state_routers, generate, rag is not None)
     app.add_middleware(InternalErrorMiddleware)
     app.add_middleware(RequestBodyMiddleware, max_bytes=max_request_bytes)
     if api_key:
         app.add_middleware(AuthMiddleware, api_key=api_key)
     return app
+
+
+def _include_routes(app: FastAPI, state_routers: Sequence[APIRouter] | None, generate: bool, rag: bool) -> None:
+    """One include_router line per endpoint family: the state routes, generation (unless the model only pools),
+    tokenization and embeddings, and the RAG route when there is an index."""
+    for router in state_routers if state_routers is not None else (serving_info.router, kv_page_router):
+        app.include_router(router)  # kv_page_router: GET /kv (the live block map), GET /v1/kv/blocks (its data)
+    generation = (serving_completion, serving_chat, serving_responses, serving_messages) if generate else ()
+    for module in (*generation, serving_tokenization, serving_embedding):
+        app.include_router(module.router)
+    if rag:
+        app.include_router(serving_rag.router)
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:

@@ -21,8 +21,8 @@ HIDDEN, LAYERS, HEADS, KV_HEADS, FFN, VOCAB = 64, 3, 4, 2, 128, 16001
 
 
 def write_tiny_gguf(path: str, matrix_type: str = "Q8_0") -> None:
-    """A 3-layer llama GGUF: matrices in `matrix_type`, the embedding table F16 (so it loads dense), no
-    tokenizer (these tests load weights only)."""
+    """A 3-layer llama GGUF: matrices in `matrix_type`, the embedding table F32 (so it loads dense: F16 and BF16
+    tables are kept as stored), no tokenizer (these tests load weights only)."""
     import gguf
 
     rng = np.random.default_rng(0)
@@ -34,7 +34,7 @@ def write_tiny_gguf(path: str, matrix_type: str = "Q8_0") -> None:
     w.add_uint32("llama.attention.head_count", HEADS)
     w.add_uint32("llama.attention.head_count_kv", KV_HEADS)
     w.add_uint32("llama.vocab_size", VOCAB)
-    w.add_tensor("token_embd.weight", rng.standard_normal((VOCAB, HIDDEN), dtype=np.float32).astype(np.float16))
+    w.add_tensor("token_embd.weight", rng.standard_normal((VOCAB, HIDDEN), dtype=np.float32))
     kv = HIDDEN // HEADS * KV_HEADS
     shapes = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (kv, HIDDEN), "attn_v": (kv, HIDDEN)}
     shapes |= {"attn_output": (HIDDEN, HIDDEN), "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN)}
@@ -80,7 +80,7 @@ def test_each_weight_is_packed_as_soon_as_its_pieces_are_in(tiny_gguf):
 
 
 def test_a_dense_matrix_is_filled_a_chunk_of_rows_at_a_time(tiny_gguf, monkeypatch):
-    """The F16 table, dequantized in chunks that do not divide its rows, equals the whole-tensor dequantization;
+    """The F32 table, read in chunks that do not divide its rows, equals the whole-tensor dequantization;
     numpy never holds more than a chunk of it in float32."""
     full_bytes = VOCAB * HIDDEN * 4
     monkeypatch.setattr(weights, "CHUNK_BYTES", 37 * HIDDEN * 4)  # 37 rows: 16001 = 432 x 37 + 17

@@ -254,7 +254,9 @@ def test_auto_tool_calls_are_parsed_from_the_content_after_the_thinking(parser, 
     from pagedllm.server.protocol import ToolMode
     from pagedllm.server.serving_chat import _message, _StreamedChoice
 
-    ctx = SimpleNamespace(engine=SimpleNamespace(tokenizer=SimpleNamespace(chat_template=None)))
+    ctx = SimpleNamespace(
+        engine=SimpleNamespace(tokenizer=SimpleNamespace(chat_template=None)), tool_call_parser="hermes"
+    )
     call = '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
     text = ("<think>" if state == "before" else "") + f"maybe {call}?</think>Adding.{call}"
     fmt, mode = REASONING_PARSERS[parser], ToolMode("auto")

@@ -140,6 +140,7 @@ def from_errors(errors: list[dict[str, Any]]) -> APIError:
     if (
         len(errors) > 1
         and field in ("prompt", "input")
+        and first.get("type") != "value_error"  # a member's own check (a Responses item's) says what is wrong
         and all(str(e["loc"][1:2]) == str(first["loc"][1:2]) for e in errors)
     ):
         msg = "must be a string, a list of strings, a list of token ids or a list of lists of token ids"

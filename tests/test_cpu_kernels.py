@@ -174,7 +174,8 @@ def _damage(case: str, path: Path, elsewhere: Path) -> None:
     }[case]
     if case == "sealed garbage":
         body += hashlib.sha256(body).digest() + cpu_kernel.SEAL
-    path.write_bytes(body)
+    path.unlink()  # a new file under the name: this process still maps the old one (written over, its pages go,
+    path.write_bytes(body)  # and the loader's exit handlers die with SIGBUS)
 
 
 DAMAGE = ["truncated", "empty", "a flipped byte", "no seal", "sealed garbage", "a directory", "a link to a good copy"]

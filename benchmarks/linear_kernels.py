@@ -7,6 +7,8 @@ activations. Kernels (a kernel that cannot run here is left out and said so):
   has it); the weights dequantized from the model;
 - q-f32: pagedllm's C kernel, float32 activations, weights as stored (Q4_1 / Q8_0 for the default GGUF; every
   GGML type: gguf_types.py);
+- q-dot: the same weights with the activations rounded to 16-bit integers per group of 32 (the dot route that
+  decode steps take: integer products, VNNI where the CPU has it);
 - q-amx: pagedllm's AMX kernel, bfloat16 activations, the same stored weights;
 - int4pack-bf16 / int4pack-f32: torch's `_weight_int4pack_mm_for_cpu` (groups of 32, scale and zero per group;
   the LM head too), activations in that dtype;
@@ -108,8 +110,9 @@ def _nbytes(*ts: torch.Tensor) -> int:
 def make_kernel(name: str, weights: dict[str, list[QuantWeight]]):
     """(dtype, {shape: [callable(x) per weight]}, bytes of weights), or None where it cannot run here."""
     quant_bytes = sum(q.nbytes for ws in weights.values() for q in ws)
-    if name == "q-f32":
-        return torch.float32, {s: [lambda x, q=q: qlinear(x, q) for q in ws] for s, ws in weights.items()}, quant_bytes
+    if name in ("q-f32", "q-dot"):  # float32 activations, or rounded to 16 bits (the dot route)
+        qs = {s: [dataclasses.replace(q, dot=name == "q-dot") for q in ws] for s, ws in weights.items()}
+        return torch.float32, {s: [lambda x, q=q: qlinear(x, q) for q in ws] for s, ws in qs.items()}, quant_bytes
     if name == "q-amx":  # every row count on AMX, whatever the loaded model's measured threshold
         if not amx_available():
             return None

@@ -18,6 +18,14 @@ def model_fp32():
 
 
 @pytest.fixture(scope="session")
+def model_fp32_exact():
+    """The default model kept quantized with float32 activations everywhere (--quantized-activations none)."""
+    from pagedllm.model.loader import load_model
+
+    return load_model(None, "float32", quantized_activations="none")
+
+
+@pytest.fixture(scope="session")
 def model_fp32_dense():
     """The default model dequantized to float32 (--quantization none): the exact path."""
     from pagedllm.model.loader import load_model

@@ -122,6 +122,51 @@ def test_merged_weight_of_mixed_types(lib):
     assert quant.pack_merged(inner_odd) is None  # a type change inside a block of 16 rows: the caller runs dense
 
 
+def _dot(lib: ctypes.CDLL, x: np.ndarray, w: quant.QuantWeight, bias: np.ndarray) -> np.ndarray:
+    out = np.empty((x.shape[0], w.n), np.float32)
+    rc = lib.qmm_dot(
+        out.ctypes.data, x.ctypes.data, w.tiles.data_ptr(), bias.ctypes.data, x.shape[0], w.n, w.k, w.k, w.n,
+        quant.FORMATS[w.fmt], 0, 2,
+    )  # fmt: skip
+    assert rc == 0, rc
+    return out
+
+
+def rounded_16(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x rounded as the dot route rounds it (csrc qdot_quantize_row, in float32): codes and scale per 32."""
+    g = x.reshape(x.shape[0], -1, 32).astype(np.float32)
+    amax = np.abs(g).max(-1, keepdims=True)
+    inv = np.where(amax > 0, np.float32(32767) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    return np.rint(g * inv), np.where(inv > 0, amax / np.float32(32767), 0).astype(np.float32)
+
+
+@pytest.mark.parametrize("ggml_type", sorted(GGML_TYPES), ids=[GGML_TYPES[t] for t in sorted(GGML_TYPES)])
+def test_the_dot_route_is_the_weights_times_the_rounded_activations(lib, ggml_type):
+    """16-bit activations: the result is the file's exact weights times x as rounded (a float64 reference), so
+    within half a step of each group's scale of the float32 route, for 1-5 rows on every class; a row does not
+    depend on the batch. The types the route does not run take the float32 direct route, bit for bit."""
+    k = 512 if block_shape(ggml_type)[0] == 256 else 96
+    raw = random_blocks(ggml_type, 37, k, ggml_type)
+    ref = reference(raw, ggml_type, k).astype(np.float64)
+    w = quant.pack(from_gguf_blocks(raw, ggml_type))
+    rng = np.random.default_rng(ggml_type)
+    x, bias = rng.standard_normal((5, k)).astype(np.float32), rng.standard_normal(w.n).astype(np.float32)
+    x[1] *= 1e-30  # tiny groups, and an all-zero group (its scale 0), round like the others
+    x[2, :32] = 0
+    codes, scale = rounded_16(x)
+    want = np.einsum("mgk,ngk->mn", codes * scale.astype(np.float64), ref.reshape(w.n, -1, 32)) + bias
+    full = _dot(lib, x, w, bias)
+    if quant.FORMATS[w.fmt] not in (0, 1, 2, 5, 11):  # not a dot format: the float32 direct route
+        assert np.array_equal(full, _matmul(lib, x, w, bias))
+        return
+    np.testing.assert_allclose(full, want, atol=1e-5 * np.abs(want).max(), rtol=0)
+    exact = x.astype(np.float64) @ ref.T + bias
+    bound = (np.abs(ref).reshape(w.n, -1, 32).sum(-1) @ (scale[..., 0].T / 2)).T  # [m, n]: half a step a weight
+    assert np.all(np.abs(full - exact) <= bound + 1e-5 * np.abs(exact).max())
+    for rows in (1, 2, 3, 4):
+        assert np.array_equal(_dot(lib, x[:rows], w, bias), full[:rows]), f"{rows} rows differ from 5"
+
+
 # ---- a whole model written with llama.cpp's type mix -----------------------------------------------------
 
 HIDDEN, INTER, HEADS, KV_HEADS, LAYERS, VOCAB = 256, 512, 4, 2, 2, 333

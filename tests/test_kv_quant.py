@@ -162,9 +162,11 @@ def test_each_attention_path_stays_close_to_a_float32_cache(
 
 
 @pytest.mark.parametrize("dtype", QUANTIZED)
-def test_the_readers_agree_on_the_same_bytes(model_fp32, texts, dtype):
+def test_the_readers_agree_on_the_same_bytes(model_fp32_exact, texts, dtype):
     """A cache written by the fused step, read for one decode token by each path: equal up to float rounding (and
-    the new token's own row, which each path writes)."""
+    the new token's own row, which each path writes). On float32 activations: the rounding of the dot route
+    would flip more of those codes."""
+    model_fp32 = model_fp32_exact
     ids, table = texts[1], list(range(16))
     writer = runner_for(model_fp32, dtype, "fused")
     writer.execute([SeqChunk(ids[:96], 0, table)])

@@ -244,6 +244,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "qmm_f32": [p] * 4 + [i] * 8,
         "qrows_f32": [p, p, i, p, i, i, i],
         "qmm_amx": [p] * 4 + [i] * 8,
+        "qmm_dot": [p] * 4 + [i] * 8,
         "qmm_amx_available": [],
         "model_step": [p, p, p, i],
         "kv_quantize_rows": [p, p, i64, i, i],
@@ -300,8 +301,8 @@ def check_structs(lib: ctypes.CDLL) -> None:
 
 
 def isa(lib: ctypes.CDLL) -> dict[str, str]:
-    """Which vector path each kernel of a built library was compiled with, e.g. {"matmul": "avx2", "step":
-    "avx2", "attention": "avx2", "amx": "no"}: what the compiler saw, not what the CPU has."""
+    """Which vector path each kernel of a built library was compiled with, e.g. {"matmul": "avx2", "dot": "avx2",
+    "amx": "no"}: what the compiler saw, not what the CPU has."""
     return dict(kv.split("=", 1) for kv in lib.kernel_isa().decode().split())
 
 

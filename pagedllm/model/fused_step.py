@@ -144,6 +144,7 @@ class FusedStep:
             block_size=self.block_size,
             cache_kind=kv_quant.KINDS[k_cache.dtype],
             amx_min_rows=amx,
+            dot=int(head.dot),
             num_blocks=k_cache.shape[0],
             eps=cfg.rms_norm_eps,
             final_norm=self._f32(m.norm.weight),

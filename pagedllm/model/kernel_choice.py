@@ -6,19 +6,22 @@ slower than dense; AMX (bfloat16 inputs) beats the float32 kernel only past a ro
 So on the first load of a model on a machine, each candidate runs the model's own first-layer matmuls (its
 real weights and formats) at a few row counts:
 - q-f32: the quantized kernel with float32 inputs (the file's exact weight values);
+- q-dot: the same weights with the inputs rounded to 16-bit integers (the dot route that decode-sized steps
+  take), where the build has vector code for it;
 - dense: oneDNN over the same weights dequantized to the model's dtype (what `--quantization none` runs);
 - q-amx: the quantized weights on AMX with bfloat16 inputs, where the CPU has it and the dtype is bfloat16.
 and the choice is kept beside the compiled kernels (their file name already names the CPU, compiler, build
 class and sources), keyed by the shapes, formats and dtype, so later loads read it.
 
-What is chosen: the weights stay quantized unless dense is faster for one row (decode of one sequence, where
-the bytes read decide and which the quantized path exists for); bfloat16 steps run on AMX from the smallest
-row count from which AMX is measured faster at every larger one. Dense is never kept beside the quantized
-weights: a second copy of the weights would come out of the KV cache.
+What is chosen: the weights stay quantized unless dense is faster for one row than the faster quantized
+kernel (decode of one sequence, where the bytes read decide and which the quantized path exists for); bfloat16
+steps run on AMX from the smallest row count from which AMX is measured faster at every larger one. Dense is
+never kept beside the quantized weights: a second copy of the weights would come out of the KV cache.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -53,7 +56,9 @@ class KernelChoice:
     def kernel_for(self, rows: int) -> str:
         if not self.quantized:
             return "dense"
-        return "q-amx" if self.amx_min_rows and rows >= self.amx_min_rows else "q-f32"
+        if self.amx_min_rows and rows >= self.amx_min_rows:
+            return "q-amx"
+        return "q-dot" if "q-dot" in self.ms else "q-f32"
 
     def describe(self) -> str:
         """One log line: which kernel serves which step sizes, and the times that decided it."""
@@ -71,7 +76,7 @@ class KernelChoice:
 
 def decide(ms: dict[str, dict[int, float]], build: str) -> KernelChoice:
     """The choice that the measured times `ms` (candidate -> rows -> ms) call for."""
-    quantized = "dense" not in ms or ms["q-f32"][1] <= ms["dense"][1]
+    quantized = "dense" not in ms or min(ms[k][1] for k in ("q-f32", "q-dot") if k in ms) <= ms["dense"][1]
     amx_min_rows = 0
     if quantized and "q-amx" in ms:
         for r in sorted(ms["q-amx"], reverse=True):
@@ -108,9 +113,8 @@ def measure(layer: list[QuantWeight], dtype: torch.dtype, build: str) -> KernelC
     another that the OS has put aside."""
     dense = [_dense(w, dtype) for w in layer]
     amx = [QuantWeight(w.fmt, w.n, w.k, w.tiles, w.source, amx_min_rows=1) for w in layer]
-    ms: dict[str, dict[int, float]] = {"q-f32": {}, "dense": {}}
-    if dtype == torch.bfloat16 and amx_available():
-        ms["q-amx"] = {}
+    dot = [dataclasses.replace(w, dot=True) for w in layer]
+    ms: dict[str, dict[int, float]] = {k: {} for k in sorted(_candidates(dtype))}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -124,6 +128,8 @@ def measure(layer: list[QuantWeight], dtype: torch.dtype, build: str) -> KernelC
             )
             if "q-amx" in ms:
                 ms["q-amx"][r] = _best_ms([lambda x=x, w=w: qlinear(x, w) for x, w in zip(xd, amx)], tries)
+            if "q-dot" in ms:
+                ms["q-dot"][r] = _best_ms([lambda x=x, w=w: qlinear(x, w) for x, w in zip(xs, dot)], tries)
     finally:
         torch.set_num_threads(threads)
     return decide(ms, build)
@@ -137,7 +143,7 @@ def _cache_file(layer: list[QuantWeight], dtype: torch.dtype) -> Path | None:
     return lib_path.with_name(f"{lib_path.stem}.choice-{hashlib.sha256(key.encode()).hexdigest()[:12]}.json")
 
 
-CANDIDATES = ("q-f32", "dense", "q-amx")
+CANDIDATES = ("q-f32", "dense", "q-amx", "q-dot")
 MAX_FILE_BYTES = 1 << 16  # a kept choice is a few hundred bytes; more is not one of ours
 MAX_MS = 3.6e6  # an hour for one layer's matmuls: a time beyond it was not measured
 
@@ -150,7 +156,13 @@ def _build_name() -> str:
 
 def _candidates(dtype: torch.dtype) -> set[str]:
     """The kernels `measure` times for `dtype` on this CPU: a kept choice must have timed exactly these."""
-    return {"q-f32", "dense"} | ({"q-amx"} if dtype == torch.bfloat16 and amx_available() else set())
+    lib = cpu_kernel.load()
+    dot = lib is not None and cpu_kernel.isa(lib)["dot"] != "portable"
+    return (
+        {"q-f32", "dense"}
+        | ({"q-amx"} if dtype == torch.bfloat16 and amx_available() else set())
+        | ({"q-dot"} if dot else set())
+    )
 
 
 def _finite(text: str) -> float:

@@ -134,9 +134,11 @@ def load_model(
     verbose: bool = True,
     quantization: str | None = None,
     hf_overrides: dict[str, Any] | None = None,
+    quantized_activations: str = "auto",
 ) -> LoadedModel:
     """Load weights + tokenizer; raises ModelLoadError for bad paths/files/architectures, UserError for --dtype
-    and --quantization. `hf_overrides` replaces fields of the model's config first (config.with_overrides)."""
+    and --quantization. `hf_overrides` replaces fields of the model's config first (config.with_overrides);
+    `quantized_activations` (auto | int16 | none) whether decode-sized matmuls take the dot route."""
     t0 = time.perf_counter()
     path = resolve_model_path(model)
     cfg = load_model_config(path)
@@ -145,6 +147,7 @@ def load_model(
     dev = torch.device(device)
     torch_dtype = resolve_dtype(dtype, cfg, dev)
     quant = resolve_quantization(quantization, path, dev)
+    dot = dot_route(quantized_activations)
     net, dense_bytes, choice = _build(path, cfg, torch_dtype, dev, quant)
     if quant == "auto" and choice is not None and not choice.quantized:
         quant = "none"
@@ -152,6 +155,8 @@ def load_model(
         net, dense_bytes, _ = _build(path, cfg, torch_dtype, dev, quant)
     elif quant == "auto":
         quant = "gguf"
+    for w in net.quant_weights():
+        w.dot = dot
     tokenizer = load_tokenizer(path)
     if dev.type == "cpu":
         net.pack_cpu_weights()
@@ -169,6 +174,15 @@ def load_model(
 
         print(msg, file=sys.stderr)
     return LoadedModel(cfg, net, tokenizer, torch_dtype, dev, secs, weight_bytes, path, quant, dense_bytes, choice)
+
+
+def dot_route(quantized_activations: str) -> bool:
+    """Whether quantized matmuls take the dot route (16-bit integer activations): none -> no; int16 -> yes;
+    auto -> where the kernels were built with vector code for it (the portable loops are slower)."""
+    if quantized_activations not in ("auto", "int16", "none"):
+        raise UserError(f"--quantized-activations must be auto, int16 or none, not {quantized_activations!r}")
+    lib = cpu_kernel.load() if quantized_activations != "none" else None
+    return lib is not None and (quantized_activations == "int16" or cpu_kernel.isa(lib)["dot"] != "portable")
 
 
 def trim_heap() -> None:

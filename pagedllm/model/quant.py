@@ -158,10 +158,14 @@ def _body(parts: QuantParts, nb: int) -> np.ndarray:
     low = u & 15
     body = [(low[:, :, :, :8] | (low[:, :, :, 8:] << 4)).reshape(nb, k // GROUP, 256)]
     bits = _PLANE.get(parts.fmt, 0)
-    if bits:  # per row, value e (its order in the row) at bit bits * e of a little-endian word
-        high = (u >> 4).reshape(nb, k // GROUP, 16, 32).astype(np.uint64) << (bits * np.arange(32, dtype=np.uint64))
-        words = np.bitwise_or.reduce(high, axis=-1).astype("<u4" if bits == 1 else "<u8")
+    if bits == 1:  # per row, value e (its order in the row) at bit e of a little-endian word
+        high = (u >> 4).reshape(nb, k // GROUP, 16, 32).astype(np.uint64) << np.arange(32, dtype=np.uint64)
+        words = np.bitwise_or.reduce(high, axis=-1).astype("<u4")
         body.append(words.view(np.uint8).reshape(nb, k // GROUP, -1))
+    elif bits == 2:  # per row 8 bytes; byte j: low nibbles of bytes j, j + 8 in bits 0-3, high nibbles in 4-7
+        h = (u >> 4).reshape(nb, k // GROUP, 16, 2, 16)  # [.., row, low/high nibble, byte of the row]
+        body.append((h[..., 0, :8] | h[..., 0, 8:] << 2 | h[..., 1, :8] << 4 | h[..., 1, 8:] << 6).astype(np.uint8))
+        body[-1] = body[-1].reshape(nb, k // GROUP, -1)
     return np.concatenate(body, axis=-1)
 
 
@@ -199,6 +203,7 @@ class QuantWeight:
     tiles: torch.Tensor  # uint8: [ceil(n/16), column block bytes], or a mixed weight's table and blocks
     source: str
     amx_min_rows: int = 0  # bfloat16 inputs of at least this many rows run on AMX (kernel_choice.py); 0: never
+    dot: bool = False  # inputs rounded to 16-bit integers per group of 32 (the dot route), at every row count
 
     @property
     def nbytes(self) -> int:
@@ -254,18 +259,22 @@ def qlinear(
     out: torch.Tensor | None = None,
     accumulate: bool = False,
 ) -> torch.Tensor:
-    """x [..., K] @ w.T (+ bias); the result in x's dtype. float32 activations always take the float32 kernel
-    (exact weights, sums in a fixed order); bfloat16 ones take AMX from `w.amx_min_rows` rows on where the CPU
-    has it. `out` (float32, contiguous rows) is written in place, or added to with `accumulate`."""
+    """x [..., K] @ w.T (+ bias); the result in x's dtype. With `w.dot`, x is rounded to 16 bits per group
+    of 32 and multiplied as integers (the dot route: decode at the memory's speed, and faster than the float32
+    route at every row count measured); otherwise float32 activations take the float32 kernel (exact weights,
+    sums in a fixed order). bfloat16 ones take AMX from `w.amx_min_rows` rows on where the CPU has it. Either
+    way a row's result does not depend on the other rows. `out` (float32, contiguous rows) is written in place, or
+    added to with `accumulate`."""
     lead = x.shape[:-1]
     xf = x.reshape(-1, w.k)
     m = xf.shape[0]
     amx = x.dtype == torch.bfloat16 and 0 < w.amx_min_rows <= m and amx_available()
+    dot = w.dot and not amx
     if xf.dtype != torch.float32 or xf.stride(-1) != 1:
         xf = xf.float().contiguous()
     res = out if out is not None else torch.empty(m, w.n, dtype=torch.float32)
     b = None if bias is None else bias.float().contiguous()
-    fn = _lib().qmm_amx if amx else _lib().qmm_f32
+    fn = _lib().qmm_dot if dot else _lib().qmm_amx if amx else _lib().qmm_f32
     rc = fn(
         res.data_ptr(),
         xf.data_ptr(),

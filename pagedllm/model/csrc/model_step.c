@@ -42,6 +42,8 @@ typedef struct { /* the step's activations (float32, T rows) and scratch */
     int n_tiles;
     uint16_t *xb;  /* x as bfloat16 for AMX: [T padded to 16, widest K] */
     int amx_rows; /* matmuls of at least this many rows run on AMX; 0: none */
+    XQ16 xq;      /* x rounded for the dot route: [T, widest K] codes, their scales and sums */
+    int dot;      /* matmuls (but those on AMX) take the dot route */
 } Buffers;
 
 typedef struct { /* per thread */
@@ -240,7 +242,7 @@ static void store_row(void *cache, int64_t slot, const float *src, int KVH, int 
  * no barrier: a thread that the OS has put aside (this machine is shared) holds up at most the item it is
  * working on, where a barrier would hold up every phase of the step until it came back. Items write
  * disjoint outputs, so which thread runs an item changes nothing in the result. */
-enum { K_NORM, K_CVT, K_MATMUL, K_ROPE, K_ATTN, K_ACT };
+enum { K_NORM, K_CVT, K_Q16, K_MATMUL, K_ROPE, K_ATTN, K_ACT };
 
 typedef struct {
     int kind, layer, items, prof; /* prof: the profile slot the phase's time goes to */
@@ -248,22 +250,24 @@ typedef struct {
     const float *x, *w_norm, *bias;
     const int64_t *rows;
     const uint8_t *w;
-    int fmt, M, N, K, accumulate, amx, per_item;
+    int fmt, M, N, K, accumulate, amx, dot, per_item;
 } Phase;
 
 static Phase norm_phase(float *x, const float *h, const float *w, const int64_t *rows, int n) {
     return (Phase){.kind = K_NORM, .items = n, .prof = P_NORM, .out = x, .x = h, .w_norm = w, .rows = rows};
 }
 
-/* The matmul out[M, N] (+)= x[M, K] @ W^T as one phase (two with AMX: x to bfloat16 tiles first). */
+/* The matmul out[M, N] (+)= x[M, K] @ W^T as one phase (two with AMX: x to bfloat16 tiles first; two on the
+ * dot route: x rounded to 16-bit integers first). */
 static int matmul_phases(Phase *ph, const Buffers *buf, int prof, float *out, const float *x, const uint8_t *w,
                          int fmt, const float *bias, int M, int N, int K, int accumulate, int nthreads) {
     const int amx = buf->amx_rows && M >= buf->amx_rows, units = amx ? (N + 31) / 32 : (N + 15) / 16;
-    const int items = 8 * nthreads < units ? 8 * nthreads : units;
+    const int dot = !amx && buf->dot, items = 8 * nthreads < units ? 8 * nthreads : units;
     int n = 0;
     if (amx) ph[n++] = (Phase){.kind = K_CVT, .items = M, .prof = prof, .x = x, .K = K};
+    if (dot) ph[n++] = (Phase){.kind = K_Q16, .items = M, .prof = prof, .x = x, .K = K};
     ph[n++] = (Phase){.kind = K_MATMUL, .items = items, .prof = prof, .out = out, .x = x, .bias = bias, .w = w,
-                      .fmt = fmt, .M = M, .N = N, .K = K, .accumulate = accumulate, .amx = amx,
+                      .fmt = fmt, .M = M, .N = N, .K = K, .accumulate = accumulate, .amx = amx, .dot = dot,
                       .per_item = (units + items - 1) / items};
     return n;
 }
@@ -344,7 +348,11 @@ static void matmul_item(const Phase *p, const Buffers *buf, const Scratch *sc, i
         return;
     }
     const QMatmul a = {p->out, p->x, p->w, p->bias, p->M, p->N, p->K / 32, p->K, p->N, p->fmt, p->accumulate};
-    for (int u = i * p->per_item; u < end; u++) qmm_column_block(&a, u, sc->panel);
+    for (int u = i * p->per_item; u < end; u++)
+        if (p->dot)
+            qdot_column_block(&a, &buf->xq, u);
+        else
+            qmm_column_block(&a, u, sc->panel);
 }
 
 static void run_item(const Phase *p, const StepModel *m, const StepLayer *layers, const StepBatch *b,
@@ -356,6 +364,10 @@ static void run_item(const Phase *p, const StepModel *m, const StepLayer *layers
         break;
     case K_CVT:
         qmm_amx_convert_row(buf->xb, p->x + (int64_t)i * p->K, i, p->K / 32);
+        break;
+    case K_Q16: /* row i of this matmul's x, rows of its own K side by side */
+        qdot_quantize_row(buf->xq.q + (int64_t)i * p->K, buf->xq.d + (int64_t)i * (p->K / 32),
+                          buf->xq.s + (int64_t)i * (p->K / 16), p->x + (int64_t)i * p->K, p->K);
         break;
     case K_MATMUL:
         matmul_item(p, buf, sc, i);
@@ -468,12 +480,17 @@ int model_step(const StepModel *m, const StepLayer *layers, const StepBatch *b, 
     int64_t *ctx = malloc((size_t)T * sizeof(int64_t));
     int *tiles = malloc((size_t)T * sizeof(int));
     uint16_t *xb = amx ? calloc((size_t)(T + 15) / 16 * 16 * K, sizeof(uint16_t)) : NULL;
+    const int dot = m->dot != 0;
+    XQ16 xq = {dot ? malloc((size_t)T * K * sizeof(int16_t)) : NULL, dot ? malloc((size_t)T * (K / 32) * sizeof(float)) : NULL,
+               dot ? malloc((size_t)T * (K / 16) * sizeof(int32_t)) : NULL};
     int64_t max_ctx = 0;
-    int status = (!mem || !ctx || !tiles || (amx && !xb)) ? -1 : check(m, b, ctx, &max_ctx);
+    int status = (!mem || !ctx || !tiles || (amx && !xb) || (dot && (!xq.q || !xq.d || !xq.s)))
+                     ? -1
+                     : check(m, b, ctx, &max_ctx);
     if (status == 0) {
         Buffers buf = {mem, mem + (int64_t)T * E, mem + 2 * (int64_t)T * E, mem + (int64_t)T * (2 * E + QKV),
                        mem + (int64_t)T * (2 * E + QKV + HD), mem + (int64_t)T * (2 * E + QKV + HD + 2 * I), ctx,
-                       tiles, make_tiles(b, tiles), xb, amx};
+                       tiles, make_tiles(b, tiles), xb, amx, xq, dot};
         status = qrows_f32(buf.h, b->tokens, T, m->embed, m->vocab, E, m->embed_fmt);
         if (status == 0) status = run(m, layers, b, &buf, max_ctx, num_threads < 1 ? 1 : num_threads);
     }
@@ -481,5 +498,8 @@ int model_step(const StepModel *m, const StepLayer *layers, const StepBatch *b, 
     free(ctx);
     free(tiles);
     free(xb);
+    free(xq.q);
+    free(xq.d);
+    free(xq.s);
     return status;
 }

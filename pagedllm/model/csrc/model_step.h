@@ -17,6 +17,7 @@ typedef struct {
 
 typedef struct {
     int hidden, inter, heads, kv_heads, head_dim, layers, vocab, block_size, cache_kind, amx_min_rows;
+    int dot; /* 1: matmuls round x to 16-bit integers per group of 32 (the dot route); 0: float32 x */
     int64_t num_blocks, max_positions;
     float eps;
     const float *final_norm;

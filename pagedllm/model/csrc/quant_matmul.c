@@ -37,12 +37,13 @@
  * build, every output element is summed in the same order whichever route serves it, so a sequence's result
  * does not depend on what else is in the batch. Compiled without -ffast-math so that nothing reassociates.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "quant_matmul.h"
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__F16C__))
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -56,10 +57,17 @@ const char *kernel_isa(void) {
 #else
 #define MATMUL_ISA "portable"
 #endif
-#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
-    return "matmul=" MATMUL_ISA " amx=yes";
+#if defined(__AVX512BW__)
+#define DOT_ISA "avx512"
+#elif defined(__AVX2__) && defined(__F16C__) && !defined(__AVX512F__)
+#define DOT_ISA "avx2"
 #else
-    return "matmul=" MATMUL_ISA " amx=no";
+#define DOT_ISA "portable"
+#endif
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
+    return "matmul=" MATMUL_ISA " dot=" DOT_ISA " amx=yes";
+#else
+    return "matmul=" MATMUL_ISA " dot=" DOT_ISA " amx=no";
 #endif
 }
 
@@ -210,8 +218,11 @@ static inline __attribute__((always_inline)) Scales tile_scales(const uint8_t *c
     return s;
 }
 
-/* The bits above the nibbles of vector v's codes in row r, minus the format's offset: row r's plane holds bit
- * (1-bit) or bits 2e, 2e + 1 (2-bit) for the row's value e = VW v + lane, in a 32- or 64-bit word. */
+/* The bits above the nibbles of vector v's codes in row r, minus the format's offset. 1-bit plane: row r's
+ * 32-bit word holds bit e for the row's value e = VW v + lane. 2-bit plane (K6): row r's 8 bytes; byte j
+ * (0..7) holds the high bits of nibble byte j's low nibble in bits 0-1, of byte j + 8's low nibble in bits
+ * 2-3, and of the same bytes' high nibbles in bits 4-5 and 6-7: a layout the integer route (below) widens
+ * to one 16-bit word per nibble byte with a shift and a mask. */
 static inline vi high_bits(const uint8_t *body, const int fmt, int r, int v) {
     vi iota;
     for (int l = 0; l < VW; l++) iota[l] = l;
@@ -221,9 +232,13 @@ static inline vi high_bits(const uint8_t *body, const int fmt, int r, int v) {
         return ((((vi){0} + (int32_t)(word >> (VW * v))) >> iota & 1) << 4) - offset(fmt);
     }
     if (plane(fmt) == 2) {
-        uint64_t word;
-        memcpy(&word, body + 256 + 8 * r, 8);
-        return ((((vi){0} + (int32_t)(uint32_t)(word >> (2 * VW * v))) >> (2 * iota) & 3) << 4) - offset(fmt);
+        uint8_t dup[16]; /* the row's 8 bytes twice: lane l of byte j = base + l reads byte j % 8 */
+        memcpy(dup, body + 256 + 8 * r, 8);
+        memcpy(dup + 8, body + 256 + 8 * r, 8);
+        const int base = VW * (v % (NV / 2)), high = v >= NV / 2;
+        vi shift;
+        for (int l = 0; l < VW; l++) shift[l] = 2 * (base + l >= 8) + 4 * high;
+        return (((u8v(dup + base % 8) >> shift) & 3) << 4) - offset(fmt);
     }
     return (vi){0};
 }
@@ -445,6 +460,303 @@ int qrows_f32(float *out, const int64_t *ids, int T, const uint8_t *w, int N, in
     }
     return 0;
 }
+
+/* ---- 16-bit integer activations (the "dot" route) ---------------------------------------------------------
+ * Why: a one-row decode matmul should run at the memory's speed, but dequantizing each weight to float32
+ * costs ~5 vector instructions per 16 weights (widen, mask, convert, scale, multiply-add), which on 2 cores
+ * is below the bandwidth (the developers' finding: compute-bound). llama.cpp's route instead rounds the
+ * activations to integers per block of 32 and multiplies the weights' integer codes by them directly
+ * (pmaddwd / VNNI's vpdpwssd: 32 products a 512-bit instruction, no conversion of the weights), applying each
+ * group's scales once per 32 inputs. Here the activations are rounded to 16 bits (d = max |x| / 32767 per
+ * group of 32), not llama.cpp's 8: each x is within d / 2 of its value (a relative error of ~1.5e-5 of the
+ * group's largest), so the route is exact in the weights and nearly so in the activations; the float32
+ * route stays the exact one (`--quantized-activations none`, quant.py). Formats: Q4 (Q4_0, Q4_1, int4), Q8 / Q8M
+ * (Q8_0, int8), K4M (Q4_K) and K6 (Q6_K); a column block of any other format (or of a mixed weight) runs on
+ * the float32 direct route with the same call.
+ *
+ * Per group g of a column block, the integer sums S_c = sum_k q_ck xq_k of each column c (over half tiles
+ * for the formats with a scale per 16 inputs) are exact in int32; out_c += (a_c dx_g) S_c + (b_c dx_g) sx_g,
+ * with a, b the weight's scale and offset for the group (w = a q + b) and sx the sum of the group's xq: the
+ * same value as sum_k w_ck (xq_k dx_g) up to float32 rounding. Nibble rows widen to one 16-bit word per byte:
+ * the low nibbles are columns 0-7 (a k pair each), the high nibbles 8-15; x is a k pair per 32-bit lane.
+ * Rows of x are independent: a row's result does not depend on the batch. */
+static inline int dot_fmt(int fmt) {
+    return fmt == QFMT_Q4 || fmt == QFMT_Q8 || fmt == QFMT_Q8M || fmt == QFMT_K4M || fmt == QFMT_K6;
+}
+
+/* Row x [K] to 16-bit integers per group of 32. */
+void qdot_quantize_row(int16_t *q, float *d, int32_t *s, const float *x, int K) {
+    for (int g = 0; g < K / 32; g++) {
+        float amax = 0.0f;
+        for (int k = 0; k < 32; k++) amax = fabsf(x[32 * g + k]) > amax ? fabsf(x[32 * g + k]) : amax;
+        const float inv = amax > 0.0f && amax <= 3.0e38f ? 32767.0f / amax : 0.0f;
+        d[g] = inv > 0.0f ? amax / 32767.0f : 0.0f;
+        s[2 * g] = s[2 * g + 1] = 0;
+        for (int k = 0; k < 32; k++) {
+            float v = nearbyintf(x[32 * g + k] * inv);
+            v = v == v ? (v > 32767.0f ? 32767.0f : v < -32767.0f ? -32767.0f : v) : 0.0f;
+            q[32 * g + k] = (int16_t)v;
+            s[2 * g + k / 16] += (int16_t)v;
+        }
+    }
+}
+
+/* Nibble rows go through 256-bit vectors on every class: one row of 16 bytes widens to 16 words (columns 0-7 in
+ * the low nibbles, 8-15 in the high ones, a k pair per 32-bit lane) against the row's k pair broadcast from
+ * memory. A 512-bit form needs a permute of x per row pair, and on Zen 4 those shuffles were the bottleneck. */
+#if defined(__AVX512BW__) || (defined(__AVX2__) && defined(__F16C__) && !defined(__AVX512F__))
+typedef __m256i hv;
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+static inline hv hdot(hv acc, hv w, hv x) { return _mm256_dpwssd_epi32(acc, w, x); }
+#elif defined(__AVXVNNI__)
+static inline hv hdot(hv acc, hv w, hv x) { return _mm256_dpwssd_avx_epi32(acc, w, x); }
+#else
+static inline hv hdot(hv acc, hv w, hv x) { return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x)); }
+#endif
+static inline hv nib_words(const uint8_t *body, int r) {
+    return _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(body + 16 * r)));
+}
+/* Row r's K6 plane as 16 words, word j holding byte j's high bits in bits 0-1 (low nibble) and 4-5 (high). */
+static inline hv plane_words(const uint8_t *body, int r) {
+    const __m128i p = _mm_loadl_epi64((const __m128i *)(body + 256 + 8 * r));
+    return _mm256_cvtepu8_epi16(_mm_unpacklo_epi64(p, _mm_srli_epi16(p, 2)));
+}
+#define HAND(a, b) _mm256_and_si256(a, _mm256_set1_epi16(b))
+#define HOR _mm256_or_si256
+#define HSRL _mm256_srli_epi16
+#define HSLL _mm256_slli_epi16
+#define HZERO _mm256_setzero_si256
+#define HSET1 _mm256_set1_epi32
+#endif
+
+#if defined(__AVX512BW__)
+typedef __m512i iv;
+#define QR 4 /* rows of x per pass over a column block */
+static inline iv dot16(iv acc, iv w, iv x) {
+#ifdef __AVX512VNNI__
+    return _mm512_dpwssd_epi32(acc, w, x);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(w, x));
+#endif
+}
+/* A byte row's 16 columns (k pairs) as words: one vector. */
+static inline void byte_words(const uint8_t *body, int r, iv w[1]) {
+    w[0] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(body + 32 * r)));
+}
+#define BV 1 /* vectors per byte row */
+/* The 16 columns' sums from the nibble accumulators (low: columns 0-7, high: 8-15). */
+static inline void nib_cols(hv lo, hv hi, vi out[1]) {
+    out[0] = (vi)_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+#define IZERO _mm512_setzero_si512
+#define ISET1 _mm512_set1_epi32
+#elif defined(__AVX2__) && defined(__F16C__) && !defined(__AVX512F__)
+typedef __m256i iv;
+#define QR 2
+static inline iv dot16(iv acc, iv w, iv x) { return hdot(acc, w, x); }
+static inline void byte_words(const uint8_t *body, int r, iv w[2]) {
+    w[0] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(body + 32 * r)));
+    w[1] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(body + 32 * r + 16)));
+}
+#define BV 2
+static inline void nib_cols(hv lo, hv hi, vi out[2]) {
+    out[0] = (vi)lo;
+    out[1] = (vi)hi;
+}
+#define IZERO _mm256_setzero_si256
+#define ISET1 _mm256_set1_epi32
+#else
+#define QR 1
+#endif
+
+/* The scales of group g (half h) as out += A S + B: per column a dx and b dx sx, 16 / VW vectors each. */
+static inline __attribute__((always_inline)) void dot_scales(const uint8_t *col, const uint8_t *tile, int g, int h,
+                                                             const int fmt, float dx, int32_t sx, vf A[16 / VW],
+                                                             vf B[16 / VW]) {
+    for (int c = 0; c < 16 / VW; c++) {
+        if (kfmt(fmt)) {
+            const uint8_t *head = head_at(col, fmt, g);
+            A[c] = f16v(head + 2 * VW * c) * tof(s8v(tile + 16 * h + VW * c)) * dx;
+            B[c] = has_min(fmt) ? -(f16v(head + 32 + 2 * VW * c) * tof(u8v(tile + 16 + VW * c))) * (dx * (float)sx)
+                                : (vf){0};
+        } else {
+            A[c] = f16v(tile + 2 * VW * c) * dx;
+            B[c] = has_min(fmt) ? f16v(tile + 32 + 2 * VW * c) * (dx * (float)sx) : (vf){0};
+        }
+    }
+}
+
+#if defined(__AVX512BW__) || (defined(__AVX2__) && defined(__F16C__) && !defined(__AVX512F__))
+/* nr (<= QR) rows of x against one column block of a dot format. */
+static inline __attribute__((always_inline)) void block_dot(const QMatmul *a, const XQ16 *xq, const uint8_t *col,
+                                                            int m0, const int fmt, const int nr, int cb) {
+    vf F[QR][16 / VW];
+    for (int i = 0; i < nr; i++)
+        for (int c = 0; c < 16 / VW; c++) F[i][c] = (vf){0};
+    const int G = a->G, parts = halves(fmt);
+    for (int g = 0; g < G; g++) {
+        const uint8_t *tile = tile_at(col, fmt, g), *body = tile + scale_bytes(fmt);
+        const int32_t *pairs[QR];
+        for (int i = 0; i < nr; i++) pairs[i] = (const int32_t *)(xq->q + (int64_t)(m0 + i) * a->G * 32 + 32 * g);
+        for (int h = 0; h < parts; h++) {
+            vi S[QR][16 / VW];
+            if (nibbles(fmt)) {
+                hv lo[QR], hi[QR];
+                for (int i = 0; i < nr; i++) lo[i] = hi[i] = HZERO();
+#pragma GCC unroll 8
+                for (int r = 16 / parts * h; r < 16 / parts * (h + 1); r++) {
+                    /* 4-bit codes: the byte itself (low + 16 high) against x, and the high nibble: the low
+                     * nibbles' sum is their difference (below), without masking each row */
+                    const hv w = nib_words(body, r);
+                    hv wl = w, wh = HSRL(w, 4);
+                    if (plane(fmt) == 2) {
+                        const hv p = plane_words(body, r);
+                        wl = HOR(HAND(w, 15), HAND(HSLL(p, 4), 0x30));
+                        wh = HOR(wh, HAND(p, 0x30));
+                    }
+                    for (int i = 0; i < nr; i++) {
+                        const hv xp = HSET1(pairs[i][r]);
+                        lo[i] = hdot(lo[i], wl, xp);
+                        hi[i] = hdot(hi[i], wh, xp);
+                    }
+                }
+                if (plane(fmt) != 2)
+                    for (int i = 0; i < nr; i++) lo[i] = _mm256_sub_epi32(lo[i], _mm256_slli_epi32(hi[i], 4));
+                for (int i = 0; i < nr; i++) nib_cols(lo[i], hi[i], S[i]);
+            } else {
+                iv acc[QR][BV];
+                for (int i = 0; i < nr; i++)
+                    for (int v = 0; v < BV; v++) acc[i][v] = IZERO();
+#pragma GCC unroll 16
+                for (int r = 0; r < 16; r++) {
+                    iv w[BV];
+                    byte_words(body, r, w);
+                    for (int i = 0; i < nr; i++) {
+                        const iv xp = ISET1(pairs[i][r]);
+                        for (int v = 0; v < BV; v++) acc[i][v] = dot16(acc[i][v], w[v], xp);
+                    }
+                }
+                for (int i = 0; i < nr; i++)
+                    for (int v = 0; v < BV; v++) S[i][v] = (vi)acc[i][v];
+            }
+            for (int i = 0; i < nr; i++) {
+                const int64_t m = m0 + i;
+                const int32_t *s = xq->s + m * 2 * G + 2 * g;
+                const int32_t sx = parts == 2 ? s[h] : s[0] + s[1];
+                vf A[16 / VW], B[16 / VW];
+                dot_scales(col, tile, g, h, fmt, xq->d[m * G + g], sx, A, B);
+                for (int c = 0; c < 16 / VW; c++) F[i][c] += tof(S[i][c] - offset(fmt) * sx) * A[c] + B[c];
+            }
+        }
+    }
+    for (int i = 0; i < nr; i++) {
+        float *o = a->out + (int64_t)(m0 + i) * a->ldo;
+        float tmp[16];
+        memcpy(tmp, F[i], sizeof tmp);
+        for (int c = 0; c < 16 && 16 * cb + c < a->N; c++) {
+            const int n = 16 * cb + c;
+            const float x = tmp[c] + (a->bias ? a->bias[n] : 0.0f);
+            o[n] = a->accumulate ? o[n] + x : x;
+        }
+    }
+}
+
+#define DOT_ROWS(fmt, a, xq, col, cb)                                                                           \
+    for (int m0 = 0; m0 < (a)->M; m0 += QR) {                                                                  \
+        switch ((a)->M - m0 < QR ? (a)->M - m0 : QR) {                                                         \
+        case 1: block_dot(a, xq, col, m0, fmt, 1, cb); break;                                                  \
+        case 2: block_dot(a, xq, col, m0, fmt, 2 < QR ? 2 : QR, cb); break;                                    \
+        case 3: block_dot(a, xq, col, m0, fmt, 3 < QR ? 3 : QR, cb); break;                                    \
+        default: block_dot(a, xq, col, m0, fmt, QR, cb); break;                                                \
+        }                                                                                                      \
+    }
+#define EACH_DOT_FORMAT(fmt, fn, ...)                                                                          \
+    switch (fmt) {                                                                                             \
+    case QFMT_Q4: fn(QFMT_Q4, __VA_ARGS__); break;                                                             \
+    case QFMT_Q8: fn(QFMT_Q8, __VA_ARGS__); break;                                                             \
+    case QFMT_Q8M: fn(QFMT_Q8M, __VA_ARGS__); break;                                                           \
+    case QFMT_K4M: fn(QFMT_K4M, __VA_ARGS__); break;                                                           \
+    default: fn(QFMT_K6, __VA_ARGS__); break;                                                                  \
+    }
+#else
+/* The portable build: the same sums, one code at a time. */
+static int code_at(const uint8_t *body, int fmt, int c, int k) {
+    const int r = k / 2, j = 2 * (c % 8) + k % 2;
+    if (!nibbles(fmt)) return (int8_t)body[32 * r + 2 * c + k % 2];
+    const int nib = c < 8 ? body[16 * r + j] & 15 : body[16 * r + j] >> 4;
+    if (plane(fmt) != 2) return nib;
+    const int pb = body[256 + 8 * r + j % 8] >> (2 * (j >= 8) + 4 * (c >= 8));
+    return nib | (pb & 3) << 4;
+}
+static void block_dot_portable(const QMatmul *a, const XQ16 *xq, const uint8_t *col, int m, int fmt, int cb) {
+    float F[16] = {0};
+    const int G = a->G, parts = halves(fmt);
+    for (int g = 0; g < G; g++) {
+        const uint8_t *tile = tile_at(col, fmt, g), *body = tile + scale_bytes(fmt);
+        const int16_t *x = xq->q + (int64_t)m * G * 32 + 32 * g;
+        for (int h = 0; h < parts; h++) {
+            const int32_t *s = xq->s + (int64_t)m * 2 * G + 2 * g, sx = parts == 2 ? s[h] : s[0] + s[1];
+            vf A[16 / VW], B[16 / VW];
+            dot_scales(col, tile, g, h, fmt, xq->d[(int64_t)m * G + g], sx, A, B);
+            float a16[16], b16[16];
+            memcpy(a16, A, sizeof a16);
+            memcpy(b16, B, sizeof b16);
+            for (int c = 0; c < 16; c++) {
+                int32_t S = 0;
+                for (int k = 32 / parts * h; k < 32 / parts * (h + 1); k++) S += code_at(body, fmt, c, k) * x[k];
+                F[c] += (float)(S - offset(fmt) * sx) * a16[c] + b16[c];
+            }
+        }
+    }
+    float *o = a->out + (int64_t)m * a->ldo;
+    for (int c = 0; c < 16 && 16 * cb + c < a->N; c++) {
+        const int n = 16 * cb + c;
+        const float x = F[c] + (a->bias ? a->bias[n] : 0.0f);
+        o[n] = a->accumulate ? o[n] + x : x;
+    }
+}
+#endif
+
+/* One column block for all M rows on the dot route (a block of another format: the float32 direct route). */
+void qdot_column_block(const QMatmul *a, const XQ16 *xq, int cb) {
+    int fmt;
+    const uint8_t *col = column(a->w, a->fmt, a->G, cb, &fmt);
+    if (!dot_fmt(fmt)) {
+        qmm_column_block(a, cb, NULL); /* NULL: the direct route, whatever M */
+        return;
+    }
+#if defined(__AVX512BW__) || (defined(__AVX2__) && defined(__F16C__) && !defined(__AVX512F__))
+    EACH_DOT_FORMAT(fmt, DOT_ROWS, a, xq, col, cb)
+#else
+    for (int m = 0; m < a->M; m++) block_dot_portable(a, xq, col, m, fmt, cb);
+#endif
+}
+
+/* out[M, N] (+)= x[M, K] @ W^T with x rounded to 16 bits per group; 0, -1 (out of memory) or -2 (bad sizes). */
+int qmm_dot(float *out, const float *x, const uint8_t *w, const float *bias, int M, int N, int K, int ldx, int ldo,
+            int fmt, int accumulate, int num_threads) {
+    if (bad_sizes(M, N, K, ldx, ldo, fmt)) return -2;
+    const int G = K / 32;
+    XQ16 xq = {malloc((size_t)M * K * sizeof(int16_t)), malloc((size_t)M * G * sizeof(float)),
+               malloc((size_t)M * 2 * G * sizeof(int32_t))};
+    int status = xq.q && xq.d && xq.s ? 0 : -1;
+    if (status == 0) {
+        for (int m = 0; m < M; m++)
+            qdot_quantize_row(xq.q + (int64_t)m * K, xq.d + (int64_t)m * G, xq.s + (int64_t)m * 2 * G,
+                              x + (int64_t)m * ldx, K);
+        QMatmul a = {out, x, w, bias, M, N, G, ldx, ldo, fmt, accumulate};
+        const int NB = (N + 15) / 16;
+        if (num_threads > NB) num_threads = NB;
+        if (num_threads < 1) num_threads = 1;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1)
+        for (int cb = 0; cb < NB; cb++) qdot_column_block(&a, &xq, cb);
+    }
+    free(xq.q);
+    free(xq.d);
+    free(xq.s);
+    return status;
+}
+
 
 /* ---- bfloat16 x quantized weights on AMX (Sapphire Rapids and later) ------------------------------------------
  * For steps of many rows the matmul is bound by arithmetic, not by the weights' bytes: AMX multiplies 16 x 32

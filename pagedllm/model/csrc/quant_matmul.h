@@ -34,6 +34,12 @@ typedef struct { /* the same product with x as bfloat16 A tiles (see qmm_amx_con
     int M, N, G, ldo, fmt, accumulate;
 } QMatmulBf16;
 
+typedef struct { /* rows of x rounded to 16-bit integers per group of 32 (the dot route) */
+    int16_t *q; /* [M][K] the rounded activations */
+    float *d;   /* [M][G] their scale per group */
+    int32_t *s; /* [M][2 G] the sum of q per 16 inputs */
+} XQ16;
+
 /* Bytes of one column block (16 output features) of a weight with K = 32 G inputs; 0 for a format without a
  * fixed size (mixed) or a G it cannot take (the K formats need G % 8 == 0). */
 int64_t qcol_bytes(int fmt, int G);
@@ -46,4 +52,7 @@ void qmm_amx_pair(const QMatmulBf16 *a, int p, uint16_t *bbuf);
 void qmm_amx_convert_row(uint16_t *xb, const float *x, int m, int G);
 /* One block of 16 output columns for all M rows; `panel` (K * 16 floats, or NULL) serves many rows. */
 void qmm_column_block(const QMatmul *a, int cb, float *panel);
+/* The dot route: row x [K] into q [K], d [K / 32], s [K / 16]; one column block for all M rows of such x. */
+void qdot_quantize_row(int16_t *q, float *d, int32_t *s, const float *x, int K);
+void qdot_column_block(const QMatmul *a, const XQ16 *xq, int cb);
 #endif

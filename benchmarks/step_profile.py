@@ -39,7 +39,14 @@ MATMULS = ("qkv", "o", "gate_up", "down", "lm_head")
 
 def run(a) -> dict[str, float]:
     engine = LLMEngine(
-        EngineConfig(dtype=a.dtype, quantization=a.quantization, log_stats_interval=0, max_model_len=2048)
+        EngineConfig(
+            model=a.model,
+            dtype=a.dtype,
+            quantization=a.quantization,
+            quantized_activations=a.quantized_activations,
+            log_stats_interval=0,
+            max_model_len=2048,
+        )
     )
     runner = engine.runner
     if a.no_fused:
@@ -76,7 +83,9 @@ def run(a) -> dict[str, float]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="GGUF file or folder (default: the default model)")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--quantized-activations", default="auto", choices=["auto", "int16", "none"])
     p.add_argument("--quantization", default=None)
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--steps", type=int, default=128)

@@ -156,7 +156,7 @@ def test_the_dot_route_is_the_weights_times_the_rounded_activations(lib, ggml_ty
     codes, scale = rounded_16(x)
     want = np.einsum("mgk,ngk->mn", codes * scale.astype(np.float64), ref.reshape(w.n, -1, 32)) + bias
     full = _dot(lib, x, w, bias)
-    if quant.FORMATS[w.fmt] not in (0, 1, 2, 5, 11):  # not a dot format: the float32 direct route
+    if w.fmt not in quant.DOT_FORMATS:  # the float32 direct route
         assert np.array_equal(full, _matmul(lib, x, w, bias))
         return
     np.testing.assert_allclose(full, want, atol=1e-5 * np.abs(want).max(), rtol=0)

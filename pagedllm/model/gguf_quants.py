@@ -7,7 +7,7 @@ integer codes, the integer sub-block scales and the float16 block scales, and th
 `QuantParts.dequantize`) then computes every weight exactly as gguf does, bit for bit.
 
 Which kernel format each type becomes, and what it costs against the file (bits a weight, resident / file):
-Q4_0 q4 (5 / 4.5), Q4_1 q4 (5 / 5), Q5_0 q5 (5.5 / 5.5), Q5_1 q5m (6 / 6), Q8_0 q8 (8.5 / 8.5), Q4_K k4m
+Q4_0 q40 (4.5 / 4.5), Q4_1 q4 (5 / 5), Q5_0 q5 (5.5 / 5.5), Q5_1 q5m (6 / 6), Q8_0 q8 (8.5 / 8.5), Q4_K k4m
 (4.63 / 4.5), Q5_K k5m (5.63 / 5.5), Q6_K k6 (6.56 / 6.56), F16 / BF16 as stored (16 / 16); the rarer ones
 wider, as bytes: Q2_K k8m (9.1 / 2.6), Q3_K k8 (8.6 / 3.4), IQ4_NL q8 (8.5 / 4.5), IQ4_XS k8 (8.6 / 4.25). A
 type held at more than 1.1x its file's bits says so once in the log, with the factor.
@@ -53,7 +53,7 @@ _BLOCK = {  # name -> (weights, bytes) per block
     "IQ4_XS": (256, 136),
 }
 IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
-_TILE_BITS = {"q4": 5.0, "q5": 5.5, "q5m": 6.0, "q8": 8.5, "q8m": 9.0, "f16": 16.0, "bf16": 16.0}
+_TILE_BITS = {"q4": 5.0, "q40": 4.5, "q5": 5.5, "q5m": 6.0, "q8": 8.5, "q8m": 9.0, "f16": 16.0, "bf16": 16.0}
 _TILE_BITS |= {"k4m": 4.625, "k5m": 5.625, "k6": 6.5625, "k8m": 9.125, "k8": 8.5625}
 
 
@@ -91,10 +91,7 @@ def _legacy(name: str, b: np.ndarray, n: int) -> QuantParts:
         codes = _nibbles(b[..., 4:20] if name == "Q4_1" else b[..., 2:18]).reshape(n, -1)
         if name == "Q4_1":
             return QuantParts("q4", codes, d, _f16(b[..., 2:4]), name)
-        m = (d.astype(np.float32) * -8).astype(np.float16)  # w = d (q - 8) = d q + (-8 d), exact unless it overflows
-        if np.isfinite(m).all():
-            return QuantParts("q4", codes, d, m, name)
-        return QuantParts("q8", (codes.astype(np.int16) - 8).astype(np.int8), d, None, name)
+        return QuantParts("q40", (codes.astype(np.int16) - 8).astype(np.int8), d, None, name)  # w = d (q - 8)
     off = 4 if name == "Q5_1" else 2
     qh = np.ascontiguousarray(b[..., off : off + 4]).view("<u4")  # [n, blocks, 1]: bit i is weight i's fifth
     high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)

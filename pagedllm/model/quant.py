@@ -7,8 +7,8 @@ the weights' bytes over the memory bandwidth. The default model is 96 MB as stor
 540 MB (float32) dequantized.
 
 Formats ("shapes" of a format, shared by the GGML types that have them; all in groups of 32 along K):
-- q4 / q5 / q5m / q8 / q8m: w = d * q (+ m) with float16 d (and m) per group (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
-  IQ4_NL as its table's values; int4 / int8);
+- q4 / q40 / q5 / q5m / q8 / q8m: w = d * q (+ m) with float16 d (and m) per group (Q4_1, Q4_0, Q5_0, Q5_1,
+  Q8_0, IQ4_NL as its table's values; int4 / int8);
 - k4m / k5m / k6 / k8m / k8: GGUF's K types, super-blocks of 256 with float16 D (and M) and integer sub-block
   scales s (and minimums mi) per 32 or 16: w = (D * s) * q - (M * mi) (Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, IQ4_XS);
 - f16 / bf16: the values themselves.
@@ -37,11 +37,12 @@ GROUP = 32
 SUPER = 256  # a K format's super-block (GGUF's QK_K)
 # the kernel's format numbers (csrc/quant_matmul.h)
 FORMATS = {"q4": 0, "q8": 1, "q8m": 2, "f16": 3, "bf16": 4, "k4m": 5, "k8m": 6, "k8": 7}
-FORMATS |= {"q5": 8, "q5m": 9, "k5m": 10, "k6": 11, "mixed": 15}
+FORMATS |= {"q5": 8, "q5m": 9, "k5m": 10, "k6": 11, "q40": 12, "mixed": 15}
 K_FORMATS = {"k4m", "k8m", "k8", "k5m", "k6"}
-_NIBBLES = {"q4", "k4m", "q5", "q5m", "k5m", "k6"}
+DOT_FORMATS = {"q4", "q40", "q8", "q8m", "k4m", "k6"}  # what the dot route runs (csrc dot_fmt); others: float32
+_NIBBLES = {"q4", "q40", "k4m", "q5", "q5m", "k5m", "k6"}
 _PLANE = {"q5": 1, "q5m": 1, "k5m": 1, "k6": 2}  # bits of a code above its nibble
-_OFFSET = {"q5": 16, "k6": 32}  # stored as code + offset (unsigned); the kernel takes it off
+_OFFSET = {"q5": 16, "k6": 32, "q40": 8}  # stored as code + offset (unsigned); the kernel takes it off
 _SUB = {"k4m": 32, "k8m": 16, "k8": 16, "k5m": 32, "k6": 16}  # inputs per integer scale s (and mi)
 
 
@@ -55,8 +56,8 @@ def log_once(message: str) -> None:
 @dataclass
 class QuantParts:
     """A quantized weight [N, K] in plain form, rows = output features:
-    - q4 / q5 / q5m / q8 / q8m: w = d * q (+ m), d and m float16 [N, K/32]; codes uint8 0..15 (q4) or int8
-      (q5 -16..15, q5m 0..31);
+    - q4 / q40 / q5 / q5m / q8 / q8m: w = d * q (+ m), d and m float16 [N, K/32]; codes uint8 0..15 (q4) or
+      int8 (q40 -8..7, q5 -16..15, q5m 0..31);
     - k4m / k5m / k6 / k8m / k8: w = (D * s) * q - (M * mi), D and M float16 [N, K/256] (in `d` and `m`), s
       int8 and mi uint8 [N, K/32] (k4m, k5m) or [N, K/16]; codes uint8 0..15 (k4m) or int8 (k5m 0..31, k6
       -32..31);

@@ -12,14 +12,14 @@
  * Layout ("tiles"): columns (output features) in blocks of 16, K in groups of 32. One (column block, group)
  * tile holds the 16 columns' scales, then their 512 weights in 16 rows r = 0..15, row r holding k = 2r and
  * 2r + 1 of every column, i.e. the VNNI order of an AMX bfloat16 B tile. Bodies:
- *   nibbles (Q4, K4M): 16 bytes a row; byte j: low nibble = column j/2, high nibble = column 8 + j/2, both
+ *   nibbles (Q4, Q40, K4M): 16 bytes a row; byte j: low nibble = column j/2, high nibble = column 8 + j/2, both
  *       at k = 2r + j%2; the 5- and 6-bit formats (Q5, Q5M, K5M, K6) add a plane of the bits above the nibble
  *       after the nibbles: per row a 32-bit (or 64-bit) word, bit e (bits 2e, 2e + 1) for the row's value e in
  *       the order of bytes below; their codes are stored with an offset that makes them unsigned (Q5: 16,
- *       K6: 32), taken off again in registers;
+ *       K6: 32, and Q40's 4-bit codes: 8), taken off again in registers;
  *   bytes (Q8, Q8M, K8M, K8): 32 bytes a row; byte e = column e/2 at k = 2r + e%2;
  *   halves (F16, BF16): 32 16-bit values a row in the order of bytes.
- * Scales before the body: Q4 / Q8M / Q5M d[16], m[16] float16; Q8 / Q5 d[16]; F16 / BF16 none. The K formats group 8
+ * Scales before the body: Q4 / Q8M / Q5M d[16], m[16] float16; Q8 / Q5 / Q40 d[16]; F16 / BF16 none. The K formats group 8
  * tiles (K = 256, a GGUF super-block) behind a head of D[16] (and M[16]) float16 per column, and each tile
  * holds its integer scales s (int8) and, with a minimum, mi (uint8): per half tile (16 k) for K8M / K8 / K6
  * ([2][16] each), per tile for K4M / K5M ([16]). A weight is a = D s, b = -M mi, w = a q + b. QFMT_MIXED: a weight
@@ -150,8 +150,10 @@ static inline int has_min(int fmt) {
 static inline int plane(int fmt) { /* high bits a code above its nibble: 1 (5-bit formats), 2 (6-bit), 0 */
     return fmt == QFMT_K6 ? 2 : fmt == QFMT_Q5 || fmt == QFMT_Q5M || fmt == QFMT_K5M ? 1 : 0;
 }
-static inline int nibbles(int fmt) { return fmt == QFMT_Q4 || fmt == QFMT_K4M || plane(fmt); }
-static inline int offset(int fmt) { return fmt == QFMT_Q5 ? 16 : fmt == QFMT_K6 ? 32 : 0; } /* stored q + offset */
+static inline int nibbles(int fmt) { return fmt == QFMT_Q4 || fmt == QFMT_Q40 || fmt == QFMT_K4M || plane(fmt); }
+static inline int offset(int fmt) { /* stored q + offset */
+    return fmt == QFMT_Q5 ? 16 : fmt == QFMT_K6 ? 32 : fmt == QFMT_Q40 ? 8 : 0;
+}
 static inline int halves(int fmt) { return fmt == QFMT_K8M || fmt == QFMT_K8 || fmt == QFMT_K6 ? 2 : 1; }
 static inline int dense16(int fmt) { return fmt == QFMT_F16 || fmt == QFMT_BF16; }
 
@@ -165,7 +167,7 @@ static inline int tile_bytes(int fmt) { return scale_bytes(fmt) + body_bytes(fmt
 static inline int head_bytes(int fmt) { return kfmt(fmt) ? 32 * (has_min(fmt) ? 2 : 1) : 0; }
 
 int64_t qcol_bytes(int fmt, int G) {
-    if (fmt < 0 || fmt > QFMT_K6 || G <= 0) return 0;
+    if (fmt < 0 || fmt > QFMT_Q40 || G <= 0) return 0;
     if (!kfmt(fmt)) return (int64_t)G * tile_bytes(fmt);
     return G % 8 ? 0 : (int64_t)(G / 8) * (head_bytes(fmt) + 8 * tile_bytes(fmt));
 }
@@ -240,7 +242,7 @@ static inline vi high_bits(const uint8_t *body, const int fmt, int r, int v) {
         for (int l = 0; l < VW; l++) shift[l] = 2 * (base + l >= 8) + 4 * high;
         return (((u8v(dup + base % 8) >> shift) & 3) << 4) - offset(fmt);
     }
-    return (vi){0};
+    return (vi){0} - offset(fmt);
 }
 
 /* Row r of a tile as NV vectors of floats. */
@@ -356,6 +358,7 @@ static inline __attribute__((always_inline)) void dequant_group(const uint8_t *c
 #define EACH_FORMAT(fmt, fn, ...)                                                                              \
     switch (fmt) {                                                                                             \
     case QFMT_Q4: fn(QFMT_Q4, __VA_ARGS__); break;                                                             \
+    case QFMT_Q40: fn(QFMT_Q40, __VA_ARGS__); break;                                                           \
     case QFMT_Q8: fn(QFMT_Q8, __VA_ARGS__); break;                                                             \
     case QFMT_Q8M: fn(QFMT_Q8M, __VA_ARGS__); break;                                                           \
     case QFMT_F16: fn(QFMT_F16, __VA_ARGS__); break;                                                           \
@@ -470,7 +473,7 @@ int qrows_f32(float *out, const int64_t *ids, int T, const uint8_t *w, int N, in
  * group's scales once per 32 inputs. Here the activations are rounded to 16 bits (d = max |x| / 32767 per
  * group of 32), not llama.cpp's 8: each x is within d / 2 of its value (a relative error of ~1.5e-5 of the
  * group's largest), so the route is exact in the weights and nearly so in the activations; the float32
- * route stays the exact one (`--quantized-activations none`, quant.py). Formats: Q4 (Q4_0, Q4_1, int4), Q8 / Q8M
+ * route stays the exact one (`--quantized-activations none`, quant.py). Formats: Q4 / Q40 (Q4_1, int4 / Q4_0), Q8 / Q8M
  * (Q8_0, int8), K4M (Q4_K) and K6 (Q6_K); a column block of any other format (or of a mixed weight) runs on
  * the float32 direct route with the same call.
  *
@@ -481,7 +484,7 @@ int qrows_f32(float *out, const int64_t *ids, int T, const uint8_t *w, int N, in
  * the low nibbles are columns 0-7 (a k pair each), the high nibbles 8-15; x is a k pair per 32-bit lane.
  * Rows of x are independent: a row's result does not depend on the batch. */
 static inline int dot_fmt(int fmt) {
-    return fmt == QFMT_Q4 || fmt == QFMT_Q8 || fmt == QFMT_Q8M || fmt == QFMT_K4M || fmt == QFMT_K6;
+    return fmt == QFMT_Q4 || fmt == QFMT_Q40 || fmt == QFMT_Q8 || fmt == QFMT_Q8M || fmt == QFMT_K4M || fmt == QFMT_K6;
 }
 
 /* Row x [K] to 16-bit integers per group of 32. */
@@ -673,6 +676,7 @@ static inline __attribute__((always_inline)) void block_dot(const QMatmul *a, co
 #define EACH_DOT_FORMAT(fmt, fn, ...)                                                                          \
     switch (fmt) {                                                                                             \
     case QFMT_Q4: fn(QFMT_Q4, __VA_ARGS__); break;                                                             \
+    case QFMT_Q40: fn(QFMT_Q40, __VA_ARGS__); break;                                                           \
     case QFMT_Q8: fn(QFMT_Q8, __VA_ARGS__); break;                                                             \
     case QFMT_Q8M: fn(QFMT_Q8M, __VA_ARGS__); break;                                                           \
     case QFMT_K4M: fn(QFMT_K4M, __VA_ARGS__); break;                                                           \

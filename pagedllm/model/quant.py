@@ -39,9 +39,6 @@ SUPER = 256  # a K format's super-block (GGUF's QK_K)
 FORMATS = {"q4": 0, "q8": 1, "q8m": 2, "f16": 3, "bf16": 4, "k4m": 5, "k8m": 6, "k8": 7}
 FORMATS |= {"q5": 8, "q5m": 9, "k5m": 10, "k6": 11, "mixed": 15}
 K_FORMATS = {"k4m", "k8m", "k8", "k5m", "k6"}
-_NIBBLES = {"q4", "k4m", "q5", "q5m", "k5m", "k6"}
-_PLANE = {"q5": 1, "q5m": 1, "k5m": 1, "k6": 2}  # bits of a code above its nibble
-_OFFSET = {"q5": 16, "k6": 32}  # stored as code + offset (unsigned); the kernel takes it off
 _SUB = {"k4m": 32, "k8m": 16, "k8": 16, "k5m": 32, "k6": 16}  # inputs per integer scale s (and mi)
 
 
@@ -143,45 +140,24 @@ def quantize_rtn(w: torch.Tensor, bits: int) -> QuantParts:
     return QuantParts("q4", q.reshape(n, k).numpy(), d.numpy(), m.numpy(), "int4")
 
 
-def _per_column(a: np.ndarray, nb: int) -> np.ndarray:
-    """[N, X] per-row values -> [nb, X, 16]: each tile's 16 columns side by side (rows padded to nb * 16)."""
-    return np.ascontiguousarray(np.pad(a, ((0, nb * 16 - a.shape[0]), (0, 0))).reshape(nb, 16, -1).transpose(0, 2, 1))
-
-
-def _body(parts: QuantParts, nb: int) -> np.ndarray:
-    """The codes as tile bodies: uint8 [nb, K/32, body bytes] (the C file's header gives the order)."""
-    n, k = parts.shape
-    c = np.pad(parts.codes, ((0, nb * 16 - n), (0, 0))).reshape(nb, 16, k // GROUP, 16, 2).transpose(0, 2, 3, 1, 4)
-    if parts.fmt not in _NIBBLES:
-        return np.ascontiguousarray(c).view(np.uint8).reshape(nb, k // GROUP, -1)
-    u = (c.astype(np.int16) + _OFFSET.get(parts.fmt, 0)).astype(np.uint8)  # [nb, g, 16 rows, 16 cols, 2]
-    low = u & 15
-    body = [(low[:, :, :, :8] | (low[:, :, :, 8:] << 4)).reshape(nb, k // GROUP, 256)]
-    bits = _PLANE.get(parts.fmt, 0)
-    if bits:  # per row, value e (its order in the row) at bit bits * e of a little-endian word
-        high = (u >> 4).reshape(nb, k // GROUP, 16, 32).astype(np.uint64) << (bits * np.arange(32, dtype=np.uint64))
-        words = np.bitwise_or.reduce(high, axis=-1).astype("<u4" if bits == 1 else "<u8")
-        body.append(words.view(np.uint8).reshape(nb, k // GROUP, -1))
-    return np.concatenate(body, axis=-1)
-
-
 def _tiles(parts: QuantParts) -> np.ndarray:
-    """QuantParts -> uint8 [ceil(N/16), bytes of a column block] in the kernel's order."""
+    """QuantParts -> uint8 [ceil(N/16), bytes of a column block] in the kernel's order (csrc/quant_pack.c: one
+    pass, nothing allocated but the tiles)."""
     n, k = parts.shape
-    nb, g = -(-n // 16), k // GROUP
-    f16 = (
-        [] if parts.d is None else [_per_column(a, nb).astype(np.float16) for a in (parts.d, parts.m) if a is not None]
-    )
-    if parts.fmt not in K_FORMATS:
-        head = [a.view(np.uint8).reshape(nb, g, -1) for a in f16]
-        return np.concatenate(head + [_body(parts, nb)], axis=-1).reshape(nb, -1)
-    assert parts.s is not None
-    per = GROUP // _SUB[parts.fmt]  # scale sets per tile
-    ints = [_per_column(parts.s.view(np.uint8), nb)] + ([] if parts.mi is None else [_per_column(parts.mi, nb)])
-    scales = [a.reshape(nb, g, per * 16) for a in ints]  # [nb, g, per, 16]: per half tile, 16 columns
-    tiles = np.concatenate(scales + [_body(parts, nb)], axis=-1).reshape(nb, g // 8, -1)
-    head = [a.view(np.uint8).reshape(nb, g // 8, 32) for a in f16]
-    return np.concatenate(head + [tiles], axis=-1).reshape(nb, -1)
+    out = np.empty((-(-n // 16), col_bytes(parts.fmt, k)), dtype=np.uint8)
+    keep = [None if a is None else np.ascontiguousarray(a) for a in (parts.codes, parts.d, parts.m, parts.s, parts.mi)]
+    sub = _SUB.get(parts.fmt, GROUP)
+    scale = k // (SUPER if parts.fmt in K_FORMATS else GROUP)
+    want = [(n, k), (n, scale), (n, scale), (n, k // sub), (n, k // sub)]
+    sizes = [2 if parts.fmt in ("f16", "bf16") else 1, 2, 2, 1, 1]
+    for a, shape, size in zip(keep, want, sizes):
+        if a is not None and (a.shape != shape or a.itemsize != size):
+            raise ValueError(f"a {parts.fmt} weight's part has shape {a.shape} ({a.dtype}), expected {shape}")
+    ptrs = [None if a is None else a.ctypes.data for a in keep]
+    rc = _lib().qpack_tiles(out.ctypes.data, *ptrs, n, k, FORMATS[parts.fmt], out.shape[1], torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"cannot pack a {parts.fmt} weight of shape {parts.shape} ({rc})")
+    return out
 
 
 def col_bytes(fmt: str, k: int) -> int:

@@ -164,11 +164,12 @@ def _k_large(name: str, b: np.ndarray, n: int) -> QuantParts:
 
 
 def from_gguf_blocks(raw: np.ndarray, ggml_type: int) -> QuantParts:
-    """raw: uint8 [N, row bytes] as stored in the file -> QuantParts (no arithmetic on values)."""
+    """raw: uint8 [N, row bytes] as stored in the file (a view of the mapped file is fine) -> QuantParts (no
+    arithmetic on values) whose arrays are all new: none is a view of `raw`."""
     name = GGML_TYPES[ggml_type]
     n = raw.shape[0]
     if name in ("F16", "BF16"):
-        parts = QuantParts(name.lower(), np.ascontiguousarray(raw).view(np.uint16).reshape(n, -1), None, None, name)
+        parts = QuantParts(name.lower(), np.array(raw, order="C").view(np.uint16).reshape(n, -1), None, None, name)
     else:
         b = np.ascontiguousarray(raw).reshape(n, -1, _BLOCK[name][1])
         read = _legacy if _BLOCK[name][0] == 32 else _k_small if name in ("Q2_K", "Q3_K") else _k_large

@@ -71,6 +71,16 @@ def test_rounded_weights_pack_as_the_reference(fmt):
     assert np.array_equal(quant.pack(parts).tiles.numpy(), numpy_tiles(parts))
 
 
+@pytest.mark.parametrize("ggml_type", [2, 14], ids=["Q4_0", "Q6_K"])
+def test_pieces_of_one_format_pack_as_their_merged_weight(ggml_type):
+    """q/k/v packed side by side are the tiles of the merged weight (the last piece may end in a partial block;
+    pieces whose blocks would straddle two are merged first)."""
+    for rows in ((32, 16, 21), (20, 16, 16)):
+        pieces = [from_gguf_blocks(random_blocks(ggml_type, r, 512, r), ggml_type) for r in rows]
+        want = numpy_tiles(quant.merge(pieces))
+        assert np.array_equal(quant.pack_merged(pieces).tiles.numpy(), want)
+
+
 def test_a_part_of_the_wrong_shape_is_refused():
     parts = from_gguf_blocks(random_blocks(12, 16, 256, 1), 12)
     bad = quant.QuantParts(parts.fmt, parts.codes, parts.d[:, :0], parts.m, parts.source, parts.s, parts.mi)
@@ -81,15 +91,18 @@ def test_a_part_of_the_wrong_shape_is_refused():
 @pytest.mark.parametrize("ggml_type", [3, 14], ids=["Q4_1", "Q6_K"])
 def test_packing_allocates_only_the_tiles(ggml_type):
     """Counted, not timed (tracemalloc sees numpy's buffers): the layout in numpy went through whole-array
-    temporaries (codes as int16, high-bit planes as uint64) several times the tiles' size."""
+    temporaries (codes as int16, high-bit planes as uint64) several times the tiles' size, and merged pieces
+    were first copied into one weight's codes (a byte a weight)."""
     import tracemalloc
 
     parts = from_gguf_blocks(random_blocks(ggml_type, 512, 2048, 7), ggml_type)
+    pieces = [from_gguf_blocks(random_blocks(ggml_type, r, 2048, r), ggml_type) for r in (256, 64, 64)]
     quant.pack(from_gguf_blocks(random_blocks(ggml_type, 16, 256, 7), ggml_type))  # the library loaded first
-    tracemalloc.start()
-    try:
-        tiles = quant.pack(parts).tiles
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-    assert peak < 1.05 * tiles.numel() + (64 << 10), (peak, tiles.numel())
+    for pack in (lambda: quant.pack(parts), lambda: quant.pack_merged(pieces)):
+        tracemalloc.start()
+        try:
+            tiles = pack().tiles
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 1.05 * tiles.numel() + (64 << 10), (peak, tiles.numel())

@@ -140,11 +140,15 @@ def quantize_rtn(w: torch.Tensor, bits: int) -> QuantParts:
     return QuantParts("q4", q.reshape(n, k).numpy(), d.numpy(), m.numpy(), "int4")
 
 
-def _tiles(parts: QuantParts) -> np.ndarray:
+def _tiles(parts: QuantParts, out: np.ndarray | None = None) -> np.ndarray:
     """QuantParts -> uint8 [ceil(N/16), bytes of a column block] in the kernel's order (csrc/quant_pack.c: one
-    pass, nothing allocated but the tiles)."""
+    pass, nothing allocated but the tiles), written into `out` when given (rows of a larger weight's tiles)."""
     n, k = parts.shape
-    out = np.empty((-(-n // 16), col_bytes(parts.fmt, k)), dtype=np.uint8)
+    if k % (SUPER if parts.fmt in K_FORMATS else GROUP):
+        raise ValueError(f"input size {k} is not a multiple of {SUPER if parts.fmt in K_FORMATS else GROUP}")
+    if out is None:
+        out = np.empty((-(-n // 16), col_bytes(parts.fmt, k)), dtype=np.uint8)
+    assert out.shape == (-(-n // 16), col_bytes(parts.fmt, k)) and out.flags.c_contiguous
     keep = [None if a is None else np.ascontiguousarray(a) for a in (parts.codes, parts.d, parts.m, parts.s, parts.mi)]
     sub = _SUB.get(parts.fmt, GROUP)
     scale = k // (SUPER if parts.fmt in K_FORMATS else GROUP)
@@ -183,19 +187,27 @@ class QuantWeight:
 
 def pack(parts: QuantParts) -> QuantWeight:
     n, k = parts.shape
-    if k % (SUPER if parts.fmt in K_FORMATS else GROUP):
-        raise ValueError(f"input size {k} is not a multiple of {SUPER if parts.fmt in K_FORMATS else GROUP}")
     return QuantWeight(parts.fmt, n, k, torch.from_numpy(_tiles(parts)), parts.source)
 
 
 def pack_merged(parts: list[QuantParts]) -> QuantWeight | None:
-    """Pieces stacked along N (q/k/v, gate/up) as one weight. Pieces of different formats (a Q4_K_M file's
-    Q4_K q/k and Q6_K v) stay as they are, each in its own column blocks, behind a table of where each block
-    starts and its format; that needs every piece but the last to fill whole blocks (else None)."""
-    one = merge(parts)
-    if one is not None:
-        return pack(one)
-    if any(p.shape[0] % 16 for p in parts[:-1]) or len({p.shape[1] for p in parts}) != 1:
+    """Pieces stacked along N (q/k/v, gate/up) as one weight. Pieces of one format whose blocks of 16 rows do
+    not straddle two pieces are packed side by side into one array (their column blocks are the merged
+    weight's: no merged copy of the codes first); pieces of different formats (a Q4_K_M file's Q4_K q/k and
+    Q6_K v) stay as they are, each in its own column blocks, behind a table of where each block starts and its
+    format; that needs every piece but the last to fill whole blocks (else None)."""
+    whole = not any(p.shape[0] % 16 for p in parts[:-1]) and len({p.shape[1] for p in parts}) == 1
+    n, k, source = sum(p.shape[0] for p in parts), parts[0].shape[1], "+".join(sorted({p.source for p in parts}))
+    if len({p.fmt for p in parts}) == 1:
+        if not whole:
+            one = merge(parts)
+            assert one is not None  # one format
+            return pack(one)
+        out, at = np.empty((-(-n // 16), col_bytes(parts[0].fmt, k)), dtype=np.uint8), 0
+        for p in parts:
+            at += _tiles(p, out[at : at - (-p.shape[0] // 16)]).shape[0]
+        return QuantWeight(parts[0].fmt, n, k, torch.from_numpy(out), source)
+    if not whole:
         return None
     packed = [_tiles(p) for p in parts]
     nb = sum(t.shape[0] for t in packed)
@@ -205,8 +217,7 @@ def pack_merged(parts: list[QuantParts]) -> QuantWeight | None:
             table.append(offset << 4 | FORMATS[p.fmt])
             offset += t.shape[1]
     flat = [np.asarray(table, dtype="<i8").view(np.uint8)] + [t.reshape(-1) for t in packed]
-    n, source = sum(p.shape[0] for p in parts), "+".join(sorted({p.source for p in parts}))
-    return QuantWeight("mixed", n, parts[0].shape[1], torch.from_numpy(np.concatenate(flat)), source)
+    return QuantWeight("mixed", n, k, torch.from_numpy(np.concatenate(flat)), source)
 
 
 def _lib() -> ctypes.CDLL:

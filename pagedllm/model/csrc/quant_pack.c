@@ -17,7 +17,8 @@ static int kformat(int fmt) {
     return fmt == QFMT_K4M || fmt == QFMT_K8M || fmt == QFMT_K8 || fmt == QFMT_K5M || fmt == QFMT_K6;
 }
 static int with_min(int fmt) {
-    return fmt == QFMT_Q4 || fmt == QFMT_Q8M || fmt == QFMT_K4M || fmt == QFMT_K8M || fmt == QFMT_Q5M || fmt == QFMT_K5M;
+    return fmt == QFMT_Q4 || fmt == QFMT_Q8M || fmt == QFMT_K4M || fmt == QFMT_K8M || fmt == QFMT_Q5M
+        || fmt == QFMT_K5M;
 }
 static int plane_bits(int fmt) { return fmt == QFMT_K6 ? 2 : fmt == QFMT_Q5 || fmt == QFMT_Q5M || fmt == QFMT_K5M; }
 static int nibble(int fmt) { return fmt == QFMT_Q4 || fmt == QFMT_K4M || plane_bits(fmt); }
@@ -40,16 +41,22 @@ static void columns16(uint8_t *out, const uint8_t *a, int esize, int64_t n, int6
 static uint8_t *body(uint8_t *o, const uint8_t *codes, int fmt, int64_t n, int64_t k, int64_t cb, int64_t g) {
     int es = halves16(fmt) ? 2 : 1;
     uint8_t u[16][32]; /* [column][k - 32 g], with the format's offset (unsigned) */
-    if (!nibble(fmt)) {
-        for (int r = 0; r < 16; r++)
-            for (int c = 0; c < 16; c++) {
-                int64_t row = cb * 16 + c;
-                uint8_t *dst = o + (r * 32 + c * 2) * es;
-                if (row < n)
-                    memcpy(dst, codes + (row * k + g * 32 + 2 * r) * es, 2 * es);
-                else
-                    memset(dst, 0, 2 * es);
+    if (!nibble(fmt)) { /* k pair r of column c: one 2- (or 4-) byte unit, at unit 16 r + c */
+        for (int c = 0; c < 16; c++) {
+            int64_t row = cb * 16 + c;
+            const uint8_t *src = codes + (row * k + g * 32) * es;
+            for (int r = 0; r < 16; r++) {
+                if (es == 1) {
+                    uint16_t v = 0;
+                    if (row < n) memcpy(&v, src + 2 * r, 2);
+                    memcpy(o + 2 * (16 * r + c), &v, 2);
+                } else {
+                    uint32_t v = 0;
+                    if (row < n) memcpy(&v, src + 4 * r, 4);
+                    memcpy(o + 4 * (16 * r + c), &v, 4);
+                }
             }
+        }
         return o + 512 * es;
     }
     int off = code_offset(fmt);
@@ -127,7 +134,8 @@ static void codes_q4(int8_t *q, const uint8_t *b, int nb, int bytes, int off) { 
 }
 static void codes_q5(int8_t *q, const uint8_t *b, int nb, int bytes, int off, int shift) { /* Q5_0, Q5_1 */
     for (int i = 0; i < nb; i++, b += bytes, q += 32) {
-        uint32_t qh = (uint32_t)b[off] | (uint32_t)b[off + 1] << 8 | (uint32_t)b[off + 2] << 16 | (uint32_t)b[off + 3] << 24;
+        uint32_t qh = (uint32_t)b[off] | (uint32_t)b[off + 1] << 8 | (uint32_t)b[off + 2] << 16
+                    | (uint32_t)b[off + 3] << 24;
         for (int j = 0; j < 32; j++) {
             int nib = j < 16 ? b[off + 4 + j] & 15 : b[off + 4 + j - 16] >> 4;
             q[j] = (int8_t)((nib | ((qh >> j) & 1) << 4) - shift);
@@ -141,7 +149,8 @@ static void codes_k4(int8_t *q, const uint8_t *b, int nb, int bytes, int qs, int
                 uint8_t v = b[qs + c * 32 + j];
                 int lo = 64 * c + j, hi = lo + 32;
                 q[lo] = v & 15, q[hi] = v >> 4;
-                if (qh >= 0) q[lo] |= ((b[qh + j] >> (2 * c)) & 1) << 4, q[hi] |= ((b[qh + j] >> (2 * c + 1)) & 1) << 4;
+                if (qh >= 0)
+                    q[lo] |= ((b[qh + j] >> (2 * c)) & 1) << 4, q[hi] |= ((b[qh + j] >> (2 * c + 1)) & 1) << 4;
             }
 }
 static void codes_k6(int8_t *q, const uint8_t *b, int nb, int bytes) { /* Q6_K: ql[128], qh[64]; -32..31 */
@@ -151,7 +160,8 @@ static void codes_k6(int8_t *q, const uint8_t *b, int nb, int bytes) { /* Q6_K: 
             const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
             for (int t = 0; t < 4; t++)
                 for (int j = 0; j < 32; j++)
-                    o[32 * t + j] = (int8_t)((((ql[32 * (t % 2) + j] >> (4 * (t / 2))) & 15) | ((qh[j] >> (2 * t)) & 3) << 4) - 32);
+                    o[32 * t + j] =
+                        (int8_t)((((ql[32 * (t % 2) + j] >> (4 * (t / 2))) & 15) | ((qh[j] >> (2 * t)) & 3) << 4) - 32);
         }
 }
 

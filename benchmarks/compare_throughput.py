@@ -194,7 +194,8 @@ def one_request(system: str, a, path: str) -> None:
     with open(prompts_file, "w") as f:
         json.dump(prompts, f)
     venv = "llamacpp-x86-64-v3-venv" if os.environ.get("PAGEDLLM_CPU_TARGET") == "x86-64-v3" else "llamacpp-venv"
-    python = sys.executable if system == "pagedllm" else os.path.join(os.environ["ANCHORS"], venv, "bin", "python")
+    llamacpp = os.environ.get("LLAMACPP_PYTHON") or os.path.join(os.environ["ANCHORS"], venv, "bin", "python")
+    python = sys.executable if system == "pagedllm" else llamacpp  # LLAMACPP_PYTHON: another llama.cpp python
     subprocess.run(
         [python, "-c", ONE_REQUEST, system, prompts_file, str(a.output_len), a.dtype, path, default_gguf()], check=True
     )

@@ -43,7 +43,7 @@ log = logging.getLogger("pagedllm.model")
 
 CSRC = Path(__file__).parent / "csrc"
 # (source, extra compile flags)
-SOURCES = [("paged_attention.c", ["-ffast-math"]), ("quant_matmul.c", []), ("model_step.c", [])]
+SOURCES = [("paged_attention.c", ["-ffast-math"]), ("quant_matmul.c", []), ("quant_pack.c", []), ("model_step.c", [])]
 COMPILE = ["-O3", "-fno-math-errno", "-fPIC", "-Wno-psabi"]  # psabi: 64-byte vectors on AVX2
 LINK = ["-shared"]
 OPENMP = ["-fopenmp"]  # without OpenMP the same source builds a single-threaded kernel
@@ -249,6 +249,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "model_step": [p, p, p, i],
         "kv_quantize_rows": [p, p, i64, i, i],
         "kv_dequantize_rows": [p, p, i64, i, i],
+        "qpack_tiles": [p] * 6 + [i64, i64, i, i64, i],
+        "gguf_codes": [p, p, i64, i64, i, i],
     }
     for name, args in signatures.items():
         fn = getattr(lib, name)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import mmap
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -160,10 +161,13 @@ class GGUFFile:
             first = start // mmap.PAGESIZE * mmap.PAGESIZE
             self._mm.madvise(mmap.MADV_DONTNEED, first, start + nbytes - first)
 
-    def load_raw(self, name: str) -> np.ndarray:
-        """One tensor's stored blocks, copied out of the file (uint8 [rows..., bytes per row])."""
+    def load_raw(self, name: str, convert: Callable[[np.ndarray], Any] = np.copy) -> Any:
+        """One tensor's stored blocks (uint8 [rows..., bytes per row]) through `convert`, read straight from the
+        mapping (default: copied out). `convert` returns arrays of its own, never a view of the mapping: its
+        pages leave the process as soon as it returns (a view would read them from the file again, and close()
+        refuses while one lives)."""
         raw = self._raw(name)[0]
-        out = raw.copy()
+        out = convert(raw)
         self._done_with(self.tensors[name].offset, raw.nbytes)
         return out
 

@@ -4,7 +4,9 @@ Why a module of its own: each GGML type packs its integers differently (nibbles,
 split over three bytes), and the kernels want one layout per "shape" of format. Each reader here follows
 gguf-py's `gguf/quants.py` dequantizer step by step, stopping before the float arithmetic: it returns the
 integer codes, the integer sub-block scales and the float16 block scales, and the kernel (or
-`QuantParts.dequantize`) then computes every weight exactly as gguf does, bit for bit.
+`QuantParts.dequantize`) then computes every weight exactly as gguf does, bit for bit. The codes of the common
+types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K: a byte a weight, the bulk of loading) are unpacked in C
+(csrc/quant_pack.c's `gguf_codes`, the same steps); numpy takes the scales and the rarer types.
 
 Which kernel format each type becomes, and what it costs against the file (bits a weight, resident / file):
 Q4_0 q40 (4.5 / 4.5), Q4_1 q4 (5 / 5), Q5_0 q5 (5.5 / 5.5), Q5_1 q5m (6 / 6), Q8_0 q8 (8.5 / 8.5), Q4_K k4m
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
+import pagedllm.model.cpu_kernel as cpu_kernel
 from pagedllm.model.quant import K_FORMATS, SUPER, QuantParts, log_once
 
 # GGML type number -> name; the types kept quantized (`iter_gguf`)
@@ -36,6 +39,7 @@ GGML_TYPES = {
     23: "IQ4_XS",
     30: "BF16",
 }
+_TYPE = {name: t for t, name in GGML_TYPES.items()}
 _BLOCK = {  # name -> (weights, bytes) per block
     "F16": (1, 2),
     "BF16": (1, 2),
@@ -80,25 +84,37 @@ def _scale_min_k4(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, mn
 
 
+def _codes(name: str, b: np.ndarray, n: int) -> np.ndarray:
+    """The codes of the types csrc/quant_pack.c reads (`gguf_codes`), int8 [n, K] in gguf's weight order (the
+    4-bit ones as uint8 0..15): the bulk of a file, unpacked without numpy's whole-array temporaries."""
+    import torch
+
+    k = b.shape[1] * _BLOCK[name][0]
+    out = np.empty((n, k), dtype=np.int8)
+    raw, lib = np.ascontiguousarray(b), cpu_kernel.load()
+    if lib is None:
+        raise RuntimeError("the quantized kernels are not built on this machine")
+    rc = lib.gguf_codes(out.ctypes.data, raw.ctypes.data, n, k, _TYPE[name], torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"cannot read {name} blocks of {n} x {k} ({rc})")
+    return out.view(np.uint8) if name in ("Q4_1", "Q4_K") else out  # Q4_0: q - 8, -8..7
+
+
 def _legacy(name: str, b: np.ndarray, n: int) -> QuantParts:
-    """The types of 32-weight blocks with float16 scales: [n, blocks, bytes] -> q4 / q8 / q8m."""
+    """The types of 32-weight blocks with float16 scales: [n, blocks, bytes] -> q4 / q5 / q5m / q8 / q8m."""
     d = _f16(b[..., 0:2])
-    if name == "Q8_0":
-        return QuantParts("q8", b[..., 2:34].copy().view(np.int8).reshape(n, -1), d, None, name)
     if name == "IQ4_NL":
         return QuantParts("q8", IQ4_VALUES[_nibbles(b[..., 2:18])].reshape(n, -1), d, None, name)
-    if name in ("Q4_0", "Q4_1"):
-        codes = _nibbles(b[..., 4:20] if name == "Q4_1" else b[..., 2:18]).reshape(n, -1)
-        if name == "Q4_1":
-            return QuantParts("q4", codes, d, _f16(b[..., 2:4]), name)
-        return QuantParts("q40", (codes.astype(np.int16) - 8).astype(np.int8), d, None, name)  # w = d (q - 8)
-    off = 4 if name == "Q5_1" else 2
-    qh = np.ascontiguousarray(b[..., off : off + 4]).view("<u4")  # [n, blocks, 1]: bit i is weight i's fifth
-    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
-    q = (_nibbles(b[..., off + 4 : off + 20]).reshape(n, -1, 32) | (high << 4)).reshape(n, -1)
+    codes = _codes(name, b, n)
+    if name == "Q8_0":
+        return QuantParts("q8", codes, d, None, name)
+    if name == "Q4_1":
+        return QuantParts("q4", codes, d, _f16(b[..., 2:4]), name)
+    if name == "Q4_0":
+        return QuantParts("q40", codes, d, None, name)  # w = d (q - 8): gguf_codes gave q - 8
     if name == "Q5_1":
-        return QuantParts("q5m", q.astype(np.int8), d, _f16(b[..., 2:4]), name)
-    return QuantParts("q5", (q.astype(np.int16) - 16).astype(np.int8), d, None, name)
+        return QuantParts("q5m", codes, d, _f16(b[..., 2:4]), name)
+    return QuantParts("q5", codes, d, None, name)
 
 
 def _k_small(name: str, b: np.ndarray, n: int) -> QuantParts:
@@ -129,11 +145,8 @@ def _k_small(name: str, b: np.ndarray, n: int) -> QuantParts:
 def _k_large(name: str, b: np.ndarray, n: int) -> QuantParts:
     """Q4_K, Q5_K (8 sub-blocks of 32, 6-bit scales and minimums), Q6_K (16 of 16, int8 scales), IQ4_XS."""
     if name == "Q6_K":
-        ql, qh, scales, d = b[..., 0:128], b[..., 128:192], b[..., 192:208], _f16(b[..., 208:210])
-        low = _nibbles(ql.reshape(*ql.shape[:-1], 2, 64))  # [.., 2, 2, 64] -> 8 rows of 32
-        high = _bits(qh.reshape(*qh.shape[:-1], 2, 32), [0, 2, 4, 6], 3)
-        q = (low.reshape(*ql.shape[:-1], 256) | (high.reshape(*ql.shape[:-1], 256) << 4)).astype(np.int8) - 32
-        return QuantParts("k6", q.reshape(n, -1), d, None, name, scales.copy().view(np.int8).reshape(n, -1))
+        scales, d = b[..., 192:208], _f16(b[..., 208:210])
+        return QuantParts("k6", _codes(name, b, n), d, None, name, scales.copy().view(np.int8).reshape(n, -1))
     if name == "IQ4_XS":
         d, sh = _f16(b[..., 0:2]), np.ascontiguousarray(b[..., 2:4]).view("<u2")  # [n, blocks, 1]
         low = _nibbles(b[..., 4:8]).swapaxes(-1, -2).reshape(*b.shape[:-1], 8)  # byte j: sub-blocks 2j, 2j + 1
@@ -143,20 +156,17 @@ def _k_large(name: str, b: np.ndarray, n: int) -> QuantParts:
         return QuantParts("k8", q, d, None, name, np.repeat(s.reshape(n, -1), 2, axis=1))
     d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
     sc, mn = _scale_min_k4(b[..., 4:16])
-    low = _nibbles(b[..., -128:].reshape(*b.shape[:-1], 4, 32)).reshape(*b.shape[:-1], 256)
-    if name == "Q4_K":
-        return QuantParts("k4m", low.reshape(n, -1), d, dmin, name, sc.reshape(n, -1).view(np.int8), mn.reshape(n, -1))
-    high = _bits(b[..., 16:48], list(range(8)), 1).reshape(*b.shape[:-1], 256)
-    q = (low | (high << 4)).astype(np.int8).reshape(n, -1)
-    return QuantParts("k5m", q, d, dmin, name, sc.reshape(n, -1).view(np.int8), mn.reshape(n, -1))
+    fmt = "k4m" if name == "Q4_K" else "k5m"
+    return QuantParts(fmt, _codes(name, b, n), d, dmin, name, sc.reshape(n, -1).view(np.int8), mn.reshape(n, -1))
 
 
 def from_gguf_blocks(raw: np.ndarray, ggml_type: int) -> QuantParts:
-    """raw: uint8 [N, row bytes] as stored in the file -> QuantParts (no arithmetic on values)."""
+    """raw: uint8 [N, row bytes] as stored in the file (a view of the mapped file is fine) -> QuantParts (no
+    arithmetic on values) whose arrays are all new: none is a view of `raw`."""
     name = GGML_TYPES[ggml_type]
     n = raw.shape[0]
     if name in ("F16", "BF16"):
-        parts = QuantParts(name.lower(), np.ascontiguousarray(raw).view(np.uint16).reshape(n, -1), None, None, name)
+        parts = QuantParts(name.lower(), np.array(raw, order="C").view(np.uint16).reshape(n, -1), None, None, name)
     else:
         b = np.ascontiguousarray(raw).reshape(n, -1, _BLOCK[name][1])
         read = _legacy if _BLOCK[name][0] == 32 else _k_small if name in ("Q2_K", "Q3_K") else _k_large

@@ -40,9 +40,6 @@ FORMATS = {"q4": 0, "q8": 1, "q8m": 2, "f16": 3, "bf16": 4, "k4m": 5, "k8m": 6, 
 FORMATS |= {"q5": 8, "q5m": 9, "k5m": 10, "k6": 11, "q40": 12, "mixed": 15}
 K_FORMATS = {"k4m", "k8m", "k8", "k5m", "k6"}
 DOT_FORMATS = {"q4", "q40", "q8", "q8m", "k4m", "k6"}  # what the dot route runs (csrc dot_fmt); others: float32
-_NIBBLES = {"q4", "q40", "k4m", "q5", "q5m", "k5m", "k6"}
-_PLANE = {"q5": 1, "q5m": 1, "k5m": 1, "k6": 2}  # bits of a code above its nibble
-_OFFSET = {"q5": 16, "k6": 32, "q40": 8}  # stored as code + offset (unsigned); the kernel takes it off
 _SUB = {"k4m": 32, "k8m": 16, "k8": 16, "k5m": 32, "k6": 16}  # inputs per integer scale s (and mi)
 
 
@@ -144,49 +141,28 @@ def quantize_rtn(w: torch.Tensor, bits: int) -> QuantParts:
     return QuantParts("q4", q.reshape(n, k).numpy(), d.numpy(), m.numpy(), "int4")
 
 
-def _per_column(a: np.ndarray, nb: int) -> np.ndarray:
-    """[N, X] per-row values -> [nb, X, 16]: each tile's 16 columns side by side (rows padded to nb * 16)."""
-    return np.ascontiguousarray(np.pad(a, ((0, nb * 16 - a.shape[0]), (0, 0))).reshape(nb, 16, -1).transpose(0, 2, 1))
-
-
-def _body(parts: QuantParts, nb: int) -> np.ndarray:
-    """The codes as tile bodies: uint8 [nb, K/32, body bytes] (the C file's header gives the order)."""
+def _tiles(parts: QuantParts, out: np.ndarray | None = None) -> np.ndarray:
+    """QuantParts -> uint8 [ceil(N/16), bytes of a column block] in the kernel's order (csrc/quant_pack.c: one
+    pass, nothing allocated but the tiles), written into `out` when given (rows of a larger weight's tiles)."""
     n, k = parts.shape
-    c = np.pad(parts.codes, ((0, nb * 16 - n), (0, 0))).reshape(nb, 16, k // GROUP, 16, 2).transpose(0, 2, 3, 1, 4)
-    if parts.fmt not in _NIBBLES:
-        return np.ascontiguousarray(c).view(np.uint8).reshape(nb, k // GROUP, -1)
-    u = (c.astype(np.int16) + _OFFSET.get(parts.fmt, 0)).astype(np.uint8)  # [nb, g, 16 rows, 16 cols, 2]
-    low = u & 15
-    body = [(low[:, :, :, :8] | (low[:, :, :, 8:] << 4)).reshape(nb, k // GROUP, 256)]
-    bits = _PLANE.get(parts.fmt, 0)
-    if bits == 1:  # per row, value e (its order in the row) at bit e of a little-endian word
-        high = (u >> 4).reshape(nb, k // GROUP, 16, 32).astype(np.uint64) << np.arange(32, dtype=np.uint64)
-        words = np.bitwise_or.reduce(high, axis=-1).astype("<u4")
-        body.append(words.view(np.uint8).reshape(nb, k // GROUP, -1))
-    elif bits == 2:  # per row 8 bytes; byte j: low nibbles of bytes j, j + 8 in bits 0-3, high nibbles in 4-7
-        h = (u >> 4).reshape(nb, k // GROUP, 16, 2, 16)  # [.., row, low/high nibble, byte of the row]
-        body.append((h[..., 0, :8] | h[..., 0, 8:] << 2 | h[..., 1, :8] << 4 | h[..., 1, 8:] << 6).astype(np.uint8))
-        body[-1] = body[-1].reshape(nb, k // GROUP, -1)
-    return np.concatenate(body, axis=-1)
-
-
-def _tiles(parts: QuantParts) -> np.ndarray:
-    """QuantParts -> uint8 [ceil(N/16), bytes of a column block] in the kernel's order."""
-    n, k = parts.shape
-    nb, g = -(-n // 16), k // GROUP
-    f16 = (
-        [] if parts.d is None else [_per_column(a, nb).astype(np.float16) for a in (parts.d, parts.m) if a is not None]
-    )
-    if parts.fmt not in K_FORMATS:
-        head = [a.view(np.uint8).reshape(nb, g, -1) for a in f16]
-        return np.concatenate(head + [_body(parts, nb)], axis=-1).reshape(nb, -1)
-    assert parts.s is not None
-    per = GROUP // _SUB[parts.fmt]  # scale sets per tile
-    ints = [_per_column(parts.s.view(np.uint8), nb)] + ([] if parts.mi is None else [_per_column(parts.mi, nb)])
-    scales = [a.reshape(nb, g, per * 16) for a in ints]  # [nb, g, per, 16]: per half tile, 16 columns
-    tiles = np.concatenate(scales + [_body(parts, nb)], axis=-1).reshape(nb, g // 8, -1)
-    head = [a.view(np.uint8).reshape(nb, g // 8, 32) for a in f16]
-    return np.concatenate(head + [tiles], axis=-1).reshape(nb, -1)
+    if k % (SUPER if parts.fmt in K_FORMATS else GROUP):
+        raise ValueError(f"input size {k} is not a multiple of {SUPER if parts.fmt in K_FORMATS else GROUP}")
+    if out is None:
+        out = np.empty((-(-n // 16), col_bytes(parts.fmt, k)), dtype=np.uint8)
+    assert out.shape == (-(-n // 16), col_bytes(parts.fmt, k)) and out.flags.c_contiguous
+    keep = [None if a is None else np.ascontiguousarray(a) for a in (parts.codes, parts.d, parts.m, parts.s, parts.mi)]
+    sub = _SUB.get(parts.fmt, GROUP)
+    scale = k // (SUPER if parts.fmt in K_FORMATS else GROUP)
+    want = [(n, k), (n, scale), (n, scale), (n, k // sub), (n, k // sub)]
+    sizes = [2 if parts.fmt in ("f16", "bf16") else 1, 2, 2, 1, 1]
+    for a, shape, size in zip(keep, want, sizes):
+        if a is not None and (a.shape != shape or a.itemsize != size):
+            raise ValueError(f"a {parts.fmt} weight's part has shape {a.shape} ({a.dtype}), expected {shape}")
+    ptrs = [None if a is None else a.ctypes.data for a in keep]
+    rc = _lib().qpack_tiles(out.ctypes.data, *ptrs, n, k, FORMATS[parts.fmt], out.shape[1], torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"cannot pack a {parts.fmt} weight of shape {parts.shape} ({rc})")
+    return out
 
 
 def col_bytes(fmt: str, k: int) -> int:
@@ -213,19 +189,27 @@ class QuantWeight:
 
 def pack(parts: QuantParts) -> QuantWeight:
     n, k = parts.shape
-    if k % (SUPER if parts.fmt in K_FORMATS else GROUP):
-        raise ValueError(f"input size {k} is not a multiple of {SUPER if parts.fmt in K_FORMATS else GROUP}")
     return QuantWeight(parts.fmt, n, k, torch.from_numpy(_tiles(parts)), parts.source)
 
 
 def pack_merged(parts: list[QuantParts]) -> QuantWeight | None:
-    """Pieces stacked along N (q/k/v, gate/up) as one weight. Pieces of different formats (a Q4_K_M file's
-    Q4_K q/k and Q6_K v) stay as they are, each in its own column blocks, behind a table of where each block
-    starts and its format; that needs every piece but the last to fill whole blocks (else None)."""
-    one = merge(parts)
-    if one is not None:
-        return pack(one)
-    if any(p.shape[0] % 16 for p in parts[:-1]) or len({p.shape[1] for p in parts}) != 1:
+    """Pieces stacked along N (q/k/v, gate/up) as one weight. Pieces of one format whose blocks of 16 rows do
+    not straddle two pieces are packed side by side into one array (their column blocks are the merged
+    weight's: no merged copy of the codes first); pieces of different formats (a Q4_K_M file's Q4_K q/k and
+    Q6_K v) stay as they are, each in its own column blocks, behind a table of where each block starts and its
+    format; that needs every piece but the last to fill whole blocks (else None)."""
+    whole = not any(p.shape[0] % 16 for p in parts[:-1]) and len({p.shape[1] for p in parts}) == 1
+    n, k, source = sum(p.shape[0] for p in parts), parts[0].shape[1], "+".join(sorted({p.source for p in parts}))
+    if len({p.fmt for p in parts}) == 1:
+        if not whole:
+            one = merge(parts)
+            assert one is not None  # one format
+            return pack(one)
+        out, at = np.empty((-(-n // 16), col_bytes(parts[0].fmt, k)), dtype=np.uint8), 0
+        for p in parts:
+            at += _tiles(p, out[at : at - (-p.shape[0] // 16)]).shape[0]
+        return QuantWeight(parts[0].fmt, n, k, torch.from_numpy(out), source)
+    if not whole:
         return None
     packed = [_tiles(p) for p in parts]
     nb = sum(t.shape[0] for t in packed)
@@ -235,8 +219,7 @@ def pack_merged(parts: list[QuantParts]) -> QuantWeight | None:
             table.append(offset << 4 | FORMATS[p.fmt])
             offset += t.shape[1]
     flat = [np.asarray(table, dtype="<i8").view(np.uint8)] + [t.reshape(-1) for t in packed]
-    n, source = sum(p.shape[0] for p in parts), "+".join(sorted({p.source for p in parts}))
-    return QuantWeight("mixed", n, parts[0].shape[1], torch.from_numpy(np.concatenate(flat)), source)
+    return QuantWeight("mixed", n, k, torch.from_numpy(np.concatenate(flat)), source)
 
 
 def _lib() -> ctypes.CDLL:

@@ -7,6 +7,8 @@ tokens mix freely in one flat batch. Block allocation, scheduling and sampling b
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +33,18 @@ class SeqChunk:
     @property
     def num_logits(self) -> int:
         return len(self.token_ids) if self.all_logits else 1
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor that costs nothing until written: on a CPU, anonymous memory the OS zero-fills a page at
+    a time on first touch. Why: `torch.zeros` writes every byte of the KV cache at start-up (the default budget
+    is GiBs: seconds before the first answer, all of it resident at once); here only the blocks that requests
+    use become resident, and reading an untouched one gives zeros all the same."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if device.type != "cpu" or nbytes == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(buf, dtype=dtype).view(shape)  # the tensor keeps `buf` alive
 
 
 def kv_cache_bytes(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype) -> int:
@@ -74,10 +88,7 @@ class ModelRunner:
         cfg = self.config
         shape = kv_quant.cache_shape(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (
-                torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
-                torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
-            )
+            (zeroed(shape, self.kv_dtype, self.device), zeroed(shape, self.kv_dtype, self.device))
             for _ in range(cfg.num_layers)
         ]
         self.fused = (

@@ -17,6 +17,7 @@ parameter (`DenseRows`; a 128k x 4096 head is 2 GiB in float32).
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import os
@@ -179,7 +180,7 @@ def iter_gguf(gf: GGUFFile, model: CausalLM, keep_quantized: bool = False) -> It
         heads = cfg.num_heads if ".q_proj." in hf else cfg.num_kv_heads
         unpermute = permuted and (".q_proj." in hf or ".k_proj." in hf)
         parts = (
-            from_gguf_blocks(gf.load_raw(name), info.ggml_type)
+            gf.load_raw(name, functools.partial(from_gguf_blocks, ggml_type=info.ggml_type))
             if keep_quantized and info.ggml_type in GGML_TYPES and len(info.shape) == 2 and info.shape[1] % 32 == 0
             else None
         )

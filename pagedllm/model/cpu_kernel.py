@@ -146,7 +146,7 @@ def _seal(path: Path) -> None:
 def _compile(cc: list[str], compile_flags: list[str], extra: list[str], out: Path) -> None:
     """Compile and link SOURCES into the library `out` (in a folder of this build's own)."""
     objs = []
-    run: dict[str, Any] = dict(check=True, capture_output=True, text=True, timeout=300)
+    run: dict[str, Any] = dict(check=True, capture_output=True, text=True, timeout=900)  # minutes on a busy machine
     for name, flags in SOURCES:
         objs.append(str(out.parent / (name + ".o")))
         subprocess.run([*cc, *compile_flags, *flags, *extra, "-c", str(CSRC / name), "-o", objs[-1]], **run)

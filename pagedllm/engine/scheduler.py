@@ -134,8 +134,7 @@ class Scheduler:
                 break
             req = ready
             # Prompt logprobs and pooling need every prompt position computed: such a request reads no cache.
-            blocks, num_cached = self.kv.get_computed_blocks(req) if req.reads_prefix_cache else ([], 0)
-            plan(req, self.kv, num_cached)  # kv_blend: the passages' stored KV to copy, held
+            blocks, num_cached = self._lookup(req)
             num_new, cost = step_size(req, budget, num_cached)
             req.num_computed_tokens = 0
             if not self.kv.allocate_slots(req, num_new, blocks):
@@ -157,6 +156,16 @@ class Scheduler:
             budget -= cost
         self.peak_running = max(self.peak_running, len(self.running))
         return out
+
+    def _lookup(self, req: Request) -> tuple[list, int]:
+        """A waiting request's prefix-cache hit (none where every prompt position must be computed, nor past a
+        position whose logits it keeps), and its kv_blend plan: the passages' stored KV to copy, held."""
+        blocks, num_cached = self.kv.get_computed_blocks(req) if req.reads_prefix_cache else ([], 0)
+        if req.logits_from is not None and num_cached > req.logits_from:
+            blocks = blocks[: req.logits_from // self.kv.block_size]
+            num_cached = len(blocks) * self.kv.block_size
+        plan(req, self.kv, num_cached)
+        return blocks, num_cached
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)

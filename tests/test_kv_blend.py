@@ -180,3 +180,22 @@ def test_bad_segments_are_refused_naming_the_field_and_queue_nothing(model_fp32,
     assert e.value.param == param
     assert not engine.has_unfinished_requests()
     assert_all_blocks_free(engine)
+
+
+def test_a_passage_has_the_same_tokens_wherever_the_layout_puts_it(model_fp32):
+    """segmented_prompt tokenizes each passage on its own: the span holds the passage's own tokens in any
+    order, and the whole prompt still reads as the rendered chat text."""
+    from pagedllm.rag.index import Hit
+    from pagedllm.rag.layout import messages_in_order, passage_text, segmented_prompt
+
+    tok = model_fp32.tokenizer
+    hits = [Hit(f"c{i}", f"doc{i}", "t", 0, 0.5, f"Passage {i}: blocks.\nMore text {i}.", i) for i in range(3)]
+    seen: dict[str, list[int]] = {}
+    for order in ([0, 1, 2], [2, 0, 1], [1, 2, 0]):
+        ordered = [hits[i] for i in order]
+        messages = messages_in_order("What is a block?", ordered)
+        ids, spans = segmented_prompt(tok, messages, ordered)
+        assert tok.decode(ids, skip_special_tokens=False) == tok.apply_chat_template_text(messages)
+        for h, (start, end) in zip(ordered, spans):
+            assert ids[start:end] == tok.encode(passage_text(h))
+            assert seen.setdefault(h.chunk_id, ids[start:end]) == ids[start:end]

@@ -199,3 +199,21 @@ def test_a_passage_has_the_same_tokens_wherever_the_layout_puts_it(model_fp32):
         for h, (start, end) in zip(ordered, spans):
             assert ids[start:end] == tok.encode(passage_text(h))
             assert seen.setdefault(h.chunk_id, ids[start:end]) == ids[start:end]
+
+
+def test_engines_with_other_dtypes_or_block_sizes_key_segments_apart(model_fp32, model_fp32_dense):
+    """The segment root of an engine covers its weights (quantized or not), KV dtype, block size and the salt:
+    stored KV made under any other of them (through a shared disk tier, say) is never found."""
+    roots = set()
+    for model, kw in [
+        (model_fp32, {}),
+        (model_fp32, {"kv_cache_dtype": "int8"}),
+        (model_fp32, {"block_size": 32}),
+        (model_fp32_dense, {}),
+    ]:
+        engine = make_engine(model, kv_cache_memory=8 * 2**20, **kw)
+        for salt in (None, "tenant"):
+            blend = engine._blend_state(100, [(0, 50)], None, salt)
+            assert blend is not None
+            roots.add(blend.root)
+    assert len(roots) == 8

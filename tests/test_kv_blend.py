@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from engine_helpers import assert_all_blocks_free, make_engine
+from engine_helpers import assert_all_blocks_free, kv_budget, make_engine
 
 import pagedllm.model.kv_quant as kv_quant
 from pagedllm import SamplingParams
@@ -136,13 +136,16 @@ def test_chunked_prefill_and_preemption_keep_blending_and_leak_nothing(model_fp3
     wide = make_engine(model_fp32, speculative_config=None)
     run(wide, "a", *build(parts, [0, 1, 2]), 0.0)
     assert run(wide, "b", b, spans_b, 0.1).outputs[0].token_ids == one.outputs[0].token_ids
-    for rid in ("x", "y", "z"):
-        engine.add_request(rid, b, SamplingParams(temperature=0, max_tokens=30), kv_segments=spans_b)
-    engine.abort_request("y")
-    while engine.has_unfinished_requests():
-        engine.step()
-    assert_all_blocks_free(engine)
-    assert not any(engine.kv.req_segments.values())
+    small = make_engine(model_fp32, speculative_config=None, kv_cache_memory=kv_budget(40))
+    run(small, "a", *build(parts, [0, 1, 2]), 0.0)
+    for rid in ("x", "y", "z", "w"):
+        small.add_request(rid, b, SamplingParams(temperature=0, max_tokens=60), kv_segments=spans_b)
+    small.abort_request("y")
+    while small.has_unfinished_requests():
+        small.step()
+    assert small.scheduler.num_preemptions > 0
+    assert_all_blocks_free(small)
+    assert not any(small.kv.req_segments.values())
 
 
 def test_a_failing_copy_fails_its_request_alone_and_leaks_nothing(model_fp32, parts, monkeypatch):

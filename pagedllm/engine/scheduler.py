@@ -78,7 +78,8 @@ class Scheduler:
         self.running.pop(at)
         freed = 0
         if at < i:  # scheduled already this step
-            freed = sum(n + len(r.spec_token_ids) for r, n in out.scheduled if r is victim)
+            copied = victim.blend.pending_copy if victim.blend is not None else 0  # kv_blend copies took no budget
+            freed = sum(n + len(r.spec_token_ids) for r, n in out.scheduled if r is victim) - copied
             out.scheduled = [(r, n) for r, n in out.scheduled if r is not victim]
             i -= 1
         self._preempt(victim)

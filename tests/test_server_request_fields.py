@@ -236,3 +236,52 @@ def test_tokenize_renders_chats_with_the_same_template_arguments(server):
     for bad in ({"chat_template_kwargs": {"messages": 1}}, {"chat_template": "{{ 1 }}"}):
         param = next(iter(bad))
         assert_error(server.http.post("/tokenize", json={"messages": messages, **bad}), 400, param)
+
+
+# ------------------------------------------------------------------------------------------------ kv_blend
+def _passages_prompt(order):
+    """Token ids: a head, three passages of 40 ids in `order`, a tail; with the passages' spans."""
+    passages = [[1000 + 100 * i + j for j in range(40)] for i in range(3)]
+    ids, spans = [1, 2, 3, 4, 5], []
+    for i in order:
+        spans.append([len(ids), len(ids) + 40])
+        ids += passages[i]
+    return ids + [7, 8, 9], spans
+
+
+def test_kv_blend_reuses_passages_in_another_order_and_is_off_when_absent(server):
+    """The extension field marks the spans; the same passages in another order are copied (the prefix cache
+    alone serves only the head); without the field the answer is the plain one, bit for bit."""
+    a, spans_a = _passages_prompt([0, 1, 2])
+    b, spans_b = _passages_prompt([2, 0, 1])
+    c, spans_c = _passages_prompt([1, 2, 0])
+    plain = complete(server, prompt=b)
+    complete(server, prompt=a, kv_blend={"segments": spans_a, "recompute": 0.0})
+    exact = complete(server, prompt=b, kv_blend={"segments": spans_b, "recompute": 1.0})
+    assert exact["choices"][0]["text"] == plain["choices"][0]["text"]
+    first = cached(complete(server, prompt=c))  # the prefix cache alone: the head, not a passage
+    assert first < 16
+    engine = server.engine.engine  # the LLMEngine; read between requests, when its thread is idle
+    before = engine.prompt_tokens
+    complete(server, prompt=c + [10], kv_blend={"segments": spans_c, "recompute": 0.0})
+    assert engine.prompt_tokens - before < len(c) - 64  # the passages' stored full blocks were copied
+    assert complete(server, prompt=b)["choices"][0]["text"] == plain["choices"][0]["text"]
+    assert_pool_whole(server)
+
+
+@pytest.mark.parametrize(
+    "kv_blend",
+    [
+        {"segments": [[5, 2]]},
+        {"segments": [[0, 10_000]]},
+        {"segments": [[0, 10], [5, 20]]},
+        {"segments": [[0, 10]], "recompute": 2},
+        {"segments": "0-10"},
+        {"segments": [[0, 10]], "ratio": 0.1},
+    ],
+)
+def test_bad_kv_blend_is_a_400_naming_it_and_queues_nothing(server, kv_blend):
+    ids, _ = _passages_prompt([0, 1, 2])
+    r = server.http.post("/v1/completions", json={"prompt": ids, "max_tokens": 2, "kv_blend": kv_blend})
+    assert_error(r, 400, "kv_blend")
+    assert_pool_whole(server)

@@ -116,13 +116,17 @@ class ClusterEngine:
         *,
         cache_salt: str | None = None,
         priority: int = 0,
+        kv_segments: list[tuple[int, int]] | None = None,
+        kv_blend_recompute: float | None = None,
     ) -> ClusterStream:
         """Send the request to the replica the router picks; returns once that replica's engine took it, or
         raises what it raised (a refusal) or ReplicaDiedError."""
         if not self._accepting:
             raise EngineShuttingDownError("the server is shutting down")
         ids = prompt if isinstance(prompt, list) else await asyncio.to_thread(self.tokenizer.encode, prompt)
-        extra = {"cache_salt": cache_salt, "priority": priority}
+        extra: dict = {"cache_salt": cache_salt, "priority": priority}
+        if kv_segments is not None:  # kv_blend: sent only when asked for
+            extra |= {"kv_segments": kv_segments, "kv_blend_recompute": kv_blend_recompute}
         gen = call(self.handle, "generate", request_id, stream=True, **{PROMPT_KW: ids}, params=params, **extra)
         try:
             replica = await gen.__anext__()

@@ -90,12 +90,20 @@ class EngineReplica:
         params: SamplingParams | PoolingParams,
         cache_salt: str | None = None,
         priority: int = 0,
+        kv_segments: list[tuple[int, int]] | None = None,
+        kv_blend_recompute: float | None = None,
     ) -> AsyncIterator[str | RequestOutput]:
         """First this replica's id, once the engine took the request (a refusal raises before it, so the ingress
         can still answer 400 / 503), then the request's cumulative outputs. Cancelling the call (the client went
         away) aborts the request, which frees its blocks within a step."""
         stream = await self.engine.add_request(
-            request_id, prompt_token_ids, params, cache_salt=cache_salt, priority=priority
+            request_id,
+            prompt_token_ids,
+            params,
+            cache_salt=cache_salt,
+            priority=priority,
+            kv_segments=kv_segments,
+            kv_blend_recompute=kv_blend_recompute,
         )
         yield self.replica_id
         async for out in self.engine.iterate(stream):

@@ -115,6 +115,8 @@ class _Add:
     stream: RequestStream
     cache_salt: str | None = None
     priority: int = 0
+    kv_segments: list[tuple[int, int]] | None = None
+    kv_blend_recompute: float | None = None
 
 
 @dataclass(frozen=True)
@@ -278,6 +280,8 @@ class AsyncLLMEngine:
         *,
         cache_salt: str | None = None,
         priority: int = 0,
+        kv_segments: list[tuple[int, int]] | None = None,
+        kv_blend_recompute: float | None = None,
     ) -> RequestStream:
         """Hand a request to the engine; returns once the engine took it (raises what the engine raised)."""
         loop = asyncio.get_running_loop()
@@ -285,7 +289,9 @@ class AsyncLLMEngine:
         with self._lock:
             self._admit(params.n)
             self._pending += params.n
-            self._ops.put(_Add(request_id, prompt, params, stream, cache_salt, priority))
+            self._ops.put(
+                _Add(request_id, prompt, params, stream, cache_salt, priority, kv_segments, kv_blend_recompute)
+            )
         self.start()
         try:
             await stream.added
@@ -405,7 +411,15 @@ class AsyncLLMEngine:
             error = UserError(f"request id {op.request_id!r} is already in use")
         else:
             try:
-                self.engine.add_request(op.request_id, op.prompt, op.params, op.cache_salt, priority=op.priority)
+                self.engine.add_request(
+                    op.request_id,
+                    op.prompt,
+                    op.params,
+                    op.cache_salt,
+                    priority=op.priority,
+                    kv_segments=op.kv_segments,
+                    kv_blend_recompute=op.kv_blend_recompute,
+                )
             except Exception as e:  # noqa: BLE001 - UserError for bad input; anything else is the caller's to see too
                 error = e
         if error is None:

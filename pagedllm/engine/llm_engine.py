@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from pagedllm.engine.acceptance import accept, sampling_rows
+from pagedllm.engine.blend import BlendState, apply_copies, check_segments, store_segments
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.disk_tier import open_disk_tier
 from pagedllm.engine.fault_isolation import Computed, Scheduled, forward_guarded, sample_guarded
@@ -29,6 +30,7 @@ from pagedllm.engine.stop_checker import check_stop
 from pagedllm.engine.structured_output import GrammarCompiler, RequestGrammar
 from pagedllm.errors import UserError
 from pagedllm.kv.events import KVEventLog
+from pagedllm.kv.hashing import segment_root
 from pagedllm.kv.manager import make_kv_cache_manager
 from pagedllm.kv.offload import DiskKVTier
 from pagedllm.kv.sizing import freeing_window, kv_cache_groups
@@ -39,6 +41,17 @@ from pagedllm.model.sampler import SampleResult, token_logprobs
 from pagedllm.sampling_params import PoolingParams, SamplingParams, SamplingParamsError
 
 logger = logging.getLogger("pagedllm")
+
+
+def _pending_copy(req: Request) -> int:
+    """Leading tokens of the request's scheduled ones this step that are copied, not computed (kv_blend)."""
+    return req.blend.pending_copy if req.blend is not None else 0
+
+
+def _attach_blend(child: Request, blend: BlendState | None, logits_from: int | None) -> None:
+    """Each sample its own kv_blend state (its copies and holds are its own), from the checked one."""
+    child.blend = BlendState(blend.segments, blend.recompute, blend.root) if blend is not None else None
+    child.logits_from = logits_from
 
 
 @dataclass
@@ -131,13 +144,16 @@ class LLMEngine:
         *,
         prompt_token_ids: list[int] | None = None,
         priority: int = 0,
+        kv_segments: list[tuple[int, int]] | None = None,
+        kv_blend_recompute: float | None = None,
+        logits_from: int | None = None,
     ) -> None:
         """Queue a request (its n samples); `prompt_token_ids` gives the ids of a text prompt already encoded.
         PoolingParams make it an embedding request: its prompt computed, no token sampled, one vector out.
         `cache_salt`: its blocks are shared only with requests of the same salt (a tenant's); `priority`: with
-        --scheduling-policy priority, lower values are admitted first (vLLM's).
-
-        Everything is checked and every sample built before anything is queued: a bad request leaves nothing.
+        --scheduling-policy priority, lower values are admitted first (vLLM's). `kv_segments`: [start, end) spans
+        whose KV may be reused wherever they land (blend.py), `kv_blend_recompute` of each computed again;
+        `logits_from`: each position's log-softmax from it on, in `prompt_logits`. All is checked first.
         """
         pooling = params if isinstance(params, PoolingParams) else None
         params = SamplingParams(max_tokens=0) if pooling is not None else params or SamplingParams()
@@ -148,6 +164,7 @@ class LLMEngine:
             raise SamplingParamsError("priority", "needs a server started with --scheduling-policy priority")
         prompt_ids = self.encode_prompt(prompt if prompt_token_ids is None else prompt_token_ids)
         check_params(params, len(prompt_ids), self.model_config.vocab_size, self.max_model_len)
+        blend = self._blend_state(len(prompt_ids), kv_segments, kv_blend_recompute, cache_salt)
         if params.bad_words:
             params = replace(params, bad_words_token_ids=bad_words_token_ids(params.bad_words, self.tokenizer))
         metrics = RequestMetrics(arrival_time=time.monotonic())
@@ -170,12 +187,32 @@ class LLMEngine:
         for child in children:
             child.grammar = RequestGrammar(compiled, so.reasoning_end) if compiled is not None and so else None
             child.pooling = PoolingState(pooling) if pooling is not None else None
+            _attach_blend(child, blend, logits_from)
             self.requests[child.request_id] = child
             self.scheduler.add(child)
         holdback = max((len(s) for s in params.stop), default=1) - 1
         self.parents[request_id] = _Parent(
             prompt if isinstance(prompt, str) else None, prompt_ids, children, metrics, holdback
         )
+
+    def _blend_state(
+        self, prompt_len: int, segments: object, recompute: float | None, cache_salt: str | None
+    ) -> BlendState | None:
+        """A request's kv_blend state (checked), or None: no segments, or keys that cannot be moved (dynamic NTK).
+        The segment root covers what stored segment KV depends on besides its tokens, so a copy made under other
+        settings is never found: the disk tier's fingerprint (the weights' digest) when there is one, else the
+        checkpoint's path, its dtype and quantization; the KV dtype, the block size and the cache salt."""
+        if segments is None:
+            if recompute is not None:
+                check_segments([], prompt_len, recompute)
+            return None
+        spans = check_segments(segments, prompt_len, recompute)
+        if not spans or not self.runner.can_shift_keys:
+            return None
+        loaded = self.loaded
+        weights = self.disk_tier.fingerprint if self.disk_tier is not None else (loaded.path, loaded.quantization)
+        key = (self.model_config.name, weights, str(loaded.dtype), str(self.kv_dtype), self.block_size, cache_salt)
+        return BlendState(spans, self.config.kv_blend_recompute if recompute is None else recompute, segment_root(key))
 
     def abort_request(self, request_id: str) -> None:
         parent = self.parents.pop(request_id, None)
@@ -230,18 +267,23 @@ class LLMEngine:
             self.grammars.wait_any(compiling, 0.05)
 
     def _chunk(self, req: Request, n: int) -> SeqChunk:
-        """The request's next n tokens, then its drafts: verifying them needs the logits at every position."""
-        start = req.num_computed_tokens
+        """The request's next n tokens (past those of them copied: kv_blend), then its drafts: verifying them
+        needs the logits at every position."""
+        end = req.num_computed_tokens + n
+        start = req.num_computed_tokens + _pending_copy(req)
+        keep = req.logits_from is not None and end > req.logits_from
         return SeqChunk(
-            req.all_token_ids[start : start + n] + req.spec_token_ids,
+            req.all_token_ids[start:end] + req.spec_token_ids,
             start,
             self.kv.get_block_ids(req.request_id),
-            req.wants_prompt_logits or bool(req.spec_token_ids),
+            req.wants_prompt_logits or bool(req.spec_token_ids) or keep,
         )
 
     def _forward(self, scheduled: Scheduled) -> list[torch.Tensor]:
         """Run the model over the scheduled chunks; per request, its logits rows (a pooling request: its final
         hidden states, from a second call over the pooling chunks alone, so generation runs as without them)."""
+        for r, _ in scheduled:
+            apply_copies(r, self.runner, self.kv)  # before the forward: the computed tokens attend to them
         chunks = [self._chunk(r, n) for r, n in scheduled]
         pooled = [r.pooling is not None for r, _ in scheduled]
         gen = [c for c, p in zip(chunks, pooled) if not p]
@@ -258,9 +300,14 @@ class LLMEngine:
         for req, n, rows in done:
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
-            start = req.num_computed_tokens
+            start = req.num_computed_tokens + _pending_copy(req)  # the first position computed
             req.num_computed_tokens += n
             self._count_prompt_tokens(req, start)
+            if req.blend is not None:
+                req.blend.pending_copy = 0
+                store_segments(req, self.runner, self.kv)
+            if req.logits_from is not None and start + len(rows) > req.logits_from:
+                req.kept_logits.append(rows[max(0, req.logits_from - start) :].float().log_softmax(-1))
             if req.pooling is not None:
                 req.pooling.add(rows, start)
             if req.prompt_logprobs is not None and start < req.num_prompt_tokens:
@@ -363,6 +410,8 @@ class LLMEngine:
             parent.metrics,
             list(first.prompt_logprobs) if first.prompt_logprobs is not None else None,
             first.pooling.embedding if first.pooling is not None else None,
+            torch.cat(first.kept_logits) if finished and first.kept_logits else None,
+            first.blend.copied_tokens if first.blend is not None else 0,
         )
 
     def stats(self) -> EngineStats:

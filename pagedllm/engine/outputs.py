@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -54,3 +55,6 @@ class RequestOutput:
     metrics: RequestMetrics
     prompt_logprobs: list[dict[int, float] | None] | None = None  # per prompt token, when asked for (first: None)
     embedding: list[float] | None = None  # a pooling request's vector, once finished
+    # add_request(logits_from=p): float32 log-softmax rows [n, vocab] of positions p.. (evaluation: rag bench)
+    prompt_logits: Any = None
+    num_blend_tokens: int = 0  # prompt tokens whose KV was copied from stored segments (kv_blend), not computed

@@ -31,6 +31,8 @@ class EngineCore(Protocol):
         *,
         prompt_token_ids: list[int] | None = None,
         priority: int = 0,
+        kv_segments: list[tuple[int, int]] | None = None,
+        kv_blend_recompute: float | None = None,
     ) -> None:
         """Queue a request (all its `params.n` samples) or raise `UserError` leaving nothing behind."""
 
@@ -86,9 +88,12 @@ class AsyncEngine(Protocol):
         *,
         cache_salt: str | None = None,
         priority: int = 0,
+        kv_segments: list[tuple[int, int]] | None = None,
+        kv_blend_recompute: float | None = None,
     ) -> Any:
         """Queue a request; returns its stream once the engine took it, or raises what the engine raised.
-        `cache_salt` keeps its prefix blocks to requests of the same salt; `priority` orders admission."""
+        `cache_salt` keeps its prefix blocks to requests of the same salt; `priority` orders admission;
+        `kv_segments` are spans whose KV may be reused wherever they land (engine/blend.py)."""
 
     def iterate(self, stream: Any) -> AsyncIterator[RequestOutput]:
         """The cumulative outputs of the request `add_request` returned `stream` for; leaving early aborts it."""

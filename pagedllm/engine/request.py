@@ -11,6 +11,7 @@ from pagedllm.model.tokenizer import Tokenizer
 from pagedllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from pagedllm.engine.blend import BlendState
     from pagedllm.engine.pooling import PoolingState
     from pagedllm.engine.structured_output import RequestGrammar
 
@@ -65,6 +66,11 @@ class Request:
         self.spec_token_ids: list[int] = []
         self.grammar: RequestGrammar | None = None  # structured outputs: its matcher (set by the engine)
         self.pooling: PoolingState | None = None  # an embedding request: its pool (set by the engine)
+        self.blend: BlendState | None = None  # kv_blend: its reusable segments (set by the engine; blend.py)
+        self.kv_cache_limit: int | None = None  # blocks past this many tokens are not registered as a prefix
+        # Log-softmax rows of every position from this one on (an evaluation hook: rag bench's KL), kept here.
+        self.logits_from: int | None = None
+        self.kept_logits: list = []
 
     @property
     def output_token_ids(self) -> list[int]:

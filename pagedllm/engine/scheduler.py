@@ -16,6 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
+from pagedllm.engine.blend import plan, step_size
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.spec_decode import NgramDrafter
 from pagedllm.kv.manager import KVCacheManager
@@ -77,7 +78,8 @@ class Scheduler:
         self.running.pop(at)
         freed = 0
         if at < i:  # scheduled already this step
-            freed = sum(n + len(r.spec_token_ids) for r, n in out.scheduled if r is victim)
+            copied = victim.blend.pending_copy if victim.blend is not None else 0  # kv_blend copies took no budget
+            freed = sum(n + len(r.spec_token_ids) for r, n in out.scheduled if r is victim) - copied
             out.scheduled = [(r, n) for r, n in out.scheduled if r is not victim]
             i -= 1
         self._preempt(victim)
@@ -104,7 +106,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens_to_compute, budget)
+            num_new, cost = step_size(req, budget)
             decoding = drafting and req.num_tokens_to_compute == 1 and req.pooling is None
             req.spec_token_ids = self.drafter.propose(req, budget - 1) if decoding and self.drafter else []
             while not self.kv.allocate_slots(req, num_new, num_lookahead_tokens=len(req.spec_token_ids)):
@@ -118,7 +120,7 @@ class Scheduler:
                     break
             else:
                 out.scheduled.append((req, num_new))
-                budget -= num_new + len(req.spec_token_ids)
+                budget -= cost + len(req.spec_token_ids)
                 i += 1
                 continue
             if not self.running:  # it gave up every other request's blocks and still does not fit
@@ -133,10 +135,11 @@ class Scheduler:
                 break
             req = ready
             # Prompt logprobs and pooling need every prompt position computed: such a request reads no cache.
-            blocks, num_cached = self.kv.get_computed_blocks(req) if req.reads_prefix_cache else ([], 0)
-            num_new = min(len(req.all_token_ids) - num_cached, budget)
+            blocks, num_cached = self._lookup(req)
+            num_new, cost = step_size(req, budget, num_cached)
             req.num_computed_tokens = 0
             if not self.kv.allocate_slots(req, num_new, blocks):
+                self.kv.free(req)  # the plan's holds (nothing else was taken)
                 if not self.running:  # nothing will ever free blocks for it
                     self.waiting.remove(req)
                     self._fail(req, out)
@@ -151,9 +154,19 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append((req, num_new))
-            budget -= num_new
+            budget -= cost
         self.peak_running = max(self.peak_running, len(self.running))
         return out
+
+    def _lookup(self, req: Request) -> tuple[list, int]:
+        """A waiting request's prefix-cache hit (none where every prompt position must be computed, nor past a
+        position whose logits it keeps), and its kv_blend plan: the passages' stored KV to copy, held."""
+        blocks, num_cached = self.kv.get_computed_blocks(req) if req.reads_prefix_cache else ([], 0)
+        if req.logits_from is not None and num_cached > req.logits_from:
+            blocks = blocks[: req.logits_from // self.kv.block_size]
+            num_cached = len(blocks) * self.kv.block_size
+        plan(req, self.kv, num_cached)
+        return blocks, num_cached
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)

@@ -222,6 +222,22 @@ def cmd_ask(args) -> int:
     return 0
 
 
+def _bench_blend(cfg, engine) -> int:
+    """`rag bench --kv-blend RATIOS`: passage KV reuse against prefix caching alone (rag/blend_bench.py)."""
+    import json
+
+    from pagedllm.rag.blend_bench import BLEND_COLUMNS, run_blend_bench
+
+    result = run_blend_bench(cfg, engine)
+    path = os.path.join(cfg.out, "rag_blend.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=1)
+    print()
+    print(format_table(result["rows"], BLEND_COLUMNS, markdown=True))
+    print(f"wrote {path}")
+    return 0
+
+
 def cmd_bench(args) -> int:
     from pagedllm.engine.config import EngineConfig
     from pagedllm.rag.bench import COUNT_COLUMNS, RagBenchConfig, count_layouts, markdown_table, run_bench, save
@@ -234,6 +250,8 @@ def cmd_bench(args) -> int:
         print(format_table(rows, COUNT_COLUMNS))
         return 0
     os.makedirs(cfg.out, exist_ok=True)
+    if cfg.kv_blend is not None:
+        return _bench_blend(cfg, engine)
     result = run_bench(cfg, engine, partial_path=os.path.join(cfg.out, "rag_bench_partial.json"))
     paths = save(result, cfg.out)
     print()

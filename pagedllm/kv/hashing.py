@@ -34,3 +34,19 @@ def hash_full_blocks(
         parent = hashes[-1] if hashes else None
         hashes.append(hash_block_tokens(parent, token_ids[start : start + block_size], extra_key))
     return hashes
+
+
+def segment_root(key: object) -> BlockHash:
+    """The parent of a reusable segment's first block (kv_blend): a hash of "segment" and `key` alone, never of
+    the tokens before the segment, so one stored copy of a passage serves it wherever it lands in a prompt. The
+    caller puts into `key` everything the stored K/V depend on besides the segment's own tokens: the model's
+    weights, the dtypes, the block size and the cache salt, so a copy made under other settings is never found."""
+    return hashlib.sha256(b"pagedllm-kv-segment" + repr(key).encode()).digest()
+
+
+def hash_segment_blocks(token_ids: Sequence[int], block_size: int, root: BlockHash) -> list[BlockHash]:
+    """Chained hashes of the full blocks of a segment's tokens, from `root` (its canonical positions 0..L-1)."""
+    hashes: list[BlockHash] = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        hashes.append(hash_block_tokens(hashes[-1] if hashes else root, token_ids[start : start + block_size]))
+    return hashes

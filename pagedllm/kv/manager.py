@@ -204,6 +204,8 @@ class PagedKVCacheManager(KVCacheManager):
         self.step_journal: list[tuple[str, int, list[KVBlock]]] = []
         self.disk: DiskKVTier | None = None
         self.block_io: BlockIO | None = None
+        # kv_blend: stored segment blocks a request holds until their K/V are copied into its own slots.
+        self.req_segments: dict[str, list[KVBlock]] = {}
 
     def attach_disk_tier(self, disk: DiskKVTier, block_io: BlockIO) -> None:
         """Blocks evicted from the RAM pool go to `disk`; lookups that miss in RAM continue there."""
@@ -261,6 +263,57 @@ class PagedKVCacheManager(KVCacheManager):
             skipped = self._first_useful_block(len(hits) * self.block_size)
             hits[:skipped] = [self.null_block] * min(skipped, len(hits))
         return hits, len(hits) * self.block_size
+
+    def hold_segment(self, request: KVRequest, hashes: Sequence[BlockHash]) -> list[KVBlock]:
+        """The stored blocks of a segment (kv_blend), the leading run of `hashes` found in RAM or on the disk tier,
+        held for `request` until `release_segment` or its `free` (so no allocation meanwhile evicts them)."""
+        if not self.enable_caching:
+            return []
+        found: list[KVBlock] = []
+        for block_hash in hashes:
+            block = self.pool.get_cached_block(block_hash)
+            if block is not None:
+                self.pool.touch([block])
+            elif self.disk is not None and self.pool.num_free_blocks and self.disk.contains(block_hash):
+                data = self.disk.load(block_hash)
+                block = self._fill_free_block(block_hash, data) if data is not None else None
+                if block is None:
+                    break
+                self.prefix_stats.disk_hits += self.block_size
+            else:
+                break
+            found.append(block)
+        self.req_segments.setdefault(request.request_id, []).extend(found)
+        return found
+
+    def release_segment(self, request: KVRequest, blocks: Sequence[KVBlock]) -> None:
+        """Drop the hold of `hold_segment` on `blocks` (copied now); they stay cached, evictable, LRU last."""
+        held = self.req_segments.get(request.request_id, [])
+        gone = {id(b) for b in blocks}
+        self.req_segments[request.request_id] = [b for b in held if id(b) not in gone]
+        self.pool.free(reversed(list(blocks)))
+
+    def new_segment_blocks(self, hashes: Sequence[BlockHash]) -> list[tuple[int, KVBlock]]:
+        """Fresh blocks for the blocks of a segment not stored yet, as (index in `hashes`, block), registered
+        under their segment hashes and held once: the caller writes them, then `end_segment_store`s them. Only
+        from free blocks (LRU eviction), and none at all when fewer are free than the segment misses, so storing
+        never makes a running request wait."""
+        if not self.enable_caching:
+            return []
+        missing = [i for i, h in enumerate(hashes) if self.pool.get_cached_block(h) is None]
+        if not missing or len(missing) > self.pool.num_free_blocks:
+            return []
+        blocks = self.pool.allocate(len(missing))
+        for i, block in zip(missing, blocks):
+            self.pool.cache_block(block, hashes[i])
+        return list(zip(missing, blocks))
+
+    def end_segment_store(self, blocks: Sequence[KVBlock], written: bool) -> None:
+        """Let go of `new_segment_blocks`' blocks; unless their K/V were `written`, forget their hashes first."""
+        if not written:
+            for block in blocks:
+                self.pool.uncache(block)
+        self.pool.free(reversed(list(blocks)))
 
     def _first_useful_block(self, num_computed_tokens: int) -> int:
         """The first block the token after `num_computed_tokens` computed ones still sees (its window's start)."""
@@ -386,7 +439,8 @@ class PagedKVCacheManager(KVCacheManager):
     def _cache_full_blocks(self, request: KVRequest, held: list[KVBlock], num_tokens: int) -> None:
         """Register the blocks that this step fills, so requests scheduled after this one can share them."""
         start = self.req_num_cached.get(request.request_id, 0)
-        num_full = num_tokens // self.block_size
+        limit = getattr(request, "kv_cache_limit", None)  # kv_blend: past it the K/V are not a prefix's own
+        num_full = (num_tokens if limit is None else min(num_tokens, limit)) // self.block_size
         if num_full <= start:
             return
         hashes = self._hashes(request, num_tokens)
@@ -438,6 +492,7 @@ class PagedKVCacheManager(KVCacheManager):
         blocks = self.req_blocks.pop(request.request_id, [])
         self.req_tokens.pop(request.request_id, None)
         self.pool.free([b for b in reversed(blocks) if b is not self.null_block])
+        self.pool.free(reversed(self.req_segments.pop(request.request_id, [])))
         self.req_hashes.pop(request.request_id, None)
         self.req_num_cached.pop(request.request_id, None)
 

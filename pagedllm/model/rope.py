@@ -163,3 +163,17 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     rotated = torch.cat((-rot_in[..., half:], rot_in[..., :half]), dim=-1)
     out = rot_in * cos + rotated * sin
     return out if rd == x.shape[-1] else torch.cat((out, x[..., rd:]), dim=-1)
+
+
+def shift_rotary(x: torch.Tensor, inv_freq: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """Keys already rotated for their position p -> the same keys rotated for p + delta (`delta` [T] int, any sign).
+
+    RoPE at p is a rotation by p * inv_freq per frequency pair, so rotating by delta * inv_freq composes to the
+    rotation at p + delta (exact up to rounding). The attention factor of yarn / longrope is a scale already in
+    the stored key, so it is not applied again. The angles are taken in float64 so a shift over thousands of
+    positions loses no more than the float32 tables themselves. x: [T, heads, head_dim] float32; only the first
+    2 * len(inv_freq) dims rotate (partial rotary)."""
+    angles = delta.to(torch.float64)[:, None] * inv_freq.to(torch.float64)[None, :]
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos().to(x.dtype)[:, None, :], emb.sin().to(x.dtype)[:, None, :]
+    return apply_rotary(x, cos, sin)

@@ -19,6 +19,7 @@ from pagedllm.model.attention import build_metadata, step_index
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.fused_step import FusedStep, fusable
 from pagedllm.model.loader import LoadedModel
+from pagedllm.model.rope import shift_rotary
 
 
 @dataclass
@@ -123,6 +124,42 @@ class ModelRunner:
                 dst = t[block_id].view(-1).view(torch.uint8)
                 dst.copy_(src[offset : offset + dst.numel()])
                 offset += dst.numel()
+
+    @property
+    def can_shift_keys(self) -> bool:
+        """Whether a stored key can be moved to another position by a rotation alone: not under dynamic NTK
+        scaling, whose frequencies depend on the position itself (kv_blend is then off)."""
+        return not any(getattr(rope, "dynamic", False) for rope in self.model.ropes.values())
+
+    @torch.inference_mode()
+    def copy_kv(self, src_slots: list[int], dst_slots: list[int], delta: int) -> None:
+        """Copy the K/V rows of cache slots `src_slots` to `dst_slots` in every layer, the keys moved `delta`
+        positions (RoPE composed by `shift_rotary`; a NoPE layer's keys are copied as they are). This is how a
+        reused passage's KV lands where the passage sits in a prompt, and how a computed one is stored at
+        position 0. A quantized cache holds each row after RoPE and after kv_quant's Hadamard rotation: its keys
+        are dequantized (which undoes that rotation), shifted, then quantized again (one more rounding); values
+        carry no position and are copied as bytes, so they stay exact on every dtype."""
+        if not src_slots:
+            return
+        src = torch.tensor(src_slots, dtype=torch.long, device=self.device)
+        dst = torch.tensor(dst_slots, dtype=torch.long, device=self.device)
+        shift = torch.full((len(src_slots),), delta, dtype=torch.long, device=self.device)
+        quantized = kv_quant.is_quantized(self.kv_dtype)
+        for layer, (kc, vc) in zip(self.model.decoder_layers, self.kv_caches):
+            kflat = kc.view(-1, *kc.shape[2:])
+            vflat = vc.view(-1, *vc.shape[2:])
+            vflat[dst] = vflat[src]
+            rows = kflat[src]
+            rope = self.model.ropes.get(layer.rope)  # none for NoPE layers (the decoder applies none then)
+            if rope is None or delta == 0:
+                kflat[dst] = rows
+                continue
+            inv_freq = rope.inv_freq
+            if quantized:
+                moved = shift_rotary(kv_quant.dequantize(rows, self.kv_dtype), inv_freq, shift)
+                kflat.view(torch.uint8)[dst] = kv_quant.quantize(moved, self.kv_dtype)
+            else:
+                kflat[dst] = shift_rotary(rows.float(), inv_freq, shift).to(kc.dtype)
 
     @torch.inference_mode()
     def _forward(self, chunks: list[SeqChunk]) -> torch.Tensor:

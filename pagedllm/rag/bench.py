@@ -64,11 +64,25 @@ class RagBenchConfig:
     """folder for rag_bench.json, .md and .png (default: ./rag-bench)"""
     count_only: bool = False
     """no model, no timing: count in seconds what the prefix cache would serve per layout (default: off)"""
+    kv_blend: str | None = None
+    """measure passage KV reuse instead of the layouts: comma-separated recompute ratios, e.g.
+    0,0.05,0.15,0.3,1.0, each against prefix caching alone on the same prompts, with the passages in --order
+    (rag/blend_bench.py; default: off)"""
+    order: Literal["shuffle", "new-front"] = "shuffle"
+    """with --kv-blend: the retrieved passages shuffled per request, or in canonical order behind one passage the
+    question did not retrieve (default: shuffle)"""
 
     def __post_init__(self) -> None:
         unknown = [x for x in self.layout_list if x not in LAYOUTS]
         if unknown or not self.layout_list:
             raise UserError(f"--layouts: unknown layout {(unknown or [''])[0]!r} (choose from {', '.join(LAYOUTS)})")
+        if self.kv_blend is not None:
+            try:
+                ratios = [float(x) for x in self.kv_blend.split(",") if x.strip()]
+            except ValueError:
+                ratios = []
+            if not ratios or not all(0 <= r <= 1 for r in ratios):
+                raise UserError(f"--kv-blend: comma-separated ratios from 0 to 1, got {self.kv_blend!r}")
 
     @property
     def layout_list(self) -> list[str]:

@@ -75,7 +75,35 @@ class Popularity:
 
 
 def format_chunk(i: int, h: Hit) -> str:
-    return f"[{i}] (source: {h.source})\n{h.text.strip()}"
+    return f"[{i}] {passage_text(h)}"
+
+
+def passage_text(h: Hit) -> str:
+    """A chunk as the prompt shows it, without its number: the part that is the same wherever it lands, and so
+    the reusable segment (kv_blend) of every prompt that holds it."""
+    return f"(source: {h.source})\n{h.text.strip()}"
+
+
+def segmented_prompt(tokenizer, messages: list[dict], hits: Sequence[Hit]) -> tuple[list[int], list[tuple[int, int]]]:
+    """The prompt's token ids with each retrieved passage's [start, end) token span (the engine's kv_segments).
+
+    The rendered chat text is tokenized piece by piece, each passage on its own, so a passage has the same
+    tokens wherever it lands (a tokenizer merging across its first or last character would otherwise give it
+    other tokens, and another segment key, in another order). `hits` in prompt order."""
+    text = tokenizer.apply_chat_template_text(messages)
+    ids: list[int] = []
+    spans: list[tuple[int, int]] = []
+    cursor = 0
+    for h in hits:
+        piece = passage_text(h)
+        at = text.find(piece, cursor)
+        if at < 0:
+            raise ValueError(f"passage {h.chunk_id} is not in the rendered prompt")
+        ids += tokenizer.encode(text[cursor:at])
+        spans.append((len(ids), len(ids) + len(tokenizer.encode(piece))))
+        ids += tokenizer.encode(piece)
+        cursor = at + len(piece)
+    return ids + tokenizer.encode(text[cursor:]), spans
 
 
 def format_context(hits: Sequence[Hit]) -> str:
@@ -96,10 +124,15 @@ def build_messages(
     question: str, hits: Sequence[Hit], layout: str = "canonical", popularity: Popularity | None = None
 ) -> tuple[list[dict], list[Hit]]:
     """Chat messages for `question` with the retrieved `hits`; returns them with the hits in prompt order."""
+    ordered = order_hits(hits, layout, popularity)
+    return messages_in_order(question, ordered, layout), ordered
+
+
+def messages_in_order(question: str, ordered: Sequence[Hit], layout: str = "canonical") -> list[dict]:
+    """The chat messages of `build_messages` with the chunks in the order given (rag bench's shuffled orders)."""
     question = question.strip()
     if not question:
         raise UserError("the question is empty")
-    ordered = order_hits(hits, layout, popularity)
     context = format_context(ordered)
     if layout == "naive":
         messages = [
@@ -111,4 +144,4 @@ def build_messages(
             {"role": "system", "content": f"{SYSTEM_PROMPT}\n\nReference excerpts:\n\n{context}"},
             {"role": "user", "content": question},
         ]
-    return messages, ordered
+    return messages

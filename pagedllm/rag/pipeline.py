@@ -20,7 +20,8 @@ class RagPipeline:
     Thread-safe for concurrent callers (the popularity counter is locked; faiss search is read-only).
 
     popularity: "memory" (per pipeline object, the default), "persist" (read/written as popularity.json in the
-    index folder) or a Popularity instance.
+    index folder) or a Popularity instance. kv_blend: the server's RAG route marks each retrieved passage as a
+    reusable segment (engine/blend.py), so a passage's KV is reused in any order (the default: on).
     """
 
     def __init__(
@@ -30,6 +31,7 @@ class RagPipeline:
         layout: str = "canonical",
         popularity: str | Popularity = "memory",
         embedding_url: str | None = None,
+        kv_blend: bool = True,
     ):
         if layout not in LAYOUTS:
             from pagedllm.errors import UserError
@@ -37,6 +39,7 @@ class RagPipeline:
             raise UserError(f"--layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
         self.index = RagIndex(index_dir, embedding_url)
         self.top_k = top_k
+        self.kv_blend = kv_blend
         self.layout = layout
         if isinstance(popularity, Popularity):
             self.popularity = popularity

@@ -172,6 +172,19 @@ UNHONOURED: dict[str, tuple[Any, ...]] = {
 }
 
 
+class KVBlend(OpenAIModel):
+    """pagedllm's `kv_blend` extension: prompt token spans whose KV may be reused wherever they land (retrieved
+    passages), and the share of each computed again (engine/blend.py). Off when absent."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    segments: list[tuple[StrictInt, StrictInt]] = Field(
+        ..., max_length=4096, description="[start, end) token spans of the prompt, in order, not overlapping"
+    )
+    recompute: float | None = Field(
+        None, ge=0, le=1, description="share of each reused span recomputed (default: --kv-blend-recompute)"
+    )
+
+
 class RequestModel(OpenAIModel):
     """A top-level request body."""
 
@@ -294,6 +307,9 @@ class SamplingRequest(RequestModel):
         None, min_length=1, description="prefix-cache blocks are shared only between requests of the same salt"
     )
     safety_identifier: str | None = Field(None, description="accepted, as user: nothing is done with it")
+    kv_blend: KVBlend | None = Field(
+        None, description="pagedllm extension: reuse the KV of these prompt spans wherever they land (RAG passages)"
+    )
 
     @field_validator("logit_bias")
     @classmethod

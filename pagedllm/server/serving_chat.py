@@ -315,7 +315,9 @@ async def create_chat_completion(
     parameters."""
     rid = request_id(request, req.request_id, "chatcmpl")
     prep = await prepare(ctx, req)
-    subs = await ctx.submit([prep.prompt_ids], prep.params, rid, cache_salt=req.cache_salt, priority=req.priority)
+    subs = await ctx.submit(
+        [prep.prompt_ids], prep.params, rid, cache_salt=req.cache_salt, priority=req.priority, kv_blend=req.kv_blend
+    )
     if req.stream:
         return stream(ctx, req, prep, subs, rid)
     return json_response(await cancel_on_disconnect(request, full(ctx, req, prep, subs, rid)))

@@ -172,7 +172,9 @@ async def create_completion(
     """OpenAI's legacy completions, with vLLM's extra sampling parameters."""
     rid = request_id(request, req.request_id, "cmpl")
     prep = await _prepare(ctx, req)
-    subs = await ctx.submit(prep.prompts, prep.params, rid, cache_salt=req.cache_salt, priority=req.priority)
+    subs = await ctx.submit(
+        prep.prompts, prep.params, rid, cache_salt=req.cache_salt, priority=req.priority, kv_blend=req.kv_blend
+    )
     if req.stream:
         chunk = Chunks.for_request(req.stream_options, rid, "text_completion", prep.model)
         return SSEResponse(ctx, _chunks(ctx, req, prep, subs, chunk), subs)

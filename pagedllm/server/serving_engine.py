@@ -20,9 +20,10 @@ from fastapi import Request, Response
 from fastapi.responses import JSONResponse
 
 from pagedllm.engine.async_engine import RequestAbortedError
+from pagedllm.engine.blend import check_segments
 from pagedllm.engine.outputs import CompletionOutput, RequestOutput
 from pagedllm.engine.protocol import AsyncEngine
-from pagedllm.sampling_params import MAX_N, PoolingParams, SamplingParams
+from pagedllm.sampling_params import MAX_N, PoolingParams, SamplingParams, SamplingParamsError
 from pagedllm.server.errors import APIError
 from pagedllm.server.protocol import (
     ChatChoiceLogprobs,
@@ -30,6 +31,7 @@ from pagedllm.server.protocol import (
     ChatMessage,
     CompletionLogprobs,
     CompletionTokensDetails,
+    KVBlend,
     PromptLogprob,
     PromptLogprobs,
     PromptTokensDetails,
@@ -212,13 +214,25 @@ class ServingContext:
         *,
         cache_salt: str | None = None,
         priority: int = 0,
+        kv_blend: KVBlend | None = None,
     ) -> list[EngineRequest]:
         """One engine request per prompt (n samples each); if any is refused, the others are aborted.
-        `cache_salt` keeps the request's prefix blocks to requests of the same salt (a tenant's)."""
+        `cache_salt` keeps the request's prefix blocks to requests of the same salt (a tenant's); `kv_blend`
+        (checked against every prompt before any is queued) marks spans whose KV may be reused."""
+        blend: dict = {}
+        if kv_blend is not None:
+            for ids in prompts:
+                try:
+                    check_segments([list(x) for x in kv_blend.segments], len(ids), kv_blend.recompute)
+                except SamplingParamsError as e:
+                    raise APIError(f"kv_blend: {e}", 400, param="kv_blend") from None
+            blend = {"kv_segments": list(kv_blend.segments), "kv_blend_recompute": kv_blend.recompute}
         subs = [EngineRequest(i, i * params.n, f"{request_id}-{i}", ids) for i, ids in enumerate(prompts)]
         results = await asyncio.gather(
             *(
-                self.engine.add_request(s.request_id, s.prompt_ids, params, cache_salt=cache_salt, priority=priority)
+                self.engine.add_request(
+                    s.request_id, s.prompt_ids, params, cache_salt=cache_salt, priority=priority, **blend
+                )
                 for s in subs
             ),
             return_exceptions=True,

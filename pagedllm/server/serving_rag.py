@@ -9,12 +9,14 @@ import json
 
 from fastapi import APIRouter, Depends, Request, Response
 
+from pagedllm.rag.layout import segmented_prompt
 from pagedllm.server import serving_chat
 from pagedllm.server.errors import ERROR_RESPONSES, APIError
 from pagedllm.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionStreamResponse,
     ChatMessage,
+    KVBlend,
     RagChatCompletionResponse,
     RagChunk,
     RagInfo,
@@ -54,7 +56,19 @@ async def rag_chat(req: ChatCompletionRequest, request: Request, ctx: ServingCon
     chunks = [RagChunk(**h.to_dict(with_text=False)) for h in hits]
     rid = request_id(request, req.request_id, "ragcmpl")
     prep = await serving_chat.prepare(ctx, req)
-    subs = await ctx.submit([prep.prompt_ids], prep.params, rid, cache_salt=req.cache_salt, priority=req.priority)
+    blend = None
+    if rag.kv_blend and req.kv_blend is None:  # the passages marked by the pipeline itself (engine/blend.py)
+        ids, spans = await asyncio.to_thread(segmented_prompt, ctx.engine.tokenizer, messages, hits)
+        if len(ids) == len(prep.prompt_ids):  # the same length budget prepare checked
+            prep.prompt_ids, blend = ids, KVBlend(segments=spans)
+    subs = await ctx.submit(
+        [prep.prompt_ids],
+        prep.params,
+        rid,
+        cache_salt=req.cache_salt,
+        priority=req.priority,
+        kv_blend=blend or req.kv_blend,
+    )
     if req.stream:
         header = json.dumps([c.body() for c in chunks])
         return serving_chat.stream(ctx, req, prep, subs, rid, headers={"X-RAG-Chunks": header})

@@ -1,0 +1,235 @@
+"""kv_blend: a retrieved passage's KV reused wherever the passage lands in a prompt, with selective recompute.
+
+The prefix cache serves a prompt only up to its first token that differs from an earlier one, so a RAG prompt
+whose passages come in another order (or with a new one in front) is prefilled again from the first passage on.
+A caller may mark token spans of the prompt as *segments* (`kv_segments`: the retrieved passages). Each segment's
+full blocks are stored in the same block pool as prefix blocks, at canonical positions 0..L-1 and keyed by a
+chain of block hashes rooted at `segment_root` (the model, dtypes, block size and cache salt; never the tokens
+before it), so they are ref-counted, LRU-evicted and offloaded to the disk tier like prefix blocks.
+
+A request with segments, once admitted:
+1. takes the longest exact prefix from the prefix cache, as any request (the system prompt);
+2. for each segment past that prefix whose stored blocks are found (`plan`): its first ceil(r * L) tokens are
+   recomputed (EPIC's choice: they restore the attention-sink tokens at the passage's start and let the passage
+   attend to what precedes it), and the rest of the stored blocks is *copied* into the request's own slots with
+   the keys re-rotated by the landing position (`ModelRunner.copy_kv`); the tail that does not fill a block and
+   everything after the last segment (the question) are always computed;
+3. a segment not stored yet is computed normally and then stored (`store_segments`, keys rotated back to 0).
+The prompt is thus a sequence of compute and copy spans processed in order: a compute span is an ordinary
+(chunked) prefill chunk that attends to every position before it, copied or computed, so chunked prefill, the
+fused C step and speculation (which only starts once the prompt is done) run unchanged. Preemption frees the
+request's blocks and holds; re-admission plans again.
+
+Why EPIC's first-tokens and not CacheBlend's highest-deviation tokens: a deviation choice needs the first layers
+computed over every token first and then tokens at scattered positions recomputed, which the step interface
+(contiguous chunks) does not express; the first-tokens choice needs no extra pass. Measured in docs/benchmarks.md.
+
+Copied K/V are an approximation (the passage attended to another context when it was stored), so the blocks of
+a blend request from its first copied token on are never registered in the prefix cache (`kv_cache_limit`):
+a plain request never reads them. With r = 1.0 nothing is looked up or copied: the request is an ordinary one,
+bit for bit.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from pagedllm.kv.block_pool import KVBlock
+from pagedllm.kv.hashing import BlockHash, hash_segment_blocks
+from pagedllm.kv.manager import KVCacheManager, PagedKVCacheManager
+from pagedllm.sampling_params import SamplingParamsError
+
+if TYPE_CHECKING:
+    from pagedllm.model.runner import ModelRunner
+
+logger = logging.getLogger("pagedllm")
+
+
+class Request(Protocol):
+    """What blending reads and sets of a request (the engine's Request; not imported: it holds a BlendState)."""
+
+    request_id: str
+    cache_salt: str | None
+    prompt_token_ids: list[int]
+    all_token_ids: list[int]
+    num_computed_tokens: int
+    blend: BlendState | None
+    kv_cache_limit: int | None
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+    @property
+    def reads_prefix_cache(self) -> bool: ...
+
+
+@dataclass
+class CopySpan:
+    """Prompt positions [start, end) whose K/V come from a stored segment whose position 0 is at `origin`."""
+
+    start: int
+    end: int
+    origin: int
+    blocks: list[KVBlock]  # the segment's stored blocks from its block `first_block` on, held until copied
+    first_block: int
+
+
+@dataclass
+class BlendState:
+    """A request's segments, its recompute ratio, and the copies still due."""
+
+    segments: list[tuple[int, int]]  # prompt token spans [start, end), ascending, not overlapping
+    recompute: float  # share of each reused segment's tokens computed again, from its start
+    root: BlockHash  # segment_root of the request's model settings and cache salt
+    copies: list[CopySpan] = field(default_factory=list)
+    pending_copy: int = 0  # leading tokens of this step's scheduled ones that are copies, not computed
+    stored: set[int] = field(default_factory=set)  # segments stored (or found stored) already
+    copied_tokens: int = 0  # prompt tokens copied, over the request's life
+
+    def hashes(self, req: Request, i: int, block_size: int) -> list[BlockHash]:
+        start, end = self.segments[i]
+        return hash_segment_blocks(req.prompt_token_ids[start:end], block_size, self.root)  # the root has the salt
+
+
+def _blending(req: Request, kv: KVCacheManager) -> BlendState | None:
+    blend = req.blend
+    usable = isinstance(kv, PagedKVCacheManager) and kv.enable_caching and kv.sliding_window is None
+    return blend if blend is not None and usable and req.reads_prefix_cache else None
+
+
+def plan(req: Request, kv: KVCacheManager, num_cached: int) -> None:
+    """At admission, after the prefix-cache lookup found `num_cached` tokens: which spans to copy, with their
+    stored blocks held. The last prompt token is always computed (its logits give the first output token)."""
+    req.kv_cache_limit = None
+    blend = _blending(req, kv)
+    if blend is None:
+        return
+    for span in blend.copies:  # a re-admission plans again: its earlier holds went with its blocks
+        span.blocks = []
+    blend.copies, blend.pending_copy = [], 0
+    if blend.recompute >= 1.0:
+        return
+    assert isinstance(kv, PagedKVCacheManager)
+    bs, last = kv.block_size, req.num_prompt_tokens - 1
+    for i, (start, end) in enumerate(blend.segments):
+        lo = max(num_cached, start + math.ceil(blend.recompute * (end - start)))
+        if lo >= min(end, last):
+            continue
+        found = kv.hold_segment(req, blend.hashes(req, i, bs))
+        hi = min(start + len(found) * bs, last)
+        first = (lo - start) // bs
+        if lo >= hi:
+            kv.release_segment(req, found)
+            continue
+        if len(found) * bs >= end - start - (end - start) % bs:
+            blend.stored.add(i)  # every full block is stored: nothing to store after computing it
+        kv.release_segment(req, found[:first])
+        blend.copies.append(CopySpan(lo, hi, start, found[first:], first))
+    if blend.copies:
+        req.kv_cache_limit = blend.copies[0].start
+
+
+def step_size(req: Request, budget: int, computed: int | None = None) -> tuple[int, int]:
+    """(tokens the request advances this step, of which computed) for a token budget: the copies due at its
+    position (free of budget), then computed tokens up to the next copy. Sets the request's pending copy."""
+    pos = req.num_computed_tokens if computed is None else computed
+    remaining = len(req.all_token_ids) - pos
+    blend = req.blend
+    if blend is None or not blend.copies:
+        if blend is not None:
+            blend.pending_copy = 0
+        n = min(remaining, budget)
+        return n, n
+    cursor = pos
+    for span in blend.copies:
+        if span.start > cursor:
+            break
+        cursor = max(cursor, span.end)
+    later = [s.start for s in blend.copies if s.start > cursor]
+    compute = min(len(req.all_token_ids) - cursor, budget, (later[0] if later else len(req.all_token_ids)) - cursor)
+    blend.pending_copy = cursor - pos
+    return blend.pending_copy + compute, compute
+
+
+def apply_copies(req: Request, runner: ModelRunner, kv: KVCacheManager) -> None:
+    """Copy the spans this step covers into the request's slots (keys moved to where they land), then let go of
+    their stored blocks. Before the step's forward: the computed tokens after a copy attend to it."""
+    blend = req.blend
+    if blend is None or not blend.pending_copy:
+        return
+    until = req.num_computed_tokens + blend.pending_copy
+    assert isinstance(kv, PagedKVCacheManager)
+    table, bs = kv.get_block_ids(req.request_id), kv.block_size
+    while blend.copies and blend.copies[0].end <= until:
+        span = blend.copies[0]  # taken off only once copied: a failed copy fails again when run alone
+        src, dst = [], []
+        for pos in range(span.start, span.end):
+            off = pos - span.origin
+            src.append(span.blocks[off // bs - span.first_block].block_id * bs + off % bs)
+            dst.append(table[pos // bs] * bs + pos % bs)
+        runner.copy_kv(src, dst, span.origin)
+        blend.copies.pop(0)
+        kv.release_segment(req, span.blocks)
+        span.blocks = []
+        blend.copied_tokens += span.end - span.start
+
+
+def store_segments(req: Request, runner: ModelRunner, kv: KVCacheManager) -> None:
+    """Store the segments whose every token is now in the request's cache and which are not stored yet: their
+    full blocks into fresh pool blocks at positions 0..L-1 (keys rotated back by the segment's start). Storing
+    is best effort: without free blocks, or if the copy fails, the segment is just not stored."""
+    blend = _blending(req, kv)
+    if blend is None:
+        return
+    assert isinstance(kv, PagedKVCacheManager)
+    bs = kv.block_size
+    for i, (start, end) in enumerate(blend.segments):
+        if i in blend.stored or end > req.num_computed_tokens:
+            continue
+        blend.stored.add(i)
+        fresh = kv.new_segment_blocks(blend.hashes(req, i, bs))
+        if not fresh:
+            continue
+        table = kv.get_block_ids(req.request_id)
+        src, dst = [], []
+        for j, block in fresh:
+            for off in range(j * bs, (j + 1) * bs):
+                pos = start + off
+                src.append(table[pos // bs] * bs + pos % bs)
+                dst.append(block.block_id * bs + off % bs)
+        written = False
+        try:
+            runner.copy_kv(src, dst, -start)
+            written = True
+        except Exception as e:  # noqa: BLE001 - a segment not stored costs a later request its reuse, nothing else
+            logger.warning("kv_blend: segment of request %s not stored: %s", req.request_id, e)
+        finally:
+            kv.end_segment_store([b for _, b in fresh], written)
+
+
+def check_segments(segments: object, prompt_len: int, recompute: object) -> list[tuple[int, int]]:
+    """`kv_segments` as ascending, disjoint [start, end) token spans inside the prompt, and the recompute ratio in
+    [0, 1]; SamplingParamsError naming the field otherwise (a server answers 400 before anything is queued)."""
+    if recompute is not None and (
+        isinstance(recompute, bool) or not isinstance(recompute, (int, float)) or not 0 <= recompute <= 1
+    ):
+        raise SamplingParamsError("kv_blend_recompute", f"must be a number from 0 to 1, got {recompute!r}")
+    if not isinstance(segments, (list, tuple)):
+        raise SamplingParamsError("kv_segments", "must be a list of [start, end] token spans")
+    spans: list[tuple[int, int]] = []
+    for span in segments:
+        ok = isinstance(span, (list, tuple)) and len(span) == 2
+        if not ok or any(isinstance(x, bool) or not isinstance(x, int) for x in span):
+            raise SamplingParamsError("kv_segments", f"each span is [start, end] (two integers), got {span!r}")
+        start, end = span
+        if not 0 <= start < end <= prompt_len:
+            raise SamplingParamsError(
+                "kv_segments", f"span [{start}, {end}] is not inside the prompt's {prompt_len} tokens"
+            )
+        if spans and start < spans[-1][1]:
+            raise SamplingParamsError("kv_segments", "spans must be in prompt order and must not overlap")
+        spans.append((start, end))
+    return spans

@@ -1,0 +1,222 @@
+"""kv_blend (engine/blend.py): a passage's KV reused wherever it lands, keys re-rotated; selective recompute."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from engine_helpers import assert_all_blocks_free, kv_budget, make_engine
+
+import pagedllm.model.kv_quant as kv_quant
+from pagedllm import SamplingParams
+from pagedllm.kv.hashing import hash_segment_blocks, segment_root
+from pagedllm.model.runner import ModelRunner, SeqChunk
+from pagedllm.sampling_params import SamplingParamsError
+
+PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+WORDS = ["python", "list", "dict", "loop", "function", "class", "module", "import", "string", "value"]
+
+
+@pytest.fixture(scope="module")
+def parts(model_fp32):
+    """A system prompt, three ~70-token passages and a question, tokenized apart (as rag's layout does)."""
+    rng = random.Random(0)
+    tok = model_fp32.tokenizer
+    passages = [tok.encode(f"Excerpt {i}: " + " ".join(rng.choice(WORDS) for _ in range(60 + 5 * i))) for i in range(3)]
+    return tok.encode("Answer from the excerpts."), passages, tok.encode(" Question: what is a dict? Answer:")
+
+
+def build(parts, order):
+    system, passages, question = parts
+    ids, spans = list(system), []
+    for i in order:
+        ids += [198, 198]
+        spans.append((len(ids), len(ids) + len(passages[i])))
+        ids += passages[i]
+    return ids + question, spans
+
+
+def run(engine, rid, ids, spans=None, r=None, params=PARAMS):
+    engine.add_request(rid, ids, params, kv_segments=spans, kv_blend_recompute=r)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished and out.request_id == rid:
+                return out
+    raise AssertionError("the request never finished")
+
+
+@pytest.mark.parametrize(
+    "dtype, tol",  # at |k| ~ 10: float32 rounding; one bfloat16 ulp; under one int8 / fp8 code step
+    [(torch.float32, 1e-4), (torch.bfloat16, 0.07), (torch.int8, 0.09), (torch.float8_e4m3fn, 0.6)],
+)
+def test_a_copied_key_equals_the_key_computed_at_its_new_position(model_fp32, dtype, tol):
+    """Layer 0's K/V depend on the token alone (no attention before them), so the same tokens computed at
+    position 37 are the reference for those computed at 0 and moved by copy_kv."""
+    ids = model_fp32.tokenizer.encode("The quick brown fox jumps over the lazy dog and keeps running at dusk.")[:16]
+    runner = ModelRunner(model_fp32, 8, 16, dtype)
+    runner.execute([SeqChunk(ids, 0, [1])])
+    runner.execute([SeqChunk([5] * 37 + ids, 0, [2, 3, 4, 6])])
+    table = [2, 3, 4, 6]
+    dst = [table[(37 + i) // 16] * 16 + (37 + i) % 16 for i in range(16)]
+    kc, vc = (t.view(-1, *t.shape[2:]) for t in runner.kv_caches[0])
+    want_k, want_v = kc[dst].clone(), vc[dst].clone()
+    runner.copy_kv([16 + i for i in range(16)], dst, 37)
+    got_k, got_v = kc[dst], vc[dst]
+    if kv_quant.is_quantized(dtype):
+        want_k, got_k = kv_quant.dequantize(want_k, dtype), kv_quant.dequantize(got_k, dtype)
+    err = (want_k.float() - got_k.float()).abs().max().item()
+    assert err <= tol
+    assert err < 0.05 * want_k.float().abs().max().item()
+    assert torch.equal(want_v.view(torch.uint8), got_v.view(torch.uint8))  # values carry no position
+    moved_back = ModelRunner(model_fp32, 8, 16, dtype)  # a wrong sign or a missing shift is far off
+    moved_back.kv_caches = runner.kv_caches
+    runner.copy_kv(dst, [80 + i for i in range(16)], -37)
+    back = kc[80:96]
+    ref = kc[16:32]
+    if kv_quant.is_quantized(dtype):
+        back, ref = kv_quant.dequantize(back, dtype), kv_quant.dequantize(ref, dtype)
+    assert (back.float() - ref.float()).abs().max().item() <= 2 * tol
+
+
+def test_segment_keys_depend_on_the_segment_and_its_settings_only():
+    tokens = list(range(100, 148))
+    root = segment_root(("weights", "torch.float32", 16))
+    assert hash_segment_blocks(tokens, 16, root) == hash_segment_blocks(list(tokens), 16, root)
+    assert len(hash_segment_blocks(tokens + [1, 2], 16, root)) == 3  # the tail that fills no block is not keyed
+    for other in [("other weights", "torch.float32", 16), ("weights", "torch.int8", 16), ("weights", "f", 32)]:
+        assert set(hash_segment_blocks(tokens, 16, segment_root(other))).isdisjoint(
+            hash_segment_blocks(tokens, 16, root)
+        )
+
+
+def test_the_same_passages_in_another_order_are_copied_not_computed(model_fp32, parts):
+    engine = make_engine(model_fp32, speculative_config=None)
+    a, spans_a = build(parts, [0, 1, 2])
+    b, spans_b = build(parts, [2, 0, 1])
+    first = run(engine, "a", a, spans_a, 0.0)
+    assert first.num_blend_tokens == 0  # seen for the first time: computed, then stored
+    before = engine.prompt_tokens
+    second = run(engine, "b", b, spans_b, 0.0)
+    full_blocks = sum((e - s) // 16 * 16 for s, e in spans_b)
+    assert second.num_blend_tokens == full_blocks
+    assert engine.prompt_tokens - before == len(b) - second.num_cached_tokens - full_blocks
+    with_recompute = run(engine, "c", b, spans_b, 0.3)
+    assert 0 < with_recompute.num_blend_tokens < full_blocks
+    assert_all_blocks_free(engine)
+    assert not any(engine.kv.req_segments.values())
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_recompute_one_and_plain_requests_equal_full_prefill(model_fp32, parts, kv_dtype):
+    """r = 1.0 copies nothing; a request without segments is never blended, even after blended ones ran and
+    stored their passages (their approximate blocks are never registered as a prefix)."""
+    b, spans_b = build(parts, [2, 0, 1])
+    ref = run(make_engine(model_fp32, kv_cache_dtype=kv_dtype, enable_prefix_caching=False), "ref", b)
+    engine = make_engine(model_fp32, kv_cache_dtype=kv_dtype, speculative_config=None)
+    run(engine, "a", *build(parts, [0, 1, 2]), 0.0)
+    blended = run(engine, "b0", b, spans_b, 0.0)
+    assert blended.num_blend_tokens > 0
+    plain = run(engine, "plain", b)
+    assert plain.outputs[0].token_ids == ref.outputs[0].token_ids
+    assert plain.num_cached_tokens <= spans_b[0][0]  # the blended blocks past its first copy were not shared
+    exact = run(engine, "b1", b, spans_b, 1.0)
+    assert exact.num_blend_tokens == 0
+    assert exact.outputs[0].token_ids == ref.outputs[0].token_ids
+    assert_all_blocks_free(engine)
+
+
+def test_chunked_prefill_and_preemption_keep_blending_and_leak_nothing(model_fp32, parts):
+    """Chunks of 40 tokens cut across copy spans; a tiny cache preempts; every block and hold comes back."""
+    engine = make_engine(model_fp32, speculative_config=None, max_num_batched_tokens=40)
+    run(engine, "a", *build(parts, [0, 1, 2]), 0.0)
+    b, spans_b = build(parts, [1, 2, 0])
+    one = run(engine, "b", b, spans_b, 0.1)
+    assert one.num_blend_tokens > 0
+    wide = make_engine(model_fp32, speculative_config=None)
+    run(wide, "a", *build(parts, [0, 1, 2]), 0.0)
+    assert run(wide, "b", b, spans_b, 0.1).outputs[0].token_ids == one.outputs[0].token_ids
+    small = make_engine(model_fp32, speculative_config=None, kv_cache_memory=kv_budget(40))
+    run(small, "a", *build(parts, [0, 1, 2]), 0.0)
+    for rid in ("x", "y", "z", "w"):
+        small.add_request(rid, b, SamplingParams(temperature=0, max_tokens=60), kv_segments=spans_b)
+    small.abort_request("y")
+    while small.has_unfinished_requests():
+        small.step()
+    assert small.scheduler.num_preemptions > 0
+    assert_all_blocks_free(small)
+    assert not any(small.kv.req_segments.values())
+
+
+def test_a_failing_copy_fails_its_request_alone_and_leaks_nothing(model_fp32, parts, monkeypatch):
+    engine = make_engine(model_fp32, speculative_config=None)
+    run(engine, "a", *build(parts, [0, 1, 2]), 0.0)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected copy failure")
+
+    monkeypatch.setattr(engine.runner, "copy_kv", broken)
+    b, spans_b = build(parts, [2, 1, 0])
+    out = run(engine, "b", b, spans_b, 0.0)
+    assert out.outputs[0].finish_reason == "error"
+    assert_all_blocks_free(engine)
+    assert not any(engine.kv.req_segments.values())
+
+
+@pytest.mark.parametrize(
+    "segments, recompute, param",
+    [
+        ([[5, 2]], None, "kv_segments"),
+        ([[0, 10_000]], None, "kv_segments"),
+        ([[10, 20], [15, 30]], None, "kv_segments"),
+        ([["a", 3]], None, "kv_segments"),
+        ("0-10", None, "kv_segments"),
+        ([[0, 10]], 1.5, "kv_blend_recompute"),
+        ([[0, 10]], True, "kv_blend_recompute"),
+    ],
+)
+def test_bad_segments_are_refused_naming_the_field_and_queue_nothing(model_fp32, parts, segments, recompute, param):
+    engine = make_engine(model_fp32)
+    ids, _ = build(parts, [0])
+    with pytest.raises(SamplingParamsError) as e:
+        engine.add_request("bad", ids, PARAMS, kv_segments=segments, kv_blend_recompute=recompute)
+    assert e.value.param == param
+    assert not engine.has_unfinished_requests()
+    assert_all_blocks_free(engine)
+
+
+def test_a_passage_has_the_same_tokens_wherever_the_layout_puts_it(model_fp32):
+    """segmented_prompt tokenizes each passage on its own: the span holds the passage's own tokens in any
+    order, and the whole prompt still reads as the rendered chat text."""
+    from pagedllm.rag.index import Hit
+    from pagedllm.rag.layout import messages_in_order, passage_text, segmented_prompt
+
+    tok = model_fp32.tokenizer
+    hits = [Hit(f"c{i}", f"doc{i}", "t", 0, 0.5, f"Passage {i}: blocks.\nMore text {i}.", i) for i in range(3)]
+    seen: dict[str, list[int]] = {}
+    for order in ([0, 1, 2], [2, 0, 1], [1, 2, 0]):
+        ordered = [hits[i] for i in order]
+        messages = messages_in_order("What is a block?", ordered)
+        ids, spans = segmented_prompt(tok, messages, ordered)
+        assert tok.decode(ids, skip_special_tokens=False) == tok.apply_chat_template_text(messages)
+        for h, (start, end) in zip(ordered, spans):
+            assert ids[start:end] == tok.encode(passage_text(h))
+            assert seen.setdefault(h.chunk_id, ids[start:end]) == ids[start:end]
+
+
+def test_engines_with_other_dtypes_or_block_sizes_key_segments_apart(model_fp32, model_fp32_dense):
+    """The segment root of an engine covers its weights (quantized or not), KV dtype, block size and the salt:
+    stored KV made under any other of them (through a shared disk tier, say) is never found."""
+    roots = set()
+    for model, kw in [
+        (model_fp32, {}),
+        (model_fp32, {"kv_cache_dtype": "int8"}),
+        (model_fp32, {"block_size": 32}),
+        (model_fp32_dense, {}),
+    ]:
+        engine = make_engine(model, kv_cache_memory=8 * 2**20, **kw)
+        for salt in (None, "tenant"):
+            blend = engine._blend_state(100, [(0, 50)], None, salt)
+            assert blend is not None
+            roots.add(blend.root)
+    assert len(roots) == 8

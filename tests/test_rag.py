@@ -484,7 +484,7 @@ def test_ask_lists_its_sources_best_match_first_and_samples_with_its_penalties(r
     lines = capsys.readouterr().out.split("Sources (best match first):\n")[1].strip().splitlines()
     listed = [re.match(r"\s*\[(\d)\] (\S+) #\d+ \(score (\d\.\d+)", line).groups() for line in lines]  # type: ignore[union-attr]
     _, in_prompt = RagPipeline(rag_index).build_messages(question, record=False)
-    assert [float(score) for _, _, score in listed] == sorted((h.score for h in in_prompt), reverse=True)
+    assert [float(score) for _, _, score in listed] == sorted((round(h.score, 3) for h in in_prompt), reverse=True)
     assert [in_prompt[int(n) - 1].source for n, _, _ in listed] == [source for _, source, _ in listed]
     assert [int(n) for n, _, _ in listed] != [1, 2, 3, 4]  # this question's prompt order is not its score order
     params = seen["params"]

@@ -1,5 +1,6 @@
 """Two engine replicas on a local Ray Serve (1 CPU each), behind the prefix-aware router, through its HTTP port:
-the official openai client works unchanged, prefix routing keeps every request of a prefix group on one replica
+the official openai client works unchanged, the single server's tool-call parser, embedding model and pooling
+serve through it, prefix routing keeps every request of a prefix group on one replica
 (and beats round-robin's cluster-wide hit rate, measured by a second front door over the same replicas), and a
 replica killed mid-stream fails its own request with a clear error while the other serves and Ray starts a new one.
 
@@ -10,6 +11,7 @@ Ctrl-C is nothing alarming (the last test stops it). `-m "not cluster"` skips th
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import numpy as np
 import openai
 import psutil
 import pytest
@@ -31,6 +34,7 @@ from pagedllm.bench.server_process import free_port
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(420)]
 
 MODEL = "SmolLM2-135M-Instruct"
+EMBEDDER = "all-MiniLM-L6-v2"  # --embedding-model default
 PREFIX = 64  # tokens each group shares: 4 blocks of 16
 GROUPS, PER_GROUP = 4, 5
 
@@ -68,6 +72,7 @@ def _start_cli(port: int, stderr_path: Path) -> subprocess.Popen:
     argv = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(port), "--replicas", "2"]
     argv += ["--cpus-per-replica", "1", "--routing", "prefix", "--kv-cache-memory", "32MiB"]
     argv += ["--max-model-len", "512", "--max-num-seqs", "8"]
+    argv += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--embedding-model", "default"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}  # Ray's defaults, as a user has
     with stderr_path.open("w") as err:
         process = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
@@ -142,7 +147,7 @@ def _client(base: str) -> openai.OpenAI:
 
 def test_the_openai_client_works_unchanged(cluster):
     client = _client(cluster.url)
-    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert [m.id for m in client.models.list().data] == [MODEL, EMBEDDER]
     whole = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0)
     assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 6
     streamed = client.completions.create(
@@ -216,6 +221,82 @@ def test_prefix_routing_keeps_each_group_on_one_replica_and_beats_round_robin(cl
     assert rate == pytest.approx(GROUPS * (PER_GROUP - 1) * PREFIX / (GROUPS * PER_GROUP * (PREFIX + 8)))
     assert rr_rate < rate, (rr_rate, rate, baseline)
     assert any(repeat and cached == 0 for _, repeat, cached in baseline)  # a repeat sent where its prefix was not
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+    }
+]
+HERMES_CALL = '<tool_call>{"name": "add", "arguments": {"a": 12}}</tool_call>'
+
+
+def test_tool_calls_and_the_embedding_model_are_the_single_servers(cluster):
+    """--tool-call-parser (tool_choice "auto" parsed in its format, streamed and not) and --embedding-model (the
+    ingress serves all-MiniLM-L6-v2, equal to sentence-transformers' vectors) on the cluster (issue 28)."""
+    from sentence_transformers import SentenceTransformer
+
+    from pagedllm.rag.embed import embed_model_path
+
+    client = _client(cluster.url)
+    messages = [{"role": "user", "content": "Add 12."}]
+    body = dict(model=MODEL, messages=messages, tools=TOOLS, temperature=0, max_tokens=40)
+    forced = {"structured_outputs": {"choice": [HERMES_CALL]}}  # the model is made to write a Hermes call
+    whole = client.chat.completions.create(**body, extra_body=forced)
+    call = whole.choices[0].message.tool_calls[0].function
+    assert (call.name, json.loads(call.arguments), whole.choices[0].finish_reason) == ("add", {"a": 12}, "tool_calls")
+    chunks = list(client.chat.completions.create(**body, extra_body=forced, stream=True))
+    deltas = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
+    assert deltas[0].function.name == "add" and json.loads("".join(t.function.arguments for t in deltas)) == {"a": 12}
+    texts = ["Paged attention splits the KV cache into blocks.", "A second text"]
+    got = client.embeddings.create(model=EMBEDDER, input=texts)
+    reference = SentenceTransformer(embed_model_path(), device="cpu").encode(texts)
+    np.testing.assert_allclose([d.embedding for d in got.data], reference, atol=1e-5, rtol=0)
+
+
+def test_a_pooling_front_door_embeds_with_the_replicas_model(cluster):
+    """--runner pooling on the cluster (as `serve run ... runner=pooling`, a front door over the same replicas):
+    /v1/embeddings pools the replicas' model as one in-process engine does, and no completions are served."""
+    from ray import serve
+
+    from pagedllm import LLM
+    from pagedllm.cluster.app import build_front_door
+    from pagedllm.entrypoints.serve_cluster import parse_builder_args, settings_from_args
+
+    _, _, pooling = settings_from_args(parse_builder_args({"runner": "pooling"}))
+    prompts = [[1000 + 7 * i for i in range(n)] for n in (5, 40)]
+    serve.run(build_front_door(pooling), name="pool", route_prefix="/pool")
+    try:
+        client = _client(f"{cluster.url}/pool")
+        got = [d.embedding for d in client.embeddings.create(model=MODEL, input=prompts).data]
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model=MODEL, prompt="Hello", max_tokens=2)
+    finally:
+        serve.delete("pool")
+    llm = LLM(max_model_len=512, kv_cache_memory=32 * 2**20, log_stats_interval=0)
+    reference = np.array([out.embedding for out in llm.embed(prompts, use_tqdm=False)])
+    assert np.linalg.norm(got, axis=1) == pytest.approx(1.0)  # a GGUF: the last token's state, normalized
+    # bfloat16 (--dtype auto) in batches of other shapes: equal up to rounding, not bit for bit
+    assert (np.sum(np.array(got) * reference, axis=1) > 0.999).all()
+
+
+def test_a_cache_salt_routes_as_a_prefix_of_its_own(cluster):
+    """Two tenants' same prompt (issue 28: cache_salt): the second tenant's first request is a new prefix to the
+    router, not sent for the first tenant's blocks, and each tenant's repeat finds its own."""
+    prompt = [(i * 31) % 39000 + 1000 for i in range(PREFIX + 8)]
+    client = _client(cluster.url)
+
+    def send(salt: str) -> tuple[list[str], int]:
+        before = _decisions(cluster.url)
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, extra_body={"cache_salt": salt})
+        now = _decisions(cluster.url)
+        return [k for k in now if now[k] != before.get(k, 0)], r.usage.prompt_tokens_details.cached_tokens
+
+    assert send("tenant-a") == (["new"], 0)
+    assert send("tenant-a") == (["prefix"], PREFIX)
+    assert send("tenant-b") == (["new"], 0)
+    assert send("tenant-b") == (["prefix"], PREFIX)
 
 
 def _serving_replica(base: str, timeout: float = 60.0) -> str:

@@ -7,7 +7,16 @@ import random
 
 import pytest
 
-from pagedllm.cluster.routing import PrefixIndex, apply_events, choose, key, prefix_keys
+from pagedllm.cluster.routing import (
+    PROMPT_KW,
+    SALT_KW,
+    PrefixIndex,
+    apply_events,
+    choose,
+    key,
+    prefix_keys,
+    request_keys,
+)
 from pagedllm.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventLog, decode_batch, encode_batch
 from pagedllm.kv.hashing import hash_full_blocks
 from pagedllm.kv.manager import PagedKVCacheManager, TokenRequest
@@ -24,6 +33,24 @@ def test_prefix_keys_are_the_kv_cache_hashes_of_the_first_blocks():
     # a different first block changes every key after it: keys name prefixes, not blocks
     other = [7] + ids[1:]
     assert all(a != b for a, b in zip(prefix_keys(other, BS, 64), prefix_keys(ids, BS, 64)))
+
+
+def test_a_cache_salt_is_in_the_routing_key_as_in_the_engines_block_hashes():
+    """Two tenants' same prompt are two prefixes to the router, as to the engine (issue 28: cache_salt): the keys
+    of a request as the ingress sends it are those its replica's KV events publish for it, so a replica holding
+    one tenant's blocks does not attract the other tenant's prompt, and a salted prompt follows its own blocks."""
+    ids = list(range(100, 123))
+    plain, a, b = (request_keys({PROMPT_KW: ids, SALT_KW: salt}, BS, 64) for salt in (None, "tenant-a", "tenant-b"))
+    assert plain == prefix_keys(ids, BS, 64) and len(a) == len(b) == len(plain) == 5
+    assert not set(a) & set(b) and not set(a) & set(plain)
+    mgr = _engine_like_manager()
+    assert mgr.allocate_slots(TokenRequest("r", ids, cache_salt="tenant-a"), len(ids))
+    index = PrefixIndex()
+    apply_events(index, "one", mgr.pool.events.since(0)[1])
+    assert index.match(a, ["one", "two"]) == {"one": 5, "two": 0}
+    assert index.match(b, ["one", "two"]) == index.match(plain, ["one", "two"]) == {"one": 0, "two": 0}
+    choice = choose(index.match(b, ["one", "two"]), {"one": 0, "two": 0}, {"one": 5, "two": 0}, threshold=8)
+    assert (choice.reason, choice.ranked[0]) == ("new", "two")  # tenant b's prompt: not to tenant a's blocks
 
 
 def _reference_match(held: dict[str, set[int]], keys: list[int], candidates: list[str]) -> dict[str, int]:

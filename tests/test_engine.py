@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 from engine_helpers import assert_all_blocks_free, kv_budget, make_engine, run_all
@@ -228,6 +229,26 @@ def test_min_tokens_and_stop_token_ids(model_fp32):
     stop_id = natural[1]
     _, cut = run_one(engine, "c", prompt, SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_id]))
     assert cut.outputs[0].token_ids == natural[:2] and cut.outputs[0].stop_reason == stop_id
+
+
+def test_a_stop_tokens_text_is_never_in_the_output(model_fp32):
+    """vLLM's rule: the token that stopped a request (EOS, one of stop_token_ids) adds no text, with
+    skip_special_tokens off too (so a parser reading special tokens never sees EOS), streamed and whole; a
+    special token that did not stop it is kept."""
+    engine = make_engine(model_fp32)
+    tok = engine.tokenizer
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is 2 + 2? Answer with the number only."}])
+    keep = SamplingParams(temperature=0, max_tokens=24, skip_special_tokens=False)
+    seen, out = run_one(engine, "a", prompt, keep)
+    natural = out.outputs[0].token_ids
+    assert natural[-1] in tok.eos_token_ids and out.outputs[0].finish_reason == "stop"
+    assert out.outputs[0].text == tok.decode(natural[:-1], skip_special_tokens=False) != ""
+    assert all(tok.decode([natural[-1]], skip_special_tokens=False) not in o.outputs[0].text for o in seen)
+    _, cut = run_one(engine, "b", prompt, replace(keep, stop_token_ids=[natural[1]]))
+    assert cut.outputs[0].token_ids == natural[:2] and cut.outputs[0].text == tok.decode(natural[:1])
+    _, ignored = run_one(engine, "c", prompt, replace(keep, ignore_eos=True, max_tokens=len(natural)))
+    assert ignored.outputs[0].text == tok.decode(natural, skip_special_tokens=False)  # EOS that did not stop it
+    assert_all_blocks_free(engine)
 
 
 def test_incremental_detokenizer_never_emits_half_a_character(model_fp32):

@@ -459,3 +459,37 @@ def test_server_rag_chat_endpoint_names_chunks_and_hits_the_cache(rag_index, mod
             assert c.get("/v1/kv").json()["used_blocks"] == 0
     finally:
         srv.stop()
+
+
+def test_ask_lists_its_sources_best_match_first_and_samples_with_its_penalties(rag_index, monkeypatch, capsys):
+    """issue 29.5: `rag ask` lists its sources in score order (best first), each with the number its excerpt has
+    in the prompt (the layout's order, which the answer cites), and samples with its --repetition-penalty and
+    --frequency-penalty (benchmarks/rag_ask_penalties.py measures which defaults stop the default model looping)."""
+    import re
+
+    import pagedllm.rag.generate as generate
+    from pagedllm.entrypoints.cli import main
+    from pagedllm.entrypoints.rag import FREQUENCY_PENALTY, REPETITION_PENALTY
+    from pagedllm.rag.pipeline import RagPipeline
+
+    seen = {}
+
+    def answer(engine, prompt_ids, params, ans, request_id=None):  # what the engine is asked, not its answer
+        seen["params"] = params
+        yield "An answer."
+
+    monkeypatch.setattr(generate, "stream_engine", answer)
+    question = "How does the with statement call __enter__ and __exit__?"
+    assert main(["rag", "ask", question, "--index", str(rag_index), "--max-tokens", "8"]) == 0
+    lines = capsys.readouterr().out.split("Sources (best match first):\n")[1].strip().splitlines()
+    listed = [re.match(r"\s*\[(\d)\] (\S+) #\d+ \(score (\d\.\d+)", line).groups() for line in lines]  # type: ignore[union-attr]
+    _, in_prompt = RagPipeline(rag_index).build_messages(question, record=False)
+    assert [float(score) for _, _, score in listed] == sorted((round(h.score, 3) for h in in_prompt), reverse=True)
+    assert [in_prompt[int(n) - 1].source for n, _, _ in listed] == [source for _, source, _ in listed]
+    assert [int(n) for n, _, _ in listed] != [1, 2, 3, 4]  # this question's prompt order is not its score order
+    params = seen["params"]
+    assert (params.repetition_penalty, params.frequency_penalty) == (REPETITION_PENALTY, FREQUENCY_PENALTY)
+    capsys.readouterr()
+    argv = ["rag", "ask", question, "--index", str(rag_index), "--repetition-penalty", "1.2"]
+    assert main([*argv, "--frequency-penalty", "0.5"]) == 0
+    assert (seen["params"].repetition_penalty, seen["params"].frequency_penalty) == (1.2, 0.5)

@@ -60,7 +60,7 @@ def test_openapi_schema_fuzz(fuzz_server):
     schema = schemathesis.openapi.from_url(fuzz_server.base + "/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
     assert len(operations) >= 8
-    assert {"/v1/responses", "/v1/messages"} <= {op.path for op in operations}  # issue 28's routes
+    assert {"/v1/responses", "/v1/messages", "/v1/embeddings"} <= {op.path for op in operations}  # issue 28's
 
     for operation in operations:
 
@@ -114,7 +114,7 @@ body_field = st.fixed_dictionaries(
     },
 )
 request_spec = st.tuples(
-    st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/embeddings"]),
+    st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses", "/v1/messages"]),
     body_field,
     st.one_of(st.none(), st.integers(0, 4)),
 )  # cut a stream after this many events
@@ -137,10 +137,35 @@ def _as_embedding(body: dict) -> dict:
     return {"input": body["prompt"], "encoding_format": "base64" if body.get("echo") else "float"}
 
 
+def _as_responses(body: dict) -> dict:
+    """The chat request as a Responses one: the text as `input`, max_tokens as max_output_tokens; the other
+    fields as they are (a chat-only one is a 400, never a 5xx)."""
+    body = _as_chat(body)
+    body["input"] = body.pop("messages")[0]["content"]
+    body["max_output_tokens"] = body.pop("max_tokens")
+    return body
+
+
+def _as_messages(body: dict) -> dict:
+    """The chat request as an Anthropic Messages one: stop as stop_sequences, the rest as they are."""
+    body = _as_chat(body)
+    if "stop" in body:
+        stop = body.pop("stop")
+        body["stop_sequences"] = [stop] if isinstance(stop, str) else stop
+    return body
+
+
+CONVERT = {
+    "/v1/chat/completions": _as_chat,
+    "/v1/embeddings": _as_embedding,
+    "/v1/responses": _as_responses,
+    "/v1/messages": _as_messages,
+}
+
+
 async def _send(client: httpx.AsyncClient, path: str, body: dict, cut: int | None) -> list[str]:
     """One request; returns the problems seen (a 5xx, an error event of a 5xx)."""
-    body = _as_chat(body) if path.endswith("chat/completions") else body
-    body = _as_embedding(body) if path.endswith("embeddings") else body
+    body = CONVERT[path](body) if path in CONVERT else body
     async with client.stream("POST", path, json=body) as r:
         if r.status_code >= 500:
             return [f"{path} {json.dumps(body)[:300]} -> {r.status_code} {(await r.aread())[:300]!r}"]
@@ -149,7 +174,11 @@ async def _send(client: httpx.AsyncClient, path: str, body: dict, cut: int | Non
             return []
         seen, problems = 0, []
         async for line in r.aiter_lines():
-            if line.startswith("data: {") and '"error"' in line and '"code":5' in line.replace(" ", ""):
+            flat = line.replace(" ", "")
+            five = (
+                '"code":5' in flat or '"type":"api_error"' in flat or '"type":"overloaded_error"' in flat
+            )  # Anthropic's
+            if line.startswith("data: {") and '"error"' in line and five:
                 problems.append(f"{path} {json.dumps(body)[:300]} -> stream error {line[:300]}")
             seen += line.startswith("data: ")
             if cut is not None and seen >= cut:

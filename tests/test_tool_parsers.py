@@ -13,7 +13,7 @@ import pytest
 from engine_helpers import kv_budget
 from server_helpers import assert_error, assert_pool_whole, running_server, sse_events
 
-from pagedllm.entrypoints.serve_args import TOOL_PARSER_NAMES, add_serve_args, check_cluster_args, check_server_args
+from pagedllm.entrypoints.serve_args import TOOL_PARSER_NAMES, add_serve_args, check_server_args
 from pagedllm.errors import UserError
 from pagedllm.server.protocol import ToolMode
 from pagedllm.server.tool_parsers import (
@@ -216,9 +216,12 @@ def test_the_flags_are_vllms_and_come_together():
             check_server_args(parser.parse_args(argv))
     with pytest.raises(SystemExit):
         parser.parse_args(["--enable-auto-tool-choice", "--tool-call-parser", "nope"])
+    from pagedllm.entrypoints.serve_cluster import settings_from_args
+
     cluster = parser.parse_args(["--replicas", "2", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
-    with pytest.raises(UserError, match="^--tool-call-parser: the cluster"):
-        check_cluster_args(cluster)  # not passed to the replicas yet: refused, not dropped
+    assert settings_from_args(cluster)[2].tool_call_parser == "hermes"  # the cluster's ingress parses them
+    with pytest.raises(UserError, match="^--tool-call-parser: needs"):  # `serve run`'s builder checks it too
+        settings_from_args(parser.parse_args(["--replicas", "2", "--tool-call-parser", "hermes"]))
 
 
 # ------------------------------------------------------------------------------------------ a real server
@@ -297,6 +300,61 @@ def test_each_format_is_served_for_auto_streamed_and_not(server, monkeypatch, fm
     assert (content, calls, finish) == (*CALLS[fmt], "tool_calls")
     assert sum(1 for d in deltas for t in d.get("tool_calls", []) if t["function"]["arguments"]) > 1, deltas
     assert_pool_whole(server)
+
+
+def _special_tool_calls_tokenizer(tokenizer):
+    """The default model's tokenizer with its special token 3 named `[TOOL_CALLS]`, as Mistral's tokenizers have
+    it: a special token, dropped from the text whenever special tokens are skipped."""
+    import tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from pagedllm.model.tokenizer import Tokenizer
+
+    spec = json.loads(tokenizer.hf.backend_tokenizer.to_str())
+    old = spec["added_tokens"][3]["content"]
+    spec["added_tokens"][3]["content"] = "[TOOL_CALLS]"
+    spec["model"]["vocab"]["[TOOL_CALLS]"] = spec["model"]["vocab"].pop(old)
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizers.Tokenizer.from_str(json.dumps(spec)),
+        eos_token=tokenizer.hf.eos_token,
+        additional_special_tokens=["[TOOL_CALLS]"],
+    )
+    hf.chat_template = MISTRAL_TEMPLATE
+    return Tokenizer(hf, tokenizer.eos_token_ids)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_mistral_calls_behind_a_special_token_are_read_and_eos_never_shows(model_fp32):
+    """`[TOOL_CALLS]` as a special token (vLLM's MistralToolParser.adjust_request keeps special tokens for it):
+    the calls are read streamed and not, and the EOS that ends an answer never shows in its content."""
+    from dataclasses import replace
+
+    from pagedllm.engine import EngineConfig, LLMEngine
+    from pagedllm.engine.async_engine import AsyncLLMEngine
+
+    loaded = replace(model_fp32, tokenizer=_special_tool_calls_tokenizer(model_fp32.tokenizer))
+    config = EngineConfig(dtype="float32", max_model_len=512, kv_cache_memory=kv_budget(48), log_stats_interval=0)
+    grammar = 'start: "Adding." <[3]> "add[ARGS]{\\"a\\": 12, \\"b\\": 34}"'  # token 3 itself, not its text
+    msgs = [{"role": "user", "content": "Add 12 and 34."}]
+    body = {"messages": msgs, "tools": TOOLS, "max_tokens": 64, "temperature": 0}
+    forced = {**body, "structured_outputs": {"grammar": grammar}}
+    eos = {**body, "logit_bias": {str(i): 100 for i in model_fp32.tokenizer.eos_token_ids}}
+    with running_server(AsyncLLMEngine(LLMEngine(config, loaded=loaded)), served_model_names=["m"]) as s:
+        r = s.http.post("/v1/chat/completions", json=forced)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        got = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in choice["message"]["tool_calls"]]
+        assert (choice["message"]["content"], got) == ("Adding.", [("add", {"a": 12, "b": 34})]), choice
+        assert choice["finish_reason"] == "tool_calls"
+        content, calls, finish, _ = _stream(s, forced)
+        assert (content, calls, finish) == ("Adding.", [("add", {"a": 12, "b": 34})], "tool_calls")
+        r = s.http.post("/v1/chat/completions", json=eos)  # special tokens kept, the answer is EOS alone
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert (choice["message"]["content"], choice["finish_reason"]) == (None, "stop"), choice
+        assert _stream(s, eos)[0] == ""
+        assert_pool_whole(s)
 
 
 @pytest.mark.slow

@@ -93,12 +93,16 @@ async def kv_state(request: Request) -> Response:
 
 def build_ingress_app(engine: ClusterEngine, settings: IngressSettings) -> FastAPI:
     """The single-process server's app over the cluster engine, with per-replica routes in place of its one-engine
-    state routes (/health, /metrics, /v1/kv; the /kv block map stays a single server's)."""
+    state routes (/health, /metrics, /v1/kv; the /kv block map stays a single server's). Its tool-call and
+    reasoning parsers, pooling and embedding model are the single server's: they all run here, in the ingress,
+    over the replicas' outputs (the replicas only generate and pool)."""
     from pagedllm.server import serving_info
     from pagedllm.server.api_server import DEFAULT_MAX_REQUEST_BYTES, build_app
+    from pagedllm.server.embedders import SentenceTransformerEmbedder
 
     models = APIRouter()
     models.add_api_route("/v1/models", serving_info.models, methods=["GET"], response_model=serving_info.ModelList)
+    embedders = [SentenceTransformerEmbedder(settings.embedding_model)] if settings.embedding_model else []
     return build_app(
         engine,
         served_model_names=settings.served_model_names,
@@ -106,6 +110,10 @@ def build_ingress_app(engine: ClusterEngine, settings: IngressSettings) -> FastA
         model_root=settings.model or settings.served_model_names[0],
         max_request_bytes=settings.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES,
         state_routers=[cluster_routes, models],
+        pooler=settings.pooler,
+        embedders=embedders,
+        generate=settings.pooler is None,
+        tool_call_parser=settings.tool_call_parser,
         reasoning_parser=settings.reasoning_parser,
         trust_request_chat_template=settings.trust_request_chat_template,
     )

@@ -20,10 +20,11 @@ from typing import Any
 
 from pagedllm.cluster.metrics import sum_stats
 from pagedllm.cluster.replica import ReplicaInfo, ReplicaReport
-from pagedllm.cluster.router import PROMPT_KW, REPLICA_KW
-from pagedllm.cluster.routing import ROUTERS, router_key
+from pagedllm.cluster.router import REPLICA_KW
+from pagedllm.cluster.routing import PROMPT_KW, ROUTERS, SALT_KW, router_key
 from pagedllm.engine.async_engine import EngineDeadError, EngineShuttingDownError, RequestAbortedError
 from pagedllm.engine.outputs import RequestOutput
+from pagedllm.engine.pooling import PoolerConfig
 from pagedllm.engine.stats import AbortLog, EngineStats
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.tokenizer import Tokenizer
@@ -124,7 +125,7 @@ class ClusterEngine:
         if not self._accepting:
             raise EngineShuttingDownError("the server is shutting down")
         ids = prompt if isinstance(prompt, list) else await asyncio.to_thread(self.tokenizer.encode, prompt)
-        extra: dict = {"cache_salt": cache_salt, "priority": priority}
+        extra: dict = {SALT_KW: cache_salt, "priority": priority}
         if kv_segments is not None:  # kv_blend: sent only when asked for
             extra |= {"kv_segments": kv_segments, "kv_blend_recompute": kv_blend_recompute}
         gen = call(self.handle, "generate", request_id, stream=True, **{PROMPT_KW: ids}, params=params, **extra)
@@ -186,7 +187,10 @@ class ClusterEngine:
 
 @dataclass(frozen=True)
 class IngressSettings:
-    """The server flags the ingress needs (the replicas get the engine's)."""
+    """The server flags the ingress needs (the replicas get the engine's): the OpenAI app's, as one server's.
+    `pooler`: --runner pooling, the replicas' model serves /v1/embeddings pooled this way (read from the model's
+    files before Ray starts) and no completions; `embedding_model`: the sentence-transformers model the ingress
+    serves on /v1/embeddings beside the replicas' generator (one copy, loaded in the ingress)."""
 
     model: str | None
     served_model_names: list[str]
@@ -196,6 +200,9 @@ class IngressSettings:
     max_request_bytes: int | None = None
     reasoning_parser: str | None = None
     trust_request_chat_template: bool = False
+    tool_call_parser: str | None = None
+    pooler: PoolerConfig | None = None
+    embedding_model: str | None = None
 
 
 async def wait_for_info(handle: Any, timeout: float = 600.0) -> ReplicaInfo:

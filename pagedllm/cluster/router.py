@@ -34,12 +34,11 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from pagedllm.cluster import routing
-from pagedllm.cluster.routing import POLICIES, PrefixIndex, choose, prefix_keys
+from pagedllm.cluster.routing import POLICIES, PROMPT_KW, PrefixIndex, choose, request_keys
 
 logger = logging.getLogger("pagedllm.cluster")
 
 REPLICA_KW = "replica"  # the keyword a per-replica call names its replica with
-PROMPT_KW = "prompt_token_ids"  # the keyword the ingress passes a request's token ids in
 
 
 class PagedLLMRouter(RequestRouter):
@@ -90,10 +89,9 @@ class PagedLLMRouter(RequestRouter):
         target = pending_request.kwargs.get(REPLICA_KW)
         if target is not None:
             return [[r for r in candidate_replicas if r.replica_id.unique_id == target]]
-        prompt = pending_request.kwargs.get(PROMPT_KW)
-        if self.policy == "round-robin" or not prompt:
+        if self.policy == "round-robin" or not pending_request.kwargs.get(PROMPT_KW):
             return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
-        keys = prefix_keys(prompt, self.block_size, self.max_prefix_blocks)
+        keys = request_keys(pending_request.kwargs, self.block_size, self.max_prefix_blocks)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         with self.lock:
             self._set_capacity(candidate_replicas)

@@ -23,6 +23,8 @@ from pagedllm.kv.events import BlockRemoved, BlockStored, KVCacheEvent
 from pagedllm.kv.hashing import BlockHash, hash_full_blocks
 
 POLICIES = ("round-robin", "prefix", "kv-events")
+PROMPT_KW = "prompt_token_ids"  # the keyword the ingress passes a request's token ids in
+SALT_KW = "cache_salt"  # and its cache salt
 
 # The request routers of this process by (application, deployment) (router.PagedLLMRouter registers itself): the
 # ingress sets its router's policy, asks it for the replica list and feeds it the replicas' KV events.
@@ -44,12 +46,19 @@ def router_for(handle: Any) -> Any:
     return router
 
 
-def prefix_keys(token_ids: Sequence[int], block_size: int, max_blocks: int) -> list[int]:
-    """The index keys of a prompt's first `max_blocks` full blocks: the KV cache's chained hashes, truncated.
+def prefix_keys(token_ids: Sequence[int], block_size: int, max_blocks: int, cache_salt: str | None = None) -> list[int]:
+    """The index keys of a prompt's first `max_blocks` full blocks: the KV cache's chained hashes, truncated,
+    with its `cache_salt` in them as in the engine's (two tenants' same prompt is two prefixes, never routed to
+    the other's blocks, and a salted prompt's keys are the ones its replica's KV events publish).
 
     The prompt's last token never counts (the engine always computes it), as in the engine's own lookup."""
     n = min(max_blocks, (len(token_ids) - 1) // block_size) if token_ids else 0
-    return [key(h) for h in hash_full_blocks(token_ids[: n * block_size], block_size)]
+    return [key(h) for h in hash_full_blocks(token_ids[: n * block_size], block_size, cache_salt)]
+
+
+def request_keys(kwargs: dict[str, Any], block_size: int, max_blocks: int) -> list[int]:
+    """The keys of an engine request as the ingress sends it (its token ids and cache salt as keywords)."""
+    return prefix_keys(kwargs.get(PROMPT_KW) or [], block_size, max_blocks, kwargs.get(SALT_KW))
 
 
 def key(block_hash: BlockHash) -> int:

@@ -26,7 +26,7 @@ from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.spec_decode import NgramDrafter, SpecDecodeStats, SpeculativeConfig
 from pagedllm.engine.stats import EngineStats, StatsLogger, collect_stats
-from pagedllm.engine.stop_checker import check_stop
+from pagedllm.engine.stop_checker import check_stop, is_stop_token
 from pagedllm.engine.structured_output import GrammarCompiler, RequestGrammar
 from pagedllm.errors import UserError
 from pagedllm.kv.events import KVEventLog
@@ -385,7 +385,8 @@ class LLMEngine:
         if req.logprobs is not None:
             req.logprobs.append(logprobs or {})
         before = len(req.text)
-        req.text += req.detok.add(token)
+        if not is_stop_token(req, token, self.tokenizer.eos_token_ids):
+            req.text += req.detok.add(token)
         check_stop(req, token, before, self.tokenizer.eos_token_ids, self.max_model_len)
 
     def _output(self, parent_id: str) -> RequestOutput:

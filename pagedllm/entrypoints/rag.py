@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import sys
+from collections.abc import Iterator
 
 from pagedllm.errors import UserError
 from pagedllm.rag import DEFAULT_INDEX
@@ -72,6 +73,12 @@ def _add_search(sub: argparse._SubParsersAction) -> None:
     sp.set_defaults(func=cmd_search)
 
 
+# `rag ask`'s penalties: off until benchmarks/rag_ask_penalties.py has measured which ones stop the default model
+# looping on `rag bench`'s questions without pushing it off topic (docs/benchmarks.md).
+REPETITION_PENALTY = 1.0
+FREQUENCY_PENALTY = 0.0
+
+
 @settings
 class RagAskConfig:
     """`rag ask`'s settings; answering in process takes the engine's from EngineConfig."""
@@ -89,6 +96,12 @@ class RagAskConfig:
     """most tokens in the answer (default: 256)"""
     temperature: float = Field(default=0.0, ge=0)
     """sampling temperature; 0 is greedy, the same answer every time (default: 0)"""
+    repetition_penalty: float = Field(default=REPETITION_PENALTY, gt=0)
+    """divides the logits of the tokens already in the prompt or the answer (vLLM's; 1 is off), against a small
+    model that writes one sentence over and over (default: 1, off)"""
+    frequency_penalty: float = Field(default=FREQUENCY_PENALTY, ge=-2, le=2)
+    """subtracted from a token's logit once per time the answer already has it (OpenAI's; 0 is off), against a
+    looping answer (default: 0, off)"""
     base_url: str | None = None
     """answer with an OpenAI-compatible server (e.g. http://localhost:8000/v1) instead of in process (default: in
     process)"""
@@ -170,13 +183,45 @@ def cmd_search(args) -> int:
 
 
 def _print_sources(hits) -> None:
-    print("\nSources:")
-    for i, h in enumerate(hits):
-        print(f"  [{i + 1}] {h.source} #{h.position} (score {h.score:.3f}, chunk {h.chunk_id})")
+    """The sources best match first (retrieval rank), each with the number its excerpt has in the prompt (the
+    layout's order, which the answer cites), so a reader sees what matched best and what [n] points to."""
+    print("\nSources (best match first):")
+    for n, h in sorted(enumerate(hits, 1), key=lambda nh: nh[1].rank):
+        print(f"  [{n}] {h.source} #{h.position} (score {h.score:.3f}, chunk {h.chunk_id})")
+
+
+def _answer_stream(ask: RagAskConfig, args, messages: list[dict], answer) -> Iterator[str]:
+    """The answer's text deltas: from --base-url's server, or an engine loaded here; with --repetition-penalty
+    and --frequency-penalty, whose defaults keep the small default model from looping."""
+    from pagedllm.rag.generate import stream_engine, stream_openai
+
+    if ask.base_url:
+        return stream_openai(
+            ask.base_url,
+            messages,
+            answer,
+            model=ask.server_model,
+            max_tokens=ask.max_tokens,
+            temperature=ask.temperature,
+            api_key=ask.api_key or os.environ.get("OPENAI_API_KEY"),
+            frequency_penalty=ask.frequency_penalty,
+            repetition_penalty=ask.repetition_penalty,
+        )
+    from pagedllm.engine import EngineConfig, LLMEngine
+    from pagedllm.sampling_params import SamplingParams
+
+    engine = LLMEngine(dataclasses.replace(EngineConfig.from_args(args), log_stats_interval=0))
+    params = SamplingParams(
+        temperature=ask.temperature,
+        max_tokens=ask.max_tokens,
+        repetition_penalty=ask.repetition_penalty,
+        frequency_penalty=ask.frequency_penalty,
+    )
+    return stream_engine(engine, engine.tokenizer.apply_chat_template(messages), params, answer)
 
 
 def cmd_ask(args) -> int:
-    from pagedllm.rag.generate import Answer, stream_engine, stream_openai
+    from pagedllm.rag.generate import Answer
     from pagedllm.rag.pipeline import RagPipeline
 
     ask = from_args(RagAskConfig, args)
@@ -190,24 +235,7 @@ def cmd_ask(args) -> int:
             print(f"--- {m['role']} ---\n{m['content']}")
         print("--- answer ---")
     answer = Answer()
-    if ask.base_url:
-        stream = stream_openai(
-            ask.base_url,
-            messages,
-            answer,
-            model=ask.server_model,
-            max_tokens=ask.max_tokens,
-            temperature=ask.temperature,
-            api_key=ask.api_key or os.environ.get("OPENAI_API_KEY"),
-        )
-    else:
-        from pagedllm.engine import EngineConfig, LLMEngine
-        from pagedllm.sampling_params import SamplingParams
-
-        engine = LLMEngine(dataclasses.replace(EngineConfig.from_args(args), log_stats_interval=0))
-        params = SamplingParams(temperature=ask.temperature, max_tokens=ask.max_tokens)
-        stream = stream_engine(engine, engine.tokenizer.apply_chat_template(messages), params, answer)
-    for delta in stream:
+    for delta in _answer_stream(ask, args, messages, answer):
         sys.stdout.write(delta)
         sys.stdout.flush()
     print()

@@ -125,12 +125,6 @@ def check_cluster_args(args: argparse.Namespace) -> ClusterConfig | None:
     cluster = from_args(ClusterConfig, args)
     if getattr(args, "rag_index", None):
         raise UserError("--rag-index: the cluster does not serve RAG yet; run it without --replicas")
-    if getattr(args, "embedding_model", None):
-        raise UserError("--embedding-model: the cluster does not serve embeddings yet; run it without --replicas")
-    if getattr(args, "runner", "auto") == "pooling":
-        raise UserError("--runner: the cluster does not serve pooling models yet; run it without --replicas")
-    if getattr(args, "tool_call_parser", None):
-        raise UserError("--tool-call-parser: the cluster does not take it yet; run it without --replicas")
     try:
         import ray.serve  # noqa: F401 - only whether the cluster extra is installed
     except ImportError:

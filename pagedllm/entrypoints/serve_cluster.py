@@ -12,7 +12,13 @@ import argparse
 import os
 from typing import Any
 
-from pagedllm.entrypoints.serve_args import add_serve_args, check_can_listen, check_cluster_args, served_names
+from pagedllm.entrypoints.serve_args import (
+    add_serve_args,
+    check_can_listen,
+    check_cluster_args,
+    check_server_args,
+    served_names,
+)
 
 
 def settings_from_args(args: argparse.Namespace) -> tuple[Any, Any, Any]:
@@ -21,11 +27,17 @@ def settings_from_args(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     from pagedllm.cluster.app import ClusterOptions
     from pagedllm.cluster.ingress import IngressSettings
     from pagedllm.engine.config import EngineConfig
-    from pagedllm.model.config import load_model_config
+    from pagedllm.engine.pooling import read_pooler_config
+    from pagedllm.model.config import load_model_config, resolve_model_path
+    from pagedllm.server.embedders import embedding_model_path
 
+    check_server_args(args)
     check_cluster_args(args)
     config = EngineConfig.from_args(args)
     load_model_config(args.model)
+    if args.embedding_model:
+        embedding_model_path(args.embedding_model)  # a bad path is one line here, before Ray starts
+    pooler = read_pooler_config(resolve_model_path(args.model)) if args.runner == "pooling" else None
     options = ClusterOptions(
         args.replicas,
         args.cpus_per_replica or 1.0,
@@ -40,8 +52,11 @@ def settings_from_args(args: argparse.Namespace) -> tuple[Any, Any, Any]:
         args.api_key or os.environ.get("PAGEDLLM_API_KEY"),
         args.max_waiting_requests,
         getattr(args, "max_request_bytes", None),
-        getattr(args, "reasoning_parser", None),
-        bool(getattr(args, "trust_request_chat_template", False)),
+        args.reasoning_parser,
+        args.trust_request_chat_template,
+        args.tool_call_parser,
+        pooler,
+        args.embedding_model,
     )
     return config, options, ingress
 

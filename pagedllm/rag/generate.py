@@ -89,9 +89,12 @@ def stream_openai(
     timeout: float = 600.0,
     api_key: str | None = None,
     client: Any = None,
+    frequency_penalty: float = 0.0,
+    repetition_penalty: float = 1.0,
 ) -> Iterator[str]:
     """Chat completion streamed from any OpenAI-compatible server (the `openai` SDK); yields content deltas and
-    fills `answer`. `client`: the httpx client the SDK sends through."""
+    fills `answer`. `client`: the httpx client the SDK sends through. repetition_penalty (vLLM's and pagedllm's,
+    not OpenAI's) is sent only when it asks for something."""
     sdk = openai.OpenAI(
         base_url=openai_base_url(base_url),
         api_key=api_key or "none",
@@ -109,6 +112,8 @@ def stream_openai(
             temperature=temperature,
             stream=True,
             stream_options={"include_usage": True},
+            frequency_penalty=frequency_penalty,
+            extra_body={"repetition_penalty": repetition_penalty} if repetition_penalty != 1.0 else None,
         )
         for chunk in stream:
             for delta in _take_chunk(answer, chunk):

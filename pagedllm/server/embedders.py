@@ -93,6 +93,19 @@ class EngineEmbedder:
         return vectors, sum(len(p) for p in prompts)
 
 
+def embedding_model_path(path: str) -> tuple[str, str]:
+    """--embedding-model's folder and the name it is served by ('default': the bundled all-MiniLM-L6-v2); a
+    UserError naming the flag when it is not there (checked before anything loads: the cluster checks it before
+    Ray starts, not in an ingress that would fail over and over)."""
+    if path == "default":
+        from pagedllm.rag.embed import EMBED_MODEL_NAME, embed_model_path
+
+        return embed_model_path(), EMBED_MODEL_NAME
+    if not os.path.isdir(path):
+        raise UserError(f"--embedding-model: {path} is not a folder")
+    return path, os.path.basename(os.path.normpath(path))
+
+
 class SentenceTransformerEmbedder:
     """An encoder model run by sentence-transformers (its own modules: pooling, Normalize), served by the name
     of its folder; `default` is the bundled all-MiniLM-L6-v2 (the one `pagedllm rag` embeds with)."""
@@ -103,14 +116,7 @@ class SentenceTransformerEmbedder:
             from sentence_transformers import SentenceTransformer
         except ImportError:
             raise UserError("--embedding-model: needs sentence-transformers: pip install 'pagedllm[rag]'") from None
-        if path == "default":
-            from pagedllm.rag.embed import EMBED_MODEL_NAME, embed_model_path
-
-            path, name = embed_model_path(), EMBED_MODEL_NAME
-        else:
-            name = os.path.basename(os.path.normpath(path))
-        if not os.path.isdir(path):
-            raise UserError(f"--embedding-model: {path} is not a folder")
+        path, name = embedding_model_path(path)
         self.model = SentenceTransformer(path, device=device)
         self.names = [name]
         self.pooler = read_pooler_config(path)

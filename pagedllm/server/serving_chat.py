@@ -71,8 +71,7 @@ async def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> Prepared:
     model = ctx.check_model(req.model)
     ctx.check_n(req.n)
     mode = req.tool_mode
-    if mode is not None:
-        parser(ctx, mode)  # "auto" without a format to parse is a 400 before anything runs
+    calls = parser(ctx, mode) if mode is not None else None  # "auto" with no format to parse: a 400 up front
     tools = req.tools if mode is not None else None
     args = ChatTemplateArgs(
         req.add_generation_prompt, req.continue_final_message, req.chat_template, req.chat_template_kwargs
@@ -85,6 +84,8 @@ async def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> Prepared:
         return Prepared(model, ids, req.to_sampling_params(max_tokens), state)
     # compiling a schema's grammar to check it takes milliseconds: off the event loop
     params = await asyncio.to_thread(req.to_sampling_params, max_tokens)
+    if calls is not None:
+        calls.adjust_request(params)  # mistral's [TOOL_CALLS] is a special token: kept in the text
     if ctx.reasoning is not None and state != "after" and params.structured_outputs is not None:
         params.structured_outputs.reasoning_end = ctx.reasoning.end  # the thinking is free, the answer held
     return Prepared(model, ids, params, state)

@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from pagedllm.sampling_params import SamplingParams
 from pagedllm.server.protocol import (
     DeltaFunctionCall,
     DeltaMessage,
@@ -68,6 +69,9 @@ class ToolParser(ABC):
     of an "auto" format."""
 
     name = ""
+    # Whether the format's markers are special tokens the answer must keep (vLLM's adjust_request turns
+    # skip_special_tokens off for them): the engine never puts a stop token's text in an answer, so only they show.
+    keeps_special_tokens = False
 
     def __init__(self, mode: ToolMode) -> None:
         self.mode = mode
@@ -79,6 +83,12 @@ class ToolParser(ABC):
     def supports(chat_template: str) -> bool:
         """Whether a chat template asks the model for calls in this format (an "auto" format says yes)."""
         return False
+
+    def adjust_request(self, params: SamplingParams) -> None:
+        """Ready a request's sampling for this format (vLLM's ToolParser.adjust_request): a format whose markers
+        are special tokens has them detokenized."""
+        if self.keeps_special_tokens:
+            params.skip_special_tokens = False
 
     @abstractmethod
     def scan(self, text: str, done: bool) -> Scan:

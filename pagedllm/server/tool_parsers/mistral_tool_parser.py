@@ -18,9 +18,11 @@ class MistralToolParser(ToolParser):
     answer grows, as Hermes' `<tool_call>`). A call is one once its name is whole (in the array: its string; in
     the v11 form: the name followed by `{` or `[ARGS]`), its arguments the raw JSON written, streamed as they
     grow. When the first call breaks before its name the whole answer is content; a later one ends the calls,
-    and text between calls is dropped (vLLM's rule)."""
+    and text between calls is dropped (vLLM's rule). The tag is a special token in Mistral's tokenizers, so a
+    request it parses is detokenized with special tokens kept (`adjust_request`, as vLLM's parser)."""
 
     name = "mistral"
+    keeps_special_tokens = True  # `[TOOL_CALLS]` is a special token in Mistral's tokenizers
 
     @staticmethod
     def supports(chat_template: str) -> bool:

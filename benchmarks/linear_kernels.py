@@ -7,9 +7,9 @@ activations. Kernels (a kernel that cannot run here is left out and said so):
   has it); the weights dequantized from the model;
 - q-f32: pagedllm's C kernel, float32 activations, weights as stored (Q4_1 / Q8_0 for the default GGUF; every
   GGML type: gguf_types.py);
-- q-dot: the same weights with the activations rounded to 16-bit integers per group of 32 (the dot route that
-  decode steps take: integer products, VNNI where the CPU has it);
-- q-amx: pagedllm's AMX kernel, bfloat16 activations, the same stored weights;
+- q-dot: the same weights with the activations rounded to 16-bit integers per group of 32 (the dot route:
+  integer products, VNNI where the CPU has it);
+- q-bf16: pagedllm's bfloat16-activation kernel (AMX, else AVX-512 BF16 vdpbf16ps), the same stored weights;
 - int4pack-bf16 / int4pack-f32: torch's `_weight_int4pack_mm_for_cpu` (groups of 32, scale and zero per group;
   the LM head too), activations in that dtype;
 - int8pack-bf16 / int8pack-f32: torch's `_weight_int8pack_mm` (one scale per row).
@@ -41,7 +41,7 @@ import torch
 
 from pagedllm.model import load_model
 from pagedllm.model.cpu_linear import linear, pack
-from pagedllm.model.quant import QuantWeight, amx_available, qlinear
+from pagedllm.model.quant import QuantWeight, bf16_kernel, qlinear
 
 SHAPES = ["qkv", "o", "gate_up", "down", "lm_head"]
 
@@ -113,8 +113,8 @@ def make_kernel(name: str, weights: dict[str, list[QuantWeight]]):
     if name in ("q-f32", "q-dot"):  # float32 activations, or rounded to 16 bits (the dot route)
         qs = {s: [dataclasses.replace(q, dot=name == "q-dot") for q in ws] for s, ws in weights.items()}
         return torch.float32, {s: [lambda x, q=q: qlinear(x, q) for q in ws] for s, ws in qs.items()}, quant_bytes
-    if name == "q-amx":  # every row count on AMX, whatever the loaded model's measured threshold
-        if not amx_available():
+    if name == "q-bf16":  # every row count on it, whatever the loaded model's measured threshold
+        if bf16_kernel() is None:
             return None
         amx = {s: [dataclasses.replace(q, amx_min_rows=1) for q in ws] for s, ws in weights.items()}
         return torch.bfloat16, {s: [lambda x, q=q: qlinear(x, q) for q in ws] for s, ws in amx.items()}, quant_bytes
@@ -161,7 +161,7 @@ def main() -> int:
     p.add_argument("--model", default=None, help="GGUF file (default: the default model)")
     p.add_argument("--rows", default="1,4,8,16,64,256")
     p.add_argument(
-        "--kernels", default="q-f32,dense-f32,int4pack-f32,int8pack-f32,q-amx,dense-bf16,int4pack-bf16,int8pack-bf16"
+        "--kernels", default="q-f32,dense-f32,int4pack-f32,int8pack-f32,q-bf16,dense-bf16,int4pack-bf16,int8pack-bf16"
     )
     p.add_argument("--repeat", type=int, default=5)
     cpu_target.add_argument(p)
@@ -195,7 +195,9 @@ def main() -> int:
     for dt in ("f32", "bf16"):
         for r in rows:
             cands = {
-                k: v for (k, rr), v in totals.items() if rr == r and (k.endswith(dt) or (dt == "bf16" and k == "q-amx"))
+                k: v
+                for (k, rr), v in totals.items()
+                if rr == r and (k.endswith(dt) or (dt == "bf16" and k == "q-bf16"))
             }
             if cands:
                 best = min(cands, key=cands.get)

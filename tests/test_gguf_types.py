@@ -16,6 +16,7 @@ import ctypes
 
 import numpy as np
 import pytest
+import torch
 from kernel_helpers import needs_kernel
 
 from pagedllm.model import ModelRunner, SeqChunk, cpu_kernel, loader, quant
@@ -93,7 +94,7 @@ def _check_kernel(lib: ctypes.CDLL, w: quant.QuantWeight, ref: np.ndarray, seed:
     want = x.astype(np.float64) @ ref.T.astype(np.float64) + bias
     full = _matmul(lib, x, w, bias)
     tol = 1e-5 * np.abs(want).max()
-    for rows in (1, 3, 17, 64):
+    for rows in (1, 3, 8, 13, 17, 64):  # direct; panel in blocks of 4 + 4, 7 + 6 (AVX-512) ...
         got = _matmul(lib, x[:rows], w, bias)
         np.testing.assert_allclose(got, want[:rows], atol=tol, rtol=0)
         assert np.array_equal(got, full[:rows]), f"{rows} rows differ from the same rows in 64"
@@ -109,6 +110,39 @@ def test_every_type_runs_with_the_files_exact_values(lib, ggml_type):
     w = quant.pack(parts)
     assert w.tiles.numel() == -(-37 // 16) * quant.col_bytes(w.fmt, k)  # Python's layout is the C library's
     _check_kernel(lib, w, ref, ggml_type)
+    _check_bf16_kernel(lib, w, ref, ggml_type)
+
+
+def _bf16(a: np.ndarray) -> np.ndarray:
+    """float32 rounded to bfloat16 (nearest even), as float64."""
+    return torch.from_numpy(np.ascontiguousarray(a, np.float32)).bfloat16().double().numpy()
+
+
+def _check_bf16_kernel(lib: ctypes.CDLL, w: quant.QuantWeight, ref: np.ndarray, seed: int) -> None:
+    """The bfloat16 route (AMX, or vdpbf16ps on AVX-512 BF16): x and the stored weights rounded to bfloat16, sums
+    in float32, so within float32 rounding of a float64 product of the rounded values; a row's result does not
+    depend on the rows beside it in the 16-row tiles of x. A class without either says so (-6)."""
+    rng = np.random.default_rng(seed)
+    x, bias = rng.standard_normal((40, w.k)).astype(np.float32), rng.standard_normal(w.n).astype(np.float32)
+    out = np.empty((40, w.n), np.float32)
+
+    def run(rows: int, dst: np.ndarray, accumulate: int = 0) -> int:
+        args = (x.ctypes.data, w.tiles.data_ptr(), bias.ctypes.data, rows, w.n, w.k, w.k, w.n)
+        return lib.qmm_amx(dst.ctypes.data, *args, quant.FORMATS[w.fmt], accumulate, 2)
+
+    if not lib.qmm_bf16_kind():
+        assert run(40, out) == -6
+        return
+    want = _bf16(x) @ _bf16(ref).T + bias
+    assert run(40, out) == 0
+    np.testing.assert_allclose(out, want, atol=1e-5 * np.abs(want).max(), rtol=0)
+    for rows in (1, 7, 9, 16, 17, 33):
+        got = np.empty((rows, w.n), np.float32)
+        assert run(rows, got) == 0
+        assert np.array_equal(got, out[:rows]), f"{rows} rows differ from the same rows in 40"
+    again = out.copy()
+    assert run(40, again, accumulate=1) == 0
+    assert np.array_equal(again, 2 * out)  # added to the output: out + (the same product + bias)
 
 
 def test_merged_weight_of_mixed_types(lib):
@@ -117,7 +151,9 @@ def test_merged_weight_of_mixed_types(lib):
     raws = [random_blocks(t, n, 512, i) for i, (t, n) in enumerate(pieces)]
     w = quant.pack_merged([from_gguf_blocks(r, t) for r, (t, _) in zip(raws, pieces)])
     assert w is not None and w.fmt == "mixed" and w.n == 117
-    _check_kernel(lib, w, np.concatenate([reference(r, t, 512) for r, (t, _) in zip(raws, pieces)]), 7)
+    ref = np.concatenate([reference(r, t, 512) for r, (t, _) in zip(raws, pieces)])
+    _check_kernel(lib, w, ref, 7)
+    _check_bf16_kernel(lib, w, ref, 7)
     inner_odd = [from_gguf_blocks(random_blocks(t, n, 512, 1), t) for t, n in ((12, 20), (14, 16))]
     assert quant.pack_merged(inner_odd) is None  # a type change inside a block of 16 rows: the caller runs dense
 

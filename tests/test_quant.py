@@ -21,7 +21,7 @@ from pagedllm.engine import EngineConfig
 from pagedllm.errors import UserError
 from pagedllm.model import ModelRunner, SeqChunk, cpu_kernel, load_model, quant
 from pagedllm.model.gguf_quants import from_gguf_blocks
-from pagedllm.model.quant import amx_available, pack, qlinear, qrows, quantize_rtn
+from pagedllm.model.quant import bf16_kernel, pack, qlinear, qrows, quantize_rtn
 
 LIB = cpu_kernel.load()
 pytestmark = needs_kernel  # where a compiler exists, a kernel that fails to build fails these tests
@@ -69,7 +69,7 @@ def test_float32_kernel_rows_do_not_depend_on_the_batch(fmt):
         assert torch.equal(qlinear(x[i : i + 7], w)[0], full[i])
 
 
-@pytest.mark.skipif(not amx_available(), reason="no AMX on this CPU")
+@pytest.mark.skipif(bf16_kernel() is None, reason="no AMX or AVX-512 BF16 on this CPU")
 @pytest.mark.parametrize("fmt", ["q4", "q8"])
 @pytest.mark.parametrize("n,k", [(16, 32), (40, 96), (7, 64), (576, 1536)])
 @pytest.mark.parametrize("rows", [16, 17, 33, 100])
@@ -192,7 +192,7 @@ def test_quantization_flag_and_its_fallback(tiny, monkeypatch, caplog):
     assert "no quantized kernel" in caplog.text
 
 
-@pytest.mark.skipif(not amx_available(), reason="no AMX on this CPU")
+@pytest.mark.skipif(bf16_kernel() is None, reason="no AMX or AVX-512 BF16 on this CPU")
 def test_bfloat16_rows_depend_only_on_the_kernel_class(tiny):
     """--dtype bfloat16: steps of the chosen number of rows or more run their matmuls on AMX with bfloat16 inputs,
     fewer rows the float32 kernel; so a sequence's logits depend on the batch only through which side it falls
@@ -225,13 +225,13 @@ def test_kernel_choice_from_measured_times():
     slow = decide({"q-f32": q, "dense": {1: 0.1, 8: 0.7, 64: 2.0, 256: 8.0}}, "b")
     assert not slow.quantized and slow.kernel_for(1) == slow.kernel_for(256) == "dense"
     amx = {1: 0.4, 8: 0.5, 64: 1.0, 256: 3.0}
-    assert decide({"q-f32": q, "q-amx": amx}, "b").amx_min_rows == 8
-    assert decide({"q-f32": q, "q-amx": {**amx, 8: 0.7}}, "b").amx_min_rows == 64
-    assert decide({"q-f32": q, "q-amx": {**amx, 64: 4.0}}, "b").amx_min_rows == 256  # must win at every larger
-    assert decide({"q-f32": q, "q-amx": {r: 99.0 for r in q}}, "b").amx_min_rows == 0
-    choice = decide({"q-f32": q, "q-amx": amx}, "native build (avx512)")
-    assert [choice.kernel_for(r) for r in (1, 7, 8, 300)] == ["q-f32", "q-f32", "q-amx", "q-amx"]
-    assert "8 rows -> q-amx" in choice.describe() and "native build (avx512)" in choice.describe()
+    assert decide({"q-f32": q, "q-bf16": amx}, "b").amx_min_rows == 8
+    assert decide({"q-f32": q, "q-bf16": {**amx, 8: 0.7}}, "b").amx_min_rows == 64
+    assert decide({"q-f32": q, "q-bf16": {**amx, 64: 4.0}}, "b").amx_min_rows == 256  # must win at every larger
+    assert decide({"q-f32": q, "q-bf16": {r: 99.0 for r in q}}, "b").amx_min_rows == 0
+    choice = decide({"q-f32": q, "q-bf16": amx}, "native build (avx512)")
+    assert [choice.kernel_for(r) for r in (1, 7, 8, 300)] == ["q-f32", "q-f32", "q-bf16", "q-bf16"]
+    assert "8 rows -> q-bf16" in choice.describe() and "native build (avx512)" in choice.describe()
 
 
 def test_kernel_choice_is_kept_and_measured_again_when_unreadable(tmp_path, monkeypatch):

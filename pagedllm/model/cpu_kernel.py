@@ -246,6 +246,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "qmm_amx": [p] * 4 + [i] * 8,
         "qmm_dot": [p] * 4 + [i] * 8,
         "qmm_amx_available": [],
+        "qmm_bf16_kind": [],
         "model_step": [p, p, p, i],
         "kv_quantize_rows": [p, p, i64, i, i],
         "kv_dequantize_rows": [p, p, i64, i, i],

@@ -24,7 +24,7 @@ from pagedllm.model.attention import StepIndex, step_index
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.decoder import CausalLM, DecoderLayer
 from pagedllm.model.linear import Linear
-from pagedllm.model.quant import FORMATS, QuantWeight, amx_available, log_once
+from pagedllm.model.quant import FORMATS, QuantWeight, bf16_kernel, log_once
 
 # the C structures (csrc/model_step.h), read from the header itself; cpu_kernel.load() checks their sizes
 _STRUCTS = cpu_kernel.c_structs("model_step.h")
@@ -132,7 +132,7 @@ class FusedStep:
         m, cfg = self.model, self.model.config
         embed, head = m.embed.quant, _quant(m.lm_head)
         assert embed is not None, "fusable() checked the embedding table is quantized"
-        amx = head.amx_min_rows if m.dtype == torch.bfloat16 and amx_available() else 0
+        amx = head.amx_min_rows if m.dtype == torch.bfloat16 and bf16_kernel() is not None else 0
         return _Model(
             hidden=cfg.hidden_size,
             inter=cfg.intermediate_size,

@@ -1,22 +1,27 @@
 """Which matmul kernel serves which step sizes on this machine: measured once, not assumed.
 
 Why: the fastest kernel depends on the CPU class, the build and the shapes. The quantized kernels beat oneDNN's
-dense float32 on AVX-512 at every row count, but their portable C build (a CPU with no vector path here) can be
-slower than dense; AMX (bfloat16 inputs) beats the float32 kernel only past a row count that differs per CPU.
+dense float32 on AVX-512 at most row counts, but their portable C build (a CPU with no vector path here) can be
+slower than dense; the bfloat16-input kernel (AMX or vdpbf16ps) beats the float32 one only past a row count
+that differs per CPU.
 So on the first load of a model on a machine, each candidate runs the model's own first-layer matmuls (its
-real weights and formats) at a few row counts:
+real weights and formats) at a few row counts, with the caches emptied before each run (in a step every
+layer's weights come from memory; one layer left in the cache would favour dense, 2-8x the bytes):
 - q-f32: the quantized kernel with float32 inputs (the file's exact weight values);
 - q-dot: the same weights with the inputs rounded to 16-bit integers (the dot route that decode-sized steps
   take), where the build has vector code for it;
 - dense: oneDNN over the same weights dequantized to the model's dtype (what `--quantization none` runs);
-- q-amx: the quantized weights on AMX with bfloat16 inputs, where the CPU has it and the dtype is bfloat16.
+- q-bf16: the quantized weights with bfloat16 inputs (AMX, else AVX-512 BF16 dot products: `bf16_kernel()`),
+  where the CPU has one and the dtype is bfloat16.
 and the choice is kept beside the compiled kernels (their file name already names the CPU, compiler, build
 class and sources), keyed by the shapes, formats and dtype, so later loads read it.
 
 What is chosen: the weights stay quantized unless dense is faster for one row than the faster quantized
 kernel (decode of one sequence, where the bytes read decide and which the quantized path exists for); bfloat16
-steps run on AMX from the smallest row count from which AMX is measured faster at every larger one. Dense is
-never kept beside the quantized weights: a second copy of the weights would come out of the KV cache.
+steps run on q-bf16 from the smallest row count from which it is measured faster than the faster of q-f32 and
+q-dot at every larger one. The log line says at which row counts the quantized kernel chosen is still slower
+than dense, and by how much. Dense is never kept beside the quantized weights: a second copy of the weights
+would come out of the KV cache.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ import torch
 
 import pagedllm.model.cpu_kernel as cpu_kernel
 from pagedllm.model.cpu_linear import linear, pack
-from pagedllm.model.quant import QuantWeight, amx_available, qlinear, qrows
+from pagedllm.model.quant import QuantWeight, bf16_kernel, qlinear, qrows
 
 log = logging.getLogger("pagedllm.model")
 
@@ -49,7 +54,7 @@ _told: set[Path | None] = set()  # choices already logged by this process (a swe
 @dataclass(frozen=True)
 class KernelChoice:
     quantized: bool  # keep the weights quantized (False: dequantize to the dense path)
-    amx_min_rows: int  # bfloat16 steps of at least this many rows run on AMX; 0: never
+    amx_min_rows: int  # bfloat16 steps of at least this many rows run on q-bf16 (AMX or vdpbf16ps); 0: never
     ms: dict[str, dict[int, float]]  # candidate -> rows -> ms for one layer's matmuls
     build: str  # the kernels' class and vector path, e.g. "x86-64-v3 (avx2)"
 
@@ -57,7 +62,7 @@ class KernelChoice:
         if not self.quantized:
             return "dense"
         if self.amx_min_rows and rows >= self.amx_min_rows:
-            return "q-amx"
+            return "q-bf16"
         return "q-dot" if "q-dot" in self.ms else "q-f32"
 
     def describe(self) -> str:
@@ -66,39 +71,64 @@ class KernelChoice:
         for r in ROWS:
             times = ", ".join(f"{k} {v[r]:.2f}" for k, v in self.ms.items() if r in v)
             parts.append(f"{r} rows -> {self.kernel_for(r)} ({times} ms)")
-        why = (
-            "weights kept quantized: not slower than dense for one row"
-            if self.quantized
-            else "weights dequantized: dense is faster than this build's quantized kernel for one row"
-        )
-        return f"matmul kernels, {self.build}, measured on the first layer's shapes: {'; '.join(parts)}; {why}"
+        if not self.quantized:
+            why = "weights dequantized: dense is faster than this build's quantized kernel for one row"
+        else:
+            slower = [
+                f"{r} ({self.ms[k][r] / self.ms['dense'][r]:.2f}x)"
+                for r in ROWS
+                if (k := self.kernel_for(r)) in self.ms
+                and "dense" in self.ms
+                and r in self.ms[k]
+                and self.ms[k][r] > self.ms["dense"][r]
+            ]
+            why = "weights kept quantized: " + (
+                f"slower than dense at rows {', '.join(slower)}" if slower else "not slower than dense at any row count"
+            )
+        kind = f", q-bf16 on {bf16_kernel()}" if "q-bf16" in self.ms else ""
+        return f"matmul kernels, {self.build}{kind}, measured on the first layer's shapes: {'; '.join(parts)}; {why}"
 
 
 def decide(ms: dict[str, dict[int, float]], build: str) -> KernelChoice:
     """The choice that the measured times `ms` (candidate -> rows -> ms) call for."""
     quantized = "dense" not in ms or min(ms[k][1] for k in ("q-f32", "q-dot") if k in ms) <= ms["dense"][1]
     amx_min_rows = 0
-    if quantized and "q-amx" in ms:
-        for r in sorted(ms["q-amx"], reverse=True):
-            if ms["q-amx"][r] >= ms["q-f32"][r]:
+    if quantized and "q-bf16" in ms:
+        for r in sorted(ms["q-bf16"], reverse=True):
+            if ms["q-bf16"][r] >= min(ms[k][r] for k in ("q-f32", "q-dot") if k in ms):
                 break
             amx_min_rows = r
     return KernelChoice(quantized, amx_min_rows, ms, build)
 
 
-def _best_ms(fns: list, tries: int) -> float:
-    """The sum over `fns` (one layer's matmuls) of each one's fastest of `tries` runs: a run that another process
-    interrupted (this machine may be shared) is left out instead of deciding the choice."""
-    total = 0.0
+def _cache_bytes() -> int:
+    """Twice the largest CPU cache sysfs names (64 MiB at least, 1 GiB at most): reading that many bytes leaves
+    none of a layer's weights in any cache."""
+    largest = 0
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = f.read_text().strip().upper()
+            largest = max(largest, int(text.rstrip("KMG")) << {"K": 10, "M": 20, "G": 30}.get(text[-1:], 0))
+        except (OSError, ValueError):
+            continue
+    return min(max(2 * largest, 64 << 20), 1 << 30)
+
+
+def _best_ms(fns: list, tries: int, evict: torch.Tensor) -> float:
+    """The fastest of `tries` runs of `fns` (one layer's matmuls) in turn, each run after reading `evict` so that
+    the weights come from memory, as in a step, where every layer's weights are new to the caches (one layer
+    left in the cache favours dense, whose weights are 2-8x the bytes). The fastest: a run that another
+    process interrupted (this machine may be shared) is left out instead of deciding the choice."""
     for fn in fns:
         fn()  # warm-up: first-touch pages, oneDNN primitive creation
-        best = float("inf")
-        for _ in range(tries):
-            t = time.perf_counter()
+    best = float("inf")
+    for _ in range(tries):
+        evict.sum()
+        t = time.perf_counter()
+        for fn in fns:
             fn()
-            best = min(best, time.perf_counter() - t)
-        total += best
-    return total * 1e3
+        best = min(best, time.perf_counter() - t)
+    return best * 1e3
 
 
 def _dense(w: QuantWeight, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -117,19 +147,20 @@ def measure(layer: list[QuantWeight], dtype: torch.dtype, build: str) -> KernelC
     ms: dict[str, dict[int, float]] = {k: {} for k in sorted(_candidates(dtype))}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    evict = torch.zeros(_cache_bytes() // 4)
     try:
         for r in ROWS:
             tries = 5 if r < 64 else 2  # the big steps take milliseconds each: fewer tries keep this well under 1 s
             xs = [torch.randn(r, w.k) for w in layer]
             xd = [x.to(dtype) for x in xs]
-            ms["q-f32"][r] = _best_ms([lambda x=x, w=w: qlinear(x, w) for x, w in zip(xs, layer)], tries)
+            ms["q-f32"][r] = _best_ms([lambda x=x, w=w: qlinear(x, w) for x, w in zip(xs, layer)], tries, evict)
             ms["dense"][r] = _best_ms(
-                [lambda x=x, d=d, p=p: linear(x, d, packed=p) for x, (d, p) in zip(xd, dense)], tries
+                [lambda x=x, d=d, p=p: linear(x, d, packed=p) for x, (d, p) in zip(xd, dense)], tries, evict
             )
-            if "q-amx" in ms:
-                ms["q-amx"][r] = _best_ms([lambda x=x, w=w: qlinear(x, w) for x, w in zip(xd, amx)], tries)
+            if "q-bf16" in ms:
+                ms["q-bf16"][r] = _best_ms([lambda x=x, w=w: qlinear(x, w) for x, w in zip(xd, amx)], tries, evict)
             if "q-dot" in ms:
-                ms["q-dot"][r] = _best_ms([lambda x=x, w=w: qlinear(x, w) for x, w in zip(xs, dot)], tries)
+                ms["q-dot"][r] = _best_ms([lambda x=x, w=w: qlinear(x, w) for x, w in zip(xs, dot)], tries, evict)
     finally:
         torch.set_num_threads(threads)
     return decide(ms, build)
@@ -143,7 +174,7 @@ def _cache_file(layer: list[QuantWeight], dtype: torch.dtype) -> Path | None:
     return lib_path.with_name(f"{lib_path.stem}.choice-{hashlib.sha256(key.encode()).hexdigest()[:12]}.json")
 
 
-CANDIDATES = ("q-f32", "dense", "q-amx", "q-dot")
+CANDIDATES = ("q-f32", "dense", "q-bf16", "q-dot")
 MAX_FILE_BYTES = 1 << 16  # a kept choice is a few hundred bytes; more is not one of ours
 MAX_MS = 3.6e6  # an hour for one layer's matmuls: a time beyond it was not measured
 
@@ -160,7 +191,7 @@ def _candidates(dtype: torch.dtype) -> set[str]:
     dot = lib is not None and cpu_kernel.isa(lib)["dot"] != "portable"
     return (
         {"q-f32", "dense"}
-        | ({"q-amx"} if dtype == torch.bfloat16 and amx_available() else set())
+        | ({"q-bf16"} if dtype == torch.bfloat16 and bf16_kernel() is not None else set())
         | ({"q-dot"} if dot else set())
     )
 

@@ -179,7 +179,7 @@ class QuantWeight:
     k: int
     tiles: torch.Tensor  # uint8: [ceil(n/16), column block bytes], or a mixed weight's table and blocks
     source: str
-    amx_min_rows: int = 0  # bfloat16 inputs of at least this many rows run on AMX (kernel_choice.py); 0: never
+    amx_min_rows: int = 0  # bf16 inputs of at least this many rows run on bf16_kernel() (kernel_choice.py); 0: never
     dot: bool = False  # inputs rounded to 16-bit integers per group of 32 (the dot route), at every row count
 
     @property
@@ -236,6 +236,14 @@ def amx_available() -> bool:
     return lib is not None and bool(lib.qmm_amx_available())
 
 
+@lru_cache(maxsize=1)
+def bf16_kernel() -> str | None:
+    """Which bfloat16-input kernel runs here: "amx", "avx512-bf16" (vdpbf16ps dot products: twice the float32
+    FMA's multiply-adds an instruction, on Zen 4 and later without AMX) or None (the build has neither)."""
+    lib = cpu_kernel.load()
+    return None if lib is None else {2: "amx", 1: "avx512-bf16"}.get(int(lib.qmm_bf16_kind()))
+
+
 def qlinear(
     x: torch.Tensor,
     w: QuantWeight,
@@ -246,13 +254,13 @@ def qlinear(
     """x [..., K] @ w.T (+ bias); the result in x's dtype. With `w.dot`, x is rounded to 16 bits per group
     of 32 and multiplied as integers (the dot route: decode at the memory's speed, and faster than the float32
     route at every row count measured); otherwise float32 activations take the float32 kernel (exact weights,
-    sums in a fixed order). bfloat16 ones take AMX from `w.amx_min_rows` rows on where the CPU has it. Either
-    way a row's result does not depend on the other rows. `out` (float32, contiguous rows) is written in place, or
-    added to with `accumulate`."""
+    sums in a fixed order). bfloat16 activations take bf16_kernel() (AMX, or AVX-512 BF16) from
+    `w.amx_min_rows` rows on where the CPU has one. A row's result does not depend on the other rows except
+    across that threshold. `out` (float32, contiguous rows) is written in place, or added to with `accumulate`."""
     lead = x.shape[:-1]
     xf = x.reshape(-1, w.k)
     m = xf.shape[0]
-    amx = x.dtype == torch.bfloat16 and 0 < w.amx_min_rows <= m and amx_available()
+    amx = x.dtype == torch.bfloat16 and 0 < w.amx_min_rows <= m and bf16_kernel() is not None
     dot = w.dot and not amx
     if xf.dtype != torch.float32 or xf.stride(-1) != 1:
         xf = xf.float().contiguous()

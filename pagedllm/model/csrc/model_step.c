@@ -14,8 +14,8 @@
  * decode attention, through the same code. Every token is therefore computed the same way whatever else is in
  * the step and however its prompt was chunked: with the float32 kernels a sequence's result does not depend on
  * the batch, bit for bit. Activations are float32; the KV cache float32 or bfloat16. With `amx_min_rows` > 0
- * (--dtype bfloat16 on an AMX CPU) matmuls of at least that many rows round their inputs to bfloat16 and run
- * on AMX: faster for many rows, and then the batch does change a sequence's numbers.
+ * (--dtype bfloat16 on a CPU with AMX or AVX-512 BF16) matmuls of at least that many rows round their inputs to
+ * bfloat16 and run on AMX or vdpbf16ps: faster for many rows, and then the batch does change a sequence's numbers.
  *
  * Numerics follow transformers' float32 path (RMSNorm as x * rsqrt(mean(x^2) + eps) * w, rotate-half RoPE
  * from the same float32 cos/sin tables, silu(g) * u); matmuls sum in the kernels' fixed order.
@@ -474,7 +474,7 @@ static int run(const StepModel *m, const StepLayer *layers, const StepBatch *b, 
 int model_step(const StepModel *m, const StepLayer *layers, const StepBatch *b, int num_threads) {
     const int T = b->T, E = m->hidden, I = m->inter, HD = m->heads * m->head_dim;
     const int QKV = (m->heads + 2 * m->kv_heads) * m->head_dim, K = E > I ? (E > HD ? E : HD) : (I > HD ? I : HD);
-    const int amx = m->amx_min_rows > 0 && T >= m->amx_min_rows && qmm_amx_available() ? m->amx_min_rows : 0;
+    const int amx = m->amx_min_rows > 0 && T >= m->amx_min_rows && qmm_bf16_kind() ? m->amx_min_rows : 0;
     const int64_t per_row = 2 * (int64_t)E + QKV + HD + 3 * (int64_t)I;
     float *mem = malloc((size_t)T * per_row * sizeof(float));
     int64_t *ctx = malloc((size_t)T * sizeof(int64_t));

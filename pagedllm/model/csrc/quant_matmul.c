@@ -89,6 +89,15 @@ typedef int32_t vi __attribute__((vector_size(4 * VW)));
 static inline vf ldu(const float *p) { return *(const vfu *)p; }
 static inline void stu(float *p, vf v) { *(vfu *)p = v; }
 static inline vf tof(vi x) { return __builtin_convertvector(x, vf); }
+/* A load kept in a register: for a block of few rows GCC would fold the load into every FMA that uses it, and
+ * reloading the same panel vector once per row makes the micro-kernel wait on loads instead of FMAs. */
+static inline vf ldr(const float *p) {
+    vf v = ldu(p);
+#if defined(__AVX512F__) || defined(__AVX2__)
+    __asm__("" : "+v"(v));
+#endif
+    return v;
+}
 
 #if defined(__AVX512F__)
 static inline vf pairx(const float *x) { return (vf)_mm512_castpd_ps(_mm512_set1_pd(*(const double *)x)); }
@@ -332,7 +341,7 @@ static inline __attribute__((always_inline)) void block_panel(const QMatmul *a, 
     for (int j = 0; j < 16 * a->G; j += P) {
 #pragma GCC unroll 2
         for (int p = 0; p < P; p++) {
-            const vf w[2] = {ldu(panel + 32 * (j + p) + 2 * VW * hv), ldu(panel + 32 * (j + p) + 2 * VW * hv + VW)};
+            const vf w[2] = {ldr(panel + 32 * (j + p) + 2 * VW * hv), ldr(panel + 32 * (j + p) + 2 * VW * hv + VW)};
             fma_rows(a, acc, m0, nr, 2 * (j + p), p, w, 2);
         }
     }
@@ -389,9 +398,13 @@ static inline __attribute__((always_inline)) void dequant_group(const uint8_t *c
         }                                                                                                      \
     }
 
+/* The panel route's row blocks: at most PR rows each, sized evenly (8 rows: 4 + 4, not 6 + 2: a block of few
+ * rows does little arithmetic per panel load). */
 static void panel_rows(const QMatmul *a, const float *panel, int cb) {
-    for (int m0 = 0; m0 < a->M; m0 += PR)
-        for (int hv = 0; hv < NV / 2 && 16 * cb + VW * hv < a->N; hv++) switch (a->M - m0 < PR ? a->M - m0 : PR) {
+    const int blocks = (a->M + PR - 1) / PR;
+    for (int b = 0, m0 = 0; b < blocks; b++) {
+        const int nr = a->M / blocks + (b < a->M % blocks);
+        for (int hv = 0; hv < NV / 2 && 16 * cb + VW * hv < a->N; hv++) switch (nr) {
             case 1: block_panel(a, panel, m0, 1, cb, hv); break;
             case 2: block_panel(a, panel, m0, 2, cb, hv); break;
             case 3: block_panel(a, panel, m0, 3, cb, hv); break;
@@ -399,6 +412,8 @@ static void panel_rows(const QMatmul *a, const float *panel, int cb) {
             case 5: block_panel(a, panel, m0, 5, cb, hv); break;
             default: block_panel(a, panel, m0, PR, cb, hv); break;
             }
+        m0 += nr;
+    }
 }
 
 /* One column block for all M rows: direct for a few rows, through a dequantized panel for many. */
@@ -762,17 +777,103 @@ int qmm_dot(float *out, const float *x, const uint8_t *w, const float *bias, int
 }
 
 
-/* ---- bfloat16 x quantized weights on AMX (Sapphire Rapids and later) ------------------------------------------
- * For steps of many rows the matmul is bound by arithmetic, not by the weights' bytes: AMX multiplies 16 x 32
- * bfloat16 tiles at many times the AVX-512 float32 rate. A tile of our layout is exactly an AMX B tile once
- * each row is converted to bfloat16, so a column block is dequantized once into [G][16][32] bfloat16 (one B
- * tile per group) and multiplied with every 16-row tile of x. The weights round to bfloat16 here, as they do
- * in a dense bfloat16 model; this path serves only --dtype bfloat16. */
-#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
+/* ---- bfloat16 x quantized weights: AMX (Sapphire Rapids and later), else AVX-512 BF16 dot products --------
+ * For steps of many rows the matmul is bound by arithmetic, not by the weights' bytes. AMX multiplies 16 x 32
+ * bfloat16 tiles at many times the AVX-512 float32 rate; without AMX, AVX-512 BF16's vdpbf16ps (Zen 4 and
+ * later, Cooper Lake) still does two multiply-adds a lane per instruction, twice the float32 FMA. A tile of our
+ * layout is exactly an AMX B tile once each row is converted to bfloat16, and each of its rows is one vdpbf16ps
+ * operand (lane c: column c's k pair), so a column block is dequantized once into [G][16][32] bfloat16 and
+ * multiplied with every row of x. The weights round to bfloat16 here, as they do in a dense bfloat16 model;
+ * this route serves only --dtype bfloat16, from the row count that kernel_choice.py measures it faster. */
+#if defined(__AVX512BF16__)
 #include <immintrin.h>
+#if defined(__AMX_BF16__)
 #include <sys/syscall.h>
 #include <unistd.h>
+#endif
 
+static void dequant_bf16(const uint8_t *w, int wfmt, int G, int cb, uint16_t *dst) {
+    int fmt;
+    const uint8_t *col = column(w, wfmt, G, cb, &fmt);
+    float group[512];
+    for (int g = 0; g < G; g++) {
+        EACH_FORMAT(fmt, DEQUANT_GROUP, col, g, group)
+        for (int r = 0; r < 16; r++)
+            _mm512_storeu_si512(dst + ((int64_t)g * 16 + r) * 32, (__m512i)_mm512_cvtne2ps_pbh(
+                                    _mm512_loadu_ps(group + 32 * r + 16), _mm512_loadu_ps(group + 32 * r)));
+    }
+}
+
+/* Row m of an output's 16 columns of block cb: + bias, written or added to (a clipped last block masked). */
+static inline void store_cols(const QMatmulBf16 *a, int m, int cb, __m512 v) {
+    const int n_valid = a->N - 16 * cb < 16 ? a->N - 16 * cb : 16;
+    const __mmask16 mask = (__mmask16)((1u << n_valid) - 1);
+    float *o = a->out + (int64_t)m * a->ldo + 16 * cb;
+    if (a->bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, a->bias + 16 * cb));
+    if (a->accumulate) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, o));
+    _mm512_mask_storeu_ps(o, mask, v);
+}
+
+/* nr (<= 8) rows m0.. of one 16-row tile of x against column blocks cb0 (and cb0 + 1 with `two`), from their
+ * bfloat16 panels `bb`: a lane sums its column's k pairs in k order, whatever the block (batch invariance). The
+ * rows of x lie 64 bytes apart in their tile, so one base register serves all of them. */
+static inline __attribute__((always_inline)) void dot_block(const QMatmulBf16 *a, const uint16_t *bb, int m0,
+                                                            const int nr, int cb0, const int two) {
+    const int G = a->G;
+    const uint32_t *xr = (const uint32_t *)(a->xb + (int64_t)(m0 / 16) * G * 512 + (m0 % 16) * 32);
+    __m512 acc[2][8];
+#pragma GCC unroll 8
+    for (int i = 0; i < nr; i++) acc[0][i] = acc[1][i] = _mm512_setzero_ps();
+    for (int g = 0; g < G; g++, xr += 256)
+        for (int r = 0; r < 16; r++) {
+            const __m512bh w0 = (__m512bh)_mm512_loadu_si512(bb + ((int64_t)g * 16 + r) * 32);
+            const __m512bh w1 = (__m512bh)_mm512_loadu_si512(bb + ((int64_t)(G + g) * 16 + r) * 32);
+#pragma GCC unroll 8
+            for (int i = 0; i < nr; i++) {
+                const __m512bh x = (__m512bh)_mm512_set1_epi32((int)xr[16 * i + r]);
+                acc[0][i] = _mm512_dpbf16_ps(acc[0][i], w0, x);
+                if (two) acc[1][i] = _mm512_dpbf16_ps(acc[1][i], w1, x);
+            }
+        }
+#pragma GCC unroll 8
+    for (int i = 0; i < nr; i++) {
+        store_cols(a, m0 + i, cb0, acc[0][i]);
+        if (two) store_cols(a, m0 + i, cb0 + 1, acc[1][i]);
+    }
+}
+
+#define DOT_BLOCK(n)                                                                                            \
+    case n: two ? dot_block(a, bbuf, m0, n, cb0, 1) : dot_block(a, bbuf, m0, n, cb0, 0); break;
+
+/* Column blocks 2p and 2p + 1 for all rows with vdpbf16ps: each 16-row tile of x in two blocks of <= 8 rows. */
+static void dot_pair(const QMatmulBf16 *a, int p, uint16_t *bbuf) {
+    const int NB = (a->N + 15) / 16, cb0 = 2 * p, two = cb0 + 1 < NB;
+    dequant_bf16(a->w, a->fmt, a->G, cb0, bbuf);
+    if (two) dequant_bf16(a->w, a->fmt, a->G, cb0 + 1, bbuf + (int64_t)a->G * 512);
+    for (int t0 = 0; t0 < a->M; t0 += 16) {
+        const int rows = a->M - t0 < 16 ? a->M - t0 : 16, blocks = (rows + 7) / 8;
+        for (int b = 0, m0 = t0; b < blocks; b++) {
+            const int nr = rows / blocks + (b < rows % blocks);
+            switch (nr) {
+                DOT_BLOCK(1) DOT_BLOCK(2) DOT_BLOCK(3) DOT_BLOCK(4) DOT_BLOCK(5) DOT_BLOCK(6) DOT_BLOCK(7)
+            default: two ? dot_block(a, bbuf, m0, 8, cb0, 1) : dot_block(a, bbuf, m0, 8, cb0, 0); break;
+            }
+            m0 += nr;
+        }
+    }
+}
+
+/* Row m of x (float32, K = 32 G) as bfloat16, rounded to nearest even, into xb laid out as AMX A tiles:
+ * [m / 16][G][m % 16][32], so that every tile is 1 KB in one piece. */
+void qmm_amx_convert_row(uint16_t *xb, const float *x, int m, int G) {
+    uint16_t *dst = xb + (int64_t)(m / 16) * G * 512 + (m % 16) * 32;
+    for (int g = 0; g < G; g++)
+        _mm512_storeu_si512(dst + (int64_t)g * 512, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 32 * g + 16),
+                                                                                 _mm512_loadu_ps(x + 32 * g)));
+}
+#endif
+
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
 typedef struct {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
@@ -789,37 +890,22 @@ int qmm_amx_available(void) {
  * does not see that ldtilecfg reads its operand and drops stores to a local one. */
 static const TileConfig TILES = {1, 0, {0}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
 
-/* Configures the calling thread's tiles (per thread: call in each thread of a parallel region). */
-void qmm_amx_begin(void) { _tile_loadconfig(&TILES); }
+/* Configures the calling thread's tiles (per thread: call in each thread of a parallel region); nothing where
+ * the bfloat16 route runs on dot products. */
+void qmm_amx_begin(void) {
+    if (qmm_amx_available()) _tile_loadconfig(&TILES);
+}
 
-void qmm_amx_end(void) { _tile_release(); }
-
-static void dequant_bf16(const uint8_t *w, int wfmt, int G, int cb, uint16_t *dst) {
-    int fmt;
-    const uint8_t *col = column(w, wfmt, G, cb, &fmt);
-    float group[512];
-    for (int g = 0; g < G; g++) {
-        EACH_FORMAT(fmt, DEQUANT_GROUP, col, g, group)
-        for (int r = 0; r < 16; r++)
-            _mm512_storeu_si512(dst + ((int64_t)g * 16 + r) * 32, (__m512i)_mm512_cvtne2ps_pbh(
-                                    _mm512_loadu_ps(group + 32 * r + 16), _mm512_loadu_ps(group + 32 * r)));
-    }
+void qmm_amx_end(void) {
+    if (qmm_amx_available()) _tile_release();
 }
 
 static void store_tile(const QMatmulBf16 *a, int m0, int cb, float tile[16][16]) {
-    const int n_valid = a->N - 16 * cb < 16 ? a->N - 16 * cb : 16;
-    const __mmask16 mask = (__mmask16)((1u << n_valid) - 1);
-    const __m512 bias = a->bias ? _mm512_maskz_loadu_ps(mask, a->bias + 16 * cb) : _mm512_setzero_ps();
-    for (int i = 0; i < 16 && m0 + i < a->M; i++) {
-        float *o = a->out + (int64_t)(m0 + i) * a->ldo + 16 * cb;
-        __m512 v = _mm512_add_ps(_mm512_loadu_ps(tile[i]), bias);
-        if (a->accumulate) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, o));
-        _mm512_mask_storeu_ps(o, mask, v);
-    }
+    for (int i = 0; i < 16 && m0 + i < a->M; i++) store_cols(a, m0 + i, cb, _mm512_loadu_ps(tile[i]));
 }
 
 /* Column blocks 2p and 2p+1 for all rows; `bbuf` holds 2 * G * 512 bfloat16. Tiles must be configured. */
-void qmm_amx_pair(const QMatmulBf16 *a, int p, uint16_t *bbuf) {
+static void amx_pair(const QMatmulBf16 *a, int p, uint16_t *bbuf) {
     const int NB = (a->N + 15) / 16, cb0 = 2 * p, has1 = cb0 + 1 < NB, G = a->G;
     dequant_bf16(a->w, a->fmt, G, cb0, bbuf);
     if (has1) dequant_bf16(a->w, a->fmt, G, cb0 + 1, bbuf + (int64_t)G * 512);
@@ -861,29 +947,47 @@ void qmm_amx_pair(const QMatmulBf16 *a, int p, uint16_t *bbuf) {
         }
     }
 }
-
-/* Row m of x (float32, K = 32 G) as bfloat16, rounded to nearest even, into xb laid out as AMX A tiles:
- * [m / 16][G][m % 16][32], so that every tile is 1 KB in one piece. */
-void qmm_amx_convert_row(uint16_t *xb, const float *x, int m, int G) {
-    uint16_t *dst = xb + (int64_t)(m / 16) * G * 512 + (m % 16) * 32;
-    for (int g = 0; g < G; g++)
-        _mm512_storeu_si512(dst + (int64_t)g * 512, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 32 * g + 16),
-                                                                                 _mm512_loadu_ps(x + 32 * g)));
-}
 #else
 int qmm_amx_available(void) { return 0; }
 void qmm_amx_begin(void) {}
 void qmm_amx_end(void) {}
-void qmm_amx_pair(const QMatmulBf16 *a, int p, uint16_t *bbuf) { (void)a, (void)p, (void)bbuf; }
+#endif
+
+/* Which bfloat16 route this build and CPU have: 2 AMX, 1 AVX-512 BF16 dot products, 0 none. */
+int qmm_bf16_kind(void) {
+#if defined(__AVX512BF16__)
+    return qmm_amx_available() ? 2 : 1;
+#else
+    return 0;
+#endif
+}
+
+/* Column blocks 2p and 2p + 1 for all rows of a bfloat16 product, on AMX where the tiles are granted (and
+ * configured: qmm_amx_begin), else on dot products; nothing in a build without AVX-512 BF16. */
+void qmm_amx_pair(const QMatmulBf16 *a, int p, uint16_t *bbuf) {
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
+    if (qmm_amx_available()) {
+        amx_pair(a, p, bbuf);
+        return;
+    }
+#endif
+#if defined(__AVX512BF16__)
+    dot_pair(a, p, bbuf);
+#else
+    (void)a, (void)p, (void)bbuf;
+#endif
+}
+
+#if !defined(__AVX512BF16__)
 void qmm_amx_convert_row(uint16_t *xb, const float *x, int m, int G) { (void)xb, (void)x, (void)m, (void)G; }
 #endif
 
-/* out[M, N] (+)= x[M, K] @ W^T on AMX with x rounded to bfloat16. Returns 0, -1 (out of memory), -2 (bad
- * sizes) or -6 (no AMX here). */
+/* out[M, N] (+)= x[M, K] @ W^T with x rounded to bfloat16, on AMX or AVX-512 BF16 (qmm_bf16_kind). Returns 0,
+ * -1 (out of memory), -2 (bad sizes) or -6 (neither here). */
 int qmm_amx(float *out, const float *x, const uint8_t *w, const float *bias, int M, int N, int K, int ldx, int ldo,
             int fmt, int accumulate, int num_threads) {
     if (bad_sizes(M, N, K, ldx, ldo, fmt)) return -2;
-    if (!qmm_amx_available()) return -6;
+    if (!qmm_bf16_kind()) return -6;
     const int64_t m_pad = (M + 15) / 16 * 16; /* whole tiles of rows; the extra rows are zeros */
     uint16_t *xb = calloc((size_t)m_pad * K, sizeof(uint16_t));
     if (!xb) return -1;

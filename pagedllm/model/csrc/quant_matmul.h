@@ -44,8 +44,11 @@ typedef struct { /* rows of x rounded to 16-bit integers per group of 32 (the do
 /* Bytes of one column block (16 output features) of a weight with K = 32 G inputs; 0 for a format without a
  * fixed size (mixed) or a G it cannot take (the K formats need G % 8 == 0). */
 int64_t qcol_bytes(int fmt, int G);
-/* AMX: 1 where this CPU and kernel allow it; begin/end configure and release the tiles of the calling thread. */
+/* AMX: 1 where this CPU and kernel allow it; begin/end configure and release the tiles of the calling thread
+ * (nothing without AMX). The bfloat16 route: 2 on AMX, 1 on AVX-512 BF16 dot products, 0 none; qmm_amx_pair
+ * runs whichever there is. */
 int qmm_amx_available(void);
+int qmm_bf16_kind(void);
 void qmm_amx_begin(void);
 void qmm_amx_end(void);
 void qmm_amx_pair(const QMatmulBf16 *a, int p, uint16_t *bbuf);

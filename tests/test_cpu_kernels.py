@@ -80,8 +80,8 @@ def kernel_calls(monkeypatch):
 
 @needs_kernel
 @pytest.mark.parametrize("head_dim", [64, 128, 32, 20])
-@pytest.mark.parametrize("kv_heads,group", [(1, 1), (3, 3), (2, 4)])
-@pytest.mark.parametrize("block_size", [16, 5])
+@pytest.mark.parametrize("kv_heads,group", [(1, 1), (3, 3), (2, 4), (1, 6)])
+@pytest.mark.parametrize("block_size", [16, 5, 24])
 def test_decode_kernel_matches_torch_backend(head_dim, kv_heads, group, block_size, kernel_calls):
     q, k, v, kc, vc, meta = _case(9, kv_heads, group, head_dim, block_size, [1] * 9, torch.float32, head_dim)
     ref = TorchPagedAttention().forward(q, k, v, kc.clone(), vc.clone(), meta)

@@ -166,15 +166,19 @@ def test_fused_step_matches_the_torch_path(tiny, kv_dtype):
         fused.execute([SeqChunk([10**6], 0, [1])])
 
 
-def test_fused_float32_is_batch_invariant_bit_for_bit(tiny):
-    """A sequence's logits do not depend on its neighbours or on how its prompt was chunked."""
+@pytest.mark.parametrize("block_size,kv_dtype", [(8, torch.float32), (32, torch.float32), (32, torch.bfloat16)])
+def test_fused_float32_is_batch_invariant_bit_for_bit(tiny, block_size, kv_dtype):
+    """A sequence's logits do not depend on its neighbours or on how its prompt was chunked. With blocks of 32,
+    attention reads whole groups of 16 rows, with a bfloat16 cache widened once per block for a chunk's tile."""
     folder, _ = tiny
-    runner = ModelRunner(load_model(folder, "float32", verbose=False, quantization="int4"), 40, 8)
+    loaded = load_model(folder, "float32", verbose=False, quantization="int4")
+    runner = ModelRunner(loaded, 40, block_size, kv_dtype)
     rng = random.Random(9)
     seq, other = [rng.randrange(3, 256) for _ in range(30)], [rng.randrange(3, 256) for _ in range(50)]
-    alone = all_logits(runner, [SeqChunk(seq, 0, list(range(4)))])[0]
-    first = all_logits(runner, [SeqChunk(other, 0, list(range(10, 17))), SeqChunk(seq[:11], 0, list(range(20, 24)))])
-    second = all_logits(runner, [SeqChunk(seq[11:], 11, list(range(20, 24))), SeqChunk([3], 50, list(range(10, 17)))])
+    t = [list(range(k, k + 7)) for k in (0, 10, 20, 30)]
+    alone = all_logits(runner, [SeqChunk(seq, 0, t[0])])[0]
+    first = all_logits(runner, [SeqChunk(other, 0, t[1]), SeqChunk(seq[:11], 0, t[2])])
+    second = all_logits(runner, [SeqChunk(seq[11:], 11, t[2]), SeqChunk([3], 50, t[1])])
     assert torch.equal(torch.cat([first[1], second[0]]), alone)
 
 

@@ -29,8 +29,8 @@ static inline int64_t window_start(const Args *a, int64_t ctx) {
     return a->window > 0 && ctx > a->window ? ctx - a->window : 0;
 }
 
-/* Sequence s, query heads h0..h1-1 of its nq queries; scores: nq * H * (context + nq - 1) floats, buf:
- * block_size * KVH * D floats. */
+/* Sequence s, query heads h0..h1-1 of its nq queries; scores: nq * H * (context + nq - 1 + 16) floats (each
+ * row has room for a whole group of rows past its end), buf: block_size * KVH * D floats. */
 void paged_attention_heads(const Args *a, int s, int h0, int h1, float *scores, float *buf);
 /* x (D floats) rotated in place by the normalized Walsh-Hadamard transform over each block of P values, P the
  * largest power of two dividing D: its own inverse. A quantized cache stores keys and values rotated, so the

@@ -70,8 +70,9 @@ class LLMEngine:
         """`loaded` reuses weights already in memory (several engines side by side in a benchmark or test)."""
         self.config = config = config or EngineConfig()
         device = resolve_device(config.device) if loaded is None else loaded.device
-        q = {"quantization": config.quantization, "quantized_activations": config.quantized_activations}
-        self.loaded = loaded or load_model(config.model, config.dtype, device, **q)
+        self.loaded = loaded or load_model(
+            config.model, config.dtype, device, True, config.quantization, None, config.quantized_activations
+        )
         self.tokenizer = self.loaded.tokenizer
         self.model_config = cfg = self.loaded.config
         logger.info("loaded %s (%s, %s) in %.1f s", cfg.name, self.loaded.dtype, device, self.loaded.load_seconds)

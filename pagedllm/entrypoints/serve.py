@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     if args.rag_index:
         from pagedllm.rag import RagPipeline
 
-        rag = RagPipeline(args.rag_index, top_k=args.rag_top_k, layout=args.rag_layout)
+        rag = RagPipeline(args.rag_index, top_k=args.rag_top_k, layout=args.rag_layout, kv_blend=args.rag_kv_blend)
     names = served_names(args)
     print(f"pagedllm serve: loading {args.model or DEFAULT_SERVED_NAME} ...", file=sys.stderr, flush=True)
     embedders = load_embedders(args)  # before the generator: a bad path fails in seconds, not after its load

@@ -21,7 +21,8 @@ class RagPipeline:
 
     popularity: "memory" (per pipeline object, the default), "persist" (read/written as popularity.json in the
     index folder) or a Popularity instance. kv_blend: the server's RAG route marks each retrieved passage as a
-    reusable segment (engine/blend.py), so a passage's KV is reused in any order (the default: on).
+    reusable segment (engine/blend.py), so a passage's KV is reused in any order (default: off, as the server's
+    --rag-kv-blend: an approximation of full prefill).
     """
 
     def __init__(
@@ -31,7 +32,7 @@ class RagPipeline:
         layout: str = "canonical",
         popularity: str | Popularity = "memory",
         embedding_url: str | None = None,
-        kv_blend: bool = True,
+        kv_blend: bool = False,
     ):
         if layout not in LAYOUTS:
             from pagedllm.errors import UserError

@@ -411,15 +411,16 @@ class AsyncLLMEngine:
             error = UserError(f"request id {op.request_id!r} is already in use")
         else:
             try:
-                self.engine.add_request(
-                    op.request_id,
-                    op.prompt,
-                    op.params,
-                    op.cache_salt,
-                    priority=op.priority,
-                    kv_segments=op.kv_segments,
-                    kv_blend_recompute=op.kv_blend_recompute,
-                )
+                args = (op.request_id, op.prompt, op.params, op.cache_salt)
+                if op.kv_segments is None:  # kv_blend passed only when asked for: other engines stay usable
+                    self.engine.add_request(*args, priority=op.priority)
+                else:
+                    self.engine.add_request(
+                        *args,
+                        priority=op.priority,
+                        kv_segments=op.kv_segments,
+                        kv_blend_recompute=op.kv_blend_recompute,
+                    )
             except Exception as e:  # noqa: BLE001 - UserError for bad input; anything else is the caller's to see too
                 error = e
         if error is None:

@@ -67,7 +67,7 @@ class RagBenchConfig:
     kv_blend: str | None = None
     """measure passage KV reuse instead of the layouts: comma-separated recompute ratios, e.g.
     0,0.05,0.15,0.3,1.0, each against prefix caching alone on the same prompts, with the passages in --order
-    (rag/blend_bench.py; default: off)"""
+    (docs/benchmarks.md; default: off)"""
     order: Literal["shuffle", "new-front"] = "shuffle"
     """with --kv-blend: the retrieved passages shuffled per request, or in canonical order behind one passage the
     question did not retrieve (default: shuffle)"""

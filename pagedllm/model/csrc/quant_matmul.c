@@ -502,20 +502,75 @@ static inline int dot_fmt(int fmt) {
     return fmt == QFMT_Q4 || fmt == QFMT_Q40 || fmt == QFMT_Q8 || fmt == QFMT_Q8M || fmt == QFMT_K4M || fmt == QFMT_K6;
 }
 
+/* One group of 32 inputs rounded with the factor inv: codes, and the sums of each half. In vectors where the build
+ * has them (a scalar loop costs ~3.5 ns an input: at 64 rows that was a sixth of the 135M model's decode step),
+ * with the scalar loop's exact results: round half to even, NaN to 0, clamped to +-32767. */
+static inline void round_group(int16_t *q, int32_t *s, const float *x, float inv) {
+#if defined(__AVX512F__)
+    const __m512 f = _mm512_set1_ps(inv), lim = _mm512_set1_ps(32767.0f);
+    for (int h = 0; h < 2; h++) {
+        __m512 v = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(x + 16 * h), f),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        v = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, v, _CMP_ORD_Q), v);
+        const __m512i c = _mm512_cvtps_epi32(_mm512_max_ps(_mm512_min_ps(v, lim), -lim));
+        _mm256_storeu_si256((__m256i *)(q + 16 * h), _mm512_cvtepi32_epi16(c));
+        s[h] = _mm512_reduce_add_epi32(c);
+    }
+#elif defined(__AVX2__)
+    const __m256 f = _mm256_set1_ps(inv), lim = _mm256_set1_ps(32767.0f), nlim = _mm256_set1_ps(-32767.0f);
+    for (int h = 0; h < 2; h++) {
+        __m256i c[2];
+        for (int j = 0; j < 2; j++) {
+            __m256 v = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + 16 * h + 8 * j), f),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            v = _mm256_and_ps(v, _mm256_cmp_ps(v, v, _CMP_ORD_Q));
+            c[j] = _mm256_cvtps_epi32(_mm256_max_ps(_mm256_min_ps(v, lim), nlim));
+        }
+        const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(c[0], c[1]), 0xD8);
+        _mm256_storeu_si256((__m256i *)(q + 16 * h), w);
+        __m256i t = _mm256_add_epi32(c[0], c[1]);
+        __m128i u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+        u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0x4E));
+        s[h] = _mm_cvtsi128_si32(_mm_add_epi32(u, _mm_shuffle_epi32(u, 0xB1)));
+    }
+#else
+    s[0] = s[1] = 0;
+    for (int k = 0; k < 32; k++) {
+        float v = nearbyintf(x[k] * inv);
+        v = v == v ? (v > 32767.0f ? 32767.0f : v < -32767.0f ? -32767.0f : v) : 0.0f;
+        q[k] = (int16_t)v;
+        s[k / 16] += (int16_t)v;
+    }
+#endif
+}
+
+/* The largest |x| of a group of 32, NaN left out. */
+static inline float group_amax(const float *x) {
+#if defined(__AVX512F__)
+    const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(x)), b = _mm512_abs_ps(_mm512_loadu_ps(x + 16));
+    /* max_ps returns its second operand where either is NaN: the running max, never the NaN */
+    return _mm512_reduce_max_ps(_mm512_max_ps(a, _mm512_max_ps(b, _mm512_setzero_ps())));
+#elif defined(__AVX2__)
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 m = _mm256_setzero_ps();
+    for (int j = 0; j < 4; j++) m = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + 8 * j)), m);
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+#else
+    float amax = 0.0f;
+    for (int k = 0; k < 32; k++) amax = fabsf(x[k]) > amax ? fabsf(x[k]) : amax;
+    return amax;
+#endif
+}
+
 /* Row x [K] to 16-bit integers per group of 32. */
 void qdot_quantize_row(int16_t *q, float *d, int32_t *s, const float *x, int K) {
     for (int g = 0; g < K / 32; g++) {
-        float amax = 0.0f;
-        for (int k = 0; k < 32; k++) amax = fabsf(x[32 * g + k]) > amax ? fabsf(x[32 * g + k]) : amax;
+        const float amax = group_amax(x + 32 * g);
         const float inv = amax > 0.0f && amax <= 3.0e38f ? 32767.0f / amax : 0.0f;
         d[g] = inv > 0.0f ? amax / 32767.0f : 0.0f;
-        s[2 * g] = s[2 * g + 1] = 0;
-        for (int k = 0; k < 32; k++) {
-            float v = nearbyintf(x[32 * g + k] * inv);
-            v = v == v ? (v > 32767.0f ? 32767.0f : v < -32767.0f ? -32767.0f : v) : 0.0f;
-            q[32 * g + k] = (int16_t)v;
-            s[2 * g + k / 16] += (int16_t)v;
-        }
+        round_group(q + 32 * g, s + 2 * g, x + 32 * g, inv);
     }
 }
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -354,7 +355,9 @@ def row(a, kind: str, gguf: str, res: dict) -> str:
     cells = [f"{a.shape} {kind} ({mib:,.0f} MiB; pagedllm: {p['quantization']})"]
     cells += [os.environ.get("PAGEDLLM_CPU_TARGET", "native")]
     cells += [f"{p['decode_tok_s']:.1f}", f"{ll['decode_tok_s']:.1f}" if ll else "-"]
-    cells += [f"**{p['decode_tok_s'] / ll['decode_tok_s']:.2f}x**" if ll else "-"]
+    ratio = statistics.median(res["round_ratios"]) if "round_ratios" in res else None
+    ratio = ratio or (p["decode_tok_s"] / ll["decode_tok_s"] if ll else None)
+    cells += [f"**{ratio:.2f}x**" if ratio else "-"]
     cells += [f"{p['ttft_ms']:,.0f} / {ll['ttft_ms']:,.0f}" if ll else f"{p['ttft_ms']:,.0f}"]
     cells += [f"{p['ready_s']:.1f} / {ll['ready_s']:.1f}" if ll else f"{p['ready_s']:.1f}"]
     w1s = f"{res['w1']:.1f}" if "w1" in res else "-"
@@ -373,6 +376,27 @@ HEADER = (
 )
 
 
+def paired_rounds(gguf: str, kind: str, a, tmp: str) -> dict:
+    """W2 of each system on one file, --rounds times in turn (pagedllm, llama.cpp, pagedllm, ...): the host's
+    bandwidth drifts between minutes, so a ratio is taken within each round and the median round reported
+    (per system: each figure's median over the rounds; memory from the first round)."""
+    systems = [s for s in ("pagedllm", "llamacpp") if s not in a.skip.split(",")]
+    rounds: dict[str, list[dict]] = {s: [] for s in systems}
+    for i in range(a.rounds):
+        for system in systems:
+            print(f"== {system} {a.shape} {kind}, round {i + 1}, load {os.getloadavg()[0]:.2f}", flush=True)
+            rounds[system].append(one_request(system, gguf, a, tmp))
+    res = {s: {**r[0], **{k: statistics.median(x[k] for x in r) for k in MEDIANS}} for s, r in rounds.items()}
+    if len(systems) == 2 and a.rounds > 1:
+        ratios = [p["decode_tok_s"] / ll["decode_tok_s"] for p, ll in zip(rounds["pagedllm"], rounds["llamacpp"])]
+        res["round_ratios"] = ratios
+        print(f"decode ratio per round: {' '.join(f'{r:.2f}x' for r in ratios)}", flush=True)
+    return res
+
+
+MEDIANS = ("decode_tok_s", "ttft_ms", "ready_s")
+
+
 def run(a) -> None:
     from linear_kernels import cpu_line
 
@@ -381,11 +405,7 @@ def run(a) -> None:
         for kind in a.types.split(","):
             gguf = model_file(a.dir, a.shape, kind)
             before = os.getloadavg()[0]
-            res: dict = {}
-            for system in ("pagedllm", "llamacpp"):
-                if system not in a.skip.split(","):
-                    print(f"== {system} {a.shape} {kind}, load {os.getloadavg()[0]:.2f}", flush=True)
-                    res[system] = one_request(system, gguf, a, tmp)
+            res = paired_rounds(gguf, kind, a, tmp)
             if a.w1_prompts:
                 res["w1"] = w1(gguf, a, tmp)
                 if "vllm" not in a.skip.split(","):
@@ -414,6 +434,7 @@ def main() -> int:
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--repeat", type=int, default=2, help="measured requests after one warm-up")
+    p.add_argument("--rounds", type=int, default=1, help="W2 of both systems this many times in turn (median)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-cache-memory", default="default", help="pagedllm's, in bytes (default: its own default)")
     p.add_argument(

@@ -284,3 +284,83 @@ def test_max_tokens_zero_scores_the_prompt_and_prompt_logprobs_agree_with_decodi
     generated = [gen.logprobs[j][t] for j, t in enumerate(gen.token_ids)]
     assert torch.allclose(torch.tensor(scored), torch.tensor(generated), atol=1e-4)
     assert_all_blocks_free(engine)
+
+
+# ---- kv_blend (reused passages) through the same faults -------------------------------------------------
+
+
+def blend_prompt(order: list[int], seed: int = 3) -> tuple[list[int], list[tuple[int, int]]]:
+    """A system prompt, three passages of 40-70 random tokens in `order`, a question; the passages' spans."""
+    rng = random.Random(seed)
+    system, question = [rng.randrange(300, 4000) for _ in range(12)], [rng.randrange(300, 4000) for _ in range(9)]
+    passages = [[rng.randrange(300, 4000) for _ in range(40 + 15 * i)] for i in range(3)]
+    ids, spans = list(system), []
+    for i in order:
+        spans.append((len(ids), len(ids) + len(passages[i])))
+        ids += passages[i]
+    return ids + question, spans
+
+
+def run_blend(engine, rid: str, order: list[int]):
+    ids, spans = blend_prompt(order)
+    engine.add_request(rid, ids, GREEDY, kv_segments=spans, kv_blend_recompute=0.0)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished and out.request_id == rid:
+                return out
+    raise AssertionError("the request never finished")
+
+
+def test_a_blend_step_that_fails_is_retried_and_stores_only_what_it_wrote(model_fp32, monkeypatch):
+    """The step that computes (and then stores) a request's passages fails once: the retry stores them, and a
+    reordered prompt that copies them gets what it gets on an engine that never failed."""
+    fresh = make_engine(model_fp32, speculative_config=None)
+    want = [run_blend(fresh, "a", [0, 1, 2]), run_blend(fresh, "b", [2, 0, 1])]
+    engine = make_engine(model_fp32, speculative_config=None)
+    fail_forward(monkeypatch, engine, lambda ids, call: call == 0)
+    got = [run_blend(engine, "a", [0, 1, 2]), run_blend(engine, "b", [2, 0, 1])]
+    assert got[1].num_blend_tokens == want[1].num_blend_tokens > 0
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert all(o.outputs[0].finish_reason == "length" for o in got)
+    assert_all_blocks_free(engine)
+    assert not any(engine.kv.req_segments.values())
+
+
+def test_ctrl_c_in_a_blend_prefill_stores_no_passage_and_leaks_nothing(model_fp32, monkeypatch):
+    """Ctrl-C in the first forward of a request whose passages are new, then its abort: no block, hold or stored
+    passage is left, so the next prompt with those passages computes them (copies none) and gets a fresh
+    engine's answer."""
+    fresh = run_blend(make_engine(model_fp32, speculative_config=None), "b", [2, 0, 1])
+    engine = make_engine(model_fp32, speculative_config=None)
+    fail_forward(monkeypatch, engine, lambda ids, call: call == 0, KeyboardInterrupt())
+    ids, spans = blend_prompt([0, 1, 2])
+    engine.add_request("a", ids, GREEDY, kv_segments=spans, kv_blend_recompute=0.0)
+    with pytest.raises(KeyboardInterrupt):
+        while engine.has_unfinished_requests():
+            engine.step()
+    engine.abort_request("a")
+    assert_all_blocks_free(engine)
+    assert not any(engine.kv.req_segments.values())
+    after = run_blend(engine, "b", [2, 0, 1])
+    assert after.num_blend_tokens == 0
+    assert after.outputs[0].token_ids == fresh.outputs[0].token_ids
+
+
+def test_passages_on_disk_from_another_kv_dtype_are_never_copied(model_fp32, tmp_path):
+    """The disk tier holds passages stored by an engine with a float32 KV cache; an int8 engine on the same
+    folder copies none of them (it computes, and answers as a fresh int8 engine does), while a restarted
+    float32 engine copies them all."""
+    first = make_engine(model_fp32, speculative_config=None, kv_offload_dir=str(tmp_path))
+    run_blend(first, "a", [0, 1, 2])
+    in_ram = run_blend(first, "b", [2, 0, 1])
+    first.disk_tier.flush()
+    other = make_engine(model_fp32, speculative_config=None, kv_offload_dir=str(tmp_path), kv_cache_dtype="int8")
+    got = run_blend(other, "b", [2, 0, 1])
+    fresh = run_blend(make_engine(model_fp32, speculative_config=None, kv_cache_dtype="int8"), "b", [2, 0, 1])
+    assert got.num_blend_tokens == 0 and got.outputs[0].token_ids == fresh.outputs[0].token_ids
+    same = make_engine(model_fp32, speculative_config=None, kv_offload_dir=str(tmp_path))
+    again = run_blend(same, "b", [2, 0, 1])
+    assert again.num_blend_tokens == in_ram.num_blend_tokens > 0
+    assert again.outputs[0].token_ids == in_ram.outputs[0].token_ids
+    for e in (first, other, same):
+        assert_all_blocks_free(e)

@@ -472,3 +472,40 @@ def test_one_failing_request_fails_alone(model_fp32, monkeypatch, inject):
         assert_error(failed, 500, contains=["injected"])
         assert [r.json()["choices"][0]["text"] for r in served] == alone
         assert_serving(s)
+
+
+def test_a_cut_kv_blend_stream_frees_its_blocks_and_passage_holds(fault_server):
+    """A kv_blend request that copies stored passages, its stream cut while it runs: the abort returns its blocks
+    and the holds on the passages it copied from, and the same passages are then served again from the store."""
+    passages = [[2000 + 100 * i + j for j in range(40)] for i in range(3)]
+
+    def prompt(order):
+        ids, spans = [11, 12, 13], []
+        for i in order:
+            spans.append([len(ids), len(ids) + 40])
+            ids += passages[i]
+        return ids + [17, 18], spans
+
+    a, spans_a = prompt([0, 1, 2])
+    r = complete(fault_server, prompt=a, temperature=0, kv_blend={"segments": spans_a, "recompute": 0.0})
+    assert r.status_code == 200, r.text
+    b, spans_b = prompt([2, 0, 1])
+    body = {"prompt": b, "max_tokens": 60, "ignore_eos": True, "stream": True, "temperature": 0}
+    body["kv_blend"] = {"segments": spans_b, "recompute": 0.0}
+    core = fault_server.engine.engine  # the LLMEngine; read between requests, when its thread is idle
+    with StepHold(fault_server.engine) as hold:
+        hold.allow(12)  # the prompt's compute spans (one step each, its copies between them) and a few tokens
+        with httpx.Client(base_url=fault_server.base, headers={**AUTH, "X-Request-Id": "cut-blend"}, timeout=60) as c:
+            with c.stream("POST", "/v1/completions", json=body) as resp:
+                assert resp.status_code == 200
+                for line in resp.iter_lines():
+                    if line.startswith("data: "):
+                        break  # the client is gone with 50 tokens or more to go
+        hold.wait_abort("cmpl-cut-blend")
+    assert_pool_whole(fault_server)
+    assert not any(core.kv.req_segments.values())
+    before = core.prompt_tokens
+    again = complete(fault_server, prompt=b, temperature=0, kv_blend={"segments": spans_b, "recompute": 0.0})
+    assert again.status_code == 200, again.text
+    assert core.prompt_tokens - before < len(b) - 64  # the passages' full blocks copied, not computed
+    assert_serving(fault_server)

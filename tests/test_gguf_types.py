@@ -180,7 +180,7 @@ def rounded_16(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def test_the_dot_route_is_the_weights_times_the_rounded_activations(lib, ggml_type):
     """16-bit activations: the result is the file's exact weights times x as rounded (a float64 reference), so
     within half a step of each group's scale of the float32 route, for 1-11 rows on every class; a row does not
-    depend on the batch (passes of 8, 4 and fewer rows). The types the route does not run take the float32
+    depend on the batch (passes of 4 and fewer rows). The types the route does not run take the float32
     direct route, bit for bit."""
     k = 512 if block_shape(ggml_type)[0] == 256 else 96
     raw = random_blocks(ggml_type, 37, k, ggml_type)

@@ -550,7 +550,7 @@ static inline hv plane_words(const uint8_t *body, int r) {
 
 #if defined(__AVX512BW__)
 typedef __m512i iv;
-#define QR 8 /* rows of x per pass over a column block (32 registers: 16 integer and 8 float accumulators) */
+#define QR 4 /* rows of x per pass over a column block */
 static inline iv dot16(iv acc, iv w, iv x) {
 #ifdef __AVX512VNNI__
     return _mm512_dpwssd_epi32(acc, w, x);

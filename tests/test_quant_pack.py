@@ -36,9 +36,9 @@ def _body(parts: quant.QuantParts, nb: int) -> np.ndarray:
         high = (u >> 4).reshape(nb, k // 32, 16, 32).astype(np.uint64) << np.arange(32, dtype=np.uint64)
         words = np.bitwise_or.reduce(high, axis=-1).astype("<u4")
         body.append(words.view(np.uint8).reshape(nb, k // 32, -1))
-    elif bits == 2:  # per row 8 bytes; byte j: low nibbles of bytes j, j + 8 in bits 0-3, high nibbles in 4-7
-        h = (u >> 4).reshape(nb, k // 32, 16, 2, 16)  # [.., row, low/high nibble, byte of the row]
-        plane = h[..., 0, :8] | h[..., 0, 8:] << 2 | h[..., 1, :8] << 4 | h[..., 1, 8:] << 6
+    elif bits == 2:  # per row pair 16 bytes; byte j: its low nibble's bits in rows r, r + 1, then the high's
+        h = (u >> 4).reshape(nb, k // 32, 8, 2, 2, 16)  # [.., row pair, row of the pair, low/high nibble, byte]
+        plane = h[..., 0, 0, :] | h[..., 1, 0, :] << 2 | h[..., 0, 1, :] << 4 | h[..., 1, 1, :] << 6
         body.append(plane.astype(np.uint8).reshape(nb, k // 32, -1))
     return np.concatenate(body, axis=-1)
 

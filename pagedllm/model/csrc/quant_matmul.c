@@ -14,9 +14,11 @@
  * 2r + 1 of every column, i.e. the VNNI order of an AMX bfloat16 B tile. Bodies:
  *   nibbles (Q4, Q40, K4M): 16 bytes a row; byte j: low nibble = column j/2, high nibble = column 8 + j/2, both
  *       at k = 2r + j%2; the 5- and 6-bit formats (Q5, Q5M, K5M, K6) add a plane of the bits above the nibble
- *       after the nibbles: per row a 32-bit (or 64-bit) word, bit e (bits 2e, 2e + 1) for the row's value e in
- *       the order of bytes below; their codes are stored with an offset that makes them unsigned (Q5: 16,
- *       K6: 32, and Q40's 4-bit codes: 8), taken off again in registers;
+ *       after the nibbles: 1 bit (Q5, Q5M, K5M) per row a 32-bit word, bit e for the row's value e in the
+ *       order of the nibbles (the 16 low, then the 16 high); 2 bits (K6) per row pair (r even, r + 1) 16
+ *       bytes, byte j the high bits of nibble byte j: row r's low nibble in bits 0-1, row r + 1's in 2-3, row
+ *       r's high nibble in 4-5, row r + 1's in 6-7; their codes are stored with an offset that makes them
+ *       unsigned (Q5: 16, K6: 32, and Q40's 4-bit codes: 8), taken off again in registers;
  *   bytes (Q8, Q8M, K8M, K8): 32 bytes a row; byte e = column e/2 at k = 2r + e%2;
  *   halves (F16, BF16): 32 16-bit values a row in the order of bytes.
  * Scales before the body: Q4 / Q8M / Q5M d[16], m[16] float16; Q8 / Q5 / Q40 d[16]; F16 / BF16 none. The K formats group 8
@@ -230,10 +232,10 @@ static inline __attribute__((always_inline)) Scales tile_scales(const uint8_t *c
 }
 
 /* The bits above the nibbles of vector v's codes in row r, minus the format's offset. 1-bit plane: row r's
- * 32-bit word holds bit e for the row's value e = VW v + lane. 2-bit plane (K6): row r's 8 bytes; byte j
- * (0..7) holds the high bits of nibble byte j's low nibble in bits 0-1, of byte j + 8's low nibble in bits
- * 2-3, and of the same bytes' high nibbles in bits 4-5 and 6-7: a layout the integer route (below) widens
- * to one 16-bit word per nibble byte with a shift and a mask. */
+ * 32-bit word holds bit e for the row's value e = VW v + lane. 2-bit plane (K6): 16 bytes per row pair (r even,
+ * r + 1); byte j holds the high bits of nibble byte j's low nibble in row r in bits 0-1, in row r + 1 in bits
+ * 2-3, and of the same bytes' high nibbles in bits 4-5 and 6-7: a layout the integer route (below) widens once
+ * for both rows of a pair, row r + 1's bits two places above row r's. */
 static inline vi high_bits(const uint8_t *body, const int fmt, int r, int v) {
     vi iota;
     for (int l = 0; l < VW; l++) iota[l] = l;
@@ -243,13 +245,8 @@ static inline vi high_bits(const uint8_t *body, const int fmt, int r, int v) {
         return ((((vi){0} + (int32_t)(word >> (VW * v))) >> iota & 1) << 4) - offset(fmt);
     }
     if (plane(fmt) == 2) {
-        uint8_t dup[16]; /* the row's 8 bytes twice: lane l of byte j = base + l reads byte j % 8 */
-        memcpy(dup, body + 256 + 8 * r, 8);
-        memcpy(dup + 8, body + 256 + 8 * r, 8);
-        const int base = VW * (v % (NV / 2)), high = v >= NV / 2;
-        vi shift;
-        for (int l = 0; l < VW; l++) shift[l] = 2 * (base + l >= 8) + 4 * high;
-        return (((u8v(dup + base % 8) >> shift) & 3) << 4) - offset(fmt);
+        const vi bits = u8v(body + 256 + 16 * (r / 2) + VW * (v % (NV / 2)));
+        return (((bits >> (2 * (r % 2) + 4 * (v >= NV / 2))) & 3) << 4) - offset(fmt);
     }
     return (vi){0} - offset(fmt);
 }
@@ -589,13 +586,17 @@ static inline hv hdot(hv acc, hv w, hv x) { return _mm256_add_epi32(acc, _mm256_
 static inline hv nib_words(const uint8_t *body, int r) {
     return _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(body + 16 * r)));
 }
-/* Row r's K6 plane as 16 words, word j holding byte j's high bits in bits 0-1 (low nibble) and 4-5 (high). */
+/* The K6 plane of row pair r / 2 as 16 words, word j holding nibble byte j's high bits: row r's in bits 0-1
+ * (low nibble) and 4-5 (high), row r + 1's in bits 2-3 and 6-7. One load and widen serves both rows. */
 static inline hv plane_words(const uint8_t *body, int r) {
-    const __m128i p = _mm_loadl_epi64((const __m128i *)(body + 256 + 8 * r));
-    return _mm256_cvtepu8_epi16(_mm_unpacklo_epi64(p, _mm_srli_epi16(p, 2)));
+    return _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(body + 256 + 16 * (r / 2))));
 }
 #define HAND(a, b) _mm256_and_si256(a, _mm256_set1_epi16(b))
-#define HOR _mm256_or_si256
+#if defined(__AVX512VL__) /* bits of a where mask m is set, else of b */
+#define HSEL(m, a, b) _mm256_ternarylogic_epi32(_mm256_set1_epi16((short)(m)), a, b, 0xCA)
+#else
+#define HSEL(m, a, b) _mm256_or_si256(HAND(a, m), _mm256_andnot_si256(_mm256_set1_epi16((short)(m)), b))
+#endif
 #define HSRL _mm256_srli_epi16
 #define HSLL _mm256_slli_epi16
 #define HZERO _mm256_setzero_si256
@@ -622,6 +623,7 @@ static inline void nib_cols(hv lo, hv hi, vi out[1]) {
     out[0] = (vi)_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
 }
 #define IZERO _mm512_setzero_si512
+#define IADD _mm512_add_epi32
 #define ISET1 _mm512_set1_epi32
 #elif defined(__AVX2__) && defined(__F16C__) && !defined(__AVX512F__)
 typedef __m256i iv;
@@ -637,24 +639,39 @@ static inline void nib_cols(hv lo, hv hi, vi out[2]) {
     out[1] = (vi)hi;
 }
 #define IZERO _mm256_setzero_si256
+#define IADD _mm256_add_epi32
 #define ISET1 _mm256_set1_epi32
 #else
 #define QR 1
 #endif
+#if defined(__AVX512BW__) /* independent accumulators of one row's sums, over the rows of x of a pass */
+#define PH 4
+#else
+#define PH 2 /* 16 registers */
+#endif
 
-/* The scales of group g (half h) as out += A S + B: per column a dx and b dx sx, 16 / VW vectors each. */
-static inline __attribute__((always_inline)) void dot_scales(const uint8_t *col, const uint8_t *tile, int g, int h,
-                                                             const int fmt, float dx, int32_t sx, vf A[16 / VW],
-                                                             vf B[16 / VW]) {
+/* The scales of group g (half h) as out += (a dx) S + b (dx sx), a and b per column (16 / VW vectors each): a
+ * and b, the weights' part, once per group for all rows of x; a K format's float16 super-block scales D (and
+ * M) converted once per super-block (`Head`, at g % 8 == 0). */
+typedef struct {
+    vf d[16 / VW], m[16 / VW];
+} Head;
+static inline __attribute__((always_inline)) void head_scales(const uint8_t *col, const int fmt, int g, Head *hd) {
+    const uint8_t *head = head_at(col, fmt, g);
+    for (int c = 0; c < 16 / VW; c++) {
+        hd->d[c] = f16v(head + 2 * VW * c);
+        hd->m[c] = has_min(fmt) ? f16v(head + 32 + 2 * VW * c) : (vf){0};
+    }
+}
+static inline __attribute__((always_inline)) void dot_scales(const Head *hd, const uint8_t *tile, int h,
+                                                             const int fmt, vf a[16 / VW], vf b[16 / VW]) {
     for (int c = 0; c < 16 / VW; c++) {
         if (kfmt(fmt)) {
-            const uint8_t *head = head_at(col, fmt, g);
-            A[c] = f16v(head + 2 * VW * c) * tof(s8v(tile + 16 * h + VW * c)) * dx;
-            B[c] = has_min(fmt) ? -(f16v(head + 32 + 2 * VW * c) * tof(u8v(tile + 16 + VW * c))) * (dx * (float)sx)
-                                : (vf){0};
+            a[c] = hd->d[c] * tof(s8v(tile + 16 * h + VW * c));
+            b[c] = has_min(fmt) ? -(hd->m[c] * tof(u8v(tile + 16 + VW * c))) : (vf){0};
         } else {
-            A[c] = f16v(tile + 2 * VW * c) * dx;
-            B[c] = has_min(fmt) ? f16v(tile + 32 + 2 * VW * c) * (dx * (float)sx) : (vf){0};
+            a[c] = f16v(tile + 2 * VW * c);
+            b[c] = has_min(fmt) ? f16v(tile + 32 + 2 * VW * c) : (vf){0};
         }
     }
 }
@@ -666,59 +683,78 @@ static inline __attribute__((always_inline)) void block_dot(const QMatmul *a, co
     vf F[QR][16 / VW];
     for (int i = 0; i < nr; i++)
         for (int c = 0; c < 16 / VW; c++) F[i][c] = (vf){0};
-    const int G = a->G, parts = halves(fmt);
+    /* ph accumulators a row of x, for rows r % ph: with few rows the chain of dependent dot products, not
+     * their count, would bound the speed (their integer sums are exact in any order) */
+    const int G = a->G, parts = halves(fmt), ph = nr >= PH ? 1 : PH / nr;
+    Head hd;
     for (int g = 0; g < G; g++) {
         const uint8_t *tile = tile_at(col, fmt, g), *body = tile + scale_bytes(fmt);
+        if (kfmt(fmt) && g % 8 == 0) head_scales(col, fmt, g, &hd);
         const int32_t *pairs[QR];
         for (int i = 0; i < nr; i++) pairs[i] = (const int32_t *)(xq->q + (int64_t)(m0 + i) * a->G * 32 + 32 * g);
+#pragma GCC unroll 2
         for (int h = 0; h < parts; h++) {
             vi S[QR][16 / VW];
             if (nibbles(fmt)) {
-                hv lo[QR], hi[QR];
-                for (int i = 0; i < nr; i++) lo[i] = hi[i] = HZERO();
-#pragma GCC unroll 8
-                for (int r = 16 / parts * h; r < 16 / parts * (h + 1); r++) {
-                    /* 4-bit codes: the byte itself (low + 16 high) against x, and the high nibble: the low
-                     * nibbles' sum is their difference (below), without masking each row */
+                hv lo[QR][PH], hi[QR][PH];
+                for (int i = 0; i < nr; i++)
+                    for (int p = 0; p < ph; p++) lo[i][p] = hi[i][p] = HZERO();
+#pragma GCC unroll 16
+                for (int rr = 0; rr < 16 / parts; rr++) { /* bounds known to the compiler: unrolled whole */
+                    const int r = 16 / parts * h + rr;
+                    /* 4-bit codes: the byte itself (low + 16 high) against x, and 16 times the high nibble
+                     * (the byte masked, no shift): the low nibbles' sum is their difference (below). K6: the
+                     * same with the 6-bit codes, lo + 16 hi (the byte plus its high bits put at 4-5 and 8-9)
+                     * and 16 hi (the byte's high nibble and the high bits at 8-9) */
                     const hv w = nib_words(body, r);
-                    hv wl = w, wh = HSRL(w, 4);
+                    hv wl = w, wh = HAND(w, 0xF0);
                     if (plane(fmt) == 2) {
-                        const hv p = plane_words(body, r);
-                        wl = HOR(HAND(w, 15), HAND(HSLL(p, 4), 0x30));
-                        wh = HOR(wh, HAND(p, 0x30));
+                        const hv pw = plane_words(body, r), q = rr % 2 ? HSLL(HSRL(pw, 2), 4) : HSLL(pw, 4);
+                        wl = _mm256_add_epi16(w, HAND(q, 0x330));
+                        wh = HSEL(0xFCF0, w, q); /* q is 0 at bits 0-3, w at 10-15 */
                     }
                     for (int i = 0; i < nr; i++) {
                         const hv xp = HSET1(pairs[i][r]);
-                        lo[i] = hdot(lo[i], wl, xp);
-                        hi[i] = hdot(hi[i], wh, xp);
+                        lo[i][rr % ph] = hdot(lo[i][rr % ph], wl, xp);
+                        hi[i][rr % ph] = hdot(hi[i][rr % ph], wh, xp);
                     }
                 }
-                if (plane(fmt) != 2)
-                    for (int i = 0; i < nr; i++) lo[i] = _mm256_sub_epi32(lo[i], _mm256_slli_epi32(hi[i], 4));
-                for (int i = 0; i < nr; i++) nib_cols(lo[i], hi[i], S[i]);
+                for (int i = 0; i < nr; i++) {
+                    for (int p = 1; p < ph; p++) {
+                        lo[i][0] = _mm256_add_epi32(lo[i][0], lo[i][p]);
+                        hi[i][0] = _mm256_add_epi32(hi[i][0], hi[i][p]);
+                    }
+                    nib_cols(_mm256_sub_epi32(lo[i][0], hi[i][0]), _mm256_srai_epi32(hi[i][0], 4), S[i]);
+                }
             } else {
-                iv acc[QR][BV];
+                iv acc[QR][PH][BV];
                 for (int i = 0; i < nr; i++)
-                    for (int v = 0; v < BV; v++) acc[i][v] = IZERO();
+                    for (int p = 0; p < ph; p++)
+                        for (int v = 0; v < BV; v++) acc[i][p][v] = IZERO();
 #pragma GCC unroll 16
                 for (int r = 0; r < 16; r++) {
                     iv w[BV];
                     byte_words(body, r, w);
                     for (int i = 0; i < nr; i++) {
                         const iv xp = ISET1(pairs[i][r]);
-                        for (int v = 0; v < BV; v++) acc[i][v] = dot16(acc[i][v], w[v], xp);
+                        for (int v = 0; v < BV; v++) acc[i][r % ph][v] = dot16(acc[i][r % ph][v], w[v], xp);
                     }
                 }
                 for (int i = 0; i < nr; i++)
-                    for (int v = 0; v < BV; v++) S[i][v] = (vi)acc[i][v];
+                    for (int v = 0; v < BV; v++) {
+                        for (int p = 1; p < ph; p++) acc[i][0][v] = IADD(acc[i][0][v], acc[i][p][v]);
+                        S[i][v] = (vi)acc[i][0][v];
+                    }
             }
+            vf wa[16 / VW], wb[16 / VW];
+            dot_scales(&hd, tile, h, fmt, wa, wb);
             for (int i = 0; i < nr; i++) {
                 const int64_t m = m0 + i;
                 const int32_t *s = xq->s + m * 2 * G + 2 * g;
                 const int32_t sx = parts == 2 ? s[h] : s[0] + s[1];
-                vf A[16 / VW], B[16 / VW];
-                dot_scales(col, tile, g, h, fmt, xq->d[m * G + g], sx, A, B);
-                for (int c = 0; c < 16 / VW; c++) F[i][c] += tof(S[i][c] - offset(fmt) * sx) * A[c] + B[c];
+                const float dx = xq->d[m * G + g];
+                for (int c = 0; c < 16 / VW; c++)
+                    F[i][c] += tof(S[i][c] - offset(fmt) * sx) * (wa[c] * dx) + wb[c] * (dx * (float)sx);
             }
         }
     }
@@ -734,14 +770,18 @@ static inline __attribute__((always_inline)) void block_dot(const QMatmul *a, co
     }
 }
 
+/* Passes of QR rows, then of 4 (QR 8), then of what is left: a row's sums do not depend on its pass. */
 #define DOT_ROWS(fmt, a, xq, col, cb)                                                                           \
-    for (int m0 = 0; m0 < (a)->M; m0 += QR) {                                                                  \
-        switch ((a)->M - m0 < QR ? (a)->M - m0 : QR) {                                                         \
+    for (int m0 = 0, n; (n = (a)->M - m0) > 0;) {                                                              \
+        n = n >= QR ? QR : n >= 4 ? 4 : n;                                                                     \
+        switch (n) {                                                                                           \
         case 1: block_dot(a, xq, col, m0, fmt, 1, cb); break;                                                  \
         case 2: block_dot(a, xq, col, m0, fmt, 2 < QR ? 2 : QR, cb); break;                                    \
         case 3: block_dot(a, xq, col, m0, fmt, 3 < QR ? 3 : QR, cb); break;                                    \
+        case 4: block_dot(a, xq, col, m0, fmt, 4 < QR ? 4 : QR, cb); break;                                    \
         default: block_dot(a, xq, col, m0, fmt, QR, cb); break;                                                \
         }                                                                                                      \
+        m0 += n;                                                                                               \
     }
 #define EACH_DOT_FORMAT(fmt, fn, ...)                                                                          \
     switch (fmt) {                                                                                             \
@@ -759,26 +799,29 @@ static int code_at(const uint8_t *body, int fmt, int c, int k) {
     if (!nibbles(fmt)) return (int8_t)body[32 * r + 2 * c + k % 2];
     const int nib = c < 8 ? body[16 * r + j] & 15 : body[16 * r + j] >> 4;
     if (plane(fmt) != 2) return nib;
-    const int pb = body[256 + 8 * r + j % 8] >> (2 * (j >= 8) + 4 * (c >= 8));
+    const int pb = body[256 + 16 * (r / 2) + j] >> (2 * (r % 2) + 4 * (c >= 8));
     return nib | (pb & 3) << 4;
 }
 static void block_dot_portable(const QMatmul *a, const XQ16 *xq, const uint8_t *col, int m, int fmt, int cb) {
     float F[16] = {0};
     const int G = a->G, parts = halves(fmt);
+    Head hd;
     for (int g = 0; g < G; g++) {
         const uint8_t *tile = tile_at(col, fmt, g), *body = tile + scale_bytes(fmt);
+        if (kfmt(fmt) && g % 8 == 0) head_scales(col, fmt, g, &hd);
         const int16_t *x = xq->q + (int64_t)m * G * 32 + 32 * g;
         for (int h = 0; h < parts; h++) {
             const int32_t *s = xq->s + (int64_t)m * 2 * G + 2 * g, sx = parts == 2 ? s[h] : s[0] + s[1];
+            const float dx = xq->d[(int64_t)m * G + g];
             vf A[16 / VW], B[16 / VW];
-            dot_scales(col, tile, g, h, fmt, xq->d[(int64_t)m * G + g], sx, A, B);
+            dot_scales(&hd, tile, h, fmt, A, B);
             float a16[16], b16[16];
             memcpy(a16, A, sizeof a16);
             memcpy(b16, B, sizeof b16);
             for (int c = 0; c < 16; c++) {
                 int32_t S = 0;
                 for (int k = 32 / parts * h; k < 32 / parts * (h + 1); k++) S += code_at(body, fmt, c, k) * x[k];
-                F[c] += (float)(S - offset(fmt) * sx) * a16[c] + b16[c];
+                F[c] += (float)(S - offset(fmt) * sx) * (a16[c] * dx) + b16[c] * (dx * (float)sx);
             }
         }
     }

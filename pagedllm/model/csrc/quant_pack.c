@@ -71,12 +71,12 @@ static uint8_t *body(uint8_t *o, const uint8_t *codes, int fmt, int64_t n, int64
     o += 256;
     int bits = plane_bits(fmt);
     if (!bits) return o;
-    if (bits == 2) { /* K6: per row 8 bytes; byte j: the high bits of nibble bytes j and j + 8, low then high */
-        for (int r = 0; r < 16; r++)
-            for (int j = 0; j < 8; j++, o++) {
-                const int e = 2 * r + j % 2;
-                *o = (uint8_t)(u[j / 2][e] >> 4 | (u[(j + 8) / 2][e] >> 4) << 2 | (u[8 + j / 2][e] >> 4) << 4 |
-                               (u[8 + (j + 8) / 2][e] >> 4) << 6);
+    if (bits == 2) { /* K6: per row pair 16 bytes; byte j: nibble byte j's high bits, low nibble then high */
+        for (int r = 0; r < 16; r += 2)
+            for (int j = 0; j < 16; j++, o++) {
+                const int e = 2 * r + j % 2, e1 = e + 2; /* k of byte j in rows r and r + 1 */
+                *o = (uint8_t)(u[j / 2][e] >> 4 | (u[j / 2][e1] >> 4) << 2 | (u[8 + j / 2][e] >> 4) << 4 |
+                               (u[8 + j / 2][e1] >> 4) << 6);
             }
         return o;
     }

@@ -770,10 +770,10 @@ static inline __attribute__((always_inline)) void block_dot(const QMatmul *a, co
     }
 }
 
-/* Passes of QR rows, then of 4 (QR 8), then of what is left: a row's sums do not depend on its pass. */
+/* Passes of QR rows, then one of what is left: a row's sums do not depend on its pass. */
 #define DOT_ROWS(fmt, a, xq, col, cb)                                                                           \
     for (int m0 = 0, n; (n = (a)->M - m0) > 0;) {                                                              \
-        n = n >= QR ? QR : n >= 4 ? 4 : n;                                                                     \
+        n = n >= QR ? QR : n;                                                                                  \
         switch (n) {                                                                                           \
         case 1: block_dot(a, xq, col, m0, fmt, 1, cb); break;                                                  \
         case 2: block_dot(a, xq, col, m0, fmt, 2 < QR ? 2 : QR, cb); break;                                    \

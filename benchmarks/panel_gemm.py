@@ -8,6 +8,8 @@ loader packs a GGUF's; dense is oneDNN over the same weights dequantized (float3
   the panel GEMM above);
 - q-bf16: the same weights with bfloat16 activations (AMX where the CPU has it, else AVX-512 BF16 vdpbf16ps),
   what --dtype bfloat16 runs from the kernel choice's row count on;
+- q-dot: the same weights with float32 activations rounded to 16-bit integers per group of 32 (the dot route:
+  block_dot in passes of a few rows), for the types the route runs;
 - dense-f32 / dense-bf16: oneDNN, the weight packed once.
 One thread, the fastest of `--repeat` runs in thread CPU time (so that another process taking the core does not
 count: the figures stand on a shared machine), each run after reading a buffer larger than the caches unless
@@ -21,6 +23,7 @@ count: the figures stand on a shared machine), each run after reading a buffer l
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
@@ -100,6 +103,10 @@ def main() -> int:
                     dense[r][dt] = best_ms(fns, a.repeat, evict)
             qf = best_ms([lambda x=x, w=w: quant.qlinear(x, w) for x, w in zip(xs, ws)], a.repeat, evict)
             line = f"{name:5}{r:5} rows: q-f32 {qf:8.2f} dense-f32 {dense[r]['f32']:8.2f} ({qf / dense[r]['f32']:.2f}x)"
+            if all(w.fmt in quant.DOT_FORMATS for w in ws):
+                dots = [dataclasses.replace(w, dot=True) for w in ws]
+                qd = best_ms([lambda x=x, w=w: quant.qlinear(x, w) for x, w in zip(xs, dots)], a.repeat, evict)
+                line += f" | q-dot {qd:8.2f} ({qd / dense[r]['f32']:.2f}x)"
             if quant.bf16_kernel() is not None:
                 qb = best_ms([lambda x=x, w=w: quant.qlinear(x, w) for x, w in zip(xb, ws)], a.repeat, evict)
                 line += f" | q-bf16 {qb:8.2f} dense-bf16 {dense[r]['bf16']:8.2f} ({qb / dense[r]['bf16']:.2f}x)"

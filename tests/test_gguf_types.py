@@ -230,6 +230,44 @@ def test_the_dot_route_is_the_weights_times_the_rounded_activations(lib, ggml_ty
         assert np.array_equal(_dot(lib, x[:rows], w, bias), full[:rows]), f"{rows} rows differ from 11"
 
 
+def _dot_weight(kind: str, n: int) -> quant.QuantWeight:
+    """A weight of each format the dot route runs: a GGML type's random blocks, or q8m (w = d q + m, int8 q)."""
+    if kind == "q8m":
+        rng = np.random.default_rng(7)
+        g = 13
+        d, m = (rng.normal(0, s, (n, g)).astype(np.float16) for s in (0.001, 0.05))
+        return quant.pack(quant.QuantParts("q8m", rng.integers(-128, 128, (n, 32 * g)).astype(np.int8), d, m, "test"))
+    ggml_type = next(t for t, name in GGML_TYPES.items() if name == kind)
+    k = 1280 if block_shape(ggml_type)[0] == 256 else 416  # 40 groups, or 13 (not a multiple of 8)
+    return quant.pack(from_gguf_blocks(random_blocks(ggml_type, n, k, ggml_type), ggml_type))
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "q8m", "Q4_K", "Q6_K"])
+def test_the_dot_route_at_many_rows_is_the_one_row_route_bit_for_bit(lib, kind):
+    """Whatever the dot route runs at a row count (block_dot in passes of a few rows, then one of the rest), each
+    row's result must be the one-row route's bit for bit at every row count up to prefill chunks, on every class
+    (VNNI, AVX-512 without it, AVX2), for each format the route runs, with a clipped last column block, the bias,
+    and added to the output: a sequence's output never depends on the batch."""
+    w = _dot_weight(kind, 37)
+    assert w.fmt in quant.DOT_FORMATS
+    rng = np.random.default_rng(len(kind))
+    x, bias = rng.standard_normal((140, w.k)).astype(np.float32), rng.standard_normal(w.n).astype(np.float32)
+    x[1] *= 1e-30
+    x[2, :32] = 0
+    x[3] *= 1e4
+    alone = np.concatenate([_dot(lib, x[i : i + 1], w, bias) for i in range(140)])
+    for rows in (7, 8, 13, 37, 63, 64, 65, 77, 129, 140):
+        got = _dot(lib, x[:rows], w, bias)
+        assert np.array_equal(got, alone[:rows]), f"{rows} rows: not the one-row route's result"
+    before = rng.standard_normal((140, w.n)).astype(np.float32)
+    out = before.copy()
+    rc = lib.qmm_dot(
+        out.ctypes.data, x.ctypes.data, w.tiles.data_ptr(), bias.ctypes.data, 140, w.n, w.k, w.k, w.n,
+        quant.FORMATS[w.fmt], 1, 2,
+    )  # fmt: skip
+    assert rc == 0 and np.array_equal(out, before + alone)
+
+
 # ---- a whole model written with llama.cpp's type mix -----------------------------------------------------
 
 HIDDEN, INTER, HEADS, KV_HEADS, LAYERS, VOCAB = 256, 512, 4, 2, 2, 333

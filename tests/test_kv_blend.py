@@ -220,3 +220,26 @@ def test_engines_with_other_dtypes_or_block_sizes_key_segments_apart(model_fp32,
             assert blend is not None
             roots.add(blend.root)
     assert len(roots) == 8
+
+
+def test_the_bench_warm_up_stores_every_passage_so_the_timed_pass_reuses_them(model_fp32, parts):
+    """`rag bench --kv-blend` with its warm-up: the same passages primed in another order (exact, r = 1.0), so
+    the measured prompts copy every full block of every passage; without it the first prompt copies nothing."""
+    from pagedllm.rag.blend_bench import BlendPrompt, _warm, measure
+
+    def prompt(order):
+        ids, spans = build(parts, order)
+        return BlendPrompt("q", "dict", ids, spans)
+
+    measured = [prompt([1, 2, 0]), prompt([2, 1, 0])]
+    full_blocks = sum((e - s) // 16 * 16 for p in measured for s, e in p.spans)
+    cold = make_engine(model_fp32, speculative_config=None)
+    _warm(cold, [], 0.0)
+    assert measure(cold, measured[:1], 0.0, None, 2).copied == 0
+    warm = make_engine(model_fp32, speculative_config=None)
+    _warm(warm, [prompt([0, 1, 2])], 0.0)
+    assert measure(warm, measured, 0.0, None, 2).copied == full_blocks
+    assert_all_blocks_free(warm)
+    plain = make_engine(model_fp32, speculative_config=None)
+    _warm(plain, [prompt([0, 1, 2])], None)  # prefix caching alone: primed as plain requests, nothing stored
+    assert measure(plain, measured[:1], 0.0, None, 2).copied == 0

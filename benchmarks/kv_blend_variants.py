@@ -128,7 +128,7 @@ def variant_plan(name, prompt, r, T, stored):
             return torch.arange(T)
         if li > full_layers:
             return comp
-        k, v = fresh
+        _, k, v = fresh
         sk, sv = stored[li - 1]
         dev = ((v - sv) if by == "v" else (k - sk)).pow(2).sum((0, 2))  # per position, layer li-1
         chosen = [always]

@@ -220,3 +220,50 @@ def test_engines_with_other_dtypes_or_block_sizes_key_segments_apart(model_fp32,
             assert blend is not None
             roots.add(blend.root)
     assert len(roots) == 8
+
+
+def test_the_bench_warm_up_stores_every_passage_so_the_timed_pass_reuses_them(model_fp32, parts):
+    """`rag bench --kv-blend` with its warm-up: the same passages primed in another order (exact, r = 1.0), so
+    the measured prompts copy every full block of every passage; without it the first prompt copies nothing."""
+    from pagedllm.rag.blend_bench import BlendPrompt, _warm, measure
+
+    def prompt(order):
+        ids, spans = build(parts, order)
+        return BlendPrompt("q", "dict", ids, spans)
+
+    measured = [prompt([1, 2, 0]), prompt([2, 1, 0])]
+    full_blocks = sum((e - s) // 16 * 16 for p in measured for s, e in p.spans)
+    cold = make_engine(model_fp32, speculative_config=None)
+    _warm(cold, [], 0.0)
+    assert measure(cold, measured[:1], 0.0, None, 2).copied == 0
+    warm = make_engine(model_fp32, speculative_config=None)
+    _warm(warm, [prompt([0, 1, 2])], 0.0)
+    assert measure(warm, measured, 0.0, None, 2).copied == full_blocks
+    assert_all_blocks_free(warm)
+    plain = make_engine(model_fp32, speculative_config=None)
+    _warm(plain, [prompt([0, 1, 2])], None)  # prefix caching alone: primed as plain requests, nothing stored
+    assert measure(plain, measured[:1], 0.0, None, 2).copied == 0
+
+
+def test_the_recomputed_tokens_are_the_passage_tokens_nearest_the_question(model_fp32, parts, monkeypatch):
+    """The ratio's budget goes to the end of the passages (the last one's tail first): the first passage is
+    copied from its start, block for block, and the last passage's tail is computed, not copied."""
+    engine = make_engine(model_fp32, speculative_config=None)
+    run(engine, "a", *build(parts, [0, 1, 2]), 0.0)
+    calls: list[tuple[int, int]] = []
+    copy = engine.runner.copy_kv
+
+    def recording(src, dst, shift):
+        calls.append((len(dst), shift))
+        return copy(src, dst, shift)
+
+    monkeypatch.setattr(engine.runner, "copy_kv", recording)
+    b, spans = build(parts, [2, 0, 1])
+    out = run(engine, "b", b, spans, 0.3)
+    budget = sum(-(-3 * (e - s) // 10) for s, e in spans)
+    (s0, e0), (s2, e2) = spans[0], spans[-1]
+    assert calls[0] == ((e0 - s0) // 16 * 16, s0)  # the first passage: every full block, from its start
+    copied_last = sum(n for n, shift in calls if shift == s2)
+    assert copied_last <= max(0, e2 - s2 - budget)
+    assert out.num_blend_tokens == sum(n for n, shift in calls if shift > 0)
+    assert_all_blocks_free(engine)

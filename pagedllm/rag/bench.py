@@ -71,6 +71,11 @@ class RagBenchConfig:
     order: Literal["shuffle", "new-front"] = "shuffle"
     """with --kv-blend: the retrieved passages shuffled per request, or in canonical order behind one passage the
     question did not retrieve (default: shuffle)"""
+    kv_blend_warmup: bool = True
+    """with --kv-blend: before the timed pass, each engine answers the same questions once, untimed, with their
+    passages in other orders (kv_blend settings at recompute 1.0, so exact): every passage is stored when the
+    measured prompts come, so TTFT measures reuse, and the prefix cache is warmed alike for every setting
+    (default: on; --no-kv-blend-warmup: passages seen first in the timed pass are computed and stored there)"""
 
     def __post_init__(self) -> None:
         unknown = [x for x in self.layout_list if x not in LAYOUTS]

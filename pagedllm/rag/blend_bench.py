@@ -11,9 +11,12 @@ plus the reference answer, run the setting's way, every position's log-softmax k
 at those positions, the share of greedy answers identical to the reference's, and the share of answers that
 name the question's topic (its key term) against the reference's share.
 
-The teacher-forced pass runs after the answer, in the same engine: by then every passage of the prompt is
-stored, so it measures the case where all of them are reused (the answer itself may have computed a passage
-seen for the first time), the conservative side.
+With `--kv-blend-warmup` (the default) each engine first answers the same questions untimed with their passages
+in another shuffle (at recompute 1.0: exact, and every passage stored), so the timed pass reuses every passage
+and TTFT measures reuse; the prefix-caching engine gets the same warm-up (its prefix cache warmed alike). For
+`new-front`, the passage in front is one another question retrieved, so it is stored when that question primes,
+unless it is not in the sample. The teacher-forced pass runs after the answer, in the same engine: by then every
+passage of the prompt is stored, so it measures the case where all of them are reused.
 """
 
 from __future__ import annotations
@@ -93,12 +96,17 @@ def ordered_hits(hits: list[list[Hit]], order: str, seed: int) -> list[list[Hit]
     return out
 
 
-def build_prompts(cfg: Any, order: str, seed: int, tokenizer: Any, log: Callable[[str], None]) -> list[BlendPrompt]:
+def build_prompts(
+    cfg: Any, order: str, seed: int, tokenizer: Any, log: Callable[[str], None], order_seed: int | None = None
+) -> list[BlendPrompt]:
+    """The questions of `seed`'s workload with their passages in `order`, shuffled by `order_seed` (default:
+    `seed`): another order seed gives the same questions and passages in other orders (the warm-up's)."""
     pipe = RagPipeline(cfg.index, top_k=cfg.top_k, embedding_url=cfg.embedding_url)
     workload = zipf_questions(cfg.num_questions, seed, s=cfg.zipf)
     hits = [pipe.retrieve(q) for q, _ in workload]
     prompts = []
-    for (q, topic), hs in zip(workload, ordered_hits(hits, order, seed)):
+    shuffle_seed = seed if order_seed is None else order_seed
+    for (q, topic), hs in zip(workload, ordered_hits(hits, order, shuffle_seed)):
         ids, spans = segmented_prompt(tokenizer, messages_in_order(q, hs), hs)
         prompts.append(BlendPrompt(q, key_term(topic), ids, spans))
     sizes = [e - s for p in prompts for s, e in p.spans]
@@ -166,6 +174,17 @@ def make_blend_row(name: str, r: float | None, prompts: list[BlendPrompt], m: _M
     )
 
 
+def _warm(engine: Any, priming: list[BlendPrompt], recompute: float | None) -> None:
+    """The one-off costs out of the timed pass: a first forward, and with priming prompts every passage stored
+    (kv_blend at recompute 1.0: exact) and the prefix cache warmed alike for every setting."""
+    from pagedllm import SamplingParams
+
+    _run(engine, "warm-up", engine.tokenizer.encode("Hello, warm-up."), SamplingParams(max_tokens=2))
+    for i, p in enumerate(priming):
+        kw = {} if recompute is None else {"kv_segments": p.spans, "kv_blend_recompute": 1.0}
+        _run(engine, f"prime{i}", p.ids, SamplingParams(temperature=0, max_tokens=1), **kw)
+
+
 def run_blend_bench(cfg: Any, engine_cfg: Any, log: Callable[[str], None] = print) -> dict:
     """Prefix caching alone, then kv_blend at each ratio of cfg.kv_blend, over one set of prompts."""
     from pagedllm.engine import EngineConfig, LLMEngine
@@ -176,13 +195,14 @@ def run_blend_bench(cfg: Any, engine_cfg: Any, log: Callable[[str], None] = prin
     rows: list[BlendRow] = []
     ref: _Measured | None = None
     prompts: list[BlendPrompt] = []
+    priming: list[BlendPrompt] = []
     for r in [None, *ratios]:
         engine = LLMEngine(base)
         if not prompts:
             prompts = build_prompts(cfg, cfg.order, seed, engine.tokenizer, log)
-        from pagedllm import SamplingParams
-
-        _run(engine, "warm-up", engine.tokenizer.encode("Hello, warm-up."), SamplingParams(max_tokens=2))
+            if cfg.kv_blend_warmup:  # the same questions, their passages in another shuffle
+                priming = build_prompts(cfg, "shuffle", seed, engine.tokenizer, log, order_seed=seed + 1)
+        _warm(engine, priming, r)
         m = measure(engine, prompts, r, ref, cfg.max_tokens)
         ref = ref or m
         rows.append(make_blend_row("prefix caching" if r is None else f"kv_blend {r:g}", r, prompts, m, ref))
@@ -195,6 +215,7 @@ def run_blend_bench(cfg: Any, engine_cfg: Any, log: Callable[[str], None] = prin
             "num_questions": cfg.num_questions,
             "top_k": cfg.top_k,
             "order": cfg.order,
+            "kv_blend_warmup": cfg.kv_blend_warmup,
             "max_tokens": cfg.max_tokens,
             "seed": seed,
             "engine": {k: str(v) for k, v in dataclasses.asdict(base).items()},

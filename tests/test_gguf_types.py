@@ -70,14 +70,19 @@ def lib(request):
     return built
 
 
-def _matmul(lib: ctypes.CDLL, x: np.ndarray, w: quant.QuantWeight, bias: np.ndarray) -> np.ndarray:
+def _run(lib: ctypes.CDLL, route: str, x: np.ndarray, w: quant.QuantWeight, bias: np.ndarray) -> np.ndarray:
+    """x @ w.T + bias through the C entry point `route` (qmm_f32: float32 activations; qmm_dot: the dot route)."""
     out = np.empty((x.shape[0], w.n), np.float32)
-    rc = lib.qmm_f32(
+    rc = getattr(lib, route)(
         out.ctypes.data, x.ctypes.data, w.tiles.data_ptr(), bias.ctypes.data, x.shape[0], w.n, w.k, w.k, w.n,
         quant.FORMATS[w.fmt], 0, 2,
     )  # fmt: skip
     assert rc == 0, rc
     return out
+
+
+def _matmul(lib: ctypes.CDLL, x: np.ndarray, w: quant.QuantWeight, bias: np.ndarray) -> np.ndarray:
+    return _run(lib, "qmm_f32", x, w, bias)
 
 
 def _rows(lib: ctypes.CDLL, w: quant.QuantWeight) -> np.ndarray:
@@ -159,13 +164,7 @@ def test_merged_weight_of_mixed_types(lib):
 
 
 def _dot(lib: ctypes.CDLL, x: np.ndarray, w: quant.QuantWeight, bias: np.ndarray) -> np.ndarray:
-    out = np.empty((x.shape[0], w.n), np.float32)
-    rc = lib.qmm_dot(
-        out.ctypes.data, x.ctypes.data, w.tiles.data_ptr(), bias.ctypes.data, x.shape[0], w.n, w.k, w.k, w.n,
-        quant.FORMATS[w.fmt], 0, 2,
-    )  # fmt: skip
-    assert rc == 0, rc
-    return out
+    return _run(lib, "qmm_dot", x, w, bias)
 
 
 def rounded_16(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -30,6 +30,7 @@
 #include "model_step.h"
 #include "paged_attention.h"
 #include "quant_matmul.h"
+#include "vec.h"
 
 enum { P_NORM, P_QKV, P_ROPE, P_ATTN, P_O, P_GATE_UP, P_ACT, P_DOWN, P_LM_HEAD, N_PHASES };
 
@@ -83,16 +84,6 @@ static void mark(const StepBatch *b, double *t, int p) {
     *t = n;
 }
 
-/* One vector of the widest float registers the build has: GCC splits wider generic vectors into scalar code
- * where the target lacks them (a 16-wide exp on AVX2 became a per-lane loop with branches). */
-#ifdef __AVX512F__
-#define VW 16
-#else
-#define VW 8
-#endif
-typedef float vf __attribute__((vector_size(4 * VW)));
-typedef float vfu __attribute__((vector_size(4 * VW), aligned(4)));
-typedef int32_t vi __attribute__((vector_size(4 * VW)));
 
 static inline vf ld(const float *p) { return *(const vfu *)p; }
 

@@ -32,6 +32,7 @@
 #include <string.h>
 
 #include "paged_attention.h"
+#include "vec.h"
 #if defined(__AVX2__) && defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -132,15 +133,7 @@ static inline void prefetch(const void *cache, int64_t block, int n, int bs, int
         for (int64_t j = t * row + b0; j < t * row + b1; j += 64) __builtin_prefetch(p + j, 0, 1);
 }
 
-/* One vector of the widest float registers the build has (GCC splits wider generic vectors into scalar code
- * where the target lacks them), and the same width of bfloat16 codes, widened exactly by a shift. */
-#ifdef __AVX512F__
-#define VW 16
-#else
-#define VW 8
-#endif
-typedef float vf __attribute__((vector_size(4 * VW)));
-typedef float vfu __attribute__((vector_size(4 * VW), aligned(4))); /* loadable from any float address */
+/* vec.h's float vector, and the same width of bfloat16 codes, widened exactly by a shift. */
 typedef uint16_t vhu __attribute__((vector_size(2 * VW), aligned(2)));
 typedef uint32_t vu __attribute__((vector_size(4 * VW)));
 

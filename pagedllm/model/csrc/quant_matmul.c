@@ -45,6 +45,7 @@
 #include <string.h>
 
 #include "quant_matmul.h"
+#include "vec.h"
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -73,16 +74,7 @@ const char *kernel_isa(void) {
 #endif
 }
 
-/* ---- the vector type and its conversions, per class ------------------------------------------------------ */
-#ifdef __AVX512F__
-#define VW 16
-#else
-#define VW 8
-#endif
-typedef float vf __attribute__((vector_size(4 * VW)));
-typedef float vfu __attribute__((vector_size(4 * VW), aligned(4)));
-typedef int32_t vi __attribute__((vector_size(4 * VW)));
-
+/* ---- the vector type's (vec.h) conversions, per class --------------------------------------------------- */
 #define NV (32 / VW)         /* vectors per dequantized tile row */
 #define P (VW == 16 ? 2 : 1) /* accumulators per vector and row: one per tile-row parity on AVX-512 */
 #define MR (VW == 16 ? 6 : 2) /* rows per direct block: MR * NV * P accumulators (24 of 32, 8 of 16 registers) */

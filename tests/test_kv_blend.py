@@ -267,3 +267,48 @@ def test_the_recomputed_tokens_are_the_passage_tokens_nearest_the_question(model
     assert copied_last <= max(0, e2 - s2 - budget)
     assert out.num_blend_tokens == sum(n for n, shift in calls if shift > 0)
     assert_all_blocks_free(engine)
+
+
+def test_a_passage_twice_in_one_prompt_is_held_twice_and_freed_by_an_abort(model_fp32, parts):
+    """The same passage in two places holds its stored blocks twice; copying the first occurrence drops one hold
+    of each, and an abort before the second copy returns the other: no block is left referenced."""
+    engine = make_engine(model_fp32, speculative_config=None)
+    run(engine, "a", *build(parts, [0, 1, 2]), 0.0)
+    ids, spans = build(parts, [1, 0, 0])
+    one = (spans[1][1] - spans[1][0]) // 16  # full blocks of passage 0
+    engine.add_request("b", ids, PARAMS, kv_segments=spans, kv_blend_recompute=0.0)
+    held = lambda: sum(map(len, engine.kv.req_segments.values()))  # noqa: E731
+    engine.step()
+    while held() > one and engine.has_unfinished_requests():
+        engine.step()
+    assert held() == one  # passage 1 and the first passage 0 copied; the second passage 0 still held
+    engine.abort_request("b")
+    assert_all_blocks_free(engine)
+    assert not any(engine.kv.req_segments.values())
+
+
+def test_a_lookups_hits_cannot_be_evicted_while_the_plan_reads_segments(model_fp32, parts, monkeypatch):
+    """Between the prefix lookup and admission the hits are free blocks; reading a segment from the disk tier
+    takes a free block, so the plan pins the hits: each is referenced whenever a segment is looked up."""
+    system, passages, question = parts
+    long = (system * 8, passages, question)  # two full blocks of system prompt: a prefix hit
+    engine = make_engine(model_fp32, speculative_config=None)
+    run(engine, "a", *build(long, [0, 1, 2]), 0.0)
+    hits, refs = [], []
+    lookup, hold = engine.kv.get_computed_blocks, engine.kv.hold_segment
+
+    def get_computed_blocks(req):
+        found = lookup(req)
+        hits[:] = found[0]
+        return found
+
+    def hold_segment(req, hashes):
+        refs.extend(b.ref_cnt for b in hits)
+        return hold(req, hashes)
+
+    monkeypatch.setattr(engine.kv, "get_computed_blocks", get_computed_blocks)
+    monkeypatch.setattr(engine.kv, "hold_segment", hold_segment)
+    out = run(engine, "b", *build(long, [2, 0, 1]), 0.0)
+    assert out.num_cached_tokens >= 32 and out.num_blend_tokens > 0
+    assert refs and min(refs) > 0
+    assert_all_blocks_free(engine)

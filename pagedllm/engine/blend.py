@@ -108,19 +108,27 @@ def _blending(req: Request, kv: KVCacheManager) -> BlendState | None:
     return blend if blend is not None and usable and req.reads_prefix_cache else None
 
 
-def plan(req: Request, kv: KVCacheManager, num_cached: int) -> None:
-    """At admission, after the prefix-cache lookup found `num_cached` tokens: which spans to copy, with their
-    stored blocks held. The last prompt token is always computed (its logits give the first output token)."""
+def plan(req: Request, kv: KVCacheManager, hits: list[KVBlock], num_cached: int) -> None:
+    """At admission, after the prefix-cache lookup found `hits` (`num_cached` tokens): which spans to copy, with
+    their stored blocks held. The last prompt token is always computed (its logits give the first output token).
+    The hits are pinned meanwhile: a segment read from the disk tier takes a free block, and the free hits are
+    not the request's until it is admitted."""
     req.kv_cache_limit = None
     blend = _blending(req, kv)
     if blend is None:
         return
-    for span in blend.copies:  # a re-admission plans again: its earlier holds went with its blocks
-        span.blocks = []
-    blend.copies, blend.pending_copy = [], 0
+    blend.copies, blend.pending_copy = [], 0  # a re-admission plans again: its earlier holds went with its blocks
     if blend.recompute >= 1.0:
         return
     assert isinstance(kv, PagedKVCacheManager)
+    kv.pin(hits)
+    try:
+        _plan_copies(req, blend, kv, num_cached)
+    finally:
+        kv.unpin(hits)
+
+
+def _plan_copies(req: Request, blend: BlendState, kv: PagedKVCacheManager, num_cached: int) -> None:
     bs, last = kv.block_size, req.num_prompt_tokens - 1
     for i, ((start, end), tail) in enumerate(zip(blend.segments, _recomputed_tails(blend, num_cached))):
         lo, stop = max(num_cached, start), min(end - tail, last)

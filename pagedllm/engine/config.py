@@ -90,9 +90,9 @@ class EngineConfig:
     """record blocks entering and leaving the prefix cache, for a router that follows them (default: off)"""
     kv_blend_recompute: Annotated[float, Field(ge=0, le=1)] = 0.15
     """kv_blend: for requests that mark reusable segments of their prompt (kv_segments: RAG passages), the share
-    of each reused passage's tokens computed again (the budget spent on the passage tokens nearest the question);
-    the rest of its stored KV is copied, keys re-rotated to where it lands. 1.0 = full prefill, exact; a request
-    may set its own (default: 0.15; requests without segments are never blended)"""
+    of the reused passages' tokens computed again (ceil(r L) a passage, spent on the passage tokens nearest the
+    question); the rest of their stored KV is copied, keys re-rotated to where it lands. 1.0 = full prefill,
+    exact; a request may set its own (default: 0.15; requests without segments are never blended)"""
 
     def __post_init__(self) -> None:
         if self.kv_offload_dir is not None and not (self.kv_allocation == "paged" and self.enable_prefix_caching):

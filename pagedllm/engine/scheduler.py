@@ -165,7 +165,7 @@ class Scheduler:
         if req.logits_from is not None and num_cached > req.logits_from:
             blocks = blocks[: req.logits_from // self.kv.block_size]
             num_cached = len(blocks) * self.kv.block_size
-        plan(req, self.kv, num_cached)
+        plan(req, self.kv, blocks, num_cached)
         return blocks, num_cached
 
     def _preempt(self, req: Request) -> None:

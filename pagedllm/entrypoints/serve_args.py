@@ -48,7 +48,7 @@ class ServerConfig:
     )
     rag_kv_blend: bool = False
     """RAG requests mark each retrieved passage as a reusable KV segment (kv_blend: its KV reused wherever it
-    lands, --kv-blend-recompute of it recomputed); off by default: an approximation of full prefill
+    lands, --kv-blend-recompute of the passages' tokens recomputed); off by default: an approximation of full prefill
     (docs/benchmarks.md measures its KL and top-1 agreement)"""
     runner: Literal["auto", "generate", "pooling"] = "auto"
     """pooling: MODEL is an embedding model (e.g. a Qwen3-Embedding checkpoint): the engine serves /v1/embeddings,

@@ -287,11 +287,20 @@ class PagedKVCacheManager(KVCacheManager):
         return found
 
     def release_segment(self, request: KVRequest, blocks: Sequence[KVBlock]) -> None:
-        """Drop the hold of `hold_segment` on `blocks` (copied now); they stay cached, evictable, LRU last."""
+        """Drop the hold of `hold_segment` on `blocks` (copied now); they stay cached, evictable, LRU last. One
+        entry of the request's holds goes per block released: two segments that share a block hold it twice."""
         held = self.req_segments.get(request.request_id, [])
-        gone = {id(b) for b in blocks}
-        self.req_segments[request.request_id] = [b for b in held if id(b) not in gone]
+        for block in blocks:
+            del held[next(i for i, h in enumerate(held) if h is block)]
         self.pool.free(reversed(list(blocks)))
+
+    def pin(self, blocks: Sequence[KVBlock]) -> None:
+        """Keep a lookup's hits (cached, maybe free) from eviction while other blocks are taken (a segment read
+        from the disk tier) before `allocate_slots` holds them; `unpin` after."""
+        self.pool.touch([b for b in blocks if b is not self.null_block])
+
+    def unpin(self, blocks: Sequence[KVBlock]) -> None:
+        self.pool.free(reversed([b for b in blocks if b is not self.null_block]))
 
     def new_segment_blocks(self, hashes: Sequence[BlockHash]) -> list[tuple[int, KVBlock]]:
         """Fresh blocks for the blocks of a segment not stored yet, as (index in `hashes`, block), registered

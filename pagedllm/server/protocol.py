@@ -174,14 +174,19 @@ UNHONOURED: dict[str, tuple[Any, ...]] = {
 
 class KVBlend(OpenAIModel):
     """pagedllm's `kv_blend` extension: prompt token spans whose KV may be reused wherever they land (retrieved
-    passages), and the share of each computed again (engine/blend.py). Off when absent."""
+    passages), and the share of their tokens computed again, spent on those nearest the question (engine/blend.py).
+    Off when absent."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     segments: list[tuple[StrictInt, StrictInt]] = Field(
         ..., max_length=4096, description="[start, end) token spans of the prompt, in order, not overlapping"
     )
     recompute: float | None = Field(
-        None, ge=0, le=1, description="share of each reused span recomputed (default: --kv-blend-recompute)"
+        None,
+        ge=0,
+        le=1,
+        description="share of the reused spans' tokens recomputed, nearest the question first "
+        "(default: --kv-blend-recompute)",
     )
 
 

@@ -8,8 +8,8 @@ So on the first load of a model on a machine, each candidate runs the model's ow
 real weights and formats) at a few row counts, with the caches emptied before each run (in a step every
 layer's weights come from memory; one layer left in the cache would favour dense, 2-8x the bytes):
 - q-f32: the quantized kernel with float32 inputs (the file's exact weight values);
-- q-dot: the same weights with the inputs rounded to 16-bit integers (the dot route that decode-sized steps
-  take), where the build has vector code for it;
+- q-dot: the same weights with the inputs rounded to 16-bit integers (the dot route, at every row count when
+  it is on), where the build has vector code for it;
 - dense: oneDNN over the same weights dequantized to the model's dtype (what `--quantization none` runs);
 - q-bf16: the quantized weights with bfloat16 inputs (AMX, else AVX-512 BF16 dot products: `bf16_kernel()`),
   where the CPU has one and the dtype is bfloat16.

@@ -138,7 +138,7 @@ def load_model(
 ) -> LoadedModel:
     """Load weights + tokenizer; raises ModelLoadError for bad paths/files/architectures, UserError for --dtype
     and --quantization. `hf_overrides` replaces fields of the model's config first (config.with_overrides);
-    `quantized_activations` (auto | int16 | none) whether decode-sized matmuls take the dot route."""
+    `quantized_activations` (auto | int16 | none) whether the matmuls take the dot route (at every row count)."""
     t0 = time.perf_counter()
     path = resolve_model_path(model)
     cfg = load_model_config(path)

@@ -341,7 +341,7 @@ static void matmul_item(const Phase *p, const Buffers *buf, const Scratch *sc, i
     const QMatmul a = {p->out, p->x, p->w, p->bias, p->M, p->N, p->K / 32, p->K, p->N, p->fmt, p->accumulate};
     for (int u = i * p->per_item; u < end; u++)
         if (p->dot)
-            qdot_column_block(&a, &buf->xq, u);
+            qdot_column_block(&a, &buf->xq, u, sc->panel);
         else
             qmm_column_block(&a, u, sc->panel);
 }

@@ -477,7 +477,7 @@ int qrows_f32(float *out, const int64_t *ids, int T, const uint8_t *w, int N, in
  * group's scales once per 32 inputs. Here the activations are rounded to 16 bits (d = max |x| / 32767 per
  * group of 32), not llama.cpp's 8: each x is within d / 2 of its value (a relative error of ~1.5e-5 of the
  * group's largest), so the route is exact in the weights and nearly so in the activations; the float32
- * route stays the exact one (`--quantized-activations none`, quant.py). Formats: Q4 / Q40 (Q4_1, int4 / Q4_0), Q8 / Q8M
+ * route stays the exact one (`--quantized-activations none`, loader.py). Formats: Q4 / Q40 (Q4_1, int4 / Q4_0), Q8 / Q8M
  * (Q8_0, int8), K4M (Q4_K) and K6 (Q6_K); a column block of any other format (or of a mixed weight) runs on
  * the float32 direct route with the same call.
  *
@@ -827,11 +827,11 @@ static void block_dot_portable(const QMatmul *a, const XQ16 *xq, const uint8_t *
 #endif
 
 /* One column block for all M rows on the dot route (a block of another format: the float32 direct route). */
-void qdot_column_block(const QMatmul *a, const XQ16 *xq, int cb) {
+void qdot_column_block(const QMatmul *a, const XQ16 *xq, int cb, float *panel) {
     int fmt;
     const uint8_t *col = column(a->w, a->fmt, a->G, cb, &fmt);
-    if (!dot_fmt(fmt)) {
-        qmm_column_block(a, cb, NULL); /* NULL: the direct route, whatever M */
+    if (!dot_fmt(fmt)) { /* the float32 route, as qmm_f32 runs it: through `panel` for many rows */
+        qmm_column_block(a, cb, panel);
         return;
     }
 #if defined(__AVX512BW__) || (defined(__AVX2__) && defined(__F16C__) && !defined(__AVX512F__))
@@ -857,8 +857,18 @@ int qmm_dot(float *out, const float *x, const uint8_t *w, const float *bias, int
         const int NB = (N + 15) / 16;
         if (num_threads > NB) num_threads = NB;
         if (num_threads < 1) num_threads = 1;
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1)
-        for (int cb = 0; cb < NB; cb++) qdot_column_block(&a, &xq, cb);
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+        {
+            float *panel = M > MR ? malloc((size_t)K * 16 * sizeof(float)) : NULL; /* for non-dot blocks */
+            if (M > MR && panel == NULL) {
+#pragma omp atomic write
+                status = -1;
+            }
+#pragma omp for schedule(static)
+            for (int cb = 0; cb < NB; cb++)
+                if (M <= MR || panel) qdot_column_block(&a, &xq, cb, panel);
+            free(panel);
+        }
     }
     free(xq.q);
     free(xq.d);

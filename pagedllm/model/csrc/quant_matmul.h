@@ -56,7 +56,8 @@ void qmm_amx_pair(const QMatmulBf16 *a, int p, uint16_t *bbuf);
 void qmm_amx_convert_row(uint16_t *xb, const float *x, int m, int G);
 /* One block of 16 output columns for all M rows; `panel` (K * 16 floats, or NULL) serves many rows. */
 void qmm_column_block(const QMatmul *a, int cb, float *panel);
-/* The dot route: row x [K] into q [K], d [K / 32], s [K / 16]; one column block for all M rows of such x. */
+/* The dot route: row x [K] into q [K], d [K / 32], s [K / 16]; one column block for all M rows of such x (a
+ * block of a format the route does not run takes the float32 route, through `panel` when not NULL). */
 void qdot_quantize_row(int16_t *q, float *d, int32_t *s, const float *x, int K);
-void qdot_column_block(const QMatmul *a, const XQ16 *xq, int cb);
+void qdot_column_block(const QMatmul *a, const XQ16 *xq, int cb, float *panel);
 #endif

@@ -230,13 +230,6 @@ def _lib() -> ctypes.CDLL:
 
 
 @lru_cache(maxsize=1)
-def amx_available() -> bool:
-    """Whether the bfloat16 AMX kernel can run here (built with AMX, and the OS grants the tiles)."""
-    lib = cpu_kernel.load()
-    return lib is not None and bool(lib.qmm_amx_available())
-
-
-@lru_cache(maxsize=1)
 def bf16_kernel() -> str | None:
     """Which bfloat16-input kernel runs here: "amx", "avx512-bf16" (vdpbf16ps dot products: twice the float32
     FMA's multiply-adds an instruction, on Zen 4 and later without AMX) or None (the build has neither)."""

@@ -24,7 +24,9 @@ in one run, mean anything; the table says the load average.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -58,41 +60,76 @@ TYPES = ("Q4_0", "Q8_0", "Q4_K_M", "Q6_K")
 class Shape:
     """The numbers of a real checkpoint's config.json that decide its tensors."""
 
-    arch: str  # GGUF architecture: llama | qwen2
+    arch: str  # GGUF architecture: llama | qwen2 | qwen3moe | gpt-oss
     hidden: int
     layers: int
     heads: int
     kv_heads: int
-    ffn: int
+    ffn: int  # the dense MLP's width; a MoE model's expert width is `expert_ffn`
     vocab: int
     tied: bool
     rope_theta: float
     eps: float
+    head_dim: int | None = None  # None: hidden / heads
+    experts: int = 0  # a mixture of experts: experts per layer, `experts_used` routed per token
+    experts_used: int = 0
+    expert_ffn: int = 0
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden // self.heads
 
 
 SHAPES = {
     "llama-3.2-1b": Shape("llama", 2048, 16, 32, 8, 8192, 128256, True, 500000.0, 1e-5),
     "qwen2.5-3b": Shape("qwen2", 2048, 36, 16, 2, 11008, 151936, True, 1000000.0, 1e-6),
     "llama-3.1-8b": Shape("llama", 4096, 32, 32, 8, 14336, 128256, False, 500000.0, 1e-5),
+    # the MoE models people run on a CPU (issue 34): only the routed experts' bytes are read per token
+    "qwen3-30b-a3b": Shape("qwen3moe", 2048, 48, 32, 4, 6144, 151936, False, 1e6, 1e-6, 128, 128, 8, 768),
+    "gpt-oss-20b": Shape("gpt-oss", 2880, 24, 64, 8, 2880, 201088, False, 150000.0, 1e-5, 64, 32, 4, 2880),
 }
 
 
 def tensor_shapes(s: Shape) -> list[tuple[str, tuple[int, ...]]]:
-    """llama.cpp's tensor names and numpy shapes (rows first) for the shape, in the order its converter writes."""
-    hd = s.hidden // s.heads
+    """llama.cpp's tensor names and numpy shapes (rows first) for the shape, in the order its converter writes;
+    a MoE layer's experts as its 3-D `ffn_*_exps` tensors [experts, rows, cols], its router `ffn_gate_inp`."""
+    hd = s.head_size
     q, kv = s.heads * hd, s.kv_heads * hd
     out: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (s.vocab, s.hidden))]
     for i in range(s.layers):
         b = f"blk.{i}."
         out += [(b + "attn_norm.weight", (s.hidden,)), (b + "attn_q.weight", (q, s.hidden))]
         out += [(b + "attn_k.weight", (kv, s.hidden)), (b + "attn_v.weight", (kv, s.hidden))]
-        if s.arch == "qwen2":
+        if s.arch in ("qwen2", "gpt-oss"):
             out += [(b + "attn_q.bias", (q,)), (b + "attn_k.bias", (kv,)), (b + "attn_v.bias", (kv,))]
-        out += [(b + "attn_output.weight", (s.hidden, q)), (b + "ffn_norm.weight", (s.hidden,))]
-        out += [(b + "ffn_gate.weight", (s.ffn, s.hidden)), (b + "ffn_up.weight", (s.ffn, s.hidden))]
-        out += [(b + "ffn_down.weight", (s.hidden, s.ffn))]
+        if s.arch == "qwen3moe":
+            out += [(b + "attn_q_norm.weight", (hd,)), (b + "attn_k_norm.weight", (hd,))]
+        out += [(b + "attn_output.weight", (s.hidden, q))]
+        if s.arch == "gpt-oss":
+            out += [(b + "attn_output.bias", (s.hidden,)), (b + "attn_sinks.weight", (s.heads,))]
+        out += [(b + ("post_attention_norm" if s.arch == "gpt-oss" else "ffn_norm") + ".weight", (s.hidden,))]
+        out += _mlp(b, s)
     out.append(("output_norm.weight", (s.hidden,)))
     return out + ([] if s.tied else [("output.weight", (s.vocab, s.hidden))])
+
+
+def _mlp(b: str, s: Shape) -> list[tuple[str, tuple[int, ...]]]:
+    if not s.experts:
+        out = [(b + "ffn_gate.weight", (s.ffn, s.hidden)), (b + "ffn_up.weight", (s.ffn, s.hidden))]
+        return out + [(b + "ffn_down.weight", (s.hidden, s.ffn))]
+    e, f = s.experts, s.expert_ffn
+    out = [(b + "ffn_gate_inp.weight", (e, s.hidden))]
+    out += [(b + "ffn_gate_exps.weight", (e, f, s.hidden)), (b + "ffn_up_exps.weight", (e, f, s.hidden))]
+    out += [(b + "ffn_down_exps.weight", (e, s.hidden, f))]
+    if s.arch == "gpt-oss":
+        out += [(b + "ffn_gate_inp.bias", (e,)), (b + "ffn_gate_exps.bias", (e, f))]
+        out += [(b + "ffn_up_exps.bias", (e, f)), (b + "ffn_down_exps.bias", (e, s.hidden))]
+    return out
+
+
+def is_matrix(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether a tensor is a weight matrix (quantized), not a norm, bias, sink or the router (float32)."""
+    return len(shape) >= 2 and not name.endswith(".bias") and "ffn_gate_inp" not in name
 
 
 def add_metadata(w, name: str, s: Shape) -> None:
@@ -110,8 +147,19 @@ def add_metadata(w, name: str, s: Shape) -> None:
     w.add_uint32(p + "attention.head_count_kv", s.kv_heads)
     w.add_float32(p + "rope.freq_base", s.rope_theta)
     w.add_float32(p + "attention.layer_norm_rms_epsilon", s.eps)
-    w.add_uint32(p + "rope.dimension_count", s.hidden // s.heads)
+    w.add_uint32(p + "rope.dimension_count", s.head_size)
+    w.add_uint32(p + "attention.key_length", s.head_size)
+    w.add_uint32(p + "attention.value_length", s.head_size)
     w.add_uint32(p + "vocab_size", s.vocab)
+    if s.experts:
+        w.add_uint32(p + "expert_count", s.experts)
+        w.add_uint32(p + "expert_used_count", s.experts_used)
+        w.add_uint32(p + "expert_feed_forward_length", s.expert_ffn)
+    if s.arch == "gpt-oss":  # as llama.cpp's converter writes gpt-oss-20b's config
+        w.add_uint32(p + "attention.sliding_window", 128)
+        w.add_string(p + "rope.scaling.type", "yarn")
+        w.add_float32(p + "rope.scaling.factor", 32.0)
+        w.add_uint32(p + "rope.scaling.original_context_length", 4096)
     with GGUFFile(default_model_path(), keep_arrays=True) as src:
         md = src.metadata
     tokens = list(md["tokenizer.ggml.tokens"])
@@ -136,7 +184,7 @@ def write_random(name: str, path: str, kind: str = "F16", seed: int = 0) -> None
     import gguf
     import numpy as np
 
-    s = SHAPES[name]
+    s = shape_of(name)
     shapes = tensor_shapes(s)
     qtype = gguf.GGMLQuantizationType[kind]
     block, size = gguf.GGML_QUANT_SIZES[qtype]
@@ -150,23 +198,35 @@ def write_random(name: str, path: str, kind: str = "F16", seed: int = 0) -> None
     add_metadata(w, name, s)
     w.add_uint32("general.file_type", {"F16": 1, "Q4_0": 2, "Q8_0": 7}.get(kind, 1))
     for tname, shape in shapes:
-        if len(shape) == 1:
-            w.add_tensor_info(tname, shape, np.dtype(np.float32), shape[0] * 4)
+        if not is_matrix(tname, shape):
+            w.add_tensor_info(tname, shape, np.dtype(np.float32), math.prod(shape) * 4)
         else:
-            nbytes = shape[0] * shape[1] // block * size
-            w.add_tensor_info(tname, (shape[0], nbytes // shape[0]), np.dtype(np.uint8), nbytes, raw_dtype=qtype)
+            nbytes = math.prod(shape) // block * size
+            raw = (*shape[:-1], nbytes // math.prod(shape[:-1]))
+            w.add_tensor_info(tname, raw, np.dtype(np.uint8), nbytes, raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     for tname, shape in shapes:
-        if len(shape) == 1:
-            w.write_tensor_data((np.ones if tname.endswith("norm.weight") else np.zeros)(shape, np.float32))
+        if not is_matrix(tname, shape):
+            if "ffn_gate_inp.weight" in tname:  # a router that routes: each token its own experts
+                w.write_tensor_data(rng.standard_normal(shape, dtype=np.float32))
+            else:
+                w.write_tensor_data((np.ones if tname.endswith("norm.weight") else np.zeros)(shape, np.float32))
             continue
-        nbytes = shape[0] * shape[1] // block * size
+        nbytes = math.prod(shape) // block * size
         start = int(rng.integers(0, pool.size // size)) * size
         w.write_tensor_data(np.resize(np.roll(pool, -start), nbytes))
     w.close()
     os.replace(path + ".part", path)
+
+
+def shape_of(name: str) -> Shape:
+    """A shape by name, `NAME@L` for its first L layers (a MoE model too large for this machine: the ratio per
+    layer is what counts)."""
+    base, _, layers = name.partition("@")
+    s = SHAPES[base]
+    return dataclasses.replace(s, layers=int(layers)) if layers else s
 
 
 def llamacpp_python() -> str:
@@ -282,7 +342,7 @@ def one_request(system: str, gguf: str, a, tmp: str) -> dict:
     import random
 
     rng = random.Random(a.seed)
-    vocab = SHAPES[a.shape].vocab
+    vocab = shape_of(a.shape).vocab
     prompts = [[rng.randrange(vocab) for _ in range(a.input_len)] for _ in range(a.repeat + 1)]
     pf, out = os.path.join(tmp, "prompts.json"), os.path.join(tmp, f"{system}.json")
     with open(pf, "w") as f:
@@ -423,7 +483,11 @@ def run(a) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("command", choices=["write", "run", "memory"])
-    p.add_argument("--shape", default="llama-3.2-1b", choices=sorted(SHAPES))
+    p.add_argument(
+        "--shape",
+        default="llama-3.2-1b",
+        help=f"one of {', '.join(sorted(SHAPES))}; NAME@L: its first L layers (a file larger than the machine)",
+    )
     p.add_argument(
         "--types",
         default="Q4_0",

@@ -100,6 +100,12 @@ def _argparse_kind(annotation: Any) -> dict[str, Any]:
     return {}  # str, and anything pydantic parses from text
 
 
+def cli_default(info: Any) -> Any:
+    """A field's flag default: its `Flag.cli_default` where it has one, else the field's default."""
+    flag = _flag(info.metadata)
+    return info.default if flag.cli_default is _SAME else flag.cli_default
+
+
 def add_flags(group: Any, cls: type, skip: tuple[str, ...] = (), only: tuple[str, ...] | None = None) -> None:
     """One flag per field of the settings class `cls` (those in `only`, if given, but not in `skip`): --field-name,
     its help the field's docstring."""
@@ -107,7 +113,7 @@ def add_flags(group: Any, cls: type, skip: tuple[str, ...] = (), only: tuple[str
         if name in skip or (only is not None and name not in only):
             continue
         flag = _flag(info.metadata)
-        default = info.default if flag.cli_default is _SAME else flag.cli_default
+        default = cli_default(info)
         names = [flag_name(name)] + ([flag.short] if flag.short else [])
         parsed = any(isinstance(m, BeforeValidator) for m in info.metadata)  # text pydantic reads: stays text
         group.add_argument(
@@ -120,9 +126,11 @@ def add_flags(group: Any, cls: type, skip: tuple[str, ...] = (), only: tuple[str
 
 
 def from_args(cls: Callable[..., T], args: argparse.Namespace) -> T:
-    """The settings from parsed flags (those a command has; the others keep their defaults)."""
-    names = cls.__pydantic_fields__  # type: ignore[attr-defined]
-    return cls(**{name: getattr(args, name) for name in names if hasattr(args, name)})
+    """The settings from parsed flags (those a command has; the others keep their defaults). A flag left at a
+    `Flag(cli_default=None)` takes the class's default: None there only says it was not given."""
+    fields = cls.__pydantic_fields__  # type: ignore[attr-defined]
+    given = {name: getattr(args, name) for name in fields if hasattr(args, name)}
+    return cls(**{n: v for n, v in given.items() if v is not None or _flag(fields[n].metadata).cli_default is _SAME})
 
 
-__all__ = ["Bytes", "Field", "Flag", "add_flags", "flag_name", "from_args", "settings", "user_error"]
+__all__ = ["Bytes", "Field", "Flag", "add_flags", "cli_default", "flag_name", "from_args", "settings", "user_error"]

@@ -32,10 +32,14 @@ def tiny_kv_budget(blocks: int = 24) -> int:
 @contextlib.contextmanager
 def running_server(engine, api_key: str | None = KEY, **app_args) -> Iterator[SimpleNamespace]:
     """uvicorn in a thread on a free port over `engine` (an AsyncLLMEngine), API key KEY (None: no key, as
-    `pagedllm serve` without --api-key); stopped on exit."""
+    `pagedllm serve` without --api-key); `app_args`: ServerConfig's fields and build_app's keywords; stopped on
+    exit."""
     from pagedllm.server.api_server import Server, build_app
+    from pagedllm.server.config import ServerConfig
 
-    app = build_app(engine, api_key=api_key, **app_args)
+    fields = ServerConfig.__pydantic_fields__  # type: ignore[attr-defined]
+    config = ServerConfig(api_key=api_key, **{k: v for k, v in app_args.items() if k in fields})
+    app = build_app(engine, config, **{k: v for k, v in app_args.items() if k not in fields})
     srv = Server(app, host="127.0.0.1", port=0, log_level="warning")
     srv.start_in_thread()
     port = srv.uvicorn.servers[0].sockets[0].getsockname()[1]

@@ -72,8 +72,8 @@ def server(tiny, minilm):
         log_stats_interval=0,
     )
     engine = AsyncLLMEngine(LLMEngine(config), max_waiting_requests=64)
-    app_args = dict(pooler=read_pooler_config(folder), embedders=[minilm], generate=False)
-    with running_server(engine, served_model_names=[DECODER], **app_args) as s:
+    app_args = dict(pooler=read_pooler_config(folder), embedders=[minilm], runner="pooling")
+    with running_server(engine, served_model_name=[DECODER], **app_args) as s:
         yield s
 
 
@@ -212,8 +212,8 @@ def test_the_cluster_takes_the_embedding_flags_and_checks_them_before_ray(tmp_pa
         return settings_from_args(build_parser().parse_args(["serve", "--replicas", "2", *argv]))[2]
 
     ingress = settings("--embedding-model", "default", "--runner", "pooling")
-    assert (ingress.embedding_model, ingress.pooler) == ("default", PoolerConfig())  # a GGUF: last token, normed
-    assert settings().pooler is None and settings().embedding_model is None
+    assert (ingress.server.embedding_model, ingress.pooler) == ("default", PoolerConfig())  # a GGUF: last, normed
+    assert settings().pooler is None and settings().server.embedding_model is None
     with pytest.raises(UserError, match="^--embedding-model:"):
         settings("--embedding-model", str(tmp_path / "nope"))
 

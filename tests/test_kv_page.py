@@ -47,10 +47,11 @@ def server(model_fp32):
     from pagedllm.engine import EngineConfig, LLMEngine
     from pagedllm.engine.async_engine import AsyncLLMEngine
     from pagedllm.server.api_server import Server, build_app
+    from pagedllm.server.config import ServerConfig
 
     cfg = EngineConfig(max_model_len=512, kv_cache_memory=kv_budget(128), log_stats_interval=0)
     engine = AsyncLLMEngine(LLMEngine(cfg, model_fp32))
-    srv = Server(build_app(engine, api_key=KEY), host="127.0.0.1", port=0, log_level="warning")
+    srv = Server(build_app(engine, ServerConfig(api_key=KEY)), host="127.0.0.1", port=0, log_level="warning")
     srv.start_in_thread()
     base = f"http://127.0.0.1:{srv.uvicorn.servers[0].sockets[0].getsockname()[1]}"
     try:

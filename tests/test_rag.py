@@ -421,11 +421,14 @@ def test_server_rag_chat_endpoint_names_chunks_and_hits_the_cache(rag_index, mod
     from pagedllm.engine.async_engine import AsyncLLMEngine
     from pagedllm.rag import RagPipeline
     from pagedllm.server.api_server import Server, build_app
+    from pagedllm.server.config import ServerConfig
 
     engine = AsyncLLMEngine(
         LLMEngine(EngineConfig(kv_cache_memory=64 * 2**20, max_model_len=2048, log_stats_interval=0), model_fp32)
     )
-    app = build_app(engine, served_model_names=["m"], rag=RagPipeline(rag_index, top_k=2, layout="canonical"))
+    app = build_app(
+        engine, ServerConfig(served_model_name=["m"]), rag=RagPipeline(rag_index, top_k=2, layout="canonical")
+    )
     srv = Server(app, host="127.0.0.1", port=0, log_level="warning")
     srv.start_in_thread()
     url = f"http://127.0.0.1:{srv.uvicorn.servers[0].sockets[0].getsockname()[1]}"

@@ -52,7 +52,7 @@ def server(model_fp32):
     config = EngineConfig(dtype="float32", max_model_len=2048, kv_cache_memory=kv_budget(256), log_stats_interval=0)
     engine = AsyncLLMEngine(LLMEngine(config, loaded=model_fp32))
     embedders = [SentenceTransformerEmbedder("default")]  # --embedding-model default
-    with running_server(engine, api_key=None, served_model_names=[DEFAULT_SERVED_NAME], embedders=embedders) as s:
+    with running_server(engine, api_key=None, served_model_name=[DEFAULT_SERVED_NAME], embedders=embedders) as s:
         yield s
 
 

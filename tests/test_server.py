@@ -51,9 +51,10 @@ def server():
     from pagedllm.engine import EngineConfig, LLMEngine
     from pagedllm.engine.async_engine import AsyncLLMEngine
     from pagedllm.server.api_server import Server, build_app
+    from pagedllm.server.config import ServerConfig
 
     engine = AsyncLLMEngine(LLMEngine(EngineConfig(**ENGINE_ARGS)), max_waiting_requests=256)
-    app = build_app(engine, served_model_names=[MODEL], api_key=KEY)
+    app = build_app(engine, ServerConfig(served_model_name=[MODEL], api_key=KEY))
     srv = Server(app, host="127.0.0.1", port=0, log_level="warning")
     srv.start_in_thread()
     port = srv.uvicorn.servers[0].sockets[0].getsockname()[1]
@@ -575,7 +576,7 @@ def one_slot_server():
 
     config = EngineConfig(**{**ENGINE_ARGS, "max_num_seqs": 1, "kv_cache_memory": 32 * 2**20})
     engine = AsyncLLMEngine(LLMEngine(config), max_waiting_requests=1)
-    with running_server(engine, served_model_names=[MODEL]) as s:
+    with running_server(engine, served_model_name=[MODEL]) as s:
         yield s
 
 

@@ -40,7 +40,7 @@ def fault_server(model_fp32):
         LLMEngine(EngineConfig(kv_cache_memory=tiny_kv_budget(), **FAULT_ENGINE_ARGS), loaded=model_fp32),
         max_waiting_requests=16,
     )
-    with running_server(engine, served_model_names=["m"], max_request_bytes=MAX_REQUEST_BYTES) as s:
+    with running_server(engine, served_model_name=["m"], max_request_bytes=MAX_REQUEST_BYTES) as s:
         yield s
 
 

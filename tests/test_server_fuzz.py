@@ -35,7 +35,7 @@ def fuzz_server(model_fp32):
         max_waiting_requests=16,
     )
     # the model also pools (POST /v1/embeddings), its requests batched with the generations
-    app_args = dict(served_model_names=["m"], max_request_bytes=256 * 1024, pooler=PoolerConfig())
+    app_args = dict(served_model_name=["m"], max_request_bytes=256 * 1024, pooler=PoolerConfig())
     with running_server(engine, **app_args) as s:
         yield s
 

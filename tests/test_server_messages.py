@@ -37,7 +37,7 @@ def server(model_fp32):
     config = EngineConfig(
         dtype="float32", max_model_len=512, kv_cache_memory=kv_budget(48), max_num_seqs=4, log_stats_interval=0
     )
-    with running_server(AsyncLLMEngine(LLMEngine(config, loaded=model_fp32)), served_model_names=["m"]) as s:
+    with running_server(AsyncLLMEngine(LLMEngine(config, loaded=model_fp32)), served_model_name=["m"]) as s:
         s.client = anthropic.Anthropic(base_url=s.base, api_key=KEY, max_retries=0)
         s.spec = s.http.get("/openapi.json").json()
         yield s

@@ -56,7 +56,7 @@ def server(model_fp32):
         speculative_config=SPEC,
     )
     engine = AsyncLLMEngine(LLMEngine(config, loaded=model_fp32))
-    with running_server(engine, served_model_names=["m"], reasoning_parser="qwen3") as s:
+    with running_server(engine, served_model_name=["m"], reasoning_parser="qwen3") as s:
         yield s
 
 

@@ -24,7 +24,7 @@ def _server(model_fp32, **app_args):
     from pagedllm.engine.async_engine import AsyncLLMEngine
 
     engine = AsyncLLMEngine(LLMEngine(EngineConfig(kv_cache_memory=kv_budget(48), **ENGINE_ARGS), loaded=model_fp32))
-    return running_server(engine, served_model_names=["m"], **app_args)
+    return running_server(engine, served_model_name=["m"], **app_args)
 
 
 @pytest.fixture(scope="module")

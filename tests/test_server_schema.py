@@ -55,7 +55,7 @@ def server(model_fp32):
     from pagedllm.engine.async_engine import AsyncLLMEngine
 
     core = LLMEngine(EngineConfig(kv_cache_memory=tiny_kv_budget(), **FAULT_ENGINE_ARGS), loaded=model_fp32)
-    with running_server(AsyncLLMEngine(core), served_model_names=["m"]) as s:
+    with running_server(AsyncLLMEngine(core), served_model_name=["m"]) as s:
         s.spec = s.http.get("/openapi.json").json()
         yield s
 

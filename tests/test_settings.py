@@ -10,7 +10,7 @@ import pytest
 from pagedllm.engine.config import CLI_ONLY_IN_PYTHON, EngineConfig, add_engine_args
 from pagedllm.entrypoints.cli import build_parser
 from pagedllm.errors import UserError
-from pagedllm.settings import flag_name
+from pagedllm.settings import cli_default, flag_name
 
 
 def _engine_actions(command: list[str]) -> dict[str, argparse.Action]:
@@ -128,7 +128,7 @@ def test_command_flags_are_generated_from_their_settings_classes(command, classe
     for cls in (getattr(m, c) for c in classes for m in modules if hasattr(m, c)):
         for name, info in cls.__pydantic_fields__.items():
             action = actions[name]
-            assert flag_name(name) in action.option_strings and action.default == info.default, name
+            assert flag_name(name) in action.option_strings and action.default == cli_default(info), name
             assert action.help == info.description and info.description, name
 
 

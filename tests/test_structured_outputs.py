@@ -104,7 +104,7 @@ def server(model_fp32):
             EngineConfig(kv_cache_memory=kv_budget(24), speculative_config=SPEC, **ENGINE_ARGS), loaded=model_fp32
         )
     )
-    with running_server(engine, served_model_names=["m"]) as s:
+    with running_server(engine, served_model_name=["m"]) as s:
         yield s
 
 

@@ -13,8 +13,9 @@ import pytest
 from engine_helpers import kv_budget
 from server_helpers import assert_error, assert_pool_whole, running_server, sse_events
 
-from pagedllm.entrypoints.serve_args import TOOL_PARSER_NAMES, add_serve_args, check_server_args
+from pagedllm.entrypoints.serve_args import add_serve_args, check_server_args
 from pagedllm.errors import UserError
+from pagedllm.server.config import TOOL_PARSER_NAMES
 from pagedllm.server.protocol import ToolMode
 from pagedllm.server.tool_parsers import (
     TOOL_PARSERS,
@@ -219,7 +220,7 @@ def test_the_flags_are_vllms_and_come_together():
     from pagedllm.entrypoints.serve_cluster import settings_from_args
 
     cluster = parser.parse_args(["--replicas", "2", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
-    assert settings_from_args(cluster)[2].tool_call_parser == "hermes"  # the cluster's ingress parses them
+    assert settings_from_args(cluster)[2].server.tool_call_parser == "hermes"  # the cluster's ingress parses them
     with pytest.raises(UserError, match="^--tool-call-parser: needs"):  # `serve run`'s builder checks it too
         settings_from_args(parser.parse_args(["--replicas", "2", "--tool-call-parser", "hermes"]))
 
@@ -258,7 +259,7 @@ def server(model_fp32):
     config = EngineConfig(
         dtype="float32", max_model_len=512, kv_cache_memory=kv_budget(48), max_num_seqs=4, log_stats_interval=0
     )
-    with running_server(AsyncLLMEngine(LLMEngine(config, loaded=model_fp32)), served_model_names=["m"]) as s:
+    with running_server(AsyncLLMEngine(LLMEngine(config, loaded=model_fp32)), served_model_name=["m"]) as s:
         yield s
 
 
@@ -340,7 +341,7 @@ def test_mistral_calls_behind_a_special_token_are_read_and_eos_never_shows(model
     body = {"messages": msgs, "tools": TOOLS, "max_tokens": 64, "temperature": 0}
     forced = {**body, "structured_outputs": {"grammar": grammar}}
     eos = {**body, "logit_bias": {str(i): 100 for i in model_fp32.tokenizer.eos_token_ids}}
-    with running_server(AsyncLLMEngine(LLMEngine(config, loaded=loaded)), served_model_names=["m"]) as s:
+    with running_server(AsyncLLMEngine(LLMEngine(config, loaded=loaded)), served_model_name=["m"]) as s:
         r = s.http.post("/v1/chat/completions", json=forced)
         assert r.status_code == 200, r.text
         choice = r.json()["choices"][0]
@@ -373,8 +374,8 @@ def test_an_ambiguous_template_needs_the_flag_and_the_flag_picks_the_format(serv
     assert_pool_whole(server)
 
 
-def test_build_app_refuses_an_unknown_parser():
-    from pagedllm.server.api_server import build_app
+def test_the_server_settings_refuse_an_unknown_parser():
+    from pagedllm.server.config import ServerConfig
 
-    with pytest.raises(UserError, match="--tool-call-parser: unknown 'nope'"):
-        build_app(None, served_model_names=["m"], tool_call_parser="nope")  # type: ignore[arg-type]
+    with pytest.raises(UserError, match="--tool-call-parser: input should be 'hermes'"):
+        ServerConfig(enable_auto_tool_choice=True, tool_call_parser="nope")  # type: ignore[arg-type]

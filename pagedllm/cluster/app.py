@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, Request, Response
 from ray import serve
 
+from pagedllm.cluster.config import ClusterConfig
 from pagedllm.cluster.ingress import ClusterEngine, IngressSettings, call, wait_for_info
 from pagedllm.cluster.loopback import replica_grpc_on_loopback
 from pagedllm.cluster.metrics import sum_stats, with_replica_labels
@@ -32,6 +33,7 @@ ENGINE_DEPLOYMENT = "PagedLLMEngine"
 INGRESS_DEPLOYMENT = "PagedLLMIngress"
 APP_NAME = "pagedllm"
 KV_EVENTS_POLL_S = 0.1  # kv-events routing: how often the ingress reads the replicas' new events
+MAX_PREFIX_BLOCKS = 64  # the router hashes a prompt's first 64 blocks (1,024 tokens of 16)
 
 cluster_routes = APIRouter()
 
@@ -97,25 +99,20 @@ def build_ingress_app(engine: ClusterEngine, settings: IngressSettings) -> FastA
     reasoning parsers, pooling and embedding model are the single server's: they all run here, in the ingress,
     over the replicas' outputs (the replicas only generate and pool)."""
     from pagedllm.server import serving_info
-    from pagedllm.server.api_server import DEFAULT_MAX_REQUEST_BYTES, build_app
+    from pagedllm.server.api_server import build_app
     from pagedllm.server.embedders import SentenceTransformerEmbedder
 
     models = APIRouter()
     models.add_api_route("/v1/models", serving_info.models, methods=["GET"], response_model=serving_info.ModelList)
-    embedders = [SentenceTransformerEmbedder(settings.embedding_model)] if settings.embedding_model else []
+    server = settings.server
+    embedders = [SentenceTransformerEmbedder(server.embedding_model)] if server.embedding_model else []
     return build_app(
         engine,
-        served_model_names=settings.served_model_names,
-        api_key=settings.api_key,
+        server,
         model_root=settings.model or settings.served_model_names[0],
-        max_request_bytes=settings.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES,
         state_routers=[cluster_routes, models],
         pooler=settings.pooler,
         embedders=embedders,
-        generate=settings.pooler is None,
-        tool_call_parser=settings.tool_call_parser,
-        reasoning_parser=settings.reasoning_parser,
-        trust_request_chat_template=settings.trust_request_chat_template,
     )
 
 
@@ -167,7 +164,7 @@ class Ingress:
             load_tokenizer(settings.model),
             load_model_config(settings.model),
             info.max_model_len,
-            settings.max_waiting_requests,
+            settings.server.max_waiting_requests,
         )
         self.fastapi = build_ingress_app(self.engine, settings)
         self._poller = None
@@ -178,31 +175,22 @@ class Ingress:
         return self.fastapi
 
 
-@dataclass(frozen=True)
-class ClusterOptions:
-    replicas: int
-    cpus_per_replica: float
-    num_gpus_per_replica: float
-    imbalance_threshold: int = 8
-    max_prefix_blocks: int = 64
-    log_level: str = "info"  # the replicas' and the ingress's; per-request access logs only at debug, as one server
-
-
-def build_application(config: EngineConfig, options: ClusterOptions, ingress: IngressSettings) -> Any:
+def build_application(config: EngineConfig, options: ClusterConfig, ingress: IngressSettings) -> Any:
     """The Serve application (a bound ingress over a bound engine deployment)."""
     from ray.serve.config import RequestRouterConfig
 
-    waiting = ingress.max_waiting_requests if ingress.max_waiting_requests is not None else config.max_num_seqs
+    server = ingress.server
+    waiting = server.max_waiting_requests if server.max_waiting_requests is not None else config.max_num_seqs
     settings = ReplicaSettings(
-        config, ingress.served_model_names[0], ingress.max_waiting_requests, max(1, int(options.cpus_per_replica))
+        config, ingress.served_model_names[0], server.max_waiting_requests, max(1, int(options.cpus_per_replica))
     )
-    logs = {"log_level": options.log_level.upper(), "enable_access_log": options.log_level == "debug"}
+    logs = {"log_level": server.log_level.upper(), "enable_access_log": server.log_level == "debug"}
     router: dict[str, Any] = dict(  # a dict: Ray 2.60 annotates these fields with the wrong types
         request_router_class="pagedllm.cluster.router.PagedLLMRouter",
         request_router_kwargs={
             "block_size": config.block_size,
-            "max_prefix_blocks": options.max_prefix_blocks,
-            "imbalance_threshold": options.imbalance_threshold,
+            "max_prefix_blocks": MAX_PREFIX_BLOCKS,
+            "imbalance_threshold": options.routing_imbalance_threshold,
         },
         request_routing_stats_period_s=2.0,
     )

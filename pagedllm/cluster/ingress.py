@@ -29,6 +29,7 @@ from pagedllm.engine.stats import AbortLog, EngineStats
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.tokenizer import Tokenizer
 from pagedllm.sampling_params import PoolingParams, SamplingParams
+from pagedllm.server.config import ServerConfig
 
 logger = logging.getLogger("pagedllm.cluster")
 
@@ -187,22 +188,20 @@ class ClusterEngine:
 
 @dataclass(frozen=True)
 class IngressSettings:
-    """The server flags the ingress needs (the replicas get the engine's): the OpenAI app's, as one server's.
+    """What the ingress needs (the replicas get the engine's settings): the model it tokenizes for, the OpenAI
+    app's settings as one server's (`server`, its names resolved), the routing policy of this front door, and
     `pooler`: --runner pooling, the replicas' model serves /v1/embeddings pooled this way (read from the model's
-    files before Ray starts) and no completions; `embedding_model`: the sentence-transformers model the ingress
-    serves on /v1/embeddings beside the replicas' generator (one copy, loaded in the ingress)."""
+    files before Ray starts) and no completions. The sentence-transformers model of --embedding-model is loaded
+    here, in the ingress, beside the replicas' generator (one copy)."""
 
     model: str | None
-    served_model_names: list[str]
-    routing: str = "prefix"  # the policy this front door's router follows
-    api_key: str | None = None
-    max_waiting_requests: int | None = None
-    max_request_bytes: int | None = None
-    reasoning_parser: str | None = None
-    trust_request_chat_template: bool = False
-    tool_call_parser: str | None = None
+    server: ServerConfig
+    routing: str = "prefix"
     pooler: PoolerConfig | None = None
-    embedding_model: str | None = None
+
+    @property
+    def served_model_names(self) -> list[str]:
+        return list(self.server.served_model_name or ["pagedllm"])
 
 
 async def wait_for_info(handle: Any, timeout: float = 600.0) -> ReplicaInfo:

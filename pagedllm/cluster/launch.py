@@ -80,7 +80,7 @@ def _local_resources(gpus: float) -> dict[str, float]:
 def serve_cluster(config: Any, options: Any, ingress: Any, host: str, port: int, ray_address: str | None) -> int:
     """Start (or join) Ray, deploy the application, serve until SIGINT / SIGTERM, then take it down: all of
     Ray if this call started it, only this application if it joined a cluster. Arguments: EngineConfig,
-    app.ClusterOptions, ingress.IngressSettings (typed loosely so that this module imports without Ray)."""
+    config.ClusterConfig, ingress.IngressSettings (typed loosely so that this module imports without Ray)."""
     from pagedllm.cluster.app import APP_NAME, build_application
 
     if not ray_address:  # before a local Ray takes its seconds to start

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -15,11 +14,11 @@ from pagedllm.entrypoints.serve_args import (
     check_can_listen,
     check_cluster_args,
     check_server_args,
-    served_names,
 )
 from pagedllm.errors import UserError
 
 if TYPE_CHECKING:
+    from pagedllm.server.config import ServerConfig
     from pagedllm.server.embedders import Embedder
 
 
@@ -40,60 +39,53 @@ def run(args: argparse.Namespace) -> int:
     from pagedllm.engine.config import EngineConfig
     from pagedllm.entrypoints.serve_cluster import run_cluster
 
-    check_server_args(args)
     if args.replicas is not None:
         return run_cluster(args)
+    server_config = check_server_args(args)
     check_cluster_args(args)
-    check_can_listen(args.host, args.port)  # before the model load, not after it
-    api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
+    check_can_listen(server_config.host, server_config.port)  # before the model load, not after it
     config = EngineConfig.from_args(args)
 
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=getattr(logging, server_config.log_level.upper()), format="%(levelname)s %(name)s: %(message)s"
+    )
     from pagedllm.engine.async_engine import AsyncLLMEngine
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.engine.pooling import read_pooler_config
-    from pagedllm.server.api_server import DEFAULT_MAX_REQUEST_BYTES, Server, build_app
+    from pagedllm.server.api_server import Server, build_app
 
     rag = None
-    if args.rag_index:
+    if server_config.rag_index:
         from pagedllm.rag import RagPipeline
 
-        rag = RagPipeline(args.rag_index, top_k=args.rag_top_k, layout=args.rag_layout, kv_blend=args.rag_kv_blend)
-    names = served_names(args)
+        s = server_config
+        rag = RagPipeline(s.rag_index, top_k=s.rag_top_k, layout=s.rag_layout, kv_blend=s.rag_kv_blend)
+    names = server_config.served_model_name or []
     print(f"pagedllm serve: loading {args.model or DEFAULT_SERVED_NAME} ...", file=sys.stderr, flush=True)
-    embedders = load_embedders(args)  # before the generator: a bad path fails in seconds, not after its load
+    embedders = load_embedders(server_config)  # before the generator: a bad path fails in seconds, not after its load
     core = LLMEngine(config)
-    engine = AsyncLLMEngine(core, max_waiting_requests=args.max_waiting_requests)
+    engine = AsyncLLMEngine(core, max_waiting_requests=server_config.max_waiting_requests)
+    pooler = None if server_config.generate else read_pooler_config(core.loaded.path)
     app = build_app(
-        engine,
-        served_model_names=names,
-        api_key=api_key,
-        model_root=args.model or names[0],
-        rag=rag,
-        max_request_bytes=args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES,
-        pooler=read_pooler_config(core.loaded.path) if args.runner == "pooling" else None,
-        embedders=embedders,
-        generate=args.runner != "pooling",
-        tool_call_parser=args.tool_call_parser,
-        reasoning_parser=args.reasoning_parser,
-        trust_request_chat_template=args.trust_request_chat_template,
+        engine, server_config, model_root=args.model or names[0], rag=rag, pooler=pooler, embedders=embedders
     )
-    server = Server(app, host=args.host, port=args.port, log_level=args.log_level)
+    host, port = server_config.host, server_config.port
+    server = Server(app, host=host, port=port, log_level=server_config.log_level)
     print(
-        f"pagedllm serve: serving {', '.join(names)} on http://{args.host}:{args.port} "
-        f"(max_model_len {engine.max_model_len}{', API key required' if api_key else ''})",
+        f"pagedllm serve: serving {', '.join(names)} on http://{host}:{port} "
+        f"(max_model_len {engine.max_model_len}{', API key required' if server_config.api_key else ''})",
         file=sys.stderr,
         flush=True,
     )
     status = server.run()
     if server.uvicorn.started is False and not server.uvicorn.should_exit:
-        raise UserError(f"could not start the server on {args.host}:{args.port}")
+        raise UserError(f"could not start the server on {host}:{port}")
     return status
 
 
-def load_embedders(args: argparse.Namespace) -> list[Embedder]:
+def load_embedders(config: ServerConfig) -> list[Embedder]:
     """--embedding-model: a sentence-transformers model served next to the generator (`--runner pooling` makes
     the generator's own model the embedder instead: build_app's `pooler`)."""
     from pagedllm.server.embedders import SentenceTransformerEmbedder
 
-    return [SentenceTransformerEmbedder(args.embedding_model)] if args.embedding_model else []
+    return [SentenceTransformerEmbedder(config.embedding_model)] if config.embedding_model else []

@@ -9,56 +9,30 @@ and the single-process server's flags all still apply. Nothing here imports Ray 
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Any
 
-from pagedllm.entrypoints.serve_args import (
-    add_serve_args,
-    check_can_listen,
-    check_cluster_args,
-    check_server_args,
-    served_names,
-)
+from pagedllm.cluster.config import ClusterConfig
+from pagedllm.entrypoints.serve_args import add_serve_args, check_can_listen, check_cluster_args, check_server_args
 
 
-def settings_from_args(args: argparse.Namespace) -> tuple[Any, Any, Any]:
-    """(EngineConfig, ClusterOptions, IngressSettings) from checked flags; the model is looked up here, before
-    Ray starts, so a bad path is one line and not a replica that fails to start over and over."""
-    from pagedllm.cluster.app import ClusterOptions
+def settings_from_args(args: argparse.Namespace) -> tuple[Any, ClusterConfig, Any]:
+    """(EngineConfig, ClusterConfig, IngressSettings) from the flags, checked once here; the model is looked up
+    here, before Ray starts, so a bad path is one line and not a replica that fails to start over and over."""
     from pagedllm.cluster.ingress import IngressSettings
     from pagedllm.engine.config import EngineConfig
     from pagedllm.engine.pooling import read_pooler_config
     from pagedllm.model.config import load_model_config, resolve_model_path
     from pagedllm.server.embedders import embedding_model_path
 
-    check_server_args(args)
-    check_cluster_args(args)
+    server = check_server_args(args)
+    cluster = check_cluster_args(args)
+    assert cluster is not None, "the cluster runs only with --replicas"
     config = EngineConfig.from_args(args)
     load_model_config(args.model)
-    if args.embedding_model:
-        embedding_model_path(args.embedding_model)  # a bad path is one line here, before Ray starts
-    pooler = read_pooler_config(resolve_model_path(args.model)) if args.runner == "pooling" else None
-    options = ClusterOptions(
-        args.replicas,
-        args.cpus_per_replica or 1.0,
-        args.num_gpus_per_replica or 0.0,
-        8 if args.routing_imbalance_threshold is None else args.routing_imbalance_threshold,
-        log_level=args.log_level,
-    )
-    ingress = IngressSettings(
-        args.model,
-        served_names(args),
-        args.routing or "prefix",
-        args.api_key or os.environ.get("PAGEDLLM_API_KEY"),
-        args.max_waiting_requests,
-        getattr(args, "max_request_bytes", None),
-        args.reasoning_parser,
-        args.trust_request_chat_template,
-        args.tool_call_parser,
-        pooler,
-        args.embedding_model,
-    )
-    return config, options, ingress
+    if server.embedding_model:
+        embedding_model_path(server.embedding_model)  # a bad path is one line here, before Ray starts
+    pooler = None if server.generate else read_pooler_config(resolve_model_path(args.model))
+    return config, cluster, IngressSettings(args.model, server, cluster.routing, pooler)
 
 
 def parse_builder_args(values: dict[str, str]) -> argparse.Namespace:
@@ -80,9 +54,10 @@ def run_cluster(args: argparse.Namespace) -> int:
     """Start (or join) Ray, deploy the application, serve until SIGINT / SIGTERM (`cluster.launch`)."""
     from pagedllm.cluster.launch import serve_cluster
 
-    config, options, ingress = settings_from_args(args)
-    check_can_listen(args.host, args.port)
-    return serve_cluster(config, options, ingress, args.host, args.port, args.ray_address)
+    config, cluster, ingress = settings_from_args(args)
+    host, port = ingress.server.host, ingress.server.port
+    check_can_listen(host, port)
+    return serve_cluster(config, cluster, ingress, host, port, cluster.ray_address)
 
 
 def app_builder(args: dict[str, str]) -> Any:
@@ -90,5 +65,5 @@ def app_builder(args: dict[str, str]) -> Any:
     checked the same way (replicas=2 is --replicas 2; a flag without a value is key=true)."""
     from pagedllm.cluster.app import build_application
 
-    config, options, ingress = settings_from_args(parse_builder_args(args))
-    return build_application(config, options, ingress)
+    config, cluster, ingress = settings_from_args(parse_builder_args(args))
+    return build_application(config, cluster, ingress)

@@ -20,7 +20,6 @@ from fastapi.openapi.utils import get_openapi
 
 from pagedllm.engine.pooling import PoolerConfig
 from pagedllm.engine.protocol import AsyncEngine
-from pagedllm.errors import UserError
 from pagedllm.server import (
     serving_chat,
     serving_completion,
@@ -31,6 +30,7 @@ from pagedllm.server import (
     serving_responses,
     serving_tokenization,
 )
+from pagedllm.server.config import ServerConfig
 from pagedllm.server.embedders import Embedder, EngineEmbedder
 from pagedllm.server.errors import install_error_handlers
 from pagedllm.server.kv_page import router as kv_page_router
@@ -40,44 +40,33 @@ from pagedllm.server.protocol_responses import ResponseStreamEvent
 from pagedllm.server.reasoning import REASONING_PARSERS
 from pagedllm.server.serving_engine import ServingContext
 from pagedllm.server.streaming import STREAM_RESPONSES
-from pagedllm.server.tool_parsers import TOOL_PARSERS
 
 if TYPE_CHECKING:
     from pagedllm.rag import RagPipeline
 
 logger = logging.getLogger("pagedllm.server")
 
-DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
-
 
 def build_app(
     engine: AsyncEngine,
+    config: ServerConfig | None = None,
     *,
-    served_model_names: list[str] | None = None,
-    api_key: str | None = None,
     model_root: str | None = None,
     rag: RagPipeline | None = None,
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     state_routers: Sequence[APIRouter] | None = None,
     pooler: PoolerConfig | None = None,
     embedders: Sequence[Embedder] = (),
-    generate: bool = True,
-    tool_call_parser: str | None = None,
-    reasoning_parser: str | None = None,
-    trust_request_chat_template: bool = False,
 ) -> FastAPI:
-    """The FastAPI app over a (not necessarily started) async engine; the app starts and stops the engine.
-    `rag` adds POST /v1/rag/chat/completions. `state_routers`: the routes that show the engine's state (default:
-    /health, /metrics, /v1/models, /v1/kv and the /kv block map, of one engine); a cluster answers them per
-    replica instead. `pooler`: the engine's model also serves /v1/embeddings under its names, pooled that way
-    (`--runner pooling`, where `generate` is False: no completion routes); `embedders`: other embedding models
-    (`--embedding-model`). `tool_call_parser`: the format of tool_choice "auto" (`tool_parsers.TOOL_PARSERS`;
-    default: the one the chat template asks for). `reasoning_parser` (qwen3, deepseek_r1: reasoning.py) returns
-    the thinking apart; `trust_request_chat_template` lets requests bring their own chat template."""
-    if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
-        raise UserError(f"--tool-call-parser: unknown {tool_call_parser!r}; one of {', '.join(TOOL_PARSERS)}")
+    """The FastAPI app over a (not necessarily started) async engine, as `config` (the server's settings, the
+    flags of `pagedllm serve`) says; the app starts and stops the engine. `model_root`: the model's path, where
+    the names in /v1/models are rooted (default: the engine's model name). `rag` adds POST
+    /v1/rag/chat/completions. `state_routers`: the routes that show the engine's state (default: /health,
+    /metrics, /v1/models, /v1/kv and the /kv block map, of one engine); a cluster answers them per replica
+    instead. `pooler`: the engine's model also serves /v1/embeddings under its names, pooled that way (with
+    `--runner pooling` no completion routes); `embedders`: other embedding models (`--embedding-model`)."""
+    config = config or ServerConfig()
     root = model_root or engine.model_config.name or "pagedllm"
-    names = list(served_model_names or [root])
+    names = list(config.served_model_name or [root])
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -89,25 +78,25 @@ def build_app(
 
     app = FastAPI(title="pagedllm OpenAI-compatible server", lifespan=lifespan)
     app.state.engine = engine
-    reasoning = REASONING_PARSERS[reasoning_parser] if reasoning_parser is not None else None
+    reasoning = REASONING_PARSERS[config.reasoning_parser] if config.reasoning_parser is not None else None
     app.state.serving = ServingContext(
         engine,
         names,
         root,
-        tool_call_parser=tool_call_parser,
+        tool_call_parser=config.tool_call_parser,
         reasoning=reasoning,
-        trust_request_chat_template=trust_request_chat_template,
+        trust_request_chat_template=config.trust_request_chat_template,
     )
     app.state.rag = rag
     own = [EngineEmbedder(app.state.serving, pooler)] if pooler is not None else []
     app.state.embedders = [*own, *embedders]
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]  # FastAPI's documented way to extend it
     install_error_handlers(app)
-    _include_routes(app, state_routers, generate, rag is not None)
+    _include_routes(app, state_routers, config.generate, rag is not None)
     app.add_middleware(InternalErrorMiddleware)
-    app.add_middleware(RequestBodyMiddleware, max_bytes=max_request_bytes)
-    if api_key:
-        app.add_middleware(AuthMiddleware, api_key=api_key)
+    app.add_middleware(RequestBodyMiddleware, max_bytes=config.max_request_bytes)
+    if config.api_key:
+        app.add_middleware(AuthMiddleware, api_key=config.api_key)
     return app
 
 

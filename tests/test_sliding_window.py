@@ -187,9 +187,9 @@ def test_kv_page_shows_the_groups_and_no_skipped_block(sliding):
     for _ in range(5):  # 160 of its 200 prompt tokens computed: all but the last window's blocks given back
         engine.step()
     data = KVBlocksResponse.model_validate(block_map(take_snapshot(engine))).model_dump()
-    assert data["kv_groups"] == [{"window": WINDOW, "layers": [0, 1], "frees_blocks": True}]
-    (req,) = data["requests"]
     held = engine.kv.num_used_blocks
+    assert data["kv_groups"] == [{"window": WINDOW, "layers": [0, 1], "frees_blocks": True, "blocks": held}]
+    (req,) = data["requests"]
     assert req["skipped_blocks"] == len(engine.kv.get_block_ids(req["request_id"])) - held > 0
     # block 0 was its first block: now free, still caching its prefix, and not drawn as held by it
     assert len(req["block_ids"]) == held and 0 not in req["block_ids"]
@@ -242,7 +242,7 @@ def test_disk_tier_serves_a_sliding_model(sliding, tmp_path):
 @pytest.mark.parametrize("attention", [pytest.param("torch"), pytest.param("", marks=needs_kernel)])
 def test_mixed_sliding_and_full_layers(tmp_path, attention, monkeypatch):
     """Qwen2 with layer 0 full and layer 1 sliding (max_window_layers 1): each layer masks by its own window,
-    equal to transformers; the pool frees nothing early (a full layer still reads every block)."""
+    equal to transformers; each is its own KV-cache group (the sliding one's old blocks go back)."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     cfg = Qwen2Config(

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from pagedllm.kv.block_pool import KVBlock
 from pagedllm.kv.hashing import BlockHash, hash_segment_blocks
-from pagedllm.kv.manager import KVCacheManager, PagedKVCacheManager
+from pagedllm.kv.manager import KVCacheBlocks, KVCacheManager, PagedKVCacheManager
 from pagedllm.sampling_params import SamplingParamsError
 
 if TYPE_CHECKING:
@@ -104,11 +104,11 @@ class BlendState:
 
 def _blending(req: Request, kv: KVCacheManager) -> BlendState | None:
     blend = req.blend
-    usable = isinstance(kv, PagedKVCacheManager) and kv.enable_caching and kv.sliding_window is None
+    usable = isinstance(kv, PagedKVCacheManager) and kv.segments is not None  # one full group, caching on
     return blend if blend is not None and usable and req.reads_prefix_cache else None
 
 
-def plan(req: Request, kv: KVCacheManager, hits: list[KVBlock], num_cached: int) -> None:
+def plan(req: Request, kv: KVCacheManager, hits: KVCacheBlocks, num_cached: int) -> None:
     """At admission, after the prefix-cache lookup found `hits` (`num_cached` tokens): which spans to copy, with
     their stored blocks held. The last prompt token is always computed (its logits give the first output token).
     The hits are pinned meanwhile: a segment read from the disk tier takes a free block, and the free hits are
@@ -121,11 +121,11 @@ def plan(req: Request, kv: KVCacheManager, hits: list[KVBlock], num_cached: int)
     if blend.recompute >= 1.0:
         return
     assert isinstance(kv, PagedKVCacheManager)
-    kv.pin(hits)
+    kv.pin(list(hits))
     try:
         _plan_copies(req, blend, kv, num_cached)
     finally:
-        kv.unpin(hits)
+        kv.unpin(list(hits))
 
 
 def _plan_copies(req: Request, blend: BlendState, kv: PagedKVCacheManager, num_cached: int) -> None:

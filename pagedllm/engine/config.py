@@ -57,6 +57,9 @@ class EngineConfig:
     kv_allocation: Literal["paged", "contiguous"] = "paged"
     """paged (the default): blocks handed out as a request grows; contiguous: each request reserves
     max-model-len tokens at admission, the baseline paging is measured against"""
+    disable_hybrid_kv_cache_manager: bool = False
+    """one block table for every layer of a model that mixes sliding and full attention (vLLM's): no block goes
+    back before its request ends (default: a table per KV-cache group, the sliding groups' old blocks freed)"""
     kv_cache_memory: Annotated[Bytes, Field(gt=0)] | None = None
     """KV cache size in bytes, e.g. 2GiB (wins over --gpu-memory-utilization); default on CPU: half the memory
     free after loading the weights, at most 2 GiB; on GPU: see --gpu-memory-utilization"""

@@ -54,8 +54,7 @@ def forward_each(
     unwritten: set[int] = set()
     out = Forwarded()
     for req, n in scheduled:
-        held = kv.get_block_ids(req.request_id)[kv.num_skipped_blocks(req.request_id) :]  # not the null entries
-        if unwritten.intersection(held):
+        if unwritten.intersection(kv.held_block_ids(req.request_id)):  # every group's, not the null entries
             scheduler.requeue(req)
             continue
         try:

@@ -25,6 +25,7 @@ class RequestState:
     num_preemptions: int
     block_ids: list[int] = field(default_factory=list)  # its block table, without the skipped entries
     skipped_blocks: int = 0  # leading table entries given back to the pool: out of the sliding window
+    group_blocks: list[int] = field(default_factory=list)  # blocks it holds in each KV-cache group
 
 
 @dataclass
@@ -45,7 +46,8 @@ class KVSnapshot:
     # prompt_tokens, generation_tokens.
     counters: dict[str, int] = field(default_factory=dict)
     kv_cache_dtype: str = "float32"  # what a cached value is stored as (--kv-cache-dtype, resolved)
-    # The KV-cache groups (layers that attend alike): {"window": int | None, "layers": [...], "frees_blocks": bool}
+    # The KV-cache groups, each with its own block tables: {"window": int | None, "layers": [...], "frees_blocks":
+    # bool, "blocks": blocks the running requests hold in it}
     kv_groups: list[dict] = field(default_factory=list)
 
 
@@ -88,15 +90,23 @@ def take_snapshot(
         num_waiting=len(sched.waiting),
         counters=counters,
         kv_cache_dtype=str(engine.kv_dtype).removeprefix("torch."),
-        kv_groups=[
-            {
-                "window": g.window,
-                "layers": list(g.layers),
-                "frees_blocks": getattr(kv, "sliding_window", None) is not None,
-            }
-            for g in getattr(engine, "kv_groups", ())
-        ],
+        kv_groups=_groups(engine, running),
     )
+
+
+def _groups(engine: Any, running: list[RequestState]) -> list[dict]:
+    layout = getattr(engine, "kv_layout", None)
+    if layout is None:
+        return []
+    return [
+        {
+            "window": g.window,
+            "layers": list(g.layers),
+            "frees_blocks": g.window is not None,
+            "blocks": sum(r.group_blocks[i] for r in running if i < len(r.group_blocks)),
+        }
+        for i, g in enumerate(layout.groups)
+    ]
 
 
 def _request_state(req: Any, kv: Any) -> RequestState:
@@ -111,6 +121,7 @@ def _request_state(req: Any, kv: Any) -> RequestState:
         req.num_preemptions,
         kv.get_block_ids(req.request_id)[skipped:],
         skipped,
+        kv.group_block_counts(req.request_id),
     )
 
 

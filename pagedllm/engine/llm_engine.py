@@ -19,7 +19,7 @@ from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.disk_tier import open_disk_tier
 from pagedllm.engine.fault_isolation import Computed, Scheduled, forward_guarded, sample_guarded
 from pagedllm.engine.input_checks import bad_words_token_ids, check_params, encode_prompt
-from pagedllm.engine.memory import log_kv_cache, num_kv_blocks, resolve_device
+from pagedllm.engine.memory import kv_layout, log_kv_cache, num_kv_blocks, resolve_device
 from pagedllm.engine.outputs import RequestMetrics, RequestOutput
 from pagedllm.engine.pooling import PoolingState
 from pagedllm.engine.request import Request
@@ -31,9 +31,8 @@ from pagedllm.engine.structured_output import GrammarCompiler, RequestGrammar
 from pagedllm.errors import UserError
 from pagedllm.kv.events import KVEventLog
 from pagedllm.kv.hashing import segment_root
-from pagedllm.kv.manager import make_kv_cache_manager
+from pagedllm.kv.manager import PagedKVCacheManager, make_kv_cache_manager
 from pagedllm.kv.offload import DiskKVTier
-from pagedllm.kv.sizing import freeing_window, kv_cache_groups
 from pagedllm.model.kv_quant import QUANT_KV_DTYPES
 from pagedllm.model.loader import DTYPES, LoadedModel, load_model
 from pagedllm.model.runner import ModelRunner, SeqChunk
@@ -89,23 +88,21 @@ class LLMEngine:
             if config.kv_cache_dtype == "auto"
             else {**DTYPES, **QUANT_KV_DTYPES}[config.kv_cache_dtype]
         )
-        num_blocks = num_kv_blocks(config, self.loaded, self.max_model_len, self.kv_dtype)
-        self.runner = ModelRunner(self.loaded, num_blocks, self.block_size, self.kv_dtype)
-        self.kv_groups = kv_cache_groups([cfg.layer_window(i) for i in range(cfg.num_layers)])
+        self.kv_layout = kv_layout(cfg, config)
+        self.kv_groups = self.kv_layout.kinds()  # one per kind of layer (the pool's groups split them evenly)
+        num_blocks = num_kv_blocks(config, self.loaded, self.max_model_len, self.kv_dtype, layout=self.kv_layout)
+        self.runner = ModelRunner(self.loaded, num_blocks, self.block_size, self.kv_dtype, layout=self.kv_layout)
         self.kv = make_kv_cache_manager(
             config.kv_allocation,
             num_blocks,
             self.block_size,
             self.max_model_len,
             config.enable_prefix_caching,
-            freeing_window(self.kv_groups),
+            self.kv_layout,
         )
         if config.enable_kv_cache_events:
             self.kv.pool.events = KVEventLog(self.block_size, device.type.upper())
-        self.disk_tier: DiskKVTier | None = None
-        if config.kv_offload_dir is not None:  # the config allows it with the paged manager only
-            self.disk_tier = open_disk_tier(config.kv_offload_dir, config.kv_offload_size, self.runner, self.block_size)
-            self.kv.attach_disk_tier(self.disk_tier, self.runner)
+        self.disk_tier = self._attach_connectors(config)
         spec = config.speculative_config
         self.scheduler = Scheduler(
             self.kv,
@@ -116,7 +113,7 @@ class LLMEngine:
         )
         self.spec_stats = SpecDecodeStats()
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size)
-        log_kv_cache(cfg, config, num_blocks, self.kv_dtype)
+        log_kv_cache(cfg, config, num_blocks, self.kv_dtype, self.kv_layout)
 
         self.parents: dict[str, _Parent] = {}
         self.requests: dict[str, Request] = {}  # child id -> request, while unfinished
@@ -125,6 +122,16 @@ class LLMEngine:
         self.num_steps = 0
         self._stats_logger = StatsLogger(config.log_stats_interval)
         torch.manual_seed(config.seed)
+
+    def _attach_connectors(self, config: EngineConfig) -> DiskKVTier | None:
+        """What plugs in behind the KV manager's connector seam: the disk tier, kv_blend's segment store."""
+        disk = None
+        if config.kv_offload_dir is not None:  # the config allows it with the paged manager only
+            disk = open_disk_tier(config.kv_offload_dir, config.kv_offload_size, self.runner, self.block_size)
+            self.kv.attach_disk_tier(disk, self.runner)
+        if isinstance(self.kv, PagedKVCacheManager):
+            self.kv.enable_segments()  # where the model allows it (one full-attention group)
+        return disk
 
     # ---- requests -----------------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
@@ -268,11 +275,13 @@ class LLMEngine:
         end = req.num_computed_tokens + n
         start = req.num_computed_tokens + _pending_copy(req)
         keep = req.logits_from is not None and end > req.logits_from
+        tables = self.kv.get_group_block_ids(req.request_id)
         return SeqChunk(
             req.all_token_ids[start:end] + req.spec_token_ids,
             start,
-            self.kv.get_block_ids(req.request_id),
+            tables[0],
             req.wants_prompt_logits or bool(req.spec_token_ids) or keep,
+            tables if len(tables) > 1 else None,
         )
 
     def _forward(self, scheduled: Scheduled) -> list[torch.Tensor]:

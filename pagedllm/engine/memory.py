@@ -13,14 +13,9 @@ import torch
 
 from pagedllm.engine.config import EngineConfig
 from pagedllm.errors import UserError
+from pagedllm.kv.kv_spec import KVCacheLayout
 from pagedllm.kv.manager import cdiv
-from pagedllm.kv.sizing import (
-    blocks_for_budget,
-    cpu_kv_budget,
-    freeing_window,
-    kv_cache_groups,
-    kv_dtype_bytes_per_token,
-)
+from pagedllm.kv.sizing import blocks_for_budget, cpu_kv_budget, kv_dtype_bytes_per_token
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.loader import LoadedModel
 from pagedllm.model.runner import ModelRunner, SeqChunk, bytes_per_block
@@ -57,16 +52,23 @@ def resolve_device(device: str) -> torch.device:
         raise UserError(f"--device: {e}") from None
 
 
+def kv_layout(cfg: ModelConfig, config: EngineConfig) -> KVCacheLayout:
+    """The engine's KV-cache groups: a table per group under paged allocation, unless
+    --disable-hybrid-kv-cache-manager (or contiguous allocation, which reserves everything anyway) asks for one."""
+    return cfg.kv_layout(hybrid=config.kv_allocation == "paged" and not config.disable_hybrid_kv_cache_manager)
+
+
 def num_kv_blocks(
     config: EngineConfig,
     loaded: LoadedModel,
     max_model_len: int,
     kv_dtype: torch.dtype,
     available: Callable[[], int] | None = None,
+    layout: KVCacheLayout | None = None,
 ) -> int:
-    """Blocks of `config.block_size` tokens the budget holds; a budget that cannot serve is a UserError naming
-    the flag to change."""
-    per_block = bytes_per_block(loaded.config, config.block_size, kv_dtype)
+    """Blocks of `config.block_size` tokens the budget holds (a block spans the layout's layers per block); a
+    budget that cannot serve is a UserError naming the flag to change."""
+    per_block = bytes_per_block(loaded.config, config.block_size, kv_dtype, layout)
     budget = kv_budget(config, loaded, max_model_len, kv_dtype, available)
     return blocks_for_budget(budget, per_block, config.block_size, max_model_len, config.kv_allocation)
 
@@ -121,9 +123,11 @@ def profile_memory(loaded: LoadedModel, num_tokens: int, block_size: int, kv_dty
     return psutil.virtual_memory().total, psutil.Process().memory_info().rss
 
 
-def log_kv_cache(cfg: ModelConfig, config: EngineConfig, num_blocks: int, kv_dtype: torch.dtype) -> None:
+def log_kv_cache(
+    cfg: ModelConfig, config: EngineConfig, num_blocks: int, kv_dtype: torch.dtype, layout: KVCacheLayout
+) -> None:
     """The start-up lines on the cache: its size, and what a token costs in each --kv-cache-dtype."""
-    per_block = bytes_per_block(cfg, config.block_size, kv_dtype)
+    per_block = bytes_per_block(cfg, config.block_size, kv_dtype, layout)
     logger.info(
         "KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB %s, %d bytes/token, %s allocation, prefix caching %s)",
         num_blocks,
@@ -135,20 +139,18 @@ def log_kv_cache(cfg: ModelConfig, config: EngineConfig, num_blocks: int, kv_dty
         config.kv_allocation,
         "on" if config.enable_prefix_caching else "off",
     )
+    layers = layout.num_kv_layers
     logger.info(
         "KV bytes/token by --kv-cache-dtype: %s",
         ", ".join(
-            f"{name} {kv_dtype_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, name):,}"
+            f"{name} {kv_dtype_bytes_per_token(layers, cfg.num_kv_heads, cfg.head_dim, name):,}"
             for name in ("float32", "bfloat16", "int8", "fp8")
         ),
     )
-    groups = kv_cache_groups([cfg.layer_window(i) for i in range(cfg.num_layers)])
-    if any(g.window is not None for g in groups):
-        window = freeing_window(groups)
+    if len(layout.groups) > 1 or layout.groups[0].window is not None:
         logger.info(
-            "KV-cache groups: %s; %s",
-            ", ".join(f"{g.name} ({len(g.layers)} layers)" for g in groups),
-            f"blocks out of the {window}-token window go back to the pool"
-            if window is not None
-            else "sliding and full layers share one block table: no block is freed before its request ends",
+            "KV-cache groups: %d of %d layers per block, each its own block table: %s",
+            len(layout.groups),
+            layout.layers_per_block,
+            ", ".join(f"{g.name} ({len(g.layers)} layers)" for g in layout.kinds()),
         )

@@ -19,7 +19,7 @@ from typing import Literal
 from pagedllm.engine.blend import plan, step_size
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.spec_decode import NgramDrafter
-from pagedllm.kv.manager import KVCacheManager
+from pagedllm.kv.manager import KVCacheBlocks, KVCacheManager
 
 
 @dataclass
@@ -158,13 +158,15 @@ class Scheduler:
         self.peak_running = max(self.peak_running, len(self.running))
         return out
 
-    def _lookup(self, req: Request) -> tuple[list, int]:
+    def _lookup(self, req: Request) -> tuple[KVCacheBlocks, int]:
         """A waiting request's prefix-cache hit (none where every prompt position must be computed, nor past a
         position whose logits it keeps), and its kv_blend plan: the passages' stored KV to copy, held."""
-        blocks, num_cached = self.kv.get_computed_blocks(req) if req.reads_prefix_cache else ([], 0)
+        if req.reads_prefix_cache:
+            blocks, num_cached = self.kv.get_computed_blocks(req)
+        else:
+            blocks, num_cached = KVCacheBlocks.empty(self.kv.num_groups), 0
         if req.logits_from is not None and num_cached > req.logits_from:
-            blocks = blocks[: req.logits_from // self.kv.block_size]
-            num_cached = len(blocks) * self.kv.block_size
+            blocks, num_cached = self.kv.shorten_hit(req, req.logits_from)  # every group's hit, shorter
         plan(req, self.kv, blocks, num_cached)
         return blocks, num_cached
 

@@ -9,14 +9,13 @@ from pagedllm.errors import UserError
 from pagedllm.kv.manager import cdiv
 from pagedllm.kv.sizing import (
     DTYPE_BYTES,
-    freeing_window,
-    kv_cache_groups,
+    kv_bytes_per_block,
     kv_dtype_bytes_per_token,
+    layout_blocks,
     num_blocks_in_budget,
     paged_slots,
     parse_memory_size,
     requests_that_fit,
-    window_blocks,
 )
 
 SOURCE = (
@@ -156,22 +155,38 @@ def _kv_dtype(args: argparse.Namespace) -> str:
 
 
 def _report_groups(cfg, dtype: str, block_size: int, max_len: int) -> None:
-    """Bytes per token of each KV-cache group (layers with the same window), and the blocks a request of --max-len
-    tokens holds where the pool frees what fell out of the window (every layer sliding alike)."""
-    groups = kv_cache_groups([cfg.layer_window(i) for i in range(cfg.num_layers)])
+    """Bytes per token of each kind of layer (the same window), and the blocks a request of --max-len tokens holds
+    in each KV-cache group of the pool (each its own table: a sliding group gives back what fell out of its
+    window, the full group keeps its own)."""
+    layout = cfg.kv_layout(hybrid=True)
     print("KV-cache groups (layers that attend alike):")
-    for g in groups:
+    for g in layout.kinds():
         per = kv_dtype_bytes_per_token(len(g.layers), cfg.num_kv_heads, cfg.head_dim, dtype)
         print(f"  {g.name}: {len(g.layers)} layers, {per:,} bytes per token")
-    window = freeing_window(groups)
-    held = window_blocks(max_len, window, block_size)
-    if window is not None:
-        print(
-            f"a request of {max_len:,} tokens holds {held:,} blocks (not {cdiv(max_len, block_size):,}): "
-            f"blocks out of the {window:,}-token window go back to the pool"
-        )
-    elif len(groups) > 1:
-        print("mixed sliding and full layers share one block table: no block is freed before the request ends")
+    shared = cfg.num_layers - layout.num_kv_layers
+    if shared:
+        print(f"  {shared} layers read an earlier layer's KV (shared KV): no blocks of their own")
+    held = layout_blocks(layout, max_len, block_size)
+    if len(layout.groups) == 1:
+        window = layout.groups[0].window
+        if window is not None:
+            print(
+                f"a request of {max_len:,} tokens holds {held[0]:,} blocks (not {cdiv(max_len, block_size):,}): "
+                f"blocks out of the {window:,}-token window go back to the pool"
+            )
+        return
+    per_block = kv_bytes_per_block(layout.layers_per_block, cfg.num_kv_heads, cfg.head_dim, dtype, block_size)
+    print(
+        f"the pool: blocks of {layout.layers_per_block} layers ({per_block:,} bytes per block of {block_size}), "
+        f"{len(layout.groups)} groups with a block table each; a request of {max_len:,} tokens holds:"
+    )
+    for i, (g, n) in enumerate(zip(layout.groups, held)):
+        print(f"  group {i} ({g.name}, layers {', '.join(map(str, g.layers))}): {n:,} blocks")
+    total = sum(held) * per_block
+    one_table = cdiv(max_len, block_size) * kv_bytes_per_block(
+        layout.num_kv_layers, cfg.num_kv_heads, cfg.head_dim, dtype, block_size
+    )
+    print(f"  in all {sum(held):,} blocks = {total:,} bytes, {total / one_table:.2f} of one table for every layer")
 
 
 def _report_model(model: str, dtype: str, block_size: int, max_len: int, used: list[int], budget: int | None) -> None:
@@ -179,8 +194,8 @@ def _report_model(model: str, dtype: str, block_size: int, max_len: int, used: l
 
     cfg = load_model_config(None if model == "default" else model)
 
-    def per_token_of(name: str) -> int:
-        return kv_dtype_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, name)
+    def per_token_of(name: str) -> int:  # the layers that store KV (a shared layer stores none)
+        return kv_dtype_bytes_per_token(cfg.kv_layout().num_kv_layers, cfg.num_kv_heads, cfg.head_dim, name)
 
     per_token = per_token_of(dtype)
     per_block = per_token * block_size

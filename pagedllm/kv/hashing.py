@@ -50,3 +50,12 @@ def hash_segment_blocks(token_ids: Sequence[int], block_size: int, root: BlockHa
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         hashes.append(hash_block_tokens(hashes[-1] if hashes else root, token_ids[start : start + block_size]))
     return hashes
+
+
+def group_key(block_hash: BlockHash, group: int) -> BlockHash:
+    """The pool's key of a block of KV-cache group `group` (kv_spec.py) holding the prefix `block_hash`: the same
+    tokens in two groups are two blocks (other layers' K/V), so each group has its own key. Group 0 keys by the
+    prefix hash itself, so a model of one group keys (and publishes, and stores on disk) as it always did."""
+    if group == 0:
+        return block_hash
+    return hashlib.sha256(block_hash + b"pagedllm-kv-group" + group.to_bytes(4, "little")).digest()

@@ -1,37 +1,34 @@
 """KV-cache managers: who holds which blocks, and how a request grows.
 
 Two policies share one interface so the engine can measure them side by side:
-- `PagedKVCacheManager` (PagedAttention): a request holds ceil(tokens / block_size) blocks, grows by one block
-  when its last one is full, and shares full prefix blocks with other requests through the prefix cache.
+- `PagedKVCacheManager` (PagedAttention): a request holds ceil(tokens / block_size) blocks per KV-cache group,
+  grows by one block when its last one is full, and shares full prefix blocks with other requests through the
+  prefix cache. It is vLLM v1's KVCacheManager: a coordinator (coordinator.py) over one manager per group
+  (single_type_manager.py: full attention, sliding window) on one block pool, so a model that mixes sliding and
+  full layers gives its sliding groups' old blocks back while the full group keeps its own (kv_spec.py).
+  The disk tier and kv_blend's segment store plug in behind one seam (connector.py).
 - `ContiguousKVCacheManager` (the baseline paging is measured against, "one big locker each"): at admission a
   request reserves room for max_model_len tokens, rounded up to whole blocks, and shares nothing.
-
-With a sliding window (every layer of the model attends to its last `sliding_window` tokens only: Mistral
-v0.1), the paged manager works as vLLM's SlidingWindowManager: once a block has fallen out of the window of the
-request's next token it goes back to the pool (still cached, so evictable and reusable by a prefix hit) and the
-table holds the null block in its place; a prefix hit needs only the blocks inside the window.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from pagedllm.kv.block_pool import BlockPool, KVBlock
+from pagedllm.kv.connector import BlockIO, DiskTierConnector, KVConnector
+from pagedllm.kv.coordinator import GroupBlocks, KVCacheCoordinator
 from pagedllm.kv.hashing import BlockHash, hash_full_blocks
+from pagedllm.kv.kv_spec import KVCacheLayout, cdiv
 from pagedllm.kv.offload import DiskKVTier
+from pagedllm.kv.segments import SegmentStore
 
 logger = logging.getLogger("pagedllm")
 
-
-class BlockIO(Protocol):
-    """The KV contents of one block as bytes (the model runner's cache tensors): what the disk tier stores."""
-
-    def read_block(self, block_id: int) -> bytes: ...
-
-    def write_block(self, block_id: int, data: bytes) -> None: ...
+__all__ = ["BlockIO", "KVCacheBlocks", "cdiv"]
 
 
 class KVRequest(Protocol):
@@ -54,8 +51,28 @@ class TokenRequest:
     cache_salt: str | None = None
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+class KVCacheBlocks:
+    """A prefix hit: per KV-cache group, its blocks (vLLM's KVCacheBlocks). Read as a sequence it is group 0's
+    blocks, which is the whole hit of a model of one group."""
+
+    def __init__(self, groups: GroupBlocks) -> None:
+        self.groups = groups
+
+    @staticmethod
+    def empty(num_groups: int) -> KVCacheBlocks:
+        return KVCacheBlocks([[] for _ in range(num_groups)])
+
+    def __len__(self) -> int:
+        return len(self.groups[0])
+
+    def __iter__(self) -> Iterator[KVBlock]:
+        return iter(self.groups[0])
+
+    def __getitem__(self, i: Any) -> Any:  # an index or a slice, as a list's
+        return self.groups[0][i]
+
+    def __bool__(self) -> bool:
+        return bool(self.groups[0])
 
 
 @dataclass
@@ -79,9 +96,21 @@ class KVCacheManager:
             raise ValueError(f"block size must be at least 1, got {block_size}")
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
-        self.req_blocks: dict[str, list[KVBlock]] = {}
         self.req_tokens: dict[str, int] = {}  # tokens each request has slots for (stored or about to be)
         self.prefix_stats = PrefixCacheStats()
+        self.peak_used_blocks = 0  # the most blocks requests held at once (a memory figure: docs/benchmarks.md)
+
+    def _note_peak(self) -> None:
+        self.peak_used_blocks = max(self.peak_used_blocks, self.num_used_blocks)
+
+    @property
+    def req_blocks(self) -> dict[str, list[KVBlock]]:
+        """Request id -> its block table (group 0's, where a model has several groups)."""
+        raise NotImplementedError
+
+    @property
+    def num_groups(self) -> int:
+        return 1
 
     @property
     def num_blocks(self) -> int:
@@ -120,13 +149,29 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
 
+    def get_group_block_ids(self, request_id: str) -> list[list[int]]:
+        """The request's block table of each KV-cache group (what the model runner reads, per layer's group)."""
+        return [self.get_block_ids(request_id)]
+
+    def held_block_ids(self, request_id: str) -> set[int]:
+        """Every block the request holds, in any group (never the null entries)."""
+        return set(self.get_block_ids(request_id)[self.num_skipped_blocks(request_id) :])
+
+    def group_block_counts(self, request_id: str) -> list[int]:
+        """Blocks the request holds per group (not counting null entries)."""
+        return [len(self.held_block_ids(request_id))]
+
     def num_skipped_blocks(self, request_id: str) -> int:
         """Leading entries of the request's table that went back to the pool (out of a sliding window)."""
         return 0
 
-    def get_computed_blocks(self, request: KVRequest) -> tuple[list[KVBlock], int]:
+    def get_computed_blocks(self, request: KVRequest) -> tuple[KVCacheBlocks, int]:
         """The longest chain of cached full blocks of a new request's tokens, and how many tokens it covers."""
-        return [], 0
+        return KVCacheBlocks.empty(self.num_groups), 0
+
+    def shorten_hit(self, request: KVRequest, max_tokens: int) -> tuple[KVCacheBlocks, int]:
+        """The request's hit of at most `max_tokens` tokens (it keeps logits from there on)."""
+        return KVCacheBlocks.empty(self.num_groups), 0
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count a lookup once its request is admitted (a request that waits is looked up again next step)."""
@@ -137,7 +182,7 @@ class KVCacheManager:
         self,
         request: KVRequest,
         num_new_tokens: int,
-        new_computed_blocks: Sequence[KVBlock] = (),
+        new_computed_blocks: KVCacheBlocks | Sequence[KVBlock] = (),
         num_lookahead_tokens: int = 0,
     ) -> bool:
         """Make room for `num_new_tokens` more tokens after the computed ones, and `num_lookahead_tokens` after
@@ -179,7 +224,7 @@ class KVCacheManager:
         raise ValueError(f"{type(self).__name__} has no prefix cache for a disk tier")
 
     def offload_cached(self) -> None:
-        """The engine went idle: a manager with a disk tier writes its hot blocks there; this one has none."""
+        """The engine went idle: the connectors (a disk tier) may write what they lack; this one has none."""
 
     def cache_computed(self, request: KVRequest, num_tokens: int) -> None:
         """Register the full blocks of the request's first `num_tokens` tokens (after a rolled-back step ran)."""
@@ -187,48 +232,100 @@ class KVCacheManager:
 
 class PagedKVCacheManager(KVCacheManager):
     def __init__(
-        self, num_blocks: int, block_size: int = 16, enable_caching: bool = True, sliding_window: int | None = None
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        enable_caching: bool = True,
+        sliding_window: int | None = None,
+        layout: KVCacheLayout | None = None,
     ) -> None:
+        """One group per group of `layout` (default: one group, every layer sliding by `sliding_window`, or full)."""
         super().__init__(num_blocks, block_size, enable_caching)
-        if sliding_window is not None and sliding_window < 1:
-            raise ValueError(f"sliding window must be at least 1 token, got {sliding_window}")
-        self.sliding_window = sliding_window
-        # What a table holds for a block that fell out of the window: not in the pool, never counted or cached.
+        self.windows = [g.window for g in layout.groups] if layout is not None else [sliding_window]
+        # What a table holds for a block that fell out of a window: not in the pool, never counted or cached.
         # Its id (0) is any valid block for the kernels, which never read it (the torch path masks it out).
         self.null_block = KVBlock(0)
+        self.coordinator = KVCacheCoordinator(self.windows, self.pool, block_size, self.null_block)
         self.req_hashes: dict[str, list[BlockHash]] = {}
-        self.req_num_cached: dict[str, int] = {}  # how many of a request's blocks are registered in the cache
-        # Blocks registered since the last commit_step: (request id, its req_num_cached before, the blocks).
+        # Blocks registered since the last commit_step: (request id, group, its count before, the blocks).
         # Registration happens at allocation, before the model writes the blocks, so that a request scheduled
         # later in the same step (another of n samples) can share them; a failed step must take it back.
-        self.step_journal: list[tuple[str, int, list[KVBlock]]] = []
-        self.disk: DiskKVTier | None = None
-        self.block_io: BlockIO | None = None
-        # kv_blend: stored segment blocks a request holds until their K/V are copied into its own slots.
-        self.req_segments: dict[str, list[KVBlock]] = {}
+        self.step_journal: list[tuple[str, int, int, list[KVBlock]]] = []
+        self.connectors: list[KVConnector] = []
+        self.segments: SegmentStore | None = None
+
+    @property
+    def req_blocks(self) -> dict[str, list[KVBlock]]:
+        return self.coordinator.managers[0].req_to_blocks
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The window of a model of one sliding group (None otherwise)."""
+        return self.windows[0] if len(self.windows) == 1 else None
+
+    # ---- the seam: connectors ---------------------------------------------------------------------------------
+    def add_connector(self, connector: KVConnector) -> None:
+        self.connectors.append(connector)
 
     def attach_disk_tier(self, disk: DiskKVTier, block_io: BlockIO) -> None:
         """Blocks evicted from the RAM pool go to `disk`; lookups that miss in RAM continue there."""
-        self.disk, self.block_io = disk, block_io
-        self.pool.on_evict = self._offload
+        self.add_connector(DiskTierConnector(disk, block_io, self.pool))
 
-    def _offload(self, block: KVBlock) -> None:
-        assert self.disk is not None and self.block_io is not None and block.block_hash is not None
-        io = self.block_io
-        self.disk.put(block.block_hash, lambda: io.read_block(block.block_id))
+    def enable_segments(self) -> SegmentStore | None:
+        """kv_blend's segment store, where the model is one full-attention group and the prefix cache is on."""
+        if self.segments is None and self.enable_caching and self.windows == [None]:
+            self.segments = SegmentStore(self.pool, self.null_block, self._fetch, self._count_segment_read)
+            self.add_connector(self.segments)
+        return self.segments
+
+    def _fetch(self, key: BlockHash) -> KVBlock | None:
+        """The block of `key` from the first connector that holds it, read into a free block (held once)."""
+        for c in self.connectors:
+            if c.contains(key):
+                block = c.load(self.pool, key)
+                if block is not None:
+                    return block
+        return None
+
+    def _count_segment_read(self) -> None:
+        self.prefix_stats.disk_hits += self.block_size
 
     def offload_cached(self) -> None:
-        """Queue the registered blocks the disk tier lacks, as many as its queue takes. Eviction alone would never
-        write the hottest prefixes (a shared system prompt is never evicted), and a restart would miss them first;
-        the engine calls this when it goes idle, between steps, so every registered block's K/V are written."""
-        if self.disk is None:
-            return
-        for block in list(self.pool.cached.values()):
-            if not self.disk.accepting:
-                break
-            if block.block_hash is not None and not self.disk.contains(block.block_hash):
-                self._offload(block)
+        for c in self.connectors:
+            c.idle(self.pool)
 
+    # kv_blend's calls (engine/blend.py), answered by the segment store
+    def hold_segment(self, request: KVRequest, hashes: Sequence[BlockHash]) -> list[KVBlock]:
+        return self.segments.hold(request.request_id, hashes) if self.segments is not None else []
+
+    def release_segment(self, request: KVRequest, blocks: Sequence[KVBlock]) -> None:
+        assert self.segments is not None
+        self.segments.release(request.request_id, blocks)
+
+    def pin(self, blocks: Sequence[KVBlock]) -> None:
+        assert self.segments is not None
+        self.segments.pin(blocks)
+
+    def unpin(self, blocks: Sequence[KVBlock]) -> None:
+        assert self.segments is not None
+        self.segments.unpin(blocks)
+
+    def new_segment_blocks(self, hashes: Sequence[BlockHash]) -> list[tuple[int, KVBlock]]:
+        return self.segments.new_blocks(hashes) if self.segments is not None else []
+
+    def end_segment_store(self, blocks: Sequence[KVBlock], written: bool) -> None:
+        assert self.segments is not None
+        self.segments.end_store(blocks, written)
+
+    @property
+    def req_segments(self) -> dict[str, list[KVBlock]]:
+        return self.segments.holds if self.segments is not None else {}
+
+    # ---- lookups ------------------------------------------------------------------------------------------
     def _hashes(self, request: KVRequest, num_tokens: int) -> list[BlockHash]:
         """The chained hashes of the request's full blocks within its first `num_tokens` tokens (memoized)."""
         known = self.req_hashes.get(request.request_id, [])
@@ -239,235 +336,131 @@ class PagedKVCacheManager(KVCacheManager):
             self.req_hashes[request.request_id] = known
         return known
 
-    def get_computed_blocks(self, request: KVRequest) -> tuple[list[KVBlock], int]:
-        if not self.enable_caching:
-            return [], 0
-        num_tokens = len(request.all_token_ids)
+    def get_computed_blocks(self, request: KVRequest) -> tuple[KVCacheBlocks, int]:
         # Never the whole prompt: its last token must be computed to produce the next token's logits.
-        max_blocks = (num_tokens - 1) // self.block_size
-        hashes = self._hashes(request, max_blocks * self.block_size)[:max_blocks]
-        hits: list[KVBlock] = []
-        for block_hash in hashes:
-            block = self.pool.get_cached_block(block_hash)
-            if block is None:
-                break
-            hits.append(block)
-        sliding = self.sliding_window is not None and len(hits) < max_blocks
-        windowed = self._window_hit(hashes) if sliding else []
-        if len(windowed) < max_blocks and self.disk is not None and len(hits) < max_blocks:
-            if self.disk.contains(hashes[len(hits)]):  # (a whole window in RAM needs no disk read)
-                hits += self._load_from_disk(request, hashes, hits)
-                windowed = self._window_hit(hashes) if sliding else []  # the reads may have evicted some
-        if self.sliding_window is not None:
-            hits = windowed if len(windowed) > len(hits) else hits
-            skipped = self._first_useful_block(len(hits) * self.block_size)
-            hits[:skipped] = [self.null_block] * min(skipped, len(hits))
-        return hits, len(hits) * self.block_size
+        return self._lookup(request, (len(request.all_token_ids) - 1) // self.block_size)
 
-    def hold_segment(self, request: KVRequest, hashes: Sequence[BlockHash]) -> list[KVBlock]:
-        """The stored blocks of a segment (kv_blend), the leading run of `hashes` found in RAM or on the disk tier,
-        held for `request` until `release_segment` or its `free` (so no allocation meanwhile evicts them)."""
+    def shorten_hit(self, request: KVRequest, max_tokens: int) -> tuple[KVCacheBlocks, int]:
+        return self._lookup(request, min(max_tokens, len(request.all_token_ids) - 1) // self.block_size)
+
+    def _lookup(self, request: KVRequest, max_blocks: int) -> tuple[KVCacheBlocks, int]:
         if not self.enable_caching:
-            return []
-        found: list[KVBlock] = []
-        for block_hash in hashes:
-            block = self.pool.get_cached_block(block_hash)
-            if block is not None:
-                self.pool.touch([block])
-            elif self.disk is not None and self.pool.num_free_blocks and self.disk.contains(block_hash):
-                data = self.disk.load(block_hash)
-                block = self._fill_free_block(block_hash, data) if data is not None else None
+            return KVCacheBlocks.empty(self.num_groups), 0
+        hashes = self._hashes(request, max_blocks * self.block_size)[:max_blocks]
+        rid, get = request.request_id, self.pool.get_cached_block
+        hits = self.coordinator.find_longest_cache_hit(rid, hashes, max_blocks, get)
+        if len(hits[0]) < max_blocks and self.connectors:
+            if self._load_from_tiers(request, hashes, max_blocks):
+                hits = self.coordinator.find_longest_cache_hit(rid, hashes, max_blocks, get)
+        return KVCacheBlocks(hits), len(hits[0]) * self.block_size
+
+    def _load_from_tiers(self, request: KVRequest, hashes: list[BlockHash], max_blocks: int) -> bool:
+        """Read into free blocks what a longer hit needs from the connectors (the disk tier): the hit as if every
+        key a connector holds were in RAM, then its blocks that are not, in order, until one fails. The probe's
+        RAM blocks and the loaded ones are held meanwhile, so a read cannot evict them; all go back to the free
+        queue registered, for the lookup that follows. True if anything was read."""
+        tiered = KVBlock(-1)  # stands for a block a connector holds
+
+        def ram_or_tier(key: BlockHash) -> KVBlock | None:
+            block = self.pool.get_cached_block(key)
+            return block if block is not None else tiered if any(c.contains(key) for c in self.connectors) else None
+
+        probe = self.coordinator.find_longest_cache_hit(request.request_id, hashes, max_blocks, ram_or_tier)
+        wanted = sorted((i, g) for g, blocks in enumerate(probe) for i, b in enumerate(blocks) if b is tiered)
+        held = [b for blocks in probe for b in blocks if b is not tiered and b is not self.null_block]
+        self.pool.touch(held)
+        loaded: list[tuple[int, int, KVBlock]] = []
+        try:
+            for i, g in wanted:
+                m = self.coordinator.managers[g]
+                block = self._fetch(m.keys(request.request_id, hashes)[i])
                 if block is None:
                     break
-                self.prefix_stats.disk_hits += self.block_size
-            else:
-                break
-            found.append(block)
-        self.req_segments.setdefault(request.request_id, []).extend(found)
-        return found
+                loaded.append((i, g, block))
+        finally:
+            self.pool.free(reversed([b for _, _, b in loaded]))
+            self.pool.free(reversed(held))
+        self.prefix_stats.disk_hits += len(loaded) * self.block_size
+        for g in sorted({g for _, g, _ in loaded}):
+            if self.pool.events is not None:
+                self._publish_stored(request, g, hashes, [i for i, gg, _ in loaded if gg == g])
+        return bool(loaded)
 
-    def release_segment(self, request: KVRequest, blocks: Sequence[KVBlock]) -> None:
-        """Drop the hold of `hold_segment` on `blocks` (copied now); they stay cached, evictable, LRU last. One
-        entry of the request's holds goes per block released: two segments that share a block hold it twice."""
-        held = self.req_segments.get(request.request_id, [])
-        for block in blocks:
-            del held[next(i for i, h in enumerate(held) if h is block)]
-        self.pool.free(reversed(list(blocks)))
-
-    def pin(self, blocks: Sequence[KVBlock]) -> None:
-        """Keep a lookup's hits (cached, maybe free) from eviction while other blocks are taken (a segment read
-        from the disk tier) before `allocate_slots` holds them; `unpin` after."""
-        self.pool.touch([b for b in blocks if b is not self.null_block])
-
-    def unpin(self, blocks: Sequence[KVBlock]) -> None:
-        self.pool.free(reversed([b for b in blocks if b is not self.null_block]))
-
-    def new_segment_blocks(self, hashes: Sequence[BlockHash]) -> list[tuple[int, KVBlock]]:
-        """Fresh blocks for the blocks of a segment not stored yet, as (index in `hashes`, block), registered
-        under their segment hashes and held once: the caller writes them, then `end_segment_store`s them. Only
-        from free blocks (LRU eviction), and none at all when fewer are free than the segment misses, so storing
-        never makes a running request wait."""
-        if not self.enable_caching:
-            return []
-        missing = [i for i, h in enumerate(hashes) if self.pool.get_cached_block(h) is None]
-        if not missing or len(missing) > self.pool.num_free_blocks:
-            return []
-        blocks = self.pool.allocate(len(missing))
-        for i, block in zip(missing, blocks):
-            self.pool.cache_block(block, hashes[i])
-        return list(zip(missing, blocks))
-
-    def end_segment_store(self, blocks: Sequence[KVBlock], written: bool) -> None:
-        """Let go of `new_segment_blocks`' blocks; unless their K/V were `written`, forget their hashes first."""
-        if not written:
-            for block in blocks:
-                self.pool.uncache(block)
-        self.pool.free(reversed(list(blocks)))
-
-    def _first_useful_block(self, num_computed_tokens: int) -> int:
-        """The first block the token after `num_computed_tokens` computed ones still sees (its window's start)."""
-        assert self.sliding_window is not None
-        return max(0, (num_computed_tokens - self.sliding_window + 1) // self.block_size)
-
-    def _window_hit(self, hashes: list[BlockHash]) -> list[KVBlock]:
-        """vLLM's sliding-window hit: the rightmost run of cached blocks long enough to cover a window (the blocks
-        before it are null: nothing will read them), else the run of cached blocks at the start, however short."""
-        assert self.sliding_window is not None
-        need = cdiv(self.sliding_window - 1, self.block_size)
-        found = [self.pool.get_cached_block(h) for h in hashes]
-        run = 0
-        for i in range(len(found) - 1, -1, -1):
-            run = run + 1 if found[i] is not None else 0
-            if run >= max(need, 1):
-                return [self.null_block] * i + [b for b in found[i : i + run] if b is not None]
-        return [b for b in found[:run] if b is not None]
-
-    def _remove_skipped_blocks(self, held: list[KVBlock], num_computed_tokens: int) -> None:
-        """Give back the blocks that fell out of the window of the next token; they keep their prefix, so they stay
-        evictable and a later hit can take them back. Oldest first, so they are evicted first: a later request
-        that continues this one hits on the blocks of its last window (vLLM gives them back newest first)."""
-        if self.sliding_window is None:
-            return
-        removed: list[KVBlock] = []
-        for i in range(min(self._first_useful_block(num_computed_tokens), len(held)) - 1, -1, -1):
-            if held[i] is self.null_block:
-                break  # the blocks before it went back earlier
-            removed.append(held[i])
-            held[i] = self.null_block
-        self.pool.free(reversed(removed))
-
+    # ---- what requests hold ---------------------------------------------------------------------------------
     def num_skipped_blocks(self, request_id: str) -> int:
-        blocks = self.req_blocks.get(request_id, [])
-        return next((i for i, b in enumerate(blocks) if b is not self.null_block), len(blocks))
+        return self.coordinator.managers[0].num_skipped_blocks(request_id)
+
+    def get_group_block_ids(self, request_id: str) -> list[list[int]]:
+        return [[b.block_id for b in t] for t in self.coordinator.tables(request_id)]
+
+    def held_block_ids(self, request_id: str) -> set[int]:
+        return {b.block_id for t in self.coordinator.tables(request_id) for b in t if b is not self.null_block}
+
+    def group_block_counts(self, request_id: str) -> list[int]:
+        return [sum(b is not self.null_block for b in t) for t in self.coordinator.tables(request_id)]
 
     @property
     def num_stored_tokens(self) -> int:
-        """Also without the tokens of the blocks that fell out of a window (their slots went back)."""
-        skipped = sum(1 for blocks in self.req_blocks.values() for b in blocks if b is self.null_block)
-        return super().num_stored_tokens - skipped * self.block_size
+        """Distinct token slots the running requests keep, over every group: a shared block's tokens count once,
+        the blocks that fell out of a window not at all."""
+        total = 0
+        for m in self.coordinator.managers:
+            tables = m.req_to_blocks
+            shared = {id(b): b for blocks in tables.values() for b in blocks if b.ref_cnt > 1}
+            skipped = sum(1 for blocks in tables.values() for b in blocks if b is self.null_block)
+            total += sum(self.req_tokens.get(rid, 0) for rid in tables) - skipped * self.block_size
+            total -= sum((b.ref_cnt - 1) * self.block_size for b in shared.values())
+        return total
 
-    def _load_from_disk(self, request: KVRequest, hashes: list[BlockHash], hits: list[KVBlock]) -> list[KVBlock]:
-        """Continue the prefix chain past the RAM hits: a block on disk is read into a free block and registered
-        as if it had never left (one still in RAM is taken as it is). The chain is held meanwhile, so that the
-        allocations cannot evict a block of it; it ends at the first block found nowhere or failing a check."""
-        assert self.disk is not None and self.block_io is not None
-        found: list[KVBlock] = []
-        loaded: list[int] = []
-        self.pool.touch(hits)
-        try:
-            for i in range(len(hits), len(hashes)):
-                block = self.pool.get_cached_block(hashes[i])
-                if block is None:
-                    data = self.disk.load(hashes[i]) if self.pool.num_free_blocks else None
-                    if data is None:
-                        break
-                    block = self._fill_free_block(hashes[i], data)
-                    if block is None:
-                        break
-                    loaded.append(i)
-                else:
-                    self.pool.touch([block])
-                found.append(block)
-        finally:
-            self.pool.free(reversed(found))
-            self.pool.free(reversed(hits))
-        self.prefix_stats.disk_hits += len(loaded) * self.block_size
-        if loaded and self.pool.events is not None:
-            self._publish_stored(request, hashes, loaded)
-        return found
-
-    def _fill_free_block(self, block_hash: BlockHash, data: bytes) -> KVBlock | None:
-        """A fresh block holding `data`, registered under `block_hash` (held once: the caller frees it)."""
-        assert self.block_io is not None
-        (block,) = self.pool.allocate(1)
-        try:
-            self.block_io.write_block(block.block_id, data)
-        except Exception as e:  # noqa: BLE001 - a block that does not fit the cache is a miss, not a failed request
-            logger.warning("KV disk tier: block does not fit the cache (%s): not served", e)
-            self.pool.free([block])
-            return None
-        self.pool.cache_block(block, block_hash)
-        return block
-
+    # ---- growth -----------------------------------------------------------------------------------------------
     def allocate_slots(
         self,
         request: KVRequest,
         num_new_tokens: int,
-        new_computed_blocks: Sequence[KVBlock] = (),
+        new_computed_blocks: KVCacheBlocks | Sequence[KVBlock] = (),
         num_lookahead_tokens: int = 0,
     ) -> bool:
         rid = request.request_id
-        held = self.req_blocks.get(rid, [])
-        self._remove_skipped_blocks(held, request.num_computed_tokens)
-        total = request.num_computed_tokens + len(new_computed_blocks) * self.block_size + num_new_tokens
-        num_new_blocks = cdiv(total + num_lookahead_tokens, self.block_size) - len(held) - len(new_computed_blocks)
-        real = [b for b in new_computed_blocks if b is not self.null_block]
-        # Cached blocks that sit in the free queue leave it when touched, so they count against the free pool.
-        evictable = sum(1 for b in real if b.ref_cnt == 0)
-        if num_new_blocks + evictable > self.pool.num_free_blocks:
+        hit = (
+            new_computed_blocks.groups
+            if isinstance(new_computed_blocks, KVCacheBlocks)
+            else [list(new_computed_blocks)] + [[] for _ in range(self.num_groups - 1)]
+        )
+        self.coordinator.remove_skipped_blocks(rid, request.num_computed_tokens)
+        total = request.num_computed_tokens + len(hit[0]) * self.block_size + num_new_tokens
+        slots = total + num_lookahead_tokens
+        if self.coordinator.num_blocks_to_allocate(rid, slots, hit) > self.pool.num_free_blocks:
             return False
-        self.pool.touch(real)
-        held = self.req_blocks.setdefault(rid, held)
-        held.extend(new_computed_blocks)
-        if num_new_blocks > 0:
-            held.extend(self.pool.allocate(num_new_blocks))
-        self.req_tokens[rid] = total + num_lookahead_tokens
+        self.coordinator.allocate(rid, slots, hit)
+        self.req_tokens[rid] = slots
+        self._note_peak()
         if self.enable_caching:  # only blocks full of real tokens: drafts are not known to be the sequence yet
-            self._cache_full_blocks(request, held, total)
+            self._cache_full_blocks(request, total)
         return True
 
     def trim(self, request: KVRequest, num_tokens: int) -> None:
         """Also free the blocks that held rejected drafts only (never registered: past the real tokens)."""
         super().trim(request, num_tokens)
-        blocks = self.req_blocks.get(request.request_id)
-        keep = cdiv(num_tokens, self.block_size)
-        if blocks is not None and len(blocks) > keep:
-            self.pool.free(reversed(blocks[keep:]))
-            del blocks[keep:]
+        self.coordinator.trim(request.request_id, num_tokens)
 
-    def _cache_full_blocks(self, request: KVRequest, held: list[KVBlock], num_tokens: int) -> None:
+    def _cache_full_blocks(self, request: KVRequest, num_tokens: int) -> None:
         """Register the blocks that this step fills, so requests scheduled after this one can share them."""
-        start = self.req_num_cached.get(request.request_id, 0)
         limit = getattr(request, "kv_cache_limit", None)  # kv_blend: past it the K/V are not a prefix's own
         num_full = (num_tokens if limit is None else min(num_tokens, limit)) // self.block_size
-        if num_full <= start:
-            return
         hashes = self._hashes(request, num_tokens)
-        registered = [
-            i
-            for i in range(start, num_full)
-            if held[i] is not self.null_block and self.pool.cache_block(held[i], hashes[i])
-        ]
-        if registered:
-            self.step_journal.append((request.request_id, start, [held[i] for i in registered]))
+        rid = request.request_id
+        for g, before, registered in self.coordinator.cache_blocks(rid, hashes, num_full):
+            table = self.coordinator.managers[g].req_to_blocks[rid]
+            self.step_journal.append((rid, g, before, [table[i] for i in registered]))
             if self.pool.events is not None:
-                self._publish_stored(request, hashes, registered)
-        self.req_num_cached[request.request_id] = num_full
+                self._publish_stored(request, g, hashes, registered)
 
-    def _publish_stored(self, request: KVRequest, hashes: list[BlockHash], registered: list[int]) -> None:
-        """One BlockStored per run of consecutive registered blocks (a block whose prefix another block already
-        holds is not registered, and breaks the run), with its parent hash and tokens as vLLM publishes them."""
+    def _publish_stored(self, request: KVRequest, group: int, hashes: list[BlockHash], registered: list[int]) -> None:
+        """One BlockStored per run of consecutive registered blocks of a group (a block whose prefix another block
+        already holds is not registered, and breaks the run), with its parent key and tokens as vLLM publishes
+        them; keys are the group's (group 0's are the prefix hashes)."""
         assert self.pool.events is not None
+        keys = self.coordinator.managers[group].keys(request.request_id, hashes[: registered[-1] + 1])
         runs: list[list[int]] = []
         for i in registered:
             if runs and runs[-1][-1] == i - 1:
@@ -477,33 +470,32 @@ class PagedKVCacheManager(KVCacheManager):
         bs = self.block_size
         for run in runs:
             a, b = run[0], run[-1] + 1
-            self.pool.events.stored(hashes[a:b], hashes[a - 1] if a else None, request.all_token_ids[a * bs : b * bs])
+            self.pool.events.stored(list(keys[a:b]), keys[a - 1] if a else None, request.all_token_ids[a * bs : b * bs])
 
     def commit_step(self) -> None:
         self.step_journal.clear()
 
     def rollback_step(self) -> dict[str, list[KVBlock]]:
         undone: dict[str, list[KVBlock]] = {}
-        for rid, before, blocks in reversed(self.step_journal):
+        for rid, group, before, blocks in reversed(self.step_journal):
             for block in blocks:
                 self.pool.uncache(block)
-            if rid in self.req_num_cached:
-                self.req_num_cached[rid] = before
+            self.coordinator.managers[group].uncache_since(rid, before)
             undone.setdefault(rid, []).extend(blocks)
         self.step_journal.clear()
         return undone
 
     def cache_computed(self, request: KVRequest, num_tokens: int) -> None:
         if self.enable_caching and request.request_id in self.req_blocks:
-            self._cache_full_blocks(request, self.req_blocks[request.request_id], num_tokens)
+            self._cache_full_blocks(request, num_tokens)
 
     def free(self, request: KVRequest) -> None:
-        blocks = self.req_blocks.pop(request.request_id, [])
-        self.req_tokens.pop(request.request_id, None)
-        self.pool.free([b for b in reversed(blocks) if b is not self.null_block])
-        self.pool.free(reversed(self.req_segments.pop(request.request_id, [])))
-        self.req_hashes.pop(request.request_id, None)
-        self.req_num_cached.pop(request.request_id, None)
+        rid = request.request_id
+        self.req_tokens.pop(rid, None)
+        self.coordinator.free(rid)
+        for c in self.connectors:
+            c.request_finished(rid)
+        self.req_hashes.pop(rid, None)
 
 
 class ContiguousKVCacheManager(KVCacheManager):
@@ -511,6 +503,7 @@ class ContiguousKVCacheManager(KVCacheManager):
 
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
         super().__init__(num_blocks, block_size, enable_caching=False)
+        self._req_blocks: dict[str, list[KVBlock]] = {}
         self.blocks_per_request = cdiv(max_model_len, block_size)
         if self.blocks_per_request > num_blocks:
             raise ValueError(
@@ -522,7 +515,7 @@ class ContiguousKVCacheManager(KVCacheManager):
         self,
         request: KVRequest,
         num_new_tokens: int,
-        new_computed_blocks: Sequence[KVBlock] = (),
+        new_computed_blocks: KVCacheBlocks | Sequence[KVBlock] = (),
         num_lookahead_tokens: int = 0,
     ) -> bool:
         assert not new_computed_blocks, "contiguous allocation shares nothing"
@@ -535,7 +528,12 @@ class ContiguousKVCacheManager(KVCacheManager):
                 return False
             self.req_blocks[rid] = self.pool.allocate(self.blocks_per_request)
         self.req_tokens[rid] = total
+        self._note_peak()
         return True
+
+    @property
+    def req_blocks(self) -> dict[str, list[KVBlock]]:
+        return self._req_blocks
 
 
 def make_kv_cache_manager(
@@ -544,11 +542,11 @@ def make_kv_cache_manager(
     block_size: int,
     max_model_len: int,
     enable_prefix_caching: bool,
-    sliding_window: int | None = None,
+    layout: KVCacheLayout | None = None,
 ) -> KVCacheManager:
-    """`sliding_window`: the window of every layer, when they share one (kv.sizing.freeing_window)."""
+    """`layout`: the model's KV-cache groups (kv_spec.kv_cache_layout); the paged manager keeps a table per group."""
     if allocation == "paged":
-        return PagedKVCacheManager(num_blocks, block_size, enable_prefix_caching, sliding_window)
+        return PagedKVCacheManager(num_blocks, block_size, enable_prefix_caching, layout=layout)
     if allocation == "contiguous":
         return ContiguousKVCacheManager(num_blocks, block_size, max_model_len)
     raise ValueError(f"unknown KV allocation {allocation!r}: choose paged or contiguous")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
 from pagedllm.errors import UserError
-from pagedllm.kv.manager import cdiv
+from pagedllm.kv.kv_spec import KVCacheGroup, KVCacheLayout, cdiv, kv_cache_layout, window_blocks
 
 logger = logging.getLogger("pagedllm")
 
@@ -56,37 +56,21 @@ def kv_dtype_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, 
     return kv_bytes_per_token(num_layers, num_kv_heads, head_dim, DTYPE_BYTES[kv_dtype], scale)
 
 
-@dataclass(frozen=True)
-class KVCacheGroup:
-    """Layers that attend alike (vLLM's KV-cache groups): full attention (window None), or one sliding window."""
-
-    window: int | None
-    layers: tuple[int, ...]
-
-    @property
-    def name(self) -> str:
-        return "full attention" if self.window is None else f"sliding window {self.window}"
-
-
 def kv_cache_groups(windows: Sequence[int | None]) -> list[KVCacheGroup]:
-    """Layer i's window is windows[i] (None: full); the groups, full attention first, then by window."""
-    keys = sorted(set(windows), key=lambda w: -1 if w is None else w)
-    return [KVCacheGroup(w, tuple(i for i, x in enumerate(windows) if x == w)) for w in keys]
+    """Layer i's window is windows[i] (None: full); one group per kind, full attention first, then by window
+    (the lines kv-calc prints; the pool's groups split a kind into groups of equal size: kv_spec.py)."""
+    return kv_cache_layout(windows).kinds()
 
 
 def freeing_window(groups: Sequence[KVCacheGroup]) -> int | None:
-    """The window by which the block pool frees a request's old blocks: only when every layer slides by the same
-    one (one block table serves every layer, so a block one full-attention layer still reads must stay)."""
+    """The window of a model whose every layer slides by the same one (its one group frees by it), else None."""
     return groups[0].window if len(groups) == 1 else None
 
 
-def window_blocks(num_tokens: int, window: int | None, block_size: int) -> int:
-    """Blocks a request of `num_tokens` tokens holds once the pool freed those out of its next token's window
-    (the paged manager's rule); all of them without a window."""
-    held = cdiv(num_tokens, block_size)
-    if window is None:
-        return held
-    return held - max(0, (num_tokens - window + 1) // block_size)
+def layout_blocks(layout: KVCacheLayout, num_tokens: int, block_size: int) -> list[int]:
+    """Per group of `layout`, the blocks a request of `num_tokens` tokens holds once each sliding group gave back
+    what fell out of its window (the sliding manager's rule)."""
+    return [window_blocks(num_tokens, g.window, block_size) for g in layout.groups]
 
 
 def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: str, block_size: int) -> int:

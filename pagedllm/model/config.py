@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.errors import ModelLoadError, UserError
+from pagedllm.kv.kv_spec import KVCacheLayout, kv_cache_layout, kv_sources
 from pagedllm.model.families import (
     GGUF_ARCHITECTURES,
     SUPPORTED_ARCHITECTURES,
@@ -72,6 +73,14 @@ class ModelConfig:
     layer_types: list[str] | None = None
     attn_scale: float | None = None  # softmax scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
     attn_logit_softcapping: float | None = None  # Gemma 2: cap * tanh(score / cap) before the softmax
+    # Gemma 4: the last layers read the KV of the last earlier layer of their kind and store none (kv_spec.py)
+    num_kv_shared_layers: int = 0
+
+    def kv_layout(self, hybrid: bool = False) -> KVCacheLayout:
+        """The KV-cache groups of this model's layers (kv_spec.py); `hybrid=False`: one group of every layer that
+        stores KV (one block table, nothing freed early: the layout every layer had before groups)."""
+        windows = [self.layer_window(i) for i in range(self.num_layers)]
+        return kv_cache_layout(windows, kv_sources(windows, self.num_kv_shared_layers), hybrid)
 
     def layer_window(self, layer: int) -> int | None:
         """The window of layer `layer`'s attention (None: it sees its whole context)."""

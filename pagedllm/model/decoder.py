@@ -181,7 +181,7 @@ class CausalLM(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | list[AttentionMetadata],
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         logits_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
@@ -192,14 +192,19 @@ class CausalLM(nn.Module):
         return self._logits(h)
 
     def hidden_states(
-        self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata | list[AttentionMetadata],
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
         """The last layer's output for every row, before the final norm (writes K/V as `forward` does); an
-        embedding request pools `self.norm` of it, which is Hugging Face's `last_hidden_state`."""
+        embedding request pools `self.norm` of it, which is Hugging Face's `last_hidden_state`. `meta`: one for
+        every layer, or one per layer (each its KV-cache group's block tables and slots)."""
+        metas = meta if isinstance(meta, list) else [meta] * len(self.decoder_layers)
         h = self.embed(input_ids)
         if self.config.embedding_multiplier != 1.0:
             h = h * torch.tensor(self.config.embedding_multiplier, dtype=h.dtype)
-        tables = {name: rope.cos_sin(meta.positions, h.dtype) for name, rope in self.ropes.items()}
-        for layer, (kc, vc) in zip(self.decoder_layers, kv_caches):
-            h = layer(h, tables.get(layer.rope), kc, vc, meta, self.backend)
+        tables = {name: rope.cos_sin(metas[0].positions, h.dtype) for name, rope in self.ropes.items()}
+        for layer, (kc, vc), m in zip(self.decoder_layers, kv_caches, metas):
+            h = layer(h, tables.get(layer.rope), kc, vc, m, self.backend)
         return h

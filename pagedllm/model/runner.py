@@ -14,8 +14,9 @@ from dataclasses import dataclass
 import torch
 
 import pagedllm.model.kv_quant as kv_quant
+from pagedllm.kv.kv_spec import KVCacheLayout
 from pagedllm.kv.sizing import kv_bytes_per_block
-from pagedllm.model.attention import build_metadata, step_index
+from pagedllm.model.attention import AttentionMetadata, StepIndex, build_metadata, step_index
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.fused_step import FusedStep, fusable
 from pagedllm.model.loader import LoadedModel
@@ -30,6 +31,15 @@ class SeqChunk:
     start_pos: int  # tokens of this sequence already in the cache (computed or prefix-cached)
     block_table: list[int]  # block ids covering at least start_pos + len(token_ids) tokens
     all_logits: bool = False  # logits for every new token, not only the last: prompt logprobs, and drafts to verify
+    # Every KV-cache group's table, where the runner's layout has more than one (block_table is group 0's)
+    group_tables: list[list[int]] | None = None
+
+    def tables(self, num_groups: int) -> list[list[int]]:
+        if self.group_tables is not None:
+            return self.group_tables
+        if num_groups != 1:
+            raise ValueError(f"a chunk of {num_groups} KV-cache groups needs a block table for each")
+        return [self.block_table]
 
     @property
     def num_logits(self) -> int:
@@ -48,14 +58,20 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.frombuffer(buf, dtype=dtype).view(shape)  # the tensor keeps `buf` alive
 
 
-def kv_cache_bytes(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of K+V cache for `num_blocks` blocks (all layers)."""
-    return num_blocks * bytes_per_block(config, block_size, dtype)
+def kv_cache_bytes(
+    config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, layout: KVCacheLayout | None = None
+) -> int:
+    """Bytes of K+V cache for `num_blocks` blocks (all of a block's layers)."""
+    return num_blocks * bytes_per_block(config, block_size, dtype, layout)
 
 
-def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """The cache's own tensors in bytes per block, as kv/sizing counts them for this dtype."""
-    return kv_bytes_per_block(config.num_layers, config.num_kv_heads, config.head_dim, _KV_NAMES[dtype], block_size)
+def bytes_per_block(
+    config: ModelConfig, block_size: int, dtype: torch.dtype, layout: KVCacheLayout | None = None
+) -> int:
+    """The cache's own tensors in bytes per block, as kv/sizing counts them for this dtype: a block spans the
+    layout's layers per block (every layer that stores KV, for a model of one group)."""
+    layers = (layout or config.kv_layout()).layers_per_block
+    return kv_bytes_per_block(layers, config.num_kv_heads, config.head_dim, _KV_NAMES[dtype], block_size)
 
 
 _KV_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"} | {
@@ -74,8 +90,10 @@ class ModelRunner:
         block_size: int,
         kv_dtype: torch.dtype | None = None,
         fused: bool = True,
+        layout: KVCacheLayout | None = None,
     ) -> None:
-        """`fused`: run the steps of a quantized model as one C call each (fused_step.py) where it can."""
+        """`fused`: run the steps of a quantized model as one C call each (fused_step.py) where it can. `layout`:
+        the KV-cache groups (default: one group of every layer); a chunk then brings one table per group."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         self.loaded = loaded
@@ -87,18 +105,24 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.block_size = block_size
         cfg = self.config
+        self.layout = layout or cfg.kv_layout()
         shape = kv_quant.cache_shape(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype)
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
+        # One (K, V) pair per slot of a block; a layer reads its slot's, with its group's table (kv_spec.py)
+        self.kv_tensors: list[tuple[torch.Tensor, torch.Tensor]] = [
             (zeroed(shape, self.kv_dtype, self.device), zeroed(shape, self.kv_dtype, self.device))
-            for _ in range(cfg.num_layers)
+            for _ in range(self.layout.layers_per_block)
         ]
+        self.kv_caches = [self.kv_tensors[slot] for slot in self.layout.layer_slot]  # per model layer
+        one_table = len(self.layout.groups) == 1  # the C step reads one table per step (fused_step.py)
         self.fused = (
-            FusedStep(self.model, self.kv_caches, block_size) if fused and fusable(self.model, self.kv_caches) else None
+            FusedStep(self.model, self.kv_caches, block_size)
+            if fused and one_table and fusable(self.model, self.kv_caches)
+            else None
         )
 
     @property
     def bytes_per_block(self) -> int:
-        return bytes_per_block(self.config, self.block_size, self.kv_dtype)
+        return bytes_per_block(self.config, self.block_size, self.kv_dtype, self.layout)
 
     def kv_cache_bytes(self, num_blocks: int | None = None, block_size: int | None = None) -> int:
         return kv_cache_bytes(
@@ -106,11 +130,12 @@ class ModelRunner:
             self.num_blocks if num_blocks is None else num_blocks,
             block_size or self.block_size,
             self.kv_dtype,
+            self.layout,
         )
 
     def read_block(self, block_id: int) -> bytes:
-        """A copy of one block's K and V in every layer, as bytes (what the disk tier stores)."""
-        parts = [t[block_id].reshape(-1).view(torch.uint8) for pair in self.kv_caches for t in pair]
+        """A copy of one block's K and V in every slot, as bytes (what the disk tier stores)."""
+        parts = [t[block_id].reshape(-1).view(torch.uint8) for pair in self.kv_tensors for t in pair]
         return torch.cat(parts).cpu().numpy().tobytes()
 
     def write_block(self, block_id: int, data: bytes) -> None:
@@ -119,7 +144,7 @@ class ModelRunner:
             raise ValueError(f"a block holds {self.bytes_per_block} bytes, got {len(data)}")
         src = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
         offset = 0
-        for pair in self.kv_caches:
+        for pair in self.kv_tensors:
             for t in pair:
                 dst = t[block_id].view(-1).view(torch.uint8)
                 dst.copy_(src[offset : offset + dst.numel()])
@@ -166,20 +191,21 @@ class ModelRunner:
         lens = [len(c.token_ids) for c in chunks]
         if any(n == 0 for n in lens):
             raise ValueError("every SeqChunk needs at least one new token")
-        starts, tables = [c.start_pos for c in chunks], [c.block_table for c in chunks]
-        ix = step_index(lens, starts, tables, self.block_size)  # one builder for the fused and the torch path
-        if self.fused is not None:
+        starts = [c.start_pos for c in chunks]
+        by_group = self._group_tables(chunks)
+        ix = step_index(lens, starts, by_group[0], self.block_size)  # one builder for the fused and the torch path
+        if self.fused is not None:  # one group: its table
             return self.fused.run(
                 [c.token_ids for c in chunks],
                 starts,
-                tables,
+                by_group[0],
                 [c.num_logits for c in chunks],
                 ix,
             )
         ids: list[int] = []
         for c in chunks:
             ids.extend(c.token_ids)
-        meta = build_metadata(lens, starts, tables, self.block_size, self.device, ix)
+        meta = self._metadata(lens, starts, by_group, ix)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         rows: list[int] = []
         end = 0
@@ -188,6 +214,20 @@ class ModelRunner:
             rows.extend(range(end - c.num_logits, end))
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
         return self.model(input_ids, meta, self.kv_caches, index)
+
+    def _group_tables(self, chunks: list[SeqChunk]) -> list[list[list[int]]]:
+        """Per KV-cache group, each chunk's table."""
+        per_chunk = [c.tables(len(self.layout.groups)) for c in chunks]
+        return [[t[g] for t in per_chunk] for g in range(len(self.layout.groups))]
+
+    def _metadata(
+        self, lens: list[int], starts: list[int], by_group: list[list[list[int]]], ix: StepIndex | None = None
+    ) -> AttentionMetadata | list[AttentionMetadata]:
+        """The step's attention metadata: one for a model of one group, else each layer its group's."""
+        if len(by_group) == 1:
+            return build_metadata(lens, starts, by_group[0], self.block_size, self.device, ix)
+        metas = [build_metadata(lens, starts, t, self.block_size, self.device) for t in by_group]
+        return [metas[g] for g in self.layout.layer_group]
 
     def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
         """float32 logits for the last new token of each chunk (every new token of an `all_logits` chunk), in
@@ -205,9 +245,7 @@ class ModelRunner:
         if not chunks or any(n == 0 for n in lens):
             raise ValueError("execute_hidden needs chunks of at least one new token")
         ids = [t for c in chunks for t in c.token_ids]
-        meta = build_metadata(
-            lens, [c.start_pos for c in chunks], [c.block_table for c in chunks], self.block_size, self.device
-        )
+        meta = self._metadata(lens, [c.start_pos for c in chunks], self._group_tables(chunks))
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         h = self.model.norm(self.model.hidden_states(input_ids, meta, self.kv_caches)).float()
         return list(h.split(lens))

@@ -96,6 +96,7 @@ class KVGroupInfo(BaseModel):
     window: int | None = Field(description="tokens a query of these layers sees, itself included; null: all")
     layers: list[int]
     frees_blocks: bool = Field(description="whether the pool gives back blocks out of the window before the end")
+    blocks: int = Field(0, description="blocks the running requests hold in this group (its own block tables)")
 
 
 class KVBlocksResponse(BaseModel):

@@ -51,7 +51,7 @@ function render(d) {
     (d.map.blocks_per_cell > 1 ? ` · ${d.map.blocks_per_cell} blocks per cell` : "") +
     (d.kv_groups.length > 1 || d.kv_groups.some((g) => g.window !== null) ? " · KV groups: " +
       d.kv_groups.map((g) => `${g.layers.length} layers ${g.window === null ? "full attention" : `window ${g.window}` +
-        (g.frees_blocks ? " (blocks out of it freed)" : "")}`).join(", ") : "");
+        (g.frees_blocks ? " (blocks out of it freed)" : "")}: ${g.blocks} blocks`).join(", ") : "");
   renderLegend(d.map);
   renderCounters(d);
   drawMap(d);

@@ -1,0 +1,72 @@
+"""The coordinator over one manager per KV-cache group on one block pool (vLLM v1's KVCacheCoordinator).
+
+Every group keeps its own block table per request; an allocation is all or nothing across the groups (the sum of
+what each takes must be free); a prefix hit is the longest that every group can serve: each group's hit for the
+shortest length found so far, again, until they agree (a full-attention hit shortens to any prefix, a sliding
+one must be looked up again at the shorter length, since it needs the blocks just before its end).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pagedllm.kv.block_pool import BlockPool, KVBlock
+from pagedllm.kv.hashing import BlockHash
+from pagedllm.kv.single_type_manager import Lookup, SingleTypeKVCacheManager, make_single_type_manager
+
+GroupBlocks = list[list[KVBlock]]  # per group, blocks of one request (a hit, or its tables)
+
+
+class KVCacheCoordinator:
+    def __init__(self, windows: Sequence[int | None], pool: BlockPool, block_size: int, null_block: KVBlock) -> None:
+        self.pool, self.block_size = pool, block_size
+        self.managers: list[SingleTypeKVCacheManager] = [
+            make_single_type_manager(w, pool, block_size, g, null_block) for g, w in enumerate(windows)
+        ]
+
+    def find_longest_cache_hit(
+        self, request_id: str, hashes: Sequence[BlockHash], max_blocks: int, lookup: Lookup
+    ) -> GroupBlocks:
+        """Per group, the hit of the longest prefix (at most `max_blocks` blocks) that every group can serve."""
+        n = max_blocks
+        while True:
+            hits = [m.find_longest_cache_hit(m.keys(request_id, hashes), n, lookup) for m in self.managers]
+            shortest = min(len(h) for h in hits)
+            if all(len(h) == shortest for h in hits):
+                return hits
+            n = shortest
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        for m in self.managers:
+            m.remove_skipped_blocks(request_id, num_computed_tokens)
+
+    def num_blocks_to_allocate(self, request_id: str, num_tokens: int, new_computed: GroupBlocks) -> int:
+        return sum(m.num_blocks_to_allocate(request_id, num_tokens, b) for m, b in zip(self.managers, new_computed))
+
+    def allocate(self, request_id: str, num_tokens: int, new_computed: GroupBlocks) -> None:
+        for m, blocks in zip(self.managers, new_computed):
+            m.allocate(request_id, num_tokens, blocks)
+
+    def cache_blocks(
+        self, request_id: str, hashes: Sequence[BlockHash], num_full: int
+    ) -> list[tuple[int, int, list[int]]]:
+        """Register each group's blocks up to `num_full`: (group, its count before, indices registered now)."""
+        out = []
+        for g, m in enumerate(self.managers):
+            if num_full <= m.num_cached_block.get(request_id, 0):
+                continue
+            before, registered = m.cache_blocks(request_id, m.keys(request_id, hashes[:num_full]), num_full)
+            if registered:
+                out.append((g, before, registered))
+        return out
+
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        for m in self.managers:
+            m.trim(request_id, num_tokens)
+
+    def free(self, request_id: str) -> None:
+        for m in reversed(self.managers):
+            m.free(request_id)
+
+    def tables(self, request_id: str) -> GroupBlocks:
+        return [m.req_to_blocks.get(request_id, []) for m in self.managers]

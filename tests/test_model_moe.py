@@ -262,3 +262,32 @@ def test_an_activation_or_feature_it_does_not_compute_is_refused(qwen3, tmp_path
         json.dump(cfg, f)
     with pytest.raises(ModelLoadError, match=named):
         load_model_config(folder)
+
+
+def test_kv_calc_counts_total_and_active_parameters_and_bytes_read(ckpt, capsys):
+    """Parameters: transformers' count, and active = total less the experts a token is not routed to; a Q4_0
+    file's bytes: the stored tensors' (gguf-py's reader), of which a decoded token reads k / experts of the
+    expert tensors and one row of the (untied) embedding table. kv-calc --model prints both."""
+    import gguf
+
+    from pagedllm.entrypoints.cli import main
+    from pagedllm.model.params import weight_count
+
+    hf, cfg = ckpt.hf, load_model_config(ckpt.folder)
+    k, n = cfg.num_experts_per_tok, cfg.num_experts
+    total = sum(p.numel() for p in hf.parameters())
+    blocks = [getattr(layer, "block_sparse_moe", None) or layer.mlp for layer in hf.model.layers]
+    unrouted = sum(sum(p.numel() for p in b.experts.parameters()) * (n - k) // n for b in blocks)
+    w = weight_count(cfg)
+    assert (w.total_params, w.active_params, w.total_bytes) == (total, total - unrouted, 4 * total)
+    path = ckpt.get("q4_0")[0]
+    g = weight_count(load_model_config(path), path)
+    tensors = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(path).tensors}
+    experts = sum(b for name, b in tensors.items() if "_exps." in name)
+    embed = tensors["token_embd.weight"]
+    assert g.total_bytes == sum(tensors.values())
+    assert g.read_bytes == sum(tensors.values()) - experts * (n - k) // n - embed + embed // cfg.vocab_size
+    assert main(["kv-calc", "--model", path]) == 0
+    out = capsys.readouterr().out
+    assert f"parameters: {total:,} total, {total - unrouted:,} active per token ({k} of {n} experts routed)" in out
+    assert f"read per decoded token: {g.read_bytes:,}" in out

@@ -57,6 +57,7 @@ def _model_blockers(cfg: ModelConfig) -> list[str]:
         (cfg.no_rope_layers is not None and not all(cfg.no_rope_layers), "NoPE layers"),
         (cfg.rope_local_theta is not None, "a second RoPE base"),
         (cfg.head_dim % 2 != 0, "an odd head size"),
+        (cfg.num_experts > 0, "a sparse MoE block"),
     ]
     return [why for hit, why in checks if hit]
 

@@ -72,6 +72,7 @@ class ModelConfig:
     layer_types: list[str] | None = None
     attn_scale: float | None = None  # softmax scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
     attn_logit_softcapping: float | None = None  # Gemma 2: cap * tanh(score / cap) before the softmax
+    attention_sinks: bool = False  # gpt-oss: a learned logit per query head in each softmax (AttentionSpec.sinks)
 
     def layer_window(self, layer: int) -> int | None:
         """The window of layer `layer`'s attention (None: it sees its whole context)."""

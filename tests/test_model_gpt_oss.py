@@ -310,3 +310,15 @@ def test_a_harmony_vocabulary_stops_on_return_and_call_not_end():
     assert end_of_generation_ids(SimpleNamespace(get_vocab=lambda: harmony)) == [2, 12]
     phi3 = {"<|end|>": 7, "<|endoftext|>": 0}
     assert end_of_generation_ids(SimpleNamespace(get_vocab=lambda: phi3)) == [7]
+
+
+def test_an_mxfp4_hf_folder_is_refused_by_name(ckpt, tmp_path):
+    """OpenAI's upload keeps the experts as MXFP4 blocks and scales, which the HF loader does not read: a clear
+    error up front, not a list of unknown tensors."""
+    from pagedllm.errors import ModelLoadError
+
+    with open(os.path.join(ckpt.folder, "config.json")) as f:
+        cfg = json.load(f) | {"quantization_config": {"quant_method": "mxfp4"}}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="MXFP4"):
+        load_model_config(str(tmp_path))

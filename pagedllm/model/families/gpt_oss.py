@@ -29,6 +29,11 @@ def _sliding_every_other(layers: int) -> list[str]:
 
 
 def hf_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    if (cfg.get("quantization_config") or {}).get("quant_method") == "mxfp4":  # OpenAI's own upload
+        raise ValueError(
+            "gpt-oss experts in MXFP4 (mlp.experts.*_blocks / *_scales) are not read from an HF folder; save it "
+            "dequantized (transformers' Mxfp4Config(dequantize=True)) or convert it to GGUF"
+        )
     out: dict[str, Any] = hf_moe_fields(cfg, "intermediate_size") | _FIXED
     out |= {"router_bias": True, "expert_bias": True}
     out |= {"swiglu_alpha": float(cfg.get("swiglu_alpha", 1.702)), "swiglu_limit": float(cfg.get("swiglu_limit", 7.0))}

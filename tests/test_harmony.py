@@ -143,19 +143,24 @@ TEMPLATE = (
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
 
 
+def _byte_level(word: str) -> str:
+    return word.replace(" ", "Ġ")
+
+
 def _harmony_tokenizer(folder: str, vocab_size: int) -> None:
     """Harmony's markers as special tokens, a few words, filler up to the model's vocabulary; text decodes as the
-    tokens' own strings joined (as a BPE vocabulary's), and <|return|> and <|call|> end a generation."""
+    tokens' own strings joined (byte-level, as gpt-oss's BPE vocabulary: a space is "Ġ"), and <|return|> and
+    <|call|> end a generation."""
     from tokenizers import Tokenizer as HFTok
     from tokenizers import decoders
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import WhitespaceSplit
     from transformers import PreTrainedTokenizerFast
 
-    names = ["<unk>", *MARKERS, *WORDS]
+    names = ["<unk>", *MARKERS, *(_byte_level(w) for w in WORDS)]
     names += [f"w{i}" for i in range(vocab_size - len(names))]
     tok = HFTok(WordLevel({n: i for i, n in enumerate(names)}, unk_token="<unk>"))
-    tok.pre_tokenizer, tok.decoder = WhitespaceSplit(), decoders.Fuse()
+    tok.pre_tokenizer, tok.decoder = WhitespaceSplit(), decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", additional_special_tokens=MARKERS)
     fast.chat_template = TEMPLATE
     fast.save_pretrained(folder)
@@ -184,7 +189,7 @@ def server(tmp_path_factory):
 @contextlib.contextmanager
 def forced(s, tokens: list[str]):
     """Every request's answer is these tokens (each the highest logit at its position by far)."""
-    ids = s.engine.tokenizer.hf.convert_tokens_to_ids(tokens)
+    ids = s.engine.tokenizer.hf.convert_tokens_to_ids([_byte_level(t) for t in tokens])
     grammars = s.engine.engine.grammars
     real = grammars.constrain
 

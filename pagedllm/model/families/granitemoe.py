@@ -28,7 +28,7 @@ def hf_fields(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def gguf_fields(h: GGUFHeader) -> dict[str, Any]:
-    return granite_gguf_fields(h) | gguf_moe_fields(h, norm_topk_prob=True) | {"moe_router": "topk_softmax"}
+    return granite_gguf_fields(h) | {"moe_router": "topk_softmax"} | gguf_moe_fields(h, norm_topk_prob=True)
 
 
 LAYER = (

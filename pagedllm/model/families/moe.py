@@ -64,19 +64,24 @@ def hf_moe_fields(cfg: dict[str, Any], expert_size_key: str = "moe_intermediate_
     }
 
 
+_GATING = {2: "sigmoid_topk", 3: "softmax_weight"}  # llama.cpp's expert_gating_func values besides 1 (softmax)
+
+
 def gguf_moe_fields(h: GGUFHeader, norm_topk_prob: bool) -> dict[str, Any]:
     """llama.cpp's MoE keys (`<arch>.expert_count`, ...). A layer is sparse where its router `ffn_gate_inp` is
     stored (llama.cpp builds it so; no key says it); the experts' size is `expert_feed_forward_length` or, where
     the converter writes none (Mixtral, OLMoE, Granite-MoE: the experts are the ffn), the stored experts' rows.
-    `norm_topk_prob` is the arch's (llama.cpp fixes it per arch) unless `expert_weights_norm` says."""
+    `norm_topk_prob` is the arch's (llama.cpp fixes it per arch) unless `expert_weights_norm` says; an
+    `expert_gating_func` other than softmax (DeepSeek's sigmoid) names a router config.py refuses."""
     layers = int(h.get("block_count"))
     dense = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in h.tensors]
     first = next((i for i in range(layers) if i not in dense), 0)
     stored = h.tensors.get(f"blk.{first}.ffn_gate_exps.weight") or h.tensors.get(f"blk.{first}.ffn_up_exps.weight")
     size = h.get("expert_feed_forward_length") or (stored[1] if stored else h.get("feed_forward_length"))
-    norm = h.get("expert_weights_norm")
+    norm, gating = h.get("expert_weights_norm"), h.get("expert_gating_func")
     shared = h.get("expert_shared_feed_forward_length") or h.tensors.get(f"blk.{first}.ffn_up_shexp.weight", (0,))[0]
-    return {
+    out = {} if gating in (None, 1) else {"moe_router": _GATING.get(int(gating), f"gating function {gating}")}
+    return out | {
         "num_experts": int(h.get("expert_count")),
         "num_experts_per_tok": int(h.get("expert_used_count")),
         "moe_intermediate_size": int(size),

@@ -1,10 +1,11 @@
-"""A layer's AttentionSpec (sliding window, softmax scale, Gemma 2's logit soft-cap) on the torch path and the C
-decode kernel, against attention written out token by token from its definition; and the one step builder
+"""A layer's AttentionSpec (sliding window, softmax scale, Gemma 2's logit soft-cap, gpt-oss's sinks) on the torch
+path and the C decode kernel, against attention written out token by token from its definition; and the one step builder
 (`step_index`) against the arithmetic it replaces."""
 
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -29,7 +30,15 @@ SPECS = [
     AttentionSpec(scale=0.5, softcap=2.0),
     AttentionSpec(window=5, scale=0.4, softcap=1.5),
     AttentionSpec(window=1),
+    AttentionSpec(sinks=torch.zeros(1)),  # the sinks are drawn per test, one per query head (_with_sinks)
+    AttentionSpec(window=6, scale=0.3, sinks=torch.zeros(1)),
 ]
+
+
+def _with_sinks(spec: AttentionSpec, heads: int) -> AttentionSpec:
+    """`spec` with one sink per head where it has sinks: spread over the scores' range, so some heads' sinks take
+    most of the weight and others almost none."""
+    return spec if spec.sinks is None else replace(spec, sinks=torch.linspace(-3.0, 6.0, heads))
 
 
 def _case(new_lens: list[int], kvh: int, group: int, d: int, bs: int, seed: int):
@@ -71,7 +80,10 @@ def _reference(q, k, v, kc, vc, new_lens, starts, tables, spec: AttentionSpec) -
                 s = (keys[:, h // g] @ q[t + j, h]).double() * scale
                 if spec.softcap is not None:
                     s = spec.softcap * torch.tanh(s / spec.softcap)
-                out[t + j, h] = (torch.softmax(s, 0).float() @ vals[:, h // g]).float()
+                if spec.sinks is not None:  # one more logit in the softmax, of a zero value
+                    s = torch.cat([s, spec.sinks[h : h + 1].double()])
+                p = torch.softmax(s, 0)[: len(keys)]
+                out[t + j, h] = (p.float() @ vals[:, h // g]).float()
         t += n
     return out
 
@@ -80,6 +92,7 @@ def _reference(q, k, v, kc, vc, new_lens, starts, tables, spec: AttentionSpec) -
 @pytest.mark.parametrize("lens", [[1] * 5, [1, 9, 1, 20, 3]], ids=["decode", "mixed"])
 def test_torch_path_matches_the_definition(spec, lens):
     q, k, v, kc, vc, starts, tables = _case(lens, 2, 3, 16, 8, len(lens))
+    spec = _with_sinks(spec, q.shape[1])
     ref = _reference(q, k, v, kc, vc, lens, starts, tables, spec)
     meta = build_metadata(lens, starts, tables, 8, torch.device("cpu"))
     out = TorchPagedAttention().forward(q, k, v, kc, vc, meta, spec)
@@ -96,6 +109,7 @@ def test_decode_kernel_matches_the_definition(spec, head_dim, kv_dtype, monkeypa
     monkeypatch.setattr(cpu_kernel, "decode_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     lens = [1] * 6
     q, k, v, kc, vc, starts, tables = _case(lens, 2, 2, head_dim, 5, head_dim)
+    spec = _with_sinks(spec, q.shape[1])
     kc, vc, k, v = kc.to(kv_dtype), vc.to(kv_dtype), k.to(kv_dtype), v.to(kv_dtype)
     ref = _reference(q, k.float(), v.float(), kc.float(), vc.float(), lens, starts, tables, spec)
     meta = build_metadata(lens, starts, tables, 5, torch.device("cpu"))
@@ -156,7 +170,7 @@ def test_decode_kernel_window_on_quantized_caches(kv_dtype):
     and both keep to the window. The history is written by a prefill through the torch path."""
     from pagedllm.model import kv_quant
 
-    spec = AttentionSpec(window=9, scale=0.3, softcap=3.0)
+    spec = AttentionSpec(window=9, scale=0.3, softcap=3.0, sinks=torch.tensor([-1.0, 0.5, 2.0, 4.0]))
     bs, kvh, d, hist = 4, 2, 32, [23, 40, 9]
     g = torch.Generator().manual_seed(5)
     tables = [list(range(i * 12, i * 12 + 12)) for i in range(3)]
@@ -175,7 +189,7 @@ def test_decode_kernel_window_on_quantized_caches(kv_dtype):
     ref = TorchPagedAttention().forward(q, k, v, kc.clone(), vc.clone(), meta, spec)
     out = CpuPagedAttention(LIB).forward(q, k, v, kc, vc, meta, spec)
     torch.testing.assert_close(out, ref, atol=2e-4, rtol=1e-3)
-    far = TorchPagedAttention().forward(q, k, v, kc.clone(), vc.clone(), meta, AttentionSpec(None, 0.3, 3.0))
+    far = TorchPagedAttention().forward(q, k, v, kc.clone(), vc.clone(), meta, replace(spec, window=None))
     assert not torch.allclose(far, ref, atol=1e-2)  # the window mattered
 
 

@@ -37,10 +37,14 @@ class AttentionSpec:
     window: int | None = None  # tokens a query sees, itself included (transformers' sliding_window); None: all
     scale: float | None = None  # softmax scale; None: head_dim ** -0.5
     softcap: float | None = None  # Gemma 2: scores become softcap * tanh(score / softcap) before the softmax
+    # gpt-oss: one learned logit per query head ([H] float32), an extra term exp(sink) in the softmax's denominator
+    # (a key every query sees whose value is zero), so a head can attend to "nothing". The layer's parameter
+    # itself, filled when the weights load (not compared: two specs differ by it only between models).
+    sinks: torch.Tensor | None = field(default=None, compare=False)
 
     @staticmethod
-    def for_layer(cfg: ModelConfig, layer: int) -> AttentionSpec:
-        return AttentionSpec(cfg.layer_window(layer), cfg.attn_scale, cfg.attn_logit_softcapping)
+    def for_layer(cfg: ModelConfig, layer: int, sinks: torch.Tensor | None = None) -> AttentionSpec:
+        return AttentionSpec(cfg.layer_window(layer), cfg.attn_scale, cfg.attn_logit_softcapping, sinks)
 
 
 @dataclass
@@ -244,15 +248,23 @@ class TorchPagedAttention(PagedAttentionBackend):
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
-    """softmax(scale q k^T, capped, masked) v: SDPA where no soft-cap is asked for, else written out (SDPA has no
-    cap; transformers' eager Gemma 2 attention does the same three steps)."""
-    if spec.softcap is None:
+    """softmax(scale q k^T, capped, masked) v: SDPA where neither a soft-cap nor sinks are asked for, else written
+    out (SDPA has neither; transformers' eager Gemma 2 and gpt-oss attention do the same steps). q: [S, kvh, g * Q,
+    d], row gi * Q + qi being query head kvh_i * g + gi of query qi."""
+    if spec.softcap is None and spec.sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=spec.scale)
     scale = spec.scale if spec.scale is not None else q.shape[-1] ** -0.5
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / spec.softcap) * spec.softcap
-    scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores.float(), dim=-1).to(v.dtype), v)
+    if spec.softcap is not None:
+        scores = torch.tanh(scores / spec.softcap) * spec.softcap
+    scores = scores.masked_fill(~mask, float("-inf")).float()
+    if spec.sinks is None:
+        return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
+    S, kvh, rows, _ = scores.shape
+    g = spec.sinks.numel() // kvh
+    sink = spec.sinks.float().view(kvh, g).repeat_interleave(rows // g, dim=1)  # [kvh, g * Q], in q's row order
+    probs = torch.softmax(torch.cat([scores, sink[None, :, :, None].expand(S, kvh, rows, 1)], dim=-1), dim=-1)
+    return torch.matmul(probs[..., :-1].to(v.dtype), v)
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -283,7 +295,16 @@ class CpuPagedAttention(TorchPagedAttention):
         qq = q if grp.block_tables.shape[0] == q.shape[0] else q[grp.query_index]
         scale = spec.scale if spec.scale is not None else q.shape[-1] ** -0.5
         return cpu_kernel.decode_attention(
-            self.lib, qq, k_cache, v_cache, grp.block_tables, grp.context_lens, scale, spec.window, spec.softcap
+            self.lib,
+            qq,
+            k_cache,
+            v_cache,
+            grp.block_tables,
+            grp.context_lens,
+            scale,
+            spec.window,
+            spec.softcap,
+            spec.sinks,
         )
 
 

@@ -75,6 +75,7 @@ class ModelConfig:
     layer_types: list[str] | None = None
     attn_scale: float | None = None  # softmax scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
     attn_logit_softcapping: float | None = None  # Gemma 2: cap * tanh(score / cap) before the softmax
+    attention_sinks: bool = False  # gpt-oss: a learned logit per query head in each softmax (AttentionSpec.sinks)
     # Gemma 4: the last layers read the KV of the last earlier layer of their kind and store none (kv_spec.py)
     num_kv_shared_layers: int = 0
 

@@ -240,7 +240,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     """Argument types of every entry point, so that ctypes converts Python ints the way C expects."""
     p, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     signatures = {
-        "paged_decode_attention": [p] * 6 + [i] * 6 + [i64, f, i, i64, f, i],
+        "paged_decode_attention": [p] * 6 + [i] * 6 + [i64, f, i, i64, f, p, i],
         "qmm_f32": [p] * 4 + [i] * 8,
         "qrows_f32": [p, p, i, p, i, i, i],
         "qmm_amx": [p] * 4 + [i] * 8,
@@ -335,10 +335,12 @@ def decode_attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per sequence. q: [S, H, D]; caches [blocks, block_size, KVH, D] (D + 2 bytes quantized); returns
     [S, H, D] in q's dtype. `window`: each query sees only its last `window` positions (itself included);
-    `softcap`: scores become softcap * tanh(score / softcap) before the softmax."""
+    `softcap`: scores become softcap * tanh(score / softcap) before the softmax; `sinks` ([H]): one more logit
+    per head in the softmax's sum, of a zero value (gpt-oss)."""
     S, H, D = q.shape
     num_blocks, bs, kvh, _ = k_cache.shape
     if not (
@@ -350,9 +352,11 @@ def decode_attention(
         and block_tables.dtype == context_lens.dtype == torch.int64
         and block_tables.is_contiguous()
         and context_lens.is_contiguous()
+        and (sinks is None or sinks.shape == (H,))
     ):
         raise ValueError("decode_attention: tensors do not match the kernel's layout")
     qf = q.float().contiguous()
+    sink = None if sinks is None else sinks.detach().float().contiguous()
     out = torch.empty_like(qf)
     rc = lib.paged_decode_attention(
         out.data_ptr(),
@@ -372,6 +376,7 @@ def decode_attention(
         kv_quant.KINDS[k_cache.dtype],
         window or 0,
         softcap or 0.0,
+        None if sink is None else sink.data_ptr(),
         torch.get_num_threads(),
     )
     if rc != 0:

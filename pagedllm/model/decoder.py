@@ -19,7 +19,7 @@ from torch import nn
 
 from pagedllm.model.attention import AttentionMetadata, AttentionSpec, PagedAttentionBackend, make_attention_backend
 from pagedllm.model.config import ModelConfig
-from pagedllm.model.layers import GatedMLP, RMSNorm
+from pagedllm.model.layers import AttentionSinks, GatedMLP, RMSNorm
 from pagedllm.model.linear import Embedding, Linear
 from pagedllm.model.moe import ExpertLoad, SparseMoE
 from pagedllm.model.quant import QuantWeight
@@ -63,7 +63,9 @@ class DecoderLayer(nn.Module):
         if self.moe is None:
             self.mlp = GatedMLP(hidden, cfg.intermediate_size, cfg.hidden_act, dtype, device)
         self.rope = cfg.layer_rope(index)
-        self.attn_spec = AttentionSpec.for_layer(cfg, index)  # read by the torch path and the fused C step
+        self.sinks = AttentionSinks(cfg.num_heads, device) if cfg.attention_sinks else None
+        sinks = None if self.sinks is None else self.sinks.weight
+        self.attn_spec = AttentionSpec.for_layer(cfg, index, sinks)  # read by the torch path and the fused C step
         self.residual_multiplier = cfg.residual_multiplier
 
     def slots(self) -> dict[str, nn.Module]:
@@ -79,6 +81,7 @@ class DecoderLayer(nn.Module):
             "mlp_out_norm": self.mlp_out_norm,
             "q_norm": self.q_norm,
             "k_norm": self.k_norm,
+            "sinks": self.sinks,
         }
         return {k: m for k, m in mods.items() if m is not None}
 

@@ -1,4 +1,5 @@
-"""The small shared layers of every decoder family: RMSNorm (plain or Gemma's (1 + w)), the gated MLP.
+"""The small shared layers of every decoder family: RMSNorm (plain or Gemma's (1 + w)), the gated MLP, gpt-oss's
+attention sinks.
 
 Numerics deliberately follow Hugging Face transformers (norm in float32 then cast, Gemma's weight applied in
 float32 before the cast) so that float32 results agree to ~1e-5 and bfloat16 ones mostly pick the same top
@@ -75,3 +76,15 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g, u = self.gate_up(x).split(self.inter, dim=-1)
         return self.down(self.glu(g, u))
+
+
+class AttentionSinks(nn.Module):
+    """gpt-oss's learned logit per query head (`self_attn.sinks`), which every attention path reads through the
+    layer's AttentionSpec. Kept in float32 whatever the model's dtype: the softmaxes add it in float32, and the C
+    kernel reads it as it lies. `bare`: the checkpoint names the parameter itself (no `.weight` suffix)."""
+
+    bare = True
+
+    def __init__(self, heads: int, device: torch.device | str) -> None:
+        super().__init__()
+        self.weight = empty_param(heads, dtype=torch.float32, device=device)

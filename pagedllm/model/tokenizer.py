@@ -119,7 +119,9 @@ def gguf_tokenizer_folder(path: str) -> str:
     folder, name = os.path.split(os.path.abspath(path))
     try:
         tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    except ValueError as e:  # an architecture transformers' GGUF loader lacks: its tokenizer needs no model class
+    # an architecture transformers' GGUF loader lacks (ValueError), or reads wrongly (TypeError: its gpt-oss
+    # reader takes a key's name for its value): the tokenizer needs no model class
+    except (ValueError, TypeError) as e:
         try:
             tok = PreTrainedTokenizerFast.from_pretrained(folder, gguf_file=name)
         except Exception as e2:
@@ -175,7 +177,14 @@ def load_tokenizer(model: str | None = None) -> Tokenizer:
 END_OF_GENERATION = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<EOT>")
 
 
+# gpt-oss (harmony): an answer ends with <|return|> (the final message) or <|call|> (a tool call); its <|end|> ends
+# a message inside the answer, so there it is no stop (llama.cpp drops it from a gpt-oss vocabulary's stops too).
+HARMONY_STOPS = ("<|return|>", "<|call|>")
+
+
 def end_of_generation_ids(hf_tokenizer: Any) -> list[int]:
-    """Ids of the END_OF_GENERATION tokens this tokenizer's vocabulary has."""
+    """Ids of the END_OF_GENERATION tokens this tokenizer's vocabulary has (a harmony vocabulary's own)."""
     vocab = hf_tokenizer.get_vocab()
+    if all(t in vocab for t in HARMONY_STOPS):
+        return [int(vocab[t]) for t in HARMONY_STOPS]
     return [int(vocab[t]) for t in END_OF_GENERATION if t in vocab]

@@ -115,8 +115,9 @@ def tensor_table(model: CausalLM) -> dict[str, Slot]:
                 param = getattr(module, kind, None)
                 if not isinstance(param, torch.Tensor):
                     continue
+                suffix = "" if getattr(module, "bare", False) else f".{kind}"  # a bare nn.Parameter (gpt-oss sinks)
                 for j, (name, (a, b)) in enumerate(zip(names, _row_splits(len(names), param.shape[0], model))):
-                    table[f"model.layers.{i}.{name}.{kind}"] = Slot(module, param[a:b], j, len(names), kind)
+                    table[f"model.layers.{i}.{name}{suffix}"] = Slot(module, param[a:b], j, len(names), kind)
     return table
 
 
@@ -131,7 +132,8 @@ def gguf_names(model: CausalLM, arch: str, hf_names: list[str]) -> dict[str, str
         name = tmap.get_name(hf, try_suffixes=(".weight", ".bias"))
         if name is None:
             raise ModelLoadError(f"llama.cpp's {arch} tensor table has no name for {hf}")
-        out[name] = hf
+        bare = not hf.endswith((".weight", ".bias"))  # the converter stores a bare parameter as `<name>.weight`
+        out[name + ".weight" if bare else name] = hf
     return out
 
 

@@ -13,8 +13,10 @@ from pagedllm.rag.layout import LAYOUT_HELP, Layout
 from pagedllm.settings import Field, Flag, settings
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
-ToolCallParser = Literal["hermes", "llama3_json", "mistral", "pythonic"]  # tool_parsers' TOOL_PARSERS
+ToolCallParser = Literal["hermes", "llama3_json", "mistral", "pythonic", "openai"]  # tool_parsers' TOOL_PARSERS
 TOOL_PARSER_NAMES = typing.get_args(ToolCallParser)
+ReasoningParserName = Literal["qwen3", "deepseek_r1", "openai_gptoss"]  # reasoning.py's REASONING_PARSERS
+REASONING_PARSER_NAMES = typing.get_args(ReasoningParserName)
 
 
 @settings
@@ -60,9 +62,10 @@ class ServerConfig:
     tool_call_parser: ToolCallParser | None = None
     """the model's tool-call format, parsed for tool_choice "auto" (with --enable-auto-tool-choice; default: the
     chat template's)"""
-    reasoning_parser: Literal["qwen3", "deepseek_r1"] | None = None
-    """return a reasoning model's <think> section apart, as reasoning_content; a request's structured output or
-    tool choice then holds the answer after it (default: none, the thinking is content; vLLM's flag)"""
+    reasoning_parser: ReasoningParserName | None = None
+    """return a reasoning model's <think> section (openai_gptoss: gpt-oss's analysis channel) apart, as
+    reasoning_content; a request's structured output or tool choice then holds the answer after it (default:
+    none, the thinking is content; vLLM's flag and names)"""
     trust_request_chat_template: bool = False
     """let requests send their own chat_template (rendered in Jinja's sandbox; a template can still loop for long,
     so only for trusted clients) (default: refused with a 400, as vLLM)"""

@@ -12,6 +12,11 @@ otherwise as each model does: `qwen3` thinks only inside a `<think>` it writes i
 
 One rule for whole and streamed answers, so the deltas add up to the message: a cut-off answer (max_tokens) that
 is still inside its thinking is all reasoning (vLLM's stream says so; its whole answer makes Qwen3's content).
+
+gpt-oss (`openai_gptoss`, vLLM's name) writes no tags but harmony messages (harmony.py): the `analysis` channel is
+the reasoning, the `final` channel and the preambles (`commentary` to nobody) the content; a tool call's message
+is neither (the `openai` tool parser reads it from the answer). Its markers are special tokens, so its answers
+are detokenized with special tokens kept, and a constraint holds the answer from `<|channel|>final<|message|>`.
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
+
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.server import harmony
 
 State = Literal["before", "inside", "after"]  # where the answer starts: before a <think>, inside one, past it
 
@@ -30,10 +38,13 @@ class ReasoningFormat:
     name: str
     starts_inside: bool
     start: str = "<think>"
-    end: str = "</think>"
+    end: str = "</think>"  # what a constraint waits for (the engine's reasoning_end)
+    harmony: bool = False  # gpt-oss: harmony's channels (harmony.py), not tags
 
     def initial_state(self, prompt: str) -> State:
         """Where an answer to this rendered prompt starts (see the module's docstring)."""
+        if self.harmony:  # a prompt that opened the final channel leaves only the answer to write
+            return "after" if prompt.endswith(self.end) else "inside"
         opened, closed = prompt.rfind(self.start), prompt.rfind(self.end)
         if opened > closed:
             return "inside"
@@ -41,10 +52,16 @@ class ReasoningFormat:
             return "after"
         return "inside" if self.starts_inside else "before"
 
+    def adjust_request(self, params: SamplingParams) -> None:
+        """Ready a request's sampling for this format: harmony's markers are special tokens, kept in the text."""
+        if self.harmony:
+            params.skip_special_tokens = False
+
 
 REASONING_PARSERS = {
     "qwen3": ReasoningFormat("qwen3", starts_inside=False),
     "deepseek_r1": ReasoningFormat("deepseek_r1", starts_inside=True),
+    "openai_gptoss": ReasoningFormat("openai_gptoss", True, harmony.START, harmony.FINAL_START, harmony=True),
 }
 
 
@@ -77,6 +94,10 @@ class ReasoningParser:
         text does, a tag's first characters held back until they are surely not the tag."""
         if self.state == "after":
             return Split(None, text, True)
+        if self.fmt.harmony:
+            msgs = harmony.messages(text, done)
+            ended = done or any(not m.is_reasoning for m in msgs)
+            return Split(harmony.reasoning(msgs), harmony.content(msgs), ended)
         before, rest = "", text
         if self.state == "before":
             at = text.find(self.fmt.start)
@@ -109,7 +130,8 @@ def reasoning_tokens(
 ) -> int:
     """How many of an answer's tokens are its reasoning, tags included: from the token where the opening tag
     begins (the first, when the answer starts inside) to the one that completes the closing tag (the last, when
-    it never closes); found by bisection on the decoded prefixes."""
+    it never closes); harmony's: from the first to the one that ends its last analysis message. Found by
+    bisection on the decoded prefixes."""
     if state == "after" or not token_ids:
         return 0
     text = decode(token_ids)
@@ -122,6 +144,9 @@ def reasoning_tokens(
             lo, hi = (lo, mid) if test(decode(token_ids[:mid])) else (mid + 1, hi)
         return lo
 
+    if fmt.harmony:  # through the end of the last analysis message
+        ends = [m.end for m in harmony.messages(text, True) if m.is_reasoning]
+        return first_reaching(lambda t: len(t) >= ends[-1]) if ends else 0
     skipped, after = 0, 0
     if state == "before":
         at = text.find(fmt.start)

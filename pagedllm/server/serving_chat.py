@@ -81,13 +81,15 @@ async def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> Prepared:
     max_tokens = ctx.check_length(len(ids), req.effective_max_tokens, req.min_tokens, "messages")
     state = ctx.reasoning.initial_state(text) if ctx.reasoning is not None else None
     if mode is None and req.constraint() is None:
-        return Prepared(model, ids, req.to_sampling_params(max_tokens), state)
-    # compiling a schema's grammar to check it takes milliseconds: off the event loop
-    params = await asyncio.to_thread(req.to_sampling_params, max_tokens)
+        params = req.to_sampling_params(max_tokens)
+    else:  # compiling a schema's grammar to check it takes milliseconds: off the event loop
+        params = await asyncio.to_thread(req.to_sampling_params, max_tokens)
     if calls is not None:
         calls.adjust_request(params)  # mistral's [TOOL_CALLS] is a special token: kept in the text
-    if ctx.reasoning is not None and state != "after" and params.structured_outputs is not None:
-        params.structured_outputs.reasoning_end = ctx.reasoning.end  # the thinking is free, the answer held
+    if ctx.reasoning is not None:
+        ctx.reasoning.adjust_request(params)  # harmony's channels are special tokens: kept in the text
+        if state != "after" and params.structured_outputs is not None:
+            params.structured_outputs.reasoning_end = ctx.reasoning.end  # the thinking is free, the answer held
     return Prepared(model, ids, params, state)
 
 
@@ -146,7 +148,8 @@ def _message(
         message = ChatCompletionMessage(role="assistant", content=content, tool_calls=[])
         finish_reason = c.finish_reason
     else:
-        got = parser(ctx, mode).extract(text)
+        calls = parser(ctx, mode)
+        got = calls.extract(c.text if calls.reads_answer else text)
         message = ChatCompletionMessage(role="assistant", content=got.content, tool_calls=got.tool_calls)
         finish_reason = _finish_reason(mode, c.finish_reason, bool(got.tool_calls))
     if reasoner is not None:
@@ -276,7 +279,7 @@ class _StreamedChoice:
         """What the answer grown to `text` adds (empty: nothing to send yet)."""
         reasoning, content = self.reasoner.extract_streaming(text, done) if self.reasoner else ("", text)
         if self.tools is not None:
-            delta = self.tools.extract_streaming(content, done)
+            delta = self.tools.extract_streaming(text if self.tools.reads_answer else content, done)
         else:
             new, self.content_sent = content[self.content_sent :], max(self.content_sent, len(content))
             delta = DeltaMessage(content=new) if new else DeltaMessage()

@@ -292,14 +292,17 @@ static void values_scalar(float *o, const float *p, const float *v, int r0, int 
 /* Probabilities below e^-60 of the largest are set to 0: next to it they are far below float32's resolution,
  * and left in they become subnormal numbers (after exp, or after the division by the sum), whose every
  * multiply takes a slow microcode path: 30x slower attention on real prompts. Row h is scores + h * stride,
- * its entries [lo, ctx) the scores of the positions in the window; with a soft-cap they are capped first. */
-static void softmax_rows(float *scores, int h0, int h1, int64_t lo, int64_t ctx, int64_t stride, float softcap) {
+ * its entries [lo, ctx) the scores of the positions in the window; with a soft-cap they are capped first.
+ * With sinks, head h's sinks[h] is one more logit in the max and the sum, whose value is zero (transformers'
+ * gpt-oss: a column concatenated to the scores, dropped after the softmax). */
+static void softmax_rows(float *scores, int h0, int h1, int64_t lo, int64_t ctx, int64_t stride, float softcap,
+                         const float *sinks) {
     for (int h = h0; h < h1; h++) {
         float *sc = scores + h * stride;
         for (int64_t t = lo; softcap > 0.0f && t < ctx; t++) sc[t] = softcap * tanhf(sc[t] / softcap);
-        float m = sc[lo];
+        float m = sinks && sinks[h] > sc[lo] ? sinks[h] : sc[lo];
         for (int64_t t = lo + 1; t < ctx; t++) m = sc[t] > m ? sc[t] : m;
-        float sum = 0.0f;
+        float sum = sinks && sinks[h] - m >= -60.0f ? expf(sinks[h] - m) : 0.0f;
         for (int64_t t = lo; t < ctx; t++) {
             const float e = sc[t] - m;
             sc[t] = e < -60.0f ? 0.0f : expf(e);
@@ -358,7 +361,8 @@ static inline __attribute__((always_inline)) void one_seq_impl(const Args *a, in
     for (int pass = 0; pass < 2; pass++) {
         const void *cache = pass == 0 ? a->k_cache : a->v_cache;
         for (int i = 0; pass == 1 && i < nq; i++) {
-            softmax_rows(scores + (int64_t)i * H * L, h0, h1, window_start(a, ctx + i), ctx + i, L, a->softcap);
+            softmax_rows(scores + (int64_t)i * H * L, h0, h1, window_start(a, ctx + i), ctx + i, L, a->softcap,
+                         a->sinks);
             memset(out + (int64_t)i * a->out_stride + h0 * D, 0, (size_t)(h1 - h0) * D * sizeof(float));
         }
         for (int64_t b = b0; b < nblocks; b++) {
@@ -465,14 +469,14 @@ int paged_attention_check(const Args *a, int S, int64_t num_blocks, int64_t *max
 int paged_decode_attention(float *out, const float *q, const void *k_cache, const void *v_cache,
                            const int64_t *block_tables, const int64_t *context_lens, int S, int H, int KVH,
                            int D, int block_size, int max_blocks, int64_t num_blocks, float scale, int cache_kind,
-                           int64_t window, float softcap, int num_threads) {
+                           int64_t window, float softcap, const float *sinks, int num_threads) {
     if (S <= 0 || H <= 0 || KVH <= 0 || H % KVH != 0 || D <= 0 || block_size <= 0 || cache_kind < KV_F32 ||
         cache_kind > KV_FP8_E5M2)
         return -2;
     if (num_threads < 1) num_threads = 1;
     if (num_threads > S) num_threads = S; /* one sequence per thread at least: waking idle threads costs more */
     Args a = {out, q, k_cache, v_cache, block_tables, context_lens, H, KVH, D, block_size, max_blocks,
-              cache_kind, scale, 0, 1, H * D, H * D, window, softcap};
+              cache_kind, scale, 0, 1, H * D, H * D, window, softcap, sinks};
     /* A bad context length or block id would read outside the cache: refuse the call instead. */
     const int bad = paged_attention_check(&a, S, num_blocks, &a.max_ctx);
     if (bad) return bad;

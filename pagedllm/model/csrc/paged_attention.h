@@ -22,6 +22,7 @@ typedef struct {
     int nq, q_stride, out_stride; /* queries per sequence (consecutive tokens), floats between their rows */
     int64_t window;               /* > 0: a query sees only its last `window` positions, itself included */
     float softcap;                /* > 0: scores become softcap * tanh(score / softcap) before the softmax */
+    const float *sinks; /* [H] or NULL: gpt-oss's learned logit per head, one more term in the softmax's sum */
 } Args;
 
 /* The first position a query whose context is ctx tokens attends to (0 without a window). */

@@ -19,11 +19,12 @@ from pagedllm.server.tool_parsers.constrained import NamedToolParser, RequiredTo
 from pagedllm.server.tool_parsers.hermes_tool_parser import HermesToolParser
 from pagedllm.server.tool_parsers.llama_tool_parser import Llama3JsonToolParser
 from pagedllm.server.tool_parsers.mistral_tool_parser import MistralToolParser
+from pagedllm.server.tool_parsers.openai_tool_parser import OpenAIToolParser
 from pagedllm.server.tool_parsers.pythonic_tool_parser import PythonicToolParser
 
 # The "auto" formats by vLLM's --tool-call-parser names.
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser)
+    p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser, OpenAIToolParser)
 }
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "Llama3JsonToolParser",
     "MistralToolParser",
     "NamedToolParser",
+    "OpenAIToolParser",
     "PythonicToolParser",
     "RequiredToolParser",
     "Scan",

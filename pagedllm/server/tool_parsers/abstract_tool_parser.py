@@ -72,6 +72,9 @@ class ToolParser(ABC):
     # Whether the format's markers are special tokens the answer must keep (vLLM's adjust_request turns
     # skip_special_tokens off for them): the engine never puts a stop token's text in an answer, so only they show.
     keeps_special_tokens = False
+    # Whether it reads the answer as generated rather than the content a reasoning parser leaves (harmony: its
+    # calls are messages of the answer beside the reasoning, which the reasoning parser takes out).
+    reads_answer = False
 
     def __init__(self, mode: ToolMode) -> None:
         self.mode = mode

@@ -98,7 +98,7 @@ def build_ingress_app(engine: ClusterEngine, settings: IngressSettings) -> FastA
     over the replicas' outputs (the replicas only generate and pool)."""
     from pagedllm.server import serving_info
     from pagedllm.server.api_server import DEFAULT_MAX_REQUEST_BYTES, build_app
-    from pagedllm.server.embedders import SentenceTransformerEmbedder
+    from pagedllm.server.embedders import DEFAULT_MAX_EMBEDDING_TOKENS, SentenceTransformerEmbedder
 
     models = APIRouter()
     models.add_api_route("/v1/models", serving_info.models, methods=["GET"], response_model=serving_info.ModelList)
@@ -112,6 +112,7 @@ def build_ingress_app(engine: ClusterEngine, settings: IngressSettings) -> FastA
         state_routers=[cluster_routes, models],
         pooler=settings.pooler,
         embedders=embedders,
+        max_embedding_tokens=settings.max_embedding_tokens or DEFAULT_MAX_EMBEDDING_TOKENS,
         generate=settings.pooler is None,
         tool_call_parser=settings.tool_call_parser,
         reasoning_parser=settings.reasoning_parser,

@@ -203,6 +203,7 @@ class IngressSettings:
     tool_call_parser: str | None = None
     pooler: PoolerConfig | None = None
     embedding_model: str | None = None
+    max_embedding_tokens: int | None = None  # --max-embedding-tokens (None: the server's default)
 
 
 async def wait_for_info(handle: Any, timeout: float = 600.0) -> ReplicaInfo:

@@ -73,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
         max_request_bytes=args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES,
         pooler=read_pooler_config(core.loaded.path) if args.runner == "pooling" else None,
         embedders=embedders,
+        max_embedding_tokens=args.max_embedding_tokens,
         generate=args.runner != "pooling",
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,

@@ -57,6 +57,10 @@ class ServerConfig:
     embedding_model: Annotated[str | None, Flag(metavar="PATH")] = None
     """also serve this sentence-transformers model on /v1/embeddings, named by its folder ('default': the bundled
     all-MiniLM-L6-v2, what `pagedllm rag` embeds with) (default: none)"""
+    max_embedding_tokens: int = Field(default=65536, ge=1)
+    """the most tokens one /v1/embeddings request may hold, all its inputs together; past it a 400 naming input
+    (default: 65536, ~20 s of all-MiniLM-L6-v2 on 2 cores); requests take turns in batches either way, so a short
+    one never waits for all of a long one"""
     enable_auto_tool_choice: bool = False
     """serve tool_choice "auto" in the format --tool-call-parser names (vLLM's flags; default: off, "auto" is
     parsed in the format the chat template asks for, when it names exactly one)"""

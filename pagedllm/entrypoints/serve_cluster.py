@@ -57,6 +57,7 @@ def settings_from_args(args: argparse.Namespace) -> tuple[Any, Any, Any]:
         args.tool_call_parser,
         pooler,
         args.embedding_model,
+        args.max_embedding_tokens,
     )
     return config, options, ingress
 

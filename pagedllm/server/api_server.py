@@ -31,7 +31,7 @@ from pagedllm.server import (
     serving_responses,
     serving_tokenization,
 )
-from pagedllm.server.embedders import Embedder, EngineEmbedder
+from pagedllm.server.embedders import DEFAULT_MAX_EMBEDDING_TOKENS, Embedder, EngineEmbedder
 from pagedllm.server.errors import install_error_handlers
 from pagedllm.server.kv_page import router as kv_page_router
 from pagedllm.server.middleware import AuthMiddleware, InternalErrorMiddleware, RequestBodyMiddleware
@@ -61,6 +61,7 @@ def build_app(
     state_routers: Sequence[APIRouter] | None = None,
     pooler: PoolerConfig | None = None,
     embedders: Sequence[Embedder] = (),
+    max_embedding_tokens: int = DEFAULT_MAX_EMBEDDING_TOKENS,
     generate: bool = True,
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
@@ -71,8 +72,9 @@ def build_app(
     /health, /metrics, /v1/models, /v1/kv and the /kv block map, of one engine); a cluster answers them per
     replica instead. `pooler`: the engine's model also serves /v1/embeddings under its names, pooled that way
     (`--runner pooling`, where `generate` is False: no completion routes); `embedders`: other embedding models
-    (`--embedding-model`). `tool_call_parser`: the format of tool_choice "auto" (`tool_parsers.TOOL_PARSERS`;
-    default: the one the chat template asks for). `reasoning_parser` (qwen3, deepseek_r1: reasoning.py) returns
+    (`--embedding-model`); an embeddings request holds at most `max_embedding_tokens` tokens.
+    `tool_call_parser`: the format of tool_choice "auto" (`tool_parsers.TOOL_PARSERS`; default: the one the chat
+    template asks for). `reasoning_parser` (qwen3, deepseek_r1: reasoning.py) returns
     the thinking apart; `trust_request_chat_template` lets requests bring their own chat template."""
     if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
         raise UserError(f"--tool-call-parser: unknown {tool_call_parser!r}; one of {', '.join(TOOL_PARSERS)}")
@@ -101,6 +103,7 @@ def build_app(
     app.state.rag = rag
     own = [EngineEmbedder(app.state.serving, pooler)] if pooler is not None else []
     app.state.embedders = [*own, *embedders]
+    app.state.max_embedding_tokens = max_embedding_tokens
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]  # FastAPI's documented way to extend it
     install_error_handlers(app)
     _include_routes(app, state_routers, generate, rag is not None)

@@ -16,7 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pagedllm.engine.blend import plan, step_size
+from pagedllm.engine.blend import plan, step_size, without_copies
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.spec_decode import NgramDrafter
 from pagedllm.kv.manager import KVCacheManager
@@ -123,8 +123,8 @@ class Scheduler:
                 budget -= cost + len(req.spec_token_ids)
                 i += 1
                 continue
-            if not self.running:  # it gave up every other request's blocks and still does not fit
-                self.waiting.remove(req)
+            if not self.running and not without_copies(req):  # it gave up every other request's blocks and
+                self.waiting.remove(req)  # still does not fit (a kv_blend plan is first given up: it waits)
                 self._fail(req, out)
             break
 
@@ -140,6 +140,8 @@ class Scheduler:
             req.num_computed_tokens = 0
             if not self.kv.allocate_slots(req, num_new, blocks):
                 self.kv.free(req)  # the plan's holds (nothing else was taken)
+                if not self.running and without_copies(req):  # planned again, as an ordinary prefill
+                    continue
                 if not self.running:  # nothing will ever free blocks for it
                     self.waiting.remove(req)
                     self._fail(req, out)

@@ -276,7 +276,7 @@ class PagedKVCacheManager(KVCacheManager):
                 self.pool.touch([block])
             elif self.disk is not None and self.pool.num_free_blocks and self.disk.contains(block_hash):
                 data = self.disk.load(block_hash)
-                block = self._fill_free_block(block_hash, data) if data is not None else None
+                block = self._fill_free_block(block_hash, data, published=False) if data is not None else None
                 if block is None:
                     break
                 self.prefix_stats.disk_hits += self.block_size
@@ -314,7 +314,7 @@ class PagedKVCacheManager(KVCacheManager):
             return []
         blocks = self.pool.allocate(len(missing))
         for i, block in zip(missing, blocks):
-            self.pool.cache_block(block, hashes[i])
+            self.pool.cache_block(block, hashes[i], published=False)  # not a prefix: no KV event, as on disk
         return list(zip(missing, blocks))
 
     def end_segment_store(self, blocks: Sequence[KVBlock], written: bool) -> None:
@@ -396,8 +396,9 @@ class PagedKVCacheManager(KVCacheManager):
             self._publish_stored(request, hashes, loaded)
         return found
 
-    def _fill_free_block(self, block_hash: BlockHash, data: bytes) -> KVBlock | None:
-        """A fresh block holding `data`, registered under `block_hash` (held once: the caller frees it)."""
+    def _fill_free_block(self, block_hash: BlockHash, data: bytes, published: bool = True) -> KVBlock | None:
+        """A fresh block holding `data`, registered under `block_hash` (held once: the caller frees it);
+        `published` as `BlockPool.cache_block`'s."""
         assert self.block_io is not None
         (block,) = self.pool.allocate(1)
         try:
@@ -406,7 +407,7 @@ class PagedKVCacheManager(KVCacheManager):
             logger.warning("KV disk tier: block does not fit the cache (%s): not served", e)
             self.pool.free([block])
             return None
-        self.pool.cache_block(block, block_hash)
+        self.pool.cache_block(block, block_hash, published)
         return block
 
     def allocate_slots(

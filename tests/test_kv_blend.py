@@ -222,6 +222,23 @@ def test_engines_with_other_dtypes_or_block_sizes_key_segments_apart(model_fp32,
     assert len(roots) == 8
 
 
+def test_kv_written_under_another_kernel_route_is_keyed_apart(model_fp32, model_fp32_exact, tmp_path):
+    """Issue 38.7: the dot route (16-bit inputs, --quantized-activations) changes the K/V bits a step writes, so
+    the disk tier's fingerprint and the segment root (with and without a tier) of the two loads differ."""
+    from pagedllm.engine.disk_tier import engine_fingerprint, kernel_facts
+
+    if kernel_facts(model_fp32) == kernel_facts(model_fp32_exact):
+        pytest.skip("this build runs no dot route: both loads run the same kernels")
+    kv_dtype = torch.float32
+    assert engine_fingerprint(model_fp32, kv_dtype, 16) != engine_fingerprint(model_fp32_exact, kv_dtype, 16)
+    for kw in ({}, {"kv_offload_dir": str(tmp_path)}):
+        roots = {
+            make_engine(m, kv_cache_memory=8 * 2**20, **kw)._blend_state(100, [(0, 50)], None, None).root
+            for m in (model_fp32, model_fp32_exact)
+        }
+        assert len(roots) == 2, kw
+
+
 def test_the_bench_warm_up_stores_every_passage_so_the_timed_pass_reuses_them(model_fp32, parts):
     """`rag bench --kv-blend` with its warm-up: the same passages primed in another order (exact, r = 1.0), so
     the measured prompts copy every full block of every passage; without it the first prompt copies nothing."""

@@ -123,8 +123,8 @@ class Scheduler:
                 budget -= cost + len(req.spec_token_ids)
                 i += 1
                 continue
-            if not self.running and not without_copies(req):  # it gave up every other request's blocks and
-                self.waiting.remove(req)  # still does not fit (a kv_blend plan is first given up: it waits)
+            if not self.running and not without_copies(req):  # alone and still too big (a blend plan goes first)
+                self.waiting.remove(req)
                 self._fail(req, out)
             break
 
@@ -140,11 +140,10 @@ class Scheduler:
             req.num_computed_tokens = 0
             if not self.kv.allocate_slots(req, num_new, blocks):
                 self.kv.free(req)  # the plan's holds (nothing else was taken)
-                if not self.running and without_copies(req):  # planned again, as an ordinary prefill
-                    continue
-                if not self.running:  # nothing will ever free blocks for it
-                    self.waiting.remove(req)
-                    self._fail(req, out)
+                if not self.running:  # nothing will ever free blocks for it (but a blend plan's holds: planned again)
+                    if not without_copies(req):
+                        self.waiting.remove(req)
+                        self._fail(req, out)
                     continue
                 break
             self.waiting.remove(req)

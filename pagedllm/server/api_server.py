@@ -72,10 +72,9 @@ def build_app(
     /health, /metrics, /v1/models, /v1/kv and the /kv block map, of one engine); a cluster answers them per
     replica instead. `pooler`: the engine's model also serves /v1/embeddings under its names, pooled that way
     (`--runner pooling`, where `generate` is False: no completion routes); `embedders`: other embedding models
-    (`--embedding-model`), `max_embedding_tokens` per request. `tool_call_parser`: the format of tool_choice
-    "auto" (`tool_parsers.TOOL_PARSERS`; default: the one the chat template asks for). `reasoning_parser` (qwen3,
-    deepseek_r1: reasoning.py) returns the thinking apart; `trust_request_chat_template` lets requests bring their
-    own chat template."""
+    (`--embedding-model`), `max_embedding_tokens` per request. `tool_call_parser`: tool_choice "auto"'s format
+    (`tool_parsers.TOOL_PARSERS`; default: the chat template's). `reasoning_parser` (qwen3, deepseek_r1:
+    reasoning.py) returns the thinking apart; `trust_request_chat_template`: requests may bring a chat template."""
     if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
         raise UserError(f"--tool-call-parser: unknown {tool_call_parser!r}; one of {', '.join(TOOL_PARSERS)}")
     root = model_root or engine.model_config.name or "pagedllm"

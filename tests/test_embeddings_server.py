@@ -7,7 +7,9 @@ from __future__ import annotations
 import base64
 import json
 import socket
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -19,6 +21,7 @@ TEXTS = ["The cat sat on the mat.", "Paris is the capital of France.", "été �
 MINILM = "all-MiniLM-L6-v2"
 DECODER = "tiny-embed"
 MAX_MODEL_LEN = 64
+MAX_EMBEDDING_TOKENS = 2000  # the server's --max-embedding-tokens
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +75,12 @@ def server(tiny, minilm):
         log_stats_interval=0,
     )
     engine = AsyncLLMEngine(LLMEngine(config), max_waiting_requests=64)
-    app_args = dict(pooler=read_pooler_config(folder), embedders=[minilm], runner="pooling")
+    app_args = dict(
+        pooler=read_pooler_config(folder),
+        embedders=[minilm],
+        runner="pooling",
+        max_embedding_tokens=MAX_EMBEDDING_TOKENS,
+    )
     with running_server(engine, served_model_name=[DECODER], **app_args) as s:
         yield s
 
@@ -152,6 +160,86 @@ def test_bad_input_is_a_400_naming_the_field(server, body, param):
     assert_error(r, 400, param)
 
 
+@pytest.mark.parametrize("model", [MINILM, DECODER])
+@pytest.mark.parametrize("ids", [[30522], [999999999], [[1, 2], [40000]], [[5], [2**31 - 1]]])
+def test_a_token_id_outside_the_vocabulary_is_a_400_naming_input(server, model, ids):
+    """Issue 38.1: an id past the embedding table (MiniLM's has 30522 rows) was a 500 IndexError."""
+    r = server.http.post("/v1/embeddings", json={"model": model, "input": ids})
+    assert_error(r, 400, "input", ["out of range"])
+    assert_pool_whole(server)
+
+
+def test_a_request_over_the_token_budget_is_a_400_naming_input(server):
+    """Issue 38.3: all of a request's inputs together are at most --max-embedding-tokens, after truncation,
+    for either model; one at the budget is served."""
+    for model, ids in ((MINILM, [101] + [1000] * 198 + [102]), (DECODER, list(range(3, MAX_MODEL_LEN + 2)))):
+        n = MAX_EMBEDDING_TOKENS // len(ids) + 1
+        r = server.http.post("/v1/embeddings", json={"model": model, "input": [ids] * n})
+        assert_error(r, 400, "input", ["--max-embedding-tokens"])
+        assert len(_embed(server, model=model, input=[ids] * (n - 1))["data"]) == n - 1
+    texts = ["word " * 400] * 9  # 9 x 256 tokens once cut to what MiniLM takes
+    r = server.http.post("/v1/embeddings", json={"model": MINILM, "input": texts, "truncate_prompt_tokens": -1})
+    assert_error(r, 400, "input", ["2,304 tokens"])
+    assert_pool_whole(server)
+
+
+def test_a_short_request_takes_its_turn_between_a_long_ones_batches(server, minilm, monkeypatch):
+    """Issue 38.3: MiniLM runs one batch at a time, requests in turn: a one-line request sent while a long one's
+    first batch is held runs before the long one's last batch, not after all of it."""
+    from pagedllm.server.embedders import ENCODE_BATCH
+
+    calls, started, go = [], threading.Event(), threading.Event()
+    encode = minilm._encode
+
+    def held(inputs):
+        calls.append(len(inputs))
+        if len(calls) == 1:
+            started.set()
+            assert go.wait(HANG_S)
+        return encode(inputs)
+
+    monkeypatch.setattr(minilm, "_encode", held)
+    long = [f"word {i}" for i in range(3 * ENCODE_BATCH)]
+    with ThreadPoolExecutor(2) as pool:
+        big = pool.submit(_embed, server, model=MINILM, input=long)
+        assert started.wait(HANG_S)
+        small = pool.submit(_embed, server, model=MINILM, input="one line")
+        deadline = time.monotonic() + HANG_S
+        while minilm.turns.waiting == 0:  # the short one is queued for its turn
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        go.set()
+        assert len(small.result(HANG_S)["data"]) == 1 and len(big.result(HANG_S)["data"]) == len(long)
+    assert calls == [ENCODE_BATCH, ENCODE_BATCH, 1, ENCODE_BATCH], calls
+
+
+def test_a_short_pooling_request_is_not_queued_behind_all_of_a_long_one(server, monkeypatch):
+    """Issue 38.3, --runner pooling: a long request has only a few inputs in the engine at once, so a short one
+    sent after it is pooled within a few engine steps (held and counted), long before the long one ends."""
+    from pagedllm.server import embedders
+
+    monkeypatch.setattr(embedders, "POOLING_IN_FLIGHT", 2)
+    long = [[3, 4, 5, 6]] * 40  # 8 tokens a step: at most 2 of these a step, 20 steps at least
+    with StepHold(server.engine) as hold, ThreadPoolExecutor(2) as pool:
+        big = pool.submit(_embed, server, model=DECODER, input=long)
+        _wait_queued(server, 2)
+        small = pool.submit(_embed, server, model=DECODER, input=[[7, 8, 9]])
+        _wait_queued(server, 3)
+        hold.allow(3)
+        assert len(small.result(HANG_S)["data"]) == 1
+        assert not big.done()
+        hold.release()
+        assert len(big.result(HANG_S)["data"]) == len(long)
+    assert_pool_whole(server)
+
+
+def _wait_queued(s, n: int) -> None:
+    deadline = time.monotonic() + HANG_S
+    while (state := kv(s))["num_waiting"] + state["num_running"] < n:
+        assert time.monotonic() < deadline, state
+        time.sleep(0.01)
+
+
 def test_minilm_limits_and_unknown_models(server):
     long = " ".join(["word"] * 400)  # over the model's 256 tokens: refused, not truncated in silence
     assert_error(server.http.post("/v1/embeddings", json={"model": MINILM, "input": long}), 400, "input")
@@ -214,6 +302,10 @@ def test_the_cluster_takes_the_embedding_flags_and_checks_them_before_ray(tmp_pa
     ingress = settings("--embedding-model", "default", "--runner", "pooling")
     assert (ingress.server.embedding_model, ingress.pooler) == ("default", PoolerConfig())  # a GGUF: last, normed
     assert settings().pooler is None and settings().server.embedding_model is None
+    assert settings().server.max_embedding_tokens == 65536
+    assert settings("--max-embedding-tokens", "9").server.max_embedding_tokens == 9
+    with pytest.raises(UserError, match="^--max-embedding-tokens:"):
+        settings("--max-embedding-tokens", "0")
     with pytest.raises(UserError, match="^--embedding-model:"):
         settings("--embedding-model", str(tmp_path / "nope"))
 

@@ -222,6 +222,23 @@ def test_engines_with_other_dtypes_or_block_sizes_key_segments_apart(model_fp32,
     assert len(roots) == 8
 
 
+def test_kv_written_under_another_kernel_route_is_keyed_apart(model_fp32, model_fp32_exact, tmp_path):
+    """Issue 38.7: the dot route (16-bit inputs, --quantized-activations) changes the K/V bits a step writes, so
+    the disk tier's fingerprint and the segment root (with and without a tier) of the two loads differ."""
+    from pagedllm.engine.disk_tier import engine_fingerprint, kernel_facts
+
+    if kernel_facts(model_fp32) == kernel_facts(model_fp32_exact):
+        pytest.skip("this build runs no dot route: both loads run the same kernels")
+    kv_dtype = torch.float32
+    assert engine_fingerprint(model_fp32, kv_dtype, 16) != engine_fingerprint(model_fp32_exact, kv_dtype, 16)
+    for kw in ({}, {"kv_offload_dir": str(tmp_path)}):
+        roots = {
+            make_engine(m, kv_cache_memory=8 * 2**20, **kw)._blend_state(100, [(0, 50)], None, None).root
+            for m in (model_fp32, model_fp32_exact)
+        }
+        assert len(roots) == 2, kw
+
+
 def test_the_bench_warm_up_stores_every_passage_so_the_timed_pass_reuses_them(model_fp32, parts):
     """`rag bench --kv-blend` with its warm-up: the same passages primed in another order (exact, r = 1.0), so
     the measured prompts copy every full block of every passage; without it the first prompt copies nothing."""
@@ -312,3 +329,66 @@ def test_a_lookups_hits_cannot_be_evicted_while_the_plan_reads_segments(model_fp
     assert out.num_cached_tokens >= 32 and out.num_blend_tokens > 0
     assert refs and min(refs) > 0
     assert_all_blocks_free(engine)
+
+
+def test_a_request_that_fits_only_without_its_segment_holds_runs_without_copies(model_fp32, parts, tmp_path):
+    """Issue 38.7: the passages' stored blocks a plan holds count against the pool until copied. An engine whose
+    pool fits the prompt alone, reading the passages from a disk tier another engine wrote, cannot fit the prompt
+    beside them: the request is planned again without copies (an ordinary prefill, a plain request's tokens)
+    instead of failed."""
+    ids, spans = build(parts, [2, 0, 1])
+    first = make_engine(model_fp32, speculative_config=None, kv_offload_dir=str(tmp_path))
+    run(first, "a", *build(parts, [0, 1, 2]), 0.0)
+    assert run(first, "b", ids, spans, 0.0).num_blend_tokens > 0  # in a roomy pool the passages are copied
+    first.disk_tier.flush()
+    need = -(-(len(ids) + PARAMS.max_tokens) // 16)  # the request's blocks alone
+    small = make_engine(
+        model_fp32, speculative_config=None, kv_offload_dir=str(tmp_path), kv_cache_memory=kv_budget(need)
+    )
+    out = run(small, "b", ids, spans, 0.0)
+    assert out.outputs[0].finish_reason == "length" and out.num_blend_tokens == 0, out.outputs[0]
+    plain = run(make_engine(model_fp32, speculative_config=None), "p", ids)
+    assert out.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert_all_blocks_free(small)
+    assert not any(small.kv.req_segments.values())
+
+
+def test_kv_events_never_remove_a_block_they_did_not_store(model_fp32, parts, tmp_path):
+    """Issue 38.7: the passages' blocks (stored by a request, or read back from the disk tier by another engine)
+    are evicted by a long plain prompt; every BlockRemoved names a block a BlockStored named before."""
+    from pagedllm.kv.events import BlockRemoved, BlockStored
+
+    system, passages, question = parts
+    ids, spans = build(parts, [0, 1, 2])
+    total = -(-(len(ids) + PARAMS.max_tokens) // 16) + sum(len(p) // 16 for p in passages) + 1
+    flood = [300 + (i * 7919) % 40000 for i in range(total * 16 - 16)]  # every block of the pool
+
+    def engine():
+        return make_engine(
+            model_fp32,
+            speculative_config=None,
+            kv_offload_dir=str(tmp_path),
+            enable_kv_cache_events=True,
+            kv_cache_memory=kv_budget(total),
+        )
+
+    first = engine()
+    run(first, "a", ids, spans, 0.0)  # stores the passages in fresh blocks
+    first.disk_tier.flush()
+    second = engine()
+    assert run(second, "b", *build(parts, [2, 0, 1]), 0.0).num_blend_tokens > 0  # read back from the disk tier
+    for e in (first, second):
+        run(e, "flood", flood)
+        _, events, lost = e.kv.pool.events.since(0)
+        stored = {h for ev in events if isinstance(ev, BlockStored) for h in ev.block_hashes}
+        removed = [h for ev in events if isinstance(ev, BlockRemoved) for h in ev.block_hashes]
+        assert not lost and set(removed) <= stored, (len(removed), len(set(removed) - stored))
+        assert len(e.kv.pool.cached) == len(flood) // 16  # the flood's blocks alone: all else was evicted
+        assert_all_blocks_free(e)
+    assert removed_any(first)
+
+
+def removed_any(engine) -> bool:
+    from pagedllm.kv.events import BlockRemoved
+
+    return any(isinstance(ev, BlockRemoved) for ev in engine.kv.pool.events.since(0)[1])

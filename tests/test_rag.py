@@ -459,6 +459,9 @@ def test_server_rag_chat_endpoint_names_chunks_and_hits_the_cache(rag_index, mod
             assert assert_as_declared(spec, "/v1/rag/chat/completions", "post", r, events) > 2
             bad = c.post("/v1/rag/chat/completions", json={**body, "messages": [{"role": "user", "content": " "}]})
             assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
+            # issue 38.7: the client cannot know the token spans of a prompt the server builds
+            blend = c.post("/v1/rag/chat/completions", json={**body, "kv_blend": {"segments": [[0, 8]]}})
+            assert blend.status_code == 400 and blend.json()["error"]["param"] == "kv_blend", blend.text
             assert c.get("/v1/kv").json()["used_blocks"] == 0
     finally:
         srv.stop()

@@ -29,6 +29,7 @@ from server_helpers import (
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 MAX_REQUEST_BYTES = 2 * 2**20
+JSON = {"Content-Type": "application/json"}
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +109,7 @@ def test_oversized_body_is_a_413_before_parsing(fault_server):
         for i in range(0, len(big), 65536):
             yield big[i : i + 65536]
 
-    assert_error(fault_server.http.post("/tokenize", content=chunked()), 413)
+    assert_error(fault_server.http.post("/tokenize", content=chunked(), headers=JSON), 413)
     assert_serving(fault_server)
 
 
@@ -137,6 +138,46 @@ def test_tokenizing_a_long_text_does_not_block_the_event_loop(fault_server, monk
     worker.join()
     assert overlapped == [True], "/health was answered only after the tokenization"
     assert result["r"].status_code == 200 and result["r"].json()["count"] > 100_000
+
+
+# A web page may post these to a local server without a CORS preflight (a form, fetch's text/plain or untyped
+# Blob body); only application/json needs one.
+NOT_JSON = [
+    "text/plain",
+    "text/plain;charset=UTF-8",
+    "application/x-www-form-urlencoded",
+    "multipart/form-data; boundary=x",
+    "application/jsonp",
+    None,
+]
+
+
+@pytest.mark.parametrize("kind", NOT_JSON)
+def test_a_body_that_is_not_labelled_json_is_a_415_on_every_post_route(fault_server, kind, monkeypatch):
+    """Issue 38.5: a JSON body sent as anything but application/json is answered 415 before it is read, on every
+    POST route /openapi.json lists, and nothing reaches the engine; application/json with a charset is served."""
+    from pagedllm.server.serving_engine import ServingContext
+
+    s, submitted, submit = fault_server, [], ServingContext.submit
+
+    async def recorded(self, prompts, *args, **kwargs):
+        submitted.append(prompts)
+        return await submit(self, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(ServingContext, "submit", recorded)
+    posts = [p for p, ops in s.http.get("/openapi.json").json()["paths"].items() if "post" in ops]
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/tokenize"} <= set(posts)
+    body = json.dumps({"prompt": "hi", "max_tokens": 2, "input": "hi", "messages": [{"role": "user", "content": "x"}]})
+    for path in posts:
+        r = httpx.post(s.base + path, content=body, headers={**AUTH, **({"Content-Type": kind} if kind else {})})
+        assert r.status_code == 415, (path, r.status_code, r.text)
+        err = r.json()["error"]
+        assert "application/json" in err["message"] and (path == "/v1/messages") == ("param" not in err), err
+    assert submitted == []
+    good = json.dumps({"prompt": "hi", "max_tokens": 2})
+    ok = s.http.post("/v1/completions", content=good, headers={"Content-Type": "application/json; charset=utf-8"})
+    assert ok.status_code == 200 and len(submitted) == 1, ok.text
+    assert_pool_whole(s)
 
 
 def test_tokenize_and_detokenize_need_the_key(fault_server):
@@ -235,13 +276,15 @@ REFUSED = [
     ("cache_salt empty", {"cache_salt": ""}, "cache_salt"),
     ("use_beam_search", {"use_beam_search": True}, "use_beam_search"),
     ("prompt_embeds", {"prompt_embeds": "AAAA"}, "prompt_embeds"),
+    ("kv_blend recompute as a string", {"kv_blend": {"segments": [[0, 1]], "recompute": "0.1"}}, "kv_blend"),
 ]
 
 
 @pytest.mark.parametrize("extra,param", [r[1:] for r in REFUSED], ids=[r[0] for r in REFUSED])
 def test_fields_not_honoured_are_refused_by_name(fault_server, extra, param):
     if isinstance(extra, str):  # a JSON number Python's json.dumps cannot write
-        r = fault_server.http.post("/v1/completions", content=f'{{"prompt": "hi", "temperature": {extra}}}')
+        body = f'{{"prompt": "hi", "temperature": {extra}}}'
+        r = fault_server.http.post("/v1/completions", content=body, headers=JSON)
     else:
         r = complete(fault_server, **extra)
     assert_error(r, 400, param)

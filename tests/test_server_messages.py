@@ -84,6 +84,44 @@ def test_the_stream_adds_up_to_the_whole_message(server):
     assert_pool_whole(server)
 
 
+def test_a_last_assistant_message_is_continued_as_anthropics_prefill(server):
+    """Issue 38.2: the answer goes on from the assistant's text (chat's continue_final_message), whole and
+    streamed, not from a new assistant turn."""
+    messages = [{"role": "user", "content": "Count"}, {"role": "assistant", "content": "1, 2,"}]
+    chat = server.http.post(
+        "/v1/chat/completions",
+        json={
+            "messages": messages,
+            "max_tokens": 8,
+            "temperature": 0,
+            "add_generation_prompt": False,
+            "continue_final_message": True,
+        },
+    ).json()
+    msg = server.client.messages.create(model="m", max_tokens=8, messages=messages, extra_body=GREEDY)
+    assert msg.content[0].text == chat["choices"][0]["message"]["content"], (msg, chat)
+    assert msg.usage.input_tokens == chat["usage"]["prompt_tokens"]
+    with server.client.messages.stream(model="m", max_tokens=8, messages=messages, extra_body=GREEDY) as stream:
+        assert "".join(stream.text_stream) == msg.content[0].text
+    assert_pool_whole(server)
+
+
+def test_a_streamed_message_says_its_cached_prompt_tokens_from_the_start(server):
+    """Issue 38.4: message_start's usage (and so the SDK's final message) carries cache_read_input_tokens, as
+    the whole answer's does: the second of two equal requests reads its prompt's full blocks from the cache."""
+    body = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "Tell me a story " * 5}]}
+    server.client.messages.create(**body, extra_body=GREEDY)
+    whole = server.client.messages.create(**body, extra_body=GREEDY)
+    assert whole.usage.cache_read_input_tokens and whole.usage.cache_read_input_tokens > 0, whole.usage
+    with server.client.messages.stream(**body, extra_body=GREEDY) as stream:
+        start = next(e for e in stream if e.type == "message_start")
+        final = stream.get_final_message()
+    assert start.message.usage.cache_read_input_tokens == whole.usage.cache_read_input_tokens, start
+    assert final.usage.cache_read_input_tokens == whole.usage.cache_read_input_tokens
+    assert final.usage.input_tokens == whole.usage.input_tokens
+    assert_pool_whole(server)
+
+
 def test_tools_give_tool_use_blocks_streamed_and_not(server):
     body = {
         "model": "m",
@@ -131,6 +169,13 @@ def test_answers_are_as_openapi_declares(server):
     assert wrong_key.status_code == 401 and wrong_key.json()["error"]["type"] == "authentication_error"
 
 
+USE = {"type": "tool_use", "id": "toolu_1", "name": "add", "input": {"a": 1, "b": 2}}
+
+
+def _result(tool_use_id: str) -> dict:
+    return {"role": "user", "content": [{"type": "tool_result", "tool_use_id": tool_use_id, "content": "3"}]}
+
+
 SDK_ARGS = {"model", "max_tokens", "messages", "stop_sequences", "tools", "tool_choice", "thinking", "system"}
 BAD = [
     ({"max_tokens": 0}, "max_tokens"),
@@ -147,6 +192,13 @@ BAD = [
     ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
     ({"max_tokens": 600}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "Hi " * 600}]}, "messages"),
+    # issue 38.6: what Anthropic refuses (a tool_result must answer a tool_use of the assistant's turn before it)
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1"}]}]}, "tool_use_id"),
+    ({"messages": [{"role": "user", "content": [USE]}]}, "tool_use"),
+    ({"messages": [*HI, {"role": "assistant", "content": [USE]}, _result("toolu_2")]}, "tool_use_id"),
+    ({"messages": [*HI, {"role": "assistant", "content": [USE]}, *HI, _result("toolu_1")]}, "tool_use_id"),
+    ({"messages": [*HI, {"role": "assistant", "content": [USE, {**USE}]}, _result("toolu_1")]}, "tool_use"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "got 5"),
 ]
 
 

@@ -155,6 +155,8 @@ def test_answers_are_as_openapi_declares(server):
     assert_as_declared(server.spec, "/v1/responses", "post", bad)
 
 
+CALL = {"type": "function_call", "call_id": "call_1", "name": "add", "arguments": '{"a": 1, "b": 2}'}
+OUTPUT = {"type": "function_call_output", "call_id": "call_1", "output": "3"}
 BAD = [
     ({"input": "Hi", "max_output_tokens": 0}, "max_output_tokens", "max_output_tokens"),
     ({"input": []}, "input", "empty"),
@@ -176,6 +178,10 @@ BAD = [
     ({"input": "Hi " * 600}, "input", "maximum context length"),
     ({"input": "Hi", "max_output_tokens": 600}, "max_output_tokens", "maximum context length"),
     ({"input": "Hi", "model": "nope"}, "model", "does not exist"),
+    # issue 38.6: an output must answer a call made before it; an item of an unknown type is named as one
+    ({"input": [{"type": "function_call_output", "call_id": "call_1", "output": "3"}]}, "input", "call_1"),
+    ({"input": [{**CALL, "call_id": "call_2"}, {**OUTPUT, "call_id": "call_1"}]}, "input", "call_1"),
+    ({"input": [{"type": "web_search_call", "role": "user", "content": "Hi"}]}, "input", "web_search_call"),
 ]
 
 

@@ -128,6 +128,19 @@ def plan(req: Request, kv: KVCacheManager, hits: KVCacheBlocks, num_cached: int)
         kv.unpin(list(hits))
 
 
+def without_copies(req: Request) -> bool:
+    """A request that does not fit its pool beside its plan's holds (the stored passages' blocks it holds count
+    against the pool until copied) is planned from now on as an ordinary prefill (recompute 1.0: exact, nothing
+    held); False where it was one already, so the caller fails it. Called after its blocks and holds were freed."""
+    blend = req.blend
+    if blend is None or blend.recompute >= 1.0:
+        return False
+    blend.recompute, blend.copies, blend.pending_copy = 1.0, [], 0
+    req.kv_cache_limit = None
+    logger.info("kv_blend: request %s fits only without its passages' holds: computing them", req.request_id)
+    return True
+
+
 def _plan_copies(req: Request, blend: BlendState, kv: PagedKVCacheManager, num_cached: int) -> None:
     bs, last = kv.block_size, req.num_prompt_tokens - 1
     for i, ((start, end), tail) in enumerate(zip(blend.segments, _recomputed_tails(blend, num_cached))):

@@ -16,7 +16,7 @@ import torch
 from pagedllm.engine.acceptance import accept, sampling_rows
 from pagedllm.engine.blend import BlendState, apply_copies, check_segments, store_segments
 from pagedllm.engine.config import EngineConfig
-from pagedllm.engine.disk_tier import open_disk_tier
+from pagedllm.engine.disk_tier import kernel_facts, open_disk_tier
 from pagedllm.engine.fault_isolation import Computed, Scheduled, forward_guarded, sample_guarded
 from pagedllm.engine.input_checks import bad_words_token_ids, check_params, encode_prompt
 from pagedllm.engine.memory import kv_layout, log_kv_cache, num_kv_blocks, resolve_device
@@ -203,8 +203,9 @@ class LLMEngine:
     ) -> BlendState | None:
         """A request's kv_blend state (checked), or None: no segments, or keys that cannot be moved (dynamic NTK).
         The segment root covers what stored segment KV depends on besides its tokens, so a copy made under other
-        settings is never found: the disk tier's fingerprint (the weights' digest) when there is one, else the
-        checkpoint's path, its dtype and quantization; the KV dtype, the block size and the cache salt."""
+        settings is never found: the disk tier's fingerprint (the weights' digest and kernels) when there is one,
+        else the checkpoint's path, its dtype, quantization and kernels (disk_tier.kernel_facts); the KV dtype, the
+        block size and the cache salt."""
         if segments is None:
             if recompute is not None:
                 check_segments([], prompt_len, recompute)
@@ -213,7 +214,11 @@ class LLMEngine:
         if not spans or not self.runner.can_shift_keys:
             return None
         loaded = self.loaded
-        weights = self.disk_tier.fingerprint if self.disk_tier is not None else (loaded.path, loaded.quantization)
+        weights = (
+            self.disk_tier.fingerprint
+            if self.disk_tier is not None
+            else (loaded.path, loaded.quantization, kernel_facts(loaded))
+        )
         key = (self.model_config.name, weights, str(loaded.dtype), str(self.kv_dtype), self.block_size, cache_salt)
         return BlendState(spans, self.config.kv_blend_recompute if recompute is None else recompute, segment_root(key))
 

@@ -16,7 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pagedllm.engine.blend import plan, step_size
+from pagedllm.engine.blend import plan, step_size, without_copies
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.spec_decode import NgramDrafter
 from pagedllm.kv.manager import KVCacheBlocks, KVCacheManager
@@ -123,7 +123,7 @@ class Scheduler:
                 budget -= cost + len(req.spec_token_ids)
                 i += 1
                 continue
-            if not self.running:  # it gave up every other request's blocks and still does not fit
+            if not self.running and not without_copies(req):  # alone and still too big (a blend plan goes first)
                 self.waiting.remove(req)
                 self._fail(req, out)
             break
@@ -140,9 +140,10 @@ class Scheduler:
             req.num_computed_tokens = 0
             if not self.kv.allocate_slots(req, num_new, blocks):
                 self.kv.free(req)  # the plan's holds (nothing else was taken)
-                if not self.running:  # nothing will ever free blocks for it
-                    self.waiting.remove(req)
-                    self._fail(req, out)
+                if not self.running:  # nothing will ever free blocks for it (but a blend plan's holds: planned again)
+                    if not without_copies(req):
+                        self.waiting.remove(req)
+                        self._fail(req, out)
                     continue
                 break
             self.waiting.remove(req)

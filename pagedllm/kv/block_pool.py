@@ -19,6 +19,7 @@ class KVBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: BlockHash | None = None  # set once the block is full and registered in the prefix cache
+    published: bool = True  # its hash is in the KV events (a kv_blend segment's is not: no prompt prefix has it)
     prev_free: KVBlock | None = field(default=None, repr=False)
     next_free: KVBlock | None = field(default=None, repr=False)
 
@@ -123,13 +124,14 @@ class BlockPool:
                 self.free_queue.append(block)
                 self.num_free_cached += block.block_hash is not None
 
-    def cache_block(self, block: KVBlock, block_hash: BlockHash) -> bool:
+    def cache_block(self, block: KVBlock, block_hash: BlockHash, published: bool = True) -> bool:
         """Register a block in use under its chained hash, unless another block already holds that prefix;
-        True if it was registered."""
+        True if it was registered. `published`: whether its leaving is a KV event (its caller publishes its
+        BlockStored, with the tokens; a kv_blend segment's block is in neither)."""
         if not self.enable_caching or block.block_hash is not None or block_hash in self.cached:
             return False
         assert block.ref_cnt > 0, f"block {block.block_id} is free: only blocks in use are registered"
-        block.block_hash = block_hash
+        block.block_hash, block.published = block_hash, published
         self.cached[block_hash] = block
         return True
 
@@ -139,7 +141,7 @@ class BlockPool:
             return
         if self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
-            if self.events is not None:
+            if self.events is not None and block.published:
                 self.events.removed([block.block_hash])
         block.block_hash = None
         if block.ref_cnt == 0:

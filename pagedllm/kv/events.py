@@ -7,7 +7,9 @@ msgpack array `[ts, [event, ...]]` and each event a msgpack map tagged `{"type":
 vLLM's field names (what msgspec writes for vLLM's structs). Block hashes are pagedllm's chained sha256 digests
 (bytes, one of vLLM's `ExternalBlockHash` forms).
 
-Recording is off unless a `KVEventLog` is attached to the block pool; then each event costs one append.
+Recording is off unless a `KVEventLog` is attached to the block pool; then each event costs one append. The
+blocks of kv_blend's stored passages (engine/blend.py) are in no event, stored or removed: their hashes are rooted
+apart from every prompt's chain, so no router could match a prefix to them.
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ class SegmentStore(KVConnector):
                 block = self.fetch(block_hash)
                 if block is None:
                     break
+                block.published = False  # a passage's block: not a prefix, in no KV event (block_pool.py)
                 self.on_fetched()
             found.append(block)
         self.holds.setdefault(request_id, []).extend(found)
@@ -65,7 +66,7 @@ class SegmentStore(KVConnector):
             return []
         blocks = self.pool.allocate(len(missing))
         for i, block in zip(missing, blocks):
-            self.pool.cache_block(block, hashes[i])
+            self.pool.cache_block(block, hashes[i], published=False)  # not a prefix: no KV event, as on disk
         return list(zip(missing, blocks))
 
     def end_store(self, blocks: Sequence[KVBlock], written: bool) -> None:

@@ -89,7 +89,7 @@ def build_app(
     )
     app.state.rag = rag
     own = [EngineEmbedder(app.state.serving, pooler)] if pooler is not None else []
-    app.state.embedders = [*own, *embedders]
+    app.state.embedders, app.state.max_embedding_tokens = [*own, *embedders], config.max_embedding_tokens
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]  # FastAPI's documented way to extend it
     install_error_handlers(app)
     _include_routes(app, state_routers, config.generate, rag is not None)

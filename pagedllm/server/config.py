@@ -13,6 +13,7 @@ from pagedllm.rag.layout import LAYOUT_HELP, Layout
 from pagedllm.settings import Field, Flag, settings
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
+DEFAULT_MAX_EMBEDDING_TOKENS = 65536  # ~20 s of all-MiniLM-L6-v2 on 2 cores
 ToolCallParser = Literal["hermes", "llama3_json", "mistral", "pythonic", "openai"]  # tool_parsers' TOOL_PARSERS
 TOOL_PARSER_NAMES = typing.get_args(ToolCallParser)
 ReasoningParserName = Literal["qwen3", "deepseek_r1", "openai_gptoss"]  # reasoning.py's REASONING_PARSERS
@@ -56,6 +57,10 @@ class ServerConfig:
     embedding_model: Annotated[str | None, Flag(metavar="PATH")] = None
     """also serve this sentence-transformers model on /v1/embeddings, named by its folder ('default': the bundled
     all-MiniLM-L6-v2, what `pagedllm rag` embeds with) (default: none)"""
+    max_embedding_tokens: int = Field(default=DEFAULT_MAX_EMBEDDING_TOKENS, ge=1)
+    """the most tokens one /v1/embeddings request may hold, all its inputs together; past it a 400 naming input
+    (default: 65536, ~20 s of all-MiniLM-L6-v2 on 2 cores); requests take turns in batches either way, so a short
+    one never waits for all of a long one"""
     enable_auto_tool_choice: bool = False
     """serve tool_choice "auto" in the format --tool-call-parser names (vLLM's flags; default: off, "auto" is
     parsed in the format the chat template asks for, when it names exactly one)"""

@@ -33,6 +33,7 @@ _TYPES = {
     404: "NotFoundError",
     405: "MethodNotAllowedError",
     413: "BadRequestError",
+    415: "BadRequestError",
     422: "BadRequestError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
@@ -41,11 +42,11 @@ _TYPES = {
 # What /openapi.json lists as each route's error answers (Anthropic's shape on its routes).
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": HTTPStatus(status).phrase}
-    for status in (400, 401, 404, 413, 500, 503)
+    for status in (400, 401, 404, 413, 415, 500, 503)
 }
 ANTHROPIC_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": AnthropicErrorResponse, "description": HTTPStatus(status).phrase}
-    for status in (400, 401, 404, 413, 500, 503)
+    for status in (400, 401, 404, 413, 415, 500, 503)
 }
 
 
@@ -113,15 +114,27 @@ def _shown(value: Any) -> str:
 _UNION_TAG = re.compile(r"str|int|float|bool|\w+\[.*\]")  # pydantic's name of a union member in a location
 
 
+def _in_an_object(error: dict[str, Any], first: dict[str, Any]) -> bool:
+    """Whether a union member's error is about a field of an object inside the value (`messages.0.content`'s
+    list member failing at `.0.text`), not the value's type: that one says what is wrong, not "got list"."""
+    loc, head = tuple(error.get("loc", ())), tuple(first.get("loc", ()))
+    tags = [i for i, p in enumerate(loc) if isinstance(p, str) and _UNION_TAG.fullmatch(p)]
+    if not tags or loc[: tags[0]] != head[: tags[0]]:
+        return False
+    return any(isinstance(p, str) and not _UNION_TAG.fullmatch(p) for p in loc[tags[0] + 1 :])
+
+
 def from_errors(errors: list[dict[str, Any]]) -> APIError:
     """One 400 naming the first bad field (dotted path), what is wrong with it and the value sent. FastAPI puts
     "body" first in every location; a union (prompt) fails once per member, reported as one error."""
     if not errors:
         return APIError("Invalid request body", 400)
-    first = errors[0]
+    first, deep = errors[0], False
     if len(errors) > 1:  # a union fails once per member: the one whose type the value has says what is wrong
         same = [e for e in errors if tuple(e.get("loc", ()))[:2] == tuple(first.get("loc", ()))[:2]]
         first = next((e for e in same if not str(e.get("type", "")).endswith("_type")), first)
+        inside = [e for e in errors if _in_an_object(e, first)]  # the member the value was (a list of objects)
+        first, deep = max(inside, key=lambda e: len(e.get("loc", ())), default=first), bool(inside)
     loc = [str(p) for p in first.get("loc", ()) if not _UNION_TAG.fullmatch(str(p))]
     loc = loc[1:] if loc[:1] == ["body"] else loc
     msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
@@ -139,6 +152,7 @@ def from_errors(errors: list[dict[str, Any]]) -> APIError:
         return APIError(f"'{'.'.join(loc)}' is a required field", 400, param=field)
     if (
         len(errors) > 1
+        and not deep
         and field in ("prompt", "input")
         and first.get("type") != "value_error"  # a member's own check (a Responses item's) says what is wrong
         and all(str(e["loc"][1:2]) == str(first["loc"][1:2]) for e in errors)

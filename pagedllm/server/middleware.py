@@ -58,8 +58,9 @@ class AuthMiddleware:
 
 class RequestBodyMiddleware:
     """Bodies over `max_bytes` are answered 413 before anything parses them: at once from Content-Length, or as
-    soon as a chunked body's running count passes the limit. Every POST body of this API is JSON, whatever the
-    client labelled it (`curl -d` says form-urlencoded), so it is parsed as JSON."""
+    soon as a chunked body's running count passes the limit. Every POST body of this API is JSON, and one labelled
+    otherwise (or not at all) is a 415: a web page may send a form or text/plain post to a local server without a
+    CORS preflight, and only application/json needs one, so no page can make the server generate for it."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
@@ -77,8 +78,12 @@ class RequestBodyMiddleware:
             too_large = error_response(self._too_large(), 413, headers={"Connection": "close"}, path=scope["path"])
             await too_large(scope, receive, send)
             return
-        headers = [(k, v) for k, v in scope.get("headers", []) if k != b"content-type"]
-        scope = {**scope, "headers": headers + [(b"content-type", b"application/json")]}
+        kind = (_header(scope, b"content-type") or b"").split(b";")[0].strip().lower()
+        if kind != b"application/json":
+            shown = kind.decode("latin-1") or "none"
+            message = f"The request body must be JSON, sent with Content-Type: application/json (got {shown})"
+            await error_response(message, 415, path=scope["path"])(scope, receive, send)
+            return
         seen = 0
 
         async def counting_receive() -> Message:

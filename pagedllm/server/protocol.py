@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
 
 from pagedllm.engine.stats import EngineStats
 from pagedllm.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError, StructuredOutputsParams
@@ -181,7 +181,7 @@ class KVBlend(OpenAIModel):
     segments: list[tuple[StrictInt, StrictInt]] = Field(
         ..., max_length=4096, description="[start, end) token spans of the prompt, in order, not overlapping"
     )
-    recompute: float | None = Field(
+    recompute: StrictFloat | None = Field(
         None,
         ge=0,
         le=1,

@@ -70,6 +70,31 @@ class AnthropicMessage(OpenAIModel):
         return out
 
 
+def _check_tool_turns(messages: list[AnthropicMessage]) -> None:
+    """Anthropic's rule for tool blocks: a tool_use is the assistant's (its ids unique), and a tool_result answers
+    a tool_use of the assistant turn just before its own; anything else is a ValueError naming the block."""
+    calls: set[str] = set()  # the tool_use ids of the assistant turn before this one
+    for i, m in enumerate(messages):
+        blocks = m.content if isinstance(m.content, list) else []
+        where = [f"messages.{i}.content.{j}" for j in range(len(blocks))]
+        uses = [(w, b) for w, b in zip(where, blocks, strict=True) if b.type == "tool_use"]
+        results = [(w, b) for w, b in zip(where, blocks, strict=True) if b.type == "tool_result"]
+        if m.role == "user" and uses:
+            raise ValueError(f"messages: {uses[0][0]}: a tool_use block must be in an assistant message")
+        if m.role == "assistant" and results:
+            raise ValueError(f"messages: {results[0][0]}: a tool_result block must be in a user message")
+        for w, b in results:
+            if b.tool_use_id not in calls:
+                raise ValueError(
+                    f"messages: {w}: tool_use_id {b.tool_use_id!r} answers no tool_use block of the assistant "
+                    "message just before"
+                )
+        ids = [b.id or "" for _, b in uses]
+        if len(set(ids)) < len(ids):
+            raise ValueError(f"messages: messages.{i}: tool_use ids must be unique")
+        calls = set(ids) if m.role == "assistant" else set()
+
+
 class AnthropicTool(OpenAIModel):
     name: str
     description: str | None = None
@@ -115,6 +140,7 @@ class MessagesRequest(RequestModel):
             raise ValueError("thinking: extended thinking is not supported")
         if isinstance(self.system, list) and any(b.type != "text" for b in self.system):
             raise ValueError("system: only text blocks")
+        _check_tool_turns(self.messages)
         return self
 
     def to_chat(self) -> dict[str, Any]:
@@ -140,6 +166,8 @@ class MessagesRequest(RequestModel):
                 }
                 for t in self.tools
             ]
+        if self.messages[-1].role == "assistant":  # Anthropic's prefill: the answer goes on from that text
+            body["add_generation_prompt"], body["continue_final_message"] = False, True
         if self.tool_choice is not None:
             body["tool_choice"] = self.tool_choice.chat()
             body["parallel_tool_calls"] = not self.tool_choice.disable_parallel_tool_use

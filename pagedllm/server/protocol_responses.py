@@ -51,6 +51,16 @@ class InputItem(OpenAIModel):
         return {"role": self.role, "content": self.content}
 
 
+def _check_outputs(items: list[InputItem]) -> None:
+    """OpenAI's rule: a function_call_output answers a function_call item before it (by `call_id`)."""
+    calls: set[str] = set()
+    for i, item in enumerate(items):
+        if item.type == "function_call":
+            calls.add(item.call_id or "")
+        elif item.type == "function_call_output" and item.call_id not in calls:
+            raise ValueError(f"input: input.{i}: no function_call item before it has call_id {item.call_id!r}")
+
+
 class FunctionTool(OpenAIModel):
     type: Literal["function"]
     name: str
@@ -106,6 +116,8 @@ class ResponsesRequest(RequestModel):
             raise ValueError("reasoning: not supported")
         if isinstance(self.input, list) and not self.input:
             raise ValueError("input: must not be empty")
+        if isinstance(self.input, list):
+            _check_outputs(self.input)
         if isinstance(self.tool_choice, dict) and (
             self.tool_choice.get("type") != "function" or not isinstance(self.tool_choice.get("name"), str)
         ):

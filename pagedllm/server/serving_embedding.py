@@ -36,8 +36,8 @@ def _encoded(vec: list[float], encoding_format: str) -> list[float] | str:
     return vec
 
 
-async def _answer(req: EmbeddingRequest, embedder: Embedder, name: str, rid: str) -> EmbeddingResponse:
-    vectors, tokens = await embedder.embed(req.inputs(), req.dimensions, rid, req.truncate_prompt_tokens)
+async def _answer(req: EmbeddingRequest, embedder: Embedder, name: str, rid: str, budget: int) -> EmbeddingResponse:
+    vectors, tokens = await embedder.embed(req.inputs(), req.dimensions, rid, req.truncate_prompt_tokens, budget)
     data = [
         EmbeddingData(object="embedding", index=i, embedding=_encoded(v, req.encoding_format))
         for i, v in enumerate(vectors)
@@ -51,4 +51,5 @@ async def create_embedding(req: EmbeddingRequest, request: Request) -> Response:
     """Embed each input alone; every check (model, inputs, lengths, dimensions) before any work starts."""
     embedder, name = pick_embedder(request.app.state.embedders, req.model)
     rid = request_id(request, None, "embd")
-    return json_response(await cancel_on_disconnect(request, _answer(req, embedder, name, rid)))
+    budget = request.app.state.max_embedding_tokens
+    return json_response(await cancel_on_disconnect(request, _answer(req, embedder, name, rid, budget)))

@@ -215,8 +215,10 @@ class ServingContext:
         cache_salt: str | None = None,
         priority: int = 0,
         kv_blend: KVBlend | None = None,
+        first: int = 0,
     ) -> list[EngineRequest]:
-        """One engine request per prompt (n samples each); if any is refused, the others are aborted.
+        """One engine request per prompt (n samples each); if any is refused, the others are aborted. `first`:
+        the index of the first prompt, for a request that submits its prompts a few at a time.
         `cache_salt` keeps the request's prefix blocks to requests of the same salt (a tenant's); `kv_blend`
         (checked against every prompt before any is queued) marks spans whose KV may be reused."""
         blend: dict = {}
@@ -227,7 +229,7 @@ class ServingContext:
                 except SamplingParamsError as e:
                     raise APIError(f"kv_blend: {e}", 400, param="kv_blend") from None
             blend = {"kv_segments": list(kv_blend.segments), "kv_blend_recompute": kv_blend.recompute}
-        subs = [EngineRequest(i, i * params.n, f"{request_id}-{i}", ids) for i, ids in enumerate(prompts)]
+        subs = [EngineRequest(i, i * params.n, f"{request_id}-{i}", ids) for i, ids in enumerate(prompts, first)]
         results = await asyncio.gather(
             *(
                 self.engine.add_request(

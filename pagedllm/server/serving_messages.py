@@ -144,7 +144,12 @@ class _Blocks:
 async def _stream(
     ctx: ServingContext, chat: ChatCompletionRequest, prep: serving_chat.Prepared, subs: list[EngineRequest], rid: str
 ) -> AsyncGenerator[str]:
-    start_usage = AnthropicUsage(input_tokens=len(prep.prompt_ids), output_tokens=0)
+    """message_start goes with the first delta: only then is the prefix cache's share known (Anthropic's
+    message_start carries cache_read_input_tokens); message_delta's usage says it again, as Anthropic's does."""
+    pending = serving_chat.deltas(ctx, chat, subs)
+    first = await anext(pending, None)
+    cached = first.out.num_cached_tokens if first is not None else 0
+    start_usage = AnthropicUsage(input_tokens=len(prep.prompt_ids), output_tokens=0, cache_read_input_tokens=cached)
     start = MessageObject(
         id=rid,
         type="message",
@@ -156,8 +161,10 @@ async def _stream(
         usage=start_usage,
     )
     yield _event("message_start", message=start)
-    blocks, last = _Blocks(), None
-    async for d in serving_chat.deltas(ctx, chat, subs):
+    blocks, last = _Blocks(), first
+    for sent in blocks.add(first.delta) if first is not None else []:
+        yield sent
+    async for d in pending:
         for sent in blocks.add(d.delta):
             yield sent
         last = d
@@ -167,7 +174,8 @@ async def _stream(
     assert last is not None  # a choice's last delta is always sent
     called = last.parser is not None and bool(last.parser.ids)
     reason, sequence = _stop(last.choice.finish_reason, last.choice.stop_reason, called)
-    usage = {"output_tokens": ctx.usage(subs).completion_tokens}
+    u = _usage(ctx.usage(subs))
+    usage = {"input_tokens": u.input_tokens, "output_tokens": u.output_tokens, "cache_read_input_tokens": cached}
     yield _event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence}, usage=usage)
     yield _event("message_stop")
 

@@ -51,13 +51,20 @@ def _question(req: ChatCompletionRequest) -> str:
 )
 async def rag_chat(req: ChatCompletionRequest, request: Request, ctx: ServingContext = Depends(serving)) -> Response:
     rag = request.app.state.rag
+    if req.kv_blend is not None:  # its spans would index a prompt the client never saw
+        raise APIError(
+            "kv_blend: the RAG route builds its own prompt, so a client cannot name its token spans (start the "
+            "server with --rag-kv-blend to blend the retrieved passages)",
+            400,
+            param="kv_blend",
+        )
     messages, hits = await asyncio.to_thread(rag.build_messages, _question(req))
     req.messages = [ChatMessage(role=m["role"], content=m["content"]) for m in messages]
     chunks = [RagChunk(**h.to_dict(with_text=False)) for h in hits]
     rid = request_id(request, req.request_id, "ragcmpl")
     prep = await serving_chat.prepare(ctx, req)
     blend = None
-    if rag.kv_blend and req.kv_blend is None:  # the passages marked by the pipeline itself (engine/blend.py)
+    if rag.kv_blend:  # the passages marked by the pipeline itself (engine/blend.py)
         ids, spans = await asyncio.to_thread(segmented_prompt, ctx.engine.tokenizer, messages, hits)
         if len(ids) == len(prep.prompt_ids):  # the same length budget prepare checked
             prep.prompt_ids, blend = ids, KVBlend(segments=spans)
@@ -67,7 +74,7 @@ async def rag_chat(req: ChatCompletionRequest, request: Request, ctx: ServingCon
         rid,
         cache_salt=req.cache_salt,
         priority=req.priority,
-        kv_blend=blend or req.kv_blend,
+        kv_blend=blend,
     )
     if req.stream:
         header = json.dumps([c.body() for c in chunks])

@@ -241,7 +241,8 @@ def _engine_greedy(loaded, prompts: list[list[int]]) -> list[list[int]]:
     """32 greedy tokens per prompt in one engine with prefix caching, chunked prefill (16 tokens a step) and a
     KV cache small enough to preempt."""
     cfg = loaded.config
-    per_block = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 4) * 8
+    layers_per_block = cfg.kv_layout(hybrid=True).layers_per_block  # a block spans one group's layers
+    per_block = kv_bytes_per_token(layers_per_block, cfg.num_kv_heads, cfg.head_dim, 4) * 8
     engine = LLMEngine(
         EngineConfig(
             block_size=8,

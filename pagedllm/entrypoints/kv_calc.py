@@ -174,10 +174,28 @@ def _report_groups(cfg, dtype: str, block_size: int, max_len: int) -> None:
         print("mixed sliding and full layers share one block table: no block is freed before the request ends")
 
 
+def _report_weights(cfg, model: str | None) -> None:
+    """Parameters, total and active per token (a mixture of experts reads only the routed experts), and the
+    weight bytes one decoded token reads."""
+    from pagedllm.model.config import is_gguf, resolve_model_path
+    from pagedllm.model.params import weight_count
+
+    path = resolve_model_path(model)
+    w = weight_count(cfg, path if is_gguf(path) else None)
+    routed = f" ({cfg.num_experts_per_tok} of {cfg.num_experts} experts routed)" if cfg.num_experts else ""
+    print()
+    print(f"parameters: {w.total_params:,} total, {w.active_params:,} active per token{routed}")
+    print(
+        f"weight bytes: {w.total_bytes:,}; read per decoded token: {w.read_bytes:,} "
+        f"({w.read_bytes / max(1, w.total_bytes):.1%})"
+    )
+
+
 def _report_model(model: str, dtype: str, block_size: int, max_len: int, used: list[int], budget: int | None) -> None:
     from pagedllm.model.config import load_model_config
 
     cfg = load_model_config(None if model == "default" else model)
+    _report_weights(cfg, None if model == "default" else model)
 
     def per_token_of(name: str) -> int:
         return kv_dtype_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, name)

@@ -24,6 +24,8 @@ from pagedllm.model.families import (
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic", "factors")  # rope.py computes each
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # layers.py
+ROUTERS = ("softmax_topk", "topk_softmax")  # moe.py: the sparse block's routing
+MOE_ACTIVATIONS = (*ACTIVATIONS, "swigluoai")  # moe.py: the experts' (gpt-oss's clamped SwiGLU)
 _ORIGINAL_CONTEXT_TYPES = ("llama3", "yarn", "longrope", "dynamic")  # scalings relative to an original context
 
 
@@ -72,6 +74,35 @@ class ModelConfig:
     layer_types: list[str] | None = None
     attn_scale: float | None = None  # softmax scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
     attn_logit_softcapping: float | None = None  # Gemma 2: cap * tanh(score / cap) before the softmax
+    # A sparse mixture of experts in place of the MLP (moe.py; families/moe.py reads these); 0 experts: dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # experts each token is routed to
+    moe_intermediate_size: int = 0  # each expert's ffn size
+    # "softmax_topk": softmax over every expert, then the top k (Qwen-MoE, OLMoE, Mixtral); "topk_softmax": the
+    # top k logits, then a softmax over those (Granite-MoE; gpt-oss, with the router's bias)
+    moe_router: str = "softmax_topk"
+    norm_topk_prob: bool = False  # softmax_topk: the k weights renormalised to sum to 1 (Mixtral, Qwen3-MoE)
+    router_bias: bool = False  # a bias on the router's logits (gpt-oss)
+    expert_bias: bool = False  # biases on each expert's gate / up and down (gpt-oss)
+    moe_activation: str | None = None  # the experts' activation (None: hidden_act); "swigluoai": gpt-oss's
+    swiglu_alpha: float = 1.702  # swigluoai: up' = clamp(up), gate' = min(gate, limit); (up' + 1) * gate' *
+    swiglu_limit: float = 7.0  # sigmoid(alpha * gate')
+    shared_expert_intermediate_size: int = 0  # an always-on expert beside the routed ones (Qwen2-MoE, Granite)
+    shared_expert_gate: bool = False  # the shared expert's output scaled by sigmoid(x @ w) (Qwen2-MoE)
+    decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 and i not in mlp_only_layers
+    mlp_only_layers: list[int] = field(default_factory=list)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer `layer` has a sparse block (else the dense gated MLP of intermediate_size)."""
+        return (
+            self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % max(1, self.decoder_sparse_step) == 0
+        )
+
+    @property
+    def expert_activation(self) -> str:
+        return self.moe_activation or self.hidden_act
 
     def layer_window(self, layer: int) -> int | None:
         """The window of layer `layer`'s attention (None: it sees its whole context)."""
@@ -260,6 +291,21 @@ def _checked(c: ModelConfig, where: str) -> ModelConfig:
     bad = sorted({t for t in c.layer_types or [] if t not in ("sliding_attention", "full_attention")})
     if bad:
         raise ModelLoadError(f"{where}: layer type {bad[0]!r} is not supported (sliding_attention, full_attention)")
+    return _checked_moe(c, where) if c.num_experts else c
+
+
+def _checked_moe(c: ModelConfig, where: str) -> ModelConfig:
+    """A sparse config the MoE block computes exactly, or a ModelLoadError naming what it does not."""
+    if c.moe_router not in ROUTERS:
+        raise ModelLoadError(f"{where}: MoE router {c.moe_router!r} is not supported ({', '.join(ROUTERS)})")
+    if c.expert_activation not in MOE_ACTIVATIONS:
+        raise ModelLoadError(
+            f"{where}: expert activation {c.expert_activation!r} is not supported ({', '.join(MOE_ACTIVATIONS)})"
+        )
+    if not 0 < c.num_experts_per_tok <= c.num_experts:
+        raise ModelLoadError(f"{where}: {c.num_experts_per_tok} experts per token of {c.num_experts}")
+    if c.moe_intermediate_size <= 0:
+        raise ModelLoadError(f"{where}: an expert ffn size of {c.moe_intermediate_size}")
     return c
 
 
@@ -285,7 +331,7 @@ def _gguf_stops(md: dict[str, Any]) -> list[int]:
 def config_from_gguf(h: GGUFHeader, where: str) -> ModelConfig:
     """Build a ModelConfig from a GGUF header (llama.cpp key names, and its RoPE factor tensors)."""
     arch_key = str(h.metadata.get("general.architecture"))
-    fam = by_gguf_arch(arch_key)
+    fam = by_gguf_arch(arch_key, moe=bool(h.get("expert_count")))
     if fam is None:
         raise _unsupported(arch_key, where)
     try:

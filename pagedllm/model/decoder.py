@@ -5,6 +5,8 @@ and the MLP, Gemma's (1 + w)), q/k norms per head (Qwen3, Gemma 3) or over the w
 activation (SwiGLU, GeGLU), multipliers (Gemma's embedding scale, Granite's four), per-layer RoPE (Gemma 3's
 two bases, SmolLM3's NoPE layers, Phi's partial rotary) and the attention's scale / soft-cap / window.
 
+A sparse layer (cfg.is_moe_layer) has a mixture of experts (moe.py) in the MLP's place.
+
 Q, K and V are one merged projection and gate/up another, so each layer is four matmuls whatever the
 checkpoint stores (split or fused, as Phi-3); logits are computed only for the rows the caller asks for
 (usually one per sequence), which skips the big vocabulary matmul for every prompt token.
@@ -19,6 +21,7 @@ from pagedllm.model.attention import AttentionMetadata, AttentionSpec, PagedAtte
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.layers import GatedMLP, RMSNorm
 from pagedllm.model.linear import Embedding, Linear
+from pagedllm.model.moe import ExpertLoad, SparseMoE
 from pagedllm.model.quant import QuantWeight
 from pagedllm.model.rope import RotaryEmbedding, apply_rotary
 
@@ -28,7 +31,15 @@ CosSin = tuple[torch.Tensor, torch.Tensor]
 class DecoderLayer(nn.Module):
     """Attention then a gated MLP, each added to the residual stream, with the norms its family has."""
 
-    def __init__(self, cfg: ModelConfig, index: int, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        index: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        load: ExpertLoad | None = None,
+    ) -> None:
+        """`load`: the model's expert counters, given to a sparse layer (cfg.is_moe_layer) only."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -45,18 +56,23 @@ class DecoderLayer(nn.Module):
         self.k_norm = norm(cfg.head_dim if per_head else self.kv_size, cfg.qk_norm is not None)
         self.qkv = Linear(self.q_size + 2 * self.kv_size, hidden, cfg.attention_bias, dtype, device)
         self.o = Linear(hidden, self.q_size, cfg.o_proj_bias, dtype, device)
-        self.mlp = GatedMLP(hidden, cfg.intermediate_size, cfg.hidden_act, dtype, device)
+        # A sparse layer has `moe` and no `mlp` (the fused C step, which reads `mlp`, runs dense models only).
+        self.moe = (
+            SparseMoE(cfg, dtype, device, load, sum(map(cfg.is_moe_layer, range(index)))) if load is not None else None
+        )
+        if self.moe is None:
+            self.mlp = GatedMLP(hidden, cfg.intermediate_size, cfg.hidden_act, dtype, device)
         self.rope = cfg.layer_rope(index)
         self.attn_spec = AttentionSpec.for_layer(cfg, index)  # read by the torch path and the fused C step
         self.residual_multiplier = cfg.residual_multiplier
 
     def slots(self) -> dict[str, nn.Module]:
         """This layer's weights by the slot names of the families' tensor tables (families/base.py)."""
+        mlp = self.moe.slots() if self.moe is not None else {"gate_up": self.mlp.gate_up, "down": self.mlp.down}
         mods: dict[str, nn.Module | None] = {
             "qkv": self.qkv,
             "o": self.o,
-            "gate_up": self.mlp.gate_up,
-            "down": self.mlp.down,
+            **mlp,
             "attn_norm": self.attn_norm,
             "mlp_norm": self.mlp_norm,
             "attn_out_norm": self.attn_out_norm,
@@ -65,6 +81,18 @@ class DecoderLayer(nn.Module):
             "k_norm": self.k_norm,
         }
         return {k: m for k, m in mods.items() if m is not None}
+
+    def linears(self) -> list[Linear]:
+        """The layer's matmuls: q/k/v, o, then the MLP's gate/up and down (a sparse block's router, experts,
+        shared expert and its gate)."""
+        mlp = self.moe.linears() if self.moe is not None else [self.mlp.gate_up, self.mlp.down]
+        return [self.qkv, self.o, *mlp]
+
+    def main_linears(self) -> list[Linear]:
+        """q/k/v, o, gate/up and down (a sparse layer's first expert's): the four kernel_choice.py times."""
+        mlp = self.moe.experts[0] if self.moe is not None else self.mlp
+        assert isinstance(mlp, GatedMLP)
+        return [self.qkv, self.o, mlp.gate_up, mlp.down]
 
     def _qkv(self, x: torch.Tensor, rope: CosSin | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         T = x.shape[0]
@@ -93,7 +121,8 @@ class DecoderLayer(nn.Module):
         if self.attn_out_norm is not None:
             a = self.attn_out_norm(a)
         h = h + (a if self.residual_multiplier == 1.0 else a * self.residual_multiplier)
-        m = self.mlp(h if self.mlp_norm is None else self.mlp_norm(h))
+        x = h if self.mlp_norm is None else self.mlp_norm(h)
+        m = self.moe(x) if self.moe is not None else self.mlp(x)
         if self.mlp_out_norm is not None:
             m = self.mlp_out_norm(m)
         return h + (m if self.residual_multiplier == 1.0 else m * self.residual_multiplier)
@@ -112,7 +141,13 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config, self.dtype = cfg, dtype
         self.embed = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
-        self.decoder_layers = [DecoderLayer(cfg, i, dtype, device) for i in range(cfg.num_layers)]
+        sparse = sum(map(cfg.is_moe_layer, range(cfg.num_layers)))
+        # tokens per expert of each sparse layer, and expert weights read, since load (the engine's /metrics)
+        self.expert_load = ExpertLoad(torch.zeros(sparse, cfg.num_experts, dtype=torch.int64))
+        self.decoder_layers = [
+            DecoderLayer(cfg, i, dtype, device, self.expert_load if cfg.is_moe_layer(i) else None)
+            for i in range(cfg.num_layers)
+        ]
         self.layers = nn.ModuleList(self.decoder_layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, cfg.norm_offset)
         tied = self.embed.weight if cfg.tie_word_embeddings else None
@@ -135,10 +170,10 @@ class CausalLM(nn.Module):
         return self.ropes["global"]
 
     def linears(self) -> list[Linear]:
-        """Every matmul layer: each decoder layer's four, then the LM head."""
+        """Every matmul layer: each decoder layer's (four, or a sparse layer's with its experts'), the LM head."""
         out: list[Linear] = []
         for layer in self.decoder_layers:
-            out += [layer.qkv, layer.o, layer.mlp.gate_up, layer.mlp.down]
+            out += layer.linears()
         return out + [self.lm_head]
 
     def finish_load(self) -> None:
@@ -160,7 +195,7 @@ class CausalLM(nn.Module):
 
     def first_layer_quant(self) -> list[QuantWeight] | None:
         """The first layer's four matmul weights if all are quantized (what kernel_choice.py times), else None."""
-        ws = [lin.quant for lin in self.linears()[:4]]
+        ws = [lin.quant for lin in self.decoder_layers[0].main_linears()]
         return None if any(w is None for w in ws) else [w for w in ws if w is not None]
 
     def resident_weight_bytes(self) -> int:

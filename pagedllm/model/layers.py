@@ -7,6 +7,8 @@ token. Nothing here is CPU-specific: tensors live on whatever device the weights
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -41,16 +43,35 @@ def activation(name: str, x: torch.Tensor) -> torch.Tensor:
     return F.silu(x) if name == "silu" else F.gelu(x, approximate="tanh")
 
 
-class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)) with gate and up merged into one matmul (one weight read, one kernel call)."""
+def gated(name: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """act(gate) * up: SwiGLU / GeGLU."""
+    return activation(name, gate) * up
 
-    def __init__(self, hidden: int, inter: int, act: str, dtype: torch.dtype, device: torch.device | str) -> None:
+
+Glu = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (gate, up) -> the down projection's input
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with gate and up merged into one matmul (one weight read, one kernel call);
+    `glu` replaces act(gate) * up (an expert's clamped SwiGLU, moe.py), `bias` adds both matmuls' biases."""
+
+    def __init__(
+        self,
+        hidden: int,
+        inter: int,
+        act: str,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        bias: bool = False,
+        glu: Glu | None = None,
+    ) -> None:
         super().__init__()
         self.inter = inter
         self.act = act
-        self.gate_up = Linear(2 * inter, hidden, False, dtype, device)
-        self.down = Linear(hidden, inter, False, dtype, device)
+        self.glu: Glu = glu or (lambda g, u: gated(act, g, u))
+        self.gate_up = Linear(2 * inter, hidden, bias, dtype, device)
+        self.down = Linear(hidden, inter, bias, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g, u = self.gate_up(x).split(self.inter, dim=-1)
-        return self.down(activation(self.act, g) * u)
+        return self.down(self.glu(g, u))

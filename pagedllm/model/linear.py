@@ -95,6 +95,7 @@ class Linear(nn.Module):
         )
         self.bias = empty_param(out_features, dtype=dtype, device=device) if bias else None
         self.tied = tied_to is not None
+        self.keep_dense = False  # a router: rounding it at load (--quantization int8|int4) would move tokens
         self.method: LinearMethod = DenseMethod(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -92,8 +92,11 @@ class ModelRunner:
             (zeroed(shape, self.kv_dtype, self.device), zeroed(shape, self.kv_dtype, self.device))
             for _ in range(cfg.num_layers)
         ]
+        sparse = cfg.num_experts > 0  # the C step has no MoE block yet: a sparse model runs on the torch path
         self.fused = (
-            FusedStep(self.model, self.kv_caches, block_size) if fused and fusable(self.model, self.kv_caches) else None
+            FusedStep(self.model, self.kv_caches, block_size)
+            if fused and not sparse and fusable(self.model, self.kv_caches)
+            else None
         )
 
     @property

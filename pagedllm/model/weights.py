@@ -21,6 +21,7 @@ import functools
 import glob
 import json
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ from torch import nn
 from pagedllm.errors import ModelLoadError
 from pagedllm.model.decoder import CausalLM
 from pagedllm.model.families import Family, by_architecture
+from pagedllm.model.families.base import Unfuse
 from pagedllm.model.gguf_file import GGUFFile
 from pagedllm.model.gguf_quants import GGML_TYPES, from_gguf_blocks
 from pagedllm.model.linear import Embedding, Linear
@@ -46,8 +48,14 @@ class DenseRows:
     gf: GGUFFile
     name: str
     shape: tuple[int, int]
+    expert: int | None = None  # the matrix of this expert in a 3-D tensor of every expert's (read whole)
 
     def copy_to(self, param: torch.Tensor) -> None:
+        if self.expert is not None:
+            one = self.gf.load_array(self.name, slice(self.expert, self.expert + 1)).reshape(self.shape)
+            with torch.no_grad():
+                param.copy_(torch.from_numpy(one))
+            return
         step = max(1, CHUNK_BYTES // (4 * self.shape[1]))
         for a in range(0, self.shape[0], step):
             rows = self.gf.load_array(self.name, slice(a, a + step))
@@ -101,7 +109,8 @@ def tensor_table(model: CausalLM) -> dict[str, Slot]:
         table["lm_head.weight"] = Slot(model.lm_head, model.lm_head.weight, 0, 1, "weight")
     for i, layer in enumerate(model.decoder_layers):
         for slot, module in layer.slots().items():
-            names = fam.layer_tensors[slot]
+            base, _, expert = slot.partition("#")  # "experts_down#3": expert 3's
+            names = [name.replace("{e}", expert) for name in fam.layer_tensors[base]]
             for kind in ("weight", "bias"):
                 param = getattr(module, kind, None)
                 if not isinstance(param, torch.Tensor):
@@ -124,6 +133,38 @@ def gguf_names(model: CausalLM, arch: str, hf_names: list[str]) -> dict[str, str
             raise ModelLoadError(f"llama.cpp's {arch} tensor table has no name for {hf}")
         out[name] = hf
     return out
+
+
+# llama.cpp's MoE tensors ("blk.N.<name>.weight" / ".bias") -> (slot, piece) in the family's table
+_GGUF_MOE = {
+    "ffn_gate_inp": ("router", 0),
+    "ffn_gate_exps": ("experts_gate_up", 0),
+    "ffn_up_exps": ("experts_gate_up", 1),
+    "ffn_down_exps": ("experts_down", 0),
+    "ffn_gate_shexp": ("shared_gate_up", 0),
+    "ffn_up_shexp": ("shared_gate_up", 1),
+    "ffn_down_shexp": ("shared_down", 0),
+    "ffn_gate_inp_shexp": ("shared_gate", 0),
+}
+
+
+def gguf_moe_names(model: CausalLM) -> dict[str, str]:
+    """GGUF name -> HF name of every sparse block's tensors (an expert's with `{e}` for its number: the GGUF
+    tensor holds them all). llama.cpp's converter names these alike in every arch."""
+    layers = family_of(model).layer_tensors
+    out = {}
+    for i, layer in enumerate(model.decoder_layers):
+        slots = {slot.partition("#")[0]: module for slot, module in layer.slots().items()}
+        for short, (slot, piece) in _GGUF_MOE.items():
+            if slot in slots and layer.moe is not None:
+                for kind in ("weight", "bias"):
+                    if isinstance(getattr(slots[slot], kind, None), torch.Tensor):
+                        out[f"blk.{i}.{short}.{kind}"] = f"model.layers.{i}.{layers[slot][piece]}.{kind}"
+    return out
+
+
+def _expert_names(model: CausalLM, templates: list[str]) -> set[str]:
+    return {t.replace("{e}", str(e)) for t in templates for e in range(max(1, model.config.num_experts))}
 
 
 def safetensors_files(folder: str) -> list[str]:
@@ -171,12 +212,18 @@ def iter_gguf(gf: GGUFFile, model: CausalLM, keep_quantized: bool = False) -> It
     float32, or, with `keep_quantized`, matrices in a type the kernels run (Q4_0, Q4_1, Q8_0) as QuantParts.
     A tensor name the model has no place for is passed on under its GGUF name (assign_weights rejects it)."""
     cfg = model.config
-    names = gguf_names(model, str(gf.metadata.get("general.architecture")), list(tensor_table(model)))
+    moe = gguf_moe_names(model)
+    sparse = _expert_names(model, list(moe.values()))
+    dense = [name for name in tensor_table(model) if name not in sparse]
+    names = gguf_names(model, str(gf.metadata.get("general.architecture")), dense) | moe
     permuted = family_of(model).gguf_permute_qk
     for name, info in gf.tensors.items():
         if name in _CONFIG_TENSORS:
             continue
         hf = names.get(name, name)
+        if "{e}" in hf:
+            yield from _gguf_experts(gf, name, hf, cfg.num_experts, keep_quantized)
+            continue
         heads = cfg.num_heads if ".q_proj." in hf else cfg.num_kv_heads
         unpermute = permuted and (".q_proj." in hf or ".k_proj." in hf)
         parts = (
@@ -198,8 +245,64 @@ def iter_gguf(gf: GGUFFile, model: CausalLM, keep_quantized: bool = False) -> It
         yield hf, torch.from_numpy(np.ascontiguousarray(arr))
 
 
+def _expert_blocks(raw: np.ndarray, expert: int, ggml_type: int) -> QuantParts:
+    return from_gguf_blocks(raw[expert], ggml_type)
+
+
+def _gguf_experts(gf: GGUFFile, name: str, hf: str, experts: int, keep_quantized: bool) -> Iterator[tuple[str, Value]]:
+    """A 3-D tensor of every expert's matrix ([experts, rows, cols]; a bias [experts, n]), one expert at a time:
+    its slice of the stored blocks as QuantParts (never the whole tensor dequantized), or read dense."""
+    info = gf.tensors[name]
+    if len(info.shape) not in (2, 3) or info.shape[0] != experts:
+        raise ModelLoadError(
+            f"{gf.path}: tensor {name} has shape {info.shape}, not one matrix for each of {experts} experts"
+        )
+    quant = keep_quantized and len(info.shape) == 3 and info.ggml_type in GGML_TYPES and info.shape[2] % 32 == 0
+    for e in range(experts):
+        one = hf.replace("{e}", str(e))
+        if quant:
+            yield one, gf.load_raw(name, functools.partial(_expert_blocks, expert=e, ggml_type=info.ggml_type))
+        elif len(info.shape) == 3:
+            yield one, DenseRows(gf, name, (info.shape[1], info.shape[2]), expert=e)
+        else:
+            yield one, torch.from_numpy(gf.load_array(name, slice(e, e + 1))[0].copy())
+
+
+_LAYER_NAME = re.compile(r"(model\.layers\.\d+\.)(.+)")
+
+
+def unfused(model: CausalLM, tensors: Iterator[tuple[str, Value]], where: str) -> Iterator[tuple[str, Value]]:
+    """The checkpoint's tensors with each that holds several of the table's (the family's `unfuse`: 3-D
+    experts, gate and up stacked, another name) split into those."""
+    rules = {rule.source: rule for rule in family_of(model).unfuse}
+    for name, t in tensors:
+        m = _LAYER_NAME.fullmatch(name)
+        rule = rules.get(m.group(2)) if m else None
+        if m is None or rule is None or not isinstance(t, torch.Tensor):
+            yield name, t
+            continue
+        yield from _split(rule, m.group(1), name, t, model.config.num_experts, where)
+
+
+def _split(rule: Unfuse, prefix: str, name: str, t: torch.Tensor, experts: int, where: str):
+    if rule.experts and (t.dim() < 2 or t.shape[0] != experts):
+        raise ModelLoadError(
+            f"{where}: tensor {name} has shape {tuple(t.shape)}, not one for each of {experts} experts"
+        )
+    for e, w in enumerate(t if rule.experts else [t]):
+        if rule.transposed and w.dim() == 2:
+            w = w.t()
+        n = len(rule.targets)
+        pieces = [w[i::n] for i in range(n)] if rule.interleaved else w.chunk(n)
+        for target, piece in zip(rule.targets, pieces):
+            yield prefix + target.replace("{e}", str(e)), piece.contiguous()
+
+
 def _put(slot: Slot, value: Value, key: str, where: str) -> None:
     shape = tuple(value.shape)
+    if isinstance(value, torch.Tensor) and shape != tuple(slot.target.shape) and value.numel() == slot.target.numel():
+        if [n for n in shape if n != 1] == [n for n in slot.target.shape if n != 1]:  # [H] for [1, H]
+            value, shape = value.reshape(slot.target.shape), tuple(slot.target.shape)
     if shape != tuple(slot.target.shape):
         raise ModelLoadError(f"{where}: tensor {key} has shape {shape}, expected {tuple(slot.target.shape)}")
     if isinstance(value, DenseRows):
@@ -223,7 +326,7 @@ def assign_weights(model: CausalLM, tensors: Iterator[tuple[str, Value]], where:
     filled: set[str] = set()
     extra: list[str] = []
     pieces: dict[int, dict[int, tuple[QuantParts, Slot]]] = {}
-    for name, t in tensors:
+    for name, t in unfused(model, tensors, where):
         slot = table.get(name)
         if slot is None:
             extra += [] if _unused(name) else [name]
@@ -269,7 +372,7 @@ def quantize_rtn_model(model: CausalLM, bits: int) -> None:
     if model.embed.weight.shape[-1] % 32 == 0:
         model.embed.set_quantized(pack(quantize_rtn(model.embed.weight, 8)))
     for lin in model.linears():
-        if lin.tied or lin.quant is not None:
+        if lin.tied or lin.quant is not None or lin.keep_dense:
             continue
         if lin.weight.shape[-1] % 32:
             log_once(f"input size {lin.weight.shape[-1]} is not a multiple of 32; it runs dense")

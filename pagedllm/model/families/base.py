@@ -41,6 +41,20 @@ class GGUFHeader:
         return self.metadata.get(self.prefix + key, default)
 
 
+@dataclass(frozen=True)
+class Unfuse:
+    """A checkpoint tensor (its name under "model.layers.N.") that holds several of the table's tensors: every
+    expert's along its first dim (`experts`), and / or gate and up stacked along the rows (two `targets`: halves,
+    or alternating rows when `interleaved`, as gpt-oss stores them); `transposed`: stored [.., in, out] (gpt-oss).
+    One target and no experts: another name for one tensor (transformers 5's against the original's)."""
+
+    source: str
+    targets: tuple[str, ...]  # names under "model.layers.N.", `{e}` for the expert's number
+    experts: bool = True
+    transposed: bool = False
+    interleaved: bool = False
+
+
 def no_fields(_source: Any) -> dict[str, Any]:
     return {}
 
@@ -60,6 +74,8 @@ class Family:
     tie_default: bool = False  # tie_word_embeddings when config.json omits it (the config class's default)
     bias_default: bool = False  # attention_bias when config.json omits it (Qwen2 always has q/k/v biases)
     gguf_permute_qk: bool = False  # llama.cpp's converter permuted Q/K rows for its interleaved RoPE
+    moe: bool = False  # sparse layers (families/moe.py); picks Mixtral over Llama for a GGUF "llama" with experts
+    unfuse: tuple[Unfuse, ...] = ()  # checkpoint tensors that hold several of the table's (3-D experts, renames)
 
 
 def every_nth(num_layers: int, n: int, hit: str, other: str) -> list[str]:

@@ -1,0 +1,123 @@
+"""The sparse mixture-of-experts block that takes the MLP's place in a sparse layer (decoder.py), on the torch path.
+
+Why grouped: a step's tokens each pick `k` of the experts, and an expert's weights are the bulk of what a step
+reads. So the tokens are routed, sorted by expert, and each expert that any token picked runs once over all of
+its tokens (one gate/up and one down matmul each, llama.cpp's MUL_MAT_ID and vLLM's fused_moe in spirit); the
+outputs, scaled by their routing weights, are added back into the tokens' rows in ascending expert order
+(transformers' order, so float32 results agree to rounding). At one row that is exactly its top-k experts.
+An expert is a `GatedMLP`, so its weights take whatever form the loader gives them: dense, oneDNN-packed, or
+quantized as stored (one `QuantWeight` per expert, the GGUF's bytes of that expert's slice).
+
+What a family chooses, by name (config.py checks the names): the router (`softmax_topk`, renormalised or not;
+`topk_softmax`, with the router's bias for gpt-oss), the experts' activation (SwiGLU / GeGLU, or gpt-oss's
+clamped `swigluoai`), expert biases, and a shared expert with its sigmoid gate (Qwen2-MoE, Granite-MoE-shared).
+`ExpertLoad` counts how many tokens each expert served and how many expert weights were read, for /metrics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from pagedllm.model.config import ModelConfig
+from pagedllm.model.layers import GatedMLP, Glu
+from pagedllm.model.linear import Linear
+
+
+def route(logits: torch.Tensor, k: int, kind: str, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 router logits [T, experts] -> (routing weights [T, k] float32, expert ids [T, k]).
+
+    softmax_topk: softmax over every expert, the k largest, divided by their sum when `normalize`;
+    topk_softmax: the k largest logits, then a softmax over those alone."""
+    if kind == "topk_softmax":
+        top, ids = logits.topk(k, dim=-1)
+        return torch.softmax(top, dim=-1), ids
+    top, ids = torch.softmax(logits, dim=-1).topk(k, dim=-1)
+    return (top / top.sum(dim=-1, keepdim=True) if normalize else top), ids
+
+
+def swigluoai(alpha: float, limit: float) -> Glu:
+    """gpt-oss's clamped SwiGLU: gate clamped above at `limit`, up to [-limit, limit], (up + 1) * gate *
+    sigmoid(alpha * gate) (transformers' GptOssExperts._apply_gate)."""
+
+    def glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+    return glu
+
+
+@dataclass
+class ExpertLoad:
+    """What the sparse blocks did since load: tokens each expert of each sparse layer served ([layers, experts])
+    and expert weights read (one per active expert per layer per step: the bytes a step reads scale with it)."""
+
+    tokens: torch.Tensor
+    reads: list[int] = field(default_factory=lambda: [0])
+
+
+class SparseMoE(nn.Module):
+    """Router, experts (each a GatedMLP of moe_intermediate_size), optional shared expert and its gate."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, load: ExpertLoad, row: int):
+        super().__init__()
+        hidden, experts = cfg.hidden_size, cfg.num_experts
+        self.k, self.kind, self.normalize = cfg.num_experts_per_tok, cfg.moe_router, cfg.norm_topk_prob
+        self.router = Linear(experts, hidden, cfg.router_bias, dtype, device)
+        self.router.keep_dense = True
+        act = cfg.expert_activation
+        glu = swigluoai(cfg.swiglu_alpha, cfg.swiglu_limit) if act == "swigluoai" else None
+        self.experts = nn.ModuleList(
+            GatedMLP(hidden, cfg.moe_intermediate_size, act, dtype, device, cfg.expert_bias, glu)
+            for _ in range(experts)
+        )
+        shared = cfg.shared_expert_intermediate_size
+        self.shared = GatedMLP(hidden, shared, cfg.hidden_act, dtype, device) if shared else None
+        self.shared_gate = Linear(1, hidden, False, dtype, device) if shared and cfg.shared_expert_gate else None
+        if self.shared_gate is not None:
+            self.shared_gate.keep_dense = True
+        self.load, self.row = load, row
+
+    def slots(self) -> dict[str, nn.Module]:
+        """The block's weights by the slot names of families/moe.py (`#e`: expert e's)."""
+        out: dict[str, nn.Module] = {"router": self.router}
+        for e, expert in enumerate(self.experts):
+            assert isinstance(expert, GatedMLP)
+            out[f"experts_gate_up#{e}"], out[f"experts_down#{e}"] = expert.gate_up, expert.down
+        if self.shared is not None:
+            out["shared_gate_up"], out["shared_down"] = self.shared.gate_up, self.shared.down
+        if self.shared_gate is not None:
+            out["shared_gate"] = self.shared_gate
+        return out
+
+    def linears(self) -> list[Linear]:
+        return [m for m in self.slots().values() if isinstance(m, Linear)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.router(x).float(), self.k, self.kind, self.normalize)
+        out = self._routed(x, weights.to(x.dtype), ids)
+        if self.shared is not None:
+            s = self.shared(x)
+            if self.shared_gate is not None:
+                s = torch.sigmoid(self.shared_gate(x)) * s
+            out = out + s
+        return out
+
+    def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Each picked expert once over its tokens (sorted by expert id), weighted, added back per token."""
+        flat = ids.reshape(-1)
+        counts = torch.bincount(flat, minlength=len(self.experts))
+        order = torch.argsort(flat, stable=True)
+        rows, scale = order // self.k, weights.reshape(-1)[order]
+        self.load.tokens[self.row] += counts.cpu()
+        out = torch.zeros_like(x)
+        at = 0
+        for e, n in enumerate(counts.tolist()):
+            if n:
+                r = rows[at : at + n]
+                out.index_add_(0, r, self.experts[e](x[r]) * scale[at : at + n, None])
+                self.load.reads[0] += 1
+                at += n
+        return out

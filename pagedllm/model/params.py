@@ -1,0 +1,91 @@
+"""How big a model is and how much of it one decoded token reads, from its config (and a GGUF's tensor table),
+without torch: what `kv-calc --model` prints.
+
+Why "active" matters: a mixture of experts routes each token to `num_experts_per_tok` of its experts, so a
+decode step reads only those experts' weights (plus everything outside the experts): Qwen3-30B-A3B decodes at
+about the bytes of a 3B model. Parameters are counted from the config (the same count transformers' modules
+hold); bytes are the checkpoint's own: a GGUF's stored bytes per tensor (its experts in `ffn_*_exps`, of which a
+token reads k / experts), a folder's parameters at its dtype. A token reads one row of the embedding table,
+and the whole table again where it is also the LM head (tied).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedllm.model.config import ModelConfig
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+@dataclass
+class WeightCount:
+    total_params: int
+    active_params: int  # what one token runs through: all but the experts it is not routed to
+    total_bytes: int
+    read_bytes: int  # weights read to decode one token (one row of an untied embedding table)
+
+
+def _mlp(hidden: int, inter: int, bias: bool = False) -> int:
+    return 3 * hidden * inter + (2 * inter + hidden if bias else 0)
+
+
+def layer_params(cfg: ModelConfig, layer: int) -> tuple[int, int, int]:
+    """(all, not counting the experts, one expert's) parameters of layer `layer`."""
+    h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    attn = h * (q + 2 * kv) + q * h + (q + 2 * kv if cfg.attention_bias else 0) + (h if cfg.o_proj_bias else 0)
+    norms = h * (2 * cfg.pre_norms + 2 * cfg.post_norms)
+    if cfg.qk_norm is not None:
+        norms += 2 * cfg.head_dim if cfg.qk_norm == "head" else q + kv
+    if not cfg.is_moe_layer(layer):
+        dense = attn + norms + _mlp(h, cfg.intermediate_size)
+        return dense, dense, 0
+    expert = _mlp(h, cfg.moe_intermediate_size, cfg.expert_bias)
+    router = cfg.num_experts * (h + cfg.router_bias)
+    shared = _mlp(h, cfg.shared_expert_intermediate_size) if cfg.shared_expert_intermediate_size else 0
+    rest = attn + norms + router + shared + (h if cfg.shared_expert_gate and shared else 0)
+    return rest + cfg.num_experts * expert, rest, expert
+
+
+def param_count(cfg: ModelConfig) -> tuple[int, int]:
+    """(total, active per token) parameters."""
+    embed = cfg.vocab_size * cfg.hidden_size
+    total = active = embed * (1 if cfg.tie_word_embeddings else 2) + cfg.hidden_size
+    for i in range(cfg.num_layers):
+        whole, rest, expert = layer_params(cfg, i)
+        total += whole
+        active += rest + cfg.num_experts_per_tok * expert
+    return total, active
+
+
+def weight_count(cfg: ModelConfig, gguf_path: str | None = None) -> WeightCount:
+    """Parameters and bytes of `cfg`'s model: a GGUF's stored bytes (from its tensor table), else its
+    parameters at the checkpoint's dtype."""
+    total, active = param_count(cfg)
+    row = cfg.hidden_size * (0 if cfg.tie_word_embeddings else cfg.vocab_size - 1)  # untied: one row read
+    if gguf_path is None:
+        size = _DTYPE_BYTES.get(cfg.checkpoint_dtype, 4)
+        return WeightCount(total, active, total * size, (active - row) * size)
+    return WeightCount(total, active, *_gguf_bytes(cfg, gguf_path))
+
+
+def _gguf_bytes(cfg: ModelConfig, path: str) -> tuple[int, int]:
+    import gguf
+
+    from pagedllm.model.gguf_file import GGUFFile
+
+    total = read = 0
+    share = cfg.num_experts_per_tok / cfg.num_experts if cfg.num_experts else 1.0
+    with GGUFFile(path) as f:
+        for name, info in f.tensors.items():
+            block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(info.ggml_type)]
+            rows = 1
+            for n in info.shape[:-1]:
+                rows *= n
+            nbytes = rows * info.shape[-1] // block * size
+            total += nbytes
+            if name == "token_embd.weight" and "output.weight" in f.tensors:
+                read += nbytes // info.shape[0]
+            else:
+                read += round(nbytes * share) if "_exps." in name else nbytes
+    return total, read

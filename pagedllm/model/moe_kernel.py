@@ -41,7 +41,7 @@ class MoeExperts:
     limit: float = 7.0  # swigluoai's clamp (swiglu_limit)
     gate_up_bias: torch.Tensor | None = None  # [experts, 2 ffn]
     down_bias: torch.Tensor | None = None  # [experts, hidden]
-    load: torch.Tensor = field(init=False)
+    load: torch.Tensor | None = None  # int64 [experts], added to (a row of the model's counters); None: zeros
     _layer: ctypes.Structure = field(init=False, repr=False)
     _keep: list[object] = field(init=False, repr=False)  # what the structure's pointers point into
 
@@ -54,7 +54,10 @@ class MoeExperts:
         for name, ws, shape in (("gate_up", self.gate_up, (2 * ffn, hidden)), ("down", self.down, (hidden, ffn))):
             if {(w.n, w.k) for w in ws} != {shape} or len({w.fmt for w in ws}) != 1:
                 raise ValueError(f"experts' {name} weights differ in shape or format (want {shape}, one format)")
-        self.load = torch.zeros(e, dtype=torch.int64)
+        if self.load is None:
+            self.load = torch.zeros(e, dtype=torch.int64)
+        if self.load.shape != (e,) or self.load.dtype != torch.int64 or not self.load.is_contiguous():
+            raise ValueError(f"load must be a contiguous int64 tensor of {e} counters")
         biases = []
         for name, b, shape in (
             ("gate_up_bias", self.gate_up_bias, (e, 2 * ffn)),
@@ -108,6 +111,7 @@ class MoeExperts:
         xf = x.float().contiguous()
         ids, w = topk_ids.to(torch.int64).contiguous(), topk_weights.float().contiguous()
         self._layer.dot = int(self.gate_up[0].dot)
+        assert self.load is not None  # __post_init__ made it
         rc = lib.moe_experts(
             y.data_ptr(),
             xf.data_ptr(),

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from pagedllm.model import cpu_kernel
+import pagedllm.model.cpu_kernel as cpu_kernel
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.layers import GatedMLP, Glu
 from pagedllm.model.linear import Linear

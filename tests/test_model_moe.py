@@ -153,10 +153,15 @@ def test_greedy_tokens_match_transformers(ckpt, fmt):
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, params)
     done = {}
+    before = engine.stats()
     while engine.has_unfinished_requests():
         done.update({o.request_id: o for o in engine.step() if o.finished})
     stats = engine.stats()
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    sparse = loaded.model.expert_load.tokens.shape[0]
+    routed, reads = stats.moe_expert_tokens - before.moe_expert_tokens, stats.moe_expert_reads - before.moe_expert_reads
+    assert routed > 0 and routed % (cfg.num_experts_per_tok * sparse) == 0
+    assert stats.num_steps * sparse * cfg.num_experts_per_tok <= reads <= stats.num_steps * sparse * cfg.num_experts
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
     for i, p in enumerate(prompts):
         tokens = list(done[str(i)].outputs[0].token_ids)
@@ -293,3 +298,19 @@ def test_kv_calc_counts_total_and_active_parameters_and_bytes_read(ckpt, capsys)
     out = capsys.readouterr().out
     assert f"parameters: {total:,} total, {total - unrouted:,} active per token ({k} of {n} experts routed)" in out
     assert f"read per decoded token: {g.read_bytes:,}" in out
+
+
+def test_metrics_page_counts_expert_tokens_and_reads(qwen3):
+    """/metrics carries the expert counters of the engine's stats (pagedllm:moe_expert_tokens / _reads)."""
+    from pagedllm.engine.metrics import PrometheusStatLogger
+
+    loaded = load_model(qwen3[1], dtype="float32", verbose=False)
+    engine = LLMEngine(EngineConfig(block_size=8, max_model_len=64, log_stats_interval=0), loaded)
+    engine.add_request("a", _tokens(20, 11), SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    st = engine.stats()
+    page = PrometheusStatLogger().render(st, "m").decode()
+    assert f'pagedllm:moe_expert_tokens_total{{model_name="m"}} {float(st.moe_expert_tokens)}' in page
+    assert f'pagedllm:moe_expert_reads_total{{model_name="m"}} {float(st.moe_expert_reads)}' in page
+    assert st.moe_expert_reads > 0

@@ -413,5 +413,11 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         return collect_stats(
-            self.kv, self.scheduler, self.spec_stats, self.prompt_tokens, self.generation_tokens, self.num_steps
+            self.kv,
+            self.scheduler,
+            self.spec_stats,
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.num_steps,
+            self.loaded.model.expert_load if self.loaded.config.num_experts else None,
         )

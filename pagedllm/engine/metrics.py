@@ -118,6 +118,16 @@ def _engine_families(st: EngineStats) -> list[Metric]:
             st.prefix_cache_disk_hits,
         ),
         c("vllm:num_preemptions", "Cumulative number of preemption from the engine.", st.num_preemptions),
+        c(
+            "pagedllm:moe_expert_tokens",
+            "Tokens routed to experts of a mixture-of-experts model (once per expert per sparse layer).",
+            st.moe_expert_tokens,
+        ),
+        c(
+            "pagedllm:moe_expert_reads",
+            "Expert weights read by a mixture-of-experts model: once per expert a step used, per sparse layer.",
+            st.moe_expert_reads,
+        ),
         c("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", st.spec_decode_num_drafts),
         c("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", st.spec_decode_num_draft_tokens),
         c("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", st.spec_decode_num_accepted_tokens),

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.spec_decode import SpecDecodeStats
 from pagedllm.kv.manager import KVCacheManager
+from pagedllm.model.moe import ExpertLoad
 
 logger = logging.getLogger("pagedllm")
 
@@ -51,6 +52,10 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # [i]: i-th drafts accepted
+    # A mixture of experts (cumulative): tokens routed to an expert (a token counts once per expert per sparse
+    # layer), and expert weights read (once per expert a step used, per sparse layer: what decode bytes follow)
+    moe_expert_tokens: int = 0
+    moe_expert_reads: int = 0
 
     @property
     def num_used_blocks(self) -> int:
@@ -81,8 +86,10 @@ def collect_stats(
     prompt_tokens: int,
     generation_tokens: int,
     num_steps: int,
+    expert_load: ExpertLoad | None = None,
 ) -> EngineStats:
-    """The engine's figures: the scheduler's and the KV manager's, the spec-decode counters and the engine's own."""
+    """The engine's figures: the scheduler's and the KV manager's, the spec-decode counters, the engine's own and
+    the model's expert counters (`expert_load`)."""
     return EngineStats(
         num_running=len(scheduler.running),
         num_waiting=len(scheduler.waiting),
@@ -104,6 +111,8 @@ def collect_stats(
         spec_decode_num_draft_tokens=spec.num_draft_tokens,
         spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
         spec_decode_num_accepted_tokens_per_pos=list(spec.accepted_per_pos),
+        moe_expert_tokens=int(expert_load.tokens.sum()) if expert_load is not None else 0,
+        moe_expert_reads=expert_load.reads[0] if expert_load is not None else 0,
     )
 
 

@@ -118,6 +118,8 @@ def test_logits_match_transformers(ckpt, fmt):
     assert (served > 0).all() and (served.sum(1) == len(ids) * cfg.num_experts_per_tok).all()
     experts = [e for layer in loaded.model.decoder_layers if layer.moe for e in layer.moe.experts]
     assert all((e.gate_up.quant is not None) == fmt.startswith("q") for e in experts)
+    blocks = [layer.moe for layer in loaded.model.decoder_layers if layer.moe]
+    assert all((b.kernel is not None) == fmt.startswith("q") for b in blocks)  # quantized: csrc/moe.c ran them
 
 
 def _hf_greedy_agrees(model: torch.nn.Module, prompt: list[int], generated: list[int]) -> bool:

@@ -43,7 +43,13 @@ log = logging.getLogger("pagedllm.model")
 
 CSRC = Path(__file__).parent / "csrc"
 # (source, extra compile flags)
-SOURCES = [("paged_attention.c", ["-ffast-math"]), ("quant_matmul.c", []), ("quant_pack.c", []), ("model_step.c", [])]
+SOURCES = [
+    ("paged_attention.c", ["-ffast-math"]),
+    ("quant_matmul.c", []),
+    ("quant_pack.c", []),
+    ("model_step.c", []),
+    ("moe.c", []),
+]
 COMPILE = ["-O3", "-fno-math-errno", "-fPIC", "-Wno-psabi"]  # psabi: 64-byte vectors on AVX2
 LINK = ["-shared"]
 OPENMP = ["-fopenmp"]  # without OpenMP the same source builds a single-threaded kernel
@@ -249,6 +255,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "qmm_amx_available": [],
         "qmm_bf16_kind": [],
         "model_step": [p, p, p, i],
+        "moe_experts": [p] * 4 + [i, i, p, p, i],
         "kv_quantize_rows": [p, p, i64, i, i],
         "kv_dequantize_rows": [p, p, i64, i, i],
         "qpack_tiles": [p] * 6 + [i64, i64, i, i64, i],
@@ -291,17 +298,23 @@ def c_structs(header: str) -> dict[str, type[ctypes.Structure]]:
     return out
 
 
+STRUCT_HEADERS = {"model_step.h": "step_struct_size", "moe.h": "moe_struct_size"}  # header -> its sizeof by name
+
+
 def check_structs(lib: ctypes.CDLL) -> None:
-    """The size check at load: each structure of model_step.h as ctypes lays it out against C's sizeof."""
-    lib.step_struct_size.restype = ctypes.c_int64
-    lib.step_struct_size.argtypes = [ctypes.c_char_p]
-    for name, struct in c_structs("model_step.h").items():
-        c_size = lib.step_struct_size(name.encode())
-        if c_size != ctypes.sizeof(struct):
-            raise RuntimeError(
-                f"model_step.h: {name} is {c_size} bytes in the C build and {ctypes.sizeof(struct)} as read by "
-                "cpu_kernel.c_structs; the reader and the header disagree"
-            )
+    """The size check at load: each structure of the headers that Python reads (STRUCT_HEADERS) as ctypes lays
+    it out against C's sizeof."""
+    for header, fn_name in STRUCT_HEADERS.items():
+        sizeof = getattr(lib, fn_name)
+        sizeof.restype = ctypes.c_int64
+        sizeof.argtypes = [ctypes.c_char_p]
+        for name, struct in c_structs(header).items():
+            c_size = sizeof(name.encode())
+            if c_size != ctypes.sizeof(struct):
+                raise RuntimeError(
+                    f"{header}: {name} is {c_size} bytes in the C build and {ctypes.sizeof(struct)} as read by "
+                    "cpu_kernel.c_structs; the reader and the header disagree"
+                )
 
 
 def isa(lib: ctypes.CDLL) -> dict[str, str]:

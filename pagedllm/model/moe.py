@@ -6,7 +6,10 @@ its tokens (one gate/up and one down matmul each, llama.cpp's MUL_MAT_ID and vLL
 outputs, scaled by their routing weights, are added back into the tokens' rows in ascending expert order
 (transformers' order, so float32 results agree to rounding). At one row that is exactly its top-k experts.
 An expert is a `GatedMLP`, so its weights take whatever form the loader gives them: dense, oneDNN-packed, or
-quantized as stored (one `QuantWeight` per expert, the GGUF's bytes of that expert's slice).
+quantized as stored (one `QuantWeight` per expert, the GGUF's bytes of that expert's slice). When every expert
+is quantized and the step is on CPU, the routed experts run as one C call instead (moe_kernel.py, csrc/moe.c:
+the same grouping, without a torch op per expert; each token's experts summed in its own choice order, so a
+token's result does not depend on the rest of the step); the torch loop serves dense and GPU experts.
 
 What a family chooses, by name (config.py checks the names): the router (`softmax_topk`, renormalised or not;
 `topk_softmax`, with the router's bias for gpt-oss), the experts' activation (SwiGLU / GeGLU, or gpt-oss's
@@ -21,9 +24,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+import pagedllm.model.cpu_kernel as cpu_kernel
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.layers import GatedMLP, Glu
 from pagedllm.model.linear import Linear
+from pagedllm.model.moe_kernel import MoeExperts
+from pagedllm.model.quant import QuantWeight, log_once
 
 
 def route(logits: torch.Tensor, k: int, kind: str, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,6 +85,9 @@ class SparseMoE(nn.Module):
         if self.shared_gate is not None:
             self.shared_gate.keep_dense = True
         self.load, self.row = load, row
+        self.act, self.alpha, self.limit = act, cfg.swiglu_alpha, cfg.swiglu_limit
+        self._kernel_of: QuantWeight | None = None  # the first expert's gate_up that `kernel` was built for
+        self.kernel: MoeExperts | None = None  # the experts as moe_kernel.py runs them (CPU, all quantized)
 
     def slots(self) -> dict[str, nn.Module]:
         """The block's weights by the slot names of families/moe.py (`#e`: expert e's)."""
@@ -97,13 +106,53 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.router(x).float(), self.k, self.kind, self.normalize)
-        out = self._routed(x, weights.to(x.dtype), ids)
+        kernel = self._experts_kernel(x)
+        if kernel is not None:
+            self.load.reads[0] += int(torch.unique(ids).numel())
+            out = kernel.forward(x, ids, weights)  # counts into self.load.tokens[self.row]
+        else:
+            out = self._routed(x, weights.to(x.dtype), ids)
         if self.shared is not None:
             s = self.shared(x)
             if self.shared_gate is not None:
                 s = torch.sigmoid(self.shared_gate(x)) * s
             out = out + s
         return out
+
+    def _experts_kernel(self, x: torch.Tensor) -> MoeExperts | None:
+        """The routed experts as one C call (moe_kernel.py: each routed expert's tiles read once per step) when
+        every expert is quantized and x is on CPU; None for the torch loop (dense or GPU experts, no compiler,
+        experts of mixed formats). Built on first use, after the loader has quantized the experts."""
+        mlp = self.experts[0]
+        assert isinstance(mlp, GatedMLP)
+        first = mlp.gate_up.quant
+        if x.device.type != "cpu" or first is None:
+            return None
+        if self._kernel_of is not first:
+            self._kernel_of, self.kernel = first, self._build_kernel()
+        return self.kernel
+
+    def _build_kernel(self) -> MoeExperts | None:
+        mlps = [e for e in self.experts if isinstance(e, GatedMLP)]
+        gate_up, down = [m.gate_up.quant for m in mlps], [m.down.quant for m in mlps]
+        if cpu_kernel.load() is None or None in gate_up or None in down:
+            return None
+        gu_bias: list[torch.Tensor] = [m.gate_up.bias for m in mlps if m.gate_up.bias is not None]
+        down_bias: list[torch.Tensor] = [m.down.bias for m in mlps if m.down.bias is not None]
+        try:
+            return MoeExperts(
+                [w for w in gate_up if w is not None],
+                [w for w in down if w is not None],
+                self.act,
+                self.alpha,
+                self.limit,
+                gate_up_bias=torch.stack(gu_bias).detach() if gu_bias else None,
+                down_bias=torch.stack(down_bias).detach() if down_bias else None,
+                load=self.load.tokens[self.row],
+            )
+        except ValueError as e:  # experts of different formats or shapes: the torch loop runs them
+            log_once(f"MoE experts run on the torch path: {e}")
+            return None
 
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Each picked expert once over its tokens (sorted by expert id), weighted, added back per token."""

@@ -1,0 +1,231 @@
+/*
+ * The routed experts of a mixture-of-experts layer for one step, quantized as stored: y[t] += sum_j w_tj
+ * expert_{e_tj}(x[t]), expert(x) = down(act(gate_up(x))). The router stays in torch (moe_kernel.py): it is one
+ * small matmul and a top-k, and the families differ in it; the experts are where the bytes are.
+ *
+ * Why: a decode step of a model with 128 experts of which 8 are routed should read 8 experts' weights, not 128
+ * (and not 8 gathered copies of them): the top-k experts' matmuls run straight from their stored tiles. With
+ * many rows in the step (prefill chunks, batched decode), the rows are grouped by expert so that each routed
+ * expert's weights are read once per step for all of its rows (llama.cpp's MUL_MAT_ID, vLLM's fused_moe): a
+ * count per expert, prefix sums, and a slot per (token, choice) in expert order; each active expert's rows then
+ * are one multi-row matmul through the dense kernels' column-block routes (quant_matmul.c: the dot route or the
+ * float32 direct / panel routes, the same ones qmm_dot / qmm_f32 run), in parallel over (expert, column range)
+ * work items. A slot's row is computed exactly as a dense matmul computes a row, whatever the other rows of its
+ * expert, and each token sums its experts' outputs in its own choice order: a token's result does not depend on
+ * what else is in the step, bit for bit.
+ *
+ * One call: gather x into slot order (rounded for the dot route), gate_up per expert, the activation per slot,
+ * down per expert (into the gathered rows' buffer), then per token the weighted sum into y. One allocation per
+ * call, as the dense kernels make.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "moe.h"
+#include "quant_matmul.h"
+#include "vec.h"
+#include "vmath.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+static int omp_thread(void) { return omp_get_thread_num(); }
+#else
+static int omp_thread(void) { return 0; }
+#endif
+
+/* sizeof a structure of moe.h by name, or -1: moe_kernel.py checks its ctypes copy against it. */
+int64_t moe_struct_size(const char *name) { return strcmp(name, "MoeLayer") ? -1 : (int64_t)sizeof(MoeLayer); }
+
+#define ROWS_PER_READ 8 /* the work of reading an expert's weights, in rows of arithmetic: sizes the work items */
+
+typedef struct {
+    const MoeLayer *L;
+    int S, A, kmax;     /* slots (T * topk), active experts, the wider K of the two matmuls */
+    int *off;           /* [experts + 1] the first slot of each expert's rows */
+    int *active;        /* [A] the experts with rows, ascending */
+    int *row_of;        /* [S] the token of each slot */
+    int *slot_of;       /* [T * topk] the slot of each (token, choice) */
+    int *items[2];      /* per matmul (gate_up, down): [n][3] active index, chunk, chunks */
+    int n_items[2];
+    float *xs, *gu, *act, *panels; /* xs: [S, hidden] gathered x, then the experts' outputs */
+    XQ16 xq;            /* the rows of the matmul at hand rounded for the dot route: [S, kmax] */
+} Plan;
+
+static int fmt_ok(int fmt, int K) { return fmt == QFMT_MIXED || qcol_bytes(fmt, K / 32) > 0; }
+
+static int bad_layer(const MoeLayer *L, int T, int topk) {
+    return T <= 0 || topk <= 0 || topk > L->experts || L->hidden <= 0 || L->ffn <= 0 || L->hidden % 32 ||
+           L->ffn % 32 || !fmt_ok(L->gate_up_fmt, L->hidden) || !fmt_ok(L->down_fmt, L->ffn) || L->act < MOE_SILU ||
+           L->act > MOE_SWIGLU_OAI || !L->gate_up || !L->down;
+}
+
+/* Counts, prefix sums and slots, in token order within each expert; -5 for an id out of range or an active
+ * expert without weights. */
+static int group_rows(Plan *p, const int64_t *ids, int T, int topk) {
+    const MoeLayer *L = p->L;
+    int *fill = p->active; /* the cursor per expert, before it holds the active list */
+    memset(p->off, 0, (size_t)(L->experts + 1) * sizeof(int));
+    for (int i = 0; i < T * topk; i++) {
+        if (ids[i] < 0 || ids[i] >= L->experts) return -5;
+        p->off[ids[i] + 1]++;
+    }
+    p->A = 0;
+    for (int e = 0; e < L->experts; e++) {
+        if (p->off[e + 1] && (!L->gate_up[e] || !L->down[e])) return -5;
+        fill[e] = p->off[e];
+        p->off[e + 1] += p->off[e];
+    }
+    for (int i = 0; i < T * topk; i++) {
+        const int s = fill[ids[i]]++;
+        p->slot_of[i] = s;
+        p->row_of[s] = i / topk;
+    }
+    for (int e = 0; e < L->experts; e++)
+        if (p->off[e + 1] > p->off[e]) p->active[p->A++] = e;
+    return 0;
+}
+
+/* Work items of one matmul of NB column blocks: each active expert in chunks of column blocks, about `target`
+ * items in all, an expert's share by its rows plus the cost of reading its weights once (a hot expert that
+ * takes every row is split, not left to one thread). At most A + target items. */
+static int make_items(const Plan *p, int NB, int target, int *items) {
+    int64_t total = 0;
+    for (int a = 0; a < p->A; a++) total += ROWS_PER_READ + p->off[p->active[a] + 1] - p->off[p->active[a]];
+    int n = 0;
+    for (int a = 0; a < p->A; a++) {
+        const int64_t work = ROWS_PER_READ + p->off[p->active[a] + 1] - p->off[p->active[a]];
+        int chunks = (int)((target * work + total - 1) / total);
+        chunks = chunks < 1 ? 1 : chunks > NB ? NB : chunks;
+        for (int c = 0; c < chunks; c++, n++) {
+            items[3 * n] = a;
+            items[3 * n + 1] = c;
+            items[3 * n + 2] = chunks;
+        }
+    }
+    return n;
+}
+
+/* Item i of matmul `which` (0: gate_up from xs into gu, 1: down from act into xs): its column blocks for all
+ * of its expert's rows. */
+static void matmul_item(const Plan *p, int which, int i, float *panel) {
+    const MoeLayer *L = p->L;
+    const int *it = p->items[which] + 3 * i, e = p->active[it[0]], m0 = p->off[e], M = p->off[e + 1] - m0;
+    const int N = which ? L->hidden : 2 * L->ffn, K = which ? L->ffn : L->hidden, NB = (N + 15) / 16;
+    const float *bias = which ? L->down_bias : L->gate_up_bias;
+    const QMatmul a = {which ? p->xs + (int64_t)m0 * N : p->gu + (int64_t)m0 * N,
+                       which ? p->act + (int64_t)m0 * K : p->xs + (int64_t)m0 * K,
+                       which ? L->down[e] : L->gate_up[e],
+                       bias ? bias + (int64_t)e * N : NULL,
+                       M, N, K / 32, K, N, which ? L->down_fmt : L->gate_up_fmt, 0};
+    const XQ16 xq = {p->xq.q + (int64_t)m0 * K, p->xq.d + (int64_t)m0 * (K / 32), p->xq.s + (int64_t)m0 * (K / 16)};
+    for (int cb = it[1] * NB / it[2]; cb < (it[1] + 1) * NB / it[2]; cb++)
+        if (L->dot)
+            qdot_column_block(&a, &xq, cb, panel);
+        else
+            qmm_column_block(&a, cb, panel);
+}
+
+/* Row s of this matmul's input rounded for the dot route (rows K apart, as matmul_item reads them). */
+static void round_row(const Plan *p, const float *row, int s, int K) {
+    qdot_quantize_row(p->xq.q + (int64_t)s * K, p->xq.d + (int64_t)s * (K / 32), p->xq.s + (int64_t)s * (K / 16),
+                      row, K);
+}
+
+/* out = act(gate, up) over n (a multiple of VW) elements; the formulas are transformers' in float32. */
+static void activate(const MoeLayer *L, float *out, const float *gate, const float *up, int n) {
+    for (int j = 0; j < n; j += VW) {
+        vf g = *(const vfu *)(gate + j), u = *(const vfu *)(up + j), r;
+        if (L->act == MOE_SILU) {
+            r = g / (1.0f + vexp(-g)) * u;
+        } else if (L->act == MOE_GELU_TANH) { /* 0.5 g (1 + tanh(z)), tanh(z) = 1 - 2 / (e^2z + 1) */
+            const vf z = 0.7978845608028654f * (g + 0.044715f * (g * g * g));
+            r = 0.5f * g * (1.0f + (1.0f - 2.0f / (vexp(2.0f * z) + 1.0f))) * u;
+        } else {
+            const vf lim = (vf){0} + L->limit;
+            g = vmin(g, lim);
+            u = vmax(vmin(u, lim), -lim);
+            r = (u + 1.0f) * (g * (1.0f / (1.0f + vexp(-(g * L->alpha)))));
+        }
+        *(vfu *)(out + j) = r;
+    }
+}
+
+/* y[t] += sum_j w_tj out[slot (t, j)], summed in choice order. */
+static void combine(const Plan *p, float *y, const float *weights, int topk, int t) {
+    const int H = p->L->hidden;
+    float *yt = y + (int64_t)t * H;
+    for (int i = 0; i < H; i += VW) {
+        vf acc = (vf){0};
+        for (int j = 0; j < topk; j++)
+            acc += weights[(int64_t)t * topk + j] * *(const vfu *)(p->xs + (int64_t)p->slot_of[t * topk + j] * H + i);
+        *(vfu *)(yt + i) = *(const vfu *)(yt + i) + acc;
+    }
+}
+
+static void run(Plan *p, float *y, const float *x, const float *weights, int T, int topk, int nthreads) {
+    const MoeLayer *L = p->L;
+    const int H = L->hidden, F = L->ffn;
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+        float *panel = p->panels + (int64_t)omp_thread() * p->kmax * 16;
+#pragma omp for schedule(static)
+        for (int s = 0; s < p->S; s++) {
+            float *row = p->xs + (int64_t)s * H;
+            memcpy(row, x + (int64_t)p->row_of[s] * H, (size_t)H * sizeof(float));
+            if (L->dot) round_row(p, row, s, H);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int i = 0; i < p->n_items[0]; i++) matmul_item(p, 0, i, panel);
+#pragma omp for schedule(static)
+        for (int s = 0; s < p->S; s++) {
+            const float *gu = p->gu + (int64_t)s * 2 * F;
+            activate(L, p->act + (int64_t)s * F, gu, gu + F, F);
+            if (L->dot) round_row(p, p->act + (int64_t)s * F, s, F);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int i = 0; i < p->n_items[1]; i++) matmul_item(p, 1, i, panel);
+#pragma omp for schedule(static)
+        for (int t = 0; t < T; t++) combine(p, y, weights, topk, t);
+    }
+}
+
+/* Carves n bytes (64-aligned) off *at. */
+static void *carve(uint8_t **at, size_t n) {
+    void *r = *at;
+    *at += (n + 63) / 64 * 64;
+    return r;
+}
+
+int moe_experts(float *y, const float *x, const int64_t *ids, const float *weights, int T, int topk,
+                const MoeLayer *L, int64_t *load, int num_threads) {
+    if (bad_layer(L, T, topk)) return -2;
+    const int E = L->experts, S = T * topk, H = L->hidden, F = L->ffn, K = H > F ? H : F;
+    const int nthreads = num_threads < 1 ? 1 : num_threads, target = 8 * nthreads;
+    const size_t kq = L->dot ? (size_t)S * K : 0, ints = (size_t)2 * E + 1 + 2 * (size_t)S + 6 * ((size_t)E + target);
+    const size_t floats = (size_t)S * (H + 3 * (size_t)F) + (size_t)nthreads * K * 16;
+    const size_t bytes = ints * 4 + floats * 4 + kq * 2 + kq / 32 * 4 + kq / 16 * 4 + 16 * 64; /* alignment */
+    uint8_t *mem = malloc(bytes), *at = mem;
+    if (!mem) return -1;
+    Plan p = {.L = L, .S = S, .kmax = K};
+    p.off = carve(&at, (size_t)(E + 1) * 4);
+    p.active = carve(&at, (size_t)E * 4);
+    p.row_of = carve(&at, (size_t)S * 4);
+    p.slot_of = carve(&at, (size_t)S * 4);
+    p.items[0] = carve(&at, (size_t)3 * (E + target) * 4);
+    p.items[1] = carve(&at, (size_t)3 * (E + target) * 4);
+    p.xs = carve(&at, (size_t)S * H * 4);
+    p.gu = carve(&at, (size_t)S * 2 * F * 4);
+    p.act = carve(&at, (size_t)S * F * 4);
+    p.panels = carve(&at, (size_t)nthreads * K * 16 * 4);
+    p.xq = (XQ16){carve(&at, kq * 2), carve(&at, kq / 32 * 4), carve(&at, kq / 16 * 4)};
+    int status = group_rows(&p, ids, T, topk);
+    if (status == 0) {
+        p.n_items[0] = make_items(&p, (2 * F + 15) / 16, target, p.items[0]);
+        p.n_items[1] = make_items(&p, (H + 15) / 16, target, p.items[1]);
+        run(&p, y, x, weights, T, topk, nthreads);
+        for (int e = 0; load && e < E; e++) load[e] += p.off[e + 1] - p.off[e];
+    }
+    free(mem);
+    return status;
+}

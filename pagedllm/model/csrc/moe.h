@@ -1,0 +1,27 @@
+/* The routed experts of a mixture-of-experts layer (moe.c). moe_kernel.py builds its ctypes copy of MoeLayer by
+ * reading this file (cpu_kernel.c_structs) and checks its size against moe_struct_size() at load. */
+#ifndef PAGEDLLM_MOE_H
+#define PAGEDLLM_MOE_H
+#include <stdint.h>
+
+/* The gated activation between an expert's gate_up and down matmuls (a = act(gate, up), per element). */
+#define MOE_SILU 0       /* silu(gate) * up: SwiGLU (Qwen-MoE, Mixtral, OLMoE, Granite-MoE) */
+#define MOE_GELU_TANH 1  /* gelu_tanh(gate) * up: GeGLU */
+#define MOE_SWIGLU_OAI 2 /* gpt-oss: g = min(gate, limit), u = clamp(up, -limit, limit), (u + 1) * g sigmoid(alpha g) */
+
+typedef struct {
+    const uint8_t **gate_up; /* [experts] quantized tiles, N = 2 ffn (gate rows, then up rows), K = hidden */
+    const uint8_t **down;    /* [experts] quantized tiles, N = hidden, K = ffn */
+    const float *gate_up_bias, *down_bias; /* NULL, or [experts][2 ffn] and [experts][hidden] */
+    int experts, hidden, ffn, gate_up_fmt, down_fmt, act;
+    int dot; /* 1: activations rounded to 16-bit integers per group of 32 (the dot route); 0: float32 */
+    float alpha, limit; /* MOE_SWIGLU_OAI's */
+} MoeLayer;
+
+int64_t moe_struct_size(const char *name);
+/* y[T, hidden] += sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for every token t; load[e] += the rows routed to
+ * expert e (NULL: not counted). 0, -1 (out of memory), -2 (bad sizes), -5 (an expert id out of range or an active
+ * expert without weights). */
+int moe_experts(float *y, const float *x, const int64_t *ids, const float *weights, int T, int topk,
+                const MoeLayer *L, int64_t *load, int num_threads);
+#endif

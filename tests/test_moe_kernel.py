@@ -1,0 +1,165 @@
+"""csrc/moe.c through moe_kernel.MoeExperts: a MoE layer's routed experts run from their quantized tiles.
+
+Against a float64 torch reference built from the experts' weights as gguf dequantizes them (quant's dequantizer
+equals gguf's: test_gguf_types), per weight format (Q4_0, Q8_0, Q4_K, Q6_K, F16), route (float32 activations,
+and the dot route's 16-bit ones) and CPU class (native, x86-64-v4, x86-64-v3, portable): at 1, 3, 16 and 70 rows,
+with routings that leave one expert without rows and give another every row (so both the direct and the panel
+routes serve some expert). Each token's result is bit-identical whatever else is in the step (fewer rows, the
+rows in another order), the expert load counts the rows routed to each expert, and the activations (SwiGLU,
+GeGLU, gpt-oss's clamped SwiGLU with expert biases) are transformers' formulas.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_helpers import needs_kernel, random_blocks
+
+from pagedllm.model import cpu_kernel
+from pagedllm.model.gguf_quants import from_gguf_blocks
+from pagedllm.model.moe_kernel import MoeExperts, stack
+
+pytestmark = needs_kernel
+
+TYPES = {"Q4_0": 2, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14, "F16": 1}  # GGML type numbers
+EXPERTS, TOPK, HIDDEN, FFN = 6, 2, 256, 256  # K formats need K % 256 == 0 for both matmuls
+ROWS = (1, 3, 16, 70)
+
+
+@pytest.fixture(scope="module", params=cpu_kernel.runnable_targets())
+def target(request):
+    """One class's kernels, as `cpu_kernel.load()` gives them while the module's tests of that class run."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PAGEDLLM_CPU_TARGET", request.param)
+        cpu_kernel.load.cache_clear()
+        assert cpu_kernel.load() is not None, f"the {request.param} build failed (see the warning logged)"
+        yield request.param
+    cpu_kernel.load.cache_clear()
+
+
+@cache
+def _weights(type_name: str) -> tuple[list, list, torch.Tensor, torch.Tensor]:
+    """Random experts of one GGML type, stacked as a 3-D tensor's are (one buffer), and their float64 values."""
+    t = TYPES[type_name]
+    gu = [from_gguf_blocks(random_blocks(t, 2 * FFN, HIDDEN, 10 + e), t) for e in range(EXPERTS)]
+    dn = [from_gguf_blocks(random_blocks(t, HIDDEN, FFN, 50 + e), t) for e in range(EXPERTS)]
+    wgu = torch.stack([p.dequantize() for p in gu]).double()
+    wdn = torch.stack([p.dequantize() for p in dn]).double()
+    return stack(gu), stack(dn), wgu, wdn
+
+
+def _experts(type_name: str, dot: bool, **kwargs) -> MoeExperts:
+    gu, dn, _, _ = _weights(type_name)
+    for w in gu + dn:
+        w.dot = dot
+    return MoeExperts(gu, dn, **kwargs)
+
+
+def _routing(rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row routed to expert 1 (at a random choice position) and to one of the others; expert 0 to none."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack(
+        [torch.cat([torch.tensor([1]), 2 + torch.randperm(EXPERTS - 2, generator=g)[: TOPK - 1]]) for _ in range(rows)]
+    )
+    ids = torch.stack([r[torch.randperm(TOPK, generator=g)] for r in ids])
+    return ids, torch.softmax(torch.randn(rows, TOPK, generator=g), -1)
+
+
+def _act(name: str, g: torch.Tensor, u: torch.Tensor, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    """transformers' activations: SwiGLU, GeGLU (gelu_pytorch_tanh), gpt-oss's GptOssExperts._apply_gate."""
+    if name == "silu":
+        return F.silu(g) * u
+    if name == "gelu_pytorch_tanh":
+        return F.gelu(g, approximate="tanh") * u
+    g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+    return (u + 1) * (g * torch.sigmoid(g * alpha))
+
+
+def _biases(act: str) -> dict[str, torch.Tensor]:
+    """gpt-oss's experts have biases on both matmuls; the others none."""
+    if act != "swigluoai":
+        return {}
+    g = torch.Generator().manual_seed(7)
+    return {
+        "gate_up_bias": torch.randn(EXPERTS, 2 * FFN, generator=g),
+        "down_bias": torch.randn(EXPERTS, HIDDEN, generator=g),
+    }
+
+
+@cache
+def _case(type_name: str, act: str, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x, routing and the float64 reference sum_j w_tj (down_e act(gate_up_e x_t + b) + b), one expert at a
+    time: the same for every class and route, so computed once. x is scaled so that the gate_up outputs are a
+    few units (the activations' interesting range; past 7 for the clamp), whatever the format's scale."""
+    _, _, wgu, wdn = _weights(type_name)
+    x = torch.randn(ROWS[-1], HIDDEN, generator=torch.Generator().manual_seed(seed))
+    x = (x * 3.0 / (wgu.pow(2).mean().sqrt().item() * HIDDEN**0.5)).float()
+    ids, w = _routing(ROWS[-1], seed)
+    b = _biases(act)
+    bgu, bdn = b.get("gate_up_bias", torch.zeros(EXPERTS, 2 * FFN)), b.get("down_bias", torch.zeros(EXPERTS, HIDDEN))
+    y = torch.zeros(x.shape[0], HIDDEN, dtype=torch.float64)
+    for e in range(EXPERTS):
+        t, j = torch.nonzero(ids == e, as_tuple=True)
+        h = x[t].double() @ wgu[e].T + bgu[e].double()
+        a = _act(act, h[:, :FFN], h[:, FFN:])
+        y.index_add_(0, t, w[t, j, None].double() * (a @ wdn[e].T + bdn[e].double()))
+    return x, ids, w, y
+
+
+def _check(type_name: str, dot: bool, act: str = "silu", seed: int = 0) -> None:
+    """The reference at every row count; each row bit-identical to itself in 70 rows, alone or in another order;
+    y accumulated into `out`; the load counter."""
+    ex = _experts(type_name, dot, act=act, **_biases(act))
+    x, ids, w, ref = _case(type_name, act, seed)
+    full = ex.forward(x, ids, w)
+    tol = (3e-4 if dot and type_name != "F16" else 1e-5) * ref.abs().max().item()
+    for rows in ROWS:
+        got = ex.forward(x[:rows], ids[:rows], w[:rows])
+        torch.testing.assert_close(got.double(), ref[:rows], atol=tol, rtol=0)
+        assert torch.equal(got, full[:rows]), f"{rows} rows are not bit-identical to the same rows in {ROWS[-1]}"
+    perm = torch.randperm(ROWS[-1], generator=torch.Generator().manual_seed(seed))
+    assert torch.equal(ex.forward(x[perm], ids[perm], w[perm]), full[perm])
+    assert torch.equal(ex.forward(x[5:6], ids[5:6], w[5:6]), full[5:6])
+    out = torch.randn(3, HIDDEN)
+    acc = out.double() + ref[:3]
+    ex.forward(x[:3], ids[:3], w[:3], out=out)
+    torch.testing.assert_close(out.double(), acc, atol=tol, rtol=0)
+    calls = [ids, *(ids[:r] for r in ROWS), ids[perm], ids[5:6], ids[:3]]  # every call's rows, in order
+    assert torch.equal(ex.load, sum(torch.bincount(i.flatten(), minlength=EXPERTS) for i in calls))
+    assert ex.load[0] == 0 and ex.load[1] == sum(len(i) for i in calls)  # no rows, and every row
+
+
+@pytest.mark.parametrize("dot", [False, True], ids=["float32", "dot"])
+@pytest.mark.parametrize("type_name", list(TYPES))
+def test_the_routed_experts_match_the_dequantized_reference(target, type_name, dot):
+    _check(type_name, dot, seed=TYPES[type_name])
+
+
+@pytest.mark.parametrize("act", ["gelu_pytorch_tanh", "swigluoai"])
+def test_each_activation_and_the_expert_biases(target, act):
+    """GeGLU, and gpt-oss's clamped SwiGLU with biases on both matmuls (gate / up values on both sides of the
+    limit, so the clamp changes the result)."""
+    if act == "swigluoai":
+        x, ids, _, _ = _case("Q8_0", act, 3)
+        h = x.double() @ _weights("Q8_0")[2][1].T
+        assert (h.abs() > 7).any() and (h.abs() < 7).any()
+    _check("Q8_0", False, act, seed=3)
+
+
+def test_experts_are_views_of_one_buffer_and_bad_input_is_named():
+    gu, dn, _, _ = _weights("Q4_K")
+    assert len({w.tiles.untyped_storage().data_ptr() for w in gu}) == 1
+    ex = MoeExperts(gu, dn)
+    x, ids, w, _ = _case("Q4_K", "silu", 0)
+    with pytest.raises(ValueError, match="expert id out of range"):
+        ex.forward(x, torch.full_like(ids, EXPERTS), w)
+    with pytest.raises(ValueError, match="ids"):
+        ex.forward(x[:, :128], ids, w)
+    with pytest.raises(ValueError, match="activation 'relu'"):
+        MoeExperts(gu, dn, act="relu")
+    with pytest.raises(ValueError, match="differ in shape or format"):
+        MoeExperts(gu, [*dn[:-1], gu[0]])
+    assert torch.equal(ex.load, torch.zeros(EXPERTS, dtype=torch.int64))  # a refused call counts nothing

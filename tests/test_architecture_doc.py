@@ -5,9 +5,10 @@ named `LlamaForCausalLM.hidden_states` long after the class became `decoder.Caus
 What is checked, of each `code span` in the page:
 - a path (`kv/hashing.py`, `model/families/`, `csrc/model_step.c`, `engine_helpers.py`): a file or folder of the
   repository, under its root, `tests/`, `pagedllm/` or any package folder;
-- a dotted name (`attention.step_index`, `ModelRunner.read_block`, `pagedllm.settings`): its head is one of
-  pagedllm's modules or classes and the rest is defined there (a module's top-level name or a class's method or
-  attribute);
+- a dotted name (`attention.step_index`, `ModelRunner.read_block`, `pagedllm.settings`): where its head is one
+  of pagedllm's modules or classes, or class-like, the rest is defined there (a module's top-level name or a
+  class's method or attribute); a lowercase head of no module of ours is a checkpoint's tensor name
+  (`experts.gate_up_proj`);
 - a class-like name (`PrometheusStatLogger`): a class or constant defined in pagedllm;
 - a snake_case name with an underscore (`rope_and_store`, `add_engine_args`): an identifier in pagedllm's
   sources (Python or C).
@@ -145,7 +146,7 @@ def _dotted_exists(span: str) -> bool:
         if any(rest[0] in _defined(tree) for tree in modules[head]):
             return len(rest) == 1 or rest[1] in classes.get(rest[0], {rest[1]}) or rest[0] in modules
         return False
-    return False
+    return not _CLASS_LIKE.match(head)  # a lowercase head of no module of ours: a checkpoint's key, not a name
 
 
 def _package_path(name: str) -> str:

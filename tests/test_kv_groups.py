@@ -107,6 +107,39 @@ def test_preemption_and_abort_return_every_groups_blocks():
     assert not any(m.req_to_blocks for m in mgr.coordinator.managers)
 
 
+def _write(mgr: PagedKVCacheManager, req: Req, start: int, end: int, written: dict[int, tuple[int, int]]) -> None:
+    """What the model does after a step's allocation: positions start..end-1 written through each group's table
+    (a shadow of the pool: block id -> the (group, table index) whose K/V it holds)."""
+    for g, table in enumerate(mgr.get_group_block_ids(req.request_id)):
+        for pos in range(start, end):
+            written[table[pos // BS]] = (g, pos // BS)
+
+
+def test_readmitted_hit_blocks_hold_what_they_claim():
+    """A request whose prompt filled the pool is preempted before its decode step: the sliding group's blocks
+    are freed first (the tail first), so its hit block heads the free queue. Re-admitted, the full group's
+    fresh block must not be that block: every group's hit is taken before any group allocates (else the full
+    group writes its K/V there while the sliding group reads it as its hit)."""
+    mgr = PagedKVCacheManager(8, BS, True, layout=kv_cache_layout([BS, None]))  # sliding window of one block
+    a, written = Req("a", list(range(1000, 1000 + 4 * BS))), {}
+    assert mgr.allocate_slots(a, 4 * BS)  # every block of the pool: four per group
+    _write(mgr, a, 0, 4 * BS, written)
+    a.num_computed_tokens = 4 * BS
+    a.all_token_ids.append(7)  # its first token sampled; the decode step finds no room and preempts it
+    mgr.free(a)
+    a.num_computed_tokens = 0
+    hit, cached = mgr.get_computed_blocks(a)
+    assert cached == 4 * BS and [len(g) for g in hit.groups] == [4, 4]
+    assert hit.groups[1][:3] == [mgr.null_block] * 3  # the sliding group's hit: its last block only
+    assert mgr.allocate_slots(a, 1, hit)
+    _write(mgr, a, cached, cached + 1, written)  # the step after re-admission: its one token, in every group
+    claims = [(g, i, b) for g, blocks in enumerate(hit.groups) for i, b in enumerate(blocks) if b is not mgr.null_block]
+    assert [written[b.block_id] for _, _, b in claims] == [(g, i) for g, i, _ in claims]
+    assert len(mgr.held_block_ids("a")) == sum(mgr.group_block_counts("a"))  # no block in two tables
+    mgr.free(a)
+    assert mgr.num_free_blocks == mgr.num_blocks and all(b.ref_cnt == 0 for b in mgr.pool.blocks)
+
+
 @pytest.fixture(scope="module")
 def gemma3(tmp_path_factory):
     """A tiny Gemma 3 (five sliding layers of window 12, then a full one) and transformers' greedy tokens."""

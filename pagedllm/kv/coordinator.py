@@ -44,8 +44,13 @@ class KVCacheCoordinator:
         return sum(m.num_blocks_to_allocate(request_id, num_tokens, b) for m, b in zip(self.managers, new_computed))
 
     def allocate(self, request_id: str, num_tokens: int, new_computed: GroupBlocks) -> None:
+        """Every group's hit first, then fresh blocks (vLLM's order): a hit block can sit in the free queue, and
+        a group allocating before a later group touched its hit would pop that block, drop its hash and write
+        its own K/V there, while the later group still reads it as its hit."""
         for m, blocks in zip(self.managers, new_computed):
-            m.allocate(request_id, num_tokens, blocks)
+            m.save_new_computed_blocks(request_id, blocks)
+        for m in self.managers:
+            m.allocate_new_blocks(request_id, num_tokens)
 
     def cache_blocks(
         self, request_id: str, hashes: Sequence[BlockHash], num_full: int

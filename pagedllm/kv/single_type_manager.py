@@ -50,11 +50,14 @@ class SingleTypeKVCacheManager:
         new = max(0, cdiv(num_tokens, self.block_size) - held - len(new_computed))
         return new + sum(1 for b in new_computed if b is not self.null_block and b.ref_cnt == 0)
 
-    def allocate(self, request_id: str, num_tokens: int, new_computed: Sequence[KVBlock]) -> None:
-        """Take the hit's blocks and fresh ones up to `num_tokens` slots (checked to fit already)."""
+    def save_new_computed_blocks(self, request_id: str, new_computed: Sequence[KVBlock]) -> None:
+        """Take the hit's blocks: touched, those in the free queue leave it, so no fresh allocation evicts them."""
         self.pool.touch([b for b in new_computed if b is not self.null_block])
+        self.req_to_blocks.setdefault(request_id, []).extend(new_computed)
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> None:
+        """Fresh blocks up to `num_tokens` slots (checked to fit already), after every group saved its hit."""
         held = self.req_to_blocks.setdefault(request_id, [])
-        held.extend(new_computed)
         new = cdiv(num_tokens, self.block_size) - len(held)
         if new > 0:
             held.extend(self.pool.allocate(new))

@@ -1,7 +1,8 @@
 """pagedllm against llama.cpp at the sizes people run (issue 27, item 1): random-weight GGUFs of real shapes.
 
-`write` makes the files: an F16 GGUF of a real model's shape (Llama-3.2-1B, Qwen2.5-3B, Llama-3.1-8B; their
-vocabulary sizes, tied embeddings where the real model ties them) written with the `gguf` package under
+`write` makes the files: an F16 GGUF of a real model's shape (Llama-3.2-1B, Qwen2.5-3B, Llama-3.1-8B, Qwen3-1.7B
+with its q/k norms, Gemma-3-1B with its post norms, head size 256 and 512-token windows; their vocabulary sizes,
+tied embeddings where the real model ties them) written with the `gguf` package under
 llama.cpp's tensor names, then quantized by llama.cpp's own quantizer (`llama_model_quantize`, from the
 llama.cpp anchor venv) to Q4_0, Q8_0, Q4_K_M, Q6_K: the mixes users download (llama.cpp keeps the output head,
 or the tied embedding table, in Q6_K for Q4_0 and Q4_K_M). Speed does not depend on the weights' values.
@@ -58,7 +59,7 @@ TYPES = ("Q4_0", "Q8_0", "Q4_K_M", "Q6_K")
 class Shape:
     """The numbers of a real checkpoint's config.json that decide its tensors."""
 
-    arch: str  # GGUF architecture: llama | qwen2
+    arch: str  # GGUF architecture: llama | qwen2 | qwen3 (q/k norms) | gemma3 (post norms, two RoPE bases, windows)
     hidden: int
     layers: int
     heads: int
@@ -68,18 +69,26 @@ class Shape:
     tied: bool
     rope_theta: float
     eps: float
+    head_dim: int = 0  # 0: hidden / heads
+
+    @property
+    def hd(self) -> int:
+        return self.head_dim or self.hidden // self.heads
 
 
 SHAPES = {
     "llama-3.2-1b": Shape("llama", 2048, 16, 32, 8, 8192, 128256, True, 500000.0, 1e-5),
     "qwen2.5-3b": Shape("qwen2", 2048, 36, 16, 2, 11008, 151936, True, 1000000.0, 1e-6),
     "llama-3.1-8b": Shape("llama", 4096, 32, 32, 8, 14336, 128256, False, 500000.0, 1e-5),
+    "qwen3-1.7b": Shape("qwen3", 2048, 28, 16, 8, 6144, 151936, True, 1000000.0, 1e-6, 128),
+    "gemma-3-1b": Shape("gemma3", 1152, 26, 4, 1, 6912, 262144, True, 1000000.0, 1e-6, 256),
 }
+GEMMA3_WINDOW = 512  # Gemma-3-1B's sliding window (five sliding layers per global one, llama.cpp's default)
 
 
 def tensor_shapes(s: Shape) -> list[tuple[str, tuple[int, ...]]]:
     """llama.cpp's tensor names and numpy shapes (rows first) for the shape, in the order its converter writes."""
-    hd = s.hidden // s.heads
+    hd = s.hd
     q, kv = s.heads * hd, s.kv_heads * hd
     out: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (s.vocab, s.hidden))]
     for i in range(s.layers):
@@ -88,9 +97,16 @@ def tensor_shapes(s: Shape) -> list[tuple[str, tuple[int, ...]]]:
         out += [(b + "attn_k.weight", (kv, s.hidden)), (b + "attn_v.weight", (kv, s.hidden))]
         if s.arch == "qwen2":
             out += [(b + "attn_q.bias", (q,)), (b + "attn_k.bias", (kv,)), (b + "attn_v.bias", (kv,))]
-        out += [(b + "attn_output.weight", (s.hidden, q)), (b + "ffn_norm.weight", (s.hidden,))]
+        if s.arch in ("qwen3", "gemma3"):
+            out += [(b + "attn_q_norm.weight", (hd,)), (b + "attn_k_norm.weight", (hd,))]
+        out += [(b + "attn_output.weight", (s.hidden, q))]
+        if s.arch == "gemma3":
+            out.append((b + "post_attention_norm.weight", (s.hidden,)))
+        out += [(b + "ffn_norm.weight", (s.hidden,))]
         out += [(b + "ffn_gate.weight", (s.ffn, s.hidden)), (b + "ffn_up.weight", (s.ffn, s.hidden))]
         out += [(b + "ffn_down.weight", (s.hidden, s.ffn))]
+        if s.arch == "gemma3":
+            out.append((b + "post_ffw_norm.weight", (s.hidden,)))
     out.append(("output_norm.weight", (s.hidden,)))
     return out + ([] if s.tied else [("output.weight", (s.vocab, s.hidden))])
 
@@ -110,7 +126,12 @@ def add_metadata(w, name: str, s: Shape) -> None:
     w.add_uint32(p + "attention.head_count_kv", s.kv_heads)
     w.add_float32(p + "rope.freq_base", s.rope_theta)
     w.add_float32(p + "attention.layer_norm_rms_epsilon", s.eps)
-    w.add_uint32(p + "rope.dimension_count", s.hidden // s.heads)
+    w.add_uint32(p + "rope.dimension_count", s.hd)
+    w.add_uint32(p + "attention.key_length", s.hd)
+    w.add_uint32(p + "attention.value_length", s.hd)
+    if s.arch == "gemma3":
+        w.add_uint32(p + "attention.sliding_window", GEMMA3_WINDOW)
+        w.add_float32(p + "rope.freq_base_swa", 10000.0)
     w.add_uint32(p + "vocab_size", s.vocab)
     with GGUFFile(default_model_path(), keep_arrays=True) as src:
         md = src.metadata

@@ -1,7 +1,9 @@
 """pagedllm against llama.cpp at the sizes people run (issue 27, item 1): random-weight GGUFs of real shapes.
 
-`write` makes the files: an F16 GGUF of a real model's shape (Llama-3.2-1B, Qwen2.5-3B, Llama-3.1-8B; their
-vocabulary sizes, tied embeddings where the real model ties them) written with the `gguf` package under
+`write` makes the files: an F16 GGUF of a real model's shape (Llama-3.2-1B, Qwen2.5-3B, Llama-3.1-8B, Qwen3-1.7B
+with its q/k norms, Gemma-3-1B with its post norms, head size 256 and 512-token windows, and the MoE shapes
+Qwen3-30B-A3B and gpt-oss-20b; their vocabulary sizes, tied embeddings where the real model ties them) written
+with the `gguf` package under
 llama.cpp's tensor names, then quantized by llama.cpp's own quantizer (`llama_model_quantize`, from the
 llama.cpp anchor venv) to Q4_0, Q8_0, Q4_K_M, Q6_K: the mixes users download (llama.cpp keeps the output head,
 or the tied embedding table, in Q6_K for Q4_0 and Q4_K_M). Speed does not depend on the weights' values.
@@ -60,7 +62,7 @@ TYPES = ("Q4_0", "Q8_0", "Q4_K_M", "Q6_K")
 class Shape:
     """The numbers of a real checkpoint's config.json that decide its tensors."""
 
-    arch: str  # GGUF architecture: llama | qwen2 | qwen3moe | gpt-oss
+    arch: str  # GGUF architecture: llama | qwen2 | qwen3 | gemma3 (post norms, two RoPE bases) | qwen3moe | gpt-oss
     hidden: int
     layers: int
     heads: int
@@ -84,10 +86,13 @@ SHAPES = {
     "llama-3.2-1b": Shape("llama", 2048, 16, 32, 8, 8192, 128256, True, 500000.0, 1e-5),
     "qwen2.5-3b": Shape("qwen2", 2048, 36, 16, 2, 11008, 151936, True, 1000000.0, 1e-6),
     "llama-3.1-8b": Shape("llama", 4096, 32, 32, 8, 14336, 128256, False, 500000.0, 1e-5),
+    "qwen3-1.7b": Shape("qwen3", 2048, 28, 16, 8, 6144, 151936, True, 1000000.0, 1e-6, 128),
+    "gemma-3-1b": Shape("gemma3", 1152, 26, 4, 1, 6912, 262144, True, 1000000.0, 1e-6, 256),
     # the MoE models people run on a CPU (issue 34): only the routed experts' bytes are read per token
     "qwen3-30b-a3b": Shape("qwen3moe", 2048, 48, 32, 4, 6144, 151936, False, 1e6, 1e-6, 128, 128, 8, 768),
     "gpt-oss-20b": Shape("gpt-oss", 2880, 24, 64, 8, 2880, 201088, False, 150000.0, 1e-5, 64, 32, 4, 2880),
 }
+GEMMA3_WINDOW = 512  # Gemma-3-1B's sliding window (five sliding layers per global one, llama.cpp's default)
 
 
 def tensor_shapes(s: Shape) -> list[tuple[str, tuple[int, ...]]]:
@@ -102,13 +107,17 @@ def tensor_shapes(s: Shape) -> list[tuple[str, tuple[int, ...]]]:
         out += [(b + "attn_k.weight", (kv, s.hidden)), (b + "attn_v.weight", (kv, s.hidden))]
         if s.arch in ("qwen2", "gpt-oss"):
             out += [(b + "attn_q.bias", (q,)), (b + "attn_k.bias", (kv,)), (b + "attn_v.bias", (kv,))]
-        if s.arch == "qwen3moe":
+        if s.arch in ("qwen3", "gemma3", "qwen3moe"):
             out += [(b + "attn_q_norm.weight", (hd,)), (b + "attn_k_norm.weight", (hd,))]
         out += [(b + "attn_output.weight", (s.hidden, q))]
         if s.arch == "gpt-oss":
             out += [(b + "attn_output.bias", (s.hidden,)), (b + "attn_sinks.weight", (s.heads,))]
+        if s.arch == "gemma3":
+            out.append((b + "post_attention_norm.weight", (s.hidden,)))
         out += [(b + ("post_attention_norm" if s.arch == "gpt-oss" else "ffn_norm") + ".weight", (s.hidden,))]
         out += _mlp(b, s)
+        if s.arch == "gemma3":
+            out.append((b + "post_ffw_norm.weight", (s.hidden,)))
     out.append(("output_norm.weight", (s.hidden,)))
     return out + ([] if s.tied else [("output.weight", (s.vocab, s.hidden))])
 
@@ -155,6 +164,9 @@ def add_metadata(w, name: str, s: Shape) -> None:
         w.add_uint32(p + "expert_count", s.experts)
         w.add_uint32(p + "expert_used_count", s.experts_used)
         w.add_uint32(p + "expert_feed_forward_length", s.expert_ffn)
+    if s.arch == "gemma3":
+        w.add_uint32(p + "attention.sliding_window", GEMMA3_WINDOW)
+        w.add_float32(p + "rope.freq_base_swa", 10000.0)
     if s.arch == "gpt-oss":  # as llama.cpp's converter writes gpt-oss-20b's config
         w.add_uint32(p + "attention.sliding_window", 128)
         w.add_string(p + "rope.scaling.type", "yarn")

@@ -17,7 +17,7 @@ import random
 import pytest
 import torch
 from family_helpers import CHAT_TEMPLATE, FAMILIES, ORIG_CTX, SPECS, make_family, write_gguf
-from model_helpers import all_logits
+from model_helpers import all_logits, save_tiny_tokenizer
 
 import pagedllm.model.tokenizer as tokenizer_module
 from pagedllm import SamplingParams
@@ -27,7 +27,9 @@ from pagedllm.kv import kv_bytes_per_token
 from pagedllm.model import ModelRunner, SeqChunk, load_model, load_model_config, load_tokenizer
 
 FORMATS = ["hf", "f32", "f16", "q8_0", "q4_0"]
+QUANTIZED = ("q8_0", "q4_0")  # the formats kept quantized, so run by the fused C step
 TOL = 1e-4  # of the largest logit
+DOT_TOL = 2e-3  # the dot route's bound (test_the_dot_route_is_within_its_bound_of_the_exact_path)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -114,8 +116,8 @@ def test_logits_match_transformers(ckpt, fmt):
     got = torch.cat([first, rest, last])
     err = (got - want).abs().max().item() / want.abs().max().item()
     assert err < TOL, f"{ckpt.family} {fmt}: {err:.2e}"
-    if fmt in ("q8_0", "q4_0") and ckpt.family in ("llama", "llama3", "qwen2", "qwen2-yarn", "mistral"):
-        assert runner.fused is not None  # the C step runs the plain Llama layer, from rope_freqs too
+    if fmt in QUANTIZED:
+        assert runner.fused is not None  # every family runs the fused C step (F16 too where it stays F16)
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
@@ -149,6 +151,73 @@ def test_the_dot_route_is_within_its_bound_of_the_exact_path(ckpt, fmt):
         all_logits(runner, [SeqChunk(ids[17:40], 17, table)])[0],
     ]
     assert torch.equal(torch.cat(halves), got[:40])
+
+
+def _fused_and_torch(loaded, ids: list[int], split: int, steps: int) -> dict[bool, tuple[torch.Tensor, list[int]]]:
+    """Per path (fused or not): the logits of `ids` prefilled in two chunks, then of `steps` greedy decode tokens
+    each path picks itself, and those tokens."""
+    out = {}
+    for fused in (True, False):
+        runner = ModelRunner(loaded, num_blocks=16, block_size=8, fused=fused)
+        assert (runner.fused is not None) == fused
+        table = random.Random(4).sample(range(16), 16)
+        rows = [all_logits(runner, [SeqChunk(ids[:split], 0, table)])[0]]
+        rows.append(all_logits(runner, [SeqChunk(ids[split:], split, table)])[0])
+        tokens: list[int] = []
+        for _ in range(steps):
+            tokens.append(int(rows[-1][-1].argmax()))
+            rows.append(runner.execute([SeqChunk(tokens[-1:], len(ids) + len(tokens) - 1, table)]))
+        out[fused] = (torch.cat(rows), tokens)
+    return out
+
+
+@pytest.mark.parametrize("fmt", QUANTIZED)
+@pytest.mark.parametrize("activations", ["none", "int16"])
+def test_the_fused_step_computes_what_the_torch_path_does(ckpt, fmt, activations):
+    """Every family's layer (q/k norms, (1 + w) and post norms, GeGLU, soft-caps, multipliers, partial rotary,
+    NoPE and two-base RoPE layers) in the one C call, against the torch path on the same quantized weights,
+    float32 activations and the dot route's alike: the same greedy tokens, logits within the bound of each."""
+    path, _ = ckpt.get(fmt)
+    loaded = (
+        ckpt.loaded(fmt)
+        if activations == "none"
+        else load_model(path, dtype="float32", verbose=False, quantized_activations=activations)
+    )
+    ids = _tokens(ORIG_CTX + 6, 9)  # past the original context of the scaled RoPE types
+    got = _fused_and_torch(loaded, ids, 29, 8)
+    (fused, fused_tokens), (want, want_tokens) = got[True], got[False]
+    assert fused_tokens == want_tokens, f"{ckpt.family} {fmt} {activations}"
+    err = (fused - want).abs().max().item() / want.abs().max().item()
+    assert err < (TOL if activations == "none" else DOT_TOL), f"{ckpt.family} {fmt} {activations}: {err:.2e}"
+
+
+@pytest.mark.parametrize("head_dim", [24, 256])
+def test_the_fused_step_takes_any_head_size_and_an_output_bias(tmp_path, head_dim):
+    """What no family above has: a head size no multiple of the vector width (24: the attention's scalar path)
+    and Gemma 3's 256, with Llama's attention_bias (a bias on o_proj too), int8 weights from an HF folder:
+    the fused step against the torch path."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=head_dim, attention_bias=True, rms_norm_eps=1e-5, tie_word_embeddings=True,
+    )  # fmt: skip
+    cfg.architectures = ["LlamaForCausalLM"]
+    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_(("norm" in name) + 0.25 * torch.randn_like(p))
+    hf.save_pretrained(str(tmp_path))
+    save_tiny_tokenizer(str(tmp_path), 256)
+    loaded = load_model(
+        str(tmp_path), dtype="float32", quantization="int8", verbose=False, quantized_activations="none"
+    )
+    assert loaded.config.o_proj_bias and loaded.model.layers[0].o.bias is not None
+    got = _fused_and_torch(loaded, _tokens(40, 10), 23, 8)
+    assert got[True][1] == got[False][1]
+    want = got[False][0]
+    assert (got[True][0] - want).abs().max().item() / want.abs().max().item() < TOL
 
 
 def _hf_greedy_agrees(model: torch.nn.Module, prompt: list[int], generated: list[int]) -> bool:

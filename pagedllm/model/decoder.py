@@ -167,11 +167,6 @@ class CausalLM(nn.Module):
             )
         self.backend: PagedAttentionBackend = backend or make_attention_backend(device)
 
-    @property
-    def rotary(self) -> RotaryEmbedding:
-        """The rotation of the global layers (the only one of a model the fused C step runs)."""
-        return self.ropes["global"]
-
     def linears(self) -> list[Linear]:
         """Every matmul layer: each decoder layer's (four, or a sparse layer's with its experts'), the LM head."""
         out: list[Linear] = []

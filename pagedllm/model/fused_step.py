@@ -4,7 +4,9 @@ Used by `ModelRunner` for every step (decode tokens and prefill chunks alike) wh
 embedding table and the LM head are kept quantized (`--quantization gguf|int8|int4`) and the kernels are
 built. The structures are the C ones, read from csrc/model_step.h; they are filled once per runner (weights,
 caches), and what changes per step is a few int64 arrays: `attention.step_index`, the builder the torch path
-uses too. Each layer's attention (window, scale, soft-cap) comes from its `attn_spec`.
+uses too. Every family runs here: what a layer does beyond the plain Llama one is read from the decoder's own
+modules (which norms it has, with their offsets; q/k norms; its RoPE; its `attn_spec`: window, scale,
+soft-cap) and the config's multipliers, so the C step computes what the torch path computes, number for number.
 
 With --dtype bfloat16 on a CPU with AMX, matmuls of at least the measured number of rows (kernel_choice.py)
 run on AMX with their inputs rounded to bfloat16; everything else computes in float32.
@@ -23,6 +25,7 @@ import pagedllm.model.kv_quant as kv_quant
 from pagedllm.model.attention import StepIndex, step_index
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.decoder import CausalLM, DecoderLayer
+from pagedllm.model.layers import RMSNorm
 from pagedllm.model.linear import Linear
 from pagedllm.model.quant import FORMATS, QuantWeight, bf16_kernel, log_once
 
@@ -43,21 +46,17 @@ ERRORS = {
 }
 
 
+ROPES = {"none": 0, "global": 1, "local": 2}  # DecoderLayer.rope -> StepLayer.rope (ROPE_NONE ...)
+ACTS = {"silu": 0, "gelu_pytorch_tanh": 1}  # ModelConfig.hidden_act -> StepModel.act (ACT_SILU ...)
+
+
 def _model_blockers(cfg: ModelConfig) -> list[str]:
-    """What of a model's config the C step does not compute (it runs the plain Llama layer)."""
+    """What of a model's config the C step does not compute (its check() would refuse the sizes)."""
     checks = [
-        (cfg.hidden_act != "silu", f"activation {cfg.hidden_act}"),
-        (cfg.norm_offset != 0.0, "(1 + w) norms"),
-        (cfg.qk_norm is not None, "q/k norms"),
-        (not cfg.pre_norms or cfg.post_norms, "norms after attention / MLP"),
-        (cfg.o_proj_bias, "an attention output bias"),
-        (cfg.embedding_multiplier != 1.0 or cfg.residual_multiplier != 1.0, "embedding / residual multipliers"),
-        (cfg.logits_divisor != 1.0 or cfg.final_logit_softcapping is not None, "logit scaling / soft-capping"),
-        (cfg.rotary_dim != cfg.head_dim, "partial rotary"),
-        (cfg.no_rope_layers is not None and not all(cfg.no_rope_layers), "NoPE layers"),
-        (cfg.rope_local_theta is not None, "a second RoPE base"),
-        (cfg.head_dim % 2 != 0, "an odd head size"),
+        (cfg.hidden_act not in ACTS, f"activation {cfg.hidden_act}"),
+        (cfg.rotary_dim % 2 != 0, "an odd rotary width"),
         (cfg.num_experts > 0, "a sparse MoE block"),
+        (cfg.attention_sinks, "attention sinks"),
     ]
     return [why for hit, why in checks if hit]
 
@@ -111,16 +110,30 @@ class FusedStep:
         self._keep.append(t)
         return t.data_ptr()
 
+    def _norm(self, norm: RMSNorm | None) -> int | None:
+        """A norm's weight with its offset added in float32 as RMSNorm adds it (Gemma's 1 + w), or None (NULL:
+        the layer has no such norm)."""
+        if norm is None:
+            return None
+        w = norm.weight.detach().float()
+        return self._f32(norm.offset + w if norm.offset else w)
+
     def _layer(self, layer: DecoderLayer, k_cache: torch.Tensor, v_cache: torch.Tensor) -> ctypes.Structure:
-        assert layer.attn_norm is not None and layer.mlp_norm is not None, "fusable() checked the norms"
         spec = layer.attn_spec
         fields: dict[str, float | int | None] = {
             "window": spec.window or 0,
             "scale": spec.scale if spec.scale is not None else layer.head_dim**-0.5,
             "softcap": spec.softcap or 0.0,
-            "attn_norm": self._f32(layer.attn_norm.weight),
-            "ffn_norm": self._f32(layer.mlp_norm.weight),
+            "attn_norm": self._norm(layer.attn_norm),
+            "ffn_norm": self._norm(layer.mlp_norm),
+            "attn_out_norm": self._norm(layer.attn_out_norm),
+            "ffn_out_norm": self._norm(layer.mlp_out_norm),
+            "q_norm": self._norm(layer.q_norm),
+            "k_norm": self._norm(layer.k_norm),
+            "qk_norm_full": int(layer.qk_norm == "full"),
+            "rope": ROPES[layer.rope],
             "qkv_bias": self._f32(layer.qkv.bias),
+            "o_bias": self._f32(layer.o.bias),
             "k_cache": k_cache.data_ptr(),
             "v_cache": v_cache.data_ptr(),
         }
@@ -147,8 +160,14 @@ class FusedStep:
             amx_min_rows=amx,
             dot=int(head.dot),
             num_blocks=k_cache.shape[0],
+            act=ACTS[cfg.hidden_act],
+            rotary_dim=cfg.rotary_dim,
             eps=cfg.rms_norm_eps,
-            final_norm=self._f32(m.norm.weight),
+            embed_scale=cfg.embedding_multiplier,
+            residual_scale=cfg.residual_multiplier,
+            logit_divisor=cfg.logits_divisor,
+            logit_softcap=cfg.final_logit_softcapping or 0.0,
+            final_norm=self._norm(m.norm),
             embed=embed.tiles.data_ptr(),
             lm_head=head.tiles.data_ptr(),
             embed_fmt=FORMATS[embed.fmt],
@@ -156,11 +175,14 @@ class FusedStep:
         )
 
     def _rotary(self, max_pos: int) -> None:
-        """Point at the cos/sin tables, growing them first if a position is past their end."""
-        rot = self.model.rotary
-        rot.ensure(max_pos)
-        self.dims.cos, self.dims.sin = rot.cos_cache.data_ptr(), rot.sin_cache.data_ptr()
-        self.dims.max_positions = rot.cos_cache.shape[0]
+        """Point at the cos/sin tables (the global rotation's and Gemma 3's local one), growing them first if a
+        position is past their end."""
+        for name, rot in self.model.ropes.items():
+            rot.ensure(max_pos)
+            prefix = "" if name == "global" else "local_"
+            setattr(self.dims, prefix + "cos", rot.cos_cache.data_ptr())
+            setattr(self.dims, prefix + "sin", rot.sin_cache.data_ptr())
+            setattr(self.dims, f"max_{prefix}positions", rot.cos_cache.shape[0])
 
     def run(
         self,

@@ -1,7 +1,14 @@
 /*
- * One whole step of a quantized Llama-family model in one call: embedding lookup, every layer (RMSNorm, QKV,
+ * One whole step of a quantized decoder in one call: embedding lookup, every layer (RMSNorm, QKV, q/k norms,
  * RoPE, KV-cache write, paged attention, output projection, RMSNorm, gated MLP, residual adds), the final norm
  * and the LM head for the rows asked for. Any mix of decode tokens and prefill chunks.
+ *
+ * Every family runs here as the shared decoder (decoder.py) describes it, with no code of its own: which norms a
+ * layer has (before and / or after attention and the MLP, q/k norms per head or over the whole projection; the
+ * weights hold Gemma's 1 + w already), SwiGLU or GeGLU, biases, the embedding / residual multipliers and the
+ * logits' divisor and soft-cap, and per layer its RoPE (none, the global base, Gemma 3's local one; partial
+ * rotary: the first rotary_dim dims of each head) and its attention (window, scale, soft-cap). model_step.h says
+ * where each lives.
  *
  * Why: with the weights quantized, the matmuls of a one-sequence decode step take a few milliseconds, and the
  * ~40 torch ops and Python lines around them in each of 30 layers cost more than that (dispatch, allocation,
@@ -18,7 +25,7 @@
  * bfloat16 and run on AMX or vdpbf16ps: faster for many rows, and then the batch does change a sequence's numbers.
  *
  * Numerics follow transformers' float32 path (RMSNorm as x * rsqrt(mean(x^2) + eps) * w, rotate-half RoPE
- * from the same float32 cos/sin tables, silu(g) * u); matmuls sum in the kernels' fixed order.
+ * from the same float32 cos/sin tables, silu(g) * u, gelu_tanh(g) * u); matmuls sum in the kernels' fixed order.
  */
 #include <math.h>
 #include <stdint.h>
@@ -38,6 +45,7 @@ enum { P_NORM, P_QKV, P_ROPE, P_ATTN, P_O, P_GATE_UP, P_ACT, P_DOWN, P_LM_HEAD, 
 
 typedef struct { /* the step's activations (float32, T rows) and scratch */
     float *h, *x, *qkv, *attn, *gu, *act;
+    float *y;        /* a branch's output before its norm and residual add (post-norms, a residual multiplier) */
     int64_t *ctx;    /* [T] tokens each query attends to */
     int *tiles;      /* [n_tiles] first token of each attention tile (a run of <= TILE tokens of one sequence) */
     int n_tiles;
@@ -87,8 +95,8 @@ static void mark(const StepBatch *b, double *t, int p) {
 
 static inline vf ld(const float *p) { return *(const vfu *)p; }
 
-/* n a multiple of VW (the step checks hidden % 32 == 0): four partial sums of squares, so the adds overlap. */
-static void rmsnorm(float *out, const float *h, const float *w, int n, float eps) {
+/* 1 / rms(h) over n floats: four partial sums of squares, so the adds overlap. */
+static float rms_inv(const float *h, int n, float eps) {
     vf s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
     int i = 0;
     for (; i + 4 * VW <= n; i += 4 * VW) {
@@ -97,12 +105,18 @@ static void rmsnorm(float *out, const float *h, const float *w, int n, float eps
         s2 += ld(h + i + 2 * VW) * ld(h + i + 2 * VW);
         s3 += ld(h + i + 3 * VW) * ld(h + i + 3 * VW);
     }
-    for (; i < n; i += VW) s0 += ld(h + i) * ld(h + i);
+    for (; i + VW <= n; i += VW) s0 += ld(h + i) * ld(h + i);
     const vf s = (s0 + s1) + (s2 + s3);
     float ss = 0.0f;
     for (int l = 0; l < VW; l++) ss += s[l];
-    const float r = 1.0f / sqrtf(ss / (float)n + eps);
-    for (i = 0; i < n; i++) out[i] = w[i] * (h[i] * r);
+    for (; i < n; i++) ss += h[i] * h[i]; /* a head size no multiple of VW */
+    return 1.0f / sqrtf(ss / (float)n + eps);
+}
+
+/* out = w * (h / rms(h)); out may be h (a q/k norm in place). */
+static void rmsnorm(float *out, const float *h, const float *w, int n, float eps) {
+    const float r = rms_inv(h, n, eps);
+    for (int i = 0; i < n; i++) out[i] = w[i] * (h[i] * r);
 }
 
 /* e^x for VW floats (Cephes' expf: range reduction by ln 2, degree-6 polynomial; about 1 ulp), where libm's
@@ -134,9 +148,19 @@ static void silu_mul(float *out, const float *g, const float *u, int n) {
     }
 }
 
-/* Rotate-half RoPE of one head in place: x * cos + cat(-x2, x1) * sin. */
-static void rope(float *x, const float *cos, const float *sin, int D) {
-    const int half = D / 2;
+/* out = gelu_tanh(g) * u, n a multiple of VW: 0.5 g (1 + tanh(a)) = g sigmoid(2 a), a = sqrt(2 / pi) (g +
+ * 0.044715 g^3), the form with one exp and no cancellation near 0. */
+static void gelu_tanh_mul(float *out, const float *g, const float *u, int n) {
+    for (int j = 0; j < n; j += VW) {
+        const vf gv = ld(g + j), a = 0.7978845608028654f * (gv + 0.044715f * gv * gv * gv);
+        *(vfu *)(out + j) = gv / (1.0f + vexp(-2.0f * a)) * ld(u + j);
+    }
+}
+
+/* Rotate-half RoPE of the first R dims of one head in place (R: the rotary width; the rest pass as they are):
+ * x * cos + cat(-x2, x1) * sin. */
+static void rope(float *x, const float *cos, const float *sin, int R) {
+    const int half = R / 2;
     for (int i = 0; i < half; i++) {
         const float a = x[i], b = x[i + half];
         x[i] = a * cos[i] + (-b) * sin[i];
@@ -233,7 +257,7 @@ static void store_row(void *cache, int64_t slot, const float *src, int KVH, int 
  * no barrier: a thread that the OS has put aside (this machine is shared) holds up at most the item it is
  * working on, where a barrier would hold up every phase of the step until it came back. Items write
  * disjoint outputs, so which thread runs an item changes nothing in the result. */
-enum { K_NORM, K_CVT, K_Q16, K_MATMUL, K_ROPE, K_ATTN, K_ACT };
+enum { K_NORM, K_CVT, K_Q16, K_MATMUL, K_ROPE, K_ATTN, K_ACT, K_RESID, K_SCALE, K_LOGIT };
 
 typedef struct {
     int kind, layer, items, prof; /* prof: the profile slot the phase's time goes to */
@@ -263,7 +287,20 @@ static int matmul_phases(Phase *ph, const Buffers *buf, int prof, float *out, co
     return n;
 }
 
-/* Every phase of the step, in order; returns how many. */
+/* A branch's output projection (attention's o, the MLP's down) and its residual add: straight into h when the
+ * layer adds it as it is; else into y, then h += residual_scale * norm(y) row by row. */
+static int branch_phases(Phase *ph, const StepModel *m, const Buffers *buf, int prof, const float *x,
+                         const uint8_t *w, int fmt, const float *bias, const float *out_norm, int T, int K,
+                         int nthreads) {
+    const int direct = !out_norm && m->residual_scale == 1.0f;
+    int n = matmul_phases(ph, buf, prof, direct ? buf->h : buf->y, x, w, fmt, bias, T, m->hidden, K, direct,
+                          nthreads);
+    if (!direct)
+        ph[n++] = (Phase){.kind = K_RESID, .items = T, .prof = P_NORM, .out = buf->h, .x = buf->y, .w_norm = out_norm};
+    return n;
+}
+
+/* Every phase of the step, in order; returns how many (at most 15 per layer and 5 more). */
 static int plan(Phase *ph, const StepModel *m, const StepLayer *layers, const StepBatch *b, const Buffers *buf,
                 int nthreads) {
     const int T = b->T, E = m->hidden, I = m->inter, HD = m->heads * m->head_dim;
@@ -272,38 +309,75 @@ static int plan(Phase *ph, const StepModel *m, const StepLayer *layers, const St
      * those to keep the threads busy (one sequence), (token, query head) */
     const int attn_split = buf->n_tiles * m->kv_heads >= 2 * nthreads ? m->kv_heads : m->heads;
     int n = 0;
+    if (m->embed_scale != 1.0f) ph[n++] = (Phase){.kind = K_SCALE, .items = T, .prof = P_NORM};
     for (int l = 0; l < m->layers; l++) {
         const StepLayer *L = &layers[l];
-        ph[n++] = norm_phase(buf->x, buf->h, L->attn_norm, NULL, T);
-        n += matmul_phases(ph + n, buf, P_QKV, buf->qkv, buf->x, L->qkv, L->qkv_fmt, L->qkv_bias, T, QKV, E, 0,
+        const float *xa = L->attn_norm ? buf->x : buf->h, *xm = L->ffn_norm ? buf->x : buf->h; /* no norm: h */
+        if (L->attn_norm) ph[n++] = norm_phase(buf->x, buf->h, L->attn_norm, NULL, T);
+        n += matmul_phases(ph + n, buf, P_QKV, buf->qkv, xa, L->qkv, L->qkv_fmt, L->qkv_bias, T, QKV, E, 0,
                            nthreads);
         ph[n++] = (Phase){.kind = K_ROPE, .layer = l, .items = T, .prof = P_ROPE};
         ph[n++] = (Phase){.kind = K_ATTN, .layer = l, .items = buf->n_tiles * attn_split, .prof = P_ATTN};
-        n += matmul_phases(ph + n, buf, P_O, buf->h, buf->attn, L->o, L->o_fmt, NULL, T, E, HD, 1, nthreads);
-        ph[n++] = norm_phase(buf->x, buf->h, L->ffn_norm, NULL, T);
-        n += matmul_phases(ph + n, buf, P_GATE_UP, buf->gu, buf->x, L->gate_up, L->gate_up_fmt, NULL, T, 2 * I, E,
-                           0, nthreads);
+        n += branch_phases(ph + n, m, buf, P_O, buf->attn, L->o, L->o_fmt, L->o_bias, L->attn_out_norm, T, HD,
+                           nthreads);
+        if (L->ffn_norm) ph[n++] = norm_phase(buf->x, buf->h, L->ffn_norm, NULL, T);
+        n += matmul_phases(ph + n, buf, P_GATE_UP, buf->gu, xm, L->gate_up, L->gate_up_fmt, NULL, T, 2 * I, E, 0,
+                           nthreads);
         ph[n++] = (Phase){.kind = K_ACT, .items = T, .prof = P_ACT};
-        n += matmul_phases(ph + n, buf, P_DOWN, buf->h, buf->act, L->down, L->down_fmt, NULL, T, E, I, 1, nthreads);
+        n += branch_phases(ph + n, m, buf, P_DOWN, buf->act, L->down, L->down_fmt, NULL, L->ffn_out_norm, T, I,
+                           nthreads);
     }
     if (b->R > 0) {
         ph[n++] = norm_phase(buf->x, buf->h, m->final_norm, b->logit_rows, b->R);
         n += matmul_phases(ph + n, buf, P_LM_HEAD, b->logits, buf->x, m->lm_head, m->lm_head_fmt, NULL, b->R,
                            m->vocab, E, 0, nthreads);
+        if (m->logit_divisor != 1.0f || m->logit_softcap > 0.0f)
+            ph[n++] = (Phase){.kind = K_LOGIT, .items = b->R, .prof = P_LM_HEAD, .out = b->logits};
     }
     return n;
 }
 
-/* RoPE on token t's q and k, then its k and v into the cache at its slot. A quantized cache holds rotated rows
- * (kv_rotate): q, k and v are all rotated here, and attention() rotates the outputs back. */
+/* Token t's q and k normed (q/k norms) and rotated (unless NoPE), then its k and v into the cache at its slot. A
+ * quantized cache holds rotated rows (kv_rotate): q, k and v are all rotated here, and attention() rotates the
+ * outputs back. */
 static void rope_and_store(const StepModel *m, const StepLayer *L, const StepBatch *b, float *qkv, int t) {
-    const int D = m->head_dim, H = m->heads, KVH = m->kv_heads, width = (H + 2 * KVH) * D;
+    const int D = m->head_dim, H = m->heads, KVH = m->kv_heads, width = (H + 2 * KVH) * D, R = m->rotary_dim;
     float *row = qkv + (int64_t)t * width;
-    const float *cos = m->cos + b->positions[t] * D, *sin = m->sin + b->positions[t] * D;
-    for (int h = 0; h < H + KVH; h++) rope(row + h * D, cos, sin, D);
+    if (L->q_norm && L->qk_norm_full) {
+        rmsnorm(row, row, L->q_norm, H * D, m->eps);
+        rmsnorm(row + H * D, row + H * D, L->k_norm, KVH * D, m->eps);
+    }
+    for (int h = 0; L->q_norm && !L->qk_norm_full && h < H + KVH; h++)
+        rmsnorm(row + h * D, row + h * D, h < H ? L->q_norm : L->k_norm, D, m->eps);
+    if (L->rope != ROPE_NONE) {
+        const int local = L->rope == ROPE_LOCAL;
+        const float *cos = (local ? m->local_cos : m->cos) + b->positions[t] * R;
+        const float *sin = (local ? m->local_sin : m->sin) + b->positions[t] * R;
+        for (int h = 0; h < H + KVH; h++) rope(row + h * D, cos, sin, R);
+    }
     for (int h = 0; m->cache_kind >= KV_INT8 && h < H + 2 * KVH; h++) kv_rotate(row + h * D, D);
     store_row(L->k_cache, b->slots[t], row + H * D, KVH, D, m->cache_kind);
     store_row(L->v_cache, b->slots[t], row + (H + KVH) * D, KVH, D, m->cache_kind);
+}
+
+/* Row i of the residual add: h += residual_scale * norm(y) (the norm only where the layer has one). */
+static void residual_row(const StepModel *m, const Phase *p, int i) {
+    const int E = m->hidden;
+    const float *y = p->x + (int64_t)i * E, *w = p->w_norm, s = m->residual_scale;
+    const float r = w ? rms_inv(y, E, m->eps) : 1.0f;
+    float *h = p->out + (int64_t)i * E;
+    for (int j = 0; j < E; j++) {
+        const float v = w ? w[j] * (y[j] * r) : y[j];
+        h[j] += s == 1.0f ? v : v * s;
+    }
+}
+
+/* Row r of the logits divided by logit_divisor, then soft-capped, as CausalLM._logits does it. */
+static void logit_row(const StepModel *m, float *logits, int r) {
+    float *z = logits + (int64_t)r * m->vocab;
+    const float div = m->logit_divisor, cap = m->logit_softcap;
+    for (int j = 0; div != 1.0f && j < m->vocab; j++) z[j] /= div;
+    for (int j = 0; cap > 0.0f && j < m->vocab; j++) z[j] = tanhf(z[j] / cap) * cap;
 }
 
 /* Item i of `split` per tile (KV heads or query heads): those query heads of the tile's tokens over the
@@ -369,8 +443,18 @@ static void run_item(const Phase *p, const StepModel *m, const StepLayer *layers
     case K_ATTN:
         attention(m, &layers[p->layer], b, buf, sc, i, p->items / buf->n_tiles);
         break;
-    default: /* K_ACT: row i of silu(gate) * up */
-        silu_mul(buf->act + (int64_t)i * I, buf->gu + (int64_t)i * 2 * I, buf->gu + (int64_t)i * 2 * I + I, I);
+    case K_ACT: /* row i of act(gate) * up */
+        (m->act == ACT_GELU_TANH ? gelu_tanh_mul : silu_mul)(buf->act + (int64_t)i * I, buf->gu + (int64_t)i * 2 * I,
+                                                             buf->gu + (int64_t)i * 2 * I + I, I);
+        break;
+    case K_RESID:
+        residual_row(m, p, i);
+        break;
+    case K_SCALE: /* row i of the embeddings times embed_scale */
+        for (int j = 0; j < E; j++) buf->h[(int64_t)i * E + j] *= m->embed_scale;
+        break;
+    default: /* K_LOGIT */
+        logit_row(m, p->out, i);
     }
 }
 
@@ -401,15 +485,23 @@ static void work(const Phase *ph, int n, int *next, int *done, const StepModel *
 
 /* Every index the step will follow is checked first: 0, or -2 bad sizes, -3 a context longer than its block
  * table, -4 a block id outside the cache, -5 a token id, position, sequence, slot or logit row out of range. */
-static int check(const StepModel *m, const StepBatch *b, int64_t *ctx, int64_t *max_ctx) {
-    if (b->T <= 0 || b->R < 0 || m->heads % m->kv_heads || m->head_dim % 2 || m->hidden % 32 || m->inter % 32 ||
-        m->cache_kind < KV_F32 || m->cache_kind > KV_FP8_E5M2)
+static int check(const StepModel *m, const StepLayer *layers, const StepBatch *b, int64_t *ctx, int64_t *max_ctx) {
+    if (b->T <= 0 || b->R < 0 || m->heads % m->kv_heads || m->rotary_dim % 2 || m->rotary_dim < 0 ||
+        m->rotary_dim > m->head_dim || m->hidden % 32 || m->inter % 32 || m->cache_kind < KV_F32 ||
+        m->cache_kind > KV_FP8_E5M2 || m->act < ACT_SILU || m->act > ACT_GELU_TANH)
         return -2;
+    for (int l = 0; l < m->layers; l++) {
+        const StepLayer *L = &layers[l];
+        if (L->rope < ROPE_NONE || L->rope > ROPE_LOCAL || (L->rope == ROPE_LOCAL && !m->local_cos) ||
+            !L->q_norm != !L->k_norm)
+            return -2;
+    }
     *max_ctx = 0;
     for (int t = 0; t < b->T; t++) {
         const int64_t p = b->positions[t], s = b->seq[t];
         if (b->tokens[t] < 0 || b->tokens[t] >= m->vocab || p < 0 || p >= m->max_positions || s < 0 || s >= b->S ||
-            b->slots[t] < 0 || b->slots[t] >= m->num_blocks * m->block_size)
+            (m->local_cos && p >= m->max_local_positions) || b->slots[t] < 0 ||
+            b->slots[t] >= m->num_blocks * m->block_size)
             return -5;
         ctx[t] = p + 1;
         if (ctx[t] > (int64_t)b->max_blocks * m->block_size) return -3;
@@ -426,7 +518,7 @@ static int check(const StepModel *m, const StepBatch *b, int64_t *ctx, int64_t *
 
 static int run(const StepModel *m, const StepLayer *layers, const StepBatch *b, Buffers *buf, int64_t max_ctx,
                int nthreads) {
-    const int E = m->hidden, HD = m->heads * m->head_dim, max_phases = m->layers * 13 + 3;
+    const int E = m->hidden, HD = m->heads * m->head_dim, max_phases = m->layers * 15 + 5;
     const int K = E > m->inter ? (E > HD ? E : HD) : (m->inter > HD ? m->inter : HD);
     Phase *ph = malloc((size_t)max_phases * sizeof(Phase));
     int *counters = calloc((size_t)2 * max_phases, sizeof(int));
@@ -466,7 +558,7 @@ int model_step(const StepModel *m, const StepLayer *layers, const StepBatch *b, 
     const int T = b->T, E = m->hidden, I = m->inter, HD = m->heads * m->head_dim;
     const int QKV = (m->heads + 2 * m->kv_heads) * m->head_dim, K = E > I ? (E > HD ? E : HD) : (I > HD ? I : HD);
     const int amx = m->amx_min_rows > 0 && T >= m->amx_min_rows && qmm_bf16_kind() ? m->amx_min_rows : 0;
-    const int64_t per_row = 2 * (int64_t)E + QKV + HD + 3 * (int64_t)I;
+    const int64_t per_row = 3 * (int64_t)E + QKV + HD + 3 * (int64_t)I;
     float *mem = malloc((size_t)T * per_row * sizeof(float));
     int64_t *ctx = malloc((size_t)T * sizeof(int64_t));
     int *tiles = malloc((size_t)T * sizeof(int));
@@ -477,11 +569,12 @@ int model_step(const StepModel *m, const StepLayer *layers, const StepBatch *b, 
     int64_t max_ctx = 0;
     int status = (!mem || !ctx || !tiles || (amx && !xb) || (dot && (!xq.q || !xq.d || !xq.s)))
                      ? -1
-                     : check(m, b, ctx, &max_ctx);
+                     : check(m, layers, b, ctx, &max_ctx);
     if (status == 0) {
         Buffers buf = {mem, mem + (int64_t)T * E, mem + 2 * (int64_t)T * E, mem + (int64_t)T * (2 * E + QKV),
-                       mem + (int64_t)T * (2 * E + QKV + HD), mem + (int64_t)T * (2 * E + QKV + HD + 2 * I), ctx,
-                       tiles, make_tiles(b, tiles), xb, amx, xq, dot};
+                       mem + (int64_t)T * (2 * E + QKV + HD), mem + (int64_t)T * (2 * E + QKV + HD + 2 * I),
+                       mem + (int64_t)T * (2 * E + QKV + HD + 3 * I), ctx, tiles, make_tiles(b, tiles), xb, amx,
+                       xq, dot};
         status = qrows_f32(buf.h, b->tokens, T, m->embed, m->vocab, E, m->embed_fmt);
         if (status == 0) status = run(m, layers, b, &buf, max_ctx, num_threads < 1 ? 1 : num_threads);
     }

@@ -1,29 +1,48 @@
 /* The structures the fused step (model_step.c) takes from Python: fused_step.py builds its ctypes copies by
  * reading this file (cpu_kernel.c_structs), and checks their sizes against step_struct_size() at load, so the
- * two cannot drift apart. Fields: pointers, int, int64_t, float, double only (what the reader knows). */
+ * two cannot drift apart. Fields: pointers, int, int64_t, float, double only (what the reader knows).
+ *
+ * What a family does beyond the plain Llama layer is data here, read from the decoder's own modules: a norm
+ * weight is NULL where the layer has no such norm, and holds its offset already (Gemma's 1 + w), so the step
+ * has one RMSNorm; the rest are a few numbers per layer or per model. */
 #ifndef PAGEDLLM_MODEL_STEP_H
 #define PAGEDLLM_MODEL_STEP_H
 #include <stdint.h>
 
+enum { ROPE_NONE, ROPE_GLOBAL, ROPE_LOCAL }; /* StepLayer.rope */
+enum { ACT_SILU, ACT_GELU_TANH };            /* StepModel.act */
+
 typedef struct {
-    const float *attn_norm, *ffn_norm; /* [hidden] float32 */
+    const float *attn_norm, *ffn_norm;         /* [hidden] before attention / the MLP, or NULL (OLMo2: none) */
+    const float *attn_out_norm, *ffn_out_norm; /* [hidden] on the attention / MLP output, or NULL (Gemma, OLMo2) */
+    const float *q_norm, *k_norm; /* before RoPE, or NULL: [head_dim] per head, or the whole projection's */
     const uint8_t *qkv, *o, *gate_up, *down;
     int qkv_fmt, o_fmt, gate_up_fmt, down_fmt;
     const float *qkv_bias; /* [(heads + 2 kv_heads) * head_dim] or NULL */
+    const float *o_bias;   /* [hidden] or NULL */
     void *k_cache, *v_cache;
     int64_t window;       /* > 0: the layer's sliding window (tokens a query sees, itself included) */
     float scale, softcap; /* softmax scale; softcap > 0: scores capped as softcap * tanh(score / softcap) */
+    int rope;             /* ROPE_NONE (NoPE), ROPE_GLOBAL, ROPE_LOCAL (Gemma 3's sliding layers' own base) */
+    int qk_norm_full;     /* 1: q_norm / k_norm span all heads at once (OLMo2); 0: one head (Qwen3, Gemma 3) */
 } StepLayer;
 
 typedef struct {
     int hidden, inter, heads, kv_heads, head_dim, layers, vocab, block_size, cache_kind, amx_min_rows;
     int dot; /* 1: matmuls round x to 16-bit integers per group of 32 (the dot route); 0: float32 x */
-    int64_t num_blocks, max_positions;
+    int act; /* the gate's activation: ACT_SILU (SwiGLU) or ACT_GELU_TANH (GeGLU) */
+    int rotary_dim; /* the leading dims of each head RoPE rotates (partial rotary: fewer than head_dim) */
+    int64_t num_blocks, max_positions, max_local_positions;
     float eps;
+    float embed_scale;    /* the embedding rows times this (Gemma: sqrt(hidden); Granite) */
+    float residual_scale; /* each branch times this before its residual add (Granite) */
+    float logit_divisor;  /* logits divided by this (Granite), then ... */
+    float logit_softcap;  /* > 0: capped as softcap * tanh(logit / softcap) (Gemma 2) */
     const float *final_norm;
     const uint8_t *embed, *lm_head;
     int embed_fmt, lm_head_fmt;
-    const float *cos, *sin; /* [max_positions, head_dim] */
+    const float *cos, *sin;             /* [max_positions, rotary_dim] */
+    const float *local_cos, *local_sin; /* [max_local_positions, rotary_dim], or NULL: no ROPE_LOCAL layer */
 } StepModel;
 
 typedef struct {

@@ -238,6 +238,28 @@ def test_kernel_choice_from_measured_times():
     assert "8 rows -> q-bf16" in choice.describe() and "native build (avx512)" in choice.describe()
 
 
+def test_kernel_choice_decides_for_the_quantized_kernel_that_runs():
+    """The dot route is one switch for every row count: the choice compares dense and q-bf16 with the kernel
+    that runs (q-dot with the route on, q-f32 under --quantized-activations none), and says where the dot route
+    runs although q-f32 measured faster."""
+    from pagedllm.model.kernel_choice import decide
+
+    f32 = {1: 0.2, 8: 0.6, 64: 3.0, 256: 12.0}
+    dot = {1: 0.4, 8: 0.5, 64: 2.0, 256: 8.0}  # slower than q-f32 for one row, faster for many
+    dense = {1: 0.3, 8: 0.7, 64: 2.5, 256: 10.0}
+    ms = {"q-f32": f32, "q-dot": dot, "dense": dense}
+    assert not decide(ms, "b", dot=True).quantized  # q-dot (what runs) is slower than dense for one row
+    off = decide(ms, "b", dot=False)
+    assert off.quantized and [off.kernel_for(r) for r in (1, 256)] == ["q-f32", "q-f32"]
+    on = decide({**ms, "dense": {**dense, 1: 0.5}}, "b", dot=True)
+    assert on.quantized and on.kernel_for(1) == "q-dot"
+    assert "the dot route is slower than q-f32 at rows 1 (2.00x)" in on.describe()
+    assert "slower than q-f32" not in off.describe()
+    amx = {1: 0.5, 8: 0.55, 64: 2.5, 256: 9.0}  # beats q-f32 from 8 rows, never q-dot
+    assert decide({**ms, "q-bf16": amx}, "b", dot=False).amx_min_rows == 8
+    assert decide({**ms, "dense": {**dense, 1: 0.5}, "q-bf16": amx}, "b", dot=True).amx_min_rows == 0
+
+
 def test_kernel_choice_is_kept_and_measured_again_when_unreadable(tmp_path, monkeypatch):
     from pagedllm.model import kernel_choice
 
@@ -253,6 +275,7 @@ def test_kernel_choice_is_kept_and_measured_again_when_unreadable(tmp_path, monk
     assert kernel_choice.choose(layer, torch.float32).ms.keys() == first.ms.keys() and len(calls) == 2
     kernel_choice.choose(layer, torch.bfloat16)  # another dtype is another choice
     assert len(calls) == 3
+    assert kernel_choice.choose(layer, torch.float32, dot=False).dot is False and len(calls) == 3  # decided again
 
 
 @pytest.mark.slow
@@ -263,7 +286,9 @@ def test_auto_quantization_follows_the_measured_choice(monkeypatch):
     fast = {1: 0.2, 8: 0.6, 64: 3.0, 256: 12.0}
     for dense_1, want in ((0.5, "gguf"), (0.1, "none")):
         ms = {"q-f32": fast, "dense": {**fast, 1: dense_1}}
-        monkeypatch.setattr(kernel_choice, "choose", lambda layer, dtype, ms=ms: kernel_choice.decide(ms, "test"))
+        monkeypatch.setattr(
+            kernel_choice, "choose", lambda layer, dtype, dot, ms=ms: kernel_choice.decide(ms, "t", dot)
+        )
         loaded = load_model(None, "float32", verbose=False)
         assert loaded.quantization == want and bool(loaded.model.quant_weights()) == (want == "gguf")
         assert loaded.kernel_choice.quantized == (want == "gguf")

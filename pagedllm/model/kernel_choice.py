@@ -16,12 +16,14 @@ layer's weights come from memory; one layer left in the cache would favour dense
 and the choice is kept beside the compiled kernels (their file name already names the CPU, compiler, build
 class and sources), keyed by the shapes, formats and dtype, so later loads read it.
 
-What is chosen: the weights stay quantized unless dense is faster for one row than the faster quantized
-kernel (decode of one sequence, where the bytes read decide and which the quantized path exists for); bfloat16
-steps run on q-bf16 from the smallest row count from which it is measured faster than the faster of q-f32 and
-q-dot at every larger one. The log line says at which row counts the quantized kernel chosen is still slower
-than dense, and by how much. Dense is never kept beside the quantized weights: a second copy of the weights
-would come out of the KV cache.
+What is chosen, against the quantized kernel that runs (q-dot where the dot route is on, at every row count;
+q-f32 under --quantized-activations none): the weights stay quantized unless dense is faster for one row
+(decode of one sequence, where the bytes read decide and which the quantized path exists for); bfloat16 steps
+run on q-bf16 from the smallest row count from which it is measured faster than that kernel at every larger
+one. The measurement is kept once for both settings; the decision is taken again for the setting a load has.
+The log line says at which row counts the quantized kernel chosen is still slower than dense, and where the
+dot route runs although q-f32 measured faster (the route is one switch for every row count). Dense is never
+kept beside the quantized weights: a second copy of the weights would come out of the KV cache.
 """
 
 from __future__ import annotations
@@ -57,13 +59,19 @@ class KernelChoice:
     amx_min_rows: int  # bfloat16 steps of at least this many rows run on q-bf16 (AMX or vdpbf16ps); 0: never
     ms: dict[str, dict[int, float]]  # candidate -> rows -> ms for one layer's matmuls
     build: str  # the kernels' class and vector path, e.g. "x86-64-v3 (avx2)"
+    dot: bool = True  # the dot route runs where it was measured (False: --quantized-activations none)
+
+    @property
+    def quantized_kernel(self) -> str:
+        """The quantized kernel that runs steps below the q-bf16 threshold: q-dot or q-f32."""
+        return "q-dot" if self.dot and "q-dot" in self.ms else "q-f32"
 
     def kernel_for(self, rows: int) -> str:
         if not self.quantized:
             return "dense"
         if self.amx_min_rows and rows >= self.amx_min_rows:
             return "q-bf16"
-        return "q-dot" if "q-dot" in self.ms else "q-f32"
+        return self.quantized_kernel
 
     def describe(self) -> str:
         """One log line: which kernel serves which step sizes, and the times that decided it."""
@@ -85,20 +93,31 @@ class KernelChoice:
             why = "weights kept quantized: " + (
                 f"slower than dense at rows {', '.join(slower)}" if slower else "not slower than dense at any row count"
             )
+            dot_slower = [f"{r} ({self.ms['q-dot'][r] / self.ms['q-f32'][r]:.2f}x)" for r in self._dot_slower()]
+            if dot_slower:
+                why += f"; the dot route is slower than q-f32 at rows {', '.join(dot_slower)}"
         kind = f", q-bf16 on {bf16_kernel()}" if "q-bf16" in self.ms else ""
         return f"matmul kernels, {self.build}{kind}, measured on the first layer's shapes: {'; '.join(parts)}; {why}"
 
+    def _dot_slower(self) -> list[int]:
+        """Row counts the dot route serves although q-f32 measured faster there."""
+        if not self.quantized or self.quantized_kernel != "q-dot":
+            return []
+        return [r for r in ROWS if self.kernel_for(r) == "q-dot" and self.ms["q-dot"][r] > self.ms["q-f32"][r]]
 
-def decide(ms: dict[str, dict[int, float]], build: str) -> KernelChoice:
-    """The choice that the measured times `ms` (candidate -> rows -> ms) call for."""
-    quantized = "dense" not in ms or min(ms[k][1] for k in ("q-f32", "q-dot") if k in ms) <= ms["dense"][1]
+
+def decide(ms: dict[str, dict[int, float]], build: str, dot: bool = True) -> KernelChoice:
+    """The choice that the measured times `ms` (candidate -> rows -> ms) call for, for the quantized kernel that
+    runs (`dot`: the dot route where it was measured)."""
+    run = "q-dot" if dot and "q-dot" in ms else "q-f32"
+    quantized = "dense" not in ms or ms[run][1] <= ms["dense"][1]
     amx_min_rows = 0
     if quantized and "q-bf16" in ms:
         for r in sorted(ms["q-bf16"], reverse=True):
-            if ms["q-bf16"][r] >= min(ms[k][r] for k in ("q-f32", "q-dot") if k in ms):
+            if ms["q-bf16"][r] >= ms[run][r]:
                 break
             amx_min_rows = r
-    return KernelChoice(quantized, amx_min_rows, ms, build)
+    return KernelChoice(quantized, amx_min_rows, ms, build, dot)
 
 
 def _cache_bytes() -> int:
@@ -137,13 +156,13 @@ def _dense(w: QuantWeight, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tens
     return dense, pack(dense)
 
 
-def measure(layer: list[QuantWeight], dtype: torch.dtype, build: str) -> KernelChoice:
+def measure(layer: list[QuantWeight], dtype: torch.dtype, build: str, dot: bool = True) -> KernelChoice:
     """Time each candidate on `layer` (one decoder layer's matmul weights) at ROWS and decide. On one thread:
     the kernels split a matmul the same way whatever the thread count, and one thread cannot be held up by
     another that the OS has put aside."""
     dense = [_dense(w, dtype) for w in layer]
     amx = [QuantWeight(w.fmt, w.n, w.k, w.tiles, w.source, amx_min_rows=1) for w in layer]
-    dot = [dataclasses.replace(w, dot=True) for w in layer]
+    on_dot = [dataclasses.replace(w, dot=True) for w in layer]
     ms: dict[str, dict[int, float]] = {k: {} for k in sorted(_candidates(dtype))}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -160,10 +179,10 @@ def measure(layer: list[QuantWeight], dtype: torch.dtype, build: str) -> KernelC
             if "q-bf16" in ms:
                 ms["q-bf16"][r] = _best_ms([lambda x=x, w=w: qlinear(x, w) for x, w in zip(xd, amx)], tries, evict)
             if "q-dot" in ms:
-                ms["q-dot"][r] = _best_ms([lambda x=x, w=w: qlinear(x, w) for x, w in zip(xs, dot)], tries, evict)
+                ms["q-dot"][r] = _best_ms([lambda x=x, w=w: qlinear(x, w) for x, w in zip(xs, on_dot)], tries, evict)
     finally:
         torch.set_num_threads(threads)
-    return decide(ms, build)
+    return decide(ms, build, dot)
 
 
 def _cache_file(layer: list[QuantWeight], dtype: torch.dtype) -> Path | None:
@@ -231,30 +250,34 @@ def _times(raw: Any) -> dict[int, float]:
     return out
 
 
-def _parse(data: bytes, dtype: torch.dtype, build: str) -> KernelChoice:
+def _parse(data: bytes, dtype: torch.dtype, build: str, dot: bool = True) -> KernelChoice:
     """The choice the bytes keep, checked in full: the keys `asdict` writes, the candidates and rows `measure`
-    times here, times in range, this build, and the decision that `decide` takes from those times (a file of
-    the right shape with another decision in it is not a measurement). Raises ValueError otherwise."""
+    times here, times in range, this build, and the decision that `decide` takes from those times for the
+    setting it was kept under (a file of the right shape with another decision in it is not a measurement); then
+    decided again for this load's `dot`. Raises ValueError otherwise."""
     raw = json.loads(data.decode("utf-8"), parse_float=_finite, parse_constant=_finite)
-    if not isinstance(raw, dict) or set(raw) != {"quantized", "amx_min_rows", "ms", "build"}:
+    if not isinstance(raw, dict) or set(raw) != {"quantized", "amx_min_rows", "ms", "build", "dot"}:
         raise ValueError("not the fields of a kernel choice")
+    if type(raw["dot"]) is not bool:
+        raise ValueError("dot is not of its type")
     if not isinstance(raw["ms"], dict) or set(raw["ms"]) != _candidates(dtype):
         raise ValueError(f"candidates {raw['ms'] if not isinstance(raw['ms'], dict) else sorted(raw['ms'])!r}")
     if raw["build"] != build:
         raise ValueError(f"measured on {raw['build']!r}, not {build!r}")
-    choice = decide({k: _times(raw["ms"][k]) for k in CANDIDATES if k in raw["ms"]}, build)
-    if raw["quantized"] is not choice.quantized or type(raw["amx_min_rows"]) is not int:
+    ms = {k: _times(raw["ms"][k]) for k in CANDIDATES if k in raw["ms"]}
+    kept = decide(ms, build, raw["dot"])
+    if raw["quantized"] is not kept.quantized or type(raw["amx_min_rows"]) is not int:
         raise ValueError("quantized or amx_min_rows is not of its type")
-    if raw["amx_min_rows"] != choice.amx_min_rows:
+    if raw["amx_min_rows"] != kept.amx_min_rows:
         raise ValueError("its decision is not the one its times call for")
-    return choice
+    return decide(ms, build, dot)
 
 
-def _read(path: Path, dtype: torch.dtype, build: str) -> tuple[KernelChoice | None, str]:
+def _read(path: Path, dtype: torch.dtype, build: str, dot: bool) -> tuple[KernelChoice | None, str]:
     """The kept choice, or None and why not ("" when there is none yet: the first load on this machine).
     Whatever the file holds, nothing but a valid choice comes back: the caller measures again."""
     try:
-        return _parse(_load_bytes(path), dtype, build), ""
+        return _parse(_load_bytes(path), dtype, build, dot), ""
     except FileNotFoundError:
         return None, ""
     except (OSError, ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
@@ -278,15 +301,15 @@ def _keep(path: Path, choice: KernelChoice) -> None:
             os.unlink(tmp)
 
 
-def choose(layer: list[QuantWeight], dtype: torch.dtype) -> KernelChoice:
-    """The kept choice for these shapes on this machine, or a new measurement (then kept). A kept file that is
-    not a valid choice (any bytes, a link, a directory) is measured again with one log line: a cache never
-    stops the server from starting."""
+def choose(layer: list[QuantWeight], dtype: torch.dtype, dot: bool = True) -> KernelChoice:
+    """The kept choice for these shapes on this machine, or a new measurement (then kept), decided for `dot`
+    (whether the dot route runs). A kept file that is not a valid choice (any bytes, a link, a directory) is
+    measured again with one log line: a cache never stops the server from starting."""
     path = _cache_file(layer, dtype)
     build = _build_name()
-    choice, why = _read(path, dtype, build) if path is not None else (None, "")
+    choice, why = _read(path, dtype, build, dot) if path is not None else (None, "")
     if choice is None:
-        choice = measure(layer, dtype, build)
+        choice = measure(layer, dtype, build, dot)
         if path is not None:
             try:
                 _keep(path, choice)

@@ -148,11 +148,11 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, cfg, dev)
     quant = resolve_quantization(quantization, path, dev)
     dot = dot_route(quantized_activations)
-    net, dense_bytes, choice = _build(path, cfg, torch_dtype, dev, quant)
+    net, dense_bytes, choice = _build(path, cfg, torch_dtype, dev, quant, dot)
     if quant == "auto" and choice is not None and not choice.quantized:
         quant = "none"
         del net  # not two models at once
-        net, dense_bytes, _ = _build(path, cfg, torch_dtype, dev, quant)
+        net, dense_bytes, _ = _build(path, cfg, torch_dtype, dev, quant, dot)
     elif quant == "auto":
         quant = "gguf"
     for w in net.quant_weights():
@@ -196,16 +196,17 @@ def trim_heap() -> None:
 
 
 def _build(
-    path: str, cfg: ModelConfig, dtype: torch.dtype, dev: torch.device, quantization: str
+    path: str, cfg: ModelConfig, dtype: torch.dtype, dev: torch.device, quantization: str, dot: bool
 ) -> tuple[CausalLM, int, KernelChoice | None]:
-    """The model with its weights, their dense size, and the kernel choice for its quantized weights (applied:
-    each weight knows from how many rows it runs on AMX)."""
+    """The model with its weights, their dense size, and the kernel choice for its quantized weights, taken for
+    the quantized kernel that runs (`dot`: the dot route) and applied: each weight knows from how many rows it
+    runs on AMX."""
     net = CausalLM(cfg, dtype, dev)
     dense_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
     _fill(net, path, cfg, quantization)
     net.eval()
     layer = net.first_layer_quant() if dev.type == "cpu" else None
-    choice = kernel_choice.choose(layer, dtype) if layer is not None else None
+    choice = kernel_choice.choose(layer, dtype, dot) if layer is not None else None
     if choice is not None:
         for w in net.quant_weights():
             w.amx_min_rows = choice.amx_min_rows

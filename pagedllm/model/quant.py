@@ -11,6 +11,9 @@ Formats ("shapes" of a format, shared by the GGML types that have them; all in g
   Q8_0, IQ4_NL as its table's values; int4 / int8);
 - k4m / k5m / k6 / k8m / k8: GGUF's K types, super-blocks of 256 with float16 D (and M) and integer sub-block
   scales s (and minimums mi) per 32 or 16: w = (D * s) * q - (M * mi) (Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, IQ4_XS);
+- mx4: MXFP4 (GGML type 39, gpt-oss's experts): w = kvalues[q] * 2^(e - 128), q an E2M1 code 0..15 (its value
+  doubled: 0, 1, 2, 3, 4, 6, 8, 12 and their negatives), e the group's E8M0 byte, kept as the byte (4.25 bits a
+  weight, as the file: float16 cannot hold 2^-128..2^127, and a float32 a group would be 5 bits);
 - f16 / bf16: the values themselves.
 Every product of those factors is exact in float32 and the one rounding (the final add) is gguf's, so the
 dequantized weights equal the file's values exactly. `QuantParts` is the plain form (codes [N, K] and the
@@ -37,10 +40,19 @@ GROUP = 32
 SUPER = 256  # a K format's super-block (GGUF's QK_K)
 # the kernel's format numbers (csrc/quant_matmul.h)
 FORMATS = {"q4": 0, "q8": 1, "q8m": 2, "f16": 3, "bf16": 4, "k4m": 5, "k8m": 6, "k8": 7}
-FORMATS |= {"q5": 8, "q5m": 9, "k5m": 10, "k6": 11, "q40": 12, "mixed": 15}
+FORMATS |= {"q5": 8, "q5m": 9, "k5m": 10, "k6": 11, "q40": 12, "mx4": 13, "mixed": 15}
 K_FORMATS = {"k4m", "k8m", "k8", "k5m", "k6"}
-DOT_FORMATS = {"q4", "q40", "q8", "q8m", "k4m", "k6"}  # what the dot route runs (csrc dot_fmt); others: float32
+DOT_FORMATS = {"q4", "q40", "q8", "q8m", "k4m", "k6", "mx4"}  # what the dot route runs (csrc dot_fmt); others: float32
 _SUB = {"k4m": 32, "k8m": 16, "k8": 16, "k5m": 32, "k6": 16}  # inputs per integer scale s (and mi)
+MX4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int8)  # E2M1, doubled
+
+
+def e8m0_half(e: np.ndarray) -> np.ndarray:
+    """E8M0 bytes -> float32 2^(e - 128), as llama.cpp's ggml_e8m0_to_fp32_half: e = 0, 1 the subnormals
+    2^-128, 2^-127; e = 255 is 2^127 (OCP MX reads it as NaN; llama.cpp and gguf-py do not, and the weights
+    must be the file's values as they read them)."""
+    e32 = e.astype(np.uint32)
+    return np.where(e32 < 2, np.uint32(0x200000) << e32, (e32 - 1) << 23).astype(np.uint32).view(np.float32)
 
 
 def log_once(message: str) -> None:
@@ -58,6 +70,7 @@ class QuantParts:
     - k4m / k5m / k6 / k8m / k8: w = (D * s) * q - (M * mi), D and M float16 [N, K/256] (in `d` and `m`), s
       int8 and mi uint8 [N, K/32] (k4m, k5m) or [N, K/16]; codes uint8 0..15 (k4m) or int8 (k5m 0..31, k6
       -32..31);
+    - mx4: w = MX4_VALUES[q] * e8m0_half(d), codes uint8 0..15 (E2M1), d the E8M0 bytes uint8 [N, K/32];
     - f16 / bf16: codes are the uint16 values themselves [N, K]."""
 
     fmt: str
@@ -89,6 +102,9 @@ class QuantParts:
             )
             return torch.from_numpy(np.ascontiguousarray(w))
         assert self.d is not None
+        if self.fmt == "mx4":
+            v = MX4_VALUES[self.codes].astype(np.float32).reshape(n, k // GROUP, GROUP)
+            return torch.from_numpy(np.ascontiguousarray((v * e8m0_half(self.d)[..., None]).reshape(n, k)))
         sub = _SUB.get(self.fmt, GROUP)
         q = self.codes.astype(np.float32).reshape(n, k // sub, sub)
         if self.fmt in K_FORMATS:
@@ -154,7 +170,7 @@ def _tiles(parts: QuantParts, out: np.ndarray | None = None) -> np.ndarray:
     sub = _SUB.get(parts.fmt, GROUP)
     scale = k // (SUPER if parts.fmt in K_FORMATS else GROUP)
     want = [(n, k), (n, scale), (n, scale), (n, k // sub), (n, k // sub)]
-    sizes = [2 if parts.fmt in ("f16", "bf16") else 1, 2, 2, 1, 1]
+    sizes = [2 if parts.fmt in ("f16", "bf16") else 1, 1 if parts.fmt == "mx4" else 2, 2, 1, 1]
     for a, shape, size in zip(keep, want, sizes):
         if a is not None and (a.shape != shape or a.itemsize != size):
             raise ValueError(f"a {parts.fmt} weight's part has shape {a.shape} ({a.dtype}), expected {shape}")

@@ -21,7 +21,7 @@ import torch
 from kernel_helpers import needs_kernel
 
 from pagedllm.model import ModelRunner, SeqChunk, cpu_kernel, loader, quant
-from pagedllm.model.gguf_quants import GGML_TYPES, block_shape, from_gguf_blocks
+from pagedllm.model.gguf_quants import GGML_TYPES, block_shape, experts_from_gguf, from_gguf_blocks
 
 pytestmark = needs_kernel
 gguf = pytest.importorskip("gguf")
@@ -193,6 +193,34 @@ def test_merged_weight_of_mixed_types(lib):
     _check_bf16_kernel(lib, w, ref, 7)
     inner_odd = [from_gguf_blocks(random_blocks(t, n, 512, 1), t) for t, n in ((12, 20), (14, 16))]
     assert quant.pack_merged(inner_odd) is None  # a type change inside a block of 16 rows: the caller runs dense
+
+
+@pytest.mark.parametrize("types", [(39, 39), (2, 2), (12, 14), (1, 1)], ids=["MXFP4", "Q4_0", "Q4_K+Q6_K", "F16"])
+def test_the_experts_of_3d_tensors_are_slices_of_their_blocks(types):
+    """ffn_gate_exps and ffn_up_exps [n_expert, N, K] as stored: expert e's weight is its gate and up merged
+    from its slices of the blocks, exactly expert e of gguf's dequantized tensors; the experts lie in one buffer
+    at a fixed stride (what a grouped kernel indexes), and packing holds one expert's plain form at a time."""
+    import tracemalloc
+
+    n_exp, n, k = 6, 32, 512
+    raws = [random_blocks(t, n_exp * n, k, seed).reshape(n_exp, n, -1) for seed, t in enumerate(types)]
+    ref = [reference(r.reshape(n_exp * n, -1), t, k).reshape(n_exp, n, k) for r, t in zip(raws, types)]
+    lib = cpu_kernel.load()
+    experts_from_gguf(raws[:1], types[:1])  # the library loaded first
+    tracemalloc.start()
+    try:
+        weights = experts_from_gguf(raws, list(types))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    size = weights[0].nbytes
+    plain = 2 * n * k * (2 if types[0] == 1 else 1)  # one expert's codes, gate and up
+    assert peak < n_exp * size + 1.5 * plain + (64 << 10), (peak, n_exp * size, plain)
+    for e, w in enumerate(weights):
+        assert w.n == 2 * n and w.nbytes == size and w.tiles.data_ptr() == weights[0].tiles.data_ptr() + e * size
+        assert np.array_equal(_rows(lib, w), np.concatenate([r[e] for r in ref]))
+    with pytest.raises(ValueError, match="expert tensors"):
+        experts_from_gguf([raws[0], raws[1][:2]], list(types))
 
 
 def _dot(lib: ctypes.CDLL, x: np.ndarray, w: quant.QuantWeight, bias: np.ndarray) -> np.ndarray:

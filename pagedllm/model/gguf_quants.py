@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 import pagedllm.model.cpu_kernel as cpu_kernel
-from pagedllm.model.quant import K_FORMATS, SUPER, QuantParts, log_once
+from pagedllm.model.quant import K_FORMATS, SUPER, QuantParts, QuantWeight, log_once, pack_experts
 
 # GGML type number -> name; the types kept quantized (`iter_gguf`)
 GGML_TYPES = {
@@ -181,6 +181,20 @@ def from_gguf_blocks(raw: np.ndarray, ggml_type: int) -> QuantParts:
     return parts
 
 
+def experts_from_gguf(raws: list[np.ndarray], ggml_types: list[int]) -> list[QuantWeight]:
+    """The experts of MoE GGUF tensors as stored, uint8 [n_expert, N, row bytes] each (`ffn_gate_exps` with
+    `ffn_up_exps`, merged along N as a dense gate/up is, or `ffn_down_exps` alone; views of the mapped file are
+    fine), one QuantWeight per expert, all in one buffer (quant.pack_experts). Why this way: a row of a GGUF
+    tensor is whole blocks, so expert e is the slice raw[e], a view; it is read like a 2-D tensor and packed
+    straight into its place, so nothing is dequantized and no more than one expert's plain form is ever held.
+    With GGUFFile: gf.load_raw(gate, lambda g: gf.load_raw(up, lambda u: experts_from_gguf([g, u], types)))."""
+    count = raws[0].shape[0]
+    for raw, t in zip(raws, ggml_types):
+        if raw.ndim != 3 or raw.shape[0] != count or t not in GGML_TYPES:
+            raise ValueError(f"expert tensors of shapes {[r.shape for r in raws]} and types {ggml_types}")
+    return pack_experts(count, lambda e: [from_gguf_blocks(raw[e], t) for raw, t in zip(raws, ggml_types)])
+
+
 def block_shape(ggml_type: int) -> tuple[int, int]:
     """(weights, bytes) of one block of a type kept quantized."""
     return _BLOCK[GGML_TYPES[ggml_type]]
@@ -197,4 +211,4 @@ def _note_width(name: str, fmt: str) -> None:
         )
 
 
-__all__ = ["GGML_TYPES", "K_FORMATS", "SUPER", "block_shape", "from_gguf_blocks"]
+__all__ = ["GGML_TYPES", "K_FORMATS", "SUPER", "block_shape", "experts_from_gguf", "from_gguf_blocks"]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -208,34 +209,81 @@ def pack(parts: QuantParts) -> QuantWeight:
     return QuantWeight(parts.fmt, n, k, torch.from_numpy(_tiles(parts)), parts.source)
 
 
-def pack_merged(parts: list[QuantParts]) -> QuantWeight | None:
+def pack_merged(parts: list[QuantParts], into: np.ndarray | None = None) -> QuantWeight | None:
     """Pieces stacked along N (q/k/v, gate/up) as one weight. Pieces of one format whose blocks of 16 rows do
     not straddle two pieces are packed side by side into one array (their column blocks are the merged
     weight's: no merged copy of the codes first); pieces of different formats (a Q4_K_M file's Q4_K q/k and
     Q6_K v) stay as they are, each in its own column blocks, behind a table of where each block starts and its
-    format; that needs every piece but the last to fill whole blocks (else None)."""
-    whole = not any(p.shape[0] % 16 for p in parts[:-1]) and len({p.shape[1] for p in parts}) == 1
+    format; that needs every piece but the last to fill whole blocks (else None). `into` (uint8, the
+    `merged_bytes` of the pieces) receives the tiles, and the weight's tiles are a view of it."""
+    size = merged_bytes(parts)
+    if size is None:
+        return None
+    flat = np.empty(size, dtype=np.uint8) if into is None else into
+    if flat.shape != (size,) or not flat.flags.c_contiguous:
+        raise ValueError(f"a buffer of {flat.shape} bytes for a weight of {size}")
     n, k, source = sum(p.shape[0] for p in parts), parts[0].shape[1], "+".join(sorted({p.source for p in parts}))
     if len({p.fmt for p in parts}) == 1:
-        if not whole:
+        out = flat.reshape(-1, col_bytes(parts[0].fmt, k))
+        if any(p.shape[0] % 16 for p in parts[:-1]):
             one = merge(parts)
             assert one is not None  # one format
-            return pack(one)
-        out, at = np.empty((-(-n // 16), col_bytes(parts[0].fmt, k)), dtype=np.uint8), 0
-        for p in parts:
-            at += _tiles(p, out[at : at - (-p.shape[0] // 16)]).shape[0]
+            _tiles(one, out)
+        else:
+            at = 0
+            for p in parts:
+                at += _tiles(p, out[at : at - (-p.shape[0] // 16)]).shape[0]
         return QuantWeight(parts[0].fmt, n, k, torch.from_numpy(out), source)
-    if not whole:
+    blocks = [-(-p.shape[0] // 16) for p in parts]
+    table, offset, at = flat[: 8 * sum(blocks)].view("<i8"), 8 * sum(blocks), 0
+    for p, nb in zip(parts, blocks):
+        cb = col_bytes(p.fmt, k)
+        table[at : at + nb] = [(offset + i * cb) << 4 | FORMATS[p.fmt] for i in range(nb)]
+        _tiles(p, flat[offset : offset + nb * cb].reshape(nb, cb))
+        at, offset = at + nb, offset + nb * cb
+    return QuantWeight("mixed", n, k, torch.from_numpy(flat), source)
+
+
+def merged_bytes(parts: list[QuantParts]) -> int | None:
+    """The bytes of `pack_merged(parts)`'s tiles; None where it cannot merge them (a change of format inside a
+    block of 16 rows, or pieces of different K)."""
+    k = parts[0].shape[1]
+    if len({p.shape[1] for p in parts}) != 1:
         return None
-    packed = [_tiles(p) for p in parts]
-    nb = sum(t.shape[0] for t in packed)
-    table, offset = [], 8 * nb
-    for p, t in zip(parts, packed):
-        for _ in range(t.shape[0]):
-            table.append(offset << 4 | FORMATS[p.fmt])
-            offset += t.shape[1]
-    flat = [np.asarray(table, dtype="<i8").view(np.uint8)] + [t.reshape(-1) for t in packed]
-    return QuantWeight("mixed", n, k, torch.from_numpy(np.concatenate(flat)), source)
+    if len({p.fmt for p in parts}) == 1:
+        return -(-sum(p.shape[0] for p in parts) // 16) * col_bytes(parts[0].fmt, k)
+    if any(p.shape[0] % 16 for p in parts[:-1]):
+        return None
+    return sum(-(-p.shape[0] // 16) * (8 + col_bytes(p.fmt, k)) for p in parts)
+
+
+def pack_experts(count: int, pieces: Callable[[int], list[QuantParts]]) -> list[QuantWeight]:
+    """A MoE layer's `count` experts, expert e the weight of `pieces(e)` stacked along N (gate and up, or down
+    alone), packed expert after expert into one buffer: expert e's QuantWeight has tiles that are a view of it,
+    its `nbytes` at e * nbytes, so a grouped kernel can address every routed expert from the first one's
+    pointer. `pieces` is called once per expert, in order, so that one expert's plain form lives at a time (the
+    buffer is all that stays); from a GGUF, gguf_quants.experts_from_gguf. Every expert must have the first
+    one's formats and shapes (a ValueError names the one that does not)."""
+    first = pieces(0)
+    size, shape = merged_bytes(first), [(p.fmt, p.shape) for p in first]
+    if size is None:
+        raise ValueError(f"expert 0's pieces {shape} cannot be merged into one weight")
+    buf = np.empty((count, size), dtype=np.uint8)
+    weights = [_packed(first, buf[0])]
+    del first  # one expert's plain form at a time
+    for e in range(1, count):
+        parts = pieces(e)
+        if [(p.fmt, p.shape) for p in parts] != shape:
+            raise ValueError(f"expert {e}: {[(p.fmt, p.shape) for p in parts]}, expert 0 has {shape}")
+        weights.append(_packed(parts, buf[e]))
+        del parts
+    return weights
+
+
+def _packed(parts: list[QuantParts], into: np.ndarray) -> QuantWeight:
+    w = pack_merged(parts, into)
+    assert w is not None  # merged_bytes said it merges
+    return w
 
 
 def _lib() -> ctypes.CDLL:

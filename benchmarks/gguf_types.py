@@ -10,6 +10,8 @@ resident bits a weight against the file's.
 
     .venv/bin/python benchmarks/gguf_types.py                          # every type, rows 1 and 64
     .venv/bin/python benchmarks/gguf_types.py --types Q4_K,Q6_K --rows 1 --cpu-target x86-64-v3
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/gguf_types.py --types Q4_0,MXFP4 --rows 1,64 --shape 5760x2880 \
+        --cold-mb 0 --repeat 100                                       # gpt-oss-20b's expert gate/up, warm
 """
 
 from __future__ import annotations

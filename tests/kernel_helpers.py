@@ -57,7 +57,8 @@ _F16_FIELDS = {
 
 
 def random_blocks(ggml_type: int, n: int, k: int, seed: int, scale: float = 0.01) -> np.ndarray:
-    """uint8 [n, row bytes]: random bytes, the float16 fields small finite numbers (F16 / BF16: random values)."""
+    """uint8 [n, row bytes]: random bytes, the float16 fields small finite numbers (F16 / BF16: random values;
+    MXFP4: its E8M0 byte 2^(e - 128) within 8x of `scale`)."""
     rng = np.random.default_rng(seed)
     name = GGML_TYPES[ggml_type]
     if name in ("F16", "BF16"):
@@ -66,7 +67,10 @@ def random_blocks(ggml_type: int, n: int, k: int, seed: int, scale: float = 0.01
         return raw.view(np.uint8).reshape(n, -1)
     weights, nbytes = block_shape(ggml_type)
     raw = rng.integers(0, 256, (n, k // weights, nbytes), dtype=np.uint8)
-    for offset, count in _F16_FIELDS[name]:
+    if name == "MXFP4":
+        e = 128 + round(float(np.log2(scale)))
+        raw[..., 0] = rng.integers(e - 3, e + 4, (n, k // weights), dtype=np.uint8)
+    for offset, count in _F16_FIELDS.get(name, []):
         f16 = rng.normal(0, scale, (n, k // weights, count)).astype(np.float16)
         raw[..., offset : offset + 2 * count] = f16.view(np.uint8).reshape(n, k // weights, 2 * count)
     return raw.reshape(n, -1)

@@ -1,5 +1,6 @@
 """Every common GGML type run as stored: random blocks made byte by byte (random bytes, with the float16 scale
-fields set to small finite numbers), gguf's own dequantizer (`gguf.quants.dequantize`) as the reference.
+fields set to small finite numbers, MXFP4's E8M0 byte to a matching power of two), gguf's own dequantizer
+(`gguf.quants.dequantize`) as the reference.
 
 Per CPU class this machine can run (native, x86-64-v4, x86-64-v3, portable), each built once for the module:
 the kernel's weights equal gguf's bit for bit (the embedding lookup returns them), its matmul equals a float64
@@ -20,7 +21,7 @@ import torch
 from kernel_helpers import needs_kernel, random_blocks
 
 from pagedllm.model import ModelRunner, SeqChunk, cpu_kernel, loader, quant
-from pagedllm.model.gguf_quants import GGML_TYPES, block_shape, from_gguf_blocks
+from pagedllm.model.gguf_quants import GGML_TYPES, block_shape, experts_from_gguf, from_gguf_blocks
 
 pytestmark = needs_kernel
 gguf = pytest.importorskip("gguf")
@@ -118,6 +119,33 @@ def _check_bf16_kernel(lib: ctypes.CDLL, w: quant.QuantWeight, ref: np.ndarray, 
     assert np.array_equal(again, 2 * out)  # added to the output: out + (the same product + bias)
 
 
+def test_mxfp4_reads_every_scale_byte_as_gguf_does(lib):
+    """Each of the 256 E8M0 bytes with every code, through the numpy reader and the kernel's own lookup (the
+    embedding lookup returns the weights as the matmul sees them), bit for bit gguf's (the sign of zero too):
+    0 and 1 the subnormal scales 2^-128, 2^-127; 255 is 2^127 as llama.cpp and gguf-py read it (not OCP MX's
+    NaN), so that its codes of magnitude 2 and more are +-inf there, and here. Then the matmul of the smallest
+    scales (subnormal weights) against float64 on the float32 route."""
+    rng = np.random.default_rng(39)
+    raw = np.empty((16, 16, 17), dtype=np.uint8)  # 16 rows x 16 blocks: every scale byte once
+    raw[..., 0] = np.arange(256, dtype=np.uint8).reshape(16, 16)
+    low, high = (np.argsort(rng.random((16, 16, 16)), axis=-1) for _ in range(2))  # every code in each half
+    raw[..., 1:] = low | high << 4
+    raw = raw.reshape(16, -1)
+    with np.errstate(over="ignore"):
+        ref = reference(raw, 39, 512)
+        parts = from_gguf_blocks(raw, 39)
+        assert np.array_equal(parts.dequantize().numpy().view(np.uint32), ref.view(np.uint32))
+    w = quant.pack(parts)
+    assert w.fmt == "mx4" and w.nbytes == 512 * 16 * 17 // 32  # 4.25 bits a weight, as the file
+    assert np.array_equal(_rows(lib, w).view(np.uint32), ref.view(np.uint32))
+    top = ref[15, 15 * 32 : 16 * 32]  # scale byte 255
+    assert np.isfinite(top).any() and np.isinf(top).any() and not np.isnan(ref).any()
+    small = raw.reshape(16, 16, 17).copy()
+    small[..., 0] = rng.integers(0, 4, (16, 16), dtype=np.uint8)
+    small = small.reshape(16, -1)
+    _check_kernel(lib, quant.pack(from_gguf_blocks(small, 39)), reference(small, 39, 512), 39)
+
+
 def test_merged_weight_of_mixed_types(lib):
     """q/k/v of a Q4_K_M file (Q4_K, Q4_K, Q6_K) and a Q8_0 piece stay in their own formats in one weight."""
     pieces = [(12, 32), (12, 16), (14, 48), (8, 21)]
@@ -129,6 +157,34 @@ def test_merged_weight_of_mixed_types(lib):
     _check_bf16_kernel(lib, w, ref, 7)
     inner_odd = [from_gguf_blocks(random_blocks(t, n, 512, 1), t) for t, n in ((12, 20), (14, 16))]
     assert quant.pack_merged(inner_odd) is None  # a type change inside a block of 16 rows: the caller runs dense
+
+
+@pytest.mark.parametrize("types", [(39, 39), (2, 2), (12, 14), (1, 1)], ids=["MXFP4", "Q4_0", "Q4_K+Q6_K", "F16"])
+def test_the_experts_of_3d_tensors_are_slices_of_their_blocks(types):
+    """ffn_gate_exps and ffn_up_exps [n_expert, N, K] as stored: expert e's weight is its gate and up merged
+    from its slices of the blocks, exactly expert e of gguf's dequantized tensors; the experts lie in one buffer
+    at a fixed stride (what a grouped kernel indexes), and packing holds one expert's plain form at a time."""
+    import tracemalloc
+
+    n_exp, n, k = 6, 32, 512
+    raws = [random_blocks(t, n_exp * n, k, seed).reshape(n_exp, n, -1) for seed, t in enumerate(types)]
+    ref = [reference(r.reshape(n_exp * n, -1), t, k).reshape(n_exp, n, k) for r, t in zip(raws, types)]
+    lib = cpu_kernel.load()
+    experts_from_gguf(raws[:1], types[:1])  # the library loaded first
+    tracemalloc.start()
+    try:
+        weights = experts_from_gguf(raws, list(types))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    size = weights[0].nbytes
+    plain = 2 * n * k * (2 if types[0] == 1 else 1)  # one expert's codes, gate and up
+    assert peak < n_exp * size + 1.5 * plain + (64 << 10), (peak, n_exp * size, plain)
+    for e, w in enumerate(weights):
+        assert w.n == 2 * n and w.nbytes == size and w.tiles.data_ptr() == weights[0].tiles.data_ptr() + e * size
+        assert np.array_equal(_rows(lib, w), np.concatenate([r[e] for r in ref]))
+    with pytest.raises(ValueError, match="expert tensors"):
+        experts_from_gguf([raws[0], raws[1][:2]], list(types))
 
 
 def _dot(lib: ctypes.CDLL, x: np.ndarray, w: quant.QuantWeight, bias: np.ndarray) -> np.ndarray:
@@ -209,7 +265,7 @@ def _dot_weight(kind: str, n: int) -> quant.QuantWeight:
     return quant.pack(from_gguf_blocks(random_blocks(ggml_type, n, k, ggml_type), ggml_type))
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "q8m", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "q8m", "Q4_K", "Q6_K", "MXFP4"])
 def test_the_dot_route_at_many_rows_is_the_one_row_route_bit_for_bit(lib, kind):
     """Whatever the dot route runs at a row count (block_dot in passes of a few rows, then one of the rest), each
     row's result must be the one-row route's bit for bit at every row count up to prefill chunks, on every class
@@ -252,8 +308,11 @@ def _shapes() -> dict[str, tuple[int, int]]:
     }  # fmt: skip
 
 
-def write_mixed_gguf(path: str) -> int:
-    """A tiny llama GGUF of random blocks in the mix above; returns the bytes of its tensors."""
+def write_mixed_gguf(
+    path: str, mix: list[dict[str, int]] = _MIX, ends: tuple[int, int] = (12, 14), quantize: bool = False
+) -> int:
+    """A tiny llama GGUF of random blocks in `mix` (token_embd, output in `ends`), or with `quantize` of random
+    weights quantized by gguf's own `gguf.quants.quantize`; returns the bytes of its tensors."""
     w = gguf.GGUFWriter(path, "llama")
     for key, value in (("block_count", LAYERS), ("embedding_length", HIDDEN), ("feed_forward_length", INTER)):
         getattr(w, f"add_{key}")(value)
@@ -262,12 +321,16 @@ def write_mixed_gguf(path: str) -> int:
     w.add_context_length(256)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(VOCAB)
-    tensors = {"token_embd.weight": (12, (VOCAB, HIDDEN)), "output.weight": (14, (VOCAB, HIDDEN))}
-    for i, mix in enumerate(_MIX):
-        tensors |= {f"blk.{i}.{name}.weight": (t, _shapes()[name]) for name, t in mix.items()}
+    tensors = {"token_embd.weight": (ends[0], (VOCAB, HIDDEN)), "output.weight": (ends[1], (VOCAB, HIDDEN))}
+    for i, layer in enumerate(mix):
+        tensors |= {f"blk.{i}.{name}.weight": (t, _shapes()[name]) for name, t in layer.items()}
     total, rng = 0, np.random.default_rng(0)
     for seed, (name, (t, (n, k))) in enumerate(tensors.items()):
-        raw = random_blocks(t, n, k, seed, scale=0.002)
+        if quantize:
+            x = rng.normal(0, 0.05, (n, k)).astype(np.float32)
+            raw = gguf.quants.quantize(x, gguf.GGMLQuantizationType(t))
+        else:
+            raw = random_blocks(t, n, k, seed, scale=0.002)
         w.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType(t))
         total += raw.nbytes
     for name in ["output_norm.weight"] + [
@@ -306,3 +369,19 @@ def test_a_q4_k_m_style_file_runs_as_stored_and_decodes_as_gguf_dequantized(tmp_
     assert fused.fused is not None  # the fused C step takes every type through quant_matmul.c
     assert _greedy(fused, prompt, 12) == want
     assert _greedy(ModelRunner(ours, 16, 16, fused=False), prompt, 12) == want  # the torch path's linears
+
+
+def test_an_mxfp4_file_written_by_gguf_runs_at_its_own_size(tmp_path, monkeypatch):
+    """Matrices quantized to MXFP4 by gguf-py's own quantizer, as gpt-oss ships its experts: every one kept in
+    mx4 at 4.25 bits a weight (no widening to bytes), decoding gguf's dequantized file's greedy tokens on the
+    fused step (the dot route) and the float32 route's linears."""
+    path = str(tmp_path / "mxfp4.gguf")
+    file_bytes = write_mixed_gguf(path, [dict.fromkeys(_MIX[0], 39)] * LAYERS, (8, 39), quantize=True)
+    monkeypatch.setattr(loader, "load_tokenizer", lambda _path: None)
+    ours, ref = (loader.load_model(path, "float32", verbose=False, quantization=q) for q in ("gguf", "none"))
+    assert {w.fmt for w in ours.model.quant_weights()} == {"mx4", "q8"}
+    assert ours.weight_bytes <= 1.1 * file_bytes
+    prompt = [5, 17, 200, 3, 99, 42, 7, 311]
+    want = _greedy(ModelRunner(ref, 16, 16), prompt, 12)
+    assert _greedy(ModelRunner(ours, 16, 16), prompt, 12) == want
+    assert _greedy(ModelRunner(ours, 16, 16, fused=False), prompt, 12) == want

@@ -26,6 +26,10 @@ def _per_column(a: np.ndarray, nb: int) -> np.ndarray:
 def _body(parts: quant.QuantParts, nb: int) -> np.ndarray:
     n, k = parts.shape
     c = np.pad(parts.codes, ((0, nb * 16 - n), (0, 0))).reshape(nb, 16, k // 32, 16, 2).transpose(0, 2, 3, 1, 4)
+    if parts.fmt == "mx4":  # row quads t of 64 bytes: byte 2 u + p, row 4 t + p low, row 4 t + p + 2 high, word u
+        q = np.ascontiguousarray(c).reshape(nb, k // 32, 4, 4, 32)  # [.., t, row of the quad, word u]
+        quad = q[..., 0:2, :] | q[..., 2:4, :] << 4  # [.., t, p, u]
+        return np.ascontiguousarray(quad.swapaxes(-1, -2)).astype(np.uint8).reshape(nb, k // 32, 256)
     if parts.fmt not in _NIBBLES:
         return np.ascontiguousarray(c).view(np.uint8).reshape(nb, k // 32, -1)
     u = (c.astype(np.int16) + _OFFSET.get(parts.fmt, 0)).astype(np.uint8)
@@ -46,6 +50,8 @@ def _body(parts: quant.QuantParts, nb: int) -> np.ndarray:
 def numpy_tiles(parts: quant.QuantParts) -> np.ndarray:
     n, k = parts.shape
     nb, g = -(-n // 16), k // 32
+    if parts.fmt == "mx4":  # the E8M0 bytes
+        return np.concatenate([_per_column(parts.d, nb).reshape(nb, g, 16), _body(parts, nb)], -1).reshape(nb, -1)
     f16 = [_per_column(a, nb).astype(np.float16) for a in (parts.d, parts.m) if a is not None]
     if parts.fmt not in quant.K_FORMATS:
         head = [a.view(np.uint8).reshape(nb, g, -1) for a in f16]
@@ -75,7 +81,7 @@ def test_rounded_weights_pack_as_the_reference(fmt):
     assert np.array_equal(quant.pack(parts).tiles.numpy(), numpy_tiles(parts))
 
 
-@pytest.mark.parametrize("ggml_type", [2, 14], ids=["Q4_0", "Q6_K"])
+@pytest.mark.parametrize("ggml_type", [2, 14, 39], ids=["Q4_0", "Q6_K", "MXFP4"])
 def test_pieces_of_one_format_pack_as_their_merged_weight(ggml_type):
     """q/k/v packed side by side are the tiles of the merged weight (the last piece may end in a partial block;
     pieces whose blocks would straddle two are merged first)."""

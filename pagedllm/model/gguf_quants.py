@@ -5,12 +5,13 @@ split over three bytes), and the kernels want one layout per "shape" of format. 
 gguf-py's `gguf/quants.py` dequantizer step by step, stopping before the float arithmetic: it returns the
 integer codes, the integer sub-block scales and the float16 block scales, and the kernel (or
 `QuantParts.dequantize`) then computes every weight exactly as gguf does, bit for bit. The codes of the common
-types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K: a byte a weight, the bulk of loading) are unpacked in C
+types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4: a byte a weight, the bulk of loading) are unpacked in C
 (csrc/quant_pack.c's `gguf_codes`, the same steps); numpy takes the scales and the rarer types.
 
 Which kernel format each type becomes, and what it costs against the file (bits a weight, resident / file):
 Q4_0 q40 (4.5 / 4.5), Q4_1 q4 (5 / 5), Q5_0 q5 (5.5 / 5.5), Q5_1 q5m (6 / 6), Q8_0 q8 (8.5 / 8.5), Q4_K k4m
-(4.63 / 4.5), Q5_K k5m (5.63 / 5.5), Q6_K k6 (6.56 / 6.56), F16 / BF16 as stored (16 / 16); the rarer ones
+(4.63 / 4.5), Q5_K k5m (5.63 / 5.5), Q6_K k6 (6.56 / 6.56), MXFP4 mx4 (4.25 / 4.25: the E8M0 scale kept as its
+byte), F16 / BF16 as stored (16 / 16); the rarer ones
 wider, as bytes: Q2_K k8m (9.1 / 2.6), Q3_K k8 (8.6 / 3.4), IQ4_NL q8 (8.5 / 4.5), IQ4_XS k8 (8.6 / 4.25). A
 type held at more than 1.1x its file's bits says so once in the log, with the factor.
 """
@@ -20,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 import pagedllm.model.cpu_kernel as cpu_kernel
-from pagedllm.model.quant import K_FORMATS, SUPER, QuantParts, log_once
+from pagedllm.model.quant import K_FORMATS, SUPER, QuantParts, QuantWeight, log_once, pack_experts
 
 # GGML type number -> name; the types kept quantized (`iter_gguf`)
 GGML_TYPES = {
@@ -38,6 +39,7 @@ GGML_TYPES = {
     20: "IQ4_NL",
     23: "IQ4_XS",
     30: "BF16",
+    39: "MXFP4",
 }
 _TYPE = {name: t for t, name in GGML_TYPES.items()}
 _BLOCK = {  # name -> (weights, bytes) per block
@@ -55,10 +57,11 @@ _BLOCK = {  # name -> (weights, bytes) per block
     "Q6_K": (256, 210),
     "IQ4_NL": (32, 18),
     "IQ4_XS": (256, 136),
+    "MXFP4": (32, 17),
 }
 IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
 _TILE_BITS = {"q4": 5.0, "q40": 4.5, "q5": 5.5, "q5m": 6.0, "q8": 8.5, "q8m": 9.0, "f16": 16.0, "bf16": 16.0}
-_TILE_BITS |= {"k4m": 4.625, "k5m": 5.625, "k6": 6.5625, "k8m": 9.125, "k8": 8.5625}
+_TILE_BITS |= {"k4m": 4.625, "k5m": 5.625, "k6": 6.5625, "k8m": 9.125, "k8": 8.5625, "mx4": 4.25}
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -97,11 +100,14 @@ def _codes(name: str, b: np.ndarray, n: int) -> np.ndarray:
     rc = lib.gguf_codes(out.ctypes.data, raw.ctypes.data, n, k, _TYPE[name], torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"cannot read {name} blocks of {n} x {k} ({rc})")
-    return out.view(np.uint8) if name in ("Q4_1", "Q4_K") else out  # Q4_0: q - 8, -8..7
+    return out.view(np.uint8) if name in ("Q4_1", "Q4_K", "MXFP4") else out  # Q4_0: q - 8, -8..7
 
 
 def _legacy(name: str, b: np.ndarray, n: int) -> QuantParts:
-    """The types of 32-weight blocks with float16 scales: [n, blocks, bytes] -> q4 / q5 / q5m / q8 / q8m."""
+    """The types of 32-weight blocks: [n, blocks, bytes] -> q4 / q5 / q5m / q8 / q8m (float16 scales), or mx4
+    (MXFP4: the E8M0 byte, then the E2M1 nibbles as Q4_0 orders them)."""
+    if name == "MXFP4":
+        return QuantParts("mx4", _codes(name, b, n), b[..., 0].copy(), None, name)
     d = _f16(b[..., 0:2])
     if name == "IQ4_NL":
         return QuantParts("q8", IQ4_VALUES[_nibbles(b[..., 2:18])].reshape(n, -1), d, None, name)
@@ -175,6 +181,20 @@ def from_gguf_blocks(raw: np.ndarray, ggml_type: int) -> QuantParts:
     return parts
 
 
+def experts_from_gguf(raws: list[np.ndarray], ggml_types: list[int]) -> list[QuantWeight]:
+    """The experts of MoE GGUF tensors as stored, uint8 [n_expert, N, row bytes] each (`ffn_gate_exps` with
+    `ffn_up_exps`, merged along N as a dense gate/up is, or `ffn_down_exps` alone; views of the mapped file are
+    fine), one QuantWeight per expert, all in one buffer (quant.pack_experts). Why this way: a row of a GGUF
+    tensor is whole blocks, so expert e is the slice raw[e], a view; it is read like a 2-D tensor and packed
+    straight into its place, so nothing is dequantized and no more than one expert's plain form is ever held.
+    With GGUFFile: gf.load_raw(gate, lambda g: gf.load_raw(up, lambda u: experts_from_gguf([g, u], types)))."""
+    count = raws[0].shape[0]
+    for raw, t in zip(raws, ggml_types):
+        if raw.ndim != 3 or raw.shape[0] != count or t not in GGML_TYPES:
+            raise ValueError(f"expert tensors of shapes {[r.shape for r in raws]} and types {ggml_types}")
+    return pack_experts(count, lambda e: [from_gguf_blocks(raw[e], t) for raw, t in zip(raws, ggml_types)])
+
+
 def block_shape(ggml_type: int) -> tuple[int, int]:
     """(weights, bytes) of one block of a type kept quantized."""
     return _BLOCK[GGML_TYPES[ggml_type]]
@@ -191,4 +211,4 @@ def _note_width(name: str, fmt: str) -> None:
         )
 
 
-__all__ = ["GGML_TYPES", "K_FORMATS", "SUPER", "block_shape", "from_gguf_blocks"]
+__all__ = ["GGML_TYPES", "K_FORMATS", "SUPER", "block_shape", "experts_from_gguf", "from_gguf_blocks"]

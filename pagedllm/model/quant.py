@@ -11,6 +11,9 @@ Formats ("shapes" of a format, shared by the GGML types that have them; all in g
   Q8_0, IQ4_NL as its table's values; int4 / int8);
 - k4m / k5m / k6 / k8m / k8: GGUF's K types, super-blocks of 256 with float16 D (and M) and integer sub-block
   scales s (and minimums mi) per 32 or 16: w = (D * s) * q - (M * mi) (Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, IQ4_XS);
+- mx4: MXFP4 (GGML type 39, gpt-oss's experts): w = kvalues[q] * 2^(e - 128), q an E2M1 code 0..15 (its value
+  doubled: 0, 1, 2, 3, 4, 6, 8, 12 and their negatives), e the group's E8M0 byte, kept as the byte (4.25 bits a
+  weight, as the file: float16 cannot hold 2^-128..2^127, and a float32 a group would be 5 bits);
 - f16 / bf16: the values themselves.
 Every product of those factors is exact in float32 and the one rounding (the final add) is gguf's, so the
 dequantized weights equal the file's values exactly. `QuantParts` is the plain form (codes [N, K] and the
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -37,10 +41,19 @@ GROUP = 32
 SUPER = 256  # a K format's super-block (GGUF's QK_K)
 # the kernel's format numbers (csrc/quant_matmul.h)
 FORMATS = {"q4": 0, "q8": 1, "q8m": 2, "f16": 3, "bf16": 4, "k4m": 5, "k8m": 6, "k8": 7}
-FORMATS |= {"q5": 8, "q5m": 9, "k5m": 10, "k6": 11, "q40": 12, "mixed": 15}
+FORMATS |= {"q5": 8, "q5m": 9, "k5m": 10, "k6": 11, "q40": 12, "mx4": 13, "mixed": 15}
 K_FORMATS = {"k4m", "k8m", "k8", "k5m", "k6"}
-DOT_FORMATS = {"q4", "q40", "q8", "q8m", "k4m", "k6"}  # what the dot route runs (csrc dot_fmt); others: float32
+DOT_FORMATS = {"q4", "q40", "q8", "q8m", "k4m", "k6", "mx4"}  # what the dot route runs (csrc dot_fmt); others: float32
 _SUB = {"k4m": 32, "k8m": 16, "k8": 16, "k5m": 32, "k6": 16}  # inputs per integer scale s (and mi)
+MX4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int8)  # E2M1, doubled
+
+
+def e8m0_half(e: np.ndarray) -> np.ndarray:
+    """E8M0 bytes -> float32 2^(e - 128), as llama.cpp's ggml_e8m0_to_fp32_half: e = 0, 1 the subnormals
+    2^-128, 2^-127; e = 255 is 2^127 (OCP MX reads it as NaN; llama.cpp and gguf-py do not, and the weights
+    must be the file's values as they read them)."""
+    e32 = e.astype(np.uint32)
+    return np.where(e32 < 2, np.uint32(0x200000) << e32, (e32 - 1) << 23).astype(np.uint32).view(np.float32)
 
 
 def log_once(message: str) -> None:
@@ -58,6 +71,7 @@ class QuantParts:
     - k4m / k5m / k6 / k8m / k8: w = (D * s) * q - (M * mi), D and M float16 [N, K/256] (in `d` and `m`), s
       int8 and mi uint8 [N, K/32] (k4m, k5m) or [N, K/16]; codes uint8 0..15 (k4m) or int8 (k5m 0..31, k6
       -32..31);
+    - mx4: w = MX4_VALUES[q] * e8m0_half(d), codes uint8 0..15 (E2M1), d the E8M0 bytes uint8 [N, K/32];
     - f16 / bf16: codes are the uint16 values themselves [N, K]."""
 
     fmt: str
@@ -89,6 +103,9 @@ class QuantParts:
             )
             return torch.from_numpy(np.ascontiguousarray(w))
         assert self.d is not None
+        if self.fmt == "mx4":
+            v = MX4_VALUES[self.codes].astype(np.float32).reshape(n, k // GROUP, GROUP)
+            return torch.from_numpy(np.ascontiguousarray((v * e8m0_half(self.d)[..., None]).reshape(n, k)))
         sub = _SUB.get(self.fmt, GROUP)
         q = self.codes.astype(np.float32).reshape(n, k // sub, sub)
         if self.fmt in K_FORMATS:
@@ -154,7 +171,7 @@ def _tiles(parts: QuantParts, out: np.ndarray | None = None) -> np.ndarray:
     sub = _SUB.get(parts.fmt, GROUP)
     scale = k // (SUPER if parts.fmt in K_FORMATS else GROUP)
     want = [(n, k), (n, scale), (n, scale), (n, k // sub), (n, k // sub)]
-    sizes = [2 if parts.fmt in ("f16", "bf16") else 1, 2, 2, 1, 1]
+    sizes = [2 if parts.fmt in ("f16", "bf16") else 1, 1 if parts.fmt == "mx4" else 2, 2, 1, 1]
     for a, shape, size in zip(keep, want, sizes):
         if a is not None and (a.shape != shape or a.itemsize != size):
             raise ValueError(f"a {parts.fmt} weight's part has shape {a.shape} ({a.dtype}), expected {shape}")
@@ -192,34 +209,81 @@ def pack(parts: QuantParts) -> QuantWeight:
     return QuantWeight(parts.fmt, n, k, torch.from_numpy(_tiles(parts)), parts.source)
 
 
-def pack_merged(parts: list[QuantParts]) -> QuantWeight | None:
+def pack_merged(parts: list[QuantParts], into: np.ndarray | None = None) -> QuantWeight | None:
     """Pieces stacked along N (q/k/v, gate/up) as one weight. Pieces of one format whose blocks of 16 rows do
     not straddle two pieces are packed side by side into one array (their column blocks are the merged
     weight's: no merged copy of the codes first); pieces of different formats (a Q4_K_M file's Q4_K q/k and
     Q6_K v) stay as they are, each in its own column blocks, behind a table of where each block starts and its
-    format; that needs every piece but the last to fill whole blocks (else None)."""
-    whole = not any(p.shape[0] % 16 for p in parts[:-1]) and len({p.shape[1] for p in parts}) == 1
+    format; that needs every piece but the last to fill whole blocks (else None). `into` (uint8, the
+    `merged_bytes` of the pieces) receives the tiles, and the weight's tiles are a view of it."""
+    size = merged_bytes(parts)
+    if size is None:
+        return None
+    flat = np.empty(size, dtype=np.uint8) if into is None else into
+    if flat.shape != (size,) or not flat.flags.c_contiguous:
+        raise ValueError(f"a buffer of {flat.shape} bytes for a weight of {size}")
     n, k, source = sum(p.shape[0] for p in parts), parts[0].shape[1], "+".join(sorted({p.source for p in parts}))
     if len({p.fmt for p in parts}) == 1:
-        if not whole:
+        out = flat.reshape(-1, col_bytes(parts[0].fmt, k))
+        if any(p.shape[0] % 16 for p in parts[:-1]):
             one = merge(parts)
             assert one is not None  # one format
-            return pack(one)
-        out, at = np.empty((-(-n // 16), col_bytes(parts[0].fmt, k)), dtype=np.uint8), 0
-        for p in parts:
-            at += _tiles(p, out[at : at - (-p.shape[0] // 16)]).shape[0]
+            _tiles(one, out)
+        else:
+            at = 0
+            for p in parts:
+                at += _tiles(p, out[at : at - (-p.shape[0] // 16)]).shape[0]
         return QuantWeight(parts[0].fmt, n, k, torch.from_numpy(out), source)
-    if not whole:
+    blocks = [-(-p.shape[0] // 16) for p in parts]
+    table, offset, at = flat[: 8 * sum(blocks)].view("<i8"), 8 * sum(blocks), 0
+    for p, nb in zip(parts, blocks):
+        cb = col_bytes(p.fmt, k)
+        table[at : at + nb] = [(offset + i * cb) << 4 | FORMATS[p.fmt] for i in range(nb)]
+        _tiles(p, flat[offset : offset + nb * cb].reshape(nb, cb))
+        at, offset = at + nb, offset + nb * cb
+    return QuantWeight("mixed", n, k, torch.from_numpy(flat), source)
+
+
+def merged_bytes(parts: list[QuantParts]) -> int | None:
+    """The bytes of `pack_merged(parts)`'s tiles; None where it cannot merge them (a change of format inside a
+    block of 16 rows, or pieces of different K)."""
+    k = parts[0].shape[1]
+    if len({p.shape[1] for p in parts}) != 1:
         return None
-    packed = [_tiles(p) for p in parts]
-    nb = sum(t.shape[0] for t in packed)
-    table, offset = [], 8 * nb
-    for p, t in zip(parts, packed):
-        for _ in range(t.shape[0]):
-            table.append(offset << 4 | FORMATS[p.fmt])
-            offset += t.shape[1]
-    flat = [np.asarray(table, dtype="<i8").view(np.uint8)] + [t.reshape(-1) for t in packed]
-    return QuantWeight("mixed", n, k, torch.from_numpy(np.concatenate(flat)), source)
+    if len({p.fmt for p in parts}) == 1:
+        return -(-sum(p.shape[0] for p in parts) // 16) * col_bytes(parts[0].fmt, k)
+    if any(p.shape[0] % 16 for p in parts[:-1]):
+        return None
+    return sum(-(-p.shape[0] // 16) * (8 + col_bytes(p.fmt, k)) for p in parts)
+
+
+def pack_experts(count: int, pieces: Callable[[int], list[QuantParts]]) -> list[QuantWeight]:
+    """A MoE layer's `count` experts, expert e the weight of `pieces(e)` stacked along N (gate and up, or down
+    alone), packed expert after expert into one buffer: expert e's QuantWeight has tiles that are a view of it,
+    its `nbytes` at e * nbytes, so a grouped kernel can address every routed expert from the first one's
+    pointer. `pieces` is called once per expert, in order, so that one expert's plain form lives at a time (the
+    buffer is all that stays); from a GGUF, gguf_quants.experts_from_gguf. Every expert must have the first
+    one's formats and shapes (a ValueError names the one that does not)."""
+    first = pieces(0)
+    size, shape = merged_bytes(first), [(p.fmt, p.shape) for p in first]
+    if size is None:
+        raise ValueError(f"expert 0's pieces {shape} cannot be merged into one weight")
+    buf = np.empty((count, size), dtype=np.uint8)
+    weights = [_packed(first, buf[0])]
+    del first  # one expert's plain form at a time
+    for e in range(1, count):
+        parts = pieces(e)
+        if [(p.fmt, p.shape) for p in parts] != shape:
+            raise ValueError(f"expert {e}: {[(p.fmt, p.shape) for p in parts]}, expert 0 has {shape}")
+        weights.append(_packed(parts, buf[e]))
+        del parts
+    return weights
+
+
+def _packed(parts: list[QuantParts], into: np.ndarray) -> QuantWeight:
+    w = pack_merged(parts, into)
+    assert w is not None  # merged_bytes said it merges
+    return w
 
 
 def _lib() -> ctypes.CDLL:

@@ -20,8 +20,13 @@
  *       r's high nibble in 4-5, row r + 1's in 6-7; their codes are stored with an offset that makes them
  *       unsigned (Q5: 16, K6: 32, and Q40's 4-bit codes: 8), taken off again in registers;
  *   bytes (Q8, Q8M, K8M, K8): 32 bytes a row; byte e = column e/2 at k = 2r + e%2;
- *   halves (F16, BF16): 32 16-bit values a row in the order of bytes.
- * Scales before the body: Q4 / Q8M / Q5M d[16], m[16] float16; Q8 / Q5 / Q40 d[16]; F16 / BF16 none. The K formats group 8
+ *   halves (F16, BF16): 32 16-bit values a row in the order of bytes;
+ *   MX4 (MXFP4's E2M1 codes, 4 bits): the nibble rows of four rows r = 4t + p interleaved, 64 bytes a row quad t:
+ *       byte 2u + p (p = 0, 1) holds row 4t + p in its low nibble and row 4t + p + 2 in its high one, each at
+ *       word u of its row (column u/2 at k = 2r + u%2), so that one 512-bit (or two 256-bit) table lookups and
+ *       a mask or shift per row give the integer route four rows of 16-bit words with no widening (below).
+ * Scales before the body: Q4 / Q8M / Q5M d[16], m[16] float16; Q8 / Q5 / Q40 d[16]; MX4 e[16], the E8M0 bytes
+ * as stored (see mx4_scale); F16 / BF16 none. The K formats group 8
  * tiles (K = 256, a GGUF super-block) behind a head of D[16] (and M[16]) float16 per column, and each tile
  * holds its integer scales s (int8) and, with a minimum, mi (uint8): per half tile (16 k) for K8M / K8 / K6
  * ([2][16] each), per tile for K4M / K5M ([16]). A weight is a = D s, b = -M mi, w = a q + b. QFMT_MIXED: a weight
@@ -137,6 +142,42 @@ static inline vi u16v(const uint8_t *p) {
 }
 #endif
 
+/* MXFP4 (GGML type 39): the E2M1 value of each 4-bit code, doubled (llama.cpp's kvalues_mxfp4, gguf-py's
+ * MXFP4.kvalues); a weight is kvalues[q] times its group's scale 2^(e - 128), the E8M0 byte e halved. */
+static const int8_t MX4_VALUES[16] __attribute__((unused)) = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+/* Codes 0..15 (one a lane) as their float values: a table lookup in registers (vpermps). */
+#if defined(__AVX512F__)
+static inline vf mx4v(vi q) {
+    const __m512 t = _mm512_setr_ps(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    return (vf)_mm512_permutexvar_ps((__m512i)q, t);
+}
+#elif defined(__AVX2__) && defined(__F16C__)
+static inline vf mx4v(vi q) { /* 8 lanes: each half of the table, picked by the code's bit 3 (+0, never -0) */
+    const __m256 lo = _mm256_permutevar8x32_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 6, 8, 12), (__m256i)q);
+    const __m256 hi = _mm256_permutevar8x32_ps(_mm256_setr_ps(0, -1, -2, -3, -4, -6, -8, -12), (__m256i)q);
+    return (vf)_mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32((__m256i)q, 28)));
+}
+#else
+static inline vf mx4v(vi q) {
+    vf r;
+    for (int i = 0; i < VW; i++) r[i] = MX4_VALUES[q[i] & 15];
+    return r;
+}
+#endif
+
+/* VW groups' E8M0 bytes as their scales 2^(e - 128), exactly ggml_e8m0_to_fp32_half: e >= 2 the normal float
+ * of exponent field e - 1, e = 0 and 1 the subnormals 2^-128 and 2^-127 (bits 0x200000 << e = (e + 1) << 21);
+ * e = 255 is 2^127, not NaN as OCP MX has it: llama.cpp and gguf-py read it so ("NaNs are not handled"), and
+ * a weight is the file's value only if read as they read it. Why the byte and not a float per group: a
+ * decode step reads every byte of the weights, and the byte keeps MXFP4 at its file's 4.25 bits a weight (a
+ * float32 scale would be 5, float16 cannot hold 2^-128..2^127); the two integer operations that make the
+ * float come once per 32 weights of a column. */
+static inline vf mx4_scale(const uint8_t *e8) {
+    const vi e = u8v(e8), small = e < 2;
+    return (vf)((small & ((e + 1) << 21)) | (~small & (((e - 1) & 255) << 23)));
+}
+
 /* Lane l of vector v of a row belongs to column VW/2 v + l/2: `cols` holds VW consecutive columns' values
  * starting at column VW (v / 2) when VW = 8, at 0 when VW = 16; this spreads them to vector v's lanes. */
 static inline vf spread(vf cols, int v) {
@@ -153,9 +194,11 @@ static inline int has_min(int fmt) {
 static inline int plane(int fmt) { /* high bits a code above its nibble: 1 (5-bit formats), 2 (6-bit), 0 */
     return fmt == QFMT_K6 ? 2 : fmt == QFMT_Q5 || fmt == QFMT_Q5M || fmt == QFMT_K5M ? 1 : 0;
 }
-static inline int nibbles(int fmt) { return fmt == QFMT_Q4 || fmt == QFMT_Q40 || fmt == QFMT_K4M || plane(fmt); }
-static inline int offset(int fmt) { /* stored q + offset */
-    return fmt == QFMT_Q5 ? 16 : fmt == QFMT_K6 ? 32 : fmt == QFMT_Q40 ? 8 : 0;
+static inline int nibbles(int fmt) {
+    return fmt == QFMT_Q4 || fmt == QFMT_Q40 || fmt == QFMT_K4M || fmt == QFMT_MX4 || plane(fmt);
+}
+static inline int offset(int fmt) { /* stored q + offset (MX4: the integer route's table values, kvalues + 12) */
+    return fmt == QFMT_Q5 ? 16 : fmt == QFMT_K6 ? 32 : fmt == QFMT_Q40 ? 8 : fmt == QFMT_MX4 ? 12 : 0;
 }
 static inline int halves(int fmt) { return fmt == QFMT_K8M || fmt == QFMT_K8 || fmt == QFMT_K6 ? 2 : 1; }
 static inline int dense16(int fmt) { return fmt == QFMT_F16 || fmt == QFMT_BF16; }
@@ -163,14 +206,14 @@ static inline int dense16(int fmt) { return fmt == QFMT_F16 || fmt == QFMT_BF16;
 /* Bytes before a tile's body (its scales), of a body, of a K format's super-block head. */
 static inline int scale_bytes(int fmt) {
     if (kfmt(fmt)) return halves(fmt) * 16 * (has_min(fmt) ? 2 : 1);
-    return dense16(fmt) ? 0 : 32 * (has_min(fmt) ? 2 : 1);
+    return dense16(fmt) ? 0 : fmt == QFMT_MX4 ? 16 : 32 * (has_min(fmt) ? 2 : 1);
 }
 static inline int body_bytes(int fmt) { return nibbles(fmt) ? 256 + 64 * plane(fmt) : dense16(fmt) ? 1024 : 512; }
 static inline int tile_bytes(int fmt) { return scale_bytes(fmt) + body_bytes(fmt); }
 static inline int head_bytes(int fmt) { return kfmt(fmt) ? 32 * (has_min(fmt) ? 2 : 1) : 0; }
 
 int64_t qcol_bytes(int fmt, int G) {
-    if (fmt < 0 || fmt > QFMT_Q40 || G <= 0) return 0;
+    if (fmt < 0 || fmt > QFMT_MX4 || G <= 0) return 0;
     if (!kfmt(fmt)) return (int64_t)G * tile_bytes(fmt);
     return G % 8 ? 0 : (int64_t)(G / 8) * (head_bytes(fmt) + 8 * tile_bytes(fmt));
 }
@@ -211,6 +254,9 @@ static inline __attribute__((always_inline)) Scales tile_scales(const uint8_t *c
             a[c] = f16v(head + 2 * VW * c) * tof(s8v(tile + 16 * h + VW * c));
             b[c] = has_min(fmt) ? -(f16v(head + 32 + 2 * VW * c) * tof(u8v(tile + 16 * halves(fmt) + 16 * h + VW * c)))
                                 : (vf){0};
+        } else if (fmt == QFMT_MX4) {
+            a[c] = mx4_scale(tile + VW * c);
+            b[c] = (vf){0};
         } else if (!dense16(fmt)) {
             a[c] = f16v(tile + 2 * VW * c);
             b[c] = has_min(fmt) ? f16v(tile + 32 + 2 * VW * c) : (vf){0};
@@ -250,6 +296,11 @@ static inline __attribute__((always_inline)) void tile_row(const uint8_t *tile, 
 #pragma GCC unroll 4
     for (int v = 0; v < NV; v++) {
         vf q;
+        if (fmt == QFMT_MX4) { /* words u = VW v.. of row r = 4 t + p: byte p % 2 of each, nibble p / 2 */
+            const vi u = u16v(body + 64 * (r / 4) + 2 * VW * v);
+            w[v] = mx4v((u >> (8 * (r % 2) + 4 * (r % 4 / 2))) & 15) * s->a[v];
+            continue;
+        }
         if (nibbles(fmt)) {
             const vi bytes = u8v(body + 16 * r + VW * (v % (NV / 2)));
             q = tof(high_bits(body, fmt, r, v) + (v < NV / 2 ? bytes & 15 : bytes >> 4));
@@ -367,6 +418,7 @@ static inline __attribute__((always_inline)) void dequant_group(const uint8_t *c
     case QFMT_Q5: fn(QFMT_Q5, __VA_ARGS__); break;                                                             \
     case QFMT_Q5M: fn(QFMT_Q5M, __VA_ARGS__); break;                                                           \
     case QFMT_K5M: fn(QFMT_K5M, __VA_ARGS__); break;                                                           \
+    case QFMT_MX4: fn(QFMT_MX4, __VA_ARGS__); break;                                                           \
     default: fn(QFMT_K6, __VA_ARGS__); break;                                                                  \
     }
 
@@ -478,7 +530,7 @@ int qrows_f32(float *out, const int64_t *ids, int T, const uint8_t *w, int N, in
  * group of 32), not llama.cpp's 8: each x is within d / 2 of its value (a relative error of ~1.5e-5 of the
  * group's largest), so the route is exact in the weights and nearly so in the activations; the float32
  * route stays the exact one (`--quantized-activations none`, loader.py). Formats: Q4 / Q40 (Q4_1, int4 / Q4_0), Q8 / Q8M
- * (Q8_0, int8), K4M (Q4_K) and K6 (Q6_K); a column block of any other format (or of a mixed weight) runs on
+ * (Q8_0, int8), K4M (Q4_K), K6 (Q6_K) and MX4 (MXFP4, its codes looked up in a table of int8); a column block of any other format (or of a mixed weight) runs on
  * the float32 direct route with the same call.
  *
  * Per group g of a column block, the integer sums S_c = sum_k q_ck xq_k of each column c (over half tiles
@@ -488,7 +540,8 @@ int qrows_f32(float *out, const int64_t *ids, int T, const uint8_t *w, int N, in
  * the low nibbles are columns 0-7 (a k pair each), the high nibbles 8-15; x is a k pair per 32-bit lane.
  * Rows of x are independent: a row's result does not depend on the batch. */
 static inline int dot_fmt(int fmt) {
-    return fmt == QFMT_Q4 || fmt == QFMT_Q40 || fmt == QFMT_Q8 || fmt == QFMT_Q8M || fmt == QFMT_K4M || fmt == QFMT_K6;
+    return fmt == QFMT_Q4 || fmt == QFMT_Q40 || fmt == QFMT_Q8 || fmt == QFMT_Q8M || fmt == QFMT_K4M || fmt == QFMT_K6
+        || fmt == QFMT_MX4;
 }
 
 /* One group of 32 inputs rounded with the factor inv: codes, and the sums of each half. In vectors where the build
@@ -610,6 +663,26 @@ static inline void byte_words(const uint8_t *body, int r, iv w[1]) {
     w[0] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(body + 32 * r)));
 }
 #define BV 1 /* vectors per byte row */
+/* Row quad t of an MX4 body as words, w[p] row 4 t + p: one lookup of the codes in a table of kvalues + 12
+ * (0..24, so that a word needs no sign; vpshufb, 16 entries a 128-bit lane, or with VBMI vpermb over 4 copies
+ * of them, which reads 6 bits of an index and so needs no nibble masks: 7 operations a quad instead of 9, 6%
+ * faster at one row on Zen 4), then a byte of each word taken by a mask or a shift (the interleaved layout puts
+ * rows 4t + p, p = 0..3, in the four byte and nibble positions). The + 12 comes off through the group's sum of
+ * x, as a format's offset does. */
+static inline void mx4_words(const uint8_t *body, int t, iv w[4][1]) {
+    const __m512i tab = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
+    const __m512i b = _mm512_loadu_si512(body + 64 * t), low = _mm512_set1_epi16(255);
+#if defined(__AVX512VBMI__)
+    const __m512i lo = _mm512_permutexvar_epi8(b, tab);
+    const __m512i hi = _mm512_permutexvar_epi8(_mm512_srli_epi16(b, 4), tab);
+#else
+    const __m512i m = _mm512_set1_epi8(15);
+    const __m512i lo = _mm512_shuffle_epi8(tab, _mm512_and_si512(b, m));
+    const __m512i hi = _mm512_shuffle_epi8(tab, _mm512_and_si512(_mm512_srli_epi16(b, 4), m));
+#endif
+    w[0][0] = _mm512_and_si512(lo, low), w[1][0] = _mm512_srli_epi16(lo, 8);
+    w[2][0] = _mm512_and_si512(hi, low), w[3][0] = _mm512_srli_epi16(hi, 8);
+}
 /* The 16 columns' sums from the nibble accumulators (low: columns 0-7, high: 8-15). */
 static inline void nib_cols(hv lo, hv hi, vi out[1]) {
     out[0] = (vi)_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
@@ -626,6 +699,18 @@ static inline void byte_words(const uint8_t *body, int r, iv w[2]) {
     w[1] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(body + 32 * r + 16)));
 }
 #define BV 2
+static inline void mx4_words(const uint8_t *body, int t, iv w[4][2]) { /* as the AVX-512 one, in two halves */
+    const __m256i tab = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0, 12, 13, 14, 15,
+                                         16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
+    const __m256i m = _mm256_set1_epi8(15), low = _mm256_set1_epi16(255);
+    for (int v = 0; v < 2; v++) {
+        const __m256i b = _mm256_loadu_si256((const __m256i *)(body + 64 * t + 32 * v));
+        const __m256i lo = _mm256_shuffle_epi8(tab, _mm256_and_si256(b, m));
+        const __m256i hi = _mm256_shuffle_epi8(tab, _mm256_and_si256(_mm256_srli_epi16(b, 4), m));
+        w[0][v] = _mm256_and_si256(lo, low), w[1][v] = _mm256_srli_epi16(lo, 8);
+        w[2][v] = _mm256_and_si256(hi, low), w[3][v] = _mm256_srli_epi16(hi, 8);
+    }
+}
 static inline void nib_cols(hv lo, hv hi, vi out[2]) {
     out[0] = (vi)lo;
     out[1] = (vi)hi;
@@ -661,6 +746,9 @@ static inline __attribute__((always_inline)) void dot_scales(const Head *hd, con
         if (kfmt(fmt)) {
             a[c] = hd->d[c] * tof(s8v(tile + 16 * h + VW * c));
             b[c] = has_min(fmt) ? -(hd->m[c] * tof(u8v(tile + 16 + VW * c))) : (vf){0};
+        } else if (fmt == QFMT_MX4) {
+            a[c] = mx4_scale(tile + VW * c);
+            b[c] = (vf){0};
         } else {
             a[c] = f16v(tile + 2 * VW * c);
             b[c] = has_min(fmt) ? f16v(tile + 32 + 2 * VW * c) : (vf){0};
@@ -687,7 +775,7 @@ static inline __attribute__((always_inline)) void block_dot(const QMatmul *a, co
 #pragma GCC unroll 2
         for (int h = 0; h < parts; h++) {
             vi S[QR][16 / VW];
-            if (nibbles(fmt)) {
+            if (nibbles(fmt) && fmt != QFMT_MX4) {
                 hv lo[QR][PH], hi[QR][PH];
                 for (int i = 0; i < nr; i++)
                     for (int p = 0; p < ph; p++) lo[i][p] = hi[i][p] = HZERO();
@@ -723,10 +811,15 @@ static inline __attribute__((always_inline)) void block_dot(const QMatmul *a, co
                 for (int i = 0; i < nr; i++)
                     for (int p = 0; p < ph; p++)
                         for (int v = 0; v < BV; v++) acc[i][p][v] = IZERO();
+                iv quad[4][BV]; /* MX4: four rows' words from one lookup */
 #pragma GCC unroll 16
                 for (int r = 0; r < 16; r++) {
                     iv w[BV];
-                    byte_words(body, r, w);
+                    if (fmt == QFMT_MX4 && r % 4 == 0) mx4_words(body, r / 4, quad);
+                    if (fmt == QFMT_MX4)
+                        for (int v = 0; v < BV; v++) w[v] = quad[r % 4][v];
+                    else
+                        byte_words(body, r, w);
                     for (int i = 0; i < nr; i++) {
                         const iv xp = ISET1(pairs[i][r]);
                         for (int v = 0; v < BV; v++) acc[i][r % ph][v] = dot16(acc[i][r % ph][v], w[v], xp);
@@ -782,12 +875,15 @@ static inline __attribute__((always_inline)) void block_dot(const QMatmul *a, co
     case QFMT_Q8: fn(QFMT_Q8, __VA_ARGS__); break;                                                             \
     case QFMT_Q8M: fn(QFMT_Q8M, __VA_ARGS__); break;                                                           \
     case QFMT_K4M: fn(QFMT_K4M, __VA_ARGS__); break;                                                           \
+    case QFMT_MX4: fn(QFMT_MX4, __VA_ARGS__); break;                                                           \
     default: fn(QFMT_K6, __VA_ARGS__); break;                                                                  \
     }
 #else
 /* The portable build: the same sums, one code at a time. */
 static int code_at(const uint8_t *body, int fmt, int c, int k) {
     const int r = k / 2, j = 2 * (c % 8) + k % 2;
+    if (fmt == QFMT_MX4) /* row r = 4 t + p: byte p % 2 of word 2 c + k % 2 in quad t, nibble p / 2 */
+        return MX4_VALUES[body[64 * (r / 4) + 2 * (2 * c + k % 2) + r % 2] >> (4 * (r % 4 / 2)) & 15] + offset(fmt);
     if (!nibbles(fmt)) return (int8_t)body[32 * r + 2 * c + k % 2];
     const int nib = c < 8 ? body[16 * r + j] & 15 : body[16 * r + j] >> 4;
     if (plane(fmt) != 2) return nib;

@@ -17,6 +17,7 @@
 #define QFMT_K5M 10  /* as K4M with 5-bit q (Q5_K) */
 #define QFMT_K6 11   /* as K8 with 6-bit q - 32 (Q6_K) */
 #define QFMT_Q40 12  /* 4-bit, w = d * (q - 8) per group of 32 (Q4_0 at its file's 4.5 bits a weight) */
+#define QFMT_MX4 13  /* 4-bit E2M1 codes, w = kvalues_mxfp4[q] 2^(e - 128), an E8M0 byte e per group (MXFP4) */
 #define QFMT_MIXED 15 /* column blocks of different formats: a table of (offset << 4 | format) per block first */
 
 typedef struct {

@@ -21,7 +21,9 @@ static int with_min(int fmt) {
         || fmt == QFMT_K5M;
 }
 static int plane_bits(int fmt) { return fmt == QFMT_K6 ? 2 : fmt == QFMT_Q5 || fmt == QFMT_Q5M || fmt == QFMT_K5M; }
-static int nibble(int fmt) { return fmt == QFMT_Q4 || fmt == QFMT_Q40 || fmt == QFMT_K4M || plane_bits(fmt); }
+static int nibble(int fmt) {
+    return fmt == QFMT_Q4 || fmt == QFMT_Q40 || fmt == QFMT_K4M || fmt == QFMT_MX4 || plane_bits(fmt);
+}
 static int halves16(int fmt) { return fmt == QFMT_F16 || fmt == QFMT_BF16; }
 static int code_offset(int fmt) { return fmt == QFMT_Q5 ? 16 : fmt == QFMT_K6 ? 32 : fmt == QFMT_Q40 ? 8 : 0; }
 static int sets(int fmt) { return fmt == QFMT_K8M || fmt == QFMT_K8 || fmt == QFMT_K6 ? 2 : 1; } /* s per tile */
@@ -65,6 +67,15 @@ static uint8_t *body(uint8_t *o, const uint8_t *codes, int fmt, int64_t n, int64
         const int8_t *src = (const int8_t *)codes + row * k + g * 32;
         for (int e = 0; e < 32; e++) u[c][e] = (uint8_t)((row < n ? src[e] : 0) + off);
     }
+    if (fmt == QFMT_MX4) { /* per row quad 64 bytes; byte 2 w + p: row 4 q + p low, 4 q + p + 2 high, word w */
+        for (int q = 0; q < 4; q++)
+            for (int w = 0; w < 32; w++)
+                for (int p = 0; p < 2; p++) {
+                    const int c = w / 2, e = 2 * (4 * q + p) + w % 2; /* column and k of the low nibble */
+                    *o++ = (uint8_t)((u[c][e] & 15) | (u[c][e + 4] & 15) << 4);
+                }
+        return o;
+    }
     for (int r = 0; r < 16; r++)
         for (int b = 0; b < 16; b++)
             o[r * 16 + b] = (u[b / 2][2 * r + b % 2] & 15) | (uint8_t)((u[8 + b / 2][2 * r + b % 2] & 15) << 4);
@@ -107,6 +118,8 @@ static void pack_block(uint8_t *o, const Plain *a, int64_t cb) {
             for (int p = 0; p < per; p++) columns16(o, a->s, 1, a->n, sub, cb, g * per + p), o += 16;
             if (with_min(fmt))
                 for (int p = 0; p < per; p++) columns16(o, a->mi, 1, a->n, sub, cb, g * per + p), o += 16;
+        } else if (fmt == QFMT_MX4) {
+            columns16(o, a->d, 1, a->n, G, cb, g), o += 16; /* the E8M0 bytes */
         } else if (!halves16(fmt)) {
             columns16(o, a->d, 2, a->n, G, cb, g), o += 32;
             if (with_min(fmt)) columns16(o, a->m, 2, a->n, G, cb, g), o += 32;
@@ -116,12 +129,12 @@ static void pack_block(uint8_t *o, const Plain *a, int64_t cb) {
 }
 
 /* Weight [n, k] of format `fmt` into `out`, ceil(n / 16) column blocks of `col_bytes` (the caller's count,
- * checked against qcol_bytes); the scales each row has in the plain form: d (and m) float16 [n, k / 32], or
- * for the K formats D (and M) [n, k / 256] with s int8 (and mi uint8) [n, k / 32 * sets]. 0, or -2 (bad sizes,
+ * checked against qcol_bytes); the scales each row has in the plain form: d (and m) float16 [n, k / 32] (MX4:
+ * d the E8M0 bytes, uint8 [n, k / 32]), or for the K formats D (and M) [n, k / 256] with s int8 (and mi uint8) [n, k / 32 * sets]. 0, or -2 (bad sizes,
  * a part the format needs missing). */
 int qpack_tiles(uint8_t *out, const void *codes, const void *d, const void *m, const void *s, const void *mi,
                 int64_t n, int64_t k, int fmt, int64_t col_bytes, int threads) {
-    if (n <= 0 || k <= 0 || k % 32 || !codes || !out || fmt < 0 || fmt > QFMT_Q40) return -2;
+    if (n <= 0 || k <= 0 || k % 32 || !codes || !out || fmt < 0 || fmt > QFMT_MX4) return -2;
     int64_t cb_bytes = qcol_bytes(fmt, (int)(k / 32));
     if (cb_bytes <= 0 || cb_bytes != col_bytes) return -2;
     if ((!halves16(fmt) && !d) || (with_min(fmt) && !m) || (kformat(fmt) && (!s || (with_min(fmt) && !mi))))
@@ -177,9 +190,10 @@ static void codes_k6(int8_t *q, const uint8_t *b, int nb, int bytes) { /* Q6_K: 
 /* Codes [n, k] of `n` rows of GGML type `ggml_type` stored back to back (`raw`, as in the file); 0, or -2 for
  * bad sizes or a type this does not read (the caller's numpy readers take those). */
 int gguf_codes(int8_t *codes, const uint8_t *raw, int64_t n, int64_t k, int ggml_type, int threads) {
-    int block = ggml_type >= 12 ? 256 : 32;
+    int block = ggml_type >= 12 && ggml_type <= 14 ? 256 : 32;
     int bytes = ggml_type == 2 ? 18 : ggml_type == 3 ? 20 : ggml_type == 6 ? 22 : ggml_type == 7 ? 24
-              : ggml_type == 8 ? 34 : ggml_type == 12 ? 144 : ggml_type == 13 ? 176 : ggml_type == 14 ? 210 : 0;
+              : ggml_type == 8 ? 34 : ggml_type == 12 ? 144 : ggml_type == 13 ? 176 : ggml_type == 14 ? 210
+              : ggml_type == 39 ? 17 : 0;
     if (!bytes || n <= 0 || k <= 0 || k % block || !codes || !raw) return -2;
     int nb = (int)(k / block);
 #pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
@@ -189,6 +203,7 @@ int gguf_codes(int8_t *codes, const uint8_t *raw, int64_t n, int64_t k, int ggml
         switch (ggml_type) {
         case 2: codes_q4(q, b, nb, bytes, 2, 8); break; /* Q4_0: q - 8 (the q40 format's codes) */
         case 3: codes_q4(q, b, nb, bytes, 4, 0); break;
+        case 39: codes_q4(q, b, nb, bytes, 1, 0); break; /* MXFP4: the E2M1 nibbles 0..15 after the E8M0 byte */
         case 6: codes_q5(q, b, nb, bytes, 2, 16); break;
         case 7: codes_q5(q, b, nb, bytes, 4, 0); break;
         case 8:

@@ -215,7 +215,7 @@ def _hf_greedy_agrees(model: torch.nn.Module, prompt: list[int], generated: list
     return logits.argmax(-1).tolist() == generated
 
 
-FORMATS = ["hf", "f32", "q8_0"]
+FORMATS = ["hf", "f32", "q8_0", "mxfp4"]  # MXFP4: how gpt-oss ships its experts
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -193,6 +193,49 @@ def test_gemma3_through_the_engine_frees_sliding_blocks_with_the_same_tokens(gem
     assert_all_blocks_free(single)
 
 
+@pytest.fixture(scope="module")
+def gemma3_q8(gemma3, tmp_path_factory):
+    """The same Gemma 3 as a Q8_0 GGUF (so every step runs the fused C step) and transformers' greedy tokens on
+    the values the file stands for."""
+    import copy
+
+    from family_helpers import write_gguf
+    from transformers import AutoModelForCausalLM
+
+    import pagedllm.model.tokenizer as tokenizer_module
+
+    folder, prompts, _ = gemma3
+    path = str(tmp_path_factory.mktemp("gemma3_q8") / "tiny-gemma3.q8_0.gguf")
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ref = copy.deepcopy(hf)
+    ref.load_state_dict(write_gguf(folder, "gemma3", "q8_0", path), strict=False)
+    want = []
+    for p in prompts[:1]:
+        out = ref.generate(torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0)
+        want.append(out[0, len(p) :].tolist())
+    cache = tmp_path_factory.mktemp("gguf_tokenizers")  # GGUF tokenizers are cached by path: not the user's cache
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tokenizer_module, "cache_dir_for", lambda path, kind: str(cache / "tok"))
+        yield path, prompts, want
+
+
+def test_gemma3_gguf_runs_the_fused_step_with_a_table_per_group(gemma3_q8):
+    """The fused C step reads each layer's group's table and slots: with the sliding groups' blocks out of the
+    window handed back (null in their tables), greedy tokens equal transformers' and the one-table run's."""
+    path, prompts, want = gemma3_q8
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    kw = dict(quantized_activations="none")  # float32 x into the matmuls: transformers' numbers
+    hybrid, single = _engine(path, **kw), _engine(path, disable_hybrid_kv_cache_manager=True, **kw)
+    assert hybrid.runner.fused is not None and single.runner.fused is not None
+    assert len(hybrid.kv_layout.groups) == 6 and len(single.kv_layout.groups) == 1
+    assert run_all(hybrid, prompts[:1], params) == want == run_all(single, prompts[:1], params)
+    assert hybrid.kv.peak_used_blocks * hybrid.runner.bytes_per_block < 0.5 * (
+        single.kv.peak_used_blocks * single.runner.bytes_per_block
+    )  # the sliding groups' old blocks did go back while the C step ran
+    assert_all_blocks_free(hybrid)
+    assert_all_blocks_free(single)
+
+
 def test_gemma3_prefix_hit_and_preemption_across_groups(gemma3):
     """A second request with the first one's prompt hits in every group and answers the same; a cache that holds
     one request at a time preempts and still answers transformers' tokens, every group's blocks returned."""

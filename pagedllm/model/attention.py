@@ -17,7 +17,7 @@ shared by all layers, so the per-layer Python cost is a handful of tensor ops. N
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -68,14 +68,31 @@ def step_index(new_lens: list[int], starts: list[int], block_tables: list[list[i
     seq = np.repeat(np.arange(len(lens), dtype=np.int64), lens)
     first = np.cumsum(lens) - lens
     pos = start[seq] + np.arange(T, dtype=np.int64) - first[seq]
-    need = (start + lens + block_size - 1) // block_size
+    tables, slots = _table_index(lens, start, seq, pos, block_tables, block_size)
+    return StepIndex(lens, start, first, seq, pos, slots, tables)
+
+
+def _table_index(
+    lens: np.ndarray, start: np.ndarray, seq: np.ndarray, pos: np.ndarray, block_tables: list[list[int]], bs: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The padded tables [S, most blocks needed] and each token's slot through them."""
+    need = (start + lens + bs - 1) // bs
     tables = np.zeros((len(lens), int(need.max()) if len(lens) else 0), dtype=np.int64)
     for i, (table, n) in enumerate(zip(block_tables, need.tolist())):
         if len(table) < n:
             raise ValueError(f"block table of {len(table)} blocks cannot hold {int(start[i] + lens[i])} tokens")
         tables[i, :n] = table[:n]
-    slots = tables[seq, pos // block_size] * block_size + pos % block_size
-    return StepIndex(lens, start, first, seq, pos, slots, tables)
+    return tables, tables[seq, pos // bs] * bs + pos % bs
+
+
+def group_step_index(
+    new_lens: list[int], starts: list[int], group_tables: list[list[list[int]]], block_size: int
+) -> list[StepIndex]:
+    """Per KV-cache group, the step's indices through that group's tables (`group_tables[g][i]`: sequence i's):
+    positions and sequences are built once and shared, tables and slots are each group's own."""
+    ix = step_index(new_lens, starts, group_tables[0], block_size)
+    rest = [_table_index(ix.lens, ix.starts, ix.seq, ix.positions, t, block_size) for t in group_tables[1:]]
+    return [ix] + [replace(ix, tables=tables, slots=slots) for tables, slots in rest]
 
 
 @dataclass

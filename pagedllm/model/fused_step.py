@@ -3,10 +3,11 @@
 Used by `ModelRunner` for every step (decode tokens and prefill chunks alike) when every matmul weight, the
 embedding table and the LM head are kept quantized (`--quantization gguf|int8|int4`) and the kernels are
 built. The structures are the C ones, read from csrc/model_step.h; they are filled once per runner (weights,
-caches), and what changes per step is a few int64 arrays: `attention.step_index`, the builder the torch path
-uses too. Every family runs here: what a layer does beyond the plain Llama one is read from the decoder's own
-modules (which norms it has, with their offsets; q/k norms; its RoPE; its `attn_spec`: window, scale,
-soft-cap) and the config's multipliers, so the C step computes what the torch path computes, number for number.
+caches), and what changes per step is a few int64 arrays: `attention.group_step_index`, the builder the torch
+path uses too (each layer reads its KV-cache group's tables and slots: a Gemma 3 has a table per group). Every
+family runs here: what a layer does beyond the plain Llama one is read from the decoder's own modules (which
+norms it has, with their offsets; q/k norms; its RoPE; its `attn_spec`: window, scale, soft-cap) and the
+config's multipliers, so the C step computes what the torch path computes, number for number.
 
 With --dtype bfloat16 on a CPU with AMX, matmuls of at least the measured number of rows (kernel_choice.py)
 run on AMX with their inputs rounded to bfloat16; everything else computes in float32.
@@ -15,6 +16,7 @@ run on AMX with their inputs rounded to bfloat16; everything else computes in fl
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -22,7 +24,7 @@ import torch
 
 import pagedllm.model.cpu_kernel as cpu_kernel
 import pagedllm.model.kv_quant as kv_quant
-from pagedllm.model.attention import StepIndex, step_index
+from pagedllm.model.attention import StepIndex, group_step_index
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.decoder import CausalLM, DecoderLayer
 from pagedllm.model.layers import RMSNorm
@@ -91,14 +93,27 @@ def _quant(lin: Linear) -> QuantWeight:
 class FusedStep:
     """Runs steps of one model over one set of KV caches."""
 
-    def __init__(self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        block_size: int,
+        layer_group: Sequence[int] | None = None,
+    ) -> None:
+        """`kv_caches[i]`: layer i's K and V (its slot's); `layer_group[i]`: the KV-cache group whose tables layer
+        i reads (kv_spec.py; default: one group of every layer)."""
         lib = cpu_kernel.load()
         assert lib is not None, "built only where fusable() found the kernels"
         self.lib = lib
         self.model, self.block_size = model, block_size
+        groups = list(layer_group) if layer_group is not None else [0] * len(model.layers)
+        self.num_groups = max(groups) + 1
         self._keep: list[torch.Tensor] = []  # float32 copies the C structures point into
         self.layers = (_Layer * len(model.layers))(
-            *[self._layer(layer, kc, vc) for layer, (kc, vc) in zip(model.decoder_layers, kv_caches)]
+            *[
+                self._layer(layer, kc, vc, g)
+                for layer, (kc, vc), g in zip(model.decoder_layers, kv_caches, groups, strict=True)
+            ]
         )
         self.dims = self._model(kv_caches[0][0])
         self.profile: np.ndarray | None = None  # float64 [len(PHASES)]: seconds per phase, summed, when set
@@ -118,7 +133,7 @@ class FusedStep:
         w = norm.weight.detach().float()
         return self._f32(norm.offset + w if norm.offset else w)
 
-    def _layer(self, layer: DecoderLayer, k_cache: torch.Tensor, v_cache: torch.Tensor) -> ctypes.Structure:
+    def _layer(self, layer: DecoderLayer, k_cache: torch.Tensor, v_cache: torch.Tensor, group: int) -> ctypes.Structure:
         spec = layer.attn_spec
         fields: dict[str, float | int | None] = {
             "window": spec.window or 0,
@@ -136,6 +151,7 @@ class FusedStep:
             "o_bias": self._f32(layer.o.bias),
             "k_cache": k_cache.data_ptr(),
             "v_cache": v_cache.data_ptr(),
+            "group": group,
         }
         for name, lin in (("qkv", layer.qkv), ("o", layer.o), ("gate_up", layer.mlp.gate_up), ("down", layer.mlp.down)):
             w = _quant(lin)
@@ -188,14 +204,21 @@ class FusedStep:
         self,
         token_ids: list[list[int]],
         starts: list[int],
-        block_tables: list[list[int]],
+        group_tables: list[list[list[int]]],
         num_logits: list[int],
-        index: StepIndex | None = None,
+        index: list[StepIndex] | None = None,
     ) -> torch.Tensor:
         """float32 logits of sequence i adding `token_ids[i]` after `starts[i]` cached tokens: the last
-        `num_logits[i]` rows of each sequence, in order ([sum(num_logits), vocab]). `index`: the step's indices,
-        when the caller has built them already."""
-        ix = index or step_index([len(t) for t in token_ids], starts, block_tables, self.block_size)
+        `num_logits[i]` rows of each sequence, in order ([sum(num_logits), vocab]). `group_tables[g][i]`: sequence
+        i's block table in KV-cache group g. `index`: the step's indices per group (`group_step_index`), when the
+        caller has built them already."""
+        if len(group_tables) != self.num_groups:
+            raise ValueError(f"a step of this model needs {self.num_groups} groups' tables, got {len(group_tables)}")
+        ixs = index or group_step_index([len(t) for t in token_ids], starts, group_tables, self.block_size)
+        ix = ixs[0]
+        # [groups, T] slots and [groups, S, max_blocks] tables: every group's tables are as wide (one need per sequence)
+        slots = ix.slots if len(ixs) == 1 else np.stack([g.slots for g in ixs])
+        tables = ix.tables if len(ixs) == 1 else np.stack([g.tables for g in ixs])
         T, lens, first = len(ix.seq), ix.lens, ix.first
         toks = np.fromiter((t for ids in token_ids for t in ids), dtype=np.int64, count=T)
         want = np.array(num_logits, dtype=np.int64)
@@ -212,13 +235,14 @@ class FusedStep:
             toks.ctypes.data,
             ix.positions.ctypes.data,
             ix.seq.ctypes.data,
-            ix.slots.ctypes.data,
-            ix.tables.ctypes.data,
+            slots.ctypes.data,
+            tables.ctypes.data,
             rows.ctypes.data,
             T,
             len(lens),
             ix.tables.shape[1],
             len(rows),
+            len(ixs),
             logits.data_ptr(),
             None if self.profile is None else self.profile.ctypes.data,
         )

@@ -16,7 +16,7 @@ import torch
 import pagedllm.model.kv_quant as kv_quant
 from pagedllm.kv.kv_spec import KVCacheLayout
 from pagedllm.kv.sizing import kv_bytes_per_block
-from pagedllm.model.attention import AttentionMetadata, StepIndex, build_metadata, step_index
+from pagedllm.model.attention import AttentionMetadata, StepIndex, build_metadata, group_step_index
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.fused_step import FusedStep, fusable
 from pagedllm.model.loader import LoadedModel
@@ -113,10 +113,9 @@ class ModelRunner:
             for _ in range(self.layout.layers_per_block)
         ]
         self.kv_caches = [self.kv_tensors[slot] for slot in self.layout.layer_slot]  # per model layer
-        one_table = len(self.layout.groups) == 1  # the C step reads one table per step (fused_step.py)
         self.fused = (
-            FusedStep(self.model, self.kv_caches, block_size)
-            if fused and one_table and fusable(self.model, self.kv_caches)
+            FusedStep(self.model, self.kv_caches, block_size, self.layout.layer_group)
+            if fused and fusable(self.model, self.kv_caches)
             else None
         )
 
@@ -193,19 +192,13 @@ class ModelRunner:
             raise ValueError("every SeqChunk needs at least one new token")
         starts = [c.start_pos for c in chunks]
         by_group = self._group_tables(chunks)
-        ix = step_index(lens, starts, by_group[0], self.block_size)  # one builder for the fused and the torch path
-        if self.fused is not None:  # one group: its table
-            return self.fused.run(
-                [c.token_ids for c in chunks],
-                starts,
-                by_group[0],
-                [c.num_logits for c in chunks],
-                ix,
-            )
+        ixs = group_step_index(lens, starts, by_group, self.block_size)  # one builder for the fused and torch path
+        if self.fused is not None:
+            return self.fused.run([c.token_ids for c in chunks], starts, by_group, [c.num_logits for c in chunks], ixs)
         ids: list[int] = []
         for c in chunks:
             ids.extend(c.token_ids)
-        meta = self._metadata(lens, starts, by_group, ix)
+        meta = self._metadata(lens, starts, by_group, ixs)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         rows: list[int] = []
         end = 0
@@ -221,13 +214,16 @@ class ModelRunner:
         return [[t[g] for t in per_chunk] for g in range(len(self.layout.groups))]
 
     def _metadata(
-        self, lens: list[int], starts: list[int], by_group: list[list[list[int]]], ix: StepIndex | None = None
+        self,
+        lens: list[int],
+        starts: list[int],
+        by_group: list[list[list[int]]],
+        ixs: list[StepIndex] | None = None,
     ) -> AttentionMetadata | list[AttentionMetadata]:
         """The step's attention metadata: one for a model of one group, else each layer its group's."""
-        if len(by_group) == 1:
-            return build_metadata(lens, starts, by_group[0], self.block_size, self.device, ix)
-        metas = [build_metadata(lens, starts, t, self.block_size, self.device) for t in by_group]
-        return [metas[g] for g in self.layout.layer_group]
+        ixs = ixs or group_step_index(lens, starts, by_group, self.block_size)
+        metas = [build_metadata(lens, starts, t, self.block_size, self.device, ix) for t, ix in zip(by_group, ixs)]
+        return metas[0] if len(metas) == 1 else [metas[g] for g in self.layout.layer_group]
 
     def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
         """float32 logits for the last new token of each chunk (every new token of an `all_logits` chunk), in

@@ -356,8 +356,9 @@ static void rope_and_store(const StepModel *m, const StepLayer *L, const StepBat
         for (int h = 0; h < H + KVH; h++) rope(row + h * D, cos, sin, R);
     }
     for (int h = 0; m->cache_kind >= KV_INT8 && h < H + 2 * KVH; h++) kv_rotate(row + h * D, D);
-    store_row(L->k_cache, b->slots[t], row + H * D, KVH, D, m->cache_kind);
-    store_row(L->v_cache, b->slots[t], row + (H + KVH) * D, KVH, D, m->cache_kind);
+    const int64_t slot = b->slots[(int64_t)L->group * b->T + t];
+    store_row(L->k_cache, slot, row + H * D, KVH, D, m->cache_kind);
+    store_row(L->v_cache, slot, row + (H + KVH) * D, KVH, D, m->cache_kind);
 }
 
 /* Row i of the residual add: h += residual_scale * norm(y) (the norm only where the layer has one). */
@@ -381,14 +382,17 @@ static void logit_row(const StepModel *m, float *logits, int r) {
 }
 
 /* Item i of `split` per tile (KV heads or query heads): those query heads of the tile's tokens over the
- * sequence's cache, each token up to its own position (and back no further than the layer's window). */
+ * sequence's cache through the layer's group's table, each token up to its own position and back no further
+ * than the layer's window: paged_attention_heads starts at the block of the tile's first window start, so the
+ * null blocks a sliding group holds before its window are never read. */
 static void attention(const StepModel *m, const StepLayer *L, const StepBatch *b, const Buffers *buf,
                       const Scratch *sc, int i, int split) {
     const int H = m->heads, KVH = m->kv_heads, D = m->head_dim, width = (H + 2 * KVH) * D;
     const int tile = i / split, h0 = i % split * (H / split), t = buf->tiles[tile];
     const int end = tile + 1 < buf->n_tiles ? buf->tiles[tile + 1] : b->T;
+    const int64_t *table = b->block_tables + ((int64_t)L->group * b->S + b->seq[t]) * b->max_blocks;
     Args a = {buf->attn + (int64_t)t * H * D, buf->qkv + (int64_t)t * width, L->k_cache, L->v_cache,
-              b->block_tables + b->seq[t] * b->max_blocks, buf->ctx + t, H, KVH, D, m->block_size, b->max_blocks,
+              table, buf->ctx + t, H, KVH, D, m->block_size, b->max_blocks,
               m->cache_kind, L->scale, 0, end - t, width, H * D, L->window, L->softcap};
     paged_attention_heads(&a, 0, h0, h0 + H / split, sc->scores, sc->block);
     for (int u = t; m->cache_kind >= KV_INT8 && u < end; u++)
@@ -486,29 +490,31 @@ static void work(const Phase *ph, int n, int *next, int *done, const StepModel *
 /* Every index the step will follow is checked first: 0, or -2 bad sizes, -3 a context longer than its block
  * table, -4 a block id outside the cache, -5 a token id, position, sequence, slot or logit row out of range. */
 static int check(const StepModel *m, const StepLayer *layers, const StepBatch *b, int64_t *ctx, int64_t *max_ctx) {
-    if (b->T <= 0 || b->R < 0 || m->heads % m->kv_heads || m->rotary_dim % 2 || m->rotary_dim < 0 ||
+    if (b->T <= 0 || b->R < 0 || b->groups <= 0 || m->heads % m->kv_heads || m->rotary_dim % 2 || m->rotary_dim < 0 ||
         m->rotary_dim > m->head_dim || m->hidden % 32 || m->inter % 32 || m->cache_kind < KV_F32 ||
         m->cache_kind > KV_FP8_E5M2 || m->act < ACT_SILU || m->act > ACT_GELU_TANH)
         return -2;
     for (int l = 0; l < m->layers; l++) {
         const StepLayer *L = &layers[l];
         if (L->rope < ROPE_NONE || L->rope > ROPE_LOCAL || (L->rope == ROPE_LOCAL && !m->local_cos) ||
-            !L->q_norm != !L->k_norm)
+            !L->q_norm != !L->k_norm || L->group < 0 || L->group >= b->groups)
             return -2;
     }
     *max_ctx = 0;
     for (int t = 0; t < b->T; t++) {
         const int64_t p = b->positions[t], s = b->seq[t];
         if (b->tokens[t] < 0 || b->tokens[t] >= m->vocab || p < 0 || p >= m->max_positions || s < 0 || s >= b->S ||
-            (m->local_cos && p >= m->max_local_positions) || b->slots[t] < 0 ||
-            b->slots[t] >= m->num_blocks * m->block_size)
+            (m->local_cos && p >= m->max_local_positions))
             return -5;
         ctx[t] = p + 1;
         if (ctx[t] > (int64_t)b->max_blocks * m->block_size) return -3;
         if (ctx[t] > *max_ctx) *max_ctx = ctx[t];
-        for (int64_t k = 0; k < (ctx[t] + m->block_size - 1) / m->block_size; k++) {
-            const int64_t id = b->block_tables[s * b->max_blocks + k];
-            if (id < 0 || id >= m->num_blocks) return -4;
+        for (int g = 0; g < b->groups; g++) {
+            const int64_t slot = b->slots[(int64_t)g * b->T + t];
+            const int64_t *table = b->block_tables + ((int64_t)g * b->S + s) * b->max_blocks;
+            if (slot < 0 || slot >= m->num_blocks * m->block_size) return -5;
+            for (int64_t k = 0; k < (ctx[t] + m->block_size - 1) / m->block_size; k++)
+                if (table[k] < 0 || table[k] >= m->num_blocks) return -4;
         }
     }
     for (int r = 0; r < b->R; r++)

@@ -25,6 +25,7 @@ typedef struct {
     float scale, softcap; /* softmax scale; softcap > 0: scores capped as softcap * tanh(score / softcap) */
     int rope;             /* ROPE_NONE (NoPE), ROPE_GLOBAL, ROPE_LOCAL (Gemma 3's sliding layers' own base) */
     int qk_norm_full;     /* 1: q_norm / k_norm span all heads at once (OLMo2); 0: one head (Qwen3, Gemma 3) */
+    int group;            /* the KV-cache group whose block table and slots the layer reads and writes */
 } StepLayer;
 
 typedef struct {
@@ -46,10 +47,11 @@ typedef struct {
 } StepModel;
 
 typedef struct {
-    const int64_t *tokens, *positions, *seq, *slots; /* [T]: id, position, sequence index, cache slot */
-    const int64_t *block_tables;                      /* [S, max_blocks] */
-    const int64_t *logit_rows;                        /* [R] rows whose logits are wanted */
-    int T, S, max_blocks, R;
+    const int64_t *tokens, *positions, *seq; /* [T]: id, position, sequence index */
+    const int64_t *slots;        /* [groups, T]: each token's cache slot through each KV-cache group's table */
+    const int64_t *block_tables; /* [groups, S, max_blocks]: a sliding group's holds block 0 out of its window */
+    const int64_t *logit_rows;   /* [R] rows whose logits are wanted */
+    int T, S, max_blocks, R, groups;
     float *logits; /* [R, vocab] */
     double *profile; /* NULL, or [N_PHASES] seconds added per phase (benchmarks/step_profile.py) */
 } StepBatch;

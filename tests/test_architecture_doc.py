@@ -9,7 +9,8 @@ What is checked, of each `code span` in the page:
   of pagedllm's modules or classes, or class-like, the rest is defined there (a module's top-level name or a
   class's method or attribute); a lowercase head of no module of ours is a checkpoint's tensor name
   (`experts.gate_up_proj`);
-- a class-like name (`PrometheusStatLogger`): a class or constant defined in pagedllm;
+- a class-like name (`PrometheusStatLogger`, `StepLayer`): a class or constant defined in pagedllm, or a C
+  struct of its headers;
 - a snake_case name with an underscore (`rope_and_store`, `add_engine_args`): an identifier in pagedllm's
   sources (Python or C).
 Names of other projects (vLLM's `SlidingWindowManager`, Ray's `RequestRouter`) are listed in EXTERNAL.
@@ -114,6 +115,12 @@ def _members(cls: ast.ClassDef) -> set[str]:
 
 
 @cache
+def _c_types() -> set[str]:
+    """The structs the C headers name (`typedef struct { ... } StepLayer;`)."""
+    return {m for path in PACKAGE.rglob("*.h") for m in re.findall(r"}\s*(\w+)\s*;", path.read_text())}
+
+
+@cache
 def _identifiers() -> set[str]:
     words: set[str] = set()
     for pattern in ("*.py", "*.c", "*.h"):
@@ -165,7 +172,7 @@ def _stale(span: str) -> bool:
         return not _dotted_exists(span)
     if _CLASS_LIKE.match(span):
         _, classes, top = _index()
-        return span not in classes and span not in top
+        return span not in classes and span not in top and span not in _c_types()
     if _SNAKE.match(span):
         return span not in _identifiers()
     return False

@@ -38,6 +38,7 @@
 #include "paged_attention.h"
 #include "quant_matmul.h"
 #include "vec.h"
+#include "vmath.h"
 
 enum { P_NORM, P_QKV, P_ROPE, P_ATTN, P_O, P_GATE_UP, P_ACT, P_DOWN, P_LM_HEAD, N_PHASES };
 
@@ -117,27 +118,6 @@ static float rms_inv(const float *h, int n, float eps) {
 static void rmsnorm(float *out, const float *h, const float *w, int n, float eps) {
     const float r = rms_inv(h, n, eps);
     for (int i = 0; i < n; i++) out[i] = w[i] * (h[i] * r);
-}
-
-/* e^x for VW floats (Cephes' expf: range reduction by ln 2, degree-6 polynomial; about 1 ulp), where libm's
- * scalar expf would be 10x slower: silu takes an exp per element of every MLP row. */
-static inline vf vexp(vf x) {
-    const vf hi = x * 0 + 88.3762626647949f, lo = x * 0 - 87.3365447504019f;
-    vi over = x > hi, under = x < lo; /* lanes of -1 where true: C has no vector ?: */
-    x = (vf)(((vi)hi & over) | ((vi)x & ~over));
-    x = (vf)(((vi)lo & under) | ((vi)x & ~under));
-    const vf t = x * 1.44269504088896341f + 12582912.0f; /* round(x / ln 2) in the low mantissa bits */
-    const vi bits = (vi)t;
-    const vf n = t - 12582912.0f;
-    x = x - n * 0.693359375f + n * 2.12194440e-4f;
-    const vf z = x * x;
-    vf y = 1.9875691500E-4f * x + 1.3981999507E-3f;
-    y = y * x + 8.3334519073E-3f;
-    y = y * x + 4.1665795894E-2f;
-    y = y * x + 1.6666665459E-1f;
-    y = y * x + 5.0000001201E-1f;
-    y = y * z + x + 1.0f;
-    return y * (vf)((bits - 0x4B400000 + 127) << 23);
 }
 
 /* out = silu(g) * u = g / (1 + e^-g) * u, n a multiple of VW. */

@@ -1,5 +1,5 @@
-/* Vector math on vec.h's vf for the kernels' activations (moe.c): libm's scalar expf per element would cost
- * more than the matmul's share of an MLP row. */
+/* Vector math on vec.h's vf for the kernels' activations (model_step.c, moe.c): libm's scalar expf per element
+ * would cost more than the matmul's share of an MLP row. */
 #ifndef PAGEDLLM_VMATH_H
 #define PAGEDLLM_VMATH_H
 #include "vec.h"

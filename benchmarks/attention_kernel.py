@@ -26,8 +26,8 @@ if __name__ == "__main__":  # before torch loads: the class to build and measure
 import torch
 from linear_kernels import cpu_line
 
-import pagedllm.model.cpu_kernel as cpu_kernel
-import pagedllm.model.kv_quant as kv_quant
+import pagedllm.model.kernels.cpu_kernel as cpu_kernel
+import pagedllm.model.kernels.kv_quant as kv_quant
 
 
 def caches(a, dtype: torch.dtype) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, torch.Tensor]:

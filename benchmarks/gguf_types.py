@@ -32,8 +32,9 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from test_gguf_types import random_blocks  # noqa: E402  (the tests' byte-by-byte blocks)
 
-from pagedllm.model import cpu_kernel, quant  # noqa: E402
-from pagedllm.model.gguf_quants import GGML_TYPES, block_shape, from_gguf_blocks  # noqa: E402
+from pagedllm.model.formats.gguf_quants import GGML_TYPES, block_shape, from_gguf_blocks  # noqa: E402
+from pagedllm.model.kernels import cpu_kernel  # noqa: E402
+from pagedllm.model.kernels import quant_linear as quant
 
 
 def best_ms(fn, repeat: int) -> float:

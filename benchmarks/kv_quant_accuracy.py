@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from pagedllm.model.kv_quant import QUANT_KV_DTYPES
+from pagedllm.model.kernels.kv_quant import QUANT_KV_DTYPES
 from pagedllm.model.loader import load_model
 from pagedllm.model.runner import ModelRunner, SeqChunk
 from pagedllm.rag.corpus import default_corpus

@@ -10,7 +10,7 @@ how many of them are near-ties of the reference (its top two within 0.01 / 0.05 
 a float32 cache gives the fused C step's logits (KL 0, 100% agreement), so its figures compare with the
 benchmark's. Variant names: kv / k / v (what is quantized), g32 / g64 (values per scale; 64 = one scale per
 (token, KV head) row of the default model), had (rotated by the normalized 64-point Walsh-Hadamard transform
-first, as model/kv_quant.py does), rhad (random signs, then Hadamard), clip90 (scale 0.9 x amax / 127),
+first, as model/kernels/kv_quant.py does), rhad (random signs, then Hadamard), clip90 (scale 0.9 x amax / 127),
 f32scale (an exact scale instead of one rounded up to a bfloat16).
 """
 
@@ -23,7 +23,7 @@ import sys
 import torch
 from kv_quant_accuracy import passages
 
-from pagedllm.model import attention
+from pagedllm.model.layers import attention
 from pagedllm.model.loader import load_model
 from pagedllm.model.runner import ModelRunner, SeqChunk
 

@@ -40,8 +40,8 @@ if __name__ == "__main__":  # before torch loads: the class to build and measure
 import torch
 
 from pagedllm.model import load_model
-from pagedllm.model.cpu_linear import linear, pack
-from pagedllm.model.quant import QuantWeight, bf16_kernel, qlinear
+from pagedllm.model.kernels.onednn_linear import linear, pack
+from pagedllm.model.kernels.quant_linear import QuantWeight, bf16_kernel, qlinear
 
 SHAPES = ["qkv", "o", "gate_up", "down", "lm_head"]
 
@@ -59,7 +59,7 @@ def cpu_line() -> str:
     except OSError:
         pass
     keys = ["avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_int8"]
-    from pagedllm.model import cpu_kernel
+    from pagedllm.model.kernels import cpu_kernel
 
     lib, target = cpu_kernel.load(), cpu_kernel.cpu_target()
     build = f"kernels: {target} build ({cpu_kernel.isa(lib)['matmul'] if lib else 'none'})"

@@ -37,8 +37,8 @@ import torch
 from linear_kernels import cpu_line
 from roofline import read_bandwidth_gbs
 
-from pagedllm.model.moe_kernel import MoeExperts
-from pagedllm.model.quant import QuantParts, QuantWeight, pack, qlinear
+from pagedllm.model.kernels.moe_kernel import MoeExperts
+from pagedllm.model.kernels.quant_linear import QuantParts, QuantWeight, pack, qlinear
 
 # name: (hidden, experts, routed, ffn, format)
 SHAPES = {"qwen3-30b-a3b": (2048, 128, 8, 768, "k4m"), "gpt-oss-20b": (2880, 32, 4, 2880, "q40")}

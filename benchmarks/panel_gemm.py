@@ -36,9 +36,9 @@ import numpy as np
 import torch
 from linear_kernels import cpu_line
 
-from pagedllm.model import quant
-from pagedllm.model.cpu_linear import linear, pack
-from pagedllm.model.gguf_quants import GGML_TYPES, block_shape, from_gguf_blocks
+from pagedllm.model.formats.gguf_quants import GGML_TYPES, block_shape, from_gguf_blocks
+from pagedllm.model.kernels import quant_linear as quant
+from pagedllm.model.kernels.onednn_linear import linear, pack
 
 SHAPES = {  # one decoder layer's matmuls (out x in): qkv, o, gate_up, down
     "1b": [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)],  # Llama-3.2-1B

@@ -144,7 +144,7 @@ def is_matrix(name: str, shape: tuple[int, ...]) -> bool:
 def add_metadata(w, name: str, s: Shape) -> None:
     """The model's hyperparameters under llama.cpp's keys, and SmolLM2's tokenizer padded to the vocabulary."""
     from pagedllm.model import default_model_path
-    from pagedllm.model.gguf_file import GGUFFile
+    from pagedllm.model.formats.gguf_file import GGUFFile
 
     p = s.arch + "."
     w.add_name(f"{name} (random weights)")

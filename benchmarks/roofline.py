@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.model import load_model_config
-from pagedllm.model.cpu_linear import linear, pack
+from pagedllm.model.kernels.onednn_linear import linear, pack
 
 
 def matmul_shapes(cfg) -> list[tuple[int, int]]:

@@ -10,8 +10,8 @@ import shutil
 import numpy as np
 import pytest
 
-from pagedllm.model.gguf_quants import GGML_TYPES, block_shape
-from pagedllm.model.quant import QuantParts
+from pagedllm.model.formats.gguf_quants import GGML_TYPES, block_shape
+from pagedllm.model.kernels.quant_linear import QuantParts
 
 CC = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc") or ""]
 KERNEL_EXPECTED = bool(CC[0]) and os.environ.get("PAGEDLLM_ATTENTION", "").lower() != "torch"

@@ -167,6 +167,55 @@ def _violation(module: str, names: list[str]) -> str | None:
     return module
 
 
+# model/'s rooms, top to bottom (docs/architecture.md, "model/ in rooms"): a module imports its own room and the
+# rooms below, never one above. model/'s own modules load and run a model (loader, runner, the fused step, the
+# weights into the decoder, the tokenizer); the decoder's layers read its config; the config reads files
+# (formats/) as the families describe them; the kernels know nothing of models.
+MODEL_ROOMS = [
+    ("pagedllm.model.__init__", "pagedllm.model.loader", "pagedllm.model.runner", "pagedllm.model.fused_step"),
+    ("pagedllm.model.weights", "pagedllm.model.tokenizer", "pagedllm.model.params", "pagedllm.model.sampler"),
+    ("pagedllm.model.layers",),
+    ("pagedllm.model.config", "pagedllm.model.default_model"),
+    ("pagedllm.model.formats",),
+    ("pagedllm.model.families",),
+    ("pagedllm.model.kernels",),
+]
+
+
+def _room(module: str) -> int | None:
+    name = "pagedllm.model.__init__" if module == "pagedllm.model" else module
+    for i, room in enumerate(MODEL_ROOMS):
+        if any(name == prefix or name.startswith(prefix + ".") for prefix in room):
+            return i
+    return None
+
+
+def _upward_in_model(graph: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for a in sorted(m for m in graph if m == "pagedllm.model" or m.startswith("pagedllm.model.")):
+        for b in sorted(graph[a]):
+            ra, rb = _room(a), _room(b)
+            if ra is not None and rb is not None and rb < ra:
+                bad.append(f"{a} imports {b}, a room above it")
+    return bad
+
+
+def test_model_is_in_rooms_and_imports_go_down_them():
+    modules = {m: p for m, p in _modules().items() if m.startswith("pagedllm.model")}
+    unplaced = [m for m in modules if _room(m) is None]
+    assert not unplaced, f"model/ modules outside every room: {unplaced}"
+    bad = _upward_in_model(_module_graph())
+    assert not bad, "imports against model/'s rooms (docs/architecture.md):\n" + "\n".join(bad)
+
+
+def test_the_room_rule_catches_an_upward_import():
+    graph = {"pagedllm.model.kernels.quant_linear": {"pagedllm.model.layers.linear"}}
+    assert _upward_in_model(graph) == [
+        "pagedllm.model.kernels.quant_linear imports pagedllm.model.layers.linear, a room above it"
+    ]
+    assert _room("pagedllm.model") == 0 and _room("pagedllm.model.kernels") == len(MODEL_ROOMS) - 1
+
+
 def test_bench_and_rag_import_only_public_surfaces():
     bad = []
     for path in sorted((ROOT / "bench").rglob("*.py")) + sorted((ROOT / "rag").rglob("*.py")):

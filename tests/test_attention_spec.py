@@ -12,15 +12,15 @@ import pytest
 import torch
 from kernel_helpers import needs_kernel
 
-from pagedllm.model import cpu_kernel
-from pagedllm.model.attention import (
+from pagedllm.model.config import ModelConfig
+from pagedllm.model.kernels import cpu_kernel
+from pagedllm.model.layers.attention import (
     AttentionSpec,
     CpuPagedAttention,
     TorchPagedAttention,
     build_metadata,
     step_index,
 )
-from pagedllm.model.config import ModelConfig
 
 LIB = cpu_kernel.load()
 SPECS = [
@@ -168,7 +168,7 @@ def test_layer_specs_from_the_config():
 def test_decode_kernel_window_on_quantized_caches(kv_dtype):
     """int8 / fp8 caches (codes, a scale per row, rotated rows): the kernel and the torch path read the same codes,
     and both keep to the window. The history is written by a prefill through the torch path."""
-    from pagedllm.model import kv_quant
+    from pagedllm.model.kernels import kv_quant
 
     spec = AttentionSpec(window=9, scale=0.3, softcap=3.0, sinks=torch.tensor([-1.0, 0.5, 2.0, 4.0]))
     bs, kvh, d, hist = 4, 2, 32, [23, 40, 9]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from pagedllm.bench.arrivals import arrival_times
-from pagedllm.bench.metrics import (
+from pagedllm.bench.serve_metrics import (
     RequestResult,
     compute_metrics,
     parse_goodput,

@@ -192,7 +192,7 @@ def _prefix_workload(base: str, seed: int) -> list[tuple[int, bool, int]]:
 
 
 def _cluster_hits(base: str) -> dict[str, float]:
-    from pagedllm.bench.metrics import parse_prefix_cache_counters
+    from pagedllm.bench.serve_metrics import parse_prefix_cache_counters
 
     counters = parse_prefix_cache_counters(httpx.get(f"{base}/metrics", timeout=60).text)
     assert counters is not None

@@ -262,8 +262,8 @@ def _stats(**kw):
 def test_replica_pages_merge_into_one_valid_page_with_a_replica_label():
     from prometheus_client.parser import text_string_to_metric_families
 
-    from pagedllm.bench.metrics import parse_prefix_cache_counters
-    from pagedllm.cluster.metrics import sum_stats, with_replica_labels
+    from pagedllm.bench.serve_metrics import parse_prefix_cache_counters
+    from pagedllm.cluster.replica_metrics import sum_stats, with_replica_labels
     from pagedllm.engine.metrics import PrometheusStatLogger
 
     a = _stats(

@@ -19,9 +19,14 @@ import torch
 import torch.nn.functional as F
 from kernel_helpers import CC, needs_kernel
 
-from pagedllm.model import cpu_kernel
-from pagedllm.model.attention import CpuPagedAttention, TorchPagedAttention, build_metadata, make_attention_backend
-from pagedllm.model.cpu_linear import linear, pack
+from pagedllm.model.kernels import cpu_kernel
+from pagedllm.model.kernels.onednn_linear import linear, pack
+from pagedllm.model.layers.attention import (
+    CpuPagedAttention,
+    TorchPagedAttention,
+    build_metadata,
+    make_attention_backend,
+)
 
 LIB = cpu_kernel.load()
 
@@ -134,7 +139,7 @@ def test_loading_the_kernel_leaves_float_flags_alone():
     import sys
 
     code = (
-        "import torch; from pagedllm.model import cpu_kernel; assert cpu_kernel.load() is not None; "
+        "import torch; from pagedllm.model.kernels import cpu_kernel; assert cpu_kernel.load() is not None; "
         "print(torch.tensor([1e-40]).mul(1.0).item() != 0.0)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from kernel_helpers import random_parts
 
-from pagedllm.model import cpu_kernel, kernel_choice
-from pagedllm.model.quant import pack, qlinear
+from pagedllm.model.kernels import cpu_kernel, kernel_choice
+from pagedllm.model.kernels.quant_linear import pack, qlinear
 
 TARGETS = cpu_kernel.runnable_targets()
 

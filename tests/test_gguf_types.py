@@ -20,8 +20,10 @@ import pytest
 import torch
 from kernel_helpers import needs_kernel, random_blocks
 
-from pagedllm.model import ModelRunner, SeqChunk, cpu_kernel, loader, quant
-from pagedllm.model.gguf_quants import GGML_TYPES, block_shape, experts_from_gguf, from_gguf_blocks
+from pagedllm.model import ModelRunner, SeqChunk, loader
+from pagedllm.model.formats.gguf_quants import GGML_TYPES, block_shape, experts_from_gguf, from_gguf_blocks
+from pagedllm.model.kernels import cpu_kernel
+from pagedllm.model.kernels import quant_linear as quant
 
 pytestmark = needs_kernel
 gguf = pytest.importorskip("gguf")

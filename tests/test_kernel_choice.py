@@ -1,4 +1,4 @@
-"""The kept kernel choice (model/kernel_choice.py) read back from disk: whatever is found in its place, the
+"""The kept kernel choice (model/kernels/kernel_choice.py) read back from disk: whatever is found in its place, the
 server starts, measures again with one log line and leaves nothing behind.
 
 Why: the file lives in a cache folder that other processes, other versions and a full disk also touch. Before,
@@ -20,8 +20,8 @@ import pytest
 import torch
 from kernel_helpers import random_parts
 
-from pagedllm.model import cpu_kernel, kernel_choice
-from pagedllm.model.quant import pack
+from pagedllm.model.kernels import cpu_kernel, kernel_choice
+from pagedllm.model.kernels.quant_linear import pack
 
 LAYER = [pack(random_parts("q4", 32, 64, 5))]
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from engine_helpers import assert_all_blocks_free, kv_budget, make_engine
 
-import pagedllm.model.kv_quant as kv_quant
+import pagedllm.model.kernels.kv_quant as kv_quant
 from pagedllm import SamplingParams
 from pagedllm.kv.hashing import hash_segment_blocks, segment_root
 from pagedllm.model.runner import ModelRunner, SeqChunk

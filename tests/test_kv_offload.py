@@ -26,7 +26,7 @@ from pagedllm.engine.config import add_engine_args
 from pagedllm.engine.disk_tier import _file_digest
 from pagedllm.errors import UserError
 from pagedllm.kv.offload import HEADER, DiskKVTier
-from pagedllm.model.cache import cache_dir_for
+from pagedllm.model.formats.cache import cache_dir_for
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 FP_A, FP_B = bytes(32), bytes([1] * 32)

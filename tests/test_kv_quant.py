@@ -15,8 +15,9 @@ from model_helpers import all_logits
 from pagedllm import SamplingParams
 from pagedllm.engine import EngineConfig
 from pagedllm.errors import UserError
-from pagedllm.model import SeqChunk, cpu_kernel, kv_quant
-from pagedllm.model.attention import TorchPagedAttention
+from pagedllm.model import SeqChunk
+from pagedllm.model.kernels import cpu_kernel, kv_quant
+from pagedllm.model.layers.attention import TorchPagedAttention
 from pagedllm.model.runner import ModelRunner
 
 QUANTIZED = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]

@@ -13,8 +13,8 @@ import torch
 
 import pagedllm.model.weights as weights
 from pagedllm.model.config import load_model_config
-from pagedllm.model.decoder import CausalLM
-from pagedllm.model.gguf_file import GGUFFile
+from pagedllm.model.formats.gguf_file import GGUFFile
+from pagedllm.model.layers.decoder import CausalLM
 from pagedllm.model.weights import DenseRows, assign_weights, iter_gguf
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, FFN, VOCAB = 64, 3, 4, 2, 128, 16001

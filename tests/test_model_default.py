@@ -19,12 +19,12 @@ import torch
 from pagedllm.model import (
     ModelRunner,
     SeqChunk,
-    cpu_kernel,
     default_model_path,
     load_model,
     load_model_config,
     load_tokenizer,
 )
+from pagedllm.model.kernels import cpu_kernel
 
 pytestmark = pytest.mark.slow
 

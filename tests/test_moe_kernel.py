@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from kernel_helpers import needs_kernel, random_blocks
 
-from pagedllm.model import cpu_kernel
-from pagedllm.model.gguf_quants import from_gguf_blocks
-from pagedllm.model.moe_kernel import MoeExperts, stack
+from pagedllm.model.formats.gguf_quants import from_gguf_blocks
+from pagedllm.model.kernels import cpu_kernel
+from pagedllm.model.kernels.moe_kernel import MoeExperts, stack
 
 pytestmark = needs_kernel
 

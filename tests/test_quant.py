@@ -19,9 +19,11 @@ from model_helpers import all_logits
 
 from pagedllm.engine import EngineConfig
 from pagedllm.errors import UserError
-from pagedllm.model import ModelRunner, SeqChunk, cpu_kernel, load_model, quant
-from pagedllm.model.gguf_quants import from_gguf_blocks
-from pagedllm.model.quant import bf16_kernel, pack, qlinear, qrows, quantize_rtn
+from pagedllm.model import ModelRunner, SeqChunk, load_model
+from pagedllm.model.formats.gguf_quants import from_gguf_blocks
+from pagedllm.model.kernels import cpu_kernel
+from pagedllm.model.kernels import quant_linear as quant
+from pagedllm.model.kernels.quant_linear import bf16_kernel, pack, qlinear, qrows, quantize_rtn
 
 LIB = cpu_kernel.load()
 pytestmark = needs_kernel  # where a compiler exists, a kernel that fails to build fails these tests
@@ -222,7 +224,7 @@ def test_bfloat16_rows_depend_only_on_the_kernel_class(tiny):
 
 def test_kernel_choice_from_measured_times():
     """Dense only where it is faster for one row; AMX from the smallest row count it wins at and every larger."""
-    from pagedllm.model.kernel_choice import decide
+    from pagedllm.model.kernels.kernel_choice import decide
 
     q = {1: 0.2, 8: 0.6, 64: 3.0, 256: 12.0}
     assert decide({"q-f32": q, "dense": {1: 0.5, 8: 0.7, 64: 2.0, 256: 8.0}}, "b").quantized
@@ -242,7 +244,7 @@ def test_kernel_choice_decides_for_the_quantized_kernel_that_runs():
     """The dot route is one switch for every row count: the choice compares dense and q-bf16 with the kernel
     that runs (q-dot with the route on, q-f32 under --quantized-activations none), and says where the dot route
     runs although q-f32 measured faster."""
-    from pagedllm.model.kernel_choice import decide
+    from pagedllm.model.kernels.kernel_choice import decide
 
     f32 = {1: 0.2, 8: 0.6, 64: 3.0, 256: 12.0}
     dot = {1: 0.4, 8: 0.5, 64: 2.0, 256: 8.0}  # slower than q-f32 for one row, faster for many
@@ -261,7 +263,7 @@ def test_kernel_choice_decides_for_the_quantized_kernel_that_runs():
 
 
 def test_kernel_choice_is_kept_and_measured_again_when_unreadable(tmp_path, monkeypatch):
-    from pagedllm.model import kernel_choice
+    from pagedllm.model.kernels import kernel_choice
 
     monkeypatch.setattr(cpu_kernel, "library_path", lambda: tmp_path / "pagedllm_kernels-test.so")
     layer = [pack(random_parts("q4", 32, 64, 5))]
@@ -281,7 +283,7 @@ def test_kernel_choice_is_kept_and_measured_again_when_unreadable(tmp_path, monk
 @pytest.mark.slow
 def test_auto_quantization_follows_the_measured_choice(monkeypatch):
     """--quantization auto (the default for a GGUF): quantized where measured faster, dense where not."""
-    from pagedllm.model import kernel_choice
+    from pagedllm.model.kernels import kernel_choice
 
     fast = {1: 0.2, 8: 0.6, 64: 3.0, 256: 12.0}
     for dense_1, want in ((0.5, "gguf"), (0.1, "none")):

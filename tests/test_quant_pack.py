@@ -9,8 +9,8 @@ import pytest
 from kernel_helpers import needs_kernel
 from test_gguf_types import random_blocks
 
-from pagedllm.model import quant
-from pagedllm.model.gguf_quants import GGML_TYPES, from_gguf_blocks
+from pagedllm.model.formats.gguf_quants import GGML_TYPES, from_gguf_blocks
+from pagedllm.model.kernels import quant_linear as quant
 
 pytestmark = needs_kernel
 

@@ -267,7 +267,7 @@ def test_shared_prefix_is_all_but_the_question_on_token_ids(tokenizer, layout):
 def test_stream_openai_parses_sse():
     import httpx
 
-    from pagedllm.rag.generate import Answer, stream_openai
+    from pagedllm.rag.answer import Answer, stream_openai
 
     seen = {}
 
@@ -325,7 +325,7 @@ def test_engine_prefix_cache_serves_canonical_prefix(tokenizer):
     import pydoc_data.topics
 
     from pagedllm.engine import EngineConfig, LLMEngine
-    from pagedllm.rag.generate import Answer, stream_engine
+    from pagedllm.rag.answer import Answer, stream_engine
     from pagedllm.sampling_params import SamplingParams
 
     def count(s):
@@ -473,7 +473,7 @@ def test_ask_lists_its_sources_best_match_first_and_samples_with_its_penalties(r
     --frequency-penalty (benchmarks/rag_ask_penalties.py measures which defaults stop the default model looping)."""
     import re
 
-    import pagedllm.rag.generate as generate
+    import pagedllm.rag.answer as generate
     from pagedllm.entrypoints.cli import main
     from pagedllm.entrypoints.rag import FREQUENCY_PENALTY, REPETITION_PENALTY
     from pagedllm.rag.pipeline import RagPipeline

@@ -128,8 +128,8 @@ def test_cluster_health_and_kv_are_their_declared_models():
     from fastapi.testclient import TestClient
 
     from pagedllm.cluster.app import cluster_routes
-    from pagedllm.cluster.metrics import sum_stats
     from pagedllm.cluster.replica import ReplicaReport
+    from pagedllm.cluster.replica_metrics import sum_stats
     from pagedllm.server.errors import install_error_handlers
 
     stats = replace(sum_stats([]), num_blocks=8, num_free_blocks=6, block_size=16, num_running=1)

@@ -23,7 +23,7 @@ from pagedllm.engine import EngineConfig, LLMEngine
 from pagedllm.kv.hashing import hash_full_blocks
 from pagedllm.kv.sizing import window_blocks
 from pagedllm.model import ModelRunner, SeqChunk, load_model
-from pagedllm.model.attention import AttentionSpec
+from pagedllm.model.layers.attention import AttentionSpec
 
 WINDOW, PROMPT, NEW = 24, 200, 40
 BLOCK = 16

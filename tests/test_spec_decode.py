@@ -83,7 +83,7 @@ def test_cli_bad_speculative_config_is_one_line(capsys):
 
 
 def test_acceptance_counts_and_metrics_use_vllm_names():
-    from pagedllm.bench.metrics import parse_spec_decode_counters, spec_decode_delta
+    from pagedllm.bench.serve_metrics import parse_spec_decode_counters, spec_decode_delta
     from pagedllm.engine.metrics import PrometheusStatLogger
     from pagedllm.engine.stats import EngineStats
 

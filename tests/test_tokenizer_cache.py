@@ -10,8 +10,8 @@ import os
 
 import pytest
 
-from pagedllm.model.cache import MANIFEST, seal_folder, sealed_folder_problem
 from pagedllm.model.default_model import default_model_path
+from pagedllm.model.formats.cache import MANIFEST, seal_folder, sealed_folder_problem
 from pagedllm.model.tokenizer import gguf_tokenizer_folder
 
 REQUIRED = ("a.json",)

@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 
 from pagedllm.bench.datasets import SampleRequest
-from pagedllm.bench.metrics import RequestResult
+from pagedllm.bench.serve_metrics import RequestResult
 from pagedllm.errors import UserError
 from pagedllm.sse import SSEError, aiter_events
 

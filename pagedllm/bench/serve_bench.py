@@ -22,7 +22,7 @@ from pagedllm.bench.client import (
     run_load,
     send_request,
 )
-from pagedllm.bench.metrics import (
+from pagedllm.bench.serve_metrics import (
     METRICS,
     compute_metrics,
     parse_goodput,

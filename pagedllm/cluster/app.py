@@ -18,8 +18,8 @@ from ray import serve
 from pagedllm.cluster.config import ClusterConfig
 from pagedllm.cluster.ingress import ClusterEngine, IngressSettings, call, wait_for_info
 from pagedllm.cluster.loopback import replica_grpc_on_loopback
-from pagedllm.cluster.metrics import sum_stats, with_replica_labels
 from pagedllm.cluster.replica import EngineReplica, ReplicaReport, ReplicaSettings
+from pagedllm.cluster.replica_metrics import sum_stats, with_replica_labels
 from pagedllm.cluster.routing import ROUTERS, apply_events, router_for, router_key
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.metrics import CONTENT_TYPE

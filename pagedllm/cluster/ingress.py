@@ -18,8 +18,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedllm.cluster.metrics import sum_stats
 from pagedllm.cluster.replica import ReplicaInfo, ReplicaReport
+from pagedllm.cluster.replica_metrics import sum_stats
 from pagedllm.cluster.router import REPLICA_KW
 from pagedllm.cluster.routing import PROMPT_KW, ROUTERS, SALT_KW, router_key
 from pagedllm.engine.async_engine import EngineDeadError, EngineShuttingDownError, RequestAbortedError
@@ -73,7 +73,7 @@ class ClusterStream:
 
 @dataclass
 class ClusterEngine:
-    """An `AsyncEngine` (engine/protocol.py) over a deployment of `EngineReplica`s (see the module docstring)."""
+    """An `AsyncEngine` (engine/interfaces.py) over a deployment of `EngineReplica`s (see the module docstring)."""
 
     handle: Any  # ray.serve.handle.DeploymentHandle of the replicas
     tokenizer: Tokenizer

@@ -30,9 +30,9 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from pagedllm.engine.interfaces import EngineCore
 from pagedllm.engine.metrics import PrometheusStatLogger
 from pagedllm.engine.outputs import RequestOutput
-from pagedllm.engine.protocol import EngineCore
 from pagedllm.engine.stats import AbortLog, EngineStats
 from pagedllm.errors import UserError
 from pagedllm.model.config import ModelConfig

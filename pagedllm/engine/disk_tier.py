@@ -15,7 +15,7 @@ import re
 import torch
 
 from pagedllm.kv.offload import DiskKVTier, open_folder, read_regular_file, write_new_file
-from pagedllm.model.cache import cache_dir_for
+from pagedllm.model.formats.cache import cache_dir_for
 from pagedllm.model.loader import LoadedModel
 from pagedllm.model.runner import ModelRunner
 

@@ -33,7 +33,7 @@ from pagedllm.kv.events import KVEventLog
 from pagedllm.kv.hashing import segment_root
 from pagedllm.kv.manager import PagedKVCacheManager, make_kv_cache_manager
 from pagedllm.kv.offload import DiskKVTier
-from pagedllm.model.kv_quant import QUANT_KV_DTYPES
+from pagedllm.model.kernels.kv_quant import QUANT_KV_DTYPES
 from pagedllm.model.loader import DTYPES, LoadedModel, load_model
 from pagedllm.model.runner import ModelRunner, SeqChunk
 from pagedllm.model.sampler import SampleResult, token_logprobs

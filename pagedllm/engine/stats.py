@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.spec_decode import SpecDecodeStats
 from pagedllm.kv.manager import KVCacheManager
-from pagedllm.model.moe import ExpertLoad
+from pagedllm.model.layers.moe import ExpertLoad
 
 logger = logging.getLogger("pagedllm")
 

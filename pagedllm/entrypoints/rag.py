@@ -194,7 +194,7 @@ def _print_sources(hits) -> None:
 def _answer_stream(ask: RagAskConfig, args, messages: list[dict], answer) -> Iterator[str]:
     """The answer's text deltas: from --base-url's server, or an engine loaded here; with --repetition-penalty
     and --frequency-penalty, whose defaults keep the small default model from looping."""
-    from pagedllm.rag.generate import stream_engine, stream_openai
+    from pagedllm.rag.answer import stream_engine, stream_openai
 
     if ask.base_url:
         return stream_openai(
@@ -222,7 +222,7 @@ def _answer_stream(ask: RagAskConfig, args, messages: list[dict], answer) -> Ite
 
 
 def cmd_ask(args) -> int:
-    from pagedllm.rag.generate import Answer
+    from pagedllm.rag.answer import Answer
     from pagedllm.rag.pipeline import RagPipeline
 
     ask = from_args(RagAskConfig, args)

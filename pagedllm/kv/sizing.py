@@ -24,7 +24,8 @@ CPU_KV_SHARE = 0.5
 # KV-cache dtypes (--kv-cache-dtype) -> bytes per value; the quantized ones add a bfloat16 scale per (token, KV head)
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
 QUANTIZED_KV = ("int8", "fp8", "fp8_e4m3", "fp8_e5m2")
-KV_SCALE_BYTES = 2  # a quantized cache's one bfloat16 scale per key (or value) vector of a KV head (model/kv_quant.py)
+# a quantized cache's one bfloat16 scale per key (or value) vector of a KV head (model/kernels/kv_quant.py)
+KV_SCALE_BYTES = 2
 
 
 _BYTE_SIZE = TypeAdapter(ByteSize)

@@ -435,7 +435,7 @@ def load_model_config(model: str | None = None) -> ModelConfig:
         gen = _read_json(gen_path) if os.path.isfile(gen_path) else None
         return config_from_hf_dict(_read_json(cfg_path), cfg_path, gen)
     if is_gguf(path):
-        from pagedllm.model.gguf_file import GGUFFile
+        from pagedllm.model.formats.gguf_file import GGUFFile
 
         with GGUFFile(path) as f:
             return config_from_gguf(f.header(), path)

@@ -22,14 +22,14 @@ from typing import Any
 import numpy as np
 import torch
 
-import pagedllm.model.cpu_kernel as cpu_kernel
-import pagedllm.model.kv_quant as kv_quant
-from pagedllm.model.attention import StepIndex, group_step_index
+import pagedllm.model.kernels.cpu_kernel as cpu_kernel
+import pagedllm.model.kernels.kv_quant as kv_quant
 from pagedllm.model.config import ModelConfig
-from pagedllm.model.decoder import CausalLM, DecoderLayer
-from pagedllm.model.layers import RMSNorm
-from pagedllm.model.linear import Linear
-from pagedllm.model.quant import FORMATS, QuantWeight, bf16_kernel, log_once
+from pagedllm.model.kernels.quant_linear import FORMATS, QuantWeight, bf16_kernel, log_once
+from pagedllm.model.layers.attention import StepIndex, group_step_index
+from pagedllm.model.layers.common import RMSNorm
+from pagedllm.model.layers.decoder import CausalLM, DecoderLayer
+from pagedllm.model.layers.linear import Linear
 
 # the C structures (csrc/model_step.h), read from the header itself; cpu_kernel.load() checks their sizes
 _STRUCTS = cpu_kernel.c_structs("model_step.h")

@@ -24,13 +24,13 @@ from typing import Any
 
 import torch
 
-import pagedllm.model.cpu_kernel as cpu_kernel
-import pagedllm.model.kernel_choice as kernel_choice
+import pagedllm.model.kernels.cpu_kernel as cpu_kernel
+import pagedllm.model.kernels.kernel_choice as kernel_choice
 from pagedllm.errors import ModelLoadError, UserError
 from pagedllm.model.config import ModelConfig, is_gguf, load_model_config, resolve_model_path, with_overrides
-from pagedllm.model.decoder import CausalLM
-from pagedllm.model.kernel_choice import KernelChoice
-from pagedllm.model.quant import log_once
+from pagedllm.model.kernels.kernel_choice import KernelChoice
+from pagedllm.model.kernels.quant_linear import log_once
+from pagedllm.model.layers.decoder import CausalLM
 from pagedllm.model.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger("pagedllm.model")
@@ -117,7 +117,7 @@ def _fill(net: CausalLM, path: str, cfg: ModelConfig, quantization: str) -> None
     if os.path.isdir(path):
         assign_weights(net, iter_safetensors(path), path)
     elif is_gguf(path):
-        from pagedllm.model.gguf_file import GGUFFile
+        from pagedllm.model.formats.gguf_file import GGUFFile
 
         with GGUFFile(path) as gf:
             assign_weights(net, iter_gguf(gf, net, keep_quantized=quantization in ("gguf", "auto")), path)

@@ -72,7 +72,7 @@ def weight_count(cfg: ModelConfig, gguf_path: str | None = None) -> WeightCount:
 def _gguf_bytes(cfg: ModelConfig, path: str) -> tuple[int, int]:
     import gguf
 
-    from pagedllm.model.gguf_file import GGUFFile
+    from pagedllm.model.formats.gguf_file import GGUFFile
 
     total = read = 0
     share = cfg.num_experts_per_tok / cfg.num_experts if cfg.num_experts else 1.0

@@ -13,14 +13,14 @@ from dataclasses import dataclass
 
 import torch
 
-import pagedllm.model.kv_quant as kv_quant
+import pagedllm.model.kernels.kv_quant as kv_quant
 from pagedllm.kv.kv_spec import KVCacheLayout
 from pagedllm.kv.sizing import kv_bytes_per_block
-from pagedllm.model.attention import AttentionMetadata, StepIndex, build_metadata, group_step_index
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.fused_step import FusedStep, fusable
+from pagedllm.model.layers.attention import AttentionMetadata, StepIndex, build_metadata, group_step_index
+from pagedllm.model.layers.rope import shift_rotary
 from pagedllm.model.loader import LoadedModel
-from pagedllm.model.rope import shift_rotary
 
 
 @dataclass

@@ -16,8 +16,8 @@ import tempfile
 from typing import Any
 
 from pagedllm.errors import ModelLoadError
-from pagedllm.model.cache import cache_dir_for, remove_cached, seal_folder, sealed_folder_problem
 from pagedllm.model.config import is_gguf, load_model_config, resolve_model_path
+from pagedllm.model.formats.cache import cache_dir_for, remove_cached, seal_folder, sealed_folder_problem
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 logger = logging.getLogger(__name__)

@@ -30,13 +30,13 @@ import torch
 from torch import nn
 
 from pagedllm.errors import ModelLoadError
-from pagedllm.model.decoder import CausalLM
 from pagedllm.model.families import Family, by_architecture
 from pagedllm.model.families.base import Unfuse
-from pagedllm.model.gguf_file import GGUFFile
-from pagedllm.model.gguf_quants import GGML_TYPES, from_gguf_blocks
-from pagedllm.model.linear import Embedding, Linear
-from pagedllm.model.quant import QuantParts, log_once, pack, pack_merged, quantize_rtn
+from pagedllm.model.formats.gguf_file import GGUFFile
+from pagedllm.model.formats.gguf_quants import GGML_TYPES, from_gguf_blocks
+from pagedllm.model.kernels.quant_linear import QuantParts, log_once, pack, pack_merged, quantize_rtn
+from pagedllm.model.layers.decoder import CausalLM
+from pagedllm.model.layers.linear import Embedding, Linear
 
 CHUNK_BYTES = 64 << 20  # float32 bytes of a dense GGUF matrix dequantized at a time
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pagedllm.errors import UserError
 from pagedllm.rag import DEFAULT_INDEX
-from pagedllm.rag.generate import Answer, stream_engine, stream_openai
+from pagedllm.rag.answer import Answer, stream_engine, stream_openai
 from pagedllm.rag.layout import LAYOUTS, Popularity, build_messages
 from pagedllm.rag.pipeline import RagPipeline
 from pagedllm.rag.workload import zipf_questions

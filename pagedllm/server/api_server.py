@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from pagedllm.engine.interfaces import AsyncEngine
 from pagedllm.engine.pooling import PoolerConfig
-from pagedllm.engine.protocol import AsyncEngine
 from pagedllm.server import (
     serving_chat,
     serving_completion,

@@ -21,8 +21,8 @@ from fastapi.responses import JSONResponse
 
 from pagedllm.engine.async_engine import RequestAbortedError
 from pagedllm.engine.blend import check_segments
+from pagedllm.engine.interfaces import AsyncEngine
 from pagedllm.engine.outputs import CompletionOutput, RequestOutput
-from pagedllm.engine.protocol import AsyncEngine
 from pagedllm.sampling_params import MAX_N, PoolingParams, SamplingParams, SamplingParamsError
 from pagedllm.server.errors import APIError
 from pagedllm.server.protocol import (

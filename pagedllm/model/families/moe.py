@@ -1,7 +1,7 @@
 """What the mixture-of-experts families share: where a sparse block's tensors sit in an HF checkpoint, the 3-D
 tensors that hold every expert at once, and the config.json / GGUF keys every MoE family reads alike.
 
-Slots of a sparse block (the decoder's `SparseMoE`, model/moe.py), under "model.layers.N.":
+Slots of a sparse block (the decoder's `SparseMoE`, model/layers/moe.py), under "model.layers.N.":
 - `router`: the gate over the experts [experts, hidden] (and its bias, gpt-oss);
 - `experts_gate_up` / `experts_down`: one expert's weights, `{e}` standing for its number (gate and up are
   merged into one matmul per expert at load, as the dense MLP's are);

@@ -23,8 +23,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-import pagedllm.model.cpu_kernel as cpu_kernel
-import pagedllm.model.kv_quant as kv_quant
+import pagedllm.model.kernels.cpu_kernel as cpu_kernel
+import pagedllm.model.kernels.kv_quant as kv_quant
 from pagedllm.model.config import ModelConfig
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedllm.model.quant import QuantWeight, qlinear
+from pagedllm.model.kernels.quant_linear import QuantWeight, qlinear
 
 BATCH_HINT = 64  # the step size oneDNN tunes its layout for; any number of rows works
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-import pagedllm.model.cpu_kernel as cpu_kernel
-from pagedllm.model.quant import FORMATS, QuantParts, QuantWeight, _tiles, col_bytes
+import pagedllm.model.kernels.cpu_kernel as cpu_kernel
+from pagedllm.model.kernels.quant_linear import FORMATS, QuantParts, QuantWeight, _tiles, col_bytes
 
 # moe.h's activation kinds, by the names the families give them
 ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "swigluoai": 2}

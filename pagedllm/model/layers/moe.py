@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-import pagedllm.model.cpu_kernel as cpu_kernel
+import pagedllm.model.kernels.cpu_kernel as cpu_kernel
 from pagedllm.model.config import ModelConfig
-from pagedllm.model.layers import GatedMLP, Glu
-from pagedllm.model.linear import Linear
-from pagedllm.model.moe_kernel import MoeExperts
-from pagedllm.model.quant import QuantWeight, log_once
+from pagedllm.model.kernels.moe_kernel import MoeExperts
+from pagedllm.model.kernels.quant_linear import QuantWeight, log_once
+from pagedllm.model.layers.common import GatedMLP, Glu
+from pagedllm.model.layers.linear import Linear
 
 
 def route(logits: torch.Tensor, k: int, kind: str, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

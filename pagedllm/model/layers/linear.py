@@ -1,7 +1,7 @@
 """Linear layers whose weight format is chosen once at load: a small "linear method" per layer (as vLLM's).
 
 A checkpoint's matmul weight ends up in one of three forms: dense (a torch parameter, any device), packed (the
-same weights in oneDNN's layout, on CPU: cpu_linear.py) or quantized (GGUF blocks or round-to-nearest codes run
+same weights in oneDNN's layout, on CPU: onednn_linear.py) or quantized (GGUF blocks or round-to-nearest codes run
 by the C kernels: quant.py). The loader picks the form once per layer; every call site is then `layer(x)`,
 and the fused C step reads the quantized tiles from the same objects.
 """
@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.model.cpu_linear import pack
-from pagedllm.model.quant import QuantWeight, qlinear, qrows
+from pagedllm.model.kernels.onednn_linear import pack
+from pagedllm.model.kernels.quant_linear import QuantWeight, qlinear, qrows
 
 
 def empty_param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
@@ -50,7 +50,7 @@ class DenseMethod(LinearMethod):
 
 
 class PackedMethod(LinearMethod):
-    """The weight reordered once into oneDNN's blocked layout (see cpu_linear.py for why)."""
+    """The weight reordered once into oneDNN's blocked layout (see onednn_linear.py for why)."""
 
     def __init__(self, packed: torch.Tensor) -> None:
         self.packed = packed

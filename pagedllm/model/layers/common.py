@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.model.linear import Linear, empty_param
+from pagedllm.model.layers.linear import Linear, empty_param
 
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
-import pagedllm.model.cpu_kernel as cpu_kernel
-from pagedllm.model.quant import K_FORMATS, SUPER, QuantParts, QuantWeight, log_once, pack_experts
+import pagedllm.model.kernels.cpu_kernel as cpu_kernel
+from pagedllm.model.kernels.quant_linear import K_FORMATS, SUPER, QuantParts, QuantWeight, log_once, pack_experts
 
 # GGML type number -> name; the types kept quantized (`iter_gguf`)
 GGML_TYPES = {

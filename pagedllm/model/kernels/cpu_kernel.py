@@ -37,7 +37,7 @@ from typing import Any
 
 import torch  # before the kernel loads, so its libgomp resolves to the one torch has already loaded
 
-import pagedllm.model.kv_quant as kv_quant
+import pagedllm.model.kernels.kv_quant as kv_quant
 
 log = logging.getLogger("pagedllm.model")
 

@@ -43,9 +43,9 @@ from typing import Any
 
 import torch
 
-import pagedllm.model.cpu_kernel as cpu_kernel
-from pagedllm.model.cpu_linear import linear, pack
-from pagedllm.model.quant import QuantWeight, bf16_kernel, qlinear, qrows
+import pagedllm.model.kernels.cpu_kernel as cpu_kernel
+from pagedllm.model.kernels.onednn_linear import linear, pack
+from pagedllm.model.kernels.quant_linear import QuantWeight, bf16_kernel, qlinear, qrows
 
 log = logging.getLogger("pagedllm.model")
 

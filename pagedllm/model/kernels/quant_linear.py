@@ -32,7 +32,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-import pagedllm.model.cpu_kernel as cpu_kernel
+import pagedllm.model.kernels.cpu_kernel as cpu_kernel
 
 log = logging.getLogger("pagedllm.model")
 _said: set[str] = set()

@@ -5,7 +5,7 @@
 
 /* What a KV cache holds: float32, bfloat16, or one-byte codes with one bfloat16 scale per (token, KV head) row
  * (llama.cpp's q8_0 cache, ik_llama's Q8_KV): D codes then the scale, the row rotated by kv_rotate before it was
- * quantized (model/kv_quant.py). */
+ * quantized (model/kernels/kv_quant.py). */
 enum { KV_F32, KV_BF16, KV_INT8, KV_FP8_E4M3, KV_FP8_E5M2 };
 static inline int kv_row_bytes(int D) { return D + 2; }
 

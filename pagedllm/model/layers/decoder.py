@@ -17,13 +17,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedllm.model.attention import AttentionMetadata, AttentionSpec, PagedAttentionBackend, make_attention_backend
 from pagedllm.model.config import ModelConfig
-from pagedllm.model.layers import AttentionSinks, GatedMLP, RMSNorm
-from pagedllm.model.linear import Embedding, Linear
-from pagedllm.model.moe import ExpertLoad, SparseMoE
-from pagedllm.model.quant import QuantWeight
-from pagedllm.model.rope import RotaryEmbedding, apply_rotary
+from pagedllm.model.kernels.quant_linear import QuantWeight
+from pagedllm.model.layers.attention import (
+    AttentionMetadata,
+    AttentionSpec,
+    PagedAttentionBackend,
+    make_attention_backend,
+)
+from pagedllm.model.layers.common import AttentionSinks, GatedMLP, RMSNorm
+from pagedllm.model.layers.linear import Embedding, Linear
+from pagedllm.model.layers.moe import ExpertLoad, SparseMoE
+from pagedllm.model.layers.rope import RotaryEmbedding, apply_rotary
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
 
@@ -180,7 +185,7 @@ class CausalLM(nn.Module):
             self.lm_head.set_quantized(self.embed.quant)
 
     def pack_cpu_weights(self) -> None:
-        """Pack every dense matmul weight for oneDNN (see cpu_linear.py); the embedding table stays as it is for
+        """Pack every dense matmul weight for oneDNN (see onednn_linear.py); the embedding table stays as it is for
         lookups, and a tied LM head gets its own packed copy."""
         for lin in self.linears():
             lin.pack_for_cpu()

@@ -1,0 +1,2 @@
+"""The decoder and its parts: attention over the paged cache, RoPE, linear layers, norms and MLPs, the MoE
+block."""

@@ -22,8 +22,8 @@ test: $(STAMP) browser lint
 
 # Lint, format and types before the tests: any finding fails the run (configuration in pyproject.toml).
 lint: $(STAMP)
-	$(VENV)/bin/ruff check pagedllm tests benchmarks
-	$(VENV)/bin/ruff format --check pagedllm tests benchmarks
+	$(VENV)/bin/ruff check pagedllm tests benchmarks devkit
+	$(VENV)/bin/ruff format --check pagedllm tests benchmarks devkit
 	$(VENV)/bin/mypy
 
 # The /kv page test drives Debian's headless Chromium (no browser download is reachable): install it as root,

@@ -20,7 +20,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from family_helpers import (
+
+from devkit.family_helpers import (
     _decode,
     _encode,
     _metadata,

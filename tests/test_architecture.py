@@ -243,3 +243,17 @@ def test_no_function_over_60_lines():
                 if lines > MAX_FUNCTION_LINES:
                     long.append(f"{path.relative_to(ROOT.parent)}:{node.lineno} {node.name}() is {lines} lines")
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(long)
+
+
+def test_benchmarks_and_devkit_never_import_the_tests():
+    """The benchmarks and the tests share devkit/ (synthetic checkpoints, blocks, the browser); neither a
+    benchmark nor devkit reaches into tests/, and no benchmark edits sys.path to find a module."""
+    repo = ROOT.parent
+    test_modules = {p.stem for p in (repo / "tests").glob("*.py")}
+    bad = []
+    for path in sorted((repo / "benchmarks").rglob("*.py")) + sorted((repo / "devkit").rglob("*.py")):
+        text = path.read_text()
+        bad += [f"{path.relative_to(repo)}:{line} imports {m}" for line, m, _ in _imports(path) if m in test_modules]
+        if "sys.path.insert" in text:
+            bad.append(f"{path.relative_to(repo)} edits sys.path")
+    assert not bad, "\n".join(bad)

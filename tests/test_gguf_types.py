@@ -18,8 +18,9 @@ import ctypes
 import numpy as np
 import pytest
 import torch
-from kernel_helpers import needs_kernel, random_blocks
+from kernel_helpers import needs_kernel
 
+from devkit.ggml_blocks import random_blocks
 from pagedllm.model import ModelRunner, SeqChunk, loader
 from pagedllm.model.formats.gguf_quants import GGML_TYPES, block_shape, experts_from_gguf, from_gguf_blocks
 from pagedllm.model.kernels import cpu_kernel

@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_helpers import assert_all_blocks_free, run_all
-from model_helpers import VOCAB, save_tiny_tokenizer
+from model_helpers import VOCAB
 
+from devkit.tiny_tokenizer import save_tiny_tokenizer
 from pagedllm import SamplingParams
 from pagedllm.engine import EngineConfig, LLMEngine
 from pagedllm.kv.kv_spec import kv_cache_layout, kv_sources
@@ -199,10 +200,10 @@ def gemma3_q8(gemma3, tmp_path_factory):
     the values the file stands for."""
     import copy
 
-    from family_helpers import write_gguf
     from transformers import AutoModelForCausalLM
 
     import pagedllm.model.tokenizer as tokenizer_module
+    from devkit.family_helpers import write_gguf
 
     folder, prompts, _ = gemma3
     path = str(tmp_path_factory.mktemp("gemma3_q8") / "tiny-gemma3.q8_0.gguf")

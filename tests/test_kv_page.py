@@ -17,9 +17,9 @@ from pathlib import Path
 import httpx
 import pytest
 from engine_helpers import kv_budget
-from kv_pool import busy_engine
 from server_helpers import StepHold
 
+from devkit.kv_pool import busy_engine
 from pagedllm.server.kv_page import KVBlockDetail, KVBlocksResponse
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -64,7 +64,7 @@ def server(model_fp32):
 @pytest.fixture(scope="module")
 def browser():
     """Chromium from the system; missing, the test fails and says how to get it (no silent skip)."""
-    from browser import BrowserMissing, chromium_driver
+    from devkit.browser import BrowserMissing, chromium_driver
 
     try:
         driver = chromium_driver()

@@ -146,7 +146,7 @@ def test_a_100k_block_pool_is_aggregated_into_cells():
     ids = rng.permutation(100_000)[:30_000].tolist()
     tables = [ids[i : i + 300] for i in range(0, 30_000, 300)]
     snap = synthetic(100_000, tables, [300 * 16 - 5] * len(tables))  # each request's last block has 5 empty slots
-    m = block_map(snap, max_cells=8192)  # its cost is benchmarks/kv_snapshot_cost.py's, never a bound here
+    m = block_map(snap, max_cells=8192)  # its cost is benchmarks/kv/page_cost.py's, never a bound here
     per_cell, cells, columns = grid(100_000, 8192)
     assert m["map"]["blocks_per_cell"] == per_cell == 13 and len(m["map"]["counts"]) == cells <= 8192
     assert len(m["map"]["state"]) == len(m["map"]["ref"]) == cells and max(m["map"]["ref"]) == 1

@@ -1,5 +1,5 @@
 """Every supported family, from its HF folder and from GGUF files written as llama.cpp's converter writes them (F32,
-F16, Q8_0, Q4_0), against transformers in float32 on tiny random checkpoints (tests/family_helpers.py).
+F16, Q8_0, Q4_0), against transformers in float32 on tiny random checkpoints (devkit/family_helpers.py).
 
 The reference of a GGUF is the same transformers model holding the file's (dequantized) values, so each format
 is held to float32 accuracy. Sequences run past the original context of the scaled RoPE types (64 tokens
@@ -16,10 +16,11 @@ import random
 
 import pytest
 import torch
-from family_helpers import CHAT_TEMPLATE, FAMILIES, ORIG_CTX, SPECS, make_family, write_gguf
-from model_helpers import all_logits, save_tiny_tokenizer
+from model_helpers import all_logits
 
 import pagedllm.model.tokenizer as tokenizer_module
+from devkit.family_helpers import CHAT_TEMPLATE, FAMILIES, ORIG_CTX, SPECS, make_family, write_gguf
+from devkit.tiny_tokenizer import save_tiny_tokenizer
 from pagedllm import SamplingParams
 from pagedllm.engine import EngineConfig, LLMEngine
 from pagedllm.errors import ModelLoadError
@@ -352,7 +353,7 @@ def test_transformers_reads_our_gguf_as_we_do(family, tmp_path):
     """transformers' own GGUF loader as a second reference, where it reads the file completely: the same logits
     from the Q8_0 file. (It ignores llama.cpp's rope_freqs and yarn keys, and refuses Qwen3 / Phi-3 files, so
     the scaled types are checked against the HF folder above and against llama.cpp by
-    benchmarks/family_parity_llamacpp.py.)"""
+    benchmarks/serving/family_parity_llamacpp.py.)"""
     from transformers import AutoModelForCausalLM
 
     make_family(family, str(tmp_path / "hf"))

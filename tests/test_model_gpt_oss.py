@@ -18,9 +18,9 @@ import random
 import numpy as np
 import pytest
 import torch
-from family_helpers import _decode, _encode, _metadata, _randomize, _tokenizer_metadata, save_tokenizer
 from model_helpers import all_logits
 
+from devkit.family_helpers import _decode, _encode, _metadata, _randomize, _tokenizer_metadata, save_tokenizer
 from pagedllm import SamplingParams
 from pagedllm.engine import EngineConfig, LLMEngine
 from pagedllm.kv import kv_bytes_per_token

@@ -16,8 +16,9 @@ from functools import cache
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_helpers import needs_kernel, random_blocks
+from kernel_helpers import needs_kernel
 
+from devkit.ggml_blocks import random_blocks
 from pagedllm.model.formats.gguf_quants import from_gguf_blocks
 from pagedllm.model.kernels import cpu_kernel
 from pagedllm.model.kernels.moe_kernel import MoeExperts, stack

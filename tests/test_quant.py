@@ -34,7 +34,8 @@ def test_stored_blocks_dequantize_to_exactly_the_files_values(ggml_type):
     """gguf's dequantizer (what transformers uses) is the reference; the kernel's rows must equal it bit for bit
     (every other type: test_gguf_types.py)."""
     import gguf
-    from test_gguf_types import random_blocks
+
+    from devkit.ggml_blocks import random_blocks
 
     raw = random_blocks(ggml_type, 40, 96, ggml_type, scale=0.02)
     ref = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(ggml_type)).astype(np.float32))

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from kernel_helpers import needs_kernel
-from test_gguf_types import random_blocks
 
+from devkit.ggml_blocks import random_blocks
 from pagedllm.model.formats.gguf_quants import GGML_TYPES, from_gguf_blocks
 from pagedllm.model.kernels import quant_linear as quant
 

@@ -470,7 +470,7 @@ def test_server_rag_chat_endpoint_names_chunks_and_hits_the_cache(rag_index, mod
 def test_ask_lists_its_sources_best_match_first_and_samples_with_its_penalties(rag_index, monkeypatch, capsys):
     """issue 29.5: `rag ask` lists its sources in score order (best first), each with the number its excerpt has
     in the prompt (the layout's order, which the answer cites), and samples with its --repetition-penalty and
-    --frequency-penalty (benchmarks/rag_ask_penalties.py measures which defaults stop the default model looping)."""
+    --frequency-penalty (a one-off study, docs/benchmarks.md, measured which defaults stop the model looping)."""
     import re
 
     import pagedllm.rag.answer as generate

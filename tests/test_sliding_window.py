@@ -16,8 +16,9 @@ import pytest
 import torch
 from engine_helpers import assert_all_blocks_free, run_all
 from kernel_helpers import needs_kernel
-from model_helpers import VOCAB, all_logits, save_tiny_tokenizer
+from model_helpers import VOCAB, all_logits
 
+from devkit.tiny_tokenizer import save_tiny_tokenizer
 from pagedllm import SamplingParams
 from pagedllm.engine import EngineConfig, LLMEngine
 from pagedllm.kv.hashing import hash_full_blocks

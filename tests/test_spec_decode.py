@@ -302,9 +302,9 @@ TINY_NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max
 def tiny(tmp_path_factory):
     """A random 2-layer Llama with an 8-token vocabulary and weights large enough that its next-token
     distributions are peaked and depend on the context (so that drafts are sometimes right, sometimes not)."""
-    from model_helpers import save_tiny_tokenizer
     from transformers import AutoModelForCausalLM, LlamaConfig
 
+    from devkit.tiny_tokenizer import save_tiny_tokenizer
     from pagedllm.model import load_model
 
     folder = str(tmp_path_factory.mktemp("tiny-spec"))

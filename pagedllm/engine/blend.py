@@ -20,7 +20,7 @@ The prompt is thus a sequence of compute and copy spans processed in order: a co
 fused C step and speculation (which only starts once the prompt is done) run unchanged. Preemption frees the
 request's blocks and holds; re-admission plans again.
 
-Why the tokens nearest the question: measured outside the engine (benchmarks/kv_blend_variants.py, the same 8
+Why the tokens nearest the question: measured outside the engine (benchmarks/kv/blend_variants.py, the same 8
 questions x 16 positions, r = 0.15, passages stored in another order), they give 95.3% top-1 and KL 0.029,
 against 92.2% / 0.033 for EPIC's first tokens of each passage, 93.8% / 0.032 for CacheBlend's (layers 0-1 over
 every token, then the tokens whose layer-1 keys deviate most) and 91.4% / 0.035 for no recompute; the last tokens

@@ -73,9 +73,10 @@ def _add_search(sub: argparse._SubParsersAction) -> None:
     sp.set_defaults(func=cmd_search)
 
 
-# `rag ask`'s penalties, as benchmarks/rag_ask_penalties.py measured them on `rag bench`'s questions with the
-# default model (docs/benchmarks.md): greedy, 11 of 12 answers looped; repetition 1.1 left 1 of 12 and kept every
-# answer on its topic's key phrase (frequency 0.5: 5 loops; 1.15 with 0.3: none, but 2 answers off topic).
+# `rag ask`'s penalties, as a one-off study measured them on `rag bench`'s questions with the default model
+# (docs/benchmarks.md; `git show 6f12652:benchmarks/rag_ask_penalties.py`): greedy, 11 of 12 answers looped;
+# repetition 1.1 left 1 of 12 and kept every answer on its topic's key phrase (frequency 0.5: 5 loops; 1.15 with
+# 0.3: none, but 2 answers off topic).
 REPETITION_PENALTY = 1.1
 FREQUENCY_PENALTY = 0.0
 

@@ -1,0 +1,1 @@
+"""The C kernels alone, and where a step's time goes."""

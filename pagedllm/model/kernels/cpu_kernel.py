@@ -150,12 +150,30 @@ def _seal(path: Path) -> None:
 
 
 def _compile(cc: list[str], compile_flags: list[str], extra: list[str], out: Path) -> None:
-    """Compile and link SOURCES into the library `out` (in a folder of this build's own)."""
-    objs = []
-    run: dict[str, Any] = dict(check=True, capture_output=True, text=True, timeout=900)  # minutes on a busy machine
-    for name, flags in SOURCES:
-        objs.append(str(out.parent / (name + ".o")))
-        subprocess.run([*cc, *compile_flags, *flags, *extra, "-c", str(CSRC / name), "-o", objs[-1]], **run)
+    """Compile SOURCES side by side (one compiler per source: the build of a CPU class is the wait of the
+    slowest file, not of all of them in a row) and link them into the library `out` (in a folder of its own)."""
+    objs = [str(out.parent / (name + ".o")) for name, _ in SOURCES]
+    procs = [
+        subprocess.Popen(
+            [*cc, *compile_flags, *flags, *extra, "-c", str(CSRC / name), "-o", obj],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for (name, flags), obj in zip(SOURCES, objs)
+    ]
+    failed = None
+    for proc in procs:
+        try:
+            log, _ = proc.communicate(timeout=900)  # minutes on a busy machine
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            log, _ = proc.communicate()
+        if proc.returncode and failed is None:
+            failed = subprocess.CalledProcessError(proc.returncode, proc.args, output=log, stderr=log)
+    if failed is not None:
+        raise failed
+    run: dict[str, Any] = dict(check=True, capture_output=True, text=True, timeout=900)
     subprocess.run([*cc, *LINK, *extra, *objs, "-o", str(out), "-lm"], **run)
 
 

@@ -15,10 +15,10 @@ from engine_helpers import kv_budget
 from server_helpers import assert_pool_whole, running_server, sse_events
 
 from pagedllm.engine.outputs import CompletionOutput
-from pagedllm.server.protocol import ToolMode
 from pagedllm.server.reasoning import REASONING_PARSERS, ReasoningParser, reasoning_tokens
 from pagedllm.server.serving_chat import _message, _StreamedChoice
 from pagedllm.server.tool_parsers import TOOL_PARSERS, OpenAIToolParser, auto_parser
+from pagedllm.server.tools import ToolMode
 
 HARMONY = REASONING_PARSERS["openai_gptoss"]
 AUTO = ToolMode("auto")

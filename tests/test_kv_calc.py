@@ -154,10 +154,10 @@ def test_plot_draws_whole_above_paged_with_the_totals(tmp_path, monkeypatch):
     assert main(ARGS + ["--plot", str(tmp_path / "kv.png")]) == 0
     assert (tmp_path / "kv.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     whole, paged = drawn
-    assert whole["counters"]["slots_allocated"] == 32_768 and paged["counters"]["slots_allocated"] == 3_232
-    assert [r["row"][-1] for r in whole["requests"]][:2] == [["reserved", 1, 256 - 12], ["reserved", 1, 256 - 41]]
-    assert paged["requests"][0]["row"] == [["used", 1, 11], ["tail", 1, 1]]  # 180 tokens: the 12th has 12 empty
-    assert paged["requests"][3]["row"] == [["used", 1, 75]]  # 1,200 tokens fill 75 blocks exactly
+    assert whole.counters.slots_allocated == 32_768 and paged.counters.slots_allocated == 3_232
+    assert [r.row[-1] for r in whole.requests][:2] == [["reserved", 1, 256 - 12], ["reserved", 1, 256 - 41]]
+    assert paged.requests[0].row == [["used", 1, 11], ["tail", 1, 1]]  # 180 tokens: the 12th has 12 empty
+    assert paged.requests[3].row == [["used", 1, 75]]  # 1,200 tokens fill 75 blocks exactly
     lines = block_map_plot.plot_kv_calc([180, 650, 90, 1200, 300, 75, 420, 260], 16, 4096, str(tmp_path / "b.png"))
     assert lines == [
         "3,175 tokens used",

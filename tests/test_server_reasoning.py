@@ -251,8 +251,8 @@ def test_auto_tool_calls_are_parsed_from_the_content_after_the_thinking(parser, 
     from types import SimpleNamespace
 
     from pagedllm.engine.outputs import CompletionOutput
-    from pagedllm.server.protocol import ToolMode
     from pagedllm.server.serving_chat import _message, _StreamedChoice
+    from pagedllm.server.tools import ToolMode
 
     ctx = SimpleNamespace(
         engine=SimpleNamespace(tokenizer=SimpleNamespace(chat_template=None)), tool_call_parser="hermes"

@@ -18,8 +18,8 @@ import pytest
 from engine_helpers import kv_budget
 from server_helpers import KEY, assert_error, assert_pool_whole, running_server, sse_events
 
-from pagedllm.server.protocol import ToolMode, tool_schema
 from pagedllm.server.tool_parsers import HermesToolParser, RequiredToolParser, ToolParser, tool_parser
+from pagedllm.server.tools import ToolMode, tool_schema
 
 AUTO = ToolMode("auto")
 

@@ -16,7 +16,6 @@ from server_helpers import assert_error, assert_pool_whole, running_server, sse_
 from pagedllm.entrypoints.serve_args import add_serve_args, check_server_args
 from pagedllm.errors import UserError
 from pagedllm.server.config import TOOL_PARSER_NAMES
-from pagedllm.server.protocol import ToolMode
 from pagedllm.server.tool_parsers import (
     TOOL_PARSERS,
     HermesToolParser,
@@ -26,6 +25,7 @@ from pagedllm.server.tool_parsers import (
     ToolParser,
     auto_parser,
 )
+from pagedllm.server.tools import ToolMode
 
 AUTO = ToolMode("auto")
 

@@ -153,10 +153,11 @@ def per_poll_cost(pools: str, repeat: int) -> None:
     (requests of 300 blocks, half sharing a 1,000-token prefix, some finished so that their blocks stay cached in
     the free queue): `take_snapshot` (with the page's token memo, as GET /v1/kv/blocks?max_cells=8192 takes it:
     the part on the engine thread, between two steps; at two polls a second its share of that thread is the time
-    x 2), then `block_map` + `json.dumps` (the part on the server's event loop)."""
+    x 2), then `block_map` + its JSON through the route's response model (the part on the server's event loop)."""
     from devkit.kv_pool import busy_engine
     from pagedllm.engine.block_map import block_map
     from pagedllm.engine.kv_snapshot import BlockTokens, take_snapshot
+    from pagedllm.server.kv_page import kv_blocks_json
 
     for num_blocks in (int(x) for x in pools.split(",")):
         engine = busy_engine(num_blocks)
@@ -164,11 +165,11 @@ def per_poll_cost(pools: str, repeat: int) -> None:
         # As the page's poll (GET /v1/kv/blocks?max_cells=8192, no ?detail): no walk of the LRU queue.
         snap_best, snap_med, snap = timed(lambda: take_snapshot(engine, memo=memo, evict_order=False), repeat)
         map_best, map_med, m = timed(lambda: block_map(snap), repeat)
-        json_best, json_med, body = timed(lambda: json.dumps(m, separators=(",", ":")), repeat)
-        c = m["counters"]
+        json_best, json_med, body = timed(lambda: kv_blocks_json(m), repeat)
+        c = m.counters
         print(
-            f"{num_blocks:>7,} blocks ({c['num_used_blocks']:,} held, {c['num_shared_blocks']:,} shared, "
-            f"{c['num_evictable_blocks']:,} cached-free; {m['map']['blocks_per_cell']} per cell), best / median "
+            f"{num_blocks:>7,} blocks ({c.num_used_blocks:,} held, {c.num_shared_blocks:,} shared, "
+            f"{c.num_evictable_blocks:,} cached-free; {m.map.blocks_per_cell} per cell), best / median "
             f"ms: snapshot {1000 * snap_best:.1f} / {1000 * snap_med:.1f} on the engine thread "
             f"({200 * snap_best:.1f}% of it at 2 polls/s); layout {1000 * map_best:.1f} / {1000 * map_med:.1f} + "
             f"JSON {1000 * json_best:.1f} / {1000 * json_med:.1f} on the event loop; {len(body) / 1024:.0f} KiB"

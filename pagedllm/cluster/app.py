@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request, Response
+from pydantic import Field
 from ray import serve
 
 from pagedllm.cluster.config import ClusterConfig
@@ -24,7 +25,7 @@ from pagedllm.cluster.routing import ROUTERS, apply_events, router_for, router_k
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.metrics import CONTENT_TYPE
 from pagedllm.server.errors import ERROR_RESPONSES, error_response
-from pagedllm.server.protocol import ClusterHealthResponse, ClusterKVState, KVPool, ReplicaKV
+from pagedllm.server.protocol_info import HealthResponse, KVPool
 from pagedllm.server.serving_engine import json_response
 
 logger = logging.getLogger("pagedllm.cluster")
@@ -36,6 +37,20 @@ KV_EVENTS_POLL_S = 0.1  # kv-events routing: how often the ingress reads the rep
 MAX_PREFIX_BLOCKS = 64  # the router hashes a prompt's first 64 blocks (1,024 tokens of 16)
 
 cluster_routes = APIRouter()
+
+
+class ClusterHealthResponse(HealthResponse):
+    replicas: dict[str, str] = Field(description='each replica\'s state: "ok", or why not')
+
+
+class ReplicaKV(KVPool):
+    router_index_blocks: int | None = Field(description="what the router believes the replica caches")
+
+
+class ClusterKVState(KVPool):
+    routing: str | None
+    routing_decisions: dict[str, int]
+    replicas: dict[str, ReplicaKV]
 
 
 def _engine(request: Request) -> ClusterEngine:

@@ -1,9 +1,10 @@
 """The block map: what each KV block is, laid out as cells, for every picture of the cache.
 
-One layout, several painters: the server's /v1/kv/blocks route sends `block_map(...)` as JSON and the /kv page
-paints its cells on a canvas; `pagedllm bench sweep --plot` and `pagedllm kv-calc --plot` paint the same dict with
-matplotlib (pagedllm.bench.block_map_plot). So the states, their colours and the aggregation of a large pool
-into cells are decided here once, and a painter only maps cells to rectangles.
+One layout, several painters: the server's /v1/kv/blocks route answers `block_map(...)` through its response model
+(server/kv_page.py, the same field names) and the /kv page paints its cells on a canvas; `pagedllm bench sweep --plot`
+and `pagedllm kv-calc --plot` paint the same `BlockMap` with matplotlib (pagedllm.bench.block_map_plot). So the states,
+their colours and the aggregation of a large pool into cells are decided here once, and a painter only maps cells to
+rectangles.
 """
 
 from __future__ import annotations
@@ -35,6 +36,94 @@ LABELS = {
     "tail": "a request's last block, partly filled",
     "reserved": "reserved but empty (contiguous allocation)",
 }
+
+
+@dataclass
+class Counters:
+    """The pool's and the queues' counts at the snapshot (KVCounters in server/kv_page.py says each one)."""
+
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_evictable_blocks: int
+    num_used_blocks: int
+    num_shared_blocks: int
+    kv_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prefix_cache_hit_rate: float
+    num_preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
+    slots_allocated: int
+    tokens_stored: int
+    empty_slots: int
+
+
+@dataclass
+class Cells:
+    """What a painter needs per cell: a block, or a run of blocks when the pool does not fit in max_cells."""
+
+    blocks_per_cell: int
+    columns: int
+    states: list[str]
+    colors: dict[str, str]
+    labels: dict[str, str]
+    state: list[int]  # per cell: an index into `states` (a run's most common one)
+    ref: list[int]  # per cell: its block's ref count (a run's highest)
+    fill: list[int]  # per cell: token slots that hold a token
+    counts: list[list[int]] | None  # per cell of a run, its blocks of each state; None when a cell is one block
+
+
+@dataclass
+class BlockInfo:
+    """A block that is not plain free (with `detail`)."""
+
+    block_id: int
+    state: str
+    ref_cnt: int
+    hash: str | None  # first 16 hex digits of the prefix-cache key
+    evict_rank: int | None  # 0: evicted next
+    tokens: int
+    holders: list[int]  # indexes into BlockMap.requests
+
+
+@dataclass
+class RequestRow:
+    """A listed request and its block table as runs of equal (state, ref count)."""
+
+    request_id: str
+    status: str
+    prompt_tokens: int
+    output_tokens: int
+    cached_tokens: int
+    prefix_hit_blocks: int
+    kv_tokens: int
+    num_preemptions: int
+    block_ids: list[int]
+    skipped_blocks: int
+    row: list[list]  # [state, ref_cnt, blocks], in table order
+    slots: int
+    empty_slots: int
+
+
+@dataclass
+class BlockMap:
+    """The whole picture of one snapshot."""
+
+    time: float
+    step: int
+    allocation: str
+    block_size: int
+    num_blocks: int
+    prefix_caching: bool
+    kv_cache_dtype: str
+    kv_groups: list[dict]
+    counters: Counters
+    map: Cells
+    blocks: list[BlockInfo] | None
+    requests: list[RequestRow]
+    requests_omitted: int
 
 
 @dataclass
@@ -92,8 +181,8 @@ def grid(num_blocks: int, max_cells: int) -> tuple[int, int, int]:
     return per_cell, cells, columns
 
 
-def block_map(snap: KVSnapshot, max_cells: int = 8192, detail: bool = False) -> dict:
-    """The whole picture as a JSON-ready dict (its schema: KVBlocksResponse in server/kv_page.py).
+def block_map(snap: KVSnapshot, max_cells: int = 8192, detail: bool = False) -> BlockMap:
+    """The whole picture (the server answers it as KVBlocksResponse, server/kv_page.py).
 
     The map is what a painter needs per cell (state, ref count, filled slots, and the state counts of a cell that
     aggregates blocks); `detail` adds a record per block that is not plain free (hash, eviction rank, holders),
@@ -101,78 +190,73 @@ def block_map(snap: KVSnapshot, max_cells: int = 8192, detail: bool = False) -> 
     """
     tables = _tables(snap)
     ref, state, fill = _classify(snap, tables)
-    return {
-        "object": "kv.blocks",
-        "time": snap.time,
-        "step": snap.step,
-        "allocation": snap.allocation,
-        "block_size": snap.block_size,
-        "num_blocks": snap.num_blocks,
-        "prefix_caching": snap.prefix_caching,
-        "kv_cache_dtype": snap.kv_cache_dtype,
-        "kv_groups": snap.kv_groups,
-        "counters": _counters(snap, state, fill),
-        "map": _cells(snap.num_blocks, max_cells, ref, state, fill),
-        "blocks": _blocks(snap, state, fill) if detail else None,
-        "requests": [_request(r, row, snap.block_size) for r, row in zip(snap.requests, _row_runs(tables, ref, state))],
-        "requests_omitted": snap.num_waiting - sum(r.status != "running" for r in snap.requests),
-    }
+    return BlockMap(
+        time=snap.time,
+        step=snap.step,
+        allocation=snap.allocation,
+        block_size=snap.block_size,
+        num_blocks=snap.num_blocks,
+        prefix_caching=snap.prefix_caching,
+        kv_cache_dtype=snap.kv_cache_dtype,
+        kv_groups=snap.kv_groups,
+        counters=_counters(snap, state, fill),
+        map=_cells(snap.num_blocks, max_cells, ref, state, fill),
+        blocks=_blocks(snap, state, fill) if detail else None,
+        requests=[_request(r, row, snap.block_size) for r, row in zip(snap.requests, _row_runs(tables, ref, state))],
+        requests_omitted=snap.num_waiting - sum(r.status != "running" for r in snap.requests),
+    )
 
 
-def _cells(num_blocks: int, max_cells: int, ref: np.ndarray, state: np.ndarray, fill: np.ndarray) -> dict:
+def _cells(num_blocks: int, max_cells: int, ref: np.ndarray, state: np.ndarray, fill: np.ndarray) -> Cells:
     """Per cell: its (most common) state, highest ref count and filled slots; state counts if it holds a run."""
     per_cell, cells, columns = grid(num_blocks, max_cells)
-    out = {
-        "blocks_per_cell": per_cell,
-        "columns": columns,
-        "states": list(STATES),
-        "colors": COLORS,
-        "labels": LABELS,
-        "counts": None,
-    }
     if per_cell == 1:
-        return {**out, "state": state.tolist(), "ref": ref.tolist(), "fill": fill.tolist()}
+        return Cells(per_cell, columns, list(STATES), COLORS, LABELS, state.tolist(), ref.tolist(), fill.tolist(), None)
     cell_of = np.arange(num_blocks) // per_cell
     counts = np.bincount(cell_of * len(STATES) + state, minlength=cells * len(STATES)).reshape(cells, len(STATES))
     runs = np.zeros((2, cells * per_cell), dtype=np.int64)  # the last cell may be short: pad with free blocks
     runs[0, :num_blocks], runs[1, :num_blocks] = ref, fill
     by_cell = runs.reshape(2, cells, per_cell)
-    return {
-        **out,
-        "state": counts.argmax(axis=1).tolist(),
-        "ref": by_cell[0].max(axis=1).tolist(),
-        "fill": by_cell[1].sum(axis=1).tolist(),
-        "counts": counts.tolist(),
-    }
+    return Cells(
+        per_cell,
+        columns,
+        list(STATES),
+        COLORS,
+        LABELS,
+        state=counts.argmax(axis=1).tolist(),
+        ref=by_cell[0].max(axis=1).tolist(),
+        fill=by_cell[1].sum(axis=1).tolist(),
+        counts=counts.tolist(),
+    )
 
 
-def _counters(snap: KVSnapshot, state: np.ndarray, fill: np.ndarray) -> dict:
+def _counters(snap: KVSnapshot, state: np.ndarray, fill: np.ndarray) -> Counters:
     c = snap.counters
     held = state >= USED
     used = int(held.sum())
     stored = int(fill[held].sum())
     queries, hits = c.get("prefix_cache_queries", 0), c.get("prefix_cache_hits", 0)
-    return {
-        "num_running": sum(r.status == "running" for r in snap.requests),
-        "num_waiting": snap.num_waiting,
-        "num_free_blocks": int((state <= CACHED).sum()),
-        "num_evictable_blocks": int((state == CACHED).sum()),
-        "num_used_blocks": used,
-        "num_shared_blocks": int((state == SHARED).sum()),
-        "kv_usage": used / snap.num_blocks,
-        "prefix_cache_queries": queries,
-        "prefix_cache_hits": hits,
-        "prefix_cache_hit_rate": hits / queries if queries else 0.0,
-        "num_preemptions": c.get("num_preemptions", 0),
-        "prompt_tokens": c.get("prompt_tokens", 0),
-        "generation_tokens": c.get("generation_tokens", 0),
-        "slots_allocated": used * snap.block_size,
-        "tokens_stored": stored,
-        "empty_slots": used * snap.block_size - stored,
-    }
+    return Counters(
+        num_running=sum(r.status == "running" for r in snap.requests),
+        num_waiting=snap.num_waiting,
+        num_free_blocks=int((state <= CACHED).sum()),
+        num_evictable_blocks=int((state == CACHED).sum()),
+        num_used_blocks=used,
+        num_shared_blocks=int((state == SHARED).sum()),
+        kv_usage=used / snap.num_blocks,
+        prefix_cache_queries=queries,
+        prefix_cache_hits=hits,
+        prefix_cache_hit_rate=hits / queries if queries else 0.0,
+        num_preemptions=c.get("num_preemptions", 0),
+        prompt_tokens=c.get("prompt_tokens", 0),
+        generation_tokens=c.get("generation_tokens", 0),
+        slots_allocated=used * snap.block_size,
+        tokens_stored=stored,
+        empty_slots=used * snap.block_size - stored,
+    )
 
 
-def _blocks(snap: KVSnapshot, state: np.ndarray, fill: np.ndarray) -> list[dict]:
+def _blocks(snap: KVSnapshot, state: np.ndarray, fill: np.ndarray) -> list[BlockInfo]:
     """One entry per block that is not plain free: its ref count, short hash, eviction rank and holders."""
     holders: dict[int, list[int]] = {}
     for i, r in enumerate(snap.requests):
@@ -184,15 +268,15 @@ def _blocks(snap: KVSnapshot, state: np.ndarray, fill: np.ndarray) -> list[dict]
     for b in np.flatnonzero(state != FREE).tolist():
         h = hashes.get(b)
         out.append(
-            {
-                "block_id": b,
-                "state": STATES[state[b]],
-                "ref_cnt": snap.ref_cnt[b],
-                "hash": h.hex()[:16] if h is not None else None,
-                "evict_rank": rank.get(b),
-                "tokens": int(fill[b]),
-                "holders": holders.get(b, []),
-            }
+            BlockInfo(
+                block_id=b,
+                state=STATES[state[b]],
+                ref_cnt=snap.ref_cnt[b],
+                hash=h.hex()[:16] if h is not None else None,
+                evict_rank=rank.get(b),
+                tokens=int(fill[b]),
+                holders=holders.get(b, []),
+            )
         )
     return out
 
@@ -224,21 +308,21 @@ def expand_row(row: list[list]) -> list[tuple[str, int]]:
     return [(state, ref) for state, ref, n in row for _ in range(n)]
 
 
-def _request(r, row: list[list], block_size: int) -> dict:
+def _request(r, row: list[list], block_size: int) -> RequestRow:
     slots = len(r.block_ids) * block_size
     stored = r.kv_tokens - r.skipped_blocks * block_size  # the skipped blocks' tokens went back with them
-    return {
-        "request_id": r.request_id,
-        "status": r.status,
-        "prompt_tokens": r.prompt_tokens,
-        "output_tokens": r.output_tokens,
-        "cached_tokens": r.cached_tokens,
-        "prefix_hit_blocks": r.cached_tokens // block_size if r.block_ids else 0,
-        "kv_tokens": r.kv_tokens,
-        "num_preemptions": r.num_preemptions,
-        "block_ids": list(r.block_ids),
-        "skipped_blocks": r.skipped_blocks,
-        "row": row,
-        "slots": slots,
-        "empty_slots": slots - stored if r.block_ids else 0,
-    }
+    return RequestRow(
+        request_id=r.request_id,
+        status=r.status,
+        prompt_tokens=r.prompt_tokens,
+        output_tokens=r.output_tokens,
+        cached_tokens=r.cached_tokens,
+        prefix_hit_blocks=r.cached_tokens // block_size if r.block_ids else 0,
+        kv_tokens=r.kv_tokens,
+        num_preemptions=r.num_preemptions,
+        block_ids=list(r.block_ids),
+        skipped_blocks=r.skipped_blocks,
+        row=row,
+        slots=slots,
+        empty_slots=slots - stored if r.block_ids else 0,
+    )

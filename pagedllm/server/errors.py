@@ -23,9 +23,22 @@ from pagedllm.engine.async_engine import (
     TooManyWaitingRequestsError,
 )
 from pagedllm.errors import UserError
-from pagedllm.server.protocol import AnthropicError, AnthropicErrorResponse, ErrorInfo, ErrorResponse
+from pagedllm.server.protocol import ResponseModel
+from pagedllm.server.protocol_messages import AnthropicError, AnthropicErrorResponse
 
 logger = logging.getLogger("pagedllm.server")
+
+
+class ErrorInfo(ResponseModel):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorResponse(ResponseModel):
+    error: ErrorInfo
+
 
 _TYPES = {
     400: "BadRequestError",

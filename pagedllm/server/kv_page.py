@@ -1,10 +1,11 @@
 """The KV cache, live in a browser: GET /kv (the page) and GET /v1/kv/blocks (its data), as an APIRouter.
 
-The data route asks the engine thread for a snapshot between two steps (`AsyncLLMEngine.run_on_engine`), lays it
-out with pagedllm.engine.block_map and answers JSON; nothing runs while no page polls, so an unwatched server pays
-nothing. The data routes live under /v1/, so `--api-key` guards them like every other /v1 route. The page itself
-(HTML, JS, CSS, shipped as package data: no CDN, no build step) holds no data and is served without the key; it
-reads the key from the address's fragment (`/kv#key=...`, which browsers never send to a server) or asks for it.
+The data route asks the engine thread for a snapshot between two steps (`AsyncLLMEngine.run_on_engine`), lays it out
+with pagedllm.engine.block_map and answers it through `KVBlocksResponse`, the model /openapi.json declares; nothing runs
+while no page polls, so an unwatched server pays nothing. The data routes live under /v1/, so `--api-key` guards them
+like every other /v1 route. The page itself (HTML, JS, CSS, shipped as package data: no CDN, no build step) holds no
+data and is served without the key; it reads the key from the address's fragment (`/kv#key=...`, which browsers never
+send to a server) or asks for it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 
-from pagedllm.engine.block_map import block_map
+from pagedllm.engine.block_map import BlockMap, block_map
 from pagedllm.engine.kv_snapshot import BlockTokens, block_detail, take_snapshot
 from pagedllm.server.errors import ERROR_RESPONSES, APIError
 
@@ -131,6 +132,12 @@ class KVBlockDetail(BaseModel):
     text: str
 
 
+def kv_blocks_json(layout: BlockMap) -> str:
+    """The engine's block map as the route's answer: checked against `KVBlocksResponse`, then its JSON."""
+    body = KVBlocksResponse.model_validate({"object": "kv.blocks", **vars(layout)}, from_attributes=True)
+    return body.model_dump_json()
+
+
 def _int_param(name: str, text: str | None, default: int, low: int, high: int) -> int:
     if text is None:
         return default
@@ -173,7 +180,7 @@ async def kv_blocks(
         lambda e: take_snapshot(e, waiting, memo, evict_order=detail is not None),  # the LRU walk only if shown
         timeout=ENGINE_WAIT_S,
     )
-    return JSONResponse(block_map(snap, cells, detail=detail is not None))
+    return Response(kv_blocks_json(block_map(snap, cells, detail=detail is not None)), media_type="application/json")
 
 
 @router.get(

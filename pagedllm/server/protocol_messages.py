@@ -226,3 +226,15 @@ class MessageStreamEvent(ResponseModel):
     content_block: TextBlock | ToolUseBlock | None = None
     delta: dict[str, Any] | None = None
     usage: dict[str, int] | None = None
+
+
+class AnthropicError(ResponseModel):
+    type: str = Field(description="invalid_request_error, authentication_error, not_found_error, api_error, ...")
+    message: str
+
+
+class AnthropicErrorResponse(ResponseModel):
+    """Anthropic's error body, on /v1/messages."""
+
+    type: Literal["error"]
+    error: AnthropicError

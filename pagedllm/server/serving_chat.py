@@ -25,7 +25,8 @@ from pagedllm.engine.outputs import CompletionOutput, RequestOutput
 from pagedllm.errors import UserError
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.server.errors import ERROR_RESPONSES, APIError, from_errors
-from pagedllm.server.protocol import (
+from pagedllm.server.protocol import Usage
+from pagedllm.server.protocol_chat import (
     ChatChoice,
     ChatCompletionMessage,
     ChatCompletionRequest,
@@ -33,8 +34,6 @@ from pagedllm.server.protocol import (
     ChatCompletionStreamResponse,
     ChatStreamChoice,
     DeltaMessage,
-    ToolMode,
-    Usage,
 )
 from pagedllm.server.reasoning import ReasoningParser, State, reasoning_tokens
 from pagedllm.server.serving_engine import (
@@ -48,6 +47,7 @@ from pagedllm.server.serving_engine import (
 )
 from pagedllm.server.streaming import Chunks, Piece, SSEResponse, pieces, stream_schema
 from pagedllm.server.tool_parsers import ToolParser, auto_parser, tool_parser
+from pagedllm.server.tools import ToolMode
 
 router = APIRouter()
 

@@ -17,7 +17,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from pagedllm.engine.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.server.errors import ERROR_RESPONSES
-from pagedllm.server.protocol import (
+from pagedllm.server.protocol_completion import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,

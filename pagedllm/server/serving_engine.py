@@ -26,20 +26,17 @@ from pagedllm.engine.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import MAX_N, PoolingParams, SamplingParams, SamplingParamsError
 from pagedllm.server.errors import APIError
 from pagedllm.server.protocol import (
-    ChatChoiceLogprobs,
-    ChatLogprob,
-    ChatMessage,
-    CompletionLogprobs,
     CompletionTokensDetails,
-    KVBlend,
     PromptLogprob,
     PromptLogprobs,
     PromptTokensDetails,
     ResponseModel,
-    TopLogprob,
     Usage,
     finite_logprob,
 )
+from pagedllm.server.protocol_chat import ChatChoiceLogprobs, ChatLogprob, ChatMessage, TopLogprob
+from pagedllm.server.protocol_completion import CompletionLogprobs
+from pagedllm.server.protocol_sampling import KVBlend
 from pagedllm.server.reasoning import ReasoningFormat
 
 logger = logging.getLogger("pagedllm.server")

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.engine.metrics import CONTENT_TYPE
 from pagedllm.server.errors import ERROR_RESPONSES, error_response
-from pagedllm.server.protocol import HealthResponse, KVPool, KVState, ModelCard, ModelList
+from pagedllm.server.protocol_info import HealthResponse, KVPool, KVState, ModelCard, ModelList
 from pagedllm.server.serving_engine import ServingContext, serving
 
 router = APIRouter()

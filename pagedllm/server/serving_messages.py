@@ -14,7 +14,8 @@ from fastapi import APIRouter, Depends, Request, Response
 
 from pagedllm.server import serving_chat
 from pagedllm.server.errors import ANTHROPIC_ERROR_RESPONSES, APIError, anthropic_error_sse
-from pagedllm.server.protocol import ChatCompletionRequest, DeltaMessage, Usage
+from pagedllm.server.protocol import Usage
+from pagedllm.server.protocol_chat import ChatCompletionRequest, DeltaMessage
 from pagedllm.server.protocol_messages import (
     CHAT_FIELDS,
     AnthropicUsage,

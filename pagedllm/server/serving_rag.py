@@ -12,15 +12,9 @@ from fastapi import APIRouter, Depends, Request, Response
 from pagedllm.rag.layout import segmented_prompt
 from pagedllm.server import serving_chat
 from pagedllm.server.errors import ERROR_RESPONSES, APIError
-from pagedllm.server.protocol import (
-    ChatCompletionRequest,
-    ChatCompletionStreamResponse,
-    ChatMessage,
-    KVBlend,
-    RagChatCompletionResponse,
-    RagChunk,
-    RagInfo,
-)
+from pagedllm.server.protocol_chat import ChatCompletionRequest, ChatCompletionStreamResponse, ChatMessage
+from pagedllm.server.protocol_rag import RagChatCompletionResponse, RagChunk, RagInfo
+from pagedllm.server.protocol_sampling import KVBlend
 from pagedllm.server.serving_engine import ServingContext, cancel_on_disconnect, json_response, request_id, serving
 from pagedllm.server.streaming import stream_schema
 

@@ -15,7 +15,8 @@ from fastapi import APIRouter, Depends, Request, Response
 
 from pagedllm.server import serving_chat
 from pagedllm.server.errors import ERROR_RESPONSES, APIError
-from pagedllm.server.protocol import ChatCompletionRequest, DeltaMessage, Usage
+from pagedllm.server.protocol import Usage
+from pagedllm.server.protocol_chat import ChatCompletionRequest, DeltaMessage
 from pagedllm.server.protocol_responses import (
     CHAT_FIELDS,
     FunctionCallItem,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends
 
 from pagedllm.server.errors import ERROR_RESPONSES
-from pagedllm.server.protocol import (
+from pagedllm.server.protocol_tokenization import (
     DetokenizeRequest,
     DetokenizeResponse,
     TokenizeRequest,

@@ -19,14 +19,10 @@ from starlette.types import Receive, Scope, Send
 from pagedllm.engine.async_engine import EngineDeadError, RequestAbortedError
 from pagedllm.engine.outputs import CompletionOutput, RequestOutput
 from pagedllm.server.errors import APIError, error_sse
-from pagedllm.server.protocol import (
-    ChatCompletionStreamResponse,
-    ChatStreamChoice,
-    CompletionStreamChoice,
-    CompletionStreamResponse,
-    StreamOptions,
-    Usage,
-)
+from pagedllm.server.protocol import Usage
+from pagedllm.server.protocol_chat import ChatCompletionStreamResponse, ChatStreamChoice
+from pagedllm.server.protocol_completion import CompletionStreamChoice, CompletionStreamResponse
+from pagedllm.server.protocol_sampling import StreamOptions
 from pagedllm.server.serving_engine import EngineRequest, ServingContext
 
 logger = logging.getLogger("pagedllm.server")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import re
 
-from pagedllm.server.protocol import ToolMode
 from pagedllm.server.tool_parsers.abstract_tool_parser import ExtractedToolCalls, Scan, ScannedCall, ToolParser
 from pagedllm.server.tool_parsers.constrained import NamedToolParser, RequiredToolParser
 from pagedllm.server.tool_parsers.hermes_tool_parser import HermesToolParser
@@ -21,6 +20,7 @@ from pagedllm.server.tool_parsers.llama_tool_parser import Llama3JsonToolParser
 from pagedllm.server.tool_parsers.mistral_tool_parser import MistralToolParser
 from pagedllm.server.tool_parsers.openai_tool_parser import OpenAIToolParser
 from pagedllm.server.tool_parsers.pythonic_tool_parser import PythonicToolParser
+from pagedllm.server.tools import ToolMode
 
 # The "auto" formats by vLLM's --tool-call-parser names.
 TOOL_PARSERS: dict[str, type[ToolParser]] = {

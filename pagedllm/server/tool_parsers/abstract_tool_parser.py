@@ -14,14 +14,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.server.protocol import (
-    DeltaFunctionCall,
-    DeltaMessage,
-    DeltaToolCall,
-    FunctionCall,
-    ToolCall,
-    ToolMode,
-)
+from pagedllm.server.protocol_chat import DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall, ToolCall
+from pagedllm.server.tools import ToolMode
 
 
 class ScannedCall(NamedTuple):

@@ -1,5 +1,5 @@
 """The formats constrained decoding writes (vLLM's way for tool_choice "required" and a named function): the answer
-is held to a JSON schema made from the tools (`protocol.tool_schema`), so it is calls and nothing else.
+is held to a JSON schema made from the tools (`tools.tool_schema`), so it is calls and nothing else.
 
 - a named function: the answer is that function's arguments;
 - "required": the answer is a non-empty array `[{"name": ..., "parameters": {...}}, ...]`, one item per call,

@@ -369,7 +369,7 @@ def test_a_q4_k_m_style_file_runs_as_stored_and_decodes_as_gguf_dequantized(tmp_
     prompt = [5, 17, 200, 3, 99, 42, 7, 311]
     want = _greedy(ModelRunner(ref, 16, 16), prompt, 12)
     fused = ModelRunner(ours, 16, 16)
-    assert fused.fused is not None  # the fused C step takes every type through quant_matmul.c
+    assert fused.fused is not None  # the fused C step takes every type through the matmul routes (csrc/qmm_*.c)
     assert _greedy(fused, prompt, 12) == want
     assert _greedy(ModelRunner(ours, 16, 16, fused=False), prompt, 12) == want  # the torch path's linears
 

@@ -1,5 +1,5 @@
 """csrc/quant_pack.c lays a weight's plain form out in the kernels' tiles: byte for byte what the numpy layout
-below (quant.py's packing before it moved to C, step by step from quant_matmul.c's header) gives, for every
+below (quant.py's packing before it moved to C, step by step from csrc/qtile.h's header) gives, for every
 format, a row count that leaves a column block partly empty, and one or more super-blocks."""
 
 from __future__ import annotations

@@ -45,7 +45,9 @@ CSRC = Path(__file__).parent / "csrc"
 # (source, extra compile flags)
 SOURCES = [
     ("paged_attention.c", ["-ffast-math"]),
-    ("quant_matmul.c", []),
+    ("qmm_f32.c", []),
+    ("qmm_dot.c", []),
+    ("qmm_bf16.c", []),
     ("quant_pack.c", []),
     ("model_step.c", []),
     ("moe.c", []),
@@ -260,35 +262,6 @@ def library_path() -> Path | None:
     return None if load() is None else _paths[cpu_target()]
 
 
-def _declare(lib: ctypes.CDLL) -> None:
-    """Argument types of every entry point, so that ctypes converts Python ints the way C expects."""
-    p, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-    signatures = {
-        "paged_decode_attention": [p] * 6 + [i] * 6 + [i64, f, i, i64, f, p, i],
-        "qmm_f32": [p] * 4 + [i] * 8,
-        "qrows_f32": [p, p, i, p, i, i, i],
-        "qmm_amx": [p] * 4 + [i] * 8,
-        "qmm_dot": [p] * 4 + [i] * 8,
-        "qdot_quantize_row": [p] * 4 + [i],
-        "qmm_amx_available": [],
-        "qmm_bf16_kind": [],
-        "model_step": [p, p, p, i],
-        "moe_experts": [p] * 4 + [i, i, p, p, i],
-        "kv_quantize_rows": [p, p, i64, i, i],
-        "kv_dequantize_rows": [p, p, i64, i, i],
-        "qpack_tiles": [p] * 6 + [i64, i64, i, i64, i],
-        "gguf_codes": [p, p, i64, i64, i, i],
-    }
-    for name, args in signatures.items():
-        fn = getattr(lib, name)
-        fn.restype = ctypes.c_int
-        fn.argtypes = args
-    lib.kernel_isa.restype = ctypes.c_char_p
-    lib.kernel_isa.argtypes = []
-    lib.qcol_bytes.restype = i64
-    lib.qcol_bytes.argtypes = [i, i]
-
-
 _CTYPES: dict[str, Any] = {
     "int": ctypes.c_int,
     "int64_t": ctypes.c_int64,
@@ -297,13 +270,54 @@ _CTYPES: dict[str, Any] = {
 }
 
 
+def _c_text(header: str) -> str:
+    """csrc/<header> without its comments."""
+    return re.sub(r"/\*.*?\*/", "", (CSRC / header).read_text(), flags=re.S)
+
+
+def _c_type(decl: str, where: str) -> Any:
+    """The ctypes type of a C declaration's type (`const float *x`, `int64_t n`, `const char *`): any pointer is
+    c_void_p (a char pointer c_char_p, for strings), else int / int64_t / float / double."""
+    base = re.match(r"(?:const\s+)?(\w+)", decl.strip())
+    if "*" in decl:
+        return ctypes.c_char_p if base and base.group(1) == "char" else ctypes.c_void_p
+    if base is None or base.group(1) not in _CTYPES:
+        raise TypeError(f"{where} has a type the reader does not know: {decl.strip()!r}")
+    return _CTYPES[base.group(1)]
+
+
+@cache
+def c_functions(header: str) -> dict[str, tuple[Any, list[Any]]]:
+    """The function prototypes of csrc/<header> (`int f(float *out, int n);`, one line or many), as ctypes
+    (restype, argtypes): the one declaration of each entry point, read by both sides as the structures are.
+    Definitions (a `static inline` body) are not prototypes and are left out."""
+    out: dict[str, tuple[Any, list[Any]]] = {}
+    proto = r"^[ \t]*((?:const\s+)?\w+[\s*]+?)(\w+)\s*\(([^;{}()]*)\)\s*;"
+    for ret, name, args in re.findall(proto, _c_text(header), flags=re.M):
+        if ret.split()[0] in ("typedef", "return", "static"):
+            continue
+        restype = None if ret.strip() == "void" else _c_type(ret, f"{header}: {name}")
+        params = [] if args.strip() in ("", "void") else args.split(",")
+        out[name] = (restype, [_c_type(re.sub(r"\w+\s*$", "", p), f"{header}: {name}") for p in params])
+    return out
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    """Argument and result types of every entry point the headers declare (c_functions), so that ctypes converts
+    Python ints the way C expects; AttributeError where the library lacks one."""
+    for header in sorted(p.name for p in CSRC.glob("*.h")):
+        for name, (restype, argtypes) in c_functions(header).items():
+            fn = getattr(lib, name)
+            fn.restype = restype
+            fn.argtypes = argtypes
+
+
 @cache
 def c_structs(header: str) -> dict[str, type[ctypes.Structure]]:
     """The `typedef struct { ... } Name;` of csrc/<header> as ctypes structures, field by field: one definition
     of each structure, read by both sides. Knows pointers (any type) and int / int64_t / float / double."""
-    text = re.sub(r"/\*.*?\*/", "", (CSRC / header).read_text(), flags=re.S)
     out: dict[str, type[ctypes.Structure]] = {}
-    for body, name in re.findall(r"typedef struct \{(.*?)\} (\w+);", text, flags=re.S):
+    for body, name in re.findall(r"typedef struct \{(.*?)\} (\w+);", _c_text(header), flags=re.S):
         fields: list[tuple[str, Any]] = []
         for decl in filter(None, (d.strip() for d in body.split(";"))):
             base, *rest = re.match(r"(?:const\s+)?(\w+)\s+(.*)", decl, flags=re.S).groups()  # type: ignore[union-attr]
@@ -324,8 +338,6 @@ def check_structs(lib: ctypes.CDLL) -> None:
     it out against C's sizeof."""
     for header, fn_name in STRUCT_HEADERS.items():
         sizeof = getattr(lib, fn_name)
-        sizeof.restype = ctypes.c_int64
-        sizeof.argtypes = [ctypes.c_char_p]
         for name, struct in c_structs(header).items():
             c_size = sizeof(name.encode())
             if c_size != ctypes.sizeof(struct):

@@ -1,6 +1,6 @@
 """Weight-only quantized linear layers: a GGUF's tensors kept as stored (every common GGML type, see
 gguf_quants.py), or Hugging Face weights rounded to int8 / int4 at load (`--quantization int8|int4`), run by the
-C kernels in csrc/quant_matmul.c.
+C kernels in csrc/qmm_f32.c, qmm_dot.c and qmm_bf16.c (one file per route).
 
 Why keep them quantized: a decode step reads every weight once, so with few sequences per step its time is
 the weights' bytes over the memory bandwidth. The default model is 96 MB as stored and 269 MB (bfloat16) or

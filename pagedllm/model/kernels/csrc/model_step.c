@@ -37,7 +37,7 @@
 #include "model_step.h"
 #include "paged_attention.h"
 #include "quant_matmul.h"
-#include "vec.h"
+#include "simd.h"
 #include "vmath.h"
 
 enum { P_NORM, P_QKV, P_ROPE, P_ATTN, P_O, P_GATE_UP, P_ACT, P_DOWN, P_LM_HEAD, N_PHASES };
@@ -92,9 +92,6 @@ static void mark(const StepBatch *b, double *t, int p) {
     b->profile[p] += n - *t;
     *t = n;
 }
-
-
-static inline vf ld(const float *p) { return *(const vfu *)p; }
 
 /* 1 / rms(h) over n floats: four partial sums of squares, so the adds overlap. */
 static float rms_inv(const float *h, int n, float eps) {

@@ -57,4 +57,8 @@ typedef struct {
 } StepBatch;
 
 int64_t step_struct_size(const char *name);
+/* One step of the whole model for the tokens of `b` (fused_step.py); 0, or a negative code. */
+int model_step(const StepModel *m, const StepLayer *layers, const StepBatch *b, int num_threads);
+/* n rows of D floats (rotated already) -> n quantized cache rows, as the step writes them; 0, or -2 (bad sizes). */
+int kv_quantize_rows(uint8_t *dst, const float *src, int64_t n, int D, int kind);
 #endif

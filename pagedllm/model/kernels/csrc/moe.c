@@ -24,7 +24,7 @@
 
 #include "moe.h"
 #include "quant_matmul.h"
-#include "vec.h"
+#include "simd.h"
 #include "vmath.h"
 
 #ifdef _OPENMP

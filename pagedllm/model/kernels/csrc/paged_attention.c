@@ -32,17 +32,14 @@
 #include <string.h>
 
 #include "paged_attention.h"
-#include "vec.h"
-#if defined(__AVX2__) && defined(__F16C__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 typedef uint32_t u32_alias __attribute__((may_alias)); /* float bits, written as integers */
 
 /* A float8 code -> its float32 value, as torch's .to(float32) gives it: e4m3fn (m = 3, bias = 7; 0x7f is NaN, no
  * infinities) or e5m2 (m = 2, bias = 15; IEEE-like). Integer operations, one int -> float conversion for the
  * subnormal codes and selects, no table, so a row's loop vectorizes on any CPU; the path of builds without F16C
- * (widen_fp8_f16c below is faster) and of a row's last D % 16 codes. */
+ * (simd.h's widen_fp8_f16c is faster) and of a row's last D % 16 codes. */
 static inline float fp8_value(uint8_t c, const int m, const int bias) {
     const uint32_t mag = c & 0x7f, sign = (uint32_t)(c & 0x80) << 24;
     const float tiny = (float)(int32_t)mag * (m == 3 ? 0x1p-9f : 0x1p-16f); /* exponent 0: mag x 2^(1-bias-m) */
@@ -57,34 +54,6 @@ static inline float fp8_value(uint8_t c, const int m, const int bias) {
     float v;
     memcpy(&v, &bits, 4);
     return v;
-}
-
-/* out[j] = scale x the value of float8 code j, for the first multiple of 16 of the D codes; returns how many.
- * Why: even as vectorized bit operations (fp8_value) a widened fp8 block cost more than float32's whole read at a
- * 4k-token context. A float8 code is a float16 with fewer bits: e5m2 is a float16's top byte; e4m3fn shifted
- * left by 7 (sign to bit 15) is a float16 of 2^-8 its value, subnormals included, and its NaN code 0x7f becomes
- * float16's NaN by one xor. F16C widens 8 float16s per instruction; the 2^8 goes into the scale (a power of two:
- * the products, and so the results, are bit for bit fp8_value's). */
-static inline int widen_fp8_f16c(float *out, const uint8_t *codes, int D, float scale, int e5m2) {
-    int j = 0;
-#if defined(__AVX2__) && defined(__F16C__)
-    const __m256i low7 = _mm256_set1_epi16(0x7f), nan_fix = _mm256_set1_epi16(0x3f80 ^ 0x7e00);
-    const __m256 s = _mm256_set1_ps(e5m2 ? scale : scale * 256.0f);
-    for (; j + 16 <= D; j += 16) {
-        const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(codes + j)));
-        __m256i h = _mm256_slli_epi16(w, 8);
-        if (!e5m2) {
-            const __m256i mag = _mm256_and_si256(w, low7);
-            h = _mm256_or_si256(_mm256_slli_epi16(mag, 7), _mm256_slli_epi16(_mm256_andnot_si256(low7, w), 8));
-            h = _mm256_xor_si256(h, _mm256_and_si256(_mm256_cmpeq_epi16(mag, low7), nan_fix));
-        }
-        _mm256_storeu_ps(out + j, _mm256_mul_ps(s, _mm256_cvtph_ps(_mm256_castsi256_si128(h))));
-        _mm256_storeu_ps(out + j + 8, _mm256_mul_ps(s, _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1))));
-    }
-#else
-    (void)out, (void)codes, (void)D, (void)scale, (void)e5m2;
-#endif
-    return j;
 }
 
 /* Columns [c0, c1) (the KV heads the caller reads, c0 and c1 multiples of D) of a quantized block's n rows,
@@ -133,67 +102,11 @@ static inline void prefetch(const void *cache, int64_t block, int n, int bs, int
         for (int64_t j = t * row + b0; j < t * row + b1; j += 64) __builtin_prefetch(p + j, 0, 1);
 }
 
-/* vec.h's float vector, and the same width of bfloat16 codes, widened exactly by a shift. */
-typedef uint16_t vhu __attribute__((vector_size(2 * VW), aligned(2)));
-typedef uint32_t vu __attribute__((vector_size(4 * VW)));
-
-static inline vf ld(const float *p) { return *(const vfu *)p; }
-
 /* VW floats of a cache row from element `off`: float32 as they are, bfloat16 widened (exact). */
 static inline __attribute__((always_inline)) vf load_row(const void *rows, int64_t off, const int bf16) {
-    if (bf16) return (vf)(__builtin_convertvector(*(const vhu *)((const uint16_t *)rows + off), vu) << 16);
+    if (bf16) return ld_bf16((const uint16_t *)rows + off);
     return ld((const float *)rows + off);
 }
-
-/* The lanes of one vector summed, in a fixed order. */
-static inline float hsum(vf x) {
-    float s = 0.0f;
-    for (int l = 0; l < VW; l++) s += x[l];
-    return s;
-}
-
-/* r[t] = the sum of the lanes of x[t], t < VW: the horizontal sums of VW vectors at once, by a tree of
- * two-vector shuffles and adds (VW - 1 adds for VW sums instead of VW - 1 per sum). */
-#if defined(__has_builtin)
-#if __has_builtin(__builtin_shufflevector)
-#define HAVE_SHUFFLE 1
-#endif
-#endif
-#if defined(HAVE_SHUFFLE) && VW == 16
-#define SH __builtin_shufflevector
-static inline vf reduce_rows(const vf *x) {
-    vf y[8], z[4], w[2];
-    for (int i = 0; i < 8; i++)
-        y[i] = SH(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-               SH(x[2 * i], x[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-    for (int i = 0; i < 4; i++)
-        z[i] = SH(y[2 * i], y[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-               SH(y[2 * i], y[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-    for (int i = 0; i < 2; i++)
-        w[i] = SH(z[2 * i], z[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-               SH(z[2 * i], z[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-    return SH(w[0], w[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-           SH(w[0], w[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-}
-#elif defined(HAVE_SHUFFLE)
-#define SH __builtin_shufflevector
-static inline vf reduce_rows(const vf *x) {
-    vf y[4], z[2];
-    for (int i = 0; i < 4; i++)
-        y[i] = SH(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
-               SH(x[2 * i], x[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
-    for (int i = 0; i < 2; i++)
-        z[i] = SH(y[2 * i], y[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
-               SH(y[2 * i], y[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
-    return SH(z[0], z[1], 0, 2, 4, 6, 8, 10, 12, 14) + SH(z[0], z[1], 1, 3, 5, 7, 9, 11, 13, 15);
-}
-#else
-static inline vf reduce_rows(const vf *x) {
-    vf r;
-    for (int t = 0; t < VW; t++) r[t] = hsum(x[t]);
-    return r;
-}
-#endif
 
 enum { CHUNK = 4 };   /* query heads of one KV head served by one read of a row */
 enum { PREFETCH = 2 }; /* blocks ahead */

@@ -40,4 +40,13 @@ void kv_rotate(float *x, int D);
 /* 0, or -3 for a context length outside the block table, -4 for a block id outside the cache (only the blocks
  * inside the window are read, so only those are checked). */
 int paged_attention_check(const Args *a, int S, int64_t num_blocks, int64_t *max_ctx);
+/* One decode query per sequence over the paged caches (the layouts in paged_attention.c's header comment); 0, -1
+ * (out of memory), -2 (bad sizes), -3 (a context length outside the block table), -4 (a block id outside the
+ * cache). */
+int paged_decode_attention(float *out, const float *q, const void *k_cache, const void *v_cache,
+                           const int64_t *block_tables, const int64_t *context_lens, int S, int H, int KVH,
+                           int D, int block_size, int max_blocks, int64_t num_blocks, float scale, int cache_kind,
+                           int64_t window, float softcap, const float *sinks, int num_threads);
+/* n quantized cache rows -> n rows of D floats (still rotated); 0, or -2 for bad sizes. */
+int kv_dequantize_rows(float *dst, const uint8_t *src, int64_t n, int D, int kind);
 #endif

@@ -1,9 +1,13 @@
-/* Shared by the quantized matmul (quant_matmul.c) and the fused decode step (model_step.c). */
+/* The quantized matmul's entry points, one C file per route: float32 direct and panel (qmm_f32.c), 16-bit
+ * integer activations (qmm_dot.c), bfloat16 on AVX-512 BF16 / AMX (qmm_bf16.c); the tiles they read are in
+ * qtile.h. Shared with the fused decode step (model_step.c) and the experts (moe.c). cpu_kernel.py declares
+ * every prototype of this file (and of the other headers) to ctypes as written here: arguments are pointers,
+ * int, int64_t, float or double. */
 #ifndef PAGEDLLM_QUANT_MATMUL_H
 #define PAGEDLLM_QUANT_MATMUL_H
 #include <stdint.h>
 
-/* Weight formats (quant.py's FORMATS; the tile layouts are in quant_matmul.c's header comment). */
+/* Weight formats (quant.py's FORMATS; the tile layouts are in qtile.h's header comment). */
 #define QFMT_Q4 0    /* 4-bit, w = d * q + m per group of 32 (Q4_0, Q4_1, int4) */
 #define QFMT_Q8 1    /* 8-bit, w = d * q, q signed (Q8_0, int8, IQ4_NL as its table's values) */
 #define QFMT_Q8M 2   /* 8-bit, w = d * q + m */
@@ -61,4 +65,19 @@ void qmm_column_block(const QMatmul *a, int cb, float *panel);
  * block of a format the route does not run takes the float32 route, through `panel` when not NULL). */
 void qdot_quantize_row(int16_t *q, float *d, int32_t *s, const float *x, int K);
 void qdot_column_block(const QMatmul *a, const XQ16 *xq, int cb, float *panel);
+
+/* out[M, N] (+)= x[M, K] @ W[N, K]^T for W in tiles of `fmt`, on the float32 routes; 0, -1 (out of memory) or -2
+ * (bad sizes). */
+int qmm_f32(float *out, const float *x, const uint8_t *w, const float *bias, int M, int N, int K, int ldx, int ldo,
+            int fmt, int accumulate, int num_threads);
+/* The same with x rounded to 16 bits per group of 32 (the dot route). */
+int qmm_dot(float *out, const float *x, const uint8_t *w, const float *bias, int M, int N, int K, int ldx, int ldo,
+            int fmt, int accumulate, int num_threads);
+/* The same with x rounded to bfloat16, on AMX or AVX-512 BF16 (qmm_bf16_kind); -6 where neither is here. */
+int qmm_amx(float *out, const float *x, const uint8_t *w, const float *bias, int M, int N, int K, int ldx, int ldo,
+            int fmt, int accumulate, int num_threads);
+/* Rows `ids` [T] of W as float32 (a quantized embedding table's lookup); 0, -2 (bad sizes), -3 (an id outside). */
+int qrows_f32(float *out, const int64_t *ids, int T, const uint8_t *w, int N, int K, int fmt);
+/* "matmul=<isa> dot=<isa> amx=<yes|no>": the vector path each route was compiled with (cpu_kernel.isa()). */
+const char *kernel_isa(void);
 #endif

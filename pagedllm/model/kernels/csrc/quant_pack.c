@@ -1,6 +1,6 @@
 /*
  * Packing a quantized weight's plain form (quant.py's QuantParts: codes [N, K] and per-row scales) into the
- * kernels' tiles (the layout is in quant_matmul.c's header comment).
+ * kernels' tiles (the layout is in qtile.h's header comment).
  *
  * Why C: packing is pure byte shuffling, once per weight at load, but numpy does it as a chain of whole-array
  * temporaries (codes widened to int16, then the high-bit planes to uint64: 8 bytes a weight), which took ~25 s
@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "quant_matmul.h"
+#include "quant_pack.h"
 
 static int kformat(int fmt) {
     return fmt == QFMT_K4M || fmt == QFMT_K8M || fmt == QFMT_K8 || fmt == QFMT_K5M || fmt == QFMT_K6;

@@ -1,8 +1,8 @@
-/* Vector math on vec.h's vf for the kernels' activations (model_step.c, moe.c): libm's scalar expf per element
+/* Vector math on simd.h's vf for the kernels' activations (model_step.c, moe.c): libm's scalar expf per element
  * would cost more than the matmul's share of an MLP row. */
 #ifndef PAGEDLLM_VMATH_H
 #define PAGEDLLM_VMATH_H
-#include "vec.h"
+#include "simd.h"
 
 /* e^x for VW floats (Cephes' expf: range reduction by ln 2, degree-6 polynomial; about 1 ulp), clamped to
  * float's range (e^-88 ~ 0, e^88 ~ 1.6e38) instead of overflowing. */

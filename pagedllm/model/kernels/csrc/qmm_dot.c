@@ -1,0 +1,286 @@
+/*
+ * The quantized matmul's 16-bit integer route ("dot"). Why: a one-row decode matmul should run at the memory's
+ * speed, but dequantizing each weight to float32 costs ~5 vector instructions per 16 weights (widen, mask,
+ * convert, scale, multiply-add), which on 2 cores is below the bandwidth (the developers' finding:
+ * compute-bound). llama.cpp's route instead rounds the activations to integers per block of 32 and multiplies
+ * the weights' integer codes by them directly (pmaddwd / VNNI's vpdpwssd: 32 products a 512-bit instruction, no
+ * conversion of the weights), applying each group's scales once per 32 inputs. Here the activations are rounded
+ * to 16 bits (d = max |x| / 32767 per group of 32), not llama.cpp's 8: each x is within d / 2 of its value (a
+ * relative error of ~1.5e-5 of the group's largest), so the route is exact in the weights and nearly so in the
+ * activations; the float32 route (qmm_f32.c) stays the exact one (`--quantized-activations none`, loader.py).
+ * Formats: Q4 / Q40 (Q4_1, int4 / Q4_0), Q8 / Q8M (Q8_0, int8), K4M (Q4_K), K6 (Q6_K) and MX4 (MXFP4, its codes
+ * looked up in a table of int8); a column block of any other format (or of a mixed weight) runs on the float32
+ * direct route with the same call.
+ *
+ * Per group g of a column block, the integer sums S_c = sum_k q_ck xq_k of each column c (over half tiles
+ * for the formats with a scale per 16 inputs) are exact in int32; out_c += (a_c dx_g) S_c + (b_c dx_g) sx_g,
+ * with a, b the weight's scale and offset for the group (w = a q + b) and sx the sum of the group's xq: the
+ * same value as sum_k w_ck (xq_k dx_g) up to float32 rounding. Nibble rows widen to one 16-bit word per byte:
+ * the low nibbles are columns 0-7 (a k pair each), the high nibbles 8-15; x is a k pair per 32-bit lane.
+ * Rows of x are independent: a row's result does not depend on the batch. The vector form is written once
+ * over simd.h's integer vectors (SIMD_INT16: AVX-512 BW or AVX2); the portable build sums one code at a time.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "qtile.h"
+
+static inline int dot_fmt(int fmt) {
+    return fmt == QFMT_Q4 || fmt == QFMT_Q40 || fmt == QFMT_Q8 || fmt == QFMT_Q8M || fmt == QFMT_K4M || fmt == QFMT_K6
+        || fmt == QFMT_MX4;
+}
+
+/* Row x [K] to 16-bit integers per group of 32. */
+void qdot_quantize_row(int16_t *q, float *d, int32_t *s, const float *x, int K) {
+    for (int g = 0; g < K / 32; g++) {
+        const float amax = group_amax(x + 32 * g);
+        const float inv = amax > 0.0f && amax <= 3.0e38f ? 32767.0f / amax : 0.0f;
+        d[g] = inv > 0.0f ? amax / 32767.0f : 0.0f;
+        round_group(q + 32 * g, s + 2 * g, x + 32 * g, inv);
+    }
+}
+
+/* The scales of group g (half h) as out += (a dx) S + b (dx sx), a and b per column (16 / VW vectors each): a
+ * and b, the weights' part, once per group for all rows of x; a K format's float16 super-block scales D (and
+ * M) converted once per super-block (`Head`, at g % 8 == 0). */
+typedef struct {
+    vf d[16 / VW], m[16 / VW];
+} Head;
+static inline __attribute__((always_inline)) void head_scales(const uint8_t *col, const int fmt, int g, Head *hd) {
+    const uint8_t *head = head_at(col, fmt, g);
+    for (int c = 0; c < 16 / VW; c++) {
+        hd->d[c] = f16v(head + 2 * VW * c);
+        hd->m[c] = has_min(fmt) ? f16v(head + 32 + 2 * VW * c) : (vf){0};
+    }
+}
+static inline __attribute__((always_inline)) void dot_scales(const Head *hd, const uint8_t *tile, int h,
+                                                             const int fmt, vf a[16 / VW], vf b[16 / VW]) {
+    for (int c = 0; c < 16 / VW; c++) {
+        if (kfmt(fmt)) {
+            a[c] = hd->d[c] * tof(s8v(tile + 16 * h + VW * c));
+            b[c] = has_min(fmt) ? -(hd->m[c] * tof(u8v(tile + 16 + VW * c))) : (vf){0};
+        } else if (fmt == QFMT_MX4) {
+            a[c] = mx4_scale(tile + VW * c);
+            b[c] = (vf){0};
+        } else {
+            a[c] = f16v(tile + 2 * VW * c);
+            b[c] = has_min(fmt) ? f16v(tile + 32 + 2 * VW * c) : (vf){0};
+        }
+    }
+}
+#ifdef SIMD_INT16
+/* nr (<= QR) rows of x against one column block of a dot format. */
+static inline __attribute__((always_inline)) void block_dot(const QMatmul *a, const XQ16 *xq, const uint8_t *col,
+                                                            int m0, const int fmt, const int nr, int cb) {
+    vf F[QR][16 / VW];
+    for (int i = 0; i < nr; i++)
+        for (int c = 0; c < 16 / VW; c++) F[i][c] = (vf){0};
+    /* ph accumulators a row of x, for rows r % ph: with few rows the chain of dependent dot products, not
+     * their count, would bound the speed (their integer sums are exact in any order) */
+    const int G = a->G, parts = halves(fmt), ph = nr >= PH ? 1 : PH / nr;
+    Head hd;
+    for (int g = 0; g < G; g++) {
+        const uint8_t *tile = tile_at(col, fmt, g), *body = tile + scale_bytes(fmt);
+        if (kfmt(fmt) && g % 8 == 0) head_scales(col, fmt, g, &hd);
+        const int32_t *pairs[QR];
+        for (int i = 0; i < nr; i++) pairs[i] = (const int32_t *)(xq->q + (int64_t)(m0 + i) * a->G * 32 + 32 * g);
+#pragma GCC unroll 2
+        for (int h = 0; h < parts; h++) {
+            vi S[QR][16 / VW];
+            if (nibbles(fmt) && fmt != QFMT_MX4) {
+                hv lo[QR][PH], hi[QR][PH];
+                for (int i = 0; i < nr; i++)
+                    for (int p = 0; p < ph; p++) lo[i][p] = hi[i][p] = HZERO();
+#pragma GCC unroll 16
+                for (int rr = 0; rr < 16 / parts; rr++) { /* bounds known to the compiler: unrolled whole */
+                    const int r = 16 / parts * h + rr;
+                    /* 4-bit codes: the byte itself (low + 16 high) against x, and 16 times the high nibble
+                     * (the byte masked, no shift): the low nibbles' sum is their difference (below). K6: the
+                     * same with the 6-bit codes, lo + 16 hi (the byte plus its high bits put at 4-5 and 8-9)
+                     * and 16 hi (the byte's high nibble and the high bits at 8-9) */
+                    const hv w = nib_words(body, r);
+                    hv wl = w, wh = HAND(w, 0xF0);
+                    if (plane(fmt) == 2) {
+                        const hv pw = plane_words(body, r), q = rr % 2 ? HSLL(HSRL(pw, 2), 4) : HSLL(pw, 4);
+                        wl = HADD16(w, HAND(q, 0x330));
+                        wh = HSEL(0xFCF0, w, q); /* q is 0 at bits 0-3, w at 10-15 */
+                    }
+                    for (int i = 0; i < nr; i++) {
+                        const hv xp = HSET1(pairs[i][r]);
+                        lo[i][rr % ph] = hdot(lo[i][rr % ph], wl, xp);
+                        hi[i][rr % ph] = hdot(hi[i][rr % ph], wh, xp);
+                    }
+                }
+                for (int i = 0; i < nr; i++) {
+                    for (int p = 1; p < ph; p++) {
+                        lo[i][0] = HADD(lo[i][0], lo[i][p]);
+                        hi[i][0] = HADD(hi[i][0], hi[i][p]);
+                    }
+                    nib_cols(HSUB(lo[i][0], hi[i][0]), HSRA(hi[i][0], 4), S[i]);
+                }
+            } else {
+                iv acc[QR][PH][BV];
+                for (int i = 0; i < nr; i++)
+                    for (int p = 0; p < ph; p++)
+                        for (int v = 0; v < BV; v++) acc[i][p][v] = IZERO();
+                iv quad[4][BV]; /* MX4: four rows' words from one lookup */
+#pragma GCC unroll 16
+                for (int r = 0; r < 16; r++) {
+                    iv w[BV];
+                    if (fmt == QFMT_MX4 && r % 4 == 0) mx4_words(body, r / 4, quad);
+                    if (fmt == QFMT_MX4)
+                        for (int v = 0; v < BV; v++) w[v] = quad[r % 4][v];
+                    else
+                        byte_words(body, r, w);
+                    for (int i = 0; i < nr; i++) {
+                        const iv xp = ISET1(pairs[i][r]);
+                        for (int v = 0; v < BV; v++) acc[i][r % ph][v] = dot16(acc[i][r % ph][v], w[v], xp);
+                    }
+                }
+                for (int i = 0; i < nr; i++)
+                    for (int v = 0; v < BV; v++) {
+                        for (int p = 1; p < ph; p++) acc[i][0][v] = IADD(acc[i][0][v], acc[i][p][v]);
+                        S[i][v] = (vi)acc[i][0][v];
+                    }
+            }
+            vf wa[16 / VW], wb[16 / VW];
+            dot_scales(&hd, tile, h, fmt, wa, wb);
+            for (int i = 0; i < nr; i++) {
+                const int64_t m = m0 + i;
+                const int32_t *s = xq->s + m * 2 * G + 2 * g;
+                const int32_t sx = parts == 2 ? s[h] : s[0] + s[1];
+                const float dx = xq->d[m * G + g];
+                for (int c = 0; c < 16 / VW; c++)
+                    F[i][c] += tof(S[i][c] - offset(fmt) * sx) * (wa[c] * dx) + wb[c] * (dx * (float)sx);
+            }
+        }
+    }
+    for (int i = 0; i < nr; i++) {
+        float *o = a->out + (int64_t)(m0 + i) * a->ldo;
+        float tmp[16];
+        memcpy(tmp, F[i], sizeof tmp);
+        for (int c = 0; c < 16 && 16 * cb + c < a->N; c++) {
+            const int n = 16 * cb + c;
+            const float x = tmp[c] + (a->bias ? a->bias[n] : 0.0f);
+            o[n] = a->accumulate ? o[n] + x : x;
+        }
+    }
+}
+
+/* Passes of QR rows, then one of what is left: a row's sums do not depend on its pass. */
+#define DOT_ROWS(fmt, a, xq, col, cb)                                                                           \
+    for (int m0 = 0, n; (n = (a)->M - m0) > 0;) {                                                              \
+        n = n >= QR ? QR : n;                                                                                  \
+        switch (n) {                                                                                           \
+        case 1: block_dot(a, xq, col, m0, fmt, 1, cb); break;                                                  \
+        case 2: block_dot(a, xq, col, m0, fmt, 2 < QR ? 2 : QR, cb); break;                                    \
+        case 3: block_dot(a, xq, col, m0, fmt, 3 < QR ? 3 : QR, cb); break;                                    \
+        case 4: block_dot(a, xq, col, m0, fmt, 4 < QR ? 4 : QR, cb); break;                                    \
+        default: block_dot(a, xq, col, m0, fmt, QR, cb); break;                                                \
+        }                                                                                                      \
+        m0 += n;                                                                                               \
+    }
+#define EACH_DOT_FORMAT(fmt, fn, ...)                                                                          \
+    switch (fmt) {                                                                                             \
+    case QFMT_Q4: fn(QFMT_Q4, __VA_ARGS__); break;                                                             \
+    case QFMT_Q40: fn(QFMT_Q40, __VA_ARGS__); break;                                                           \
+    case QFMT_Q8: fn(QFMT_Q8, __VA_ARGS__); break;                                                             \
+    case QFMT_Q8M: fn(QFMT_Q8M, __VA_ARGS__); break;                                                           \
+    case QFMT_K4M: fn(QFMT_K4M, __VA_ARGS__); break;                                                           \
+    case QFMT_MX4: fn(QFMT_MX4, __VA_ARGS__); break;                                                           \
+    default: fn(QFMT_K6, __VA_ARGS__); break;                                                                  \
+    }
+#else
+/* The portable build: the same sums, one code at a time. */
+static int code_at(const uint8_t *body, int fmt, int c, int k) {
+    const int r = k / 2, j = 2 * (c % 8) + k % 2;
+    if (fmt == QFMT_MX4) /* row r = 4 t + p: byte p % 2 of word 2 c + k % 2 in quad t, nibble p / 2 */
+        return MX4_VALUES[body[64 * (r / 4) + 2 * (2 * c + k % 2) + r % 2] >> (4 * (r % 4 / 2)) & 15] + offset(fmt);
+    if (!nibbles(fmt)) return (int8_t)body[32 * r + 2 * c + k % 2];
+    const int nib = c < 8 ? body[16 * r + j] & 15 : body[16 * r + j] >> 4;
+    if (plane(fmt) != 2) return nib;
+    const int pb = body[256 + 16 * (r / 2) + j] >> (2 * (r % 2) + 4 * (c >= 8));
+    return nib | (pb & 3) << 4;
+}
+static void block_dot_portable(const QMatmul *a, const XQ16 *xq, const uint8_t *col, int m, int fmt, int cb) {
+    float F[16] = {0};
+    const int G = a->G, parts = halves(fmt);
+    Head hd;
+    for (int g = 0; g < G; g++) {
+        const uint8_t *tile = tile_at(col, fmt, g), *body = tile + scale_bytes(fmt);
+        if (kfmt(fmt) && g % 8 == 0) head_scales(col, fmt, g, &hd);
+        const int16_t *x = xq->q + (int64_t)m * G * 32 + 32 * g;
+        for (int h = 0; h < parts; h++) {
+            const int32_t *s = xq->s + (int64_t)m * 2 * G + 2 * g, sx = parts == 2 ? s[h] : s[0] + s[1];
+            const float dx = xq->d[(int64_t)m * G + g];
+            vf A[16 / VW], B[16 / VW];
+            dot_scales(&hd, tile, h, fmt, A, B);
+            float a16[16], b16[16];
+            memcpy(a16, A, sizeof a16);
+            memcpy(b16, B, sizeof b16);
+            for (int c = 0; c < 16; c++) {
+                int32_t S = 0;
+                for (int k = 32 / parts * h; k < 32 / parts * (h + 1); k++) S += code_at(body, fmt, c, k) * x[k];
+                F[c] += (float)(S - offset(fmt) * sx) * (a16[c] * dx) + b16[c] * (dx * (float)sx);
+            }
+        }
+    }
+    float *o = a->out + (int64_t)m * a->ldo;
+    for (int c = 0; c < 16 && 16 * cb + c < a->N; c++) {
+        const int n = 16 * cb + c;
+        const float x = F[c] + (a->bias ? a->bias[n] : 0.0f);
+        o[n] = a->accumulate ? o[n] + x : x;
+    }
+}
+#endif
+
+/* One column block for all M rows on the dot route (a block of another format: the float32 direct route). */
+void qdot_column_block(const QMatmul *a, const XQ16 *xq, int cb, float *panel) {
+    int fmt;
+    const uint8_t *col = column(a->w, a->fmt, a->G, cb, &fmt);
+    if (!dot_fmt(fmt)) { /* the float32 route, as qmm_f32 runs it: through `panel` for many rows */
+        qmm_column_block(a, cb, panel);
+        return;
+    }
+#ifdef SIMD_INT16
+    EACH_DOT_FORMAT(fmt, DOT_ROWS, a, xq, col, cb)
+#else
+    for (int m = 0; m < a->M; m++) block_dot_portable(a, xq, col, m, fmt, cb);
+#endif
+}
+
+/* out[M, N] (+)= x[M, K] @ W^T with x rounded to 16 bits per group; 0, -1 (out of memory) or -2 (bad sizes). */
+int qmm_dot(float *out, const float *x, const uint8_t *w, const float *bias, int M, int N, int K, int ldx, int ldo,
+            int fmt, int accumulate, int num_threads) {
+    if (bad_sizes(M, N, K, ldx, ldo, fmt)) return -2;
+    const int G = K / 32;
+    XQ16 xq = {malloc((size_t)M * K * sizeof(int16_t)), malloc((size_t)M * G * sizeof(float)),
+               malloc((size_t)M * 2 * G * sizeof(int32_t))};
+    int status = xq.q && xq.d && xq.s ? 0 : -1;
+    if (status == 0) {
+        for (int m = 0; m < M; m++)
+            qdot_quantize_row(xq.q + (int64_t)m * K, xq.d + (int64_t)m * G, xq.s + (int64_t)m * 2 * G,
+                              x + (int64_t)m * ldx, K);
+        QMatmul a = {out, x, w, bias, M, N, G, ldx, ldo, fmt, accumulate};
+        const int NB = (N + 15) / 16;
+        if (num_threads > NB) num_threads = NB;
+        if (num_threads < 1) num_threads = 1;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+        {
+            float *panel = M > MR ? malloc((size_t)K * 16 * sizeof(float)) : NULL; /* for non-dot blocks */
+            if (M > MR && panel == NULL) {
+#pragma omp atomic write
+                status = -1;
+            }
+#pragma omp for schedule(static)
+            for (int cb = 0; cb < NB; cb++)
+                if (M <= MR || panel) qdot_column_block(&a, &xq, cb, panel);
+            free(panel);
+        }
+    }
+    free(xq.q);
+    free(xq.d);
+    free(xq.s);
+    return status;
+}

@@ -1,0 +1,240 @@
+/*
+ * The weights' tiles, shared by every matmul route (qmm_f32.c, qmm_dot.c, qmm_bf16.c; quant_pack.c writes them):
+ * the formats' byte layout, where a tile lies, and a tile row dequantized in registers to exactly the file's
+ * values.
+ *
+ * Layout ("tiles"): columns (output features) in blocks of 16, K in groups of 32. One (column block, group)
+ * tile holds the 16 columns' scales, then their 512 weights in 16 rows r = 0..15, row r holding k = 2r and
+ * 2r + 1 of every column, i.e. the VNNI order of an AMX bfloat16 B tile. Bodies:
+ *   nibbles (Q4, Q40, K4M): 16 bytes a row; byte j: low nibble = column j/2, high nibble = column 8 + j/2, both
+ *       at k = 2r + j%2; the 5- and 6-bit formats (Q5, Q5M, K5M, K6) add a plane of the bits above the nibble
+ *       after the nibbles: 1 bit (Q5, Q5M, K5M) per row a 32-bit word, bit e for the row's value e in the
+ *       order of the nibbles (the 16 low, then the 16 high); 2 bits (K6) per row pair (r even, r + 1) 16
+ *       bytes, byte j the high bits of nibble byte j: row r's low nibble in bits 0-1, row r + 1's in 2-3, row
+ *       r's high nibble in 4-5, row r + 1's in 6-7; their codes are stored with an offset that makes them
+ *       unsigned (Q5: 16, K6: 32, and Q40's 4-bit codes: 8), taken off again in registers;
+ *   bytes (Q8, Q8M, K8M, K8): 32 bytes a row; byte e = column e/2 at k = 2r + e%2;
+ *   halves (F16, BF16): 32 16-bit values a row in the order of bytes;
+ *   MX4 (MXFP4's E2M1 codes, 4 bits): the nibble rows of four rows r = 4t + p interleaved, 64 bytes a row quad t:
+ *       byte 2u + p (p = 0, 1) holds row 4t + p in its low nibble and row 4t + p + 2 in its high one, each at
+ *       word u of its row (column u/2 at k = 2r + u%2), so that one 512-bit (or two 256-bit) table lookups and
+ *       a mask or shift per row give the integer route four rows of 16-bit words with no widening (below).
+ * Scales before the body: Q4 / Q8M / Q5M d[16], m[16] float16; Q8 / Q5 / Q40 d[16]; MX4 e[16], the E8M0 bytes
+ * as stored (see mx4_scale); F16 / BF16 none. The K formats group 8
+ * tiles (K = 256, a GGUF super-block) behind a head of D[16] (and M[16]) float16 per column, and each tile
+ * holds its integer scales s (int8) and, with a minimum, mi (uint8): per half tile (16 k) for K8M / K8 / K6
+ * ([2][16] each), per tile for K4M / K5M ([16]). A weight is a = D s, b = -M mi, w = a q + b. QFMT_MIXED: a weight
+ * whose column blocks differ in format (merged q/k/v of a Q4_K_M file): a table of int64 (byte offset << 4 |
+ * format) per column block, then the blocks.
+ *
+ * A dequantized tile row is NV = 32 / VW vectors (simd.h's width); vector v holds columns VW/2 v .. VW/2 (v + 1)
+ * - 1, each k pair side by side, and a lane accumulates w * x over the even or the odd k of its column (the two
+ * lanes are added at the end).
+ */
+#ifndef PAGEDLLM_QTILE_H
+#define PAGEDLLM_QTILE_H
+#include <stdint.h>
+#include <string.h>
+
+#include "quant_matmul.h"
+#include "simd.h"
+
+#define NV (32 / VW)          /* vectors per dequantized tile row */
+#define MR (VW == 16 ? 6 : 2) /* rows per direct block (qmm_f32.c): more than this go through a panel */
+
+/* VW groups' E8M0 bytes as their scales 2^(e - 128), exactly ggml_e8m0_to_fp32_half: e >= 2 the normal float
+ * of exponent field e - 1, e = 0 and 1 the subnormals 2^-128 and 2^-127 (bits 0x200000 << e = (e + 1) << 21);
+ * e = 255 is 2^127, not NaN as OCP MX has it: llama.cpp and gguf-py read it so ("NaNs are not handled"), and
+ * a weight is the file's value only if read as they read it. Why the byte and not a float per group: a
+ * decode step reads every byte of the weights, and the byte keeps MXFP4 at its file's 4.25 bits a weight (a
+ * float32 scale would be 5, float16 cannot hold 2^-128..2^127); the two integer operations that make the
+ * float come once per 32 weights of a column. */
+static inline vf mx4_scale(const uint8_t *e8) {
+    const vi e = u8v(e8), small = e < 2;
+    return (vf)((small & ((e + 1) << 21)) | (~small & (((e - 1) & 255) << 23)));
+}
+
+/* Lane l of vector v of a row belongs to column VW/2 v + l/2: `cols` holds VW consecutive columns' values
+ * starting at column VW (v / 2) when VW = 8, at 0 when VW = 16; this spreads them to vector v's lanes. */
+static inline vf spread(vf cols, int v) {
+    vi idx;
+    for (int l = 0; l < VW; l++) idx[l] = (VW / 2 * v) % VW + l / 2;
+    return __builtin_shuffle(cols, idx);
+}
+
+/* ---- formats ----------------------------------------------------------------------------------------------- */
+static inline int kfmt(int fmt) { return (fmt >= QFMT_K4M && fmt <= QFMT_K8) || fmt == QFMT_K5M || fmt == QFMT_K6; }
+static inline int has_min(int fmt) {
+    return fmt == QFMT_Q4 || fmt == QFMT_Q8M || fmt == QFMT_K4M || fmt == QFMT_K8M || fmt == QFMT_Q5M || fmt == QFMT_K5M;
+}
+static inline int plane(int fmt) { /* high bits a code above its nibble: 1 (5-bit formats), 2 (6-bit), 0 */
+    return fmt == QFMT_K6 ? 2 : fmt == QFMT_Q5 || fmt == QFMT_Q5M || fmt == QFMT_K5M ? 1 : 0;
+}
+static inline int nibbles(int fmt) {
+    return fmt == QFMT_Q4 || fmt == QFMT_Q40 || fmt == QFMT_K4M || fmt == QFMT_MX4 || plane(fmt);
+}
+static inline int offset(int fmt) { /* stored q + offset (MX4: the integer route's table values, kvalues + 12) */
+    return fmt == QFMT_Q5 ? 16 : fmt == QFMT_K6 ? 32 : fmt == QFMT_Q40 ? 8 : fmt == QFMT_MX4 ? 12 : 0;
+}
+static inline int halves(int fmt) { return fmt == QFMT_K8M || fmt == QFMT_K8 || fmt == QFMT_K6 ? 2 : 1; }
+static inline int dense16(int fmt) { return fmt == QFMT_F16 || fmt == QFMT_BF16; }
+
+/* Bytes before a tile's body (its scales), of a body, of a K format's super-block head. */
+static inline int scale_bytes(int fmt) {
+    if (kfmt(fmt)) return halves(fmt) * 16 * (has_min(fmt) ? 2 : 1);
+    return dense16(fmt) ? 0 : fmt == QFMT_MX4 ? 16 : 32 * (has_min(fmt) ? 2 : 1);
+}
+static inline int body_bytes(int fmt) { return nibbles(fmt) ? 256 + 64 * plane(fmt) : dense16(fmt) ? 1024 : 512; }
+static inline int tile_bytes(int fmt) { return scale_bytes(fmt) + body_bytes(fmt); }
+static inline int head_bytes(int fmt) { return kfmt(fmt) ? 32 * (has_min(fmt) ? 2 : 1) : 0; }
+
+/* qcol_bytes (quant_matmul.h), inline for the routes. */
+static inline int64_t col_bytes(int fmt, int G) {
+    if (fmt < 0 || fmt > QFMT_MX4 || G <= 0) return 0;
+    if (!kfmt(fmt)) return (int64_t)G * tile_bytes(fmt);
+    return G % 8 ? 0 : (int64_t)(G / 8) * (head_bytes(fmt) + 8 * tile_bytes(fmt));
+}
+
+/* Tile g of a column block, and the head of its super-block (K formats). */
+static inline const uint8_t *tile_at(const uint8_t *col, int fmt, int g) {
+    if (!kfmt(fmt)) return col + (int64_t)g * tile_bytes(fmt);
+    return col + (int64_t)(g / 8) * (head_bytes(fmt) + 8 * tile_bytes(fmt)) + head_bytes(fmt) + g % 8 * tile_bytes(fmt);
+}
+static inline const uint8_t *head_at(const uint8_t *col, int fmt, int g) {
+    return col + (int64_t)(g / 8) * (head_bytes(fmt) + 8 * tile_bytes(fmt));
+}
+
+/* Column block cb of a weight, and its format. */
+static inline const uint8_t *column(const uint8_t *w, int wfmt, int G, int cb, int *fmt) {
+    if (wfmt != QFMT_MIXED) {
+        *fmt = wfmt;
+        return w + cb * col_bytes(wfmt, G);
+    }
+    int64_t e;
+    memcpy(&e, w + 8 * (int64_t)cb, 8);
+    *fmt = (int)(e & 15);
+    return w + (e >> 4);
+}
+
+typedef struct {
+    vf a[NV], b[NV]; /* w = a q + b, per lane (its column) */
+} Scales;
+
+/* The scales of half h (rows 8h..8h+7; h = 0 covers all 16 rows for a format of one scale set a tile). */
+static inline __attribute__((always_inline)) Scales tile_scales(const uint8_t *col, const uint8_t *tile, int g,
+                                                                const int fmt, int h) {
+    Scales s;
+    vf a[16 / VW], b[16 / VW];
+    for (int c = 0; c < 16 / VW; c++) {
+        if (kfmt(fmt)) {
+            const uint8_t *head = head_at(col, fmt, g);
+            a[c] = f16v(head + 2 * VW * c) * tof(s8v(tile + 16 * h + VW * c));
+            b[c] = has_min(fmt) ? -(f16v(head + 32 + 2 * VW * c) * tof(u8v(tile + 16 * halves(fmt) + 16 * h + VW * c)))
+                                : (vf){0};
+        } else if (fmt == QFMT_MX4) {
+            a[c] = mx4_scale(tile + VW * c);
+            b[c] = (vf){0};
+        } else if (!dense16(fmt)) {
+            a[c] = f16v(tile + 2 * VW * c);
+            b[c] = has_min(fmt) ? f16v(tile + 32 + 2 * VW * c) : (vf){0};
+        }
+    }
+    for (int v = 0; v < NV; v++) {
+        s.a[v] = dense16(fmt) ? (vf){0} : spread(a[v * VW / 2 / VW], v);
+        s.b[v] = dense16(fmt) ? (vf){0} : spread(b[v * VW / 2 / VW], v);
+    }
+    return s;
+}
+
+/* The bits above the nibbles of vector v's codes in row r, minus the format's offset. 1-bit plane: row r's
+ * 32-bit word holds bit e for the row's value e = VW v + lane. 2-bit plane (K6): 16 bytes per row pair (r even,
+ * r + 1); byte j holds the high bits of nibble byte j's low nibble in row r in bits 0-1, in row r + 1 in bits
+ * 2-3, and of the same bytes' high nibbles in bits 4-5 and 6-7: a layout the integer route (qmm_dot.c) widens once
+ * for both rows of a pair, row r + 1's bits two places above row r's. */
+static inline vi high_bits(const uint8_t *body, const int fmt, int r, int v) {
+    vi iota;
+    for (int l = 0; l < VW; l++) iota[l] = l;
+    if (plane(fmt) == 1) {
+        uint32_t word;
+        memcpy(&word, body + 256 + 4 * r, 4);
+        return ((((vi){0} + (int32_t)(word >> (VW * v))) >> iota & 1) << 4) - offset(fmt);
+    }
+    if (plane(fmt) == 2) {
+        const vi bits = u8v(body + 256 + 16 * (r / 2) + VW * (v % (NV / 2)));
+        return (((bits >> (2 * (r % 2) + 4 * (v >= NV / 2))) & 3) << 4) - offset(fmt);
+    }
+    return (vi){0} - offset(fmt);
+}
+
+/* Row r of a tile as NV vectors of floats. */
+static inline __attribute__((always_inline)) void tile_row(const uint8_t *tile, const int fmt, int r,
+                                                           const Scales *s, vf w[NV]) {
+    const uint8_t *body = tile + scale_bytes(fmt);
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; v++) {
+        vf q;
+        if (fmt == QFMT_MX4) { /* words u = VW v.. of row r = 4 t + p: byte p % 2 of each, nibble p / 2 */
+            const vi u = u16v(body + 64 * (r / 4) + 2 * VW * v);
+            w[v] = mx4v((u >> (8 * (r % 2) + 4 * (r % 4 / 2))) & 15) * s->a[v];
+            continue;
+        }
+        if (nibbles(fmt)) {
+            const vi bytes = u8v(body + 16 * r + VW * (v % (NV / 2)));
+            q = tof(high_bits(body, fmt, r, v) + (v < NV / 2 ? bytes & 15 : bytes >> 4));
+        } else if (fmt == QFMT_F16) {
+            w[v] = f16v(body + 64 * r + 2 * VW * v);
+            continue;
+        } else if (fmt == QFMT_BF16) {
+            w[v] = (vf)(u16v(body + 64 * r + 2 * VW * v) << 16);
+            continue;
+        } else {
+            q = tof(s8v(body + 32 * r + VW * v));
+        }
+        w[v] = has_min(fmt) ? q * s->a[v] + s->b[v] : q * s->a[v];
+    }
+}
+
+/* Group g of a column block as floats: [16 rows][32] (the panel's layout). */
+static inline __attribute__((always_inline)) void dequant_group(const uint8_t *col, const int fmt, int g,
+                                                                float *dst) {
+    const uint8_t *tile = tile_at(col, fmt, g);
+    for (int h = 0; h < halves(fmt); h++) {
+        const Scales s = tile_scales(col, tile, g, fmt, h);
+        for (int r = 16 / halves(fmt) * h; r < 16 / halves(fmt) * (h + 1); r++) {
+            vf w[NV];
+            tile_row(tile, fmt, r, &s, w);
+            for (int v = 0; v < NV; v++) st(dst + 32 * r + VW * v, w[v]);
+        }
+    }
+}
+
+/* Every format's instance of `fn(..., fmt, ...)`: the format is a constant inside, so its branches fold. */
+#define EACH_FORMAT(fmt, fn, ...)                                                                              \
+    switch (fmt) {                                                                                             \
+    case QFMT_Q4: fn(QFMT_Q4, __VA_ARGS__); break;                                                             \
+    case QFMT_Q40: fn(QFMT_Q40, __VA_ARGS__); break;                                                           \
+    case QFMT_Q8: fn(QFMT_Q8, __VA_ARGS__); break;                                                             \
+    case QFMT_Q8M: fn(QFMT_Q8M, __VA_ARGS__); break;                                                           \
+    case QFMT_F16: fn(QFMT_F16, __VA_ARGS__); break;                                                           \
+    case QFMT_BF16: fn(QFMT_BF16, __VA_ARGS__); break;                                                         \
+    case QFMT_K4M: fn(QFMT_K4M, __VA_ARGS__); break;                                                           \
+    case QFMT_K8M: fn(QFMT_K8M, __VA_ARGS__); break;                                                           \
+    case QFMT_K8: fn(QFMT_K8, __VA_ARGS__); break;                                                             \
+    case QFMT_Q5: fn(QFMT_Q5, __VA_ARGS__); break;                                                             \
+    case QFMT_Q5M: fn(QFMT_Q5M, __VA_ARGS__); break;                                                           \
+    case QFMT_K5M: fn(QFMT_K5M, __VA_ARGS__); break;                                                           \
+    case QFMT_MX4: fn(QFMT_MX4, __VA_ARGS__); break;                                                           \
+    default: fn(QFMT_K6, __VA_ARGS__); break;                                                                  \
+    }
+
+#define DEQUANT_GROUP(fmt, col, g, dst) dequant_group(col, fmt, g, dst)
+#define DEQUANT_PANEL(fmt, col, G, panel)                                                                       \
+    for (int g = 0; g < (G); g++) dequant_group(col, fmt, g, (panel) + (int64_t)g * 512)
+
+/* Whether a weight of these sizes can be run: a known format, K formats with K % 256 == 0; a mixed weight's
+ * table is checked when it is packed (quant.py). */
+static inline int bad_sizes(int M, int N, int K, int ldx, int ldo, int fmt) {
+    return M <= 0 || N <= 0 || K <= 0 || K % 32 != 0 || ldx < K || ldo < N || fmt < 0 ||
+           (fmt != QFMT_MIXED && col_bytes(fmt, K / 32) == 0);
+}
+#endif

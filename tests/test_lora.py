@@ -235,3 +235,74 @@ def test_bad_adapters_are_named(tiny, tmp_path):
     with pytest.raises(UserError, match="LoRA is not enabled"):
         _engine(base).add_request("r", PROMPTS[0], GREEDY, lora_request=loras["qv"])
     assert not engine.has_unfinished_requests() and engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def test_unloading_an_adapter_in_use_is_refused_until_its_requests_end(tiny):
+    base, loras, want, _, _ = tiny
+    engine = _lora_engine(base)
+    engine.add_request("r", PROMPTS[0], GREEDY, lora_request=loras["qv"])
+    engine.step()
+    with pytest.raises(UserError, match=r"'qv' is in use by 1 running request"):
+        engine.remove_lora(1)
+    out = []
+    while engine.has_unfinished_requests():
+        out += [o.outputs[0].token_ids for o in engine.step() if o.finished]
+    assert out == [want["qv"][0]]
+    assert engine.remove_lora(1) and not engine.remove_lora(1)
+
+
+def _server(base: str, mods: list[str], **kw):
+    from server_helpers import running_server
+
+    from pagedllm.engine.async_engine import AsyncLLMEngine
+
+    engine = AsyncLLMEngine(_lora_engine(base))
+    return running_server(engine, api_key=None, lora_modules=mods, served_model_name=["base"], **kw)
+
+
+def test_server_serves_adapters_by_model_name(tiny, monkeypatch):
+    from server_helpers import assert_error
+
+    base, loras, want, hf, _ = tiny
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "true")
+    mods = [f"qv={loras['qv'].lora_path}", json.dumps({"name": "all", "path": loras["all"].lora_path})]
+    with _server(base, mods) as s:
+        tok = s.engine.tokenizer
+        models = s.http.get("/v1/models").json()["data"]
+        assert [(m["id"], m["parent"]) for m in models] == [("base", None), ("qv", "base"), ("all", "base")]
+
+        def completion(model: str):
+            body = {"model": model, "prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+            return s.http.post("/v1/completions", json=body | {"logprobs": 1})
+
+        def tokens(model: str) -> list[str]:
+            r = completion(model)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["logprobs"]["tokens"]
+
+        def strs(ids: list[int]) -> list[str]:
+            return [tok.decode([t], skip_special_tokens=False) for t in ids]
+
+        for model, name in (("qv", "qv"), ("all", "all"), ("base", None)):
+            assert tokens(model) == strs(want[name][0]), model
+        assert_error(completion("nope"), 404, "model", ["The model `nope` does not exist."])
+
+        load = {"lora_name": "mlp", "lora_path": loras["mlp"].lora_path}
+        r = s.http.post("/v1/load_lora_adapter", json=load)
+        assert r.status_code == 200 and "added successfully" in r.text, r.text
+        assert tokens("mlp") == strs(want["mlp"][0])
+        assert_error(s.http.post("/v1/load_lora_adapter", json=load), 400, "lora_name", ["already been loaded"])
+        r = s.http.post("/v1/unload_lora_adapter", json={"lora_name": "mlp"})
+        assert r.status_code == 200 and "removed successfully" in r.text, r.text
+        assert_error(completion("mlp"), 404, "model")
+        assert_error(s.http.post("/v1/unload_lora_adapter", json={"lora_name": "mlp"}), 404, "lora_name")
+        bad = {"lora_name": "bad", "lora_path": base}  # a model folder, not an adapter
+        assert s.http.post("/v1/load_lora_adapter", json=bad).status_code == 400
+
+
+def test_runtime_lora_routes_need_vllm_s_env_var(tiny, monkeypatch):
+    base, loras, _, _, _ = tiny
+    monkeypatch.delenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", raising=False)
+    with _server(base, []) as s:
+        r = s.http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": loras["qv"].lora_path})
+        assert r.status_code == 404

@@ -235,6 +235,17 @@ class LLMEngine:
             raise UserError(f"LoRA adapter {lora_request.lora_name!r}: LoRA is not enabled (--enable-lora)")
         self.loras.add(lora_request)
 
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter now (vLLM's add_lora): its errors at load, not at its first request."""
+        self._load_lora(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload an adapter (vLLM's remove_lora); refused (UserError) while requests use it, so none breaks."""
+        if self.loras is None:
+            raise UserError("LoRA is not enabled (--enable-lora)")
+        return self.loras.remove(lora_int_id)
+
     def _blend_state(
         self, prompt_len: int, segments: object, recompute: float | None, cache_key: object
     ) -> BlendState | None:

@@ -306,3 +306,21 @@ def test_runtime_lora_routes_need_vllm_s_env_var(tiny, monkeypatch):
     with _server(base, []) as s:
         r = s.http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": loras["qv"].lora_path})
         assert r.status_code == 404
+
+
+def test_router_keys_are_the_engine_s_block_hashes_per_adapter(tiny):
+    """The cluster router's prefix keys of a request carry its adapter id as the engine's block hashes do."""
+    from pagedllm.cluster.routing import LORA_KW, PROMPT_KW, key, request_keys
+
+    base, loras, _, _, _ = tiny
+    engine = _lora_engine(base)
+    prompt = list(range(3, 3 + 40))
+    _run_mixed(engine, [(prompt, loras["all"])])
+    held = {key(h) for h in engine.kv.pool.cached}  # the blocks the engine registered (and publishes)
+    ours = request_keys({PROMPT_KW: prompt, LORA_KW: loras["all"]}, 16, 8)
+    assert len(ours) == 2 and set(ours) <= held
+    assert (
+        request_keys({PROMPT_KW: prompt}, 16, 8)
+        != ours
+        != request_keys({PROMPT_KW: prompt, LORA_KW: loras["qv"]}, 16, 8)
+    )

@@ -99,7 +99,8 @@ class EngineConfig:
 
     enable_lora: bool = False
     """serve LoRA adapters on the base model: requests name one (offline: lora_request=LoRARequest(...); the
-    server: --lora-modules, a request's `model`), and requests of different adapters and the base share a step"""
+    server: --lora-modules, a request's `model`), and requests of different adapters and the base share a step
+    (default: off)"""
     max_loras: int = Field(default=1, ge=1)
     """most LoRA adapters in one step: a request of another adapter waits until one finishes (default: 1)"""
     max_lora_rank: int = Field(default=16, ge=1)

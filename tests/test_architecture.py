@@ -20,6 +20,7 @@ TOP_LEVEL = {
     "pagedllm.sse",
     "pagedllm.settings",
     "pagedllm.report",
+    "pagedllm.lora_request",
 }
 PACKAGES = {"pagedllm.engine", "pagedllm.model", "pagedllm.kv"}  # their __all__ only
 OWN = ("pagedllm.bench", "pagedllm.rag")
@@ -37,7 +38,7 @@ LAYERS = [
     ("pagedllm.engine",),
     ("pagedllm.model",),
     ("pagedllm.kv",),
-    ("pagedllm.sampling_params", "pagedllm.settings", "pagedllm.sse", "pagedllm.report"),
+    ("pagedllm.sampling_params", "pagedllm.lora_request", "pagedllm.settings", "pagedllm.sse", "pagedllm.report"),
     ("pagedllm.errors",),
 ]
 
@@ -173,6 +174,7 @@ def _violation(module: str, names: list[str]) -> str | None:
 # (formats/) as the families describe them; the kernels know nothing of models.
 MODEL_ROOMS = [
     ("pagedllm.model.__init__", "pagedllm.model.loader", "pagedllm.model.runner", "pagedllm.model.fused_step"),
+    ("pagedllm.model.lora",),  # adapters: read with weights.py's names, hooked into the layers
     ("pagedllm.model.weights", "pagedllm.model.tokenizer", "pagedllm.model.params", "pagedllm.model.sampler"),
     ("pagedllm.model.layers",),
     ("pagedllm.model.config", "pagedllm.model.default_model"),

@@ -21,11 +21,12 @@ from typing import Any
 from pagedllm.cluster.replica import ReplicaInfo, ReplicaReport
 from pagedllm.cluster.replica_metrics import sum_stats
 from pagedllm.cluster.router import REPLICA_KW
-from pagedllm.cluster.routing import PROMPT_KW, ROUTERS, SALT_KW, router_key
+from pagedllm.cluster.routing import LORA_KW, PROMPT_KW, ROUTERS, SALT_KW, router_key
 from pagedllm.engine.async_engine import EngineDeadError, EngineShuttingDownError, RequestAbortedError
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.pooling import PoolerConfig
 from pagedllm.engine.stats import AbortLog, EngineStats
+from pagedllm.lora_request import LoRARequest
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.tokenizer import Tokenizer
 from pagedllm.sampling_params import PoolingParams, SamplingParams
@@ -120,6 +121,7 @@ class ClusterEngine:
         priority: int = 0,
         kv_segments: list[tuple[int, int]] | None = None,
         kv_blend_recompute: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> ClusterStream:
         """Send the request to the replica the router picks; returns once that replica's engine took it, or
         raises what it raised (a refusal) or ReplicaDiedError."""
@@ -129,6 +131,8 @@ class ClusterEngine:
         extra: dict = {SALT_KW: cache_salt, "priority": priority}
         if kv_segments is not None:  # kv_blend: sent only when asked for
             extra |= {"kv_segments": kv_segments, "kv_blend_recompute": kv_blend_recompute}
+        if lora_request is not None:  # the router keys its prefixes by the adapter's id too
+            extra[LORA_KW] = lora_request
         gen = call(self.handle, "generate", request_id, stream=True, **{PROMPT_KW: ids}, params=params, **extra)
         try:
             replica = await gen.__anext__()

@@ -18,6 +18,7 @@ from pagedllm.cluster.loopback import replica_grpc_on_loopback
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.stats import EngineStats
+from pagedllm.lora_request import LoRARequest
 from pagedllm.sampling_params import PoolingParams, SamplingParams
 
 logger = logging.getLogger("pagedllm.cluster")
@@ -92,6 +93,7 @@ class EngineReplica:
         priority: int = 0,
         kv_segments: list[tuple[int, int]] | None = None,
         kv_blend_recompute: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[str | RequestOutput]:
         """First this replica's id, once the engine took the request (a refusal raises before it, so the ingress
         can still answer 400 / 503), then the request's cumulative outputs. Cancelling the call (the client went
@@ -104,6 +106,7 @@ class EngineReplica:
             priority=priority,
             kv_segments=kv_segments,
             kv_blend_recompute=kv_blend_recompute,
+            lora_request=lora_request,
         )
         yield self.replica_id
         async for out in self.engine.iterate(stream):

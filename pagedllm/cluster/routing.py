@@ -20,11 +20,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.kv.events import BlockRemoved, BlockStored, KVCacheEvent
-from pagedllm.kv.hashing import BlockHash, hash_full_blocks
+from pagedllm.kv.hashing import BlockHash, extra_key, hash_full_blocks
+from pagedllm.lora_request import lora_id
 
 POLICIES = ("round-robin", "prefix", "kv-events")
 PROMPT_KW = "prompt_token_ids"  # the keyword the ingress passes a request's token ids in
 SALT_KW = "cache_salt"  # and its cache salt
+LORA_KW = "lora_request"  # and its LoRA adapter (a LoRARequest)
 
 # The request routers of this process by (application, deployment) (router.PagedLLMRouter registers itself): the
 # ingress sets its router's policy, asks it for the replica list and feeds it the replicas' KV events.
@@ -46,19 +48,24 @@ def router_for(handle: Any) -> Any:
     return router
 
 
-def prefix_keys(token_ids: Sequence[int], block_size: int, max_blocks: int, cache_salt: str | None = None) -> list[int]:
+def prefix_keys(
+    token_ids: Sequence[int], block_size: int, max_blocks: int, cache_salt: str | None = None, lora_int_id: int = 0
+) -> list[int]:
     """The index keys of a prompt's first `max_blocks` full blocks: the KV cache's chained hashes, truncated,
-    with its `cache_salt` in them as in the engine's (two tenants' same prompt is two prefixes, never routed to
-    the other's blocks, and a salted prompt's keys are the ones its replica's KV events publish).
+    with its `cache_salt` and LoRA adapter id in them as in the engine's (two tenants' or two adapters' same
+    prompt is two prefixes, never routed to the other's blocks, and the keys are the ones its replica's KV events
+    publish).
 
     The prompt's last token never counts (the engine always computes it), as in the engine's own lookup."""
     n = min(max_blocks, (len(token_ids) - 1) // block_size) if token_ids else 0
-    return [key(h) for h in hash_full_blocks(token_ids[: n * block_size], block_size, cache_salt)]
+    extra = extra_key(cache_salt, lora_int_id)
+    return [key(h) for h in hash_full_blocks(token_ids[: n * block_size], block_size, extra)]
 
 
 def request_keys(kwargs: dict[str, Any], block_size: int, max_blocks: int) -> list[int]:
-    """The keys of an engine request as the ingress sends it (its token ids and cache salt as keywords)."""
-    return prefix_keys(kwargs.get(PROMPT_KW) or [], block_size, max_blocks, kwargs.get(SALT_KW))
+    """The keys of an engine request as the ingress sends it (its token ids, cache salt and adapter as keywords)."""
+    lora = lora_id(kwargs.get(LORA_KW))
+    return prefix_keys(kwargs.get(PROMPT_KW) or [], block_size, max_blocks, kwargs.get(SALT_KW), lora)
 
 
 def key(block_hash: BlockHash) -> int:

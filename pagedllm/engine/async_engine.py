@@ -35,6 +35,7 @@ from pagedllm.engine.metrics import PrometheusStatLogger
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.stats import AbortLog, EngineStats
 from pagedllm.errors import UserError
+from pagedllm.lora_request import LoRARequest
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.tokenizer import Tokenizer
 from pagedllm.sampling_params import PoolingParams, SamplingParams
@@ -117,6 +118,7 @@ class _Add:
     priority: int = 0
     kv_segments: list[tuple[int, int]] | None = None
     kv_blend_recompute: float | None = None
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(frozen=True)
@@ -282,6 +284,7 @@ class AsyncLLMEngine:
         priority: int = 0,
         kv_segments: list[tuple[int, int]] | None = None,
         kv_blend_recompute: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Hand a request to the engine; returns once the engine took it (raises what the engine raised)."""
         loop = asyncio.get_running_loop()
@@ -290,7 +293,17 @@ class AsyncLLMEngine:
             self._admit(params.n)
             self._pending += params.n
             self._ops.put(
-                _Add(request_id, prompt, params, stream, cache_salt, priority, kv_segments, kv_blend_recompute)
+                _Add(
+                    request_id,
+                    prompt,
+                    params,
+                    stream,
+                    cache_salt,
+                    priority,
+                    kv_segments,
+                    kv_blend_recompute,
+                    lora_request,
+                )
             )
         self.start()
         try:
@@ -412,14 +425,16 @@ class AsyncLLMEngine:
         else:
             try:
                 args = (op.request_id, op.prompt, op.params, op.cache_salt)
-                if op.kv_segments is None:  # kv_blend passed only when asked for: other engines stay usable
-                    self.engine.add_request(*args, priority=op.priority)
+                extra: dict = {} if op.lora_request is None else {"lora_request": op.lora_request}
+                if op.kv_segments is None:  # kv_blend (and LoRA) passed only when asked for: other engines stay usable
+                    self.engine.add_request(*args, priority=op.priority, **extra)
                 else:
                     self.engine.add_request(
                         *args,
                         priority=op.priority,
                         kv_segments=op.kv_segments,
                         kv_blend_recompute=op.kv_blend_recompute,
+                        **extra,
                     )
             except Exception as e:  # noqa: BLE001 - UserError for bad input; anything else is the caller's to see too
                 error = e

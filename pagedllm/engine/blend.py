@@ -61,6 +61,7 @@ class Request(Protocol):
 
     request_id: str
     cache_salt: str | None
+    lora_int_id: int
     prompt_token_ids: list[int]
     all_token_ids: list[int]
     num_computed_tokens: int

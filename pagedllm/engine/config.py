@@ -97,7 +97,21 @@ class EngineConfig:
     question); the rest of their stored KV is copied, keys re-rotated to where it lands. 1.0 = full prefill,
     exact; a request may set its own (default: 0.15; requests without segments are never blended)"""
 
+    enable_lora: bool = False
+    """serve LoRA adapters on the base model: requests name one (offline: lora_request=LoRARequest(...); the
+    server: --lora-modules, a request's `model`), and requests of different adapters and the base share a step
+    (default: off)"""
+    max_loras: int = Field(default=1, ge=1)
+    """most LoRA adapters in one step: a request of another adapter waits until one finishes (default: 1)"""
+    max_lora_rank: int = Field(default=16, ge=1)
+    """the highest rank of an adapter; a higher one is refused at load (default: 16)"""
+    max_cpu_loras: Annotated[int, Field(ge=1)] | None = None
+    """most LoRA adapters kept loaded; the least recently used one no request holds is dropped first (default:
+    --max-loras)"""
+
     def __post_init__(self) -> None:
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise UserError(f"--max-cpu-loras: {self.max_cpu_loras} is less than --max-loras {self.max_loras}")
         if self.kv_offload_dir is not None and not (self.kv_allocation == "paged" and self.enable_prefix_caching):
             raise UserError("--kv-offload-dir: needs paged allocation with prefix caching on")
         on_cpu = self.device == "cpu" or (self.device == "auto" and not torch.cuda.is_available())

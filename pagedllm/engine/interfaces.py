@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.stats import AbortLog, EngineStats
+from pagedllm.lora_request import LoRARequest
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.tokenizer import Tokenizer
 from pagedllm.sampling_params import PoolingParams, SamplingParams
@@ -33,6 +34,7 @@ class EngineCore(Protocol):
         priority: int = 0,
         kv_segments: list[tuple[int, int]] | None = None,
         kv_blend_recompute: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request (all its `params.n` samples) or raise `UserError` leaving nothing behind."""
 
@@ -90,10 +92,12 @@ class AsyncEngine(Protocol):
         priority: int = 0,
         kv_segments: list[tuple[int, int]] | None = None,
         kv_blend_recompute: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Any:
         """Queue a request; returns its stream once the engine took it, or raises what the engine raised.
         `cache_salt` keeps its prefix blocks to requests of the same salt; `priority` orders admission;
-        `kv_segments` are spans whose KV may be reused wherever they land (engine/blend.py)."""
+        `kv_segments` are spans whose KV may be reused wherever they land (engine/blend.py); `lora_request`: the
+        LoRA adapter it runs under."""
 
     def iterate(self, stream: Any) -> AsyncIterator[RequestOutput]:
         """The cumulative outputs of the request `add_request` returned `stream` for; leaving early aborts it."""

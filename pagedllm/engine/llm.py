@@ -11,6 +11,7 @@ from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.pooling import read_pooler_config
+from pagedllm.lora_request import LoRARequest
 from pagedllm.model.loader import LoadedModel
 from pagedllm.model.tokenizer import Tokenizer
 from pagedllm.sampling_params import PoolingParams, SamplingParams
@@ -34,8 +35,10 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Outputs in the order of the prompts. Every prompt is checked before any is queued."""
+        """Outputs in the order of the prompts. Every prompt is checked before any is queued. `lora_request`:
+        the LoRA adapter of every prompt, or one per prompt (None: the base model), with LLM(enable_lora=True)."""
         single = isinstance(prompts, str) or (
             isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int)
         )
@@ -48,7 +51,13 @@ class LLM:
                 raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         for p in params:
             p.validate()
-        return self._submit(prompts, params, use_tqdm)
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"{len(prompts)} prompts but {len(loras)} LoRA requests")
+        return self._submit(prompts, params, use_tqdm, loras)
 
     def embed(
         self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | None = None, use_tqdm: bool = True
@@ -63,16 +72,20 @@ class LLM:
         return self._submit(prompts, [params] * len(prompts), use_tqdm)
 
     def _submit(
-        self, prompts: list[Prompt], params: Sequence[SamplingParams | PoolingParams], use_tqdm: bool
+        self,
+        prompts: list[Prompt],
+        params: Sequence[SamplingParams | PoolingParams],
+        use_tqdm: bool,
+        loras: Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Every prompt checked before any is queued; then the batch run to its end."""
         encoded = [self.engine.encode_prompt(p) for p in prompts]
         ids = []
         try:
-            for prompt, prompt_ids, p in zip(prompts, encoded, params):
+            for prompt, prompt_ids, p, lora in zip(prompts, encoded, params, loras or [None] * len(prompts)):
                 rid = f"offline-{self._counter}"
                 self._counter += 1
-                self.engine.add_request(rid, prompt, p, prompt_token_ids=prompt_ids)
+                self.engine.add_request(rid, prompt, p, prompt_token_ids=prompt_ids, lora_request=lora)
                 ids.append(rid)
         except BaseException:
             self._abort(ids)

@@ -30,9 +30,10 @@ from pagedllm.engine.stop_checker import check_stop, is_stop_token
 from pagedllm.engine.structured_output import GrammarCompiler, RequestGrammar
 from pagedllm.errors import UserError
 from pagedllm.kv.events import KVEventLog
-from pagedllm.kv.hashing import segment_root
+from pagedllm.kv.hashing import extra_key, segment_root
 from pagedllm.kv.manager import PagedKVCacheManager, make_kv_cache_manager
 from pagedllm.kv.offload import DiskKVTier
+from pagedllm.lora_request import LoRARequest, lora_id
 from pagedllm.model.kernels.kv_quant import QUANT_KV_DTYPES
 from pagedllm.model.loader import DTYPES, LoadedModel, load_model
 from pagedllm.model.runner import ModelRunner, SeqChunk
@@ -40,6 +41,11 @@ from pagedllm.model.sampler import SampleResult, token_logprobs
 from pagedllm.sampling_params import PoolingParams, SamplingParams, SamplingParamsError
 
 logger = logging.getLogger("pagedllm")
+
+
+def lora_slots(config: EngineConfig) -> int:
+    """Adapters kept loaded: --max-cpu-loras, else --max-loras (vLLM's default)."""
+    return config.max_cpu_loras or config.max_loras
 
 
 def _pending_copy(req: Request) -> int:
@@ -92,6 +98,7 @@ class LLMEngine:
         self.kv_groups = self.kv_layout.kinds()  # one per kind of layer (the pool's groups split them evenly)
         num_blocks = num_kv_blocks(config, self.loaded, self.max_model_len, self.kv_dtype, layout=self.kv_layout)
         self.runner = ModelRunner(self.loaded, num_blocks, self.block_size, self.kv_dtype, layout=self.kv_layout)
+        self.loras = self.runner.enable_lora(config.max_lora_rank, lora_slots(config)) if config.enable_lora else None
         self.kv = make_kv_cache_manager(
             config.kv_allocation,
             num_blocks,
@@ -110,6 +117,7 @@ class LLMEngine:
             config.max_num_batched_tokens,
             NgramDrafter(spec, self.max_model_len) if isinstance(spec, SpeculativeConfig) else None,
             config.scheduling_policy,
+            config.max_loras,
         )
         self.spec_stats = SpecDecodeStats()
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size)
@@ -150,13 +158,15 @@ class LLMEngine:
         kv_segments: list[tuple[int, int]] | None = None,
         kv_blend_recompute: float | None = None,
         logits_from: int | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request (its n samples); `prompt_token_ids` gives the ids of a text prompt already encoded.
         PoolingParams make it an embedding request: its prompt computed, no token sampled, one vector out.
         `cache_salt`: its blocks are shared only with requests of the same salt (a tenant's); `priority`: with
         --scheduling-policy priority, lower values are admitted first (vLLM's). `kv_segments`: [start, end) spans
         whose KV may be reused wherever they land (blend.py), `kv_blend_recompute` of each computed again;
-        `logits_from`: each position's log-softmax from it on, in `prompt_logits`. All is checked first.
+        `logits_from`: each position's log-softmax from it on, in `prompt_logits`; `lora_request`: the LoRA
+        adapter it runs under (loaded now if it is not yet; needs enable_lora). All is checked first.
         """
         pooling = params if isinstance(params, PoolingParams) else None
         params = SamplingParams(max_tokens=0) if pooling is not None else params or SamplingParams()
@@ -167,11 +177,41 @@ class LLMEngine:
             raise SamplingParamsError("priority", "needs a server started with --scheduling-policy priority")
         prompt_ids = self.encode_prompt(prompt if prompt_token_ids is None else prompt_token_ids)
         check_params(params, len(prompt_ids), self.model_config.vocab_size, self.max_model_len)
-        blend = self._blend_state(len(prompt_ids), kv_segments, kv_blend_recompute, cache_salt)
+        self._load_lora(lora_request)
+        blend = self._blend_state(
+            len(prompt_ids), kv_segments, kv_blend_recompute, extra_key(cache_salt, lora_id(lora_request))
+        )
         if params.bad_words:
             params = replace(params, bad_words_token_ids=bad_words_token_ids(params.bad_words, self.tokenizer))
         metrics = RequestMetrics(arrival_time=time.monotonic())
-        children = [
+        children = self._children(request_id, prompt_ids, params, metrics, cache_salt, priority, lora_request)
+        so = params.structured_outputs
+        compiled = self.grammars.compile(so.grammar_text) if so is not None else None
+        for child in children:
+            child.grammar = RequestGrammar(compiled, so.reasoning_end) if compiled is not None and so else None
+            child.pooling = PoolingState(pooling) if pooling is not None else None
+            _attach_blend(child, blend, logits_from)
+            if self.loras is not None and child.lora_int_id:
+                self.loras.hold(child.lora_int_id)  # released when it leaves (_release): no unload meanwhile
+            self.requests[child.request_id] = child
+            self.scheduler.add(child)
+        holdback = max((len(s) for s in params.stop), default=1) - 1
+        self.parents[request_id] = _Parent(
+            prompt if isinstance(prompt, str) else None, prompt_ids, children, metrics, holdback
+        )
+
+    def _children(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        metrics: RequestMetrics,
+        cache_salt: str | None,
+        priority: int,
+        lora_request: LoRARequest | None,
+    ) -> list[Request]:
+        """The request's n samples, each a Request."""
+        return [
             Request(
                 f"{request_id}#{i}",
                 request_id,
@@ -182,30 +222,38 @@ class LLMEngine:
                 metrics,
                 cache_salt,
                 priority,
+                lora_request,
             )
             for i in range(params.n)
         ]
-        so = params.structured_outputs
-        compiled = self.grammars.compile(so.grammar_text) if so is not None else None
-        for child in children:
-            child.grammar = RequestGrammar(compiled, so.reasoning_end) if compiled is not None and so else None
-            child.pooling = PoolingState(pooling) if pooling is not None else None
-            _attach_blend(child, blend, logits_from)
-            self.requests[child.request_id] = child
-            self.scheduler.add(child)
-        holdback = max((len(s) for s in params.stop), default=1) - 1
-        self.parents[request_id] = _Parent(
-            prompt if isinstance(prompt, str) else None, prompt_ids, children, metrics, holdback
-        )
+
+    def _load_lora(self, lora_request: LoRARequest | None) -> None:
+        """A request's adapter, loaded (and checked) now if it is not yet."""
+        if lora_request is None:
+            return
+        if self.loras is None:
+            raise UserError(f"LoRA adapter {lora_request.lora_name!r}: LoRA is not enabled (--enable-lora)")
+        self.loras.add(lora_request)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter now (vLLM's add_lora): its errors at load, not at its first request."""
+        self._load_lora(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload an adapter (vLLM's remove_lora); refused (UserError) while requests use it, so none breaks."""
+        if self.loras is None:
+            raise UserError("LoRA is not enabled (--enable-lora)")
+        return self.loras.remove(lora_int_id)
 
     def _blend_state(
-        self, prompt_len: int, segments: object, recompute: float | None, cache_salt: str | None
+        self, prompt_len: int, segments: object, recompute: float | None, cache_key: object
     ) -> BlendState | None:
         """A request's kv_blend state (checked), or None: no segments, or keys that cannot be moved (dynamic NTK).
         The segment root covers what stored segment KV depends on besides its tokens, so a copy made under other
         settings is never found: the disk tier's fingerprint (the weights' digest and kernels) when there is one,
         else the checkpoint's path, its dtype, quantization and kernels (disk_tier.kernel_facts); the KV dtype, the
-        block size and the cache salt."""
+        block size, the cache salt and the LoRA adapter's id (`cache_key`: kv.hashing.extra_key)."""
         if segments is None:
             if recompute is not None:
                 check_segments([], prompt_len, recompute)
@@ -219,7 +267,7 @@ class LLMEngine:
             if self.disk_tier is not None
             else (loaded.path, loaded.quantization, kernel_facts(loaded))
         )
-        key = (self.model_config.name, weights, str(loaded.dtype), str(self.kv_dtype), self.block_size, cache_salt)
+        key = (self.model_config.name, weights, str(loaded.dtype), str(self.kv_dtype), self.block_size, cache_key)
         return BlendState(spans, self.config.kv_blend_recompute if recompute is None else recompute, segment_root(key))
 
     def abort_request(self, request_id: str) -> None:
@@ -236,7 +284,8 @@ class LLMEngine:
 
     def _release(self, req: Request) -> None:
         self.scheduler.remove(req)
-        self.requests.pop(req.request_id, None)
+        if self.requests.pop(req.request_id, None) is not None and self.loras is not None and req.lora_int_id:
+            self.loras.release(req.lora_int_id)
 
     def _fail(self, req: Request, error: str, bad_request: bool = False) -> None:
         """One request failed (its step or its sampling raised): it alone finishes with an error, which is the
@@ -287,6 +336,7 @@ class LLMEngine:
             tables[0],
             req.wants_prompt_logits or bool(req.spec_token_ids) or keep,
             tables if len(tables) > 1 else None,
+            req.lora_int_id,
         )
 
     def _forward(self, scheduled: Scheduled) -> list[torch.Tensor]:

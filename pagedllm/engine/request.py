@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.outputs import CompletionOutput, RequestMetrics
+from pagedllm.lora_request import LoRARequest, lora_id
 from pagedllm.model.tokenizer import Tokenizer
 from pagedllm.sampling_params import SamplingParams
 
@@ -35,6 +36,7 @@ class Request:
         metrics: RequestMetrics,
         cache_salt: str | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.parent_id = parent_id
@@ -43,6 +45,8 @@ class Request:
         self.all_token_ids = list(prompt_token_ids)
         self.params = params
         self.cache_salt = cache_salt
+        self.lora_request = lora_request
+        self.lora_int_id = lora_id(lora_request)  # its adapter (0: the base model): part of its blocks' keys
         self.priority = priority  # lower first, under the priority scheduling policy
         self.arrival = 0  # the scheduler's count of requests added before it: ties of priority go in arrival order
         self.metrics = metrics

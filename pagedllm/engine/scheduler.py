@@ -41,8 +41,12 @@ class Scheduler:
         max_num_batched_tokens: int,
         drafter: NgramDrafter | None = None,
         policy: Literal["fcfs", "priority"] = "fcfs",
+        max_loras: int = 1,
     ) -> None:
+        """`max_loras`: most LoRA adapters among the running requests (so in one step): a waiting request of
+        another adapter is passed over, not blocking the queue, until one of them finishes (vLLM's)."""
         self.kv = kv
+        self.max_loras = max_loras
         self.policy = policy
         self.drafter = drafter
         self.max_num_seqs = max_num_seqs
@@ -60,8 +64,14 @@ class Scheduler:
 
     def _next_ready(self) -> Request | None:
         """The waiting request to admit next, skipping those whose grammar still compiles: the first in the queue
-        (fcfs: arrival order, preempted ones in front), or the lowest (priority, arrival) under priority."""
-        ready = (r for r in self.waiting if r.grammar_ready)
+        (fcfs: arrival order, preempted ones in front), or the lowest (priority, arrival) under priority; one of
+        a LoRA adapter only while the running requests use fewer than max_loras adapters or use its."""
+        loras = {r.lora_int_id for r in self.running if r.lora_int_id}
+        ready = (
+            r
+            for r in self.waiting
+            if r.grammar_ready and (not r.lora_int_id or r.lora_int_id in loras or len(loras) < self.max_loras)
+        )
         if self.policy == "priority":
             return min(ready, key=lambda r: (r.priority, r.arrival), default=None)
         return next(ready, None)

@@ -18,6 +18,8 @@ from pagedllm.entrypoints.serve_args import (
 from pagedllm.errors import UserError
 
 if TYPE_CHECKING:
+    from pagedllm.engine.config import EngineConfig
+    from pagedllm.lora_request import LoRARequest
     from pagedllm.server.config import ServerConfig
     from pagedllm.server.embedders import Embedder
 
@@ -63,11 +65,20 @@ def run(args: argparse.Namespace) -> int:
     names = server_config.served_model_name or []
     print(f"pagedllm serve: loading {args.model or DEFAULT_SERVED_NAME} ...", file=sys.stderr, flush=True)
     embedders = load_embedders(server_config)  # before the generator: a bad path fails in seconds, not after its load
+    loras = lora_modules(server_config, config)
     core = LLMEngine(config)
+    for lora in loras:
+        core.add_lora(lora)  # a bad adapter fails at start-up, naming it
     engine = AsyncLLMEngine(core, max_waiting_requests=server_config.max_waiting_requests)
     pooler = None if server_config.generate else read_pooler_config(core.loaded.path)
     app = build_app(
-        engine, server_config, model_root=args.model or names[0], rag=rag, pooler=pooler, embedders=embedders
+        engine,
+        server_config,
+        model_root=args.model or names[0],
+        rag=rag,
+        pooler=pooler,
+        embedders=embedders,
+        lora_modules=loras,
     )
     host, port = server_config.host, server_config.port
     server = Server(app, host=host, port=port, log_level=server_config.log_level)
@@ -81,6 +92,17 @@ def run(args: argparse.Namespace) -> int:
     if server.uvicorn.started is False and not server.uvicorn.should_exit:
         raise UserError(f"could not start the server on {host}:{port}")
     return status
+
+
+def lora_modules(server: ServerConfig, engine: EngineConfig) -> list[LoRARequest]:
+    """--lora-modules as LoRARequests (checked: each name=path or vLLM's JSON; --enable-lora given)."""
+    from pagedllm.server.serving_lora import parse_lora_modules
+
+    if not server.lora_modules:
+        return []
+    if not engine.enable_lora:
+        raise UserError("--lora-modules: needs --enable-lora")
+    return parse_lora_modules(server.lora_modules)
 
 
 def load_embedders(config: ServerConfig) -> list[Embedder]:

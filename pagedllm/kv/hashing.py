@@ -25,6 +25,13 @@ def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int], extra_
     return h.digest()
 
 
+def extra_key(cache_salt: str | None, lora_int_id: int = 0) -> object:
+    """The extra key of a request's blocks: its cache salt, and its LoRA adapter's id when it has one (an
+    adapter changes every layer's K/V; keyed by id, never by name, so two adapters of one name never share). A
+    request of the base model keys as before adapters existed (the disk tier's files stay valid)."""
+    return cache_salt if not lora_int_id else (cache_salt, "lora", lora_int_id)
+
+
 def hash_full_blocks(
     token_ids: Sequence[int], block_size: int, extra_key: object = None, prefix: Sequence[BlockHash] = ()
 ) -> list[BlockHash]:

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from pagedllm.kv.block_pool import BlockPool, KVBlock
 from pagedllm.kv.connector import BlockIO, DiskTierConnector, KVConnector
 from pagedllm.kv.coordinator import GroupBlocks, KVCacheCoordinator
-from pagedllm.kv.hashing import BlockHash, hash_full_blocks
+from pagedllm.kv.hashing import BlockHash, extra_key, hash_full_blocks
 from pagedllm.kv.kv_spec import KVCacheLayout, cdiv
 from pagedllm.kv.offload import DiskKVTier
 from pagedllm.kv.segments import SegmentStore
@@ -38,6 +38,7 @@ class KVRequest(Protocol):
     all_token_ids: list[int]  # prompt + generated so far
     num_computed_tokens: int  # tokens whose KV is already in the cache
     cache_salt: str | None  # extra hash key: requests with different salts never share blocks
+    lora_int_id: int  # and its LoRA adapter (0: the base model)
 
 
 @dataclass
@@ -49,6 +50,7 @@ class TokenRequest:
     all_token_ids: list[int]
     num_computed_tokens: int = 0
     cache_salt: str | None = None
+    lora_int_id: int = 0
 
 
 class KVCacheBlocks:
@@ -331,7 +333,10 @@ class PagedKVCacheManager(KVCacheManager):
         known = self.req_hashes.get(request.request_id, [])
         if len(known) < num_tokens // self.block_size:
             known = hash_full_blocks(
-                request.all_token_ids[:num_tokens], self.block_size, getattr(request, "cache_salt", None), known
+                request.all_token_ids[:num_tokens],
+                self.block_size,
+                extra_key(getattr(request, "cache_salt", None), getattr(request, "lora_int_id", 0)),
+                known,
             )
             self.req_hashes[request.request_id] = known
         return known

@@ -18,9 +18,11 @@ from pagedllm.kv.kv_spec import KVCacheLayout
 from pagedllm.kv.sizing import kv_bytes_per_block
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.fused_step import FusedStep, fusable
+from pagedllm.model.kernels.quant_linear import log_once
 from pagedllm.model.layers.attention import AttentionMetadata, StepIndex, build_metadata, group_step_index
 from pagedllm.model.layers.rope import shift_rotary
 from pagedllm.model.loader import LoadedModel
+from pagedllm.model.lora import LoRAManager
 
 
 @dataclass
@@ -33,6 +35,7 @@ class SeqChunk:
     all_logits: bool = False  # logits for every new token, not only the last: prompt logprobs, and drafts to verify
     # Every KV-cache group's table, where the runner's layout has more than one (block_table is group 0's)
     group_tables: list[list[int]] | None = None
+    lora_int_id: int = 0  # the LoRA adapter its tokens run under (0: the base model)
 
     def tables(self, num_groups: int) -> list[list[int]]:
         if self.group_tables is not None:
@@ -118,6 +121,21 @@ class ModelRunner:
             if fused and fusable(self.model, self.kv_caches)
             else None
         )
+        self.lora: LoRAManager | None = None  # set by enable_lora
+
+    def enable_lora(self, max_lora_rank: int, max_cpu_loras: int) -> LoRAManager:
+        """Let chunks run under LoRA adapters (SeqChunk.lora_int_id), loaded into the returned manager."""
+        self.lora = LoRAManager(self.model, max_lora_rank, max_cpu_loras)
+        return self.lora
+
+    def _lora_ids(self, chunks: list[SeqChunk]) -> list[int] | None:
+        """Each chunk's adapter id when any chunk has one (else None: a base-only step)."""
+        ids = [c.lora_int_id for c in chunks]
+        if not any(ids):
+            return None
+        if self.lora is None:
+            raise ValueError("a chunk asks for a LoRA adapter but LoRA is not enabled")
+        return ids
 
     @property
     def bytes_per_block(self) -> int:
@@ -193,8 +211,11 @@ class ModelRunner:
         starts = [c.start_pos for c in chunks]
         by_group = self._group_tables(chunks)
         ixs = group_step_index(lens, starts, by_group, self.block_size)  # one builder for the fused and torch path
-        if self.fused is not None:
+        lora_ids = self._lora_ids(chunks)
+        if self.fused is not None and lora_ids is None:
             return self.fused.run([c.token_ids for c in chunks], starts, by_group, [c.num_logits for c in chunks], ixs)
+        if self.fused is not None:
+            log_once("steps with LoRA adapters run on the torch path (the fused C step computes no LoRA term)")
         ids: list[int] = []
         for c in chunks:
             ids.extend(c.token_ids)
@@ -206,7 +227,11 @@ class ModelRunner:
             end += len(c.token_ids)
             rows.extend(range(end - c.num_logits, end))
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
-        return self.model(input_ids, meta, self.kv_caches, index)
+        if lora_ids is None:
+            return self.model(input_ids, meta, self.kv_caches, index)
+        assert self.lora is not None
+        with self.lora.run(lora_ids, lens, self.device):
+            return self.model(input_ids, meta, self.kv_caches, index)
 
     def _group_tables(self, chunks: list[SeqChunk]) -> list[list[list[int]]]:
         """Per KV-cache group, each chunk's table."""
@@ -243,5 +268,11 @@ class ModelRunner:
         ids = [t for c in chunks for t in c.token_ids]
         meta = self._metadata(lens, [c.start_pos for c in chunks], self._group_tables(chunks))
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        h = self.model.norm(self.model.hidden_states(input_ids, meta, self.kv_caches)).float()
-        return list(h.split(lens))
+        lora_ids = self._lora_ids(chunks)
+        if lora_ids is None:
+            h = self.model.hidden_states(input_ids, meta, self.kv_caches)
+        else:
+            assert self.lora is not None
+            with self.lora.run(lora_ids, lens, self.device):
+                h = self.model.hidden_states(input_ids, meta, self.kv_caches)
+        return list(self.model.norm(h).float().split(lens))

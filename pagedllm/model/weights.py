@@ -121,6 +121,47 @@ def tensor_table(model: CausalLM) -> dict[str, Slot]:
     return table
 
 
+@dataclass
+class LoRATarget:
+    """A matmul an adapter may target, by its checkpoint module name: decoder layer `layer`'s `slot` (qkv, o,
+    gate_up, down), rows [start, end) of the merged weight (q, k or v of qkv; gate or up of gate_up)."""
+
+    layer: int
+    slot: str
+    linear: Linear
+    start: int
+    end: int
+
+
+LORA_SLOTS = ("qkv", "o", "gate_up", "down")  # a dense layer's four matmuls (a sparse layer's experts: none)
+
+
+def lora_targets(model: CausalLM) -> dict[str, LoRATarget]:
+    """Every module an adapter may target, by its Hugging Face name without `.weight` (the names PEFT writes
+    under `base_model.model.`): the q/k/v/o/gate/up/down projections of the dense layers, split or fused as the
+    family's checkpoints store them (Phi-3's qkv_proj and gate_up_proj are one target each)."""
+    fam = family_of(model)
+    out = {}
+    for i, layer in enumerate(model.decoder_layers):
+        slots = layer.slots()
+        for slot in LORA_SLOTS:
+            lin = slots.get(slot)
+            if not isinstance(lin, Linear):
+                continue
+            names = fam.layer_tensors[slot]
+            for name, (a, b) in zip(names, _row_splits(len(names), lin.out_features, model)):
+                out[f"model.layers.{i}.{name}"] = LoRATarget(i, slot, lin, a, b)
+    return out
+
+
+def gguf_target_names(model: CausalLM, arch: str) -> dict[str, str]:
+    """GGUF weight name ("blk.0.attn_q.weight") -> the LoRA target's HF module name, by llama.cpp's table."""
+    targets = lora_targets(model)
+    return {
+        g: hf.removesuffix(".weight") for g, hf in gguf_names(model, arch, [t + ".weight" for t in targets]).items()
+    }
+
+
 def gguf_names(model: CausalLM, arch: str, hf_names: list[str]) -> dict[str, str]:
     """GGUF tensor name -> HF name for the model's tensors, by llama.cpp's name map of `arch`."""
     import gguf

@@ -20,11 +20,13 @@ from fastapi.openapi.utils import get_openapi
 
 from pagedllm.engine.interfaces import AsyncEngine
 from pagedllm.engine.pooling import PoolerConfig
+from pagedllm.lora_request import LoRARequest
 from pagedllm.server import (
     serving_chat,
     serving_completion,
     serving_embedding,
     serving_info,
+    serving_lora,
     serving_messages,
     serving_rag,
     serving_responses,
@@ -39,6 +41,7 @@ from pagedllm.server.protocol_messages import MessageStreamEvent
 from pagedllm.server.protocol_responses import ResponseStreamEvent
 from pagedllm.server.reasoning import REASONING_PARSERS
 from pagedllm.server.serving_engine import ServingContext
+from pagedllm.server.serving_lora import parse_lora_modules, runtime_updates_allowed
 from pagedllm.server.streaming import STREAM_RESPONSES
 
 if TYPE_CHECKING:
@@ -56,6 +59,7 @@ def build_app(
     state_routers: Sequence[APIRouter] | None = None,
     pooler: PoolerConfig | None = None,
     embedders: Sequence[Embedder] = (),
+    lora_modules: Sequence[LoRARequest] = (),
 ) -> FastAPI:
     """The FastAPI app over a (not necessarily started) async engine, as `config` (the server's settings, the
     flags of `pagedllm serve`) says; the app starts and stops the engine. `model_root`: the model's path, where
@@ -63,7 +67,9 @@ def build_app(
     /v1/rag/chat/completions. `state_routers`: the routes that show the engine's state (default: /health,
     /metrics, /v1/models, /v1/kv and the /kv block map, of one engine); a cluster answers them per replica
     instead. `pooler`: the engine's model also serves /v1/embeddings under its names, pooled that way (with
-    `--runner pooling` no completion routes); `embedders`: other embedding models (`--embedding-model`)."""
+    `--runner pooling` no completion routes); `embedders`: other embedding models (`--embedding-model`).
+    `lora_modules`: LoRA adapters served by name (default: config's --lora-modules; the engine needs enable_lora); with
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING true, the load / unload routes too."""
     config = config or ServerConfig()
     root = model_root or engine.model_config.name or "pagedllm"
     names = list(config.served_model_name or [root])
@@ -86,6 +92,7 @@ def build_app(
         tool_call_parser=config.tool_call_parser,
         reasoning=reasoning,
         trust_request_chat_template=config.trust_request_chat_template,
+        loras={lora.lora_name: lora for lora in lora_modules or parse_lora_modules(config.lora_modules or [])},
     )
     app.state.rag = rag
     own = [EngineEmbedder(app.state.serving, pooler)] if pooler is not None else []
@@ -108,6 +115,8 @@ def _include_routes(app: FastAPI, state_routers: Sequence[APIRouter] | None, gen
     generation = (serving_completion, serving_chat, serving_responses, serving_messages) if generate else ()
     for module in (*generation, serving_tokenization, serving_embedding):
         app.include_router(module.router)
+    if generate and state_routers is None and runtime_updates_allowed():  # one engine in this process
+        app.include_router(serving_lora.router)
     if rag:
         app.include_router(serving_rag.router)
 

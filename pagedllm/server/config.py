@@ -31,6 +31,9 @@ class ServerConfig:
     served_model_name: list[str] | None = None
     """model name(s) clients put in "model" (default: the model file or folder's name without its extension, or
     SmolLM2-135M-Instruct for the default model)"""
+    lora_modules: Annotated[list[str] | None, Flag(metavar="NAME=PATH")] = None
+    """LoRA adapters a request picks by its "model": name=path (a PEFT folder or a GGUF LoRA file), or vLLM's JSON
+    '{"name": ..., "path": ..., "base_model_name": ...}'; needs --enable-lora (default: none)"""
     api_key: str | None = None
     """require "Authorization: Bearer KEY" on /v1/* (default: $PAGEDLLM_API_KEY, else no key)"""
     max_waiting_requests: Annotated[int, Field(ge=0)] | None = None

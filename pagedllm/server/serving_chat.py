@@ -320,7 +320,13 @@ async def create_chat_completion(
     rid = request_id(request, req.request_id, "chatcmpl")
     prep = await prepare(ctx, req)
     subs = await ctx.submit(
-        [prep.prompt_ids], prep.params, rid, cache_salt=req.cache_salt, priority=req.priority, kv_blend=req.kv_blend
+        [prep.prompt_ids],
+        prep.params,
+        rid,
+        cache_salt=req.cache_salt,
+        priority=req.priority,
+        kv_blend=req.kv_blend,
+        lora_request=ctx.lora_request(prep.model),
     )
     if req.stream:
         return stream(ctx, req, prep, subs, rid)

@@ -173,7 +173,13 @@ async def create_completion(
     rid = request_id(request, req.request_id, "cmpl")
     prep = await _prepare(ctx, req)
     subs = await ctx.submit(
-        prep.prompts, prep.params, rid, cache_salt=req.cache_salt, priority=req.priority, kv_blend=req.kv_blend
+        prep.prompts,
+        prep.params,
+        rid,
+        cache_salt=req.cache_salt,
+        priority=req.priority,
+        kv_blend=req.kv_blend,
+        lora_request=ctx.lora_request(prep.model),
     )
     if req.stream:
         chunk = Chunks.for_request(req.stream_options, rid, "text_completion", prep.model)

@@ -23,6 +23,7 @@ from pagedllm.engine.async_engine import RequestAbortedError
 from pagedllm.engine.blend import check_segments
 from pagedllm.engine.interfaces import AsyncEngine
 from pagedllm.engine.outputs import CompletionOutput, RequestOutput
+from pagedllm.lora_request import LoRARequest
 from pagedllm.sampling_params import MAX_N, PoolingParams, SamplingParams, SamplingParamsError
 from pagedllm.server.errors import APIError
 from pagedllm.server.protocol import (
@@ -78,8 +79,10 @@ class ServingContext:
     tool_call_parser: str | None = None  # --tool-call-parser: the "auto" tool-call format (else the template's)
     reasoning: ReasoningFormat | None = None
     trust_request_chat_template: bool = False
+    loras: dict[str, LoRARequest] = field(default_factory=dict)  # LoRA adapters served by name (serving_lora.py)
     created: int = field(default_factory=lambda: int(time.time()))
     _token_strs: dict[int, str] = field(default_factory=dict)
+    _lora_ids: int = 0  # the highest adapter id handed out
 
     # ------------------------------------------------------------------ tokenizer (CPU work off the event loop)
     async def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
@@ -133,15 +136,25 @@ class ServingContext:
 
     # ------------------------------------------------------------------ checks that need the engine
     def check_model(self, model: str | None) -> str:
+        """The served name a request asks for (a LoRA adapter's name too); an unknown one is vLLM's 404."""
         if model is None:
             return self.model_names[0]
-        if model not in self.model_names:
+        if model not in self.model_names and model not in self.loras:
             raise APIError(
-                f"The model `{model}` does not exist. Available models: {', '.join(self.model_names)}",
+                f"The model `{model}` does not exist. Available models: {', '.join([*self.model_names, *self.loras])}",
                 404,
                 param="model",
             )
         return model
+
+    def lora_request(self, model: str) -> LoRARequest | None:
+        """The adapter a checked model name stands for (None: the base model)."""
+        return self.loras.get(model)
+
+    def next_lora_id(self) -> int:
+        """An id no adapter of this server had: one more than the highest so far."""
+        self._lora_ids = max([self._lora_ids, *(lora.lora_int_id for lora in self.loras.values())]) + 1
+        return self._lora_ids
 
     def check_n(self, n: int, prompts: int = 1) -> None:
         """n against the engine's limit, and all the request's samples against --max-waiting-requests (a request
@@ -213,11 +226,13 @@ class ServingContext:
         priority: int = 0,
         kv_blend: KVBlend | None = None,
         first: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> list[EngineRequest]:
         """One engine request per prompt (n samples each); if any is refused, the others are aborted. `first`:
         the index of the first prompt, for a request that submits its prompts a few at a time.
         `cache_salt` keeps the request's prefix blocks to requests of the same salt (a tenant's); `kv_blend`
-        (checked against every prompt before any is queued) marks spans whose KV may be reused."""
+        (checked against every prompt before any is queued) marks spans whose KV may be reused; `lora_request`:
+        the LoRA adapter the request's `model` names."""
         blend: dict = {}
         if kv_blend is not None:
             for ids in prompts:
@@ -226,6 +241,8 @@ class ServingContext:
                 except SamplingParamsError as e:
                     raise APIError(f"kv_blend: {e}", 400, param="kv_blend") from None
             blend = {"kv_segments": list(kv_blend.segments), "kv_blend_recompute": kv_blend.recompute}
+        if lora_request is not None:  # passed only when asked for, as kv_blend
+            blend["lora_request"] = lora_request
         subs = [EngineRequest(i, i * params.n, f"{request_id}-{i}", ids) for i, ids in enumerate(prompts, first)]
         results = await asyncio.gather(
             *(

@@ -31,10 +31,13 @@ def metrics(request: Request, ctx: ServingContext = Depends(serving)) -> Respons
 
 @router.get("/v1/models", response_model=ModelList, responses={401: ERROR_RESPONSES[401]})
 def models(request: Request, ctx: ServingContext = Depends(serving)) -> ModelList:
-    """The served names, then those of the embedding models served beside them (--embedding-model)."""
+    """The served names, then those of the embedding models served beside them (--embedding-model), then the
+    LoRA adapters, each with its base model as `parent` (vLLM's)."""
     embedders = getattr(request.app.state, "embedders", [])
     extra = [(n, e.max_len) for e in embedders for n in e.names if n not in ctx.model_names]
-    cards = [(n, ctx.model_root, ctx.engine.max_model_len) for n in ctx.model_names] + [(n, n, m) for n, m in extra]
+    max_len = ctx.engine.max_model_len
+    cards = [(n, ctx.model_root, None, max_len) for n in ctx.model_names] + [(n, n, None, m) for n, m in extra]
+    cards += [(n, lora.lora_path, lora.base_model_name or ctx.model_names[0], max_len) for n, lora in ctx.loras.items()]
     return ModelList(
         object="list",
         data=[
@@ -44,10 +47,10 @@ def models(request: Request, ctx: ServingContext = Depends(serving)) -> ModelLis
                 created=ctx.created,
                 owned_by="pagedllm",
                 root=root,
-                parent=None,
+                parent=parent,
                 max_model_len=max_len,
             )
-            for n, root, max_len in cards
+            for n, root, parent, max_len in cards
         ],
     )
 

@@ -14,6 +14,7 @@ from torch import nn
 
 from pagedllm.model.kernels.onednn_linear import pack
 from pagedllm.model.kernels.quant_linear import QuantWeight, qlinear, qrows
+from pagedllm.model.layers.lora import LoRAHook
 
 
 def empty_param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
@@ -90,6 +91,7 @@ class Linear(nn.Module):
         tied_to: nn.Parameter | None = None,
     ) -> None:
         super().__init__()
+        self.out_features, self.in_features = out_features, in_features
         self.weight = (
             tied_to if tied_to is not None else empty_param(out_features, in_features, dtype=dtype, device=device)
         )
@@ -97,9 +99,13 @@ class Linear(nn.Module):
         self.tied = tied_to is not None
         self.keep_dense = False  # a router: rounding it at load (--quantization int8|int4) would move tokens
         self.method: LinearMethod = DenseMethod(self.weight)
+        self.lora: LoRAHook | None = None  # set on the matmuls adapters may target when LoRA is enabled
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(x, self.bias)
+        y = self.method.apply(x, self.bias)
+        if self.lora is not None:
+            self.lora.add(x, y)
+        return y
 
     @property
     def quant(self) -> QuantWeight | None:

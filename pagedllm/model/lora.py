@@ -1,0 +1,276 @@
+"""LoRA adapters on one base model: reading them (PEFT folders, llama.cpp GGUF adapters), checking them against
+the model, and keeping the loaded ones (vLLM's --max-cpu-loras, least recently used dropped first).
+
+An adapter becomes, per targeted matmul, one A [R, in] and one B [out, R] (layers/lora.py) in the model's dtype,
+the scale (lora_alpha / r, or / sqrt(r) with use_rslora; llama.cpp: adapter.lora.alpha / r) folded into B, and the
+q/k/v (gate/up) pieces stacked into the merged matmul the decoder runs. The base weights are never touched.
+
+The two file forms:
+- PEFT: adapter_config.json (r, lora_alpha, use_rslora, target_modules) and adapter_model.safetensors with
+  `base_model.model.<module>.lora_A.weight` [r, in] and `.lora_B.weight` [out, r].
+- GGUF (llama.cpp's convert_lora_to_gguf.py): general.type = adapter, adapter.type = lora, adapter.lora.alpha,
+  tensors `<weight>.lora_a` [r, in] and `.lora_b` [out, r] (llama-adapter.cpp's orientation: a's ne = {in, r},
+  b's ne = {r, out}); for families whose Q/K rows the converter permuted, lora_b's rows of q and k are too, and
+  are un-permuted here as the base model's are.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from collections import Counter, OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedllm.errors import ModelLoadError, UserError
+from pagedllm.lora_request import LoRARequest
+from pagedllm.model.formats.gguf_file import GGUFFile
+from pagedllm.model.layers.decoder import CausalLM
+from pagedllm.model.layers.lora import LoRABatch, LoRAHook, LoRAKey, LoRAWeight
+from pagedllm.model.weights import LoRATarget, family_of, gguf_target_names, lora_targets, unpermute_gguf
+
+logger = logging.getLogger("pagedllm")
+
+PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+
+
+class LoRAError(ModelLoadError):
+    """An adapter that cannot be applied to this model: the message names the adapter and the tensor."""
+
+
+@dataclass
+class LoRAPiece:
+    """One targeted module's matrices as read: a [r, in], b [out, r] (float32) and the scale to apply."""
+
+    module: str  # the Hugging Face module name, e.g. model.layers.0.self_attn.q_proj
+    a: torch.Tensor
+    b: torch.Tensor
+    scale: float
+
+
+@dataclass
+class LoRAModel:
+    """A loaded adapter: its weights by (layer, slot), ready for LoRAHook."""
+
+    name: str
+    int_id: int
+    path: str
+    rank: int
+    weights: dict[LoRAKey, LoRAWeight]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.a.numel() * w.a.element_size() + w.b.numel() * w.b.element_size() for w in self.weights.values())
+
+
+def _peft_pieces(name: str, path: str) -> list[LoRAPiece]:
+    from safetensors import safe_open
+
+    try:
+        with open(os.path.join(path, PEFT_CONFIG)) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as e:
+        raise LoRAError(f"LoRA adapter {name!r}: cannot read {PEFT_CONFIG} in {path}: {e}") from None
+    if str(cfg.get("peft_type", "LORA")).upper() != "LORA":
+        raise LoRAError(f"LoRA adapter {name!r}: peft_type {cfg.get('peft_type')} is not LORA")
+    unsupported = [
+        (cfg.get("use_dora"), "use_dora (DoRA)"),
+        (cfg.get("modules_to_save"), "modules_to_save"),
+        (cfg.get("alpha_pattern"), "alpha_pattern"),
+        (cfg.get("fan_in_fan_out"), "fan_in_fan_out"),
+        (cfg.get("bias", "none") != "none" or cfg.get("lora_bias"), "LoRA biases"),
+    ]
+    bad = [what for hit, what in unsupported if hit]
+    if bad:
+        raise LoRAError(f"LoRA adapter {name!r}: {', '.join(bad)} not supported")
+    alpha, rslora = float(cfg.get("lora_alpha", cfg.get("r", 8))), bool(cfg.get("use_rslora", False))
+    tensors: dict[str, torch.Tensor] = {}
+    file = os.path.join(path, PEFT_WEIGHTS)
+    try:
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():
+                tensors[key] = f.get_tensor(key)
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for missing / corrupt files
+        raise LoRAError(f"LoRA adapter {name!r}: cannot read {file}: {e}") from None
+    pieces = []
+    for key in sorted(tensors):
+        if ".lora_B." in key:
+            continue
+        if ".lora_A." not in key:
+            raise LoRAError(f"LoRA adapter {name!r}: tensor {key} is not a LoRA A or B matrix")
+        module = key.removeprefix(PEFT_PREFIX).split(".lora_A.")[0]
+        b_key = key.replace(".lora_A.", ".lora_B.")
+        if b_key not in tensors:
+            raise LoRAError(f"LoRA adapter {name!r}: tensor {key} has no {b_key}")
+        a, b = tensors[key].float(), tensors[b_key].float()
+        r = a.shape[0]
+        pieces.append(LoRAPiece(module, a, b, alpha / (math.sqrt(r) if rslora else r)))
+    orphans = [k for k in tensors if ".lora_B." in k and k.replace(".lora_B.", ".lora_A.") not in tensors]
+    if orphans:
+        raise LoRAError(f"LoRA adapter {name!r}: tensor {orphans[0]} has no lora_A")
+    return pieces
+
+
+def _gguf_pieces(name: str, path: str, model: CausalLM) -> list[LoRAPiece]:
+    with GGUFFile(path) as gf:
+        md = gf.metadata
+        if md.get("general.type") != "adapter" or md.get("adapter.type", "lora") != "lora":
+            raise LoRAError(
+                f"LoRA adapter {name!r}: {path} is a GGUF file but not a LoRA adapter "
+                f"(general.type = {md.get('general.type')!r}, adapter.type = {md.get('adapter.type')!r})"
+            )
+        arch = str(md.get("general.architecture"))
+        names = gguf_target_names(model, arch)
+        alpha = float(md.get("adapter.lora.alpha", 0.0))
+        permuted = family_of(model).gguf_permute_qk
+        cfg = model.config
+        pieces = []
+        for tname in sorted(gf.tensors):
+            if tname.endswith(".lora_b"):
+                continue
+            if not tname.endswith(".lora_a"):
+                raise LoRAError(f"LoRA adapter {name!r}: tensor {tname} is not a lora_a or lora_b")
+            base = tname.removesuffix(".lora_a")
+            if base + ".lora_b" not in gf.tensors:
+                raise LoRAError(f"LoRA adapter {name!r}: tensor {tname} has no {base}.lora_b")
+            module = names.get(base)
+            if module is None:
+                raise LoRAError(f"LoRA adapter {name!r}: tensor {tname}: the model has no matmul {base} to adapt")
+            a = np.array(gf.load_array(tname), dtype=np.float32)
+            b = np.array(gf.load_array(base + ".lora_b"), dtype=np.float32)
+            if permuted and module.endswith(("q_proj", "k_proj")) and b.ndim == 2:
+                heads = cfg.num_heads if module.endswith("q_proj") else cfg.num_kv_heads
+                if b.shape[0] % (2 * heads) == 0:
+                    b = unpermute_gguf(b, heads)
+            r = a.shape[0] if a.ndim == 2 else 0
+            pieces.append(
+                LoRAPiece(module, torch.from_numpy(a), torch.from_numpy(b), alpha / r if alpha and r else 1.0)
+            )
+    return pieces
+
+
+def read_lora(req: LoRARequest, model: CausalLM) -> list[LoRAPiece]:
+    """The adapter's pieces from a PEFT folder or a GGUF file."""
+    path = req.lora_path
+    if os.path.isdir(path):
+        return _peft_pieces(req.lora_name, path)
+    if os.path.isfile(path):
+        return _gguf_pieces(req.lora_name, path, model)
+    raise LoRAError(f"LoRA adapter {req.lora_name!r}: {path} is neither a PEFT folder nor a GGUF file")
+
+
+def build_lora(req: LoRARequest, model: CausalLM, max_rank: int) -> LoRAModel:
+    """Read an adapter and check it against the model: every target one of its matmuls, the shapes its, the rank
+    at most `max_rank` (--max-lora-rank); then stack each matmul's pieces in the model's dtype."""
+    name = req.lora_name
+    targets = lora_targets(model)
+    grouped: dict[LoRAKey, list[tuple[LoRATarget, LoRAPiece]]] = {}
+    rank = 0
+    for p in read_lora(req, model):
+        t = targets.get(p.module)
+        if t is None:
+            raise LoRAError(f"LoRA adapter {name!r}: target module {p.module} is not a matmul this model can adapt")
+        if p.a.ndim != 2 or p.b.ndim != 2 or p.a.shape[0] != p.b.shape[1]:
+            raise LoRAError(
+                f"LoRA adapter {name!r}: {p.module}: A {tuple(p.a.shape)} and B {tuple(p.b.shape)} are not a LoRA "
+                "pair (A [r, in], B [out, r])"
+            )
+        r = p.a.shape[0]
+        if r > max_rank:
+            raise LoRAError(f"LoRA adapter {name!r}: {p.module} has rank {r}, above --max-lora-rank {max_rank}")
+        want = (t.end - t.start, t.linear.in_features)
+        if (p.b.shape[0], p.a.shape[1]) != want:
+            raise LoRAError(
+                f"LoRA adapter {name!r}: {p.module}: A {tuple(p.a.shape)} and B {tuple(p.b.shape)} do not fit the "
+                f"model's weight of shape {want}"
+            )
+        rank = max(rank, r)
+        grouped.setdefault((t.layer, t.slot), []).append((t, p))
+    if not grouped:
+        raise LoRAError(f"LoRA adapter {name!r}: {req.lora_path} holds no LoRA matrices")
+    dtype, device = model.dtype, model.lm_head.weight.device
+    weights = {}
+    for key, parts in grouped.items():
+        lin = parts[0][0].linear
+        total = sum(p.a.shape[0] for _, p in parts)
+        b = torch.zeros(lin.out_features, total)
+        col = 0
+        for t, p in parts:
+            r = p.a.shape[0]
+            b[t.start : t.end, col : col + r] = p.b * p.scale
+            col += r
+        a = torch.cat([p.a for _, p in parts])
+        weights[key] = LoRAWeight(a.to(device, dtype).contiguous(), b.to(device, dtype).contiguous())
+    return LoRAModel(name, req.lora_int_id, req.lora_path, rank, weights)
+
+
+class LoRAManager:
+    """The adapters loaded for one model, by id. At most `max_cpu_loras` are kept: loading one more drops the
+    least recently used adapter that no request holds (one that requests hold is never dropped: the count is
+    exceeded until they finish). `run(ids)` runs a step's rows under their adapters."""
+
+    def __init__(self, model: CausalLM, max_lora_rank: int, max_cpu_loras: int) -> None:
+        self.model, self.max_lora_rank, self.max_cpu_loras = model, max_lora_rank, max_cpu_loras
+        self.adapters: OrderedDict[int, LoRAModel] = OrderedDict()  # least recently used first
+        self.holds: Counter[int] = Counter()  # requests holding each adapter
+        self.batch = LoRABatch()
+        for t in lora_targets(model).values():
+            t.linear.lora = LoRAHook(self.batch, (t.layer, t.slot))
+
+    def add(self, req: LoRARequest) -> LoRAModel:
+        """The adapter of `req`, loaded now if it is not yet; an id already loaded from another path is refused
+        (ids name adapters in the KV cache's keys: one id must always mean the same weights)."""
+        have = self.adapters.get(req.lora_int_id)
+        if have is not None:
+            if have.path != req.lora_path:
+                raise UserError(
+                    f"LoRA adapter {req.lora_name!r}: id {req.lora_int_id} is already adapter {have.name!r} "
+                    f"from {have.path}"
+                )
+            self.adapters.move_to_end(req.lora_int_id)
+            return have
+        lora = build_lora(req, self.model, self.max_lora_rank)
+        self.adapters[req.lora_int_id] = lora
+        logger.info("loaded LoRA adapter %s (id %d, rank %d) from %s", lora.name, lora.int_id, lora.rank, lora.path)
+        free = [i for i in self.adapters if self.holds[i] == 0 and i != req.lora_int_id]
+        while len(self.adapters) > self.max_cpu_loras and free:
+            self.adapters.pop(free.pop(0))
+        return lora
+
+    def hold(self, int_id: int) -> None:
+        self.holds[int_id] += 1
+
+    def release(self, int_id: int) -> None:
+        self.holds[int_id] -= 1
+        if self.holds[int_id] <= 0:
+            del self.holds[int_id]
+
+    def remove(self, int_id: int) -> bool:
+        """Unload an adapter; refused (UserError) while requests hold it. False: it was not loaded."""
+        if self.holds[int_id] > 0:
+            name = self.adapters[int_id].name if int_id in self.adapters else str(int_id)
+            raise UserError(f"LoRA adapter {name!r} is in use by {self.holds[int_id]} running request(s)")
+        return self.adapters.pop(int_id, None) is not None
+
+    @contextmanager
+    def run(self, ids: list[int], lens: list[int], device: torch.device) -> Iterator[None]:
+        """While inside, rows of chunk i (lens[i] of them, in order) run under adapter ids[i] (0: the base)."""
+        starts = np.cumsum([0, *lens]).tolist()
+        rows: dict[int, list[int]] = {}
+        for i, (lid, n) in enumerate(zip(ids, lens)):
+            if lid:
+                rows.setdefault(lid, []).extend(range(starts[i], starts[i] + n))
+        self.batch.groups = [
+            (torch.tensor(r, dtype=torch.long, device=device), self.adapters[lid].weights) for lid, r in rows.items()
+        ]
+        try:
+            yield
+        finally:
+            self.batch.groups = []

@@ -97,6 +97,15 @@ class ModelConfig:
     decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 and i not in mlp_only_layers
     mlp_only_layers: list[int] = field(default_factory=list)
 
+    # Hybrid models (Qwen3.5, Qwen3-Next): layer_types "linear_attention" are Gated DeltaNet layers
+    # (layers/deltanet.py) that keep a recurrent state per request instead of KV; the others full attention.
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 4
+    attn_output_gate: bool = False  # Qwen3.5 / Next: attention output * sigmoid(gate), gate rows beside each query
+
     def kv_layout(self, hybrid: bool = False) -> KVCacheLayout:
         """The KV-cache groups of this model's layers (kv_spec.py); `hybrid=False`: one group of every layer that
         stores KV (one block table, nothing freed early: the layout every layer had before groups)."""

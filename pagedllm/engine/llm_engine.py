@@ -19,7 +19,7 @@ from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.disk_tier import kernel_facts, open_disk_tier
 from pagedllm.engine.fault_isolation import Computed, Scheduled, forward_guarded, sample_guarded
 from pagedllm.engine.input_checks import bad_words_token_ids, check_params, encode_prompt
-from pagedllm.engine.memory import kv_layout, log_kv_cache, num_kv_blocks, resolve_device
+from pagedllm.engine.memory import kv_layout, log_kv_cache, num_kv_blocks, resolve_device, state_bytes
 from pagedllm.engine.outputs import RequestMetrics, RequestOutput
 from pagedllm.engine.pooling import PoolingState
 from pagedllm.engine.request import Request
@@ -33,6 +33,7 @@ from pagedllm.kv.events import KVEventLog
 from pagedllm.kv.hashing import segment_root
 from pagedllm.kv.manager import PagedKVCacheManager, make_kv_cache_manager
 from pagedllm.kv.offload import DiskKVTier
+from pagedllm.kv.state_slots import StateSlotPool
 from pagedllm.model.kernels.kv_quant import QUANT_KV_DTYPES
 from pagedllm.model.loader import DTYPES, LoadedModel, load_model
 from pagedllm.model.runner import ModelRunner, SeqChunk
@@ -91,19 +92,11 @@ class LLMEngine:
         self.kv_layout = kv_layout(cfg, config)
         self.kv_groups = self.kv_layout.kinds()  # one per kind of layer (the pool's groups split them evenly)
         num_blocks = num_kv_blocks(config, self.loaded, self.max_model_len, self.kv_dtype, layout=self.kv_layout)
-        self.runner = ModelRunner(self.loaded, num_blocks, self.block_size, self.kv_dtype, layout=self.kv_layout)
-        self.kv = make_kv_cache_manager(
-            config.kv_allocation,
-            num_blocks,
-            self.block_size,
-            self.max_model_len,
-            config.enable_prefix_caching,
-            self.kv_layout,
-        )
+        self._build_cache(config, num_blocks)
         if config.enable_kv_cache_events:
             self.kv.pool.events = KVEventLog(self.block_size, device.type.upper())
         self.disk_tier = self._attach_connectors(config)
-        spec = config.speculative_config
+        spec = None if self.runner.states else config.speculative_config  # hybrid: no drafts (_attach_state_slots)
         self.scheduler = Scheduler(
             self.kv,
             config.max_num_seqs,
@@ -122,6 +115,47 @@ class LLMEngine:
         self.num_steps = 0
         self._stats_logger = StatsLogger(config.log_stats_interval)
         torch.manual_seed(config.seed)
+
+    def _build_cache(self, config: EngineConfig, num_blocks: int) -> None:
+        """The runner (the cache's tensors; a hybrid model's state rows, one per request that may run) and the KV
+        manager that hands out their blocks and state slots."""
+        self.runner = ModelRunner(
+            self.loaded,
+            num_blocks,
+            self.block_size,
+            self.kv_dtype,
+            layout=self.kv_layout,
+            num_state_slots=config.max_num_seqs,
+        )
+        self.kv = make_kv_cache_manager(
+            config.kv_allocation,
+            num_blocks,
+            self.block_size,
+            self.max_model_len,
+            config.enable_prefix_caching,
+            self.kv_layout,
+        )
+        self._attach_state_slots(config)
+
+    def _attach_state_slots(self, config: EngineConfig) -> None:
+        """A hybrid model's recurrent-state slots (one per request that may run, the runner holds their rows),
+        what it cannot do (drafts: a rejected one would stay in the state), and why its prefix hits are 0."""
+        if not self.runner.states:
+            return
+        cfg = self.model_config
+        if config.speculative_config is not None:
+            logger.warning(
+                "speculative decoding is off for %s: a rejected draft would stay in its linear-attention layers' "
+                "recurrent state",
+                cfg.name,
+            )
+        self.kv.attach_state_slots(StateSlotPool(config.max_num_seqs, state_bytes(cfg, self.loaded.dtype)))
+        if config.enable_prefix_caching:
+            logger.info(
+                "prefix caching finds no hits on %s: its linear-attention layers' recurrent state is kept per "
+                "request, not in blocks, so a hit could not skip the tokens it covers",
+                cfg.name,
+            )
 
     def _attach_connectors(self, config: EngineConfig) -> DiskKVTier | None:
         """What plugs in behind the KV manager's connector seam: the disk tier, kv_blend's segment store."""
@@ -211,6 +245,11 @@ class LLMEngine:
                 check_segments([], prompt_len, recompute)
             return None
         spans = check_segments(segments, prompt_len, recompute)
+        if spans and self.runner.states:
+            raise UserError(
+                f"kv_segments: kv_blend cannot run on {self.model_config.name}: its linear-attention layers keep a "
+                "recurrent state, which cannot be moved to another position as K/V can"
+            )
         if not spans or not self.runner.can_shift_keys:
             return None
         loaded = self.loaded
@@ -287,6 +326,7 @@ class LLMEngine:
             tables[0],
             req.wants_prompt_logits or bool(req.spec_token_ids) or keep,
             tables if len(tables) > 1 else None,
+            self.kv.state_slot(req.request_id),
         )
 
     def _forward(self, scheduled: Scheduled) -> list[torch.Tensor]:

@@ -70,7 +70,26 @@ def num_kv_blocks(
     budget that cannot serve is a UserError naming the flag to change."""
     per_block = bytes_per_block(loaded.config, config.block_size, kv_dtype, layout)
     budget = kv_budget(config, loaded, max_model_len, kv_dtype, available)
+    states = config.max_num_seqs * state_bytes(loaded.config, loaded.dtype)
+    if states:
+        if states >= budget:
+            raise UserError(
+                f"--kv-cache-memory: {budget:,} bytes do not hold the recurrent states of --max-num-seqs "
+                f"{config.max_num_seqs} requests ({states:,} bytes); raise the budget or lower --max-num-seqs"
+            )
+        logger.info(
+            "KV budget: %.2f MiB reserved for %d recurrent-state slots (linear-attention layers), the rest for blocks",
+            states / 2**20,
+            config.max_num_seqs,
+        )
+        budget -= states
     return blocks_for_budget(budget, per_block, config.block_size, max_model_len, config.kv_allocation)
+
+
+def state_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """One request's recurrent-state slot of a hybrid model (0 without linear-attention layers): the conv states
+    in the model's dtype, the recurrent ones in float32 (layers/deltanet.py)."""
+    return cfg.state_bytes_per_request(torch.empty((), dtype=dtype).element_size())
 
 
 def kv_budget(

@@ -25,6 +25,7 @@ from pagedllm.kv.hashing import BlockHash, hash_full_blocks
 from pagedllm.kv.kv_spec import KVCacheLayout, cdiv
 from pagedllm.kv.offload import DiskKVTier
 from pagedllm.kv.segments import SegmentStore
+from pagedllm.kv.state_slots import StateSlotPool
 
 logger = logging.getLogger("pagedllm")
 
@@ -99,6 +100,27 @@ class KVCacheManager:
         self.req_tokens: dict[str, int] = {}  # tokens each request has slots for (stored or about to be)
         self.prefix_stats = PrefixCacheStats()
         self.peak_used_blocks = 0  # the most blocks requests held at once (a memory figure: docs/benchmarks.md)
+        self.state_slots: StateSlotPool | None = None  # a hybrid model's recurrent-state slots (state_slots.py)
+
+    def attach_state_slots(self, pool: StateSlotPool) -> None:
+        """A hybrid model: each request also holds a recurrent-state slot while it runs. Its prefix-cache hits are
+        0 from now on: a hit would skip tokens whose recurrent state no block holds."""
+        self.state_slots = pool
+
+    def state_slot(self, request_id: str) -> int | None:
+        """The request's recurrent-state slot (None without linear-attention layers, or before it is scheduled)."""
+        return None if self.state_slots is None else self.state_slots.req_to_slot.get(request_id)
+
+    def _state_ready(self, request_id: str) -> bool:
+        return self.state_slots is None or self.state_slots.can_take(request_id)
+
+    def _take_state(self, request_id: str) -> None:
+        if self.state_slots is not None:
+            self.state_slots.take(request_id)
+
+    def _free_state(self, request_id: str) -> None:
+        if self.state_slots is not None:
+            self.state_slots.free(request_id)
 
     def _note_peak(self) -> None:
         self.peak_used_blocks = max(self.peak_used_blocks, self.num_used_blocks)
@@ -207,6 +229,7 @@ class KVCacheManager:
         blocks = self.req_blocks.pop(request.request_id, [])
         self.req_tokens.pop(request.request_id, None)
         self.pool.free(reversed(blocks))
+        self._free_state(request.request_id)
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()
@@ -277,7 +300,7 @@ class PagedKVCacheManager(KVCacheManager):
 
     def enable_segments(self) -> SegmentStore | None:
         """kv_blend's segment store, where the model is one full-attention group and the prefix cache is on."""
-        if self.segments is None and self.enable_caching and self.windows == [None]:
+        if self.segments is None and self.enable_caching and self.windows == [None] and self.state_slots is None:
             self.segments = SegmentStore(self.pool, self.null_block, self._fetch, self._count_segment_read)
             self.add_connector(self.segments)
         return self.segments
@@ -344,7 +367,7 @@ class PagedKVCacheManager(KVCacheManager):
         return self._lookup(request, min(max_tokens, len(request.all_token_ids) - 1) // self.block_size)
 
     def _lookup(self, request: KVRequest, max_blocks: int) -> tuple[KVCacheBlocks, int]:
-        if not self.enable_caching:
+        if not self.enable_caching or self.state_slots is not None:  # no block holds a recurrent state
             return KVCacheBlocks.empty(self.num_groups), 0
         hashes = self._hashes(request, max_blocks * self.block_size)[:max_blocks]
         rid, get = request.request_id, self.pool.get_cached_block
@@ -431,6 +454,9 @@ class PagedKVCacheManager(KVCacheManager):
         slots = total + num_lookahead_tokens
         if self.coordinator.num_blocks_to_allocate(rid, slots, hit) > self.pool.num_free_blocks:
             return False
+        if not self._state_ready(rid):
+            return False
+        self._take_state(rid)
         self.coordinator.allocate(rid, slots, hit)
         self.req_tokens[rid] = slots
         self._note_peak()
@@ -493,6 +519,7 @@ class PagedKVCacheManager(KVCacheManager):
         rid = request.request_id
         self.req_tokens.pop(rid, None)
         self.coordinator.free(rid)
+        self._free_state(rid)
         for c in self.connectors:
             c.request_finished(rid)
         self.req_hashes.pop(rid, None)
@@ -521,12 +548,13 @@ class ContiguousKVCacheManager(KVCacheManager):
         assert not new_computed_blocks, "contiguous allocation shares nothing"
         rid = request.request_id
         total = request.num_computed_tokens + num_new_tokens + num_lookahead_tokens
-        if total > self.blocks_per_request * self.block_size:
+        if total > self.blocks_per_request * self.block_size or not self._state_ready(rid):
             return False
         if rid not in self.req_blocks:
             if self.blocks_per_request > self.pool.num_free_blocks:
                 return False
             self.req_blocks[rid] = self.pool.allocate(self.blocks_per_request)
+        self._take_state(rid)
         self.req_tokens[rid] = total
         self._note_peak()
         return True

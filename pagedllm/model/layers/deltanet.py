@@ -57,6 +57,7 @@ class RecurrentStep:
     slots: torch.Tensor  # [S] long: each sequence's state slot
     lens: list[int]  # new tokens of each sequence, in flat-batch order
     fresh: list[bool]  # starts at position 0: from a zero state
+    caches: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # model layer -> its states
     pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     def commit(self) -> None:

@@ -225,3 +225,18 @@ def test_config_layout_and_what_refuses_them(models, capsys):
         engine.add_request("x", _tokens(40, 12), SamplingParams(max_tokens=1), kv_segments=[[0, 32]])
     assert main(["kv-calc", "--model", folder, "--kv-cache-dtype", "float32"]) == 0
     assert f"recurrent state: {cfg.state_bytes_per_request(4):,} bytes per request" in capsys.readouterr().out
+
+
+def test_a_budget_for_fewer_slots_than_max_num_seqs_runs_that_many_at_once(models):
+    """Half the budget holds two states: two slots, so two of the three requests run at once; all correct."""
+    hf, loaded, _ = models["qwen3_5"]
+    per_state = state_bytes(loaded.config, torch.float32)
+    engine = LLMEngine(
+        EngineConfig(max_model_len=256, log_stats_interval=0, max_num_seqs=4, kv_cache_memory=5 * per_state),
+        loaded,
+    )
+    assert engine.kv.state_slots is not None and engine.kv.state_slots.num_slots == 2
+    prompts = [_tokens(40, 13), _tokens(30, 14), _tokens(50, 15)]
+    assert _run(engine, prompts, 8) == [_greedy(hf, p, 8) for p in prompts]
+    assert engine.scheduler.peak_running == 2
+    _all_back(engine)

@@ -19,7 +19,7 @@ from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.disk_tier import kernel_facts, open_disk_tier
 from pagedllm.engine.fault_isolation import Computed, Scheduled, forward_guarded, sample_guarded
 from pagedllm.engine.input_checks import bad_words_token_ids, check_params, encode_prompt
-from pagedllm.engine.memory import kv_layout, log_kv_cache, num_kv_blocks, resolve_device, state_bytes
+from pagedllm.engine.memory import kv_blocks_and_state_slots, kv_layout, log_kv_cache, resolve_device, state_bytes
 from pagedllm.engine.outputs import RequestMetrics, RequestOutput
 from pagedllm.engine.pooling import PoolingState
 from pagedllm.engine.request import Request
@@ -91,8 +91,10 @@ class LLMEngine:
         )
         self.kv_layout = kv_layout(cfg, config)
         self.kv_groups = self.kv_layout.kinds()  # one per kind of layer (the pool's groups split them evenly)
-        num_blocks = num_kv_blocks(config, self.loaded, self.max_model_len, self.kv_dtype, layout=self.kv_layout)
-        self._build_cache(config, num_blocks)
+        num_blocks, slots = kv_blocks_and_state_slots(
+            config, self.loaded, self.max_model_len, self.kv_dtype, layout=self.kv_layout
+        )
+        self._build_cache(config, num_blocks, slots)
         if config.enable_kv_cache_events:
             self.kv.pool.events = KVEventLog(self.block_size, device.type.upper())
         self.disk_tier = self._attach_connectors(config)
@@ -116,7 +118,7 @@ class LLMEngine:
         self._stats_logger = StatsLogger(config.log_stats_interval)
         torch.manual_seed(config.seed)
 
-    def _build_cache(self, config: EngineConfig, num_blocks: int) -> None:
+    def _build_cache(self, config: EngineConfig, num_blocks: int, slots: int) -> None:
         """The runner (the cache's tensors; a hybrid model's state rows, one per request that may run) and the KV
         manager that hands out their blocks and state slots."""
         self.runner = ModelRunner(
@@ -125,7 +127,7 @@ class LLMEngine:
             self.block_size,
             self.kv_dtype,
             layout=self.kv_layout,
-            num_state_slots=config.max_num_seqs,
+            num_state_slots=slots,
         )
         self.kv = make_kv_cache_manager(
             config.kv_allocation,
@@ -135,9 +137,9 @@ class LLMEngine:
             config.enable_prefix_caching,
             self.kv_layout,
         )
-        self._attach_state_slots(config)
+        self._attach_state_slots(config, slots)
 
-    def _attach_state_slots(self, config: EngineConfig) -> None:
+    def _attach_state_slots(self, config: EngineConfig, slots: int) -> None:
         """A hybrid model's recurrent-state slots (one per request that may run, the runner holds their rows),
         what it cannot do (drafts: a rejected one would stay in the state), and why its prefix hits are 0."""
         if not self.runner.states:
@@ -149,7 +151,7 @@ class LLMEngine:
                 "recurrent state",
                 cfg.name,
             )
-        self.kv.attach_state_slots(StateSlotPool(config.max_num_seqs, state_bytes(cfg, self.loaded.dtype)))
+        self.kv.attach_state_slots(StateSlotPool(slots, state_bytes(cfg, self.loaded.dtype)))
         if config.enable_prefix_caching:
             logger.info(
                 "prefix caching finds no hits on %s: its linear-attention layers' recurrent state is kept per "

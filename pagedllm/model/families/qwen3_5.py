@@ -37,7 +37,8 @@ def layer_types(cfg: dict[str, Any]) -> list[str]:
 
 def hybrid_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     """What Qwen3.5 and Qwen3-Next share: the layer kinds, the DeltaNet's shape, the gated attention."""
-    rp = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+    rp = cfg.get("rope_parameters")
+    rp = rp if isinstance(rp, dict) else {}
     return {
         "qk_norm": "head",
         "norm_offset": 1.0,

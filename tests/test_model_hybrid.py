@@ -2,8 +2,9 @@
 in float32, on tiny random checkpoints written by `save_pretrained`: logits over 130 tokens fed in uneven chunks;
 32 greedy tokens of several batched requests under chunked prefill (64 tokens a step, so a 150-token prompt's state
 crosses chunk ends) and a cache small enough to preempt (recomputed from a zero state); a step that fails after
-some layers ran (its states are never committed: the retry continues from the old ones); prefix caching, which
-must never change an answer; every state slot back at the end, as every block."""
+some layers ran (its states are never committed: the retry continues from the old ones); prefix caching, whose
+hits start from recurrent-state checkpoints at block boundaries and must never change an answer; every state slot
+back at the end, as every block."""
 
 from __future__ import annotations
 
@@ -112,10 +113,12 @@ def _greedy(hf: torch.nn.Module, prompt: list[int], n: int = 32) -> list[int]:
 
 
 def _engine(loaded, blocks: int = 64, **kw) -> LLMEngine:
-    """An engine whose KV budget holds `blocks` blocks of 16 besides its requests' state slots."""
+    """An engine whose KV budget holds `blocks` blocks of 16 besides its requests' state slots (and a checkpoint
+    row each with prefix caching on)."""
     seqs = kw.pop("max_num_seqs", 4)
     per_block = bytes_per_block(loaded.config, 16, torch.float32, loaded.config.kv_layout(hybrid=True))
-    budget = blocks * per_block + seqs * state_bytes(loaded.config, torch.float32)
+    rows = 2 if kw.get("enable_prefix_caching", True) else 1
+    budget = blocks * per_block + seqs * rows * state_bytes(loaded.config, torch.float32)
     kw = dict(max_model_len=256, log_stats_interval=0, max_num_seqs=seqs, kv_cache_memory=budget) | kw
     return LLMEngine(EngineConfig(**kw), loaded)
 
@@ -183,16 +186,24 @@ def test_a_step_that_fails_midway_is_retried_from_the_states_before_it(models, m
     _all_back(engine)
 
 
-def test_prefix_caching_never_changes_an_answer(models):
-    """Two prompts sharing 64 tokens: the same tokens with caching on and off, and no hit (no block holds the
-    recurrent state a hit would need)."""
-    _, loaded, _ = models["qwen3_5"]
+def test_prefix_caching_hits_at_state_checkpoints_and_never_changes_an_answer(models):
+    """Prompts sharing 64 tokens, one after the other (64 tokens a step: the first's state at 64 is kept): the
+    later ones hit on those 64 tokens and start from the checkpoint; a prompt that continues an earlier one hits
+    at that one's last block boundary; every answer equals caching off, and transformers'."""
+    hf, loaded, _ = models["qwen3_5"]
     shared = _tokens(64, 7)
-    prompts = [shared + _tokens(30, 8), shared + _tokens(20, 9)]
-    on, off = _engine(loaded), _engine(loaded, enable_prefix_caching=False)
-    assert _run(on, prompts, 8) == _run(off, prompts, 8)
-    assert on.stats().prefix_cache_hits == 0
+    first = shared + _tokens(30, 8)
+    prompts = [first, shared + _tokens(20, 9), first + _tokens(20, 16)]
+    on = _engine(loaded, max_num_batched_tokens=64)
+    off = _engine(loaded, max_num_batched_tokens=64, enable_prefix_caching=False)
+    got = [_run(on, [p], 8)[0] for p in prompts]
+    assert got == [_run(off, [p], 8)[0] for p in prompts] == [_greedy(hf, p, 8) for p in prompts]
+    stats = on.stats()
+    assert stats.prefix_cache_hits == 64 + 80  # the shared 64, then the first prompt's last boundary (80)
+    assert off.stats().prefix_cache_hits == 0
     _all_back(on)
+    checkpoints = on.kv.state_checkpoints
+    assert checkpoints is not None and not checkpoints.refs and not checkpoints.restores
 
 
 def test_abort_gives_the_slot_back_and_a_new_request_starts_from_zero(models):
@@ -230,7 +241,7 @@ def test_config_layout_and_what_refuses_them(models, capsys):
 def test_a_budget_for_fewer_slots_than_max_num_seqs_runs_that_many_at_once(models):
     """Half the budget holds two states: two slots, so two of the three requests run at once; all correct."""
     hf, loaded, _ = models["qwen3_5"]
-    per_state = state_bytes(loaded.config, torch.float32)
+    per_state = 2 * state_bytes(loaded.config, torch.float32)  # a slot and its checkpoint row
     engine = LLMEngine(
         EngineConfig(max_model_len=256, log_stats_interval=0, max_num_seqs=4, kv_cache_memory=5 * per_state),
         loaded,

@@ -33,7 +33,7 @@ from pagedllm.kv.events import KVEventLog
 from pagedllm.kv.hashing import segment_root
 from pagedllm.kv.manager import PagedKVCacheManager, make_kv_cache_manager
 from pagedllm.kv.offload import DiskKVTier
-from pagedllm.kv.state_slots import StateSlotPool
+from pagedllm.kv.state_slots import StateCheckpoints, StateSlotPool
 from pagedllm.model.kernels.kv_quant import QUANT_KV_DTYPES
 from pagedllm.model.loader import DTYPES, LoadedModel, load_model
 from pagedllm.model.runner import ModelRunner, SeqChunk
@@ -127,7 +127,7 @@ class LLMEngine:
             self.block_size,
             self.kv_dtype,
             layout=self.kv_layout,
-            num_state_slots=slots,
+            num_state_slots=slots * (2 if config.enable_prefix_caching else 1),  # the slots, then checkpoints
         )
         self.kv = make_kv_cache_manager(
             config.kv_allocation,
@@ -151,12 +151,14 @@ class LLMEngine:
                 "recurrent state",
                 cfg.name,
             )
-        self.kv.attach_state_slots(StateSlotPool(slots, state_bytes(cfg, self.loaded.dtype)))
-        if config.enable_prefix_caching:
+        checkpoints = StateCheckpoints(slots, slots, self.block_size) if config.enable_prefix_caching else None
+        self.kv.attach_state_slots(StateSlotPool(slots, state_bytes(cfg, self.loaded.dtype)), checkpoints)
+        if checkpoints is not None:
             logger.info(
-                "prefix caching finds no hits on %s: its linear-attention layers' recurrent state is kept per "
-                "request, not in blocks, so a hit could not skip the tokens it covers",
+                "prefix caching on %s: %d recurrent-state checkpoints at block boundaries (a hit ends at one; prompt "
+                "chunks are cut at block boundaries so that they exist)",
                 cfg.name,
+                slots,
             )
 
     def _attach_connectors(self, config: EngineConfig) -> DiskKVTier | None:
@@ -336,12 +338,29 @@ class LLMEngine:
         hidden states, from a second call over the pooling chunks alone, so generation runs as without them)."""
         for r, _ in scheduled:
             apply_copies(r, self.runner, self.kv)  # before the forward: the computed tokens attend to them
+            self._restore_state(r)
         chunks = [self._chunk(r, n) for r, n in scheduled]
         pooled = [r.pooling is not None for r, _ in scheduled]
         gen = [c for c, p in zip(chunks, pooled) if not p]
         logits = iter(self.runner.execute(gen).split([c.num_logits for c in gen]) if gen else [])
         hidden = iter(self.runner.execute_hidden([c for c, p in zip(chunks, pooled) if p]) if any(pooled) else [])
         return [next(hidden) if p else next(logits) for p in pooled]
+
+    def _restore_state(self, req: Request) -> None:
+        """A hybrid request whose prefix hit ends at a state checkpoint starts from a copy of it."""
+        row = self.kv.take_state_restore(req.request_id)
+        slot = self.kv.state_slot(req.request_id)
+        if row is not None and slot is not None:
+            self.runner.copy_state(row, slot)
+
+    def _checkpoint_state(self, req: Request) -> None:
+        """A hybrid request's state after a prompt chunk that ended at a block boundary, kept for later prefixes."""
+        slot = self.kv.state_slot(req.request_id)
+        if slot is None or req.num_computed_tokens > req.num_prompt_tokens:
+            return
+        row = self.kv.state_checkpoint_row(req, req.num_computed_tokens)
+        if row is not None:
+            self.runner.copy_state(slot, row)
 
     def _advance(self, done: Computed) -> list[Request]:
         """Account for the computed chunks; requests whose prompt is done get their next token. Returns the
@@ -354,6 +373,7 @@ class LLMEngine:
                 req.metrics.first_scheduled_time = now
             start = req.num_computed_tokens + _pending_copy(req)  # the first position computed
             req.num_computed_tokens += n
+            self._checkpoint_state(req)
             self._count_prompt_tokens(req, start)
             if req.blend is not None:
                 req.blend.pending_copy = 0

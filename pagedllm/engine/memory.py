@@ -81,10 +81,11 @@ def kv_blocks_and_state_slots(
 ) -> tuple[int, int]:
     """The blocks the budget holds and, for a hybrid model, its recurrent-state slots (0 otherwise): one per
     request of --max-num-seqs, at most half the budget's worth (a real model's state is MiBs per request: the rest
-    of the budget must still hold blocks); the slots' bytes come off the budget before the blocks are counted."""
+    of the budget must still hold blocks), each with a prefix-cache checkpoint row when caching is on
+    (kv/state_slots.py); their bytes come off the budget before the blocks are counted."""
     per_block = bytes_per_block(loaded.config, config.block_size, kv_dtype, layout)
     budget = kv_budget(config, loaded, max_model_len, kv_dtype, available)
-    per_slot = state_bytes(loaded.config, loaded.dtype)
+    per_slot = state_bytes(loaded.config, loaded.dtype) * (2 if config.enable_prefix_caching else 1)  # checkpoints
     slots = min(config.max_num_seqs, budget // 2 // per_slot) if per_slot else 0
     if per_slot and slots < 1:
         raise UserError(

@@ -140,6 +140,13 @@ class ModelRunner:
             else None
         )
 
+    @torch.inference_mode()
+    def copy_state(self, src: int, dst: int) -> None:
+        """Copy every linear layer's state row `src` to row `dst` (a prefix-cache checkpoint and a request's slot,
+        either way)."""
+        for conv, rec in self.states.values():
+            conv[dst], rec[dst] = conv[src], rec[src]
+
     @property
     def bytes_per_block(self) -> int:
         return bytes_per_block(self.config, self.block_size, self.kv_dtype, self.layout)

@@ -19,7 +19,7 @@ from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.disk_tier import kernel_facts, open_disk_tier
 from pagedllm.engine.fault_isolation import Computed, Scheduled, forward_guarded, sample_guarded
 from pagedllm.engine.input_checks import bad_words_token_ids, check_params, encode_prompt
-from pagedllm.engine.memory import kv_layout, log_kv_cache, num_kv_blocks, resolve_device
+from pagedllm.engine.memory import kv_blocks_and_state_slots, kv_layout, log_kv_cache, resolve_device, state_bytes
 from pagedllm.engine.outputs import RequestMetrics, RequestOutput
 from pagedllm.engine.pooling import PoolingState
 from pagedllm.engine.request import Request
@@ -33,6 +33,7 @@ from pagedllm.kv.events import KVEventLog
 from pagedllm.kv.hashing import extra_key, segment_root
 from pagedllm.kv.manager import PagedKVCacheManager, make_kv_cache_manager
 from pagedllm.kv.offload import DiskKVTier
+from pagedllm.kv.state_slots import StateCheckpoints, StateSlotPool
 from pagedllm.lora_request import LoRARequest, lora_id
 from pagedllm.model.kernels.kv_quant import QUANT_KV_DTYPES
 from pagedllm.model.loader import DTYPES, LoadedModel, load_model
@@ -96,21 +97,15 @@ class LLMEngine:
         )
         self.kv_layout = kv_layout(cfg, config)
         self.kv_groups = self.kv_layout.kinds()  # one per kind of layer (the pool's groups split them evenly)
-        num_blocks = num_kv_blocks(config, self.loaded, self.max_model_len, self.kv_dtype, layout=self.kv_layout)
-        self.runner = ModelRunner(self.loaded, num_blocks, self.block_size, self.kv_dtype, layout=self.kv_layout)
-        self.loras = self.runner.enable_lora(config.max_lora_rank, lora_slots(config)) if config.enable_lora else None
-        self.kv = make_kv_cache_manager(
-            config.kv_allocation,
-            num_blocks,
-            self.block_size,
-            self.max_model_len,
-            config.enable_prefix_caching,
-            self.kv_layout,
+        num_blocks, slots = kv_blocks_and_state_slots(
+            config, self.loaded, self.max_model_len, self.kv_dtype, layout=self.kv_layout
         )
+        self._build_cache(config, num_blocks, slots)
+        self.loras = self.runner.enable_lora(config.max_lora_rank, lora_slots(config)) if config.enable_lora else None
         if config.enable_kv_cache_events:
             self.kv.pool.events = KVEventLog(self.block_size, device.type.upper())
         self.disk_tier = self._attach_connectors(config)
-        spec = config.speculative_config
+        spec = None if self.runner.states else config.speculative_config  # hybrid: no drafts (_attach_state_slots)
         self.scheduler = Scheduler(
             self.kv,
             config.max_num_seqs,
@@ -130,6 +125,49 @@ class LLMEngine:
         self.num_steps = 0
         self._stats_logger = StatsLogger(config.log_stats_interval)
         torch.manual_seed(config.seed)
+
+    def _build_cache(self, config: EngineConfig, num_blocks: int, slots: int) -> None:
+        """The runner (the cache's tensors; a hybrid model's state rows, one per request that may run) and the KV
+        manager that hands out their blocks and state slots."""
+        self.runner = ModelRunner(
+            self.loaded,
+            num_blocks,
+            self.block_size,
+            self.kv_dtype,
+            layout=self.kv_layout,
+            num_state_slots=slots * (2 if config.enable_prefix_caching else 1),  # the slots, then checkpoints
+        )
+        self.kv = make_kv_cache_manager(
+            config.kv_allocation,
+            num_blocks,
+            self.block_size,
+            self.max_model_len,
+            config.enable_prefix_caching,
+            self.kv_layout,
+        )
+        self._attach_state_slots(config, slots)
+
+    def _attach_state_slots(self, config: EngineConfig, slots: int) -> None:
+        """A hybrid model's recurrent-state slots (one per request that may run, the runner holds their rows),
+        what it cannot do (drafts: a rejected one would stay in the state), and why its prefix hits are 0."""
+        if not self.runner.states:
+            return
+        cfg = self.model_config
+        if config.speculative_config is not None:
+            logger.warning(
+                "speculative decoding is off for %s: a rejected draft would stay in its linear-attention layers' "
+                "recurrent state",
+                cfg.name,
+            )
+        checkpoints = StateCheckpoints(slots, slots, self.block_size) if config.enable_prefix_caching else None
+        self.kv.attach_state_slots(StateSlotPool(slots, state_bytes(cfg, self.loaded.dtype)), checkpoints)
+        if checkpoints is not None:
+            logger.info(
+                "prefix caching on %s: %d recurrent-state checkpoints at block boundaries (a hit ends at one; prompt "
+                "chunks are cut at block boundaries so that they exist)",
+                cfg.name,
+                slots,
+            )
 
     def _attach_connectors(self, config: EngineConfig) -> DiskKVTier | None:
         """What plugs in behind the KV manager's connector seam: the disk tier, kv_blend's segment store."""
@@ -259,6 +297,11 @@ class LLMEngine:
                 check_segments([], prompt_len, recompute)
             return None
         spans = check_segments(segments, prompt_len, recompute)
+        if spans and self.runner.states:
+            raise UserError(
+                f"kv_segments: kv_blend cannot run on {self.model_config.name}: its linear-attention layers keep a "
+                "recurrent state, which cannot be moved to another position as K/V can"
+            )
         if not spans or not self.runner.can_shift_keys:
             return None
         loaded = self.loaded
@@ -336,6 +379,7 @@ class LLMEngine:
             tables[0],
             req.wants_prompt_logits or bool(req.spec_token_ids) or keep,
             tables if len(tables) > 1 else None,
+            self.kv.state_slot(req.request_id),
             req.lora_int_id,
         )
 
@@ -344,12 +388,29 @@ class LLMEngine:
         hidden states, from a second call over the pooling chunks alone, so generation runs as without them)."""
         for r, _ in scheduled:
             apply_copies(r, self.runner, self.kv)  # before the forward: the computed tokens attend to them
+            self._restore_state(r)
         chunks = [self._chunk(r, n) for r, n in scheduled]
         pooled = [r.pooling is not None for r, _ in scheduled]
         gen = [c for c, p in zip(chunks, pooled) if not p]
         logits = iter(self.runner.execute(gen).split([c.num_logits for c in gen]) if gen else [])
         hidden = iter(self.runner.execute_hidden([c for c, p in zip(chunks, pooled) if p]) if any(pooled) else [])
         return [next(hidden) if p else next(logits) for p in pooled]
+
+    def _restore_state(self, req: Request) -> None:
+        """A hybrid request whose prefix hit ends at a state checkpoint starts from a copy of it."""
+        row = self.kv.take_state_restore(req.request_id)
+        slot = self.kv.state_slot(req.request_id)
+        if row is not None and slot is not None:
+            self.runner.copy_state(row, slot)
+
+    def _checkpoint_state(self, req: Request) -> None:
+        """A hybrid request's state after a prompt chunk that ended at a block boundary, kept for later prefixes."""
+        slot = self.kv.state_slot(req.request_id)
+        if slot is None or req.num_computed_tokens > req.num_prompt_tokens:
+            return
+        row = self.kv.state_checkpoint_row(req, req.num_computed_tokens)
+        if row is not None:
+            self.runner.copy_state(slot, row)
 
     def _advance(self, done: Computed) -> list[Request]:
         """Account for the computed chunks; requests whose prompt is done get their next token. Returns the
@@ -362,6 +423,7 @@ class LLMEngine:
                 req.metrics.first_scheduled_time = now
             start = req.num_computed_tokens + _pending_copy(req)  # the first position computed
             req.num_computed_tokens += n
+            self._checkpoint_state(req)
             self._count_prompt_tokens(req, start)
             if req.blend is not None:
                 req.blend.pending_copy = 0

@@ -68,9 +68,47 @@ def num_kv_blocks(
 ) -> int:
     """Blocks of `config.block_size` tokens the budget holds (a block spans the layout's layers per block); a
     budget that cannot serve is a UserError naming the flag to change."""
+    return kv_blocks_and_state_slots(config, loaded, max_model_len, kv_dtype, available, layout)[0]
+
+
+def kv_blocks_and_state_slots(
+    config: EngineConfig,
+    loaded: LoadedModel,
+    max_model_len: int,
+    kv_dtype: torch.dtype,
+    available: Callable[[], int] | None = None,
+    layout: KVCacheLayout | None = None,
+) -> tuple[int, int]:
+    """The blocks the budget holds and, for a hybrid model, its recurrent-state slots (0 otherwise): one per
+    request of --max-num-seqs, at most half the budget's worth (a real model's state is MiBs per request: the rest
+    of the budget must still hold blocks), each with a prefix-cache checkpoint row when caching is on
+    (kv/state_slots.py); their bytes come off the budget before the blocks are counted."""
     per_block = bytes_per_block(loaded.config, config.block_size, kv_dtype, layout)
     budget = kv_budget(config, loaded, max_model_len, kv_dtype, available)
-    return blocks_for_budget(budget, per_block, config.block_size, max_model_len, config.kv_allocation)
+    per_slot = state_bytes(loaded.config, loaded.dtype) * (2 if config.enable_prefix_caching else 1)  # checkpoints
+    slots = min(config.max_num_seqs, budget // 2 // per_slot) if per_slot else 0
+    if per_slot and slots < 1:
+        raise UserError(
+            f"--kv-cache-memory: {budget:,} bytes do not hold the recurrent state of one request ({per_slot:,} "
+            "bytes, with as much again for KV blocks); raise the budget"
+        )
+    if slots:
+        logger.info(
+            "KV budget: %.2f MiB for %d recurrent-state slots (linear-attention layers; at most that many requests "
+            "run at once), the rest for blocks",
+            slots * per_slot / 2**20,
+            slots,
+        )
+    blocks = blocks_for_budget(
+        budget - slots * per_slot, per_block, config.block_size, max_model_len, config.kv_allocation
+    )
+    return blocks, slots
+
+
+def state_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """One request's recurrent-state slot of a hybrid model (0 without linear-attention layers): the conv states
+    in the model's dtype, the recurrent ones in float32 (layers/deltanet.py)."""
+    return cfg.state_bytes_per_request(torch.empty((), dtype=dtype).element_size())
 
 
 def kv_budget(

@@ -116,7 +116,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new, cost = step_size(req, budget)
+            num_new, cost = self._aligned(req, req.num_computed_tokens, *step_size(req, budget))
             decoding = drafting and req.num_tokens_to_compute == 1 and req.pooling is None
             req.spec_token_ids = self.drafter.propose(req, budget - 1) if decoding and self.drafter else []
             while not self.kv.allocate_slots(req, num_new, num_lookahead_tokens=len(req.spec_token_ids)):
@@ -146,7 +146,7 @@ class Scheduler:
             req = ready
             # Prompt logprobs and pooling need every prompt position computed: such a request reads no cache.
             blocks, num_cached = self._lookup(req)
-            num_new, cost = step_size(req, budget, num_cached)
+            num_new, cost = self._aligned(req, num_cached, *step_size(req, budget, num_cached))
             req.num_computed_tokens = 0
             if not self.kv.allocate_slots(req, num_new, blocks):
                 self.kv.free(req)  # the plan's holds (nothing else was taken)
@@ -168,6 +168,19 @@ class Scheduler:
             budget -= cost
         self.peak_running = max(self.peak_running, len(self.running))
         return out
+
+    def _aligned(self, req: Request, start: int, num_new: int, cost: int) -> tuple[int, int]:
+        """A hybrid model's prompt chunk cut to end at a block boundary (its state there is kept as a prefix-cache
+        checkpoint: kv/state_slots.py), at the prompt's last boundary first (where a later prompt that continues
+        this one hits); unchanged where no boundary is passed, or without checkpoints."""
+        if self.kv.state_checkpoints is None:
+            return num_new, cost
+        bs, end, prompt = self.kv.block_size, start + num_new, req.num_prompt_tokens
+        last = (prompt - 1) // bs * bs
+        cut = last if start < last < end else end // bs * bs if end < prompt else end
+        if cut <= start:
+            return num_new, cost
+        return cut - start, cost - (end - cut)
 
     def _lookup(self, req: Request) -> tuple[KVCacheBlocks, int]:
         """A waiting request's prefix-cache hit (none where every prompt position must be computed, nor past a

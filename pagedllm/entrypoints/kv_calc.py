@@ -222,6 +222,13 @@ def _report_model(model: str, dtype: str, block_size: int, max_len: int, used: l
     print(f"KV bytes per token: {per_token:,}")
     print(f"KV bytes per block of {block_size}: {per_block:,}")
     _report_groups(cfg, dtype, block_size, max_len)
+    if cfg.linear_layers:
+        conv = DTYPE_BYTES[dtype] if dtype in ("float32", "float16", "bfloat16") else 2
+        print(
+            f"recurrent state: {cfg.state_bytes_per_request(conv):,} bytes per request ({len(cfg.linear_layers)} "
+            "linear-attention layers, no KV: conv state and float32 recurrent state); the budget reserves one for "
+            "each of --max-num-seqs requests"
+        )
     head = f"{'--kv-cache-dtype':>16} {'bytes/token':>12} {'vs float32':>10}"
     print(head + (f" {'tokens in budget':>17}" if budget else ""))
     for name in ("float32", "bfloat16", "int8", "fp8"):

@@ -43,6 +43,9 @@ class KVCacheLayout:
     layer_group: tuple[int, ...]  # per model layer: the group whose table it reads (its source's, if shared)
     layer_slot: tuple[int, ...]  # per model layer: the cache tensor it reads and writes
     kv_source: tuple[int, ...]  # per model layer: the layer whose KV it reads (itself unless shared)
+    # model layers that keep a recurrent state instead of KV (linear attention: kv/state_slots.py); no group,
+    # their layer_group / layer_slot entries are 0 and never read
+    recurrent_layers: tuple[int, ...] = ()
 
     @property
     def num_kv_layers(self) -> int:
@@ -82,14 +85,18 @@ def _group_size(counts: list[int]) -> int:
 
 
 def kv_cache_layout(
-    windows: Sequence[int | None], sources: Sequence[int] | None = None, hybrid: bool = True
+    windows: Sequence[int | None],
+    sources: Sequence[int] | None = None,
+    hybrid: bool = True,
+    recurrent: Sequence[int] = (),
 ) -> KVCacheLayout:
     """The layout for layers whose windows are `windows` (None: full) and which read the KV of `sources` (default:
     their own). `hybrid=False` (vLLM's --disable-hybrid-kv-cache-manager) makes one group of every layer whose
-    blocks all stay to the end: the windows are then a mask only, nothing is freed."""
+    blocks all stay to the end: the windows are then a mask only, nothing is freed. `recurrent`: layers that store
+    no KV at all (a state slot each request holds instead)."""
     n = len(windows)
     src = list(sources) if sources is not None else list(range(n))
-    own = [i for i in range(n) if src[i] == i]
+    own = [i for i in range(n) if src[i] == i and i not in recurrent]
     kinds: dict[int | None, list[int]] = {}
     for i in own:
         kinds.setdefault(windows[i] if hybrid else None, []).append(i)
@@ -106,7 +113,7 @@ def kv_cache_layout(
             groups.append(KVCacheGroup(w, chunk))
     for i in range(n):
         layer_group[i], layer_slot[i] = layer_group[src[i]], layer_slot[src[i]]
-    return KVCacheLayout(tuple(groups), size, tuple(layer_group), tuple(layer_slot), tuple(src))
+    return KVCacheLayout(tuple(groups), size, tuple(layer_group), tuple(layer_slot), tuple(src), tuple(recurrent))
 
 
 def window_blocks(num_tokens: int, window: int | None, block_size: int) -> int:

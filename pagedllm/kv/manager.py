@@ -25,6 +25,7 @@ from pagedllm.kv.hashing import BlockHash, extra_key, hash_full_blocks
 from pagedllm.kv.kv_spec import KVCacheLayout, cdiv
 from pagedllm.kv.offload import DiskKVTier
 from pagedllm.kv.segments import SegmentStore
+from pagedllm.kv.state_slots import StateCheckpoints, StateSlotPool
 
 logger = logging.getLogger("pagedllm")
 
@@ -101,6 +102,38 @@ class KVCacheManager:
         self.req_tokens: dict[str, int] = {}  # tokens each request has slots for (stored or about to be)
         self.prefix_stats = PrefixCacheStats()
         self.peak_used_blocks = 0  # the most blocks requests held at once (a memory figure: docs/benchmarks.md)
+        self.state_slots: StateSlotPool | None = None  # a hybrid model's recurrent-state slots (state_slots.py)
+        self.state_checkpoints: StateCheckpoints | None = None  # ... and its states at block boundaries
+
+    def attach_state_slots(self, pool: StateSlotPool, checkpoints: StateCheckpoints | None = None) -> None:
+        """A hybrid model: each request also holds a recurrent-state slot while it runs. A prefix hit then needs
+        the state where it ends: without `checkpoints` there is none (every hit is 0), with them a hit ends where
+        one lies."""
+        self.state_slots, self.state_checkpoints = pool, checkpoints
+
+    def take_state_restore(self, request_id: str) -> int | None:
+        """The checkpoint row a request's prefix hit starts from, to copy into its slot before its first step."""
+        return None if self.state_checkpoints is None else self.state_checkpoints.take_restore(request_id)
+
+    def state_checkpoint_row(self, request: KVRequest, num_tokens: int) -> int | None:
+        """Where to copy the request's state after its first `num_tokens` tokens (a block boundary), to be found by
+        later prefixes; None: not a boundary, no checkpoints, or it is cached already."""
+        return None
+
+    def state_slot(self, request_id: str) -> int | None:
+        """The request's recurrent-state slot (None without linear-attention layers, or before it is scheduled)."""
+        return None if self.state_slots is None else self.state_slots.req_to_slot.get(request_id)
+
+    def _state_ready(self, request_id: str) -> bool:
+        return self.state_slots is None or self.state_slots.can_take(request_id)
+
+    def _take_state(self, request_id: str) -> None:
+        if self.state_slots is not None:
+            self.state_slots.take(request_id)
+
+    def _free_state(self, request_id: str) -> None:
+        if self.state_slots is not None:
+            self.state_slots.free(request_id)
 
     def _note_peak(self) -> None:
         self.peak_used_blocks = max(self.peak_used_blocks, self.num_used_blocks)
@@ -209,9 +242,12 @@ class KVCacheManager:
         blocks = self.req_blocks.pop(request.request_id, [])
         self.req_tokens.pop(request.request_id, None)
         self.pool.free(reversed(blocks))
+        self._free_state(request.request_id)
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()
+        if self.state_checkpoints is not None:
+            self.state_checkpoints.clear()
 
     def commit_step(self) -> None:
         """The step's K/V are written: the blocks it registered in the prefix cache are now really cached."""
@@ -279,7 +315,7 @@ class PagedKVCacheManager(KVCacheManager):
 
     def enable_segments(self) -> SegmentStore | None:
         """kv_blend's segment store, where the model is one full-attention group and the prefix cache is on."""
-        if self.segments is None and self.enable_caching and self.windows == [None]:
+        if self.segments is None and self.enable_caching and self.windows == [None] and self.state_slots is None:
             self.segments = SegmentStore(self.pool, self.null_block, self._fetch, self._count_segment_read)
             self.add_connector(self.segments)
         return self.segments
@@ -349,15 +385,26 @@ class PagedKVCacheManager(KVCacheManager):
         return self._lookup(request, min(max_tokens, len(request.all_token_ids) - 1) // self.block_size)
 
     def _lookup(self, request: KVRequest, max_blocks: int) -> tuple[KVCacheBlocks, int]:
-        if not self.enable_caching:
-            return KVCacheBlocks.empty(self.num_groups), 0
+        if not self.enable_caching or (self.state_slots is not None and self.state_checkpoints is None):
+            return KVCacheBlocks.empty(self.num_groups), 0  # a hybrid without checkpoints: no state to start from
         hashes = self._hashes(request, max_blocks * self.block_size)[:max_blocks]
         rid, get = request.request_id, self.pool.get_cached_block
         hits = self.coordinator.find_longest_cache_hit(rid, hashes, max_blocks, get)
         if len(hits[0]) < max_blocks and self.connectors:
             if self._load_from_tiers(request, hashes, max_blocks):
                 hits = self.coordinator.find_longest_cache_hit(rid, hashes, max_blocks, get)
+        if self.state_checkpoints is not None:  # the longest hit that ends where a state checkpoint lies
+            n = len(hits[0])
+            while n and self.state_checkpoints.find(hashes[n - 1]) is None:
+                n -= 1
+            if n < len(hits[0]):
+                hits = self.coordinator.find_longest_cache_hit(rid, hashes, n, get)
         return KVCacheBlocks(hits), len(hits[0]) * self.block_size
+
+    def state_checkpoint_row(self, request: KVRequest, num_tokens: int) -> int | None:
+        if self.state_checkpoints is None or not num_tokens or num_tokens % self.block_size:
+            return None
+        return self.state_checkpoints.store(self._hashes(request, num_tokens)[num_tokens // self.block_size - 1])
 
     def _load_from_tiers(self, request: KVRequest, hashes: list[BlockHash], max_blocks: int) -> bool:
         """Read into free blocks what a longer hit needs from the connectors (the disk tier): the hit as if every
@@ -436,6 +483,11 @@ class PagedKVCacheManager(KVCacheManager):
         slots = total + num_lookahead_tokens
         if self.coordinator.num_blocks_to_allocate(rid, slots, hit) > self.pool.num_free_blocks:
             return False
+        if not self._state_ready(rid):
+            return False
+        self._take_state(rid)
+        if self.state_checkpoints is not None and hit[0] and request.num_computed_tokens == 0:
+            self.state_checkpoints.hold(rid, self._hashes(request, len(hit[0]) * self.block_size)[len(hit[0]) - 1])
         self.coordinator.allocate(rid, slots, hit)
         self.req_tokens[rid] = slots
         self._note_peak()
@@ -498,6 +550,9 @@ class PagedKVCacheManager(KVCacheManager):
         rid = request.request_id
         self.req_tokens.pop(rid, None)
         self.coordinator.free(rid)
+        self._free_state(rid)
+        if self.state_checkpoints is not None:
+            self.state_checkpoints.release(rid)
         for c in self.connectors:
             c.request_finished(rid)
         self.req_hashes.pop(rid, None)
@@ -526,12 +581,13 @@ class ContiguousKVCacheManager(KVCacheManager):
         assert not new_computed_blocks, "contiguous allocation shares nothing"
         rid = request.request_id
         total = request.num_computed_tokens + num_new_tokens + num_lookahead_tokens
-        if total > self.blocks_per_request * self.block_size:
+        if total > self.blocks_per_request * self.block_size or not self._state_ready(rid):
             return False
         if rid not in self.req_blocks:
             if self.blocks_per_request > self.pool.num_free_blocks:
                 return False
             self.req_blocks[rid] = self.pool.allocate(self.blocks_per_request)
+        self._take_state(rid)
         self.req_tokens[rid] = total
         self._note_peak()
         return True

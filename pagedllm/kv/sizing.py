@@ -74,6 +74,12 @@ def layout_blocks(layout: KVCacheLayout, num_tokens: int, block_size: int) -> li
     return [window_blocks(num_tokens, g.window, block_size) for g in layout.groups]
 
 
+def recurrent_state_bytes(conv_dim: int, kernel: int, heads: int, key_dim: int, value_dim: int, conv_bytes: int) -> int:
+    """One linear-attention layer's state for one request: the causal conv's last kernel-1 inputs of each
+    channel, and the float32 recurrent matrix [heads, key_dim, value_dim] (layers/deltanet.py)."""
+    return conv_dim * (kernel - 1) * conv_bytes + heads * key_dim * value_dim * 4
+
+
 def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: str, block_size: int) -> int:
     """What one block of `block_size` tokens costs in a cache of that --kv-cache-dtype name."""
     return kv_dtype_bytes_per_token(num_layers, num_kv_heads, head_dim, kv_dtype) * block_size

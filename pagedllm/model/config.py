@@ -14,6 +14,7 @@ from typing import Any
 
 from pagedllm.errors import ModelLoadError, UserError
 from pagedllm.kv.kv_spec import KVCacheLayout, kv_cache_layout, kv_sources
+from pagedllm.kv.sizing import recurrent_state_bytes
 from pagedllm.model.families import (
     GGUF_ARCHITECTURES,
     SUPPORTED_ARCHITECTURES,
@@ -27,6 +28,7 @@ ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic", "fac
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # layers.py
 ROUTERS = ("softmax_topk", "topk_softmax")  # moe.py: the sparse block's routing
 MOE_ACTIVATIONS = (*ACTIVATIONS, "swigluoai")  # moe.py: the experts' (gpt-oss's clamped SwiGLU)
+LINEAR_ATTENTION_FAMILIES = ("qwen3_5", "qwen3_next")  # Gated DeltaNet layers (layers/deltanet.py)
 _ORIGINAL_CONTEXT_TYPES = ("llama3", "yarn", "longrope", "dynamic")  # scalings relative to an original context
 
 
@@ -97,11 +99,48 @@ class ModelConfig:
     decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 and i not in mlp_only_layers
     mlp_only_layers: list[int] = field(default_factory=list)
 
+    # Hybrid models (Qwen3.5, Qwen3-Next): layer_types "linear_attention" are Gated DeltaNet layers
+    # (layers/deltanet.py) that keep a recurrent state per request instead of KV; the others full attention.
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 4
+    attn_output_gate: bool = False  # Qwen3.5 / Next: attention output * sigmoid(gate), gate rows beside each query
+
     def kv_layout(self, hybrid: bool = False) -> KVCacheLayout:
         """The KV-cache groups of this model's layers (kv_spec.py); `hybrid=False`: one group of every layer that
         stores KV (one block table, nothing freed early: the layout every layer had before groups)."""
         windows = [self.layer_window(i) for i in range(self.num_layers)]
-        return kv_cache_layout(windows, kv_sources(windows, self.num_kv_shared_layers), hybrid)
+        sources = kv_sources(windows, self.num_kv_shared_layers)
+        return kv_cache_layout(windows, sources, hybrid, self.linear_layers)
+
+    def is_linear_layer(self, layer: int) -> bool:
+        """Whether layer `layer` is a Gated DeltaNet (linear-attention) layer: a recurrent state, no KV."""
+        return self.layer_types is not None and self.layer_types[layer] == "linear_attention"
+
+    @property
+    def linear_layers(self) -> list[int]:
+        return [i for i in range(self.num_layers) if self.is_linear_layer(i)]
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of a linear layer's causal conv: its q, k and v."""
+        return (
+            2 * self.linear_num_key_heads * self.linear_key_head_dim
+            + self.linear_num_value_heads * self.linear_value_head_dim
+        )
+
+    def state_bytes_per_request(self, conv_dtype_bytes: int) -> int:
+        """One state slot: every linear layer's conv state (the model's dtype) and recurrent state (float32)."""
+        return len(self.linear_layers) * recurrent_state_bytes(
+            self.linear_conv_dim,
+            self.linear_conv_kernel_dim,
+            self.linear_num_value_heads,
+            self.linear_key_head_dim,
+            self.linear_value_head_dim,
+            conv_dtype_bytes,
+        )
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether layer `layer` has a sparse block (else the dense gated MLP of intermediate_size)."""
@@ -299,9 +338,12 @@ def _checked(c: ModelConfig, where: str) -> ModelConfig:
     for name, per_layer in (("layer_types", c.layer_types), ("no_rope_layers", c.no_rope_layers)):
         if per_layer is not None and len(per_layer) != c.num_layers:
             raise ModelLoadError(f"{where}: {name} has {len(per_layer)} entries for {c.num_layers} layers")
-    bad = sorted({t for t in c.layer_types or [] if t not in ("sliding_attention", "full_attention")})
+    kinds = ("sliding_attention", "full_attention", "linear_attention")
+    bad = sorted({t for t in c.layer_types or [] if t not in kinds})
     if bad:
-        raise ModelLoadError(f"{where}: layer type {bad[0]!r} is not supported (sliding_attention, full_attention)")
+        raise ModelLoadError(f"{where}: layer type {bad[0]!r} is not supported ({', '.join(kinds)})")
+    if c.linear_layers and c.family not in LINEAR_ATTENTION_FAMILIES:
+        raise ModelLoadError(f"{where}: linear_attention layers are not supported in {c.family}")
     return _checked_moe(c, where) if c.num_experts else c
 
 

@@ -59,6 +59,8 @@ def _model_blockers(cfg: ModelConfig) -> list[str]:
         (cfg.rotary_dim % 2 != 0, "an odd rotary width"),
         (cfg.num_experts > 0, "a sparse MoE block"),
         (cfg.attention_sinks, "attention sinks"),
+        (bool(cfg.linear_layers), "linear-attention layers"),
+        (cfg.attn_output_gate, "an attention output gate"),
     ]
     return [why for hit, why in checks if hit]
 

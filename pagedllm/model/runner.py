@@ -3,6 +3,11 @@
 A step is a list of `SeqChunk`s, each a sequence's new tokens after `start_pos` already-cached tokens (computed
 earlier or taken from the prefix cache) with the block table covering them. Prefill chunks and single decode
 tokens mix freely in one flat batch. Block allocation, scheduling and sampling belong to the engine.
+
+A hybrid model's linear-attention layers (layers/deltanet.py) keep a recurrent state per request instead of KV:
+the runner owns `num_state_slots` rows of each layer's states, a chunk names its request's slot (the KV manager
+hands them out: kv/state_slots.py), and a chunk at position 0 starts from zeros. The new states are written back
+only once the whole step ran, so a step that raises leaves every slot as it was.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from pagedllm.model.config import ModelConfig
 from pagedllm.model.fused_step import FusedStep, fusable
 from pagedllm.model.kernels.quant_linear import log_once
 from pagedllm.model.layers.attention import AttentionMetadata, StepIndex, build_metadata, group_step_index
+from pagedllm.model.layers.deltanet import RecurrentStep
 from pagedllm.model.layers.rope import shift_rotary
 from pagedllm.model.loader import LoadedModel
 from pagedllm.model.lora import LoRAManager
@@ -35,6 +41,8 @@ class SeqChunk:
     all_logits: bool = False  # logits for every new token, not only the last: prompt logprobs, and drafts to verify
     # Every KV-cache group's table, where the runner's layout has more than one (block_table is group 0's)
     group_tables: list[list[int]] | None = None
+    # A hybrid model's recurrent-state slot of this sequence; None: the chunk's index in the step (tools, warm-up)
+    state_slot: int | None = None
     lora_int_id: int = 0  # the LoRA adapter its tokens run under (0: the base model)
 
     def tables(self, num_groups: int) -> list[list[int]]:
@@ -94,9 +102,11 @@ class ModelRunner:
         kv_dtype: torch.dtype | None = None,
         fused: bool = True,
         layout: KVCacheLayout | None = None,
+        num_state_slots: int = 8,
     ) -> None:
         """`fused`: run the steps of a quantized model as one C call each (fused_step.py) where it can. `layout`:
-        the KV-cache groups (default: one group of every layer); a chunk then brings one table per group."""
+        the KV-cache groups (default: one group of every layer); a chunk then brings one table per group.
+        `num_state_slots`: recurrent-state rows of a hybrid model's linear layers (the engine: max_num_seqs)."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         self.loaded = loaded
@@ -116,6 +126,17 @@ class ModelRunner:
             for _ in range(self.layout.layers_per_block)
         ]
         self.kv_caches = [self.kv_tensors[slot] for slot in self.layout.layer_slot]  # per model layer
+        # model layer -> its (conv, recurrent) states, one row per slot, for a hybrid model's linear layers
+        self.states: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for i in cfg.linear_layers:
+            mixer = self.model.decoder_layers[i].linear_attn
+            assert mixer is not None
+            conv, rec = mixer.state_shapes()
+            self.states[i] = (
+                torch.zeros((num_state_slots, *conv), dtype=self.dtype, device=self.device),
+                torch.zeros((num_state_slots, *rec), dtype=torch.float32, device=self.device),
+            )
+        self.num_state_slots = num_state_slots if self.states else 0
         self.fused = (
             FusedStep(self.model, self.kv_caches, block_size, self.layout.layer_group)
             if fused and fusable(self.model, self.kv_caches)
@@ -136,6 +157,13 @@ class ModelRunner:
         if self.lora is None:
             raise ValueError("a chunk asks for a LoRA adapter but LoRA is not enabled")
         return ids
+
+    @torch.inference_mode()
+    def copy_state(self, src: int, dst: int) -> None:
+        """Copy every linear layer's state row `src` to row `dst` (a prefix-cache checkpoint and a request's slot,
+        either way)."""
+        for conv, rec in self.states.values():
+            conv[dst], rec[dst] = conv[src], rec[src]
 
     @property
     def bytes_per_block(self) -> int:
@@ -227,11 +255,30 @@ class ModelRunner:
             end += len(c.token_ids)
             rows.extend(range(end - c.num_logits, end))
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        recurrent = self._recurrent(chunks)
         if lora_ids is None:
-            return self.model(input_ids, meta, self.kv_caches, index)
-        assert self.lora is not None
-        with self.lora.run(lora_ids, lens, self.device):
-            return self.model(input_ids, meta, self.kv_caches, index)
+            logits = self.model(input_ids, meta, self.kv_caches, index, recurrent)
+        else:
+            assert self.lora is not None
+            with self.lora.run(lora_ids, lens, self.device):
+                logits = self.model(input_ids, meta, self.kv_caches, index, recurrent)
+        if recurrent is not None:
+            recurrent.commit()
+        return logits
+
+    def _recurrent(self, chunks: list[SeqChunk]) -> RecurrentStep | None:
+        """The step's state slots (None for a model without linear-attention layers)."""
+        if not self.states:
+            return None
+        slots = [i if c.state_slot is None else c.state_slot for i, c in enumerate(chunks)]
+        if len(set(slots)) != len(slots) or not all(0 <= s < self.num_state_slots for s in slots):
+            raise ValueError(f"state slots {slots} are not distinct slots of {self.num_state_slots}")
+        return RecurrentStep(
+            torch.tensor(slots, dtype=torch.long, device=self.device),
+            [len(c.token_ids) for c in chunks],
+            [c.start_pos == 0 for c in chunks],
+            caches=self.states,
+        )
 
     def _group_tables(self, chunks: list[SeqChunk]) -> list[list[list[int]]]:
         """Per KV-cache group, each chunk's table."""
@@ -269,10 +316,13 @@ class ModelRunner:
         meta = self._metadata(lens, [c.start_pos for c in chunks], self._group_tables(chunks))
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         lora_ids = self._lora_ids(chunks)
+        recurrent = self._recurrent(chunks)
         if lora_ids is None:
-            h = self.model.hidden_states(input_ids, meta, self.kv_caches)
+            h = self.model.hidden_states(input_ids, meta, self.kv_caches, recurrent)
         else:
             assert self.lora is not None
             with self.lora.run(lora_ids, lens, self.device):
-                h = self.model.hidden_states(input_ids, meta, self.kv_caches)
+                h = self.model.hidden_states(input_ids, meta, self.kv_caches, recurrent)
+        if recurrent is not None:
+            recurrent.commit()
         return list(self.model.norm(h).float().split(lens))

@@ -93,7 +93,7 @@ def _row_splits(n_pieces: int, rows: int, model: CausalLM) -> list[tuple[int, in
     if n_pieces == 1:
         return [(0, rows)]
     layer = model.decoder_layers[0]
-    sizes = [layer.q_size, layer.kv_size, layer.kv_size] if n_pieces == 3 else [rows // 2, rows // 2]
+    sizes = [layer.q_rows, layer.kv_size, layer.kv_size] if n_pieces == 3 else [rows // 2, rows // 2]
     ends = np.cumsum(sizes).tolist()
     return [(e - s, e) for s, e in zip(sizes, ends)]
 

@@ -15,11 +15,14 @@ from pagedllm.model.families.phi3 import PHI3
 from pagedllm.model.families.qwen2 import QWEN2
 from pagedllm.model.families.qwen2_moe import QWEN2_MOE
 from pagedllm.model.families.qwen3 import QWEN3
+from pagedllm.model.families.qwen3_5 import QWEN3_5
 from pagedllm.model.families.qwen3_moe import QWEN3_MOE
+from pagedllm.model.families.qwen3_next import QWEN3_NEXT
 from pagedllm.model.families.smollm3 import SMOLLM3
 
 FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, PHI3, SMOLLM3, OLMO2, GRANITE)
 FAMILIES += (QWEN2_MOE, QWEN3_MOE, OLMOE, MIXTRAL, GRANITEMOE, GRANITEMOESHARED, GPT_OSS)  # sparse (families/moe.py)
+FAMILIES += (QWEN3_5, QWEN3_NEXT)  # hybrid: Gated DeltaNet layers with a recurrent state (layers/deltanet.py)
 SUPPORTED_ARCHITECTURES = tuple(a for f in FAMILIES for a in f.architectures)
 GGUF_ARCHITECTURES = tuple(a for f in FAMILIES for a in f.gguf_archs)
 

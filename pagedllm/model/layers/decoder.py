@@ -5,7 +5,10 @@ and the MLP, Gemma's (1 + w)), q/k norms per head (Qwen3, Gemma 3) or over the w
 activation (SwiGLU, GeGLU), multipliers (Gemma's embedding scale, Granite's four), per-layer RoPE (Gemma 3's
 two bases, SmolLM3's NoPE layers, Phi's partial rotary) and the attention's scale / soft-cap / window.
 
-A sparse layer (cfg.is_moe_layer) has a mixture of experts (moe.py) in the MLP's place.
+A sparse layer (cfg.is_moe_layer) has a mixture of experts (moe.py) in the MLP's place. A linear-attention layer
+(cfg.is_linear_layer: Qwen3.5, Qwen3-Next) has a Gated DeltaNet mixer (deltanet.py) in attention's place, which
+reads and writes its request's recurrent state instead of the KV cache; their full-attention layers may gate the
+attention's output by sigmoid(gate), the gate's rows stored beside each head's query rows (attn_output_gate).
 
 Q, K and V are one merged projection and gate/up another, so each layer is four matmuls whatever the
 checkpoint stores (split or fused, as Phi-3); logits are computed only for the rows the caller asks for
@@ -26,6 +29,7 @@ from pagedllm.model.layers.attention import (
     make_attention_backend,
 )
 from pagedllm.model.layers.common import AttentionSinks, GatedMLP, RMSNorm
+from pagedllm.model.layers.deltanet import GatedDeltaNet, RecurrentStep
 from pagedllm.model.layers.linear import Embedding, Linear
 from pagedllm.model.layers.moe import ExpertLoad, SparseMoE
 from pagedllm.model.layers.rope import RotaryEmbedding, apply_rotary
@@ -57,10 +61,16 @@ class DecoderLayer(nn.Module):
         self.attn_out_norm, self.mlp_out_norm = norm(hidden, cfg.post_norms), norm(hidden, cfg.post_norms)
         self.qk_norm = cfg.qk_norm
         per_head = cfg.qk_norm == "head"
-        self.q_norm = norm(cfg.head_dim if per_head else self.q_size, cfg.qk_norm is not None)
-        self.k_norm = norm(cfg.head_dim if per_head else self.kv_size, cfg.qk_norm is not None)
-        self.qkv = Linear(self.q_size + 2 * self.kv_size, hidden, cfg.attention_bias, dtype, device)
-        self.o = Linear(hidden, self.q_size, cfg.o_proj_bias, dtype, device)
+        self.index = index
+        self.linear_attn = GatedDeltaNet(cfg, dtype, device) if cfg.is_linear_layer(index) else None
+        attn = self.linear_attn is None
+        self.q_norm = norm(cfg.head_dim if per_head else self.q_size, cfg.qk_norm is not None and attn)
+        self.k_norm = norm(cfg.head_dim if per_head else self.kv_size, cfg.qk_norm is not None and attn)
+        self.gated = cfg.attn_output_gate
+        self.q_rows = self.q_size * (2 if self.gated else 1)  # the query's rows of qkv (and the gate's, beside)
+        if attn:
+            self.qkv = Linear(self.q_rows + 2 * self.kv_size, hidden, cfg.attention_bias, dtype, device)
+            self.o = Linear(hidden, self.q_size, cfg.o_proj_bias, dtype, device)
         # A sparse layer has `moe` and no `mlp` (the fused C step, which reads `mlp`, runs dense models only).
         self.moe = (
             SparseMoE(cfg, dtype, device, load, sum(map(cfg.is_moe_layer, range(index)))) if load is not None else None
@@ -76,9 +86,9 @@ class DecoderLayer(nn.Module):
     def slots(self) -> dict[str, nn.Module]:
         """This layer's weights by the slot names of the families' tensor tables (families/base.py)."""
         mlp = self.moe.slots() if self.moe is not None else {"gate_up": self.mlp.gate_up, "down": self.mlp.down}
+        mixer = {"qkv": self.qkv, "o": self.o} if self.linear_attn is None else dict(self.linear_attn.slots().items())
         mods: dict[str, nn.Module | None] = {
-            "qkv": self.qkv,
-            "o": self.o,
+            **mixer,
             **mlp,
             "attn_norm": self.attn_norm,
             "mlp_norm": self.mlp_norm,
@@ -94,17 +104,28 @@ class DecoderLayer(nn.Module):
         """The layer's matmuls: q/k/v, o, then the MLP's gate/up and down (a sparse block's router, experts,
         shared expert and its gate)."""
         mlp = self.moe.linears() if self.moe is not None else [self.mlp.gate_up, self.mlp.down]
-        return [self.qkv, self.o, *mlp]
+        return [*self._mixer_linears(), *mlp]
+
+    def _mixer_linears(self) -> list[Linear]:
+        return [self.qkv, self.o] if self.linear_attn is None else self.linear_attn.linears()
 
     def main_linears(self) -> list[Linear]:
         """q/k/v, o, gate/up and down (a sparse layer's first expert's): the four kernel_choice.py times."""
         mlp = self.moe.experts[0] if self.moe is not None else self.mlp
         assert isinstance(mlp, GatedMLP)
-        return [self.qkv, self.o, mlp.gate_up, mlp.down]
+        mixer = self._mixer_linears()
+        return [mixer[0], mixer[-1], mlp.gate_up, mlp.down]
 
-    def _qkv(self, x: torch.Tensor, rope: CosSin | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _qkv(
+        self, x: torch.Tensor, rope: CosSin | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """q, k, v [T, heads, head_dim], normed and rotated, and the output gate [T, q_size] (None: ungated)."""
         T = x.shape[0]
-        q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv(x).split([self.q_rows, self.kv_size, self.kv_size], dim=-1)
+        gate = None
+        if self.gated:  # per head: its query's rows, then its gate's
+            q, gate = q.reshape(T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            q, gate = q.reshape(T, self.q_size), gate.reshape(T, self.q_size)
         if self.q_norm is not None and self.k_norm is not None and self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(T, self.num_heads, self.head_dim)
@@ -113,7 +134,7 @@ class DecoderLayer(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        return q, k, v.reshape(T, self.num_kv_heads, self.head_dim)
+        return q, k, v.reshape(T, self.num_kv_heads, self.head_dim), gate
 
     def forward(
         self,
@@ -123,9 +144,18 @@ class DecoderLayer(nn.Module):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         backend: PagedAttentionBackend,
+        recurrent: RecurrentStep | None = None,
     ) -> torch.Tensor:
-        q, k, v = self._qkv(h if self.attn_norm is None else self.attn_norm(h), rope)
-        a = self.o(backend.forward(q, k, v, k_cache, v_cache, meta, self.attn_spec).reshape(h.shape[0], self.q_size))
+        """`recurrent`: the step's state slots, which a linear-attention layer reads instead of the KV cache."""
+        x = h if self.attn_norm is None else self.attn_norm(h)
+        if self.linear_attn is not None:
+            if recurrent is None:
+                raise ValueError(f"layer {self.index} is a linear-attention layer: the step needs its state slots")
+            a = self.linear_attn(x, *recurrent.caches[self.index], recurrent)
+        else:
+            q, k, v, gate = self._qkv(x, rope)
+            a = backend.forward(q, k, v, k_cache, v_cache, meta, self.attn_spec).reshape(h.shape[0], self.q_size)
+            a = self.o(a if gate is None else a * torch.sigmoid(gate))
         if self.attn_out_norm is not None:
             a = self.attn_out_norm(a)
         h = h + (a if self.residual_multiplier == 1.0 else a * self.residual_multiplier)
@@ -222,9 +252,10 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata | list[AttentionMetadata],
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         logits_index: torch.Tensor | None = None,
+        recurrent: RecurrentStep | None = None,
     ) -> torch.Tensor:
         """input_ids: [T]; returns float32 logits for rows `logits_index` (all rows if None)."""
-        h = self.hidden_states(input_ids, meta, kv_caches)
+        h = self.hidden_states(input_ids, meta, kv_caches, recurrent)
         if logits_index is not None:
             h = h[logits_index]
         return self._logits(h)
@@ -234,6 +265,7 @@ class CausalLM(nn.Module):
         input_ids: torch.Tensor,
         meta: AttentionMetadata | list[AttentionMetadata],
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        recurrent: RecurrentStep | None = None,
     ) -> torch.Tensor:
         """The last layer's output for every row, before the final norm (writes K/V as `forward` does); an
         embedding request pools `self.norm` of it, which is Hugging Face's `last_hidden_state`. `meta`: one for
@@ -244,5 +276,5 @@ class CausalLM(nn.Module):
             h = h * torch.tensor(self.config.embedding_multiplier, dtype=h.dtype)
         tables = {name: rope.cos_sin(metas[0].positions, h.dtype) for name, rope in self.ropes.items()}
         for layer, (kc, vc), m in zip(self.decoder_layers, kv_caches, metas):
-            h = layer(h, tables.get(layer.rope), kc, vc, m, self.backend)
+            h = layer(h, tables.get(layer.rope), kc, vc, m, self.backend, recurrent)
         return h

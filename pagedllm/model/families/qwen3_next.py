@@ -1,0 +1,43 @@
+"""Qwen3-Next (`Qwen3NextForCausalLM`, Qwen3-Next-80B-A3B): Qwen3.5's hybrid layers (qwen3_5.py) with sparse blocks
+as Qwen2-MoE's (softmax over the experts, the top k renormalised with `norm_topk_prob`, a shared expert scaled by
+sigmoid(x @ shared_expert_gate)); its DeltaNet projections are two fused ones, `in_proj_qkvz` and `in_proj_ba`,
+interleaved per key head (layers/deltanet.py reorders them)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedllm.model.families.base import LLAMA_LAYER, Family
+from pagedllm.model.families.moe import fused_experts, hf_moe_fields, moe_tensors
+from pagedllm.model.families.qwen3_5 import DELTANET_LAYER, hybrid_fields
+
+
+def hf_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    return (
+        hybrid_fields(cfg)
+        | hf_moe_fields(cfg)
+        | {
+            "shared_expert_intermediate_size": int(cfg.get("shared_expert_intermediate_size") or 0),
+            "shared_expert_gate": bool(cfg.get("shared_expert_intermediate_size")),
+        }
+    )
+
+
+QWEN3_NEXT = Family(
+    "qwen3_next",
+    ("Qwen3NextForCausalLM",),
+    ("qwen3_next",),
+    ("qwen3next",),
+    hf_fields=hf_fields,
+    layer_tensors=LLAMA_LAYER
+    | DELTANET_LAYER
+    | {"lin_qkvz": ("linear_attn.in_proj_qkvz",), "lin_ba": ("linear_attn.in_proj_ba",)}
+    | moe_tensors("mlp")
+    | {
+        "shared_gate_up": ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),
+        "shared_down": ("mlp.shared_expert.down_proj",),
+        "shared_gate": ("mlp.shared_expert_gate",),
+    },
+    moe=True,
+    unfuse=fused_experts("mlp"),
+)

@@ -1,0 +1,253 @@
+"""The hybrid families (Qwen3.5 text, Qwen3-Next: Gated DeltaNet layers beside full attention) against transformers
+in float32, on tiny random checkpoints written by `save_pretrained`: logits over 130 tokens fed in uneven chunks;
+32 greedy tokens of several batched requests under chunked prefill (64 tokens a step, so a 150-token prompt's state
+crosses chunk ends) and a cache small enough to preempt (recomputed from a zero state); a step that fails after
+some layers ran (its states are never committed: the retry continues from the old ones); prefix caching, whose
+hits start from recurrent-state checkpoints at block boundaries and must never change an answer; every state slot
+back at the end, as every block."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+
+import pytest
+import torch
+
+import pagedllm.model.tokenizer as tokenizer_module
+from devkit.tiny_tokenizer import save_tiny_tokenizer
+from pagedllm import SamplingParams
+from pagedllm.engine import EngineConfig, LLMEngine
+from pagedllm.engine.memory import state_bytes
+from pagedllm.model import ModelRunner, SeqChunk, load_model
+from pagedllm.model.fused_step import _model_blockers
+from pagedllm.model.runner import bytes_per_block
+
+TOL = 1e-4  # of the largest logit
+FAMILIES = ["qwen3_5", "qwen3_next"]
+_SHAPE = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,  # three linear-attention layers, then a full-attention one
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=8,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=512,
+)
+_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def private_tokenizer_cache(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tokenizers")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(
+            tokenizer_module,
+            "cache_dir_for",
+            lambda path, kind: str(root / hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:12]),
+        )
+        yield
+
+
+def make_hybrid(family: str, folder: str) -> torch.nn.Module:
+    """A tiny random checkpoint of `family` in `folder`: weights drawn wide enough that a wrong state, gate or
+    rotation moves the logits far past the tolerance (decays spread by A_log, norms around 1)."""
+    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig, Qwen3NextConfig
+
+    if family == "qwen3_next":
+        cfg, arch = Qwen3NextConfig(**_SHAPE, **_MOE), "Qwen3NextForCausalLM"
+    else:
+        cfg, arch = Qwen3_5TextConfig(**_SHAPE), "Qwen3_5ForCausalLM"
+    cfg.architectures = [arch]
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "A_log" in name:
+                p.uniform_(-2, 1)
+            elif "norm" in name:
+                p.uniform_(-0.3, 0.3) if "linear_attn" not in name else p.uniform_(0.7, 1.3)
+            else:
+                p.normal_(0, 0.3)
+    hf.save_pretrained(folder, safe_serialization=True)
+    save_tiny_tokenizer(folder, 256)
+    with open(os.path.join(folder, "generation_config.json"), "w") as f:
+        json.dump({"bos_token_id": 1, "eos_token_id": 2}, f)
+    return hf
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    out = {}
+    for family in FAMILIES:
+        folder = str(tmp_path_factory.mktemp(family))
+        out[family] = (make_hybrid(family, folder), load_model(folder, "float32", "cpu"), folder)
+    return out
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 256) for _ in range(n)]
+
+
+def _greedy(hf: torch.nn.Module, prompt: list[int], n: int = 32) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, len(prompt) :].tolist()
+
+
+def _engine(loaded, blocks: int = 64, **kw) -> LLMEngine:
+    """An engine whose KV budget holds `blocks` blocks of 16 besides its requests' state slots (and a checkpoint
+    row each with prefix caching on)."""
+    seqs = kw.pop("max_num_seqs", 4)
+    per_block = bytes_per_block(loaded.config, 16, torch.float32, loaded.config.kv_layout(hybrid=True))
+    rows = 2 if kw.get("enable_prefix_caching", True) else 1
+    budget = blocks * per_block + seqs * rows * state_bytes(loaded.config, torch.float32)
+    kw = dict(max_model_len=256, log_stats_interval=0, max_num_seqs=seqs, kv_cache_memory=budget) | kw
+    return LLMEngine(EngineConfig(**kw), loaded)
+
+
+def _run(engine: LLMEngine, prompts: list[list[int]], n: int = 32) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    return [done[str(i)].outputs[0].token_ids for i in range(len(prompts))]
+
+
+def _all_back(engine: LLMEngine) -> None:
+    slots = engine.kv.state_slots
+    assert slots is not None and slots.num_free == slots.num_slots and not slots.req_to_slot
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks and not engine.scheduler.running
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_match_transformers_over_uneven_chunks(models, family):
+    hf, loaded, _ = models[family]
+    ids = _tokens(130, 1)
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0]
+    runner = ModelRunner(loaded, 16, 16)
+    got, pos = [], 0
+    for n in (50, 46, 33, 1):  # the state and the KV both carried across each
+        got.append(runner.execute([SeqChunk(ids[pos : pos + n], pos, list(range(16)), True, state_slot=5)]))
+        pos += n
+    assert (torch.cat(got) - want).abs().max().item() < TOL * want.abs().max().item()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_batched_chunked_and_preempted_match_transformers(models, family):
+    """Three requests at once, 64 tokens a step, a cache of 20 blocks for ~36 blocks of requests: preemption."""
+    hf, loaded, _ = models[family]
+    prompts = [_tokens(150, 2), _tokens(100, 3), _tokens(120, 4)]
+    engine = _engine(loaded, blocks=20, max_num_batched_tokens=64)
+    assert _run(engine, prompts) == [_greedy(hf, p) for p in prompts]
+    assert engine.stats().num_preemptions > 0
+    _all_back(engine)
+
+
+def test_a_step_that_fails_midway_is_retried_from_the_states_before_it(models, monkeypatch):
+    """The full-attention layer (the last) raises in the third step, after the three linear layers computed new
+    states; nothing was committed, each request runs alone again and every answer is transformers'."""
+    hf, loaded, _ = models["qwen3_5"]
+    prompts = [_tokens(90, 5), _tokens(70, 6)]
+    engine = _engine(loaded, max_num_batched_tokens=64)
+    layer = loaded.model.decoder_layers[-1]
+    assert layer.linear_attn is None and loaded.model.decoder_layers[0].linear_attn is not None
+    original, calls = layer.forward, []
+
+    def forward(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected failure after the linear layers ran")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(layer, "forward", forward)
+    assert _run(engine, prompts, 8) == [_greedy(hf, p, 8) for p in prompts]
+    assert len(calls) > 3
+    _all_back(engine)
+
+
+def test_prefix_caching_hits_at_state_checkpoints_and_never_changes_an_answer(models):
+    """Prompts sharing 64 tokens, one after the other (64 tokens a step: the first's state at 64 is kept): the
+    later ones hit on those 64 tokens and start from the checkpoint; a prompt that continues an earlier one hits
+    at that one's last block boundary; every answer equals caching off, and transformers'."""
+    hf, loaded, _ = models["qwen3_5"]
+    shared = _tokens(64, 7)
+    first = shared + _tokens(30, 8)
+    prompts = [first, shared + _tokens(20, 9), first + _tokens(20, 16)]
+    on = _engine(loaded, max_num_batched_tokens=64)
+    off = _engine(loaded, max_num_batched_tokens=64, enable_prefix_caching=False)
+    got = [_run(on, [p], 8)[0] for p in prompts]
+    assert got == [_run(off, [p], 8)[0] for p in prompts] == [_greedy(hf, p, 8) for p in prompts]
+    stats = on.stats()
+    assert stats.prefix_cache_hits == 64 + 80  # the shared 64, then the first prompt's last boundary (80)
+    assert off.stats().prefix_cache_hits == 0
+    _all_back(on)
+    checkpoints = on.kv.state_checkpoints
+    assert checkpoints is not None and not checkpoints.refs and not checkpoints.restores
+
+
+def test_abort_gives_the_slot_back_and_a_new_request_starts_from_zero(models):
+    hf, loaded, _ = models["qwen3_5"]
+    engine = _engine(loaded, max_num_seqs=1, max_num_batched_tokens=32)
+    engine.add_request("a", _tokens(60, 10), SamplingParams(temperature=0, max_tokens=8))
+    engine.step()
+    (running,) = engine.scheduler.running
+    assert engine.kv.state_slot(running.request_id) == 0
+    engine.abort_request("a")
+    _all_back(engine)
+    prompt = _tokens(40, 11)
+    assert _run(engine, [prompt], 8) == [_greedy(hf, prompt, 8)]  # the same slot, after its old contents
+
+
+def test_config_layout_and_what_refuses_them(models, capsys):
+    """Linear layers hold no KV; the state bytes are the layers' conv and recurrent states; the fused C step
+    names them; kv_blend is refused naming them; kv-calc prints the state bytes per request."""
+    from pagedllm.entrypoints.cli import main
+    from pagedllm.errors import UserError
+
+    _, loaded, folder = models["qwen3_next"]
+    cfg = loaded.config
+    layout = cfg.kv_layout(hybrid=True)
+    assert cfg.linear_layers == [0, 1, 2] and layout.num_kv_layers == 1 and layout.recurrent_layers == (0, 1, 2)
+    assert cfg.state_bytes_per_request(4) == 3 * (96 * 3 * 4 + 4 * 16 * 8 * 4)
+    assert "linear-attention layers" in _model_blockers(cfg)
+    engine = _engine(loaded)
+    with pytest.raises(UserError, match="linear-attention"):
+        engine.add_request("x", _tokens(40, 12), SamplingParams(max_tokens=1), kv_segments=[[0, 32]])
+    assert main(["kv-calc", "--model", folder, "--kv-cache-dtype", "float32"]) == 0
+    assert f"recurrent state: {cfg.state_bytes_per_request(4):,} bytes per request" in capsys.readouterr().out
+
+
+def test_a_budget_for_fewer_slots_than_max_num_seqs_runs_that_many_at_once(models):
+    """Half the budget holds two states: two slots, so two of the three requests run at once; all correct."""
+    hf, loaded, _ = models["qwen3_5"]
+    per_state = 2 * state_bytes(loaded.config, torch.float32)  # a slot and its checkpoint row
+    engine = LLMEngine(
+        EngineConfig(max_model_len=256, log_stats_interval=0, max_num_seqs=4, kv_cache_memory=5 * per_state),
+        loaded,
+    )
+    assert engine.kv.state_slots is not None and engine.kv.state_slots.num_slots == 2
+    prompts = [_tokens(40, 13), _tokens(30, 14), _tokens(50, 15)]
+    assert _run(engine, prompts, 8) == [_greedy(hf, p, 8) for p in prompts]
+    assert engine.scheduler.peak_running == 2
+    _all_back(engine)

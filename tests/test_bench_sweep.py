@@ -138,7 +138,7 @@ def test_run_sweep_with_fake_engine(monkeypatch, tmp_path):
 
     monkeypatch.setattr(eng, "LLMEngine", FakeEngine)
     monkeypatch.setattr(engine_api, "take_snapshot", fake_snapshot)
-    monkeypatch.setattr(sweep, "kv_bytes_per_token", lambda model, dtype: PER_TOKEN)
+    monkeypatch.setattr(sweep, "kv_bytes_per_token", lambda model, kv_cache_dtype, dtype="auto": PER_TOKEN)
     monkeypatch.setattr(bt, "load_bench_tokenizer", lambda path=None: WordTok())
     monkeypatch.setattr(sweep, "_row_model", lambda args, s: None)  # the window rows' own model: the fake's
     p = argparse.ArgumentParser()
@@ -272,7 +272,7 @@ def _run_fake_sweep(monkeypatch, flags):
 
     DtypeFakeEngine.configs = []
     monkeypatch.setattr(eng, "LLMEngine", DtypeFakeEngine)
-    monkeypatch.setattr(sweep, "kv_bytes_per_token", lambda model, dtype: PER_TOKEN)
+    monkeypatch.setattr(sweep, "kv_bytes_per_token", lambda model, kv_cache_dtype, dtype="auto": PER_TOKEN)
     monkeypatch.setattr(sweep, "model_max_len", lambda model: 1024)  # the model's context, --max-model-len unset
     monkeypatch.setattr(bt, "load_bench_tokenizer", lambda path=None: WordTok())
     args = _sweep_parser().parse_args(["sweep", "--no-reuse-weights", "--median-len", "40", *flags])
@@ -295,3 +295,12 @@ def test_sweep_dtype_rows_run_more_requests_at_once_with_a_narrower_cache(monkey
     rows = json.loads((tmp_path / "s.json").read_text())["rows"]
     peak = {r["kv_cache_dtype"]: r["peak_running"] for r in rows}
     assert peak["float32"] < peak["bfloat16"] < peak["int8"] == peak["fp8"]
+
+
+def test_kv_bytes_per_token_prices_the_cache_dtype():
+    """The sweep's budget in bytes is the engine's count for the cache's dtype (kv/sizing), not the model's: the
+    default model's 30 layers x 3 KV heads x 64 dims, K and V, at 4, 2 and 1 byte(s) a value (+ a 2-byte scale
+    per head for int8 and fp8)."""
+    assert sweep.kv_bytes_per_token(None, "auto", "float32") == sweep.kv_bytes_per_token(None, "float32") == 46_080
+    assert sweep.kv_bytes_per_token(None, "bfloat16", "float32") == 23_040
+    assert sweep.kv_bytes_per_token(None, "int8") == sweep.kv_bytes_per_token(None, "fp8_e5m2") == 30 * 3 * 2 * 66

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import subprocess
@@ -207,3 +208,32 @@ def test_model_groups_and_window_blocks(tmp_path):
     assert "sliding window 256: 4 layers, 1,024 bytes per token" in text  # (K, V) x 4 layers x 2 heads x 16 x 4 B
     # 4096 tokens: 256 blocks, of which (4096 - 256 + 1) // 16 = 240 went back
     assert "a request of 4,096 tokens holds 16 blocks (not 256)" in text
+
+
+def _choices(parser: argparse.ArgumentParser, flag: str) -> list[str]:
+    return next(list(a.choices) for a in parser._actions if flag in a.option_strings)
+
+
+def test_kv_calc_offers_the_cache_dtypes_the_engine_takes():
+    """One table of --kv-cache-dtype names (vLLM's): kv-calc offers what `pagedllm serve` takes, and a name the
+    engine refuses (float16) is refused by both, naming the flag."""
+    from pagedllm.engine.config import EngineConfig, add_engine_args
+    from pagedllm.entrypoints import kv_calc
+    from pagedllm.errors import UserError
+
+    serve = argparse.ArgumentParser()
+    add_engine_args(serve)
+    engine = _choices(serve, "--kv-cache-dtype")
+    assert engine == ["auto", "float32", "bfloat16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"]
+    commands = argparse.ArgumentParser().add_subparsers()
+    kv_calc.add_parser(commands)
+    assert _choices(commands.choices["kv-calc"], "--kv-cache-dtype") == engine
+    with pytest.raises(UserError, match="--kv-cache-dtype: input should be 'auto', 'float32', .* got 'float16'"):
+        EngineConfig(kv_cache_dtype="float16")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pagedllm.entrypoints.cli", "kv-calc", "--model", "--kv-cache-dtype", "float16"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and "--kv-cache-dtype" in proc.stderr and "Traceback" not in proc.stderr

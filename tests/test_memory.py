@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 
 import pytest
-import torch
 
 import pagedllm.engine.memory as memory
 from pagedllm.engine import EngineConfig, LLMEngine
@@ -20,7 +19,7 @@ GiB = 2**30
 
 def budget(loaded, available: int, **kw) -> int:
     cfg = EngineConfig(log_stats_interval=0, **kw)
-    return kv_budget(cfg, loaded, 2048, torch.float32, lambda: available)
+    return kv_budget(cfg, loaded, 2048, "float32", lambda: available)
 
 
 @pytest.mark.parametrize("free", [GiB // 3, 2 * GiB, 3 * GiB + 12345])
@@ -55,7 +54,7 @@ def test_the_log_says_the_budget_and_why(model_fp32, caplog):
 
 def test_no_memory_free_is_a_clear_error_naming_the_flag(model_fp32):
     with pytest.raises(UserError, match="--kv-cache-memory"):
-        num_kv_blocks(EngineConfig(log_stats_interval=0), model_fp32, 2048, torch.float32, lambda: 0)
+        num_kv_blocks(EngineConfig(log_stats_interval=0), model_fp32, 2048, "float32", lambda: 0)
 
 
 def test_the_engine_sizes_its_cache_from_the_free_memory(model_fp32, monkeypatch):

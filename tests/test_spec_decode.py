@@ -253,7 +253,7 @@ def test_abort_after_drafts_and_preemption_under_drafts_leave_the_pool_whole(
 ):
     # room for two prompts and one block: both are admitted, and growing one must preempt the other
     blocks = sum(-(-len(p) // 16) for p in rag_prompts[:2]) + 1
-    per_block = bytes_per_block(model_fp32.config, 16, torch.float32)
+    per_block = bytes_per_block(model_fp32.config, 16, "float32")
     small = make_engine(
         model_fp32, speculative_config=NGRAM, kv_cache_memory=blocks * per_block, enable_prefix_caching=False
     )

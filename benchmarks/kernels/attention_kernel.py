@@ -28,6 +28,7 @@ import torch
 import pagedllm.model.kernels.cpu_kernel as cpu_kernel
 import pagedllm.model.kernels.kv_quant as kv_quant
 from benchmarks.common import cpu_line
+from pagedllm.kv.sizing import KV_DTYPES
 
 
 def caches(a, dtype: torch.dtype) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, torch.Tensor]:
@@ -52,7 +53,7 @@ def caches(a, dtype: torch.dtype) -> tuple[list[tuple[torch.Tensor, torch.Tensor
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--kv-dtype", default="bfloat16", help="float32, bfloat16, int8, fp8_e4m3, fp8_e5m2")
+    p.add_argument("--kv-dtype", default="bfloat16", choices=list(KV_DTYPES), help="a --kv-cache-dtype name")
     p.add_argument("--seqs", type=int, default=64)
     p.add_argument("--ctx", type=int, default=300)
     p.add_argument("--heads", type=int, default=9)
@@ -67,8 +68,7 @@ def main() -> int:
     if lib is None:
         raise SystemExit("the C kernels are not built here")
     torch.set_num_threads(1)
-    names = {"float32": torch.float32, "bfloat16": torch.bfloat16} | kv_quant.QUANT_KV_DTYPES
-    kv, tables, lens = caches(a, names[a.kv_dtype])
+    kv, tables, lens = caches(a, kv_quant.kv_cache_dtype(a.kv_dtype, torch.float32)[1])
     q = torch.randn(a.seqs, a.heads, a.head_dim, generator=torch.Generator().manual_seed(1))
     best = float("inf")
     for _ in range(a.repeat):

@@ -73,6 +73,8 @@ def default_settings(
 ) -> list[Setting]:
     """The rows of `groups`; the dtype rows run `dtype_workload` (the whole long tail when the user sets the
     budget, its body in the default budget: see dtype_rows_bytes); the window rows slide by `sliding_window`."""
+    from pagedllm.kv import KV_DTYPE_ROWS
+
     rows = [
         Setting("contiguous b16", "long-tail", "contiguous", 16, False, {"allocation"}),
         Setting("paged b16", "long-tail", "paged", 16, False, {"allocation", "block"}),
@@ -83,7 +85,7 @@ def default_settings(
         Setting("prefix-rep, caching on", "prefix-repetition", "paged", 16, True, {"prefix"}),
         *[
             Setting(f"paged b16, KV {d}", dtype_workload, "paged", 16, False, {"dtype"}, kv_cache_dtype=d)
-            for d in ("float32", "bfloat16", "int8", "fp8")
+            for d in KV_DTYPE_ROWS
         ],
         Setting("prefix-rep, small pool", "prefix-repetition", "paged", 16, True, {"disk"}, small_pool=True),
         Setting(
@@ -205,16 +207,17 @@ def add_sweep_parser(bench_sub) -> argparse.ArgumentParser:
 # ---- running one engine -----------------------------------------------------------------------------------
 
 
-def kv_bytes_per_token(model: str | None, dtype: str) -> int:
-    """KV bytes per token of `model` at `dtype` ("auto": the dtype the engine would load it in)."""
-    import torch
-
+def kv_bytes_per_token(model: str | None, kv_cache_dtype: str, dtype: str = "auto") -> int:
+    """KV bytes per token of `model` in a cache of `kv_cache_dtype` (kv/sizing's formula, as the engine counts
+    them); "auto" is the model's `dtype`, itself "auto": the dtype the engine would load it in."""
     from pagedllm import kv
-    from pagedllm.model import load_model_config, resolve_dtype
+    from pagedllm import model as model_api
 
-    cfg = load_model_config(model)
-    elem = torch.empty((), dtype=resolve_dtype(dtype, cfg)).element_size()
-    return kv.kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, elem)
+    cfg = model_api.load_model_config(model)
+    name = kv_cache_dtype
+    if name == "auto":
+        name, _ = model_api.kv_cache_dtype("auto", model_api.resolve_dtype(dtype, cfg))
+    return kv.kv_dtype_bytes_per_token(cfg.kv_layout().num_kv_layers, cfg.num_kv_heads, cfg.head_dim, name)
 
 
 def run_engine(
@@ -398,7 +401,7 @@ class Plan:
     engine: EngineConfig
     max_model_len: int  # --max-model-len, or the model's
     budget_tokens: int  # the common budget
-    per_token: int  # KV bytes per token at the model's dtype
+    per_token: int  # KV bytes per token in a cache of the model's dtype (--kv-cache-dtype auto)
     dtype_bytes: int = 0  # the dtype rows' budget
 
 
@@ -524,7 +527,7 @@ def _plan(args: argparse.Namespace) -> Plan:
     sweep, engine = from_args(SweepConfig, args), EngineConfig.from_args(args)
     max_model_len = engine.max_model_len or model_max_len(engine.model)
     budget_tokens = check_budget(sweep, max_model_len)
-    return Plan(sweep, engine, max_model_len, budget_tokens, kv_bytes_per_token(engine.model, engine.dtype))
+    return Plan(sweep, engine, max_model_len, budget_tokens, kv_bytes_per_token(engine.model, "auto", engine.dtype))
 
 
 def _announce(plan: Plan, workloads: dict[str, Workload]) -> None:

@@ -11,11 +11,10 @@ from pydantic import Field, SkipValidation
 
 from pagedllm.engine.spec_decode import SpeculativeConfig
 from pagedllm.errors import UserError
+from pagedllm.kv.sizing import KVCacheDType
 from pagedllm.settings import Bytes, Flag, add_flags, from_args, settings
 
 DEFAULT_KV_OFFLOAD_SIZE = 16 * 2**30
-
-KVCacheDType = Literal["auto", "float32", "bfloat16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"]
 
 
 @settings

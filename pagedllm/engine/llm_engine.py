@@ -35,8 +35,8 @@ from pagedllm.kv.manager import PagedKVCacheManager, make_kv_cache_manager
 from pagedllm.kv.offload import DiskKVTier
 from pagedllm.kv.state_slots import StateCheckpoints, StateSlotPool
 from pagedllm.lora_request import LoRARequest, lora_id
-from pagedllm.model.kernels.kv_quant import QUANT_KV_DTYPES
-from pagedllm.model.loader import DTYPES, LoadedModel, load_model
+from pagedllm.model.kernels.kv_quant import kv_cache_dtype
+from pagedllm.model.loader import LoadedModel, load_model
 from pagedllm.model.runner import ModelRunner, SeqChunk
 from pagedllm.model.sampler import SampleResult, token_logprobs
 from pagedllm.sampling_params import PoolingParams, SamplingParams, SamplingParamsError
@@ -90,15 +90,12 @@ class LLMEngine:
                 f"{cfg.max_position_embeddings} positions"
             )
         self.block_size = config.block_size
-        self.kv_dtype = (
-            self.loaded.dtype
-            if config.kv_cache_dtype == "auto"
-            else {**DTYPES, **QUANT_KV_DTYPES}[config.kv_cache_dtype]
-        )
+        # the cache's --kv-cache-dtype name (what kv/sizing prices) and its tensors' torch dtype
+        self.kv_cache_dtype, self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.loaded.dtype)
         self.kv_layout = kv_layout(cfg, config)
         self.kv_groups = self.kv_layout.kinds()  # one per kind of layer (the pool's groups split them evenly)
         num_blocks, slots = kv_blocks_and_state_slots(
-            config, self.loaded, self.max_model_len, self.kv_dtype, layout=self.kv_layout
+            config, self.loaded, self.max_model_len, self.kv_cache_dtype, layout=self.kv_layout
         )
         self._build_cache(config, num_blocks, slots)
         self.loras = self.runner.enable_lora(config.max_lora_rank, lora_slots(config)) if config.enable_lora else None
@@ -116,7 +113,7 @@ class LLMEngine:
         )
         self.spec_stats = SpecDecodeStats()
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size)
-        log_kv_cache(cfg, config, num_blocks, self.kv_dtype, self.kv_layout)
+        log_kv_cache(cfg, config, num_blocks, self.kv_cache_dtype, self.kv_layout)
 
         self.parents: dict[str, _Parent] = {}
         self.requests: dict[str, Request] = {}  # child id -> request, while unfinished

@@ -15,8 +15,9 @@ from pagedllm.engine.config import EngineConfig
 from pagedllm.errors import UserError
 from pagedllm.kv.kv_spec import KVCacheLayout
 from pagedllm.kv.manager import cdiv
-from pagedllm.kv.sizing import blocks_for_budget, cpu_kv_budget, kv_dtype_bytes_per_token
+from pagedllm.kv.sizing import KV_DTYPE_ROWS, KV_DTYPES, blocks_for_budget, cpu_kv_budget, kv_dtype_bytes_per_token
 from pagedllm.model.config import ModelConfig
+from pagedllm.model.kernels.kv_quant import kv_cache_dtype
 from pagedllm.model.loader import LoadedModel
 from pagedllm.model.runner import ModelRunner, SeqChunk, bytes_per_block
 
@@ -62,7 +63,7 @@ def num_kv_blocks(
     config: EngineConfig,
     loaded: LoadedModel,
     max_model_len: int,
-    kv_dtype: torch.dtype,
+    kv_dtype: str,
     available: Callable[[], int] | None = None,
     layout: KVCacheLayout | None = None,
 ) -> int:
@@ -75,7 +76,7 @@ def kv_blocks_and_state_slots(
     config: EngineConfig,
     loaded: LoadedModel,
     max_model_len: int,
-    kv_dtype: torch.dtype,
+    kv_dtype: str,
     available: Callable[[], int] | None = None,
     layout: KVCacheLayout | None = None,
 ) -> tuple[int, int]:
@@ -115,7 +116,7 @@ def kv_budget(
     config: EngineConfig,
     loaded: LoadedModel,
     max_model_len: int,
-    kv_dtype: torch.dtype,
+    kv_dtype: str,
     available: Callable[[], int] | None = None,
 ) -> int:
     """Bytes for the KV cache; the start-up log says how many and why. `available`: the free memory now (after
@@ -146,10 +147,10 @@ def kv_budget(
     return budget
 
 
-def profile_memory(loaded: LoadedModel, num_tokens: int, block_size: int, kv_dtype: torch.dtype) -> tuple[int, int]:
+def profile_memory(loaded: LoadedModel, num_tokens: int, block_size: int, kv_dtype: str) -> tuple[int, int]:
     """(device memory, bytes in use after a warm-up step of `num_tokens` tokens with a scratch cache)."""
     device = loaded.device
-    scratch = ModelRunner(loaded, cdiv(num_tokens, block_size), block_size, kv_dtype)
+    scratch = ModelRunner(loaded, cdiv(num_tokens, block_size), block_size, kv_cache_dtype(kv_dtype, loaded.dtype)[1])
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     scratch.execute([SeqChunk([0] * num_tokens, 0, list(range(cdiv(num_tokens, block_size))))])
@@ -161,9 +162,7 @@ def profile_memory(loaded: LoadedModel, num_tokens: int, block_size: int, kv_dty
     return psutil.virtual_memory().total, psutil.Process().memory_info().rss
 
 
-def log_kv_cache(
-    cfg: ModelConfig, config: EngineConfig, num_blocks: int, kv_dtype: torch.dtype, layout: KVCacheLayout
-) -> None:
+def log_kv_cache(cfg: ModelConfig, config: EngineConfig, num_blocks: int, kv_dtype: str, layout: KVCacheLayout) -> None:
     """The start-up lines on the cache: its size, and what a token costs in each --kv-cache-dtype."""
     per_block = bytes_per_block(cfg, config.block_size, kv_dtype, layout)
     logger.info(
@@ -172,7 +171,7 @@ def log_kv_cache(
         config.block_size,
         num_blocks * config.block_size,
         num_blocks * per_block / 2**30,
-        str(kv_dtype).removeprefix("torch."),
+        KV_DTYPES[kv_dtype].torch_name,
         per_block // config.block_size,
         config.kv_allocation,
         "on" if config.enable_prefix_caching else "off",
@@ -182,7 +181,7 @@ def log_kv_cache(
         "KV bytes/token by --kv-cache-dtype: %s",
         ", ".join(
             f"{name} {kv_dtype_bytes_per_token(layers, cfg.num_kv_heads, cfg.head_dim, name):,}"
-            for name in ("float32", "bfloat16", "int8", "fp8")
+            for name in KV_DTYPE_ROWS
         ),
     )
     if len(layout.groups) > 1 or layout.groups[0].window is not None:

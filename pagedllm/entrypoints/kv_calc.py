@@ -8,7 +8,8 @@ import argparse
 from pagedllm.errors import UserError
 from pagedllm.kv.manager import cdiv
 from pagedllm.kv.sizing import (
-    DTYPE_BYTES,
+    KV_DTYPE_ROWS,
+    KV_DTYPES,
     kv_bytes_per_block,
     kv_dtype_bytes_per_token,
     layout_blocks,
@@ -71,7 +72,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--kv-cache-dtype",
-        choices=["auto", *sorted(DTYPE_BYTES)],
+        choices=["auto", *KV_DTYPES],
         default="bfloat16",
         help="the KV cache's dtype for --model's bytes per token (default: bfloat16; auto: the model's --dtype)",
     )
@@ -148,10 +149,10 @@ def _kv_dtype(args: argparse.Namespace) -> str:
     """--kv-cache-dtype, where auto is the model's --dtype (auto: as the engine loads the model here)."""
     if args.kv_cache_dtype != "auto":
         return str(args.kv_cache_dtype)
-    from pagedllm.model import load_model_config, resolve_dtype
+    from pagedllm.model import kv_cache_dtype, load_model_config, resolve_dtype
 
     dtype = resolve_dtype(args.dtype, load_model_config(None if args.model == "default" else args.model))
-    return str(dtype).removeprefix("torch.")
+    return kv_cache_dtype("auto", dtype)[0]
 
 
 def _report_groups(cfg, dtype: str, block_size: int, max_len: int) -> None:
@@ -223,7 +224,7 @@ def _report_model(model: str, dtype: str, block_size: int, max_len: int, used: l
     print(f"KV bytes per block of {block_size}: {per_block:,}")
     _report_groups(cfg, dtype, block_size, max_len)
     if cfg.linear_layers:
-        conv = DTYPE_BYTES[dtype] if dtype in ("float32", "float16", "bfloat16") else 2
+        conv = KV_DTYPES[dtype].value_bytes if KV_DTYPES[dtype].scale_bytes == 0 else 2
         print(
             f"recurrent state: {cfg.state_bytes_per_request(conv):,} bytes per request ({len(cfg.linear_layers)} "
             "linear-attention layers, no KV: conv state and float32 recurrent state); the budget reserves one for "
@@ -231,7 +232,7 @@ def _report_model(model: str, dtype: str, block_size: int, max_len: int, used: l
         )
     head = f"{'--kv-cache-dtype':>16} {'bytes/token':>12} {'vs float32':>10}"
     print(head + (f" {'tokens in budget':>17}" if budget else ""))
-    for name in ("float32", "bfloat16", "int8", "fp8"):
+    for name in KV_DTYPE_ROWS:
         n = per_token_of(name)
         fit = f" {budget // (n * block_size) * block_size:>17,}" if budget else ""
         print(f"{name:>16} {n:>12,} {per_token_of('float32') / n:>9.2f}x{fit}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
@@ -21,11 +22,34 @@ logger = logging.getLogger("pagedllm")
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 2**30
 CPU_KV_SHARE = 0.5
 
-# KV-cache dtypes (--kv-cache-dtype) -> bytes per value; the quantized ones add a bfloat16 scale per (token, KV head)
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
-QUANTIZED_KV = ("int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 # a quantized cache's one bfloat16 scale per key (or value) vector of a KV head (model/kernels/kv_quant.py)
 KV_SCALE_BYTES = 2
+
+
+@dataclass(frozen=True)
+class KVDType:
+    """What a --kv-cache-dtype stores: bytes per value, the scale bytes a quantized cache adds per key (or value)
+    vector of a KV head, and the torch dtype its tensors hold (a quantized cache's codes)."""
+
+    value_bytes: int
+    scale_bytes: int
+    torch_name: str
+
+
+# The --kv-cache-dtype names (vLLM's; fp8 is e4m3), besides "auto" (the model's --dtype): the one table the
+# engine's setting, the CLI's choices, kv-calc, the engine's cache and the benchmarks read (KVCacheDType, the
+# setting's type, names the same: tests/test_kv_calc.py holds them equal).
+KVCacheDType = Literal["auto", "float32", "bfloat16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"]
+KV_DTYPES: dict[str, KVDType] = {
+    "float32": KVDType(4, 0, "float32"),
+    "bfloat16": KVDType(2, 0, "bfloat16"),
+    "int8": KVDType(1, KV_SCALE_BYTES, "int8"),
+    "fp8": KVDType(1, KV_SCALE_BYTES, "float8_e4m3fn"),
+    "fp8_e4m3": KVDType(1, KV_SCALE_BYTES, "float8_e4m3fn"),
+    "fp8_e5m2": KVDType(1, KV_SCALE_BYTES, "float8_e5m2"),
+}
+# One name per size, the rows kv-calc, the engine's start-up log and `bench sweep`'s dtype rows show.
+KV_DTYPE_ROWS: tuple[KVCacheDType, ...] = ("float32", "bfloat16", "int8", "fp8")
 
 
 _BYTE_SIZE = TypeAdapter(ByteSize)
@@ -52,9 +76,9 @@ def kv_bytes_per_token(
 
 
 def kv_dtype_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: str) -> int:
-    """kv_bytes_per_token for a --kv-cache-dtype name (float32, bfloat16, int8, fp8, ...)."""
-    scale = KV_SCALE_BYTES if kv_dtype in QUANTIZED_KV else 0
-    return kv_bytes_per_token(num_layers, num_kv_heads, head_dim, DTYPE_BYTES[kv_dtype], scale)
+    """kv_bytes_per_token for a --kv-cache-dtype name (float32, bfloat16, int8, fp8, ...; not "auto")."""
+    d = KV_DTYPES[kv_dtype]
+    return kv_bytes_per_token(num_layers, num_kv_heads, head_dim, d.value_bytes, d.scale_bytes)
 
 
 def kv_cache_groups(windows: Sequence[int | None]) -> list[KVCacheGroup]:

@@ -69,25 +69,11 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.frombuffer(buf, dtype=dtype).view(shape)  # the tensor keeps `buf` alive
 
 
-def kv_cache_bytes(
-    config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, layout: KVCacheLayout | None = None
-) -> int:
-    """Bytes of K+V cache for `num_blocks` blocks (all of a block's layers)."""
-    return num_blocks * bytes_per_block(config, block_size, dtype, layout)
-
-
-def bytes_per_block(
-    config: ModelConfig, block_size: int, dtype: torch.dtype, layout: KVCacheLayout | None = None
-) -> int:
-    """The cache's own tensors in bytes per block, as kv/sizing counts them for this dtype: a block spans the
+def bytes_per_block(config: ModelConfig, block_size: int, kv_dtype: str, layout: KVCacheLayout | None = None) -> int:
+    """Bytes per block of a cache of that --kv-cache-dtype name, as kv/sizing counts them: a block spans the
     layout's layers per block (every layer that stores KV, for a model of one group)."""
     layers = (layout or config.kv_layout()).layers_per_block
-    return kv_bytes_per_block(layers, config.num_kv_heads, config.head_dim, _KV_NAMES[dtype], block_size)
-
-
-_KV_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"} | {
-    dtype: name for name, dtype in kv_quant.QUANT_KV_DTYPES.items()
-}  # a cache's torch dtype -> its --kv-cache-dtype name
+    return kv_bytes_per_block(layers, config.num_kv_heads, config.head_dim, kv_dtype, block_size)
 
 
 class ModelRunner:
@@ -166,17 +152,17 @@ class ModelRunner:
             conv[dst], rec[dst] = conv[src], rec[src]
 
     @property
-    def bytes_per_block(self) -> int:
-        return bytes_per_block(self.config, self.block_size, self.kv_dtype, self.layout)
+    def bytes_per_token(self) -> int:
+        """What its tensors hold per token: a K and a V row per layer slot (with a quantized row's scale)."""
+        k, _ = self.kv_tensors[0]
+        return 2 * len(self.kv_tensors) * k[0, 0].numel() * k.element_size()
 
-    def kv_cache_bytes(self, num_blocks: int | None = None, block_size: int | None = None) -> int:
-        return kv_cache_bytes(
-            self.config,
-            self.num_blocks if num_blocks is None else num_blocks,
-            block_size or self.block_size,
-            self.kv_dtype,
-            self.layout,
-        )
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+    def kv_cache_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
 
     def read_block(self, block_id: int) -> bytes:
         """A copy of one block's K and V in every slot, as bytes (what the disk tier stores)."""

@@ -25,19 +25,22 @@ import functools
 
 import torch
 
-from pagedllm.kv.sizing import KV_SCALE_BYTES
+from pagedllm.kv.sizing import KV_DTYPES, KV_SCALE_BYTES
 
 # The codes' dtype -> their largest finite value.
 CODE_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
-# --kv-cache-dtype names (vLLM's: fp8 is e4m3).
-QUANT_KV_DTYPES = {
-    "int8": torch.int8,
-    "fp8": torch.float8_e4m3fn,
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "fp8_e5m2": torch.float8_e5m2,
-}
+# The quantized --kv-cache-dtype names (kv/sizing's table) -> their codes' dtype.
+QUANT_KV_DTYPES = {name: getattr(torch, d.torch_name) for name, d in KV_DTYPES.items() if d.scale_bytes}
 # The kernels' cache kinds (csrc/paged_attention.h).
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> tuple[str, torch.dtype]:
+    """A --kv-cache-dtype as (its name in kv/sizing's table, the torch dtype of the cache's tensors); "auto" is
+    the model's dtype."""
+    if name == "auto":
+        name = str(model_dtype).removeprefix("torch.")
+    return name, getattr(torch, KV_DTYPES[name].torch_name)
 
 
 def is_quantized(dtype: torch.dtype) -> bool:

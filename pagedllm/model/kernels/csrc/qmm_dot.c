@@ -41,6 +41,18 @@ void qdot_quantize_row(int16_t *q, float *d, int32_t *s, const float *x, int K) 
     }
 }
 
+/* Row m's 16 sums F of column block cb (+ bias) written or added to the output. Not inlined: once per row and
+ * block it costs nothing, and its columns' branches unrolled into every instance of block_dot would be most of
+ * this file's code (as store_row was in qmm_f32.c's). */
+static __attribute__((noinline)) void store16(const QMatmul *a, const float *F, int m, int cb) {
+    float *o = a->out + (int64_t)m * a->ldo;
+    for (int c = 0; c < 16 && 16 * cb + c < a->N; c++) {
+        const int n = 16 * cb + c;
+        const float x = F[c] + (a->bias ? a->bias[n] : 0.0f);
+        o[n] = a->accumulate ? o[n] + x : x;
+    }
+}
+
 /* The scales of group g (half h) as out += (a dx) S + b (dx sx), a and b per column (16 / VW vectors each): a
  * and b, the weights' part, once per group for all rows of x; a K format's float16 super-block scales D (and
  * M) converted once per super-block (`Head`, at g % 8 == 0). */
@@ -157,14 +169,9 @@ static inline __attribute__((always_inline)) void block_dot(const QMatmul *a, co
         }
     }
     for (int i = 0; i < nr; i++) {
-        float *o = a->out + (int64_t)(m0 + i) * a->ldo;
         float tmp[16];
         memcpy(tmp, F[i], sizeof tmp);
-        for (int c = 0; c < 16 && 16 * cb + c < a->N; c++) {
-            const int n = 16 * cb + c;
-            const float x = tmp[c] + (a->bias ? a->bias[n] : 0.0f);
-            o[n] = a->accumulate ? o[n] + x : x;
-        }
+        store16(a, tmp, m0 + i, cb);
     }
 }
 
@@ -226,12 +233,7 @@ static void block_dot_portable(const QMatmul *a, const XQ16 *xq, const uint8_t *
             }
         }
     }
-    float *o = a->out + (int64_t)m * a->ldo;
-    for (int c = 0; c < 16 && 16 * cb + c < a->N; c++) {
-        const int n = 16 * cb + c;
-        const float x = F[c] + (a->bias ? a->bias[n] : 0.0f);
-        o[n] = a->accumulate ? o[n] + x : x;
-    }
+    store16(a, F, m, cb);
 }
 #endif
 

@@ -33,8 +33,10 @@ const char *kernel_isa(void) { return "matmul=" SIMD_MATMUL_ISA " dot=" SIMD_DOT
 
 int64_t qcol_bytes(int fmt, int G) { return col_bytes(fmt, G); }
 
-/* Sum the parities of each lane and each lane pair, and write the (valid) columns of one output row. */
-static inline void store_row(const QMatmul *a, const vf *acc, int m, int col0, const int nv) {
+/* Sum the parities of each lane and each lane pair, and write the (valid) columns of one output row. Not inlined:
+ * once per row and column block it costs nothing, while its columns' branches, unrolled into every instance of
+ * the blocks (21 rows of 16 columns per format at AVX-512), were most of this file's code and compile time. */
+static __attribute__((noinline)) void store_row(const QMatmul *a, const vf *acc, int m, int col0, const int nv) {
     float *o = a->out + (int64_t)m * a->ldo;
     vi swap;
     for (int l = 0; l < VW; l++) swap[l] = l ^ 1;
@@ -136,18 +138,33 @@ static void panel_rows(const QMatmul *a, const float *panel, int cb) {
     }
 }
 
+/* Each format's direct rows and panel dequantization as functions of their own, the format a constant inside
+ * (so its branches fold). Why not inlined into qmm_column_block, as they were: at AVX-512 that one function held
+ * 84 instances of block_direct, and GCC's backwards jump threading, which grows faster than a function, took
+ * half of the ~2 minutes of CPU this file then cost at -march=x86-64-v4 or native (AVX2: 5 s); apart, each is
+ * quick. A call per column block costs nothing next to its G tiles. */
+#define FORMAT_FNS(fmt)                                                                                        \
+    static __attribute__((noinline)) void direct_##fmt(const QMatmul *a, const uint8_t *col, int cb) {        \
+        DIRECT_ROWS(fmt, a, col, cb)                                                                           \
+    }                                                                                                          \
+    static __attribute__((noinline)) void panel_##fmt(const uint8_t *col, int G, float *panel) {              \
+        DEQUANT_PANEL(fmt, col, G, panel);                                                                     \
+    }
+FOR_EACH_FORMAT(FORMAT_FNS)
+#define CALL_DIRECT(fmt, a, col, cb) direct_##fmt(a, col, cb)
+#define CALL_PANEL(fmt, col, G, panel) panel_##fmt(col, G, panel)
+
 /* One column block for all M rows: direct for a few rows, through a dequantized panel for many. */
 void qmm_column_block(const QMatmul *a, int cb, float *panel) {
     int fmt;
     const uint8_t *col = column(a->w, a->fmt, a->G, cb, &fmt);
     if (a->M <= MR || panel == NULL) {
-        EACH_FORMAT(fmt, DIRECT_ROWS, a, col, cb)
+        EACH_FORMAT(fmt, CALL_DIRECT, a, col, cb)
         return;
     }
-    EACH_FORMAT(fmt, DEQUANT_PANEL, col, a->G, panel)
+    EACH_FORMAT(fmt, CALL_PANEL, col, a->G, panel)
     panel_rows(a, panel, cb);
 }
-
 /* Returns 0, or -1 (out of memory) / -2 (bad sizes). */
 int qmm_f32(float *out, const float *x, const uint8_t *w, const float *bias, int M, int N, int K, int ldx, int ldo,
             int fmt, int accumulate, int num_threads) {

@@ -208,6 +208,11 @@ static inline __attribute__((always_inline)) void dequant_group(const uint8_t *c
     }
 }
 
+/* X(fmt) for every format with a fixed layout (not QFMT_MIXED): to define one function per format. */
+#define FOR_EACH_FORMAT(X)                                                                                     \
+    X(QFMT_Q4) X(QFMT_Q40) X(QFMT_Q8) X(QFMT_Q8M) X(QFMT_F16) X(QFMT_BF16) X(QFMT_K4M) X(QFMT_K8M) X(QFMT_K8)  \
+    X(QFMT_Q5) X(QFMT_Q5M) X(QFMT_K5M) X(QFMT_MX4) X(QFMT_K6)
+
 /* Every format's instance of `fn(..., fmt, ...)`: the format is a constant inside, so its branches fold. */
 #define EACH_FORMAT(fmt, fn, ...)                                                                              \
     switch (fmt) {                                                                                             \

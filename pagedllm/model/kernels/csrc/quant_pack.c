@@ -11,23 +11,12 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "quant_matmul.h"
+#include "qtile.h"
 #include "quant_pack.h"
 
-static int kformat(int fmt) {
-    return fmt == QFMT_K4M || fmt == QFMT_K8M || fmt == QFMT_K8 || fmt == QFMT_K5M || fmt == QFMT_K6;
-}
-static int with_min(int fmt) {
-    return fmt == QFMT_Q4 || fmt == QFMT_Q8M || fmt == QFMT_K4M || fmt == QFMT_K8M || fmt == QFMT_Q5M
-        || fmt == QFMT_K5M;
-}
-static int plane_bits(int fmt) { return fmt == QFMT_K6 ? 2 : fmt == QFMT_Q5 || fmt == QFMT_Q5M || fmt == QFMT_K5M; }
-static int nibble(int fmt) {
-    return fmt == QFMT_Q4 || fmt == QFMT_Q40 || fmt == QFMT_K4M || fmt == QFMT_MX4 || plane_bits(fmt);
-}
-static int halves16(int fmt) { return fmt == QFMT_F16 || fmt == QFMT_BF16; }
-static int code_offset(int fmt) { return fmt == QFMT_Q5 ? 16 : fmt == QFMT_K6 ? 32 : fmt == QFMT_Q40 ? 8 : 0; }
-static int sets(int fmt) { return fmt == QFMT_K8M || fmt == QFMT_K8 || fmt == QFMT_K6 ? 2 : 1; } /* s per tile */
+/* The format predicates are qtile.h's, the kernels' own; the codes are stored plus offset(fmt) except MX4's (its
+ * 4-bit codes as they are: the + 12 is the dot route's table, not the tiles'). */
+static int code_offset(int fmt) { return fmt == QFMT_MX4 ? 0 : offset(fmt); }
 
 /* 16 per-row values (column block cb, entry j of `width` per row) side by side; 0 past the last row. */
 static void columns16(uint8_t *out, const uint8_t *a, int esize, int64_t n, int64_t width, int64_t cb, int64_t j) {
@@ -42,9 +31,9 @@ static void columns16(uint8_t *out, const uint8_t *a, int esize, int64_t n, int6
 
 /* The body of tile g of column block cb: the codes of k = 32 g .. 32 g + 31 of its 16 columns. */
 static uint8_t *body(uint8_t *o, const uint8_t *codes, int fmt, int64_t n, int64_t k, int64_t cb, int64_t g) {
-    int es = halves16(fmt) ? 2 : 1;
+    int es = dense16(fmt) ? 2 : 1;
     uint8_t u[16][32]; /* [column][k - 32 g], with the format's offset (unsigned) */
-    if (!nibble(fmt)) { /* k pair r of column c: one 2- (or 4-) byte unit, at unit 16 r + c */
+    if (!nibbles(fmt)) { /* k pair r of column c: one 2- (or 4-) byte unit, at unit 16 r + c */
         for (int c = 0; c < 16; c++) {
             int64_t row = cb * 16 + c;
             const uint8_t *src = codes + (row * k + g * 32) * es;
@@ -81,7 +70,7 @@ static uint8_t *body(uint8_t *o, const uint8_t *codes, int fmt, int64_t n, int64
         for (int b = 0; b < 16; b++)
             o[r * 16 + b] = (u[b / 2][2 * r + b % 2] & 15) | (uint8_t)((u[8 + b / 2][2 * r + b % 2] & 15) << 4);
     o += 256;
-    int bits = plane_bits(fmt);
+    int bits = plane(fmt);
     if (!bits) return o;
     if (bits == 2) { /* K6: per row pair 16 bytes; byte j: nibble byte j's high bits, low nibble then high */
         for (int r = 0; r < 16; r += 2)
@@ -108,22 +97,22 @@ typedef struct {
 } Plain;
 
 static void pack_block(uint8_t *o, const Plain *a, int64_t cb) {
-    int fmt = a->fmt, per = sets(fmt);
+    int fmt = a->fmt, per = halves(fmt);
     int64_t G = a->k / 32, sub = G * per; /* integer scale sets a row (K formats) */
     for (int64_t g = 0; g < G; g++) {
-        if (kformat(fmt)) {
+        if (kfmt(fmt)) {
             if (g % 8 == 0) {
                 columns16(o, a->d, 2, a->n, G / 8, cb, g / 8), o += 32;
-                if (with_min(fmt)) columns16(o, a->m, 2, a->n, G / 8, cb, g / 8), o += 32;
+                if (has_min(fmt)) columns16(o, a->m, 2, a->n, G / 8, cb, g / 8), o += 32;
             }
             for (int p = 0; p < per; p++) columns16(o, a->s, 1, a->n, sub, cb, g * per + p), o += 16;
-            if (with_min(fmt))
+            if (has_min(fmt))
                 for (int p = 0; p < per; p++) columns16(o, a->mi, 1, a->n, sub, cb, g * per + p), o += 16;
         } else if (fmt == QFMT_MX4) {
             columns16(o, a->d, 1, a->n, G, cb, g), o += 16; /* the E8M0 bytes */
-        } else if (!halves16(fmt)) {
+        } else if (!dense16(fmt)) {
             columns16(o, a->d, 2, a->n, G, cb, g), o += 32;
-            if (with_min(fmt)) columns16(o, a->m, 2, a->n, G, cb, g), o += 32;
+            if (has_min(fmt)) columns16(o, a->m, 2, a->n, G, cb, g), o += 32;
         }
         o = body(o, a->codes, fmt, a->n, a->k, cb, g);
     }
@@ -138,7 +127,7 @@ int qpack_tiles(uint8_t *out, const void *codes, const void *d, const void *m, c
     if (n <= 0 || k <= 0 || k % 32 || !codes || !out || fmt < 0 || fmt > QFMT_MX4) return -2;
     int64_t cb_bytes = qcol_bytes(fmt, (int)(k / 32));
     if (cb_bytes <= 0 || cb_bytes != col_bytes) return -2;
-    if ((!halves16(fmt) && !d) || (with_min(fmt) && !m) || (kformat(fmt) && (!s || (with_min(fmt) && !mi))))
+    if ((!dense16(fmt) && !d) || (has_min(fmt) && !m) || (kfmt(fmt) && (!s || (has_min(fmt) && !mi))))
         return -2;
     Plain a = {codes, d, m, s, mi, n, k, fmt};
     int64_t nb = (n + 15) / 16;

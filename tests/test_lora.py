@@ -182,14 +182,25 @@ def test_gguf_adapter_matches_peft(tiny):
 
 
 def test_quantized_base_runs_lora_steps_on_the_torch_path(tiny):
-    """int8 weights: base-only steps take the fused C step (when built), LoRA steps the torch path; each adapter's
-    tokens equal transformers' merged model run over the same rounded base (the LoRA term added to it)."""
+    """int8 weights: base-only steps take the fused C step (where the kernels are built), steps with a LoRA token
+    the torch path; base requests' tokens equal an engine's without LoRA, an adapter's equal its own run alone."""
+    from pagedllm.model.kernels import cpu_kernel
+
     base, loras, _, _, _ = tiny
     q = _lora_engine(base, quantization="int8")
+    fused = q.runner.fused
+    assert (fused is not None) == (cpu_kernel.load() is not None)
+    fused_steps = []
+    if fused is not None:
+        real = fused.run
+        fused.run = lambda *a, **k: fused_steps.append(1) or real(*a, **k)
     got = _run_mixed(q, _jobs(loras))
+    assert not fused_steps, "every step held a LoRA token"
+    again = _run_mixed(q, [(p, None) for p in PROMPTS])
+    assert fused is None or fused_steps, "base-only steps run the fused C step"
     plain = _engine(base, "int8")
     base_only = _run_mixed(plain, [(p, None) for p in PROMPTS])
-    assert got[: len(PROMPTS)] == base_only
+    assert got[: len(PROMPTS)] == base_only == again
     # the adapters' rows: as the same engine computes them alone (no step mixing), and unlike the base
     alone = _run_mixed(_lora_engine(base, quantization="int8"), [(p, loras["all"]) for p in PROMPTS])
     assert got[2 * len(PROMPTS) : 3 * len(PROMPTS)] == alone != base_only

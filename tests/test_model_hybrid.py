@@ -23,6 +23,7 @@ from pagedllm.engine import EngineConfig, LLMEngine
 from pagedllm.engine.memory import state_bytes
 from pagedllm.model import ModelRunner, SeqChunk, load_model
 from pagedllm.model.fused_step import _model_blockers
+from pagedllm.model.params import param_count
 from pagedllm.model.runner import bytes_per_block
 
 TOL = 1e-4  # of the largest logit
@@ -220,13 +221,15 @@ def test_abort_gives_the_slot_back_and_a_new_request_starts_from_zero(models):
 
 
 def test_config_layout_and_what_refuses_them(models, capsys):
-    """Linear layers hold no KV; the state bytes are the layers' conv and recurrent states; the fused C step
+    """Linear layers hold no KV; the parameters count as transformers' (kv-calc's figure); the state bytes are the
+    layers' conv and recurrent states; the fused C step
     names them; kv_blend is refused naming them; kv-calc prints the state bytes per request."""
     from pagedllm.entrypoints.cli import main
     from pagedllm.errors import UserError
 
-    _, loaded, folder = models["qwen3_next"]
+    hf, loaded, folder = models["qwen3_next"]
     cfg = loaded.config
+    assert param_count(cfg)[0] == sum(p.numel() for p in hf.parameters())
     layout = cfg.kv_layout(hybrid=True)
     assert cfg.linear_layers == [0, 1, 2] and layout.num_kv_layers == 1 and layout.recurrent_layers == (0, 1, 2)
     assert cfg.state_bytes_per_request(4) == 3 * (96 * 3 * 4 + 4 * 16 * 8 * 4)

@@ -23,6 +23,7 @@ from pagedllm.engine import EngineConfig, LLMEngine
 from pagedllm.engine.memory import state_bytes
 from pagedllm.model import ModelRunner, SeqChunk, load_model
 from pagedllm.model.fused_step import _model_blockers
+from pagedllm.model.params import param_count
 from pagedllm.model.runner import bytes_per_block
 
 TOL = 1e-4  # of the largest logit
@@ -220,13 +221,15 @@ def test_abort_gives_the_slot_back_and_a_new_request_starts_from_zero(models):
 
 
 def test_config_layout_and_what_refuses_them(models, capsys):
-    """Linear layers hold no KV; the state bytes are the layers' conv and recurrent states; the fused C step
+    """Linear layers hold no KV; the parameters count as transformers' (kv-calc's figure); the state bytes are the
+    layers' conv and recurrent states; the fused C step
     names them; kv_blend is refused naming them; kv-calc prints the state bytes per request."""
     from pagedllm.entrypoints.cli import main
     from pagedllm.errors import UserError
 
-    _, loaded, folder = models["qwen3_next"]
+    hf, loaded, folder = models["qwen3_next"]
     cfg = loaded.config
+    assert param_count(cfg)[0] == sum(p.numel() for p in hf.parameters())
     layout = cfg.kv_layout(hybrid=True)
     assert cfg.linear_layers == [0, 1, 2] and layout.num_kv_layers == 1 and layout.recurrent_layers == (0, 1, 2)
     assert cfg.state_bytes_per_request(4) == 3 * (96 * 3 * 4 + 4 * 16 * 8 * 4)
@@ -251,3 +254,28 @@ def test_a_budget_for_fewer_slots_than_max_num_seqs_runs_that_many_at_once(model
     assert _run(engine, prompts, 8) == [_greedy(hf, p, 8) for p in prompts]
     assert engine.scheduler.peak_running == 2
     _all_back(engine)
+
+
+def test_the_released_multimodal_layout_loads_as_its_text_model(tmp_path):
+    """Qwen3.5's checkpoints are `Qwen3_5ForConditionalGeneration` (a `text_config`, the language model under
+    `model.language_model.`, a vision tower): the text model's logits are transformers' for a text prompt."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4)
+    torch.manual_seed(3)
+    hf = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=dict(_SHAPE), vision_config=vision)).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name and "linear_attn" not in name:
+                p.uniform_(-0.3, 0.3)
+            elif "norm" not in name:
+                p.normal_(0, 0.3)
+    hf.save_pretrained(str(tmp_path), safe_serialization=True)
+    save_tiny_tokenizer(str(tmp_path), 256)
+    loaded = load_model(str(tmp_path), "float32", "cpu")
+    assert loaded.config.family == "qwen3_5" and loaded.config.linear_layers == [0, 1, 2]
+    ids = _tokens(70, 17)
+    with torch.no_grad():
+        want = hf(input_ids=torch.tensor([ids])).logits[0]
+    got = ModelRunner(loaded, 8, 16).execute([SeqChunk(ids, 0, list(range(8)), True)])
+    assert (got - want).abs().max().item() < TOL * want.abs().max().item()

@@ -156,7 +156,8 @@ class LLMEngine:
                 "recurrent state",
                 cfg.name,
             )
-        checkpoints = StateCheckpoints(slots, slots, self.block_size) if config.enable_prefix_caching else None
+        caching = config.enable_prefix_caching and self.kv.enable_caching  # (contiguous allocation caches nothing)
+        checkpoints = StateCheckpoints(slots, slots, self.block_size) if caching else None
         self.kv.attach_state_slots(StateSlotPool(slots, state_bytes(cfg, self.loaded.dtype)), checkpoints)
         if checkpoints is not None:
             logger.info(

@@ -271,6 +271,18 @@ def _hf_window(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
     return {"sliding_window": int(window), "layer_types": None if types is None else [str(t) for t in types]}
 
 
+def _text_only(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal wrapper's config (a `text_config` inside: Qwen3.5's released checkpoints) as its language
+    model's, under the wrapper's architecture and tying; any other config as it is."""
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        return cfg
+    tie = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings"))
+    return {**text, "architectures": cfg.get("architectures") or []} | (
+        {} if tie is None else {"tie_word_embeddings": tie}
+    )
+
+
 def _family_of(cfg: dict[str, Any], where: str) -> tuple[str, Family]:
     archs = cfg.get("architectures") or []
     arch = str(archs[0]) if archs else ""
@@ -294,6 +306,7 @@ def model_name(path: str) -> str:
 
 def config_from_hf_dict(cfg: dict[str, Any], where: str, gen_cfg: dict[str, Any] | None = None) -> ModelConfig:
     """Build a ModelConfig from a transformers config.json dict (and optional generation_config.json)."""
+    cfg = _text_only(cfg)
     arch, fam = _family_of(cfg, where)
     try:
         hidden = int(cfg["hidden_size"])

@@ -34,9 +34,16 @@ def layer_params(cfg: ModelConfig, layer: int) -> tuple[int, int, int]:
     """(all, not counting the experts, one expert's) parameters of layer `layer`."""
     h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     attn = h * (q + 2 * kv) + q * h + (q + 2 * kv if cfg.attention_bias else 0) + (h if cfg.o_proj_bias else 0)
+    attn += h * q if cfg.attn_output_gate else 0  # the gate's rows beside the query's
     norms = h * (2 * cfg.pre_norms + 2 * cfg.post_norms)
     if cfg.qk_norm is not None:
         norms += 2 * cfg.head_dim if cfg.qk_norm == "head" else q + kv
+    if cfg.is_linear_layer(layer):  # a Gated DeltaNet in attention's place: projections, conv, A, dt, norm, out
+        conv, heads = cfg.linear_conv_dim, cfg.linear_num_value_heads
+        value = heads * cfg.linear_value_head_dim
+        attn = h * (conv + value + 2 * heads) + conv * cfg.linear_conv_kernel_dim + 2 * heads
+        attn += cfg.linear_value_head_dim + value * h
+        norms = h * (2 * cfg.pre_norms + 2 * cfg.post_norms)
     if not cfg.is_moe_layer(layer):
         dense = attn + norms + _mlp(h, cfg.intermediate_size)
         return dense, dense, 0

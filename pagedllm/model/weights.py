@@ -327,6 +327,18 @@ def unfused(model: CausalLM, tensors: Iterator[tuple[str, Value]], where: str) -
         yield from _split(rule, m.group(1), name, t, model.config.num_experts, where)
 
 
+def renamed(model: CausalLM, tensors: Iterator[tuple[str, Value]]) -> Iterator[tuple[str, Value]]:
+    """The checkpoint's tensors under the family's names: a renamed prefix replaced, a skipped one left out."""
+    fam = family_of(model)
+    for name, t in tensors:
+        if fam.skipped and name.startswith(fam.skipped):
+            continue
+        for old, new in fam.renamed:
+            if name.startswith(old):
+                name = new + name[len(old) :]
+        yield name, t
+
+
 def _split(rule: Unfuse, prefix: str, name: str, t: torch.Tensor, experts: int, where: str):
     if rule.experts and (t.dim() < 2 or t.shape[0] != experts):
         raise ModelLoadError(
@@ -369,7 +381,7 @@ def assign_weights(model: CausalLM, tensors: Iterator[tuple[str, Value]], where:
     filled: set[str] = set()
     extra: list[str] = []
     pieces: dict[int, dict[int, tuple[QuantParts, Slot]]] = {}
-    for name, t in unfused(model, tensors, where):
+    for name, t in unfused(model, renamed(model, tensors), where):
         slot = table.get(name)
         if slot is None:
             extra += [] if _unused(name) else [name]

@@ -76,6 +76,10 @@ class Family:
     gguf_permute_qk: bool = False  # llama.cpp's converter permuted Q/K rows for its interleaved RoPE
     moe: bool = False  # sparse layers (families/moe.py); picks Mixtral over Llama for a GGUF "llama" with experts
     unfuse: tuple[Unfuse, ...] = ()  # checkpoint tensors that hold several of the table's (3-D experts, renames)
+    # HF checkpoint name prefixes read as another (a multimodal wrapper's language model: "model.language_model."
+    # as "model."), and those of tensors the text model does not use (its vision tower, multi-token prediction)
+    renamed: tuple[tuple[str, str], ...] = ()
+    skipped: tuple[str, ...] = ()
 
 
 def every_nth(num_layers: int, n: int, hit: str, other: str) -> list[str]:

@@ -2,7 +2,9 @@
 (layers/deltanet.py; `layer_types` "linear_attention", three of every four by default) and full-attention layers
 whose output is gated by sigmoid(gate) (each head's gate rows beside its query rows in q_proj), q/k norms per head,
 partial rotary (a quarter of each head by default; the multimodal RoPE sections coincide for text, so plain RoPE),
-every RMSNorm but the DeltaNet's gated one as (1 + w). The dense MLP is Llama's."""
+every RMSNorm but the DeltaNet's gated one as (1 + w). The dense MLP is Llama's. The released checkpoints are the
+multimodal `Qwen3_5ForConditionalGeneration`: its `text_config` and language model's tensors are read (config.py,
+`renamed`), its vision tower and multi-token-prediction head skipped."""
 
 from __future__ import annotations
 
@@ -55,9 +57,11 @@ def hybrid_fields(cfg: dict[str, Any]) -> dict[str, Any]:
 
 QWEN3_5 = Family(
     "qwen3_5",
-    ("Qwen3_5ForCausalLM",),
-    ("qwen3_5_text",),
+    ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),  # the latter: the released checkpoints, text only
+    ("qwen3_5_text", "qwen3_5"),
     ("qwen35",),
     hf_fields=hybrid_fields,
     layer_tensors=LLAMA_LAYER | DELTANET_LAYER | QWEN3_5_PROJ,
+    renamed=(("model.language_model.", "model."),),
+    skipped=("model.visual.", "mtp."),
 )

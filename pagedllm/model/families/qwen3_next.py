@@ -40,4 +40,5 @@ QWEN3_NEXT = Family(
     },
     moe=True,
     unfuse=fused_experts("mlp"),
+    skipped=("mtp.",),  # the multi-token-prediction head
 )

@@ -76,6 +76,7 @@ class Family:
     gguf_permute_qk: bool = False  # llama.cpp's converter permuted Q/K rows for its interleaved RoPE
     moe: bool = False  # sparse layers (families/moe.py); picks Mixtral over Llama for a GGUF "llama" with experts
     unfuse: tuple[Unfuse, ...] = ()  # checkpoint tensors that hold several of the table's (3-D experts, renames)
+    final_norm: str = "norm"  # the final norm's name under "model." (LFM2: embedding_norm)
 
 
 def every_nth(num_layers: int, n: int, hit: str, other: str) -> list[str]:

@@ -137,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"{i:>7} {r.tokens:>7,} {r.blocks:>7,} {r.slots:>7,} {r.empty:>7,}")
     if args.model is not None:
         _report_model(args.model, _kv_dtype(args), block_size, max_len, used, budget)
+        _report_states(args.model, args.dtype)
     if args.plot:
         from pagedllm.bench.block_map_plot import plot_kv_calc
 
@@ -153,6 +154,24 @@ def _kv_dtype(args: argparse.Namespace) -> str:
 
     dtype = resolve_dtype(args.dtype, load_model_config(None if args.model == "default" else args.model))
     return kv_cache_dtype("auto", dtype)[0]
+
+
+def _report_states(model: str, dtype: str) -> None:
+    """A hybrid model's recurrent-state slot: what each request holds beside its blocks, whatever its length
+    (conv rows in the model's --dtype, SSM / delta-rule states in float32), reserved for --max-num-seqs requests
+    out of the KV budget."""
+    from pagedllm.model import load_model_config, resolve_dtype
+
+    cfg = load_model_config(None if model == "default" else model)
+    if not cfg.linear_layers:
+        return
+    torch_dtype = resolve_dtype(dtype, cfg)
+    per = cfg.state_bytes_per_request(torch_dtype.itemsize)
+    print(
+        f"recurrent state per request: {per:,} bytes ({len(cfg.linear_layers)} {cfg.recurrent_mixer} layers, "
+        f"conv state in {str(torch_dtype).removeprefix('torch.')}): one slot per running request, reserved for "
+        "--max-num-seqs requests out of the KV budget"
+    )
 
 
 def _report_groups(cfg, dtype: str, block_size: int, max_len: int) -> None:

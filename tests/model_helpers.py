@@ -3,6 +3,9 @@ word-level tokenizer so that load_model reads them as it reads a real folder."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import torch
 
 from devkit.tiny_tokenizer import save_tiny_tokenizer
@@ -65,3 +68,45 @@ def all_logits(runner, chunks):
 
     out = runner.execute([replace(c, all_logits=True) for c in chunks])
     return list(out.split([len(c.token_ids) for c in chunks]))
+
+
+def fused_and_torch(loaded, ids: list[int], split: int, steps: int) -> dict[bool, tuple[torch.Tensor, list[int]]]:
+    """Per path (the fused C step or the torch path): the logits of `ids` prefilled in two chunks over shuffled
+    blocks, then of `steps` greedy decode tokens each path picks itself, and those tokens."""
+    import random
+
+    from pagedllm.model import ModelRunner, SeqChunk
+
+    out = {}
+    for fused in (True, False):
+        runner = ModelRunner(loaded, num_blocks=16, block_size=8, fused=fused)
+        assert (runner.fused is not None) == fused
+        table = random.Random(4).sample(range(16), 16)
+        rows = [all_logits(runner, [SeqChunk(ids[:split], 0, table)])[0]]
+        rows.append(all_logits(runner, [SeqChunk(ids[split:], split, table)])[0])
+        tokens: list[int] = []
+        for _ in range(steps):
+            tokens.append(int(rows[-1][-1].argmax()))
+            rows.append(runner.execute([SeqChunk(tokens[-1:], len(ids) + len(tokens) - 1, table)]))
+        out[fused] = (torch.cat(rows), tokens)
+    return out
+
+
+@contextlib.contextmanager
+def cpu_target(name: str):
+    """The kernels of one CPU class (PAGEDLLM_CPU_TARGET, as tests/test_cpu_targets.py forces it) while the block
+    runs: what cpu_kernel.load() gives the model's runners built inside it."""
+    from pagedllm.model.kernels import cpu_kernel
+
+    before = os.environ.get("PAGEDLLM_CPU_TARGET")
+    os.environ["PAGEDLLM_CPU_TARGET"] = name
+    cpu_kernel.load.cache_clear()
+    try:
+        assert cpu_kernel.load() is not None, f"the {name} build failed (see the warning logged)"
+        yield
+    finally:
+        if before is None:
+            del os.environ["PAGEDLLM_CPU_TARGET"]
+        else:
+            os.environ["PAGEDLLM_CPU_TARGET"] = before
+        cpu_kernel.load.cache_clear()

@@ -70,3 +70,37 @@ def test_a_cgroup_limit_below_the_machine_counts(tmp_path):
     assert available_memory(str(tmp_path)) == 2 * 2**20
     (tmp_path / "memory.max").write_text("max\n")
     assert available_memory(str(tmp_path)) > 2 * 2**20  # the machine's MemAvailable
+
+
+def test_a_file_larger_than_the_free_memory_is_refused_by_size_before_loading(monkeypatch):
+    """The check runs before the loader: both sizes named, nothing loaded."""
+    import pagedllm.engine.llm_engine as llm_engine
+    from pagedllm.model.config import resolve_model_path
+
+    size = memory.weights_file_bytes(resolve_model_path(None))
+    monkeypatch.setattr(memory, "available_memory", lambda: size // 2)
+    monkeypatch.setattr(llm_engine, "load_model", lambda *a, **k: pytest.fail("loaded a file that does not fit"))
+    with pytest.raises(UserError, match=rf"{size / GiB:.2f} GiB as stored, more than the {size // 2 / GiB:.2f} GiB"):
+        LLMEngine(EngineConfig(log_stats_interval=0))
+
+
+def test_a_file_that_fits_loads_and_its_cache_takes_a_share_of_what_is_left(model_fp32, monkeypatch):
+    """A file a little smaller than the free memory starts (a 17 GB file on a 24 GiB machine): the loader runs,
+    and the KV cache is sized from the memory free after it (faked here: what was free less the file)."""
+    import pagedllm.engine.llm_engine as llm_engine
+    from pagedllm.model.config import resolve_model_path
+
+    size = memory.weights_file_bytes(resolve_model_path(None))
+    free = [size + 64 * 2**20]
+    loads = []
+
+    def load(*a, **k):
+        loads.append(a)
+        free[0] -= size
+        return model_fp32
+
+    monkeypatch.setattr(memory, "available_memory", lambda: free[0])
+    monkeypatch.setattr(llm_engine, "load_model", load)
+    engine = LLMEngine(EngineConfig(log_stats_interval=0, max_model_len=1024))
+    assert len(loads) == 1
+    assert engine.kv.num_blocks == int(CPU_KV_SHARE * 64 * 2**20) // engine.runner.bytes_per_block

@@ -16,7 +16,7 @@ import random
 
 import pytest
 import torch
-from model_helpers import all_logits
+from model_helpers import all_logits, fused_and_torch
 
 import pagedllm.model.tokenizer as tokenizer_module
 from devkit.family_helpers import CHAT_TEMPLATE, FAMILIES, ORIG_CTX, SPECS, make_family, write_gguf
@@ -154,24 +154,6 @@ def test_the_dot_route_is_within_its_bound_of_the_exact_path(ckpt, fmt):
     assert torch.equal(torch.cat(halves), got[:40])
 
 
-def _fused_and_torch(loaded, ids: list[int], split: int, steps: int) -> dict[bool, tuple[torch.Tensor, list[int]]]:
-    """Per path (fused or not): the logits of `ids` prefilled in two chunks, then of `steps` greedy decode tokens
-    each path picks itself, and those tokens."""
-    out = {}
-    for fused in (True, False):
-        runner = ModelRunner(loaded, num_blocks=16, block_size=8, fused=fused)
-        assert (runner.fused is not None) == fused
-        table = random.Random(4).sample(range(16), 16)
-        rows = [all_logits(runner, [SeqChunk(ids[:split], 0, table)])[0]]
-        rows.append(all_logits(runner, [SeqChunk(ids[split:], split, table)])[0])
-        tokens: list[int] = []
-        for _ in range(steps):
-            tokens.append(int(rows[-1][-1].argmax()))
-            rows.append(runner.execute([SeqChunk(tokens[-1:], len(ids) + len(tokens) - 1, table)]))
-        out[fused] = (torch.cat(rows), tokens)
-    return out
-
-
 @pytest.mark.parametrize("fmt", QUANTIZED)
 @pytest.mark.parametrize("activations", ["none", "int16"])
 def test_the_fused_step_computes_what_the_torch_path_does(ckpt, fmt, activations):
@@ -185,7 +167,7 @@ def test_the_fused_step_computes_what_the_torch_path_does(ckpt, fmt, activations
         else load_model(path, dtype="float32", verbose=False, quantized_activations=activations)
     )
     ids = _tokens(ORIG_CTX + 6, 9)  # past the original context of the scaled RoPE types
-    got = _fused_and_torch(loaded, ids, 29, 8)
+    got = fused_and_torch(loaded, ids, 29, 8)
     (fused, fused_tokens), (want, want_tokens) = got[True], got[False]
     assert fused_tokens == want_tokens, f"{ckpt.family} {fmt} {activations}"
     err = (fused - want).abs().max().item() / want.abs().max().item()
@@ -215,7 +197,7 @@ def test_the_fused_step_takes_any_head_size_and_an_output_bias(tmp_path, head_di
         str(tmp_path), dtype="float32", quantization="int8", verbose=False, quantized_activations="none"
     )
     assert loaded.config.o_proj_bias and loaded.model.layers[0].o.bias is not None
-    got = _fused_and_torch(loaded, _tokens(40, 10), 23, 8)
+    got = fused_and_torch(loaded, _tokens(40, 10), 23, 8)
     assert got[True][1] == got[False][1]
     want = got[False][0]
     assert (got[True][0] - want).abs().max().item() / want.abs().max().item() < TOL

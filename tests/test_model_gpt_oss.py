@@ -18,15 +18,18 @@ import random
 import numpy as np
 import pytest
 import torch
-from model_helpers import all_logits
+from model_helpers import all_logits, cpu_target, fused_and_torch
 
 from devkit.family_helpers import _decode, _encode, _metadata, _randomize, _tokenizer_metadata, save_tokenizer
 from pagedllm import SamplingParams
 from pagedllm.engine import EngineConfig, LLMEngine
 from pagedllm.kv import kv_bytes_per_token
 from pagedllm.model import ModelRunner, SeqChunk, load_model, load_model_config
+from pagedllm.model.kernels import cpu_kernel
 
 TOL = 1e-4  # of the largest logit
+DOT_TOL = 2e-3  # the dot route's bound against the exact path (test_model_families.py's)
+TARGETS = [t for t in ("native", "x86-64-v3") if t in cpu_kernel.runnable_targets()]
 WINDOW = 8
 CONFIG = dict(
     vocab_size=256,
@@ -158,6 +161,12 @@ def write_gguf(folder: str, fmt: str, path: str) -> dict[str, torch.Tensor]:
     return _reference(pieces)
 
 
+def _kept(fmt: str) -> str | None:
+    """A quantized file's weights kept as stored whatever the kernel choice measured (--quantization auto follows
+    a timing, and a test never rests on the machine's speed)."""
+    return "gguf" if fmt in ("q8_0", "mxfp4") else None
+
+
 class Checkpoints:
     """The HF folder and, made on first use, its GGUF files, each with its reference and pagedllm model."""
 
@@ -183,7 +192,7 @@ class Checkpoints:
     def loaded(self, fmt: str):
         if fmt not in self._loaded:
             self._loaded[fmt] = load_model(
-                self.get(fmt)[0], dtype="float32", verbose=False, quantized_activations="none"
+                self.get(fmt)[0], dtype="float32", verbose=False, quantization=_kept(fmt), quantized_activations="none"
             )
         return self._loaded[fmt]
 
@@ -235,6 +244,28 @@ def test_logits_match_transformers(ckpt, fmt):
     got = torch.cat([first, rest, last])
     err = (got - want).abs().max().item() / want.abs().max().item()
     assert err < TOL, f"{fmt}: {err:.2e}"
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("fmt", ["q8_0", "mxfp4"])
+@pytest.mark.parametrize("activations", ["none", "int16"])
+def test_the_fused_step_computes_what_the_torch_path_does(ckpt, fmt, activations, target):
+    """gpt-oss's layer in the one C call (sinks in prefill tiles and decode, the window on every other layer,
+    YaRN, q/k/v/o biases, the router's bias and top-k softmax, expert biases and the clamped SwiGLU) against
+    the torch path on the same quantized weights, on this CPU's build and the AVX2 one: the same greedy tokens
+    past the window, logits within the bound of each."""
+    path, _ = ckpt.get(fmt)
+    loaded = (
+        ckpt.loaded(fmt)
+        if activations == "none"
+        else load_model(path, dtype="float32", verbose=False, quantization="gguf", quantized_activations=activations)
+    )
+    with cpu_target(target):
+        got = fused_and_torch(loaded, _tokens(60, 9), 29, 8)
+    (fused, fused_tokens), (want, want_tokens) = got[True], got[False]
+    assert fused_tokens == want_tokens, f"{fmt} {activations} {target}"
+    err = (fused - want).abs().max().item() / want.abs().max().item()
+    assert err < (TOL if activations == "none" else DOT_TOL), f"{fmt} {activations} {target}: {err:.2e}"
 
 
 def _engine_greedy(loaded, prompts: list[list[int]]) -> list[list[int]]:

@@ -13,7 +13,7 @@ import random
 
 import pytest
 import torch
-from model_helpers import all_logits
+from model_helpers import all_logits, cpu_target, fused_and_torch
 from moe_helpers import FAMILIES, make_moe, save_fused, write_gguf
 
 import pagedllm.model.tokenizer as tokenizer_module
@@ -22,9 +22,12 @@ from pagedllm.engine import EngineConfig, LLMEngine
 from pagedllm.errors import ModelLoadError
 from pagedllm.kv import kv_bytes_per_token
 from pagedllm.model import ModelRunner, SeqChunk, load_model, load_model_config
+from pagedllm.model.kernels import cpu_kernel
 
 FORMATS = ["hf", "hf3d", "f32", "q8_0", "q4_0"]
 TOL = 1e-4  # of the largest logit
+DOT_TOL = 2e-3  # the dot route's bound against the exact path (test_model_families.py's)
+TARGETS = [t for t in ("native", "x86-64-v3") if t in cpu_kernel.runnable_targets()]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -45,6 +48,12 @@ def private_tokenizer_cache(tmp_path_factory):
             lambda path, kind: str(root / hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:12]),
         )
         yield
+
+
+def _kept(fmt: str) -> str | None:
+    """A quantized file's weights kept as stored whatever the kernel choice measured (--quantization auto follows
+    a timing, and a test never rests on the machine's speed)."""
+    return "gguf" if fmt in ("q8_0", "q4_0") else None
 
 
 class Checkpoints:
@@ -72,7 +81,7 @@ class Checkpoints:
     def loaded(self, fmt: str):
         if fmt not in self._loaded:
             self._loaded[fmt] = load_model(
-                self.get(fmt)[0], dtype="float32", verbose=False, quantized_activations="none"
+                self.get(fmt)[0], dtype="float32", verbose=False, quantization=_kept(fmt), quantized_activations="none"
             )
         return self._loaded[fmt]
 
@@ -120,6 +129,43 @@ def test_logits_match_transformers(ckpt, fmt):
     assert all((e.gate_up.quant is not None) == fmt.startswith("q") for e in experts)
     blocks = [layer.moe for layer in loaded.model.decoder_layers if layer.moe]
     assert all((b.kernel is not None) == fmt.startswith("q") for b in blocks)  # quantized: csrc/moe.c ran them
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("activations", ["none", "int16"])
+def test_the_fused_step_computes_what_the_torch_path_does(ckpt, fmt, activations, target):
+    """The sparse block in the one C call (its router, the routed experts through moe.c's phases, the shared
+    expert and its gate, dense layers among sparse ones) against the torch path on the same quantized weights,
+    float32 activations and the dot route's alike, on this CPU's build and the AVX2 one: the same greedy
+    tokens, logits within the bound of each; the fused step counts the expert load as the torch path does."""
+    path, _ = ckpt.get(fmt)
+    loaded = (
+        ckpt.loaded(fmt)
+        if activations == "none"
+        else load_model(path, dtype="float32", verbose=False, quantization="gguf", quantized_activations=activations)
+    )
+    ids = _tokens(60, 9)
+    with cpu_target(target):
+        got = fused_and_torch(loaded, ids, 29, 8)
+        counted = {fused: _expert_load_of_a_step(loaded, ids, fused) for fused in (True, False)}
+    (fused, fused_tokens), (want, want_tokens) = got[True], got[False]
+    assert fused_tokens == want_tokens, f"{ckpt.family} {fmt} {activations} {target}"
+    err = (fused - want).abs().max().item() / want.abs().max().item()
+    assert err < (TOL if activations == "none" else DOT_TOL), f"{ckpt.family} {fmt} {activations}: {err:.2e}"
+    (tokens, reads), (want_load, want_reads) = counted[True], counted[False]
+    assert torch.equal(tokens, want_load) and reads == want_reads > 0
+    assert (tokens.sum(1) == len(ids) * loaded.config.num_experts_per_tok).all()
+
+
+def _expert_load_of_a_step(loaded, ids: list[int], fused: bool) -> tuple[torch.Tensor, int]:
+    """What one prefill step of `ids` adds to the model's expert counters: tokens per expert, experts read."""
+    runner = ModelRunner(loaded, num_blocks=16, block_size=8, fused=fused)
+    assert (runner.fused is not None) == fused
+    load = loaded.model.expert_load
+    tokens, reads = load.tokens.clone(), load.reads[0]
+    runner.execute([SeqChunk(ids, 0, list(range(16)))])
+    return load.tokens - tokens, load.reads[0] - reads
 
 
 def _hf_greedy_agrees(model: torch.nn.Module, prompt: list[int], generated: list[int]) -> bool:

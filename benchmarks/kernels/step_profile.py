@@ -34,7 +34,7 @@ from pagedllm import SamplingParams
 from pagedllm.engine import EngineConfig, LLMEngine
 from pagedllm.model.fused_step import PHASES
 
-MATMULS = ("qkv", "o", "gate_up", "down", "lm_head")
+MATMULS = ("qkv", "o", "gate_up", "down", "lm_head", "experts")  # experts: a sparse layer's routed ones
 
 
 def run(a) -> dict[str, float]:
@@ -69,6 +69,8 @@ def run(a) -> dict[str, float]:
     runner.execute = timed
     if runner.fused is not None:
         runner.fused.profile = np.zeros(len(PHASES))
+    load = runner.model.expert_load
+    reads = load.reads[0]
     t = time.perf_counter()
     for _ in range(a.steps):
         engine.step()
@@ -77,8 +79,19 @@ def run(a) -> dict[str, float]:
     if runner.fused is not None:
         out.update(dict(zip(PHASES, runner.fused.profile.tolist())))
     ms = {k: 1e3 * v / a.steps for k, v in out.items()}
-    ms["weight_bytes"] = sum(w.nbytes for w in runner.model.quant_weights()) if runner.fused is not None else 0
+    ms.update(_bytes_read(runner.model, (load.reads[0] - reads) / a.steps) if runner.fused is not None else {})
     return ms
+
+
+def _bytes_read(model, expert_reads: float) -> dict[str, float]:
+    """What a step's matmuls read: every quantized weight but the experts, and of a sparse layer's experts the
+    ones it routed to (`expert_reads` per step, the engine's counter: each active expert's weights once)."""
+    kernels = [layer.moe.kernel for layer in model.decoder_layers if layer.moe is not None and layer.moe.kernel]
+    experts = {id(w) for k in kernels for w in (*k.gate_up, *k.down)}
+    dense = sum(w.nbytes for w in model.quant_weights() if id(w) not in experts)
+    per_expert = sum(k.nbytes for k in kernels) / max(1, sum(len(k.gate_up) for k in kernels))
+    every = sum(len(k.gate_up) for k in kernels)
+    return {"weight_bytes": dense + expert_reads * per_expert, "expert_reads": expert_reads, "experts_total": every}
 
 
 def main() -> int:
@@ -117,6 +130,8 @@ def main() -> int:
         f"matmuls {matmul:.3f} ms + attention {ms['attention']:.3f} ms = {(matmul + ms['attention']) / step:.1%}; "
         f"everything else {rest:.3f} ms = {rest / step:.1%} of the step (target <= 20%)"
     )
+    if ms["experts_total"]:
+        print(f"experts read per step: {ms['expert_reads']:.1f} of {ms['experts_total']:.0f} (routed, all layers)")
     gbs, bw = ms["weight_bytes"] / matmul / 1e6, read_bandwidth_gbs()
     print(
         f"matmuls read {ms['weight_bytes'] / 2**20:.1f} MiB of weights in {matmul:.3f} ms: {gbs:.1f} GB/s = "

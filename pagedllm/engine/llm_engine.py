@@ -19,7 +19,14 @@ from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.disk_tier import kernel_facts, open_disk_tier
 from pagedllm.engine.fault_isolation import Computed, Scheduled, forward_guarded, sample_guarded
 from pagedllm.engine.input_checks import bad_words_token_ids, check_params, encode_prompt
-from pagedllm.engine.memory import kv_blocks_and_state_slots, kv_layout, log_kv_cache, resolve_device, state_bytes
+from pagedllm.engine.memory import (
+    check_weights_fit,
+    kv_blocks_and_state_slots,
+    kv_layout,
+    log_kv_cache,
+    resolve_device,
+    state_bytes,
+)
 from pagedllm.engine.outputs import RequestMetrics, RequestOutput
 from pagedllm.engine.pooling import PoolingState
 from pagedllm.engine.request import Request
@@ -76,6 +83,8 @@ class LLMEngine:
         """`loaded` reuses weights already in memory (several engines side by side in a benchmark or test)."""
         self.config = config = config or EngineConfig()
         device = resolve_device(config.device) if loaded is None else loaded.device
+        if loaded is None and device.type == "cpu":
+            check_weights_fit(config.model)
         self.loaded = loaded or load_model(
             config.model, config.dtype, device, True, config.quantization, None, config.quantized_activations
         )

@@ -1,7 +1,8 @@
 """Measuring what the KV cache can have at start-up, and asking kv/sizing how many blocks that is: which budget
 applies (`--kv-cache-memory`, the CPU default from the memory free after the weights, or a share of the device's
 memory after a warm-up step of the largest batch). What a block costs, the CPU default's rule and the blocks a
-budget holds are kv/sizing's; this module only measures the device."""
+budget holds are kv/sizing's; this module only measures the device. Before loading, a CPU checkpoint larger than
+the free memory is refused with both sizes (`check_weights_fit`)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from pagedllm.errors import UserError
 from pagedllm.kv.kv_spec import KVCacheLayout
 from pagedllm.kv.manager import cdiv
 from pagedllm.kv.sizing import KV_DTYPE_ROWS, KV_DTYPES, blocks_for_budget, cpu_kv_budget, kv_dtype_bytes_per_token
-from pagedllm.model.config import ModelConfig
+from pagedllm.model.config import ModelConfig, resolve_model_path
 from pagedllm.model.kernels.kv_quant import kv_cache_dtype
 from pagedllm.model.loader import LoadedModel
 from pagedllm.model.runner import ModelRunner, SeqChunk, bytes_per_block
@@ -42,6 +43,29 @@ def available_memory(cgroup: str = CGROUP) -> int:
     except (OSError, ValueError):
         pass
     return max(0, free)
+
+
+def weights_file_bytes(path: str) -> int:
+    """The bytes of a checkpoint's weight files: the GGUF file, or a folder's *.safetensors. The least its weights
+    hold in memory once loaded (each kept as stored: a GGUF's experts are never expanded)."""
+    if os.path.isdir(path):
+        return sum(e.stat().st_size for e in os.scandir(path) if e.name.endswith(".safetensors") and e.is_file())
+    return os.path.getsize(path)
+
+
+def check_weights_fit(model: str | None, available: Callable[[], int] | None = None) -> None:
+    """Before anything is loaded or allocated: a checkpoint whose weight files alone are larger than the memory
+    the process can take is a UserError naming both sizes. Why: the loader would copy the weights in for
+    minutes and then end in the OOM killer or in swap, with no word on why. `available`: the free memory now
+    (`available_memory` unless given)."""
+    path = resolve_model_path(model)
+    need, free = weights_file_bytes(path), (available or available_memory)()
+    if need > free:
+        raise UserError(
+            f"--model {path}: its weights take {need / 2**30:.2f} GiB as stored, more than the "
+            f"{free / 2**30:.2f} GiB of memory this process can take now (MemAvailable, or its cgroup's limit), "
+            "and the KV cache needs more beyond them; free memory or pick a smaller file (fewer bits per weight)"
+        )
 
 
 def resolve_device(device: str) -> torch.device:

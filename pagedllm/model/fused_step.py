@@ -30,13 +30,14 @@ from pagedllm.model.layers.attention import StepIndex, group_step_index
 from pagedllm.model.layers.common import RMSNorm
 from pagedllm.model.layers.decoder import CausalLM, DecoderLayer
 from pagedllm.model.layers.linear import Linear
+from pagedllm.model.layers.moe import SparseMoE
 
 # the C structures (csrc/model_step.h), read from the header itself; cpu_kernel.load() checks their sizes
 _STRUCTS = cpu_kernel.c_structs("model_step.h")
 _Layer, _Model, _Batch = _STRUCTS["StepLayer"], _STRUCTS["StepModel"], _STRUCTS["StepBatch"]
 
 
-PHASES = ("norm", "qkv", "rope+kv write", "attention", "o", "gate_up", "act", "down", "lm_head")
+PHASES = ("norm", "qkv", "rope+kv write", "attention", "o", "gate_up", "act", "down", "lm_head", "router", "experts")
 
 
 ERRORS = {
@@ -50,6 +51,7 @@ ERRORS = {
 
 ROPES = {"none": 0, "global": 1, "local": 2}  # DecoderLayer.rope -> StepLayer.rope (ROPE_NONE ...)
 ACTS = {"silu": 0, "gelu_pytorch_tanh": 1}  # ModelConfig.hidden_act -> StepModel.act (ACT_SILU ...)
+ROUTERS = {"softmax_topk": 0, "topk_softmax": 1}  # ModelConfig.moe_router -> StepModel.router (ROUTE_*)
 
 
 def _model_blockers(cfg: ModelConfig) -> list[str]:
@@ -57,12 +59,26 @@ def _model_blockers(cfg: ModelConfig) -> list[str]:
     checks = [
         (cfg.hidden_act not in ACTS, f"activation {cfg.hidden_act}"),
         (cfg.rotary_dim % 2 != 0, "an odd rotary width"),
-        (cfg.num_experts > 0, "a sparse MoE block"),
-        (cfg.attention_sinks, "attention sinks"),
+        (cfg.num_experts > 0 and cfg.moe_router not in ROUTERS, f"MoE router {cfg.moe_router}"),
         (bool(cfg.linear_layers), "linear-attention layers"),
         (cfg.attn_output_gate, "an attention output gate"),
     ]
     return [why for hit, why in checks if hit]
+
+
+def _moe_blocker(model: CausalLM) -> str | None:
+    """Why the C step cannot run a model's sparse blocks (None: it can): it runs the routed experts as moe.c
+    does (every expert quantized, one format), and reads the router's and the shared gate's float weights."""
+    for layer in model.decoder_layers:
+        moe = layer.moe
+        if moe is None:
+            continue
+        if moe.experts_kernel() is None:
+            return "experts the MoE kernel does not run"
+        gates = [lin for lin in (moe.router, moe.shared_gate) if lin is not None]
+        if any(lin.quant is not None or lin.weight.numel() == 0 for lin in gates):
+            return "a quantized router"
+    return None
 
 
 def unfused_reason(model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> str | None:
@@ -70,11 +86,13 @@ def unfused_reason(model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Te
     weight quantized, CPU caches it reads, and a model it computes (see _model_blockers)."""
     if cpu_kernel.load() is None:
         return "the C kernels are not built"
-    if model.embed.quant is None or any(lin.quant is None for lin in model.linears()):
+    if model.embed.quant is None or any(lin.quant is None for lin in model.linears() if not lin.keep_dense):
         return "not every weight is quantized"
     if any(kc.device.type != "cpu" or kc.dtype not in kv_quant.KINDS or not kc.is_contiguous() for kc, _ in kv_caches):
         return "a KV cache the C step does not read"
     blockers = _model_blockers(model.config)
+    if not blockers and (why := _moe_blocker(model)) is not None:
+        blockers = [why]
     return None if not blockers else f"{model.config.family} uses " + ", ".join(blockers)
 
 
@@ -111,6 +129,7 @@ class FusedStep:
         groups = list(layer_group) if layer_group is not None else [0] * len(model.layers)
         self.num_groups = max(groups) + 1
         self._keep: list[torch.Tensor] = []  # float32 copies the C structures point into
+        self._reads = torch.zeros(1, dtype=torch.int64)  # experts read by a step (StepModel.expert_reads)
         self.layers = (_Layer * len(model.layers))(
             *[
                 self._layer(layer, kc, vc, g)
@@ -154,11 +173,33 @@ class FusedStep:
             "k_cache": k_cache.data_ptr(),
             "v_cache": v_cache.data_ptr(),
             "group": group,
+            "sinks": self._f32(spec.sinks),
         }
-        for name, lin in (("qkv", layer.qkv), ("o", layer.o), ("gate_up", layer.mlp.gate_up), ("down", layer.mlp.down)):
+        moe = layer.moe
+        mlp = [("gate_up", layer.mlp.gate_up), ("down", layer.mlp.down)] if moe is None else []
+        if moe is not None:
+            fields |= self._sparse(moe)
+            if moe.shared is not None:
+                mlp = [("shared_gate_up", moe.shared.gate_up), ("shared_down", moe.shared.down)]
+        for name, lin in (("qkv", layer.qkv), ("o", layer.o), *mlp):
             w = _quant(lin)
             fields[name], fields[f"{name}_fmt"] = w.tiles.data_ptr(), FORMATS[w.fmt]
         return _Layer(**fields)
+
+    def _sparse(self, moe: SparseMoE) -> dict[str, float | int | None]:
+        """A sparse layer's fields: the routed experts as moe_kernel.py built them for the torch path (the same
+        structure, so both paths run the same kernel on the same tiles), the router's float32 weight and bias,
+        the shared expert's gate, and the layer's row of the model's expert counters."""
+        kernel = moe.experts_kernel()
+        assert kernel is not None and kernel.load is not None, "fusable() checked the experts run on moe.c"
+        kernel.sync_dot()
+        return {
+            "moe": ctypes.addressof(kernel.layer),
+            "router": self._f32(moe.router.weight),
+            "router_bias": self._f32(moe.router.bias),
+            "expert_load": kernel.load.data_ptr(),
+            "shared_gate": self._f32(None if moe.shared_gate is None else moe.shared_gate.weight.reshape(-1)),
+        }
 
     def _model(self, k_cache: torch.Tensor) -> Any:
         m, cfg = self.model, self.model.config
@@ -190,6 +231,13 @@ class FusedStep:
             lm_head=head.tiles.data_ptr(),
             embed_fmt=FORMATS[embed.fmt],
             lm_head_fmt=FORMATS[head.fmt],
+            experts=cfg.num_experts,
+            topk=cfg.num_experts_per_tok,
+            moe_ffn=cfg.moe_intermediate_size,
+            shared_inter=cfg.shared_expert_intermediate_size,
+            router=ROUTERS.get(cfg.moe_router, 0),
+            norm_topk=int(cfg.norm_topk_prob),
+            expert_reads=self._reads.data_ptr(),
         )
 
     def _rotary(self, max_pos: int) -> None:
@@ -249,6 +297,8 @@ class FusedStep:
             None if self.profile is None else self.profile.ctypes.data,
         )
         rc = self.lib.model_step(ctypes.byref(self.dims), self.layers, ctypes.byref(batch), torch.get_num_threads())
+        self.model.expert_load.reads[0] += int(self._reads[0])
+        self._reads.zero_()
         if rc != 0:
             raise RuntimeError(f"model_step failed: {ERRORS.get(rc, rc)}")
         return logits

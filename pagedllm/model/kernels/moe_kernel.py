@@ -84,6 +84,15 @@ class MoeExperts:
         )
 
     @property
+    def layer(self) -> ctypes.Structure:
+        """The MoeLayer structure (moe.h) the kernel runs; the fused C step points its sparse layers at it."""
+        return self._layer
+
+    def sync_dot(self) -> None:
+        """The dot route when the experts' weights take it (QuantWeight.dot, set by the loader after packing)."""
+        self._layer.dot = int(self.gate_up[0].dot)
+
+    @property
     def hidden(self) -> int:
         return self.down[0].n
 
@@ -110,7 +119,7 @@ class MoeExperts:
             return y if out is not None else y.to(x.dtype)
         xf = x.float().contiguous()
         ids, w = topk_ids.to(torch.int64).contiguous(), topk_weights.float().contiguous()
-        self._layer.dot = int(self.gate_up[0].dot)
+        self.sync_dot()
         assert self.load is not None  # __post_init__ made it
         rc = lib.moe_experts(
             y.data_ptr(),

@@ -86,7 +86,7 @@ class DecoderLayer(nn.Module):
         if attn:
             self.qkv = Linear(self.q_rows + 2 * self.kv_size, hidden, cfg.attention_bias, dtype, device)
             self.o = Linear(hidden, self.q_size, cfg.o_proj_bias, dtype, device)
-        # A sparse layer has `moe` and no `mlp` (the fused C step, which reads `mlp`, runs dense models only).
+        # A sparse layer has `moe` and no `mlp`.
         self.moe = (
             SparseMoE(cfg, dtype, device, load, sum(map(cfg.is_moe_layer, range(index)))) if load is not None else None
         )
@@ -231,9 +231,11 @@ class CausalLM(nn.Module):
 
     def pack_cpu_weights(self) -> None:
         """Pack every dense matmul weight for oneDNN (see onednn_linear.py); the embedding table stays as it is for
-        lookups, and a tied LM head gets its own packed copy."""
+        lookups, and a tied LM head gets its own packed copy. A router (keep_dense) stays as it is: it is small,
+        and the fused C step reads its float weight."""
         for lin in self.linears():
-            lin.pack_for_cpu()
+            if not lin.keep_dense:
+                lin.pack_for_cpu()
 
     def quant_weights(self) -> list[QuantWeight]:
         """Every weight kept quantized, each once: the embedding table, each layer's, the LM head."""

@@ -120,13 +120,18 @@ class SparseMoE(nn.Module):
         return out
 
     def _experts_kernel(self, x: torch.Tensor) -> MoeExperts | None:
-        """The routed experts as one C call (moe_kernel.py: each routed expert's tiles read once per step) when
-        every expert is quantized and x is on CPU; None for the torch loop (dense or GPU experts, no compiler,
-        experts of mixed formats). Built on first use, after the loader has quantized the experts."""
+        """The routed experts as one C call when x is on CPU and `experts_kernel` has one."""
+        return self.experts_kernel() if x.device.type == "cpu" else None
+
+    def experts_kernel(self) -> MoeExperts | None:
+        """The routed experts in moe_kernel.py's form (each routed expert's tiles read once per step; the fused
+        C step runs the same structure) when every expert is quantized; None for the torch loop (dense or GPU
+        experts, no compiler, experts of mixed formats). Built on first use, after the loader has quantized the
+        experts."""
         mlp = self.experts[0]
         assert isinstance(mlp, GatedMLP)
         first = mlp.gate_up.quant
-        if x.device.type != "cpu" or first is None:
+        if first is None:
             return None
         if self._kernel_of is not first:
             self._kernel_of, self.kernel = first, self._build_kernel()

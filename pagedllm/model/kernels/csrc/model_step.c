@@ -35,12 +35,13 @@
 #include <time.h>
 
 #include "model_step.h"
+#include "moe.h"
 #include "paged_attention.h"
 #include "quant_matmul.h"
 #include "simd.h"
 #include "vmath.h"
 
-enum { P_NORM, P_QKV, P_ROPE, P_ATTN, P_O, P_GATE_UP, P_ACT, P_DOWN, P_LM_HEAD, N_PHASES };
+enum { P_NORM, P_QKV, P_ROPE, P_ATTN, P_O, P_GATE_UP, P_ACT, P_DOWN, P_LM_HEAD, P_ROUTER, P_EXPERTS, N_PHASES };
 
 #define TILE 16 /* consecutive tokens of a prefill chunk whose attention reads each block once */
 
@@ -54,11 +55,18 @@ typedef struct { /* the step's activations (float32, T rows) and scratch */
     int amx_rows; /* matmuls of at least this many rows run on AMX; 0: none */
     XQ16 xq;      /* x rounded for the dot route: [T, widest K] codes, their scales and sums */
     int dot;      /* matmuls (but those on AMX) take the dot route */
+    /* sparse layers: each token's experts and their weights [T, topk], the shared expert's gate_up / act /
+     * output rows, the routed experts' plan (moe.h), and the first error of a grouping (0: none) */
+    int64_t *ids;
+    float *rw, *sgu, *sact, *sy;
+    MoePlan *plan;
+    int *moe_status;
 } Buffers;
 
 typedef struct { /* per thread */
     float *panel, *scores, *block;
     uint16_t *bbuf;
+    float *logits; /* [experts]: a token's router logits */
 } Scratch;
 
 int qrows_f32(float *out, const int64_t *ids, int T, const uint8_t *w, int N, int K, int fmt);
@@ -234,7 +242,8 @@ static void store_row(void *cache, int64_t slot, const float *src, int KVH, int 
  * no barrier: a thread that the OS has put aside (this machine is shared) holds up at most the item it is
  * working on, where a barrier would hold up every phase of the step until it came back. Items write
  * disjoint outputs, so which thread runs an item changes nothing in the result. */
-enum { K_NORM, K_CVT, K_Q16, K_MATMUL, K_ROPE, K_ATTN, K_ACT, K_RESID, K_SCALE, K_LOGIT };
+enum { K_NORM, K_CVT, K_Q16, K_MATMUL, K_ROPE, K_ATTN, K_ACT, K_RESID, K_SCALE, K_LOGIT, K_ROUTE, K_MOE_GROUP,
+       K_MOE_GATHER, K_MOE_GATE_UP, K_MOE_ACT, K_MOE_DOWN, K_MOE_COMBINE, K_SHARED };
 
 typedef struct {
     int kind, layer, items, prof; /* prof: the profile slot the phase's time goes to */
@@ -251,6 +260,8 @@ static Phase norm_phase(float *x, const float *h, const float *w, const int64_t 
 
 /* The matmul out[M, N] (+)= x[M, K] @ W^T as one phase (two with AMX: x to bfloat16 tiles first; two on the
  * dot route: x rounded to 16-bit integers first). */
+#define MAX_LAYER_PHASES 30
+
 static int matmul_phases(Phase *ph, const Buffers *buf, int prof, float *out, const float *x, const uint8_t *w,
                          int fmt, const float *bias, int M, int N, int K, int accumulate, int nthreads) {
     const int amx = buf->amx_rows && M >= buf->amx_rows, units = amx ? (N + 31) / 32 : (N + 15) / 16;
@@ -277,7 +288,34 @@ static int branch_phases(Phase *ph, const StepModel *m, const Buffers *buf, int 
     return n;
 }
 
-/* Every phase of the step, in order; returns how many (at most 15 per layer and 5 more). */
+/* A sparse layer's block (in the MLP's place) from xm into y, then its residual add: the router per token (its
+ * top k experts and weights), the routed experts as moe.c's phases (each routed expert's weights read once for
+ * all of its rows), the shared expert's matmuls and its gated add, as SparseMoE.forward sums them (the routed
+ * experts' sum + sigmoid(gate . x) * shared(x)). */
+static int moe_phases(Phase *ph, const StepModel *m, const StepLayer *L, int l, const Buffers *buf, const float *xm,
+                      int T, int nthreads) {
+    const int S = T * m->topk, items = moe_plan_items(buf->plan), SI = m->shared_inter, E = m->hidden;
+    int n = 0;
+    ph[n++] = (Phase){.kind = K_ROUTE, .layer = l, .items = T, .prof = P_ROUTER, .x = xm};
+    ph[n++] = (Phase){.kind = K_MOE_GROUP, .layer = l, .items = 1, .prof = P_ROUTER};
+    ph[n++] = (Phase){.kind = K_MOE_GATHER, .items = S, .prof = P_EXPERTS, .x = xm};
+    ph[n++] = (Phase){.kind = K_MOE_GATE_UP, .items = items, .prof = P_EXPERTS};
+    ph[n++] = (Phase){.kind = K_MOE_ACT, .items = S, .prof = P_EXPERTS};
+    ph[n++] = (Phase){.kind = K_MOE_DOWN, .items = items, .prof = P_EXPERTS};
+    ph[n++] = (Phase){.kind = K_MOE_COMBINE, .items = T, .prof = P_EXPERTS};
+    if (L->shared_gate_up) {
+        n += matmul_phases(ph + n, buf, P_GATE_UP, buf->sgu, xm, L->shared_gate_up, L->shared_gate_up_fmt, NULL, T,
+                           2 * SI, E, 0, nthreads);
+        ph[n++] = (Phase){.kind = K_ACT, .items = T, .prof = P_ACT, .out = buf->sact, .x = buf->sgu, .N = SI};
+        n += matmul_phases(ph + n, buf, P_DOWN, buf->sy, buf->sact, L->shared_down, L->shared_down_fmt, NULL, T, E,
+                           SI, 0, nthreads);
+        ph[n++] = (Phase){.kind = K_SHARED, .layer = l, .items = T, .prof = P_DOWN, .x = xm};
+    }
+    ph[n++] = (Phase){.kind = K_RESID, .items = T, .prof = P_NORM, .out = buf->h, .x = buf->y, .w_norm = L->ffn_out_norm};
+    return n;
+}
+
+/* Every phase of the step, in order; returns how many (at most MAX_LAYER_PHASES per layer and 5 more). */
 static int plan(Phase *ph, const StepModel *m, const StepLayer *layers, const StepBatch *b, const Buffers *buf,
                 int nthreads) {
     const int T = b->T, E = m->hidden, I = m->inter, HD = m->heads * m->head_dim;
@@ -298,9 +336,13 @@ static int plan(Phase *ph, const StepModel *m, const StepLayer *layers, const St
         n += branch_phases(ph + n, m, buf, P_O, buf->attn, L->o, L->o_fmt, L->o_bias, L->attn_out_norm, T, HD,
                            nthreads);
         if (L->ffn_norm) ph[n++] = norm_phase(buf->x, buf->h, L->ffn_norm, NULL, T);
+        if (L->moe) {
+            n += moe_phases(ph + n, m, L, l, buf, xm, T, nthreads);
+            continue;
+        }
         n += matmul_phases(ph + n, buf, P_GATE_UP, buf->gu, xm, L->gate_up, L->gate_up_fmt, NULL, T, 2 * I, E, 0,
                            nthreads);
-        ph[n++] = (Phase){.kind = K_ACT, .items = T, .prof = P_ACT};
+        ph[n++] = (Phase){.kind = K_ACT, .items = T, .prof = P_ACT, .out = buf->act, .x = buf->gu, .N = I};
         n += branch_phases(ph + n, m, buf, P_DOWN, buf->act, L->down, L->down_fmt, NULL, L->ffn_out_norm, T, I,
                            nthreads);
     }
@@ -370,7 +412,7 @@ static void attention(const StepModel *m, const StepLayer *L, const StepBatch *b
     const int64_t *table = b->block_tables + ((int64_t)L->group * b->S + b->seq[t]) * b->max_blocks;
     Args a = {buf->attn + (int64_t)t * H * D, buf->qkv + (int64_t)t * width, L->k_cache, L->v_cache,
               table, buf->ctx + t, H, KVH, D, m->block_size, b->max_blocks,
-              m->cache_kind, L->scale, 0, end - t, width, H * D, L->window, L->softcap};
+              m->cache_kind, L->scale, 0, end - t, width, H * D, L->window, L->softcap, L->sinks};
     paged_attention_heads(&a, 0, h0, h0 + H / split, sc->scores, sc->block);
     for (int u = t; m->cache_kind >= KV_INT8 && u < end; u++)
         for (int h = h0; h < h0 + H / split; h++) kv_rotate(buf->attn + ((int64_t)u * H + h) * D, D);
@@ -383,6 +425,70 @@ static int make_tiles(const StepBatch *b, int *tiles) {
         if (t == 0 || b->seq[t] != b->seq[t - 1] || b->positions[t] != b->positions[t - 1] + 1 || t - tiles[n - 1] == TILE)
             tiles[n++] = t;
     return n;
+}
+
+/* a . b over n floats (a multiple of VW), four partial sums so the adds overlap. */
+static float dot_f32(const float *a, const float *b, int n) {
+    vf s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
+    int i = 0;
+    for (; i + 4 * VW <= n; i += 4 * VW) {
+        s0 += ld(a + i) * ld(b + i);
+        s1 += ld(a + i + VW) * ld(b + i + VW);
+        s2 += ld(a + i + 2 * VW) * ld(b + i + 2 * VW);
+        s3 += ld(a + i + 3 * VW) * ld(b + i + 3 * VW);
+    }
+    for (; i < n; i += VW) s0 += ld(a + i) * ld(b + i);
+    const vf s = (s0 + s1) + (s2 + s3);
+    float r = 0.0f;
+    for (int l = 0; l < VW; l++) r += s[l];
+    return r;
+}
+
+/* Token t's experts and their weights as moe.py's route() picks them: softmax over every expert's logit, the k
+ * largest (ties: the lower id), renormalised to sum 1 when norm_topk (ROUTE_SOFTMAX_TOPK); or the k largest
+ * logits, softmaxed among themselves (ROUTE_TOPK_SOFTMAX). Also clears the token's row of y, which the routed
+ * experts' sum goes into. */
+static void route_row(const StepModel *m, const StepLayer *L, const Buffers *buf, const float *x, float *logits,
+                      int t) {
+    const int E = m->hidden, X = m->experts, k = m->topk;
+    const float *xt = x + (int64_t)t * E;
+    for (int e = 0; e < X; e++)
+        logits[e] = dot_f32(xt, L->router + (int64_t)e * E, E) + (L->router_bias ? L->router_bias[e] : 0.0f);
+    if (m->router == ROUTE_SOFTMAX_TOPK) {
+        float mx = logits[0], sum = 0.0f;
+        for (int e = 1; e < X; e++) mx = logits[e] > mx ? logits[e] : mx;
+        for (int e = 0; e < X; e++) sum += logits[e] = expf(logits[e] - mx);
+        for (int e = 0; e < X; e++) logits[e] /= sum;
+    }
+    int64_t *ids = buf->ids + (int64_t)t * k;
+    float *w = buf->rw + (int64_t)t * k, total = 0.0f;
+    for (int j = 0; j < k; j++) { /* selection: k is small */
+        int best = -1;
+        for (int e = 0; e < X; e++) {
+            int taken = 0;
+            for (int i = 0; i < j && !taken; i++) taken = ids[i] == e;
+            if (!taken && (best < 0 || logits[e] > logits[best])) best = e;
+        }
+        ids[j] = best;
+        w[j] = logits[best];
+    }
+    if (m->router == ROUTE_TOPK_SOFTMAX) {
+        for (int j = 0; j < k; j++) total += w[j] = expf(w[j] - logits[ids[0]]);
+        for (int j = 0; j < k; j++) w[j] /= total;
+    } else if (m->norm_topk) {
+        for (int j = 0; j < k; j++) total += w[j];
+        for (int j = 0; j < k; j++) w[j] /= total;
+    }
+    memset(buf->y + (int64_t)t * E, 0, (size_t)E * sizeof(float));
+}
+
+/* Row t of y += sigmoid(gate . x) * the shared expert's output (or the output itself, ungated). */
+static void shared_row(const StepModel *m, const StepLayer *L, const Buffers *buf, const float *x, int t) {
+    const int E = m->hidden;
+    const float g = L->shared_gate ? 1.0f / (1.0f + expf(-dot_f32(x + (int64_t)t * E, L->shared_gate, E))) : 1.0f;
+    float *y = buf->y + (int64_t)t * E;
+    const float *s = buf->sy + (int64_t)t * E;
+    for (int j = 0; j < E; j++) y[j] += L->shared_gate ? g * s[j] : s[j];
 }
 
 static void matmul_item(const Phase *p, const Buffers *buf, const Scratch *sc, int i) {
@@ -403,7 +509,7 @@ static void matmul_item(const Phase *p, const Buffers *buf, const Scratch *sc, i
 
 static void run_item(const Phase *p, const StepModel *m, const StepLayer *layers, const StepBatch *b,
                      const Buffers *buf, const Scratch *sc, int i) {
-    const int E = m->hidden, I = m->inter;
+    const int E = m->hidden;
     switch (p->kind) {
     case K_NORM:
         rmsnorm(p->out + (int64_t)i * E, p->x + (p->rows ? p->rows[i] : i) * E, p->w_norm, E, m->eps);
@@ -424,9 +530,35 @@ static void run_item(const Phase *p, const StepModel *m, const StepLayer *layers
     case K_ATTN:
         attention(m, &layers[p->layer], b, buf, sc, i, p->items / buf->n_tiles);
         break;
-    case K_ACT: /* row i of act(gate) * up */
-        (m->act == ACT_GELU_TANH ? gelu_tanh_mul : silu_mul)(buf->act + (int64_t)i * I, buf->gu + (int64_t)i * 2 * I,
-                                                             buf->gu + (int64_t)i * 2 * I + I, I);
+    case K_ACT: /* row i of act(gate) * up, N wide */
+        (m->act == ACT_GELU_TANH ? gelu_tanh_mul : silu_mul)(p->out + (int64_t)i * p->N, p->x + (int64_t)i * 2 * p->N,
+                                                             p->x + (int64_t)i * 2 * p->N + p->N, p->N);
+        break;
+    case K_ROUTE:
+        route_row(m, &layers[p->layer], buf, p->x, sc->logits, i);
+        break;
+    case K_MOE_GROUP: {
+        const StepLayer *L = &layers[p->layer];
+        const int status = moe_group(buf->plan, L->moe, buf->ids, b->T, m->topk, L->expert_load);
+        if (status && !*buf->moe_status) *buf->moe_status = status;
+        if (m->expert_reads) *m->expert_reads += moe_plan_active(buf->plan);
+        break;
+    }
+    case K_MOE_GATHER:
+        moe_gather(buf->plan, p->x, i);
+        break;
+    case K_MOE_GATE_UP:
+    case K_MOE_DOWN:
+        moe_matmul(buf->plan, p->kind == K_MOE_DOWN, i, sc->panel);
+        break;
+    case K_MOE_ACT:
+        moe_activate(buf->plan, i);
+        break;
+    case K_MOE_COMBINE:
+        moe_combine(buf->plan, buf->y, buf->rw, i);
+        break;
+    case K_SHARED:
+        shared_row(m, &layers[p->layer], buf, p->x, i);
         break;
     case K_RESID:
         residual_row(m, p, i);
@@ -469,12 +601,20 @@ static void work(const Phase *ph, int n, int *next, int *done, const StepModel *
 static int check(const StepModel *m, const StepLayer *layers, const StepBatch *b, int64_t *ctx, int64_t *max_ctx) {
     if (b->T <= 0 || b->R < 0 || b->groups <= 0 || m->heads % m->kv_heads || m->rotary_dim % 2 || m->rotary_dim < 0 ||
         m->rotary_dim > m->head_dim || m->hidden % 32 || m->inter % 32 || m->cache_kind < KV_F32 ||
-        m->cache_kind > KV_FP8_E5M2 || m->act < ACT_SILU || m->act > ACT_GELU_TANH)
+        m->cache_kind > KV_FP8_E5M2 || m->act < ACT_SILU || m->act > ACT_GELU_TANH ||
+        (m->experts && (m->topk <= 0 || m->topk > m->experts || m->moe_ffn <= 0 || m->moe_ffn % 32 ||
+                        m->shared_inter < 0 || m->shared_inter % 32 || m->router < ROUTE_SOFTMAX_TOPK ||
+                        m->router > ROUTE_TOPK_SOFTMAX)))
         return -2;
     for (int l = 0; l < m->layers; l++) {
         const StepLayer *L = &layers[l];
+        const MoeLayer *moe = L->moe;
         if (L->rope < ROPE_NONE || L->rope > ROPE_LOCAL || (L->rope == ROPE_LOCAL && !m->local_cos) ||
-            !L->q_norm != !L->k_norm || L->group < 0 || L->group >= b->groups)
+            !L->q_norm != !L->k_norm || L->group < 0 || L->group >= b->groups ||
+            (!moe && (!L->gate_up || !L->down)) ||
+            (moe && (!m->experts || !L->router || moe->experts != m->experts || moe->hidden != m->hidden ||
+                     moe->ffn != m->moe_ffn || !L->shared_gate_up != !L->shared_down ||
+                     (L->shared_gate_up && !m->shared_inter))))
             return -2;
     }
     *max_ctx = 0;
@@ -501,8 +641,10 @@ static int check(const StepModel *m, const StepLayer *layers, const StepBatch *b
 
 static int run(const StepModel *m, const StepLayer *layers, const StepBatch *b, Buffers *buf, int64_t max_ctx,
                int nthreads) {
-    const int E = m->hidden, HD = m->heads * m->head_dim, max_phases = m->layers * 15 + 5;
-    const int K = E > m->inter ? (E > HD ? E : HD) : (m->inter > HD ? m->inter : HD);
+    const int E = m->hidden, HD = m->heads * m->head_dim, max_phases = m->layers * MAX_LAYER_PHASES + 5;
+    int K = E > m->inter ? (E > HD ? E : HD) : (m->inter > HD ? m->inter : HD);
+    K = K > m->moe_ffn ? K : m->moe_ffn;
+    K = K > m->shared_inter ? K : m->shared_inter;
     Phase *ph = malloc((size_t)max_phases * sizeof(Phase));
     int *counters = calloc((size_t)2 * max_phases, sizeof(int));
     Scratch *sc = calloc((size_t)nthreads, sizeof(Scratch));
@@ -511,8 +653,11 @@ static int run(const StepModel *m, const StepLayer *layers, const StepBatch *b, 
         sc[t] = (Scratch){malloc((size_t)K * 16 * sizeof(float)),
                           malloc((size_t)TILE * (max_ctx + TILE) * m->heads * sizeof(float)),
                           malloc((size_t)m->block_size * m->kv_heads * m->head_dim * sizeof(float)),
-                          buf->amx_rows ? malloc((size_t)2 * (K / 32) * 512 * sizeof(uint16_t)) : NULL};
-        if (!sc[t].panel || !sc[t].scores || !sc[t].block || (buf->amx_rows && !sc[t].bbuf)) status = -1;
+                          buf->amx_rows ? malloc((size_t)2 * (K / 32) * 512 * sizeof(uint16_t)) : NULL,
+                          m->experts ? malloc((size_t)m->experts * sizeof(float)) : NULL};
+        if (!sc[t].panel || !sc[t].scores || !sc[t].block || (buf->amx_rows && !sc[t].bbuf) ||
+            (m->experts && !sc[t].logits))
+            status = -1;
     }
     if (status == 0) {
         const int n = plan(ph, m, layers, b, buf, nthreads);
@@ -530,6 +675,7 @@ static int run(const StepModel *m, const StepLayer *layers, const StepBatch *b, 
         free(sc[t].scores);
         free(sc[t].block);
         free(sc[t].bbuf);
+        free(sc[t].logits);
     }
     free(sc);
     free(ph);
@@ -538,31 +684,46 @@ static int run(const StepModel *m, const StepLayer *layers, const StepBatch *b, 
 }
 
 int model_step(const StepModel *m, const StepLayer *layers, const StepBatch *b, int num_threads) {
-    const int T = b->T, E = m->hidden, I = m->inter, HD = m->heads * m->head_dim;
-    const int QKV = (m->heads + 2 * m->kv_heads) * m->head_dim, K = E > I ? (E > HD ? E : HD) : (I > HD ? I : HD);
+    const int T = b->T, E = m->hidden, I = m->inter, HD = m->heads * m->head_dim, SI = m->experts ? m->shared_inter : 0;
+    const int QKV = (m->heads + 2 * m->kv_heads) * m->head_dim, nthreads = num_threads < 1 ? 1 : num_threads;
+    int K = E > I ? (E > HD ? E : HD) : (I > HD ? I : HD);
+    K = K > SI ? K : SI;
     const int amx = m->amx_min_rows > 0 && T >= m->amx_min_rows && qmm_bf16_kind() ? m->amx_min_rows : 0;
     const int64_t per_row = 3 * (int64_t)E + QKV + HD + 3 * (int64_t)I;
-    float *mem = malloc((size_t)T * per_row * sizeof(float));
+    const int64_t moe_row = m->experts ? 3 * (int64_t)SI + E + m->topk : 0; /* sgu, sact, sy, rw */
+    float *mem = malloc((size_t)T * (per_row + moe_row) * sizeof(float));
     int64_t *ctx = malloc((size_t)T * sizeof(int64_t));
+    int64_t *ids = m->experts ? malloc((size_t)T * (m->topk > 0 ? m->topk : 1) * sizeof(int64_t)) : NULL;
     int *tiles = malloc((size_t)T * sizeof(int));
     uint16_t *xb = amx ? calloc((size_t)(T + 15) / 16 * 16 * K, sizeof(uint16_t)) : NULL;
     const int dot = m->dot != 0;
     XQ16 xq = {dot ? malloc((size_t)T * K * sizeof(int16_t)) : NULL, dot ? malloc((size_t)T * (K / 32) * sizeof(float)) : NULL,
                dot ? malloc((size_t)T * (K / 16) * sizeof(int32_t)) : NULL};
     int64_t max_ctx = 0;
-    int status = (!mem || !ctx || !tiles || (amx && !xb) || (dot && (!xq.q || !xq.d || !xq.s)))
+    int status = (!mem || !ctx || !tiles || (amx && !xb) || (dot && (!xq.q || !xq.d || !xq.s)) || (m->experts && !ids))
                      ? -1
                      : check(m, layers, b, ctx, &max_ctx);
+    MoePlan *plan = NULL;
+    if (status == 0 && m->experts) {
+        plan = moe_plan_new(m->experts, T * m->topk, E, m->moe_ffn, dot, nthreads);
+        status = plan ? 0 : -1;
+    }
     if (status == 0) {
+        int moe_status = 0;
+        float *moe = mem + (int64_t)T * per_row;
         Buffers buf = {mem, mem + (int64_t)T * E, mem + 2 * (int64_t)T * E, mem + (int64_t)T * (2 * E + QKV),
                        mem + (int64_t)T * (2 * E + QKV + HD), mem + (int64_t)T * (2 * E + QKV + HD + 2 * I),
                        mem + (int64_t)T * (2 * E + QKV + HD + 3 * I), ctx, tiles, make_tiles(b, tiles), xb, amx,
-                       xq, dot};
+                       xq, dot, ids, moe, moe + (int64_t)T * m->topk, moe + (int64_t)T * (m->topk + 2 * SI),
+                       moe + (int64_t)T * (m->topk + 3 * SI), plan, &moe_status};
         status = qrows_f32(buf.h, b->tokens, T, m->embed, m->vocab, E, m->embed_fmt);
-        if (status == 0) status = run(m, layers, b, &buf, max_ctx, num_threads < 1 ? 1 : num_threads);
+        if (status == 0) status = run(m, layers, b, &buf, max_ctx, nthreads);
+        if (status == 0) status = moe_status;
     }
+    moe_plan_free(plan);
     free(mem);
     free(ctx);
+    free(ids);
     free(tiles);
     free(xb);
     free(xq.q);

@@ -11,13 +11,25 @@
 
 enum { ROPE_NONE, ROPE_GLOBAL, ROPE_LOCAL }; /* StepLayer.rope */
 enum { ACT_SILU, ACT_GELU_TANH };            /* StepModel.act */
+enum { ROUTE_SOFTMAX_TOPK, ROUTE_TOPK_SOFTMAX }; /* StepModel.router: moe.py's route() kinds */
 
 typedef struct {
     const float *attn_norm, *ffn_norm;         /* [hidden] before attention / the MLP, or NULL (OLMo2: none) */
     const float *attn_out_norm, *ffn_out_norm; /* [hidden] on the attention / MLP output, or NULL (Gemma, OLMo2) */
     const float *q_norm, *k_norm; /* before RoPE, or NULL: [head_dim] per head, or the whole projection's */
-    const uint8_t *qkv, *o, *gate_up, *down;
+    const uint8_t *qkv, *o, *gate_up, *down; /* gate_up / down: NULL in a sparse layer */
     int qkv_fmt, o_fmt, gate_up_fmt, down_fmt;
+    /* A sparse layer (a mixture of experts in the MLP's place; moe.py): its routed experts (moe.h's MoeLayer), the
+     * router's float32 weight [experts, hidden] and bias [experts] or NULL, the rows each expert served added to
+     * expert_load[experts] (the engine's counters); a shared expert (NULL: none) of StepModel.shared_inter, its
+     * gate's weight [hidden] (NULL: ungated), and the shared expert's activation is StepModel.act. */
+    const void *moe;
+    const float *router, *router_bias;
+    int64_t *expert_load;
+    const uint8_t *shared_gate_up, *shared_down;
+    int shared_gate_up_fmt, shared_down_fmt;
+    const float *shared_gate;
+    const float *sinks; /* [heads] or NULL: a learned logit per head in each softmax's sum (gpt-oss) */
     const float *qkv_bias; /* [(heads + 2 kv_heads) * head_dim] or NULL */
     const float *o_bias;   /* [hidden] or NULL */
     void *k_cache, *v_cache;
@@ -44,6 +56,11 @@ typedef struct {
     int embed_fmt, lm_head_fmt;
     const float *cos, *sin;             /* [max_positions, rotary_dim] */
     const float *local_cos, *local_sin; /* [max_local_positions, rotary_dim], or NULL: no ROPE_LOCAL layer */
+    /* The sparse layers' shape (experts 0: none): experts, top k, each expert's ffn, the shared expert's ffn (0:
+     * none), the router (ROUTE_*; norm_topk: the top k renormalised to sum 1), and a counter the step adds the
+     * experts read to (one per active expert per sparse layer). */
+    int experts, topk, moe_ffn, shared_inter, router, norm_topk;
+    int64_t *expert_reads;
 } StepModel;
 
 typedef struct {

@@ -14,9 +14,10 @@
  * expert, and each token sums its experts' outputs in its own choice order: a token's result does not depend on
  * what else is in the step, bit for bit.
  *
- * One call: gather x into slot order (rounded for the dot route), gate_up per expert, the activation per slot,
- * down per expert (into the gathered rows' buffer), then per token the weighted sum into y. One allocation per
- * call, as the dense kernels make.
+ * The work as phases of independent items (MoePlan, moe.h): grouping (one item), gather x into slot order
+ * (rounded for the dot route), gate_up per expert, the activation per slot, down per expert (into the gathered
+ * rows' buffer), then per token the weighted sum into y. moe_experts runs them in one OpenMP region; the fused
+ * step (model_step.c) runs them as phases of its own step, after its router phase. One allocation per plan.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -39,18 +40,19 @@ int64_t moe_struct_size(const char *name) { return strcmp(name, "MoeLayer") ? -1
 
 #define ROWS_PER_READ 8 /* the work of reading an expert's weights, in rows of arithmetic: sizes the work items */
 
-typedef struct {
-    const MoeLayer *L;
-    int S, A, kmax;     /* slots (T * topk), active experts, the wider K of the two matmuls */
+struct MoePlan {
+    const MoeLayer *L;  /* the layer of the step at hand (moe_group) */
+    int E, max_slots, H, F, target; /* what the buffers were sized for: experts, slots, hidden, ffn, ~items */
+    int T, topk, S, A;  /* this call's tokens, choices, slots (T * topk; 0 after a failed moe_group), experts used */
     int *off;           /* [experts + 1] the first slot of each expert's rows */
     int *active;        /* [A] the experts with rows, ascending */
     int *row_of;        /* [S] the token of each slot */
     int *slot_of;       /* [T * topk] the slot of each (token, choice) */
     int *items[2];      /* per matmul (gate_up, down): [n][3] active index, chunk, chunks */
     int n_items[2];
-    float *xs, *gu, *act, *panels; /* xs: [S, hidden] gathered x, then the experts' outputs */
-    XQ16 xq;            /* the rows of the matmul at hand rounded for the dot route: [S, kmax] */
-} Plan;
+    float *xs, *gu, *act; /* xs: [S, hidden] gathered x, then the experts' outputs */
+    XQ16 xq;            /* the rows of the matmul at hand rounded for the dot route: [S, max(hidden, ffn)] */
+};
 
 static int fmt_ok(int fmt, int K) { return fmt == QFMT_MIXED || qcol_bytes(fmt, K / 32) > 0; }
 
@@ -60,42 +62,53 @@ static int bad_layer(const MoeLayer *L, int T, int topk) {
            L->act > MOE_SWIGLU_OAI || !L->gate_up || !L->down;
 }
 
-/* Counts, prefix sums and slots, in token order within each expert; -5 for an id out of range or an active
- * expert without weights. */
-static int group_rows(Plan *p, const int64_t *ids, int T, int topk) {
-    const MoeLayer *L = p->L;
-    int *fill = p->active; /* the cursor per expert, before it holds the active list */
-    memset(p->off, 0, (size_t)(L->experts + 1) * sizeof(int));
-    for (int i = 0; i < T * topk; i++) {
-        if (ids[i] < 0 || ids[i] >= L->experts) return -5;
-        p->off[ids[i] + 1]++;
-    }
-    p->A = 0;
-    for (int e = 0; e < L->experts; e++) {
-        if (p->off[e + 1] && (!L->gate_up[e] || !L->down[e])) return -5;
-        fill[e] = p->off[e];
-        p->off[e + 1] += p->off[e];
-    }
-    for (int i = 0; i < T * topk; i++) {
-        const int s = fill[ids[i]]++;
-        p->slot_of[i] = s;
-        p->row_of[s] = i / topk;
-    }
-    for (int e = 0; e < L->experts; e++)
-        if (p->off[e + 1] > p->off[e]) p->active[p->A++] = e;
-    return 0;
+/* Carves n bytes (64-aligned) off *at. */
+static void *carve(uint8_t **at, size_t n) {
+    void *r = *at;
+    *at += (n + 63) / 64 * 64;
+    return r;
 }
+
+MoePlan *moe_plan_new(int experts, int max_slots, int hidden, int ffn, int dot, int num_threads) {
+    const int E = experts, S = max_slots, H = hidden, F = ffn, K = H > F ? H : F;
+    const int target = 8 * (num_threads < 1 ? 1 : num_threads);
+    if (E <= 0 || S <= 0 || H <= 0 || F <= 0) return NULL;
+    const size_t kq = dot ? (size_t)S * K : 0, ints = (size_t)2 * E + 1 + 2 * (size_t)S + 6 * ((size_t)E + target);
+    const size_t floats = (size_t)S * (H + 3 * (size_t)F);
+    const size_t bytes = sizeof(MoePlan) + ints * 4 + floats * 4 + kq * 2 + kq / 32 * 4 + kq / 16 * 4 + 16 * 64;
+    uint8_t *at = malloc(bytes);
+    if (!at) return NULL;
+    MoePlan *p = carve(&at, sizeof(MoePlan));
+    *p = (MoePlan){.E = E, .max_slots = S, .H = H, .F = F, .target = target};
+    p->off = carve(&at, (size_t)(E + 1) * 4);
+    p->active = carve(&at, (size_t)E * 4);
+    p->row_of = carve(&at, (size_t)S * 4);
+    p->slot_of = carve(&at, (size_t)S * 4);
+    p->items[0] = carve(&at, (size_t)3 * (E + target) * 4);
+    p->items[1] = carve(&at, (size_t)3 * (E + target) * 4);
+    p->xs = carve(&at, (size_t)S * H * 4);
+    p->gu = carve(&at, (size_t)S * 2 * F * 4);
+    p->act = carve(&at, (size_t)S * F * 4);
+    if (dot) p->xq = (XQ16){carve(&at, kq * 2), carve(&at, kq / 32 * 4), carve(&at, kq / 16 * 4)};
+    return p;
+}
+
+void moe_plan_free(MoePlan *p) { free(p); }
+
+int moe_plan_items(const MoePlan *p) { return p->E + p->target; }
+
+int moe_plan_active(const MoePlan *p) { return p->A; }
 
 /* Work items of one matmul of NB column blocks: each active expert in chunks of column blocks, about `target`
  * items in all, an expert's share by its rows plus the cost of reading its weights once (a hot expert that
  * takes every row is split, not left to one thread). At most A + target items. */
-static int make_items(const Plan *p, int NB, int target, int *items) {
+static int make_items(const MoePlan *p, int NB, int *items) {
     int64_t total = 0;
     for (int a = 0; a < p->A; a++) total += ROWS_PER_READ + p->off[p->active[a] + 1] - p->off[p->active[a]];
     int n = 0;
     for (int a = 0; a < p->A; a++) {
         const int64_t work = ROWS_PER_READ + p->off[p->active[a] + 1] - p->off[p->active[a]];
-        int chunks = (int)((target * work + total - 1) / total);
+        int chunks = (int)((p->target * work + total - 1) / total);
         chunks = chunks < 1 ? 1 : chunks > NB ? NB : chunks;
         for (int c = 0; c < chunks; c++, n++) {
             items[3 * n] = a;
@@ -106,9 +119,66 @@ static int make_items(const Plan *p, int NB, int target, int *items) {
     return n;
 }
 
-/* Item i of matmul `which` (0: gate_up from xs into gu, 1: down from act into xs): its column blocks for all
- * of its expert's rows. */
-static void matmul_item(const Plan *p, int which, int i, float *panel) {
+/* Counts, prefix sums and slots, in token order within each expert; -5 for an id out of range or an active
+ * expert without weights. */
+static int group_rows(MoePlan *p, const int64_t *ids) {
+    const MoeLayer *L = p->L;
+    const int n = p->T * p->topk;
+    int *fill = p->active; /* the cursor per expert, before it holds the active list */
+    memset(p->off, 0, (size_t)(L->experts + 1) * sizeof(int));
+    for (int i = 0; i < n; i++) {
+        if (ids[i] < 0 || ids[i] >= L->experts) return -5;
+        p->off[ids[i] + 1]++;
+    }
+    p->A = 0;
+    for (int e = 0; e < L->experts; e++) {
+        if (p->off[e + 1] && (!L->gate_up[e] || !L->down[e])) return -5;
+        fill[e] = p->off[e];
+        p->off[e + 1] += p->off[e];
+    }
+    for (int i = 0; i < n; i++) {
+        const int s = fill[ids[i]]++;
+        p->slot_of[i] = s;
+        p->row_of[s] = i / p->topk;
+    }
+    for (int e = 0; e < L->experts; e++)
+        if (p->off[e + 1] > p->off[e]) p->active[p->A++] = e;
+    return 0;
+}
+
+int moe_group(MoePlan *p, const MoeLayer *L, const int64_t *ids, int T, int topk, int64_t *load) {
+    p->L = L, p->T = T, p->topk = topk, p->S = 0, p->A = 0, p->n_items[0] = p->n_items[1] = 0;
+    if (bad_layer(L, T, topk) || L->experts > p->E || L->hidden != p->H || L->ffn > p->F ||
+        T * topk > p->max_slots || (L->dot && !p->xq.q))
+        return -2;
+    const int status = group_rows(p, ids);
+    if (status != 0) {
+        p->A = 0;
+        return status;
+    }
+    p->S = T * topk;
+    p->n_items[0] = make_items(p, (2 * L->ffn + 15) / 16, p->items[0]);
+    p->n_items[1] = make_items(p, (L->hidden + 15) / 16, p->items[1]);
+    for (int e = 0; load && e < L->experts; e++) load[e] += p->off[e + 1] - p->off[e];
+    return 0;
+}
+
+/* Row s of this matmul's input rounded for the dot route (rows K apart, as moe_matmul reads them). */
+static void round_row(const MoePlan *p, const float *row, int s, int K) {
+    qdot_quantize_row(p->xq.q + (int64_t)s * K, p->xq.d + (int64_t)s * (K / 32), p->xq.s + (int64_t)s * (K / 16),
+                      row, K);
+}
+
+void moe_gather(const MoePlan *p, const float *x, int s) {
+    if (s >= p->S) return;
+    const int H = p->L->hidden;
+    float *row = p->xs + (int64_t)s * H;
+    memcpy(row, x + (int64_t)p->row_of[s] * H, (size_t)H * sizeof(float));
+    if (p->L->dot) round_row(p, row, s, H);
+}
+
+void moe_matmul(const MoePlan *p, int which, int i, float *panel) {
+    if (i >= p->n_items[which]) return;
     const MoeLayer *L = p->L;
     const int *it = p->items[which] + 3 * i, e = p->active[it[0]], m0 = p->off[e], M = p->off[e + 1] - m0;
     const int N = which ? L->hidden : 2 * L->ffn, K = which ? L->ffn : L->hidden, NB = (N + 15) / 16;
@@ -124,12 +194,6 @@ static void matmul_item(const Plan *p, int which, int i, float *panel) {
             qdot_column_block(&a, &xq, cb, panel);
         else
             qmm_column_block(&a, cb, panel);
-}
-
-/* Row s of this matmul's input rounded for the dot route (rows K apart, as matmul_item reads them). */
-static void round_row(const Plan *p, const float *row, int s, int K) {
-    qdot_quantize_row(p->xq.q + (int64_t)s * K, p->xq.d + (int64_t)s * (K / 32), p->xq.s + (int64_t)s * (K / 16),
-                      row, K);
 }
 
 /* out = act(gate, up) over n (a multiple of VW) elements; the formulas are transformers' in float32. */
@@ -151,9 +215,17 @@ static void activate(const MoeLayer *L, float *out, const float *gate, const flo
     }
 }
 
-/* y[t] += sum_j w_tj out[slot (t, j)], summed in choice order. */
-static void combine(const Plan *p, float *y, const float *weights, int topk, int t) {
-    const int H = p->L->hidden;
+void moe_activate(const MoePlan *p, int s) {
+    if (s >= p->S) return;
+    const int F = p->L->ffn;
+    const float *gu = p->gu + (int64_t)s * 2 * F;
+    activate(p->L, p->act + (int64_t)s * F, gu, gu + F, F);
+    if (p->L->dot) round_row(p, p->act + (int64_t)s * F, s, F);
+}
+
+void moe_combine(const MoePlan *p, float *y, const float *weights, int t) {
+    if (t >= p->T || !p->S) return;
+    const int H = p->L->hidden, topk = p->topk;
     float *yt = y + (int64_t)t * H;
     for (int i = 0; i < H; i += VW) {
         vf acc = (vf){0};
@@ -163,69 +235,31 @@ static void combine(const Plan *p, float *y, const float *weights, int topk, int
     }
 }
 
-static void run(Plan *p, float *y, const float *x, const float *weights, int T, int topk, int nthreads) {
-    const MoeLayer *L = p->L;
-    const int H = L->hidden, F = L->ffn;
-#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
-    {
-        float *panel = p->panels + (int64_t)omp_thread() * p->kmax * 16;
-#pragma omp for schedule(static)
-        for (int s = 0; s < p->S; s++) {
-            float *row = p->xs + (int64_t)s * H;
-            memcpy(row, x + (int64_t)p->row_of[s] * H, (size_t)H * sizeof(float));
-            if (L->dot) round_row(p, row, s, H);
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (int i = 0; i < p->n_items[0]; i++) matmul_item(p, 0, i, panel);
-#pragma omp for schedule(static)
-        for (int s = 0; s < p->S; s++) {
-            const float *gu = p->gu + (int64_t)s * 2 * F;
-            activate(L, p->act + (int64_t)s * F, gu, gu + F, F);
-            if (L->dot) round_row(p, p->act + (int64_t)s * F, s, F);
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (int i = 0; i < p->n_items[1]; i++) matmul_item(p, 1, i, panel);
-#pragma omp for schedule(static)
-        for (int t = 0; t < T; t++) combine(p, y, weights, topk, t);
-    }
-}
-
-/* Carves n bytes (64-aligned) off *at. */
-static void *carve(uint8_t **at, size_t n) {
-    void *r = *at;
-    *at += (n + 63) / 64 * 64;
-    return r;
-}
-
 int moe_experts(float *y, const float *x, const int64_t *ids, const float *weights, int T, int topk,
                 const MoeLayer *L, int64_t *load, int num_threads) {
     if (bad_layer(L, T, topk)) return -2;
-    const int E = L->experts, S = T * topk, H = L->hidden, F = L->ffn, K = H > F ? H : F;
-    const int nthreads = num_threads < 1 ? 1 : num_threads, target = 8 * nthreads;
-    const size_t kq = L->dot ? (size_t)S * K : 0, ints = (size_t)2 * E + 1 + 2 * (size_t)S + 6 * ((size_t)E + target);
-    const size_t floats = (size_t)S * (H + 3 * (size_t)F) + (size_t)nthreads * K * 16;
-    const size_t bytes = ints * 4 + floats * 4 + kq * 2 + kq / 32 * 4 + kq / 16 * 4 + 16 * 64; /* alignment */
-    uint8_t *mem = malloc(bytes), *at = mem;
-    if (!mem) return -1;
-    Plan p = {.L = L, .S = S, .kmax = K};
-    p.off = carve(&at, (size_t)(E + 1) * 4);
-    p.active = carve(&at, (size_t)E * 4);
-    p.row_of = carve(&at, (size_t)S * 4);
-    p.slot_of = carve(&at, (size_t)S * 4);
-    p.items[0] = carve(&at, (size_t)3 * (E + target) * 4);
-    p.items[1] = carve(&at, (size_t)3 * (E + target) * 4);
-    p.xs = carve(&at, (size_t)S * H * 4);
-    p.gu = carve(&at, (size_t)S * 2 * F * 4);
-    p.act = carve(&at, (size_t)S * F * 4);
-    p.panels = carve(&at, (size_t)nthreads * K * 16 * 4);
-    p.xq = (XQ16){carve(&at, kq * 2), carve(&at, kq / 32 * 4), carve(&at, kq / 16 * 4)};
-    int status = group_rows(&p, ids, T, topk);
+    const int nthreads = num_threads < 1 ? 1 : num_threads, K = L->hidden > L->ffn ? L->hidden : L->ffn;
+    MoePlan *p = moe_plan_new(L->experts, T * topk, L->hidden, L->ffn, L->dot, nthreads);
+    float *panels = malloc((size_t)nthreads * K * 16 * sizeof(float));
+    int status = p && panels ? moe_group(p, L, ids, T, topk, load) : -1;
     if (status == 0) {
-        p.n_items[0] = make_items(&p, (2 * F + 15) / 16, target, p.items[0]);
-        p.n_items[1] = make_items(&p, (H + 15) / 16, target, p.items[1]);
-        run(&p, y, x, weights, T, topk, nthreads);
-        for (int e = 0; load && e < E; e++) load[e] += p.off[e + 1] - p.off[e];
+        const int S = p->S, n0 = p->n_items[0], n1 = p->n_items[1];
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+        {
+            float *panel = panels + (int64_t)omp_thread() * K * 16;
+#pragma omp for schedule(static)
+            for (int s = 0; s < S; s++) moe_gather(p, x, s);
+#pragma omp for schedule(dynamic, 1)
+            for (int i = 0; i < n0; i++) moe_matmul(p, 0, i, panel);
+#pragma omp for schedule(static)
+            for (int s = 0; s < S; s++) moe_activate(p, s);
+#pragma omp for schedule(dynamic, 1)
+            for (int i = 0; i < n1; i++) moe_matmul(p, 1, i, panel);
+#pragma omp for schedule(static)
+            for (int t = 0; t < T; t++) moe_combine(p, y, weights, t);
+        }
     }
-    free(mem);
+    moe_plan_free(p);
+    free(panels);
     return status;
 }

@@ -19,6 +19,25 @@ typedef struct {
 } MoeLayer;
 
 int64_t moe_struct_size(const char *name);
+
+/* A step's routed experts as phases of independent work items, each phase done before the next starts:
+ * moe_group (one item: counts, slots, the matmuls' work items, the load counters), then moe_gather and
+ * moe_activate over slots s < T * topk, moe_matmul over items i < moe_plan_items (gate_up: which 0, down: 1;
+ * items past this step's are no-ops), moe_combine over tokens t < T (y[t] += the weighted sum). The plan holds
+ * the buffers for up to max_slots slots of any layer of at most `experts` experts, `ffn` and that hidden;
+ * the matmul items take a panel of max(hidden, ffn) * 16 floats each. */
+typedef struct MoePlan MoePlan;
+MoePlan *moe_plan_new(int experts, int max_slots, int hidden, int ffn, int dot, int num_threads); /* NULL: OOM */
+void moe_plan_free(MoePlan *p);
+int moe_plan_items(const MoePlan *p);
+int moe_plan_active(const MoePlan *p); /* the experts the last moe_group routed rows to */
+/* 0, -2 (bad sizes: a layer the plan was not sized for), -5 (as moe_experts); after a failure every item is a
+ * no-op. */
+int moe_group(MoePlan *p, const MoeLayer *L, const int64_t *ids, int T, int topk, int64_t *load);
+void moe_gather(const MoePlan *p, const float *x, int s);
+void moe_matmul(const MoePlan *p, int which, int i, float *panel);
+void moe_activate(const MoePlan *p, int s);
+void moe_combine(const MoePlan *p, float *y, const float *weights, int t);
 /* y[T, hidden] += sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for every token t; load[e] += the rows routed to
  * expert e (NULL: not counted). 0, -1 (out of memory), -2 (bad sizes), -5 (an expert id out of range or an active
  * expert without weights). */

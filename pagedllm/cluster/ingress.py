@@ -120,6 +120,7 @@ class ClusterEngine:
         priority: int = 0,
         kv_segments: list[tuple[int, int]] | None = None,
         kv_blend_recompute: float | None = None,
+        kv_blend_max_deviation: float | None = None,
     ) -> ClusterStream:
         """Send the request to the replica the router picks; returns once that replica's engine took it, or
         raises what it raised (a refusal) or ReplicaDiedError."""
@@ -129,6 +130,8 @@ class ClusterEngine:
         extra: dict = {SALT_KW: cache_salt, "priority": priority}
         if kv_segments is not None:  # kv_blend: sent only when asked for
             extra |= {"kv_segments": kv_segments, "kv_blend_recompute": kv_blend_recompute}
+            if kv_blend_max_deviation is not None:
+                extra["kv_blend_max_deviation"] = kv_blend_max_deviation
         gen = call(self.handle, "generate", request_id, stream=True, **{PROMPT_KW: ids}, params=params, **extra)
         try:
             replica = await gen.__anext__()

@@ -92,6 +92,7 @@ class EngineReplica:
         priority: int = 0,
         kv_segments: list[tuple[int, int]] | None = None,
         kv_blend_recompute: float | None = None,
+        kv_blend_max_deviation: float | None = None,
     ) -> AsyncIterator[str | RequestOutput]:
         """First this replica's id, once the engine took the request (a refusal raises before it, so the ingress
         can still answer 400 / 503), then the request's cumulative outputs. Cancelling the call (the client went
@@ -104,6 +105,7 @@ class EngineReplica:
             priority=priority,
             kv_segments=kv_segments,
             kv_blend_recompute=kv_blend_recompute,
+            **({} if kv_blend_max_deviation is None else {"kv_blend_max_deviation": kv_blend_max_deviation}),
         )
         yield self.replica_id
         async for out in self.engine.iterate(stream):

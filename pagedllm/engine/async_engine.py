@@ -117,6 +117,7 @@ class _Add:
     priority: int = 0
     kv_segments: list[tuple[int, int]] | None = None
     kv_blend_recompute: float | None = None
+    kv_blend_max_deviation: float | None = None
 
 
 @dataclass(frozen=True)
@@ -282,6 +283,7 @@ class AsyncLLMEngine:
         priority: int = 0,
         kv_segments: list[tuple[int, int]] | None = None,
         kv_blend_recompute: float | None = None,
+        kv_blend_max_deviation: float | None = None,
     ) -> RequestStream:
         """Hand a request to the engine; returns once the engine took it (raises what the engine raised)."""
         loop = asyncio.get_running_loop()
@@ -290,7 +292,17 @@ class AsyncLLMEngine:
             self._admit(params.n)
             self._pending += params.n
             self._ops.put(
-                _Add(request_id, prompt, params, stream, cache_salt, priority, kv_segments, kv_blend_recompute)
+                _Add(
+                    request_id,
+                    prompt,
+                    params,
+                    stream,
+                    cache_salt,
+                    priority,
+                    kv_segments,
+                    kv_blend_recompute,
+                    kv_blend_max_deviation,
+                )
             )
         self.start()
         try:
@@ -420,6 +432,7 @@ class AsyncLLMEngine:
                         priority=op.priority,
                         kv_segments=op.kv_segments,
                         kv_blend_recompute=op.kv_blend_recompute,
+                        kv_blend_max_deviation=op.kv_blend_max_deviation,
                     )
             except Exception as e:  # noqa: BLE001 - UserError for bad input; anything else is the caller's to see too
                 error = e

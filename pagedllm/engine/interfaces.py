@@ -33,6 +33,7 @@ class EngineCore(Protocol):
         priority: int = 0,
         kv_segments: list[tuple[int, int]] | None = None,
         kv_blend_recompute: float | None = None,
+        kv_blend_max_deviation: float | None = None,
     ) -> None:
         """Queue a request (all its `params.n` samples) or raise `UserError` leaving nothing behind."""
 
@@ -90,6 +91,7 @@ class AsyncEngine(Protocol):
         priority: int = 0,
         kv_segments: list[tuple[int, int]] | None = None,
         kv_blend_recompute: float | None = None,
+        kv_blend_max_deviation: float | None = None,
     ) -> Any:
         """Queue a request; returns its stream once the engine took it, or raises what the engine raised.
         `cache_salt` keeps its prefix blocks to requests of the same salt; `priority` orders admission;

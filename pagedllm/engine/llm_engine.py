@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from pagedllm.engine.acceptance import accept, sampling_rows
-from pagedllm.engine.blend import BlendState, apply_copies, check_segments, store_segments
+from pagedllm.engine.blend import BlendState, apply_copies, check_segments, computed_spans, store_segments
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.disk_tier import kernel_facts, open_disk_tier
 from pagedllm.engine.fault_isolation import Computed, Scheduled, forward_guarded, sample_guarded
@@ -42,14 +42,9 @@ from pagedllm.sampling_params import PoolingParams, SamplingParams, SamplingPara
 logger = logging.getLogger("pagedllm")
 
 
-def _pending_copy(req: Request) -> int:
-    """Leading tokens of the request's scheduled ones this step that are copied, not computed (kv_blend)."""
-    return req.blend.pending_copy if req.blend is not None else 0
-
-
 def _attach_blend(child: Request, blend: BlendState | None, logits_from: int | None) -> None:
     """Each sample its own kv_blend state (its copies and holds are its own), from the checked one."""
-    child.blend = BlendState(blend.segments, blend.recompute, blend.root) if blend is not None else None
+    child.blend = BlendState(blend.segments, blend.recompute, blend.root, blend.max_deviation) if blend else None
     child.logits_from = logits_from
 
 
@@ -150,12 +145,14 @@ class LLMEngine:
         kv_segments: list[tuple[int, int]] | None = None,
         kv_blend_recompute: float | None = None,
         logits_from: int | None = None,
+        kv_blend_max_deviation: float | None = None,
     ) -> None:
         """Queue a request (its n samples); `prompt_token_ids` gives the ids of a text prompt already encoded.
         PoolingParams make it an embedding request: its prompt computed, no token sampled, one vector out.
         `cache_salt`: its blocks are shared only with requests of the same salt (a tenant's); `priority`: with
         --scheduling-policy priority, lower values are admitted first (vLLM's). `kv_segments`: [start, end) spans
-        whose KV may be reused wherever they land (blend.py), `kv_blend_recompute` of each computed again;
+        whose KV may be reused wherever they land (blend.py), `kv_blend_recompute` of each computed again, or
+        (`kv_blend_max_deviation`, the bound mode) as many as keep the measured deviation under that bound;
         `logits_from`: each position's log-softmax from it on, in `prompt_logits`. All is checked first.
         """
         pooling = params if isinstance(params, PoolingParams) else None
@@ -167,7 +164,7 @@ class LLMEngine:
             raise SamplingParamsError("priority", "needs a server started with --scheduling-policy priority")
         prompt_ids = self.encode_prompt(prompt if prompt_token_ids is None else prompt_token_ids)
         check_params(params, len(prompt_ids), self.model_config.vocab_size, self.max_model_len)
-        blend = self._blend_state(len(prompt_ids), kv_segments, kv_blend_recompute, cache_salt)
+        blend = self._blend_state(len(prompt_ids), kv_segments, kv_blend_recompute, kv_blend_max_deviation, cache_salt)
         if params.bad_words:
             params = replace(params, bad_words_token_ids=bad_words_token_ids(params.bad_words, self.tokenizer))
         metrics = RequestMetrics(arrival_time=time.monotonic())
@@ -199,18 +196,24 @@ class LLMEngine:
         )
 
     def _blend_state(
-        self, prompt_len: int, segments: object, recompute: float | None, cache_salt: str | None
+        self,
+        prompt_len: int,
+        segments: object,
+        recompute: float | None,
+        max_deviation: float | None,
+        cache_salt: str | None,
     ) -> BlendState | None:
         """A request's kv_blend state (checked), or None: no segments, or keys that cannot be moved (dynamic NTK).
         The segment root covers what stored segment KV depends on besides its tokens, so a copy made under other
         settings is never found: the disk tier's fingerprint (the weights' digest and kernels) when there is one,
         else the checkpoint's path, its dtype, quantization and kernels (disk_tier.kernel_facts); the KV dtype, the
-        block size and the cache salt."""
+        block size and the cache salt. A request sets the fixed share or the bound, else the engine's default
+        (--kv-blend-max-deviation when set: the bound mode)."""
         if segments is None:
-            if recompute is not None:
-                check_segments([], prompt_len, recompute)
+            if recompute is not None or max_deviation is not None:
+                check_segments([], prompt_len, recompute, max_deviation)
             return None
-        spans = check_segments(segments, prompt_len, recompute)
+        spans = check_segments(segments, prompt_len, recompute, max_deviation)
         if not spans or not self.runner.can_shift_keys:
             return None
         loaded = self.loaded
@@ -220,7 +223,9 @@ class LLMEngine:
             else (loaded.path, loaded.quantization, kernel_facts(loaded))
         )
         key = (self.model_config.name, weights, str(loaded.dtype), str(self.kv_dtype), self.block_size, cache_salt)
-        return BlendState(spans, self.config.kv_blend_recompute if recompute is None else recompute, segment_root(key))
+        if recompute is None and max_deviation is None:
+            recompute, max_deviation = self.config.kv_blend_recompute, self.config.kv_blend_max_deviation
+        return BlendState(spans, 1.0 if recompute is None else recompute, segment_root(key), max_deviation)
 
     def abort_request(self, request_id: str) -> None:
         parent = self.parents.pop(request_id, None)
@@ -274,32 +279,41 @@ class LLMEngine:
         if compiling:
             self.grammars.wait_any(compiling, 0.05)
 
-    def _chunk(self, req: Request, n: int) -> SeqChunk:
-        """The request's next n tokens (past those of them copied: kv_blend), then its drafts: verifying them
-        needs the logits at every position."""
-        end = req.num_computed_tokens + n
-        start = req.num_computed_tokens + _pending_copy(req)
-        keep = req.logits_from is not None and end > req.logits_from
+    def _chunks(self, req: Request, n: int) -> list[SeqChunk]:
+        """The request's next n tokens as one chunk per span it computes (kv_blend: the copied tokens between
+        them are not computed; every span runs in this step, each attending to those before it, whose K/V the
+        step writes first), then its drafts: verifying them needs the logits at every position. Only the last
+        span's logits are used (the positions whose logits are kept are never copied)."""
+        spans = computed_spans(req, n)
         tables = self.kv.get_group_block_ids(req.request_id)
-        return SeqChunk(
+        chunks = [
+            SeqChunk(req.all_token_ids[s:e], s, tables[0], False, tables if len(tables) > 1 else None)
+            for s, e in spans[:-1]
+        ]
+        start, end = spans[-1]
+        keep = req.logits_from is not None and end > req.logits_from
+        last = SeqChunk(
             req.all_token_ids[start:end] + req.spec_token_ids,
             start,
             tables[0],
             req.wants_prompt_logits or bool(req.spec_token_ids) or keep,
             tables if len(tables) > 1 else None,
         )
+        return chunks + [last]
 
     def _forward(self, scheduled: Scheduled) -> list[torch.Tensor]:
         """Run the model over the scheduled chunks; per request, its logits rows (a pooling request: its final
         hidden states, from a second call over the pooling chunks alone, so generation runs as without them)."""
         for r, _ in scheduled:
             apply_copies(r, self.runner, self.kv)  # before the forward: the computed tokens attend to them
-        chunks = [self._chunk(r, n) for r, n in scheduled]
+        per_req = [self._chunks(r, n) for r, n in scheduled]
         pooled = [r.pooling is not None for r, _ in scheduled]
-        gen = [c for c, p in zip(chunks, pooled) if not p]
+        gen = [c for cs, p in zip(per_req, pooled) if not p for c in cs]
         logits = iter(self.runner.execute(gen).split([c.num_logits for c in gen]) if gen else [])
-        hidden = iter(self.runner.execute_hidden([c for c, p in zip(chunks, pooled) if p]) if any(pooled) else [])
-        return [next(hidden) if p else next(logits) for p in pooled]
+        hidden = iter(
+            self.runner.execute_hidden([cs[-1] for cs, p in zip(per_req, pooled) if p]) if any(pooled) else []
+        )
+        return [next(hidden) if p else [next(logits) for _ in cs][-1] for cs, p in zip(per_req, pooled)]
 
     def _advance(self, done: Computed) -> list[Request]:
         """Account for the computed chunks; requests whose prompt is done get their next token. Returns the
@@ -310,11 +324,12 @@ class LLMEngine:
         for req, n, rows in done:
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
-            start = req.num_computed_tokens + _pending_copy(req)  # the first position computed
+            spans = computed_spans(req, n)
+            start = spans[-1][0]  # the first position of the rows (the last span's)
             req.num_computed_tokens += n
-            self._count_prompt_tokens(req, start)
+            self._count_prompt_tokens(req, spans)
             if req.blend is not None:
-                req.blend.pending_copy = 0
+                req.blend.pending_copy, req.blend.step_spans = 0, None
                 store_segments(req, self.runner, self.kv)
             if req.logits_from is not None and start + len(rows) > req.logits_from:
                 req.kept_logits.append(rows[max(0, req.logits_from - start) :].float().log_softmax(-1))
@@ -334,10 +349,13 @@ class LLMEngine:
             to_sample.append((req, rows[len(rows) - 1 - len(req.spec_token_ids) :]))
         return news + self._sample(to_sample, now) if to_sample else news
 
-    def _count_prompt_tokens(self, req: Request, start: int) -> None:
-        """Prompt tokens computed, each once: a preempted request recomputing its prompt is not counted again."""
+    def _count_prompt_tokens(self, req: Request, spans: list[tuple[int, int]]) -> None:
+        """Prompt tokens computed (the step's spans), each once: a preempted request recomputing its prompt is not
+        counted again."""
+        for start, end in spans:
+            end = min(end, req.num_prompt_tokens)
+            self.prompt_tokens += max(0, end - max(start, req.prompt_tokens_counted))
         end = min(req.num_computed_tokens, req.num_prompt_tokens)
-        self.prompt_tokens += max(0, end - max(start, req.prompt_tokens_counted))
         req.prompt_tokens_counted = max(req.prompt_tokens_counted, end)
 
     def _record_prompt_logprobs(self, req: Request, start: int, rows: torch.Tensor) -> None:

@@ -15,10 +15,19 @@ A request with segments, once admitted:
    passage's tail, then the one before it); the tail that does not fill a block and everything after the last
    segment (the question) are always computed;
 3. a segment not stored yet is computed normally and then stored (`store_segments`, keys rotated back to 0).
-The prompt is thus a sequence of compute and copy spans processed in order: a compute span is an ordinary
-(chunked) prefill chunk that attends to every position before it, copied or computed, so chunked prefill, the
-fused C step and speculation (which only starts once the prompt is done) run unchanged. Preemption frees the
-request's blocks and holds; re-admission plans again.
+The prompt is thus a sequence of compute and copy spans: a step takes the copies and every compute span up to
+its token budget (`step_size`), each span an ordinary prefill chunk of the same forward that attends to every
+position before it, copied or computed (every path writes the step's K/V before attending), so a prompt of many
+passages is one step as under the prefix cache alone, and chunked prefill, the fused C step and speculation
+(which only starts once the prompt is done) run unchanged.
+
+The bound mode (`max_deviation`) chooses the recomputed tokens per prompt instead: every stored block is copied,
+then `_probe` runs layer 0 over the rest of the prompt and computes layer 1's K/V (CacheBlend's check layer: layer
+0's depend on the token alone) for every copied token; the ones whose deviation from their copy weighs most are
+computed again, in that same step, until the deviation left is under the bound. ESTIMATE "attention" weighs a
+deviation by what the question reads (the first-order change of its attention output at layer 1, relative);
+"kv" is CacheBlend's relative K/V error. benchmarks/serving/blend_quality.py measures both on three corpora.
+Preemption frees the request's blocks and holds; re-admission plans again.
 
 Why the tokens nearest the question: measured outside the engine (benchmarks/kv/blend_variants.py, the same 8
 questions x 16 positions, r = 0.15, passages stored in another order), they give 95.3% top-1 and KL 0.029,

@@ -10,6 +10,7 @@ from engine_helpers import assert_all_blocks_free, kv_budget, make_engine
 
 import pagedllm.model.kernels.kv_quant as kv_quant
 from pagedllm import SamplingParams
+from pagedllm.engine import blend
 from pagedllm.kv.hashing import hash_segment_blocks, segment_root
 from pagedllm.model.runner import ModelRunner, SeqChunk
 from pagedllm.sampling_params import SamplingParamsError
@@ -136,10 +137,12 @@ def test_chunked_prefill_and_preemption_keep_blending_and_leak_nothing(model_fp3
     wide = make_engine(model_fp32, speculative_config=None)
     run(wide, "a", *build(parts, [0, 1, 2]), 0.0)
     assert run(wide, "b", b, spans_b, 0.1).outputs[0].token_ids == one.outputs[0].token_ids
-    small = make_engine(model_fp32, speculative_config=None, kv_cache_memory=kv_budget(40))
+    # a prompt's spans run in one step, so admission takes its whole prompt's slots: the budget of 40 admits
+    # requests a chunk at a time, and 120 tokens each outgrow the cache
+    small = make_engine(model_fp32, speculative_config=None, kv_cache_memory=kv_budget(40), max_num_batched_tokens=40)
     run(small, "a", *build(parts, [0, 1, 2]), 0.0)
     for rid in ("x", "y", "z", "w"):
-        small.add_request(rid, b, SamplingParams(temperature=0, max_tokens=60), kv_segments=spans_b)
+        small.add_request(rid, b, SamplingParams(temperature=0, max_tokens=120), kv_segments=spans_b)
     small.abort_request("y")
     while small.has_unfinished_requests():
         small.step()
@@ -173,13 +176,21 @@ def test_a_failing_copy_fails_its_request_alone_and_leaks_nothing(model_fp32, pa
         ("0-10", None, "kv_segments"),
         ([[0, 10]], 1.5, "kv_blend_recompute"),
         ([[0, 10]], True, "kv_blend_recompute"),
+        ([[0, 10]], {"max_deviation": -0.1}, "kv_blend_max_deviation"),
+        ([[0, 10]], {"max_deviation": "0.05"}, "kv_blend_max_deviation"),
+        ([[0, 10]], {"max_deviation": 0.05, "recompute": 0.1}, "kv_blend_max_deviation"),  # one or the other
     ],
 )
 def test_bad_segments_are_refused_naming_the_field_and_queue_nothing(model_fp32, parts, segments, recompute, param):
     engine = make_engine(model_fp32)
     ids, _ = build(parts, [0])
+    kw = (
+        {"kv_blend_recompute": recompute}
+        if not isinstance(recompute, dict)
+        else {"kv_blend_max_deviation": recompute["max_deviation"], "kv_blend_recompute": recompute.get("recompute")}
+    )
     with pytest.raises(SamplingParamsError) as e:
-        engine.add_request("bad", ids, PARAMS, kv_segments=segments, kv_blend_recompute=recompute)
+        engine.add_request("bad", ids, PARAMS, kv_segments=segments, **kw)
     assert e.value.param == param
     assert not engine.has_unfinished_requests()
     assert_all_blocks_free(engine)
@@ -216,7 +227,7 @@ def test_engines_with_other_dtypes_or_block_sizes_key_segments_apart(model_fp32,
     ]:
         engine = make_engine(model, kv_cache_memory=8 * 2**20, **kw)
         for salt in (None, "tenant"):
-            blend = engine._blend_state(100, [(0, 50)], None, salt)
+            blend = engine._blend_state(100, [(0, 50)], None, None, salt)
             assert blend is not None
             roots.add(blend.root)
     assert len(roots) == 8
@@ -233,7 +244,7 @@ def test_kv_written_under_another_kernel_route_is_keyed_apart(model_fp32, model_
     assert engine_fingerprint(model_fp32, kv_dtype, 16) != engine_fingerprint(model_fp32_exact, kv_dtype, 16)
     for kw in ({}, {"kv_offload_dir": str(tmp_path)}):
         roots = {
-            make_engine(m, kv_cache_memory=8 * 2**20, **kw)._blend_state(100, [(0, 50)], None, None).root
+            make_engine(m, kv_cache_memory=8 * 2**20, **kw)._blend_state(100, [(0, 50)], None, None, None).root
             for m in (model_fp32, model_fp32_exact)
         }
         assert len(roots) == 2, kw
@@ -288,8 +299,9 @@ def test_the_recomputed_tokens_are_the_passage_tokens_nearest_the_question(model
 
 def test_a_passage_twice_in_one_prompt_is_held_twice_and_freed_by_an_abort(model_fp32, parts):
     """The same passage in two places holds its stored blocks twice; copying the first occurrence drops one hold
-    of each, and an abort before the second copy returns the other: no block is left referenced."""
-    engine = make_engine(model_fp32, speculative_config=None)
+    of each, and an abort before the second copy returns the other: no block is left referenced. (A budget of 8
+    tokens a step stops between the copies: within the budget, a prompt's copies all come in one step.)"""
+    engine = make_engine(model_fp32, speculative_config=None, max_num_batched_tokens=8)
     run(engine, "a", *build(parts, [0, 1, 2]), 0.0)
     ids, spans = build(parts, [1, 0, 0])
     one = (spans[1][1] - spans[1][0]) // 16  # full blocks of passage 0
@@ -392,3 +404,86 @@ def removed_any(engine) -> bool:
     from pagedllm.kv.events import BlockRemoved
 
     return any(isinstance(ev, BlockRemoved) for ev in engine.kv.pool.events.since(0)[1])
+
+
+def _steps_to_first_token(engine, rid, ids, **kw):
+    """Engine steps (the engine's own count: no clock) until the request's first token."""
+    before = engine.num_steps
+    engine.add_request(rid, ids, SamplingParams(temperature=0, max_tokens=1), **kw)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return engine.num_steps - before
+
+
+def test_a_prompts_compute_spans_run_in_one_step(model_fp32, parts):
+    """Three passages copied out of order leave four compute spans (the passages' tails, the question): within
+    the budget they are chunks of one forward, as a prompt served by the prefix cache alone. The bound mode too:
+    its measure and its chosen tokens come in that step."""
+    engine = make_engine(model_fp32, speculative_config=None)
+    run(engine, "a", *build(parts, [0, 1, 2]), 0.0)
+    chunks: list[int] = []
+    execute = engine.runner.execute
+    engine.runner.execute = lambda cs: chunks.append(len(cs)) or execute(cs)
+    b, spans = build(parts, [2, 0, 1])
+    assert _steps_to_first_token(engine, "b", b, kv_segments=spans, kv_blend_recompute=0.15) == 1
+    assert chunks == [len(spans) + 1]  # a chunk per span computed (each passage's tail, then the question)
+    c, spans_c = build(parts, [1, 2, 0])
+    assert (
+        _steps_to_first_token(
+            engine, "c", [7] + c, kv_segments=[(s + 1, e + 1) for s, e in spans_c], kv_blend_max_deviation=0.05
+        )
+        == 1
+    )
+    assert_all_blocks_free(engine)
+
+
+def _bound_run(model, parts, order, bounds):
+    """Per bound, (greedy tokens, tokens copied) of one prompt whose passages were stored in another order; each
+    request starts with its own token, so no request finds another's blocks in the prefix cache."""
+    engine = make_engine(model, speculative_config=None)
+    run(engine, "a", *build(parts, [0, 1, 2]), 0.0)
+    ids, spans = build(parts, order)
+    got = []
+    for i, bound in enumerate(bounds):
+        engine.add_request(
+            f"b{i}", [9] + ids, PARAMS, kv_segments=[(s + 1, e + 1) for s, e in spans], kv_blend_max_deviation=bound
+        )
+        out = None
+        while engine.has_unfinished_requests():
+            out = next((o for o in engine.step() if o.finished), out)
+        got.append((out.outputs[0].token_ids, out.num_blend_tokens))
+    assert_all_blocks_free(engine)
+    return got, [9] + ids
+
+
+@pytest.mark.parametrize("estimate", ["attention", "kv"])
+def test_the_bound_mode_recomputes_more_as_the_bound_tightens(model_fp32, parts, estimate, monkeypatch):
+    """The measured deviation decides the share: a looser bound copies more of the same prompt, a tighter one
+    less, and every bound leaves something to copy but 0."""
+    monkeypatch.setattr(blend, "ESTIMATE", estimate)
+    got, _ = _bound_run(model_fp32, parts, [1, 2, 0], [0.5, 0.03, 0.005])
+    copied = [n for _, n in got]
+    assert copied[0] > copied[1] > copied[2] > 0, copied
+
+
+def test_a_bound_of_zero_is_full_prefill_exactly(model_fp32, parts):
+    """Bound 0 copies nothing: the greedy tokens are those of a plain request, token for token."""
+    got, ids = _bound_run(model_fp32, parts, [2, 1, 0], [0.0])
+    plain = make_engine(model_fp32, speculative_config=None)
+    assert got[0] == (run(plain, "p", ids).outputs[0].token_ids, 0)
+
+
+def test_an_abort_before_the_bound_modes_measure_frees_every_block_and_hold(model_fp32, parts):
+    """A budget of 8 tokens a step computes the head first; aborted then, with the passages held for copying,
+    every block and hold comes back."""
+    engine = make_engine(model_fp32, speculative_config=None, max_num_batched_tokens=8)
+    run(engine, "a", *build(parts, [0, 1, 2]), 0.0)
+    ids, spans = build(parts, [1, 2, 0])
+    engine.add_request(
+        "b", [9] + ids, PARAMS, kv_segments=[(s + 1, e + 1) for s, e in spans], kv_blend_max_deviation=0.05
+    )
+    engine.step()
+    assert any(engine.kv.req_segments.values())  # admitted, its passages held, nothing copied yet
+    engine.abort_request("b")
+    assert_all_blocks_free(engine)
+    assert not any(engine.kv.req_segments.values())

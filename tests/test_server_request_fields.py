@@ -278,6 +278,8 @@ def test_kv_blend_reuses_passages_in_another_order_and_is_off_when_absent(server
         {"segments": [[0, 10]], "recompute": 2},
         {"segments": "0-10"},
         {"segments": [[0, 10]], "ratio": 0.1},
+        {"segments": [[0, 10]], "max_deviation": 1.5},
+        {"segments": [[0, 10]], "max_deviation": 0.05, "recompute": 0.1},  # the bound or the share, not both
     ],
 )
 def test_bad_kv_blend_is_a_400_naming_it_and_queues_nothing(server, kv_blend):

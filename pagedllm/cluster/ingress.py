@@ -121,6 +121,7 @@ class ClusterEngine:
         priority: int = 0,
         kv_segments: list[tuple[int, int]] | None = None,
         kv_blend_recompute: float | None = None,
+        kv_blend_max_deviation: float | None = None,
         lora_request: LoRARequest | None = None,
     ) -> ClusterStream:
         """Send the request to the replica the router picks; returns once that replica's engine took it, or
@@ -131,6 +132,8 @@ class ClusterEngine:
         extra: dict = {SALT_KW: cache_salt, "priority": priority}
         if kv_segments is not None:  # kv_blend: sent only when asked for
             extra |= {"kv_segments": kv_segments, "kv_blend_recompute": kv_blend_recompute}
+            if kv_blend_max_deviation is not None:
+                extra["kv_blend_max_deviation"] = kv_blend_max_deviation
         if lora_request is not None:  # the router keys its prefixes by the adapter's id too
             extra[LORA_KW] = lora_request
         gen = call(self.handle, "generate", request_id, stream=True, **{PROMPT_KW: ids}, params=params, **extra)

@@ -93,6 +93,7 @@ class EngineReplica:
         priority: int = 0,
         kv_segments: list[tuple[int, int]] | None = None,
         kv_blend_recompute: float | None = None,
+        kv_blend_max_deviation: float | None = None,
         lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[str | RequestOutput]:
         """First this replica's id, once the engine took the request (a refusal raises before it, so the ingress
@@ -106,6 +107,7 @@ class EngineReplica:
             priority=priority,
             kv_segments=kv_segments,
             kv_blend_recompute=kv_blend_recompute,
+            **({} if kv_blend_max_deviation is None else {"kv_blend_max_deviation": kv_blend_max_deviation}),
             lora_request=lora_request,
         )
         yield self.replica_id

@@ -118,6 +118,7 @@ class _Add:
     priority: int = 0
     kv_segments: list[tuple[int, int]] | None = None
     kv_blend_recompute: float | None = None
+    kv_blend_max_deviation: float | None = None
     lora_request: LoRARequest | None = None
 
 
@@ -284,6 +285,7 @@ class AsyncLLMEngine:
         priority: int = 0,
         kv_segments: list[tuple[int, int]] | None = None,
         kv_blend_recompute: float | None = None,
+        kv_blend_max_deviation: float | None = None,
         lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Hand a request to the engine; returns once the engine took it (raises what the engine raised)."""
@@ -302,6 +304,7 @@ class AsyncLLMEngine:
                     priority,
                     kv_segments,
                     kv_blend_recompute,
+                    kv_blend_max_deviation,
                     lora_request,
                 )
             )
@@ -434,6 +437,7 @@ class AsyncLLMEngine:
                         priority=op.priority,
                         kv_segments=op.kv_segments,
                         kv_blend_recompute=op.kv_blend_recompute,
+                        kv_blend_max_deviation=op.kv_blend_max_deviation,
                         **extra,
                     )
             except Exception as e:  # noqa: BLE001 - UserError for bad input; anything else is the caller's to see too

@@ -34,6 +34,7 @@ class EngineCore(Protocol):
         priority: int = 0,
         kv_segments: list[tuple[int, int]] | None = None,
         kv_blend_recompute: float | None = None,
+        kv_blend_max_deviation: float | None = None,
         lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request (all its `params.n` samples) or raise `UserError` leaving nothing behind."""
@@ -92,6 +93,7 @@ class AsyncEngine(Protocol):
         priority: int = 0,
         kv_segments: list[tuple[int, int]] | None = None,
         kv_blend_recompute: float | None = None,
+        kv_blend_max_deviation: float | None = None,
         lora_request: LoRARequest | None = None,
     ) -> Any:
         """Queue a request; returns its stream once the engine took it, or raises what the engine raised.

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from pagedllm.engine.acceptance import accept, sampling_rows
-from pagedllm.engine.blend import BlendState, apply_copies, check_segments, store_segments
+from pagedllm.engine.blend import BlendState, apply_copies, check_segments, computed_spans, store_segments
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.disk_tier import kernel_facts, open_disk_tier
 from pagedllm.engine.fault_isolation import Computed, Scheduled, forward_guarded, sample_guarded
@@ -56,14 +56,9 @@ def lora_slots(config: EngineConfig) -> int:
     return config.max_cpu_loras or config.max_loras
 
 
-def _pending_copy(req: Request) -> int:
-    """Leading tokens of the request's scheduled ones this step that are copied, not computed (kv_blend)."""
-    return req.blend.pending_copy if req.blend is not None else 0
-
-
 def _attach_blend(child: Request, blend: BlendState | None, logits_from: int | None) -> None:
     """Each sample its own kv_blend state (its copies and holds are its own), from the checked one."""
-    child.blend = BlendState(blend.segments, blend.recompute, blend.root) if blend is not None else None
+    child.blend = BlendState(blend.segments, blend.recompute, blend.root, blend.max_deviation) if blend else None
     child.logits_from = logits_from
 
 
@@ -203,13 +198,15 @@ class LLMEngine:
         kv_segments: list[tuple[int, int]] | None = None,
         kv_blend_recompute: float | None = None,
         logits_from: int | None = None,
+        kv_blend_max_deviation: float | None = None,
         lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request (its n samples); `prompt_token_ids` gives the ids of a text prompt already encoded.
         PoolingParams make it an embedding request: its prompt computed, no token sampled, one vector out.
         `cache_salt`: its blocks are shared only with requests of the same salt (a tenant's); `priority`: with
         --scheduling-policy priority, lower values are admitted first (vLLM's). `kv_segments`: [start, end) spans
-        whose KV may be reused wherever they land (blend.py), `kv_blend_recompute` of each computed again;
+        whose KV may be reused wherever they land (blend.py), `kv_blend_recompute` of each computed again, or
+        (`kv_blend_max_deviation`, the bound mode) as many as keep the measured deviation under that bound;
         `logits_from`: each position's log-softmax from it on, in `prompt_logits`; `lora_request`: the LoRA
         adapter it runs under (loaded now if it is not yet; needs enable_lora). All is checked first.
         """
@@ -224,7 +221,11 @@ class LLMEngine:
         check_params(params, len(prompt_ids), self.model_config.vocab_size, self.max_model_len)
         self._load_lora(lora_request)
         blend = self._blend_state(
-            len(prompt_ids), kv_segments, kv_blend_recompute, extra_key(cache_salt, lora_id(lora_request))
+            len(prompt_ids),
+            kv_segments,
+            kv_blend_recompute,
+            kv_blend_max_deviation,
+            extra_key(cache_salt, lora_id(lora_request)),
         )
         if params.bad_words:
             params = replace(params, bad_words_token_ids=bad_words_token_ids(params.bad_words, self.tokenizer))
@@ -292,18 +293,24 @@ class LLMEngine:
         return self.loras.remove(lora_int_id)
 
     def _blend_state(
-        self, prompt_len: int, segments: object, recompute: float | None, cache_key: object
+        self,
+        prompt_len: int,
+        segments: object,
+        recompute: float | None,
+        max_deviation: float | None,
+        cache_key: object,
     ) -> BlendState | None:
         """A request's kv_blend state (checked), or None: no segments, or keys that cannot be moved (dynamic NTK).
         The segment root covers what stored segment KV depends on besides its tokens, so a copy made under other
         settings is never found: the disk tier's fingerprint (the weights' digest and kernels) when there is one,
         else the checkpoint's path, its dtype, quantization and kernels (disk_tier.kernel_facts); the KV dtype, the
-        block size, the cache salt and the LoRA adapter's id (`cache_key`: kv.hashing.extra_key)."""
+        block size, the cache salt and the LoRA adapter's id (`cache_key`: kv.hashing.extra_key). A request sets the
+        fixed share or the bound, else the engine's default (--kv-blend-max-deviation when set: the bound mode)."""
         if segments is None:
-            if recompute is not None:
-                check_segments([], prompt_len, recompute)
+            if recompute is not None or max_deviation is not None:
+                check_segments([], prompt_len, recompute, max_deviation)
             return None
-        spans = check_segments(segments, prompt_len, recompute)
+        spans = check_segments(segments, prompt_len, recompute, max_deviation)
         if spans and self.runner.states:
             raise UserError(
                 f"kv_segments: kv_blend cannot run on {self.model_config.name}: its linear-attention layers keep a "
@@ -318,7 +325,9 @@ class LLMEngine:
             else (loaded.path, loaded.quantization, kernel_facts(loaded))
         )
         key = (self.model_config.name, weights, str(loaded.dtype), str(self.kv_dtype), self.block_size, cache_key)
-        return BlendState(spans, self.config.kv_blend_recompute if recompute is None else recompute, segment_root(key))
+        if recompute is None and max_deviation is None:
+            recompute, max_deviation = self.config.kv_blend_recompute, self.config.kv_blend_max_deviation
+        return BlendState(spans, 1.0 if recompute is None else recompute, segment_root(key), max_deviation)
 
     def abort_request(self, request_id: str) -> None:
         parent = self.parents.pop(request_id, None)
@@ -373,14 +382,22 @@ class LLMEngine:
         if compiling:
             self.grammars.wait_any(compiling, 0.05)
 
-    def _chunk(self, req: Request, n: int) -> SeqChunk:
-        """The request's next n tokens (past those of them copied: kv_blend), then its drafts: verifying them
-        needs the logits at every position."""
-        end = req.num_computed_tokens + n
-        start = req.num_computed_tokens + _pending_copy(req)
-        keep = req.logits_from is not None and end > req.logits_from
+    def _chunks(self, req: Request, n: int) -> list[SeqChunk]:
+        """The request's next n tokens as one chunk per span it computes (kv_blend: the copied tokens between
+        them are not computed; every span runs in this step, each attending to those before it, whose K/V the
+        step writes first), then its drafts: verifying them needs the logits at every position. Only the last
+        span's logits are used (the positions whose logits are kept are never copied)."""
+        spans = computed_spans(req, n)
         tables = self.kv.get_group_block_ids(req.request_id)
-        return SeqChunk(
+        chunks = [
+            SeqChunk(
+                req.all_token_ids[s:e], s, tables[0], False, tables if len(tables) > 1 else None, None, req.lora_int_id
+            )
+            for s, e in spans[:-1]
+        ]
+        start, end = spans[-1]
+        keep = req.logits_from is not None and end > req.logits_from
+        last = SeqChunk(
             req.all_token_ids[start:end] + req.spec_token_ids,
             start,
             tables[0],
@@ -389,6 +406,7 @@ class LLMEngine:
             self.kv.state_slot(req.request_id),
             req.lora_int_id,
         )
+        return chunks + [last]
 
     def _forward(self, scheduled: Scheduled) -> list[torch.Tensor]:
         """Run the model over the scheduled chunks; per request, its logits rows (a pooling request: its final
@@ -396,12 +414,14 @@ class LLMEngine:
         for r, _ in scheduled:
             apply_copies(r, self.runner, self.kv)  # before the forward: the computed tokens attend to them
             self._restore_state(r)
-        chunks = [self._chunk(r, n) for r, n in scheduled]
+        per_req = [self._chunks(r, n) for r, n in scheduled]
         pooled = [r.pooling is not None for r, _ in scheduled]
-        gen = [c for c, p in zip(chunks, pooled) if not p]
+        gen = [c for cs, p in zip(per_req, pooled) if not p for c in cs]
         logits = iter(self.runner.execute(gen).split([c.num_logits for c in gen]) if gen else [])
-        hidden = iter(self.runner.execute_hidden([c for c, p in zip(chunks, pooled) if p]) if any(pooled) else [])
-        return [next(hidden) if p else next(logits) for p in pooled]
+        hidden = iter(
+            self.runner.execute_hidden([cs[-1] for cs, p in zip(per_req, pooled) if p]) if any(pooled) else []
+        )
+        return [next(hidden) if p else [next(logits) for _ in cs][-1] for cs, p in zip(per_req, pooled)]
 
     def _restore_state(self, req: Request) -> None:
         """A hybrid request whose prefix hit ends at a state checkpoint starts from a copy of it."""
@@ -428,12 +448,13 @@ class LLMEngine:
         for req, n, rows in done:
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
-            start = req.num_computed_tokens + _pending_copy(req)  # the first position computed
+            spans = computed_spans(req, n)
+            start = spans[-1][0]  # the first position of the rows (the last span's)
             req.num_computed_tokens += n
             self._checkpoint_state(req)
-            self._count_prompt_tokens(req, start)
+            self._count_prompt_tokens(req, spans)
             if req.blend is not None:
-                req.blend.pending_copy = 0
+                req.blend.pending_copy, req.blend.step_spans = 0, None
                 store_segments(req, self.runner, self.kv)
             if req.logits_from is not None and start + len(rows) > req.logits_from:
                 req.kept_logits.append(rows[max(0, req.logits_from - start) :].float().log_softmax(-1))
@@ -453,10 +474,13 @@ class LLMEngine:
             to_sample.append((req, rows[len(rows) - 1 - len(req.spec_token_ids) :]))
         return news + self._sample(to_sample, now) if to_sample else news
 
-    def _count_prompt_tokens(self, req: Request, start: int) -> None:
-        """Prompt tokens computed, each once: a preempted request recomputing its prompt is not counted again."""
+    def _count_prompt_tokens(self, req: Request, spans: list[tuple[int, int]]) -> None:
+        """Prompt tokens computed (the step's spans), each once: a preempted request recomputing its prompt is not
+        counted again."""
+        for start, end in spans:
+            end = min(end, req.num_prompt_tokens)
+            self.prompt_tokens += max(0, end - max(start, req.prompt_tokens_counted))
         end = min(req.num_computed_tokens, req.num_prompt_tokens)
-        self.prompt_tokens += max(0, end - max(start, req.prompt_tokens_counted))
         req.prompt_tokens_counted = max(req.prompt_tokens_counted, end)
 
     def _record_prompt_logprobs(self, req: Request, start: int, rows: torch.Tensor) -> None:

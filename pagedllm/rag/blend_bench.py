@@ -128,14 +128,19 @@ def _run(engine: Any, rid: str, ids: list[int], params: Any, **kw: Any) -> Any:
     raise RuntimeError(f"request {rid} never finished")
 
 
-def measure(engine: Any, prompts: list[BlendPrompt], recompute: float | None, ref: _Measured | None, max_tokens: int):
-    """Each prompt answered greedily, then teacher-forced on the reference answer (its own, for the reference)."""
+def measure(
+    engine: Any, prompts: list[BlendPrompt], setting: float | dict | None, ref: _Measured | None, max_tokens: int
+):
+    """Each prompt answered greedily, then teacher-forced on the reference answer (its own, for the reference).
+    `setting`: None for prefix caching alone, a recompute share, or add_request's kv_blend keywords (the bound
+    mode: {"kv_blend_max_deviation": x})."""
     from pagedllm import SamplingParams
 
     greedy, one = SamplingParams(temperature=0, max_tokens=max_tokens), SamplingParams(temperature=0, max_tokens=1)
+    blend = {"kv_blend_recompute": setting} if isinstance(setting, (int, float)) else setting
     m = _Measured()
     for i, p in enumerate(prompts):
-        kw = {} if recompute is None else {"kv_segments": p.spans, "kv_blend_recompute": recompute}
+        kw = {} if blend is None else {"kv_segments": p.spans, **blend}
         before = engine.prompt_tokens
         out = _run(engine, f"q{i}", p.ids, greedy, **kw)
         m.computed += engine.prompt_tokens - before

@@ -78,6 +78,13 @@ class KVBlend(OpenAIModel):
         description="share of the reused spans' tokens recomputed, nearest the question first "
         "(default: --kv-blend-recompute)",
     )
+    max_deviation: StrictFloat | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="the bound mode, in place of recompute: the tokens whose copied KV deviates most are recomputed "
+        "until the measured deviation left is at most this (0: full prefill; default: --kv-blend-max-deviation)",
+    )
 
 
 class SamplingRequest(RequestModel):

@@ -237,10 +237,14 @@ class ServingContext:
         if kv_blend is not None:
             for ids in prompts:
                 try:
-                    check_segments([list(x) for x in kv_blend.segments], len(ids), kv_blend.recompute)
+                    check_segments(
+                        [list(x) for x in kv_blend.segments], len(ids), kv_blend.recompute, kv_blend.max_deviation
+                    )
                 except SamplingParamsError as e:
                     raise APIError(f"kv_blend: {e}", 400, param="kv_blend") from None
             blend = {"kv_segments": list(kv_blend.segments), "kv_blend_recompute": kv_blend.recompute}
+            if kv_blend.max_deviation is not None:  # passed only when set: engines without the bound stay usable
+                blend["kv_blend_max_deviation"] = kv_blend.max_deviation
         if lora_request is not None:  # passed only when asked for, as kv_blend
             blend["lora_request"] = lora_request
         subs = [EngineRequest(i, i * params.n, f"{request_id}-{i}", ids) for i, ids in enumerate(prompts, first)]

@@ -143,7 +143,7 @@ def log_kv_cache(
     logger.info(
         "KV bytes/token by --kv-cache-dtype: %s",
         ", ".join(
-            f"{name} {kv_dtype_bytes_per_token(layers, cfg.num_kv_heads, cfg.head_dim, name):,}"
+            f"{name} {kv_dtype_bytes_per_token(layers, *cfg.kv_slot_shape, name):,}"
             for name in ("float32", "bfloat16", "int8", "fp8")
         ),
     )

@@ -225,3 +225,34 @@ def test_kv_calc_counts_the_shared_layers_out(ckpt):
     assert "KV bytes per token: 2,048" in text
     assert "2 layers read an earlier layer's KV (shared KV): no blocks of their own" in text
     assert load_model_config(ckpt[0]).kv_layout(hybrid=True).num_kv_layers == 4
+
+
+def test_a_multimodal_checkpoint_runs_its_text_model(tmp_path):
+    """What Google ships is Gemma4ForConditionalGeneration: config.json nests the text model's config, its tensors
+    sit under model.language_model. beside a vision tower's. The text model loads alone and answers as
+    transformers' whole model does on text."""
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration, Gemma4VisionConfig
+
+    text = {k: v for k, v in CONFIG.items() if k not in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    vision = Gemma4VisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+        head_dim=16,
+    )  # fmt: skip
+    ids = dict(image_token_id=250, boi_token_id=251, eoi_token_id=252, video_token_id=249, boa_token_id=248)
+    cfg = Gemma4Config(text_config=text, vision_config=vision, eoa_token_index=247, audio_token_id=246, **ids)
+    torch.manual_seed(0)
+    hf = Gemma4ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.1 * torch.randn(p.shape))
+    hf.save_pretrained(str(tmp_path), safe_serialization=True)
+    save_tokenizer(str(tmp_path))
+    hf = Gemma4ForConditionalGeneration.from_pretrained(str(tmp_path), dtype=torch.float32).eval()  # as saved
+    prompt = [t % 240 for t in _tokens(40, 9)]  # below the image / audio tokens, which the whole model treats apart
+    with torch.inference_mode():
+        want = hf(torch.tensor([prompt])).logits[0].float()
+    loaded = load_model(str(tmp_path), dtype="float32", verbose=False)
+    assert loaded.config.architecture == "Gemma4ForConditionalGeneration" and loaded.config.num_kv_shared_layers == 2
+    runner = ModelRunner(loaded, num_blocks=32, block_size=8)
+    got = all_logits(runner, [SeqChunk(prompt, 0, list(range(1, 8)))])[0]
+    assert (got - want).abs().max().item() / want.abs().max().item() < TOL

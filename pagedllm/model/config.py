@@ -301,6 +301,8 @@ def model_name(path: str) -> str:
 def config_from_hf_dict(cfg: dict[str, Any], where: str, gen_cfg: dict[str, Any] | None = None) -> ModelConfig:
     """Build a ModelConfig from a transformers config.json dict (and optional generation_config.json)."""
     arch, fam = _family_of(cfg, where)
+    if arch in fam.multimodal_architectures and isinstance(cfg.get("text_config"), dict):
+        cfg = cfg["text_config"] | {"architectures": [arch]}  # the text model of a multimodal checkpoint
     try:
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])

@@ -276,13 +276,20 @@ def _gguf_experts(gf: GGUFFile, name: str, hf: str, experts: int, keep_quantized
 
 
 _LAYER_NAME = re.compile(r"(model\.layers\.\d+\.)(.+)")
+_TEXT_MODEL = "model.language_model."  # a multimodal checkpoint's text model (Family.multimodal_architectures)
 
 
 def unfused(model: CausalLM, tensors: Iterator[tuple[str, Value]], where: str) -> Iterator[tuple[str, Value]]:
     """The checkpoint's tensors with each that holds several of the table's (the family's `unfuse`: 3-D
     experts, gate and up stacked, another name) split into those."""
-    rules = {rule.source: rule for rule in family_of(model).unfuse}
+    fam = family_of(model)
+    rules = {rule.source: rule for rule in fam.unfuse}
+    text_only = model.config.architecture in fam.multimodal_architectures
     for name, t in tensors:
+        if text_only:  # a multimodal checkpoint: its text model's tensors, renamed; the other towers' skipped
+            if name.startswith("model.") and not name.startswith(_TEXT_MODEL):
+                continue
+            name = name.replace(_TEXT_MODEL, "model.", 1)
         m = _LAYER_NAME.fullmatch(name)
         rule = rules.get(m.group(2)) if m else None
         if m is None or rule is None or not isinstance(t, torch.Tensor):

@@ -76,6 +76,9 @@ class Family:
     gguf_permute_qk: bool = False  # llama.cpp's converter permuted Q/K rows for its interleaved RoPE
     moe: bool = False  # sparse layers (families/moe.py); picks Mixtral over Llama for a GGUF "llama" with experts
     unfuse: tuple[Unfuse, ...] = ()  # checkpoint tensors that hold several of the table's (3-D experts, renames)
+    # multimodal checkpoints of which pagedllm runs the text model: its config under config.json's text_config,
+    # its tensors under "model.language_model." (the vision and audio towers' are left unread)
+    multimodal_architectures: tuple[str, ...] = ()
 
 
 def every_nth(num_layers: int, n: int, hit: str, other: str) -> list[str]:

@@ -10,6 +10,9 @@ of 1 (the q/k norms set the scale), V RMS-normed without a weight, and what is n
   each layer gates into the residual stream after its MLP;
 - a learned scalar on each layer's output (`layer_scalar`).
 
+Google's checkpoints are Gemma4ForConditionalGeneration (text, vision, audio): the text model runs, read from
+config.json's text_config and the tensors under model.language_model.; images and audio are not taken.
+
 The sparse block of the 26B-A4B (`enable_moe_block`) is refused by name: it runs beside the dense MLP with its own
 norms and router, which the shared MoE block does not compute yet.
 """
@@ -84,10 +87,11 @@ def hf_fields(cfg: dict[str, Any]) -> dict[str, Any]:
 
 GEMMA4 = Family(
     "gemma4",
-    ("Gemma4ForCausalLM",),
-    ("gemma4_text",),
+    ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
+    ("gemma4_text", "gemma4"),
     (),
     hf_fields=hf_fields,
     layer_tensors=GEMMA4_LAYER,
     tie_default=True,
+    multimodal_architectures=("Gemma4ForConditionalGeneration",),  # what Google ships: its text model runs
 )

@@ -306,6 +306,7 @@ def _probe(req: Request, runner: ModelRunner, kv: KVCacheManager, blend: BlendSt
         h if layer.attn_norm is None else layer.attn_norm(h),
         rope.cos_sin(meta.positions, h.dtype) if rope is not None else None,
     )
+    assert k is not None and v is not None, "the probe layer stores its own K/V (kv_blend's models share none)"
     slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(total)], device=runner.device)
     kc, vc = runner.kv_caches[PROBE_LAYER]
     old_k, old_v = (_rows(c, slots, runner.kv_dtype) for c in (kc, vc))  # every position up to the end

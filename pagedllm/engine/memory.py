@@ -203,10 +203,7 @@ def log_kv_cache(cfg: ModelConfig, config: EngineConfig, num_blocks: int, kv_dty
     layers = layout.num_kv_layers
     logger.info(
         "KV bytes/token by --kv-cache-dtype: %s",
-        ", ".join(
-            f"{name} {kv_dtype_bytes_per_token(layers, cfg.num_kv_heads, cfg.head_dim, name):,}"
-            for name in KV_DTYPE_ROWS
-        ),
+        ", ".join(f"{name} {kv_dtype_bytes_per_token(layers, *cfg.kv_slot_shape, name):,}" for name in KV_DTYPE_ROWS),
     )
     if len(layout.groups) > 1 or layout.groups[0].window is not None:
         logger.info(

@@ -179,9 +179,10 @@ def _report_groups(cfg, dtype: str, block_size: int, max_len: int) -> None:
     in each KV-cache group of the pool (each its own table: a sliding group gives back what fell out of its
     window, the full group keeps its own)."""
     layout = cfg.kv_layout(hybrid=True)
+    heads, dim = cfg.kv_slot_shape  # a cache slot's shape (the largest layer's, for Gemma 4's two)
     print("KV-cache groups (layers that attend alike):")
     for g in layout.kinds():
-        per = kv_dtype_bytes_per_token(len(g.layers), cfg.num_kv_heads, cfg.head_dim, dtype)
+        per = kv_dtype_bytes_per_token(len(g.layers), heads, dim, dtype)
         print(f"  {g.name}: {len(g.layers)} layers, {per:,} bytes per token")
     shared = cfg.num_layers - layout.num_kv_layers - len(layout.recurrent_layers)
     if shared:
@@ -195,7 +196,7 @@ def _report_groups(cfg, dtype: str, block_size: int, max_len: int) -> None:
                 f"blocks out of the {window:,}-token window go back to the pool"
             )
         return
-    per_block = kv_bytes_per_block(layout.layers_per_block, cfg.num_kv_heads, cfg.head_dim, dtype, block_size)
+    per_block = kv_bytes_per_block(layout.layers_per_block, heads, dim, dtype, block_size)
     print(
         f"the pool: blocks of {layout.layers_per_block} layers ({per_block:,} bytes per block of {block_size}), "
         f"{len(layout.groups)} groups with a block table each; a request of {max_len:,} tokens holds:"
@@ -203,9 +204,7 @@ def _report_groups(cfg, dtype: str, block_size: int, max_len: int) -> None:
     for i, (g, n) in enumerate(zip(layout.groups, held)):
         print(f"  group {i} ({g.name}, layers {', '.join(map(str, g.layers))}): {n:,} blocks")
     total = sum(held) * per_block
-    one_table = cdiv(max_len, block_size) * kv_bytes_per_block(
-        layout.num_kv_layers, cfg.num_kv_heads, cfg.head_dim, dtype, block_size
-    )
+    one_table = cdiv(max_len, block_size) * kv_bytes_per_block(layout.num_kv_layers, heads, dim, dtype, block_size)
     print(f"  in all {sum(held):,} blocks = {total:,} bytes, {total / one_table:.2f} of one table for every layer")
 
 
@@ -233,7 +232,7 @@ def _report_model(model: str, dtype: str, block_size: int, max_len: int, used: l
     _report_weights(cfg, None if model == "default" else model)
 
     def per_token_of(name: str) -> int:  # the layers that store KV (a shared layer stores none)
-        return kv_dtype_bytes_per_token(cfg.kv_layout().num_kv_layers, cfg.num_kv_heads, cfg.head_dim, name)
+        return kv_dtype_bytes_per_token(cfg.kv_layout().num_kv_layers, *cfg.kv_slot_shape, name)
 
     per_token = per_token_of(dtype)
     per_block = per_token * block_size

@@ -24,7 +24,8 @@ from pagedllm.model.families import (
     by_gguf_arch,
 )
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic", "factors")  # rope.py computes each
+# rope.py computes each
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic", "factors", "proportional")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # layers.py
 ROUTERS = ("softmax_topk", "topk_softmax")  # moe.py: the sparse block's routing
 MOE_ACTIVATIONS = (*ACTIVATIONS, "swigluoai")  # moe.py: the experts' (gpt-oss's clamped SwiGLU)
@@ -81,6 +82,18 @@ class ModelConfig:
     attention_sinks: bool = False  # gpt-oss: a learned logit per query head in each softmax (AttentionSpec.sinks)
     # Gemma 4: the last layers read the KV of the last earlier layer of their kind and store none (kv_spec.py)
     num_kv_shared_layers: int = 0
+    # Gemma 4 (families/gemma4.py): the full-attention layers' own head size and KV heads (None: the others'),
+    # keys that are the values there (attention_k_eq_v: no v_proj, V is K's projection before its norm), V
+    # RMS-normed without a weight, per-layer input embeddings of this width (0: none), a learned scalar on each
+    # layer's output, and the MLP of a layer that reads another's KV twice as wide (use_double_wide_mlp).
+    global_head_dim: int | None = None
+    num_global_kv_heads: int | None = None
+    attention_k_eq_v: bool = False
+    v_norm: bool = False
+    hidden_size_per_layer_input: int = 0
+    vocab_size_per_layer_input: int = 0
+    layer_scalar: bool = False
+    double_wide_shared_mlp: bool = False
 
     # A sparse mixture of experts in place of the MLP (moe.py; families/moe.py reads these); 0 experts: dense.
     num_experts: int = 0
@@ -160,6 +173,38 @@ class ModelConfig:
         return len(self.linear_layers) * recurrent_state_bytes(
             conv, self.linear_conv_kernel_dim, heads, key_dim, value_dim, conv_dtype_bytes
         )
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose KV layer `layer` reads: itself, or for Gemma 4's shared layers an earlier one."""
+        windows = [self.layer_window(i) for i in range(self.num_layers)]
+        return kv_sources(windows, self.num_kv_shared_layers)[layer]
+
+    def layer_head_dim(self, layer: int) -> int:
+        """Layer `layer`'s head size: Gemma 4's full-attention layers have their own."""
+        full = self.global_head_dim is not None and self.layer_window(layer) is None
+        return self.global_head_dim if full and self.global_head_dim is not None else self.head_dim
+
+    def layer_kv_heads(self, layer: int) -> int:
+        """Layer `layer`'s KV heads: Gemma 4's full-attention layers may have their own."""
+        full = self.num_global_kv_heads is not None and self.layer_window(layer) is None
+        return self.num_global_kv_heads if full and self.num_global_kv_heads is not None else self.num_kv_heads
+
+    def layer_intermediate_size(self, layer: int) -> int:
+        """Layer `layer`'s MLP width: twice the others' for Gemma 4's shared-KV layers with use_double_wide_mlp."""
+        double = self.double_wide_shared_mlp and self.kv_source(layer) != layer
+        return self.intermediate_size * (2 if double else 1)
+
+    @property
+    def kv_slot_shape(self) -> tuple[int, int]:
+        """(KV heads, head size) of one cache slot per token: the largest of the layers that store KV (all layers
+        alike but for Gemma 4, whose smaller layers use the front of each row); what kv/sizing counts."""
+        shapes = {(self.layer_kv_heads(i), self.layer_head_dim(i)) for i in range(self.num_layers)}
+        return max(shapes, key=lambda s: (s[0] * s[1], s[0]))
+
+    @property
+    def global_rotary_dim(self) -> int:
+        """The rotary width of the "global" rotation: of the full-attention layers' heads (Gemma 4's own)."""
+        return int((self.global_head_dim or self.head_dim) * self.partial_rotary_factor)
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether layer `layer` has a sparse block (else the dense gated MLP of intermediate_size)."""
@@ -327,6 +372,8 @@ def config_from_hf_dict(cfg: dict[str, Any], where: str, gen_cfg: dict[str, Any]
     """Build a ModelConfig from a transformers config.json dict (and optional generation_config.json)."""
     cfg = _text_only(cfg)
     arch, fam = _family_of(cfg, where)
+    if arch in fam.multimodal_architectures and isinstance(cfg.get("text_config"), dict):
+        cfg = cfg["text_config"] | {"architectures": [arch]}  # the text model of a multimodal checkpoint
     try:
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])

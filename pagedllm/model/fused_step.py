@@ -62,6 +62,13 @@ def _model_blockers(cfg: ModelConfig) -> list[str]:
         (cfg.num_experts > 0 and cfg.moe_router not in ROUTERS, f"MoE router {cfg.moe_router}"),
         (bool(cfg.linear_layers), "linear-attention layers"),
         (cfg.attn_output_gate, "an attention output gate"),
+        # Gemma 4: the C step projects K and V in every layer, reads one head shape and has no PLE or layer scalar
+        (cfg.num_kv_shared_layers > 0, "KV shared across layers"),
+        (cfg.attention_k_eq_v, "keys equal to values"),
+        (cfg.v_norm, "a norm of V"),
+        (cfg.global_head_dim not in (None, cfg.head_dim), "a head size per layer kind"),
+        (cfg.hidden_size_per_layer_input > 0, "per-layer input embeddings"),
+        (cfg.layer_scalar, "a scalar on each layer's output"),
     ]
     return [why for hit, why in checks if hit]
 

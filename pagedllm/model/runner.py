@@ -73,7 +73,21 @@ def bytes_per_block(config: ModelConfig, block_size: int, kv_dtype: str, layout:
     """Bytes per block of a cache of that --kv-cache-dtype name, as kv/sizing counts them: a block spans the
     layout's layers per block (every layer that stores KV, for a model of one group)."""
     layers = (layout or config.kv_layout()).layers_per_block
-    return kv_bytes_per_block(layers, config.num_kv_heads, config.head_dim, kv_dtype, block_size)
+    return kv_bytes_per_block(layers, *config.kv_slot_shape, kv_dtype, block_size)
+
+
+def layer_view(cache: torch.Tensor, cfg: ModelConfig, layer: int) -> torch.Tensor:
+    """Layer `layer`'s [blocks, block_size, its KV heads, its row] view of a slot's cache tensor: the tensor itself
+    where the layer has the slot's shape, else the front of each token's row (Gemma 4's layers of two shapes
+    share slots, sized for the larger: ModelConfig.kv_slot_shape)."""
+    nb, bs = cache.shape[:2]
+    shape = kv_quant.cache_shape(nb, bs, cfg.layer_kv_heads(layer), cfg.layer_head_dim(layer), cache.dtype)
+    if shape == tuple(cache.shape):
+        return cache
+    row = shape[2] * shape[3]
+    if row > cache.shape[2] * cache.shape[3]:
+        raise ValueError(f"layer {layer}'s KV rows of {row} do not fit a cache slot of {cache.shape[2:]}")
+    return cache.view(nb, bs, -1)[..., :row].view(shape)
 
 
 class ModelRunner:
@@ -105,13 +119,16 @@ class ModelRunner:
         self.block_size = block_size
         cfg = self.config
         self.layout = layout or cfg.kv_layout()
-        shape = kv_quant.cache_shape(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype)
+        shape = kv_quant.cache_shape(num_blocks, block_size, *cfg.kv_slot_shape, self.kv_dtype)
         # One (K, V) pair per slot of a block; a layer reads its slot's, with its group's table (kv_spec.py)
         self.kv_tensors: list[tuple[torch.Tensor, torch.Tensor]] = [
             (zeroed(shape, self.kv_dtype, self.device), zeroed(shape, self.kv_dtype, self.device))
             for _ in range(self.layout.layers_per_block)
         ]
-        self.kv_caches = [self.kv_tensors[slot] for slot in self.layout.layer_slot]  # per model layer
+        self.kv_caches = [  # per model layer
+            (layer_view(k, cfg, i), layer_view(v, cfg, i))
+            for i, (k, v) in enumerate(self.kv_tensors[slot] for slot in self.layout.layer_slot)
+        ]
         # model layer -> its (conv, recurrent) states, one row per slot, for a hybrid model's linear layers
         self.states: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for i in cfg.linear_layers:
@@ -201,7 +218,9 @@ class ModelRunner:
         dst = torch.tensor(dst_slots, dtype=torch.long, device=self.device)
         shift = torch.full((len(src_slots),), delta, dtype=torch.long, device=self.device)
         quantized = kv_quant.is_quantized(self.kv_dtype)
-        for layer, (kc, vc) in zip(self.model.decoder_layers, self.kv_caches):
+        for i, (layer, (kc, vc)) in enumerate(zip(self.model.decoder_layers, self.kv_caches)):
+            if self.layout.kv_source[i] != i:
+                continue  # its KV is its source's, moved with it
             kflat = kc.view(-1, *kc.shape[2:])
             vflat = vc.view(-1, *vc.shape[2:])
             vflat[dst] = vflat[src]

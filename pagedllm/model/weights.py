@@ -35,7 +35,7 @@ from pagedllm.model.families.base import Unfuse
 from pagedllm.model.formats.gguf_file import GGUFFile
 from pagedllm.model.formats.gguf_quants import GGML_TYPES, from_gguf_blocks
 from pagedllm.model.kernels.quant_linear import QuantParts, log_once, pack, pack_merged, quantize_rtn
-from pagedllm.model.layers.decoder import CausalLM
+from pagedllm.model.layers.decoder import CausalLM, DecoderLayer
 from pagedllm.model.layers.linear import Embedding, Linear
 
 CHUNK_BYTES = 64 << 20  # float32 bytes of a dense GGUF matrix dequantized at a time
@@ -88,12 +88,15 @@ def family_of(model: CausalLM) -> Family:
     return fam
 
 
-def _row_splits(n_pieces: int, rows: int, model: CausalLM) -> list[tuple[int, int]]:
-    """Row ranges of the pieces of a merged weight: q, k, v or gate, up (one piece: all rows)."""
+def _row_splits(n_pieces: int, rows: int, layer: DecoderLayer, slot: str) -> list[tuple[int, int]]:
+    """Row ranges of the pieces of a merged weight: q, k, v (q, k where keys are the values) or gate, up (one
+    piece: all rows)."""
     if n_pieces == 1:
         return [(0, rows)]
-    layer = model.decoder_layers[0]
-    sizes = [layer.q_rows, layer.kv_size, layer.kv_size] if n_pieces == 3 else [rows // 2, rows // 2]
+    if slot in ("qkv", "qk"):
+        sizes = [layer.q_rows] + [layer.kv_size] * (n_pieces - 1)
+    else:
+        sizes = [rows // 2, rows // 2]
     ends = np.cumsum(sizes).tolist()
     return [(e - s, e) for s, e in zip(sizes, ends)]
 
@@ -107,6 +110,10 @@ def tensor_table(model: CausalLM) -> dict[str, Slot]:
     }
     if not model.lm_head.tied:
         table["lm_head.weight"] = Slot(model.lm_head, model.lm_head.weight, 0, 1, "weight")
+    for name, module in ({} if model.per_layer is None else model.per_layer.slots()).items():
+        weight = module.weight
+        assert isinstance(weight, torch.Tensor)
+        table[f"model.{name}.weight"] = Slot(module, weight, 0, 1, "weight")
     for i, layer in enumerate(model.decoder_layers):
         for slot, module in layer.slots().items():
             base, _, expert = slot.partition("#")  # "experts_down#3": expert 3's
@@ -116,7 +123,8 @@ def tensor_table(model: CausalLM) -> dict[str, Slot]:
                 if not isinstance(param, torch.Tensor):
                     continue
                 suffix = "" if getattr(module, "bare", False) else f".{kind}"  # a bare nn.Parameter (gpt-oss sinks)
-                for j, (name, (a, b)) in enumerate(zip(names, _row_splits(len(names), param.shape[0], model))):
+                splits = _row_splits(len(names), param.shape[0], layer, base)
+                for j, (name, (a, b)) in enumerate(zip(names, splits)):
                     table[f"model.layers.{i}.{name}{suffix}"] = Slot(module, param[a:b], j, len(names), kind)
     return table
 
@@ -149,7 +157,7 @@ def lora_targets(model: CausalLM) -> dict[str, LoRATarget]:
             if not isinstance(lin, Linear):
                 continue
             names = fam.layer_tensors[slot]
-            for name, (a, b) in zip(names, _row_splits(len(names), lin.out_features, model)):
+            for name, (a, b) in zip(names, _row_splits(len(names), lin.out_features, layer, slot)):
                 out[f"model.layers.{i}.{name}"] = LoRATarget(i, slot, lin, a, b)
     return out
 
@@ -312,13 +320,20 @@ def _gguf_experts(gf: GGUFFile, name: str, hf: str, experts: int, keep_quantized
 
 
 _LAYER_NAME = re.compile(r"(model\.layers\.\d+\.)(.+)")
+_TEXT_MODEL = "model.language_model."  # a multimodal checkpoint's text model (Family.multimodal_architectures)
 
 
 def unfused(model: CausalLM, tensors: Iterator[tuple[str, Value]], where: str) -> Iterator[tuple[str, Value]]:
     """The checkpoint's tensors with each that holds several of the table's (the family's `unfuse`: 3-D
     experts, gate and up stacked, another name) split into those."""
-    rules = {rule.source: rule for rule in family_of(model).unfuse}
+    fam = family_of(model)
+    rules = {rule.source: rule for rule in fam.unfuse}
+    text_only = model.config.architecture in fam.multimodal_architectures
     for name, t in tensors:
+        if text_only:  # a multimodal checkpoint: its text model's tensors, renamed; the other towers' skipped
+            if name.startswith("model.") and not name.startswith(_TEXT_MODEL):
+                continue
+            name = name.replace(_TEXT_MODEL, "model.", 1)
         m = _LAYER_NAME.fullmatch(name)
         rule = rules.get(m.group(2)) if m else None
         if m is None or rule is None or not isinstance(t, torch.Tensor):

@@ -3,6 +3,7 @@
 from pagedllm.model.families.base import Family, GGUFHeader
 from pagedllm.model.families.gemma2 import GEMMA2
 from pagedllm.model.families.gemma3 import GEMMA3
+from pagedllm.model.families.gemma4 import GEMMA4
 from pagedllm.model.families.gpt_oss import GPT_OSS
 from pagedllm.model.families.granite import GRANITE
 from pagedllm.model.families.granitemoe import GRANITEMOE
@@ -23,6 +24,7 @@ from pagedllm.model.families.qwen3_next import QWEN3_NEXT
 from pagedllm.model.families.smollm3 import SMOLLM3
 
 FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, PHI3, SMOLLM3, OLMO2, GRANITE)
+FAMILIES += (GEMMA4,)  # per-layer input embeddings, shared KV (families/gemma4.py)
 FAMILIES += (QWEN2_MOE, QWEN3_MOE, OLMOE, MIXTRAL, GRANITEMOE, GRANITEMOESHARED, GPT_OSS)  # sparse (families/moe.py)
 FAMILIES += (QWEN3_5, QWEN3_NEXT)  # hybrid: Gated DeltaNet layers with a recurrent state (layers/deltanet.py)
 FAMILIES += (GRANITEMOEHYBRID, LFM2)  # hybrid: Mamba2 (layers/mamba2.py), short conv (layers/shortconv.py)

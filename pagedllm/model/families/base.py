@@ -81,6 +81,9 @@ class Family:
     renamed: tuple[tuple[str, str], ...] = ()
     skipped: tuple[str, ...] = ()
     final_norm: str = "norm"  # the final norm's name under "model." (LFM2: embedding_norm)
+    # multimodal checkpoints of which pagedllm runs the text model: its config under config.json's text_config,
+    # its tensors under "model.language_model." (the vision and audio towers' are left unread)
+    multimodal_architectures: tuple[str, ...] = ()
 
 
 def every_nth(num_layers: int, n: int, hit: str, other: str) -> list[str]:

@@ -193,14 +193,15 @@ class PagedAttentionBackend:
     def forward(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         spec: AttentionSpec = AttentionSpec(),
     ) -> torch.Tensor:
-        """Write k/v into the cache at meta.slot_mapping, return attention output [T, H, D] as `spec` says."""
+        """Write k/v into the cache at meta.slot_mapping (none when None: a layer that reads another's KV), return
+        attention output [T, H, D] as `spec` says."""
         raise NotImplementedError
 
 
@@ -210,22 +211,23 @@ class TorchPagedAttention(PagedAttentionBackend):
     def forward(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         spec: AttentionSpec = AttentionSpec(),
     ) -> torch.Tensor:
         nb, bs, kvh, w = k_cache.shape
-        if kv_quant.is_quantized(k_cache.dtype):  # written as bytes: codes and a scale per (token, head)
-            for cache, x in ((k_cache, k), (v_cache, v)):
+        for cache, x in ((k_cache, k), (v_cache, v)):
+            if x is None:  # a layer that reads another's KV (Gemma 4's shared layers) writes none
+                continue
+            if kv_quant.is_quantized(cache.dtype):  # written as bytes: codes and a scale per (token, head)
                 cache.view(torch.uint8).view(nb * bs, kvh, w).index_copy_(
                     0, meta.slot_mapping, kv_quant.quantize(x, cache.dtype)
                 )
-        else:
-            k_cache.view(nb * bs, kvh, w).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-            v_cache.view(nb * bs, kvh, w).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+            else:
+                cache.view(nb * bs, kvh, w).index_copy_(0, meta.slot_mapping, x.to(cache.dtype))
         T, H, _ = q.shape
         g = H // kvh
         if len(meta.groups) == 1 and meta.groups[0].valid is None and meta.groups[0].q_len == 1:

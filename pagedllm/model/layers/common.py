@@ -39,6 +39,12 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
 
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) in float32, cast back: an RMSNorm without a weight (Gemma 4's norm of V)."""
+    h = x.float()
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 def activation(name: str, x: torch.Tensor) -> torch.Tensor:
     """The gate's activation: SiLU (SwiGLU) or tanh-approximated GELU (Gemma's GeGLU)."""
     return F.silu(x) if name == "silu" else F.gelu(x, approximate="tanh")

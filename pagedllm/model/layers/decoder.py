@@ -29,11 +29,12 @@ from pagedllm.model.layers.attention import (
     PagedAttentionBackend,
     make_attention_backend,
 )
-from pagedllm.model.layers.common import AttentionSinks, GatedMLP, RMSNorm
+from pagedllm.model.layers.common import AttentionSinks, GatedMLP, RMSNorm, rms_normalize
 from pagedllm.model.layers.deltanet import GatedDeltaNet, RecurrentStep
 from pagedllm.model.layers.linear import Embedding, Linear
 from pagedllm.model.layers.mamba2 import Mamba2
 from pagedllm.model.layers.moe import ExpertLoad, SparseMoE
+from pagedllm.model.layers.per_layer_input import PerLayerEmbedding, PerLayerInput, Scalar
 from pagedllm.model.layers.rope import RotaryEmbedding, apply_rotary
 from pagedllm.model.layers.shortconv import ShortConv
 
@@ -65,8 +66,14 @@ class DecoderLayer(nn.Module):
     ) -> None:
         """`load`: the model's expert counters, given to a sparse layer (cfg.is_moe_layer) only."""
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads, self.head_dim = cfg.layer_kv_heads(index), cfg.layer_head_dim(index)
+        self.q_size, self.kv_size = cfg.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        # K and V projections: 2; 1 where keys are the values (Gemma 4's attention_k_eq_v, full layers); 0 in a
+        # layer that reads another's KV (Gemma 4's shared layers: it projects and writes none)
+        k_eq_v = cfg.attention_k_eq_v and cfg.layer_window(index) is None
+        self.kv_parts = 0 if cfg.kv_source(index) != index else 1 if k_eq_v else 2
+        self.v_norm, self.eps = cfg.v_norm, cfg.rms_norm_eps
 
         def norm(size: int, present: bool) -> RMSNorm | None:
             return RMSNorm(size, cfg.rms_norm_eps, dtype, device, cfg.norm_offset) if present else None
@@ -79,19 +86,25 @@ class DecoderLayer(nn.Module):
         self.index = index
         self.linear_attn = recurrent_mixer(cfg, dtype, device) if cfg.is_linear_layer(index) else None
         attn = self.linear_attn is None
-        self.q_norm = norm(cfg.head_dim if per_head else self.q_size, cfg.qk_norm is not None and attn)
-        self.k_norm = norm(cfg.head_dim if per_head else self.kv_size, cfg.qk_norm is not None and attn)
+        self.q_norm = norm(self.head_dim if per_head else self.q_size, cfg.qk_norm is not None and attn)
+        k_norm = cfg.qk_norm is not None and attn and self.kv_parts > 0
+        self.k_norm = norm(self.head_dim if per_head else self.kv_size, k_norm)
         self.gated = cfg.attn_output_gate
         self.q_rows = self.q_size * (2 if self.gated else 1)  # the query's rows of qkv (and the gate's, beside)
         if attn:
-            self.qkv = Linear(self.q_rows + 2 * self.kv_size, hidden, cfg.attention_bias, dtype, device)
+            self.qkv = Linear(self.q_rows + self.kv_parts * self.kv_size, hidden, cfg.attention_bias, dtype, device)
             self.o = Linear(hidden, self.q_size, cfg.o_proj_bias, dtype, device)
         # A sparse layer has `moe` and no `mlp`.
         self.moe = (
             SparseMoE(cfg, dtype, device, load, sum(map(cfg.is_moe_layer, range(index)))) if load is not None else None
         )
         if self.moe is None:
-            self.mlp = GatedMLP(hidden, cfg.intermediate_size, cfg.hidden_act, dtype, device)
+            self.mlp = GatedMLP(hidden, cfg.layer_intermediate_size(index), cfg.hidden_act, dtype, device)
+        width = cfg.hidden_size_per_layer_input
+        self.per_layer_input = (
+            PerLayerInput(hidden, width, cfg.hidden_act, cfg.rms_norm_eps, dtype, device) if width else None
+        )
+        self.scalar = Scalar(dtype, device) if cfg.layer_scalar else None
         self.rope = cfg.layer_rope(index)
         self.sinks = AttentionSinks(cfg.num_heads, device) if cfg.attention_sinks else None
         sinks = None if self.sinks is None else self.sinks.weight
@@ -101,7 +114,12 @@ class DecoderLayer(nn.Module):
     def slots(self) -> dict[str, nn.Module]:
         """This layer's weights by the slot names of the families' tensor tables (families/base.py)."""
         mlp = self.moe.slots() if self.moe is not None else {"gate_up": self.mlp.gate_up, "down": self.mlp.down}
-        mixer = {"qkv": self.qkv, "o": self.o} if self.linear_attn is None else dict(self.linear_attn.slots().items())
+        ple = self.per_layer_input
+        mixer = (
+            {("q", "qk", "qkv")[self.kv_parts]: self.qkv, "o": self.o}
+            if self.linear_attn is None
+            else dict(self.linear_attn.slots().items())
+        )
         mods: dict[str, nn.Module | None] = {
             **mixer,
             **mlp,
@@ -112,6 +130,10 @@ class DecoderLayer(nn.Module):
             "q_norm": self.q_norm,
             "k_norm": self.k_norm,
             "sinks": self.sinks,
+            "ple_gate": None if ple is None else ple.gate,
+            "ple_proj": None if ple is None else ple.proj,
+            "ple_norm": None if ple is None else ple.norm,
+            "layer_scalar": self.scalar,
         }
         return {k: m for k, m in mods.items() if m is not None}
 
@@ -119,7 +141,8 @@ class DecoderLayer(nn.Module):
         """The layer's matmuls: q/k/v, o, then the MLP's gate/up and down (a sparse block's router, experts,
         shared expert and its gate)."""
         mlp = self.moe.linears() if self.moe is not None else [self.mlp.gate_up, self.mlp.down]
-        return [*self._mixer_linears(), *mlp]
+        ple = [] if self.per_layer_input is None else [self.per_layer_input.gate, self.per_layer_input.proj]
+        return [*self._mixer_linears(), *mlp, *ple]
 
     def _mixer_linears(self) -> list[Linear]:
         return [self.qkv, self.o] if self.linear_attn is None else self.linear_attn.linears()
@@ -133,23 +156,33 @@ class DecoderLayer(nn.Module):
 
     def _qkv(
         self, x: torch.Tensor, rope: CosSin | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """q, k, v [T, heads, head_dim], normed and rotated, and the output gate [T, q_size] (None: ungated)."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """q, k, v [T, heads, head_dim], normed and rotated (no k and v in a layer that reads another's KV; with
+        keys equal to values, V is K's projection before K's norm and RoPE), and the output gate [T, q_size] (None:
+        ungated)."""
         T = x.shape[0]
-        q, k, v = self.qkv(x).split([self.q_rows, self.kv_size, self.kv_size], dim=-1)
+        q, *kv = self.qkv(x).split([self.q_rows] + [self.kv_size] * self.kv_parts, dim=-1)
+        k, v = (kv[0], kv[-1]) if kv else (None, None)
         gate = None
         if self.gated:  # per head: its query's rows, then its gate's
             q, gate = q.reshape(T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
             q, gate = q.reshape(T, self.q_size), gate.reshape(T, self.q_size)
-        if self.q_norm is not None and self.k_norm is not None and self.qk_norm == "full":
-            q, k = self.q_norm(q), self.k_norm(k)
+        if self.q_norm is not None and self.qk_norm == "full":
+            q = self.q_norm(q)
+        if self.k_norm is not None and k is not None and self.qk_norm == "full":
+            k = self.k_norm(k)
         q = q.reshape(T, self.num_heads, self.head_dim)
+        if self.q_norm is not None and self.qk_norm == "head":
+            q = self.q_norm(q)
+        q = q if rope is None else apply_rotary(q, *rope)
+        if k is None or v is None:
+            return q, None, None, gate
         k = k.reshape(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None and self.qk_norm == "head":
-            q, k = self.q_norm(q), self.k_norm(k)
-        if rope is not None:
-            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        return q, k, v.reshape(T, self.num_kv_heads, self.head_dim), gate
+        if self.k_norm is not None and self.qk_norm == "head":
+            k = self.k_norm(k)
+        k = k if rope is None else apply_rotary(k, *rope)
+        v = v.reshape(T, self.num_kv_heads, self.head_dim)
+        return q, k, rms_normalize(v, self.eps) if self.v_norm else v, gate
 
     def forward(
         self,
@@ -160,8 +193,10 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
         backend: PagedAttentionBackend,
         recurrent: RecurrentStep | None = None,
+        per_layer: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`recurrent`: the step's state slots, which a linear-attention layer reads instead of the KV cache."""
+        """`recurrent`: the step's state slots, which a linear-attention layer reads instead of the KV cache;
+        `per_layer`: this layer's per-layer input embedding of each token (Gemma 4's PLE), if the model has them."""
         x = h if self.attn_norm is None else self.attn_norm(h)
         if self.linear_attn is not None:
             if recurrent is None:
@@ -178,7 +213,10 @@ class DecoderLayer(nn.Module):
         m = self.moe(x) if self.moe is not None else self.mlp(x)
         if self.mlp_out_norm is not None:
             m = self.mlp_out_norm(m)
-        return h + (m if self.residual_multiplier == 1.0 else m * self.residual_multiplier)
+        h = h + (m if self.residual_multiplier == 1.0 else m * self.residual_multiplier)
+        if self.per_layer_input is not None and per_layer is not None:
+            h = self.per_layer_input(h, per_layer)
+        return h if self.scalar is None else h * self.scalar.weight
 
 
 class CausalLM(nn.Module):
@@ -203,12 +241,20 @@ class CausalLM(nn.Module):
         ]
         self.layers = nn.ModuleList(self.decoder_layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, cfg.norm_offset)
+        width = cfg.hidden_size_per_layer_input
+        self.per_layer = (
+            PerLayerEmbedding(
+                cfg.vocab_size_per_layer_input, cfg.hidden_size, cfg.num_layers, width, cfg.rms_norm_eps, dtype, device
+            )
+            if width
+            else None
+        )
         tied = self.embed.weight if cfg.tie_word_embeddings else None
         self.lm_head = Linear(cfg.vocab_size, cfg.hidden_size, False, dtype, device, tied_to=tied)
         dev = torch.device(device)
         self.ropes: dict[str, RotaryEmbedding] = {
             "global": RotaryEmbedding(
-                cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings, dev
+                cfg.global_rotary_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings, dev
             )
         }
         if any(layer.rope == "local" for layer in self.decoder_layers) and cfg.rope_local_theta is not None:
@@ -222,7 +268,7 @@ class CausalLM(nn.Module):
         out: list[Linear] = []
         for layer in self.decoder_layers:
             out += layer.linears()
-        return out + [self.lm_head]
+        return out + ([] if self.per_layer is None else [self.per_layer.projection]) + [self.lm_head]
 
     def finish_load(self) -> None:
         """A tied LM head serves the quantized table the embedding was given."""
@@ -240,6 +286,7 @@ class CausalLM(nn.Module):
     def quant_weights(self) -> list[QuantWeight]:
         """Every weight kept quantized, each once: the embedding table, each layer's, the LM head."""
         found = [self.embed.quant] + [lin.quant for lin in self.linears()]
+        found += [] if self.per_layer is None else [self.per_layer.embed.quant]
         out: dict[int, QuantWeight] = {id(w): w for w in found if w is not None}
         return list(out.values())
 
@@ -292,6 +339,8 @@ class CausalLM(nn.Module):
         if self.config.embedding_multiplier != 1.0:
             h = h * torch.tensor(self.config.embedding_multiplier, dtype=h.dtype)
         tables = {name: rope.cos_sin(metas[0].positions, h.dtype) for name, rope in self.ropes.items()}
-        for layer, (kc, vc), m in zip(self.decoder_layers, kv_caches, metas):
-            h = layer(h, tables.get(layer.rope), kc, vc, m, self.backend, recurrent)
+        per_layer = None if self.per_layer is None else self.per_layer(input_ids, h)  # [T, layers, width]
+        for i, (layer, (kc, vc), m) in enumerate(zip(self.decoder_layers, kv_caches, metas)):
+            ple = None if per_layer is None else per_layer[:, i]
+            h = layer(h, tables.get(layer.rope), kc, vc, m, self.backend, recurrent, ple)
         return h

@@ -1,8 +1,11 @@
 """RoPE: the rotary frequencies of every scaling type the supported families use, computed in one place.
 
 Each type follows transformers' `modeling_rope_utils.ROPE_INIT_FUNCTIONS` formula by formula (default, linear,
-llama3, yarn, longrope, dynamic), so a float32 model rotates exactly as transformers does; "factors" is the form a
-GGUF file stores Llama 3 scaling in (llama.cpp's `rope_freqs` tensor: each frequency divided by its factor).
+llama3, yarn, longrope, dynamic, proportional), so a float32 model rotates exactly as transformers does; "factors" is
+the form a GGUF file stores Llama 3 scaling in (llama.cpp's `rope_freqs` tensor: each frequency divided by its
+factor). Proportional (Gemma 4's full-attention layers) rotates the whole head with the first share of its
+frequencies and zeros for the rest: rotate-half pairs dim i with i + D/2, so the dims it leaves alone sit in
+the middle of each half, not at the end as partial rotary's do.
 
 Two types change with the sequence length in transformers, which a paged KV cache cannot follow (a cached key
 keeps the rotation it was written with), so they are fixed here the way a cache can hold them:
@@ -102,6 +105,9 @@ def inv_freq(dim: int, theta: float, scaling: dict[str, Any] | None, max_positio
         if factors.numel() != base.numel():
             raise ModelLoadError(f"rope_freqs has {factors.numel()} factors, expected {base.numel()} (rotary dim / 2)")
         return base / factors, 1.0
+    if kind == "proportional":  # Gemma 4: the first share of the frequencies turn, the rest (0) leave dims alone
+        turning = int(float(s.get("partial_rotary_factor", 1.0)) * dim // 2)
+        return torch.cat([base[:turning], torch.zeros(dim // 2 - turning)]) / float(s.get("factor", 1.0)), 1.0
     if kind == "yarn":
         return _yarn(dim, theta, s, max_positions)
     return _longrope(dim, theta, s, max_positions)

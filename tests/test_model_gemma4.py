@@ -1,0 +1,258 @@
+"""Gemma 4 text (issue 35) against transformers float32 on a tiny random checkpoint: six layers, sliding (a window
+of 8, shorter than every prompt) and full in Gemma's pattern, the last two reading the KV of the last earlier
+layer of their kind (num_kv_shared_layers: layer 4 reads layer 3's, layer 5 layer 2's) with MLPs twice as wide,
+full layers with their own head size and KV heads, keys equal to values there (attention_k_eq_v) and
+proportional RoPE, per-layer input embeddings, a learned scalar per layer and the final logit soft-cap.
+
+The sliding and full layers' KV rows differ in size (2 heads x 16 against 2 x 32), so the smaller ones use the
+front of a cache slot's rows (runner.layer_view): the logits test runs both shapes through the engine's groups.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import random
+
+import pytest
+import torch
+from model_helpers import all_logits
+
+from devkit.family_helpers import save_tokenizer
+from pagedllm import LLM, SamplingParams
+from pagedllm.engine import EngineConfig, LLMEngine
+from pagedllm.kv import kv_bytes_per_token
+from pagedllm.model import ModelRunner, SeqChunk, load_model, load_model_config
+
+TOL = 1e-4  # of the largest logit
+WINDOW = 8
+TYPES = ["sliding_attention", "sliding_attention", "full_attention"] * 2
+CONFIG = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    global_head_dim=32,
+    num_global_key_value_heads=2,
+    attention_k_eq_v=True,
+    num_kv_shared_layers=2,
+    use_double_wide_mlp=True,
+    hidden_size_per_layer_input=8,
+    vocab_size_per_layer_input=256,
+    sliding_window=WINDOW,
+    final_logit_softcapping=30.0,
+    layer_types=TYPES,
+    max_position_embeddings=4096,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """These matrices are a few KB: a second thread only adds spin-waits."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@torch.no_grad()
+def make_gemma4(folder: str, **overrides) -> torch.nn.Module:
+    """A tiny random Gemma 4 saved in `folder`; norms around 1 (Gemma 4's norms have no 1 + w), layer scalars
+    drawn away from 1, so every piece changes the logits."""
+    from transformers import AutoModelForCausalLM, Gemma4TextConfig
+
+    cfg = Gemma4TextConfig(**(CONFIG | overrides))
+    cfg.architectures = ["Gemma4ForCausalLM"]
+    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(0)
+    for name, p in hf.named_parameters():
+        p.copy_((1.0 if name.endswith("norm.weight") else 0.0) + 0.25 * torch.randn(p.shape, generator=g))
+    for layer in hf.model.layers:
+        layer.layer_scalar.fill_(0.5 + torch.rand(1, generator=g).item())
+    hf.save_pretrained(folder, safe_serialization=True)
+    save_tokenizer(folder)
+    return hf
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> tuple[str, torch.nn.Module]:
+    folder = str(tmp_path_factory.mktemp("gemma4"))
+    return folder, make_gemma4(folder)
+
+
+@pytest.fixture(scope="module")
+def loaded(ckpt):
+    return load_model(ckpt[0], dtype="float32", verbose=False)
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(6, 256) for _ in range(n)]
+
+
+@torch.inference_mode()
+def _hf_greedy_agrees(model: torch.nn.Module, prompt: list[int], generated: list[int]) -> bool:
+    """Whether transformers' greedy decoding of `prompt` gives `generated` (one pass over the whole sequence)."""
+    logits = model(torch.tensor([prompt + generated])).logits[0][len(prompt) - 1 : -1]
+    return logits.argmax(-1).tolist() == generated
+
+
+def test_config_reads_what_transformers_builds(loaded):
+    cfg = loaded.config
+    assert cfg.family == "gemma4" and cfg.kv_layout().kv_source == (0, 1, 2, 3, 3, 2)
+    assert [cfg.layer_head_dim(i) for i in range(6)] == [16, 16, 32] * 2 and cfg.kv_slot_shape == (2, 32)
+    assert [cfg.layer_intermediate_size(i) for i in range(6)] == [96] * 4 + [192] * 2
+    assert cfg.rope_scaling is not None and cfg.rope_scaling["rope_type"] == "proportional"
+    layers = loaded.model.decoder_layers
+    assert [layer.kv_parts for layer in layers] == [2, 2, 1, 2, 0, 0]  # k = v on full layers, none when shared
+
+
+@pytest.mark.parametrize("hybrid", [True, False])
+def test_logits_match_transformers(ckpt, loaded, hybrid):
+    """110 tokens prefilled in two chunks over shuffled blocks, then four decoded, with a table per KV-cache group
+    (hybrid) or one for every layer: every position's logits within float32 accuracy of transformers."""
+    _, hf = ckpt
+    ids = _tokens(110, 1)
+    with torch.inference_mode():
+        want = hf(torch.tensor([ids])).logits[0].float()
+    layout = loaded.config.kv_layout(hybrid=hybrid)
+    runner = ModelRunner(loaded, num_blocks=128, block_size=8, layout=layout)
+    free = random.Random(2).sample(range(1, 128), 14 * len(layout.groups))
+    tables = [free[g * 14 : (g + 1) * 14] for g in range(len(layout.groups))]
+
+    def chunk(a: int, b: int, every: bool) -> SeqChunk:
+        return SeqChunk(ids[a:b], a, tables[0], all_logits=every, group_tables=tables)
+
+    got = all_logits(runner, [chunk(0, 45, True)]) + all_logits(runner, [chunk(45, 106, True)])
+    got += [runner.execute([chunk(p, p + 1, False)]) for p in range(106, 110)]
+    err = (torch.cat(got) - want).abs().max().item() / want.abs().max().item()
+    assert err < TOL, f"{err:.2e}"
+
+
+def _engine(loaded, blocks: int) -> LLMEngine:
+    cfg = loaded.config
+    layers_per_block = cfg.kv_layout(hybrid=True).layers_per_block  # a block spans one group's layers
+    per_block = kv_bytes_per_token(layers_per_block, *cfg.kv_slot_shape, 4) * 8
+    config = EngineConfig(
+        block_size=8,
+        max_num_batched_tokens=16,
+        kv_cache_memory=blocks * per_block,
+        max_model_len=128,
+        log_stats_interval=0,
+    )
+    return LLMEngine(config, loaded)
+
+
+PROMPTS = [_tokens(24, 3) + _tokens(46, 4), _tokens(24, 3) + _tokens(50, 5), _tokens(66, 6)]
+
+
+def test_greedy_tokens_match_transformers_with_caching_chunks_and_preemption(ckpt, loaded):
+    """32 greedy tokens per prompt in one engine with prefix caching, chunked prefill (16 tokens a step) and a
+    KV cache small enough to preempt: transformers' tokens, every block back at the end."""
+    engine = _engine(loaded, 40)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(str(i), p, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    stats = engine.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    for i, p in enumerate(PROMPTS):
+        tokens = list(done[str(i)].outputs[0].token_ids)
+        assert len(tokens) == 32 and _hf_greedy_agrees(ckpt[1], p, tokens), f"prompt {i}"
+
+
+def test_llm_generate_answers_transformers(ckpt):
+    """The offline API from the folder: the same greedy tokens as transformers."""
+    llm = LLM(ckpt[0], dtype="float32", kv_cache_memory=2**20, max_model_len=256, log_stats_interval=0)
+    out = llm.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    tokens = list(out[0].outputs[0].token_ids)
+    assert len(tokens) == 12 and _hf_greedy_agrees(ckpt[1], PROMPTS[2], tokens)
+
+
+def _peak_layer_blocks(folder: str, prompt: list[int]) -> tuple[int, int]:
+    """(blocks x layers per block at the engine's peak, KV layers) for one request of `prompt` from `folder`."""
+    engine = LLMEngine(
+        EngineConfig(
+            model=folder,
+            dtype="float32",
+            block_size=8,
+            max_model_len=256,
+            kv_cache_memory=2**20,
+            max_num_batched_tokens=256,
+            log_stats_interval=0,
+            enable_prefix_caching=False,
+        )  # fmt: skip
+    )
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    engine.add_request("a", prompt, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    layout = engine.kv_layout
+    return engine.kv.peak_used_blocks * layout.layers_per_block, layout.num_kv_layers
+
+
+def test_shared_layers_hold_no_kv_blocks(ckpt, tmp_path):
+    """The pool's peak for one request against a twin whose every layer stores its own KV. The peak is the prompt's
+    one step (before a sliding group gives a block back), where each layer that stores KV holds all 13 blocks of
+    its 100 tokens: 4 layers' worth in the model, 6 in the twin; the shared layers hold none."""
+    twin = str(tmp_path / "twin")
+    make_gemma4(twin, num_kv_shared_layers=0)
+    prompt = _tokens(100, 7)
+    shared, shared_layers = _peak_layer_blocks(ckpt[0], prompt)
+    own, own_layers = _peak_layer_blocks(twin, prompt)
+    assert (shared_layers, own_layers) == (4, 6)
+    assert (shared, own) == (4 * 13, 6 * 13)
+
+
+def test_kv_calc_counts_the_shared_layers_out(ckpt):
+    from pagedllm.entrypoints.cli import main
+
+    out = io.StringIO()
+    args = ["kv-calc", "--max-len", "256", "--block-size", "8", "--used", "100", "--model", ckpt[0]]
+    with contextlib.redirect_stdout(out):
+        assert main([*args, "--kv-cache-dtype", "float32"]) == 0
+    text = out.getvalue()
+    # 4 layers store KV, each row a cache slot's (2 heads x 32 dims): 2 x 4 x 2 x 32 x 4 bytes
+    assert "KV bytes per token: 2,048" in text
+    assert "2 layers read an earlier layer's KV (shared KV): no blocks of their own" in text
+    assert load_model_config(ckpt[0]).kv_layout(hybrid=True).num_kv_layers == 4
+
+
+def test_a_multimodal_checkpoint_runs_its_text_model(tmp_path):
+    """What Google ships is Gemma4ForConditionalGeneration: config.json nests the text model's config, its tensors
+    sit under model.language_model. beside a vision tower's. The text model loads alone and answers as
+    transformers' whole model does on text."""
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration, Gemma4VisionConfig
+
+    text = {k: v for k, v in CONFIG.items() if k not in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    vision = Gemma4VisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+        head_dim=16,
+    )  # fmt: skip
+    ids = dict(image_token_id=250, boi_token_id=251, eoi_token_id=252, video_token_id=249, boa_token_id=248)
+    cfg = Gemma4Config(text_config=text, vision_config=vision, eoa_token_index=247, audio_token_id=246, **ids)
+    torch.manual_seed(0)
+    hf = Gemma4ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.1 * torch.randn(p.shape))
+    hf.save_pretrained(str(tmp_path), safe_serialization=True)
+    save_tokenizer(str(tmp_path))
+    hf = Gemma4ForConditionalGeneration.from_pretrained(str(tmp_path), dtype=torch.float32).eval()  # as saved
+    prompt = [t % 240 for t in _tokens(40, 9)]  # below the image / audio tokens, which the whole model treats apart
+    with torch.inference_mode():
+        want = hf(torch.tensor([prompt])).logits[0].float()
+    loaded = load_model(str(tmp_path), dtype="float32", verbose=False)
+    assert loaded.config.architecture == "Gemma4ForConditionalGeneration" and loaded.config.num_kv_shared_layers == 2
+    runner = ModelRunner(loaded, num_blocks=32, block_size=8)
+    got = all_logits(runner, [SeqChunk(prompt, 0, list(range(1, 8)))])[0]
+    assert (got - want).abs().max().item() / want.abs().max().item() < TOL

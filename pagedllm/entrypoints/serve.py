@@ -61,13 +61,13 @@ def run(args: argparse.Namespace) -> int:
         s = server_config
         rag = RagPipeline(s.rag_index, top_k=s.rag_top_k, layout=s.rag_layout, kv_blend=s.rag_kv_blend)
     names = server_config.served_model_name or []
-    print(f"pagedllm serve: loading {args.model or DEFAULT_SERVED_NAME} ...", file=sys.stderr, flush=True)
+    print(f"pagedllm serve: loading {config.model or DEFAULT_SERVED_NAME} ...", file=sys.stderr, flush=True)
     embedders = load_embedders(server_config)  # before the generator: a bad path fails in seconds, not after its load
     core = LLMEngine(config)
     engine = AsyncLLMEngine(core, max_waiting_requests=server_config.max_waiting_requests)
     pooler = None if server_config.generate else read_pooler_config(core.loaded.path)
     app = build_app(
-        engine, server_config, model_root=args.model or names[0], rag=rag, pooler=pooler, embedders=embedders
+        engine, server_config, model_root=config.model or names[0], rag=rag, pooler=pooler, embedders=embedders
     )
     host, port = server_config.host, server_config.port
     server = Server(app, host=host, port=port, log_level=server_config.log_level)

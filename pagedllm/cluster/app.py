@@ -197,7 +197,10 @@ def build_application(config: EngineConfig, options: ClusterConfig, ingress: Ing
     server = ingress.server
     waiting = server.max_waiting_requests if server.max_waiting_requests is not None else config.max_num_seqs
     settings = ReplicaSettings(
-        config, ingress.served_model_names[0], server.max_waiting_requests, max(1, int(options.cpus_per_replica))
+        engine=config,
+        served_model_name=ingress.served_model_names[0],
+        max_waiting_requests=server.max_waiting_requests,
+        num_threads=max(1, int(options.cpus_per_replica)),
     )
     logs = {"log_level": server.log_level.upper(), "enable_access_log": server.log_level == "debug"}
     router: dict[str, Any] = dict(  # a dict: Ray 2.60 annotates these fields with the wrong types

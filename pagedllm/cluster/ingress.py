@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedllm.cluster.config import Routing
 from pagedllm.cluster.replica import ReplicaInfo, ReplicaReport
 from pagedllm.cluster.replica_metrics import sum_stats
 from pagedllm.cluster.router import REPLICA_KW
@@ -203,8 +204,8 @@ class IngressSettings:
 
     model: str | None
     server: ServerConfig
-    routing: str = "prefix"
-    pooler: PoolerConfig | None = None
+    routing: Routing
+    pooler: PoolerConfig | None
 
     @property
     def served_model_names(self) -> list[str]:

@@ -13,10 +13,15 @@ import socket
 import sys
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.cluster.loopback import loopback_only
 from pagedllm.errors import UserError
+
+if TYPE_CHECKING:  # nothing here imports Ray (or the engine) until the cluster runs
+    from pagedllm.cluster.config import ClusterConfig
+    from pagedllm.cluster.ingress import IngressSettings
+    from pagedllm.engine.config import EngineConfig
 
 OBJECT_STORE_BYTES = 100 * 2**20  # a local Ray's object store: requests and outputs are small, RAM is shared
 TOKEN_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
@@ -77,16 +82,19 @@ def _local_resources(gpus: float) -> dict[str, float]:
     return total
 
 
-def serve_cluster(config: Any, options: Any, ingress: Any, host: str, port: int, ray_address: str | None) -> int:
-    """Start (or join) Ray, deploy the application, serve until SIGINT / SIGTERM, then take it down: all of
-    Ray if this call started it, only this application if it joined a cluster. Arguments: EngineConfig,
-    config.ClusterConfig, ingress.IngressSettings (typed loosely so that this module imports without Ray)."""
+def serve_cluster(config: EngineConfig, options: ClusterConfig, ingress: IngressSettings) -> int:
+    """Start (or join) Ray (--ray-address), deploy the application, serve on the server's --host / --port until
+    SIGINT / SIGTERM, then take it down: all of Ray if this call started it, only this application if it joined
+    a cluster."""
     from pagedllm.cluster.app import APP_NAME, build_application
+
+    host, port, ray_address, replicas = ingress.server.host, ingress.server.port, options.ray_address, options.replicas
+    assert replicas is not None, "the cluster runs only with --replicas"
 
     if not ray_address:  # before a local Ray takes its seconds to start
         check_resources(
             _local_resources(options.num_gpus_per_replica),
-            options.replicas,
+            replicas,
             options.cpus_per_replica,
             options.num_gpus_per_replica,
         )
@@ -95,9 +103,7 @@ def serve_cluster(config: Any, options: Any, ingress: Any, host: str, port: int,
 
     _ray_init(ray, ray_address)
     try:
-        check_resources(
-            ray.cluster_resources(), options.replicas, options.cpus_per_replica, options.num_gpus_per_replica
-        )
+        check_resources(ray.cluster_resources(), replicas, options.cpus_per_replica, options.num_gpus_per_replica)
         serve.start(http_options={"host": host, "port": port})
         print(
             f"pagedllm serve: starting {options.replicas} replicas ({ingress.routing} routing) ...",

@@ -49,8 +49,8 @@ class ReplicaReport:
 class ReplicaSettings:
     engine: EngineConfig
     served_model_name: str
-    max_waiting_requests: int | None = None
-    num_threads: int = 1  # torch threads: the CPUs Ray gave this replica, so replicas do not oversubscribe
+    max_waiting_requests: int | None  # ServerConfig's: the replica's engine queue answers 503 past it
+    num_threads: int  # torch threads: the CPUs Ray gave this replica, so replicas do not oversubscribe
 
 
 class EngineReplica:

@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         s = server_config
         rag = RagPipeline(s.rag_index, top_k=s.rag_top_k, layout=s.rag_layout, kv_blend=s.rag_kv_blend)
     names = server_config.served_model_name or []
-    print(f"pagedllm serve: loading {args.model or DEFAULT_SERVED_NAME} ...", file=sys.stderr, flush=True)
+    print(f"pagedllm serve: loading {config.model or DEFAULT_SERVED_NAME} ...", file=sys.stderr, flush=True)
     embedders = load_embedders(server_config)  # before the generator: a bad path fails in seconds, not after its load
     loras = lora_modules(server_config, config)
     core = LLMEngine(config)
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     app = build_app(
         engine,
         server_config,
-        model_root=args.model or names[0],
+        model_root=config.model or names[0],
         rag=rag,
         pooler=pooler,
         embedders=embedders,

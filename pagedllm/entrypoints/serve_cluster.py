@@ -28,11 +28,11 @@ def settings_from_args(args: argparse.Namespace) -> tuple[Any, ClusterConfig, An
     cluster = check_cluster_args(args)
     assert cluster is not None, "the cluster runs only with --replicas"
     config = EngineConfig.from_args(args)
-    load_model_config(args.model)
+    load_model_config(config.model)
     if server.embedding_model:
         embedding_model_path(server.embedding_model)  # a bad path is one line here, before Ray starts
-    pooler = None if server.generate else read_pooler_config(resolve_model_path(args.model))
-    return config, cluster, IngressSettings(args.model, server, cluster.routing, pooler)
+    pooler = None if server.generate else read_pooler_config(resolve_model_path(config.model))
+    return config, cluster, IngressSettings(model=config.model, server=server, routing=cluster.routing, pooler=pooler)
 
 
 def parse_builder_args(values: dict[str, str]) -> argparse.Namespace:
@@ -55,9 +55,8 @@ def run_cluster(args: argparse.Namespace) -> int:
     from pagedllm.cluster.launch import serve_cluster
 
     config, cluster, ingress = settings_from_args(args)
-    host, port = ingress.server.host, ingress.server.port
-    check_can_listen(host, port)
-    return serve_cluster(config, cluster, ingress, host, port, cluster.ray_address)
+    check_can_listen(ingress.server.host, ingress.server.port)
+    return serve_cluster(config, cluster, ingress)
 
 
 def app_builder(args: dict[str, str]) -> Any:

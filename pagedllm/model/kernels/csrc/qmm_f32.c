@@ -33,26 +33,34 @@ const char *kernel_isa(void) { return "matmul=" SIMD_MATMUL_ISA " dot=" SIMD_DOT
 
 int64_t qcol_bytes(int fmt, int G) { return col_bytes(fmt, G); }
 
-/* Sum the parities of each lane and each lane pair, and write the (valid) columns of one output row. Not inlined:
- * once per row and column block it costs nothing, while its columns' branches, unrolled into every instance of
- * the blocks (21 rows of 16 columns per format at AVX-512), were most of this file's code and compile time. */
-static __attribute__((noinline)) void store_row(const QMatmul *a, const vf *acc, int m, int col0, const int nv) {
+/* Columns col0.. of output row m from `sums` (two floats a column, the first its sum): + bias, written or added
+ * to, up to N. Not inlined: once per row and column block it costs nothing, while its columns' branches,
+ * unrolled into every instance of the blocks (21 rows of 16 columns per format at AVX-512), were most of this
+ * file's code and compile time. */
+static __attribute__((noinline)) void store_cols(const QMatmul *a, const float *sums, int m, int col0, int ncols) {
     float *o = a->out + (int64_t)m * a->ldo;
+    for (int c = 0; c < ncols; c++) {
+        const int n = col0 + c;
+        if (n >= a->N) return;
+        const float x = sums[2 * c] + (a->bias ? a->bias[n] : 0.0f);
+        o[n] = a->accumulate ? o[n] + x : x;
+    }
+}
+
+/* Sum the parities of each lane and each lane pair of one output row, and write its (valid) columns. The sums
+ * go out through a copy: the accumulators' own address never leaves the block, so they stay in registers. */
+static inline __attribute__((always_inline)) void store_row(const QMatmul *a, const vf *acc, int m, int col0,
+                                                            const int nv) {
     vi swap;
     for (int l = 0; l < VW; l++) swap[l] = l ^ 1;
+    float sums[NV * VW];
     for (int v = 0; v < nv; v++) {
         vf t = acc[v];
         if (P == 2) t += acc[nv + v];
         t += __builtin_shuffle(t, swap);
-        float tmp[VW];
-        memcpy(tmp, &t, sizeof tmp);
-        for (int c = 0; c < VW / 2; c++) {
-            const int n = col0 + VW / 2 * v + c;
-            if (n >= a->N) return;
-            const float x = tmp[2 * c] + (a->bias ? a->bias[n] : 0.0f);
-            o[n] = a->accumulate ? o[n] + x : x;
-        }
+        memcpy(sums + VW * v, &t, sizeof t);
     }
+    store_cols(a, sums, m, col0, nv * VW / 2);
 }
 
 /* acc[(i * P + p) * nv + v] += w[v] * x(row m0 + i, k pair at k) for tile-row parity p. */

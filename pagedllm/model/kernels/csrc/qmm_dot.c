@@ -41,9 +41,9 @@ void qdot_quantize_row(int16_t *q, float *d, int32_t *s, const float *x, int K) 
     }
 }
 
-/* Row m's 16 sums F of column block cb (+ bias) written or added to the output. Not inlined: once per row and
- * block it costs nothing, and its columns' branches unrolled into every instance of block_dot would be most of
- * this file's code (as store_row was in qmm_f32.c's). */
+/* Row m's 16 sums F of column block cb (+ bias) written or added to the output, up to N. Not inlined (block_dot
+ * writes a whole block in vectors; this is the clipped last block and the portable build): its columns'
+ * branches unrolled into every instance of block_dot would be most of this file's code. */
 static __attribute__((noinline)) void store16(const QMatmul *a, const float *F, int m, int cb) {
     float *o = a->out + (int64_t)m * a->ldo;
     for (int c = 0; c < 16 && 16 * cb + c < a->N; c++) {
@@ -169,6 +169,14 @@ static inline __attribute__((always_inline)) void block_dot(const QMatmul *a, co
         }
     }
     for (int i = 0; i < nr; i++) {
+        if (16 * cb + 16 <= a->N) { /* a whole block in vectors, lane by lane as store16 does one by one */
+            float *o = a->out + (int64_t)(m0 + i) * a->ldo + 16 * cb;
+            for (int c = 0; c < 16 / VW; c++) {
+                const vf x = F[i][c] + (a->bias ? ld(a->bias + 16 * cb + VW * c) : (vf){0});
+                st(o + VW * c, a->accumulate ? ld(o + VW * c) + x : x);
+            }
+            continue;
+        }
         float tmp[16];
         memcpy(tmp, F[i], sizeof tmp);
         store16(a, tmp, m0 + i, cb);

@@ -33,26 +33,45 @@ const char *kernel_isa(void) { return "matmul=" SIMD_MATMUL_ISA " dot=" SIMD_DOT
 
 int64_t qcol_bytes(int fmt, int G) { return col_bytes(fmt, G); }
 
-/* Sum the parities of each lane and each lane pair, and write the (valid) columns of one output row. Not inlined:
- * once per row and column block it costs nothing, while its columns' branches, unrolled into every instance of
- * the blocks (21 rows of 16 columns per format at AVX-512), were most of this file's code and compile time. */
-static __attribute__((noinline)) void store_row(const QMatmul *a, const vf *acc, int m, int col0, const int nv) {
+/* Columns col0.. of output row m from `sums` (two floats a column, the first its sum): + bias, written or added
+ * to, up to N. Not inlined, and only for a clipped last block: its columns' branches, unrolled into every
+ * instance of the blocks (21 rows of 16 columns per format at AVX-512), were most of this file's code and
+ * compile time. */
+static __attribute__((noinline)) void store_cols(const QMatmul *a, const float *sums, int m, int col0, int ncols) {
     float *o = a->out + (int64_t)m * a->ldo;
-    vi swap;
-    for (int l = 0; l < VW; l++) swap[l] = l ^ 1;
-    for (int v = 0; v < nv; v++) {
-        vf t = acc[v];
-        if (P == 2) t += acc[nv + v];
-        t += __builtin_shuffle(t, swap);
-        float tmp[VW];
-        memcpy(tmp, &t, sizeof tmp);
-        for (int c = 0; c < VW / 2; c++) {
-            const int n = col0 + VW / 2 * v + c;
-            if (n >= a->N) return;
-            const float x = tmp[2 * c] + (a->bias ? a->bias[n] : 0.0f);
-            o[n] = a->accumulate ? o[n] + x : x;
-        }
+    for (int c = 0; c < ncols; c++) {
+        const int n = col0 + c;
+        if (n >= a->N) return;
+        const float x = sums[2 * c] + (a->bias ? a->bias[n] : 0.0f);
+        o[n] = a->accumulate ? o[n] + x : x;
     }
+}
+
+/* Sum the parities of each lane and each lane pair of one output row, and write its (valid) columns: a whole
+ * block's in vectors (the even lanes of each vector pair, + bias, written or added to, lane by lane as
+ * store_cols does one by one), a clipped last block's through store_cols. The sums go out through a copy: the
+ * accumulators' own address never leaves the block, so they stay in registers. */
+static inline __attribute__((always_inline)) void store_row(const QMatmul *a, const vf *acc, int m, int col0,
+                                                            const int nv) {
+    vi swap, even;
+    for (int l = 0; l < VW; l++) swap[l] = l ^ 1, even[l] = 2 * l;
+    vf t[NV];
+    for (int v = 0; v < nv; v++) {
+        t[v] = acc[v];
+        if (P == 2) t[v] += acc[nv + v];
+        t[v] += __builtin_shuffle(t[v], swap);
+    }
+    if (col0 + nv * VW / 2 <= a->N) {
+        float *o = a->out + (int64_t)m * a->ldo + col0;
+        for (int v = 0; v < nv; v += 2) {
+            const vf x = __builtin_shuffle(t[v], t[v + 1], even) + (a->bias ? ld(a->bias + col0 + VW / 2 * v) : (vf){0});
+            st(o + VW / 2 * v, a->accumulate ? ld(o + VW / 2 * v) + x : x);
+        }
+        return;
+    }
+    float sums[NV * VW];
+    memcpy(sums, t, sizeof(vf) * nv);
+    store_cols(a, sums, m, col0, nv * VW / 2);
 }
 
 /* acc[(i * P + p) * nv + v] += w[v] * x(row m0 + i, k pair at k) for tile-row parity p. */

@@ -32,7 +32,7 @@ from pagedllm.errors import ModelLoadError, UserError
 from pagedllm.lora_request import LoRARequest
 from pagedllm.model.formats.gguf_file import GGUFFile
 from pagedllm.model.layers.decoder import CausalLM
-from pagedllm.model.layers.lora import LoRABatch, LoRAHook, LoRAKey, LoRAWeight
+from pagedllm.model.layers.lora import LoRABatch, LoRAHook, LoRAKey, LoRAStack, LoRAWeight
 from pagedllm.model.weights import LoRATarget, family_of, gguf_target_names, lora_targets, unpermute_gguf
 
 logger = logging.getLogger("pagedllm")
@@ -221,6 +221,8 @@ class LoRAManager:
         self.adapters: OrderedDict[int, LoRAModel] = OrderedDict()  # least recently used first
         self.holds: Counter[int] = Counter()  # requests holding each adapter
         self.batch = LoRABatch()
+        # the stacked weights of the last sets of adapters that ran together: steps repeat their set for long
+        self._stacks: OrderedDict[tuple[int, ...], dict[LoRAKey, tuple[LoRAWeight, torch.Tensor]]] = OrderedDict()
         for t in lora_targets(model).values():
             t.linear.lora = LoRAHook(self.batch, (t.layer, t.slot))
 
@@ -238,6 +240,7 @@ class LoRAManager:
             return have
         lora = build_lora(req, self.model, self.max_lora_rank)
         self.adapters[req.lora_int_id] = lora
+        self._stacks.clear()
         logger.info("loaded LoRA adapter %s (id %d, rank %d) from %s", lora.name, lora.int_id, lora.rank, lora.path)
         free = [i for i in self.adapters if self.holds[i] == 0 and i != req.lora_int_id]
         while len(self.adapters) > self.max_cpu_loras and free:
@@ -257,20 +260,56 @@ class LoRAManager:
         if self.holds[int_id] > 0:
             name = self.adapters[int_id].name if int_id in self.adapters else str(int_id)
             raise UserError(f"LoRA adapter {name!r} is in use by {self.holds[int_id]} running request(s)")
+        self._stacks.clear()
         return self.adapters.pop(int_id, None) is not None
+
+    def _stacked(self, ids: tuple[int, ...]) -> dict[LoRAKey, tuple[LoRAWeight, torch.Tensor]]:
+        """Per matmul, the adapters `ids`' A and B stacked along R, and each column's adapter (its index in ids)."""
+        got = self._stacks.get(ids)
+        if got is not None:
+            self._stacks.move_to_end(ids)
+            return got
+        adapters = [self.adapters[i] for i in ids]
+        got = {}
+        owners: dict[tuple[tuple[int, int], ...], torch.Tensor] = {}  # one tensor per column layout: masks share
+        for key in dict.fromkeys(k for lora in adapters for k in lora.weights):
+            parts = [(j, lora.weights[key]) for j, lora in enumerate(adapters) if key in lora.weights]
+            a = torch.cat([w.a for _, w in parts]) if len(parts) > 1 else parts[0][1].a
+            b = torch.cat([w.b for _, w in parts], dim=1) if len(parts) > 1 else parts[0][1].b
+            layout = tuple((j, w.a.shape[0]) for j, w in parts)
+            if layout not in owners:
+                cols = [torch.full((r,), j, dtype=torch.long) for j, r in layout]
+                owners[layout] = torch.cat(cols).to(a.device)
+            got[key] = (LoRAWeight(a, b), owners[layout])
+        self._stacks[ids] = got
+        while len(self._stacks) > 4:
+            self._stacks.popitem(last=False)
+        return got
 
     @contextmanager
     def run(self, ids: list[int], lens: list[int], device: torch.device) -> Iterator[None]:
         """While inside, rows of chunk i (lens[i] of them, in order) run under adapter ids[i] (0: the base)."""
+        present = tuple(sorted(set(ids) - {0}))
+        slot = {lid: j for j, lid in enumerate(present)}
         starts = np.cumsum([0, *lens]).tolist()
-        rows: dict[int, list[int]] = {}
+        rows: list[int] = []
+        owner: list[int] = []
         for i, (lid, n) in enumerate(zip(ids, lens)):
             if lid:
-                rows.setdefault(lid, []).extend(range(starts[i], starts[i] + n))
-        self.batch.groups = [
-            (torch.tensor(r, dtype=torch.long, device=device), self.adapters[lid].weights) for lid, r in rows.items()
-        ]
+                rows.extend(range(starts[i], starts[i] + n))
+                owner.extend([slot[lid]] * n)
+        row_owner = torch.tensor(owner, dtype=torch.long, device=device)
+        masks: dict[int, torch.Tensor] = {}  # by the column owners' identity: layers of one layout share one
+        stacks = {}
+        for key, (w, col_owner) in self._stacked(present).items():
+            mask = None
+            if len(present) > 1:
+                mask = masks.get(id(col_owner))
+                if mask is None:
+                    mask = masks[id(col_owner)] = (row_owner[:, None] == col_owner[None, :]).to(w.a.dtype)
+            stacks[key] = LoRAStack(w.a, w.b, mask)
+        self.batch.rows, self.batch.stacks = torch.tensor(rows, dtype=torch.long, device=device), stacks
         try:
             yield
         finally:
-            self.batch.groups = []
+            self.batch.rows, self.batch.stacks = None, {}

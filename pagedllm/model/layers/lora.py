@@ -29,12 +29,13 @@ class LoRAWeight:
 
 @dataclass
 class LoRAStack:
-    """The step's adapters' matrices for one matmul, stacked along R (vLLM's stacked A / B): a [sum R, in],
-    b [out, sum R], and `mask` [rows, sum R]: 1 where the column belongs to the row's adapter (None: one adapter,
-    every column is every row's)."""
+    """The step's adapters' matrices for one matmul, stacked along R (vLLM's stacked A / B) and laid out for
+    x @ at @ bt: at [in, sum R], bt [sum R, out], float32 (a bfloat16 matmul of these thin shapes takes CPUs a slow
+    path, and the term is small beside the base matmul); `mask` [rows, sum R]: 1 where the column belongs to the
+    row's adapter (None: one adapter, every column is every row's)."""
 
-    a: torch.Tensor
-    b: torch.Tensor
+    at: torch.Tensor
+    bt: torch.Tensor
     mask: torch.Tensor | None
 
 
@@ -60,7 +61,7 @@ class LoRAHook:
         s, rows = self.batch.stacks.get(self.key), self.batch.rows
         if s is None or rows is None:
             return
-        h = x.index_select(0, rows).to(s.a.dtype) @ s.a.T
+        h = x.index_select(0, rows).float() @ s.at
         if s.mask is not None:
             h = h * s.mask
-        y.index_add_(0, rows, (h @ s.b.T).to(y.dtype))
+        y.index_add_(0, rows, (h @ s.bt).to(y.dtype))

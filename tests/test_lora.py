@@ -335,3 +335,28 @@ def test_router_keys_are_the_engine_s_block_hashes_per_adapter(tiny):
         != ours
         != request_keys({PROMPT_KW: prompt, LORA_KW: loras["qv"]}, 16, 8)
     )
+
+
+def test_disk_tier_keeps_adapters_apart_across_a_restart(tiny, tmp_path):
+    """Blocks written to the disk tier under one adapter are read back by a restarted engine for that adapter's
+    requests only, with the same tokens; another adapter's and the base's requests find none of them."""
+    base, loras, _, _, _ = tiny
+    prompt = list(range(3, 3 + 40))
+    first = _lora_engine(base, kv_offload_dir=str(tmp_path))
+    want = _run_mixed(first, [(prompt, loras["qv"])])
+    assert first.disk_tier is not None
+    first.disk_tier.flush()
+    assert len(os.listdir(first.disk_tier.dir)) == 2  # the prompt's two full blocks
+
+    def cached(lora: LoRARequest | None) -> int:
+        engine = _lora_engine(base, kv_offload_dir=str(tmp_path))
+        engine.add_request("r", prompt, GREEDY, lora_request=lora)
+        done = []
+        while engine.has_unfinished_requests():
+            done += [o for o in engine.step() if o.finished]
+        if lora is loras["qv"]:
+            assert done[0].outputs[0].token_ids == want[0]
+        return done[0].num_cached_tokens
+
+    assert cached(loras["qv"]) == 32
+    assert cached(loras["all"]) == 0 and cached(None) == 0

@@ -1,7 +1,7 @@
 """LoRA adapters on one base model: reading them (PEFT folders, llama.cpp GGUF adapters), checking them against
 the model, and keeping the loaded ones (vLLM's --max-cpu-loras, least recently used dropped first).
 
-An adapter becomes, per targeted matmul, one A [R, in] and one B [out, R] (layers/lora.py) in the model's dtype,
+An adapter becomes, per targeted matmul, one A [R, in] and one B [out, R] (layers/lora.py) in float32,
 the scale (lora_alpha / r, or / sqrt(r) with use_rslora; llama.cpp: adapter.lora.alpha / r) folded into B, and the
 q/k/v (gate/up) pieces stacked into the merged matmul the decoder runs. The base weights are never touched.
 
@@ -32,7 +32,7 @@ from pagedllm.errors import ModelLoadError, UserError
 from pagedllm.lora_request import LoRARequest
 from pagedllm.model.formats.gguf_file import GGUFFile
 from pagedllm.model.layers.decoder import CausalLM
-from pagedllm.model.layers.lora import LoRABatch, LoRAHook, LoRAKey, LoRAWeight
+from pagedllm.model.layers.lora import LoRABatch, LoRAHook, LoRAKey, LoRAStack, LoRAWeight
 from pagedllm.model.weights import LoRATarget, family_of, gguf_target_names, lora_targets, unpermute_gguf
 
 logger = logging.getLogger("pagedllm")
@@ -168,7 +168,7 @@ def read_lora(req: LoRARequest, model: CausalLM) -> list[LoRAPiece]:
 
 def build_lora(req: LoRARequest, model: CausalLM, max_rank: int) -> LoRAModel:
     """Read an adapter and check it against the model: every target one of its matmuls, the shapes its, the rank
-    at most `max_rank` (--max-lora-rank); then stack each matmul's pieces in the model's dtype."""
+    at most `max_rank` (--max-lora-rank); then stack each matmul's pieces (float32)."""
     name = req.lora_name
     targets = lora_targets(model)
     grouped: dict[LoRAKey, list[tuple[LoRATarget, LoRAPiece]]] = {}
@@ -195,7 +195,7 @@ def build_lora(req: LoRARequest, model: CausalLM, max_rank: int) -> LoRAModel:
         grouped.setdefault((t.layer, t.slot), []).append((t, p))
     if not grouped:
         raise LoRAError(f"LoRA adapter {name!r}: {req.lora_path} holds no LoRA matrices")
-    dtype, device = model.dtype, model.lm_head.weight.device
+    device = model.lm_head.weight.device  # float32 whatever the model's dtype: the term is computed in it
     weights = {}
     for key, parts in grouped.items():
         lin = parts[0][0].linear
@@ -207,8 +207,11 @@ def build_lora(req: LoRARequest, model: CausalLM, max_rank: int) -> LoRAModel:
             b[t.start : t.end, col : col + r] = p.b * p.scale
             col += r
         a = torch.cat([p.a for _, p in parts])
-        weights[key] = LoRAWeight(a.to(device, dtype).contiguous(), b.to(device, dtype).contiguous())
+        weights[key] = LoRAWeight(a.to(device).contiguous(), b.to(device).contiguous())
     return LoRAModel(name, req.lora_int_id, req.lora_path, rank, weights)
+
+
+Stacked = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # A.T, B.T of a set of adapters, and each column's adapter
 
 
 class LoRAManager:
@@ -221,6 +224,8 @@ class LoRAManager:
         self.adapters: OrderedDict[int, LoRAModel] = OrderedDict()  # least recently used first
         self.holds: Counter[int] = Counter()  # requests holding each adapter
         self.batch = LoRABatch()
+        # the stacked weights of the last sets of adapters that ran together: steps repeat their set for long
+        self._stacks: OrderedDict[tuple[int, ...], dict[LoRAKey, Stacked]] = OrderedDict()
         for t in lora_targets(model).values():
             t.linear.lora = LoRAHook(self.batch, (t.layer, t.slot))
 
@@ -238,6 +243,7 @@ class LoRAManager:
             return have
         lora = build_lora(req, self.model, self.max_lora_rank)
         self.adapters[req.lora_int_id] = lora
+        self._stacks.clear()
         logger.info("loaded LoRA adapter %s (id %d, rank %d) from %s", lora.name, lora.int_id, lora.rank, lora.path)
         free = [i for i in self.adapters if self.holds[i] == 0 and i != req.lora_int_id]
         while len(self.adapters) > self.max_cpu_loras and free:
@@ -257,20 +263,57 @@ class LoRAManager:
         if self.holds[int_id] > 0:
             name = self.adapters[int_id].name if int_id in self.adapters else str(int_id)
             raise UserError(f"LoRA adapter {name!r} is in use by {self.holds[int_id]} running request(s)")
+        self._stacks.clear()
         return self.adapters.pop(int_id, None) is not None
+
+    def _stacked(self, ids: tuple[int, ...]) -> dict[LoRAKey, Stacked]:
+        """Per matmul, the adapters `ids`' A and B stacked along R and transposed (a = A.T [in, sum R], b = B.T
+        [sum R, out], float32: LoRAStack), and each column's adapter (its index in ids)."""
+        got = self._stacks.get(ids)
+        if got is not None:
+            self._stacks.move_to_end(ids)
+            return got
+        adapters = [self.adapters[i] for i in ids]
+        got = {}
+        owners: dict[tuple[tuple[int, int], ...], torch.Tensor] = {}  # one tensor per column layout: masks share
+        for key in dict.fromkeys(k for lora in adapters for k in lora.weights):
+            parts = [(j, lora.weights[key]) for j, lora in enumerate(adapters) if key in lora.weights]
+            a = torch.cat([w.a for _, w in parts]).T.float().contiguous()  # [in, sum R]
+            b = torch.cat([w.b for _, w in parts], dim=1).T.float().contiguous()  # [sum R, out]
+            layout = tuple((j, w.a.shape[0]) for j, w in parts)
+            if layout not in owners:
+                cols = [torch.full((r,), j, dtype=torch.long) for j, r in layout]
+                owners[layout] = torch.cat(cols).to(a.device)
+            got[key] = (a, b, owners[layout])
+        self._stacks[ids] = got
+        while len(self._stacks) > 4:
+            self._stacks.popitem(last=False)
+        return got
 
     @contextmanager
     def run(self, ids: list[int], lens: list[int], device: torch.device) -> Iterator[None]:
         """While inside, rows of chunk i (lens[i] of them, in order) run under adapter ids[i] (0: the base)."""
+        present = tuple(sorted(set(ids) - {0}))
+        slot = {lid: j for j, lid in enumerate(present)}
         starts = np.cumsum([0, *lens]).tolist()
-        rows: dict[int, list[int]] = {}
+        rows: list[int] = []
+        owner: list[int] = []
         for i, (lid, n) in enumerate(zip(ids, lens)):
             if lid:
-                rows.setdefault(lid, []).extend(range(starts[i], starts[i] + n))
-        self.batch.groups = [
-            (torch.tensor(r, dtype=torch.long, device=device), self.adapters[lid].weights) for lid, r in rows.items()
-        ]
+                rows.extend(range(starts[i], starts[i] + n))
+                owner.extend([slot[lid]] * n)
+        row_owner = torch.tensor(owner, dtype=torch.long, device=device)
+        masks: dict[int, torch.Tensor] = {}  # by the column owners' identity: layers of one layout share one
+        stacks = {}
+        for key, (at, bt, col_owner) in self._stacked(present).items():
+            mask = None
+            if len(present) > 1:
+                mask = masks.get(id(col_owner))
+                if mask is None:
+                    mask = masks[id(col_owner)] = (row_owner[:, None] == col_owner[None, :]).float()
+            stacks[key] = LoRAStack(at, bt, mask)
+        self.batch.rows, self.batch.stacks = torch.tensor(rows, dtype=torch.long, device=device), stacks
         try:
             yield
         finally:
-            self.batch.groups = []
+            self.batch.rows, self.batch.stacks = None, {}

@@ -1,8 +1,10 @@
 """The LoRA term of a matmul over a step that mixes adapters: y = W x + s B (A x), each row with its own adapter.
 
 vLLM's punica kernels (bgmv for decode, sgmv for prefill segments) gather each token's adapter from stacked A / B
-tensors. On a CPU the same result comes from a grouped loop: for each adapter present in the step, its rows are
-gathered, multiplied by its A then its B (the scale folded into B at load), and added back into the base output.
+tensors. Here the step's adapters' A are stacked into one matrix and their B into another (the scale folded into
+B at load): the rows that have an adapter are multiplied by all the A at once, the columns of other adapters
+masked to zero, then by all the B, and added back into the base output: two matmuls per targeted layer however
+many adapters the step holds, instead of a loop over them (extra FLOPs: rank x adapters, small beside W).
 Base rows (no adapter) are never touched, so they stay bit for bit what the base model computes; the base weight
 is multiplied as stored (dense, packed or quantized): the adapter never needs a merged copy of it.
 """
@@ -26,11 +28,24 @@ class LoRAWeight:
 
 
 @dataclass
-class LoRABatch:
-    """The step being run: for each adapter present, its rows of the flat batch and its weights by key. The
-    runner fills `groups` before a forward and empties it after; every targeted Linear reads the one object."""
+class LoRAStack:
+    """The step's adapters' matrices for one matmul, stacked along R (vLLM's stacked A / B) and laid out for
+    x @ at @ bt: at [in, sum R], bt [sum R, out], float32 (a bfloat16 matmul of these thin shapes takes CPUs a slow
+    path, and the term is small beside the base matmul); `mask` [rows, sum R]: 1 where the column belongs to the
+    row's adapter (None: one adapter, every column is every row's)."""
 
-    groups: list[tuple[torch.Tensor, dict[LoRAKey, LoRAWeight]]] = field(default_factory=list)
+    at: torch.Tensor
+    bt: torch.Tensor
+    mask: torch.Tensor | None
+
+
+@dataclass
+class LoRABatch:
+    """The step being run: the rows of the flat batch that have an adapter, and per matmul the stacked adapters.
+    The runner fills it before a forward and empties it after; every targeted Linear reads the one object."""
+
+    rows: torch.Tensor | None = None
+    stacks: dict[LoRAKey, LoRAStack] = field(default_factory=dict)
 
 
 @dataclass
@@ -41,10 +56,12 @@ class LoRAHook:
     key: LoRAKey
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """y[rows] += B (A x[rows]) for each adapter's rows (in place; rows of no adapter are left as they are)."""
-        for rows, weights in self.batch.groups:
-            w = weights.get(self.key)
-            if w is None:
-                continue
-            xs = x.index_select(0, rows).to(w.a.dtype)
-            y.index_add_(0, rows, (xs @ w.a.T @ w.b.T).to(y.dtype))
+        """y[rows] += B (A x[rows]), each row through its own adapter's columns only: two matmuls over all the
+        step's adapters at once, whatever their number (rows of no adapter are left as they are)."""
+        s, rows = self.batch.stacks.get(self.key), self.batch.rows
+        if s is None or rows is None:
+            return
+        h = x.index_select(0, rows).float() @ s.at
+        if s.mask is not None:
+            h = h * s.mask
+        y.index_add_(0, rows, (h @ s.bt).to(y.dtype))

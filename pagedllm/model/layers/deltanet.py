@@ -215,13 +215,17 @@ class GatedDeltaNet(nn.Module):
         for n in step.lens:
             starts.append(starts[-1] + n)
         decode = [i for i, n in enumerate(step.lens) if n == 1]
-        if decode:
+        if len(decode) == len(step.lens):  # decode only: the step's copies are updated in place
+            window = torch.cat([conv, mixed[:, :, None].to(conv.dtype)], -1)  # [S, C, K]
+            conv = window[..., 1:]
+            q, k, v = self._qkv(F.silu((window * weight).sum(-1)))
+            out = recurrent_gated_delta_rule(q, k, v, g, beta, rec)
+        elif decode:
             seqs = torch.tensor(decode, dtype=torch.long, device=x.device)
             rows = torch.tensor([starts[i] for i in decode], dtype=torch.long, device=x.device)
-            window = torch.cat([conv[seqs], mixed[rows, :, None].to(conv.dtype)], -1)  # [S, C, K]
+            window = torch.cat([conv[seqs], mixed[rows, :, None].to(conv.dtype)], -1)
             conv[seqs] = window[..., 1:]
-            y = F.silu((window * weight).sum(-1))
-            q, k, v = self._qkv(y)
+            q, k, v = self._qkv(F.silu((window * weight).sum(-1)))
             state = rec[seqs]
             out[rows] = recurrent_gated_delta_rule(q, k, v, g[rows], beta[rows], state)
             rec[seqs] = state

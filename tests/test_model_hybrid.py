@@ -207,6 +207,19 @@ def test_prefix_caching_hits_at_state_checkpoints_and_never_changes_an_answer(mo
     assert checkpoints is not None and not checkpoints.refs and not checkpoints.restores
 
 
+def test_a_shared_prefix_hits_from_its_third_prompt_without_chunking(models):
+    """Prompts computed in one chunk each: the first keeps only its last boundary's state; the second finds the
+    shared 64 tokens' KV but no state there, so its chunk is cut at 64 and that state kept; the third hits on it."""
+    hf, loaded, _ = models["qwen3_5"]
+    shared = _tokens(64, 18)
+    prompts = [shared + _tokens(40 + 3 * i, 19 + i) for i in range(3)]
+    engine = _engine(loaded, max_num_batched_tokens=512)
+    assert [_run(engine, [p], 6)[0] for p in prompts] == [_greedy(hf, p, 6) for p in prompts]
+    assert engine.stats().prefix_cache_hits == 64
+    _all_back(engine)
+    assert engine.kv.state_checkpoints is not None and not engine.kv.state_checkpoints.wanted
+
+
 def test_abort_gives_the_slot_back_and_a_new_request_starts_from_zero(models):
     hf, loaded, _ = models["qwen3_5"]
     engine = _engine(loaded, max_num_seqs=1, max_num_batched_tokens=32)

@@ -171,13 +171,15 @@ class Scheduler:
 
     def _aligned(self, req: Request, start: int, num_new: int, cost: int) -> tuple[int, int]:
         """A hybrid model's prompt chunk cut to end at a block boundary (its state there is kept as a prefix-cache
-        checkpoint: kv/state_slots.py), at the prompt's last boundary first (where a later prompt that continues
-        this one hits); unchanged where no boundary is passed, or without checkpoints."""
-        if self.kv.state_checkpoints is None:
+        checkpoint: kv/state_slots.py): where its run of cached KV blocks ends without a checkpoint (a prefix it
+        shares with an earlier prompt), at the prompt's last boundary (where a prompt that continues this one
+        hits), else at the last boundary it reaches; unchanged where it passes none, or without checkpoints."""
+        checkpoints = self.kv.state_checkpoints
+        if checkpoints is None:
             return num_new, cost
         bs, end, prompt = self.kv.block_size, start + num_new, req.num_prompt_tokens
-        last = (prompt - 1) // bs * bs
-        cut = last if start < last < end else end // bs * bs if end < prompt else end
+        wanted = [b for b in (checkpoints.wanted.get(req.request_id, 0), (prompt - 1) // bs * bs) if start < b < end]
+        cut = min(wanted) if wanted else end // bs * bs if end < prompt else end
         if cut <= start:
             return num_new, cost
         return cut - start, cost - (end - cut)

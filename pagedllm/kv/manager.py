@@ -398,6 +398,7 @@ class PagedKVCacheManager(KVCacheManager):
             while n and self.state_checkpoints.find(hashes[n - 1]) is None:
                 n -= 1
             if n < len(hits[0]):
+                self.state_checkpoints.wanted[rid] = len(hits[0]) * self.block_size  # cut there, checkpoint it
                 hits = self.coordinator.find_longest_cache_hit(rid, hashes, n, get)
         return KVCacheBlocks(hits), len(hits[0]) * self.block_size
 
@@ -552,7 +553,7 @@ class PagedKVCacheManager(KVCacheManager):
         self.coordinator.free(rid)
         self._free_state(rid)
         if self.state_checkpoints is not None:
-            self.state_checkpoints.release(rid)
+            self.state_checkpoints.forget(rid)
         for c in self.connectors:
             c.request_finished(rid)
         self.req_hashes.pop(rid, None)

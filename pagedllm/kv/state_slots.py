@@ -54,7 +54,8 @@ class StateCheckpoints:
     held (ref-counted) from the hit's allocation until the copy is made; unheld entries are evicted least
     recently used first when a new checkpoint needs a row.
 
-    The scheduler cuts a hybrid request's prompt chunks at block boundaries (and at the prompt's last one) so that
+    The scheduler cuts a hybrid request's prompt chunks at block boundaries (and at the prompt's last one, and
+    where its run of cached KV blocks ends without a checkpoint: a shared prefix another request computed) so that
     the states at those boundaries exist to be copied: a chunk's state is only known at its end."""
 
     def __init__(self, first_row: int, num_rows: int, block_size: int) -> None:
@@ -63,6 +64,9 @@ class StateCheckpoints:
         self.rows: dict[BlockHash, int] = {}  # key -> row, in least-recently-used order (oldest first)
         self.refs: dict[BlockHash, int] = {}  # keys held by a hit not yet copied
         self.restores: dict[str, tuple[BlockHash, int]] = {}  # request id -> (key, row) to copy before its step
+        # request id -> the end of its run of cached KV blocks where no checkpoint lies: its chunk is cut there, so
+        # the next prompt sharing that prefix hits it
+        self.wanted: dict[str, int] = {}
 
     def find(self, key: BlockHash) -> int | None:
         return self.rows.get(key)
@@ -89,6 +93,11 @@ class StateCheckpoints:
             self.refs[key] -= 1
             if not self.refs[key]:
                 del self.refs[key]
+
+    def forget(self, request_id: str) -> None:
+        """The request is freed: its hold and its wanted cut go."""
+        self.release(request_id)
+        self.wanted.pop(request_id, None)
 
     def store(self, key: BlockHash) -> int | None:
         """A row for the state under `key` (None: it is cached already, or every row is held): a free one, or the

@@ -28,7 +28,8 @@ ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic", "fac
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # layers.py
 ROUTERS = ("softmax_topk", "topk_softmax")  # moe.py: the sparse block's routing
 MOE_ACTIVATIONS = (*ACTIVATIONS, "swigluoai")  # moe.py: the experts' (gpt-oss's clamped SwiGLU)
-LINEAR_ATTENTION_FAMILIES = ("qwen3_5", "qwen3_next")  # Gated DeltaNet layers (layers/deltanet.py)
+LINEAR_ATTENTION_FAMILIES = ("qwen3_5", "qwen3_next", "granitemoehybrid", "lfm2")  # recurrent-state layers
+RECURRENT_MIXERS = ("gated_deltanet", "mamba2", "short_conv")  # decoder.py: the mixer of each linear layer
 _ORIGINAL_CONTEXT_TYPES = ("llama3", "yarn", "longrope", "dynamic")  # scalings relative to an original context
 
 
@@ -107,6 +108,17 @@ class ModelConfig:
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 4
     attn_output_gate: bool = False  # Qwen3.5 / Next: attention output * sigmoid(gate), gate rows beside each query
+    # The mixer of the "linear_attention" layers, each with its own state in the request's slot: "gated_deltanet"
+    # (deltanet.py), "mamba2" (mamba2.py: Granite 4.0-H), "short_conv" (shortconv.py: LFM2); linear_conv_kernel_dim
+    # is the width of each one's causal conv.
+    recurrent_mixer: str = "gated_deltanet"
+    mamba_num_heads: int = 0
+    mamba_head_dim: int = 0
+    mamba_state_size: int = 0
+    mamba_num_groups: int = 1
+    mamba_dt_limit: tuple[float, float] = (0.0, float("inf"))  # dt clamped to this after the softplus
+    mixer_conv_bias: bool = False  # a bias on the mixer's conv (Mamba2's conv_bias, LFM2's conv_bias)
+    mixer_proj_bias: bool = False  # biases on the mixer's in / out projections (Mamba2's proj_bias, LFM2's)
 
     def kv_layout(self, hybrid: bool = False) -> KVCacheLayout:
         """The KV-cache groups of this model's layers (kv_spec.py); `hybrid=False`: one group of every layer that
@@ -131,15 +143,22 @@ class ModelConfig:
             + self.linear_num_value_heads * self.linear_value_head_dim
         )
 
+    def recurrent_state_dims(self) -> tuple[int, int, int, int]:
+        """A linear layer's state by its mixer: conv channels, and the float32 state's [heads, dim, dim] (Gated
+        DeltaNet: value heads x key dim x value dim; Mamba2: heads x head dim x state size; short conv: none)."""
+        if self.recurrent_mixer == "mamba2":
+            inner = self.mamba_num_heads * self.mamba_head_dim
+            conv = inner + 2 * self.mamba_num_groups * self.mamba_state_size
+            return conv, self.mamba_num_heads, self.mamba_head_dim, self.mamba_state_size
+        if self.recurrent_mixer == "short_conv":
+            return self.hidden_size, 0, 0, 0
+        return self.linear_conv_dim, self.linear_num_value_heads, self.linear_key_head_dim, self.linear_value_head_dim
+
     def state_bytes_per_request(self, conv_dtype_bytes: int) -> int:
         """One state slot: every linear layer's conv state (the model's dtype) and recurrent state (float32)."""
+        conv, heads, key_dim, value_dim = self.recurrent_state_dims()
         return len(self.linear_layers) * recurrent_state_bytes(
-            self.linear_conv_dim,
-            self.linear_conv_kernel_dim,
-            self.linear_num_value_heads,
-            self.linear_key_head_dim,
-            self.linear_value_head_dim,
-            conv_dtype_bytes,
+            conv, self.linear_conv_kernel_dim, heads, key_dim, value_dim, conv_dtype_bytes
         )
 
     def is_moe_layer(self, layer: int) -> bool:
@@ -357,6 +376,10 @@ def _checked(c: ModelConfig, where: str) -> ModelConfig:
         raise ModelLoadError(f"{where}: layer type {bad[0]!r} is not supported ({', '.join(kinds)})")
     if c.linear_layers and c.family not in LINEAR_ATTENTION_FAMILIES:
         raise ModelLoadError(f"{where}: linear_attention layers are not supported in {c.family}")
+    if c.recurrent_mixer not in RECURRENT_MIXERS:
+        raise ModelLoadError(f"{where}: recurrent mixer {c.recurrent_mixer!r} is not supported")
+    if c.recurrent_mixer == "mamba2" and c.linear_layers and (c.mamba_num_heads % max(1, c.mamba_num_groups)):
+        raise ModelLoadError(f"{where}: {c.mamba_num_groups} Mamba2 groups do not divide {c.mamba_num_heads} heads")
     return _checked_moe(c, where) if c.num_experts else c
 
 

@@ -7,7 +7,8 @@ two bases, SmolLM3's NoPE layers, Phi's partial rotary) and the attention's scal
 
 A sparse layer (cfg.is_moe_layer) has a mixture of experts (moe.py) in the MLP's place. A linear-attention layer
 (cfg.is_linear_layer: Qwen3.5, Qwen3-Next) has a Gated DeltaNet mixer (deltanet.py) in attention's place, which
-reads and writes its request's recurrent state instead of the KV cache; their full-attention layers may gate the
+reads and writes its request's recurrent state instead of the KV cache (Granite 4.0-H: Mamba2, mamba2.py; LFM2: a
+short conv, shortconv.py; cfg.recurrent_mixer picks); their full-attention layers may gate the
 attention's output by sigmoid(gate), the gate's rows stored beside each head's query rows (attn_output_gate).
 
 Q, K and V are one merged projection and gate/up another, so each layer is four matmuls whatever the
@@ -31,10 +32,24 @@ from pagedllm.model.layers.attention import (
 from pagedllm.model.layers.common import AttentionSinks, GatedMLP, RMSNorm
 from pagedllm.model.layers.deltanet import GatedDeltaNet, RecurrentStep
 from pagedllm.model.layers.linear import Embedding, Linear
+from pagedllm.model.layers.mamba2 import Mamba2
 from pagedllm.model.layers.moe import ExpertLoad, SparseMoE
 from pagedllm.model.layers.rope import RotaryEmbedding, apply_rotary
+from pagedllm.model.layers.shortconv import ShortConv
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
+Mixer = GatedDeltaNet | Mamba2 | ShortConv
+
+
+def recurrent_mixer(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> Mixer:
+    """A linear layer's mixer by cfg.recurrent_mixer. Each has the same face: `state_shapes()` (one slot's conv
+    and float32 states, the runner allocates them), `slots()` / `linears()` (its weights), and forward(x,
+    conv_cache, rec_cache, step) that leaves its new states in step.pending."""
+    if cfg.recurrent_mixer == "mamba2":
+        return Mamba2(cfg, dtype, device)
+    if cfg.recurrent_mixer == "short_conv":
+        return ShortConv(cfg, dtype, device)
+    return GatedDeltaNet(cfg, dtype, device)
 
 
 class DecoderLayer(nn.Module):
@@ -62,7 +77,7 @@ class DecoderLayer(nn.Module):
         self.qk_norm = cfg.qk_norm
         per_head = cfg.qk_norm == "head"
         self.index = index
-        self.linear_attn = GatedDeltaNet(cfg, dtype, device) if cfg.is_linear_layer(index) else None
+        self.linear_attn = recurrent_mixer(cfg, dtype, device) if cfg.is_linear_layer(index) else None
         attn = self.linear_attn is None
         self.q_norm = norm(cfg.head_dim if per_head else self.q_size, cfg.qk_norm is not None and attn)
         self.k_norm = norm(cfg.head_dim if per_head else self.kv_size, cfg.qk_norm is not None and attn)

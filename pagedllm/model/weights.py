@@ -103,7 +103,7 @@ def tensor_table(model: CausalLM) -> dict[str, Slot]:
     fam = family_of(model)
     table = {
         "model.embed_tokens.weight": Slot(model.embed, model.embed.weight, 0, 1, "weight"),
-        "model.norm.weight": Slot(model.norm, model.norm.weight, 0, 1, "weight"),
+        f"model.{fam.final_norm}.weight": Slot(model.norm, model.norm.weight, 0, 1, "weight"),
     }
     if not model.lm_head.tied:
         table["lm_head.weight"] = Slot(model.lm_head, model.lm_head.weight, 0, 1, "weight")

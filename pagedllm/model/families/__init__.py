@@ -6,7 +6,9 @@ from pagedllm.model.families.gemma3 import GEMMA3
 from pagedllm.model.families.gpt_oss import GPT_OSS
 from pagedllm.model.families.granite import GRANITE
 from pagedllm.model.families.granitemoe import GRANITEMOE
+from pagedllm.model.families.granitemoehybrid import GRANITEMOEHYBRID
 from pagedllm.model.families.granitemoeshared import GRANITEMOESHARED
+from pagedllm.model.families.lfm2 import LFM2
 from pagedllm.model.families.llama import LLAMA, MISTRAL
 from pagedllm.model.families.mixtral import MIXTRAL
 from pagedllm.model.families.olmo2 import OLMO2
@@ -23,6 +25,7 @@ from pagedllm.model.families.smollm3 import SMOLLM3
 FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, PHI3, SMOLLM3, OLMO2, GRANITE)
 FAMILIES += (QWEN2_MOE, QWEN3_MOE, OLMOE, MIXTRAL, GRANITEMOE, GRANITEMOESHARED, GPT_OSS)  # sparse (families/moe.py)
 FAMILIES += (QWEN3_5, QWEN3_NEXT)  # hybrid: Gated DeltaNet layers with a recurrent state (layers/deltanet.py)
+FAMILIES += (GRANITEMOEHYBRID, LFM2)  # hybrid: Mamba2 (layers/mamba2.py), short conv (layers/shortconv.py)
 SUPPORTED_ARCHITECTURES = tuple(a for f in FAMILIES for a in f.architectures)
 GGUF_ARCHITECTURES = tuple(a for f in FAMILIES for a in f.gguf_archs)
 

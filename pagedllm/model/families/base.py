@@ -80,6 +80,7 @@ class Family:
     # as "model."), and those of tensors the text model does not use (its vision tower, multi-token prediction)
     renamed: tuple[tuple[str, str], ...] = ()
     skipped: tuple[str, ...] = ()
+    final_norm: str = "norm"  # the final norm's name under "model." (LFM2: embedding_norm)
 
 
 def every_nth(num_layers: int, n: int, hit: str, other: str) -> list[str]:

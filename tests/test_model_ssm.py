@@ -1,0 +1,236 @@
+"""The state-space and convolution hybrids against transformers in float32, on tiny random checkpoints that
+`save_pretrained` writes: Granite 4.0-H (granitemoehybrid: Mamba2 and attention layers, its MoE block beside the
+shared MLP, RoPE; and a dense one without RoPE, its config.json in the legacy "mamba" / "attention" names) and LFM2
+(short-conv and attention layers). Logits over 100+ tokens in uneven chunks and decodes; 32 greedy tokens through
+the engine with chunked prefill (the state crosses chunk ends), forced preemption (the state slot returned and
+rebuilt from zeros) and several requests in a step; LLM.generate and the server; kv-calc's state bytes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+
+import pytest
+import torch
+from model_helpers import VOCAB, all_logits
+
+import pagedllm.model.tokenizer as tokenizer_module
+from devkit.tiny_tokenizer import save_tiny_tokenizer
+from pagedllm import SamplingParams
+from pagedllm.engine import EngineConfig, LLMEngine
+from pagedllm.engine.memory import state_bytes
+from pagedllm.kv import kv_bytes_per_token
+from pagedllm.model import ModelRunner, SeqChunk, load_model, load_model_config
+
+FAMILIES = ["granitemoehybrid", "granitemoehybrid_dense", "lfm2"]
+TOL = 1e-4  # of the largest logit
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def private_tokenizer_cache(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tokenizers")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(
+            tokenizer_module,
+            "cache_dir_for",
+            lambda path, kind: str(root / hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:12]),
+        )
+        yield
+
+
+def make_hybrid(kind: str, folder: str) -> torch.nn.Module:
+    """A tiny random checkpoint of `kind` in `folder` (float32, a word-level tokenizer); its transformers model."""
+    from transformers import AutoModelForCausalLM, GraniteMoeHybridConfig, Lfm2Config
+
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    if kind == "lfm2":
+        cfg = Lfm2Config(
+            **common,
+            intermediate_size=144,
+            layer_types=["conv", "full_attention", "conv", "conv"],
+            conv_L_cache=3,
+            norm_eps=1e-5,
+            block_multiple_of=16,
+        )
+    else:
+        moe = kind == "granitemoehybrid"
+        cfg = GraniteMoeHybridConfig(
+            **common,
+            intermediate_size=32,
+            shared_intermediate_size=48,
+            num_local_experts=4 if moe else 0,
+            num_experts_per_tok=2,
+            layer_types=["mamba", "attention", "mamba", "mamba"],
+            mamba_n_heads=8,
+            mamba_d_head=16,
+            mamba_d_state=16,
+            mamba_n_groups=2,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            rms_norm_eps=1e-5,
+            embedding_multiplier=2.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.2,
+            logits_scaling=3.0,
+            position_embedding_type="rope" if moe else None,
+        )
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():  # norms, decays, skips and conv biases off their neutral init, so each one matters
+        for name, p in hf.named_parameters():
+            if name.endswith(("norm.weight", "layernorm.weight")):
+                p.uniform_(0.5, 1.5)
+            elif name.endswith(("A_log", "dt_bias", "D", "conv1d.bias")):
+                p.uniform_(-1, 1)
+    hf.save_pretrained(folder, safe_serialization=True)
+    save_tiny_tokenizer(folder, VOCAB)
+    if kind == "granitemoehybrid_dense":  # the released checkpoints' legacy layer names
+        path = os.path.join(folder, "config.json")
+        raw = json.load(open(path))
+        raw.pop("layers_block_type", None)
+        raw["layer_types"] = ["mamba", "attention", "mamba", "mamba"]
+        json.dump(raw, open(path, "w"))
+    return hf
+
+
+class Checkpoint:
+    def __init__(self, kind: str, folder: str) -> None:
+        self.kind, self.folder = kind, folder
+        self.hf = make_hybrid(kind, folder)
+        self.loaded = load_model(folder, dtype="float32", verbose=False, quantized_activations="none")
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def ckpt(request, tmp_path_factory) -> Checkpoint:
+    return Checkpoint(request.param, str(tmp_path_factory.mktemp(request.param)))
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(6, VOCAB) for _ in range(n)]
+
+
+@torch.inference_mode()
+def _hf_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    return model(torch.tensor([ids])).logits[0].float()
+
+
+def test_logits_match_transformers(ckpt):
+    """110 tokens: prefilled in chunks of 37 and 70 (one crossing a scan chunk) over shuffled blocks, then three
+    decoded: every position's logits within float32 accuracy of transformers."""
+    cfg = ckpt.loaded.config
+    assert cfg.linear_layers == [0, 2, 3] and cfg.recurrent_mixer == ("short_conv" if ckpt.kind == "lfm2" else "mamba2")
+    ids = _tokens(110, 1)
+    want = _hf_logits(ckpt.hf, ids)
+    runner = ModelRunner(ckpt.loaded, num_blocks=32, block_size=8, num_state_slots=2)
+    table = random.Random(2).sample(range(32), 16)
+    got = all_logits(runner, [SeqChunk(ids[:37], 0, table, state_slot=1)])
+    got += all_logits(runner, [SeqChunk(ids[37:107], 37, table, state_slot=1)])
+    for pos in range(107, 110):
+        got.append(runner.execute([SeqChunk(ids[pos : pos + 1], pos, table, state_slot=1)]))
+    err = (torch.cat(got) - want).abs().max().item() / want.abs().max().item()
+    assert err < TOL, f"{ckpt.kind}: {err:.2e}"
+
+
+def _hf_greedy_agrees(model: torch.nn.Module, prompt: list[int], generated: list[int]) -> bool:
+    logits = _hf_logits(model, prompt + generated)[len(prompt) - 1 : -1]
+    return logits.argmax(-1).tolist() == generated
+
+
+def test_greedy_tokens_match_transformers(ckpt):
+    """32 greedy tokens for three ~150-token prompts run together, with chunked prefill (64 tokens a step: each
+    state crosses chunk ends) and a KV cache small enough to preempt (the state slot goes back and the request
+    restarts from zeros): transformers' tokens, and every block and state slot back at the end."""
+    loaded = ckpt.loaded
+    cfg = loaded.config
+    prompts = [_tokens(150, 4), _tokens(140, 5), _tokens(155, 6)]
+    block, seqs = 8, 3
+    per_block = kv_bytes_per_token(cfg.kv_layout().num_kv_layers, cfg.num_kv_heads, cfg.head_dim, 4) * block
+    engine = LLMEngine(
+        EngineConfig(
+            block_size=block,
+            max_num_batched_tokens=64,
+            max_num_seqs=seqs,
+            kv_cache_memory=seqs * state_bytes(cfg, torch.float32) + 40 * per_block,
+            max_model_len=256,
+            log_stats_interval=0,
+        ),
+        loaded,
+    )
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert engine.stats().num_preemptions > 0
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    assert engine.kv.state_slots is not None and engine.kv.state_slots.num_free == seqs
+    for i, p in enumerate(prompts):
+        tokens = list(done[str(i)].outputs[0].token_ids)
+        assert len(tokens) == 32 and _hf_greedy_agrees(ckpt.hf, p, tokens), f"{ckpt.kind} prompt {i}"
+
+
+def test_llm_generate_and_server(tmp_path_factory):
+    """LLM(folder).generate and /v1/completions on a Granite 4.0-H folder: the same greedy text, transformers'
+    tokens, the pool whole afterwards."""
+    from server_helpers import assert_pool_whole, running_server
+
+    from pagedllm import LLM
+    from pagedllm.engine.async_engine import AsyncLLMEngine
+
+    folder = str(tmp_path_factory.mktemp("granite-llm"))
+    hf = make_hybrid("granitemoehybrid", folder)
+    args = dict(dtype="float32", max_model_len=256, max_num_seqs=4, kv_cache_memory=32 * 2**20, log_stats_interval=0)
+    llm = LLM(folder, **args)
+    prompt = " ".join(f"t{i}" for i in range(7, 40))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    out = llm.generate([prompt, prompt + " t3"], params, use_tqdm=False)
+    for o in out:
+        assert len(o.prompt_token_ids) > 30 and _hf_greedy_agrees(
+            hf, list(o.prompt_token_ids), list(o.outputs[0].token_ids)
+        )
+    engine = AsyncLLMEngine(LLMEngine(EngineConfig(model=folder, **args)))
+    with running_server(engine, served_model_name=["m"]) as s:
+        r = s.http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 12, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == out[0].outputs[0].text
+        assert_pool_whole(s)
+
+
+@pytest.mark.parametrize("kind", ["granitemoehybrid", "lfm2"])
+def test_kv_calc_shows_state_bytes(kind, tmp_path, capsys):
+    """`pagedllm kv-calc --model` names each family's recurrent-state bytes per request: Mamba2's conv rows and
+    float32 SSM state, the short conv's rows only, as the engine reserves them."""
+    from pagedllm.entrypoints.cli import main
+
+    make_hybrid(kind, str(tmp_path))
+    cfg = load_model_config(str(tmp_path))
+    assert main(["kv-calc", "--model", str(tmp_path), "--dtype", "float32", "--kv-cache-dtype", "auto"]) == 0
+    out = capsys.readouterr().out
+    if kind == "lfm2":  # 3 conv layers x 64 channels x 2 kept inputs x 4 bytes
+        want = 3 * 64 * 2 * 4
+    else:  # 3 Mamba2 layers: conv (128 + 2 x 2 x 16 channels) x 3 inputs x 4, SSM 8 heads x 16 x 16 x 4
+        want = 3 * ((128 + 64) * 3 * 4 + 8 * 16 * 16 * 4)
+    assert state_bytes(cfg, torch.float32) == want
+    assert f"recurrent state: {want:,} bytes per request" in out

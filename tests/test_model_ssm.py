@@ -152,6 +152,15 @@ def test_logits_match_transformers(ckpt):
     assert err < TOL, f"{ckpt.kind}: {err:.2e}"
 
 
+def test_parameter_count_matches_transformers(ckpt):
+    """kv-calc's parameter count (model/params.py) counts each Mamba2 / short-conv mixer as transformers holds it."""
+    from pagedllm.model.params import param_count
+
+    total, active = param_count(ckpt.loaded.config)
+    assert total == sum(p.numel() for p in ckpt.hf.parameters())
+    assert active <= total
+
+
 def _hf_greedy_agrees(model: torch.nn.Module, prompt: list[int], generated: list[int]) -> bool:
     logits = _hf_logits(model, prompt + generated)[len(prompt) - 1 : -1]
     return logits.argmax(-1).tolist() == generated

@@ -243,3 +243,30 @@ def test_kv_calc_shows_state_bytes(kind, tmp_path, capsys):
         want = 3 * ((128 + 64) * 3 * 4 + 8 * 16 * 16 * 4)
     assert state_bytes(cfg, torch.float32) == want
     assert f"recurrent state: {want:,} bytes per request" in out
+
+
+def test_checkpoint_errors_are_named(tmp_path):
+    """A Mamba2 shape the mixer cannot run (groups that do not divide the heads) and a missing SSM tensor are a
+    ModelLoadError naming them, not a crash at the first step."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from pagedllm.errors import ModelLoadError
+
+    src = str(tmp_path / "ok")
+    make_hybrid("granitemoehybrid_dense", src)
+    bad = str(tmp_path / "groups")
+    shutil.copytree(src, bad)
+    path = os.path.join(bad, "config.json")
+    raw = json.load(open(path))
+    json.dump(raw | {"mamba_n_groups": 3}, open(path, "w"))
+    with pytest.raises(ModelLoadError, match="3 Mamba2 groups do not divide 8 heads"):
+        load_model_config(bad)
+    missing = str(tmp_path / "missing")
+    shutil.copytree(src, missing)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    tensors.pop("model.layers.2.mamba.A_log")
+    save_file(tensors, os.path.join(missing, "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"model\.layers\.2\.mamba\.A_log"):
+        load_model(missing, dtype="float32", verbose=False)

@@ -270,3 +270,69 @@ def test_checkpoint_errors_are_named(tmp_path):
     save_file(tensors, os.path.join(missing, "model.safetensors"))
     with pytest.raises(ModelLoadError, match=r"model\.layers\.2\.mamba\.A_log"):
         load_model(missing, dtype="float32", verbose=False)
+
+
+def write_lfm2_gguf(hf: torch.nn.Module, folder: str, fmt: str, path: str) -> dict[str, torch.Tensor]:
+    """The LFM2 model `hf` (saved in `folder`) as llama.cpp's converter writes it (arch lfm2: the conv layers'
+    `head_count_kv` 0, `shortconv.l_cache`, the conv weight squeezed to [C, K]; norms, the conv and 1-D tensors in
+    F32, the rest in `fmt`). Returns the state dict the file stands for."""
+    import gguf
+    import numpy as np
+
+    from devkit.family_helpers import _decode, _encode, _metadata, _tokenizer_metadata
+
+    cfg = json.load(open(os.path.join(folder, "config.json")))
+    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LFM2, cfg["num_hidden_layers"])
+    w = gguf.GGUFWriter(path, "lfm2")
+    w.add_name("tiny-lfm2")
+    loaded = load_model_config(folder)
+    _metadata(w, "lfm2", cfg | {"intermediate_size": loaded.intermediate_size, "rms_norm_eps": cfg["norm_eps"]})
+    kv = [cfg["num_key_value_heads"] if t == "full_attention" else 0 for t in cfg["layer_types"]]
+    w.add_array("lfm2.attention.head_count_kv", kv)  # in place of _metadata's one number
+    w.add_uint32("lfm2.shortconv.l_cache", cfg["conv_L_cache"])
+    _tokenizer_metadata(w, [])
+    target = gguf.GGMLQuantizationType[fmt.upper()]
+    ref: dict[str, torch.Tensor] = {}
+    for name, param in hf.state_dict().items():
+        if name == "lm_head.weight":  # tied: the converter writes the embedding table only
+            continue
+        t = param.float().numpy()
+        t = t[:, 0] if name.endswith("conv.conv.weight") else t
+        new = tmap.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert new is not None, name
+        f32 = t.ndim == 1 or "norm" in new or "shortconv.conv" in new
+        qtype = gguf.GGMLQuantizationType.F32 if f32 else target
+        data = _encode(np.ascontiguousarray(t), qtype)
+        w.add_tensor(new, data, raw_dtype=qtype)
+        ref[name] = torch.from_numpy(np.ascontiguousarray(_decode(data, qtype, t.shape))).reshape(param.shape)
+    ref["lm_head.weight"] = ref["model.embed_tokens.weight"]
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return ref
+
+
+@pytest.mark.parametrize("fmt", ["f32", "q8_0"])
+def test_lfm2_gguf_logits_match_transformers(fmt, tmp_path):
+    """An LFM2 GGUF with llama.cpp's tensor names (F32, Q8_0): the config it reads is the folder's, and its logits
+    over 100 tokens in chunks and decodes are transformers' on the file's (dequantized) weights."""
+    import copy
+
+    folder = str(tmp_path / "hf")
+    hf = make_hybrid("lfm2", folder)
+    path = str(tmp_path / f"tiny-lfm2.{fmt}.gguf")
+    ref = copy.deepcopy(hf)
+    ref.load_state_dict(write_lfm2_gguf(hf, folder, fmt, path), strict=True)
+    a, b = load_model_config(folder), load_model_config(path)
+    keys = ["layer_types", "recurrent_mixer", "linear_conv_kernel_dim", "num_kv_heads", "intermediate_size"]
+    assert {k: getattr(a, k) for k in keys} == {k: getattr(b, k) for k in keys}
+    loaded = load_model(path, dtype="float32", verbose=False, quantized_activations="none")
+    ids = _tokens(100, 7)
+    want = _hf_logits(ref.eval(), ids)
+    runner = ModelRunner(loaded, num_blocks=16, block_size=8, num_state_slots=1)
+    table = list(range(13))
+    got = all_logits(runner, [SeqChunk(ids[:41], 0, table)]) + all_logits(runner, [SeqChunk(ids[41:98], 41, table)])
+    got += [runner.execute([SeqChunk(ids[p : p + 1], p, table)]) for p in (98, 99)]
+    err = (torch.cat(got) - want).abs().max().item() / want.abs().max().item()
+    assert err < TOL, f"lfm2 {fmt}: {err:.2e}"

@@ -30,11 +30,12 @@ CHUNK = 64  # tokens per chunk of the SSD scan (the result does not depend on it
 
 
 class Conv(nn.Module):
-    """The depthwise conv's weight [C, 1, K] and, where the checkpoint has one, its bias [C]."""
+    """The depthwise conv's weight [C, K] (checkpoints: [C, 1, K]; llama.cpp's files: [C, K]) and, where the
+    checkpoint has one, its bias [C]."""
 
     def __init__(self, channels: int, kernel: int, bias: bool, dtype: torch.dtype, device: torch.device | str):
         super().__init__()
-        self.weight = empty_param(channels, 1, kernel, dtype=dtype, device=device)
+        self.weight = empty_param(channels, kernel, dtype=dtype, device=device)
         self.bias = empty_param(channels, dtype=dtype, device=device) if bias else None
 
 
@@ -127,7 +128,7 @@ class Mamba2(nn.Module):
         T = x.shape[0]
         z, xbc, dt = self.in_proj(x).split([self.inner, self.conv_dim, self.heads], -1)
         conv, rec = gather_states(step, conv_cache, rec_cache)
-        xbc = F.silu(causal_conv(xbc, conv, step.lens, self.conv.weight[:, 0], self.conv.bias))
+        xbc = F.silu(causal_conv(xbc, conv, step.lens, self.conv.weight, self.conv.bias))
         xs, b, c = xbc.split([self.inner, self.groups * self.state_size, self.groups * self.state_size], -1)
         xs = xs.float().view(T, self.heads, self.head_dim)
         b, c = self._by_head(b), self._by_head(c)

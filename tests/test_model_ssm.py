@@ -21,11 +21,14 @@ from devkit.tiny_tokenizer import save_tiny_tokenizer
 from pagedllm import SamplingParams
 from pagedllm.engine import EngineConfig, LLMEngine
 from pagedllm.engine.memory import state_bytes
-from pagedllm.kv import kv_bytes_per_token
 from pagedllm.model import ModelRunner, SeqChunk, load_model, load_model_config
+from pagedllm.model.runner import bytes_per_block
 
 FAMILIES = ["granitemoehybrid", "granitemoehybrid_dense", "lfm2"]
 TOL = 1e-4  # of the largest logit
+# Granite's layers, in the released checkpoints' legacy names: two attention layers so that the KV blocks, not the
+# state slots (at most half the budget), run out first in the preemption test
+GRANITE_LAYERS = ["mamba", "attention", "mamba", "attention"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -80,7 +83,7 @@ def make_hybrid(kind: str, folder: str) -> torch.nn.Module:
             shared_intermediate_size=48,
             num_local_experts=4 if moe else 0,
             num_experts_per_tok=2,
-            layer_types=["mamba", "attention", "mamba", "mamba"],
+            layer_types=GRANITE_LAYERS,
             mamba_n_heads=8,
             mamba_d_head=16,
             mamba_d_state=16,
@@ -108,7 +111,7 @@ def make_hybrid(kind: str, folder: str) -> torch.nn.Module:
         path = os.path.join(folder, "config.json")
         raw = json.load(open(path))
         raw.pop("layers_block_type", None)
-        raw["layer_types"] = ["mamba", "attention", "mamba", "mamba"]
+        raw["layer_types"] = GRANITE_LAYERS
         json.dump(raw, open(path, "w"))
     return hf
 
@@ -139,7 +142,9 @@ def test_logits_match_transformers(ckpt):
     """110 tokens: prefilled in chunks of 37 and 70 (one crossing a scan chunk) over shuffled blocks, then three
     decoded: every position's logits within float32 accuracy of transformers."""
     cfg = ckpt.loaded.config
-    assert cfg.linear_layers == [0, 2, 3] and cfg.recurrent_mixer == ("short_conv" if ckpt.kind == "lfm2" else "mamba2")
+    assert cfg.linear_layers == ([0, 2, 3] if ckpt.kind == "lfm2" else [0, 2]) and cfg.recurrent_mixer == (
+        "short_conv" if ckpt.kind == "lfm2" else "mamba2"
+    )
     ids = _tokens(110, 1)
     want = _hf_logits(ckpt.hf, ids)
     runner = ModelRunner(ckpt.loaded, num_blocks=32, block_size=8, num_state_slots=2)
@@ -174,13 +179,13 @@ def test_greedy_tokens_match_transformers(ckpt):
     cfg = loaded.config
     prompts = [_tokens(150, 4), _tokens(140, 5), _tokens(155, 6)]
     block, seqs = 8, 3
-    per_block = kv_bytes_per_token(cfg.kv_layout().num_kv_layers, cfg.num_kv_heads, cfg.head_dim, 4) * block
+    per_block = bytes_per_block(cfg, block, torch.float32, cfg.kv_layout(hybrid=True))
     engine = LLMEngine(
         EngineConfig(
             block_size=block,
             max_num_batched_tokens=64,
             max_num_seqs=seqs,
-            kv_cache_memory=seqs * state_bytes(cfg, torch.float32) + 40 * per_block,
+            kv_cache_memory=seqs * 2 * state_bytes(cfg, torch.float32) + 40 * per_block,  # a slot + a checkpoint
             max_model_len=256,
             log_stats_interval=0,
         ),
@@ -198,6 +203,39 @@ def test_greedy_tokens_match_transformers(ckpt):
     for i, p in enumerate(prompts):
         tokens = list(done[str(i)].outputs[0].token_ids)
         assert len(tokens) == 32 and _hf_greedy_agrees(ckpt.hf, p, tokens), f"{ckpt.kind} prompt {i}"
+
+
+def _engine(loaded, caching: bool) -> LLMEngine:
+    cfg = loaded.config
+    per_block = bytes_per_block(cfg, 16, torch.float32, cfg.kv_layout(hybrid=True))
+    budget = 64 * per_block + 4 * 2 * state_bytes(cfg, torch.float32)
+    args = dict(max_num_batched_tokens=64, max_num_seqs=4, kv_cache_memory=budget, max_model_len=256)
+    return LLMEngine(EngineConfig(**args, enable_prefix_caching=caching, log_stats_interval=0), loaded)
+
+
+def test_prefix_caching_hits_at_state_checkpoints_and_keeps_every_answer(ckpt):
+    """Prompts sharing 64 tokens, one after the other, 64 tokens a step: the later ones start from the Mamba2 /
+    short-conv state kept at 64 (and the continuation from the first prompt's last boundary, 80); every answer
+    equals caching off and transformers'."""
+    shared = _tokens(64, 7)
+    first = shared + _tokens(30, 8)
+    prompts = [first, shared + _tokens(20, 9), first + _tokens(20, 16)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    on, off = _engine(ckpt.loaded, True), _engine(ckpt.loaded, False)
+    got = [[list(o.outputs[0].token_ids) for o in run_engine(e, [p], params)] for p in prompts for e in (on, off)]
+    assert got[0::2] == got[1::2]
+    assert all(_hf_greedy_agrees(ckpt.hf, p, g[0]) for p, g in zip(prompts, got[0::2]))
+    assert on.stats().prefix_cache_hits == 64 + 80 and off.stats().prefix_cache_hits == 0
+    assert on.kv.num_free_blocks == on.kv.num_blocks
+
+
+def run_engine(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list:
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    return [done[str(i)] for i in range(len(prompts))]
 
 
 def test_llm_generate_and_server(tmp_path_factory):
@@ -239,8 +277,8 @@ def test_kv_calc_shows_state_bytes(kind, tmp_path, capsys):
     out = capsys.readouterr().out
     if kind == "lfm2":  # 3 conv layers x 64 channels x 2 kept inputs x 4 bytes
         want = 3 * 64 * 2 * 4
-    else:  # 3 Mamba2 layers: conv (128 + 2 x 2 x 16 channels) x 3 inputs x 4, SSM 8 heads x 16 x 16 x 4
-        want = 3 * ((128 + 64) * 3 * 4 + 8 * 16 * 16 * 4)
+    else:  # 2 Mamba2 layers: conv (128 + 2 x 2 x 16 channels) x 3 inputs x 4, SSM 8 heads x 16 x 16 x 4
+        want = 2 * ((128 + 64) * 3 * 4 + 8 * 16 * 16 * 4)
     assert state_bytes(cfg, torch.float32) == want
     assert f"recurrent state: {want:,} bytes per request" in out
 

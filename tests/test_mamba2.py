@@ -102,7 +102,7 @@ def _ours(mixer: str, ref) -> Mamba2 | ShortConv:
                 param = getattr(mod, kind, None)
                 if isinstance(param, torch.Tensor):
                     bare = getattr(mod, "bare", False)
-                    param.copy_(sd[names[slot] if bare else f"{names[slot]}.{kind}"])
+                    param.copy_(sd[names[slot] if bare else f"{names[slot]}.{kind}"].reshape(param.shape))
     return m
 
 

@@ -21,11 +21,14 @@ from devkit.tiny_tokenizer import save_tiny_tokenizer
 from pagedllm import SamplingParams
 from pagedllm.engine import EngineConfig, LLMEngine
 from pagedllm.engine.memory import state_bytes
-from pagedllm.kv import kv_bytes_per_token
 from pagedllm.model import ModelRunner, SeqChunk, load_model, load_model_config
+from pagedllm.model.runner import bytes_per_block
 
 FAMILIES = ["granitemoehybrid", "granitemoehybrid_dense", "lfm2"]
 TOL = 1e-4  # of the largest logit
+# Granite's layers, in the released checkpoints' legacy names: two attention layers so that the KV blocks, not the
+# state slots (at most half the budget), run out first in the preemption test
+GRANITE_LAYERS = ["mamba", "attention", "mamba", "attention"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -80,7 +83,7 @@ def make_hybrid(kind: str, folder: str) -> torch.nn.Module:
             shared_intermediate_size=48,
             num_local_experts=4 if moe else 0,
             num_experts_per_tok=2,
-            layer_types=["mamba", "attention", "mamba", "mamba"],
+            layer_types=GRANITE_LAYERS,
             mamba_n_heads=8,
             mamba_d_head=16,
             mamba_d_state=16,
@@ -108,7 +111,7 @@ def make_hybrid(kind: str, folder: str) -> torch.nn.Module:
         path = os.path.join(folder, "config.json")
         raw = json.load(open(path))
         raw.pop("layers_block_type", None)
-        raw["layer_types"] = ["mamba", "attention", "mamba", "mamba"]
+        raw["layer_types"] = GRANITE_LAYERS
         json.dump(raw, open(path, "w"))
     return hf
 
@@ -139,7 +142,9 @@ def test_logits_match_transformers(ckpt):
     """110 tokens: prefilled in chunks of 37 and 70 (one crossing a scan chunk) over shuffled blocks, then three
     decoded: every position's logits within float32 accuracy of transformers."""
     cfg = ckpt.loaded.config
-    assert cfg.linear_layers == [0, 2, 3] and cfg.recurrent_mixer == ("short_conv" if ckpt.kind == "lfm2" else "mamba2")
+    assert cfg.linear_layers == ([0, 2, 3] if ckpt.kind == "lfm2" else [0, 2]) and cfg.recurrent_mixer == (
+        "short_conv" if ckpt.kind == "lfm2" else "mamba2"
+    )
     ids = _tokens(110, 1)
     want = _hf_logits(ckpt.hf, ids)
     runner = ModelRunner(ckpt.loaded, num_blocks=32, block_size=8, num_state_slots=2)
@@ -150,6 +155,15 @@ def test_logits_match_transformers(ckpt):
         got.append(runner.execute([SeqChunk(ids[pos : pos + 1], pos, table, state_slot=1)]))
     err = (torch.cat(got) - want).abs().max().item() / want.abs().max().item()
     assert err < TOL, f"{ckpt.kind}: {err:.2e}"
+
+
+def test_parameter_count_matches_transformers(ckpt):
+    """kv-calc's parameter count (model/params.py) counts each Mamba2 / short-conv mixer as transformers holds it."""
+    from pagedllm.model.params import param_count
+
+    total, active = param_count(ckpt.loaded.config)
+    assert total == sum(p.numel() for p in ckpt.hf.parameters())
+    assert active <= total
 
 
 def _hf_greedy_agrees(model: torch.nn.Module, prompt: list[int], generated: list[int]) -> bool:
@@ -165,13 +179,13 @@ def test_greedy_tokens_match_transformers(ckpt):
     cfg = loaded.config
     prompts = [_tokens(150, 4), _tokens(140, 5), _tokens(155, 6)]
     block, seqs = 8, 3
-    per_block = kv_bytes_per_token(cfg.kv_layout().num_kv_layers, cfg.num_kv_heads, cfg.head_dim, 4) * block
+    per_block = bytes_per_block(cfg, block, torch.float32, cfg.kv_layout(hybrid=True))
     engine = LLMEngine(
         EngineConfig(
             block_size=block,
             max_num_batched_tokens=64,
             max_num_seqs=seqs,
-            kv_cache_memory=seqs * state_bytes(cfg, torch.float32) + 40 * per_block,
+            kv_cache_memory=seqs * 2 * state_bytes(cfg, torch.float32) + 40 * per_block,  # a slot + a checkpoint
             max_model_len=256,
             log_stats_interval=0,
         ),
@@ -189,6 +203,39 @@ def test_greedy_tokens_match_transformers(ckpt):
     for i, p in enumerate(prompts):
         tokens = list(done[str(i)].outputs[0].token_ids)
         assert len(tokens) == 32 and _hf_greedy_agrees(ckpt.hf, p, tokens), f"{ckpt.kind} prompt {i}"
+
+
+def _engine(loaded, caching: bool) -> LLMEngine:
+    cfg = loaded.config
+    per_block = bytes_per_block(cfg, 16, torch.float32, cfg.kv_layout(hybrid=True))
+    budget = 64 * per_block + 4 * 2 * state_bytes(cfg, torch.float32)
+    args = dict(max_num_batched_tokens=64, max_num_seqs=4, kv_cache_memory=budget, max_model_len=256)
+    return LLMEngine(EngineConfig(**args, enable_prefix_caching=caching, log_stats_interval=0), loaded)
+
+
+def test_prefix_caching_hits_at_state_checkpoints_and_keeps_every_answer(ckpt):
+    """Prompts sharing 64 tokens, one after the other, 64 tokens a step: the later ones start from the Mamba2 /
+    short-conv state kept at 64 (and the continuation from the first prompt's last boundary, 80); every answer
+    equals caching off and transformers'."""
+    shared = _tokens(64, 7)
+    first = shared + _tokens(30, 8)
+    prompts = [first, shared + _tokens(20, 9), first + _tokens(20, 16)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    on, off = _engine(ckpt.loaded, True), _engine(ckpt.loaded, False)
+    got = [[list(o.outputs[0].token_ids) for o in run_engine(e, [p], params)] for p in prompts for e in (on, off)]
+    assert got[0::2] == got[1::2]
+    assert all(_hf_greedy_agrees(ckpt.hf, p, g[0]) for p, g in zip(prompts, got[0::2]))
+    assert on.stats().prefix_cache_hits == 64 + 80 and off.stats().prefix_cache_hits == 0
+    assert on.kv.num_free_blocks == on.kv.num_blocks
+
+
+def run_engine(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list:
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    return [done[str(i)] for i in range(len(prompts))]
 
 
 def test_llm_generate_and_server(tmp_path_factory):
@@ -226,11 +273,104 @@ def test_kv_calc_shows_state_bytes(kind, tmp_path, capsys):
 
     make_hybrid(kind, str(tmp_path))
     cfg = load_model_config(str(tmp_path))
-    assert main(["kv-calc", "--model", str(tmp_path), "--dtype", "float32"]) == 0
+    assert main(["kv-calc", "--model", str(tmp_path), "--dtype", "float32", "--kv-cache-dtype", "auto"]) == 0
     out = capsys.readouterr().out
     if kind == "lfm2":  # 3 conv layers x 64 channels x 2 kept inputs x 4 bytes
         want = 3 * 64 * 2 * 4
-    else:  # 3 Mamba2 layers: conv (128 + 2 x 2 x 16 channels) x 3 inputs x 4, SSM 8 heads x 16 x 16 x 4
-        want = 3 * ((128 + 64) * 3 * 4 + 8 * 16 * 16 * 4)
+    else:  # 2 Mamba2 layers: conv (128 + 2 x 2 x 16 channels) x 3 inputs x 4, SSM 8 heads x 16 x 16 x 4
+        want = 2 * ((128 + 64) * 3 * 4 + 8 * 16 * 16 * 4)
     assert state_bytes(cfg, torch.float32) == want
-    assert f"recurrent state per request: {want:,} bytes" in out
+    assert f"recurrent state: {want:,} bytes per request" in out
+
+
+def test_checkpoint_errors_are_named(tmp_path):
+    """A Mamba2 shape the mixer cannot run (groups that do not divide the heads) and a missing SSM tensor are a
+    ModelLoadError naming them, not a crash at the first step."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from pagedllm.errors import ModelLoadError
+
+    src = str(tmp_path / "ok")
+    make_hybrid("granitemoehybrid_dense", src)
+    bad = str(tmp_path / "groups")
+    shutil.copytree(src, bad)
+    path = os.path.join(bad, "config.json")
+    raw = json.load(open(path))
+    json.dump(raw | {"mamba_n_groups": 3}, open(path, "w"))
+    with pytest.raises(ModelLoadError, match="3 Mamba2 groups do not divide 8 heads"):
+        load_model_config(bad)
+    missing = str(tmp_path / "missing")
+    shutil.copytree(src, missing)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    tensors.pop("model.layers.2.mamba.A_log")
+    save_file(tensors, os.path.join(missing, "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"model\.layers\.2\.mamba\.A_log"):
+        load_model(missing, dtype="float32", verbose=False)
+
+
+def write_lfm2_gguf(hf: torch.nn.Module, folder: str, fmt: str, path: str) -> dict[str, torch.Tensor]:
+    """The LFM2 model `hf` (saved in `folder`) as llama.cpp's converter writes it (arch lfm2: the conv layers'
+    `head_count_kv` 0, `shortconv.l_cache`, the conv weight squeezed to [C, K]; norms, the conv and 1-D tensors in
+    F32, the rest in `fmt`). Returns the state dict the file stands for."""
+    import gguf
+    import numpy as np
+
+    from devkit.family_helpers import _decode, _encode, _metadata, _tokenizer_metadata
+
+    cfg = json.load(open(os.path.join(folder, "config.json")))
+    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LFM2, cfg["num_hidden_layers"])
+    w = gguf.GGUFWriter(path, "lfm2")
+    w.add_name("tiny-lfm2")
+    loaded = load_model_config(folder)
+    _metadata(w, "lfm2", cfg | {"intermediate_size": loaded.intermediate_size, "rms_norm_eps": cfg["norm_eps"]})
+    kv = [cfg["num_key_value_heads"] if t == "full_attention" else 0 for t in cfg["layer_types"]]
+    w.add_array("lfm2.attention.head_count_kv", kv)  # in place of _metadata's one number
+    w.add_uint32("lfm2.shortconv.l_cache", cfg["conv_L_cache"])
+    _tokenizer_metadata(w, [])
+    target = gguf.GGMLQuantizationType[fmt.upper()]
+    ref: dict[str, torch.Tensor] = {}
+    for name, param in hf.state_dict().items():
+        if name == "lm_head.weight":  # tied: the converter writes the embedding table only
+            continue
+        t = param.float().numpy()
+        t = t[:, 0] if name.endswith("conv.conv.weight") else t
+        new = tmap.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert new is not None, name
+        f32 = t.ndim == 1 or "norm" in new or "shortconv.conv" in new
+        qtype = gguf.GGMLQuantizationType.F32 if f32 else target
+        data = _encode(np.ascontiguousarray(t), qtype)
+        w.add_tensor(new, data, raw_dtype=qtype)
+        ref[name] = torch.from_numpy(np.ascontiguousarray(_decode(data, qtype, t.shape))).reshape(param.shape)
+    ref["lm_head.weight"] = ref["model.embed_tokens.weight"]
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return ref
+
+
+@pytest.mark.parametrize("fmt", ["f32", "q8_0"])
+def test_lfm2_gguf_logits_match_transformers(fmt, tmp_path):
+    """An LFM2 GGUF with llama.cpp's tensor names (F32, Q8_0): the config it reads is the folder's, and its logits
+    over 100 tokens in chunks and decodes are transformers' on the file's (dequantized) weights."""
+    import copy
+
+    folder = str(tmp_path / "hf")
+    hf = make_hybrid("lfm2", folder)
+    path = str(tmp_path / f"tiny-lfm2.{fmt}.gguf")
+    ref = copy.deepcopy(hf)
+    ref.load_state_dict(write_lfm2_gguf(hf, folder, fmt, path), strict=True)
+    a, b = load_model_config(folder), load_model_config(path)
+    keys = ["layer_types", "recurrent_mixer", "linear_conv_kernel_dim", "num_kv_heads", "intermediate_size"]
+    assert {k: getattr(a, k) for k in keys} == {k: getattr(b, k) for k in keys}
+    loaded = load_model(path, dtype="float32", verbose=False, quantized_activations="none")
+    ids = _tokens(100, 7)
+    want = _hf_logits(ref.eval(), ids)
+    runner = ModelRunner(loaded, num_blocks=16, block_size=8, num_state_slots=1)
+    table = list(range(13))
+    got = all_logits(runner, [SeqChunk(ids[:41], 0, table)]) + all_logits(runner, [SeqChunk(ids[41:98], 41, table)])
+    got += [runner.execute([SeqChunk(ids[p : p + 1], p, table)]) for p in (98, 99)]
+    err = (torch.cat(got) - want).abs().max().item() / want.abs().max().item()
+    assert err < TOL, f"lfm2 {fmt}: {err:.2e}"

@@ -486,7 +486,7 @@ def config_from_gguf(h: GGUFHeader, where: str) -> ModelConfig:
             intermediate_size=int(h.get("feed_forward_length")),
             num_layers=int(h.get("block_count")),
             num_heads=heads,
-            num_kv_heads=int(h.get("attention.head_count_kv", heads)),
+            num_kv_heads=max(_as_list(h.get("attention.head_count_kv", heads))),  # per layer in hybrids: 0 no KV
             head_dim=head_dim,
             rms_norm_eps=float(h.get("attention.layer_norm_rms_epsilon", 1e-6)),
             rope_theta=float(h.get("rope.freq_base", 10000.0)),

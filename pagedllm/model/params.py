@@ -30,6 +30,22 @@ def _mlp(hidden: int, inter: int, bias: bool = False) -> int:
     return 3 * hidden * inter + (2 * inter + hidden if bias else 0)
 
 
+def recurrent_mixer_params(cfg: ModelConfig) -> int:
+    """One linear layer's mixer (layers/deltanet.py, mamba2.py, shortconv.py): projections, conv, the rest."""
+    h, k = cfg.hidden_size, cfg.linear_conv_kernel_dim
+    conv, heads, dim_a, dim_b = cfg.recurrent_state_dims()
+    conv_bias = conv if cfg.mixer_conv_bias else 0
+    if cfg.recurrent_mixer == "mamba2":  # in_proj to (z, xBC, dt); A_log, dt_bias, D; the gated norm; out_proj
+        inner = heads * dim_a
+        proj = inner + conv + heads
+        bias = proj + h if cfg.mixer_proj_bias else 0
+        return h * proj + conv * k + conv_bias + 3 * heads + inner + inner * h + bias
+    if cfg.recurrent_mixer == "short_conv":  # in_proj to (B, C, x), conv, out_proj
+        return 4 * h * h + conv * k + conv_bias + (4 * h if cfg.mixer_proj_bias else 0)
+    value = heads * dim_b  # Gated DeltaNet: q/k/v, z, b, a; conv; A_log, dt_bias; the norm; out
+    return h * (conv + value + 2 * heads) + conv * k + 2 * heads + dim_b + value * h
+
+
 def layer_params(cfg: ModelConfig, layer: int) -> tuple[int, int, int]:
     """(all, not counting the experts, one expert's) parameters of layer `layer`."""
     h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -38,11 +54,8 @@ def layer_params(cfg: ModelConfig, layer: int) -> tuple[int, int, int]:
     norms = h * (2 * cfg.pre_norms + 2 * cfg.post_norms)
     if cfg.qk_norm is not None:
         norms += 2 * cfg.head_dim if cfg.qk_norm == "head" else q + kv
-    if cfg.is_linear_layer(layer):  # a Gated DeltaNet in attention's place: projections, conv, A, dt, norm, out
-        conv, heads = cfg.linear_conv_dim, cfg.linear_num_value_heads
-        value = heads * cfg.linear_value_head_dim
-        attn = h * (conv + value + 2 * heads) + conv * cfg.linear_conv_kernel_dim + 2 * heads
-        attn += cfg.linear_value_head_dim + value * h
+    if cfg.is_linear_layer(layer):  # a recurrent mixer (Gated DeltaNet, Mamba2, short conv) in attention's place
+        attn = recurrent_mixer_params(cfg)
         norms = h * (2 * cfg.pre_norms + 2 * cfg.post_norms)
     if not cfg.is_moe_layer(layer):
         dense = attn + norms + _mlp(h, cfg.intermediate_size)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedllm.model.families.base import Family
+from pagedllm.model.families.base import Family, GGUFHeader
 
 LFM2_LAYER: dict[str, tuple[str, ...]] = {
     "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -57,12 +57,31 @@ def hf_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def gguf_fields(h: GGUFHeader) -> dict[str, Any]:
+    """llama.cpp's lfm2 keys: a conv layer is one whose `attention.head_count_kv` entry is 0; the conv width is
+    `shortconv.l_cache`; feed_forward_length is already the adjusted size."""
+    n = int(h.get("block_count"))
+    kv = h.get("attention.head_count_kv")
+    per = [int(k) for k in kv] if isinstance(kv, (list, tuple)) else [int(kv)] * n
+    bias = "blk.0.shortconv.in_proj.bias" in h.tensors
+    return {
+        "layer_types": ["full_attention" if k else "linear_attention" for k in per],
+        "num_kv_heads": max(per),
+        "recurrent_mixer": "short_conv",
+        "linear_conv_kernel_dim": int(h.get("shortconv.l_cache") or 3),
+        "mixer_conv_bias": any(name.endswith("shortconv.conv.bias") for name in h.tensors),
+        "mixer_proj_bias": bias,
+        "qk_norm": "head",
+    }
+
+
 LFM2 = Family(
     "lfm2",
     ("Lfm2ForCausalLM",),
     ("lfm2",),
-    (),
+    ("lfm2",),
     hf_fields=hf_fields,
+    gguf_fields=gguf_fields,
     layer_tensors=LFM2_LAYER | {"gate_up": ("feed_forward.w1", "feed_forward.w3"), "down": ("feed_forward.w2",)},
     tie_default=True,
     final_norm="embedding_norm",

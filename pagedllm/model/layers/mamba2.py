@@ -30,11 +30,12 @@ CHUNK = 64  # tokens per chunk of the SSD scan (the result does not depend on it
 
 
 class Conv(nn.Module):
-    """The depthwise conv's weight [C, 1, K] and, where the checkpoint has one, its bias [C]."""
+    """The depthwise conv's weight [C, K] (checkpoints: [C, 1, K]; llama.cpp's files: [C, K]) and, where the
+    checkpoint has one, its bias [C]."""
 
     def __init__(self, channels: int, kernel: int, bias: bool, dtype: torch.dtype, device: torch.device | str):
         super().__init__()
-        self.weight = empty_param(channels, 1, kernel, dtype=dtype, device=device)
+        self.weight = empty_param(channels, kernel, dtype=dtype, device=device)
         self.bias = empty_param(channels, dtype=dtype, device=device) if bias else None
 
 
@@ -44,25 +45,25 @@ def chunk_scan(
     """One sequence's tokens through the SSM in chunks of CHUNK, float32. x [L, H, P] (already times dt), a [L, H]
     (dt * A, the log decay of each step), b, c [L, H, N] (the group's, repeated to its heads), state [H, P, N].
     Returns (y [L, H, P] without the D skip, the final state)."""
-    L = x.shape[0]
+    L, H = x.shape[0], x.shape[1]
     pad = (CHUNK - L % CHUNK) % CHUNK  # padded steps: a = 0 (no decay), x = 0 (nothing added)
-    x, b, c = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (x, b, c))
-    a = F.pad(a, (0, 0, 0, pad))
     n = (L + pad) // CHUNK
-    x, b, c = (t.reshape(n, CHUNK, *t.shape[1:]) for t in (x, b, c))  # [n, l, H, .]
-    cum = a.reshape(n, CHUNK, -1).cumsum(1)  # [n, l, H]: log decay from the chunk's start through step l
-    lower = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=x.device).tril()
-    seg = (cum[:, :, None] - cum[:, None]).masked_fill(~lower[None, :, :, None], float("-inf"))  # [n, l, s, H]
-    scores = torch.einsum("nlhk,nshk->nlsh", c, b) * seg.exp()
-    y = torch.einsum("nlsh,nshp->nlhp", scores, x)
-    to_end = (cum[:, -1:] - cum).exp()  # [n, s, H]: decay from step s to the chunk's end
-    own = torch.einsum("nsh,nshk,nshp->nhpk", to_end, b, x)  # each chunk's contribution to its end state
-    from_start = cum.exp()  # [n, l, H]
-    chunk_decay = cum[:, -1].exp()[..., None, None]  # [n, H, 1, 1]
-    for i in range(n):
-        y[i] += torch.einsum("lhk,hpk->lhp", c[i], state) * from_start[i][..., None]
+    # head-major [H * n, l, .], contiguous: every product below is one bmm over (head, chunk)
+    x, b, c = (F.pad(t, (0, 0, 0, 0, 0, pad)).transpose(0, 1).reshape(H * n, CHUNK, -1).contiguous() for t in (x, b, c))
+    cum = F.pad(a, (0, 0, 0, pad)).T.reshape(H * n, CHUNK).cumsum(-1)  # log decay from the chunk's start to l
+    upper = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=x.device).triu(1)
+    decay = (cum[:, :, None] - cum[:, None, :]).masked_fill_(upper, float("-inf")).exp_()  # [H * n, l, s]
+    y = torch.bmm(torch.bmm(c, b.transpose(1, 2)).mul_(decay), x).view(H, n, CHUNK, -1)  # the intra-chunk part
+    own = torch.bmm((x * (cum[:, -1:] - cum).exp()[..., None]).transpose(1, 2), b).view(H, n, x.shape[-1], -1)
+    c = c.view(H, n, CHUNK, -1).transpose(0, 1).contiguous()  # [n, H, l, N]: each chunk's rows in one piece
+    own = own.transpose(0, 1).contiguous()
+    chunk_decay = cum[:, -1].exp().view(H, n).T[..., None, None]  # [n, H, 1, 1]
+    from_state = torch.empty(n, H, CHUNK, y.shape[-1], dtype=y.dtype, device=y.device)
+    for i in range(n):  # each chunk's output from its start state, then the next chunk's start state
+        torch.bmm(c[i], state.transpose(1, 2), out=from_state[i])
         state = state * chunk_decay[i] + own[i]
-    return y.reshape(n * CHUNK, *y.shape[2:])[:L], state
+    y += from_state.transpose(0, 1) * cum.exp().view(H, n, CHUNK, 1)
+    return y.reshape(H, n * CHUNK, -1)[:, :L].transpose(0, 1), state
 
 
 def recurrent_step(
@@ -127,7 +128,7 @@ class Mamba2(nn.Module):
         T = x.shape[0]
         z, xbc, dt = self.in_proj(x).split([self.inner, self.conv_dim, self.heads], -1)
         conv, rec = gather_states(step, conv_cache, rec_cache)
-        xbc = F.silu(causal_conv(xbc, conv, step.lens, self.conv.weight[:, 0], self.conv.bias))
+        xbc = F.silu(causal_conv(xbc, conv, step.lens, self.conv.weight, self.conv.bias))
         xs, b, c = xbc.split([self.inner, self.groups * self.state_size, self.groups * self.state_size], -1)
         xs = xs.float().view(T, self.heads, self.head_dim)
         b, c = self._by_head(b), self._by_head(c)

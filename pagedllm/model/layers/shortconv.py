@@ -41,6 +41,6 @@ class ShortConv(nn.Module):
         to `step.pending`."""
         b, c, h = self.in_proj(x).chunk(3, -1)
         conv, rec = gather_states(step, conv_cache, rec_cache)
-        y = causal_conv(b * h, conv, step.lens, self.conv.weight[:, 0], self.conv.bias)
+        y = causal_conv(b * h, conv, step.lens, self.conv.weight, self.conv.bias)
         step.pending.append((conv_cache, rec_cache, conv, rec))
         return self.out_proj(c * y)

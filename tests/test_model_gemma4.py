@@ -72,7 +72,8 @@ def make_gemma4(folder: str, **overrides) -> torch.nn.Module:
     hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(0)
     for name, p in hf.named_parameters():
-        p.copy_((1.0 if name.endswith("norm.weight") else 0.0) + 0.25 * torch.randn(p.shape, generator=g))
+        centre = 1.0 if name.endswith(("norm.weight", "scale")) else 0.0  # router.scale, router.per_expert_scale
+        p.copy_(centre + 0.25 * torch.randn(p.shape, generator=g))
     for layer in hf.model.layers:
         layer.layer_scalar.fill_(0.5 + torch.rand(1, generator=g).item())
     hf.save_pretrained(folder, safe_serialization=True)
@@ -256,3 +257,22 @@ def test_a_multimodal_checkpoint_runs_its_text_model(tmp_path):
     runner = ModelRunner(loaded, num_blocks=32, block_size=8)
     got = all_logits(runner, [SeqChunk(prompt, 0, list(range(1, 8)))])[0]
     assert (got - want).abs().max().item() / want.abs().max().item() < TOL
+
+
+def test_the_moe_block_matches_transformers(tmp_path):
+    """The 26B-A4B's shape in small: every layer's sparse block (4 experts, 2 routed) beside its dense MLP, the
+    router's scale and per-expert scales drawn away from 1. 104 tokens in two chunks, then 4 decoded."""
+    folder = str(tmp_path)
+    moe = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
+    hf = make_gemma4(folder, hidden_size_per_layer_input=0, num_kv_shared_layers=0, **moe)
+    loaded = load_model(folder, dtype="float32", verbose=False)
+    assert loaded.config.num_experts == 4 and loaded.config.moe_beside_mlp
+    ids = _tokens(108, 11)
+    with torch.inference_mode():
+        want = hf(torch.tensor([ids])).logits[0].float()
+    runner = ModelRunner(loaded, num_blocks=32, block_size=8)
+    table = random.Random(3).sample(range(1, 32), 14)
+    got = all_logits(runner, [SeqChunk(ids[:50], 0, table)]) + all_logits(runner, [SeqChunk(ids[50:104], 50, table)])
+    got += [runner.execute([SeqChunk(ids[p : p + 1], p, table)]) for p in range(104, 108)]
+    err = (torch.cat(got) - want).abs().max().item() / want.abs().max().item()
+    assert err < TOL, f"{err:.2e}"

@@ -107,6 +107,10 @@ class ModelConfig:
     swiglu_limit: float = 7.0  # sigmoid(alpha * gate')
     shared_expert_intermediate_size: int = 0  # an always-on expert beside the routed ones (Qwen2-MoE, Granite)
     shared_expert_gate: bool = False  # the shared expert's output scaled by sigmoid(x @ w) (Qwen2-MoE)
+    # Gemma 4 (26B-A4B): the sparse block runs beside the dense MLP (each output normed, the two summed), its
+    # experts reading their own norm of the residual stream and its router the stream RMS-normed times a learned
+    # scale and hidden ** -0.5, each routing weight then times a learned number of its expert
+    moe_beside_mlp: bool = False
     decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 and i not in mlp_only_layers
     mlp_only_layers: list[int] = field(default_factory=list)
 

@@ -13,8 +13,9 @@ of 1 (the q/k norms set the scale), V RMS-normed without a weight, and what is n
 Google's checkpoints are Gemma4ForConditionalGeneration (text, vision, audio): the text model runs, read from
 config.json's text_config and the tensors under model.language_model.; images and audio are not taken.
 
-The sparse block of the 26B-A4B (`enable_moe_block`) is refused by name: it runs beside the dense MLP with its own
-norms and router, which the shared MoE block does not compute yet.
+The 26B-A4B's sparse block (`enable_moe_block`, every layer) runs beside the dense MLP (ModelConfig.moe_beside_mlp:
+each output normed, then summed), the experts reading their own norm of the stream and the router the stream
+itself, RMS-normed times a learned scale, its routing weights times a learned number per expert.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from pagedllm.errors import ModelLoadError
-from pagedllm.model.families.base import Family, every_nth
+from pagedllm.model.families.base import Family, Unfuse, every_nth
 from pagedllm.model.families.gemma2 import GEMMA_LAYER
 
 GEMMA4_LAYER = GEMMA_LAYER | {
@@ -32,7 +33,20 @@ GEMMA4_LAYER = GEMMA_LAYER | {
     "ple_proj": ("per_layer_projection",),
     "ple_norm": ("post_per_layer_input_norm",),
     "layer_scalar": ("layer_scalar",),
+    # the 26B-A4B's sparse block, beside the dense MLP (its 3-D experts split by UNFUSE)
+    "experts_gate_up": ("experts.{e}.gate_proj", "experts.{e}.up_proj"),
+    "experts_down": ("experts.{e}.down_proj",),
+    "router": ("router.proj",),
+    "router_scale": ("router.scale",),
+    "expert_scale": ("router.per_expert_scale",),
+    "moe_norm": ("pre_feedforward_layernorm_2",),
+    "mlp_out_norm_1": ("post_feedforward_layernorm_1",),
+    "moe_out_norm": ("post_feedforward_layernorm_2",),
 }
+UNFUSE = (
+    Unfuse("experts.gate_up_proj", ("experts.{e}.gate_proj.weight", "experts.{e}.up_proj.weight")),
+    Unfuse("experts.down_proj", ("experts.{e}.down_proj.weight",)),
+)
 # transformers' defaults where config.json leaves them out (Gemma4TextConfig)
 _ROPE_DEFAULT = {
     "rope_theta": 1_000_000.0,
@@ -53,9 +67,20 @@ def _global_shape(cfg: dict[str, Any]) -> tuple[int, int | None]:
     return int(cfg.get("global_head_dim") or 512), None if heads is None else int(heads)
 
 
+def _moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The 26B-A4B's sparse block in every layer: softmax over the experts, the top k renormalised."""
+    if not cfg.get("enable_moe_block"):
+        return {}
+    return {
+        "num_experts": int(cfg["num_experts"]),
+        "num_experts_per_tok": int(cfg["top_k_experts"]),
+        "moe_intermediate_size": int(cfg["moe_intermediate_size"]),
+        "norm_topk_prob": True,
+        "moe_beside_mlp": True,
+    }
+
+
 def hf_fields(cfg: dict[str, Any]) -> dict[str, Any]:
-    if cfg.get("enable_moe_block"):
-        raise ModelLoadError("Gemma 4's MoE block (enable_moe_block, the 26B-A4B) is not supported yet")
     if cfg.get("use_bidirectional_attention") == "all":
         raise ModelLoadError("use_bidirectional_attention 'all' is not supported (pagedllm decodes causally)")
     layers = int(cfg["num_hidden_layers"])
@@ -82,7 +107,7 @@ def hf_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         "hidden_size_per_layer_input": int(cfg.get("hidden_size_per_layer_input") or 0),
         "vocab_size_per_layer_input": int(cfg.get("vocab_size_per_layer_input") or cfg["vocab_size"]),
     }
-    return out | ({} if cfg.get("rope_parameters") else _ROPE_DEFAULT)
+    return out | _moe_fields(cfg) | ({} if cfg.get("rope_parameters") else _ROPE_DEFAULT)
 
 
 GEMMA4 = Family(
@@ -93,5 +118,6 @@ GEMMA4 = Family(
     hf_fields=hf_fields,
     layer_tensors=GEMMA4_LAYER,
     tie_default=True,
+    unfuse=UNFUSE,
     multimodal_architectures=("Gemma4ForConditionalGeneration",),  # what Google ships: its text model runs
 )

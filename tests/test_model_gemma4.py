@@ -104,8 +104,12 @@ def _hf_greedy_agrees(model: torch.nn.Module, prompt: list[int], generated: list
     return logits.argmax(-1).tolist() == generated
 
 
-def test_config_reads_what_transformers_builds(loaded):
+def test_config_reads_what_transformers_builds(ckpt, loaded):
+    """The shapes per layer, and kv-calc's parameter count equal to transformers' (the layer scalar is a buffer)."""
+    from pagedllm.model.params import param_count
+
     cfg = loaded.config
+    assert param_count(cfg)[0] == sum(p.numel() for p in ckpt[1].parameters())
     assert cfg.family == "gemma4" and cfg.kv_layout().kv_source == (0, 1, 2, 3, 3, 2)
     assert [cfg.layer_head_dim(i) for i in range(6)] == [16, 16, 32] * 2 and cfg.kv_slot_shape == (2, 32)
     assert [cfg.layer_intermediate_size(i) for i in range(6)] == [96] * 4 + [192] * 2
@@ -262,11 +266,16 @@ def test_a_multimodal_checkpoint_runs_its_text_model(tmp_path):
 def test_the_moe_block_matches_transformers(tmp_path):
     """The 26B-A4B's shape in small: every layer's sparse block (4 experts, 2 routed) beside its dense MLP, the
     router's scale and per-expert scales drawn away from 1. 104 tokens in two chunks, then 4 decoded."""
+    from pagedllm.model.params import param_count
+
     folder = str(tmp_path)
     moe = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
     hf = make_gemma4(folder, hidden_size_per_layer_input=0, num_kv_shared_layers=0, **moe)
     loaded = load_model(folder, dtype="float32", verbose=False)
     assert loaded.config.num_experts == 4 and loaded.config.moe_beside_mlp
+    total, active = param_count(loaded.config)
+    assert total == sum(p.numel() for p in hf.parameters())
+    assert total - active == 6 * 2 * 3 * 64 * 32  # 2 experts of 4 not read, in each of 6 layers
     ids = _tokens(108, 11)
     with torch.inference_mode():
         want = hf(torch.tensor([ids])).logits[0].float()

@@ -390,6 +390,12 @@ def _gguf_stops(md: dict[str, Any]) -> list[int]:
     return [int(md[k]) for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in md]
 
 
+def _first(value: Any) -> int:
+    """A GGUF size that may be one per layer (Gemma 4's feed_forward_length, head_count_kv): the first layer's (its
+    family reads the rest)."""
+    return int(value[0] if isinstance(value, list) else value)
+
+
 def config_from_gguf(h: GGUFHeader, where: str) -> ModelConfig:
     """Build a ModelConfig from a GGUF header (llama.cpp key names, and its RoPE factor tensors)."""
     arch_key = str(h.metadata.get("general.architecture"))
@@ -409,10 +415,10 @@ def config_from_gguf(h: GGUFHeader, where: str) -> ModelConfig:
             architecture=fam.architectures[0],
             vocab_size=int(vocab),
             hidden_size=hidden,
-            intermediate_size=int(h.get("feed_forward_length")),
+            intermediate_size=_first(h.get("feed_forward_length")),
             num_layers=int(h.get("block_count")),
             num_heads=heads,
-            num_kv_heads=int(h.get("attention.head_count_kv", heads)),
+            num_kv_heads=_first(h.get("attention.head_count_kv", heads)),
             head_dim=head_dim,
             rms_norm_eps=float(h.get("attention.layer_norm_rms_epsilon", 1e-6)),
             rope_theta=float(h.get("rope.freq_base", 10000.0)),

@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from pagedllm.errors import ModelLoadError
-from pagedllm.model.families.base import Family, Unfuse, every_nth
+from pagedllm.model.families.base import Family, GGUFHeader, Unfuse, every_nth
 from pagedllm.model.families.gemma2 import GEMMA_LAYER
 
 GEMMA4_LAYER = GEMMA_LAYER | {
@@ -110,12 +110,60 @@ def hf_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     return out | _moe_fields(cfg) | ({} if cfg.get("rope_parameters") else _ROPE_DEFAULT)
 
 
+def _per_layer(value: Any, types: list[str]) -> tuple[int, int]:
+    """(sliding layers', full layers') value of a GGUF key that is one number, or one per layer."""
+    if not isinstance(value, list):
+        return int(value), int(value)
+    return int(value[types.index("sliding_attention")]), int(value[types.index("full_attention")])
+
+
+def gguf_fields(h: GGUFHeader) -> dict[str, Any]:
+    """llama.cpp's gemma4 keys: per-layer sliding flags, KV heads and ffn sizes, the full layers' head size in
+    key_length (the sliding ones' in key_length_swa), the proportional RoPE as rope_freqs factors (1 where a
+    frequency turns, 1e30 where it does not); a full layer without attn_v has keys equal to values."""
+    if h.get("expert_count"):
+        raise ModelLoadError("Gemma 4's MoE block from GGUF (ffn_gate_up_exps) is not supported yet; its HF folder is")
+    types = ["sliding_attention" if s else "full_attention" for s in h.get("attention.sliding_window_pattern")]
+    kv_swa, kv_full = _per_layer(h.get("attention.head_count_kv"), types)
+    ff = h.get("feed_forward_length")
+    head_full, head_swa = int(h.get("attention.key_length")), int(h.get("attention.key_length_swa"))
+    factors = h.read("rope_freqs.weight") if "rope_freqs.weight" in h.tensors else [1.0] * (head_full // 2)
+    per_layer = h.tensors.get("per_layer_token_embd.weight")
+    first_full = types.index("full_attention")
+    return {
+        "norm_offset": 0.0,
+        "embedding_multiplier": int(h.get("embedding_length")) ** 0.5,
+        "post_norms": True,
+        "qk_norm": "head",
+        "v_norm": True,
+        "layer_scalar": True,
+        "hidden_act": "gelu_pytorch_tanh",
+        "attn_scale": 1.0,
+        "final_logit_softcapping": h.get("final_logit_softcapping"),
+        "layer_types": types,
+        "head_dim": head_swa,
+        "num_kv_heads": kv_swa,
+        "global_head_dim": head_full,
+        "num_global_kv_heads": kv_full,
+        "partial_rotary_factor": 1.0,
+        "rope_local_theta": float(h.get("rope.freq_base_swa", 10_000.0)),
+        "rope_scaling": {"rope_type": "proportional", "partial_rotary_factor": 2 * factors.count(1.0) / head_full},
+        "attention_k_eq_v": f"blk.{first_full}.attn_v.weight" not in h.tensors,
+        "num_kv_shared_layers": int(h.get("attention.shared_kv_layers") or 0),
+        "intermediate_size": int(ff[0]) if isinstance(ff, list) else int(ff),
+        "double_wide_shared_mlp": isinstance(ff, list) and int(ff[-1]) == 2 * int(ff[0]),
+        "hidden_size_per_layer_input": int(h.get("embedding_length_per_layer_input") or 0),
+        "vocab_size_per_layer_input": int(per_layer[0]) if per_layer else 0,
+    }
+
+
 GEMMA4 = Family(
     "gemma4",
     ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
     ("gemma4_text", "gemma4"),
-    (),
+    ("gemma4",),
     hf_fields=hf_fields,
+    gguf_fields=gguf_fields,
     layer_tensors=GEMMA4_LAYER,
     tie_default=True,
     unfuse=UNFUSE,

@@ -381,3 +381,22 @@ def test_a_gguf_as_llama_cpp_writes_it_matches_transformers(ckpt, tmp_path, fmt)
     got += [runner.execute([SeqChunk(ids[p : p + 1], p, tables[0], group_tables=tables)]) for p in range(100, 104)]
     err = (torch.cat(got) - want).abs().max().item() / want.abs().max().item()
     assert err < TOL, f"{fmt}: {err:.2e}"
+
+
+def test_the_server_answers_and_shows_each_kv_group(ckpt, loaded):
+    """`pagedllm serve`'s app over the tiny Gemma 4: a completion of token ids answers transformers' greedy tokens,
+    and /v1/kv/blocks lists each KV-cache group with the layers that store KV (the shared layers 4 and 5 in none)."""
+    from server_helpers import assert_pool_whole, running_server
+
+    from pagedllm.engine.async_engine import AsyncLLMEngine
+
+    config = EngineConfig(dtype="float32", max_model_len=256, kv_cache_memory=2**20, log_stats_interval=0)
+    with running_server(AsyncLLMEngine(LLMEngine(config, loaded=loaded)), served_model_name=["g4"]) as s:
+        body = {"model": "g4", "prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0}
+        r = s.http.post("/v1/completions", json=body | {"logprobs": 0})
+        assert r.status_code == 200, r.text
+        tokens = s.engine.tokenizer.hf.convert_tokens_to_ids(r.json()["choices"][0]["logprobs"]["tokens"])
+        assert len(tokens) == 8 and _hf_greedy_agrees(ckpt[1], PROMPTS[1], tokens)
+        assert_pool_whole(s)
+        groups = s.http.get("/v1/kv/blocks").json()["kv_groups"]
+        assert [(g["window"], g["layers"]) for g in groups] == [(None, [2]), (8, [0]), (8, [1]), (8, [3])]

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import random
 
+import numpy as np
 import pytest
 import torch
 from model_helpers import all_logits
@@ -72,7 +74,8 @@ def make_gemma4(folder: str, **overrides) -> torch.nn.Module:
     hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(0)
     for name, p in hf.named_parameters():
-        p.copy_((1.0 if name.endswith("norm.weight") else 0.0) + 0.25 * torch.randn(p.shape, generator=g))
+        centre = 1.0 if name.endswith(("norm.weight", "scale")) else 0.0  # router.scale, router.per_expert_scale
+        p.copy_(centre + 0.25 * torch.randn(p.shape, generator=g))
     for layer in hf.model.layers:
         layer.layer_scalar.fill_(0.5 + torch.rand(1, generator=g).item())
     hf.save_pretrained(folder, safe_serialization=True)
@@ -103,8 +106,12 @@ def _hf_greedy_agrees(model: torch.nn.Module, prompt: list[int], generated: list
     return logits.argmax(-1).tolist() == generated
 
 
-def test_config_reads_what_transformers_builds(loaded):
+def test_config_reads_what_transformers_builds(ckpt, loaded):
+    """The shapes per layer, and kv-calc's parameter count equal to transformers' (the layer scalar is a buffer)."""
+    from pagedllm.model.params import param_count
+
     cfg = loaded.config
+    assert param_count(cfg)[0] == sum(p.numel() for p in ckpt[1].parameters())
     assert cfg.family == "gemma4" and cfg.kv_layout().kv_source == (0, 1, 2, 3, 3, 2)
     assert [cfg.layer_head_dim(i) for i in range(6)] == [16, 16, 32] * 2 and cfg.kv_slot_shape == (2, 32)
     assert [cfg.layer_intermediate_size(i) for i in range(6)] == [96] * 4 + [192] * 2
@@ -256,3 +263,140 @@ def test_a_multimodal_checkpoint_runs_its_text_model(tmp_path):
     runner = ModelRunner(loaded, num_blocks=32, block_size=8)
     got = all_logits(runner, [SeqChunk(prompt, 0, list(range(1, 8)))])[0]
     assert (got - want).abs().max().item() / want.abs().max().item() < TOL
+
+
+def test_the_moe_block_matches_transformers(tmp_path):
+    """The 26B-A4B's shape in small: every layer's sparse block (4 experts, 2 routed) beside its dense MLP, the
+    router's scale and per-expert scales drawn away from 1. 104 tokens in two chunks, then 4 decoded."""
+    from pagedllm.model.params import param_count
+
+    folder = str(tmp_path)
+    moe = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
+    hf = make_gemma4(folder, hidden_size_per_layer_input=0, num_kv_shared_layers=0, **moe)
+    loaded = load_model(folder, dtype="float32", verbose=False)
+    assert loaded.config.num_experts == 4 and loaded.config.moe_beside_mlp
+    total, active = param_count(loaded.config)
+    assert total == sum(p.numel() for p in hf.parameters())
+    assert total - active == 6 * 2 * 3 * 64 * 32  # 2 experts of 4 not read, in each of 6 layers
+    ids = _tokens(108, 11)
+    with torch.inference_mode():
+        want = hf(torch.tensor([ids])).logits[0].float()
+    runner = ModelRunner(loaded, num_blocks=32, block_size=8)
+    table = random.Random(3).sample(range(1, 32), 14)
+    got = all_logits(runner, [SeqChunk(ids[:50], 0, table)]) + all_logits(runner, [SeqChunk(ids[50:104], 50, table)])
+    got += [runner.execute([SeqChunk(ids[p : p + 1], p, table)]) for p in range(104, 108)]
+    err = (torch.cat(got) - want).abs().max().item() / want.abs().max().item()
+    assert err < TOL, f"{err:.2e}"
+
+
+def write_gguf(folder: str, fmt: str, path: str) -> dict[str, torch.Tensor]:
+    """The tiny checkpoint as llama.cpp's converter writes a gemma4 GGUF (its Gemma4Model): per-layer sliding
+    flags, KV heads and ffn sizes, the full layers' head size in key_length, rope_freqs factors for the
+    proportional RoPE (1e30 where a frequency does not turn), layer_scalar as layer_output_scale.weight, norms
+    as stored (no 1 + w to fold); matrices in `fmt`, the rest F32. Returns the HF state dict of the file's values."""
+    import gguf
+    from safetensors import safe_open
+
+    from devkit.family_helpers import _decode, _encode, _tokenizer_metadata
+
+    c = CONFIG
+    layers, swa = c["num_hidden_layers"], [t == "sliding_attention" for t in TYPES]
+    first_shared = layers - c["num_kv_shared_layers"]
+    w = gguf.GGUFWriter(path, "gemma4")
+    w.add_context_length(c["max_position_embeddings"])
+    w.add_embedding_length(c["hidden_size"])
+    w.add_block_count(layers)
+    w.add_feed_forward_length([c["intermediate_size"] * (1 + (i >= first_shared)) for i in range(layers)])
+    w.add_head_count(c["num_attention_heads"])
+    w.add_head_count_kv([c["num_key_value_heads"] if s else c["num_global_key_value_heads"] for s in swa])
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_key_length(c["global_head_dim"])
+    w.add_value_length(c["global_head_dim"])
+    w.add_key_length_swa(c["head_dim"])
+    w.add_value_length_swa(c["head_dim"])
+    w.add_rope_dimension_count(c["global_head_dim"])
+    w.add_rope_dimension_count_swa(c["head_dim"])
+    w.add_rope_freq_base(1_000_000.0)
+    w.add_rope_freq_base_swa(10_000.0)
+    w.add_sliding_window(WINDOW)
+    w.add_final_logit_softcapping(c["final_logit_softcapping"])
+    w.add_shared_kv_layers(c["num_kv_shared_layers"])
+    w.add_embedding_length_per_layer_input(c["hidden_size_per_layer_input"])
+    w.add_sliding_window_pattern(swa)
+    _tokenizer_metadata(w, [])
+    turning = int(c["global_head_dim"] * 0.25 / 2)
+    factors = [1.0] * turning + [1e30] * (c["global_head_dim"] // 2 - turning)
+    w.add_tensor("rope_freqs.weight", np.array(factors, dtype=np.float32))
+    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA4, layers)
+    target = gguf.GGMLQuantizationType[fmt.upper()]
+    out: dict[str, torch.Tensor] = {}
+    with safe_open(os.path.join(folder, "model.safetensors"), framework="pt") as st:
+        for hf_name in st.keys():
+            t = st.get_tensor(hf_name).float()
+            bare = hf_name.endswith("layer_scalar")
+            new = tmap.get_name(hf_name, try_suffixes=(".weight",) if not bare else ())
+            assert new is not None, hf_name
+            new += ".weight" if bare else ""
+            whole_blocks = t.dim() == 2 and t.shape[-1] % 32 == 0  # else llama.cpp's converter keeps it wider
+            qtype = target if whole_blocks else gguf.GGMLQuantizationType.F32
+            data = _encode(t.numpy(), qtype)
+            w.add_tensor(new, data, raw_dtype=qtype)
+            out[hf_name] = torch.from_numpy(_decode(data, qtype, tuple(t.shape)).copy()).reshape(t.shape)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["f32", "q8_0"])
+def test_a_gguf_as_llama_cpp_writes_it_matches_transformers(ckpt, tmp_path, fmt):
+    """llama.cpp's gemma4 names and keys: the same config as the folder's, and logits within float32 accuracy of
+    transformers on the values the file holds (Q8_0 matrices run as stored)."""
+    import copy
+
+    folder, hf = ckpt
+    path = str(tmp_path / f"tiny-gemma4.{fmt}.gguf")
+    ref = copy.deepcopy(hf)
+    missing, unexpected = ref.load_state_dict(write_gguf(folder, fmt, path), strict=False)
+    assert not unexpected and all(name == "lm_head.weight" for name in missing), (missing, unexpected)
+    a, b = load_model_config(folder), load_model_config(path)
+    keys = ["num_kv_heads", "head_dim", "global_head_dim", "attention_k_eq_v", "v_norm"]
+    keys += ["num_kv_shared_layers", "double_wide_shared_mlp", "hidden_size_per_layer_input", "intermediate_size"]
+    keys += ["layer_types", "sliding_window", "rope_theta", "rope_local_theta", "attn_scale", "layer_scalar"]
+    keys += ["vocab_size_per_layer_input", "final_logit_softcapping", "norm_offset", "partial_rotary_factor"]
+    assert {k: getattr(a, k) for k in keys} == {k: getattr(b, k) for k in keys}
+    assert [a.layer_kv_heads(i) for i in range(6)] == [b.layer_kv_heads(i) for i in range(6)]
+    assert a.rope_scaling and b.rope_scaling and a.rope_scaling["partial_rotary_factor"] == 0.25
+    assert b.rope_scaling == {"rope_type": "proportional", "partial_rotary_factor": 0.25}
+    loaded = load_model(path, dtype="float32", verbose=False, quantized_activations="none")
+    ids = _tokens(104, 12)
+    with torch.inference_mode():
+        want = ref.eval()(torch.tensor([ids])).logits[0].float()
+    runner = ModelRunner(loaded, num_blocks=64, block_size=8, layout=loaded.config.kv_layout(hybrid=True))
+    groups = len(runner.layout.groups)
+    free = random.Random(4).sample(range(1, 64), 13 * groups)
+    tables = [free[g * 13 : (g + 1) * 13] for g in range(groups)]
+    got = all_logits(runner, [SeqChunk(ids[:100], 0, tables[0], group_tables=tables)])
+    got += [runner.execute([SeqChunk(ids[p : p + 1], p, tables[0], group_tables=tables)]) for p in range(100, 104)]
+    err = (torch.cat(got) - want).abs().max().item() / want.abs().max().item()
+    assert err < TOL, f"{fmt}: {err:.2e}"
+
+
+def test_the_server_answers_and_shows_each_kv_group(ckpt, loaded):
+    """`pagedllm serve`'s app over the tiny Gemma 4: a completion of token ids answers transformers' greedy tokens,
+    and /v1/kv/blocks lists each KV-cache group with the layers that store KV (the shared layers 4 and 5 in none)."""
+    from server_helpers import assert_pool_whole, running_server
+
+    from pagedllm.engine.async_engine import AsyncLLMEngine
+
+    config = EngineConfig(dtype="float32", max_model_len=256, kv_cache_memory=2**20, log_stats_interval=0)
+    with running_server(AsyncLLMEngine(LLMEngine(config, loaded=loaded)), served_model_name=["g4"]) as s:
+        body = {"model": "g4", "prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0}
+        r = s.http.post("/v1/completions", json=body | {"logprobs": 0})
+        assert r.status_code == 200, r.text
+        tokens = s.engine.tokenizer.hf.convert_tokens_to_ids(r.json()["choices"][0]["logprobs"]["tokens"])
+        assert len(tokens) == 8 and _hf_greedy_agrees(ckpt[1], PROMPTS[1], tokens)
+        assert_pool_whole(s)
+        groups = s.http.get("/v1/kv/blocks").json()["kv_groups"]
+        assert [(g["window"], g["layers"]) for g in groups] == [(None, [2]), (8, [0]), (8, [1]), (8, [3])]

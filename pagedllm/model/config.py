@@ -110,6 +110,10 @@ class ModelConfig:
     swiglu_limit: float = 7.0  # sigmoid(alpha * gate')
     shared_expert_intermediate_size: int = 0  # an always-on expert beside the routed ones (Qwen2-MoE, Granite)
     shared_expert_gate: bool = False  # the shared expert's output scaled by sigmoid(x @ w) (Qwen2-MoE)
+    # Gemma 4 (26B-A4B): the sparse block runs beside the dense MLP (each output normed, the two summed), its
+    # experts reading their own norm of the residual stream and its router the stream RMS-normed times a learned
+    # scale and hidden ** -0.5, each routing weight then times a learned number of its expert
+    moe_beside_mlp: bool = False
     decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 and i not in mlp_only_layers
     mlp_only_layers: list[int] = field(default_factory=list)
 
@@ -464,6 +468,12 @@ def _gguf_stops(md: dict[str, Any]) -> list[int]:
     return [int(md[k]) for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in md]
 
 
+def _first(value: Any) -> int:
+    """A GGUF size that may be one per layer (Gemma 4's feed_forward_length, head_count_kv): the first layer's (its
+    family reads the rest)."""
+    return int(value[0] if isinstance(value, list) else value)
+
+
 def config_from_gguf(h: GGUFHeader, where: str) -> ModelConfig:
     """Build a ModelConfig from a GGUF header (llama.cpp key names, and its RoPE factor tensors)."""
     arch_key = str(h.metadata.get("general.architecture"))
@@ -483,10 +493,11 @@ def config_from_gguf(h: GGUFHeader, where: str) -> ModelConfig:
             architecture=fam.architectures[0],
             vocab_size=int(vocab),
             hidden_size=hidden,
-            intermediate_size=int(h.get("feed_forward_length")),
+            intermediate_size=_first(h.get("feed_forward_length")),
             num_layers=int(h.get("block_count")),
             num_heads=heads,
-            num_kv_heads=max(_as_list(h.get("attention.head_count_kv", heads))),  # per layer in hybrids: 0 no KV
+            # per layer in hybrids (0: a layer with no KV) and Gemma 4: the first layer that has KV
+            num_kv_heads=next((n for n in _as_list(h.get("attention.head_count_kv", heads)) if n), heads),
             head_dim=head_dim,
             rms_norm_eps=float(h.get("attention.layer_norm_rms_epsilon", 1e-6)),
             rope_theta=float(h.get("rope.freq_base", 10000.0)),

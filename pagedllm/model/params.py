@@ -46,19 +46,37 @@ def recurrent_mixer_params(cfg: ModelConfig) -> int:
     return h * (conv + value + 2 * heads) + conv * k + 2 * heads + dim_b + value * h
 
 
+def _kv_projections(cfg: ModelConfig, layer: int) -> int:
+    """K and V projections of layer `layer`: 2, 1 where keys are the values, 0 where it reads another's KV."""
+    if cfg.kv_source(layer) != layer:
+        return 0
+    return 1 if cfg.attention_k_eq_v and cfg.layer_window(layer) is None else 2
+
+
+def _gemma4_extra(cfg: ModelConfig, layer: int) -> int:
+    """A Gemma 4 layer's parameters beyond the common layer: its per-layer input's gate, projection and norm, and
+    beside a sparse block its dense MLP, three norms and the router's scales (the layer scalar is a buffer)."""
+    h, w = cfg.hidden_size, cfg.hidden_size_per_layer_input
+    out = 2 * h * w + h if w else 0
+    if cfg.moe_beside_mlp and cfg.is_moe_layer(layer):
+        out += _mlp(h, cfg.layer_intermediate_size(layer)) + 4 * h + cfg.num_experts
+    return out
+
+
 def layer_params(cfg: ModelConfig, layer: int) -> tuple[int, int, int]:
     """(all, not counting the experts, one expert's) parameters of layer `layer`."""
-    h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    attn = h * (q + 2 * kv) + q * h + (q + 2 * kv if cfg.attention_bias else 0) + (h if cfg.o_proj_bias else 0)
+    h, d, parts = cfg.hidden_size, cfg.layer_head_dim(layer), _kv_projections(cfg, layer)
+    q, kv = cfg.num_heads * d, cfg.layer_kv_heads(layer) * d * parts
+    attn = h * (q + kv) + q * h + (q + kv if cfg.attention_bias else 0) + (h if cfg.o_proj_bias else 0)
     attn += h * q if cfg.attn_output_gate else 0  # the gate's rows beside the query's
-    norms = h * (2 * cfg.pre_norms + 2 * cfg.post_norms)
+    norms = h * (2 * cfg.pre_norms + 2 * cfg.post_norms) + _gemma4_extra(cfg, layer)
     if cfg.qk_norm is not None:
-        norms += 2 * cfg.head_dim if cfg.qk_norm == "head" else q + kv
+        norms += d * (1 + (parts > 0)) if cfg.qk_norm == "head" else q + kv // 2
     if cfg.is_linear_layer(layer):  # a recurrent mixer (Gated DeltaNet, Mamba2, short conv) in attention's place
         attn = recurrent_mixer_params(cfg)
         norms = h * (2 * cfg.pre_norms + 2 * cfg.post_norms)
     if not cfg.is_moe_layer(layer):
-        dense = attn + norms + _mlp(h, cfg.intermediate_size)
+        dense = attn + norms + _mlp(h, cfg.layer_intermediate_size(layer))
         return dense, dense, 0
     expert = _mlp(h, cfg.moe_intermediate_size, cfg.expert_bias)
     router = cfg.num_experts * (h + cfg.router_bias)
@@ -71,6 +89,9 @@ def param_count(cfg: ModelConfig) -> tuple[int, int]:
     """(total, active per token) parameters."""
     embed = cfg.vocab_size * cfg.hidden_size
     total = active = embed * (1 if cfg.tie_word_embeddings else 2) + cfg.hidden_size
+    w = cfg.num_layers * cfg.hidden_size_per_layer_input  # Gemma 4's per-layer inputs: a table, a projection, a norm
+    total += (cfg.vocab_size_per_layer_input + cfg.hidden_size) * w + cfg.hidden_size_per_layer_input
+    active += (1 + cfg.hidden_size) * w + cfg.hidden_size_per_layer_input  # one row of the table
     for i in range(cfg.num_layers):
         whole, rest, expert = layer_params(cfg, i)
         total += whole

@@ -107,6 +107,7 @@ def _no_bos(folder: str) -> None:
 def gguf_tokenizer_folder(path: str) -> str:
     """A HF tokenizer folder for the GGUF at `path`, built once and cached; a cached folder that fails its
     manifest check is rebuilt (one log line), never loaded."""
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     target = cache_dir_for(path, "tokenizers")
@@ -120,8 +121,9 @@ def gguf_tokenizer_folder(path: str) -> str:
     try:
         tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     # an architecture transformers' GGUF loader lacks (ValueError), or reads wrongly (TypeError: its gpt-oss
-    # reader takes a key's name for its value): the tokenizer needs no model class
-    except (ValueError, TypeError) as e:
+    # reader takes a key's name for its value; StrictDataclassError: Gemma 4's per-layer ffn sizes, which its
+    # config class takes for one): the tokenizer needs no model class
+    except (ValueError, TypeError, StrictDataclassError) as e:
         try:
             tok = PreTrainedTokenizerFast.from_pretrained(folder, gguf_file=name)
         except Exception as e2:

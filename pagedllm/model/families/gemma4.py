@@ -13,8 +13,9 @@ of 1 (the q/k norms set the scale), V RMS-normed without a weight, and what is n
 Google's checkpoints are Gemma4ForConditionalGeneration (text, vision, audio): the text model runs, read from
 config.json's text_config and the tensors under model.language_model.; images and audio are not taken.
 
-The sparse block of the 26B-A4B (`enable_moe_block`) is refused by name: it runs beside the dense MLP with its own
-norms and router, which the shared MoE block does not compute yet.
+The 26B-A4B's sparse block (`enable_moe_block`, every layer) runs beside the dense MLP (ModelConfig.moe_beside_mlp:
+each output normed, then summed), the experts reading their own norm of the stream and the router the stream
+itself, RMS-normed times a learned scale, its routing weights times a learned number per expert.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from pagedllm.errors import ModelLoadError
-from pagedllm.model.families.base import Family, every_nth
+from pagedllm.model.families.base import Family, GGUFHeader, Unfuse, every_nth
 from pagedllm.model.families.gemma2 import GEMMA_LAYER
 
 GEMMA4_LAYER = GEMMA_LAYER | {
@@ -32,7 +33,20 @@ GEMMA4_LAYER = GEMMA_LAYER | {
     "ple_proj": ("per_layer_projection",),
     "ple_norm": ("post_per_layer_input_norm",),
     "layer_scalar": ("layer_scalar",),
+    # the 26B-A4B's sparse block, beside the dense MLP (its 3-D experts split by UNFUSE)
+    "experts_gate_up": ("experts.{e}.gate_proj", "experts.{e}.up_proj"),
+    "experts_down": ("experts.{e}.down_proj",),
+    "router": ("router.proj",),
+    "router_scale": ("router.scale",),
+    "expert_scale": ("router.per_expert_scale",),
+    "moe_norm": ("pre_feedforward_layernorm_2",),
+    "mlp_out_norm_1": ("post_feedforward_layernorm_1",),
+    "moe_out_norm": ("post_feedforward_layernorm_2",),
 }
+UNFUSE = (
+    Unfuse("experts.gate_up_proj", ("experts.{e}.gate_proj.weight", "experts.{e}.up_proj.weight")),
+    Unfuse("experts.down_proj", ("experts.{e}.down_proj.weight",)),
+)
 # transformers' defaults where config.json leaves them out (Gemma4TextConfig)
 _ROPE_DEFAULT = {
     "rope_theta": 1_000_000.0,
@@ -53,9 +67,20 @@ def _global_shape(cfg: dict[str, Any]) -> tuple[int, int | None]:
     return int(cfg.get("global_head_dim") or 512), None if heads is None else int(heads)
 
 
+def _moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The 26B-A4B's sparse block in every layer: softmax over the experts, the top k renormalised."""
+    if not cfg.get("enable_moe_block"):
+        return {}
+    return {
+        "num_experts": int(cfg["num_experts"]),
+        "num_experts_per_tok": int(cfg["top_k_experts"]),
+        "moe_intermediate_size": int(cfg["moe_intermediate_size"]),
+        "norm_topk_prob": True,
+        "moe_beside_mlp": True,
+    }
+
+
 def hf_fields(cfg: dict[str, Any]) -> dict[str, Any]:
-    if cfg.get("enable_moe_block"):
-        raise ModelLoadError("Gemma 4's MoE block (enable_moe_block, the 26B-A4B) is not supported yet")
     if cfg.get("use_bidirectional_attention") == "all":
         raise ModelLoadError("use_bidirectional_attention 'all' is not supported (pagedllm decodes causally)")
     layers = int(cfg["num_hidden_layers"])
@@ -82,16 +107,65 @@ def hf_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         "hidden_size_per_layer_input": int(cfg.get("hidden_size_per_layer_input") or 0),
         "vocab_size_per_layer_input": int(cfg.get("vocab_size_per_layer_input") or cfg["vocab_size"]),
     }
-    return out | ({} if cfg.get("rope_parameters") else _ROPE_DEFAULT)
+    return out | _moe_fields(cfg) | ({} if cfg.get("rope_parameters") else _ROPE_DEFAULT)
+
+
+def _per_layer(value: Any, types: list[str]) -> tuple[int, int]:
+    """(sliding layers', full layers') value of a GGUF key that is one number, or one per layer."""
+    if not isinstance(value, list):
+        return int(value), int(value)
+    return int(value[types.index("sliding_attention")]), int(value[types.index("full_attention")])
+
+
+def gguf_fields(h: GGUFHeader) -> dict[str, Any]:
+    """llama.cpp's gemma4 keys: per-layer sliding flags, KV heads and ffn sizes, the full layers' head size in
+    key_length (the sliding ones' in key_length_swa), the proportional RoPE as rope_freqs factors (1 where a
+    frequency turns, 1e30 where it does not); a full layer without attn_v has keys equal to values."""
+    if h.get("expert_count"):
+        raise ModelLoadError("Gemma 4's MoE block from GGUF (ffn_gate_up_exps) is not supported yet; its HF folder is")
+    types = ["sliding_attention" if s else "full_attention" for s in h.get("attention.sliding_window_pattern")]
+    kv_swa, kv_full = _per_layer(h.get("attention.head_count_kv"), types)
+    ff = h.get("feed_forward_length")
+    head_full, head_swa = int(h.get("attention.key_length")), int(h.get("attention.key_length_swa"))
+    factors = h.read("rope_freqs.weight") if "rope_freqs.weight" in h.tensors else [1.0] * (head_full // 2)
+    per_layer = h.tensors.get("per_layer_token_embd.weight")
+    first_full = types.index("full_attention")
+    return {
+        "norm_offset": 0.0,
+        "embedding_multiplier": int(h.get("embedding_length")) ** 0.5,
+        "post_norms": True,
+        "qk_norm": "head",
+        "v_norm": True,
+        "layer_scalar": True,
+        "hidden_act": "gelu_pytorch_tanh",
+        "attn_scale": 1.0,
+        "final_logit_softcapping": h.get("final_logit_softcapping"),
+        "layer_types": types,
+        "head_dim": head_swa,
+        "num_kv_heads": kv_swa,
+        "global_head_dim": head_full,
+        "num_global_kv_heads": kv_full,
+        "partial_rotary_factor": 1.0,
+        "rope_local_theta": float(h.get("rope.freq_base_swa", 10_000.0)),
+        "rope_scaling": {"rope_type": "proportional", "partial_rotary_factor": 2 * factors.count(1.0) / head_full},
+        "attention_k_eq_v": f"blk.{first_full}.attn_v.weight" not in h.tensors,
+        "num_kv_shared_layers": int(h.get("attention.shared_kv_layers") or 0),
+        "intermediate_size": int(ff[0]) if isinstance(ff, list) else int(ff),
+        "double_wide_shared_mlp": isinstance(ff, list) and int(ff[-1]) == 2 * int(ff[0]),
+        "hidden_size_per_layer_input": int(h.get("embedding_length_per_layer_input") or 0),
+        "vocab_size_per_layer_input": int(per_layer[0]) if per_layer else 0,
+    }
 
 
 GEMMA4 = Family(
     "gemma4",
     ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
     ("gemma4_text", "gemma4"),
-    (),
+    ("gemma4",),
     hf_fields=hf_fields,
+    gguf_fields=gguf_fields,
     layer_tensors=GEMMA4_LAYER,
     tie_default=True,
+    unfuse=UNFUSE,
     multimodal_architectures=("Gemma4ForConditionalGeneration",),  # what Google ships: its text model runs
 )

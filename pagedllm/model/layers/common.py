@@ -84,6 +84,17 @@ class GatedMLP(nn.Module):
         return self.down(self.glu(g, u))
 
 
+class Learned(nn.Module):
+    """A learned vector that the checkpoint names itself, no `.weight` suffix (Gemma 4's `layer_scalar` on each
+    layer's output, its router's `scale` and `per_expert_scale`)."""
+
+    bare = True
+
+    def __init__(self, size: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.weight = empty_param(size, dtype=dtype, device=device)
+
+
 class AttentionSinks(nn.Module):
     """gpt-oss's learned logit per query head (`self_attn.sinks`), which every attention path reads through the
     layer's AttentionSpec. Kept in float32 whatever the model's dtype: the softmaxes add it in float32, and the C

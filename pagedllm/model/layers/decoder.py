@@ -29,12 +29,12 @@ from pagedllm.model.layers.attention import (
     PagedAttentionBackend,
     make_attention_backend,
 )
-from pagedllm.model.layers.common import AttentionSinks, GatedMLP, RMSNorm, rms_normalize
+from pagedllm.model.layers.common import AttentionSinks, GatedMLP, Learned, RMSNorm, rms_normalize
 from pagedllm.model.layers.deltanet import GatedDeltaNet, RecurrentStep
 from pagedllm.model.layers.linear import Embedding, Linear
 from pagedllm.model.layers.mamba2 import Mamba2
 from pagedllm.model.layers.moe import ExpertLoad, SparseMoE
-from pagedllm.model.layers.per_layer_input import PerLayerEmbedding, PerLayerInput, Scalar
+from pagedllm.model.layers.per_layer_input import PerLayerEmbedding, PerLayerInput
 from pagedllm.model.layers.rope import RotaryEmbedding, apply_rotary
 from pagedllm.model.layers.shortconv import ShortConv
 
@@ -98,13 +98,16 @@ class DecoderLayer(nn.Module):
         self.moe = (
             SparseMoE(cfg, dtype, device, load, sum(map(cfg.is_moe_layer, range(index)))) if load is not None else None
         )
-        if self.moe is None:
+        if self.moe is None or cfg.moe_beside_mlp:
             self.mlp = GatedMLP(hidden, cfg.layer_intermediate_size(index), cfg.hidden_act, dtype, device)
+        beside = self.moe is not None and cfg.moe_beside_mlp  # Gemma 4: both, each with its own norms
+        self.moe_norm, self.mlp_out_norm_1 = norm(hidden, beside), norm(hidden, beside)
+        self.moe_out_norm = norm(hidden, beside)
         width = cfg.hidden_size_per_layer_input
         self.per_layer_input = (
             PerLayerInput(hidden, width, cfg.hidden_act, cfg.rms_norm_eps, dtype, device) if width else None
         )
-        self.scalar = Scalar(dtype, device) if cfg.layer_scalar else None
+        self.scalar = Learned(1, dtype, device) if cfg.layer_scalar else None
         self.rope = cfg.layer_rope(index)
         self.sinks = AttentionSinks(cfg.num_heads, device) if cfg.attention_sinks else None
         sinks = None if self.sinks is None else self.sinks.weight
@@ -113,7 +116,8 @@ class DecoderLayer(nn.Module):
 
     def slots(self) -> dict[str, nn.Module]:
         """This layer's weights by the slot names of the families' tensor tables (families/base.py)."""
-        mlp = self.moe.slots() if self.moe is not None else {"gate_up": self.mlp.gate_up, "down": self.mlp.down}
+        dense = {"gate_up": self.mlp.gate_up, "down": self.mlp.down} if hasattr(self, "mlp") else {}
+        mlp = (self.moe.slots() if self.moe is not None else {}) | dense
         ple = self.per_layer_input
         mixer = (
             {("q", "qk", "qkv")[self.kv_parts]: self.qkv, "o": self.o}
@@ -134,18 +138,24 @@ class DecoderLayer(nn.Module):
             "ple_proj": None if ple is None else ple.proj,
             "ple_norm": None if ple is None else ple.norm,
             "layer_scalar": self.scalar,
+            "moe_norm": self.moe_norm,
+            "mlp_out_norm_1": self.mlp_out_norm_1,
+            "moe_out_norm": self.moe_out_norm,
         }
         return {k: m for k, m in mods.items() if m is not None}
 
     def linears(self) -> list[Linear]:
         """The layer's matmuls: q/k/v, o, then the MLP's gate/up and down (a sparse block's router, experts,
         shared expert and its gate)."""
-        mlp = self.moe.linears() if self.moe is not None else [self.mlp.gate_up, self.mlp.down]
+        mlp = (self.moe.linears() if self.moe is not None else []) + self._dense_linears()
         ple = [] if self.per_layer_input is None else [self.per_layer_input.gate, self.per_layer_input.proj]
         return [*self._mixer_linears(), *mlp, *ple]
 
     def _mixer_linears(self) -> list[Linear]:
         return [self.qkv, self.o] if self.linear_attn is None else self.linear_attn.linears()
+
+    def _dense_linears(self) -> list[Linear]:
+        return [self.mlp.gate_up, self.mlp.down] if hasattr(self, "mlp") else []
 
     def main_linears(self) -> list[Linear]:
         """q/k/v, o, gate/up and down (a sparse layer's first expert's): the four kernel_choice.py times."""
@@ -184,6 +194,15 @@ class DecoderLayer(nn.Module):
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
         return q, k, rms_normalize(v, self.eps) if self.v_norm else v, gate
 
+    def _mlp(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """The MLP's output for its normed input `x`: dense, sparse, or both (Gemma 4: each output normed, the
+        experts reading their own norm of the stream `h`, the router `h` itself)."""
+        if self.moe is None:
+            return self.mlp(x)
+        if self.moe_norm is None or self.mlp_out_norm_1 is None or self.moe_out_norm is None:
+            return self.moe(x)
+        return self.mlp_out_norm_1(self.mlp(x)) + self.moe_out_norm(self.moe(self.moe_norm(h), h))
+
     def forward(
         self,
         h: torch.Tensor,
@@ -209,8 +228,7 @@ class DecoderLayer(nn.Module):
         if self.attn_out_norm is not None:
             a = self.attn_out_norm(a)
         h = h + (a if self.residual_multiplier == 1.0 else a * self.residual_multiplier)
-        x = h if self.mlp_norm is None else self.mlp_norm(h)
-        m = self.moe(x) if self.moe is not None else self.mlp(x)
+        m = self._mlp(h if self.mlp_norm is None else self.mlp_norm(h), h)
         if self.mlp_out_norm is not None:
             m = self.mlp_out_norm(m)
         h = h + (m if self.residual_multiplier == 1.0 else m * self.residual_multiplier)

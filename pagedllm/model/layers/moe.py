@@ -28,7 +28,7 @@ import pagedllm.model.kernels.cpu_kernel as cpu_kernel
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.kernels.moe_kernel import MoeExperts
 from pagedllm.model.kernels.quant_linear import QuantWeight, log_once
-from pagedllm.model.layers.common import GatedMLP, Glu
+from pagedllm.model.layers.common import GatedMLP, Glu, Learned, rms_normalize
 from pagedllm.model.layers.linear import Linear
 
 
@@ -73,6 +73,10 @@ class SparseMoE(nn.Module):
         self.k, self.kind, self.normalize = cfg.num_experts_per_tok, cfg.moe_router, cfg.norm_topk_prob
         self.router = Linear(experts, hidden, cfg.router_bias, dtype, device)
         self.router.keep_dense = True
+        # Gemma 4's router: its own scaled norm of the stream, a learned number per expert on the routing weights
+        self.router_scale = Learned(hidden, dtype, device) if cfg.moe_beside_mlp else None
+        self.expert_scale = Learned(experts, dtype, device) if cfg.moe_beside_mlp else None
+        self.eps = cfg.rms_norm_eps
         act = cfg.expert_activation
         glu = swigluoai(cfg.swiglu_alpha, cfg.swiglu_limit) if act == "swigluoai" else None
         self.experts = nn.ModuleList(
@@ -99,13 +103,18 @@ class SparseMoE(nn.Module):
             out["shared_gate_up"], out["shared_down"] = self.shared.gate_up, self.shared.down
         if self.shared_gate is not None:
             out["shared_gate"] = self.shared_gate
+        if self.router_scale is not None and self.expert_scale is not None:
+            out["router_scale"], out["expert_scale"] = self.router_scale, self.expert_scale
         return out
 
     def linears(self) -> list[Linear]:
         return [m for m in self.slots().values() if isinstance(m, Linear)]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.router(x).float(), self.k, self.kind, self.normalize)
+    def forward(self, x: torch.Tensor, stream: torch.Tensor | None = None) -> torch.Tensor:
+        """`x`: the experts' input; `stream`: the residual stream Gemma 4's router reads (else it reads `x`)."""
+        weights, ids = route(self.router(self._router_input(x, stream)).float(), self.k, self.kind, self.normalize)
+        if self.expert_scale is not None:
+            weights = weights * self.expert_scale.weight.float()[ids]
         kernel = self._experts_kernel(x)
         if kernel is not None:
             self.load.reads[0] += int(torch.unique(ids).numel())
@@ -118,6 +127,11 @@ class SparseMoE(nn.Module):
                 s = torch.sigmoid(self.shared_gate(x)) * s
             out = out + s
         return out
+
+    def _router_input(self, x: torch.Tensor, stream: torch.Tensor | None) -> torch.Tensor:
+        if self.router_scale is None or stream is None:
+            return x
+        return rms_normalize(stream, self.eps) * self.router_scale.weight * stream.shape[-1] ** -0.5
 
     def _experts_kernel(self, x: torch.Tensor) -> MoeExperts | None:
         """The routed experts as one C call when x is on CPU and `experts_kernel` has one."""

@@ -65,14 +65,3 @@ class PerLayerInput(nn.Module):
 
     def forward(self, h: torch.Tensor, per_layer: torch.Tensor) -> torch.Tensor:
         return h + self.norm(self.proj(activation(self.act, self.gate(h)) * per_layer))
-
-
-class Scalar(nn.Module):
-    """One learned number (Gemma 4's `layer_scalar` on each layer's output); the checkpoint names the tensor
-    itself, no `.weight` suffix."""
-
-    bare = True
-
-    def __init__(self, dtype: torch.dtype, device: torch.device | str) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(1, dtype=dtype, device=device), requires_grad=False)

@@ -313,7 +313,8 @@ class LoRAManager:
                     mask = masks[id(col_owner)] = (row_owner[:, None] == col_owner[None, :]).float()
             stacks[key] = LoRAStack(at, bt, mask)
         self.batch.rows, self.batch.stacks = torch.tensor(rows, dtype=torch.long, device=device), stacks
+        self.batch.all_rows = len(rows) == starts[-1]
         try:
             yield
         finally:
-            self.batch.rows, self.batch.stacks = None, {}
+            self.batch.rows, self.batch.stacks, self.batch.all_rows = None, {}, False

@@ -46,6 +46,7 @@ class LoRABatch:
 
     rows: torch.Tensor | None = None
     stacks: dict[LoRAKey, LoRAStack] = field(default_factory=dict)
+    all_rows: bool = False  # every row has an adapter: no gather, and a plain add (index_add_ is slow on bfloat16)
 
 
 @dataclass
@@ -61,7 +62,12 @@ class LoRAHook:
         s, rows = self.batch.stacks.get(self.key), self.batch.rows
         if s is None or rows is None:
             return
-        h = x.index_select(0, rows).float() @ s.at
+        every = self.batch.all_rows
+        h = (x if every else x.index_select(0, rows)).float() @ s.at
         if s.mask is not None:
             h = h * s.mask
-        y.index_add_(0, rows, (h @ s.bt).to(y.dtype))
+        delta = (h @ s.bt).to(y.dtype)
+        if every:
+            y.add_(delta)
+        else:
+            y.index_add_(0, rows, delta)

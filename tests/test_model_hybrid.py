@@ -117,7 +117,7 @@ def _engine(loaded, blocks: int = 64, **kw) -> LLMEngine:
     """An engine whose KV budget holds `blocks` blocks of 16 besides its requests' state slots (and a checkpoint
     row each with prefix caching on)."""
     seqs = kw.pop("max_num_seqs", 4)
-    per_block = bytes_per_block(loaded.config, 16, torch.float32, loaded.config.kv_layout(hybrid=True))
+    per_block = bytes_per_block(loaded.config, 16, "float32", loaded.config.kv_layout(hybrid=True))
     rows = 2 if kw.get("enable_prefix_caching", True) else 1
     budget = blocks * per_block + seqs * rows * state_bytes(loaded.config, torch.float32)
     kw = dict(max_model_len=256, log_stats_interval=0, max_num_seqs=seqs, kv_cache_memory=budget) | kw

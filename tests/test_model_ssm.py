@@ -179,7 +179,7 @@ def test_greedy_tokens_match_transformers(ckpt):
     cfg = loaded.config
     prompts = [_tokens(150, 4), _tokens(140, 5), _tokens(155, 6)]
     block, seqs = 8, 3
-    per_block = bytes_per_block(cfg, block, torch.float32, cfg.kv_layout(hybrid=True))
+    per_block = bytes_per_block(cfg, block, "float32", cfg.kv_layout(hybrid=True))
     engine = LLMEngine(
         EngineConfig(
             block_size=block,
@@ -207,7 +207,7 @@ def test_greedy_tokens_match_transformers(ckpt):
 
 def _engine(loaded, caching: bool) -> LLMEngine:
     cfg = loaded.config
-    per_block = bytes_per_block(cfg, 16, torch.float32, cfg.kv_layout(hybrid=True))
+    per_block = bytes_per_block(cfg, 16, "float32", cfg.kv_layout(hybrid=True))
     budget = 64 * per_block + 4 * 2 * state_bytes(cfg, torch.float32)
     args = dict(max_num_batched_tokens=64, max_num_seqs=4, kv_cache_memory=budget, max_model_len=256)
     return LLMEngine(EngineConfig(**args, enable_prefix_caching=caching, log_stats_interval=0), loaded)

@@ -38,9 +38,14 @@ def causal_conv(
 ) -> torch.Tensor:
     """x [T, C] of sequences of `lens` tokens (flat) -> the convolution [T, C] (before any activation), in x's
     dtype; `conv` [S, C, K-1] (each sequence's last inputs) is advanced in place. weight [C, K], bias [C]."""
+    decode = [i for i, n in enumerate(lens) if n == 1]
+    if len(decode) == len(lens):  # decode only: one window per sequence, the rows in order
+        window = torch.cat([conv, x[:, :, None].to(conv.dtype)], -1)
+        conv.copy_(window[..., 1:])
+        y = (window * weight).sum(-1)
+        return (y if bias is None else y + bias).to(x.dtype)
     out = torch.empty_like(x)
     starts = seq_starts(lens)
-    decode = [i for i, n in enumerate(lens) if n == 1]
     if decode:
         seqs = torch.tensor(decode, dtype=torch.long, device=x.device)
         rows = torch.tensor([starts[i] for i in decode], dtype=torch.long, device=x.device)

@@ -137,7 +137,9 @@ class Mamba2(nn.Module):
         y = torch.empty(T, self.heads, self.head_dim, dtype=torch.float32, device=x.device)
         starts = seq_starts(step.lens)
         decode = [i for i, n in enumerate(step.lens) if n == 1]
-        if decode:
+        if len(decode) == len(step.lens):  # decode only: the step's state copies updated in place
+            y = recurrent_step(xs, dt, a, b, c, rec)
+        elif decode:
             seqs = torch.tensor(decode, dtype=torch.long, device=x.device)
             rows = torch.tensor([starts[i] for i in decode], dtype=torch.long, device=x.device)
             state = rec[seqs]

@@ -269,3 +269,34 @@ def test_the_step_structures_come_from_the_header_and_their_sizes_are_checked(mo
     want = f"StepModel is {ctypes.sizeof(structs['StepModel'])} bytes in the C build and {ctypes.sizeof(short)}"
     with pytest.raises(RuntimeError, match=want):
         cpu_kernel.check_structs(lib)
+
+
+@needs_kernel
+def test_the_entry_points_are_declared_from_the_headers_prototypes(tmp_path, monkeypatch):
+    """cpu_kernel declares every entry point to ctypes from the headers' prototypes (no hand-kept argument
+    lists): the types come out as C has them, neither a comment nor a definition in a header is taken for a
+    prototype, a type the reader cannot convert is an error naming it, and a library that lacks a declared
+    entry point is refused."""
+    import ctypes
+
+    p, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+    declared = cpu_kernel.c_functions("quant_matmul.h")
+    assert declared["qmm_f32"] == (i, [p] * 4 + [i] * 8)
+    assert declared["qcol_bytes"] == (i64, [i, i])
+    assert declared["kernel_isa"] == (ctypes.c_char_p, [])
+    assert declared["qmm_amx_begin"] == (None, [])
+    attention = cpu_kernel.c_functions("paged_attention.h")
+    assert attention["paged_decode_attention"] == (i, [p] * 6 + [i] * 6 + [i64, f, i, i64, f, p, i])
+    assert "window_start" not in attention  # a static inline definition, not an entry point
+    lib = cpu_kernel.load()
+    assert lib.qmm_f32.argtypes == [p] * 4 + [i] * 8 and lib.kernel_isa.restype is ctypes.c_char_p
+
+    monkeypatch.setattr(cpu_kernel, "CSRC", tmp_path)
+    (tmp_path / "odd.h").write_text("/* int commented(int x); */\nint fine(const float *x,\n  int64_t n);\n")
+    assert cpu_kernel.c_functions("odd.h") == {"fine": (i, [p, i64])}
+    (tmp_path / "bad.h").write_text("int bad(unsigned x);\n")
+    with pytest.raises(TypeError, match="bad.h: bad has a type the reader does not know: 'unsigned'"):
+        cpu_kernel.c_functions("bad.h")
+    (tmp_path / "bad.h").write_text("int not_in_the_library(void);\n")
+    with pytest.raises(AttributeError, match="not_in_the_library"):
+        cpu_kernel._declare(lib)

@@ -8,7 +8,7 @@
  * many rows in the step (prefill chunks, batched decode), the rows are grouped by expert so that each routed
  * expert's weights are read once per step for all of its rows (llama.cpp's MUL_MAT_ID, vLLM's fused_moe): a
  * count per expert, prefix sums, and a slot per (token, choice) in expert order; each active expert's rows then
- * are one multi-row matmul through the dense kernels' column-block routes (quant_matmul.c: the dot route or the
+ * are one multi-row matmul through the dense kernels' column-block routes (qmm_f32.c, qmm_dot.c: the dot route or the
  * float32 direct / panel routes, the same ones qmm_dot / qmm_f32 run), in parallel over (expert, column range)
  * work items. A slot's row is computed exactly as a dense matmul computes a row, whatever the other rows of its
  * expert, and each token sums its experts' outputs in its own choice order: a token's result does not depend on

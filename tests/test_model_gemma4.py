@@ -118,6 +118,11 @@ def test_config_reads_what_transformers_builds(ckpt, loaded):
     assert cfg.rope_scaling is not None and cfg.rope_scaling["rope_type"] == "proportional"
     layers = loaded.model.decoder_layers
     assert [layer.kv_parts for layer in layers] == [2, 2, 1, 2, 0, 0]  # k = v on full layers, none when shared
+    from pagedllm.model.fused_step import _model_blockers  # the C step leaves each piece to the torch path
+
+    assert {"KV shared across layers", "per-layer input embeddings", "a head size per layer kind"} <= set(
+        _model_blockers(cfg)
+    )
 
 
 @pytest.mark.parametrize("hybrid", [True, False])

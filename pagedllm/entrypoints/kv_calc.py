@@ -237,7 +237,10 @@ def _report_model(model: str, dtype: str, block_size: int, max_len: int, used: l
     per_token = per_token_of(dtype)
     per_block = per_token * block_size
     print()
-    print(f"model: {cfg.name} ({cfg.num_layers} layers, {cfg.num_kv_heads} KV heads x {cfg.head_dim} dims, {dtype})")
+    heads = f"{cfg.num_kv_heads} KV heads x {cfg.head_dim} dims"
+    if cfg.kv_slot_shape != (cfg.num_kv_heads, cfg.head_dim):  # Gemma 4's full layers: their own shape
+        heads += f"; the cache's rows {cfg.kv_slot_shape[0]} x {cfg.kv_slot_shape[1]} (the largest layer's)"
+    print(f"model: {cfg.name} ({cfg.num_layers} layers, {heads}, {dtype})")
     print(f"KV bytes per token: {per_token:,}")
     print(f"KV bytes per block of {block_size}: {per_block:,}")
     _report_groups(cfg, dtype, block_size, max_len)

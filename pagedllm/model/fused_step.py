@@ -6,8 +6,10 @@ built. The structures are the C ones, read from csrc/model_step.h; they are fill
 caches), and what changes per step is a few int64 arrays: `attention.group_step_index`, the builder the torch
 path uses too (each layer reads its KV-cache group's tables and slots: a Gemma 3 has a table per group). Every
 family runs here: what a layer does beyond the plain Llama one is read from the decoder's own modules (which
-norms it has, with their offsets; q/k norms; its RoPE; its `attn_spec`: window, scale, soft-cap) and the
-config's multipliers, so the C step computes what the torch path computes, number for number.
+norms it has, with their offsets; q/k norms; its RoPE; its `attn_spec`: window, scale, soft-cap, sinks; a sparse
+layer's router, routed experts (the structure moe_kernel.py built for the torch path) and shared expert) and the
+config's multipliers, so the C step computes what the torch path computes, number for number (a router's logits
+to rounding: the C step sums its dot products in its own order).
 
 With --dtype bfloat16 on a CPU with AMX, matmuls of at least the measured number of rows (kernel_choice.py)
 run on AMX with their inputs rounded to bfloat16; everything else computes in float32.
@@ -135,7 +137,7 @@ class FusedStep:
         self.model, self.block_size = model, block_size
         groups = list(layer_group) if layer_group is not None else [0] * len(model.layers)
         self.num_groups = max(groups) + 1
-        self._keep: list[torch.Tensor] = []  # float32 copies the C structures point into
+        self._keep: list[object] = []  # what the C structures point into: float32 copies, the experts' kernels
         self._reads = torch.zeros(1, dtype=torch.int64)  # experts read by a step (StepModel.expert_reads)
         self.layers = (_Layer * len(model.layers))(
             *[
@@ -200,6 +202,7 @@ class FusedStep:
         kernel = moe.experts_kernel()
         assert kernel is not None and kernel.load is not None, "fusable() checked the experts run on moe.c"
         kernel.sync_dot()
+        self._keep.append(kernel)
         return {
             "moe": ctypes.addressof(kernel.layer),
             "router": self._f32(moe.router.weight),

@@ -1,10 +1,10 @@
-"""The hybrid families (Qwen3.5 text, Qwen3-Next: Gated DeltaNet layers beside full attention) against transformers
-in float32, on tiny random checkpoints written by `save_pretrained`: logits over 130 tokens fed in uneven chunks;
-32 greedy tokens of several batched requests under chunked prefill (64 tokens a step, so a 150-token prompt's state
-crosses chunk ends) and a cache small enough to preempt (recomputed from a zero state); a step that fails after
-some layers ran (its states are never committed: the retry continues from the old ones); prefix caching, whose
-hits start from recurrent-state checkpoints at block boundaries and must never change an answer; every state slot
-back at the end, as every block."""
+"""The hybrid families (Qwen3.5 text, Qwen3-Next, Qwen3.5-MoE: Gated DeltaNet layers beside full attention) against
+transformers in float32, on tiny random checkpoints written by `save_pretrained`: logits over 130 tokens fed in
+uneven chunks; 32 greedy tokens of several batched requests under chunked prefill (64 tokens a step, so a 150-token
+prompt's state crosses chunk ends) and a cache small enough to preempt (recomputed from a zero state); a step that
+fails after some layers ran (its states are never committed: the retry continues from the old ones); prefix caching,
+whose hits start from recurrent-state checkpoints at block boundaries and must never change an answer; every state
+slot back at the end, as every block."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from pagedllm.model.params import param_count
 from pagedllm.model.runner import bytes_per_block
 
 TOL = 1e-4  # of the largest logit
-FAMILIES = ["qwen3_5", "qwen3_next"]
+FAMILIES = ["qwen3_5", "qwen3_next", "qwen3_5_moe"]
 _SHAPE = dict(
     vocab_size=256,
     hidden_size=64,
@@ -69,10 +69,13 @@ def private_tokenizer_cache(tmp_path_factory):
 def make_hybrid(family: str, folder: str) -> torch.nn.Module:
     """A tiny random checkpoint of `family` in `folder`: weights drawn wide enough that a wrong state, gate or
     rotation moves the logits far past the tolerance (decays spread by A_log, norms around 1)."""
-    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig, Qwen3NextConfig
+    from transformers import AutoModelForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3NextConfig
 
     if family == "qwen3_next":
         cfg, arch = Qwen3NextConfig(**_SHAPE, **_MOE), "Qwen3NextForCausalLM"
+    elif family == "qwen3_5_moe":  # every layer sparse: no dense intermediate_size in its config
+        shape = {k: v for k, v in _SHAPE.items() if k != "intermediate_size"}
+        cfg, arch = Qwen3_5MoeTextConfig(**shape, **_MOE), "Qwen3_5MoeForCausalLM"
     else:
         cfg, arch = Qwen3_5TextConfig(**_SHAPE), "Qwen3_5ForCausalLM"
     cfg.architectures = [arch]
@@ -269,26 +272,40 @@ def test_a_budget_for_fewer_slots_than_max_num_seqs_runs_that_many_at_once(model
     _all_back(engine)
 
 
-def test_the_released_multimodal_layout_loads_as_its_text_model(tmp_path):
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_the_released_multimodal_layout_loads_as_its_text_model(tmp_path, family):
     """Qwen3.5's checkpoints are `Qwen3_5ForConditionalGeneration` (a `text_config`, the language model under
-    `model.language_model.`, a vision tower): the text model's logits are transformers' for a text prompt."""
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    `model.language_model.`, a vision tower): the text model's logits are transformers' for a text prompt; the
+    MoE's also from its state dict's 3-D expert tensors under that prefix."""
+    import transformers
 
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4)
+    moe = family == "qwen3_5_moe"
+    text = {k: v for k, v in _SHAPE.items() if k != "intermediate_size"} | _MOE if moe else dict(_SHAPE)
+    prefix = "Qwen3_5Moe" if moe else "Qwen3_5"
+    config = getattr(transformers, f"{prefix}Config")(text_config=text, vision_config=vision)
     torch.manual_seed(3)
-    hf = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=dict(_SHAPE), vision_config=vision)).eval()
+    hf = getattr(transformers, f"{prefix}ForConditionalGeneration")(config).eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if "norm" in name and "linear_attn" not in name:
                 p.uniform_(-0.3, 0.3)
             elif "norm" not in name:
                 p.normal_(0, 0.3)
-    hf.save_pretrained(str(tmp_path), safe_serialization=True)
-    save_tiny_tokenizer(str(tmp_path), 256)
-    loaded = load_model(str(tmp_path), "float32", "cpu")
-    assert loaded.config.family == "qwen3_5" and loaded.config.linear_layers == [0, 1, 2]
+    folder = str(tmp_path / "hf")
+    hf.save_pretrained(folder, safe_serialization=True)
+    save_tiny_tokenizer(folder, 256)
+    folders = [folder]
+    if moe:
+        from moe_helpers import save_fused
+
+        save_fused(hf, folder + "-3d", folder)
+        folders.append(folder + "-3d")
     ids = _tokens(70, 17)
     with torch.no_grad():
         want = hf(input_ids=torch.tensor([ids])).logits[0]
-    got = ModelRunner(loaded, 8, 16).execute([SeqChunk(ids, 0, list(range(8)), True)])
-    assert (got - want).abs().max().item() < TOL * want.abs().max().item()
+    for path in folders:
+        loaded = load_model(path, "float32", "cpu")
+        assert loaded.config.family == family and loaded.config.linear_layers == [0, 1, 2]
+        got = ModelRunner(loaded, 8, 16).execute([SeqChunk(ids, 0, list(range(8)), True)])
+        assert (got - want).abs().max().item() < TOL * want.abs().max().item(), path

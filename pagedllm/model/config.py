@@ -29,7 +29,7 @@ ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic", "fac
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # layers.py
 ROUTERS = ("softmax_topk", "topk_softmax")  # moe.py: the sparse block's routing
 MOE_ACTIVATIONS = (*ACTIVATIONS, "swigluoai")  # moe.py: the experts' (gpt-oss's clamped SwiGLU)
-LINEAR_ATTENTION_FAMILIES = ("qwen3_5", "qwen3_next", "granitemoehybrid", "lfm2")  # recurrent-state layers
+LINEAR_ATTENTION_FAMILIES = ("qwen3_5", "qwen3_next", "qwen3_5_moe", "granitemoehybrid", "lfm2")  # recurrent states
 RECURRENT_MIXERS = ("gated_deltanet", "mamba2", "short_conv")  # decoder.py: the mixer of each linear layer
 _ORIGINAL_CONTEXT_TYPES = ("llama3", "yarn", "longrope", "dynamic")  # scalings relative to an original context
 
@@ -388,7 +388,7 @@ def config_from_hf_dict(cfg: dict[str, Any], where: str, gen_cfg: dict[str, Any]
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
+            intermediate_size=int(cfg.get("intermediate_size", 0) if fam.moe else cfg["intermediate_size"]),
             num_layers=int(cfg["num_hidden_layers"]),
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
@@ -446,6 +446,9 @@ def _checked_moe(c: ModelConfig, where: str) -> ModelConfig:
         raise ModelLoadError(f"{where}: {c.num_experts_per_tok} experts per token of {c.num_experts}")
     if c.moe_intermediate_size <= 0:
         raise ModelLoadError(f"{where}: an expert ffn size of {c.moe_intermediate_size}")
+    dense = [i for i in range(c.num_layers) if not c.is_moe_layer(i)]
+    if dense and c.intermediate_size <= 0:  # Qwen3.5-MoE's config has no dense size: every layer is sparse
+        raise ModelLoadError(f"{where}: dense layer {dense[0]} but no intermediate_size in the config")
     return c
 
 

@@ -19,6 +19,7 @@ from pagedllm.model.families.qwen2 import QWEN2
 from pagedllm.model.families.qwen2_moe import QWEN2_MOE
 from pagedllm.model.families.qwen3 import QWEN3
 from pagedllm.model.families.qwen3_5 import QWEN3_5
+from pagedllm.model.families.qwen3_5_moe import QWEN3_5_MOE
 from pagedllm.model.families.qwen3_moe import QWEN3_MOE
 from pagedllm.model.families.qwen3_next import QWEN3_NEXT
 from pagedllm.model.families.smollm3 import SMOLLM3
@@ -26,7 +27,7 @@ from pagedllm.model.families.smollm3 import SMOLLM3
 FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, PHI3, SMOLLM3, OLMO2, GRANITE)
 FAMILIES += (GEMMA4,)  # per-layer input embeddings, shared KV (families/gemma4.py)
 FAMILIES += (QWEN2_MOE, QWEN3_MOE, OLMOE, MIXTRAL, GRANITEMOE, GRANITEMOESHARED, GPT_OSS)  # sparse (families/moe.py)
-FAMILIES += (QWEN3_5, QWEN3_NEXT)  # hybrid: Gated DeltaNet layers with a recurrent state (layers/deltanet.py)
+FAMILIES += (QWEN3_5, QWEN3_NEXT, QWEN3_5_MOE)  # hybrid: Gated DeltaNet layers, a recurrent state (layers/deltanet.py)
 FAMILIES += (GRANITEMOEHYBRID, LFM2)  # hybrid: Mamba2 (layers/mamba2.py), short conv (layers/shortconv.py)
 SUPPORTED_ARCHITECTURES = tuple(a for f in FAMILIES for a in f.architectures)
 GGUF_ARCHITECTURES = tuple(a for f in FAMILIES for a in f.gguf_archs)

@@ -1,0 +1,40 @@
+"""Qwen3.5-MoE / Qwen3.6-MoE text (`Qwen3_5MoeForCausalLM`, model_type qwen3_5_moe_text: Qwen3.5-35B-A3B,
+Qwen3.6-35B-A3B): Qwen3.5's layers (qwen3_5.py: separate DeltaNet projections, gated attention) with Qwen3-Next's
+sparse block in every layer (qwen3_next.py: softmax over the experts, the top k, a shared expert scaled by
+sigmoid(x @ shared_expert_gate)), except that the top k are always renormalised (transformers' router does, and
+the config has no `norm_topk_prob`). The released checkpoints are the multimodal
+`Qwen3_5MoeForConditionalGeneration`, read as Qwen3.5's are: its `text_config` and language model's tensors.
+HF folders only: no GGUF arch is claimed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedllm.model.families.base import Family
+from pagedllm.model.families.moe import fused_experts, moe_tensors
+from pagedllm.model.families.qwen3_5 import QWEN3_5
+from pagedllm.model.families.qwen3_next import hf_fields as qwen3_next_fields
+
+
+def hf_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    return qwen3_next_fields(cfg) | {"norm_topk_prob": True}
+
+
+QWEN3_5_MOE = Family(
+    "qwen3_5_moe",
+    ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
+    ("qwen3_5_moe_text", "qwen3_5_moe"),
+    (),
+    hf_fields=hf_fields,
+    layer_tensors=QWEN3_5.layer_tensors
+    | moe_tensors("mlp")
+    | {
+        "shared_gate_up": ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),
+        "shared_down": ("mlp.shared_expert.down_proj",),
+        "shared_gate": ("mlp.shared_expert_gate",),
+    },
+    moe=True,
+    unfuse=fused_experts("mlp"),
+    renamed=QWEN3_5.renamed,
+    skipped=QWEN3_5.skipped,
+)

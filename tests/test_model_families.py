@@ -55,6 +55,12 @@ def private_tokenizer_cache(tmp_path_factory):
         yield
 
 
+def _kept(fmt: str) -> str | None:
+    """A GGUF's weights kept as stored whatever the kernel choice measured (--quantization auto follows a timing,
+    and a test never rests on the machine's speed): what auto gives where the choice is the quantized kernel."""
+    return None if fmt == "hf" else "gguf"
+
+
 class Checkpoints:
     """One family's HF folder and, made on first use, its GGUF files, each with its reference and pagedllm model."""
 
@@ -79,7 +85,7 @@ class Checkpoints:
     def loaded(self, fmt: str):
         if fmt not in self._loaded:
             self._loaded[fmt] = load_model(
-                self.get(fmt)[0], dtype="float32", verbose=False, quantized_activations="none"
+                self.get(fmt)[0], dtype="float32", verbose=False, quantization=_kept(fmt), quantized_activations="none"
             )
         return self._loaded[fmt]
 
@@ -130,7 +136,8 @@ def test_the_dot_route_is_within_its_bound_of_the_exact_path(ckpt, fmt):
     if fmt not in FORMATS:
         pytest.skip(f"{fmt} is not written for this family")
     path, _ = ckpt.get(fmt)
-    exact, dot = ckpt.loaded(fmt), load_model(path, dtype="float32", verbose=False, quantized_activations="int16")
+    exact = ckpt.loaded(fmt)
+    dot = load_model(path, dtype="float32", verbose=False, quantization="gguf", quantized_activations="int16")
     assert all(w.dot for w in dot.model.quant_weights())
     ids = _tokens(48, 3)
     logits = []
@@ -164,7 +171,7 @@ def test_the_fused_step_computes_what_the_torch_path_does(ckpt, fmt, activations
     loaded = (
         ckpt.loaded(fmt)
         if activations == "none"
-        else load_model(path, dtype="float32", verbose=False, quantized_activations=activations)
+        else load_model(path, dtype="float32", verbose=False, quantization="gguf", quantized_activations=activations)
     )
     ids = _tokens(ORIG_CTX + 6, 9)  # past the original context of the scaled RoPE types
     got = fused_and_torch(loaded, ids, 29, 8)

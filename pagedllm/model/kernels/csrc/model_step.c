@@ -58,7 +58,7 @@ typedef struct { /* the step's activations (float32, T rows) and scratch */
     /* sparse layers: each token's experts and their weights [T, topk], the shared expert's gate_up / act /
      * output rows, the routed experts' plan (moe.h), and the first error of a grouping (0: none) */
     int64_t *ids;
-    float *rw, *sgu, *sact, *sy;
+    float *rw, *sgu, *sact, *sy, *rlogits; /* rlogits: [T, experts] the router's logits, then probabilities */
     MoePlan *plan;
     int *moe_status;
 } Buffers;
@@ -66,7 +66,6 @@ typedef struct { /* the step's activations (float32, T rows) and scratch */
 typedef struct { /* per thread */
     float *panel, *scores, *block;
     uint16_t *bbuf;
-    float *logits; /* [experts]: a token's router logits */
 } Scratch;
 
 int qrows_f32(float *out, const int64_t *ids, int T, const uint8_t *w, int N, int K, int fmt);
@@ -242,7 +241,7 @@ static void store_row(void *cache, int64_t slot, const float *src, int KVH, int 
  * no barrier: a thread that the OS has put aside (this machine is shared) holds up at most the item it is
  * working on, where a barrier would hold up every phase of the step until it came back. Items write
  * disjoint outputs, so which thread runs an item changes nothing in the result. */
-enum { K_NORM, K_CVT, K_Q16, K_MATMUL, K_ROPE, K_ATTN, K_ACT, K_RESID, K_SCALE, K_LOGIT, K_ROUTE, K_MOE_GROUP,
+enum { K_NORM, K_CVT, K_Q16, K_MATMUL, K_ROPE, K_ATTN, K_ACT, K_RESID, K_SCALE, K_LOGIT, K_ROUTE, K_TOPK, K_MOE_GROUP,
        K_MOE_GATHER, K_MOE_GATE_UP, K_MOE_ACT, K_MOE_DOWN, K_MOE_COMBINE, K_SHARED };
 
 typedef struct {
@@ -261,6 +260,8 @@ static Phase norm_phase(float *x, const float *h, const float *w, const int64_t 
 /* The matmul out[M, N] (+)= x[M, K] @ W^T as one phase (two with AMX: x to bfloat16 tiles first; two on the
  * dot route: x rounded to 16-bit integers first). */
 #define MAX_LAYER_PHASES 30
+#define ROUTER_EXPERTS 16 /* experts per router work item: a decode token's router spread over the threads */
+#define ROUTER_CHUNKS(m) (((m)->experts + ROUTER_EXPERTS - 1) / ROUTER_EXPERTS)
 
 static int matmul_phases(Phase *ph, const Buffers *buf, int prof, float *out, const float *x, const uint8_t *w,
                          int fmt, const float *bias, int M, int N, int K, int accumulate, int nthreads) {
@@ -296,7 +297,8 @@ static int moe_phases(Phase *ph, const StepModel *m, const StepLayer *L, int l, 
                       int T, int nthreads) {
     const int S = T * m->topk, items = moe_plan_items(buf->plan), SI = m->shared_inter, E = m->hidden;
     int n = 0;
-    ph[n++] = (Phase){.kind = K_ROUTE, .layer = l, .items = T, .prof = P_ROUTER, .x = xm};
+    ph[n++] = (Phase){.kind = K_ROUTE, .layer = l, .items = T * ROUTER_CHUNKS(m), .prof = P_ROUTER, .x = xm};
+    ph[n++] = (Phase){.kind = K_TOPK, .items = T, .prof = P_ROUTER};
     ph[n++] = (Phase){.kind = K_MOE_GROUP, .layer = l, .items = 1, .prof = P_ROUTER};
     ph[n++] = (Phase){.kind = K_MOE_GATHER, .items = S, .prof = P_EXPERTS, .x = xm};
     ph[n++] = (Phase){.kind = K_MOE_GATE_UP, .items = items, .prof = P_EXPERTS};
@@ -311,7 +313,8 @@ static int moe_phases(Phase *ph, const StepModel *m, const StepLayer *L, int l, 
                            SI, 0, nthreads);
         ph[n++] = (Phase){.kind = K_SHARED, .layer = l, .items = T, .prof = P_DOWN, .x = xm};
     }
-    ph[n++] = (Phase){.kind = K_RESID, .items = T, .prof = P_NORM, .out = buf->h, .x = buf->y, .w_norm = L->ffn_out_norm};
+    ph[n++] = (Phase){.kind = K_RESID, .items = T, .prof = P_NORM, .out = buf->h, .x = buf->y,
+                      .w_norm = L->ffn_out_norm};
     return n;
 }
 
@@ -444,16 +447,23 @@ static float dot_f32(const float *a, const float *b, int n) {
     return r;
 }
 
-/* Token t's experts and their weights as moe.py's route() picks them: softmax over every expert's logit, the k
- * largest (ties: the lower id), renormalised to sum 1 when norm_topk (ROUTE_SOFTMAX_TOPK); or the k largest
- * logits, softmaxed among themselves (ROUTE_TOPK_SOFTMAX). Also clears the token's row of y, which the routed
- * experts' sum goes into. */
-static void route_row(const StepModel *m, const StepLayer *L, const Buffers *buf, const float *x, float *logits,
-                      int t) {
-    const int E = m->hidden, X = m->experts, k = m->topk;
+/* Item i of the router: token i / chunks, its logits of the chunk i % chunks of ROUTER_EXPERTS experts. */
+static void router_item(const StepModel *m, const StepLayer *L, const Buffers *buf, const float *x, int i) {
+    const int E = m->hidden, X = m->experts, chunks = ROUTER_CHUNKS(m), t = i / chunks;
+    const int e0 = i % chunks * ROUTER_EXPERTS, e1 = e0 + ROUTER_EXPERTS < X ? e0 + ROUTER_EXPERTS : X;
     const float *xt = x + (int64_t)t * E;
-    for (int e = 0; e < X; e++)
+    float *logits = buf->rlogits + (int64_t)t * X;
+    for (int e = e0; e < e1; e++)
         logits[e] = dot_f32(xt, L->router + (int64_t)e * E, E) + (L->router_bias ? L->router_bias[e] : 0.0f);
+}
+
+/* Token t's experts and their weights from its router logits, as moe.py's route() picks them: softmax over
+ * every expert's logit, the k largest (ties: the lower id), renormalised to sum 1 when norm_topk
+ * (ROUTE_SOFTMAX_TOPK); or the k largest logits, softmaxed among themselves (ROUTE_TOPK_SOFTMAX). Also clears
+ * the token's row of y, which the routed experts' sum goes into. */
+static void topk_row(const StepModel *m, const Buffers *buf, int t) {
+    const int E = m->hidden, X = m->experts, k = m->topk;
+    float *logits = buf->rlogits + (int64_t)t * X;
     if (m->router == ROUTE_SOFTMAX_TOPK) {
         float mx = logits[0], sum = 0.0f;
         for (int e = 1; e < X; e++) mx = logits[e] > mx ? logits[e] : mx;
@@ -535,7 +545,10 @@ static void run_item(const Phase *p, const StepModel *m, const StepLayer *layers
                                                              p->x + (int64_t)i * 2 * p->N + p->N, p->N);
         break;
     case K_ROUTE:
-        route_row(m, &layers[p->layer], buf, p->x, sc->logits, i);
+        router_item(m, &layers[p->layer], buf, p->x, i);
+        break;
+    case K_TOPK:
+        topk_row(m, buf, i);
         break;
     case K_MOE_GROUP: {
         const StepLayer *L = &layers[p->layer];
@@ -653,11 +666,8 @@ static int run(const StepModel *m, const StepLayer *layers, const StepBatch *b, 
         sc[t] = (Scratch){malloc((size_t)K * 16 * sizeof(float)),
                           malloc((size_t)TILE * (max_ctx + TILE) * m->heads * sizeof(float)),
                           malloc((size_t)m->block_size * m->kv_heads * m->head_dim * sizeof(float)),
-                          buf->amx_rows ? malloc((size_t)2 * (K / 32) * 512 * sizeof(uint16_t)) : NULL,
-                          m->experts ? malloc((size_t)m->experts * sizeof(float)) : NULL};
-        if (!sc[t].panel || !sc[t].scores || !sc[t].block || (buf->amx_rows && !sc[t].bbuf) ||
-            (m->experts && !sc[t].logits))
-            status = -1;
+                          buf->amx_rows ? malloc((size_t)2 * (K / 32) * 512 * sizeof(uint16_t)) : NULL};
+        if (!sc[t].panel || !sc[t].scores || !sc[t].block || (buf->amx_rows && !sc[t].bbuf)) status = -1;
     }
     if (status == 0) {
         const int n = plan(ph, m, layers, b, buf, nthreads);
@@ -675,7 +685,6 @@ static int run(const StepModel *m, const StepLayer *layers, const StepBatch *b, 
         free(sc[t].scores);
         free(sc[t].block);
         free(sc[t].bbuf);
-        free(sc[t].logits);
     }
     free(sc);
     free(ph);
@@ -690,7 +699,8 @@ int model_step(const StepModel *m, const StepLayer *layers, const StepBatch *b, 
     K = K > SI ? K : SI;
     const int amx = m->amx_min_rows > 0 && T >= m->amx_min_rows && qmm_bf16_kind() ? m->amx_min_rows : 0;
     const int64_t per_row = 3 * (int64_t)E + QKV + HD + 3 * (int64_t)I;
-    const int64_t moe_row = m->experts ? 3 * (int64_t)SI + E + m->topk : 0; /* sgu, sact, sy, rw */
+    /* a sparse model's rows: rw, sgu, sact, sy, rlogits */
+    const int64_t moe_row = m->experts ? 3 * (int64_t)SI + E + m->topk + m->experts : 0;
     float *mem = malloc((size_t)T * (per_row + moe_row) * sizeof(float));
     int64_t *ctx = malloc((size_t)T * sizeof(int64_t));
     int64_t *ids = m->experts ? malloc((size_t)T * (m->topk > 0 ? m->topk : 1) * sizeof(int64_t)) : NULL;
@@ -715,7 +725,8 @@ int model_step(const StepModel *m, const StepLayer *layers, const StepBatch *b, 
                        mem + (int64_t)T * (2 * E + QKV + HD), mem + (int64_t)T * (2 * E + QKV + HD + 2 * I),
                        mem + (int64_t)T * (2 * E + QKV + HD + 3 * I), ctx, tiles, make_tiles(b, tiles), xb, amx,
                        xq, dot, ids, moe, moe + (int64_t)T * m->topk, moe + (int64_t)T * (m->topk + 2 * SI),
-                       moe + (int64_t)T * (m->topk + 3 * SI), plan, &moe_status};
+                       moe + (int64_t)T * (m->topk + 3 * SI), moe + (int64_t)T * (m->topk + 3 * SI + E), plan,
+                       &moe_status};
         status = qrows_f32(buf.h, b->tokens, T, m->embed, m->vocab, E, m->embed_fmt);
         if (status == 0) status = run(m, layers, b, &buf, max_ctx, nthreads);
         if (status == 0) status = moe_status;

@@ -24,9 +24,10 @@ passages is one step as under the prefix cache alone, and chunked prefill, the f
 The bound mode (`max_deviation`) chooses the recomputed tokens per prompt instead: every stored block is copied,
 then `_probe` runs layer 0 over the rest of the prompt and computes layer 1's K/V (CacheBlend's check layer: layer
 0's depend on the token alone) for every copied token; the ones whose deviation from their copy weighs most are
-computed again, in that same step, until the deviation left is under the bound. ESTIMATE "attention" weighs a
-deviation by what the question reads (the first-order change of its attention output at layer 1, relative);
-"kv" is CacheBlend's relative K/V error. benchmarks/serving/blend_quality.py measures both on three corpora.
+computed again, in that same step, until the deviation left is under the bound. ESTIMATE "kv" (the default) is
+CacheBlend's relative K/V error of the copied tokens; "attention" weighs a deviation by what the question reads
+(the first-order change of its attention output at layer 1, relative). benchmarks/serving/blend_quality.py
+measures both (docs/benchmarks.md): at 0.01, "kv" computed 20% of the prompt for the KL of a fixed 0.3.
 Preemption frees the request's blocks and holds; re-admission plans again.
 
 Why the tokens nearest the question: measured outside the engine (benchmarks/kv/blend_variants.py, the same 8
@@ -284,7 +285,7 @@ def apply_copies(req: Request, runner: ModelRunner, kv: KVCacheManager) -> None:
 
 PROBE_LAYER = 1  # CacheBlend's: layer 0's K/V depend on the token alone; a copy's deviation shows from layer 1
 QUERY_TOKENS = 16  # the prompt's last tokens (the question): the deviation is weighed by their attention
-ESTIMATE = "attention"  # how a token's deviation is weighed: "attention" or "kv" (benchmarks/kv/blend_bound.py)
+ESTIMATE = "kv"  # how a deviation is weighed: "kv" (CacheBlend's; kept: lower KL per token measured) or "attention"
 
 
 @torch.inference_mode()

@@ -97,9 +97,9 @@ class EngineConfig:
     exact; a request may set its own (default: 0.15; requests without segments are never blended)"""
     kv_blend_max_deviation: Annotated[float, Field(ge=0, le=1)] | None = None
     """kv_blend's bound mode, in place of the fixed share: per prompt, the copied KV is measured against KV computed
-    on the first layers, and the tokens that deviate most are computed again until the deviation left (relative,
-    what the question reads at layer 1) is at most this; 0 = full prefill, exact; a request may set its own
-    (kv_blend.max_deviation) or a fixed share (default: off, the fixed share)"""
+    on the first layers, and the tokens that deviate most are computed again until the deviation left (the copied
+    tokens' relative K/V error at layer 1; 0.01 measured) is at most this; 0 = full prefill, exact; a request may
+    set its own (kv_blend.max_deviation) or a fixed share (default: off, the fixed share)"""
 
     enable_lora: bool = False
     """serve LoRA adapters on the base model: requests name one (offline: lora_request=LoRARequest(...); the

@@ -153,8 +153,7 @@ class LLMEngine:
         --scheduling-policy priority, lower values are admitted first (vLLM's). `kv_segments`: [start, end) spans
         whose KV may be reused wherever they land (blend.py), `kv_blend_recompute` of each computed again, or
         (`kv_blend_max_deviation`, the bound mode) as many as keep the measured deviation under that bound;
-        `logits_from`: each position's log-softmax from it on, in `prompt_logits`. All is checked first.
-        """
+        `logits_from`: each position's log-softmax from it on, in `prompt_logits`. All is checked first."""
         pooling = params if isinstance(params, PoolingParams) else None
         params = SamplingParams(max_tokens=0) if pooling is not None else params or SamplingParams()
         assert isinstance(params, SamplingParams)

@@ -208,8 +208,7 @@ class LLMEngine:
         whose KV may be reused wherever they land (blend.py), `kv_blend_recompute` of each computed again, or
         (`kv_blend_max_deviation`, the bound mode) as many as keep the measured deviation under that bound;
         `logits_from`: each position's log-softmax from it on, in `prompt_logits`; `lora_request`: the LoRA
-        adapter it runs under (loaded now if it is not yet; needs enable_lora). All is checked first.
-        """
+        adapter it runs under (loaded now if it is not yet; needs enable_lora). All is checked first."""
         pooling = params if isinstance(params, PoolingParams) else None
         params = SamplingParams(max_tokens=0) if pooling is not None else params or SamplingParams()
         assert isinstance(params, SamplingParams)

@@ -21,16 +21,16 @@ def random_parts(fmt: str, n: int, k: int, seed: int) -> QuantParts:
     """A random quantized weight [n, k] in plain form: codes of the format's range, small float16 scales."""
     rng = np.random.default_rng(seed)
     g = k // 32
-    if fmt == "q4":
+    if fmt == "q4_1":
         return QuantParts(
-            "q4",
+            "q4_1",
             rng.integers(0, 16, (n, k)).astype(np.uint8),
             rng.normal(0, 0.01, (n, g)).astype(np.float16),
             rng.normal(0, 0.05, (n, g)).astype(np.float16),
             "test",
         )
     return QuantParts(
-        "q8",
+        "q8_0",
         rng.integers(-128, 128, (n, k)).astype(np.int8),
         rng.normal(0, 0.001, (n, g)).astype(np.float16),
         None,

@@ -54,7 +54,7 @@ def test_each_build_says_which_vector_path_it_compiled(target):
     assert cpu_kernel.isa(lib) == want
 
 
-@pytest.mark.parametrize("fmt", ["q4", "q8"])
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("n,k", [(40, 96), (7, 64), (200, 1536)])
 def test_each_build_matches_the_dense_matmul(target, fmt, n, k):
     """Rows 1-3 take the direct path, 7 and 64 the panel (blocked) path; odd column counts clip the stores."""
@@ -82,7 +82,7 @@ def test_kernel_choice_is_measured_for_each_build(target, tmp_path, monkeypatch)
     built = cpu_kernel.library_path()
     assert built is not None and f"-{name}-" in built.name  # the build's file name names its class
     monkeypatch.setattr(cpu_kernel, "library_path", lambda: tmp_path / built.name)  # keep the choice here
-    layer = [pack(random_parts("q4", 48, 64, 1)), pack(random_parts("q4", 32, 96, 2))]
+    layer = [pack(random_parts("q4_1", 48, 64, 1)), pack(random_parts("q4_1", 32, 96, 2))]
     choice = kernel_choice.choose(layer, torch.float32)
     assert choice.build == f"{name} build ({cpu_kernel.isa(lib)['matmul']})"
     assert set(choice.ms["q-f32"]) == set(kernel_choice.ROWS)

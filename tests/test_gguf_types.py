@@ -139,7 +139,7 @@ def test_mxfp4_reads_every_scale_byte_as_gguf_does(lib):
         parts = from_gguf_blocks(raw, 39)
         assert np.array_equal(parts.dequantize().numpy().view(np.uint32), ref.view(np.uint32))
     w = quant.pack(parts)
-    assert w.fmt == "mx4" and w.nbytes == 512 * 16 * 17 // 32  # 4.25 bits a weight, as the file
+    assert w.fmt == "mxfp4" and w.nbytes == 512 * 16 * 17 // 32  # 4.25 bits a weight, as the file
     assert np.array_equal(_rows(lib, w).view(np.uint32), ref.view(np.uint32))
     top = ref[15, 15 * 32 : 16 * 32]  # scale byte 255
     assert np.isfinite(top).any() and np.isinf(top).any() and not np.isnan(ref).any()
@@ -363,7 +363,7 @@ def test_a_q4_k_m_style_file_runs_as_stored_and_decodes_as_gguf_dequantized(tmp_
     monkeypatch.setattr(loader, "load_tokenizer", lambda _path: None)  # token ids only: no tokenizer in the file
     ours, ref = (loader.load_model(path, "float32", verbose=False, quantization=q) for q in ("gguf", "none"))
     formats = {w.fmt for w in ours.model.quant_weights()}
-    assert ours.quantization == "gguf" and formats == {"k4m", "k5m", "k6", "mixed", "q8"}
+    assert ours.quantization == "gguf" and formats == {"q4_k", "q5_k", "q6_k", "mixed", "q8_0"}
     assert not any(p.numel() > HIDDEN for p in ours.model.parameters())  # no matrix left dense
     assert ours.weight_bytes <= 1.1 * file_bytes < ref.weight_bytes / 4  # the issue's goal: <= 1.1x the file
     prompt = [5, 17, 200, 3, 99, 42, 7, 311]
@@ -376,13 +376,13 @@ def test_a_q4_k_m_style_file_runs_as_stored_and_decodes_as_gguf_dequantized(tmp_
 
 def test_an_mxfp4_file_written_by_gguf_runs_at_its_own_size(tmp_path, monkeypatch):
     """Matrices quantized to MXFP4 by gguf-py's own quantizer, as gpt-oss ships its experts: every one kept in
-    mx4 at 4.25 bits a weight (no widening to bytes), decoding gguf's dequantized file's greedy tokens on the
+    mxfp4 at 4.25 bits a weight (no widening to bytes), decoding gguf's dequantized file's greedy tokens on the
     fused step (the dot route) and the float32 route's linears."""
     path = str(tmp_path / "mxfp4.gguf")
     file_bytes = write_mixed_gguf(path, [dict.fromkeys(_MIX[0], 39)] * LAYERS, (8, 39), quantize=True)
     monkeypatch.setattr(loader, "load_tokenizer", lambda _path: None)
     ours, ref = (loader.load_model(path, "float32", verbose=False, quantization=q) for q in ("gguf", "none"))
-    assert {w.fmt for w in ours.model.quant_weights()} == {"mx4", "q8"}
+    assert {w.fmt for w in ours.model.quant_weights()} == {"mxfp4", "q8_0"}
     assert ours.weight_bytes <= 1.1 * file_bytes
     prompt = [5, 17, 200, 3, 99, 42, 7, 311]
     want = _greedy(ModelRunner(ref, 16, 16), prompt, 12)

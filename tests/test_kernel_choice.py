@@ -23,7 +23,7 @@ from kernel_helpers import random_parts
 from pagedllm.model.kernels import cpu_kernel, kernel_choice
 from pagedllm.model.kernels.quant_linear import pack
 
-LAYER = [pack(random_parts("q4", 32, 64, 5))]
+LAYER = [pack(random_parts("q4_1", 32, 64, 5))]
 
 
 @pytest.fixture

@@ -44,7 +44,7 @@ def test_stored_blocks_dequantize_to_exactly_the_files_values(ggml_type):
     assert torch.equal(qrows(pack(parts), torch.arange(40)), ref)
 
 
-@pytest.mark.parametrize("fmt", ["q4", "q8"])
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("n,k", [(16, 32), (40, 96), (7, 64), (960, 576)])
 @pytest.mark.parametrize("rows", [1, 3, 6, 7, 64, 200])
 def test_float32_kernel_matches_dense_matmul(fmt, n, k, rows):
@@ -61,7 +61,7 @@ def test_float32_kernel_matches_dense_matmul(fmt, n, k, rows):
     torch.testing.assert_close(out.double(), acc, atol=1e-5 * scale, rtol=0)
 
 
-@pytest.mark.parametrize("fmt", ["q4", "q8"])
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
 def test_float32_kernel_rows_do_not_depend_on_the_batch(fmt):
     """Direct (few rows) and panel (many rows) paths sum every output in the same order: bit-identical rows."""
     w = pack(random_parts(fmt, 100, 192, 3))
@@ -73,7 +73,7 @@ def test_float32_kernel_rows_do_not_depend_on_the_batch(fmt):
 
 
 @pytest.mark.skipif(bf16_kernel() is None, reason="no AMX or AVX-512 BF16 on this CPU")
-@pytest.mark.parametrize("fmt", ["q4", "q8"])
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("n,k", [(16, 32), (40, 96), (7, 64), (576, 1536)])
 @pytest.mark.parametrize("rows", [16, 17, 33, 100])
 def test_amx_kernel_matches_bfloat16_matmul(fmt, n, k, rows):
@@ -267,7 +267,7 @@ def test_kernel_choice_is_kept_and_measured_again_when_unreadable(tmp_path, monk
     from pagedllm.model.kernels import kernel_choice
 
     monkeypatch.setattr(cpu_kernel, "library_path", lambda: tmp_path / "pagedllm_kernels-test.so")
-    layer = [pack(random_parts("q4", 32, 64, 5))]
+    layer = [pack(random_parts("q4_1", 32, 64, 5))]
     calls = []
     real = kernel_choice.measure
     monkeypatch.setattr(kernel_choice, "measure", lambda *a: calls.append(1) or real(*a))

@@ -14,9 +14,9 @@ from pagedllm.model.kernels import quant_linear as quant
 
 pytestmark = needs_kernel
 
-_NIBBLES = {"q4", "q40", "k4m", "q5", "q5m", "k5m", "k6"}
-_PLANE = {"q5": 1, "q5m": 1, "k5m": 1, "k6": 2}
-_OFFSET = {"q5": 16, "k6": 32, "q40": 8}
+_NIBBLES = {"q4_1", "q4_0", "q4_k", "q5_0", "q5_1", "q5_k", "q6_k"}
+_PLANE = {"q5_0": 1, "q5_1": 1, "q5_k": 1, "q6_k": 2}
+_OFFSET = {"q5_0": 16, "q6_k": 32, "q4_0": 8}
 
 
 def _per_column(a: np.ndarray, nb: int) -> np.ndarray:
@@ -26,7 +26,7 @@ def _per_column(a: np.ndarray, nb: int) -> np.ndarray:
 def _body(parts: quant.QuantParts, nb: int) -> np.ndarray:
     n, k = parts.shape
     c = np.pad(parts.codes, ((0, nb * 16 - n), (0, 0))).reshape(nb, 16, k // 32, 16, 2).transpose(0, 2, 3, 1, 4)
-    if parts.fmt == "mx4":  # row quads t of 64 bytes: byte 2 u + p, row 4 t + p low, row 4 t + p + 2 high, word u
+    if parts.fmt == "mxfp4":  # row quads t of 64 bytes: byte 2 u + p, row 4 t + p low, row 4 t + p + 2 high, word u
         q = np.ascontiguousarray(c).reshape(nb, k // 32, 4, 4, 32)  # [.., t, row of the quad, word u]
         quad = q[..., 0:2, :] | q[..., 2:4, :] << 4  # [.., t, p, u]
         return np.ascontiguousarray(quad.swapaxes(-1, -2)).astype(np.uint8).reshape(nb, k // 32, 256)
@@ -50,13 +50,13 @@ def _body(parts: quant.QuantParts, nb: int) -> np.ndarray:
 def numpy_tiles(parts: quant.QuantParts) -> np.ndarray:
     n, k = parts.shape
     nb, g = -(-n // 16), k // 32
-    if parts.fmt == "mx4":  # the E8M0 bytes
+    if parts.fmt == "mxfp4":  # the E8M0 bytes
         return np.concatenate([_per_column(parts.d, nb).reshape(nb, g, 16), _body(parts, nb)], -1).reshape(nb, -1)
     f16 = [_per_column(a, nb).astype(np.float16) for a in (parts.d, parts.m) if a is not None]
     if parts.fmt not in quant.K_FORMATS:
         head = [a.view(np.uint8).reshape(nb, g, -1) for a in f16]
         return np.concatenate(head + [_body(parts, nb)], axis=-1).reshape(nb, -1)
-    per = 2 if parts.fmt in ("k8m", "k8", "k6") else 1
+    per = 2 if parts.fmt in ("k8m", "k8", "q6_k") else 1
     ints = [_per_column(parts.s.view(np.uint8), nb)] + ([] if parts.mi is None else [_per_column(parts.mi, nb)])
     scales = [a.reshape(nb, g, per * 16) for a in ints]
     tiles = np.concatenate(scales + [_body(parts, nb)], axis=-1).reshape(nb, g // 8, -1)
@@ -73,7 +73,7 @@ def test_packed_tiles_are_the_reference_layout(ggml_type, n, k):
     assert np.array_equal(w.tiles.numpy(), numpy_tiles(parts))
 
 
-@pytest.mark.parametrize("fmt", ["q4", "q8"])
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
 def test_rounded_weights_pack_as_the_reference(fmt):
     from kernel_helpers import random_parts
 

@@ -41,7 +41,7 @@ from pagedllm.model.kernels.moe_kernel import MoeExperts
 from pagedllm.model.kernels.quant_linear import QuantParts, QuantWeight, pack, qlinear
 
 # name: (hidden, experts, routed, ffn, format)
-SHAPES = {"qwen3-30b-a3b": (2048, 128, 8, 768, "k4m"), "gpt-oss-20b": (2880, 32, 4, 2880, "q40")}
+SHAPES = {"qwen3-30b-a3b": (2048, 128, 8, 768, "q4_k"), "gpt-oss-20b": (2880, 32, 4, 2880, "q4_0")}
 
 
 def random_weight(fmt: str, n: int, k: int, rng: np.random.Generator) -> QuantWeight:
@@ -50,12 +50,12 @@ def random_weight(fmt: str, n: int, k: int, rng: np.random.Generator) -> QuantWe
     def f16(*shape: int) -> np.ndarray:
         return rng.normal(0, 0.01, shape).astype(np.float16)
 
-    if fmt == "k4m":
+    if fmt == "q4_k":
         codes = rng.integers(0, 16, (n, k), dtype=np.uint8)
         s, mi = rng.integers(0, 64, (n, k // 32), dtype=np.int8), rng.integers(0, 64, (n, k // 32), dtype=np.uint8)
-        return pack(QuantParts("k4m", codes, f16(n, k // 256), f16(n, k // 256), "Q4_K", s, mi))
+        return pack(QuantParts("q4_k", codes, f16(n, k // 256), f16(n, k // 256), "Q4_K", s, mi))
     codes = rng.integers(-8, 8, (n, k), dtype=np.int8)
-    return pack(QuantParts("q40", codes, f16(n, k // 32), None, "Q4_0"))
+    return pack(QuantParts("q4_0", codes, f16(n, k // 32), None, "Q4_0"))
 
 
 def layer(shape: str, seed: int) -> MoeExperts:

@@ -9,11 +9,11 @@ types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4: a byte a weight, t
 (csrc/quant_pack.c's `gguf_codes`, the same steps); numpy takes the scales and the rarer types.
 
 Which kernel format each type becomes, and what it costs against the file (bits a weight, resident / file):
-Q4_0 q40 (4.5 / 4.5), Q4_1 q4 (5 / 5), Q5_0 q5 (5.5 / 5.5), Q5_1 q5m (6 / 6), Q8_0 q8 (8.5 / 8.5), Q4_K k4m
-(4.63 / 4.5), Q5_K k5m (5.63 / 5.5), Q6_K k6 (6.56 / 6.56), MXFP4 mx4 (4.25 / 4.25: the E8M0 scale kept as its
-byte), F16 / BF16 as stored (16 / 16); the rarer ones
-wider, as bytes: Q2_K k8m (9.1 / 2.6), Q3_K k8 (8.6 / 3.4), IQ4_NL q8 (8.5 / 4.5), IQ4_XS k8 (8.6 / 4.25). A
-type held at more than 1.1x its file's bits says so once in the log, with the factor.
+Q4_0 q4_0 (4.5 / 4.5), Q4_1 q4_1 (5 / 5), Q5_0 q5_0 (5.5 / 5.5), Q5_1 q5_1 (6 / 6), Q8_0 q8_0 (8.5 / 8.5),
+Q4_K q4_k (4.63 / 4.5), Q5_K q5_k (5.63 / 5.5), Q6_K q6_k (6.56 / 6.56), MXFP4 mxfp4 (4.25 / 4.25: the E8M0
+scale kept as its byte), F16 / BF16 as stored (16 / 16); the rarer ones wider, as bytes: Q2_K k8m (9.1 / 2.6),
+Q3_K k8 (8.6 / 3.4), IQ4_NL q8_0 (8.5 / 4.5), IQ4_XS k8 (8.6 / 4.25). A type held at more than 1.1x its file's
+bits says so once in the log, with the factor. The kernel formats of GGML types' layouts bear those types' names.
 """
 
 from __future__ import annotations
@@ -60,8 +60,8 @@ _BLOCK = {  # name -> (weights, bytes) per block
     "MXFP4": (32, 17),
 }
 IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
-_TILE_BITS = {"q4": 5.0, "q40": 4.5, "q5": 5.5, "q5m": 6.0, "q8": 8.5, "q8m": 9.0, "f16": 16.0, "bf16": 16.0}
-_TILE_BITS |= {"k4m": 4.625, "k5m": 5.625, "k6": 6.5625, "k8m": 9.125, "k8": 8.5625, "mx4": 4.25}
+_TILE_BITS = {"q4_1": 5.0, "q4_0": 4.5, "q5_0": 5.5, "q5_1": 6.0, "q8_0": 8.5, "q8m": 9.0, "f16": 16.0, "bf16": 16.0}
+_TILE_BITS |= {"q4_k": 4.625, "q5_k": 5.625, "q6_k": 6.5625, "k8m": 9.125, "k8": 8.5625, "mxfp4": 4.25}
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -104,23 +104,23 @@ def _codes(name: str, b: np.ndarray, n: int) -> np.ndarray:
 
 
 def _legacy(name: str, b: np.ndarray, n: int) -> QuantParts:
-    """The types of 32-weight blocks: [n, blocks, bytes] -> q4 / q5 / q5m / q8 / q8m (float16 scales), or mx4
-    (MXFP4: the E8M0 byte, then the E2M1 nibbles as Q4_0 orders them)."""
+    """The types of 32-weight blocks: [n, blocks, bytes] -> q4_0 / q4_1 / q5_0 / q5_1 / q8_0 (float16 scales),
+    or mxfp4 (MXFP4: the E8M0 byte, then the E2M1 nibbles as Q4_0 orders them)."""
     if name == "MXFP4":
-        return QuantParts("mx4", _codes(name, b, n), b[..., 0].copy(), None, name)
+        return QuantParts("mxfp4", _codes(name, b, n), b[..., 0].copy(), None, name)
     d = _f16(b[..., 0:2])
     if name == "IQ4_NL":
-        return QuantParts("q8", IQ4_VALUES[_nibbles(b[..., 2:18])].reshape(n, -1), d, None, name)
+        return QuantParts("q8_0", IQ4_VALUES[_nibbles(b[..., 2:18])].reshape(n, -1), d, None, name)
     codes = _codes(name, b, n)
     if name == "Q8_0":
-        return QuantParts("q8", codes, d, None, name)
+        return QuantParts("q8_0", codes, d, None, name)
     if name == "Q4_1":
-        return QuantParts("q4", codes, d, _f16(b[..., 2:4]), name)
+        return QuantParts("q4_1", codes, d, _f16(b[..., 2:4]), name)
     if name == "Q4_0":
-        return QuantParts("q40", codes, d, None, name)  # w = d (q - 8): gguf_codes gave q - 8
+        return QuantParts("q4_0", codes, d, None, name)  # w = d (q - 8): gguf_codes gave q - 8
     if name == "Q5_1":
-        return QuantParts("q5m", codes, d, _f16(b[..., 2:4]), name)
-    return QuantParts("q5", codes, d, None, name)
+        return QuantParts("q5_1", codes, d, _f16(b[..., 2:4]), name)
+    return QuantParts("q5_0", codes, d, None, name)
 
 
 def _k_small(name: str, b: np.ndarray, n: int) -> QuantParts:
@@ -152,7 +152,7 @@ def _k_large(name: str, b: np.ndarray, n: int) -> QuantParts:
     """Q4_K, Q5_K (8 sub-blocks of 32, 6-bit scales and minimums), Q6_K (16 of 16, int8 scales), IQ4_XS."""
     if name == "Q6_K":
         scales, d = b[..., 192:208], _f16(b[..., 208:210])
-        return QuantParts("k6", _codes(name, b, n), d, None, name, scales.copy().view(np.int8).reshape(n, -1))
+        return QuantParts("q6_k", _codes(name, b, n), d, None, name, scales.copy().view(np.int8).reshape(n, -1))
     if name == "IQ4_XS":
         d, sh = _f16(b[..., 0:2]), np.ascontiguousarray(b[..., 2:4]).view("<u2")  # [n, blocks, 1]
         low = _nibbles(b[..., 4:8]).swapaxes(-1, -2).reshape(*b.shape[:-1], 8)  # byte j: sub-blocks 2j, 2j + 1
@@ -162,7 +162,7 @@ def _k_large(name: str, b: np.ndarray, n: int) -> QuantParts:
         return QuantParts("k8", q, d, None, name, np.repeat(s.reshape(n, -1), 2, axis=1))
     d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
     sc, mn = _scale_min_k4(b[..., 4:16])
-    fmt = "k4m" if name == "Q4_K" else "k5m"
+    fmt = "q4_k" if name == "Q4_K" else "q5_k"
     return QuantParts(fmt, _codes(name, b, n), d, dmin, name, sc.reshape(n, -1).view(np.int8), mn.reshape(n, -1))
 
 

@@ -7,11 +7,14 @@ the weights' bytes over the memory bandwidth. The default model is 96 MB as stor
 540 MB (float32) dequantized.
 
 Formats ("shapes" of a format, shared by the GGML types that have them; all in groups of 32 along K):
-- q4 / q40 / q5 / q5m / q8 / q8m: w = d * q (+ m) with float16 d (and m) per group (Q4_1, Q4_0, Q5_0, Q5_1,
-  Q8_0, IQ4_NL as its table's values; int4 / int8);
-- k4m / k5m / k6 / k8m / k8: GGUF's K types, super-blocks of 256 with float16 D (and M) and integer sub-block
-  scales s (and minimums mi) per 32 or 16: w = (D * s) * q - (M * mi) (Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, IQ4_XS);
-- mx4: MXFP4 (GGML type 39, gpt-oss's experts): w = kvalues[q] * 2^(e - 128), q an E2M1 code 0..15 (its value
+- q4_1 / q4_0 / q5_0 / q5_1 / q8_0 / q8m: w = d * q (+ m) with float16 d (and m) per group (each named after
+  the GGML type whose layout it is: Q4_1, Q4_0, Q5_0, Q5_1, Q8_0; IQ4_NL runs as q8_0 with its table's values;
+  `--quantization int4 / int8` as q4_1 / q8_0; q8m, int8 codes with a minimum, has no GGML twin: Q8_1's second
+  float is the block's sum, not a minimum);
+- q4_k / q5_k / q6_k / k8m / k8: GGUF's K types, super-blocks of 256 with float16 D (and M) and integer
+  sub-block scales s (and minimums mi) per 32 or 16: w = (D * s) * q - (M * mi) (Q4_K, Q5_K, Q6_K; k8m and k8
+  are byte codes with / without minimums that Q2_K, Q3_K and IQ4_XS widen to, no GGML type's layout);
+- mxfp4: MXFP4 (GGML type 39, gpt-oss's experts): w = kvalues[q] * 2^(e - 128), q an E2M1 code 0..15 (its value
   doubled: 0, 1, 2, 3, 4, 6, 8, 12 and their negatives), e the group's E8M0 byte, kept as the byte (4.25 bits a
   weight, as the file: float16 cannot hold 2^-128..2^127, and a float32 a group would be 5 bits);
 - f16 / bf16: the values themselves.
@@ -40,11 +43,12 @@ _said: set[str] = set()
 GROUP = 32
 SUPER = 256  # a K format's super-block (GGUF's QK_K)
 # the kernel's format numbers (csrc/quant_matmul.h)
-FORMATS = {"q4": 0, "q8": 1, "q8m": 2, "f16": 3, "bf16": 4, "k4m": 5, "k8m": 6, "k8": 7}
-FORMATS |= {"q5": 8, "q5m": 9, "k5m": 10, "k6": 11, "q40": 12, "mx4": 13, "mixed": 15}
-K_FORMATS = {"k4m", "k8m", "k8", "k5m", "k6"}
-DOT_FORMATS = {"q4", "q40", "q8", "q8m", "k4m", "k6", "mx4"}  # what the dot route runs (csrc dot_fmt); others: float32
-_SUB = {"k4m": 32, "k8m": 16, "k8": 16, "k5m": 32, "k6": 16}  # inputs per integer scale s (and mi)
+FORMATS = {"q4_1": 0, "q8_0": 1, "q8m": 2, "f16": 3, "bf16": 4, "q4_k": 5, "k8m": 6, "k8": 7}
+FORMATS |= {"q5_0": 8, "q5_1": 9, "q5_k": 10, "q6_k": 11, "q4_0": 12, "mxfp4": 13, "mixed": 15}
+K_FORMATS = {"q4_k", "k8m", "k8", "q5_k", "q6_k"}
+# what the dot route runs (csrc dot_fmt); others: float32
+DOT_FORMATS = {"q4_1", "q4_0", "q8_0", "q8m", "q4_k", "q6_k", "mxfp4"}
+_SUB = {"q4_k": 32, "k8m": 16, "k8": 16, "q5_k": 32, "q6_k": 16}  # inputs per integer scale s (and mi)
 MX4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int8)  # E2M1, doubled
 
 
@@ -66,12 +70,12 @@ def log_once(message: str) -> None:
 @dataclass
 class QuantParts:
     """A quantized weight [N, K] in plain form, rows = output features:
-    - q4 / q40 / q5 / q5m / q8 / q8m: w = d * q (+ m), d and m float16 [N, K/32]; codes uint8 0..15 (q4) or
-      int8 (q40 -8..7, q5 -16..15, q5m 0..31);
-    - k4m / k5m / k6 / k8m / k8: w = (D * s) * q - (M * mi), D and M float16 [N, K/256] (in `d` and `m`), s
-      int8 and mi uint8 [N, K/32] (k4m, k5m) or [N, K/16]; codes uint8 0..15 (k4m) or int8 (k5m 0..31, k6
-      -32..31);
-    - mx4: w = MX4_VALUES[q] * e8m0_half(d), codes uint8 0..15 (E2M1), d the E8M0 bytes uint8 [N, K/32];
+    - q4_1 / q4_0 / q5_0 / q5_1 / q8_0 / q8m: w = d * q (+ m), d and m float16 [N, K/32]; codes uint8 0..15
+      (q4_1) or int8 (q4_0 -8..7, q5_0 -16..15, q5_1 0..31);
+    - q4_k / q5_k / q6_k / k8m / k8: w = (D * s) * q - (M * mi), D and M float16 [N, K/256] (in `d` and `m`),
+      s int8 and mi uint8 [N, K/32] (q4_k, q5_k) or [N, K/16]; codes uint8 0..15 (q4_k) or int8 (q5_k 0..31,
+      q6_k -32..31);
+    - mxfp4: w = MX4_VALUES[q] * e8m0_half(d), codes uint8 0..15 (E2M1), d the E8M0 bytes uint8 [N, K/32];
     - f16 / bf16: codes are the uint16 values themselves [N, K]."""
 
     fmt: str
@@ -103,7 +107,7 @@ class QuantParts:
             )
             return torch.from_numpy(np.ascontiguousarray(w))
         assert self.d is not None
-        if self.fmt == "mx4":
+        if self.fmt == "mxfp4":
             v = MX4_VALUES[self.codes].astype(np.float32).reshape(n, k // GROUP, GROUP)
             return torch.from_numpy(np.ascontiguousarray((v * e8m0_half(self.d)[..., None]).reshape(n, k)))
         sub = _SUB.get(self.fmt, GROUP)
@@ -149,13 +153,13 @@ def quantize_rtn(w: torch.Tensor, bits: int) -> QuantParts:
         d = (g.abs().amax(-1) / 127).to(torch.float16)
         df = d.float().clamp(min=torch.finfo(torch.float16).tiny)
         q = torch.round(g / df[..., None]).clamp(-127, 127).to(torch.int8)
-        return QuantParts("q8", q.reshape(n, k).numpy(), d.numpy(), None, "int8")
+        return QuantParts("q8_0", q.reshape(n, k).numpy(), d.numpy(), None, "int8")
     lo, hi = g.amin(-1), g.amax(-1)
     d = ((hi - lo) / 15).to(torch.float16)
     m = lo.to(torch.float16)
     df = d.float().clamp(min=torch.finfo(torch.float16).tiny)
     q = torch.round((g - m.float()[..., None]) / df[..., None]).clamp(0, 15).to(torch.uint8)
-    return QuantParts("q4", q.reshape(n, k).numpy(), d.numpy(), m.numpy(), "int4")
+    return QuantParts("q4_1", q.reshape(n, k).numpy(), d.numpy(), m.numpy(), "int4")
 
 
 def _tiles(parts: QuantParts, out: np.ndarray | None = None) -> np.ndarray:
@@ -171,7 +175,7 @@ def _tiles(parts: QuantParts, out: np.ndarray | None = None) -> np.ndarray:
     sub = _SUB.get(parts.fmt, GROUP)
     scale = k // (SUPER if parts.fmt in K_FORMATS else GROUP)
     want = [(n, k), (n, scale), (n, scale), (n, k // sub), (n, k // sub)]
-    sizes = [2 if parts.fmt in ("f16", "bf16") else 1, 1 if parts.fmt == "mx4" else 2, 2, 1, 1]
+    sizes = [2 if parts.fmt in ("f16", "bf16") else 1, 1 if parts.fmt == "mxfp4" else 2, 2, 1, 1]
     for a, shape, size in zip(keep, want, sizes):
         if a is not None and (a.shape != shape or a.itemsize != size):
             raise ValueError(f"a {parts.fmt} weight's part has shape {a.shape} ({a.dtype}), expected {shape}")

@@ -191,7 +191,7 @@ int gguf_codes(int8_t *codes, const uint8_t *raw, int64_t n, int64_t k, int ggml
         int8_t *q = codes + r * k;
         const uint8_t *b = raw + r * nb * (int64_t)bytes;
         switch (ggml_type) {
-        case 2: codes_q4(q, b, nb, bytes, 2, 8); break; /* Q4_0: q - 8 (the q40 format's codes) */
+        case 2: codes_q4(q, b, nb, bytes, 2, 8); break; /* Q4_0: q - 8 (the q4_0 format's codes) */
         case 3: codes_q4(q, b, nb, bytes, 4, 0); break;
         case 39: codes_q4(q, b, nb, bytes, 1, 0); break; /* MXFP4: the E2M1 nibbles 0..15 after the E8M0 byte */
         case 6: codes_q5(q, b, nb, bytes, 2, 16); break;

@@ -31,3 +31,32 @@ def model_fp32_dense():
     from pagedllm.model.loader import load_model
 
     return load_model(None, "float32", quantization="none")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """For modules of tiny models (pytestmark usefixtures): their matrices are a few KB, and a second thread only
+    adds spin-waits (10x slower on a busy machine)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def private_tokenizer_cache(tmp_path_factory):
+    """GGUF tokenizers are cached by file path: keep a module's temporary files out of the user's cache."""
+    import hashlib
+
+    from pagedllm.model import tokenizer as tokenizer_module
+
+    root = tmp_path_factory.mktemp("tokenizers")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(
+            tokenizer_module,
+            "cache_dir_for",
+            lambda path, kind: str(root / hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:12]),
+        )
+        yield

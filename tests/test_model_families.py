@@ -9,7 +9,6 @@ here); the sliding windows (256) are longer than every sequence until the paged 
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import os
 import random
@@ -18,7 +17,6 @@ import pytest
 import torch
 from model_helpers import all_logits, fused_and_torch
 
-import pagedllm.model.tokenizer as tokenizer_module
 from devkit.family_helpers import CHAT_TEMPLATE, FAMILIES, ORIG_CTX, SPECS, make_family, write_gguf
 from devkit.tiny_tokenizer import save_tiny_tokenizer
 from pagedllm import SamplingParams
@@ -31,28 +29,6 @@ FORMATS = ["hf", "f32", "f16", "q8_0", "q4_0"]
 QUANTIZED = ("q8_0", "q4_0")  # the formats kept quantized, so run by the fused C step
 TOL = 1e-4  # of the largest logit
 DOT_TOL = 2e-3  # the dot route's bound (test_the_dot_route_is_within_its_bound_of_the_exact_path)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These matrices are a few KB: a second thread only adds spin-waits (10x slower on a busy machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def private_tokenizer_cache(tmp_path_factory):
-    """GGUF tokenizers are cached by file path: keep these temporary files' out of the user's cache."""
-    root = tmp_path_factory.mktemp("tokenizers")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(
-            tokenizer_module,
-            "cache_dir_for",
-            lambda path, kind: str(root / hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:12]),
-        )
-        yield
 
 
 def _kept(fmt: str) -> str | None:
@@ -88,6 +64,9 @@ class Checkpoints:
                 self.get(fmt)[0], dtype="float32", verbose=False, quantization=_kept(fmt), quantized_activations="none"
             )
         return self._loaded[fmt]
+
+
+pytestmark = pytest.mark.usefixtures("one_thread", "private_tokenizer_cache")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

@@ -54,15 +54,6 @@ CONFIG = dict(
 )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These matrices are a few KB: a second thread only adds spin-waits."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @torch.no_grad()
 def make_gemma4(folder: str, **overrides) -> torch.nn.Module:
     """A tiny random Gemma 4 saved in `folder`; norms around 1 (Gemma 4's norms have no 1 + w), layer scalars
@@ -81,6 +72,9 @@ def make_gemma4(folder: str, **overrides) -> torch.nn.Module:
     hf.save_pretrained(folder, safe_serialization=True)
     save_tokenizer(folder)
     return hf
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

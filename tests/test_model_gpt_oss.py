@@ -27,6 +27,8 @@ from pagedllm.kv import kv_bytes_per_token
 from pagedllm.model import ModelRunner, SeqChunk, load_model, load_model_config
 from pagedllm.model.kernels import cpu_kernel
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
 TOL = 1e-4  # of the largest logit
 DOT_TOL = 2e-3  # the dot route's bound against the exact path (test_model_families.py's)
 TARGETS = [t for t in ("native", "x86-64-v3") if t in cpu_kernel.runnable_targets()]
@@ -57,15 +59,6 @@ CONFIG = dict(
         "rope_theta": 150000.0,
     },
 )
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These matrices are a few KB: a second thread only adds spin-waits."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def make_gpt_oss(folder: str) -> torch.nn.Module:

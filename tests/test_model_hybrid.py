@@ -8,7 +8,6 @@ slot back at the end, as every block."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -16,7 +15,6 @@ import random
 import pytest
 import torch
 
-import pagedllm.model.tokenizer as tokenizer_module
 from devkit.tiny_tokenizer import save_tiny_tokenizer
 from pagedllm import SamplingParams
 from pagedllm.engine import EngineConfig, LLMEngine
@@ -44,26 +42,6 @@ _SHAPE = dict(
     max_position_embeddings=512,
 )
 _MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def private_tokenizer_cache(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tokenizers")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(
-            tokenizer_module,
-            "cache_dir_for",
-            lambda path, kind: str(root / hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:12]),
-        )
-        yield
 
 
 def make_hybrid(family: str, folder: str) -> torch.nn.Module:
@@ -94,6 +72,9 @@ def make_hybrid(family: str, folder: str) -> torch.nn.Module:
     with open(os.path.join(folder, "generation_config.json"), "w") as f:
         json.dump({"bos_token_id": 1, "eos_token_id": 2}, f)
     return hf
+
+
+pytestmark = pytest.mark.usefixtures("one_thread", "private_tokenizer_cache")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

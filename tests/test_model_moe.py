@@ -7,7 +7,6 @@ stored). The reference of a GGUF is the transformers model holding the file's de
 from __future__ import annotations
 
 import copy
-import hashlib
 import os
 import random
 
@@ -16,7 +15,6 @@ import torch
 from model_helpers import all_logits, cpu_target, fused_and_torch
 from moe_helpers import FAMILIES, make_moe, save_fused, write_gguf
 
-import pagedllm.model.tokenizer as tokenizer_module
 from pagedllm import SamplingParams
 from pagedllm.engine import EngineConfig, LLMEngine
 from pagedllm.errors import ModelLoadError
@@ -28,26 +26,6 @@ FORMATS = ["hf", "hf3d", "f32", "q8_0", "q4_0"]
 TOL = 1e-4  # of the largest logit
 DOT_TOL = 2e-3  # the dot route's bound against the exact path (test_model_families.py's)
 TARGETS = [t for t in ("native", "x86-64-v3") if t in cpu_kernel.runnable_targets()]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def private_tokenizer_cache(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tokenizers")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(
-            tokenizer_module,
-            "cache_dir_for",
-            lambda path, kind: str(root / hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:12]),
-        )
-        yield
 
 
 def _kept(fmt: str) -> str | None:
@@ -84,6 +62,9 @@ class Checkpoints:
                 self.get(fmt)[0], dtype="float32", verbose=False, quantization=_kept(fmt), quantized_activations="none"
             )
         return self._loaded[fmt]
+
+
+pytestmark = pytest.mark.usefixtures("one_thread", "private_tokenizer_cache")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

@@ -7,7 +7,6 @@ rebuilt from zeros) and several requests in a step; LLM.generate and the server;
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -16,7 +15,6 @@ import pytest
 import torch
 from model_helpers import VOCAB, all_logits
 
-import pagedllm.model.tokenizer as tokenizer_module
 from devkit.tiny_tokenizer import save_tiny_tokenizer
 from pagedllm import SamplingParams
 from pagedllm.engine import EngineConfig, LLMEngine
@@ -24,31 +22,13 @@ from pagedllm.engine.memory import state_bytes
 from pagedllm.model import ModelRunner, SeqChunk, load_model, load_model_config
 from pagedllm.model.runner import bytes_per_block
 
+pytestmark = pytest.mark.usefixtures("one_thread", "private_tokenizer_cache")  # tests/conftest.py
+
 FAMILIES = ["granitemoehybrid", "granitemoehybrid_dense", "lfm2"]
 TOL = 1e-4  # of the largest logit
 # Granite's layers, in the released checkpoints' legacy names: two attention layers so that the KV blocks, not the
 # state slots (at most half the budget), run out first in the preemption test
 GRANITE_LAYERS = ["mamba", "attention", "mamba", "attention"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def private_tokenizer_cache(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tokenizers")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(
-            tokenizer_module,
-            "cache_dir_for",
-            lambda path, kind: str(root / hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:12]),
-        )
-        yield
 
 
 def make_hybrid(kind: str, folder: str) -> torch.nn.Module:

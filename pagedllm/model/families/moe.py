@@ -34,6 +34,14 @@ def moe_tensors(block: str, router: str = "gate", names: Names = HF_NAMES) -> di
     }
 
 
+# Qwen's shared expert beside the routed ones (Qwen2-MoE, Qwen3-Next, Qwen3.5-MoE), scaled by sigmoid(x @ its gate)
+QWEN_SHARED_EXPERT: dict[str, tuple[str, ...]] = {
+    "shared_gate_up": ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),
+    "shared_down": ("mlp.shared_expert.down_proj",),
+    "shared_gate": ("mlp.shared_expert_gate",),
+}
+
+
 def fused_experts(block: str, at: str = "", names: Names = HF_NAMES) -> tuple[Unfuse, ...]:
     """transformers 5's 3-D expert parameters under `block` (`experts.gate_up_proj` [experts, 2 * ffn, hidden],
     gate rows first; `experts.down_proj` [experts, hidden, ffn]), split into the per-expert names of

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from pagedllm.model.families.base import LLAMA_LAYER, Family, GGUFHeader
-from pagedllm.model.families.moe import fused_experts, gguf_moe_fields, hf_moe_fields, moe_tensors
+from pagedllm.model.families.moe import QWEN_SHARED_EXPERT, fused_experts, gguf_moe_fields, hf_moe_fields, moe_tensors
 
 
 def hf_fields(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -30,13 +30,7 @@ QWEN2_MOE = Family(
     ("qwen2moe",),
     hf_fields=hf_fields,
     gguf_fields=gguf_fields,
-    layer_tensors=LLAMA_LAYER
-    | moe_tensors("mlp")
-    | {
-        "shared_gate_up": ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),
-        "shared_down": ("mlp.shared_expert.down_proj",),
-        "shared_gate": ("mlp.shared_expert_gate",),
-    },
+    layer_tensors=LLAMA_LAYER | moe_tensors("mlp") | QWEN_SHARED_EXPERT,
     bias_default=True,
     moe=True,
     unfuse=fused_experts("mlp"),

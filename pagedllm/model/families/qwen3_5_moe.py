@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from pagedllm.model.families.base import Family
-from pagedllm.model.families.moe import fused_experts, moe_tensors
+from pagedllm.model.families.moe import QWEN_SHARED_EXPERT, fused_experts, moe_tensors
 from pagedllm.model.families.qwen3_5 import QWEN3_5
 from pagedllm.model.families.qwen3_next import hf_fields as qwen3_next_fields
 
@@ -26,13 +26,7 @@ QWEN3_5_MOE = Family(
     ("qwen3_5_moe_text", "qwen3_5_moe"),
     (),
     hf_fields=hf_fields,
-    layer_tensors=QWEN3_5.layer_tensors
-    | moe_tensors("mlp")
-    | {
-        "shared_gate_up": ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),
-        "shared_down": ("mlp.shared_expert.down_proj",),
-        "shared_gate": ("mlp.shared_expert_gate",),
-    },
+    layer_tensors=QWEN3_5.layer_tensors | moe_tensors("mlp") | QWEN_SHARED_EXPERT,
     moe=True,
     unfuse=fused_experts("mlp"),
     renamed=QWEN3_5.renamed,

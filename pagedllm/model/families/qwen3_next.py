@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from pagedllm.model.families.base import LLAMA_LAYER, Family
-from pagedllm.model.families.moe import fused_experts, hf_moe_fields, moe_tensors
+from pagedllm.model.families.moe import QWEN_SHARED_EXPERT, fused_experts, hf_moe_fields, moe_tensors
 from pagedllm.model.families.qwen3_5 import DELTANET_LAYER, hybrid_fields
 
 
@@ -33,11 +33,7 @@ QWEN3_NEXT = Family(
     | DELTANET_LAYER
     | {"lin_qkvz": ("linear_attn.in_proj_qkvz",), "lin_ba": ("linear_attn.in_proj_ba",)}
     | moe_tensors("mlp")
-    | {
-        "shared_gate_up": ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),
-        "shared_down": ("mlp.shared_expert.down_proj",),
-        "shared_gate": ("mlp.shared_expert_gate",),
-    },
+    | QWEN_SHARED_EXPERT,
     moe=True,
     unfuse=fused_experts("mlp"),
     skipped=("mtp.",),  # the multi-token-prediction head

@@ -18,6 +18,7 @@ from model_helpers import make_tiny_hf
 from pagedllm.errors import UserError
 from pagedllm.kv import TokenRequest
 from pagedllm.lora_request import LoRARequest
+from pagedllm.model.kernels.cpu_kernel import runnable_targets
 from pagedllm.model.loader import load_model
 from pagedllm.model.lora import LoRAError
 
@@ -181,29 +182,110 @@ def test_gguf_adapter_matches_peft(tiny):
     assert got == want["qv"] + [want["mlp"][0]]
 
 
-def test_quantized_base_runs_lora_steps_on_the_torch_path(tiny):
-    """int8 weights: base-only steps take the fused C step (where the kernels are built), steps with a LoRA token
-    the torch path; base requests' tokens equal an engine's without LoRA, an adapter's equal its own run alone."""
+def _quantized_reference(hf, loras) -> dict[str | None, list[list[int]]]:
+    """transformers' greedy tokens over the weights --quantization int8 holds (each matmul, the embedding and the
+    LM head rounded as quantize_rtn rounds them, then dequantized), with each PEFT adapter merged into them."""
+    from peft import PeftModel
+
+    from pagedllm.model.kernels.quant_linear import quantize_rtn
+
+    deq = copy.deepcopy(hf)
+    with torch.no_grad():
+        for mod in deq.modules():
+            if isinstance(mod, (torch.nn.Linear, torch.nn.Embedding)):
+                mod.weight.copy_(quantize_rtn(mod.weight, 8).dequantize())
+    want: dict[str | None, list[list[int]]] = {None: [_greedy(deq, p, GREEDY.max_tokens) for p in PROMPTS]}
+    for name, lora in loras.items():
+        merged = PeftModel.from_pretrained(copy.deepcopy(deq), lora.lora_path).merge_and_unload().eval()
+        want[name] = [_greedy(merged, p, GREEDY.max_tokens) for p in PROMPTS]
+    return want
+
+
+def _outputs(engine, jobs: list[tuple[list[int], LoRARequest | None]]) -> list[tuple[list[int], object]]:
+    """_run_mixed's, with each request's logprobs."""
+    params = GREEDY.__class__(temperature=0, max_tokens=GREEDY.max_tokens, ignore_eos=True, logprobs=3)
+    for i, (prompt, lora) in enumerate(jobs):
+        engine.add_request(str(i), prompt, params, lora_request=lora)
+    done = {}
+    while engine.has_unfinished_requests():
+        done |= {o.request_id: o.outputs[0] for o in engine.step() if o.finished}
+    return [(done[str(i)].token_ids, done[str(i)].logprobs) for i in range(len(jobs))]
+
+
+def test_quantized_base_runs_lora_steps_in_the_fused_step(tiny):
+    """int8 weights: every step, the three adapters' and the base's tokens in one, runs the fused C step (where
+    the kernels are built); each adapter's tokens equal transformers' with it merged into the int8 weights (and
+    the torch path's), the base requests' tokens and logprobs an engine's without LoRA, bit for bit."""
     from pagedllm.model.kernels import cpu_kernel
 
-    base, loras, _, _, _ = tiny
+    if cpu_kernel.load() is None:
+        pytest.skip("the C kernels are not built here")
+    base, loras, _, hf, _ = tiny
     q = _lora_engine(base, quantization="int8")
     fused = q.runner.fused
-    assert (fused is not None) == (cpu_kernel.load() is not None)
-    fused_steps = []
-    if fused is not None:
-        real = fused.run
-        fused.run = lambda *a, **k: fused_steps.append(1) or real(*a, **k)
-    got = _run_mixed(q, _jobs(loras))
-    assert not fused_steps, "every step held a LoRA token"
-    again = _run_mixed(q, [(p, None) for p in PROMPTS])
-    assert fused is None or fused_steps, "base-only steps run the fused C step"
-    plain = _engine(base, "int8")
-    base_only = _run_mixed(plain, [(p, None) for p in PROMPTS])
-    assert got[: len(PROMPTS)] == base_only == again
-    # the adapters' rows: as the same engine computes them alone (no step mixing), and unlike the base
-    alone = _run_mixed(_lora_engine(base, quantization="int8"), [(p, loras["all"]) for p in PROMPTS])
-    assert got[2 * len(PROMPTS) : 3 * len(PROMPTS)] == alone != base_only
+    assert fused is not None
+    steps, runs = [], []
+    real_execute, real_run = q.runner.execute, fused.run
+    q.runner.execute = lambda chunks: steps.append({c.lora_int_id for c in chunks}) or real_execute(chunks)
+    fused.run = lambda *a, **k: runs.append(1) or real_run(*a, **k)
+    jobs = _jobs(loras)
+    got = _outputs(q, jobs)
+    assert len(runs) == len(steps) and {0, 1, 2, 3} in steps, "every step, mixed ones too, ran the fused step"
+    want = _quantized_reference(hf, loras)
+    assert [t for t, _ in got] == [t for name in [None, "qv", "all", "mlp"] for t in want[name]]
+    torch_path = _lora_engine(base, quantization="int8")
+    torch_path.runner.fused = None
+    assert _run_mixed(torch_path, jobs) == [t for t, _ in got]
+    base_only = _outputs(_engine(base, "int8"), [(p, None) for p in PROMPTS])
+    assert got[: len(PROMPTS)] == base_only
+
+
+# (prompt, adapter id) per sequence of one step: 23 rows of adapter 2 across two chunks (groups of several rows
+# read its matrices once: sgmv), one chunk each of adapters 1 and 3, base chunks between them
+STEP = [(PROMPTS[0], 2), (PROMPTS[1], 0), (PROMPTS[2], 1), (PROMPTS[1], 2), (PROMPTS[2], 0), (PROMPTS[0], 3)]
+
+
+def _step_logits(loaded, loras, fused: bool, ids: list[int]) -> torch.Tensor:
+    """Every row's logits of STEP's prompts prefilled in one step under adapters `ids`, then of one decode token
+    each (a row per sequence: bgmv), on a runner with the fused step or the torch path."""
+    from pagedllm.model.runner import ModelRunner, SeqChunk
+
+    runner = ModelRunner(loaded, num_blocks=4 * len(STEP), block_size=8, fused=fused)
+    assert (runner.fused is not None) == fused
+    manager = runner.enable_lora(8, len(loras))
+    for lora in loras.values():
+        manager.add(lora)
+    tables = [list(range(4 * i, 4 * i + 4)) for i in range(len(STEP))]
+    chunks = [SeqChunk(p, 0, t, all_logits=True, lora_int_id=i) for (p, _), t, i in zip(STEP, tables, ids)]
+    prefill = runner.execute(chunks)
+    ends = np.cumsum([len(p) for p, _ in STEP]) - 1
+    chunks = [
+        SeqChunk([int(prefill[e].argmax())], len(p), t, lora_int_id=i)
+        for (p, _), t, i, e in zip(STEP, tables, ids, ends)
+    ]
+    return torch.cat([prefill, runner.execute(chunks)])
+
+
+@pytest.mark.parametrize("target", [t for t in ("native", "x86-64-v3", "x86-64") if t in runnable_targets()])
+def test_fused_lora_term_matches_the_torch_path_on_each_cpu_class(tiny, target):
+    """One step of three adapters and the base, prefill and decode, with int8 weights on this CPU's build, the
+    AVX2 one and the portable one: the fused step's logits within rounding of the torch path's; its base rows
+    bit for bit those of the same step with no adapter (the LoRA rows change nothing else), its adapter rows not."""
+    from model_helpers import cpu_target
+
+    base, loras, _, _, _ = tiny
+    loaded = load_model(base, "float32", "cpu", False, "int8")
+    ids = [i for _, i in STEP]
+    with cpu_target(target):
+        fused = _step_logits(loaded, loras, True, ids)
+        plain = _step_logits(loaded, loras, True, [0] * len(STEP))
+    want = _step_logits(loaded, loras, False, ids)
+    err = (fused - want).abs().max().item() / want.abs().max().item()
+    assert err < 1e-4, f"{target}: {err:.2e}"
+    lens = [len(p) for p, _ in STEP]
+    owner = torch.tensor(np.repeat(ids, lens).tolist() + ids)
+    assert torch.equal(fused[owner == 0], plain[owner == 0])
+    assert all((fused[owner == i] - plain[owner == i]).abs().max() > 1e-3 for i in (1, 2, 3))
 
 
 def test_prefix_cache_keyed_by_adapter_id(tiny):

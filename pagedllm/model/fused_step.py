@@ -11,6 +11,8 @@ layer's router, routed experts (the structure moe_kernel.py built for the torch 
 config's multipliers, so the C step computes what the torch path computes, number for number (a router's logits
 to rounding: the C step sums its dot products in its own order).
 
+Rows under LoRA adapters get their term in the same call (csrc/lora.c, the rows from LoRAManager.fused_step).
+
 With --dtype bfloat16 on a CPU with AMX, matmuls of at least the measured number of rows (kernel_choice.py)
 run on AMX with their inputs rounded to bfloat16; everything else computes in float32.
 """
@@ -33,6 +35,7 @@ from pagedllm.model.layers.common import RMSNorm
 from pagedllm.model.layers.decoder import CausalLM, DecoderLayer
 from pagedllm.model.layers.linear import Linear
 from pagedllm.model.layers.moe import SparseMoE
+from pagedllm.model.lora import FusedLoRA
 
 # the C structures (csrc/model_step.h), read from the header itself; cpu_kernel.load() checks their sizes
 _STRUCTS = cpu_kernel.c_structs("model_step.h")
@@ -146,6 +149,7 @@ class FusedStep:
             ]
         )
         self.dims = self._model(kv_caches[0][0])
+        self.lora_group_rows = int(lib.lora_group_rows())  # LoRA rows of one adapter that share a read (lora.c)
         self.profile: np.ndarray | None = None  # float64 [len(PHASES)]: seconds per phase, summed, when set
 
     def _f32(self, t: torch.Tensor | None) -> int | None:
@@ -267,11 +271,12 @@ class FusedStep:
         group_tables: list[list[list[int]]],
         num_logits: list[int],
         index: list[StepIndex] | None = None,
+        lora: FusedLoRA | None = None,
     ) -> torch.Tensor:
         """float32 logits of sequence i adding `token_ids[i]` after `starts[i]` cached tokens: the last
         `num_logits[i]` rows of each sequence, in order ([sum(num_logits), vocab]). `group_tables[g][i]`: sequence
         i's block table in KV-cache group g. `index`: the step's indices per group (`group_step_index`), when the
-        caller has built them already."""
+        caller has built them already. `lora`: the rows that run under LoRA adapters (LoRAManager.fused_step)."""
         if len(group_tables) != self.num_groups:
             raise ValueError(f"a step of this model needs {self.num_groups} groups' tables, got {len(group_tables)}")
         ixs = index or group_step_index([len(t) for t in token_ids], starts, group_tables, self.block_size)
@@ -305,6 +310,7 @@ class FusedStep:
             len(ixs),
             logits.data_ptr(),
             None if self.profile is None else self.profile.ctypes.data,
+            None if lora is None else ctypes.addressof(lora.step),
         )
         rc = self.lib.model_step(ctypes.byref(self.dims), self.layers, ctypes.byref(batch), torch.get_num_threads())
         self.model.expert_load.reads[0] += int(self._reads[0])

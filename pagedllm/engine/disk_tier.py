@@ -1,4 +1,5 @@
-"""Wiring the disk tier (kv/offload.py) to an engine: the fingerprint that guards reuse, and the tier itself.
+"""Wiring the disk tier (kv/offload.py) to an engine: the fingerprint that guards reuse, and the tier itself (its
+blocks, and a hybrid model's recurrent-state checkpoints: the runner's state rows).
 
 K/V are a function of the weights, the dtypes, the block size and the layer shape: blocks written by an engine
 that differs in any of them must never be served, so all of them go into the fingerprint the tier checks.
@@ -151,4 +152,4 @@ def engine_fingerprint(loaded: LoadedModel, kv_dtype: torch.dtype, block_size: i
 
 def open_disk_tier(directory: str, size: int, runner: ModelRunner, block_size: int) -> DiskKVTier:
     fingerprint = engine_fingerprint(runner.loaded, runner.kv_dtype, block_size)
-    return DiskKVTier(directory, size, fingerprint, runner.bytes_per_block)
+    return DiskKVTier(directory, size, fingerprint, runner.bytes_per_block, runner.state_row_bytes)

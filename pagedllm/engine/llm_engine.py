@@ -176,7 +176,7 @@ class LLMEngine:
         disk = None
         if config.kv_offload_dir is not None:  # the config allows it with the paged manager only
             disk = open_disk_tier(config.kv_offload_dir, config.kv_offload_size, self.runner, self.block_size)
-            self.kv.attach_disk_tier(disk, self.runner)
+            self.kv.attach_disk_tier(disk, self.runner, self.runner if self.runner.states else None)
         if isinstance(self.kv, PagedKVCacheManager):
             self.kv.enable_segments()  # where the model allows it (one full-attention group)
         return disk

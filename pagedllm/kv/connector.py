@@ -3,8 +3,10 @@ connector, CPU-sized): the disk tier (`DiskTierConnector`) and kv_blend's segmen
 
 The paged manager calls each hook at its one point and knows nothing of what answers it: a lookup that misses in
 RAM asks the connectors whether they hold a block's key (`contains`) and for its K/V in a free block (`load`); a
-request's end (`request_finished`) lets go of what a connector held for it; the engine going idle (`idle`) lets
-a tier write what it lacks. A connector that stores nothing answers False / None.
+hybrid model's lookup that finds no recurrent-state checkpoint in RAM where its KV hit ends asks the same for the
+state (`contains_state`, `load_state`: into a checkpoint row); a request's end (`request_finished`) lets go of
+what a connector held for it; the engine going idle (`idle`) lets a tier write what it lacks. A connector that
+stores nothing answers False / None.
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ import logging
 from typing import Protocol
 
 from pagedllm.kv.block_pool import BlockPool, KVBlock
-from pagedllm.kv.hashing import BlockHash
-from pagedllm.kv.offload import DiskKVTier
+from pagedllm.kv.hashing import BlockHash, state_key
+from pagedllm.kv.offload import STATE, DiskKVTier
+from pagedllm.kv.state_slots import StateCheckpoints
 
 logger = logging.getLogger("pagedllm")
 
@@ -25,6 +28,15 @@ class BlockIO(Protocol):
     def read_block(self, block_id: int) -> bytes: ...
 
     def write_block(self, block_id: int, data: bytes) -> None: ...
+
+
+class StateIO(Protocol):
+    """One recurrent-state row (every linear layer's conv and recurrent state) as bytes: a hybrid model's
+    checkpoint, which the disk tier stores beside the blocks (the model runner's state rows)."""
+
+    def read_state(self, row: int) -> bytes: ...
+
+    def write_state(self, row: int, data: bytes) -> None: ...
 
 
 class KVConnector:
@@ -38,6 +50,15 @@ class KVConnector:
         frees it); None if it is not here, fails a check, or no block is free."""
         return None
 
+    def contains_state(self, key: BlockHash) -> bool:
+        """Whether it holds the recurrent state after the prefix `key` (a hybrid model's checkpoint)."""
+        return False
+
+    def load_state(self, key: BlockHash) -> int | None:
+        """The state after `key` read into a checkpoint row, registered under `key` (unheld: the lookup holds it
+        if its hit ends there); the row, or None if it is not here, fails a check, or every row is held."""
+        return None
+
     def request_finished(self, request_id: str) -> None:
         """The request's blocks went back (finished, aborted, preempted)."""
 
@@ -48,19 +69,58 @@ class KVConnector:
 class DiskTierConnector(KVConnector):
     """Blocks evicted from the RAM pool go to the disk tier (offload.py); lookups that miss in RAM continue there.
     Keys are per KV-cache group (hashing.group_key), and `read_block` / `write_block` move a block id's bytes in
-    every cache tensor, so each group's blocks go to disk and back as the one group's did."""
+    every cache tensor, so each group's blocks go to disk and back as the one group's did. A hybrid model's state
+    checkpoints (`checkpoints`, their rows moved by `state_io`) go the same way, as files of kind STATE under
+    `hashing.state_key` of their prefix: evicted from their rows, or written when the engine goes idle."""
 
-    def __init__(self, disk: DiskKVTier, block_io: BlockIO, pool: BlockPool) -> None:
+    def __init__(
+        self,
+        disk: DiskKVTier,
+        block_io: BlockIO,
+        pool: BlockPool,
+        checkpoints: StateCheckpoints | None = None,
+        state_io: StateIO | None = None,
+    ) -> None:
         self.disk, self.block_io = disk, block_io
+        both = checkpoints is not None and state_io is not None
+        self.checkpoints: StateCheckpoints | None = checkpoints if both else None
+        self.state_io: StateIO | None = state_io if both else None
         pool.on_evict = self._offload
+        if self.checkpoints is not None:
+            self.checkpoints.on_evict = self._offload_state
 
     def _offload(self, block: KVBlock) -> None:
         assert block.block_hash is not None
         io = self.block_io
         self.disk.put(block.block_hash, lambda: io.read_block(block.block_id))
 
+    def _offload_state(self, key: BlockHash, row: int) -> None:
+        io = self.state_io
+        assert io is not None
+        self.disk.put(state_key(key), lambda: io.read_state(row), STATE)
+
     def contains(self, key: BlockHash) -> bool:
         return self.disk.contains(key)
+
+    def contains_state(self, key: BlockHash) -> bool:
+        return self.checkpoints is not None and self.disk.contains(state_key(key))
+
+    def load_state(self, key: BlockHash) -> int | None:
+        if self.checkpoints is None or self.state_io is None:
+            return None
+        data = self.disk.load(state_key(key), STATE)
+        if data is None:
+            return None
+        row = self.checkpoints.store(key)
+        if row is None:  # every row is held by a hit (or it is in RAM after all)
+            return self.checkpoints.find(key)
+        try:
+            self.state_io.write_state(row, data)
+        except Exception as e:  # noqa: BLE001 - a state that does not fit the rows is a miss, not a failed request
+            logger.warning("KV disk tier: recurrent state does not fit the state rows (%s): not served", e)
+            self.checkpoints.drop(key)
+            return None
+        return row
 
     def load(self, pool: BlockPool, key: BlockHash) -> KVBlock | None:
         if not pool.num_free_blocks:
@@ -87,3 +147,8 @@ class DiskTierConnector(KVConnector):
                 break
             if block.block_hash is not None and not self.disk.contains(block.block_hash):
                 self._offload(block)
+        for key, row in list(self.checkpoints.rows.items()) if self.checkpoints is not None else ():
+            if not self.disk.accepting:
+                break
+            if not self.disk.contains(state_key(key)):
+                self._offload_state(key, row)

@@ -66,3 +66,10 @@ def group_key(block_hash: BlockHash, group: int) -> BlockHash:
     if group == 0:
         return block_hash
     return hashlib.sha256(block_hash + b"pagedllm-kv-group" + group.to_bytes(4, "little")).digest()
+
+
+def state_key(block_hash: BlockHash) -> BlockHash:
+    """The disk tier's key of a hybrid model's recurrent-state checkpoint after the prefix `block_hash`
+    (kv/state_slots.py): the prefix's own hash names its last KV block of group 0, so the state needs a key of
+    its own."""
+    return hashlib.sha256(block_hash + b"pagedllm-state").digest()

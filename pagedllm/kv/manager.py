@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pagedllm.kv.block_pool import BlockPool, KVBlock
-from pagedllm.kv.connector import BlockIO, DiskTierConnector, KVConnector
+from pagedllm.kv.connector import BlockIO, DiskTierConnector, KVConnector, StateIO
 from pagedllm.kv.coordinator import GroupBlocks, KVCacheCoordinator
 from pagedllm.kv.hashing import BlockHash, extra_key, hash_full_blocks
 from pagedllm.kv.kv_spec import KVCacheLayout, cdiv
@@ -257,7 +257,7 @@ class KVCacheManager:
         would be served their never-written contents) and return them per request."""
         return {}
 
-    def attach_disk_tier(self, disk: DiskKVTier, block_io: BlockIO) -> None:
+    def attach_disk_tier(self, disk: DiskKVTier, block_io: BlockIO, state_io: StateIO | None = None) -> None:
         """Only the paged manager keeps blocks a disk tier could hold (the config refuses any other)."""
         raise ValueError(f"{type(self).__name__} has no prefix cache for a disk tier")
 
@@ -291,6 +291,7 @@ class PagedKVCacheManager(KVCacheManager):
         self.step_journal: list[tuple[str, int, int, list[KVBlock]]] = []
         self.connectors: list[KVConnector] = []
         self.segments: SegmentStore | None = None
+        self.state_disk_loads = 0  # state checkpoints a lookup read back from a connector (the disk tier)
 
     @property
     def req_blocks(self) -> dict[str, list[KVBlock]]:
@@ -309,9 +310,10 @@ class PagedKVCacheManager(KVCacheManager):
     def add_connector(self, connector: KVConnector) -> None:
         self.connectors.append(connector)
 
-    def attach_disk_tier(self, disk: DiskKVTier, block_io: BlockIO) -> None:
-        """Blocks evicted from the RAM pool go to `disk`; lookups that miss in RAM continue there."""
-        self.add_connector(DiskTierConnector(disk, block_io, self.pool))
+    def attach_disk_tier(self, disk: DiskKVTier, block_io: BlockIO, state_io: StateIO | None = None) -> None:
+        """Blocks evicted from the RAM pool go to `disk`; lookups that miss in RAM continue there. A hybrid model's
+        state checkpoints (attached before: attach_state_slots) go there too, their rows moved by `state_io`."""
+        self.add_connector(DiskTierConnector(disk, block_io, self.pool, self.state_checkpoints, state_io))
 
     def enable_segments(self) -> SegmentStore | None:
         """kv_blend's segment store, where the model is one full-attention group and the prefix cache is on."""
@@ -395,12 +397,24 @@ class PagedKVCacheManager(KVCacheManager):
                 hits = self.coordinator.find_longest_cache_hit(rid, hashes, max_blocks, get)
         if self.state_checkpoints is not None:  # the longest hit that ends where a state checkpoint lies
             n = len(hits[0])
-            while n and self.state_checkpoints.find(hashes[n - 1]) is None:
+            while n and not self._has_state(hashes[n - 1]):
                 n -= 1
             if n < len(hits[0]):
                 self.state_checkpoints.wanted[rid] = len(hits[0]) * self.block_size  # cut there, checkpoint it
                 hits = self.coordinator.find_longest_cache_hit(rid, hashes, n, get)
         return KVCacheBlocks(hits), len(hits[0]) * self.block_size
+
+    def _has_state(self, key: BlockHash) -> bool:
+        """A state checkpoint after the prefix `key` is in a row: it was, or a connector (the disk tier) read it
+        back into one."""
+        assert self.state_checkpoints is not None
+        if self.state_checkpoints.find(key) is not None:
+            return True
+        for c in self.connectors:
+            if c.contains_state(key) and c.load_state(key) is not None:
+                self.state_disk_loads += 1
+                return True
+        return False
 
     def state_checkpoint_row(self, request: KVRequest, num_tokens: int) -> int | None:
         if self.state_checkpoints is None or not num_tokens or num_tokens % self.block_size:

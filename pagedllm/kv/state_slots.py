@@ -13,6 +13,7 @@ when a step commits (RecurrentStep.commit), so a failed step leaves every slot a
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 from pagedllm.kv.hashing import BlockHash
 
@@ -56,7 +57,10 @@ class StateCheckpoints:
 
     The scheduler cuts a hybrid request's prompt chunks at block boundaries (and at the prompt's last one, and
     where its run of cached KV blocks ends without a checkpoint: a shared prefix another request computed) so that
-    the states at those boundaries exist to be copied: a chunk's state is only known at its end."""
+    the states at those boundaries exist to be copied: a chunk's state is only known at its end.
+
+    An entry evicted to make room is handed to `on_evict` (key, row) before its row is reused: the disk tier
+    (connector.py) keeps it, as the block pool hands it an evicted block."""
 
     def __init__(self, first_row: int, num_rows: int, block_size: int) -> None:
         self.block_size = block_size
@@ -67,6 +71,7 @@ class StateCheckpoints:
         # request id -> the end of its run of cached KV blocks where no checkpoint lies: its chunk is cut there, so
         # the next prompt sharing that prefix hits it
         self.wanted: dict[str, int] = {}
+        self.on_evict: Callable[[BlockHash, int], None] | None = None
 
     def find(self, key: BlockHash) -> int | None:
         return self.rows.get(key)
@@ -109,9 +114,21 @@ class StateCheckpoints:
             victim = next((k for k in self.rows if k not in self.refs), None)
             if victim is None:
                 return None
+            if self.on_evict is not None:
+                self.on_evict(victim, self.rows[victim])
             self._free.append(self.rows.pop(victim))
         row = self.rows[key] = self._free.popleft()
         return row
+
+    def drop(self, key: BlockHash) -> None:
+        """Forget an unheld entry whose row could not be filled (a state read back from a tier that did not fit)."""
+        if key in self.rows and key not in self.refs:
+            self._free.append(self.rows.pop(key))
+
+    @property
+    def num_free(self) -> int:
+        """Rows that hold no checkpoint."""
+        return len(self._free)
 
     def clear(self) -> None:
         """Forget every checkpoint that no hit holds (reset_prefix_cache)."""

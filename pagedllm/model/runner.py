@@ -168,6 +168,31 @@ class ModelRunner:
             conv[dst], rec[dst] = conv[src], rec[src]
 
     @property
+    def state_row_bytes(self) -> int:
+        """Bytes of one state row over every linear layer (0 without them): a checkpoint as the disk tier stores it."""
+        return sum(
+            conv[0].numel() * conv.element_size() + rec[0].numel() * rec.element_size()
+            for conv, rec in self.states.values()
+        )
+
+    def read_state(self, row: int) -> bytes:
+        """A copy of state row `row` (every linear layer's conv, then recurrent state) as bytes: the disk tier's."""
+        parts = [t[row].reshape(-1).view(torch.uint8) for pair in self.states.values() for t in pair]
+        return torch.cat(parts).cpu().numpy().tobytes()
+
+    def write_state(self, row: int, data: bytes) -> None:
+        """Fill state row `row` from `read_state`'s bytes (a checkpoint read back from the disk tier)."""
+        if len(data) != self.state_row_bytes:
+            raise ValueError(f"a state row holds {self.state_row_bytes} bytes, got {len(data)}")
+        src = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+        offset = 0
+        for pair in self.states.values():
+            for t in pair:
+                dst = t[row].view(-1).view(torch.uint8)
+                dst.copy_(src[offset : offset + dst.numel()])
+                offset += dst.numel()
+
+    @property
     def bytes_per_token(self) -> int:
         """What its tensors hold per token: a K and a V row per layer slot (with a quantized row's scale)."""
         k, _ = self.kv_tensors[0]

@@ -21,7 +21,15 @@ from __future__ import annotations
 import numpy as np
 
 import pagedllm.model.kernels.cpu_kernel as cpu_kernel
-from pagedllm.model.kernels.quant_linear import K_FORMATS, SUPER, QuantParts, QuantWeight, log_once, pack_experts
+from pagedllm.model.kernels.quant_linear import (
+    K_FORMATS,
+    SUPER,
+    QuantParts,
+    QuantWeight,
+    log_once,
+    pack_experts,
+    pack_threads,
+)
 
 # GGML type number -> name; the types kept quantized (`iter_gguf`)
 GGML_TYPES = {
@@ -90,14 +98,12 @@ def _scale_min_k4(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def _codes(name: str, b: np.ndarray, n: int) -> np.ndarray:
     """The codes of the types csrc/quant_pack.c reads (`gguf_codes`), int8 [n, K] in gguf's weight order (the
     4-bit ones as uint8 0..15): the bulk of a file, unpacked without numpy's whole-array temporaries."""
-    import torch
-
     k = b.shape[1] * _BLOCK[name][0]
     out = np.empty((n, k), dtype=np.int8)
     raw, lib = np.ascontiguousarray(b), cpu_kernel.load()
     if lib is None:
         raise RuntimeError("the quantized kernels are not built on this machine")
-    rc = lib.gguf_codes(out.ctypes.data, raw.ctypes.data, n, k, _TYPE[name], torch.get_num_threads())
+    rc = lib.gguf_codes(out.ctypes.data, raw.ctypes.data, n, k, _TYPE[name], pack_threads(n * k))
     if rc != 0:
         raise ValueError(f"cannot read {name} blocks of {n} x {k} ({rc})")
     return out.view(np.uint8) if name in ("Q4_1", "Q4_K", "MXFP4") else out  # Q4_0: q - 8, -8..7

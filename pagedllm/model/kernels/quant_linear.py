@@ -162,6 +162,17 @@ def quantize_rtn(w: torch.Tensor, bits: int) -> QuantParts:
     return QuantParts("q4_1", q.reshape(n, k).numpy(), d.numpy(), m.numpy(), "int4")
 
 
+# Below this many weights a load-time repack (`gguf_codes`, `qpack_tiles`) runs on one thread: one MoE expert
+# (768 x 2048) is ~0.5 ms of byte shuffling, while an OpenMP region waits for its second thread to be scheduled,
+# which on a busy 2-core host took 5-15 ms per call (20-70x the work; 60 s a GB for a 30B MoE file's experts).
+PACK_MIN_PARALLEL = 1 << 23
+
+
+def pack_threads(weights: int) -> int:
+    """Threads for repacking a weight of `weights` values at load: torch's count for large ones, else one."""
+    return torch.get_num_threads() if weights >= PACK_MIN_PARALLEL else 1
+
+
 def _tiles(parts: QuantParts, out: np.ndarray | None = None) -> np.ndarray:
     """QuantParts -> uint8 [ceil(N/16), bytes of a column block] in the kernel's order (csrc/quant_pack.c: one
     pass, nothing allocated but the tiles), written into `out` when given (rows of a larger weight's tiles)."""
@@ -180,7 +191,7 @@ def _tiles(parts: QuantParts, out: np.ndarray | None = None) -> np.ndarray:
         if a is not None and (a.shape != shape or a.itemsize != size):
             raise ValueError(f"a {parts.fmt} weight's part has shape {a.shape} ({a.dtype}), expected {shape}")
     ptrs = [None if a is None else a.ctypes.data for a in keep]
-    rc = _lib().qpack_tiles(out.ctypes.data, *ptrs, n, k, FORMATS[parts.fmt], out.shape[1], torch.get_num_threads())
+    rc = _lib().qpack_tiles(out.ctypes.data, *ptrs, n, k, FORMATS[parts.fmt], out.shape[1], pack_threads(n * k))
     if rc != 0:
         raise ValueError(f"cannot pack a {parts.fmt} weight of shape {parts.shape} ({rc})")
     return out

@@ -51,6 +51,7 @@ SOURCES = [
     ("quant_pack.c", []),
     ("model_step.c", []),
     ("moe.c", []),
+    ("recurrent.c", []),
 ]
 COMPILE = ["-O3", "-fno-math-errno", "-fPIC", "-Wno-psabi"]  # psabi: 64-byte vectors on AVX2
 LINK = ["-shared"]
@@ -330,7 +331,11 @@ def c_structs(header: str) -> dict[str, type[ctypes.Structure]]:
     return out
 
 
-STRUCT_HEADERS = {"model_step.h": "step_struct_size", "moe.h": "moe_struct_size"}  # header -> its sizeof by name
+STRUCT_HEADERS = {
+    "model_step.h": "step_struct_size",
+    "moe.h": "moe_struct_size",
+    "recurrent.h": "rec_struct_size",
+}  # header -> its sizeof by name
 
 
 def check_structs(lib: ctypes.CDLL) -> None:

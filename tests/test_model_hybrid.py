@@ -14,6 +14,7 @@ import random
 
 import pytest
 import torch
+from model_helpers import fused_and_torch
 
 from devkit.tiny_tokenizer import save_tiny_tokenizer
 from pagedllm import SamplingParams
@@ -44,18 +45,23 @@ _SHAPE = dict(
 _MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
 
 
-def make_hybrid(family: str, folder: str) -> torch.nn.Module:
+def make_hybrid(family: str, folder: str, **over: int) -> torch.nn.Module:
     """A tiny random checkpoint of `family` in `folder`: weights drawn wide enough that a wrong state, gate or
-    rotation moves the logits far past the tolerance (decays spread by A_log, norms around 1)."""
+    rotation moves the logits far past the tolerance (decays spread by A_log, norms around 1). `over`: sizes in
+    place of the default shape's."""
     from transformers import AutoModelForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3NextConfig
 
+    base, moe = (
+        _SHAPE | {k: v for k, v in over.items() if k in _SHAPE},
+        _MOE | {k: v for k, v in over.items() if k in _MOE},
+    )
     if family == "qwen3_next":
-        cfg, arch = Qwen3NextConfig(**_SHAPE, **_MOE), "Qwen3NextForCausalLM"
+        cfg, arch = Qwen3NextConfig(**base, **moe), "Qwen3NextForCausalLM"
     elif family == "qwen3_5_moe":  # every layer sparse: no dense intermediate_size in its config
-        shape = {k: v for k, v in _SHAPE.items() if k != "intermediate_size"}
-        cfg, arch = Qwen3_5MoeTextConfig(**shape, **_MOE), "Qwen3_5MoeForCausalLM"
+        shape = {k: v for k, v in base.items() if k != "intermediate_size"}
+        cfg, arch = Qwen3_5MoeTextConfig(**shape, **moe), "Qwen3_5MoeForCausalLM"
     else:
-        cfg, arch = Qwen3_5TextConfig(**_SHAPE), "Qwen3_5ForCausalLM"
+        cfg, arch = Qwen3_5TextConfig(**base), "Qwen3_5ForCausalLM"
     cfg.architectures = [arch]
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
@@ -219,8 +225,8 @@ def test_abort_gives_the_slot_back_and_a_new_request_starts_from_zero(models):
 
 def test_config_layout_and_what_refuses_them(models, capsys):
     """Linear layers hold no KV; the parameters count as transformers' (kv-calc's figure); the state bytes are the
-    layers' conv and recurrent states; the fused C step
-    names them; kv_blend is refused naming them; kv-calc prints the state bytes per request."""
+    layers' conv and recurrent states; the fused C step runs them; kv_blend is refused naming them; kv-calc prints
+    the state bytes per request."""
     from pagedllm.entrypoints.cli import main
     from pagedllm.errors import UserError
 
@@ -230,7 +236,7 @@ def test_config_layout_and_what_refuses_them(models, capsys):
     layout = cfg.kv_layout(hybrid=True)
     assert cfg.linear_layers == [0, 1, 2] and layout.num_kv_layers == 1 and layout.recurrent_layers == (0, 1, 2)
     assert cfg.state_bytes_per_request(4) == 3 * (96 * 3 * 4 + 4 * 16 * 8 * 4)
-    assert "linear-attention layers" in _model_blockers(cfg)
+    assert not _model_blockers(cfg)  # the fused C step runs every piece (test_the_fused_step_...)
     engine = _engine(loaded)
     with pytest.raises(UserError, match="linear-attention"):
         engine.add_request("x", _tokens(40, 12), SamplingParams(max_tokens=1), kv_segments=[[0, 32]])
@@ -251,6 +257,51 @@ def test_a_budget_for_fewer_slots_than_max_num_seqs_runs_that_many_at_once(model
     assert _run(engine, prompts, 8) == [_greedy(hf, p, 8) for p in prompts]
     assert engine.scheduler.peak_running == 2
     _all_back(engine)
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory):
+    """Each family with int8 weights (what the fused C step runs; a shared expert of 64 so that every matmul is
+    quantized), and transformers' model of the same file."""
+    out = {}
+    for family in FAMILIES:
+        folder = str(tmp_path_factory.mktemp(family + "-int8"))
+        hf = make_hybrid(family, folder, shared_expert_intermediate_size=64)
+        out[family] = hf, load_model(folder, "float32", "cpu", False, "int8", quantized_activations="none")
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_fused_step_computes_what_the_torch_path_does(quantized, family):
+    """The fused C step (Gated DeltaNet's conv and delta rule token by token on the state slots, the attention's
+    output gate) against the torch path (its chunked scan) on the same int8 weights: a prompt in two chunks (the
+    state crosses the chunk end) over shuffled blocks, then 8 greedy decode tokens: the same tokens, logits within
+    the tolerance."""
+    _, loaded = quantized[family]
+    assert not _model_blockers(loaded.config)
+    got = fused_and_torch(loaded, _tokens(70, 1), 29, 8)
+    (fused, fused_tokens), (want, want_tokens) = got[True], got[False]
+    assert fused_tokens == want_tokens
+    assert (fused - want).abs().max().item() < TOL * want.abs().max().item()
+
+
+def test_the_fused_step_under_the_engine_keeps_every_answer(quantized):
+    """Batched requests through the engine on the fused step, with chunked prefill (64 tokens a step), a cache
+    small enough to preempt, and prefix caching hitting at state checkpoints: every answer equals the torch path's
+    on the same weights, and every slot and block comes back."""
+    _, loaded = quantized["qwen3_5"]
+    shared = _tokens(64, 7)
+    prompts = [_tokens(150, 2), _tokens(100, 3), _tokens(120, 4), shared + _tokens(30, 8), shared + _tokens(20, 9)]
+    answers = {}
+    for fused in (True, False):
+        engine = _engine(loaded, blocks=16, max_num_batched_tokens=64)
+        assert (engine.runner.fused is not None) is True
+        if not fused:
+            engine.runner.fused = None
+        answers[fused] = _run(engine, prompts[:3]) + [_run(engine, [p])[0] for p in prompts[3:]]
+        assert engine.stats().num_preemptions > 0 and engine.stats().prefix_cache_hits >= 64
+        _all_back(engine)
+    assert answers[True] == answers[False]
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])

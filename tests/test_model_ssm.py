@@ -31,8 +31,9 @@ TOL = 1e-4  # of the largest logit
 GRANITE_LAYERS = ["mamba", "attention", "mamba", "attention"]
 
 
-def make_hybrid(kind: str, folder: str) -> torch.nn.Module:
-    """A tiny random checkpoint of `kind` in `folder` (float32, a word-level tokenizer); its transformers model."""
+def make_hybrid(kind: str, folder: str, shared: int = 48) -> torch.nn.Module:
+    """A tiny random checkpoint of `kind` in `folder` (float32, a word-level tokenizer); its transformers model.
+    `shared`: Granite's shared MLP size (48: its down projection runs dense, 64: every matmul can be quantized)."""
     from transformers import AutoModelForCausalLM, GraniteMoeHybridConfig, Lfm2Config
 
     common = dict(
@@ -60,7 +61,7 @@ def make_hybrid(kind: str, folder: str) -> torch.nn.Module:
         cfg = GraniteMoeHybridConfig(
             **common,
             intermediate_size=32,
-            shared_intermediate_size=48,
+            shared_intermediate_size=shared,
             num_local_experts=4 if moe else 0,
             num_experts_per_tok=2,
             layer_types=GRANITE_LAYERS,
@@ -207,6 +208,38 @@ def test_prefix_caching_hits_at_state_checkpoints_and_keeps_every_answer(ckpt):
     assert all(_hf_greedy_agrees(ckpt.hf, p, g[0]) for p, g in zip(prompts, got[0::2]))
     assert on.stats().prefix_cache_hits == 64 + 80 and off.stats().prefix_cache_hits == 0
     assert on.kv.num_free_blocks == on.kv.num_blocks
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_the_fused_step_computes_what_the_torch_path_does(kind, tmp_path):
+    """int8 weights (a shared MLP of 64: every matmul quantized), the fused C step (the causal conv, Mamba2's SSM
+    and gated group norm, the short conv's gates, token by token on the state slots) against the torch path
+    (its chunked scan, conv1d): a prompt in two chunks over shuffled blocks, 8 greedy decode tokens: the same
+    tokens, logits within the tolerance; then prompts sharing 64 tokens through the engine with prefix caching
+    (hits start from state checkpoints): the same answers on both paths."""
+    from model_helpers import fused_and_torch
+
+    from pagedllm.model.fused_step import _model_blockers
+
+    make_hybrid(kind, str(tmp_path), shared=64)
+    loaded = load_model(str(tmp_path), "float32", "cpu", False, "int8", quantized_activations="none")
+    assert not _model_blockers(loaded.config)
+    got = fused_and_torch(loaded, _tokens(70, 1), 29, 8)
+    (fused, fused_tokens), (want, want_tokens) = got[True], got[False]
+    assert fused_tokens == want_tokens
+    assert (fused - want).abs().max().item() < TOL * want.abs().max().item()
+    shared = _tokens(64, 7)
+    prompts = [shared + _tokens(30, 8), shared + _tokens(20, 9)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    answers = {}
+    for path in ("fused", "torch"):
+        engine = _engine(loaded, True)
+        assert engine.runner.fused is not None
+        if path == "torch":
+            engine.runner.fused = None
+        answers[path] = [list(run_engine(engine, [p], params)[0].outputs[0].token_ids) for p in prompts]
+        assert engine.stats().prefix_cache_hits == 64
+    assert answers["fused"] == answers["torch"]
 
 
 def run_engine(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list:

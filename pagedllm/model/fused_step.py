@@ -32,14 +32,18 @@ from pagedllm.model.config import ModelConfig
 from pagedllm.model.kernels.quant_linear import FORMATS, QuantWeight, bf16_kernel, log_once
 from pagedllm.model.layers.attention import StepIndex, group_step_index
 from pagedllm.model.layers.common import RMSNorm
-from pagedllm.model.layers.decoder import CausalLM, DecoderLayer
+from pagedllm.model.layers.decoder import CausalLM, DecoderLayer, Mixer
+from pagedllm.model.layers.deltanet import GatedDeltaNet
 from pagedllm.model.layers.linear import Linear
+from pagedllm.model.layers.mamba2 import Mamba2
 from pagedllm.model.layers.moe import SparseMoE
 from pagedllm.model.lora import FusedLoRA
+from pagedllm.model.layers.shortconv import ShortConv
 
 # the C structures (csrc/model_step.h), read from the header itself; cpu_kernel.load() checks their sizes
 _STRUCTS = cpu_kernel.c_structs("model_step.h")
 _Layer, _Model, _Batch = _STRUCTS["StepLayer"], _STRUCTS["StepModel"], _STRUCTS["StepBatch"]
+_Mixer = cpu_kernel.c_structs("recurrent.h")["RecMixer"]
 
 
 PHASES = ("norm", "qkv", "rope+kv write", "attention", "o", "gate_up", "act", "down", "lm_head", "router", "experts")
@@ -57,6 +61,8 @@ ERRORS = {
 ROPES = {"none": 0, "global": 1, "local": 2}  # DecoderLayer.rope -> StepLayer.rope (ROPE_NONE ...)
 ACTS = {"silu": 0, "gelu_pytorch_tanh": 1}  # ModelConfig.hidden_act -> StepModel.act (ACT_SILU ...)
 ROUTERS = {"softmax_topk": 0, "topk_softmax": 1}  # ModelConfig.moe_router -> StepModel.router (ROUTE_*)
+MIXERS = {GatedDeltaNet: 0, Mamba2: 1, ShortConv: 2}  # a linear layer's mixer -> RecMixer.kind (MIX_*)
+States = dict[int, tuple[torch.Tensor, torch.Tensor]]  # model layer -> its (conv, recurrent) state rows (runner.py)
 
 
 def _model_blockers(cfg: ModelConfig) -> list[str]:
@@ -65,8 +71,6 @@ def _model_blockers(cfg: ModelConfig) -> list[str]:
         (cfg.hidden_act not in ACTS, f"activation {cfg.hidden_act}"),
         (cfg.rotary_dim % 2 != 0, "an odd rotary width"),
         (cfg.num_experts > 0 and cfg.moe_router not in ROUTERS, f"MoE router {cfg.moe_router}"),
-        (bool(cfg.linear_layers), "linear-attention layers"),
-        (cfg.attn_output_gate, "an attention output gate"),
         # Gemma 4: the C step projects K and V in every layer, reads one head shape and has no PLE or layer scalar
         (cfg.num_kv_shared_layers > 0, "KV shared across layers"),
         (cfg.attention_k_eq_v, "keys equal to values"),
@@ -93,27 +97,60 @@ def _moe_blocker(model: CausalLM) -> str | None:
     return None
 
 
-def unfused_reason(model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> str | None:
-    """Why the C step cannot run this model over these caches (None: it can). It needs the kernels, every
-    weight quantized, CPU caches it reads, and a model it computes (see _model_blockers)."""
+def unfused_reason(
+    model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], states: States | None = None
+) -> str | None:
+    """Why the C step cannot run this model over these caches and recurrent states (None: it can). It needs the
+    kernels, every weight quantized, CPU caches and states it reads, and a model it computes (see
+    _model_blockers)."""
     if cpu_kernel.load() is None:
         return "the C kernels are not built"
     if model.embed.quant is None or any(lin.quant is None for lin in model.linears() if not lin.keep_dense):
         return "not every weight is quantized"
     if any(kc.device.type != "cpu" or kc.dtype not in kv_quant.KINDS or not kc.is_contiguous() for kc, _ in kv_caches):
         return "a KV cache the C step does not read"
+    if model.config.linear_layers and not _states_read(model.config.linear_layers, states):
+        return "recurrent states the C step does not read"
     blockers = _model_blockers(model.config)
     if not blockers and (why := _moe_blocker(model)) is not None:
         blockers = [why]
     return None if not blockers else f"{model.config.family} uses " + ", ".join(blockers)
 
 
-def fusable(model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+def _states_read(layers: list[int], states: States | None) -> bool:
+    """Every linear layer's states are CPU tensors the C step reads: float32 (the conv's bfloat16 too)."""
+    if states is None or any(i not in states for i in layers):
+        return False
+    ok = (torch.float32, torch.bfloat16), (torch.float32,)
+    return all(
+        t.device.type == "cpu" and t.is_contiguous() and t.dtype in dtypes
+        for conv, rec in states.values()
+        for t, dtypes in zip((conv, rec), ok)
+    )
+
+
+def fusable(model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], states: States | None = None) -> bool:
     """Whether the C step can run this model (the reason it cannot is logged once)."""
-    why = unfused_reason(model, kv_caches)
+    why = unfused_reason(model, kv_caches, states)
     if why is not None and model.embed.quant is not None:
         log_once(f"steps run on the torch path, not the fused C step: {why}")
     return why is None
+
+
+def mixer_eps(mixer: Mixer) -> float:
+    """The gated norm's epsilon (a short conv has no norm)."""
+    return 0.0 if isinstance(mixer, ShortConv) else mixer.eps
+
+
+def deltanet_perm(mixer: GatedDeltaNet) -> np.ndarray:
+    """Qwen3-Next's projections' row (in_qkvz's [q, k, v, z] per key head, then in_ba's [b, a] per key head) ->
+    the canonical row [q, k, v, z, b, a] of every head (recurrent.h), as GatedDeltaNet._project splits it."""
+    dk, dv, hk, r = mixer.dk, mixer.dv, mixer.hk, mixer.hv // mixer.hk
+    group, ba = 2 * dk + 2 * r * dv, mixer.conv_dim + mixer.value_dim
+    parts = [(0, dk, group), (dk, dk, group), (2 * dk, r * dv, group), (2 * dk + r * dv, r * dv, group)]
+    parts += [(ba, r, 2 * r), (ba + r, r, 2 * r)]
+    idx = [start + j * stride + c for start, size, stride in parts for j in range(hk) for c in range(size)]
+    return np.array(idx, dtype=np.int64)
 
 
 def _quant(lin: Linear) -> QuantWeight:
@@ -131,9 +168,11 @@ class FusedStep:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         block_size: int,
         layer_group: Sequence[int] | None = None,
+        states: States | None = None,
     ) -> None:
         """`kv_caches[i]`: layer i's K and V (its slot's); `layer_group[i]`: the KV-cache group whose tables layer
-        i reads (kv_spec.py; default: one group of every layer)."""
+        i reads (kv_spec.py; default: one group of every layer); `states[i]`: linear layer i's conv and recurrent
+        state rows, one per state slot (the runner's), advanced in place by each step."""
         lib = cpu_kernel.load()
         assert lib is not None, "built only where fusable() found the kernels"
         self.lib = lib
@@ -142,6 +181,7 @@ class FusedStep:
         self.num_groups = max(groups) + 1
         self._keep: list[object] = []  # what the C structures point into: float32 copies, the experts' kernels
         self._reads = torch.zeros(1, dtype=torch.int64)  # experts read by a step (StepModel.expert_reads)
+        self.states = states or {}
         self.layers = (_Layer * len(model.layers))(
             *[
                 self._layer(layer, kc, vc, g)
@@ -181,23 +221,88 @@ class FusedStep:
             "k_norm": self._norm(layer.k_norm),
             "qk_norm_full": int(layer.qk_norm == "full"),
             "rope": ROPES[layer.rope],
-            "qkv_bias": self._f32(layer.qkv.bias),
-            "o_bias": self._f32(layer.o.bias),
+            "qkv_bias": None if layer.linear_attn else self._f32(layer.qkv.bias),
+            "o_bias": None if layer.linear_attn else self._f32(layer.o.bias),
             "k_cache": k_cache.data_ptr(),
             "v_cache": v_cache.data_ptr(),
             "group": group,
             "sinks": self._f32(spec.sinks),
         }
+        mixer = layer.linear_attn
+        if mixer is not None:
+            fields["mixer"] = self._mixer(mixer, *self.states[layer.index])
         moe = layer.moe
         mlp = [("gate_up", layer.mlp.gate_up), ("down", layer.mlp.down)] if moe is None else []
         if moe is not None:
             fields |= self._sparse(moe)
             if moe.shared is not None:
                 mlp = [("shared_gate_up", moe.shared.gate_up), ("shared_down", moe.shared.down)]
-        for name, lin in (("qkv", layer.qkv), ("o", layer.o), *mlp):
+        attn = [("qkv", layer.qkv), ("o", layer.o)] if mixer is None else []
+        for name, lin in (*attn, *mlp):
             w = _quant(lin)
             fields[name], fields[f"{name}_fmt"] = w.tiles.data_ptr(), FORMATS[w.fmt]
         return _Layer(**fields)
+
+    def _mixer(self, mixer: Mixer, conv: torch.Tensor, rec: torch.Tensor) -> int:
+        """A linear layer's RecMixer (recurrent.h): its projections' tiles in the canonical row's order, the
+        conv's and the recurrence's float32 parameters, and its state rows, which each step advances in place."""
+        fields: dict[str, Any] = {"kind": MIXERS[type(mixer)], "kernel": mixer.kernel, "eps": mixer_eps(mixer)}
+        if isinstance(mixer, GatedDeltaNet):
+            ins = (
+                [mixer.in_qkvz, mixer.in_ba] if mixer.fused_proj else [mixer.in_qkv, mixer.in_z, mixer.in_b, mixer.in_a]
+            )
+            heads, groups, dk, dv = mixer.hv, mixer.hk, mixer.dk, mixer.dv
+            fields |= {"conv_dim": mixer.conv_dim, "out_k": mixer.value_dim, "norm": self._f32(mixer.norm.weight)}
+            fields |= {"a_log": self._f32(mixer.a_log.weight), "dt_bias": self._f32(mixer.dt_bias.weight)}
+            conv_w, conv_b, out = mixer.conv.weight[:, 0], None, mixer.out
+            perm = deltanet_perm(mixer) if mixer.fused_proj else None
+        elif isinstance(mixer, Mamba2):
+            ins, perm = [mixer.in_proj], None
+            heads, groups, dk, dv = mixer.heads, mixer.groups, mixer.head_dim, mixer.state_size
+            fields |= {"conv_dim": mixer.conv_dim, "out_k": mixer.inner, "norm": self._f32(mixer.norm.weight)}
+            fields |= {"a_log": self._f32(mixer.a_log.weight), "dt_bias": self._f32(mixer.dt_bias.weight)}
+            fields |= {"d": self._f32(mixer.d.weight), "dt_min": mixer.dt_min, "dt_max": mixer.dt_max}
+            conv_w, conv_b, out = mixer.conv.weight, mixer.conv.bias, mixer.out_proj
+        else:
+            ins, perm = [mixer.in_proj], None
+            heads, groups, dk, dv = 1, 1, 1, 1
+            fields |= {"conv_dim": mixer.hidden, "out_k": mixer.hidden}
+            conv_w, conv_b, out = mixer.conv.weight, mixer.conv.bias, mixer.out_proj
+        weights = [_quant(lin) for lin in ins]
+        arrays = (
+            (ctypes.c_void_p * len(ins))(*[w.tiles.data_ptr() for w in weights]),
+            np.array([w.n for w in weights], dtype=np.int64),
+            np.array([FORMATS[w.fmt] for w in weights], dtype=np.int64),
+            (ctypes.c_void_p * len(ins))(*[self._f32(lin.bias) for lin in ins]),
+            perm,
+        )
+        self._keep.append(arrays)
+        out_w = _quant(out)
+        struct = _Mixer(
+            **fields,
+            width=sum(w.n for w in weights),
+            heads=heads,
+            groups=groups,
+            dk=dk,
+            dv=dv,
+            n_in=len(ins),
+            **{"in": ctypes.addressof(arrays[0])},
+            in_n=arrays[1].ctypes.data,
+            in_fmt=arrays[2].ctypes.data,
+            in_bias=ctypes.addressof(arrays[3]),
+            perm=None if perm is None else perm.ctypes.data,
+            out=out_w.tiles.data_ptr(),
+            out_fmt=FORMATS[out_w.fmt],
+            out_bias=self._f32(out.bias),
+            conv_w=self._f32(conv_w),
+            conv_b=self._f32(conv_b),
+            conv_state=conv.data_ptr(),
+            rec_state=rec.data_ptr() if rec.numel() else None,
+            conv_bf16=int(conv.dtype == torch.bfloat16),
+            slots=conv.shape[0],
+        )
+        self._keep.append(struct)
+        return ctypes.addressof(struct)
 
     def _sparse(self, moe: SparseMoE) -> dict[str, float | int | None]:
         """A sparse layer's fields: the routed experts as moe_kernel.py built them for the torch path (the same
@@ -252,6 +357,7 @@ class FusedStep:
             router=ROUTERS.get(cfg.moe_router, 0),
             norm_topk=int(cfg.norm_topk_prob),
             expert_reads=self._reads.data_ptr(),
+            attn_gate=int(cfg.attn_output_gate),
         )
 
     def _rotary(self, max_pos: int) -> None:
@@ -272,11 +378,14 @@ class FusedStep:
         num_logits: list[int],
         index: list[StepIndex] | None = None,
         lora: FusedLoRA | None = None,
+        state_slots: list[int] | None = None,
     ) -> torch.Tensor:
         """float32 logits of sequence i adding `token_ids[i]` after `starts[i]` cached tokens: the last
         `num_logits[i]` rows of each sequence, in order ([sum(num_logits), vocab]). `group_tables[g][i]`: sequence
         i's block table in KV-cache group g. `index`: the step's indices per group (`group_step_index`), when the
-        caller has built them already. `lora`: the rows that run under LoRA adapters (LoRAManager.fused_step)."""
+        caller has built them already. `lora`: the rows that run under LoRA adapters (LoRAManager.fused_step).
+        `state_slots[i]`: sequence i's recurrent-state slot (a hybrid model's; a sequence at position 0 starts from
+        zeros)."""
         if len(group_tables) != self.num_groups:
             raise ValueError(f"a step of this model needs {self.num_groups} groups' tables, got {len(group_tables)}")
         ixs = index or group_step_index([len(t) for t in token_ids], starts, group_tables, self.block_size)
@@ -296,6 +405,7 @@ class FusedStep:
         )
         logits = torch.empty(len(rows), self.model.config.vocab_size, dtype=torch.float32)
         self._rotary(int(ix.positions.max()))
+        slots_of = None if state_slots is None else np.array(state_slots, dtype=np.int64)
         batch = _Batch(
             toks.ctypes.data,
             ix.positions.ctypes.data,
@@ -311,6 +421,7 @@ class FusedStep:
             logits.data_ptr(),
             None if self.profile is None else self.profile.ctypes.data,
             None if lora is None else ctypes.addressof(lora.step),
+            None if slots_of is None else slots_of.ctypes.data,
         )
         rc = self.lib.model_step(ctypes.byref(self.dims), self.layers, ctypes.byref(batch), torch.get_num_threads())
         self.model.expert_load.reads[0] += int(self._reads[0])

@@ -140,8 +140,8 @@ class ModelRunner:
             )
         self.num_state_slots = num_state_slots if self.states else 0
         self.fused = (
-            FusedStep(self.model, self.kv_caches, block_size, self.layout.layer_group)
-            if fused and fusable(self.model, self.kv_caches)
+            FusedStep(self.model, self.kv_caches, block_size, self.layout.layer_group, self.states)
+            if fused and fusable(self.model, self.kv_caches, self.states)
             else None
         )
         self.lora: LoRAManager | None = None  # set by enable_lora
@@ -275,7 +275,8 @@ class ModelRunner:
                 assert self.lora is not None
                 lora = self.lora.fused_step(lora_ids, lens, self.fused.lora_group_rows)
             toks = [c.token_ids for c in chunks]
-            return self.fused.run(toks, starts, by_group, [c.num_logits for c in chunks], ixs, lora)
+            slots = self._state_slots(chunks) if self.states else None
+            return self.fused.run(toks, starts, by_group, [c.num_logits for c in chunks], ixs, lora, slots)
         ids: list[int] = []
         for c in chunks:
             ids.extend(c.token_ids)
@@ -302,15 +303,19 @@ class ModelRunner:
         """The step's state slots (None for a model without linear-attention layers)."""
         if not self.states:
             return None
-        slots = [i if c.state_slot is None else c.state_slot for i, c in enumerate(chunks)]
-        if len(set(slots)) != len(slots) or not all(0 <= s < self.num_state_slots for s in slots):
-            raise ValueError(f"state slots {slots} are not distinct slots of {self.num_state_slots}")
         return RecurrentStep(
-            torch.tensor(slots, dtype=torch.long, device=self.device),
+            torch.tensor(self._state_slots(chunks), dtype=torch.long, device=self.device),
             [len(c.token_ids) for c in chunks],
             [c.start_pos == 0 for c in chunks],
             caches=self.states,
         )
+
+    def _state_slots(self, chunks: list[SeqChunk]) -> list[int]:
+        """Each chunk's recurrent-state slot (its index in the step where it names none), checked distinct."""
+        slots = [i if c.state_slot is None else c.state_slot for i, c in enumerate(chunks)]
+        if len(set(slots)) != len(slots) or not all(0 <= s < self.num_state_slots for s in slots):
+            raise ValueError(f"state slots {slots} are not distinct slots of {self.num_state_slots}")
+        return slots
 
     def _group_tables(self, chunks: list[SeqChunk]) -> list[list[list[int]]]:
         """Per KV-cache group, each chunk's table."""

@@ -52,6 +52,7 @@ SOURCES = [
     ("model_step.c", []),
     ("moe.c", []),
     ("lora.c", []),
+    ("recurrent.c", []),
 ]
 COMPILE = ["-O3", "-fno-math-errno", "-fPIC", "-Wno-psabi"]  # psabi: 64-byte vectors on AVX2
 LINK = ["-shared"]
@@ -335,6 +336,7 @@ STRUCT_HEADERS = {
     "model_step.h": "step_struct_size",
     "moe.h": "moe_struct_size",
     "lora.h": "lora_struct_size",
+    "recurrent.h": "rec_struct_size",
 }  # header -> its sizeof by name
 
 

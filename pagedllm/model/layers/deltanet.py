@@ -74,21 +74,6 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def unit_lower_inverse(a: torch.Tensor) -> torch.Tensor:
-    """(I + A)^-1 for strictly lower triangular A [..., n, n] (n a power of two): (I - A)(I + A^2)(I + A^4)...,
-    exact since A^n = 0; log2(n) squarings and products instead of a triangular solve."""
-    n = a.shape[-1]
-    eye = torch.eye(n, dtype=a.dtype, device=a.device)
-    out = eye - a
-    power = a
-    k = 2
-    while k < n:
-        power = power @ power
-        out = out @ (eye + power)
-        k *= 2
-    return out
-
-
 def chunk_gated_delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,9 +89,11 @@ def chunk_gated_delta_rule(
     cum = g.reshape(H, n, CHUNK).cumsum(-1)  # log of the decay from the chunk's start
     upper = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).triu(1)
     decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()  # [H, n, C, C]
-    inv = unit_lower_inverse((k_beta @ k.transpose(-1, -2) * decay).tril(-1))
-    values = inv @ v_beta  # the delta rule's corrected values, before the old state's prediction is taken out
-    k_cumdecay = inv @ (k_beta * cum.exp()[..., None])
+    # (I + A)^-1 by a unit lower-triangular solve, as transformers' (a product-of-powers inverse lost every digit
+    # in float32 on slowly decaying, correlated keys: its intermediate powers grow before they cancel)
+    system = (k_beta @ k.transpose(-1, -2) * decay).tril(-1)
+    values = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)  # corrected values
+    k_cumdecay = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
     intra = (q @ k.transpose(-1, -2)) * decay
     q = q * cum.exp()[..., None]
     k = k * (cum[..., -1:] - cum).exp()[..., None]

@@ -39,6 +39,7 @@
 #include "moe.h"
 #include "paged_attention.h"
 #include "quant_matmul.h"
+#include "recurrent.h"
 #include "simd.h"
 #include "vmath.h"
 
@@ -62,6 +63,7 @@ typedef struct { /* the step's activations (float32, T rows) and scratch */
     float *rw, *sgu, *sact, *sy, *rlogits; /* rlogits: [T, experts] the router's logits, then probabilities */
     MoePlan *plan;
     int *moe_status;
+    RecStep rec; /* a hybrid model's mixers' rows and sequences (recurrent.h) */
 } Buffers;
 
 typedef struct { /* per thread */
@@ -243,7 +245,8 @@ static void store_row(void *cache, int64_t slot, const float *src, int KVH, int 
  * working on, where a barrier would hold up every phase of the step until it came back. Items write
  * disjoint outputs, so which thread runs an item changes nothing in the result. */
 enum { K_NORM, K_CVT, K_Q16, K_MATMUL, K_ROPE, K_ATTN, K_ACT, K_RESID, K_SCALE, K_LOGIT, K_ROUTE, K_TOPK, K_MOE_GROUP,
-       K_MOE_GATHER, K_MOE_GATE_UP, K_MOE_ACT, K_MOE_DOWN, K_MOE_COMBINE, K_SHARED, K_LORA_A, K_LORA_B };
+       K_MOE_GATHER, K_MOE_GATE_UP, K_MOE_ACT, K_MOE_DOWN, K_MOE_COMBINE, K_SHARED, K_LORA_A, K_LORA_B, K_REC_PERM,
+       K_REC_CONV, K_REC_SCAN, K_REC_NORM };
 
 typedef struct {
     int kind, layer, items, prof; /* prof: the profile slot the phase's time goes to */
@@ -253,6 +256,7 @@ typedef struct {
     const uint8_t *w;
     int fmt, M, N, K, accumulate, amx, dot, per_item;
     int lora; /* the LoRA phases': which matmul of the layer (LORA_QKV ...) */
+    int ldo; /* a matmul's output row stride (0: N) */
 } Phase;
 
 static Phase norm_phase(float *x, const float *h, const float *w, const int64_t *rows, int n) {
@@ -261,7 +265,7 @@ static Phase norm_phase(float *x, const float *h, const float *w, const int64_t 
 
 /* The matmul out[M, N] (+)= x[M, K] @ W^T as one phase (two with AMX: x to bfloat16 tiles first; two on the
  * dot route: x rounded to 16-bit integers first). */
-#define MAX_LAYER_PHASES 38
+#define MAX_LAYER_PHASES 56 /* 30 + 18 (a mixer's phases) + 8 (the LoRA halves of qkv, o, gate_up, down) */
 #define ROUTER_EXPERTS 16 /* experts per router work item: a decode token's router spread over the threads */
 #define ROUTER_CHUNKS(m) (((m)->experts + ROUTER_EXPERTS - 1) / ROUTER_EXPERTS)
 
@@ -292,6 +296,9 @@ static int with_lora(Phase *ph, int k, const StepBatch *b, int l, int slot) {
     if (resid) ph[n + 2] = add;
     return k + 2;
 }
+
+/* A row of qkv: H query heads (each followed by its gate's rows with an output gate), KVH key and value heads. */
+static int qkv_width(const StepModel *m) { return (m->heads * (m->attn_gate ? 2 : 1) + 2 * m->kv_heads) * m->head_dim; }
 
 /* A branch's output projection (attention's o, the MLP's down) and its residual add: straight into h when the
  * layer adds it as it is; else into y, then h += residual_scale * norm(y) row by row. */
@@ -335,11 +342,32 @@ static int moe_phases(Phase *ph, const StepModel *m, const StepLayer *L, int l, 
     return n;
 }
 
+/* A linear layer's mixer in attention's place (recurrent.h): its input projections, each into its columns of
+ * the raw row, reordered where it has a permutation; the conv per (sequence, channel chunk); the recurrence per
+ * (sequence, head); Mamba2's gated norm per row; the output projection and its residual add. */
+static int mixer_phases(Phase *ph, const StepModel *m, const StepLayer *L, int l, const Buffers *buf,
+                        const float *xa, int T, int nthreads) {
+    const RecMixer *r = L->mixer;
+    const int S = buf->rec.S;
+    int n = 0;
+    for (int i = 0, off = 0; i < r->n_in; off += (int)r->in_n[i], i++) {
+        n += matmul_phases(ph + n, buf, P_QKV, buf->rec.rows + off, xa, r->in[i], (int)r->in_fmt[i], r->in_bias[i], T,
+                           (int)r->in_n[i], m->hidden, 0, nthreads);
+        ph[n - 1].ldo = r->width;
+    }
+    if (r->perm) ph[n++] = (Phase){.kind = K_REC_PERM, .layer = l, .items = T, .prof = P_ROPE};
+    ph[n++] = (Phase){.kind = K_REC_CONV, .layer = l, .items = rec_conv_items(r, S), .prof = P_ROPE};
+    if (rec_scan_items(r, S))
+        ph[n++] = (Phase){.kind = K_REC_SCAN, .layer = l, .items = rec_scan_items(r, S), .prof = P_ATTN};
+    if (r->kind == MIX_MAMBA2) ph[n++] = (Phase){.kind = K_REC_NORM, .layer = l, .items = T, .prof = P_ATTN};
+    return n + branch_phases(ph + n, m, buf, P_O, rec_out(r, &buf->rec), r->out, r->out_fmt, r->out_bias, L->attn_out_norm, T,
+                             r->out_k, nthreads);
+}
+
 /* Every phase of the step, in order; returns how many (at most MAX_LAYER_PHASES per layer and 5 more). */
 static int plan(Phase *ph, const StepModel *m, const StepLayer *layers, const StepBatch *b, const Buffers *buf,
                 int nthreads) {
-    const int T = b->T, E = m->hidden, I = m->inter, HD = m->heads * m->head_dim;
-    const int QKV = (m->heads + 2 * m->kv_heads) * m->head_dim;
+    const int T = b->T, E = m->hidden, I = m->inter, HD = m->heads * m->head_dim, QKV = qkv_width(m);
     /* attention items: (token, KV head), reading each block once for the heads that share it; with too few of
      * those to keep the threads busy (one sequence), (token, query head) */
     const int attn_split = buf->n_tiles * m->kv_heads >= 2 * nthreads ? m->kv_heads : m->heads;
@@ -349,16 +377,20 @@ static int plan(Phase *ph, const StepModel *m, const StepLayer *layers, const St
         const StepLayer *L = &layers[l];
         const float *xa = L->attn_norm ? buf->x : buf->h, *xm = L->ffn_norm ? buf->x : buf->h; /* no norm: h */
         if (L->attn_norm) ph[n++] = norm_phase(buf->x, buf->h, L->attn_norm, NULL, T);
-        n += with_lora(ph + n,
-                       matmul_phases(ph + n, buf, P_QKV, buf->qkv, xa, L->qkv, L->qkv_fmt, L->qkv_bias, T, QKV, E, 0,
-                                     nthreads),
-                       b, l, LORA_QKV);
-        ph[n++] = (Phase){.kind = K_ROPE, .layer = l, .items = T, .prof = P_ROPE};
-        ph[n++] = (Phase){.kind = K_ATTN, .layer = l, .items = buf->n_tiles * attn_split, .prof = P_ATTN};
-        n += with_lora(ph + n,
-                       branch_phases(ph + n, m, buf, P_O, buf->attn, L->o, L->o_fmt, L->o_bias, L->attn_out_norm, T,
-                                     HD, nthreads),
-                       b, l, LORA_O);
+        if (L->mixer) {
+            n += mixer_phases(ph + n, m, L, l, buf, xa, T, nthreads);
+        } else {
+            n += with_lora(ph + n,
+                           matmul_phases(ph + n, buf, P_QKV, buf->qkv, xa, L->qkv, L->qkv_fmt, L->qkv_bias, T, QKV, E, 0,
+                                         nthreads),
+                           b, l, LORA_QKV);
+            ph[n++] = (Phase){.kind = K_ROPE, .layer = l, .items = T, .prof = P_ROPE};
+            ph[n++] = (Phase){.kind = K_ATTN, .layer = l, .items = buf->n_tiles * attn_split, .prof = P_ATTN};
+            n += with_lora(ph + n,
+                           branch_phases(ph + n, m, buf, P_O, buf->attn, L->o, L->o_fmt, L->o_bias, L->attn_out_norm,
+                                         T, HD, nthreads),
+                           b, l, LORA_O);
+        }
         if (L->ffn_norm) ph[n++] = norm_phase(buf->x, buf->h, L->ffn_norm, NULL, T);
         if (L->moe) {
             n += moe_phases(ph + n, m, L, l, buf, xm, T, nthreads);
@@ -388,8 +420,17 @@ static int plan(Phase *ph, const StepModel *m, const StepLayer *layers, const St
  * quantized cache holds rotated rows (kv_rotate): q, k and v are all rotated here, and attention() rotates the
  * outputs back. */
 static void rope_and_store(const StepModel *m, const StepLayer *L, const StepBatch *b, float *qkv, int t) {
-    const int D = m->head_dim, H = m->heads, KVH = m->kv_heads, width = (H + 2 * KVH) * D, R = m->rotary_dim;
+    const int D = m->head_dim, H = m->heads, KVH = m->kv_heads, width = qkv_width(m), R = m->rotary_dim;
     float *row = qkv + (int64_t)t * width;
+    if (m->attn_gate) { /* [q_0, gate_0, q_1, gate_1, ..., k, v] -> [q, k, v, gate]: every reader's offsets as ungated */
+        float qg[2 * H * D];
+        memcpy(qg, row, sizeof qg);
+        memmove(row + H * D, row + 2 * H * D, (size_t)2 * KVH * D * sizeof(float));
+        for (int h = 0; h < H; h++) {
+            memcpy(row + h * D, qg + 2 * h * D, (size_t)D * sizeof(float));
+            memcpy(row + (H + 2 * KVH + h) * D, qg + (2 * h + 1) * D, (size_t)D * sizeof(float));
+        }
+    }
     if (L->q_norm && L->qk_norm_full) {
         rmsnorm(row, row, L->q_norm, H * D, m->eps);
         rmsnorm(row + H * D, row + H * D, L->k_norm, KVH * D, m->eps);
@@ -434,7 +475,7 @@ static void logit_row(const StepModel *m, float *logits, int r) {
  * null blocks a sliding group holds before its window are never read. */
 static void attention(const StepModel *m, const StepLayer *L, const StepBatch *b, const Buffers *buf,
                       const Scratch *sc, int i, int split) {
-    const int H = m->heads, KVH = m->kv_heads, D = m->head_dim, width = (H + 2 * KVH) * D;
+    const int H = m->heads, KVH = m->kv_heads, D = m->head_dim, width = qkv_width(m);
     const int tile = i / split, h0 = i % split * (H / split), t = buf->tiles[tile];
     const int end = tile + 1 < buf->n_tiles ? buf->tiles[tile + 1] : b->T;
     const int64_t *table = b->block_tables + ((int64_t)L->group * b->S + b->seq[t]) * b->max_blocks;
@@ -444,6 +485,11 @@ static void attention(const StepModel *m, const StepLayer *L, const StepBatch *b
     paged_attention_heads(&a, 0, h0, h0 + H / split, sc->scores, sc->block);
     for (int u = t; m->cache_kind >= KV_INT8 && u < end; u++)
         for (int h = h0; h < h0 + H / split; h++) kv_rotate(buf->attn + ((int64_t)u * H + h) * D, D);
+    for (int u = t; m->attn_gate && u < end; u++) { /* times sigmoid(gate), the gate after q, k, v (rope_and_store) */
+        float *o = buf->attn + ((int64_t)u * H + h0) * D;
+        const float *g = buf->qkv + (int64_t)u * width + (H + 2 * KVH + h0) * D;
+        for (int j = 0; j < H / split * D; j++) o[j] *= 1.0f / (1.0f + expf(-g[j]));
+    }
 }
 
 /* Split the tokens into attention tiles: runs of consecutive positions of one sequence, at most TILE long. */
@@ -530,11 +576,13 @@ static void matmul_item(const Phase *p, const Buffers *buf, const Scratch *sc, i
     const int units = p->amx ? (p->N + 31) / 32 : (p->N + 15) / 16;
     const int end = (i + 1) * p->per_item < units ? (i + 1) * p->per_item : units;
     if (p->amx) {
-        const QMatmulBf16 a = {p->out, buf->xb, p->w, p->bias, p->M, p->N, p->K / 32, p->N, p->fmt, p->accumulate};
+        const QMatmulBf16 a = {p->out, buf->xb, p->w, p->bias, p->M, p->N, p->K / 32, p->ldo ? p->ldo : p->N, p->fmt,
+                               p->accumulate};
         for (int u = i * p->per_item; u < end; u++) qmm_amx_pair(&a, u, sc->bbuf);
         return;
     }
-    const QMatmul a = {p->out, p->x, p->w, p->bias, p->M, p->N, p->K / 32, p->K, p->N, p->fmt, p->accumulate};
+    const QMatmul a = {p->out, p->x, p->w, p->bias, p->M, p->N, p->K / 32, p->K, p->ldo ? p->ldo : p->N, p->fmt,
+                       p->accumulate};
     for (int u = i * p->per_item; u < end; u++)
         if (p->dot)
             qdot_column_block(&a, &buf->xq, u, sc->panel);
@@ -604,6 +652,18 @@ static void run_item(const Phase *p, const StepModel *m, const StepLayer *layers
     case K_LORA_B:
         lora_expand(b->lora, p->layer, p->lora, p->out, p->N, i);
         break;
+    case K_REC_PERM:
+        rec_permute(layers[p->layer].mixer, &buf->rec, i);
+        break;
+    case K_REC_CONV:
+        rec_conv(layers[p->layer].mixer, &buf->rec, i);
+        break;
+    case K_REC_SCAN:
+        rec_scan(layers[p->layer].mixer, &buf->rec, i);
+        break;
+    case K_REC_NORM:
+        rec_norm(layers[p->layer].mixer, &buf->rec, i);
+        break;
     case K_RESID:
         residual_row(m, p, i);
         break;
@@ -642,7 +702,8 @@ static void work(const Phase *ph, int n, int *next, int *done, const StepModel *
 
 /* Every index the step will follow is checked first: 0, or -2 bad sizes, -3 a context longer than its block
  * table, -4 a block id outside the cache, -5 a token id, position, sequence, slot or logit row out of range. */
-static int check(const StepModel *m, const StepLayer *layers, const StepBatch *b, int64_t *ctx, int64_t *max_ctx) {
+static int check(const StepModel *m, const StepLayer *layers, const StepBatch *b, const RecStep *rec, int64_t *ctx,
+                 int64_t *max_ctx) {
     if (b->T <= 0 || b->R < 0 || b->groups <= 0 || m->heads % m->kv_heads || m->rotary_dim % 2 || m->rotary_dim < 0 ||
         m->rotary_dim > m->head_dim || m->hidden % 32 || m->inter % 32 || m->cache_kind < KV_F32 ||
         m->cache_kind > KV_FP8_E5M2 || m->act < ACT_SILU || m->act > ACT_GELU_TANH ||
@@ -660,6 +721,10 @@ static int check(const StepModel *m, const StepLayer *layers, const StepBatch *b
                      moe->ffn != m->moe_ffn || !L->shared_gate_up != !L->shared_down ||
                      (L->shared_gate_up && !m->shared_inter))))
             return -2;
+        if (L->mixer) {
+            const int status = rec ? rec_check(L->mixer, rec, m->hidden) : -2;
+            if (status) return status;
+        }
     }
     *max_ctx = 0;
     for (int t = 0; t < b->T; t++) {
@@ -683,12 +748,23 @@ static int check(const StepModel *m, const StepLayer *layers, const StepBatch *b
     return 0;
 }
 
+/* The widest input of a mixer's output projection (0: none). */
+static int mixer_k(const StepModel *m, const StepLayer *layers) {
+    int k = 0;
+    for (int l = 0; l < m->layers; l++) {
+        const RecMixer *r = layers[l].mixer;
+        if (r && r->out_k > k) k = r->out_k;
+    }
+    return k;
+}
+
 static int run(const StepModel *m, const StepLayer *layers, const StepBatch *b, Buffers *buf, int64_t max_ctx,
                int nthreads) {
     const int E = m->hidden, HD = m->heads * m->head_dim, max_phases = m->layers * MAX_LAYER_PHASES + 5;
     int K = E > m->inter ? (E > HD ? E : HD) : (m->inter > HD ? m->inter : HD);
     K = K > m->moe_ffn ? K : m->moe_ffn;
     K = K > m->shared_inter ? K : m->shared_inter;
+    K = K > mixer_k(m, layers) ? K : mixer_k(m, layers);
     Phase *ph = malloc((size_t)max_phases * sizeof(Phase));
     int *counters = calloc((size_t)2 * max_phases, sizeof(int));
     Scratch *sc = calloc((size_t)nthreads, sizeof(Scratch));
@@ -723,11 +799,38 @@ static int run(const StepModel *m, const StepLayer *layers, const StepBatch *b, 
     return status;
 }
 
+/* The mixers' view of the step (recurrent.h), where a layer has one: each sequence's rows (a sequence's tokens
+ * are one run of the flat batch) and state slot, and rows for the widest mixer; else *r stays empty. 0, -1 (out of
+ * memory), -2 (no state slots), -5 (a sequence's tokens apart or out of order). */
+static int rec_step(const StepModel *m, const StepLayer *layers, const StepBatch *b, RecStep *r, float **mem,
+                    int64_t **seqs) {
+    int64_t row = 0;
+    for (int l = 0; l < m->layers; l++)
+        if (layers[l].mixer && rec_row_floats(layers[l].mixer) > row) row = rec_row_floats(layers[l].mixer);
+    if (!row) return 0;
+    if (!b->state_slots) return -2;
+    *seqs = malloc((size_t)2 * b->S * sizeof(int64_t));
+    *mem = malloc((size_t)b->T * row * sizeof(float));
+    if (!*seqs || !*mem) return -1;
+    int64_t *first = *seqs, *len = first + b->S;
+    for (int s = 0; s < b->S; s++) len[s] = 0;
+    for (int t = 0; t < b->T; t++) {
+        const int64_t s = b->seq[t];
+        if (s < 0 || s >= b->S || (t > 0 && s != b->seq[t - 1] && len[s])) return -5;
+        if (!len[s]++) first[s] = t;
+    }
+    for (int s = 0; s < b->S; s++)
+        if (!len[s]) return -5;
+    *r = (RecStep){first, len, b->state_slots, b->positions, b->T, b->S, *mem};
+    return 0;
+}
+
 int model_step(const StepModel *m, const StepLayer *layers, const StepBatch *b, int num_threads) {
     const int T = b->T, E = m->hidden, I = m->inter, HD = m->heads * m->head_dim, SI = m->experts ? m->shared_inter : 0;
-    const int QKV = (m->heads + 2 * m->kv_heads) * m->head_dim, nthreads = num_threads < 1 ? 1 : num_threads;
+    const int QKV = qkv_width(m), nthreads = num_threads < 1 ? 1 : num_threads;
     int K = E > I ? (E > HD ? E : HD) : (I > HD ? I : HD);
     K = K > SI ? K : SI;
+    K = K > mixer_k(m, layers) ? K : mixer_k(m, layers);
     const int amx = m->amx_min_rows > 0 && T >= m->amx_min_rows && qmm_bf16_kind() ? m->amx_min_rows : 0;
     const int64_t per_row = 3 * (int64_t)E + QKV + HD + 3 * (int64_t)I;
     /* a sparse model's rows: rw, sgu, sact, sy, rlogits */
@@ -741,9 +844,13 @@ int model_step(const StepModel *m, const StepLayer *layers, const StepBatch *b, 
     XQ16 xq = {dot ? malloc((size_t)T * K * sizeof(int16_t)) : NULL, dot ? malloc((size_t)T * (K / 32) * sizeof(float)) : NULL,
                dot ? malloc((size_t)T * (K / 16) * sizeof(int32_t)) : NULL};
     int64_t max_ctx = 0;
+    RecStep rec = {0};
+    float *rec_mem = NULL;
+    int64_t *seqs = NULL;
     int status = (!mem || !ctx || !tiles || (amx && !xb) || (dot && (!xq.q || !xq.d || !xq.s)) || (m->experts && !ids))
                      ? -1
-                     : check(m, layers, b, ctx, &max_ctx);
+                     : rec_step(m, layers, b, &rec, &rec_mem, &seqs);
+    if (status == 0) status = check(m, layers, b, rec.S ? &rec : NULL, ctx, &max_ctx);
     if (status == 0 && b->lora) status = lora_check(b->lora, T, m->layers);
     MoePlan *plan = NULL;
     if (status == 0 && m->experts) {
@@ -758,12 +865,14 @@ int model_step(const StepModel *m, const StepLayer *layers, const StepBatch *b, 
                        mem + (int64_t)T * (2 * E + QKV + HD + 3 * I), ctx, tiles, make_tiles(b, tiles), xb, amx,
                        xq, dot, ids, moe, moe + (int64_t)T * m->topk, moe + (int64_t)T * (m->topk + 2 * SI),
                        moe + (int64_t)T * (m->topk + 3 * SI), moe + (int64_t)T * (m->topk + 3 * SI + E), plan,
-                       &moe_status};
+                       &moe_status, rec};
         status = qrows_f32(buf.h, b->tokens, T, m->embed, m->vocab, E, m->embed_fmt);
         if (status == 0) status = run(m, layers, b, &buf, max_ctx, nthreads);
         if (status == 0) status = moe_status;
     }
     moe_plan_free(plan);
+    free(rec_mem);
+    free(seqs);
     free(mem);
     free(ctx);
     free(ids);

@@ -40,6 +40,9 @@ typedef struct {
     int rope;             /* ROPE_NONE (NoPE), ROPE_GLOBAL, ROPE_LOCAL (Gemma 3's sliding layers' own base) */
     int qk_norm_full;     /* 1: q_norm / k_norm span all heads at once (OLMo2); 0: one head (Qwen3, Gemma 3) */
     int group;            /* the KV-cache group whose block table and slots the layer reads and writes */
+    /* A linear layer (a hybrid model's): its recurrent mixer (recurrent.h's RecMixer) in attention's place, or
+     * NULL: attention */
+    const void *mixer;
 } StepLayer;
 
 typedef struct {
@@ -63,6 +66,7 @@ typedef struct {
      * experts read to (one per active expert per sparse layer). */
     int experts, topk, moe_ffn, shared_inter, router, norm_topk;
     int64_t *expert_reads;
+    int attn_gate; /* 1: attention's output times sigmoid(gate), each head's gate rows after its query's in qkv */
 } StepModel;
 
 typedef struct {
@@ -74,6 +78,7 @@ typedef struct {
     float *logits; /* [R, vocab] */
     double *profile; /* NULL, or [N_PHASES] seconds added per phase (benchmarks/step_profile.py) */
     const LoraStep *lora; /* NULL, or the rows that run under LoRA adapters and the adapters' matrices */
+    const int64_t *state_slots; /* [S] each sequence's recurrent-state slot (NULL: a model without mixers) */
 } StepBatch;
 
 int64_t step_struct_size(const char *name);

@@ -1,0 +1,250 @@
+/*
+ * The recurrent mixers of a hybrid model's linear layers as work items of the fused step (model_step.c runs their
+ * matmuls; recurrent.h lays out the rows): the causal depthwise conv over the last K-1 inputs each sequence keeps,
+ * then Gated DeltaNet's delta rule or Mamba2's SSM over the float32 state, then the gated norm; LFM2's short conv
+ * is the conv alone, gated. Each layer's states are read and written in place in their slot: model_step.c checks
+ * everything a step follows before its first phase, so no step stops midway with a state half advanced.
+ *
+ * Why token by token, prefill too: the torch path needs a chunked scan (deltanet.py, mamba2.py) because a token
+ * loop costs its ops' dispatch per token; here a token of one head is Dk x Dv multiply-adds over a state that
+ * stays in L1/L2 (64 KiB at 128 x 128), a few hundred times fewer flops than the layer's matmuls take for that
+ * token, and the work items (sequence, head) keep the threads busy. It is also the form transformers' recurrent
+ * decode computes, so a decode token's numbers are the torch path's up to the order of its sums, and a prompt's
+ * the chunked scan's up to rounding (the same recurrence, reassociated).
+ *
+ * Numerics follow the torch path in float32: softplus with torch's threshold of 20, sigmoid(b), l2norm x *
+ * rsqrt(sum(x^2) + 1e-6), RMS norms x * rsqrt(mean(x^2) + eps) * w, silu(z) = z sigmoid(z).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "recurrent.h"
+#include "simd.h"
+
+#define CONV_CH 64   /* channels per conv work item */
+#define MAX_KEEP 15  /* the longest conv state (kernel - 1) */
+#define MAX_HEAD 512 /* the widest head (dk, dv) a scan item keeps on its stack */
+
+int64_t rec_struct_size(const char *name) {
+    if (!strcmp(name, "RecMixer")) return sizeof(RecMixer);
+    if (!strcmp(name, "RecStep")) return sizeof(RecStep);
+    return -1;
+}
+
+int64_t rec_row_floats(const RecMixer *r) {
+    return 2 * (int64_t)r->width + r->conv_dim + r->out_k;
+}
+
+/* The rows of a step's layer (RecStep): raw, canonical, conv, out, one after the other. */
+static float *raw_rows(const RecStep *s) { return s->rows; }
+static float *canon_rows(const RecMixer *r, const RecStep *s) {
+    return r->perm ? s->rows + (int64_t)s->T * r->width : s->rows;
+}
+static float *conv_rows(const RecMixer *r, const RecStep *s) { return s->rows + 2 * (int64_t)s->T * r->width; }
+float *rec_out(const RecMixer *r, const RecStep *s) { return conv_rows(r, s) + (int64_t)s->T * r->conv_dim; }
+
+static float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+static float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+static float silu(float x) { return x / (1.0f + expf(-x)); }
+
+static float bf16_to_f32(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch's .to(bfloat16) */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return (u & 0x7fffffff) > 0x7f800000 ? (uint16_t)((u >> 16) | 64)
+                                         : (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+}
+
+int rec_check(const RecMixer *r, const RecStep *s, int hidden) {
+    const int keep = r->kernel - 1;
+    if (r->kind < MIX_GATED_DELTANET || r->kind > MIX_SHORT_CONV || keep < 0 || keep > MAX_KEEP ||
+        r->n_in < 1 || r->n_in > 4 || !r->conv_w || !r->conv_state || r->out_k % 32 || r->heads < 1 ||
+        r->groups < 1 || r->heads % r->groups || r->dk < 1 || r->dv < 1 || r->dk > MAX_HEAD || r->dv > MAX_HEAD)
+        return -2;
+    int64_t n = 0;
+    for (int i = 0; i < r->n_in; i++) n += r->in_n[i];
+    if (n != r->width) return -2;
+    const int64_t value = (int64_t)r->heads * r->dv;
+    if (r->kind == MIX_GATED_DELTANET &&
+        (r->conv_dim != 2 * r->groups * r->dk + value || r->width != r->conv_dim + value + 2 * r->heads ||
+         r->out_k != value || !r->rec_state || !r->a_log || !r->dt_bias || !r->norm))
+        return -2;
+    /* Mamba2's state is [heads, head dim, state size]: dk = head dim, dv = state size */
+    const int64_t inner = (int64_t)r->heads * r->dk;
+    if (r->kind == MIX_MAMBA2 &&
+        (r->conv_dim != inner + 2 * r->groups * r->dv || r->width != inner + r->conv_dim + r->heads ||
+         r->out_k != inner || !r->rec_state || !r->a_log || !r->dt_bias || !r->d || !r->norm || inner % r->groups))
+        return -2;
+    if (r->kind == MIX_SHORT_CONV && (r->width != 3 * r->conv_dim || r->out_k != r->conv_dim || r->conv_dim != hidden))
+        return -2;
+    for (int q = 0; q < s->S; q++) {
+        if (s->slot[q] < 0 || s->slot[q] >= r->slots) return -5;
+        for (int p = 0; p < q; p++)
+            if (s->slot[p] == s->slot[q]) return -5;
+    }
+    return 0;
+}
+
+int rec_conv_items(const RecMixer *r, int S) { return S * ((r->conv_dim + CONV_CH - 1) / CONV_CH); }
+
+int rec_scan_items(const RecMixer *r, int S) { return r->kind == MIX_SHORT_CONV ? 0 : S * r->heads; }
+
+/* Row t's projections in the canonical order (recurrent.h). */
+void rec_permute(const RecMixer *r, const RecStep *s, int t) {
+    const float *raw = raw_rows(s) + (int64_t)t * r->width;
+    float *canon = canon_rows(r, s) + (int64_t)t * r->width;
+    for (int j = 0; j < r->width; j++) canon[j] = raw[r->perm[j]];
+}
+
+/* Item i: one sequence's tokens through the causal conv for a chunk of CONV_CH channels, its conv state (in the
+ * slot, zeros for a sequence at position 0) advanced in place. Gated DeltaNet and Mamba2: silu(conv) into the
+ * conv rows; short conv: C * conv(B * x) into the output rows. The sum runs over the window in order, then the
+ * bias: (window * w).sum(-1) + bias, as causal_conv.py computes a decode token. */
+void rec_conv(const RecMixer *r, const RecStep *s, int i) {
+    const int chunks = (r->conv_dim + CONV_CH - 1) / CONV_CH, q = i / chunks, c0 = i % chunks * CONV_CH;
+    const int C = r->conv_dim, K = r->kernel, keep = K - 1, n = C - c0 < CONV_CH ? C - c0 : CONV_CH;
+    const int64_t slot = s->slot[q], t0 = s->first[q], t1 = t0 + s->len[q];
+    const int fresh = s->positions[t0] == 0, shortconv = r->kind == MIX_SHORT_CONV;
+    const int in_off = r->kind == MIX_MAMBA2 ? r->heads * r->dk : shortconv ? 2 * C : 0;
+    float hist[MAX_KEEP + 1][CONV_CH], w[MAX_KEEP + 1][CONV_CH], acc[CONV_CH];
+    for (int c = 0; c < n; c++)
+        for (int k = 0; k < K; k++) w[k][c] = r->conv_w[(int64_t)(c0 + c) * K + k];
+    const int64_t base = (slot * C + c0) * keep;
+    for (int c = 0; c < n; c++)
+        for (int k = 0; k < keep; k++)
+            hist[k][c] = fresh ? 0.0f
+                         : r->conv_bf16 ? bf16_to_f32(((const uint16_t *)r->conv_state)[base + (int64_t)c * keep + k])
+                                        : ((const float *)r->conv_state)[base + (int64_t)c * keep + k];
+    for (int64_t t = t0; t < t1; t++) {
+        const float *row = canon_rows(r, s) + t * r->width;
+        float *in = hist[keep];
+        for (int c = 0; c < n; c++) in[c] = shortconv ? row[c0 + c] * row[in_off + c0 + c] : row[in_off + c0 + c];
+        for (int c = 0; c < n; c++) acc[c] = w[0][c] * hist[0][c];
+        for (int k = 1; k < K; k++)
+            for (int c = 0; c < n; c++) acc[c] += w[k][c] * hist[k][c];
+        if (r->conv_b)
+            for (int c = 0; c < n; c++) acc[c] += r->conv_b[c0 + c];
+        if (shortconv) {
+            float *out = rec_out(r, s) + t * C + c0;
+            for (int c = 0; c < n; c++) out[c] = row[C + c0 + c] * acc[c];
+        } else {
+            float *out = conv_rows(r, s) + t * C + c0;
+            for (int c = 0; c < n; c++) out[c] = silu(acc[c]);
+        }
+        for (int k = 0; k < keep; k++) memcpy(hist[k], hist[k + 1], (size_t)n * sizeof(float));
+    }
+    for (int c = 0; c < n; c++)
+        for (int k = 0; k < keep; k++) {
+            const int64_t at = base + (int64_t)c * keep + k;
+            if (r->conv_bf16)
+                ((uint16_t *)r->conv_state)[at] = f32_to_bf16(hist[k][c]);
+            else
+                ((float *)r->conv_state)[at] = hist[k][c];
+        }
+}
+
+/* x / |x| over n floats, as l2norm: x * rsqrt(sum(x^2) + 1e-6), times `scale`. */
+static void l2norm(float *out, const float *x, int n, float scale) {
+    float ss = 0.0f;
+    for (int j = 0; j < n; j++) ss += x[j] * x[j];
+    const float r = 1.0f / sqrtf(ss + 1e-6f);
+    for (int j = 0; j < n; j++) out[j] = x[j] * r * scale;
+}
+
+/* One token of Gated DeltaNet's value head h: the state [dk, dv] decayed by exp(g), corrected toward v by beta
+ * along k (the delta rule), read by q; then the head's RMS norm times silu(z) into `out`. */
+static void deltanet_token(const RecMixer *r, float *st, const float *conv, const float *row, int h, float *out) {
+    const int dk = r->dk, dv = r->dv, kh = h / (r->heads / r->groups), key = r->groups * dk;
+    const int value = r->heads * dv, C = r->conv_dim;
+    float q[MAX_HEAD], k[MAX_HEAD], mem[MAX_HEAD], o[MAX_HEAD];
+    l2norm(q, conv + kh * dk, dk, 1.0f / sqrtf((float)dk));
+    l2norm(k, conv + key + kh * dk, dk, 1.0f);
+    const float *v = conv + 2 * key + h * dv, *z = row + C + h * dv;
+    const float beta = sigmoid(row[C + value + h]);
+    const float decay = expf(-expf(r->a_log[h]) * softplus(row[C + value + r->heads + h] + r->dt_bias[h]));
+    for (int j = 0; j < dv; j++) mem[j] = 0.0f;
+    for (int a = 0; a < dk; a++) {
+        float *srow = st + (int64_t)a * dv;
+        const float ka = k[a];
+        for (int j = 0; j < dv; j++) {
+            srow[j] *= decay;
+            mem[j] += srow[j] * ka;
+        }
+    }
+    for (int j = 0; j < dv; j++) {
+        mem[j] = (v[j] - mem[j]) * beta; /* the delta */
+        o[j] = 0.0f;
+    }
+    for (int a = 0; a < dk; a++) {
+        float *srow = st + (int64_t)a * dv;
+        const float ka = k[a], qa = q[a];
+        for (int j = 0; j < dv; j++) {
+            srow[j] += ka * mem[j];
+            o[j] += srow[j] * qa;
+        }
+    }
+    float ss = 0.0f;
+    for (int j = 0; j < dv; j++) ss += o[j] * o[j];
+    const float rn = 1.0f / sqrtf(ss / (float)dv + r->eps);
+    for (int j = 0; j < dv; j++) out[j] = r->norm[j] * (o[j] * rn) * silu(z[j]);
+}
+
+/* One token of Mamba2's head h: the state [head dim, state size] decayed by exp(dt A), plus dt x B^T; y = state C
+ * + D x into `out` (before the gated norm, rec_norm). */
+static void mamba2_token(const RecMixer *r, float *st, const float *conv, const float *row, int h, float *out) {
+    const int P = r->dk, N = r->dv, g = h / (r->heads / r->groups), inner = r->heads * P;
+    const float *x = conv + h * P, *B = conv + inner + g * N, *Cm = conv + inner + r->groups * N + g * N;
+    float dt = softplus(row[inner + r->conv_dim + h] + r->dt_bias[h]);
+    dt = dt < r->dt_min ? r->dt_min : dt > r->dt_max ? r->dt_max : dt;
+    const float decay = expf(dt * -expf(r->a_log[h])), D = r->d[h];
+    for (int p = 0; p < P; p++) {
+        float *srow = st + (int64_t)p * N;
+        const float xp = dt * x[p];
+        float acc = 0.0f;
+        for (int j = 0; j < N; j++) {
+            srow[j] = srow[j] * decay + xp * B[j];
+            acc += srow[j] * Cm[j];
+        }
+        out[p] = acc + x[p] * D;
+    }
+}
+
+/* Item i: one sequence's tokens through head i % heads of the recurrence, its state (in the slot, zeros for a
+ * sequence at position 0) advanced in place. */
+void rec_scan(const RecMixer *r, const RecStep *s, int i) {
+    const int q = i / r->heads, h = i % r->heads;
+    const int64_t size = (int64_t)r->dk * r->dv, t0 = s->first[q], t1 = t0 + s->len[q];
+    float *st = r->rec_state + (s->slot[q] * r->heads + h) * size;
+    if (s->positions[t0] == 0) memset(st, 0, (size_t)size * sizeof(float));
+    const int head_out = r->kind == MIX_MAMBA2 ? r->dk : r->dv;
+    for (int64_t t = t0; t < t1; t++) {
+        const float *conv = conv_rows(r, s) + t * r->conv_dim, *row = canon_rows(r, s) + t * r->width;
+        float *out = rec_out(r, s) + t * r->out_k + (int64_t)h * head_out;
+        if (r->kind == MIX_MAMBA2)
+            mamba2_token(r, st, conv, row, h, out);
+        else
+            deltanet_token(r, st, conv, row, h, out);
+    }
+}
+
+/* Row t of Mamba2's output: y * silu(z), RMS-normed over each group's channels, times the norm's weight. */
+void rec_norm(const RecMixer *r, const RecStep *s, int t) {
+    if (r->kind != MIX_MAMBA2) return;
+    const int inner = r->heads * r->dk, per = inner / r->groups;
+    const float *z = canon_rows(r, s) + (int64_t)t * r->width;
+    float *y = rec_out(r, s) + (int64_t)t * r->out_k;
+    for (int j = 0; j < inner; j++) y[j] *= silu(z[j]);
+    for (int g = 0; g < r->groups; g++) {
+        float *yg = y + g * per, ss = 0.0f;
+        for (int j = 0; j < per; j++) ss += yg[j] * yg[j];
+        const float rn = 1.0f / sqrtf(ss / (float)per + r->eps);
+        for (int j = 0; j < per; j++) yg[j] = r->norm[g * per + j] * (yg[j] * rn);
+    }
+}

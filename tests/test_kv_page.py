@@ -330,3 +330,50 @@ def check_stacks(driver, state: dict, cells) -> None:
         assert pixel == rgb[mp["states"][k]], (i, counts)
         checked += 1
     assert checked
+
+
+def test_the_page_names_a_hybrid_models_state_slots(browser):
+    """A manager with recurrent-state slots and checkpoints (no model) behind the real route and page: the page's
+    header names the state's layers, bytes per request, slots used and free, checkpoints held."""
+    from types import SimpleNamespace
+
+    from fastapi import FastAPI
+
+    from pagedllm.kv.kv_spec import kv_cache_layout
+    from pagedllm.kv.manager import TokenRequest
+    from pagedllm.kv.state_slots import StateCheckpoints, StateSlotPool
+    from pagedllm.server.api_server import Server
+    from pagedllm.server.kv_page import router
+
+    engine = busy_engine(64, blocks_per_request=4)
+    kv = engine.kv
+    kv.layout = kv_cache_layout([None] * 4, recurrent=[0, 1, 2])
+    kv.attach_state_slots(StateSlotPool(3, 12_345), StateCheckpoints(3, 3, 16))
+    req = TokenRequest("h", list(range(40)))
+    assert kv.allocate_slots(req, 40) and kv.state_checkpoint_row(req, 32) is not None
+    engine.model_config = SimpleNamespace(recurrent_mixer="mamba2")
+
+    async def run_on_engine(fn, timeout: float = 30.0):
+        return fn(engine)
+
+    app = FastAPI()
+    app.include_router(router)
+    app.state.engine = SimpleNamespace(
+        run_on_engine=run_on_engine,
+        stats=lambda: SimpleNamespace(num_blocks=64),
+        stop_accepting=lambda: None,
+        abort_all=lambda: None,
+        is_healthy=True,
+    )
+    srv = Server(app, host="127.0.0.1", port=0, log_level="warning")
+    srv.start_in_thread()
+    base = f"http://127.0.0.1:{srv.uvicorn.servers[0].sockets[0].getsockname()[1]}"
+    try:
+        browser.get(f"{base}/kv")
+        text = wait_for("the header", lambda: (t := browser.find_element("id", "pool").text) and "state" in t and t)
+        assert (
+            "recurrent state (3 mamba2 layers): 12,345 bytes per request, slots 1 used / 2 free, "
+            "checkpoints 1 of 3 rows (0 held)" in text
+        )
+    finally:
+        srv.stop()

@@ -119,6 +119,7 @@ class BlockMap:
     prefix_caching: bool
     kv_cache_dtype: str
     kv_groups: list[dict]
+    recurrent_state: dict | None  # a hybrid model's state slots and checkpoints (KVSnapshot.recurrent_state)
     counters: Counters
     map: Cells
     blocks: list[BlockInfo] | None
@@ -199,6 +200,7 @@ def block_map(snap: KVSnapshot, max_cells: int = 8192, detail: bool = False) -> 
         prefix_caching=snap.prefix_caching,
         kv_cache_dtype=snap.kv_cache_dtype,
         kv_groups=snap.kv_groups,
+        recurrent_state=snap.recurrent_state,
         counters=_counters(snap, state, fill),
         map=_cells(snap.num_blocks, max_cells, ref, state, fill),
         blocks=_blocks(snap, state, fill) if detail else None,

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from pagedllm.engine.stats import recurrent_state_stats
 
 
 @dataclass
@@ -49,6 +51,9 @@ class KVSnapshot:
     # The KV-cache groups, each with its own block tables: {"window": int | None, "layers": [...], "frees_blocks":
     # bool, "blocks": blocks the running requests hold in it}
     kv_groups: list[dict] = field(default_factory=list)
+    # A hybrid model's state slots and checkpoints (stats.RecurrentStateStats's fields, with its "mixer" and
+    # "slots_free"); None without linear-attention layers
+    recurrent_state: dict | None = None
 
 
 def take_snapshot(
@@ -91,7 +96,16 @@ def take_snapshot(
         counters=counters,
         kv_cache_dtype=str(engine.kv_dtype).removeprefix("torch."),
         kv_groups=_groups(engine, running),
+        recurrent_state=_recurrent_state(engine),
     )
+
+
+def _recurrent_state(engine: Any) -> dict | None:
+    rs = recurrent_state_stats(engine.kv)
+    if rs is None:
+        return None
+    mixer = getattr(getattr(engine, "model_config", None), "recurrent_mixer", "gated_deltanet")
+    return {"mixer": mixer, **asdict(rs), "slots_free": rs.slots - rs.slots_used}
 
 
 def _groups(engine: Any, running: list[RequestState]) -> list[dict]:

@@ -30,6 +30,57 @@ class AbortLog:
 
 
 @dataclass
+class KVGroupStats:
+    """One KV-cache group (kv_spec.py): layers that attend alike and share a block table per request."""
+
+    window: int | None  # tokens a query of these layers sees; None: full attention
+    layers: list[int]
+    blocks: int  # blocks the running requests hold in it now (a shared block once)
+
+
+@dataclass
+class RecurrentStateStats:
+    """A hybrid model's recurrent state (kv/state_slots.py): a slot per running request beside its blocks, and the
+    prefix cache's checkpoints of it at block boundaries."""
+
+    layers: list[int]  # the linear-attention layers (no KV)
+    bytes_per_request: int  # one slot: every such layer's conv and recurrent state
+    slots: int  # reserved out of the KV budget (at most --max-num-seqs)
+    slots_used: int
+    checkpoint_rows: int  # rows for checkpoints (0: prefix caching off)
+    checkpoints: int  # rows holding one now
+    checkpoints_held: int  # of those, held by a prefix hit until it is copied
+    checkpoint_disk_loads: int  # read back from the disk tier (cumulative)
+
+
+def kv_group_stats(kv: KVCacheManager) -> list[KVGroupStats]:
+    """Each KV-cache group of the manager's layout with the blocks held in it (none without a layout)."""
+    if kv.layout is None:
+        return []
+    held = kv.group_held_blocks()
+    if len(held) != len(kv.layout.groups):  # one table for every group's layers (contiguous allocation)
+        return [KVGroupStats(None, sorted(x for g in kv.layout.groups for x in g.layers), held[0])]
+    return [KVGroupStats(g.window, list(g.layers), n) for g, n in zip(kv.layout.groups, held)]
+
+
+def recurrent_state_stats(kv: KVCacheManager) -> RecurrentStateStats | None:
+    """The state slots and checkpoints of a hybrid model (None without linear-attention layers)."""
+    slots, ck = kv.state_slots, kv.state_checkpoints
+    if slots is None:
+        return None
+    return RecurrentStateStats(
+        list(kv.layout.recurrent_layers) if kv.layout is not None else [],
+        slots.bytes_per_slot,
+        slots.num_slots,
+        slots.num_slots - slots.num_free,
+        ck.num_rows if ck is not None else 0,
+        len(ck.rows) if ck is not None else 0,
+        len(ck.refs) if ck is not None else 0,
+        kv.state_disk_loads,
+    )
+
+
+@dataclass
 class EngineStats:
     num_running: int
     num_waiting: int
@@ -56,6 +107,8 @@ class EngineStats:
     # layer), and expert weights read (once per expert a step used, per sparse layer: what decode bytes follow)
     moe_expert_tokens: int = 0
     moe_expert_reads: int = 0
+    kv_groups: list[KVGroupStats] = field(default_factory=list)
+    recurrent_state: RecurrentStateStats | None = None  # a hybrid model's state slots and checkpoints
 
     @property
     def num_used_blocks(self) -> int:
@@ -113,6 +166,8 @@ def collect_stats(
         spec_decode_num_accepted_tokens_per_pos=list(spec.accepted_per_pos),
         moe_expert_tokens=int(expert_load.tokens.sum()) if expert_load is not None else 0,
         moe_expert_reads=expert_load.reads[0] if expert_load is not None else 0,
+        kv_groups=kv_group_stats(kv),
+        recurrent_state=recurrent_state_stats(kv),
     )
 
 

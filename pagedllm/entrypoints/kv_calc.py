@@ -136,8 +136,7 @@ def run(args: argparse.Namespace) -> int:
         for i, r in enumerate(rows, 1):
             print(f"{i:>7} {r.tokens:>7,} {r.blocks:>7,} {r.slots:>7,} {r.empty:>7,}")
     if args.model is not None:
-        _report_model(args.model, _kv_dtype(args), block_size, max_len, used, budget)
-        _report_states(args.model, args.dtype)
+        _report_model(args.model, _kv_dtype(args), block_size, max_len, used, budget, args.dtype)
     if args.plot:
         from pagedllm.bench.block_map_plot import plot_kv_calc
 
@@ -156,21 +155,33 @@ def _kv_dtype(args: argparse.Namespace) -> str:
     return kv_cache_dtype("auto", dtype)[0]
 
 
-def _report_states(model: str, dtype: str) -> None:
-    """A hybrid model's recurrent-state slot: what each request holds beside its blocks, whatever its length
-    (conv rows in the model's --dtype, SSM / delta-rule states in float32), reserved for --max-num-seqs requests
-    out of the KV budget."""
-    from pagedllm.model import load_model_config, resolve_dtype
+def _report_states(cfg, model_dtype: str) -> None:
+    """A hybrid model's recurrent-state slot: what each request holds beside its blocks, whatever its length (conv
+    rows in the model's --dtype, SSM / delta-rule states in float32), per layer and per request, reserved for
+    --max-num-seqs requests out of the KV budget, with as much again for the prefix cache's checkpoints."""
+    from pagedllm.model import resolve_dtype
 
-    cfg = load_model_config(None if model == "default" else model)
     if not cfg.linear_layers:
         return
-    torch_dtype = resolve_dtype(dtype, cfg)
-    per = cfg.state_bytes_per_request(torch_dtype.itemsize)
+    torch_dtype = resolve_dtype(model_dtype, cfg)
+    conv_bytes = torch_dtype.itemsize
+    per = cfg.state_bytes_per_request(conv_bytes)
+    conv_dim, heads, key_dim, value_dim = cfg.recurrent_state_dims()
+    conv = conv_dim * (cfg.linear_conv_kernel_dim - 1) * conv_bytes
+    name = str(torch_dtype).removeprefix("torch.")
+    layers = ", ".join(map(str, cfg.linear_layers))
+    print(f"recurrent state ({cfg.recurrent_mixer}, layers {layers}: no KV, no blocks):")
     print(
-        f"recurrent state per request: {per:,} bytes ({len(cfg.linear_layers)} {cfg.recurrent_mixer} layers, "
-        f"conv state in {str(torch_dtype).removeprefix('torch.')}): one slot per running request, reserved for "
-        "--max-num-seqs requests out of the KV budget"
+        f"  per layer: conv state {conv:,} bytes ({name}), recurrent state {heads * key_dim * value_dim * 4:,} "
+        "bytes (float32)"
+    )
+    print(
+        f"recurrent state: {per:,} bytes per request ({len(cfg.linear_layers)} layers): one slot per running "
+        "request, whatever its length, reserved for --max-num-seqs requests out of the KV budget"
+    )
+    print(
+        f"  with prefix caching (on by default) a checkpoint row per slot as well: {2 * per:,} bytes per slot; a "
+        "prefix hit starts from the state checkpointed at its last block boundary"
     )
 
 
@@ -225,7 +236,9 @@ def _report_weights(cfg, model: str | None) -> None:
     )
 
 
-def _report_model(model: str, dtype: str, block_size: int, max_len: int, used: list[int], budget: int | None) -> None:
+def _report_model(
+    model: str, dtype: str, block_size: int, max_len: int, used: list[int], budget: int | None, model_dtype: str
+) -> None:
     from pagedllm.model.config import load_model_config
 
     cfg = load_model_config(None if model == "default" else model)
@@ -244,13 +257,7 @@ def _report_model(model: str, dtype: str, block_size: int, max_len: int, used: l
     print(f"KV bytes per token: {per_token:,}")
     print(f"KV bytes per block of {block_size}: {per_block:,}")
     _report_groups(cfg, dtype, block_size, max_len)
-    if cfg.linear_layers:
-        conv = KV_DTYPES[dtype].value_bytes if KV_DTYPES[dtype].scale_bytes == 0 else 2
-        print(
-            f"recurrent state: {cfg.state_bytes_per_request(conv):,} bytes per request ({len(cfg.linear_layers)} "
-            "linear-attention layers, no KV: conv state and float32 recurrent state); the budget reserves one for "
-            "each of --max-num-seqs requests"
-        )
+    _report_states(cfg, model_dtype)
     head = f"{'--kv-cache-dtype':>16} {'bytes/token':>12} {'vs float32':>10}"
     print(head + (f" {'tokens in budget':>17}" if budget else ""))
     for name in KV_DTYPE_ROWS:

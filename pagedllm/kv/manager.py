@@ -102,8 +102,10 @@ class KVCacheManager:
         self.req_tokens: dict[str, int] = {}  # tokens each request has slots for (stored or about to be)
         self.prefix_stats = PrefixCacheStats()
         self.peak_used_blocks = 0  # the most blocks requests held at once (a memory figure: docs/benchmarks.md)
+        self.layout: KVCacheLayout | None = None  # the model's KV-cache groups and recurrent layers (kv_spec.py)
         self.state_slots: StateSlotPool | None = None  # a hybrid model's recurrent-state slots (state_slots.py)
         self.state_checkpoints: StateCheckpoints | None = None  # ... and its states at block boundaries
+        self.state_disk_loads = 0  # checkpoints a lookup read back from a connector (the disk tier)
 
     def attach_state_slots(self, pool: StateSlotPool, checkpoints: StateCheckpoints | None = None) -> None:
         """A hybrid model: each request also holds a recurrent-state slot while it runs. A prefix hit then needs
@@ -196,6 +198,10 @@ class KVCacheManager:
         """Blocks the request holds per group (not counting null entries)."""
         return [len(self.held_block_ids(request_id))]
 
+    def group_held_blocks(self) -> list[int]:
+        """Per group, the blocks the requests hold in it, a shared one once."""
+        return [len({b.block_id for blocks in self.req_blocks.values() for b in blocks})]
+
     def num_skipped_blocks(self, request_id: str) -> int:
         """Leading entries of the request's table that went back to the pool (out of a sliding window)."""
         return 0
@@ -279,6 +285,7 @@ class PagedKVCacheManager(KVCacheManager):
     ) -> None:
         """One group per group of `layout` (default: one group, every layer sliding by `sliding_window`, or full)."""
         super().__init__(num_blocks, block_size, enable_caching)
+        self.layout = layout
         self.windows = [g.window for g in layout.groups] if layout is not None else [sliding_window]
         # What a table holds for a block that fell out of a window: not in the pool, never counted or cached.
         # Its id (0) is any valid block for the kernels, which never read it (the torch path masks it out).
@@ -291,7 +298,6 @@ class PagedKVCacheManager(KVCacheManager):
         self.step_journal: list[tuple[str, int, int, list[KVBlock]]] = []
         self.connectors: list[KVConnector] = []
         self.segments: SegmentStore | None = None
-        self.state_disk_loads = 0  # state checkpoints a lookup read back from a connector (the disk tier)
 
     @property
     def req_blocks(self) -> dict[str, list[KVBlock]]:
@@ -466,6 +472,13 @@ class PagedKVCacheManager(KVCacheManager):
     def group_block_counts(self, request_id: str) -> list[int]:
         return [sum(b is not self.null_block for b in t) for t in self.coordinator.tables(request_id)]
 
+    def group_held_blocks(self) -> list[int]:
+        null = self.null_block
+        return [
+            len({id(b) for blocks in m.req_to_blocks.values() for b in blocks if b is not null})
+            for m in self.coordinator.managers
+        ]
+
     @property
     def num_stored_tokens(self) -> int:
         """Distinct token slots the running requests keep, over every group: a shared block's tokens count once,
@@ -624,5 +637,7 @@ def make_kv_cache_manager(
     if allocation == "paged":
         return PagedKVCacheManager(num_blocks, block_size, enable_prefix_caching, layout=layout)
     if allocation == "contiguous":
-        return ContiguousKVCacheManager(num_blocks, block_size, max_model_len)
+        kv = ContiguousKVCacheManager(num_blocks, block_size, max_model_len)
+        kv.layout = layout
+        return kv
     raise ValueError(f"unknown KV allocation {allocation!r}: choose paged or contiguous")

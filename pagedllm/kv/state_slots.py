@@ -63,7 +63,7 @@ class StateCheckpoints:
     (connector.py) keeps it, as the block pool hands it an evicted block."""
 
     def __init__(self, first_row: int, num_rows: int, block_size: int) -> None:
-        self.block_size = block_size
+        self.block_size, self.num_rows = block_size, num_rows
         self._free: deque[int] = deque(range(first_row, first_row + num_rows))
         self.rows: dict[BlockHash, int] = {}  # key -> row, in least-recently-used order (oldest first)
         self.refs: dict[BlockHash, int] = {}  # keys held by a hit not yet copied

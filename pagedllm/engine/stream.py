@@ -8,16 +8,21 @@ from collections.abc import Iterator
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.errors import UserError
+from pagedllm.lora_request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 
 def stream_request(
-    engine: LLMEngine, request_id: str, prompt: str | list[int], params: SamplingParams
+    engine: LLMEngine,
+    request_id: str,
+    prompt: str | list[int],
+    params: SamplingParams,
+    lora_request: LoRARequest | None = None,
 ) -> Iterator[tuple[str, RequestOutput]]:
     """(new text, output) for each step that advanced the request, until it finishes; a request that fails raises
     UserError with its error, and one the consumer stops reading early is aborted (its blocks freed). Other
     requests in the engine keep running, their outputs dropped here: use an engine of its own."""
-    engine.add_request(request_id, prompt, params)
+    engine.add_request(request_id, prompt, params, lora_request=lora_request)
     sent = 0
     try:
         while engine.has_unfinished_requests():

@@ -21,6 +21,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     chat.add_argument("--system", default=None, help="a system prompt that starts the chat (default: none)")
     for p, func in ((gen, run_generate), (chat, run_chat)):
         add_engine_args(p, model_positional=False)
+        p.add_argument(
+            "--lora",
+            default=None,
+            metavar="[NAME=]PATH",
+            help="answer with this LoRA adapter on the model: a PEFT folder or a llama.cpp GGUF adapter (turns on "
+            "--enable-lora; default: none)",
+        )
         temperature = 0.7 if p is chat else 0.0
         s = p.add_argument_group("sampling")
         s.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (default: 256)")
@@ -81,27 +88,51 @@ def _params(args: argparse.Namespace):
 def _engine(args: argparse.Namespace):
     from pagedllm.engine import EngineConfig, LLMEngine
 
-    return LLMEngine(EngineConfig.from_args(args))
+    if args.lora:
+        args.enable_lora = True
+    engine = LLMEngine(EngineConfig.from_args(args))
+    return engine, _lora(engine, args.lora)
 
 
-def stream(engine, request_id: str, prompt: str | list[int], params) -> Iterator[str]:
-    """Text deltas of one request as the engine steps; the request is aborted if the consumer stops early."""
+def _lora(engine, spec: str | None):
+    """--lora's adapter (NAME=PATH, or a PATH named by its last part), loaded now: a bad one fails before the
+    first prompt, its error naming the adapter and the tensor."""
+    import os
+
+    from pagedllm.errors import UserError
+    from pagedllm.lora_request import LoRARequest
+
+    if not spec:
+        return None
+    name, sep, path = spec.partition("=")
+    if not sep:
+        name, path = os.path.basename(os.path.normpath(spec)), spec
+    if not name or not path:
+        raise UserError(f"--lora: {spec!r} is not PATH or NAME=PATH")
+    lora = LoRARequest(name, 1, path)
+    engine.add_lora(lora)
+    return lora
+
+
+def stream(engine, request_id: str, prompt: str | list[int], params, lora=None) -> Iterator[str]:
+    """Text deltas of one request as the engine steps (under --lora's adapter, if any); the request is aborted if
+    the consumer stops early."""
     from pagedllm.engine import stream_request
 
-    for delta, _ in stream_request(engine, request_id, prompt, params):
+    for delta, _ in stream_request(engine, request_id, prompt, params, lora):
         if delta:
             yield delta
 
 
 def run_generate(args: argparse.Namespace) -> int:
     params = _params(args)
-    engine = _engine(args)
+    engine, lora = _engine(args)
     prompt = (
         engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
         if args.chat_template
         else args.prompt
     )
-    for delta in stream(engine, "generate", prompt, params):
+    for delta in stream(engine, "generate", prompt, params, lora):
         sys.stdout.write(delta)
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -110,7 +141,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def run_chat(args: argparse.Namespace) -> int:
     params = _params(args)
-    engine = _engine(args)
+    engine, lora = _engine(args)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     turn = 0
     print("pagedllm chat: type a message; an empty line or Ctrl-D ends it.", file=sys.stderr)
@@ -124,7 +155,7 @@ def run_chat(args: argparse.Namespace) -> int:
         messages.append({"role": "user", "content": line})
         reply = []
         try:
-            for delta in stream(engine, f"chat-{turn}", engine.tokenizer.apply_chat_template(messages), params):
+            for delta in stream(engine, f"chat-{turn}", engine.tokenizer.apply_chat_template(messages), params, lora):
                 reply.append(delta)
                 sys.stdout.write(delta)
                 sys.stdout.flush()

@@ -170,19 +170,35 @@ def gguf_target_names(model: CausalLM, arch: str) -> dict[str, str]:
     }
 
 
+# HF names as llama.cpp's converter renames them before its name map (Mamba2's and Qwen3-Next's dt_bias)
+_CONVERTER_RENAMES = ((".dt_bias", ".dt_proj.bias"),)
+
+
 def gguf_names(model: CausalLM, arch: str, hf_names: list[str]) -> dict[str, str]:
-    """GGUF tensor name -> HF name for the model's tensors, by llama.cpp's name map of `arch`."""
+    """GGUF tensor name -> HF name for the model's tensors, by llama.cpp's name map of `arch` (and the family's
+    own names for those the map lacks)."""
     import gguf
 
     archs = {name: key for key, name in gguf.MODEL_ARCH_NAMES.items()}
     tmap = gguf.get_tensor_name_map(archs.get(arch, gguf.MODEL_ARCH.LLAMA), model.config.num_layers)
+    fam = family_of(model)
+    own = {} if fam.gguf_layer_names is None else fam.gguf_layer_names(model.config.num_experts > 0)
     out = {}
     for hf in hf_names:
-        name = tmap.get_name(hf, try_suffixes=(".weight", ".bias"))
+        m = _LAYER_NAME.fullmatch(hf)
+        base, dot, kind = hf.rpartition(".")
+        if m and base[len(m.group(1)) :] in own:
+            out[f"blk.{m.group(1).split('.')[2]}.{own[base[len(m.group(1)) :]]}{dot}{kind}"] = hf
+            continue
+        key = hf
+        for old, new in _CONVERTER_RENAMES:
+            key = key.replace(old, new)
+        name = tmap.get_name(key, try_suffixes=(".weight", ".bias"))
         if name is None:
             raise ModelLoadError(f"llama.cpp's {arch} tensor table has no name for {hf}")
-        bare = not hf.endswith((".weight", ".bias"))  # the converter stores a bare parameter as `<name>.weight`
-        out[name + ".weight" if bare else name] = hf
+        if not hf.endswith((".weight", ".bias")) and key == hf:  # a bare parameter: `<name>.weight` (gpt-oss's
+            out[name + ".weight"] = hf  # sinks) or `<name>` (Mamba2's and Qwen3-Next's ssm_a, ssm_d)
+        out[name] = hf
     return out
 
 
@@ -285,12 +301,14 @@ def iter_gguf(gf: GGUFFile, model: CausalLM, keep_quantized: bool = False) -> It
         if parts is not None:
             yield hf, parts.rows(unpermute_gguf(np.arange(info.shape[0]), heads)) if unpermute else parts
             continue
-        if len(info.shape) == 2 and not unpermute:
+        if len(info.shape) == 2 and not unpermute and not hf.endswith(".A_log"):
             yield hf, DenseRows(gf, name, (info.shape[0], info.shape[1]))
             continue
         arr = gf.load_array(name)
         if unpermute:
             arr = unpermute_gguf(arr, heads)
+        if hf.endswith(".A_log"):  # the converter stores A = -exp(A_log) (Mamba2, Gated DeltaNet)
+            arr = np.log(-arr.astype(np.float32))
         if not arr.flags.writeable:
             arr = arr.copy()
         yield hf, torch.from_numpy(np.ascontiguousarray(arr))
@@ -368,18 +386,30 @@ def _split(rule: Unfuse, prefix: str, name: str, t: torch.Tensor, experts: int, 
             yield prefix + target.replace("{e}", str(e)), piece.contiguous()
 
 
+def _reshapes(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    """Whether a stored tensor fills a parameter of another shape: [H] for [1, H], a conv's [C, K] for [C, 1, K]
+    (llama.cpp's converter squeezes it), a 1-D parameter stored per group (Mamba2's norm, [groups, size])."""
+    if shape == target or int(np.prod(shape)) != int(np.prod(target)):
+        return False
+    return [n for n in shape if n != 1] == [n for n in target if n != 1] or len(target) == 1
+
+
 def _put(slot: Slot, value: Value, key: str, where: str) -> None:
-    shape = tuple(value.shape)
-    if isinstance(value, torch.Tensor) and shape != tuple(slot.target.shape) and value.numel() == slot.target.numel():
-        if [n for n in shape if n != 1] == [n for n in slot.target.shape if n != 1]:  # [H] for [1, H]
-            value, shape = value.reshape(slot.target.shape), tuple(slot.target.shape)
-    if shape != tuple(slot.target.shape):
-        raise ModelLoadError(f"{where}: tensor {key} has shape {shape}, expected {tuple(slot.target.shape)}")
+    target = slot.target
+    if not isinstance(value, QuantParts) and _reshapes(tuple(value.shape), tuple(target.shape)):
+        if isinstance(value, torch.Tensor):
+            value = value.reshape(target.shape)
+        else:  # DenseRows: read into a view of the parameter in the stored shape
+            target = target.view(value.shape)
+    if tuple(value.shape) != tuple(target.shape):
+        raise ModelLoadError(
+            f"{where}: tensor {key} has shape {tuple(value.shape)}, expected {tuple(slot.target.shape)}"
+        )
     if isinstance(value, DenseRows):
-        value.copy_to(slot.target)
+        value.copy_to(target)
     elif not isinstance(value, QuantParts):
         with torch.no_grad():
-            slot.target.copy_(value)
+            target.copy_(value)
 
 
 def _unused(name: str) -> bool:

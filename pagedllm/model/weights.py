@@ -49,10 +49,12 @@ class DenseRows:
     name: str
     shape: tuple[int, int]
     expert: int | None = None  # the matrix of this expert in a 3-D tensor of every expert's (read whole)
+    first_row: int = 0  # where the expert's rows start in its matrix (Gemma 4's gate and up stacked)
 
     def copy_to(self, param: torch.Tensor) -> None:
         if self.expert is not None:
-            one = self.gf.load_array(self.name, slice(self.expert, self.expert + 1)).reshape(self.shape)
+            one = self.gf.load_array(self.name, slice(self.expert, self.expert + 1))[0]
+            one = np.array(one[self.first_row : self.first_row + self.shape[0]])
             with torch.no_grad():
                 param.copy_(torch.from_numpy(one))
             return
@@ -215,6 +217,10 @@ _GGUF_MOE = {
 }
 
 
+# Gemma 4's router scale and per-expert scales, stored beside the router and the experts' down matrices
+_GGUF_MOE_SCALES = {"ffn_gate_inp.scale": "router_scale", "ffn_down_exps.scale": "expert_scale"}
+
+
 def gguf_moe_names(model: CausalLM) -> dict[str, str]:
     """GGUF name -> HF name of every sparse block's tensors (an expert's with `{e}` for its number: the GGUF
     tensor holds them all). llama.cpp's converter names these alike in every arch."""
@@ -227,6 +233,10 @@ def gguf_moe_names(model: CausalLM) -> dict[str, str]:
                 for kind in ("weight", "bias"):
                     if isinstance(getattr(slots[slot], kind, None), torch.Tensor):
                         out[f"blk.{i}.{short}.{kind}"] = f"model.layers.{i}.{layers[slot][piece]}.{kind}"
+        for short, slot in _GGUF_MOE_SCALES.items():
+            if slot in slots:
+                suffix = "" if getattr(slots[slot], "bare", False) else ".weight"
+                out[f"blk.{i}.{short}"] = f"model.layers.{i}.{layers[slot][0]}{suffix}"
     return out
 
 
@@ -287,6 +297,11 @@ def iter_gguf(gf: GGUFFile, model: CausalLM, keep_quantized: bool = False) -> It
     for name, info in gf.tensors.items():
         if name in _CONFIG_TENSORS:
             continue
+        if name.endswith(".ffn_gate_up_exps.weight"):  # Gemma 4: every expert's gate and up stacked
+            for half, piece in enumerate(("ffn_gate_exps", "ffn_up_exps")):
+                hf = names.get(name.replace("ffn_gate_up_exps", piece), name)
+                yield from _gguf_experts(gf, name, hf, cfg.num_experts, keep_quantized, (half, 2))
+            continue
         hf = names.get(name, name)
         if "{e}" in hf:
             yield from _gguf_experts(gf, name, hf, cfg.num_experts, keep_quantized)
@@ -314,25 +329,31 @@ def iter_gguf(gf: GGUFFile, model: CausalLM, keep_quantized: bool = False) -> It
         yield hf, torch.from_numpy(np.ascontiguousarray(arr))
 
 
-def _expert_blocks(raw: np.ndarray, expert: int, ggml_type: int) -> QuantParts:
-    return from_gguf_blocks(raw[expert], ggml_type)
+def _expert_blocks(raw: np.ndarray, expert: int, ggml_type: int, rows: slice) -> QuantParts:
+    return from_gguf_blocks(raw[expert][rows], ggml_type)
 
 
-def _gguf_experts(gf: GGUFFile, name: str, hf: str, experts: int, keep_quantized: bool) -> Iterator[tuple[str, Value]]:
+def _gguf_experts(
+    gf: GGUFFile, name: str, hf: str, experts: int, keep_quantized: bool, part: tuple[int, int] = (0, 1)
+) -> Iterator[tuple[str, Value]]:
     """A 3-D tensor of every expert's matrix ([experts, rows, cols]; a bias [experts, n]), one expert at a time:
-    its slice of the stored blocks as QuantParts (never the whole tensor dequantized), or read dense."""
+    its slice of the stored blocks as QuantParts (never the whole tensor dequantized), or read dense. `part`:
+    (i, n): the i-th of n equal row ranges of each expert's matrix (Gemma 4's gate and up in one tensor)."""
     info = gf.tensors[name]
-    if len(info.shape) not in (2, 3) or info.shape[0] != experts:
+    if len(info.shape) not in (2, 3) or info.shape[0] != experts or info.shape[1] % part[1]:
         raise ModelLoadError(
             f"{gf.path}: tensor {name} has shape {info.shape}, not one matrix for each of {experts} experts"
         )
     quant = keep_quantized and len(info.shape) == 3 and info.ggml_type in GGML_TYPES and info.shape[2] % 32 == 0
+    n = info.shape[1] // part[1]
+    rows = slice(part[0] * n, (part[0] + 1) * n)
     for e in range(experts):
         one = hf.replace("{e}", str(e))
         if quant:
-            yield one, gf.load_raw(name, functools.partial(_expert_blocks, expert=e, ggml_type=info.ggml_type))
+            load = functools.partial(_expert_blocks, expert=e, ggml_type=info.ggml_type, rows=rows)
+            yield one, gf.load_raw(name, load)
         elif len(info.shape) == 3:
-            yield one, DenseRows(gf, name, (info.shape[1], info.shape[2]), expert=e)
+            yield one, DenseRows(gf, name, (n, info.shape[2]), expert=e, first_row=rows.start)
         else:
             yield one, torch.from_numpy(gf.load_array(name, slice(e, e + 1))[0].copy())
 

@@ -17,7 +17,12 @@ change is tested against the change itself:
   false) unless the model is Bamba.
 
 Matrices go in `fmt` (f32, f16, q8_0, q4_0: gguf.quants), kept in F32 where the converter keeps them: 1-D
-tensors, norms, routers, the conv; a row that is no whole number of blocks stays F32.
+tensors, norms, routers, the conv, any tensor not named `.weight` (ssm_a, ssm_d, biases); a row that is no whole
+number of blocks stays F32.
+
+`make_hybrid` writes the tiny random checkpoints these files come from (tests/test_model_hybrid_gguf.py and
+benchmarks/serving/family_parity_llamacpp.py), in shapes llama.cpp loads: key and value heads of one width (it
+reads both from ssm.state_size), Qwen3.5's RoPE sections within its turning dims, Granite 4.0-H without RoPE.
 """
 
 from __future__ import annotations
@@ -30,6 +35,94 @@ from typing import Any
 import numpy as np
 
 from devkit.family_helpers import _decode, _encode, _permute, _tokenizer_metadata
+from devkit.tiny_tokenizer import save_tiny_tokenizer
+
+_COMMON = dict(
+    vocab_size=256,
+    hidden_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+# three Gated DeltaNet layers, then a full-attention one; heads of one quantization block, so that Qwen3.5's
+# tiled out_proj columns move whole blocks (the quantized files' reference stays exact)
+_QWEN = dict(
+    intermediate_size=96,
+    head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=32,
+    linear_value_head_dim=32,
+    rms_norm_eps=1e-5,
+    # the multimodal sections within the 4 turning dims of a head (text positions are alike: only llama.cpp's
+    # check that they fit cares)
+    rope_parameters={
+        "rope_type": "default",
+        "rope_theta": 1e4,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [1, 1, 0],
+    },
+)
+_QWEN_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64)
+# Mamba2 and attention layers in the released checkpoints' legacy names; the dense one's intermediate_size that of
+# its shared MLP, as in the released configs (llama.cpp sizes the MLP by it)
+_GRANITE = dict(
+    intermediate_size=32,
+    shared_intermediate_size=64,
+    layer_types=["mamba", "attention", "mamba", "attention"],
+    mamba_n_heads=8,
+    mamba_d_head=16,
+    mamba_d_state=16,
+    mamba_n_groups=2,
+    mamba_d_conv=4,
+    mamba_expand=2,
+    rms_norm_eps=1e-5,
+    embedding_multiplier=2.0,
+    residual_multiplier=0.5,
+    attention_multiplier=0.2,
+    logits_scaling=3.0,
+    position_embedding_type=None,
+)
+CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3_5": ("Qwen3_5TextConfig", _QWEN),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", {k: v for k, v in _QWEN.items() if k != "intermediate_size"} | _QWEN_MOE),
+    "qwen3_next": ("Qwen3NextConfig", {k: v for k, v in _QWEN.items() if k != "rope_parameters"} | _QWEN_MOE),
+    "granitemoehybrid": ("GraniteMoeHybridConfig", _GRANITE | {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "granitemoehybrid_dense": ("GraniteMoeHybridConfig", _GRANITE | {"intermediate_size": 64, "num_local_experts": 0}),
+}
+
+
+def make_hybrid(family: str, folder: str) -> Any:
+    """A tiny random `family` checkpoint saved in `folder` (float32, a word-level tokenizer); its transformers
+    model. Weights drawn wide enough that a wrong state, gate, decay or rotation moves the logits far past the
+    tests' tolerance: matrices N(0, 0.3^2), decays spread by A_log, norms, dt biases, skips and conv biases off
+    their neutral init."""
+    import torch
+    import transformers
+
+    cls, extra = CONFIGS[family]
+    cfg = getattr(transformers, cls)(**(_COMMON | extra))
+    cfg.architectures = [cls.replace("TextConfig", "ForCausalLM").replace("Config", "ForCausalLM")]
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("A_log"):
+                p.uniform_(-2, 1)
+            elif name.endswith(("norm.weight", "layernorm.weight")):
+                p.uniform_(0.7, 1.3) if "linear_attn" in name or family.startswith("granite") else p.uniform_(-0.3, 0.3)
+            elif name.endswith(("dt_bias", ".D", "conv1d.bias")):
+                p.uniform_(-1, 1)
+            else:
+                p.normal_(0, 0.3)
+    hf.save_pretrained(folder, safe_serialization=True)
+    save_tiny_tokenizer(folder, _COMMON["vocab_size"])
+    return hf
+
 
 ARCHS = {
     "qwen3_5": "qwen35",
@@ -159,7 +252,7 @@ def _qtype(new: str, t: np.ndarray, target: Any) -> Any:
     import gguf
 
     kind = new.split(".")[-2] if new.count(".") >= 2 else ""
-    f32 = t.ndim <= 1 or new.endswith("_norm.weight") or kind in _F32 or new.endswith(".ssm_a")
+    f32 = t.ndim <= 1 or new.endswith("_norm.weight") or kind in _F32 or not new.endswith(".weight")
     block = gguf.GGML_QUANT_SIZES[target][0]
     return gguf.GGMLQuantizationType.F32 if f32 or t.shape[-1] % block else target
 
@@ -200,8 +293,8 @@ def _metadata(w: Any, family: str, cfg: dict[str, Any]) -> None:
     w.add_array(f"{ARCHS[family]}.attention.recurrent_layers", [t == "linear_attention" for t in cfg["layer_types"]])
     w.add_full_attention_interval(cfg.get("full_attention_interval", 4))
     w.add_rope_dimension_count(int(head_dim * rp.get("partial_rotary_factor", 0.25)))
-    if family != "qwen3_next":
-        w.add_rope_dimension_sections(rp.get("mrope_section", [11, 11, 10, 0]))
+    if family != "qwen3_next":  # the config's sections, or _Qwen35MRopeMixin's default
+        w.add_rope_dimension_sections((list(rp.get("mrope_section", [11, 11, 10])) + [0])[:4])
 
 
 def _granite_metadata(w: Any, cfg: dict[str, Any]) -> None:

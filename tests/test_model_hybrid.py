@@ -44,19 +44,18 @@ _SHAPE = dict(
 _MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
 
 
-def make_hybrid(family: str, folder: str, **overrides) -> torch.nn.Module:
-    """A tiny random checkpoint of `family` in `folder` (`overrides`: config keys): weights drawn wide enough that
-    a wrong state, gate or rotation moves the logits far past the tolerance (decays spread by A_log, norms around
-    1)."""
+def make_hybrid(family: str, folder: str) -> torch.nn.Module:
+    """A tiny random checkpoint of `family` in `folder`: weights drawn wide enough that a wrong state, gate or
+    rotation moves the logits far past the tolerance (decays spread by A_log, norms around 1)."""
     from transformers import AutoModelForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3NextConfig
 
     if family == "qwen3_next":
-        cfg, arch = Qwen3NextConfig(**(_SHAPE | _MOE | overrides)), "Qwen3NextForCausalLM"
+        cfg, arch = Qwen3NextConfig(**_SHAPE, **_MOE), "Qwen3NextForCausalLM"
     elif family == "qwen3_5_moe":  # every layer sparse: no dense intermediate_size in its config
         shape = {k: v for k, v in _SHAPE.items() if k != "intermediate_size"}
-        cfg, arch = Qwen3_5MoeTextConfig(**(shape | _MOE | overrides)), "Qwen3_5MoeForCausalLM"
+        cfg, arch = Qwen3_5MoeTextConfig(**shape, **_MOE), "Qwen3_5MoeForCausalLM"
     else:
-        cfg, arch = Qwen3_5TextConfig(**(_SHAPE | overrides)), "Qwen3_5ForCausalLM"
+        cfg, arch = Qwen3_5TextConfig(**_SHAPE), "Qwen3_5ForCausalLM"
     cfg.architectures = [arch]
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()

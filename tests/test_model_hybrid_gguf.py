@@ -13,10 +13,8 @@ import shutil
 
 import pytest
 import torch
-from test_model_hybrid import make_hybrid as make_qwen
-from test_model_ssm import make_hybrid as make_granite
 
-from devkit.hybrid_gguf import write_hybrid_gguf
+from devkit.hybrid_gguf import CONFIGS, make_hybrid, write_hybrid_gguf
 from pagedllm import SamplingParams
 from pagedllm.engine import EngineConfig, LLMEngine
 from pagedllm.engine.memory import state_bytes
@@ -26,9 +24,7 @@ from pagedllm.model.runner import bytes_per_block
 pytestmark = pytest.mark.usefixtures("one_thread", "private_tokenizer_cache")  # tests/conftest.py
 
 TOL = 1e-4  # of the largest logit
-FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen3_next", "granitemoehybrid", "granitemoehybrid_dense"]
-# value heads of a whole quantization block each, so that Qwen3.5's tiled out_proj columns move whole blocks
-_QWEN = {"linear_value_head_dim": 32}
+FAMILIES = list(CONFIGS)
 _CONFIG_KEYS = [
     "layer_types",
     "num_kv_heads",
@@ -56,17 +52,10 @@ _CONFIG_KEYS = [
 ]
 
 
-def make(family: str, folder: str) -> torch.nn.Module:
-    """The family's tiny checkpoint (Granite 4.0-H without RoPE, as llama.cpp runs granitehybrid)."""
-    if family.startswith("granite"):
-        return make_granite(family, folder, position_embedding_type=None)
-    return make_qwen(family, folder, **_QWEN)
-
-
 class Checkpoint:
     def __init__(self, family: str, root: str) -> None:
         self.family, self.folder = family, os.path.join(root, "hf")
-        self.hf = make(family, self.folder)
+        self.hf = make_hybrid(family, self.folder)
         self.path = os.path.join(root, f"tiny-{family}.f32.gguf")
         write_hybrid_gguf(self.folder, family, "f32", self.path)
         self.loaded = load_model(self.path, dtype="float32", verbose=False, quantized_activations="none")

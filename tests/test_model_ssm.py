@@ -31,9 +31,8 @@ TOL = 1e-4  # of the largest logit
 GRANITE_LAYERS = ["mamba", "attention", "mamba", "attention"]
 
 
-def make_hybrid(kind: str, folder: str, **overrides) -> torch.nn.Module:
-    """A tiny random checkpoint of `kind` in `folder` (float32, a word-level tokenizer; `overrides`: config keys);
-    its transformers model."""
+def make_hybrid(kind: str, folder: str) -> torch.nn.Module:
+    """A tiny random checkpoint of `kind` in `folder` (float32, a word-level tokenizer); its transformers model."""
     from transformers import AutoModelForCausalLM, GraniteMoeHybridConfig, Lfm2Config
 
     common = dict(
@@ -78,8 +77,6 @@ def make_hybrid(kind: str, folder: str, **overrides) -> torch.nn.Module:
             logits_scaling=3.0,
             position_embedding_type="rope" if moe else None,
         )
-    for key, value in overrides.items():
-        setattr(cfg, key, value)
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     with torch.no_grad():  # norms, decays, skips and conv biases off their neutral init, so each one matters

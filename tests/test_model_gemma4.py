@@ -288,17 +288,20 @@ def test_the_moe_block_matches_transformers(tmp_path):
     assert err < TOL, f"{err:.2e}"
 
 
-def write_gguf(folder: str, fmt: str, path: str) -> dict[str, torch.Tensor]:
-    """The tiny checkpoint as llama.cpp's converter writes a gemma4 GGUF (its Gemma4Model): per-layer sliding
-    flags, KV heads and ffn sizes, the full layers' head size in key_length, rope_freqs factors for the
-    proportional RoPE (1e30 where a frequency does not turn), layer_scalar as layer_output_scale.weight, norms
-    as stored (no 1 + w to fold); matrices in `fmt`, the rest F32. Returns the HF state dict of the file's values."""
+def write_gguf(folder: str, fmt: str, path: str, **overrides) -> dict[str, torch.Tensor]:
+    """The tiny checkpoint (made with `overrides`) as llama.cpp's converter writes a gemma4 GGUF (its
+    Gemma4Model): per-layer sliding flags, KV heads and ffn sizes, the full layers' head size in key_length,
+    rope_freqs factors for the proportional RoPE (1e30 where a frequency does not turn), layer_scalar as
+    layer_output_scale.weight, norms as stored (no 1 + w to fold); the sparse block's 3-D experts as
+    ffn_gate_up_exps / ffn_down_exps, the router's scale as ffn_gate_inp.scale and the per-expert scales as
+    ffn_down_exps.scale, the router in F32; matrices in `fmt`, the rest F32. Returns the HF state dict of the
+    file's values."""
     import gguf
     from safetensors import safe_open
 
     from devkit.family_helpers import _decode, _encode, _tokenizer_metadata
 
-    c = CONFIG
+    c = CONFIG | overrides
     layers, swa = c["num_hidden_layers"], [t == "sliding_attention" for t in TYPES]
     first_shared = layers - c["num_kv_shared_layers"]
     w = gguf.GGUFWriter(path, "gemma4")
@@ -322,6 +325,10 @@ def write_gguf(folder: str, fmt: str, path: str) -> dict[str, torch.Tensor]:
     w.add_shared_kv_layers(c["num_kv_shared_layers"])
     w.add_embedding_length_per_layer_input(c["hidden_size_per_layer_input"])
     w.add_sliding_window_pattern(swa)
+    if c.get("enable_moe_block"):
+        w.add_expert_count(c["num_experts"])
+        w.add_expert_used_count(c["top_k_experts"])
+        w.add_expert_feed_forward_length(c["moe_intermediate_size"])
     _tokenizer_metadata(w, [])
     turning = int(c["global_head_dim"] * 0.25 / 2)
     factors = [1.0] * turning + [1e30] * (c["global_head_dim"] // 2 - turning)
@@ -332,12 +339,15 @@ def write_gguf(folder: str, fmt: str, path: str) -> dict[str, torch.Tensor]:
     with safe_open(os.path.join(folder, "model.safetensors"), framework="pt") as st:
         for hf_name in st.keys():
             t = st.get_tensor(hf_name).float()
-            bare = hf_name.endswith("layer_scalar")
-            new = tmap.get_name(hf_name, try_suffixes=(".weight",) if not bare else ())
+            bid = hf_name.split(".")[2] if hf_name.startswith("model.layers.") else ""
+            bare = hf_name.endswith("layer_scalar") or ".experts." in hf_name  # the converter adds `.weight`
+            scales = {"router.scale": "ffn_gate_inp.scale", "router.per_expert_scale": "ffn_down_exps.scale"}
+            scale = next((v for k, v in scales.items() if hf_name.endswith(k)), None)
+            new = f"blk.{bid}.{scale}" if scale else tmap.get_name(hf_name + (".weight" if bare else ""), (".weight",))
             assert new is not None, hf_name
-            new += ".weight" if bare else ""
-            whole_blocks = t.dim() == 2 and t.shape[-1] % 32 == 0  # else llama.cpp's converter keeps it wider
-            qtype = target if whole_blocks else gguf.GGMLQuantizationType.F32
+            whole_blocks = t.dim() >= 2 and t.shape[-1] % 32 == 0  # else llama.cpp's converter keeps it wider
+            router = new.endswith("ffn_gate_inp.weight")  # forced F32 by the converter
+            qtype = target if whole_blocks and not router else gguf.GGMLQuantizationType.F32
             data = _encode(t.numpy(), qtype)
             w.add_tensor(new, data, raw_dtype=qtype)
             out[hf_name] = torch.from_numpy(_decode(data, qtype, tuple(t.shape)).copy()).reshape(t.shape)
@@ -399,3 +409,37 @@ def test_the_server_answers_and_shows_each_kv_group(ckpt, loaded):
         assert_pool_whole(s)
         groups = s.http.get("/v1/kv/blocks").json()["kv_groups"]
         assert [(g["window"], g["layers"]) for g in groups] == [(None, [2]), (8, [0]), (8, [1]), (8, [3])]
+
+
+@pytest.mark.parametrize("fmt", ["f32", "q8_0"])
+def test_the_moe_block_from_a_gguf_as_llama_cpp_writes_it(tmp_path, fmt):
+    """The sparse block as llama.cpp stores it (gate and up of every expert in one ffn_gate_up_exps, the router's
+    and the experts' scales beside them): the folder's config, and logits within float32 accuracy of transformers
+    on the values the file holds, experts kept quantized in Q8_0."""
+    import copy
+
+    folder = str(tmp_path / "hf")
+    moe = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
+    shape = dict(hidden_size_per_layer_input=0, num_kv_shared_layers=0, use_double_wide_mlp=False, **moe)
+    hf = make_gemma4(folder, **shape)
+    path = str(tmp_path / f"tiny-gemma4-moe.{fmt}.gguf")
+    ref = copy.deepcopy(hf)
+    missing, unexpected = ref.load_state_dict(write_gguf(folder, fmt, path, **shape), strict=False)
+    assert not unexpected and all(name == "lm_head.weight" for name in missing), (missing, unexpected)
+    a, b = load_model_config(folder), load_model_config(path)
+    keys = ["num_experts", "num_experts_per_tok", "moe_intermediate_size", "moe_beside_mlp", "intermediate_size"]
+    assert {k: getattr(a, k) for k in keys} == {k: getattr(b, k) for k in keys}
+    loaded = load_model(path, dtype="float32", verbose=False, quantized_activations="none")
+    if fmt == "q8_0":
+        assert all(
+            layer.moe is not None and layer.moe.experts_kernel() is not None for layer in loaded.model.decoder_layers
+        )
+    ids = _tokens(104, 13)
+    with torch.inference_mode():
+        want = ref.eval()(torch.tensor([ids])).logits[0].float()
+    runner = ModelRunner(loaded, num_blocks=32, block_size=8)
+    table = random.Random(5).sample(range(1, 32), 13)
+    got = all_logits(runner, [SeqChunk(ids[:60], 0, table)]) + all_logits(runner, [SeqChunk(ids[60:102], 60, table)])
+    got += [runner.execute([SeqChunk(ids[p : p + 1], p, table)]) for p in (102, 103)]
+    err = (torch.cat(got) - want).abs().max().item() / want.abs().max().item()
+    assert err < TOL, f"{fmt}: {err:.2e}"

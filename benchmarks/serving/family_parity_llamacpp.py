@@ -1,7 +1,8 @@
 """Every family x format on the same synthetic checkpoints: pagedllm's logits against transformers' and llama.cpp's.
 
-The checkpoints are the tests' tiny random models (devkit/family_helpers.py): an HF folder per family and GGUF
-files written from it the way llama.cpp's converter writes them (F32, F16, Q8_0, Q4_0). For each, one
+The checkpoints are the tests' tiny random models (devkit/family_helpers.py; the hybrid families' from
+devkit/hybrid_gguf.py: qwen3_5, qwen3_5_moe, qwen3_next, granitemoehybrid[_dense]): an HF folder per family and
+GGUF files written from it the way llama.cpp's converter writes them (F32, F16, Q8_0, Q4_0). For each, one
 sequence of 104 tokens (past the 64-token original context of the scaled RoPE types) is run through
   - pagedllm (float32, the GGUF's weights as stored: quantized kernels for Q8_0 / Q4_0),
   - transformers on the HF folder holding the file's values (dequantized): the reference,
@@ -33,6 +34,8 @@ import numpy as np
 import torch
 
 from devkit.family_helpers import FAMILIES, ORIG_CTX, make_family, write_gguf  # noqa: E402
+from devkit.hybrid_gguf import CONFIGS as HYBRID  # noqa: E402
+from devkit.hybrid_gguf import make_hybrid, write_hybrid_gguf  # noqa: E402
 from pagedllm.model import ModelRunner, SeqChunk, load_model  # noqa: E402
 
 FORMATS = ["hf", "f32", "f16", "q8_0", "q4_0"]
@@ -70,6 +73,28 @@ def reference(hf: torch.nn.Module, state: dict[str, torch.Tensor] | None, ids: l
     return model(torch.tensor([ids])).logits[0].float().numpy()
 
 
+@torch.inference_mode()
+def hybrid_reference(folder: str, state: dict[str, np.ndarray], ids: list[int], work: str) -> np.ndarray:
+    """transformers on a copy of `folder` holding the file's values (under model.safetensors' own names)."""
+    import shutil
+
+    from safetensors.numpy import save_file
+    from transformers import AutoModelForCausalLM
+
+    ref = os.path.join(work, "reference")
+    shutil.rmtree(ref, ignore_errors=True)
+    shutil.copytree(folder, ref, ignore=shutil.ignore_patterns("*.safetensors"))
+    save_file(state, os.path.join(ref, "model.safetensors"))
+    model = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32).eval()
+    return model(torch.tensor([ids])).logits[0].float().numpy()
+
+
+def _write(family: str, folder: str, fmt: str, path: str, merges: list[str] | None = None) -> object:
+    if family in HYBRID:
+        return write_hybrid_gguf(folder, family, fmt, path, merges=merges)
+    return write_gguf(folder, family, fmt, path, merges=merges)
+
+
 def llamacpp(python: str, path: str, ids: list[int], n_ctx: int, work: str) -> np.ndarray | None:
     """llama.cpp's logits for `ids` on the GGUF at `path`, or None (with the reason on stderr)."""
     out = os.path.join(work, "llamacpp.npy")
@@ -88,7 +113,7 @@ def llamacpp(python: str, path: str, ids: list[int], n_ctx: int, work: str) -> n
 def family_rows(family: str, work: str, llamacpp_python: str | None) -> list[dict]:
     folder = os.path.join(work, family)
     os.makedirs(folder + "-gguf", exist_ok=True)
-    hf = make_family(family, folder)
+    hf = make_hybrid(family, folder) if family in HYBRID else make_family(family, folder)
     n_ctx = hf.config.max_position_embeddings
     ids = [6 + (7 * i + 3) % 250 for i in range(ORIG_CTX + 40)]
     rows = []
@@ -96,9 +121,12 @@ def family_rows(family: str, work: str, llamacpp_python: str | None) -> list[dic
         path, state = folder, None
         if fmt != "hf":
             path = os.path.join(folder + "-gguf", f"tiny-{family}.{fmt}.gguf")
-            state = write_gguf(folder, family, fmt, path)
+            state = _write(family, folder, fmt, path)
         got, weight_bytes = ours(path, ids)
-        want = reference(hf, state, ids)
+        if family in HYBRID and isinstance(state, dict):
+            want = hybrid_reference(folder, state, ids, work)
+        else:
+            want = reference(hf, state, ids)  # type: ignore[arg-type]
         row = {"family": family, "format": fmt, "vs_transformers": rel(got, want)}
         row["argmax_agrees"] = bool((got.argmax(-1) == want.argmax(-1)).all())
         row["weights_kib"] = weight_bytes / 1024
@@ -106,7 +134,7 @@ def family_rows(family: str, work: str, llamacpp_python: str | None) -> list[dic
         row["file_kib"] = size / 1024
         if fmt != "hf" and llamacpp_python:
             twin = os.path.join(work, "llamacpp.gguf")  # the same tensors, with the BPE merge llama.cpp insists on
-            write_gguf(folder, family, fmt, twin, merges=["t 1"])
+            _write(family, folder, fmt, twin, merges=["t 1"])
             theirs = llamacpp(llamacpp_python, twin, ids, n_ctx, work)
             if theirs is not None:
                 row["vs_llamacpp"] = rel(got, theirs)
@@ -136,7 +164,7 @@ def markdown(rows: list[dict]) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--llamacpp-python", default=DEFAULT_LLAMACPP, help="python of a venv with llama-cpp-python")
-    ap.add_argument("--families", default=",".join(FAMILIES))
+    ap.add_argument("--families", default=",".join(FAMILIES + list(HYBRID)))
     ap.add_argument("--markdown", action="store_true", help="print the docs table instead of JSON lines")
     args = ap.parse_args()
     torch.set_num_threads(1)  # tiny matrices: threads only add spin-waits

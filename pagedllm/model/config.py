@@ -125,6 +125,13 @@ class ModelConfig:
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 4
     attn_output_gate: bool = False  # Qwen3.5 / Next: attention output * sigmoid(gate), gate rows beside each query
+    # The DeltaNet's projections as stored: "split" (Qwen3.5: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a),
+    # "fused" (Qwen3-Next's HF in_proj_qkvz and in_proj_ba, interleaved per key head), "qkv_z_ba" (Qwen3-Next as
+    # llama.cpp's converter writes it: q, k, v and z apart, b and a still interleaved in ssm_ba)
+    linear_proj: str = "split"
+    # Value heads in llama.cpp's tiled order (its qwen35 / qwen35moe files): value head j reads key head
+    # j % key heads, where transformers' grouped order reads key head j // (value heads / key heads)
+    linear_value_heads_tiled: bool = False
     # The mixer of the "linear_attention" layers, each with its own state in the request's slot: "gated_deltanet"
     # (deltanet.py), "mamba2" (mamba2.py: Granite 4.0-H), "short_conv" (shortconv.py: LFM2); linear_conv_kernel_dim
     # is the width of each one's causal conv.
@@ -473,8 +480,8 @@ def _gguf_stops(md: dict[str, Any]) -> list[int]:
 
 def _first(value: Any) -> int:
     """A GGUF size that may be one per layer (Gemma 4's feed_forward_length, head_count_kv): the first layer's (its
-    family reads the rest)."""
-    return int(value[0] if isinstance(value, list) else value)
+    family reads the rest); 0 where the file has none (qwen35moe: every layer sparse)."""
+    return int(value[0] if isinstance(value, list) else value or 0)
 
 
 def config_from_gguf(h: GGUFHeader, where: str) -> ModelConfig:

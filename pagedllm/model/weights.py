@@ -49,10 +49,12 @@ class DenseRows:
     name: str
     shape: tuple[int, int]
     expert: int | None = None  # the matrix of this expert in a 3-D tensor of every expert's (read whole)
+    first_row: int = 0  # where the expert's rows start in its matrix (Gemma 4's gate and up stacked)
 
     def copy_to(self, param: torch.Tensor) -> None:
         if self.expert is not None:
-            one = self.gf.load_array(self.name, slice(self.expert, self.expert + 1)).reshape(self.shape)
+            one = self.gf.load_array(self.name, slice(self.expert, self.expert + 1))[0]
+            one = np.array(one[self.first_row : self.first_row + self.shape[0]])
             with torch.no_grad():
                 param.copy_(torch.from_numpy(one))
             return
@@ -170,19 +172,35 @@ def gguf_target_names(model: CausalLM, arch: str) -> dict[str, str]:
     }
 
 
+# HF names as llama.cpp's converter renames them before its name map (Mamba2's and Qwen3-Next's dt_bias)
+_CONVERTER_RENAMES = ((".dt_bias", ".dt_proj.bias"),)
+
+
 def gguf_names(model: CausalLM, arch: str, hf_names: list[str]) -> dict[str, str]:
-    """GGUF tensor name -> HF name for the model's tensors, by llama.cpp's name map of `arch`."""
+    """GGUF tensor name -> HF name for the model's tensors, by llama.cpp's name map of `arch` (and the family's
+    own names for those the map lacks)."""
     import gguf
 
     archs = {name: key for key, name in gguf.MODEL_ARCH_NAMES.items()}
     tmap = gguf.get_tensor_name_map(archs.get(arch, gguf.MODEL_ARCH.LLAMA), model.config.num_layers)
+    fam = family_of(model)
+    own = {} if fam.gguf_layer_names is None else fam.gguf_layer_names(model.config.num_experts > 0)
     out = {}
     for hf in hf_names:
-        name = tmap.get_name(hf, try_suffixes=(".weight", ".bias"))
+        m = _LAYER_NAME.fullmatch(hf)
+        base, dot, kind = hf.rpartition(".")
+        if m and base[len(m.group(1)) :] in own:
+            out[f"blk.{m.group(1).split('.')[2]}.{own[base[len(m.group(1)) :]]}{dot}{kind}"] = hf
+            continue
+        key = hf
+        for old, new in _CONVERTER_RENAMES:
+            key = key.replace(old, new)
+        name = tmap.get_name(key, try_suffixes=(".weight", ".bias"))
         if name is None:
             raise ModelLoadError(f"llama.cpp's {arch} tensor table has no name for {hf}")
-        bare = not hf.endswith((".weight", ".bias"))  # the converter stores a bare parameter as `<name>.weight`
-        out[name + ".weight" if bare else name] = hf
+        if not hf.endswith((".weight", ".bias")) and key == hf:  # a bare parameter: `<name>.weight` (gpt-oss's
+            out[name + ".weight"] = hf  # sinks) or `<name>` (Mamba2's and Qwen3-Next's ssm_a, ssm_d)
+        out[name] = hf
     return out
 
 
@@ -199,6 +217,10 @@ _GGUF_MOE = {
 }
 
 
+# Gemma 4's router scale and per-expert scales, stored beside the router and the experts' down matrices
+_GGUF_MOE_SCALES = {"ffn_gate_inp.scale": "router_scale", "ffn_down_exps.scale": "expert_scale"}
+
+
 def gguf_moe_names(model: CausalLM) -> dict[str, str]:
     """GGUF name -> HF name of every sparse block's tensors (an expert's with `{e}` for its number: the GGUF
     tensor holds them all). llama.cpp's converter names these alike in every arch."""
@@ -211,6 +233,10 @@ def gguf_moe_names(model: CausalLM) -> dict[str, str]:
                 for kind in ("weight", "bias"):
                     if isinstance(getattr(slots[slot], kind, None), torch.Tensor):
                         out[f"blk.{i}.{short}.{kind}"] = f"model.layers.{i}.{layers[slot][piece]}.{kind}"
+        for short, slot in _GGUF_MOE_SCALES.items():
+            if slot in slots:
+                suffix = "" if getattr(slots[slot], "bare", False) else ".weight"
+                out[f"blk.{i}.{short}"] = f"model.layers.{i}.{layers[slot][0]}{suffix}"
     return out
 
 
@@ -271,6 +297,11 @@ def iter_gguf(gf: GGUFFile, model: CausalLM, keep_quantized: bool = False) -> It
     for name, info in gf.tensors.items():
         if name in _CONFIG_TENSORS:
             continue
+        if name.endswith(".ffn_gate_up_exps.weight"):  # Gemma 4: every expert's gate and up stacked
+            for half, piece in enumerate(("ffn_gate_exps", "ffn_up_exps")):
+                hf = names.get(name.replace("ffn_gate_up_exps", piece), name)
+                yield from _gguf_experts(gf, name, hf, cfg.num_experts, keep_quantized, (half, 2))
+            continue
         hf = names.get(name, name)
         if "{e}" in hf:
             yield from _gguf_experts(gf, name, hf, cfg.num_experts, keep_quantized)
@@ -285,36 +316,44 @@ def iter_gguf(gf: GGUFFile, model: CausalLM, keep_quantized: bool = False) -> It
         if parts is not None:
             yield hf, parts.rows(unpermute_gguf(np.arange(info.shape[0]), heads)) if unpermute else parts
             continue
-        if len(info.shape) == 2 and not unpermute:
+        if len(info.shape) == 2 and not unpermute and not hf.endswith(".A_log"):
             yield hf, DenseRows(gf, name, (info.shape[0], info.shape[1]))
             continue
         arr = gf.load_array(name)
         if unpermute:
             arr = unpermute_gguf(arr, heads)
+        if hf.endswith(".A_log"):  # the converter stores A = -exp(A_log) (Mamba2, Gated DeltaNet)
+            arr = np.log(-arr.astype(np.float32))
         if not arr.flags.writeable:
             arr = arr.copy()
         yield hf, torch.from_numpy(np.ascontiguousarray(arr))
 
 
-def _expert_blocks(raw: np.ndarray, expert: int, ggml_type: int) -> QuantParts:
-    return from_gguf_blocks(raw[expert], ggml_type)
+def _expert_blocks(raw: np.ndarray, expert: int, ggml_type: int, rows: slice) -> QuantParts:
+    return from_gguf_blocks(raw[expert][rows], ggml_type)
 
 
-def _gguf_experts(gf: GGUFFile, name: str, hf: str, experts: int, keep_quantized: bool) -> Iterator[tuple[str, Value]]:
+def _gguf_experts(
+    gf: GGUFFile, name: str, hf: str, experts: int, keep_quantized: bool, part: tuple[int, int] = (0, 1)
+) -> Iterator[tuple[str, Value]]:
     """A 3-D tensor of every expert's matrix ([experts, rows, cols]; a bias [experts, n]), one expert at a time:
-    its slice of the stored blocks as QuantParts (never the whole tensor dequantized), or read dense."""
+    its slice of the stored blocks as QuantParts (never the whole tensor dequantized), or read dense. `part`:
+    (i, n): the i-th of n equal row ranges of each expert's matrix (Gemma 4's gate and up in one tensor)."""
     info = gf.tensors[name]
-    if len(info.shape) not in (2, 3) or info.shape[0] != experts:
+    if len(info.shape) not in (2, 3) or info.shape[0] != experts or info.shape[1] % part[1]:
         raise ModelLoadError(
             f"{gf.path}: tensor {name} has shape {info.shape}, not one matrix for each of {experts} experts"
         )
     quant = keep_quantized and len(info.shape) == 3 and info.ggml_type in GGML_TYPES and info.shape[2] % 32 == 0
+    n = info.shape[1] // part[1]
+    rows = slice(part[0] * n, (part[0] + 1) * n)
     for e in range(experts):
         one = hf.replace("{e}", str(e))
         if quant:
-            yield one, gf.load_raw(name, functools.partial(_expert_blocks, expert=e, ggml_type=info.ggml_type))
+            load = functools.partial(_expert_blocks, expert=e, ggml_type=info.ggml_type, rows=rows)
+            yield one, gf.load_raw(name, load)
         elif len(info.shape) == 3:
-            yield one, DenseRows(gf, name, (info.shape[1], info.shape[2]), expert=e)
+            yield one, DenseRows(gf, name, (n, info.shape[2]), expert=e, first_row=rows.start)
         else:
             yield one, torch.from_numpy(gf.load_array(name, slice(e, e + 1))[0].copy())
 
@@ -368,18 +407,30 @@ def _split(rule: Unfuse, prefix: str, name: str, t: torch.Tensor, experts: int, 
             yield prefix + target.replace("{e}", str(e)), piece.contiguous()
 
 
+def _reshapes(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    """Whether a stored tensor fills a parameter of another shape: [H] for [1, H], a conv's [C, K] for [C, 1, K]
+    (llama.cpp's converter squeezes it), a 1-D parameter stored per group (Mamba2's norm, [groups, size])."""
+    if shape == target or int(np.prod(shape)) != int(np.prod(target)):
+        return False
+    return [n for n in shape if n != 1] == [n for n in target if n != 1] or len(target) == 1
+
+
 def _put(slot: Slot, value: Value, key: str, where: str) -> None:
-    shape = tuple(value.shape)
-    if isinstance(value, torch.Tensor) and shape != tuple(slot.target.shape) and value.numel() == slot.target.numel():
-        if [n for n in shape if n != 1] == [n for n in slot.target.shape if n != 1]:  # [H] for [1, H]
-            value, shape = value.reshape(slot.target.shape), tuple(slot.target.shape)
-    if shape != tuple(slot.target.shape):
-        raise ModelLoadError(f"{where}: tensor {key} has shape {shape}, expected {tuple(slot.target.shape)}")
+    target = slot.target
+    if not isinstance(value, QuantParts) and _reshapes(tuple(value.shape), tuple(target.shape)):
+        if isinstance(value, torch.Tensor):
+            value = value.reshape(target.shape)
+        else:  # DenseRows: read into a view of the parameter in the stored shape
+            target = target.view(value.shape)
+    if tuple(value.shape) != tuple(target.shape):
+        raise ModelLoadError(
+            f"{where}: tensor {key} has shape {tuple(value.shape)}, expected {tuple(slot.target.shape)}"
+        )
     if isinstance(value, DenseRows):
-        value.copy_to(slot.target)
+        value.copy_to(target)
     elif not isinstance(value, QuantParts):
         with torch.no_grad():
-            slot.target.copy_(value)
+            target.copy_(value)
 
 
 def _unused(name: str) -> bool:

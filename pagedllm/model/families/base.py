@@ -84,6 +84,10 @@ class Family:
     # multimodal checkpoints of which pagedllm runs the text model: its config under config.json's text_config,
     # its tensors under "model.language_model." (the vision and audio towers' are left unread)
     multimodal_architectures: tuple[str, ...] = ()
+    # GGUF names (under "blk.N.") of tensors llama.cpp's name map does not give, by their HF names (under
+    # "model.layers.N."), as a function of whether the model has experts (Granite 4.0-H's shared MLP is
+    # ffn_*_shexp beside experts, the plain ffn_* without)
+    gguf_layer_names: Callable[[bool], dict[str, str]] | None = None
 
 
 def every_nth(num_layers: int, n: int, hit: str, other: str) -> list[str]:

@@ -15,7 +15,8 @@ config.json's text_config and the tensors under model.language_model.; images an
 
 The 26B-A4B's sparse block (`enable_moe_block`, every layer) runs beside the dense MLP (ModelConfig.moe_beside_mlp:
 each output normed, then summed), the experts reading their own norm of the stream and the router the stream
-itself, RMS-normed times a learned scale, its routing weights times a learned number per expert.
+itself, RMS-normed times a learned scale, its routing weights times a learned number per expert. llama.cpp
+stores each layer's experts' gate and up in one `ffn_gate_up_exps` (the loader splits each expert's rows).
 """
 
 from __future__ import annotations
@@ -121,8 +122,6 @@ def gguf_fields(h: GGUFHeader) -> dict[str, Any]:
     """llama.cpp's gemma4 keys: per-layer sliding flags, KV heads and ffn sizes, the full layers' head size in
     key_length (the sliding ones' in key_length_swa), the proportional RoPE as rope_freqs factors (1 where a
     frequency turns, 1e30 where it does not); a full layer without attn_v has keys equal to values."""
-    if h.get("expert_count"):
-        raise ModelLoadError("Gemma 4's MoE block from GGUF (ffn_gate_up_exps) is not supported yet; its HF folder is")
     types = ["sliding_attention" if s else "full_attention" for s in h.get("attention.sliding_window_pattern")]
     kv_swa, kv_full = _per_layer(h.get("attention.head_count_kv"), types)
     ff = h.get("feed_forward_length")
@@ -154,6 +153,20 @@ def gguf_fields(h: GGUFHeader) -> dict[str, Any]:
         "double_wide_shared_mlp": isinstance(ff, list) and int(ff[-1]) == 2 * int(ff[0]),
         "hidden_size_per_layer_input": int(h.get("embedding_length_per_layer_input") or 0),
         "vocab_size_per_layer_input": int(per_layer[0]) if per_layer else 0,
+    } | _gguf_moe_fields(h)
+
+
+def _gguf_moe_fields(h: GGUFHeader) -> dict[str, Any]:
+    """The sparse block as llama.cpp stores it: every expert's gate and up in one `ffn_gate_up_exps`, the router's
+    scale as `ffn_gate_inp.scale`, the per-expert scales as `ffn_down_exps.scale`."""
+    if not h.get("expert_count"):
+        return {}
+    return {
+        "num_experts": int(h.get("expert_count")),
+        "num_experts_per_tok": int(h.get("expert_used_count")),
+        "moe_intermediate_size": int(h.get("expert_feed_forward_length")),
+        "norm_topk_prob": True,
+        "moe_beside_mlp": True,
     }
 
 

@@ -4,13 +4,18 @@ whose output is gated by sigmoid(gate) (each head's gate rows beside its query r
 partial rotary (a quarter of each head by default; the multimodal RoPE sections coincide for text, so plain RoPE),
 every RMSNorm but the DeltaNet's gated one as (1 + w). The dense MLP is Llama's. The released checkpoints are the
 multimodal `Qwen3_5ForConditionalGeneration`: its `text_config` and language model's tensors are read (config.py,
-`renamed`), its vision tower and multi-token-prediction head skipped."""
+`renamed`), its vision tower and multi-token-prediction head skipped.
+
+llama.cpp's converter (its qwen35 / qwen35moe / qwen3next files) stores those norms as 1 + w, A_log as
+A = -exp(A_log), dt_bias as ssm_dt.bias, the conv squeezed to [C, K]; for qwen35 / qwen35moe it reorders the
+value heads from grouped (by key head) to tiled, which the model reads as stored (`linear_value_heads_tiled`)
+so that quantized weights stay as they are."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from pagedllm.model.families.base import LLAMA_LAYER, Family
+from pagedllm.model.families.base import LLAMA_LAYER, Family, GGUFHeader
 
 DELTANET_LAYER: dict[str, tuple[str, ...]] = {
     "lin_conv": ("linear_attn.conv1d",),
@@ -55,12 +60,39 @@ def hybrid_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def gguf_hybrid_fields(h: GGUFHeader) -> dict[str, Any]:
+    """What llama.cpp's qwen35, qwen35moe and qwen3next keys say alike: the recurrent layers (a flag per layer, or
+    every `full_attention_interval`-th one full), the DeltaNet's shape in its ssm.* keys (groups = key heads,
+    time_step_rank = value heads, state_size = key head size, inner_size = all value heads' width)."""
+    n = int(h.get("block_count"))
+    flags = h.get("attention.recurrent_layers")
+    every = int(h.get("full_attention_interval") or 4)
+    recurrent = [bool(f) for f in flags][:n] if isinstance(flags, list) else [(i + 1) % every != 0 for i in range(n)]
+    heads_v = int(h.get("ssm.time_step_rank"))
+    return {
+        "qk_norm": "head",
+        "norm_offset": 0.0,  # stored as 1 + w
+        "attn_output_gate": True,
+        "layer_types": ["linear_attention" if r else "full_attention" for r in recurrent],
+        "linear_num_key_heads": int(h.get("ssm.group_count")),
+        "linear_num_value_heads": heads_v,
+        "linear_key_head_dim": int(h.get("ssm.state_size")),
+        "linear_value_head_dim": int(h.get("ssm.inner_size")) // heads_v,
+        "linear_conv_kernel_dim": int(h.get("ssm.conv_kernel")),
+    }
+
+
+def gguf_fields(h: GGUFHeader) -> dict[str, Any]:
+    return gguf_hybrid_fields(h) | {"linear_value_heads_tiled": True}
+
+
 QWEN3_5 = Family(
     "qwen3_5",
     ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),  # the latter: the released checkpoints, text only
     ("qwen3_5_text", "qwen3_5"),
     ("qwen35",),
     hf_fields=hybrid_fields,
+    gguf_fields=gguf_fields,
     layer_tensors=LLAMA_LAYER | DELTANET_LAYER | QWEN3_5_PROJ,
     renamed=(("model.language_model.", "model."),),
     skipped=("model.visual.", "mtp."),

@@ -120,8 +120,8 @@ def recurrent_gated_delta_rule(
 
 class GatedDeltaNet(nn.Module):
     """The mixer: projections, causal depthwise conv (SiLU) over q/k/v, the gated delta rule, a norm gated by
-    SiLU(z), the output projection. `fused_proj`: Qwen3-Next's two projections (`in_proj_qkvz`, `in_proj_ba`,
-    interleaved per key head) instead of Qwen3.5's four."""
+    SiLU(z), the output projection, stored as `ModelConfig.linear_proj` says (Qwen3.5's four projections,
+    Qwen3-Next's two interleaved per key head, or llama.cpp's three)."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
@@ -132,15 +132,18 @@ class GatedDeltaNet(nn.Module):
         self.kernel = cfg.linear_conv_kernel_dim
         self.eps = cfg.rms_norm_eps
         hidden = cfg.hidden_size
-        self.fused_proj = cfg.family == "qwen3_next"
-        if self.fused_proj:
+        self.proj = cfg.linear_proj
+        self.tiled = cfg.linear_value_heads_tiled
+        if self.proj == "fused":
             self.in_qkvz = Linear(self.conv_dim + self.value_dim, hidden, False, dtype, device)
-            self.in_ba = Linear(2 * self.hv, hidden, False, dtype, device)
         else:
             self.in_qkv = Linear(self.conv_dim, hidden, False, dtype, device)
             self.in_z = Linear(self.value_dim, hidden, False, dtype, device)
+        if self.proj == "split":
             self.in_b = Linear(self.hv, hidden, False, dtype, device)
             self.in_a = Linear(self.hv, hidden, False, dtype, device)
+        else:
+            self.in_ba = Linear(2 * self.hv, hidden, False, dtype, device)
         self.conv = Param(self.conv_dim, 1, self.kernel, dtype=dtype, device=device)
         self.a_log = Bare(self.hv, dtype=dtype, device=device)
         self.dt_bias = Bare(self.hv, dtype=dtype, device=device)
@@ -152,11 +155,10 @@ class GatedDeltaNet(nn.Module):
         return (self.conv_dim, self.kernel - 1), (self.hv, self.dk, self.dv)
 
     def slots(self) -> dict[str, nn.Module]:
-        proj = (
-            {"lin_qkvz": self.in_qkvz, "lin_ba": self.in_ba}
-            if self.fused_proj
-            else {"lin_qkv": self.in_qkv, "lin_z": self.in_z, "lin_b": self.in_b, "lin_a": self.in_a}
+        proj: dict[str, nn.Module] = (
+            {"lin_qkvz": self.in_qkvz} if self.proj == "fused" else {"lin_qkv": self.in_qkv, "lin_z": self.in_z}
         )
+        proj |= {"lin_b": self.in_b, "lin_a": self.in_a} if self.proj == "split" else {"lin_ba": self.in_ba}
         rest = {"lin_conv": self.conv, "lin_a_log": self.a_log, "lin_dt_bias": self.dt_bias, "lin_norm": self.norm}
         return proj | rest | {"lin_out": self.out}
 
@@ -166,13 +168,16 @@ class GatedDeltaNet(nn.Module):
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> conv input [T, C] (q, k, v), z [T, Hv, Dv], b and a [T, Hv]."""
         T = x.shape[0]
-        if not self.fused_proj:
+        if self.proj == "split":
             return self.in_qkv(x), self.in_z(x).view(T, self.hv, self.dv), self.in_b(x), self.in_a(x)
         r = self.hv // self.hk
-        q, k, v, z = self.in_qkvz(x).view(T, self.hk, -1).split([self.dk, self.dk, r * self.dv, r * self.dv], -1)
         b, a = self.in_ba(x).view(T, self.hk, 2 * r).split([r, r], -1)
+        b, a = b.reshape(T, self.hv), a.reshape(T, self.hv)
+        if self.proj == "qkv_z_ba":
+            return self.in_qkv(x), self.in_z(x).view(T, self.hv, self.dv), b, a
+        q, k, v, z = self.in_qkvz(x).view(T, self.hk, -1).split([self.dk, self.dk, r * self.dv, r * self.dv], -1)
         qkv = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], -1)
-        return qkv, z.reshape(T, self.hv, self.dv), b.reshape(T, self.hv), a.reshape(T, self.hv)
+        return qkv, z.reshape(T, self.hv, self.dv), b, a
 
     def _qkv(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Convolved [n, C] -> q, k (normalised, repeated to the value heads, q scaled) [n, Hv, Dk], v [n, Hv, Dv],
@@ -180,7 +185,9 @@ class GatedDeltaNet(nn.Module):
         n = mixed.shape[0]
         q, k, v = mixed.float().split([self.key_dim, self.key_dim, self.value_dim], -1)
         q, k = l2norm(q.view(n, self.hk, self.dk)), l2norm(k.view(n, self.hk, self.dk))
-        if self.hv != self.hk:
+        if self.hv != self.hk and self.tiled:
+            q, k = q.repeat(1, self.hv // self.hk, 1), k.repeat(1, self.hv // self.hk, 1)
+        elif self.hv != self.hk:
             q, k = q.repeat_interleave(self.hv // self.hk, 1), k.repeat_interleave(self.hv // self.hk, 1)
         return q * self.dk**-0.5, k, v.view(n, self.hv, self.dv)
 

@@ -1,0 +1,141 @@
+"""The hybrid families from GGUF files written as llama.cpp's converter writes them (devkit/hybrid_gguf.py: its
+qwen35, qwen35moe, qwen3next and granitehybrid layouts, norms stored as 1 + w, A as -exp(A_log), Qwen3.5's value
+heads tiled, Qwen3-Next's in_proj_qkvz split, Granite's Q/K permuted and Mamba2 norm grouped) against transformers
+on the HF checkpoint each came from: the config read from the file is the folder's, logits over 100 tokens in
+chunks and decodes within float32 accuracy, 32 greedy tokens through the engine with chunked prefill; Q8_0 and
+Q4_0 files, kept quantized, against transformers on the values the file holds."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+
+import pytest
+import torch
+
+from devkit.hybrid_gguf import CONFIGS, make_hybrid, write_hybrid_gguf
+from pagedllm import SamplingParams
+from pagedllm.engine import EngineConfig, LLMEngine
+from pagedllm.engine.memory import state_bytes
+from pagedllm.model import ModelRunner, SeqChunk, load_model, load_model_config
+from pagedllm.model.runner import bytes_per_block
+
+pytestmark = pytest.mark.usefixtures("one_thread", "private_tokenizer_cache")  # tests/conftest.py
+
+TOL = 1e-4  # of the largest logit
+FAMILIES = list(CONFIGS)
+_CONFIG_KEYS = [
+    "layer_types",
+    "num_kv_heads",
+    "head_dim",
+    "partial_rotary_factor",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_conv_kernel_dim",
+    "recurrent_mixer",
+    "mamba_num_heads",
+    "mamba_head_dim",
+    "mamba_state_size",
+    "mamba_num_groups",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "intermediate_size",
+    "no_rope_layers",
+    "embedding_multiplier",
+    "residual_multiplier",
+    "logits_divisor",
+]
+
+
+class Checkpoint:
+    def __init__(self, family: str, root: str) -> None:
+        self.family, self.folder = family, os.path.join(root, "hf")
+        self.hf = make_hybrid(family, self.folder)
+        self.path = os.path.join(root, f"tiny-{family}.f32.gguf")
+        write_hybrid_gguf(self.folder, family, "f32", self.path)
+        self.loaded = load_model(self.path, dtype="float32", verbose=False, quantized_activations="none")
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def ckpt(request, tmp_path_factory) -> Checkpoint:
+    return Checkpoint(request.param, str(tmp_path_factory.mktemp(request.param)))
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(6, 256) for _ in range(n)]
+
+
+def _logits(loaded, ids: list[int]) -> torch.Tensor:
+    """100 tokens in chunks of 41 and 57 (the state crosses chunk ends) over shuffled blocks, then two decodes."""
+    runner = ModelRunner(loaded, num_blocks=16, block_size=8, num_state_slots=2)
+    table = random.Random(3).sample(range(16), 13)
+    got = [
+        runner.execute([SeqChunk(ids[:41], 0, table, True, state_slot=1)]),
+        runner.execute([SeqChunk(ids[41:98], 41, table, True, state_slot=1)]),
+    ]
+    got += [runner.execute([SeqChunk(ids[p : p + 1], p, table, state_slot=1)]) for p in (98, 99)]
+    return torch.cat(got)
+
+
+@torch.inference_mode()
+def _hf_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    return model(torch.tensor([ids])).logits[0].float()
+
+
+def _err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return (got - want).abs().max().item() / want.abs().max().item()
+
+
+def test_f32_file_reads_the_folders_config_and_matches_transformers(ckpt):
+    a, b = load_model_config(ckpt.folder), load_model_config(ckpt.path)
+    assert {k: getattr(a, k) for k in _CONFIG_KEYS} == {k: getattr(b, k) for k in _CONFIG_KEYS}
+    ids = _tokens(100, 1)
+    err = _err(_logits(ckpt.loaded, ids), _hf_logits(ckpt.hf, ids))
+    assert err < TOL, f"{ckpt.family}: {err:.2e}"
+
+
+def test_greedy_tokens_with_chunked_prefill_match_transformers(ckpt):
+    """Two ~100-token prompts together, 64 tokens a step: 32 greedy tokens each, transformers' own."""
+    cfg = ckpt.loaded.config
+    per_block = bytes_per_block(cfg, 16, "float32", cfg.kv_layout(hybrid=True))
+    budget = 32 * per_block + 4 * 2 * state_bytes(cfg, torch.float32)
+    engine = LLMEngine(
+        EngineConfig(max_num_batched_tokens=64, max_num_seqs=2, kv_cache_memory=budget, max_model_len=256),
+        ckpt.loaded,
+    )
+    prompts = [_tokens(100, 4), _tokens(90, 5)]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    for i, p in enumerate(prompts):
+        tokens = list(done[str(i)].outputs[0].token_ids)
+        want = _hf_logits(ckpt.hf, p + tokens)[len(p) - 1 : -1].argmax(-1).tolist()
+        assert tokens == want, f"{ckpt.family} prompt {i}"
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def test_quantized_file_runs_as_stored_and_matches_its_values(ckpt, fmt, tmp_path):
+    """A Q8_0 / Q4_0 file, its matrices kept quantized: transformers on the values the file holds (each tensor
+    quantized in its HF layout: every converter change moves whole rows or blocks) gives the same logits."""
+    from safetensors.numpy import save_file
+    from transformers import AutoModelForCausalLM
+
+    path = str(tmp_path / f"tiny-{ckpt.family}.{fmt}.gguf")
+    ref_dir = str(tmp_path / "ref")
+    shutil.copytree(ckpt.folder, ref_dir, ignore=shutil.ignore_patterns("*.safetensors"))
+    save_file(write_hybrid_gguf(ckpt.folder, ckpt.family, fmt, path), os.path.join(ref_dir, "model.safetensors"))
+    ref = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
+    loaded = load_model(path, dtype="float32", verbose=False, quantized_activations="none")
+    assert any(lin.quant is not None for lin in loaded.model.linears())
+    ids = _tokens(100, 2)
+    err = _err(_logits(loaded, ids), _hf_logits(ref, ids))
+    assert err < TOL, f"{ckpt.family} {fmt}: {err:.2e}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -487,3 +488,25 @@ def test_an_abort_before_the_bound_modes_measure_frees_every_block_and_hold(mode
     engine.abort_request("b")
     assert_all_blocks_free(engine)
     assert not any(engine.kv.req_segments.values())
+
+
+@pytest.mark.parametrize("tail", [0.0, 0.2])
+def test_the_bound_mode_recomputes_the_tail_share_nearest_the_question_first(model_fp32, parts, tail, monkeypatch):
+    """TAIL: the last copied tokens before the question are computed again whatever their measured deviation; at a
+    bound loose enough to keep every other copy, those are exactly the tokens the measure gives back."""
+    monkeypatch.setattr(blend, "TAIL", tail)
+    seen: list[tuple[list[tuple[int, int]], list[tuple[int, int]]]] = []
+    probe = blend._probe
+
+    def recording(req, runner, kv, state):
+        spans = probe(req, runner, kv, state)
+        seen.append((list(state.copied_spans), spans))
+        return spans
+
+    monkeypatch.setattr(blend, "_probe", recording)
+    got, _ = _bound_run(model_fp32, parts, [1, 2, 0], [1.0])
+    ((copied_spans, computed),) = seen
+    copied = [p for s, e in copied_spans for p in range(s, e)]
+    recomputed = {p for s, e in computed for p in range(s, e)} & set(copied)
+    assert recomputed == set(copied[len(copied) - math.ceil(tail * len(copied)) :])
+    assert got[0][1] == len(copied) - len(recomputed)

@@ -286,6 +286,7 @@ def apply_copies(req: Request, runner: ModelRunner, kv: KVCacheManager) -> None:
 PROBE_LAYER = 1  # CacheBlend's: layer 0's K/V depend on the token alone; a copy's deviation shows from layer 1
 QUERY_TOKENS = 16  # the prompt's last tokens (the question): the deviation is weighed by their attention
 ESTIMATE = "kv"  # how a deviation is weighed: "kv" (CacheBlend's; kept: lower KL per token measured) or "attention"
+TAIL = 0.0  # share of the copied tokens nearest the question recomputed whatever their deviation, before the bound
 
 
 @torch.inference_mode()
@@ -316,7 +317,10 @@ def _probe(req: Request, runner: ModelRunner, kv: KVCacheManager, blend: BlendSt
         copied[max(s, start) - start : max(e, start) - start] = True
     scores, norms = _deviations(q.float(), k.float(), v.float(), old_k, old_v, start, layer)
     allowed = blend.max_deviation if norms is None else blend.max_deviation**2 * float(norms[copied].sum())
-    keep = _select(scores, copied, allowed)
+    tail = torch.zeros_like(copied)
+    last = copied.nonzero().flatten()
+    tail[last[len(last) - math.ceil(TAIL * len(last)) :]] = True
+    keep = _select(scores, copied & ~tail, allowed)
     blend.copied_tokens -= int(copied.sum()) - int(keep.sum())
     return _runs(~keep, start)
 

@@ -129,11 +129,17 @@ def _run(engine: Any, rid: str, ids: list[int], params: Any, **kw: Any) -> Any:
 
 
 def measure(
-    engine: Any, prompts: list[BlendPrompt], setting: float | dict | None, ref: _Measured | None, max_tokens: int
+    engine: Any,
+    prompts: list[BlendPrompt],
+    setting: float | dict | None,
+    ref: _Measured | None,
+    max_tokens: int,
+    forced: bool = True,
 ):
     """Each prompt answered greedily, then teacher-forced on the reference answer (its own, for the reference).
     `setting`: None for prefix caching alone, a recompute share, or add_request's kv_blend keywords (the bound
-    mode: {"kv_blend_max_deviation": x})."""
+    mode: {"kv_blend_max_deviation": x}). Without `forced`, only the answer (TTFT and tokens computed, as for a
+    random-weight model whose logits mean nothing)."""
     from pagedllm import SamplingParams
 
     greedy, one = SamplingParams(temperature=0, max_tokens=max_tokens), SamplingParams(temperature=0, max_tokens=1)
@@ -148,9 +154,11 @@ def measure(
         m.ttfts.append(out.metrics.ttft * 1000)
         m.answers.append(list(out.outputs[0].token_ids))
         m.texts.append(out.outputs[0].text)
+        if not forced:
+            continue
         answer = (ref or m).answers[i]
-        forced = _run(engine, f"t{i}", p.ids + answer, one, logits_from=len(p.ids) - 1, **kw)
-        m.logits.append(forced.prompt_logits[: len(answer)].float())
+        forced_out = _run(engine, f"t{i}", p.ids + answer, one, logits_from=len(p.ids) - 1, **kw)
+        m.logits.append(forced_out.prompt_logits[: len(answer)].float())
     return m
 
 

@@ -48,6 +48,8 @@ FORMATS |= {"q5_0": 8, "q5_1": 9, "q5_k": 10, "q6_k": 11, "q4_0": 12, "mxfp4": 1
 K_FORMATS = {"q4_k", "k8m", "k8", "q5_k", "q6_k"}
 # what the dot route runs (csrc dot_fmt); others: float32
 DOT_FORMATS = {"q4_1", "q4_0", "q8_0", "q8m", "q4_k", "q6_k", "mxfp4"}
+# what the int8 route runs (csrc i8_fmt); others: float32
+I8_FORMATS = {"q4_1", "q4_0", "q8_0", "q8m", "q4_k", "q6_k"}
 _SUB = {"q4_k": 32, "k8m": 16, "k8": 16, "q5_k": 32, "q6_k": 16}  # inputs per integer scale s (and mi)
 MX4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int8)  # E2M1, doubled
 

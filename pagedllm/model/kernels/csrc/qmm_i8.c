@@ -30,9 +30,6 @@
 
 #include "qtile.h"
 
-static inline int i8_fmt(int fmt) {
-    return fmt == QFMT_Q4 || fmt == QFMT_Q40 || fmt == QFMT_Q8 || fmt == QFMT_Q8M || fmt == QFMT_K4M || fmt == QFMT_K6;
-}
 /* Q8's codes as signed bytes (no VNNI: |w| and a sign flip), else unsigned with the offset off8. */
 static inline int signed8(int fmt) {
 #ifdef I8_VNNI
@@ -48,6 +45,8 @@ static inline int off8(int fmt) { return fmt == QFMT_Q8 || fmt == QFMT_Q8M ? (si
 static inline int sum16(int fmt) { return nibbles(fmt) ? (plane(fmt) ? 2 : 8) : 1; }
 /* A group's panel: 8 chunks of 64 code bytes, then a[halves][16] and b[halves][16] floats. */
 static inline int group_bytes(int fmt) { return 512 + halves(fmt) * 128; }
+
+int qi8_runs(int fmt) { return i8_fmt(fmt) || fmt == QFMT_MIXED; }
 
 /* Row x [K] to 8-bit integers per group of 32. */
 void qi8_quantize_row(int8_t *q, float *d, int32_t *s, const float *x, int K) {

@@ -78,6 +78,10 @@ static inline int offset(int fmt) { /* stored q + offset (MX4: the integer route
 }
 static inline int halves(int fmt) { return fmt == QFMT_K8M || fmt == QFMT_K8 || fmt == QFMT_K6 ? 2 : 1; }
 static inline int dense16(int fmt) { return fmt == QFMT_F16 || fmt == QFMT_BF16; }
+/* The formats the int8 route (qmm_i8.c) runs; a block of another takes the float32 route. */
+static inline int i8_fmt(int fmt) {
+    return fmt == QFMT_Q4 || fmt == QFMT_Q40 || fmt == QFMT_Q8 || fmt == QFMT_Q8M || fmt == QFMT_K4M || fmt == QFMT_K6;
+}
 
 /* Bytes before a tile's body (its scales), of a body, of a K format's super-block head. */
 static inline int scale_bytes(int fmt) {

@@ -72,6 +72,7 @@ void qmm_column_block(const QMatmul *a, int cb, float *panel);
 void qdot_quantize_row(int16_t *q, float *d, int32_t *s, const float *x, int K);
 void qdot_column_block(const QMatmul *a, const XQ16 *xq, int cb, float *panel);
 /* The int8 route: the same with 8-bit x (q [K] int8); `panel` (K * 16 floats) is needed for any M. */
+int qi8_runs(int fmt); /* 1: the route runs this format (a mixed weight: its blocks of those formats) */
 void qi8_quantize_row(int8_t *q, float *d, int32_t *s, const float *x, int K);
 void qi8_column_block(const QMatmul *a, const XQ8 *xq, int cb, float *panel);
 

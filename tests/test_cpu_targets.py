@@ -36,7 +36,9 @@ def _native_isa() -> dict[str, str]:
     flags = cpu_kernel.cpu_flags()
     matmul = "avx512" if "avx512f" in flags else "avx2" if {"avx2", "fma", "f16c"} <= flags else "portable"
     dot = "avx512" if "avx512bw" in flags else "avx2" if matmul == "avx2" else "portable"
-    return {"matmul": matmul, "dot": dot, "amx": "yes" if {"amx_bf16", "avx512_bf16"} <= flags else "no"}
+    vnni = "avx512_vnni" in flags if dot == "avx512" else "avx_vnni" in flags
+    i8 = dot + ("-vnni" if vnni and dot != "portable" else "")
+    return {"matmul": matmul, "dot": dot, "i8": i8, "amx": "yes" if {"amx_bf16", "avx512_bf16"} <= flags else "no"}
 
 
 def test_an_x86_machine_builds_every_class_it_can_run():
@@ -50,7 +52,7 @@ def test_an_x86_machine_builds_every_class_it_can_run():
 def test_each_build_says_which_vector_path_it_compiled(target):
     name, lib = target
     isa = cpu_kernel.EXPECTED_ISA.get(name)
-    want = _native_isa() if name == "native" else {"matmul": isa, "dot": isa, "amx": "no"}
+    want = _native_isa() if name == "native" else {"matmul": isa, "dot": isa, "i8": isa, "amx": "no"}
     assert cpu_kernel.isa(lib) == want
 
 

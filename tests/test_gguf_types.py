@@ -294,6 +294,100 @@ def test_the_dot_route_at_many_rows_is_the_one_row_route_bit_for_bit(lib, kind):
     assert rc == 0 and np.array_equal(out, before + alone)
 
 
+def _i8(lib: ctypes.CDLL, x: np.ndarray, w: quant.QuantWeight, bias: np.ndarray) -> np.ndarray:
+    return _run(lib, "qmm_i8", x, w, bias)
+
+
+def rounded_8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x rounded as the int8 route rounds it (csrc qi8_quantize_row, llama.cpp's Q8_0 activations, in float32):
+    codes and scale per group of 32."""
+    g = x.reshape(x.shape[0], -1, 32).astype(np.float32)
+    amax = np.abs(g).max(-1, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    return np.clip(np.rint(g * inv), -127, 127), np.where(inv > 0, amax / np.float32(127), 0).astype(np.float32)
+
+
+def test_rounding_to_8_bits_is_exact_on_every_class(lib):
+    """qi8_quantize_row, vectorized per class, gives the scalar definition's codes, scales and sums exactly:
+    round half to even, NaN to 0 and left out of the group's max, an infinite group to scale 0, clamped."""
+    rng = np.random.default_rng(8)
+    x = (rng.standard_normal((9, 96)) * rng.choice([1e-30, 1e-3, 1.0, 1e30], (9, 3)).repeat(32, 1)).astype(np.float32)
+    x[1, :32] = np.float32(0.5) * np.arange(-16, 16) * np.float32(8 / 127)  # ties at the half steps
+    x[2, 3], x[2, 40], x[2, 70:] = np.nan, np.inf, -0.0
+    x[3, :32] = 0
+    x[4, 5], x[4, 9] = 3.2e38, -np.inf
+    q, d, s = np.empty((9, 96), np.int8), np.empty((9, 3), np.float32), np.empty((9, 6), np.int32)
+    for m in range(9):
+        lib.qi8_quantize_row(q[m].ctypes.data, d[m].ctypes.data, s[m].ctypes.data, x[m].ctypes.data, 96)
+    g = x.reshape(9, 3, 32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        amax = np.fmax.reduce(np.abs(g), axis=-1, initial=0)
+        ok = (amax > 0) & (amax <= np.float32(3.0e38))
+        inv = np.where(ok, np.float32(127) / np.where(ok, amax, 1), 0).astype(np.float32)
+        v = np.rint(g * inv[..., None])
+    want = np.clip(np.where(np.isnan(v), 0, v), -127, 127).astype(np.int8)
+    assert np.array_equal(q.reshape(9, 3, 32), want)
+    assert np.array_equal(d, np.where(inv > 0, amax / np.float32(127), 0).astype(np.float32))
+    assert np.array_equal(s, want.reshape(9, 6, 16).astype(np.int32).sum(-1))
+
+
+@pytest.mark.parametrize("ggml_type", sorted(GGML_TYPES), ids=[GGML_TYPES[t] for t in sorted(GGML_TYPES)])
+def test_the_int8_route_is_the_weights_times_the_8_bit_activations(lib, ggml_type):
+    """8-bit activations: the result is the file's exact weights times x as rounded to int8 per group (a float64
+    reference) up to float32 rounding, so within half a step of each group's scale of the exact product, on
+    every class (VNNI, AVX-512 and AVX2 without it, portable). The types the route does not run take the float32
+    route, bit for bit."""
+    k = 512 if block_shape(ggml_type)[0] == 256 else 96
+    raw = random_blocks(ggml_type, 37, k, ggml_type)
+    ref = reference(raw, ggml_type, k).astype(np.float64)
+    w = quant.pack(from_gguf_blocks(raw, ggml_type))
+    rng = np.random.default_rng(ggml_type)
+    x, bias = rng.standard_normal((11, k)).astype(np.float32), rng.standard_normal(w.n).astype(np.float32)
+    x[1] *= 1e-30
+    x[2, :32] = 0
+    x[4, 7] = 40  # one large input: the rest of its group round to few steps
+    codes, scale = rounded_8(x)
+    want = np.einsum("mgk,ngk->mn", codes * scale.astype(np.float64), ref.reshape(w.n, -1, 32)) + bias
+    full = _i8(lib, x, w, bias)
+    if w.fmt not in quant.I8_FORMATS:
+        assert np.array_equal(full, _matmul(lib, x, w, bias))
+        return
+    np.testing.assert_allclose(full, want, atol=1e-5 * np.abs(want).max(), rtol=0)
+    exact = x.astype(np.float64) @ ref.T + bias
+    bound = (np.abs(ref).reshape(w.n, -1, 32).sum(-1) @ (scale[..., 0].T / 2)).T
+    assert np.all(np.abs(full - exact) <= bound + 1e-5 * np.abs(exact).max())
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "q8m", "Q4_K", "Q6_K"])
+def test_the_int8_route_gives_each_row_the_same_result_at_any_row_count(lib, kind):
+    """The int8 route runs rows in passes of a few (6 with AVX-512, 3 with AVX2, then 4 / 2 / 1 for the rest):
+    each row's result is bit for bit the same at every row count, so a sequence's output never depends on the
+    batch it shares a step with; with a clipped last column block, the bias, and added to the output; and
+    within the tolerance of the float64 product of the weights and the rounded x, with 8-bit codes of every
+    sign (q8m: -128 .. 127; without VNNI they run as |w| with x's sign flipped)."""
+    w = _dot_weight(kind, 37)
+    assert w.fmt in quant.I8_FORMATS
+    rng = np.random.default_rng(len(kind) + 1)
+    x, bias = rng.standard_normal((70, w.k)).astype(np.float32), rng.standard_normal(w.n).astype(np.float32)
+    x[1] *= 1e-30
+    x[2, :32] = 0
+    x[3] *= 1e4
+    alone = np.concatenate([_i8(lib, x[i : i + 1], w, bias) for i in range(70)])
+    for rows in (2, 3, 5, 6, 7, 13, 64, 70):
+        assert np.array_equal(_i8(lib, x[:rows], w, bias), alone[:rows]), f"{rows} rows: not the one-row result"
+    ref = _rows(lib, w).astype(np.float64)
+    codes, scale = rounded_8(x)
+    want = np.einsum("mgk,ngk->mn", codes * scale.astype(np.float64), ref.reshape(w.n, -1, 32)) + bias
+    assert np.all(np.abs(alone - want) <= 1e-5 * np.abs(want).max(axis=1, keepdims=True))  # per row: x[3] is 1e4
+    before = rng.standard_normal((70, w.n)).astype(np.float32)
+    out = before.copy()
+    rc = lib.qmm_i8(
+        out.ctypes.data, x.ctypes.data, w.tiles.data_ptr(), bias.ctypes.data, 70, w.n, w.k, w.k, w.n,
+        quant.FORMATS[w.fmt], 1, 2,
+    )  # fmt: skip
+    assert rc == 0 and np.array_equal(out, before + alone)
+
+
 # ---- a whole model written with llama.cpp's type mix -----------------------------------------------------
 
 HIDDEN, INTER, HEADS, KV_HEADS, LAYERS, VOCAB = 256, 512, 4, 2, 2, 333

@@ -8,7 +8,9 @@ compared with a float64 product of the bfloat16-rounded inputs (relative 1e-3: f
 
 from __future__ import annotations
 
+import json
 import random
+from dataclasses import asdict
 
 import numpy as np
 import pytest
@@ -146,10 +148,14 @@ def test_rtn_quantized_model_matches_transformers_on_the_same_weights(tiny, bits
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
-def test_fused_step_matches_the_torch_path(tiny, kv_dtype):
+@pytest.mark.parametrize("kv_dtype,i8_rows", [(torch.float32, 0), (torch.bfloat16, 0), (torch.float32, 8)])
+def test_fused_step_matches_the_torch_path(tiny, kv_dtype, i8_rows):
+    """The fused C step against the torch modules, step by step; with `i8_rows`, matmuls of at least that many
+    rows take the int8 route on both paths (steps of 26 and 17 rows; 3, below it)."""
     folder, _ = tiny
     ours = load_model(folder, "float32", verbose=False, quantization="int8")
+    for w in ours.model.quant_weights():
+        w.i8_min_rows = i8_rows
     fused, plain = (ModelRunner(ours, 40, 8, kv_dtype, fused=f) for f in (True, False))
     assert fused.fused is not None and plain.fused is None
     rng = random.Random(5)
@@ -263,6 +269,35 @@ def test_kernel_choice_decides_for_the_quantized_kernel_that_runs():
     assert decide({**ms, "dense": {**dense, 1: 0.5}, "q-bf16": amx}, "b", dot=True).amx_min_rows == 0
 
 
+def test_kernel_choice_takes_the_int8_route_from_where_it_is_faster_at_every_larger_row_count():
+    """q-i8 runs from the smallest row count from which it beats what would run otherwise (q-dot, or q-bf16 past
+    its threshold) at every larger one; never under --quantized-activations int16 (int8=False) or none (no dot
+    route); the kept file is refused when its i8 threshold is not the one its times call for."""
+    from pagedllm.model.kernels.kernel_choice import _candidates, _parse, decide
+
+    ms = {
+        "q-f32": {1: 0.2, 8: 0.6, 64: 3.0, 256: 12.0},
+        "q-dot": {1: 0.1, 8: 0.5, 64: 2.0, 256: 8.0},
+        "dense": {1: 0.3, 8: 0.7, 64: 2.5, 256: 10.0},
+        "q-i8": {1: 0.3, 8: 0.4, 64: 2.5, 256: 5.0},  # faster at 8 and 256, not at 64
+    }
+    on = decide(ms, "b")
+    assert on.i8_min_rows == 256 and [on.kernel_for(r) for r in (1, 64, 255, 256, 999)] == [
+        "q-dot", "q-dot", "q-dot", "q-i8", "q-i8"
+    ]  # fmt: skip
+    assert decide({**ms, "q-i8": {**ms["q-i8"], 64: 1.0}}, "b").i8_min_rows == 8
+    assert decide(ms, "b", int8=False).i8_min_rows == 0 and decide(ms, "b", dot=False).i8_min_rows == 0
+    amx = {1: 0.5, 8: 0.45, 64: 1.5, 256: 4.0}  # q-bf16 from 8 rows, faster than q-i8 at 256
+    both = decide({**ms, "q-bf16": amx}, "b")
+    assert both.amx_min_rows == 8 and both.i8_min_rows == 0
+    assert "256 rows -> q-i8" in on.describe()
+    if _candidates(torch.float32) == set(ms):  # a build with vector code for both integer routes
+        assert _parse(json.dumps(asdict(on)).encode(), torch.float32, "b") == on
+        raw = asdict(on) | {"i8_min_rows": 8}  # not what its times call for
+        with pytest.raises(ValueError, match="not the one its times call for"):
+            _parse(json.dumps(raw).encode(), torch.float32, "b")
+
+
 def test_kernel_choice_is_kept_and_measured_again_when_unreadable(tmp_path, monkeypatch):
     from pagedllm.model.kernels import kernel_choice
 
@@ -290,7 +325,7 @@ def test_auto_quantization_follows_the_measured_choice(monkeypatch):
     for dense_1, want in ((0.5, "gguf"), (0.1, "none")):
         ms = {"q-f32": fast, "dense": {**fast, 1: dense_1}}
         monkeypatch.setattr(
-            kernel_choice, "choose", lambda layer, dtype, dot, ms=ms: kernel_choice.decide(ms, "t", dot)
+            kernel_choice, "choose", lambda layer, dtype, dot, int8, ms=ms: kernel_choice.decide(ms, "t", dot, int8)
         )
         loaded = load_model(None, "float32", verbose=False)
         assert loaded.quantization == want and bool(loaded.model.quant_weights()) == (want == "gguf")

@@ -337,6 +337,7 @@ class FusedStep:
             cache_kind=kv_quant.KINDS[k_cache.dtype],
             amx_min_rows=amx,
             dot=int(head.dot),
+            i8_min_rows=max((w.i8_min_rows for w in m.quant_weights()), default=0),
             num_blocks=k_cache.shape[0],
             act=ACTS[cfg.hidden_act],
             rotary_dim=cfg.rotary_dim,

@@ -29,7 +29,7 @@ import pagedllm.model.kernels.kernel_choice as kernel_choice
 from pagedllm.errors import ModelLoadError, UserError
 from pagedllm.model.config import ModelConfig, is_gguf, load_model_config, resolve_model_path, with_overrides
 from pagedllm.model.kernels.kernel_choice import KernelChoice
-from pagedllm.model.kernels.quant_linear import log_once
+from pagedllm.model.kernels.quant_linear import I8_FORMATS, log_once
 from pagedllm.model.layers.decoder import CausalLM
 from pagedllm.model.tokenizer import Tokenizer, load_tokenizer
 
@@ -138,7 +138,8 @@ def load_model(
 ) -> LoadedModel:
     """Load weights + tokenizer; raises ModelLoadError for bad paths/files/architectures, UserError for --dtype
     and --quantization. `hf_overrides` replaces fields of the model's config first (config.with_overrides);
-    `quantized_activations` (auto | int16 | none) whether the matmuls take the dot route (at every row count)."""
+    `quantized_activations` (auto | int16 | none) whether the matmuls take the dot route (at every row count) and
+    (auto) the int8 route from the row count the kernel choice measured it faster."""
     t0 = time.perf_counter()
     path = resolve_model_path(model)
     cfg = load_model_config(path)
@@ -148,11 +149,12 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, cfg, dev)
     quant = resolve_quantization(quantization, path, dev)
     dot = dot_route(quantized_activations)
-    net, dense_bytes, choice = _build(path, cfg, torch_dtype, dev, quant, dot)
+    int8 = dot and quantized_activations == "auto"
+    net, dense_bytes, choice = _build(path, cfg, torch_dtype, dev, quant, dot, int8)
     if quant == "auto" and choice is not None and not choice.quantized:
         quant = "none"
         del net  # not two models at once
-        net, dense_bytes, _ = _build(path, cfg, torch_dtype, dev, quant, dot)
+        net, dense_bytes, _ = _build(path, cfg, torch_dtype, dev, quant, dot, int8)
     elif quant == "auto":
         quant = "gguf"
     for w in net.quant_weights():
@@ -196,18 +198,20 @@ def trim_heap() -> None:
 
 
 def _build(
-    path: str, cfg: ModelConfig, dtype: torch.dtype, dev: torch.device, quantization: str, dot: bool
+    path: str, cfg: ModelConfig, dtype: torch.dtype, dev: torch.device, quantization: str, dot: bool, int8: bool
 ) -> tuple[CausalLM, int, KernelChoice | None]:
     """The model with its weights, their dense size, and the kernel choice for its quantized weights, taken for
-    the quantized kernel that runs (`dot`: the dot route) and applied: each weight knows from how many rows it
-    runs on AMX."""
+    the quantized kernel that runs (`dot`: the dot route; `int8`: the int8 route may) and applied: each weight
+    knows from how many rows it runs on AMX and on the int8 route (a format the route runs: I8_FORMATS, or a
+    mixed weight, whose blocks of other formats take the float32 route)."""
     net = CausalLM(cfg, dtype, dev)
     dense_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
     _fill(net, path, cfg, quantization)
     net.eval()
     layer = net.first_layer_quant() if dev.type == "cpu" else None
-    choice = kernel_choice.choose(layer, dtype, dot) if layer is not None else None
+    choice = kernel_choice.choose(layer, dtype, dot, int8) if layer is not None else None
     if choice is not None:
         for w in net.quant_weights():
             w.amx_min_rows = choice.amx_min_rows
+            w.i8_min_rows = choice.i8_min_rows if w.fmt in I8_FORMATS or w.fmt == "mixed" else 0
     return net, dense_bytes, choice

@@ -47,6 +47,7 @@ SOURCES = [
     ("paged_attention.c", ["-ffast-math"]),
     ("qmm_f32.c", []),
     ("qmm_dot.c", []),
+    ("qmm_i8.c", []),
     ("qmm_bf16.c", []),
     ("quant_pack.c", []),
     ("model_step.c", []),

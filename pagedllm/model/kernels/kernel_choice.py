@@ -12,18 +12,25 @@ layer's weights come from memory; one layer left in the cache would favour dense
   it is on), where the build has vector code for it;
 - dense: oneDNN over the same weights dequantized to the model's dtype (what `--quantization none` runs);
 - q-bf16: the quantized weights with bfloat16 inputs (AMX, else AVX-512 BF16 dot products: `bf16_kernel()`),
-  where the CPU has one and the dtype is bfloat16.
+  where the CPU has one and the dtype is bfloat16;
+- q-i8: the inputs rounded to 8-bit integers per group of 32 (the int8 route, csrc/qmm_i8.c), where the build
+  has vector code for it.
 and the choice is kept beside the compiled kernels (their file name already names the CPU, compiler, build
 class and sources), keyed by the shapes, formats and dtype, so later loads read it.
 
 What is chosen, against the quantized kernel that runs (q-dot where the dot route is on, at every row count;
-q-f32 under --quantized-activations none): the weights stay quantized unless dense is faster for one row
-(decode of one sequence, where the bytes read decide and which the quantized path exists for); bfloat16 steps
-run on q-bf16 from the smallest row count from which it is measured faster than that kernel at every larger
-one. The measurement is kept once for both settings; the decision is taken again for the setting a load has.
-The log line says at which row counts the quantized kernel chosen is still slower than dense, and where the
-dot route runs although q-f32 measured faster (the route is one switch for every row count). Dense is never
-kept beside the quantized weights: a second copy of the weights would come out of the KV cache.
+q-f32 under --quantized-activations none): the weights stay quantized unless dense is faster for one row (decode
+of one sequence, where the bytes read decide and which the quantized path exists for); bfloat16 steps run on
+q-bf16 from the smallest row count from which it is measured faster than that kernel at every larger one; and
+under the default --quantized-activations auto, steps run on q-i8 from the smallest row count from which it is
+measured faster than whatever would run otherwise at every larger one. Why q-i8 is allowed at all: its accuracy
+against float32 activations is inside the bound benchmarks/kernels/dot_accuracy.py states (docs/benchmarks.md:
+KL and top-1 agreement over a real prompt set; it rounds each input to within 1/254 of its group's largest). A
+sequence's result does not depend on the batch except across these thresholds. The measurement is kept once for
+both settings; the decision is taken again for the setting a load has. The log line says at which row counts the
+quantized kernel chosen is still slower than dense, and where the dot route runs although q-f32 measured faster
+(the route is one switch for every row count). Dense is never kept beside the quantized weights: a second copy
+of the weights would come out of the KV cache.
 """
 
 from __future__ import annotations
@@ -60,6 +67,8 @@ class KernelChoice:
     ms: dict[str, dict[int, float]]  # candidate -> rows -> ms for one layer's matmuls
     build: str  # the kernels' class and vector path, e.g. "x86-64-v3 (avx2)"
     dot: bool = True  # the dot route runs where it was measured (False: --quantized-activations none)
+    i8_min_rows: int = 0  # steps of at least this many rows run on q-i8; 0: never
+    int8: bool = True  # the int8 route may run (False: --quantized-activations int16 or none)
 
     @property
     def quantized_kernel(self) -> str:
@@ -69,6 +78,8 @@ class KernelChoice:
     def kernel_for(self, rows: int) -> str:
         if not self.quantized:
             return "dense"
+        if self.i8_min_rows and rows >= self.i8_min_rows:
+            return "q-i8"
         if self.amx_min_rows and rows >= self.amx_min_rows:
             return "q-bf16"
         return self.quantized_kernel
@@ -106,9 +117,9 @@ class KernelChoice:
         return [r for r in ROWS if self.kernel_for(r) == "q-dot" and self.ms["q-dot"][r] > self.ms["q-f32"][r]]
 
 
-def decide(ms: dict[str, dict[int, float]], build: str, dot: bool = True) -> KernelChoice:
+def decide(ms: dict[str, dict[int, float]], build: str, dot: bool = True, int8: bool = True) -> KernelChoice:
     """The choice that the measured times `ms` (candidate -> rows -> ms) call for, for the quantized kernel that
-    runs (`dot`: the dot route where it was measured)."""
+    runs (`dot`: the dot route where it was measured; `int8`: the int8 route may run, from where it is faster)."""
     run = "q-dot" if dot and "q-dot" in ms else "q-f32"
     quantized = "dense" not in ms or ms[run][1] <= ms["dense"][1]
     amx_min_rows = 0
@@ -117,7 +128,14 @@ def decide(ms: dict[str, dict[int, float]], build: str, dot: bool = True) -> Ker
             if ms["q-bf16"][r] >= ms[run][r]:
                 break
             amx_min_rows = r
-    return KernelChoice(quantized, amx_min_rows, ms, build, dot)
+    i8_min_rows = 0
+    if quantized and int8 and dot and "q-i8" in ms:
+        for r in sorted(ms["q-i8"], reverse=True):
+            other = ms["q-bf16"][r] if amx_min_rows and r >= amx_min_rows else ms[run][r]
+            if ms["q-i8"][r] >= other:
+                break
+            i8_min_rows = r
+    return KernelChoice(quantized, amx_min_rows, ms, build, dot, i8_min_rows, int8 and dot)
 
 
 def _cache_bytes() -> int:
@@ -156,13 +174,16 @@ def _dense(w: QuantWeight, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tens
     return dense, pack(dense)
 
 
-def measure(layer: list[QuantWeight], dtype: torch.dtype, build: str, dot: bool = True) -> KernelChoice:
+def measure(
+    layer: list[QuantWeight], dtype: torch.dtype, build: str, dot: bool = True, int8: bool = True
+) -> KernelChoice:
     """Time each candidate on `layer` (one decoder layer's matmul weights) at ROWS and decide. On one thread:
     the kernels split a matmul the same way whatever the thread count, and one thread cannot be held up by
     another that the OS has put aside."""
     dense = [_dense(w, dtype) for w in layer]
     amx = [QuantWeight(w.fmt, w.n, w.k, w.tiles, w.source, amx_min_rows=1) for w in layer]
     on_dot = [dataclasses.replace(w, dot=True) for w in layer]
+    on_i8 = [dataclasses.replace(w, i8_min_rows=1) for w in layer]
     ms: dict[str, dict[int, float]] = {k: {} for k in sorted(_candidates(dtype))}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -180,9 +201,11 @@ def measure(layer: list[QuantWeight], dtype: torch.dtype, build: str, dot: bool 
                 ms["q-bf16"][r] = _best_ms([lambda x=x, w=w: qlinear(x, w) for x, w in zip(xd, amx)], tries, evict)
             if "q-dot" in ms:
                 ms["q-dot"][r] = _best_ms([lambda x=x, w=w: qlinear(x, w) for x, w in zip(xs, on_dot)], tries, evict)
+            if "q-i8" in ms:
+                ms["q-i8"][r] = _best_ms([lambda x=x, w=w: qlinear(x, w) for x, w in zip(xs, on_i8)], tries, evict)
     finally:
         torch.set_num_threads(threads)
-    return decide(ms, build, dot)
+    return decide(ms, build, dot, int8)
 
 
 def _cache_file(layer: list[QuantWeight], dtype: torch.dtype) -> Path | None:
@@ -193,7 +216,7 @@ def _cache_file(layer: list[QuantWeight], dtype: torch.dtype) -> Path | None:
     return lib_path.with_name(f"{lib_path.stem}.choice-{hashlib.sha256(key.encode()).hexdigest()[:12]}.json")
 
 
-CANDIDATES = ("q-f32", "dense", "q-bf16", "q-dot")
+CANDIDATES = ("q-f32", "dense", "q-bf16", "q-dot", "q-i8")
 MAX_FILE_BYTES = 1 << 16  # a kept choice is a few hundred bytes; more is not one of ours
 MAX_MS = 3.6e6  # an hour for one layer's matmuls: a time beyond it was not measured
 
@@ -208,10 +231,12 @@ def _candidates(dtype: torch.dtype) -> set[str]:
     """The kernels `measure` times for `dtype` on this CPU: a kept choice must have timed exactly these."""
     lib = cpu_kernel.load()
     dot = lib is not None and cpu_kernel.isa(lib)["dot"] != "portable"
+    i8 = lib is not None and cpu_kernel.isa(lib)["i8"] != "portable"
     return (
         {"q-f32", "dense"}
         | ({"q-bf16"} if dtype == torch.bfloat16 and bf16_kernel() is not None else set())
         | ({"q-dot"} if dot else set())
+        | ({"q-i8"} if i8 else set())
     )
 
 
@@ -250,34 +275,34 @@ def _times(raw: Any) -> dict[int, float]:
     return out
 
 
-def _parse(data: bytes, dtype: torch.dtype, build: str, dot: bool = True) -> KernelChoice:
+def _parse(data: bytes, dtype: torch.dtype, build: str, dot: bool = True, int8: bool = True) -> KernelChoice:
     """The choice the bytes keep, checked in full: the keys `asdict` writes, the candidates and rows `measure`
     times here, times in range, this build, and the decision that `decide` takes from those times for the
     setting it was kept under (a file of the right shape with another decision in it is not a measurement); then
-    decided again for this load's `dot`. Raises ValueError otherwise."""
+    decided again for this load's `dot` and `int8`. Raises ValueError otherwise."""
     raw = json.loads(data.decode("utf-8"), parse_float=_finite, parse_constant=_finite)
-    if not isinstance(raw, dict) or set(raw) != {"quantized", "amx_min_rows", "ms", "build", "dot"}:
+    if not isinstance(raw, dict) or set(raw) != {f.name for f in dataclasses.fields(KernelChoice)}:
         raise ValueError("not the fields of a kernel choice")
-    if type(raw["dot"]) is not bool:
-        raise ValueError("dot is not of its type")
+    if type(raw["dot"]) is not bool or type(raw["int8"]) is not bool:
+        raise ValueError("dot or int8 is not of its type")
     if not isinstance(raw["ms"], dict) or set(raw["ms"]) != _candidates(dtype):
         raise ValueError(f"candidates {raw['ms'] if not isinstance(raw['ms'], dict) else sorted(raw['ms'])!r}")
     if raw["build"] != build:
         raise ValueError(f"measured on {raw['build']!r}, not {build!r}")
     ms = {k: _times(raw["ms"][k]) for k in CANDIDATES if k in raw["ms"]}
-    kept = decide(ms, build, raw["dot"])
-    if raw["quantized"] is not kept.quantized or type(raw["amx_min_rows"]) is not int:
-        raise ValueError("quantized or amx_min_rows is not of its type")
-    if raw["amx_min_rows"] != kept.amx_min_rows:
+    kept = decide(ms, build, raw["dot"], raw["int8"])
+    if raw["quantized"] is not kept.quantized or any(type(raw[k]) is not int for k in ("amx_min_rows", "i8_min_rows")):
+        raise ValueError("quantized, amx_min_rows or i8_min_rows is not of its type")
+    if (raw["amx_min_rows"], raw["i8_min_rows"], raw["int8"]) != (kept.amx_min_rows, kept.i8_min_rows, kept.int8):
         raise ValueError("its decision is not the one its times call for")
-    return decide(ms, build, dot)
+    return decide(ms, build, dot, int8)
 
 
-def _read(path: Path, dtype: torch.dtype, build: str, dot: bool) -> tuple[KernelChoice | None, str]:
+def _read(path: Path, dtype: torch.dtype, build: str, dot: bool, int8: bool) -> tuple[KernelChoice | None, str]:
     """The kept choice, or None and why not ("" when there is none yet: the first load on this machine).
     Whatever the file holds, nothing but a valid choice comes back: the caller measures again."""
     try:
-        return _parse(_load_bytes(path), dtype, build, dot), ""
+        return _parse(_load_bytes(path), dtype, build, dot, int8), ""
     except FileNotFoundError:
         return None, ""
     except (OSError, ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
@@ -301,15 +326,16 @@ def _keep(path: Path, choice: KernelChoice) -> None:
             os.unlink(tmp)
 
 
-def choose(layer: list[QuantWeight], dtype: torch.dtype, dot: bool = True) -> KernelChoice:
-    """The kept choice for these shapes on this machine, or a new measurement (then kept), decided for `dot`
-    (whether the dot route runs). A kept file that is not a valid choice (any bytes, a link, a directory) is
-    measured again with one log line: a cache never stops the server from starting."""
+def choose(layer: list[QuantWeight], dtype: torch.dtype, dot: bool = True, int8: bool = True) -> KernelChoice:
+    """The kept choice for these shapes on this machine, or a new measurement (then kept), decided for `dot` (whether
+    the dot route runs) and `int8` (whether the int8 route may). A kept file that is not a valid choice (any
+    bytes, a link, a directory) is measured again with one log line: a cache never stops the server from
+    starting."""
     path = _cache_file(layer, dtype)
     build = _build_name()
-    choice, why = _read(path, dtype, build, dot) if path is not None else (None, "")
+    choice, why = _read(path, dtype, build, dot, int8) if path is not None else (None, "")
     if choice is None:
-        choice = measure(layer, dtype, build, dot)
+        choice = measure(layer, dtype, build, dot, int8)
         if path is not None:
             try:
                 _keep(path, choice)

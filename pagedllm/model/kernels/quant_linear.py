@@ -48,6 +48,8 @@ FORMATS |= {"q5_0": 8, "q5_1": 9, "q5_k": 10, "q6_k": 11, "q4_0": 12, "mxfp4": 1
 K_FORMATS = {"q4_k", "k8m", "k8", "q5_k", "q6_k"}
 # what the dot route runs (csrc dot_fmt); others: float32
 DOT_FORMATS = {"q4_1", "q4_0", "q8_0", "q8m", "q4_k", "q6_k", "mxfp4"}
+# what the int8 route runs (csrc i8_fmt); others: float32
+I8_FORMATS = {"q4_1", "q4_0", "q8_0", "q8m", "q4_k", "q6_k"}
 _SUB = {"q4_k": 32, "k8m": 16, "k8": 16, "q5_k": 32, "q6_k": 16}  # inputs per integer scale s (and mi)
 MX4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int8)  # E2M1, doubled
 
@@ -213,6 +215,7 @@ class QuantWeight:
     source: str
     amx_min_rows: int = 0  # bf16 inputs of at least this many rows run on bf16_kernel() (kernel_choice.py); 0: never
     dot: bool = False  # inputs rounded to 16-bit integers per group of 32 (the dot route), at every row count
+    i8_min_rows: int = 0  # inputs of at least this many rows rounded to int8 per group of 32 (the int8 route); 0: never
 
     @property
     def nbytes(self) -> int:
@@ -323,22 +326,25 @@ def qlinear(
     out: torch.Tensor | None = None,
     accumulate: bool = False,
 ) -> torch.Tensor:
-    """x [..., K] @ w.T (+ bias); the result in x's dtype. With `w.dot`, x is rounded to 16 bits per group
-    of 32 and multiplied as integers (the dot route: decode at the memory's speed, and faster than the float32
-    route at every row count measured); otherwise float32 activations take the float32 kernel (exact weights,
+    """x [..., K] @ w.T (+ bias); the result in x's dtype. From `w.i8_min_rows` rows on, x is rounded to 8 bits
+    per group of 32 and multiplied as bytes (the int8 route, for many rows: twice the multiply-adds an
+    instruction of the 16-bit one; kernel_choice.py measures from where). With `w.dot`, x is rounded to 16 bits
+    per group of 32 and multiplied as integers (the dot route: decode at the memory's speed, and faster than the
+    float32 route at every row count measured); otherwise float32 activations take the float32 kernel (exact weights,
     sums in a fixed order). bfloat16 activations take bf16_kernel() (AMX, or AVX-512 BF16) from
     `w.amx_min_rows` rows on where the CPU has one. A row's result does not depend on the other rows except
-    across that threshold. `out` (float32, contiguous rows) is written in place, or added to with `accumulate`."""
+    across those thresholds. `out` (float32, contiguous rows) is written in place, or added to with `accumulate`."""
     lead = x.shape[:-1]
     xf = x.reshape(-1, w.k)
     m = xf.shape[0]
-    amx = x.dtype == torch.bfloat16 and 0 < w.amx_min_rows <= m and bf16_kernel() is not None
-    dot = w.dot and not amx
+    i8 = 0 < w.i8_min_rows <= m
+    amx = not i8 and x.dtype == torch.bfloat16 and 0 < w.amx_min_rows <= m and bf16_kernel() is not None
+    dot = w.dot and not amx and not i8
     if xf.dtype != torch.float32 or xf.stride(-1) != 1:
         xf = xf.float().contiguous()
     res = out if out is not None else torch.empty(m, w.n, dtype=torch.float32)
     b = None if bias is None else bias.float().contiguous()
-    fn = _lib().qmm_dot if dot else _lib().qmm_amx if amx else _lib().qmm_f32
+    fn = _lib().qmm_i8 if i8 else _lib().qmm_dot if dot else _lib().qmm_amx if amx else _lib().qmm_f32
     rc = fn(
         res.data_ptr(),
         xf.data_ptr(),

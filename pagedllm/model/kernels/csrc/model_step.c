@@ -56,7 +56,9 @@ typedef struct { /* the step's activations (float32, T rows) and scratch */
     uint16_t *xb;  /* x as bfloat16 for AMX: [T padded to 16, widest K] */
     int amx_rows; /* matmuls of at least this many rows run on AMX; 0: none */
     XQ16 xq;      /* x rounded for the dot route: [T, widest K] codes, their scales and sums */
-    int dot;      /* matmuls (but those on AMX) take the dot route */
+    int dot;      /* matmuls (but those on AMX or the int8 route) take the dot route */
+    XQ8 xq8;      /* x rounded for the int8 route: [T, widest K] */
+    int i8_rows;  /* matmuls of at least this many rows take the int8 route (a format it runs); 0: none */
     /* sparse layers: each token's experts and their weights [T, topk], the shared expert's gate_up / act /
      * output rows, the routed experts' plan (moe.h), and the first error of a grouping (0: none) */
     int64_t *ids;
@@ -244,9 +246,9 @@ static void store_row(void *cache, int64_t slot, const float *src, int KVH, int 
  * no barrier: a thread that the OS has put aside (this machine is shared) holds up at most the item it is
  * working on, where a barrier would hold up every phase of the step until it came back. Items write
  * disjoint outputs, so which thread runs an item changes nothing in the result. */
-enum { K_NORM, K_CVT, K_Q16, K_MATMUL, K_ROPE, K_ATTN, K_ACT, K_RESID, K_SCALE, K_LOGIT, K_ROUTE, K_TOPK, K_MOE_GROUP,
-       K_MOE_GATHER, K_MOE_GATE_UP, K_MOE_ACT, K_MOE_DOWN, K_MOE_COMBINE, K_SHARED, K_LORA_A, K_LORA_B, K_REC_PERM,
-       K_REC_CONV, K_REC_SCAN, K_REC_NORM };
+enum { K_NORM, K_CVT, K_Q16, K_Q8, K_MATMUL, K_ROPE, K_ATTN, K_ACT, K_RESID, K_SCALE, K_LOGIT, K_ROUTE, K_TOPK,
+       K_MOE_GROUP, K_MOE_GATHER, K_MOE_GATE_UP, K_MOE_ACT, K_MOE_DOWN, K_MOE_COMBINE, K_SHARED, K_LORA_A, K_LORA_B,
+       K_REC_PERM, K_REC_CONV, K_REC_SCAN, K_REC_NORM };
 
 typedef struct {
     int kind, layer, items, prof; /* prof: the profile slot the phase's time goes to */
@@ -254,7 +256,7 @@ typedef struct {
     const float *x, *w_norm, *bias;
     const int64_t *rows;
     const uint8_t *w;
-    int fmt, M, N, K, accumulate, amx, dot, per_item;
+    int fmt, M, N, K, accumulate, amx, dot, i8, per_item;
     int lora; /* the LoRA phases': which matmul of the layer (LORA_QKV ...) */
     int ldo; /* a matmul's output row stride (0: N) */
 } Phase;
@@ -264,21 +266,23 @@ static Phase norm_phase(float *x, const float *h, const float *w, const int64_t 
 }
 
 /* The matmul out[M, N] (+)= x[M, K] @ W^T as one phase (two with AMX: x to bfloat16 tiles first; two on the
- * dot route: x rounded to 16-bit integers first). */
+ * dot and int8 routes: x rounded to 16- or 8-bit integers first). */
 #define MAX_LAYER_PHASES 56 /* 30 + 18 (a mixer's phases) + 8 (the LoRA halves of qkv, o, gate_up, down) */
 #define ROUTER_EXPERTS 16 /* experts per router work item: a decode token's router spread over the threads */
 #define ROUTER_CHUNKS(m) (((m)->experts + ROUTER_EXPERTS - 1) / ROUTER_EXPERTS)
 
 static int matmul_phases(Phase *ph, const Buffers *buf, int prof, float *out, const float *x, const uint8_t *w,
                          int fmt, const float *bias, int M, int N, int K, int accumulate, int nthreads) {
-    const int amx = buf->amx_rows && M >= buf->amx_rows, units = amx ? (N + 31) / 32 : (N + 15) / 16;
-    const int dot = !amx && buf->dot, items = 8 * nthreads < units ? 8 * nthreads : units;
+    const int i8 = buf->i8_rows && M >= buf->i8_rows && qi8_runs(fmt);
+    const int amx = !i8 && buf->amx_rows && M >= buf->amx_rows, units = amx ? (N + 31) / 32 : (N + 15) / 16;
+    const int dot = !amx && !i8 && buf->dot, items = 8 * nthreads < units ? 8 * nthreads : units;
     int n = 0;
     if (amx) ph[n++] = (Phase){.kind = K_CVT, .items = M, .prof = prof, .x = x, .K = K};
     if (dot) ph[n++] = (Phase){.kind = K_Q16, .items = M, .prof = prof, .x = x, .K = K};
+    if (i8) ph[n++] = (Phase){.kind = K_Q8, .items = M, .prof = prof, .x = x, .K = K};
     ph[n++] = (Phase){.kind = K_MATMUL, .items = items, .prof = prof, .out = out, .x = x, .bias = bias, .w = w,
                       .fmt = fmt, .M = M, .N = N, .K = K, .accumulate = accumulate, .amx = amx, .dot = dot,
-                      .per_item = (units + items - 1) / items};
+                      .i8 = i8, .per_item = (units + items - 1) / items};
     return n;
 }
 
@@ -584,7 +588,9 @@ static void matmul_item(const Phase *p, const Buffers *buf, const Scratch *sc, i
     const QMatmul a = {p->out, p->x, p->w, p->bias, p->M, p->N, p->K / 32, p->K, p->ldo ? p->ldo : p->N, p->fmt,
                        p->accumulate};
     for (int u = i * p->per_item; u < end; u++)
-        if (p->dot)
+        if (p->i8)
+            qi8_column_block(&a, &buf->xq8, u, sc->panel);
+        else if (p->dot)
             qdot_column_block(&a, &buf->xq, u, sc->panel);
         else
             qmm_column_block(&a, u, sc->panel);
@@ -603,6 +609,10 @@ static void run_item(const Phase *p, const StepModel *m, const StepLayer *layers
     case K_Q16: /* row i of this matmul's x, rows of its own K side by side */
         qdot_quantize_row(buf->xq.q + (int64_t)i * p->K, buf->xq.d + (int64_t)i * (p->K / 32),
                           buf->xq.s + (int64_t)i * (p->K / 16), p->x + (int64_t)i * p->K, p->K);
+        break;
+    case K_Q8:
+        qi8_quantize_row(buf->xq8.q + (int64_t)i * p->K, buf->xq8.d + (int64_t)i * (p->K / 32),
+                         buf->xq8.s + (int64_t)i * (p->K / 16), p->x + (int64_t)i * p->K, p->K);
         break;
     case K_MATMUL:
         matmul_item(p, buf, sc, i);
@@ -843,11 +853,15 @@ int model_step(const StepModel *m, const StepLayer *layers, const StepBatch *b, 
     const int dot = m->dot != 0;
     XQ16 xq = {dot ? malloc((size_t)T * K * sizeof(int16_t)) : NULL, dot ? malloc((size_t)T * (K / 32) * sizeof(float)) : NULL,
                dot ? malloc((size_t)T * (K / 16) * sizeof(int32_t)) : NULL};
+    const int i8 = m->i8_min_rows > 0 && T >= m->i8_min_rows ? m->i8_min_rows : 0;
+    XQ8 xq8 = {i8 ? malloc((size_t)T * K) : NULL, i8 ? malloc((size_t)T * (K / 32) * sizeof(float)) : NULL,
+               i8 ? malloc((size_t)T * (K / 16) * sizeof(int32_t)) : NULL};
     int64_t max_ctx = 0;
     RecStep rec = {0};
     float *rec_mem = NULL;
     int64_t *seqs = NULL;
-    int status = (!mem || !ctx || !tiles || (amx && !xb) || (dot && (!xq.q || !xq.d || !xq.s)) || (m->experts && !ids))
+    int status = (!mem || !ctx || !tiles || (amx && !xb) || (dot && (!xq.q || !xq.d || !xq.s)) ||
+                      (i8 && (!xq8.q || !xq8.d || !xq8.s)) || (m->experts && !ids))
                      ? -1
                      : rec_step(m, layers, b, &rec, &rec_mem, &seqs);
     if (status == 0) status = check(m, layers, b, rec.S ? &rec : NULL, ctx, &max_ctx);
@@ -863,7 +877,7 @@ int model_step(const StepModel *m, const StepLayer *layers, const StepBatch *b, 
         Buffers buf = {mem, mem + (int64_t)T * E, mem + 2 * (int64_t)T * E, mem + (int64_t)T * (2 * E + QKV),
                        mem + (int64_t)T * (2 * E + QKV + HD), mem + (int64_t)T * (2 * E + QKV + HD + 2 * I),
                        mem + (int64_t)T * (2 * E + QKV + HD + 3 * I), ctx, tiles, make_tiles(b, tiles), xb, amx,
-                       xq, dot, ids, moe, moe + (int64_t)T * m->topk, moe + (int64_t)T * (m->topk + 2 * SI),
+                       xq, dot, xq8, i8, ids, moe, moe + (int64_t)T * m->topk, moe + (int64_t)T * (m->topk + 2 * SI),
                        moe + (int64_t)T * (m->topk + 3 * SI), moe + (int64_t)T * (m->topk + 3 * SI + E), plan,
                        &moe_status, rec};
         status = qrows_f32(buf.h, b->tokens, T, m->embed, m->vocab, E, m->embed_fmt);
@@ -881,5 +895,8 @@ int model_step(const StepModel *m, const StepLayer *layers, const StepBatch *b, 
     free(xq.q);
     free(xq.d);
     free(xq.s);
+    free(xq8.q);
+    free(xq8.d);
+    free(xq8.s);
     return status;
 }

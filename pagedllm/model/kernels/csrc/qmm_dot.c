@@ -41,18 +41,6 @@ void qdot_quantize_row(int16_t *q, float *d, int32_t *s, const float *x, int K) 
     }
 }
 
-/* Row m's 16 sums F of column block cb (+ bias) written or added to the output, up to N. Not inlined (block_dot
- * writes a whole block in vectors; this is the clipped last block and the portable build): its columns'
- * branches unrolled into every instance of block_dot would be most of this file's code. */
-static __attribute__((noinline)) void store16(const QMatmul *a, const float *F, int m, int cb) {
-    float *o = a->out + (int64_t)m * a->ldo;
-    for (int c = 0; c < 16 && 16 * cb + c < a->N; c++) {
-        const int n = 16 * cb + c;
-        const float x = F[c] + (a->bias ? a->bias[n] : 0.0f);
-        o[n] = a->accumulate ? o[n] + x : x;
-    }
-}
-
 /* The scales of group g (half h) as out += (a dx) S + b (dx sx), a and b per column (16 / VW vectors each): a
  * and b, the weights' part, once per group for all rows of x; a K format's float16 super-block scales D (and
  * M) converted once per super-block (`Head`, at g % 8 == 0). */
@@ -207,17 +195,7 @@ static inline __attribute__((always_inline)) void block_dot(const QMatmul *a, co
     default: fn(QFMT_K6, __VA_ARGS__); break;                                                                  \
     }
 #else
-/* The portable build: the same sums, one code at a time. */
-static int code_at(const uint8_t *body, int fmt, int c, int k) {
-    const int r = k / 2, j = 2 * (c % 8) + k % 2;
-    if (fmt == QFMT_MX4) /* row r = 4 t + p: byte p % 2 of word 2 c + k % 2 in quad t, nibble p / 2 */
-        return MX4_VALUES[body[64 * (r / 4) + 2 * (2 * c + k % 2) + r % 2] >> (4 * (r % 4 / 2)) & 15] + offset(fmt);
-    if (!nibbles(fmt)) return (int8_t)body[32 * r + 2 * c + k % 2];
-    const int nib = c < 8 ? body[16 * r + j] & 15 : body[16 * r + j] >> 4;
-    if (plane(fmt) != 2) return nib;
-    const int pb = body[256 + 16 * (r / 2) + j] >> (2 * (r % 2) + 4 * (c >= 8));
-    return nib | (pb & 3) << 4;
-}
+/* The portable build: the same sums, one code at a time (code_at, qtile.h). */
 static void block_dot_portable(const QMatmul *a, const XQ16 *xq, const uint8_t *col, int m, int fmt, int cb) {
     float F[16] = {0};
     const int G = a->G, parts = halves(fmt);

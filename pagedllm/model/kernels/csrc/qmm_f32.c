@@ -25,7 +25,7 @@
 
 /* Which vector path this build took (cpu_kernel.isa()): a vector class that fell back to the portable loops is
  * a regression the tests must see. */
-const char *kernel_isa(void) { return "matmul=" SIMD_MATMUL_ISA " dot=" SIMD_DOT_ISA " amx=" SIMD_AMX; }
+const char *kernel_isa(void) { return "matmul=" SIMD_MATMUL_ISA " dot=" SIMD_DOT_ISA " i8=" SIMD_I8_ISA " amx=" SIMD_AMX; }
 
 #define P (VW == 16 ? 2 : 1) /* accumulators per vector and row: one per tile-row parity on AVX-512 */
 #define PR 6                 /* rows per panel block, over VW columns: PR * 2 * P accumulators */

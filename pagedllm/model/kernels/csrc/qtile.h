@@ -78,6 +78,10 @@ static inline int offset(int fmt) { /* stored q + offset (MX4: the integer route
 }
 static inline int halves(int fmt) { return fmt == QFMT_K8M || fmt == QFMT_K8 || fmt == QFMT_K6 ? 2 : 1; }
 static inline int dense16(int fmt) { return fmt == QFMT_F16 || fmt == QFMT_BF16; }
+/* The formats the int8 route (qmm_i8.c) runs; a block of another takes the float32 route. */
+static inline int i8_fmt(int fmt) {
+    return fmt == QFMT_Q4 || fmt == QFMT_Q40 || fmt == QFMT_Q8 || fmt == QFMT_Q8M || fmt == QFMT_K4M || fmt == QFMT_K6;
+}
 
 /* Bytes before a tile's body (its scales), of a body, of a K format's super-block head. */
 static inline int scale_bytes(int fmt) {
@@ -235,6 +239,30 @@ static inline __attribute__((always_inline)) void dequant_group(const uint8_t *c
 #define DEQUANT_GROUP(fmt, col, g, dst) dequant_group(col, fmt, g, dst)
 #define DEQUANT_PANEL(fmt, col, G, panel)                                                                       \
     for (int g = 0; g < (G); g++) dequant_group(col, fmt, g, (panel) + (int64_t)g * 512)
+
+/* The stored code (its format's offset included; a byte format's signed) of column c at k (0..31) of a tile
+ * body, one at a time: the integer routes' portable builds and the int8 route's panels. */
+static inline int code_at(const uint8_t *body, int fmt, int c, int k) {
+    const int r = k / 2, j = 2 * (c % 8) + k % 2;
+    if (fmt == QFMT_MX4) /* row r = 4 t + p: byte p % 2 of word 2 c + k % 2 in quad t, nibble p / 2 */
+        return MX4_VALUES[body[64 * (r / 4) + 2 * (2 * c + k % 2) + r % 2] >> (4 * (r % 4 / 2)) & 15] + offset(fmt);
+    if (!nibbles(fmt)) return (int8_t)body[32 * r + 2 * c + k % 2];
+    const int nib = c < 8 ? body[16 * r + j] & 15 : body[16 * r + j] >> 4;
+    if (plane(fmt) != 2) return nib;
+    const int pb = body[256 + 16 * (r / 2) + j] >> (2 * (r % 2) + 4 * (c >= 8));
+    return nib | (pb & 3) << 4;
+}
+/* The integer routes' (qmm_dot.c, qmm_i8.c): row m's 16 sums F of column block cb (+ bias) written or added to the output, up to N. Not inlined (the integer routes'
+ * blocks write a whole block in vectors; this is the clipped last block and the portable build): its columns'
+ * branches unrolled into every instance of block_dot would be most of this file's code. */
+static __attribute__((noinline, unused)) void store16(const QMatmul *a, const float *F, int m, int cb) {
+    float *o = a->out + (int64_t)m * a->ldo;
+    for (int c = 0; c < 16 && 16 * cb + c < a->N; c++) {
+        const int n = 16 * cb + c;
+        const float x = F[c] + (a->bias ? a->bias[n] : 0.0f);
+        o[n] = a->accumulate ? o[n] + x : x;
+    }
+}
 
 /* Whether a weight of these sizes can be run: a known format, K formats with K % 256 == 0; a mixed weight's
  * table is checked when it is packed (quant.py). */

@@ -1,8 +1,8 @@
 /* The quantized matmul's entry points, one C file per route: float32 direct and panel (qmm_f32.c), 16-bit
- * integer activations (qmm_dot.c), bfloat16 on AVX-512 BF16 / AMX (qmm_bf16.c); the tiles they read are in
- * qtile.h. Shared with the fused decode step (model_step.c) and the experts (moe.c). cpu_kernel.py declares
- * every prototype of this file (and of the other headers) to ctypes as written here: arguments are pointers,
- * int, int64_t, float or double. */
+ * integer activations (qmm_dot.c), 8-bit ones (qmm_i8.c), bfloat16 on AVX-512 BF16 / AMX (qmm_bf16.c); the tiles
+ * they read are in qtile.h. Shared with the fused decode step (model_step.c) and the experts (moe.c).
+ * cpu_kernel.py declares every prototype of this file (and of the other headers) to ctypes as written here:
+ * arguments are pointers, int, int64_t, float or double. */
 #ifndef PAGEDLLM_QUANT_MATMUL_H
 #define PAGEDLLM_QUANT_MATMUL_H
 #include <stdint.h>
@@ -46,6 +46,12 @@ typedef struct { /* rows of x rounded to 16-bit integers per group of 32 (the do
     int32_t *s; /* [M][2 G] the sum of q per 16 inputs */
 } XQ16;
 
+typedef struct { /* rows of x rounded to 8-bit integers per group of 32 (the int8 route) */
+    int8_t *q;  /* [M][K] the rounded activations */
+    float *d;   /* [M][G] their scale per group */
+    int32_t *s; /* [M][2 G] the sum of q per 16 inputs */
+} XQ8;
+
 /* Bytes of one column block (16 output features) of a weight with K = 32 G inputs; 0 for a format without a
  * fixed size (mixed) or a G it cannot take (the K formats need G % 8 == 0). */
 int64_t qcol_bytes(int fmt, int G);
@@ -65,6 +71,10 @@ void qmm_column_block(const QMatmul *a, int cb, float *panel);
  * block of a format the route does not run takes the float32 route, through `panel` when not NULL). */
 void qdot_quantize_row(int16_t *q, float *d, int32_t *s, const float *x, int K);
 void qdot_column_block(const QMatmul *a, const XQ16 *xq, int cb, float *panel);
+/* The int8 route: the same with 8-bit x (q [K] int8); `panel` (K * 16 floats) is needed for any M. */
+int qi8_runs(int fmt); /* 1: the route runs this format (a mixed weight: its blocks of those formats) */
+void qi8_quantize_row(int8_t *q, float *d, int32_t *s, const float *x, int K);
+void qi8_column_block(const QMatmul *a, const XQ8 *xq, int cb, float *panel);
 
 /* out[M, N] (+)= x[M, K] @ W[N, K]^T for W in tiles of `fmt`, on the float32 routes; 0, -1 (out of memory) or -2
  * (bad sizes). */
@@ -73,11 +83,14 @@ int qmm_f32(float *out, const float *x, const uint8_t *w, const float *bias, int
 /* The same with x rounded to 16 bits per group of 32 (the dot route). */
 int qmm_dot(float *out, const float *x, const uint8_t *w, const float *bias, int M, int N, int K, int ldx, int ldo,
             int fmt, int accumulate, int num_threads);
+/* The same with x rounded to 8 bits per group of 32 (the int8 route, for many rows). */
+int qmm_i8(float *out, const float *x, const uint8_t *w, const float *bias, int M, int N, int K, int ldx, int ldo,
+           int fmt, int accumulate, int num_threads);
 /* The same with x rounded to bfloat16, on AMX or AVX-512 BF16 (qmm_bf16_kind); -6 where neither is here. */
 int qmm_amx(float *out, const float *x, const uint8_t *w, const float *bias, int M, int N, int K, int ldx, int ldo,
             int fmt, int accumulate, int num_threads);
 /* Rows `ids` [T] of W as float32 (a quantized embedding table's lookup); 0, -2 (bad sizes), -3 (an id outside). */
 int qrows_f32(float *out, const int64_t *ids, int T, const uint8_t *w, int N, int K, int fmt);
-/* "matmul=<isa> dot=<isa> amx=<yes|no>": the vector path each route was compiled with (cpu_kernel.isa()). */
+/* "matmul=<isa> dot=<isa> i8=<isa> amx=<yes|no>": the vector path each route was compiled with (cpu_kernel.isa()). */
 const char *kernel_isa(void);
 #endif

@@ -9,8 +9,9 @@
  * (float16, bytes, nibbles), a primitive is the intrinsic of each class, with a portable loop of the same
  * results for the x86-64 build.
  *
- * SIMD_MATMUL_ISA / SIMD_DOT_ISA / SIMD_AMX name the path each route compiles (cpu_kernel.isa()); SIMD_INT16 is
- * defined where the dot route has its vector form (AVX-512 BW, or AVX2 without AVX-512). */
+ * SIMD_MATMUL_ISA / SIMD_DOT_ISA / SIMD_I8_ISA / SIMD_AMX name the path each route compiles (cpu_kernel.isa());
+ * SIMD_INT16 is defined where the dot route has its vector form (AVX-512 BW, or AVX2 without AVX-512), SIMD_INT8
+ * where the int8 route has its (the same classes; I8_VNNI where the byte dot product is one instruction). */
 #ifndef PAGEDLLM_SIMD_H
 #define PAGEDLLM_SIMD_H
 #include <math.h>
@@ -44,6 +45,25 @@ typedef int32_t vi __attribute__((vector_size(4 * VW)));
 #define SIMD_INT16 1
 #else
 #define SIMD_DOT_ISA "portable"
+#endif
+#if defined(__AVX512BW__)
+#define SIMD_INT8 1
+#if defined(__AVX512VNNI__)
+#define SIMD_I8_ISA "avx512-vnni"
+#define I8_VNNI 1
+#else
+#define SIMD_I8_ISA "avx512"
+#endif
+#elif defined(__AVX2__) && defined(__F16C__) && !defined(__AVX512F__)
+#define SIMD_INT8 1
+#if defined(__AVXVNNI__)
+#define SIMD_I8_ISA "avx2-vnni"
+#define I8_VNNI 1
+#else
+#define SIMD_I8_ISA "avx2"
+#endif
+#else
+#define SIMD_I8_ISA "portable"
 #endif
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define SIMD_AMX "yes"
@@ -397,5 +417,110 @@ static inline void nib_cols(hv lo, hv hi, vi out[2]) {
 #else
 #define QR 1
 #define PH 2
+#endif
+
+/* ---- 8-bit integer activations (the int8 route, qmm_i8.c) -------------------------------------------------
+ * One group of 32 inputs rounded with the factor inv to int8 codes (round half to even, NaN to 0, clamped to
+ * +-127: llama.cpp's Q8_0 activations), and the sums of each half; vectors where the build has them, with the
+ * scalar loop's exact results. */
+static inline void round_group8(int8_t *q, int32_t *s, const float *x, float inv) {
+#if defined(__AVX512F__)
+    const __m512 f = _mm512_set1_ps(inv), lim = _mm512_set1_ps(127.0f);
+    for (int h = 0; h < 2; h++) {
+        __m512 v = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(x + 16 * h), f),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        v = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, v, _CMP_ORD_Q), v);
+        const __m512i c = _mm512_cvtps_epi32(_mm512_max_ps(_mm512_min_ps(v, lim), -lim));
+        _mm_storeu_si128((__m128i *)(q + 16 * h), _mm512_cvtepi32_epi8(c));
+        s[h] = _mm512_reduce_add_epi32(c);
+    }
+#elif defined(__AVX2__)
+    const __m256 f = _mm256_set1_ps(inv), lim = _mm256_set1_ps(127.0f), nlim = _mm256_set1_ps(-127.0f);
+    __m256i c[4];
+    for (int j = 0; j < 4; j++) {
+        __m256 v = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * j), f),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        v = _mm256_and_ps(v, _mm256_cmp_ps(v, v, _CMP_ORD_Q));
+        c[j] = _mm256_cvtps_epi32(_mm256_max_ps(_mm256_min_ps(v, lim), nlim));
+    }
+    /* packs work per 128-bit lane: the dwords come out as c0[0:4] c1[0:4] c2[0:4] c3[0:4] c0[4:8] ..., put back */
+    const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+    _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    for (int h = 0; h < 2; h++) {
+        const __m256i t = _mm256_add_epi32(c[2 * h], c[2 * h + 1]);
+        __m128i u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+        u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0x4E));
+        s[h] = _mm_cvtsi128_si32(_mm_add_epi32(u, _mm_shuffle_epi32(u, 0xB1)));
+    }
+#else
+    s[0] = s[1] = 0;
+    for (int k = 0; k < 32; k++) {
+        float v = nearbyintf(x[k] * inv);
+        v = v == v ? (v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v) : 0.0f;
+        q[k] = (int8_t)v;
+        s[k / 16] += (int8_t)v;
+    }
+#endif
+}
+
+#ifdef SIMD_INT8
+/* A chunk of the int8 route's panel is 16 columns x 4 consecutive k as bytes, a column a 32-bit lane: `bv` is
+ * the widest integer vector, BCH of them a chunk (1 with AVX-512, 2 with AVX2), each VW columns; QR8 rows of x
+ * a pass. With VNNI, bdot: acc + the four products of unsigned weight bytes and signed x bytes, summed per
+ * 32-bit lane (vpdpbusd). Without: bmul16, the products summed in pairs to 16 bits, saturating (vpmaddubsw:
+ * the weights' codes are kept small enough that it never does, see qmm_i8.c), badd16 to add several chunks'
+ * in 16 bits, and bwiden, those summed in pairs into the 32-bit lanes (vpmaddwd against ones). bsign: x
+ * negated where w is negative (the signed weights without VNNI: |w| times x with w's sign). */
+#if defined(__AVX512BW__)
+typedef __m512i bv;
+#define BCH 1
+#define QR8 6
+static inline bv bload(const uint8_t *p) { return _mm512_loadu_si512(p); }
+static inline bv bset1(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+#ifdef I8_VNNI
+static inline bv bdot(bv acc, bv w, bv x) { return _mm512_dpbusd_epi32(acc, w, x); }
+#else
+static inline bv bmul16(bv w, bv x) { return _mm512_maddubs_epi16(w, x); }
+static inline bv badd16(bv a, bv b) { return _mm512_add_epi16(a, b); }
+static inline bv bwiden(bv acc, bv s16) { return _mm512_add_epi32(acc, _mm512_madd_epi16(s16, _mm512_set1_epi16(1))); }
+#endif
+static inline bv babs(bv w) { return _mm512_abs_epi8(w); }
+static inline bv bsign(bv x, bv w) {
+    return _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
+}
+#define BZERO _mm512_setzero_si512
+#else
+typedef __m256i bv;
+#define BCH 2
+#define QR8 3
+static inline bv bload(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline bv bset1(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+#ifdef I8_VNNI
+static inline bv bdot(bv acc, bv w, bv x) { return _mm256_dpbusd_avx_epi32(acc, w, x); }
+#else
+static inline bv bmul16(bv w, bv x) { return _mm256_maddubs_epi16(w, x); }
+static inline bv badd16(bv a, bv b) { return _mm256_add_epi16(a, b); }
+static inline bv bwiden(bv acc, bv s16) { return _mm256_add_epi32(acc, _mm256_madd_epi16(s16, _mm256_set1_epi16(1))); }
+#endif
+static inline bv babs(bv w) { return _mm256_abs_epi8(w); }
+static inline bv bsign(bv x, bv w) { return _mm256_sign_epi8(x, w); }
+#define BZERO _mm256_setzero_si256
+#endif
+/* Chunk bytes from two tile rows' k pairs: l0 / l1 (rows 2t, 2t + 1) hold columns 0-7 a 16-bit word each, h0 /
+ * h1 columns 8-15; interleaving their words puts a column's four k in one 32-bit lane. */
+static inline void chunk_from_pairs(uint8_t *p, __m128i l0, __m128i l1, __m128i h0, __m128i h1) {
+    _mm_storeu_si128((__m128i *)p, _mm_unpacklo_epi16(l0, l1));
+    _mm_storeu_si128((__m128i *)(p + 16), _mm_unpackhi_epi16(l0, l1));
+    _mm_storeu_si128((__m128i *)(p + 32), _mm_unpacklo_epi16(h0, h1));
+    _mm_storeu_si128((__m128i *)(p + 48), _mm_unpackhi_epi16(h0, h1));
+}
 #endif
 #endif

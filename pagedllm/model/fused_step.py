@@ -37,8 +37,8 @@ from pagedllm.model.layers.deltanet import GatedDeltaNet
 from pagedllm.model.layers.linear import Linear
 from pagedllm.model.layers.mamba2 import Mamba2
 from pagedllm.model.layers.moe import SparseMoE
-from pagedllm.model.lora import FusedLoRA
 from pagedllm.model.layers.shortconv import ShortConv
+from pagedllm.model.lora import FusedLoRA
 
 # the C structures (csrc/model_step.h), read from the header itself; cpu_kernel.load() checks their sizes
 _STRUCTS = cpu_kernel.c_structs("model_step.h")

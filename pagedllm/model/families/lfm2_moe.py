@@ -3,14 +3,17 @@ MLP is, after the first `num_dense_layers` dense ones (LFM2's SwiGLU at `interme
 sparse block: a sigmoid router whose top k are chosen by score + a learned bias per expert (`expert_bias`) and
 weighed by the scores, renormalised (`norm_topk_prob`) and scaled (`routed_scaling_factor`): moe.py's "sigmoid"
 router. `save_pretrained` writes one module per expert (`feed_forward.experts.N.w1 / w3 / w2`); transformers 5's
-state dict, 3-D `feed_forward.experts.gate_up_proj` / `down_proj`."""
+state dict, 3-D `feed_forward.experts.gate_up_proj` / `down_proj`. llama.cpp's lfm2moe files: the bias as
+`exp_probs_b.bias`, sigmoid gating (`expert_gating_func` 2), the dense lead as `leading_dense_block_count`, the
+top k always renormalised, scaled by `expert_weights_scale` where written."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from pagedllm.model.families.base import Family
+from pagedllm.model.families.base import Family, GGUFHeader
 from pagedllm.model.families.lfm2 import LFM2_LAYER
+from pagedllm.model.families.lfm2 import gguf_fields as lfm2_gguf_fields
 from pagedllm.model.families.lfm2 import hf_fields as lfm2_fields
 from pagedllm.model.families.moe import fused_experts, moe_tensors
 
@@ -32,12 +35,29 @@ def hf_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def gguf_fields(h: GGUFHeader) -> dict[str, Any]:
+    if h.get("expert_gating_func") not in (None, 2):
+        return {"moe_router": f"gating function {h.get('expert_gating_func')}"}  # named by config.py's check
+    dense = int(h.get("leading_dense_block_count") or 0)
+    return lfm2_gguf_fields(h) | {
+        "num_experts": int(h.get("expert_count")),
+        "num_experts_per_tok": int(h.get("expert_used_count")),
+        "moe_intermediate_size": int(h.get("expert_feed_forward_length")),
+        "moe_router": "sigmoid",
+        "norm_topk_prob": True,
+        "e_score_correction_bias": f"blk.{dense}.exp_probs_b.bias" in h.tensors,
+        "routed_scaling_factor": float(h.get("expert_weights_scale") or 1.0),
+        "mlp_only_layers": list(range(dense)),
+    }
+
+
 LFM2_MOE = Family(
     "lfm2_moe",
     ("Lfm2MoeForCausalLM",),
     ("lfm2_moe",),
-    (),
+    ("lfm2moe",),
     hf_fields=hf_fields,
+    gguf_fields=gguf_fields,
     layer_tensors=LFM2_LAYER
     | {"gate_up": ("feed_forward.w1", "feed_forward.w3"), "down": ("feed_forward.w2",)}
     | moe_tensors("feed_forward", names=_EXPERT)

@@ -1,5 +1,5 @@
 """GGUF files of the hybrid families, written from an HF folder the way llama.cpp's converter writes them
-(convert_hf_to_gguf.py with conversion/qwen.py, granite.py, mamba.py), so that the loader's reading of each
+(convert_hf_to_gguf.py with conversion/qwen.py, granite.py, mamba.py, lfm2.py), so that the loader's reading of each
 change is tested against the change itself:
 
 - qwen35 / qwen35moe / qwen3next (Qwen3NextModel): every `*norm.weight` but the DeltaNet's gated
@@ -10,6 +10,8 @@ change is tested against the change itself:
   qwen3next splits `in_proj_qkvz` (per key head [q, k, v, z]) into attn_qkv ([all q, all k, all v]) and
   attn_gate (z), and keeps `in_proj_ba` as ssm_ba; the recurrent layers as `attention.recurrent_layers`, the
   DeltaNet's shape as ssm.* keys; experts stacked into ffn_{gate,up,down}_exps.
+- lfm2moe (LFM2MoeModel): the short conv squeezed to [C, K], experts stacked, `expert_bias` as exp_probs_b.bias,
+  KV heads 0 for a conv layer, the dense lead and sigmoid gating as keys.
 - granitehybrid (GraniteHybridModel = Mamba2Model + GraniteMoeModel): Q/K rows permuted (LlamaModel), the Mamba2
   layers' conv squeezed, A as -exp(A_log) and D both [H, 1], the gated norm [groups, inner / groups],
   `dt_bias` as ssm_dt.bias; the shared MLP's stacked `input_linear` split into gate and up (ffn_*_shexp beside
@@ -87,12 +89,25 @@ _GRANITE = dict(
     logits_scaling=3.0,
     position_embedding_type=None,
 )
+# short-conv and attention layers, a dense first layer, then sparse blocks (routed_scaling_factor 1: the converter
+# writes no scale, llama.cpp's lfm2moe uses none)
+_LFM2_MOE = dict(
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    layer_types=["conv", "full_attention", "conv", "conv"],
+    num_dense_layers=1,
+    num_experts=4,
+    num_experts_per_tok=2,
+    conv_L_cache=3,
+    norm_eps=1e-5,
+)
 CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3_5": ("Qwen3_5TextConfig", _QWEN),
     "qwen3_5_moe": ("Qwen3_5MoeTextConfig", {k: v for k, v in _QWEN.items() if k != "intermediate_size"} | _QWEN_MOE),
     "qwen3_next": ("Qwen3NextConfig", {k: v for k, v in _QWEN.items() if k != "rope_parameters"} | _QWEN_MOE),
     "granitemoehybrid": ("GraniteMoeHybridConfig", _GRANITE | {"num_local_experts": 4, "num_experts_per_tok": 2}),
     "granitemoehybrid_dense": ("GraniteMoeHybridConfig", _GRANITE | {"intermediate_size": 64, "num_local_experts": 0}),
+    "lfm2_moe": ("Lfm2MoeConfig", _LFM2_MOE),
 }
 
 
@@ -113,12 +128,17 @@ def make_hybrid(family: str, folder: str) -> Any:
         for name, p in hf.named_parameters():
             if name.endswith("A_log"):
                 p.uniform_(-2, 1)
-            elif name.endswith(("norm.weight", "layernorm.weight")):
-                p.uniform_(0.7, 1.3) if "linear_attn" in name or family.startswith("granite") else p.uniform_(-0.3, 0.3)
+            elif name.endswith(("norm.weight", "layernorm.weight")):  # Qwen's (1 + w) around 1 too
+                p.uniform_(0.7, 1.3) if "linear_attn" in name or not family.startswith("qwen") else p.uniform_(
+                    -0.3, 0.3
+                )
             elif name.endswith(("dt_bias", ".D", "conv1d.bias")):
                 p.uniform_(-1, 1)
             else:
                 p.normal_(0, 0.3)
+        for name, b in hf.named_buffers():
+            if name.endswith("expert_bias"):  # LFM2-MoE's: drawn so that it changes the experts chosen
+                b.uniform_(-0.3, 0.3)
     hf.save_pretrained(folder, safe_serialization=True)
     save_tiny_tokenizer(folder, _COMMON["vocab_size"])
     return hf
@@ -130,6 +150,7 @@ ARCHS = {
     "qwen3_next": "qwen3next",
     "granitemoehybrid": "granitehybrid",
     "granitemoehybrid_dense": "granitehybrid",
+    "lfm2_moe": "lfm2moe",
 }
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _F32 = ("ffn_gate_inp", "ffn_gate_inp_shexp", "ssm_conv1d")  # besides 1-D tensors and norms
@@ -214,12 +235,21 @@ def _granite(name: str, t: np.ndarray, cfg: dict[str, Any], types: list[str]) ->
     return [(name, t)]
 
 
+def _lfm2(name: str, t: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """LFM2MoeModel: the conv squeezed to [C, K], expert_bias named as a bias (experts stacked beforehand)."""
+    if "conv.conv" in name:
+        return [(name, t.squeeze(1))]
+    if name.endswith(".expert_bias"):
+        return [(name + ".bias", t)]
+    return [(name, t)]
+
+
 def _stack_experts(tensors: dict[str, np.ndarray], experts: int) -> dict[str, tuple[np.ndarray, list[str]]]:
     """save_pretrained's one module per expert stacked into 3-D tensors (Qwen2MoeModel.modify_tensors); the 3-D
     `experts.gate_up_proj` of transformers 5 split into gate and up. Each with the stored tensors it came from."""
     out: dict[str, tuple[np.ndarray, list[str]]] = {}
     for name, t in tensors.items():
-        m = re.fullmatch(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)\.weight", name)
+        m = re.fullmatch(r"(model\.layers\.\d+\.(?:mlp|feed_forward)\.experts)\.(\d+)\.(\w+)\.weight", name)
         if m and m.group(2) == "0":
             names = [f"{m.group(1)}.{e}.{m.group(3)}.weight" for e in range(experts)]
             out[f"{m.group(1)}.{m.group(3)}.weight"] = np.stack([tensors[n] for n in names]), names
@@ -235,12 +265,13 @@ def _stack_experts(tensors: dict[str, np.ndarray], experts: int) -> dict[str, tu
 
 
 _EXPERT_NAMES = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
+_EXPERT_NAMES |= {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}  # LFM2-MoE's
 
 
 def _gguf_name(name: str, tmap: Any) -> str:
     if name.startswith("blk."):
         return name
-    m = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(\w+)\.weight", name)
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(?:mlp|feed_forward)\.experts\.(\w+)\.weight", name)
     if m:
         return f"blk.{m.group(1)}.{_EXPERT_NAMES[m.group(2)]}.weight"
     new = tmap.get_name(name, try_suffixes=(".weight", ".bias"))
@@ -252,7 +283,8 @@ def _qtype(new: str, t: np.ndarray, target: Any) -> Any:
     import gguf
 
     kind = new.split(".")[-2] if new.count(".") >= 2 else ""
-    f32 = t.ndim <= 1 or new.endswith("_norm.weight") or kind in _F32 or not new.endswith(".weight")
+    f32 = t.ndim <= 1 or new.endswith(("_norm.weight", "shortconv.conv.weight")) or kind in _F32
+    f32 = f32 or not new.endswith(".weight")
     block = gguf.GGML_QUANT_SIZES[target][0]
     return gguf.GGMLQuantizationType.F32 if f32 or t.shape[-1] % block else target
 
@@ -265,7 +297,7 @@ def _metadata(w: Any, family: str, cfg: dict[str, Any]) -> None:
     w.add_embedding_length(cfg["hidden_size"])
     w.add_block_count(n)
     w.add_head_count(cfg["num_attention_heads"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_layer_norm_rms_eps(cfg.get("rms_norm_eps", cfg.get("norm_eps")))
     w.add_vocab_size(cfg["vocab_size"])
     if cfg.get("intermediate_size"):
         w.add_feed_forward_length(cfg["intermediate_size"])
@@ -275,6 +307,9 @@ def _metadata(w: Any, family: str, cfg: dict[str, Any]) -> None:
         w.add_expert_used_count(cfg["num_experts_per_tok"])
     if family.startswith("granite"):
         _granite_metadata(w, cfg)
+        return
+    if family == "lfm2_moe":
+        _lfm2_moe_metadata(w, cfg)
         return
     rp = cfg.get("rope_parameters") or {}
     w.add_head_count_kv(cfg["num_key_value_heads"])
@@ -295,6 +330,20 @@ def _metadata(w: Any, family: str, cfg: dict[str, Any]) -> None:
     w.add_rope_dimension_count(int(head_dim * rp.get("partial_rotary_factor", 0.25)))
     if family != "qwen3_next":  # the config's sections, or _Qwen35MRopeMixin's default
         w.add_rope_dimension_sections((list(rp.get("mrope_section", [11, 11, 10])) + [0])[:4])
+
+
+def _lfm2_moe_metadata(w: Any, cfg: dict[str, Any]) -> None:
+    """LFM2MoeModel.set_gguf_parameters: KV heads per layer (0 for a conv layer), the experts' size, the dense
+    lead, sigmoid gating, the conv width."""
+    import gguf
+
+    kv = cfg["num_key_value_heads"]
+    w.add_head_count_kv([kv if t == "full_attention" else 0 for t in cfg["layer_types"]])
+    w.add_rope_freq_base((cfg.get("rope_parameters") or {}).get("rope_theta", 1e6))
+    w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    w.add_leading_dense_block_count(cfg["num_dense_layers"])
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_shortconv_l_cache(cfg["conv_L_cache"])
 
 
 def _granite_metadata(w: Any, cfg: dict[str, Any]) -> None:
@@ -361,7 +410,10 @@ def write_hybrid_gguf(
     for name, (t, sources) in _stack_experts(raw, experts).items():
         if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
             continue
-        pieces = _granite(name, t, cfg, types) if arch == "granitehybrid" else _qwen(name, t, cfg, arch)
+        if arch == "lfm2moe":
+            pieces = _lfm2(name, t)
+        else:
+            pieces = _granite(name, t, cfg, types) if arch == "granitehybrid" else _qwen(name, t, cfg, arch)
         for piece_name, piece in pieces:
             new = _gguf_name(piece_name, tmap)
             qtype = _qtype(new, piece, target)

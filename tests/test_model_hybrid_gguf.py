@@ -1,9 +1,10 @@
 """The hybrid families from GGUF files written as llama.cpp's converter writes them (devkit/hybrid_gguf.py: its
-qwen35, qwen35moe, qwen3next and granitehybrid layouts, norms stored as 1 + w, A as -exp(A_log), Qwen3.5's value
-heads tiled, Qwen3-Next's in_proj_qkvz split, Granite's Q/K permuted and Mamba2 norm grouped) against transformers
-on the HF checkpoint each came from: the config read from the file is the folder's, logits over 100 tokens in
-chunks and decodes within float32 accuracy, 32 greedy tokens through the engine with chunked prefill; Q8_0 and
-Q4_0 files, kept quantized, against transformers on the values the file holds."""
+qwen35, qwen35moe, qwen3next, granitehybrid and lfm2moe layouts, norms stored as 1 + w, A as -exp(A_log),
+Qwen3.5's value heads tiled, Qwen3-Next's in_proj_qkvz split, Granite's Q/K permuted and Mamba2 norm grouped,
+LFM2-MoE's expert bias as exp_probs_b) against transformers on the HF checkpoint each came from: the config read
+from the file is the folder's, logits over 100 tokens in chunks and decodes within float32 accuracy, 32 greedy
+tokens through the engine with chunked prefill; Q8_0 and Q4_0 files, kept quantized, against transformers on the
+values the file holds."""
 
 from __future__ import annotations
 
@@ -49,6 +50,10 @@ _CONFIG_KEYS = [
     "embedding_multiplier",
     "residual_multiplier",
     "logits_divisor",
+    "moe_router",
+    "e_score_correction_bias",
+    "routed_scaling_factor",
+    "mlp_only_layers",
 ]
 
 
@@ -139,3 +144,31 @@ def test_quantized_file_runs_as_stored_and_matches_its_values(ckpt, fmt, tmp_pat
     ids = _tokens(100, 2)
     err = _err(_logits(loaded, ids), _hf_logits(ref, ids))
     assert err < TOL, f"{ckpt.family} {fmt}: {err:.2e}"
+
+
+def test_a_missing_key_or_tensor_is_named(tmp_path, monkeypatch):
+    """A qwen35 file without its ssm.time_step_rank key, and one without a layer's ssm_a: a ModelLoadError naming
+    each, not a crash or a model of another shape."""
+    import gguf
+
+    from pagedllm.errors import ModelLoadError
+
+    folder = str(tmp_path / "hf")
+    make_hybrid("qwen3_5", folder)
+    no_key = str(tmp_path / "no-key.gguf")
+    with monkeypatch.context() as m:
+        m.setattr(gguf.GGUFWriter, "add_ssm_time_step_rank", lambda self, value: None)
+        write_hybrid_gguf(folder, "qwen3_5", "f32", no_key)
+    with pytest.raises(ModelLoadError, match=r"qwen35\.ssm\.time_step_rank"):
+        load_model_config(no_key)
+    no_tensor = str(tmp_path / "no-tensor.gguf")
+    add_tensor = gguf.GGUFWriter.add_tensor
+    with monkeypatch.context() as m:
+        m.setattr(
+            gguf.GGUFWriter,
+            "add_tensor",
+            lambda self, name, *a, **kw: None if name == "blk.1.ssm_a" else add_tensor(self, name, *a, **kw),
+        )
+        write_hybrid_gguf(folder, "qwen3_5", "f32", no_tensor)
+    with pytest.raises(ModelLoadError, match=r"model\.layers\.1\.linear_attn\.A_log"):
+        load_model(no_tensor, dtype="float32", verbose=False)

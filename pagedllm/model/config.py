@@ -27,9 +27,9 @@ from pagedllm.model.families import (
 # rope.py computes each
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic", "factors", "proportional")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # layers.py
-ROUTERS = ("softmax_topk", "topk_softmax")  # moe.py: the sparse block's routing
+ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid")  # moe.py: the sparse block's routing
 MOE_ACTIVATIONS = (*ACTIVATIONS, "swigluoai")  # moe.py: the experts' (gpt-oss's clamped SwiGLU)
-LINEAR_ATTENTION_FAMILIES = ("qwen3_5", "qwen3_next", "qwen3_5_moe", "granitemoehybrid", "lfm2")  # recurrent states
+LINEAR_ATTENTION_FAMILIES = ("qwen3_5", "qwen3_next", "qwen3_5_moe", "granitemoehybrid", "lfm2", "lfm2_moe")  # states
 RECURRENT_MIXERS = ("gated_deltanet", "mamba2", "short_conv")  # decoder.py: the mixer of each linear layer
 _ORIGINAL_CONTEXT_TYPES = ("llama3", "yarn", "longrope", "dynamic")  # scalings relative to an original context
 
@@ -103,6 +103,11 @@ class ModelConfig:
     # top k logits, then a softmax over those (Granite-MoE; gpt-oss, with the router's bias)
     moe_router: str = "softmax_topk"
     norm_topk_prob: bool = False  # softmax_topk: the k weights renormalised to sum to 1 (Mixtral, Qwen3-MoE)
+    # "sigmoid" (LFM2-MoE; vLLM's scoring_func): sigmoid scores, the top k chosen by score + a learned bias per
+    # expert (e_score_correction_bias, vLLM's name; LFM2's expert_bias), weighed by the scores themselves,
+    # renormalised with norm_topk_prob, times routed_scaling_factor
+    e_score_correction_bias: bool = False
+    routed_scaling_factor: float = 1.0
     router_bias: bool = False  # a bias on the router's logits (gpt-oss)
     expert_bias: bool = False  # biases on each expert's gate / up and down (gpt-oss)
     moe_activation: str | None = None  # the experts' activation (None: hidden_act); "swigluoai": gpt-oss's

@@ -172,8 +172,9 @@ def gguf_target_names(model: CausalLM, arch: str) -> dict[str, str]:
     }
 
 
-# HF names as llama.cpp's converter renames them before its name map (Mamba2's and Qwen3-Next's dt_bias)
-_CONVERTER_RENAMES = ((".dt_bias", ".dt_proj.bias"),)
+# HF names as llama.cpp's converter renames them before its name map (Mamba2's and Qwen3-Next's dt_bias, LFM2-MoE's
+# expert_bias)
+_CONVERTER_RENAMES = ((".dt_bias", ".dt_proj.bias"), (".expert_bias", ".expert_bias.bias"))
 
 
 def gguf_names(model: CausalLM, arch: str, hf_names: list[str]) -> dict[str, str]:

@@ -10,6 +10,7 @@ from pagedllm.model.families.granitemoe import GRANITEMOE
 from pagedllm.model.families.granitemoehybrid import GRANITEMOEHYBRID
 from pagedllm.model.families.granitemoeshared import GRANITEMOESHARED
 from pagedllm.model.families.lfm2 import LFM2
+from pagedllm.model.families.lfm2_moe import LFM2_MOE
 from pagedllm.model.families.llama import LLAMA, MISTRAL
 from pagedllm.model.families.mixtral import MIXTRAL
 from pagedllm.model.families.olmo2 import OLMO2
@@ -28,7 +29,7 @@ FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, PH
 FAMILIES += (GEMMA4,)  # per-layer input embeddings, shared KV (families/gemma4.py)
 FAMILIES += (QWEN2_MOE, QWEN3_MOE, OLMOE, MIXTRAL, GRANITEMOE, GRANITEMOESHARED, GPT_OSS)  # sparse (families/moe.py)
 FAMILIES += (QWEN3_5, QWEN3_NEXT, QWEN3_5_MOE)  # hybrid: Gated DeltaNet layers, a recurrent state (layers/deltanet.py)
-FAMILIES += (GRANITEMOEHYBRID, LFM2)  # hybrid: Mamba2 (layers/mamba2.py), short conv (layers/shortconv.py)
+FAMILIES += (GRANITEMOEHYBRID, LFM2, LFM2_MOE)  # hybrid: Mamba2 (layers/mamba2.py), short conv (shortconv.py)
 SUPPORTED_ARCHITECTURES = tuple(a for f in FAMILIES for a in f.architectures)
 GGUF_ARCHITECTURES = tuple(a for f in FAMILIES for a in f.gguf_archs)
 

@@ -40,6 +40,13 @@ class GGUFHeader:
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(self.prefix + key, default)
 
+    def require(self, key: str) -> Any:
+        """A key the family cannot do without: a KeyError naming it (config.py makes it a ModelLoadError)."""
+        value = self.get(key)
+        if value is None:
+            raise KeyError(self.prefix + key)
+        return value
+
 
 @dataclass(frozen=True)
 class Unfuse:

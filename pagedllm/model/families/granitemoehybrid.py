@@ -72,18 +72,18 @@ def hf_fields(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def gguf_fields(h: GGUFHeader) -> dict[str, Any]:
-    kv = [int(k) for k in h.get("attention.head_count_kv")]
-    heads, tensors = int(h.get("ssm.time_step_rank")), h.tensors
+    kv = [int(k) for k in h.require("attention.head_count_kv")]
+    heads, tensors = int(h.require("ssm.time_step_rank")), h.tensors
     first = next(i for i, k in enumerate(kv + [0]) if not k)  # a Mamba2 layer (or none)
     out = granite_gguf_fields(h) | {
         "layer_types": ["full_attention" if k else "linear_attention" for k in kv],
         "num_kv_heads": max(kv),
         "recurrent_mixer": "mamba2",
         "mamba_num_heads": heads,
-        "mamba_head_dim": int(h.get("ssm.inner_size")) // heads,
-        "mamba_state_size": int(h.get("ssm.state_size")),
+        "mamba_head_dim": int(h.require("ssm.inner_size")) // heads,
+        "mamba_state_size": int(h.require("ssm.state_size")),
         "mamba_num_groups": int(h.get("ssm.group_count") or 1),
-        "linear_conv_kernel_dim": int(h.get("ssm.conv_kernel")),
+        "linear_conv_kernel_dim": int(h.require("ssm.conv_kernel")),
         "mixer_conv_bias": f"blk.{first}.ssm_conv1d.bias" in tensors,
         "mixer_proj_bias": f"blk.{first}.ssm_in.bias" in tensors,
     }

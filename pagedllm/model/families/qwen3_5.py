@@ -68,17 +68,17 @@ def gguf_hybrid_fields(h: GGUFHeader) -> dict[str, Any]:
     flags = h.get("attention.recurrent_layers")
     every = int(h.get("full_attention_interval") or 4)
     recurrent = [bool(f) for f in flags][:n] if isinstance(flags, list) else [(i + 1) % every != 0 for i in range(n)]
-    heads_v = int(h.get("ssm.time_step_rank"))
+    heads_v = int(h.require("ssm.time_step_rank"))
     return {
         "qk_norm": "head",
         "norm_offset": 0.0,  # stored as 1 + w
         "attn_output_gate": True,
         "layer_types": ["linear_attention" if r else "full_attention" for r in recurrent],
-        "linear_num_key_heads": int(h.get("ssm.group_count")),
+        "linear_num_key_heads": int(h.require("ssm.group_count")),
         "linear_num_value_heads": heads_v,
-        "linear_key_head_dim": int(h.get("ssm.state_size")),
-        "linear_value_head_dim": int(h.get("ssm.inner_size")) // heads_v,
-        "linear_conv_kernel_dim": int(h.get("ssm.conv_kernel")),
+        "linear_key_head_dim": int(h.require("ssm.state_size")),
+        "linear_value_head_dim": int(h.require("ssm.inner_size")) // heads_v,
+        "linear_conv_kernel_dim": int(h.require("ssm.conv_kernel")),
     }
 
 

@@ -32,14 +32,23 @@ from pagedllm.model.layers.common import GatedMLP, Glu, Learned, rms_normalize
 from pagedllm.model.layers.linear import Linear
 
 
-def route(logits: torch.Tensor, k: int, kind: str, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route(
+    logits: torch.Tensor, k: int, kind: str, normalize: bool, bias: torch.Tensor | None = None, scale: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 router logits [T, experts] -> (routing weights [T, k] float32, expert ids [T, k]).
 
     softmax_topk: softmax over every expert, the k largest, divided by their sum when `normalize`;
-    topk_softmax: the k largest logits, then a softmax over those alone."""
+    topk_softmax: the k largest logits, then a softmax over those alone;
+    sigmoid (LFM2-MoE, vLLM's scoring_func): sigmoid scores, the k largest of score + `bias` chosen, weighed by
+    their scores, divided by their sum (+ 1e-6, as transformers) when `normalize`, times `scale`."""
     if kind == "topk_softmax":
         top, ids = logits.topk(k, dim=-1)
         return torch.softmax(top, dim=-1), ids
+    if kind == "sigmoid":
+        scores = torch.sigmoid(logits)
+        ids = (scores if bias is None else scores + bias).topk(k, dim=-1).indices
+        top = scores.gather(-1, ids)
+        return (top / (top.sum(dim=-1, keepdim=True) + 1e-6) if normalize else top) * scale, ids
     top, ids = torch.softmax(logits, dim=-1).topk(k, dim=-1)
     return (top / top.sum(dim=-1, keepdim=True) if normalize else top), ids
 
@@ -76,6 +85,8 @@ class SparseMoE(nn.Module):
         # Gemma 4's router: its own scaled norm of the stream, a learned number per expert on the routing weights
         self.router_scale = Learned(hidden, dtype, device) if cfg.moe_beside_mlp else None
         self.expert_scale = Learned(experts, dtype, device) if cfg.moe_beside_mlp else None
+        self.score_bias = Learned(experts, dtype, device) if cfg.e_score_correction_bias else None
+        self.scale = cfg.routed_scaling_factor
         self.eps = cfg.rms_norm_eps
         act = cfg.expert_activation
         glu = swigluoai(cfg.swiglu_alpha, cfg.swiglu_limit) if act == "swigluoai" else None
@@ -105,6 +116,8 @@ class SparseMoE(nn.Module):
             out["shared_gate"] = self.shared_gate
         if self.router_scale is not None and self.expert_scale is not None:
             out["router_scale"], out["expert_scale"] = self.router_scale, self.expert_scale
+        if self.score_bias is not None:
+            out["score_bias"] = self.score_bias
         return out
 
     def linears(self) -> list[Linear]:
@@ -112,7 +125,9 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, stream: torch.Tensor | None = None) -> torch.Tensor:
         """`x`: the experts' input; `stream`: the residual stream Gemma 4's router reads (else it reads `x`)."""
-        weights, ids = route(self.router(self._router_input(x, stream)).float(), self.k, self.kind, self.normalize)
+        bias = None if self.score_bias is None else self.score_bias.weight.float()
+        logits = self.router(self._router_input(x, stream)).float()
+        weights, ids = route(logits, self.k, self.kind, self.normalize, bias, self.scale)
         if self.expert_scale is not None:
             weights = weights * self.expert_scale.weight.float()[ids]
         kernel = self._experts_kernel(x)

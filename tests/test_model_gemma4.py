@@ -112,11 +112,9 @@ def test_config_reads_what_transformers_builds(ckpt, loaded):
     assert cfg.rope_scaling is not None and cfg.rope_scaling["rope_type"] == "proportional"
     layers = loaded.model.decoder_layers
     assert [layer.kv_parts for layer in layers] == [2, 2, 1, 2, 0, 0]  # k = v on full layers, none when shared
-    from pagedllm.model.fused_step import _model_blockers  # the C step leaves each piece to the torch path
+    from pagedllm.model.fused_step import _model_blockers
 
-    assert {"KV shared across layers", "per-layer input embeddings", "a head size per layer kind"} <= set(
-        _model_blockers(cfg)
-    )
+    assert not _model_blockers(cfg)  # the C step computes each piece: test_the_fused_step_computes_...
 
 
 @pytest.mark.parametrize("hybrid", [True, False])
@@ -174,6 +172,45 @@ def test_greedy_tokens_match_transformers_with_caching_chunks_and_preemption(ckp
     for i, p in enumerate(PROMPTS):
         tokens = list(done[str(i)].outputs[0].token_ids)
         assert len(tokens) == 32 and _hf_greedy_agrees(ckpt[1], p, tokens), f"prompt {i}"
+
+
+def test_the_fused_step_computes_what_the_torch_path_does(tmp_path):
+    """int8 weights of a Gemma 4 whose sliding layers (4 KV heads of 16) and full layers (2 of 32, keys equal to
+    values, v_norm) store KV rows of one size, so the fused C step runs it: its per-layer head sizes, the shared
+    layers reading earlier layers' KV, the double-wide MLPs, the per-layer inputs (of 32) and layer scalars, against
+    the torch path on the same weights: a prompt in two chunks, 8 greedy decodes: the same tokens, logits within
+    the tolerance; then the engine with prefix caching, chunked prefill and preemption: the same answers."""
+    from model_helpers import fused_and_torch
+
+    from pagedllm.model.fused_step import unfused_reason
+
+    make_gemma4(str(tmp_path), hidden_size_per_layer_input=32, num_key_value_heads=4)
+    loaded = load_model(str(tmp_path), "float32", verbose=False, quantization="int8", quantized_activations="none")
+    got = fused_and_torch(loaded, _tokens(70, 1), 29, 8)
+    (fused, fused_tokens), (want, want_tokens) = got[True], got[False]
+    assert fused_tokens == want_tokens
+    assert (fused - want).abs().max().item() < TOL * want.abs().max().item()
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    answers = {}
+    for path in ("fused", "torch"):
+        engine = _engine(loaded, 40)
+        assert engine.runner.fused is not None
+        if path == "torch":
+            engine.runner.fused = None
+        for i, p in enumerate(PROMPTS):
+            engine.add_request(str(i), p, params)
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        stats = engine.stats()
+        assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+        answers[path] = [list(done[str(i)].outputs[0].token_ids) for i in range(len(PROMPTS))]
+    assert answers["fused"] == answers["torch"]
+    # KV rows of two sizes (2 KV heads of 16 beside 2 of 32) share the cache slots: the torch path runs those
+    make_gemma4(str(tmp_path / "rows"), hidden_size_per_layer_input=32)
+    two = load_model(str(tmp_path / "rows"), "float32", verbose=False, quantization="int8")
+    runner = ModelRunner(two, 16, 8)
+    assert runner.fused is None and "KV rows of two sizes" in str(unfused_reason(two.model, runner.kv_caches))
 
 
 def test_llm_generate_answers_transformers(ckpt):

@@ -7,11 +7,16 @@ the rounds are paired and the medians reported; the ratio is what counts. Tok/s 
 the runner's share (`runner.execute`) is given too.
 
     .venv/bin/python -m benchmarks.kernels.fused_vs_torch --model FILE.gguf --steps 16 --rounds 3
+    .venv/bin/python -m benchmarks.kernels.fused_vs_torch --hybrid qwen3.5-2b@8 --quantization int8
+
+`--hybrid NAME@L`: a random-weight Hugging Face folder of a hybrid shape's first L layers (HYBRID_SHAPES; written
+once under ~/.cache/pagedllm/real-sizes), its weights rounded at load by --quantization.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import sys
@@ -26,11 +31,66 @@ from benchmarks.common import cpu_line
 from pagedllm import SamplingParams
 from pagedllm.engine import EngineConfig, LLMEngine
 
+# Hybrid shapes as transformers configs. Qwen3.5-2B-like: Qwen3.5's layer (three Gated DeltaNet layers to one
+# gated full-attention one, 16 key / 16 value heads of 128, conv 4; attention 8 heads / 2 KV of 256, the output
+# gate) at a 2B model's width (hidden 2048, MLP 6144, 24 layers) and Qwen3.5's 248,320 vocabulary, tied.
+HYBRID_SHAPES = {
+    "qwen3.5-2b": dict(
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=24,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=16,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        vocab_size=248320,
+        tie_word_embeddings=True,
+    ),
+}
+
+
+def hybrid_folder(name: str) -> str:
+    """The random HF folder of NAME@L (bfloat16 N(0, 0.02) matrices, A_log spread as a trained model's), written
+    on first use."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
+
+    from devkit.tiny_tokenizer import save_tiny_tokenizer
+
+    base, _, layers = name.partition("@")
+    shape = HYBRID_SHAPES[base] | ({"num_hidden_layers": int(layers)} if layers else {})
+    folder = os.path.expanduser(f"~/.cache/pagedllm/real-sizes/{name}-random-hf")
+    if os.path.isfile(os.path.join(folder, "config.json")):
+        return folder
+    cfg = Qwen3_5TextConfig(**shape)
+    cfg.architectures = ["Qwen3_5ForCausalLM"]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "A_log" in pname:
+                p.uniform_(-2, 1)
+            elif "norm" not in pname and p.dim() >= 2:
+                p.normal_(0, 0.02)
+    model.save_pretrained(folder, safe_serialization=True)
+    save_tiny_tokenizer(folder, cfg.vocab_size)
+    return folder
+
 
 def run(a) -> dict[str, list[float]]:
     """Per path: each round's (step ms, runner ms), as two lists of per-round means."""
+    model = hybrid_folder(a.hybrid) if a.hybrid else a.model
     engine = LLMEngine(
-        EngineConfig(model=a.model, dtype=a.dtype, log_stats_interval=0, max_model_len=a.input_len + 1024)
+        EngineConfig(
+            model=model,
+            dtype=a.dtype,
+            quantization=a.quantization,
+            log_stats_interval=0,
+            max_model_len=a.input_len + 1024,
+        )
     )
     runner, fused = engine.runner, engine.runner.fused
     if fused is None:
@@ -66,13 +126,17 @@ def run(a) -> dict[str, list[float]]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="GGUF file (its weights kept quantized: the fused step's)")
+    p.add_argument("--model", help="GGUF file (its weights kept quantized: the fused step's)")
+    p.add_argument("--hybrid", help=f"instead of --model: NAME@L of {', '.join(HYBRID_SHAPES)}")
+    p.add_argument("--quantization", default=None, help="as --quantization (int8 | int4 for --hybrid)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--steps", type=int, default=16, help="decode steps per path per round")
     p.add_argument("--rounds", type=int, default=3)
     cpu_target.add_argument(p)
     a = p.parse_args()
+    if not a.model and not a.hybrid:
+        p.error("--model or --hybrid")
     ms = {k: statistics.median(v) for k, v in run(a).items()}
     print(f"CPU: {cpu_line()}")
     for path in ("fused", "torch"):

@@ -7,7 +7,9 @@ caches), and what changes per step is a few int64 arrays: `attention.group_step_
 path uses too (each layer reads its KV-cache group's tables and slots: a Gemma 3 has a table per group). Every
 family runs here: what a layer does beyond the plain Llama one is read from the decoder's own modules (which
 norms it has, with their offsets; q/k norms; its RoPE; its `attn_spec`: window, scale, soft-cap, sinks; a sparse
-layer's router, routed experts (the structure moe_kernel.py built for the torch path) and shared expert) and the
+layer's router, routed experts (the structure moe_kernel.py built for the torch path) and shared expert; a linear
+layer's recurrent mixer (recurrent.h's RecMixer: Gated DeltaNet, Mamba2, short conv, over the runner's state
+slots); Gemma 4's per-layer head sizes, shared KV, keys equal to values, per-layer inputs and scalars) and the
 config's multipliers, so the C step computes what the torch path computes, number for number (a router's logits
 to rounding: the C step sums its dot products in its own order).
 
@@ -71,13 +73,7 @@ def _model_blockers(cfg: ModelConfig) -> list[str]:
         (cfg.hidden_act not in ACTS, f"activation {cfg.hidden_act}"),
         (cfg.rotary_dim % 2 != 0, "an odd rotary width"),
         (cfg.num_experts > 0 and cfg.moe_router not in ROUTERS, f"MoE router {cfg.moe_router}"),
-        # Gemma 4: the C step projects K and V in every layer, reads one head shape and has no PLE or layer scalar
-        (cfg.num_kv_shared_layers > 0, "KV shared across layers"),
-        (cfg.attention_k_eq_v, "keys equal to values"),
-        (cfg.v_norm, "a norm of V"),
-        (cfg.global_head_dim not in (None, cfg.head_dim), "a head size per layer kind"),
-        (cfg.hidden_size_per_layer_input > 0, "per-layer input embeddings"),
-        (cfg.layer_scalar, "a scalar on each layer's output"),
+        (cfg.moe_beside_mlp, "a MoE block beside the MLP"),  # Gemma 4's sparse variant
     ]
     return [why for hit, why in checks if hit]
 
@@ -105,10 +101,17 @@ def unfused_reason(
     _model_blockers)."""
     if cpu_kernel.load() is None:
         return "the C kernels are not built"
-    if model.embed.quant is None or any(lin.quant is None for lin in model.linears() if not lin.keep_dense):
+    ple = model.per_layer
+    if (
+        model.embed.quant is None
+        or (ple is not None and ple.embed.quant is None)
+        or any(lin.quant is None for lin in model.linears() if not lin.keep_dense)
+    ):
         return "not every weight is quantized"
-    if any(kc.device.type != "cpu" or kc.dtype not in kv_quant.KINDS or not kc.is_contiguous() for kc, _ in kv_caches):
+    if any(kc.device.type != "cpu" or kc.dtype not in kv_quant.KINDS for kc, _ in kv_caches):
         return "a KV cache the C step does not read"
+    if any(not kc.is_contiguous() for kc, _ in kv_caches):  # runner.layer_view: the front of each token's row
+        return "KV rows of two sizes in one cache slot (the C step reads a token's KV heads as one row)"
     if model.config.linear_layers and not _states_read(model.config.linear_layers, states):
         return "recurrent states the C step does not read"
     blockers = _model_blockers(model.config)
@@ -228,6 +231,22 @@ class FusedStep:
             "group": group,
             "sinks": self._f32(spec.sinks),
         }
+        rope = self.model.ropes.get(layer.rope)
+        fields |= {
+            "head_dim": layer.head_dim,
+            "kv_heads": layer.num_kv_heads,
+            "rotary_dim": 0 if rope is None else rope.cos_cache.shape[-1],
+            "inter": self.model.config.layer_intermediate_size(layer.index),
+            "kv_parts": layer.kv_parts,
+            "v_norm": int(layer.v_norm),
+            "scalar": None if layer.scalar is None else self._f32(layer.scalar.weight),
+        }
+        ple = layer.per_layer_input
+        if ple is not None:
+            gate, proj = _quant(ple.gate), _quant(ple.proj)
+            fields |= {"ple_gate": gate.tiles.data_ptr(), "ple_gate_fmt": FORMATS[gate.fmt]}
+            fields |= {"ple_proj": proj.tiles.data_ptr(), "ple_proj_fmt": FORMATS[proj.fmt]}
+            fields["ple_norm"] = self._norm(ple.norm)
         mixer = layer.linear_attn
         if mixer is not None:
             fields["mixer"] = self._mixer(mixer, *self.states[layer.index])
@@ -325,12 +344,27 @@ class FusedStep:
         embed, head = m.embed.quant, _quant(m.lm_head)
         assert embed is not None, "fusable() checked the embedding table is quantized"
         amx = head.amx_min_rows if m.dtype == torch.bfloat16 and bf16_kernel() is not None else 0
+        layers = range(cfg.num_layers)  # the widest of each layer's shape (Gemma 4's kinds differ)
+        ple = {}
+        if m.per_layer is not None:
+            table, proj = m.per_layer.embed.quant, _quant(m.per_layer.projection)
+            assert table is not None, "fusable() checked the per-layer table is quantized"
+            ple = {
+                "ple_width": cfg.hidden_size_per_layer_input,
+                "ple_vocab": cfg.vocab_size_per_layer_input,
+                "ple_embed": table.tiles.data_ptr(),
+                "ple_embed_fmt": FORMATS[table.fmt],
+                "ple_projection": proj.tiles.data_ptr(),
+                "ple_projection_fmt": FORMATS[proj.fmt],
+                "ple_proj_norm": self._norm(m.per_layer.norm),
+            }
         return _Model(
+            **ple,
             hidden=cfg.hidden_size,
-            inter=cfg.intermediate_size,
+            inter=max(cfg.layer_intermediate_size(i) for i in layers),
             heads=cfg.num_heads,
-            kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim,
+            kv_heads=max(cfg.layer_kv_heads(i) for i in layers),
+            head_dim=max(cfg.layer_head_dim(i) for i in layers),
             layers=cfg.num_layers,
             vocab=cfg.vocab_size,
             block_size=self.block_size,

@@ -491,8 +491,10 @@ def _install(got: dict[int, tuple[QuantParts, Slot]], where: str) -> None:
 def quantize_rtn_model(model: CausalLM, bits: int) -> None:
     """--quantization int8|int4 on dense weights: every linear weight rounded to `bits` in groups of 32 (the
     embedding / LM head table to 8 bits either way: it is read one row per token, and 4 bits cost accuracy)."""
-    if model.embed.weight.shape[-1] % 32 == 0:
-        model.embed.set_quantized(pack(quantize_rtn(model.embed.weight, 8)))
+    tables = [model.embed] + ([] if model.per_layer is None else [model.per_layer.embed])  # Gemma 4's per-layer one
+    for table in tables:
+        if table.weight.shape[-1] % 32 == 0:
+            table.set_quantized(pack(quantize_rtn(table.weight, 8)))
     for lin in model.linears():
         if lin.tied or lin.quant is not None or lin.keep_dense:
             continue

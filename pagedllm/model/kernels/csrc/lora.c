@@ -123,7 +123,7 @@ void lora_shrink(const LoraStep *s, int layer, int slot, const float *x, int K, 
     }
 }
 
-void lora_expand(const LoraStep *s, int layer, int slot, float *out, int N, int item) {
+void lora_expand(const LoraStep *s, int layer, int slot, float *out, int N, int ld, int item) {
     const int blocks = (N + COLS - 1) / COLS, c0 = item % blocks * COLS, c1 = c0 + COLS < N ? c0 + COLS : N;
     const int64_t *grp = s->groups + 3 * (int64_t)(item / blocks);
     const LoraMat *M = mat(s, (int)grp[0], layer, slot);
@@ -133,7 +133,7 @@ void lora_expand(const LoraStep *s, int layer, int slot, float *out, int N, int 
     const float *ts[GROUP_ROWS];
     const int64_t *rows = s->rows + grp[1];
     for (int i = 0; i < n; i++) {
-        outs[i] = out + rows[i] * N;
+        outs[i] = out + rows[i] * ld;
         ts[i] = s->tmp + rows[i] * s->max_rank;
     }
 #define EXPAND(c) axpys(outs, ts, M->bt, M->r, N, c0, c1, c)

@@ -33,5 +33,5 @@ int lora_targets(const LoraStep *s, int layer, int slot); /* 1: an adapter of th
  * done for every item before the other starts: lora_shrink (tmp = A x) then lora_expand (out += tmp B^T). */
 int lora_items(const LoraStep *s, int N);
 void lora_shrink(const LoraStep *s, int layer, int slot, const float *x, int K, int item);
-void lora_expand(const LoraStep *s, int layer, int slot, float *out, int N, int item);
+void lora_expand(const LoraStep *s, int layer, int slot, float *out, int N, int ld, int item); /* ld: out's row stride */
 #endif

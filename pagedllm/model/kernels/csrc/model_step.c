@@ -66,6 +66,9 @@ typedef struct { /* the step's activations (float32, T rows) and scratch */
     MoePlan *plan;
     int *moe_status;
     RecStep rec; /* a hybrid model's mixers' rows and sequences (recurrent.h) */
+    /* Gemma 4's per-layer inputs: [T, layers * ple_width] each token's (the table's rows, then mixed in place),
+     * the projection of its embedding, and [T, ple_width] a layer's gate */
+    float *ple, *ple_proj, *ple_gate;
 } Buffers;
 
 typedef struct { /* per thread */
@@ -248,7 +251,7 @@ static void store_row(void *cache, int64_t slot, const float *src, int KVH, int 
  * disjoint outputs, so which thread runs an item changes nothing in the result. */
 enum { K_NORM, K_CVT, K_Q16, K_Q8, K_MATMUL, K_ROPE, K_ATTN, K_ACT, K_RESID, K_SCALE, K_LOGIT, K_ROUTE, K_TOPK,
        K_MOE_GROUP, K_MOE_GATHER, K_MOE_GATE_UP, K_MOE_ACT, K_MOE_DOWN, K_MOE_COMBINE, K_SHARED, K_LORA_A, K_LORA_B,
-       K_REC_PERM, K_REC_CONV, K_REC_SCAN, K_REC_NORM };
+       K_REC_PERM, K_REC_CONV, K_REC_SCAN, K_REC_NORM, K_PLE_MIX, K_PLE_ACT, K_LSCALE };
 
 typedef struct {
     int kind, layer, items, prof; /* prof: the profile slot the phase's time goes to */
@@ -296,13 +299,18 @@ static int with_lora(Phase *ph, int k, const StepBatch *b, int l, int slot) {
     ph[n] = (Phase){.kind = K_LORA_A, .layer = l, .lora = slot, .items = lora_items(b->lora, 0), .prof = mm.prof,
                     .x = mm.x, .K = mm.K};
     ph[n + 1] = (Phase){.kind = K_LORA_B, .layer = l, .lora = slot, .items = lora_items(b->lora, mm.N),
-                        .prof = mm.prof, .out = mm.out, .N = mm.N};
+                        .prof = mm.prof, .out = mm.out, .N = mm.N, .ldo = mm.ldo};
     if (resid) ph[n + 2] = add;
     return k + 2;
 }
 
-/* A row of qkv: H query heads (each followed by its gate's rows with an output gate), KVH key and value heads. */
+/* A row of qkv: H query heads (each followed by its gate's rows with an output gate), KVH key and value heads;
+ * qkv_width: the widest layer's (the buffer's), layer_width: the layer's own (the row stride its phases use, with
+ * room for V where it projects fewer: rope_and_store fills it). */
 static int qkv_width(const StepModel *m) { return (m->heads * (m->attn_gate ? 2 : 1) + 2 * m->kv_heads) * m->head_dim; }
+static int layer_width(const StepModel *m, const StepLayer *L) {
+    return (m->heads * (m->attn_gate ? 2 : 1) + 2 * L->kv_heads) * L->head_dim;
+}
 
 /* A branch's output projection (attention's o, the MLP's down) and its residual add: straight into h when the
  * layer adds it as it is; else into y, then h += residual_scale * norm(y) row by row. */
@@ -368,26 +376,50 @@ static int mixer_phases(Phase *ph, const StepModel *m, const StepLayer *L, int l
                              r->out_k, nthreads);
 }
 
+/* What Gemma 4 adds at a layer's end: its per-layer input (gate, act times the layer's slice, proj, norm, added)
+ * and its scalar. */
+static int layer_end_phases(Phase *ph, const StepModel *m, const StepLayer *L, int l, const Buffers *buf, int T,
+                            int nthreads) {
+    int n = 0;
+    if (L->ple_gate) {
+        n += matmul_phases(ph + n, buf, P_GATE_UP, buf->ple_gate, buf->h, L->ple_gate, L->ple_gate_fmt, NULL, T,
+                           m->ple_width, m->hidden, 0, nthreads);
+        ph[n++] = (Phase){.kind = K_PLE_ACT, .layer = l, .items = T, .prof = P_ACT};
+        n += matmul_phases(ph + n, buf, P_DOWN, buf->y, buf->ple_gate, L->ple_proj, L->ple_proj_fmt, NULL, T,
+                           m->hidden, m->ple_width, 0, nthreads);
+        ph[n++] = (Phase){.kind = K_RESID, .items = T, .prof = P_NORM, .out = buf->h, .x = buf->y, .w_norm = L->ple_norm};
+    }
+    if (L->scalar) ph[n++] = (Phase){.kind = K_LSCALE, .layer = l, .items = T, .prof = P_NORM};
+    return n;
+}
+
 /* Every phase of the step, in order; returns how many (at most MAX_LAYER_PHASES per layer and 5 more). */
 static int plan(Phase *ph, const StepModel *m, const StepLayer *layers, const StepBatch *b, const Buffers *buf,
                 int nthreads) {
-    const int T = b->T, E = m->hidden, I = m->inter, HD = m->heads * m->head_dim, QKV = qkv_width(m);
-    /* attention items: (token, KV head), reading each block once for the heads that share it; with too few of
-     * those to keep the threads busy (one sequence), (token, query head) */
-    const int attn_split = buf->n_tiles * m->kv_heads >= 2 * nthreads ? m->kv_heads : m->heads;
+    const int T = b->T, E = m->hidden, LW = m->layers * m->ple_width;
     int n = 0;
     if (m->embed_scale != 1.0f) ph[n++] = (Phase){.kind = K_SCALE, .items = T, .prof = P_NORM};
+    if (m->ple_width) { /* the per-layer inputs, from the scaled embedding and the looked-up table rows */
+        n += matmul_phases(ph + n, buf, P_NORM, buf->ple_proj, buf->h, m->ple_projection, m->ple_projection_fmt, NULL,
+                           T, LW, E, 0, nthreads);
+        ph[n++] = (Phase){.kind = K_PLE_MIX, .items = T, .prof = P_NORM};
+    }
     for (int l = 0; l < m->layers; l++) {
         const StepLayer *L = &layers[l];
+        const int I = L->inter, HD = m->heads * L->head_dim, QKV = layer_width(m, L);
+        const int N_QKV = (m->heads * (m->attn_gate ? 2 : 1) + L->kv_parts * L->kv_heads) * L->head_dim;
+        /* attention items: (token, KV head), reading each block once for the heads that share it; with too few
+         * of those to keep the threads busy (one sequence), (token, query head) */
+        const int attn_split = buf->n_tiles * L->kv_heads >= 2 * nthreads ? L->kv_heads : m->heads;
         const float *xa = L->attn_norm ? buf->x : buf->h, *xm = L->ffn_norm ? buf->x : buf->h; /* no norm: h */
         if (L->attn_norm) ph[n++] = norm_phase(buf->x, buf->h, L->attn_norm, NULL, T);
         if (L->mixer) {
             n += mixer_phases(ph + n, m, L, l, buf, xa, T, nthreads);
         } else {
-            n += with_lora(ph + n,
-                           matmul_phases(ph + n, buf, P_QKV, buf->qkv, xa, L->qkv, L->qkv_fmt, L->qkv_bias, T, QKV, E, 0,
-                                         nthreads),
-                           b, l, LORA_QKV);
+            const int k = matmul_phases(ph + n, buf, P_QKV, buf->qkv, xa, L->qkv, L->qkv_fmt, L->qkv_bias, T, N_QKV,
+                                        E, 0, nthreads);
+            ph[n + k - 1].ldo = QKV;
+            n += with_lora(ph + n, k, b, l, LORA_QKV);
             ph[n++] = (Phase){.kind = K_ROPE, .layer = l, .items = T, .prof = P_ROPE};
             ph[n++] = (Phase){.kind = K_ATTN, .layer = l, .items = buf->n_tiles * attn_split, .prof = P_ATTN};
             n += with_lora(ph + n,
@@ -398,6 +430,7 @@ static int plan(Phase *ph, const StepModel *m, const StepLayer *layers, const St
         if (L->ffn_norm) ph[n++] = norm_phase(buf->x, buf->h, L->ffn_norm, NULL, T);
         if (L->moe) {
             n += moe_phases(ph + n, m, L, l, buf, xm, T, nthreads);
+            n += layer_end_phases(ph + n, m, L, l, buf, T, nthreads);
             continue;
         }
         n += with_lora(ph + n,
@@ -409,6 +442,7 @@ static int plan(Phase *ph, const StepModel *m, const StepLayer *layers, const St
                        branch_phases(ph + n, m, buf, P_DOWN, buf->act, L->down, L->down_fmt, NULL, L->ffn_out_norm,
                                      T, I, nthreads),
                        b, l, LORA_DOWN);
+        n += layer_end_phases(ph + n, m, L, l, buf, T, nthreads);
     }
     if (b->R > 0) {
         ph[n++] = norm_phase(buf->x, buf->h, m->final_norm, b->logit_rows, b->R);
@@ -424,7 +458,8 @@ static int plan(Phase *ph, const StepModel *m, const StepLayer *layers, const St
  * quantized cache holds rotated rows (kv_rotate): q, k and v are all rotated here, and attention() rotates the
  * outputs back. */
 static void rope_and_store(const StepModel *m, const StepLayer *L, const StepBatch *b, float *qkv, int t) {
-    const int D = m->head_dim, H = m->heads, KVH = m->kv_heads, width = qkv_width(m), R = m->rotary_dim;
+    const int D = L->head_dim, H = m->heads, KVH = L->kv_heads, width = layer_width(m, L), R = L->rotary_dim;
+    const int KN = L->kv_parts ? KVH : 0; /* the K heads it normalizes and rotates */
     float *row = qkv + (int64_t)t * width;
     if (m->attn_gate) { /* [q_0, gate_0, q_1, gate_1, ..., k, v] -> [q, k, v, gate]: every reader's offsets as ungated */
         float qg[2 * H * D];
@@ -435,19 +470,27 @@ static void rope_and_store(const StepModel *m, const StepLayer *L, const StepBat
             memcpy(row + (H + 2 * KVH + h) * D, qg + (2 * h + 1) * D, (size_t)D * sizeof(float));
         }
     }
+    if (L->kv_parts == 1) /* V is K's projection before K's norm and RoPE */
+        memcpy(row + (H + KVH) * D, row + H * D, (size_t)KVH * D * sizeof(float));
+    for (int h = 0; L->v_norm && h < KN; h++) {
+        float *v = row + (H + KVH + h) * D;
+        const float r = rms_inv(v, D, m->eps);
+        for (int j = 0; j < D; j++) v[j] *= r;
+    }
     if (L->q_norm && L->qk_norm_full) {
         rmsnorm(row, row, L->q_norm, H * D, m->eps);
-        rmsnorm(row + H * D, row + H * D, L->k_norm, KVH * D, m->eps);
+        if (KN) rmsnorm(row + H * D, row + H * D, L->k_norm, KVH * D, m->eps);
     }
-    for (int h = 0; L->q_norm && !L->qk_norm_full && h < H + KVH; h++)
+    for (int h = 0; L->q_norm && !L->qk_norm_full && h < H + KN; h++)
         rmsnorm(row + h * D, row + h * D, h < H ? L->q_norm : L->k_norm, D, m->eps);
     if (L->rope != ROPE_NONE) {
         const int local = L->rope == ROPE_LOCAL;
         const float *cos = (local ? m->local_cos : m->cos) + b->positions[t] * R;
         const float *sin = (local ? m->local_sin : m->sin) + b->positions[t] * R;
-        for (int h = 0; h < H + KVH; h++) rope(row + h * D, cos, sin, R);
+        for (int h = 0; h < H + KN; h++) rope(row + h * D, cos, sin, R);
     }
-    for (int h = 0; m->cache_kind >= KV_INT8 && h < H + 2 * KVH; h++) kv_rotate(row + h * D, D);
+    for (int h = 0; m->cache_kind >= KV_INT8 && h < H + 2 * KN; h++) kv_rotate(row + h * D, D);
+    if (!L->kv_parts) return; /* it reads an earlier layer's KV */
     const int64_t slot = b->slots[(int64_t)L->group * b->T + t];
     store_row(L->k_cache, slot, row + H * D, KVH, D, m->cache_kind);
     store_row(L->v_cache, slot, row + (H + KVH) * D, KVH, D, m->cache_kind);
@@ -465,6 +508,19 @@ static void residual_row(const StepModel *m, const Phase *p, int i) {
     }
 }
 
+/* Row t of the per-layer inputs: each layer's slice (norm(projection / sqrt(hidden)) + table row * sqrt(width)) /
+ * sqrt(2), as PerLayerEmbedding computes it (each product rounded to float32 as torch rounds it). */
+static void ple_mix_row(const StepModel *m, const Buffers *buf, int t) {
+    const int W = m->ple_width, E = m->hidden;
+    const float down = (float)(1.0 / sqrt((double)E)), up = sqrtf((float)W), half = (float)(1.0 / sqrt(2.0));
+    for (int l = 0; l < m->layers; l++) {
+        float *own = buf->ple + ((int64_t)t * m->layers + l) * W, *proj = buf->ple_proj + ((int64_t)t * m->layers + l) * W;
+        for (int j = 0; j < W; j++) proj[j] *= down;
+        const float r = rms_inv(proj, W, m->eps);
+        for (int j = 0; j < W; j++) own[j] = (m->ple_proj_norm[j] * (proj[j] * r) + own[j] * up) * half;
+    }
+}
+
 /* Row r of the logits divided by logit_divisor, then soft-capped, as CausalLM._logits does it. */
 static void logit_row(const StepModel *m, float *logits, int r) {
     float *z = logits + (int64_t)r * m->vocab;
@@ -479,7 +535,7 @@ static void logit_row(const StepModel *m, float *logits, int r) {
  * null blocks a sliding group holds before its window are never read. */
 static void attention(const StepModel *m, const StepLayer *L, const StepBatch *b, const Buffers *buf,
                       const Scratch *sc, int i, int split) {
-    const int H = m->heads, KVH = m->kv_heads, D = m->head_dim, width = qkv_width(m);
+    const int H = m->heads, KVH = L->kv_heads, D = L->head_dim, width = layer_width(m, L);
     const int tile = i / split, h0 = i % split * (H / split), t = buf->tiles[tile];
     const int end = tile + 1 < buf->n_tiles ? buf->tiles[tile + 1] : b->T;
     const int64_t *table = b->block_tables + ((int64_t)L->group * b->S + b->seq[t]) * b->max_blocks;
@@ -660,7 +716,7 @@ static void run_item(const Phase *p, const StepModel *m, const StepLayer *layers
         lora_shrink(b->lora, p->layer, p->lora, p->x, p->K, i);
         break;
     case K_LORA_B:
-        lora_expand(b->lora, p->layer, p->lora, p->out, p->N, i);
+        lora_expand(b->lora, p->layer, p->lora, p->out, p->N, p->ldo ? p->ldo : p->N, i);
         break;
     case K_REC_PERM:
         rec_permute(layers[p->layer].mixer, &buf->rec, i);
@@ -673,6 +729,19 @@ static void run_item(const Phase *p, const StepModel *m, const StepLayer *layers
         break;
     case K_REC_NORM:
         rec_norm(layers[p->layer].mixer, &buf->rec, i);
+        break;
+    case K_PLE_MIX:
+        ple_mix_row(m, buf, i);
+        break;
+    case K_PLE_ACT: { /* row i of act(gate) times the layer's slice of the per-layer inputs, in place */
+        const int W = m->ple_width;
+        float *g = buf->ple_gate + (int64_t)i * W;
+        const float *slice = buf->ple + ((int64_t)i * m->layers + p->layer) * W;
+        (m->act == ACT_GELU_TANH ? gelu_tanh_mul : silu_mul)(g, g, slice, W);
+        break;
+    }
+    case K_LSCALE: /* row i of h times the layer's scalar */
+        for (int j = 0; j < E; j++) buf->h[(int64_t)i * E + j] *= *layers[p->layer].scalar;
         break;
     case K_RESID:
         residual_row(m, p, i);
@@ -716,6 +785,7 @@ static int check(const StepModel *m, const StepLayer *layers, const StepBatch *b
                  int64_t *max_ctx) {
     if (b->T <= 0 || b->R < 0 || b->groups <= 0 || m->heads % m->kv_heads || m->rotary_dim % 2 || m->rotary_dim < 0 ||
         m->rotary_dim > m->head_dim || m->hidden % 32 || m->inter % 32 || m->cache_kind < KV_F32 ||
+        (m->ple_width && (m->ple_width % 32 || m->ple_vocab <= 0 || m->residual_scale != 1.0f || !m->ple_proj_norm)) ||
         m->cache_kind > KV_FP8_E5M2 || m->act < ACT_SILU || m->act > ACT_GELU_TANH ||
         (m->experts && (m->topk <= 0 || m->topk > m->experts || m->moe_ffn <= 0 || m->moe_ffn % 32 ||
                         m->shared_inter < 0 || m->shared_inter % 32 || m->router < ROUTE_SOFTMAX_TOPK ||
@@ -725,7 +795,12 @@ static int check(const StepModel *m, const StepLayer *layers, const StepBatch *b
         const StepLayer *L = &layers[l];
         const MoeLayer *moe = L->moe;
         if (L->rope < ROPE_NONE || L->rope > ROPE_LOCAL || (L->rope == ROPE_LOCAL && !m->local_cos) ||
-            !L->q_norm != !L->k_norm || L->group < 0 || L->group >= b->groups ||
+            (L->kv_parts && !L->q_norm != !L->k_norm) || L->group < 0 || L->group >= b->groups ||
+            L->head_dim <= 0 || L->head_dim > m->head_dim || L->kv_heads <= 0 || L->kv_heads > m->kv_heads ||
+            m->heads % L->kv_heads || L->rotary_dim % 2 || L->rotary_dim < 0 || L->rotary_dim > L->head_dim ||
+            L->inter > m->inter || L->inter % 32 || L->kv_parts < 0 || L->kv_parts > 2 ||
+            (L->rope != ROPE_NONE && !L->rotary_dim) || !L->ple_gate != !L->ple_proj ||
+            (L->ple_gate && (!m->ple_width || !L->ple_norm)) ||
             (!moe && (!L->gate_up || !L->down)) ||
             (moe && (!m->experts || !L->router || moe->experts != m->experts || moe->hidden != m->hidden ||
                      moe->ffn != m->moe_ffn || !L->shared_gate_up != !L->shared_down ||
@@ -860,8 +935,10 @@ int model_step(const StepModel *m, const StepLayer *layers, const StepBatch *b, 
     RecStep rec = {0};
     float *rec_mem = NULL;
     int64_t *seqs = NULL;
+    const int64_t LW = (int64_t)m->layers * m->ple_width;
+    float *ple = m->ple_width ? malloc((size_t)T * (2 * LW + m->ple_width) * sizeof(float)) : NULL;
     int status = (!mem || !ctx || !tiles || (amx && !xb) || (dot && (!xq.q || !xq.d || !xq.s)) ||
-                      (i8 && (!xq8.q || !xq8.d || !xq8.s)) || (m->experts && !ids))
+                  (i8 && (!xq8.q || !xq8.d || !xq8.s)) || (m->experts && !ids) || (m->ple_width && !ple))
                      ? -1
                      : rec_step(m, layers, b, &rec, &rec_mem, &seqs);
     if (status == 0) status = check(m, layers, b, rec.S ? &rec : NULL, ctx, &max_ctx);
@@ -879,14 +956,17 @@ int model_step(const StepModel *m, const StepLayer *layers, const StepBatch *b, 
                        mem + (int64_t)T * (2 * E + QKV + HD + 3 * I), ctx, tiles, make_tiles(b, tiles), xb, amx,
                        xq, dot, xq8, i8, ids, moe, moe + (int64_t)T * m->topk, moe + (int64_t)T * (m->topk + 2 * SI),
                        moe + (int64_t)T * (m->topk + 3 * SI), moe + (int64_t)T * (m->topk + 3 * SI + E), plan,
-                       &moe_status, rec};
+                       &moe_status, rec, ple, ple + T * LW, ple + 2 * T * LW};
         status = qrows_f32(buf.h, b->tokens, T, m->embed, m->vocab, E, m->embed_fmt);
+        if (status == 0 && m->ple_width)
+            status = qrows_f32(buf.ple, b->tokens, T, m->ple_embed, m->ple_vocab, (int)LW, m->ple_embed_fmt);
         if (status == 0) status = run(m, layers, b, &buf, max_ctx, nthreads);
         if (status == 0) status = moe_status;
     }
     moe_plan_free(plan);
     free(rec_mem);
     free(seqs);
+    free(ple);
     free(mem);
     free(ctx);
     free(ids);

@@ -43,6 +43,19 @@ typedef struct {
     /* A linear layer (a hybrid model's): its recurrent mixer (recurrent.h's RecMixer) in attention's place, or
      * NULL: attention */
     const void *mixer;
+    /* The layer's own attention shape (Gemma 4's full layers differ from its sliding ones; StepModel's head_dim,
+     * kv_heads and inter are the largest): head size, KV heads, the rotary width of its RoPE table, the MLP's */
+    int head_dim, kv_heads, rotary_dim, inter;
+    /* K and V projections in qkv: 2; 1: keys are the values (V is K's projection before K's norm and RoPE); 0: the
+     * layer projects none and reads the cache of an earlier layer (k_cache / v_cache are that layer's) */
+    int kv_parts;
+    int v_norm;          /* 1: V RMS-normed, without a weight */
+    const float *scalar; /* [1]: the layer's output times it (Gemma 4), or NULL */
+    /* Gemma 4's per-layer input (NULL: none): h += norm(proj(act(gate(h)) * the layer's slice of the per-layer
+     * embeddings)); gate [ple_width, hidden] and proj [hidden, ple_width] quantized, the norm [hidden] */
+    const uint8_t *ple_gate, *ple_proj;
+    int ple_gate_fmt, ple_proj_fmt;
+    const float *ple_norm;
 } StepLayer;
 
 typedef struct {
@@ -68,6 +81,14 @@ typedef struct {
     int experts, topk, moe_ffn, shared_inter, router, norm_topk;
     int64_t *expert_reads;
     int attn_gate; /* 1: attention's output times sigmoid(gate), each head's gate rows after its query's in qkv */
+    /* Gemma 4's per-layer input embeddings (ple_width 0: none), [T, layers, ple_width] made once per step as
+     * (norm(projection(h) / sqrt(hidden)) + table[token] * sqrt(ple_width)) / sqrt(2), h the scaled embedding:
+     * the table [ple_vocab, layers * ple_width] and projection [layers * ple_width, hidden] quantized, the norm
+     * [ple_width] */
+    int ple_width, ple_vocab;
+    const uint8_t *ple_embed, *ple_projection;
+    int ple_embed_fmt, ple_projection_fmt;
+    const float *ple_proj_norm;
 } StepModel;
 
 typedef struct {

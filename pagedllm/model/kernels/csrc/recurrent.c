@@ -198,17 +198,25 @@ static void deltanet_token(const RecMixer *r, float *st, const float *conv, cons
 
 /* One token of Mamba2's head h: the state [head dim, state size] decayed by exp(dt A), plus dt x B^T; y = state C
  * + D x into `out` (before the gated norm, rec_norm). */
-static void mamba2_token(const RecMixer *r, float *st, const float *conv, const float *row, int h, float *out) {
+static void mamba2_token(const RecMixer *r, float *state, const float *conv, const float *row, int h, float *out) {
     const int P = r->dk, N = r->dv, g = h / (r->heads / r->groups), inner = r->heads * P;
     const float *x = conv + h * P, *B = conv + inner + g * N, *Cm = conv + inner + r->groups * N + g * N;
     float dt = softplus(row[inner + r->conv_dim + h] + r->dt_bias[h]);
     dt = dt < r->dt_min ? r->dt_min : dt > r->dt_max ? r->dt_max : dt;
     const float decay = expf(dt * -expf(r->a_log[h])), D = r->d[h];
     for (int p = 0; p < P; p++) {
-        float *srow = st + (int64_t)p * N;
+        float *srow = state + (int64_t)p * N;
         const float xp = dt * x[p];
+        vf accv = {0}; /* the read-out's sum in VW lanes (a float sum does not vectorize by itself) */
+        int j = 0;
+        for (; j + VW <= N; j += VW) {
+            const vf s = ld(srow + j) * decay + xp * ld(B + j);
+            st(srow + j, s);
+            accv += s * ld(Cm + j);
+        }
         float acc = 0.0f;
-        for (int j = 0; j < N; j++) {
+        for (int l = 0; l < VW; l++) acc += accv[l];
+        for (; j < N; j++) {
             srow[j] = srow[j] * decay + xp * B[j];
             acc += srow[j] * Cm[j];
         }

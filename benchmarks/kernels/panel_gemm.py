@@ -10,6 +10,8 @@ loader packs a GGUF's; dense is oneDNN over the same weights dequantized (float3
   what --dtype bfloat16 runs from the kernel choice's row count on;
 - q-dot: the same weights with float32 activations rounded to 16-bit integers per group of 32 (the dot route:
   block_dot in passes of a few rows), for the types the route runs;
+- q-i8: the same with the activations rounded to 8-bit integers per group of 32 (the int8 route, qmm_i8.c),
+  for the types it runs;
 - dense-f32 / dense-bf16: oneDNN, the weight packed once.
 One thread, the fastest of `--repeat` runs in thread CPU time (so that another process taking the core does not
 count: the figures stand on a shared machine), each run after reading a buffer larger than the caches unless
@@ -107,6 +109,10 @@ def main() -> int:
                 dots = [dataclasses.replace(w, dot=True) for w in ws]
                 qd = best_ms([lambda x=x, w=w: quant.qlinear(x, w) for x, w in zip(xs, dots)], a.repeat, evict)
                 line += f" | q-dot {qd:8.2f} ({qd / dense[r]['f32']:.2f}x)"
+            if all(w.fmt in quant.I8_FORMATS for w in ws):
+                i8s = [dataclasses.replace(w, i8_min_rows=1) for w in ws]
+                qi = best_ms([lambda x=x, w=w: quant.qlinear(x, w) for x, w in zip(xs, i8s)], a.repeat, evict)
+                line += f" | q-i8 {qi:8.2f} ({qi / dense[r]['f32']:.2f}x)"
             if quant.bf16_kernel() is not None:
                 qb = best_ms([lambda x=x, w=w: quant.qlinear(x, w) for x, w in zip(xb, ws)], a.repeat, evict)
                 line += f" | q-bf16 {qb:8.2f} dense-bf16 {dense[r]['bf16']:8.2f} ({qb / dense[r]['bf16']:.2f}x)"

@@ -26,7 +26,9 @@ a core).
     ANCHORS=/work/anchors-work .venv/bin/python -m benchmarks.serving.real_sizes write --shape llama-3.2-1b --types Q4_0
     ANCHORS=/work/anchors-work .venv/bin/python -m benchmarks.serving.real_sizes run --shape llama-3.2-1b --types Q4_0
     ANCHORS=/work/anchors-work .venv/bin/python -m benchmarks.serving.real_sizes run --shape qwen3-30b-a3b@16 \
-        --types Q4_K_M --source Q8_0-gguf --dir /work/bench-files --cpu-target x86-64-v3
+        --types Q4_K_M --source Q4_K+Q4_K-gguf --dir /work/bench-files
+    ANCHORS=/work/anchors-work .venv/bin/python -m benchmarks.serving.real_sizes run --shape gpt-oss-20b@12 \
+        --types MXFP4_MOE --source Q8_0+MXFP4-gguf --dir /work/bench-files
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ import tempfile
 import textwrap
 import time
 from dataclasses import dataclass
+
+import numpy as np
 
 if __name__ == "__main__":  # before torch loads: the class every system runs as (cpu_target.py)
     from benchmarks import cpu_target
@@ -189,31 +193,75 @@ def add_metadata(w, name: str, s: Shape) -> None:
     w.add_string("tokenizer.chat_template", md["tokenizer.chat_template"])
 
 
-def write_random(name: str, path: str, kind: str = "F16", seed: int = 0) -> None:
-    """The shape's random GGUF (norms 1, biases 0, matrices N(0, 0.02)) with its matrices in `kind`: F16, or a
-    type the `gguf` package quantizes (Q4_0, Q8_0, ...; every matrix in it, the head and embeddings too). The
-    matrices are cut from one pool of random blocks, one tensor in memory at a time."""
+def _pool(qtype, folder: str, rng) -> np.ndarray:
+    """Random N(0, 0.02) blocks of `qtype` as bytes: quantized by the `gguf` package where it can (F16, Q4_0,
+    Q8_0, MXFP4), else (Q4_K, Q6_K) the blocks of a tensor of that type that llama.cpp's quantizer wrote into a
+    file of the folder (a dense shape's Q4_K_M file: its Q4_K matrices and Q6_K head)."""
+    import glob
+
     import gguf
-    import numpy as np
+
+    try:
+        return (
+            gguf.quants.quantize(rng.standard_normal((1 << 19, 32), dtype=np.float32) * 0.02, qtype)
+            .view(np.uint8)
+            .reshape(-1)
+        )
+    except (NotImplementedError, gguf.quants.QuantError):  # gguf has no quantizer for the type
+        pass
+    from pagedllm.model.formats.gguf_file import GGUFFile
+
+    for path in sorted(glob.glob(os.path.join(folder, "*.Q4_K_M.gguf"))):
+        with GGUFFile(path) as gf:
+            for tname, info in gf.tensors.items():
+                if info.ggml_type == qtype and math.prod(info.shape) >= 1 << 24:
+                    return np.array(gf._raw(tname)[0]).reshape(-1)
+    raise SystemExit(f"no {qtype.name} blocks to copy: write a dense shape's Q4_K_M file into {folder} first")
+
+
+def _use_more_bits(i: int, n: int) -> bool:
+    """llama.cpp's rule for the layers whose ffn_down (and attn_v) Q4_K_M keeps in Q6_K."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def write_random(name: str, path: str, kind: str = "F16", seed: int = 0, folder: str = DEFAULT_DIR) -> None:
+    """The shape's random GGUF (norms 1, biases 0, matrices N(0, 0.02)) with its matrices in `kind`: F16, or a
+    quantized type (Q4_0, Q8_0, MXFP4 quantized by the `gguf` package; Q4_K, Q6_K copied from llama.cpp's own
+    blocks, `_pool`); `DENSE+EXPERTS` puts a MoE shape's expert tensors in the second type (Q8_0+MXFP4: as
+    llama.cpp's MXFP4_MOE mix stores gpt-oss; Q4_K+Q4_K: Q4_K_M's, with the down experts of the layers it keeps
+    in Q6_K in Q6_K). Why: llama.cpp's quantizer copies a tensor already in the type it picks, so a source
+    written in the mix's own types becomes the mix in seconds, where quantizing a 10 GB MoE source from Q8_0
+    took over an hour on this busy host. The matrices are cut from one pool of blocks per type, one tensor in
+    memory at a time."""
+    import gguf
 
     s = shape_of(name)
     shapes = tensor_shapes(s)
-    qtype = gguf.GGMLQuantizationType[kind]
-    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    dense_kind, _, expert_kind = kind.partition("+")
     rng = np.random.default_rng(seed)
-    pool = (
-        gguf.quants.quantize(rng.standard_normal((1 << 19, 32), dtype=np.float32) * 0.02, qtype)
-        .view(np.uint8)
-        .reshape(-1)
-    )
+    pools: dict = {}
+
+    def qtype_of(tname: str):
+        if "_exps" not in tname or not expert_kind:
+            return gguf.GGMLQuantizationType[dense_kind]
+        layer = int(tname.split(".")[1])
+        if expert_kind == "Q4_K" and "ffn_down" in tname and _use_more_bits(layer, s.layers):
+            return gguf.GGMLQuantizationType.Q6_K
+        return gguf.GGMLQuantizationType[expert_kind]
+
+    def nbytes_of(qtype, shape) -> int:
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        return math.prod(shape) // block * size
+
     w = gguf.GGUFWriter(path + ".part", s.arch)
     add_metadata(w, name, s)
-    w.add_uint32("general.file_type", {"F16": 1, "Q4_0": 2, "Q8_0": 7}.get(kind, 1))
+    w.add_uint32("general.file_type", {"F16": 1, "Q4_0": 2, "Q8_0": 7}.get(dense_kind, 1))
     for tname, shape in shapes:
         if not is_matrix(tname, shape):
             w.add_tensor_info(tname, shape, np.dtype(np.float32), math.prod(shape) * 4)
         else:
-            nbytes = math.prod(shape) // block * size
+            qtype = qtype_of(tname)
+            nbytes = nbytes_of(qtype, shape)
             raw = (*shape[:-1], nbytes // math.prod(shape[:-1]))
             w.add_tensor_info(tname, raw, np.dtype(np.uint8), nbytes, raw_dtype=qtype)
     w.write_header_to_file()
@@ -226,9 +274,12 @@ def write_random(name: str, path: str, kind: str = "F16", seed: int = 0) -> None
             else:
                 w.write_tensor_data((np.ones if tname.endswith("norm.weight") else np.zeros)(shape, np.float32))
             continue
-        nbytes = math.prod(shape) // block * size
+        qtype = qtype_of(tname)
+        if qtype not in pools:
+            pools[qtype] = _pool(qtype, folder, rng)
+        pool, size = pools[qtype], gguf.GGML_QUANT_SIZES[qtype][1]
         start = int(rng.integers(0, pool.size // size)) * size
-        w.write_tensor_data(np.resize(np.roll(pool, -start), nbytes))
+        w.write_tensor_data(np.resize(np.roll(pool, -start), nbytes_of(qtype, shape)))
     w.close()
     os.replace(path + ".part", path)
 
@@ -266,7 +317,7 @@ def model_file(folder: str, name: str, kind: str, source: str = "F16") -> str:
         return path
     if kind == "F16" or kind.endswith("-gguf"):
         print(f"writing {path}", flush=True)
-        write_random(name, path, kind.removesuffix("-gguf"))
+        write_random(name, path, kind.removesuffix("-gguf"), folder=folder)
         return path
     src = model_file(folder, name, source)
     print(f"quantizing {src} -> {kind}", flush=True)
@@ -564,7 +615,8 @@ def main() -> int:
     p.add_argument(
         "--source",
         default="F16",
-        help="the file llama.cpp's quantizer starts from: F16, or Q8_0-gguf (half the disk, for the MoE shapes)",
+        help="the file llama.cpp's quantizer starts from: F16, or a -gguf kind in the mix's own types, which it "
+        "copies (the MoE shapes: Q4_K+Q4_K-gguf for Q4_K_M, Q8_0+MXFP4-gguf for MXFP4_MOE; write_random)",
     )
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)

@@ -43,7 +43,7 @@ cache loses as much as bfloat16, and a passage stored behind a one-word-differen
 thirtieth of one stored in another order.
 
 Copied K/V are an approximation (the passage attended to another context when it was stored), so the blocks of
-a blend request from its first copied token on are never registered in the prefix cache (`kv_cache_limit`):
+a blend request from its first copied token on are never registered in the prefix cache (`SegmentStore.limit`):
 a plain request never reads them. With r = 1.0 nothing is looked up or copied: the request is an ordinary one,
 bit for bit.
 """
@@ -80,7 +80,6 @@ class Request(Protocol):
     all_token_ids: list[int]
     num_computed_tokens: int
     blend: BlendState | None
-    kv_cache_limit: int | None
 
     @property
     def num_prompt_tokens(self) -> int: ...
@@ -133,7 +132,6 @@ def plan(req: Request, kv: KVCacheManager, hits: KVCacheBlocks, num_cached: int)
     their stored blocks held. The last prompt token is always computed (its logits give the first output token).
     The hits are pinned meanwhile: a segment read from the disk tier takes a free block, and the free hits are
     not the request's until it is admitted."""
-    req.kv_cache_limit = None
     blend = _blending(req, kv)
     if blend is None:
         return
@@ -157,8 +155,7 @@ def without_copies(req: Request) -> bool:
     if blend is None or _exact(blend):
         return False
     blend.recompute, blend.max_deviation, blend.copies, blend.pending_copy = 1.0, None, [], 0
-    blend.step_spans, blend.probe_due = None, False
-    req.kv_cache_limit = None
+    blend.step_spans, blend.probe_due = None, False  # (its copies' limit went with its free: SegmentStore.limit)
     logger.info("kv_blend: request %s fits only without its passages' holds: computing them", req.request_id)
     return True
 
@@ -189,7 +186,8 @@ def _plan_copies(req: Request, blend: BlendState, kv: PagedKVCacheManager, num_c
         kv.release_segment(req, found[:first])
         blend.copies.append(CopySpan(lo, hi, start, found[first:], first))
     if blend.copies:
-        req.kv_cache_limit = blend.copies[0].start
+        assert kv.segments is not None  # _blending: the store exists
+        kv.segments.limit(req.request_id, blend.copies[0].start)
         blend.probe_due = bound
 
 

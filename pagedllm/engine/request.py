@@ -71,7 +71,6 @@ class Request:
         self.grammar: RequestGrammar | None = None  # structured outputs: its matcher (set by the engine)
         self.pooling: PoolingState | None = None  # an embedding request: its pool (set by the engine)
         self.blend: BlendState | None = None  # kv_blend: its reusable segments (set by the engine; blend.py)
-        self.kv_cache_limit: int | None = None  # blocks past this many tokens are not registered as a prefix
         # Log-softmax rows of every position from this one on (an evaluation hook: rag bench's KL), kept here.
         self.logits_from: int | None = None
         self.kept_logits: list = []

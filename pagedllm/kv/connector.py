@@ -5,7 +5,8 @@ The paged manager calls each hook at its one point and knows nothing of what ans
 RAM asks the connectors whether they hold a block's key (`contains`) and for its K/V in a free block (`load`); a
 hybrid model's lookup that finds no recurrent-state checkpoint in RAM where its KV hit ends asks the same for the
 state (`contains_state`, `load_state`: into a checkpoint row); a request's end (`request_finished`) lets go of
-what a connector held for it; the engine going idle (`idle`) lets a tier write what it lacks. A connector that
+what a connector held for it; a connector that put K/V into a request's blocks that are not its prefix's own bounds
+what is registered (`cache_limit`); the engine going idle (`idle`) lets a tier write what it lacks. A connector that
 stores nothing answers False / None.
 """
 
@@ -57,6 +58,11 @@ class KVConnector:
     def load_state(self, key: BlockHash) -> int | None:
         """The state after `key` read into a checkpoint row, registered under `key` (unheld: the lookup holds it
         if its hit ends there); the row, or None if it is not here, fails a check, or every row is held."""
+        return None
+
+    def cache_limit(self, request_id: str) -> int | None:
+        """Tokens of the request past which its blocks are not registered in the prefix cache (K/V this connector
+        put there are not the prefix's own); None: no limit."""
         return None
 
     def request_finished(self, request_id: str) -> None:

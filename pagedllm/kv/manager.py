@@ -530,10 +530,10 @@ class PagedKVCacheManager(KVCacheManager):
 
     def _cache_full_blocks(self, request: KVRequest, num_tokens: int) -> None:
         """Register the blocks that this step fills, so requests scheduled after this one can share them."""
-        limit = getattr(request, "kv_cache_limit", None)  # kv_blend: past it the K/V are not a prefix's own
-        num_full = (num_tokens if limit is None else min(num_tokens, limit)) // self.block_size
-        hashes = self._hashes(request, num_tokens)
         rid = request.request_id
+        limits = [n for c in self.connectors if (n := c.cache_limit(rid)) is not None]  # kv_blend's copies
+        num_full = min([num_tokens, *limits]) // self.block_size
+        hashes = self._hashes(request, num_tokens)
         for g, before, registered in self.coordinator.cache_blocks(rid, hashes, num_full):
             table = self.coordinator.managers[g].req_to_blocks[rid]
             self.step_journal.append((rid, g, before, [table[i] for i in registered]))

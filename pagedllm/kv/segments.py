@@ -21,6 +21,7 @@ class SegmentStore(KVConnector):
     def __init__(self, pool: BlockPool, null_block: KVBlock, fetch: Fetch, on_fetched: Callable[[], None]) -> None:
         self.pool, self.null_block, self.fetch, self.on_fetched = pool, null_block, fetch, on_fetched
         self.holds: dict[str, list[KVBlock]] = {}  # per request, the stored segment blocks it holds
+        self.limits: dict[str, int] = {}  # per request, its first copied token: no block from there is a prefix's
 
     def hold(self, request_id: str, hashes: Sequence[BlockHash]) -> list[KVBlock]:
         """The leading run of `hashes` found in RAM or on a tier, held for the request until `release` or its
@@ -76,5 +77,17 @@ class SegmentStore(KVConnector):
                 self.pool.uncache(block)
         self.pool.free(reversed(list(blocks)))
 
+    def limit(self, request_id: str, num_tokens: int | None) -> None:
+        """Register none of the request's blocks past `num_tokens` tokens (its first copied one: copied K/V are an
+        approximation a plain request must never read); None: all (a plan without copies)."""
+        if num_tokens is None:
+            self.limits.pop(request_id, None)
+        else:
+            self.limits[request_id] = num_tokens
+
+    def cache_limit(self, request_id: str) -> int | None:
+        return self.limits.get(request_id)
+
     def request_finished(self, request_id: str) -> None:
         self.pool.free(reversed(self.holds.pop(request_id, [])))
+        self.limits.pop(request_id, None)

@@ -1,0 +1,136 @@
+"""Prefix caching on a hybrid model (issue 35): on a shared-prefix workload, a Qwen3.5-shaped hybrid (three Gated
+DeltaNet layers to one full-attention layer) against its attention-only twin (the same shape, every layer full
+attention): the prefix-cache hit rate of each, whether the hybrid's greedy answers equal a run with caching off,
+and the time to first token of a prefix hit against a cold request.
+
+The workload: `--prefixes` system prompts of `--prefix` tokens, each followed by `--questions` questions of 48
+tokens, 8 tokens decoded greedily; "one by one" sends each request after the previous finished, "in a burst" sends
+a prefix's questions together. A hybrid's hit starts from a recurrent-state checkpoint at a block boundary
+(kv/state_slots.py), which exists only where a prompt chunk ended, so the first prompt of a prefix leaves none at
+the prefix's end; the second finds the prefix's KV without a state, is cut there and leaves one; the third hits.
+
+    python -m benchmarks.kv.hybrid_prefix [--prefix 1000] [--prefixes 3] [--questions 4] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
+
+from pagedllm import SamplingParams
+from pagedllm.engine import EngineConfig, LLMEngine
+
+VOCAB = 4096
+SHAPE: dict[str, Any] = dict(
+    vocab_size=VOCAB, hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=8,
+    num_key_value_heads=2, head_dim=32, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=32,
+    linear_value_head_dim=32, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
+)  # fmt: skip
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def _save(folder: str, twin: bool) -> str:
+    from devkit.tiny_tokenizer import save_tiny_tokenizer
+
+    cfg = Qwen3_5TextConfig(**SHAPE, layer_types=["full_attention"] * 8 if twin else None)
+    cfg.architectures = ["Qwen3_5ForCausalLM"]
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(folder)
+    save_tiny_tokenizer(folder, VOCAB)
+    return folder
+
+
+def _engine(folder: str, caching: bool) -> LLMEngine:
+    config = EngineConfig(
+        model=folder, dtype="float32", max_model_len=2048, max_num_seqs=8, max_num_batched_tokens=512,
+        kv_cache_memory=2**28, enable_prefix_caching=caching, log_stats_interval=0,
+    )  # fmt: skip
+    return LLMEngine(config)
+
+
+def _drain(engine: LLMEngine, done: dict[str, list[int]]) -> None:
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+
+
+def _workload(engine: LLMEngine, groups: list[list[list[int]]], burst: bool) -> tuple[dict[str, list[int]], float]:
+    """Every prompt's greedy tokens, and the prefix cache's hit rate over the workload."""
+    done: dict[str, list[int]] = {}
+    for g, prompts in enumerate(groups):
+        for q, p in enumerate(prompts):
+            engine.add_request(f"{g}-{q}", p, GREEDY)
+            if not burst:
+                _drain(engine, done)
+        _drain(engine, done)
+    st = engine.stats()
+    return done, st.prefix_cache_hits / st.prefix_cache_queries
+
+
+def _ttft(engine: LLMEngine, prompt: list[int], rid: str) -> tuple[float, float]:
+    """Seconds to the first token, wall-clock and this process's CPU time (less moved by other processes' load)."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    engine.add_request(rid, prompt, GREEDY)
+    while True:
+        if any(out.outputs[0].token_ids for out in engine.step()):
+            ttft = time.perf_counter() - t0, time.process_time() - c0
+            break
+    _drain(engine, {})
+    return ttft
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prefix", type=int, default=1000)
+    ap.add_argument("--prefixes", type=int, default=3)
+    ap.add_argument("--questions", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    rng = random.Random(0)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(3, VOCAB) for _ in range(n)]
+
+    groups = [(lambda pre: [pre + tokens(48) for _ in range(args.questions)])(tokens(args.prefix)) for _ in range(3)]
+    groups = groups[: args.prefixes]
+    folders = {"hybrid": _save(tempfile.mkdtemp(), False), "twin": _save(tempfile.mkdtemp(), True)}
+    n = sum(len(g) for g in groups)
+    print(f"{len(groups)} prefixes of {args.prefix} tokens x {args.questions} questions of 48, 8 tokens decoded")
+    print("| arrival | model | hit rate | answers = caching off |")
+    print("|---|---|---|---|")
+    for burst in (False, True):
+        arrival = "in a burst" if burst else "one by one"
+        off, _ = _workload(_engine(folders["hybrid"], False), groups, burst)
+        for name in ("hybrid", "twin"):
+            got, rate = _workload(_engine(folders[name], True), groups, burst)
+            same = f"{sum(got[k] == off[k] for k in off)}/{n}" if name == "hybrid" else "-"
+            print(f"| {arrival} | {name} | {rate:.1%} | {same} |")
+    print()
+    print("| model | cold TTFT, wall / CPU (median) | prefix-hit TTFT, wall / CPU (median) | hit / cold, wall / CPU |")
+    print("|---|---|---|---|")
+    for name, folder in folders.items():
+        engine = _engine(folder, True)
+        prefix = tokens(args.prefix)
+        _ttft(engine, prefix + tokens(48), "warm-0")  # leaves no state at the prefix's end (see above) ...
+        _ttft(engine, prefix + tokens(48), "warm-1")  # ... this one does
+        cold, hit = [], []
+        for i in range(args.repeats):  # paired: a cold request, then a hit, in turn (the load moves)
+            cold.append(_ttft(engine, tokens(args.prefix + 48), f"cold-{i}"))
+            hit.append(_ttft(engine, prefix + tokens(48), f"hit-{i}"))
+        (cw, cc), (hw, hc) = ([statistics.median(x[k] for x in runs) for k in (0, 1)] for runs in (cold, hit))
+        print(
+            f"| {name} | {cw * 1000:.0f} / {cc * 1000:.0f} ms | {hw * 1000:.0f} / {hc * 1000:.0f} ms | "
+            f"**{hw / cw:.2f}** / {hc / cc:.2f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

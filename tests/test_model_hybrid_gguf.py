@@ -139,7 +139,7 @@ def test_quantized_file_runs_as_stored_and_matches_its_values(ckpt, fmt, tmp_pat
     shutil.copytree(ckpt.folder, ref_dir, ignore=shutil.ignore_patterns("*.safetensors"))
     save_file(write_hybrid_gguf(ckpt.folder, ckpt.family, fmt, path), os.path.join(ref_dir, "model.safetensors"))
     ref = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
-    loaded = load_model(path, dtype="float32", verbose=False, quantized_activations="none")
+    loaded = load_model(path, dtype="float32", verbose=False, quantization="gguf", quantized_activations="none")
     assert any(lin.quant is not None for lin in loaded.model.linears())
     ids = _tokens(100, 2)
     err = _err(_logits(loaded, ids), _hf_logits(ref, ids))

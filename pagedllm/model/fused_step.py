@@ -145,14 +145,21 @@ def mixer_eps(mixer: Mixer) -> float:
     return 0.0 if isinstance(mixer, ShortConv) else mixer.eps
 
 
-def deltanet_perm(mixer: GatedDeltaNet) -> np.ndarray:
-    """Qwen3-Next's projections' row (in_qkvz's [q, k, v, z] per key head, then in_ba's [b, a] per key head) ->
-    the canonical row [q, k, v, z, b, a] of every head (recurrent.h), as GatedDeltaNet._project splits it."""
+def deltanet_perm(mixer: GatedDeltaNet) -> np.ndarray | None:
+    """The projections' row as stored (`ModelConfig.linear_proj`) -> the canonical row [q, k, v, z, b, a] of every
+    head (recurrent.h), as GatedDeltaNet._project splits it; None where they are stored canonical ("split").
+    Qwen3-Next's in_qkvz holds [q, k, v, z] per key head; its in_ba (and llama.cpp's ssm_ba) [b, a] per key head."""
+    if mixer.proj == "split":
+        return None
     dk, dv, hk, r = mixer.dk, mixer.dv, mixer.hk, mixer.hv // mixer.hk
-    group, ba = 2 * dk + 2 * r * dv, mixer.conv_dim + mixer.value_dim
-    parts = [(0, dk, group), (dk, dk, group), (2 * dk, r * dv, group), (2 * dk + r * dv, r * dv, group)]
-    parts += [(ba, r, 2 * r), (ba + r, r, 2 * r)]
-    idx = [start + j * stride + c for start, size, stride in parts for j in range(hk) for c in range(size)]
+    ba = mixer.conv_dim + mixer.value_dim
+    if mixer.proj == "fused":
+        group = 2 * dk + 2 * r * dv
+        parts = [(0, dk, group), (dk, dk, group), (2 * dk, r * dv, group), (2 * dk + r * dv, r * dv, group)]
+        idx = [start + j * stride + c for start, size, stride in parts for j in range(hk) for c in range(size)]
+    else:  # "qkv_z_ba": q, k, v and z as they are
+        idx = list(range(ba))
+    idx += [start + j * 2 * r + c for start in (ba, ba + r) for j in range(hk) for c in range(r)]
     return np.array(idx, dtype=np.int64)
 
 
@@ -267,14 +274,13 @@ class FusedStep:
         conv's and the recurrence's float32 parameters, and its state rows, which each step advances in place."""
         fields: dict[str, Any] = {"kind": MIXERS[type(mixer)], "kernel": mixer.kernel, "eps": mixer_eps(mixer)}
         if isinstance(mixer, GatedDeltaNet):
-            ins = (
-                [mixer.in_qkvz, mixer.in_ba] if mixer.fused_proj else [mixer.in_qkv, mixer.in_z, mixer.in_b, mixer.in_a]
-            )
+            ins = mixer.linears()[:-1]  # the input projections as stored (`linear_proj`), then `out`
             heads, groups, dk, dv = mixer.hv, mixer.hk, mixer.dk, mixer.dv
             fields |= {"conv_dim": mixer.conv_dim, "out_k": mixer.value_dim, "norm": self._f32(mixer.norm.weight)}
             fields |= {"a_log": self._f32(mixer.a_log.weight), "dt_bias": self._f32(mixer.dt_bias.weight)}
             conv_w, conv_b, out = mixer.conv.weight[:, 0], None, mixer.out
-            perm = deltanet_perm(mixer) if mixer.fused_proj else None
+            perm = deltanet_perm(mixer)
+            fields["tiled"] = int(mixer.tiled)  # value head h reads key head h % groups
         elif isinstance(mixer, Mamba2):
             ins, perm = [mixer.in_proj], None
             heads, groups, dk, dv = mixer.heads, mixer.groups, mixer.head_dim, mixer.state_size

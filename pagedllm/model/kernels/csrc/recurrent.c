@@ -161,7 +161,7 @@ static void l2norm(float *out, const float *x, int n, float scale) {
 /* One token of Gated DeltaNet's value head h: the state [dk, dv] decayed by exp(g), corrected toward v by beta
  * along k (the delta rule), read by q; then the head's RMS norm times silu(z) into `out`. */
 static void deltanet_token(const RecMixer *r, float *st, const float *conv, const float *row, int h, float *out) {
-    const int dk = r->dk, dv = r->dv, kh = h / (r->heads / r->groups), key = r->groups * dk;
+    const int dk = r->dk, dv = r->dv, kh = r->tiled ? h % r->groups : h / (r->heads / r->groups), key = r->groups * dk;
     const int value = r->heads * dv, C = r->conv_dim;
     float q[MAX_HEAD], k[MAX_HEAD], mem[MAX_HEAD], o[MAX_HEAD];
     l2norm(q, conv + kh * dk, dk, 1.0f / sqrtf((float)dk));

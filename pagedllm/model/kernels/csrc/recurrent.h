@@ -21,6 +21,7 @@ enum { MIX_GATED_DELTANET, MIX_MAMBA2, MIX_SHORT_CONV }; /* RecMixer.kind: Model
  * - short conv: [B, C, x] (conv_dim each), the conv over B * x, gated by C; no state but the conv's. */
 typedef struct {
     int kind, width, conv_dim, kernel, heads, groups, dk, dv;
+    int tiled;           /* DeltaNet: value head h reads key head h % groups (llama.cpp's order), else h / (heads / groups) */
     int out_k;           /* the output projection's input size (its rows of `out`) */
     int n_in;            /* input projections */
     const uint8_t **in;  /* [n_in] quantized tiles, K = hidden */

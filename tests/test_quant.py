@@ -298,6 +298,27 @@ def test_kernel_choice_takes_the_int8_route_from_where_it_is_faster_at_every_lar
             _parse(json.dumps(raw).encode(), torch.float32, "b")
 
 
+def test_the_int8_route_is_opt_in(tiny, monkeypatch):
+    """--quantized-activations int8 gives every weight of a format the route runs the kernel choice's row count
+    (the dot route below it); auto (the default) and int16 never take the route; a bad value names the flag."""
+    from pagedllm.model.kernels import kernel_choice
+
+    rows = {1: 1.0, 8: 1.0, 64: 1.0, 256: 1.0}
+    ms = {"q-f32": rows, "dense": {**rows, 1: 2.0}, "q-dot": rows, "q-i8": {**rows, 64: 0.5, 256: 0.5}}
+    monkeypatch.setattr(
+        kernel_choice, "choose", lambda layer, dtype, dot, int8: kernel_choice.decide(ms, "t", dot, int8)
+    )
+    folder, _ = tiny
+    on = load_model(folder, "float32", verbose=False, quantization="int4", quantized_activations="int8")
+    assert on.kernel_choice.i8_min_rows == 64 and on.kernel_choice.kernel_for(64) == "q-i8"
+    assert {(w.i8_min_rows, w.dot) for w in on.model.quant_weights()} == {(64, True)}
+    for setting in ("auto", "int16"):
+        off = load_model(folder, "float32", verbose=False, quantization="int4", quantized_activations=setting)
+        assert off.kernel_choice.i8_min_rows == 0 and {w.i8_min_rows for w in off.model.quant_weights()} == {0}
+    with pytest.raises(UserError, match="--quantized-activations must be"):
+        load_model(folder, "float32", verbose=False, quantization="int4", quantized_activations="int4")
+
+
 def test_kernel_choice_is_kept_and_measured_again_when_unreadable(tmp_path, monkeypatch):
     from pagedllm.model.kernels import kernel_choice
 

@@ -1,6 +1,6 @@
 """Prefill time of one prompt with and without the int8 route (issue 36, item 2): paired, in one process.
 
-The same GGUF is loaded twice, under --quantized-activations auto (the int8 route from the row count the kernel
+The same GGUF is loaded twice, under --quantized-activations int8 (the int8 route from the row count the kernel
 choice measured it faster) and int16 (the route before it: 16-bit activations, or q-bf16 past its threshold),
 and one prompt of `--tokens` random ids is prefilled in one chunk (the fused step, as a server's first step for
 a lone request: the time to the first token, less the scheduler's microseconds), the two loads in alternation,
@@ -90,13 +90,13 @@ def main() -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
-    routes = ("auto", "int16")
+    routes = ("int8", "int16")
     models = {q: load_model(a.model, a.dtype, verbose=False, quantized_activations=q) for q in routes}
-    choice = models["auto"].kernel_choice
+    choice = models["int8"].kernel_choice
     blocks = (a.tokens + 15) // 16 + 1
     runners = {q: ModelRunner(m, num_blocks=blocks, block_size=16) for q, m in models.items()}
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(100, models["auto"].config.vocab_size, (a.tokens,), generator=g).tolist()
+    ids = torch.randint(100, models["int8"].config.vocab_size, (a.tokens,), generator=g).tolist()
     llama = None
     if a.llamacpp:
         from pagedllm.model.config import resolve_model_path
@@ -119,17 +119,17 @@ def main() -> int:
     kernel = choice.kernel_for(a.tokens) if choice is not None else "?"
     threads = torch.get_num_threads()
     print(
-        f"{name}, {models['auto'].dtype}, {a.tokens}-token prompt, {a.rounds} paired rounds, {threads} threads"
+        f"{name}, {models['int8'].dtype}, {a.tokens}-token prompt, {a.rounds} paired rounds, {threads} threads"
         + (" (thread CPU time)" if clock is time.thread_time else " (wall time)")
     )
-    print(f"  kernel at {a.tokens} rows under auto: {kernel} (int8 from {choice.i8_min_rows if choice else 0} rows)")
+    print(f"  kernel at {a.tokens} rows under int8: {kernel} (int8 from {choice.i8_min_rows if choice else 0} rows)")
     for q in [k for k, v in times.items() if v]:
         print(f"  {q:>9}: median {1e3 * statistics.median(times[q]):8.1f} ms, best {1e3 * min(times[q]):8.1f} ms")
-    ratios = [x / y for x, y in zip(times["auto"], times["int16"])]
-    print(f"  auto / int16: median of paired ratios {statistics.median(ratios):.2f}x")
+    ratios = [x / y for x, y in zip(times["int8"], times["int16"])]
+    print(f"  int8 / int16: median of paired ratios {statistics.median(ratios):.2f}x")
     if times["llama.cpp"]:
-        ratios = [x / y for x, y in zip(times["auto"], times["llama.cpp"])]
-        print(f"  auto / llama.cpp: median of paired ratios {statistics.median(ratios):.2f}x")
+        ratios = [x / y for x, y in zip(times["int8"], times["llama.cpp"])]
+        print(f"  int8 / llama.cpp: median of paired ratios {statistics.median(ratios):.2f}x")
     return 0
 
 

@@ -30,15 +30,16 @@ class EngineConfig:
     as stored unless this CPU's quantized kernel is measured slower than dense (measured once per CPU and
     remembered); gguf always keeps them; int8/int4 round a checkpoint's weights at load (weight-only, groups of
     32); none dequantizes to --dtype (what auto means for a Hugging Face folder)"""
-    quantized_activations: Literal["auto", "int16", "none"] = "auto"
+    quantized_activations: Literal["auto", "int16", "int8", "none"] = "auto"
     """how quantized weights meet the activations: int16 rounds each group of 32 inputs of a matmul to 16-bit
     integers and multiplies the weights' codes by them directly (VNNI where the CPU has it; one-row decode ~2x
     faster at 1B, each input within 1/65534 of its group's largest); none keeps float32 activations (the exact
     path, equal to transformers' float32 within summation order); auto (the default): int16 where the CPU has
-    vector kernels for it, and int8 (llama.cpp's Q8_0 activations, each input within 1/254 of its group's
-    largest: byte dot products, ~2x int16's speed for prefill) from the row count at which it is measured faster
-    (kernel choice; its accuracy bound is in docs/benchmarks.md). A sequence's result does not depend on the
-    batch, except across that row count under auto"""
+    vector kernels for it; int8: int16, and from the row count at which the kernel choice measures it faster
+    (prefill chunks) int8 (llama.cpp's Q8_0 activations, each input within 1/254 of its group's largest: byte dot
+    products, 1.1-1.4x q-bf16 and ~2x int16 for prefill; greedy tokens no longer transformers' token for token,
+    its accuracy in docs/benchmarks.md). A sequence's result does not depend on the batch, except across that
+    row count under int8"""
     kv_cache_dtype: KVCacheDType = "auto"
     """the KV cache's dtype: auto (the default: the model's --dtype), float32, bfloat16, int8, fp8 (= fp8_e4m3)
     or fp8_e5m2. A bfloat16 cache holds twice the tokens of a float32 one; int8 and fp8 keep one byte per value

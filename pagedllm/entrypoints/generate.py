@@ -22,11 +22,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     for p, func in ((gen, run_generate), (chat, run_chat)):
         add_engine_args(p, model_positional=False)
         p.add_argument(
-            "--lora",
-            default=None,
-            metavar="[NAME=]PATH",
-            help="answer with this LoRA adapter on the model: a PEFT folder or a llama.cpp GGUF adapter (turns on "
-            "--enable-lora; default: none)",
+            "--lora", metavar="[NAME=]PATH", help="answer with this LoRA adapter (PEFT or GGUF; --enable-lora)"
         )
         temperature = 0.7 if p is chat else 0.0
         s = p.add_argument_group("sampling")

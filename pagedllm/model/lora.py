@@ -88,8 +88,8 @@ class LoRAModel:
 
 @dataclass
 class FusedMats:
-    """One adapter's matrices for the fused C step: a LoraMat (csrc/lora.h) per (layer, slot), A [R, in] and B
-    transposed [R, out] (the torch path's LoRAWeight holds B as [out, R]), and the tensors they point into."""
+    """One adapter's matrices for the fused C step: a LoraMat (csrc/lora.h) per (layer, slot), A and B transposed
+    (A^T [in, R], B^T [R, out]: both halves sum rows of them), and the tensors they point into."""
 
     table: ctypes.Array[ctypes.Structure]
     keep: list[torch.Tensor]
@@ -105,15 +105,18 @@ class FusedLoRA:
     keep: list[object]
 
 
-def fused_mats(lora: LoRAModel, layers: int) -> FusedMats:
-    """The adapter's LoraMat table, [layers * LORA_SLOTS] (r 0 where it adapts nothing), kept on the adapter."""
+def fused_mats(lora: LoRAModel, layers: int, dtype: torch.dtype) -> FusedMats:
+    """The adapter's LoraMat table, [layers * LORA_SLOTS] (r 0 where it adapts nothing), its matrices in `dtype`
+    (float32 or bfloat16: LoraStep.bf16), kept on the adapter."""
     if lora.fused is None:
         table = (_Mat * (layers * len(LORA_SLOTS)))()
         keep = []
         for (layer, slot), w in lora.weights.items():
-            a, bt = w.a.float().contiguous(), w.b.T.float().contiguous()
-            keep += [a, bt]
-            table[layer * len(LORA_SLOTS) + LORA_SLOTS.index(slot)] = _Mat(a.data_ptr(), bt.data_ptr(), a.shape[0])
+            at, bt = w.a.T.to(dtype).contiguous(), w.b.T.to(dtype).contiguous()
+            pieces = torch.tensor(w.pieces or [(0, w.b.shape[0], 0, w.b.shape[1])], dtype=torch.int64)
+            keep += [at, bt, pieces]
+            i = layer * len(LORA_SLOTS) + LORA_SLOTS.index(slot)
+            table[i] = _Mat(at.data_ptr(), bt.data_ptr(), pieces.data_ptr(), at.shape[1], len(pieces))
         lora.fused = FusedMats(table, keep, max(w.a.shape[0] for w in lora.weights.values()))
     return lora.fused
 
@@ -214,7 +217,7 @@ def read_lora(req: LoRARequest, model: CausalLM) -> list[LoRAPiece]:
     raise LoRAError(f"LoRA adapter {req.lora_name!r}: {path} is neither a PEFT folder nor a GGUF file")
 
 
-def build_lora(req: LoRARequest, model: CausalLM, max_rank: int) -> LoRAModel:
+def build_lora(req: LoRARequest, model: CausalLM, max_rank: int, dtype: torch.dtype = torch.float32) -> LoRAModel:
     """Read an adapter and check it against the model: every target one of its matmuls, the shapes its, the rank
     at most `max_rank` (--max-lora-rank); then stack each matmul's pieces (float32)."""
     name = req.lora_name
@@ -249,13 +252,16 @@ def build_lora(req: LoRARequest, model: CausalLM, max_rank: int) -> LoRAModel:
         lin = parts[0][0].linear
         total = sum(p.a.shape[0] for _, p in parts)
         b = torch.zeros(lin.out_features, total)
-        col = 0
-        for t, p in parts:
+        col, pieces = 0, []
+        for t, p in sorted(parts, key=lambda part: part[0].start):
             r = p.a.shape[0]
             b[t.start : t.end, col : col + r] = p.b * p.scale
+            pieces.append((t.start, t.end, col, col + r))
             col += r
-        a = torch.cat([p.a for _, p in parts])
-        weights[key] = LoRAWeight(a.to(device).contiguous(), b.to(device).contiguous())
+        a = torch.cat([p.a for _, p in sorted(parts, key=lambda part: part[0].start)])
+        if dtype == torch.bfloat16:  # rounded to it: both paths compute the term from these values
+            a, b = a.bfloat16().float(), b.bfloat16().float()
+        weights[key] = LoRAWeight(a.to(device).contiguous(), b.to(device).contiguous(), pieces)
     return LoRAModel(name, req.lora_int_id, req.lora_path, rank, weights)
 
 
@@ -267,8 +273,13 @@ class LoRAManager:
     least recently used adapter that no request holds (one that requests hold is never dropped: the count is
     exceeded until they finish). `run(ids)` runs a step's rows under their adapters."""
 
-    def __init__(self, model: CausalLM, max_lora_rank: int, max_cpu_loras: int) -> None:
+    def __init__(
+        self, model: CausalLM, max_lora_rank: int, max_cpu_loras: int, lora_dtype: torch.dtype | None = None
+    ) -> None:
+        """`lora_dtype` (vLLM's --lora-dtype): the adapters' values, float32 or bfloat16; default the model's (a
+        bfloat16 model's adapters in bfloat16, as vLLM keeps them: half the bytes a step reads)."""
         self.model, self.max_lora_rank, self.max_cpu_loras = model, max_lora_rank, max_cpu_loras
+        self.lora_dtype = lora_dtype or (torch.bfloat16 if model.dtype == torch.bfloat16 else torch.float32)
         self.adapters: OrderedDict[int, LoRAModel] = OrderedDict()  # least recently used first
         self.holds: Counter[int] = Counter()  # requests holding each adapter
         self.batch = LoRABatch()
@@ -289,7 +300,7 @@ class LoRAManager:
                 )
             self.adapters.move_to_end(req.lora_int_id)
             return have
-        lora = build_lora(req, self.model, self.max_lora_rank)
+        lora = build_lora(req, self.model, self.max_lora_rank, self.lora_dtype)
         self.adapters[req.lora_int_id] = lora
         self._stacks.clear()
         logger.info("loaded LoRA adapter %s (id %d, rank %d) from %s", lora.name, lora.int_id, lora.rank, lora.path)
@@ -344,7 +355,8 @@ class LoRAManager:
         `group_rows` (the rows that share each read of its matrices: sgmv for a prefill chunk or many decode
         tokens, bgmv for one)."""
         present = sorted(set(ids) - {0})
-        mats = [fused_mats(self.adapters[i], len(self.model.decoder_layers)) for i in present]
+        half = self.lora_dtype == torch.bfloat16
+        mats = [fused_mats(self.adapters[i], len(self.model.decoder_layers), self.lora_dtype) for i in present]
         slot = {lid: j for j, lid in enumerate(present)}
         owner = np.repeat(np.array([slot.get(i, -1) for i in ids], dtype=np.int64), lens)
         rows = np.flatnonzero(owner >= 0)
@@ -368,6 +380,7 @@ class LoRAManager:
             G=len(groups),
             max_rank=max_rank,
             layers=len(self.model.decoder_layers),
+            bf16=int(half),
         )
         return FusedLoRA(step, [mats, tables, rows, grp, tmp])
 

@@ -146,9 +146,10 @@ class ModelRunner:
         )
         self.lora: LoRAManager | None = None  # set by enable_lora
 
-    def enable_lora(self, max_lora_rank: int, max_cpu_loras: int) -> LoRAManager:
-        """Let chunks run under LoRA adapters (SeqChunk.lora_int_id), loaded into the returned manager."""
-        self.lora = LoRAManager(self.model, max_lora_rank, max_cpu_loras)
+    def enable_lora(self, max_lora_rank: int, max_cpu_loras: int, lora_dtype: torch.dtype | None = None) -> LoRAManager:
+        """Let chunks run under LoRA adapters (SeqChunk.lora_int_id), loaded into the returned manager (their
+        values in `lora_dtype`: LoRAManager)."""
+        self.lora = LoRAManager(self.model, max_lora_rank, max_cpu_loras, lora_dtype)
         return self.lora
 
     def _lora_ids(self, chunks: list[SeqChunk]) -> list[int] | None:

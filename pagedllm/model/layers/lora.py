@@ -25,6 +25,8 @@ class LoRAWeight:
 
     a: torch.Tensor
     b: torch.Tensor
+    # (out start, out end, R start, R end) of each piece: B is zero outside these blocks (the fused step reads them)
+    pieces: list[tuple[int, int, int, int]] = field(default_factory=list)
 
 
 @dataclass

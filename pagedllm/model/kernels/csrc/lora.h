@@ -11,9 +11,11 @@
 enum { LORA_QKV, LORA_O, LORA_GATE_UP, LORA_DOWN, LORA_SLOTS };
 
 typedef struct {
-    const float *a;  /* [r, K] (the q/k/v or gate/up pieces' A stacked along r) */
-    const float *bt; /* [r, N]: B transposed, the scale folded in (each piece's B in its own columns) */
-    int r;           /* 0: the adapter does not target this matmul */
+    const void *at;        /* [K, r]: A transposed (the q/k/v or gate/up pieces' A stacked along r) */
+    const void *bt;        /* [r, N]: B transposed, the scale folded in (each piece's B in its own block) */
+    const int64_t *pieces; /* [pieces * 4]: output columns [n0, n1) take tmp's [j0, j1) (bt is zero elsewhere) */
+    int r;                 /* 0: the adapter does not target this matmul */
+    int n_pieces;
 } LoraMat;
 
 typedef struct {
@@ -22,6 +24,7 @@ typedef struct {
     const int64_t *groups;    /* [G * 3]: adapter, first index into rows, rows (1 to lora_group_rows()) */
     float *tmp;               /* [T * max_rank]: each row's A x between the two halves */
     int A, n, G, max_rank, layers;
+    int bf16; /* 1: every LoraMat's at / bt are bfloat16; 0: float32 */
 } LoraStep;
 
 int64_t lora_struct_size(const char *name);
@@ -30,7 +33,7 @@ int lora_group_rows(void); /* the most rows one group holds: the rows that share
 int lora_check(const LoraStep *s, int T, int layers);
 int lora_targets(const LoraStep *s, int layer, int slot); /* 1: an adapter of the step adapts that matmul */
 /* Work items of the two halves of one matmul's term (N: its output width; 0 for the first half), each half
- * done for every item before the other starts: lora_shrink (tmp = A x) then lora_expand (out += tmp B^T). */
+ * done for every item before the other starts: lora_shrink (tmp = x A^T) then lora_expand (out += tmp B^T). */
 int lora_items(const LoraStep *s, int N);
 void lora_shrink(const LoraStep *s, int layer, int slot, const float *x, int K, int item);
 void lora_expand(const LoraStep *s, int layer, int slot, float *out, int N, int ld, int item); /* ld: out's row stride */

@@ -70,16 +70,19 @@ def all_logits(runner, chunks):
     return list(out.split([len(c.token_ids) for c in chunks]))
 
 
-def fused_and_torch(loaded, ids: list[int], split: int, steps: int) -> dict[bool, tuple[torch.Tensor, list[int]]]:
+def fused_and_torch(
+    loaded, ids: list[int], split: int, steps: int, kv_dtype: torch.dtype | None = None
+) -> dict[bool, tuple[torch.Tensor, list[int]]]:
     """Per path (the fused C step or the torch path): the logits of `ids` prefilled in two chunks over shuffled
-    blocks, then of `steps` greedy decode tokens each path picks itself, and those tokens."""
+    blocks, then of `steps` greedy decode tokens each path picks itself, and those tokens. `kv_dtype`: the KV
+    cache's (default: the model's)."""
     import random
 
     from pagedllm.model import ModelRunner, SeqChunk
 
     out = {}
     for fused in (True, False):
-        runner = ModelRunner(loaded, num_blocks=16, block_size=8, fused=fused)
+        runner = ModelRunner(loaded, num_blocks=16, block_size=8, kv_dtype=kv_dtype, fused=fused)
         assert (runner.fused is not None) == fused
         table = random.Random(4).sample(range(16), 16)
         rows = [all_logits(runner, [SeqChunk(ids[:split], 0, table)])[0]]

@@ -176,13 +176,12 @@ def test_greedy_tokens_match_transformers_with_caching_chunks_and_preemption(ckp
 
 def test_the_fused_step_computes_what_the_torch_path_does(tmp_path):
     """int8 weights of a Gemma 4 whose sliding layers (4 KV heads of 16) and full layers (2 of 32, keys equal to
-    values, v_norm) store KV rows of one size, so the fused C step runs it: its per-layer head sizes, the shared
-    layers reading earlier layers' KV, the double-wide MLPs, the per-layer inputs (of 32) and layer scalars, against
-    the torch path on the same weights: a prompt in two chunks, 8 greedy decodes: the same tokens, logits within
-    the tolerance; then the engine with prefix caching, chunked prefill and preemption: the same answers."""
+    values, v_norm) store KV rows of one size: its per-layer head sizes, the shared layers reading earlier layers'
+    KV, the double-wide MLPs, the per-layer inputs (of 32) and layer scalars on the fused C step against the torch
+    path on the same weights: a prompt in two chunks, 8 greedy decodes: the same tokens, logits within the
+    tolerance; then the engine with prefix caching, chunked prefill and preemption: the same answers; then the
+    checkpoint's own two KV row sizes (one cache slot for both) on a float32 and an int8 KV cache."""
     from model_helpers import fused_and_torch
-
-    from pagedllm.model.fused_step import unfused_reason
 
     make_gemma4(str(tmp_path), hidden_size_per_layer_input=32, num_key_value_heads=4)
     loaded = load_model(str(tmp_path), "float32", verbose=False, quantization="int8", quantized_activations="none")
@@ -206,11 +205,17 @@ def test_the_fused_step_computes_what_the_torch_path_does(tmp_path):
         assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
         answers[path] = [list(done[str(i)].outputs[0].token_ids) for i in range(len(PROMPTS))]
     assert answers["fused"] == answers["torch"]
-    # KV rows of two sizes (2 KV heads of 16 beside 2 of 32) share the cache slots: the torch path runs those
+    # KV rows of two sizes (2 KV heads of 16 beside 2 of 32) sharing the cache slots, the smaller at the front of
+    # each token's row (runner.layer_view), on a float32 and a quantized cache
     make_gemma4(str(tmp_path / "rows"), hidden_size_per_layer_input=32)
-    two = load_model(str(tmp_path / "rows"), "float32", verbose=False, quantization="int8")
-    runner = ModelRunner(two, 16, 8)
-    assert runner.fused is None and "KV rows of two sizes" in str(unfused_reason(two.model, runner.kv_caches))
+    two = load_model(
+        str(tmp_path / "rows"), "float32", verbose=False, quantization="int8", quantized_activations="none"
+    )
+    for kv_dtype in (None, torch.int8):
+        got = fused_and_torch(two, _tokens(70, 2), 29, 8, kv_dtype)
+        (fused, fused_tokens), (want, want_tokens) = got[True], got[False]
+        assert fused_tokens == want_tokens
+        assert (fused - want).abs().max().item() < TOL * want.abs().max().item()
 
 
 def test_llm_generate_answers_transformers(ckpt):

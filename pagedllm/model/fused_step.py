@@ -110,14 +110,26 @@ def unfused_reason(
         return "not every weight is quantized"
     if any(kc.device.type != "cpu" or kc.dtype not in kv_quant.KINDS for kc, _ in kv_caches):
         return "a KV cache the C step does not read"
-    if any(not kc.is_contiguous() for kc, _ in kv_caches):  # runner.layer_view: the front of each token's row
-        return "KV rows of two sizes in one cache slot (the C step reads a token's KV heads as one row)"
+    if not all(_rows_read(kc) and _rows_read(vc) for kc, vc in kv_caches):
+        return "a KV cache the C step does not read"
     if model.config.linear_layers and not _states_read(model.config.linear_layers, states):
         return "recurrent states the C step does not read"
     blockers = _model_blockers(model.config)
     if not blockers and (why := _moe_blocker(model)) is not None:
         blockers = [why]
     return None if not blockers else f"{model.config.family} uses " + ", ".join(blockers)
+
+
+def _rows_read(cache: torch.Tensor) -> bool:
+    """A [blocks, block_size, KV heads, row] cache whose heads lie side by side at the front of each token's row,
+    block after block: the whole tensor, or runner.layer_view's front of a wider slot (StepLayer.kv_stride)."""
+    _, bs, heads, row = cache.shape
+    return (
+        cache.stride(3) == 1
+        and cache.stride(2) == row
+        and cache.stride(1) >= heads * row
+        and (cache.stride(0) == bs * cache.stride(1))
+    )
 
 
 def _states_read(layers: list[int], states: States | None) -> bool:
@@ -246,6 +258,7 @@ class FusedStep:
             "inter": self.model.config.layer_intermediate_size(layer.index),
             "kv_parts": layer.kv_parts,
             "v_norm": int(layer.v_norm),
+            "kv_stride": k_cache.stride(1),  # wider than its heads where its rows are the front of a slot's
             "scalar": None if layer.scalar is None else self._f32(layer.scalar.weight),
         }
         ple = layer.per_layer_input

@@ -230,16 +230,16 @@ int kv_quantize_rows(uint8_t *dst, const float *src, int64_t n, int D, int kind)
 }
 
 /* Token `slot`'s keys (or values) for all KVH heads into the cache (rotated already for a quantized one). */
-static void store_row(void *cache, int64_t slot, const float *src, int KVH, int D, int kind) {
-    const int64_t n = (int64_t)KVH * D;
+static void store_row(void *cache, int64_t slot, const float *src, int KVH, int D, int kind, int64_t stride) {
+    const int64_t n = (int64_t)KVH * D; /* stride: cache elements (bytes if quantized) from a token's row to the next */
     if (kind == KV_F32) {
-        memcpy((float *)cache + slot * n, src, (size_t)n * sizeof(float));
+        memcpy((float *)cache + slot * stride, src, (size_t)n * sizeof(float));
     } else if (kind == KV_BF16) {
-        uint16_t *dst = (uint16_t *)cache + slot * n;
+        uint16_t *dst = (uint16_t *)cache + slot * stride;
         for (int64_t i = 0; i < n; i++) dst[i] = to_bf16(src[i]);
     } else {
         for (int h = 0; h < KVH; h++)
-            store_quantized((uint8_t *)cache + (slot * KVH + h) * kv_row_bytes(D), src + (int64_t)h * D, D, kind);
+            store_quantized((uint8_t *)cache + slot * stride + h * kv_row_bytes(D), src + (int64_t)h * D, D, kind);
     }
 }
 
@@ -492,8 +492,8 @@ static void rope_and_store(const StepModel *m, const StepLayer *L, const StepBat
     for (int h = 0; m->cache_kind >= KV_INT8 && h < H + 2 * KN; h++) kv_rotate(row + h * D, D);
     if (!L->kv_parts) return; /* it reads an earlier layer's KV */
     const int64_t slot = b->slots[(int64_t)L->group * b->T + t];
-    store_row(L->k_cache, slot, row + H * D, KVH, D, m->cache_kind);
-    store_row(L->v_cache, slot, row + (H + KVH) * D, KVH, D, m->cache_kind);
+    store_row(L->k_cache, slot, row + H * D, KVH, D, m->cache_kind, L->kv_stride);
+    store_row(L->v_cache, slot, row + (H + KVH) * D, KVH, D, m->cache_kind, L->kv_stride);
 }
 
 /* Row i of the residual add: h += residual_scale * norm(y) (the norm only where the layer has one). */
@@ -541,7 +541,7 @@ static void attention(const StepModel *m, const StepLayer *L, const StepBatch *b
     const int64_t *table = b->block_tables + ((int64_t)L->group * b->S + b->seq[t]) * b->max_blocks;
     Args a = {buf->attn + (int64_t)t * H * D, buf->qkv + (int64_t)t * width, L->k_cache, L->v_cache,
               table, buf->ctx + t, H, KVH, D, m->block_size, b->max_blocks,
-              m->cache_kind, L->scale, 0, end - t, width, H * D, L->window, L->softcap, L->sinks};
+              m->cache_kind, L->scale, 0, end - t, width, H * D, L->window, L->softcap, L->sinks, L->kv_stride};
     paged_attention_heads(&a, 0, h0, h0 + H / split, sc->scores, sc->block);
     for (int u = t; m->cache_kind >= KV_INT8 && u < end; u++)
         for (int h = h0; h < h0 + H / split; h++) kv_rotate(buf->attn + ((int64_t)u * H + h) * D, D);
@@ -799,6 +799,8 @@ static int check(const StepModel *m, const StepLayer *layers, const StepBatch *b
             L->head_dim <= 0 || L->head_dim > m->head_dim || L->kv_heads <= 0 || L->kv_heads > m->kv_heads ||
             m->heads % L->kv_heads || L->rotary_dim % 2 || L->rotary_dim < 0 || L->rotary_dim > L->head_dim ||
             L->inter > m->inter || L->inter % 32 || L->kv_parts < 0 || L->kv_parts > 2 ||
+            (!L->mixer && L->kv_stride < (int64_t)L->kv_heads * (m->cache_kind >= KV_INT8 ? kv_row_bytes(L->head_dim)
+                                                                                          : L->head_dim)) ||
             (L->rope != ROPE_NONE && !L->rotary_dim) || !L->ple_gate != !L->ple_proj ||
             (L->ple_gate && (!m->ple_width || !L->ple_norm)) ||
             (!moe && (!L->gate_up || !L->down)) ||

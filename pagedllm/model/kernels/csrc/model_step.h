@@ -50,6 +50,7 @@ typedef struct {
      * layer projects none and reads the cache of an earlier layer (k_cache / v_cache are that layer's) */
     int kv_parts;
     int v_norm;          /* 1: V RMS-normed, without a weight */
+    int64_t kv_stride;   /* cache elements (bytes if quantized) between a token's rows (paged_attention.h's Args) */
     const float *scalar; /* [1]: the layer's output times it (Gemma 4), or NULL */
     /* Gemma 4's per-layer input (NULL: none): h += norm(proj(act(gate(h)) * the layer's slice of the per-layer
      * embeddings)); gate [ple_width, hidden] and proj [hidden, ple_width] quantized, the norm [hidden] */

@@ -60,11 +60,11 @@ static inline float fp8_value(uint8_t c, const int m, const int bias) {
  * widened to float32 into `buf` at the same place as a float32 cache holds them: one (token, head) row of D
  * codes and its bfloat16 scale at a time. */
 static inline void widen_quantized(float *buf, const uint8_t *block, int n, int KVH, int D, int c0, int c1,
-                                   int kind) {
+                                   int kind, int64_t S) {
     const int64_t W = (int64_t)KVH * D, R = kv_row_bytes(D);
     for (int t = 0; t < n; t++)
         for (int h = c0 / D; h < c1 / D; h++) {
-            const uint8_t *codes = block + ((int64_t)t * KVH + h) * R;
+            const uint8_t *codes = block + t * S + h * R; /* S: bytes from a token's row to the next */
             const uint32_t bits = (uint32_t)(codes[D] | codes[D + 1] << 8) << 16;
             float scale;
             memcpy(&scale, &bits, 4);
@@ -80,21 +80,20 @@ static inline void widen_quantized(float *buf, const uint8_t *block, int n, int 
         }
 }
 
-/* The first n rows of a quantized block, columns [c0, c1) (the KV heads the caller reads), widened to float32
- * into `buf` at the same place as a float32 cache holds them. Float32 and bfloat16 blocks are read in place. */
+/* The first n rows of a quantized block (rows S bytes apart), columns [c0, c1) (the KV heads the caller reads),
+ * widened to float32 into `buf` at the same place as a float32 cache of packed rows holds them. Float32 and
+ * bfloat16 blocks of packed rows are read in place. */
 static inline void widen_block(float *buf, const void *cache, int64_t block, int n, int bs, int KVH, int D, int c0,
-                               int c1, int kind) {
-    widen_quantized(buf, (const uint8_t *)cache + block * bs * KVH * (int64_t)kv_row_bytes(D), n, KVH, D, c0, c1,
-                    kind);
+                               int c1, int kind, int64_t S) {
+    widen_quantized(buf, (const uint8_t *)cache + block * bs * S, n, KVH, D, c0, c1, kind, S);
 }
 
 /* Ask for the bytes of columns [c0, c1) of a block's n rows (the KV heads the caller reads) ahead of use:
  * blocks lie anywhere, so the hardware prefetcher cannot guess the next one. Only those columns: a call for
  * one head that prefetched whole blocks spent most of its time in prefetches of lines it never read. */
-static inline void prefetch(const void *cache, int64_t block, int n, int bs, int KVH, int D, int c0, int c1,
-                            int kind) {
-    const int64_t row = kind == KV_F32 ? 4 * (int64_t)KVH * D : kind == KV_BF16 ? 2 * (int64_t)KVH * D
-                                                                                : (int64_t)KVH * kv_row_bytes(D);
+static inline void prefetch(const void *cache, int64_t block, int n, int bs, int D, int c0, int c1, int kind,
+                            int64_t S) {
+    const int64_t row = kind == KV_F32 ? 4 * S : kind == KV_BF16 ? 2 * S : S;
     const int64_t b0 = kind == KV_F32 ? 4 * c0 : kind == KV_BF16 ? 2 * c0 : c0 / D * kv_row_bytes(D);
     const int64_t b1 = kind == KV_F32 ? 4 * c1 : kind == KV_BF16 ? 2 * c1 : c1 / D * kv_row_bytes(D);
     const char *p = (const char *)cache + block * bs * row;
@@ -269,7 +268,8 @@ static inline __attribute__((always_inline)) void one_seq_impl(const Args *a, in
     const int64_t nblocks = (last + bs - 1) / bs, b0 = window_start(a, ctx) / bs;
     /* bfloat16 rows are widened where they are read, except for a tile of queries, where a block widened once
      * into `buf` serves them all (the same exact values, so the same results either way) */
-    const int in_place = kind == KV_F32 || (kind == KV_BF16 && D % VW == 0 && nq == 1);
+    const int64_t S = kv_stride_of(a); /* rows wider than W (a slot's front) are copied into buf, packed */
+    const int in_place = S == W && (kind == KV_F32 || (kind == KV_BF16 && D % VW == 0 && nq == 1));
 
     for (int pass = 0; pass < 2; pass++) {
         const void *cache = pass == 0 ? a->k_cache : a->v_cache;
@@ -285,8 +285,8 @@ static inline __attribute__((always_inline)) void one_seq_impl(const Args *a, in
              * memory (1.4x faster here at 64 sequences x 300 tokens, bfloat16). The values then wait in L2;
              * the values' pass asks again, for contexts longer than L2 holds. */
             for (int64_t d = b == b0 ? 0 : PREFETCH; d <= PREFETCH && b + d < nblocks; d++) {
-                if (d > 0) prefetch(cache, table[b + d], bs, bs, KVH, D, c0, c1, kind);
-                if (pass == 0) prefetch(a->v_cache, table[b + d], bs, bs, KVH, D, c0, c1, kind);
+                if (d > 0) prefetch(cache, table[b + d], bs, bs, D, c0, c1, kind, S);
+                if (pass == 0) prefetch(a->v_cache, table[b + d], bs, bs, D, c0, c1, kind, S);
             }
             const int64_t need = (last - first + VW - 1) / VW * VW; /* whole groups of rows: scores_kv */
             const int n = (int)(need < bs ? need : bs);
@@ -294,14 +294,19 @@ static inline __attribute__((always_inline)) void one_seq_impl(const Args *a, in
             if (in_place)
                 rows = kind == KV_F32 ? (const void *)((const float *)cache + table[b] * bs * W)
                                       : (const void *)((const uint16_t *)cache + table[b] * bs * W);
-            else if (kind == KV_BF16) {
-                const uint16_t *src = (const uint16_t *)cache + table[b] * bs * W;
+            else if (kind == KV_F32) {
+                const float *src = (const float *)cache + table[b] * bs * S;
+                for (int t = 0; t < n; t++)
+                    memcpy(buf + t * W + c0, src + t * S + c0, (size_t)(c1 - c0) * sizeof(float));
+                rows = buf;
+            } else if (kind == KV_BF16) {
+                const uint16_t *src = (const uint16_t *)cache + table[b] * bs * S;
                 u32_alias *dst = (u32_alias *)buf;
                 for (int t = 0; t < n; t++)
-                    for (int64_t j = t * W + c0; j < t * W + c1; j++) dst[j] = ((uint32_t)src[j]) << 16;
+                    for (int64_t j = c0; j < c1; j++) dst[t * W + j] = ((uint32_t)src[t * S + j]) << 16;
                 rows = buf;
             } else {
-                widen_block(buf, cache, table[b], n, bs, KVH, D, c0, c1, kind);
+                widen_block(buf, cache, table[b], n, bs, KVH, D, c0, c1, kind, S);
                 rows = buf;
             }
             for (int i = 0; i < nq; i++) {
@@ -343,7 +348,7 @@ void paged_attention_heads(const Args *a, int s, int h0, int h1, float *scores, 
  * values with torch's conversion of the same codes. 0, or -2 for bad sizes. */
 int kv_dequantize_rows(float *dst, const uint8_t *src, int64_t n, int D, int kind) {
     if (n < 0 || D <= 0 || n > INT32_MAX || kind < KV_INT8 || kind > KV_FP8_E5M2) return -2;
-    widen_quantized(dst, src, (int)n, 1, D, 0, D, kind);
+    widen_quantized(dst, src, (int)n, 1, D, 0, D, kind, kv_row_bytes(D));
     return 0;
 }
 
@@ -389,7 +394,7 @@ int paged_decode_attention(float *out, const float *q, const void *k_cache, cons
     if (num_threads < 1) num_threads = 1;
     if (num_threads > S) num_threads = S; /* one sequence per thread at least: waking idle threads costs more */
     Args a = {out, q, k_cache, v_cache, block_tables, context_lens, H, KVH, D, block_size, max_blocks,
-              cache_kind, scale, 0, 1, H * D, H * D, window, softcap, sinks};
+              cache_kind, scale, 0, 1, H * D, H * D, window, softcap, sinks, 0};
     /* A bad context length or block id would read outside the cache: refuse the call instead. */
     const int bad = paged_attention_check(&a, S, num_blocks, &a.max_ctx);
     if (bad) return bad;

@@ -23,7 +23,16 @@ typedef struct {
     int64_t window;               /* > 0: a query sees only its last `window` positions, itself included */
     float softcap;                /* > 0: scores become softcap * tanh(score / softcap) before the softmax */
     const float *sinks; /* [H] or NULL: gpt-oss's learned logit per head, one more term in the softmax's sum */
+    /* cache elements (bytes for a quantized cache) from one token's KV row to the next; 0: the row is its KVH
+     * heads (kv_stride_of). Wider: a layer whose rows fill the front of a wider slot's (Gemma 4's two shapes) */
+    int64_t kv_stride;
 } Args;
+
+/* The stride of a's cache rows in its elements (bytes for a quantized cache). */
+static inline int64_t kv_stride_of(const Args *a) {
+    if (a->kv_stride) return a->kv_stride;
+    return (int64_t)a->KVH * (a->cache_kind >= KV_INT8 ? kv_row_bytes(a->D) : a->D);
+}
 
 /* The first position a query whose context is ctx tokens attends to (0 without a window). */
 static inline int64_t window_start(const Args *a, int64_t ctx) {

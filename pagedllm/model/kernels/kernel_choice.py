@@ -23,14 +23,14 @@ q-f32 under --quantized-activations none): the weights stay quantized unless den
 of one sequence, where the bytes read decide and which the quantized path exists for); bfloat16 steps run on
 q-bf16 from the smallest row count from which it is measured faster than that kernel at every larger one; and
 under --quantized-activations int8, steps run on q-i8 from the smallest row count from which it is measured
-faster than whatever would run otherwise at every larger one. Why q-i8 is allowed at all: its accuracy against
-float32 activations is inside the bound benchmarks/kernels/dot_accuracy.py states (docs/benchmarks.md: KL and
-top-1 agreement over a real prompt set; it rounds each input to within 1/254 of its group's largest). A
-sequence's result does not depend on the batch except across these thresholds. The measurement is kept once for
-both settings; the decision is taken again for the setting a load has. The log line says at which row counts the
-quantized kernel chosen is still slower than dense, and where the dot route runs although q-f32 measured faster
-(the route is one switch for every row count). Dense is never kept beside the quantized weights: a second copy
-of the weights would come out of the KV cache.
+faster than whatever would run otherwise at every larger one. Why only on request: it rounds each input to
+within 1/254 of its group's largest, inside the bound benchmarks/kernels/dot_accuracy.py states
+(docs/benchmarks.md: KL and top-1 agreement over a real prompt set) but not transformers' greedy tokens token
+for token. A sequence's result does not depend on the batch except across these thresholds. The measurement is
+kept once for both settings; the decision is taken again for the setting a load has. The log line says at which
+row counts the quantized kernel chosen is still slower than dense, and where the dot route runs although q-f32
+measured faster (the route is one switch for every row count). Dense is never kept beside the quantized weights:
+a second copy of the weights would come out of the KV cache.
 """
 
 from __future__ import annotations

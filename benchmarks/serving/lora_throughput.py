@@ -35,24 +35,29 @@ import vllm_cli  # noqa: F401  (its import patches the version lookup the vllm-c
 from vllm import LLM, SamplingParams
 from vllm.lora.request import LoRARequest
 
-spec = json.load(open(sys.argv[1]))
-llm = LLM(model=spec["model"], dtype="bfloat16", max_model_len=2048, enable_lora=True,
-          max_loras=len(spec["paths"]), max_lora_rank=spec["rank"], seed=0)
-loras = [LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(spec["paths"])]
-prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
-spread = [loras[i % len(loras)] for i in range(len(prompts))]
-params = SamplingParams(temperature=0, max_tokens=spec["output_len"], ignore_eos=True)
+def main():
+    spec = json.load(open(sys.argv[1]))
+    llm = LLM(model=spec["model"], dtype="bfloat16", max_model_len=2048, enable_lora=True,
+              max_loras=len(spec["paths"]), max_lora_rank=spec["rank"], seed=0)
+    loras = [LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(spec["paths"])]
+    prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
+    spread = [loras[i % len(loras)] for i in range(len(prompts))]
+    params = SamplingParams(temperature=0, max_tokens=spec["output_len"], ignore_eos=True)
 
-def run(n, lora):
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts[:n], params if n == len(prompts) else SamplingParams(max_tokens=2),
-                        lora_request=lora, use_tqdm=False)
-    return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
+    def run(n, lora):
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts[:n], params if n == len(prompts) else SamplingParams(max_tokens=2),
+                            lora_request=lora, use_tqdm=False)
+        return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
 
-run(len(loras), spread[:len(loras)])  # warm-up: every adapter loads
-run(2, None)
-rounds = [{"base": run(len(prompts), None), "adapters": run(len(prompts), spread)} for _ in range(spec["rounds"])]
-json.dump(rounds, open(sys.argv[2], "w"))
+    run(len(loras), spread[:len(loras)])  # warm-up: every adapter loads
+    run(2, None)
+    rounds = [{"base": run(len(prompts), None), "adapters": run(len(prompts), spread)} for _ in range(spec["rounds"])]
+    json.dump(rounds, open(sys.argv[2], "w"))
+
+
+if __name__ == "__main__":  # vLLM starts its engine core in a spawned process
+    main()
 """
 
 

@@ -14,7 +14,7 @@ import random
 
 import pytest
 import torch
-from model_helpers import fused_and_torch
+from model_helpers import cpu_target, fused_and_torch
 
 from devkit.tiny_tokenizer import save_tiny_tokenizer
 from pagedllm import SamplingParams
@@ -22,6 +22,7 @@ from pagedllm.engine import EngineConfig, LLMEngine
 from pagedllm.engine.memory import state_bytes
 from pagedllm.model import ModelRunner, SeqChunk, load_model
 from pagedllm.model.fused_step import _model_blockers
+from pagedllm.model.kernels import cpu_kernel
 from pagedllm.model.params import param_count
 from pagedllm.model.runner import bytes_per_block
 
@@ -280,6 +281,18 @@ def test_the_fused_step_computes_what_the_torch_path_does(quantized, family):
     _, loaded = quantized[family]
     assert not _model_blockers(loaded.config)
     got = fused_and_torch(loaded, _tokens(70, 1), 29, 8)
+    (fused, fused_tokens), (want, want_tokens) = got[True], got[False]
+    assert fused_tokens == want_tokens
+    assert (fused - want).abs().max().item() < TOL * want.abs().max().item()
+
+
+@pytest.mark.parametrize("target", [t for t in ("x86-64-v3", "x86-64") if t in cpu_kernel.runnable_targets()])
+def test_the_recurrent_kernels_of_every_cpu_class(quantized, target):
+    """recurrent.c built for AVX2 and for the portable class (the native build runs above): Qwen3.5 on the fused
+    step equals the torch path on the same weights."""
+    _, loaded = quantized["qwen3_5"]
+    with cpu_target(target):
+        got = fused_and_torch(loaded, _tokens(70, 1), 29, 8)
     (fused, fused_tokens), (want, want_tokens) = got[True], got[False]
     assert fused_tokens == want_tokens
     assert (fused - want).abs().max().item() < TOL * want.abs().max().item()

@@ -20,6 +20,7 @@ from pagedllm import SamplingParams
 from pagedllm.engine import EngineConfig, LLMEngine
 from pagedllm.engine.memory import state_bytes
 from pagedllm.model import ModelRunner, SeqChunk, load_model, load_model_config
+from pagedllm.model.kernels import cpu_kernel
 from pagedllm.model.runner import bytes_per_block
 
 pytestmark = pytest.mark.usefixtures("one_thread", "private_tokenizer_cache")  # tests/conftest.py
@@ -240,6 +241,22 @@ def test_the_fused_step_computes_what_the_torch_path_does(kind, tmp_path):
         answers[path] = [list(run_engine(engine, [p], params)[0].outputs[0].token_ids) for p in prompts]
         assert engine.stats().prefix_cache_hits == 64
     assert answers["fused"] == answers["torch"]
+
+
+@pytest.mark.parametrize("target", [t for t in ("x86-64-v3", "x86-64") if t in cpu_kernel.runnable_targets()])
+def test_the_recurrent_kernels_of_every_cpu_class(target, tmp_path):
+    """recurrent.c built for AVX2 and for the portable class: Granite 4.0-H's Mamba2 layers (the read-out's simd.h
+    sums) and LFM2's short conv on the fused step equal the torch path on the same int8 weights."""
+    from model_helpers import cpu_target, fused_and_torch
+
+    for kind in ("granitemoehybrid", "lfm2"):
+        make_hybrid(kind, str(tmp_path / kind), shared=64)
+        loaded = load_model(str(tmp_path / kind), "float32", "cpu", False, "int8", quantized_activations="none")
+        with cpu_target(target):
+            got = fused_and_torch(loaded, _tokens(70, 1), 29, 8)
+        (fused, fused_tokens), (want, want_tokens) = got[True], got[False]
+        assert fused_tokens == want_tokens, kind
+        assert (fused - want).abs().max().item() < TOL * want.abs().max().item(), kind
 
 
 def run_engine(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list:

@@ -37,6 +37,7 @@ def _config(family: str) -> ModelConfig:
         linear_key_head_dim=16,
         linear_value_head_dim=8,
         linear_conv_kernel_dim=4,
+        linear_proj="fused" if family == "qwen3_next" else "split",  # as transformers' folders store them
     )
 
 

@@ -44,7 +44,9 @@ logger = logging.getLogger("pagedllm")
 
 MAGIC = b"PLKVBLK1"
 STATE_MAGIC = b"PLKVSTA1"  # a recurrent-state checkpoint's file (kind STATE)
-KV, STATE = "kv", "state"  # the kinds of file: a block's K/V, a hybrid model's state at a block boundary
+# the kinds of file: a block's K/V, a hybrid model's state at a block boundary
+KV = "kv"
+STATE = "state"
 HEADER = struct.Struct("<8s32s32sQI")  # magic, fingerprint, block hash, payload length, CRC-32 of the payload
 SUFFIX = ".kv"
 QUEUE_BYTES = 64 * 2**20  # evicted blocks waiting for the writer; past this they are dropped, not waited for

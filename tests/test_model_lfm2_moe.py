@@ -126,3 +126,21 @@ def test_greedy_tokens_with_chunked_prefill_match_transformers(ckpt):
     for i, p in enumerate(prompts):
         tokens = list(done[str(i)].outputs[0].token_ids)
         assert tokens == _hf_logits(hf, p + tokens)[len(p) - 1 : -1].argmax(-1).tolist(), f"prompt {i}"
+
+
+def test_the_fused_step_routes_by_sigmoid_scores_as_the_torch_path(tmp_path):
+    """int8 weights on the fused C step (moe.c's experts, the router's sigmoid scores, the top k chosen with the
+    bias, weights renormalised and scaled in C) against the torch path on the same weights: a prompt in two chunks
+    then 8 greedy decodes, the same tokens, logits within the tolerance. The bias changes the choice on this
+    checkpoint (test above), so a C router that ignored it would differ."""
+    from model_helpers import fused_and_torch
+
+    from pagedllm.model.fused_step import _model_blockers
+
+    make_lfm2_moe(str(tmp_path))
+    loaded = load_model(str(tmp_path), "float32", "cpu", False, "int8", quantized_activations="none")
+    assert not _model_blockers(loaded.config)
+    got = fused_and_torch(loaded, _tokens(70, 1), 29, 8)
+    (fused, fused_tokens), (want, want_tokens) = got[True], got[False]
+    assert fused_tokens == want_tokens
+    assert (fused - want).abs().max().item() < TOL * want.abs().max().item()

@@ -62,7 +62,7 @@ ERRORS = {
 
 ROPES = {"none": 0, "global": 1, "local": 2}  # DecoderLayer.rope -> StepLayer.rope (ROPE_NONE ...)
 ACTS = {"silu": 0, "gelu_pytorch_tanh": 1}  # ModelConfig.hidden_act -> StepModel.act (ACT_SILU ...)
-ROUTERS = {"softmax_topk": 0, "topk_softmax": 1}  # ModelConfig.moe_router -> StepModel.router (ROUTE_*)
+ROUTERS = {"softmax_topk": 0, "topk_softmax": 1, "sigmoid": 2}  # ModelConfig.moe_router -> StepModel.router
 MIXERS = {GatedDeltaNet: 0, Mamba2: 1, ShortConv: 2}  # a linear layer's mixer -> RecMixer.kind (MIX_*)
 States = dict[int, tuple[torch.Tensor, torch.Tensor]]  # model layer -> its (conv, recurrent) state rows (runner.py)
 
@@ -354,6 +354,7 @@ class FusedStep:
             "moe": ctypes.addressof(kernel.layer),
             "router": self._f32(moe.router.weight),
             "router_bias": self._f32(moe.router.bias),
+            "score_bias": self._f32(None if moe.score_bias is None else moe.score_bias.weight),
             "expert_load": kernel.load.data_ptr(),
             "shared_gate": self._f32(None if moe.shared_gate is None else moe.shared_gate.weight.reshape(-1)),
         }
@@ -410,6 +411,7 @@ class FusedStep:
             shared_inter=cfg.shared_expert_intermediate_size,
             router=ROUTERS.get(cfg.moe_router, 0),
             norm_topk=int(cfg.norm_topk_prob),
+            route_scale=cfg.routed_scaling_factor,
             expert_reads=self._reads.data_ptr(),
             attn_gate=int(cfg.attn_output_gate),
         )

@@ -334,7 +334,7 @@ static int moe_phases(Phase *ph, const StepModel *m, const StepLayer *L, int l, 
     const int S = T * m->topk, items = moe_plan_items(buf->plan), SI = m->shared_inter, E = m->hidden;
     int n = 0;
     ph[n++] = (Phase){.kind = K_ROUTE, .layer = l, .items = T * ROUTER_CHUNKS(m), .prof = P_ROUTER, .x = xm};
-    ph[n++] = (Phase){.kind = K_TOPK, .items = T, .prof = P_ROUTER};
+    ph[n++] = (Phase){.kind = K_TOPK, .layer = l, .items = T, .prof = P_ROUTER};
     ph[n++] = (Phase){.kind = K_MOE_GROUP, .layer = l, .items = 1, .prof = P_ROUTER};
     ph[n++] = (Phase){.kind = K_MOE_GATHER, .items = S, .prof = P_EXPERTS, .x = xm};
     ph[n++] = (Phase){.kind = K_MOE_GATE_UP, .items = items, .prof = P_EXPERTS};
@@ -590,9 +590,11 @@ static void router_item(const StepModel *m, const StepLayer *L, const Buffers *b
 
 /* Token t's experts and their weights from its router logits, as moe.py's route() picks them: softmax over
  * every expert's logit, the k largest (ties: the lower id), renormalised to sum 1 when norm_topk
- * (ROUTE_SOFTMAX_TOPK); or the k largest logits, softmaxed among themselves (ROUTE_TOPK_SOFTMAX). Also clears
- * the token's row of y, which the routed experts' sum goes into. */
-static void topk_row(const StepModel *m, const Buffers *buf, int t) {
+ * (ROUTE_SOFTMAX_TOPK); the k largest logits, softmaxed among themselves (ROUTE_TOPK_SOFTMAX); or sigmoid scores,
+ * the k largest of score + the layer's score_bias, weighed by their scores, divided by their sum + 1e-6 when
+ * norm_topk, times route_scale (ROUTE_SIGMOID: LFM2-MoE). Also clears the token's row of y, which the routed
+ * experts' sum goes into. */
+static void topk_row(const StepModel *m, const StepLayer *L, const Buffers *buf, int t) {
     const int E = m->hidden, X = m->experts, k = m->topk;
     float *logits = buf->rlogits + (int64_t)t * X;
     if (m->router == ROUTE_SOFTMAX_TOPK) {
@@ -600,15 +602,20 @@ static void topk_row(const StepModel *m, const Buffers *buf, int t) {
         for (int e = 1; e < X; e++) mx = logits[e] > mx ? logits[e] : mx;
         for (int e = 0; e < X; e++) sum += logits[e] = expf(logits[e] - mx);
         for (int e = 0; e < X; e++) logits[e] /= sum;
+    } else if (m->router == ROUTE_SIGMOID) {
+        for (int e = 0; e < X; e++) logits[e] = 1.0f / (1.0f + expf(-logits[e]));
     }
+    const float *bias = m->router == ROUTE_SIGMOID ? L->score_bias : NULL;
     int64_t *ids = buf->ids + (int64_t)t * k;
     float *w = buf->rw + (int64_t)t * k, total = 0.0f;
     for (int j = 0; j < k; j++) { /* selection: k is small */
         int best = -1;
+        float key = 0.0f;
         for (int e = 0; e < X; e++) {
             int taken = 0;
             for (int i = 0; i < j && !taken; i++) taken = ids[i] == e;
-            if (!taken && (best < 0 || logits[e] > logits[best])) best = e;
+            const float ke = logits[e] + (bias ? bias[e] : 0.0f);
+            if (!taken && (best < 0 || ke > key)) best = e, key = ke;
         }
         ids[j] = best;
         w[j] = logits[best];
@@ -618,8 +625,11 @@ static void topk_row(const StepModel *m, const Buffers *buf, int t) {
         for (int j = 0; j < k; j++) w[j] /= total;
     } else if (m->norm_topk) {
         for (int j = 0; j < k; j++) total += w[j];
-        for (int j = 0; j < k; j++) w[j] /= total;
+        const float d = m->router == ROUTE_SIGMOID ? total + 1e-6f : total;
+        for (int j = 0; j < k; j++) w[j] /= d;
     }
+    if (m->router == ROUTE_SIGMOID)
+        for (int j = 0; j < k; j++) w[j] *= m->route_scale;
     memset(buf->y + (int64_t)t * E, 0, (size_t)E * sizeof(float));
 }
 
@@ -687,7 +697,7 @@ static void run_item(const Phase *p, const StepModel *m, const StepLayer *layers
         router_item(m, &layers[p->layer], buf, p->x, i);
         break;
     case K_TOPK:
-        topk_row(m, buf, i);
+        topk_row(m, &layers[p->layer], buf, i);
         break;
     case K_MOE_GROUP: {
         const StepLayer *L = &layers[p->layer];
@@ -789,7 +799,7 @@ static int check(const StepModel *m, const StepLayer *layers, const StepBatch *b
         m->cache_kind > KV_FP8_E5M2 || m->act < ACT_SILU || m->act > ACT_GELU_TANH ||
         (m->experts && (m->topk <= 0 || m->topk > m->experts || m->moe_ffn <= 0 || m->moe_ffn % 32 ||
                         m->shared_inter < 0 || m->shared_inter % 32 || m->router < ROUTE_SOFTMAX_TOPK ||
-                        m->router > ROUTE_TOPK_SOFTMAX)))
+                        m->router > ROUTE_SIGMOID)))
         return -2;
     for (int l = 0; l < m->layers; l++) {
         const StepLayer *L = &layers[l];

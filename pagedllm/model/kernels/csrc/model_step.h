@@ -13,7 +13,7 @@
 
 enum { ROPE_NONE, ROPE_GLOBAL, ROPE_LOCAL }; /* StepLayer.rope */
 enum { ACT_SILU, ACT_GELU_TANH };            /* StepModel.act */
-enum { ROUTE_SOFTMAX_TOPK, ROUTE_TOPK_SOFTMAX }; /* StepModel.router: moe.py's route() kinds */
+enum { ROUTE_SOFTMAX_TOPK, ROUTE_TOPK_SOFTMAX, ROUTE_SIGMOID }; /* StepModel.router: moe.py's route() kinds */
 
 typedef struct {
     const float *attn_norm, *ffn_norm;         /* [hidden] before attention / the MLP, or NULL (OLMo2: none) */
@@ -27,6 +27,7 @@ typedef struct {
      * gate's weight [hidden] (NULL: ungated), and the shared expert's activation is StepModel.act. */
     const void *moe;
     const float *router, *router_bias;
+    const float *score_bias; /* [experts] or NULL: ROUTE_SIGMOID's bias on the scores that choose the top k */
     int64_t *expert_load;
     const uint8_t *shared_gate_up, *shared_down;
     int shared_gate_up_fmt, shared_down_fmt;
@@ -80,6 +81,7 @@ typedef struct {
      * none), the router (ROUTE_*; norm_topk: the top k renormalised to sum 1), and a counter the step adds the
      * experts read to (one per active expert per sparse layer). */
     int experts, topk, moe_ffn, shared_inter, router, norm_topk;
+    float route_scale; /* ROUTE_SIGMOID: the routing weights' factor (routed_scaling_factor) */
     int64_t *expert_reads;
     int attn_gate; /* 1: attention's output times sigmoid(gate), each head's gate rows after its query's in qkv */
     /* Gemma 4's per-layer input embeddings (ple_width 0: none), [T, layers, ple_width] made once per step as

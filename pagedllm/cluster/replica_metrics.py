@@ -8,7 +8,7 @@ counters over label sets) is the cluster's.
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import fields, is_dataclass
 from itertools import zip_longest
 from typing import Any
 
@@ -28,10 +28,29 @@ def sum_stats(stats: list[EngineStats]) -> EngineStats:
     return EngineStats(**total)
 
 
-def _add(values: list) -> int | float | list[int]:
-    if values and isinstance(values[0], list):
-        return [sum(column) for column in zip_longest(*values, fillvalue=0)]
-    return sum(values)
+# What replicas of one model share in a group's or the recurrent state's figures: taken from the first, not added
+SHAPE = frozenset({"window", "layers", "bytes_per_request"})
+
+
+def _add(values: list) -> Any:
+    """Replicas' values of one field added: numbers summed, lists position by position, a KV group's or the
+    recurrent state's figures field by field (its shape kept); None where no replica has one."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return None
+    first = present[0]
+    if is_dataclass(first) and not isinstance(first, type):
+        return type(first)(
+            **{
+                f.name: getattr(first, f.name) if f.name in SHAPE else _add([getattr(v, f.name) for v in present])
+                for f in fields(first)
+            }
+        )
+    if isinstance(first, list):
+        if first and is_dataclass(first[0]):
+            return [_add(list(column)) for column in zip(*present)]
+        return [sum(column) for column in zip_longest(*present, fillvalue=0)]
+    return sum(present)
 
 
 def with_replica_labels(pages: dict[str, str]) -> str:

@@ -22,7 +22,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     for p, func in ((gen, run_generate), (chat, run_chat)):
         add_engine_args(p, model_positional=False)
         p.add_argument(
-            "--lora", metavar="[NAME=]PATH", help="answer with this LoRA adapter (PEFT or GGUF; --enable-lora)"
+            "--lora",
+            metavar="[NAME=]PATH",
+            help="answer with this LoRA adapter, a PEFT folder or GGUF (default: the base model alone)",
         )
         temperature = 0.7 if p is chat else 0.0
         s = p.add_argument_group("sampling")

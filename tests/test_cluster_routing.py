@@ -371,3 +371,20 @@ def test_a_ray_address_where_nothing_listens_is_one_line_naming_the_flag(capsys)
     assert main(["serve", "--replicas", "2", "--ray-address", address, "--port", str(free_port())]) != 0
     err = capsys.readouterr().err
     assert err.strip().splitlines() == [err.strip()] and f"--ray-address {address}: no Ray cluster" in err, err
+
+
+def test_replicas_kv_groups_and_recurrent_state_add_up_field_by_field():
+    """A hybrid model's replicas: each group's held blocks and the state's slots and checkpoints added, the shape
+    (window, layers, bytes per request) kept; a dense model's replicas (no state) sum to no state."""
+    from pagedllm.cluster.replica_metrics import sum_stats
+    from pagedllm.engine.stats import KVGroupStats, RecurrentStateStats
+
+    def state(used: int, held: int) -> RecurrentStateStats:
+        return RecurrentStateStats([0, 1, 2], 4096, 8, used, 16, 5, held, 1)
+
+    a = _stats(kv_groups=[KVGroupStats(None, [3], 7), KVGroupStats(512, [4], 2)], recurrent_state=state(2, 1))
+    b = _stats(kv_groups=[KVGroupStats(None, [3], 1), KVGroupStats(512, [4], 3)], recurrent_state=state(3, 0))
+    total = sum_stats([a, b])
+    assert total.kv_groups == [KVGroupStats(None, [3], 8), KVGroupStats(512, [4], 5)]
+    assert total.recurrent_state == RecurrentStateStats([0, 1, 2], 4096, 16, 5, 32, 10, 1, 2)
+    assert sum_stats([_stats(), _stats()]).recurrent_state is None

@@ -8,7 +8,7 @@ counters over label sets) is the cluster's.
 
 from __future__ import annotations
 
-from dataclasses import fields, is_dataclass
+from dataclasses import MISSING, Field, fields, is_dataclass
 from itertools import zip_longest
 from typing import Any
 
@@ -22,10 +22,19 @@ from pagedllm.engine.stats import EngineStats
 def sum_stats(stats: list[EngineStats]) -> EngineStats:
     """Counters and gauges added up across replicas (per-position lists position by position); kv_usage is the
     share of all their blocks in use."""
-    total: dict[str, Any] = {f.name: _add([getattr(s, f.name) for s in stats]) for f in fields(EngineStats)}
+    total: dict[str, Any] = {
+        f.name: _add([getattr(s, f.name) for s in stats]) if stats else _empty(f) for f in fields(EngineStats)
+    }
     total["block_size"] = stats[0].block_size if stats else 0
     total["kv_usage"] = 1 - total["num_free_blocks"] / total["num_blocks"] if total["num_blocks"] else 0.0
     return EngineStats(**total)
+
+
+def _empty(f: Field) -> Any:
+    """A field's value with no replica reporting: its default (an empty list, no state), else zero."""
+    if f.default is not MISSING:
+        return f.default
+    return f.default_factory() if f.default_factory is not MISSING else 0
 
 
 # What replicas of one model share in a group's or the recurrent state's figures: taken from the first, not added

@@ -113,3 +113,26 @@ def cpu_target(name: str):
         else:
             os.environ["PAGEDLLM_CPU_TARGET"] = before
         cpu_kernel.load.cache_clear()
+
+
+def garbage_state_caches(mixer, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A recurrent mixer's conv and recurrent state rows for `slots` slots, filled with garbage (7.0): a sequence
+    that starts fresh must zero its slot, not read what a slot held before."""
+    conv, rec = mixer.state_shapes()
+    return torch.full((slots, *conv), 7.0), torch.full((slots, *rec), 7.0)
+
+
+@torch.no_grad()
+def run_in_chunks(mixer, x: torch.Tensor, chunks: tuple[int, ...], slot: int = 2) -> tuple[torch.Tensor, int]:
+    """x [T, hidden] through `mixer` one sequence in slot `slot`, chunk by chunk (each step committed, the first
+    starting fresh): the outputs concatenated, and how many tokens they cover."""
+    from pagedllm.model.layers.deltanet import RecurrentStep
+
+    conv, rec = garbage_state_caches(mixer, slot + 1)
+    got, pos = [], 0
+    for n in chunks:
+        step = RecurrentStep(torch.tensor([slot]), [n], [pos == 0])
+        got.append(mixer(x[pos : pos + n], conv, rec, step))
+        step.commit()
+        pos += n
+    return torch.cat(got), pos

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model_helpers import garbage_state_caches, run_in_chunks
 
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.layers.deltanet import (
@@ -95,11 +96,6 @@ def _ours(family: str, ref) -> GatedDeltaNet:
     return m
 
 
-def _caches(m: GatedDeltaNet, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
-    conv, rec = m.state_shapes()
-    return torch.full((slots, *conv), 7.0), torch.full((slots, *rec), 7.0)  # garbage: a fresh start must zero it
-
-
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
 def test_chunks_then_decode_match_transformers(family):
     ref = _reference(family)
@@ -108,15 +104,8 @@ def test_chunks_then_decode_match_transformers(family):
     x = torch.randn(1, 160, 64)
     with torch.no_grad():
         want = ref(x)[0]
-    conv, rec = _caches(m, 3)
-    got, pos = [], 0
-    for n in (37, 70, 1, 45, 1, 1, 5):  # uneven chunks, a 70-token one crossing a 64-token chunk of the scan
-        step = RecurrentStep(torch.tensor([2]), [n], [pos == 0])
-        with torch.no_grad():
-            got.append(m(x[0, pos : pos + n], conv, rec, step))
-        step.commit()
-        pos += n
-    got_all = torch.cat(got)
+    # uneven chunks, a 70-token one crossing a 64-token chunk of the scan
+    got_all, pos = run_in_chunks(m, x[0], (37, 70, 1, 45, 1, 1, 5))
     assert (got_all - want[:pos]).abs().max().item() < TOL * max(1.0, want.abs().max().item())
 
 
@@ -130,7 +119,7 @@ def test_batched_sequences_keep_their_own_state(family):
     xs = [torch.randn(n, 64) for n in (20, 9, 30)]
     with torch.no_grad():
         alone = [ref(x[None])[0] for x in xs]
-    conv, rec = _caches(m, 4)
+    conv, rec = garbage_state_caches(m, 4)
     with torch.no_grad():
         first = RecurrentStep(torch.tensor([0, 3, 1]), [12, 9, 29], [True, True, True])
         m(torch.cat([xs[0][:12], xs[1], xs[2][:29]]), conv, rec, first)

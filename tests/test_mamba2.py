@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model_helpers import garbage_state_caches, run_in_chunks
 
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.layers.deltanet import RecurrentStep
@@ -106,11 +107,6 @@ def _ours(mixer: str, ref) -> Mamba2 | ShortConv:
     return m
 
 
-def _caches(m: Mamba2 | ShortConv, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
-    conv, rec = m.state_shapes()
-    return torch.full((slots, *conv), 7.0), torch.full((slots, *rec), 7.0)  # garbage: a fresh start must zero it
-
-
 @pytest.mark.parametrize("mixer", ["mamba2", "short_conv"])
 def test_chunks_then_decode_match_transformers(mixer):
     ref = _reference(mixer)
@@ -119,15 +115,8 @@ def test_chunks_then_decode_match_transformers(mixer):
     x = torch.randn(1, 180, HIDDEN)
     with torch.no_grad():
         want = ref(x)[0]
-    conv, rec = _caches(m, 3)
-    got, pos = [], 0
-    for n in (37, 70, 1, 2, 45, 1, 1, 5, 1):  # uneven chunks, a 70-token one crossing a chunk of the scan
-        step = RecurrentStep(torch.tensor([2]), [n], [pos == 0])
-        with torch.no_grad():
-            got.append(m(x[0, pos : pos + n], conv, rec, step))
-        step.commit()
-        pos += n
-    got_all = torch.cat(got)
+    # uneven chunks, a 70-token one crossing a chunk of the scan
+    got_all, pos = run_in_chunks(m, x[0], (37, 70, 1, 2, 45, 1, 1, 5, 1))
     assert (got_all - want[:pos]).abs().max().item() < TOL * max(1.0, want.abs().max().item())
 
 
@@ -141,7 +130,7 @@ def test_batched_sequences_keep_their_own_state(mixer):
     xs = [torch.randn(n, HIDDEN) for n in (20, 9, 30)]
     with torch.no_grad():
         alone = [ref(x[None])[0] for x in xs]
-    conv, rec = _caches(m, 4)
+    conv, rec = garbage_state_caches(m, 4)
     with torch.no_grad():
         first = RecurrentStep(torch.tensor([0, 3, 1]), [12, 8, 29], [True, True, True])
         m(torch.cat([xs[0][:12], xs[1][:8], xs[2][:29]]), conv, rec, first)

@@ -12,21 +12,17 @@ Ctrl-C is nothing alarming (the last test stops it). `-m "not cluster"` skips th
 from __future__ import annotations
 
 import json
-import os
 import random
-import signal
 import subprocess
-import sys
 import threading
 import time
-from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import numpy as np
 import openai
 import psutil
 import pytest
+from cluster_helpers import Cluster, start_cli
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedllm.bench.server_process import free_port
@@ -37,53 +33,9 @@ MODEL = "SmolLM2-135M-Instruct"
 EMBEDDER = "all-MiniLM-L6-v2"  # --embedding-model default
 PREFIX = 64  # tokens each group shares: 4 blocks of 16
 GROUPS, PER_GROUP = 4, 5
-
-
-@dataclass
-class Cluster:
-    """`pagedllm serve --replicas 2` as a user runs it (its own session, as from a terminal), and this process
-    joined to its Ray as a second driver (for the round-robin front door and `ray.kill`)."""
-
-    url: str
-    process: subprocess.Popen
-    stderr_path: Path
-    joined: bool = True
-
-    def stderr(self) -> str:
-        return self.stderr_path.read_text()
-
-    def stop(self) -> tuple[int, str, str]:
-        """Leave its Ray, then Ctrl-C it (SIGINT to its process group): its exit code, its whole stderr and what
-        it printed from the Ctrl-C on (what the tests in between did, e.g. killing a replica, is not its stop)."""
-        import ray
-
-        if self.joined:
-            ray.shutdown()  # a joined driver only disconnects
-            self.joined = False
-        before = len(self.stderr())
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGINT)
-        rc = self.process.wait(timeout=180)
-        whole = self.stderr()
-        return rc, whole, whole[before:]
-
-
-def _start_cli(port: int, stderr_path: Path) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(port), "--replicas", "2"]
-    argv += ["--cpus-per-replica", "1", "--routing", "prefix", "--kv-cache-memory", "32MiB"]
-    argv += ["--max-model-len", "512", "--max-num-seqs", "8"]
-    argv += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--embedding-model", "default"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}  # Ray's defaults, as a user has
-    with stderr_path.open("w") as err:
-        process = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
-    deadline = time.monotonic() + 300  # a hang guard, not a speed bound
-    while "pagedllm serve: serving" not in stderr_path.read_text():
-        if process.poll() is not None or time.monotonic() > deadline:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-            raise AssertionError(f"pagedllm serve did not start:\n{stderr_path.read_text()}")
-        time.sleep(0.5)
-    return process
+FLAGS = ["--replicas", "2", "--cpus-per-replica", "1", "--routing", "prefix", "--kv-cache-memory", "32MiB"]
+FLAGS += ["--max-model-len", "512", "--max-num-seqs", "8"]
+FLAGS += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--embedding-model", "default"]
 
 
 def _gcs_address(process: subprocess.Popen) -> str:
@@ -108,8 +60,8 @@ def cluster(tmp_path_factory):
 
     port = free_port()
     stderr_path = tmp_path_factory.mktemp("cluster") / "stderr.txt"
-    process = _start_cli(port, stderr_path)
-    running = Cluster(f"http://127.0.0.1:{port}", process, stderr_path)
+    process = start_cli(port, stderr_path, FLAGS)
+    running = Cluster(f"http://127.0.0.1:{port}", process, stderr_path, joined=True)
     try:
         loopback_only()  # or Ray takes 127.0.0.1 for this machine's address, where nothing listens
         maybe_enable_token_auth_if_token_available(warn_if_disabled=False)  # the token the command's Ray made

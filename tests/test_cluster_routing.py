@@ -318,6 +318,23 @@ def test_bad_cluster_flags_are_one_line_naming_the_flag(argv, flag):
         check_cluster_args(_serve_args(*argv))
 
 
+def test_lora_modules_are_checked_before_ray_starts(tmp_path):
+    """The replicas load --lora-modules; what can be told without the model is one line before Ray starts (a
+    replica that failed to load would be started again and again by Ray Serve)."""
+    from pagedllm.entrypoints.serve_cluster import settings_from_args
+    from pagedllm.errors import UserError
+
+    with pytest.raises(UserError, match="^--lora-modules: needs --enable-lora$"):
+        settings_from_args(_serve_args("--replicas", "2", "--lora-modules", f"a={tmp_path}"))
+    missing = tmp_path / "missing"
+    with pytest.raises(UserError, match=f"^--lora-modules: a: no PEFT folder or GGUF file at {missing}$"):
+        settings_from_args(_serve_args("--replicas", "2", "--enable-lora", "--lora-modules", f"a={missing}"))
+    _, _, ingress = settings_from_args(
+        _serve_args("--replicas", "2", "--enable-lora", "--lora-modules", f"a={tmp_path}")
+    )
+    assert [(lora.lora_name, lora.lora_int_id) for lora in ingress.loras] == [("a", 1)]
+
+
 def test_replicas_that_do_not_fit_are_refused_before_ray_starts():
     from pagedllm.cluster.launch import check_resources
     from pagedllm.errors import UserError

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from engine_helpers import GREEDY, make_engine
-from model_helpers import make_tiny_hf
+from lora_helpers import PROMPTS, greedy, make_tiny_loras
 
 from pagedllm.errors import UserError
 from pagedllm.kv import TokenRequest
@@ -24,51 +24,12 @@ from pagedllm.model.lora import LoRAError
 
 peft = pytest.importorskip("peft")
 
-# (name, rank, alpha, targets, rslora): different ranks and targets, split and all-module
-ADAPTERS = [
-    ("qv", 4, 8, ["q_proj", "v_proj"], False),
-    ("all", 8, 16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], True),
-    ("mlp", 2, 4, ["k_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], False),
-]
-PROMPTS = [[5, 9, 17, 33, 4, 71, 8, 12, 90, 3, 44, 6, 19, 27, 81, 2, 55, 60], [7, 7, 120, 31, 9], [200, 11, 64, 5]]
-
-
-def _peft_adapter(hf, folder: str, rank: int, alpha: int, targets: list[str], rslora: bool, seed: int):
-    """A PEFT adapter with random A and B (PEFT starts B at zero), saved; the merged transformers model back."""
-    from peft import LoraConfig, get_peft_model
-
-    cfg = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, lora_dropout=0.0)
-    model = get_peft_model(copy.deepcopy(hf), cfg)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-    model.save_pretrained(folder)
-    return model.merge_and_unload().eval()
-
-
-def _greedy(hf, prompt: list[int], n: int) -> list[int]:
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt) :]
-
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """The base folder, the adapters' LoRARequests, and the transformers reference tokens per adapter (None: base)."""
     root = tmp_path_factory.mktemp("lora")
-    base = str(root / "base")
-    hf = make_tiny_hf("llama_gqa_tied", base)
-    loras, want = {}, {None: [_greedy(hf, p, GREEDY.max_tokens) for p in PROMPTS]}
-    for i, (name, rank, alpha, targets, rslora) in enumerate(ADAPTERS):
-        folder = str(root / name)
-        merged = _peft_adapter(hf, folder, rank, alpha, targets, rslora, seed=i)
-        loras[name] = LoRARequest(name, i + 1, folder)
-        want[name] = [_greedy(merged, p, GREEDY.max_tokens) for p in PROMPTS]
-    assert len({str(v) for v in want.values()}) == len(want), "the adapters must change the tokens"
+    base, loras, want, hf = make_tiny_loras(str(root))
     return base, loras, want, hf, root
 
 
@@ -194,10 +155,10 @@ def _quantized_reference(hf, loras) -> dict[str | None, list[list[int]]]:
         for mod in deq.modules():
             if isinstance(mod, (torch.nn.Linear, torch.nn.Embedding)):
                 mod.weight.copy_(quantize_rtn(mod.weight, 8).dequantize())
-    want: dict[str | None, list[list[int]]] = {None: [_greedy(deq, p, GREEDY.max_tokens) for p in PROMPTS]}
+    want: dict[str | None, list[list[int]]] = {None: [greedy(deq, p, GREEDY.max_tokens) for p in PROMPTS]}
     for name, lora in loras.items():
         merged = PeftModel.from_pretrained(copy.deepcopy(deq), lora.lora_path).merge_and_unload().eval()
-        want[name] = [_greedy(merged, p, GREEDY.max_tokens) for p in PROMPTS]
+        want[name] = [greedy(merged, p, GREEDY.max_tokens) for p in PROMPTS]
     return want
 
 

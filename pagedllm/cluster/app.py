@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,7 @@ from pagedllm.engine.metrics import CONTENT_TYPE
 from pagedllm.server.errors import ERROR_RESPONSES, error_response
 from pagedllm.server.protocol_info import HealthResponse, KVPool
 from pagedllm.server.serving_engine import json_response
+from pagedllm.server.serving_lora import RUNTIME_UPDATES_ENV
 
 logger = logging.getLogger("pagedllm.cluster")
 
@@ -128,6 +130,7 @@ def build_ingress_app(engine: ClusterEngine, settings: IngressSettings) -> FastA
         state_routers=[cluster_routes, models],
         pooler=settings.pooler,
         embedders=embedders,
+        lora_modules=settings.loras,
     )
 
 
@@ -201,6 +204,7 @@ def build_application(config: EngineConfig, options: ClusterConfig, ingress: Ing
         served_model_name=ingress.served_model_names[0],
         max_waiting_requests=server.max_waiting_requests,
         num_threads=max(1, int(options.cpus_per_replica)),
+        loras=ingress.loras,
     )
     logs = {"log_level": server.log_level.upper(), "enable_access_log": server.log_level == "debug"}
     router: dict[str, Any] = dict(  # a dict: Ray 2.60 annotates these fields with the wrong types
@@ -236,10 +240,15 @@ def build_front_door(ingress: IngressSettings, engines_app: str = APP_NAME, log_
 
 
 def _front_door(logs: dict[str, Any]) -> Any:
+    """The ingress deployment; VLLM_ALLOW_RUNTIME_LORA_UPDATING as this process has it (the ingress serves the
+    runtime LoRA routes by it), also where Ray's workers do not inherit this environment (a joined cluster)."""
+    actor: dict[str, Any] = {"num_cpus": 0}
+    if RUNTIME_UPDATES_ENV in os.environ:
+        actor["runtime_env"] = {"env_vars": {RUNTIME_UPDATES_ENV: os.environ[RUNTIME_UPDATES_ENV]}}
     return serve.deployment(
         serve.ingress()(Ingress),
         name=INGRESS_DEPLOYMENT,
-        ray_actor_options={"num_cpus": 0},
+        ray_actor_options=actor,
         max_ongoing_requests=4096,
         logging_config=logs,
     )

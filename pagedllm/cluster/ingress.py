@@ -184,6 +184,23 @@ class ClusterEngine:
         results = await asyncio.gather(*(asyncio.wait_for(c, timeout) for c in calls), return_exceptions=True)
         return dict(zip(ids, results))
 
+    async def add_lora(self, lora: LoRARequest) -> None:
+        """Load the adapter on every replica (vLLM's /v1/load_lora_adapter). A replica Ray Serve starts later
+        loads it at its first request for it: a request carries its adapter's path."""
+        await self._on_every_replica("add_lora", lora=lora)
+
+    async def remove_lora(self, lora_int_id: int) -> None:
+        """Unload the adapter on every replica; refused (UserError) where requests still use it, and a replica
+        that refused keeps it, so none breaks (its next request loads it again where it went)."""
+        await self._on_every_replica("remove_lora", lora_int_id=lora_int_id)
+
+    async def _on_every_replica(self, method: str, **kwargs: Any) -> None:
+        """`method` on every replica; the first failure raised as what it means to the server (a replica's
+        UserError stays a 400)."""
+        for rid, result in (await self.per_replica(method, timeout=60.0, **kwargs)).items():
+            if isinstance(result, BaseException):
+                raise replica_error(result, rid) from None
+
     async def reports(self) -> dict[str, ReplicaReport | BaseException]:
         out = await self.per_replica("report")
         self._stats = sum_stats([r.stats for r in out.values() if isinstance(r, ReplicaReport)])
@@ -200,12 +217,14 @@ class IngressSettings:
     app's settings as one server's (`server`, its names resolved), the routing policy of this front door, and
     `pooler`: --runner pooling, the replicas' model serves /v1/embeddings pooled this way (read from the model's
     files before Ray starts) and no completions. The sentence-transformers model of --embedding-model is loaded
-    here, in the ingress, beside the replicas' generator (one copy)."""
+    here, in the ingress, beside the replicas' generator (one copy). `loras`: --lora-modules with their ids,
+    parsed once: the ingress names them in /v1/models and requests, every replica loads the same ids."""
 
     model: str | None
     server: ServerConfig
     routing: Routing
     pooler: PoolerConfig | None
+    loras: tuple[LoRARequest, ...] = ()
 
     @property
     def served_model_names(self) -> list[str]:

@@ -51,6 +51,7 @@ class ReplicaSettings:
     served_model_name: str
     max_waiting_requests: int | None  # ServerConfig's: the replica's engine queue answers 503 past it
     num_threads: int  # torch threads: the CPUs Ray gave this replica, so replicas do not oversubscribe
+    loras: tuple[LoRARequest, ...] = ()  # --lora-modules, ids as the ingress gave them: loaded at start-up
 
 
 class EngineReplica:
@@ -67,6 +68,8 @@ class EngineReplica:
         torch.set_num_threads(settings.num_threads)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.core = LLMEngine(replace(settings.engine, enable_kv_cache_events=True))
+        for lora in settings.loras:  # as the single server does: a bad adapter fails here, naming it
+            self.core.add_lora(lora)
         self.engine = AsyncLLMEngine(self.core, max_waiting_requests=settings.max_waiting_requests)
         self.served_model_name = settings.served_model_name  # its metrics' model_name label
         self.engine.start()
@@ -134,6 +137,15 @@ class EngineReplica:
             cached = list(self.core.kv.pool.cached)  # one C-level copy: atomic under the GIL
             events = [AllBlocksCleared(), BlockStored(cached, None, [], self.events.block_size, self.events.medium)]
         return last, encode_batch(events)
+
+    async def add_lora(self, replica: str, lora: LoRARequest) -> None:
+        """The runtime LoRA route's load, on this replica (the ingress asks every replica)."""
+        self._check_addressed(replica)
+        await self.engine.add_lora(lora)
+
+    async def remove_lora(self, replica: str, lora_int_id: int) -> None:
+        self._check_addressed(replica)
+        await self.engine.remove_lora(lora_int_id)
 
     def _check_addressed(self, replica: str) -> None:
         """A per-replica call that reached another replica is a routing bug, not something to answer for."""

@@ -262,6 +262,12 @@ class AsyncLLMEngine:
         """The engine's stats as of the end of the last step (never waits for a step)."""
         return self._stats
 
+    async def add_lora(self, lora: LoRARequest) -> None:
+        await self.run_on_engine(lambda e: e.add_lora(lora))  # type: ignore[attr-defined]  # LLMEngine's
+
+    async def remove_lora(self, lora_int_id: int) -> None:
+        await self.run_on_engine(lambda e: e.remove_lora(lora_int_id))  # type: ignore[attr-defined]  # LLMEngine's
+
     # ------------------------------------------------------------------ the asyncio side
     def _admit(self, n: int) -> None:
         """Raise why a request of `n` samples cannot be queued now; called under the lock."""

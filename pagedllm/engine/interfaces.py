@@ -107,4 +107,10 @@ class AsyncEngine(Protocol):
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks (non-blocking)."""
 
+    async def add_lora(self, lora: LoRARequest) -> None:
+        """Load a LoRA adapter now (vLLM's /v1/load_lora_adapter): a bad one raises UserError naming it."""
+
+    async def remove_lora(self, lora_int_id: int) -> None:
+        """Unload a LoRA adapter (/v1/unload_lora_adapter); UserError while requests use it."""
+
     def stats(self) -> EngineStats: ...

@@ -95,14 +95,22 @@ def run(args: argparse.Namespace) -> int:
 
 
 def lora_modules(server: ServerConfig, engine: EngineConfig) -> list[LoRARequest]:
-    """--lora-modules as LoRARequests (checked: each name=path or vLLM's JSON; --enable-lora given)."""
+    """--lora-modules as LoRARequests (checked: each name=path or vLLM's JSON, each path there; --enable-lora
+    given). Checked before any model loads: a cluster's replicas load them, and one that fails there is retried
+    by Ray Serve, not one line."""
+    import os
+
     from pagedllm.server.serving_lora import parse_lora_modules
 
     if not server.lora_modules:
         return []
     if not engine.enable_lora:
         raise UserError("--lora-modules: needs --enable-lora")
-    return parse_lora_modules(server.lora_modules)
+    loras = parse_lora_modules(server.lora_modules)
+    for lora in loras:
+        if not os.path.exists(lora.lora_path):
+            raise UserError(f"--lora-modules: {lora.lora_name}: no PEFT folder or GGUF file at {lora.lora_path}")
+    return loras
 
 
 def load_embedders(config: ServerConfig) -> list[Embedder]:

@@ -21,6 +21,7 @@ def settings_from_args(args: argparse.Namespace) -> tuple[Any, ClusterConfig, An
     from pagedllm.cluster.ingress import IngressSettings
     from pagedllm.engine.config import EngineConfig
     from pagedllm.engine.pooling import read_pooler_config
+    from pagedllm.entrypoints.serve import lora_modules
     from pagedllm.model.config import load_model_config, resolve_model_path
     from pagedllm.server.embedders import embedding_model_path
 
@@ -32,7 +33,9 @@ def settings_from_args(args: argparse.Namespace) -> tuple[Any, ClusterConfig, An
     if server.embedding_model:
         embedding_model_path(server.embedding_model)  # a bad path is one line here, before Ray starts
     pooler = None if server.generate else read_pooler_config(resolve_model_path(config.model))
-    return config, cluster, IngressSettings(model=config.model, server=server, routing=cluster.routing, pooler=pooler)
+    loras = tuple(lora_modules(server, config))
+    settings = IngressSettings(model=config.model, server=server, routing=cluster.routing, pooler=pooler, loras=loras)
+    return config, cluster, settings
 
 
 def parse_builder_args(values: dict[str, str]) -> argparse.Namespace:

@@ -115,7 +115,7 @@ def _include_routes(app: FastAPI, state_routers: Sequence[APIRouter] | None, gen
     generation = (serving_completion, serving_chat, serving_responses, serving_messages) if generate else ()
     for module in (*generation, serving_tokenization, serving_embedding):
         app.include_router(module.router)
-    if generate and state_routers is None and runtime_updates_allowed():  # one engine in this process
+    if generate and runtime_updates_allowed():  # one engine in this process, or a cluster's every replica
         app.include_router(serving_lora.router)
     if rag:
         app.include_router(serving_rag.router)

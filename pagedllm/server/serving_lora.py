@@ -70,7 +70,7 @@ async def load_lora_adapter(
     if name in ctx.loras or name in ctx.model_names:
         raise APIError(f"The lora adapter '{name}' has already been loaded.", 400, param="lora_name")
     lora = LoRARequest(name, ctx.next_lora_id(), body.lora_path, ctx.model_names[0])
-    await request.app.state.engine.run_on_engine(lambda e: e.add_lora(lora))
+    await request.app.state.engine.add_lora(lora)
     ctx.loras[name] = lora
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
@@ -89,7 +89,7 @@ async def unload_lora_adapter(
     if lora is None:
         raise APIError(f"The lora adapter '{name}' cannot be found.", 404, param="lora_name")
     try:
-        await request.app.state.engine.run_on_engine(lambda e: e.remove_lora(lora.lora_int_id))
+        await request.app.state.engine.remove_lora(lora.lora_int_id)
     except BaseException:
         ctx.loras[name] = lora  # still served: its requests run on
         raise

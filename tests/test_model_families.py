@@ -334,3 +334,35 @@ def test_transformers_reads_our_gguf_as_we_do(family, tmp_path):
     loaded = load_model(path, dtype="float32", verbose=False, quantized_activations="none")
     got = all_logits(ModelRunner(loaded, num_blocks=8, block_size=16), [SeqChunk(ids, 0, list(range(8)))])[0]
     assert (got - want).abs().max().item() / want.abs().max().item() < TOL
+
+
+def _flagship_configs() -> list[tuple[str, str, dict]]:
+    """(family, model_type, overrides): each supported family's transformers default config (its flagship's
+    shape), and Gemma 4 also as the 26B-A4B (the sparse block beside every dense MLP)."""
+    from pagedllm.model.families import FAMILIES as REGISTRY
+
+    out = [(f.name, f.model_types[0], {}) for f in REGISTRY]
+    moe = {"enable_moe_block": True, "num_experts": 128, "top_k_experts": 8, "moe_intermediate_size": 704}
+    return out + [("gemma4", "gemma4_text", moe)]
+
+
+@pytest.mark.parametrize(
+    "family, model_type, over", _flagship_configs(), ids=[f + ("-moe" if o else "") for f, _, o in _flagship_configs()]
+)
+def test_no_supported_family_config_leaves_the_fused_step(tmp_path, family, model_type, over):
+    """Nothing in any supported family's config is outside what the fused C step computes: no model reason for
+    the "steps run on the torch path, not the fused C step" line (fused_step.unfused_reason), read from a
+    config.json as the loader reads it."""
+    from transformers import AutoConfig
+
+    from pagedllm.model.families import by_architecture
+    from pagedllm.model.fused_step import _model_blockers
+
+    known = by_architecture(model_type)
+    assert known is not None and known.name == family
+    cfg = AutoConfig.for_model(model_type, **over)
+    cfg.architectures = [known.architectures[0]]
+    cfg.save_pretrained(str(tmp_path))
+    loaded = load_model_config(str(tmp_path))
+    assert loaded.family == family and loaded.moe_beside_mlp == bool(over)
+    assert _model_blockers(loaded) == []

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import random
 
@@ -25,6 +26,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.engine import EngineConfig, LLMEngine
 from pagedllm.kv import kv_bytes_per_token
 from pagedllm.model import ModelRunner, SeqChunk, load_model, load_model_config
+from pagedllm.model.kernels import cpu_kernel
 
 TOL = 1e-4  # of the largest logit
 WINDOW = 8
@@ -55,10 +57,14 @@ CONFIG = dict(
 
 
 @torch.no_grad()
-def make_gemma4(folder: str, **overrides) -> torch.nn.Module:
+def make_gemma4(folder: str, int8_grid: bool = False, **overrides) -> torch.nn.Module:
     """A tiny random Gemma 4 saved in `folder`; norms around 1 (Gemma 4's norms have no 1 + w), layer scalars
-    drawn away from 1, so every piece changes the logits."""
+    drawn away from 1, so every piece changes the logits. `int8_grid`: every matrix --quantization int8 quantizes
+    (all but the router's, which stays float) rounded as it rounds them (quantize_rtn), so that it holds them
+    exactly and transformers runs the very weights the quantized model runs."""
     from transformers import AutoModelForCausalLM, Gemma4TextConfig
+
+    from pagedllm.model.kernels.quant_linear import quantize_rtn
 
     cfg = Gemma4TextConfig(**(CONFIG | overrides))
     cfg.architectures = ["Gemma4ForCausalLM"]
@@ -67,6 +73,8 @@ def make_gemma4(folder: str, **overrides) -> torch.nn.Module:
     for name, p in hf.named_parameters():
         centre = 1.0 if name.endswith(("norm.weight", "scale")) else 0.0  # router.scale, router.per_expert_scale
         p.copy_(centre + 0.25 * torch.randn(p.shape, generator=g))
+        if int8_grid and p.dim() >= 2 and not name.endswith("router.proj.weight"):  # 3-D experts: rows of K
+            p.copy_(quantize_rtn(p.reshape(-1, p.shape[-1]), 8).dequantize().reshape(p.shape))
     for layer in hf.model.layers:
         layer.layer_scalar.fill_(0.5 + torch.rand(1, generator=g).item())
     hf.save_pretrained(folder, safe_serialization=True)
@@ -218,6 +226,54 @@ def test_the_fused_step_computes_what_the_torch_path_does(tmp_path):
         assert (fused - want).abs().max().item() < TOL * want.abs().max().item()
 
 
+TARGETS = [t for t in ("native", "x86-64-v3", "x86-64") if t in cpu_kernel.runnable_targets()]
+DOT_TOL = 2e-3  # the dot route's bound against the exact path (test_model_families.py's)
+
+
+@pytest.fixture(scope="module")
+def moe_folder(tmp_path_factory) -> str:
+    """A Gemma 4 whose every layer has the sparse block beside its dense MLP, with per-layer inputs, double-wide
+    MLPs in the two layers that read shared KV, and keys equal to values: each piece of the family at once."""
+    folder = str(tmp_path_factory.mktemp("gemma4-moe"))
+    make_gemma4(folder, hidden_size_per_layer_input=32, num_key_value_heads=4, **MOE)
+    return folder
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("activations", ["none", "int16"])
+def test_the_moe_block_on_the_fused_step_of_every_cpu_class(moe_folder, activations, target, caplog):
+    """The sparse block beside the dense MLP in the one C call (the MLP, the experts' and the router's own norms of
+    the stream, the per-expert scales, both outputs normed and summed) against the torch path on the same int8
+    weights, with float32 activations and the dot route's, on this CPU's build, the AVX2 one and the portable one:
+    no line saying the steps run on the torch path, the same greedy tokens, logits within each route's bound, and
+    the same expert load counted."""
+    from model_helpers import cpu_target, fused_and_torch
+
+    loaded = load_model(moe_folder, "float32", verbose=False, quantization="int8", quantized_activations=activations)
+    ids = _tokens(70, 14)
+    with cpu_target(target), caplog.at_level(logging.WARNING, logger="pagedllm"):
+        got = fused_and_torch(loaded, ids, 29, 8)
+        counted = {fused: _expert_load_of_a_step(loaded, ids, fused) for fused in (True, False)}
+    assert "not the fused C step" not in caplog.text
+    (fused, fused_tokens), (want, want_tokens) = got[True], got[False]
+    assert fused_tokens == want_tokens, f"{activations} {target}"
+    err = (fused - want).abs().max().item() / want.abs().max().item()
+    assert err < (TOL if activations == "none" else DOT_TOL), f"{activations} {target}: {err:.2e}"
+    (tokens, reads), (want_load, want_reads) = counted[True], counted[False]
+    assert torch.equal(tokens, want_load) and reads == want_reads > 0
+    assert (tokens.sum(1) == len(ids) * MOE["top_k_experts"]).all()
+
+
+def _expert_load_of_a_step(loaded, ids: list[int], fused: bool) -> tuple[torch.Tensor, int]:
+    """What one prefill step of `ids` adds to the model's expert counters: tokens per expert, experts read."""
+    runner = ModelRunner(loaded, num_blocks=16, block_size=8, fused=fused)
+    assert (runner.fused is not None) == fused
+    load = loaded.model.expert_load
+    tokens, reads = load.tokens.clone(), load.reads[0]
+    runner.execute([SeqChunk(ids, 0, list(range(16)))])
+    return load.tokens - tokens, load.reads[0] - reads
+
+
 def test_llm_generate_answers_transformers(ckpt):
     """The offline API from the folder: the same greedy tokens as transformers."""
     llm = LLM(ckpt[0], dtype="float32", kv_cache_memory=2**20, max_model_len=256, log_stats_interval=0)
@@ -306,27 +362,50 @@ def test_a_multimodal_checkpoint_runs_its_text_model(tmp_path):
     assert (got - want).abs().max().item() / want.abs().max().item() < TOL
 
 
-def test_the_moe_block_matches_transformers(tmp_path):
+MOE = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
+
+
+def _greedy_logits(runner, ids: list[int], split: int, steps: int, table: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """The logits of `ids` prefilled in two chunks (at `split`), then of `steps` greedy decode tokens, and those
+    tokens."""
+    rows = all_logits(runner, [SeqChunk(ids[:split], 0, table)])
+    rows += all_logits(runner, [SeqChunk(ids[split:], split, table)])
+    tokens: list[int] = []
+    for _ in range(steps):
+        tokens.append(int(rows[-1][-1].argmax()))
+        rows.append(runner.execute([SeqChunk(tokens[-1:], len(ids) + len(tokens) - 1, table)]))
+    return torch.cat(rows), tokens
+
+
+def _agrees_with(hf: torch.nn.Module, ids: list[int], got: torch.Tensor, tokens: list[int]) -> float:
+    """transformers' greedy tokens after `ids` are `tokens` (asserted); the largest logit error of `got` (a row per
+    token of ids + tokens) relative to its largest logit."""
+    with torch.inference_mode():
+        want = hf(torch.tensor([ids + tokens])).logits[0].float()
+    assert want[len(ids) - 1 : -1].argmax(-1).tolist() == tokens
+    return (got - want).abs().max().item() / want.abs().max().item()
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_the_moe_block_matches_transformers(tmp_path, quantization):
     """The 26B-A4B's shape in small: every layer's sparse block (4 experts, 2 routed) beside its dense MLP, the
-    router's scale and per-expert scales drawn away from 1. 104 tokens in two chunks, then 4 decoded."""
+    router's scale and per-expert scales drawn away from 1. 104 tokens in two chunks, then 6 greedy decodes:
+    transformers' tokens, every logit within float32 accuracy of its. In float32 on the torch path; with int8
+    weights (drawn on int8's grid, so transformers runs the same weights) on the fused C step."""
     from pagedllm.model.params import param_count
 
     folder = str(tmp_path)
-    moe = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
-    hf = make_gemma4(folder, hidden_size_per_layer_input=0, num_kv_shared_layers=0, **moe)
-    loaded = load_model(folder, dtype="float32", verbose=False)
+    hf = make_gemma4(folder, quantization == "int8", hidden_size_per_layer_input=0, num_kv_shared_layers=0, **MOE)
+    loaded = load_model(folder, "float32", verbose=False, quantization=quantization, quantized_activations="none")
     assert loaded.config.num_experts == 4 and loaded.config.moe_beside_mlp
     total, active = param_count(loaded.config)
     assert total == sum(p.numel() for p in hf.parameters())
     assert total - active == 6 * 2 * 3 * 64 * 32  # 2 experts of 4 not read, in each of 6 layers
-    ids = _tokens(108, 11)
-    with torch.inference_mode():
-        want = hf(torch.tensor([ids])).logits[0].float()
+    ids = _tokens(104, 11)
     runner = ModelRunner(loaded, num_blocks=32, block_size=8)
-    table = random.Random(3).sample(range(1, 32), 14)
-    got = all_logits(runner, [SeqChunk(ids[:50], 0, table)]) + all_logits(runner, [SeqChunk(ids[50:104], 50, table)])
-    got += [runner.execute([SeqChunk(ids[p : p + 1], p, table)]) for p in range(104, 108)]
-    err = (torch.cat(got) - want).abs().max().item() / want.abs().max().item()
+    assert (runner.fused is not None) == (quantization == "int8")
+    got, tokens = _greedy_logits(runner, ids, 50, 6, random.Random(3).sample(range(1, 32), 14))
+    err = _agrees_with(hf, ids, got, tokens)
     assert err < TOL, f"{err:.2e}"
 
 
@@ -456,13 +535,13 @@ def test_the_server_answers_and_shows_each_kv_group(ckpt, loaded):
 @pytest.mark.parametrize("fmt", ["f32", "q8_0"])
 def test_the_moe_block_from_a_gguf_as_llama_cpp_writes_it(tmp_path, fmt):
     """The sparse block as llama.cpp stores it (gate and up of every expert in one ffn_gate_up_exps, the router's
-    and the experts' scales beside them): the folder's config, and logits within float32 accuracy of transformers
-    on the values the file holds, experts kept quantized in Q8_0."""
+    and the experts' scales beside them): the folder's config, and transformers' greedy tokens and logits within
+    float32 accuracy of its on the values the file holds; in Q8_0 the experts kept quantized and every step on the
+    fused C step."""
     import copy
 
     folder = str(tmp_path / "hf")
-    moe = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
-    shape = dict(hidden_size_per_layer_input=0, num_kv_shared_layers=0, use_double_wide_mlp=False, **moe)
+    shape = dict(hidden_size_per_layer_input=0, num_kv_shared_layers=0, use_double_wide_mlp=False, **MOE)
     hf = make_gemma4(folder, **shape)
     path = str(tmp_path / f"tiny-gemma4-moe.{fmt}.gguf")
     ref = copy.deepcopy(hf)
@@ -476,12 +555,9 @@ def test_the_moe_block_from_a_gguf_as_llama_cpp_writes_it(tmp_path, fmt):
         assert all(
             layer.moe is not None and layer.moe.experts_kernel() is not None for layer in loaded.model.decoder_layers
         )
-    ids = _tokens(104, 13)
-    with torch.inference_mode():
-        want = ref.eval()(torch.tensor([ids])).logits[0].float()
     runner = ModelRunner(loaded, num_blocks=32, block_size=8)
-    table = random.Random(5).sample(range(1, 32), 13)
-    got = all_logits(runner, [SeqChunk(ids[:60], 0, table)]) + all_logits(runner, [SeqChunk(ids[60:102], 60, table)])
-    got += [runner.execute([SeqChunk(ids[p : p + 1], p, table)]) for p in (102, 103)]
-    err = (torch.cat(got) - want).abs().max().item() / want.abs().max().item()
+    assert (runner.fused is not None) == (fmt == "q8_0")  # every matrix quantized: the fused C step
+    ids = _tokens(100, 13)
+    got, tokens = _greedy_logits(runner, ids, 60, 4, random.Random(5).sample(range(1, 32), 13))
+    err = _agrees_with(ref.eval(), ids, got, tokens)
     assert err < TOL, f"{fmt}: {err:.2e}"

@@ -7,7 +7,8 @@ caches), and what changes per step is a few int64 arrays: `attention.group_step_
 path uses too (each layer reads its KV-cache group's tables and slots: a Gemma 3 has a table per group). Every
 family runs here: what a layer does beyond the plain Llama one is read from the decoder's own modules (which
 norms it has, with their offsets; q/k norms; its RoPE; its `attn_spec`: window, scale, soft-cap, sinks; a sparse
-layer's router, routed experts (the structure moe_kernel.py built for the torch path) and shared expert; a linear
+layer's router, routed experts (the structure moe_kernel.py built for the torch path), shared expert and the
+dense MLP beside them with its norms and the router's scales (Gemma 4's 26B-A4B); a linear
 layer's recurrent mixer (recurrent.h's RecMixer: Gated DeltaNet, Mamba2, short conv, over the runner's state
 slots); Gemma 4's per-layer head sizes, shared KV, keys equal to values, per-layer inputs and scalars) and the
 config's multipliers, so the C step computes what the torch path computes, number for number (a router's logits
@@ -73,7 +74,6 @@ def _model_blockers(cfg: ModelConfig) -> list[str]:
         (cfg.hidden_act not in ACTS, f"activation {cfg.hidden_act}"),
         (cfg.rotary_dim % 2 != 0, "an odd rotary width"),
         (cfg.num_experts > 0 and cfg.moe_router not in ROUTERS, f"MoE router {cfg.moe_router}"),
-        (cfg.moe_beside_mlp, "a MoE block beside the MLP"),  # Gemma 4's sparse variant
     ]
     return [why for hit, why in checks if hit]
 
@@ -271,11 +271,11 @@ class FusedStep:
         if mixer is not None:
             fields["mixer"] = self._mixer(mixer, *self.states[layer.index])
         moe = layer.moe
-        mlp = [("gate_up", layer.mlp.gate_up), ("down", layer.mlp.down)] if moe is None else []
+        mlp = list(zip(("gate_up", "down"), layer.dense_linears()))  # a sparse layer's: the MLP beside (Gemma 4)
         if moe is not None:
-            fields |= self._sparse(moe)
+            fields |= self._sparse(layer, moe)
             if moe.shared is not None:
-                mlp = [("shared_gate_up", moe.shared.gate_up), ("shared_down", moe.shared.down)]
+                mlp += [("shared_gate_up", moe.shared.gate_up), ("shared_down", moe.shared.down)]
         attn = [("qkv", layer.qkv), ("o", layer.o)] if mixer is None else []
         for name, lin in (*attn, *mlp):
             w = _quant(lin)
@@ -342,14 +342,17 @@ class FusedStep:
         self._keep.append(struct)
         return ctypes.addressof(struct)
 
-    def _sparse(self, moe: SparseMoE) -> dict[str, float | int | None]:
+    def _sparse(self, layer: DecoderLayer, moe: SparseMoE) -> dict[str, float | int | None]:
         """A sparse layer's fields: the routed experts as moe_kernel.py built them for the torch path (the same
         structure, so both paths run the same kernel on the same tiles), the router's float32 weight and bias,
-        the shared expert's gate, and the layer's row of the model's expert counters."""
+        the shared expert's gate, and the layer's row of the model's expert counters; beside a dense MLP (Gemma
+        4), the experts' and the MLPs' output norms, the router's norm of the stream (its learned scale times
+        hidden^-0.5 as the norm's weight: SparseMoE._router_input) and the per-expert scales."""
         kernel = moe.experts_kernel()
         assert kernel is not None and kernel.load is not None, "fusable() checked the experts run on moe.c"
         kernel.sync_dot()
         self._keep.append(kernel)
+        rs = moe.router_scale
         return {
             "moe": ctypes.addressof(kernel.layer),
             "router": self._f32(moe.router.weight),
@@ -357,6 +360,11 @@ class FusedStep:
             "score_bias": self._f32(None if moe.score_bias is None else moe.score_bias.weight),
             "expert_load": kernel.load.data_ptr(),
             "shared_gate": self._f32(None if moe.shared_gate is None else moe.shared_gate.weight.reshape(-1)),
+            "moe_norm": self._norm(layer.moe_norm),
+            "dense_out_norm": self._norm(layer.mlp_out_norm_1),
+            "moe_out_norm": self._norm(layer.moe_out_norm),
+            "router_norm": self._f32(None if rs is None else rs.weight.float() * self.model.config.hidden_size**-0.5),
+            "expert_scale": self._f32(None if moe.expert_scale is None else moe.expert_scale.weight),
         }
 
     def _model(self, k_cache: torch.Tensor) -> Any:

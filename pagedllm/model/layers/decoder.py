@@ -147,14 +147,16 @@ class DecoderLayer(nn.Module):
     def linears(self) -> list[Linear]:
         """The layer's matmuls: q/k/v, o, then the MLP's gate/up and down (a sparse block's router, experts,
         shared expert and its gate)."""
-        mlp = (self.moe.linears() if self.moe is not None else []) + self._dense_linears()
+        mlp = (self.moe.linears() if self.moe is not None else []) + self.dense_linears()
         ple = [] if self.per_layer_input is None else [self.per_layer_input.gate, self.per_layer_input.proj]
         return [*self._mixer_linears(), *mlp, *ple]
 
     def _mixer_linears(self) -> list[Linear]:
         return [self.qkv, self.o] if self.linear_attn is None else self.linear_attn.linears()
 
-    def _dense_linears(self) -> list[Linear]:
+    def dense_linears(self) -> list[Linear]:
+        """The dense MLP's gate/up and down: a dense layer's, a sparse layer's beside its experts (Gemma 4), or none
+        (a sparse layer's block in the MLP's place)."""
         return [self.mlp.gate_up, self.mlp.down] if hasattr(self, "mlp") else []
 
     def main_linears(self) -> list[Linear]:

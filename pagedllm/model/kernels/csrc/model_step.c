@@ -7,7 +7,8 @@
  * layer has (before and / or after attention and the MLP, q/k norms per head or over the whole projection; the
  * weights hold Gemma's 1 + w already), SwiGLU or GeGLU, biases, the embedding / residual multipliers and the
  * logits' divisor and soft-cap, and per layer its RoPE (none, the global base, Gemma 3's local one; partial
- * rotary: the first rotary_dim dims of each head) and its attention (window, scale, soft-cap). model_step.h says
+ * rotary: the first rotary_dim dims of each head) and its attention (window, scale, soft-cap), a sparse layer's
+ * router, experts and shared expert (a dense MLP beside them, with their own norms: Gemma 4). model_step.h says
  * where each lives.
  *
  * Why: with the weights quantized, the matmuls of a one-sequence decode step take a few milliseconds, and the
@@ -69,6 +70,7 @@ typedef struct { /* the step's activations (float32, T rows) and scratch */
     /* Gemma 4's per-layer inputs: [T, layers * ple_width] each token's (the table's rows, then mixed in place),
      * the projection of its embedding, and [T, ple_width] a layer's gate */
     float *ple, *ple_proj, *ple_gate;
+    float *yd; /* [T, hidden] a sparse layer's dense MLP's output beside its experts' (StepLayer.moe_norm) */
 } Buffers;
 
 typedef struct { /* per thread */
@@ -251,7 +253,7 @@ static void store_row(void *cache, int64_t slot, const float *src, int KVH, int 
  * disjoint outputs, so which thread runs an item changes nothing in the result. */
 enum { K_NORM, K_CVT, K_Q16, K_Q8, K_MATMUL, K_ROPE, K_ATTN, K_ACT, K_RESID, K_SCALE, K_LOGIT, K_ROUTE, K_TOPK,
        K_MOE_GROUP, K_MOE_GATHER, K_MOE_GATE_UP, K_MOE_ACT, K_MOE_DOWN, K_MOE_COMBINE, K_SHARED, K_LORA_A, K_LORA_B,
-       K_REC_PERM, K_REC_CONV, K_REC_SCAN, K_REC_NORM, K_PLE_MIX, K_PLE_ACT, K_LSCALE };
+       K_REC_PERM, K_REC_CONV, K_REC_SCAN, K_REC_NORM, K_PLE_MIX, K_PLE_ACT, K_LSCALE, K_BESIDE };
 
 typedef struct {
     int kind, layer, items, prof; /* prof: the profile slot the phase's time goes to */
@@ -270,7 +272,7 @@ static Phase norm_phase(float *x, const float *h, const float *w, const int64_t 
 
 /* The matmul out[M, N] (+)= x[M, K] @ W^T as one phase (two with AMX: x to bfloat16 tiles first; two on the
  * dot and int8 routes: x rounded to 16- or 8-bit integers first). */
-#define MAX_LAYER_PHASES 56 /* 30 + 18 (a mixer's phases) + 8 (the LoRA halves of qkv, o, gate_up, down) */
+#define MAX_LAYER_PHASES 64 /* 38 + 18 (a mixer's phases) + 8 (the LoRA halves of qkv, o, gate_up, down) */
 #define ROUTER_EXPERTS 16 /* experts per router work item: a decode token's router spread over the threads */
 #define ROUTER_CHUNKS(m) (((m)->experts + ROUTER_EXPERTS - 1) / ROUTER_EXPERTS)
 
@@ -328,12 +330,35 @@ static int branch_phases(Phase *ph, const StepModel *m, const Buffers *buf, int 
 /* A sparse layer's block (in the MLP's place) from xm into y, then its residual add: the router per token (its
  * top k experts and weights), the routed experts as moe.c's phases (each routed expert's weights read once for
  * all of its rows), the shared expert's matmuls and its gated add, as SparseMoE.forward sums them (the routed
- * experts' sum + sigmoid(gate . x) * shared(x)). */
-static int moe_phases(Phase *ph, const StepModel *m, const StepLayer *L, int l, const Buffers *buf, const float *xm,
-                      int T, int nthreads) {
-    const int S = T * m->topk, items = moe_plan_items(buf->plan), SI = m->shared_inter, E = m->hidden;
+ * experts' sum + sigmoid(gate . x) * shared(x)). With a dense MLP beside it (DecoderLayer._mlp: Gemma 4), that
+ * MLP first, from xm into yd; then the experts' and the router's own norms of the stream (into x, whose MLP input
+ * is spent, and y, which the router has read before the top-k phase clears it); the two outputs, each normed,
+ * summed into y before the residual add. */
+static int moe_phases(Phase *ph, const StepModel *m, const StepLayer *L, int l, const StepBatch *b,
+                      const Buffers *buf, const float *xm, int T, int nthreads) {
+    const int S = T * m->topk, items = moe_plan_items(buf->plan), SI = m->shared_inter, E = m->hidden, I = L->inter;
+    const float *xr = xm;
     int n = 0;
-    ph[n++] = (Phase){.kind = K_ROUTE, .layer = l, .items = T * ROUTER_CHUNKS(m), .prof = P_ROUTER, .x = xm};
+    if (L->gate_up) {
+        n += with_lora(ph + n,
+                       matmul_phases(ph + n, buf, P_GATE_UP, buf->gu, xm, L->gate_up, L->gate_up_fmt, NULL, T, 2 * I,
+                                     E, 0, nthreads),
+                       b, l, LORA_GATE_UP);
+        ph[n++] = (Phase){.kind = K_ACT, .items = T, .prof = P_ACT, .out = buf->act, .x = buf->gu, .N = I};
+        n += with_lora(ph + n,
+                       matmul_phases(ph + n, buf, P_DOWN, buf->yd, buf->act, L->down, L->down_fmt, NULL, T, E, I, 0,
+                                     nthreads),
+                       b, l, LORA_DOWN);
+    }
+    if (L->moe_norm) {
+        ph[n++] = norm_phase(buf->x, buf->h, L->moe_norm, NULL, T);
+        xm = xr = buf->x;
+    }
+    if (L->router_norm) {
+        ph[n++] = norm_phase(buf->y, buf->h, L->router_norm, NULL, T);
+        xr = buf->y;
+    }
+    ph[n++] = (Phase){.kind = K_ROUTE, .layer = l, .items = T * ROUTER_CHUNKS(m), .prof = P_ROUTER, .x = xr};
     ph[n++] = (Phase){.kind = K_TOPK, .layer = l, .items = T, .prof = P_ROUTER};
     ph[n++] = (Phase){.kind = K_MOE_GROUP, .layer = l, .items = 1, .prof = P_ROUTER};
     ph[n++] = (Phase){.kind = K_MOE_GATHER, .items = S, .prof = P_EXPERTS, .x = xm};
@@ -349,6 +374,7 @@ static int moe_phases(Phase *ph, const StepModel *m, const StepLayer *L, int l, 
                            SI, 0, nthreads);
         ph[n++] = (Phase){.kind = K_SHARED, .layer = l, .items = T, .prof = P_DOWN, .x = xm};
     }
+    if (L->gate_up) ph[n++] = (Phase){.kind = K_BESIDE, .layer = l, .items = T, .prof = P_NORM};
     ph[n++] = (Phase){.kind = K_RESID, .items = T, .prof = P_NORM, .out = buf->h, .x = buf->y,
                       .w_norm = L->ffn_out_norm};
     return n;
@@ -429,7 +455,7 @@ static int plan(Phase *ph, const StepModel *m, const StepLayer *layers, const St
         }
         if (L->ffn_norm) ph[n++] = norm_phase(buf->x, buf->h, L->ffn_norm, NULL, T);
         if (L->moe) {
-            n += moe_phases(ph + n, m, L, l, buf, xm, T, nthreads);
+            n += moe_phases(ph + n, m, L, l, b, buf, xm, T, nthreads);
             n += layer_end_phases(ph + n, m, L, l, buf, T, nthreads);
             continue;
         }
@@ -592,7 +618,8 @@ static void router_item(const StepModel *m, const StepLayer *L, const Buffers *b
  * every expert's logit, the k largest (ties: the lower id), renormalised to sum 1 when norm_topk
  * (ROUTE_SOFTMAX_TOPK); the k largest logits, softmaxed among themselves (ROUTE_TOPK_SOFTMAX); or sigmoid scores,
  * the k largest of score + the layer's score_bias, weighed by their scores, divided by their sum + 1e-6 when
- * norm_topk, times route_scale (ROUTE_SIGMOID: LFM2-MoE). Also clears the token's row of y, which the routed
+ * norm_topk, times route_scale (ROUTE_SIGMOID: LFM2-MoE); then each times its expert's expert_scale, where the layer
+ * has one (Gemma 4). Also clears the token's row of y, which the routed
  * experts' sum goes into. */
 static void topk_row(const StepModel *m, const StepLayer *L, const Buffers *buf, int t) {
     const int E = m->hidden, X = m->experts, k = m->topk;
@@ -630,6 +657,7 @@ static void topk_row(const StepModel *m, const StepLayer *L, const Buffers *buf,
     }
     if (m->router == ROUTE_SIGMOID)
         for (int j = 0; j < k; j++) w[j] *= m->route_scale;
+    for (int j = 0; L->expert_scale && j < k; j++) w[j] *= L->expert_scale[ids[j]];
     memset(buf->y + (int64_t)t * E, 0, (size_t)E * sizeof(float));
 }
 
@@ -640,6 +668,16 @@ static void shared_row(const StepModel *m, const StepLayer *L, const Buffers *bu
     float *y = buf->y + (int64_t)t * E;
     const float *s = buf->sy + (int64_t)t * E;
     for (int j = 0; j < E; j++) y[j] += L->shared_gate ? g * s[j] : s[j];
+}
+
+/* Row t of y = moe_out_norm(y) + dense_out_norm(yd): a sparse block's output and the dense MLP's beside it, each
+ * normed where the layer has that norm, summed as DecoderLayer._mlp sums them. */
+static void beside_row(const StepModel *m, const StepLayer *L, const Buffers *buf, int t) {
+    const int E = m->hidden;
+    float *y = buf->y + (int64_t)t * E;
+    const float *d = buf->yd + (int64_t)t * E, *wy = L->moe_out_norm, *wd = L->dense_out_norm;
+    const float ry = wy ? rms_inv(y, E, m->eps) : 1.0f, rd = wd ? rms_inv(d, E, m->eps) : 1.0f;
+    for (int j = 0; j < E; j++) y[j] = (wd ? wd[j] * (d[j] * rd) : d[j]) + (wy ? wy[j] * (y[j] * ry) : y[j]);
 }
 
 static void matmul_item(const Phase *p, const Buffers *buf, const Scratch *sc, int i) {
@@ -721,6 +759,9 @@ static void run_item(const Phase *p, const StepModel *m, const StepLayer *layers
         break;
     case K_SHARED:
         shared_row(m, &layers[p->layer], buf, p->x, i);
+        break;
+    case K_BESIDE:
+        beside_row(m, &layers[p->layer], buf, i);
         break;
     case K_LORA_A:
         lora_shrink(b->lora, p->layer, p->lora, p->x, p->K, i);
@@ -813,7 +854,7 @@ static int check(const StepModel *m, const StepLayer *layers, const StepBatch *b
                                                                                           : L->head_dim)) ||
             (L->rope != ROPE_NONE && !L->rotary_dim) || !L->ple_gate != !L->ple_proj ||
             (L->ple_gate && (!m->ple_width || !L->ple_norm)) ||
-            (!moe && (!L->gate_up || !L->down)) ||
+            (!moe && (!L->gate_up || !L->down)) || !L->gate_up != !L->down || (L->gate_up && L->inter <= 0) ||
             (moe && (!m->experts || !L->router || moe->experts != m->experts || moe->hidden != m->hidden ||
                      moe->ffn != m->moe_ffn || !L->shared_gate_up != !L->shared_down ||
                      (L->shared_gate_up && !m->shared_inter))))
@@ -930,8 +971,8 @@ int model_step(const StepModel *m, const StepLayer *layers, const StepBatch *b, 
     K = K > mixer_k(m, layers) ? K : mixer_k(m, layers);
     const int amx = m->amx_min_rows > 0 && T >= m->amx_min_rows && qmm_bf16_kind() ? m->amx_min_rows : 0;
     const int64_t per_row = 3 * (int64_t)E + QKV + HD + 3 * (int64_t)I;
-    /* a sparse model's rows: rw, sgu, sact, sy, rlogits */
-    const int64_t moe_row = m->experts ? 3 * (int64_t)SI + E + m->topk + m->experts : 0;
+    /* a sparse model's rows: rw, sgu, sact, sy, rlogits, yd */
+    const int64_t moe_row = m->experts ? 3 * (int64_t)SI + 2 * (int64_t)E + m->topk + m->experts : 0;
     float *mem = malloc((size_t)T * (per_row + moe_row) * sizeof(float));
     int64_t *ctx = malloc((size_t)T * sizeof(int64_t));
     int64_t *ids = m->experts ? malloc((size_t)T * (m->topk > 0 ? m->topk : 1) * sizeof(int64_t)) : NULL;
@@ -968,7 +1009,8 @@ int model_step(const StepModel *m, const StepLayer *layers, const StepBatch *b, 
                        mem + (int64_t)T * (2 * E + QKV + HD + 3 * I), ctx, tiles, make_tiles(b, tiles), xb, amx,
                        xq, dot, xq8, i8, ids, moe, moe + (int64_t)T * m->topk, moe + (int64_t)T * (m->topk + 2 * SI),
                        moe + (int64_t)T * (m->topk + 3 * SI), moe + (int64_t)T * (m->topk + 3 * SI + E), plan,
-                       &moe_status, rec, ple, ple + T * LW, ple + 2 * T * LW};
+                       &moe_status, rec, ple, ple + T * LW, ple + 2 * T * LW,
+                       moe + (int64_t)T * (m->topk + 3 * SI + E + m->experts)};
         status = qrows_f32(buf.h, b->tokens, T, m->embed, m->vocab, E, m->embed_fmt);
         if (status == 0 && m->ple_width)
             status = qrows_f32(buf.ple, b->tokens, T, m->ple_embed, m->ple_vocab, (int)LW, m->ple_embed_fmt);

@@ -19,7 +19,7 @@ typedef struct {
     const float *attn_norm, *ffn_norm;         /* [hidden] before attention / the MLP, or NULL (OLMo2: none) */
     const float *attn_out_norm, *ffn_out_norm; /* [hidden] on the attention / MLP output, or NULL (Gemma, OLMo2) */
     const float *q_norm, *k_norm; /* before RoPE, or NULL: [head_dim] per head, or the whole projection's */
-    const uint8_t *qkv, *o, *gate_up, *down; /* gate_up / down: NULL in a sparse layer */
+    const uint8_t *qkv, *o, *gate_up, *down; /* gate_up / down: NULL in a sparse layer (but see moe_norm) */
     int qkv_fmt, o_fmt, gate_up_fmt, down_fmt;
     /* A sparse layer (a mixture of experts in the MLP's place; moe.py): its routed experts (moe.h's MoeLayer), the
      * router's float32 weight [experts, hidden] and bias [experts] or NULL, the rows each expert served added to
@@ -33,6 +33,13 @@ typedef struct {
     int shared_gate_up_fmt, shared_down_fmt;
     const float *shared_gate;
     const float *sinks; /* [heads] or NULL: a learned logit per head in each softmax's sum (gpt-oss) */
+    /* A sparse block beside a dense MLP (Gemma 4's 26B-A4B): a sparse layer whose gate_up / down are set runs that
+     * MLP (of `inter`) on the MLP's input too. Its output normed by dense_out_norm, the sparse block's by
+     * moe_out_norm (each NULL: as it is), the two summed, then ffn_out_norm and the residual add. moe_norm: the
+     * experts (and the shared expert) read this norm of the stream (NULL: the MLP's input); router_norm: the router
+     * reads this norm of the stream (the weight holds its learned scale times hidden^-0.5; NULL: the experts'
+     * input); expert_scale [experts]: each routing weight times its expert's (NULL: none). */
+    const float *moe_norm, *router_norm, *dense_out_norm, *moe_out_norm, *expert_scale;
     const float *qkv_bias; /* [(heads + 2 kv_heads) * head_dim] or NULL */
     const float *o_bias;   /* [hidden] or NULL */
     void *k_cache, *v_cache;

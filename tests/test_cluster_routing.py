@@ -335,6 +335,26 @@ def test_lora_modules_are_checked_before_ray_starts(tmp_path):
     assert [(lora.lora_name, lora.lora_int_id) for lora in ingress.loras] == [("a", 1)]
 
 
+def test_a_replica_that_fails_on_a_users_mistake_is_one_line():
+    """An adapter that does not fit the model is known only once a replica loads it: Ray Serve's failed
+    deployment becomes the replica's own error, one line; anything else keeps Ray's error."""
+    from pagedllm.cluster.launch import replica_failure
+
+    traceback = (
+        "The deployment failed to start 3 times in a row. This may be due to a problem with its constructor or "
+        "initial health check failing. See controller logs for details. Error:\n"
+        "ray::ServeReplica:pagedllm:PagedLLMEngine.initialize_and_get_metadata() (pid=1, ip=127.0.0.1)\n"
+        "RuntimeError: Traceback (most recent call last):\n"
+        '  File "pagedllm/cluster/replica.py", line 72, in __init__\n'
+        "    self.core.add_lora(lora)\n"
+        "{}\n"
+    )
+    error = "LoRA adapter 'qv': model.layers.0.self_attn.q_proj: A (4, 64) and B (64, 4) do not fit the model"
+    assert replica_failure(traceback.format(f"pagedllm.model.lora.LoRAError: {error}")) == error
+    assert replica_failure(traceback.format("MemoryError: out of memory")) is None
+    assert replica_failure("") is None
+
+
 def test_replicas_that_do_not_fit_are_refused_before_ray_starts():
     from pagedllm.cluster.launch import check_resources
     from pagedllm.errors import UserError

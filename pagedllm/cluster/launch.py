@@ -111,7 +111,13 @@ def serve_cluster(config: EngineConfig, options: ClusterConfig, ingress: Ingress
             flush=True,
         )
         with _drop_logs("ray.serve", "will not be applied"):
-            serve.run(build_application(config, options, ingress), name=APP_NAME, route_prefix="/")
+            try:
+                serve.run(build_application(config, options, ingress), name=APP_NAME, route_prefix="/")
+            except RuntimeError:
+                cause = replica_failure(_engine_status_message(serve))
+                if cause is None:
+                    raise
+                raise UserError(f"the engine replicas failed to start: {cause}") from None
         print(
             f"pagedllm serve: serving {', '.join(ingress.served_model_names)} on http://{host}:{port} "
             f"({options.replicas} replicas, {ingress.routing} routing)",
@@ -126,6 +132,26 @@ def serve_cluster(config: EngineConfig, options: ClusterConfig, ingress: Ingress
             serve.shutdown()
         ray.shutdown()
     return 0
+
+
+def _engine_status_message(serve: Any) -> str:
+    from pagedllm.cluster.app import APP_NAME, ENGINE_DEPLOYMENT
+
+    app = serve.status().applications.get(APP_NAME)
+    deployment = app.deployments.get(ENGINE_DEPLOYMENT) if app is not None else None
+    return deployment.message if deployment is not None else ""
+
+
+def replica_failure(message: str) -> str | None:
+    """What a replica that failed to start raised, as one line, when it is a user's mistake: Ray Serve retries
+    the replica, gives up and raises "Deploying application ... failed", with the replica's traceback only in its
+    deployment's status `message`, whose last line is the exception (`pagedllm.model.lora.LoRAError: LoRA adapter
+    'x': ...` for an adapter that does not fit the model). Any other exception: None (Ray's error stands)."""
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    if not lines:
+        return None
+    name, _, text = lines[-1].partition(": ")
+    return text if name.startswith("pagedllm.") and name.endswith("Error") and text else None
 
 
 @contextlib.contextmanager

@@ -96,8 +96,8 @@ def run(args: argparse.Namespace) -> int:
 
 def lora_modules(server: ServerConfig, engine: EngineConfig) -> list[LoRARequest]:
     """--lora-modules as LoRARequests (checked: each name=path or vLLM's JSON, each path there; --enable-lora
-    given). Checked before any model loads: a cluster's replicas load them, and one that fails there is retried
-    by Ray Serve, not one line."""
+    given). Checked before any model loads: a cluster's replicas load them, and what fails there is told only
+    once Ray Serve has given up retrying the replicas."""
     import os
 
     from pagedllm.server.serving_lora import parse_lora_modules

@@ -259,10 +259,11 @@ def test_the_fused_step_computes_what_the_torch_path_does(kind, tmp_path):
 @pytest.mark.parametrize("target", [t for t in ("x86-64-v3", "x86-64") if t in cpu_kernel.runnable_targets()])
 def test_the_recurrent_kernels_of_every_cpu_class(target, tmp_path):
     """recurrent.c built for AVX2 and for the portable class: Granite 4.0-H's Mamba2 layers (the read-out's simd.h
-    sums) and LFM2's short conv on the fused step equal the torch path on the same int8 weights."""
+    sums), LFM2's short conv and Nemotron-H's single-block layers on the fused step equal the torch path on the same
+    int8 weights."""
     from model_helpers import cpu_target, fused_and_torch
 
-    for kind in ("granitemoehybrid", "lfm2"):
+    for kind in ("granitemoehybrid", "lfm2", "nemotron_h"):
         make_hybrid(kind, str(tmp_path / kind), shared=64)
         loaded = load_model(str(tmp_path / kind), "float32", "cpu", False, "int8", quantized_activations="none")
         with cpu_target(target):

@@ -17,6 +17,10 @@ change is tested against the change itself:
   `dt_bias` as ssm_dt.bias; the shared MLP's stacked `input_linear` split into gate and up (ffn_*_shexp beside
   experts, the plain ffn_* without), `head_count_kv` 0 for a Mamba2 layer, no RoPE (`rope.scaling.finetuned`
   false) unless the model is Bamba.
+- nemotron_h (NemotronHModel over GraniteHybridModel): the Mamba2 layers as granitehybrid's, Q/K permuted in the
+  attention layers, the MLP layers' up / down as ffn_up / ffn_down; per layer `head_count_kv` (0 but in attention
+  layers) and `feed_forward_length` (0 but in MLP layers), the epsilon as attention.layer_norm_epsilon, head size as
+  key / value length.
 
 Matrices go in `fmt` (f32, f16, q8_0, q4_0: gguf.quants), kept in F32 where the converter keeps them: 1-D
 tensors, norms, routers, the conv, any tensor not named `.weight` (ssm_a, ssm_d, biases); a row that is no whole
@@ -101,6 +105,20 @@ _LFM2_MOE = dict(
     conv_L_cache=3,
     norm_eps=1e-5,
 )
+# each layer one block: Mamba2, MLP, attention (no RoPE), MLP, Mamba2, attention; two attention layers, so that
+# KV blocks, not state slots, run out first in a preemption test
+_NEMOTRON_H = dict(
+    num_hidden_layers=6,
+    layers_block_type=["linear_attention", "mlp", "full_attention", "mlp", "linear_attention", "full_attention"],
+    head_dim=16,
+    intermediate_size=96,
+    mamba_num_heads=8,
+    mamba_head_dim=16,
+    ssm_state_size=16,
+    n_groups=2,
+    conv_kernel=4,
+    layer_norm_epsilon=1e-5,
+)
 CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3_5": ("Qwen3_5TextConfig", _QWEN),
     "qwen3_5_moe": ("Qwen3_5MoeTextConfig", {k: v for k, v in _QWEN.items() if k != "intermediate_size"} | _QWEN_MOE),
@@ -108,6 +126,7 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "granitemoehybrid": ("GraniteMoeHybridConfig", _GRANITE | {"num_local_experts": 4, "num_experts_per_tok": 2}),
     "granitemoehybrid_dense": ("GraniteMoeHybridConfig", _GRANITE | {"intermediate_size": 64, "num_local_experts": 0}),
     "lfm2_moe": ("Lfm2MoeConfig", _LFM2_MOE),
+    "nemotron_h": ("NemotronHConfig", _NEMOTRON_H),
 }
 
 
@@ -151,6 +170,7 @@ ARCHS = {
     "granitemoehybrid": "granitehybrid",
     "granitemoehybrid_dense": "granitehybrid",
     "lfm2_moe": "lfm2moe",
+    "nemotron_h": "nemotron_h",
 }
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _F32 = ("ffn_gate_inp", "ffn_gate_inp_shexp", "ssm_conv1d")  # besides 1-D tensors and norms
@@ -235,6 +255,26 @@ def _granite(name: str, t: np.ndarray, cfg: dict[str, Any], types: list[str]) ->
     return [(name, t)]
 
 
+def _nemotron_h(name: str, t: np.ndarray, cfg: dict[str, Any]) -> list[tuple[str, np.ndarray]]:
+    """NemotronHModel.modify_tensors (non-MoE): Llama's Q/K permutation, Mamba2Model's changes to the mixers (the
+    checkpoint's `backbone.` names, which its name map knows)."""
+    m = re.fullmatch(r"backbone\.layers\.(\d+)\.(.+)", name)
+    if not m:
+        return [(name, t)]
+    rest = m.group(2)
+    if rest in ("mixer.q_proj.weight", "mixer.k_proj.weight"):
+        t = _permute(t, cfg["num_attention_heads"] if "q_proj" in rest else cfg["num_key_value_heads"])
+    elif rest == "mixer.dt_bias":
+        name = name.removesuffix(".dt_bias") + ".dt_proj.bias"
+    elif rest == "mixer.conv1d.weight":
+        t = t.squeeze()
+    elif rest in ("mixer.A_log", "mixer.D"):
+        t = (-np.exp(t) if rest == "mixer.A_log" else t).reshape(-1, 1)
+    elif rest == "mixer.norm.weight":
+        t = t.reshape(cfg["n_groups"], -1)
+    return [(name, t)]
+
+
 def _lfm2(name: str, t: np.ndarray) -> list[tuple[str, np.ndarray]]:
     """LFM2MoeModel: the conv squeezed to [C, K], expert_bias named as a bias (experts stacked beforehand)."""
     if "conv.conv" in name:
@@ -297,8 +337,11 @@ def _metadata(w: Any, family: str, cfg: dict[str, Any]) -> None:
     w.add_embedding_length(cfg["hidden_size"])
     w.add_block_count(n)
     w.add_head_count(cfg["num_attention_heads"])
-    w.add_layer_norm_rms_eps(cfg.get("rms_norm_eps", cfg.get("norm_eps")))
     w.add_vocab_size(cfg["vocab_size"])
+    if family == "nemotron_h":
+        _nemotron_h_metadata(w, cfg)
+        return
+    w.add_layer_norm_rms_eps(cfg.get("rms_norm_eps", cfg.get("norm_eps")))
     if cfg.get("intermediate_size"):
         w.add_feed_forward_length(cfg["intermediate_size"])
     experts = cfg.get("num_experts") or cfg.get("num_local_experts")
@@ -344,6 +387,23 @@ def _lfm2_moe_metadata(w: Any, cfg: dict[str, Any]) -> None:
     w.add_leading_dense_block_count(cfg["num_dense_layers"])
     w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     w.add_shortconv_l_cache(cfg["conv_L_cache"])
+
+
+def _nemotron_h_metadata(w: Any, cfg: dict[str, Any]) -> None:
+    """NemotronHModel.set_gguf_parameters (non-MoE): the Mamba2 shape, KV heads and ffn size per layer (each 0
+    where the layer's block is another), the head size, the layer norm's epsilon."""
+    types = cfg["layers_block_type"]
+    w.add_layer_norm_eps(cfg["layer_norm_epsilon"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_ssm_conv_kernel(cfg["conv_kernel"])
+    w.add_ssm_state_size(cfg["ssm_state_size"])
+    w.add_ssm_group_count(cfg["n_groups"])
+    w.add_ssm_inner_size(cfg["mamba_num_heads"] * cfg["mamba_head_dim"])
+    w.add_ssm_time_step_rank(cfg["mamba_num_heads"])
+    kv = cfg["num_key_value_heads"]
+    w.add_head_count_kv([kv if t == "full_attention" else 0 for t in types])
+    w.add_feed_forward_length([cfg["intermediate_size"] if t == "mlp" else 0 for t in types])
 
 
 def _granite_metadata(w: Any, cfg: dict[str, Any]) -> None:
@@ -393,6 +453,7 @@ def write_hybrid_gguf(
     with open(os.path.join(folder, "config.json")) as f:
         cfg = json.load(f)
     cfg = cfg.get("text_config", cfg) | {"architectures": cfg.get("architectures")}
+    cfg.setdefault("num_hidden_layers", len(cfg.get("layers_block_type") or []))  # Nemotron-H's saves none
     arch = ARCHS[family]
     archs = {name: key for key, name in gguf.MODEL_ARCH_NAMES.items()}
     tmap = gguf.get_tensor_name_map(archs[arch], cfg["num_hidden_layers"])
@@ -412,6 +473,8 @@ def write_hybrid_gguf(
             continue
         if arch == "lfm2moe":
             pieces = _lfm2(name, t)
+        elif arch == "nemotron_h":
+            pieces = _nemotron_h(name, t, cfg)
         else:
             pieces = _granite(name, t, cfg, types) if arch == "granitehybrid" else _qwen(name, t, cfg, arch)
         for piece_name, piece in pieces:

@@ -1,9 +1,11 @@
 """The state-space and convolution hybrids against transformers in float32, on tiny random checkpoints that
 `save_pretrained` writes: Granite 4.0-H (granitemoehybrid: Mamba2 and attention layers, its MoE block beside the
-shared MLP, RoPE; and a dense one without RoPE, its config.json in the legacy "mamba" / "attention" names) and LFM2
-(short-conv and attention layers). Logits over 100+ tokens in uneven chunks and decodes; 32 greedy tokens through
-the engine with chunked prefill (the state crosses chunk ends), forced preemption (the state slot returned and
-rebuilt from zeros) and several requests in a step; LLM.generate and the server; kv-calc's state bytes."""
+shared MLP, RoPE; and a dense one without RoPE, its config.json in the legacy "mamba" / "attention" names), LFM2
+(short-conv and attention layers) and Nemotron-H (single-block layers: Mamba2, attention or an ungated relu2 MLP,
+its config.json with the older `hybrid_override_pattern`). Logits over 100+ tokens in uneven chunks and decodes;
+32 greedy tokens through the engine with chunked prefill (the state crosses chunk ends), forced preemption (the
+state slot returned and rebuilt from zeros) and several requests in a step; LLM.generate and the server; kv-calc's
+state bytes."""
 
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ from pagedllm.model.runner import bytes_per_block
 
 pytestmark = pytest.mark.usefixtures("one_thread", "private_tokenizer_cache")  # tests/conftest.py
 
-FAMILIES = ["granitemoehybrid", "granitemoehybrid_dense", "lfm2"]
+FAMILIES = ["granitemoehybrid", "granitemoehybrid_dense", "lfm2", "nemotron_h"]
+LINEAR_LAYERS = {"lfm2": [0, 2, 3], "nemotron_h": [0, 4]}  # else Granite's [0, 2]
 TOL = 1e-4  # of the largest logit
 # Granite's layers, in the released checkpoints' legacy names: two attention layers so that the KV blocks, not the
 # state slots (at most half the budget), run out first in the preemption test
@@ -35,7 +38,7 @@ GRANITE_LAYERS = ["mamba", "attention", "mamba", "attention"]
 def make_hybrid(kind: str, folder: str, shared: int = 48) -> torch.nn.Module:
     """A tiny random checkpoint of `kind` in `folder` (float32, a word-level tokenizer); its transformers model.
     `shared`: Granite's shared MLP size (48: its down projection runs dense, 64: every matmul can be quantized)."""
-    from transformers import AutoModelForCausalLM, GraniteMoeHybridConfig, Lfm2Config
+    from transformers import AutoModelForCausalLM, GraniteMoeHybridConfig, Lfm2Config, NemotronHConfig
 
     common = dict(
         vocab_size=VOCAB,
@@ -48,7 +51,11 @@ def make_hybrid(kind: str, folder: str, shared: int = 48) -> torch.nn.Module:
         eos_token_id=2,
         pad_token_id=0,
     )
-    if kind == "lfm2":
+    if kind == "nemotron_h":  # Mamba2, MLP, attention, MLP, Mamba2, attention (devkit/hybrid_gguf.py's shape)
+        from devkit.hybrid_gguf import CONFIGS
+
+        cfg = NemotronHConfig(**common | CONFIGS["nemotron_h"][1] | {"time_step_min": 0.5})
+    elif kind == "lfm2":
         cfg = Lfm2Config(
             **common,
             intermediate_size=144,
@@ -95,6 +102,12 @@ def make_hybrid(kind: str, folder: str, shared: int = 48) -> torch.nn.Module:
         raw.pop("layers_block_type", None)
         raw["layer_types"] = GRANITE_LAYERS
         json.dump(raw, open(path, "w"))
+    if kind == "nemotron_h":  # the released checkpoints' pattern string in place of the list
+        path = os.path.join(folder, "config.json")
+        raw = json.load(open(path))
+        raw["hybrid_override_pattern"] = "M-*-M*"
+        raw.pop("layers_block_type")
+        json.dump(raw, open(path, "w"))
     return hf
 
 
@@ -124,7 +137,7 @@ def test_logits_match_transformers(ckpt):
     """110 tokens: prefilled in chunks of 37 and 70 (one crossing a scan chunk) over shuffled blocks, then three
     decoded: every position's logits within float32 accuracy of transformers."""
     cfg = ckpt.loaded.config
-    assert cfg.linear_layers == ([0, 2, 3] if ckpt.kind == "lfm2" else [0, 2]) and cfg.recurrent_mixer == (
+    assert cfg.linear_layers == LINEAR_LAYERS.get(ckpt.kind, [0, 2]) and cfg.recurrent_mixer == (
         "short_conv" if ckpt.kind == "lfm2" else "mamba2"
     )
     ids = _tokens(110, 1)
@@ -246,10 +259,11 @@ def test_the_fused_step_computes_what_the_torch_path_does(kind, tmp_path):
 @pytest.mark.parametrize("target", [t for t in ("x86-64-v3", "x86-64") if t in cpu_kernel.runnable_targets()])
 def test_the_recurrent_kernels_of_every_cpu_class(target, tmp_path):
     """recurrent.c built for AVX2 and for the portable class: Granite 4.0-H's Mamba2 layers (the read-out's simd.h
-    sums) and LFM2's short conv on the fused step equal the torch path on the same int8 weights."""
+    sums), LFM2's short conv and Nemotron-H's single-block layers on the fused step equal the torch path on the same
+    int8 weights."""
     from model_helpers import cpu_target, fused_and_torch
 
-    for kind in ("granitemoehybrid", "lfm2"):
+    for kind in ("granitemoehybrid", "lfm2", "nemotron_h"):
         make_hybrid(kind, str(tmp_path / kind), shared=64)
         loaded = load_model(str(tmp_path / kind), "float32", "cpu", False, "int8", quantized_activations="none")
         with cpu_target(target):
@@ -295,10 +309,11 @@ def test_llm_generate_and_server(tmp_path_factory):
         assert_pool_whole(s)
 
 
-@pytest.mark.parametrize("kind", ["granitemoehybrid", "lfm2"])
+@pytest.mark.parametrize("kind", ["granitemoehybrid", "lfm2", "nemotron_h"])
 def test_kv_calc_shows_state_bytes(kind, tmp_path, capsys):
     """`pagedllm kv-calc --model` names each family's recurrent-state bytes per request: Mamba2's conv rows and
-    float32 SSM state, the short conv's rows only, as the engine reserves them."""
+    float32 SSM state, the short conv's rows only, as the engine reserves them; Nemotron-H's KV of its two
+    attention layers only, its MLP layers holding neither KV nor state."""
     from pagedllm.entrypoints.cli import main
 
     make_hybrid(kind, str(tmp_path))
@@ -311,6 +326,10 @@ def test_kv_calc_shows_state_bytes(kind, tmp_path, capsys):
         want = 2 * ((128 + 64) * 3 * 4 + 8 * 16 * 16 * 4)
     assert state_bytes(cfg, torch.float32) == want
     assert f"recurrent state: {want:,} bytes per request" in out
+    if kind == "nemotron_h":  # 2 attention layers x K and V x 2 heads x 16 x 4 bytes a token
+        assert "full attention: 2 layers, 512 bytes per token" in out, out
+        assert "2 MLP-only layers (no mixer): no KV, no state" in out
+        assert "mamba2, layers 0, 4: no KV" in out
 
 
 def test_checkpoint_errors_are_named(tmp_path):

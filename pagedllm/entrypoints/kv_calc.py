@@ -195,7 +195,9 @@ def _report_groups(cfg, dtype: str, block_size: int, max_len: int) -> None:
     for g in layout.kinds():
         per = kv_dtype_bytes_per_token(len(g.layers), heads, dim, dtype)
         print(f"  {g.name}: {len(g.layers)} layers, {per:,} bytes per token")
-    shared = cfg.num_layers - layout.num_kv_layers - len(layout.recurrent_layers)
+    shared = cfg.num_layers - layout.num_kv_layers - len(layout.recurrent_layers) - len(layout.mlp_only_layers)
+    if layout.mlp_only_layers:
+        print(f"  {len(layout.mlp_only_layers)} MLP-only layers (no mixer): no KV, no state")
     if shared:
         print(f"  {shared} layers read an earlier layer's KV (shared KV): no blocks of their own")
     held = layout_blocks(layout, max_len, block_size)

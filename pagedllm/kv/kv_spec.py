@@ -46,6 +46,7 @@ class KVCacheLayout:
     # model layers that keep a recurrent state instead of KV (linear attention: kv/state_slots.py); no group,
     # their layer_group / layer_slot entries are 0 and never read
     recurrent_layers: tuple[int, ...] = ()
+    mlp_only_layers: tuple[int, ...] = ()  # model layers without a mixer (Nemotron-H's MLP blocks): no KV, no state
 
     @property
     def num_kv_layers(self) -> int:
@@ -89,14 +90,15 @@ def kv_cache_layout(
     sources: Sequence[int] | None = None,
     hybrid: bool = True,
     recurrent: Sequence[int] = (),
+    mlp_only: Sequence[int] = (),
 ) -> KVCacheLayout:
     """The layout for layers whose windows are `windows` (None: full) and which read the KV of `sources` (default:
     their own). `hybrid=False` (vLLM's --disable-hybrid-kv-cache-manager) makes one group of every layer whose
     blocks all stay to the end: the windows are then a mask only, nothing is freed. `recurrent`: layers that store
-    no KV at all (a state slot each request holds instead)."""
+    no KV at all (a state slot each request holds instead); `mlp_only`: layers without a mixer, no KV nor state."""
     n = len(windows)
     src = list(sources) if sources is not None else list(range(n))
-    own = [i for i in range(n) if src[i] == i and i not in recurrent]
+    own = [i for i in range(n) if src[i] == i and i not in recurrent and i not in mlp_only]
     kinds: dict[int | None, list[int]] = {}
     for i in own:
         kinds.setdefault(windows[i] if hybrid else None, []).append(i)
@@ -113,7 +115,9 @@ def kv_cache_layout(
             groups.append(KVCacheGroup(w, chunk))
     for i in range(n):
         layer_group[i], layer_slot[i] = layer_group[src[i]], layer_slot[src[i]]
-    return KVCacheLayout(tuple(groups), size, tuple(layer_group), tuple(layer_slot), tuple(src), tuple(recurrent))
+    return KVCacheLayout(
+        tuple(groups), size, tuple(layer_group), tuple(layer_slot), tuple(src), tuple(recurrent), tuple(mlp_only)
+    )
 
 
 def window_blocks(num_tokens: int, window: int | None, block_size: int) -> int:

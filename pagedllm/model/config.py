@@ -26,10 +26,18 @@ from pagedllm.model.families import (
 
 # rope.py computes each
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic", "factors", "proportional")
-ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # layers.py
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "relu2")  # layers/common.py (relu2: Nemotron-H's ungated MLP)
 ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid")  # moe.py: the sparse block's routing
-MOE_ACTIVATIONS = (*ACTIVATIONS, "swigluoai")  # moe.py: the experts' (gpt-oss's clamped SwiGLU)
-LINEAR_ATTENTION_FAMILIES = ("qwen3_5", "qwen3_next", "qwen3_5_moe", "granitemoehybrid", "lfm2", "lfm2_moe")  # states
+MOE_ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "swigluoai")  # moe.py: the experts' (gpt-oss's clamped SwiGLU)
+LINEAR_ATTENTION_FAMILIES = (
+    "qwen3_5",
+    "qwen3_next",
+    "qwen3_5_moe",
+    "granitemoehybrid",
+    "lfm2",
+    "lfm2_moe",
+    "nemotron_h",
+)
 RECURRENT_MIXERS = ("gated_deltanet", "mamba2", "short_conv")  # decoder.py: the mixer of each linear layer
 _ORIGINAL_CONTEXT_TYPES = ("llama3", "yarn", "longrope", "dynamic")  # scalings relative to an original context
 
@@ -58,6 +66,7 @@ class ModelConfig:
     family: str = "llama"
     o_proj_bias: bool = False  # a bias on the attention output too (Llama-style attention_bias; not Qwen2)
     hidden_act: str = "silu"  # the gate's activation: "silu" (SwiGLU) | "gelu_pytorch_tanh" (GeGLU)
+    mlp_gated: bool = True  # False: the MLP is down(act(up(x))), no gate (Nemotron-H's relu2)
     norm_offset: float = 0.0  # RMSNorm weight offset: Gemma's (1 + w) in HF checkpoints
     qk_norm: str | None = None  # RMSNorm of queries / keys: "head" (Qwen3, Gemma 3) | "full" (OLMo2)
     pre_norms: bool = True  # a norm before attention and before the MLP (OLMo2: none)
@@ -75,8 +84,11 @@ class ModelConfig:
     # None: full attention.
     sliding_window: int | None = None
     # Per layer "sliding_attention" / "full_attention" (transformers 5's names); None: every layer uses
-    # sliding_window when it is set.
+    # sliding_window when it is set. "mlp": a layer without a mixer (no attention, no KV, no state), its MLP only.
     layer_types: list[str] | None = None
+    # Each layer one block, its mixer (attention or recurrent) or, in an "mlp" layer, its MLP, behind one pre-norm
+    # and added to the residual stream (Nemotron-H); False: a mixer layer has its MLP after the mixer.
+    single_block_layers: bool = False
     attn_scale: float | None = None  # softmax scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
     attn_logit_softcapping: float | None = None  # Gemma 2: cap * tanh(score / cap) before the softmax
     attention_sinks: bool = False  # gpt-oss: a learned logit per query head in each softmax (AttentionSpec.sinks)
@@ -154,7 +166,8 @@ class ModelConfig:
         stores KV (one block table, nothing freed early: the layout every layer had before groups)."""
         windows = [self.layer_window(i) for i in range(self.num_layers)]
         sources = kv_sources(windows, self.num_kv_shared_layers)
-        return kv_cache_layout(windows, sources, hybrid, self.linear_layers)
+        mlp_only = [i for i in range(self.num_layers) if not self.layer_has_mixer(i)]
+        return kv_cache_layout(windows, sources, hybrid, self.linear_layers, mlp_only)
 
     def is_linear_layer(self, layer: int) -> bool:
         """Whether layer `layer` is a Gated DeltaNet (linear-attention) layer: a recurrent state, no KV."""
@@ -163,6 +176,14 @@ class ModelConfig:
     @property
     def linear_layers(self) -> list[int]:
         return [i for i in range(self.num_layers) if self.is_linear_layer(i)]
+
+    def layer_has_mixer(self, layer: int) -> bool:
+        """Whether layer `layer` has a mixer (attention or recurrent); an "mlp" layer has its MLP only."""
+        return self.layer_types is None or self.layer_types[layer] != "mlp"
+
+    def layer_has_mlp(self, layer: int) -> bool:
+        """Whether layer `layer` has an MLP (or sparse block): every layer but a mixer's in single-block models."""
+        return not self.single_block_layers or not self.layer_has_mixer(layer)
 
     @property
     def linear_conv_dim(self) -> int:
@@ -226,6 +247,7 @@ class ModelConfig:
         """Whether layer `layer` has a sparse block (else the dense gated MLP of intermediate_size)."""
         return (
             self.num_experts > 0
+            and self.layer_has_mlp(layer)
             and layer not in self.mlp_only_layers
             and (layer + 1) % max(1, self.decoder_sparse_step) == 0
         )
@@ -391,6 +413,7 @@ def config_from_hf_dict(cfg: dict[str, Any], where: str, gen_cfg: dict[str, Any]
     if arch in fam.multimodal_architectures and isinstance(cfg.get("text_config"), dict):
         cfg = cfg["text_config"] | {"architectures": [arch]}  # the text model of a multimodal checkpoint
     try:
+        cfg = fam.hf_config(cfg)
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
         bias = bool(cfg.get("attention_bias", fam.bias_default))
@@ -433,10 +456,14 @@ def _checked(c: ModelConfig, where: str) -> ModelConfig:
     for name, per_layer in (("layer_types", c.layer_types), ("no_rope_layers", c.no_rope_layers)):
         if per_layer is not None and len(per_layer) != c.num_layers:
             raise ModelLoadError(f"{where}: {name} has {len(per_layer)} entries for {c.num_layers} layers")
-    kinds = ("sliding_attention", "full_attention", "linear_attention")
+    kinds = ("sliding_attention", "full_attention", "linear_attention", "mlp")
     bad = sorted({t for t in c.layer_types or [] if t not in kinds})
     if bad:
         raise ModelLoadError(f"{where}: layer type {bad[0]!r} is not supported ({', '.join(kinds)})")
+    if not c.mlp_gated and c.hidden_act != "relu2":
+        raise ModelLoadError(f"{where}: an ungated MLP with {c.hidden_act!r} is not supported (relu2)")
+    if c.mlp_gated and c.hidden_act == "relu2":
+        raise ModelLoadError(f"{where}: a gated MLP with relu2 is not supported")
     if c.linear_layers and c.family not in LINEAR_ATTENTION_FAMILIES:
         raise ModelLoadError(f"{where}: linear_attention layers are not supported in {c.family}")
     if c.recurrent_mixer not in RECURRENT_MIXERS:

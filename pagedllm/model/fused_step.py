@@ -62,7 +62,7 @@ ERRORS = {
 
 
 ROPES = {"none": 0, "global": 1, "local": 2}  # DecoderLayer.rope -> StepLayer.rope (ROPE_NONE ...)
-ACTS = {"silu": 0, "gelu_pytorch_tanh": 1}  # ModelConfig.hidden_act -> StepModel.act (ACT_SILU ...)
+ACTS = {"silu": 0, "gelu_pytorch_tanh": 1, "relu2": 2}  # ModelConfig.hidden_act -> StepModel.act (ACT_SILU ...)
 ROUTERS = {"softmax_topk": 0, "topk_softmax": 1, "sigmoid": 2}  # ModelConfig.moe_router -> StepModel.router
 MIXERS = {GatedDeltaNet: 0, Mamba2: 1, ShortConv: 2}  # a linear layer's mixer -> RecMixer.kind (MIX_*)
 States = dict[int, tuple[torch.Tensor, torch.Tensor]]  # model layer -> its (conv, recurrent) state rows (runner.py)
@@ -243,8 +243,8 @@ class FusedStep:
             "k_norm": self._norm(layer.k_norm),
             "qk_norm_full": int(layer.qk_norm == "full"),
             "rope": ROPES[layer.rope],
-            "qkv_bias": None if layer.linear_attn else self._f32(layer.qkv.bias),
-            "o_bias": None if layer.linear_attn else self._f32(layer.o.bias),
+            "qkv_bias": self._f32(layer.qkv.bias) if layer.attends else None,
+            "o_bias": self._f32(layer.o.bias) if layer.attends else None,
             "k_cache": k_cache.data_ptr(),
             "v_cache": v_cache.data_ptr(),
             "group": group,
@@ -260,6 +260,8 @@ class FusedStep:
             "v_norm": int(layer.v_norm),
             "kv_stride": k_cache.stride(1),  # wider than its heads where its rows are the front of a slot's
             "scalar": None if layer.scalar is None else self._f32(layer.scalar.weight),
+            "no_mixer": int(not layer.has_mixer),  # a single-block layer's (Nemotron-H)
+            "no_mlp": int(not layer.has_mlp),
         }
         ple = layer.per_layer_input
         if ple is not None:
@@ -276,7 +278,7 @@ class FusedStep:
             fields |= self._sparse(layer, moe)
             if moe.shared is not None:
                 mlp += [("shared_gate_up", moe.shared.gate_up), ("shared_down", moe.shared.down)]
-        attn = [("qkv", layer.qkv), ("o", layer.o)] if mixer is None else []
+        attn = [("qkv", layer.qkv), ("o", layer.o)] if layer.attends else []
         for name, lin in (*attn, *mlp):
             w = _quant(lin)
             fields[name], fields[f"{name}_fmt"] = w.tiles.data_ptr(), FORMATS[w.fmt]

@@ -26,8 +26,8 @@ class WeightCount:
     read_bytes: int  # weights read to decode one token (one row of an untied embedding table)
 
 
-def _mlp(hidden: int, inter: int, bias: bool = False) -> int:
-    return 3 * hidden * inter + (2 * inter + hidden if bias else 0)
+def _mlp(hidden: int, inter: int, bias: bool = False, gated: bool = True) -> int:
+    return (3 if gated else 2) * hidden * inter + (2 * inter + hidden if bias else 0)
 
 
 def recurrent_mixer_params(cfg: ModelConfig) -> int:
@@ -75,8 +75,14 @@ def layer_params(cfg: ModelConfig, layer: int) -> tuple[int, int, int]:
     if cfg.is_linear_layer(layer):  # a recurrent mixer (Gated DeltaNet, Mamba2, short conv) in attention's place
         attn = recurrent_mixer_params(cfg)
         norms = h * (2 * cfg.pre_norms + 2 * cfg.post_norms)
+    if not cfg.layer_has_mixer(layer):
+        attn = 0
+    if cfg.layer_has_mixer(layer) != cfg.layer_has_mlp(layer):  # a single-block layer: the one block's norms
+        norms -= h * (cfg.pre_norms + cfg.post_norms)
+    if not cfg.layer_has_mlp(layer):
+        return attn + norms, attn + norms, 0
     if not cfg.is_moe_layer(layer):
-        dense = attn + norms + _mlp(h, cfg.layer_intermediate_size(layer))
+        dense = attn + norms + _mlp(h, cfg.layer_intermediate_size(layer), gated=cfg.mlp_gated)
         return dense, dense, 0
     expert = _mlp(h, cfg.moe_intermediate_size, cfg.expert_bias)
     router = cfg.num_experts * (h + cfg.router_bias)

@@ -197,6 +197,9 @@ def gguf_names(model: CausalLM, arch: str, hf_names: list[str]) -> dict[str, str
         for old, new in _CONVERTER_RENAMES:
             key = key.replace(old, new)
         name = tmap.get_name(key, try_suffixes=(".weight", ".bias"))
+        for old, new in fam.renamed if name is None else ():  # the checkpoint's own name (Nemotron-H's backbone.)
+            if name is None and key.startswith(new):
+                name = tmap.get_name(old + key[len(new) :], try_suffixes=(".weight", ".bias"))
         if name is None:
             raise ModelLoadError(f"llama.cpp's {arch} tensor table has no name for {hf}")
         if not hf.endswith((".weight", ".bias")) and key == hf:  # a bare parameter: `<name>.weight` (gpt-oss's

@@ -13,6 +13,7 @@ from pagedllm.model.families.lfm2 import LFM2
 from pagedllm.model.families.lfm2_moe import LFM2_MOE
 from pagedllm.model.families.llama import LLAMA, MISTRAL
 from pagedllm.model.families.mixtral import MIXTRAL
+from pagedllm.model.families.nemotron_h import NEMOTRON_H
 from pagedllm.model.families.olmo2 import OLMO2
 from pagedllm.model.families.olmoe import OLMOE
 from pagedllm.model.families.phi3 import PHI3
@@ -30,6 +31,7 @@ FAMILIES += (GEMMA4,)  # per-layer input embeddings, shared KV (families/gemma4.
 FAMILIES += (QWEN2_MOE, QWEN3_MOE, OLMOE, MIXTRAL, GRANITEMOE, GRANITEMOESHARED, GPT_OSS)  # sparse (families/moe.py)
 FAMILIES += (QWEN3_5, QWEN3_NEXT, QWEN3_5_MOE)  # hybrid: Gated DeltaNet layers, a recurrent state (layers/deltanet.py)
 FAMILIES += (GRANITEMOEHYBRID, LFM2, LFM2_MOE)  # hybrid: Mamba2 (layers/mamba2.py), short conv (shortconv.py)
+FAMILIES += (NEMOTRON_H,)  # hybrid, single-block layers: a Mamba2 mixer, attention or an ungated MLP each
 SUPPORTED_ARCHITECTURES = tuple(a for f in FAMILIES for a in f.architectures)
 GGUF_ARCHITECTURES = tuple(a for f in FAMILIES for a in f.gguf_archs)
 

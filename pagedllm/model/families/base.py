@@ -95,6 +95,9 @@ class Family:
     # "model.layers.N."), as a function of whether the model has experts (Granite 4.0-H's shared MLP is
     # ffn_*_shexp beside experts, the plain ffn_* without)
     gguf_layer_names: Callable[[bool], dict[str, str]] | None = None
+    # config.json as the family's config class reads it, before the common keys are read (Nemotron-H's layer count,
+    # which transformers 5 derives from its layer kinds and does not save)
+    hf_config: Callable[[dict[str, Any]], dict[str, Any]] = lambda cfg: cfg
 
 
 def every_nth(num_layers: int, n: int, hit: str, other: str) -> list[str]:

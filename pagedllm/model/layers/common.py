@@ -1,5 +1,5 @@
-"""The small shared layers of every decoder family: RMSNorm (plain or Gemma's (1 + w)), the gated MLP, gpt-oss's
-attention sinks.
+"""The small shared layers of every decoder family: RMSNorm (plain or Gemma's (1 + w)), the MLP (gated, or
+Nemotron-H's ungated relu2), gpt-oss's attention sinks.
 
 Numerics deliberately follow Hugging Face transformers (norm in float32 then cast, Gemma's weight applied in
 float32 before the cast) so that float32 results agree to ~1e-5 and bfloat16 ones mostly pick the same top
@@ -16,7 +16,7 @@ from torch import nn
 
 from pagedllm.model.layers.linear import Linear, empty_param
 
-ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "relu2")
 
 
 class RMSNorm(nn.Module):
@@ -46,7 +46,10 @@ def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def activation(name: str, x: torch.Tensor) -> torch.Tensor:
-    """The gate's activation: SiLU (SwiGLU) or tanh-approximated GELU (Gemma's GeGLU)."""
+    """The gate's activation: SiLU (SwiGLU) or tanh-approximated GELU (Gemma's GeGLU); relu(x)^2 (an ungated
+    MLP's: Nemotron-H)."""
+    if name == "relu2":
+        return torch.square(F.relu(x))
     return F.silu(x) if name == "silu" else F.gelu(x, approximate="tanh")
 
 
@@ -60,7 +63,9 @@ Glu = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (gate, up) -> the 
 
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)) with gate and up merged into one matmul (one weight read, one kernel call);
-    `glu` replaces act(gate) * up (an expert's clamped SwiGLU, moe.py), `bias` adds both matmuls' biases."""
+    `glu` replaces act(gate) * up (an expert's clamped SwiGLU, moe.py), `bias` adds both matmuls' biases.
+    `has_gate=False`: down(act(up(x))), `gate_up` holding the up rows alone (Nemotron-H's relu2 MLP): the same slots,
+    so the loader, LoRA and the fused step treat both alike."""
 
     def __init__(
         self,
@@ -71,15 +76,19 @@ class GatedMLP(nn.Module):
         device: torch.device | str,
         bias: bool = False,
         glu: Glu | None = None,
+        has_gate: bool = True,
     ) -> None:
         super().__init__()
         self.inter = inter
         self.act = act
+        self.has_gate = has_gate
         self.glu: Glu = glu or (lambda g, u: gated(act, g, u))
-        self.gate_up = Linear(2 * inter, hidden, bias, dtype, device)
+        self.gate_up = Linear((2 if has_gate else 1) * inter, hidden, bias, dtype, device)
         self.down = Linear(hidden, inter, bias, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.has_gate:
+            return self.down(activation(self.act, self.gate_up(x)))
         g, u = self.gate_up(x).split(self.inter, dim=-1)
         return self.down(self.glu(g, u))
 

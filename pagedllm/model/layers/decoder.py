@@ -5,11 +5,13 @@ and the MLP, Gemma's (1 + w)), q/k norms per head (Qwen3, Gemma 3) or over the w
 activation (SwiGLU, GeGLU), multipliers (Gemma's embedding scale, Granite's four), per-layer RoPE (Gemma 3's
 two bases, SmolLM3's NoPE layers, Phi's partial rotary) and the attention's scale / soft-cap / window.
 
-A sparse layer (cfg.is_moe_layer) has a mixture of experts (moe.py) in the MLP's place. A linear-attention layer
-(cfg.is_linear_layer: Qwen3.5, Qwen3-Next) has a Gated DeltaNet mixer (deltanet.py) in attention's place, which
-reads and writes its request's recurrent state instead of the KV cache (Granite 4.0-H: Mamba2, mamba2.py; LFM2: a
-short conv, shortconv.py; cfg.recurrent_mixer picks); their full-attention layers may gate the
-attention's output by sigmoid(gate), the gate's rows stored beside each head's query rows (attn_output_gate).
+A sparse layer (cfg.is_moe_layer) has a mixture of experts (moe.py) in the MLP's place. A layer may have one of
+the two blocks only (cfg.layer_has_mixer / layer_has_mlp: Nemotron-H's layers are each a Mamba2 mixer, attention
+or an ungated relu2 MLP, behind one pre-norm): the other block, its norms and its residual add are not there.
+A linear-attention layer (cfg.is_linear_layer: Qwen3.5, Qwen3-Next) has a Gated DeltaNet mixer (deltanet.py) in
+attention's place, which reads and writes its request's recurrent state instead of the KV cache (Granite 4.0-H:
+Mamba2, mamba2.py; LFM2: a short conv, shortconv.py; cfg.recurrent_mixer picks); their full-attention layers may
+gate the attention's output by sigmoid(gate), the gate's rows stored beside each head's query rows (attn_output_gate).
 
 Q, K and V are one merged projection and gate/up another, so each layer is four matmuls whatever the
 checkpoint stores (split or fused, as Phi-3); logits are computed only for the rows the caller asks for
@@ -54,7 +56,8 @@ def recurrent_mixer(cfg: ModelConfig, dtype: torch.dtype, device: torch.device |
 
 
 class DecoderLayer(nn.Module):
-    """Attention then a gated MLP, each added to the residual stream, with the norms its family has."""
+    """Attention (or a recurrent mixer) then a gated MLP, each added to the residual stream, with the norms its
+    family has; either block may be absent (a single-block layer)."""
 
     def __init__(
         self,
@@ -79,13 +82,19 @@ class DecoderLayer(nn.Module):
             return RMSNorm(size, cfg.rms_norm_eps, dtype, device, cfg.norm_offset) if present else None
 
         hidden = cfg.hidden_size
-        self.attn_norm, self.mlp_norm = norm(hidden, cfg.pre_norms), norm(hidden, cfg.pre_norms)
-        self.attn_out_norm, self.mlp_out_norm = norm(hidden, cfg.post_norms), norm(hidden, cfg.post_norms)
+        self.has_mixer, self.has_mlp = cfg.layer_has_mixer(index), cfg.layer_has_mlp(index)
+        self.attn_norm, self.mlp_norm = (
+            norm(hidden, cfg.pre_norms and self.has_mixer),
+            norm(hidden, cfg.pre_norms and self.has_mlp),
+        )
+        self.attn_out_norm = norm(hidden, cfg.post_norms and self.has_mixer)
+        self.mlp_out_norm = norm(hidden, cfg.post_norms and self.has_mlp)
         self.qk_norm = cfg.qk_norm
         per_head = cfg.qk_norm == "head"
         self.index = index
         self.linear_attn = recurrent_mixer(cfg, dtype, device) if cfg.is_linear_layer(index) else None
-        attn = self.linear_attn is None
+        attn = self.linear_attn is None and self.has_mixer
+        self.attends = attn  # reads and writes the KV cache (read by the fused step too)
         self.q_norm = norm(self.head_dim if per_head else self.q_size, cfg.qk_norm is not None and attn)
         k_norm = cfg.qk_norm is not None and attn and self.kv_parts > 0
         self.k_norm = norm(self.head_dim if per_head else self.kv_size, k_norm)
@@ -98,8 +107,9 @@ class DecoderLayer(nn.Module):
         self.moe = (
             SparseMoE(cfg, dtype, device, load, sum(map(cfg.is_moe_layer, range(index)))) if load is not None else None
         )
-        if self.moe is None or cfg.moe_beside_mlp:
-            self.mlp = GatedMLP(hidden, cfg.layer_intermediate_size(index), cfg.hidden_act, dtype, device)
+        if self.has_mlp and (self.moe is None or cfg.moe_beside_mlp):
+            inter = cfg.layer_intermediate_size(index)
+            self.mlp = GatedMLP(hidden, inter, cfg.hidden_act, dtype, device, has_gate=cfg.mlp_gated)
         beside = self.moe is not None and cfg.moe_beside_mlp  # Gemma 4: both, each with its own norms
         self.moe_norm, self.mlp_out_norm_1 = norm(hidden, beside), norm(hidden, beside)
         self.moe_out_norm = norm(hidden, beside)
@@ -121,6 +131,8 @@ class DecoderLayer(nn.Module):
         ple = self.per_layer_input
         mixer = (
             {("q", "qk", "qkv")[self.kv_parts]: self.qkv, "o": self.o}
+            if self.attends
+            else {}
             if self.linear_attn is None
             else dict(self.linear_attn.slots().items())
         )
@@ -152,7 +164,9 @@ class DecoderLayer(nn.Module):
         return [*self._mixer_linears(), *mlp, *ple]
 
     def _mixer_linears(self) -> list[Linear]:
-        return [self.qkv, self.o] if self.linear_attn is None else self.linear_attn.linears()
+        if self.linear_attn is not None:
+            return self.linear_attn.linears()
+        return [self.qkv, self.o] if self.attends else []
 
     def dense_linears(self) -> list[Linear]:
         """The dense MLP's gate/up and down: a dense layer's, a sparse layer's beside its experts (Gemma 4), or none
@@ -160,11 +174,15 @@ class DecoderLayer(nn.Module):
         return [self.mlp.gate_up, self.mlp.down] if hasattr(self, "mlp") else []
 
     def main_linears(self) -> list[Linear]:
-        """q/k/v, o, gate/up and down (a sparse layer's first expert's): the four kernel_choice.py times."""
+        """q/k/v, o, gate/up and down (a sparse layer's first expert's): the four kernel_choice.py times (of a
+        single-block layer, its block's two)."""
+        mixer = self._mixer_linears()
+        out = [mixer[0], mixer[-1]] if mixer else []
+        if not self.has_mlp:
+            return out
         mlp = self.moe.experts[0] if self.moe is not None else self.mlp
         assert isinstance(mlp, GatedMLP)
-        mixer = self._mixer_linears()
-        return [mixer[0], mixer[-1], mlp.gate_up, mlp.down]
+        return [*out, mlp.gate_up, mlp.down]
 
     def _qkv(
         self, x: torch.Tensor, rope: CosSin | None
@@ -205,6 +223,31 @@ class DecoderLayer(nn.Module):
             return self.moe(x)
         return self.mlp_out_norm_1(self.mlp(x)) + self.moe_out_norm(self.moe(self.moe_norm(h), h))
 
+    def _mix(
+        self,
+        h: torch.Tensor,
+        rope: CosSin | None,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: PagedAttentionBackend,
+        recurrent: RecurrentStep | None,
+    ) -> torch.Tensor:
+        """The mixer's output (attention or the recurrent mixer) for the stream `h`, normed before."""
+        x = h if self.attn_norm is None else self.attn_norm(h)
+        if self.linear_attn is not None:
+            if recurrent is None:
+                raise ValueError(f"layer {self.index} is a linear-attention layer: the step needs its state slots")
+            return self.linear_attn(x, *recurrent.caches[self.index], recurrent)
+        q, k, v, gate = self._qkv(x, rope)
+        a = backend.forward(q, k, v, k_cache, v_cache, meta, self.attn_spec).reshape(h.shape[0], self.q_size)
+        return self.o(a if gate is None else a * torch.sigmoid(gate))
+
+    def _add(self, h: torch.Tensor, out: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
+        """A block's output (normed where the family norms it) added to the residual stream (Granite: scaled)."""
+        out = out if norm is None else norm(out)
+        return h + (out if self.residual_multiplier == 1.0 else out * self.residual_multiplier)
+
     def forward(
         self,
         h: torch.Tensor,
@@ -218,22 +261,10 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """`recurrent`: the step's state slots, which a linear-attention layer reads instead of the KV cache;
         `per_layer`: this layer's per-layer input embedding of each token (Gemma 4's PLE), if the model has them."""
-        x = h if self.attn_norm is None else self.attn_norm(h)
-        if self.linear_attn is not None:
-            if recurrent is None:
-                raise ValueError(f"layer {self.index} is a linear-attention layer: the step needs its state slots")
-            a = self.linear_attn(x, *recurrent.caches[self.index], recurrent)
-        else:
-            q, k, v, gate = self._qkv(x, rope)
-            a = backend.forward(q, k, v, k_cache, v_cache, meta, self.attn_spec).reshape(h.shape[0], self.q_size)
-            a = self.o(a if gate is None else a * torch.sigmoid(gate))
-        if self.attn_out_norm is not None:
-            a = self.attn_out_norm(a)
-        h = h + (a if self.residual_multiplier == 1.0 else a * self.residual_multiplier)
-        m = self._mlp(h if self.mlp_norm is None else self.mlp_norm(h), h)
-        if self.mlp_out_norm is not None:
-            m = self.mlp_out_norm(m)
-        h = h + (m if self.residual_multiplier == 1.0 else m * self.residual_multiplier)
+        if self.has_mixer:
+            h = self._add(h, self._mix(h, rope, k_cache, v_cache, meta, backend, recurrent), self.attn_out_norm)
+        if self.has_mlp:
+            h = self._add(h, self._mlp(h if self.mlp_norm is None else self.mlp_norm(h), h), self.mlp_out_norm)
         if self.per_layer_input is not None and per_layer is not None:
             h = self.per_layer_input(h, per_layer)
         return h if self.scalar is None else h * self.scalar.weight

@@ -151,6 +151,14 @@ static void gelu_tanh_mul(float *out, const float *g, const float *u, int n) {
     }
 }
 
+/* out = relu(x)^2 (Nemotron-H's ungated MLP), n elements. */
+static void relu2_row(float *out, const float *x, int n) {
+    for (int j = 0; j < n; j++) {
+        const float v = x[j] > 0.0f ? x[j] : 0.0f;
+        out[j] = v * v;
+    }
+}
+
 /* Rotate-half RoPE of the first R dims of one head in place (R: the rotary width; the rest pass as they are):
  * x * cos + cat(-x2, x1) * sin. */
 static void rope(float *x, const float *cos, const float *sin, int R) {
@@ -438,20 +446,26 @@ static int plan(Phase *ph, const StepModel *m, const StepLayer *layers, const St
          * of those to keep the threads busy (one sequence), (token, query head) */
         const int attn_split = buf->n_tiles * L->kv_heads >= 2 * nthreads ? L->kv_heads : m->heads;
         const float *xa = L->attn_norm ? buf->x : buf->h, *xm = L->ffn_norm ? buf->x : buf->h; /* no norm: h */
-        if (L->attn_norm) ph[n++] = norm_phase(buf->x, buf->h, L->attn_norm, NULL, T);
-        if (L->mixer) {
-            n += mixer_phases(ph + n, m, L, l, buf, xa, T, nthreads);
-        } else {
-            const int k = matmul_phases(ph + n, buf, P_QKV, buf->qkv, xa, L->qkv, L->qkv_fmt, L->qkv_bias, T, N_QKV,
-                                        E, 0, nthreads);
-            ph[n + k - 1].ldo = QKV;
-            n += with_lora(ph + n, k, b, l, LORA_QKV);
-            ph[n++] = (Phase){.kind = K_ROPE, .layer = l, .items = T, .prof = P_ROPE};
-            ph[n++] = (Phase){.kind = K_ATTN, .layer = l, .items = buf->n_tiles * attn_split, .prof = P_ATTN};
-            n += with_lora(ph + n,
-                           branch_phases(ph + n, m, buf, P_O, buf->attn, L->o, L->o_fmt, L->o_bias, L->attn_out_norm,
-                                         T, HD, nthreads),
-                           b, l, LORA_O);
+        if (!L->no_mixer) { /* else a single-block layer's MLP alone */
+            if (L->attn_norm) ph[n++] = norm_phase(buf->x, buf->h, L->attn_norm, NULL, T);
+            if (L->mixer) {
+                n += mixer_phases(ph + n, m, L, l, buf, xa, T, nthreads);
+            } else {
+                const int k = matmul_phases(ph + n, buf, P_QKV, buf->qkv, xa, L->qkv, L->qkv_fmt, L->qkv_bias, T,
+                                            N_QKV, E, 0, nthreads);
+                ph[n + k - 1].ldo = QKV;
+                n += with_lora(ph + n, k, b, l, LORA_QKV);
+                ph[n++] = (Phase){.kind = K_ROPE, .layer = l, .items = T, .prof = P_ROPE};
+                ph[n++] = (Phase){.kind = K_ATTN, .layer = l, .items = buf->n_tiles * attn_split, .prof = P_ATTN};
+                n += with_lora(ph + n,
+                               branch_phases(ph + n, m, buf, P_O, buf->attn, L->o, L->o_fmt, L->o_bias,
+                                             L->attn_out_norm, T, HD, nthreads),
+                               b, l, LORA_O);
+            }
+        }
+        if (L->no_mlp) { /* a single-block layer's mixer alone */
+            n += layer_end_phases(ph + n, m, L, l, buf, T, nthreads);
+            continue;
         }
         if (L->ffn_norm) ph[n++] = norm_phase(buf->x, buf->h, L->ffn_norm, NULL, T);
         if (L->moe) {
@@ -460,8 +474,8 @@ static int plan(Phase *ph, const StepModel *m, const StepLayer *layers, const St
             continue;
         }
         n += with_lora(ph + n,
-                       matmul_phases(ph + n, buf, P_GATE_UP, buf->gu, xm, L->gate_up, L->gate_up_fmt, NULL, T, 2 * I,
-                                     E, 0, nthreads),
+                       matmul_phases(ph + n, buf, P_GATE_UP, buf->gu, xm, L->gate_up, L->gate_up_fmt, NULL, T,
+                                     (m->act == ACT_RELU2 ? 1 : 2) * I, E, 0, nthreads),
                        b, l, LORA_GATE_UP);
         ph[n++] = (Phase){.kind = K_ACT, .items = T, .prof = P_ACT, .out = buf->act, .x = buf->gu, .N = I};
         n += with_lora(ph + n,
@@ -727,7 +741,11 @@ static void run_item(const Phase *p, const StepModel *m, const StepLayer *layers
     case K_ATTN:
         attention(m, &layers[p->layer], b, buf, sc, i, p->items / buf->n_tiles);
         break;
-    case K_ACT: /* row i of act(gate) * up, N wide */
+    case K_ACT: /* row i of act(gate) * up, N wide; ungated (ACT_RELU2): relu(up)^2 of a row N wide */
+        if (m->act == ACT_RELU2) {
+            relu2_row(p->out + (int64_t)i * p->N, p->x + (int64_t)i * p->N, p->N);
+            break;
+        }
         (m->act == ACT_GELU_TANH ? gelu_tanh_mul : silu_mul)(p->out + (int64_t)i * p->N, p->x + (int64_t)i * 2 * p->N,
                                                              p->x + (int64_t)i * 2 * p->N + p->N, p->N);
         break;
@@ -837,7 +855,8 @@ static int check(const StepModel *m, const StepLayer *layers, const StepBatch *b
     if (b->T <= 0 || b->R < 0 || b->groups <= 0 || m->heads % m->kv_heads || m->rotary_dim % 2 || m->rotary_dim < 0 ||
         m->rotary_dim > m->head_dim || m->hidden % 32 || m->inter % 32 || m->cache_kind < KV_F32 ||
         (m->ple_width && (m->ple_width % 32 || m->ple_vocab <= 0 || m->residual_scale != 1.0f || !m->ple_proj_norm)) ||
-        m->cache_kind > KV_FP8_E5M2 || m->act < ACT_SILU || m->act > ACT_GELU_TANH ||
+        m->cache_kind > KV_FP8_E5M2 || m->act < ACT_SILU || m->act > ACT_RELU2 ||
+        (m->act == ACT_RELU2 && (m->experts || m->ple_width)) ||
         (m->experts && (m->topk <= 0 || m->topk > m->experts || m->moe_ffn <= 0 || m->moe_ffn % 32 ||
                         m->shared_inter < 0 || m->shared_inter % 32 || m->router < ROUTE_SOFTMAX_TOPK ||
                         m->router > ROUTE_SIGMOID)))
@@ -850,11 +869,13 @@ static int check(const StepModel *m, const StepLayer *layers, const StepBatch *b
             L->head_dim <= 0 || L->head_dim > m->head_dim || L->kv_heads <= 0 || L->kv_heads > m->kv_heads ||
             m->heads % L->kv_heads || L->rotary_dim % 2 || L->rotary_dim < 0 || L->rotary_dim > L->head_dim ||
             L->inter > m->inter || L->inter % 32 || L->kv_parts < 0 || L->kv_parts > 2 ||
-            (!L->mixer && L->kv_stride < (int64_t)L->kv_heads * (m->cache_kind >= KV_INT8 ? kv_row_bytes(L->head_dim)
-                                                                                          : L->head_dim)) ||
+            (!L->mixer && !L->no_mixer &&
+             L->kv_stride < (int64_t)L->kv_heads *
+                                (m->cache_kind >= KV_INT8 ? kv_row_bytes(L->head_dim) : L->head_dim)) ||
             (L->rope != ROPE_NONE && !L->rotary_dim) || !L->ple_gate != !L->ple_proj ||
             (L->ple_gate && (!m->ple_width || !L->ple_norm)) ||
-            (!moe && (!L->gate_up || !L->down)) || !L->gate_up != !L->down || (L->gate_up && L->inter <= 0) ||
+            (!moe && !L->no_mlp && (!L->gate_up || !L->down)) || !L->gate_up != !L->down ||
+            (L->gate_up && L->inter <= 0) || (L->no_mixer && (L->no_mlp || L->mixer)) ||
             (moe && (!m->experts || !L->router || moe->experts != m->experts || moe->hidden != m->hidden ||
                      moe->ffn != m->moe_ffn || !L->shared_gate_up != !L->shared_down ||
                      (L->shared_gate_up && !m->shared_inter))))

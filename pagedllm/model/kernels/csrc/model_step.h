@@ -12,7 +12,7 @@
 #include "lora.h"
 
 enum { ROPE_NONE, ROPE_GLOBAL, ROPE_LOCAL }; /* StepLayer.rope */
-enum { ACT_SILU, ACT_GELU_TANH };            /* StepModel.act */
+enum { ACT_SILU, ACT_GELU_TANH, ACT_RELU2 }; /* StepModel.act (ACT_RELU2: ungated, gate_up holds up alone) */
 enum { ROUTE_SOFTMAX_TOPK, ROUTE_TOPK_SOFTMAX, ROUTE_SIGMOID }; /* StepModel.router: moe.py's route() kinds */
 
 typedef struct {
@@ -65,13 +65,16 @@ typedef struct {
     const uint8_t *ple_gate, *ple_proj;
     int ple_gate_fmt, ple_proj_fmt;
     const float *ple_norm;
+    /* A single-block layer (Nemotron-H): 1 where the layer has no mixer (its MLP only) / no MLP (its mixer only);
+     * the block it lacks, that block's norms and its residual add are not planned */
+    int no_mixer, no_mlp;
 } StepLayer;
 
 typedef struct {
     int hidden, inter, heads, kv_heads, head_dim, layers, vocab, block_size, cache_kind, amx_min_rows;
     int dot; /* 1: matmuls round x to 16-bit integers per group of 32 (the dot route); 0: float32 x */
     int i8_min_rows; /* matmuls of at least this many rows (of a format the int8 route runs) round x to 8 bits */
-    int act; /* the gate's activation: ACT_SILU (SwiGLU) or ACT_GELU_TANH (GeGLU) */
+    int act; /* the gate's activation: ACT_SILU (SwiGLU), ACT_GELU_TANH (GeGLU); ACT_RELU2: relu(up)^2, no gate */
     int rotary_dim; /* the leading dims of each head RoPE rotates (partial rotary: fewer than head_dim) */
     int64_t num_blocks, max_positions, max_local_positions;
     float eps;

@@ -239,29 +239,56 @@ def moe_folder(tmp_path_factory) -> str:
     return folder
 
 
+I8_ROWS = 8  # --quantized-activations int8's row count, set (the loader's comes from a timing)
+# The int8 route between the two paths: an input that the paths compute a rounding apart can round to codes a step
+# (1/254 of its group's largest) apart; 4.6e-3 measured here (dense matmuls alone: 6.9e-3)
+I8_TOL = 2e-2
+
+
+def _with_i8_rows(loaded, experts: bool):
+    """Every quantized weight on the int8 route from I8_ROWS rows on, as the loader sets them, or (`experts`
+    False) every one but the experts'."""
+    routed = {id(lin.quant) for layer in loaded.model.decoder_layers if layer.moe for lin in layer.moe.linears()}
+    for w in loaded.model.quant_weights():
+        w.i8_min_rows = I8_ROWS if experts or id(w) not in routed else 0
+    return loaded
+
+
 @pytest.mark.parametrize("target", TARGETS)
-@pytest.mark.parametrize("activations", ["none", "int16"])
+@pytest.mark.parametrize("activations", ["none", "int16", "int8"])
 def test_the_moe_block_on_the_fused_step_of_every_cpu_class(moe_folder, activations, target, caplog):
     """The sparse block beside the dense MLP in the one C call (the MLP, the experts' and the router's own norms of
     the stream, the per-expert scales, both outputs normed and summed) against the torch path on the same int8
-    weights, with float32 activations and the dot route's, on this CPU's build, the AVX2 one and the portable one:
-    no line saying the steps run on the torch path, the same greedy tokens, logits within each route's bound, and
-    the same expert load counted."""
+    weights, with float32 activations, the dot route's, and the int8 route's from 8 rows of a matmul on (an
+    expert's: its routed rows; the prompt's chunks have more, the decode steps fewer), on this CPU's build, the
+    AVX2 one and the portable one: no line saying the steps run on the torch path, the same greedy tokens, logits
+    within each route's bound, and the same expert load counted. On the int8 route the experts take it in the
+    fused step too: a chunk's logits are not those of the experts on the dot route."""
     from model_helpers import cpu_target, fused_and_torch
 
     loaded = load_model(moe_folder, "float32", verbose=False, quantization="int8", quantized_activations=activations)
     ids = _tokens(70, 14)
     with cpu_target(target), caplog.at_level(logging.WARNING, logger="pagedllm"):
+        if activations == "int8":
+            dense_only = _prefill(_with_i8_rows(loaded, False), ids)
+            assert not torch.equal(_prefill(_with_i8_rows(loaded, True), ids), dense_only)
         got = fused_and_torch(loaded, ids, 29, 8)
         counted = {fused: _expert_load_of_a_step(loaded, ids, fused) for fused in (True, False)}
     assert "not the fused C step" not in caplog.text
     (fused, fused_tokens), (want, want_tokens) = got[True], got[False]
     assert fused_tokens == want_tokens, f"{activations} {target}"
     err = (fused - want).abs().max().item() / want.abs().max().item()
-    assert err < (TOL if activations == "none" else DOT_TOL), f"{activations} {target}: {err:.2e}"
+    assert err < {"none": TOL, "int16": DOT_TOL, "int8": I8_TOL}[activations], f"{activations} {target}: {err:.2e}"
     (tokens, reads), (want_load, want_reads) = counted[True], counted[False]
     assert torch.equal(tokens, want_load) and reads == want_reads > 0
     assert (tokens.sum(1) == len(ids) * MOE["top_k_experts"]).all()
+
+
+def _prefill(loaded, ids: list[int]) -> torch.Tensor:
+    """The fused step's logits of `ids` prefilled in one chunk."""
+    runner = ModelRunner(loaded, num_blocks=16, block_size=8)
+    assert runner.fused is not None
+    return all_logits(runner, [SeqChunk(ids, 0, list(range(16)))])[0]
 
 
 def _expert_load_of_a_step(loaded, ids: list[int], fused: bool) -> tuple[torch.Tensor, int]:

@@ -6,11 +6,14 @@ and the dot route's 16-bit ones) and CPU class (native, x86-64-v4, x86-64-v3, po
 with routings that leave one expert without rows and give another every row (so both the direct and the panel
 routes serve some expert). Each token's result is bit-identical whatever else is in the step (fewer rows, the
 rows in another order), the expert load counts the rows routed to each expert, and the activations (SwiGLU,
-GeGLU, gpt-oss's clamped SwiGLU with expert biases) are transformers' formulas.
+GeGLU, gpt-oss's clamped SwiGLU with expert biases) are transformers' formulas. The opt-in int8 route (8-bit
+activations for an expert's matmul of at least MoeLayer.i8_min_rows rows) against the float32 route, within
+its stated tolerance.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import cache
 
 import pytest
@@ -148,6 +151,43 @@ def test_each_activation_and_the_expert_biases(target, act):
         h = x.double() @ _weights("Q8_0")[2][1].T
         assert (h.abs() > 7).any() and (h.abs() < 7).any()
     _check("Q8_0", False, act, seed=3)
+
+
+# The int8 route against the float32 one: each input within half a step of its group's scale (0.4% of the group's
+# largest), through both matmuls; up to 1.4e-2 of the largest output measured here, on every class.
+I8_TOL = 3e-2
+
+
+def _i8_experts(type_name: str, min_rows: int) -> MoeExperts:
+    """The experts with the int8 route from `min_rows` rows of an expert on (the dot route below it, as the
+    loader's --quantized-activations int8 sets them; the cached weights left as they are)."""
+    gu, dn, _, _ = _weights(type_name)
+    return MoeExperts(*[[replace(w, dot=True, i8_min_rows=min_rows) for w in ws] for ws in (gu, dn)])
+
+
+@pytest.mark.parametrize("type_name", list(TYPES))
+def test_the_int8_route_runs_the_experts_of_its_row_count(target, type_name):
+    """--quantized-activations int8: an expert's matmuls of at least i8_min_rows rows round their inputs to 8 bits
+    per group of 32 (qmm_i8.c). From one row on, every expert takes it: within I8_TOL of the float32 route (and
+    not the dot route's numbers: it ran), each row's result its own whatever the rows beside it, bit for bit; at a
+    count no expert reaches, the dot route's result bit for bit; F16, a format the route does not run, the dot
+    route's at any count."""
+    x, ids, w, _ = _case(type_name, "silu", TYPES[type_name])
+    dot = _experts(type_name, True).forward(x, ids, w)
+    floats = _experts(type_name, False).forward(x, ids, w)
+    on = _i8_experts(type_name, 1)
+    full = on.forward(x, ids, w)
+    assert torch.equal(_i8_experts(type_name, ROWS[-1] + 1).forward(x, ids, w), dot)
+    if type_name == "F16":
+        assert torch.equal(full, dot)
+        return
+    assert not torch.equal(full, dot)
+    err = (full - floats).abs().max().item() / floats.abs().max().item()
+    assert err < I8_TOL, f"{type_name}: {err:.2e}"
+    for rows in ROWS[:-1]:
+        assert torch.equal(on.forward(x[:rows], ids[:rows], w[:rows]), full[:rows]), f"{rows} rows"
+    perm = torch.randperm(ROWS[-1], generator=torch.Generator().manual_seed(1))
+    assert torch.equal(on.forward(x[perm], ids[perm], w[perm]), full[perm])
 
 
 def test_experts_are_views_of_one_buffer_and_bad_input_is_named():

@@ -88,9 +88,12 @@ class MoeExperts:
         """The MoeLayer structure (moe.h) the kernel runs; the fused C step points its sparse layers at it."""
         return self._layer
 
-    def sync_dot(self) -> None:
-        """The dot route when the experts' weights take it (QuantWeight.dot, set by the loader after packing)."""
+    def sync_routes(self) -> None:
+        """The routes the experts' weights take (set by the loader after packing): the dot route
+        (QuantWeight.dot), and the int8 route for an expert's matmul of at least `i8_min_rows` rows (0: never;
+        the weights of a format the route does not run have 0)."""
         self._layer.dot = int(self.gate_up[0].dot)
+        self._layer.i8_min_rows = max(self.gate_up[0].i8_min_rows, self.down[0].i8_min_rows)
 
     @property
     def hidden(self) -> int:
@@ -105,7 +108,8 @@ class MoeExperts:
     ) -> torch.Tensor:
         """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) for each row t of x [T, hidden], in x's dtype;
         added into `out` (float32 [T, hidden], contiguous) instead when given. The dot route (activations rounded
-        to 16 bits per group of 32) when the experts' weights take it (QuantWeight.dot, set by the loader)."""
+        to 16 bits per group of 32) when the experts' weights take it (QuantWeight.dot, set by the loader), the
+        int8 route (8 bits) for an expert's matmul of at least their `i8_min_rows` rows."""
         lib = cpu_kernel.load()
         if lib is None:
             raise RuntimeError("the MoE kernel is not built on this machine")
@@ -119,7 +123,7 @@ class MoeExperts:
             return y if out is not None else y.to(x.dtype)
         xf = x.float().contiguous()
         ids, w = topk_ids.to(torch.int64).contiguous(), topk_weights.float().contiguous()
-        self.sync_dot()
+        self.sync_routes()
         assert self.load is not None  # __post_init__ made it
         rc = lib.moe_experts(
             y.data_ptr(),

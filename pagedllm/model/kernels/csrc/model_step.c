@@ -1019,7 +1019,7 @@ int model_step(const StepModel *m, const StepLayer *layers, const StepBatch *b, 
     if (status == 0 && b->lora) status = lora_check(b->lora, T, m->layers);
     MoePlan *plan = NULL;
     if (status == 0 && m->experts) {
-        plan = moe_plan_new(m->experts, T * m->topk, E, m->moe_ffn, dot, nthreads);
+        plan = moe_plan_new(m->experts, T * m->topk, E, m->moe_ffn, dot, m->i8_min_rows > 0, nthreads);
         status = plan ? 0 : -1;
     }
     if (status == 0) {

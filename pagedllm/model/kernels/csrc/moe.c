@@ -12,7 +12,9 @@
  * float32 direct / panel routes, the same ones qmm_dot / qmm_f32 run), in parallel over (expert, column range)
  * work items. A slot's row is computed exactly as a dense matmul computes a row, whatever the other rows of its
  * expert, and each token sums its experts' outputs in its own choice order: a token's result does not depend on
- * what else is in the step, bit for bit.
+ * what else is in the step, bit for bit. The exception is the opt-in int8 route (qmm_i8.c, MoeLayer.i8_min_rows):
+ * as a dense matmul takes it from a row count on, so does an expert's, counting the rows routed to that expert;
+ * its rows are then rounded to 8 bits, so a token's numbers depend on how many rows share its experts.
  *
  * The work as phases of independent items (MoePlan, moe.h): grouping (one item), gather x into slot order
  * (rounded for the dot route), gate_up per expert, the activation per slot, down per expert (into the gathered
@@ -52,6 +54,8 @@ struct MoePlan {
     int n_items[2];
     float *xs, *gu, *act; /* xs: [S, hidden] gathered x, then the experts' outputs */
     XQ16 xq;            /* the rows of the matmul at hand rounded for the dot route: [S, max(hidden, ffn)] */
+    XQ8 xq8;            /* ... for the int8 route (the rows of experts that take it) */
+    int *expert_of;     /* [S] the expert of each slot */
 };
 
 static int fmt_ok(int fmt, int K) { return fmt == QFMT_MIXED || qcol_bytes(fmt, K / 32) > 0; }
@@ -69,13 +73,15 @@ static void *carve(uint8_t **at, size_t n) {
     return r;
 }
 
-MoePlan *moe_plan_new(int experts, int max_slots, int hidden, int ffn, int dot, int num_threads) {
+MoePlan *moe_plan_new(int experts, int max_slots, int hidden, int ffn, int dot, int i8, int num_threads) {
     const int E = experts, S = max_slots, H = hidden, F = ffn, K = H > F ? H : F;
     const int target = 8 * (num_threads < 1 ? 1 : num_threads);
     if (E <= 0 || S <= 0 || H <= 0 || F <= 0) return NULL;
-    const size_t kq = dot ? (size_t)S * K : 0, ints = (size_t)2 * E + 1 + 2 * (size_t)S + 6 * ((size_t)E + target);
+    const size_t kq = dot ? (size_t)S * K : 0, k8 = i8 ? (size_t)S * K : 0;
+    const size_t ints = (size_t)2 * E + 1 + 3 * (size_t)S + 6 * ((size_t)E + target);
     const size_t floats = (size_t)S * (H + 3 * (size_t)F);
-    const size_t bytes = sizeof(MoePlan) + ints * 4 + floats * 4 + kq * 2 + kq / 32 * 4 + kq / 16 * 4 + 16 * 64;
+    const size_t bytes = sizeof(MoePlan) + ints * 4 + floats * 4 + kq * 2 + kq / 32 * 4 + kq / 16 * 4 + k8 +
+                         k8 / 32 * 4 + k8 / 16 * 4 + 20 * 64;
     uint8_t *at = malloc(bytes);
     if (!at) return NULL;
     MoePlan *p = carve(&at, sizeof(MoePlan));
@@ -84,12 +90,14 @@ MoePlan *moe_plan_new(int experts, int max_slots, int hidden, int ffn, int dot, 
     p->active = carve(&at, (size_t)E * 4);
     p->row_of = carve(&at, (size_t)S * 4);
     p->slot_of = carve(&at, (size_t)S * 4);
+    p->expert_of = carve(&at, (size_t)S * 4);
     p->items[0] = carve(&at, (size_t)3 * (E + target) * 4);
     p->items[1] = carve(&at, (size_t)3 * (E + target) * 4);
     p->xs = carve(&at, (size_t)S * H * 4);
     p->gu = carve(&at, (size_t)S * 2 * F * 4);
     p->act = carve(&at, (size_t)S * F * 4);
     if (dot) p->xq = (XQ16){carve(&at, kq * 2), carve(&at, kq / 32 * 4), carve(&at, kq / 16 * 4)};
+    if (i8) p->xq8 = (XQ8){carve(&at, k8), carve(&at, k8 / 32 * 4), carve(&at, k8 / 16 * 4)};
     return p;
 }
 
@@ -140,6 +148,7 @@ static int group_rows(MoePlan *p, const int64_t *ids) {
         const int s = fill[ids[i]]++;
         p->slot_of[i] = s;
         p->row_of[s] = i / p->topk;
+        p->expert_of[s] = (int)ids[i];
     }
     for (int e = 0; e < L->experts; e++)
         if (p->off[e + 1] > p->off[e]) p->active[p->A++] = e;
@@ -149,7 +158,7 @@ static int group_rows(MoePlan *p, const int64_t *ids) {
 int moe_group(MoePlan *p, const MoeLayer *L, const int64_t *ids, int T, int topk, int64_t *load) {
     p->L = L, p->T = T, p->topk = topk, p->S = 0, p->A = 0, p->n_items[0] = p->n_items[1] = 0;
     if (bad_layer(L, T, topk) || L->experts > p->E || L->hidden != p->H || L->ffn > p->F ||
-        T * topk > p->max_slots || (L->dot && !p->xq.q))
+        T * topk > p->max_slots || (L->dot && !p->xq.q) || (L->i8_min_rows > 0 && T >= L->i8_min_rows && !p->xq8.q))
         return -2;
     const int status = group_rows(p, ids);
     if (status != 0) {
@@ -163,10 +172,22 @@ int moe_group(MoePlan *p, const MoeLayer *L, const int64_t *ids, int T, int topk
     return 0;
 }
 
-/* Row s of this matmul's input rounded for the dot route (rows K apart, as moe_matmul reads them). */
-static void round_row(const MoePlan *p, const float *row, int s, int K) {
-    qdot_quantize_row(p->xq.q + (int64_t)s * K, p->xq.d + (int64_t)s * (K / 32), p->xq.s + (int64_t)s * (K / 16),
-                      row, K);
+/* Whether expert e's matmul `which` (gate_up 0, down 1) takes the int8 route: rows enough, a format it runs. */
+static int on_i8(const MoePlan *p, int e, int which) {
+    const MoeLayer *L = p->L;
+    return L->i8_min_rows > 0 && p->off[e + 1] - p->off[e] >= L->i8_min_rows &&
+           qi8_runs(which ? L->down_fmt : L->gate_up_fmt);
+}
+
+/* Row s of matmul `which`'s input rounded for its route (rows K apart, as moe_matmul reads them): the int8
+ * route's 8 bits where the slot's expert takes it, else the dot route's 16 (or, float32, as it is). */
+static void round_row(const MoePlan *p, const float *row, int s, int which, int K) {
+    if (on_i8(p, p->expert_of[s], which))
+        qi8_quantize_row(p->xq8.q + (int64_t)s * K, p->xq8.d + (int64_t)s * (K / 32),
+                         p->xq8.s + (int64_t)s * (K / 16), row, K);
+    else if (p->L->dot)
+        qdot_quantize_row(p->xq.q + (int64_t)s * K, p->xq.d + (int64_t)s * (K / 32),
+                          p->xq.s + (int64_t)s * (K / 16), row, K);
 }
 
 void moe_gather(const MoePlan *p, const float *x, int s) {
@@ -174,7 +195,7 @@ void moe_gather(const MoePlan *p, const float *x, int s) {
     const int H = p->L->hidden;
     float *row = p->xs + (int64_t)s * H;
     memcpy(row, x + (int64_t)p->row_of[s] * H, (size_t)H * sizeof(float));
-    if (p->L->dot) round_row(p, row, s, H);
+    round_row(p, row, s, 0, H);
 }
 
 void moe_matmul(const MoePlan *p, int which, int i, float *panel) {
@@ -189,8 +210,12 @@ void moe_matmul(const MoePlan *p, int which, int i, float *panel) {
                        bias ? bias + (int64_t)e * N : NULL,
                        M, N, K / 32, K, N, which ? L->down_fmt : L->gate_up_fmt, 0};
     const XQ16 xq = {p->xq.q + (int64_t)m0 * K, p->xq.d + (int64_t)m0 * (K / 32), p->xq.s + (int64_t)m0 * (K / 16)};
+    const XQ8 xq8 = {p->xq8.q + (int64_t)m0 * K, p->xq8.d + (int64_t)m0 * (K / 32), p->xq8.s + (int64_t)m0 * (K / 16)};
+    const int i8 = on_i8(p, e, which);
     for (int cb = it[1] * NB / it[2]; cb < (it[1] + 1) * NB / it[2]; cb++)
-        if (L->dot)
+        if (i8)
+            qi8_column_block(&a, &xq8, cb, panel);
+        else if (L->dot)
             qdot_column_block(&a, &xq, cb, panel);
         else
             qmm_column_block(&a, cb, panel);
@@ -220,7 +245,7 @@ void moe_activate(const MoePlan *p, int s) {
     const int F = p->L->ffn;
     const float *gu = p->gu + (int64_t)s * 2 * F;
     activate(p->L, p->act + (int64_t)s * F, gu, gu + F, F);
-    if (p->L->dot) round_row(p, p->act + (int64_t)s * F, s, F);
+    round_row(p, p->act + (int64_t)s * F, s, 1, F);
 }
 
 void moe_combine(const MoePlan *p, float *y, const float *weights, int t) {
@@ -239,7 +264,8 @@ int moe_experts(float *y, const float *x, const int64_t *ids, const float *weigh
                 const MoeLayer *L, int64_t *load, int num_threads) {
     if (bad_layer(L, T, topk)) return -2;
     const int nthreads = num_threads < 1 ? 1 : num_threads, K = L->hidden > L->ffn ? L->hidden : L->ffn;
-    MoePlan *p = moe_plan_new(L->experts, T * topk, L->hidden, L->ffn, L->dot, nthreads);
+    MoePlan *p = moe_plan_new(L->experts, T * topk, L->hidden, L->ffn, L->dot, L->i8_min_rows > 0 && T >= L->i8_min_rows,
+                              nthreads);
     float *panels = malloc((size_t)nthreads * K * 16 * sizeof(float));
     int status = p && panels ? moe_group(p, L, ids, T, topk, load) : -1;
     if (status == 0) {

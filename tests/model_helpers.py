@@ -136,3 +136,28 @@ def run_in_chunks(mixer, x: torch.Tensor, chunks: tuple[int, ...], slot: int = 2
         step.commit()
         pos += n
     return torch.cat(got), pos
+
+
+@torch.no_grad()
+def states_at_marks(mixer, x: torch.Tensor, marks: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """x [T, hidden] through `mixer` as one prompt chunk asking for its states after each of `marks` tokens
+    (RecurrentStep.marks: prefix-cache checkpoints inside a chunk), written to their rows at commit, each paired
+    with the state after feeding those first tokens one by one (the decode path's update, not the scan): the
+    largest difference of each, relative to the largest state value."""
+    from pagedllm.model.layers.deltanet import RecurrentStep
+
+    conv, rec = garbage_state_caches(mixer, 2 + len(marks))
+    rows = list(range(2, 2 + len(marks)))
+    step = RecurrentStep(torch.tensor([0]), [len(x)], [True], marks=[marks], mark_rows=torch.tensor(rows))
+    mixer(x, conv, rec, step)
+    step.commit()
+    diffs = []
+    at = dict(zip(marks, rows))
+    for i in range(max(marks)):
+        one = RecurrentStep(torch.tensor([1]), [1], [i == 0])
+        mixer(x[i : i + 1], conv, rec, one)
+        one.commit()
+        if i + 1 in at:
+            for got, want in ((conv[at[i + 1]], conv[1]), (rec[at[i + 1]], rec[1])):
+                diffs.append((got - want).abs().max().item() / max(1.0, want.abs().max().item()) if want.numel() else 0)
+    return diffs

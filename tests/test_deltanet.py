@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_helpers import garbage_state_caches, run_in_chunks
+from model_helpers import garbage_state_caches, run_in_chunks, states_at_marks
 
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.layers.deltanet import (
@@ -107,6 +107,16 @@ def test_chunks_then_decode_match_transformers(family):
     # uneven chunks, a 70-token one crossing a 64-token chunk of the scan
     got_all, pos = run_in_chunks(m, x[0], (37, 70, 1, 45, 1, 1, 5))
     assert (got_all - want[:pos]).abs().max().item() < TOL * max(1.0, want.abs().max().item())
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_a_chunk_leaves_its_state_at_each_mark(family):
+    """--mamba-cache-mode all: a 150-token prompt chunk asked for its state after 1, 16, 63, 64, 65, 100 and 128
+    tokens (block boundaries, in and at the ends of the scan's 64-token chunks) writes each into its row at commit:
+    the conv and delta-rule states the token-by-token update reaches after those tokens."""
+    m = _ours(family, _reference(family))
+    torch.manual_seed(4)
+    assert max(states_at_marks(m, torch.randn(150, 64), [1, 16, 63, 64, 65, 100, 128])) < TOL
 
 
 @pytest.mark.parametrize("family", ["qwen3_5"])

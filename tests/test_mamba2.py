@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_helpers import garbage_state_caches, run_in_chunks
+from model_helpers import garbage_state_caches, run_in_chunks, states_at_marks
 
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.layers.deltanet import RecurrentStep
@@ -118,6 +118,15 @@ def test_chunks_then_decode_match_transformers(mixer):
     # uneven chunks, a 70-token one crossing a chunk of the scan
     got_all, pos = run_in_chunks(m, x[0], (37, 70, 1, 2, 45, 1, 1, 5, 1))
     assert (got_all - want[:pos]).abs().max().item() < TOL * max(1.0, want.abs().max().item())
+
+
+@pytest.mark.parametrize("mixer", ["mamba2", "short_conv"])
+def test_a_chunk_leaves_its_state_at_each_mark(mixer):
+    """--mamba-cache-mode all: a 150-token prompt chunk asked for its state after 1, 16, 63, 64, 65, 100 and 128
+    tokens writes each into its row at commit: the conv (and SSM) states the token-by-token update reaches."""
+    m = _ours(mixer, _reference(mixer))
+    torch.manual_seed(4)
+    assert max(states_at_marks(m, torch.randn(150, HIDDEN), [1, 16, 63, 64, 65, 100, 128])) < TOL
 
 
 @pytest.mark.parametrize("mixer", ["mamba2", "short_conv"])

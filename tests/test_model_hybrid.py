@@ -211,6 +211,81 @@ def test_a_shared_prefix_hits_from_its_third_prompt_without_chunking(models):
     assert engine.kv.state_checkpoints is not None and not engine.kv.state_checkpoints.wanted
 
 
+def _checkpoints_idle(engine: LLMEngine) -> None:
+    ck = engine.kv.state_checkpoints
+    assert ck is not None and not ck.refs and not ck.restores and not ck.unwritten and not ck.wanted
+    assert ck.num_free + len(ck.rows) == ck.num_rows
+
+
+def test_mamba_cache_mode_all_hits_the_second_prompt_at_the_shared_prefix_end(models):
+    """--mamba-cache-mode all: the first prompt, one chunk of 140 tokens, leaves its state at every block
+    boundary inside it, so the second prompt sharing its 100-token system prompt already hits at that prompt's
+    last full block (96; align: no hit until the third), and so does the third; chunks of 40 tokens (boundaries
+    inside and at chunk ends) hit the same; every answer equals caching off and transformers'."""
+    hf, loaded, _ = models["qwen3_5"]
+    system = _tokens(100, 20)
+    prompts = [system + _tokens(40 + 3 * i, 21 + i) for i in range(3)]
+    want = [_greedy(hf, p, 6) for p in prompts]
+    hits = {}
+    for mode, chunk in (("all", 512), ("all", 40), ("align", 512)):
+        engine = _engine(loaded, max_num_batched_tokens=chunk, mamba_cache_mode=mode)
+        assert [_run(engine, [p], 6)[0] for p in prompts] == want
+        hits[mode, chunk] = engine.stats().prefix_cache_hits
+        _all_back(engine)
+        _checkpoints_idle(engine)
+    assert hits == {("all", 512): 2 * 96, ("all", 40): 2 * 96, ("align", 512): 96}
+    off = _engine(loaded, max_num_batched_tokens=40, enable_prefix_caching=False, mamba_cache_mode="all")
+    assert [_run(off, [p], 6)[0] for p in prompts] == want and off.stats().prefix_cache_hits == 0
+
+
+def test_mamba_cache_mode_all_in_a_burst_and_none(models):
+    """Questions on one system prompt sent together after a first one (all: each hits at the system prompt's
+    last full block, from the one checkpoint); none caches no prefix of a hybrid model. Every answer is
+    transformers', every block, slot and checkpoint row back."""
+    hf, loaded, _ = models["qwen3_5"]
+    system = _tokens(70, 30)
+    prompts = [system + _tokens(20 + i, 31 + i) for i in range(4)]
+    want = [_greedy(hf, p, 6) for p in prompts]
+    for mode, hits in (("all", 3 * 64), ("none", 0)):
+        engine = _engine(loaded, max_num_batched_tokens=64, mamba_cache_mode=mode)
+        assert _run(engine, prompts[:1], 6) + _run(engine, prompts[1:], 6) == want
+        assert engine.stats().prefix_cache_hits == hits
+        _all_back(engine)
+        if mode == "all":
+            _checkpoints_idle(engine)
+        else:
+            assert engine.kv.state_checkpoints is None
+
+
+def test_a_failed_step_leaves_no_checkpoint_of_its_marks(models, monkeypatch):
+    """A prompt whose steps all fail (the full-attention layer raises after the linear layers computed the states
+    at its marks): its request fails, the rows reserved for its marks go back unwritten, so a later prompt on the
+    same system prompt hits nothing and its answer is transformers'."""
+    hf, loaded, _ = models["qwen3_5"]
+    system = _tokens(100, 40)
+    engine = _engine(loaded, max_num_batched_tokens=512, mamba_cache_mode="all")
+    layer = loaded.model.decoder_layers[-1]
+    original, failing = layer.forward, [True]
+
+    def forward(*args, **kwargs):
+        if failing[0]:
+            raise RuntimeError("injected failure after the linear layers ran")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(layer, "forward", forward)
+    engine.add_request("bad", system + _tokens(30, 41), SamplingParams(temperature=0, max_tokens=4))
+    (out,) = [o for o in engine.step() if o.finished]
+    assert out.outputs[0].finish_reason == "error"
+    ck = engine.kv.state_checkpoints
+    assert ck is not None and not ck.rows and ck.num_free == ck.num_rows
+    failing[0] = False
+    prompt = system + _tokens(25, 42)
+    assert _run(engine, [prompt], 6) == [_greedy(hf, prompt, 6)]
+    assert engine.stats().prefix_cache_hits == 0
+    _all_back(engine)
+    _checkpoints_idle(engine)
+
+
 def test_abort_gives_the_slot_back_and_a_new_request_starts_from_zero(models):
     hf, loaded, _ = models["qwen3_5"]
     engine = _engine(loaded, max_num_seqs=1, max_num_batched_tokens=32)
@@ -220,6 +295,7 @@ def test_abort_gives_the_slot_back_and_a_new_request_starts_from_zero(models):
     assert engine.kv.state_slot(running.request_id) == 0
     engine.abort_request("a")
     _all_back(engine)
+    _checkpoints_idle(engine)
     prompt = _tokens(40, 11)
     assert _run(engine, [prompt], 8) == [_greedy(hf, prompt, 8)]  # the same slot, after its old contents
 
@@ -242,7 +318,12 @@ def test_config_layout_and_what_refuses_them(models, capsys):
     with pytest.raises(UserError, match="linear-attention"):
         engine.add_request("x", _tokens(40, 12), SamplingParams(max_tokens=1), kv_segments=[[0, 32]])
     assert main(["kv-calc", "--model", folder, "--kv-cache-dtype", "float32"]) == 0
-    assert f"recurrent state: {cfg.state_bytes_per_request(4):,} bytes per request" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"recurrent state: {cfg.state_bytes_per_request(4):,} bytes per request" in out
+    # a block of 16 holds the full-attention layer's K and V: 16 x 2 x 2 heads x 16 dims x 4 bytes
+    ratio = cfg.state_bytes_per_request(4) / 4096
+    assert f"--mamba-cache-mode all: a checkpoint of {cfg.state_bytes_per_request(4):,} bytes" in out
+    assert f"{ratio:,.1f}x the KV of the 16 tokens before it (4,096 bytes)" in out
 
 
 def test_a_budget_for_fewer_slots_than_max_num_seqs_runs_that_many_at_once(models):
@@ -298,16 +379,18 @@ def test_the_recurrent_kernels_of_every_cpu_class(quantized, target):
     assert (fused - want).abs().max().item() < TOL * want.abs().max().item()
 
 
-def test_the_fused_step_under_the_engine_keeps_every_answer(quantized):
+@pytest.mark.parametrize("mode", ["align", "all"])
+def test_the_fused_step_under_the_engine_keeps_every_answer(quantized, mode):
     """Batched requests through the engine on the fused step, with chunked prefill (64 tokens a step), a cache
     small enough to preempt, and prefix caching hitting at state checkpoints: every answer equals the torch path's
-    on the same weights, and every slot and block comes back."""
+    on the same weights, and every slot and block comes back. Under --mamba-cache-mode all a step whose prompt
+    chunks leave states inside them runs the torch path (the fused step yields final states only)."""
     _, loaded = quantized["qwen3_5"]
     shared = _tokens(64, 7)
     prompts = [_tokens(150, 2), _tokens(100, 3), _tokens(120, 4), shared + _tokens(30, 8), shared + _tokens(20, 9)]
     answers = {}
     for fused in (True, False):
-        engine = _engine(loaded, blocks=16, max_num_batched_tokens=64)
+        engine = _engine(loaded, blocks=16, max_num_batched_tokens=64, mamba_cache_mode=mode)
         assert (engine.runner.fused is not None) is True
         if not fused:
             engine.runner.fused = None

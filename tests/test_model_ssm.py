@@ -200,12 +200,13 @@ def test_greedy_tokens_match_transformers(ckpt):
         assert len(tokens) == 32 and _hf_greedy_agrees(ckpt.hf, p, tokens), f"{ckpt.kind} prompt {i}"
 
 
-def _engine(loaded, caching: bool) -> LLMEngine:
+def _engine(loaded, caching: bool, mode: str = "align") -> LLMEngine:
     cfg = loaded.config
     per_block = bytes_per_block(cfg, 16, "float32", cfg.kv_layout(hybrid=True))
     budget = 64 * per_block + 4 * 2 * state_bytes(cfg, torch.float32)
     args = dict(max_num_batched_tokens=64, max_num_seqs=4, kv_cache_memory=budget, max_model_len=256)
-    return LLMEngine(EngineConfig(**args, enable_prefix_caching=caching, log_stats_interval=0), loaded)
+    config = EngineConfig(**args, enable_prefix_caching=caching, log_stats_interval=0, mamba_cache_mode=mode)
+    return LLMEngine(config, loaded)
 
 
 def test_prefix_caching_hits_at_state_checkpoints_and_keeps_every_answer(ckpt):
@@ -221,6 +222,23 @@ def test_prefix_caching_hits_at_state_checkpoints_and_keeps_every_answer(ckpt):
     assert got[0::2] == got[1::2]
     assert all(_hf_greedy_agrees(ckpt.hf, p, g[0]) for p, g in zip(prompts, got[0::2]))
     assert on.stats().prefix_cache_hits == 64 + 80 and off.stats().prefix_cache_hits == 0
+    assert on.kv.num_free_blocks == on.kv.num_blocks
+
+
+def test_mamba_cache_mode_all_hits_the_second_prompt_at_the_shared_prefix_end(ckpt):
+    """--mamba-cache-mode all, 64 tokens a step: the first prompt leaves its Mamba2 / short-conv state at every
+    block boundary inside its chunks, so the second prompt on its 100-token system prompt hits at 96 (align: not
+    before the third); answers equal caching off and transformers'; every block and checkpoint row comes back."""
+    system = _tokens(100, 20)
+    prompts = [system + _tokens(30 + i, 21 + i) for i in range(2)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    on, off = _engine(ckpt.loaded, True, "all"), _engine(ckpt.loaded, False)
+    got = [[list(o.outputs[0].token_ids) for o in run_engine(e, [p], params)] for p in prompts for e in (on, off)]
+    assert got[0::2] == got[1::2]
+    assert all(_hf_greedy_agrees(ckpt.hf, p, g[0]) for p, g in zip(prompts, got[0::2]))
+    assert on.stats().prefix_cache_hits == 96
+    ck = on.kv.state_checkpoints
+    assert ck is not None and not ck.refs and not ck.unwritten and ck.num_free + len(ck.rows) == ck.num_rows
     assert on.kv.num_free_blocks == on.kv.num_blocks
 
 

@@ -6,10 +6,14 @@ and the time to first token of a prefix hit against a cold request.
 The workload: `--prefixes` system prompts of `--prefix` tokens, each followed by `--questions` questions of 48
 tokens, 8 tokens decoded greedily; "one by one" sends each request after the previous finished, "in a burst" sends
 a prefix's questions together. A hybrid's hit starts from a recurrent-state checkpoint at a block boundary
-(kv/state_slots.py), which exists only where a prompt chunk ended, so the first prompt of a prefix leaves none at
-the prefix's end; the second finds the prefix's KV without a state, is cut there and leaves one; the third hits.
+(kv/state_slots.py). Under --mamba-cache-mode align one exists only where a prompt chunk ended, so the first prompt
+of a prefix leaves none at the prefix's end; the second finds the prefix's KV without a state, is cut there and
+leaves one; the third hits. Under all the mixers emit the state at every block boundary inside a chunk, so the
+second hits. The hybrid runs under each mode of `--mamba-cache-mode`; `--part` picks the hit-rate count (no timing)
+or the TTFT pairs (timed: run them alone on the machine).
 
     python -m benchmarks.kv.hybrid_prefix [--prefix 1000] [--prefixes 3] [--questions 4] [--repeats 5]
+        [--mamba-cache-mode align all] [--part hits ttft]
 """
 
 from __future__ import annotations
@@ -47,10 +51,10 @@ def _save(folder: str, twin: bool) -> str:
     return folder
 
 
-def _engine(folder: str, caching: bool) -> LLMEngine:
+def _engine(folder: str, caching: bool, mode: str = "align") -> LLMEngine:
     config = EngineConfig(
         model=folder, dtype="float32", max_model_len=2048, max_num_seqs=8, max_num_batched_tokens=512,
-        kv_cache_memory=2**28, enable_prefix_caching=caching, log_stats_interval=0,
+        kv_cache_memory=2**28, enable_prefix_caching=caching, log_stats_interval=0, mamba_cache_mode=mode,
     )  # fmt: skip
     return LLMEngine(config)
 
@@ -93,6 +97,8 @@ def main() -> None:
     ap.add_argument("--prefixes", type=int, default=3)
     ap.add_argument("--questions", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--mamba-cache-mode", nargs="+", choices=["align", "all"], default=["align", "all"])
+    ap.add_argument("--part", nargs="+", choices=["hits", "ttft"], default=["hits", "ttft"])
     args = ap.parse_args()
     rng = random.Random(0)
 
@@ -101,31 +107,42 @@ def main() -> None:
 
     groups = [(lambda pre: [pre + tokens(48) for _ in range(args.questions)])(tokens(args.prefix)) for _ in range(3)]
     groups = groups[: args.prefixes]
-    folders = {"hybrid": _save(tempfile.mkdtemp(), False), "twin": _save(tempfile.mkdtemp(), True)}
+    hybrid, twin = _save(tempfile.mkdtemp(), False), _save(tempfile.mkdtemp(), True)
+    runs = [(f"hybrid, {m}", hybrid, m) for m in args.mamba_cache_mode] + [("twin", twin, "align")]
     n = sum(len(g) for g in groups)
     print(f"{len(groups)} prefixes of {args.prefix} tokens x {args.questions} questions of 48, 8 tokens decoded")
-    print("| arrival | model | hit rate | answers = caching off |")
+    if "hits" in args.part:
+        _hits(runs, hybrid, groups, n)
+    if "ttft" in args.part:
+        _ttfts(runs, args.prefix, args.repeats, tokens)
+
+
+def _hits(runs: list[tuple[str, str, str]], hybrid: str, groups: list[list[list[int]]], n: int) -> None:
+    print("| arrival | model, --mamba-cache-mode | hit rate | answers = caching off |")
     print("|---|---|---|---|")
     for burst in (False, True):
         arrival = "in a burst" if burst else "one by one"
-        off, _ = _workload(_engine(folders["hybrid"], False), groups, burst)
-        for name in ("hybrid", "twin"):
-            got, rate = _workload(_engine(folders[name], True), groups, burst)
-            same = f"{sum(got[k] == off[k] for k in off)}/{n}" if name == "hybrid" else "-"
+        off, _ = _workload(_engine(hybrid, False), groups, burst)
+        for name, folder, mode in runs:
+            got, rate = _workload(_engine(folder, True, mode), groups, burst)
+            same = f"{sum(got[k] == off[k] for k in off)}/{n}" if folder == hybrid else "-"
             print(f"| {arrival} | {name} | {rate:.1%} | {same} |")
     print()
+
+
+def _ttfts(runs: list[tuple[str, str, str]], prefix_len: int, repeats: int, tokens: Any) -> None:
     print("| model | cold TTFT, wall / CPU (median) | prefix-hit TTFT, wall / CPU (median) | hit / cold, wall / CPU |")
     print("|---|---|---|---|")
-    for name, folder in folders.items():
-        engine = _engine(folder, True)
-        prefix = tokens(args.prefix)
-        _ttft(engine, prefix + tokens(48), "warm-0")  # leaves no state at the prefix's end (see above) ...
+    for name, folder, mode in runs:
+        engine = _engine(folder, True, mode)
+        prefix = tokens(prefix_len)
+        _ttft(engine, prefix + tokens(48), "warm-0")  # under align: leaves no state at the prefix's end ...
         _ttft(engine, prefix + tokens(48), "warm-1")  # ... this one does
         cold, hit = [], []
-        for i in range(args.repeats):  # paired: a cold request, then a hit, in turn (the load moves)
-            cold.append(_ttft(engine, tokens(args.prefix + 48), f"cold-{i}"))
+        for i in range(repeats):  # paired: a cold request, then a hit, in turn (the load moves)
+            cold.append(_ttft(engine, tokens(prefix_len + 48), f"cold-{i}"))
             hit.append(_ttft(engine, prefix + tokens(48), f"hit-{i}"))
-        (cw, cc), (hw, hc) = ([statistics.median(x[k] for x in runs) for k in (0, 1)] for runs in (cold, hit))
+        (cw, cc), (hw, hc) = ([statistics.median(x[k] for x in pairs) for k in (0, 1)] for pairs in (cold, hit))
         print(
             f"| {name} | {cw * 1000:.0f} / {cc * 1000:.0f} ms | {hw * 1000:.0f} / {hc * 1000:.0f} ms | "
             f"**{hw / cw:.2f}** / {hc / cc:.2f} |"

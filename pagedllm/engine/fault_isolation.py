@@ -60,6 +60,7 @@ def forward_each(
         try:
             (rows,) = forward([(req, n)])
         except Exception as e:  # noqa: BLE001 - any error of this request's step fails this request
+            kv.rollback_step()  # what this try registered (a hybrid's state checkpoints at its marks)
             unwritten.update(b.block_id for b in undone.get(req.request_id, ()))
             out.failed.append((req, f"the model step failed: {type(e).__name__}: {e}"))
             continue

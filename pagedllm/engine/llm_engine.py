@@ -98,10 +98,10 @@ class LLMEngine:
         self.kv_cache_dtype, self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.loaded.dtype)
         self.kv_layout = kv_layout(cfg, config)
         self.kv_groups = self.kv_layout.kinds()  # one per kind of layer (the pool's groups split them evenly)
-        num_blocks, slots = kv_blocks_and_state_slots(
+        num_blocks, slots, rows = kv_blocks_and_state_slots(
             config, self.loaded, self.max_model_len, self.kv_cache_dtype, layout=self.kv_layout
         )
-        self._build_cache(config, num_blocks, slots)
+        self._build_cache(config, num_blocks, slots, rows)
         self.loras = self.runner.enable_lora(config.max_lora_rank, lora_slots(config)) if config.enable_lora else None
         if config.enable_kv_cache_events:
             self.kv.pool.events = KVEventLog(self.block_size, device.type.upper())
@@ -127,16 +127,16 @@ class LLMEngine:
         self._stats_logger = StatsLogger(config.log_stats_interval)
         torch.manual_seed(config.seed)
 
-    def _build_cache(self, config: EngineConfig, num_blocks: int, slots: int) -> None:
-        """The runner (the cache's tensors; a hybrid model's state rows, one per request that may run) and the KV
-        manager that hands out their blocks and state slots."""
+    def _build_cache(self, config: EngineConfig, num_blocks: int, slots: int, rows: int) -> None:
+        """The runner (the cache's tensors; a hybrid model's state rows, one per request that may run, then `rows`
+        for prefix-cache checkpoints) and the KV manager that hands out their blocks and state slots."""
         self.runner = ModelRunner(
             self.loaded,
             num_blocks,
             self.block_size,
             self.kv_dtype,
             layout=self.kv_layout,
-            num_state_slots=slots * (2 if config.enable_prefix_caching else 1),  # the slots, then checkpoints
+            num_state_slots=slots + rows,  # the slots, then checkpoints
         )
         self.kv = make_kv_cache_manager(
             config.kv_allocation,
@@ -146,9 +146,9 @@ class LLMEngine:
             config.enable_prefix_caching,
             self.kv_layout,
         )
-        self._attach_state_slots(config, slots)
+        self._attach_state_slots(config, slots, rows)
 
-    def _attach_state_slots(self, config: EngineConfig, slots: int) -> None:
+    def _attach_state_slots(self, config: EngineConfig, slots: int, rows: int) -> None:
         """A hybrid model's recurrent-state slots (one per request that may run, the runner holds their rows),
         what it cannot do (drafts: a rejected one would stay in the state), and why its prefix hits are 0."""
         if not self.runner.states:
@@ -160,15 +160,20 @@ class LLMEngine:
                 "recurrent state",
                 cfg.name,
             )
-        caching = config.enable_prefix_caching and self.kv.enable_caching  # (contiguous allocation caches nothing)
-        checkpoints = StateCheckpoints(slots, slots, self.block_size) if caching else None
+        # (contiguous allocation caches nothing)
+        caching = config.enable_prefix_caching and self.kv.enable_caching and rows > 0
+        checkpoints = StateCheckpoints(slots, rows, self.block_size, config.mamba_cache_mode) if caching else None
         self.kv.attach_state_slots(StateSlotPool(slots, state_bytes(cfg, self.loaded.dtype)), checkpoints)
         if checkpoints is not None:
             logger.info(
-                "prefix caching on %s: %d recurrent-state checkpoints at block boundaries (a hit ends at one; prompt "
-                "chunks are cut at block boundaries so that they exist)",
+                "prefix caching on %s: %d recurrent-state checkpoints at block boundaries (a hit ends at one; "
+                "--mamba-cache-mode %s: %s)",
                 cfg.name,
-                slots,
+                rows,
+                config.mamba_cache_mode,
+                "prompt chunks are cut at block boundaries so that they exist"
+                if config.mamba_cache_mode == "align"
+                else "every block boundary of a prompt leaves one",
             )
 
     def _attach_connectors(self, config: EngineConfig) -> DiskKVTier | None:
@@ -396,6 +401,8 @@ class LLMEngine:
         ]
         start, end = spans[-1]
         keep = req.logits_from is not None and end > req.logits_from
+        # a hybrid prompt chunk's states at its inner block boundaries, kept as checkpoints (--mamba-cache-mode all)
+        marks = self.kv.state_marks(req, start, min(end - 1, req.num_prompt_tokens)) if self.runner.states else []
         last = SeqChunk(
             req.all_token_ids[start:end] + req.spec_token_ids,
             start,
@@ -404,6 +411,7 @@ class LLMEngine:
             tables if len(tables) > 1 else None,
             self.kv.state_slot(req.request_id),
             req.lora_int_id,
+            marks or None,
         )
         return chunks + [last]
 

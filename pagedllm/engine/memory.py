@@ -103,31 +103,46 @@ def kv_blocks_and_state_slots(
     kv_dtype: str,
     available: Callable[[], int] | None = None,
     layout: KVCacheLayout | None = None,
-) -> tuple[int, int]:
-    """The blocks the budget holds and, for a hybrid model, its recurrent-state slots (0 otherwise): one per
-    request of --max-num-seqs, at most half the budget's worth (a real model's state is MiBs per request: the rest
-    of the budget must still hold blocks), each with a prefix-cache checkpoint row when caching is on
-    (kv/state_slots.py); their bytes come off the budget before the blocks are counted."""
+) -> tuple[int, int, int]:
+    """The blocks the budget holds and, for a hybrid model, its recurrent-state slots and prefix-cache checkpoint
+    rows (0, 0 otherwise; kv/state_slots.py): a slot per request of --max-num-seqs, at most half the budget's worth
+    (a real model's state is MiBs per request: the rest of the budget must still hold blocks); with prefix caching,
+    --mamba-cache-mode align gives each slot a checkpoint row, all gives checkpoints at most half of what the slots
+    leave and never more rows than blocks (a row per block boundary of the cached prefixes is the most they use).
+    Their bytes come off the budget before the blocks are counted."""
     per_block = bytes_per_block(loaded.config, config.block_size, kv_dtype, layout)
     budget = kv_budget(config, loaded, max_model_len, kv_dtype, available)
-    per_slot = state_bytes(loaded.config, loaded.dtype) * (2 if config.enable_prefix_caching else 1)  # checkpoints
+    state = state_bytes(loaded.config, loaded.dtype)
+    mode = config.mamba_cache_mode if config.enable_prefix_caching else "none"
+    per_slot = state * (2 if mode == "align" else 1)  # a checkpoint row each
     slots = min(config.max_num_seqs, budget // 2 // per_slot) if per_slot else 0
     if per_slot and slots < 1:
         raise UserError(
             f"--kv-cache-memory: {budget:,} bytes do not hold the recurrent state of one request ({per_slot:,} "
             "bytes, with as much again for KV blocks); raise the budget"
         )
+    rows = slots if mode == "align" else 0
+    if state and mode == "all":
+        rest = budget - slots * state
+        rows = min(rest // 2 // state, rest // (state + per_block))
+        if rows < 1:
+            raise UserError(
+                f"--mamba-cache-mode all: {rest:,} bytes of KV budget leave no room for a state checkpoint "
+                f"({state:,} bytes) beside the blocks; raise --kv-cache-memory or use align"
+            )
     if slots:
         logger.info(
             "KV budget: %.2f MiB for %d recurrent-state slots (linear-attention layers; at most that many requests "
-            "run at once), the rest for blocks",
-            slots * per_slot / 2**20,
+            "run at once) and %d prefix-cache checkpoints (--mamba-cache-mode %s), the rest for blocks",
+            (slots + rows) * state / 2**20,
             slots,
+            rows,
+            mode,
         )
     blocks = blocks_for_budget(
-        budget - slots * per_slot, per_block, config.block_size, max_model_len, config.kv_allocation
+        budget - (slots + rows) * state, per_block, config.block_size, max_model_len, config.kv_allocation
     )
-    return blocks, slots
+    return blocks, slots, rows
 
 
 def state_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:

@@ -173,9 +173,10 @@ class Scheduler:
         """A hybrid model's prompt chunk cut to end at a block boundary (its state there is kept as a prefix-cache
         checkpoint: kv/state_slots.py): where its run of cached KV blocks ends without a checkpoint (a prefix it
         shares with an earlier prompt), at the prompt's last boundary (where a prompt that continues this one
-        hits), else at the last boundary it reaches; unchanged where it passes none, or without checkpoints."""
+        hits), else at the last boundary it reaches; unchanged where it passes none, or without checkpoints, or
+        where the mixers emit the states inside a chunk (--mamba-cache-mode all)."""
         checkpoints = self.kv.state_checkpoints
-        if checkpoints is None:
+        if checkpoints is None or checkpoints.mode != "align":
             return num_new, cost
         bs, end, prompt = self.kv.block_size, start + num_new, req.num_prompt_tokens
         wanted = [b for b in (checkpoints.wanted.get(req.request_id, 0), (prompt - 1) // bs * bs) if start < b < end]

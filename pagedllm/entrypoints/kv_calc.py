@@ -155,10 +155,12 @@ def _kv_dtype(args: argparse.Namespace) -> str:
     return kv_cache_dtype("auto", dtype)[0]
 
 
-def _report_states(cfg, model_dtype: str) -> None:
+def _report_states(cfg, model_dtype: str, per_block: int, block_size: int) -> None:
     """A hybrid model's recurrent-state slot: what each request holds beside its blocks, whatever its length (conv
     rows in the model's --dtype, SSM / delta-rule states in float32), per layer and per request, reserved for
-    --max-num-seqs requests out of the KV budget, with as much again for the prefix cache's checkpoints."""
+    --max-num-seqs requests out of the KV budget, with as much again for the prefix cache's checkpoints under
+    --mamba-cache-mode align; under all a checkpoint of the same bytes per block boundary of the cached prompts,
+    which it compares with a block's KV (`per_block` bytes)."""
     from pagedllm.model import resolve_dtype
 
     if not cfg.linear_layers:
@@ -182,6 +184,10 @@ def _report_states(cfg, model_dtype: str) -> None:
     print(
         f"  with prefix caching (on by default) a checkpoint row per slot as well: {2 * per:,} bytes per slot; a "
         "prefix hit starts from the state checkpointed at its last block boundary"
+    )
+    print(
+        f"  --mamba-cache-mode all: a checkpoint of {per:,} bytes at every block boundary of the cached prompts, "
+        f"{per / per_block:,.1f}x the KV of the {block_size} tokens before it ({per_block:,} bytes)"
     )
 
 
@@ -259,7 +265,7 @@ def _report_model(
     print(f"KV bytes per token: {per_token:,}")
     print(f"KV bytes per block of {block_size}: {per_block:,}")
     _report_groups(cfg, dtype, block_size, max_len)
-    _report_states(cfg, model_dtype)
+    _report_states(cfg, model_dtype, per_block, block_size)
     head = f"{'--kv-cache-dtype':>16} {'bytes/token':>12} {'vs float32':>10}"
     print(head + (f" {'tokens in budget':>17}" if budget else ""))
     for name in KV_DTYPE_ROWS:

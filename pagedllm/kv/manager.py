@@ -122,6 +122,12 @@ class KVCacheManager:
         later prefixes; None: not a boundary, no checkpoints, or it is cached already."""
         return None
 
+    def state_marks(self, request: KVRequest, start: int, upto: int) -> list[tuple[int, int]]:
+        """A prompt chunk from token `start` on: the block boundaries b, start < b <= upto, whose state it should
+        leave as a checkpoint (--mamba-cache-mode all), as (b - start, row) for the runner (SeqChunk.state_marks),
+        rows reserved until the step commits; [] without such checkpoints."""
+        return []
+
     def state_slot(self, request_id: str) -> int | None:
         """The request's recurrent-state slot (None without linear-attention layers, or before it is scheduled)."""
         return None if self.state_slots is None else self.state_slots.req_to_slot.get(request_id)
@@ -405,7 +411,7 @@ class PagedKVCacheManager(KVCacheManager):
             n = len(hits[0])
             while n and not self._has_state(hashes[n - 1]):
                 n -= 1
-            if n < len(hits[0]):
+            if n < len(hits[0]) and self.state_checkpoints.mode == "align":
                 self.state_checkpoints.wanted[rid] = len(hits[0]) * self.block_size  # cut there, checkpoint it
                 hits = self.coordinator.find_longest_cache_hit(rid, hashes, n, get)
         return KVCacheBlocks(hits), len(hits[0]) * self.block_size
@@ -421,6 +427,18 @@ class PagedKVCacheManager(KVCacheManager):
                 self.state_disk_loads += 1
                 return True
         return False
+
+    def state_marks(self, request: KVRequest, start: int, upto: int) -> list[tuple[int, int]]:
+        ck, bs = self.state_checkpoints, self.block_size
+        if ck is None or ck.mode != "all" or upto < (start // bs + 1) * bs:
+            return []
+        hashes = self._hashes(request, upto)
+        marks = []
+        for b in range((start // bs + 1) * bs, upto + 1, bs):
+            row = ck.reserve(hashes[b // bs - 1])  # none: cached already (now most recently used), or no row free
+            if row is not None:
+                marks.append((b - start, row))
+        return marks
 
     def state_checkpoint_row(self, request: KVRequest, num_tokens: int) -> int | None:
         if self.state_checkpoints is None or not num_tokens or num_tokens % self.block_size:
@@ -559,9 +577,13 @@ class PagedKVCacheManager(KVCacheManager):
 
     def commit_step(self) -> None:
         self.step_journal.clear()
+        if self.state_checkpoints is not None:
+            self.state_checkpoints.written()
 
     def rollback_step(self) -> dict[str, list[KVBlock]]:
         undone: dict[str, list[KVBlock]] = {}
+        if self.state_checkpoints is not None:
+            self.state_checkpoints.drop_unwritten()  # the states at the step's marks were never written
         for rid, group, before, blocks in reversed(self.step_journal):
             for block in blocks:
                 self.pool.uncache(block)

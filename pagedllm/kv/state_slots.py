@@ -55,15 +55,21 @@ class StateCheckpoints:
     held (ref-counted) from the hit's allocation until the copy is made; unheld entries are evicted least
     recently used first when a new checkpoint needs a row.
 
-    The scheduler cuts a hybrid request's prompt chunks at block boundaries (and at the prompt's last one, and
-    where its run of cached KV blocks ends without a checkpoint: a shared prefix another request computed) so that
-    the states at those boundaries exist to be copied: a chunk's state is only known at its end.
+    Where the states come from is `mode` (vLLM's --mamba-cache-mode). "align": the scheduler cuts a hybrid
+    request's prompt chunks at block boundaries (and at the prompt's last one, and where its run of cached KV
+    blocks ends without a checkpoint: a shared prefix another request computed), and a chunk's state at its end is
+    kept; the first prompt of a shared prefix leaves no state at the prefix's end, so the second misses its hit.
+    "all": the mixers also emit the state at every block boundary inside a prompt chunk (`reserve`: a row the
+    step writes when it commits, RecurrentStep.marks), so the first prompt already leaves one at every boundary,
+    at the cost of a row per block boundary of every prompt (docs/benchmarks.md says what a row costs).
 
     An entry evicted to make room is handed to `on_evict` (key, row) before its row is reused: the disk tier
     (connector.py) keeps it, as the block pool hands it an evicted block."""
 
-    def __init__(self, first_row: int, num_rows: int, block_size: int) -> None:
-        self.block_size, self.num_rows = block_size, num_rows
+    def __init__(self, first_row: int, num_rows: int, block_size: int, mode: str = "align") -> None:
+        if mode not in ("align", "all"):
+            raise ValueError(f"state checkpoints are taken in mode align or all, not {mode!r}")
+        self.block_size, self.num_rows, self.mode = block_size, num_rows, mode
         self._free: deque[int] = deque(range(first_row, first_row + num_rows))
         self.rows: dict[BlockHash, int] = {}  # key -> row, in least-recently-used order (oldest first)
         self.refs: dict[BlockHash, int] = {}  # keys held by a hit not yet copied
@@ -72,6 +78,7 @@ class StateCheckpoints:
         # the next prompt sharing that prefix hits it
         self.wanted: dict[str, int] = {}
         self.on_evict: Callable[[BlockHash, int], None] | None = None
+        self.unwritten: set[BlockHash] = set()  # reserved this step, written when it commits: never evicted
 
     def find(self, key: BlockHash) -> int | None:
         return self.rows.get(key)
@@ -111,7 +118,7 @@ class StateCheckpoints:
             self.rows[key] = self.rows.pop(key)
             return None
         if not self._free:
-            victim = next((k for k in self.rows if k not in self.refs), None)
+            victim = next((k for k in self.rows if k not in self.refs and k not in self.unwritten), None)
             if victim is None:
                 return None
             if self.on_evict is not None:
@@ -119,6 +126,23 @@ class StateCheckpoints:
             self._free.append(self.rows.pop(victim))
         row = self.rows[key] = self._free.popleft()
         return row
+
+    def reserve(self, key: BlockHash) -> int | None:
+        """A row for the state under `key` that the step about to run writes (a block boundary inside a prompt
+        chunk, mode "all"): as `store`, and kept from eviction until `written` (the step committed) or
+        `drop_unwritten` (it failed: the row never got its state)."""
+        row = self.store(key)
+        if row is not None:
+            self.unwritten.add(key)
+        return row
+
+    def written(self) -> None:
+        self.unwritten.clear()
+
+    def drop_unwritten(self) -> None:
+        for key in self.unwritten:
+            self.drop(key)
+        self.unwritten.clear()
 
     def drop(self, key: BlockHash) -> None:
         """Forget an unheld entry whose row could not be filled (a state read back from a tier that did not fit)."""

@@ -43,6 +43,10 @@ class SeqChunk:
     # A hybrid model's recurrent-state slot of this sequence; None: the chunk's index in the step (tools, warm-up)
     state_slot: int | None = None
     lora_int_id: int = 0  # the LoRA adapter its tokens run under (0: the base model)
+    # A hybrid model's prefix-cache checkpoints inside the chunk (--mamba-cache-mode all): (t, row) pairs, t
+    # ascending with 0 < t < len(token_ids), to copy its recurrent state after its first t tokens into state row
+    # `row` when the step commits
+    state_marks: list[tuple[int, int]] | None = None
 
     def tables(self, num_groups: int) -> list[list[int]]:
         if self.group_tables is not None:
@@ -270,7 +274,8 @@ class ModelRunner:
         by_group = self._group_tables(chunks)
         ixs = group_step_index(lens, starts, by_group, self.block_size)  # one builder for the fused and torch path
         lora_ids = self._lora_ids(chunks)
-        if self.fused is not None:
+        # the fused C step yields each sequence's final state only: a step with marks runs the torch path
+        if self.fused is not None and not any(c.state_marks for c in chunks):
             lora = None
             if lora_ids is not None:
                 assert self.lora is not None
@@ -304,11 +309,21 @@ class ModelRunner:
         """The step's state slots (None for a model without linear-attention layers)."""
         if not self.states:
             return None
+        marks = [c.state_marks or [] for c in chunks]
+        rows = [r for m in marks for _, r in m]
+        for c, m in zip(chunks, marks):
+            ts = [t for t, _ in m]
+            if ts != sorted(set(ts)) or not all(0 < t < len(c.token_ids) for t in ts):
+                raise ValueError(f"state marks {ts} are not ascending offsets inside a chunk of {len(c.token_ids)}")
+        if len(set(rows)) != len(rows) or not all(0 <= r < self.num_state_slots for r in rows):
+            raise ValueError(f"state mark rows {rows} are not distinct rows of {self.num_state_slots}")
         return RecurrentStep(
             torch.tensor(self._state_slots(chunks), dtype=torch.long, device=self.device),
             [len(c.token_ids) for c in chunks],
             [c.start_pos == 0 for c in chunks],
             caches=self.states,
+            marks=[[t for t, _ in m] for m in marks] if rows else [],
+            mark_rows=torch.tensor(rows, dtype=torch.long, device=self.device) if rows else None,
         )
 
     def _state_slots(self, chunks: list[SeqChunk]) -> list[int]:

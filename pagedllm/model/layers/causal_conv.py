@@ -34,10 +34,17 @@ def seq_starts(lens: list[int]) -> list[int]:
 
 
 def causal_conv(
-    x: torch.Tensor, conv: torch.Tensor, lens: list[int], weight: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor,
+    conv: torch.Tensor,
+    lens: list[int],
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    step: RecurrentStep | None = None,
+    at_marks: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """x [T, C] of sequences of `lens` tokens (flat) -> the convolution [T, C] (before any activation), in x's
-    dtype; `conv` [S, C, K-1] (each sequence's last inputs) is advanced in place. weight [C, K], bias [C]."""
+    dtype; `conv` [S, C, K-1] (each sequence's last inputs) is advanced in place. weight [C, K], bias [C]. The conv
+    states after each of `step`'s marks (RecurrentStep.marks) are appended to `at_marks`, in order."""
     decode = [i for i, n in enumerate(lens) if n == 1]
     if len(decode) == len(lens):  # decode only: one window per sequence, the rows in order
         window = torch.cat([conv, x[:, :, None].to(conv.dtype)], -1)
@@ -59,6 +66,8 @@ def causal_conv(
             continue
         a, b = starts[i], starts[i + 1]
         window = torch.cat([conv[i], x[a:b].T.to(conv.dtype)], -1)  # [C, K - 1 + n]
+        if step is not None and at_marks is not None:
+            at_marks += [window[:, t : t + keep] for t in step.marks_of(i)]  # the last K-1 inputs after t tokens
         if keep:
             conv[i] = window[:, -keep:]
         out[a:b] = F.conv1d(window[None], weight[:, None], bias, groups=weight.shape[0])[0].T.to(x.dtype)

@@ -16,6 +16,11 @@ Two ways to advance a state, both from an initial state and returning the final 
   as torch's triangular solve on a Zen 5 CPU: docs/benchmarks.md);
 - decode tokens: one recurrent update of every decoding sequence's state at once, in place.
 A sequence that starts at position 0 starts from zeros (a new request, or one preempted and recomputed).
+
+A prompt chunk may also ask for its state at token offsets inside it (`RecurrentStep.marks`: the block boundaries
+of a prompt whose states are kept as prefix-cache checkpoints, --mamba-cache-mode all): the scan has the state at
+its 64-token chunk ends only, so the state after t tokens of a chunk is that chunk's start state decayed to t plus
+the first t corrected values' own part, one small product per mark, written at commit like the final state.
 """
 
 from __future__ import annotations
@@ -60,13 +65,34 @@ class RecurrentStep:
     fresh: list[bool]  # starts at position 0: from a zero state
     caches: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # model layer -> its states
     pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    # Per sequence, offsets 0 < t < its length after which its state is also wanted (prefix-cache checkpoints),
+    # ascending; `mark_rows` the state rows they go to, in sequence then offset order; `marked` each layer's
+    marks: list[list[int]] = field(default_factory=list)
+    mark_rows: torch.Tensor | None = None
+    marked: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+    def marks_of(self, seq: int) -> list[int]:
+        return self.marks[seq] if self.marks else []
 
     def commit(self) -> None:
-        """Write every layer's new states into their slots (once per step, after every layer succeeded)."""
+        """Write every layer's new states into their slots, and the states at the marks into their rows (once
+        per step, after every layer succeeded)."""
         for conv, rec, conv_new, rec_new in self.pending:
             conv.index_copy_(0, self.slots, conv_new.to(conv.dtype))
             rec.index_copy_(0, self.slots, rec_new)
+        for conv, rec, conv_new, rec_new in self.marked:
+            assert self.mark_rows is not None
+            conv.index_copy_(0, self.mark_rows, conv_new.to(conv.dtype))
+            rec.index_copy_(0, self.mark_rows, rec_new)
         self.pending.clear()
+        self.marked.clear()
+
+    def add_marked(
+        self, conv_cache: torch.Tensor, rec_cache: torch.Tensor, convs: list[torch.Tensor], recs: list[torch.Tensor]
+    ) -> None:
+        """A layer's states at the marks (in order), to write at commit."""
+        if convs:
+            self.marked.append((conv_cache, rec_cache, torch.stack(convs), torch.stack(recs)))
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -75,10 +101,18 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def chunk_gated_delta_rule(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    marks: list[int] | None = None,
+    at_marks: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's tokens through the rule in chunks of CHUNK. q, k: [L, H, Dk] (normalised, q scaled), v: [L, H,
-    Dv], g (log decay), beta: [L, H], all float32; state: [H, Dk, Dv] float32. Returns (out [L, H, Dv], new state)."""
+    Dv], g (log decay), beta: [L, H], all float32; state: [H, Dk, Dv] float32. Returns (out [L, H, Dv], new state);
+    the states after `marks` tokens (ascending, 0 < t < L) are appended to `at_marks`."""
     L = q.shape[0]
     pad = (CHUNK - L % CHUNK) % CHUNK
     q, k, v = (F.pad(x.transpose(0, 1), (0, 0, 0, pad)) for x in (q, k, v))  # [H, L', D]
@@ -96,12 +130,19 @@ def chunk_gated_delta_rule(
     k_cumdecay = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
     intra = (q @ k.transpose(-1, -2)) * decay
     q = q * cum.exp()[..., None]
-    k = k * (cum[..., -1:] - cum).exp()[..., None]
+    k_raw, k = k, k * (cum[..., -1:] - cum).exp()[..., None]
     chunk_decay = cum[..., -1].exp()[..., None, None]  # [H, n, 1, 1]
     out = torch.empty_like(values)
+    pending = list(marks or [])
     for i in range(n):
         v_new = values[:, i] - k_cumdecay[:, i] @ state
         out[:, i] = q[:, i] @ state + intra[:, i] @ v_new
+        while pending and pending[0] <= (i + 1) * CHUNK:  # a mark inside this chunk: its state after t tokens
+            t = pending.pop(0) - i * CHUNK
+            last = cum[:, i, t - 1 : t]  # [H, 1]
+            own = (k_raw[:, i, :t] * (last - cum[:, i, :t]).exp()[..., None]).transpose(-1, -2) @ v_new[:, :t]
+            assert at_marks is not None
+            at_marks.append(state * last.exp()[..., None] + own)
         state = state * chunk_decay[:, i] + k[:, i].transpose(-1, -2) @ v_new
     return out.reshape(H, n * CHUNK, -1)[:, :L].transpose(0, 1), state
 
@@ -224,16 +265,21 @@ class GatedDeltaNet(nn.Module):
             state = rec[seqs]
             out[rows] = recurrent_gated_delta_rule(q, k, v, g[rows], beta[rows], state)
             rec[seqs] = state
+        convs: list[torch.Tensor] = []
+        recs: list[torch.Tensor] = []
         for i, n in enumerate(step.lens):
             if n == 1:
                 continue
             a_, b_ = starts[i], starts[i + 1]
             window = torch.cat([conv[i], mixed[a_:b_].T.to(conv.dtype)], -1)  # [C, K - 1 + n]
             conv[i] = window[:, -(self.kernel - 1) :]
+            marks = step.marks_of(i)
+            convs += [window[:, t : t + self.kernel - 1] for t in marks]  # the last K-1 inputs after t tokens
             y = F.silu(F.conv1d(window[None], self.conv.weight, groups=self.conv_dim)[0]).T  # [n, C]
             q, k, v = self._qkv(y)
-            out[a_:b_], rec[i] = chunk_gated_delta_rule(q, k, v, g[a_:b_], beta[a_:b_], rec[i])
+            out[a_:b_], rec[i] = chunk_gated_delta_rule(q, k, v, g[a_:b_], beta[a_:b_], rec[i], marks, recs)
         step.pending.append((conv_cache, rec_cache, conv, rec))
+        step.add_marked(conv_cache, rec_cache, convs, recs)
         return self.out(self._gated_norm(out, z).reshape(x.shape[0], self.value_dim))
 
     def _gated_norm(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:

@@ -40,11 +40,19 @@ class Conv(nn.Module):
 
 
 def chunk_scan(
-    x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, state: torch.Tensor
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    state: torch.Tensor,
+    marks: list[int] | None = None,
+    at_marks: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's tokens through the SSM in chunks of CHUNK, float32. x [L, H, P] (already times dt), a [L, H]
     (dt * A, the log decay of each step), b, c [L, H, N] (the group's, repeated to its heads), state [H, P, N].
-    Returns (y [L, H, P] without the D skip, the final state)."""
+    Returns (y [L, H, P] without the D skip, the final state); the states after `marks` tokens (ascending,
+    0 < t < L: prefix-cache checkpoints inside the chunk) are appended to `at_marks`: a chunk's start state
+    decayed to t plus its first t inputs' own part."""
     L, H = x.shape[0], x.shape[1]
     pad = (CHUNK - L % CHUNK) % CHUNK  # padded steps: a = 0 (no decay), x = 0 (nothing added)
     n = (L + pad) // CHUNK
@@ -59,8 +67,16 @@ def chunk_scan(
     own = own.transpose(0, 1).contiguous()
     chunk_decay = cum[:, -1].exp().view(H, n).T[..., None, None]  # [n, H, 1, 1]
     from_state = torch.empty(n, H, CHUNK, y.shape[-1], dtype=y.dtype, device=y.device)
+    pending = list(marks or [])
+    xv, bv, cumv = x.view(H, n, CHUNK, -1), b.view(H, n, CHUNK, -1), cum.view(H, n, CHUNK)
     for i in range(n):  # each chunk's output from its start state, then the next chunk's start state
         torch.bmm(c[i], state.transpose(1, 2), out=from_state[i])
+        while pending and pending[0] <= (i + 1) * CHUNK:
+            t = pending.pop(0) - i * CHUNK
+            last = cumv[:, i, t - 1 : t]  # [H, 1]
+            part = torch.bmm((xv[:, i, :t] * (last - cumv[:, i, :t]).exp()[..., None]).transpose(1, 2), bv[:, i, :t])
+            assert at_marks is not None
+            at_marks.append(state * last.exp()[..., None] + part)
         state = state * chunk_decay[i] + own[i]
     y += from_state.transpose(0, 1) * cum.exp().view(H, n, CHUNK, 1)
     return y.reshape(H, n * CHUNK, -1)[:, :L].transpose(0, 1), state
@@ -128,7 +144,9 @@ class Mamba2(nn.Module):
         T = x.shape[0]
         z, xbc, dt = self.in_proj(x).split([self.inner, self.conv_dim, self.heads], -1)
         conv, rec = gather_states(step, conv_cache, rec_cache)
-        xbc = F.silu(causal_conv(xbc, conv, step.lens, self.conv.weight, self.conv.bias))
+        convs: list[torch.Tensor] = []
+        recs: list[torch.Tensor] = []
+        xbc = F.silu(causal_conv(xbc, conv, step.lens, self.conv.weight, self.conv.bias, step, convs))
         xs, b, c = xbc.split([self.inner, self.groups * self.state_size, self.groups * self.state_size], -1)
         xs = xs.float().view(T, self.heads, self.head_dim)
         b, c = self._by_head(b), self._by_head(c)
@@ -149,9 +167,12 @@ class Mamba2(nn.Module):
             if n == 1:
                 continue
             s, e = starts[i], starts[i + 1]
-            y[s:e], rec[i] = chunk_scan(xs[s:e] * dt[s:e, :, None], a[s:e], b[s:e], c[s:e], rec[i])
+            y[s:e], rec[i] = chunk_scan(
+                xs[s:e] * dt[s:e, :, None], a[s:e], b[s:e], c[s:e], rec[i], step.marks_of(i), recs
+            )
         y = y + xs * self.d.weight.float()[:, None]
         step.pending.append((conv_cache, rec_cache, conv, rec))
+        step.add_marked(conv_cache, rec_cache, convs, recs)
         return self.out_proj(self._gated_norm(y.view(T, self.inner), z).to(x.dtype))
 
     def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:

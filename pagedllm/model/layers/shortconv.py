@@ -41,6 +41,8 @@ class ShortConv(nn.Module):
         to `step.pending`."""
         b, c, h = self.in_proj(x).chunk(3, -1)
         conv, rec = gather_states(step, conv_cache, rec_cache)
-        y = causal_conv(b * h, conv, step.lens, self.conv.weight, self.conv.bias)
+        convs: list[torch.Tensor] = []
+        y = causal_conv(b * h, conv, step.lens, self.conv.weight, self.conv.bias, step, convs)
         step.pending.append((conv_cache, rec_cache, conv, rec))
+        step.add_marked(conv_cache, rec_cache, convs, [rec[0]] * len(convs))  # (the SSM state is empty)
         return self.out_proj(c * y)

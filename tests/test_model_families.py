@@ -336,20 +336,20 @@ def test_transformers_reads_our_gguf_as_we_do(family, tmp_path):
     assert (got - want).abs().max().item() / want.abs().max().item() < TOL
 
 
-def _flagship_configs() -> list[tuple[str, str, dict]]:
-    """(family, model_type, overrides): each supported family's transformers default config (its flagship's
-    shape), and Gemma 4 also as the 26B-A4B (the sparse block beside every dense MLP)."""
+def _flagship_configs() -> list[tuple[str, str, dict, str]]:
+    """(family, model_type, overrides, id): each supported family's transformers default config (its flagship's
+    shape), Gemma 4 also as the 26B-A4B (the sparse block beside every dense MLP), and Nemotron-H as its dense
+    models are (transformers' default is the MoE variant, refused by name: tests/test_model_nemotron_h.py)."""
     from pagedllm.model.families import FAMILIES as REGISTRY
 
-    out = [(f.name, f.model_types[0], {}) for f in REGISTRY]
+    dense_h = {"hybrid_override_pattern": "M-M-M-M*-M-M-M-M*-", "num_hidden_layers": 18}
+    out = [(f.name, f.model_types[0], dense_h if f.name == "nemotron_h" else {}, f.name) for f in REGISTRY]
     moe = {"enable_moe_block": True, "num_experts": 128, "top_k_experts": 8, "moe_intermediate_size": 704}
-    return out + [("gemma4", "gemma4_text", moe)]
+    return out + [("gemma4", "gemma4_text", moe, "gemma4-moe")]
 
 
-@pytest.mark.parametrize(
-    "family, model_type, over", _flagship_configs(), ids=[f + ("-moe" if o else "") for f, _, o in _flagship_configs()]
-)
-def test_no_supported_family_config_leaves_the_fused_step(tmp_path, family, model_type, over):
+@pytest.mark.parametrize("family, model_type, over, name", _flagship_configs(), ids=[c[3] for c in _flagship_configs()])
+def test_no_supported_family_config_leaves_the_fused_step(tmp_path, family, model_type, over, name):
     """Nothing in any supported family's config is outside what the fused C step computes: no model reason for
     the "steps run on the torch path, not the fused C step" line (fused_step.unfused_reason), read from a
     config.json as the loader reads it."""
@@ -364,5 +364,5 @@ def test_no_supported_family_config_leaves_the_fused_step(tmp_path, family, mode
     cfg.architectures = [known.architectures[0]]
     cfg.save_pretrained(str(tmp_path))
     loaded = load_model_config(str(tmp_path))
-    assert loaded.family == family and loaded.moe_beside_mlp == bool(over)
+    assert loaded.family == family and loaded.moe_beside_mlp == name.endswith("-moe")
     assert _model_blockers(loaded) == []

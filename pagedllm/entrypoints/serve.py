@@ -14,12 +14,11 @@ from pagedllm.entrypoints.serve_args import (
     check_can_listen,
     check_cluster_args,
     check_server_args,
+    lora_modules,
 )
 from pagedllm.errors import UserError
 
 if TYPE_CHECKING:
-    from pagedllm.engine.config import EngineConfig
-    from pagedllm.lora_request import LoRARequest
     from pagedllm.server.config import ServerConfig
     from pagedllm.server.embedders import Embedder
 
@@ -92,25 +91,6 @@ def run(args: argparse.Namespace) -> int:
     if server.uvicorn.started is False and not server.uvicorn.should_exit:
         raise UserError(f"could not start the server on {host}:{port}")
     return status
-
-
-def lora_modules(server: ServerConfig, engine: EngineConfig) -> list[LoRARequest]:
-    """--lora-modules as LoRARequests (checked: each name=path or vLLM's JSON, each path there; --enable-lora
-    given). Checked before any model loads: a cluster's replicas load them, and what fails there is told only
-    once Ray Serve has given up retrying the replicas."""
-    import os
-
-    from pagedllm.server.serving_lora import parse_lora_modules
-
-    if not server.lora_modules:
-        return []
-    if not engine.enable_lora:
-        raise UserError("--lora-modules: needs --enable-lora")
-    loras = parse_lora_modules(server.lora_modules)
-    for lora in loras:
-        if not os.path.exists(lora.lora_path):
-            raise UserError(f"--lora-modules: {lora.lora_name}: no PEFT folder or GGUF file at {lora.lora_path}")
-    return loras
 
 
 def load_embedders(config: ServerConfig) -> list[Embedder]:

@@ -8,11 +8,16 @@ from __future__ import annotations
 
 import argparse
 import socket
+from typing import TYPE_CHECKING
 
 from pagedllm.cluster.config import ClusterConfig
 from pagedllm.errors import UserError
 from pagedllm.server.config import ServerConfig
 from pagedllm.settings import add_flags, flag_name, from_args
+
+if TYPE_CHECKING:
+    from pagedllm.engine.config import EngineConfig
+    from pagedllm.lora_request import LoRARequest
 
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"  # model_name() of the default model's file
 
@@ -74,3 +79,22 @@ def check_can_listen(host: str, port: int) -> None:
             s.bind((host, port))
         except OSError as e:
             raise UserError(f"--host/--port: cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
+def lora_modules(server: ServerConfig, engine: EngineConfig) -> list[LoRARequest]:
+    """--lora-modules as LoRARequests (checked: each name=path or vLLM's JSON, each path there; --enable-lora
+    given). Checked before any model loads: a cluster's replicas load them, and what fails there is told only
+    once Ray Serve has given up retrying the replicas."""
+    import os
+
+    from pagedllm.server.serving_lora import parse_lora_modules
+
+    if not server.lora_modules:
+        return []
+    if not engine.enable_lora:
+        raise UserError("--lora-modules: needs --enable-lora")
+    loras = parse_lora_modules(server.lora_modules)
+    for lora in loras:
+        if not os.path.exists(lora.lora_path):
+            raise UserError(f"--lora-modules: {lora.lora_name}: no PEFT folder or GGUF file at {lora.lora_path}")
+    return loras

@@ -12,7 +12,13 @@ import argparse
 from typing import Any
 
 from pagedllm.cluster.config import ClusterConfig
-from pagedllm.entrypoints.serve_args import add_serve_args, check_can_listen, check_cluster_args, check_server_args
+from pagedllm.entrypoints.serve_args import (
+    add_serve_args,
+    check_can_listen,
+    check_cluster_args,
+    check_server_args,
+    lora_modules,
+)
 
 
 def settings_from_args(args: argparse.Namespace) -> tuple[Any, ClusterConfig, Any]:
@@ -21,7 +27,6 @@ def settings_from_args(args: argparse.Namespace) -> tuple[Any, ClusterConfig, An
     from pagedllm.cluster.ingress import IngressSettings
     from pagedllm.engine.config import EngineConfig
     from pagedllm.engine.pooling import read_pooler_config
-    from pagedllm.entrypoints.serve import lora_modules
     from pagedllm.model.config import load_model_config, resolve_model_path
     from pagedllm.server.embedders import embedding_model_path
 

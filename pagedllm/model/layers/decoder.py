@@ -20,6 +20,8 @@ checkpoint stores (split or fused, as Phi-3); logits are computed only for the r
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -90,19 +92,11 @@ class DecoderLayer(nn.Module):
         self.attn_out_norm = norm(hidden, cfg.post_norms and self.has_mixer)
         self.mlp_out_norm = norm(hidden, cfg.post_norms and self.has_mlp)
         self.qk_norm = cfg.qk_norm
-        per_head = cfg.qk_norm == "head"
         self.index = index
         self.linear_attn = recurrent_mixer(cfg, dtype, device) if cfg.is_linear_layer(index) else None
         attn = self.linear_attn is None and self.has_mixer
         self.attends = attn  # reads and writes the KV cache (read by the fused step too)
-        self.q_norm = norm(self.head_dim if per_head else self.q_size, cfg.qk_norm is not None and attn)
-        k_norm = cfg.qk_norm is not None and attn and self.kv_parts > 0
-        self.k_norm = norm(self.head_dim if per_head else self.kv_size, k_norm)
-        self.gated = cfg.attn_output_gate
-        self.q_rows = self.q_size * (2 if self.gated else 1)  # the query's rows of qkv (and the gate's, beside)
-        if attn:
-            self.qkv = Linear(self.q_rows + self.kv_parts * self.kv_size, hidden, cfg.attention_bias, dtype, device)
-            self.o = Linear(hidden, self.q_size, cfg.o_proj_bias, dtype, device)
+        self._attention_weights(cfg, attn, norm, dtype, device)
         # A sparse layer has `moe` and no `mlp`.
         self.moe = (
             SparseMoE(cfg, dtype, device, load, sum(map(cfg.is_moe_layer, range(index)))) if load is not None else None
@@ -123,6 +117,27 @@ class DecoderLayer(nn.Module):
         sinks = None if self.sinks is None else self.sinks.weight
         self.attn_spec = AttentionSpec.for_layer(cfg, index, sinks)  # read by the torch path and the fused C step
         self.residual_multiplier = cfg.residual_multiplier
+
+    def _attention_weights(
+        self,
+        cfg: ModelConfig,
+        attn: bool,
+        norm: Callable[[int, bool], RMSNorm | None],
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        """The q/k norms and the qkv and o projections, for a layer that attends (`attn`); a recurrent mixer's or
+        a single-block MLP layer's are none."""
+        per_head = cfg.qk_norm == "head"
+        self.q_norm = norm(self.head_dim if per_head else self.q_size, cfg.qk_norm is not None and attn)
+        k_norm = cfg.qk_norm is not None and attn and self.kv_parts > 0
+        self.k_norm = norm(self.head_dim if per_head else self.kv_size, k_norm)
+        self.gated = cfg.attn_output_gate
+        self.q_rows = self.q_size * (2 if self.gated else 1)  # the query's rows of qkv (and the gate's, beside)
+        if attn:
+            hidden = cfg.hidden_size
+            self.qkv = Linear(self.q_rows + self.kv_parts * self.kv_size, hidden, cfg.attention_bias, dtype, device)
+            self.o = Linear(hidden, self.q_size, cfg.o_proj_bias, dtype, device)
 
     def slots(self) -> dict[str, nn.Module]:
         """This layer's weights by the slot names of the families' tensor tables (families/base.py)."""

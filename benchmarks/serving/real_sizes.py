@@ -98,6 +98,11 @@ SHAPES = {
     # the MoE models people run on a CPU (issue 34): only the routed experts' bytes are read per token
     "qwen3-30b-a3b": Shape("qwen3moe", 2048, 48, 32, 4, 6144, 151936, False, 1e6, 1e-6, 128, 128, 8, 768),
     "gpt-oss-20b": Shape("gpt-oss", 2880, 24, 64, 8, 2880, 201088, False, 150000.0, 1e-5, 64, 32, 4, 2880),
+    # their dense twins (issue 34's "decode within 1.3x of a dense model with the same active parameters"): the same
+    # attention, head and depth, one dense MLP as wide as the experts a token routes to (8 x 768; 4 x 2880, in
+    # llama's layer: llama.cpp's gpt-oss has no dense MLP)
+    "qwen3-30b-a3b-dense": Shape("qwen3", 2048, 48, 32, 4, 8 * 768, 151936, False, 1e6, 1e-6, 128),
+    "gpt-oss-20b-dense": Shape("llama", 2880, 24, 64, 8, 4 * 2880, 201088, False, 150000.0, 1e-5, 64),
     # the hybrid of issue 35: fused_vs_torch.HYBRID_SHAPES' Qwen3.5-2B-like shape (three Gated DeltaNet layers of
     # 16 heads of 128 to one gated full-attention layer of 8 / 2 heads of 256; 248,320 tokens, tied)
     "qwen3.5-2b": Shape(
@@ -488,6 +493,47 @@ LOAD_MEMORY = textwrap.dedent("""
 """)
 
 
+def decode_bytes(path: str) -> int:
+    """The weight bytes one decoded token reads from the GGUF at `path` (its tensors as stored): every tensor once
+    but the embedding table (one row; all of it where it is also the tied head) and a MoE layer's experts (the
+    routed share, experts_used / experts); the KV cache's few MiB at 256-384 positions are left out."""
+    from pagedllm.model.formats.gguf_file import GGUFFile
+
+    with GGUFFile(path) as gf:
+        md, tensors = gf.metadata, gf.tensors
+        arch = md["general.architecture"]
+        share = int(md.get(f"{arch}.expert_used_count", 0)) / max(int(md.get(f"{arch}.expert_count", 1)), 1)
+        tied = "output.weight" not in tensors
+        total = 0.0
+        for name, info in tensors.items():
+            nbytes = gf._raw(name)[0].nbytes
+            if name == "token_embd.weight" and not tied:
+                nbytes //= info.shape[0]
+            total += nbytes * (share if "_exps" in name else 1.0)
+    return int(total)
+
+
+def decode_bandwidth(a) -> None:
+    """`bytes`: each file's bytes per decoded token and, with --decode-tok-s (pagedllm's figures from `run`, one per
+    type), the GB/s they make against the read bandwidth measured now (`roofline.read_bandwidth_gbs`)."""
+    from benchmarks.kernels.roofline import read_bandwidth_gbs
+
+    bw = read_bandwidth_gbs()
+    speeds = [float(x) for x in a.decode_tok_s.split(",")] if a.decode_tok_s else []
+    print(f"read bandwidth {bw:.1f} GB/s")
+    print("| file | MiB read per decoded token | decode tok/s | GB/s | share of the read bandwidth |")
+    print("|---|---|---|---|---|")
+    for i, kind in enumerate(a.types.split(",")):
+        nbytes = decode_bytes(model_file(a.dir, a.shape, kind, a.source))
+        cells = [f"{a.shape} {kind}", f"{nbytes / 2**20:,.1f}"]
+        if i < len(speeds):
+            gbs = nbytes * speeds[i] / 1e9
+            cells += [f"{speeds[i]:.1f}", f"{gbs:.1f}", f"{gbs / bw:.0%}"]
+        else:
+            cells += ["-", "-", "-"]
+        print("| " + " | ".join(cells) + " |", flush=True)
+
+
 def load_memory(a) -> None:
     """`memory`: RSS added by loading each file (pagedllm only) against the file's size."""
     print("| file | MiB | quantization | weights MiB (counted) | RSS grown MiB (anon / file) | peak - base MiB | s |")
@@ -667,7 +713,7 @@ def run(a) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("command", choices=["write", "run", "memory"])
+    p.add_argument("command", choices=["write", "run", "memory", "bytes"])
     p.add_argument(
         "--shape",
         default="llama-3.2-1b",
@@ -701,11 +747,15 @@ def main() -> int:
     )
     p.add_argument("--skip", default="", help="comma-separated systems to skip: llamacpp, vllm")
     p.add_argument("--out", default=None, help="append each file's results to this JSON-lines file")
+    p.add_argument("--decode-tok-s", default="", help="`bytes`: decode tok/s per type, comma-separated, for GB/s")
     cpu_target.add_argument(p)
     a = p.parse_args()
     if a.command == "write":
         for kind in a.types.split(","):
             print(model_file(a.dir, a.shape, kind, a.source))
+        return 0
+    if a.command == "bytes":
+        decode_bandwidth(a)
         return 0
     load_memory(a) if a.command == "memory" else run(a)
     return 0

@@ -2,7 +2,8 @@
 
 `write` makes the files: an F16 GGUF of a real model's shape (Llama-3.2-1B, Qwen2.5-3B, Llama-3.1-8B, Qwen3-1.7B
 with its q/k norms, Gemma-3-1B with its post norms, head size 256 and 512-token windows, and the MoE shapes
-Qwen3-30B-A3B and gpt-oss-20b; their vocabulary sizes, tied embeddings where the real model ties them) written
+Qwen3-30B-A3B and gpt-oss-20b, the hybrid Qwen3.5-2B-like one of issue 35 (`qwen3.5-2b`: Gated DeltaNet layers
+under devkit/hybrid_gguf.py's names); their vocabulary sizes, tied embeddings where the real model ties them) written
 with the `gguf` package under
 llama.cpp's tensor names, then quantized by llama.cpp's own quantizer (`llama_model_quantize`, from the
 llama.cpp anchor venv) to Q4_0, Q8_0, Q4_K_M, Q6_K: the mixes users download (llama.cpp keeps the output head,
@@ -65,6 +66,7 @@ class Shape:
     """The numbers of a real checkpoint's config.json that decide its tensors."""
 
     arch: str  # GGUF architecture: llama | qwen2 | qwen3 | gemma3 (post norms, two RoPE bases) | qwen3moe | gpt-oss
+    # | qwen35 (Gated DeltaNet layers, every `QWEN35_FULL_EVERY`-th one gated full attention)
     hidden: int
     layers: int
     heads: int
@@ -78,6 +80,9 @@ class Shape:
     experts: int = 0  # a mixture of experts: experts per layer, `experts_used` routed per token
     experts_used: int = 0
     expert_ffn: int = 0
+    linear_key_heads: int = 0  # a hybrid's Gated DeltaNet: key and value heads, all `linear_head_dim` wide
+    linear_value_heads: int = 0
+    linear_head_dim: int = 0
 
     @property
     def head_size(self) -> int:
@@ -93,10 +98,39 @@ SHAPES = {
     # the MoE models people run on a CPU (issue 34): only the routed experts' bytes are read per token
     "qwen3-30b-a3b": Shape("qwen3moe", 2048, 48, 32, 4, 6144, 151936, False, 1e6, 1e-6, 128, 128, 8, 768),
     "gpt-oss-20b": Shape("gpt-oss", 2880, 24, 64, 8, 2880, 201088, False, 150000.0, 1e-5, 64, 32, 4, 2880),
+    # their dense twins (issue 34's "decode within 1.3x of a dense model with the same active parameters"): the same
+    # attention, head and depth, one dense MLP as wide as the experts a token routes to (8 x 768; 4 x 2880, in
+    # llama's layer: llama.cpp's gpt-oss has no dense MLP)
+    "qwen3-30b-a3b-dense": Shape("qwen3", 2048, 48, 32, 4, 8 * 768, 151936, False, 1e6, 1e-6, 128),
+    "gpt-oss-20b-dense": Shape("llama", 2880, 24, 64, 8, 4 * 2880, 201088, False, 150000.0, 1e-5, 64),
+    # the hybrid of issue 35: fused_vs_torch.HYBRID_SHAPES' Qwen3.5-2B-like shape (three Gated DeltaNet layers of
+    # 16 heads of 128 to one gated full-attention layer of 8 / 2 heads of 256; 248,320 tokens, tied)
+    "qwen3.5-2b": Shape(
+        "qwen35",
+        2048,
+        24,
+        8,
+        2,
+        6144,
+        248320,
+        True,
+        1e7,
+        1e-6,
+        256,
+        linear_key_heads=16,
+        linear_value_heads=16,
+        linear_head_dim=128,
+    ),
     # pagedllm's default model (SmolLM2-135M-Instruct, Q4_1), the file as shipped (`run` only, type "as-shipped")
     "default": Shape("llama", 576, 30, 9, 3, 1536, 49152, True, 100000.0, 1e-5),
 }
 GEMMA3_WINDOW = 512  # Gemma-3-1B's sliding window (five sliding layers per global one, llama.cpp's default)
+QWEN35_FULL_EVERY, QWEN35_CONV = 4, 4  # Qwen3.5's full_attention_interval and linear_conv_kernel_dim
+
+
+def recurrent(s: Shape, i: int) -> bool:
+    """Whether layer i of a qwen35 shape is a Gated DeltaNet layer (transformers' default layer_types)."""
+    return s.arch == "qwen35" and (i + 1) % QWEN35_FULL_EVERY != 0
 
 
 def tensor_shapes(s: Shape) -> list[tuple[str, tuple[int, ...]]]:
@@ -107,6 +141,9 @@ def tensor_shapes(s: Shape) -> list[tuple[str, tuple[int, ...]]]:
     out: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (s.vocab, s.hidden))]
     for i in range(s.layers):
         b = f"blk.{i}."
+        if s.arch == "qwen35":
+            out += _qwen35_layer(b, s, i)
+            continue
         out += [(b + "attn_norm.weight", (s.hidden,)), (b + "attn_q.weight", (q, s.hidden))]
         out += [(b + "attn_k.weight", (kv, s.hidden)), (b + "attn_v.weight", (kv, s.hidden))]
         if s.arch in ("qwen2", "gpt-oss"):
@@ -126,6 +163,28 @@ def tensor_shapes(s: Shape) -> list[tuple[str, tuple[int, ...]]]:
     return out + ([] if s.tied else [("output.weight", (s.vocab, s.hidden))])
 
 
+def _qwen35_layer(b: str, s: Shape, i: int) -> list[tuple[str, tuple[int, ...]]]:
+    """A qwen35 layer as devkit/hybrid_gguf.py (llama.cpp's converter) names it: a Gated DeltaNet (in_proj_qkv as
+    attn_qkv, in_proj_z as attn_gate, in_proj_b / a as ssm_beta / ssm_alpha, the conv squeezed to [C, K], A as
+    ssm_a, dt_bias as ssm_dt.bias, the gated norm, out_proj as ssm_out) or gated full attention (q_proj's rows
+    twice the heads': each head's gate beside its query), then post_attention_norm and the dense MLP."""
+    hd, hv = s.head_size, s.linear_value_heads
+    qkv, v = (2 * s.linear_key_heads + hv) * s.linear_head_dim, hv * s.linear_head_dim
+    out: list[tuple[str, tuple[int, ...]]] = [(b + "attn_norm.weight", (s.hidden,))]
+    if recurrent(s, i):
+        out += [(b + "attn_qkv.weight", (qkv, s.hidden)), (b + "attn_gate.weight", (v, s.hidden))]
+        out += [(b + "ssm_beta.weight", (hv, s.hidden)), (b + "ssm_alpha.weight", (hv, s.hidden))]
+        out += [(b + "ssm_conv1d.weight", (qkv, QWEN35_CONV)), (b + "ssm_a", (hv,))]
+        out += [(b + "ssm_dt.bias", (hv,)), (b + "ssm_norm.weight", (s.linear_head_dim,))]
+        out += [(b + "ssm_out.weight", (s.hidden, v))]
+    else:
+        out += [(b + "attn_q.weight", (2 * s.heads * hd, s.hidden))]
+        out += [(b + "attn_k.weight", (s.kv_heads * hd, s.hidden)), (b + "attn_v.weight", (s.kv_heads * hd, s.hidden))]
+        out += [(b + "attn_q_norm.weight", (hd,)), (b + "attn_k_norm.weight", (hd,))]
+        out += [(b + "attn_output.weight", (s.hidden, s.heads * hd))]
+    return out + [(b + "post_attention_norm.weight", (s.hidden,))] + _mlp(b, s)
+
+
 def _mlp(b: str, s: Shape) -> list[tuple[str, tuple[int, ...]]]:
     if not s.experts:
         out = [(b + "ffn_gate.weight", (s.ffn, s.hidden)), (b + "ffn_up.weight", (s.ffn, s.hidden))]
@@ -141,8 +200,9 @@ def _mlp(b: str, s: Shape) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def is_matrix(name: str, shape: tuple[int, ...]) -> bool:
-    """Whether a tensor is a weight matrix (quantized), not a norm, bias, sink or the router (float32)."""
-    return len(shape) >= 2 and not name.endswith(".bias") and "ffn_gate_inp" not in name
+    """Whether a tensor is a weight matrix (quantized), not a norm, bias, sink, the router or a DeltaNet's conv
+    (float32)."""
+    return len(shape) >= 2 and not name.endswith(".bias") and "ffn_gate_inp" not in name and "ssm_conv1d" not in name
 
 
 def add_metadata(w, name: str, s: Shape) -> None:
@@ -160,7 +220,7 @@ def add_metadata(w, name: str, s: Shape) -> None:
     w.add_uint32(p + "attention.head_count_kv", s.kv_heads)
     w.add_float32(p + "rope.freq_base", s.rope_theta)
     w.add_float32(p + "attention.layer_norm_rms_epsilon", s.eps)
-    w.add_uint32(p + "rope.dimension_count", s.head_size)
+    w.add_uint32(p + "rope.dimension_count", s.head_size // 4 if s.arch == "qwen35" else s.head_size)
     w.add_uint32(p + "attention.key_length", s.head_size)
     w.add_uint32(p + "attention.value_length", s.head_size)
     w.add_uint32(p + "vocab_size", s.vocab)
@@ -168,6 +228,15 @@ def add_metadata(w, name: str, s: Shape) -> None:
         w.add_uint32(p + "expert_count", s.experts)
         w.add_uint32(p + "expert_used_count", s.experts_used)
         w.add_uint32(p + "expert_feed_forward_length", s.expert_ffn)
+    if s.arch == "qwen35":  # the DeltaNet's shape as devkit/hybrid_gguf.py (the converter) writes it
+        w.add_ssm_conv_kernel(QWEN35_CONV)
+        w.add_ssm_state_size(s.linear_head_dim)
+        w.add_ssm_group_count(s.linear_key_heads)
+        w.add_ssm_time_step_rank(s.linear_value_heads)
+        w.add_ssm_inner_size(s.linear_value_heads * s.linear_head_dim)
+        w.add_array(p + "attention.recurrent_layers", [recurrent(s, i) for i in range(s.layers)])
+        w.add_full_attention_interval(QWEN35_FULL_EVERY)
+        w.add_rope_dimension_sections([11, 11, 10, 0])  # Qwen3.5's multimodal sections (alike for text)
     if s.arch == "gemma3":
         w.add_uint32(p + "attention.sliding_window", GEMMA3_WINDOW)
         w.add_float32(p + "rope.freq_base_swa", 10000.0)
@@ -271,6 +340,10 @@ def write_random(name: str, path: str, kind: str = "F16", seed: int = 0, folder:
         if not is_matrix(tname, shape):
             if "ffn_gate_inp.weight" in tname:  # a router that routes: each token its own experts
                 w.write_tensor_data(rng.standard_normal(shape, dtype=np.float32))
+            elif tname.endswith("ssm_a"):  # A = -exp(A_log), A_log spread as a trained model's: states that decay
+                w.write_tensor_data(-np.exp(rng.uniform(-2, 1, shape)).astype(np.float32))
+            elif "ssm_conv1d" in tname:  # a conv that passes q, k and v on (zeros would zero the DeltaNet)
+                w.write_tensor_data(rng.standard_normal(shape, dtype=np.float32) * 0.5)
             else:
                 w.write_tensor_data((np.ones if tname.endswith("norm.weight") else np.zeros)(shape, np.float32))
             continue
@@ -418,6 +491,47 @@ LOAD_MEMORY = textwrap.dedent("""
     print(json.dumps({"base": base, "loaded": after, "seconds": secs, "quantization": loaded.quantization,
                       "weight_mib": loaded.weight_bytes / 2**20}))
 """)
+
+
+def decode_bytes(path: str) -> int:
+    """The weight bytes one decoded token reads from the GGUF at `path` (its tensors as stored): every tensor once
+    but the embedding table (one row; all of it where it is also the tied head) and a MoE layer's experts (the
+    routed share, experts_used / experts); the KV cache's few MiB at 256-384 positions are left out."""
+    from pagedllm.model.formats.gguf_file import GGUFFile
+
+    with GGUFFile(path) as gf:
+        md, tensors = gf.metadata, gf.tensors
+        arch = md["general.architecture"]
+        share = int(md.get(f"{arch}.expert_used_count", 0)) / max(int(md.get(f"{arch}.expert_count", 1)), 1)
+        tied = "output.weight" not in tensors
+        total = 0.0
+        for name, info in tensors.items():
+            nbytes = gf._raw(name)[0].nbytes
+            if name == "token_embd.weight" and not tied:
+                nbytes //= info.shape[0]
+            total += nbytes * (share if "_exps" in name else 1.0)
+    return int(total)
+
+
+def decode_bandwidth(a) -> None:
+    """`bytes`: each file's bytes per decoded token and, with --decode-tok-s (pagedllm's figures from `run`, one per
+    type), the GB/s they make against the read bandwidth measured now (`roofline.read_bandwidth_gbs`)."""
+    from benchmarks.kernels.roofline import read_bandwidth_gbs
+
+    bw = read_bandwidth_gbs()
+    speeds = [float(x) for x in a.decode_tok_s.split(",")] if a.decode_tok_s else []
+    print(f"read bandwidth {bw:.1f} GB/s")
+    print("| file | MiB read per decoded token | decode tok/s | GB/s | share of the read bandwidth |")
+    print("|---|---|---|---|---|")
+    for i, kind in enumerate(a.types.split(",")):
+        nbytes = decode_bytes(model_file(a.dir, a.shape, kind, a.source))
+        cells = [f"{a.shape} {kind}", f"{nbytes / 2**20:,.1f}"]
+        if i < len(speeds):
+            gbs = nbytes * speeds[i] / 1e9
+            cells += [f"{speeds[i]:.1f}", f"{gbs:.1f}", f"{gbs / bw:.0%}"]
+        else:
+            cells += ["-", "-", "-"]
+        print("| " + " | ".join(cells) + " |", flush=True)
 
 
 def load_memory(a) -> None:
@@ -599,7 +713,7 @@ def run(a) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("command", choices=["write", "run", "memory"])
+    p.add_argument("command", choices=["write", "run", "memory", "bytes"])
     p.add_argument(
         "--shape",
         default="llama-3.2-1b",
@@ -633,11 +747,15 @@ def main() -> int:
     )
     p.add_argument("--skip", default="", help="comma-separated systems to skip: llamacpp, vllm")
     p.add_argument("--out", default=None, help="append each file's results to this JSON-lines file")
+    p.add_argument("--decode-tok-s", default="", help="`bytes`: decode tok/s per type, comma-separated, for GB/s")
     cpu_target.add_argument(p)
     a = p.parse_args()
     if a.command == "write":
         for kind in a.types.split(","):
             print(model_file(a.dir, a.shape, kind, a.source))
+        return 0
+    if a.command == "bytes":
+        decode_bandwidth(a)
         return 0
     load_memory(a) if a.command == "memory" else run(a)
     return 0

@@ -211,3 +211,25 @@ def _assert_drained(server) -> None:
     r = server.http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
     assert r.status_code == 200, r.text
     assert_pool_whole(server)
+
+
+STREAMS = {
+    "/v1/completions": {"prompt": "hi"},
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}]},
+    "/v1/responses": {"input": "hi"},
+    "/v1/messages": {"messages": [{"role": "user", "content": "hi"}]},
+}
+
+
+@pytest.mark.parametrize("path", STREAMS)
+def test_every_stream_is_what_its_schema_says(fuzz_server, path):
+    """A streamed answer of each stream route, checked event by event against /openapi.json as schemathesis reads
+    a text/event-stream schema (one server-sent event: its data the chunk model's JSON, or [DONE]); the fuzz test
+    above meets these only when a generated body happens to stream."""
+    schema = schemathesis.openapi.from_url(fuzz_server.base + "/openapi.json")
+    operation = schema[path]["POST"]
+    limit = {"max_output_tokens": 2} if path == "/v1/responses" else {"max_tokens": 2}
+    case = operation.Case(body={"model": "m", "stream": True, **limit, **STREAMS[path]}, media_type="application/json")
+    response = case.call(base_url=fuzz_server.base, headers=AUTH, timeout=60)
+    assert response.status_code == 200 and response.headers["content-type"][0].startswith("text/event-stream")
+    case.validate_response(response, checks=CHECKS)

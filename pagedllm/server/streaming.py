@@ -45,9 +45,24 @@ STREAM_RESPONSES: dict[str, type[CompletionStreamResponse] | type[ChatCompletion
 
 
 def stream_schema(model: type[BaseModel]) -> dict[str, Any]:
-    """A stream's entry in a route's responses: each event's data is `model` (build_app puts its schema in
-    /openapi.json's components)."""
-    return {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}
+    """A stream's entry in a route's responses. Before OpenAPI 3.2 a text/event-stream `schema` describes one
+    server-sent event, its fields as strings (schemathesis validates each event so): an optional `event` name and
+    a `data` that is `model` as JSON (build_app puts its schema in /openapi.json's components), or OpenAI's end
+    marker `[DONE]`."""
+    payload = {
+        "contentMediaType": "application/json",
+        "contentSchema": {"$ref": f"#/components/schemas/{model.__name__}"},
+    }
+    return {
+        "schema": {
+            "type": "object",
+            "required": ["data"],
+            "properties": {
+                "event": {"type": "string"},
+                "data": {"type": "string", "anyOf": [{"const": "[DONE]"}, payload]},
+            },
+        }
+    }
 
 
 @dataclass

@@ -13,6 +13,7 @@ import shutil
 
 import pytest
 import torch
+from engine_helpers import run_all
 
 from devkit.hybrid_gguf import make_hybrid, write_hybrid_gguf
 from pagedllm import SamplingParams
@@ -62,18 +63,13 @@ def test_q8_0_file_on_the_fused_step_gives_transformers_tokens(tmp_path):
     assert engine.runner.fused is not None
     shared = _tokens(64, 7)
     prompts = [shared + _tokens(40, 8), shared + _tokens(30, 9), shared + _tokens(36, 10)]
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        done.update({o.request_id: o for o in engine.step() if o.finished})
+    outs = run_all(engine, prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
     stats = engine.stats()
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits >= 64
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
     assert engine.kv.state_slots is not None and engine.kv.state_slots.num_free == seqs
-    for i, p in enumerate(prompts):
-        tokens = list(done[str(i)].outputs[0].token_ids)
+    for i, (p, out) in enumerate(zip(prompts, outs, strict=True)):
+        tokens = list(out)
         with torch.inference_mode():
             want = ref(torch.tensor([p + tokens])).logits[0, len(p) - 1 : -1].argmax(-1).tolist()
         assert tokens == want, f"prompt {i}"

@@ -493,30 +493,12 @@ LOAD_MEMORY = textwrap.dedent("""
 """)
 
 
-def decode_bytes(path: str) -> int:
-    """The weight bytes one decoded token reads from the GGUF at `path` (its tensors as stored): every tensor once
-    but the embedding table (one row; all of it where it is also the tied head) and a MoE layer's experts (the
-    routed share, experts_used / experts); the KV cache's few MiB at 256-384 positions are left out."""
-    from pagedllm.model.formats.gguf_file import GGUFFile
-
-    with GGUFFile(path) as gf:
-        md, tensors = gf.metadata, gf.tensors
-        arch = md["general.architecture"]
-        share = int(md.get(f"{arch}.expert_used_count", 0)) / max(int(md.get(f"{arch}.expert_count", 1)), 1)
-        tied = "output.weight" not in tensors
-        total = 0.0
-        for name, info in tensors.items():
-            nbytes = gf._raw(name)[0].nbytes
-            if name == "token_embd.weight" and not tied:
-                nbytes //= info.shape[0]
-            total += nbytes * (share if "_exps" in name else 1.0)
-    return int(total)
-
-
 def decode_bandwidth(a) -> None:
     """`bytes`: each file's bytes per decoded token and, with --decode-tok-s (pagedllm's figures from `run`, one per
     type), the GB/s they make against the read bandwidth measured now (`roofline.read_bandwidth_gbs`)."""
     from benchmarks.kernels.roofline import read_bandwidth_gbs
+    from pagedllm.model import load_model_config
+    from pagedllm.model.params import weight_count
 
     bw = read_bandwidth_gbs()
     speeds = [float(x) for x in a.decode_tok_s.split(",")] if a.decode_tok_s else []
@@ -524,7 +506,8 @@ def decode_bandwidth(a) -> None:
     print("| file | MiB read per decoded token | decode tok/s | GB/s | share of the read bandwidth |")
     print("|---|---|---|---|---|")
     for i, kind in enumerate(a.types.split(",")):
-        nbytes = decode_bytes(model_file(a.dir, a.shape, kind, a.source))
+        path = model_file(a.dir, a.shape, kind, a.source)
+        nbytes = weight_count(load_model_config(path), path).read_bytes  # kv-calc's: experts at the routed share
         cells = [f"{a.shape} {kind}", f"{nbytes / 2**20:,.1f}"]
         if i < len(speeds):
             gbs = nbytes * speeds[i] / 1e9

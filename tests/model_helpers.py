@@ -95,6 +95,57 @@ def fused_and_torch(
     return out
 
 
+# Two steps of two sequences with state marks (SeqChunk.state_marks: (offset, row)): a 29-token chunk of sequence
+# 0 marked at its first token, mid-block and at its last-but-one token beside a 9-token chunk of sequence 1 marked
+# once; then sequence 0's next 41 tokens marked three times beside a decode token of sequence 1 (no marks). Slots
+# 0 and 1; every mark its own row of the 10.
+MARKED_STEPS = (([(1, 4), (8, 5), (16, 6), (28, 7)], [(4, 8)]), ([(3, 2), (24, 3), (40, 9)], []))
+
+
+def marks_fused_and_torch(loaded, ids: list[int], other: list[int]) -> dict[bool, tuple[torch.Tensor, dict]]:
+    """Per path (the fused C step or the torch path): MARKED_STEPS over `ids` (70 tokens, sequence 0) and `other`
+    (9 prompt tokens then a decode token, sequence 1): every row's logits, and every linear layer's (conv,
+    recurrent) state rows after the second step (the slots and the mark rows alike)."""
+    from pagedllm.model import ModelRunner, SeqChunk
+
+    out = {}
+    for fused in (True, False):
+        runner = ModelRunner(loaded, num_blocks=24, block_size=8, fused=fused, num_state_slots=10)
+        assert (runner.fused is not None) == fused
+        tables = [list(range(23, 11, -1)), list(range(12))]
+        (a0, b0), (a1, b1) = MARKED_STEPS
+        rows = all_logits(
+            runner, [SeqChunk(ids[:29], 0, tables[0], state_marks=a0), SeqChunk(other, 0, tables[1], state_marks=b0)]
+        )
+        decode = int(rows[1][-1].argmax())
+        rows += all_logits(
+            runner,
+            [
+                SeqChunk(ids[29:70], 29, tables[0], state_marks=a1),
+                SeqChunk([decode], len(other), tables[1], state_marks=b1 or None),
+            ],
+        )
+        states = {i: (conv.clone(), rec.clone()) for i, (conv, rec) in runner.states.items()}
+        out[fused] = (torch.cat(rows), states)
+    return out
+
+
+def assert_marked_states_match(got: dict[bool, tuple[torch.Tensor, dict]], tol: float) -> None:
+    """marks_fused_and_torch's two paths agree: logits within `tol` of the largest, and every layer's state rows
+    (slots and marks, conv and recurrent) within `tol` of its largest value (at least 1); a mark row was written
+    (no longer zeros)."""
+    (fused, fused_states), (want, want_states) = got[True], got[False]
+    assert (fused - want).abs().max().item() < tol * want.abs().max().item()
+    marked = [r for step in MARKED_STEPS for seq in step for _, r in seq]
+    for layer, pair in want_states.items():
+        for got_t, want_t in zip(fused_states[layer], pair):
+            if not want_t.numel():
+                continue
+            assert want_t[marked].abs().amax(dim=tuple(range(1, want_t.dim()))).min() > 0, layer
+            scale = max(1.0, want_t.abs().max().item())
+            assert (got_t.float() - want_t.float()).abs().max().item() < tol * scale, layer
+
+
 @contextlib.contextmanager
 def cpu_target(name: str):
     """The kernels of one CPU class (PAGEDLLM_CPU_TARGET, as tests/test_cpu_targets.py forces it) while the block

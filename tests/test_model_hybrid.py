@@ -14,7 +14,7 @@ import random
 
 import pytest
 import torch
-from model_helpers import cpu_target, fused_and_torch
+from model_helpers import assert_marked_states_match, cpu_target, fused_and_torch, marks_fused_and_torch
 
 from devkit.tiny_tokenizer import save_tiny_tokenizer
 from pagedllm import SamplingParams
@@ -367,24 +367,58 @@ def test_the_fused_step_computes_what_the_torch_path_does(quantized, family):
     assert (fused - want).abs().max().item() < TOL * want.abs().max().item()
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_fused_step_writes_the_states_at_marks_as_the_torch_path(quantized, family):
+    """Prompt chunks with prefix-cache checkpoints inside them (state marks, --mamba-cache-mode all) beside another
+    sequence's marked chunk, then beside its decode token, on the fused C step (its token loop copies the state as
+    it passes each mark) and on the torch path (its chunked scan's state at each mark): the same logits, and every
+    mark row and slot of every Gated DeltaNet layer (conv and recurrent state) the same within the tolerance."""
+    _, loaded = quantized[family]
+    assert_marked_states_match(marks_fused_and_torch(loaded, _tokens(70, 1), _tokens(9, 2)), TOL)
+
+
+def test_the_fused_step_refuses_marks_it_cannot_write(quantized):
+    """A mark on a row the step reads as a slot, or past the state rows, or not inside its chunk: the runner
+    refuses it (both paths), and the C step itself (its own check before any state is written) refuses it
+    without touching a state."""
+    _, loaded = quantized["qwen3_5"]
+    runner = ModelRunner(loaded, num_blocks=8, block_size=8, num_state_slots=4)
+    assert runner.fused is not None
+    for marks in ([(3, 1)], [(3, 4)], [(10, 2)], [(5, 2), (3, 3)]):
+        chunks = [SeqChunk(_tokens(10, 1), 0, [0, 1]), SeqChunk(_tokens(6, 2), 0, [2, 3], state_marks=marks)]
+        with pytest.raises(ValueError, match="state mark"):
+            runner.execute(chunks)
+    before = [t.clone() for pair in runner.states.values() for t in pair]
+    toks = [c.token_ids for c in chunks]
+    with pytest.raises(RuntimeError, match="slot or row out of range"):
+        runner.fused.run(toks, [0, 0], [[[0, 1], [2, 3]]], [1, 1], state_slots=[0, 1], state_marks=[[], [(3, 0)]])
+    assert all(torch.equal(a, b) for a, b in zip(before, [t for pair in runner.states.values() for t in pair]))
+
+
 @pytest.mark.parametrize("target", [t for t in ("x86-64-v3", "x86-64") if t in cpu_kernel.runnable_targets()])
 def test_the_recurrent_kernels_of_every_cpu_class(quantized, target):
     """recurrent.c built for AVX2 and for the portable class (the native build runs above): Qwen3.5 on the fused
-    step equals the torch path on the same weights."""
+    step equals the torch path on the same weights, its states at marks too."""
     _, loaded = quantized["qwen3_5"]
     with cpu_target(target):
         got = fused_and_torch(loaded, _tokens(70, 1), 29, 8)
+        marked = marks_fused_and_torch(loaded, _tokens(70, 1), _tokens(9, 2))
     (fused, fused_tokens), (want, want_tokens) = got[True], got[False]
     assert fused_tokens == want_tokens
     assert (fused - want).abs().max().item() < TOL * want.abs().max().item()
+    assert_marked_states_match(marked, TOL)
+
+
+def _never(*args, **kwargs):
+    raise AssertionError("a step ran on the torch path")
 
 
 @pytest.mark.parametrize("mode", ["align", "all"])
-def test_the_fused_step_under_the_engine_keeps_every_answer(quantized, mode):
+def test_the_fused_step_under_the_engine_keeps_every_answer(quantized, mode, monkeypatch):
     """Batched requests through the engine on the fused step, with chunked prefill (64 tokens a step), a cache
     small enough to preempt, and prefix caching hitting at state checkpoints: every answer equals the torch path's
-    on the same weights, and every slot and block comes back. Under --mamba-cache-mode all a step whose prompt
-    chunks leave states inside them runs the torch path (the fused step yields final states only)."""
+    on the same weights, and every slot and block comes back. Under --mamba-cache-mode all the steps whose prompt
+    chunks leave states inside them (marks) run on the fused step too: the torch model never runs there."""
     _, loaded = quantized["qwen3_5"]
     shared = _tokens(64, 7)
     prompts = [_tokens(150, 2), _tokens(100, 3), _tokens(120, 4), shared + _tokens(30, 8), shared + _tokens(20, 9)]
@@ -394,7 +428,10 @@ def test_the_fused_step_under_the_engine_keeps_every_answer(quantized, mode):
         assert (engine.runner.fused is not None) is True
         if not fused:
             engine.runner.fused = None
-        answers[fused] = _run(engine, prompts[:3]) + [_run(engine, [p])[0] for p in prompts[3:]]
+        with monkeypatch.context() as patch:
+            if fused:  # what the torch path calls (the loaded model is the fixture's: put back after the run)
+                patch.setattr(engine.runner.model, "forward", _never)
+            answers[fused] = _run(engine, prompts[:3]) + [_run(engine, [p])[0] for p in prompts[3:]]
         assert engine.stats().num_preemptions > 0 and engine.stats().prefix_cache_hits >= 64
         _all_back(engine)
     assert answers[True] == answers[False]

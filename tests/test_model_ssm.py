@@ -274,21 +274,36 @@ def test_the_fused_step_computes_what_the_torch_path_does(kind, tmp_path):
     assert answers["fused"] == answers["torch"]
 
 
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_the_fused_step_writes_the_states_at_marks_as_the_torch_path(kind, tmp_path):
+    """Prompt chunks with prefix-cache checkpoints inside them (state marks, --mamba-cache-mode all) beside another
+    sequence's marked chunk, then beside its decode token, on the fused C step and on the torch path: the same
+    logits, and every mark row and slot of every Mamba2 / short-conv layer (its conv state, and Mamba2's SSM
+    state) the same within the tolerance."""
+    from model_helpers import assert_marked_states_match, marks_fused_and_torch
+
+    make_hybrid(kind, str(tmp_path), shared=64)
+    loaded = load_model(str(tmp_path), "float32", "cpu", False, "int8", quantized_activations="none")
+    assert_marked_states_match(marks_fused_and_torch(loaded, _tokens(70, 1), _tokens(9, 2)), TOL)
+
+
 @pytest.mark.parametrize("target", [t for t in ("x86-64-v3", "x86-64") if t in cpu_kernel.runnable_targets()])
 def test_the_recurrent_kernels_of_every_cpu_class(target, tmp_path):
     """recurrent.c built for AVX2 and for the portable class: Granite 4.0-H's Mamba2 layers (the read-out's simd.h
     sums), LFM2's short conv and Nemotron-H's single-block layers on the fused step equal the torch path on the same
-    int8 weights."""
-    from model_helpers import cpu_target, fused_and_torch
+    int8 weights, their states at marks too."""
+    from model_helpers import assert_marked_states_match, cpu_target, fused_and_torch, marks_fused_and_torch
 
     for kind in ("granitemoehybrid", "lfm2", "nemotron_h"):
         make_hybrid(kind, str(tmp_path / kind), shared=64)
         loaded = load_model(str(tmp_path / kind), "float32", "cpu", False, "int8", quantized_activations="none")
         with cpu_target(target):
             got = fused_and_torch(loaded, _tokens(70, 1), 29, 8)
+            marked = marks_fused_and_torch(loaded, _tokens(70, 1), _tokens(9, 2))
         (fused, fused_tokens), (want, want_tokens) = got[True], got[False]
         assert fused_tokens == want_tokens, kind
         assert (fused - want).abs().max().item() < TOL * want.abs().max().item(), kind
+        assert_marked_states_match(marked, TOL)
 
 
 def run_engine(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list:

@@ -274,15 +274,14 @@ class ModelRunner:
         by_group = self._group_tables(chunks)
         ixs = group_step_index(lens, starts, by_group, self.block_size)  # one builder for the fused and torch path
         lora_ids = self._lora_ids(chunks)
-        # the fused C step yields each sequence's final state only: a step with marks runs the torch path
-        if self.fused is not None and not any(c.state_marks for c in chunks):
+        if self.fused is not None:
             lora = None
             if lora_ids is not None:
                 assert self.lora is not None
                 lora = self.lora.fused_step(lora_ids, lens, self.fused.lora_group_rows)
             toks = [c.token_ids for c in chunks]
-            slots = self._state_slots(chunks) if self.states else None
-            return self.fused.run(toks, starts, by_group, [c.num_logits for c in chunks], ixs, lora, slots)
+            slots, marks = (self._state_slots(chunks), self._state_marks(chunks)) if self.states else (None, None)
+            return self.fused.run(toks, starts, by_group, [c.num_logits for c in chunks], ixs, lora, slots, marks)
         ids: list[int] = []
         for c in chunks:
             ids.extend(c.token_ids)
@@ -305,18 +304,26 @@ class ModelRunner:
             recurrent.commit()
         return logits
 
-    def _recurrent(self, chunks: list[SeqChunk]) -> RecurrentStep | None:
-        """The step's state slots (None for a model without linear-attention layers)."""
-        if not self.states:
-            return None
+    def _state_marks(self, chunks: list[SeqChunk]) -> list[list[tuple[int, int]]]:
+        """Each chunk's (t, row) state marks, checked: offsets ascending inside the chunk, rows distinct rows of
+        the state tensors and none of the step's slots (both paths write a mark's row beside the slots)."""
         marks = [c.state_marks or [] for c in chunks]
         rows = [r for m in marks for _, r in m]
         for c, m in zip(chunks, marks):
             ts = [t for t, _ in m]
             if ts != sorted(set(ts)) or not all(0 < t < len(c.token_ids) for t in ts):
                 raise ValueError(f"state marks {ts} are not ascending offsets inside a chunk of {len(c.token_ids)}")
-        if len(set(rows)) != len(rows) or not all(0 <= r < self.num_state_slots for r in rows):
-            raise ValueError(f"state mark rows {rows} are not distinct rows of {self.num_state_slots}")
+        slots = set(self._state_slots(chunks))
+        if len(set(rows)) != len(rows) or not all(0 <= r < self.num_state_slots and r not in slots for r in rows):
+            raise ValueError(f"state mark rows {rows} are not distinct rows of {self.num_state_slots} apart from slots")
+        return marks
+
+    def _recurrent(self, chunks: list[SeqChunk]) -> RecurrentStep | None:
+        """The step's state slots (None for a model without linear-attention layers)."""
+        if not self.states:
+            return None
+        marks = self._state_marks(chunks)
+        rows = [r for m in marks for _, r in m]
         return RecurrentStep(
             torch.tensor(self._state_slots(chunks), dtype=torch.long, device=self.device),
             [len(c.token_ids) for c in chunks],

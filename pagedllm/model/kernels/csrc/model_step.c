@@ -980,7 +980,7 @@ static int rec_step(const StepModel *m, const StepLayer *layers, const StepBatch
     }
     for (int s = 0; s < b->S; s++)
         if (!len[s]) return -5;
-    *r = (RecStep){first, len, b->state_slots, b->positions, b->T, b->S, *mem};
+    *r = (RecStep){first, len, b->state_slots, b->positions, b->T, b->S, *mem, b->mark_first, b->mark_at, b->mark_row};
     return 0;
 }
 

@@ -114,6 +114,9 @@ typedef struct {
     double *profile; /* NULL, or [N_PHASES] seconds added per phase (benchmarks/step_profile.py) */
     const LoraStep *lora; /* NULL, or the rows that run under LoRA adapters and the adapters' matrices */
     const int64_t *state_slots; /* [S] each sequence's recurrent-state slot (NULL: a model without mixers) */
+    /* NULL, or [S + 1]: sequence s's state marks are mark_at / mark_row[mark_first[s] .. mark_first[s + 1]): its
+     * states after mark_at tokens also written to state row mark_row (recurrent.h's RecStep) */
+    const int64_t *mark_first, *mark_at, *mark_row;
 } StepBatch;
 
 int64_t step_struct_size(const char *name);

@@ -10,7 +10,9 @@
  * stays in L1/L2 (64 KiB at 128 x 128), a few hundred times fewer flops than the layer's matmuls take for that
  * token, and the work items (sequence, head) keep the threads busy. It is also the form transformers' recurrent
  * decode computes, so a decode token's numbers are the torch path's up to the order of its sums, and a prompt's
- * the chunked scan's up to rounding (the same recurrence, reassociated).
+ * the chunked scan's up to rounding (the same recurrence, reassociated). It is why a prompt chunk's prefix-cache
+ * checkpoints (RecStep's marks, --mamba-cache-mode all) cost a copy each: the loop passes every token's state, so
+ * the state after t tokens is copied to its row as the loop passes t, with no split of any scan.
  *
  * Numerics follow the torch path in float32: softplus with torch's threshold of 20, sigmoid(b), l2norm x *
  * rsqrt(sum(x^2) + 1e-6), RMS norms x * rsqrt(mean(x^2) + eps) * w, silu(z) = z sigmoid(z).
@@ -62,6 +64,26 @@ static uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch's .to(
                                          : (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
 }
 
+/* The step's marks (RecStep): offsets ascending inside their sequence, rows in range, apart from each other and
+ * from every slot the step reads (a mark's row is written while the other sequences still read theirs). */
+static int marks_check(const RecMixer *r, const RecStep *s) {
+    if (!s->mark_first) return 0;
+    if (s->mark_first[0] != 0) return -5;
+    for (int q = 0; q < s->S; q++) {
+        if (s->mark_first[q + 1] < s->mark_first[q]) return -5;
+        for (int64_t j = s->mark_first[q]; j < s->mark_first[q + 1]; j++) {
+            const int64_t at = s->mark_at[j], row = s->mark_row[j];
+            if (at <= (j > s->mark_first[q] ? s->mark_at[j - 1] : 0) || at >= s->len[q] || row < 0 || row >= r->slots)
+                return -5;
+            for (int p = 0; p < s->S; p++)
+                if (s->slot[p] == row) return -5;
+            for (int64_t i = 0; i < j; i++)
+                if (s->mark_row[i] == row) return -5;
+        }
+    }
+    return 0;
+}
+
 int rec_check(const RecMixer *r, const RecStep *s, int hidden) {
     const int keep = r->kernel - 1;
     if (r->kind < MIX_GATED_DELTANET || r->kind > MIX_SHORT_CONV || keep < 0 || keep > MAX_KEEP ||
@@ -89,7 +111,7 @@ int rec_check(const RecMixer *r, const RecStep *s, int hidden) {
         for (int p = 0; p < q; p++)
             if (s->slot[p] == s->slot[q]) return -5;
     }
-    return 0;
+    return marks_check(r, s);
 }
 
 int rec_conv_items(const RecMixer *r, int S) { return S * ((r->conv_dim + CONV_CH - 1) / CONV_CH); }
@@ -101,6 +123,20 @@ void rec_permute(const RecMixer *r, const RecStep *s, int t) {
     const float *raw = raw_rows(s) + (int64_t)t * r->width;
     float *canon = canon_rows(r, s) + (int64_t)t * r->width;
     for (int j = 0; j < r->width; j++) canon[j] = raw[r->perm[j]];
+}
+
+/* A conv item's state (its n channels' last K-1 inputs, hist[0 .. K-1)) into the conv state at `base`: a slot's
+ * row, or a mark's. */
+static void store_conv(const RecMixer *r, int64_t base, float hist[][CONV_CH], int n) {
+    const int keep = r->kernel - 1;
+    for (int c = 0; c < n; c++)
+        for (int k = 0; k < keep; k++) {
+            const int64_t at = base + (int64_t)c * keep + k;
+            if (r->conv_bf16)
+                ((uint16_t *)r->conv_state)[at] = f32_to_bf16(hist[k][c]);
+            else
+                ((float *)r->conv_state)[at] = hist[k][c];
+        }
 }
 
 /* Item i: one sequence's tokens through the causal conv for a chunk of CONV_CH channels, its conv state (in the
@@ -117,6 +153,8 @@ void rec_conv(const RecMixer *r, const RecStep *s, int i) {
     for (int c = 0; c < n; c++)
         for (int k = 0; k < K; k++) w[k][c] = r->conv_w[(int64_t)(c0 + c) * K + k];
     const int64_t base = (slot * C + c0) * keep;
+    int64_t mark = s->mark_first ? s->mark_first[q] : 0;
+    const int64_t mark_end = s->mark_first ? s->mark_first[q + 1] : 0;
     for (int c = 0; c < n; c++)
         for (int k = 0; k < keep; k++)
             hist[k][c] = fresh ? 0.0f
@@ -139,15 +177,10 @@ void rec_conv(const RecMixer *r, const RecStep *s, int i) {
             for (int c = 0; c < n; c++) out[c] = silu(acc[c]);
         }
         for (int k = 0; k < keep; k++) memcpy(hist[k], hist[k + 1], (size_t)n * sizeof(float));
+        if (mark < mark_end && s->mark_at[mark] == t + 1 - t0) /* a checkpoint after these t + 1 - t0 tokens */
+            store_conv(r, (s->mark_row[mark++] * C + c0) * keep, hist, n);
     }
-    for (int c = 0; c < n; c++)
-        for (int k = 0; k < keep; k++) {
-            const int64_t at = base + (int64_t)c * keep + k;
-            if (r->conv_bf16)
-                ((uint16_t *)r->conv_state)[at] = f32_to_bf16(hist[k][c]);
-            else
-                ((float *)r->conv_state)[at] = hist[k][c];
-        }
+    store_conv(r, base, hist, n);
 }
 
 /* x / |x| over n floats, as l2norm: x * rsqrt(sum(x^2) + 1e-6), times `scale`. */
@@ -232,6 +265,8 @@ void rec_scan(const RecMixer *r, const RecStep *s, int i) {
     float *st = r->rec_state + (s->slot[q] * r->heads + h) * size;
     if (s->positions[t0] == 0) memset(st, 0, (size_t)size * sizeof(float));
     const int head_out = r->kind == MIX_MAMBA2 ? r->dk : r->dv;
+    int64_t mark = s->mark_first ? s->mark_first[q] : 0;
+    const int64_t mark_end = s->mark_first ? s->mark_first[q + 1] : 0;
     for (int64_t t = t0; t < t1; t++) {
         const float *conv = conv_rows(r, s) + t * r->conv_dim, *row = canon_rows(r, s) + t * r->width;
         float *out = rec_out(r, s) + t * r->out_k + (int64_t)h * head_out;
@@ -239,6 +274,8 @@ void rec_scan(const RecMixer *r, const RecStep *s, int i) {
             mamba2_token(r, st, conv, row, h, out);
         else
             deltanet_token(r, st, conv, row, h, out);
+        if (mark < mark_end && s->mark_at[mark] == t + 1 - t0) /* a checkpoint after these t + 1 - t0 tokens */
+            memcpy(r->rec_state + (s->mark_row[mark++] * r->heads + h) * size, st, (size_t)size * sizeof(float));
     }
 }
 

@@ -47,18 +47,24 @@ typedef struct {
  * the flat batch, each from state slot slot[s], from zeros where its first position is 0) and room for a layer's
  * rows (rec_row_floats per token), which each mixer lays out by its own sizes: the projections' raw row [T,
  * width], the canonical row [T, width] (the raw one where the mixer has no perm), the conv's output [T, conv_dim],
- * the mixer's output [T, out_k] (rec_out: the output projection's input). */
+ * the mixer's output [T, out_k] (rec_out: the output projection's input).
+ *
+ * Marks (prefix-cache checkpoints inside a prompt chunk, --mamba-cache-mode all; NULL mark_first: none): sequence
+ * s's state after its first mark_at[j] tokens (0 < mark_at[j] < len[s], ascending) is also written to state row
+ * mark_row[j] (a row of the same state tensors, none of the step's slots), for j in mark_first[s] ..
+ * mark_first[s + 1] - 1: the conv's last K-1 inputs and the recurrent state as the token loop passes t. */
 typedef struct {
     const int64_t *first, *len, *slot, *positions;
     int T, S;
     float *rows;
+    const int64_t *mark_first, *mark_at, *mark_row;
 } RecStep;
 
 int64_t rec_struct_size(const char *name);
 /* floats per token a mixer's rows take (raw, canon, conv, out); where its output rows start */
 int64_t rec_row_floats(const RecMixer *r);
 float *rec_out(const RecMixer *r, const RecStep *s);
-/* 0, or -2 (bad sizes), -5 (a state slot out of range) */
+/* 0, or -2 (bad sizes), -5 (a state slot or mark out of range, or two sequences' or marks' rows the same) */
 int rec_check(const RecMixer *r, const RecStep *s, int hidden);
 int rec_conv_items(const RecMixer *r, int S);
 int rec_scan_items(const RecMixer *r, int S);

@@ -52,9 +52,9 @@ HYBRID_SHAPES = {
 }
 
 
-def hybrid_folder(name: str) -> str:
-    """The random HF folder of NAME@L (bfloat16 N(0, 0.02) matrices, A_log spread as a trained model's), written
-    on first use."""
+def hybrid_folder(name: str, root: str = "~/.cache/pagedllm/real-sizes") -> str:
+    """The random HF folder of NAME@L under `root` (bfloat16 N(0, 0.02) matrices, A_log spread as a trained
+    model's), written on first use."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
 
@@ -62,7 +62,7 @@ def hybrid_folder(name: str) -> str:
 
     base, _, layers = name.partition("@")
     shape = HYBRID_SHAPES[base] | ({"num_hidden_layers": int(layers)} if layers else {})
-    folder = os.path.expanduser(f"~/.cache/pagedllm/real-sizes/{name}-random-hf")
+    folder = os.path.join(os.path.expanduser(root), f"{name}-random-hf")
     if os.path.isfile(os.path.join(folder, "config.json")):
         return folder
     cfg = Qwen3_5TextConfig(**shape)

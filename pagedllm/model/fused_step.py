@@ -93,14 +93,18 @@ def _moe_blocker(model: CausalLM) -> str | None:
     return None
 
 
-def _marks(state_marks: list[list[tuple[int, int]]] | None) -> tuple[np.ndarray | None, ...]:
-    """StepBatch's mark_first, mark_at, mark_row (model_step.h) of each sequence's (t, row) marks; Nones where no
-    sequence has one (the step writes its final states only)."""
+def _state_arrays(
+    state_slots: list[int] | None, state_marks: list[list[tuple[int, int]]] | None
+) -> tuple[np.ndarray | None, ...]:
+    """StepBatch's state_slots, mark_first, mark_at, mark_row (model_step.h) of each sequence's slot and (t, row)
+    marks; None for the slots of a model without recurrent layers, and for the marks where no sequence has one
+    (the step writes its final states only)."""
+    slots = None if state_slots is None else np.array(state_slots, dtype=np.int64)
     if not state_marks or not any(state_marks):
-        return None, None, None
+        return slots, None, None, None
     first = np.cumsum([0] + [len(m) for m in state_marks], dtype=np.int64)
     pairs = np.array([p for m in state_marks for p in m], dtype=np.int64).reshape(-1, 2)
-    return first, np.ascontiguousarray(pairs[:, 0]), np.ascontiguousarray(pairs[:, 1])
+    return slots, first, np.ascontiguousarray(pairs[:, 0]), np.ascontiguousarray(pairs[:, 1])
 
 
 def unfused_reason(
@@ -461,9 +465,8 @@ class FusedStep:
         `num_logits[i]` rows of each sequence, in order ([sum(num_logits), vocab]). `group_tables[g][i]`: sequence
         i's block table in KV-cache group g. `index`: the step's indices per group (`group_step_index`), when the
         caller has built them already. `lora`: the rows that run under LoRA adapters (LoRAManager.fused_step).
-        `state_slots[i]`: sequence i's recurrent-state slot (a hybrid model's; a sequence at position 0 starts from
-        zeros); `state_marks[i]`: its (t, row) prefix-cache checkpoints (SeqChunk.state_marks): its states after t
-        tokens are also written to state row `row`, in place as its slot's (checked before any is written)."""
+        `state_slots[i]`: sequence i's recurrent-state slot (a hybrid model's; from zeros at position 0);
+        `state_marks[i]`: its (t, row) checkpoints (SeqChunk.state_marks), its states after t tokens into row `row`."""
         if len(group_tables) != self.num_groups:
             raise ValueError(f"a step of this model needs {self.num_groups} groups' tables, got {len(group_tables)}")
         ixs = index or group_step_index([len(t) for t in token_ids], starts, group_tables, self.block_size)
@@ -483,8 +486,7 @@ class FusedStep:
         )
         logits = torch.empty(len(rows), self.model.config.vocab_size, dtype=torch.float32)
         self._rotary(int(ix.positions.max()))
-        slots_of = None if state_slots is None else np.array(state_slots, dtype=np.int64)
-        marks = _marks(state_marks)
+        states = _state_arrays(state_slots, state_marks)
         batch = _Batch(
             toks.ctypes.data,
             ix.positions.ctypes.data,
@@ -500,8 +502,7 @@ class FusedStep:
             logits.data_ptr(),
             None if self.profile is None else self.profile.ctypes.data,
             None if lora is None else ctypes.addressof(lora.step),
-            None if slots_of is None else slots_of.ctypes.data,
-            *(None if a is None else a.ctypes.data for a in marks),
+            *(None if a is None else a.ctypes.data for a in states),
         )
         rc = self.lib.model_step(ctypes.byref(self.dims), self.layers, ctypes.byref(batch), torch.get_num_threads())
         self.model.expert_load.reads[0] += int(self._reads[0])

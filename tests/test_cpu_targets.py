@@ -21,9 +21,8 @@ TARGETS = cpu_kernel.runnable_targets()
 
 
 @pytest.fixture(params=TARGETS)
-def target(request, monkeypatch, cpu_class_builds):
-    """The kernels of one class, as `cpu_kernel.load()` gives them to the model while the test runs (built
-    beside the earlier tests where the whole suite runs: conftest's cpu_class_builds)."""
+def target(request, monkeypatch):
+    """The kernels of one class, as `cpu_kernel.load()` gives them to the model while the test runs."""
     monkeypatch.setenv("PAGEDLLM_CPU_TARGET", request.param)
     cpu_kernel.load.cache_clear()
     lib = cpu_kernel.load()

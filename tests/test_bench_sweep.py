@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import types
 
 import pytest
 
@@ -87,6 +88,14 @@ class FakeEngine:
             peak_running=self.peak,
             num_steps=self.steps,
         )
+
+
+@pytest.fixture(autouse=True)
+def no_collection_between_rows(monkeypatch):
+    """The sweep collects garbage after each row to free the real engine's weights and cache; the fake engine holds
+    neither, and in the whole suite's heap (every model the tests loaded) those collections were most of this
+    file's time."""
+    monkeypatch.setattr(sweep, "gc", types.SimpleNamespace(collect=lambda: 0))
 
 
 class WordTok:

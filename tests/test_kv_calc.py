@@ -103,24 +103,42 @@ def test_book_small_example(capsys):
     ]
 
 
-@pytest.mark.parametrize(
-    "flags, flag",
-    [
-        (["--used", ""], "--used"),
-        (["--used", "1,-5"], "--used"),
-        (["--used", "1,abc"], "--used"),
-        (["--block-size", "0"], "--block-size"),
-        (["--max-len", "x"], "--max-len"),
-        (["--model", "--memory", "lots"], "--memory"),
-    ],
-)
-def test_bad_input_is_one_line_naming_the_flag_and_exit_2(flags, flag):
-    proc = subprocess.run(
-        [sys.executable, "-m", "pagedllm.entrypoints.cli", "kv-calc", *flags],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+BAD_INPUT = [
+    (["--used", ""], "--used"),
+    (["--used", "1,-5"], "--used"),
+    (["--used", "1,abc"], "--used"),
+    (["--block-size", "0"], "--block-size"),
+    (["--max-len", "x"], "--max-len"),
+    (["--model", "--memory", "lots"], "--memory"),
+]
+DTYPE_ONLY_FOR_THE_CACHE = ["--model", "--dtype", "int8"]
+NOT_A_CACHE_DTYPE = ["--model", "--kv-cache-dtype", "float16"]
+
+
+@pytest.fixture(scope="module")
+def cli_runs():
+    """`pagedllm kv-calc FLAGS` as a user runs it, one process per set of flags the tests below give, all started
+    at once: each is ~3 s of importing before its one line, and two cores run two of them at a time."""
+    runs = [flags for flags, _ in BAD_INPUT] + [DTYPE_ONLY_FOR_THE_CACHE, NOT_A_CACHE_DTYPE]
+    procs = {
+        tuple(flags): subprocess.Popen(
+            [sys.executable, "-m", "pagedllm.entrypoints.cli", "kv-calc", *flags],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for flags in runs
+    }
+    done = {}
+    for flags, proc in procs.items():
+        _, stderr = proc.communicate(timeout=300)
+        done[flags] = subprocess.CompletedProcess(proc.args, proc.returncode, "", stderr)
+    return done
+
+
+@pytest.mark.parametrize("flags, flag", BAD_INPUT)
+def test_bad_input_is_one_line_naming_the_flag_and_exit_2(cli_runs, flags, flag):
+    proc = cli_runs[tuple(flags)]
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and flag in lines[0] and "Traceback" not in proc.stderr
@@ -182,13 +200,8 @@ def test_kv_cache_dtype_sets_the_cache_and_dtype_the_model(capsys):
     assert _bytes_per_token(capsys.readouterr().out) == 23_040  # the cache's default stays bfloat16
 
 
-def test_dtype_is_the_models_so_a_cache_only_dtype_names_the_flag():
-    proc = subprocess.run(
-        [sys.executable, "-m", "pagedllm.entrypoints.cli", "kv-calc", "--model", "--dtype", "int8"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+def test_dtype_is_the_models_so_a_cache_only_dtype_names_the_flag(cli_runs):
+    proc = cli_runs[tuple(DTYPE_ONLY_FOR_THE_CACHE)]
     assert proc.returncode == 2 and "--dtype" in proc.stderr and "Traceback" not in proc.stderr
 
 
@@ -214,7 +227,7 @@ def _choices(parser: argparse.ArgumentParser, flag: str) -> list[str]:
     return next(list(a.choices) for a in parser._actions if flag in a.option_strings)
 
 
-def test_kv_calc_offers_the_cache_dtypes_the_engine_takes():
+def test_kv_calc_offers_the_cache_dtypes_the_engine_takes(cli_runs):
     """One table of --kv-cache-dtype names (vLLM's): kv-calc offers what `pagedllm serve` takes, and a name the
     engine refuses (float16) is refused by both, naming the flag."""
     from pagedllm.engine.config import EngineConfig, add_engine_args
@@ -230,10 +243,5 @@ def test_kv_calc_offers_the_cache_dtypes_the_engine_takes():
     assert _choices(commands.choices["kv-calc"], "--kv-cache-dtype") == engine
     with pytest.raises(UserError, match="--kv-cache-dtype: input should be 'auto', 'float32', .* got 'float16'"):
         EngineConfig(kv_cache_dtype="float16")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pagedllm.entrypoints.cli", "kv-calc", "--model", "--kv-cache-dtype", "float16"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = cli_runs[tuple(NOT_A_CACHE_DTYPE)]
     assert proc.returncode == 2 and "--kv-cache-dtype" in proc.stderr and "Traceback" not in proc.stderr

@@ -121,26 +121,42 @@ def test_missing_default_package(monkeypatch):
         default_model.default_model_path()
 
 
-@pytest.mark.parametrize("kind", ["missing", "text-file", "unsupported-arch"])
-def test_cli_bad_model_is_one_clear_line_without_traceback(tmp_path, kind):
-    import json
+BAD_MODELS = ["missing", "text-file", "unsupported-arch"]
+
+
+@pytest.fixture(scope="module")
+def cli_bad_models(tmp_path_factory):
+    """`pagedllm generate hi --model M` as a user runs it, for each kind of bad model, the three processes started
+    at once (each is seconds of imports before its one line): kind -> (the model given, the finished process)."""
     import subprocess
     import sys
 
-    if kind == "missing":
-        model = str(tmp_path / "no-such-model")
-    elif kind == "text-file":
-        model = str(tmp_path / "notes.txt")
-        (tmp_path / "notes.txt").write_text("not a model")
-    else:
-        model = str(tmp_path)
-        (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
-    proc = subprocess.run(
-        [sys.executable, "-m", "pagedllm.entrypoints.cli", "generate", "hi", "--model", model],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    models = {}
+    for kind in BAD_MODELS:
+        tmp_path = tmp_path_factory.mktemp(kind)
+        if kind == "missing":
+            models[kind] = str(tmp_path / "no-such-model")
+        elif kind == "text-file":
+            models[kind] = str(tmp_path / "notes.txt")
+            (tmp_path / "notes.txt").write_text("not a model")
+        else:
+            models[kind] = str(tmp_path)
+            (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    argv = [sys.executable, "-m", "pagedllm.entrypoints.cli", "generate", "hi", "--model"]
+    procs = {
+        kind: subprocess.Popen([*argv, model], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        for kind, model in models.items()
+    }
+    done = {}
+    for kind, proc in procs.items():
+        _, stderr = proc.communicate(timeout=300)
+        done[kind] = (models[kind], subprocess.CompletedProcess(proc.args, proc.returncode, "", stderr))
+    return done
+
+
+@pytest.mark.parametrize("kind", BAD_MODELS)
+def test_cli_bad_model_is_one_clear_line_without_traceback(cli_bad_models, kind):
+    model, proc = cli_bad_models[kind]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and model.split("/")[-1] in lines[0]

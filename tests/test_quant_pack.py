@@ -36,10 +36,11 @@ def _body(parts: quant.QuantParts, nb: int) -> np.ndarray:
     low = u & 15
     body = [(low[:, :, :, :8] | (low[:, :, :, 8:] << 4)).reshape(nb, k // 32, 256)]
     bits = _PLANE.get(parts.fmt, 0)
-    if bits == 1:  # per row, value e (its order in the row) at bit e of a little-endian word
-        high = (u >> 4).reshape(nb, k // 32, 16, 32).astype(np.uint64) << np.arange(32, dtype=np.uint64)
-        words = np.bitwise_or.reduce(high, axis=-1).astype("<u4")
-        body.append(words.view(np.uint8).reshape(nb, k // 32, -1))
+    if bits == 1:  # per row quad 16 bytes; byte j: its low nibble's bit in row 4 t + p at bit p, the high's at 4 + p
+        h = (u >> 4).reshape(nb, k // 32, 4, 4, 2, 16)  # [.., row quad, row of the quad, low/high nibble, byte]
+        shift = np.arange(4, dtype=np.uint8)[:, None, None] + np.array([0, 4], np.uint8)[:, None]
+        plane = np.bitwise_or.reduce(h.astype(np.uint8) << shift, axis=(-3, -2))
+        body.append(plane.astype(np.uint8).reshape(nb, k // 32, -1))
     elif bits == 2:  # per row pair 16 bytes; byte j: its low nibble's bits in rows r, r + 1, then the high's
         h = (u >> 4).reshape(nb, k // 32, 8, 2, 2, 16)  # [.., row pair, row of the pair, low/high nibble, byte]
         plane = h[..., 0, 0, :] | h[..., 1, 0, :] << 2 | h[..., 0, 1, :] << 4 | h[..., 1, 1, :] << 6

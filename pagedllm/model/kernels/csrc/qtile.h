@@ -8,11 +8,13 @@
  * 2r + 1 of every column, i.e. the VNNI order of an AMX bfloat16 B tile. Bodies:
  *   nibbles (Q4, Q40, K4M): 16 bytes a row; byte j: low nibble = column j/2, high nibble = column 8 + j/2, both
  *       at k = 2r + j%2; the 5- and 6-bit formats (Q5, Q5M, K5M, K6) add a plane of the bits above the nibble
- *       after the nibbles: 1 bit (Q5, Q5M, K5M) per row a 32-bit word, bit e for the row's value e in the
- *       order of the nibbles (the 16 low, then the 16 high); 2 bits (K6) per row pair (r even, r + 1) 16
- *       bytes, byte j the high bits of nibble byte j: row r's low nibble in bits 0-1, row r + 1's in 2-3, row
- *       r's high nibble in 4-5, row r + 1's in 6-7; their codes are stored with an offset that makes them
- *       unsigned (Q5: 16, K6: 32, and Q40's 4-bit codes: 8), taken off again in registers;
+ *       after the nibbles: 1 bit (Q5, Q5M, K5M) per row quad (rows 4t .. 4t + 3) 16 bytes, byte j the high
+ *       bits of nibble byte j: row 4t + p's low nibble in bit p, its high nibble in bit 4 + p; 2 bits (K6) per
+ *       row pair (r even, r + 1) 16 bytes, byte j the high bits of nibble byte j: row r's low nibble in bits
+ *       0-1, row r + 1's in 2-3, row r's high nibble in 4-5, row r + 1's in 6-7 (both: one widened load serves
+ *       the integer route's rows of a quad or pair, each row's bits a shift away from bit 4 of its words);
+ *       their codes are stored with an offset that makes them unsigned (Q5: 16, K6: 32, and Q40's 4-bit
+ *       codes: 8), taken off again in registers;
  *   bytes (Q8, Q8M, K8M, K8): 32 bytes a row; byte e = column e/2 at k = 2r + e%2;
  *   halves (F16, BF16): 32 16-bit values a row in the order of bytes;
  *   MX4 (MXFP4's E2M1 codes, 4 bits): the nibble rows of four rows r = 4t + p interleaved, 64 bytes a row quad t:
@@ -150,18 +152,16 @@ static inline __attribute__((always_inline)) Scales tile_scales(const uint8_t *c
     return s;
 }
 
-/* The bits above the nibbles of vector v's codes in row r, minus the format's offset. 1-bit plane: row r's
- * 32-bit word holds bit e for the row's value e = VW v + lane. 2-bit plane (K6): 16 bytes per row pair (r even,
- * r + 1); byte j holds the high bits of nibble byte j's low nibble in row r in bits 0-1, in row r + 1 in bits
- * 2-3, and of the same bytes' high nibbles in bits 4-5 and 6-7: a layout the integer route (qmm_dot.c) widens once
- * for both rows of a pair, row r + 1's bits two places above row r's. */
+/* The bits above the nibbles of vector v's codes in row r, minus the format's offset. 1-bit plane: 16 bytes per
+ * row quad (rows 4t + p, p = 0..3); byte j holds the high bit of nibble byte j's low nibble in row 4t + p at bit
+ * p, of its high nibble at bit 4 + p. 2-bit plane (K6): 16 bytes per row pair (r even, r + 1); byte j holds the
+ * high bits of nibble byte j's low nibble in row r in bits 0-1, in row r + 1 in bits 2-3, and of the same bytes'
+ * high nibbles in bits 4-5 and 6-7. Layouts the integer route (qmm_dot.c) widens once for the rows of a quad
+ * (pair), each row's bits one (two) places above the previous row's. */
 static inline vi high_bits(const uint8_t *body, const int fmt, int r, int v) {
-    vi iota;
-    for (int l = 0; l < VW; l++) iota[l] = l;
     if (plane(fmt) == 1) {
-        uint32_t word;
-        memcpy(&word, body + 256 + 4 * r, 4);
-        return ((((vi){0} + (int32_t)(word >> (VW * v))) >> iota & 1) << 4) - offset(fmt);
+        const vi bits = u8v(body + 256 + 16 * (r / 4) + VW * (v % (NV / 2)));
+        return (((bits >> (r % 4 + 4 * (v >= NV / 2))) & 1) << 4) - offset(fmt);
     }
     if (plane(fmt) == 2) {
         const vi bits = u8v(body + 256 + 16 * (r / 2) + VW * (v % (NV / 2)));
@@ -248,7 +248,8 @@ static inline int code_at(const uint8_t *body, int fmt, int c, int k) {
         return MX4_VALUES[body[64 * (r / 4) + 2 * (2 * c + k % 2) + r % 2] >> (4 * (r % 4 / 2)) & 15] + offset(fmt);
     if (!nibbles(fmt)) return (int8_t)body[32 * r + 2 * c + k % 2];
     const int nib = c < 8 ? body[16 * r + j] & 15 : body[16 * r + j] >> 4;
-    if (plane(fmt) != 2) return nib;
+    if (!plane(fmt)) return nib;
+    if (plane(fmt) == 1) return nib | (body[256 + 16 * (r / 4) + j] >> (r % 4 + 4 * (c >= 8)) & 1) << 4;
     const int pb = body[256 + 16 * (r / 2) + j] >> (2 * (r % 2) + 4 * (c >= 8));
     return nib | (pb & 3) << 4;
 }

@@ -81,11 +81,14 @@ static uint8_t *body(uint8_t *o, const uint8_t *codes, int fmt, int64_t n, int64
             }
         return o;
     }
-    for (int r = 0; r < 16; r++) { /* value e of row r: column e / 2 at k = 2 r + e % 2, at bit e */
-        uint64_t word = 0;
-        for (int e = 0; e < 32; e++) word |= (uint64_t)(u[e / 2][2 * r + e % 2] >> 4) << (bits * e);
-        for (int i = 0; i < 4 * bits; i++) *o++ = (uint8_t)(word >> (8 * i)); /* little-endian */
-    }
+    for (int t = 0; t < 16; t += 4) /* Q5, Q5M, K5M: per row quad 16 bytes; byte j: row t + p low at p, high 4 + p */
+        for (int j = 0; j < 16; j++, o++) {
+            *o = 0;
+            for (int p = 0; p < 4; p++) {
+                const int e = 2 * (t + p) + j % 2; /* k of byte j in row t + p */
+                *o |= (uint8_t)((u[j / 2][e] >> 4) << p | (u[8 + j / 2][e] >> 4) << (4 + p));
+            }
+        }
     return o;
 }
 

@@ -319,10 +319,10 @@ static inline hv hdot(hv acc, hv w, hv x) { return _mm256_add_epi32(acc, _mm256_
 static inline hv nib_words(const uint8_t *body, int r) {
     return _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(body + 16 * r)));
 }
-/* The K6 plane of row pair r / 2 as 16 words, word j holding nibble byte j's high bits: row r's in bits 0-1
- * (low nibble) and 4-5 (high), row r + 1's in bits 2-3 and 6-7. One load and widen serves both rows. */
-static inline hv plane_words(const uint8_t *body, int r) {
-    return _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(body + 256 + 16 * (r / 2))));
+/* Entry i of a high-bit plane (16 bytes: K6's row pair i, a 5-bit format's row quad i) as 16 words, word j holding
+ * nibble byte j's high bits in those rows (qtile.h). One load and widen serves the pair's or quad's rows. */
+static inline hv plane_words(const uint8_t *body, int i) {
+    return _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(body + 256 + 16 * i)));
 }
 #define HAND(a, b) _mm256_and_si256(a, _mm256_set1_epi16(b))
 #if defined(__AVX512VL__) /* bits of a where mask m is set, else of b */

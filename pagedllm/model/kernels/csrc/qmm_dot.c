@@ -96,19 +96,21 @@ static inline __attribute__((always_inline)) void block_dot(const QMatmul *a, co
                 for (int rr = 0; rr < 16 / parts; rr++) { /* bounds known to the compiler: unrolled whole */
                     const int r = 16 / parts * h + rr;
                     /* 4-bit codes: the byte itself (low + 16 high) against x, and 16 times the high nibble
-                     * (the byte masked, no shift): the low nibbles' sum is their difference (below). K6: the
-                     * same with the 6-bit codes, lo + 16 hi (the byte plus its high bits put at 4-5 and 8-9)
-                     * and 16 hi (the byte's high nibble and the high bits at 8-9) */
-                    const hv w = nib_words(body, r);
-                    hv wl = w, wh = HAND(w, 0xF0);
-                    if (plane(fmt) == 2) {
-                        const hv pw = plane_words(body, r / 2), q = rr % 2 ? HSLL(HSRL(pw, 2), 4) : HSLL(pw, 4);
-                        wl = HADD16(w, HAND(q, 0x330));
-                        wh = HSEL(0xFCF0, w, q); /* q is 0 at bits 0-3, w at 10-15 */
-                    } else if (plane(fmt) == 1) { /* 5-bit: row r's bits moved to 4 (low nibble) and 8 (high) */
-                        const hv q = HAND(HSLL(plane_words(body, r / 4), 4 - r % 4), 0x110);
-                        wl = HADD16(w, q);
-                        wh = HSEL(0xF0, w, q); /* q is 0 but at bits 4 and 8 */
+                     * (the byte masked, no shift): the low nibbles' sum is their difference (below). 5-bit:
+                     * the same with the plane's bits added at 4 and 8. K6: the words' bits 0-11, lo + 64 hi,
+                     * and 64 hi (bits 6-11) */
+                    hv wl, wh;
+                    if (fmt == QFMT_K6) {
+                        const hv w = k6_words(body, r);
+                        wl = HAND(w, 0xFFF), wh = HAND(w, 0xFC0);
+                    } else {
+                        const hv w = nib_words(body, r);
+                        wl = w, wh = HAND(w, 0xF0);
+                        if (plane(fmt) == 1) { /* row r's bits moved to 4 (low nibble) and 8 (high) */
+                            const hv q = HAND(HSLL(plane_words(body, r / 4), 4 - r % 4), 0x110);
+                            wl = HADD16(w, q);
+                            wh = HSEL(0xF0, w, q); /* q is 0 but at bits 4 and 8 */
+                        }
                     }
                     for (int i = 0; i < nr; i++) {
                         const hv xp = HSET1(pairs[i][r]);
@@ -121,7 +123,7 @@ static inline __attribute__((always_inline)) void block_dot(const QMatmul *a, co
                         lo[i][0] = HADD(lo[i][0], lo[i][p]);
                         hi[i][0] = HADD(hi[i][0], hi[i][p]);
                     }
-                    nib_cols(HSUB(lo[i][0], hi[i][0]), HSRA(hi[i][0], 4), S[i]);
+                    nib_cols(HSUB(lo[i][0], hi[i][0]), HSRA(hi[i][0], fmt == QFMT_K6 ? 6 : 4), S[i]);
                 }
             } else {
                 iv acc[QR][PH][BV];

@@ -268,7 +268,7 @@ def _dot_weight(kind: str, n: int) -> quant.QuantWeight:
     return quant.pack(from_gguf_blocks(random_blocks(ggml_type, n, k, ggml_type), ggml_type))
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "q8m", "Q4_K", "Q6_K", "MXFP4"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "q8m", "Q4_K", "Q5_K", "Q6_K", "MXFP4"])
 def test_the_dot_route_at_many_rows_is_the_one_row_route_bit_for_bit(lib, kind):
     """Whatever the dot route runs at a row count (block_dot in passes of a few rows, then one of the rest), each
     row's result must be the one-row route's bit for bit at every row count up to prefill chunks, on every class

@@ -15,7 +15,7 @@ from pagedllm.model.kernels import quant_linear as quant
 pytestmark = needs_kernel
 
 _NIBBLES = {"q4_1", "q4_0", "q4_k", "q5_0", "q5_1", "q5_k", "q6_k"}
-_PLANE = {"q5_0": 1, "q5_1": 1, "q5_k": 1, "q6_k": 2}
+_PLANE = {"q5_0": 1, "q5_1": 1, "q5_k": 1}
 _OFFSET = {"q5_0": 16, "q6_k": 32, "q4_0": 8}
 
 
@@ -33,16 +33,19 @@ def _body(parts: quant.QuantParts, nb: int) -> np.ndarray:
     if parts.fmt not in _NIBBLES:
         return np.ascontiguousarray(c).view(np.uint8).reshape(nb, k // 32, -1)
     u = (c.astype(np.int16) + _OFFSET.get(parts.fmt, 0)).astype(np.uint8)
+    if parts.fmt == "q6_k":  # byte j: column j/2's code, then 2 bits of 8 + j/2's; row pairs t of 32 bytes, plane
+        lo, hi = (u[:, :, :, s, :].reshape(nb, k // 32, 8, 2, 2, 8) for s in (slice(0, 8), slice(8, 16)))
+        codes = (lo | (hi & 3) << 6).transpose(0, 1, 2, 4, 3, 5)  # [.., pair t, byte half, row of the pair, byte]
+        top = (hi >> 2).reshape(nb, k // 32, 8, 2, 2, 8)  # [.., pair t, row of the pair, byte half, byte]
+        plane = top[..., 0, :] | top[..., 1, :] << 4  # per pair and row 8 bytes: bytes 0-7 low nibbles, 8-15 high
+        return np.concatenate([codes.reshape(nb, k // 32, 256), plane.reshape(nb, k // 32, 128)], axis=-1)
     low = u & 15
     body = [(low[:, :, :, :8] | (low[:, :, :, 8:] << 4)).reshape(nb, k // 32, 256)]
     bits = _PLANE.get(parts.fmt, 0)
-    if bits == 1:  # per row, value e (its order in the row) at bit e of a little-endian word
-        high = (u >> 4).reshape(nb, k // 32, 16, 32).astype(np.uint64) << np.arange(32, dtype=np.uint64)
-        words = np.bitwise_or.reduce(high, axis=-1).astype("<u4")
-        body.append(words.view(np.uint8).reshape(nb, k // 32, -1))
-    elif bits == 2:  # per row pair 16 bytes; byte j: its low nibble's bits in rows r, r + 1, then the high's
-        h = (u >> 4).reshape(nb, k // 32, 8, 2, 2, 16)  # [.., row pair, row of the pair, low/high nibble, byte]
-        plane = h[..., 0, 0, :] | h[..., 1, 0, :] << 2 | h[..., 0, 1, :] << 4 | h[..., 1, 1, :] << 6
+    if bits == 1:  # per row quad 16 bytes; byte j: its low nibble's bit in row 4 t + p at bit p, the high's at 4 + p
+        h = (u >> 4).reshape(nb, k // 32, 4, 4, 2, 16)  # [.., row quad, row of the quad, low/high nibble, byte]
+        shift = np.arange(4, dtype=np.uint8)[:, None, None] + np.array([0, 4], np.uint8)[:, None]
+        plane = np.bitwise_or.reduce(h.astype(np.uint8) << shift, axis=(-3, -2))
         body.append(plane.astype(np.uint8).reshape(nb, k // 32, -1))
     return np.concatenate(body, axis=-1)
 

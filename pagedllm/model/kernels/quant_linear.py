@@ -47,7 +47,7 @@ FORMATS = {"q4_1": 0, "q8_0": 1, "q8m": 2, "f16": 3, "bf16": 4, "q4_k": 5, "k8m"
 FORMATS |= {"q5_0": 8, "q5_1": 9, "q5_k": 10, "q6_k": 11, "q4_0": 12, "mxfp4": 13, "mixed": 15}
 K_FORMATS = {"q4_k", "k8m", "k8", "q5_k", "q6_k"}
 # what the dot route runs (csrc dot_fmt); others: float32
-DOT_FORMATS = {"q4_1", "q4_0", "q8_0", "q8m", "q4_k", "q6_k", "mxfp4"}
+DOT_FORMATS = {"q4_1", "q4_0", "q5_0", "q5_1", "q8_0", "q8m", "q4_k", "q5_k", "q6_k", "mxfp4"}
 # what the int8 route runs (csrc i8_fmt); others: float32
 I8_FORMATS = {"q4_1", "q4_0", "q8_0", "q8m", "q4_k", "q6_k"}
 _SUB = {"q4_k": 32, "k8m": 16, "k8": 16, "q5_k": 32, "q6_k": 16}  # inputs per integer scale s (and mi)

@@ -8,9 +8,9 @@
  * to 16 bits (d = max |x| / 32767 per group of 32), not llama.cpp's 8: each x is within d / 2 of its value (a
  * relative error of ~1.5e-5 of the group's largest), so the route is exact in the weights and nearly so in the
  * activations; the float32 route (qmm_f32.c) stays the exact one (`--quantized-activations none`, loader.py).
- * Formats: Q4 / Q40 (Q4_1, int4 / Q4_0), Q8 / Q8M (Q8_0, int8), K4M (Q4_K), K6 (Q6_K) and MX4 (MXFP4, its codes
- * looked up in a table of int8); a column block of any other format (or of a mixed weight) runs on the float32
- * direct route with the same call.
+ * Formats: Q4 / Q40 (Q4_1, int4 / Q4_0), Q5 / Q5M (Q5_0, Q5_1), Q8 / Q8M (Q8_0, int8), K4M (Q4_K), K5M (Q5_K),
+ * K6 (Q6_K) and MX4 (MXFP4, its codes looked up in a table of int8); a column block of any other format (or of a
+ * mixed weight) runs on the float32 direct route with the same call.
  *
  * Per group g of a column block, the integer sums S_c = sum_k q_ck xq_k of each column c (over half tiles
  * for the formats with a scale per 16 inputs) are exact in int32; out_c += (a_c dx_g) S_c + (b_c dx_g) sx_g,
@@ -28,7 +28,7 @@
 
 static inline int dot_fmt(int fmt) {
     return fmt == QFMT_Q4 || fmt == QFMT_Q40 || fmt == QFMT_Q8 || fmt == QFMT_Q8M || fmt == QFMT_K4M || fmt == QFMT_K6
-        || fmt == QFMT_MX4;
+        || fmt == QFMT_MX4 || plane(fmt) == 1;
 }
 
 /* Row x [K] to 16-bit integers per group of 32. */
@@ -96,15 +96,21 @@ static inline __attribute__((always_inline)) void block_dot(const QMatmul *a, co
                 for (int rr = 0; rr < 16 / parts; rr++) { /* bounds known to the compiler: unrolled whole */
                     const int r = 16 / parts * h + rr;
                     /* 4-bit codes: the byte itself (low + 16 high) against x, and 16 times the high nibble
-                     * (the byte masked, no shift): the low nibbles' sum is their difference (below). K6: the
-                     * same with the 6-bit codes, lo + 16 hi (the byte plus its high bits put at 4-5 and 8-9)
-                     * and 16 hi (the byte's high nibble and the high bits at 8-9) */
-                    const hv w = nib_words(body, r);
-                    hv wl = w, wh = HAND(w, 0xF0);
-                    if (plane(fmt) == 2) {
-                        const hv pw = plane_words(body, r), q = rr % 2 ? HSLL(HSRL(pw, 2), 4) : HSLL(pw, 4);
-                        wl = HADD16(w, HAND(q, 0x330));
-                        wh = HSEL(0xFCF0, w, q); /* q is 0 at bits 0-3, w at 10-15 */
+                     * (the byte masked, no shift): the low nibbles' sum is their difference (below). 5-bit:
+                     * the same with the plane's bits added at 4 and 8. K6: the words' bits 0-11, lo + 64 hi,
+                     * and 64 hi (bits 6-11) */
+                    hv wl, wh;
+                    if (fmt == QFMT_K6) {
+                        const hv w = k6_words(body, r);
+                        wl = HAND(w, 0xFFF), wh = HAND(w, 0xFC0);
+                    } else {
+                        const hv w = nib_words(body, r);
+                        wl = w, wh = HAND(w, 0xF0);
+                        if (plane(fmt) == 1) { /* row r's bits moved to 4 (low nibble) and 8 (high) */
+                            const hv q = HAND(HSLL(plane_words(body, r / 4), 4 - r % 4), 0x110);
+                            wl = HADD16(w, q);
+                            wh = HSEL(0xF0, w, q); /* q is 0 but at bits 4 and 8 */
+                        }
                     }
                     for (int i = 0; i < nr; i++) {
                         const hv xp = HSET1(pairs[i][r]);
@@ -117,7 +123,7 @@ static inline __attribute__((always_inline)) void block_dot(const QMatmul *a, co
                         lo[i][0] = HADD(lo[i][0], lo[i][p]);
                         hi[i][0] = HADD(hi[i][0], hi[i][p]);
                     }
-                    nib_cols(HSUB(lo[i][0], hi[i][0]), HSRA(hi[i][0], 4), S[i]);
+                    nib_cols(HSUB(lo[i][0], hi[i][0]), HSRA(hi[i][0], fmt == QFMT_K6 ? 6 : 4), S[i]);
                 }
             } else {
                 iv acc[QR][PH][BV];
@@ -192,6 +198,9 @@ static inline __attribute__((always_inline)) void block_dot(const QMatmul *a, co
     case QFMT_Q8M: fn(QFMT_Q8M, __VA_ARGS__); break;                                                           \
     case QFMT_K4M: fn(QFMT_K4M, __VA_ARGS__); break;                                                           \
     case QFMT_MX4: fn(QFMT_MX4, __VA_ARGS__); break;                                                           \
+    case QFMT_Q5: fn(QFMT_Q5, __VA_ARGS__); break;                                                             \
+    case QFMT_Q5M: fn(QFMT_Q5M, __VA_ARGS__); break;                                                           \
+    case QFMT_K5M: fn(QFMT_K5M, __VA_ARGS__); break;                                                           \
     default: fn(QFMT_K6, __VA_ARGS__); break;                                                                  \
     }
 #else

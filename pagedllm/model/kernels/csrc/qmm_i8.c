@@ -94,18 +94,21 @@ static inline __attribute__((always_inline)) void panel_codes(const uint8_t *bod
             chunk_from_pairs(p, v[0], v[2], v[1], v[3]);
             continue;
         }
-        const __m128i r0 = _mm_loadu_si128((const __m128i *)(body + 32 * t));
-        const __m128i r1 = _mm_loadu_si128((const __m128i *)(body + 32 * t + 16));
-        __m128i l0 = _mm_and_si128(r0, m4), h0 = _mm_and_si128(_mm_srli_epi16(r0, 4), m4);
-        __m128i l1 = _mm_and_si128(r1, m4), h1 = _mm_and_si128(_mm_srli_epi16(r1, 4), m4);
-        if (plane(fmt) == 2) { /* K6: the pair's plane byte j holds bits 4-5 of l0, l1, h0, h1 at 0-1, 2-3, 4-5, 6-7 */
-            const __m128i pl = _mm_loadu_si128((const __m128i *)(body + 256 + 16 * t)), m2 = _mm_set1_epi8(0x30);
-            l0 = _mm_or_si128(l0, _mm_and_si128(_mm_slli_epi16(pl, 4), m2));
-            l1 = _mm_or_si128(l1, _mm_and_si128(_mm_slli_epi16(pl, 2), m2));
-            h0 = _mm_or_si128(h0, _mm_and_si128(pl, m2));
-            h1 = _mm_or_si128(h1, _mm_and_si128(_mm_srli_epi16(pl, 2), m2));
+        const __m128i a = _mm_loadu_si128((const __m128i *)(body + 32 * t));
+        const __m128i b = _mm_loadu_si128((const __m128i *)(body + 32 * t + 16));
+        if (fmt == QFMT_K6) { /* rows 2t, 2t + 1's bytes; bits 0-5 the low columns, 6-7 + the plane's nibble the high */
+            const __m128i c0 = _mm_unpacklo_epi64(a, b), c1 = _mm_unpackhi_epi64(a, b), m6 = _mm_set1_epi8(63);
+            const __m128i pl = _mm_loadu_si128((const __m128i *)(body + 256 + 16 * t)), m3 = _mm_set1_epi8(3);
+            const __m128i lo4 = _mm_and_si128(_mm_slli_epi16(pl, 2), _mm_set1_epi8(0x3C)); /* bytes 0-7 of a row */
+            const __m128i hi4 = _mm_and_si128(_mm_srli_epi16(pl, 2), _mm_set1_epi8(0x3C)); /* its bytes 8-15 */
+            const __m128i top0 = _mm_unpacklo_epi64(lo4, hi4), top1 = _mm_unpackhi_epi64(lo4, hi4);
+            chunk_from_pairs(p, _mm_and_si128(c0, m6), _mm_and_si128(c1, m6),
+                             _mm_or_si128(_mm_and_si128(_mm_srli_epi16(c0, 6), m3), top0),
+                             _mm_or_si128(_mm_and_si128(_mm_srli_epi16(c1, 6), m3), top1));
+            continue;
         }
-        chunk_from_pairs(p, l0, l1, h0, h1);
+        chunk_from_pairs(p, _mm_and_si128(a, m4), _mm_and_si128(b, m4), _mm_and_si128(_mm_srli_epi16(a, 4), m4),
+                         _mm_and_si128(_mm_srli_epi16(b, 4), m4));
     }
 #else
     for (int t = 0; t < 8; t++)

@@ -7,12 +7,20 @@
  * tile holds the 16 columns' scales, then their 512 weights in 16 rows r = 0..15, row r holding k = 2r and
  * 2r + 1 of every column, i.e. the VNNI order of an AMX bfloat16 B tile. Bodies:
  *   nibbles (Q4, Q40, K4M): 16 bytes a row; byte j: low nibble = column j/2, high nibble = column 8 + j/2, both
- *       at k = 2r + j%2; the 5- and 6-bit formats (Q5, Q5M, K5M, K6) add a plane of the bits above the nibble
- *       after the nibbles: 1 bit (Q5, Q5M, K5M) per row a 32-bit word, bit e for the row's value e in the
- *       order of the nibbles (the 16 low, then the 16 high); 2 bits (K6) per row pair (r even, r + 1) 16
- *       bytes, byte j the high bits of nibble byte j: row r's low nibble in bits 0-1, row r + 1's in 2-3, row
- *       r's high nibble in 4-5, row r + 1's in 6-7; their codes are stored with an offset that makes them
- *       unsigned (Q5: 16, K6: 32, and Q40's 4-bit codes: 8), taken off again in registers;
+ *       at k = 2r + j%2; the 5-bit formats (Q5, Q5M, K5M) add a plane of the bits above the nibble after the
+ *       nibbles: per row quad (rows 4t .. 4t + 3) 16 bytes, byte j the high bits of nibble byte j: row 4t + p's
+ *       low nibble in bit p, its high nibble in bit 4 + p (one widened load serves the integer route's four
+ *       rows, each row's bits a shift away from bits 4 and 8 of its words);
+ *   K6 (6-bit codes): the same 16 "bytes" j a row, 6 + 2 bits each: the 6-bit code of column j/2 in bits 0-5,
+ *       the low 2 bits of column 8 + j/2's in bits 6-7; per row pair t (rows 2t + s) 32 bytes, row 2t + s's
+ *       bytes 0-7 at 8 s, its bytes 8-15 at 16 + 8 s; then per row pair 16 bytes, byte 8 s + i the top 4 bits
+ *       of column 8 + j/2's code in row 2t + s for byte j = i (low nibble) and j = 8 + i (high nibble). Why not
+ *       nibbles and a 2-bit plane: the integer route interleaves a pair's code bytes with its plane bytes into
+ *       words (one unpack a row, the plane loaded once for both rows and shifted once) whose bits 0-11 are
+ *       code(j/2) + 64 code(8 + j/2), two masks from its two dot products (qmm_dot.c); the nibble form took
+ *       two widenings, a shift, two masks, an add and a select a row, and bounded one-row decode;
+ *   codes are stored with an offset that makes them unsigned (Q5: 16, K6: 32, and Q40's 4-bit codes: 8), taken
+ *       off again in registers;
  *   bytes (Q8, Q8M, K8M, K8): 32 bytes a row; byte e = column e/2 at k = 2r + e%2;
  *   halves (F16, BF16): 32 16-bit values a row in the order of bytes;
  *   MX4 (MXFP4's E2M1 codes, 4 bits): the nibble rows of four rows r = 4t + p interleaved, 64 bytes a row quad t:
@@ -150,24 +158,36 @@ static inline __attribute__((always_inline)) Scales tile_scales(const uint8_t *c
     return s;
 }
 
-/* The bits above the nibbles of vector v's codes in row r, minus the format's offset. 1-bit plane: row r's
- * 32-bit word holds bit e for the row's value e = VW v + lane. 2-bit plane (K6): 16 bytes per row pair (r even,
- * r + 1); byte j holds the high bits of nibble byte j's low nibble in row r in bits 0-1, in row r + 1 in bits
- * 2-3, and of the same bytes' high nibbles in bits 4-5 and 6-7: a layout the integer route (qmm_dot.c) widens once
- * for both rows of a pair, row r + 1's bits two places above row r's. */
+/* The bits above the nibbles of vector v's codes in row r, minus the format's offset. 1-bit plane: 16 bytes per
+ * row quad (rows 4t + p, p = 0..3); byte j holds the high bit of nibble byte j's low nibble in row 4t + p at bit
+ * p, of its high nibble at bit 4 + p: a layout the integer route (qmm_dot.c) widens once for the quad's rows. */
 static inline vi high_bits(const uint8_t *body, const int fmt, int r, int v) {
-    vi iota;
-    for (int l = 0; l < VW; l++) iota[l] = l;
     if (plane(fmt) == 1) {
-        uint32_t word;
-        memcpy(&word, body + 256 + 4 * r, 4);
-        return ((((vi){0} + (int32_t)(word >> (VW * v))) >> iota & 1) << 4) - offset(fmt);
-    }
-    if (plane(fmt) == 2) {
-        const vi bits = u8v(body + 256 + 16 * (r / 2) + VW * (v % (NV / 2)));
-        return (((bits >> (2 * (r % 2) + 4 * (v >= NV / 2))) & 3) << 4) - offset(fmt);
+        const vi bits = u8v(body + 256 + 16 * (r / 4) + VW * (v % (NV / 2)));
+        return (((bits >> (r % 4 + 4 * (v >= NV / 2))) & 1) << 4) - offset(fmt);
     }
     return (vi){0} - offset(fmt);
+}
+
+/* K6: vector v's codes of row r (offset 32 included): byte j's bits 0-5 (columns 0-7), or its bits 6-7 and the
+ * pair plane's nibble of row r as bits 2-5 (columns 8-15). */
+static inline vi k6_codes(const uint8_t *body, int r, int v) {
+    const uint8_t *row = body + 32 * (r / 2) + 8 * (r % 2);
+#if VW == 16
+    const vi bytes = u8v_halves(row, row + 16); /* bytes 0-7, then 8-15 */
+#else
+    const vi bytes = u8v(row + 16 * (v % 2)); /* bytes 8 (v % 2) .. + 7 */
+#endif
+    if (v < NV / 2) return bytes & 63;
+    const uint8_t *pl = body + 256 + 16 * (r / 2) + 8 * (r % 2); /* bytes 0-7: low nibbles, 8-15: high */
+#if VW == 16
+    vi nib;
+    for (int l = 0; l < VW; l++) nib[l] = 4 * (l >= 8);
+    const vi top = u8v_halves(pl, pl) >> nib & 15;
+#else
+    const vi top = u8v(pl) >> (4 * (v % 2)) & 15;
+#endif
+    return (bytes >> 6) | top << 2;
 }
 
 /* Row r of a tile as NV vectors of floats. */
@@ -182,7 +202,9 @@ static inline __attribute__((always_inline)) void tile_row(const uint8_t *tile, 
             w[v] = mx4v((u >> (8 * (r % 2) + 4 * (r % 4 / 2))) & 15) * s->a[v];
             continue;
         }
-        if (nibbles(fmt)) {
+        if (fmt == QFMT_K6) {
+            q = tof(k6_codes(body, r, v) - offset(fmt));
+        } else if (nibbles(fmt)) {
             const vi bytes = u8v(body + 16 * r + VW * (v % (NV / 2)));
             q = tof(high_bits(body, fmt, r, v) + (v < NV / 2 ? bytes & 15 : bytes >> 4));
         } else if (fmt == QFMT_F16) {
@@ -247,10 +269,13 @@ static inline int code_at(const uint8_t *body, int fmt, int c, int k) {
     if (fmt == QFMT_MX4) /* row r = 4 t + p: byte p % 2 of word 2 c + k % 2 in quad t, nibble p / 2 */
         return MX4_VALUES[body[64 * (r / 4) + 2 * (2 * c + k % 2) + r % 2] >> (4 * (r % 4 / 2)) & 15] + offset(fmt);
     if (!nibbles(fmt)) return (int8_t)body[32 * r + 2 * c + k % 2];
+    if (fmt == QFMT_K6) { /* byte j of row r: bits 0-5 column c, or bits 6-7 and the plane's nibble column 8 + c */
+        const int b = body[32 * (r / 2) + 8 * (r % 2) + j + 8 * (j >= 8)];
+        return c < 8 ? b & 63 : b >> 6 | (body[256 + 16 * (r / 2) + 8 * (r % 2) + j % 8] >> (4 * (j / 8)) & 15) << 2;
+    }
     const int nib = c < 8 ? body[16 * r + j] & 15 : body[16 * r + j] >> 4;
-    if (plane(fmt) != 2) return nib;
-    const int pb = body[256 + 16 * (r / 2) + j] >> (2 * (r % 2) + 4 * (c >= 8));
-    return nib | (pb & 3) << 4;
+    if (!plane(fmt)) return nib;
+    return nib | (body[256 + 16 * (r / 4) + j] >> (r % 4 + 4 * (c >= 8)) & 1) << 4;
 }
 /* The integer routes' (qmm_dot.c, qmm_i8.c): row m's 16 sums F of column block cb (+ bias) written or added to the output, up to N. Not inlined (the integer routes'
  * blocks write a whole block in vectors; this is the clipped last block and the portable build): its columns'

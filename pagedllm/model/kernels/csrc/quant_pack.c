@@ -66,26 +66,30 @@ static uint8_t *body(uint8_t *o, const uint8_t *codes, int fmt, int64_t n, int64
                 }
         return o;
     }
+    if (fmt == QFMT_K6) { /* per row pair t 32 code bytes (row 2t + s: bytes 0-7 at 8 s, 8-15 at 16 + 8 s) */
+        for (int r = 0; r < 16; r++)
+            for (int j = 0; j < 16; j++) {
+                const int e = 2 * r + j % 2, lo = u[j / 2][e], hi = u[8 + j / 2][e]; /* k of byte j in row r */
+                o[32 * (r / 2) + 8 * (r % 2) + j + 8 * (j >= 8)] = (uint8_t)(lo | (hi & 3) << 6);
+                uint8_t *top = o + 256 + 16 * (r / 2) + 8 * (r % 2) + j % 8; /* byte j's top bits: nibble j / 8 */
+                *top = (uint8_t)((j < 8 ? 0 : *top) | (hi >> 2) << 4 * (j / 8));
+            }
+        return o + 384;
+    }
     for (int r = 0; r < 16; r++)
         for (int b = 0; b < 16; b++)
             o[r * 16 + b] = (u[b / 2][2 * r + b % 2] & 15) | (uint8_t)((u[8 + b / 2][2 * r + b % 2] & 15) << 4);
     o += 256;
     int bits = plane(fmt);
     if (!bits) return o;
-    if (bits == 2) { /* K6: per row pair 16 bytes; byte j: nibble byte j's high bits, low nibble then high */
-        for (int r = 0; r < 16; r += 2)
-            for (int j = 0; j < 16; j++, o++) {
-                const int e = 2 * r + j % 2, e1 = e + 2; /* k of byte j in rows r and r + 1 */
-                *o = (uint8_t)(u[j / 2][e] >> 4 | (u[j / 2][e1] >> 4) << 2 | (u[8 + j / 2][e] >> 4) << 4 |
-                               (u[8 + j / 2][e1] >> 4) << 6);
+    for (int t = 0; t < 16; t += 4) /* Q5, Q5M, K5M: per row quad 16 bytes; byte j: row t + p low at p, high 4 + p */
+        for (int j = 0; j < 16; j++, o++) {
+            *o = 0;
+            for (int p = 0; p < 4; p++) {
+                const int e = 2 * (t + p) + j % 2; /* k of byte j in row t + p */
+                *o |= (uint8_t)((u[j / 2][e] >> 4) << p | (u[8 + j / 2][e] >> 4) << (4 + p));
             }
-        return o;
-    }
-    for (int r = 0; r < 16; r++) { /* value e of row r: column e / 2 at k = 2 r + e % 2, at bit e */
-        uint64_t word = 0;
-        for (int e = 0; e < 32; e++) word |= (uint64_t)(u[e / 2][2 * r + e % 2] >> 4) << (bits * e);
-        for (int i = 0; i < 4 * bits; i++) *o++ = (uint8_t)(word >> (8 * i)); /* little-endian */
-    }
+        }
     return o;
 }
 

@@ -98,6 +98,10 @@ static inline vf f16v(const uint8_t *p) { return (vf)_mm512_cvtph_ps(_mm256_load
 static inline vi u8v(const uint8_t *p) { return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
 static inline vi s8v(const uint8_t *p) { return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
 static inline vi u16v(const uint8_t *p) { return (vi)_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)); }
+static inline vi u8v_halves(const uint8_t *p, const uint8_t *q) { /* 8 bytes from p, then 8 from q */
+    const __m128i b = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)p), _mm_loadl_epi64((const __m128i *)q));
+    return (vi)_mm512_cvtepu8_epi32(b);
+}
 #elif defined(__AVX2__) && defined(__F16C__)
 static inline vf pairx(const float *x) { return (vf)_mm256_castpd_ps(_mm256_broadcast_sd((const double *)x)); }
 static inline vf f16v(const uint8_t *p) { return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
@@ -319,10 +323,20 @@ static inline hv hdot(hv acc, hv w, hv x) { return _mm256_add_epi32(acc, _mm256_
 static inline hv nib_words(const uint8_t *body, int r) {
     return _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(body + 16 * r)));
 }
-/* The K6 plane of row pair r / 2 as 16 words, word j holding nibble byte j's high bits: row r's in bits 0-1
- * (low nibble) and 4-5 (high), row r + 1's in bits 2-3 and 6-7. One load and widen serves both rows. */
-static inline hv plane_words(const uint8_t *body, int r) {
-    return _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(body + 256 + 16 * (r / 2))));
+/* Row quad i's entry of a 5-bit format's high-bit plane (16 bytes) as 16 words, word j holding nibble byte j's
+ * high bits in those rows (qtile.h). One load and widen serves the quad's rows. */
+static inline hv plane_words(const uint8_t *body, int i) {
+    return _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(body + 256 + 16 * i)));
+}
+/* K6 row r's 16 words (qtile.h): its code bytes interleaved with the pair plane's bytes, word j = code byte j |
+ * plane byte (8 (r % 2) + j % 8) << 8, the plane in both lanes and the high lane's shifted down a nibble (its
+ * words 8-15 read the high nibbles): the pair's two loads and one shift serve both rows. Bits 0-11: code(j/2) +
+ * 64 code(8 + j/2); 12-15: another nibble, masked off by the caller. */
+static inline hv k6_words(const uint8_t *body, int r) {
+    const __m256i b = _mm256_loadu_si256((const __m256i *)(body + 32 * (r / 2)));
+    const __m256i pl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(body + 256 + 16 * (r / 2))));
+    const __m256i p = _mm256_srlv_epi32(pl, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4));
+    return r % 2 ? _mm256_unpackhi_epi8(b, p) : _mm256_unpacklo_epi8(b, p);
 }
 #define HAND(a, b) _mm256_and_si256(a, _mm256_set1_epi16(b))
 #if defined(__AVX512VL__) /* bits of a where mask m is set, else of b */

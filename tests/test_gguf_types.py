@@ -270,10 +270,12 @@ def _dot_weight(kind: str, n: int) -> quant.QuantWeight:
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "q8m", "Q4_K", "Q5_K", "Q6_K", "MXFP4"])
 def test_the_dot_route_at_many_rows_is_the_one_row_route_bit_for_bit(lib, kind):
-    """Whatever the dot route runs at a row count (block_dot in passes of a few rows, then one of the rest), each
-    row's result must be the one-row route's bit for bit at every row count up to prefill chunks, on every class
-    (VNNI, AVX-512 without it, AVX2), for each format the route runs, with a clipped last column block, the bias,
-    and added to the output: a sequence's output never depends on the batch."""
+    """Whatever the dot route runs at a row count (block_dot in passes of a few rows, then one of the rest; from
+    32 rows on AVX2 and 64 on AVX-512 the panel path: the block's codes widened once, rows in blocks of 32 and
+    groups in slices of 8, 13 groups leaving a short slice), each row's result must be the one-row route's bit
+    for bit at every row count up to prefill chunks, on every class (VNNI, AVX-512 without it, AVX2), for each
+    format the route runs, with a clipped last column block, the bias, and added to the output: a sequence's
+    output never depends on the batch."""
     w = _dot_weight(kind, 37)
     assert w.fmt in quant.DOT_FORMATS
     rng = np.random.default_rng(len(kind))
@@ -282,7 +284,7 @@ def test_the_dot_route_at_many_rows_is_the_one_row_route_bit_for_bit(lib, kind):
     x[2, :32] = 0
     x[3] *= 1e4
     alone = np.concatenate([_dot(lib, x[i : i + 1], w, bias) for i in range(140)])
-    for rows in (7, 8, 13, 37, 63, 64, 65, 77, 129, 140):
+    for rows in (7, 8, 13, 31, 32, 33, 37, 63, 64, 65, 77, 129, 140):
         got = _dot(lib, x[:rows], w, bias)
         assert np.array_equal(got, alone[:rows]), f"{rows} rows: not the one-row route's result"
     before = rng.standard_normal((140, w.n)).astype(np.float32)

@@ -70,6 +70,32 @@ static inline __attribute__((always_inline)) void dot_scales(const Head *hd, con
     }
 }
 #ifdef SIMD_INT16
+/* Row m's sums S of group g (half h) into its 16 columns' F: one expression for the one-row and the panel
+ * paths, so that both round alike (a row's result must not depend on the path its batch took). */
+static inline __attribute__((always_inline)) void dot_fold(vf F[16 / VW], const vi S[16 / VW], const XQ16 *xq,
+                                                           int64_t m, int G, int g, int h, const int fmt,
+                                                           const vf wa[16 / VW], const vf wb[16 / VW]) {
+    const int32_t *s = xq->s + m * 2 * G + 2 * g;
+    const int32_t sx = halves(fmt) == 2 ? s[h] : s[0] + s[1];
+    const float dx = xq->d[m * G + g];
+    for (int c = 0; c < 16 / VW; c++)
+        F[c] += tof(S[c] - offset(fmt) * sx) * (wa[c] * dx) + wb[c] * (dx * (float)sx);
+}
+/* Row m's F (+ bias) written or added to the output: a whole block in vectors, lane by lane as store16 does the
+ * clipped last block one by one. */
+static inline __attribute__((always_inline)) void dot_store(const QMatmul *a, const vf F[16 / VW], int m, int cb) {
+    if (16 * cb + 16 <= a->N) {
+        float *o = a->out + (int64_t)m * a->ldo + 16 * cb;
+        for (int c = 0; c < 16 / VW; c++) {
+            const vf x = F[c] + (a->bias ? ld(a->bias + 16 * cb + VW * c) : (vf){0});
+            st(o + VW * c, a->accumulate ? ld(o + VW * c) + x : x);
+        }
+        return;
+    }
+    float tmp[16];
+    memcpy(tmp, F, sizeof tmp);
+    store16(a, tmp, m, cb);
+}
 /* nr (<= QR) rows of x against one column block of a dot format. */
 static inline __attribute__((always_inline)) void block_dot(const QMatmul *a, const XQ16 *xq, const uint8_t *col,
                                                             int m0, const int fmt, const int nr, int cb) {
@@ -152,29 +178,10 @@ static inline __attribute__((always_inline)) void block_dot(const QMatmul *a, co
             }
             vf wa[16 / VW], wb[16 / VW];
             dot_scales(&hd, tile, h, fmt, wa, wb);
-            for (int i = 0; i < nr; i++) {
-                const int64_t m = m0 + i;
-                const int32_t *s = xq->s + m * 2 * G + 2 * g;
-                const int32_t sx = parts == 2 ? s[h] : s[0] + s[1];
-                const float dx = xq->d[m * G + g];
-                for (int c = 0; c < 16 / VW; c++)
-                    F[i][c] += tof(S[i][c] - offset(fmt) * sx) * (wa[c] * dx) + wb[c] * (dx * (float)sx);
-            }
+            for (int i = 0; i < nr; i++) dot_fold(F[i], S[i], xq, m0 + i, G, g, h, fmt, wa, wb);
         }
     }
-    for (int i = 0; i < nr; i++) {
-        if (16 * cb + 16 <= a->N) { /* a whole block in vectors, lane by lane as store16 does one by one */
-            float *o = a->out + (int64_t)(m0 + i) * a->ldo + 16 * cb;
-            for (int c = 0; c < 16 / VW; c++) {
-                const vf x = F[i][c] + (a->bias ? ld(a->bias + 16 * cb + VW * c) : (vf){0});
-                st(o + VW * c, a->accumulate ? ld(o + VW * c) + x : x);
-            }
-            continue;
-        }
-        float tmp[16];
-        memcpy(tmp, F[i], sizeof tmp);
-        store16(a, tmp, m0 + i, cb);
-    }
+    for (int i = 0; i < nr; i++) dot_store(a, F[i], m0 + i, cb);
 }
 
 /* Passes of QR rows, then one of what is left: a row's sums do not depend on its pass. */
@@ -203,6 +210,138 @@ static inline __attribute__((always_inline)) void block_dot(const QMatmul *a, co
     case QFMT_K5M: fn(QFMT_K5M, __VA_ARGS__); break;                                                           \
     default: fn(QFMT_K6, __VA_ARGS__); break;                                                                  \
     }
+
+/* ---- many rows: the column block widened once (the panel path) ---------------------------------------------
+ * Why: block_dot widens a tile's codes (nibble unpack, K6's plane, MX4's lookup) and converts its scales once per
+ * pass of QR rows, and AVX2's 16 registers hold only QR = 2 rows: at 256 rows each tile was widened 128 times,
+ * and the route took 1.35x the float32 route's time. Here a column block's codes are widened once into `panel`
+ * as 16-bit words (widen_tile16, qtile.h) and its scales once as floats, and every row runs against them with
+ * plain loads and vpmaddwd / vpdpwssd: rows in blocks of PNB, groups in slices of PNS (8 KB of words, kept in L1
+ * while the block's passes of PNR rows reuse them), each row's F kept between slices. The integer sums are exact
+ * in any order, and each row's F is folded group by group by dot_fold in block_dot's order from the same scales,
+ * so a row's result is block_dot's bit for bit. */
+#if defined(__AVX512BW__)
+#define PNR 4  /* rows a pass */
+#define PNH 2 /* accumulators a row: 8 chains hide vpdpwssd's latency */
+#else
+#define PNR 3 /* 6 accumulators, 6 F vectors, 2 of words and x's pair in 16 registers */
+#define PNH 1
+#endif
+#define PNB 32 /* rows a block */
+/* From this many rows a block runs through the panel (measured, Zen 4, 8192 x 2048: below it widening the block
+ * costs more than block_dot's repeated unpacking; AVX-512's QR = 4 rows a pass repeat it half as often). */
+#if defined(__AVX512BW__)
+#define PANEL_ROWS 64
+#else
+#define PANEL_ROWS 32
+#endif
+#define PNS 8  /* groups a slice */
+
+/* acc, held in a register as it is: GCC otherwise re-associates a row's chain of adds into a tree over all 16
+ * rows' products, which needs 3x the registers AVX2 has and spilled most of them (4x slower when measured). */
+static inline iv chained(iv acc) {
+    __asm__("" : "+v"(acc));
+    return acc;
+}
+
+/* The block's codes [G][16][32] as words, then its scales [G][halves][a 16, b 16] as dot_scales gives them. */
+static inline __attribute__((always_inline)) void widen_block(const uint8_t *col, const int fmt, int G,
+                                                              int16_t *codes, float *sc) {
+    Head hd;
+    for (int g = 0; g < G; g++) {
+        const uint8_t *tile = tile_at(col, fmt, g);
+        if (kfmt(fmt) && g % 8 == 0) head_scales(col, fmt, g, &hd);
+        widen_tile16(tile + scale_bytes(fmt), fmt, codes + 512 * g);
+        for (int h = 0; h < halves(fmt); h++) {
+            vf wa[16 / VW], wb[16 / VW];
+            dot_scales(&hd, tile, h, fmt, wa, wb);
+            float *o = sc + 32 * (halves(fmt) * g + h);
+            for (int c = 0; c < 16 / VW; c++) {
+                st(o + VW * c, wa[c]);
+                st(o + 16 + VW * c, wb[c]);
+            }
+        }
+    }
+}
+
+/* nr (<= PNR) rows from m0 over groups g0..g1 - 1 of the widened block, their F carried in Fm [nr][16]. */
+static inline __attribute__((always_inline)) void panel_dot(const QMatmul *a, const XQ16 *xq, const int16_t *codes,
+                                                            const float *sc, int m0, const int fmt, const int nr,
+                                                            int g0, int g1, float *Fm) {
+    vf F[PNR][16 / VW];
+    for (int i = 0; i < nr; i++)
+        for (int c = 0; c < 16 / VW; c++) F[i][c] = ld(Fm + 16 * i + VW * c);
+    const int G = a->G, parts = halves(fmt);
+    for (int g = g0; g < g1; g++) {
+        const int32_t *pairs[PNR];
+        for (int i = 0; i < nr; i++) pairs[i] = (const int32_t *)(xq->q + (int64_t)(m0 + i) * G * 32 + 32 * g);
+#pragma GCC unroll 2
+        for (int h = 0; h < parts; h++) {
+            iv acc[PNR][PNH][BV];
+            for (int i = 0; i < nr; i++)
+                for (int p = 0; p < PNH; p++)
+                    for (int v = 0; v < BV; v++) acc[i][p][v] = IZERO();
+#pragma GCC unroll 16
+            for (int rr = 0; rr < 16 / parts; rr++) {
+                const int r = 16 / parts * h + rr;
+                iv w[BV];
+                for (int v = 0; v < BV; v++) w[v] = ((const ivu *)(codes + 512 * g + 32 * r))[v];
+                for (int i = 0; i < nr; i++) {
+                    const iv xp = ISET1(pairs[i][r]);
+                    for (int v = 0; v < BV; v++) acc[i][rr % PNH][v] = chained(dot16(acc[i][rr % PNH][v], w[v], xp));
+                }
+            }
+            vf wa[16 / VW], wb[16 / VW];
+            for (int c = 0; c < 16 / VW; c++) {
+                wa[c] = ld(sc + 32 * (parts * g + h) + VW * c);
+                wb[c] = ld(sc + 32 * (parts * g + h) + 16 + VW * c);
+            }
+            for (int i = 0; i < nr; i++) {
+                vi S[16 / VW];
+                for (int v = 0; v < BV; v++) {
+                    for (int p = 1; p < PNH; p++) acc[i][0][v] = IADD(acc[i][0][v], acc[i][p][v]);
+                    S[v] = (vi)acc[i][0][v];
+                }
+                dot_fold(F[i], S, xq, m0 + i, G, g, h, fmt, wa, wb);
+            }
+        }
+    }
+    for (int i = 0; i < nr; i++)
+        for (int c = 0; c < 16 / VW; c++) st(Fm + 16 * i + VW * c, F[i][c]);
+}
+
+/* All M rows of one column block through the panel (K * 16 floats: the words take half, the scales an eighth). */
+static inline __attribute__((always_inline)) void dot_panel(const QMatmul *a, const XQ16 *xq, const uint8_t *col,
+                                                            const int fmt, int cb, float *panel) {
+    const int G = a->G;
+    int16_t *codes = (int16_t *)panel;
+    float *sc = panel + 256 * G;
+    widen_block(col, fmt, G, codes, sc);
+    float Fm[PNB * 16];
+    for (int r0 = 0; r0 < a->M; r0 += PNB) {
+        const int nb = a->M - r0 < PNB ? a->M - r0 : PNB;
+        memset(Fm, 0, sizeof Fm);
+        for (int g0 = 0; g0 < G; g0 += PNS) {
+            const int g1 = g0 + PNS < G ? g0 + PNS : G;
+            for (int i0 = 0, n; (n = nb - i0) > 0; i0 += n) {
+                n = n >= PNR ? PNR : n;
+                float *f = Fm + 16 * i0;
+                switch (n) {
+                case 1: panel_dot(a, xq, codes, sc, r0 + i0, fmt, 1, g0, g1, f); break;
+                case 2: panel_dot(a, xq, codes, sc, r0 + i0, fmt, 2 < PNR ? 2 : PNR, g0, g1, f); break;
+                case 3: panel_dot(a, xq, codes, sc, r0 + i0, fmt, 3 < PNR ? 3 : PNR, g0, g1, f); break;
+                default: panel_dot(a, xq, codes, sc, r0 + i0, fmt, PNR, g0, g1, f); break;
+                }
+            }
+        }
+        for (int i = 0; i < nb; i++) {
+            vf F[16 / VW];
+            for (int c = 0; c < 16 / VW; c++) F[c] = ld(Fm + 16 * i + VW * c);
+            dot_store(a, F, r0 + i, cb);
+        }
+    }
+}
+#define DOT_PANEL(fmt, a, xq, col, cb, panel) dot_panel(a, xq, col, fmt, cb, panel)
 #else
 /* The portable build: the same sums, one code at a time (code_at, qtile.h). */
 static void block_dot_portable(const QMatmul *a, const XQ16 *xq, const uint8_t *col, int m, int fmt, int cb) {
@@ -241,7 +380,11 @@ void qdot_column_block(const QMatmul *a, const XQ16 *xq, int cb, float *panel) {
         return;
     }
 #ifdef SIMD_INT16
-    EACH_DOT_FORMAT(fmt, DOT_ROWS, a, xq, col, cb)
+    if (panel && a->M >= PANEL_ROWS && widens16(fmt)) {
+        EACH_DOT_FORMAT(fmt, DOT_PANEL, a, xq, col, cb, panel)
+    } else {
+        EACH_DOT_FORMAT(fmt, DOT_ROWS, a, xq, col, cb)
+    }
 #else
     for (int m = 0; m < a->M; m++) block_dot_portable(a, xq, col, m, fmt, cb);
 #endif

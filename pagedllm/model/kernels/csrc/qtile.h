@@ -277,6 +277,49 @@ static inline int code_at(const uint8_t *body, int fmt, int c, int k) {
     if (!plane(fmt)) return nib;
     return nib | (body[256 + 16 * (r / 4) + j] >> (r % 4 + 4 * (c >= 8)) & 1) << 4;
 }
+#ifdef SIMD_INT16
+/* Whether widen_tile16 takes a format: the dot route's (nibbles with no plane or K6's 2-bit one, bytes, MX4). */
+static inline int widens16(int fmt) {
+    return fmt == QFMT_Q4 || fmt == QFMT_Q40 || fmt == QFMT_Q8 || fmt == QFMT_Q8M || fmt == QFMT_K4M || fmt == QFMT_K6
+        || fmt == QFMT_MX4;
+}
+/* A tile body's 512 codes as 16-bit words in the dot route's order, dst [16 rows][32]: word 2c + e of row r is
+ * column c at k = 2r + e, the stored code (its format's offset included, code_at's value). Why: a column block
+ * run against many rows of x is widened once (qmm_dot.c's panel) instead of once per pass of a few rows; the
+ * words are what the route's vpmaddwd / vpdpwssd multiply, so sums over them equal the one-row route's. */
+typedef iv ivu __attribute__((aligned(2))); /* an integer vector at any word's address */
+typedef hv hvu __attribute__((aligned(2)));
+static inline __attribute__((always_inline)) void widen_tile16(const uint8_t *body, const int fmt, int16_t *dst) {
+    if (fmt == QFMT_MX4) {
+        for (int t = 0; t < 4; t++) {
+            iv quad[4][BV];
+            mx4_words(body, t, quad);
+            for (int p = 0; p < 4; p++)
+                for (int v = 0; v < BV; v++) ((ivu *)(dst + 32 * (4 * t + p)))[v] = quad[p][v];
+        }
+        return;
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; r++) {
+        if (!nibbles(fmt)) {
+            iv w[BV];
+            byte_words(body, r, w);
+            for (int v = 0; v < BV; v++) ((ivu *)(dst + 32 * r))[v] = w[v];
+            continue;
+        }
+        const hv w = nib_words(body, r); /* word j: byte j, column j / 2 (low nibble) and 8 + j / 2 (high) */
+        hv lo = HAND(w, 15), hi = HSRL(w, 4);
+        if (plane(fmt) == 2) { /* K6: the plane's 2 bits above each nibble (qtile.h's layout, high_bits) */
+            const hv pw = HSRL(plane_words(body, r), 2 * (r % 2));
+            lo = HADD16(lo, HSLL(HAND(pw, 3), 4));
+            hi = HADD16(hi, HSLL(HAND(HSRL(pw, 4), 3), 4));
+        }
+        *(hvu *)(dst + 32 * r) = lo;
+        *(hvu *)(dst + 32 * r + 16) = hi;
+    }
+}
+#endif
+
 /* The integer routes' (qmm_dot.c, qmm_i8.c): row m's 16 sums F of column block cb (+ bias) written or added to the output, up to N. Not inlined (the integer routes'
  * blocks write a whole block in vectors; this is the clipped last block and the portable build): its columns'
  * branches unrolled into every instance of block_dot would be most of this file's code. */

@@ -278,7 +278,7 @@ static inline int code_at(const uint8_t *body, int fmt, int c, int k) {
     return nib | (body[256 + 16 * (r / 4) + j] >> (r % 4 + 4 * (c >= 8)) & 1) << 4;
 }
 #ifdef SIMD_INT16
-/* Whether widen_tile16 takes a format: the dot route's (nibbles with no plane or K6's 2-bit one, bytes, MX4). */
+/* Whether widen_tile16 takes a format: the dot route's (nibbles with no plane, K6, bytes, MX4). */
 static inline int widens16(int fmt) {
     return fmt == QFMT_Q4 || fmt == QFMT_Q40 || fmt == QFMT_Q8 || fmt == QFMT_Q8M || fmt == QFMT_K4M || fmt == QFMT_K6
         || fmt == QFMT_MX4;
@@ -307,12 +307,13 @@ static inline __attribute__((always_inline)) void widen_tile16(const uint8_t *bo
             for (int v = 0; v < BV; v++) ((ivu *)(dst + 32 * r))[v] = w[v];
             continue;
         }
-        const hv w = nib_words(body, r); /* word j: byte j, column j / 2 (low nibble) and 8 + j / 2 (high) */
-        hv lo = HAND(w, 15), hi = HSRL(w, 4);
-        if (plane(fmt) == 2) { /* K6: the plane's 2 bits above each nibble (qtile.h's layout, high_bits) */
-            const hv pw = HSRL(plane_words(body, r), 2 * (r % 2));
-            lo = HADD16(lo, HSLL(HAND(pw, 3), 4));
-            hi = HADD16(hi, HSLL(HAND(HSRL(pw, 4), 3), 4));
+        hv lo, hi;
+        if (fmt == QFMT_K6) { /* word j: code(j / 2) + 64 code(8 + j / 2) in bits 0-11 (simd.h's k6_words) */
+            const hv w = k6_words(body, r);
+            lo = HAND(w, 63), hi = HAND(HSRL(w, 6), 63);
+        } else { /* word j: byte j, column j / 2 (low nibble) and 8 + j / 2 (high) */
+            const hv w = nib_words(body, r);
+            lo = HAND(w, 15), hi = HSRL(w, 4);
         }
         *(hvu *)(dst + 32 * r) = lo;
         *(hvu *)(dst + 32 * r + 16) = hi;

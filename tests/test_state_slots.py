@@ -54,6 +54,23 @@ def test_a_hit_ends_at_a_checkpoint_and_holds_it_until_copied():
     assert not ck.restores and not ck.wanted and kv.recurrent.slots is not None and kv.recurrent.slots.num_free == 2
 
 
+def test_under_mode_all_too_a_hit_ends_at_the_last_checkpoint():
+    """The recurrent-state group's hit is the longest prefix whose state is kept, in either mode: three blocks
+    cached, a state only after the first, so the hit is one block (not three, with no state to start from)."""
+    kv = PagedKVCacheManager(8, BS)
+    kv.attach_state_slots(StateSlotPool(2), StateCheckpoints(2, 2, BS, mode="all"))
+    first = TokenRequest("a", list(range(13)))
+    assert kv.allocate_slots(first, 13) and kv.recurrent.checkpoint_row(first, 4) == 2
+    kv.commit_step()
+    kv.free(first)
+    again = TokenRequest("b", list(range(13)))
+    blocks, n = kv.get_computed_blocks(again)
+    assert n == 4 and [len(g) for g in blocks.groups] == [1, 1]
+    assert kv.allocate_slots(again, 9, blocks) and kv.recurrent.take_restore("b") == 2
+    kv.free(again)
+    assert kv.num_free_blocks == 8 and not kv.recurrent.checkpoints.refs and not kv.recurrent.checkpoints.wanted
+
+
 def test_checkpoints_evict_least_recently_used_never_a_held_one():
     ck = StateCheckpoints(first_row=4, num_rows=2, block_size=BS)
     k1, k2, k3 = hash_full_blocks(list(range(12)), BS, None, [])

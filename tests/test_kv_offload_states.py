@@ -106,7 +106,7 @@ def test_an_evicted_checkpoint_is_read_back_from_disk_when_its_prefix_hits(tmp_p
     for rid, tokens, tag in (("a", a, 1), ("b", b, 2)):
         req = TokenRequest(rid, tokens)
         assert kv.allocate_slots(req, 13)
-        row = kv.state_checkpoint_row(req, 8)
+        row = kv.recurrent.checkpoint_row(req, 8)
         assert row == 1
         io.rows[row] = _state(tag)
         kv.commit_step()
@@ -117,10 +117,10 @@ def test_an_evicted_checkpoint_is_read_back_from_disk_when_its_prefix_hits(tmp_p
     again = TokenRequest("c", a)
     blocks, n = kv.get_computed_blocks(again)
     assert n == 8 and checkpoints.find(key_a) == 1 and io.rows[1] == _state(1)
-    assert kv.state_disk_loads == 1 and tier.stats.state_loads == 1
+    assert kv.recurrent.disk_loads == 1 and tier.stats.state_loads == 1
     tier.flush()
     assert tier.contains(state_key(key_b))  # evicted from the row in turn
-    assert kv.allocate_slots(again, 5, blocks) and kv.take_state_restore("c") == 1
+    assert kv.allocate_slots(again, 5, blocks) and kv.recurrent.take_restore("c") == 1
     kv.free(again)
     assert kv.num_free_blocks == 16 and not checkpoints.refs
 
@@ -178,7 +178,7 @@ def test_a_shared_prefix_hits_from_a_state_on_disk_and_after_a_restart(qwen35, t
     assert _run(_engine(loaded), prompts) == (want, [0, 0])  # RAM alone: the state at 64 was evicted
     engine = _engine(loaded, kv_offload_dir=str(tmp_path))
     assert _run(engine, prompts) == (want, [0, 64])
-    assert engine.kv.state_disk_loads == 1
+    assert engine.kv.recurrent.disk_loads == 1
     engine.disk_tier.flush()
     restarted = _engine(loaded, kv_offload_dir=str(tmp_path))
     assert _run(restarted, prompts[:1]) == (want[:1], [80])

@@ -350,7 +350,7 @@ def test_the_page_names_a_hybrid_models_state_slots(browser):
     kv.layout = kv_cache_layout([None] * 4, recurrent=[0, 1, 2])
     kv.attach_state_slots(StateSlotPool(3, 12_345), StateCheckpoints(3, 3, 16))
     req = TokenRequest("h", list(range(40)))
-    assert kv.allocate_slots(req, 40) and kv.state_checkpoint_row(req, 32) is not None
+    assert kv.allocate_slots(req, 40) and kv.recurrent.checkpoint_row(req, 32) is not None
     engine.model_config = SimpleNamespace(recurrent_mixer="mamba2")
 
     async def run_on_engine(fn, timeout: float = 30.0):

@@ -96,7 +96,7 @@ def test_a_held_checkpoint_is_counted_until_copied():
     kv = PagedKVCacheManager(8, 4)
     kv.attach_state_slots(StateSlotPool(2, 100), StateCheckpoints(2, 2, 4))
     first = TokenRequest("a", list(range(13)))
-    assert kv.allocate_slots(first, 13) and kv.state_checkpoint_row(first, 8) == 2
+    assert kv.allocate_slots(first, 13) and kv.recurrent.checkpoint_row(first, 8) == 2
     kv.commit_step()
     kv.free(first)
     again = TokenRequest("b", list(range(13)))
@@ -104,8 +104,8 @@ def test_a_held_checkpoint_is_counted_until_copied():
     assert kv.allocate_slots(again, 5, blocks)
     rs = recurrent_state_stats(kv)
     assert rs is not None and (rs.slots_used, rs.checkpoints, rs.checkpoints_held) == (1, 1, 1)
-    assert kv.state_checkpoints is not None and kv.state_checkpoints.find(hash_full_blocks(list(range(8)), 4)[1])
-    kv.take_state_restore("b")
+    assert kv.recurrent.checkpoints.find(hash_full_blocks(list(range(8)), 4)[1])
+    kv.recurrent.take_restore("b")
     rs = recurrent_state_stats(kv)
     assert rs is not None and rs.checkpoints_held == 0
 

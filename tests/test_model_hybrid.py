@@ -126,7 +126,7 @@ def _run(engine: LLMEngine, prompts: list[list[int]], n: int = 32) -> list[list[
 
 
 def _all_back(engine: LLMEngine) -> None:
-    slots = engine.kv.state_slots
+    slots = engine.kv.recurrent.slots
     assert slots is not None and slots.num_free == slots.num_slots and not slots.req_to_slot
     assert engine.kv.num_free_blocks == engine.kv.num_blocks and not engine.scheduler.running
 
@@ -194,7 +194,7 @@ def test_prefix_caching_hits_at_state_checkpoints_and_never_changes_an_answer(mo
     assert stats.prefix_cache_hits == 64 + 80  # the shared 64, then the first prompt's last boundary (80)
     assert off.stats().prefix_cache_hits == 0
     _all_back(on)
-    checkpoints = on.kv.state_checkpoints
+    checkpoints = on.kv.recurrent.checkpoints
     assert checkpoints is not None and not checkpoints.refs and not checkpoints.restores
 
 
@@ -208,11 +208,11 @@ def test_a_shared_prefix_hits_from_its_third_prompt_without_chunking(models):
     assert [_run(engine, [p], 6)[0] for p in prompts] == [_greedy(hf, p, 6) for p in prompts]
     assert engine.stats().prefix_cache_hits == 64
     _all_back(engine)
-    assert engine.kv.state_checkpoints is not None and not engine.kv.state_checkpoints.wanted
+    assert engine.kv.recurrent.checkpoints is not None and not engine.kv.recurrent.checkpoints.wanted
 
 
 def _checkpoints_idle(engine: LLMEngine) -> None:
-    ck = engine.kv.state_checkpoints
+    ck = engine.kv.recurrent.checkpoints
     assert ck is not None and not ck.refs and not ck.restores and not ck.unwritten and not ck.wanted
     assert ck.num_free + len(ck.rows) == ck.num_rows
 
@@ -254,7 +254,7 @@ def test_mamba_cache_mode_all_in_a_burst_and_none(models):
         if mode == "all":
             _checkpoints_idle(engine)
         else:
-            assert engine.kv.state_checkpoints is None
+            assert engine.kv.recurrent.checkpoints is None
 
 
 def test_a_failed_step_leaves_no_checkpoint_of_its_marks(models, monkeypatch):
@@ -276,7 +276,7 @@ def test_a_failed_step_leaves_no_checkpoint_of_its_marks(models, monkeypatch):
     engine.add_request("bad", system + _tokens(30, 41), SamplingParams(temperature=0, max_tokens=4))
     (out,) = [o for o in engine.step() if o.finished]
     assert out.outputs[0].finish_reason == "error"
-    ck = engine.kv.state_checkpoints
+    ck = engine.kv.recurrent.checkpoints
     assert ck is not None and not ck.rows and ck.num_free == ck.num_rows
     failing[0] = False
     prompt = system + _tokens(25, 42)
@@ -292,7 +292,7 @@ def test_abort_gives_the_slot_back_and_a_new_request_starts_from_zero(models):
     engine.add_request("a", _tokens(60, 10), SamplingParams(temperature=0, max_tokens=8))
     engine.step()
     (running,) = engine.scheduler.running
-    assert engine.kv.state_slot(running.request_id) == 0
+    assert engine.kv.recurrent.slot(running.request_id) == 0
     engine.abort_request("a")
     _all_back(engine)
     _checkpoints_idle(engine)
@@ -334,7 +334,7 @@ def test_a_budget_for_fewer_slots_than_max_num_seqs_runs_that_many_at_once(model
         EngineConfig(max_model_len=256, log_stats_interval=0, max_num_seqs=4, kv_cache_memory=5 * per_state),
         loaded,
     )
-    assert engine.kv.state_slots is not None and engine.kv.state_slots.num_slots == 2
+    assert engine.kv.recurrent.slots is not None and engine.kv.recurrent.slots.num_slots == 2
     prompts = [_tokens(40, 13), _tokens(30, 14), _tokens(50, 15)]
     assert _run(engine, prompts, 8) == [_greedy(hf, p, 8) for p in prompts]
     assert engine.scheduler.peak_running == 2

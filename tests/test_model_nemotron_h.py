@@ -67,7 +67,7 @@ def test_q8_0_file_on_the_fused_step_gives_transformers_tokens(tmp_path):
     stats = engine.stats()
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits >= 64
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
-    assert engine.kv.state_slots is not None and engine.kv.state_slots.num_free == seqs
+    assert engine.kv.recurrent.slots is not None and engine.kv.recurrent.slots.num_free == seqs
     for i, (p, out) in enumerate(zip(prompts, outs, strict=True)):
         tokens = list(out)
         with torch.inference_mode():

@@ -194,7 +194,7 @@ def test_greedy_tokens_match_transformers(ckpt):
         done.update({o.request_id: o for o in engine.step() if o.finished})
     assert engine.stats().num_preemptions > 0
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
-    assert engine.kv.state_slots is not None and engine.kv.state_slots.num_free == seqs
+    assert engine.kv.recurrent.slots is not None and engine.kv.recurrent.slots.num_free == seqs
     for i, p in enumerate(prompts):
         tokens = list(done[str(i)].outputs[0].token_ids)
         assert len(tokens) == 32 and _hf_greedy_agrees(ckpt.hf, p, tokens), f"{ckpt.kind} prompt {i}"
@@ -237,7 +237,7 @@ def test_mamba_cache_mode_all_hits_the_second_prompt_at_the_shared_prefix_end(ck
     assert got[0::2] == got[1::2]
     assert all(_hf_greedy_agrees(ckpt.hf, p, g[0]) for p, g in zip(prompts, got[0::2]))
     assert on.stats().prefix_cache_hits == 96
-    ck = on.kv.state_checkpoints
+    ck = on.kv.recurrent.checkpoints
     assert ck is not None and not ck.refs and not ck.unwritten and ck.num_free + len(ck.rows) == ck.num_rows
     assert on.kv.num_free_blocks == on.kv.num_blocks
 

@@ -21,16 +21,16 @@ def _manager(blocks: int = 8, slots: int = 2, checkpoints: bool = False) -> Page
 def test_a_request_holds_one_slot_until_freed_and_a_failed_allocation_takes_none():
     kv = _manager(blocks=4, slots=2)
     a, b, c = (TokenRequest(r, list(range(8))) for r in "abc")
-    assert kv.allocate_slots(a, 8) and kv.state_slot("a") is not None
-    assert kv.allocate_slots(a, 1) and kv.state_slots is not None and kv.state_slots.num_free == 1  # still one
+    assert kv.allocate_slots(a, 8) and kv.recurrent.slot("a") is not None
+    assert kv.allocate_slots(a, 1) and kv.recurrent.slots is not None and kv.recurrent.slots.num_free == 1  # still one
     assert not kv.allocate_slots(b, 12)  # 3 blocks: only 2 free
-    assert kv.state_slot("b") is None and kv.state_slots.num_free == 1
+    assert kv.recurrent.slot("b") is None and kv.recurrent.slots.num_free == 1
     assert kv.allocate_slots(b, 4)
     assert not kv.allocate_slots(c, 1)  # blocks remain, slots do not: nothing taken
-    assert kv.state_slot("c") is None and kv.num_free_blocks == 1
+    assert kv.recurrent.slot("c") is None and kv.num_free_blocks == 1
     for r in (a, b):
         kv.free(r)
-    assert kv.state_slots.num_free == 2 and not kv.state_slots.req_to_slot and kv.num_free_blocks == 4
+    assert kv.recurrent.slots.num_free == 2 and not kv.recurrent.slots.req_to_slot and kv.num_free_blocks == 4
 
 
 def test_a_hit_ends_at_a_checkpoint_and_holds_it_until_copied():
@@ -38,20 +38,37 @@ def test_a_hit_ends_at_a_checkpoint_and_holds_it_until_copied():
     tokens = list(range(13))
     first = TokenRequest("a", tokens)
     assert kv.allocate_slots(first, 13)
-    row = kv.state_checkpoint_row(first, 8)  # the state after two blocks
+    row = kv.recurrent.checkpoint_row(first, 8)  # the state after two blocks
     assert row == 2  # the first checkpoint row, after the two running slots
-    assert kv.state_checkpoint_row(first, 6) is None  # not a block boundary
+    assert kv.recurrent.checkpoint_row(first, 6) is None  # not a block boundary
     kv.commit_step()
     kv.free(first)
     again = TokenRequest("b", tokens)
     blocks, n = kv.get_computed_blocks(again)
     assert n == 8  # three blocks are cached, the state only after two
     assert kv.allocate_slots(again, 5, blocks)
-    ck = kv.state_checkpoints
-    assert ck is not None and ck.refs and kv.take_state_restore("b") == row and not ck.refs
-    assert kv.take_state_restore("b") is None
+    ck = kv.recurrent.checkpoints
+    assert ck is not None and ck.refs and kv.recurrent.take_restore("b") == row and not ck.refs
+    assert kv.recurrent.take_restore("b") is None
     kv.free(again)
-    assert not ck.restores and not ck.wanted and kv.state_slots is not None and kv.state_slots.num_free == 2
+    assert not ck.restores and not ck.wanted and kv.recurrent.slots is not None and kv.recurrent.slots.num_free == 2
+
+
+def test_under_mode_all_too_a_hit_ends_at_the_last_checkpoint():
+    """The recurrent-state group's hit is the longest prefix whose state is kept, in either mode: three blocks
+    cached, a state only after the first, so the hit is one block (not three, with no state to start from)."""
+    kv = PagedKVCacheManager(8, BS)
+    kv.attach_state_slots(StateSlotPool(2), StateCheckpoints(2, 2, BS, mode="all"))
+    first = TokenRequest("a", list(range(13)))
+    assert kv.allocate_slots(first, 13) and kv.recurrent.checkpoint_row(first, 4) == 2
+    kv.commit_step()
+    kv.free(first)
+    again = TokenRequest("b", list(range(13)))
+    blocks, n = kv.get_computed_blocks(again)
+    assert n == 4 and [len(g) for g in blocks.groups] == [1, 1]
+    assert kv.allocate_slots(again, 9, blocks) and kv.recurrent.take_restore("b") == 2
+    kv.free(again)
+    assert kv.num_free_blocks == 8 and not kv.recurrent.checkpoints.refs and not kv.recurrent.checkpoints.wanted
 
 
 def test_checkpoints_evict_least_recently_used_never_a_held_one():

@@ -402,14 +402,15 @@ class LLMEngine:
         start, end = spans[-1]
         keep = req.logits_from is not None and end > req.logits_from
         # a hybrid prompt chunk's states at its inner block boundaries, kept as checkpoints (--mamba-cache-mode all)
-        marks = self.kv.state_marks(req, start, min(end - 1, req.num_prompt_tokens)) if self.runner.states else []
+        rs = self.kv.recurrent
+        marks = rs.marks(req, start, min(end - 1, req.num_prompt_tokens)) if rs is not None else []
         last = SeqChunk(
             req.all_token_ids[start:end] + req.spec_token_ids,
             start,
             tables[0],
             req.wants_prompt_logits or bool(req.spec_token_ids) or keep,
             tables if len(tables) > 1 else None,
-            self.kv.state_slot(req.request_id),
+            None if rs is None else rs.slot(req.request_id),
             req.lora_int_id,
             marks or None,
         )
@@ -432,17 +433,20 @@ class LLMEngine:
 
     def _restore_state(self, req: Request) -> None:
         """A hybrid request whose prefix hit ends at a state checkpoint starts from a copy of it."""
-        row = self.kv.take_state_restore(req.request_id)
-        slot = self.kv.state_slot(req.request_id)
+        rs = self.kv.recurrent
+        if rs is None:
+            return
+        row, slot = rs.take_restore(req.request_id), rs.slot(req.request_id)
         if row is not None and slot is not None:
             self.runner.copy_state(row, slot)
 
     def _checkpoint_state(self, req: Request) -> None:
         """A hybrid request's state after a prompt chunk that ended at a block boundary, kept for later prefixes."""
-        slot = self.kv.state_slot(req.request_id)
-        if slot is None or req.num_computed_tokens > req.num_prompt_tokens:
+        rs = self.kv.recurrent
+        slot = None if rs is None else rs.slot(req.request_id)
+        if rs is None or slot is None or req.num_computed_tokens > req.num_prompt_tokens:
             return
-        row = self.kv.state_checkpoint_row(req, req.num_computed_tokens)
+        row = rs.checkpoint_row(req, req.num_computed_tokens)
         if row is not None:
             self.runner.copy_state(slot, row)
 

@@ -175,11 +175,11 @@ class Scheduler:
         shares with an earlier prompt), at the prompt's last boundary (where a prompt that continues this one
         hits), else at the last boundary it reaches; unchanged where it passes none, or without checkpoints, or
         where the mixers emit the states inside a chunk (--mamba-cache-mode all)."""
-        checkpoints = self.kv.state_checkpoints
-        if checkpoints is None or checkpoints.mode != "align":
+        cut_at = None if self.kv.recurrent is None else self.kv.recurrent.align_cut(req.request_id)
+        if cut_at is None:
             return num_new, cost
         bs, end, prompt = self.kv.block_size, start + num_new, req.num_prompt_tokens
-        wanted = [b for b in (checkpoints.wanted.get(req.request_id, 0), (prompt - 1) // bs * bs) if start < b < end]
+        wanted = [b for b in (cut_at, (prompt - 1) // bs * bs) if start < b < end]
         cut = min(wanted) if wanted else end // bs * bs if end < prompt else end
         if cut <= start:
             return num_new, cost

@@ -65,9 +65,10 @@ def kv_group_stats(kv: KVCacheManager) -> list[KVGroupStats]:
 
 def recurrent_state_stats(kv: KVCacheManager) -> RecurrentStateStats | None:
     """The state slots and checkpoints of a hybrid model (None without linear-attention layers)."""
-    slots, ck = kv.state_slots, kv.state_checkpoints
-    if slots is None:
+    rs = kv.recurrent
+    if rs is None:
         return None
+    slots, ck = rs.slots, rs.checkpoints
     return RecurrentStateStats(
         list(kv.layout.recurrent_layers) if kv.layout is not None else [],
         slots.bytes_per_slot,
@@ -76,7 +77,7 @@ def recurrent_state_stats(kv: KVCacheManager) -> RecurrentStateStats | None:
         ck.num_rows if ck is not None else 0,
         len(ck.rows) if ck is not None else 0,
         len(ck.refs) if ck is not None else 0,
-        kv.state_disk_loads,
+        rs.disk_loads,
     )
 
 

@@ -60,6 +60,10 @@ class KVConnector:
         if its hit ends there); the row, or None if it is not here, fails a check, or every row is held."""
         return None
 
+    def keep_checkpoints(self, checkpoints: StateCheckpoints) -> None:
+        """A hybrid model's state checkpoints (the recurrent-state group's): a tier may keep those evicted from
+        their rows and read them back (`contains_state`, `load_state`)."""
+
     def cache_limit(self, request_id: str) -> int | None:
         """Tokens of the request past which its blocks are not registered in the prefix cache (K/V this connector
         put there are not the prefix's own); None: no limit."""
@@ -76,24 +80,18 @@ class DiskTierConnector(KVConnector):
     """Blocks evicted from the RAM pool go to the disk tier (offload.py); lookups that miss in RAM continue there.
     Keys are per KV-cache group (hashing.group_key), and `read_block` / `write_block` move a block id's bytes in
     every cache tensor, so each group's blocks go to disk and back as the one group's did. A hybrid model's state
-    checkpoints (`checkpoints`, their rows moved by `state_io`) go the same way, as files of kind STATE under
+    checkpoints (`keep_checkpoints`, their rows moved by `state_io`) go the same way, as files of kind STATE under
     `hashing.state_key` of their prefix: evicted from their rows, or written when the engine goes idle."""
 
-    def __init__(
-        self,
-        disk: DiskKVTier,
-        block_io: BlockIO,
-        pool: BlockPool,
-        checkpoints: StateCheckpoints | None = None,
-        state_io: StateIO | None = None,
-    ) -> None:
-        self.disk, self.block_io = disk, block_io
-        both = checkpoints is not None and state_io is not None
-        self.checkpoints: StateCheckpoints | None = checkpoints if both else None
-        self.state_io: StateIO | None = state_io if both else None
+    def __init__(self, disk: DiskKVTier, block_io: BlockIO, pool: BlockPool, state_io: StateIO | None = None) -> None:
+        self.disk, self.block_io, self.state_io = disk, block_io, state_io
+        self.checkpoints: StateCheckpoints | None = None
         pool.on_evict = self._offload
-        if self.checkpoints is not None:
-            self.checkpoints.on_evict = self._offload_state
+
+    def keep_checkpoints(self, checkpoints: StateCheckpoints) -> None:
+        if self.state_io is not None:
+            self.checkpoints = checkpoints
+            checkpoints.on_evict = self._offload_state
 
     def _offload(self, block: KVBlock) -> None:
         assert block.block_hash is not None

@@ -24,6 +24,7 @@ from pagedllm.kv.coordinator import GroupBlocks, KVCacheCoordinator
 from pagedllm.kv.hashing import BlockHash, extra_key, hash_full_blocks
 from pagedllm.kv.kv_spec import KVCacheLayout, cdiv
 from pagedllm.kv.offload import DiskKVTier
+from pagedllm.kv.recurrent_state_manager import RecurrentStateManager
 from pagedllm.kv.segments import SegmentStore
 from pagedllm.kv.state_slots import StateCheckpoints, StateSlotPool
 
@@ -103,45 +104,24 @@ class KVCacheManager:
         self.prefix_stats = PrefixCacheStats()
         self.peak_used_blocks = 0  # the most blocks requests held at once (a memory figure: docs/benchmarks.md)
         self.layout: KVCacheLayout | None = None  # the model's KV-cache groups and recurrent layers (kv_spec.py)
-        self.state_slots: StateSlotPool | None = None  # a hybrid model's recurrent-state slots (state_slots.py)
-        self.state_checkpoints: StateCheckpoints | None = None  # ... and its states at block boundaries
-        self.state_disk_loads = 0  # checkpoints a lookup read back from a connector (the disk tier)
+        # a hybrid model's recurrent-state slots and checkpoints (None without recurrent layers)
+        self.recurrent: RecurrentStateManager | None = None
+        # What a table holds for a block that fell out of a window: not in the pool, never counted or cached.
+        # Its id (0) is any valid block for the kernels, which never read it (the torch path masks it out).
+        self.null_block = KVBlock(0)
 
-    def attach_state_slots(self, pool: StateSlotPool, checkpoints: StateCheckpoints | None = None) -> None:
+    def attach_state_slots(self, slots: StateSlotPool, checkpoints: StateCheckpoints | None = None) -> None:
         """A hybrid model: each request also holds a recurrent-state slot while it runs. A prefix hit then needs
         the state where it ends: without `checkpoints` there is none (every hit is 0), with them a hit ends where
-        one lies."""
-        self.state_slots, self.state_checkpoints = pool, checkpoints
+        one lies (recurrent_state_manager.py)."""
+        self.recurrent = RecurrentStateManager(
+            self.pool, self.block_size, self.null_block, slots, checkpoints, self._hashes
+        )
 
-    def take_state_restore(self, request_id: str) -> int | None:
-        """The checkpoint row a request's prefix hit starts from, to copy into its slot before its first step."""
-        return None if self.state_checkpoints is None else self.state_checkpoints.take_restore(request_id)
-
-    def state_checkpoint_row(self, request: KVRequest, num_tokens: int) -> int | None:
-        """Where to copy the request's state after its first `num_tokens` tokens (a block boundary), to be found by
-        later prefixes; None: not a boundary, no checkpoints, or it is cached already."""
-        return None
-
-    def state_marks(self, request: KVRequest, start: int, upto: int) -> list[tuple[int, int]]:
-        """A prompt chunk from token `start` on: the block boundaries b, start < b <= upto, whose state it should
-        leave as a checkpoint (--mamba-cache-mode all), as (b - start, row) for the runner (SeqChunk.state_marks),
-        rows reserved until the step commits; [] without such checkpoints."""
+    def _hashes(self, request: KVRequest, num_tokens: int) -> list[BlockHash]:
+        """The chained hashes of the request's full blocks within its first `num_tokens` tokens (none here: no
+        prefix cache)."""
         return []
-
-    def state_slot(self, request_id: str) -> int | None:
-        """The request's recurrent-state slot (None without linear-attention layers, or before it is scheduled)."""
-        return None if self.state_slots is None else self.state_slots.req_to_slot.get(request_id)
-
-    def _state_ready(self, request_id: str) -> bool:
-        return self.state_slots is None or self.state_slots.can_take(request_id)
-
-    def _take_state(self, request_id: str) -> None:
-        if self.state_slots is not None:
-            self.state_slots.take(request_id)
-
-    def _free_state(self, request_id: str) -> None:
-        if self.state_slots is not None:
-            self.state_slots.free(request_id)
 
     def _note_peak(self) -> None:
         self.peak_used_blocks = max(self.peak_used_blocks, self.num_used_blocks)
@@ -254,12 +234,11 @@ class KVCacheManager:
         blocks = self.req_blocks.pop(request.request_id, [])
         self.req_tokens.pop(request.request_id, None)
         self.pool.free(reversed(blocks))
-        self._free_state(request.request_id)
+        if self.recurrent is not None:
+            self.recurrent.free(request.request_id)
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()
-        if self.state_checkpoints is not None:
-            self.state_checkpoints.clear()
 
     def commit_step(self) -> None:
         """The step's K/V are written: the blocks it registered in the prefix cache are now really cached."""
@@ -293,9 +272,6 @@ class PagedKVCacheManager(KVCacheManager):
         super().__init__(num_blocks, block_size, enable_caching)
         self.layout = layout
         self.windows = [g.window for g in layout.groups] if layout is not None else [sliding_window]
-        # What a table holds for a block that fell out of a window: not in the pool, never counted or cached.
-        # Its id (0) is any valid block for the kernels, which never read it (the torch path masks it out).
-        self.null_block = KVBlock(0)
         self.coordinator = KVCacheCoordinator(self.windows, self.pool, block_size, self.null_block)
         self.req_hashes: dict[str, list[BlockHash]] = {}
         # Blocks registered since the last commit_step: (request id, group, its count before, the blocks).
@@ -313,6 +289,18 @@ class PagedKVCacheManager(KVCacheManager):
     def num_groups(self) -> int:
         return len(self.windows)
 
+    def attach_state_slots(self, slots: StateSlotPool, checkpoints: StateCheckpoints | None = None) -> None:
+        """The recurrent state is one more group of the coordinator (after the table groups)."""
+        super().attach_state_slots(slots, checkpoints)
+        assert self.recurrent is not None
+        self.coordinator.add(self.recurrent)
+        for c in self.connectors:
+            self.recurrent.connect(c)
+
+    def reset_prefix_cache(self) -> None:
+        super().reset_prefix_cache()
+        self.coordinator.reset_prefix_cache()
+
     @property
     def sliding_window(self) -> int | None:
         """The window of a model of one sliding group (None otherwise)."""
@@ -321,15 +309,18 @@ class PagedKVCacheManager(KVCacheManager):
     # ---- the seam: connectors ---------------------------------------------------------------------------------
     def add_connector(self, connector: KVConnector) -> None:
         self.connectors.append(connector)
+        self.coordinator.connect(connector)
 
     def attach_disk_tier(self, disk: DiskKVTier, block_io: BlockIO, state_io: StateIO | None = None) -> None:
         """Blocks evicted from the RAM pool go to `disk`; lookups that miss in RAM continue there. A hybrid model's
-        state checkpoints (attached before: attach_state_slots) go there too, their rows moved by `state_io`."""
-        self.add_connector(DiskTierConnector(disk, block_io, self.pool, self.state_checkpoints, state_io))
+        state checkpoints go there too, their rows moved by `state_io`."""
+        self.add_connector(DiskTierConnector(disk, block_io, self.pool, state_io))
 
     def enable_segments(self) -> SegmentStore | None:
-        """kv_blend's segment store, where the model is one full-attention group and the prefix cache is on."""
-        if self.segments is None and self.enable_caching and self.windows == [None] and self.state_slots is None:
+        """kv_blend's segment store, where the model is one full-attention group and nothing else (no recurrent
+        state: it cannot be re-rotated) and the prefix cache is on."""
+        one_group = self.windows == [None] and len(self.coordinator.managers) == 1
+        if self.segments is None and self.enable_caching and one_group:
             self.segments = SegmentStore(self.pool, self.null_block, self._fetch, self._count_segment_read)
             self.add_connector(self.segments)
         return self.segments
@@ -399,51 +390,16 @@ class PagedKVCacheManager(KVCacheManager):
         return self._lookup(request, min(max_tokens, len(request.all_token_ids) - 1) // self.block_size)
 
     def _lookup(self, request: KVRequest, max_blocks: int) -> tuple[KVCacheBlocks, int]:
-        if not self.enable_caching or (self.state_slots is not None and self.state_checkpoints is None):
-            return KVCacheBlocks.empty(self.num_groups), 0  # a hybrid without checkpoints: no state to start from
+        if not self.enable_caching:
+            return KVCacheBlocks.empty(self.num_groups), 0
         hashes = self._hashes(request, max_blocks * self.block_size)[:max_blocks]
         rid, get = request.request_id, self.pool.get_cached_block
         hits = self.coordinator.find_longest_cache_hit(rid, hashes, max_blocks, get)
         if len(hits[0]) < max_blocks and self.connectors:
             if self._load_from_tiers(request, hashes, max_blocks):
                 hits = self.coordinator.find_longest_cache_hit(rid, hashes, max_blocks, get)
-        if self.state_checkpoints is not None:  # the longest hit that ends where a state checkpoint lies
-            n = len(hits[0])
-            while n and not self._has_state(hashes[n - 1]):
-                n -= 1
-            if n < len(hits[0]) and self.state_checkpoints.mode == "align":
-                self.state_checkpoints.wanted[rid] = len(hits[0]) * self.block_size  # cut there, checkpoint it
-                hits = self.coordinator.find_longest_cache_hit(rid, hashes, n, get)
+        self.coordinator.note_hit(rid, hashes, hits, max_blocks, get)
         return KVCacheBlocks(hits), len(hits[0]) * self.block_size
-
-    def _has_state(self, key: BlockHash) -> bool:
-        """A state checkpoint after the prefix `key` is in a row: it was, or a connector (the disk tier) read it
-        back into one."""
-        assert self.state_checkpoints is not None
-        if self.state_checkpoints.find(key) is not None:
-            return True
-        for c in self.connectors:
-            if c.contains_state(key) and c.load_state(key) is not None:
-                self.state_disk_loads += 1
-                return True
-        return False
-
-    def state_marks(self, request: KVRequest, start: int, upto: int) -> list[tuple[int, int]]:
-        ck, bs = self.state_checkpoints, self.block_size
-        if ck is None or ck.mode != "all" or upto < (start // bs + 1) * bs:
-            return []
-        hashes = self._hashes(request, upto)
-        marks = []
-        for b in range((start // bs + 1) * bs, upto + 1, bs):
-            row = ck.reserve(hashes[b // bs - 1])  # none: cached already (now most recently used), or no row free
-            if row is not None:
-                marks.append((b - start, row))
-        return marks
-
-    def state_checkpoint_row(self, request: KVRequest, num_tokens: int) -> int | None:
-        if self.state_checkpoints is None or not num_tokens or num_tokens % self.block_size:
-            return None
-        return self.state_checkpoints.store(self._hashes(request, num_tokens)[num_tokens // self.block_size - 1])
 
     def _load_from_tiers(self, request: KVRequest, hashes: list[BlockHash], max_blocks: int) -> bool:
         """Read into free blocks what a longer hit needs from the connectors (the disk tier): the hit as if every
@@ -494,7 +450,7 @@ class PagedKVCacheManager(KVCacheManager):
         null = self.null_block
         return [
             len({id(b) for blocks in m.req_to_blocks.values() for b in blocks if b is not null})
-            for m in self.coordinator.managers
+            for m in self.coordinator.table_managers
         ]
 
     @property
@@ -502,7 +458,7 @@ class PagedKVCacheManager(KVCacheManager):
         """Distinct token slots the running requests keep, over every group: a shared block's tokens count once,
         the blocks that fell out of a window not at all."""
         total = 0
-        for m in self.coordinator.managers:
+        for m in self.coordinator.table_managers:
             tables = m.req_to_blocks
             shared = {id(b): b for blocks in tables.values() for b in blocks if b.ref_cnt > 1}
             skipped = sum(1 for blocks in tables.values() for b in blocks if b is self.null_block)
@@ -527,13 +483,8 @@ class PagedKVCacheManager(KVCacheManager):
         self.coordinator.remove_skipped_blocks(rid, request.num_computed_tokens)
         total = request.num_computed_tokens + len(hit[0]) * self.block_size + num_new_tokens
         slots = total + num_lookahead_tokens
-        if self.coordinator.num_blocks_to_allocate(rid, slots, hit) > self.pool.num_free_blocks:
+        if not self.coordinator.can_allocate(rid, slots, hit):
             return False
-        if not self._state_ready(rid):
-            return False
-        self._take_state(rid)
-        if self.state_checkpoints is not None and hit[0] and request.num_computed_tokens == 0:
-            self.state_checkpoints.hold(rid, self._hashes(request, len(hit[0]) * self.block_size)[len(hit[0]) - 1])
         self.coordinator.allocate(rid, slots, hit)
         self.req_tokens[rid] = slots
         self._note_peak()
@@ -577,13 +528,11 @@ class PagedKVCacheManager(KVCacheManager):
 
     def commit_step(self) -> None:
         self.step_journal.clear()
-        if self.state_checkpoints is not None:
-            self.state_checkpoints.written()
+        self.coordinator.commit_step()
 
     def rollback_step(self) -> dict[str, list[KVBlock]]:
         undone: dict[str, list[KVBlock]] = {}
-        if self.state_checkpoints is not None:
-            self.state_checkpoints.drop_unwritten()  # the states at the step's marks were never written
+        self.coordinator.rollback_step()
         for rid, group, before, blocks in reversed(self.step_journal):
             for block in blocks:
                 self.pool.uncache(block)
@@ -600,9 +549,6 @@ class PagedKVCacheManager(KVCacheManager):
         rid = request.request_id
         self.req_tokens.pop(rid, None)
         self.coordinator.free(rid)
-        self._free_state(rid)
-        if self.state_checkpoints is not None:
-            self.state_checkpoints.forget(rid)
         for c in self.connectors:
             c.request_finished(rid)
         self.req_hashes.pop(rid, None)
@@ -631,13 +577,16 @@ class ContiguousKVCacheManager(KVCacheManager):
         assert not new_computed_blocks, "contiguous allocation shares nothing"
         rid = request.request_id
         total = request.num_computed_tokens + num_new_tokens + num_lookahead_tokens
-        if total > self.blocks_per_request * self.block_size or not self._state_ready(rid):
+        if total > self.blocks_per_request * self.block_size:
+            return False
+        if self.recurrent is not None and not self.recurrent.can_allocate(rid):
             return False
         if rid not in self.req_blocks:
             if self.blocks_per_request > self.pool.num_free_blocks:
                 return False
             self.req_blocks[rid] = self.pool.allocate(self.blocks_per_request)
-        self._take_state(rid)
+        if self.recurrent is not None:
+            self.recurrent.allocate_new_blocks(rid, total)
         self.req_tokens[rid] = total
         self._note_peak()
         return True

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from pagedllm.kv.block_pool import BlockPool, KVBlock
+from pagedllm.kv.connector import KVConnector
 from pagedllm.kv.hashing import BlockHash, group_key
 from pagedllm.kv.kv_spec import cdiv
 
@@ -39,6 +40,27 @@ class SingleTypeKVCacheManager:
 
     def find_longest_cache_hit(self, keys: Sequence[BlockHash], max_blocks: int, lookup: Lookup) -> list[KVBlock]:
         raise NotImplementedError
+
+    def note_hit(
+        self, request_id: str, keys: Sequence[BlockHash], num_blocks: int, max_blocks: int, lookup: Lookup
+    ) -> None:
+        """The request's lookup ended with a hit of `num_blocks` blocks (what its allocation will be given)."""
+
+    def connect(self, connector: KVConnector) -> None:
+        """A connector (the disk tier) was plugged in behind the KV manager's seam."""
+
+    def can_allocate(self, request_id: str) -> bool:
+        """Whatever the group gives a request besides pool blocks is there (a block group needs nothing else)."""
+        return True
+
+    def commit_step(self) -> None:
+        """The step's writes are done (a block group's registrations are journaled by the KV manager)."""
+
+    def rollback_step(self) -> None:
+        """The step failed before its writes were done."""
+
+    def reset_prefix_cache(self) -> None:
+        """Forget what the group caches beside the pool's blocks (the pool forgets those)."""
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Give back the blocks no later token reads (none under full attention)."""

@@ -1,0 +1,176 @@
+"""The recurrent-state group of a hybrid model (vLLM v1's MambaManager): the coordinator runs it beside the attention
+groups' managers, so the KV manager has no branch of its own for a model with linear-attention, state-space or
+short-conv layers.
+
+What it holds is not a block table: a state slot per running request (state_slots.StateSlotPool) and, with prefix
+caching, the states at block boundaries (state_slots.StateCheckpoints). Its part in each coordinator call:
+- the hit: the longest prefix, within the run of cached blocks of the prefix, after which a checkpoint lies (in a
+  row, or read back from a tier into one). The coordinator's "longest hit every group can serve" loop then ends
+  every group's hit there; the hit it returns is that many null entries (no block is read through it).
+- allocation: the slot (an allocation fails while none is free), and a hold on the hit's checkpoint until the
+  engine copies it into the slot (`take_restore`); free gives both back (finished, aborted, preempted).
+- a step's commit / rollback: the checkpoints reserved at its marks are kept / dropped (never written).
+- reset_prefix_cache: every unheld checkpoint goes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from pagedllm.kv.block_pool import BlockPool, KVBlock
+from pagedllm.kv.connector import KVConnector
+from pagedllm.kv.hashing import BlockHash
+from pagedllm.kv.single_type_manager import Lookup, SingleTypeKVCacheManager
+from pagedllm.kv.state_slots import StateCheckpoints, StateSlotPool
+
+Hashes = Callable[[Any, int], list[BlockHash]]  # a request's prefix hashes within its first n tokens
+
+
+class RecurrentStateManager(SingleTypeKVCacheManager):
+    def __init__(
+        self,
+        pool: BlockPool,
+        block_size: int,
+        null_block: KVBlock,
+        slots: StateSlotPool,
+        checkpoints: StateCheckpoints | None,
+        hashes: Hashes,
+    ) -> None:
+        """`hashes`: the KV manager's prefix hashes of a request (checkpoints are keyed by them, as group 0's
+        blocks are)."""
+        super().__init__(pool, block_size, 0, null_block)
+        self.slots, self.checkpoints, self._hashes = slots, checkpoints, hashes
+        self.tiers: list[KVConnector] = []  # where a checkpoint missing from the rows may be read back from
+        self.disk_loads = 0  # checkpoints read back from a tier (the disk tier)
+        self._hit_key: dict[str, BlockHash] = {}  # request id -> the key its last lookup's hit ends at
+
+    @property
+    def mode(self) -> str | None:
+        """--mamba-cache-mode of its checkpoints (None: no prefix caching)."""
+        return None if self.checkpoints is None else self.checkpoints.mode
+
+    # ---- the coordinator's calls -----------------------------------------------------------------------------
+    def keys(self, request_id: str, hashes: Sequence[BlockHash]) -> Sequence[BlockHash]:
+        return hashes
+
+    def connect(self, connector: KVConnector) -> None:
+        """A tier plugged in behind the KV manager's seam keeps the checkpoints evicted from their rows."""
+        self.tiers.append(connector)
+        if self.checkpoints is not None:
+            connector.keep_checkpoints(self.checkpoints)
+
+    def find_longest_cache_hit(self, keys: Sequence[BlockHash], max_blocks: int, lookup: Lookup) -> list[KVBlock]:
+        """Null entries up to the longest prefix, within the cached run, whose state is checkpointed: a state after
+        a prefix whose blocks are not cached could never be a hit, so none past the run is looked for (or read)."""
+        if self.checkpoints is None:
+            return []
+        n = self._cached_run(keys, max_blocks, lookup)
+        while n and not self._has(keys[n - 1]):
+            n -= 1
+        return [self.null_block] * n
+
+    def _cached_run(self, keys: Sequence[BlockHash], max_blocks: int, lookup: Lookup) -> int:
+        n = 0
+        for key in keys[:max_blocks]:
+            if lookup(key) is None:
+                break
+            n += 1
+        return n
+
+    def _has(self, key: BlockHash) -> bool:
+        """A checkpoint after the prefix `key` is in a row: it was, or a tier read it back into one."""
+        assert self.checkpoints is not None
+        if self.checkpoints.find(key) is not None:
+            return True
+        for c in self.tiers:
+            if c.contains_state(key) and c.load_state(key) is not None:
+                self.disk_loads += 1
+                return True
+        return False
+
+    def note_hit(
+        self, request_id: str, keys: Sequence[BlockHash], num_blocks: int, max_blocks: int, lookup: Lookup
+    ) -> None:
+        """The lookup's hit is `num_blocks` long: its checkpoint is what an allocation holds; under align, where
+        the cached run goes further without a checkpoint the request's chunk is cut (the scheduler), so that its
+        state there is kept and the next prompt sharing that prefix hits it."""
+        if num_blocks:
+            self._hit_key[request_id] = keys[num_blocks - 1]
+        run = self._cached_run(keys, max_blocks, lookup) if self.mode == "align" else 0
+        if self.checkpoints is not None and run > num_blocks:
+            self.checkpoints.wanted[request_id] = run * self.block_size
+
+    def can_allocate(self, request_id: str) -> bool:
+        return self.slots.can_take(request_id)
+
+    def num_blocks_to_allocate(self, request_id: str, num_tokens: int, new_computed: Sequence[KVBlock]) -> int:
+        return 0
+
+    def save_new_computed_blocks(self, request_id: str, new_computed: Sequence[KVBlock]) -> None:
+        """The hit starts from its checkpoint's state: held until copied (`take_restore`) or the request's free."""
+        if new_computed and self.checkpoints is not None:
+            self.checkpoints.hold(request_id, self._hit_key[request_id])
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> None:
+        self.slots.take(request_id)
+
+    def cache_blocks(self, request_id: str, keys: Sequence[BlockHash], num_full: int) -> tuple[int, list[int]]:
+        return num_full, []  # checkpoints are stored when their states are written (checkpoint_row, marks)
+
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """A hybrid model runs no drafts."""
+
+    def free(self, request_id: str) -> None:
+        self.slots.free(request_id)
+        self._hit_key.pop(request_id, None)
+        if self.checkpoints is not None:
+            self.checkpoints.forget(request_id)
+
+    def commit_step(self) -> None:
+        if self.checkpoints is not None:
+            self.checkpoints.written()
+
+    def rollback_step(self) -> None:
+        if self.checkpoints is not None:
+            self.checkpoints.drop_unwritten()  # the states at the step's marks were never written
+
+    def reset_prefix_cache(self) -> None:
+        if self.checkpoints is not None:
+            self.checkpoints.clear()
+
+    # ---- the engine's calls ----------------------------------------------------------------------------------
+    def slot(self, request_id: str) -> int | None:
+        """The request's state slot (None before its first allocation)."""
+        return self.slots.req_to_slot.get(request_id)
+
+    def take_restore(self, request_id: str) -> int | None:
+        """The checkpoint row a request's prefix hit starts from, to copy into its slot before its first step."""
+        return None if self.checkpoints is None else self.checkpoints.take_restore(request_id)
+
+    def checkpoint_row(self, request: Any, num_tokens: int) -> int | None:
+        """Where to copy the request's state after its first `num_tokens` tokens (a block boundary), to be found by
+        later prefixes; None: not a boundary, no checkpoints, or it is cached already."""
+        if self.checkpoints is None or not num_tokens or num_tokens % self.block_size:
+            return None
+        return self.checkpoints.store(self._hashes(request, num_tokens)[num_tokens // self.block_size - 1])
+
+    def marks(self, request: Any, start: int, upto: int) -> list[tuple[int, int]]:
+        """A prompt chunk from token `start` on: the block boundaries b, start < b <= upto, whose state it should
+        leave as a checkpoint (--mamba-cache-mode all), as (b - start, row) for the runner (SeqChunk.state_marks),
+        rows reserved until the step commits; [] without such checkpoints."""
+        ck, bs = self.checkpoints, self.block_size
+        if ck is None or ck.mode != "all" or upto < (start // bs + 1) * bs:
+            return []
+        hashes = self._hashes(request, upto)
+        marks = []
+        for b in range((start // bs + 1) * bs, upto + 1, bs):
+            row = ck.reserve(hashes[b // bs - 1])  # none: cached already (now most recently used), or no row free
+            if row is not None:
+                marks.append((b - start, row))
+        return marks
+
+    def align_cut(self, request_id: str) -> int | None:
+        """Under align: where the request's run of cached blocks ends without a checkpoint (its chunk is cut
+        there); None in any other mode."""
+        return None if self.checkpoints is None or self.mode != "align" else self.checkpoints.wanted.get(request_id, 0)

@@ -1,7 +1,8 @@
 """pagedllm against llama.cpp at the sizes people run (issue 27, item 1): random-weight GGUFs of real shapes.
 
 `write` makes the files: an F16 GGUF of a real model's shape (Llama-3.2-1B, Qwen2.5-3B, Llama-3.1-8B, Qwen3-1.7B
-with its q/k norms, Gemma-3-1B with its post norms, head size 256 and 512-token windows, and the MoE shapes
+with its q/k norms, Gemma-3-1B with its post norms, head size 256 and 512-token windows, Phi-4-mini (phi3: fused
+qkv and gate_up, 3/4 of each head rotated, longrope), SmolLM3-3B (NoPE every 4th layer), and the MoE shapes
 Qwen3-30B-A3B and gpt-oss-20b, the hybrid Qwen3.5-2B-like one of issue 35 (`qwen3.5-2b`: Gated DeltaNet layers
 under devkit/hybrid_gguf.py's names); their vocabulary sizes, tied embeddings where the real model ties them) written
 with the `gguf` package under

@@ -1,7 +1,8 @@
 """pagedllm against llama.cpp at the sizes people run (issue 27, item 1): random-weight GGUFs of real shapes.
 
 `write` makes the files: an F16 GGUF of a real model's shape (Llama-3.2-1B, Qwen2.5-3B, Llama-3.1-8B, Qwen3-1.7B
-with its q/k norms, Gemma-3-1B with its post norms, head size 256 and 512-token windows, and the MoE shapes
+with its q/k norms, Gemma-3-1B with its post norms, head size 256 and 512-token windows, Phi-4-mini (phi3: fused
+qkv and gate_up, 3/4 of each head rotated, longrope), SmolLM3-3B (NoPE every 4th layer), and the MoE shapes
 Qwen3-30B-A3B and gpt-oss-20b, the hybrid Qwen3.5-2B-like one of issue 35 (`qwen3.5-2b`: Gated DeltaNet layers
 under devkit/hybrid_gguf.py's names); their vocabulary sizes, tied embeddings where the real model ties them) written
 with the `gguf` package under
@@ -83,6 +84,7 @@ class Shape:
     linear_key_heads: int = 0  # a hybrid's Gated DeltaNet: key and value heads, all `linear_head_dim` wide
     linear_value_heads: int = 0
     linear_head_dim: int = 0
+    rotary_dim: int = 0  # the dims of each head RoPE turns (Phi-4-mini: 3/4 of 128); 0: the whole head
 
     @property
     def head_size(self) -> int:
@@ -95,6 +97,10 @@ SHAPES = {
     "llama-3.1-8b": Shape("llama", 4096, 32, 32, 8, 14336, 128256, False, 500000.0, 1e-5),
     "qwen3-1.7b": Shape("qwen3", 2048, 28, 16, 8, 6144, 151936, True, 1000000.0, 1e-6, 128),
     "gemma-3-1b": Shape("gemma3", 1152, 26, 4, 1, 6912, 262144, True, 1000000.0, 1e-6, 256),
+    # issue 36's other families: Phi-4-mini (phi3: fused qkv and gate_up, 3/4 of each head rotated, longrope) and
+    # SmolLM3-3B (llama's layer, no RoPE in every 4th layer: llama.cpp's smollm3 fixes the interval)
+    "phi-4-mini": Shape("phi3", 3072, 32, 24, 8, 8192, 200064, True, 10000.0, 1e-5, 128, rotary_dim=96),
+    "smollm3-3b": Shape("smollm3", 2048, 36, 16, 4, 11008, 128256, True, 5000000.0, 1e-6, 128),
     # the MoE models people run on a CPU (issue 34): only the routed experts' bytes are read per token
     "qwen3-30b-a3b": Shape("qwen3moe", 2048, 48, 32, 4, 6144, 151936, False, 1e6, 1e-6, 128, 128, 8, 768),
     "gpt-oss-20b": Shape("gpt-oss", 2880, 24, 64, 8, 2880, 201088, False, 150000.0, 1e-5, 64, 32, 4, 2880),
@@ -126,6 +132,7 @@ SHAPES = {
 }
 GEMMA3_WINDOW = 512  # Gemma-3-1B's sliding window (five sliding layers per global one, llama.cpp's default)
 QWEN35_FULL_EVERY, QWEN35_CONV = 4, 4  # Qwen3.5's full_attention_interval and linear_conv_kernel_dim
+PHI3_CONTEXT, PHI3_ORIGINAL_CONTEXT = 131072, 4096  # Phi-4-mini's max and original_max_position_embeddings
 
 
 def recurrent(s: Shape, i: int) -> bool:
@@ -144,6 +151,9 @@ def tensor_shapes(s: Shape) -> list[tuple[str, tuple[int, ...]]]:
         if s.arch == "qwen35":
             out += _qwen35_layer(b, s, i)
             continue
+        if s.arch == "phi3":
+            out += _phi3_layer(b, s)
+            continue
         out += [(b + "attn_norm.weight", (s.hidden,)), (b + "attn_q.weight", (q, s.hidden))]
         out += [(b + "attn_k.weight", (kv, s.hidden)), (b + "attn_v.weight", (kv, s.hidden))]
         if s.arch in ("qwen2", "gpt-oss"):
@@ -160,7 +170,18 @@ def tensor_shapes(s: Shape) -> list[tuple[str, tuple[int, ...]]]:
         if s.arch == "gemma3":
             out.append((b + "post_ffw_norm.weight", (s.hidden,)))
     out.append(("output_norm.weight", (s.hidden,)))
+    if s.arch == "phi3":  # longrope's per-dimension factors, as llama.cpp's converter writes them
+        out += [("rope_factors_long.weight", (s.rotary_dim // 2,)), ("rope_factors_short.weight", (s.rotary_dim // 2,))]
     return out + ([] if s.tied else [("output.weight", (s.vocab, s.hidden))])
+
+
+def _phi3_layer(b: str, s: Shape) -> list[tuple[str, tuple[int, ...]]]:
+    """A phi3 layer as llama.cpp's converter writes it: q, k and v in one attn_qkv, gate and up in one ffn_up."""
+    qkv = (s.heads + 2 * s.kv_heads) * s.head_size
+    out: list[tuple[str, tuple[int, ...]]] = [(b + "attn_norm.weight", (s.hidden,))]
+    out += [(b + "attn_qkv.weight", (qkv, s.hidden)), (b + "attn_output.weight", (s.hidden, s.heads * s.head_size))]
+    out += [(b + "ffn_norm.weight", (s.hidden,)), (b + "ffn_up.weight", (2 * s.ffn, s.hidden))]
+    return out + [(b + "ffn_down.weight", (s.hidden, s.ffn))]
 
 
 def _qwen35_layer(b: str, s: Shape, i: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -213,17 +234,37 @@ def add_metadata(w, name: str, s: Shape) -> None:
     p = s.arch + "."
     w.add_name(f"{name} (random weights)")
     w.add_uint32(p + "block_count", s.layers)
-    w.add_uint32(p + "context_length", 8192)
+    w.add_uint32(p + "context_length", PHI3_CONTEXT if s.arch == "phi3" else 8192)
     w.add_uint32(p + "embedding_length", s.hidden)
     w.add_uint32(p + "feed_forward_length", s.ffn)
     w.add_uint32(p + "attention.head_count", s.heads)
     w.add_uint32(p + "attention.head_count_kv", s.kv_heads)
     w.add_float32(p + "rope.freq_base", s.rope_theta)
     w.add_float32(p + "attention.layer_norm_rms_epsilon", s.eps)
-    w.add_uint32(p + "rope.dimension_count", s.head_size // 4 if s.arch == "qwen35" else s.head_size)
+    w.add_uint32(p + "rope.dimension_count", s.head_size // 4 if s.arch == "qwen35" else s.rotary_dim or s.head_size)
     w.add_uint32(p + "attention.key_length", s.head_size)
     w.add_uint32(p + "attention.value_length", s.head_size)
     w.add_uint32(p + "vocab_size", s.vocab)
+    _arch_metadata(w, p, s)
+    with GGUFFile(default_model_path(), keep_arrays=True) as src:
+        md = src.metadata
+    tokens = list(md["tokenizer.ggml.tokens"])
+    if s.vocab < len(tokens):
+        raise SystemExit(f"vocabulary {s.vocab} is smaller than SmolLM2's {len(tokens)}")
+    pad = s.vocab - len(tokens)
+    w.add_string("tokenizer.ggml.model", "gpt2")
+    w.add_string("tokenizer.ggml.pre", md["tokenizer.ggml.pre"])
+    w.add_array("tokenizer.ggml.tokens", tokens + [f"<|pad_{i}|>" for i in range(pad)])
+    w.add_array("tokenizer.ggml.token_type", list(md["tokenizer.ggml.token_type"]) + [1] * pad)
+    w.add_array("tokenizer.ggml.merges", list(md["tokenizer.ggml.merges"]))
+    for key in ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id"):
+        w.add_uint32(f"tokenizer.ggml.{key}", int(md[f"tokenizer.ggml.{key}"]))
+    w.add_bool("tokenizer.ggml.add_bos_token", False)
+    w.add_string("tokenizer.chat_template", md["tokenizer.chat_template"])
+
+
+def _arch_metadata(w, p: str, s: Shape) -> None:
+    """The keys only some architectures have (experts, the DeltaNet, windows, RoPE scaling), under prefix `p`."""
     if s.experts:
         w.add_uint32(p + "expert_count", s.experts)
         w.add_uint32(p + "expert_used_count", s.experts_used)
@@ -240,26 +281,16 @@ def add_metadata(w, name: str, s: Shape) -> None:
     if s.arch == "gemma3":
         w.add_uint32(p + "attention.sliding_window", GEMMA3_WINDOW)
         w.add_float32(p + "rope.freq_base_swa", 10000.0)
+    if s.arch == "phi3":  # as llama.cpp's converter writes Phi-4-mini's config (longrope from 4,096 to 131,072)
+        w.add_uint32(p + "rope.scaling.original_context_length", PHI3_ORIGINAL_CONTEXT)
+        scale = PHI3_CONTEXT / PHI3_ORIGINAL_CONTEXT
+        w.add_float32(p + "rope.scaling.attn_factor", math.sqrt(1 + math.log(scale) / math.log(PHI3_ORIGINAL_CONTEXT)))
+        w.add_uint32(p + "attention.sliding_window", 262144)
     if s.arch == "gpt-oss":  # as llama.cpp's converter writes gpt-oss-20b's config
         w.add_uint32(p + "attention.sliding_window", 128)
         w.add_string(p + "rope.scaling.type", "yarn")
         w.add_float32(p + "rope.scaling.factor", 32.0)
         w.add_uint32(p + "rope.scaling.original_context_length", 4096)
-    with GGUFFile(default_model_path(), keep_arrays=True) as src:
-        md = src.metadata
-    tokens = list(md["tokenizer.ggml.tokens"])
-    if s.vocab < len(tokens):
-        raise SystemExit(f"vocabulary {s.vocab} is smaller than SmolLM2's {len(tokens)}")
-    pad = s.vocab - len(tokens)
-    w.add_string("tokenizer.ggml.model", "gpt2")
-    w.add_string("tokenizer.ggml.pre", md["tokenizer.ggml.pre"])
-    w.add_array("tokenizer.ggml.tokens", tokens + [f"<|pad_{i}|>" for i in range(pad)])
-    w.add_array("tokenizer.ggml.token_type", list(md["tokenizer.ggml.token_type"]) + [1] * pad)
-    w.add_array("tokenizer.ggml.merges", list(md["tokenizer.ggml.merges"]))
-    for key in ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id"):
-        w.add_uint32(f"tokenizer.ggml.{key}", int(md[f"tokenizer.ggml.{key}"]))
-    w.add_bool("tokenizer.ggml.add_bos_token", False)
-    w.add_string("tokenizer.chat_template", md["tokenizer.chat_template"])
 
 
 def _pool(qtype, folder: str, rng) -> np.ndarray:
@@ -285,7 +316,41 @@ def _pool(qtype, folder: str, rng) -> np.ndarray:
             for tname, info in gf.tensors.items():
                 if info.ggml_type == qtype and math.prod(info.shape) >= 1 << 24:
                     return np.array(gf._raw(tname)[0]).reshape(-1)
-    raise SystemExit(f"no {qtype.name} blocks to copy: write a dense shape's Q4_K_M file into {folder} first")
+    return _kquant_blocks(qtype, rng)
+
+
+def _kquant_blocks(qtype, rng, n: int = 1 << 16) -> np.ndarray:
+    """`n` K-quant blocks (Q4_K, Q5_K, Q6_K) of random codes and scales under a fixed normal float16 scale
+    (1e-4: weights of a few hundredths, no NaN, inf or subnormal to slow a kernel down), where no llama.cpp
+    file in the folder has blocks to copy: the decode kernels' speed does not depend on the codes."""
+    import gguf
+
+    kinds = (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K, gguf.GGMLQuantizationType.Q6_K)
+    if qtype not in kinds:
+        raise SystemExit(f"no {qtype.name} blocks: the gguf package cannot quantize it")
+    size = gguf.GGML_QUANT_SIZES[qtype][1]
+    blocks = rng.integers(0, 256, (n, size), dtype=np.uint8)
+    scale = np.full(n, 1e-4, np.float16).view(np.uint8).reshape(n, 2)
+    if qtype == gguf.GGMLQuantizationType.Q6_K:  # codes, high bits, 16 int8 scales, then d
+        blocks[:, size - 2 :] = scale
+    else:  # d and dmin first, then 12 bytes of 6-bit scales and mins, then the codes
+        blocks[:, 0:2] = blocks[:, 2:4] = scale
+    return blocks.reshape(-1)
+
+
+def mix_type(tname: str, mix: str, s: Shape) -> str:
+    """The type llama.cpp's quantizer (llama_tensor_get_type) gives a dense shape's matrix in the mix Q4_0 or
+    Q4_K_M: the output head (or the embedding table it is tied to) Q6_K; in Q4_K_M, attn_v (or a fused attn_qkv,
+    which llama.cpp 0.3.36 counts as one) and ffn_down Q6_K in the layers `_use_more_bits` names, the rest Q4_K."""
+    if tname == "output.weight" or (s.tied and tname == "token_embd.weight"):
+        return "Q6_K"
+    if mix == "Q4_0":
+        return "Q4_0"
+    if mix != "Q4_K_M":
+        raise SystemExit(f"mix {mix}: Q4_0 or Q4_K_M")
+    layer = int(tname.split(".")[1]) if tname.startswith("blk.") else -1
+    more_bits = ("attn_v.", "attn_qkv.", "ffn_down.")
+    return "Q6_K" if any(t in tname for t in more_bits) and _use_more_bits(layer, s.layers) else "Q4_K"
 
 
 def _use_more_bits(i: int, n: int) -> bool:
@@ -298,10 +363,11 @@ def write_random(name: str, path: str, kind: str = "F16", seed: int = 0, folder:
     quantized type (Q4_0, Q8_0, MXFP4 quantized by the `gguf` package; Q4_K, Q6_K copied from llama.cpp's own
     blocks, `_pool`); `DENSE+EXPERTS` puts a MoE shape's expert tensors in the second type (Q8_0+MXFP4: as
     llama.cpp's MXFP4_MOE mix stores gpt-oss; Q4_K+Q4_K: Q4_K_M's, with the down experts of the layers it keeps
-    in Q6_K in Q6_K). Why: llama.cpp's quantizer copies a tensor already in the type it picks, so a source
+    in Q6_K in Q6_K); `Q4_0-mix` / `Q4_K_M-mix`: a dense shape's matrices each in the type that mix gives it
+    (`mix_type`). Why: llama.cpp's quantizer copies a tensor already in the type it picks, so a source
     written in the mix's own types becomes the mix in seconds, where quantizing a 10 GB MoE source from Q8_0
-    took over an hour on this busy host. The matrices are cut from one pool of blocks per type, one tensor in
-    memory at a time."""
+        took over an hour on this busy host (and a 3.8B dense one to Q4_K_M ~45 min at load 20). The matrices are
+    cut from one pool of blocks per type, one tensor in memory at a time."""
     import gguf
 
     s = shape_of(name)
@@ -311,6 +377,8 @@ def write_random(name: str, path: str, kind: str = "F16", seed: int = 0, folder:
     pools: dict = {}
 
     def qtype_of(tname: str):
+        if dense_kind.endswith("-mix"):
+            return gguf.GGMLQuantizationType[mix_type(tname, dense_kind.removesuffix("-mix"), s)]
         if "_exps" not in tname or not expert_kind:
             return gguf.GGMLQuantizationType[dense_kind]
         layer = int(tname.split(".")[1])
@@ -324,7 +392,9 @@ def write_random(name: str, path: str, kind: str = "F16", seed: int = 0, folder:
 
     w = gguf.GGUFWriter(path + ".part", s.arch)
     add_metadata(w, name, s)
-    w.add_uint32("general.file_type", {"F16": 1, "Q4_0": 2, "Q8_0": 7}.get(dense_kind, 1))
+    w.add_uint32(
+        "general.file_type", {"F16": 1, "Q4_0": 2, "Q8_0": 7, "Q4_0-mix": 2, "Q4_K_M-mix": 15}.get(dense_kind, 1)
+    )
     for tname, shape in shapes:
         if not is_matrix(tname, shape):
             w.add_tensor_info(tname, shape, np.dtype(np.float32), math.prod(shape) * 4)
@@ -345,7 +415,8 @@ def write_random(name: str, path: str, kind: str = "F16", seed: int = 0, folder:
             elif "ssm_conv1d" in tname:  # a conv that passes q, k and v on (zeros would zero the DeltaNet)
                 w.write_tensor_data(rng.standard_normal(shape, dtype=np.float32) * 0.5)
             else:
-                w.write_tensor_data((np.ones if tname.endswith("norm.weight") else np.zeros)(shape, np.float32))
+                ones = tname.endswith("norm.weight") or tname.startswith("rope_factors")  # longrope's: no rescaling
+                w.write_tensor_data((np.ones if ones else np.zeros)(shape, np.float32))
             continue
         qtype = qtype_of(tname)
         if qtype not in pools:
@@ -713,7 +784,8 @@ def main() -> int:
         "--source",
         default="F16",
         help="the file llama.cpp's quantizer starts from: F16, or a -gguf kind in the mix's own types, which it "
-        "copies (the MoE shapes: Q4_K+Q4_K-gguf for Q4_K_M, Q8_0+MXFP4-gguf for MXFP4_MOE; write_random)",
+        "copies (the MoE shapes: Q4_K+Q4_K-gguf for Q4_K_M, Q8_0+MXFP4-gguf for MXFP4_MOE; a dense shape: "
+        "Q4_0-mix-gguf for Q4_0, Q4_K_M-mix-gguf for Q4_K_M; write_random)",
     )
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)

@@ -73,13 +73,14 @@ static inline __attribute__((always_inline)) void dot_scales(const Head *hd, con
 /* Row m's sums S of group g (half h) into its 16 columns' F: one expression for the one-row and the panel
  * paths, so that both round alike (a row's result must not depend on the path its batch took). */
 static inline __attribute__((always_inline)) void dot_fold(vf F[16 / VW], const vi S[16 / VW], const XQ16 *xq,
-                                                           int64_t m, int G, int g, int h, const int fmt,
-                                                           const vf wa[16 / VW], const vf wb[16 / VW]) {
+                                                           int64_t m, int G, int g, int h, const int parts,
+                                                           const int off, const vf wa[16 / VW],
+                                                           const vf wb[16 / VW]) {
     const int32_t *s = xq->s + m * 2 * G + 2 * g;
-    const int32_t sx = halves(fmt) == 2 ? s[h] : s[0] + s[1];
+    const int32_t sx = parts == 2 ? s[h] : s[0] + s[1];
     const float dx = xq->d[m * G + g];
     for (int c = 0; c < 16 / VW; c++)
-        F[c] += tof(S[c] - offset(fmt) * sx) * (wa[c] * dx) + wb[c] * (dx * (float)sx);
+        F[c] += tof(S[c] - off * sx) * (wa[c] * dx) + wb[c] * (dx * (float)sx);
 }
 /* Row m's F (+ bias) written or added to the output: a whole block in vectors, lane by lane as store16 does the
  * clipped last block one by one. */
@@ -178,7 +179,7 @@ static inline __attribute__((always_inline)) void block_dot(const QMatmul *a, co
             }
             vf wa[16 / VW], wb[16 / VW];
             dot_scales(&hd, tile, h, fmt, wa, wb);
-            for (int i = 0; i < nr; i++) dot_fold(F[i], S[i], xq, m0 + i, G, g, h, fmt, wa, wb);
+            for (int i = 0; i < nr; i++) dot_fold(F[i], S[i], xq, m0 + i, G, g, h, halves(fmt), offset(fmt), wa, wb);
         }
     }
     for (int i = 0; i < nr; i++) dot_store(a, F[i], m0 + i, cb);
@@ -266,12 +267,12 @@ static inline __attribute__((always_inline)) void widen_block(const uint8_t *col
 
 /* nr (<= PNR) rows from m0 over groups g0..g1 - 1 of the widened block, their F carried in Fm [nr][16]. */
 static inline __attribute__((always_inline)) void panel_dot(const QMatmul *a, const XQ16 *xq, const int16_t *codes,
-                                                            const float *sc, int m0, const int fmt, const int nr,
-                                                            int g0, int g1, float *Fm) {
+                                                            const float *sc, int m0, const int parts, int off,
+                                                            const int nr, int g0, int g1, float *Fm) {
     vf F[PNR][16 / VW];
     for (int i = 0; i < nr; i++)
         for (int c = 0; c < 16 / VW; c++) F[i][c] = ld(Fm + 16 * i + VW * c);
-    const int G = a->G, parts = halves(fmt);
+    const int G = a->G;
     for (int g = g0; g < g1; g++) {
         const int32_t *pairs[PNR];
         for (int i = 0; i < nr; i++) pairs[i] = (const int32_t *)(xq->q + (int64_t)(m0 + i) * G * 32 + 32 * g);
@@ -302,7 +303,7 @@ static inline __attribute__((always_inline)) void panel_dot(const QMatmul *a, co
                     for (int p = 1; p < PNH; p++) acc[i][0][v] = IADD(acc[i][0][v], acc[i][p][v]);
                     S[v] = (vi)acc[i][0][v];
                 }
-                dot_fold(F[i], S, xq, m0 + i, G, g, h, fmt, wa, wb);
+                dot_fold(F[i], S, xq, m0 + i, G, g, h, parts, off, wa, wb);
             }
         }
     }
@@ -310,13 +311,12 @@ static inline __attribute__((always_inline)) void panel_dot(const QMatmul *a, co
         for (int c = 0; c < 16 / VW; c++) st(Fm + 16 * i + VW * c, F[i][c]);
 }
 
-/* All M rows of one column block through the panel (K * 16 floats: the words take half, the scales an eighth). */
-static inline __attribute__((always_inline)) void dot_panel(const QMatmul *a, const XQ16 *xq, const uint8_t *col,
-                                                            const int fmt, int cb, float *panel) {
+/* All M rows against a widened block (its words and scales in `codes`, `sc`): instanced per halves-count, not
+ * per format, since once widened every format's words run the same loop (the offset is a runtime multiplier in
+ * dot_fold's integer step, exact): a third of the instances, and of qmm_dot.c's build time. */
+static inline __attribute__((always_inline)) void panel_rows(const QMatmul *a, const XQ16 *xq, const int16_t *codes,
+                                                             const float *sc, const int parts, int off, int cb) {
     const int G = a->G;
-    int16_t *codes = (int16_t *)panel;
-    float *sc = panel + 256 * G;
-    widen_block(col, fmt, G, codes, sc);
     float Fm[PNB * 16];
     for (int r0 = 0; r0 < a->M; r0 += PNB) {
         const int nb = a->M - r0 < PNB ? a->M - r0 : PNB;
@@ -327,10 +327,10 @@ static inline __attribute__((always_inline)) void dot_panel(const QMatmul *a, co
                 n = n >= PNR ? PNR : n;
                 float *f = Fm + 16 * i0;
                 switch (n) {
-                case 1: panel_dot(a, xq, codes, sc, r0 + i0, fmt, 1, g0, g1, f); break;
-                case 2: panel_dot(a, xq, codes, sc, r0 + i0, fmt, 2 < PNR ? 2 : PNR, g0, g1, f); break;
-                case 3: panel_dot(a, xq, codes, sc, r0 + i0, fmt, 3 < PNR ? 3 : PNR, g0, g1, f); break;
-                default: panel_dot(a, xq, codes, sc, r0 + i0, fmt, PNR, g0, g1, f); break;
+                case 1: panel_dot(a, xq, codes, sc, r0 + i0, parts, off, 1, g0, g1, f); break;
+                case 2: panel_dot(a, xq, codes, sc, r0 + i0, parts, off, 2 < PNR ? 2 : PNR, g0, g1, f); break;
+                case 3: panel_dot(a, xq, codes, sc, r0 + i0, parts, off, 3 < PNR ? 3 : PNR, g0, g1, f); break;
+                default: panel_dot(a, xq, codes, sc, r0 + i0, parts, off, PNR, g0, g1, f); break;
                 }
             }
         }
@@ -341,7 +341,18 @@ static inline __attribute__((always_inline)) void dot_panel(const QMatmul *a, co
         }
     }
 }
-#define DOT_PANEL(fmt, a, xq, col, cb, panel) dot_panel(a, xq, col, fmt, cb, panel)
+
+/* All M rows of one column block through the panel (K * 16 floats: the words take half, the scales an eighth). */
+#define WIDEN_BLOCK(fmt, col, G, codes, sc) widen_block(col, fmt, G, codes, sc)
+static void dot_panel(const QMatmul *a, const XQ16 *xq, const uint8_t *col, int fmt, int cb, float *panel) {
+    int16_t *codes = (int16_t *)panel;
+    float *sc = panel + 256 * a->G;
+    EACH_DOT_FORMAT(fmt, WIDEN_BLOCK, col, a->G, codes, sc)
+    if (halves(fmt) == 2)
+        panel_rows(a, xq, codes, sc, 2, offset(fmt), cb);
+    else
+        panel_rows(a, xq, codes, sc, 1, offset(fmt), cb);
+}
 #else
 /* The portable build: the same sums, one code at a time (code_at, qtile.h). */
 static void block_dot_portable(const QMatmul *a, const XQ16 *xq, const uint8_t *col, int m, int fmt, int cb) {
@@ -381,7 +392,7 @@ void qdot_column_block(const QMatmul *a, const XQ16 *xq, int cb, float *panel) {
     }
 #ifdef SIMD_INT16
     if (panel && a->M >= PANEL_ROWS && widens16(fmt)) {
-        EACH_DOT_FORMAT(fmt, DOT_PANEL, a, xq, col, cb, panel)
+        dot_panel(a, xq, col, fmt, cb, panel);
     } else {
         EACH_DOT_FORMAT(fmt, DOT_ROWS, a, xq, col, cb)
     }

@@ -4,6 +4,8 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# A venv is made once per machine: pip's wheel cache would only double the disk it takes (CI once ran out).
+export PIP_NO_CACHE_DIR := 1
 
 .PHONY: install test lint serve browser
 

@@ -18,7 +18,7 @@ from benchmarks.serving import compare_throughput, real_sizes
 
 def _args(**kw) -> argparse.Namespace:
     base = dict(hf="/x/folder", hybrid=None, dir="/x", rounds=3, skip="", w1_prompts=64, input_len=256)
-    base |= dict(output_len=128, seed=0, vllm_args="--enforce-eager")
+    base |= dict(output_len=128, seed=0, vllm_args="--enforce-eager", pagedllm_args="")
     return argparse.Namespace(**(base | kw))
 
 
@@ -49,6 +49,19 @@ def test_w1_pair_skips_a_system(monkeypatch):
     monkeypatch.setattr(real_sizes, "w1_vllm", lambda a, tmp, folder=None: pytest.fail("vLLM was skipped"))
     res = real_sizes.w1_pair(_args(skip="vllm", rounds=2))
     assert res == {"pagedllm": [1.0, 1.0]}
+
+
+def test_pagedllm_w1_appends_its_flags(monkeypatch, tmp_path):
+    seen = []
+
+    def fake_run(cmd, check):
+        seen.append(cmd)
+        with open(cmd[cmd.index("--output-json") + 1], "w") as f:
+            json.dump({"output_tokens_per_s": 12.5}, f)
+
+    monkeypatch.setattr(real_sizes.subprocess, "run", fake_run)
+    assert real_sizes.w1("/x/folder", _args(pagedllm_args="--quantization int8"), str(tmp_path)) == 12.5
+    assert seen[0][-2:] == ["--quantization", "int8"] and "/x/folder" in seen[0]
 
 
 def test_vllm_throughput_appends_flags_and_checks_workload(monkeypatch, tmp_path):

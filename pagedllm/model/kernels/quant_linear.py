@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import mmap
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
@@ -176,25 +175,6 @@ def pack_threads(weights: int) -> int:
     return torch.get_num_threads() if weights >= PACK_MIN_PARALLEL else 1
 
 
-HUGE_PAGE = 2 << 20
-
-
-def tile_buffer(nbytes: int) -> np.ndarray:
-    """uint8 [nbytes] for packed tiles, in private anonymous memory advised to 2 MiB pages (MADV_HUGEPAGE: the
-    kernel's default is often `madvise`, so numpy's allocations get 4 KiB ones). Why: a decode step streams
-    every weight once from memory, and on 4 KiB pages the CPU's stream prefetchers stop at each page's end and
-    each 4 KiB costs a TLB walk; a one-row matmul read from memory ran 1.3-1.5x faster on 2 MiB pages (Zen 4,
-    docs/benchmarks.md). Only whole 2 MiB pages are advised: the tail keeps small ones, so no weight holds
-    more memory than its bytes."""
-    m = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # shared memory: no THP
-    base = np.frombuffer(m, dtype=np.uint8)
-    start = -base.ctypes.data % HUGE_PAGE
-    whole = nbytes // HUGE_PAGE * HUGE_PAGE
-    if whole and hasattr(mmap, "MADV_HUGEPAGE"):
-        m.madvise(mmap.MADV_HUGEPAGE, start, whole)
-    return base[start : start + nbytes]
-
-
 def _tiles(parts: QuantParts, out: np.ndarray | None = None) -> np.ndarray:
     """QuantParts -> uint8 [ceil(N/16), bytes of a column block] in the kernel's order (csrc/quant_pack.c: one
     pass, nothing allocated but the tiles), written into `out` when given (rows of a larger weight's tiles)."""
@@ -202,8 +182,7 @@ def _tiles(parts: QuantParts, out: np.ndarray | None = None) -> np.ndarray:
     if k % (SUPER if parts.fmt in K_FORMATS else GROUP):
         raise ValueError(f"input size {k} is not a multiple of {SUPER if parts.fmt in K_FORMATS else GROUP}")
     if out is None:
-        rows, cb = -(-n // 16), col_bytes(parts.fmt, k)
-        out = tile_buffer(rows * cb).reshape(rows, cb)
+        out = np.empty((-(-n // 16), col_bytes(parts.fmt, k)), dtype=np.uint8)
     assert out.shape == (-(-n // 16), col_bytes(parts.fmt, k)) and out.flags.c_contiguous
     keep = [None if a is None else np.ascontiguousarray(a) for a in (parts.codes, parts.d, parts.m, parts.s, parts.mi)]
     sub = _SUB.get(parts.fmt, GROUP)
@@ -258,7 +237,7 @@ def pack_merged(parts: list[QuantParts], into: np.ndarray | None = None) -> Quan
     size = merged_bytes(parts)
     if size is None:
         return None
-    flat = tile_buffer(size) if into is None else into
+    flat = np.empty(size, dtype=np.uint8) if into is None else into
     if flat.shape != (size,) or not flat.flags.c_contiguous:
         raise ValueError(f"a buffer of {flat.shape} bytes for a weight of {size}")
     n, k, source = sum(p.shape[0] for p in parts), parts[0].shape[1], "+".join(sorted({p.source for p in parts}))
@@ -307,7 +286,7 @@ def pack_experts(count: int, pieces: Callable[[int], list[QuantParts]]) -> list[
     size, shape = merged_bytes(first), [(p.fmt, p.shape) for p in first]
     if size is None:
         raise ValueError(f"expert 0's pieces {shape} cannot be merged into one weight")
-    buf = tile_buffer(count * size).reshape(count, size)
+    buf = np.empty((count, size), dtype=np.uint8)
     weights = [_packed(first, buf[0])]
     del first  # one expert's plain form at a time
     for e in range(1, count):

@@ -348,9 +348,10 @@ def test_the_page_names_a_hybrid_models_state_slots(browser):
     engine = busy_engine(64, blocks_per_request=4)
     kv = engine.kv
     kv.layout = kv_cache_layout([None] * 4, recurrent=[0, 1, 2])
-    kv.attach_state_slots(StateSlotPool(3, 12_345), StateCheckpoints(3, 3, 16))
+    io = SimpleNamespace(state_to_blocks=lambda row, ids: None, blocks_to_state=lambda ids, row: None)
+    kv.attach_state_slots(StateSlotPool(3, 12_345), StateCheckpoints(kv.pool, io, 2, 16))
     req = TokenRequest("h", list(range(40)))
-    assert kv.allocate_slots(req, 40) and kv.recurrent.checkpoint_row(req, 32) is not None
+    assert kv.allocate_slots(req, 40) and kv.recurrent.checkpoint(req, 32)
     engine.model_config = SimpleNamespace(recurrent_mixer="mamba2")
 
     async def run_on_engine(fn, timeout: float = 30.0):
@@ -373,7 +374,7 @@ def test_the_page_names_a_hybrid_models_state_slots(browser):
         text = wait_for("the header", lambda: (t := browser.find_element("id", "pool").text) and "state" in t and t)
         assert (
             "recurrent state (3 mamba2 layers): 12,345 bytes per request, slots 1 used / 2 free, "
-            "checkpoints 1 of 3 rows (0 held)" in text
+            "checkpoints 1 in 2 pool blocks (2 each, 0 held)" in text
         )
     finally:
         srv.stop()

@@ -105,8 +105,8 @@ def _greedy(hf: torch.nn.Module, prompt: list[int], n: int = 32) -> list[int]:
 
 
 def _engine(loaded, blocks: int = 64, **kw) -> LLMEngine:
-    """An engine whose KV budget holds `blocks` blocks of 16 besides its requests' state slots (and a checkpoint
-    row each with prefix caching on)."""
+    """An engine whose KV budget holds `blocks` blocks of 16 besides its requests' state slots (and a state's
+    worth each more with prefix caching on: staging rows under all, blocks for checkpoints under align)."""
     seqs = kw.pop("max_num_seqs", 4)
     per_block = bytes_per_block(loaded.config, 16, "float32", loaded.config.kv_layout(hybrid=True))
     rows = 2 if kw.get("enable_prefix_caching", True) else 1
@@ -195,7 +195,7 @@ def test_prefix_caching_hits_at_state_checkpoints_and_never_changes_an_answer(mo
     assert off.stats().prefix_cache_hits == 0
     _all_back(on)
     checkpoints = on.kv.recurrent.checkpoints
-    assert checkpoints is not None and not checkpoints.refs and not checkpoints.restores
+    assert checkpoints is not None and not checkpoints.holds
 
 
 def test_a_shared_prefix_hits_from_its_third_prompt_without_chunking(models):
@@ -213,8 +213,8 @@ def test_a_shared_prefix_hits_from_its_third_prompt_without_chunking(models):
 
 def _checkpoints_idle(engine: LLMEngine) -> None:
     ck = engine.kv.recurrent.checkpoints
-    assert ck is not None and not ck.refs and not ck.restores and not ck.unwritten and not ck.wanted
-    assert ck.num_free + len(ck.rows) == ck.num_rows
+    assert ck is not None and not ck.holds and not ck.unwritten and not ck.wanted
+    assert len(ck._staging) == ck.num_staging
 
 
 def test_mamba_cache_mode_all_hits_the_second_prompt_at_the_shared_prefix_end(models):
@@ -241,7 +241,7 @@ def test_mamba_cache_mode_all_hits_the_second_prompt_at_the_shared_prefix_end(mo
 def test_mamba_cache_mode_all_in_a_burst_and_none(models):
     """Questions on one system prompt sent together after a first one (all: each hits at the system prompt's
     last full block, from the one checkpoint); none caches no prefix of a hybrid model. Every answer is
-    transformers', every block, slot and checkpoint row back."""
+    transformers', every block, slot and staging row back."""
     hf, loaded, _ = models["qwen3_5"]
     system = _tokens(70, 30)
     prompts = [system + _tokens(20 + i, 31 + i) for i in range(4)]
@@ -259,7 +259,7 @@ def test_mamba_cache_mode_all_in_a_burst_and_none(models):
 
 def test_a_failed_step_leaves_no_checkpoint_of_its_marks(models, monkeypatch):
     """A prompt whose steps all fail (the full-attention layer raises after the linear layers computed the states
-    at its marks): its request fails, the rows reserved for its marks go back unwritten, so a later prompt on the
+    at its marks): its request fails, the staging rows of its marks go back unwritten, so a later prompt on the
     same system prompt hits nothing and its answer is transformers'."""
     hf, loaded, _ = models["qwen3_5"]
     system = _tokens(100, 40)
@@ -277,7 +277,7 @@ def test_a_failed_step_leaves_no_checkpoint_of_its_marks(models, monkeypatch):
     (out,) = [o for o in engine.step() if o.finished]
     assert out.outputs[0].finish_reason == "error"
     ck = engine.kv.recurrent.checkpoints
-    assert ck is not None and not ck.rows and ck.num_free == ck.num_rows
+    assert ck is not None and ck.counts() == (0, 0) and len(ck._staging) == ck.num_staging
     failing[0] = False
     prompt = system + _tokens(25, 42)
     assert _run(engine, [prompt], 6) == [_greedy(hf, prompt, 6)]
@@ -322,14 +322,16 @@ def test_config_layout_and_what_refuses_them(models, capsys):
     assert f"recurrent state: {cfg.state_bytes_per_request(4):,} bytes per request" in out
     # a block of 16 holds the full-attention layer's K and V: 16 x 2 x 2 heads x 16 dims x 4 bytes
     ratio = cfg.state_bytes_per_request(4) / 4096
-    assert f"--mamba-cache-mode all: a checkpoint of {cfg.state_bytes_per_request(4):,} bytes" in out
-    assert f"{ratio:,.1f}x the KV of the 16 tokens before it (4,096 bytes)" in out
+    each = -(-cfg.state_bytes_per_request(4) // 4096)
+    assert f"a checkpoint of it takes {each:,} pool blocks of their own kind (4,096 bytes each, {ratio:,.1f}x" in out
+    assert "--mamba-cache-mode align: one where a prompt chunk ends at a block boundary; all: one at every block" in out
 
 
 def test_a_budget_for_fewer_slots_than_max_num_seqs_runs_that_many_at_once(models):
-    """Half the budget holds two states: two slots, so two of the three requests run at once; all correct."""
+    """Half the budget holds two states and a half: two slots, so two of the three requests run at once; all
+    correct."""
     hf, loaded, _ = models["qwen3_5"]
-    per_state = 2 * state_bytes(loaded.config, torch.float32)  # a slot and its checkpoint row
+    per_state = state_bytes(loaded.config, torch.float32)  # slots take at most half the budget
     engine = LLMEngine(
         EngineConfig(max_model_len=256, log_stats_interval=0, max_num_seqs=4, kv_cache_memory=5 * per_state),
         loaded,

@@ -13,7 +13,7 @@ second hits. The hybrid runs under each mode of `--mamba-cache-mode`; `--part` p
 or the TTFT pairs (timed: run them alone on the machine).
 
     python -m benchmarks.kv.hybrid_prefix [--prefix 1000] [--prefixes 3] [--questions 4] [--repeats 5]
-        [--mamba-cache-mode align all] [--part hits ttft]
+        [--mamba-cache-mode align all] [--part hits ttft] [--kv-cache-memory BYTES]
 """
 
 from __future__ import annotations
@@ -51,10 +51,10 @@ def _save(folder: str, twin: bool) -> str:
     return folder
 
 
-def _engine(folder: str, caching: bool, mode: str = "align") -> LLMEngine:
+def _engine(folder: str, caching: bool, mode: str = "align", memory: int = 2**28) -> LLMEngine:
     config = EngineConfig(
         model=folder, dtype="float32", max_model_len=2048, max_num_seqs=8, max_num_batched_tokens=512,
-        kv_cache_memory=2**28, enable_prefix_caching=caching, log_stats_interval=0, mamba_cache_mode=mode,
+        kv_cache_memory=memory, enable_prefix_caching=caching, log_stats_interval=0, mamba_cache_mode=mode,
     )  # fmt: skip
     return LLMEngine(config)
 
@@ -99,6 +99,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--mamba-cache-mode", nargs="+", choices=["align", "all"], default=["align", "all"])
     ap.add_argument("--part", nargs="+", choices=["hits", "ttft"], default=["hits", "ttft"])
+    ap.add_argument("--kv-cache-memory", type=int, default=2**28, help="bytes (hits: a small one is memory pressure)")
     args = ap.parse_args()
     rng = random.Random(0)
 
@@ -112,19 +113,19 @@ def main() -> None:
     n = sum(len(g) for g in groups)
     print(f"{len(groups)} prefixes of {args.prefix} tokens x {args.questions} questions of 48, 8 tokens decoded")
     if "hits" in args.part:
-        _hits(runs, hybrid, groups, n)
+        _hits(runs, hybrid, groups, n, args.kv_cache_memory)
     if "ttft" in args.part:
         _ttfts(runs, args.prefix, args.repeats, tokens)
 
 
-def _hits(runs: list[tuple[str, str, str]], hybrid: str, groups: list[list[list[int]]], n: int) -> None:
+def _hits(runs: list[tuple[str, str, str]], hybrid: str, groups: list[list[list[int]]], n: int, memory: int) -> None:
     print("| arrival | model, --mamba-cache-mode | hit rate | answers = caching off |")
     print("|---|---|---|---|")
     for burst in (False, True):
         arrival = "in a burst" if burst else "one by one"
-        off, _ = _workload(_engine(hybrid, False), groups, burst)
+        off, _ = _workload(_engine(hybrid, False, memory=memory), groups, burst)
         for name, folder, mode in runs:
-            got, rate = _workload(_engine(folder, True, mode), groups, burst)
+            got, rate = _workload(_engine(folder, True, mode, memory), groups, burst)
             same = f"{sum(got[k] == off[k] for k in off)}/{n}" if folder == hybrid else "-"
             print(f"| {arrival} | {name} | {rate:.1%} | {same} |")
     print()

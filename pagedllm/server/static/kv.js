@@ -65,7 +65,8 @@ function stateLine(s) {
   // a hybrid model's linear-attention layers: a state slot per running request, checkpoints for the prefix cache
   return `recurrent state (${s.layers.length} ${s.mixer} layers): ${s.bytes_per_request.toLocaleString()} bytes ` +
     `per request, slots ${s.slots_used} used / ${s.slots_free} free` +
-    (s.checkpoint_rows ? `, checkpoints ${s.checkpoints} of ${s.checkpoint_rows} rows (${s.checkpoints_held} held` +
+    (s.checkpoint_blocks_each ? `, checkpoints ${s.checkpoints} in ${s.checkpoint_blocks} pool blocks ` +
+      `(${s.checkpoint_blocks_each} each, ${s.checkpoints_held} held` +
       (s.checkpoint_disk_loads ? `, ${s.checkpoint_disk_loads} read from disk` : "") + ")" : "");
 }
 

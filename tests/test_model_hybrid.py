@@ -46,10 +46,10 @@ _SHAPE = dict(
 _MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
 
 
-def make_hybrid(family: str, folder: str, **over: int) -> torch.nn.Module:
+def make_hybrid(family: str, folder: str, twin: bool = False, **over: int) -> torch.nn.Module:
     """A tiny random checkpoint of `family` in `folder`: weights drawn wide enough that a wrong state, gate or
     rotation moves the logits far past the tolerance (decays spread by A_log, norms around 1). `over`: sizes in
-    place of the default shape's."""
+    place of the default shape's; `twin` (qwen3_5): every layer full attention, the hybrid's attention-only twin."""
     from transformers import AutoModelForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3NextConfig
 
     base, moe = (
@@ -62,7 +62,8 @@ def make_hybrid(family: str, folder: str, **over: int) -> torch.nn.Module:
         shape = {k: v for k, v in base.items() if k != "intermediate_size"}
         cfg, arch = Qwen3_5MoeTextConfig(**shape, **moe), "Qwen3_5MoeForCausalLM"
     else:
-        cfg, arch = Qwen3_5TextConfig(**base), "Qwen3_5ForCausalLM"
+        types = ["full_attention"] * base["num_hidden_layers"] if twin else None
+        cfg, arch = Qwen3_5TextConfig(**base, layer_types=types), "Qwen3_5ForCausalLM"
     cfg.architectures = [arch]
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
@@ -255,6 +256,77 @@ def test_mamba_cache_mode_all_in_a_burst_and_none(models):
             _checkpoints_idle(engine)
         else:
             assert engine.kv.recurrent.checkpoints is None
+
+
+def test_a_burst_on_a_new_prefix_hits_as_the_attention_only_twin(models, tmp_path):
+    """Four prompts on one 100-token system prompt sent together, none computed before. The twin (every layer full
+    attention) hits the later three on the first's blocks, registered in the step that computes them; the hybrid's
+    later prompts wait that step for the first's state checkpoints (all: at every boundary it crosses) and hit as
+    much (align: the second is cut at the prefix's end, the others hit there). Answers equal caching off."""
+    hf, loaded, _ = models["qwen3_5"]
+    make_hybrid("qwen3_5", str(tmp_path), twin=True)
+    twin = load_model(str(tmp_path), "float32", "cpu")
+    system = _tokens(100, 50)
+    prompts = [system + _tokens(30 + i, 51 + i) for i in range(4)]
+    off = _run(_engine(loaded, max_num_batched_tokens=256, enable_prefix_caching=False), prompts, 6)
+    hits = {}
+    for name, model, mode in (("twin", twin, "align"), ("all", loaded, "all"), ("align", loaded, "align")):
+        engine = _engine(model, max_num_batched_tokens=256, mamba_cache_mode=mode)
+        got = _run(engine, prompts, 6)
+        hits[name] = engine.stats().prefix_cache_hits
+        assert engine.kv.num_free_blocks == engine.kv.num_blocks
+        if model is loaded:
+            assert got == off
+            _all_back(engine)
+            _checkpoints_idle(engine)
+    assert hits == {"twin": 3 * 96, "all": 3 * 96, "align": 2 * 96}
+
+
+def test_checkpoints_evicted_under_memory_pressure_never_change_an_answer(models):
+    """A pool of 40 blocks, three system prompts of 100 tokens asked twice in a row each, then the first again
+    (all: 3 blocks per checkpoint, one at each boundary a prompt crosses: a prompt and its states take most of
+    the pool): the pool's one LRU evicts checkpoints and KV blocks alike, so the second of a pair hits and the
+    first system prompt, evicted since, no more; every answer equals caching off, every block and slot comes back,
+    and checkpoints were evicted."""
+    hf, loaded, _ = models["qwen3_5"]
+    systems = [_tokens(100, 60 + i) for i in range(3)]
+    prompts = [systems[s] + _tokens(20, 70 + i) for i, s in enumerate((0, 0, 1, 1, 2, 2, 0))]
+    engine = _engine(loaded, blocks=40, max_num_batched_tokens=64, mamba_cache_mode="all")
+    ck = engine.kv.recurrent.checkpoints
+    assert ck is not None and ck.blocks_each > 1
+    stored, store = [], ck.store
+    ck.store = lambda key, row: store(key, row) and (stored.append(key) or True)  # type: ignore[method-assign]
+    got = [_run(engine, [p], 6)[0] for p in prompts]
+    off = _engine(loaded, blocks=40, max_num_batched_tokens=64, enable_prefix_caching=False)
+    assert got == [_run(off, [p], 6)[0] for p in prompts]
+    assert sum(not ck.find(k) for k in stored) > len(stored) // 2
+    assert engine.stats().prefix_cache_hits == 3 * 96
+    _all_back(engine)
+    _checkpoints_idle(engine)
+
+
+def test_an_abort_of_a_waiting_and_a_running_hybrid_request_gives_every_block_back(models):
+    """Under all, in a burst: one request computing a new prefix in the first step, one that waits that step for
+    its checkpoints; both aborted after it: every block, slot, staging row, hold and pending checkpoint comes
+    back, and the prefix then hits from the checkpoints the first step left, with transformers' answer."""
+    hf, loaded, _ = models["qwen3_5"]
+    system = _tokens(100, 80)
+    engine = _engine(loaded, max_num_batched_tokens=160, mamba_cache_mode="all")
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    engine.add_request("a", system + _tokens(30, 81), params)
+    engine.add_request("b", system + _tokens(30, 82), params)
+    engine.step()
+    (running,) = engine.scheduler.running
+    (waiting,) = engine.scheduler.waiting  # the step's budget had room for it: it waited for the checkpoints
+    assert running.parent_id == "a" and waiting.parent_id == "b" and running.num_computed_tokens == 130
+    engine.abort_request("a")
+    engine.abort_request("b")
+    _all_back(engine)
+    _checkpoints_idle(engine)
+    rs = engine.kv.recurrent
+    assert not rs._pending and not rs._waits and not rs._hit_key
+    prompt = system + _tokens(30, 83)
+    assert _run(engine, [prompt], 6) == [_greedy(hf, prompt, 6)] and engine.stats().prefix_cache_hits == 96
 
 
 def test_a_failed_step_leaves_no_checkpoint_of_its_marks(models, monkeypatch):

@@ -126,3 +126,72 @@ def test_checkpoints_are_evicted_with_the_kv_blocks_least_recently_used_never_a_
     assert ck.find(k1) and not ck.find(k3) and not ck.find(k4) and not ck.find(k5) and ck.counts() == (1, 2)
     ck.forget("r")
     assert kv.num_free_blocks == 3
+
+
+def test_a_lookup_waits_for_a_checkpoint_a_chunk_scheduled_in_the_same_step_leaves():
+    """A chunk allocated in this step fills the prefix's blocks (registered at once, as an attention hit needs)
+    but its states at them exist only once the step commits: a request looked up meanwhile, whose run of cached
+    blocks passes such a boundary, waits (mode all: every boundary the chunk fills; align: its end); after the
+    commit it hits there. A boundary no chunk of this step fills makes none wait; a free forgets it all."""
+    for mode, hit in (("all", 8), ("align", 8)):
+        kv, io = _manager(blocks=16, slots=2, checkpoints=True, mode=mode)
+        rs, tokens = kv.recurrent, list(range(9))
+        first, second = TokenRequest("a", tokens), TokenRequest("b", tokens + [50, 51, 52])
+        assert kv.allocate_slots(first, 8)  # its chunk: two blocks, to the boundary at 8
+        assert kv.get_computed_blocks(second)[1] == 0 and rs.waits("b")
+        io.rows[rs.slot("a")] = (5,)
+        for m in rs.marks(first, 0, 7):  # the runner writes the marks inside the chunk (all), then its end
+            io.rows[m[1]] = (4,)
+        kv.commit_step()
+        first.num_computed_tokens = 8
+        assert rs.checkpoint(first, 8)
+        blocks, n = kv.get_computed_blocks(second)
+        assert n == hit and not rs.waits("b")
+        kv.free(first)
+        kv.free(second)
+        assert not rs._pending and not rs._waits and kv.num_free_blocks == 16
+    kv, _ = _manager(blocks=16, checkpoints=True, mode="all")
+    assert kv.allocate_slots(TokenRequest("a", list(range(9))), 4)  # one block: nothing past it is pending
+    other = TokenRequest("c", list(range(9)) + [60])
+    assert kv.get_computed_blocks(other)[1] == 0 and kv.recurrent.waits("c")  # the boundary at 4
+    kv.free(TokenRequest("a", []))
+    assert kv.get_computed_blocks(other)[1] == 0 and not kv.recurrent.waits("c")  # freed: pending no more
+
+
+def test_the_block_map_shows_checkpoint_blocks_as_their_own_kind():
+    """A checkpoint's blocks in the /kv page's map and counters: free ones evictable (not used, no token slots),
+    a hit's held ones used but with no token slots; plain cached KV blocks stay `cached`."""
+    from types import SimpleNamespace
+
+    from pagedllm.engine.block_map import block_map
+    from pagedllm.engine.kv_snapshot import take_snapshot
+
+    kv, io = _manager(blocks=12, checkpoints=True)
+    first = TokenRequest("a", list(range(13)))
+    assert kv.allocate_slots(first, 13)
+    io.rows[kv.recurrent.slot("a")] = (1, 2, 3)
+    assert kv.recurrent.checkpoint(first, 8)
+    kv.commit_step()
+    kv.free(first)
+    engine = SimpleNamespace(
+        kv=kv,
+        scheduler=SimpleNamespace(running=[], waiting=[], num_preemptions=0),
+        config=SimpleNamespace(kv_allocation="paged"),
+        kv_dtype="float32",
+        num_steps=0,
+        prompt_tokens=0,
+        generation_tokens=0,
+    )
+    ck = kv.recurrent.checkpoints
+    ids = [b.block_id for b in ck.blocks(hash_full_blocks(list(range(8)), BS)[1])]
+    m = block_map(take_snapshot(engine))
+    states = [m.map.states[s] for s in m.map.state]
+    assert sorted(i for i, s in enumerate(states) if s == "checkpoint") == sorted(ids)
+    assert states.count("cached") == 3 and m.counters.num_checkpoint_blocks == 2  # the request's 3 full blocks
+    assert (m.counters.num_free_blocks, m.counters.num_evictable_blocks, m.counters.num_used_blocks) == (12, 5, 0)
+    ck.hold("h", hash_full_blocks(list(range(8)), BS)[1])  # a hit holds it until its copy
+    m = block_map(take_snapshot(engine))
+    assert m.counters.num_checkpoint_blocks == 2 and m.counters.num_used_blocks == 2
+    assert m.counters.num_evictable_blocks == 3 and m.counters.slots_allocated == 0
+    ck.forget("h")
+    assert kv.num_free_blocks == 12

@@ -12,6 +12,11 @@ each coordinator call:
   count comes out of the free pool as a hit's blocks do) until the engine copies them into the slot (`restore`);
   free gives both back (finished, aborted, preempted).
 - a step's commit / rollback: the states at its marks are stored from their staging rows / dropped.
+- the step being scheduled: an attention group's hit shares blocks a chunk scheduled earlier in the same step
+  computes (registered at allocation), but a state exists only once its step committed; so the block boundaries
+  a scheduled chunk fills are pending checkpoints, and a lookup whose hit would end further at one `waits`: the
+  scheduler admits it next step, when the checkpoint is there (a burst of prompts sharing a prefix then hits as
+  the attention-only twin does, not from scratch).
 """
 
 from __future__ import annotations
@@ -45,6 +50,9 @@ class RecurrentStateManager(SingleTypeKVCacheManager):
         self.tiers: list[KVConnector] = []  # where a checkpoint missing from the rows may be read back from
         self.disk_loads = 0  # checkpoints read back from a tier (the disk tier)
         self._hit_key: dict[str, BlockHash] = {}  # request id -> the key its last lookup's hit ends at
+        # request id -> the keys after which its chunk scheduled in this step leaves a checkpoint (until it commits)
+        self._pending: dict[str, list[BlockHash]] = {}
+        self._waits: set[str] = set()  # requests whose last lookup would hit further at a pending checkpoint
 
     @property
     def mode(self) -> str | None:
@@ -111,12 +119,24 @@ class RecurrentStateManager(SingleTypeKVCacheManager):
     ) -> None:
         """The lookup's hit is `num_blocks` long: its checkpoint is what an allocation holds; under align, where
         the cached run goes further without a checkpoint the request's chunk is cut (the scheduler), so that its
-        state there is kept and the next prompt sharing that prefix hits it."""
+        state there is kept and the next prompt sharing that prefix hits it; where the run passes a checkpoint
+        pending in this step, the request `waits`."""
         if num_blocks:
             self._hit_key[request_id] = keys[num_blocks - 1]
-        run = self._cached_run(keys, max_blocks, lookup) if self.mode == "align" else 0
-        if self.checkpoints is not None and run > num_blocks:
+        if self.checkpoints is None:
+            return
+        run = self._cached_run(keys, max_blocks, lookup) if self.mode == "align" or self._pending else 0
+        if self.mode == "align" and run > num_blocks:
             self.checkpoints.wanted[request_id] = run * self.block_size
+        pending = {k for ks in self._pending.values() for k in ks}
+        if any(k in pending for k in keys[num_blocks:run]):
+            self._waits.add(request_id)
+        else:
+            self._waits.discard(request_id)
+
+    def waits(self, request_id: str) -> bool:
+        """The request's last lookup would hit further at a checkpoint a chunk scheduled in this step leaves."""
+        return request_id in self._waits
 
     def _hit_blocks(self, request_id: str, new_computed: Sequence[KVBlock]) -> list[KVBlock] | None:
         """The blocks of the checkpoint a hit starts from ([] without a hit; None: evicted since the lookup)."""
@@ -140,7 +160,17 @@ class RecurrentStateManager(SingleTypeKVCacheManager):
         self.slots.take(request_id)
 
     def cache_blocks(self, request_id: str, keys: Sequence[BlockHash], num_full: int) -> tuple[int, list[int]]:
-        return num_full, []  # checkpoints are stored when their states are written (checkpoint_row, marks)
+        """Nothing is registered here (checkpoints are stored once their states are written: `checkpoint`, the
+        marks); the boundaries the request's scheduled chunk fills are pending until the step ends: all of them
+        under all (the marks, and the chunk's end), the last one under align (the chunk's end, if it is one).
+        A boundary past the prompt leaves none: a lookup that waits on it finds none a step later, and hits as
+        it would have."""
+        before = self.num_cached_block.get(request_id, 0)
+        if self.checkpoints is not None and num_full > before:
+            new = keys[before:num_full] if self.mode == "all" else keys[num_full - 1 : num_full]
+            self._pending.setdefault(request_id, []).extend(new)
+        self.num_cached_block[request_id] = num_full
+        return before, []
 
     def trim(self, request_id: str, num_tokens: int) -> None:
         """A hybrid model runs no drafts."""
@@ -148,14 +178,19 @@ class RecurrentStateManager(SingleTypeKVCacheManager):
     def free(self, request_id: str) -> None:
         self.slots.free(request_id)
         self._hit_key.pop(request_id, None)
+        self._pending.pop(request_id, None)
+        self._waits.discard(request_id)
+        self.num_cached_block.pop(request_id, None)
         if self.checkpoints is not None:
             self.checkpoints.forget(request_id)
 
     def commit_step(self) -> None:
+        self._pending.clear()
         if self.checkpoints is not None:
             self.checkpoints.written()  # the states at the step's marks, from their staging rows into blocks
 
     def rollback_step(self) -> None:
+        self._pending.clear()
         if self.checkpoints is not None:
             self.checkpoints.drop_unwritten()  # the states at the step's marks were never written
 

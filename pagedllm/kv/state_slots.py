@@ -192,6 +192,13 @@ class StateCheckpoints:
             del self.stored[key]
         return len(self.stored), len(self.stored) * self.blocks_each
 
+    def block_ids(self) -> list[int]:
+        """The pool blocks that hold a checkpoint now: every block of a cached one (free and evictable, or held by
+        a hit), and a hit's held blocks (the /kv page shows them as blocks of their own kind)."""
+        ids = {b.block_id for key in self.stored for b in self.blocks(key) or ()}
+        ids.update(b.block_id for blocks in self.holds.values() for b in blocks)
+        return sorted(ids)
+
     def clear(self) -> None:
         """reset_prefix_cache: the pool forgot the blocks' keys; forget the list of stored ones."""
         self.stored.clear()

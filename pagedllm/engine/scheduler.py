@@ -140,11 +140,11 @@ class Scheduler:
 
         # Admitting new work right after preempting would only thrash the cache.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self._next_ready()
-            cost = None if req is None else self._admit(req, budget, out)
-            if cost is None:
+            ready = self._next_ready()
+            taken = None if ready is None else self._admit(ready, budget, out)
+            if taken is None:
                 break
-            budget -= cost
+            budget -= taken
         self.peak_running = max(self.peak_running, len(self.running))
         return out
 

@@ -1,14 +1,12 @@
-"""A hybrid model's recurrent-state checkpoints in the disk tier (--kv-offload-dir): a checkpoint evicted from its
-RAM row is written like a KV block (its own kind of file, keyed by its prefix: hashing.state_key) and read back
-into a row when a lookup's KV hit ends where it lies, so a shared prefix still hits after its state left RAM, and
-after a restart; a state file that fails a check (torn, flipped, a block's file under a state's name, another
-size) is never served; answers equal caching off and transformers'."""
+"""A hybrid model's recurrent-state checkpoints are blocks of the KV pool (kv/state_slots.py), so the disk tier
+(--kv-offload-dir) keeps them as any evicted block (each under its own key: hashing.checkpoint_key) and a lookup
+whose KV hit ends where one lies reads its blocks back, so a shared prefix still hits after its state left RAM,
+and after a restart; the state's bytes go through the blocks' memory unchanged whatever the cache's dtype (int8
+and fp8 rows with their scales); answers equal caching off and transformers'."""
 
 from __future__ import annotations
 
-import os
 import random
-import zlib
 
 import pytest
 import torch
@@ -17,9 +15,10 @@ from test_model_hybrid import make_hybrid
 from pagedllm import SamplingParams
 from pagedllm.engine import EngineConfig, LLMEngine
 from pagedllm.engine.memory import state_bytes
-from pagedllm.kv.hashing import hash_full_blocks, state_key
+from pagedllm.kv.hashing import hash_full_blocks
+from pagedllm.kv.kv_spec import cdiv
 from pagedllm.kv.manager import PagedKVCacheManager, TokenRequest
-from pagedllm.kv.offload import HEADER, MAGIC, STATE, DiskKVTier
+from pagedllm.kv.offload import DiskKVTier
 from pagedllm.kv.state_slots import StateCheckpoints, StateSlotPool
 from pagedllm.model import load_model
 from pagedllm.model.runner import bytes_per_block
@@ -27,11 +26,12 @@ from pagedllm.model.runner import bytes_per_block
 pytestmark = pytest.mark.usefixtures("one_thread", "private_tokenizer_cache")  # tests/conftest.py
 
 FP = bytes(32)
-BS, BLOCK_BYTES, STATE_BYTES = 4, 256, 1000
+BS, BLOCK_BYTES, STATE_BYTES = 4, 256, 300
 
 
-class RowIO:
-    """A model runner's block and state bytes, in dicts (BlockIO and StateIO)."""
+class PoolIO:
+    """A model runner's block memory and state rows, in dicts (BlockIO, and the checkpoints' StateIO): a state of
+    STATE_BYTES laid across blocks of BLOCK_BYTES."""
 
     def __init__(self) -> None:
         self.blocks: dict[int, bytes] = {}
@@ -43,86 +43,48 @@ class RowIO:
     def write_block(self, block_id: int, data: bytes) -> None:
         self.blocks[block_id] = data
 
-    def read_state(self, row: int) -> bytes:
-        return self.rows[row]
+    def state_to_blocks(self, row: int, block_ids) -> None:
+        data = self.rows[row].ljust(len(block_ids) * BLOCK_BYTES, b"\0")
+        for i, b in enumerate(block_ids):
+            self.blocks[b] = data[i * BLOCK_BYTES : (i + 1) * BLOCK_BYTES]
 
-    def write_state(self, row: int, data: bytes) -> None:
-        if len(data) != STATE_BYTES:
-            raise ValueError("wrong size")
-        self.rows[row] = data
+    def blocks_to_state(self, block_ids, row: int) -> None:
+        self.rows[row] = b"".join(self.read_block(b) for b in block_ids)[:STATE_BYTES]
 
 
 def _state(tag: int) -> bytes:
     return bytes([tag]) * STATE_BYTES
 
 
-# ---- the tier alone --------------------------------------------------------------------------------------------
-def test_state_files_reopen_and_a_bad_one_is_never_served(tmp_path):
-    tier = DiskKVTier(str(tmp_path), 2**20, FP, BLOCK_BYTES, STATE_BYTES)
-    keys = [state_key(bytes([i]) * 32) for i in range(5)]
-    for i, k in enumerate(keys):
-        assert tier.put(k, lambda i=i: _state(i), STATE)
-    tier.flush()
-    assert tier.stats.state_writes == 5
-    assert tier.load(keys[0]) is None  # asked for as a KV block: not served (and gone: it failed a check)
-    files = [tier._path(k) for k in keys]
-    with open(files[1], "r+b") as f:  # one payload byte flipped
-        f.seek(HEADER.size + 7)
-        f.write(b"\xff")
-    block = bytes(BLOCK_BYTES)
-    with open(files[2], "wb") as f:  # a KV block's file under a state's name
-        f.write(HEADER.pack(MAGIC, FP, keys[2], len(block), zlib.crc32(block)) + block)
-    with open(files[3], "r+b") as f:  # torn
-        f.truncate(HEADER.size + STATE_BYTES // 2)
-    reopened = DiskKVTier(str(tmp_path), 2**20, FP, BLOCK_BYTES, STATE_BYTES)
-    assert [reopened.load(k, STATE) for k in keys[1:]] == [None, None, None, _state(4)]
-    assert reopened.stats.bad_files == 3 and reopened.stats.state_loads == 1
-    assert sorted(os.listdir(reopened.dir)) == [os.path.basename(files[4])]
-    other_size = DiskKVTier(str(tmp_path), 2**20, FP, BLOCK_BYTES, STATE_BYTES + 8)
-    assert other_size.load(keys[4], STATE) is None and other_size.stats.bad_files == 1
-
-
-def test_a_state_larger_than_the_tier_stops_the_states_not_the_blocks(tmp_path):
-    tier = DiskKVTier(str(tmp_path), 3 * (HEADER.size + BLOCK_BYTES), FP, BLOCK_BYTES, STATE_BYTES)
-    assert tier.put(state_key(bytes(32)), lambda: _state(1), STATE)
-    tier.flush()
-    assert tier.writable and not tier.write_states and tier.stats.writes == 0
-    assert not tier.put(state_key(bytes([1]) * 32), lambda: _state(2), STATE)
-    assert tier.put(bytes(32), lambda: bytes(BLOCK_BYTES))
-    tier.flush()
-    assert tier.stats.writes == 1
-
-
 # ---- in the KV manager, without a model ------------------------------------------------------------------------
 def test_an_evicted_checkpoint_is_read_back_from_disk_when_its_prefix_hits(tmp_path):
-    """One checkpoint row: b's checkpoint evicts a's (to disk); a request sharing a's prefix finds a's KV blocks in
-    RAM and its state on disk, read back into the row (evicting b's, which goes to disk in turn)."""
-    kv = PagedKVCacheManager(16, BS)
-    checkpoints = StateCheckpoints(first_row=1, num_rows=1, block_size=BS)
+    """A checkpoint takes 2 of the 8 blocks: b's blocks evict a's checkpoint (to disk) but not a's first KV
+    blocks; a request sharing a's prefix finds those in RAM and the state's blocks on disk, read back into free
+    blocks, and starts from a's state."""
+    kv = PagedKVCacheManager(8, BS)
+    io = PoolIO()
+    checkpoints = StateCheckpoints(kv.pool, io, 2, BS)
     kv.attach_state_slots(StateSlotPool(1), checkpoints)
-    io, tier = RowIO(), DiskKVTier(str(tmp_path), 2**20, FP, BLOCK_BYTES, STATE_BYTES)
-    kv.attach_disk_tier(tier, io, io)
-    a, b = list(range(13)), list(range(100, 113))
-    for rid, tokens, tag in (("a", a, 1), ("b", b, 2)):
-        req = TokenRequest(rid, tokens)
-        assert kv.allocate_slots(req, 13)
-        row = kv.recurrent.checkpoint_row(req, 8)
-        assert row == 1
-        io.rows[row] = _state(tag)
-        kv.commit_step()
-        kv.free(req)
-    tier.flush()
-    key_a, key_b = (hash_full_blocks(t, BS)[1] for t in (a, b))
-    assert checkpoints.find(key_a) is None and tier.contains(state_key(key_a))
+    tier = DiskKVTier(str(tmp_path), 2**20, FP, BLOCK_BYTES)
+    kv.attach_disk_tier(tier, io)
+    a = list(range(13))
+    first = TokenRequest("a", a)
+    assert kv.allocate_slots(first, 13)
+    io.rows[0] = _state(1)
+    assert kv.recurrent.checkpoint(first, 8)
+    kv.commit_step()
+    kv.free(first)
+    other = TokenRequest("b", list(range(100, 116)))
+    assert kv.allocate_slots(other, 16)  # 4 blocks: the 2 never used, then the checkpoint's 2
+    key = hash_full_blocks(a, BS)[1]
+    assert not checkpoints.find(key) and all(tier.contains(k) for k in checkpoints.part_keys(key))
+    kv.free(other)
     again = TokenRequest("c", a)
     blocks, n = kv.get_computed_blocks(again)
-    assert n == 8 and checkpoints.find(key_a) == 1 and io.rows[1] == _state(1)
-    assert kv.recurrent.disk_loads == 1 and tier.stats.state_loads == 1
-    tier.flush()
-    assert tier.contains(state_key(key_b))  # evicted from the row in turn
-    assert kv.allocate_slots(again, 5, blocks) and kv.recurrent.take_restore("c") == 1
+    assert n == 8 and checkpoints.find(key) and kv.recurrent.disk_loads == 1 and tier.stats.loads == 2
+    assert kv.allocate_slots(again, 5, blocks) and kv.recurrent.restore("c") and io.rows[0] == _state(1)
     kv.free(again)
-    assert kv.num_free_blocks == 16 and not checkpoints.refs
+    assert kv.num_free_blocks == 8 and not checkpoints.holds
 
 
 # ---- in the engine -----------------------------------------------------------------------------------------------
@@ -139,7 +101,7 @@ def _tokens(n: int, seed: int) -> list[int]:
 
 
 def _engine(loaded, **kw) -> LLMEngine:
-    """One request at a time, so one state checkpoint row; 64 blocks of 16; 64 tokens a step."""
+    """One request at a time; 64 blocks of 16 (and a state's worth more); 64 tokens a step."""
     per_block = bytes_per_block(loaded.config, 16, "float32", loaded.config.kv_layout(hybrid=True))
     budget = 64 * per_block + 2 * state_bytes(loaded.config, torch.float32)
     kw = dict(max_model_len=256, log_stats_interval=0, max_num_seqs=1, max_num_batched_tokens=64) | kw
@@ -161,11 +123,11 @@ def _run(engine: LLMEngine, prompts: list[list[int]]) -> tuple[list[list[int]], 
     return tokens, cached
 
 
-def test_a_shared_prefix_hits_from_a_state_on_disk_and_after_a_restart(qwen35, tmp_path):
-    """The first prompt keeps its states at 64 and 80 tokens in one row: the one at 64 goes to disk. The second
-    shares 64 tokens: RAM alone has their KV but no state there (no hit); with the disk tier it hits 64. A
-    restarted engine serves the first prompt's 80 tokens from disk (KV blocks and state). Every answer equals
-    caching off and transformers'."""
+def test_a_shared_prefix_hits_from_a_state_on_disk_after_a_restart(qwen35, tmp_path):
+    """The first prompt keeps its states at 64 and 80 tokens in pool blocks; the second shares 64 tokens and
+    hits them. The engine going idle writes every cached block to disk, the checkpoints' too: a restarted engine
+    serves the first prompt's 80 tokens from disk (KV blocks and the state's). Every answer equals caching off
+    and transformers'."""
     hf, loaded = qwen35
     shared = _tokens(64, 1)
     prompts = [shared + _tokens(30, 2), shared + _tokens(20, 3)]
@@ -175,11 +137,22 @@ def test_a_shared_prefix_hits_from_a_state_on_disk_and_after_a_restart(qwen35, t
             for p in prompts
         ]
     assert _run(_engine(loaded, enable_prefix_caching=False), prompts)[0] == want
-    assert _run(_engine(loaded), prompts) == (want, [0, 0])  # RAM alone: the state at 64 was evicted
     engine = _engine(loaded, kv_offload_dir=str(tmp_path))
-    assert _run(engine, prompts) == (want, [0, 64])
-    assert engine.kv.recurrent.disk_loads == 1
+    assert _run(engine, prompts) == (want, [0, 64]) and engine.kv.recurrent.disk_loads == 0
     engine.disk_tier.flush()
     restarted = _engine(loaded, kv_offload_dir=str(tmp_path))
     assert _run(restarted, prompts[:1]) == (want[:1], [80])
-    assert restarted.disk_tier.stats.state_loads == 1 and restarted.stats().prefix_cache_disk_hits == 80
+    assert restarted.kv.recurrent.disk_loads == 1 and restarted.stats().prefix_cache_disk_hits == 80
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "int8", "fp8"])
+def test_a_state_goes_through_the_blocks_bytes_unchanged_whatever_the_cache_dtype(qwen35, kv_dtype):
+    _, loaded = qwen35
+    runner = _engine(loaded, kv_cache_dtype=kv_dtype, max_num_seqs=2).runner  # two slots
+    ids = list(range(cdiv(runner.state_row_bytes, runner.bytes_per_block) + 1))[::-1]  # any blocks, any order
+    torch.manual_seed(0)
+    for conv, rec in runner.states.values():
+        conv[0].normal_(), rec[0].normal_()
+    runner.state_to_blocks(0, ids)
+    runner.blocks_to_state(ids, 1)
+    assert all(torch.equal(t[0], t[1]) for pair in runner.states.values() for t in pair)

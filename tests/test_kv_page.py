@@ -334,7 +334,9 @@ def check_stacks(driver, state: dict, cells) -> None:
 
 def test_the_page_names_a_hybrid_models_state_slots(browser):
     """A manager with recurrent-state slots and checkpoints (no model) behind the real route and page: the page's
-    header names the state's layers, bytes per request, slots used and free, checkpoints held."""
+    header names the state's layers, bytes per request, slots used and free, checkpoints held; a checkpoint's
+    pool blocks are blocks of their own kind in the map (named in the legend, counted, painted in its colour),
+    free and evictable in the counters."""
     from types import SimpleNamespace
 
     from fastapi import FastAPI
@@ -348,9 +350,10 @@ def test_the_page_names_a_hybrid_models_state_slots(browser):
     engine = busy_engine(64, blocks_per_request=4)
     kv = engine.kv
     kv.layout = kv_cache_layout([None] * 4, recurrent=[0, 1, 2])
-    kv.attach_state_slots(StateSlotPool(3, 12_345), StateCheckpoints(3, 3, 16))
+    io = SimpleNamespace(state_to_blocks=lambda row, ids: None, blocks_to_state=lambda ids, row: None)
+    kv.attach_state_slots(StateSlotPool(3, 12_345), StateCheckpoints(kv.pool, io, 2, 16))
     req = TokenRequest("h", list(range(40)))
-    assert kv.allocate_slots(req, 40) and kv.recurrent.checkpoint_row(req, 32) is not None
+    assert kv.allocate_slots(req, 40) and kv.recurrent.checkpoint(req, 32)
     engine.model_config = SimpleNamespace(recurrent_mixer="mamba2")
 
     async def run_on_engine(fn, timeout: float = 30.0):
@@ -373,7 +376,38 @@ def test_the_page_names_a_hybrid_models_state_slots(browser):
         text = wait_for("the header", lambda: (t := browser.find_element("id", "pool").text) and "state" in t and t)
         assert (
             "recurrent state (3 mamba2 layers): 12,345 bytes per request, slots 1 used / 2 free, "
-            "checkpoints 1 of 3 rows (0 held)" in text
+            "checkpoints 1 in 2 pool blocks (2 each, 0 held)" in text
+        )
+        check_checkpoint_blocks(
+            browser, base, kv, {b.block_id for b in kv.recurrent.checkpoints.blocks(req_key(kv, req))}
         )
     finally:
         srv.stop()
+
+
+def req_key(kv, req):
+    """The key of the request's prefix at its second block boundary (32 tokens), where its checkpoint lies."""
+    return kv._hashes(req, 32)[1]
+
+
+def check_checkpoint_blocks(driver, base: str, kv, ids: set[int]) -> None:
+    """The checkpoint's blocks (free, cached) in the map, the counters, the legend and the canvas."""
+    state = httpx.get(f"{base}/v1/kv/blocks").json()
+    mp, c = state["map"], state["counters"]
+    assert {i for i, s in enumerate(mp["state"]) if mp["states"][s] == "checkpoint"} == ids and len(ids) == 2
+    assert c["num_checkpoint_blocks"] == 2 and ids <= {b.block_id for b in kv.pool.free_queue}
+    assert (c["num_free_blocks"], c["num_evictable_blocks"]) == (kv.num_free_blocks, kv.num_cached_blocks)
+    assert c["num_used_blocks"] == kv.num_used_blocks and c["slots_allocated"] == 16 * kv.num_used_blocks
+    legend = [li.get_attribute("data-state") for li in driver.find_elements("css selector", "#legend li")]
+    assert legend[-1] == "checkpoint" and driver.find_element("id", "c-checkpoint").text == "2"
+    rgb = [int(mp["colors"]["checkpoint"][i : i + 2], 16) for i in (1, 3, 5)]
+    for i in ids:
+        pixel = driver.execute_script(
+            """
+          const c = document.getElementById('map'), px = +c.dataset.cellPx, cols = +c.dataset.columns;
+          const i = arguments[0], dpr = window.devicePixelRatio || 1;
+          const x = ((i % cols) + 0.3) * px * dpr, y = (Math.floor(i / cols) + 0.3) * px * dpr;
+          return [...c.getContext('2d').getImageData(Math.floor(x), Math.floor(y), 1, 1).data.slice(0, 3)];""",
+            i,
+        )
+        assert pixel == rgb, i

@@ -154,6 +154,7 @@ def test_a_100k_block_pool_is_aggregated_into_cells():
         "shared": 0,
         "tail": 100,
         "reserved": 0,
+        "checkpoint": 0,
     }
     assert m.blocks is None and sum(m.map.fill) == m.counters.tokens_stored == 100 * (300 * 16 - 5)
 

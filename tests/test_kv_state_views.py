@@ -5,6 +5,7 @@ and the checkpoints held, each read against the engine's own structures."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -55,7 +56,14 @@ def test_stats_and_the_kv_page_data_show_slots_checkpoints_and_groups(qwen35):
     st = engine.stats()
     rs = st.recurrent_state
     assert rs is not None and (rs.layers, rs.bytes_per_request) == ([0, 1, 2], per_request)
-    assert (rs.slots, rs.slots_used, rs.checkpoint_rows, rs.checkpoints, rs.checkpoints_held) == (2, 1, 2, 1, 0)
+    each = rs.checkpoint_blocks_each
+    assert each > 0 and (rs.slots, rs.slots_used, rs.checkpoints, rs.checkpoint_blocks, rs.checkpoints_held) == (
+        2,
+        1,
+        1,
+        each,
+        0,
+    )
     assert [(g.window, g.layers, g.blocks) for g in st.kv_groups] == [(None, [3], engine.kv.num_used_blocks)]
     data = json.loads(kv_blocks_json(block_map(take_snapshot(engine))))  # as GET /v1/kv/blocks answers
     assert data["recurrent_state"] == {
@@ -65,8 +73,9 @@ def test_stats_and_the_kv_page_data_show_slots_checkpoints_and_groups(qwen35):
         "slots": 2,
         "slots_used": 1,
         "slots_free": 1,
-        "checkpoint_rows": 2,
+        "checkpoint_blocks_each": each,
         "checkpoints": 1,
+        "checkpoint_blocks": each,
         "checkpoints_held": 0,
         "checkpoint_disk_loads": 0,
     }
@@ -88,15 +97,16 @@ def test_v1_kv_names_the_state_and_the_groups(qwen35):
     assert (
         state["bytes_per_request"] == state_bytes(loaded.config, torch.float32) and state["mixer"] == "gated_deltanet"
     )
-    assert (state["slots"], state["slots_used"], state["slots_free"], state["checkpoint_rows"]) == (2, 0, 2, 2)
+    assert (state["slots"], state["slots_used"], state["slots_free"]) == (2, 0, 2) and state["checkpoint_blocks_each"]
     assert state["checkpoints"] == 1  # the prompt's last block boundary (48)
 
 
 def test_a_held_checkpoint_is_counted_until_copied():
     kv = PagedKVCacheManager(8, 4)
-    kv.attach_state_slots(StateSlotPool(2, 100), StateCheckpoints(2, 2, 4))
+    io = SimpleNamespace(state_to_blocks=lambda row, ids: None, blocks_to_state=lambda ids, row: None)
+    kv.attach_state_slots(StateSlotPool(2, 100), StateCheckpoints(kv.pool, io, 1, 4))
     first = TokenRequest("a", list(range(13)))
-    assert kv.allocate_slots(first, 13) and kv.recurrent.checkpoint_row(first, 8) == 2
+    assert kv.allocate_slots(first, 13) and kv.recurrent.checkpoint(first, 8)
     kv.commit_step()
     kv.free(first)
     again = TokenRequest("b", list(range(13)))
@@ -105,7 +115,7 @@ def test_a_held_checkpoint_is_counted_until_copied():
     rs = recurrent_state_stats(kv)
     assert rs is not None and (rs.slots_used, rs.checkpoints, rs.checkpoints_held) == (1, 1, 1)
     assert kv.recurrent.checkpoints.find(hash_full_blocks(list(range(8)), 4)[1])
-    kv.recurrent.take_restore("b")
+    kv.recurrent.restore("b")
     rs = recurrent_state_stats(kv)
     assert rs is not None and rs.checkpoints_held == 0
 
@@ -123,5 +133,5 @@ def test_kv_calc_prints_the_state_per_layer_and_per_request(qwen35, capsys):
     assert per == 3 * (conv + heads * key_dim * value_dim * 4)
     assert "recurrent state (gated_deltanet, layers 0, 1, 2: no KV, no blocks):" in out
     assert f"per layer: conv state {conv:,} bytes (float32), recurrent state {heads * key_dim * value_dim * 4:,}" in out
-    assert f"recurrent state: {per:,} bytes per request (3 layers)" in out and f"{2 * per:,} bytes per slot" in out
+    assert f"recurrent state: {per:,} bytes per request (3 layers)" in out and "pool blocks of their own kind" in out
     assert out.count("recurrent state:") == 1

@@ -46,10 +46,10 @@ _SHAPE = dict(
 _MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
 
 
-def make_hybrid(family: str, folder: str, **over: int) -> torch.nn.Module:
+def make_hybrid(family: str, folder: str, twin: bool = False, **over: int) -> torch.nn.Module:
     """A tiny random checkpoint of `family` in `folder`: weights drawn wide enough that a wrong state, gate or
     rotation moves the logits far past the tolerance (decays spread by A_log, norms around 1). `over`: sizes in
-    place of the default shape's."""
+    place of the default shape's; `twin` (qwen3_5): every layer full attention, the hybrid's attention-only twin."""
     from transformers import AutoModelForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3NextConfig
 
     base, moe = (
@@ -62,7 +62,8 @@ def make_hybrid(family: str, folder: str, **over: int) -> torch.nn.Module:
         shape = {k: v for k, v in base.items() if k != "intermediate_size"}
         cfg, arch = Qwen3_5MoeTextConfig(**shape, **moe), "Qwen3_5MoeForCausalLM"
     else:
-        cfg, arch = Qwen3_5TextConfig(**base), "Qwen3_5ForCausalLM"
+        types = ["full_attention"] * base["num_hidden_layers"] if twin else None
+        cfg, arch = Qwen3_5TextConfig(**base, layer_types=types), "Qwen3_5ForCausalLM"
     cfg.architectures = [arch]
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
@@ -105,8 +106,8 @@ def _greedy(hf: torch.nn.Module, prompt: list[int], n: int = 32) -> list[int]:
 
 
 def _engine(loaded, blocks: int = 64, **kw) -> LLMEngine:
-    """An engine whose KV budget holds `blocks` blocks of 16 besides its requests' state slots (and a checkpoint
-    row each with prefix caching on)."""
+    """An engine whose KV budget holds `blocks` blocks of 16 besides its requests' state slots (and a state's
+    worth each more with prefix caching on: staging rows under all, blocks for checkpoints under align)."""
     seqs = kw.pop("max_num_seqs", 4)
     per_block = bytes_per_block(loaded.config, 16, "float32", loaded.config.kv_layout(hybrid=True))
     rows = 2 if kw.get("enable_prefix_caching", True) else 1
@@ -195,7 +196,7 @@ def test_prefix_caching_hits_at_state_checkpoints_and_never_changes_an_answer(mo
     assert off.stats().prefix_cache_hits == 0
     _all_back(on)
     checkpoints = on.kv.recurrent.checkpoints
-    assert checkpoints is not None and not checkpoints.refs and not checkpoints.restores
+    assert checkpoints is not None and not checkpoints.holds
 
 
 def test_a_shared_prefix_hits_from_its_third_prompt_without_chunking(models):
@@ -213,8 +214,8 @@ def test_a_shared_prefix_hits_from_its_third_prompt_without_chunking(models):
 
 def _checkpoints_idle(engine: LLMEngine) -> None:
     ck = engine.kv.recurrent.checkpoints
-    assert ck is not None and not ck.refs and not ck.restores and not ck.unwritten and not ck.wanted
-    assert ck.num_free + len(ck.rows) == ck.num_rows
+    assert ck is not None and not ck.holds and not ck.unwritten and not ck.wanted
+    assert len(ck._staging) == ck.num_staging
 
 
 def test_mamba_cache_mode_all_hits_the_second_prompt_at_the_shared_prefix_end(models):
@@ -241,7 +242,7 @@ def test_mamba_cache_mode_all_hits_the_second_prompt_at_the_shared_prefix_end(mo
 def test_mamba_cache_mode_all_in_a_burst_and_none(models):
     """Questions on one system prompt sent together after a first one (all: each hits at the system prompt's
     last full block, from the one checkpoint); none caches no prefix of a hybrid model. Every answer is
-    transformers', every block, slot and checkpoint row back."""
+    transformers', every block, slot and staging row back."""
     hf, loaded, _ = models["qwen3_5"]
     system = _tokens(70, 30)
     prompts = [system + _tokens(20 + i, 31 + i) for i in range(4)]
@@ -257,9 +258,80 @@ def test_mamba_cache_mode_all_in_a_burst_and_none(models):
             assert engine.kv.recurrent.checkpoints is None
 
 
+def test_a_burst_on_a_new_prefix_hits_as_the_attention_only_twin(models, tmp_path):
+    """Four prompts on one 100-token system prompt sent together, none computed before. The twin (every layer full
+    attention) hits the later three on the first's blocks, registered in the step that computes them; the hybrid's
+    later prompts wait that step for the first's state checkpoints (all: at every boundary it crosses) and hit as
+    much (align: the second is cut at the prefix's end, the others hit there). Answers equal caching off."""
+    hf, loaded, _ = models["qwen3_5"]
+    make_hybrid("qwen3_5", str(tmp_path), twin=True)
+    twin = load_model(str(tmp_path), "float32", "cpu")
+    system = _tokens(100, 50)
+    prompts = [system + _tokens(30 + i, 51 + i) for i in range(4)]
+    off = _run(_engine(loaded, max_num_batched_tokens=256, enable_prefix_caching=False), prompts, 6)
+    hits = {}
+    for name, model, mode in (("twin", twin, "align"), ("all", loaded, "all"), ("align", loaded, "align")):
+        engine = _engine(model, max_num_batched_tokens=256, mamba_cache_mode=mode)
+        got = _run(engine, prompts, 6)
+        hits[name] = engine.stats().prefix_cache_hits
+        assert engine.kv.num_free_blocks == engine.kv.num_blocks
+        if model is loaded:
+            assert got == off
+            _all_back(engine)
+            _checkpoints_idle(engine)
+    assert hits == {"twin": 3 * 96, "all": 3 * 96, "align": 2 * 96}
+
+
+def test_checkpoints_evicted_under_memory_pressure_never_change_an_answer(models):
+    """A pool of 40 blocks, three system prompts of 100 tokens asked twice in a row each, then the first again
+    (all: 3 blocks per checkpoint, one at each boundary a prompt crosses: a prompt and its states take most of
+    the pool): the pool's one LRU evicts checkpoints and KV blocks alike, so the second of a pair hits and the
+    first system prompt, evicted since, no more; every answer equals caching off, every block and slot comes back,
+    and checkpoints were evicted."""
+    hf, loaded, _ = models["qwen3_5"]
+    systems = [_tokens(100, 60 + i) for i in range(3)]
+    prompts = [systems[s] + _tokens(20, 70 + i) for i, s in enumerate((0, 0, 1, 1, 2, 2, 0))]
+    engine = _engine(loaded, blocks=40, max_num_batched_tokens=64, mamba_cache_mode="all")
+    ck = engine.kv.recurrent.checkpoints
+    assert ck is not None and ck.blocks_each > 1
+    stored, store = [], ck.store
+    ck.store = lambda key, row: store(key, row) and (stored.append(key) or True)  # type: ignore[method-assign]
+    got = [_run(engine, [p], 6)[0] for p in prompts]
+    off = _engine(loaded, blocks=40, max_num_batched_tokens=64, enable_prefix_caching=False)
+    assert got == [_run(off, [p], 6)[0] for p in prompts]
+    assert sum(not ck.find(k) for k in stored) > len(stored) // 2
+    assert engine.stats().prefix_cache_hits == 3 * 96
+    _all_back(engine)
+    _checkpoints_idle(engine)
+
+
+def test_an_abort_of_a_waiting_and_a_running_hybrid_request_gives_every_block_back(models):
+    """Under all, in a burst: one request computing a new prefix in the first step, one that waits that step for
+    its checkpoints; both aborted after it: every block, slot, staging row, hold and pending checkpoint comes
+    back, and the prefix then hits from the checkpoints the first step left, with transformers' answer."""
+    hf, loaded, _ = models["qwen3_5"]
+    system = _tokens(100, 80)
+    engine = _engine(loaded, max_num_batched_tokens=160, mamba_cache_mode="all")
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    engine.add_request("a", system + _tokens(30, 81), params)
+    engine.add_request("b", system + _tokens(30, 82), params)
+    engine.step()
+    (running,) = engine.scheduler.running
+    (waiting,) = engine.scheduler.waiting  # the step's budget had room for it: it waited for the checkpoints
+    assert running.parent_id == "a" and waiting.parent_id == "b" and running.num_computed_tokens == 130
+    engine.abort_request("a")
+    engine.abort_request("b")
+    _all_back(engine)
+    _checkpoints_idle(engine)
+    rs = engine.kv.recurrent
+    assert not rs._pending and not rs._waits and not rs._hit_key
+    prompt = system + _tokens(30, 83)
+    assert _run(engine, [prompt], 6) == [_greedy(hf, prompt, 6)] and engine.stats().prefix_cache_hits == 96
+
+
 def test_a_failed_step_leaves_no_checkpoint_of_its_marks(models, monkeypatch):
     """A prompt whose steps all fail (the full-attention layer raises after the linear layers computed the states
-    at its marks): its request fails, the rows reserved for its marks go back unwritten, so a later prompt on the
+    at its marks): its request fails, the staging rows of its marks go back unwritten, so a later prompt on the
     same system prompt hits nothing and its answer is transformers'."""
     hf, loaded, _ = models["qwen3_5"]
     system = _tokens(100, 40)
@@ -277,7 +349,7 @@ def test_a_failed_step_leaves_no_checkpoint_of_its_marks(models, monkeypatch):
     (out,) = [o for o in engine.step() if o.finished]
     assert out.outputs[0].finish_reason == "error"
     ck = engine.kv.recurrent.checkpoints
-    assert ck is not None and not ck.rows and ck.num_free == ck.num_rows
+    assert ck is not None and ck.counts() == (0, 0) and len(ck._staging) == ck.num_staging
     failing[0] = False
     prompt = system + _tokens(25, 42)
     assert _run(engine, [prompt], 6) == [_greedy(hf, prompt, 6)]
@@ -322,14 +394,16 @@ def test_config_layout_and_what_refuses_them(models, capsys):
     assert f"recurrent state: {cfg.state_bytes_per_request(4):,} bytes per request" in out
     # a block of 16 holds the full-attention layer's K and V: 16 x 2 x 2 heads x 16 dims x 4 bytes
     ratio = cfg.state_bytes_per_request(4) / 4096
-    assert f"--mamba-cache-mode all: a checkpoint of {cfg.state_bytes_per_request(4):,} bytes" in out
-    assert f"{ratio:,.1f}x the KV of the 16 tokens before it (4,096 bytes)" in out
+    each = -(-cfg.state_bytes_per_request(4) // 4096)
+    assert f"a checkpoint of it takes {each:,} pool blocks of their own kind (4,096 bytes each, {ratio:,.1f}x" in out
+    assert "--mamba-cache-mode align: one where a prompt chunk ends at a block boundary; all: one at every block" in out
 
 
 def test_a_budget_for_fewer_slots_than_max_num_seqs_runs_that_many_at_once(models):
-    """Half the budget holds two states: two slots, so two of the three requests run at once; all correct."""
+    """Half the budget holds two states and a half: two slots, so two of the three requests run at once; all
+    correct."""
     hf, loaded, _ = models["qwen3_5"]
-    per_state = 2 * state_bytes(loaded.config, torch.float32)  # a slot and its checkpoint row
+    per_state = state_bytes(loaded.config, torch.float32)  # slots take at most half the budget
     engine = LLMEngine(
         EngineConfig(max_model_len=256, log_stats_interval=0, max_num_seqs=4, kv_cache_memory=5 * per_state),
         loaded,

@@ -13,7 +13,10 @@ second hits. The hybrid runs under each mode of `--mamba-cache-mode`; `--part` p
 or the TTFT pairs (timed: run them alone on the machine).
 
     python -m benchmarks.kv.hybrid_prefix [--prefix 1000] [--prefixes 3] [--questions 4] [--repeats 5]
-        [--mamba-cache-mode align all] [--part hits ttft]
+        [--mamba-cache-mode align all] [--part hits ttft] [--kv-cache-memory BYTES]
+
+The hit-rate rows also say whether every block and state slot came back when the requests ended, and after a
+burst of them aborted two steps in (nothing leaks, also under memory pressure).
 """
 
 from __future__ import annotations
@@ -51,10 +54,10 @@ def _save(folder: str, twin: bool) -> str:
     return folder
 
 
-def _engine(folder: str, caching: bool, mode: str = "align") -> LLMEngine:
+def _engine(folder: str, caching: bool, mode: str = "align", memory: int = 2**28) -> LLMEngine:
     config = EngineConfig(
         model=folder, dtype="float32", max_model_len=2048, max_num_seqs=8, max_num_batched_tokens=512,
-        kv_cache_memory=2**28, enable_prefix_caching=caching, log_stats_interval=0, mamba_cache_mode=mode,
+        kv_cache_memory=memory, enable_prefix_caching=caching, log_stats_interval=0, mamba_cache_mode=mode,
     )  # fmt: skip
     return LLMEngine(config)
 
@@ -99,6 +102,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--mamba-cache-mode", nargs="+", choices=["align", "all"], default=["align", "all"])
     ap.add_argument("--part", nargs="+", choices=["hits", "ttft"], default=["hits", "ttft"])
+    ap.add_argument("--kv-cache-memory", type=int, default=2**28, help="bytes (hits: a small one is memory pressure)")
     args = ap.parse_args()
     rng = random.Random(0)
 
@@ -112,22 +116,47 @@ def main() -> None:
     n = sum(len(g) for g in groups)
     print(f"{len(groups)} prefixes of {args.prefix} tokens x {args.questions} questions of 48, 8 tokens decoded")
     if "hits" in args.part:
-        _hits(runs, hybrid, groups, n)
+        _hits(runs, hybrid, groups, n, args.kv_cache_memory)
     if "ttft" in args.part:
         _ttfts(runs, args.prefix, args.repeats, tokens)
 
 
-def _hits(runs: list[tuple[str, str, str]], hybrid: str, groups: list[list[list[int]]], n: int) -> None:
-    print("| arrival | model, --mamba-cache-mode | hit rate | answers = caching off |")
-    print("|---|---|---|---|")
+def _hits(runs: list[tuple[str, str, str]], hybrid: str, groups: list[list[list[int]]], n: int, memory: int) -> None:
+    print(
+        "| arrival | model, --mamba-cache-mode | hit rate | answers = caching off | blocks, slots back: end / abort |"
+    )
+    print("|---|---|---|---|---|")
     for burst in (False, True):
         arrival = "in a burst" if burst else "one by one"
-        off, _ = _workload(_engine(hybrid, False), groups, burst)
+        off, _ = _workload(_engine(hybrid, False, memory=memory), groups, burst)
         for name, folder, mode in runs:
-            got, rate = _workload(_engine(folder, True, mode), groups, burst)
+            engine = _engine(folder, True, mode, memory)
+            got, rate = _workload(engine, groups, burst)
             same = f"{sum(got[k] == off[k] for k in off)}/{n}" if folder == hybrid else "-"
-            print(f"| {arrival} | {name} | {rate:.1%} | {same} |")
+            back = f"{_all_back(engine)} / {_aborted_back(engine, groups)}"
+            print(f"| {arrival} | {name} | {rate:.1%} | {same} | {back} |")
     print()
+
+
+def _all_back(engine: LLMEngine) -> bool:
+    """Every block free (cached ones count: evictable) and every state slot back: nothing leaked."""
+    kv, rs = engine.kv, engine.kv.recurrent
+    slots = rs is None or rs.slots.num_free == rs.slots.num_slots
+    held = rs is not None and rs.checkpoints is not None and bool(rs.checkpoints.holds)
+    return kv.num_free_blocks == kv.num_blocks and slots and not held
+
+
+def _aborted_back(engine: LLMEngine, groups: list[list[list[int]]]) -> bool:
+    """Every prompt again in a burst, aborted after two steps (prefills, checkpoint holds and waits in flight):
+    then everything is back."""
+    ids = [f"abort-{g}-{q}" for g, prompts in enumerate(groups) for q in range(len(prompts))]
+    for rid, prompt in zip(ids, (p for prompts in groups for p in prompts)):
+        engine.add_request(rid, prompt, GREEDY)
+    engine.step()
+    engine.step()
+    for rid in ids:
+        engine.abort_request(rid)
+    return _all_back(engine)
 
 
 def _ttfts(runs: list[tuple[str, str, str]], prefix_len: int, repeats: int, tokens: Any) -> None:

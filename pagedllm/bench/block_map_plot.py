@@ -118,7 +118,8 @@ def _frame(ax, width: float, height: float) -> None:
 
 def legend(fig, m: BlockMap, states: Sequence[str] = STATES) -> None:
     _, _, _, Patch = _mpl()
-    handles = [Patch(color=m.map.colors[s], label=m.map.labels[s]) for s in states]
+    shown = [s for s in states if s != "checkpoint" or m.counters.num_checkpoint_blocks]  # a hybrid model's only
+    handles = [Patch(color=m.map.colors[s], label=m.map.labels[s]) for s in shown]
     fig.legend(handles=handles, loc="lower center", ncol=min(3, len(handles)), fontsize=8, frameon=False)
 
 

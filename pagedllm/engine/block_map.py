@@ -17,9 +17,11 @@ import numpy as np
 
 from pagedllm.engine.kv_snapshot import KVSnapshot
 
-# Block states, in the order of the legend and of each cell's counts.
-STATES = ("free", "cached", "used", "shared", "tail", "reserved")
-FREE, CACHED, USED, SHARED, TAIL, RESERVED = range(len(STATES))
+# Block states, in the order of the legend and of each cell's counts. A checkpoint block (a hybrid model's
+# recurrent state at a block boundary, laid across pool blocks: kv/state_slots.py) is in no block table; free, it
+# counts as free and evictable as a cached block does, held by a hit as used.
+STATES = ("free", "cached", "used", "shared", "tail", "reserved", "checkpoint")
+FREE, CACHED, USED, SHARED, TAIL, RESERVED, CHECKPOINT = range(len(STATES))
 COLORS = {
     "free": "#e8ecef",
     "cached": "#9cc3e6",
@@ -27,6 +29,7 @@ COLORS = {
     "shared": "#d9622b",
     "tail": "#f0b429",
     "reserved": "#b9b3c9",
+    "checkpoint": "#8e5ca8",
 }
 LABELS = {
     "free": "free",
@@ -35,6 +38,7 @@ LABELS = {
     "shared": "shared by several requests",
     "tail": "a request's last block, partly filled",
     "reserved": "reserved but empty (contiguous allocation)",
+    "checkpoint": "a recurrent-state checkpoint's block (hybrid prefix cache; evictable unless a hit holds it)",
 }
 
 
@@ -58,6 +62,7 @@ class Counters:
     slots_allocated: int
     tokens_stored: int
     empty_slots: int
+    num_checkpoint_blocks: int
 
 
 @dataclass
@@ -152,8 +157,9 @@ def _tables(snap: KVSnapshot) -> _Tables:
 def _classify(snap: KVSnapshot, tables: _Tables) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per block: its ref count, its state (an index into STATES) and how many of its slots hold a token.
 
-    Ref counts and hashes say free / cached / used / shared; the block tables say which slots are filled, so a
-    request's partly filled last block is `tail`, and a contiguous request's blocks past its tokens `reserved`.
+    Ref counts and hashes say free / cached / used / shared, the snapshot's checkpoint ids `checkpoint`; the block
+    tables say which slots are filled, so a request's partly filled last block is `tail`, and a contiguous
+    request's blocks past its tokens `reserved`.
     """
     ref = np.asarray(snap.ref_cnt, dtype=np.int64)
     state = np.full(snap.num_blocks, FREE, dtype=np.int64)
@@ -164,6 +170,9 @@ def _classify(snap: KVSnapshot, tables: _Tables) -> tuple[np.ndarray, np.ndarray
     fill[(ref == 0) & cached] = snap.block_size
     state[ref == 1] = USED
     state[ref > 1] = SHARED
+    checkpoint_ids = np.asarray(snap.checkpoint_ids, dtype=np.int64)
+    state[checkpoint_ids] = CHECKPOINT
+    fill[checkpoint_ids] = 0  # a state's bytes, not tokens
     ids, tokens = tables.ids, tables.tokens
     fill[ids] = tokens
     state[ids[tokens == 0]] = RESERVED
@@ -234,15 +243,19 @@ def _cells(num_blocks: int, max_cells: int, ref: np.ndarray, state: np.ndarray, 
 
 def _counters(snap: KVSnapshot, state: np.ndarray, fill: np.ndarray) -> Counters:
     c = snap.counters
-    held = state >= USED
+    ref = np.asarray(snap.ref_cnt, dtype=np.int64)
+    checkpoint = state == CHECKPOINT
+    evictable = (state == CACHED) | (checkpoint & (ref == 0))
+    held = (state >= USED) & ~evictable
     used = int(held.sum())
+    slots = int((held & ~checkpoint).sum()) * snap.block_size  # a held checkpoint's block has no token slots
     stored = int(fill[held].sum())
     queries, hits = c.get("prefix_cache_queries", 0), c.get("prefix_cache_hits", 0)
     return Counters(
         num_running=sum(r.status == "running" for r in snap.requests),
         num_waiting=snap.num_waiting,
-        num_free_blocks=int((state <= CACHED).sum()),
-        num_evictable_blocks=int((state == CACHED).sum()),
+        num_free_blocks=int(((state == FREE) | evictable).sum()),
+        num_evictable_blocks=int(evictable.sum()),
         num_used_blocks=used,
         num_shared_blocks=int((state == SHARED).sum()),
         kv_usage=used / snap.num_blocks,
@@ -252,9 +265,10 @@ def _counters(snap: KVSnapshot, state: np.ndarray, fill: np.ndarray) -> Counters
         num_preemptions=c.get("num_preemptions", 0),
         prompt_tokens=c.get("prompt_tokens", 0),
         generation_tokens=c.get("generation_tokens", 0),
-        slots_allocated=used * snap.block_size,
+        slots_allocated=slots,
         tokens_stored=stored,
-        empty_slots=used * snap.block_size - stored,
+        empty_slots=slots - stored,
+        num_checkpoint_blocks=int(checkpoint.sum()),
     )
 
 

@@ -152,4 +152,4 @@ def engine_fingerprint(loaded: LoadedModel, kv_dtype: torch.dtype, block_size: i
 
 def open_disk_tier(directory: str, size: int, runner: ModelRunner, block_size: int) -> DiskKVTier:
     fingerprint = engine_fingerprint(runner.loaded, runner.kv_dtype, block_size)
-    return DiskKVTier(directory, size, fingerprint, runner.bytes_per_block, runner.state_row_bytes)
+    return DiskKVTier(directory, size, fingerprint, runner.bytes_per_block)

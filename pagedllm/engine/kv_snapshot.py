@@ -54,6 +54,8 @@ class KVSnapshot:
     # A hybrid model's state slots and checkpoints (stats.RecurrentStateStats's fields, with its "mixer" and
     # "slots_free"); None without linear-attention layers
     recurrent_state: dict | None = None
+    # The blocks that hold a hybrid model's recurrent-state checkpoint (kv/state_slots.py), free or held by a hit
+    checkpoint_ids: list[int] = field(default_factory=list)
 
 
 def take_snapshot(
@@ -97,7 +99,14 @@ def take_snapshot(
         kv_cache_dtype=str(engine.kv_dtype).removeprefix("torch."),
         kv_groups=_groups(engine, running),
         recurrent_state=_recurrent_state(engine),
+        checkpoint_ids=_checkpoint_ids(kv),
     )
+
+
+def _checkpoint_ids(kv: Any) -> list[int]:
+    rs = getattr(kv, "recurrent", None)
+    ck = None if rs is None else rs.checkpoints
+    return [] if ck is None else ck.block_ids()
 
 
 def _recurrent_state(engine: Any) -> dict | None:

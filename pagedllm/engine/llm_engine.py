@@ -38,6 +38,7 @@ from pagedllm.engine.structured_output import GrammarCompiler, RequestGrammar
 from pagedllm.errors import UserError
 from pagedllm.kv.events import KVEventLog
 from pagedllm.kv.hashing import extra_key, segment_root
+from pagedllm.kv.kv_spec import cdiv
 from pagedllm.kv.manager import PagedKVCacheManager, make_kv_cache_manager
 from pagedllm.kv.offload import DiskKVTier
 from pagedllm.kv.state_slots import StateCheckpoints, StateSlotPool
@@ -129,14 +130,14 @@ class LLMEngine:
 
     def _build_cache(self, config: EngineConfig, num_blocks: int, slots: int, rows: int) -> None:
         """The runner (the cache's tensors; a hybrid model's state rows, one per request that may run, then `rows`
-        for prefix-cache checkpoints) and the KV manager that hands out their blocks and state slots."""
+        staging rows for the states at a step's marks) and the KV manager that hands out their blocks and slots."""
         self.runner = ModelRunner(
             self.loaded,
             num_blocks,
             self.block_size,
             self.kv_dtype,
             layout=self.kv_layout,
-            num_state_slots=slots + rows,  # the slots, then checkpoints
+            num_state_slots=slots + rows,  # the slots, then the staging rows
         )
         self.kv = make_kv_cache_manager(
             config.kv_allocation,
@@ -161,15 +162,22 @@ class LLMEngine:
                 cfg.name,
             )
         # (contiguous allocation caches nothing)
-        caching = config.enable_prefix_caching and self.kv.enable_caching and rows > 0
-        checkpoints = StateCheckpoints(slots, rows, self.block_size, config.mamba_cache_mode) if caching else None
+        caching = config.enable_prefix_caching and self.kv.enable_caching and config.mamba_cache_mode != "none"
+        each = cdiv(self.runner.state_row_bytes, self.runner.bytes_per_block)
+        checkpoints = (
+            StateCheckpoints(
+                self.kv.pool, self.runner, each, self.block_size, config.mamba_cache_mode, range(slots, slots + rows)
+            )
+            if caching
+            else None
+        )
         self.kv.attach_state_slots(StateSlotPool(slots, state_bytes(cfg, self.loaded.dtype)), checkpoints)
         if checkpoints is not None:
             logger.info(
-                "prefix caching on %s: %d recurrent-state checkpoints at block boundaries (a hit ends at one; "
-                "--mamba-cache-mode %s: %s)",
+                "prefix caching on %s: recurrent-state checkpoints at block boundaries, %d pool blocks each (a hit "
+                "ends at one; --mamba-cache-mode %s: %s)",
                 cfg.name,
-                rows,
+                each,
                 config.mamba_cache_mode,
                 "prompt chunks are cut at block boundaries so that they exist"
                 if config.mamba_cache_mode == "align"
@@ -181,7 +189,7 @@ class LLMEngine:
         disk = None
         if config.kv_offload_dir is not None:  # the config allows it with the paged manager only
             disk = open_disk_tier(config.kv_offload_dir, config.kv_offload_size, self.runner, self.block_size)
-            self.kv.attach_disk_tier(disk, self.runner, self.runner if self.runner.states else None)
+            self.kv.attach_disk_tier(disk, self.runner)
         if isinstance(self.kv, PagedKVCacheManager):
             self.kv.enable_segments()  # where the model allows it (one full-attention group)
         return disk
@@ -433,22 +441,13 @@ class LLMEngine:
 
     def _restore_state(self, req: Request) -> None:
         """A hybrid request whose prefix hit ends at a state checkpoint starts from a copy of it."""
-        rs = self.kv.recurrent
-        if rs is None:
-            return
-        row, slot = rs.take_restore(req.request_id), rs.slot(req.request_id)
-        if row is not None and slot is not None:
-            self.runner.copy_state(row, slot)
+        if self.kv.recurrent is not None:
+            self.kv.recurrent.restore(req.request_id)
 
     def _checkpoint_state(self, req: Request) -> None:
         """A hybrid request's state after a prompt chunk that ended at a block boundary, kept for later prefixes."""
-        rs = self.kv.recurrent
-        slot = None if rs is None else rs.slot(req.request_id)
-        if rs is None or slot is None or req.num_computed_tokens > req.num_prompt_tokens:
-            return
-        row = rs.checkpoint_row(req, req.num_computed_tokens)
-        if row is not None:
-            self.runner.copy_state(slot, row)
+        if self.kv.recurrent is not None and req.num_computed_tokens <= req.num_prompt_tokens:
+            self.kv.recurrent.checkpoint(req, req.num_computed_tokens)
 
     def _advance(self, done: Computed) -> list[Request]:
         """Account for the computed chunks; requests whose prompt is done get their next token. Returns the

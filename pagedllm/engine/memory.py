@@ -104,36 +104,36 @@ def kv_blocks_and_state_slots(
     available: Callable[[], int] | None = None,
     layout: KVCacheLayout | None = None,
 ) -> tuple[int, int, int]:
-    """The blocks the budget holds and, for a hybrid model, its recurrent-state slots and prefix-cache checkpoint
-    rows (0, 0 otherwise; kv/state_slots.py): a slot per request of --max-num-seqs, at most half the budget's worth
-    (a real model's state is MiBs per request: the rest of the budget must still hold blocks); with prefix caching,
-    --mamba-cache-mode align gives each slot a checkpoint row, all gives checkpoints at most half of what the slots
-    leave and never more rows than blocks (a row per block boundary of the cached prefixes is the most they use).
-    Their bytes come off the budget before the blocks are counted."""
+    """The blocks the budget holds and, for a hybrid model, its recurrent-state slots and staging rows (0, 0
+    otherwise; kv/state_slots.py): a slot per request of --max-num-seqs, at most half the budget's worth (a real
+    model's state is MiBs per request: the rest of the budget must still hold blocks); with prefix caching under
+    --mamba-cache-mode all, a staging row per block boundary a step's prompt tokens can cross, at most a quarter of
+    what the slots leave (the states at a step's marks wait there until it commits). The checkpoints themselves
+    take blocks of the pool, evicted with the KV blocks. The rows' bytes come off the budget before the blocks are
+    counted."""
     per_block = bytes_per_block(loaded.config, config.block_size, kv_dtype, layout)
     budget = kv_budget(config, loaded, max_model_len, kv_dtype, available)
     state = state_bytes(loaded.config, loaded.dtype)
     mode = config.mamba_cache_mode if config.enable_prefix_caching else "none"
-    per_slot = state * (2 if mode == "align" else 1)  # a checkpoint row each
-    slots = min(config.max_num_seqs, budget // 2 // per_slot) if per_slot else 0
-    if per_slot and slots < 1:
+    slots = min(config.max_num_seqs, budget // 2 // state) if state else 0
+    if state and slots < 1:
         raise UserError(
-            f"--kv-cache-memory: {budget:,} bytes do not hold the recurrent state of one request ({per_slot:,} "
+            f"--kv-cache-memory: {budget:,} bytes do not hold the recurrent state of one request ({state:,} "
             "bytes, with as much again for KV blocks); raise the budget"
         )
-    rows = slots if mode == "align" else 0
+    rows = 0
     if state and mode == "all":
-        rest = budget - slots * state
-        rows = min(rest // 2 // state, rest // (state + per_block))
+        marks = config.max_num_batched_tokens // config.block_size + config.max_num_seqs
+        rows = min(marks, (budget - slots * state) // 4 // state)
         if rows < 1:
             raise UserError(
-                f"--mamba-cache-mode all: {rest:,} bytes of KV budget leave no room for a state checkpoint "
-                f"({state:,} bytes) beside the blocks; raise --kv-cache-memory or use align"
+                f"--mamba-cache-mode all: {budget - slots * state:,} bytes of KV budget leave no room for a state "
+                f"staging row ({state:,} bytes) beside the blocks; raise --kv-cache-memory or use align"
             )
     if slots:
         logger.info(
             "KV budget: %.2f MiB for %d recurrent-state slots (linear-attention layers; at most that many requests "
-            "run at once) and %d prefix-cache checkpoints (--mamba-cache-mode %s), the rest for blocks",
+            "run at once) and %d staging rows (--mamba-cache-mode %s), the rest for blocks (checkpoints too)",
             (slots + rows) * state / 2**20,
             slots,
             rows,

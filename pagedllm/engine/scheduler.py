@@ -141,33 +141,44 @@ class Scheduler:
         # Admitting new work right after preempting would only thrash the cache.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             ready = self._next_ready()
-            if ready is None:
+            taken = None if ready is None else self._admit(ready, budget, out)
+            if taken is None:
                 break
-            req = ready
-            # Prompt logprobs and pooling need every prompt position computed: such a request reads no cache.
-            blocks, num_cached = self._lookup(req)
-            num_new, cost = self._aligned(req, num_cached, *step_size(req, budget, num_cached))
-            req.num_computed_tokens = 0
-            if not self.kv.allocate_slots(req, num_new, blocks):
-                self.kv.free(req)  # the plan's holds (nothing else was taken)
-                if not self.running:  # nothing will ever free blocks for it (but a blend plan's holds: planned again)
-                    if not without_copies(req):
-                        self.waiting.remove(req)
-                        self._fail(req, out)
-                    continue
-                break
-            self.waiting.remove(req)
-            req.num_computed_tokens = num_cached
-            if req.num_preemptions == 0:  # a re-admission finding its own blocks is not a cache query (vLLM)
-                req.num_cached_tokens = num_cached
-                if req.reads_prefix_cache:
-                    self.kv.record_prefix_lookup(len(req.all_token_ids), num_cached)
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            out.scheduled.append((req, num_new))
-            budget -= cost
+            budget -= taken
         self.peak_running = max(self.peak_running, len(self.running))
         return out
+
+    def _admit(self, req: Request, budget: int, out: SchedulerOutput) -> int | None:
+        """Admit waiting `req` into this step if it fits: the budget it takes (0: it was not admitted, failed or
+        planned again; go on with the next); None: admit no more this step (the pool is too full, or its prefix
+        hit would end at a hybrid's state checkpoint that a chunk scheduled this step leaves: it waits a step
+        for it, as an attention group's hit shares the blocks this step computes: kv/recurrent_state_manager.py)."""
+        # Prompt logprobs and pooling need every prompt position computed: such a request reads no cache.
+        blocks, num_cached = self._lookup(req)
+        rs = self.kv.recurrent
+        if out.scheduled and rs is not None and rs.waits(req.request_id):
+            self.kv.free(req)  # what the lookup noted (nothing was taken)
+            return None
+        num_new, cost = self._aligned(req, num_cached, *step_size(req, budget, num_cached))
+        req.num_computed_tokens = 0
+        if not self.kv.allocate_slots(req, num_new, blocks):
+            self.kv.free(req)  # the plan's holds (nothing else was taken)
+            if self.running:
+                return None
+            if not without_copies(req):  # nothing will ever free blocks for it (but a blend plan's holds: again)
+                self.waiting.remove(req)
+                self._fail(req, out)
+            return 0
+        self.waiting.remove(req)
+        req.num_computed_tokens = num_cached
+        if req.num_preemptions == 0:  # a re-admission finding its own blocks is not a cache query (vLLM)
+            req.num_cached_tokens = num_cached
+            if req.reads_prefix_cache:
+                self.kv.record_prefix_lookup(len(req.all_token_ids), num_cached)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        out.scheduled.append((req, num_new))
+        return cost
 
     def _aligned(self, req: Request, start: int, num_new: int, cost: int) -> tuple[int, int]:
         """A hybrid model's prompt chunk cut to end at a block boundary (its state there is kept as a prefix-cache

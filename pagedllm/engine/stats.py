@@ -47,8 +47,9 @@ class RecurrentStateStats:
     bytes_per_request: int  # one slot: every such layer's conv and recurrent state
     slots: int  # reserved out of the KV budget (at most --max-num-seqs)
     slots_used: int
-    checkpoint_rows: int  # rows for checkpoints (0: prefix caching off)
-    checkpoints: int  # rows holding one now
+    checkpoint_blocks_each: int  # pool blocks one checkpoint takes (0: prefix caching off)
+    checkpoints: int  # cached now (all their blocks in the pool)
+    checkpoint_blocks: int  # pool blocks those take (free, evictable with the KV blocks, unless held)
     checkpoints_held: int  # of those, held by a prefix hit until it is copied
     checkpoint_disk_loads: int  # read back from the disk tier (cumulative)
 
@@ -69,14 +70,16 @@ def recurrent_state_stats(kv: KVCacheManager) -> RecurrentStateStats | None:
     if rs is None:
         return None
     slots, ck = rs.slots, rs.checkpoints
+    cached, blocks = ck.counts() if ck is not None else (0, 0)
     return RecurrentStateStats(
         list(kv.layout.recurrent_layers) if kv.layout is not None else [],
         slots.bytes_per_slot,
         slots.num_slots,
         slots.num_slots - slots.num_free,
-        ck.num_rows if ck is not None else 0,
-        len(ck.rows) if ck is not None else 0,
-        len(ck.refs) if ck is not None else 0,
+        ck.blocks_each if ck is not None else 0,
+        cached,
+        blocks,
+        len(ck.holds) if ck is not None else 0,
         rs.disk_loads,
     )
 

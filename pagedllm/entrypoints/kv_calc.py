@@ -158,9 +158,8 @@ def _kv_dtype(args: argparse.Namespace) -> str:
 def _report_states(cfg, model_dtype: str, per_block: int, block_size: int) -> None:
     """A hybrid model's recurrent-state slot: what each request holds beside its blocks, whatever its length (conv
     rows in the model's --dtype, SSM / delta-rule states in float32), per layer and per request, reserved for
-    --max-num-seqs requests out of the KV budget, with as much again for the prefix cache's checkpoints under
-    --mamba-cache-mode align; under all a checkpoint of the same bytes per block boundary of the cached prompts,
-    which it compares with a block's KV (`per_block` bytes)."""
+    --max-num-seqs requests out of the KV budget; the prefix cache's checkpoints of it are blocks of the pool, as
+    many as the state's bytes take of a pool block's (`per_block` bytes), evicted with the KV blocks."""
     from pagedllm.model import resolve_dtype
 
     if not cfg.linear_layers:
@@ -181,13 +180,15 @@ def _report_states(cfg, model_dtype: str, per_block: int, block_size: int) -> No
         f"recurrent state: {per:,} bytes per request ({len(cfg.linear_layers)} layers): one slot per running "
         "request, whatever its length, reserved for --max-num-seqs requests out of the KV budget"
     )
+    each = cdiv(per, per_block)
     print(
-        f"  with prefix caching (on by default) a checkpoint row per slot as well: {2 * per:,} bytes per slot; a "
-        "prefix hit starts from the state checkpointed at its last block boundary"
+        f"  with prefix caching (on by default) a checkpoint of it takes {each:,} pool blocks of their own kind "
+        f"({per_block:,} bytes each, {per / per_block:,.1f}x the KV of the {block_size} tokens before it), evicted "
+        "with the KV blocks; a prefix hit starts from the state checkpointed at its last block boundary"
     )
     print(
-        f"  --mamba-cache-mode all: a checkpoint of {per:,} bytes at every block boundary of the cached prompts, "
-        f"{per / per_block:,.1f}x the KV of the {block_size} tokens before it ({per_block:,} bytes)"
+        "  --mamba-cache-mode align: one where a prompt chunk ends at a block boundary; all: one at every block "
+        f"boundary of the cached prompts ({each:,} blocks per {block_size} tokens)"
     )
 
 

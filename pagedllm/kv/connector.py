@@ -2,11 +2,11 @@
 connector, CPU-sized): the disk tier (`DiskTierConnector`) and kv_blend's segment store (segments.py).
 
 The paged manager calls each hook at its one point and knows nothing of what answers it: a lookup that misses in
-RAM asks the connectors whether they hold a block's key (`contains`) and for its K/V in a free block (`load`); a
-hybrid model's lookup that finds no recurrent-state checkpoint in RAM where its KV hit ends asks the same for the
-state (`contains_state`, `load_state`: into a checkpoint row); a request's end (`request_finished`) lets go of
-what a connector held for it; a connector that put K/V into a request's blocks that are not its prefix's own bounds
-what is registered (`cache_limit`); the engine going idle (`idle`) lets a tier write what it lacks. A connector that
+RAM asks the connectors whether they hold a block's key (`contains`) and for its K/V in a free block (`load`), a
+hybrid model's recurrent-state checkpoints as well (they are pool blocks: kv/state_slots.py); a request's end
+(`request_finished`) lets go of what a connector held for it; a connector that put K/V into a request's blocks that
+are not its prefix's own bounds what is registered (`cache_limit`); the engine going idle (`idle`) lets a tier
+write what it lacks. A connector that
 stores nothing answers False / None.
 """
 
@@ -16,9 +16,8 @@ import logging
 from typing import Protocol
 
 from pagedllm.kv.block_pool import BlockPool, KVBlock
-from pagedllm.kv.hashing import BlockHash, state_key
-from pagedllm.kv.offload import STATE, DiskKVTier
-from pagedllm.kv.state_slots import StateCheckpoints
+from pagedllm.kv.hashing import BlockHash
+from pagedllm.kv.offload import DiskKVTier
 
 logger = logging.getLogger("pagedllm")
 
@@ -31,15 +30,6 @@ class BlockIO(Protocol):
     def write_block(self, block_id: int, data: bytes) -> None: ...
 
 
-class StateIO(Protocol):
-    """One recurrent-state row (every linear layer's conv and recurrent state) as bytes: a hybrid model's
-    checkpoint, which the disk tier stores beside the blocks (the model runner's state rows)."""
-
-    def read_state(self, row: int) -> bytes: ...
-
-    def write_state(self, row: int, data: bytes) -> None: ...
-
-
 class KVConnector:
     """The hooks, each a no-op here."""
 
@@ -50,19 +40,6 @@ class KVConnector:
         """The block of `key` read into a free block of `pool`, registered under `key` and held once (the caller
         frees it); None if it is not here, fails a check, or no block is free."""
         return None
-
-    def contains_state(self, key: BlockHash) -> bool:
-        """Whether it holds the recurrent state after the prefix `key` (a hybrid model's checkpoint)."""
-        return False
-
-    def load_state(self, key: BlockHash) -> int | None:
-        """The state after `key` read into a checkpoint row, registered under `key` (unheld: the lookup holds it
-        if its hit ends there); the row, or None if it is not here, fails a check, or every row is held."""
-        return None
-
-    def keep_checkpoints(self, checkpoints: StateCheckpoints) -> None:
-        """A hybrid model's state checkpoints (the recurrent-state group's): a tier may keep those evicted from
-        their rows and read them back (`contains_state`, `load_state`)."""
 
     def cache_limit(self, request_id: str) -> int | None:
         """Tokens of the request past which its blocks are not registered in the prefix cache (K/V this connector
@@ -79,52 +56,20 @@ class KVConnector:
 class DiskTierConnector(KVConnector):
     """Blocks evicted from the RAM pool go to the disk tier (offload.py); lookups that miss in RAM continue there.
     Keys are per KV-cache group (hashing.group_key), and `read_block` / `write_block` move a block id's bytes in
-    every cache tensor, so each group's blocks go to disk and back as the one group's did. A hybrid model's state
-    checkpoints (`keep_checkpoints`, their rows moved by `state_io`) go the same way, as files of kind STATE under
-    `hashing.state_key` of their prefix: evicted from their rows, or written when the engine goes idle."""
+    every cache tensor, so each group's blocks go to disk and back as the one group's did, and so do a hybrid
+    model's state checkpoints (blocks of the pool under their own keys)."""
 
-    def __init__(self, disk: DiskKVTier, block_io: BlockIO, pool: BlockPool, state_io: StateIO | None = None) -> None:
-        self.disk, self.block_io, self.state_io = disk, block_io, state_io
-        self.checkpoints: StateCheckpoints | None = None
+    def __init__(self, disk: DiskKVTier, block_io: BlockIO, pool: BlockPool) -> None:
+        self.disk, self.block_io = disk, block_io
         pool.on_evict = self._offload
-
-    def keep_checkpoints(self, checkpoints: StateCheckpoints) -> None:
-        if self.state_io is not None:
-            self.checkpoints = checkpoints
-            checkpoints.on_evict = self._offload_state
 
     def _offload(self, block: KVBlock) -> None:
         assert block.block_hash is not None
         io = self.block_io
         self.disk.put(block.block_hash, lambda: io.read_block(block.block_id))
 
-    def _offload_state(self, key: BlockHash, row: int) -> None:
-        io = self.state_io
-        assert io is not None
-        self.disk.put(state_key(key), lambda: io.read_state(row), STATE)
-
     def contains(self, key: BlockHash) -> bool:
         return self.disk.contains(key)
-
-    def contains_state(self, key: BlockHash) -> bool:
-        return self.checkpoints is not None and self.disk.contains(state_key(key))
-
-    def load_state(self, key: BlockHash) -> int | None:
-        if self.checkpoints is None or self.state_io is None:
-            return None
-        data = self.disk.load(state_key(key), STATE)
-        if data is None:
-            return None
-        row = self.checkpoints.store(key)
-        if row is None:  # every row is held by a hit (or it is in RAM after all)
-            return self.checkpoints.find(key)
-        try:
-            self.state_io.write_state(row, data)
-        except Exception as e:  # noqa: BLE001 - a state that does not fit the rows is a miss, not a failed request
-            logger.warning("KV disk tier: recurrent state does not fit the state rows (%s): not served", e)
-            self.checkpoints.drop(key)
-            return None
-        return row
 
     def load(self, pool: BlockPool, key: BlockHash) -> KVBlock | None:
         if not pool.num_free_blocks:
@@ -151,8 +96,3 @@ class DiskTierConnector(KVConnector):
                 break
             if block.block_hash is not None and not self.disk.contains(block.block_hash):
                 self._offload(block)
-        for key, row in list(self.checkpoints.rows.items()) if self.checkpoints is not None else ():
-            if not self.disk.accepting:
-                break
-            if not self.disk.contains(state_key(key)):
-                self._offload_state(key, row)

@@ -73,7 +73,9 @@ class KVCacheCoordinator:
         """The free pool holds what every group's growth takes, and each group has the rest it gives (a slot)."""
         hit = self._padded(new_computed)
         need = sum(m.num_blocks_to_allocate(request_id, num_tokens, b) for m, b in zip(self.managers, hit))
-        return need <= self.pool.num_free_blocks and all(m.can_allocate(request_id) for m in self.managers)
+        return need <= self.pool.num_free_blocks and all(
+            m.can_allocate(request_id, b) for m, b in zip(self.managers, hit)
+        )
 
     def allocate(self, request_id: str, num_tokens: int, new_computed: GroupBlocks) -> None:
         """Every group's hit first, then fresh blocks (vLLM's order): a hit block can sit in the free queue, and

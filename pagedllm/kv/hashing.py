@@ -68,8 +68,8 @@ def group_key(block_hash: BlockHash, group: int) -> BlockHash:
     return hashlib.sha256(block_hash + b"pagedllm-kv-group" + group.to_bytes(4, "little")).digest()
 
 
-def state_key(block_hash: BlockHash) -> BlockHash:
-    """The disk tier's key of a hybrid model's recurrent-state checkpoint after the prefix `block_hash`
-    (kv/state_slots.py): the prefix's own hash names its last KV block of group 0, so the state needs a key of
-    its own."""
-    return hashlib.sha256(block_hash + b"pagedllm-state").digest()
+def checkpoint_key(block_hash: BlockHash, part: int) -> BlockHash:
+    """The pool's key of block `part` of a hybrid model's recurrent-state checkpoint after the prefix `block_hash`
+    (kv/state_slots.py): the prefix's own hash names its last KV block of group 0, so each block of the state
+    needs a key of its own."""
+    return hashlib.sha256(block_hash + b"pagedllm-state" + part.to_bytes(4, "little")).digest()

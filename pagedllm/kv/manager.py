@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pagedllm.kv.block_pool import BlockPool, KVBlock
-from pagedllm.kv.connector import BlockIO, DiskTierConnector, KVConnector, StateIO
+from pagedllm.kv.connector import BlockIO, DiskTierConnector, KVConnector
 from pagedllm.kv.coordinator import GroupBlocks, KVCacheCoordinator
 from pagedllm.kv.hashing import BlockHash, extra_key, hash_full_blocks
 from pagedllm.kv.kv_spec import KVCacheLayout, cdiv
@@ -248,7 +248,7 @@ class KVCacheManager:
         would be served their never-written contents) and return them per request."""
         return {}
 
-    def attach_disk_tier(self, disk: DiskKVTier, block_io: BlockIO, state_io: StateIO | None = None) -> None:
+    def attach_disk_tier(self, disk: DiskKVTier, block_io: BlockIO) -> None:
         """Only the paged manager keeps blocks a disk tier could hold (the config refuses any other)."""
         raise ValueError(f"{type(self).__name__} has no prefix cache for a disk tier")
 
@@ -311,10 +311,10 @@ class PagedKVCacheManager(KVCacheManager):
         self.connectors.append(connector)
         self.coordinator.connect(connector)
 
-    def attach_disk_tier(self, disk: DiskKVTier, block_io: BlockIO, state_io: StateIO | None = None) -> None:
-        """Blocks evicted from the RAM pool go to `disk`; lookups that miss in RAM continue there. A hybrid model's
-        state checkpoints go there too, their rows moved by `state_io`."""
-        self.add_connector(DiskTierConnector(disk, block_io, self.pool, state_io))
+    def attach_disk_tier(self, disk: DiskKVTier, block_io: BlockIO) -> None:
+        """Blocks evicted from the RAM pool go to `disk`; lookups that miss in RAM continue there (a hybrid model's
+        state checkpoints too: they are blocks of the pool)."""
+        self.add_connector(DiskTierConnector(disk, block_io, self.pool))
 
     def enable_segments(self) -> SegmentStore | None:
         """kv_blend's segment store, where the model is one full-attention group and nothing else (no recurrent
@@ -579,7 +579,7 @@ class ContiguousKVCacheManager(KVCacheManager):
         total = request.num_computed_tokens + num_new_tokens + num_lookahead_tokens
         if total > self.blocks_per_request * self.block_size:
             return False
-        if self.recurrent is not None and not self.recurrent.can_allocate(rid):
+        if self.recurrent is not None and not self.recurrent.can_allocate(rid, ()):
             return False
         if rid not in self.req_blocks:
             if self.blocks_per_request > self.pool.num_free_blocks:

@@ -9,9 +9,8 @@ check is a miss: the file is deleted and the fact logged. A disk that refuses a 
 writing, never the serving. The engine only copies an evicted block and queues it; one thread does the writing,
 so a step never waits on the disk.
 
-A hybrid model's recurrent-state checkpoints (kv/state_slots.py) are files of their own kind in the same folder:
-`kind=STATE` names one, keyed by `hashing.state_key` of the prefix it ends, with its own magic and payload size,
-so a KV block is never served as a state nor a state as a block; the same checks, writer, size and eviction hold.
+A hybrid model's recurrent-state checkpoints (kv/state_slots.py) are blocks of the pool under keys of their own,
+so they come here as any evicted block.
 
 The tier trusts the owner of its folder, nobody else: whoever can write in DIR can make it miss, never make it
 touch a file outside DIR nor serve a wrong block. So DIR and its fingerprint folder must be real directories (a
@@ -43,14 +42,10 @@ from pagedllm.kv.hashing import BlockHash
 logger = logging.getLogger("pagedllm")
 
 MAGIC = b"PLKVBLK1"
-STATE_MAGIC = b"PLKVSTA1"  # a recurrent-state checkpoint's file (kind STATE)
-# the kinds of file: a block's K/V, a hybrid model's state at a block boundary
-KV = "kv"
-STATE = "state"
 HEADER = struct.Struct("<8s32s32sQI")  # magic, fingerprint, block hash, payload length, CRC-32 of the payload
 SUFFIX = ".kv"
 QUEUE_BYTES = 64 * 2**20  # evicted blocks waiting for the writer; past this they are dropped, not waited for
-# (one item always fits: a state checkpoint can be larger than the queue)
+# (one item always fits)
 _BLOCK_NAME = re.compile(r"[0-9a-f]{64}\.kv")
 _TEMP_NAME = re.compile(r"[0-9a-f]{64}\.kv\.[0-9]+(\.[0-9a-f]{16})?\.tmp")  # also the older `<hash>.kv.<pid>.tmp`
 # Errors that say the folder itself cannot take writes (full, read-only, not ours): the writing stops. Any other
@@ -70,8 +65,6 @@ class DiskTierStats:
     bad_files: int = 0  # files that failed a check (torn, truncated, corrupted, another engine's) and were deleted
     write_errors: int = 0  # writes that failed: a full or read-only disk stops the writing, a bad entry its block
     skipped: int = 0  # entries that are not the tier's own files (a link, a folder, a stranger's): left alone
-    state_writes: int = 0  # of `writes`, recurrent-state checkpoints (kind STATE)
-    state_loads: int = 0  # of `loads`, recurrent-state checkpoints
 
 
 def open_folder(path: str, parent_fd: int | None = None) -> int:
@@ -128,26 +121,23 @@ def read_regular_file(dir_fd: int, name: str, limit: int) -> bytes:
 
 
 class DiskKVTier:
-    """Block files in `root/<fingerprint>/`, at most `max_bytes` of them, least recently used evicted first.
-    `state_bytes`: a hybrid model's recurrent-state checkpoint (files of kind STATE; 0: none)."""
+    """Block files in `root/<fingerprint>/`, at most `max_bytes` of them, least recently used evicted first."""
 
-    def __init__(self, root: str, max_bytes: int, fingerprint: bytes, payload_bytes: int, state_bytes: int = 0) -> None:
+    def __init__(self, root: str, max_bytes: int, fingerprint: bytes, payload_bytes: int) -> None:
         if len(fingerprint) != 32:
             raise ValueError("the fingerprint is a 32-byte digest")
         self.root, self.max_bytes = os.path.abspath(root), max_bytes
         self.fingerprint, self.payload_bytes = fingerprint, payload_bytes
-        self.kinds = {KV: (MAGIC, payload_bytes), STATE: (STATE_MAGIC, state_bytes)}  # kind -> magic, payload
         self.dir = os.path.join(self.root, fingerprint.hex()[:16])
         self.stats = DiskTierStats()
         self.writable = True
-        self.write_states = state_bytes > 0  # off once a state proves larger than the tier
         self._fd: int | None = None  # the fingerprint folder; every name is resolved against it
         self._lock = threading.Lock()
         self._index: OrderedDict[BlockHash, int] = OrderedDict()  # hash -> file size, least recently used first
-        self._pending: dict[BlockHash, tuple[str, bytes]] = {}  # queued for the writer (kind, payload): served
+        self._pending: dict[BlockHash, bytes] = {}  # queued for the writer: served
         self._queued_bytes = 0  # payload bytes in the queue (bounded by QUEUE_BYTES)
         self._refused: set[BlockHash] = set()  # blocks whose name holds an entry that cannot be written over
-        self._queue: queue.Queue[tuple[BlockHash, str, bytes] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[BlockHash, bytes] | None] = queue.Queue()
         self._logged: set[str] = set()
         self._open()
         self._thread = threading.Thread(target=self._writer, name="pagedllm-kv-offload", daemon=True)
@@ -239,58 +229,53 @@ class DiskKVTier:
     def _room_for(self, size: int) -> bool:
         return not self._queued_bytes or self._queued_bytes + size <= QUEUE_BYTES
 
-    def put(self, block_hash: BlockHash, read: Callable[[], bytes], kind: str = KV) -> bool:
-        """Queue a block (or a state checkpoint: `kind`) for writing unless it is on disk (or queued) already;
-        `read` copies its contents and is called only if it will be written. Never blocks: a full queue drops it."""
-        magic, size = self.kinds[kind]
+    def put(self, block_hash: BlockHash, read: Callable[[], bytes]) -> bool:
+        """Queue a block for writing unless it is on disk (or queued) already; `read` copies its contents and is
+        called only if it will be written. Never blocks: a full queue drops it."""
         with self._lock:
             if not self.writable or block_hash in self._index or block_hash in self._pending:
                 return False
-            if block_hash in self._refused or not size or (kind == STATE and not self.write_states):
+            if block_hash in self._refused:
                 return False
-            if not self._room_for(size):
+            if not self._room_for(self.payload_bytes):
                 self.stats.dropped += 1
                 return False
             data = read()
-            self._pending[block_hash] = (kind, data)
+            self._pending[block_hash] = data
             self._queued_bytes += len(data)
-        self._queue.put_nowait((block_hash, kind, data))
+        self._queue.put_nowait((block_hash, data))
         return True
 
-    def load(self, block_hash: BlockHash, kind: str = KV) -> bytes | None:
-        """The checked payload of the block (or state checkpoint: `kind`), or None: not here, unreadable, or failed
-        a check (then deleted)."""
+    def load(self, block_hash: BlockHash) -> bytes | None:
+        """The checked payload of the block, or None: not here, unreadable, or failed a check (then deleted)."""
         with self._lock:
             pending = self._pending.get(block_hash)
             if pending is None and block_hash not in self._index:
                 return None
         if pending is not None:
-            if pending[0] != kind:
-                return None
-            data: bytes | None = pending[1]
+            data: bytes | None = pending
         else:
-            data = self._read(block_hash, kind)
+            data = self._read(block_hash)
             if data is None:
                 return None
         with self._lock:
             if block_hash in self._index:
                 self._index.move_to_end(block_hash)
             self.stats.loads += 1
-            self.stats.state_loads += kind == STATE
         return data
 
-    def _read(self, block_hash: BlockHash, kind: str) -> bytes | None:
+    def _read(self, block_hash: BlockHash) -> bytes | None:
         """The payload of the block's file if it passes every check. A file that fails one is deleted (it is a
         regular file under our name); a link or a folder put in its place is never followed, only forgotten."""
         path, fd = self._path(block_hash), self._fd
         try:
             if fd is None:
                 raise OSError(errno.EBADF, "the tier is closed")
-            raw = read_regular_file(fd, self._name(block_hash), HEADER.size + self.kinds[kind][1] + 1)
+            raw = read_regular_file(fd, self._name(block_hash), HEADER.size + self.payload_bytes + 1)
         except OSError as e:  # evicted meanwhile, the disk went away, or not a regular file any more: a miss
             self._forget(block_hash, None, f"cannot read {path}: {e}", logging.DEBUG)
             return None
-        problem = self._check(raw, block_hash, kind)
+        problem = self._check(raw, block_hash)
         if problem is not None:
             self.stats.bad_files += 1
             self._forget(block_hash, self._name(block_hash), f"{path} {problem}: not served, deleted")
@@ -301,13 +286,13 @@ class DiskKVTier:
             pass
         return raw[HEADER.size :]
 
-    def _check(self, raw: bytes, block_hash: BlockHash, kind: str) -> str | None:
-        expected, payload_bytes = self.kinds[kind]
+    def _check(self, raw: bytes, block_hash: BlockHash) -> str | None:
+        payload_bytes = self.payload_bytes
         if len(raw) < HEADER.size:
             return "is shorter than its header (a torn or truncated write)"
         magic, fingerprint, stored_hash, length, crc = HEADER.unpack_from(raw)
-        if magic != expected:
-            return "is not a pagedllm KV block" if kind == KV else "is not a pagedllm recurrent-state checkpoint"
+        if magic != MAGIC:
+            return "is not a pagedllm KV block"
         if fingerprint != self.fingerprint:
             return "was written by another model or with other settings"
         if stored_hash != block_hash:
@@ -344,26 +329,16 @@ class DiskKVTier:
             finally:
                 self._queue.task_done()
 
-    def _write(self, block_hash: BlockHash, kind: str, data: bytes) -> None:
+    def _write(self, block_hash: BlockHash, data: bytes) -> None:
         size = HEADER.size + len(data)
         try:
             if not self.writable or self._fd is None:
-                return
-            if size > self.max_bytes and kind == STATE:  # the blocks still fit: only the states stay in RAM
-                self.write_states = False
-                self._log_once(
-                    "state size",
-                    "KV disk tier: a recurrent-state checkpoint takes %s bytes, more than --kv-offload-size %s; "
-                    "states are not written",
-                    f"{size:,}",
-                    f"{self.max_bytes:,}",
-                )
                 return
             if size > self.max_bytes:
                 self._stop_writing(f"a block takes {size:,} bytes, more than --kv-offload-size {self.max_bytes:,}")
                 return
             self._evict_to(self.max_bytes - size)
-            header = HEADER.pack(self.kinds[kind][0], self.fingerprint, block_hash, len(data), zlib.crc32(data))
+            header = HEADER.pack(MAGIC, self.fingerprint, block_hash, len(data), zlib.crc32(data))
             error = write_new_file(self._fd, self._name(block_hash), (header, data))
             if error is not None:
                 self._write_failed(block_hash, error)
@@ -373,7 +348,6 @@ class DiskKVTier:
                 self.stats.bytes += size
                 self.stats.blocks += 1
                 self.stats.writes += 1
-                self.stats.state_writes += kind == STATE
         finally:
             with self._lock:
                 self._pending.pop(block_hash, None)

@@ -49,7 +49,7 @@ class SingleTypeKVCacheManager:
     def connect(self, connector: KVConnector) -> None:
         """A connector (the disk tier) was plugged in behind the KV manager's seam."""
 
-    def can_allocate(self, request_id: str) -> bool:
+    def can_allocate(self, request_id: str, new_computed: Sequence[KVBlock]) -> bool:
         """Whatever the group gives a request besides pool blocks is there (a block group needs nothing else)."""
         return True
 

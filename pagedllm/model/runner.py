@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import mmap
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -165,37 +166,31 @@ class ModelRunner:
             raise ValueError("a chunk asks for a LoRA adapter but LoRA is not enabled")
         return ids
 
-    @torch.inference_mode()
-    def copy_state(self, src: int, dst: int) -> None:
-        """Copy every linear layer's state row `src` to row `dst` (a prefix-cache checkpoint and a request's slot,
-        either way)."""
-        for conv, rec in self.states.values():
-            conv[dst], rec[dst] = conv[src], rec[src]
-
     @property
     def state_row_bytes(self) -> int:
-        """Bytes of one state row over every linear layer (0 without them): a checkpoint as the disk tier stores it."""
+        """Bytes of one state row over every linear layer (0 without them): a checkpoint's, laid across blocks."""
         return sum(
             conv[0].numel() * conv.element_size() + rec[0].numel() * rec.element_size()
             for conv, rec in self.states.values()
         )
 
-    def read_state(self, row: int) -> bytes:
-        """A copy of state row `row` (every linear layer's conv, then recurrent state) as bytes: the disk tier's."""
-        parts = [t[row].reshape(-1).view(torch.uint8) for pair in self.states.values() for t in pair]
-        return torch.cat(parts).cpu().numpy().tobytes()
+    def _block_bytes(self, block_ids: Sequence[int]) -> list[torch.Tensor]:
+        """The K/V memory of blocks `block_ids`, every slot's, as raw byte views (a quantized row's scale too)."""
+        return [t[b].view(-1).view(torch.uint8) for b in block_ids for pair in self.kv_tensors for t in pair]
 
-    def write_state(self, row: int, data: bytes) -> None:
-        """Fill state row `row` from `read_state`'s bytes (a checkpoint read back from the disk tier)."""
-        if len(data) != self.state_row_bytes:
-            raise ValueError(f"a state row holds {self.state_row_bytes} bytes, got {len(data)}")
-        src = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
-        offset = 0
-        for pair in self.states.values():
-            for t in pair:
-                dst = t[row].view(-1).view(torch.uint8)
-                dst.copy_(src[offset : offset + dst.numel()])
-                offset += dst.numel()
+    def _state_bytes(self, row: int) -> list[torch.Tensor]:
+        return [t[row].view(-1).view(torch.uint8) for pair in self.states.values() for t in pair]
+
+    @torch.inference_mode()
+    def state_to_blocks(self, row: int, block_ids: Sequence[int]) -> None:
+        """Lay state row `row`'s bytes across the memory of blocks `block_ids` (a prefix-cache checkpoint stored in
+        pool blocks: kv/state_slots.py); the blocks' bytes past the state's are left as they are."""
+        _copy_bytes(torch.cat(self._state_bytes(row)), self._block_bytes(block_ids))
+
+    @torch.inference_mode()
+    def blocks_to_state(self, block_ids: Sequence[int], row: int) -> None:
+        """Fill state row `row` from the bytes `state_to_blocks` laid across blocks `block_ids`."""
+        _copy_bytes(torch.cat(self._block_bytes(block_ids)), self._state_bytes(row))
 
     @property
     def bytes_per_token(self) -> int:
@@ -386,3 +381,14 @@ class ModelRunner:
         if recurrent is not None:
             recurrent.commit()
         return list(self.model.norm(h).float().split(lens))
+
+
+def _copy_bytes(src: torch.Tensor, dst: list[torch.Tensor]) -> None:
+    """`src`'s bytes into the views `dst` in order, until `src` ends."""
+    offset = 0
+    for view in dst:
+        n = min(view.numel(), src.numel() - offset)
+        if n <= 0:
+            break
+        view[:n].copy_(src[offset : offset + n])
+        offset += n

@@ -25,7 +25,7 @@ from pagedllm.server.protocol_info import RecurrentState
 router = APIRouter()
 ENGINE_WAIT_S = 30.0  # how long a read waits for the engine thread to get between two steps, then a 503
 
-BlockState = Literal["free", "cached", "used", "shared", "tail", "reserved"]
+BlockState = Literal["free", "cached", "used", "shared", "tail", "reserved", "checkpoint"]
 
 
 class KVCounters(BaseModel):
@@ -45,6 +45,9 @@ class KVCounters(BaseModel):
     slots_allocated: int = Field(description="token slots in held blocks")
     tokens_stored: int = Field(description="tokens those slots hold (a shared block counts once)")
     empty_slots: int = Field(description="slots_allocated - tokens_stored: tails, and contiguous reservations")
+    num_checkpoint_blocks: int = Field(
+        description="blocks holding a hybrid model's recurrent-state checkpoint (free ones are evictable)"
+    )
 
 
 class KVMap(BaseModel):

@@ -80,8 +80,9 @@ class RecurrentState(ResponseModel):
     slots: int = Field(description="slots reserved out of the KV budget: at most that many requests run at once")
     slots_used: int
     slots_free: int
-    checkpoint_rows: int = Field(description="rows for prefix-cache checkpoints (0: prefix caching off)")
-    checkpoints: int = Field(description="rows holding a checkpoint now")
+    checkpoint_blocks_each: int = Field(description="pool blocks one checkpoint takes (0: prefix caching off)")
+    checkpoints: int = Field(description="checkpoints cached now (all their blocks in the pool)")
+    checkpoint_blocks: int = Field(description="pool blocks those take, evictable with the KV blocks unless held")
     checkpoints_held: int = Field(description="of those, held by a prefix hit until it is copied")
     checkpoint_disk_loads: int = Field(description="checkpoints read back from the disk tier (cumulative)")
 

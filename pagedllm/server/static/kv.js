@@ -53,7 +53,7 @@ function render(d) {
       d.kv_groups.map((g) => `${g.layers.length} layers ${g.window === null ? "full attention" : `window ${g.window}` +
         (g.frees_blocks ? " (blocks out of it freed)" : "")}: ${g.blocks} blocks`).join(", ") : "") +
     (d.recurrent_state ? " · " + stateLine(d.recurrent_state) : "");
-  renderLegend(d.map);
+  renderLegend(d);
   renderCounters(d);
   drawMap(d);
   renderRequests(d);
@@ -65,15 +65,21 @@ function stateLine(s) {
   // a hybrid model's linear-attention layers: a state slot per running request, checkpoints for the prefix cache
   return `recurrent state (${s.layers.length} ${s.mixer} layers): ${s.bytes_per_request.toLocaleString()} bytes ` +
     `per request, slots ${s.slots_used} used / ${s.slots_free} free` +
-    (s.checkpoint_rows ? `, checkpoints ${s.checkpoints} of ${s.checkpoint_rows} rows (${s.checkpoints_held} held` +
+    (s.checkpoint_blocks_each ? `, checkpoints ${s.checkpoints} in ${s.checkpoint_blocks} pool blocks ` +
+      `(${s.checkpoint_blocks_each} each, ${s.checkpoints_held} held` +
       (s.checkpoint_disk_loads ? `, ${s.checkpoint_disk_loads} read from disk` : "") + ")" : "");
 }
 
-function renderLegend(map) {
-  const ul = $("legend");
-  if (ul.childElementCount) return;
+function renderLegend(d) {
+  // a hybrid model's recurrent-state checkpoints are blocks of their own kind; other models have none to name
+  const ul = $("legend"), map = d.map, checkpoints = Boolean(d.recurrent_state?.checkpoint_blocks_each);
+  if (ul.childElementCount && ul.dataset.checkpoints === String(checkpoints)) return;
+  ul.replaceChildren();
+  ul.dataset.checkpoints = String(checkpoints);
   for (const s of map.states) {
+    if (s === "checkpoint" && !checkpoints) continue;
     const li = document.createElement("li");
+    li.dataset.state = s;
     li.innerHTML = `<i style="background:${map.colors[s]}"></i>${map.labels[s]}`;
     ul.appendChild(li);
   }
@@ -98,6 +104,7 @@ function renderCounters(d) {
     ["empty slots", n(c.empty_slots), "empty"],
     ["used share", c.slots_allocated ? pct(c.tokens_stored / c.slots_allocated) : "—", "share"],
   ];
+  if (d.recurrent_state?.checkpoint_blocks_each) rows.push(["checkpoint blocks", n(c.num_checkpoint_blocks), "checkpoint"]);
   $("counters").tBodies[0].innerHTML = rows.map(([label, value, id]) =>
     `<tr><td>${label}</td><td id="c-${id}">${value}</td></tr>`).join("");
 }

@@ -320,7 +320,7 @@ def test_rounding_to_8_bits_is_exact_on_every_class(lib):
     x[4, 5], x[4, 9] = 3.2e38, -np.inf
     q, d, s = np.empty((9, 96), np.int8), np.empty((9, 3), np.float32), np.empty((9, 6), np.int32)
     for m in range(9):
-        lib.qi8_quantize_row(q[m].ctypes.data, d[m].ctypes.data, s[m].ctypes.data, x[m].ctypes.data, 96)
+        lib.qi8_quantize_row(q[m].ctypes.data, d[m].ctypes.data, s[m].ctypes.data, x[m].ctypes.data, 96, 1)
     g = x.reshape(9, 3, 32)
     with np.errstate(invalid="ignore", over="ignore"):
         amax = np.fmax.reduce(np.abs(g), axis=-1, initial=0)
@@ -384,6 +384,41 @@ def test_the_int8_route_gives_each_row_the_same_result_at_any_row_count(lib, kin
     before = rng.standard_normal((70, w.n)).astype(np.float32)
     out = before.copy()
     rc = lib.qmm_i8(
+        out.ctypes.data, x.ctypes.data, w.tiles.data_ptr(), bias.ctypes.data, 70, w.n, w.k, w.k, w.n,
+        quant.FORMATS[w.fmt], 1, 2,
+    )  # fmt: skip
+    assert rc == 0 and np.array_equal(out, before + alone)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "q8m", "Q4_K", "Q6_K"])
+def test_the_two_pass_int8_route_keeps_the_16_bit_step_at_any_row_count(lib, kind):
+    """Two passes of 8-bit codes (qmm_i8x2: x ~ d1 q1 + d1 / 254 q2, q2 the rounded residual of q1): each input
+    is within d1 / 508 of its value (d1 = its group's max |x| / 127: the 16-bit route's step, 1 / 254 of one
+    pass's), so the result is within sum |w| x d1 / 508 per group of the float64 product of the file's exact
+    weights and x, on every class (VNNI, AVX2's vpmaddubsw, portable); and each row's result is bit for bit the
+    same at every row count (rows run in passes of 3, 2 with AVX2, then 2 / 1), with a clipped last column block,
+    the bias, and added to the output."""
+    w = _dot_weight(kind, 37)
+    rng = np.random.default_rng(len(kind) + 2)
+    x, bias = rng.standard_normal((70, w.k)).astype(np.float32), rng.standard_normal(w.n).astype(np.float32)
+    x[1] *= 1e-30
+    x[2, :32] = 0
+    x[3] *= 1e4
+    x[4, 7] = 40  # one large input: one pass would round the rest of its group to few steps
+    alone = np.concatenate([_run(lib, "qmm_i8x2", x[i : i + 1], w, bias) for i in range(70)])
+    for rows in (2, 3, 5, 6, 7, 13, 64, 70):
+        got = _run(lib, "qmm_i8x2", x[:rows], w, bias)
+        assert np.array_equal(got, alone[:rows]), f"{rows} rows: not the one-row result"
+    ref = _rows(lib, w).astype(np.float64)
+    exact = x.astype(np.float64) @ ref.T + bias
+    step = np.abs(x).reshape(70, -1, 32).max(-1).astype(np.float64) / 127 / 508
+    bound = step @ np.abs(ref).reshape(w.n, -1, 32).sum(-1).T
+    assert np.all(np.abs(alone - exact) <= bound * 1.01 + 1e-5 * np.abs(exact).max(axis=1, keepdims=True))
+    one_pass = np.abs(_i8(lib, x, w, bias) - exact).max()
+    assert np.abs(alone - exact)[4:].max() < one_pass / 20  # nearer the exact product than one pass by far
+    before = rng.standard_normal((70, w.n)).astype(np.float32)
+    out = before.copy()
+    rc = lib.qmm_i8x2(
         out.ctypes.data, x.ctypes.data, w.tiles.data_ptr(), bias.ctypes.data, 70, w.n, w.k, w.k, w.n,
         quant.FORMATS[w.fmt], 1, 2,
     )  # fmt: skip

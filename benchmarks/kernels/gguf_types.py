@@ -49,7 +49,9 @@ def main() -> None:
     p.add_argument("--types", default=",".join(GGML_TYPES.values()))
     p.add_argument("--rows", default="1,64")
     p.add_argument(
-        "--routes", default="f32,dot", help="f32: float32 activations; dot: rounded to 16 bits; i8: to 8 bits"
+        "--routes",
+        default="f32,dot",
+        help="f32: float32 activations; dot: rounded to 16 bits; i8: to 8 bits; i8x2: two passes of 8 bits",
     )
     p.add_argument("--repeat", type=int, default=10)
     p.add_argument("--cold-mb", type=int, default=512, help="bytes of distinct weights the 1-row timing cycles over")
@@ -73,7 +75,8 @@ def main() -> None:
         line = f"{name:7s} {w.fmt:6s} {8 * nbytes / weights:8.2f} {8 * w.nbytes / (n * k):8.2f} {w.nbytes / 1e6:7.1f}"
         copies = [w] + [dataclasses.replace(w, tiles=w.tiles.clone()) for _ in range(args.cold_mb * 10**6 // w.nbytes)]
         for rt in routes:
-            cs = [dataclasses.replace(c, dot=rt == "dot", i8_min_rows=int(rt == "i8")) for c in copies]
+            i8, passes = int(rt in ("i8", "i8x2")), 2 if rt == "i8x2" else 1
+            cs = [dataclasses.replace(c, dot=rt == "dot", i8_min_rows=i8, i8_passes=passes) for c in copies]
             for r in rows:
                 x, ws = torch.randn(r, k), cs if r == 1 else cs[:1]
                 ms = best_ms(lambda x=x, ws=ws: [quant.qlinear(x, c) for c in ws], args.repeat) / len(ws)

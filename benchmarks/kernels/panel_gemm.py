@@ -12,6 +12,8 @@ loader packs a GGUF's; dense is oneDNN over the same weights dequantized (float3
   block_dot in passes of a few rows), for the types the route runs;
 - q-i8: the same with the activations rounded to 8-bit integers per group of 32 (the int8 route, qmm_i8.c),
   for the types it runs;
+- q-i8x2: the int8 route in two passes of 8-bit codes (x ~ d1 q1 + d1 / 254 q2: the 16-bit route's step, two
+  byte products per weight byte);
 - dense-f32 / dense-bf16: oneDNN, the weight packed once.
 One thread, the fastest of `--repeat` runs in thread CPU time (so that another process taking the core does not
 count: the figures stand on a shared machine), each run after reading a buffer larger than the caches unless
@@ -113,6 +115,9 @@ def main() -> int:
                 i8s = [dataclasses.replace(w, i8_min_rows=1) for w in ws]
                 qi = best_ms([lambda x=x, w=w: quant.qlinear(x, w) for x, w in zip(xs, i8s)], a.repeat, evict)
                 line += f" | q-i8 {qi:8.2f} ({qi / dense[r]['f32']:.2f}x)"
+                i8s = [dataclasses.replace(w, i8_passes=2) for w in i8s]
+                qi = best_ms([lambda x=x, w=w: quant.qlinear(x, w) for x, w in zip(xs, i8s)], a.repeat, evict)
+                line += f" | q-i8x2 {qi:8.2f} ({qi / dense[r]['f32']:.2f}x)"
             if quant.bf16_kernel() is not None:
                 qb = best_ms([lambda x=x, w=w: quant.qlinear(x, w) for x, w in zip(xb, ws)], a.repeat, evict)
                 line += f" | q-bf16 {qb:8.2f} dense-bf16 {dense[r]['bf16']:8.2f} ({qb / dense[r]['bf16']:.2f}x)"

@@ -216,6 +216,7 @@ class QuantWeight:
     amx_min_rows: int = 0  # bf16 inputs of at least this many rows run on bf16_kernel() (kernel_choice.py); 0: never
     dot: bool = False  # inputs rounded to 16-bit integers per group of 32 (the dot route), at every row count
     i8_min_rows: int = 0  # inputs of at least this many rows rounded to int8 per group of 32 (the int8 route); 0: never
+    i8_passes: int = 1  # the int8 route's passes of codes: 1 llama.cpp's Q8_0, 2 int8 + residual (16-bit's error)
 
     @property
     def nbytes(self) -> int:
@@ -344,7 +345,8 @@ def qlinear(
         xf = xf.float().contiguous()
     res = out if out is not None else torch.empty(m, w.n, dtype=torch.float32)
     b = None if bias is None else bias.float().contiguous()
-    fn = _lib().qmm_i8 if i8 else _lib().qmm_dot if dot else _lib().qmm_amx if amx else _lib().qmm_f32
+    i8fn = _lib().qmm_i8x2 if w.i8_passes == 2 else _lib().qmm_i8
+    fn = i8fn if i8 else _lib().qmm_dot if dot else _lib().qmm_amx if amx else _lib().qmm_f32
     rc = fn(
         res.data_ptr(),
         xf.data_ptr(),

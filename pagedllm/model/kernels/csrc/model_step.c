@@ -730,7 +730,7 @@ static void run_item(const Phase *p, const StepModel *m, const StepLayer *layers
         break;
     case K_Q8:
         qi8_quantize_row(buf->xq8.q + (int64_t)i * p->K, buf->xq8.d + (int64_t)i * (p->K / 32),
-                         buf->xq8.s + (int64_t)i * (p->K / 16), p->x + (int64_t)i * p->K, p->K);
+                         buf->xq8.s + (int64_t)i * (p->K / 16), p->x + (int64_t)i * p->K, p->K, 1);
         break;
     case K_MATMUL:
         matmul_item(p, buf, sc, i);
@@ -1004,7 +1004,7 @@ int model_step(const StepModel *m, const StepLayer *layers, const StepBatch *b, 
                dot ? malloc((size_t)T * (K / 16) * sizeof(int32_t)) : NULL};
     const int i8 = m->i8_min_rows > 0 && T >= m->i8_min_rows ? m->i8_min_rows : 0;
     XQ8 xq8 = {i8 ? malloc((size_t)T * K) : NULL, i8 ? malloc((size_t)T * (K / 32) * sizeof(float)) : NULL,
-               i8 ? malloc((size_t)T * (K / 16) * sizeof(int32_t)) : NULL};
+               i8 ? malloc((size_t)T * (K / 16) * sizeof(int32_t)) : NULL, 1};
     int64_t max_ctx = 0;
     RecStep rec = {0};
     float *rec_mem = NULL;

@@ -97,7 +97,7 @@ MoePlan *moe_plan_new(int experts, int max_slots, int hidden, int ffn, int dot, 
     p->gu = carve(&at, (size_t)S * 2 * F * 4);
     p->act = carve(&at, (size_t)S * F * 4);
     if (dot) p->xq = (XQ16){carve(&at, kq * 2), carve(&at, kq / 32 * 4), carve(&at, kq / 16 * 4)};
-    if (i8) p->xq8 = (XQ8){carve(&at, k8), carve(&at, k8 / 32 * 4), carve(&at, k8 / 16 * 4)};
+    if (i8) p->xq8 = (XQ8){carve(&at, k8), carve(&at, k8 / 32 * 4), carve(&at, k8 / 16 * 4), 1};
     return p;
 }
 
@@ -184,7 +184,7 @@ static int on_i8(const MoePlan *p, int e, int which) {
 static void round_row(const MoePlan *p, const float *row, int s, int which, int K) {
     if (on_i8(p, p->expert_of[s], which))
         qi8_quantize_row(p->xq8.q + (int64_t)s * K, p->xq8.d + (int64_t)s * (K / 32),
-                         p->xq8.s + (int64_t)s * (K / 16), row, K);
+                         p->xq8.s + (int64_t)s * (K / 16), row, K, 1);
     else if (p->L->dot)
         qdot_quantize_row(p->xq.q + (int64_t)s * K, p->xq.d + (int64_t)s * (K / 32),
                           p->xq.s + (int64_t)s * (K / 16), row, K);
@@ -210,7 +210,8 @@ void moe_matmul(const MoePlan *p, int which, int i, float *panel) {
                        bias ? bias + (int64_t)e * N : NULL,
                        M, N, K / 32, K, N, which ? L->down_fmt : L->gate_up_fmt, 0};
     const XQ16 xq = {p->xq.q + (int64_t)m0 * K, p->xq.d + (int64_t)m0 * (K / 32), p->xq.s + (int64_t)m0 * (K / 16)};
-    const XQ8 xq8 = {p->xq8.q + (int64_t)m0 * K, p->xq8.d + (int64_t)m0 * (K / 32), p->xq8.s + (int64_t)m0 * (K / 16)};
+    const XQ8 xq8 = {p->xq8.q + (int64_t)m0 * K, p->xq8.d + (int64_t)m0 * (K / 32), p->xq8.s + (int64_t)m0 * (K / 16),
+                     1};
     const int i8 = on_i8(p, e, which);
     for (int cb = it[1] * NB / it[2]; cb < (it[1] + 1) * NB / it[2]; cb++)
         if (i8)

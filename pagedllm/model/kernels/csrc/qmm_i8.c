@@ -20,6 +20,10 @@
  * Without VNNI, vpmaddubsw sums two products in 16 bits with saturation: 4- and 6-bit codes never reach it
  * (2 x 63 x 127 < 32767), and Q8's signed codes go in as |w| with x's sign flipped where w < 0 (llama.cpp's
  * trick), 2 x 128 x 127 < 32767.
+ * Two passes (qmm_i8x2, XQ8.passes 2): x ~ d1 q1 + d1 / 254 q2 with q2 the rounded residual of q1, two byte
+ * products per weight byte joined per group as 254 S1 + S2: 16-bit codes' accuracy at the instruction count of
+ * the 16-bit route (vpmaddwd does half the products of vpmaddubsw; vpdpwssd of vpdpbusd), so it pays only where
+ * the 16-bit route is slower for other reasons (its 16-bit panels): measured in docs/benchmarks.md.
  * Rows of x are independent: a row's result does not depend on the batch. The vector form is written once over
  * simd.h's byte vectors (SIMD_INT8: AVX-512 BW, AVX2; VNNI where the build has it); the portable build sums one
  * code at a time from the same panel.
@@ -48,13 +52,27 @@ static inline int group_bytes(int fmt) { return 512 + halves(fmt) * 128; }
 
 int qi8_runs(int fmt) { return i8_fmt(fmt) || fmt == QFMT_MIXED; }
 
-/* Row x [K] to 8-bit integers per group of 32. */
-void qi8_quantize_row(int8_t *q, float *d, int32_t *s, const float *x, int K) {
+/* Row x [K] to 8-bit integers per group of 32. passes 1: q [K], x ~ d q (llama.cpp's Q8_0). passes 2: q [2 K],
+ * each group's 32 codes q1 then 32 codes q2 of what q1 left, x ~ d1 q1 + d1 / 254 q2 (|x / d1 - q1| <= 1 / 2, so
+ * q2 = round(254 (x / d1 - q1)) is within +-127 and x within d1 / 508 of its value, the 16-bit route's step);
+ * d = d1 / 254 and s = 254 s1 + s2, the scale and sums of the combined code 254 q1 + q2. */
+void qi8_quantize_row(int8_t *q, float *d, int32_t *s, const float *x, int K, int passes) {
     for (int g = 0; g < K / 32; g++) {
         const float amax = group_amax(x + 32 * g);
         const float inv = amax > 0.0f && amax <= 3.0e38f ? 127.0f / amax : 0.0f;
         d[g] = inv > 0.0f ? amax / 127.0f : 0.0f;
-        round_group8(q + 32 * g, s + 2 * g, x + 32 * g, inv);
+        int8_t *q1 = q + 32 * passes * g;
+        round_group8(q1, s + 2 * g, x + 32 * g, inv);
+        if (passes == 1) continue;
+        float r[32];
+        for (int k = 0; k < 32; k++) { /* what q1 left, in units of d1 (NaN where x is: rounded to 0) */
+            const float v = x[32 * g + k] * inv;
+            r[k] = v == v && fabsf(v) <= 127.0f ? v - (float)q1[k] : 0.0f;
+        }
+        int32_t s2[2];
+        round_group8(q1 + 32, s2, r, 254.0f);
+        d[g] /= 254.0f;
+        for (int h = 0; h < 2; h++) s[2 * g + h] = 254 * s[2 * g + h] + s2[h];
     }
 }
 
@@ -130,9 +148,10 @@ static inline __attribute__((always_inline)) void build_panel(const uint8_t *col
 }
 
 #ifdef SIMD_INT8
-/* nr (<= QR8) rows of x against one column block's panel. */
+/* nr rows of x against one column block's panel, x in P passes of codes (qi8_quantize_row): each pass's sums
+ * in its own accumulators, joined per group as 254 S1 + S2 (exact in int32: |S1| <= 32 x 255 x 128). */
 static inline __attribute__((always_inline)) void block_i8(const QMatmul *a, const XQ8 *xq, const uint8_t *panel,
-                                                           int m0, const int fmt, const int nr, int cb) {
+                                                           int m0, const int fmt, const int nr, int cb, const int P) {
     const int G = a->G, H = halves(fmt), K = 32 * G;
     vf F[QR8][BCH];
     for (int i = 0; i < nr; i++)
@@ -142,11 +161,12 @@ static inline __attribute__((always_inline)) void block_i8(const QMatmul *a, con
         const float *pa = (const float *)(p + 512), *pb = pa + 16 * H;
 #pragma GCC unroll 2
         for (int h = 0; h < H; h++) {
-            bv acc[QR8][BCH];
-            for (int i = 0; i < nr; i++)
-                for (int v = 0; v < BCH; v++) acc[i][v] = BZERO();
+            bv acc[2][QR8][BCH];
+            for (int j = 0; j < P; j++)
+                for (int i = 0; i < nr; i++)
+                    for (int v = 0; v < BCH; v++) acc[j][i][v] = BZERO();
 #ifndef I8_VNNI
-            bv a16[QR8][BCH];
+            bv a16[2][QR8][BCH];
 #endif
 #pragma GCC unroll 8
             for (int t = 8 / H * h; t < 8 / H * (h + 1); t++) {
@@ -155,26 +175,29 @@ static inline __attribute__((always_inline)) void block_i8(const QMatmul *a, con
                     w[v] = bload(p + 64 * t + 64 / BCH * v);
                     wa[v] = signed8(fmt) ? babs(w[v]) : w[v];
                 }
-                for (int i = 0; i < nr; i++) {
-                    const bv x = bset1(xq->q + (int64_t)(m0 + i) * K + 32 * g + 4 * t);
-                    for (int v = 0; v < BCH; v++) {
-                        const bv xs = signed8(fmt) ? bsign(x, w[v]) : x;
+                for (int j = 0; j < P; j++)
+                    for (int i = 0; i < nr; i++) {
+                        const bv x = bset1(xq->q + (int64_t)(m0 + i) * P * K + 32 * (P * g + j) + 4 * t);
+                        for (int v = 0; v < BCH; v++) {
+                            const bv xs = signed8(fmt) ? bsign(x, w[v]) : x;
 #ifdef I8_VNNI
-                        acc[i][v] = bdot(acc[i][v], wa[v], xs);
+                            acc[j][i][v] = bdot(acc[j][i][v], wa[v], xs);
 #else
-                        const bv prod = bmul16(wa[v], xs);
-                        a16[i][v] = t % sum16(fmt) ? badd16(a16[i][v], prod) : prod;
-                        if (t % sum16(fmt) == sum16(fmt) - 1) acc[i][v] = bwiden(acc[i][v], a16[i][v]);
+                            const bv prod = bmul16(wa[v], xs);
+                            a16[j][i][v] = t % sum16(fmt) ? badd16(a16[j][i][v], prod) : prod;
+                            if (t % sum16(fmt) == sum16(fmt) - 1) acc[j][i][v] = bwiden(acc[j][i][v], a16[j][i][v]);
 #endif
+                        }
                     }
-                }
             }
             for (int i = 0; i < nr; i++) {
                 const int64_t m = m0 + i;
                 const int32_t *s = xq->s + m * 2 * G + 2 * g;
                 const float dx = xq->d[m * G + g], ds = dx * (float)(H == 2 ? s[h] : s[0] + s[1]);
-                for (int v = 0; v < BCH; v++)
-                    F[i][v] += tof((vi)acc[i][v]) * (ld(pa + 16 * h + VW * v) * dx) + ld(pb + 16 * h + VW * v) * ds;
+                for (int v = 0; v < BCH; v++) {
+                    const bv S = P == 2 ? bjoin(acc[0][i][v], acc[1][i][v]) : acc[0][i][v];
+                    F[i][v] += tof((vi)S) * (ld(pa + 16 * h + VW * v) * dx) + ld(pb + 16 * h + VW * v) * ds;
+                }
             }
         }
     }
@@ -193,27 +216,27 @@ static inline __attribute__((always_inline)) void block_i8(const QMatmul *a, con
     }
 }
 
-/* Passes of QR8 rows, then of QR8 / 2, ..., 1 for the rest: a row's sums do not depend on its pass. */
+/* Passes of R rows (QR8, or half of it with two passes of codes), then R / 2, ..., 1 for the rest: a row's sums
+ * do not depend on its pass. */
 static inline __attribute__((always_inline)) void rows_i8(const QMatmul *a, const XQ8 *xq, const uint8_t *panel,
-                                                          const int fmt, int cb) {
+                                                          const int fmt, int cb, const int P) {
+    const int R = P == 2 ? (QR8 + 1) / 2 : QR8;
     int m0 = 0;
-    for (; a->M - m0 >= QR8; m0 += QR8) block_i8(a, xq, panel, m0, fmt, QR8, cb);
-#if QR8 > 4
-    if (a->M - m0 >= 4) block_i8(a, xq, panel, m0, fmt, 4, cb), m0 += 4;
-#endif
-    if (a->M - m0 >= 2) block_i8(a, xq, panel, m0, fmt, 2, cb), m0 += 2;
-    if (a->M - m0 >= 1) block_i8(a, xq, panel, m0, fmt, 1, cb);
+    for (; a->M - m0 >= R; m0 += R) block_i8(a, xq, panel, m0, fmt, R, cb, P);
+    if (R > 4 && a->M - m0 >= 4) block_i8(a, xq, panel, m0, fmt, 4, cb, P), m0 += 4;
+    if (R > 2 && a->M - m0 >= 2) block_i8(a, xq, panel, m0, fmt, 2, cb, P), m0 += 2;
+    if (a->M - m0 >= 1) block_i8(a, xq, panel, m0, fmt, 1, cb, P);
 }
 #else
 /* The portable build: the same sums, one code at a time. */
-static void rows_i8(const QMatmul *a, const XQ8 *xq, const uint8_t *panel, int fmt, int cb) {
+static void rows_i8(const QMatmul *a, const XQ8 *xq, const uint8_t *panel, int fmt, int cb, int P) {
     const int G = a->G, H = halves(fmt), K = 32 * G;
     for (int m = 0; m < a->M; m++) {
         float F[16] = {0};
         for (int g = 0; g < G; g++) {
             const uint8_t *p = panel + (int64_t)g * group_bytes(fmt);
             const float *pa = (const float *)(p + 512), *pb = pa + 16 * H;
-            const int8_t *x = xq->q + (int64_t)m * K + 32 * g;
+            const int8_t *x = xq->q + (int64_t)m * P * K + 32 * P * g;
             const int32_t *s = xq->s + (int64_t)m * 2 * G + 2 * g;
             const float dx = xq->d[(int64_t)m * G + g];
             for (int h = 0; h < H; h++) {
@@ -222,7 +245,7 @@ static void rows_i8(const QMatmul *a, const XQ8 *xq, const uint8_t *panel, int f
                     int32_t S = 0;
                     for (int k = 32 / H * h; k < 32 / H * (h + 1); k++) {
                         const uint8_t u = p[64 * (k / 4) + 4 * c + k % 4];
-                        S += (signed8(fmt) ? (int8_t)u : u) * x[k];
+                        S += (signed8(fmt) ? (int8_t)u : u) * (P == 2 ? 254 * x[k] + x[32 + k] : x[k]);
                     }
                     F[c] += (float)S * (pa[16 * h + c] * dx) + pb[16 * h + c] * ds;
                 }
@@ -236,7 +259,10 @@ static void rows_i8(const QMatmul *a, const XQ8 *xq, const uint8_t *panel, int f
 #define I8_BLOCK(fmt, a, xq, col, cb, panel)                                                                   \
     do {                                                                                                       \
         build_panel(col, fmt, (a)->G, panel);                                                                  \
-        rows_i8(a, xq, panel, fmt, cb);                                                                        \
+        if ((xq)->passes == 2)                                                                                 \
+            rows_i8(a, xq, panel, fmt, cb, 2);                                                                 \
+        else                                                                                                   \
+            rows_i8(a, xq, panel, fmt, cb, 1);                                                                 \
     } while (0)
 
 /* One column block for all M rows on the int8 route (a block of another format: the float32 route). `panel`:
@@ -256,12 +282,14 @@ void qi8_column_block(const QMatmul *a, const XQ8 *xq, int cb, float *panel) {
     }
 }
 
-/* out[M, N] (+)= x[M, K] @ W^T with x rounded to 8 bits per group; 0, -1 (out of memory) or -2 (bad sizes). */
-int qmm_i8(float *out, const float *x, const uint8_t *w, const float *bias, int M, int N, int K, int ldx, int ldo,
-           int fmt, int accumulate, int num_threads) {
+/* out[M, N] (+)= x[M, K] @ W^T with x rounded to 8 bits per group in `passes` passes; 0, -1 (out of memory) or
+ * -2 (bad sizes). */
+static int qmm_passes(float *out, const float *x, const uint8_t *w, const float *bias, int M, int N, int K, int ldx,
+                      int ldo, int fmt, int accumulate, int num_threads, int passes) {
     if (bad_sizes(M, N, K, ldx, ldo, fmt)) return -2;
     const int G = K / 32;
-    XQ8 xq = {malloc((size_t)M * K), malloc((size_t)M * G * sizeof(float)), malloc((size_t)M * 2 * G * sizeof(int32_t))};
+    XQ8 xq = {malloc((size_t)M * passes * K), malloc((size_t)M * G * sizeof(float)),
+               malloc((size_t)M * 2 * G * sizeof(int32_t)), passes};
     int status = xq.q && xq.d && xq.s ? 0 : -1;
     if (status == 0) {
         QMatmul a = {out, x, w, bias, M, N, G, ldx, ldo, fmt, accumulate};
@@ -272,8 +300,8 @@ int qmm_i8(float *out, const float *x, const uint8_t *w, const float *bias, int 
         {
 #pragma omp for schedule(static)
             for (int m = 0; m < M; m++)
-                qi8_quantize_row(xq.q + (int64_t)m * K, xq.d + (int64_t)m * G, xq.s + (int64_t)m * 2 * G,
-                                 x + (int64_t)m * ldx, K);
+                qi8_quantize_row(xq.q + (int64_t)m * passes * K, xq.d + (int64_t)m * G, xq.s + (int64_t)m * 2 * G,
+                                 x + (int64_t)m * ldx, K, passes);
             float *panel = malloc((size_t)K * 16 * sizeof(float));
             if (panel == NULL) {
 #pragma omp atomic write
@@ -289,4 +317,14 @@ int qmm_i8(float *out, const float *x, const uint8_t *w, const float *bias, int 
     free(xq.d);
     free(xq.s);
     return status;
+}
+
+int qmm_i8(float *out, const float *x, const uint8_t *w, const float *bias, int M, int N, int K, int ldx, int ldo,
+           int fmt, int accumulate, int num_threads) {
+    return qmm_passes(out, x, w, bias, M, N, K, ldx, ldo, fmt, accumulate, num_threads, 1);
+}
+
+int qmm_i8x2(float *out, const float *x, const uint8_t *w, const float *bias, int M, int N, int K, int ldx, int ldo,
+             int fmt, int accumulate, int num_threads) {
+    return qmm_passes(out, x, w, bias, M, N, K, ldx, ldo, fmt, accumulate, num_threads, 2);
 }

@@ -47,9 +47,10 @@ typedef struct { /* rows of x rounded to 16-bit integers per group of 32 (the do
 } XQ16;
 
 typedef struct { /* rows of x rounded to 8-bit integers per group of 32 (the int8 route) */
-    int8_t *q;  /* [M][K] the rounded activations */
-    float *d;   /* [M][G] their scale per group */
-    int32_t *s; /* [M][2 G] the sum of q per 16 inputs */
+    int8_t *q;  /* [M][passes K] the rounded activations (two passes: a group's 32 codes, then its residual's) */
+    float *d;   /* [M][G] their scale per group (of the combined code 254 q1 + q2 with two passes) */
+    int32_t *s; /* [M][2 G] the sum of the (combined) codes per 16 inputs */
+    int passes; /* 1: x ~ d q, llama.cpp's Q8_0; 2: x ~ d (254 q1 + q2), the error of 16-bit codes */
 } XQ8;
 
 /* Bytes of one column block (16 output features) of a weight with K = 32 G inputs; 0 for a format without a
@@ -73,7 +74,7 @@ void qdot_quantize_row(int16_t *q, float *d, int32_t *s, const float *x, int K);
 void qdot_column_block(const QMatmul *a, const XQ16 *xq, int cb, float *panel);
 /* The int8 route: the same with 8-bit x (q [K] int8); `panel` (K * 16 floats) is needed for any M. */
 int qi8_runs(int fmt); /* 1: the route runs this format (a mixed weight: its blocks of those formats) */
-void qi8_quantize_row(int8_t *q, float *d, int32_t *s, const float *x, int K);
+void qi8_quantize_row(int8_t *q, float *d, int32_t *s, const float *x, int K, int passes);
 void qi8_column_block(const QMatmul *a, const XQ8 *xq, int cb, float *panel);
 
 /* out[M, N] (+)= x[M, K] @ W[N, K]^T for W in tiles of `fmt`, on the float32 routes; 0, -1 (out of memory) or -2
@@ -86,6 +87,9 @@ int qmm_dot(float *out, const float *x, const uint8_t *w, const float *bias, int
 /* The same with x rounded to 8 bits per group of 32 (the int8 route, for many rows). */
 int qmm_i8(float *out, const float *x, const uint8_t *w, const float *bias, int M, int N, int K, int ldx, int ldo,
            int fmt, int accumulate, int num_threads);
+/* The same in two passes of 8 bits (x ~ d (254 q1 + q2): 16-bit codes' error, the int8 route's byte products). */
+int qmm_i8x2(float *out, const float *x, const uint8_t *w, const float *bias, int M, int N, int K, int ldx, int ldo,
+             int fmt, int accumulate, int num_threads);
 /* The same with x rounded to bfloat16, on AMX or AVX-512 BF16 (qmm_bf16_kind); -6 where neither is here. */
 int qmm_amx(float *out, const float *x, const uint8_t *w, const float *bias, int M, int N, int K, int ldx, int ldo,
             int fmt, int accumulate, int num_threads);

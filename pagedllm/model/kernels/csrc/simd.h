@@ -484,7 +484,8 @@ static inline void round_group8(int8_t *q, int32_t *s, const float *x, float inv
  * 32-bit lane (vpdpbusd). Without: bmul16, the products summed in pairs to 16 bits, saturating (vpmaddubsw:
  * the weights' codes are kept small enough that it never does, see qmm_i8.c), badd16 to add several chunks'
  * in 16 bits, and bwiden, those summed in pairs into the 32-bit lanes (vpmaddwd against ones). bsign: x
- * negated where w is negative (the signed weights without VNNI: |w| times x with w's sign). */
+ * negated where w is negative (the signed weights without VNNI: |w| times x with w's sign). bjoin: two passes'
+ * sums of codes (qmm_i8.c) as the combined code's, 254 s1 + s2. */
 #if defined(__AVX512BW__)
 typedef __m512i bv;
 #define BCH 1
@@ -502,6 +503,7 @@ static inline bv bmul16(bv w, bv x) { return _mm512_maddubs_epi16(w, x); }
 static inline bv badd16(bv a, bv b) { return _mm512_add_epi16(a, b); }
 static inline bv bwiden(bv acc, bv s16) { return _mm512_add_epi32(acc, _mm512_madd_epi16(s16, _mm512_set1_epi16(1))); }
 #endif
+static inline bv bjoin(bv s1, bv s2) { return _mm512_add_epi32(_mm512_mullo_epi32(s1, _mm512_set1_epi32(254)), s2); }
 static inline bv babs(bv w) { return _mm512_abs_epi8(w); }
 static inline bv bsign(bv x, bv w) {
     return _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
@@ -524,6 +526,7 @@ static inline bv bmul16(bv w, bv x) { return _mm256_maddubs_epi16(w, x); }
 static inline bv badd16(bv a, bv b) { return _mm256_add_epi16(a, b); }
 static inline bv bwiden(bv acc, bv s16) { return _mm256_add_epi32(acc, _mm256_madd_epi16(s16, _mm256_set1_epi16(1))); }
 #endif
+static inline bv bjoin(bv s1, bv s2) { return _mm256_add_epi32(_mm256_mullo_epi32(s1, _mm256_set1_epi32(254)), s2); }
 static inline bv babs(bv w) { return _mm256_abs_epi8(w); }
 static inline bv bsign(bv x, bv w) { return _mm256_sign_epi8(x, w); }
 #define BZERO _mm256_setzero_si256

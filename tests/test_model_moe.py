@@ -341,3 +341,47 @@ def test_metrics_page_counts_expert_tokens_and_reads(qwen3):
     assert f'pagedllm:moe_expert_tokens_total{{model_name="m"}} {float(st.moe_expert_tokens)}' in page
     assert f'pagedllm:moe_expert_reads_total{{model_name="m"}} {float(st.moe_expert_reads)}' in page
     assert st.moe_expert_reads > 0
+
+
+def _bf16_error(folder: str, hf: torch.nn.Module) -> tuple[float, object]:
+    """A bfloat16 load's teacher-forced logits against float32 transformers: largest error over the largest logit."""
+    loaded = load_model(folder, dtype="bfloat16", verbose=False)
+    ids = _tokens(40, 5)
+    got = all_logits(ModelRunner(loaded, num_blocks=8, block_size=8), [SeqChunk(ids, 0, list(range(8)))])[0]
+    want = _hf_logits(hf, ids)
+    return (got.float() - want).abs().max().item() / want.abs().max().item(), loaded
+
+
+def test_bfloat16_experts_run_on_the_bfloat16_route(qwen3, monkeypatch):
+    """--dtype bfloat16 from a folder: where the CPU has vdpbf16ps, every expert is kept as bfloat16 tiles in one
+    buffer per matmul (SparseMoE.keep_experts_bf16) and the layer's experts run as one moe.c call on its
+    bfloat16 route (elsewhere they stay dense: the torch loop over experts, oneDNN's bfloat16 matmuls). Against
+    float32 transformers no further off than the dense experts are (both round the stream to bfloat16, which is
+    most of the error); on the route, the routed experts' output for a row the same alone as among 40, bit for
+    bit."""
+    from pagedllm.model.kernels.quant_linear import bf16_kernel
+
+    hf, folder = qwen3
+    err, loaded = _bf16_error(folder, hf)
+    blocks = [layer.moe for layer in loaded.model.decoder_layers if layer.moe]
+    experts = [e for b in blocks for e in b.experts]
+    on = bf16_kernel() is not None
+    assert all((e.gate_up.quant is not None) == on and (e.down.quant is not None) == on for e in experts)
+    if not on:
+        return
+    assert {e.gate_up.quant.fmt for e in experts} == {"bf16"} and all(b.experts_kernel() for b in blocks)
+    first = blocks[0].experts[0].gate_up.quant
+    assert [e.gate_up.quant.tiles.data_ptr() for e in blocks[0].experts] == [
+        first.tiles.data_ptr() + i * first.nbytes for i in range(len(blocks[0].experts))
+    ]
+    monkeypatch.setattr("pagedllm.model.layers.moe.bf16_kernel", lambda: None)  # the dense experts
+    dense_err, dense = _bf16_error(folder, hf)
+    assert all(e.gate_up.quant is None for layer in dense.model.decoder_layers if layer.moe for e in layer.moe.experts)
+    assert err < 1.5 * dense_err + 1e-3, f"{err:.2e} against the dense experts' {dense_err:.2e}"
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(40, loaded.config.hidden_size, generator=g).bfloat16()
+    k = loaded.config.num_experts_per_tok
+    routed = torch.stack([torch.randperm(loaded.config.num_experts, generator=g)[:k] for _ in range(40)])
+    w = torch.softmax(torch.randn(40, k, generator=g), -1)
+    kernel = blocks[0].experts_kernel()
+    assert torch.equal(kernel.forward(x, routed, w)[7:8], kernel.forward(x[7:8], routed[7:8], w[7:8]))

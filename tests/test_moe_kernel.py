@@ -8,7 +8,8 @@ routes serve some expert). Each token's result is bit-identical whatever else is
 rows in another order), the expert load counts the rows routed to each expert, and the activations (SwiGLU,
 GeGLU, gpt-oss's clamped SwiGLU with expert biases) are transformers' formulas. The opt-in int8 route (8-bit
 activations for an expert's matmul of at least MoeLayer.i8_min_rows rows) against the float32 route, within
-its stated tolerance.
+its stated tolerance; the bfloat16 route (vdpbf16ps, for --dtype bfloat16 steps from a row count) against a
+reference of its rounded numbers, and bit-identical across row counts from that count on.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from pagedllm.model.kernels.moe_kernel import MoeExperts, stack
 pytestmark = needs_kernel
 
 TYPES = {"Q4_0": 2, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14, "F16": 1}  # GGML type numbers
+GGML_TYPES = {**TYPES, "BF16": 30}  # and the bfloat16 route's own
 EXPERTS, TOPK, HIDDEN, FFN = 6, 2, 256, 256  # K formats need K % 256 == 0 for both matmuls
 ROWS = (1, 3, 16, 70)
 
@@ -47,7 +49,7 @@ def target(request):
 @cache
 def _weights(type_name: str) -> tuple[list, list, torch.Tensor, torch.Tensor]:
     """Random experts of one GGML type, stacked as a 3-D tensor's are (one buffer), and their float64 values."""
-    t = TYPES[type_name]
+    t = GGML_TYPES[type_name]
     gu = [from_gguf_blocks(random_blocks(t, 2 * FFN, HIDDEN, 10 + e), t) for e in range(EXPERTS)]
     dn = [from_gguf_blocks(random_blocks(t, HIDDEN, FFN, 50 + e), t) for e in range(EXPERTS)]
     wgu = torch.stack([p.dequantize() for p in gu]).double()
@@ -188,6 +190,52 @@ def test_the_int8_route_runs_the_experts_of_its_row_count(target, type_name):
         assert torch.equal(on.forward(x[:rows], ids[:rows], w[:rows]), full[:rows]), f"{rows} rows"
     perm = torch.randperm(ROWS[-1], generator=torch.Generator().manual_seed(1))
     assert torch.equal(on.forward(x[perm], ids[perm], w[perm]), full[perm])
+
+
+# The bfloat16 route against a float64 reference of the same rounded numbers (x and the activations rounded to
+# bfloat16, as the route rounds them): what is left is float32 sums in another order and an activation rounded
+# on the other side of a bfloat16 step; up to ~3e-3 of the largest output measured here.
+BF16_TOL = 1e-2
+
+
+def _bf16_reference(type_name: str, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """sum_j w_tj down_e(bf16(silu(gate) * up)) of bf16(x), weights rounded to bfloat16, in float64."""
+    _, _, wgu, wdn = _weights(type_name)
+    r = lambda t: t.to(torch.bfloat16).double()  # noqa: E731
+    y = torch.zeros(x.shape[0], HIDDEN, dtype=torch.float64)
+    for e in range(EXPERTS):
+        t, j = torch.nonzero(ids == e, as_tuple=True)
+        h = r(x[t]) @ r(wgu[e]).T
+        y.index_add_(0, t, w[t, j, None].double() * (r(_act("silu", h[:, :FFN], h[:, FFN:])) @ r(wdn[e]).T))
+    return y
+
+
+@pytest.mark.parametrize("type_name", ["BF16", "Q4_K"])
+def test_the_bfloat16_route_runs_steps_of_its_row_count(target, type_name):
+    """--dtype bfloat16 on a CPU with AVX-512 BF16: a step of at least the weights' amx_min_rows rows rounds the
+    experts' inputs to bfloat16 and runs vdpbf16ps (bfloat16 weights read as stored, others dequantized per
+    column block pair). Within BF16_TOL of the rounded reference, each row's result its own whatever the rows
+    beside it (3 to 70 rows, another order), bit for bit; below the threshold, and on a class without the
+    instruction (x86-64-v3, portable), the float32 route's result bit for bit."""
+    gu, dn, _, _ = _weights(type_name)
+    on = MoeExperts(*[[replace(w, amx_min_rows=3) for w in ws] for ws in (gu, dn)])
+    x, ids, w, _ = _case(type_name, "silu", 5)
+    xb = x.to(torch.bfloat16)
+    floats = _experts(type_name, False).forward(xb.float(), ids, w)
+    full = on.forward(xb, ids, w, out=torch.zeros(len(x), HIDDEN))
+    assert torch.equal(on.forward(xb[:2], ids[:2], w[:2], out=torch.zeros(2, HIDDEN)), floats[:2])
+    if not cpu_kernel.load().qmm_bf16_kind():  # this class's build has no vdpbf16ps (bf16_kernel() is the process's)
+        assert torch.equal(full, floats)
+        return
+    assert not torch.equal(full, floats)
+    ref = _bf16_reference(type_name, x, ids, w)
+    err = (full.double() - ref).abs().max().item() / ref.abs().max().item()
+    assert err < BF16_TOL, f"{type_name}: {err:.2e}"
+    for rows in ROWS[1:-1]:
+        got = on.forward(xb[:rows], ids[:rows], w[:rows], out=torch.zeros(rows, HIDDEN))
+        assert torch.equal(got, full[:rows]), f"{rows} rows"
+    perm = torch.randperm(ROWS[-1], generator=torch.Generator().manual_seed(2))
+    assert torch.equal(on.forward(xb[perm], ids[perm], w[perm], out=torch.zeros(len(x), HIDDEN)), full[perm])
 
 
 def test_experts_are_views_of_one_buffer_and_bad_input_is_named():

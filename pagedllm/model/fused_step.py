@@ -366,7 +366,7 @@ class FusedStep:
         hidden^-0.5 as the norm's weight: SparseMoE._router_input) and the per-expert scales."""
         kernel = moe.experts_kernel()
         assert kernel is not None and kernel.load is not None, "fusable() checked the experts run on moe.c"
-        kernel.sync_routes()
+        kernel.sync_routes(self.model.dtype == torch.bfloat16)
         self._keep.append(kernel)
         rs = moe.router_scale
         return {

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 import pagedllm.model.kernels.cpu_kernel as cpu_kernel
-from pagedllm.model.kernels.quant_linear import FORMATS, QuantParts, QuantWeight, _tiles, col_bytes
+from pagedllm.model.kernels.quant_linear import FORMATS, QuantParts, QuantWeight, _tiles, bf16_kernel, col_bytes
 
 # moe.h's activation kinds, by the names the families give them
 ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "swigluoai": 2}
@@ -88,12 +88,16 @@ class MoeExperts:
         """The MoeLayer structure (moe.h) the kernel runs; the fused C step points its sparse layers at it."""
         return self._layer
 
-    def sync_routes(self) -> None:
+    def sync_routes(self, bf16: bool) -> None:
         """The routes the experts' weights take (set by the loader after packing): the dot route
-        (QuantWeight.dot), and the int8 route for an expert's matmul of at least `i8_min_rows` rows (0: never;
-        the weights of a format the route does not run have 0)."""
+        (QuantWeight.dot), the int8 route for an expert's matmul of at least `i8_min_rows` rows (0: never;
+        the weights of a format the route does not run have 0), and with bfloat16 activations (`bf16`, where
+        the CPU has vdpbf16ps) the bfloat16 route for steps of at least the weights' `amx_min_rows` rows, the
+        threshold kernel_choice.py measured for the dense matmuls (a step's rows take one route in every layer)."""
         self._layer.dot = int(self.gate_up[0].dot)
         self._layer.i8_min_rows = max(self.gate_up[0].i8_min_rows, self.down[0].i8_min_rows)
+        on = bf16 and bf16_kernel() is not None
+        self._layer.bf16_min_rows = self.gate_up[0].amx_min_rows if on else 0
 
     @property
     def hidden(self) -> int:
@@ -109,7 +113,8 @@ class MoeExperts:
         """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) for each row t of x [T, hidden], in x's dtype;
         added into `out` (float32 [T, hidden], contiguous) instead when given. The dot route (activations rounded
         to 16 bits per group of 32) when the experts' weights take it (QuantWeight.dot, set by the loader), the
-        int8 route (8 bits) for an expert's matmul of at least their `i8_min_rows` rows."""
+        int8 route (8 bits) for an expert's matmul of at least their `i8_min_rows` rows, the bfloat16 route for a
+        bfloat16 x of at least their `amx_min_rows` rows."""
         lib = cpu_kernel.load()
         if lib is None:
             raise RuntimeError("the MoE kernel is not built on this machine")
@@ -123,7 +128,7 @@ class MoeExperts:
             return y if out is not None else y.to(x.dtype)
         xf = x.float().contiguous()
         ids, w = topk_ids.to(torch.int64).contiguous(), topk_weights.float().contiguous()
-        self.sync_routes()
+        self.sync_routes(x.dtype == torch.bfloat16)
         assert self.load is not None  # __post_init__ made it
         rc = lib.moe_experts(
             y.data_ptr(),

@@ -344,7 +344,11 @@ class CausalLM(nn.Module):
     def pack_cpu_weights(self) -> None:
         """Pack every dense matmul weight for oneDNN (see onednn_linear.py); the embedding table stays as it is for
         lookups, and a tied LM head gets its own packed copy. A router (keep_dense) stays as it is: it is small,
-        and the fused C step reads its float weight."""
+        and the fused C step reads its float weight. bfloat16 experts are first kept as bfloat16 tiles for moe.c
+        where the CPU has vdpbf16ps (SparseMoE.keep_experts_bf16)."""
+        for m in self.modules():
+            if isinstance(m, SparseMoE):
+                m.keep_experts_bf16()
         for lin in self.linears():
             if not lin.keep_dense:
                 lin.pack_for_cpu()

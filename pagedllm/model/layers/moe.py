@@ -21,13 +21,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 
 import pagedllm.model.kernels.cpu_kernel as cpu_kernel
 from pagedllm.model.config import ModelConfig
-from pagedllm.model.kernels.moe_kernel import MoeExperts
-from pagedllm.model.kernels.quant_linear import QuantWeight, log_once
+from pagedllm.model.kernels.moe_kernel import ACTIVATIONS, MoeExperts
+from pagedllm.model.kernels.quant_linear import QuantParts, QuantWeight, bf16_kernel, log_once, pack_experts
 from pagedllm.model.layers.common import GatedMLP, Glu, Learned, rms_normalize
 from pagedllm.model.layers.linear import Linear
 
@@ -166,6 +167,27 @@ class SparseMoE(nn.Module):
             self._kernel_of, self.kernel = first, self._build_kernel()
         return self.kernel
 
+    def keep_experts_bf16(self) -> None:
+        """bfloat16 experts on a CPU with vdpbf16ps (bf16_kernel): each expert's two dense weights repacked once, at
+        load, into bfloat16 tiles (already the operand rows vdpbf16ps reads: qtile.h), every expert of the layer
+        in one buffer and the dense weights freed, so the routed experts run as one moe.c call on its bfloat16
+        route at every row count: each routed expert's weights read once per step for all of its rows, at twice
+        the float32 rate, and each token's result the same whatever the batch (docs/benchmarks.md: W1 against
+        vLLM-CPU). Elsewhere (no vdpbf16ps, another dtype or device, experts already quantized) nothing."""
+        mlps = [e for e in self.experts if isinstance(e, GatedMLP)]
+        lins = [lin for m in mlps for lin in (m.gate_up, m.down)]
+        if (
+            bf16_kernel() is None
+            or len(mlps) != len(self.experts)
+            or self.act not in ACTIVATIONS
+            or not all(m.has_gate for m in mlps)
+            or any(lin.quant is not None or lin.in_features % 32 for lin in lins)
+            or any(lin.weight.dtype != torch.bfloat16 or lin.weight.device.type != "cpu" for lin in lins)
+        ):
+            return
+        for name in ("gate_up", "down"):
+            _keep_bf16([getattr(m, name) for m in mlps])
+
     def _build_kernel(self) -> MoeExperts | None:
         mlps = [e for e in self.experts if isinstance(e, GatedMLP)]
         gate_up, down = [m.gate_up.quant for m in mlps], [m.down.quant for m in mlps]
@@ -204,3 +226,16 @@ class SparseMoE(nn.Module):
                 self.load.reads[0] += 1
                 at += n
         return out
+
+
+def _keep_bf16(lins: list[Linear]) -> None:
+    """One matmul of every expert (dense bfloat16) as bfloat16 tiles in one buffer, on the bfloat16 route from
+    one row on (amx_min_rows 1: a row's result then never depends on the batch)."""
+
+    def parts(e: int) -> list[QuantParts]:
+        codes = lins[e].weight.detach().contiguous().view(torch.int16).numpy().view(np.uint16)
+        return [QuantParts("bf16", codes, None, None, "BF16")]
+
+    for lin, w in zip(lins, pack_experts(len(lins), parts), strict=True):
+        w.amx_min_rows = 1
+        lin.set_quantized(w)

@@ -984,6 +984,15 @@ static int rec_step(const StepModel *m, const StepLayer *layers, const StepBatch
     return 0;
 }
 
+/* Whether some sparse layer's experts take the bfloat16 route at T rows (MoeLayer.bf16_min_rows): the plan's room. */
+static int moe_bf16(const StepModel *m, const StepLayer *layers, int T) {
+    for (int l = 0; l < m->layers; l++) {
+        const MoeLayer *L = layers[l].moe;
+        if (L && L->bf16_min_rows > 0 && T >= L->bf16_min_rows) return 1;
+    }
+    return 0;
+}
+
 int model_step(const StepModel *m, const StepLayer *layers, const StepBatch *b, int num_threads) {
     const int T = b->T, E = m->hidden, I = m->inter, HD = m->heads * m->head_dim, SI = m->experts ? m->shared_inter : 0;
     const int QKV = qkv_width(m), nthreads = num_threads < 1 ? 1 : num_threads;
@@ -1019,7 +1028,8 @@ int model_step(const StepModel *m, const StepLayer *layers, const StepBatch *b, 
     if (status == 0 && b->lora) status = lora_check(b->lora, T, m->layers);
     MoePlan *plan = NULL;
     if (status == 0 && m->experts) {
-        plan = moe_plan_new(m->experts, T * m->topk, E, m->moe_ffn, dot, m->i8_min_rows > 0, nthreads);
+        plan = moe_plan_new(m->experts, T * m->topk, E, m->moe_ffn, dot, m->i8_min_rows > 0, moe_bf16(m, layers, T),
+                            nthreads);
         status = plan ? 0 : -1;
     }
     if (status == 0) {

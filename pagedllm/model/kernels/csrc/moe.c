@@ -56,6 +56,9 @@ struct MoePlan {
     XQ16 xq;            /* the rows of the matmul at hand rounded for the dot route: [S, max(hidden, ffn)] */
     XQ8 xq8;            /* ... for the int8 route (the rows of experts that take it) */
     int *expert_of;     /* [S] the expert of each slot */
+    int bf16;           /* this call's matmuls take the bfloat16 route (moe_group) */
+    int *poff;          /* [experts + 1] the bfloat16 rows' offsets: each expert's rows from a multiple of 16 */
+    uint16_t *xb;       /* the rows of the matmul at hand as bfloat16 A tiles (qmm_amx_convert_row), per expert */
 };
 
 static int fmt_ok(int fmt, int K) { return fmt == QFMT_MIXED || qcol_bytes(fmt, K / 32) > 0; }
@@ -73,15 +76,16 @@ static void *carve(uint8_t **at, size_t n) {
     return r;
 }
 
-MoePlan *moe_plan_new(int experts, int max_slots, int hidden, int ffn, int dot, int i8, int num_threads) {
+MoePlan *moe_plan_new(int experts, int max_slots, int hidden, int ffn, int dot, int i8, int bf16, int num_threads) {
     const int E = experts, S = max_slots, H = hidden, F = ffn, K = H > F ? H : F;
     const int target = 8 * (num_threads < 1 ? 1 : num_threads);
     if (E <= 0 || S <= 0 || H <= 0 || F <= 0) return NULL;
     const size_t kq = dot ? (size_t)S * K : 0, k8 = i8 ? (size_t)S * K : 0;
-    const size_t ints = (size_t)2 * E + 1 + 3 * (size_t)S + 6 * ((size_t)E + target);
+    const size_t kb = bf16 ? ((size_t)S + 16 * (size_t)E) * K : 0; /* each expert's rows padded to a tile */
+    const size_t ints = (size_t)3 * E + 2 + 3 * (size_t)S + 6 * ((size_t)E + target);
     const size_t floats = (size_t)S * (H + 3 * (size_t)F);
     const size_t bytes = sizeof(MoePlan) + ints * 4 + floats * 4 + kq * 2 + kq / 32 * 4 + kq / 16 * 4 + k8 +
-                         k8 / 32 * 4 + k8 / 16 * 4 + 20 * 64;
+                         k8 / 32 * 4 + k8 / 16 * 4 + kb * 2 + 22 * 64;
     uint8_t *at = malloc(bytes);
     if (!at) return NULL;
     MoePlan *p = carve(&at, sizeof(MoePlan));
@@ -91,6 +95,8 @@ MoePlan *moe_plan_new(int experts, int max_slots, int hidden, int ffn, int dot, 
     p->row_of = carve(&at, (size_t)S * 4);
     p->slot_of = carve(&at, (size_t)S * 4);
     p->expert_of = carve(&at, (size_t)S * 4);
+    p->poff = carve(&at, (size_t)(E + 1) * 4);
+    p->xb = bf16 ? carve(&at, kb * 2) : NULL;
     p->items[0] = carve(&at, (size_t)3 * (E + target) * 4);
     p->items[1] = carve(&at, (size_t)3 * (E + target) * 4);
     p->xs = carve(&at, (size_t)S * H * 4);
@@ -127,6 +133,9 @@ static int make_items(const MoePlan *p, int NB, int *items) {
     return n;
 }
 
+/* A matmul's units of work over N columns: column blocks of 16, on the bfloat16 route pairs of them. */
+static int units(const MoePlan *p, int N) { return p->bf16 ? (N + 31) / 32 : (N + 15) / 16; }
+
 /* Counts, prefix sums and slots, in token order within each expert; -5 for an id out of range or an active
  * expert without weights. */
 static int group_rows(MoePlan *p, const int64_t *ids) {
@@ -150,15 +159,20 @@ static int group_rows(MoePlan *p, const int64_t *ids) {
         p->row_of[s] = i / p->topk;
         p->expert_of[s] = (int)ids[i];
     }
-    for (int e = 0; e < L->experts; e++)
+    p->poff[0] = 0;
+    for (int e = 0; e < L->experts; e++) {
         if (p->off[e + 1] > p->off[e]) p->active[p->A++] = e;
+        p->poff[e + 1] = p->poff[e] + (p->off[e + 1] - p->off[e] + 15) / 16 * 16;
+    }
     return 0;
 }
 
 int moe_group(MoePlan *p, const MoeLayer *L, const int64_t *ids, int T, int topk, int64_t *load) {
     p->L = L, p->T = T, p->topk = topk, p->S = 0, p->A = 0, p->n_items[0] = p->n_items[1] = 0;
+    p->bf16 = L->bf16_min_rows > 0 && T >= L->bf16_min_rows && qmm_bf16_kind() > 0;
     if (bad_layer(L, T, topk) || L->experts > p->E || L->hidden != p->H || L->ffn > p->F ||
-        T * topk > p->max_slots || (L->dot && !p->xq.q) || (L->i8_min_rows > 0 && T >= L->i8_min_rows && !p->xq8.q))
+        T * topk > p->max_slots || (L->dot && !p->xq.q) || (L->i8_min_rows > 0 && T >= L->i8_min_rows && !p->xq8.q) ||
+        (p->bf16 && !p->xb))
         return -2;
     const int status = group_rows(p, ids);
     if (status != 0) {
@@ -166,8 +180,8 @@ int moe_group(MoePlan *p, const MoeLayer *L, const int64_t *ids, int T, int topk
         return status;
     }
     p->S = T * topk;
-    p->n_items[0] = make_items(p, (2 * L->ffn + 15) / 16, p->items[0]);
-    p->n_items[1] = make_items(p, (L->hidden + 15) / 16, p->items[1]);
+    p->n_items[0] = make_items(p, units(p, 2 * L->ffn), p->items[0]);
+    p->n_items[1] = make_items(p, units(p, L->hidden), p->items[1]);
     for (int e = 0; load && e < L->experts; e++) load[e] += p->off[e + 1] - p->off[e];
     return 0;
 }
@@ -180,11 +194,15 @@ static int on_i8(const MoePlan *p, int e, int which) {
 }
 
 /* Row s of matmul `which`'s input rounded for its route (rows K apart, as moe_matmul reads them): the int8
- * route's 8 bits where the slot's expert takes it, else the dot route's 16 (or, float32, as it is). */
+ * route's 8 bits where the slot's expert takes it, else bfloat16 (in A tiles, its expert's from row poff) on
+ * the bfloat16 route, else the dot route's 16 (or, float32, as it is). */
 static void round_row(const MoePlan *p, const float *row, int s, int which, int K) {
-    if (on_i8(p, p->expert_of[s], which))
+    const int e = p->expert_of[s];
+    if (on_i8(p, e, which))
         qi8_quantize_row(p->xq8.q + (int64_t)s * K, p->xq8.d + (int64_t)s * (K / 32),
                          p->xq8.s + (int64_t)s * (K / 16), row, K, 1);
+    else if (p->bf16)
+        qmm_amx_convert_row(p->xb, row, p->poff[e] + s - p->off[e], K / 32);
     else if (p->L->dot)
         qdot_quantize_row(p->xq.q + (int64_t)s * K, p->xq.d + (int64_t)s * (K / 32),
                           p->xq.s + (int64_t)s * (K / 16), row, K);
@@ -202,7 +220,7 @@ void moe_matmul(const MoePlan *p, int which, int i, float *panel) {
     if (i >= p->n_items[which]) return;
     const MoeLayer *L = p->L;
     const int *it = p->items[which] + 3 * i, e = p->active[it[0]], m0 = p->off[e], M = p->off[e + 1] - m0;
-    const int N = which ? L->hidden : 2 * L->ffn, K = which ? L->ffn : L->hidden, NB = (N + 15) / 16;
+    const int N = which ? L->hidden : 2 * L->ffn, K = which ? L->ffn : L->hidden, NB = units(p, N);
     const float *bias = which ? L->down_bias : L->gate_up_bias;
     const QMatmul a = {which ? p->xs + (int64_t)m0 * N : p->gu + (int64_t)m0 * N,
                        which ? p->act + (int64_t)m0 * K : p->xs + (int64_t)m0 * K,
@@ -213,6 +231,12 @@ void moe_matmul(const MoePlan *p, int which, int i, float *panel) {
     const XQ8 xq8 = {p->xq8.q + (int64_t)m0 * K, p->xq8.d + (int64_t)m0 * (K / 32), p->xq8.s + (int64_t)m0 * (K / 16),
                      1};
     const int i8 = on_i8(p, e, which);
+    if (!i8 && p->bf16) { /* units are column block pairs; `panel` holds the pair's 2 G * 512 bfloat16 */
+        const QMatmulBf16 b = {a.out, p->xb + (int64_t)p->poff[e] * K, a.w, a.bias, M, N, K / 32, N, a.fmt, 0};
+        for (int u = it[1] * NB / it[2]; u < (it[1] + 1) * NB / it[2]; u++)
+            qmm_bf16_dot_pair(&b, u, (uint16_t *)panel);
+        return;
+    }
     for (int cb = it[1] * NB / it[2]; cb < (it[1] + 1) * NB / it[2]; cb++)
         if (i8)
             qi8_column_block(&a, &xq8, cb, panel);
@@ -266,7 +290,7 @@ int moe_experts(float *y, const float *x, const int64_t *ids, const float *weigh
     if (bad_layer(L, T, topk)) return -2;
     const int nthreads = num_threads < 1 ? 1 : num_threads, K = L->hidden > L->ffn ? L->hidden : L->ffn;
     MoePlan *p = moe_plan_new(L->experts, T * topk, L->hidden, L->ffn, L->dot, L->i8_min_rows > 0 && T >= L->i8_min_rows,
-                              nthreads);
+                              L->bf16_min_rows > 0 && T >= L->bf16_min_rows, nthreads);
     float *panels = malloc((size_t)nthreads * K * 16 * sizeof(float));
     int status = p && panels ? moe_group(p, L, ids, T, topk, load) : -1;
     if (status == 0) {

@@ -20,6 +20,10 @@ typedef struct {
      * runs (qi8_runs), rounds its input to 8-bit integers per group of 32 instead (the int8 route,
      * --quantized-activations int8); 0: never */
     int i8_min_rows;
+    /* > 0: a step of at least this many rows (kernel_choice.py's q-bf16 threshold: --dtype bfloat16 on a CPU with
+     * AVX-512 BF16) rounds the experts' inputs to bfloat16 and runs their matmuls on vdpbf16ps (qmm_bf16.c), twice
+     * the float32 rate; 0: never */
+    int bf16_min_rows;
 } MoeLayer;
 
 int64_t moe_struct_size(const char *name);
@@ -29,15 +33,16 @@ int64_t moe_struct_size(const char *name);
  * moe_activate over slots s < T * topk, moe_matmul over items i < moe_plan_items (gate_up: which 0, down: 1;
  * items past this step's are no-ops), moe_combine over tokens t < T (y[t] += the weighted sum). The plan holds
  * the buffers for up to max_slots slots of any layer of at most `experts` experts, `ffn` and that hidden
- * (`dot`, `i8`: with room for the rows rounded for the dot and the int8 route); the matmul items take a panel of
- * max(hidden, ffn) * 16 floats each. */
+ * (`dot`, `i8`, `bf16`: with room for the rows rounded for the dot, the int8 and the bfloat16 route); the matmul
+ * items take a panel of max(hidden, ffn) * 16 floats each. */
 typedef struct MoePlan MoePlan;
-MoePlan *moe_plan_new(int experts, int max_slots, int hidden, int ffn, int dot, int i8, int num_threads); /* NULL: OOM */
+MoePlan *moe_plan_new(int experts, int max_slots, int hidden, int ffn, int dot, int i8, int bf16,
+                      int num_threads); /* NULL: OOM */
 void moe_plan_free(MoePlan *p);
 int moe_plan_items(const MoePlan *p);
 int moe_plan_active(const MoePlan *p); /* the experts the last moe_group routed rows to */
-/* 0, -2 (bad sizes: a layer the plan was not sized for, or one whose experts may take the int8 route on a plan
- * without its room), -5 (as moe_experts); after a failure every item is a no-op. */
+/* 0, -2 (bad sizes: a layer the plan was not sized for, or one whose experts may take the int8 or the bfloat16
+ * route on a plan without its room), -5 (as moe_experts); after a failure every item is a no-op. */
 int moe_group(MoePlan *p, const MoeLayer *L, const int64_t *ids, int T, int topk, int64_t *load);
 void moe_gather(const MoePlan *p, const float *x, int s);
 void moe_matmul(const MoePlan *p, int which, int i, float *panel);

@@ -73,11 +73,17 @@ static inline __attribute__((always_inline)) void dot_block(const QMatmulBf16 *a
 #define DOT_BLOCK(n)                                                                                            \
     case n: two ? dot_block(a, bbuf, m0, n, cb0, 1) : dot_block(a, bbuf, m0, n, cb0, 0); break;
 
-/* Column blocks 2p and 2p + 1 for all rows with vdpbf16ps: each 16-row tile of x in two blocks of <= 8 rows. */
+/* Column blocks 2p and 2p + 1 for all rows with vdpbf16ps: each 16-row tile of x in two blocks of <= 8 rows.
+ * bfloat16 weights are read where they lie: their tiles are already the [G][16][32] operand rows (qtile.h), and
+ * block cb0 + 1 follows block cb0, so the copy into `bbuf` (the other formats' dequantization) is skipped. */
 static void dot_pair(const QMatmulBf16 *a, int p, uint16_t *bbuf) {
     const int NB = (a->N + 15) / 16, cb0 = 2 * p, two = cb0 + 1 < NB;
-    dequant_bf16(a->w, a->fmt, a->G, cb0, bbuf);
-    if (two) dequant_bf16(a->w, a->fmt, a->G, cb0 + 1, bbuf + (int64_t)a->G * 512);
+    if (a->fmt == QFMT_BF16) {
+        bbuf = (uint16_t *)(a->w + (int64_t)cb0 * col_bytes(QFMT_BF16, a->G));
+    } else {
+        dequant_bf16(a->w, a->fmt, a->G, cb0, bbuf);
+        if (two) dequant_bf16(a->w, a->fmt, a->G, cb0 + 1, bbuf + (int64_t)a->G * 512);
+    }
     for (int t0 = 0; t0 < a->M; t0 += 16) {
         const int rows = a->M - t0 < 16 ? a->M - t0 : 16, blocks = (rows + 7) / 8;
         for (int b = 0, m0 = t0; b < blocks; b++) {
@@ -199,6 +205,16 @@ void qmm_amx_pair(const QMatmulBf16 *a, int p, uint16_t *bbuf) {
         return;
     }
 #endif
+#if defined(__AVX512BF16__)
+    dot_pair(a, p, bbuf);
+#else
+    (void)a, (void)p, (void)bbuf;
+#endif
+}
+
+/* The same pair on AVX-512 BF16 dot products even where AMX is granted: for callers whose threads have not
+ * configured AMX tiles (the experts, moe.c); nothing in a build without AVX-512 BF16. */
+void qmm_bf16_dot_pair(const QMatmulBf16 *a, int p, uint16_t *bbuf) {
 #if defined(__AVX512BF16__)
     dot_pair(a, p, bbuf);
 #else

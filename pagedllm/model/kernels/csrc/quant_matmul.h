@@ -64,6 +64,8 @@ int qmm_bf16_kind(void);
 void qmm_amx_begin(void);
 void qmm_amx_end(void);
 void qmm_amx_pair(const QMatmulBf16 *a, int p, uint16_t *bbuf);
+/* The same on AVX-512 BF16 dot products only (no tile configuration needed); nothing where qmm_bf16_kind is 0. */
+void qmm_bf16_dot_pair(const QMatmulBf16 *a, int p, uint16_t *bbuf);
 /* Row m of x into xb, laid out as AMX A tiles ([m / 16][K / 32][16][32] bfloat16; whole tiles, zero-padded). */
 void qmm_amx_convert_row(uint16_t *xb, const float *x, int m, int G);
 /* One block of 16 output columns for all M rows; `panel` (K * 16 floats, or NULL) serves many rows. */

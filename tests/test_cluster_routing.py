@@ -417,11 +417,11 @@ def test_replicas_kv_groups_and_recurrent_state_add_up_field_by_field():
     from pagedllm.engine.stats import KVGroupStats, RecurrentStateStats
 
     def state(used: int, held: int) -> RecurrentStateStats:
-        return RecurrentStateStats([0, 1, 2], 4096, 8, used, 16, 5, held, 1)
+        return RecurrentStateStats([0, 1, 2], 4096, 8, used, 2, 5, 10, held, 1)
 
     a = _stats(kv_groups=[KVGroupStats(None, [3], 7), KVGroupStats(512, [4], 2)], recurrent_state=state(2, 1))
     b = _stats(kv_groups=[KVGroupStats(None, [3], 1), KVGroupStats(512, [4], 3)], recurrent_state=state(3, 0))
     total = sum_stats([a, b])
     assert total.kv_groups == [KVGroupStats(None, [3], 8), KVGroupStats(512, [4], 5)]
-    assert total.recurrent_state == RecurrentStateStats([0, 1, 2], 4096, 16, 5, 32, 10, 1, 2)
+    assert total.recurrent_state == RecurrentStateStats([0, 1, 2], 4096, 16, 5, 2, 10, 20, 1, 2)
     assert sum_stats([_stats(), _stats()]).recurrent_state is None

@@ -38,7 +38,7 @@ def _empty(f: Field) -> Any:
 
 
 # What replicas of one model share in a group's or the recurrent state's figures: taken from the first, not added
-SHAPE = frozenset({"window", "layers", "bytes_per_request"})
+SHAPE = frozenset({"window", "layers", "bytes_per_request", "checkpoint_blocks_each"})
 
 
 def _add(values: list) -> Any:

@@ -47,6 +47,27 @@ SHAPES: dict[str, dict] = {
         conv_L_cache=3, block_multiple_of=256, block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=True,
         vocab_size=32000, max_position_embeddings=128000,
     ),
+    "Qwen3.5-35B-A3B (qwen3_5_moe)": dict(
+        architectures=["Qwen3_5MoeForCausalLM"], model_type="qwen3_5_moe_text", hidden_size=2048,
+        num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+        linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+        full_attention_interval=4, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+        shared_expert_intermediate_size=512, vocab_size=32000, max_position_embeddings=32768,
+    ),
+    "Nemotron-H-8B-like (nemotron_h)": dict(
+        architectures=["NemotronHForCausalLM"], model_type="nemotron_h", hidden_size=4096, intermediate_size=21504,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, mamba_num_heads=128, mamba_head_dim=64,
+        ssm_state_size=128, n_groups=8, conv_kernel=4, expand=2, mlp_hidden_act="relu2",
+        hybrid_override_pattern="M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
+        vocab_size=32000, max_position_embeddings=8192,
+    ),
+    "LFM2-8B-A1B-like (lfm2_moe)": dict(
+        architectures=["Lfm2MoeForCausalLM"], model_type="lfm2_moe", hidden_size=2048, intermediate_size=7168,
+        moe_intermediate_size=1792, num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=8,
+        num_dense_layers=2, num_experts=32, num_experts_per_tok=4, conv_L_cache=3,
+        layer_types=["full_attention" if i in (2, 6, 10, 14, 18, 21) else "conv" for i in range(24)],
+        vocab_size=32000, max_position_embeddings=128000,
+    ),
 }  # fmt: skip
 
 
@@ -54,13 +75,13 @@ def main() -> None:
     print("| shape | linear layers (mixer) | state bytes per request | KV bytes per token (bf16) | state = KV of |")
     print("|---|---|---|---|---|")
     for name, fields in SHAPES.items():
-        folder = tempfile.mkdtemp()
-        with open(os.path.join(folder, "config.json"), "w") as f:
-            json.dump({"torch_dtype": "bfloat16", **fields}, f)
-        cfg = load_model_config(folder)
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out):
-            cli(["kv-calc", "--model", folder, "--dtype", "bfloat16", "--kv-cache-dtype", "bfloat16"])
+        with tempfile.TemporaryDirectory() as folder:
+            with open(os.path.join(folder, "config.json"), "w") as f:
+                json.dump({"torch_dtype": "bfloat16", **fields}, f)
+            cfg = load_model_config(folder)
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                cli(["kv-calc", "--model", folder, "--dtype", "bfloat16", "--kv-cache-dtype", "bfloat16"])
         line = next(x for x in out.getvalue().splitlines() if x.startswith("recurrent state:"))
         state = int(line.split()[2].replace(",", ""))
         assert state == cfg.state_bytes_per_request(2), line  # kv-calc's figure is the engine's reservation

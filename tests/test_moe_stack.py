@@ -14,8 +14,8 @@ kept as stored for the disk tier):
   greedy tokens;
 - the cluster's figures: two MoE engines' stats and /metrics pages merged as the cluster merges its replicas'
   (expert counters added, each replica's kept). A real `pagedllm serve --replicas 2` is not started here: one
-  costs 26-29 s even on a tiny model (test_cluster_lora, docs/benchmarks.md), and its replicas build the same
-  engine and app (cluster/replica.py) that the in-process server runs.
+  costs 26-29 s even on a tiny model (test_cluster_lora, docs/benchmarks.md), and its replicas run the same
+  LLMEngine and AsyncLLMEngine (cluster/replica.py) behind the server's own app (cluster/app.py's build_app).
 """
 
 from __future__ import annotations

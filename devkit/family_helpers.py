@@ -124,7 +124,7 @@ def save_tokenizer(folder: str) -> None:
     from tokenizers.pre_tokenizers import Whitespace
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {f"t{i}": i for i in range(VOCAB)} | {v: k for k, v in SPECIAL.items()}
+    vocab = {f"t{i}": i for i in range(len(SPECIAL), VOCAB)} | {v: k for k, v in SPECIAL.items()}
     tok = HFTok(WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = Whitespace()
     fast = PreTrainedTokenizerFast(

@@ -3,7 +3,7 @@ window of 8, shorter than every prompt) and full attention, sinks, q/k/v/o biase
 correction range not rounded, truncate false, which changes two of the eight frequencies), 4 experts of which 2
 route, with biases and the clamped SwiGLU. From the HF folder (transformers 5's 3-D, interleaved experts) and
 from GGUF files written as llama.cpp's converter writes gpt-oss (attn_sinks, ffn_gate_inp + bias,
-ffn_{gate,up,down}_exps + biases) in F32 and Q8_0.
+ffn_{gate,up,down}_exps + biases) in F32, Q8_0, Q4_0 and MXFP4.
 
 The window and the sinks are each shown to matter: transformers with one of them off picks other greedy tokens
 than the ones the engine (and transformers with both) picks, so the parity checks see both."""
@@ -157,7 +157,7 @@ def write_gguf(folder: str, fmt: str, path: str) -> dict[str, torch.Tensor]:
 def _kept(fmt: str) -> str | None:
     """A quantized file's weights kept as stored whatever the kernel choice measured (--quantization auto follows
     a timing, and a test never rests on the machine's speed)."""
-    return "gguf" if fmt in ("q8_0", "mxfp4") else None
+    return "gguf" if fmt in ("q8_0", "q4_0", "mxfp4") else None
 
 
 class Checkpoints:
@@ -217,7 +217,7 @@ def _hf_greedy_agrees(model: torch.nn.Module, prompt: list[int], generated: list
     return logits.argmax(-1).tolist() == generated
 
 
-FORMATS = ["hf", "f32", "q8_0", "mxfp4"]  # MXFP4: how gpt-oss ships its experts
+FORMATS = ["hf", "f32", "q8_0", "q4_0", "mxfp4"]  # MXFP4: how gpt-oss ships its experts
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -240,7 +240,7 @@ def test_logits_match_transformers(ckpt, fmt):
 
 
 @pytest.mark.parametrize("target", TARGETS)
-@pytest.mark.parametrize("fmt", ["q8_0", "mxfp4"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "mxfp4"])
 @pytest.mark.parametrize("activations", ["none", "int16"])
 def test_the_fused_step_computes_what_the_torch_path_does(ckpt, fmt, activations, target):
     """gpt-oss's layer in the one C call (sinks in prefill tiles and decode, the window on every other layer,

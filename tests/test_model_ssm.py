@@ -317,7 +317,7 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], params: SamplingPara
 
 def test_llm_generate_and_server(tmp_path_factory):
     """LLM(folder).generate and /v1/completions on a Granite 4.0-H folder: the same greedy text, transformers'
-    tokens, the pool whole afterwards."""
+    tokens; a kv_blend request a 400 saying why; the pool whole afterwards."""
     from server_helpers import assert_pool_whole, running_server
 
     from pagedllm import LLM
@@ -339,6 +339,12 @@ def test_llm_generate_and_server(tmp_path_factory):
         r = s.http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 12, "temperature": 0})
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == out[0].outputs[0].text
+        # kv_blend moves a segment's K/V to another position; a recurrent state cannot move: a 400 naming it
+        blend = {"prompt": prompt, "max_tokens": 4, "kv_blend": {"segments": [[0, 16]]}}
+        r = s.http.post("/v1/completions", json=blend)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["type"] == "BadRequestError" and "kv_blend cannot run" in err["message"], err
         assert_pool_whole(s)
 
 

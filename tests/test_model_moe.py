@@ -154,7 +154,7 @@ def _hf_greedy_agrees(model: torch.nn.Module, prompt: list[int], generated: list
     return logits.argmax(-1).tolist() == generated
 
 
-@pytest.mark.parametrize("fmt", ["hf", "f32", "q4_0"])
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_greedy_tokens_match_transformers(ckpt, fmt):
     """32 greedy tokens for three prompts in one engine with prefix caching (two prompts share 24 tokens),
     chunked prefill (16 tokens a step) and a KV cache small enough to preempt: transformers' tokens; the

@@ -3,6 +3,8 @@ every-block-is-back check."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from pagedllm import SamplingParams
 from pagedllm.engine import EngineConfig, LLMEngine
 from pagedllm.kv import kv_bytes_per_token
@@ -38,3 +40,25 @@ def run_all(engine: LLMEngine, prompts: list[list[int]], params=GREEDY) -> list[
 def assert_all_blocks_free(engine: LLMEngine) -> None:
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
     assert not engine.kv.req_blocks and not engine.scheduler.running and not engine.scheduler.waiting
+
+
+Run = Callable[[LLMEngine, list[list[int]]], tuple[list[list[int]], list[int]]]
+
+
+def assert_disk_tier_round_trip(
+    make: Callable[..., LLMEngine], run: Run, prompts: list[list[int]], cold: list[list[int]], folder: str
+) -> None:
+    """Four 100-token prompts through an engine whose RAM pool cannot hold them together (`make`): with the disk
+    tier in `folder`, a second pass finds the first prompts' blocks on disk (evicted from RAM) and answers `cold`,
+    the tokens of an engine without the tier; so does a new engine over the same folder, every hit from disk.
+    `run` gives each prompt's greedy tokens and cached prompt tokens, one request after another."""
+    engine = make(kv_offload_dir=folder)
+    assert run(engine, prompts)[0] == cold
+    tokens, cached = run(engine, prompts)
+    assert tokens == cold and all(c >= 96 for c in cached)
+    assert engine.stats().prefix_cache_disk_hits > 0
+    engine.disk_tier.flush()
+    restarted = make(kv_offload_dir=folder)
+    tokens, cached = run(restarted, prompts)
+    assert tokens == cold and cached == [96] * 4
+    assert restarted.stats().prefix_cache_disk_hits == 4 * 96 == restarted.stats().prefix_cache_hits

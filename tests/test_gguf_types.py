@@ -190,6 +190,20 @@ def test_the_experts_of_3d_tensors_are_slices_of_their_blocks(types):
         experts_from_gguf([raws[0], raws[1][:2]], list(types))
 
 
+def _assert_accumulates(
+    lib: ctypes.CDLL, route: str, x: np.ndarray, w: quant.QuantWeight, bias: np.ndarray, alone: np.ndarray, rng
+) -> None:
+    """With its accumulate flag `route` adds x @ w.T + bias (`alone`, computed a row at a time) to what the output
+    holds, bit for bit."""
+    before = rng.standard_normal((x.shape[0], w.n)).astype(np.float32)
+    out = before.copy()
+    rc = getattr(lib, route)(
+        out.ctypes.data, x.ctypes.data, w.tiles.data_ptr(), bias.ctypes.data, x.shape[0], w.n, w.k, w.k, w.n,
+        quant.FORMATS[w.fmt], 1, 2,
+    )  # fmt: skip
+    assert rc == 0 and np.array_equal(out, before + alone)
+
+
 def _dot(lib: ctypes.CDLL, x: np.ndarray, w: quant.QuantWeight, bias: np.ndarray) -> np.ndarray:
     return _run(lib, "qmm_dot", x, w, bias)
 
@@ -287,13 +301,7 @@ def test_the_dot_route_at_many_rows_is_the_one_row_route_bit_for_bit(lib, kind):
     for rows in (7, 8, 13, 31, 32, 33, 37, 63, 64, 65, 77, 129, 140):
         got = _dot(lib, x[:rows], w, bias)
         assert np.array_equal(got, alone[:rows]), f"{rows} rows: not the one-row route's result"
-    before = rng.standard_normal((140, w.n)).astype(np.float32)
-    out = before.copy()
-    rc = lib.qmm_dot(
-        out.ctypes.data, x.ctypes.data, w.tiles.data_ptr(), bias.ctypes.data, 140, w.n, w.k, w.k, w.n,
-        quant.FORMATS[w.fmt], 1, 2,
-    )  # fmt: skip
-    assert rc == 0 and np.array_equal(out, before + alone)
+    _assert_accumulates(lib, "qmm_dot", x, w, bias, alone, rng)
 
 
 def _i8(lib: ctypes.CDLL, x: np.ndarray, w: quant.QuantWeight, bias: np.ndarray) -> np.ndarray:
@@ -381,13 +389,7 @@ def test_the_int8_route_gives_each_row_the_same_result_at_any_row_count(lib, kin
     codes, scale = rounded_8(x)
     want = np.einsum("mgk,ngk->mn", codes * scale.astype(np.float64), ref.reshape(w.n, -1, 32)) + bias
     assert np.all(np.abs(alone - want) <= 1e-5 * np.abs(want).max(axis=1, keepdims=True))  # per row: x[3] is 1e4
-    before = rng.standard_normal((70, w.n)).astype(np.float32)
-    out = before.copy()
-    rc = lib.qmm_i8(
-        out.ctypes.data, x.ctypes.data, w.tiles.data_ptr(), bias.ctypes.data, 70, w.n, w.k, w.k, w.n,
-        quant.FORMATS[w.fmt], 1, 2,
-    )  # fmt: skip
-    assert rc == 0 and np.array_equal(out, before + alone)
+    _assert_accumulates(lib, "qmm_i8", x, w, bias, alone, rng)
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "q8m", "Q4_K", "Q6_K"])
@@ -416,13 +418,7 @@ def test_the_two_pass_int8_route_keeps_the_16_bit_step_at_any_row_count(lib, kin
     assert np.all(np.abs(alone - exact) <= bound * 1.01 + 1e-5 * np.abs(exact).max(axis=1, keepdims=True))
     one_pass = np.abs(_i8(lib, x, w, bias) - exact).max()
     assert np.abs(alone - exact)[4:].max() < one_pass / 20  # nearer the exact product than one pass by far
-    before = rng.standard_normal((70, w.n)).astype(np.float32)
-    out = before.copy()
-    rc = lib.qmm_i8x2(
-        out.ctypes.data, x.ctypes.data, w.tiles.data_ptr(), bias.ctypes.data, 70, w.n, w.k, w.k, w.n,
-        quant.FORMATS[w.fmt], 1, 2,
-    )  # fmt: skip
-    assert rc == 0 and np.array_equal(out, before + alone)
+    _assert_accumulates(lib, "qmm_i8x2", x, w, bias, alone, rng)
 
 
 # ---- a whole model written with llama.cpp's type mix -----------------------------------------------------

@@ -16,9 +16,10 @@ import sys
 import textwrap
 import time
 import zlib
+from functools import partial
 
 import pytest
-from engine_helpers import assert_all_blocks_free
+from engine_helpers import assert_all_blocks_free, assert_disk_tier_round_trip
 
 from pagedllm import SamplingParams
 from pagedllm.engine import EngineConfig, LLMEngine
@@ -293,16 +294,7 @@ def cold(model_fp32, prompts):
 
 
 def test_disk_tier_serves_evicted_prefixes_and_a_restarted_engine(model_fp32, prompts, cold, tmp_path):
-    engine = small_engine(model_fp32, kv_offload_dir=str(tmp_path))
-    assert run(engine, prompts)[0] == cold
-    tokens, cached = run(engine, prompts)  # the first prompts' blocks were evicted from RAM: read back from disk
-    assert tokens == cold and all(c >= 96 for c in cached)
-    assert engine.stats().prefix_cache_disk_hits > 0
-    engine.disk_tier.flush()
-    restarted = small_engine(model_fp32, kv_offload_dir=str(tmp_path))
-    tokens, cached = run(restarted, prompts)
-    assert tokens == cold and cached == [96] * 4
-    assert restarted.stats().prefix_cache_disk_hits == 4 * 96 == restarted.stats().prefix_cache_hits
+    assert_disk_tier_round_trip(partial(small_engine, model_fp32), run, prompts, cold, str(tmp_path))
 
 
 def test_prefixes_never_evicted_reach_the_disk_when_the_engine_goes_idle(model_fp32, prompts, cold, tmp_path):

@@ -24,8 +24,10 @@ import json
 import os
 import random
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import pytest
+from engine_helpers import assert_disk_tier_round_trip
 from moe_helpers import make_moe, write_gguf
 from server_helpers import StepHold, assert_pool_whole, kv, running_server
 
@@ -242,16 +244,7 @@ def test_the_disk_tier_serves_evicted_prefixes_and_a_restarted_engine(q4, tmp_pa
     prompts = [[rng.randrange(6, 256) for _ in range(100)] for _ in range(4)]
     cold = _run(_small_engine(q4), prompts)[0]
     assert len({tuple(t) for t in cold}) > 1
-    engine = _small_engine(q4, kv_offload_dir=str(tmp_path))
-    assert _run(engine, prompts)[0] == cold
-    tokens, cached = _run(engine, prompts)
-    assert tokens == cold and all(c >= 96 for c in cached)
-    assert engine.stats().prefix_cache_disk_hits > 0
-    engine.disk_tier.flush()
-    restarted = _small_engine(q4, kv_offload_dir=str(tmp_path))
-    tokens, cached = _run(restarted, prompts)
-    assert tokens == cold and cached == [96] * 4
-    assert restarted.stats().prefix_cache_disk_hits == 4 * 96 == restarted.stats().prefix_cache_hits
+    assert_disk_tier_round_trip(partial(_small_engine, q4), _run, prompts, cold, str(tmp_path))
 
 
 # ---- the cluster's figures -----------------------------------------------------------------------------------

@@ -323,7 +323,7 @@ def test_a_blend_step_that_fails_is_retried_and_stores_only_what_it_wrote(model_
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert all(o.outputs[0].finish_reason == "length" for o in got)
     assert_all_blocks_free(engine)
-    assert not any(engine.kv.req_segments.values())
+    assert not any(engine.kv.segments.holds.values())
 
 
 def test_ctrl_c_in_a_blend_prefill_stores_no_passage_and_leaks_nothing(model_fp32, monkeypatch):
@@ -340,7 +340,7 @@ def test_ctrl_c_in_a_blend_prefill_stores_no_passage_and_leaks_nothing(model_fp3
             engine.step()
     engine.abort_request("a")
     assert_all_blocks_free(engine)
-    assert not any(engine.kv.req_segments.values())
+    assert not any(engine.kv.segments.holds.values())
     after = run_blend(engine, "b", [2, 0, 1])
     assert after.num_blend_tokens == 0
     assert after.outputs[0].token_ids == fresh.outputs[0].token_ids

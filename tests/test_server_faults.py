@@ -546,7 +546,7 @@ def test_a_cut_kv_blend_stream_frees_its_blocks_and_passage_holds(fault_server):
                         break  # the client is gone with 50 tokens or more to go
         hold.wait_abort("cmpl-cut-blend")
     assert_pool_whole(fault_server)
-    assert not any(core.kv.req_segments.values())
+    assert not any(core.kv.segments.holds.values())
     before = core.prompt_tokens
     again = complete(fault_server, prompt=b, temperature=0, kv_blend={"segments": spans_b, "recompute": 0.0})
     assert again.status_code == 200, again.text

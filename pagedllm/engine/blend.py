@@ -65,6 +65,7 @@ import pagedllm.model.kernels.kv_quant as kv_quant
 from pagedllm.kv.block_pool import KVBlock
 from pagedllm.kv.hashing import BlockHash, hash_segment_blocks
 from pagedllm.kv.manager import KVCacheBlocks, KVCacheManager, PagedKVCacheManager
+from pagedllm.kv.segments import SegmentStore
 from pagedllm.model.layers.attention import build_metadata
 from pagedllm.sampling_params import SamplingParamsError
 
@@ -131,6 +132,14 @@ def _blending(req: Request, kv: KVCacheManager) -> BlendState | None:
     return blend if blend is not None and usable and req.reads_prefix_cache else None
 
 
+def _store(kv: KVCacheManager) -> SegmentStore:
+    """The KV manager's segment store, where a request's copies come from and its segments go (kv_blend talks to
+    it directly: the manager only makes it and plugs it in as a connector). A request with a plan has one:
+    _blending checked it."""
+    assert isinstance(kv, PagedKVCacheManager) and kv.segments is not None
+    return kv.segments
+
+
 def plan(req: Request, kv: KVCacheManager, hits: KVCacheBlocks, num_cached: int) -> None:
     """At admission, after the prefix-cache lookup found `hits` (`num_cached` tokens): which spans to copy, with
     their stored blocks held. The last prompt token is always computed (its logits give the first output token).
@@ -143,12 +152,12 @@ def plan(req: Request, kv: KVCacheManager, hits: KVCacheBlocks, num_cached: int)
     blend.step_spans, blend.probe_due, blend.copied_spans = None, False, []
     if _exact(blend):
         return
-    assert isinstance(kv, PagedKVCacheManager)
-    kv.pin(list(hits))
+    store = _store(kv)
+    store.pin(list(hits))
     try:
         _plan_copies(req, blend, kv, num_cached)
     finally:
-        kv.unpin(list(hits))
+        store.unpin(list(hits))
 
 
 def without_copies(req: Request) -> bool:
@@ -169,29 +178,28 @@ def _exact(blend: BlendState) -> bool:
     return blend.max_deviation == 0 if blend.max_deviation is not None else blend.recompute >= 1.0
 
 
-def _plan_copies(req: Request, blend: BlendState, kv: PagedKVCacheManager, num_cached: int) -> None:
+def _plan_copies(req: Request, blend: BlendState, kv: KVCacheManager, num_cached: int) -> None:
     """The fixed share: the tails `_recomputed_tails` gives are computed. The bound mode: every stored block is
     copied, and the tokens to compute again are chosen once the copies are made (`_probe`)."""
-    bs, last = kv.block_size, req.num_prompt_tokens - 1
+    bs, last, store = kv.block_size, req.num_prompt_tokens - 1, _store(kv)
     bound = blend.max_deviation is not None
     tails = [0] * len(blend.segments) if bound else _recomputed_tails(blend, num_cached)
     for i, ((start, end), tail) in enumerate(zip(blend.segments, tails)):
         lo, stop = max(num_cached, start), min(end - tail, last)
         if lo >= stop:
             continue
-        found = kv.hold_segment(req, blend.hashes(req, i, bs))
+        found = store.hold(req.request_id, blend.hashes(req, i, bs))
         hi = min(start + len(found) * bs, stop)
         first = (lo - start) // bs
         if lo >= hi:
-            kv.release_segment(req, found)
+            store.release(req.request_id, found)
             continue
         if len(found) * bs >= end - start - (end - start) % bs:
             blend.stored.add(i)  # every full block is stored: nothing to store after computing it
-        kv.release_segment(req, found[:first])
+        store.release(req.request_id, found[:first])
         blend.copies.append(CopySpan(lo, hi, start, found[first:], first))
     if blend.copies:
-        assert kv.segments is not None  # _blending: the store exists
-        kv.segments.limit(req.request_id, blend.copies[0].start)
+        store.limit(req.request_id, blend.copies[0].start)
         blend.probe_due = bound
 
 
@@ -276,7 +284,7 @@ def apply_copies(req: Request, runner: ModelRunner, kv: KVCacheManager) -> None:
             dst.append(table[pos // bs] * bs + pos % bs)
         runner.copy_kv(src, dst, span.origin)
         blend.copies.pop(0)
-        kv.release_segment(req, span.blocks)
+        _store(kv).release(req.request_id, span.blocks)
         span.blocks = []
         blend.copied_tokens += span.end - span.start
         blend.copied_spans.append((span.start, span.end))
@@ -418,13 +426,12 @@ def store_segments(req: Request, runner: ModelRunner, kv: KVCacheManager) -> Non
     blend = _blending(req, kv)
     if blend is None:
         return
-    assert isinstance(kv, PagedKVCacheManager)
-    bs = kv.block_size
+    bs, store = kv.block_size, _store(kv)
     for i, (start, end) in enumerate(blend.segments):
         if i in blend.stored or end > req.num_computed_tokens:
             continue
         blend.stored.add(i)
-        fresh = kv.new_segment_blocks(blend.hashes(req, i, bs))
+        fresh = store.new_blocks(blend.hashes(req, i, bs))
         if not fresh:
             continue
         table = kv.get_block_ids(req.request_id)
@@ -441,7 +448,7 @@ def store_segments(req: Request, runner: ModelRunner, kv: KVCacheManager) -> Non
         except Exception as e:  # noqa: BLE001 - a segment not stored costs a later request its reuse, nothing else
             logger.warning("kv_blend: segment of request %s not stored: %s", req.request_id, e)
         finally:
-            kv.end_segment_store([b for _, b in fresh], written)
+            store.end_store([b for _, b in fresh], written)
 
 
 def check_segments(

@@ -318,7 +318,8 @@ class PagedKVCacheManager(KVCacheManager):
 
     def enable_segments(self) -> SegmentStore | None:
         """kv_blend's segment store, where the model is one full-attention group and nothing else (no recurrent
-        state: it cannot be re-rotated) and the prefix cache is on."""
+        state: it cannot be re-rotated) and the prefix cache is on. The manager only makes it and plugs it in as a
+        connector (lookups that miss reach it as they reach the disk tier); kv_blend (engine/blend.py) calls it."""
         one_group = self.windows == [None] and len(self.coordinator.managers) == 1
         if self.segments is None and self.enable_caching and one_group:
             self.segments = SegmentStore(self.pool, self.null_block, self._fetch, self._count_segment_read)
@@ -340,33 +341,6 @@ class PagedKVCacheManager(KVCacheManager):
     def offload_cached(self) -> None:
         for c in self.connectors:
             c.idle(self.pool)
-
-    # kv_blend's calls (engine/blend.py), answered by the segment store
-    def hold_segment(self, request: KVRequest, hashes: Sequence[BlockHash]) -> list[KVBlock]:
-        return self.segments.hold(request.request_id, hashes) if self.segments is not None else []
-
-    def release_segment(self, request: KVRequest, blocks: Sequence[KVBlock]) -> None:
-        assert self.segments is not None
-        self.segments.release(request.request_id, blocks)
-
-    def pin(self, blocks: Sequence[KVBlock]) -> None:
-        assert self.segments is not None
-        self.segments.pin(blocks)
-
-    def unpin(self, blocks: Sequence[KVBlock]) -> None:
-        assert self.segments is not None
-        self.segments.unpin(blocks)
-
-    def new_segment_blocks(self, hashes: Sequence[BlockHash]) -> list[tuple[int, KVBlock]]:
-        return self.segments.new_blocks(hashes) if self.segments is not None else []
-
-    def end_segment_store(self, blocks: Sequence[KVBlock], written: bool) -> None:
-        assert self.segments is not None
-        self.segments.end_store(blocks, written)
-
-    @property
-    def req_segments(self) -> dict[str, list[KVBlock]]:
-        return self.segments.holds if self.segments is not None else {}
 
     # ---- lookups ------------------------------------------------------------------------------------------
     def _hashes(self, request: KVRequest, num_tokens: int) -> list[BlockHash]:

@@ -215,7 +215,7 @@ def _build(cc: list[str], openmp: bool, target: str) -> tuple[ctypes.CDLL, Path]
         kept = _kept(lib)  # another process may have built it while this one waited
         if isinstance(kept, ctypes.CDLL):
             return kept, lib
-        return _build_into(cc, compile_flags, extra, lib, kept)
+        return _build_into(cc, compile_flags, extra, lib, kept), lib
 
 
 def _kept(lib: Path) -> ctypes.CDLL | str:

@@ -71,17 +71,22 @@ def all_logits(runner, chunks):
 
 
 def fused_and_torch(
-    loaded, ids: list[int], split: int, steps: int, kv_dtype: torch.dtype | None = None
+    loaded,
+    ids: list[int],
+    split: int,
+    steps: int,
+    kv_dtype: torch.dtype | None = None,
+    paths: tuple[bool, ...] = (True, False),
 ) -> dict[bool, tuple[torch.Tensor, list[int]]]:
-    """Per path (the fused C step or the torch path): the logits of `ids` prefilled in two chunks over shuffled
-    blocks, then of `steps` greedy decode tokens each path picks itself, and those tokens. `kv_dtype`: the KV
-    cache's (default: the model's)."""
+    """Per path (the fused C step or the torch path; `paths`: which): the logits of `ids` prefilled in two chunks
+    over shuffled blocks, then of `steps` greedy decode tokens each path picks itself, and those tokens.
+    `kv_dtype`: the KV cache's (default: the model's)."""
     import random
 
     from pagedllm.model import ModelRunner, SeqChunk
 
     out = {}
-    for fused in (True, False):
+    for fused in paths:
         runner = ModelRunner(loaded, num_blocks=16, block_size=8, kv_dtype=kv_dtype, fused=fused)
         assert (runner.fused is not None) == fused
         table = random.Random(4).sample(range(16), 16)

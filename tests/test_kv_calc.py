@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import subprocess
-import sys
 
 import pytest
+from cli_helpers import finish, run_cli_here, start_cli
 
 from pagedllm.entrypoints.cli import main
 
@@ -117,22 +116,14 @@ NOT_A_CACHE_DTYPE = ["--model", "--kv-cache-dtype", "float16"]
 
 @pytest.fixture(scope="module")
 def cli_runs():
-    """`pagedllm kv-calc FLAGS` as a user runs it, one process per set of flags the tests below give, all started
-    at once: each is ~3 s of importing before its one line, and two cores run two of them at a time."""
+    """`pagedllm kv-calc FLAGS` for each set of flags the tests below give: the one that reads the model's config
+    before it fails as a user runs it (a new process, so a fresh start prints only the error's line), the others
+    through the same `main` in this process while that one starts (tests/cli_helpers.py)."""
     runs = [flags for flags, _ in BAD_INPUT] + [DTYPE_ONLY_FOR_THE_CACHE, NOT_A_CACHE_DTYPE]
-    procs = {
-        tuple(flags): subprocess.Popen(
-            [sys.executable, "-m", "pagedllm.entrypoints.cli", "kv-calc", *flags],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for flags in runs
-    }
-    done = {}
-    for flags, proc in procs.items():
-        _, stderr = proc.communicate(timeout=300)
-        done[flags] = subprocess.CompletedProcess(proc.args, proc.returncode, "", stderr)
+    fresh = ["--model", "--memory", "lots"]
+    proc = start_cli(["kv-calc", *fresh])
+    done = {tuple(flags): run_cli_here(["kv-calc", *flags]) for flags in runs if flags != fresh}
+    done[tuple(fresh)] = finish(proc)
     return done
 
 

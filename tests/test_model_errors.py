@@ -8,6 +8,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
+from cli_helpers import finish, run_cli_here, start_cli
 
 from pagedllm.errors import ModelLoadError, UserError
 from pagedllm.model import load_model, load_model_config, load_tokenizer, loader
@@ -126,11 +127,10 @@ BAD_MODELS = ["missing", "text-file", "unsupported-arch"]
 
 @pytest.fixture(scope="module")
 def cli_bad_models(tmp_path_factory):
-    """`pagedllm generate hi --model M` as a user runs it, for each kind of bad model, the three processes started
-    at once (each is seconds of imports before its one line): kind -> (the model given, the finished process)."""
-    import subprocess
-    import sys
-
+    """`pagedllm generate hi --model M` for each kind of bad model: the unsupported architecture (it reads the
+    model's config before it fails) as a user runs it (a new process, so a fresh start prints only the error's
+    line), the others through the same `main` in this process while that one starts (tests/cli_helpers.py): kind
+    -> (the model given, the finished run)."""
     models = {}
     for kind in BAD_MODELS:
         tmp_path = tmp_path_factory.mktemp(kind)
@@ -142,15 +142,10 @@ def cli_bad_models(tmp_path_factory):
         else:
             models[kind] = str(tmp_path)
             (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
-    argv = [sys.executable, "-m", "pagedllm.entrypoints.cli", "generate", "hi", "--model"]
-    procs = {
-        kind: subprocess.Popen([*argv, model], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        for kind, model in models.items()
-    }
-    done = {}
-    for kind, proc in procs.items():
-        _, stderr = proc.communicate(timeout=300)
-        done[kind] = (models[kind], subprocess.CompletedProcess(proc.args, proc.returncode, "", stderr))
+    argv = ["generate", "hi", "--model"]
+    proc = start_cli([*argv, models["unsupported-arch"]])
+    done = {kind: (model, run_cli_here([*argv, model])) for kind, model in models.items() if kind != "unsupported-arch"}
+    done["unsupported-arch"] = (models["unsupported-arch"], finish(proc))
     return done
 
 

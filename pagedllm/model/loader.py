@@ -7,10 +7,13 @@ straight from the checkpoint, so loading costs one read (and, for GGUF, one dequ
 quantization (vLLM's `--quantization`): "gguf" keeps a GGUF's quantized and F16 / BF16 matrices as stored (every type of
 gguf_quants.GGML_TYPES: Q4_0 .. Q8_0, the K types, IQ4_NL / IQ4_XS) and runs
 them through the quantized kernels (quant.py); "int8" / "int4" round a checkpoint's weights at load; "none"
-(the default for a Hugging Face folder) dequantizes to `dtype`; "auto" (the default for a GGUF file) is the
-fastest path with the file's exact values, measured on this machine (kernel_choice.py): "gguf" unless this
-build's quantized kernel is slower than dense for one row. Where the kernels cannot run (a GPU, no C compiler)
-the model says so once and loads dense.
+dequantizes to `dtype` (dense torch matmuls); "auto" (the default) is the fastest path with the file's exact
+values, measured on this machine (kernel_choice.py): for a GGUF file "gguf", for a Hugging Face folder of
+bfloat16 / float16 weights their matrices and embedding table kept as stored in the kernels' bf16 / f16 format
+(weights.as_stored: the same values, no float32 copy; what the fused C step needs to run the model), in both
+cases unless this build's quantized kernel is slower than dense for one row (then "none"); a float32 folder
+loads dense ("none": its exact path). Where the kernels cannot run (a GPU, no C compiler) the model says so once
+and loads dense.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ log = logging.getLogger("pagedllm.model")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4")
+STORED_16BIT = ("bfloat16", "float16", "bf16", "fp16", "half")  # a folder's torch_dtype whose matrices "auto" keeps
 
 
 @dataclass
@@ -94,15 +98,18 @@ def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig, device: torch.devi
     raise UserError(f"--dtype {dtype!r} is not supported; use auto, float32 or bfloat16")
 
 
-def resolve_quantization(quantization: str | None, path: str, device: torch.device) -> str:
-    """None -> "auto" for a GGUF file, "none" otherwise (auto too: a folder has no quantized weights to keep);
-    "none" (said once) where the kernels cannot run."""
+def resolve_quantization(
+    quantization: str | None, path: str, device: torch.device, checkpoint_dtype: str = "float32"
+) -> str:
+    """None -> "auto": for a GGUF file, and for a Hugging Face folder of 16-bit weights (`checkpoint_dtype`
+    bfloat16 / float16), whose matrices the kernels run as stored; "none" for a float32 folder (nothing to keep:
+    dense float32 is its exact path); "none" (said once) where the kernels cannot run."""
     q = (quantization or "auto").lower()
     if q not in QUANTIZATIONS:
         raise UserError(f"--quantization {quantization!r} is not supported; use {', '.join(QUANTIZATIONS)}")
     if q == "gguf" and not is_gguf(path):
         raise UserError("--quantization gguf needs a GGUF file; for a Hugging Face folder use int8 or int4")
-    if q == "auto" and not is_gguf(path):
+    if q == "auto" and not is_gguf(path) and checkpoint_dtype.lower() not in STORED_16BIT:
         return "none"
     if q != "none" and (device.type != "cpu" or cpu_kernel.load() is None):
         log_once(f"--quantization {q}: no quantized kernel on {device} here; weights are dequantized (dense path)")
@@ -115,7 +122,7 @@ def _fill(net: CausalLM, path: str, cfg: ModelConfig, quantization: str) -> None
     from pagedllm.model.weights import assign_weights, iter_gguf, iter_safetensors, quantize_rtn_model
 
     if os.path.isdir(path):
-        assign_weights(net, iter_safetensors(path), path)
+        assign_weights(net, iter_safetensors(path), path, keep_16bit=quantization == "auto")
     elif is_gguf(path):
         from pagedllm.model.formats.gguf_file import GGUFFile
 
@@ -148,7 +155,7 @@ def load_model(
         cfg = with_overrides(cfg, hf_overrides)
     dev = torch.device(device)
     torch_dtype = resolve_dtype(dtype, cfg, dev)
-    quant = resolve_quantization(quantization, path, dev)
+    quant = resolve_quantization(quantization, path, dev, cfg.checkpoint_dtype)
     dot = dot_route(quantized_activations)
     int8 = int8_kinds(quantized_activations, dot)
     net, dense_bytes, choice = _build(path, cfg, torch_dtype, dev, quant, dot, int8)
@@ -156,7 +163,7 @@ def load_model(
         quant = "none"
         del net  # not two models at once
         net, dense_bytes, _ = _build(path, cfg, torch_dtype, dev, quant, dot, int8)
-    elif quant == "auto":
+    elif quant == "auto" and is_gguf(path):
         quant = "gguf"
     for w in net.quant_weights():
         w.dot = dot
@@ -166,7 +173,7 @@ def load_model(
     trim_heap()
     weight_bytes = net.resident_weight_bytes()
     secs = time.perf_counter() - t0
-    kind = str(torch_dtype).removeprefix("torch.") + ("" if quant == "none" else f", {quant} quantized")
+    kind = str(torch_dtype).removeprefix("torch.") + _weights_kind(net, quant)
     msg = (
         f"loaded {cfg.name or os.path.basename(path)} ({cfg.architecture}, {weight_bytes / 2**20:.0f} MiB "
         f"{kind}) in {secs:.1f} s"
@@ -177,6 +184,17 @@ def load_model(
 
         print(msg, file=sys.stderr)
     return LoadedModel(cfg, net, tokenizer, torch_dtype, dev, secs, weight_bytes, path, quant, dense_bytes, choice)
+
+
+def _weights_kind(net: CausalLM, quant: str) -> str:
+    """How the weights are held, for the load line: "auto" on a folder is its 16-bit matrices kept as stored on
+    the C kernels (their formats named), as the kernel choice decided."""
+    if quant == "none":
+        return ""
+    if quant != "auto":
+        return f", {quant} quantized"
+    fmts = sorted({w.fmt for w in net.quant_weights()})
+    return f", {'/'.join(fmts) or 'no'} matrices as stored on the C kernels"
 
 
 def dot_route(quantized_activations: str) -> bool:

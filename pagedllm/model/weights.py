@@ -442,11 +442,33 @@ def _unused(name: str) -> bool:
     return name.endswith("rotary_emb.inv_freq")
 
 
-def assign_weights(model: CausalLM, tensors: Iterator[tuple[str, Value]], where: str) -> None:
+_STORED_16 = {torch.bfloat16: ("bf16", "BF16"), torch.float16: ("f16", "F16")}
+
+
+def as_stored(slot: Slot, t: Value) -> Value:
+    """A 16-bit matrix of a matmul or embedding table as QuantParts of the kernels' bf16 / f16 format: the same
+    values, so the C kernels (and the fused C step, which needs every weight in their tiles) run it losslessly;
+    anything else (a bias, a float32 tensor, a router kept dense, an input size not in groups of 32) as given."""
+    owner = slot.owner
+    if (
+        not isinstance(t, torch.Tensor)
+        or t.dtype not in _STORED_16
+        or t.dim() != 2
+        or t.shape[1] % 32
+        or slot.kind != "weight"
+        or not isinstance(owner, (Linear, Embedding))
+        or getattr(owner, "keep_dense", False)
+    ):
+        return t
+    fmt, source = _STORED_16[t.dtype]
+    return QuantParts(fmt, t.contiguous().view(torch.int16).numpy().view(np.uint16), None, None, source)
+
+
+def assign_weights(model: CausalLM, tensors: Iterator[tuple[str, Value]], where: str, keep_16bit: bool = False) -> None:
     """Copy HF-named tensors into the model (merging q/k/v and gate/up); error on anything missing or left over.
     QuantParts are kept quantized where every piece of their merged weight is, and packed as soon as the last
     piece is in (so loading holds one weight's plain form at a time, not the model's); else dequantized into
-    place."""
+    place. `keep_16bit`: a checkpoint's bfloat16 / float16 matrices are kept as stored (`as_stored`)."""
     table = tensor_table(model)
     filled: set[str] = set()
     extra: list[str] = []
@@ -456,6 +478,8 @@ def assign_weights(model: CausalLM, tensors: Iterator[tuple[str, Value]], where:
         if slot is None:
             extra += [] if _unused(name) else [name]
             continue
+        if keep_16bit:
+            t = as_stored(slot, t)
         _put(slot, t, name, where)
         filled.add(name)
         if isinstance(t, QuantParts):

@@ -20,7 +20,9 @@ matmuls must sum in a fixed order (batch invariance), so nothing there may be re
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import hashlib
 import logging
 import os
@@ -31,6 +33,7 @@ import shutil
 import stat
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -204,13 +207,50 @@ def _build(cc: list[str], openmp: bool, target: str) -> tuple[ctypes.CDLL, Path]
     key_src = b"".join(p.read_bytes() for p in sorted(CSRC.glob("*.[ch]")))
     key_src += " ".join([*cc, *compile_flags, *LINK, *extra, str(SOURCES), _host_id(cc)]).encode()
     lib = _cache_dir() / f"pagedllm_kernels-{target}-{hashlib.sha256(key_src).hexdigest()[:16]}.so"
+    kept = _kept(lib)
+    if isinstance(kept, ctypes.CDLL):
+        return kept, lib
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    with _building(lib):
+        kept = _kept(lib)  # another process may have built it while this one waited
+        if isinstance(kept, ctypes.CDLL):
+            return kept, lib
+        return _build_into(cc, compile_flags, extra, lib, kept), lib
+
+
+def _kept(lib: Path) -> ctypes.CDLL | str:
+    """The kept library at `lib`, loaded, or why there is none usable (MISSING when nothing is there)."""
     why = _sealed(lib)
     if not why:
         try:
-            return _open(lib), lib
+            return _open(lib)
         except OSError as e:
             why = str(e)
-    lib.parent.mkdir(parents=True, exist_ok=True)
+    return why
+
+
+@contextlib.contextmanager
+def _building(lib: Path) -> Iterator[None]:
+    """One builder of `lib` at a time on this machine (an advisory lock on a file beside it): processes that start
+    at once (a server's replicas, parallel test workers) wait for the first build instead of each compiling the
+    same library. Where the lock cannot be taken (a read-only or odd filesystem), each builds its own, as
+    before; the kept file is only ever replaced atomically either way."""
+    try:
+        fd = os.open(lib.parent / (lib.name + ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+    except OSError:
+        fd = -1
+    try:
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        if fd >= 0:
+            os.close(fd)  # releases the lock
+
+
+def _build_into(cc: list[str], compile_flags: list[str], extra: list[str], lib: Path, why: str) -> ctypes.CDLL:
+    """Build the library, keep it at `lib` and load it (`why`: what was wrong with the kept one, if anything)."""
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
         out = Path(tmp) / lib.name
         _compile(cc, compile_flags, extra, out)
@@ -221,10 +261,10 @@ def _build(cc: list[str], openmp: bool, target: str) -> tuple[ctypes.CDLL, Path]
             os.replace(out, lib)  # atomic: concurrent builders never see a half-written library
         except OSError as e:
             log.warning("could not keep the CPU kernels in %s (%s)%s: this process uses its own build", lib, e, why)
-            return built, lib
+            return built
     if why:
         log.warning("the CPU kernels in %s were built again: %s", lib, why)
-    return built, lib
+    return built
 
 
 _paths: dict[str, Path] = {}  # target -> the file `load(target)` names its kernels by

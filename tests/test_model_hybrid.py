@@ -490,12 +490,12 @@ I8_TOL = 1e-2
 
 
 def test_the_int8_route_on_the_o_projections_leaves_the_recurrent_mixers_on_theirs(tmp_path):
-    """The int8 route for attention's o projections only (what --quantized-activations auto takes where no
-    bfloat16 kernel runs, loader.AUTO_I8_KINDS): the C step plans a Gated DeltaNet layer's projections under the
-    qkv and o profile slots, but their route is their own (StepModel.i8_kinds' bit of no kind), so the fused step
-    computes what the torch path does with the o projections alone on the route, and with the mixers' too; and
-    the o projections alone are not the o slot's every matmul (the mixers' out on the route moves the logits
-    ~1000x the tolerance here)."""
+    """The int8 route for attention's o projections only (dot_accuracy's --int8-on o; the kind that keeps its
+    accuracy there, docs/benchmarks.md, "per matmul"): the C step plans a Gated DeltaNet layer's projections
+    under the qkv and o profile slots, but their route is their own (StepModel.i8_kinds' bit of no kind), so the
+    fused step computes what the torch path does with the o projections alone on the route, and with the
+    mixers' too; and the o projections alone are not the o slot's every matmul (the mixers' out on the route
+    moves the logits ~30x the tolerance here)."""
     from pagedllm.model.fused_step import PHASES, i8_kinds
 
     folder = str(tmp_path / "qwen3_5")

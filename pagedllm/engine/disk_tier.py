@@ -126,8 +126,8 @@ def _weights_digest(loaded: LoadedModel) -> bytes:
 def kernel_facts(loaded: LoadedModel) -> tuple[bool, int, int, tuple[str, ...]]:
     """What of the kernels changes the K/V a step writes: the dot route (inputs rounded to 16 bits), the row
     counts from which bfloat16 steps run on q-bf16 and steps on the int8 route (the kernel choice), and the kinds
-    of matmul that take the int8 route (decoder.MATMUL_KINDS: every one under --quantized-activations int8, the
-    o projections under auto on a build without a bfloat16 kernel), so KV written under other kernels is never
+    of matmul that take the int8 route (decoder.MATMUL_KINDS: every one under --quantized-activations int8, those
+    of loader.AUTO_I8_KINDS under auto where no bfloat16 kernel runs), so KV written under other kernels is never
     served (the disk tier's fingerprint, kv_blend's segment root)."""
     weights = loaded.model.quant_weights() if hasattr(loaded.model, "quant_weights") else []
     amx = loaded.kernel_choice.amx_min_rows if loaded.kernel_choice is not None else 0

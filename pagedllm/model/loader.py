@@ -147,7 +147,8 @@ def load_model(
     and --quantization. `hf_overrides` replaces fields of the model's config first (config.with_overrides);
     `quantized_activations` (auto | int16 | int8 | none) whether the matmuls take the dot route (int8: below the
     row count from which the kernel choice measured the int8 route faster, the int8 route from there on; auto: so
-    for the matmuls of AUTO_I8_KINDS where no bfloat16 kernel runs)."""
+    for the matmuls of AUTO_I8_KINDS where no bfloat16 kernel runs, which is none: docs/benchmarks.md, "per
+    matmul")."""
     t0 = time.perf_counter()
     path = resolve_model_path(model)
     cfg = load_model_config(path)
@@ -208,12 +209,17 @@ def dot_route(quantized_activations: str) -> bool:
     return lib is not None and (forced or cpu_kernel.isa(lib)["dot"] != "portable")
 
 
-# The matmuls on the int8 route under --quantized-activations auto where the build has no bfloat16 dot (AVX2:
-# x86-64-v3): o only. Its input (attention's output, a weighted mean of the values) keeps its accuracy in 8 bits
-# per group of 32: on the default model mean KL 9.9e-5 nats and top-1 agreement 99.76% against float32
-# activations, inside what the bfloat16 activations that AVX-512 BF16 CPUs run by default give (1.8e-4, 99.5%);
-# q/k/v, gate/up, down and the head on it alone each give 5-11x that KL (docs/benchmarks.md, "per matmul").
-AUTO_I8_KINDS = frozenset({"o"})
+# The matmuls on the int8 route under --quantized-activations auto where the build has no bfloat16 kernel (AVX2:
+# x86-64-v3): none. Measured per matmul (docs/benchmarks.md, "per matmul"; benchmarks/kernels/dot_accuracy.py
+# --int8-on): only the o projection keeps its accuracy in 8 bits per group of 32 (default model, mean KL 9.9e-5
+# nats, top-1 agreement 99.56% against float32 activations, inside the bfloat16 route's 1.8e-4 / 99.51%; q/k/v,
+# gate/up, down and the head each give 5-12x that KL), but o alone on it does not shorten a prefill
+# (benchmarks/kernels/prefill_ttft.py --int8-on o: 0.97-1.01x the 16-bit route's time, against 0.76-0.85x for
+# every matmul); and it would take the default off transformers' greedy tokens (tests/test_model_default.py's
+# first prompt differs from its 18th token on x86-64-v3) and make a step's result depend on its row count (the
+# route from 8 rows there). The mechanism stays (int8_kinds): a kind named here takes the route from the kernel
+# choice's row count.
+AUTO_I8_KINDS: frozenset[str] = frozenset()
 
 
 def int8_kinds(quantized_activations: str, dot: bool) -> frozenset[str] | None:

@@ -483,6 +483,44 @@ def test_the_recurrent_kernels_of_every_cpu_class(quantized, target):
     assert_marked_states_match(marked, TOL)
 
 
+# The int8 route between the two paths: an input the paths compute a rounding apart can round to codes a step apart
+# (1/254 of its group's largest), and the recurrence carries it on: 2.4e-4 (o only) and 2.7e-3 (o and the mixers)
+# of the largest logit measured here
+I8_TOL = 1e-2
+
+
+def test_the_int8_route_on_the_o_projections_leaves_the_recurrent_mixers_on_theirs(tmp_path):
+    """The int8 route for attention's o projections only (dot_accuracy's --int8-on o; the kind that keeps its
+    accuracy there, docs/benchmarks.md, "per matmul"): the C step plans a Gated DeltaNet layer's projections
+    under the qkv and o profile slots, but their route is their own (StepModel.i8_kinds' bit of no kind), so the
+    fused step computes what the torch path does with the o projections alone on the route, and with the
+    mixers' too; and the o projections alone are not the o slot's every matmul (the mixers' out on the route
+    moves the logits ~30x the tolerance here)."""
+    from pagedllm.model.fused_step import PHASES, i8_kinds
+
+    folder = str(tmp_path / "qwen3_5")
+    make_hybrid("qwen3_5", folder)
+    loaded = load_model(folder, "float32", "cpu", False, "int8", quantized_activations="int8")
+    net = loaded.model
+    o = {id(w) for w in net.weights_by_kind()["o"]}
+    mixers = {id(lin.quant) for layer in net.decoder_layers if layer.linear_attn for lin in layer.linear_attn.linears()}
+    assert o and mixers and not o & mixers
+    got = {}
+    for name, selected, bits in (
+        ("o", o, 1 << PHASES.index("o")),
+        ("o and mixers", o | mixers, 1 << PHASES.index("o") | 1 << len(PHASES)),
+    ):
+        for w in net.quant_weights():
+            w.i8_min_rows = 8 if id(w) in selected else 0
+        assert i8_kinds(net) == bits, name
+        paths = fused_and_torch(loaded, _tokens(70, 1), 29, 2)
+        got[name] = paths[True][0], paths[False][0]
+        fused, want = got[name]
+        assert (fused - want).abs().max().item() < I8_TOL * want.abs().max().item(), name
+    fused, want = got["o"][0], got["o and mixers"][1]
+    assert (fused - want).abs().max().item() > 10 * I8_TOL * want.abs().max().item()
+
+
 def _never(*args, **kwargs):
     raise AssertionError("a step ran on the torch path")
 

@@ -23,9 +23,11 @@ from pagedllm.engine import EngineConfig
 from pagedllm.errors import UserError
 from pagedllm.model import ModelRunner, SeqChunk, load_model
 from pagedllm.model.formats.gguf_quants import from_gguf_blocks
+from pagedllm.model.fused_step import PHASES, i8_kinds
 from pagedllm.model.kernels import cpu_kernel
 from pagedllm.model.kernels import quant_linear as quant
 from pagedllm.model.kernels.quant_linear import bf16_kernel, pack, qlinear, qrows, quantize_rtn
+from pagedllm.model.layers.decoder import MATMUL_KINDS
 
 LIB = cpu_kernel.load()
 pytestmark = needs_kernel  # where a compiler exists, a kernel that fails to build fails these tests
@@ -175,6 +177,30 @@ def test_fused_step_matches_the_torch_path(tiny, kv_dtype, i8_rows):
         fused.execute([SeqChunk([10**6], 0, [1])])
 
 
+@pytest.mark.parametrize("kind", ["qkv", "o", "gate_up", "down"])
+def test_the_int8_route_on_one_kind_of_matmul_on_both_paths(tiny, kind):
+    """The int8 route for one kind of matmul only (the torch path chooses per weight, the fused step per kind:
+    fused_step.i8_kinds, from the same weights): the paths agree, and the route is taken there and only there
+    (the logits move from the 16-bit route's, and less than with every matmul on the int8 route)."""
+    folder, _ = tiny
+    ours = load_model(folder, "float32", verbose=False, quantization="int8", quantized_activations="int8")
+    chosen = {id(w) for w in ours.model.weights_by_kind()[kind]}
+    seq = [random.Random(7).randrange(3, 256) for _ in range(20)]
+
+    def logits(selected, fused: bool) -> torch.Tensor:
+        for w in ours.model.quant_weights():
+            w.i8_min_rows = 8 if selected is None or id(w) in selected else 0
+        runner = ModelRunner(ours, 8, 8, fused=fused)
+        assert (runner.fused is not None) == fused
+        return all_logits(runner, [SeqChunk(seq, 0, [3, 1, 2])])[0]
+
+    got = logits(chosen, True)
+    assert i8_kinds(ours.model) == 1 << PHASES.index(kind)
+    torch.testing.assert_close(got, logits(chosen, False), atol=1e-4, rtol=1e-4)
+    int16, int8 = logits(set(), True), logits(None, True)
+    assert 0 < (got - int16).abs().max() < (int8 - int16).abs().max()
+
+
 @pytest.mark.parametrize("block_size,kv_dtype", [(8, torch.float32), (32, torch.float32), (32, torch.bfloat16)])
 def test_fused_float32_is_batch_invariant_bit_for_bit(tiny, block_size, kv_dtype):
     """A sequence's logits do not depend on its neighbours or on how its prompt was chunked. With blocks of 32,
@@ -298,11 +324,23 @@ def test_kernel_choice_takes_the_int8_route_from_where_it_is_faster_at_every_lar
             _parse(json.dumps(raw).encode(), torch.float32, "b")
 
 
-def test_the_int8_route_is_opt_in(tiny, monkeypatch):
+@pytest.mark.parametrize("auto_kinds", ["as shipped", "o"])
+@pytest.mark.parametrize("bf16", ["avx512-bf16", None, "this build"])
+def test_the_int8_route_is_opt_in_and_auto_takes_it_per_kind(tiny, monkeypatch, bf16, auto_kinds):
     """--quantized-activations int8 gives every weight of a format the route runs the kernel choice's row count
-    (the dot route below it); auto (the default) and int16 never take the route; a bad value names the flag."""
+    (the dot route below it); auto gives it to the kinds of loader.AUTO_I8_KINDS alone (as shipped none:
+    docs/benchmarks.md, "per matmul"; "o": the mechanism, with the o projections named), and only where no
+    bfloat16 kernel runs (an AVX2 build; an AVX-512 BF16 / AMX one, none); int16 never takes the route; the disk
+    tier's kernel facts name the kinds on it; a bad value names the flag. `bf16`: bf16_kernel() as the loader
+    sees it ("this build": not replaced)."""
+    from pagedllm.engine.disk_tier import kernel_facts
+    from pagedllm.model import loader
     from pagedllm.model.kernels import kernel_choice
 
+    if bf16 != "this build":
+        monkeypatch.setattr(loader, "bf16_kernel", lambda: bf16)
+    if auto_kinds != "as shipped":
+        monkeypatch.setattr(loader, "AUTO_I8_KINDS", frozenset(auto_kinds.split(",")))
     rows = {1: 1.0, 8: 1.0, 64: 1.0, 256: 1.0}
     ms = {"q-f32": rows, "dense": {**rows, 1: 2.0}, "q-dot": rows, "q-i8": {**rows, 64: 0.5, 256: 0.5}}
     monkeypatch.setattr(
@@ -312,9 +350,21 @@ def test_the_int8_route_is_opt_in(tiny, monkeypatch):
     on = load_model(folder, "float32", verbose=False, quantization="int4", quantized_activations="int8")
     assert on.kernel_choice.i8_min_rows == 64 and on.kernel_choice.kernel_for(64) == "q-i8"
     assert {(w.i8_min_rows, w.dot) for w in on.model.quant_weights()} == {(64, True)}
-    for setting in ("auto", "int16"):
-        off = load_model(folder, "float32", verbose=False, quantization="int4", quantized_activations=setting)
-        assert off.kernel_choice.i8_min_rows == 0 and {w.i8_min_rows for w in off.model.quant_weights()} == {0}
+    assert kernel_facts(on)[2:] == (64, ("qkv", "o", "gate_up", "down", "lm_head"))
+    auto = load_model(folder, "float32", verbose=False, quantization="int4", quantized_activations="auto")
+    weights = {k: ws for k, ws in auto.model.weights_by_kind().items() if ws}
+    kinds = tuple(k for k in MATMUL_KINDS if k in loader.AUTO_I8_KINDS)
+    if loader.bf16_kernel() is None and cpu_kernel.isa(cpu_kernel.load())["dot"] != "portable" and kinds:
+        assert {k: {w.i8_min_rows for w in ws} for k, ws in weights.items()} == {
+            k: {64 if k in kinds else 0} for k in weights
+        }
+        on_route = sum(w.i8_min_rows > 0 for w in auto.model.quant_weights())
+        assert on_route == sum(len(weights[k]) for k in kinds) == len(kinds) * auto.config.num_layers
+        assert kernel_facts(auto)[2:] == (64, kinds)
+    else:
+        assert {w.i8_min_rows for w in auto.model.quant_weights()} == {0} and kernel_facts(auto)[2:] == (0, ())
+    off = load_model(folder, "float32", verbose=False, quantization="int4", quantized_activations="int16")
+    assert off.kernel_choice.i8_min_rows == 0 and {w.i8_min_rows for w in off.model.quant_weights()} == {0}
     with pytest.raises(UserError, match="--quantized-activations must be"):
         load_model(folder, "float32", verbose=False, quantization="int4", quantized_activations="int4")
 

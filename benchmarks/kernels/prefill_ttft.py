@@ -14,10 +14,11 @@ on a machine other processes load, that is the figure they do not change, where 
         --model ~/.cache/pagedllm/real-sizes/llama-3.2-1b-random.Q4_0-gguf.gguf
     .venv/bin/python -m benchmarks.kernels.prefill_ttft --threads 1 --llamacpp ../anchors-work/llamacpp-venv/bin/python
 
-`--llamacpp PYTHON` adds llama.cpp (the anchor venv's llama-cpp-python, built for the same class) on the same
-file and prompt, in its own process that stays up between rounds: its prompt evaluation (`Llama.eval`, the
-cache cleared first; one thread runs it in the calling thread, so `--threads 1` times its thread CPU time too)
-is the third member of each round.
+`--int8-on KINDS` (comma-separated: qkv, o, gate_up, down, lm_head) puts only those matmuls of the int8 load on
+the int8 route, the rest on the 16-bit one (issue 36 item 2). `--llamacpp PYTHON` adds llama.cpp (the anchor
+venv's llama-cpp-python, built for the same class) on the same file and prompt, in its own process that stays
+up between rounds: its prompt evaluation (`Llama.eval`, the cache cleared first; one thread runs it in the
+calling thread, so `--threads 1` times its thread CPU time too) is the third member of each round.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ if __name__ == "__main__":  # before torch loads: the class to build and measure
 import torch
 
 from pagedllm.model import ModelRunner, SeqChunk, load_model
+from pagedllm.model.layers.decoder import MATMUL_KINDS
 
 LLAMACPP = textwrap.dedent("""
     import json, sys, time
@@ -85,14 +87,24 @@ def main() -> int:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=0, help="kernel threads (default: torch's)")
     p.add_argument("--llamacpp", default=None, help="the llama.cpp anchor venv's python: time it too")
+    p.add_argument(
+        "--int8-on", default=None, help=f"the int8 load's route on these only: comma-separated of {MATMUL_KINDS}"
+    )
     cpu_target.add_argument(p)
     a = p.parse_args()
+    kinds = [k for k in (a.int8_on or "").split(",") if k]
+    if bad := set(kinds) - set(MATMUL_KINDS):
+        p.error(f"--int8-on: unknown kinds {sorted(bad)}")
     if a.threads:
         torch.set_num_threads(a.threads)
     clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     routes = ("int8", "int16")
     models = {q: load_model(a.model, a.dtype, verbose=False, quantized_activations=q) for q in routes}
     choice = models["int8"].kernel_choice
+    if kinds:  # the others on the 16-bit route (the kernel choice's row count kept)
+        chosen = {id(w) for k, ws in models["int8"].model.weights_by_kind().items() if k in kinds for w in ws}
+        for w in models["int8"].model.quant_weights():
+            w.i8_min_rows = w.i8_min_rows if id(w) in chosen else 0
     blocks = (a.tokens + 15) // 16 + 1
     runners = {q: ModelRunner(m, num_blocks=blocks, block_size=16) for q, m in models.items()}
     g = torch.Generator().manual_seed(0)
@@ -122,14 +134,18 @@ def main() -> int:
         f"{name}, {models['int8'].dtype}, {a.tokens}-token prompt, {a.rounds} paired rounds, {threads} threads"
         + (" (thread CPU time)" if clock is time.thread_time else " (wall time)")
     )
-    print(f"  kernel at {a.tokens} rows under int8: {kernel} (int8 from {choice.i8_min_rows if choice else 0} rows)")
+    print(
+        f"  kernel at {a.tokens} rows under int8: {kernel} (int8 from {choice.i8_min_rows if choice else 0} rows",
+        end="",
+    )
+    print(f", on {a.int8_on} only)" if a.int8_on else ")")
     for q in [k for k, v in times.items() if v]:
         print(f"  {q:>9}: median {1e3 * statistics.median(times[q]):8.1f} ms, best {1e3 * min(times[q]):8.1f} ms")
     ratios = [x / y for x, y in zip(times["int8"], times["int16"])]
     print(f"  int8 / int16: median of paired ratios {statistics.median(ratios):.2f}x")
-    if times["llama.cpp"]:
-        ratios = [x / y for x, y in zip(times["int8"], times["llama.cpp"])]
-        print(f"  int8 / llama.cpp: median of paired ratios {statistics.median(ratios):.2f}x")
+    for q in routes if times["llama.cpp"] else ():
+        ratios = [x / y for x, y in zip(times[q], times["llama.cpp"])]
+        print(f"  {q} / llama.cpp: median of paired ratios {statistics.median(ratios):.2f}x")
     return 0
 
 

@@ -189,6 +189,27 @@ def deltanet_perm(mixer: GatedDeltaNet) -> np.ndarray | None:
     return np.array(idx, dtype=np.int64)
 
 
+def i8_kinds(model: CausalLM) -> int:
+    """StepModel.i8_kinds: bit p set where the matmuls of profile slot p (PHASES: the kinds of
+    CausalLM.weights_by_kind) take the int8 route, bit len(PHASES) where those of no kind do (a recurrent mixer's
+    projections, a per-layer input's: the C step plans them under the slots of qkv, o, gate_up or down, but
+    their route is their own). The torch path takes the route per weight (QuantWeight.i8_min_rows), the C step
+    per kind, so the two agree where a kind's weights agree, as the loader and the benchmarks set them (every
+    weight under --quantized-activations int8, the kinds of loader.AUTO_I8_KINDS under auto, dot_accuracy's
+    --int8-on)."""
+    kinds = {id(w): k for k, ws in model.weights_by_kind().items() for w in ws}
+    skip = {id(model.embed.quant)} | ({id(model.per_layer.embed.quant)} if model.per_layer is not None else set())
+    for layer in model.decoder_layers:  # the routed experts: their own route (MoeLayer.i8_min_rows)
+        skip |= {id(m.quant) for k, m in layer.slots().items() if k.startswith("experts_") and isinstance(m, Linear)}
+    skip -= set(kinds)  # a tied head: the embedding table's weight, a matmul here
+    bits = 0
+    for w in model.quant_weights():
+        if w.i8_min_rows > 0 and id(w) not in skip:
+            kind = kinds.get(id(w))
+            bits |= 1 << (PHASES.index(kind) if kind is not None else len(PHASES))
+    return bits
+
+
 def _quant(lin: Linear) -> QuantWeight:
     w = lin.quant
     assert w is not None, "fusable() checked every weight is quantized"
@@ -416,6 +437,7 @@ class FusedStep:
             amx_min_rows=amx,
             dot=int(head.dot),
             i8_min_rows=max((w.i8_min_rows for w in m.quant_weights()), default=0),
+            i8_kinds=i8_kinds(m),
             num_blocks=k_cache.shape[0],
             act=ACTS[cfg.hidden_act],
             rotary_dim=cfg.rotary_dim,

@@ -57,6 +57,13 @@ def recurrent_mixer(cfg: ModelConfig, dtype: torch.dtype, device: torch.device |
     return GatedDeltaNet(cfg, dtype, device)
 
 
+# A decoder layer's matmul slots (DecoderLayer.slots) by kind: the profile slots of the fused C step's matmuls
+# (fused_step.PHASES), the unit the int8 route is chosen in (StepModel.i8_kinds); the routed experts have their own
+SLOT_KINDS = {"q": "qkv", "qk": "qkv", "qkv": "qkv", "o": "o", "gate_up": "gate_up", "down": "down"}
+SLOT_KINDS |= {"shared_gate_up": "gate_up", "shared_down": "down"}
+MATMUL_KINDS = ("qkv", "o", "gate_up", "down", "lm_head")
+
+
 class DecoderLayer(nn.Module):
     """Attention (or a recurrent mixer) then a gated MLP, each added to the residual stream, with the norms its
     family has; either block may be absent (a single-block layer)."""
@@ -359,6 +366,18 @@ class CausalLM(nn.Module):
         found += [] if self.per_layer is None else [self.per_layer.embed.quant]
         out: dict[int, QuantWeight] = {id(w): w for w in found if w is not None}
         return list(out.values())
+
+    def weights_by_kind(self) -> dict[str, list[QuantWeight]]:
+        """The quantized weights of each matmul kind (MATMUL_KINDS): the decoder layers' slots, the LM head."""
+        out: dict[str, list[QuantWeight]] = {k: [] for k in MATMUL_KINDS}
+        for layer in self.decoder_layers:
+            for slot, mod in layer.slots().items():
+                w = getattr(mod, "quant", None)
+                if slot in SLOT_KINDS and w is not None:
+                    out[SLOT_KINDS[slot]].append(w)
+        if self.lm_head.quant is not None:
+            out["lm_head"].append(self.lm_head.quant)
+        return out
 
     def first_layer_quant(self) -> list[QuantWeight] | None:
         """The first layer's four matmul weights if all are quantized (what kernel_choice.py times), else None."""

@@ -60,6 +60,7 @@ typedef struct { /* the step's activations (float32, T rows) and scratch */
     int dot;      /* matmuls (but those on AMX or the int8 route) take the dot route */
     XQ8 xq8;      /* x rounded for the int8 route: [T, widest K] */
     int i8_rows;  /* matmuls of at least this many rows take the int8 route (a format it runs); 0: none */
+    int i8_kinds; /* ... of the kinds whose bit is set (StepModel.i8_kinds): the torch path's choice per weight */
     /* sparse layers: each token's experts and their weights [T, topk], the shared expert's gate_up / act /
      * output rows, the routed experts' plan (moe.h), and the first error of a grouping (0: none) */
     int64_t *ids;
@@ -284,9 +285,16 @@ static Phase norm_phase(float *x, const float *h, const float *w, const int64_t 
 #define ROUTER_EXPERTS 16 /* experts per router work item: a decode token's router spread over the threads */
 #define ROUTER_CHUNKS(m) (((m)->experts + ROUTER_EXPERTS - 1) / ROUTER_EXPERTS)
 
+/* matmul_phases' `prof` or-ed with NO_KIND: a matmul of none of the kinds of StepModel.i8_kinds' profile slots
+ * (a recurrent mixer's projections, the per-layer inputs'), whose int8 route is bit I8_NO_KIND's */
+#define NO_KIND 0x100
+#define I8_NO_KIND N_PHASES
+
 static int matmul_phases(Phase *ph, const Buffers *buf, int prof, float *out, const float *x, const uint8_t *w,
                          int fmt, const float *bias, int M, int N, int K, int accumulate, int nthreads) {
-    const int i8 = buf->i8_rows && M >= buf->i8_rows && qi8_runs(fmt);
+    const int kind = prof & NO_KIND ? I8_NO_KIND : prof;
+    prof &= ~NO_KIND;
+    const int i8 = buf->i8_rows && M >= buf->i8_rows && (buf->i8_kinds >> kind & 1) && qi8_runs(fmt);
     const int amx = !i8 && buf->amx_rows && M >= buf->amx_rows, units = amx ? (N + 31) / 32 : (N + 15) / 16;
     const int dot = !amx && !i8 && buf->dot, items = 8 * nthreads < units ? 8 * nthreads : units;
     int n = 0;
@@ -397,8 +405,8 @@ static int mixer_phases(Phase *ph, const StepModel *m, const StepLayer *L, int l
     const int S = buf->rec.S;
     int n = 0;
     for (int i = 0, off = 0; i < r->n_in; off += (int)r->in_n[i], i++) {
-        n += matmul_phases(ph + n, buf, P_QKV, buf->rec.rows + off, xa, r->in[i], (int)r->in_fmt[i], r->in_bias[i], T,
-                           (int)r->in_n[i], m->hidden, 0, nthreads);
+        n += matmul_phases(ph + n, buf, P_QKV | NO_KIND, buf->rec.rows + off, xa, r->in[i], (int)r->in_fmt[i],
+                           r->in_bias[i], T, (int)r->in_n[i], m->hidden, 0, nthreads);
         ph[n - 1].ldo = r->width;
     }
     if (r->perm) ph[n++] = (Phase){.kind = K_REC_PERM, .layer = l, .items = T, .prof = P_ROPE};
@@ -406,8 +414,8 @@ static int mixer_phases(Phase *ph, const StepModel *m, const StepLayer *L, int l
     if (rec_scan_items(r, S))
         ph[n++] = (Phase){.kind = K_REC_SCAN, .layer = l, .items = rec_scan_items(r, S), .prof = P_ATTN};
     if (r->kind == MIX_MAMBA2) ph[n++] = (Phase){.kind = K_REC_NORM, .layer = l, .items = T, .prof = P_ATTN};
-    return n + branch_phases(ph + n, m, buf, P_O, rec_out(r, &buf->rec), r->out, r->out_fmt, r->out_bias, L->attn_out_norm, T,
-                             r->out_k, nthreads);
+    return n + branch_phases(ph + n, m, buf, P_O | NO_KIND, rec_out(r, &buf->rec), r->out, r->out_fmt, r->out_bias,
+                             L->attn_out_norm, T, r->out_k, nthreads);
 }
 
 /* What Gemma 4 adds at a layer's end: its per-layer input (gate, act times the layer's slice, proj, norm, added)
@@ -416,11 +424,11 @@ static int layer_end_phases(Phase *ph, const StepModel *m, const StepLayer *L, i
                             int nthreads) {
     int n = 0;
     if (L->ple_gate) {
-        n += matmul_phases(ph + n, buf, P_GATE_UP, buf->ple_gate, buf->h, L->ple_gate, L->ple_gate_fmt, NULL, T,
-                           m->ple_width, m->hidden, 0, nthreads);
+        n += matmul_phases(ph + n, buf, P_GATE_UP | NO_KIND, buf->ple_gate, buf->h, L->ple_gate, L->ple_gate_fmt,
+                           NULL, T, m->ple_width, m->hidden, 0, nthreads);
         ph[n++] = (Phase){.kind = K_PLE_ACT, .layer = l, .items = T, .prof = P_ACT};
-        n += matmul_phases(ph + n, buf, P_DOWN, buf->y, buf->ple_gate, L->ple_proj, L->ple_proj_fmt, NULL, T,
-                           m->hidden, m->ple_width, 0, nthreads);
+        n += matmul_phases(ph + n, buf, P_DOWN | NO_KIND, buf->y, buf->ple_gate, L->ple_proj, L->ple_proj_fmt, NULL,
+                           T, m->hidden, m->ple_width, 0, nthreads);
         ph[n++] = (Phase){.kind = K_RESID, .items = T, .prof = P_NORM, .out = buf->h, .x = buf->y, .w_norm = L->ple_norm};
     }
     if (L->scalar) ph[n++] = (Phase){.kind = K_LSCALE, .layer = l, .items = T, .prof = P_NORM};
@@ -434,8 +442,8 @@ static int plan(Phase *ph, const StepModel *m, const StepLayer *layers, const St
     int n = 0;
     if (m->embed_scale != 1.0f) ph[n++] = (Phase){.kind = K_SCALE, .items = T, .prof = P_NORM};
     if (m->ple_width) { /* the per-layer inputs, from the scaled embedding and the looked-up table rows */
-        n += matmul_phases(ph + n, buf, P_NORM, buf->ple_proj, buf->h, m->ple_projection, m->ple_projection_fmt, NULL,
-                           T, LW, E, 0, nthreads);
+        n += matmul_phases(ph + n, buf, P_NORM | NO_KIND, buf->ple_proj, buf->h, m->ple_projection,
+                           m->ple_projection_fmt, NULL, T, LW, E, 0, nthreads);
         ph[n++] = (Phase){.kind = K_PLE_MIX, .items = T, .prof = P_NORM};
     }
     for (int l = 0; l < m->layers; l++) {
@@ -1038,7 +1046,8 @@ int model_step(const StepModel *m, const StepLayer *layers, const StepBatch *b, 
         Buffers buf = {mem, mem + (int64_t)T * E, mem + 2 * (int64_t)T * E, mem + (int64_t)T * (2 * E + QKV),
                        mem + (int64_t)T * (2 * E + QKV + HD), mem + (int64_t)T * (2 * E + QKV + HD + 2 * I),
                        mem + (int64_t)T * (2 * E + QKV + HD + 3 * I), ctx, tiles, make_tiles(b, tiles), xb, amx,
-                       xq, dot, xq8, i8, ids, moe, moe + (int64_t)T * m->topk, moe + (int64_t)T * (m->topk + 2 * SI),
+                       xq, dot, xq8, i8, m->i8_kinds, ids, moe, moe + (int64_t)T * m->topk,
+                       moe + (int64_t)T * (m->topk + 2 * SI),
                        moe + (int64_t)T * (m->topk + 3 * SI), moe + (int64_t)T * (m->topk + 3 * SI + E), plan,
                        &moe_status, rec, ple, ple + T * LW, ple + 2 * T * LW,
                        moe + (int64_t)T * (m->topk + 3 * SI + E + m->experts)};

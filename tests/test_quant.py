@@ -27,7 +27,6 @@ from pagedllm.model.fused_step import PHASES, i8_kinds
 from pagedllm.model.kernels import cpu_kernel
 from pagedllm.model.kernels import quant_linear as quant
 from pagedllm.model.kernels.quant_linear import bf16_kernel, pack, qlinear, qrows, quantize_rtn
-from pagedllm.model.layers.decoder import MATMUL_KINDS
 
 LIB = cpu_kernel.load()
 pytestmark = needs_kernel  # where a compiler exists, a kernel that fails to build fails these tests
@@ -324,23 +323,11 @@ def test_kernel_choice_takes_the_int8_route_from_where_it_is_faster_at_every_lar
             _parse(json.dumps(raw).encode(), torch.float32, "b")
 
 
-@pytest.mark.parametrize("auto_kinds", ["as shipped", "o"])
-@pytest.mark.parametrize("bf16", ["avx512-bf16", None, "this build"])
-def test_the_int8_route_is_opt_in_and_auto_takes_it_per_kind(tiny, monkeypatch, bf16, auto_kinds):
+def test_the_int8_route_is_opt_in(tiny, monkeypatch):
     """--quantized-activations int8 gives every weight of a format the route runs the kernel choice's row count
-    (the dot route below it); auto gives it to the kinds of loader.AUTO_I8_KINDS alone (as shipped none:
-    docs/benchmarks.md, "per matmul"; "o": the mechanism, with the o projections named), and only where no
-    bfloat16 kernel runs (an AVX2 build; an AVX-512 BF16 / AMX one, none); int16 never takes the route; the disk
-    tier's kernel facts name the kinds on it; a bad value names the flag. `bf16`: bf16_kernel() as the loader
-    sees it ("this build": not replaced)."""
-    from pagedllm.engine.disk_tier import kernel_facts
-    from pagedllm.model import loader
+    (the dot route below it); auto (the default) and int16 never take the route; a bad value names the flag."""
     from pagedllm.model.kernels import kernel_choice
 
-    if bf16 != "this build":
-        monkeypatch.setattr(loader, "bf16_kernel", lambda: bf16)
-    if auto_kinds != "as shipped":
-        monkeypatch.setattr(loader, "AUTO_I8_KINDS", frozenset(auto_kinds.split(",")))
     rows = {1: 1.0, 8: 1.0, 64: 1.0, 256: 1.0}
     ms = {"q-f32": rows, "dense": {**rows, 1: 2.0}, "q-dot": rows, "q-i8": {**rows, 64: 0.5, 256: 0.5}}
     monkeypatch.setattr(
@@ -350,21 +337,9 @@ def test_the_int8_route_is_opt_in_and_auto_takes_it_per_kind(tiny, monkeypatch, 
     on = load_model(folder, "float32", verbose=False, quantization="int4", quantized_activations="int8")
     assert on.kernel_choice.i8_min_rows == 64 and on.kernel_choice.kernel_for(64) == "q-i8"
     assert {(w.i8_min_rows, w.dot) for w in on.model.quant_weights()} == {(64, True)}
-    assert kernel_facts(on)[2:] == (64, ("qkv", "o", "gate_up", "down", "lm_head"))
-    auto = load_model(folder, "float32", verbose=False, quantization="int4", quantized_activations="auto")
-    weights = {k: ws for k, ws in auto.model.weights_by_kind().items() if ws}
-    kinds = tuple(k for k in MATMUL_KINDS if k in loader.AUTO_I8_KINDS)
-    if loader.bf16_kernel() is None and cpu_kernel.isa(cpu_kernel.load())["dot"] != "portable" and kinds:
-        assert {k: {w.i8_min_rows for w in ws} for k, ws in weights.items()} == {
-            k: {64 if k in kinds else 0} for k in weights
-        }
-        on_route = sum(w.i8_min_rows > 0 for w in auto.model.quant_weights())
-        assert on_route == sum(len(weights[k]) for k in kinds) == len(kinds) * auto.config.num_layers
-        assert kernel_facts(auto)[2:] == (64, kinds)
-    else:
-        assert {w.i8_min_rows for w in auto.model.quant_weights()} == {0} and kernel_facts(auto)[2:] == (0, ())
-    off = load_model(folder, "float32", verbose=False, quantization="int4", quantized_activations="int16")
-    assert off.kernel_choice.i8_min_rows == 0 and {w.i8_min_rows for w in off.model.quant_weights()} == {0}
+    for setting in ("auto", "int16"):
+        off = load_model(folder, "float32", verbose=False, quantization="int4", quantized_activations=setting)
+        assert off.kernel_choice.i8_min_rows == 0 and {w.i8_min_rows for w in off.model.quant_weights()} == {0}
     with pytest.raises(UserError, match="--quantized-activations must be"):
         load_model(folder, "float32", verbose=False, quantization="int4", quantized_activations="int4")
 

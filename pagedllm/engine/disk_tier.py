@@ -123,18 +123,13 @@ def _weights_digest(loaded: LoadedModel) -> bytes:
     return h.digest()
 
 
-def kernel_facts(loaded: LoadedModel) -> tuple[bool, int, int, tuple[str, ...]]:
-    """What of the kernels changes the K/V a step writes: the dot route (inputs rounded to 16 bits), the row
-    counts from which bfloat16 steps run on q-bf16 and steps on the int8 route (the kernel choice), and the kinds
-    of matmul that take the int8 route (decoder.MATMUL_KINDS: every one under --quantized-activations int8, those
-    of loader.AUTO_I8_KINDS under auto where no bfloat16 kernel runs), so KV written under other kernels is never
-    served (the disk tier's fingerprint, kv_blend's segment root)."""
+def kernel_facts(loaded: LoadedModel) -> tuple[bool, int, int]:
+    """What of the kernels changes the K/V a step writes: the dot route (inputs rounded to 16 bits) and the row
+    counts from which bfloat16 steps run on q-bf16 and steps on the int8 route (the kernel choice), so KV written
+    under other kernels is never served (the disk tier's fingerprint, kv_blend's segment root)."""
     weights = loaded.model.quant_weights() if hasattr(loaded.model, "quant_weights") else []
     amx = loaded.kernel_choice.amx_min_rows if loaded.kernel_choice is not None else 0
-    on_i8 = {id(w) for w in weights if w.i8_min_rows > 0}
-    by_kind = loaded.model.weights_by_kind() if on_i8 and hasattr(loaded.model, "weights_by_kind") else {}
-    i8_kinds = tuple(k for k, ws in by_kind.items() if any(id(w) in on_i8 for w in ws))
-    return any(w.dot for w in weights), amx, max((w.i8_min_rows for w in weights), default=0), i8_kinds
+    return any(w.dot for w in weights), amx, max((w.i8_min_rows for w in weights), default=0)
 
 
 def engine_fingerprint(loaded: LoadedModel, kv_dtype: torch.dtype, block_size: int) -> bytes:

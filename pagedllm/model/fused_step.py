@@ -195,8 +195,8 @@ def i8_kinds(model: CausalLM) -> int:
     projections, a per-layer input's: the C step plans them under the slots of qkv, o, gate_up or down, but
     their route is their own). The torch path takes the route per weight (QuantWeight.i8_min_rows), the C step
     per kind, so the two agree where a kind's weights agree, as the loader and the benchmarks set them (every
-    weight under --quantized-activations int8, the kinds of loader.AUTO_I8_KINDS under auto, dot_accuracy's
-    --int8-on)."""
+    weight under --quantized-activations int8; some kinds under dot_accuracy's and prefill_ttft's --int8-on,
+    which measure which matmul carries the route's error: docs/benchmarks.md, "per matmul")."""
     kinds = {id(w): k for k, ws in model.weights_by_kind().items() for w in ws}
     skip = {id(model.embed.quant)} | ({id(model.per_layer.embed.quant)} if model.per_layer is not None else set())
     for layer in model.decoder_layers:  # the routed experts: their own route (MoeLayer.i8_min_rows)

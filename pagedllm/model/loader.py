@@ -32,7 +32,7 @@ import pagedllm.model.kernels.kernel_choice as kernel_choice
 from pagedllm.errors import ModelLoadError, UserError
 from pagedllm.model.config import ModelConfig, is_gguf, load_model_config, resolve_model_path, with_overrides
 from pagedllm.model.kernels.kernel_choice import KernelChoice
-from pagedllm.model.kernels.quant_linear import I8_FORMATS, bf16_kernel, log_once
+from pagedllm.model.kernels.quant_linear import I8_FORMATS, log_once
 from pagedllm.model.layers.decoder import CausalLM
 from pagedllm.model.tokenizer import Tokenizer, load_tokenizer
 
@@ -146,9 +146,7 @@ def load_model(
     """Load weights + tokenizer; raises ModelLoadError for bad paths/files/architectures, UserError for --dtype
     and --quantization. `hf_overrides` replaces fields of the model's config first (config.with_overrides);
     `quantized_activations` (auto | int16 | int8 | none) whether the matmuls take the dot route (int8: below the
-    row count from which the kernel choice measured the int8 route faster, the int8 route from there on; auto: so
-    for the matmuls of AUTO_I8_KINDS where no bfloat16 kernel runs, which is none: docs/benchmarks.md, "per
-    matmul")."""
+    row count from which the kernel choice measured the int8 route faster, the int8 route from there on)."""
     t0 = time.perf_counter()
     path = resolve_model_path(model)
     cfg = load_model_config(path)
@@ -158,7 +156,7 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, cfg, dev)
     quant = resolve_quantization(quantization, path, dev, cfg.checkpoint_dtype)
     dot = dot_route(quantized_activations)
-    int8 = int8_kinds(quantized_activations, dot)
+    int8 = dot and quantized_activations == "int8"
     net, dense_bytes, choice = _build(path, cfg, torch_dtype, dev, quant, dot, int8)
     if quant == "auto" and choice is not None and not choice.quantized:
         quant = "none"
@@ -209,29 +207,6 @@ def dot_route(quantized_activations: str) -> bool:
     return lib is not None and (forced or cpu_kernel.isa(lib)["dot"] != "portable")
 
 
-# The matmuls on the int8 route under --quantized-activations auto where the build has no bfloat16 kernel (AVX2:
-# x86-64-v3): none. Measured per matmul (docs/benchmarks.md, "per matmul"; benchmarks/kernels/dot_accuracy.py
-# --int8-on): only the o projection keeps its accuracy in 8 bits per group of 32 (default model, mean KL 9.9e-5
-# nats, top-1 agreement 99.56% against float32 activations, inside the bfloat16 route's 1.8e-4 / 99.51%; q/k/v,
-# gate/up, down and the head each give 5-12x that KL), but o alone on it does not shorten a prefill
-# (benchmarks/kernels/prefill_ttft.py --int8-on o: 0.97-1.01x the 16-bit route's time, against 0.76-0.85x for
-# every matmul); and it would take the default off transformers' greedy tokens (tests/test_model_default.py's
-# first prompt differs from its 18th token on x86-64-v3) and make a step's result depend on its row count (the
-# route from 8 rows there). The mechanism stays (int8_kinds): a kind named here takes the route from the kernel
-# choice's row count.
-AUTO_I8_KINDS: frozenset[str] = frozenset()
-
-
-def int8_kinds(quantized_activations: str, dot: bool) -> frozenset[str] | None:
-    """Which matmuls may take the int8 route (from the kernel choice's row count): None every one of a format it
-    runs (`int8`), else those of these kinds (decoder.MATMUL_KINDS): AUTO_I8_KINDS under `auto` on the dot route
-    where no bfloat16 kernel runs, none otherwise."""
-    if dot and quantized_activations == "int8":
-        return None
-    auto = dot and quantized_activations == "auto" and bf16_kernel() is None
-    return AUTO_I8_KINDS if auto else frozenset()
-
-
 def trim_heap() -> None:
     """Hand the heap that loading freed back to the system. Loading allocates and frees a transient per tensor
     (its blocks, codes, chunks); glibc keeps freed heap for reuse, and that memory stays resident: with the
@@ -243,29 +218,20 @@ def trim_heap() -> None:
 
 
 def _build(
-    path: str,
-    cfg: ModelConfig,
-    dtype: torch.dtype,
-    dev: torch.device,
-    quantization: str,
-    dot: bool,
-    int8: frozenset[str] | None,
+    path: str, cfg: ModelConfig, dtype: torch.dtype, dev: torch.device, quantization: str, dot: bool, int8: bool
 ) -> tuple[CausalLM, int, KernelChoice | None]:
     """The model with its weights, their dense size, and the kernel choice for its quantized weights, taken for
-    the quantized kernel that runs (`dot`: the dot route; `int8`: which matmuls the int8 route may take, as
-    int8_kinds gives) and applied: each weight knows from how many rows it runs on AMX and on the int8 route (a
-    format the route runs: I8_FORMATS, or a mixed weight, whose blocks of other formats take the float32 route)."""
+    the quantized kernel that runs (`dot`: the dot route; `int8`: the int8 route may) and applied: each weight
+    knows from how many rows it runs on AMX and on the int8 route (a format the route runs: I8_FORMATS, or a
+    mixed weight, whose blocks of other formats take the float32 route)."""
     net = CausalLM(cfg, dtype, dev)
     dense_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
     _fill(net, path, cfg, quantization)
     net.eval()
     layer = net.first_layer_quant() if dev.type == "cpu" else None
-    choice = kernel_choice.choose(layer, dtype, dot, int8 is None or bool(int8)) if layer is not None else None
+    choice = kernel_choice.choose(layer, dtype, dot, int8) if layer is not None else None
     if choice is not None:
-        kinds = net.weights_by_kind()
-        chosen = None if int8 is None else {id(w) for k in int8 for w in kinds[k]}
         for w in net.quant_weights():
             w.amx_min_rows = choice.amx_min_rows
-            runs = (w.fmt in I8_FORMATS or w.fmt == "mixed") and (chosen is None or id(w) in chosen)
-            w.i8_min_rows = choice.i8_min_rows if runs else 0
+            w.i8_min_rows = choice.i8_min_rows if w.fmt in I8_FORMATS or w.fmt == "mixed" else 0
     return net, dense_bytes, choice

@@ -18,21 +18,19 @@ layer's weights come from memory; one layer left in the cache would favour dense
 and the choice is kept beside the compiled kernels (their file name already names the CPU, compiler, build
 class and sources), keyed by the shapes, formats and dtype, so later loads read it.
 
-What is chosen, against the quantized kernel that runs (q-dot where the dot route is on, at every row count; q-f32
-under --quantized-activations none): the weights stay quantized unless dense is faster for one row (decode of one
-sequence, where the bytes read decide and which the quantized path exists for); bfloat16 steps run on q-bf16 from
-the smallest row count from which it is measured faster than that kernel at every larger one; and where the int8
-route may run, steps run on q-i8 from the smallest row count from which it is measured faster than whatever would
-run otherwise at every larger one. The loader applies that row count to the matmuls it puts on the route: every one
-under --quantized-activations int8; under auto those of loader.AUTO_I8_KINDS where no bfloat16 kernel runs, which is
-none (docs/benchmarks.md, "per matmul": o alone keeps its accuracy, but does not shorten a prefill); the others keep
-the kernel below that row count. Why only on request: it rounds each input to within 1/254 of its group's largest,
-inside the bound benchmarks/kernels/dot_accuracy.py states (docs/benchmarks.md: KL and top-1 agreement over a real
-prompt set) but not transformers' greedy tokens token for token. A sequence's result does not depend on the batch
-except across these thresholds. The measurement is kept once for every setting; the decision is taken again for the
-setting a load has. The log line says at which row counts the quantized kernel chosen is still slower than dense,
-and where the dot route runs although q-f32 measured faster (the route is one switch for every row count). Dense is
-never kept beside the quantized weights: a second copy of the weights would come out of the KV cache.
+What is chosen, against the quantized kernel that runs (q-dot where the dot route is on, at every row count;
+q-f32 under --quantized-activations none): the weights stay quantized unless dense is faster for one row (decode
+of one sequence, where the bytes read decide and which the quantized path exists for); bfloat16 steps run on
+q-bf16 from the smallest row count from which it is measured faster than that kernel at every larger one; and
+under --quantized-activations int8, steps run on q-i8 from the smallest row count from which it is measured
+faster than whatever would run otherwise at every larger one. Why only on request: it rounds each input to
+within 1/254 of its group's largest, inside the bound benchmarks/kernels/dot_accuracy.py states
+(docs/benchmarks.md: KL and top-1 agreement over a real prompt set) but not transformers' greedy tokens token
+for token. A sequence's result does not depend on the batch except across these thresholds. The measurement is
+kept once for both settings; the decision is taken again for the setting a load has. The log line says at which
+row counts the quantized kernel chosen is still slower than dense, and where the dot route runs although q-f32
+measured faster (the route is one switch for every row count). Dense is never kept beside the quantized weights:
+a second copy of the weights would come out of the KV cache.
 """
 
 from __future__ import annotations
@@ -70,7 +68,7 @@ class KernelChoice:
     build: str  # the kernels' class and vector path, e.g. "x86-64-v3 (avx2)"
     dot: bool = True  # the dot route runs where it was measured (False: --quantized-activations none)
     i8_min_rows: int = 0  # steps of at least this many rows run on q-i8; 0: never
-    int8: bool = True  # the int8 route may run (False: --quantized-activations int16, none, or auto)
+    int8: bool = True  # the int8 route may run (False: --quantized-activations int16 or none)
 
     @property
     def quantized_kernel(self) -> str:

@@ -176,33 +176,6 @@ def test_fused_step_matches_the_torch_path(tiny, kv_dtype, i8_rows):
         fused.execute([SeqChunk([10**6], 0, [1])])
 
 
-def test_the_float32_route_from_a_row_count_on_both_paths(tiny):
-    """Dot-route weights with f32_min_rows (the kernel choice's q-f32 threshold): matmuls of at least that many
-    rows take float32 inputs on both paths, bit for bit what the dot route turned off gives; below it they stay
-    on the dot route (the logits differ from float32's); the two paths agree either way."""
-    folder, _ = tiny
-    ours = load_model(folder, "float32", verbose=False, quantization="int8")
-    if not all(w.dot for w in ours.model.quant_weights()):
-        pytest.skip("this build has no dot route")
-    seq = [random.Random(11).randrange(3, 256) for _ in range(20)]
-
-    def logits(f32_rows: int, dot: bool, fused: bool) -> torch.Tensor:
-        for w in ours.model.quant_weights():
-            w.f32_min_rows, w.dot = f32_rows, dot
-        runner = ModelRunner(ours, 8, 8, fused=fused)
-        assert (runner.fused is not None) == fused
-        return all_logits(runner, [SeqChunk(seq, 0, [3, 1, 2])])[0]
-
-    float32 = logits(0, False, True)
-    for f32_rows in (8, 20):
-        got = logits(f32_rows, True, True)
-        assert torch.equal(got, float32), f32_rows
-        torch.testing.assert_close(got, logits(f32_rows, True, False), atol=1e-4, rtol=1e-4)
-    below = logits(21, True, True)
-    assert (below - float32).abs().max() > 0
-    torch.testing.assert_close(below, logits(21, True, False), atol=1e-4, rtol=1e-4)
-
-
 @pytest.mark.parametrize("kind", ["qkv", "o", "gate_up", "down"])
 def test_the_int8_route_on_one_kind_of_matmul_on_both_paths(tiny, kind):
     """The int8 route for one kind of matmul only (the torch path chooses per weight, the fused step per kind:
@@ -342,38 +315,12 @@ def test_kernel_choice_takes_the_int8_route_from_where_it_is_faster_at_every_lar
     amx = {1: 0.5, 8: 0.45, 64: 1.5, 256: 4.0}  # q-bf16 from 8 rows, faster than q-i8 at 256
     both = decide({**ms, "q-bf16": amx}, "b")
     assert both.amx_min_rows == 8 and both.i8_min_rows == 0
-    assert "256 rows -> q-i8" in on.describe() and on.f32_min_rows == 0  # q-dot beats q-f32 at every row count
+    assert "256 rows -> q-i8" in on.describe()
     if _candidates(torch.float32) == set(ms):  # a build with vector code for both integer routes
         assert _parse(json.dumps(asdict(on)).encode(), torch.float32, "b") == on
         raw = asdict(on) | {"i8_min_rows": 8}  # not what its times call for
         with pytest.raises(ValueError, match="not the one its times call for"):
             _parse(json.dumps(raw).encode(), torch.float32, "b")
-
-
-def test_kernel_choice_takes_float32_inputs_from_where_they_beat_the_dot_route():
-    """On the dot route, q-f32 runs from the smallest row count from which it was measured faster than q-dot at
-    every larger one (the AVX2 prefill case); q-bf16 and q-i8 are then weighed against that kernel there; with
-    the dot route off (--quantized-activations none) q-f32 runs anyway and the threshold is 0; a kept file with
-    another threshold than its times call for is refused."""
-    from pagedllm.model.kernels.kernel_choice import _candidates, _parse, decide
-
-    ms = {
-        "q-f32": {1: 0.2, 8: 0.45, 64: 1.5, 256: 6.0},  # slower for one row, faster from 8 rows
-        "q-dot": {1: 0.1, 8: 0.5, 64: 2.0, 256: 8.0},
-        "dense": {1: 0.3, 8: 0.7, 64: 2.5, 256: 10.0},
-        "q-i8": {1: 0.3, 8: 0.6, 64: 1.8, 256: 5.0},  # beats q-dot from 64 rows, q-f32 only at 256
-    }
-    c = decide(ms, "b")
-    assert c.f32_min_rows == 8 and c.i8_min_rows == 256
-    assert [c.kernel_for(r) for r in (1, 7, 8, 255, 256)] == ["q-dot", "q-dot", "q-f32", "q-f32", "q-i8"]
-    assert decide({**ms, "q-f32": {**ms["q-f32"], 64: 2.5}}, "b").f32_min_rows == 256  # not faster at 64
-    assert decide(ms, "b", dot=False).f32_min_rows == 0 and decide(ms, "b", dot=False).kernel_for(1) == "q-f32"
-    amx = {1: 0.5, 8: 0.48, 64: 1.6, 256: 5.5}  # beats q-dot from 8 rows, q-f32 only at 256
-    assert decide({**ms, "q-bf16": amx}, "b").amx_min_rows == 256
-    if _candidates(torch.float32) == set(ms):  # a build with vector code for both integer routes
-        assert _parse(json.dumps(asdict(c)).encode(), torch.float32, "b") == c
-        with pytest.raises(ValueError, match="not the one its times call for"):
-            _parse(json.dumps(asdict(c) | {"f32_min_rows": 64}).encode(), torch.float32, "b")
 
 
 def test_the_int8_route_is_opt_in(tiny, monkeypatch):

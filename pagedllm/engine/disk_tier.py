@@ -123,15 +123,13 @@ def _weights_digest(loaded: LoadedModel) -> bytes:
     return h.digest()
 
 
-def kernel_facts(loaded: LoadedModel) -> tuple[bool, int, int, int]:
+def kernel_facts(loaded: LoadedModel) -> tuple[bool, int, int]:
     """What of the kernels changes the K/V a step writes: the dot route (inputs rounded to 16 bits) and the row
-    counts from which bfloat16 steps run on q-bf16, steps on the int8 route and dot-route steps on float32 inputs
-    (the kernel choice), so KV written under other kernels is never served (the disk tier's fingerprint,
-    kv_blend's segment root)."""
+    counts from which bfloat16 steps run on q-bf16 and steps on the int8 route (the kernel choice), so KV written
+    under other kernels is never served (the disk tier's fingerprint, kv_blend's segment root)."""
     weights = loaded.model.quant_weights() if hasattr(loaded.model, "quant_weights") else []
     amx = loaded.kernel_choice.amx_min_rows if loaded.kernel_choice is not None else 0
-    f32 = max((w.f32_min_rows for w in weights if w.dot), default=0)
-    return any(w.dot for w in weights), amx, max((w.i8_min_rows for w in weights), default=0), f32
+    return any(w.dot for w in weights), amx, max((w.i8_min_rows for w in weights), default=0)
 
 
 def engine_fingerprint(loaded: LoadedModel, kv_dtype: torch.dtype, block_size: int) -> bytes:

@@ -436,7 +436,6 @@ class FusedStep:
             cache_kind=kv_quant.KINDS[k_cache.dtype],
             amx_min_rows=amx,
             dot=int(head.dot),
-            f32_min_rows=head.f32_min_rows if head.dot else 0,
             i8_min_rows=max((w.i8_min_rows for w in m.quant_weights()), default=0),
             i8_kinds=i8_kinds(m),
             num_blocks=k_cache.shape[0],

@@ -233,6 +233,5 @@ def _build(
     if choice is not None:
         for w in net.quant_weights():
             w.amx_min_rows = choice.amx_min_rows
-            w.f32_min_rows = choice.f32_min_rows
             w.i8_min_rows = choice.i8_min_rows if w.fmt in I8_FORMATS or w.fmt == "mixed" else 0
     return net, dense_bytes, choice

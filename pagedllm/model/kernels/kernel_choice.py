@@ -18,22 +18,19 @@ layer's weights come from memory; one layer left in the cache would favour dense
 and the choice is kept beside the compiled kernels (their file name already names the CPU, compiler, build
 class and sources), keyed by the shapes, formats and dtype, so later loads read it.
 
-What is chosen, against the quantized kernel that runs (q-dot where the dot route is on; q-f32 under
---quantized-activations none): the weights stay quantized unless dense is faster for one row (decode of one
-sequence, where the bytes read decide and which the quantized path exists for); on the dot route, steps run on
-q-f32 from the smallest row count from which it is measured faster than q-dot at every larger one (on AVX2 the
-dot route's 16-bit products cost more than float32 FMAs at prefill sizes: docs/benchmarks.md; float32 inputs are
-the more exact route, so nothing is lost); bfloat16 steps run on q-bf16 from the smallest row count from which it
-is measured faster than the kernel below it at every larger one; and under --quantized-activations int8, steps
-run on q-i8 from the smallest row count from which it is measured faster than whatever would run otherwise at
-every larger one. Why only on request: it rounds each input to within 1/254 of its group's largest, inside the
-bound benchmarks/kernels/dot_accuracy.py states (docs/benchmarks.md: KL and top-1 agreement over a real prompt
-set) but not transformers' greedy tokens token for token. A sequence's result does not depend on the batch
-except across these thresholds. The measurement is kept once for both settings; the decision is taken again for
-the setting a load has. The log line says at which row counts the quantized kernel chosen is still slower than
-dense, and where the dot route runs although q-f32 measured faster (at a row count below the threshold: q-f32
-is not faster at every larger one). Dense is never kept beside the quantized weights: a second copy of the
-weights would come out of the KV cache.
+What is chosen, against the quantized kernel that runs (q-dot where the dot route is on, at every row count;
+q-f32 under --quantized-activations none): the weights stay quantized unless dense is faster for one row (decode
+of one sequence, where the bytes read decide and which the quantized path exists for); bfloat16 steps run on
+q-bf16 from the smallest row count from which it is measured faster than that kernel at every larger one; and
+under --quantized-activations int8, steps run on q-i8 from the smallest row count from which it is measured
+faster than whatever would run otherwise at every larger one. Why only on request: it rounds each input to
+within 1/254 of its group's largest, inside the bound benchmarks/kernels/dot_accuracy.py states
+(docs/benchmarks.md: KL and top-1 agreement over a real prompt set) but not transformers' greedy tokens token
+for token. A sequence's result does not depend on the batch except across these thresholds. The measurement is
+kept once for both settings; the decision is taken again for the setting a load has. The log line says at which
+row counts the quantized kernel chosen is still slower than dense, and where the dot route runs although q-f32
+measured faster (the route is one switch for every row count). Dense is never kept beside the quantized weights:
+a second copy of the weights would come out of the KV cache.
 """
 
 from __future__ import annotations
@@ -47,7 +44,6 @@ import os
 import stat
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -73,7 +69,6 @@ class KernelChoice:
     dot: bool = True  # the dot route runs where it was measured (False: --quantized-activations none)
     i8_min_rows: int = 0  # steps of at least this many rows run on q-i8; 0: never
     int8: bool = True  # the int8 route may run (False: --quantized-activations int16 or none)
-    f32_min_rows: int = 0  # on the dot route, steps of at least this many rows run on q-f32 instead; 0: never
 
     @property
     def quantized_kernel(self) -> str:
@@ -87,8 +82,6 @@ class KernelChoice:
             return "q-i8"
         if self.amx_min_rows and rows >= self.amx_min_rows:
             return "q-bf16"
-        if self.f32_min_rows and rows >= self.f32_min_rows:
-            return "q-f32"
         return self.quantized_kernel
 
     def describe(self) -> str:
@@ -129,28 +122,20 @@ def decide(ms: dict[str, dict[int, float]], build: str, dot: bool = True, int8: 
     runs (`dot`: the dot route where it was measured; `int8`: the int8 route may run, from where it is faster)."""
     run = "q-dot" if dot and "q-dot" in ms else "q-f32"
     quantized = "dense" not in ms or ms[run][1] <= ms["dense"][1]
-    f32_min_rows = _from_where_faster(ms, "q-f32", lambda r: ms[run][r]) if quantized and run == "q-dot" else 0
-
-    def below(r: int) -> float:  # the quantized kernel that serves r rows below the q-bf16 and q-i8 thresholds
-        return ms["q-f32"][r] if f32_min_rows and r >= f32_min_rows else ms[run][r]
-
-    amx_min_rows = _from_where_faster(ms, "q-bf16", below) if quantized else 0
+    amx_min_rows = 0
+    if quantized and "q-bf16" in ms:
+        for r in sorted(ms["q-bf16"], reverse=True):
+            if ms["q-bf16"][r] >= ms[run][r]:
+                break
+            amx_min_rows = r
     i8_min_rows = 0
-    if quantized and int8 and dot:
-        i8_min_rows = _from_where_faster(ms, "q-i8", lambda r: ms["q-bf16"][r] if 0 < amx_min_rows <= r else below(r))
-    return KernelChoice(quantized, amx_min_rows, ms, build, dot, i8_min_rows, int8 and dot, f32_min_rows)
-
-
-def _from_where_faster(ms: dict[str, dict[int, float]], kernel: str, other: Callable[[int], float]) -> int:
-    """The smallest row count from which `kernel` was measured faster than `other(rows)` at that one and every
-    larger one (0: not at the largest; nothing measured for it). One threshold, not a list: a step's kernel
-    changes once as its rows grow, so a sequence's result depends on its batch only across it."""
-    found = 0
-    for r in sorted(ms.get(kernel, {}), reverse=True):
-        if ms[kernel][r] >= other(r):
-            break
-        found = r
-    return found
+    if quantized and int8 and dot and "q-i8" in ms:
+        for r in sorted(ms["q-i8"], reverse=True):
+            other = ms["q-bf16"][r] if amx_min_rows and r >= amx_min_rows else ms[run][r]
+            if ms["q-i8"][r] >= other:
+                break
+            i8_min_rows = r
+    return KernelChoice(quantized, amx_min_rows, ms, build, dot, i8_min_rows, int8 and dot)
 
 
 def _cache_bytes() -> int:
@@ -306,10 +291,9 @@ def _parse(data: bytes, dtype: torch.dtype, build: str, dot: bool = True, int8: 
         raise ValueError(f"measured on {raw['build']!r}, not {build!r}")
     ms = {k: _times(raw["ms"][k]) for k in CANDIDATES if k in raw["ms"]}
     kept = decide(ms, build, raw["dot"], raw["int8"])
-    thresholds = ("amx_min_rows", "i8_min_rows", "f32_min_rows")
-    if raw["quantized"] is not kept.quantized or any(type(raw[k]) is not int for k in thresholds):
-        raise ValueError("quantized or a row threshold is not of its type")
-    if tuple(raw[k] for k in (*thresholds, "int8")) != tuple(getattr(kept, k) for k in (*thresholds, "int8")):
+    if raw["quantized"] is not kept.quantized or any(type(raw[k]) is not int for k in ("amx_min_rows", "i8_min_rows")):
+        raise ValueError("quantized, amx_min_rows or i8_min_rows is not of its type")
+    if (raw["amx_min_rows"], raw["i8_min_rows"], raw["int8"]) != (kept.amx_min_rows, kept.i8_min_rows, kept.int8):
         raise ValueError("its decision is not the one its times call for")
     return decide(ms, build, dot, int8)
 

@@ -217,7 +217,6 @@ class QuantWeight:
     dot: bool = False  # inputs rounded to 16-bit integers per group of 32 (the dot route), at every row count
     i8_min_rows: int = 0  # inputs of at least this many rows rounded to int8 per group of 32 (the int8 route); 0: never
     i8_passes: int = 1  # the int8 route's passes of codes: 1 llama.cpp's Q8_0, 2 int8 + residual (16-bit's error)
-    f32_min_rows: int = 0  # with `dot`, inputs of at least this many rows stay float32 (q-f32 is faster); 0: never
 
     @property
     def nbytes(self) -> int:
@@ -331,18 +330,17 @@ def qlinear(
     """x [..., K] @ w.T (+ bias); the result in x's dtype. From `w.i8_min_rows` rows on, x is rounded to 8 bits
     per group of 32 and multiplied as bytes (the int8 route, for many rows: twice the multiply-adds an
     instruction of the 16-bit one; kernel_choice.py measures from where). With `w.dot`, x is rounded to 16 bits
-    per group of 32 and multiplied as integers (the dot route: decode at the memory's speed), below
-    `w.f32_min_rows` rows where that is set (from there the float32 route was measured faster); otherwise float32
-    activations take the float32 kernel (exact weights, sums in a fixed order). bfloat16 activations take
-    bf16_kernel() (AMX, or AVX-512 BF16) from `w.amx_min_rows` rows on where the CPU has one. A row's result does
-    not depend on the other rows except across those thresholds. `out` (float32, contiguous rows) is written in
-    place, or added to with `accumulate`."""
+    per group of 32 and multiplied as integers (the dot route: decode at the memory's speed, and faster than the
+    float32 route at every row count measured); otherwise float32 activations take the float32 kernel (exact weights,
+    sums in a fixed order). bfloat16 activations take bf16_kernel() (AMX, or AVX-512 BF16) from
+    `w.amx_min_rows` rows on where the CPU has one. A row's result does not depend on the other rows except
+    across those thresholds. `out` (float32, contiguous rows) is written in place, or added to with `accumulate`."""
     lead = x.shape[:-1]
     xf = x.reshape(-1, w.k)
     m = xf.shape[0]
     i8 = 0 < w.i8_min_rows <= m
     amx = not i8 and x.dtype == torch.bfloat16 and 0 < w.amx_min_rows <= m and bf16_kernel() is not None
-    dot = w.dot and not amx and not i8 and not 0 < w.f32_min_rows <= m
+    dot = w.dot and not amx and not i8
     if xf.dtype != torch.float32 or xf.stride(-1) != 1:
         xf = xf.float().contiguous()
     res = out if out is not None else torch.empty(m, w.n, dtype=torch.float32)

@@ -57,8 +57,7 @@ typedef struct { /* the step's activations (float32, T rows) and scratch */
     uint16_t *xb;  /* x as bfloat16 for AMX: [T padded to 16, widest K] */
     int amx_rows; /* matmuls of at least this many rows run on AMX; 0: none */
     XQ16 xq;      /* x rounded for the dot route: [T, widest K] codes, their scales and sums */
-    int dot;      /* matmuls (but those on AMX or the int8 route) take the dot route ... */
-    int f32_rows; /* ... but those of at least this many rows (0: none), which take float32 x */
+    int dot;      /* matmuls (but those on AMX or the int8 route) take the dot route */
     XQ8 xq8;      /* x rounded for the int8 route: [T, widest K] */
     int i8_rows;  /* matmuls of at least this many rows take the int8 route (a format it runs); 0: none */
     int i8_kinds; /* ... of the kinds whose bit is set (StepModel.i8_kinds): the torch path's choice per weight */
@@ -297,8 +296,7 @@ static int matmul_phases(Phase *ph, const Buffers *buf, int prof, float *out, co
     prof &= ~NO_KIND;
     const int i8 = buf->i8_rows && M >= buf->i8_rows && (buf->i8_kinds >> kind & 1) && qi8_runs(fmt);
     const int amx = !i8 && buf->amx_rows && M >= buf->amx_rows, units = amx ? (N + 31) / 32 : (N + 15) / 16;
-    const int f32 = buf->f32_rows && M >= buf->f32_rows;
-    const int dot = !amx && !i8 && !f32 && buf->dot, items = 8 * nthreads < units ? 8 * nthreads : units;
+    const int dot = !amx && !i8 && buf->dot, items = 8 * nthreads < units ? 8 * nthreads : units;
     int n = 0;
     if (amx) ph[n++] = (Phase){.kind = K_CVT, .items = M, .prof = prof, .x = x, .K = K};
     if (dot) ph[n++] = (Phase){.kind = K_Q16, .items = M, .prof = prof, .x = x, .K = K};
@@ -1048,7 +1046,7 @@ int model_step(const StepModel *m, const StepLayer *layers, const StepBatch *b, 
         Buffers buf = {mem, mem + (int64_t)T * E, mem + 2 * (int64_t)T * E, mem + (int64_t)T * (2 * E + QKV),
                        mem + (int64_t)T * (2 * E + QKV + HD), mem + (int64_t)T * (2 * E + QKV + HD + 2 * I),
                        mem + (int64_t)T * (2 * E + QKV + HD + 3 * I), ctx, tiles, make_tiles(b, tiles), xb, amx,
-                       xq, dot, m->f32_min_rows, xq8, i8, m->i8_kinds, ids, moe, moe + (int64_t)T * m->topk,
+                       xq, dot, xq8, i8, m->i8_kinds, ids, moe, moe + (int64_t)T * m->topk,
                        moe + (int64_t)T * (m->topk + 2 * SI),
                        moe + (int64_t)T * (m->topk + 3 * SI), moe + (int64_t)T * (m->topk + 3 * SI + E), plan,
                        &moe_status, rec, ple, ple + T * LW, ple + 2 * T * LW,

@@ -73,7 +73,6 @@ typedef struct {
 typedef struct {
     int hidden, inter, heads, kv_heads, head_dim, layers, vocab, block_size, cache_kind, amx_min_rows;
     int dot; /* 1: matmuls round x to 16-bit integers per group of 32 (the dot route); 0: float32 x */
-    int f32_min_rows; /* with dot, matmuls of at least this many rows take float32 x (q-f32 was faster); 0: never */
     int i8_min_rows; /* matmuls of at least this many rows (of a format the int8 route runs) round x to 8 bits */
     /* ... those of the kinds whose bit is set: bit p for the matmuls of profile slot p (fused_step.PHASES: qkv, o,
      * gate_up, down, lm_head), bit len(PHASES) for those of no kind (recurrent mixers', per-layer inputs') */

@@ -107,7 +107,7 @@ def test_f32_file_reads_the_folders_config_and_matches_transformers(ckpt):
 
 
 def test_greedy_tokens_with_caching_chunks_and_preemption_match_transformers(ckpt):
-    """Three prompts of 264 to 300 tokens together, two sharing 256 (a prefix-cache hit from the first's state
+    """Three prompts of 258 to 300 tokens together, two sharing 256 (a prefix-cache hit from the first's state
     checkpoint), 64 tokens a step (the state crosses chunk ends), a cache of 16 blocks of 32 (or the state slots'
     worth) that preempts (the state rebuilt from zeros): 32 greedy tokens each, transformers' own."""
     prompts = shared_prefix_prompts(_tokens)

@@ -15,6 +15,7 @@ import random
 
 import pytest
 import torch
+from engine_helpers import greedy_cached_chunked_preempted, hybrid_engine, shared_prefix_prompts
 from model_helpers import VOCAB, all_logits
 
 from devkit.tiny_tokenizer import save_tiny_tokenizer
@@ -94,6 +95,8 @@ def make_hybrid(kind: str, folder: str, shared: int = 48) -> torch.nn.Module:
                 p.uniform_(0.5, 1.5)
             elif name.endswith(("A_log", "dt_bias", "D", "conv1d.bias")):
                 p.uniform_(-1, 1)
+            elif kind == "lfm2":  # wider than the 0.02 init (as devkit/hybrid_gguf.py draws): the conv state counts
+                p.normal_(0, 0.3)
     hf.save_pretrained(folder, safe_serialization=True)
     save_tiny_tokenizer(folder, VOCAB)
     if kind == "granitemoehybrid_dense":  # the released checkpoints' legacy layer names
@@ -448,10 +451,12 @@ def write_lfm2_gguf(hf: torch.nn.Module, folder: str, fmt: str, path: str) -> di
     return ref
 
 
-@pytest.mark.parametrize("fmt", ["f32", "q8_0"])
-def test_lfm2_gguf_logits_match_transformers(fmt, tmp_path):
-    """An LFM2 GGUF with llama.cpp's tensor names (F32, Q8_0): the config it reads is the folder's, and its logits
-    over 100 tokens in chunks and decodes are transformers' on the file's (dequantized) weights."""
+@pytest.mark.parametrize("fmt", ["f32", "q8_0", "q4_0"])
+def test_lfm2_gguf_matches_transformers(fmt, tmp_path):
+    """An LFM2 GGUF with llama.cpp's tensor names (F32, Q8_0, Q4_0, the quantized ones run as stored): the config it
+    reads is the folder's; its logits over 100 tokens in chunks and decodes are transformers' on the file's
+    (dequantized) weights, and so are 32 greedy tokens of three prompts through the engine with a prefix-cache hit
+    (a short-conv state checkpoint), chunked prefill and forced preemption."""
     import copy
 
     folder = str(tmp_path / "hf")
@@ -459,15 +464,20 @@ def test_lfm2_gguf_logits_match_transformers(fmt, tmp_path):
     path = str(tmp_path / f"tiny-lfm2.{fmt}.gguf")
     ref = copy.deepcopy(hf)
     ref.load_state_dict(write_lfm2_gguf(hf, folder, fmt, path), strict=True)
+    ref.eval()
     a, b = load_model_config(folder), load_model_config(path)
     keys = ["layer_types", "recurrent_mixer", "linear_conv_kernel_dim", "num_kv_heads", "intermediate_size"]
     assert {k: getattr(a, k) for k in keys} == {k: getattr(b, k) for k in keys}
     loaded = load_model(path, dtype="float32", verbose=False, quantized_activations="none")
+    assert (fmt == "f32") == all(lin.quant is None for lin in loaded.model.linears())
     ids = _tokens(100, 7)
-    want = _hf_logits(ref.eval(), ids)
+    want = _hf_logits(ref, ids)
     runner = ModelRunner(loaded, num_blocks=16, block_size=8, num_state_slots=1)
     table = list(range(13))
     got = all_logits(runner, [SeqChunk(ids[:41], 0, table)]) + all_logits(runner, [SeqChunk(ids[41:98], 41, table)])
     got += [runner.execute([SeqChunk(ids[p : p + 1], p, table)]) for p in (98, 99)]
     err = (torch.cat(got) - want).abs().max().item() / want.abs().max().item()
     assert err < TOL, f"lfm2 {fmt}: {err:.2e}"
+    prompts = shared_prefix_prompts(_tokens)
+    tokens = greedy_cached_chunked_preempted(hybrid_engine(loaded, 16), prompts)
+    assert all(_hf_greedy_agrees(ref, p, t) for p, t in zip(prompts, tokens)), fmt

@@ -3,9 +3,9 @@
 shared MLP, RoPE; and a dense one without RoPE, its config.json in the legacy "mamba" / "attention" names), LFM2
 (short-conv and attention layers) and Nemotron-H (single-block layers: Mamba2, attention or an ungated relu2 MLP,
 its config.json with the older `hybrid_override_pattern`). Logits over 100+ tokens in uneven chunks and decodes;
-32 greedy tokens through the engine with chunked prefill (the state crosses chunk ends), forced preemption (the
-state slot returned and rebuilt from zeros) and several requests in a step; LLM.generate and the server; kv-calc's
-state bytes."""
+32 greedy tokens through the engine with chunked prefill (the state crosses chunk ends), a prefix-cache hit (a state
+checkpoint restored), forced preemption (the state slot returned and rebuilt from zeros) and several requests in a
+step, from the folders and from LFM2 GGUF files; LLM.generate and the server; kv-calc's state bytes."""
 
 from __future__ import annotations
 
@@ -185,37 +185,14 @@ def _hf_greedy_agrees(model: torch.nn.Module, prompt: list[int], generated: list
 
 
 def test_greedy_tokens_match_transformers(ckpt):
-    """32 greedy tokens for three ~150-token prompts run together, with chunked prefill (64 tokens a step: each
-    state crosses chunk ends) and a KV cache small enough to preempt (the state slot goes back and the request
-    restarts from zeros): transformers' tokens, and every block and state slot back at the end."""
-    loaded = ckpt.loaded
-    cfg = loaded.config
-    prompts = [_tokens(150, 4), _tokens(140, 5), _tokens(155, 6)]
-    block, seqs = 8, 3
-    per_block = bytes_per_block(cfg, block, "float32", cfg.kv_layout(hybrid=True))
-    engine = LLMEngine(
-        EngineConfig(
-            block_size=block,
-            max_num_batched_tokens=64,
-            max_num_seqs=seqs,
-            kv_cache_memory=seqs * 2 * state_bytes(cfg, torch.float32) + 40 * per_block,  # a slot + staging
-            max_model_len=256,
-            log_stats_interval=0,
-        ),
-        loaded,
-    )
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        done.update({o.request_id: o for o in engine.step() if o.finished})
-    assert engine.stats().num_preemptions > 0
-    assert engine.kv.num_free_blocks == engine.kv.num_blocks
-    assert engine.kv.recurrent.slots is not None and engine.kv.recurrent.slots.num_free == seqs
-    for i, p in enumerate(prompts):
-        tokens = list(done[str(i)].outputs[0].token_ids)
-        assert len(tokens) == 32 and _hf_greedy_agrees(ckpt.hf, p, tokens), f"{ckpt.kind} prompt {i}"
+    """32 greedy tokens for three prompts run together, two sharing 256 tokens (the second starts from the first's
+    Mamba2 / short-conv state checkpoint), with chunked prefill (64 tokens a step: each state crosses chunk ends)
+    and a KV cache small enough to preempt (the state slot goes back and the request restarts from zeros):
+    transformers' tokens, and every block and state slot back at the end."""
+    prompts = shared_prefix_prompts(_tokens)
+    tokens = greedy_cached_chunked_preempted(hybrid_engine(ckpt.loaded, 16), prompts)
+    for i, (p, t) in enumerate(zip(prompts, tokens)):
+        assert _hf_greedy_agrees(ckpt.hf, p, t), f"{ckpt.kind} prompt {i}"
 
 
 def _engine(loaded, caching: bool, mode: str = "align") -> LLMEngine:

@@ -62,3 +62,51 @@ def assert_disk_tier_round_trip(
     tokens, cached = run(restarted, prompts)
     assert tokens == cold and cached == [96] * 4
     assert restarted.stats().prefix_cache_disk_hits == 4 * 96 == restarted.stats().prefix_cache_hits
+
+
+def hybrid_engine(loaded, blocks: int, block_size: int = 32, max_num_seqs: int = 3, **kw) -> LLMEngine:
+    """An engine over `loaded` in float32 whose KV budget holds `blocks` blocks of `block_size` (a block spans one
+    group's layers), or as many as `max_num_seqs` recurrent states' bytes where more (the engine gives the state
+    slots at most half the budget), beside a state slot per request (none without recurrent layers) and, under
+    --mamba-cache-mode all, a staging row each (align keeps its state checkpoints in blocks); 64 tokens a step,
+    prefix caching on unless `kw` says otherwise."""
+    import torch
+
+    from pagedllm.engine.memory import state_bytes
+    from pagedllm.model.runner import bytes_per_block
+
+    cfg = loaded.config
+    per_block = bytes_per_block(cfg, block_size, "float32", cfg.kv_layout(hybrid=True))
+    state = state_bytes(cfg, torch.float32)
+    blocks = max(blocks, -(-max_num_seqs * state // per_block))
+    rows = 2 if kw.get("mamba_cache_mode") == "all" else 1
+    kw = dict(max_num_batched_tokens=64, max_model_len=352, log_stats_interval=0) | kw
+    budget = blocks * per_block + max_num_seqs * rows * state
+    return LLMEngine(
+        EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs, kv_cache_memory=budget, **kw), loaded
+    )
+
+
+def shared_prefix_prompts(token) -> list[list[int]]:
+    """Three prompts for hybrid_engine(loaded, 16), `token(n, seed)` drawing n token ids: two sharing their first
+    256 tokens, the first's last block boundary in 32-token blocks (the second hits the state checkpoint the first
+    left there, its newest), then 2 tokens each: so few that the first tokens' logits hang on the restored state
+    (the tiny checkpoints' decays forget a state within tens of tokens, a short conv's after 2; with 8, LFM2's
+    conv state restored for its first conv layer only gave transformers' tokens). One of 300 on its own, with
+    which the three overflow the cache (it is preempted: the last admitted)."""
+    shared = token(256, 3)
+    return [shared + token(2, 4), shared + token(2, 5), token(300, 6)]
+
+
+def greedy_cached_chunked_preempted(engine: LLMEngine, prompts: list[list[int]], n: int = 32) -> list[list[int]]:
+    """`n` greedy tokens of each prompt, all added at once to `engine` (one with prefix caching, chunked prefill
+    and a cache small enough to preempt, two of the prompts sharing a prefix): the tokens, after checking that the
+    run did preempt and hit the prefix cache, and gave every block and state slot back."""
+    tokens = run_all(engine, prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    stats = engine.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0, (stats.num_preemptions, stats.prefix_cache_hits)
+    assert_all_blocks_free(engine)
+    slots = engine.kv.recurrent.slots if engine.kv.recurrent is not None else None
+    assert slots is None or (slots.num_free == slots.num_slots and not slots.req_to_slot)
+    assert all(len(t) == n for t in tokens)
+    return [list(t) for t in tokens]

@@ -19,6 +19,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from engine_helpers import greedy_cached_chunked_preempted
 from model_helpers import all_logits
 
 from devkit.family_helpers import save_tokenizer
@@ -167,19 +168,9 @@ PROMPTS = [_tokens(24, 3) + _tokens(46, 4), _tokens(24, 3) + _tokens(50, 5), _to
 def test_greedy_tokens_match_transformers_with_caching_chunks_and_preemption(ckpt, loaded):
     """32 greedy tokens per prompt in one engine with prefix caching, chunked prefill (16 tokens a step) and a
     KV cache small enough to preempt: transformers' tokens, every block back at the end."""
-    engine = _engine(loaded, 40)
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    for i, p in enumerate(PROMPTS):
-        engine.add_request(str(i), p, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        done.update({o.request_id: o for o in engine.step() if o.finished})
-    stats = engine.stats()
-    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
-    assert engine.kv.num_free_blocks == engine.kv.num_blocks
-    for i, p in enumerate(PROMPTS):
-        tokens = list(done[str(i)].outputs[0].token_ids)
-        assert len(tokens) == 32 and _hf_greedy_agrees(ckpt[1], p, tokens), f"prompt {i}"
+    tokens = greedy_cached_chunked_preempted(_engine(loaded, 40), PROMPTS)
+    for i, (p, t) in enumerate(zip(PROMPTS, tokens)):
+        assert _hf_greedy_agrees(ckpt[1], p, t), f"prompt {i}"
 
 
 def test_the_fused_step_computes_what_the_torch_path_does(tmp_path):
@@ -506,10 +497,12 @@ def write_gguf(folder: str, fmt: str, path: str, **overrides) -> dict[str, torch
     return out
 
 
-@pytest.mark.parametrize("fmt", ["f32", "q8_0"])
+@pytest.mark.parametrize("fmt", ["f32", "q8_0", "q4_0"])
 def test_a_gguf_as_llama_cpp_writes_it_matches_transformers(ckpt, tmp_path, fmt):
-    """llama.cpp's gemma4 names and keys: the same config as the folder's, and logits within float32 accuracy of
-    transformers on the values the file holds (Q8_0 matrices run as stored)."""
+    """llama.cpp's gemma4 names and keys: the same config as the folder's; on the values the file holds (Q8_0 and
+    Q4_0 matrices run as stored), logits within float32 accuracy of transformers, and transformers' 32 greedy tokens
+    per prompt through the engine with prefix caching (two prompts share 24 tokens: a hit), chunked prefill and
+    forced preemption."""
     import copy
 
     folder, hf = ckpt
@@ -527,6 +520,7 @@ def test_a_gguf_as_llama_cpp_writes_it_matches_transformers(ckpt, tmp_path, fmt)
     assert a.rope_scaling and b.rope_scaling and a.rope_scaling["partial_rotary_factor"] == 0.25
     assert b.rope_scaling == {"rope_type": "proportional", "partial_rotary_factor": 0.25}
     loaded = load_model(path, dtype="float32", verbose=False, quantized_activations="none")
+    assert (fmt == "f32") == all(lin.quant is None for lin in loaded.model.linears())
     ids = _tokens(104, 12)
     with torch.inference_mode():
         want = ref.eval()(torch.tensor([ids])).logits[0].float()
@@ -538,6 +532,9 @@ def test_a_gguf_as_llama_cpp_writes_it_matches_transformers(ckpt, tmp_path, fmt)
     got += [runner.execute([SeqChunk(ids[p : p + 1], p, tables[0], group_tables=tables)]) for p in range(100, 104)]
     err = (torch.cat(got) - want).abs().max().item() / want.abs().max().item()
     assert err < TOL, f"{fmt}: {err:.2e}"
+    tokens = greedy_cached_chunked_preempted(_engine(loaded, 40), PROMPTS)
+    for i, (p, t) in enumerate(zip(PROMPTS, tokens)):
+        assert _hf_greedy_agrees(ref, p, t), f"{fmt} prompt {i}"
 
 
 def test_the_server_answers_and_shows_each_kv_group(ckpt, loaded):

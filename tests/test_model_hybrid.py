@@ -1,10 +1,10 @@
 """The hybrid families (Qwen3.5 text, Qwen3-Next, Qwen3.5-MoE: Gated DeltaNet layers beside full attention) against
 transformers in float32, on tiny random checkpoints written by `save_pretrained`: logits over 130 tokens fed in
-uneven chunks; 32 greedy tokens of several batched requests under chunked prefill (64 tokens a step, so a 150-token
-prompt's state crosses chunk ends) and a cache small enough to preempt (recomputed from a zero state); a step that
-fails after some layers ran (its states are never committed: the retry continues from the old ones); prefix caching,
-whose hits start from recurrent-state checkpoints at block boundaries and must never change an answer; every state
-slot back at the end, as every block."""
+uneven chunks; 32 greedy tokens of several batched requests under chunked prefill (64 tokens a step, so a 258-token
+prompt's state crosses chunk ends), a prefix-cache hit and a cache small enough to preempt (recomputed from a zero
+state); a step that fails after some layers ran (its states are never committed: the retry continues from the old
+ones); prefix caching, whose hits start from recurrent-state checkpoints at block boundaries and must never change an
+answer; every state slot back at the end, as every block."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import random
 
 import pytest
 import torch
+from engine_helpers import greedy_cached_chunked_preempted, hybrid_engine, shared_prefix_prompts
 from model_helpers import assert_marked_states_match, cpu_target, fused_and_torch, marks_fused_and_torch
 
 from devkit.tiny_tokenizer import save_tiny_tokenizer
@@ -148,13 +149,11 @@ def test_logits_match_transformers_over_uneven_chunks(models, family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_batched_chunked_and_preempted_match_transformers(models, family):
-    """Three requests at once, 64 tokens a step, a cache of 20 blocks for ~36 blocks of requests: preemption."""
+    """Three requests at once, two sharing 256 tokens (the second starts from the first's state checkpoint), 64
+    tokens a step, a cache of 16 blocks of 32 for 23 blocks of requests: preemption; every block and slot back."""
     hf, loaded, _ = models[family]
-    prompts = [_tokens(150, 2), _tokens(100, 3), _tokens(120, 4)]
-    engine = _engine(loaded, blocks=20, max_num_batched_tokens=64)
-    assert _run(engine, prompts) == [_greedy(hf, p) for p in prompts]
-    assert engine.stats().num_preemptions > 0
-    _all_back(engine)
+    prompts = shared_prefix_prompts(_tokens)
+    assert greedy_cached_chunked_preempted(hybrid_engine(loaded, 16), prompts) == [_greedy(hf, p) for p in prompts]
 
 
 def test_a_step_that_fails_midway_is_retried_from_the_states_before_it(models, monkeypatch):

@@ -3,8 +3,8 @@ qwen35, qwen35moe, qwen3next, granitehybrid, lfm2moe and nemotron_h layouts, nor
 Qwen3.5's value heads tiled, Qwen3-Next's in_proj_qkvz split, Granite's Q/K permuted and Mamba2 norm grouped,
 LFM2-MoE's expert bias as exp_probs_b) against transformers on the HF checkpoint each came from: the config read
 from the file is the folder's, logits over 100 tokens in chunks and decodes within float32 accuracy, 32 greedy
-tokens through the engine with chunked prefill; Q8_0 and Q4_0 files, kept quantized, against transformers on the
-values the file holds."""
+tokens through the engine with a prefix-cache hit, chunked prefill and forced preemption; Q8_0 and Q4_0 files,
+kept quantized, against transformers on the values the file holds."""
 
 from __future__ import annotations
 
@@ -14,13 +14,10 @@ import shutil
 
 import pytest
 import torch
+from engine_helpers import greedy_cached_chunked_preempted, hybrid_engine, shared_prefix_prompts
 
 from devkit.hybrid_gguf import CONFIGS, make_hybrid, write_hybrid_gguf
-from pagedllm import SamplingParams
-from pagedllm.engine import EngineConfig, LLMEngine
-from pagedllm.engine.memory import state_bytes
 from pagedllm.model import ModelRunner, SeqChunk, load_model, load_model_config
-from pagedllm.model.runner import bytes_per_block
 
 pytestmark = pytest.mark.usefixtures("one_thread", "private_tokenizer_cache")  # tests/conftest.py
 
@@ -109,24 +106,13 @@ def test_f32_file_reads_the_folders_config_and_matches_transformers(ckpt):
     assert err < TOL, f"{ckpt.family}: {err:.2e}"
 
 
-def test_greedy_tokens_with_chunked_prefill_match_transformers(ckpt):
-    """Two ~100-token prompts together, 64 tokens a step: 32 greedy tokens each, transformers' own."""
-    cfg = ckpt.loaded.config
-    per_block = bytes_per_block(cfg, 16, "float32", cfg.kv_layout(hybrid=True))
-    budget = 32 * per_block + 4 * 2 * state_bytes(cfg, torch.float32)
-    engine = LLMEngine(
-        EngineConfig(max_num_batched_tokens=64, max_num_seqs=2, kv_cache_memory=budget, max_model_len=256),
-        ckpt.loaded,
-    )
-    prompts = [_tokens(100, 4), _tokens(90, 5)]
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        done.update({o.request_id: o for o in engine.step() if o.finished})
-    for i, p in enumerate(prompts):
-        tokens = list(done[str(i)].outputs[0].token_ids)
+def test_greedy_tokens_with_caching_chunks_and_preemption_match_transformers(ckpt):
+    """Three prompts of 258 to 300 tokens together, two sharing 256 (a prefix-cache hit from the first's state
+    checkpoint), 64 tokens a step (the state crosses chunk ends), a cache of 16 blocks of 32 (or the state slots'
+    worth) that preempts (the state rebuilt from zeros): 32 greedy tokens each, transformers' own."""
+    prompts = shared_prefix_prompts(_tokens)
+    got = greedy_cached_chunked_preempted(hybrid_engine(ckpt.loaded, 16), prompts)
+    for i, (p, tokens) in enumerate(zip(prompts, got)):
         want = _hf_logits(ckpt.hf, p + tokens)[len(p) - 1 : -1].argmax(-1).tolist()
         assert tokens == want, f"{ckpt.family} prompt {i}"
 

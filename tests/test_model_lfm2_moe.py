@@ -1,7 +1,8 @@
 """LFM2-MoE against transformers in float32, on a tiny random checkpoint `save_pretrained` writes: short-conv and
 attention layers, a dense first layer, then sparse blocks routed by sigmoid scores whose top k are chosen with a
 learned bias per expert (drawn so that it changes the choice) and scaled. Logits over 100 tokens in chunks (the
-conv state crosses chunk ends) and decodes; 32 greedy tokens through the engine with chunked prefill."""
+conv state crosses chunk ends) and decodes; 32 greedy tokens through the engine with a prefix-cache hit, chunked
+prefill and forced preemption."""
 
 from __future__ import annotations
 
@@ -9,13 +10,10 @@ import random
 
 import pytest
 import torch
+from engine_helpers import greedy_cached_chunked_preempted, hybrid_engine, shared_prefix_prompts
 
 from devkit.tiny_tokenizer import save_tiny_tokenizer
-from pagedllm import SamplingParams
-from pagedllm.engine import EngineConfig, LLMEngine
-from pagedllm.engine.memory import state_bytes
 from pagedllm.model import ModelRunner, SeqChunk, load_model
-from pagedllm.model.runner import bytes_per_block
 
 pytestmark = pytest.mark.usefixtures("one_thread", "private_tokenizer_cache")  # tests/conftest.py
 
@@ -108,24 +106,15 @@ def test_the_expert_bias_changes_the_choice(ckpt):
     assert (a - b).abs().max().item() > 100 * TOL * a.abs().max().item()
 
 
-def test_greedy_tokens_with_chunked_prefill_match_transformers(ckpt):
+def test_greedy_tokens_with_caching_chunks_and_preemption_match_transformers(ckpt):
+    """Three prompts at once, two sharing 256 tokens (the second starts from the first's conv-state checkpoint), 64
+    tokens a step (the state crosses chunk ends), a cache that preempts (the state rebuilt from zeros): 32 greedy
+    tokens each, transformers' own; every block and state slot back."""
     hf, loaded = ckpt
-    cfg = loaded.config
-    per_block = bytes_per_block(cfg, 16, "float32", cfg.kv_layout(hybrid=True))
-    budget = 32 * per_block + 4 * 2 * state_bytes(cfg, torch.float32)
-    engine = LLMEngine(
-        EngineConfig(max_num_batched_tokens=64, max_num_seqs=2, kv_cache_memory=budget, max_model_len=256), loaded
-    )
-    prompts = [_tokens(100, 4), _tokens(90, 5)]
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        done.update({o.request_id: o for o in engine.step() if o.finished})
-    for i, p in enumerate(prompts):
-        tokens = list(done[str(i)].outputs[0].token_ids)
-        assert tokens == _hf_logits(hf, p + tokens)[len(p) - 1 : -1].argmax(-1).tolist(), f"prompt {i}"
+    prompts = shared_prefix_prompts(_tokens)
+    tokens = greedy_cached_chunked_preempted(hybrid_engine(loaded, 16), prompts)
+    for i, (p, t) in enumerate(zip(prompts, tokens)):
+        assert t == _hf_logits(hf, p + t)[len(p) - 1 : -1].argmax(-1).tolist(), f"prompt {i}"
 
 
 def test_the_fused_step_routes_by_sigmoid_scores_as_the_torch_path(tmp_path):

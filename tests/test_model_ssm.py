@@ -3,9 +3,9 @@
 shared MLP, RoPE; and a dense one without RoPE, its config.json in the legacy "mamba" / "attention" names), LFM2
 (short-conv and attention layers) and Nemotron-H (single-block layers: Mamba2, attention or an ungated relu2 MLP,
 its config.json with the older `hybrid_override_pattern`). Logits over 100+ tokens in uneven chunks and decodes;
-32 greedy tokens through the engine with chunked prefill (the state crosses chunk ends), forced preemption (the
-state slot returned and rebuilt from zeros) and several requests in a step; LLM.generate and the server; kv-calc's
-state bytes."""
+32 greedy tokens through the engine with chunked prefill (the state crosses chunk ends), a prefix-cache hit (a state
+checkpoint restored), forced preemption (the state slot returned and rebuilt from zeros) and several requests in a
+step, from the folders and from LFM2 GGUF files; LLM.generate and the server; kv-calc's state bytes."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import random
 
 import pytest
 import torch
+from engine_helpers import greedy_cached_chunked_preempted, hybrid_engine, shared_prefix_prompts
 from model_helpers import VOCAB, all_logits
 
 from devkit.tiny_tokenizer import save_tiny_tokenizer
@@ -94,6 +95,8 @@ def make_hybrid(kind: str, folder: str, shared: int = 48) -> torch.nn.Module:
                 p.uniform_(0.5, 1.5)
             elif name.endswith(("A_log", "dt_bias", "D", "conv1d.bias")):
                 p.uniform_(-1, 1)
+            elif kind == "lfm2":  # wider than the 0.02 init (as devkit/hybrid_gguf.py draws): the conv state counts
+                p.normal_(0, 0.3)
     hf.save_pretrained(folder, safe_serialization=True)
     save_tiny_tokenizer(folder, VOCAB)
     if kind == "granitemoehybrid_dense":  # the released checkpoints' legacy layer names
@@ -161,43 +164,35 @@ def test_parameter_count_matches_transformers(ckpt):
     assert active <= total
 
 
+def test_a_state_goes_through_the_blocks_bytes_unchanged(ckpt):
+    """A prefix-cache checkpoint's round trip (runner.state_to_blocks, then blocks_to_state into another row) gives
+    every layer's state back: Mamba2's conv and SSM states, and every short-conv layer's conv state past the empty
+    recurrent state of the one before it (the copy once stopped at the first empty one: LFM2 restored its first
+    conv layer's state only)."""
+    runner = ModelRunner(ckpt.loaded, num_blocks=16, block_size=8, num_state_slots=2)
+    ids = list(range(-(-runner.state_row_bytes // runner.bytes_per_block) + 1))[::-1]  # any blocks, any order
+    torch.manual_seed(0)
+    for conv, rec in runner.states.values():
+        conv[0].normal_(), rec[0].normal_()
+    runner.state_to_blocks(0, ids)
+    runner.blocks_to_state(ids, 1)
+    assert all(torch.equal(t[0], t[1]) for pair in runner.states.values() for t in pair)
+
+
 def _hf_greedy_agrees(model: torch.nn.Module, prompt: list[int], generated: list[int]) -> bool:
     logits = _hf_logits(model, prompt + generated)[len(prompt) - 1 : -1]
     return logits.argmax(-1).tolist() == generated
 
 
 def test_greedy_tokens_match_transformers(ckpt):
-    """32 greedy tokens for three ~150-token prompts run together, with chunked prefill (64 tokens a step: each
-    state crosses chunk ends) and a KV cache small enough to preempt (the state slot goes back and the request
-    restarts from zeros): transformers' tokens, and every block and state slot back at the end."""
-    loaded = ckpt.loaded
-    cfg = loaded.config
-    prompts = [_tokens(150, 4), _tokens(140, 5), _tokens(155, 6)]
-    block, seqs = 8, 3
-    per_block = bytes_per_block(cfg, block, "float32", cfg.kv_layout(hybrid=True))
-    engine = LLMEngine(
-        EngineConfig(
-            block_size=block,
-            max_num_batched_tokens=64,
-            max_num_seqs=seqs,
-            kv_cache_memory=seqs * 2 * state_bytes(cfg, torch.float32) + 40 * per_block,  # a slot + staging
-            max_model_len=256,
-            log_stats_interval=0,
-        ),
-        loaded,
-    )
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        done.update({o.request_id: o for o in engine.step() if o.finished})
-    assert engine.stats().num_preemptions > 0
-    assert engine.kv.num_free_blocks == engine.kv.num_blocks
-    assert engine.kv.recurrent.slots is not None and engine.kv.recurrent.slots.num_free == seqs
-    for i, p in enumerate(prompts):
-        tokens = list(done[str(i)].outputs[0].token_ids)
-        assert len(tokens) == 32 and _hf_greedy_agrees(ckpt.hf, p, tokens), f"{ckpt.kind} prompt {i}"
+    """32 greedy tokens for three prompts run together, two sharing 256 tokens (the second starts from the first's
+    Mamba2 / short-conv state checkpoint), with chunked prefill (64 tokens a step: each state crosses chunk ends)
+    and a KV cache small enough to preempt (the state slot goes back and the request restarts from zeros):
+    transformers' tokens, and every block and state slot back at the end."""
+    prompts = shared_prefix_prompts(_tokens)
+    tokens = greedy_cached_chunked_preempted(hybrid_engine(ckpt.loaded, 16), prompts)
+    for i, (p, t) in enumerate(zip(prompts, tokens)):
+        assert _hf_greedy_agrees(ckpt.hf, p, t), f"{ckpt.kind} prompt {i}"
 
 
 def _engine(loaded, caching: bool, mode: str = "align") -> LLMEngine:
@@ -439,10 +434,12 @@ def write_lfm2_gguf(hf: torch.nn.Module, folder: str, fmt: str, path: str) -> di
     return ref
 
 
-@pytest.mark.parametrize("fmt", ["f32", "q8_0"])
-def test_lfm2_gguf_logits_match_transformers(fmt, tmp_path):
-    """An LFM2 GGUF with llama.cpp's tensor names (F32, Q8_0): the config it reads is the folder's, and its logits
-    over 100 tokens in chunks and decodes are transformers' on the file's (dequantized) weights."""
+@pytest.mark.parametrize("fmt", ["f32", "q8_0", "q4_0"])
+def test_lfm2_gguf_matches_transformers(fmt, tmp_path):
+    """An LFM2 GGUF with llama.cpp's tensor names (F32, Q8_0, Q4_0, the quantized ones run as stored): the config it
+    reads is the folder's; its logits over 100 tokens in chunks and decodes are transformers' on the file's
+    (dequantized) weights, and so are 32 greedy tokens of three prompts through the engine with a prefix-cache hit
+    (a short-conv state checkpoint), chunked prefill and forced preemption."""
     import copy
 
     folder = str(tmp_path / "hf")
@@ -450,15 +447,20 @@ def test_lfm2_gguf_logits_match_transformers(fmt, tmp_path):
     path = str(tmp_path / f"tiny-lfm2.{fmt}.gguf")
     ref = copy.deepcopy(hf)
     ref.load_state_dict(write_lfm2_gguf(hf, folder, fmt, path), strict=True)
+    ref.eval()
     a, b = load_model_config(folder), load_model_config(path)
     keys = ["layer_types", "recurrent_mixer", "linear_conv_kernel_dim", "num_kv_heads", "intermediate_size"]
     assert {k: getattr(a, k) for k in keys} == {k: getattr(b, k) for k in keys}
     loaded = load_model(path, dtype="float32", verbose=False, quantized_activations="none")
+    assert (fmt == "f32") == all(lin.quant is None for lin in loaded.model.linears())
     ids = _tokens(100, 7)
-    want = _hf_logits(ref.eval(), ids)
+    want = _hf_logits(ref, ids)
     runner = ModelRunner(loaded, num_blocks=16, block_size=8, num_state_slots=1)
     table = list(range(13))
     got = all_logits(runner, [SeqChunk(ids[:41], 0, table)]) + all_logits(runner, [SeqChunk(ids[41:98], 41, table)])
     got += [runner.execute([SeqChunk(ids[p : p + 1], p, table)]) for p in (98, 99)]
     err = (torch.cat(got) - want).abs().max().item() / want.abs().max().item()
     assert err < TOL, f"lfm2 {fmt}: {err:.2e}"
+    prompts = shared_prefix_prompts(_tokens)
+    tokens = greedy_cached_chunked_preempted(hybrid_engine(loaded, 16), prompts)
+    assert all(_hf_greedy_agrees(ref, p, t) for p, t in zip(prompts, tokens)), fmt

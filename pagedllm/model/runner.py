@@ -384,11 +384,12 @@ class ModelRunner:
 
 
 def _copy_bytes(src: torch.Tensor, dst: list[torch.Tensor]) -> None:
-    """`src`'s bytes into the views `dst` in order, until `src` ends."""
+    """`src`'s bytes into the views `dst` in order, until `src` ends. An empty view (a short-conv layer's recurrent
+    state: it has none) takes nothing and the copy goes on past it."""
     offset = 0
     for view in dst:
-        n = min(view.numel(), src.numel() - offset)
-        if n <= 0:
+        if offset >= src.numel():
             break
+        n = min(view.numel(), src.numel() - offset)
         view[:n].copy_(src[offset : offset + n])
         offset += n

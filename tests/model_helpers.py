@@ -151,6 +151,19 @@ def assert_marked_states_match(got: dict[bool, tuple[torch.Tensor, dict]], tol: 
             assert (got_t.float() - want_t.float()).abs().max().item() < tol * scale, layer
 
 
+def assert_state_round_trip(runner) -> None:
+    """A prefix-cache checkpoint's round trip: slot 0's random states laid across pool blocks
+    (runner.state_to_blocks, any blocks in any order) and read back into slot 1 (blocks_to_state) give every
+    layer's conv and recurrent state back, bit for bit."""
+    ids = list(range(-(-runner.state_row_bytes // runner.bytes_per_block) + 1))[::-1]
+    torch.manual_seed(0)
+    for conv, rec in runner.states.values():
+        conv[0].normal_(), rec[0].normal_()
+    runner.state_to_blocks(0, ids)
+    runner.blocks_to_state(ids, 1)
+    assert all(torch.equal(t[0], t[1]) for pair in runner.states.values() for t in pair)
+
+
 @contextlib.contextmanager
 def cpu_target(name: str):
     """The kernels of one CPU class (PAGEDLLM_CPU_TARGET, as tests/test_cpu_targets.py forces it) while the block

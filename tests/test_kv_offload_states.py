@@ -10,13 +10,13 @@ import random
 
 import pytest
 import torch
+from model_helpers import assert_state_round_trip
 from test_model_hybrid import make_hybrid
 
 from pagedllm import SamplingParams
 from pagedllm.engine import EngineConfig, LLMEngine
 from pagedllm.engine.memory import state_bytes
 from pagedllm.kv.hashing import hash_full_blocks
-from pagedllm.kv.kv_spec import cdiv
 from pagedllm.kv.manager import PagedKVCacheManager, TokenRequest
 from pagedllm.kv.offload import DiskKVTier
 from pagedllm.kv.state_slots import StateCheckpoints, StateSlotPool
@@ -148,11 +148,4 @@ def test_a_shared_prefix_hits_from_a_state_on_disk_after_a_restart(qwen35, tmp_p
 @pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "int8", "fp8"])
 def test_a_state_goes_through_the_blocks_bytes_unchanged_whatever_the_cache_dtype(qwen35, kv_dtype):
     _, loaded = qwen35
-    runner = _engine(loaded, kv_cache_dtype=kv_dtype, max_num_seqs=2).runner  # two slots
-    ids = list(range(cdiv(runner.state_row_bytes, runner.bytes_per_block) + 1))[::-1]  # any blocks, any order
-    torch.manual_seed(0)
-    for conv, rec in runner.states.values():
-        conv[0].normal_(), rec[0].normal_()
-    runner.state_to_blocks(0, ids)
-    runner.blocks_to_state(ids, 1)
-    assert all(torch.equal(t[0], t[1]) for pair in runner.states.values() for t in pair)
+    assert_state_round_trip(_engine(loaded, kv_cache_dtype=kv_dtype, max_num_seqs=2).runner)  # two slots

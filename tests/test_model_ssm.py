@@ -16,7 +16,7 @@ import random
 import pytest
 import torch
 from engine_helpers import greedy_cached_chunked_preempted, hybrid_engine, shared_prefix_prompts
-from model_helpers import VOCAB, all_logits
+from model_helpers import VOCAB, all_logits, assert_state_round_trip
 
 from devkit.tiny_tokenizer import save_tiny_tokenizer
 from pagedllm import SamplingParams
@@ -169,14 +169,7 @@ def test_a_state_goes_through_the_blocks_bytes_unchanged(ckpt):
     every layer's state back: Mamba2's conv and SSM states, and every short-conv layer's conv state past the empty
     recurrent state of the one before it (the copy once stopped at the first empty one: LFM2 restored its first
     conv layer's state only)."""
-    runner = ModelRunner(ckpt.loaded, num_blocks=16, block_size=8, num_state_slots=2)
-    ids = list(range(-(-runner.state_row_bytes // runner.bytes_per_block) + 1))[::-1]  # any blocks, any order
-    torch.manual_seed(0)
-    for conv, rec in runner.states.values():
-        conv[0].normal_(), rec[0].normal_()
-    runner.state_to_blocks(0, ids)
-    runner.blocks_to_state(ids, 1)
-    assert all(torch.equal(t[0], t[1]) for pair in runner.states.values() for t in pair)
+    assert_state_round_trip(ModelRunner(ckpt.loaded, num_blocks=16, block_size=8, num_state_slots=2))
 
 
 def _hf_greedy_agrees(model: torch.nn.Module, prompt: list[int], generated: list[int]) -> bool:

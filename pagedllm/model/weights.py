@@ -442,7 +442,7 @@ def _unused(name: str) -> bool:
     return name.endswith("rotary_emb.inv_freq")
 
 
-_STORED_16 = {torch.bfloat16: ("bf16", "BF16"), torch.float16: ("f16", "F16")}
+_STORED_16 = {torch.bfloat16: "BF16", torch.float16: "F16"}  # a matrix's dtype -> the GGML type of its rows
 
 
 def as_stored(slot: Slot, t: Value) -> Value:
@@ -460,8 +460,8 @@ def as_stored(slot: Slot, t: Value) -> Value:
         or getattr(owner, "keep_dense", False)
     ):
         return t
-    fmt, source = _STORED_16[t.dtype]
-    return QuantParts(fmt, t.contiguous().view(torch.int16).numpy().view(np.uint16), None, None, source)
+    ggml_type = next(k for k, name in GGML_TYPES.items() if name == _STORED_16[t.dtype])
+    return from_gguf_blocks(t.contiguous().view(torch.uint8).numpy(), ggml_type)  # rows as a GGUF stores them
 
 
 def assign_weights(model: CausalLM, tensors: Iterator[tuple[str, Value]], where: str, keep_16bit: bool = False) -> None:

@@ -7,6 +7,14 @@ import os
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs one worker per core (pytest-xdist): a worker that also spread its matmuls over every core
+    # would spin-wait against the others (torch's OpenMP threads, and the C kernels, which take torch's count).
+    # Servers the tests start inherit the variable. tests/test_threads.py still runs the kernels on 2 threads.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,7 @@ copied; checkpoints are evicted with the KV blocks by the pool's LRU, never whil
 from __future__ import annotations
 
 from pagedllm.kv.hashing import hash_full_blocks
-from pagedllm.kv.manager import PagedKVCacheManager, TokenRequest
+from pagedllm.kv.manager import ContiguousKVCacheManager, PagedKVCacheManager, TokenRequest
 from pagedllm.kv.state_slots import StateCheckpoints, StateSlotPool
 
 BS = 4
@@ -48,6 +48,26 @@ def test_a_request_holds_one_slot_until_freed_and_a_failed_allocation_takes_none
     for r in (a, b):
         kv.free(r)
     assert kv.recurrent.slots.num_free == 2 and not kv.recurrent.slots.req_to_slot and kv.num_free_blocks == 4
+
+
+def test_the_contiguous_baseline_reserves_blocks_and_a_slot_through_the_same_groups():
+    """Without paging (one reservation of max_model_len per request) the state slot is still a group of the
+    coordinator: an allocation short of blocks or of slots takes neither, a free returns both."""
+    kv = ContiguousKVCacheManager(6, BS, max_model_len=8)  # 2 blocks reserved per request: 3 fit
+    kv.attach_state_slots(StateSlotPool(2))
+    a, b, c = (TokenRequest(r, list(range(8))) for r in "abc")
+    assert kv.allocate_slots(a, 3) and kv.num_free_blocks == 4 and kv.recurrent.slot("a") is not None
+    assert kv.allocate_slots(a, 5) and kv.num_free_blocks == 4  # grows inside its reservation
+    assert not kv.allocate_slots(b, 9)  # past max_model_len: nothing taken
+    assert kv.recurrent.slot("b") is None and kv.num_free_blocks == 4
+    assert kv.allocate_slots(b, 2)
+    assert not kv.allocate_slots(c, 1)  # blocks for one more remain, slots do not: nothing taken
+    assert kv.recurrent.slot("c") is None and kv.num_free_blocks == 2 and "c" not in kv.req_blocks
+    kv.free(a)
+    assert kv.allocate_slots(c, 1) and kv.recurrent.slot("c") is not None
+    for r in (b, c):
+        kv.free(r)
+    assert kv.recurrent.slots.num_free == 2 and not kv.recurrent.slots.req_to_slot and kv.num_free_blocks == 6
 
 
 def test_a_hit_ends_at_a_checkpoint_and_holds_its_blocks_until_copied():

@@ -17,17 +17,16 @@ from collections.abc import Sequence
 from pagedllm.kv.block_pool import BlockPool, KVBlock
 from pagedllm.kv.connector import KVConnector
 from pagedllm.kv.hashing import BlockHash
-from pagedllm.kv.single_type_manager import Lookup, SingleTypeKVCacheManager, make_single_type_manager
+from pagedllm.kv.single_type_manager import Lookup, SingleTypeKVCacheManager
 
 GroupBlocks = list[list[KVBlock]]  # per group, blocks of one request (a hit, or its tables)
 
 
 class KVCacheCoordinator:
-    def __init__(self, windows: Sequence[int | None], pool: BlockPool, block_size: int, null_block: KVBlock) -> None:
+    def __init__(self, managers: Sequence[SingleTypeKVCacheManager], pool: BlockPool, block_size: int) -> None:
+        """`managers`: one per group with block tables, in the layout's order (each of its group's kind)."""
         self.pool, self.block_size = pool, block_size
-        self.managers: list[SingleTypeKVCacheManager] = [
-            make_single_type_manager(w, pool, block_size, g, null_block) for g, w in enumerate(windows)
-        ]
+        self.managers: list[SingleTypeKVCacheManager] = list(managers)
         self.num_tables = len(self.managers)  # the groups with block tables; any added later hold none
 
     def add(self, manager: SingleTypeKVCacheManager) -> None:

@@ -26,6 +26,7 @@ from pagedllm.kv.kv_spec import KVCacheLayout, cdiv
 from pagedllm.kv.offload import DiskKVTier
 from pagedllm.kv.recurrent_state_manager import RecurrentStateManager
 from pagedllm.kv.segments import SegmentStore
+from pagedllm.kv.single_type_manager import ContiguousManager, SingleTypeKVCacheManager, make_single_type_manager
 from pagedllm.kv.state_slots import StateCheckpoints, StateSlotPool
 
 logger = logging.getLogger("pagedllm")
@@ -109,14 +110,21 @@ class KVCacheManager:
         # What a table holds for a block that fell out of a window: not in the pool, never counted or cached.
         # Its id (0) is any valid block for the kernels, which never read it (the torch path masks it out).
         self.null_block = KVBlock(0)
+        self.coordinator = KVCacheCoordinator(self._table_managers(), self.pool, block_size)
+
+    def _table_managers(self) -> list[SingleTypeKVCacheManager]:
+        """One manager per group with block tables (each subclass its kind), group 0 first."""
+        raise NotImplementedError
 
     def attach_state_slots(self, slots: StateSlotPool, checkpoints: StateCheckpoints | None = None) -> None:
         """A hybrid model: each request also holds a recurrent-state slot while it runs. A prefix hit then needs
         the state where it ends: without `checkpoints` there is none (every hit is 0), with them a hit ends where
-        one lies (recurrent_state_manager.py)."""
+        one lies (recurrent_state_manager.py). The state is one more group of the coordinator, after the table
+        groups."""
         self.recurrent = RecurrentStateManager(
             self.pool, self.block_size, self.null_block, slots, checkpoints, self._hashes
         )
+        self.coordinator.add(self.recurrent)
 
     def _hashes(self, request: KVRequest, num_tokens: int) -> list[BlockHash]:
         """The chained hashes of the request's full blocks within its first `num_tokens` tokens (none here: no
@@ -129,7 +137,7 @@ class KVCacheManager:
     @property
     def req_blocks(self) -> dict[str, list[KVBlock]]:
         """Request id -> its block table (group 0's, where a model has several groups)."""
-        raise NotImplementedError
+        return self.coordinator.managers[0].req_to_blocks
 
     @property
     def num_groups(self) -> int:
@@ -226,16 +234,14 @@ class KVCacheManager:
             self.req_tokens[request.request_id] = num_tokens
 
     def free(self, request: KVRequest) -> None:
-        """Return a finished, aborted or preempted request's blocks, the tail of its chain first.
+        """Return a finished, aborted or preempted request's blocks (and state slot), every group's the tail of
+        its chain first.
 
         The tail goes first because it is the least likely to be shared: when memory runs short, the eviction
         order (least recently freed first) then drops a prompt's last blocks before its first ones.
         """
-        blocks = self.req_blocks.pop(request.request_id, [])
         self.req_tokens.pop(request.request_id, None)
-        self.pool.free(reversed(blocks))
-        if self.recurrent is not None:
-            self.recurrent.free(request.request_id)
+        self.coordinator.free(request.request_id)
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()
@@ -269,10 +275,9 @@ class PagedKVCacheManager(KVCacheManager):
         layout: KVCacheLayout | None = None,
     ) -> None:
         """One group per group of `layout` (default: one group, every layer sliding by `sliding_window`, or full)."""
+        self.windows = [g.window for g in layout.groups] if layout is not None else [sliding_window]
         super().__init__(num_blocks, block_size, enable_caching)
         self.layout = layout
-        self.windows = [g.window for g in layout.groups] if layout is not None else [sliding_window]
-        self.coordinator = KVCacheCoordinator(self.windows, self.pool, block_size, self.null_block)
         self.req_hashes: dict[str, list[BlockHash]] = {}
         # Blocks registered since the last commit_step: (request id, group, its count before, the blocks).
         # Registration happens at allocation, before the model writes the blocks, so that a request scheduled
@@ -281,19 +286,20 @@ class PagedKVCacheManager(KVCacheManager):
         self.connectors: list[KVConnector] = []
         self.segments: SegmentStore | None = None
 
-    @property
-    def req_blocks(self) -> dict[str, list[KVBlock]]:
-        return self.coordinator.managers[0].req_to_blocks
+    def _table_managers(self) -> list[SingleTypeKVCacheManager]:
+        return [
+            make_single_type_manager(w, self.pool, self.block_size, g, self.null_block)
+            for g, w in enumerate(self.windows)
+        ]
 
     @property
     def num_groups(self) -> int:
         return len(self.windows)
 
     def attach_state_slots(self, slots: StateSlotPool, checkpoints: StateCheckpoints | None = None) -> None:
-        """The recurrent state is one more group of the coordinator (after the table groups)."""
+        """The connectors plugged in already reach the state's checkpoints too."""
         super().attach_state_slots(slots, checkpoints)
         assert self.recurrent is not None
-        self.coordinator.add(self.recurrent)
         for c in self.connectors:
             self.recurrent.connect(c)
 
@@ -520,9 +526,8 @@ class PagedKVCacheManager(KVCacheManager):
             self._cache_full_blocks(request, num_tokens)
 
     def free(self, request: KVRequest) -> None:
+        super().free(request)
         rid = request.request_id
-        self.req_tokens.pop(rid, None)
-        self.coordinator.free(rid)
         for c in self.connectors:
             c.request_finished(rid)
         self.req_hashes.pop(rid, None)
@@ -532,9 +537,8 @@ class ContiguousKVCacheManager(KVCacheManager):
     """Reserves max_model_len (in whole blocks) per request at admission, as a system without paging must."""
 
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
-        super().__init__(num_blocks, block_size, enable_caching=False)
-        self._req_blocks: dict[str, list[KVBlock]] = {}
         self.blocks_per_request = cdiv(max_model_len, block_size)
+        super().__init__(num_blocks, block_size, enable_caching=False)
         if self.blocks_per_request > num_blocks:
             raise ValueError(
                 f"contiguous allocation reserves {self.blocks_per_request} blocks per request "
@@ -553,21 +557,15 @@ class ContiguousKVCacheManager(KVCacheManager):
         total = request.num_computed_tokens + num_new_tokens + num_lookahead_tokens
         if total > self.blocks_per_request * self.block_size:
             return False
-        if self.recurrent is not None and not self.recurrent.can_allocate(rid, ()):
+        if not self.coordinator.can_allocate(rid, total, []):
             return False
-        if rid not in self.req_blocks:
-            if self.blocks_per_request > self.pool.num_free_blocks:
-                return False
-            self.req_blocks[rid] = self.pool.allocate(self.blocks_per_request)
-        if self.recurrent is not None:
-            self.recurrent.allocate_new_blocks(rid, total)
+        self.coordinator.allocate(rid, total, [])
         self.req_tokens[rid] = total
         self._note_peak()
         return True
 
-    @property
-    def req_blocks(self) -> dict[str, list[KVBlock]]:
-        return self._req_blocks
+    def _table_managers(self) -> list[SingleTypeKVCacheManager]:
+        return [ContiguousManager(self.pool, self.block_size, self.null_block, self.blocks_per_request)]
 
 
 def make_kv_cache_manager(

@@ -3,6 +3,8 @@ group's requests, how many blocks a request needs, what a prefix hit is in that 
 back. The coordinator (coordinator.py) runs one per group over the one block pool.
 
 - `FullAttentionManager`: a request holds every block of its tokens; a hit is the leading run of cached blocks.
+- `ContiguousManager`: the baseline without paging (`--kv-allocation contiguous`): max_model_len's blocks
+  reserved per request at admission.
 - `SlidingWindowManager`: once a block is out of the window of the request's next token it goes back to the pool
   (still cached: evictable, and reusable by a hit) and the table holds the null block there (id 0, never read:
   the kernels start at the window, the torch path gathers only the windows' blocks and masks the rest); a hit
@@ -183,6 +185,26 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     def num_skipped_blocks(self, request_id: str) -> int:
         blocks = self.req_to_blocks.get(request_id, [])
         return next((i for i, b in enumerate(blocks) if b is not self.null_block), len(blocks))
+
+
+class ContiguousManager(SingleTypeKVCacheManager):
+    """A system without paging (the chapter's one big locker per request): a request reserves `blocks_per_request`
+    blocks (max_model_len's) when it is first given any, holds them all until it ends, and shares none."""
+
+    def __init__(self, pool: BlockPool, block_size: int, null_block: KVBlock, blocks_per_request: int) -> None:
+        super().__init__(pool, block_size, 0, null_block)
+        self.blocks_per_request = blocks_per_request
+
+    def find_longest_cache_hit(self, keys: Sequence[BlockHash], max_blocks: int, lookup: Lookup) -> list[KVBlock]:
+        return []
+
+    def num_blocks_to_allocate(self, request_id: str, num_tokens: int, new_computed: Sequence[KVBlock]) -> int:
+        return 0 if self.req_to_blocks.get(request_id) else self.blocks_per_request
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> None:
+        held = self.req_to_blocks.setdefault(request_id, [])
+        if not held:
+            held.extend(self.pool.allocate(self.blocks_per_request))
 
 
 def make_single_type_manager(

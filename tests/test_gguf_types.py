@@ -20,7 +20,7 @@ import pytest
 import torch
 from kernel_helpers import needs_kernel
 
-from devkit.ggml_blocks import random_blocks
+from devkit.ggml_blocks import random_blocks, widened
 from pagedllm.model import ModelRunner, SeqChunk, loader
 from pagedllm.model.formats.gguf_quants import GGML_TYPES, block_shape, experts_from_gguf, from_gguf_blocks
 from pagedllm.model.kernels import cpu_kernel
@@ -528,18 +528,6 @@ def test_an_mxfp4_file_written_by_gguf_runs_at_its_own_size(tmp_path, monkeypatc
     assert _greedy(ModelRunner(ours, 16, 16, fused=False), prompt, 12) == want
 
 
-def _widened(parts: quant.QuantParts) -> quant.QuantParts:
-    """IQ4_NL / IQ4_XS as they were run before they were kept as stored: their table's values as byte codes
-    (q8_0; k8 with each 32-input scale for both of its halves of 16), the reference route at ~1.9x the bits."""
-    values = quant.IQ4_VALUES[parts.codes] if parts.fmt in ("iq4_nl", "iq4_xs") else parts.codes
-    if parts.fmt == "iq4_nl":
-        return quant.QuantParts("q8_0", values, parts.d, None, parts.source)
-    if parts.fmt == "iq4_xs":
-        assert parts.s is not None
-        return quant.QuantParts("k8", values, parts.d, None, parts.source, np.repeat(parts.s, 2, axis=1))
-    return parts
-
-
 def test_iq4_files_run_as_stored_and_decode_as_the_widened_route(tmp_path, monkeypatch):
     """A model of IQ4_NL (layer 0, the embedding) and IQ4_XS (layer 1, the output) matrices, as MoE files keep
     their experts: every one held in iq4_nl / iq4_xs at <= 1.1x the file (the widened q8_0 / k8 took ~1.9x), and
@@ -552,7 +540,7 @@ def test_iq4_files_run_as_stored_and_decode_as_the_widened_route(tmp_path, monke
     monkeypatch.setattr(loader, "load_tokenizer", lambda _path: None)
     ours, ref = (loader.load_model(path, "float32", verbose=False, quantization=q) for q in ("gguf", "none"))
     stored = weights.from_gguf_blocks
-    monkeypatch.setattr(weights, "from_gguf_blocks", lambda raw, ggml_type: _widened(stored(raw, ggml_type)))
+    monkeypatch.setattr(weights, "from_gguf_blocks", lambda raw, ggml_type: widened(stored(raw, ggml_type)))
     wide = loader.load_model(path, "float32", verbose=False, quantization="gguf")
     assert {w.fmt for w in ours.model.quant_weights()} == {"iq4_nl", "iq4_xs"}
     assert {w.fmt for w in wide.model.quant_weights()} == {"q8_0", "k8"}

@@ -1,11 +1,13 @@
 """Random GGML blocks of every type, made byte by byte: what the dequantizer and kernel tests compare against
-gguf-py, and what the kernel benchmarks time (speed does not depend on the values)."""
+gguf-py, and what the kernel benchmarks time (speed does not depend on the values); and `widened`, the IQ4 types
+as they ran before they were kept as stored (the reference route of their tests and benchmark)."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from pagedllm.model.formats.gguf_quants import GGML_TYPES, block_shape
+from pagedllm.model.kernels import quant_linear as quant
 
 _F16_FIELDS = {
     "Q4_0": [(0, 1)],
@@ -41,3 +43,15 @@ def random_blocks(ggml_type: int, n: int, k: int, seed: int, scale: float = 0.01
         f16 = rng.normal(0, scale, (n, k // weights, count)).astype(np.float16)
         raw[..., offset : offset + 2 * count] = f16.view(np.uint8).reshape(n, k // weights, 2 * count)
     return raw.reshape(n, -1)
+
+
+def widened(parts: quant.QuantParts) -> quant.QuantParts:
+    """IQ4_NL / IQ4_XS widened as the loader once did: their table's values as byte codes (q8_0; k8 with each
+    32-input scale for both of its halves of 16), the same weights at ~1.9x the bits; other parts as they are."""
+    if parts.fmt not in ("iq4_nl", "iq4_xs"):
+        return parts
+    values = quant.IQ4_VALUES[parts.codes]
+    if parts.fmt == "iq4_nl":
+        return quant.QuantParts("q8_0", values, parts.d, None, parts.source)
+    assert parts.s is not None
+    return quant.QuantParts("k8", values, parts.d, None, parts.source, np.repeat(parts.s, 2, axis=1))

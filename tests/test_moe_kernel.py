@@ -1,15 +1,15 @@
 """csrc/moe.c through moe_kernel.MoeExperts: a MoE layer's routed experts run from their quantized tiles.
 
 Against a float64 torch reference built from the experts' weights as gguf dequantizes them (quant's dequantizer
-equals gguf's: test_gguf_types), per weight format (Q4_0, Q8_0, Q4_K, Q6_K, F16), route (float32 activations,
-and the dot route's 16-bit ones) and CPU class (native, x86-64-v4, x86-64-v3, portable): at 1, 3, 16 and 70 rows,
-with routings that leave one expert without rows and give another every row (so both the direct and the panel
-routes serve some expert). Each token's result is bit-identical whatever else is in the step (fewer rows, the
-rows in another order), the expert load counts the rows routed to each expert, and the activations (SwiGLU,
+equals gguf's: test_gguf_types), per weight format (Q4_0, Q8_0, Q4_K, Q6_K, F16, IQ4_NL, IQ4_XS), route (float32
+activations, and the dot route's 16-bit ones) and CPU class (native, x86-64-v4, x86-64-v3, portable): at 1, 3, 16
+and 70 rows, with routings that leave one expert without rows and give another every row (so both the direct and
+the panel routes serve some expert). Each token's result is bit-identical whatever else is in the step (fewer rows,
+the rows in another order), the expert load counts the rows routed to each expert, and the activations (SwiGLU,
 GeGLU, gpt-oss's clamped SwiGLU with expert biases) are transformers' formulas. The opt-in int8 route (8-bit
-activations for an expert's matmul of at least MoeLayer.i8_min_rows rows) against the float32 route, within
-its stated tolerance; the bfloat16 route (vdpbf16ps, for --dtype bfloat16 steps from a row count) against a
-reference of its rounded numbers, and bit-identical across row counts from that count on.
+activations for an expert's matmul of at least MoeLayer.i8_min_rows rows) against the float32 route, within its
+stated tolerance; the bfloat16 route (vdpbf16ps, for --dtype bfloat16 steps from a row count) against a reference
+of its rounded numbers, and bit-identical across row counts from that count on.
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ from devkit.ggml_blocks import random_blocks
 from pagedllm.model.formats.gguf_quants import from_gguf_blocks
 from pagedllm.model.kernels import cpu_kernel
 from pagedllm.model.kernels.moe_kernel import MoeExperts, stack
+from pagedllm.model.kernels.quant_linear import I8_FORMATS
 
 pytestmark = needs_kernel
 
-TYPES = {"Q4_0": 2, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14, "F16": 1}  # GGML type numbers
+TYPES = {"Q4_0": 2, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14, "F16": 1, "IQ4_NL": 20, "IQ4_XS": 23}  # GGML type numbers
 GGML_TYPES = {**TYPES, "BF16": 30}  # and the bfloat16 route's own
 EXPERTS, TOPK, HIDDEN, FFN = 6, 2, 256, 256  # K formats need K % 256 == 0 for both matmuls
 ROWS = (1, 3, 16, 70)
@@ -172,15 +173,15 @@ def test_the_int8_route_runs_the_experts_of_its_row_count(target, type_name):
     """--quantized-activations int8: an expert's matmuls of at least i8_min_rows rows round their inputs to 8 bits
     per group of 32 (qmm_i8.c). From one row on, every expert takes it: within I8_TOL of the float32 route (and
     not the dot route's numbers: it ran), each row's result its own whatever the rows beside it, bit for bit; at a
-    count no expert reaches, the dot route's result bit for bit; F16, a format the route does not run, the dot
-    route's at any count."""
+    count no expert reaches, the dot route's result bit for bit; F16 and the IQ4 types, formats the route does not
+    run, the dot route's at any count."""
     x, ids, w, _ = _case(type_name, "silu", TYPES[type_name])
     dot = _experts(type_name, True).forward(x, ids, w)
     floats = _experts(type_name, False).forward(x, ids, w)
     on = _i8_experts(type_name, 1)
     full = on.forward(x, ids, w)
     assert torch.equal(_i8_experts(type_name, ROWS[-1] + 1).forward(x, ids, w), dot)
-    if type_name == "F16":
+    if _weights(type_name)[0][0].fmt not in I8_FORMATS:
         assert torch.equal(full, dot)
         return
     assert not torch.equal(full, dot)

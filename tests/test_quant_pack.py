@@ -17,6 +17,7 @@ pytestmark = needs_kernel
 _NIBBLES = {"q4_1", "q4_0", "q4_k", "q5_0", "q5_1", "q5_k", "q6_k"}
 _PLANE = {"q5_0": 1, "q5_1": 1, "q5_k": 1}
 _OFFSET = {"q5_0": 16, "q6_k": 32, "q4_0": 8}
+_TABLE = {"mxfp4", "iq4_nl", "iq4_xs"}  # 4-bit indices into a table, row quads interleaved
 
 
 def _per_column(a: np.ndarray, nb: int) -> np.ndarray:
@@ -26,7 +27,7 @@ def _per_column(a: np.ndarray, nb: int) -> np.ndarray:
 def _body(parts: quant.QuantParts, nb: int) -> np.ndarray:
     n, k = parts.shape
     c = np.pad(parts.codes, ((0, nb * 16 - n), (0, 0))).reshape(nb, 16, k // 32, 16, 2).transpose(0, 2, 3, 1, 4)
-    if parts.fmt == "mxfp4":  # row quads t of 64 bytes: byte 2 u + p, row 4 t + p low, row 4 t + p + 2 high, word u
+    if parts.fmt in _TABLE:  # row quads t of 64 bytes: byte 2 u + p, row 4 t + p low, row 4 t + p + 2 high, word u
         q = np.ascontiguousarray(c).reshape(nb, k // 32, 4, 4, 32)  # [.., t, row of the quad, word u]
         quad = q[..., 0:2, :] | q[..., 2:4, :] << 4  # [.., t, p, u]
         return np.ascontiguousarray(quad.swapaxes(-1, -2)).astype(np.uint8).reshape(nb, k // 32, 256)
@@ -84,7 +85,7 @@ def test_rounded_weights_pack_as_the_reference(fmt):
     assert np.array_equal(quant.pack(parts).tiles.numpy(), numpy_tiles(parts))
 
 
-@pytest.mark.parametrize("ggml_type", [2, 14, 39], ids=["Q4_0", "Q6_K", "MXFP4"])
+@pytest.mark.parametrize("ggml_type", [2, 14, 39, 20, 23], ids=["Q4_0", "Q6_K", "MXFP4", "IQ4_NL", "IQ4_XS"])
 def test_pieces_of_one_format_pack_as_their_merged_weight(ggml_type):
     """q/k/v packed side by side are the tiles of the merged weight (the last piece may end in a partial block;
     pieces whose blocks would straddle two are merged first)."""

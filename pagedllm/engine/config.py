@@ -26,11 +26,11 @@ class EngineConfig:
     """the model's dtype in memory: auto (the default: bfloat16 where this CPU or GPU computes it natively, as
     AMX and AVX-512 BF16 CPUs do, else float32), float32 or bfloat16"""
     quantization: Annotated[Literal["auto", "none", "gguf", "int8", "int4"] | None, Flag(short="-q")] = None
-    """weights in memory: auto (the default) keeps a GGUF's quantized tensors (Q4_0 .. Q8_0, Q2_K .. Q6_K, IQ4),
-    and a Hugging Face folder's bfloat16 / float16 matrices, as stored for the C kernels and the fused step unless
-    this CPU's quantized kernel is measured slower than dense (measured once per CPU and remembered); gguf always
-    keeps a GGUF's; int8/int4 round a checkpoint's weights at load (weight-only, groups of 32); none dequantizes to
-    --dtype (dense torch matmuls; what auto means for a float32 folder)"""
+    """weights in memory: auto (the default) keeps a GGUF's quantized tensors (Q4_0 .. Q8_0, Q2_K .. Q6_K, MXFP4,
+    IQ4_NL / IQ4_XS), and a Hugging Face folder's bfloat16 / float16 matrices, as stored for the C kernels and the
+    fused step unless this CPU's quantized kernel is measured slower than dense (measured once per CPU and
+    remembered); gguf always keeps a GGUF's; int8/int4 round a checkpoint's weights at load (weight-only, groups of
+    32); none dequantizes to --dtype (dense torch matmuls; what auto means for a float32 folder)"""
     quantized_activations: Literal["auto", "int16", "int8", "none"] = "auto"
     """how quantized weights meet the activations: int16 rounds each group of 32 inputs of a matmul to 16-bit
     integers and multiplies the weights' codes by them directly (VNNI where the CPU has it; one-row decode ~2x

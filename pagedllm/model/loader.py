@@ -4,16 +4,16 @@ dtype "auto" picks bfloat16 for 16-bit and quantized checkpoints (bf16 matmuls a
 AMX and on GPUs) and float32 for float32 checkpoints (exactness). Weights are created uninitialised and filled
 straight from the checkpoint, so loading costs one read (and, for GGUF, one dequantization) per tensor.
 
-quantization (vLLM's `--quantization`): "gguf" keeps a GGUF's quantized and F16 / BF16 matrices as stored (every type of
-gguf_quants.GGML_TYPES: Q4_0 .. Q8_0, the K types, IQ4_NL / IQ4_XS) and runs
-them through the quantized kernels (quant.py); "int8" / "int4" round a checkpoint's weights at load; "none"
-dequantizes to `dtype` (dense torch matmuls); "auto" (the default) is the fastest path with the file's exact
-values, measured on this machine (kernel_choice.py): for a GGUF file "gguf", for a Hugging Face folder of
-bfloat16 / float16 weights their matrices and embedding table kept as stored in the kernels' bf16 / f16 format
-(weights.as_stored: the same values, no float32 copy; what the fused C step needs to run the model), in both
-cases unless this build's quantized kernel is slower than dense for one row (then "none"); a float32 folder
-loads dense ("none": its exact path). Where the kernels cannot run (a GPU, no C compiler) the model says so once
-and loads dense.
+quantization (vLLM's `--quantization`): "gguf" keeps a GGUF's quantized and F16 / BF16 matrices as stored (every
+type of gguf_quants.GGML_TYPES: Q4_0 .. Q8_0, the K types, MXFP4, IQ4_NL / IQ4_XS at their file's bits, only Q2_K /
+Q3_K widened to bytes) and runs them through the quantized kernels (quant.py); "int8" / "int4" round a checkpoint's
+weights at load; "none" dequantizes to `dtype` (dense torch matmuls); "auto" (the default) is the fastest path with
+the file's exact values, measured on this machine (kernel_choice.py): for a GGUF file "gguf", for a Hugging Face
+folder of bfloat16 / float16 weights their matrices and embedding table kept as stored in the kernels' bf16 / f16
+format (weights.as_stored: the same values, no float32 copy; what the fused C step needs to run the model), in both
+cases unless this build's quantized kernel is slower than dense for one row (then "none"); a float32 folder loads
+dense ("none": its exact path). Where the kernels cannot run (a GPU, no C compiler) the model says so once and loads
+dense.
 """
 
 from __future__ import annotations

@@ -5,15 +5,16 @@ split over three bytes), and the kernels want one layout per "shape" of format. 
 gguf-py's `gguf/quants.py` dequantizer step by step, stopping before the float arithmetic: it returns the
 integer codes, the integer sub-block scales and the float16 block scales, and the kernel (or
 `QuantParts.dequantize`) then computes every weight exactly as gguf does, bit for bit. The codes of the common
-types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4: a byte a weight, the bulk of loading) are unpacked in C
-(csrc/quant_pack.c's `gguf_codes`, the same steps); numpy takes the scales and the rarer types.
+types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4, IQ4_NL, IQ4_XS: a byte a weight, the bulk of loading)
+are unpacked in C (csrc/quant_pack.c's `gguf_codes`, the same steps); numpy takes the scales and the rarer types.
 
 Which kernel format each type becomes, and what it costs against the file (bits a weight, resident / file):
 Q4_0 q4_0 (4.5 / 4.5), Q4_1 q4_1 (5 / 5), Q5_0 q5_0 (5.5 / 5.5), Q5_1 q5_1 (6 / 6), Q8_0 q8_0 (8.5 / 8.5),
 Q4_K q4_k (4.63 / 4.5), Q5_K q5_k (5.63 / 5.5), Q6_K q6_k (6.56 / 6.56), MXFP4 mxfp4 (4.25 / 4.25: the E8M0
-scale kept as its byte), F16 / BF16 as stored (16 / 16); the rarer ones wider, as bytes: Q2_K k8m (9.1 / 2.6),
-Q3_K k8 (8.6 / 3.4), IQ4_NL q8_0 (8.5 / 4.5), IQ4_XS k8 (8.6 / 4.25). A type held at more than 1.1x its file's
-bits says so once in the log, with the factor. The kernel formats of GGML types' layouts bear those types' names.
+scale kept as its byte), IQ4_NL iq4_nl (4.5 / 4.5), IQ4_XS iq4_xs (4.31 / 4.25: the 6-bit scales as int8, the
+float16 d per column), F16 / BF16 as stored (16 / 16); the rarer ones wider, as bytes: Q2_K k8m (9.1 / 2.6),
+Q3_K k8 (8.6 / 3.4). A type held at more than 1.1x its file's bits says so once in the log, with the factor. The
+kernel formats of GGML types' layouts bear those types' names.
 """
 
 from __future__ import annotations
@@ -67,9 +68,9 @@ _BLOCK = {  # name -> (weights, bytes) per block
     "IQ4_XS": (256, 136),
     "MXFP4": (32, 17),
 }
-IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
 _TILE_BITS = {"q4_1": 5.0, "q4_0": 4.5, "q5_0": 5.5, "q5_1": 6.0, "q8_0": 8.5, "q8m": 9.0, "f16": 16.0, "bf16": 16.0}
 _TILE_BITS |= {"q4_k": 4.625, "q5_k": 5.625, "q6_k": 6.5625, "k8m": 9.125, "k8": 8.5625, "mxfp4": 4.25}
+_TILE_BITS |= {"iq4_nl": 4.5, "iq4_xs": 4.3125}
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -106,18 +107,20 @@ def _codes(name: str, b: np.ndarray, n: int) -> np.ndarray:
     rc = lib.gguf_codes(out.ctypes.data, raw.ctypes.data, n, k, _TYPE[name], pack_threads(n * k))
     if rc != 0:
         raise ValueError(f"cannot read {name} blocks of {n} x {k} ({rc})")
-    return out.view(np.uint8) if name in ("Q4_1", "Q4_K", "MXFP4") else out  # Q4_0: q - 8, -8..7
+    unsigned = ("Q4_1", "Q4_K", "MXFP4", "IQ4_NL", "IQ4_XS")  # 0..15 (the IQ4 types: their table's indices)
+    return out.view(np.uint8) if name in unsigned else out  # Q4_0: q - 8, -8..7
 
 
 def _legacy(name: str, b: np.ndarray, n: int) -> QuantParts:
     """The types of 32-weight blocks: [n, blocks, bytes] -> q4_0 / q4_1 / q5_0 / q5_1 / q8_0 (float16 scales),
-    or mxfp4 (MXFP4: the E8M0 byte, then the E2M1 nibbles as Q4_0 orders them)."""
+    or mxfp4 (MXFP4: the E8M0 byte, then the E2M1 nibbles as Q4_0 orders them), iq4_nl (IQ4_NL: Q4_0's layout,
+    its nibbles indices into IQ4_VALUES)."""
     if name == "MXFP4":
         return QuantParts("mxfp4", _codes(name, b, n), b[..., 0].copy(), None, name)
     d = _f16(b[..., 0:2])
-    if name == "IQ4_NL":
-        return QuantParts("q8_0", IQ4_VALUES[_nibbles(b[..., 2:18])].reshape(n, -1), d, None, name)
     codes = _codes(name, b, n)
+    if name == "IQ4_NL":
+        return QuantParts("iq4_nl", codes, d, None, name)
     if name == "Q8_0":
         return QuantParts("q8_0", codes, d, None, name)
     if name == "Q4_1":
@@ -164,8 +167,7 @@ def _k_large(name: str, b: np.ndarray, n: int) -> QuantParts:
         low = _nibbles(b[..., 4:8]).swapaxes(-1, -2).reshape(*b.shape[:-1], 8)  # byte j: sub-blocks 2j, 2j + 1
         high = ((sh >> (2 * np.arange(8, dtype=np.uint16))) & 3).astype(np.uint8)
         s = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8)
-        q = IQ4_VALUES[_nibbles(b[..., 8:136].reshape(*b.shape[:-1], 8, 16))].reshape(n, -1)
-        return QuantParts("k8", q, d, None, name, np.repeat(s.reshape(n, -1), 2, axis=1))
+        return QuantParts("iq4_xs", _codes(name, b, n), d, None, name, s.reshape(n, -1))
     d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
     sc, mn = _scale_min_k4(b[..., 4:16])
     fmt = "q4_k" if name == "Q4_K" else "q5_k"

@@ -8,12 +8,14 @@ the weights' bytes over the memory bandwidth. The default model is 96 MB as stor
 
 Formats ("shapes" of a format, shared by the GGML types that have them; all in groups of 32 along K):
 - q4_1 / q4_0 / q5_0 / q5_1 / q8_0 / q8m: w = d * q (+ m) with float16 d (and m) per group (each named after
-  the GGML type whose layout it is: Q4_1, Q4_0, Q5_0, Q5_1, Q8_0; IQ4_NL runs as q8_0 with its table's values;
-  `--quantization int4 / int8` as q4_1 / q8_0; q8m, int8 codes with a minimum, has no GGML twin: Q8_1's second
-  float is the block's sum, not a minimum);
+  the GGML type whose layout it is: Q4_1, Q4_0, Q5_0, Q5_1, Q8_0; `--quantization int4 / int8` as q4_1 / q8_0;
+  q8m, int8 codes with a minimum, has no GGML twin: Q8_1's second float is the block's sum, not a minimum);
 - q4_k / q5_k / q6_k / k8m / k8: GGUF's K types, super-blocks of 256 with float16 D (and M) and integer
   sub-block scales s (and minimums mi) per 32 or 16: w = (D * s) * q - (M * mi) (Q4_K, Q5_K, Q6_K; k8m and k8
-  are byte codes with / without minimums that Q2_K, Q3_K and IQ4_XS widen to, no GGML type's layout);
+  are byte codes with / without minimums that Q2_K and Q3_K widen to, no GGML type's layout);
+- iq4_nl / iq4_xs: IQ4_NL and IQ4_XS (GGML types 20, 23, MoE files' experts among others) as stored, 4-bit codes
+  of the non-linear table IQ4_VALUES: w = d * IQ4_VALUES[q] per group of 32 (4.5 bits, as the file), or
+  w = (D * s) * IQ4_VALUES[q] with s the file's 6-bit scale - 32 per 32 (4.31 bits, the file's 4.25 and D);
 - mxfp4: MXFP4 (GGML type 39, gpt-oss's experts): w = kvalues[q] * 2^(e - 128), q an E2M1 code 0..15 (its value
   doubled: 0, 1, 2, 3, 4, 6, 8, 12 and their negatives), e the group's E8M0 byte, kept as the byte (4.25 bits a
   weight, as the file: float16 cannot hold 2^-128..2^127, and a float32 a group would be 5 bits);
@@ -44,14 +46,17 @@ GROUP = 32
 SUPER = 256  # a K format's super-block (GGUF's QK_K)
 # the kernel's format numbers (csrc/quant_matmul.h)
 FORMATS = {"q4_1": 0, "q8_0": 1, "q8m": 2, "f16": 3, "bf16": 4, "q4_k": 5, "k8m": 6, "k8": 7}
-FORMATS |= {"q5_0": 8, "q5_1": 9, "q5_k": 10, "q6_k": 11, "q4_0": 12, "mxfp4": 13, "mixed": 15}
-K_FORMATS = {"q4_k", "k8m", "k8", "q5_k", "q6_k"}
+FORMATS |= {"q5_0": 8, "q5_1": 9, "q5_k": 10, "q6_k": 11, "q4_0": 12, "mxfp4": 13, "iq4_nl": 14, "mixed": 15}
+FORMATS |= {"iq4_xs": 16}
+K_FORMATS = {"q4_k", "k8m", "k8", "q5_k", "q6_k", "iq4_xs"}
 # what the dot route runs (csrc dot_fmt); others: float32
-DOT_FORMATS = {"q4_1", "q4_0", "q5_0", "q5_1", "q8_0", "q8m", "q4_k", "q5_k", "q6_k", "mxfp4"}
+DOT_FORMATS = {"q4_1", "q4_0", "q5_0", "q5_1", "q8_0", "q8m", "q4_k", "q5_k", "q6_k", "mxfp4", "iq4_nl", "iq4_xs"}
 # what the int8 route runs (csrc i8_fmt); others: float32
 I8_FORMATS = {"q4_1", "q4_0", "q8_0", "q8m", "q4_k", "q6_k"}
-_SUB = {"q4_k": 32, "k8m": 16, "k8": 16, "q5_k": 32, "q6_k": 16}  # inputs per integer scale s (and mi)
+_SUB = {"q4_k": 32, "k8m": 16, "k8": 16, "q5_k": 32, "q6_k": 16, "iq4_xs": 32}  # inputs per integer scale s (and mi)
 MX4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int8)  # E2M1, doubled
+# IQ4_NL / IQ4_XS's non-linear table (llama.cpp's kvalues_iq4nl); csrc/simd.h's IQ4_VALUES
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
 
 
 def e8m0_half(e: np.ndarray) -> np.ndarray:
@@ -78,6 +83,8 @@ class QuantParts:
       s int8 and mi uint8 [N, K/32] (q4_k, q5_k) or [N, K/16]; codes uint8 0..15 (q4_k) or int8 (q5_k 0..31,
       q6_k -32..31);
     - mxfp4: w = MX4_VALUES[q] * e8m0_half(d), codes uint8 0..15 (E2M1), d the E8M0 bytes uint8 [N, K/32];
+    - iq4_nl: w = d * IQ4_VALUES[q], d float16 [N, K/32]; iq4_xs: w = (D * s) * IQ4_VALUES[q], D float16
+      [N, K/256] (in `d`), s int8 [N, K/32]; codes uint8 0..15 (table indices);
     - f16 / bf16: codes are the uint16 values themselves [N, K]."""
 
     fmt: str
@@ -113,7 +120,8 @@ class QuantParts:
             v = MX4_VALUES[self.codes].astype(np.float32).reshape(n, k // GROUP, GROUP)
             return torch.from_numpy(np.ascontiguousarray((v * e8m0_half(self.d)[..., None]).reshape(n, k)))
         sub = _SUB.get(self.fmt, GROUP)
-        q = self.codes.astype(np.float32).reshape(n, k // sub, sub)
+        values = IQ4_VALUES[self.codes] if self.fmt in ("iq4_nl", "iq4_xs") else self.codes
+        q = values.astype(np.float32).reshape(n, k // sub, sub)
         if self.fmt in K_FORMATS:
             assert self.s is not None
             a = np.repeat(self.d.astype(np.float32), SUPER // sub, axis=1) * self.s.astype(np.float32)
@@ -257,7 +265,7 @@ def pack_merged(parts: list[QuantParts], into: np.ndarray | None = None) -> Quan
     table, offset, at = flat[: 8 * sum(blocks)].view("<i8"), 8 * sum(blocks), 0
     for p, nb in zip(parts, blocks):
         cb = col_bytes(p.fmt, k)
-        table[at : at + nb] = [(offset + i * cb) << 4 | FORMATS[p.fmt] for i in range(nb)]
+        table[at : at + nb] = [(offset + i * cb) << 5 | FORMATS[p.fmt] for i in range(nb)]
         _tiles(p, flat[offset : offset + nb * cb].reshape(nb, cb))
         at, offset = at + nb, offset + nb * cb
     return QuantWeight("mixed", n, k, torch.from_numpy(flat), source)

@@ -9,8 +9,9 @@
  * relative error of ~1.5e-5 of the group's largest), so the route is exact in the weights and nearly so in the
  * activations; the float32 route (qmm_f32.c) stays the exact one (`--quantized-activations none`, loader.py).
  * Formats: Q4 / Q40 (Q4_1, int4 / Q4_0), Q5 / Q5M (Q5_0, Q5_1), Q8 / Q8M (Q8_0, int8), K4M (Q4_K), K5M (Q5_K),
- * K6 (Q6_K) and MX4 (MXFP4, its codes looked up in a table of int8); a column block of any other format (or of a
- * mixed weight) runs on the float32 direct route with the same call.
+ * K6 (Q6_K) and the table formats MX4, IQ4NL, IQ4XS (MXFP4, IQ4_NL, IQ4_XS: their codes looked up in a table of
+ * bytes, simd.h's lut_words); a column block of any other format (or of a mixed weight) runs on the float32 direct
+ * route with the same call.
  *
  * Per group g of a column block, the integer sums S_c = sum_k q_ck xq_k of each column c (over half tiles
  * for the formats with a scale per 16 inputs) are exact in int32; out_c += (a_c dx_g) S_c + (b_c dx_g) sx_g,
@@ -28,7 +29,7 @@
 
 static inline int dot_fmt(int fmt) {
     return fmt == QFMT_Q4 || fmt == QFMT_Q40 || fmt == QFMT_Q8 || fmt == QFMT_Q8M || fmt == QFMT_K4M || fmt == QFMT_K6
-        || fmt == QFMT_MX4 || plane(fmt) == 1;
+        || lut(fmt) || plane(fmt) == 1;
 }
 
 /* Row x [K] to 16-bit integers per group of 32. */
@@ -115,7 +116,7 @@ static inline __attribute__((always_inline)) void block_dot(const QMatmul *a, co
 #pragma GCC unroll 2
         for (int h = 0; h < parts; h++) {
             vi S[QR][16 / VW];
-            if (nibbles(fmt) && fmt != QFMT_MX4) {
+            if (nibbles(fmt) && !lut(fmt)) {
                 hv lo[QR][PH], hi[QR][PH];
                 for (int i = 0; i < nr; i++)
                     for (int p = 0; p < ph; p++) lo[i][p] = hi[i][p] = HZERO();
@@ -157,12 +158,12 @@ static inline __attribute__((always_inline)) void block_dot(const QMatmul *a, co
                 for (int i = 0; i < nr; i++)
                     for (int p = 0; p < ph; p++)
                         for (int v = 0; v < BV; v++) acc[i][p][v] = IZERO();
-                iv quad[4][BV]; /* MX4: four rows' words from one lookup */
+                iv quad[4][BV]; /* the table formats: four rows' words from one lookup */
 #pragma GCC unroll 16
                 for (int r = 0; r < 16; r++) {
                     iv w[BV];
-                    if (fmt == QFMT_MX4 && r % 4 == 0) mx4_words(body, r / 4, quad);
-                    if (fmt == QFMT_MX4)
+                    if (lut(fmt) && r % 4 == 0) lut_words(body, r / 4, lut_table(fmt), quad);
+                    if (lut(fmt))
                         for (int v = 0; v < BV; v++) w[v] = quad[r % 4][v];
                     else
                         byte_words(body, r, w);
@@ -206,6 +207,8 @@ static inline __attribute__((always_inline)) void block_dot(const QMatmul *a, co
     case QFMT_Q8M: fn(QFMT_Q8M, __VA_ARGS__); break;                                                           \
     case QFMT_K4M: fn(QFMT_K4M, __VA_ARGS__); break;                                                           \
     case QFMT_MX4: fn(QFMT_MX4, __VA_ARGS__); break;                                                           \
+    case QFMT_IQ4NL: fn(QFMT_IQ4NL, __VA_ARGS__); break;                                                       \
+    case QFMT_IQ4XS: fn(QFMT_IQ4XS, __VA_ARGS__); break;                                                       \
     case QFMT_Q5: fn(QFMT_Q5, __VA_ARGS__); break;                                                             \
     case QFMT_Q5M: fn(QFMT_Q5M, __VA_ARGS__); break;                                                           \
     case QFMT_K5M: fn(QFMT_K5M, __VA_ARGS__); break;                                                           \
@@ -213,7 +216,7 @@ static inline __attribute__((always_inline)) void block_dot(const QMatmul *a, co
     }
 
 /* ---- many rows: the column block widened once (the panel path) ---------------------------------------------
- * Why: block_dot widens a tile's codes (nibble unpack, K6's plane, MX4's lookup) and converts its scales once per
+ * Why: block_dot widens a tile's codes (nibble unpack, K6's plane, a table's lookup) and converts its scales once per
  * pass of QR rows, and AVX2's 16 registers hold only QR = 2 rows: at 256 rows each tile was widened 128 times,
  * and the route took 1.35x the float32 route's time. Here a column block's codes are widened once into `panel`
  * as 16-bit words (widen_tile16, qtile.h) and its scales once as floats, and every row runs against them with

@@ -23,16 +23,19 @@
  *       off again in registers;
  *   bytes (Q8, Q8M, K8M, K8): 32 bytes a row; byte e = column e/2 at k = 2r + e%2;
  *   halves (F16, BF16): 32 16-bit values a row in the order of bytes;
- *   MX4 (MXFP4's E2M1 codes, 4 bits): the nibble rows of four rows r = 4t + p interleaved, 64 bytes a row quad t:
+ *   the table formats (4-bit codes of a 16-entry table: MX4, MXFP4's E2M1 values; IQ4NL and IQ4XS, IQ4_NL's
+ *       and IQ4_XS's non-linear one): the nibble rows of four rows r = 4t + p interleaved, 64 bytes a row quad t:
  *       byte 2u + p (p = 0, 1) holds row 4t + p in its low nibble and row 4t + p + 2 in its high one, each at
  *       word u of its row (column u/2 at k = 2r + u%2), so that one 512-bit (or two 256-bit) table lookups and
- *       a mask or shift per row give the integer route four rows of 16-bit words with no widening (below).
- * Scales before the body: Q4 / Q8M / Q5M d[16], m[16] float16; Q8 / Q5 / Q40 d[16]; MX4 e[16], the E8M0 bytes
- * as stored (see mx4_scale); F16 / BF16 none. The K formats group 8
+ *       a mask or shift per row give the integer route four rows of 16-bit words with no widening (simd.h's
+ *       lut_words); the codes are the file's nibbles, looked up in registers, never widened in memory.
+ * Scales before the body: Q4 / Q8M / Q5M d[16], m[16] float16; Q8 / Q5 / Q40 / IQ4NL d[16]; MX4 e[16], the E8M0
+ * bytes as stored (see mx4_scale); F16 / BF16 none. The K formats (IQ4XS among them: IQ4_XS's 6-bit scale
+ * ls - 32 as int8 s per tile, its float16 d as D; 4.31 bits a weight, the file's 4.25 + D per column) group 8
  * tiles (K = 256, a GGUF super-block) behind a head of D[16] (and M[16]) float16 per column, and each tile
  * holds its integer scales s (int8) and, with a minimum, mi (uint8): per half tile (16 k) for K8M / K8 / K6
- * ([2][16] each), per tile for K4M / K5M ([16]). A weight is a = D s, b = -M mi, w = a q + b. QFMT_MIXED: a weight
- * whose column blocks differ in format (merged q/k/v of a Q4_K_M file): a table of int64 (byte offset << 4 |
+ * ([2][16] each), per tile for K4M / K5M / IQ4XS ([16]). A weight is a = D s, b = -M mi, w = a q + b. QFMT_MIXED: a weight
+ * whose column blocks differ in format (merged q/k/v of a Q4_K_M file): a table of int64 (byte offset << 5 |
  * format) per column block, then the blocks.
  *
  * A dequantized tile row is NV = 32 / VW vectors (simd.h's width); vector v holds columns VW/2 v .. VW/2 (v + 1)
@@ -71,7 +74,11 @@ static inline vf spread(vf cols, int v) {
 }
 
 /* ---- formats ----------------------------------------------------------------------------------------------- */
-static inline int kfmt(int fmt) { return (fmt >= QFMT_K4M && fmt <= QFMT_K8) || fmt == QFMT_K5M || fmt == QFMT_K6; }
+static inline int kfmt(int fmt) {
+    return (fmt >= QFMT_K4M && fmt <= QFMT_K8) || fmt == QFMT_K5M || fmt == QFMT_K6 || fmt == QFMT_IQ4XS;
+}
+/* The table formats: 4-bit codes looked up in a 16-entry table (MXFP4's, IQ4's), row quads interleaved. */
+static inline int lut(int fmt) { return fmt == QFMT_MX4 || fmt == QFMT_IQ4NL || fmt == QFMT_IQ4XS; }
 static inline int has_min(int fmt) {
     return fmt == QFMT_Q4 || fmt == QFMT_Q8M || fmt == QFMT_K4M || fmt == QFMT_K8M || fmt == QFMT_Q5M || fmt == QFMT_K5M;
 }
@@ -79,11 +86,18 @@ static inline int plane(int fmt) { /* high bits a code above its nibble: 1 (5-bi
     return fmt == QFMT_K6 ? 2 : fmt == QFMT_Q5 || fmt == QFMT_Q5M || fmt == QFMT_K5M ? 1 : 0;
 }
 static inline int nibbles(int fmt) {
-    return fmt == QFMT_Q4 || fmt == QFMT_Q40 || fmt == QFMT_K4M || fmt == QFMT_MX4 || plane(fmt);
+    return fmt == QFMT_Q4 || fmt == QFMT_Q40 || fmt == QFMT_K4M || lut(fmt) || plane(fmt);
 }
-static inline int offset(int fmt) { /* stored q + offset (MX4: the integer route's table values, kvalues + 12) */
-    return fmt == QFMT_Q5 ? 16 : fmt == QFMT_K6 ? 32 : fmt == QFMT_Q40 ? 8 : fmt == QFMT_MX4 ? 12 : 0;
+/* Stored q + offset (the table formats: the integer route's table values, kvalues + 12, IQ4_VALUES + 128). */
+static inline int offset(int fmt) {
+    return fmt == QFMT_Q5 ? 16 : fmt == QFMT_K6 ? 32 : fmt == QFMT_Q40 ? 8 : fmt == QFMT_MX4 ? 12 : lut(fmt) ? 128 : 0;
 }
+/* A table format's values, and its integer route's table (the values + offset, unsigned bytes: lut_words). */
+static inline const int8_t *lut_values(int fmt) { return fmt == QFMT_MX4 ? MX4_VALUES : IQ4_VALUES; }
+static const uint8_t MX4_WORDS[16] __attribute__((unused)) = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+static const uint8_t IQ4_WORDS[16] __attribute__((unused)) = {1,   24,  45,  63,  79,  93,  106, 118,
+                                                              129, 141, 153, 166, 181, 197, 217, 241};
+static inline const uint8_t *lut_table(int fmt) { return fmt == QFMT_MX4 ? MX4_WORDS : IQ4_WORDS; }
 static inline int halves(int fmt) { return fmt == QFMT_K8M || fmt == QFMT_K8 || fmt == QFMT_K6 ? 2 : 1; }
 static inline int dense16(int fmt) { return fmt == QFMT_F16 || fmt == QFMT_BF16; }
 /* The formats the int8 route (qmm_i8.c) runs; a block of another takes the float32 route. */
@@ -102,7 +116,7 @@ static inline int head_bytes(int fmt) { return kfmt(fmt) ? 32 * (has_min(fmt) ? 
 
 /* qcol_bytes (quant_matmul.h), inline for the routes. */
 static inline int64_t col_bytes(int fmt, int G) {
-    if (fmt < 0 || fmt > QFMT_MX4 || G <= 0) return 0;
+    if (fmt < 0 || fmt > QFMT_LAST || fmt == QFMT_MIXED || G <= 0) return 0;
     if (!kfmt(fmt)) return (int64_t)G * tile_bytes(fmt);
     return G % 8 ? 0 : (int64_t)(G / 8) * (head_bytes(fmt) + 8 * tile_bytes(fmt));
 }
@@ -124,8 +138,8 @@ static inline const uint8_t *column(const uint8_t *w, int wfmt, int G, int cb, i
     }
     int64_t e;
     memcpy(&e, w + 8 * (int64_t)cb, 8);
-    *fmt = (int)(e & 15);
-    return w + (e >> 4);
+    *fmt = (int)(e & 31);
+    return w + (e >> 5);
 }
 
 typedef struct {
@@ -197,9 +211,9 @@ static inline __attribute__((always_inline)) void tile_row(const uint8_t *tile, 
 #pragma GCC unroll 4
     for (int v = 0; v < NV; v++) {
         vf q;
-        if (fmt == QFMT_MX4) { /* words u = VW v.. of row r = 4 t + p: byte p % 2 of each, nibble p / 2 */
-            const vi u = u16v(body + 64 * (r / 4) + 2 * VW * v);
-            w[v] = mx4v((u >> (8 * (r % 2) + 4 * (r % 4 / 2))) & 15) * s->a[v];
+        if (lut(fmt)) { /* words u = VW v.. of row r = 4 t + p: byte p % 2 of each, nibble p / 2 */
+            const vi u = u16v(body + 64 * (r / 4) + 2 * VW * v), q4 = (u >> (8 * (r % 2) + 4 * (r % 4 / 2))) & 15;
+            w[v] = (fmt == QFMT_MX4 ? mx4v(q4) : iq4v(q4)) * s->a[v];
             continue;
         }
         if (fmt == QFMT_K6) {
@@ -237,7 +251,7 @@ static inline __attribute__((always_inline)) void dequant_group(const uint8_t *c
 /* X(fmt) for every format with a fixed layout (not QFMT_MIXED): to define one function per format. */
 #define FOR_EACH_FORMAT(X)                                                                                     \
     X(QFMT_Q4) X(QFMT_Q40) X(QFMT_Q8) X(QFMT_Q8M) X(QFMT_F16) X(QFMT_BF16) X(QFMT_K4M) X(QFMT_K8M) X(QFMT_K8)  \
-    X(QFMT_Q5) X(QFMT_Q5M) X(QFMT_K5M) X(QFMT_MX4) X(QFMT_K6)
+    X(QFMT_Q5) X(QFMT_Q5M) X(QFMT_K5M) X(QFMT_MX4) X(QFMT_IQ4NL) X(QFMT_IQ4XS) X(QFMT_K6)
 
 /* Every format's instance of `fn(..., fmt, ...)`: the format is a constant inside, so its branches fold. */
 #define EACH_FORMAT(fmt, fn, ...)                                                                              \
@@ -255,6 +269,8 @@ static inline __attribute__((always_inline)) void dequant_group(const uint8_t *c
     case QFMT_Q5M: fn(QFMT_Q5M, __VA_ARGS__); break;                                                           \
     case QFMT_K5M: fn(QFMT_K5M, __VA_ARGS__); break;                                                           \
     case QFMT_MX4: fn(QFMT_MX4, __VA_ARGS__); break;                                                           \
+    case QFMT_IQ4NL: fn(QFMT_IQ4NL, __VA_ARGS__); break;                                                       \
+    case QFMT_IQ4XS: fn(QFMT_IQ4XS, __VA_ARGS__); break;                                                       \
     default: fn(QFMT_K6, __VA_ARGS__); break;                                                                  \
     }
 
@@ -266,8 +282,8 @@ static inline __attribute__((always_inline)) void dequant_group(const uint8_t *c
  * body, one at a time: the integer routes' portable builds and the int8 route's panels. */
 static inline int code_at(const uint8_t *body, int fmt, int c, int k) {
     const int r = k / 2, j = 2 * (c % 8) + k % 2;
-    if (fmt == QFMT_MX4) /* row r = 4 t + p: byte p % 2 of word 2 c + k % 2 in quad t, nibble p / 2 */
-        return MX4_VALUES[body[64 * (r / 4) + 2 * (2 * c + k % 2) + r % 2] >> (4 * (r % 4 / 2)) & 15] + offset(fmt);
+    if (lut(fmt)) /* row r = 4 t + p: byte p % 2 of word 2 c + k % 2 in quad t, nibble p / 2 */
+        return lut_values(fmt)[body[64 * (r / 4) + 2 * (2 * c + k % 2) + r % 2] >> (4 * (r % 4 / 2)) & 15] + offset(fmt);
     if (!nibbles(fmt)) return (int8_t)body[32 * r + 2 * c + k % 2];
     if (fmt == QFMT_K6) { /* byte j of row r: bits 0-5 column c, or bits 6-7 and the plane's nibble column 8 + c */
         const int b = body[32 * (r / 2) + 8 * (r % 2) + j + 8 * (j >= 8)];
@@ -278,10 +294,10 @@ static inline int code_at(const uint8_t *body, int fmt, int c, int k) {
     return nib | (body[256 + 16 * (r / 4) + j] >> (r % 4 + 4 * (c >= 8)) & 1) << 4;
 }
 #ifdef SIMD_INT16
-/* Whether widen_tile16 takes a format: the dot route's (nibbles with no plane, K6, bytes, MX4). */
+/* Whether widen_tile16 takes a format: the dot route's (nibbles with no plane, K6, bytes, the table formats). */
 static inline int widens16(int fmt) {
     return fmt == QFMT_Q4 || fmt == QFMT_Q40 || fmt == QFMT_Q8 || fmt == QFMT_Q8M || fmt == QFMT_K4M || fmt == QFMT_K6
-        || fmt == QFMT_MX4;
+        || lut(fmt);
 }
 /* A tile body's 512 codes as 16-bit words in the dot route's order, dst [16 rows][32]: word 2c + e of row r is
  * column c at k = 2r + e, the stored code (its format's offset included, code_at's value). Why: a column block
@@ -290,10 +306,10 @@ static inline int widens16(int fmt) {
 typedef iv ivu __attribute__((aligned(2))); /* an integer vector at any word's address */
 typedef hv hvu __attribute__((aligned(2)));
 static inline __attribute__((always_inline)) void widen_tile16(const uint8_t *body, const int fmt, int16_t *dst) {
-    if (fmt == QFMT_MX4) {
+    if (lut(fmt)) {
         for (int t = 0; t < 4; t++) {
             iv quad[4][BV];
-            mx4_words(body, t, quad);
+            lut_words(body, t, lut_table(fmt), quad);
             for (int p = 0; p < 4; p++)
                 for (int v = 0; v < BV; v++) ((ivu *)(dst + 32 * (4 * t + p)))[v] = quad[p][v];
         }

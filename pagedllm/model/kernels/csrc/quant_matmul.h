@@ -9,20 +9,23 @@
 
 /* Weight formats (quant.py's FORMATS; the tile layouts are in qtile.h's header comment). */
 #define QFMT_Q4 0    /* 4-bit, w = d * q + m per group of 32 (Q4_0, Q4_1, int4) */
-#define QFMT_Q8 1    /* 8-bit, w = d * q, q signed (Q8_0, int8, IQ4_NL as its table's values) */
+#define QFMT_Q8 1    /* 8-bit, w = d * q, q signed (Q8_0, int8) */
 #define QFMT_Q8M 2   /* 8-bit, w = d * q + m */
 #define QFMT_F16 3   /* float16 values */
 #define QFMT_BF16 4  /* bfloat16 values */
 #define QFMT_K4M 5   /* super-blocks of 256: w = D * s * q - M * mi, s / mi per 32, q 4-bit (Q4_K) */
 #define QFMT_K8M 6   /* the same with 8-bit q and s / mi per 16 (Q2_K) */
-#define QFMT_K8 7    /* w = D * s * q, s per 16, q signed 8-bit (Q3_K, IQ4_XS) */
+#define QFMT_K8 7    /* w = D * s * q, s per 16, q signed 8-bit (Q3_K) */
 #define QFMT_Q5 8    /* 5-bit, w = d * (q - 16) (Q5_0) */
 #define QFMT_Q5M 9   /* 5-bit, w = d * q + m (Q5_1) */
 #define QFMT_K5M 10  /* as K4M with 5-bit q (Q5_K) */
 #define QFMT_K6 11   /* as K8 with 6-bit q - 32 (Q6_K) */
 #define QFMT_Q40 12  /* 4-bit, w = d * (q - 8) per group of 32 (Q4_0 at its file's 4.5 bits a weight) */
 #define QFMT_MX4 13  /* 4-bit E2M1 codes, w = kvalues_mxfp4[q] 2^(e - 128), an E8M0 byte e per group (MXFP4) */
-#define QFMT_MIXED 15 /* column blocks of different formats: a table of (offset << 4 | format) per block first */
+#define QFMT_IQ4NL 14 /* 4-bit codes, w = d * iq4_values[q], float16 d per group (IQ4_NL at its file's 4.5 bits) */
+#define QFMT_MIXED 15 /* column blocks of different formats: a table of (offset << 5 | format) per block first */
+#define QFMT_IQ4XS 16 /* super-blocks of 256: w = D * s * iq4_values[q], s per 32 (IQ4_XS, 4.31 bits: 1.015x) */
+#define QFMT_LAST 16  /* the largest format number */
 
 typedef struct {
     float *out;

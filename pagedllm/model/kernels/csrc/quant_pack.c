@@ -14,9 +14,9 @@
 #include "qtile.h"
 #include "quant_pack.h"
 
-/* The format predicates are qtile.h's, the kernels' own; the codes are stored plus offset(fmt) except MX4's (its
- * 4-bit codes as they are: the + 12 is the dot route's table, not the tiles'). */
-static int code_offset(int fmt) { return fmt == QFMT_MX4 ? 0 : offset(fmt); }
+/* The format predicates are qtile.h's, the kernels' own; the codes are stored plus offset(fmt) except the table
+ * formats' (their 4-bit codes as they are: the offset is the dot route's table, not the tiles'). */
+static int code_offset(int fmt) { return lut(fmt) ? 0 : offset(fmt); }
 
 /* 16 per-row values (column block cb, entry j of `width` per row) side by side; 0 past the last row. */
 static void columns16(uint8_t *out, const uint8_t *a, int esize, int64_t n, int64_t width, int64_t cb, int64_t j) {
@@ -57,7 +57,7 @@ static uint8_t *body(uint8_t *o, const uint8_t *codes, int fmt, int64_t n, int64
         const int8_t *src = (const int8_t *)codes + row * k + g * 32;
         for (int e = 0; e < 32; e++) u[c][e] = (uint8_t)((row < n ? src[e] : 0) + off);
     }
-    if (fmt == QFMT_MX4) { /* per row quad 64 bytes; byte 2 w + p: row 4 q + p low, 4 q + p + 2 high, word w */
+    if (lut(fmt)) { /* per row quad 64 bytes; byte 2 w + p: row 4 q + p low, 4 q + p + 2 high, word w */
         for (int q = 0; q < 4; q++)
             for (int w = 0; w < 32; w++)
                 for (int p = 0; p < 2; p++) {
@@ -124,11 +124,11 @@ static void pack_block(uint8_t *o, const Plain *a, int64_t cb) {
 
 /* Weight [n, k] of format `fmt` into `out`, ceil(n / 16) column blocks of `col_bytes` (the caller's count,
  * checked against qcol_bytes); the scales each row has in the plain form: d (and m) float16 [n, k / 32] (MX4:
- * d the E8M0 bytes, uint8 [n, k / 32]), or for the K formats D (and M) [n, k / 256] with s int8 (and mi uint8) [n, k / 32 * sets]. 0, or -2 (bad sizes,
- * a part the format needs missing). */
+ * d the E8M0 bytes, uint8 [n, k / 32]), or for the K formats D (and M) [n, k / 256] with s int8 (and mi uint8)
+ * [n, k / 32 * sets]. 0, or -2 (bad sizes, a part the format needs missing). */
 int qpack_tiles(uint8_t *out, const void *codes, const void *d, const void *m, const void *s, const void *mi,
                 int64_t n, int64_t k, int fmt, int64_t col_bytes, int threads) {
-    if (n <= 0 || k <= 0 || k % 32 || !codes || !out || fmt < 0 || fmt > QFMT_MX4) return -2;
+    if (n <= 0 || k <= 0 || k % 32 || !codes || !out || fmt < 0 || fmt > QFMT_LAST || fmt == QFMT_MIXED) return -2;
     int64_t cb_bytes = qcol_bytes(fmt, (int)(k / 32));
     if (cb_bytes <= 0 || cb_bytes != col_bytes) return -2;
     if ((!dense16(fmt) && !d) || (has_min(fmt) && !m) || (kfmt(fmt) && (!s || (has_min(fmt) && !mi))))
@@ -184,10 +184,10 @@ static void codes_k6(int8_t *q, const uint8_t *b, int nb, int bytes) { /* Q6_K: 
 /* Codes [n, k] of `n` rows of GGML type `ggml_type` stored back to back (`raw`, as in the file); 0, or -2 for
  * bad sizes or a type this does not read (the caller's numpy readers take those). */
 int gguf_codes(int8_t *codes, const uint8_t *raw, int64_t n, int64_t k, int ggml_type, int threads) {
-    int block = ggml_type >= 12 && ggml_type <= 14 ? 256 : 32;
+    int block = (ggml_type >= 12 && ggml_type <= 14) || ggml_type == 23 ? 256 : 32;
     int bytes = ggml_type == 2 ? 18 : ggml_type == 3 ? 20 : ggml_type == 6 ? 22 : ggml_type == 7 ? 24
               : ggml_type == 8 ? 34 : ggml_type == 12 ? 144 : ggml_type == 13 ? 176 : ggml_type == 14 ? 210
-              : ggml_type == 39 ? 17 : 0;
+              : ggml_type == 39 ? 17 : ggml_type == 20 ? 18 : ggml_type == 23 ? 136 : 0;
     if (!bytes || n <= 0 || k <= 0 || k % block || !codes || !raw) return -2;
     int nb = (int)(k / block);
 #pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
@@ -198,6 +198,10 @@ int gguf_codes(int8_t *codes, const uint8_t *raw, int64_t n, int64_t k, int ggml
         case 2: codes_q4(q, b, nb, bytes, 2, 8); break; /* Q4_0: q - 8 (the q4_0 format's codes) */
         case 3: codes_q4(q, b, nb, bytes, 4, 0); break;
         case 39: codes_q4(q, b, nb, bytes, 1, 0); break; /* MXFP4: the E2M1 nibbles 0..15 after the E8M0 byte */
+        case 20: codes_q4(q, b, nb, bytes, 2, 0); break; /* IQ4_NL: table indices 0..15 after the float16 d */
+        case 23: /* IQ4_XS: 8 sub-blocks of 16 nibble bytes after d, scales_h and scales_l (8 bytes) */
+            for (int i = 0; i < nb; i++) codes_q4(q + 256 * i, b + (int64_t)i * bytes + 8, 8, 16, 0, 0);
+            break;
         case 6: codes_q5(q, b, nb, bytes, 2, 16); break;
         case 7: codes_q5(q, b, nb, bytes, 4, 0); break;
         case 8:

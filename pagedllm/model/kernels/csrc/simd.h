@@ -141,28 +141,36 @@ static inline vi u16v(const uint8_t *p) {
 #endif
 
 /* MXFP4 (GGML type 39): the E2M1 value of each 4-bit code, doubled (llama.cpp's kvalues_mxfp4, gguf-py's
- * MXFP4.kvalues); a weight is kvalues[q] times its group's scale 2^(e - 128), the E8M0 byte e halved. */
+ * MXFP4.kvalues); a weight is kvalues[q] times its group's scale 2^(e - 128), the E8M0 byte e halved. IQ4_NL /
+ * IQ4_XS (GGML types 20, 23): a non-linear 4-bit table (llama.cpp's kvalues_iq4nl), times the group's scale. */
 static const int8_t MX4_VALUES[16] __attribute__((unused)) = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+static const int8_t IQ4_VALUES[16] __attribute__((unused)) = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                                              1,    13,   25,  38,  53,  69,  89,  113};
 
-/* Codes 0..15 (one a lane) as their float values: a table lookup in registers (vpermps). */
+/* Codes 0..15 (one a lane) as their float values in a 16-entry table: a lookup in registers (vpermps). */
 #if defined(__AVX512F__)
-static inline vf mx4v(vi q) {
-    const __m512 t = _mm512_setr_ps(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
-    return (vf)_mm512_permutexvar_ps((__m512i)q, t);
-}
+static inline vf lut16v(vi q, const float *t) { return (vf)_mm512_permutexvar_ps((__m512i)q, _mm512_loadu_ps(t)); }
 #elif defined(__AVX2__) && defined(__F16C__)
-static inline vf mx4v(vi q) { /* 8 lanes: each half of the table, picked by the code's bit 3 (+0, never -0) */
-    const __m256 lo = _mm256_permutevar8x32_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 6, 8, 12), (__m256i)q);
-    const __m256 hi = _mm256_permutevar8x32_ps(_mm256_setr_ps(0, -1, -2, -3, -4, -6, -8, -12), (__m256i)q);
+static inline vf lut16v(vi q, const float *t) { /* 8 lanes: each half of the table, picked by the code's bit 3 */
+    const __m256 lo = _mm256_permutevar8x32_ps(_mm256_loadu_ps(t), (__m256i)q);
+    const __m256 hi = _mm256_permutevar8x32_ps(_mm256_loadu_ps(t + 8), (__m256i)q);
     return (vf)_mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32((__m256i)q, 28)));
 }
 #else
-static inline vf mx4v(vi q) {
+static inline vf lut16v(vi q, const float *t) {
     vf r;
-    for (int i = 0; i < VW; i++) r[i] = MX4_VALUES[q[i] & 15];
+    for (int i = 0; i < VW; i++) r[i] = t[q[i] & 15];
     return r;
 }
 #endif
+static inline vf mx4v(vi q) { /* +0 for code 8, never -0 */
+    static const float t[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+    return lut16v(q, t);
+}
+static inline vf iq4v(vi q) {
+    static const float t[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+    return lut16v(q, t);
+}
 
 /* ---- float vectors: reductions ---------------------------------------------------------------------------- */
 /* The lanes of one vector summed, in a fixed order. */
@@ -354,7 +362,7 @@ static inline hv k6_words(const uint8_t *body, int r) {
 #define HSET1 _mm256_set1_epi32
 #endif
 
-/* Byte rows and MX4 rows go through the widest integer vector `iv`, BV of them a row of 16 columns; QR rows of
+/* Byte rows and table formats' rows go through the widest integer vector `iv`, BV of them a row of 16 columns; QR rows of
  * x a pass over a column block, PH independent accumulators of one row's sums. */
 #if defined(__AVX512BW__)
 typedef __m512i iv;
@@ -371,14 +379,15 @@ static inline void byte_words(const uint8_t *body, int r, iv w[1]) {
     w[0] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(body + 32 * r)));
 }
 #define BV 1
-/* Row quad t of an MX4 body as words, w[p] row 4 t + p: one lookup of the codes in a table of kvalues + 12
- * (0..24, so that a word needs no sign; vpshufb, 16 entries a 128-bit lane, or with VBMI vpermb over 4 copies
+/* Row quad t of a table format's body (MX4, IQ4NL, IQ4XS) as words, w[p] row 4 t + p: one lookup of the codes
+ * in `tab`, the format's table plus an offset that makes it unsigned (MX4: kvalues + 12, 0..24; IQ4: + 128,
+ * 1..241; so that a word needs no sign), vpshufb, 16 entries a 128-bit lane, or with VBMI vpermb over 4 copies
  * of them, which reads 6 bits of an index and so needs no nibble masks: 7 operations a quad instead of 9, 6%
  * faster at one row on Zen 4), then a byte of each word taken by a mask or a shift (the interleaved layout puts
- * rows 4t + p, p = 0..3, in the four byte and nibble positions). The + 12 comes off through the group's sum of
- * x, as a format's offset does. */
-static inline void mx4_words(const uint8_t *body, int t, iv w[4][1]) {
-    const __m512i tab = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
+ * rows 4t + p, p = 0..3, in the four byte and nibble positions). The offset comes off through the group's sum
+ * of x, as a format's offset does. */
+static inline void lut_words(const uint8_t *body, int t, const uint8_t *tab16, iv w[4][1]) {
+    const __m512i tab = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)tab16));
     const __m512i b = _mm512_loadu_si512(body + 64 * t), low = _mm512_set1_epi16(255);
 #if defined(__AVX512VBMI__)
     const __m512i lo = _mm512_permutexvar_epi8(b, tab);
@@ -408,9 +417,8 @@ static inline void byte_words(const uint8_t *body, int r, iv w[2]) {
     w[1] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(body + 32 * r + 16)));
 }
 #define BV 2
-static inline void mx4_words(const uint8_t *body, int t, iv w[4][2]) { /* as the AVX-512 one, in two halves */
-    const __m256i tab = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0, 12, 13, 14, 15,
-                                         16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
+static inline void lut_words(const uint8_t *body, int t, const uint8_t *tab16, iv w[4][2]) { /* as AVX-512's */
+    const __m256i tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)tab16));
     const __m256i m = _mm256_set1_epi8(15), low = _mm256_set1_epi16(255);
     for (int v = 0; v < 2; v++) {
         const __m256i b = _mm256_loadu_si256((const __m256i *)(body + 64 * t + 32 * v));

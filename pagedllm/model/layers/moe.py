@@ -211,7 +211,6 @@ class SparseMoE(nn.Module):
             bf16_kernel() is None
             or len(mlps) != len(self.experts)
             or self.act not in ACTIVATIONS
-            or not all(m.has_gate for m in mlps)
             or any(lin.quant is not None or lin.in_features % 32 for lin in lins)
             or any(lin.weight.dtype != torch.bfloat16 or lin.weight.device.type != "cpu" for lin in lins)
         ):

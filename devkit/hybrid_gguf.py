@@ -27,7 +27,8 @@ change is tested against the change itself:
   (count, used count, feed-forward and shared lengths, weights norm and scale, group count). Beyond the converter,
   which writes neither: a dense MLP layer's feed_forward_length (its converter gives the "-" layers of a MoE
   config 0, as if they were Mamba2 layers) and expert_group_used_count (topk_group, which a file of more than one
-  group needs).
+  group needs). The latent projections (moe_latent_size) as ffn_latent_down / ffn_latent_up, the size as
+  moe_latent_size.
 
 Matrices go in `fmt` (f32, f16, q8_0, q4_0: gguf.quants), kept in F32 where the converter keeps them: 1-D
 tensors, norms, routers, the conv, any tensor not named `.weight` (ssm_a, ssm_d, biases); a row that is no whole
@@ -148,6 +149,8 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "lfm2_moe": ("Lfm2MoeConfig", _LFM2_MOE),
     "nemotron_h": ("NemotronHConfig", _NEMOTRON_H),
     "nemotron_h_moe": ("NemotronHConfig", _NEMOTRON_H_MOE),
+    # Nemotron-3-Super's latent experts: routed at 32 wide between fc1_latent_proj and fc2_latent_proj
+    "nemotron_h_moe_latent": ("NemotronHConfig", _NEMOTRON_H_MOE | {"moe_latent_size": 32}),
 }
 
 
@@ -193,6 +196,7 @@ ARCHS = {
     "lfm2_moe": "lfm2moe",
     "nemotron_h": "nemotron_h",
     "nemotron_h_moe": "nemotron_h_moe",
+    "nemotron_h_moe_latent": "nemotron_h_moe",
 }
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _F32 = ("ffn_gate_inp", "ffn_gate_inp_shexp", "ssm_conv1d")  # besides 1-D tensors and norms

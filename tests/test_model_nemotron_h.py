@@ -173,3 +173,20 @@ def test_moe_expert_tensors_that_disagree_with_the_config_are_named(moe, tmp_pat
     json.dump(raw | {"moe_intermediate_size": 64}, open(path, "w"))
     with pytest.raises(ModelLoadError, match=r"mixer\.experts\.0\.(up|down)_proj\.weight has shape"):
         load_model(bad, dtype="float32", verbose=False)
+
+
+def test_moe_config_without_dense_mlp_layers_needs_no_mlp_size(tmp_path):
+    """Nemotron-3-Nano's pattern has no "-" layer: a config of Mamba2, MoE and attention layers without an
+    intermediate_size reads (its Mamba2 and attention layers have no MLP to size), and one with an MLP layer and no
+    size is named."""
+    folder = str(tmp_path / "hf")
+    make_hybrid("nemotron_h_moe", folder)
+    path = os.path.join(folder, "config.json")
+    raw = json.load(open(path))
+    raw.pop("intermediate_size")
+    json.dump(raw | {"layers_block_type": ["linear_attention", "moe", "full_attention", "moe"]}, open(path, "w"))
+    cfg = load_model_config(folder)
+    assert [i for i in range(4) if cfg.is_moe_layer(i)] == [1, 3] and not cfg.mlp_only_layers
+    json.dump(raw | {"layers_block_type": ["linear_attention", "moe", "mlp", "moe"]}, open(path, "w"))
+    with pytest.raises(ModelLoadError, match="dense layer 2 but no intermediate_size"):
+        load_model_config(folder)

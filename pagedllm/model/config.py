@@ -510,7 +510,7 @@ def _checked_moe(c: ModelConfig, where: str) -> ModelConfig:
         )
     if c.moe_intermediate_size <= 0:
         raise ModelLoadError(f"{where}: an expert ffn size of {c.moe_intermediate_size}")
-    dense = [i for i in range(c.num_layers) if not c.is_moe_layer(i)]
+    dense = [i for i in range(c.num_layers) if c.layer_has_mlp(i) and not c.is_moe_layer(i)]
     if dense and c.intermediate_size <= 0:  # Qwen3.5-MoE's config has no dense size: every layer is sparse
         raise ModelLoadError(f"{where}: dense layer {dense[0]} but no intermediate_size in the config")
     return c

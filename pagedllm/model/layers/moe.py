@@ -12,8 +12,11 @@ the same grouping, without a torch op per expert; each token's experts summed in
 token's result does not depend on the rest of the step); the torch loop serves dense and GPU experts.
 
 What a family chooses, by name (config.py checks the names): the router (`softmax_topk`, renormalised or not;
-`topk_softmax`, with the router's bias for gpt-oss), the experts' activation (SwiGLU / GeGLU, or gpt-oss's
-clamped `swigluoai`), expert biases, and a shared expert with its sigmoid gate (Qwen2-MoE, Granite-MoE-shared).
+`topk_softmax`, with the router's bias for gpt-oss; `sigmoid` with a correction bias and scale, over groups for
+DeepSeek-V3's grouped top-k), the experts' activation (SwiGLU / GeGLU, gpt-oss's clamped `swigluoai`, or relu2
+for ungated experts where the model's MLP is ungated: Nemotron-H), expert biases, a shared expert of the MLP's
+form with its optional sigmoid gate (Qwen2-MoE, Granite-MoE-shared), and a latent width for the routed experts
+(`moe_latent_size`: their input projected down, their sum back up, as Nemotron-3-Super's).
 `ExpertLoad` counts how many tokens each expert served and how many expert weights were read, for /metrics.
 """
 

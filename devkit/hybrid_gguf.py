@@ -21,6 +21,14 @@ change is tested against the change itself:
   attention layers, the MLP layers' up / down as ffn_up / ffn_down; per layer `head_count_kv` (0 but in attention
   layers) and `feed_forward_length` (0 but in MLP layers), the epsilon as attention.layer_norm_epsilon, head size as
   key / value length.
+- nemotron_h_moe (NemotronHModel of a config with experts): as nemotron_h, and per MoE layer the experts stacked into
+  ffn_up_exps / ffn_down_exps, the router as ffn_gate_inp, `e_score_correction_bias` as exp_probs_b.bias, the
+  shared expert as ffn_up_shexp / ffn_down_shexp, `feed_forward_length` moe_intermediate_size; the expert_* keys
+  (count, used count, feed-forward and shared lengths, weights norm and scale, group count). Beyond the converter,
+  which writes neither: a dense MLP layer's feed_forward_length (its converter gives the "-" layers of a MoE
+  config 0, as if they were Mamba2 layers) and expert_group_used_count (topk_group, which a file of more than one
+  group needs). The latent projections (moe_latent_size) as ffn_latent_down / ffn_latent_up, the size as
+  moe_latent_size.
 
 Matrices go in `fmt` (f32, f16, q8_0, q4_0: gguf.quants), kept in F32 where the converter keeps them: 1-D
 tensors, norms, routers, the conv, any tensor not named `.weight` (ssm_a, ssm_d, biases); a row that is no whole
@@ -119,6 +127,19 @@ _NEMOTRON_H = dict(
     conv_kernel=4,
     layer_norm_epsilon=1e-5,
 )
+# Nemotron-H's MoE variant: Mamba2, MoE, attention, MLP, MoE, attention; 8 experts in 4 groups, the top 2 within
+# the best 2 groups (DeepSeek-V3's router), a shared expert, the correction bias drawn so that it changes choices
+_NEMOTRON_H_MOE = _NEMOTRON_H | dict(
+    layers_block_type=["linear_attention", "moe", "full_attention", "mlp", "moe", "full_attention"],
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    moe_shared_expert_intermediate_size=64,
+    n_group=4,
+    topk_group=2,
+    norm_topk_prob=True,
+    routed_scaling_factor=1.5,
+)
 CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3_5": ("Qwen3_5TextConfig", _QWEN),
     "qwen3_5_moe": ("Qwen3_5MoeTextConfig", {k: v for k, v in _QWEN.items() if k != "intermediate_size"} | _QWEN_MOE),
@@ -127,6 +148,9 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "granitemoehybrid_dense": ("GraniteMoeHybridConfig", _GRANITE | {"intermediate_size": 64, "num_local_experts": 0}),
     "lfm2_moe": ("Lfm2MoeConfig", _LFM2_MOE),
     "nemotron_h": ("NemotronHConfig", _NEMOTRON_H),
+    "nemotron_h_moe": ("NemotronHConfig", _NEMOTRON_H_MOE),
+    # Nemotron-3-Super's latent experts: routed at 32 wide between fc1_latent_proj and fc2_latent_proj
+    "nemotron_h_moe_latent": ("NemotronHConfig", _NEMOTRON_H_MOE | {"moe_latent_size": 32}),
 }
 
 
@@ -156,7 +180,7 @@ def make_hybrid(family: str, folder: str) -> Any:
             else:
                 p.normal_(0, 0.3)
         for name, b in hf.named_buffers():
-            if name.endswith("expert_bias"):  # LFM2-MoE's: drawn so that it changes the experts chosen
+            if name.endswith(("expert_bias", "e_score_correction_bias")):  # drawn so that it changes the choice
                 b.uniform_(-0.3, 0.3)
     hf.save_pretrained(folder, safe_serialization=True)
     save_tiny_tokenizer(folder, _COMMON["vocab_size"])
@@ -171,6 +195,8 @@ ARCHS = {
     "granitemoehybrid_dense": "granitehybrid",
     "lfm2_moe": "lfm2moe",
     "nemotron_h": "nemotron_h",
+    "nemotron_h_moe": "nemotron_h_moe",
+    "nemotron_h_moe_latent": "nemotron_h_moe",
 }
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _F32 = ("ffn_gate_inp", "ffn_gate_inp_shexp", "ssm_conv1d")  # besides 1-D tensors and norms
@@ -262,7 +288,9 @@ def _nemotron_h(name: str, t: np.ndarray, cfg: dict[str, Any]) -> list[tuple[str
     if not m:
         return [(name, t)]
     rest = m.group(2)
-    if rest in ("mixer.q_proj.weight", "mixer.k_proj.weight"):
+    if rest == "mixer.gate.e_score_correction_bias":
+        name = name.removesuffix("_bias") + ".bias"
+    elif rest in ("mixer.q_proj.weight", "mixer.k_proj.weight"):
         t = _permute(t, cfg["num_attention_heads"] if "q_proj" in rest else cfg["num_key_value_heads"])
     elif rest == "mixer.dt_bias":
         name = name.removesuffix(".dt_bias") + ".dt_proj.bias"
@@ -284,12 +312,15 @@ def _lfm2(name: str, t: np.ndarray) -> list[tuple[str, np.ndarray]]:
     return [(name, t)]
 
 
+_EXPERT = re.compile(r"((?:model|backbone)\.layers\.\d+\.(?:mlp|feed_forward|mixer)\.experts)\.(\d+)\.(\w+)\.weight")
+
+
 def _stack_experts(tensors: dict[str, np.ndarray], experts: int) -> dict[str, tuple[np.ndarray, list[str]]]:
     """save_pretrained's one module per expert stacked into 3-D tensors (Qwen2MoeModel.modify_tensors); the 3-D
     `experts.gate_up_proj` of transformers 5 split into gate and up. Each with the stored tensors it came from."""
     out: dict[str, tuple[np.ndarray, list[str]]] = {}
     for name, t in tensors.items():
-        m = re.fullmatch(r"(model\.layers\.\d+\.(?:mlp|feed_forward)\.experts)\.(\d+)\.(\w+)\.weight", name)
+        m = _EXPERT.fullmatch(name)
         if m and m.group(2) == "0":
             names = [f"{m.group(1)}.{e}.{m.group(3)}.weight" for e in range(experts)]
             out[f"{m.group(1)}.{m.group(3)}.weight"] = np.stack([tensors[n] for n in names]), names
@@ -311,7 +342,7 @@ _EXPERT_NAMES |= {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_ex
 def _gguf_name(name: str, tmap: Any) -> str:
     if name.startswith("blk."):
         return name
-    m = re.fullmatch(r"model\.layers\.(\d+)\.(?:mlp|feed_forward)\.experts\.(\w+)\.weight", name)
+    m = re.fullmatch(r"(?:model|backbone)\.layers\.(\d+)\.(?:mlp|feed_forward|mixer)\.experts\.(\w+)\.weight", name)
     if m:
         return f"blk.{m.group(1)}.{_EXPERT_NAMES[m.group(2)]}.weight"
     new = tmap.get_name(name, try_suffixes=(".weight", ".bias"))
@@ -338,7 +369,7 @@ def _metadata(w: Any, family: str, cfg: dict[str, Any]) -> None:
     w.add_block_count(n)
     w.add_head_count(cfg["num_attention_heads"])
     w.add_vocab_size(cfg["vocab_size"])
-    if family == "nemotron_h":
+    if family.startswith("nemotron_h"):
         _nemotron_h_metadata(w, cfg)
         return
     w.add_layer_norm_rms_eps(cfg.get("rms_norm_eps", cfg.get("norm_eps")))
@@ -403,7 +434,21 @@ def _nemotron_h_metadata(w: Any, cfg: dict[str, Any]) -> None:
     w.add_ssm_time_step_rank(cfg["mamba_num_heads"])
     kv = cfg["num_key_value_heads"]
     w.add_head_count_kv([kv if t == "full_attention" else 0 for t in types])
-    w.add_feed_forward_length([cfg["intermediate_size"] if t == "mlp" else 0 for t in types])
+    ffn = {"mlp": cfg["intermediate_size"], "moe": cfg.get("moe_intermediate_size")}
+    w.add_feed_forward_length([ffn.get(t) or 0 for t in types])
+    if "moe" not in types:
+        return
+    w.add_expert_count(cfg["n_routed_experts"])
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    w.add_expert_shared_feed_forward_length(cfg["moe_shared_expert_intermediate_size"])
+    w.add_expert_shared_count(cfg["n_shared_experts"])
+    w.add_expert_weights_norm(cfg["norm_topk_prob"])
+    w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+    w.add_expert_group_count(cfg["n_group"])
+    w.add_expert_group_used_count(cfg["topk_group"])
+    if cfg.get("moe_latent_size"):
+        w.add_moe_latent_size(cfg["moe_latent_size"])
 
 
 def _granite_metadata(w: Any, cfg: dict[str, Any]) -> None:
@@ -466,14 +511,14 @@ def write_hybrid_gguf(
         _check_exact(cfg, arch, target)
     raw = {k: v.astype(np.float32) for k, v in load_file(os.path.join(folder, "model.safetensors")).items()}
     ref = dict(raw)
-    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0
     types = cfg.get("layer_types") or cfg.get("layers_block_type") or []
     for name, (t, sources) in _stack_experts(raw, experts).items():
         if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
             continue
         if arch == "lfm2moe":
             pieces = _lfm2(name, t)
-        elif arch == "nemotron_h":
+        elif arch.startswith("nemotron_h"):
             pieces = _nemotron_h(name, t, cfg)
         else:
             pieces = _granite(name, t, cfg, types) if arch == "granitehybrid" else _qwen(name, t, cfg, arch)

@@ -1,5 +1,6 @@
 """The hybrid families from GGUF files written as llama.cpp's converter writes them (devkit/hybrid_gguf.py: its
-qwen35, qwen35moe, qwen3next, granitehybrid, lfm2moe and nemotron_h layouts, norms stored as 1 + w, A as -exp(A_log),
+qwen35, qwen35moe, qwen3next, granitehybrid, lfm2moe, nemotron_h and nemotron_h_moe layouts (the latter's grouped
+router, ungated experts and latent projections too), norms stored as 1 + w, A as -exp(A_log),
 Qwen3.5's value heads tiled, Qwen3-Next's in_proj_qkvz split, Granite's Q/K permuted and Mamba2 norm grouped,
 LFM2-MoE's expert bias as exp_probs_b) against transformers on the HF checkpoint each came from: the config read
 from the file is the folder's, logits over 100 tokens in chunks and decodes within float32 accuracy, 32 greedy
@@ -50,6 +51,9 @@ _CONFIG_KEYS = [
     "moe_router",
     "e_score_correction_bias",
     "routed_scaling_factor",
+    "num_expert_group",
+    "topk_group",
+    "moe_latent_size",
     "mlp_only_layers",
     "single_block_layers",
     "mlp_gated",

@@ -28,7 +28,8 @@ from pagedllm.model.families import (
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic", "factors", "proportional")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "relu2")  # layers/common.py (relu2: Nemotron-H's ungated MLP)
 ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid")  # moe.py: the sparse block's routing
-MOE_ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "swigluoai")  # moe.py: the experts' (gpt-oss's clamped SwiGLU)
+# moe.py: the experts' (gpt-oss's clamped SwiGLU; relu2: ungated experts, Nemotron-H's, where the MLP is ungated)
+MOE_ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "swigluoai", "relu2")
 LINEAR_ATTENTION_FAMILIES = (
     "qwen3_5",
     "qwen3_next",
@@ -120,6 +121,11 @@ class ModelConfig:
     # renormalised with norm_topk_prob, times routed_scaling_factor
     e_score_correction_bias: bool = False
     routed_scaling_factor: float = 1.0
+    # "sigmoid" over groups (DeepSeek-V3's noaux_tc, Nemotron-H; vLLM's num_expert_group / topk_group): the experts
+    # in num_expert_group equal groups, each group scored by the sum of its two largest score + bias, the top k
+    # chosen within the topk_group best groups only; 1 group: no grouping
+    num_expert_group: int = 1
+    topk_group: int = 1
     router_bias: bool = False  # a bias on the router's logits (gpt-oss)
     expert_bias: bool = False  # biases on each expert's gate / up and down (gpt-oss)
     moe_activation: str | None = None  # the experts' activation (None: hidden_act); "swigluoai": gpt-oss's
@@ -127,6 +133,9 @@ class ModelConfig:
     swiglu_limit: float = 7.0  # sigmoid(alpha * gate')
     shared_expert_intermediate_size: int = 0  # an always-on expert beside the routed ones (Qwen2-MoE, Granite)
     shared_expert_gate: bool = False  # the shared expert's output scaled by sigmoid(x @ w) (Qwen2-MoE)
+    # > 0: the routed experts run at this width (Nemotron-H's moe_latent_size): their input projected down from the
+    # stream, their weighted sum back up; the router and the shared expert read the stream itself
+    moe_latent_size: int = 0
     # Gemma 4 (26B-A4B): the sparse block runs beside the dense MLP (each output normed, the two summed), its
     # experts reading their own norm of the residual stream and its router the stream RMS-normed times a learned
     # scale and hidden ** -0.5, each routing weight then times a learned number of its expert
@@ -483,9 +492,25 @@ def _checked_moe(c: ModelConfig, where: str) -> ModelConfig:
         )
     if not 0 < c.num_experts_per_tok <= c.num_experts:
         raise ModelLoadError(f"{where}: {c.num_experts_per_tok} experts per token of {c.num_experts}")
+    if (c.expert_activation == "relu2") == c.mlp_gated:  # the experts take the MLP's form: gated, or relu2 ungated
+        form = "a gated" if c.mlp_gated else "an ungated"
+        raise ModelLoadError(f"{where}: experts with {c.expert_activation!r} beside {form} MLP are not supported")
+    groups, per_group = c.num_expert_group, c.num_experts // max(1, c.num_expert_group)
+    if groups != 1 and (
+        c.moe_router != "sigmoid"
+        or groups < 1
+        or c.num_experts % groups
+        or per_group < 2
+        or not 0 < c.topk_group <= groups
+        or c.num_experts_per_tok > c.topk_group * per_group
+    ):
+        raise ModelLoadError(
+            f"{where}: {c.num_experts} experts in {groups} groups, top {c.num_experts_per_tok} of the best "
+            f"{c.topk_group} groups' ({c.moe_router} router) is not supported"
+        )
     if c.moe_intermediate_size <= 0:
         raise ModelLoadError(f"{where}: an expert ffn size of {c.moe_intermediate_size}")
-    dense = [i for i in range(c.num_layers) if not c.is_moe_layer(i)]
+    dense = [i for i in range(c.num_layers) if c.layer_has_mlp(i) and not c.is_moe_layer(i)]
     if dense and c.intermediate_size <= 0:  # Qwen3.5-MoE's config has no dense size: every layer is sparse
         raise ModelLoadError(f"{where}: dense layer {dense[0]} but no intermediate_size in the config")
     return c

@@ -87,6 +87,8 @@ def _moe_blocker(model: CausalLM) -> str | None:
             continue
         if moe.experts_kernel() is None:
             return "experts the MoE kernel does not run"
+        if moe.latent_in is not None:  # the routed experts at their own width: not planned by the C step
+            return "the experts' latent projections (moe_latent_size)"
         gates = [lin for lin in (moe.router, moe.shared_gate) if lin is not None]
         if any(lin.quant is not None or lin.weight.numel() == 0 for lin in gates):
             return "a quantized router"
@@ -457,6 +459,8 @@ class FusedStep:
             shared_inter=cfg.shared_expert_intermediate_size,
             router=ROUTERS.get(cfg.moe_router, 0),
             norm_topk=int(cfg.norm_topk_prob),
+            expert_groups=cfg.num_expert_group,
+            topk_group=cfg.topk_group,
             route_scale=cfg.routed_scaling_factor,
             expert_reads=self._reads.data_ptr(),
             attn_gate=int(cfg.attn_output_gate),

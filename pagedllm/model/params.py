@@ -84,9 +84,10 @@ def layer_params(cfg: ModelConfig, layer: int) -> tuple[int, int, int]:
     if not cfg.is_moe_layer(layer):
         dense = attn + norms + _mlp(h, cfg.layer_intermediate_size(layer), gated=cfg.mlp_gated)
         return dense, dense, 0
-    expert = _mlp(h, cfg.moe_intermediate_size, cfg.expert_bias)
-    router = cfg.num_experts * (h + cfg.router_bias)
-    shared = _mlp(h, cfg.shared_expert_intermediate_size) if cfg.shared_expert_intermediate_size else 0
+    gated, latent = cfg.mlp_gated, cfg.moe_latent_size  # the experts take the MLP's form, at the latent width
+    expert = _mlp(latent or h, cfg.moe_intermediate_size, cfg.expert_bias, gated)
+    router = cfg.num_experts * (h + cfg.router_bias) + 2 * h * latent
+    shared = _mlp(h, cfg.shared_expert_intermediate_size, gated=gated) if cfg.shared_expert_intermediate_size else 0
     rest = attn + norms + router + shared + (h if cfg.shared_expert_gate and shared else 0)
     return rest + cfg.num_experts * expert, rest, expert
 

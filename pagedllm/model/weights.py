@@ -173,8 +173,12 @@ def gguf_target_names(model: CausalLM, arch: str) -> dict[str, str]:
 
 
 # HF names as llama.cpp's converter renames them before its name map (Mamba2's and Qwen3-Next's dt_bias, LFM2-MoE's
-# expert_bias)
-_CONVERTER_RENAMES = ((".dt_bias", ".dt_proj.bias"), (".expert_bias", ".expert_bias.bias"))
+# expert_bias, Nemotron-H's e_score_correction_bias)
+_CONVERTER_RENAMES = (
+    (".dt_bias", ".dt_proj.bias"),
+    (".expert_bias", ".expert_bias.bias"),
+    (".e_score_correction_bias", ".e_score_correction.bias"),
+)
 
 
 def gguf_names(model: CausalLM, arch: str, hf_names: list[str]) -> dict[str, str]:
@@ -221,6 +225,14 @@ _GGUF_MOE = {
 }
 
 
+# ... where the experts and the shared expert are ungated (Nemotron-H): their gate_up slot holds the up rows alone
+_GGUF_MOE_UNGATED = {
+    short: (slot, 0) if short in ("ffn_up_exps", "ffn_up_shexp") else (slot, piece)
+    for short, (slot, piece) in _GGUF_MOE.items()
+    if short not in ("ffn_gate_exps", "ffn_gate_shexp")
+}
+
+
 # Gemma 4's router scale and per-expert scales, stored beside the router and the experts' down matrices
 _GGUF_MOE_SCALES = {"ffn_gate_inp.scale": "router_scale", "ffn_down_exps.scale": "expert_scale"}
 
@@ -229,10 +241,11 @@ def gguf_moe_names(model: CausalLM) -> dict[str, str]:
     """GGUF name -> HF name of every sparse block's tensors (an expert's with `{e}` for its number: the GGUF
     tensor holds them all). llama.cpp's converter names these alike in every arch."""
     layers = family_of(model).layer_tensors
+    table = _GGUF_MOE if model.config.mlp_gated else _GGUF_MOE_UNGATED
     out = {}
     for i, layer in enumerate(model.decoder_layers):
         slots = {slot.partition("#")[0]: module for slot, module in layer.slots().items()}
-        for short, (slot, piece) in _GGUF_MOE.items():
+        for short, (slot, piece) in table.items():
             if slot in slots and layer.moe is not None:
                 for kind in ("weight", "bias"):
                     if isinstance(getattr(slots[slot], kind, None), torch.Tensor):

@@ -13,15 +13,27 @@ Mamba2 tensors as for granitehybrid (A as -exp(A_log), D [H, 1], the gated norm 
 rows permuted (LlamaModel's, harmless without RoPE, undone here), the epsilon as `attention.layer_norm_epsilon`.
 It keeps no time_step_min: a file's is transformers' default, 0.001.
 
-The MoE blocks of the newer configs ("moe" / E: DeepSeek-V3's grouped sigmoid router over ungated relu2 experts, a
-latent projection; llama.cpp's nemotron_h_moe) are not run: the sparse block (layers/moe.py) has gated experts
-only, so such a config is a ModelLoadError naming it."""
+The MoE blocks of the newer configs ("moe" / E: NVIDIA-Nemotron-3-Nano-30B-A3B's) are single-block layers whose
+block is the sparse one (layers/moe.py; "mlp" layers here, the dense ones listed in mlp_only_layers): DeepSeek-V3's
+router (sigmoid scores; the top k chosen by score + `e_score_correction_bias` within the `topk_group` best of
+`n_group` groups, weighed by the scores, renormalised with norm_topk_prob, times routed_scaling_factor), experts
+like the MLP (down(relu(up(x))^2), no gate) at moe_intermediate_size, one shared expert of the same form at
+moe_shared_expert_intermediate_size added ungated, and, where `moe_latent_size` is set (Nemotron-3-Super), the
+routed experts at that width: their input `fc1_latent_proj(x)`, their weighted sum through `fc2_latent_proj` (the
+router and the shared expert read x itself). transformers saves the experts one module per expert
+(`mixer.experts.N.up_proj`), its state dict as 3-D `mixer.experts.up_proj` / `down_proj`. llama.cpp's converter
+writes arch nemotron_h_moe: a MoE layer by its `feed_forward_length` (moe_intermediate_size) and its router
+`ffn_gate_inp` (a dense MLP layer, which that converter does not write, by feed_forward_length alone), the experts
+stacked as ffn_up_exps / ffn_down_exps, the bias as exp_probs_b.bias, the shared expert as ffn_up_shexp /
+ffn_down_shexp, the latent projections as ffn_latent_down / ffn_latent_up, expert_weights_norm / _scale and
+expert_group_count (and expert_group_used_count, which a file of more than one group must have); its gating is
+sigmoid whatever expert_gating_func says (llama.cpp's graph fixes it)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from pagedllm.model.families.base import Family, GGUFHeader
+from pagedllm.model.families.base import Family, GGUFHeader, Unfuse
 from pagedllm.model.families.granitemoehybrid import MAMBA2_LAYER, _number
 
 PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}  # hybrid_override_pattern
@@ -35,7 +47,17 @@ LAYER: dict[str, tuple[str, ...]] = {
     "o": ("mixer.o_proj",),
     "gate_up": ("mixer.up_proj",),  # the ungated MLP's up rows alone
     "down": ("mixer.down_proj",),
+    "router": ("mixer.gate",),
+    "score_bias": ("mixer.gate.e_score_correction_bias",),
+    "experts_gate_up": ("mixer.experts.{e}.up_proj",),  # ungated: the up rows alone, as the MLP's
+    "experts_down": ("mixer.experts.{e}.down_proj",),
+    "shared_gate_up": ("mixer.shared_experts.up_proj",),
+    "shared_down": ("mixer.shared_experts.down_proj",),
+    "latent_in": ("mixer.fc1_latent_proj",),
+    "latent_out": ("mixer.fc2_latent_proj",),
 } | {slot: tuple(n.replace("mamba.", "mixer.") for n in names) for slot, names in MAMBA2_LAYER.items()}
+# transformers 5's state dict: every expert's up / down in one 3-D tensor
+UNFUSE = tuple(Unfuse(f"mixer.experts.{m}", (f"mixer.experts.{{e}}.{m}.weight",)) for m in ("up_proj", "down_proj"))
 
 
 def layer_types(cfg: dict[str, Any]) -> list[str]:
@@ -56,17 +78,8 @@ def hf_config(cfg: dict[str, Any]) -> dict[str, Any]:
     return cfg if "num_hidden_layers" in cfg else cfg | {"num_hidden_layers": len(layer_types(cfg))}
 
 
-def _moe_refused(types: list[str]) -> None:
-    if "moe" in types:
-        raise ValueError(
-            f"layer {types.index('moe')} is a MoE block (Nemotron-H's ungated experts and grouped router), "
-            "which pagedllm does not run"
-        )
-
-
 def hf_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     types = layer_types(cfg)
-    _moe_refused(types)
     if str(cfg.get("mamba_hidden_act", "silu")) != "silu":
         raise ValueError(f"mamba_hidden_act {cfg['mamba_hidden_act']!r} (the Mamba2 mixer's is SiLU)")
 
@@ -75,9 +88,9 @@ def hf_fields(cfg: dict[str, Any]) -> dict[str, Any]:
 
     heads = int(key("mamba_num_heads", default=128))
     hidden = int(cfg["hidden_size"])
-    return {
+    return _moe_fields(cfg, types) | {
         "num_layers": len(types),
-        "layer_types": types,
+        "layer_types": ["mlp" if t == "moe" else t for t in types],
         "single_block_layers": True,
         "mlp_gated": False,
         "hidden_act": str(cfg.get("mlp_hidden_act") or "relu2"),
@@ -99,16 +112,61 @@ def hf_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _moe_fields(cfg: dict[str, Any], types: list[str]) -> dict[str, Any]:
+    """The sparse block's fields where some layer is "moe" (the "mlp" ones stay dense)."""
+    if "moe" not in types:
+        return {}
+    return {
+        "num_experts": int(cfg["n_routed_experts"]),
+        "num_experts_per_tok": int(cfg["num_experts_per_tok"]),
+        "moe_intermediate_size": int(cfg["moe_intermediate_size"]),
+        "shared_expert_intermediate_size": int(cfg.get("moe_shared_expert_intermediate_size") or 0),
+        "moe_latent_size": int(cfg.get("moe_latent_size") or 0),
+        "moe_router": "sigmoid",
+        "e_score_correction_bias": True,  # NemotronHTopkRouter's buffer, always there
+        "norm_topk_prob": bool(cfg.get("norm_topk_prob", True)),
+        "routed_scaling_factor": float(cfg.get("routed_scaling_factor") or 1.0),
+        "num_expert_group": int(cfg.get("n_group") or 1),
+        "topk_group": int(cfg.get("topk_group") or 1),
+        "mlp_only_layers": [i for i, t in enumerate(types) if t == "mlp"],
+    }
+
+
+def _gguf_moe_fields(h: GGUFHeader, types: list[str]) -> dict[str, Any]:
+    """nemotron_h_moe's keys (see the module's docstring); {} for a file without experts."""
+    if not h.get("expert_count"):
+        return {}
+    groups = int(h.get("expert_group_count") or 1)
+    first = types.index("moe") if "moe" in types else 0
+    shared = h.tensors.get(f"blk.{first}.ffn_up_shexp.weight", (0,))[0]
+    latent = h.get("moe_latent_size")
+    return {
+        "num_experts": int(h.require("expert_count")),
+        "num_experts_per_tok": int(h.require("expert_used_count")),
+        "moe_intermediate_size": int(h.require("expert_feed_forward_length")),
+        "shared_expert_intermediate_size": int(h.get("expert_shared_feed_forward_length") or shared),
+        "moe_latent_size": int(latent or 0),
+        "moe_router": "sigmoid",
+        "e_score_correction_bias": f"blk.{first}.exp_probs_b.bias" in h.tensors,
+        "norm_topk_prob": bool(h.get("expert_weights_norm") or False),
+        "routed_scaling_factor": float(h.get("expert_weights_scale") or 1.0),
+        "num_expert_group": groups,
+        "topk_group": int(h.require("expert_group_used_count")) if groups > 1 else 1,
+        "mlp_only_layers": [i for i, t in enumerate(types) if t == "mlp"],
+    }
+
+
 def gguf_fields(h: GGUFHeader) -> dict[str, Any]:
     kv = [int(k) for k in h.require("attention.head_count_kv")]
     ff = [int(f) for f in h.require("feed_forward_length")]
     heads, tensors = int(h.require("ssm.time_step_rank")), h.tensors
     types = ["full_attention" if k else "mlp" if f else "linear_attention" for k, f in zip(kv, ff)]
+    types = ["moe" if f"blk.{i}.ffn_gate_inp.weight" in tensors else t for i, t in enumerate(types)]
     first = next((i for i, t in enumerate(types) if t == "linear_attention"), 0)
-    return {
-        "layer_types": types,
+    return _gguf_moe_fields(h, types) | {
+        "layer_types": ["mlp" if t == "moe" else t for t in types],
         "num_kv_heads": max(kv),
-        "intermediate_size": max(ff),
+        "intermediate_size": max((f for f, t in zip(ff, types) if t == "mlp"), default=0),
         "single_block_layers": True,
         "mlp_gated": False,
         "hidden_act": "relu2",
@@ -130,7 +188,7 @@ NEMOTRON_H = Family(
     "nemotron_h",
     ("NemotronHForCausalLM",),
     ("nemotron_h",),
-    ("nemotron_h",),
+    ("nemotron_h", "nemotron_h_moe"),
     hf_fields=hf_fields,
     gguf_fields=gguf_fields,
     layer_tensors=LAYER,
@@ -141,6 +199,8 @@ NEMOTRON_H = Family(
         ("backbone.", "model."),
     ),
     skipped=("mtp.",),
+    moe=True,
+    unfuse=UNFUSE,
     final_norm="norm_f",
     hf_config=hf_config,
 )

@@ -9,7 +9,8 @@ result does not depend on the other tokens of the step, bit for bit (the dense k
 token sums its experts in its own choice order).
 
 Layout: per expert, gate_up is one weight [2 * ffn, hidden] with the gate's rows first and then the up rows (a
-checkpoint that interleaves them, as gpt-oss's does, is reordered when it is packed) and down [hidden, ffn].
+checkpoint that interleaves them, as gpt-oss's does, is reordered when it is packed; ungated relu2 experts, as
+Nemotron-H's: the up rows alone) and down [hidden, ffn].
 `stack` packs a 3-D tensor's experts into one buffer whose per-expert weights are views of it.
 """
 
@@ -25,7 +26,7 @@ import pagedllm.model.kernels.cpu_kernel as cpu_kernel
 from pagedllm.model.kernels.quant_linear import FORMATS, QuantParts, QuantWeight, _tiles, bf16_kernel, col_bytes
 
 # moe.h's activation kinds, by the names the families give them
-ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "swigluoai": 2}
+ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "swigluoai": 2, "relu2": 3}  # relu2: ungated experts
 ERRORS = {-1: "out of memory", -2: "bad sizes", -5: "an expert id out of range, or an active expert without weights"}
 
 
@@ -34,12 +35,12 @@ class MoeExperts:
     """One layer's experts in the kernel's form; `load` counts the rows routed to each expert over every call
     (tokens per expert: what the engine shows as the expert load)."""
 
-    gate_up: list[QuantWeight]  # per expert [2 ffn, hidden]: gate rows, then up rows
+    gate_up: list[QuantWeight]  # per expert [2 ffn, hidden]: gate rows, then up rows (relu2, ungated: [ffn, hidden])
     down: list[QuantWeight]  # per expert [hidden, ffn]
     act: str = "silu"
     alpha: float = 1.702  # swigluoai's sigmoid scale (gpt-oss's swiglu_alpha)
     limit: float = 7.0  # swigluoai's clamp (swiglu_limit)
-    gate_up_bias: torch.Tensor | None = None  # [experts, 2 ffn]
+    gate_up_bias: torch.Tensor | None = None  # [experts, gate_up's rows]
     down_bias: torch.Tensor | None = None  # [experts, hidden]
     load: torch.Tensor | None = None  # int64 [experts], added to (a row of the model's counters); None: zeros
     _layer: ctypes.Structure = field(init=False, repr=False)
@@ -51,7 +52,8 @@ class MoeExperts:
             raise ValueError(f"{e} gate_up weights and {len(self.down)} down weights: one of each per expert")
         if self.act not in ACTIVATIONS:
             raise ValueError(f"activation {self.act!r}: the kernel has {', '.join(ACTIVATIONS)}")
-        for name, ws, shape in (("gate_up", self.gate_up, (2 * ffn, hidden)), ("down", self.down, (hidden, ffn))):
+        rows = ffn if self.act == "relu2" else 2 * ffn
+        for name, ws, shape in (("gate_up", self.gate_up, (rows, hidden)), ("down", self.down, (hidden, ffn))):
             if {(w.n, w.k) for w in ws} != {shape} or len({w.fmt for w in ws}) != 1:
                 raise ValueError(f"experts' {name} weights differ in shape or format (want {shape}, one format)")
         if self.load is None:
@@ -60,7 +62,7 @@ class MoeExperts:
             raise ValueError(f"load must be a contiguous int64 tensor of {e} counters")
         biases = []
         for name, b, shape in (
-            ("gate_up_bias", self.gate_up_bias, (e, 2 * ffn)),
+            ("gate_up_bias", self.gate_up_bias, (e, rows)),
             ("down_bias", self.down_bias, (e, hidden)),
         ):
             if b is not None and tuple(b.shape) != shape:

@@ -12,8 +12,11 @@ the same grouping, without a torch op per expert; each token's experts summed in
 token's result does not depend on the rest of the step); the torch loop serves dense and GPU experts.
 
 What a family chooses, by name (config.py checks the names): the router (`softmax_topk`, renormalised or not;
-`topk_softmax`, with the router's bias for gpt-oss), the experts' activation (SwiGLU / GeGLU, or gpt-oss's
-clamped `swigluoai`), expert biases, and a shared expert with its sigmoid gate (Qwen2-MoE, Granite-MoE-shared).
+`topk_softmax`, with the router's bias for gpt-oss; `sigmoid` with a correction bias and scale, over groups for
+DeepSeek-V3's grouped top-k), the experts' activation (SwiGLU / GeGLU, gpt-oss's clamped `swigluoai`, or relu2
+for ungated experts where the model's MLP is ungated: Nemotron-H), expert biases, a shared expert of the MLP's
+form with its optional sigmoid gate (Qwen2-MoE, Granite-MoE-shared), and a latent width for the routed experts
+(`moe_latent_size`: their input projected down, their sum back up, as Nemotron-3-Super's).
 `ExpertLoad` counts how many tokens each expert served and how many expert weights were read, for /metrics.
 """
 
@@ -34,24 +37,45 @@ from pagedllm.model.layers.linear import Linear
 
 
 def route(
-    logits: torch.Tensor, k: int, kind: str, normalize: bool, bias: torch.Tensor | None = None, scale: float = 1.0
+    logits: torch.Tensor,
+    k: int,
+    kind: str,
+    normalize: bool,
+    bias: torch.Tensor | None = None,
+    scale: float = 1.0,
+    groups: int = 1,
+    topk_group: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 router logits [T, experts] -> (routing weights [T, k] float32, expert ids [T, k]).
 
     softmax_topk: softmax over every expert, the k largest, divided by their sum when `normalize`;
     topk_softmax: the k largest logits, then a softmax over those alone;
     sigmoid (LFM2-MoE, vLLM's scoring_func): sigmoid scores, the k largest of score + `bias` chosen, weighed by
-    their scores, divided by their sum (+ 1e-6, as transformers) when `normalize`, times `scale`."""
+    their scores, divided by their sum (+ 1e-6, as transformers) when `normalize`, times `scale`; with `groups` > 1
+    (DeepSeek-V3's grouped top-k, Nemotron-H) chosen only among the experts of the `topk_group` groups whose two
+    largest score + bias sum highest."""
     if kind == "topk_softmax":
         top, ids = logits.topk(k, dim=-1)
         return torch.softmax(top, dim=-1), ids
     if kind == "sigmoid":
         scores = torch.sigmoid(logits)
-        ids = (scores if bias is None else scores + bias).topk(k, dim=-1).indices
+        choice = scores if bias is None else scores + bias
+        if groups > 1:
+            choice = _best_groups(choice, groups, topk_group)
+        ids = choice.topk(k, dim=-1).indices
         top = scores.gather(-1, ids)
         return (top / (top.sum(dim=-1, keepdim=True) + 1e-6) if normalize else top) * scale, ids
     top, ids = torch.softmax(logits, dim=-1).topk(k, dim=-1)
     return (top / top.sum(dim=-1, keepdim=True) if normalize else top), ids
+
+
+def _best_groups(choice: torch.Tensor, groups: int, keep: int) -> torch.Tensor:
+    """`choice` [T, experts] with every expert outside the `keep` best of `groups` equal groups at -inf, a group
+    scored by the sum of its two largest (vLLM's grouped_topk with a correction bias)."""
+    per_group = choice.view(choice.shape[0], groups, -1)
+    best = per_group.topk(2, dim=-1).values.sum(dim=-1).topk(keep, dim=-1).indices
+    mask = torch.ones(choice.shape[0], groups, dtype=torch.bool, device=choice.device).scatter_(1, best, False)
+    return per_group.masked_fill(mask[:, :, None], float("-inf")).view_as(choice)
 
 
 def swigluoai(alpha: float, limit: float) -> Glu:
@@ -75,7 +99,8 @@ class ExpertLoad:
 
 
 class SparseMoE(nn.Module):
-    """Router, experts (each a GatedMLP of moe_intermediate_size), optional shared expert and its gate."""
+    """Router, experts (each a GatedMLP of moe_intermediate_size, ungated where the model's MLP is), optional shared
+    expert (the model's MLP at its own width) and its gate, and the experts' optional latent projections."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, load: ExpertLoad, row: int):
         super().__init__()
@@ -87,16 +112,20 @@ class SparseMoE(nn.Module):
         self.router_scale = Learned(hidden, dtype, device) if cfg.moe_beside_mlp else None
         self.expert_scale = Learned(experts, dtype, device) if cfg.moe_beside_mlp else None
         self.score_bias = Learned(experts, dtype, device) if cfg.e_score_correction_bias else None
-        self.scale = cfg.routed_scaling_factor
+        self.scale, self.groups, self.topk_group = cfg.routed_scaling_factor, cfg.num_expert_group, cfg.topk_group
         self.eps = cfg.rms_norm_eps
         act = cfg.expert_activation
         glu = swigluoai(cfg.swiglu_alpha, cfg.swiglu_limit) if act == "swigluoai" else None
+        width, gated = cfg.moe_latent_size or hidden, cfg.mlp_gated
         self.experts = nn.ModuleList(
-            GatedMLP(hidden, cfg.moe_intermediate_size, act, dtype, device, cfg.expert_bias, glu)
+            GatedMLP(width, cfg.moe_intermediate_size, act, dtype, device, cfg.expert_bias, glu, gated)
             for _ in range(experts)
         )
+        latent = cfg.moe_latent_size
+        self.latent_in = Linear(latent, hidden, False, dtype, device) if latent else None
+        self.latent_out = Linear(hidden, latent, False, dtype, device) if latent else None
         shared = cfg.shared_expert_intermediate_size
-        self.shared = GatedMLP(hidden, shared, cfg.hidden_act, dtype, device) if shared else None
+        self.shared = GatedMLP(hidden, shared, cfg.hidden_act, dtype, device, has_gate=gated) if shared else None
         self.shared_gate = Linear(1, hidden, False, dtype, device) if shared and cfg.shared_expert_gate else None
         if self.shared_gate is not None:
             self.shared_gate.keep_dense = True
@@ -119,6 +148,8 @@ class SparseMoE(nn.Module):
             out["router_scale"], out["expert_scale"] = self.router_scale, self.expert_scale
         if self.score_bias is not None:
             out["score_bias"] = self.score_bias
+        if self.latent_in is not None and self.latent_out is not None:
+            out["latent_in"], out["latent_out"] = self.latent_in, self.latent_out
         return out
 
     def linears(self) -> list[Linear]:
@@ -128,15 +159,18 @@ class SparseMoE(nn.Module):
         """`x`: the experts' input; `stream`: the residual stream Gemma 4's router reads (else it reads `x`)."""
         bias = None if self.score_bias is None else self.score_bias.weight.float()
         logits = self.router(self._router_input(x, stream)).float()
-        weights, ids = route(logits, self.k, self.kind, self.normalize, bias, self.scale)
+        weights, ids = route(logits, self.k, self.kind, self.normalize, bias, self.scale, self.groups, self.topk_group)
         if self.expert_scale is not None:
             weights = weights * self.expert_scale.weight.float()[ids]
-        kernel = self._experts_kernel(x)
+        xe = x if self.latent_in is None else self.latent_in(x)
+        kernel = self._experts_kernel(xe)
         if kernel is not None:
             self.load.reads[0] += int(torch.unique(ids).numel())
-            out = kernel.forward(x, ids, weights)  # counts into self.load.tokens[self.row]
+            out = kernel.forward(xe, ids, weights)  # counts into self.load.tokens[self.row]
         else:
-            out = self._routed(x, weights.to(x.dtype), ids)
+            out = self._routed(xe, weights.to(x.dtype), ids)
+        if self.latent_out is not None:
+            out = self.latent_out(out)
         if self.shared is not None:
             s = self.shared(x)
             if self.shared_gate is not None:
@@ -180,7 +214,6 @@ class SparseMoE(nn.Module):
             bf16_kernel() is None
             or len(mlps) != len(self.experts)
             or self.act not in ACTIVATIONS
-            or not all(m.has_gate for m in mlps)
             or any(lin.quant is not None or lin.in_features % 32 for lin in lins)
             or any(lin.weight.dtype != torch.bfloat16 or lin.weight.device.type != "cpu" for lin in lins)
         ):

@@ -384,7 +384,7 @@ static int moe_phases(Phase *ph, const StepModel *m, const StepLayer *L, int l, 
     ph[n++] = (Phase){.kind = K_MOE_COMBINE, .items = T, .prof = P_EXPERTS};
     if (L->shared_gate_up) {
         n += matmul_phases(ph + n, buf, P_GATE_UP, buf->sgu, xm, L->shared_gate_up, L->shared_gate_up_fmt, NULL, T,
-                           2 * SI, E, 0, nthreads);
+                           (m->act == ACT_RELU2 ? 1 : 2) * SI, E, 0, nthreads);
         ph[n++] = (Phase){.kind = K_ACT, .items = T, .prof = P_ACT, .out = buf->sact, .x = buf->sgu, .N = SI};
         n += matmul_phases(ph + n, buf, P_DOWN, buf->sy, buf->sact, L->shared_down, L->shared_down_fmt, NULL, T, E,
                            SI, 0, nthreads);
@@ -626,6 +626,15 @@ static float dot_f32(const float *a, const float *b, int n) {
     return r;
 }
 
+/* Whether the grouped router's shape is one topk_row runs: 1 group, or (ROUTE_SIGMOID) at most 64 equal groups of
+ * at least 2, topk_group of them holding at least the top k. */
+static int bad_groups(const StepModel *m) {
+    const int G = m->expert_groups;
+    if (G == 1) return 0;
+    return G < 1 || G > 64 || m->router != ROUTE_SIGMOID || m->experts % G || m->experts / G < 2 ||
+           m->topk_group < 1 || m->topk_group > G || m->topk > m->topk_group * (m->experts / G);
+}
+
 /* Item i of the router: token i / chunks, its logits of the chunk i % chunks of ROUTER_EXPERTS experts. */
 static void router_item(const StepModel *m, const StepLayer *L, const Buffers *buf, const float *x, int i) {
     const int E = m->hidden, X = m->experts, chunks = ROUTER_CHUNKS(m), t = i / chunks;
@@ -636,11 +645,36 @@ static void router_item(const StepModel *m, const StepLayer *L, const Buffers *b
         logits[e] = dot_f32(xt, L->router + (int64_t)e * E, E) + (L->router_bias ? L->router_bias[e] : 0.0f);
 }
 
+/* The groups token's experts may come from, as bits (all of them with one group): the topk_group groups whose two
+ * largest score + bias sum highest (ties: the lower group), as route() keeps them. */
+static uint64_t best_groups(const StepModel *m, const float *scores, const float *bias) {
+    const int G = m->expert_groups, per_group = m->experts / G;
+    if (G == 1) return 1;
+    float sum[64];
+    for (int g = 0; g < G; g++) {
+        float a = -INFINITY, b = -INFINITY; /* the two largest */
+        for (int e = g * per_group; e < (g + 1) * per_group; e++) {
+            const float v = scores[e] + (bias ? bias[e] : 0.0f);
+            if (v > a) b = a, a = v;
+            else if (v > b) b = v;
+        }
+        sum[g] = a + b;
+    }
+    uint64_t kept = 0;
+    for (int j = 0; j < m->topk_group; j++) {
+        int best = -1;
+        for (int g = 0; g < G; g++)
+            if (!(kept >> g & 1) && (best < 0 || sum[g] > sum[best])) best = g;
+        kept |= (uint64_t)1 << best;
+    }
+    return kept;
+}
+
 /* Token t's experts and their weights from its router logits, as moe.py's route() picks them: softmax over
  * every expert's logit, the k largest (ties: the lower id), renormalised to sum 1 when norm_topk
  * (ROUTE_SOFTMAX_TOPK); the k largest logits, softmaxed among themselves (ROUTE_TOPK_SOFTMAX); or sigmoid scores,
  * the k largest of score + the layer's score_bias, weighed by their scores, divided by their sum + 1e-6 when
- * norm_topk, times route_scale (ROUTE_SIGMOID: LFM2-MoE); then each times its expert's expert_scale, where the layer
+ * norm_topk, times route_scale (ROUTE_SIGMOID: LFM2-MoE; over groups, from best_groups' only); then each times its expert's expert_scale, where the layer
  * has one (Gemma 4). Also clears the token's row of y, which the routed
  * experts' sum goes into. */
 static void topk_row(const StepModel *m, const StepLayer *L, const Buffers *buf, int t) {
@@ -655,13 +689,15 @@ static void topk_row(const StepModel *m, const StepLayer *L, const Buffers *buf,
         for (int e = 0; e < X; e++) logits[e] = 1.0f / (1.0f + expf(-logits[e]));
     }
     const float *bias = m->router == ROUTE_SIGMOID ? L->score_bias : NULL;
+    const uint64_t groups = best_groups(m, logits, bias);
+    const int per_group = X / m->expert_groups;
     int64_t *ids = buf->ids + (int64_t)t * k;
     float *w = buf->rw + (int64_t)t * k, total = 0.0f;
     for (int j = 0; j < k; j++) { /* selection: k is small */
         int best = -1;
         float key = 0.0f;
         for (int e = 0; e < X; e++) {
-            int taken = 0;
+            int taken = !(groups >> (e / per_group) & 1);
             for (int i = 0; i < j && !taken; i++) taken = ids[i] == e;
             const float ke = logits[e] + (bias ? bias[e] : 0.0f);
             if (!taken && (best < 0 || ke > key)) best = e, key = ke;
@@ -864,10 +900,10 @@ static int check(const StepModel *m, const StepLayer *layers, const StepBatch *b
         m->rotary_dim > m->head_dim || m->hidden % 32 || m->inter % 32 || m->cache_kind < KV_F32 ||
         (m->ple_width && (m->ple_width % 32 || m->ple_vocab <= 0 || m->residual_scale != 1.0f || !m->ple_proj_norm)) ||
         m->cache_kind > KV_FP8_E5M2 || m->act < ACT_SILU || m->act > ACT_RELU2 ||
-        (m->act == ACT_RELU2 && (m->experts || m->ple_width)) ||
+        (m->act == ACT_RELU2 && m->ple_width) ||
         (m->experts && (m->topk <= 0 || m->topk > m->experts || m->moe_ffn <= 0 || m->moe_ffn % 32 ||
                         m->shared_inter < 0 || m->shared_inter % 32 || m->router < ROUTE_SOFTMAX_TOPK ||
-                        m->router > ROUTE_SIGMOID)))
+                        m->router > ROUTE_SIGMOID || bad_groups(m))))
         return -2;
     for (int l = 0; l < m->layers; l++) {
         const StepLayer *L = &layers[l];

@@ -91,9 +91,11 @@ typedef struct {
     const float *cos, *sin;             /* [max_positions, rotary_dim] */
     const float *local_cos, *local_sin; /* [max_local_positions, rotary_dim], or NULL: no ROPE_LOCAL layer */
     /* The sparse layers' shape (experts 0: none): experts, top k, each expert's ffn, the shared expert's ffn (0:
-     * none), the router (ROUTE_*; norm_topk: the top k renormalised to sum 1), and a counter the step adds the
-     * experts read to (one per active expert per sparse layer). */
-    int experts, topk, moe_ffn, shared_inter, router, norm_topk;
+     * none), the router (ROUTE_*; norm_topk: the top k renormalised to sum 1; ROUTE_SIGMOID over expert_groups
+     * equal groups, at most 64: the top k within the topk_group groups whose two largest score + score_bias sum
+     * highest, DeepSeek-V3's), and a counter the step adds the experts read to (one per active expert per sparse
+     * layer). The experts and the shared expert take `act`'s form (ACT_RELU2: ungated, the experts' MOE_RELU2). */
+    int experts, topk, moe_ffn, shared_inter, router, norm_topk, expert_groups, topk_group;
     float route_scale; /* ROUTE_SIGMOID: the routing weights' factor (routed_scaling_factor) */
     int64_t *expert_reads;
     int attn_gate; /* 1: attention's output times sigmoid(gate), each head's gate rows after its query's in qkv */

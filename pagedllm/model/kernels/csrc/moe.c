@@ -63,10 +63,13 @@ struct MoePlan {
 
 static int fmt_ok(int fmt, int K) { return fmt == QFMT_MIXED || qcol_bytes(fmt, K / 32) > 0; }
 
+/* The rows of an expert's gate_up: gate and up, or up alone (ungated). */
+static int gu_rows(const MoeLayer *L) { return L->act == MOE_RELU2 ? L->ffn : 2 * L->ffn; }
+
 static int bad_layer(const MoeLayer *L, int T, int topk) {
     return T <= 0 || topk <= 0 || topk > L->experts || L->hidden <= 0 || L->ffn <= 0 || L->hidden % 32 ||
            L->ffn % 32 || !fmt_ok(L->gate_up_fmt, L->hidden) || !fmt_ok(L->down_fmt, L->ffn) || L->act < MOE_SILU ||
-           L->act > MOE_SWIGLU_OAI || !L->gate_up || !L->down;
+           L->act > MOE_RELU2 || !L->gate_up || !L->down;
 }
 
 /* Carves n bytes (64-aligned) off *at. */
@@ -180,7 +183,7 @@ int moe_group(MoePlan *p, const MoeLayer *L, const int64_t *ids, int T, int topk
         return status;
     }
     p->S = T * topk;
-    p->n_items[0] = make_items(p, units(p, 2 * L->ffn), p->items[0]);
+    p->n_items[0] = make_items(p, units(p, gu_rows(L)), p->items[0]);
     p->n_items[1] = make_items(p, units(p, L->hidden), p->items[1]);
     for (int e = 0; load && e < L->experts; e++) load[e] += p->off[e + 1] - p->off[e];
     return 0;
@@ -220,7 +223,7 @@ void moe_matmul(const MoePlan *p, int which, int i, float *panel) {
     if (i >= p->n_items[which]) return;
     const MoeLayer *L = p->L;
     const int *it = p->items[which] + 3 * i, e = p->active[it[0]], m0 = p->off[e], M = p->off[e + 1] - m0;
-    const int N = which ? L->hidden : 2 * L->ffn, K = which ? L->ffn : L->hidden, NB = units(p, N);
+    const int N = which ? L->hidden : gu_rows(L), K = which ? L->ffn : L->hidden, NB = units(p, N);
     const float *bias = which ? L->down_bias : L->gate_up_bias;
     const QMatmul a = {which ? p->xs + (int64_t)m0 * N : p->gu + (int64_t)m0 * N,
                        which ? p->act + (int64_t)m0 * K : p->xs + (int64_t)m0 * K,
@@ -246,11 +249,15 @@ void moe_matmul(const MoePlan *p, int which, int i, float *panel) {
             qmm_column_block(&a, cb, panel);
 }
 
-/* out = act(gate, up) over n (a multiple of VW) elements; the formulas are transformers' in float32. */
+/* out = act(gate, up) over n (a multiple of VW) elements (MOE_RELU2: relu(up)^2, `gate` unread); the formulas are
+ * transformers' in float32. */
 static void activate(const MoeLayer *L, float *out, const float *gate, const float *up, int n) {
     for (int j = 0; j < n; j += VW) {
         vf g = *(const vfu *)(gate + j), u = *(const vfu *)(up + j), r;
-        if (L->act == MOE_SILU) {
+        if (L->act == MOE_RELU2) {
+            u = vmax(u, (vf){0});
+            r = u * u;
+        } else if (L->act == MOE_SILU) {
             r = g / (1.0f + vexp(-g)) * u;
         } else if (L->act == MOE_GELU_TANH) { /* 0.5 g (1 + tanh(z)), tanh(z) = 1 - 2 / (e^2z + 1) */
             const vf z = 0.7978845608028654f * (g + 0.044715f * (g * g * g));
@@ -267,9 +274,9 @@ static void activate(const MoeLayer *L, float *out, const float *gate, const flo
 
 void moe_activate(const MoePlan *p, int s) {
     if (s >= p->S) return;
-    const int F = p->L->ffn;
-    const float *gu = p->gu + (int64_t)s * 2 * F;
-    activate(p->L, p->act + (int64_t)s * F, gu, gu + F, F);
+    const int F = p->L->ffn, N = gu_rows(p->L);
+    const float *gu = p->gu + (int64_t)s * N;
+    activate(p->L, p->act + (int64_t)s * F, gu, gu + N - F, F);
     round_row(p, p->act + (int64_t)s * F, s, 1, F);
 }
 

@@ -8,11 +8,13 @@
 #define MOE_SILU 0       /* silu(gate) * up: SwiGLU (Qwen-MoE, Mixtral, OLMoE, Granite-MoE) */
 #define MOE_GELU_TANH 1  /* gelu_tanh(gate) * up: GeGLU */
 #define MOE_SWIGLU_OAI 2 /* gpt-oss: g = min(gate, limit), u = clamp(up, -limit, limit), (u + 1) * g sigmoid(alpha g) */
+#define MOE_RELU2 3      /* ungated: relu(up)^2, gate_up holding the up rows alone (N = ffn; Nemotron-H) */
 
 typedef struct {
-    const uint8_t **gate_up; /* [experts] quantized tiles, N = 2 ffn (gate rows, then up rows), K = hidden */
+    const uint8_t **gate_up; /* [experts] quantized tiles, N = 2 ffn (gate rows, then up rows; MOE_RELU2: ffn up
+                              * rows), K = hidden */
     const uint8_t **down;    /* [experts] quantized tiles, N = hidden, K = ffn */
-    const float *gate_up_bias, *down_bias; /* NULL, or [experts][2 ffn] and [experts][hidden] */
+    const float *gate_up_bias, *down_bias; /* NULL, or [experts][gate_up's N] and [experts][hidden] */
     int experts, hidden, ffn, gate_up_fmt, down_fmt, act;
     int dot; /* 1: activations rounded to 16-bit integers per group of 32 (the dot route); 0: float32 */
     float alpha, limit; /* MOE_SWIGLU_OAI's */

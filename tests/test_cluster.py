@@ -33,7 +33,8 @@ MODEL = "SmolLM2-135M-Instruct"
 EMBEDDER = "all-MiniLM-L6-v2"  # --embedding-model default
 PREFIX = 64  # tokens each group shares: 4 blocks of 16
 GROUPS, PER_GROUP = 4, 5
-FLAGS = ["--replicas", "2", "--cpus-per-replica", "1", "--routing", "prefix", "--kv-cache-memory", "32MiB"]
+# 0.9 CPUs a replica: Ray's 2 logical CPUs leave room for the MoE application's replica (0.1)
+FLAGS = ["--replicas", "2", "--cpus-per-replica", "0.9", "--routing", "prefix", "--kv-cache-memory", "32MiB"]
 FLAGS += ["--max-model-len", "512", "--max-num-seqs", "8"]
 FLAGS += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--embedding-model", "default"]
 
@@ -231,6 +232,51 @@ def test_a_pooling_front_door_embeds_with_the_replicas_model(cluster):
     assert np.linalg.norm(got, axis=1) == pytest.approx(1.0)  # a GGUF: the last token's state, normalized
     # bfloat16 (--dtype auto) in batches of other shapes: equal up to rounding, not bit for bit
     assert (np.sum(np.array(got) * reference, axis=1) > 0.999).all()
+
+
+def test_a_mixture_of_experts_model_serves_as_a_replica(cluster, tmp_path):
+    """Issue 34's "the cluster works with MoE models as with dense ones": a tiny random Qwen3-MoE (tests/
+    moe_helpers.py) deployed as an application of its own on the same Ray (`build_application`, what `pagedllm
+    serve --replicas` deploys), through its ingress: greedy completions equal the offline engine's on the same
+    folder, the ingress's /metrics carries the replica's expert counters (moved by what it routed), and /v1/kv
+    the replica's blocks, all back in the pool once the requests end."""
+    from moe_helpers import make_moe
+    from ray import serve
+
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.cluster.app import build_application
+    from pagedllm.entrypoints.serve_cluster import parse_builder_args, settings_from_args
+
+    folder = str(tmp_path / "moe")
+    make_moe("qwen3_moe", folder)
+    flags = {"model": folder, "replicas": "1", "cpus_per_replica": "0.1", "dtype": "float32"}
+    flags |= {"max_model_len": "256", "kv_cache_memory": "4MiB", "served_model_name": "tiny-moe"}
+    config, options, ingress = settings_from_args(parse_builder_args(flags))
+    prompts = [" ".join(f"t{i}" for i in range(start, start + 30)) for start in (7, 60)]
+    serve.run(build_application(config, options, ingress), name="moe", route_prefix="/moe")
+    try:
+        client = _client(f"{cluster.url}/moe")
+        got = [client.completions.create(model="tiny-moe", prompt=p, max_tokens=12, temperature=0) for p in prompts]
+        page = httpx.get(f"{cluster.url}/moe/metrics", timeout=60).text
+        deadline = time.monotonic() + 60  # a hang guard, not a speed bound: the replica's stats follow its steps
+        while True:
+            (replica,) = httpx.get(f"{cluster.url}/moe/v1/kv", timeout=60).json()["replicas"].values()
+            if (replica["num_running"], replica["used_blocks"]) == (0, 0) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    finally:
+        serve.delete("moe")
+    assert (replica["num_running"], replica["used_blocks"]) == (0, 0), replica
+    llm = LLM(folder, dtype="float32", max_model_len=256, kv_cache_memory=4 * 2**20, log_stats_interval=0)
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+    assert [r.choices[0].text for r in got] == [o.outputs[0].text for o in llm.generate(prompts, greedy)]
+    routed = [
+        s.value
+        for f in text_string_to_metric_families(page)
+        if f.name.startswith("pagedllm:moe_expert")
+        for s in f.samples
+    ]
+    assert len(routed) >= 2 and min(routed) > 0, page  # tokens routed and expert reads, both moved
 
 
 def test_a_cache_salt_routes_as_a_prefix_of_its_own(cluster):

@@ -71,5 +71,9 @@ int rec_scan_items(const RecMixer *r, int S);
 void rec_permute(const RecMixer *r, const RecStep *s, int t);
 void rec_conv(const RecMixer *r, const RecStep *s, int i);
 void rec_scan(const RecMixer *r, const RecStep *s, int i);
+/* rec_scan's item by Gated DeltaNet's chunked scan (chunked 1, where the head fits it) or by the token loop (0),
+ * whatever the sequence's length: rec_scan picks by length; tests and benchmarks/kernels/recurrent_scan.py
+ * compare the two. */
+void rec_scan_as(const RecMixer *r, const RecStep *s, int i, int chunked);
 void rec_norm(const RecMixer *r, const RecStep *s, int t);
 #endif

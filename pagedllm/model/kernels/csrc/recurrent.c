@@ -184,22 +184,33 @@ void rec_conv(const RecMixer *r, const RecStep *s, int i) {
     store_conv(r, base, hist, n);
 }
 
+/* The sum of x[j]^2 over n floats, in VW lanes (a float sum is one chain of dependent adds: 4 cycles a float). */
+static float sum_squares(const float *x, int n) {
+    vf acc = {0};
+    int j = 0;
+    for (; j + VW <= n; j += VW) acc += ld(x + j) * ld(x + j);
+    float ss = hsum(acc);
+    for (; j < n; j++) ss += x[j] * x[j];
+    return ss;
+}
+
 /* x / |x| over n floats, as l2norm: x * rsqrt(sum(x^2) + 1e-6), times `scale`. */
 static void l2norm(float *out, const float *x, int n, float scale) {
-    float ss = 0.0f;
-    for (int j = 0; j < n; j++) ss += x[j] * x[j];
-    const float r = 1.0f / sqrtf(ss + 1e-6f);
+    const float r = 1.0f / sqrtf(sum_squares(x, n) + 1e-6f);
     for (int j = 0; j < n; j++) out[j] = x[j] * r * scale;
 }
 
 /* A DeltaNet head's read-out o (dv floats) RMS-normed, times the norm's weight and silu(z), into `out` (which may
- * be o itself). */
+ * be o itself). silu by vexp: libm's expf per value took a third of a 256-token prompt's recurrence. */
 static void gated_norm(const RecMixer *r, float *out, const float *o, const float *z) {
     const int dv = r->dv;
-    float ss = 0.0f;
-    for (int j = 0; j < dv; j++) ss += o[j] * o[j];
-    const float rn = 1.0f / sqrtf(ss / (float)dv + r->eps);
-    for (int j = 0; j < dv; j++) out[j] = r->norm[j] * (o[j] * rn) * silu(z[j]);
+    const float rn = 1.0f / sqrtf(sum_squares(o, dv) / (float)dv + r->eps);
+    int j = 0;
+    for (; j + VW <= dv; j += VW) {
+        const vf zj = ld(z + j);
+        st(out + j, ld(r->norm + j) * (ld(o + j) * rn) * (zj / (1.0f + vexp(-zj))));
+    }
+    for (; j < dv; j++) out[j] = r->norm[j] * (o[j] * rn) * silu(z[j]);
 }
 
 /* One token of Gated DeltaNet's value head h: the state [dk, dv] decayed by exp(g), corrected toward v by beta
@@ -275,8 +286,10 @@ static void mamba2_token(const RecMixer *r, float *state, const float *conv, con
  * state is read twice and written once per chunk instead of read and written twice per token. */
 
 #define SCAN_CHUNK 64 /* tokens per chunk (deltanet.py's CHUNK); a multiple of VW */
-#define SCAN_MIN_TOKENS 2 /* prompt tokens from which a sequence takes the chunked scan (measured: see the top) */
+#define SCAN_MIN_TOKENS 4 /* a sequence's tokens from which it takes the chunked scan (measured: see the top) */
 #define SCAN_HEAD 128 /* the widest head (dk, dv) the chunked scan keeps on its stack; wider ones take the token loop */
+#define SCAN_LD (SCAN_HEAD + 16) /* the scratch rows' stride: 576 bytes, so that a column slice of 128 rows
+                                   * spreads over L1's sets (at 512 bytes it fell into a third of them) */
 #define MM_ROWS 4     /* mm_rows' block: MM_ROWS rows x MM_VECS vectors of accumulators in registers */
 #if VW == 16
 #define MM_VECS 4 /* 16 of AVX-512's 32 registers */
@@ -289,12 +302,15 @@ static void mamba2_token(const RecMixer *r, float *state, const float *conv, con
 static void mm_rows(float *out, int ldo, const float *x, int ldx, int rows, const float *b, int ldb, int kdim,
                     int cols, float keep, int acc) {
     const vf zero = {0};
-    for (int i = 0; i < rows; i += MM_ROWS) {
-        int at[MM_ROWS]; /* a short block's missing rows repeat its first (computed, not stored) */
-        for (int m = 0; m < MM_ROWS; m++) at[m] = i + m < rows ? i + m : i;
-        const int nr = rows - i < MM_ROWS ? rows - i : MM_ROWS;
-        int c = 0;
-        for (; c + MM_VECS * VW <= cols; c += MM_VECS * VW) {
+    int c = 0;
+    /* column blocks outside, rows inside: a block's slice of b (kdim x MM_VECS vectors: 32 KiB of a 128 x 128
+     * state) stays in L1 while every row block reads it, where rows outside read the whole state from L2 for
+     * each block of rows */
+    for (; c + MM_VECS * VW <= cols; c += MM_VECS * VW)
+        for (int i = 0; i < rows; i += MM_ROWS) {
+            int at[MM_ROWS]; /* a short block's missing rows repeat its first (computed, not stored) */
+            for (int m = 0; m < MM_ROWS; m++) at[m] = i + m < rows ? i + m : i;
+            const int nr = rows - i < MM_ROWS ? rows - i : MM_ROWS;
             vf sum[MM_ROWS][MM_VECS];
             for (int m = 0; m < MM_ROWS; m++)
                 for (int v = 0; v < MM_VECS; v++)
@@ -310,7 +326,11 @@ static void mm_rows(float *out, int ldo, const float *x, int ldx, int rows, cons
             for (int m = 0; m < nr; m++)
                 for (int v = 0; v < MM_VECS; v++) st(out + (int64_t)(i + m) * ldo + c + v * VW, sum[m][v]);
         }
-        for (; c + VW <= cols; c += VW) {
+    for (; c + VW <= cols; c += VW)
+        for (int i = 0; i < rows; i += MM_ROWS) {
+            int at[MM_ROWS];
+            for (int m = 0; m < MM_ROWS; m++) at[m] = i + m < rows ? i + m : i;
+            const int nr = rows - i < MM_ROWS ? rows - i : MM_ROWS;
             vf sum[MM_ROWS];
             for (int m = 0; m < MM_ROWS; m++) sum[m] = acc ? keep * ld(out + (int64_t)at[m] * ldo + c) : zero;
             for (int a = 0; a < kdim; a++) {
@@ -319,21 +339,20 @@ static void mm_rows(float *out, int ldo, const float *x, int ldx, int rows, cons
             }
             for (int m = 0; m < nr; m++) st(out + (int64_t)(i + m) * ldo + c, sum[m]);
         }
-        for (; c < cols; c++)
-            for (int m = 0; m < nr; m++) {
-                float sum = acc ? keep * out[(int64_t)(i + m) * ldo + c] : 0.0f;
-                for (int a = 0; a < kdim; a++) sum += x[(int64_t)(i + m) * ldx + a] * b[(int64_t)a * ldb + c];
-                out[(int64_t)(i + m) * ldo + c] = sum;
-            }
-    }
+    for (; c < cols; c++)
+        for (int i = 0; i < rows; i++) {
+            float sum = acc ? keep * out[(int64_t)i * ldo + c] : 0.0f;
+            for (int a = 0; a < kdim; a++) sum += x[(int64_t)i * ldx + a] * b[(int64_t)a * ldb + c];
+            out[(int64_t)i * ldo + c] = sum;
+        }
 }
 
 /* A chunk's scratch: rows 0..n-1 of kq the keys, n..2n-1 the queries (l2-normed, the queries scaled); kt the keys
  * transposed (zeros past n; scaled by e^(cum_last - cum_j) for the state's update); ks rows K S0 then Q S0; w rows
  * K K^T then Q K^T, made A then the decayed causal scores in place; u the corrected values. */
 typedef struct {
-    float kq[2 * SCAN_CHUNK][SCAN_HEAD], kt[SCAN_HEAD][SCAN_CHUNK], ks[2 * SCAN_CHUNK][SCAN_HEAD];
-    float w[2 * SCAN_CHUNK][SCAN_CHUNK], u[SCAN_CHUNK][SCAN_HEAD], beta[SCAN_CHUNK], cum[SCAN_CHUNK];
+    float kq[2 * SCAN_CHUNK][SCAN_LD], kt[SCAN_HEAD][SCAN_CHUNK], ks[2 * SCAN_CHUNK][SCAN_LD], s[SCAN_HEAD][SCAN_LD];
+    float w[2 * SCAN_CHUNK][SCAN_CHUNK], u[SCAN_CHUNK][SCAN_LD], beta[SCAN_CHUNK], cum[SCAN_CHUNK];
 } ScanChunk;
 
 /* Columns c .. c + nv VW of the chunk's substitution and read-out, row after row (row i needs u_j, j < i, of the
@@ -378,6 +397,11 @@ static void subst_col(ScanChunk *w, int n, int c, const float *v0, int64_t ldv, 
     }
 }
 
+/* The scratch's state (dk rows of dv) into a state row: the slot's, or a mark's. */
+static void store_state(float *to, const ScanChunk *w, int dk, int dv) {
+    for (int a = 0; a < dk; a++) memcpy(to + (int64_t)a * dv, w->s[a], (size_t)dv * sizeof(float));
+}
+
 /* Sequence q's tokens through value head h by chunks (SCAN_CHUNK, and each mark), its state advanced in place
  * and copied to each mark's row. */
 static void deltanet_chunked(const RecMixer *r, const RecStep *s, int q, int h, float *state) {
@@ -387,7 +411,8 @@ static void deltanet_chunked(const RecMixer *r, const RecStep *s, int q, int h, 
     const float decay_rate = -expf(r->a_log[h]), qscale = 1.0f / sqrtf((float)dk);
     int64_t mark = s->mark_first ? s->mark_first[q] : 0;
     const int64_t mark_end = s->mark_first ? s->mark_first[q + 1] : 0;
-    ScanChunk w; /* ~190 KiB: per item on the thread's stack, no allocation in the step */
+    ScanChunk w; /* ~270 KiB: per item on the thread's stack, no allocation in the step */
+    for (int a = 0; a < dk; a++) memcpy(w.s[a], state + (int64_t)a * dv, (size_t)dv * sizeof(float));
     for (int64_t c0 = 0; c0 < len;) {
         int64_t c1 = c0 + SCAN_CHUNK < len ? c0 + SCAN_CHUNK : len;
         if (mark < mark_end && s->mark_at[mark] < c1) c1 = s->mark_at[mark];
@@ -405,8 +430,8 @@ static void deltanet_chunked(const RecMixer *r, const RecStep *s, int q, int h, 
         for (int i = n; i < np; i++) w.cum[i] = g; /* read by the vector decays below, never used */
         for (int a = 0; a < dk; a++)
             for (int j = 0; j < np; j++) w.kt[a][j] = j < n ? w.kq[j][a] : 0.0f;
-        mm_rows(w.ks[0], SCAN_HEAD, w.kq[0], SCAN_HEAD, 2 * n, state, dv, dk, dv, 0.0f, 0);
-        mm_rows(w.w[0], SCAN_CHUNK, w.kq[0], SCAN_HEAD, 2 * n, w.kt[0], SCAN_CHUNK, dk, np, 0.0f, 0);
+        mm_rows(w.ks[0], SCAN_LD, w.kq[0], SCAN_LD, 2 * n, w.s[0], SCAN_LD, dk, dv, 0.0f, 0);
+        mm_rows(w.w[0], SCAN_CHUNK, w.kq[0], SCAN_LD, 2 * n, w.kt[0], SCAN_CHUNK, dk, np, 0.0f, 0);
         for (int i = 0; i < n; i++) { /* A (row i, j < i) and D (row n + i, j <= i) */
             for (int j = 0; j <= i; j += VW) {
                 const vf e = vexp(w.cum[i] - ld(w.cum + j));
@@ -424,15 +449,16 @@ static void deltanet_chunked(const RecMixer *r, const RecStep *s, int q, int h, 
         for (int j = 0; j < n; j++) tail[j] = expf(g - w.cum[j]);
         for (int a = 0; a < dk; a++)
             for (int j = 0; j < n; j++) w.kt[a][j] *= tail[j];
-        mm_rows(state, dv, w.kt[0], SCAN_CHUNK, dk, w.u[0], SCAN_HEAD, n, dv, expf(g), 1);
+        mm_rows(w.s[0], SCAN_LD, w.kt[0], SCAN_CHUNK, dk, w.u[0], SCAN_LD, n, dv, expf(g), 1);
         for (int i = 0; i < n; i++) {
             const float *z = row0 + (int64_t)i * r->width + C + h * dv;
             gated_norm(r, out0 + (int64_t)i * r->out_k, out0 + (int64_t)i * r->out_k, z);
         }
         if (mark < mark_end && s->mark_at[mark] == c1)
-            memcpy(r->rec_state + (s->mark_row[mark++] * r->heads + h) * size, state, (size_t)size * sizeof(float));
+            store_state(r->rec_state + (s->mark_row[mark++] * r->heads + h) * size, &w, dk, dv);
         c0 = c1;
     }
+    store_state(state, &w, dk, dv);
 }
 
 /* Item i: one sequence's tokens through head i % heads of the recurrence, its state (in the slot, zeros for a

@@ -8,9 +8,10 @@ Qwen3_5TextConfig defaults (16 key heads, 32 value heads of 128) and Qwen3.5-2B'
 real_sizes.py's `qwen3.5-2b`). One thread, CPU time (process time), median of --repeat after one warm-up.
 
 The share: one prefill step of --tokens tokens (the whole prompt in one step, no prefix caching) of a
-random-weight Qwen3.5-2B-shaped model's first --layers layers (fused_vs_torch.hybrid_folder; three Gated DeltaNet
-layers to each full-attention one), CPU time of `LLMEngine.step()` against its linear layers' recurrence as
-measured alone; --no-share skips it (it writes a ~1 GB folder under ~/.cache/pagedllm/real-sizes once).
+random-weight Qwen3.5-2B-shaped model's first --layers layers (fused_vs_torch.hybrid_folder, int8 weights; three
+Gated DeltaNet layers to each full-attention one), CPU time of `LLMEngine.step()` against its linear layers'
+recurrence as measured alone; --no-share skips it (it writes a ~1 GB folder under ~/.cache/pagedllm/real-sizes
+once).
 
     .venv/bin/python -m benchmarks.kernels.recurrent_scan
     .venv/bin/python -m benchmarks.kernels.recurrent_scan --tokens 64 128 --no-share
@@ -171,6 +172,7 @@ def prefill_ms(tokens: int, layers: int, repeat: int) -> float:
     engine = LLMEngine(
         EngineConfig(
             model=hybrid_folder(f"qwen3.5-2b@{layers}"),
+            quantization="int8",  # the fused step runs quantized weights (fused_vs_torch's --hybrid runs)
             log_stats_interval=0,
             max_model_len=tokens + 16,
             max_num_batched_tokens=tokens,

@@ -5,14 +5,19 @@
  * is the conv alone, gated. Each layer's states are read and written in place in their slot: model_step.c checks
  * everything a step follows before its first phase, so no step stops midway with a state half advanced.
  *
- * Why token by token, prefill too: the torch path needs a chunked scan (deltanet.py, mamba2.py) because a token
- * loop costs its ops' dispatch per token; here a token of one head is Dk x Dv multiply-adds over a state that
- * stays in L1/L2 (64 KiB at 128 x 128), a few hundred times fewer flops than the layer's matmuls take for that
- * token, and the work items (sequence, head) keep the threads busy. It is also the form transformers' recurrent
- * decode computes, so a decode token's numbers are the torch path's up to the order of its sums, and a prompt's
- * the chunked scan's up to rounding (the same recurrence, reassociated). It is why a prompt chunk's prefix-cache
- * checkpoints (RecStep's marks, --mamba-cache-mode all) cost a copy each: the loop passes every token's state, so
- * the state after t tokens is copied to its row as the loop passes t, with no split of any scan.
+ * Gated DeltaNet's prompt rows (a sequence of SCAN_MIN_TOKENS or more in the step) run the chunked scan
+ * (deltanet_chunked: deltanet.py's WY form in 64-token chunks), everything else the token loop: Mamba2, decode, and
+ * heads wider than SCAN_HEAD. Why, measured (benchmarks/kernels/recurrent_scan.py, one thread, CPU time, AMD EPYC
+ * Zen 5, docs/benchmarks.md "The fused step's Gated DeltaNet recurrence"): a token of one head in the loop is
+ * Dk x Dv multiply-adds that read and write the whole state (64 KiB at 128 x 128, past L1) twice; the chunked
+ * scan does about as many multiply-adds per token, as products register-blocked over a chunk, the state read
+ * twice and written once per chunk. At Qwen3.5's shapes it is ~2x the loop with AVX-512 from 64 tokens up (1.6x
+ * to 2.5x on a shared machine), 1.2-1.5x with AVX2 at 256 and 1024 tokens, 1.4x at 8 tokens; at 1-2 tokens the
+ * loop is as fast or faster (a chunk's fixed work: the transposed keys, the decays), so shorter sequences keep
+ * it. The recurrence was ~6-7% of a Qwen3.5-2B-shaped prefill step with the loop, ~3.5% now. The scan's numbers
+ * are the token loop's up to the order of the sums (the same recurrence, reassociated, as the torch path's
+ * chunked scan is). A prompt chunk's prefix-cache checkpoints (RecStep's marks, --mamba-cache-mode all) end a
+ * scan chunk, so the state after t tokens is exact there and copied to its row.
  *
  * Numerics follow the torch path in float32: softplus with torch's threshold of 20, sigmoid(b), l2norm x *
  * rsqrt(sum(x^2) + 1e-6), RMS norms x * rsqrt(mean(x^2) + eps) * w, silu(z) = z sigmoid(z).
@@ -411,7 +416,7 @@ static void deltanet_chunked(const RecMixer *r, const RecStep *s, int q, int h, 
     const float decay_rate = -expf(r->a_log[h]), qscale = 1.0f / sqrtf((float)dk);
     int64_t mark = s->mark_first ? s->mark_first[q] : 0;
     const int64_t mark_end = s->mark_first ? s->mark_first[q + 1] : 0;
-    ScanChunk w; /* ~270 KiB: per item on the thread's stack, no allocation in the step */
+    ScanChunk w; /* ~320 KiB on the thread's stack (glibc's threads get 8 MiB), no allocation in the step */
     for (int a = 0; a < dk; a++) memcpy(w.s[a], state + (int64_t)a * dv, (size_t)dv * sizeof(float));
     for (int64_t c0 = 0; c0 < len;) {
         int64_t c1 = c0 + SCAN_CHUNK < len ? c0 + SCAN_CHUNK : len;

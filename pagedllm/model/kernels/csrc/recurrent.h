@@ -52,7 +52,8 @@ typedef struct {
  * Marks (prefix-cache checkpoints inside a prompt chunk, --mamba-cache-mode all; NULL mark_first: none): sequence
  * s's state after its first mark_at[j] tokens (0 < mark_at[j] < len[s], ascending) is also written to state row
  * mark_row[j] (a row of the same state tensors, none of the step's slots), for j in mark_first[s] ..
- * mark_first[s + 1] - 1: the conv's last K-1 inputs and the recurrent state as the token loop passes t. */
+ * mark_first[s + 1] - 1: the conv's last K-1 inputs and the recurrent state as the scan passes t (a chunk of
+ * recurrent.c's chunked scan ends there). */
 typedef struct {
     const int64_t *first, *len, *slot, *positions;
     int T, S;

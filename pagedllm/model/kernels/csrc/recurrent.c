@@ -5,14 +5,19 @@
  * is the conv alone, gated. Each layer's states are read and written in place in their slot: model_step.c checks
  * everything a step follows before its first phase, so no step stops midway with a state half advanced.
  *
- * Why token by token, prefill too: the torch path needs a chunked scan (deltanet.py, mamba2.py) because a token
- * loop costs its ops' dispatch per token; here a token of one head is Dk x Dv multiply-adds over a state that
- * stays in L1/L2 (64 KiB at 128 x 128), a few hundred times fewer flops than the layer's matmuls take for that
- * token, and the work items (sequence, head) keep the threads busy. It is also the form transformers' recurrent
- * decode computes, so a decode token's numbers are the torch path's up to the order of its sums, and a prompt's
- * the chunked scan's up to rounding (the same recurrence, reassociated). It is why a prompt chunk's prefix-cache
- * checkpoints (RecStep's marks, --mamba-cache-mode all) cost a copy each: the loop passes every token's state, so
- * the state after t tokens is copied to its row as the loop passes t, with no split of any scan.
+ * Gated DeltaNet's prompt rows (a sequence of SCAN_MIN_TOKENS or more in the step) run the chunked scan
+ * (deltanet_chunked: deltanet.py's WY form in 64-token chunks), everything else the token loop: Mamba2, decode, and
+ * heads wider than SCAN_HEAD. Why, measured (benchmarks/kernels/recurrent_scan.py, one thread, CPU time, AMD EPYC
+ * Zen 5, docs/benchmarks.md "The fused step's Gated DeltaNet recurrence"): a token of one head in the loop is
+ * Dk x Dv multiply-adds that read and write the whole state (64 KiB at 128 x 128, past L1) twice; the chunked
+ * scan does about as many multiply-adds per token, as products register-blocked over a chunk, the state read
+ * twice and written once per chunk. At Qwen3.5's shapes it is ~2x the loop with AVX-512 from 64 tokens up (1.6x
+ * to 2.5x on a shared machine), 1.2-1.5x with AVX2 at 256 and 1024 tokens, 1.4x at 8 tokens; at 1-2 tokens the
+ * loop is as fast or faster (a chunk's fixed work: the transposed keys, the decays), so shorter sequences keep
+ * it. The recurrence was ~6-7% of a Qwen3.5-2B-shaped prefill step with the loop, ~3.5% now. The scan's numbers
+ * are the token loop's up to the order of the sums (the same recurrence, reassociated, as the torch path's
+ * chunked scan is). A prompt chunk's prefix-cache checkpoints (RecStep's marks, --mamba-cache-mode all) end a
+ * scan chunk, so the state after t tokens is exact there and copied to its row.
  *
  * Numerics follow the torch path in float32: softplus with torch's threshold of 20, sigmoid(b), l2norm x *
  * rsqrt(sum(x^2) + 1e-6), RMS norms x * rsqrt(mean(x^2) + eps) * w, silu(z) = z sigmoid(z).
@@ -23,6 +28,7 @@
 
 #include "recurrent.h"
 #include "simd.h"
+#include "vmath.h"
 
 #define CONV_CH 64   /* channels per conv work item */
 #define MAX_KEEP 15  /* the longest conv state (kernel - 1) */
@@ -183,12 +189,33 @@ void rec_conv(const RecMixer *r, const RecStep *s, int i) {
     store_conv(r, base, hist, n);
 }
 
+/* The sum of x[j]^2 over n floats, in VW lanes (a float sum is one chain of dependent adds: 4 cycles a float). */
+static float sum_squares(const float *x, int n) {
+    vf acc = {0};
+    int j = 0;
+    for (; j + VW <= n; j += VW) acc += ld(x + j) * ld(x + j);
+    float ss = hsum(acc);
+    for (; j < n; j++) ss += x[j] * x[j];
+    return ss;
+}
+
 /* x / |x| over n floats, as l2norm: x * rsqrt(sum(x^2) + 1e-6), times `scale`. */
 static void l2norm(float *out, const float *x, int n, float scale) {
-    float ss = 0.0f;
-    for (int j = 0; j < n; j++) ss += x[j] * x[j];
-    const float r = 1.0f / sqrtf(ss + 1e-6f);
+    const float r = 1.0f / sqrtf(sum_squares(x, n) + 1e-6f);
     for (int j = 0; j < n; j++) out[j] = x[j] * r * scale;
+}
+
+/* A DeltaNet head's read-out o (dv floats) RMS-normed, times the norm's weight and silu(z), into `out` (which may
+ * be o itself). silu by vexp: libm's expf per value took a third of a 256-token prompt's recurrence. */
+static void gated_norm(const RecMixer *r, float *out, const float *o, const float *z) {
+    const int dv = r->dv;
+    const float rn = 1.0f / sqrtf(sum_squares(o, dv) / (float)dv + r->eps);
+    int j = 0;
+    for (; j + VW <= dv; j += VW) {
+        const vf zj = ld(z + j);
+        st(out + j, ld(r->norm + j) * (ld(o + j) * rn) * (zj / (1.0f + vexp(-zj))));
+    }
+    for (; j < dv; j++) out[j] = r->norm[j] * (o[j] * rn) * silu(z[j]);
 }
 
 /* One token of Gated DeltaNet's value head h: the state [dk, dv] decayed by exp(g), corrected toward v by beta
@@ -223,10 +250,7 @@ static void deltanet_token(const RecMixer *r, float *st, const float *conv, cons
             o[j] += srow[j] * qa;
         }
     }
-    float ss = 0.0f;
-    for (int j = 0; j < dv; j++) ss += o[j] * o[j];
-    const float rn = 1.0f / sqrtf(ss / (float)dv + r->eps);
-    for (int j = 0; j < dv; j++) out[j] = r->norm[j] * (o[j] * rn) * silu(z[j]);
+    gated_norm(r, out, o, z);
 }
 
 /* One token of Mamba2's head h: the state [head dim, state size] decayed by exp(dt A), plus dt x B^T; y = state C
@@ -257,13 +281,202 @@ static void mamba2_token(const RecMixer *r, float *state, const float *conv, con
     }
 }
 
+/* ---- Gated DeltaNet's chunked scan ----------------------------------------------------------------------------
+ * A prompt's tokens in chunks of up to SCAN_CHUNK (ending at each mark too, so that the state there is exact),
+ * deltanet.py's chunked (WY) form with the chunk's state S0 [dk, dv]: cum_i the chunk's cumulative log decay up
+ * to token i, the strictly lower system A_ij = beta_i (k_i . k_j) e^(cum_i - cum_j), the corrected values
+ * u = (I + A)^-1 beta (v - e^cum (K S0)) by forward substitution (v_new of deltanet.py: its values - k_cumdecay
+ * S0, one solve instead of two), out_i = e^cum_i q_i S0 + sum_{j <= i} e^(cum_i - cum_j) (q_i . k_j) u_j, and
+ * S = e^cum_last S0 + sum_j e^(cum_last - cum_j) k_j^T u_j. The products are register-blocked (mm_rows): the
+ * state is read twice and written once per chunk instead of read and written twice per token. */
+
+#define SCAN_CHUNK 64 /* tokens per chunk (deltanet.py's CHUNK); a multiple of VW */
+#define SCAN_MIN_TOKENS 4 /* a sequence's tokens from which it takes the chunked scan (measured: see the top) */
+#define SCAN_HEAD 128 /* the widest head (dk, dv) the chunked scan keeps on its stack; wider ones take the token loop */
+#define SCAN_LD (SCAN_HEAD + 16) /* the scratch rows' stride: 576 bytes, so that a column slice of 128 rows
+                                   * spreads over L1's sets (at 512 bytes it fell into a third of them) */
+#define MM_ROWS 4     /* mm_rows' block: MM_ROWS rows x MM_VECS vectors of accumulators in registers */
+#if VW == 16
+#define MM_VECS 4 /* 16 of AVX-512's 32 registers */
+#else
+#define MM_VECS 2 /* 8 of AVX2's 16 */
+#endif
+#define SUB_VECS 4 /* the substitution's columns per pass: 2 x 4 accumulators */
+
+/* out[i][c] = (acc ? keep * out[i][c] : 0) + sum_a x[i][a] b[a][c], for i < rows, c < cols. */
+static void mm_rows(float *out, int ldo, const float *x, int ldx, int rows, const float *b, int ldb, int kdim,
+                    int cols, float keep, int acc) {
+    const vf zero = {0};
+    int c = 0;
+    /* column blocks outside, rows inside: a block's slice of b (kdim x MM_VECS vectors: 32 KiB of a 128 x 128
+     * state) stays in L1 while every row block reads it, where rows outside read the whole state from L2 for
+     * each block of rows */
+    for (; c + MM_VECS * VW <= cols; c += MM_VECS * VW)
+        for (int i = 0; i < rows; i += MM_ROWS) {
+            int at[MM_ROWS]; /* a short block's missing rows repeat its first (computed, not stored) */
+            for (int m = 0; m < MM_ROWS; m++) at[m] = i + m < rows ? i + m : i;
+            const int nr = rows - i < MM_ROWS ? rows - i : MM_ROWS;
+            vf sum[MM_ROWS][MM_VECS];
+            for (int m = 0; m < MM_ROWS; m++)
+                for (int v = 0; v < MM_VECS; v++)
+                    sum[m][v] = acc ? keep * ld(out + (int64_t)at[m] * ldo + c + v * VW) : zero;
+            for (int a = 0; a < kdim; a++) {
+                vf bv[MM_VECS];
+                for (int v = 0; v < MM_VECS; v++) bv[v] = ld(b + (int64_t)a * ldb + c + v * VW);
+                for (int m = 0; m < MM_ROWS; m++) {
+                    const float xm = x[(int64_t)at[m] * ldx + a];
+                    for (int v = 0; v < MM_VECS; v++) sum[m][v] += xm * bv[v];
+                }
+            }
+            for (int m = 0; m < nr; m++)
+                for (int v = 0; v < MM_VECS; v++) st(out + (int64_t)(i + m) * ldo + c + v * VW, sum[m][v]);
+        }
+    for (; c + VW <= cols; c += VW)
+        for (int i = 0; i < rows; i += MM_ROWS) {
+            int at[MM_ROWS];
+            for (int m = 0; m < MM_ROWS; m++) at[m] = i + m < rows ? i + m : i;
+            const int nr = rows - i < MM_ROWS ? rows - i : MM_ROWS;
+            vf sum[MM_ROWS];
+            for (int m = 0; m < MM_ROWS; m++) sum[m] = acc ? keep * ld(out + (int64_t)at[m] * ldo + c) : zero;
+            for (int a = 0; a < kdim; a++) {
+                const vf bv = ld(b + (int64_t)a * ldb + c);
+                for (int m = 0; m < MM_ROWS; m++) sum[m] += x[(int64_t)at[m] * ldx + a] * bv;
+            }
+            for (int m = 0; m < nr; m++) st(out + (int64_t)(i + m) * ldo + c, sum[m]);
+        }
+    for (; c < cols; c++)
+        for (int i = 0; i < rows; i++) {
+            float sum = acc ? keep * out[(int64_t)i * ldo + c] : 0.0f;
+            for (int a = 0; a < kdim; a++) sum += x[(int64_t)i * ldx + a] * b[(int64_t)a * ldb + c];
+            out[(int64_t)i * ldo + c] = sum;
+        }
+}
+
+/* A chunk's scratch: rows 0..n-1 of kq the keys, n..2n-1 the queries (l2-normed, the queries scaled); kt the keys
+ * transposed (zeros past n; scaled by e^(cum_last - cum_j) for the state's update); ks rows K S0 then Q S0; w rows
+ * K K^T then Q K^T, made A then the decayed causal scores in place; u the corrected values. */
+typedef struct {
+    float kq[2 * SCAN_CHUNK][SCAN_LD], kt[SCAN_HEAD][SCAN_CHUNK], ks[2 * SCAN_CHUNK][SCAN_LD], s[SCAN_HEAD][SCAN_LD];
+    float w[2 * SCAN_CHUNK][SCAN_CHUNK], u[SCAN_CHUNK][SCAN_LD], beta[SCAN_CHUNK], cum[SCAN_CHUNK];
+} ScanChunk;
+
+/* Columns c .. c + nv VW of the chunk's substitution and read-out, row after row (row i needs u_j, j < i, of the
+ * same columns only): u_i = beta_i (v_i - e^cum_i (K S0)_i) - sum_{j<i} A_ij u_j, then out_i = e^cum_i (Q S0)_i +
+ * sum_{j<=i} D_ij u_j. nv is a constant at each call (inlined), so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void subst_vecs(ScanChunk *w, int n, int c, int nv, const float *v0,
+                                                            int64_t ldv, float *o0, int64_t ldo) {
+    for (int i = 0; i < n; i++) {
+        const float e = expf(w->cum[i]), b = w->beta[i];
+        vf su[SUB_VECS], so[SUB_VECS];
+        for (int x = 0; x < nv; x++) {
+            su[x] = b * (ld(v0 + i * ldv + c + x * VW) - e * ld(w->ks[i] + c + x * VW));
+            so[x] = e * ld(w->ks[n + i] + c + x * VW);
+        }
+        for (int j = 0; j < i; j++) {
+            const float a = w->w[i][j], d = w->w[n + i][j];
+            for (int x = 0; x < nv; x++) {
+                const vf uj = ld(w->u[j] + c + x * VW);
+                su[x] -= a * uj;
+                so[x] += d * uj;
+            }
+        }
+        const float d = w->w[n + i][i];
+        for (int x = 0; x < nv; x++) {
+            st(w->u[i] + c + x * VW, su[x]);
+            st(o0 + i * ldo + c + x * VW, so[x] + d * su[x]);
+        }
+    }
+}
+
+/* subst_vecs for one column c past the last whole vector. */
+static void subst_col(ScanChunk *w, int n, int c, const float *v0, int64_t ldv, float *o0, int64_t ldo) {
+    for (int i = 0; i < n; i++) {
+        const float e = expf(w->cum[i]);
+        float su = w->beta[i] * (v0[i * ldv + c] - e * w->ks[i][c]), so = e * w->ks[n + i][c];
+        for (int j = 0; j < i; j++) {
+            su -= w->w[i][j] * w->u[j][c];
+            so += w->w[n + i][j] * w->u[j][c];
+        }
+        w->u[i][c] = su;
+        o0[i * ldo + c] = so + w->w[n + i][i] * su;
+    }
+}
+
+/* The scratch's state (dk rows of dv) into a state row: the slot's, or a mark's. */
+static void store_state(float *to, const ScanChunk *w, int dk, int dv) {
+    for (int a = 0; a < dk; a++) memcpy(to + (int64_t)a * dv, w->s[a], (size_t)dv * sizeof(float));
+}
+
+/* Sequence q's tokens through value head h by chunks (SCAN_CHUNK, and each mark), its state advanced in place
+ * and copied to each mark's row. */
+static void deltanet_chunked(const RecMixer *r, const RecStep *s, int q, int h, float *state) {
+    const int dk = r->dk, dv = r->dv, kh = r->tiled ? h % r->groups : h / (r->heads / r->groups), key = r->groups * dk;
+    const int value = r->heads * dv, C = r->conv_dim;
+    const int64_t t0 = s->first[q], len = s->len[q], size = (int64_t)dk * dv;
+    const float decay_rate = -expf(r->a_log[h]), qscale = 1.0f / sqrtf((float)dk);
+    int64_t mark = s->mark_first ? s->mark_first[q] : 0;
+    const int64_t mark_end = s->mark_first ? s->mark_first[q + 1] : 0;
+    ScanChunk w; /* ~320 KiB on the thread's stack (glibc's threads get 8 MiB), no allocation in the step */
+    for (int a = 0; a < dk; a++) memcpy(w.s[a], state + (int64_t)a * dv, (size_t)dv * sizeof(float));
+    for (int64_t c0 = 0; c0 < len;) {
+        int64_t c1 = c0 + SCAN_CHUNK < len ? c0 + SCAN_CHUNK : len;
+        if (mark < mark_end && s->mark_at[mark] < c1) c1 = s->mark_at[mark];
+        const int n = (int)(c1 - c0), np = (n + VW - 1) / VW * VW;
+        const float *conv0 = conv_rows(r, s) + (t0 + c0) * C, *row0 = canon_rows(r, s) + (t0 + c0) * r->width;
+        float g = 0.0f;
+        for (int i = 0; i < n; i++) {
+            const float *conv = conv0 + (int64_t)i * C, *row = row0 + (int64_t)i * r->width;
+            l2norm(w.kq[i], conv + key + kh * dk, dk, 1.0f);
+            l2norm(w.kq[n + i], conv + kh * dk, dk, qscale);
+            w.beta[i] = sigmoid(row[C + value + h]);
+            g += decay_rate * softplus(row[C + value + r->heads + h] + r->dt_bias[h]);
+            w.cum[i] = g;
+        }
+        for (int i = n; i < np; i++) w.cum[i] = g; /* read by the vector decays below, never used */
+        for (int a = 0; a < dk; a++)
+            for (int j = 0; j < np; j++) w.kt[a][j] = j < n ? w.kq[j][a] : 0.0f;
+        mm_rows(w.ks[0], SCAN_LD, w.kq[0], SCAN_LD, 2 * n, w.s[0], SCAN_LD, dk, dv, 0.0f, 0);
+        mm_rows(w.w[0], SCAN_CHUNK, w.kq[0], SCAN_LD, 2 * n, w.kt[0], SCAN_CHUNK, dk, np, 0.0f, 0);
+        for (int i = 0; i < n; i++) { /* A (row i, j < i) and D (row n + i, j <= i) */
+            for (int j = 0; j <= i; j += VW) {
+                const vf e = vexp(w.cum[i] - ld(w.cum + j));
+                st(w.w[i] + j, w.beta[i] * e * ld(w.w[i] + j));
+                st(w.w[n + i] + j, e * ld(w.w[n + i] + j));
+            }
+        }
+        float *out0 = rec_out(r, s) + (t0 + c0) * r->out_k + (int64_t)h * dv;
+        const float *v0 = conv0 + 2 * key + h * dv;
+        int c = 0;
+        for (; c + SUB_VECS * VW <= dv; c += SUB_VECS * VW) subst_vecs(&w, n, c, SUB_VECS, v0, C, out0, r->out_k);
+        for (; c + VW <= dv; c += VW) subst_vecs(&w, n, c, 1, v0, C, out0, r->out_k);
+        for (; c < dv; c++) subst_col(&w, n, c, v0, C, out0, r->out_k);
+        float tail[SCAN_CHUNK]; /* e^(cum_last - cum_j): key j's decay to the chunk's end */
+        for (int j = 0; j < n; j++) tail[j] = expf(g - w.cum[j]);
+        for (int a = 0; a < dk; a++)
+            for (int j = 0; j < n; j++) w.kt[a][j] *= tail[j];
+        mm_rows(w.s[0], SCAN_LD, w.kt[0], SCAN_CHUNK, dk, w.u[0], SCAN_LD, n, dv, expf(g), 1);
+        for (int i = 0; i < n; i++) {
+            const float *z = row0 + (int64_t)i * r->width + C + h * dv;
+            gated_norm(r, out0 + (int64_t)i * r->out_k, out0 + (int64_t)i * r->out_k, z);
+        }
+        if (mark < mark_end && s->mark_at[mark] == c1)
+            store_state(r->rec_state + (s->mark_row[mark++] * r->heads + h) * size, &w, dk, dv);
+        c0 = c1;
+    }
+    store_state(state, &w, dk, dv);
+}
+
 /* Item i: one sequence's tokens through head i % heads of the recurrence, its state (in the slot, zeros for a
  * sequence at position 0) advanced in place. */
-void rec_scan(const RecMixer *r, const RecStep *s, int i) {
+void rec_scan_as(const RecMixer *r, const RecStep *s, int i, int chunked) {
     const int q = i / r->heads, h = i % r->heads;
     const int64_t size = (int64_t)r->dk * r->dv, t0 = s->first[q], t1 = t0 + s->len[q];
     float *st = r->rec_state + (s->slot[q] * r->heads + h) * size;
     if (s->positions[t0] == 0) memset(st, 0, (size_t)size * sizeof(float));
+    if (chunked && r->kind == MIX_GATED_DELTANET && r->dk <= SCAN_HEAD && r->dv <= SCAN_HEAD) {
+        deltanet_chunked(r, s, q, h, st);
+        return;
+    }
     const int head_out = r->kind == MIX_MAMBA2 ? r->dk : r->dv;
     int64_t mark = s->mark_first ? s->mark_first[q] : 0;
     const int64_t mark_end = s->mark_first ? s->mark_first[q + 1] : 0;
@@ -277,6 +490,10 @@ void rec_scan(const RecMixer *r, const RecStep *s, int i) {
         if (mark < mark_end && s->mark_at[mark] == t + 1 - t0) /* a checkpoint after these t + 1 - t0 tokens */
             memcpy(r->rec_state + (s->mark_row[mark++] * r->heads + h) * size, st, (size_t)size * sizeof(float));
     }
+}
+
+void rec_scan(const RecMixer *r, const RecStep *s, int i) {
+    rec_scan_as(r, s, i, s->len[i / r->heads] >= SCAN_MIN_TOKENS);
 }
 
 /* Row t of Mamba2's output: y * silu(z), RMS-normed over each group's channels, times the norm's weight. */

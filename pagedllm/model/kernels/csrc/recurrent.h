@@ -52,7 +52,8 @@ typedef struct {
  * Marks (prefix-cache checkpoints inside a prompt chunk, --mamba-cache-mode all; NULL mark_first: none): sequence
  * s's state after its first mark_at[j] tokens (0 < mark_at[j] < len[s], ascending) is also written to state row
  * mark_row[j] (a row of the same state tensors, none of the step's slots), for j in mark_first[s] ..
- * mark_first[s + 1] - 1: the conv's last K-1 inputs and the recurrent state as the token loop passes t. */
+ * mark_first[s + 1] - 1: the conv's last K-1 inputs and the recurrent state as the scan passes t (a chunk of
+ * recurrent.c's chunked scan ends there). */
 typedef struct {
     const int64_t *first, *len, *slot, *positions;
     int T, S;
@@ -71,5 +72,9 @@ int rec_scan_items(const RecMixer *r, int S);
 void rec_permute(const RecMixer *r, const RecStep *s, int t);
 void rec_conv(const RecMixer *r, const RecStep *s, int i);
 void rec_scan(const RecMixer *r, const RecStep *s, int i);
+/* rec_scan's item by Gated DeltaNet's chunked scan (chunked 1, where the head fits it) or by the token loop (0),
+ * whatever the sequence's length: rec_scan picks by length; tests and benchmarks/kernels/recurrent_scan.py
+ * compare the two. */
+void rec_scan_as(const RecMixer *r, const RecStep *s, int i, int chunked);
 void rec_norm(const RecMixer *r, const RecStep *s, int t);
 #endif

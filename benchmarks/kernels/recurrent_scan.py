@@ -1,0 +1,235 @@
+"""The fused C step's Gated DeltaNet recurrence alone (recurrent.c's rec_scan items of one layer), token loop
+against the chunked scan, and the recurrence's share of a whole fused-step prefill.
+
+The recurrence: `rec_scan_as` called for every (sequence, value head) item of one layer over a prompt chunk of
+--tokens tokens from a carried state, on random rows (the conv's q, k, v, the projections' z, b, a), by the token
+loop (`deltanet_token` per token) and by the chunked scan (64-token chunks). Shapes: transformers'
+Qwen3_5TextConfig defaults (16 key heads, 32 value heads of 128) and Qwen3.5-2B's (16 and 16 of 128,
+real_sizes.py's `qwen3.5-2b`). One thread, CPU time (process time), median of --repeat after one warm-up.
+
+The share: one prefill step of --tokens tokens (the whole prompt in one step, no prefix caching) of a
+random-weight Qwen3.5-2B-shaped model's first --layers layers (fused_vs_torch.hybrid_folder, int8 weights; three
+Gated DeltaNet layers to each full-attention one), CPU time of `LLMEngine.step()` against its linear layers'
+recurrence as measured alone; --no-share skips it (it writes a ~1 GB folder under ~/.cache/pagedllm/real-sizes
+once).
+
+    .venv/bin/python -m benchmarks.kernels.recurrent_scan
+    .venv/bin/python -m benchmarks.kernels.recurrent_scan --tokens 64 128 --no-share
+    .venv/bin/python -m benchmarks.kernels.recurrent_scan --cpu-target x86-64-v3 --no-share
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import random
+import statistics
+import time
+
+if __name__ == "__main__":  # before torch loads: the class to build and measure (cpu_target.py)
+    from benchmarks import cpu_target
+
+    cpu_target.select()
+
+import numpy as np
+
+from benchmarks.common import cpu_line
+from pagedllm.model.kernels import cpu_kernel
+
+MIX_GATED_DELTANET = 0  # recurrent.h's RecMixer.kind
+SHAPES = {"Qwen3_5TextConfig defaults": (16, 32, 128), "Qwen3.5-2B": (16, 16, 128)}  # key heads, value heads, dim
+
+
+class DeltaNetScan:
+    """One Gated DeltaNet layer's rec_scan items over given sequences, on random rows: RecMixer and RecStep as
+    model_step.c hands them to recurrent.c (no permutation: the raw rows are the canonical ones).
+
+    `lens`: each sequence's tokens in this chunk; `marks`: per sequence, the offsets after which its state is also
+    written to a row of its own (RecStep's marks); `carried`: the sequences start from a random state (positions
+    past 0) instead of zeros. `dk`: the key head dim (default: `dim`, also the value head's)."""
+
+    def __init__(
+        self,
+        key_heads: int,
+        value_heads: int,
+        dim: int,
+        lens: list[int],
+        marks: list[list[int]] | None = None,
+        carried: bool = True,
+        seed: int = 0,
+        dk: int | None = None,
+    ) -> None:
+        self.lib = cpu_kernel.load()
+        if self.lib is None:
+            raise RuntimeError("the CPU kernels could not be built here")
+        rng = np.random.default_rng(seed)
+        dk = dk or dim
+        heads, dv, S = value_heads, dim, len(lens)
+        marks = marks or [[] for _ in lens]
+        key, value = key_heads * dk, heads * dv
+        conv_dim, self.T = 2 * key + value, sum(lens)
+        width = conv_dim + value + 2 * heads
+        self.items = S * heads
+        self.slots = S + sum(len(m) for m in marks)
+        f32 = np.float32
+        self.rows = np.zeros(self.T * (2 * width + conv_dim + value), f32)
+        raw = self.rows[: self.T * width].reshape(self.T, width)
+        raw[:] = rng.standard_normal((self.T, width))
+        conv = self.rows[2 * self.T * width : 2 * self.T * width + self.T * conv_dim].reshape(self.T, conv_dim)
+        conv[:] = rng.standard_normal((self.T, conv_dim))
+        conv[:, : 2 * key] = np.log1p(np.exp(conv[:, : 2 * key]))  # q, k after silu: mostly positive, correlated
+        self.out = self.rows[-self.T * value :].reshape(self.T, value)
+        self.state0 = (rng.standard_normal((self.slots, heads, dk, dv)) * 0.1).astype(f32)
+        self.state = self.state0.copy()
+        first = np.cumsum([0, *lens[:-1]]).astype(np.int64)
+        positions = np.concatenate([np.arange(n) + (7 if carried else 0) for n in lens]).astype(np.int64)
+        mark_first = np.cumsum([0, *[len(m) for m in marks]]).astype(np.int64)
+        self._keep = [
+            a_log := rng.uniform(-2, 1, heads).astype(f32),  # spread as a trained model's (hybrid_folder)
+            dt_bias := (rng.standard_normal(heads) * 0.5).astype(f32),
+            norm := (1 + 0.1 * rng.standard_normal(dv)).astype(f32),
+            first,
+            lens_a := np.array(lens, np.int64),
+            slot := np.arange(S, dtype=np.int64),
+            positions,
+            mark_first,
+            mark_at := np.array([a for m in marks for a in m], np.int64),
+            mark_row := np.arange(S, self.slots, dtype=np.int64),
+        ]
+        fields = dict(kind=MIX_GATED_DELTANET, width=width, conv_dim=conv_dim, kernel=4, heads=heads)
+        mixer = cpu_kernel.c_structs("recurrent.h")["RecMixer"](
+            **fields,
+            groups=key_heads,
+            dk=dk,
+            dv=dv,
+            out_k=value,
+            a_log=a_log.ctypes.data,
+            dt_bias=dt_bias.ctypes.data,
+            norm=norm.ctypes.data,
+            eps=1e-6,
+            rec_state=self.state.ctypes.data,
+            slots=self.slots,
+        )
+        step = cpu_kernel.c_structs("recurrent.h")["RecStep"](
+            first=first.ctypes.data,
+            len=lens_a.ctypes.data,
+            slot=slot.ctypes.data,
+            positions=positions.ctypes.data,
+            T=self.T,
+            S=S,
+            rows=self.rows.ctypes.data,
+            mark_first=mark_first.ctypes.data if len(mark_at) else None,
+            mark_at=mark_at.ctypes.data if len(mark_at) else None,
+            mark_row=mark_row.ctypes.data if len(mark_at) else None,
+        )
+        self.mixer, self.step = mixer, step
+        self._args = ctypes.addressof(mixer), ctypes.addressof(step)
+
+    def run(self, chunked: bool) -> tuple[np.ndarray, np.ndarray]:
+        """Every item from the starting states, by the chunked scan or the token loop: the mixer's output rows
+        (after the gated norm) and every state row (the slots, then the marks' rows), as copies."""
+        self.state[:] = self.state0
+        self.scan(chunked)
+        return self.out.copy(), self.state.copy()
+
+    def scan(self, chunked: bool) -> None:
+        """The layer's items once, advancing the states in place (what a timing repeats)."""
+        for i in range(self.items):
+            self.lib.rec_scan_as(*self._args, i, int(chunked))
+
+
+def median_cpu_ms(fn, repeat: int) -> float:
+    """The median CPU (process) time of `fn` over `repeat` calls after one warm-up, in ms."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        t = time.process_time()
+        fn()
+        times.append(time.process_time() - t)
+    return statistics.median(times) * 1e3
+
+
+def recurrence_ms(shape: tuple[int, int, int], tokens: int, repeat: int) -> dict[str, float]:
+    """One layer's recurrence over a `tokens`-token chunk from a carried state, per path, and the paths' largest
+    difference relative to the output's largest value."""
+    scan = DeltaNetScan(*shape, [tokens])
+    (tok, _), (chk, _) = scan.run(False), scan.run(True)
+    diff = float(np.abs(tok - chk).max() / np.abs(tok).max())
+    return {
+        "token loop": median_cpu_ms(lambda: scan.scan(False), repeat),
+        "chunked": median_cpu_ms(lambda: scan.scan(True), repeat),
+        "diff": diff,
+    }
+
+
+def prefill_ms(tokens: int, layers: int, repeat: int) -> float:
+    """CPU ms of one fused prefill step of `tokens` random tokens (the whole prompt in one step) of the
+    Qwen3.5-2B-shaped model's first `layers` layers, median of `repeat` after one warm-up."""
+    from benchmarks.kernels.fused_vs_torch import hybrid_folder
+    from pagedllm import SamplingParams
+    from pagedllm.engine import EngineConfig, LLMEngine
+
+    engine = LLMEngine(
+        EngineConfig(
+            model=hybrid_folder(f"qwen3.5-2b@{layers}"),
+            quantization="int8",  # the fused step runs quantized weights (fused_vs_torch's --hybrid runs)
+            log_stats_interval=0,
+            max_model_len=tokens + 16,
+            max_num_batched_tokens=tokens,
+            enable_prefix_caching=False,
+        )
+    )
+    if engine.runner.fused is None:
+        raise SystemExit("this model does not run the fused step here (see the log line)")
+    rng = random.Random(0)
+    times = []
+    for i in range(repeat + 1):
+        prompt = [rng.randrange(200, engine.model_config.vocab_size) for _ in range(tokens)]
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        t = time.process_time()
+        engine.step()
+        times.append(time.process_time() - t)
+        while engine.has_unfinished_requests():
+            engine.step()
+    return statistics.median(times[1:]) * 1e3
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, nargs="+", default=[256, 1024])
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--layers", type=int, default=4, help="the prefill model's layers (3 linear to 1 full)")
+    p.add_argument("--no-share", action="store_true", help="the recurrence alone, no prefill step")
+    cpu_target.add_argument(p)
+    a = p.parse_args()
+    import torch
+
+    torch.set_num_threads(1)  # the fused step runs on torch's thread count
+    print(f"CPU: {cpu_line()}")
+    print("one layer's Gated DeltaNet recurrence in the fused C step, one thread, CPU ms (median):")
+    rec = {}
+    for name, shape in SHAPES.items():
+        for n in a.tokens:
+            rec[name, n] = got = recurrence_ms(shape, n, a.repeat)
+            print(
+                f"  {name} {shape[0]}/{shape[1]} heads of {shape[2]}, {n} tokens: token loop "
+                f"{got['token loop']:.2f}, chunked {got['chunked']:.2f} "
+                f"({got['token loop'] / got['chunked']:.2f}x); max |diff| {got['diff']:.1e} of the largest"
+            )
+    if a.no_share:
+        return 0
+    linear = a.layers - a.layers // 4
+    for n in a.tokens:
+        step = prefill_ms(n, a.layers, a.repeat)
+        got = rec["Qwen3.5-2B", n]
+        print(
+            f"  prefill step, Qwen3.5-2B-like first {a.layers} layers ({linear} linear), {n} tokens: {step:.1f} ms; "
+            f"its recurrence {linear} x {got['chunked']:.2f} ms = {100 * linear * got['chunked'] / step:.1f}% "
+            f"(with the token loop: {linear} x {got['token loop']:.2f} ms, "
+            f"{100 * linear * got['token loop'] / (step + linear * (got['token loop'] - got['chunked'])):.1f}%)"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

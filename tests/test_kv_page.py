@@ -130,6 +130,14 @@ ROWS_JS = """return [...document.querySelectorAll('#requests tbody tr')].map(tr 
                                                       block: +c.dataset.block}))}));"""
 
 
+def text_of(driver, element_id: str) -> str:
+    """An element's rendered text, looked up and read in one script: the page rebuilds its parts on every
+    update, so an element found by one WebDriver call can be gone (stale) by the next."""
+    return driver.execute_script(
+        "const e = document.getElementById(arguments[0]); return e ? e.innerText : '';", element_id
+    )
+
+
 def wait_for(what: str, check, timeout: float = 90.0):
     deadline = time.monotonic() + timeout
     while True:
@@ -160,7 +168,7 @@ def test_page_shows_sharing_and_returns_to_free(server, browser, capsys):
     the page is read: the requests are running when the page looks, on any CPU (held, not outrun)."""
     base, http, engine = server
     browser.get(f"{base}/kv#key={KEY}")
-    wait_for("its first update", lambda: "live" in browser.find_element("id", "status").text)
+    wait_for("its first update", lambda: "live" in text_of(browser, "status"))
     r = http.post("/v1/completions", headers=AUTH, json={"prompt": EARLIER * 2, "max_tokens": 1})
     assert r.status_code == 200, r.text
     n = sum(n for _, n in GROUPS.values())
@@ -174,7 +182,7 @@ def test_page_shows_sharing_and_returns_to_free(server, browser, capsys):
         t.join()
     wait_for(
         "an empty request table",
-        lambda: browser.execute_script(ROWS_JS) == [] and browser.find_element("id", "c-used").text == "0",
+        lambda: browser.execute_script(ROWS_JS) == [] and text_of(browser, "c-used") == "0",
     )
     check_map_pixels_are_free(browser, http)
     errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
@@ -212,8 +220,8 @@ def check_hover_on_shared_block(driver, rows) -> None:
         "the block's decoded text",
         lambda: driver.execute_script("const e = document.getElementById('d-text'); return e && e.textContent;"),
     )
-    assert driver.find_element("id", "d-ref").text == "3"
-    assert sorted(driver.find_element("id", "d-holders").text.split(", ")) == group_a
+    assert text_of(driver, "d-ref") == "3"
+    assert sorted(text_of(driver, "d-holders").split(", ")) == group_a
     assert PREFIX_A.startswith(text) and len(text) > 10  # its first 16 tokens, decoded
 
 
@@ -249,7 +257,7 @@ def test_aggregated_cells_in_the_page(server, browser):
     state = http.get("/v1/kv/blocks?max_cells=32", headers=AUTH).json()
     check_stacks(browser, state, range(32))
     hover_cell(browser, canvas, 1)
-    text = wait_for("a run's detail", lambda: browser.find_element("id", "detail").text)
+    text = wait_for("a run's detail", lambda: text_of(browser, "detail"))
     assert text.startswith("blocks 4–7: ")
 
 
@@ -287,10 +295,10 @@ def test_a_100k_block_pool_renders(browser):
         )
         state = httpx.get(f"{base}/v1/kv/blocks", timeout=60).json()
         assert len(state["map"]["counts"]) == len(state["map"]["state"]) == 7_693 and state["blocks"] is None
-        assert browser.find_element("id", "c-used").text == f"{state['counters']['num_used_blocks']:,}"
+        assert text_of(browser, "c-used") == f"{state['counters']['num_used_blocks']:,}"
         check_stacks(browser, state, range(0, 7_693, 37))
         hover_cell(browser, canvas, 5)
-        detail = wait_for("a run's detail", lambda: browser.find_element("id", "detail").text)
+        detail = wait_for("a run's detail", lambda: text_of(browser, "detail"))
         counts = ", ".join(f"{n} {s}" for s, n in zip(state["map"]["states"], state["map"]["counts"][5]) if n)
         assert detail == f"blocks 65–77: {counts}"
     finally:
@@ -373,7 +381,7 @@ def test_the_page_names_a_hybrid_models_state_slots(browser):
     base = f"http://127.0.0.1:{srv.uvicorn.servers[0].sockets[0].getsockname()[1]}"
     try:
         browser.get(f"{base}/kv")
-        text = wait_for("the header", lambda: (t := browser.find_element("id", "pool").text) and "state" in t and t)
+        text = wait_for("the header", lambda: (t := text_of(browser, "pool")) and "state" in t and t)
         assert (
             "recurrent state (3 mamba2 layers): 12,345 bytes per request, slots 1 used / 2 free, "
             "checkpoints 1 in 2 pool blocks (2 each, 0 held)" in text
@@ -399,7 +407,7 @@ def check_checkpoint_blocks(driver, base: str, kv, ids: set[int]) -> None:
     assert (c["num_free_blocks"], c["num_evictable_blocks"]) == (kv.num_free_blocks, kv.num_cached_blocks)
     assert c["num_used_blocks"] == kv.num_used_blocks and c["slots_allocated"] == 16 * kv.num_used_blocks
     legend = [li.get_attribute("data-state") for li in driver.find_elements("css selector", "#legend li")]
-    assert legend[-1] == "checkpoint" and driver.find_element("id", "c-checkpoint").text == "2"
+    assert legend[-1] == "checkpoint" and text_of(driver, "c-checkpoint") == "2"
     rgb = [int(mp["colors"]["checkpoint"][i : i + 2], 16) for i in (1, 3, 5)]
     for i in ids:
         pixel = driver.execute_script(

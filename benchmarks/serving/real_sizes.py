@@ -329,18 +329,20 @@ def _pool(qtype, folder: str, rng) -> np.ndarray:
 
 
 def _kquant_blocks(qtype, rng, n: int = 1 << 16) -> np.ndarray:
-    """`n` K-quant blocks (Q4_K, Q5_K, Q6_K) of random codes and scales under a fixed normal float16 scale
+    """`n` blocks (Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS) of random codes and scales under a fixed normal float16 scale
     (1e-4: weights of a few hundredths, no NaN, inf or subnormal to slow a kernel down), where no llama.cpp
     file in the folder has blocks to copy: the decode kernels' speed does not depend on the codes."""
     import gguf
 
-    kinds = (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K, gguf.GGMLQuantizationType.Q6_K)
-    if qtype not in kinds:
+    Q = gguf.GGMLQuantizationType
+    if qtype not in (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS):
         raise SystemExit(f"no {qtype.name} blocks: the gguf package cannot quantize it")
     size = gguf.GGML_QUANT_SIZES[qtype][1]
     blocks = rng.integers(0, 256, (n, size), dtype=np.uint8)
     scale = np.full(n, 1e-4, np.float16).view(np.uint8).reshape(n, 2)
-    if qtype == gguf.GGMLQuantizationType.Q6_K:  # codes, high bits, 16 int8 scales, then d
+    if qtype in (Q.IQ4_NL, Q.IQ4_XS):  # d first (IQ4_XS: then 6-bit sub-scales, then the codes)
+        blocks[:, 0:2] = scale
+    elif qtype == Q.Q6_K:  # codes, high bits, 16 int8 scales, then d
         blocks[:, size - 2 :] = scale
     else:  # d and dmin first, then 12 bytes of 6-bit scales and mins, then the codes
         blocks[:, 0:2] = blocks[:, 2:4] = scale
@@ -370,9 +372,10 @@ def _use_more_bits(i: int, n: int) -> bool:
 def write_random(name: str, path: str, kind: str = "F16", seed: int = 0, folder: str = DEFAULT_DIR) -> None:
     """The shape's random GGUF (norms 1, biases 0, matrices N(0, 0.02)) with its matrices in `kind`: F16, or a
     quantized type (Q4_0, Q8_0, MXFP4 quantized by the `gguf` package; Q4_K, Q6_K copied from llama.cpp's own
-    blocks, `_pool`); `DENSE+EXPERTS` puts a MoE shape's expert tensors in the second type (Q8_0+MXFP4: as
-    llama.cpp's MXFP4_MOE mix stores gpt-oss; Q4_K+Q4_K: Q4_K_M's, with the down experts of the layers it keeps
-    in Q6_K in Q6_K); `Q4_0-mix` / `Q4_K_M-mix`: a dense shape's matrices each in the type that mix gives it
+    blocks, `_pool`; IQ4_NL, IQ4_XS random blocks); `DENSE+EXPERTS` puts a MoE shape's expert tensors in the
+    second type (Q8_0+MXFP4: as llama.cpp's MXFP4_MOE mix stores gpt-oss; Q4_K+Q4_K: Q4_K_M's, with the down
+    experts of the layers it keeps in Q6_K in Q6_K; Q8_0+IQ4_XS: the experts in IQ4_XS, run as written);
+    `Q4_0-mix` / `Q4_K_M-mix`: a dense shape's matrices each in the type that mix gives it
     (`mix_type`). Why: llama.cpp's quantizer copies a tensor already in the type it picks, so a source
     written in the mix's own types becomes the mix in seconds, where quantizing a 10 GB MoE source from Q8_0
         took over an hour on this busy host (and a 3.8B dense one to Q4_K_M ~45 min at load 20). The matrices are

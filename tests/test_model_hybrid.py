@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -34,6 +36,7 @@ from pagedllm.model.params import param_count
 from pagedllm.model.runner import bytes_per_block
 
 TOL = 1e-4  # of the largest logit
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: the subprocesses import it
 FAMILIES = ["qwen3_5", "qwen3_next", "qwen3_5_moe"]
 _SHAPE = dict(
     vocab_size=256,
@@ -454,6 +457,35 @@ def test_the_fused_step_writes_the_states_at_marks_as_the_torch_path(quantized, 
     mark row and slot of every Gated DeltaNet layer (conv and recurrent state) the same within the tolerance."""
     _, loaded = quantized[family]
     assert_marked_states_match(marks_fused_and_torch(loaded, _tokens(70, 1), _tokens(9, 2)), TOL)
+
+
+# A prompt chunk on the fused step in a thread of a 256 KiB stack (musl's threads get 128 KiB): the chunked scan's
+# ~320 KiB of scratch must come from the heap (model_step.c's per-thread Scratch), not the stack
+SMALL_STACK_STEP = """
+import sys, threading, torch
+from pagedllm.model import ModelRunner, SeqChunk, load_model
+torch.set_num_threads(1)  # the step runs on the calling thread
+loaded = load_model(sys.argv[1], "float32", "cpu", False, "int8", quantized_activations="none")
+runner = ModelRunner(loaded, num_blocks=8, block_size=16, fused=True, num_state_slots=2)
+assert runner.fused is not None
+threading.stack_size(256 * 1024)
+out = []
+chunk = SeqChunk(list(range(3, 83)), 0, list(range(8)), state_slot=0)
+thread = threading.Thread(target=lambda: out.append(runner.execute([chunk])))
+thread.start()
+thread.join()
+assert out and torch.isfinite(out[0]).all()
+"""
+
+
+def test_a_prompt_chunk_on_the_fused_step_fits_a_small_thread_stack(models):
+    """An 80-token prompt chunk of Qwen3.5 (its Gated DeltaNet layers take the chunked scan) through the fused
+    step in a thread whose stack is 256 KiB, in a process of its own (an overflow kills it): it finishes."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    done = subprocess.run(
+        [sys.executable, "-c", SMALL_STACK_STEP, models["qwen3_5"][2]], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_the_fused_step_refuses_marks_it_cannot_write(quantized):

@@ -123,7 +123,12 @@ class DeltaNetScan:
             mark_row=mark_row.ctypes.data if len(mark_at) else None,
         )
         self.mixer, self.step = mixer, step
+        # a thread's scan scratch, 64-byte aligned, as model_step.c allocates it
+        size = self.lib.rec_scratch_bytes(ctypes.addressof(mixer))
+        self._scratch = np.zeros(size + 64, np.uint8)
+        scratch = self._scratch.ctypes.data + (-self._scratch.ctypes.data) % 64
         self._args = ctypes.addressof(mixer), ctypes.addressof(step)
+        self._scratch_at = scratch
 
     def run(self, chunked: bool) -> tuple[np.ndarray, np.ndarray]:
         """Every item from the starting states, by the chunked scan or the token loop: the mixer's output rows
@@ -135,7 +140,7 @@ class DeltaNetScan:
     def scan(self, chunked: bool) -> None:
         """The layer's items once, advancing the states in place (what a timing repeats)."""
         for i in range(self.items):
-            self.lib.rec_scan_as(*self._args, i, int(chunked))
+            self.lib.rec_scan_as(*self._args, i, int(chunked), self._scratch_at)
 
 
 def median_cpu_ms(fn, repeat: int) -> float:

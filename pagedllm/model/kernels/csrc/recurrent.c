@@ -32,7 +32,7 @@
 
 #define CONV_CH 64   /* channels per conv work item */
 #define MAX_KEEP 15  /* the longest conv state (kernel - 1) */
-#define MAX_HEAD 512 /* the widest head (dk, dv) a scan item keeps on its stack */
+#define MAX_HEAD 512 /* the widest head (dk, dv) the token loop keeps on its stack */
 
 int64_t rec_struct_size(const char *name) {
     if (!strcmp(name, "RecMixer")) return sizeof(RecMixer);
@@ -292,7 +292,7 @@ static void mamba2_token(const RecMixer *r, float *state, const float *conv, con
 
 #define SCAN_CHUNK 64 /* tokens per chunk (deltanet.py's CHUNK); a multiple of VW */
 #define SCAN_MIN_TOKENS 4 /* a sequence's tokens from which it takes the chunked scan (measured: see the top) */
-#define SCAN_HEAD 128 /* the widest head (dk, dv) the chunked scan keeps on its stack; wider ones take the token loop */
+#define SCAN_HEAD 128 /* the widest head (dk, dv) the chunked scan's scratch holds; wider ones take the token loop */
 #define SCAN_LD (SCAN_HEAD + 16) /* the scratch rows' stride: 576 bytes, so that a column slice of 128 rows
                                    * spreads over L1's sets (at 512 bytes it fell into a third of them) */
 #define MM_ROWS 4     /* mm_rows' block: MM_ROWS rows x MM_VECS vectors of accumulators in registers */
@@ -352,7 +352,8 @@ static void mm_rows(float *out, int ldo, const float *x, int ldx, int rows, cons
         }
 }
 
-/* A chunk's scratch: rows 0..n-1 of kq the keys, n..2n-1 the queries (l2-normed, the queries scaled); kt the keys
+/* A chunk's scratch (a thread's, rec_scratch_bytes: ~320 KiB, past the stack a thread may get: musl's 128 KiB, a
+ * small OMP_STACKSIZE): rows 0..n-1 of kq the keys, n..2n-1 the queries (l2-normed, the queries scaled); kt the keys
  * transposed (zeros past n; scaled by e^(cum_last - cum_j) for the state's update); ks rows K S0 then Q S0; w rows
  * K K^T then Q K^T, made A then the decayed causal scores in place; u the corrected values. */
 typedef struct {
@@ -409,15 +410,14 @@ static void store_state(float *to, const ScanChunk *w, int dk, int dv) {
 
 /* Sequence q's tokens through value head h by chunks (SCAN_CHUNK, and each mark), its state advanced in place
  * and copied to each mark's row. */
-static void deltanet_chunked(const RecMixer *r, const RecStep *s, int q, int h, float *state) {
+static void deltanet_chunked(const RecMixer *r, const RecStep *s, int q, int h, float *state, ScanChunk *w) {
     const int dk = r->dk, dv = r->dv, kh = r->tiled ? h % r->groups : h / (r->heads / r->groups), key = r->groups * dk;
     const int value = r->heads * dv, C = r->conv_dim;
     const int64_t t0 = s->first[q], len = s->len[q], size = (int64_t)dk * dv;
     const float decay_rate = -expf(r->a_log[h]), qscale = 1.0f / sqrtf((float)dk);
     int64_t mark = s->mark_first ? s->mark_first[q] : 0;
     const int64_t mark_end = s->mark_first ? s->mark_first[q + 1] : 0;
-    ScanChunk w; /* ~320 KiB on the thread's stack (glibc's threads get 8 MiB), no allocation in the step */
-    for (int a = 0; a < dk; a++) memcpy(w.s[a], state + (int64_t)a * dv, (size_t)dv * sizeof(float));
+    for (int a = 0; a < dk; a++) memcpy(w->s[a], state + (int64_t)a * dv, (size_t)dv * sizeof(float));
     for (int64_t c0 = 0; c0 < len;) {
         int64_t c1 = c0 + SCAN_CHUNK < len ? c0 + SCAN_CHUNK : len;
         if (mark < mark_end && s->mark_at[mark] < c1) c1 = s->mark_at[mark];
@@ -426,55 +426,59 @@ static void deltanet_chunked(const RecMixer *r, const RecStep *s, int q, int h, 
         float g = 0.0f;
         for (int i = 0; i < n; i++) {
             const float *conv = conv0 + (int64_t)i * C, *row = row0 + (int64_t)i * r->width;
-            l2norm(w.kq[i], conv + key + kh * dk, dk, 1.0f);
-            l2norm(w.kq[n + i], conv + kh * dk, dk, qscale);
-            w.beta[i] = sigmoid(row[C + value + h]);
+            l2norm(w->kq[i], conv + key + kh * dk, dk, 1.0f);
+            l2norm(w->kq[n + i], conv + kh * dk, dk, qscale);
+            w->beta[i] = sigmoid(row[C + value + h]);
             g += decay_rate * softplus(row[C + value + r->heads + h] + r->dt_bias[h]);
-            w.cum[i] = g;
+            w->cum[i] = g;
         }
-        for (int i = n; i < np; i++) w.cum[i] = g; /* read by the vector decays below, never used */
+        for (int i = n; i < np; i++) w->cum[i] = g; /* read by the vector decays below, never used */
         for (int a = 0; a < dk; a++)
-            for (int j = 0; j < np; j++) w.kt[a][j] = j < n ? w.kq[j][a] : 0.0f;
-        mm_rows(w.ks[0], SCAN_LD, w.kq[0], SCAN_LD, 2 * n, w.s[0], SCAN_LD, dk, dv, 0.0f, 0);
-        mm_rows(w.w[0], SCAN_CHUNK, w.kq[0], SCAN_LD, 2 * n, w.kt[0], SCAN_CHUNK, dk, np, 0.0f, 0);
+            for (int j = 0; j < np; j++) w->kt[a][j] = j < n ? w->kq[j][a] : 0.0f;
+        mm_rows(w->ks[0], SCAN_LD, w->kq[0], SCAN_LD, 2 * n, w->s[0], SCAN_LD, dk, dv, 0.0f, 0);
+        mm_rows(w->w[0], SCAN_CHUNK, w->kq[0], SCAN_LD, 2 * n, w->kt[0], SCAN_CHUNK, dk, np, 0.0f, 0);
         for (int i = 0; i < n; i++) { /* A (row i, j < i) and D (row n + i, j <= i) */
             for (int j = 0; j <= i; j += VW) {
-                const vf e = vexp(w.cum[i] - ld(w.cum + j));
-                st(w.w[i] + j, w.beta[i] * e * ld(w.w[i] + j));
-                st(w.w[n + i] + j, e * ld(w.w[n + i] + j));
+                const vf e = vexp(w->cum[i] - ld(w->cum + j));
+                st(w->w[i] + j, w->beta[i] * e * ld(w->w[i] + j));
+                st(w->w[n + i] + j, e * ld(w->w[n + i] + j));
             }
         }
         float *out0 = rec_out(r, s) + (t0 + c0) * r->out_k + (int64_t)h * dv;
         const float *v0 = conv0 + 2 * key + h * dv;
         int c = 0;
-        for (; c + SUB_VECS * VW <= dv; c += SUB_VECS * VW) subst_vecs(&w, n, c, SUB_VECS, v0, C, out0, r->out_k);
-        for (; c + VW <= dv; c += VW) subst_vecs(&w, n, c, 1, v0, C, out0, r->out_k);
-        for (; c < dv; c++) subst_col(&w, n, c, v0, C, out0, r->out_k);
+        for (; c + SUB_VECS * VW <= dv; c += SUB_VECS * VW) subst_vecs(w, n, c, SUB_VECS, v0, C, out0, r->out_k);
+        for (; c + VW <= dv; c += VW) subst_vecs(w, n, c, 1, v0, C, out0, r->out_k);
+        for (; c < dv; c++) subst_col(w, n, c, v0, C, out0, r->out_k);
         float tail[SCAN_CHUNK]; /* e^(cum_last - cum_j): key j's decay to the chunk's end */
-        for (int j = 0; j < n; j++) tail[j] = expf(g - w.cum[j]);
+        for (int j = 0; j < n; j++) tail[j] = expf(g - w->cum[j]);
         for (int a = 0; a < dk; a++)
-            for (int j = 0; j < n; j++) w.kt[a][j] *= tail[j];
-        mm_rows(w.s[0], SCAN_LD, w.kt[0], SCAN_CHUNK, dk, w.u[0], SCAN_LD, n, dv, expf(g), 1);
+            for (int j = 0; j < n; j++) w->kt[a][j] *= tail[j];
+        mm_rows(w->s[0], SCAN_LD, w->kt[0], SCAN_CHUNK, dk, w->u[0], SCAN_LD, n, dv, expf(g), 1);
         for (int i = 0; i < n; i++) {
             const float *z = row0 + (int64_t)i * r->width + C + h * dv;
             gated_norm(r, out0 + (int64_t)i * r->out_k, out0 + (int64_t)i * r->out_k, z);
         }
         if (mark < mark_end && s->mark_at[mark] == c1)
-            store_state(r->rec_state + (s->mark_row[mark++] * r->heads + h) * size, &w, dk, dv);
+            store_state(r->rec_state + (s->mark_row[mark++] * r->heads + h) * size, w, dk, dv);
         c0 = c1;
     }
-    store_state(state, &w, dk, dv);
+    store_state(state, w, dk, dv);
+}
+
+int64_t rec_scratch_bytes(const RecMixer *r) {
+    return r->kind == MIX_GATED_DELTANET && r->dk <= SCAN_HEAD && r->dv <= SCAN_HEAD ? (int64_t)sizeof(ScanChunk) : 0;
 }
 
 /* Item i: one sequence's tokens through head i % heads of the recurrence, its state (in the slot, zeros for a
  * sequence at position 0) advanced in place. */
-void rec_scan_as(const RecMixer *r, const RecStep *s, int i, int chunked) {
+void rec_scan_as(const RecMixer *r, const RecStep *s, int i, int chunked, void *scratch) {
     const int q = i / r->heads, h = i % r->heads;
     const int64_t size = (int64_t)r->dk * r->dv, t0 = s->first[q], t1 = t0 + s->len[q];
     float *st = r->rec_state + (s->slot[q] * r->heads + h) * size;
     if (s->positions[t0] == 0) memset(st, 0, (size_t)size * sizeof(float));
-    if (chunked && r->kind == MIX_GATED_DELTANET && r->dk <= SCAN_HEAD && r->dv <= SCAN_HEAD) {
-        deltanet_chunked(r, s, q, h, st);
+    if (chunked && r->kind == MIX_GATED_DELTANET && rec_scratch_bytes(r)) {
+        deltanet_chunked(r, s, q, h, st, scratch);
         return;
     }
     const int head_out = r->kind == MIX_MAMBA2 ? r->dk : r->dv;
@@ -492,8 +496,8 @@ void rec_scan_as(const RecMixer *r, const RecStep *s, int i, int chunked) {
     }
 }
 
-void rec_scan(const RecMixer *r, const RecStep *s, int i) {
-    rec_scan_as(r, s, i, s->len[i / r->heads] >= SCAN_MIN_TOKENS);
+void rec_scan(const RecMixer *r, const RecStep *s, int i, void *scratch) {
+    rec_scan_as(r, s, i, s->len[i / r->heads] >= SCAN_MIN_TOKENS, scratch);
 }
 
 /* Row t of Mamba2's output: y * silu(z), RMS-normed over each group's channels, times the norm's weight. */

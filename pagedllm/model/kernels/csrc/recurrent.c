@@ -466,8 +466,90 @@ static void deltanet_chunked(const RecMixer *r, const RecStep *s, int q, int h, 
     store_state(state, w, dk, dv);
 }
 
+/* ---- Mamba2's chunked (SSD) scan -------------------------------------------------------------------------------
+ * mamba2.py's chunked form per (sequence, head), in chunks as Gated DeltaNet's (SCAN_CHUNK, ending at each mark):
+ * with dt_j the clamped time steps and cum_i the chunk's cumulative log decay (sum of dt A) up to token i, y_i =
+ * e^cum_i C_i S0^T + sum_{j <= i} e^(cum_i - cum_j) dt_j (C_i . B_j) x_j + D x_i and S = e^cum_last S0 + sum_j
+ * e^(cum_last - cum_j) dt_j x_j B_j^T, the state S [head dim P, state size N]. B and C are the head's group's. */
+
+/* A Mamba2 chunk's scratch: s the state transposed [N, P] (the products read it as their right side); x the
+ * chunk's inputs x_j [n, P], copied out of the conv rows (read once per block of rows: at the conv rows' stride,
+ * 40 KiB at Nemotron-H's shape, they all fell into one L1 set); bt B transposed [N, chunk] (zeros past n; scaled
+ * by dt_j e^(cum_last - cum_j) for the state's update); w the scores C B^T, made the decayed causal scores (D on
+ * the diagonal) in place. */
+typedef struct {
+    float s[SCAN_HEAD][SCAN_LD], x[SCAN_CHUNK][SCAN_LD], bt[SCAN_HEAD][SCAN_CHUNK], w[SCAN_CHUNK][SCAN_CHUNK];
+    float dt[SCAN_CHUNK], cum[SCAN_CHUNK];
+} SsdChunk;
+
+/* The scratch's state (transposed: N rows of P) into a state row [P, N]: the slot's, or a mark's. */
+static void store_ssd_state(float *to, const SsdChunk *w, int P, int N) {
+    for (int p = 0; p < P; p++)
+        for (int a = 0; a < N; a++) to[(int64_t)p * N + a] = w->s[a][p];
+}
+
+/* Sequence q's tokens through Mamba2's head h by chunks (SCAN_CHUNK, and each mark), its state advanced in place
+ * and copied to each mark's row; the output rows before the gated norm (rec_norm), as mamba2_token's. */
+static void mamba2_chunked(const RecMixer *r, const RecStep *s, int q, int h, float *state, SsdChunk *w) {
+    const int P = r->dk, N = r->dv, g = h / (r->heads / r->groups), inner = r->heads * P, C = r->conv_dim;
+    const int64_t t0 = s->first[q], len = s->len[q], size = (int64_t)P * N;
+    const float rate = -expf(r->a_log[h]), D = r->d[h];
+    int64_t mark = s->mark_first ? s->mark_first[q] : 0;
+    const int64_t mark_end = s->mark_first ? s->mark_first[q + 1] : 0;
+    for (int p = 0; p < P; p++)
+        for (int a = 0; a < N; a++) w->s[a][p] = state[(int64_t)p * N + a];
+    for (int64_t c0 = 0; c0 < len;) {
+        int64_t c1 = c0 + SCAN_CHUNK < len ? c0 + SCAN_CHUNK : len;
+        if (mark < mark_end && s->mark_at[mark] < c1) c1 = s->mark_at[mark];
+        const int n = (int)(c1 - c0), np = (n + VW - 1) / VW * VW;
+        const float *conv0 = conv_rows(r, s) + (t0 + c0) * C, *row0 = canon_rows(r, s) + (t0 + c0) * r->width;
+        const float *x0 = conv0 + h * P, *b0 = conv0 + inner + g * N, *c_0 = conv0 + inner + (r->groups + g) * N;
+        float cum = 0.0f;
+        for (int i = 0; i < n; i++) {
+            float dt = softplus(row0[(int64_t)i * r->width + inner + C + h] + r->dt_bias[h]);
+            w->dt[i] = dt < r->dt_min ? r->dt_min : dt > r->dt_max ? r->dt_max : dt;
+            cum += rate * w->dt[i];
+            w->cum[i] = cum;
+        }
+        for (int i = n; i < np; i++) { /* read by the vector decays below, never used */
+            w->dt[i] = 0.0f;
+            w->cum[i] = cum;
+        }
+        for (int j = 0; j < n; j++) memcpy(w->x[j], x0 + (int64_t)j * C, (size_t)P * sizeof(float));
+        for (int j = 0; j < np; j++) /* row by row: a column of the conv rows would read one L1 set's lines */
+            for (int a = 0; a < N; a++) w->bt[a][j] = j < n ? b0[(int64_t)j * C + a] : 0.0f;
+        mm_rows(w->w[0], SCAN_CHUNK, c_0, C, n, w->bt[0], SCAN_CHUNK, N, np, 0.0f, 0);
+        for (int i = 0; i < n; i++) { /* row i: e^(cum_i - cum_j) dt_j (C_i . B_j) for j <= i, D at i, zeros past */
+            for (int j = 0; j <= i; j += VW) {
+                const vf e = vexp(w->cum[i] - ld(w->cum + j));
+                st(w->w[i] + j, e * ld(w->dt + j) * ld(w->w[i] + j));
+            }
+            for (int j = i + 1; j < np; j++) w->w[i][j] = 0.0f;
+            w->w[i][i] += D;
+        }
+        float *out0 = rec_out(r, s) + (t0 + c0) * r->out_k + (int64_t)h * P;
+        mm_rows(out0, r->out_k, c_0, C, n, w->s[0], SCAN_LD, N, P, 0.0f, 0); /* C_i S0^T, then decayed */
+        for (int i = 0; i < n; i++) {
+            float *y = out0 + (int64_t)i * r->out_k;
+            const float e = expf(w->cum[i]);
+            for (int p = 0; p < P; p++) y[p] *= e;
+        }
+        mm_rows(out0, r->out_k, w->w[0], SCAN_CHUNK, n, w->x[0], SCAN_LD, n, P, 1.0f, 1);
+        float tail[SCAN_CHUNK]; /* dt_j e^(cum_last - cum_j): token j's input's decay to the chunk's end */
+        for (int j = 0; j < n; j++) tail[j] = w->dt[j] * expf(cum - w->cum[j]);
+        for (int a = 0; a < N; a++)
+            for (int j = 0; j < n; j++) w->bt[a][j] *= tail[j];
+        mm_rows(w->s[0], SCAN_LD, w->bt[0], SCAN_CHUNK, N, w->x[0], SCAN_LD, n, P, expf(cum), 1);
+        if (mark < mark_end && s->mark_at[mark] == c1)
+            store_ssd_state(r->rec_state + (s->mark_row[mark++] * r->heads + h) * size, w, P, N);
+        c0 = c1;
+    }
+    store_ssd_state(state, w, P, N);
+}
+
 int64_t rec_scratch_bytes(const RecMixer *r) {
-    return r->kind == MIX_GATED_DELTANET && r->dk <= SCAN_HEAD && r->dv <= SCAN_HEAD ? (int64_t)sizeof(ScanChunk) : 0;
+    if (r->kind == MIX_SHORT_CONV || r->dk > SCAN_HEAD || r->dv > SCAN_HEAD) return 0;
+    return r->kind == MIX_GATED_DELTANET ? (int64_t)sizeof(ScanChunk) : (int64_t)sizeof(SsdChunk);
 }
 
 /* Item i: one sequence's tokens through head i % heads of the recurrence, its state (in the slot, zeros for a
@@ -477,8 +559,11 @@ void rec_scan_as(const RecMixer *r, const RecStep *s, int i, int chunked, void *
     const int64_t size = (int64_t)r->dk * r->dv, t0 = s->first[q], t1 = t0 + s->len[q];
     float *st = r->rec_state + (s->slot[q] * r->heads + h) * size;
     if (s->positions[t0] == 0) memset(st, 0, (size_t)size * sizeof(float));
-    if (chunked && r->kind == MIX_GATED_DELTANET && rec_scratch_bytes(r)) {
-        deltanet_chunked(r, s, q, h, st, scratch);
+    if (chunked && rec_scratch_bytes(r)) {
+        if (r->kind == MIX_GATED_DELTANET)
+            deltanet_chunked(r, s, q, h, st, scratch);
+        else
+            mamba2_chunked(r, s, q, h, st, scratch);
         return;
     }
     const int head_out = r->kind == MIX_MAMBA2 ? r->dk : r->dv;
@@ -497,7 +582,7 @@ void rec_scan_as(const RecMixer *r, const RecStep *s, int i, int chunked, void *
 }
 
 void rec_scan(const RecMixer *r, const RecStep *s, int i, void *scratch) {
-    rec_scan_as(r, s, i, s->len[i / r->heads] >= SCAN_MIN_TOKENS, scratch);
+    rec_scan_as(r, s, i, r->kind == MIX_GATED_DELTANET && s->len[i / r->heads] >= SCAN_MIN_TOKENS, scratch);
 }
 
 /* Row t of Mamba2's output: y * silu(z), RMS-normed over each group's channels, times the norm's weight. */

@@ -18,7 +18,7 @@ import pytest
 import torch
 from engine_helpers import greedy_cached_chunked_preempted, hybrid_engine, shared_prefix_prompts
 from model_helpers import (
-    all_logits,
+    assert_long_marked_chunks_match,
     assert_marked_states_match,
     cpu_target,
     fused_and_torch,
@@ -520,28 +520,6 @@ def test_the_recurrent_kernels_of_every_cpu_class(quantized, target):
     assert_marked_states_match(marked, TOL)
 
 
-def _marked_in_chunks(loaded, ids: list[int], sizes: tuple[int, ...]) -> dict[bool, tuple[torch.Tensor, dict]]:
-    """Per path (the fused C step, the torch path): `ids` prefilled in chunks of `sizes` tokens, each marked at
-    every 16-token block boundary inside it (--mamba-cache-mode all; a row each), then 4 greedy decode tokens:
-    every row's logits, and every linear layer's (conv, recurrent) state rows (slot 0, then the marks' rows)."""
-    out = {}
-    for fused in (True, False):
-        runner = ModelRunner(loaded, num_blocks=12, block_size=16, fused=fused, num_state_slots=10)
-        assert (runner.fused is not None) == fused
-        table, rows, start, row = random.Random(5).sample(range(12), 12), [], 0, 1
-        for size in sizes:
-            marks = [(t - start, row + i) for i, t in enumerate(range((start // 16 + 1) * 16, start + size, 16))]
-            chunk = SeqChunk(ids[start : start + size], start, table, state_slot=0, state_marks=marks)
-            rows += all_logits(runner, [chunk])
-            start, row = start + size, row + len(marks)
-        for _ in range(4):
-            token = int(rows[-1][-1].argmax())
-            rows.append(runner.execute([SeqChunk([token], start, table, state_slot=0)]))
-            start += 1
-        out[fused] = (torch.cat(rows), {i: (c[:row].clone(), r[:row].clone()) for i, (c, r) in runner.states.items()})
-    return out
-
-
 @pytest.mark.parametrize(
     "family,target",
     [(f, "native") for f in FAMILIES]
@@ -554,15 +532,7 @@ def test_long_marked_prompt_chunks_on_the_fused_step_match_the_torch_path(quanti
     fused step's logits and every state row (slot and marks, conv and recurrent) equal the torch path's."""
     _, loaded = quantized[family]
     with cpu_target(target):
-        got = _marked_in_chunks(loaded, _tokens(150, 6), sizes)
-    (fused, fused_states), (want, want_states) = got[True], got[False]
-    assert (fused - want).abs().max().item() < TOL * want.abs().max().item()
-    for layer, pair in want_states.items():
-        for got_t, want_t in zip(fused_states[layer], pair):
-            if want_t.numel():
-                assert want_t.abs().amax(dim=tuple(range(1, want_t.dim()))).min() > 0, layer  # every row written
-                scale = max(1.0, want_t.abs().max().item())
-                assert (got_t.float() - want_t.float()).abs().max().item() < TOL * scale, layer
+        assert_long_marked_chunks_match(loaded, _tokens(150, 6), sizes, TOL)
 
 
 # The int8 route between the two paths: an input the paths compute a rounding apart can round to codes a step apart

@@ -5,19 +5,26 @@
  * is the conv alone, gated. Each layer's states are read and written in place in their slot: model_step.c checks
  * everything a step follows before its first phase, so no step stops midway with a state half advanced.
  *
- * Gated DeltaNet's prompt rows (a sequence of SCAN_MIN_TOKENS or more in the step) run the chunked scan
- * (deltanet_chunked: deltanet.py's WY form in 64-token chunks), everything else the token loop: Mamba2, decode, and
- * heads wider than SCAN_HEAD. Why, measured (benchmarks/kernels/recurrent_scan.py, one thread, CPU time, AMD EPYC
- * Zen 5, docs/benchmarks.md "The fused step's Gated DeltaNet recurrence"): a token of one head in the loop is
+ * Prompt rows take a chunked scan, everything else the token loop (decode, short sequences, heads wider than
+ * SCAN_HEAD): Gated DeltaNet's from SCAN_MIN_TOKENS tokens (deltanet_chunked: deltanet.py's WY form in 64-token
+ * chunks), Mamba2's from MAMBA2_MIN_TOKENS (mamba2_chunked: mamba2.py's SSD form, as many chunks). Why, measured
+ * (benchmarks/kernels/recurrent_scan.py, one thread, CPU time, AMD EPYC Zen 5, docs/benchmarks.md "The fused
+ * step's Gated DeltaNet recurrence" and "... Mamba2 recurrence"): a token of one DeltaNet head in the loop is
  * Dk x Dv multiply-adds that read and write the whole state (64 KiB at 128 x 128, past L1) twice; the chunked
  * scan does about as many multiply-adds per token, as products register-blocked over a chunk, the state read
  * twice and written once per chunk. At Qwen3.5's shapes it is ~2x the loop with AVX-512 from 64 tokens up (1.6x
  * to 2.5x on a shared machine), 1.2-1.5x with AVX2 at 256 and 1024 tokens, 1.4x at 8 tokens; at 1-2 tokens the
  * loop is as fast or faster (a chunk's fixed work: the transposed keys, the decays), so shorter sequences keep
- * it. The recurrence was ~6-7% of a Qwen3.5-2B-shaped prefill step with the loop, ~3.5% now. The scan's numbers
- * are the token loop's up to the order of the sums (the same recurrence, reassociated, as the torch path's
- * chunked scan is). A prompt chunk's prefix-cache checkpoints (RecStep's marks, --mamba-cache-mode all) end a
- * scan chunk, so the state after t tokens is exact there and copied to its row.
+ * it. The recurrence was ~6-7% of a Qwen3.5-2B-shaped prefill step with the loop, ~3.5% now. A Mamba2 token of
+ * a 64 x 128 head is 2 P N multiply-adds in the loop (its 32 KiB state stays in L1, but each is a store and a
+ * load of the state, and each channel ends in a horizontal sum); the SSD form does ~1.7x as many (the scores C
+ * B^T, C S0^T, the scores times x, the state's update: 4 products of about P N each per token) register-blocked,
+ * and is ~1.6-1.8x the loop with AVX-512 and ~1.1-1.2x with AVX2 from 16 tokens up at Granite-4.0-H-Tiny's and
+ * Nemotron-H's shapes, 0.8-0.9x at 8 and 0.25x at 1 (a chunk's fixed work: the transposes, the state copied in
+ * and out). The scans' numbers are the token loops' up to the order of the sums (the same recurrence,
+ * reassociated, as the torch path's chunked scans are). A prompt chunk's prefix-cache checkpoints (RecStep's
+ * marks, --mamba-cache-mode all) end a scan chunk, so the state after t tokens is exact there and copied to its
+ * row.
  *
  * Numerics follow the torch path in float32: softplus with torch's threshold of 20, sigmoid(b), l2norm x *
  * rsqrt(sum(x^2) + 1e-6), RMS norms x * rsqrt(mean(x^2) + eps) * w, silu(z) = z sigmoid(z).
@@ -292,7 +299,9 @@ static void mamba2_token(const RecMixer *r, float *state, const float *conv, con
 
 #define SCAN_CHUNK 64 /* tokens per chunk (deltanet.py's CHUNK); a multiple of VW */
 #define SCAN_MIN_TOKENS 4 /* a sequence's tokens from which it takes the chunked scan (measured: see the top) */
-#define SCAN_HEAD 128 /* the widest head (dk, dv) the chunked scan's scratch holds; wider ones take the token loop */
+#define MAMBA2_MIN_TOKENS 16 /* ... Mamba2's (at 8 tokens 0.8-0.9x the loop, at 16 1.1-1.2x: AVX-512, AVX2) */
+#define SCAN_HEAD 128 /* the widest head (DeltaNet's dk, dv; Mamba2's P, N) the chunked scans' scratch holds; wider
+                       * ones take the token loop */
 #define SCAN_LD (SCAN_HEAD + 16) /* the scratch rows' stride: 576 bytes, so that a column slice of 128 rows
                                    * spreads over L1's sets (at 512 bytes it fell into a third of them) */
 #define MM_ROWS 4     /* mm_rows' block: MM_ROWS rows x MM_VECS vectors of accumulators in registers */
@@ -582,7 +591,8 @@ void rec_scan_as(const RecMixer *r, const RecStep *s, int i, int chunked, void *
 }
 
 void rec_scan(const RecMixer *r, const RecStep *s, int i, void *scratch) {
-    rec_scan_as(r, s, i, r->kind == MIX_GATED_DELTANET && s->len[i / r->heads] >= SCAN_MIN_TOKENS, scratch);
+    const int64_t len = s->len[i / r->heads];
+    rec_scan_as(r, s, i, len >= (r->kind == MIX_MAMBA2 ? MAMBA2_MIN_TOKENS : SCAN_MIN_TOKENS), scratch);
 }
 
 /* Row t of Mamba2's output: y * silu(z), RMS-normed over each group's channels, times the norm's weight. */

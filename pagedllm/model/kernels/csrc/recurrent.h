@@ -77,9 +77,9 @@ void rec_conv(const RecMixer *r, const RecStep *s, int i);
 int64_t rec_scratch_bytes(const RecMixer *r);
 /* Item i of the recurrence, with the calling thread's scratch (rec_scratch_bytes of this mixer, or more). */
 void rec_scan(const RecMixer *r, const RecStep *s, int i, void *scratch);
-/* rec_scan's item by Gated DeltaNet's chunked scan (chunked 1, where the head fits it) or by the token loop (0),
- * whatever the sequence's length: rec_scan picks by length; tests and benchmarks/kernels/recurrent_scan.py
- * compare the two. */
+/* rec_scan's item by the chunked scan (chunked 1: Gated DeltaNet's or Mamba2's, where the head fits it) or by the
+ * token loop (0), whatever the sequence's length: rec_scan picks by length; tests and
+ * benchmarks/kernels/recurrent_scan.py compare the two. */
 void rec_scan_as(const RecMixer *r, const RecStep *s, int i, int chunked, void *scratch);
 void rec_norm(const RecMixer *r, const RecStep *s, int t);
 #endif

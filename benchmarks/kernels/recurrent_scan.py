@@ -13,9 +13,14 @@ Gated DeltaNet layers to each full-attention one), CPU time of `LLMEngine.step()
 recurrence as measured alone; --no-share skips it (it writes a ~1 GB folder under ~/.cache/pagedllm/real-sizes
 once).
 
+--mamba2: Mamba2's recurrence alone instead, per (sequence, head) item, by the token loop (`mamba2_token`) and
+by the SSD form (`mamba2_chunked`, 64-token chunks), at Granite-4.0-H-Tiny's shape (48 heads of 64, state 128,
+one group) and Nemotron-H-8B's (128 heads of 64, state 128, 8 groups; benchmarks/kv/state_bytes.py's configs).
+
     .venv/bin/python -m benchmarks.kernels.recurrent_scan
     .venv/bin/python -m benchmarks.kernels.recurrent_scan --tokens 64 128 --no-share
     .venv/bin/python -m benchmarks.kernels.recurrent_scan --cpu-target x86-64-v3 --no-share
+    .venv/bin/python -m benchmarks.kernels.recurrent_scan --mamba2 --tokens 8 16 64 256 1024
 """
 
 from __future__ import annotations

@@ -151,6 +151,40 @@ def assert_marked_states_match(got: dict[bool, tuple[torch.Tensor, dict]], tol: 
             assert (got_t.float() - want_t.float()).abs().max().item() < tol * scale, layer
 
 
+def assert_long_marked_chunks_match(loaded, ids: list[int], sizes: tuple[int, ...], tol: float) -> None:
+    """Per path (the fused C step, the torch path): `ids` prefilled in chunks of `sizes` tokens, each marked at
+    every 16-token block boundary inside it (--mamba-cache-mode all; a row each), then 4 greedy decode tokens: every
+    row's logits within `tol` of the largest, and every linear layer's (conv, recurrent) state rows (slot 0, then
+    the marks' rows) within `tol` of its largest value (at least 1), every row written."""
+    import random
+
+    from pagedllm.model import ModelRunner, SeqChunk
+
+    out = {}
+    for fused in (True, False):
+        runner = ModelRunner(loaded, num_blocks=12, block_size=16, fused=fused, num_state_slots=10)
+        assert (runner.fused is not None) == fused
+        table, rows, start, row = random.Random(5).sample(range(12), 12), [], 0, 1
+        for size in sizes:
+            marks = [(t - start, row + i) for i, t in enumerate(range((start // 16 + 1) * 16, start + size, 16))]
+            chunk = SeqChunk(ids[start : start + size], start, table, state_slot=0, state_marks=marks)
+            rows += all_logits(runner, [chunk])
+            start, row = start + size, row + len(marks)
+        for _ in range(4):
+            token = int(rows[-1][-1].argmax())
+            rows.append(runner.execute([SeqChunk([token], start, table, state_slot=0)]))
+            start += 1
+        out[fused] = (torch.cat(rows), {i: (c[:row].clone(), r[:row].clone()) for i, (c, r) in runner.states.items()})
+    (fused_logits, fused_states), (want, want_states) = out[True], out[False]
+    assert (fused_logits - want).abs().max().item() < tol * want.abs().max().item()
+    for layer, pair in want_states.items():
+        for got_t, want_t in zip(fused_states[layer], pair):
+            if want_t.numel():
+                assert want_t.abs().amax(dim=tuple(range(1, want_t.dim()))).min() > 0, layer  # every row written
+                scale = max(1.0, want_t.abs().max().item())
+                assert (got_t.float() - want_t.float()).abs().max().item() < tol * scale, layer
+
+
 def assert_state_round_trip(runner) -> None:
     """A prefix-cache checkpoint's round trip: slot 0's random states laid across pool blocks
     (runner.state_to_blocks, any blocks in any order) and read back into slot 1 (blocks_to_state) give every

@@ -11,12 +11,14 @@ from __future__ import annotations
 import json
 import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
 from engine_helpers import greedy_cached_chunked_preempted, hybrid_engine, shared_prefix_prompts
 from model_helpers import (
-    all_logits,
+    assert_long_marked_chunks_match,
     assert_marked_states_match,
     cpu_target,
     fused_and_torch,
@@ -34,6 +36,7 @@ from pagedllm.model.params import param_count
 from pagedllm.model.runner import bytes_per_block
 
 TOL = 1e-4  # of the largest logit
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: the subprocesses import it
 FAMILIES = ["qwen3_5", "qwen3_next", "qwen3_5_moe"]
 _SHAPE = dict(
     vocab_size=256,
@@ -456,6 +459,35 @@ def test_the_fused_step_writes_the_states_at_marks_as_the_torch_path(quantized, 
     assert_marked_states_match(marks_fused_and_torch(loaded, _tokens(70, 1), _tokens(9, 2)), TOL)
 
 
+# A prompt chunk on the fused step in a thread of a 256 KiB stack (musl's threads get 128 KiB): the chunked scan's
+# ~320 KiB of scratch must come from the heap (model_step.c's per-thread Scratch), not the stack
+SMALL_STACK_STEP = """
+import sys, threading, torch
+from pagedllm.model import ModelRunner, SeqChunk, load_model
+torch.set_num_threads(1)  # the step runs on the calling thread
+loaded = load_model(sys.argv[1], "float32", "cpu", False, "int8", quantized_activations="none")
+runner = ModelRunner(loaded, num_blocks=8, block_size=16, fused=True, num_state_slots=2)
+assert runner.fused is not None
+threading.stack_size(256 * 1024)
+out = []
+chunk = SeqChunk(list(range(3, 83)), 0, list(range(8)), state_slot=0)
+thread = threading.Thread(target=lambda: out.append(runner.execute([chunk])))
+thread.start()
+thread.join()
+assert out and torch.isfinite(out[0]).all()
+"""
+
+
+def test_a_prompt_chunk_on_the_fused_step_fits_a_small_thread_stack(models):
+    """An 80-token prompt chunk of Qwen3.5 (its Gated DeltaNet layers take the chunked scan) through the fused
+    step in a thread whose stack is 256 KiB, in a process of its own (an overflow kills it): it finishes."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    done = subprocess.run(
+        [sys.executable, "-c", SMALL_STACK_STEP, models["qwen3_5"][2]], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def test_the_fused_step_refuses_marks_it_cannot_write(quantized):
     """A mark on a row the step reads as a slot, or past the state rows, or not inside its chunk: the runner
     refuses it (both paths), and the C step itself (its own check before any state is written) refuses it
@@ -488,28 +520,6 @@ def test_the_recurrent_kernels_of_every_cpu_class(quantized, target):
     assert_marked_states_match(marked, TOL)
 
 
-def _marked_in_chunks(loaded, ids: list[int], sizes: tuple[int, ...]) -> dict[bool, tuple[torch.Tensor, dict]]:
-    """Per path (the fused C step, the torch path): `ids` prefilled in chunks of `sizes` tokens, each marked at
-    every 16-token block boundary inside it (--mamba-cache-mode all; a row each), then 4 greedy decode tokens:
-    every row's logits, and every linear layer's (conv, recurrent) state rows (slot 0, then the marks' rows)."""
-    out = {}
-    for fused in (True, False):
-        runner = ModelRunner(loaded, num_blocks=12, block_size=16, fused=fused, num_state_slots=10)
-        assert (runner.fused is not None) == fused
-        table, rows, start, row = random.Random(5).sample(range(12), 12), [], 0, 1
-        for size in sizes:
-            marks = [(t - start, row + i) for i, t in enumerate(range((start // 16 + 1) * 16, start + size, 16))]
-            chunk = SeqChunk(ids[start : start + size], start, table, state_slot=0, state_marks=marks)
-            rows += all_logits(runner, [chunk])
-            start, row = start + size, row + len(marks)
-        for _ in range(4):
-            token = int(rows[-1][-1].argmax())
-            rows.append(runner.execute([SeqChunk([token], start, table, state_slot=0)]))
-            start += 1
-        out[fused] = (torch.cat(rows), {i: (c[:row].clone(), r[:row].clone()) for i, (c, r) in runner.states.items()})
-    return out
-
-
 @pytest.mark.parametrize(
     "family,target",
     [(f, "native") for f in FAMILIES]
@@ -522,15 +532,7 @@ def test_long_marked_prompt_chunks_on_the_fused_step_match_the_torch_path(quanti
     fused step's logits and every state row (slot and marks, conv and recurrent) equal the torch path's."""
     _, loaded = quantized[family]
     with cpu_target(target):
-        got = _marked_in_chunks(loaded, _tokens(150, 6), sizes)
-    (fused, fused_states), (want, want_states) = got[True], got[False]
-    assert (fused - want).abs().max().item() < TOL * want.abs().max().item()
-    for layer, pair in want_states.items():
-        for got_t, want_t in zip(fused_states[layer], pair):
-            if want_t.numel():
-                assert want_t.abs().amax(dim=tuple(range(1, want_t.dim()))).min() > 0, layer  # every row written
-                scale = max(1.0, want_t.abs().max().item())
-                assert (got_t.float() - want_t.float()).abs().max().item() < TOL * scale, layer
+        assert_long_marked_chunks_match(loaded, _tokens(150, 6), sizes, TOL)
 
 
 # The int8 route between the two paths: an input the paths compute a rounding apart can round to codes a step apart

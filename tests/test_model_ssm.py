@@ -275,6 +275,19 @@ def test_the_fused_step_writes_the_states_at_marks_as_the_torch_path(kind, tmp_p
     assert_marked_states_match(marks_fused_and_torch(loaded, _tokens(70, 1), _tokens(9, 2)), TOL)
 
 
+@pytest.mark.parametrize("kind", ["granitemoehybrid", "nemotron_h"])
+@pytest.mark.parametrize("sizes", [(100, 50), (64, 64, 22)])
+def test_long_marked_prompt_chunks_on_the_fused_step_match_the_torch_path(kind, sizes, tmp_path):
+    """A 150-token prompt in chunks longer than the C step's 64-token scan chunk (100 + 50) and in chunked prefill
+    of 64, marked at every block boundary (recurrent.c's chunked Mamba2 scan ends a chunk at each mark), then
+    decode: the fused step's logits and every state row (slot and marks, conv and SSM) equal the torch path's."""
+    from model_helpers import assert_long_marked_chunks_match
+
+    make_hybrid(kind, str(tmp_path), shared=64)
+    loaded = load_model(str(tmp_path), "float32", "cpu", False, "int8", quantized_activations="none")
+    assert_long_marked_chunks_match(loaded, _tokens(150, 6), sizes, TOL)
+
+
 @pytest.mark.parametrize("target", [t for t in ("x86-64-v3", "x86-64") if t in cpu_kernel.runnable_targets()])
 def test_the_recurrent_kernels_of_every_cpu_class(target, tmp_path):
     """recurrent.c built for AVX2 and for the portable class: Granite 4.0-H's Mamba2 layers (the read-out's simd.h

@@ -13,9 +13,14 @@ Gated DeltaNet layers to each full-attention one), CPU time of `LLMEngine.step()
 recurrence as measured alone; --no-share skips it (it writes a ~1 GB folder under ~/.cache/pagedllm/real-sizes
 once).
 
+--mamba2: Mamba2's recurrence alone instead, per (sequence, head) item, by the token loop (`mamba2_token`) and
+by the SSD form (`mamba2_chunked`, 64-token chunks), at Granite-4.0-H-Tiny's shape (48 heads of 64, state 128,
+one group) and Nemotron-H-8B's (128 heads of 64, state 128, 8 groups; benchmarks/kv/state_bytes.py's configs).
+
     .venv/bin/python -m benchmarks.kernels.recurrent_scan
     .venv/bin/python -m benchmarks.kernels.recurrent_scan --tokens 64 128 --no-share
     .venv/bin/python -m benchmarks.kernels.recurrent_scan --cpu-target x86-64-v3 --no-share
+    .venv/bin/python -m benchmarks.kernels.recurrent_scan --mamba2 --tokens 8 16 64 256 1024
 """
 
 from __future__ import annotations
@@ -36,8 +41,10 @@ import numpy as np
 from benchmarks.common import cpu_line
 from pagedllm.model.kernels import cpu_kernel
 
-MIX_GATED_DELTANET = 0  # recurrent.h's RecMixer.kind
+MIX_GATED_DELTANET, MIX_MAMBA2 = 0, 1  # recurrent.h's RecMixer.kind
 SHAPES = {"Qwen3_5TextConfig defaults": (16, 32, 128), "Qwen3.5-2B": (16, 16, 128)}  # key heads, value heads, dim
+# heads, head dim, state size, groups (benchmarks/kv/state_bytes.py's configs)
+MAMBA2_SHAPES = {"Granite-4.0-H-Tiny": (48, 64, 128, 1), "Nemotron-H-8B": (128, 64, 128, 8)}
 
 
 class DeltaNetScan:
@@ -81,20 +88,10 @@ class DeltaNetScan:
         self.out = self.rows[-self.T * value :].reshape(self.T, value)
         self.state0 = (rng.standard_normal((self.slots, heads, dk, dv)) * 0.1).astype(f32)
         self.state = self.state0.copy()
-        first = np.cumsum([0, *lens[:-1]]).astype(np.int64)
-        positions = np.concatenate([np.arange(n) + (7 if carried else 0) for n in lens]).astype(np.int64)
-        mark_first = np.cumsum([0, *[len(m) for m in marks]]).astype(np.int64)
         self._keep = [
             a_log := rng.uniform(-2, 1, heads).astype(f32),  # spread as a trained model's (hybrid_folder)
             dt_bias := (rng.standard_normal(heads) * 0.5).astype(f32),
             norm := (1 + 0.1 * rng.standard_normal(dv)).astype(f32),
-            first,
-            lens_a := np.array(lens, np.int64),
-            slot := np.arange(S, dtype=np.int64),
-            positions,
-            mark_first,
-            mark_at := np.array([a for m in marks for a in m], np.int64),
-            mark_row := np.arange(S, self.slots, dtype=np.int64),
         ]
         fields = dict(kind=MIX_GATED_DELTANET, width=width, conv_dim=conv_dim, kernel=4, heads=heads)
         mixer = cpu_kernel.c_structs("recurrent.h")["RecMixer"](
@@ -110,6 +107,20 @@ class DeltaNetScan:
             rec_state=self.state.ctypes.data,
             slots=self.slots,
         )
+        self._set_step(mixer, lens, marks, carried)
+
+    def _set_step(self, mixer: ctypes.Structure, lens: list[int], marks: list[list[int]], carried: bool) -> None:
+        """The RecStep of these sequences and marks over self.rows, and a thread's scan scratch for `mixer`."""
+        S = len(lens)
+        self._keep += [
+            first := np.cumsum([0, *lens[:-1]]).astype(np.int64),
+            lens_a := np.array(lens, np.int64),
+            slot := np.arange(S, dtype=np.int64),
+            positions := np.concatenate([np.arange(n) + (7 if carried else 0) for n in lens]).astype(np.int64),
+            mark_first := np.cumsum([0, *[len(m) for m in marks]]).astype(np.int64),
+            mark_at := np.array([a for m in marks for a in m], np.int64),
+            mark_row := np.arange(S, self.slots, dtype=np.int64),
+        ]
         step = cpu_kernel.c_structs("recurrent.h")["RecStep"](
             first=first.ctypes.data,
             len=lens_a.ctypes.data,
@@ -123,7 +134,11 @@ class DeltaNetScan:
             mark_row=mark_row.ctypes.data if len(mark_at) else None,
         )
         self.mixer, self.step = mixer, step
+        # a thread's scan scratch, 64-byte aligned, as model_step.c allocates it
+        size = self.lib.rec_scratch_bytes(ctypes.addressof(mixer))
+        self._scratch = np.zeros(size + 64, np.uint8)
         self._args = ctypes.addressof(mixer), ctypes.addressof(step)
+        self._scratch_at = self._scratch.ctypes.data + (-self._scratch.ctypes.data) % 64
 
     def run(self, chunked: bool) -> tuple[np.ndarray, np.ndarray]:
         """Every item from the starting states, by the chunked scan or the token loop: the mixer's output rows
@@ -135,7 +150,66 @@ class DeltaNetScan:
     def scan(self, chunked: bool) -> None:
         """The layer's items once, advancing the states in place (what a timing repeats)."""
         for i in range(self.items):
-            self.lib.rec_scan_as(*self._args, i, int(chunked))
+            self.lib.rec_scan_as(*self._args, i, int(chunked), self._scratch_at)
+
+
+class Mamba2Scan(DeltaNetScan):
+    """One Mamba2 layer's rec_scan items, as DeltaNetScan's: `heads` heads of `head_dim` channels, a state of
+    `state` per channel, B and C in `groups` groups (heads / groups heads share one); `lens`, `marks`, `carried`
+    as DeltaNetScan's."""
+
+    def __init__(
+        self,
+        heads: int,
+        head_dim: int,
+        state: int,
+        groups: int,
+        lens: list[int],
+        marks: list[list[int]] | None = None,
+        carried: bool = True,
+        seed: int = 0,
+    ) -> None:
+        self.lib = cpu_kernel.load()
+        if self.lib is None:
+            raise RuntimeError("the CPU kernels could not be built here")
+        rng = np.random.default_rng(seed)
+        S, inner = len(lens), heads * head_dim
+        marks = marks or [[] for _ in lens]
+        conv_dim, self.T = inner + 2 * groups * state, sum(lens)
+        width = inner + conv_dim + heads
+        self.items = S * heads
+        self.slots = S + sum(len(m) for m in marks)
+        f32 = np.float32
+        self.rows = np.zeros(self.T * (2 * width + conv_dim + inner), f32)
+        raw = self.rows[: self.T * width].reshape(self.T, width)
+        raw[:] = rng.standard_normal((self.T, width))
+        conv = self.rows[2 * self.T * width : 2 * self.T * width + self.T * conv_dim].reshape(self.T, conv_dim)
+        conv[:] = rng.standard_normal((self.T, conv_dim))
+        self.out = self.rows[-self.T * inner :].reshape(self.T, inner)
+        self.state0 = (rng.standard_normal((self.slots, heads, head_dim, state)) * 0.1).astype(f32)
+        self.state = self.state0.copy()
+        a_log = rng.uniform(-2, 1, heads).astype(f32)
+        dt_bias = (rng.standard_normal(heads) * 0.5).astype(f32)
+        d = rng.standard_normal(heads).astype(f32)
+        norm = np.ones(inner, f32)
+        self._keep = [a_log, dt_bias, d, norm]
+        fields = dict(kind=MIX_MAMBA2, width=width, conv_dim=conv_dim, kernel=4, heads=heads, groups=groups)
+        mixer = cpu_kernel.c_structs("recurrent.h")["RecMixer"](
+            **fields,
+            dk=head_dim,
+            dv=state,
+            out_k=inner,
+            a_log=a_log.ctypes.data,
+            dt_bias=dt_bias.ctypes.data,
+            d=d.ctypes.data,
+            norm=norm.ctypes.data,
+            dt_min=0.0,
+            dt_max=float("inf"),
+            eps=1e-5,
+            rec_state=self.state.ctypes.data,
+            slots=self.slots,
+        )
+        self._set_step(mixer, lens, marks, carried)
 
 
 def median_cpu_ms(fn, repeat: int) -> float:
@@ -149,10 +223,10 @@ def median_cpu_ms(fn, repeat: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def recurrence_ms(shape: tuple[int, int, int], tokens: int, repeat: int) -> dict[str, float]:
+def recurrence_ms(shape: tuple[int, ...], tokens: int, repeat: int) -> dict[str, float]:
     """One layer's recurrence over a `tokens`-token chunk from a carried state, per path, and the paths' largest
-    difference relative to the output's largest value."""
-    scan = DeltaNetScan(*shape, [tokens])
+    difference relative to the output's largest value. `shape`: a SHAPES (Gated DeltaNet) or MAMBA2_SHAPES one."""
+    scan = DeltaNetScan(*shape, [tokens]) if len(shape) == 3 else Mamba2Scan(*shape, [tokens])
     (tok, _), (chk, _) = scan.run(False), scan.run(True)
     diff = float(np.abs(tok - chk).max() / np.abs(tok).max())
     return {
@@ -200,12 +274,24 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--layers", type=int, default=4, help="the prefill model's layers (3 linear to 1 full)")
     p.add_argument("--no-share", action="store_true", help="the recurrence alone, no prefill step")
+    p.add_argument("--mamba2", action="store_true", help="Mamba2's recurrence (MAMBA2_SHAPES) instead, alone")
     cpu_target.add_argument(p)
     a = p.parse_args()
     import torch
 
     torch.set_num_threads(1)  # the fused step runs on torch's thread count
     print(f"CPU: {cpu_line()}")
+    if a.mamba2:
+        print("one layer's Mamba2 recurrence in the fused C step, one thread, CPU ms (median):")
+        for name, shape in MAMBA2_SHAPES.items():
+            for n in a.tokens:
+                got = recurrence_ms(shape, n, a.repeat)
+                print(
+                    f"  {name} {shape[0]} heads of {shape[1]}, state {shape[2]}, {shape[3]} groups, {n} tokens: "
+                    f"token loop {got['token loop']:.2f}, chunked {got['chunked']:.2f} "
+                    f"({got['token loop'] / got['chunked']:.2f}x); max |diff| {got['diff']:.1e} of the largest"
+                )
+        return 0
     print("one layer's Gated DeltaNet recurrence in the fused C step, one thread, CPU ms (median):")
     rec = {}
     for name, shape in SHAPES.items():

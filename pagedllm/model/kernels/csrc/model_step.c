@@ -77,6 +77,7 @@ typedef struct { /* the step's activations (float32, T rows) and scratch */
 typedef struct { /* per thread */
     float *panel, *scores, *block;
     uint16_t *bbuf;
+    void *rec; /* the recurrent mixers' scan scratch (rec_scratch_bytes; NULL where no layer needs one) */
 } Scratch;
 
 int qrows_f32(float *out, const int64_t *ids, int T, const uint8_t *w, int N, int K, int fmt);
@@ -838,7 +839,7 @@ static void run_item(const Phase *p, const StepModel *m, const StepLayer *layers
         rec_conv(layers[p->layer].mixer, &buf->rec, i);
         break;
     case K_REC_SCAN:
-        rec_scan(layers[p->layer].mixer, &buf->rec, i);
+        rec_scan(layers[p->layer].mixer, &buf->rec, i, sc->rec);
         break;
     case K_REC_NORM:
         rec_norm(layers[p->layer].mixer, &buf->rec, i);
@@ -961,6 +962,16 @@ static int mixer_k(const StepModel *m, const StepLayer *layers) {
     return k;
 }
 
+/* The largest scan scratch of the model's mixers, rounded up to 64 bytes for aligned_alloc (0: none). */
+static size_t mixer_scratch(const StepModel *m, const StepLayer *layers) {
+    int64_t n = 0;
+    for (int l = 0; l < m->layers; l++) {
+        const RecMixer *r = layers[l].mixer;
+        if (r && rec_scratch_bytes(r) > n) n = rec_scratch_bytes(r);
+    }
+    return (size_t)(n + 63) / 64 * 64;
+}
+
 static int run(const StepModel *m, const StepLayer *layers, const StepBatch *b, Buffers *buf, int64_t max_ctx,
                int nthreads) {
     const int E = m->hidden, HD = m->heads * m->head_dim, max_phases = m->layers * MAX_LAYER_PHASES + 5;
@@ -971,13 +982,17 @@ static int run(const StepModel *m, const StepLayer *layers, const StepBatch *b, 
     Phase *ph = malloc((size_t)max_phases * sizeof(Phase));
     int *counters = calloc((size_t)2 * max_phases, sizeof(int));
     Scratch *sc = calloc((size_t)nthreads, sizeof(Scratch));
+    const size_t rec_bytes = mixer_scratch(m, layers);
     int status = ph && counters && sc ? 0 : -1;
     for (int t = 0; t < nthreads && status == 0; t++) {
         sc[t] = (Scratch){malloc((size_t)K * 16 * sizeof(float)),
                           malloc((size_t)TILE * (max_ctx + TILE) * m->heads * sizeof(float)),
                           malloc((size_t)m->block_size * m->kv_heads * m->head_dim * sizeof(float)),
-                          buf->amx_rows ? malloc((size_t)2 * (K / 32) * 512 * sizeof(uint16_t)) : NULL};
-        if (!sc[t].panel || !sc[t].scores || !sc[t].block || (buf->amx_rows && !sc[t].bbuf)) status = -1;
+                          buf->amx_rows ? malloc((size_t)2 * (K / 32) * 512 * sizeof(uint16_t)) : NULL,
+                          rec_bytes ? aligned_alloc(64, rec_bytes) : NULL};
+        if (!sc[t].panel || !sc[t].scores || !sc[t].block || (buf->amx_rows && !sc[t].bbuf) ||
+            (rec_bytes && !sc[t].rec))
+            status = -1;
     }
     if (status == 0) {
         const int n = plan(ph, m, layers, b, buf, nthreads);
@@ -995,6 +1010,7 @@ static int run(const StepModel *m, const StepLayer *layers, const StepBatch *b, 
         free(sc[t].scores);
         free(sc[t].block);
         free(sc[t].bbuf);
+        free(sc[t].rec);
     }
     free(sc);
     free(ph);

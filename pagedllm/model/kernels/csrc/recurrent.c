@@ -5,19 +5,26 @@
  * is the conv alone, gated. Each layer's states are read and written in place in their slot: model_step.c checks
  * everything a step follows before its first phase, so no step stops midway with a state half advanced.
  *
- * Gated DeltaNet's prompt rows (a sequence of SCAN_MIN_TOKENS or more in the step) run the chunked scan
- * (deltanet_chunked: deltanet.py's WY form in 64-token chunks), everything else the token loop: Mamba2, decode, and
- * heads wider than SCAN_HEAD. Why, measured (benchmarks/kernels/recurrent_scan.py, one thread, CPU time, AMD EPYC
- * Zen 5, docs/benchmarks.md "The fused step's Gated DeltaNet recurrence"): a token of one head in the loop is
+ * Prompt rows take a chunked scan, everything else the token loop (decode, short sequences, heads wider than
+ * SCAN_HEAD): Gated DeltaNet's from SCAN_MIN_TOKENS tokens (deltanet_chunked: deltanet.py's WY form in 64-token
+ * chunks), Mamba2's from MAMBA2_MIN_TOKENS (mamba2_chunked: mamba2.py's SSD form, as many chunks). Why, measured
+ * (benchmarks/kernels/recurrent_scan.py, one thread, CPU time, AMD EPYC Zen 5, docs/benchmarks.md "The fused
+ * step's Gated DeltaNet recurrence" and "... Mamba2 recurrence"): a token of one DeltaNet head in the loop is
  * Dk x Dv multiply-adds that read and write the whole state (64 KiB at 128 x 128, past L1) twice; the chunked
  * scan does about as many multiply-adds per token, as products register-blocked over a chunk, the state read
  * twice and written once per chunk. At Qwen3.5's shapes it is ~2x the loop with AVX-512 from 64 tokens up (1.6x
  * to 2.5x on a shared machine), 1.2-1.5x with AVX2 at 256 and 1024 tokens, 1.4x at 8 tokens; at 1-2 tokens the
  * loop is as fast or faster (a chunk's fixed work: the transposed keys, the decays), so shorter sequences keep
- * it. The recurrence was ~6-7% of a Qwen3.5-2B-shaped prefill step with the loop, ~3.5% now. The scan's numbers
- * are the token loop's up to the order of the sums (the same recurrence, reassociated, as the torch path's
- * chunked scan is). A prompt chunk's prefix-cache checkpoints (RecStep's marks, --mamba-cache-mode all) end a
- * scan chunk, so the state after t tokens is exact there and copied to its row.
+ * it. The recurrence was ~6-7% of a Qwen3.5-2B-shaped prefill step with the loop, ~3.5% now. A Mamba2 token of
+ * a 64 x 128 head is 2 P N multiply-adds in the loop (its 32 KiB state stays in L1, but each is a store and a
+ * load of the state, and each channel ends in a horizontal sum); the SSD form does ~1.7x as many (the scores C
+ * B^T, C S0^T, the scores times x, the state's update: 4 products of about P N each per token) register-blocked,
+ * and is ~1.6-1.8x the loop with AVX-512 and ~1.1-1.2x with AVX2 from 16 tokens up at Granite-4.0-H-Tiny's and
+ * Nemotron-H's shapes, 0.8-0.9x at 8 and 0.25x at 1 (a chunk's fixed work: the transposes, the state copied in
+ * and out). The scans' numbers are the token loops' up to the order of the sums (the same recurrence,
+ * reassociated, as the torch path's chunked scans are). A prompt chunk's prefix-cache checkpoints (RecStep's
+ * marks, --mamba-cache-mode all) end a scan chunk, so the state after t tokens is exact there and copied to its
+ * row.
  *
  * Numerics follow the torch path in float32: softplus with torch's threshold of 20, sigmoid(b), l2norm x *
  * rsqrt(sum(x^2) + 1e-6), RMS norms x * rsqrt(mean(x^2) + eps) * w, silu(z) = z sigmoid(z).
@@ -32,7 +39,7 @@
 
 #define CONV_CH 64   /* channels per conv work item */
 #define MAX_KEEP 15  /* the longest conv state (kernel - 1) */
-#define MAX_HEAD 512 /* the widest head (dk, dv) a scan item keeps on its stack */
+#define MAX_HEAD 512 /* the widest head (dk, dv) the token loop keeps on its stack */
 
 int64_t rec_struct_size(const char *name) {
     if (!strcmp(name, "RecMixer")) return sizeof(RecMixer);
@@ -292,7 +299,9 @@ static void mamba2_token(const RecMixer *r, float *state, const float *conv, con
 
 #define SCAN_CHUNK 64 /* tokens per chunk (deltanet.py's CHUNK); a multiple of VW */
 #define SCAN_MIN_TOKENS 4 /* a sequence's tokens from which it takes the chunked scan (measured: see the top) */
-#define SCAN_HEAD 128 /* the widest head (dk, dv) the chunked scan keeps on its stack; wider ones take the token loop */
+#define MAMBA2_MIN_TOKENS 16 /* ... Mamba2's (at 8 tokens 0.8-0.9x the loop, at 16 1.1-1.2x: AVX-512, AVX2) */
+#define SCAN_HEAD 128 /* the widest head (DeltaNet's dk, dv; Mamba2's P, N) the chunked scans' scratch holds; wider
+                       * ones take the token loop */
 #define SCAN_LD (SCAN_HEAD + 16) /* the scratch rows' stride: 576 bytes, so that a column slice of 128 rows
                                    * spreads over L1's sets (at 512 bytes it fell into a third of them) */
 #define MM_ROWS 4     /* mm_rows' block: MM_ROWS rows x MM_VECS vectors of accumulators in registers */
@@ -352,7 +361,8 @@ static void mm_rows(float *out, int ldo, const float *x, int ldx, int rows, cons
         }
 }
 
-/* A chunk's scratch: rows 0..n-1 of kq the keys, n..2n-1 the queries (l2-normed, the queries scaled); kt the keys
+/* A chunk's scratch (a thread's, rec_scratch_bytes: ~320 KiB, past the stack a thread may get: musl's 128 KiB, a
+ * small OMP_STACKSIZE): rows 0..n-1 of kq the keys, n..2n-1 the queries (l2-normed, the queries scaled); kt the keys
  * transposed (zeros past n; scaled by e^(cum_last - cum_j) for the state's update); ks rows K S0 then Q S0; w rows
  * K K^T then Q K^T, made A then the decayed causal scores in place; u the corrected values. */
 typedef struct {
@@ -409,15 +419,14 @@ static void store_state(float *to, const ScanChunk *w, int dk, int dv) {
 
 /* Sequence q's tokens through value head h by chunks (SCAN_CHUNK, and each mark), its state advanced in place
  * and copied to each mark's row. */
-static void deltanet_chunked(const RecMixer *r, const RecStep *s, int q, int h, float *state) {
+static void deltanet_chunked(const RecMixer *r, const RecStep *s, int q, int h, float *state, ScanChunk *w) {
     const int dk = r->dk, dv = r->dv, kh = r->tiled ? h % r->groups : h / (r->heads / r->groups), key = r->groups * dk;
     const int value = r->heads * dv, C = r->conv_dim;
     const int64_t t0 = s->first[q], len = s->len[q], size = (int64_t)dk * dv;
     const float decay_rate = -expf(r->a_log[h]), qscale = 1.0f / sqrtf((float)dk);
     int64_t mark = s->mark_first ? s->mark_first[q] : 0;
     const int64_t mark_end = s->mark_first ? s->mark_first[q + 1] : 0;
-    ScanChunk w; /* ~320 KiB on the thread's stack (glibc's threads get 8 MiB), no allocation in the step */
-    for (int a = 0; a < dk; a++) memcpy(w.s[a], state + (int64_t)a * dv, (size_t)dv * sizeof(float));
+    for (int a = 0; a < dk; a++) memcpy(w->s[a], state + (int64_t)a * dv, (size_t)dv * sizeof(float));
     for (int64_t c0 = 0; c0 < len;) {
         int64_t c1 = c0 + SCAN_CHUNK < len ? c0 + SCAN_CHUNK : len;
         if (mark < mark_end && s->mark_at[mark] < c1) c1 = s->mark_at[mark];
@@ -426,55 +435,144 @@ static void deltanet_chunked(const RecMixer *r, const RecStep *s, int q, int h, 
         float g = 0.0f;
         for (int i = 0; i < n; i++) {
             const float *conv = conv0 + (int64_t)i * C, *row = row0 + (int64_t)i * r->width;
-            l2norm(w.kq[i], conv + key + kh * dk, dk, 1.0f);
-            l2norm(w.kq[n + i], conv + kh * dk, dk, qscale);
-            w.beta[i] = sigmoid(row[C + value + h]);
+            l2norm(w->kq[i], conv + key + kh * dk, dk, 1.0f);
+            l2norm(w->kq[n + i], conv + kh * dk, dk, qscale);
+            w->beta[i] = sigmoid(row[C + value + h]);
             g += decay_rate * softplus(row[C + value + r->heads + h] + r->dt_bias[h]);
-            w.cum[i] = g;
+            w->cum[i] = g;
         }
-        for (int i = n; i < np; i++) w.cum[i] = g; /* read by the vector decays below, never used */
+        for (int i = n; i < np; i++) w->cum[i] = g; /* read by the vector decays below, never used */
         for (int a = 0; a < dk; a++)
-            for (int j = 0; j < np; j++) w.kt[a][j] = j < n ? w.kq[j][a] : 0.0f;
-        mm_rows(w.ks[0], SCAN_LD, w.kq[0], SCAN_LD, 2 * n, w.s[0], SCAN_LD, dk, dv, 0.0f, 0);
-        mm_rows(w.w[0], SCAN_CHUNK, w.kq[0], SCAN_LD, 2 * n, w.kt[0], SCAN_CHUNK, dk, np, 0.0f, 0);
+            for (int j = 0; j < np; j++) w->kt[a][j] = j < n ? w->kq[j][a] : 0.0f;
+        mm_rows(w->ks[0], SCAN_LD, w->kq[0], SCAN_LD, 2 * n, w->s[0], SCAN_LD, dk, dv, 0.0f, 0);
+        mm_rows(w->w[0], SCAN_CHUNK, w->kq[0], SCAN_LD, 2 * n, w->kt[0], SCAN_CHUNK, dk, np, 0.0f, 0);
         for (int i = 0; i < n; i++) { /* A (row i, j < i) and D (row n + i, j <= i) */
             for (int j = 0; j <= i; j += VW) {
-                const vf e = vexp(w.cum[i] - ld(w.cum + j));
-                st(w.w[i] + j, w.beta[i] * e * ld(w.w[i] + j));
-                st(w.w[n + i] + j, e * ld(w.w[n + i] + j));
+                const vf e = vexp(w->cum[i] - ld(w->cum + j));
+                st(w->w[i] + j, w->beta[i] * e * ld(w->w[i] + j));
+                st(w->w[n + i] + j, e * ld(w->w[n + i] + j));
             }
         }
         float *out0 = rec_out(r, s) + (t0 + c0) * r->out_k + (int64_t)h * dv;
         const float *v0 = conv0 + 2 * key + h * dv;
         int c = 0;
-        for (; c + SUB_VECS * VW <= dv; c += SUB_VECS * VW) subst_vecs(&w, n, c, SUB_VECS, v0, C, out0, r->out_k);
-        for (; c + VW <= dv; c += VW) subst_vecs(&w, n, c, 1, v0, C, out0, r->out_k);
-        for (; c < dv; c++) subst_col(&w, n, c, v0, C, out0, r->out_k);
+        for (; c + SUB_VECS * VW <= dv; c += SUB_VECS * VW) subst_vecs(w, n, c, SUB_VECS, v0, C, out0, r->out_k);
+        for (; c + VW <= dv; c += VW) subst_vecs(w, n, c, 1, v0, C, out0, r->out_k);
+        for (; c < dv; c++) subst_col(w, n, c, v0, C, out0, r->out_k);
         float tail[SCAN_CHUNK]; /* e^(cum_last - cum_j): key j's decay to the chunk's end */
-        for (int j = 0; j < n; j++) tail[j] = expf(g - w.cum[j]);
+        for (int j = 0; j < n; j++) tail[j] = expf(g - w->cum[j]);
         for (int a = 0; a < dk; a++)
-            for (int j = 0; j < n; j++) w.kt[a][j] *= tail[j];
-        mm_rows(w.s[0], SCAN_LD, w.kt[0], SCAN_CHUNK, dk, w.u[0], SCAN_LD, n, dv, expf(g), 1);
+            for (int j = 0; j < n; j++) w->kt[a][j] *= tail[j];
+        mm_rows(w->s[0], SCAN_LD, w->kt[0], SCAN_CHUNK, dk, w->u[0], SCAN_LD, n, dv, expf(g), 1);
         for (int i = 0; i < n; i++) {
             const float *z = row0 + (int64_t)i * r->width + C + h * dv;
             gated_norm(r, out0 + (int64_t)i * r->out_k, out0 + (int64_t)i * r->out_k, z);
         }
         if (mark < mark_end && s->mark_at[mark] == c1)
-            store_state(r->rec_state + (s->mark_row[mark++] * r->heads + h) * size, &w, dk, dv);
+            store_state(r->rec_state + (s->mark_row[mark++] * r->heads + h) * size, w, dk, dv);
         c0 = c1;
     }
-    store_state(state, &w, dk, dv);
+    store_state(state, w, dk, dv);
+}
+
+/* ---- Mamba2's chunked (SSD) scan -------------------------------------------------------------------------------
+ * mamba2.py's chunked form per (sequence, head), in chunks as Gated DeltaNet's (SCAN_CHUNK, ending at each mark):
+ * with dt_j the clamped time steps and cum_i the chunk's cumulative log decay (sum of dt A) up to token i, y_i =
+ * e^cum_i C_i S0^T + sum_{j <= i} e^(cum_i - cum_j) dt_j (C_i . B_j) x_j + D x_i and S = e^cum_last S0 + sum_j
+ * e^(cum_last - cum_j) dt_j x_j B_j^T, the state S [head dim P, state size N]. B and C are the head's group's. */
+
+/* A Mamba2 chunk's scratch: s the state transposed [N, P] (the products read it as their right side); x the
+ * chunk's inputs x_j [n, P], copied out of the conv rows (read once per block of rows: at the conv rows' stride,
+ * 40 KiB at Nemotron-H's shape, they all fell into one L1 set); bt B transposed [N, chunk] (zeros past n; scaled
+ * by dt_j e^(cum_last - cum_j) for the state's update); w the scores C B^T, made the decayed causal scores (D on
+ * the diagonal) in place. */
+typedef struct {
+    float s[SCAN_HEAD][SCAN_LD], x[SCAN_CHUNK][SCAN_LD], bt[SCAN_HEAD][SCAN_CHUNK], w[SCAN_CHUNK][SCAN_CHUNK];
+    float dt[SCAN_CHUNK], cum[SCAN_CHUNK];
+} SsdChunk;
+
+/* The scratch's state (transposed: N rows of P) into a state row [P, N]: the slot's, or a mark's. */
+static void store_ssd_state(float *to, const SsdChunk *w, int P, int N) {
+    for (int p = 0; p < P; p++)
+        for (int a = 0; a < N; a++) to[(int64_t)p * N + a] = w->s[a][p];
+}
+
+/* Sequence q's tokens through Mamba2's head h by chunks (SCAN_CHUNK, and each mark), its state advanced in place
+ * and copied to each mark's row; the output rows before the gated norm (rec_norm), as mamba2_token's. */
+static void mamba2_chunked(const RecMixer *r, const RecStep *s, int q, int h, float *state, SsdChunk *w) {
+    const int P = r->dk, N = r->dv, g = h / (r->heads / r->groups), inner = r->heads * P, C = r->conv_dim;
+    const int64_t t0 = s->first[q], len = s->len[q], size = (int64_t)P * N;
+    const float rate = -expf(r->a_log[h]), D = r->d[h];
+    int64_t mark = s->mark_first ? s->mark_first[q] : 0;
+    const int64_t mark_end = s->mark_first ? s->mark_first[q + 1] : 0;
+    for (int p = 0; p < P; p++)
+        for (int a = 0; a < N; a++) w->s[a][p] = state[(int64_t)p * N + a];
+    for (int64_t c0 = 0; c0 < len;) {
+        int64_t c1 = c0 + SCAN_CHUNK < len ? c0 + SCAN_CHUNK : len;
+        if (mark < mark_end && s->mark_at[mark] < c1) c1 = s->mark_at[mark];
+        const int n = (int)(c1 - c0), np = (n + VW - 1) / VW * VW;
+        const float *conv0 = conv_rows(r, s) + (t0 + c0) * C, *row0 = canon_rows(r, s) + (t0 + c0) * r->width;
+        const float *x0 = conv0 + h * P, *b0 = conv0 + inner + g * N, *c_0 = conv0 + inner + (r->groups + g) * N;
+        float cum = 0.0f;
+        for (int i = 0; i < n; i++) {
+            float dt = softplus(row0[(int64_t)i * r->width + inner + C + h] + r->dt_bias[h]);
+            w->dt[i] = dt < r->dt_min ? r->dt_min : dt > r->dt_max ? r->dt_max : dt;
+            cum += rate * w->dt[i];
+            w->cum[i] = cum;
+        }
+        for (int i = n; i < np; i++) { /* read by the vector decays below, never used */
+            w->dt[i] = 0.0f;
+            w->cum[i] = cum;
+        }
+        for (int j = 0; j < n; j++) memcpy(w->x[j], x0 + (int64_t)j * C, (size_t)P * sizeof(float));
+        for (int j = 0; j < np; j++) /* row by row: a column of the conv rows would read one L1 set's lines */
+            for (int a = 0; a < N; a++) w->bt[a][j] = j < n ? b0[(int64_t)j * C + a] : 0.0f;
+        mm_rows(w->w[0], SCAN_CHUNK, c_0, C, n, w->bt[0], SCAN_CHUNK, N, np, 0.0f, 0);
+        for (int i = 0; i < n; i++) { /* row i: e^(cum_i - cum_j) dt_j (C_i . B_j) for j <= i, D at i, zeros past */
+            for (int j = 0; j <= i; j += VW) {
+                const vf e = vexp(w->cum[i] - ld(w->cum + j));
+                st(w->w[i] + j, e * ld(w->dt + j) * ld(w->w[i] + j));
+            }
+            for (int j = i + 1; j < np; j++) w->w[i][j] = 0.0f;
+            w->w[i][i] += D;
+        }
+        float *out0 = rec_out(r, s) + (t0 + c0) * r->out_k + (int64_t)h * P;
+        mm_rows(out0, r->out_k, c_0, C, n, w->s[0], SCAN_LD, N, P, 0.0f, 0); /* C_i S0^T, then decayed */
+        for (int i = 0; i < n; i++) {
+            float *y = out0 + (int64_t)i * r->out_k;
+            const float e = expf(w->cum[i]);
+            for (int p = 0; p < P; p++) y[p] *= e;
+        }
+        mm_rows(out0, r->out_k, w->w[0], SCAN_CHUNK, n, w->x[0], SCAN_LD, n, P, 1.0f, 1);
+        float tail[SCAN_CHUNK]; /* dt_j e^(cum_last - cum_j): token j's input's decay to the chunk's end */
+        for (int j = 0; j < n; j++) tail[j] = w->dt[j] * expf(cum - w->cum[j]);
+        for (int a = 0; a < N; a++)
+            for (int j = 0; j < n; j++) w->bt[a][j] *= tail[j];
+        mm_rows(w->s[0], SCAN_LD, w->bt[0], SCAN_CHUNK, N, w->x[0], SCAN_LD, n, P, expf(cum), 1);
+        if (mark < mark_end && s->mark_at[mark] == c1)
+            store_ssd_state(r->rec_state + (s->mark_row[mark++] * r->heads + h) * size, w, P, N);
+        c0 = c1;
+    }
+    store_ssd_state(state, w, P, N);
+}
+
+int64_t rec_scratch_bytes(const RecMixer *r) {
+    if (r->kind == MIX_SHORT_CONV || r->dk > SCAN_HEAD || r->dv > SCAN_HEAD) return 0;
+    return r->kind == MIX_GATED_DELTANET ? (int64_t)sizeof(ScanChunk) : (int64_t)sizeof(SsdChunk);
 }
 
 /* Item i: one sequence's tokens through head i % heads of the recurrence, its state (in the slot, zeros for a
  * sequence at position 0) advanced in place. */
-void rec_scan_as(const RecMixer *r, const RecStep *s, int i, int chunked) {
+void rec_scan_as(const RecMixer *r, const RecStep *s, int i, int chunked, void *scratch) {
     const int q = i / r->heads, h = i % r->heads;
     const int64_t size = (int64_t)r->dk * r->dv, t0 = s->first[q], t1 = t0 + s->len[q];
     float *st = r->rec_state + (s->slot[q] * r->heads + h) * size;
     if (s->positions[t0] == 0) memset(st, 0, (size_t)size * sizeof(float));
-    if (chunked && r->kind == MIX_GATED_DELTANET && r->dk <= SCAN_HEAD && r->dv <= SCAN_HEAD) {
-        deltanet_chunked(r, s, q, h, st);
+    if (chunked && rec_scratch_bytes(r)) {
+        if (r->kind == MIX_GATED_DELTANET)
+            deltanet_chunked(r, s, q, h, st, scratch);
+        else
+            mamba2_chunked(r, s, q, h, st, scratch);
         return;
     }
     const int head_out = r->kind == MIX_MAMBA2 ? r->dk : r->dv;
@@ -492,8 +590,9 @@ void rec_scan_as(const RecMixer *r, const RecStep *s, int i, int chunked) {
     }
 }
 
-void rec_scan(const RecMixer *r, const RecStep *s, int i) {
-    rec_scan_as(r, s, i, s->len[i / r->heads] >= SCAN_MIN_TOKENS);
+void rec_scan(const RecMixer *r, const RecStep *s, int i, void *scratch) {
+    const int64_t len = s->len[i / r->heads];
+    rec_scan_as(r, s, i, len >= (r->kind == MIX_MAMBA2 ? MAMBA2_MIN_TOKENS : SCAN_MIN_TOKENS), scratch);
 }
 
 /* Row t of Mamba2's output: y * silu(z), RMS-normed over each group's channels, times the norm's weight. */

@@ -71,10 +71,15 @@ int rec_conv_items(const RecMixer *r, int S);
 int rec_scan_items(const RecMixer *r, int S);
 void rec_permute(const RecMixer *r, const RecStep *s, int t);
 void rec_conv(const RecMixer *r, const RecStep *s, int i);
-void rec_scan(const RecMixer *r, const RecStep *s, int i);
-/* rec_scan's item by Gated DeltaNet's chunked scan (chunked 1, where the head fits it) or by the token loop (0),
- * whatever the sequence's length: rec_scan picks by length; tests and benchmarks/kernels/recurrent_scan.py
- * compare the two. */
-void rec_scan_as(const RecMixer *r, const RecStep *s, int i, int chunked);
+/* The bytes of a thread's scratch for this mixer's rec_scan items (0: none needed), best 64-byte aligned (the
+ * chunked scan's rows are cache lines): model_step.c gives each thread the largest of its layers' (a chunk's
+ * scratch is a few hundred KiB, more than a thread's stack may be: musl's 128 KiB, a small OMP_STACKSIZE). */
+int64_t rec_scratch_bytes(const RecMixer *r);
+/* Item i of the recurrence, with the calling thread's scratch (rec_scratch_bytes of this mixer, or more). */
+void rec_scan(const RecMixer *r, const RecStep *s, int i, void *scratch);
+/* rec_scan's item by the chunked scan (chunked 1: Gated DeltaNet's or Mamba2's, where the head fits it) or by the
+ * token loop (0), whatever the sequence's length: rec_scan picks by length; tests and
+ * benchmarks/kernels/recurrent_scan.py compare the two. */
+void rec_scan_as(const RecMixer *r, const RecStep *s, int i, int chunked, void *scratch);
 void rec_norm(const RecMixer *r, const RecStep *s, int t);
 #endif

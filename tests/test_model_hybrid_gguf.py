@@ -19,6 +19,7 @@ from engine_helpers import greedy_cached_chunked_preempted, hybrid_engine, share
 
 from devkit.hybrid_gguf import CONFIGS, make_hybrid, write_hybrid_gguf
 from pagedllm.model import ModelRunner, SeqChunk, load_model, load_model_config
+from pagedllm.model.fused_step import unfused_reason
 
 pytestmark = pytest.mark.usefixtures("one_thread", "private_tokenizer_cache")  # tests/conftest.py
 
@@ -81,9 +82,11 @@ def _tokens(n: int, seed: int) -> list[int]:
     return [rng.randrange(6, 256) for _ in range(n)]
 
 
-def _logits(loaded, ids: list[int]) -> torch.Tensor:
-    """100 tokens in chunks of 41 and 57 (the state crosses chunk ends) over shuffled blocks, then two decodes."""
+def _logits(loaded, ids: list[int], fused: bool = False) -> torch.Tensor:
+    """100 tokens in chunks of 41 and 57 (the state crosses chunk ends) over shuffled blocks, then two decodes;
+    on the fused C step where `fused` (it must run there), else on the path the runner takes."""
     runner = ModelRunner(loaded, num_blocks=16, block_size=8, num_state_slots=2)
+    assert not fused or runner.fused is not None, unfused_reason(runner.model, runner.kv_caches, runner.states)
     table = random.Random(3).sample(range(16), 13)
     got = [
         runner.execute([SeqChunk(ids[:41], 0, table, True, state_slot=1)]),
@@ -123,8 +126,9 @@ def test_greedy_tokens_with_caching_chunks_and_preemption_match_transformers(ckp
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
 def test_quantized_file_runs_as_stored_and_matches_its_values(ckpt, fmt, tmp_path):
-    """A Q8_0 / Q4_0 file, its matrices kept quantized: transformers on the values the file holds (each tensor
-    quantized in its HF layout: every converter change moves whole rows or blocks) gives the same logits."""
+    """A Q8_0 / Q4_0 file, its matrices kept quantized, on the fused C step: transformers on the values the file
+    holds (each tensor quantized in its HF layout: every converter change moves whole rows or blocks) gives the
+    same logits."""
     from safetensors.numpy import save_file
     from transformers import AutoModelForCausalLM
 
@@ -136,7 +140,7 @@ def test_quantized_file_runs_as_stored_and_matches_its_values(ckpt, fmt, tmp_pat
     loaded = load_model(path, dtype="float32", verbose=False, quantization="gguf", quantized_activations="none")
     assert any(lin.quant is not None for lin in loaded.model.linears())
     ids = _tokens(100, 2)
-    err = _err(_logits(loaded, ids), _hf_logits(ref, ids))
+    err = _err(_logits(loaded, ids, fused=True), _hf_logits(ref, ids))
     assert err < TOL, f"{ckpt.family} {fmt}: {err:.2e}"
 
 

@@ -17,7 +17,7 @@ import shutil
 import pytest
 import torch
 from engine_helpers import greedy_cached_chunked_preempted, hybrid_engine, run_all, shared_prefix_prompts
-from model_helpers import all_logits, fused_and_torch
+from model_helpers import all_logits, cpu_target, fused_and_torch
 
 from devkit.hybrid_gguf import make_hybrid, write_hybrid_gguf
 from pagedllm import SamplingParams
@@ -25,13 +25,15 @@ from pagedllm.engine import EngineConfig, LLMEngine
 from pagedllm.engine.memory import state_bytes
 from pagedllm.errors import ModelLoadError
 from pagedllm.model import ModelRunner, SeqChunk, load_model, load_model_config
-from pagedllm.model.fused_step import _moe_blocker
+from pagedllm.model.kernels import cpu_kernel
 from pagedllm.model.runner import bytes_per_block
 
 pytestmark = pytest.mark.usefixtures("one_thread", "private_tokenizer_cache")  # tests/conftest.py
 
 TOL = 1e-4  # of the largest logit
+DOT_TOL = 2e-3  # the dot route's bound against the exact path (test_model_families.py's)
 MOE_VARIANTS = {"grouped": "nemotron_h_moe", "latent": "nemotron_h_moe_latent"}  # devkit/hybrid_gguf.py's
+TARGETS = [t for t in ("native", "x86-64-v3") if t in cpu_kernel.runnable_targets()]
 
 
 def _tokens(n: int, seed: int) -> list[int]:
@@ -147,20 +149,21 @@ def test_moe_folder_greedy_tokens_with_caching_chunks_and_preemption(moe):
         assert tokens == _hf_logits(hf, p + tokens)[len(p) - 1 : -1].argmax(-1).tolist(), f"{variant} prompt {i}"
 
 
-def test_moe_on_the_fused_step_computes_what_the_torch_path_does(moe):
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("activations", ["none", "int16"])
+def test_moe_on_the_fused_step_computes_what_the_torch_path_does(moe, activations, target):
     """int8 weights: the fused C step (moe.c's ungated relu2 experts, model_step.c's grouped router, the ungated
-    shared expert) against the torch path: a prompt in two chunks, 8 greedy decode tokens, the same tokens and
-    logits within the tolerance. The experts' latent projections are the torch path's alone, and say so."""
+    shared expert; the latent variant's two projections around the routed experts) against the torch path, float32
+    activations and the dot route's alike, on this CPU's build and the AVX2 one: a prompt in two chunks, 8 greedy
+    decode tokens, the same tokens and logits within the bound of each."""
     variant, folder, _ = moe
-    loaded = load_model(folder, "float32", "cpu", False, "int8", quantized_activations="none")
-    if variant == "latent":
-        why = _moe_blocker(loaded.model)
-        assert why is not None and "latent projections" in why
-        return
-    got = fused_and_torch(loaded, _tokens(70, 1), 29, 8)
+    loaded = load_model(folder, "float32", "cpu", False, "int8", quantized_activations=activations)
+    with cpu_target(target):
+        got = fused_and_torch(loaded, _tokens(70, 1), 29, 8)
     (fused, fused_tokens), (want, want_tokens) = got[True], got[False]
-    assert fused_tokens == want_tokens
-    assert (fused - want).abs().max().item() < TOL * want.abs().max().item()
+    assert fused_tokens == want_tokens, f"{variant} {activations} {target}"
+    err = (fused - want).abs().max().item() / want.abs().max().item()
+    assert err < (TOL if activations == "none" else DOT_TOL), f"{variant} {activations} {target}: {err:.2e}"
 
 
 def test_moe_expert_tensors_that_disagree_with_the_config_are_named(moe, tmp_path):

@@ -1,18 +1,18 @@
 """A step of a quantized model as one C call (csrc/model_step.c) instead of ~1,200 torch ops.
 
 Used by `ModelRunner` for every step (decode tokens and prefill chunks alike) when every matmul weight, the
-embedding table and the LM head are kept quantized (`--quantization gguf|int8|int4`) and the kernels are
-built. The structures are the C ones, read from csrc/model_step.h; they are filled once per runner (weights,
-caches), and what changes per step is a few int64 arrays: `attention.group_step_index`, the builder the torch
-path uses too (each layer reads its KV-cache group's tables and slots: a Gemma 3 has a table per group). Every
-family runs here: what a layer does beyond the plain Llama one is read from the decoder's own modules (which
-norms it has, with their offsets; q/k norms; its RoPE; its `attn_spec`: window, scale, soft-cap, sinks; a sparse
-layer's router, routed experts (the structure moe_kernel.py built for the torch path), shared expert and the
-dense MLP beside them with its norms and the router's scales (Gemma 4's 26B-A4B); a linear
-layer's recurrent mixer (recurrent.h's RecMixer: Gated DeltaNet, Mamba2, short conv, over the runner's state
-slots); Gemma 4's per-layer head sizes, shared KV, keys equal to values, per-layer inputs and scalars) and the
-config's multipliers, so the C step computes what the torch path computes, number for number (a router's logits
-to rounding: the C step sums its dot products in its own order).
+embedding table and the LM head are kept quantized (`--quantization gguf|int8|int4`) and the kernels are built. The
+structures are the C ones, read from csrc/model_step.h; they are filled once per runner (weights, caches), and what
+changes per step is a few int64 arrays: `attention.group_step_index`, the builder the torch path uses too (each
+layer reads its KV-cache group's tables and slots: a Gemma 3 has a table per group). Every family runs here: what a
+layer does beyond the plain Llama one is read from the decoder's own modules (which norms it has, with their
+offsets; q/k norms; its RoPE; its `attn_spec`: window, scale, soft-cap, sinks; a sparse layer's router, routed
+experts (the structure moe_kernel.py built for the torch path) and their latent projections, shared expert and the
+dense MLP beside them with its norms and the router's scales (Gemma 4's 26B-A4B); a linear layer's recurrent mixer
+(recurrent.h's RecMixer: Gated DeltaNet, Mamba2, short conv, over the runner's state slots); Gemma 4's per-layer
+head sizes, shared KV, keys equal to values, per-layer inputs and scalars) and the config's multipliers, so the C
+step computes what the torch path computes, number for number (a router's logits to rounding: the C step sums its
+dot products in its own order).
 
 Rows under LoRA adapters get their term in the same call (csrc/lora.c, the rows from LoRAManager.fused_step).
 
@@ -87,8 +87,6 @@ def _moe_blocker(model: CausalLM) -> str | None:
             continue
         if moe.experts_kernel() is None:
             return "experts the MoE kernel does not run"
-        if moe.latent_in is not None:  # the routed experts at their own width: not planned by the C step
-            return "the experts' latent projections (moe_latent_size)"
         gates = [lin for lin in (moe.router, moe.shared_gate) if lin is not None]
         if any(lin.quant is not None or lin.weight.numel() == 0 for lin in gates):
             return "a quantized router"
@@ -192,13 +190,13 @@ def deltanet_perm(mixer: GatedDeltaNet) -> np.ndarray | None:
 
 
 def i8_kinds(model: CausalLM) -> int:
-    """StepModel.i8_kinds: bit p set where the matmuls of profile slot p (PHASES: the kinds of
-    CausalLM.weights_by_kind) take the int8 route, bit len(PHASES) where those of no kind do (a recurrent mixer's
-    projections, a per-layer input's: the C step plans them under the slots of qkv, o, gate_up or down, but
-    their route is their own). The torch path takes the route per weight (QuantWeight.i8_min_rows), the C step
-    per kind, so the two agree where a kind's weights agree, as the loader and the benchmarks set them (every
-    weight under --quantized-activations int8; some kinds under dot_accuracy's and prefill_ttft's --int8-on,
-    which measure which matmul carries the route's error: docs/benchmarks.md, "per matmul")."""
+    """StepModel.i8_kinds: bit p set where the matmuls of profile slot p (PHASES: the kinds of CausalLM.weights_by_kind)
+    take the int8 route, bit len(PHASES) where those of no kind do (a recurrent mixer's projections, a per-layer
+    input's, a sparse block's latent projections: the C step plans them under the slots of qkv, o, gate_up, down or
+    experts, but their route is their own). The torch path takes the route per weight (QuantWeight.i8_min_rows), the
+    C step per kind, so the two agree where a kind's weights agree, as the loader and the benchmarks set them (every
+    weight under --quantized-activations int8; some kinds under dot_accuracy's and prefill_ttft's --int8-on, which
+    measure which matmul carries the route's error: docs/benchmarks.md, "per matmul")."""
     kinds = {id(w): k for k, ws in model.weights_by_kind().items() for w in ws}
     skip = {id(model.embed.quant)} | ({id(model.per_layer.embed.quant)} if model.per_layer is not None else set())
     for layer in model.decoder_layers:  # the routed experts: their own route (MoeLayer.i8_min_rows)
@@ -315,6 +313,8 @@ class FusedStep:
             fields |= self._sparse(layer, moe)
             if moe.shared is not None:
                 mlp += [("shared_gate_up", moe.shared.gate_up), ("shared_down", moe.shared.down)]
+            if moe.latent_in is not None and moe.latent_out is not None:
+                mlp += [("latent_in", moe.latent_in), ("latent_out", moe.latent_out)]
         attn = [("qkv", layer.qkv), ("o", layer.o)] if layer.attends else []
         for name, lin in (*attn, *mlp):
             w = _quant(lin)
@@ -461,6 +461,7 @@ class FusedStep:
             norm_topk=int(cfg.norm_topk_prob),
             expert_groups=cfg.num_expert_group,
             topk_group=cfg.topk_group,
+            moe_latent=cfg.moe_latent_size,
             route_scale=cfg.routed_scaling_factor,
             expert_reads=self._reads.data_ptr(),
             attn_gate=int(cfg.attn_output_gate),

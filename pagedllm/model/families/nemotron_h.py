@@ -13,21 +13,21 @@ Mamba2 tensors as for granitehybrid (A as -exp(A_log), D [H, 1], the gated norm 
 rows permuted (LlamaModel's, harmless without RoPE, undone here), the epsilon as `attention.layer_norm_epsilon`.
 It keeps no time_step_min: a file's is transformers' default, 0.001.
 
-The MoE blocks of the newer configs ("moe" / E: NVIDIA-Nemotron-3-Nano-30B-A3B's) are single-block layers whose
-block is the sparse one (layers/moe.py; "mlp" layers here, the dense ones listed in mlp_only_layers): DeepSeek-V3's
-router (sigmoid scores; the top k chosen by score + `e_score_correction_bias` within the `topk_group` best of
-`n_group` groups, weighed by the scores, renormalised with norm_topk_prob, times routed_scaling_factor), experts
-like the MLP (down(relu(up(x))^2), no gate) at moe_intermediate_size, one shared expert of the same form at
-moe_shared_expert_intermediate_size added ungated, and, where `moe_latent_size` is set (Nemotron-3-Super), the
-routed experts at that width: their input `fc1_latent_proj(x)`, their weighted sum through `fc2_latent_proj` (the
-router and the shared expert read x itself). transformers saves the experts one module per expert
-(`mixer.experts.N.up_proj`), its state dict as 3-D `mixer.experts.up_proj` / `down_proj`. llama.cpp's converter
-writes arch nemotron_h_moe: a MoE layer by its `feed_forward_length` (moe_intermediate_size) and its router
-`ffn_gate_inp` (a dense MLP layer, which that converter does not write, by feed_forward_length alone), the experts
-stacked as ffn_up_exps / ffn_down_exps, the bias as exp_probs_b.bias, the shared expert as ffn_up_shexp /
-ffn_down_shexp, the latent projections as ffn_latent_down / ffn_latent_up, expert_weights_norm / _scale and
-expert_group_count (and expert_group_used_count, which a file of more than one group must have); its gating is
-sigmoid whatever expert_gating_func says (llama.cpp's graph fixes it)."""
+The MoE blocks of the newer configs ("moe" / E: NVIDIA-Nemotron-3-Nano-30B-A3B's) are single-block layers whose block is
+the sparse one (layers/moe.py; "mlp" layers here, the dense ones listed in mlp_only_layers): DeepSeek-V3's router
+(sigmoid scores; the top k chosen by score + `e_score_correction_bias` within the `topk_group` best of `n_group` groups,
+weighed by the scores, renormalised with norm_topk_prob, times routed_scaling_factor), experts like the MLP
+(down(relu(up(x))^2), no gate) at moe_intermediate_size, one shared expert of the same form at
+moe_shared_expert_intermediate_size added ungated, and, where `moe_latent_size` is set (Nemotron-3-Super), the routed
+experts at that width: their input `fc1_latent_proj(x)`, their weighted sum through `fc2_latent_proj` (the router and
+the shared expert read x itself; the fused C step runs the two projections as matmuls of its own). transformers saves
+the experts one module per expert (`mixer.experts.N.up_proj`), its state dict as 3-D `mixer.experts.up_proj` /
+`down_proj`. llama.cpp's converter writes arch nemotron_h_moe: a MoE layer by its `feed_forward_length`
+(moe_intermediate_size) and its router `ffn_gate_inp` (a dense MLP layer, which that converter does not write, by
+feed_forward_length alone), the experts stacked as ffn_up_exps / ffn_down_exps, the bias as exp_probs_b.bias, the shared
+expert as ffn_up_shexp / ffn_down_shexp, the latent projections as ffn_latent_down / ffn_latent_up, expert_weights_norm
+/ _scale and expert_group_count (and expert_group_used_count, which a file of more than one group must have); its gating
+is sigmoid whatever expert_gating_func says (llama.cpp's graph fixes it)."""
 
 from __future__ import annotations
 

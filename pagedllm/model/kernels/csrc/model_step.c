@@ -72,6 +72,9 @@ typedef struct { /* the step's activations (float32, T rows) and scratch */
      * the projection of its embedding, and [T, ple_width] a layer's gate */
     float *ple, *ple_proj, *ple_gate;
     float *yd; /* [T, hidden] a sparse layer's dense MLP's output beside its experts' (StepLayer.moe_norm) */
+    /* [T, moe_latent] each: the routed experts' input (latent_in of the block's input) and their weighted sum,
+     * before latent_out (StepModel.moe_latent; NULL without it) */
+    float *xl, *yl;
 } Buffers;
 
 typedef struct { /* per thread */
@@ -282,12 +285,14 @@ static Phase norm_phase(float *x, const float *h, const float *w, const int64_t 
 
 /* The matmul out[M, N] (+)= x[M, K] @ W^T as one phase (two with AMX: x to bfloat16 tiles first; two on the
  * dot and int8 routes: x rounded to 16- or 8-bit integers first). */
-#define MAX_LAYER_PHASES 64 /* 38 + 18 (a mixer's phases) + 8 (the LoRA halves of qkv, o, gate_up, down) */
+/* 38 + 18 (a mixer's phases) + 8 (the LoRA halves of qkv, o, gate_up, down) + 4 (a latent MoE's projections) */
+#define MAX_LAYER_PHASES 68
 #define ROUTER_EXPERTS 16 /* experts per router work item: a decode token's router spread over the threads */
 #define ROUTER_CHUNKS(m) (((m)->experts + ROUTER_EXPERTS - 1) / ROUTER_EXPERTS)
 
 /* matmul_phases' `prof` or-ed with NO_KIND: a matmul of none of the kinds of StepModel.i8_kinds' profile slots
- * (a recurrent mixer's projections, the per-layer inputs'), whose int8 route is bit I8_NO_KIND's */
+ * (a recurrent mixer's projections, the per-layer inputs', a sparse block's latent projections), whose int8 route
+ * is bit I8_NO_KIND's */
 #define NO_KIND 0x100
 #define I8_NO_KIND N_PHASES
 
@@ -347,13 +352,16 @@ static int branch_phases(Phase *ph, const StepModel *m, const Buffers *buf, int 
 /* A sparse layer's block (in the MLP's place) from xm into y, then its residual add: the router per token (its
  * top k experts and weights), the routed experts as moe.c's phases (each routed expert's weights read once for
  * all of its rows), the shared expert's matmuls and its gated add, as SparseMoE.forward sums them (the routed
- * experts' sum + sigmoid(gate . x) * shared(x)). With a dense MLP beside it (DecoderLayer._mlp: Gemma 4), that
+ * experts' sum + sigmoid(gate . x) * shared(x)). Latent experts (StepModel.moe_latent) read latent_in(x) and sum
+ * into yl, which latent_out projects into y before the shared expert's add (the router and the shared expert read
+ * x at the hidden width, as SparseMoE.forward). With a dense MLP beside it (DecoderLayer._mlp: Gemma 4), that
  * MLP first, from xm into yd; then the experts' and the router's own norms of the stream (into x, whose MLP input
  * is spent, and y, which the router has read before the top-k phase clears it); the two outputs, each normed,
  * summed into y before the residual add. */
 static int moe_phases(Phase *ph, const StepModel *m, const StepLayer *L, int l, const StepBatch *b,
                       const Buffers *buf, const float *xm, int T, int nthreads) {
     const int S = T * m->topk, items = moe_plan_items(buf->plan), SI = m->shared_inter, E = m->hidden, I = L->inter;
+    const int LAT = m->moe_latent;
     const float *xr = xm;
     int n = 0;
     if (L->gate_up) {
@@ -378,11 +386,17 @@ static int moe_phases(Phase *ph, const StepModel *m, const StepLayer *L, int l, 
     ph[n++] = (Phase){.kind = K_ROUTE, .layer = l, .items = T * ROUTER_CHUNKS(m), .prof = P_ROUTER, .x = xr};
     ph[n++] = (Phase){.kind = K_TOPK, .layer = l, .items = T, .prof = P_ROUTER};
     ph[n++] = (Phase){.kind = K_MOE_GROUP, .layer = l, .items = 1, .prof = P_ROUTER};
-    ph[n++] = (Phase){.kind = K_MOE_GATHER, .items = S, .prof = P_EXPERTS, .x = xm};
+    if (LAT)
+        n += matmul_phases(ph + n, buf, P_EXPERTS | NO_KIND, buf->xl, xm, L->latent_in, L->latent_in_fmt, NULL, T,
+                           LAT, E, 0, nthreads);
+    ph[n++] = (Phase){.kind = K_MOE_GATHER, .items = S, .prof = P_EXPERTS, .x = LAT ? buf->xl : xm};
     ph[n++] = (Phase){.kind = K_MOE_GATE_UP, .items = items, .prof = P_EXPERTS};
     ph[n++] = (Phase){.kind = K_MOE_ACT, .items = S, .prof = P_EXPERTS};
     ph[n++] = (Phase){.kind = K_MOE_DOWN, .items = items, .prof = P_EXPERTS};
-    ph[n++] = (Phase){.kind = K_MOE_COMBINE, .items = T, .prof = P_EXPERTS};
+    ph[n++] = (Phase){.kind = K_MOE_COMBINE, .items = T, .prof = P_EXPERTS, .out = LAT ? buf->yl : buf->y};
+    if (LAT) /* overwrites y (the top-k phase cleared yl, the sum's rows, instead) */
+        n += matmul_phases(ph + n, buf, P_EXPERTS | NO_KIND, buf->y, buf->yl, L->latent_out, L->latent_out_fmt, NULL,
+                           T, E, LAT, 0, nthreads);
     if (L->shared_gate_up) {
         n += matmul_phases(ph + n, buf, P_GATE_UP, buf->sgu, xm, L->shared_gate_up, L->shared_gate_up_fmt, NULL, T,
                            (m->act == ACT_RELU2 ? 1 : 2) * SI, E, 0, nthreads);
@@ -677,7 +691,7 @@ static uint64_t best_groups(const StepModel *m, const float *scores, const float
  * the k largest of score + the layer's score_bias, weighed by their scores, divided by their sum + 1e-6 when
  * norm_topk, times route_scale (ROUTE_SIGMOID: LFM2-MoE; over groups, from best_groups' only); then each times its expert's expert_scale, where the layer
  * has one (Gemma 4). Also clears the token's row of y, which the routed
- * experts' sum goes into. */
+ * experts' sum goes into (yl, moe_latent wide, with latent experts). */
 static void topk_row(const StepModel *m, const StepLayer *L, const Buffers *buf, int t) {
     const int E = m->hidden, X = m->experts, k = m->topk;
     float *logits = buf->rlogits + (int64_t)t * X;
@@ -717,7 +731,8 @@ static void topk_row(const StepModel *m, const StepLayer *L, const Buffers *buf,
     if (m->router == ROUTE_SIGMOID)
         for (int j = 0; j < k; j++) w[j] *= m->route_scale;
     for (int j = 0; L->expert_scale && j < k; j++) w[j] *= L->expert_scale[ids[j]];
-    memset(buf->y + (int64_t)t * E, 0, (size_t)E * sizeof(float));
+    const int W = m->moe_latent ? m->moe_latent : E;
+    memset((m->moe_latent ? buf->yl : buf->y) + (int64_t)t * W, 0, (size_t)W * sizeof(float));
 }
 
 /* Row t of y += sigmoid(gate . x) * the shared expert's output (or the output itself, ungated). */
@@ -818,7 +833,7 @@ static void run_item(const Phase *p, const StepModel *m, const StepLayer *layers
         moe_activate(buf->plan, i);
         break;
     case K_MOE_COMBINE:
-        moe_combine(buf->plan, buf->y, buf->rw, i);
+        moe_combine(buf->plan, p->out, buf->rw, i);
         break;
     case K_SHARED:
         shared_row(m, &layers[p->layer], buf, p->x, i);
@@ -904,7 +919,7 @@ static int check(const StepModel *m, const StepLayer *layers, const StepBatch *b
         (m->act == ACT_RELU2 && m->ple_width) ||
         (m->experts && (m->topk <= 0 || m->topk > m->experts || m->moe_ffn <= 0 || m->moe_ffn % 32 ||
                         m->shared_inter < 0 || m->shared_inter % 32 || m->router < ROUTE_SOFTMAX_TOPK ||
-                        m->router > ROUTE_SIGMOID || bad_groups(m))))
+                        m->router > ROUTE_SIGMOID || bad_groups(m) || m->moe_latent < 0 || m->moe_latent % 32)))
         return -2;
     for (int l = 0; l < m->layers; l++) {
         const StepLayer *L = &layers[l];
@@ -921,9 +936,10 @@ static int check(const StepModel *m, const StepLayer *layers, const StepBatch *b
             (L->ple_gate && (!m->ple_width || !L->ple_norm)) ||
             (!moe && !L->no_mlp && (!L->gate_up || !L->down)) || !L->gate_up != !L->down ||
             (L->gate_up && L->inter <= 0) || (L->no_mixer && (L->no_mlp || L->mixer)) ||
-            (moe && (!m->experts || !L->router || moe->experts != m->experts || moe->hidden != m->hidden ||
-                     moe->ffn != m->moe_ffn || !L->shared_gate_up != !L->shared_down ||
-                     (L->shared_gate_up && !m->shared_inter))))
+            (moe && (!m->experts || !L->router || moe->experts != m->experts ||
+                     moe->hidden != (m->moe_latent ? m->moe_latent : m->hidden) || moe->ffn != m->moe_ffn ||
+                     !L->shared_gate_up != !L->shared_down || (L->shared_gate_up && !m->shared_inter) ||
+                     !L->latent_in != !m->moe_latent || !L->latent_out != !m->moe_latent)))
             return -2;
         if (L->mixer) {
             const int status = rec ? rec_check(L->mixer, rec, m->hidden) : -2;
@@ -978,6 +994,7 @@ static int run(const StepModel *m, const StepLayer *layers, const StepBatch *b, 
     int K = E > m->inter ? (E > HD ? E : HD) : (m->inter > HD ? m->inter : HD);
     K = K > m->moe_ffn ? K : m->moe_ffn;
     K = K > m->shared_inter ? K : m->shared_inter;
+    K = K > m->moe_latent ? K : m->moe_latent;
     K = K > mixer_k(m, layers) ? K : mixer_k(m, layers);
     Phase *ph = malloc((size_t)max_phases * sizeof(Phase));
     int *counters = calloc((size_t)2 * max_phases, sizeof(int));
@@ -1055,14 +1072,15 @@ static int moe_bf16(const StepModel *m, const StepLayer *layers, int T) {
 
 int model_step(const StepModel *m, const StepLayer *layers, const StepBatch *b, int num_threads) {
     const int T = b->T, E = m->hidden, I = m->inter, HD = m->heads * m->head_dim, SI = m->experts ? m->shared_inter : 0;
-    const int QKV = qkv_width(m), nthreads = num_threads < 1 ? 1 : num_threads;
+    const int QKV = qkv_width(m), nthreads = num_threads < 1 ? 1 : num_threads, LAT = m->experts ? m->moe_latent : 0;
     int K = E > I ? (E > HD ? E : HD) : (I > HD ? I : HD);
     K = K > SI ? K : SI;
+    K = K > LAT ? K : LAT;
     K = K > mixer_k(m, layers) ? K : mixer_k(m, layers);
     const int amx = m->amx_min_rows > 0 && T >= m->amx_min_rows && qmm_bf16_kind() ? m->amx_min_rows : 0;
     const int64_t per_row = 3 * (int64_t)E + QKV + HD + 3 * (int64_t)I;
-    /* a sparse model's rows: rw, sgu, sact, sy, rlogits, yd */
-    const int64_t moe_row = m->experts ? 3 * (int64_t)SI + 2 * (int64_t)E + m->topk + m->experts : 0;
+    /* a sparse model's rows: rw, sgu, sact, sy, rlogits, yd, xl, yl */
+    const int64_t moe_row = m->experts ? 3 * (int64_t)SI + 2 * (int64_t)E + m->topk + m->experts + 2 * (int64_t)LAT : 0;
     float *mem = malloc((size_t)T * (per_row + moe_row) * sizeof(float));
     int64_t *ctx = malloc((size_t)T * sizeof(int64_t));
     int64_t *ids = m->experts ? malloc((size_t)T * (m->topk > 0 ? m->topk : 1) * sizeof(int64_t)) : NULL;
@@ -1088,8 +1106,8 @@ int model_step(const StepModel *m, const StepLayer *layers, const StepBatch *b, 
     if (status == 0 && b->lora) status = lora_check(b->lora, T, m->layers);
     MoePlan *plan = NULL;
     if (status == 0 && m->experts) {
-        plan = moe_plan_new(m->experts, T * m->topk, E, m->moe_ffn, dot, m->i8_min_rows > 0, moe_bf16(m, layers, T),
-                            nthreads);
+        plan = moe_plan_new(m->experts, T * m->topk, LAT ? LAT : E, m->moe_ffn, dot, m->i8_min_rows > 0,
+                            moe_bf16(m, layers, T), nthreads);
         status = plan ? 0 : -1;
     }
     if (status == 0) {
@@ -1102,7 +1120,9 @@ int model_step(const StepModel *m, const StepLayer *layers, const StepBatch *b, 
                        moe + (int64_t)T * (m->topk + 2 * SI),
                        moe + (int64_t)T * (m->topk + 3 * SI), moe + (int64_t)T * (m->topk + 3 * SI + E), plan,
                        &moe_status, rec, ple, ple + T * LW, ple + 2 * T * LW,
-                       moe + (int64_t)T * (m->topk + 3 * SI + E + m->experts)};
+                       moe + (int64_t)T * (m->topk + 3 * SI + E + m->experts),
+                       LAT ? moe + (int64_t)T * (m->topk + 3 * SI + 2 * E + m->experts) : NULL,
+                       LAT ? moe + (int64_t)T * (m->topk + 3 * SI + 2 * E + m->experts + LAT) : NULL};
         status = qrows_f32(buf.h, b->tokens, T, m->embed, m->vocab, E, m->embed_fmt);
         if (status == 0 && m->ple_width)
             status = qrows_f32(buf.ple, b->tokens, T, m->ple_embed, m->ple_vocab, (int)LW, m->ple_embed_fmt);

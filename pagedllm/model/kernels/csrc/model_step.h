@@ -32,6 +32,11 @@ typedef struct {
     const uint8_t *shared_gate_up, *shared_down;
     int shared_gate_up_fmt, shared_down_fmt;
     const float *shared_gate;
+    /* StepModel.moe_latent > 0: the routed experts' input projection [moe_latent, hidden] of the MoE block's input
+     * (the experts read it; the router and the shared expert read the input itself) and their weighted sum's back
+     * [hidden, moe_latent], quantized (Nemotron-3-Super's fc1 / fc2_latent_proj); NULL where the model has none */
+    const uint8_t *latent_in, *latent_out;
+    int latent_in_fmt, latent_out_fmt;
     const float *sinks; /* [heads] or NULL: a learned logit per head in each softmax's sum (gpt-oss) */
     /* A sparse block beside a dense MLP (Gemma 4's 26B-A4B): a sparse layer whose gate_up / down are set runs that
      * MLP (of `inter`) on the MLP's input too. Its output normed by dense_out_norm, the sparse block's by
@@ -75,7 +80,8 @@ typedef struct {
     int dot; /* 1: matmuls round x to 16-bit integers per group of 32 (the dot route); 0: float32 x */
     int i8_min_rows; /* matmuls of at least this many rows (of a format the int8 route runs) round x to 8 bits */
     /* ... those of the kinds whose bit is set: bit p for the matmuls of profile slot p (fused_step.PHASES: qkv, o,
-     * gate_up, down, lm_head), bit len(PHASES) for those of no kind (recurrent mixers', per-layer inputs') */
+     * gate_up, down, lm_head), bit len(PHASES) for those of no kind (recurrent mixers', per-layer inputs', latent
+     * projections') */
     int i8_kinds;
     int act; /* the gate's activation: ACT_SILU (SwiGLU), ACT_GELU_TANH (GeGLU); ACT_RELU2: relu(up)^2, no gate */
     int rotary_dim; /* the leading dims of each head RoPE rotates (partial rotary: fewer than head_dim) */
@@ -96,6 +102,7 @@ typedef struct {
      * highest, DeepSeek-V3's), and a counter the step adds the experts read to (one per active expert per sparse
      * layer). The experts and the shared expert take `act`'s form (ACT_RELU2: ungated, the experts' MOE_RELU2). */
     int experts, topk, moe_ffn, shared_inter, router, norm_topk, expert_groups, topk_group;
+    int moe_latent; /* > 0: the routed experts' width (their MoeLayer.hidden), between StepLayer.latent_in / _out */
     float route_scale; /* ROUTE_SIGMOID: the routing weights' factor (routed_scaling_factor) */
     int64_t *expert_reads;
     int attn_gate; /* 1: attention's output times sigmoid(gate), each head's gate rows after its query's in qkv */

@@ -70,6 +70,23 @@ def all_logits(runner, chunks):
     return list(out.split([len(c.token_ids) for c in chunks]))
 
 
+def chunked_logits_error(loaded, ids: list[int], want: torch.Tensor) -> float:
+    """A hybrid model's logits against `want` (transformers' for `ids`, 110 tokens): prefilled in chunks of 37 and
+    70 (the state crosses chunk ends, one a scan chunk's) over shuffled blocks, then three decoded; the largest
+    difference over the largest logit."""
+    import random
+
+    from pagedllm.model import ModelRunner, SeqChunk
+
+    runner = ModelRunner(loaded, num_blocks=32, block_size=8, num_state_slots=2)
+    table = random.Random(2).sample(range(32), 16)
+    got = all_logits(runner, [SeqChunk(ids[:37], 0, table, state_slot=1)])
+    got += all_logits(runner, [SeqChunk(ids[37:107], 37, table, state_slot=1)])
+    for pos in range(107, 110):
+        got.append(runner.execute([SeqChunk(ids[pos : pos + 1], pos, table, state_slot=1)]))
+    return (torch.cat(got) - want).abs().max().item() / want.abs().max().item()
+
+
 def fused_and_torch(
     loaded,
     ids: list[int],

@@ -17,14 +17,14 @@ import shutil
 import pytest
 import torch
 from engine_helpers import greedy_cached_chunked_preempted, hybrid_engine, run_all, shared_prefix_prompts
-from model_helpers import all_logits, cpu_target, fused_and_torch
+from model_helpers import chunked_logits_error, cpu_target, fused_and_torch
 
 from devkit.hybrid_gguf import make_hybrid, write_hybrid_gguf
 from pagedllm import SamplingParams
 from pagedllm.engine import EngineConfig, LLMEngine
 from pagedllm.engine.memory import state_bytes
 from pagedllm.errors import ModelLoadError
-from pagedllm.model import ModelRunner, SeqChunk, load_model, load_model_config
+from pagedllm.model import load_model, load_model_config
 from pagedllm.model.kernels import cpu_kernel
 from pagedllm.model.runner import bytes_per_block
 
@@ -128,13 +128,7 @@ def test_moe_folder_logits_match_transformers(moe):
     loaded = load_model(folder, dtype="float32", verbose=False, quantized_activations="none")
     ids = _tokens(110, 1)
     want = _hf_logits(hf, ids)
-    runner = ModelRunner(loaded, num_blocks=32, block_size=8, num_state_slots=2)
-    table = random.Random(2).sample(range(32), 16)
-    got = all_logits(runner, [SeqChunk(ids[:37], 0, table, state_slot=1)])
-    got += all_logits(runner, [SeqChunk(ids[37:107], 37, table, state_slot=1)])
-    for pos in range(107, 110):
-        got.append(runner.execute([SeqChunk(ids[pos : pos + 1], pos, table, state_slot=1)]))
-    err = (torch.cat(got) - want).abs().max().item() / want.abs().max().item()
+    err = chunked_logits_error(loaded, ids, want)
     assert err < TOL, f"{variant}: {err:.2e}"
 
 

@@ -16,7 +16,7 @@ import random
 import pytest
 import torch
 from engine_helpers import greedy_cached_chunked_preempted, hybrid_engine, shared_prefix_prompts
-from model_helpers import VOCAB, all_logits, assert_state_round_trip
+from model_helpers import VOCAB, all_logits, assert_state_round_trip, chunked_logits_error
 
 from devkit.tiny_tokenizer import save_tiny_tokenizer
 from pagedllm import SamplingParams
@@ -145,13 +145,7 @@ def test_logits_match_transformers(ckpt):
     )
     ids = _tokens(110, 1)
     want = _hf_logits(ckpt.hf, ids)
-    runner = ModelRunner(ckpt.loaded, num_blocks=32, block_size=8, num_state_slots=2)
-    table = random.Random(2).sample(range(32), 16)
-    got = all_logits(runner, [SeqChunk(ids[:37], 0, table, state_slot=1)])
-    got += all_logits(runner, [SeqChunk(ids[37:107], 37, table, state_slot=1)])
-    for pos in range(107, 110):
-        got.append(runner.execute([SeqChunk(ids[pos : pos + 1], pos, table, state_slot=1)]))
-    err = (torch.cat(got) - want).abs().max().item() / want.abs().max().item()
+    err = chunked_logits_error(ckpt.loaded, ids, want)
     assert err < TOL, f"{ckpt.kind}: {err:.2e}"
 
 

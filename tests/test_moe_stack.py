@@ -13,9 +13,9 @@ kept as stored for the disk tier):
 - the disk tier: prefixes evicted from RAM to disk read back (also by a restarted engine) give a cold run's
   greedy tokens;
 - the cluster's figures: two MoE engines' stats and /metrics pages merged as the cluster merges its replicas'
-  (expert counters added, each replica's kept). A real `pagedllm serve --replicas 2` is not started here: one
-  costs 26-29 s even on a tiny model (test_cluster_lora, docs/benchmarks.md), and its replicas run the same
-  LLMEngine and AsyncLLMEngine (cluster/replica.py) behind the server's own app (cluster/app.py's build_app).
+  (expert counters added, each replica's kept). A real Ray Serve replica of a MoE model is started by
+  test_cluster.py (`test_a_mixture_of_experts_model_serves_as_a_replica`, on the Ray that module starts anyway:
+  one costs 26-29 s even on a tiny model).
 """
 
 from __future__ import annotations

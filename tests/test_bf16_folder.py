@@ -184,6 +184,23 @@ def test_auto_follows_the_measured_choice(tmp_path, monkeypatch):
         assert (ModelRunner(loaded, num_blocks=8, block_size=8).fused is not None) == (want == "auto")
 
 
+def test_a_hybrid_folder_stays_as_stored_where_dense_times_faster(tmp_path, monkeypatch):
+    """A model with recurrent layers keeps its 16-bit matrices as stored even where one row of dense measures
+    faster: dense is the torch path, which runs its mixers op by op (loader._dense_may_win)."""
+    from pagedllm.model.kernels import kernel_choice
+
+    folder = _save16("qwen3_5", torch.bfloat16, tmp_path)
+    fast = {1: 0.2, 8: 0.6, 64: 3.0, 256: 12.0}
+    ms = {"q-f32": fast, "dense": {**fast, 1: 0.1}}
+    monkeypatch.setattr(
+        kernel_choice, "choose", lambda layer, dtype, dot, int8: kernel_choice.decide(ms, "t", dot, int8)
+    )
+    loaded = load_model(folder, verbose=False)
+    assert not loaded.kernel_choice.quantized  # the choice said dense ...
+    assert loaded.quantization == "auto" and loaded.model.quant_weights()  # ... and the matrices stay as stored
+    assert ModelRunner(loaded, num_blocks=8, block_size=8, num_state_slots=1).fused is not None
+
+
 def test_a_float32_folder_stays_dense(tmp_path):
     """auto on a float32 checkpoint: the dense float32 path (its exact values and sums), no weight quantized."""
     make_tiny_hf("llama_gqa_tied", str(tmp_path))

@@ -11,7 +11,8 @@ weights at load; "none" dequantizes to `dtype` (dense torch matmuls); "auto" (th
 the file's exact values, measured on this machine (kernel_choice.py): for a GGUF file "gguf", for a Hugging Face
 folder of bfloat16 / float16 weights their matrices and embedding table kept as stored in the kernels' bf16 / f16
 format (weights.as_stored: the same values, no float32 copy; what the fused C step needs to run the model), in both
-cases unless this build's quantized kernel is slower than dense for one row (then "none"); a float32 folder loads
+cases unless this build's quantized kernel is slower than dense for one row (then "none"; never for a model with
+recurrent layers, whose torch path is the slow one: `_dense_may_win`); a float32 folder loads
 dense ("none": its exact path). Where the kernels cannot run (a GPU, no C compiler) the model says so once and loads
 dense.
 """
@@ -158,7 +159,7 @@ def load_model(
     dot = dot_route(quantized_activations)
     int8 = dot and quantized_activations == "int8"
     net, dense_bytes, choice = _build(path, cfg, torch_dtype, dev, quant, dot, int8)
-    if quant == "auto" and choice is not None and not choice.quantized:
+    if quant == "auto" and choice is not None and not choice.quantized and _dense_may_win(cfg):
         quant = "none"
         del net  # not two models at once
         net, dense_bytes, _ = _build(path, cfg, torch_dtype, dev, quant, dot, int8)
@@ -183,6 +184,21 @@ def load_model(
 
         print(msg, file=sys.stderr)
     return LoadedModel(cfg, net, tokenizer, torch_dtype, dev, secs, weight_bytes, path, quant, dense_bytes, choice)
+
+
+def _dense_may_win(cfg: ModelConfig) -> bool:
+    """Whether "auto" may give up the weights as stored when one row of dense measures faster. Not for a model with
+    recurrent layers: the choice times one matmul, while dense means the torch path, which runs a hybrid's mixers
+    op by op (Gated DeltaNet's scan a sequence at a time): on a Zen 5, W1 on a Qwen3.5-2B-like bfloat16 folder ran
+    47.2 output tok/s dense against 101.9 as stored (docs/benchmarks.md, "pagedllm's W1 time split"), where the
+    one-row times were a tie that one measurement gave each way."""
+    if cfg.linear_layers:
+        log_once(
+            "weights kept as stored although dense timed faster for one row: "
+            "the recurrent layers run at speed on the fused C step only"
+        )
+        return False
+    return True
 
 
 def _weights_kind(net: CausalLM, quant: str) -> str:

@@ -190,7 +190,7 @@ def _dense_may_win(cfg: ModelConfig) -> bool:
     """Whether "auto" may give up the weights as stored when one row of dense measures faster. Not for a model with
     recurrent layers: the choice times one matmul, while dense means the torch path, which runs a hybrid's mixers
     op by op (Gated DeltaNet's scan a sequence at a time): on a Zen 5, W1 on a Qwen3.5-2B-like bfloat16 folder ran
-    47.2 output tok/s dense against 101.9 as stored (docs/benchmarks.md, "pagedllm's W1 time split"), where the
+    47.2 output tok/s dense against 101.9 as stored (docs/benchmarks.md, "A hybrid's W1 on this Zen 5"), where the
     one-row times were a tie that one measurement gave each way."""
     if cfg.linear_layers:
         log_once(

@@ -44,6 +44,7 @@ import os
 import stat
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -122,20 +123,25 @@ def decide(ms: dict[str, dict[int, float]], build: str, dot: bool = True, int8: 
     runs (`dot`: the dot route where it was measured; `int8`: the int8 route may run, from where it is faster)."""
     run = "q-dot" if dot and "q-dot" in ms else "q-f32"
     quantized = "dense" not in ms or ms[run][1] <= ms["dense"][1]
-    amx_min_rows = 0
-    if quantized and "q-bf16" in ms:
-        for r in sorted(ms["q-bf16"], reverse=True):
-            if ms["q-bf16"][r] >= ms[run][r]:
-                break
-            amx_min_rows = r
-    i8_min_rows = 0
-    if quantized and int8 and dot and "q-i8" in ms:
-        for r in sorted(ms["q-i8"], reverse=True):
-            other = ms["q-bf16"][r] if amx_min_rows and r >= amx_min_rows else ms[run][r]
-            if ms["q-i8"][r] >= other:
-                break
-            i8_min_rows = r
+    amx_min_rows = _from_where_faster(ms, "q-bf16", lambda r: ms[run][r]) if quantized else 0
+
+    def below(r: int) -> float:  # what serves r rows where q-i8 does not
+        return ms["q-bf16"][r] if amx_min_rows and r >= amx_min_rows else ms[run][r]
+
+    i8_min_rows = _from_where_faster(ms, "q-i8", below) if quantized and int8 and dot else 0
     return KernelChoice(quantized, amx_min_rows, ms, build, dot, i8_min_rows, int8 and dot)
+
+
+def _from_where_faster(ms: dict[str, dict[int, float]], kernel: str, other: Callable[[int], float]) -> int:
+    """The smallest row count from which `kernel` was measured faster than `other(rows)` at that one and every
+    larger one (0: not at the largest; nothing measured for it). One threshold, not a list: a step's kernel
+    changes once as its rows grow, so a sequence's result depends on its batch only across it."""
+    found = 0
+    for r in sorted(ms.get(kernel, {}), reverse=True):
+        if ms[kernel][r] >= other(r):
+            break
+        found = r
+    return found
 
 
 def _cache_bytes() -> int:

@@ -298,3 +298,21 @@ def test_bfloat16_kv_cache_holds_twice_the_tokens_and_keeps_the_answers(model_fp
     assert_all_blocks_free(b16)
     with pytest.raises(UserError, match="--kv-cache-dtype"):
         EngineConfig(kv_cache_dtype="fp4")
+
+
+def test_stacked_views_rows_that_lie_back_to_back_and_copies_others():
+    """The engine's batch of logits rows: one view of the runner's buffer when the requests' rows are consecutive
+    slices of it, a copy when they are not (reordered, or from separate buffers), with the same values."""
+    import torch
+
+    from pagedllm.engine.llm_engine import stacked
+
+    buf = torch.randn(7, 5)
+    parts = [buf[0:2], buf[2:3], buf[3:7]]
+    view = stacked(parts)
+    assert view.shape == (7, 5) and view.data_ptr() == buf.data_ptr() and torch.equal(view, buf)
+    one = stacked([buf[4:5]])
+    assert one.data_ptr() == buf[4].data_ptr() and torch.equal(one, buf[4:5])
+    for others in ([buf[3:7], buf[0:2]], [buf[0:2], buf[3:4]], [buf[0:2], torch.randn(3, 5)], [buf[:, :2], buf[:, 2:4]]):
+        got = stacked(others)
+        assert got.data_ptr() != buf.data_ptr() and torch.equal(got, torch.cat(others))

@@ -115,3 +115,23 @@ def test_seeded_noise_depends_on_seed_and_position_only():
     assert pick(3, [1, 2, 3]) == pick(3, [9, 9, 9])
     assert len({pick(3, [0] * n) for n in range(8)}) > 4
     assert len({pick(s, [0, 0]) for s in range(8)}) > 4
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_greedy_rows_pick_what_the_finite_logits_pick(seed):
+    """The greedy fast path (argmax without a finite copy) against argmax(finite(logits)) on rows holding nan,
+    +inf, -inf, the largest float and all of -inf: rows where the raw argmax would land on a nan or an inf are the
+    ones it must take again."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(12, 50, generator=gen)
+    big = torch.finfo(torch.float32).max
+    logits[0, 7] = float("nan")  # raw argmax: the nan; finite: the real maximum
+    logits[1, [3, 9]] = torch.tensor([big, float("inf")])  # +inf -> the largest float: a tie, the first wins
+    logits[2, :] = float("-inf")
+    logits[3, 5], logits[3, 6] = float("nan"), float("inf")
+    logits[4, ::2] = float("-inf")
+    logits[5, 11] = float("inf")
+    expected = torch.nan_to_num(logits, nan=float("-inf"), posinf=big).argmax(-1).tolist()
+    got = [r.token_id for r in sample(logits, [row(temperature=0) for _ in range(12)])]
+    assert got == expected
+    assert got[0] != 7 and got[1] == 3 and got[3] == 6

@@ -507,7 +507,7 @@ class LLMEngine:
         after them); a request whose rows raise, whose grammar fails, or whose detokenizing raises, fails alone.
         Returns the sampled requests (every one has news: a token, or its end)."""
         rows = [sampling_rows(req, self.tokenizer.eos_token_ids) for req, _ in to_sample]
-        logits, failed = self.grammars.constrain(to_sample, torch.cat([lg for _, lg in to_sample]))
+        logits, failed = self.grammars.constrain(to_sample, stacked([lg for _, lg in to_sample]))
         results = sample_guarded(logits, rows)
         for (req, _), res in zip(to_sample, results):
             try:
@@ -588,3 +588,19 @@ class LLMEngine:
             self.num_steps,
             self.loaded.model.expert_load if self.loaded.config.num_experts else None,
         )
+
+
+def stacked(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The rows of `parts` as one tensor: a view where they lie back to back in one buffer (the runner's logits
+    come in chunk order, so they usually do), else a copy. Why: at 64 rows of a 250K vocabulary the copy is ~60
+    MB of fresh pages a step, a tenth of a decode step's time spent before sampling starts."""
+    first = parts[0]
+    end = first.storage_offset()
+    for t in parts:
+        if not (t.is_contiguous() and t.dtype == first.dtype and t.shape[1:] == first.shape[1:]):
+            return torch.cat(parts)
+        if t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or t.storage_offset() != end:
+            return torch.cat(parts)
+        end += t.numel()
+    shape = (sum(len(t) for t in parts), *first.shape[1:])
+    return first.as_strided(shape, torch.empty(shape, device="meta").stride(), first.storage_offset())

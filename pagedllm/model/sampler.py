@@ -144,13 +144,25 @@ def race_noise(rows: list[SamplingRow], random_rows: list[int], vocab: int, devi
     return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Per row, the argmax of `finite(logits)`, without writing that finite copy of the batch (at 64 rows of a
+    250K vocabulary, ~60 MB of fresh pages a step: more time than the argmax). argmax returns a nan where a row
+    has one, else a +inf where it has one, so a row whose chosen value is finite has neither, and `finite` would
+    change nothing it compares; only rows whose chosen value is not finite are taken again through it."""
+    tokens = logits.argmax(-1)
+    odd = (~logits.gather(1, tokens[:, None])[:, 0].isfinite()).nonzero()[:, 0]
+    if len(odd):
+        tokens[odd] = finite(logits[odd]).argmax(-1)
+    return tokens
+
+
 def _draw(logits: torch.Tensor, rows: list[SamplingRow], random_rows: list[int], tokens: torch.Tensor) -> None:
     """Sample the random rows into `tokens` by the exponential race."""
     dev = logits.device
     ps = [rows[i].params for i in random_rows]
     vocab = logits.shape[-1]
     probs = filter_logits(
-        logits[random_rows],
+        finite(logits[random_rows]),
         torch.tensor([p.temperature for p in ps], device=dev),
         torch.tensor([min(p.top_k, vocab) for p in ps], device=dev),
         torch.tensor([p.top_p for p in ps], device=dev),
@@ -177,8 +189,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
     logits = logits.float()
     want_logprobs = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     raw_logprobs = logits[want_logprobs].log_softmax(-1) if want_logprobs else None
-    logits = finite(_processed(logits, rows))
-    tokens = logits.argmax(-1)
+    logits = _processed(logits, rows)
+    tokens = greedy_tokens(logits)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_rows:
         _draw(logits, rows, random_rows, tokens)

@@ -313,6 +313,12 @@ def test_stacked_views_rows_that_lie_back_to_back_and_copies_others():
     assert view.shape == (7, 5) and view.data_ptr() == buf.data_ptr() and torch.equal(view, buf)
     one = stacked([buf[4:5]])
     assert one.data_ptr() == buf[4].data_ptr() and torch.equal(one, buf[4:5])
-    for others in ([buf[3:7], buf[0:2]], [buf[0:2], buf[3:4]], [buf[0:2], torch.randn(3, 5)], [buf[:, :2], buf[:, 2:4]]):
+    reordered, gap, apart, columns = (
+        [buf[3:7], buf[0:2]],
+        [buf[0:2], buf[3:4]],
+        [buf[0:2], torch.randn(3, 5)],
+        [buf[:, :2], buf[:, 2:4]],
+    )
+    for others in (reordered, gap, apart, columns):
         got = stacked(others)
         assert got.data_ptr() != buf.data_ptr() and torch.equal(got, torch.cat(others))

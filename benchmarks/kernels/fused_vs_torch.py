@@ -16,6 +16,7 @@ once under ~/.cache/pagedllm/real-sizes), its weights rounded at load by --quant
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import statistics
@@ -63,7 +64,9 @@ def hybrid_folder(name: str, root: str = "~/.cache/pagedllm/real-sizes") -> str:
     base, _, layers = name.partition("@")
     shape = HYBRID_SHAPES[base] | ({"num_hidden_layers": int(layers)} if layers else {})
     folder = os.path.join(os.path.expanduser(root), f"{name}-random-hf")
-    if os.path.isfile(os.path.join(folder, "config.json")):
+    config = os.path.join(folder, "config.json")
+    if os.path.isfile(config):
+        _published_fields(config)
         return folder
     cfg = Qwen3_5TextConfig(**shape)
     cfg.architectures = ["Qwen3_5ForCausalLM"]
@@ -77,7 +80,24 @@ def hybrid_folder(name: str, root: str = "~/.cache/pagedllm/real-sizes") -> str:
                 p.normal_(0, 0.02)
     model.save_pretrained(folder, safe_serialization=True)
     save_tiny_tokenizer(folder, cfg.vocab_size)
+    _published_fields(config)
     return folder
+
+
+# Fields Qwen3.5's published config.json files carry that transformers' config class does not write. vLLM reads
+# mamba_ssm_dtype (its Qwen3_5 config hook): without it vLLM keeps the Gated DeltaNet state in the model's dtype,
+# half the bytes of the float32 state the real checkpoints ask for (and pagedllm keeps, as transformers does).
+PUBLISHED_FIELDS = {"mamba_ssm_dtype": "float32"}
+
+
+def _published_fields(config: str) -> None:
+    """Add PUBLISHED_FIELDS to a folder written here (an older one lacks them), so vLLM runs the real model's
+    state dtype."""
+    raw = json.load(open(config))
+    if all(raw.get(k) == v for k, v in PUBLISHED_FIELDS.items()):
+        return
+    with open(config, "w") as f:
+        json.dump(raw | PUBLISHED_FIELDS, f, indent=2)
 
 
 def run(a) -> dict[str, list[float]]:

@@ -17,7 +17,7 @@ from benchmarks.serving import compare_throughput, real_sizes
 
 
 def _args(**kw) -> argparse.Namespace:
-    base = dict(hf="/x/folder", hybrid=None, dir="/x", rounds=3, skip="", w1_prompts=64, input_len=256)
+    base = dict(hf="/x/folder", hybrid=None, random_hf=None, dir="/x", rounds=3, skip="", w1_prompts=64, input_len=256)
     base |= dict(output_len=128, seed=0, vllm_args="--enforce-eager", pagedllm_args="")
     return argparse.Namespace(**(base | kw))
 

@@ -667,6 +667,51 @@ RANDOM_HF = {  # transformers' config class and the fields that give the shape (
             "rms_norm_eps": 1e-5,
         },
     ),
+    # issue 35's hybrids beside Qwen3.5 (--hybrid): LFM2-1.2B (short convolutions, 6 of 16 layers attention) and
+    # Granite-4.0-H-Tiny (Mamba2 layers, 4 of 40 attention, 64 experts of 512, 6 routed, a shared expert)
+    "lfm2-1.2b": (
+        "Lfm2Config",
+        {
+            "hidden_size": 2048,
+            "num_hidden_layers": 16,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "intermediate_size": 12288,
+            "block_auto_adjust_ff_dim": True,
+            "block_ffn_dim_multiplier": 1.0,
+            "block_multiple_of": 256,
+            "vocab_size": 65536,
+            "layer_types": ["full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv" for i in range(16)],
+            "tie_word_embeddings": True,
+        },
+    ),
+    "granite-4.0-h-tiny": (
+        "GraniteMoeHybridConfig",
+        {
+            "hidden_size": 1536,
+            "num_hidden_layers": 40,
+            "num_attention_heads": 12,
+            "num_key_value_heads": 4,
+            "intermediate_size": 512,
+            "shared_intermediate_size": 1024,
+            "num_local_experts": 64,
+            "num_experts_per_tok": 6,
+            "vocab_size": 100352,
+            "mamba_n_heads": 48,
+            "mamba_d_head": 64,
+            "mamba_d_state": 128,
+            "mamba_n_groups": 1,
+            "mamba_d_conv": 4,
+            "mamba_expand": 2,
+            "position_embedding_type": "nope",
+            "layer_types": ["attention" if i % 10 == 5 else "mamba" for i in range(40)],
+            "embedding_multiplier": 12.0,
+            "logits_scaling": 6.0,
+            "residual_multiplier": 0.22,
+            "attention_multiplier": 0.0078125,
+            "tie_word_embeddings": True,
+        },
+    ),
 }
 
 
@@ -685,7 +730,11 @@ def random_hf_folder(name: str, root: str) -> str:
     if os.path.isfile(os.path.join(folder, "config.json")):
         return folder
     cls, fields = RANDOM_HF[base]
-    cfg = getattr(transformers, cls)(**fields, **({"num_hidden_layers": int(layers)} if layers else {}))
+    if layers:  # the first L layers, their kinds as at full depth
+        fields = fields | {"num_hidden_layers": int(layers)}
+        if "layer_types" in fields:
+            fields["layer_types"] = fields["layer_types"][: int(layers)]
+    cfg = getattr(transformers, cls)(**fields)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     with torch.no_grad():

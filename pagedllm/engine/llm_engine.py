@@ -507,8 +507,9 @@ class LLMEngine:
         after them); a request whose rows raise, whose grammar fails, or whose detokenizing raises, fails alone.
         Returns the sampled requests (every one has news: a token, or its end)."""
         rows = [sampling_rows(req, self.tokenizer.eos_token_ids) for req, _ in to_sample]
-        logits, failed = self.grammars.constrain(to_sample, stacked([lg for _, lg in to_sample]))
-        results = sample_guarded(logits, rows)
+        with torch.inference_mode():  # the rows are a view of the runner's logits, inference tensors a grammar masks
+            logits, failed = self.grammars.constrain(to_sample, stacked([lg for _, lg in to_sample]))
+            results = sample_guarded(logits, rows)
         for (req, _), res in zip(to_sample, results):
             try:
                 res = failed.get(req.request_id, res)

@@ -712,6 +712,28 @@ RANDOM_HF = {  # transformers' config class and the fields that give the shape (
             "tie_word_embeddings": True,
         },
     ),
+    # Nemotron-H-8B: Mamba2 (128 heads of 64, 8 groups, state 128), relu2 MLPs, 4 of 52 layers attention
+    "nemotron-h-8b": (
+        "NemotronHConfig",
+        {
+            "hidden_size": 4096,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "intermediate_size": 21504,
+            "mamba_num_heads": 128,
+            "mamba_head_dim": 64,
+            "ssm_state_size": 128,
+            "n_groups": 8,
+            "vocab_size": 131072,
+            "tie_word_embeddings": False,
+            "num_hidden_layers": 52,
+            "layers_block_type": [
+                {"M": "mamba", "-": "mlp", "*": "attention"}[c]
+                for c in "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
+            ],
+        },
+    ),
 }
 
 
@@ -732,8 +754,9 @@ def random_hf_folder(name: str, root: str) -> str:
     cls, fields = RANDOM_HF[base]
     if layers:  # the first L layers, their kinds as at full depth
         fields = fields | {"num_hidden_layers": int(layers)}
-        if "layer_types" in fields:
-            fields["layer_types"] = fields["layer_types"][: int(layers)]
+        for kinds in ("layer_types", "layers_block_type"):
+            if kinds in fields:
+                fields[kinds] = fields[kinds][: int(layers)]
     cfg = getattr(transformers, cls)(**fields)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
@@ -745,8 +768,27 @@ def random_hf_folder(name: str, root: str) -> str:
                 param.zero_()
     model.save_pretrained(folder + ".part", safe_serialization=True)
     save_tiny_tokenizer(folder + ".part", cfg.vocab_size)
+    if base in PUBLISHED_FIELDS:
+        config = os.path.join(folder + ".part", "config.json")
+        raw = json.load(open(config))
+        with open(config, "w") as f:
+            json.dump(raw | PUBLISHED_FIELDS[base](cfg), f, indent=2)
     os.replace(folder + ".part", folder)
     return folder
+
+
+# Fields a family's published config.json carries that transformers' config class does not write, and that
+# vLLM's model reads (its Lfm2 model: conv_dim and the block_* sizes).
+PUBLISHED_FIELDS = {
+    "lfm2-1.2b": lambda cfg: {
+        "conv_dim": cfg.hidden_size,
+        "conv_dim_out": cfg.hidden_size,
+        "conv_bias": False,
+        "block_dim": cfg.hidden_size,
+        "block_ff_dim": cfg.intermediate_size,
+        "full_attn_idxs": [i for i, kind in enumerate(cfg.layer_types) if kind == "full_attention"],
+    },
+}
 
 
 def w1_vllm(a, tmp: str, folder: str | None = None) -> float:

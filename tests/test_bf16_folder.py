@@ -17,7 +17,7 @@ from moe_helpers import make_moe
 from test_model_hybrid import make_hybrid
 
 from pagedllm.model import ModelRunner, load_model
-from pagedllm.model.kernels import cpu_kernel
+from pagedllm.model.kernels import cpu_kernel, kernel_choice
 from pagedllm.model.kernels.quant_linear import qrows
 from pagedllm.model.layers.moe import SparseMoE
 
@@ -40,6 +40,9 @@ TOL = 0.1
 EXACT = 1e-4  # float32 activations over the same values: only the order of the sums differs
 
 
+REAL_CHOOSE = kernel_choice.choose
+
+
 @pytest.fixture(autouse=True)
 def kept_as_stored(monkeypatch) -> None:
     """What "auto" keeps does not rest on this machine's speed: the kernel choice as measured (its routes and row
@@ -49,10 +52,10 @@ def kept_as_stored(monkeypatch) -> None:
 
     measured = kernel_choice.choose
 
-    def choose(layer, dtype, dot=True, int8=True):
-        c = measured(layer, dtype, dot, int8)
+    def choose(layer, dtype, dot=True, int8=True, stored=False):
+        c = measured(layer, dtype, dot, int8, stored)
         ms = {k: v for k, v in c.ms.items() if k != "dense"}
-        return kernel_choice.decide(ms, c.build, dot, int8)
+        return kernel_choice.decide(ms, c.build, dot, int8, stored)
 
     monkeypatch.setattr(kernel_choice, "choose", choose)
 
@@ -177,7 +180,9 @@ def test_auto_follows_the_measured_choice(tmp_path, monkeypatch):
     for dense_1, want in ((0.5, "auto"), (0.1, "none")):
         ms = {"q-f32": fast, "dense": {**fast, 1: dense_1}}
         monkeypatch.setattr(
-            kernel_choice, "choose", lambda layer, dtype, dot, int8, ms=ms: kernel_choice.decide(ms, "t", dot, int8)
+            kernel_choice,
+            "choose",
+            lambda layer, dtype, dot, int8, stored, ms=ms: kernel_choice.decide(ms, "t", dot, int8, stored),
         )
         loaded = load_model(folder, verbose=False)
         assert loaded.quantization == want and bool(loaded.model.quant_weights()) == (want == "auto")
@@ -191,13 +196,19 @@ def test_a_hybrid_folder_stays_as_stored_where_dense_times_faster(tmp_path, monk
 
     folder = _save16("qwen3_5", torch.bfloat16, tmp_path)
     fast = {1: 0.2, 8: 0.6, 64: 3.0, 256: 12.0}
-    ms = {"q-f32": fast, "dense": {**fast, 1: 0.1}}
-    monkeypatch.setattr(
-        kernel_choice, "choose", lambda layer, dtype, dot, int8: kernel_choice.decide(ms, "t", dot, int8)
+    ms = {"q-f32": fast, "q-dot": fast, "dense": {**fast, 1: 0.1}, "q-bf16": {1: 0.3, 8: 0.5, 64: 1.5, 256: 6.0}}
+    monkeypatch.setattr(kernel_choice, "choose", REAL_CHOOSE)  # not kept_as_stored's
+    monkeypatch.setattr(kernel_choice, "_cache_file", lambda layer, dtype: None)  # choose() measures afresh ...
+    monkeypatch.setattr(  # ... these times
+        kernel_choice, "measure", lambda layer, dtype, build, dot, int8: kernel_choice.decide(ms, build, dot, int8)
     )
+    assert not kernel_choice.decide(ms, "t").quantized  # the times say dense ...
     loaded = load_model(folder, verbose=False)
-    assert not loaded.kernel_choice.quantized  # the choice said dense ...
-    assert loaded.quantization == "auto" and loaded.model.quant_weights()  # ... and the matrices stay as stored
+    assert loaded.quantization == "auto" and loaded.model.quant_weights()  # ... and the matrices stay as stored,
+    choice = loaded.kernel_choice
+    assert choice.quantized and choice.kept and "kept as stored although dense timed faster" in choice.describe()
+    # with the row counts decided as for any quantized model: q-bf16 from 8 rows, where it is faster (not "never")
+    assert choice.amx_min_rows == 8 and {w.amx_min_rows for w in loaded.model.quant_weights()} == {8}
     assert ModelRunner(loaded, num_blocks=8, block_size=8, num_state_slots=1).fused is not None
 
 

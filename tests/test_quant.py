@@ -331,7 +331,9 @@ def test_the_int8_route_is_opt_in(tiny, monkeypatch):
     rows = {1: 1.0, 8: 1.0, 64: 1.0, 256: 1.0}
     ms = {"q-f32": rows, "dense": {**rows, 1: 2.0}, "q-dot": rows, "q-i8": {**rows, 64: 0.5, 256: 0.5}}
     monkeypatch.setattr(
-        kernel_choice, "choose", lambda layer, dtype, dot, int8: kernel_choice.decide(ms, "t", dot, int8)
+        kernel_choice,
+        "choose",
+        lambda layer, dtype, dot, int8, stored: kernel_choice.decide(ms, "t", dot, int8, stored),
     )
     folder, _ = tiny
     on = load_model(folder, "float32", verbose=False, quantization="int4", quantized_activations="int8")
@@ -371,7 +373,9 @@ def test_auto_quantization_follows_the_measured_choice(monkeypatch):
     for dense_1, want in ((0.5, "gguf"), (0.1, "none")):
         ms = {"q-f32": fast, "dense": {**fast, 1: dense_1}}
         monkeypatch.setattr(
-            kernel_choice, "choose", lambda layer, dtype, dot, int8, ms=ms: kernel_choice.decide(ms, "t", dot, int8)
+            kernel_choice,
+            "choose",
+            lambda layer, dtype, dot, int8, stored, ms=ms: kernel_choice.decide(ms, "t", dot, int8, stored),
         )
         loaded = load_model(None, "float32", verbose=False)
         assert loaded.quantization == want and bool(loaded.model.quant_weights()) == (want == "gguf")

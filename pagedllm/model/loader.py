@@ -12,7 +12,8 @@ the file's exact values, measured on this machine (kernel_choice.py): for a GGUF
 folder of bfloat16 / float16 weights their matrices and embedding table kept as stored in the kernels' bf16 / f16
 format (weights.as_stored: the same values, no float32 copy; what the fused C step needs to run the model), in both
 cases unless this build's quantized kernel is slower than dense for one row (then "none"; never for a model with
-recurrent layers, whose torch path is the slow one: `_dense_may_win`); a float32 folder loads
+recurrent layers, whose torch path is the slow one: `_dense_may_win`, which then keeps the kernel choice's row
+counts for q-bf16 and q-i8 as for any quantized model); a float32 folder loads
 dense ("none": its exact path). Where the kernels cannot run (a GPU, no C compiler) the model says so once and loads
 dense.
 """
@@ -158,8 +159,9 @@ def load_model(
     quant = resolve_quantization(quantization, path, dev, cfg.checkpoint_dtype)
     dot = dot_route(quantized_activations)
     int8 = dot and quantized_activations == "int8"
-    net, dense_bytes, choice = _build(path, cfg, torch_dtype, dev, quant, dot, int8)
-    if quant == "auto" and choice is not None and not choice.quantized and _dense_may_win(cfg):
+    stored = quant == "auto" and not _dense_may_win(cfg)
+    net, dense_bytes, choice = _build(path, cfg, torch_dtype, dev, quant, dot, int8, stored)
+    if quant == "auto" and choice is not None and not choice.quantized:
         quant = "none"
         del net  # not two models at once
         net, dense_bytes, _ = _build(path, cfg, torch_dtype, dev, quant, dot, int8)
@@ -192,13 +194,7 @@ def _dense_may_win(cfg: ModelConfig) -> bool:
     op by op (Gated DeltaNet's scan a sequence at a time): on a Zen 5, W1 on a Qwen3.5-2B-like bfloat16 folder ran
     47.2 output tok/s dense against 101.9 as stored (docs/benchmarks.md, "A hybrid's W1 on this Zen 5"), where the
     one-row times were a tie that one measurement gave each way."""
-    if cfg.linear_layers:
-        log_once(
-            "weights kept as stored although dense timed faster for one row: "
-            "the recurrent layers run at speed on the fused C step only"
-        )
-        return False
-    return True
+    return not cfg.linear_layers
 
 
 def _weights_kind(net: CausalLM, quant: str) -> str:
@@ -234,10 +230,18 @@ def trim_heap() -> None:
 
 
 def _build(
-    path: str, cfg: ModelConfig, dtype: torch.dtype, dev: torch.device, quantization: str, dot: bool, int8: bool
+    path: str,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    dev: torch.device,
+    quantization: str,
+    dot: bool,
+    int8: bool,
+    stored: bool = False,
 ) -> tuple[CausalLM, int, KernelChoice | None]:
     """The model with its weights, their dense size, and the kernel choice for its quantized weights, taken for
-    the quantized kernel that runs (`dot`: the dot route; `int8`: the int8 route may) and applied: each weight
+    the quantized kernel that runs (`dot`: the dot route; `int8`: the int8 route may; `stored`: the weights stay as
+    stored whatever dense measured, kernel_choice.decide) and applied: each weight
     knows from how many rows it runs on AMX and on the int8 route (a format the route runs: I8_FORMATS, or a
     mixed weight, whose blocks of other formats take the float32 route)."""
     net = CausalLM(cfg, dtype, dev)
@@ -245,7 +249,7 @@ def _build(
     _fill(net, path, cfg, quantization)
     net.eval()
     layer = net.first_layer_quant() if dev.type == "cpu" else None
-    choice = kernel_choice.choose(layer, dtype, dot, int8) if layer is not None else None
+    choice = kernel_choice.choose(layer, dtype, dot, int8, stored) if layer is not None else None
     if choice is not None:
         for w in net.quant_weights():
             w.amx_min_rows = choice.amx_min_rows

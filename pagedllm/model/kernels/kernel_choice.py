@@ -70,6 +70,7 @@ class KernelChoice:
     dot: bool = True  # the dot route runs where it was measured (False: --quantized-activations none)
     i8_min_rows: int = 0  # steps of at least this many rows run on q-i8; 0: never
     int8: bool = True  # the int8 route may run (False: --quantized-activations int16 or none)
+    kept: bool = False  # quantized although dense measured faster for one row (`decide`'s `stored`)
 
     @property
     def quantized_kernel(self) -> str:
@@ -93,6 +94,11 @@ class KernelChoice:
             parts.append(f"{r} rows -> {self.kernel_for(r)} ({times} ms)")
         if not self.quantized:
             why = "weights dequantized: dense is faster than this build's quantized kernel for one row"
+        elif self.kept:
+            why = (
+                "weights kept as stored although dense timed faster for one row: "
+                "the recurrent layers run at speed on the fused C step only"
+            )
         else:
             slower = [
                 f"{r} ({self.ms[k][r] / self.ms['dense'][r]:.2f}x)"
@@ -118,18 +124,23 @@ class KernelChoice:
         return [r for r in ROWS if self.kernel_for(r) == "q-dot" and self.ms["q-dot"][r] > self.ms["q-f32"][r]]
 
 
-def decide(ms: dict[str, dict[int, float]], build: str, dot: bool = True, int8: bool = True) -> KernelChoice:
+def decide(
+    ms: dict[str, dict[int, float]], build: str, dot: bool = True, int8: bool = True, stored: bool = False
+) -> KernelChoice:
     """The choice that the measured times `ms` (candidate -> rows -> ms) call for, for the quantized kernel that
-    runs (`dot`: the dot route where it was measured; `int8`: the int8 route may run, from where it is faster)."""
+    runs (`dot`: the dot route where it was measured; `int8`: the int8 route may run, from where it is faster).
+    `stored`: the weights stay as stored whatever dense measured (a model with recurrent layers, loader.py), so the
+    row counts from which q-bf16 and q-i8 run are decided as for any quantized model, not left at "never"."""
     run = "q-dot" if dot and "q-dot" in ms else "q-f32"
-    quantized = "dense" not in ms or ms[run][1] <= ms["dense"][1]
+    dense_faster = "dense" in ms and ms[run][1] > ms["dense"][1]
+    quantized = stored or not dense_faster
     amx_min_rows = _from_where_faster(ms, "q-bf16", lambda r: ms[run][r]) if quantized else 0
 
     def below(r: int) -> float:  # what serves r rows where q-i8 does not
         return ms["q-bf16"][r] if amx_min_rows and r >= amx_min_rows else ms[run][r]
 
     i8_min_rows = _from_where_faster(ms, "q-i8", below) if quantized and int8 and dot else 0
-    return KernelChoice(quantized, amx_min_rows, ms, build, dot, i8_min_rows, int8 and dot)
+    return KernelChoice(quantized, amx_min_rows, ms, build, dot, i8_min_rows, int8 and dot, stored and dense_faster)
 
 
 def _from_where_faster(ms: dict[str, dict[int, float]], kernel: str, other: Callable[[int], float]) -> int:
@@ -332,11 +343,13 @@ def _keep(path: Path, choice: KernelChoice) -> None:
             os.unlink(tmp)
 
 
-def choose(layer: list[QuantWeight], dtype: torch.dtype, dot: bool = True, int8: bool = True) -> KernelChoice:
+def choose(
+    layer: list[QuantWeight], dtype: torch.dtype, dot: bool = True, int8: bool = True, stored: bool = False
+) -> KernelChoice:
     """The kept choice for these shapes on this machine, or a new measurement (then kept), decided for `dot` (whether
-    the dot route runs) and `int8` (whether the int8 route may). A kept file that is not a valid choice (any
-    bytes, a link, a directory) is measured again with one log line: a cache never stops the server from
-    starting."""
+    the dot route runs), `int8` (whether the int8 route may) and `stored` (the weights stay as stored: `decide`).
+    A kept file that is not a valid choice (any bytes, a link, a directory) is measured again with one log line:
+    a cache never stops the server from starting."""
     path = _cache_file(layer, dtype)
     build = _build_name()
     choice, why = _read(path, dtype, build, dot, int8) if path is not None else (None, "")
@@ -350,6 +363,8 @@ def choose(layer: list[QuantWeight], dtype: torch.dtype, dot: bool = True, int8:
             except OSError as e:
                 why = f"; it was not usable ({why})" if why else ""
                 log.warning("could not keep the kernel choice in %s: %s%s", path, e, why)
+    if stored and not choice.quantized:
+        choice = decide(choice.ms, choice.build, choice.dot, choice.int8, stored=True)
     if path not in _told:
         _told.add(path)
         log.info(choice.describe())

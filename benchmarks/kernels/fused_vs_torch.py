@@ -96,8 +96,9 @@ def _published_fields(config: str) -> None:
     raw = json.load(open(config))
     if all(raw.get(k) == v for k, v in PUBLISHED_FIELDS.items()):
         return
-    with open(config, "w") as f:
+    with open(config + ".part", "w") as f:  # then replaced: a link at `config` is replaced, not written through
         json.dump(raw | PUBLISHED_FIELDS, f, indent=2)
+    os.replace(config + ".part", config)
 
 
 def run(a) -> dict[str, list[float]]:

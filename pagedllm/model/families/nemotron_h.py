@@ -3,15 +3,15 @@ the block (`mixer`) by `layers_block_type` (or the older `hybrid_override_patter
 mixer ("linear_attention" / "mamba" / M), attention without RoPE ("full_attention" / "attention" / *) or an MLP,
 down(relu(up(x))^2) with no gate ("mlp" / -). The shared decoder runs it as single-block layers
 (ModelConfig.single_block_layers, "mlp" layers without a mixer); the mixer's Mamba2 is Granite 4.0-H's
-(layers/mamba2.py), its dt clamped below at `time_step_min` as transformers clamps it (the mixer's
-time_step_limit is (time_step_min, inf) whatever the config's says).
+(layers/mamba2.py), its dt clamped to the config's `time_step_limit` (mamba_dt_limit; (0, inf) by default), as
+mamba_ssm, vLLM, llama.cpp and transformers since 5.25 clamp it (transformers 5.24 clamped at time_step_min).
 
 Checkpoints name the model `backbone.` (transformers 5 saves it as `model.`), the embeddings `embeddings` and the
 final norm `norm_f`; llama.cpp's converter (NemotronHModel, over GraniteHybridModel) writes arch nemotron_h: a
 Mamba2 layer by a `head_count_kv` and `feed_forward_length` of 0, an MLP layer by its feed_forward_length, the
 Mamba2 tensors as for granitehybrid (A as -exp(A_log), D [H, 1], the gated norm [groups, inner / groups]), Q/K
 rows permuted (LlamaModel's, harmless without RoPE, undone here), the epsilon as `attention.layer_norm_epsilon`.
-It keeps no time_step_min: a file's is transformers' default, 0.001.
+It keeps no time_step_limit: a file's dt is unclamped, as llama.cpp's ssm_scan runs it.
 
 The MoE blocks of the newer configs ("moe" / E: NVIDIA-Nemotron-3-Nano-30B-A3B's) are single-block layers whose block is
 the sparse one (layers/moe.py; "mlp" layers here, the dense ones listed in mlp_only_layers): DeepSeek-V3's router
@@ -38,7 +38,7 @@ from pagedllm.model.families.granitemoehybrid import MAMBA2_LAYER, _number
 
 PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}  # hybrid_override_pattern
 LEGACY = {"mamba": "linear_attention", "attention": "full_attention"}  # transformers' remap of the older names
-DT_MIN = 0.001  # NemotronHConfig.time_step_min's default
+NO_DT_LIMIT = (0.0, float("inf"))  # NemotronHConfig.time_step_limit's default
 
 LAYER: dict[str, tuple[str, ...]] = {
     "attn_norm": ("norm",),  # one norm a layer: before its mixer or before its MLP, whichever it has
@@ -105,7 +105,7 @@ def hf_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         ),
         "mamba_state_size": int(key("ssm_state_size", default=128)),
         "mamba_num_groups": int(key("n_groups", "mamba_n_groups", default=8)),
-        "mamba_dt_limit": (_number(key("time_step_min", "mamba_dt_min", default=DT_MIN)), float("inf")),
+        "mamba_dt_limit": tuple(_number(v) for v in key("time_step_limit", "mamba_dt_limit", default=NO_DT_LIMIT)),
         "linear_conv_kernel_dim": int(key("conv_kernel", "mamba_d_conv", default=4)),
         "mixer_conv_bias": bool(key("use_conv_bias", "mamba_conv_bias", default=True)),
         "mixer_proj_bias": bool(cfg.get("use_bias", False)),
@@ -177,7 +177,7 @@ def gguf_fields(h: GGUFHeader) -> dict[str, Any]:
         "mamba_head_dim": int(h.require("ssm.inner_size")) // heads,
         "mamba_state_size": int(h.require("ssm.state_size")),
         "mamba_num_groups": int(h.get("ssm.group_count") or 1),
-        "mamba_dt_limit": (DT_MIN, float("inf")),
+        "mamba_dt_limit": NO_DT_LIMIT,
         "linear_conv_kernel_dim": int(h.require("ssm.conv_kernel")),
         "mixer_conv_bias": f"blk.{first}.ssm_conv1d.bias" in tensors,
         "mixer_proj_bias": f"blk.{first}.ssm_in.bias" in tensors,

@@ -13,6 +13,7 @@ from pagedllm.engine import EngineConfig, LLMEngine
 from pagedllm.engine.memory import available_memory, kv_budget, num_kv_blocks
 from pagedllm.errors import UserError
 from pagedllm.kv.sizing import CPU_KV_SHARE, DEFAULT_CPU_KV_CACHE_MEMORY
+from pagedllm.model.runner import bytes_per_block
 
 GiB = 2**30
 
@@ -30,6 +31,21 @@ def test_a_share_of_the_free_memory_below_the_cap(model_fp32, free):
 @pytest.mark.parametrize("free", [64 * GiB, 1024 * GiB])
 def test_never_more_than_the_cap(model_fp32, free):
     assert budget(model_fp32, free) == DEFAULT_CPU_KV_CACHE_MEMORY
+
+
+def test_a_hybrid_models_states_come_on_top_of_the_cap(model_fp32, monkeypatch, caplog):
+    """A recurrent state per request of --max-num-seqs is added to the cap (not to the share): the blocks keep the
+    cap's room, and every request gets its slot (kv_blocks_and_state_slots gives slots at most half the budget)."""
+    state = 16 * 2**20
+    monkeypatch.setattr(memory, "state_bytes", lambda cfg, dtype: state)
+    with caplog.at_level(logging.INFO, logger="pagedllm"):
+        assert budget(model_fp32, 100 * GiB, max_num_seqs=64) == DEFAULT_CPU_KV_CACHE_MEMORY + 64 * state
+    assert "for the recurrent states of --max-num-seqs requests" in caplog.text
+    assert budget(model_fp32, 3 * GiB, max_num_seqs=64) == int(CPU_KV_SHARE * 3 * GiB)  # the share still bounds it
+    cfg = EngineConfig(log_stats_interval=0, max_num_seqs=64, enable_prefix_caching=False)
+    blocks, slots, _ = memory.kv_blocks_and_state_slots(cfg, model_fp32, 2048, "float32", lambda: 100 * GiB)
+    per_block = bytes_per_block(model_fp32.config, cfg.block_size, "float32")
+    assert slots == 64 and blocks == DEFAULT_CPU_KV_CACHE_MEMORY // per_block  # the blocks keep the cap's room
 
 
 def test_not_what_the_weights_would_take_dense(model_fp32, model_fp32_dense):

@@ -96,6 +96,40 @@ def test_amx_kernel_matches_bfloat16_matmul(fmt, n, k, rows):
     torch.testing.assert_close(out.double(), ref, atol=1e-3 * ref.abs().max().item(), rtol=0)
 
 
+@pytest.mark.skipif(bf16_kernel() is None, reason="no AMX or AVX-512 BF16 on this CPU")
+@pytest.mark.parametrize("fmt", ["q8_0", "bf16"])
+def test_bfloat16_kernel_at_long_k_in_blocks_of_rows_and_passes(fmt):
+    """K 8256 (passes of 128 groups over a pair's panel: 128, 128, 2) and 300 rows (more than a pass's 256 rows
+    and a block of rows of x at that K): the product is bfloat16 arithmetic's, and a row's bits are those it gets
+    alone, whatever block and pass it fell in (row 299 is the last block's; K 8256 leaves a pass of 2 groups)."""
+    n, k, rows = 40, 8256, 300
+    assert quant._lib().qmm_bf16_row_block(rows, k) < rows
+    if fmt == "bf16":
+        dense = torch.randn(n, k, generator=torch.Generator().manual_seed(3)).bfloat16()
+        w = pack(from_gguf_blocks(dense.view(torch.uint8).numpy().reshape(n, -1), 30))
+        ref_w = dense.double()
+    else:
+        parts = random_parts(fmt, n, k, 5)
+        w, ref_w = pack(parts), parts.dequantize().bfloat16().double()
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(4)).bfloat16().float()
+    b = torch.randn(n, generator=torch.Generator().manual_seed(6))
+
+    def product(xs: torch.Tensor) -> torch.Tensor:
+        out, m = torch.empty(xs.shape[0], n), xs.shape[0]
+        fmt = quant.FORMATS[w.fmt]
+        status = quant._lib().qmm_amx(
+            out.data_ptr(), xs.data_ptr(), w.tiles.data_ptr(), b.data_ptr(), m, n, k, k, n, fmt, 0, 2
+        )
+        assert status == 0
+        return out
+
+    full = product(x)
+    ref = F.linear(x.double(), ref_w, b.double())
+    torch.testing.assert_close(full.double(), ref, atol=1e-4 * ref.abs().max().item(), rtol=0)
+    for i in (0, 255, 256, 299):
+        assert torch.equal(product(x[i : i + 1].contiguous())[0], full[i])
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_round_to_nearest_is_within_half_a_step(bits):
     w = torch.randn(48, 128, generator=torch.Generator().manual_seed(bits)) * 0.05

@@ -22,6 +22,7 @@ count: the figures stand on a shared machine), each run after reading a buffer l
     .venv/bin/python -m benchmarks.kernels.panel_gemm  # 1B shapes, Q4_0 Q4_1 Q8_0 Q4_K Q6_K
     .venv/bin/python -m benchmarks.kernels.panel_gemm --shape 135m --types Q4_0 --rows 8,64
     .venv/bin/python -m benchmarks.kernels.panel_gemm --cpu-target x86-64-v3           # the AVX2 class
+    .venv/bin/python -m benchmarks.kernels.panel_gemm --shape nemotron-h-8b --types BF16  # a bf16 folder as stored
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ from pagedllm.model.kernels.onednn_linear import linear, pack
 SHAPES = {  # one decoder layer's matmuls (out x in): qkv, o, gate_up, down
     "1b": [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)],  # Llama-3.2-1B
     "135m": [(960, 576), (576, 576), (3072, 576), (576, 1536)],  # SmolLM2-135M, the default model
+    "8b": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)],  # Llama-3.1-8B
+    # Nemotron-H-8B: a Mamba2 layer's in / out projections, an attention layer's qkv / o, the MLP's up / down
+    "nemotron-h-8b": [(17504, 4096), (4096, 8192), (5120, 4096), (4096, 4096), (21504, 4096), (4096, 21504)],
 }
 F16_AT = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2]}
 F16_AT |= {"Q6_K": [208], "Q2_K": [80, 82], "Q3_K": [108]}
@@ -56,6 +60,10 @@ def random_weight(name: str, n: int, k: int, seed: int) -> quant.QuantWeight:
     """A packed weight of GGML type `name`: random bytes, its float16 scale fields small finite numbers."""
     ggml_type = next(t for t, s in GGML_TYPES.items() if s == name)
     rng = np.random.default_rng(seed)
+    if name in ("F16", "BF16"):  # the values themselves: random bytes would hold NaNs and infinities
+        w = torch.from_numpy(rng.normal(0, 0.02, (n, k)).astype(np.float32))
+        raw = w.to(torch.float16 if name == "F16" else torch.bfloat16).view(torch.uint8).numpy()
+        return quant.pack(from_gguf_blocks(raw.reshape(n, -1), ggml_type))
     per, nbytes = block_shape(ggml_type)
     raw = rng.integers(0, 256, (n, k // per, nbytes), dtype=np.uint8)
     for at in F16_AT[name]:

@@ -165,7 +165,8 @@ def kv_budget(
         return config.kv_cache_memory
     device = loaded.device
     if config.gpu_memory_utilization is None and device.type == "cpu":
-        budget, why = cpu_kv_budget((available or available_memory)())
+        states = config.max_num_seqs * state_bytes(loaded.config, loaded.dtype)
+        budget, why = cpu_kv_budget((available or available_memory)(), states)
         logger.info("KV budget %.2f GiB: %s", budget / 2**30, why)
         return budget
     share = config.gpu_memory_utilization or 0.9

@@ -42,17 +42,28 @@ static inline void store_cols(const QMatmulBf16 *a, int m, int cb, __m512 v) {
     _mm512_mask_storeu_ps(o, mask, v);
 }
 
-/* nr (<= 8) rows m0.. of one 16-row tile of x against column blocks cb0 (and cb0 + 1 with `two`), from their
- * bfloat16 panels `bb`: a lane sums its column's k pairs in k order, whatever the block (batch invariance). The
- * rows of x lie 64 bytes apart in their tile, so one base register serves all of them. */
+/* Groups of 32 inputs per pass over a column pair's panel (2 x 16 x 32 G bfloat16): a pass's 256 KB stay in L2
+ * while every row block reads them. At K 21504 the whole panel (1.4 MB) came from L3 for each block of 8 rows. */
+#define PASS_GROUPS 128
+/* Rows of a pair's partial sums between passes (32 floats a row, on the stack: 32 KB). */
+#define PASS_ROWS 256
+
+/* nr (<= 8) rows m0.. of one 16-row tile of x against column blocks cb0 (and cb0 + 1 with `two`), groups
+ * [g0, g1) of their bfloat16 panels `bb`: a lane sums its column's k pairs in k order, whatever the block (batch
+ * invariance). Between passes the sums wait in `part` (32 floats a row) in float32, so a row's sum is the same
+ * bits as in one pass. The rows of x lie 64 bytes apart in their tile, so one base register serves all of them. */
 static inline __attribute__((always_inline)) void dot_block(const QMatmulBf16 *a, const uint16_t *bb, int m0,
-                                                            const int nr, int cb0, const int two) {
+                                                            const int nr, int cb0, const int two, int g0, int g1,
+                                                            float *part) {
     const int G = a->G;
-    const uint32_t *xr = (const uint32_t *)(a->xb + (int64_t)(m0 / 16) * G * 512 + (m0 % 16) * 32);
+    const uint32_t *xr = (const uint32_t *)(a->xb + (int64_t)(m0 / 16) * G * 512 + (m0 % 16) * 32) + 256 * g0;
     __m512 acc[2][8];
 #pragma GCC unroll 8
-    for (int i = 0; i < nr; i++) acc[0][i] = acc[1][i] = _mm512_setzero_ps();
-    for (int g = 0; g < G; g++, xr += 256)
+    for (int i = 0; i < nr; i++) {
+        acc[0][i] = g0 ? _mm512_loadu_ps(part + 32 * i) : _mm512_setzero_ps();
+        acc[1][i] = g0 ? _mm512_loadu_ps(part + 32 * i + 16) : _mm512_setzero_ps();
+    }
+    for (int g = g0; g < g1; g++, xr += 256)
         for (int r = 0; r < 16; r++) {
             const __m512bh w0 = (__m512bh)_mm512_loadu_si512(bb + ((int64_t)g * 16 + r) * 32);
             const __m512bh w1 = (__m512bh)_mm512_loadu_si512(bb + ((int64_t)(G + g) * 16 + r) * 32);
@@ -65,15 +76,23 @@ static inline __attribute__((always_inline)) void dot_block(const QMatmulBf16 *a
         }
 #pragma GCC unroll 8
     for (int i = 0; i < nr; i++) {
+        if (g1 < G) {
+            _mm512_storeu_ps(part + 32 * i, acc[0][i]);
+            _mm512_storeu_ps(part + 32 * i + 16, acc[1][i]);
+            continue;
+        }
         store_cols(a, m0 + i, cb0, acc[0][i]);
         if (two) store_cols(a, m0 + i, cb0 + 1, acc[1][i]);
     }
 }
 
 #define DOT_BLOCK(n)                                                                                            \
-    case n: two ? dot_block(a, bbuf, m0, n, cb0, 1) : dot_block(a, bbuf, m0, n, cb0, 0); break;
+    case n:                                                                                                     \
+        two ? dot_block(a, bbuf, m0, n, cb0, 1, g0, g1, pm) : dot_block(a, bbuf, m0, n, cb0, 0, g0, g1, pm);   \
+        break;
 
-/* Column blocks 2p and 2p + 1 for all rows with vdpbf16ps: each 16-row tile of x in two blocks of <= 8 rows.
+/* Column blocks 2p and 2p + 1 for all rows with vdpbf16ps: each 16-row tile of x in two blocks of <= 8 rows, in
+ * passes of PASS_GROUPS groups over up to PASS_ROWS rows (one pass where K <= 4096).
  * bfloat16 weights are read where they lie: their tiles are already the [G][16][32] operand rows (qtile.h), and
  * block cb0 + 1 follows block cb0, so the copy into `bbuf` (the other formats' dequantization) is skipped. */
 static void dot_pair(const QMatmulBf16 *a, int p, uint16_t *bbuf) {
@@ -84,15 +103,25 @@ static void dot_pair(const QMatmulBf16 *a, int p, uint16_t *bbuf) {
         dequant_bf16(a->w, a->fmt, a->G, cb0, bbuf);
         if (two) dequant_bf16(a->w, a->fmt, a->G, cb0 + 1, bbuf + (int64_t)a->G * 512);
     }
-    for (int t0 = 0; t0 < a->M; t0 += 16) {
-        const int rows = a->M - t0 < 16 ? a->M - t0 : 16, blocks = (rows + 7) / 8;
-        for (int b = 0, m0 = t0; b < blocks; b++) {
-            const int nr = rows / blocks + (b < rows % blocks);
-            switch (nr) {
-                DOT_BLOCK(1) DOT_BLOCK(2) DOT_BLOCK(3) DOT_BLOCK(4) DOT_BLOCK(5) DOT_BLOCK(6) DOT_BLOCK(7)
-            default: two ? dot_block(a, bbuf, m0, 8, cb0, 1) : dot_block(a, bbuf, m0, 8, cb0, 0); break;
+    float part[PASS_ROWS * 32];
+    for (int r0 = 0; r0 < a->M; r0 += PASS_ROWS) {
+        const int r1 = a->M - r0 < PASS_ROWS ? a->M : r0 + PASS_ROWS;
+        for (int g0 = 0; g0 < a->G; g0 += PASS_GROUPS) {
+            const int g1 = a->G - g0 < PASS_GROUPS ? a->G : g0 + PASS_GROUPS;
+            for (int t0 = r0; t0 < r1; t0 += 16) {
+                const int rows = r1 - t0 < 16 ? r1 - t0 : 16, blocks = (rows + 7) / 8;
+                for (int b = 0, m0 = t0; b < blocks; b++) {
+                    const int nr = rows / blocks + (b < rows % blocks);
+                    float *pm = part + 32 * (m0 - r0);
+                    switch (nr) {
+                        DOT_BLOCK(1) DOT_BLOCK(2) DOT_BLOCK(3) DOT_BLOCK(4) DOT_BLOCK(5) DOT_BLOCK(6) DOT_BLOCK(7)
+                    default:
+                        two ? dot_block(a, bbuf, m0, 8, cb0, 1, g0, g1, pm) : dot_block(a, bbuf, m0, 8, cb0, 0, g0, g1, pm);
+                        break;
+                    }
+                    m0 += nr;
+                }
             }
-            m0 += nr;
         }
     }
 }
@@ -226,6 +255,18 @@ void qmm_bf16_dot_pair(const QMatmulBf16 *a, int p, uint16_t *bbuf) {
 void qmm_amx_convert_row(uint16_t *xb, const float *x, int m, int G) { (void)xb, (void)x, (void)m, (void)G; }
 #endif
 
+/* Rows per block of a bfloat16 product: as many as keep a block of x (K bfloat16 a row) within QMM_BF16_X_BYTES,
+ * in whole pairs of 16-row tiles. A column pair reads every row of x once; with all M rows at once, a large x
+ * (2048 rows of K 21504: 88 MB) came from memory again for every pair, and the kernel ran at a third of its rate
+ * (benchmarks/kernels/panel_gemm.py --shape nemotron-h-8b). Blocks of rows, each over the pairs, keep x in the
+ * cache; a row's sums are the same whatever the block. */
+#define QMM_BF16_X_BYTES (4 << 20)
+int qmm_bf16_row_block(int M, int K) {
+    int rows = (int)(QMM_BF16_X_BYTES / ((int64_t)K * 2)) / 32 * 32;
+    if (rows < 32) rows = 32;
+    return rows < M ? rows : M;
+}
+
 /* out[M, N] (+)= x[M, K] @ W^T with x rounded to bfloat16, on AMX or AVX-512 BF16 (qmm_bf16_kind). Returns 0,
  * -1 (out of memory), -2 (bad sizes) or -6 (neither here). */
 int qmm_amx(float *out, const float *x, const uint8_t *w, const float *bias, int M, int N, int K, int ldx, int ldo,
@@ -249,9 +290,12 @@ int qmm_amx(float *out, const float *x, const uint8_t *w, const float *bias, int
             status = -1;
         }
         qmm_amx_begin();
+        for (int m0 = 0, mb = qmm_bf16_row_block(M, K); m0 < M; m0 += mb) {
+            const QMatmulBf16 rows = qmm_bf16_rows(&a, m0, M - m0 < mb ? M - m0 : mb);
 #pragma omp for schedule(static)
-        for (int p = 0; p < pairs; p++)
-            if (bbuf) qmm_amx_pair(&a, p, bbuf);
+            for (int p = 0; p < pairs; p++)
+                if (bbuf) qmm_amx_pair(&rows, p, bbuf);
+        }
         qmm_amx_end();
         free(bbuf);
     }

@@ -23,6 +23,7 @@ count: the figures stand on a shared machine), each run after reading a buffer l
     .venv/bin/python -m benchmarks.kernels.panel_gemm --shape 135m --types Q4_0 --rows 8,64
     .venv/bin/python -m benchmarks.kernels.panel_gemm --cpu-target x86-64-v3           # the AVX2 class
     .venv/bin/python -m benchmarks.kernels.panel_gemm --shape nemotron-h-8b --types BF16  # a bf16 folder as stored
+    .venv/bin/python -m benchmarks.kernels.panel_gemm --matrices 4096x21504 --types BF16 --rows 512,2048
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ def best_ms(fns: list, tries: int, evict: torch.Tensor | None) -> float:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="1b", choices=sorted(SHAPES))
+    p.add_argument("--matrices", default=None, help="OUTxIN,... in place of --shape's (e.g. 4096x21504: one matrix)")
     p.add_argument("--types", default="Q4_0,Q4_1,Q8_0,Q4_K,Q6_K")
     p.add_argument("--rows", default="8,16,64,256")
     p.add_argument("--repeat", type=int, default=5)
@@ -99,7 +101,10 @@ def main() -> int:
     print(f"CPU: {cpu_line()}; bfloat16 kernel: {quant.bf16_kernel()}; torch {torch.__version__}; 1 thread")
     evict = None if a.warm else torch.zeros(64 << 18)  # 64 MiB: twice an L3 of 32 MiB
     rows, shapes, dense = [int(r) for r in a.rows.split(",")], SHAPES[a.shape], {}
-    print(f"ms for one layer ({a.shape}: {shapes}); ratio = quantized / dense of the same activation dtype")
+    if a.matrices:
+        shapes = [(int(n), int(k)) for n, k in (m.split("x") for m in a.matrices.split(","))]
+    flops = {r: 2 * r * sum(n * k for n, k in shapes) for r in rows}
+    print(f"ms for {shapes}; ratio = quantized / dense of the same activation dtype; q-bf16 GFLOPS")
     for name in a.types.split(","):
         ws = [random_weight(name, n, k, i) for i, (n, k) in enumerate(shapes)]
         for w in ws:
@@ -129,6 +134,7 @@ def main() -> int:
             if quant.bf16_kernel() is not None:
                 qb = best_ms([lambda x=x, w=w: quant.qlinear(x, w) for x, w in zip(xb, ws)], a.repeat, evict)
                 line += f" | q-bf16 {qb:8.2f} dense-bf16 {dense[r]['bf16']:8.2f} ({qb / dense[r]['bf16']:.2f}x)"
+                line += f" {flops[r] / qb / 1e6:.0f} / {flops[r] / dense[r]['bf16'] / 1e6:.0f} GFLOPS"
             print(line, flush=True)
     return 0
 

@@ -239,6 +239,30 @@ def test_the_bfloat16_route_runs_steps_of_its_row_count(target, type_name):
     assert torch.equal(on.forward(xb[perm], ids[perm], w[perm], out=torch.zeros(len(x), HIDDEN)), full[perm])
 
 
+def test_the_bfloat16_route_keeps_a_rows_bits_across_blocks_of_an_experts_rows():
+    """An expert of 300 rows at K 8,448 (its down projection): more rows than one block of x holds at that K
+    (qmm_bf16_row_block), and passes over the inner size. Each row's output is the bits it gets alone, and the
+    product is bfloat16 arithmetic's: a block reading another block's rows would break both."""
+    if not cpu_kernel.load().qmm_bf16_kind():
+        pytest.skip("no vdpbf16ps in this build")
+    hidden, ffn, rows = 64, 8448, 300
+    assert cpu_kernel.load().qmm_bf16_row_block(rows, ffn) < rows
+    gen = torch.Generator().manual_seed(7)
+    wgu, wdn = torch.randn(2 * ffn, hidden, generator=gen) / 8, torch.randn(hidden, ffn, generator=gen) / 90
+    as_bf16 = lambda w: from_gguf_blocks(w.bfloat16().view(torch.uint8).numpy().reshape(w.shape[0], -1), 30)  # noqa: E731
+    experts = MoeExperts(*[[replace(q, amx_min_rows=1) for q in stack([as_bf16(m)])] for m in (wgu, wdn)])
+    x = torch.randn(rows, hidden, generator=gen).bfloat16()
+    ids, w = torch.zeros(rows, 1, dtype=torch.int64), torch.ones(rows, 1)
+    full = experts.forward(x, ids, w, out=torch.zeros(rows, hidden))
+    r = lambda t: t.to(torch.bfloat16).double()  # noqa: E731
+    h = r(x) @ r(wgu).T
+    ref = r(_act("silu", h[:, :ffn], h[:, ffn:])) @ r(wdn).T
+    err = (full.double() - ref).abs().max().item() / ref.abs().max().item()
+    assert err < BF16_TOL, f"{err:.2e}"
+    for i in (0, 223, 224, 299):
+        assert torch.equal(experts.forward(x[i : i + 1], ids[:1], w[:1], out=torch.zeros(1, hidden))[0], full[i])
+
+
 def test_experts_are_views_of_one_buffer_and_bad_input_is_named():
     gu, dn, _, _ = _weights("Q4_K")
     assert len({w.tiles.untyped_storage().data_ptr() for w in gu}) == 1

@@ -239,12 +239,11 @@ def test_the_bfloat16_route_runs_steps_of_its_row_count(target, type_name):
     assert torch.equal(on.forward(xb[perm], ids[perm], w[perm], out=torch.zeros(len(x), HIDDEN)), full[perm])
 
 
-def test_the_bfloat16_route_keeps_a_rows_bits_across_blocks_of_an_experts_rows():
+def test_the_bfloat16_route_keeps_a_rows_bits_across_blocks_of_an_experts_rows(target):
     """An expert of 300 rows at K 8,448 (its down projection): more rows than one block of x holds at that K
     (qmm_bf16_row_block), and passes over the inner size. Each row's output is the bits it gets alone, and the
-    product is bfloat16 arithmetic's: a block reading another block's rows would break both."""
-    if not cpu_kernel.load().qmm_bf16_kind():
-        pytest.skip("no vdpbf16ps in this build")
+    product is bfloat16 arithmetic's: a block reading another block's rows would break both. (A class without
+    vdpbf16ps runs the float32 route, which must hold both too.)"""
     hidden, ffn, rows = 64, 8448, 300
     assert cpu_kernel.load().qmm_bf16_row_block(rows, ffn) < rows
     gen = torch.Generator().manual_seed(7)

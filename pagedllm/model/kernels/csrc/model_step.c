@@ -760,10 +760,7 @@ static void matmul_item(const Phase *p, const Buffers *buf, const Scratch *sc, i
     if (p->amx) {
         const QMatmulBf16 a = {p->out, buf->xb, p->w, p->bias, p->M, p->N, p->K / 32, p->ldo ? p->ldo : p->N, p->fmt,
                                p->accumulate};
-        for (int m0 = 0, mb = qmm_bf16_row_block(p->M, p->K); m0 < p->M; m0 += mb) { /* x's block stays cached */
-            const QMatmulBf16 rows = qmm_bf16_rows(&a, m0, p->M - m0 < mb ? p->M - m0 : mb);
-            for (int u = i * p->per_item; u < end; u++) qmm_amx_pair(&rows, u, sc->bbuf);
-        }
+        qmm_bf16_pairs(&a, i * p->per_item, end, sc->bbuf, 0);
         return;
     }
     const QMatmul a = {p->out, p->x, p->w, p->bias, p->M, p->N, p->K / 32, p->K, p->ldo ? p->ldo : p->N, p->fmt,

@@ -236,11 +236,7 @@ void moe_matmul(const MoePlan *p, int which, int i, float *panel) {
     const int i8 = on_i8(p, e, which);
     if (!i8 && p->bf16) { /* units are column block pairs; `panel` holds the pair's 2 G * 512 bfloat16 */
         const QMatmulBf16 b = {a.out, p->xb + (int64_t)p->poff[e] * K, a.w, a.bias, M, N, K / 32, N, a.fmt, 0};
-        for (int r0 = 0, mb = qmm_bf16_row_block(M, K); r0 < M; r0 += mb) { /* an expert's many rows: qmm_amx's */
-            const QMatmulBf16 rows = qmm_bf16_rows(&b, r0, M - r0 < mb ? M - r0 : mb);
-            for (int u = it[1] * NB / it[2]; u < (it[1] + 1) * NB / it[2]; u++)
-                qmm_bf16_dot_pair(&rows, u, (uint16_t *)panel);
-        }
+        qmm_bf16_pairs(&b, it[1] * NB / it[2], (it[1] + 1) * NB / it[2], (uint16_t *)panel, 1);
         return;
     }
     for (int cb = it[1] * NB / it[2]; cb < (it[1] + 1) * NB / it[2]; cb++)

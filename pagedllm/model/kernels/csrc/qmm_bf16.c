@@ -267,6 +267,22 @@ int qmm_bf16_row_block(int M, int K) {
     return rows < M ? rows : M;
 }
 
+/* Rows [m0, m0 + mb) of product `a` (fewer at its end); m0 a multiple of 16: x's tiles hold 16 rows. */
+static QMatmulBf16 row_block(const QMatmulBf16 *a, int m0, int mb) {
+    QMatmulBf16 b = *a;
+    b.out = a->out + (int64_t)m0 * a->ldo;
+    b.xb = a->xb + (int64_t)(m0 / 16) * a->G * 512;
+    b.M = a->M - m0 < mb ? a->M - m0 : mb;
+    return b;
+}
+
+void qmm_bf16_pairs(const QMatmulBf16 *a, int u0, int u1, uint16_t *bbuf, int dot_only) {
+    for (int m0 = 0, mb = qmm_bf16_row_block(a->M, a->G * 32); m0 < a->M; m0 += mb) {
+        const QMatmulBf16 rows = row_block(a, m0, mb);
+        for (int u = u0; u < u1; u++) dot_only ? qmm_bf16_dot_pair(&rows, u, bbuf) : qmm_amx_pair(&rows, u, bbuf);
+    }
+}
+
 /* out[M, N] (+)= x[M, K] @ W^T with x rounded to bfloat16, on AMX or AVX-512 BF16 (qmm_bf16_kind). Returns 0,
  * -1 (out of memory), -2 (bad sizes) or -6 (neither here). */
 int qmm_amx(float *out, const float *x, const uint8_t *w, const float *bias, int M, int N, int K, int ldx, int ldo,
@@ -291,7 +307,7 @@ int qmm_amx(float *out, const float *x, const uint8_t *w, const float *bias, int
         }
         qmm_amx_begin();
         for (int m0 = 0, mb = qmm_bf16_row_block(M, K); m0 < M; m0 += mb) {
-            const QMatmulBf16 rows = qmm_bf16_rows(&a, m0, M - m0 < mb ? M - m0 : mb);
+            const QMatmulBf16 rows = row_block(&a, m0, mb);
 #pragma omp for schedule(static)
             for (int p = 0; p < pairs; p++)
                 if (bbuf) qmm_amx_pair(&rows, p, bbuf);

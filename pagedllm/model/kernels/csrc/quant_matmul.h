@@ -70,15 +70,11 @@ void qmm_amx_pair(const QMatmulBf16 *a, int p, uint16_t *bbuf);
 /* The same on AVX-512 BF16 dot products only (no tile configuration needed); nothing where qmm_bf16_kind is 0. */
 void qmm_bf16_dot_pair(const QMatmulBf16 *a, int p, uint16_t *bbuf);
 /* Rows per block of a bfloat16 product of M rows of K inputs, so that a block of x stays in the cache while the
- * column pairs read it; and the product restricted to rows [m0, m0 + rows) (m0 a multiple of 16). */
+ * column pairs read it (qmm_bf16.c says why). */
 int qmm_bf16_row_block(int M, int K);
-static inline QMatmulBf16 qmm_bf16_rows(const QMatmulBf16 *a, int m0, int rows) {
-    QMatmulBf16 b = *a;
-    b.out = a->out + (int64_t)m0 * a->ldo;
-    b.xb = a->xb + (int64_t)(m0 / 16) * a->G * 512;
-    b.M = rows;
-    return b;
-}
+/* Column block pairs [u0, u1) of product `a` for all its rows, in those blocks of rows: on qmm_amx_pair, or on
+ * qmm_bf16_dot_pair with `dot_only` (threads that have not configured AMX tiles). */
+void qmm_bf16_pairs(const QMatmulBf16 *a, int u0, int u1, uint16_t *bbuf, int dot_only);
 /* Row m of x into xb, laid out as AMX A tiles ([m / 16][K / 32][16][32] bfloat16; whole tiles, zero-padded). */
 void qmm_amx_convert_row(uint16_t *xb, const float *x, int m, int G);
 /* One block of 16 output columns for all M rows; `panel` (K * 16 floats, or NULL) serves many rows. */

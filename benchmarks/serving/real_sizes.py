@@ -712,6 +712,50 @@ RANDOM_HF = {  # transformers' config class and the fields that give the shape (
             "tie_word_embeddings": True,
         },
     ),
+    # Qwen3-Next-80B-A3B: Qwen3.5's layers (three Gated DeltaNet, 16 key / 32 value heads of 128, to one gated
+    # attention of 16 / 2 heads of 256) with a sparse block in every layer: 512 experts of 512, 10 routed, a shared one
+    "qwen3-next-80b-a3b": (
+        "Qwen3NextConfig",
+        {
+            "hidden_size": 2048,
+            "intermediate_size": 5120,
+            "num_hidden_layers": 48,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 2,
+            "head_dim": 256,
+            "linear_num_key_heads": 16,
+            "linear_num_value_heads": 32,
+            "num_experts": 512,
+            "num_experts_per_tok": 10,
+            "moe_intermediate_size": 512,
+            "shared_expert_intermediate_size": 512,
+            "vocab_size": 151936,
+            "layer_types": ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(48)],
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        },
+    ),
+    # Gemma-4-E2B's text decoder as we read its config: 35 layers (four sliding of 512 to one full), 8 query heads to
+    # 1 KV head of 256 (512 on full layers, a quarter of it rotated), the last 20 layers reading earlier layers' KV
+    # with double-wide MLPs, per-layer input embeddings of 256, 262,144 tokens tied, final soft-cap 30
+    "gemma-4-e2b": (
+        "Gemma4TextConfig",
+        {
+            "hidden_size": 1536,
+            "intermediate_size": 6144,
+            "num_hidden_layers": 35,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 1,
+            "head_dim": 256,
+            "global_head_dim": 512,
+            "num_kv_shared_layers": 20,
+            "use_double_wide_mlp": True,
+            "hidden_size_per_layer_input": 256,
+            "vocab_size": 262144,
+            "sliding_window": 512,
+            "final_logit_softcapping": 30.0,
+            "layer_types": ["full_attention" if i % 5 == 4 else "sliding_attention" for i in range(35)],
+        },
+    ),
     # Nemotron-H-8B: Mamba2 (128 heads of 64, 8 groups, state 128), relu2 MLPs, 4 of 52 layers attention
     "nemotron-h-8b": (
         "NemotronHConfig",

@@ -14,6 +14,7 @@ import pytest
 import torch
 from model_helpers import fused_and_torch, make_tiny_hf
 from moe_helpers import make_moe
+from test_model_gemma4 import make_gemma4
 from test_model_hybrid import make_hybrid
 
 from pagedllm.model import ModelRunner, load_model
@@ -65,6 +66,8 @@ def _make(family: str, folder: str) -> torch.nn.Module:
         return make_hybrid(family, folder, shared_expert_intermediate_size=64)  # every matmul in groups of 32
     if family == "qwen3_moe":
         return make_moe(family, folder)
+    if family == "gemma4":
+        return make_gemma4(folder, hidden_size_per_layer_input=32)  # every matmul in groups of 32
     return make_tiny_hf(family, folder)
 
 
@@ -189,12 +192,14 @@ def test_auto_follows_the_measured_choice(tmp_path, monkeypatch):
         assert (ModelRunner(loaded, num_blocks=8, block_size=8).fused is not None) == (want == "auto")
 
 
-def test_a_hybrid_folder_stays_as_stored_where_dense_times_faster(tmp_path, monkeypatch):
-    """A model with recurrent layers keeps its 16-bit matrices as stored even where one row of dense measures
-    faster: dense is the torch path, which runs its mixers op by op (loader._dense_may_win)."""
+@pytest.mark.parametrize("family", ["qwen3_5", "gemma4"])
+def test_a_folder_the_torch_path_runs_slowly_stays_as_stored_where_dense_times_faster(tmp_path, monkeypatch, family):
+    """A model with recurrent layers (Qwen3.5) or per-layer inputs (Gemma 4) keeps its 16-bit matrices as stored
+    even where one row of dense measures faster: dense is the torch path, which runs op by op what the C step fuses
+    (loader._dense_may_win)."""
     from pagedllm.model.kernels import kernel_choice
 
-    folder = _save16("qwen3_5", torch.bfloat16, tmp_path)
+    folder = _save16(family, torch.bfloat16, tmp_path)
     fast = {1: 0.2, 8: 0.6, 64: 3.0, 256: 12.0}
     ms = {"q-f32": fast, "q-dot": fast, "dense": {**fast, 1: 0.1}, "q-bf16": {1: 0.3, 8: 0.5, 64: 1.5, 256: 6.0}}
     monkeypatch.setattr(kernel_choice, "choose", REAL_CHOOSE)  # not kept_as_stored's
@@ -209,7 +214,8 @@ def test_a_hybrid_folder_stays_as_stored_where_dense_times_faster(tmp_path, monk
     assert choice.quantized and choice.kept and "kept as stored although dense timed faster" in choice.describe()
     # with the row counts decided as for any quantized model: q-bf16 from 8 rows, where it is faster (not "never")
     assert choice.amx_min_rows == 8 and {w.amx_min_rows for w in loaded.model.quant_weights()} == {8}
-    assert ModelRunner(loaded, num_blocks=8, block_size=8, num_state_slots=1).fused is not None
+    slots = 1 if family == "qwen3_5" else 0
+    assert ModelRunner(loaded, num_blocks=8, block_size=8, num_state_slots=slots).fused is not None
 
 
 def test_a_float32_folder_stays_dense(tmp_path):

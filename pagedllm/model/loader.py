@@ -12,10 +12,9 @@ the file's exact values, measured on this machine (kernel_choice.py): for a GGUF
 folder of bfloat16 / float16 weights their matrices and embedding table kept as stored in the kernels' bf16 / f16
 format (weights.as_stored: the same values, no float32 copy; what the fused C step needs to run the model), in both
 cases unless this build's quantized kernel is slower than dense for one row (then "none"; never for a model with
-recurrent layers, whose torch path is the slow one: `_dense_may_win`, which then keeps the kernel choice's row
-counts for q-bf16 and q-i8 as for any quantized model); a float32 folder loads
-dense ("none": its exact path). Where the kernels cannot run (a GPU, no C compiler) the model says so once and loads
-dense.
+recurrent layers or per-layer inputs, whose torch path is the slow one: `_dense_may_win`, which then keeps the
+kernel choice's row counts for q-bf16 and q-i8 as for any quantized model); a float32 folder loads dense ("none":
+its exact path). Where the kernels cannot run (a GPU, no C compiler) the model says so once and loads dense.
 """
 
 from __future__ import annotations
@@ -189,12 +188,15 @@ def load_model(
 
 
 def _dense_may_win(cfg: ModelConfig) -> bool:
-    """Whether "auto" may give up the weights as stored when one row of dense measures faster. Not for a model with
-    recurrent layers: the choice times one matmul, while dense means the torch path, which runs a hybrid's mixers
-    op by op (Gated DeltaNet's scan a sequence at a time): on a Zen 5, W1 on a Qwen3.5-2B-like bfloat16 folder ran
-    47.2 output tok/s dense against 101.9 as stored (docs/benchmarks.md, "A hybrid's W1 on this Zen 5"), where the
-    one-row times were a tie that one measurement gave each way."""
-    return not cfg.linear_layers
+    """Whether "auto" may give up the weights as stored when one row of dense measures faster. The choice times one
+    matmul, while dense means the torch path for the whole step, which runs op by op what the C step fuses. Not
+    for a model with recurrent layers (a hybrid's mixers; Gated DeltaNet's scan a sequence at a time): on a Zen 5,
+    W1 on a Qwen3.5-2B-like bfloat16 folder ran 47.2 output tok/s dense against 101.9 as stored, where the one-row
+    times were a tie that one measurement gave each way. Nor for one with per-layer inputs (Gemma 4's E models:
+    each layer's embedding slice, gate and projection on top of its attention and MLP): a Gemma-4-E2B-like folder
+    ran 36.1 dense against 44.5 as stored, its decode-only steps 65.7 against 99.6 tok/s (docs/benchmarks.md,
+    "A hybrid's W1 on this Zen 5" and "Gemma 4 and Qwen3-Next against vLLM-CPU")."""
+    return not cfg.linear_layers and not cfg.hidden_size_per_layer_input
 
 
 def _weights_kind(net: CausalLM, quant: str) -> str:

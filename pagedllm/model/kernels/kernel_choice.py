@@ -97,7 +97,7 @@ class KernelChoice:
         elif self.kept:
             why = (
                 "weights kept as stored although dense timed faster for one row: "
-                "the recurrent layers run at speed on the fused C step only"
+                "this model's layers (recurrent mixers, per-layer inputs) run at speed on the fused C step only"
             )
         else:
             slower = [

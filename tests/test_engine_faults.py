@@ -15,6 +15,7 @@ from engine_helpers import assert_all_blocks_free, kv_budget, make_engine
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine import fault_isolation, llm_engine
+from pagedllm.engine.blend import segment_store
 from pagedllm.sampling_params import SamplingParamsError
 
 POISON = 4242  # a token id that makes the injected model failure fire
@@ -323,7 +324,7 @@ def test_a_blend_step_that_fails_is_retried_and_stores_only_what_it_wrote(model_
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert all(o.outputs[0].finish_reason == "length" for o in got)
     assert_all_blocks_free(engine)
-    assert not any(engine.kv.segments.holds.values())
+    assert not any(segment_store(engine.kv).holds.values())
 
 
 def test_ctrl_c_in_a_blend_prefill_stores_no_passage_and_leaks_nothing(model_fp32, monkeypatch):
@@ -340,7 +341,7 @@ def test_ctrl_c_in_a_blend_prefill_stores_no_passage_and_leaks_nothing(model_fp3
             engine.step()
     engine.abort_request("a")
     assert_all_blocks_free(engine)
-    assert not any(engine.kv.segments.holds.values())
+    assert not any(segment_store(engine.kv).holds.values())
     after = run_blend(engine, "b", [2, 0, 1])
     assert after.num_blend_tokens == 0
     assert after.outputs[0].token_ids == fresh.outputs[0].token_ids

@@ -12,6 +12,7 @@ from engine_helpers import assert_all_blocks_free, kv_budget, make_engine
 import pagedllm.model.kernels.kv_quant as kv_quant
 from pagedllm import SamplingParams
 from pagedllm.engine import blend
+from pagedllm.engine.blend import segment_store
 from pagedllm.kv.hashing import hash_segment_blocks, segment_root
 from pagedllm.model.runner import ModelRunner, SeqChunk
 from pagedllm.sampling_params import SamplingParamsError
@@ -106,7 +107,7 @@ def test_the_same_passages_in_another_order_are_copied_not_computed(model_fp32, 
     with_recompute = run(engine, "c", b, spans_b, 0.3)
     assert 0 < with_recompute.num_blend_tokens < full_blocks
     assert_all_blocks_free(engine)
-    assert not any(engine.kv.segments.holds.values())
+    assert not any(segment_store(engine.kv).holds.values())
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
@@ -149,7 +150,7 @@ def test_chunked_prefill_and_preemption_keep_blending_and_leak_nothing(model_fp3
         small.step()
     assert small.scheduler.num_preemptions > 0
     assert_all_blocks_free(small)
-    assert not any(small.kv.segments.holds.values())
+    assert not any(segment_store(small.kv).holds.values())
 
 
 def test_a_failing_copy_fails_its_request_alone_and_leaks_nothing(model_fp32, parts, monkeypatch):
@@ -164,7 +165,7 @@ def test_a_failing_copy_fails_its_request_alone_and_leaks_nothing(model_fp32, pa
     out = run(engine, "b", b, spans_b, 0.0)
     assert out.outputs[0].finish_reason == "error"
     assert_all_blocks_free(engine)
-    assert not any(engine.kv.segments.holds.values())
+    assert not any(segment_store(engine.kv).holds.values())
 
 
 @pytest.mark.parametrize(
@@ -307,14 +308,14 @@ def test_a_passage_twice_in_one_prompt_is_held_twice_and_freed_by_an_abort(model
     ids, spans = build(parts, [1, 0, 0])
     one = (spans[1][1] - spans[1][0]) // 16  # full blocks of passage 0
     engine.add_request("b", ids, PARAMS, kv_segments=spans, kv_blend_recompute=0.0)
-    held = lambda: sum(map(len, engine.kv.segments.holds.values()))  # noqa: E731
+    held = lambda: sum(map(len, segment_store(engine.kv).holds.values()))  # noqa: E731
     engine.step()
     while held() > one and engine.has_unfinished_requests():
         engine.step()
     assert held() == one  # passage 1 and the first passage 0 copied; the second passage 0 still held
     engine.abort_request("b")
     assert_all_blocks_free(engine)
-    assert not any(engine.kv.segments.holds.values())
+    assert not any(segment_store(engine.kv).holds.values())
 
 
 def test_a_lookups_hits_cannot_be_evicted_while_the_plan_reads_segments(model_fp32, parts, monkeypatch):
@@ -325,7 +326,7 @@ def test_a_lookups_hits_cannot_be_evicted_while_the_plan_reads_segments(model_fp
     engine = make_engine(model_fp32, speculative_config=None)
     run(engine, "a", *build(long, [0, 1, 2]), 0.0)
     hits, refs = [], []
-    store = engine.kv.segments
+    store = segment_store(engine.kv)
     lookup, hold = engine.kv.get_computed_blocks, store.hold
 
     def get_computed_blocks(req):
@@ -364,7 +365,7 @@ def test_a_request_that_fits_only_without_its_segment_holds_runs_without_copies(
     plain = run(make_engine(model_fp32, speculative_config=None), "p", ids)
     assert out.outputs[0].token_ids == plain.outputs[0].token_ids
     assert_all_blocks_free(small)
-    assert not any(small.kv.segments.holds.values())
+    assert not any(segment_store(small.kv).holds.values())
 
 
 def test_kv_events_never_remove_a_block_they_did_not_store(model_fp32, parts, tmp_path):
@@ -485,10 +486,10 @@ def test_an_abort_before_the_bound_modes_measure_frees_every_block_and_hold(mode
         "b", [9] + ids, PARAMS, kv_segments=[(s + 1, e + 1) for s, e in spans], kv_blend_max_deviation=0.05
     )
     engine.step()
-    assert any(engine.kv.segments.holds.values())  # admitted, its passages held, nothing copied yet
+    assert any(segment_store(engine.kv).holds.values())  # admitted, its passages held, nothing copied yet
     engine.abort_request("b")
     assert_all_blocks_free(engine)
-    assert not any(engine.kv.segments.holds.values())
+    assert not any(segment_store(engine.kv).holds.values())
 
 
 @pytest.mark.parametrize("tail", [0.0, 0.2])

@@ -16,6 +16,7 @@ from test_model_hybrid import make_hybrid
 from pagedllm import SamplingParams
 from pagedllm.engine import EngineConfig, LLMEngine
 from pagedllm.engine.memory import state_bytes
+from pagedllm.kv.connector import DiskTierConnector
 from pagedllm.kv.hashing import hash_full_blocks
 from pagedllm.kv.manager import PagedKVCacheManager, TokenRequest
 from pagedllm.kv.offload import DiskKVTier
@@ -66,7 +67,7 @@ def test_an_evicted_checkpoint_is_read_back_from_disk_when_its_prefix_hits(tmp_p
     checkpoints = StateCheckpoints(kv.pool, io, 2, BS)
     kv.attach_state_slots(StateSlotPool(1), checkpoints)
     tier = DiskKVTier(str(tmp_path), 2**20, FP, BLOCK_BYTES)
-    kv.attach_disk_tier(tier, io)
+    kv.add_connector(DiskTierConnector(tier, io, kv.pool))
     a = list(range(13))
     first = TokenRequest("a", a)
     assert kv.allocate_slots(first, 13)

@@ -26,6 +26,8 @@ from server_helpers import (
     tiny_kv_budget,
 )
 
+from pagedllm.engine.blend import segment_store
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 MAX_REQUEST_BYTES = 2 * 2**20
@@ -546,7 +548,7 @@ def test_a_cut_kv_blend_stream_frees_its_blocks_and_passage_holds(fault_server):
                         break  # the client is gone with 50 tokens or more to go
         hold.wait_abort("cmpl-cut-blend")
     assert_pool_whole(fault_server)
-    assert not any(core.kv.segments.holds.values())
+    assert not any(segment_store(core.kv).holds.values())
     before = core.prompt_tokens
     again = complete(fault_server, prompt=b, temperature=0, kv_blend={"segments": spans_b, "recompute": 0.0})
     assert again.status_code == 200, again.text

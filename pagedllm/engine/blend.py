@@ -126,18 +126,24 @@ class BlendState:
         return hash_segment_blocks(req.prompt_token_ids[start:end], block_size, self.root)  # the root has the salt
 
 
+def segment_store(kv: KVCacheManager) -> SegmentStore | None:
+    """The segment store plugged into the KV manager's connector seam (the engine plugs one in where the model is
+    one full-attention group and the prefix cache is on), where a request's copies come from and its segments go:
+    kv_blend talks to it directly, the manager knows it only as a connector."""
+    connectors = kv.connectors if isinstance(kv, PagedKVCacheManager) else []
+    return next((c for c in connectors if isinstance(c, SegmentStore)), None)
+
+
 def _blending(req: Request, kv: KVCacheManager) -> BlendState | None:
     blend = req.blend
-    usable = isinstance(kv, PagedKVCacheManager) and kv.segments is not None  # one full group, caching on
-    return blend if blend is not None and usable and req.reads_prefix_cache else None
+    return blend if blend is not None and segment_store(kv) is not None and req.reads_prefix_cache else None
 
 
 def _store(kv: KVCacheManager) -> SegmentStore:
-    """The KV manager's segment store, where a request's copies come from and its segments go (kv_blend talks to
-    it directly: the manager only makes it and plugs it in as a connector). A request with a plan has one:
-    _blending checked it."""
-    assert isinstance(kv, PagedKVCacheManager) and kv.segments is not None
-    return kv.segments
+    """The segment store of a request with a plan (_blending checked there is one)."""
+    store = segment_store(kv)
+    assert store is not None
+    return store
 
 
 def plan(req: Request, kv: KVCacheManager, hits: KVCacheBlocks, num_cached: int) -> None:

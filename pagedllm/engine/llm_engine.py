@@ -36,11 +36,13 @@ from pagedllm.engine.stats import EngineStats, StatsLogger, collect_stats
 from pagedllm.engine.stop_checker import check_stop, is_stop_token
 from pagedllm.engine.structured_output import GrammarCompiler, RequestGrammar
 from pagedllm.errors import UserError
+from pagedllm.kv.connector import DiskTierConnector
 from pagedllm.kv.events import KVEventLog
 from pagedllm.kv.hashing import extra_key, segment_root
 from pagedllm.kv.kv_spec import cdiv
 from pagedllm.kv.manager import PagedKVCacheManager, make_kv_cache_manager
 from pagedllm.kv.offload import DiskKVTier
+from pagedllm.kv.segments import SegmentStore
 from pagedllm.kv.state_slots import StateCheckpoints, StateSlotPool
 from pagedllm.lora_request import LoRARequest, lora_id
 from pagedllm.model.kernels.kv_quant import kv_cache_dtype
@@ -189,9 +191,11 @@ class LLMEngine:
         disk = None
         if config.kv_offload_dir is not None:  # the config allows it with the paged manager only
             disk = open_disk_tier(config.kv_offload_dir, config.kv_offload_size, self.runner, self.block_size)
-            self.kv.attach_disk_tier(disk, self.runner)
-        if isinstance(self.kv, PagedKVCacheManager):
-            self.kv.enable_segments()  # where the model allows it (one full-attention group)
+            self.kv.add_connector(DiskTierConnector(disk, self.runner, self.kv.pool))
+        kv = self.kv
+        if isinstance(kv, PagedKVCacheManager) and kv.enable_caching and kv.one_full_attention_group:
+            kv.add_connector(SegmentStore(kv.pool, kv.null_block, kv.fetch))  # kv_blend's (a recurrent state or a
+            # window could not be re-rotated as a whole)
         return disk
 
     # ---- requests -----------------------------------------------------------------------------------------

@@ -19,19 +19,17 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pagedllm.kv.block_pool import BlockPool, KVBlock
-from pagedllm.kv.connector import BlockIO, DiskTierConnector, KVConnector
+from pagedllm.kv.connector import KVConnector
 from pagedllm.kv.coordinator import GroupBlocks, KVCacheCoordinator
 from pagedllm.kv.hashing import BlockHash, extra_key, hash_full_blocks
 from pagedllm.kv.kv_spec import KVCacheLayout, cdiv
-from pagedllm.kv.offload import DiskKVTier
 from pagedllm.kv.recurrent_state_manager import RecurrentStateManager
-from pagedllm.kv.segments import SegmentStore
 from pagedllm.kv.single_type_manager import ContiguousManager, SingleTypeKVCacheManager, make_single_type_manager
 from pagedllm.kv.state_slots import StateCheckpoints, StateSlotPool
 
 logger = logging.getLogger("pagedllm")
 
-__all__ = ["BlockIO", "KVCacheBlocks", "cdiv"]
+__all__ = ["KVCacheBlocks", "cdiv"]
 
 
 class KVRequest(Protocol):
@@ -254,9 +252,10 @@ class KVCacheManager:
         would be served their never-written contents) and return them per request."""
         return {}
 
-    def attach_disk_tier(self, disk: DiskKVTier, block_io: BlockIO) -> None:
-        """Only the paged manager keeps blocks a disk tier could hold (the config refuses any other)."""
-        raise ValueError(f"{type(self).__name__} has no prefix cache for a disk tier")
+    def add_connector(self, connector: KVConnector) -> None:
+        """Only the paged manager keeps blocks a connector (the disk tier) could hold (the config refuses any
+        other)."""
+        raise ValueError(f"{type(self).__name__} has no prefix cache for a connector")
 
     def offload_cached(self) -> None:
         """The engine went idle: the connectors (a disk tier) may write what they lack; this one has none."""
@@ -284,7 +283,6 @@ class PagedKVCacheManager(KVCacheManager):
         # later in the same step (another of n samples) can share them; a failed step must take it back.
         self.step_journal: list[tuple[str, int, int, list[KVBlock]]] = []
         self.connectors: list[KVConnector] = []
-        self.segments: SegmentStore | None = None
 
     def _table_managers(self) -> list[SingleTypeKVCacheManager]:
         return [
@@ -314,35 +312,27 @@ class PagedKVCacheManager(KVCacheManager):
 
     # ---- the seam: connectors ---------------------------------------------------------------------------------
     def add_connector(self, connector: KVConnector) -> None:
+        """Plug `connector` in (the engine makes it: the disk tier, kv_blend's segment store); a hybrid model's
+        state checkpoints reach it too."""
         self.connectors.append(connector)
         self.coordinator.connect(connector)
 
-    def attach_disk_tier(self, disk: DiskKVTier, block_io: BlockIO) -> None:
-        """Blocks evicted from the RAM pool go to `disk`; lookups that miss in RAM continue there (a hybrid model's
-        state checkpoints too: they are blocks of the pool)."""
-        self.add_connector(DiskTierConnector(disk, block_io, self.pool))
+    @property
+    def one_full_attention_group(self) -> bool:
+        """Every layer's K/V in one full-attention table and nothing else (no window, no recurrent state): a
+        block then holds a token span of the whole model."""
+        return self.windows == [None] and len(self.coordinator.managers) == 1
 
-    def enable_segments(self) -> SegmentStore | None:
-        """kv_blend's segment store, where the model is one full-attention group and nothing else (no recurrent
-        state: it cannot be re-rotated) and the prefix cache is on. The manager only makes it and plugs it in as a
-        connector (lookups that miss reach it as they reach the disk tier); kv_blend (engine/blend.py) calls it."""
-        one_group = self.windows == [None] and len(self.coordinator.managers) == 1
-        if self.segments is None and self.enable_caching and one_group:
-            self.segments = SegmentStore(self.pool, self.null_block, self._fetch, self._count_segment_read)
-            self.add_connector(self.segments)
-        return self.segments
-
-    def _fetch(self, key: BlockHash) -> KVBlock | None:
-        """The block of `key` from the first connector that holds it, read into a free block (held once)."""
+    def fetch(self, key: BlockHash) -> KVBlock | None:
+        """The block of `key` from the first connector that holds it, read into a free block (held once), and
+        counted in `prefix_stats.disk_hits`."""
         for c in self.connectors:
             if c.contains(key):
                 block = c.load(self.pool, key)
                 if block is not None:
+                    self.prefix_stats.disk_hits += self.block_size
                     return block
         return None
-
-    def _count_segment_read(self) -> None:
-        self.prefix_stats.disk_hits += self.block_size
 
     def offload_cached(self) -> None:
         for c in self.connectors:
@@ -400,14 +390,13 @@ class PagedKVCacheManager(KVCacheManager):
         try:
             for i, g in wanted:
                 m = self.coordinator.managers[g]
-                block = self._fetch(m.keys(request.request_id, hashes)[i])
+                block = self.fetch(m.keys(request.request_id, hashes)[i])
                 if block is None:
                     break
                 loaded.append((i, g, block))
         finally:
             self.pool.free(reversed([b for _, _, b in loaded]))
             self.pool.free(reversed(held))
-        self.prefix_stats.disk_hits += len(loaded) * self.block_size
         for g in sorted({g for _, g, _ in loaded}):
             if self.pool.events is not None:
                 self._publish_stored(request, g, hashes, [i for i, gg, _ in loaded if gg == g])

@@ -3,7 +3,7 @@ segment hashes of engine/blend.py, live in the same pool as prefix blocks (ref-c
 a request holds the ones it will copy until they are copied or the request ends (`request_finished`).
 
 Only a model of one full-attention group serves segments: a passage's blocks then hold every layer's K/V, which
-the copy re-rotates as a whole (the paged manager makes the store only then).
+the copy re-rotates as a whole (the engine makes the store only then: `PagedKVCacheManager.one_full_attention_group`).
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from pagedllm.kv.block_pool import BlockPool, KVBlock
 from pagedllm.kv.connector import KVConnector
 from pagedllm.kv.hashing import BlockHash
 
-Fetch = Callable[[BlockHash], "KVBlock | None"]  # a key not in RAM, read from a tier into a held block
+Fetch = Callable[[BlockHash], "KVBlock | None"]  # a key not in RAM, read from a tier into a held block (counted)
 
 
 class SegmentStore(KVConnector):
-    def __init__(self, pool: BlockPool, null_block: KVBlock, fetch: Fetch, on_fetched: Callable[[], None]) -> None:
-        self.pool, self.null_block, self.fetch, self.on_fetched = pool, null_block, fetch, on_fetched
+    def __init__(self, pool: BlockPool, null_block: KVBlock, fetch: Fetch) -> None:
+        self.pool, self.null_block, self.fetch = pool, null_block, fetch
         self.holds: dict[str, list[KVBlock]] = {}  # per request, the stored segment blocks it holds
         self.limits: dict[str, int] = {}  # per request, its first copied token: no block from there is a prefix's
 
@@ -36,7 +36,6 @@ class SegmentStore(KVConnector):
                 if block is None:
                     break
                 block.published = False  # a passage's block: not a prefix, in no KV event (block_pool.py)
-                self.on_fetched()
             found.append(block)
         self.holds.setdefault(request_id, []).extend(found)
         return found

@@ -734,6 +734,21 @@ RANDOM_HF = {  # transformers' config class and the fields that give the shape (
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
         },
     ),
+    # Qwen3.5-35B-A3B's text decoder (transformers' defaults are its shape): Qwen3-Next's 3:1 layers with 256
+    # experts of 512, 8 routed, a shared one, and 248,320 tokens
+    "qwen3.5-35b-a3b": (
+        "Qwen3_5MoeTextConfig",
+        {"layer_types": ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(40)]},
+    ),
+    # LFM2-8B-A1B: LFM2's short convolutions (6 of 24 layers attention), the first 2 layers dense MLPs of 7,168,
+    # the rest 32 experts of 1,792, 4 routed by sigmoid scores with a bias
+    "lfm2-8b-a1b": (
+        "Lfm2MoeConfig",
+        {
+            "num_hidden_layers": 24,
+            "layer_types": ["full_attention" if i in (2, 6, 10, 14, 18, 21) else "conv" for i in range(24)],
+        },
+    ),
     # Gemma-4-E2B's text decoder as we read its config: 35 layers (four sliding of 512 to one full), 8 query heads to
     # 1 KV head of 256 (512 on full layers, a quarter of it rotated), the last 20 layers reading earlier layers' KV
     # with double-wide MLPs, per-layer input embeddings of 256, 262,144 tokens tied, final soft-cap 30

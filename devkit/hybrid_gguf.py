@@ -152,6 +152,15 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     # Nemotron-3-Super's latent experts: routed at 32 wide between fc1_latent_proj and fc2_latent_proj
     "nemotron_h_moe_latent": ("NemotronHConfig", _NEMOTRON_H_MOE | {"moe_latent_size": 32}),
 }
+# Nemotron-H's MoE variants in the released checkpoints' pattern, every MLP block sparse (Mamba2, MoE, attention,
+# MoE, Mamba2, attention): llama.cpp's nemotron_h_moe takes every feed-forward layer for a sparse one and refuses
+# the mixed shape above (no ffn_gate_inp in its dense MLP layer), so that benchmarks/serving/family_parity_llamacpp.py
+# checks the MoE layout against llama.cpp on these; not in CONFIGS (the tests' families), which pagedllm runs
+_SPARSE = ["linear_attention", "moe", "full_attention", "moe", "linear_attention", "full_attention"]
+SPARSE_TWINS: dict[str, tuple[str, dict[str, Any]]] = {
+    f"{family}_sparse": (CONFIGS[family][0], CONFIGS[family][1] | {"layers_block_type": _SPARSE})
+    for family in ("nemotron_h_moe", "nemotron_h_moe_latent")
+}
 
 
 def make_hybrid(family: str, folder: str) -> Any:
@@ -162,7 +171,7 @@ def make_hybrid(family: str, folder: str) -> Any:
     import torch
     import transformers
 
-    cls, extra = CONFIGS[family]
+    cls, extra = (CONFIGS | SPARSE_TWINS)[family]
     cfg = getattr(transformers, cls)(**(_COMMON | extra))
     cfg.architectures = [cls.replace("TextConfig", "ForCausalLM").replace("Config", "ForCausalLM")]
     torch.manual_seed(0)
@@ -197,6 +206,8 @@ ARCHS = {
     "nemotron_h": "nemotron_h",
     "nemotron_h_moe": "nemotron_h_moe",
     "nemotron_h_moe_latent": "nemotron_h_moe",
+    "nemotron_h_moe_sparse": "nemotron_h_moe",
+    "nemotron_h_moe_latent_sparse": "nemotron_h_moe",
 }
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _F32 = ("ffn_gate_inp", "ffn_gate_inp_shexp", "ssm_conv1d")  # besides 1-D tensors and norms

@@ -13,16 +13,16 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-import os
 import random
 
-import numpy as np
 import pytest
 import torch
 from engine_helpers import greedy_cached_chunked_preempted
 from model_helpers import all_logits
 
 from devkit.family_helpers import save_tokenizer
+from devkit.gemma4_gguf import CONFIG, MOE, make_gemma4
+from devkit.gemma4_gguf import write_gemma4_gguf as write_gguf  # the parity benchmark's writer too
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine import EngineConfig, LLMEngine
 from pagedllm.kv import kv_bytes_per_token
@@ -30,58 +30,6 @@ from pagedllm.model import ModelRunner, SeqChunk, load_model, load_model_config
 from pagedllm.model.kernels import cpu_kernel
 
 TOL = 1e-4  # of the largest logit
-WINDOW = 8
-TYPES = ["sliding_attention", "sliding_attention", "full_attention"] * 2
-CONFIG = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=6,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    global_head_dim=32,
-    num_global_key_value_heads=2,
-    attention_k_eq_v=True,
-    num_kv_shared_layers=2,
-    use_double_wide_mlp=True,
-    hidden_size_per_layer_input=8,
-    vocab_size_per_layer_input=256,
-    sliding_window=WINDOW,
-    final_logit_softcapping=30.0,
-    layer_types=TYPES,
-    max_position_embeddings=4096,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-)
-
-
-@torch.no_grad()
-def make_gemma4(folder: str, int8_grid: bool = False, **overrides) -> torch.nn.Module:
-    """A tiny random Gemma 4 saved in `folder`; norms around 1 (Gemma 4's norms have no 1 + w), layer scalars
-    drawn away from 1, so every piece changes the logits. `int8_grid`: every matrix --quantization int8 quantizes
-    (all but the router's, which stays float) rounded as it rounds them (quantize_rtn), so that it holds them
-    exactly and transformers runs the very weights the quantized model runs."""
-    from transformers import AutoModelForCausalLM, Gemma4TextConfig
-
-    from pagedllm.model.kernels.quant_linear import quantize_rtn
-
-    cfg = Gemma4TextConfig(**(CONFIG | overrides))
-    cfg.architectures = ["Gemma4ForCausalLM"]
-    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    g = torch.Generator().manual_seed(0)
-    for name, p in hf.named_parameters():
-        centre = 1.0 if name.endswith(("norm.weight", "scale")) else 0.0  # router.scale, router.per_expert_scale
-        p.copy_(centre + 0.25 * torch.randn(p.shape, generator=g))
-        if int8_grid and p.dim() >= 2 and not name.endswith("router.proj.weight"):  # 3-D experts: rows of K
-            p.copy_(quantize_rtn(p.reshape(-1, p.shape[-1]), 8).dequantize().reshape(p.shape))
-    for layer in hf.model.layers:
-        layer.layer_scalar.fill_(0.5 + torch.rand(1, generator=g).item())
-    hf.save_pretrained(folder, safe_serialization=True)
-    save_tokenizer(folder)
-    return hf
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -148,28 +96,36 @@ def test_logits_match_transformers(ckpt, loaded, hybrid):
     assert err < TOL, f"{err:.2e}"
 
 
-def _engine(loaded, blocks: int) -> LLMEngine:
+def _engine(loaded, blocks: int, chunk: int = 16) -> LLMEngine:
     cfg = loaded.config
     layers_per_block = cfg.kv_layout(hybrid=True).layers_per_block  # a block spans one group's layers
     per_block = kv_bytes_per_token(layers_per_block, *cfg.kv_slot_shape, 4) * 8
     config = EngineConfig(
         block_size=8,
-        max_num_batched_tokens=16,
+        max_num_batched_tokens=chunk,
         kv_cache_memory=blocks * per_block,
-        max_model_len=128,
+        max_model_len=256,
         log_stats_interval=0,
     )
     return LLMEngine(config, loaded)
 
 
 PROMPTS = [_tokens(24, 3) + _tokens(46, 4), _tokens(24, 3) + _tokens(50, 5), _tokens(66, 6)]
+# Prompts of 132, 138 and 220 tokens, whose prefill crosses the ends of 64-token chunks (at 64, 128 and 192); the
+# first two share 72 tokens (9 blocks of 8: a prefix hit), the last grows chunk by chunk beside the others' decodes
+LONG_PROMPTS = [_tokens(72, 3) + _tokens(60, 4), _tokens(72, 3) + _tokens(66, 5), _tokens(220, 6)]
+# A KV budget (blocks of 8) in which, in chunks of 16 and of 64, the second prompt hits the first's blocks and the
+# three then overflow the cache (measured: both from 68 to 76 blocks)
+LONG_BLOCKS = 72
 
 
-def test_greedy_tokens_match_transformers_with_caching_chunks_and_preemption(ckpt, loaded):
-    """32 greedy tokens per prompt in one engine with prefix caching, chunked prefill (16 tokens a step) and a
-    KV cache small enough to preempt: transformers' tokens, every block back at the end."""
-    tokens = greedy_cached_chunked_preempted(_engine(loaded, 40), PROMPTS)
-    for i, (p, t) in enumerate(zip(PROMPTS, tokens)):
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_greedy_tokens_match_transformers_with_caching_chunks_and_preemption(ckpt, loaded, chunk):
+    """32 greedy tokens per prompt of 130+ tokens (LONG_PROMPTS) in one engine with prefix caching, chunked prefill
+    (16 or 64 tokens a step: the sliding and full layers' KV crosses chunk ends) and a KV cache small enough to
+    preempt: transformers' tokens, every block back at the end."""
+    tokens = greedy_cached_chunked_preempted(_engine(loaded, LONG_BLOCKS, chunk), LONG_PROMPTS)
+    for i, (p, t) in enumerate(zip(LONG_PROMPTS, tokens)):
         assert _hf_greedy_agrees(ckpt[1], p, t), f"prompt {i}"
 
 
@@ -221,12 +177,15 @@ TARGETS = [t for t in ("native", "x86-64-v3", "x86-64") if t in cpu_kernel.runna
 DOT_TOL = 2e-3  # the dot route's bound against the exact path (test_model_families.py's)
 
 
+MOE_FOLDER = dict(hidden_size_per_layer_input=32, num_key_value_heads=4)  # moe_folder's, besides MOE
+
+
 @pytest.fixture(scope="module")
 def moe_folder(tmp_path_factory) -> str:
     """A Gemma 4 whose every layer has the sparse block beside its dense MLP, with per-layer inputs, double-wide
     MLPs in the two layers that read shared KV, and keys equal to values: each piece of the family at once."""
     folder = str(tmp_path_factory.mktemp("gemma4-moe"))
-    make_gemma4(folder, hidden_size_per_layer_input=32, num_key_value_heads=4, **MOE)
+    make_gemma4(folder, **MOE_FOLDER, **MOE)
     return folder
 
 
@@ -380,9 +339,6 @@ def test_a_multimodal_checkpoint_runs_its_text_model(tmp_path):
     assert (got - want).abs().max().item() / want.abs().max().item() < TOL
 
 
-MOE = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
-
-
 def _greedy_logits(runner, ids: list[int], split: int, steps: int, table: list[int]) -> tuple[torch.Tensor, list[int]]:
     """The logits of `ids` prefilled in two chunks (at `split`), then of `steps` greedy decode tokens, and those
     tokens."""
@@ -425,76 +381,6 @@ def test_the_moe_block_matches_transformers(tmp_path, quantization):
     got, tokens = _greedy_logits(runner, ids, 50, 6, random.Random(3).sample(range(1, 32), 14))
     err = _agrees_with(hf, ids, got, tokens)
     assert err < TOL, f"{err:.2e}"
-
-
-def write_gguf(folder: str, fmt: str, path: str, **overrides) -> dict[str, torch.Tensor]:
-    """The tiny checkpoint (made with `overrides`) as llama.cpp's converter writes a gemma4 GGUF (its
-    Gemma4Model): per-layer sliding flags, KV heads and ffn sizes, the full layers' head size in key_length,
-    rope_freqs factors for the proportional RoPE (1e30 where a frequency does not turn), layer_scalar as
-    layer_output_scale.weight, norms as stored (no 1 + w to fold); the sparse block's 3-D experts as
-    ffn_gate_up_exps / ffn_down_exps, the router's scale as ffn_gate_inp.scale and the per-expert scales as
-    ffn_down_exps.scale, the router in F32; matrices in `fmt`, the rest F32. Returns the HF state dict of the
-    file's values."""
-    import gguf
-    from safetensors import safe_open
-
-    from devkit.family_helpers import _decode, _encode, _tokenizer_metadata
-
-    c = CONFIG | overrides
-    layers, swa = c["num_hidden_layers"], [t == "sliding_attention" for t in TYPES]
-    first_shared = layers - c["num_kv_shared_layers"]
-    w = gguf.GGUFWriter(path, "gemma4")
-    w.add_context_length(c["max_position_embeddings"])
-    w.add_embedding_length(c["hidden_size"])
-    w.add_block_count(layers)
-    w.add_feed_forward_length([c["intermediate_size"] * (1 + (i >= first_shared)) for i in range(layers)])
-    w.add_head_count(c["num_attention_heads"])
-    w.add_head_count_kv([c["num_key_value_heads"] if s else c["num_global_key_value_heads"] for s in swa])
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_key_length(c["global_head_dim"])
-    w.add_value_length(c["global_head_dim"])
-    w.add_key_length_swa(c["head_dim"])
-    w.add_value_length_swa(c["head_dim"])
-    w.add_rope_dimension_count(c["global_head_dim"])
-    w.add_rope_dimension_count_swa(c["head_dim"])
-    w.add_rope_freq_base(1_000_000.0)
-    w.add_rope_freq_base_swa(10_000.0)
-    w.add_sliding_window(WINDOW)
-    w.add_final_logit_softcapping(c["final_logit_softcapping"])
-    w.add_shared_kv_layers(c["num_kv_shared_layers"])
-    w.add_embedding_length_per_layer_input(c["hidden_size_per_layer_input"])
-    w.add_sliding_window_pattern(swa)
-    if c.get("enable_moe_block"):
-        w.add_expert_count(c["num_experts"])
-        w.add_expert_used_count(c["top_k_experts"])
-        w.add_expert_feed_forward_length(c["moe_intermediate_size"])
-    _tokenizer_metadata(w, [])
-    turning = int(c["global_head_dim"] * 0.25 / 2)
-    factors = [1.0] * turning + [1e30] * (c["global_head_dim"] // 2 - turning)
-    w.add_tensor("rope_freqs.weight", np.array(factors, dtype=np.float32))
-    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA4, layers)
-    target = gguf.GGMLQuantizationType[fmt.upper()]
-    out: dict[str, torch.Tensor] = {}
-    with safe_open(os.path.join(folder, "model.safetensors"), framework="pt") as st:
-        for hf_name in st.keys():
-            t = st.get_tensor(hf_name).float()
-            bid = hf_name.split(".")[2] if hf_name.startswith("model.layers.") else ""
-            bare = hf_name.endswith("layer_scalar") or ".experts." in hf_name  # the converter adds `.weight`
-            scales = {"router.scale": "ffn_gate_inp.scale", "router.per_expert_scale": "ffn_down_exps.scale"}
-            scale = next((v for k, v in scales.items() if hf_name.endswith(k)), None)
-            new = f"blk.{bid}.{scale}" if scale else tmap.get_name(hf_name + (".weight" if bare else ""), (".weight",))
-            assert new is not None, hf_name
-            whole_blocks = t.dim() >= 2 and t.shape[-1] % 32 == 0  # else llama.cpp's converter keeps it wider
-            router = new.endswith("ffn_gate_inp.weight")  # forced F32 by the converter
-            qtype = target if whole_blocks and not router else gguf.GGMLQuantizationType.F32
-            data = _encode(t.numpy(), qtype)
-            w.add_tensor(new, data, raw_dtype=qtype)
-            out[hf_name] = torch.from_numpy(_decode(data, qtype, tuple(t.shape)).copy()).reshape(t.shape)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
 
 
 @pytest.mark.parametrize("fmt", ["f32", "q8_0", "q4_0"])
@@ -585,3 +471,29 @@ def test_the_moe_block_from_a_gguf_as_llama_cpp_writes_it(tmp_path, fmt):
     got, tokens = _greedy_logits(runner, ids, 60, 4, random.Random(5).sample(range(1, 32), 13))
     err = _agrees_with(ref.eval(), ids, got, tokens)
     assert err < TOL, f"{fmt}: {err:.2e}"
+
+
+@pytest.mark.parametrize("source", ["folder", "q8_0"])
+def test_the_moe_block_through_the_engine_matches_transformers(moe_folder, tmp_path, source):
+    """The sparse block beside every dense MLP (moe_folder: per-layer inputs, shared KV and double-wide MLPs too)
+    through the engine, from the folder (float32, the torch path) and from a Q8_0 GGUF as llama.cpp writes it (the
+    experts kept quantized, the fused C step): transformers' 32 greedy tokens per prompt of 130+ tokens (on the
+    values the file holds) with prefix caching (two prompts share 72 tokens: a hit), chunked prefill in chunks of
+    64 (the KV crosses chunk ends) and a KV cache small enough to preempt; every block back at the end, and every
+    expert of every layer routed tokens."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(moe_folder, dtype=torch.float32).eval()
+    path = moe_folder
+    if source != "folder":
+        path = str(tmp_path / f"tiny-gemma4-moe.{source}.gguf")
+        missing, unexpected = hf.load_state_dict(write_gguf(moe_folder, source, path, **MOE_FOLDER, **MOE), False)
+        assert not unexpected and all(name == "lm_head.weight" for name in missing), (missing, unexpected)
+    loaded = load_model(path, dtype="float32", verbose=False, quantized_activations="none")
+    assert loaded.config.moe_beside_mlp and all(layer.moe is not None for layer in loaded.model.decoder_layers)
+    engine = _engine(loaded, LONG_BLOCKS, 64)
+    assert (engine.runner.fused is not None) == (source == "q8_0")
+    tokens = greedy_cached_chunked_preempted(engine, LONG_PROMPTS)
+    for i, (p, t) in enumerate(zip(LONG_PROMPTS, tokens)):
+        assert _hf_greedy_agrees(hf, p, t), f"{source} prompt {i}"
+    assert (loaded.model.expert_load.tokens > 0).all(), loaded.model.expert_load.tokens

@@ -395,7 +395,8 @@ def test_config_layout_and_what_refuses_them(models, capsys):
     assert cfg.state_bytes_per_request(4) == 3 * (96 * 3 * 4 + 4 * 16 * 8 * 4)
     assert not _model_blockers(cfg)  # the fused C step runs every piece (test_the_fused_step_...)
     engine = _engine(loaded)
-    with pytest.raises(UserError, match="linear-attention"):
+    blend = r"its Gated DeltaNet layers \(layers 0, 1, 2\) keep a conv state and a linear-attention recurrent state"
+    with pytest.raises(UserError, match=blend):
         engine.add_request("x", _tokens(40, 12), SamplingParams(max_tokens=1), kv_segments=[[0, 32]])
     assert main(["kv-calc", "--model", folder, "--kv-cache-dtype", "float32"]) == 0
     out = capsys.readouterr().out

@@ -12,12 +12,14 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 
 import pytest
 import torch
 from engine_helpers import greedy_cached_chunked_preempted, hybrid_engine, shared_prefix_prompts
 from model_helpers import VOCAB, all_logits, assert_state_round_trip, chunked_logits_error
 
+from devkit.lfm2_gguf import make_lfm2, write_lfm2_gguf
 from devkit.tiny_tokenizer import save_tiny_tokenizer
 from pagedllm import SamplingParams
 from pagedllm.engine import EngineConfig, LLMEngine
@@ -39,7 +41,10 @@ GRANITE_LAYERS = ["mamba", "attention", "mamba", "attention"]
 def make_hybrid(kind: str, folder: str, shared: int = 48) -> torch.nn.Module:
     """A tiny random checkpoint of `kind` in `folder` (float32, a word-level tokenizer); its transformers model.
     `shared`: Granite's shared MLP size (48: its down projection runs dense, 64: every matmul can be quantized)."""
-    from transformers import AutoModelForCausalLM, GraniteMoeHybridConfig, Lfm2Config, NemotronHConfig
+    from transformers import AutoModelForCausalLM, GraniteMoeHybridConfig, NemotronHConfig
+
+    if kind == "lfm2":  # devkit/lfm2_gguf.py's (the parity benchmark's too)
+        return make_lfm2(folder)
 
     common = dict(
         vocab_size=VOCAB,
@@ -56,15 +61,6 @@ def make_hybrid(kind: str, folder: str, shared: int = 48) -> torch.nn.Module:
         from devkit.hybrid_gguf import CONFIGS
 
         cfg = NemotronHConfig(**common | CONFIGS["nemotron_h"][1] | {"time_step_min": 0.5})
-    elif kind == "lfm2":
-        cfg = Lfm2Config(
-            **common,
-            intermediate_size=144,
-            layer_types=["conv", "full_attention", "conv", "conv"],
-            conv_L_cache=3,
-            norm_eps=1e-5,
-            block_multiple_of=16,
-        )
     else:
         moe = kind == "granitemoehybrid"
         cfg = GraniteMoeHybridConfig(
@@ -95,8 +91,6 @@ def make_hybrid(kind: str, folder: str, shared: int = 48) -> torch.nn.Module:
                 p.uniform_(0.5, 1.5)
             elif name.endswith(("A_log", "dt_bias", "D", "conv1d.bias")):
                 p.uniform_(-1, 1)
-            elif kind == "lfm2":  # wider than the 0.02 init (as devkit/hybrid_gguf.py draws): the conv state counts
-                p.normal_(0, 0.3)
     hf.save_pretrained(folder, safe_serialization=True)
     save_tiny_tokenizer(folder, VOCAB)
     if kind == "granitemoehybrid_dense":  # the released checkpoints' legacy layer names
@@ -340,7 +334,22 @@ def test_llm_generate_and_server(tmp_path_factory):
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert err["type"] == "BadRequestError" and "kv_blend cannot run" in err["message"], err
+        assert "its Mamba2 layers (layers 0, 2) keep a conv state and an SSM state" in err["message"], err
         assert_pool_whole(s)
+
+
+def test_kv_blend_is_refused_naming_the_recurrent_layers(ckpt):
+    """kv_blend moves a segment's K/V to another position, which a Mamba2 or short-conv state cannot follow: a
+    UserError (HTTP 400) naming the layers by their kind and the state they keep, nothing held afterwards."""
+    from pagedllm.errors import UserError
+
+    layers = ", ".join(map(str, LINEAR_LAYERS.get(ckpt.kind, [0, 2])))
+    kind = "short-convolution" if ckpt.kind == "lfm2" else "Mamba2"
+    state = "a conv state (their last inputs)" if ckpt.kind == "lfm2" else "a conv state and an SSM state"
+    engine = _engine(ckpt.loaded, True)
+    with pytest.raises(UserError, match=re.escape(f"its {kind} layers (layers {layers}) keep {state} per request")):
+        engine.add_request("x", _tokens(40, 12), SamplingParams(max_tokens=1), kv_segments=[[0, 32]])
+    assert not engine.has_unfinished_requests() and engine.kv.num_free_blocks == engine.kv.num_blocks
 
 
 @pytest.mark.parametrize("kind", ["granitemoehybrid", "lfm2", "nemotron_h"])
@@ -391,47 +400,6 @@ def test_checkpoint_errors_are_named(tmp_path):
     save_file(tensors, os.path.join(missing, "model.safetensors"))
     with pytest.raises(ModelLoadError, match=r"model\.layers\.2\.mamba\.A_log"):
         load_model(missing, dtype="float32", verbose=False)
-
-
-def write_lfm2_gguf(hf: torch.nn.Module, folder: str, fmt: str, path: str) -> dict[str, torch.Tensor]:
-    """The LFM2 model `hf` (saved in `folder`) as llama.cpp's converter writes it (arch lfm2: the conv layers'
-    `head_count_kv` 0, `shortconv.l_cache`, the conv weight squeezed to [C, K]; norms, the conv and 1-D tensors in
-    F32, the rest in `fmt`). Returns the state dict the file stands for."""
-    import gguf
-    import numpy as np
-
-    from devkit.family_helpers import _decode, _encode, _metadata, _tokenizer_metadata
-
-    cfg = json.load(open(os.path.join(folder, "config.json")))
-    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LFM2, cfg["num_hidden_layers"])
-    w = gguf.GGUFWriter(path, "lfm2")
-    w.add_name("tiny-lfm2")
-    loaded = load_model_config(folder)
-    _metadata(w, "lfm2", cfg | {"intermediate_size": loaded.intermediate_size, "rms_norm_eps": cfg["norm_eps"]})
-    kv = [cfg["num_key_value_heads"] if t == "full_attention" else 0 for t in cfg["layer_types"]]
-    w.add_array("lfm2.attention.head_count_kv", kv)  # in place of _metadata's one number
-    w.add_uint32("lfm2.shortconv.l_cache", cfg["conv_L_cache"])
-    _tokenizer_metadata(w, [])
-    target = gguf.GGMLQuantizationType[fmt.upper()]
-    ref: dict[str, torch.Tensor] = {}
-    for name, param in hf.state_dict().items():
-        if name == "lm_head.weight":  # tied: the converter writes the embedding table only
-            continue
-        t = param.float().numpy()
-        t = t[:, 0] if name.endswith("conv.conv.weight") else t
-        new = tmap.get_name(name, try_suffixes=(".weight", ".bias"))
-        assert new is not None, name
-        f32 = t.ndim == 1 or "norm" in new or "shortconv.conv" in new
-        qtype = gguf.GGMLQuantizationType.F32 if f32 else target
-        data = _encode(np.ascontiguousarray(t), qtype)
-        w.add_tensor(new, data, raw_dtype=qtype)
-        ref[name] = torch.from_numpy(np.ascontiguousarray(_decode(data, qtype, t.shape))).reshape(param.shape)
-    ref["lm_head.weight"] = ref["model.embed_tokens.weight"]
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return ref
 
 
 @pytest.mark.parametrize("fmt", ["f32", "q8_0", "q4_0"])

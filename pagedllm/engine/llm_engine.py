@@ -53,6 +53,14 @@ from pagedllm.sampling_params import PoolingParams, SamplingParams, SamplingPara
 
 logger = logging.getLogger("pagedllm")
 
+# A hybrid model's recurrent layers by their mixer (ModelConfig.recurrent_mixer), and the state each keeps per
+# request: what kv_blend's refusal names
+RECURRENT_LAYER_STATES = {
+    "gated_deltanet": ("Gated DeltaNet", "a conv state and a linear-attention recurrent state"),
+    "mamba2": ("Mamba2", "a conv state and an SSM state"),
+    "short_conv": ("short-convolution", "a conv state (their last inputs)"),
+}
+
 
 def lora_slots(config: EngineConfig) -> int:
     """Adapters kept loaded: --max-cpu-loras, else --max-loras (vLLM's default)."""
@@ -328,9 +336,12 @@ class LLMEngine:
             return None
         spans = check_segments(segments, prompt_len, recompute, max_deviation)
         if spans and self.runner.states:
+            cfg = self.model_config
+            kind, state = RECURRENT_LAYER_STATES.get(cfg.recurrent_mixer, (cfg.recurrent_mixer, "a recurrent state"))
+            layers = ", ".join(map(str, cfg.linear_layers))
             raise UserError(
-                f"kv_segments: kv_blend cannot run on {self.model_config.name}: its linear-attention layers keep a "
-                "recurrent state, which cannot be moved to another position as K/V can"
+                f"kv_segments: kv_blend cannot run on {cfg.name}: its {kind} layers (layers {layers}) keep {state} per "
+                "request, which cannot be moved to another position as K/V can"
             )
         if not spans or not self.runner.can_shift_keys:
             return None

@@ -328,6 +328,22 @@ static int with_lora(Phase *ph, int k, const StepBatch *b, int l, int slot) {
     return k + 2;
 }
 
+/* Attention's items per tile: `split` runs of H / split query heads, each within one KV head's group, so that a
+ * block's rows are read (and a bfloat16 or quantized row widened) once for the heads of an item. Fewer items widen
+ * less; more keep the threads busy (one sequence of 3 KV heads on 2 threads: 3 items leave one thread idle a third
+ * of the time, 9 widen every row 3 times). The split taken minimizes the items a thread runs times an item's
+ * cost, counted as 2 (its reads and widening) + 1 per query head; a head's result is the same in any split. */
+static int attention_split(int tiles, int H, int KVH, int nthreads) {
+    int best = KVH;
+    int64_t best_cost = -1;
+    for (int s = KVH; s <= H; s += KVH) {
+        if (H % s) continue;
+        const int64_t rounds = ((int64_t)tiles * s + nthreads - 1) / nthreads, cost = rounds * (2 + H / s);
+        if (best_cost < 0 || cost < best_cost) best = s, best_cost = cost;
+    }
+    return best;
+}
+
 /* A row of qkv: H query heads (each followed by its gate's rows with an output gate), KVH key and value heads;
  * qkv_width: the widest layer's (the buffer's), layer_width: the layer's own (the row stride its phases use, with
  * room for V where it projects fewer: rope_and_store fills it). */
@@ -465,9 +481,7 @@ static int plan(Phase *ph, const StepModel *m, const StepLayer *layers, const St
         const StepLayer *L = &layers[l];
         const int I = L->inter, HD = m->heads * L->head_dim, QKV = layer_width(m, L);
         const int N_QKV = (m->heads * (m->attn_gate ? 2 : 1) + L->kv_parts * L->kv_heads) * L->head_dim;
-        /* attention items: (token, KV head), reading each block once for the heads that share it; with too few
-         * of those to keep the threads busy (one sequence), (token, query head) */
-        const int attn_split = buf->n_tiles * L->kv_heads >= 2 * nthreads ? L->kv_heads : m->heads;
+        const int attn_split = attention_split(buf->n_tiles, m->heads, L->kv_heads, nthreads);
         const float *xa = L->attn_norm ? buf->x : buf->h, *xm = L->ffn_norm ? buf->x : buf->h; /* no norm: h */
         if (!L->no_mixer) { /* else a single-block layer's MLP alone */
             if (L->attn_norm) ph[n++] = norm_phase(buf->x, buf->h, L->attn_norm, NULL, T);

@@ -15,20 +15,12 @@ from typing import Any
 import numpy as np
 
 from devkit.family_helpers import _decode, _encode, _metadata, _tokenizer_metadata
+from devkit.hybrid_gguf import _COMMON
 from devkit.tiny_tokenizer import save_tiny_tokenizer
 
-VOCAB = 256
+VOCAB = _COMMON["vocab_size"]
 # short-conv, attention, short-conv, short-conv; intermediate_size 144 becomes 96 (LFM2's 2/3 and multiple of 16)
-CONFIG: dict[str, Any] = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
+CONFIG: dict[str, Any] = _COMMON | dict(
     intermediate_size=144,
     layer_types=["conv", "full_attention", "conv", "conv"],
     conv_L_cache=3,

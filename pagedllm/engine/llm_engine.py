@@ -200,10 +200,11 @@ class LLMEngine:
         if config.kv_offload_dir is not None:  # the config allows it with the paged manager only
             disk = open_disk_tier(config.kv_offload_dir, config.kv_offload_size, self.runner, self.block_size)
             self.kv.add_connector(DiskTierConnector(disk, self.runner, self.kv.pool))
+        # kv_blend's segment store: only where a block holds every layer's K/V (a window or a recurrent state could
+        # not be re-rotated as a whole)
         kv = self.kv
         if isinstance(kv, PagedKVCacheManager) and kv.enable_caching and kv.one_full_attention_group:
-            kv.add_connector(SegmentStore(kv.pool, kv.null_block, kv.fetch))  # kv_blend's (a recurrent state or a
-            # window could not be re-rotated as a whole)
+            kv.add_connector(SegmentStore(kv.pool, kv.null_block, kv.fetch))
         return disk
 
     # ---- requests -----------------------------------------------------------------------------------------

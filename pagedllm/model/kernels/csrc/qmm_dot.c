@@ -110,6 +110,7 @@ static inline __attribute__((always_inline)) void block_dot(const QMatmul *a, co
     Head hd;
     for (int g = 0; g < G; g++) {
         const uint8_t *tile = tile_at(col, fmt, g), *body = tile + scale_bytes(fmt);
+        if (m0 == 0) prefetch_ahead(tile, fmt);
         if (kfmt(fmt) && g % 8 == 0) head_scales(col, fmt, g, &hd);
         const int32_t *pairs[QR];
         for (int i = 0; i < nr; i++) pairs[i] = (const int32_t *)(xq->q + (int64_t)(m0 + i) * a->G * 32 + 32 * g);

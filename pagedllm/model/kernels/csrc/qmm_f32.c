@@ -93,6 +93,7 @@ static inline __attribute__((always_inline)) void block_direct(const QMatmul *a,
     for (int i = 0; i < nr * P * NV; i++) acc[i] = (vf){0};
     for (int g = 0; g < a->G; g++) {
         const uint8_t *tile = tile_at(col, fmt, g);
+        if (m0 == 0) prefetch_ahead(tile, fmt);
         for (int h = 0; h < halves(fmt); h++) {
             const Scales s = tile_scales(col, tile, g, fmt, h);
             for (int r = 16 / halves(fmt) * h; r < 16 / halves(fmt) * (h + 1); r += P) {

@@ -130,6 +130,18 @@ static inline const uint8_t *head_at(const uint8_t *col, int fmt, int g) {
     return col + (int64_t)(g / 8) * (head_bytes(fmt) + 8 * tile_bytes(fmt));
 }
 
+/* The lines of the tile AHEAD bytes past tile asked of the memory now, for the one-row passes
+ * (block_dot, block_direct; the first pass of several). Why: a decode matmul reads each weight byte once, and the
+ * hardware prefetcher alone kept too few lines in flight: one thread read Q4_0 at ~30 GB/s, and Q4_K, whose
+ * 64-byte head every 8 tiles breaks the stride the prefetcher follows, at 0.7x that (Zen 5, 8192 x 2048, one row,
+ * CPU time). Asked 8 KB ahead, both read at ~40 GB/s a thread and 73-78 GB/s on two cores, the machine's read
+ * bandwidth (docs/benchmarks.md, "Stop 53"); 1-4 KB ahead gained less, 16 KB no more. The non-temporal hint: the
+ * lines are read once. Past a weight's end the hint reads a few KB it does not use (a prefetch never faults). */
+#define AHEAD 8192
+static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *tile, const int fmt) {
+    for (int o = 0; o < tile_bytes(fmt); o += 64) __builtin_prefetch(tile + AHEAD + o, 0, 0);
+}
+
 /* Column block cb of a weight, and its format. */
 static inline const uint8_t *column(const uint8_t *w, int wfmt, int G, int cb, int *fmt) {
     if (wfmt != QFMT_MIXED) {

@@ -134,9 +134,10 @@ static inline const uint8_t *head_at(const uint8_t *col, int fmt, int g) {
  * (block_dot, block_direct; the first pass of several). Why: a decode matmul reads each weight byte once, and the
  * hardware prefetcher alone kept too few lines in flight: one thread read Q4_0 at ~30 GB/s, and Q4_K, whose
  * 64-byte head every 8 tiles breaks the stride the prefetcher follows, at 0.7x that (Zen 5, 8192 x 2048, one row,
- * CPU time). Asked 8 KB ahead, both read at ~40 GB/s a thread and 73-78 GB/s on two cores, the machine's read
- * bandwidth (docs/benchmarks.md, "Stop 53"); 1-4 KB ahead gained less, 16 KB no more. The non-temporal hint: the
- * lines are read once. Past a weight's end the hint reads a few KB it does not use (a prefetch never faults). */
+ * CPU time; warm in L3 the two took the same time). Asked 8 KB ahead, a thread's Q4_K call took 0.24 ms instead of
+ * 0.40, and on two cores both read at 71-79 GB/s (docs/benchmarks.md, "Stop 53"); 1-4 KB ahead gained less, 16 KB
+ * no more. The non-temporal hint: the lines are read once. Past a weight's end the hint reads a few KB it does not
+ * use (a prefetch never faults). always_inline: as a call it spilled the caller's accumulators every tile. */
 #define AHEAD 8192
 static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *tile, const int fmt) {
     for (int o = 0; o < tile_bytes(fmt); o += 64) __builtin_prefetch(tile + AHEAD + o, 0, 0);

@@ -84,7 +84,7 @@ def kernel_calls(monkeypatch):
 
 
 @needs_kernel
-@pytest.mark.parametrize("head_dim", [64, 128, 32, 20])
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 32, 20])  # 256 (128 on AVX2): values in column slices
 @pytest.mark.parametrize("kv_heads,group", [(1, 1), (3, 3), (2, 4), (1, 6)])
 @pytest.mark.parametrize("block_size", [16, 5, 24])
 def test_decode_kernel_matches_torch_backend(head_dim, kv_heads, group, block_size, kernel_calls):
@@ -107,7 +107,7 @@ def test_mixed_prefill_and_decode_batch(kernel_calls):
 
 
 @needs_kernel
-@pytest.mark.parametrize("head_dim", [64, 128, 32, 20])
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 32, 20])
 def test_bfloat16_cache(head_dim, kernel_calls):
     q, k, v, kc, vc, meta = _case(8, 3, 3, head_dim, 16, [1] * 8, torch.bfloat16, 2)
     ref = TorchPagedAttention().forward(q.float(), k.float(), v.float(), kc.float(), vc.float(), meta)

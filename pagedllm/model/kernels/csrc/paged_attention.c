@@ -142,29 +142,34 @@ static inline __attribute__((always_inline)) void scores_kv(float *s, int64_t L,
     }
 }
 
-/* o_h += sum_r p[h * L + r] * v_r over rows r0 <= r < r1, for nh query heads (o_h = o + h * D): each row read
- * once for them, the accumulators in registers across the rows, rows in order. */
+/* o_h[c0, c0 + nv VW) += sum_r p[h * L + r] * v_r[c0, c0 + nv VW) over rows r0 <= r < r1, for nh query heads (o_h
+ * = o + h * D): each row's columns read (and widened) once for them, the accumulators in registers across the rows,
+ * rows in order. */
 static inline __attribute__((always_inline)) void values_kv(float *o, const float *p, int64_t L, const void *rows,
-                                                            int64_t W, int r0, int r1, const int nh, const int D,
-                                                            const int bf16) {
-    vf acc[CHUNK][D / VW];
+                                                            int64_t W, int r0, int r1, const int nh, const int nv,
+                                                            int c0, const int D, const int bf16) {
+    vf acc[CHUNK][nv];
     for (int h = 0; h < nh; h++)
-        for (int j = 0; j < D / VW; j++) acc[h][j] = ld(o + h * D + j * VW);
+        for (int j = 0; j < nv; j++) acc[h][j] = ld(o + h * D + c0 + j * VW);
     for (int r = r0; r < r1; r++)
-        for (int j = 0; j < D / VW; j++) {
-            const vf v = load_row(rows, (int64_t)r * W + j * VW, bf16);
+        for (int j = 0; j < nv; j++) {
+            const vf v = load_row(rows, (int64_t)r * W + c0 + j * VW, bf16);
             for (int h = 0; h < nh; h++) acc[h][j] += p[h * L + r] * v;
         }
     for (int h = 0; h < nh; h++)
-        for (int j = 0; j < D / VW; j++) *(vfu *)(o + h * D + j * VW) = acc[h][j];
+        for (int j = 0; j < nv; j++) *(vfu *)(o + h * D + c0 + j * VW) = acc[h][j];
 }
 
 /* Heads [h, h + n) of one KV head, n <= CHUNK in calls of a width known at compile time (the values pass
- * holds n * D / VW accumulators: at most 16 registers). */
+ * holds heads x vectors accumulators: at most 16 registers). A row wider than 8 vectors (head_dim 128 on AVX2,
+ * 256 on AVX-512) goes in slices of 8 for 2 heads at a time, not whole for one: each value row was widened once
+ * per query head, and on AVX2 (no bfloat16 dot) that widening was most of the pass. A column's sum runs over
+ * the same rows in the same order either way. */
 static inline __attribute__((always_inline)) void kv_heads(int pass, float *s, int64_t L, const float *q, float *o,
                                                            const void *rows, int64_t W, int r0, int r1, int bs,
                                                            float scale, int n, const int D, const int bf16) {
-    const int vn = D / VW <= 4 ? 4 : D / VW <= 8 ? 2 : 1; /* heads per values call */
+    const int nv = D / VW > 8 && D / VW % 8 == 0 ? 8 : D / VW; /* vectors a values slice */
+    const int vn = nv <= 4 ? 4 : nv <= 8 ? 2 : 1;              /* heads per values call */
     if (pass == 0)
         for (int h = 0; h < n; h += CHUNK) {
             const int m = n - h < CHUNK ? n - h : CHUNK;
@@ -176,15 +181,16 @@ static inline __attribute__((always_inline)) void kv_heads(int pass, float *s, i
             else scores_kv(sh, L, qh, rows, W, r0, r1, bs, scale, 1, D, bf16);
         }
     else
-        for (int h = 0; h < n; h += vn) {
-            const int m = n - h < vn ? n - h : vn;
-            float *oh = o + h * D;
-            const float *ph = s + h * L;
-            if (m == 4) values_kv(oh, ph, L, rows, W, r0, r1, 4, D, bf16);
-            else if (m == 3) values_kv(oh, ph, L, rows, W, r0, r1, 3, D, bf16);
-            else if (m == 2) values_kv(oh, ph, L, rows, W, r0, r1, 2, D, bf16);
-            else values_kv(oh, ph, L, rows, W, r0, r1, 1, D, bf16);
-        }
+        for (int c0 = 0; c0 < D; c0 += nv * VW)
+            for (int h = 0; h < n; h += vn) {
+                const int m = n - h < vn ? n - h : vn;
+                float *oh = o + h * D;
+                const float *ph = s + h * L;
+                if (m == 4) values_kv(oh, ph, L, rows, W, r0, r1, 4, nv, c0, D, bf16);
+                else if (m == 3) values_kv(oh, ph, L, rows, W, r0, r1, 3, nv, c0, D, bf16);
+                else if (m == 2) values_kv(oh, ph, L, rows, W, r0, r1, 2, nv, c0, D, bf16);
+                else values_kv(oh, ph, L, rows, W, r0, r1, 1, nv, c0, D, bf16);
+            }
 }
 
 /* The same two steps for a head_dim that is no multiple of VW, one float at a time, one head per call. */

@@ -71,6 +71,7 @@ def _stream(s, path: str, body: dict) -> int:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         events = sse_events(r.iter_lines())
     assert events[-1] == "[DONE]" and all("error" not in e for e in events[:-1]), events
+    assert any(c.get("finish_reason") for e in events[:-1] for c in e.get("choices", [])), events  # it ended
     return assert_as_declared(s.spec, path, "post", r, events)
 
 
@@ -85,11 +86,15 @@ def test_whole_answers_are_their_declared_models(server):
 
 
 def test_every_streamed_chunk_is_its_declared_model(server):
+    """Each chunk checked against its declared model. How many chunks a stream takes depends on pacing (the
+    server sends the latest output, so a fast engine's last tokens and its finish may share one chunk): a chat
+    stream has at least its role chunk and one that carries the answer, and one more with usage; a completion
+    stream one that carries the answer and its usage."""
     for body in COMPLETIONS[:2]:
-        assert _stream(server, "/v1/completions", {**body, "stream_options": USAGE}) > 2
+        assert _stream(server, "/v1/completions", {**body, "stream_options": USAGE}) >= 2
     for body in CHATS:
-        assert _stream(server, "/v1/chat/completions", body) > 2
-        assert _stream(server, "/v1/chat/completions", {**body, "stream_options": USAGE}) > 2
+        assert _stream(server, "/v1/chat/completions", body) >= 2
+        assert _stream(server, "/v1/chat/completions", {**body, "stream_options": USAGE}) >= 3
 
 
 def test_state_routes_and_errors_are_their_declared_models(server):
